@@ -1,0 +1,6 @@
+"""``python -m shardwise run ...`` is ``shardwise run ...``."""
+
+from shardwise.launch.cli import main
+
+if __name__ == "__main__":
+    main()

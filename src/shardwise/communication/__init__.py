@@ -1,0 +1,65 @@
+"""Communication: join the job, ranks and groups, the seven collectives, accounting.
+
+This is the only package of shardwise that calls ``torch.distributed``'s collectives and
+process-group functions directly.
+
+- `_env.detect_job`: which job this process is in (shardwise run, torchrun, mpirun, rank table).
+- `_init`: `init`, `get_rank`, `get_group_size`, `get_local_rank`, `create_group`,
+  `destroy_group`, `release`.
+- `_collectives`: the plain collectives (recorded, no autograd).
+- `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
+- `recorder`: `CommRecorder`, bytes bounds.
+"""
+
+from shardwise.communication._collectives import ReduceOp
+from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
+from shardwise.communication._init import (
+    WORLD_COMM_GROUP,
+    Group,
+    create_group,
+    default_backend,
+    destroy_group,
+    get_group_size,
+    get_local_rank,
+    get_rank,
+    init,
+    is_initialized,
+    release,
+)
+from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
+from shardwise.communication.primitives import (
+    AllGather,
+    AllReduce,
+    AlltoAll,
+    Broadcast,
+    ReduceScatter,
+)
+from shardwise.communication.recorder import CommRecord, CommRecorder, bytes_bound
+
+__all__ = [
+    "WORLD_COMM_GROUP",
+    "AllGather",
+    "AllReduce",
+    "AlltoAll",
+    "Broadcast",
+    "CommRecord",
+    "CommRecorder",
+    "Group",
+    "JobEnv",
+    "LaunchEnvError",
+    "NeighborExchange",
+    "NeighborExchangeV2",
+    "ReduceOp",
+    "ReduceScatter",
+    "bytes_bound",
+    "create_group",
+    "default_backend",
+    "destroy_group",
+    "detect_job",
+    "get_group_size",
+    "get_local_rank",
+    "get_rank",
+    "init",
+    "is_initialized",
+    "release",
+]

@@ -1,0 +1,269 @@
+"""The collectives themselves: plain functions, no autograd, every call recorded.
+
+Each function validates what this rank can check, issues the torch.distributed call (or, in a
+simulated world, the one the simulator answers), and reports a `CommRecord`:
+
+- `all_reduce`, `all_gather` (concat on dim 0), `reduce_scatter` (split on dim 0),
+  `broadcast`, `reduce` (to one rank, used by Broadcast's gradient), `all_to_all`;
+- `exchange`: point-to-point sends/receives (NeighborExchange and its V2 halo form).
+
+Gloo's own reduce-scatter is an all-reduce followed by a copy, 2(N-1)/N bytes per rank;
+`reduce_scatter` on gloo instead sends each rank its chunk with one all-to-all and reduces the
+N received chunks locally, the (N-1)/N bound.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from shardwise.communication import _sim, recorder
+from shardwise.communication._init import Group, resolve_group
+
+
+class ReduceOp(enum.Enum):
+    """Reduction of AllReduce / ReduceScatter, with MindSpore's names."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    def torch_op(self) -> dist.ReduceOp.RedOpType:
+        return {
+            ReduceOp.SUM: dist.ReduceOp.SUM,
+            ReduceOp.MAX: dist.ReduceOp.MAX,
+            ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+        }[self]
+
+    def reduce(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Reduce `t` along `dim` locally, in index order (deterministic)."""
+        parts = t.unbind(dim)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            if self is ReduceOp.SUM:
+                out = out + p
+            elif self is ReduceOp.PROD:
+                out = out * p
+            elif self is ReduceOp.MAX:
+                out = torch.maximum(out, p)
+            else:
+                out = torch.minimum(out, p)
+        return out
+
+
+def as_reduce_op(op: ReduceOp | str) -> ReduceOp:
+    """Accept a `ReduceOp` or its name (``"sum"``, ``"max"``, ...).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return ReduceOp(str(op).lower())
+    except ValueError:
+        names = ", ".join(o.name for o in ReduceOp)
+        raise ValueError(f"op={op!r} is not a reduction; use ReduceOp.{{{names}}}") from None
+
+
+def _record(kind: str, g: Group, t: torch.Tensor, nbytes: int, start: float) -> None:
+    seconds = recorder.timer() - start
+    recorder.record(kind, g.ranks, t.dtype, t.numel(), nbytes, seconds)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_same_shape(what: str, t: torch.Tensor) -> None:
+    """In a simulated world, every rank must bring the same shape (real runs would hang)."""
+    sim = _sim.current()
+    if sim is None:
+        return
+    shapes = [tuple(p.shape) for p in sim.local_tensors(t)]
+    if len(set(shapes)) > 1:
+        detail = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(shapes))
+        raise ValueError(f"{what}: every rank must pass the same input shape; got {detail}")
+
+
+def _check_dim0(what: str, t: torch.Tensor, n: int) -> None:
+    if t.dim() == 0 or t.shape[0] % n != 0:
+        dim0 = "a 0-d tensor" if t.dim() == 0 else f"dim 0 of size {t.shape[0]}"
+        raise ValueError(
+            f"{what}: input has {dim0}, which does not divide into {n} ranks of the group; "
+            f"make dim 0 a multiple of {n}"
+        )
+
+
+def _is_gloo(g: Group) -> bool:
+    if _sim.current() is not None:
+        return True
+    return dist.get_backend(g.pg) == "gloo"
+
+
+def all_reduce(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
+    """Reduce `t` over the group; every rank gets the result (a new tensor)."""
+    g = resolve_group(group)
+    _check_same_shape("AllReduce", t)
+    start = recorder.timer()
+    out = t.detach().clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op.torch_op(), group=g.pg)
+    _record("AllReduce", g, t, recorder.bytes_bound("AllReduce", _nbytes(t), len(g.ranks)), start)
+    return out
+
+
+def all_gather(t: torch.Tensor, group: str | Group | None) -> torch.Tensor:
+    """Concatenate every rank's `t` along dim 0, in group-rank order."""
+    g = resolve_group(group)
+    if t.dim() == 0:
+        raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
+    _check_same_shape("AllGather", t)
+    n = len(g.ranks)
+    start = recorder.timer()
+    src = t.detach().contiguous()
+    out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+    dist.all_gather_single(out, src, group=g.pg)
+    _record("AllGather", g, t, recorder.bytes_bound("AllGather", _nbytes(t), n), start)
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
+    """Reduce `t` over the group and give rank i the i-th chunk of dim 0."""
+    g = resolve_group(group)
+    n = len(g.ranks)
+    _check_dim0("ReduceScatter", t, n)
+    _check_same_shape("ReduceScatter", t)
+    start = recorder.timer()
+    src = t.detach().contiguous()
+    if _is_gloo(g):
+        # all-to-all moves only the chunks other ranks own: (N-1)/N of the input per rank.
+        received = torch.empty_like(src)
+        dist.all_to_all_single(received, src, group=g.pg)
+        out = op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
+    else:
+        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+        dist.reduce_scatter_single(out, src, op=op.torch_op(), group=g.pg)
+    _record("ReduceScatter", g, t, recorder.bytes_bound("ReduceScatter", _nbytes(t), n), start)
+    return out
+
+
+def check_member(what: str, rank: int, g: Group, arg: str) -> None:
+    """Raise a ValueError naming `arg` when global `rank` is not in the group."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank not in g.ranks:
+        raise ValueError(f"{what}: {arg}={rank!r} is not a rank of group {g}")
+
+
+def _sim_rooted(t: torch.Tensor, root: int, g: Group, reduce: bool) -> torch.Tensor:
+    """Broadcast / reduce-to-root in a simulated world, on every translate of the group.
+
+    (LocalTensorMode has no reduce, and its broadcast misplaces the root of sub-groups.)
+    """
+    sim = _sim.current()
+    assert sim is not None
+    parts = [p.detach() for p in sim.local_tensors(t)]
+    index = g.ranks.index(root)
+    out = list(parts)
+    for tile in sim.tiles(g.ranks):
+        src = tile[index]
+        total = torch.stack([parts[r] for r in tile]).sum(0) if reduce else parts[src]
+        for r in tile:
+            out[r] = total.clone() if r == src or not reduce else torch.zeros_like(total)
+    return sim.from_local_tensors(out)
+
+
+def broadcast(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Tensor:
+    """Every rank gets the `root` rank's `t` (`root` is a global rank in the group)."""
+    g = resolve_group(group)
+    check_member("Broadcast", root, g, "root_rank")
+    _check_same_shape("Broadcast", t)
+    start = recorder.timer()
+    if _sim.current() is not None:
+        out = _sim_rooted(t, root, g, reduce=False)
+    else:
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        dist.broadcast(out, src=root, group=g.pg)
+    _record("Broadcast", g, t, recorder.bytes_bound("Broadcast", _nbytes(t), len(g.ranks)), start)
+    return out
+
+
+def reduce(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Tensor:
+    """Sum `t` onto the `root` rank; the other ranks get zeros."""
+    g = resolve_group(group)
+    check_member("Reduce", root, g, "root_rank")
+    start = recorder.timer()
+    if _sim.current() is not None:
+        out = _sim_rooted(t, root, g, reduce=True)
+    else:
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        dist.reduce(out, dst=root, group=g.pg)
+        if dist.get_rank() != root:
+            out.zero_()
+    _record("Reduce", g, t, recorder.bytes_bound("Reduce", _nbytes(t), len(g.ranks)), start)
+    return out
+
+
+def all_to_all(
+    t: torch.Tensor, split_dim: int, concat_dim: int, group: str | Group | None
+) -> torch.Tensor:
+    """Split `t` on `split_dim` into N chunks, send chunk i to rank i, concat on `concat_dim`."""
+    g = resolve_group(group)
+    n = len(g.ranks)
+    _check_same_shape("AlltoAll", t)
+    start = recorder.timer()
+    chunks = t.detach().chunk(n, dim=split_dim)
+    send = torch.stack(chunks, 0).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=g.pg)
+    out = torch.cat(received.unbind(0), dim=concat_dim)
+    _record("AlltoAll", g, t, recorder.bytes_bound("AlltoAll", _nbytes(t), n), start)
+    return out
+
+
+def exchange(
+    kind: str,
+    sends: Sequence[torch.Tensor],
+    send_to: Sequence[tuple[int, int]],
+    recv_from: Sequence[tuple[int, int]],
+    recv_shapes: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: str | Group | None,
+) -> list[torch.Tensor]:
+    """Point-to-point: send ``sends[i]`` to ``send_to[i] = (global rank, tag)``; receive slot j
+    from ``recv_from[j] = (global rank, tag)`` with shape ``recv_shapes[j]``. A peer of -1 means
+    "no transfer" (that receive slot holds zeros). Messages with the same source, destination
+    and tag pair up in order. Every peer must be a member of `group`.
+    """
+    g = resolve_group(group)
+    start = recorder.timer()
+    sim = _sim.current()
+    if sim is not None:
+        outs, sent = sim.exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, g.ranks)
+    else:
+        for peer, _ in [*send_to, *recv_from]:
+            if peer != -1:
+                check_member(kind, peer, g, "send/recv rank id")
+        outs = [torch.zeros(tuple(s), dtype=dtype, device=device) for s in recv_shapes]
+        ops = [
+            dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
+            for x, (dst, tag) in zip(sends, send_to, strict=True)
+            if dst != -1 and x.numel() > 0
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, out, src, g.pg, tag)
+            for out, (src, tag) in zip(outs, recv_from, strict=True)
+            if src != -1 and out.numel() > 0
+        ]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        sent = sum(_nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d != -1)
+    numel = sum(x.numel() for x in sends)
+    seconds = recorder.timer() - start
+    recorder.record(kind, g.ranks, dtype, numel, sent, seconds)
+    return outs

@@ -1,0 +1,237 @@
+"""Join the job and manage named groups.
+
+`init()` reads the job from the launcher's environment (`_env.detect_job`), builds the
+rendezvous store and the default process group; `get_rank`, `get_group_size`,
+`get_local_rank` answer questions about it; `create_group` / `destroy_group` keep a registry of
+named sub-groups (MindSpore style); `release()` tears everything down.
+
+Under `shardwise.testing.simulated_world(n)` the default group already exists (a fake one) and
+`get_rank()` returns a per-rank symbolic int, so rank-dependent code such as
+``x[rank * k:(rank + 1) * k]`` slices each simulated rank's own part.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.communication import _sim
+from shardwise.communication._env import JobEnv, detect_job
+
+WORLD_COMM_GROUP = "world_group"
+_WORLD_ALIASES = frozenset({WORLD_COMM_GROUP, "hccl_world_group", "nccl_world_group"})
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Group:
+    """A named communication group: its global ranks and the torch process group."""
+
+    name: str
+    ranks: tuple[int, ...]
+    pg: dist.ProcessGroup | None  # None means the default (world) group
+
+    def __str__(self) -> str:
+        return f"{self.name}{list(self.ranks)}"
+
+
+_groups: dict[str, Group] = {}
+_job: JobEnv | None = None
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(
+        seconds=float(os.environ.get("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+    )
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(backend: str | None = None) -> None:
+    """Join the distributed job (idempotent).
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or None for the default (`default_backend()`).
+
+    Raises:
+        LaunchEnvError: the launcher's environment is incomplete; the message names the variable.
+        ValueError: unknown backend.
+
+    Example:
+        >>> import shardwise as sw
+        >>> sw.communication.init()      # a plain `python script.py` is a 1-rank job
+        >>> sw.communication.get_group_size()
+        1
+    """
+    global _job
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl", "mpi"):
+        raise ValueError(f"init(backend={backend!r}): expected 'gloo', 'nccl' or None (auto)")
+    job = detect_job()
+    timeout = _timeout()
+    store: Any
+    if job.world_size == 1:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+    else:
+        # torchrun and `shardwise run` host the store in the launcher; otherwise rank 0 does.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            job.master_addr,
+            job.master_port,
+            job.world_size,
+            is_master=job.rank == 0 and not agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        run_id = os.environ.get("SHARDWISE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id:
+            store = dist.PrefixStore(f"job/{run_id}", store)  # type: ignore[attr-defined]
+    if backend == "nccl":
+        torch.cuda.set_device(job.local_rank)
+    dist.init_process_group(
+        backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout
+    )
+    _job = job
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists (real or simulated)."""
+    return dist.is_initialized()
+
+
+def _require_init(what: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what}: call shardwise.communication.init() first")
+
+
+def resolve_group(group: str | Group | None) -> Group:
+    """The `Group` for a name, a `Group` or None (the world group).
+
+    Raises:
+        ValueError: an unknown group name; the message lists the known ones.
+    """
+    _require_init("resolve_group")
+    if isinstance(group, Group):
+        return group
+    if group is None or group in _WORLD_ALIASES:
+        return Group(WORLD_COMM_GROUP, tuple(range(dist.get_world_size())), None)
+    if group not in _groups:
+        known = ", ".join(sorted(_groups)) or "none"
+        raise ValueError(f"unknown group {group!r}: create it with create_group(); known: {known}")
+    return _groups[group]
+
+
+def get_rank(group: str | Group | None = None) -> int:
+    """This process's rank in `group` (the world group when None).
+
+    Under `simulated_world(n)` this is a symbolic int that takes each rank's value.
+    """
+    g = resolve_group(group)
+    sim = _sim.current()
+    if sim is not None:
+        return sim.rank_in(g.ranks)
+    rank = dist.get_rank()
+    if rank not in g.ranks:
+        raise ValueError(f"get_rank(group={g.name!r}): rank {rank} is not a member of {g}")
+    return g.ranks.index(rank)
+
+
+def get_group_size(group: str | Group | None = None) -> int:
+    """Number of ranks in `group` (the world group when None)."""
+    return len(resolve_group(group).ranks)
+
+
+def get_local_rank() -> int:
+    """Rank of this process on its node (0 in a 1-rank job or a simulated world)."""
+    _require_init("get_local_rank")
+    return _job.local_rank if _job is not None else 0
+
+
+def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
+    """Create a named group of global ranks (called by the members only, as in MindSpore).
+
+    Args:
+        name: the group's name; must not exist yet.
+        rank_ids: distinct global ranks, each in ``[0, world_size)``, at least 2... or 1.
+
+    Returns:
+        The new `Group`; collectives accept the name or the object.
+
+    Raises:
+        ValueError: empty/duplicate/out-of-range rank ids, a taken name, or (with real processes)
+            the calling rank not in `rank_ids`.
+
+    Example:
+        >>> g = create_group("pairs", [0, 1])   # on ranks 0 and 1
+        >>> sw.ops.AllReduce(group="pairs")(x)
+    """
+    _require_init("create_group")
+    world = dist.get_world_size()
+    if not isinstance(name, str) or not name or name in _WORLD_ALIASES:
+        raise ValueError(f"create_group: name {name!r} must be a new, non-empty string")
+    if name in _groups:
+        raise ValueError(f"create_group: a group named {name!r} exists: {_groups[name]}")
+    ids = list(rank_ids)
+    if not ids or not all(isinstance(r, int) and not isinstance(r, bool) for r in ids):
+        raise ValueError(
+            f"create_group({name!r}): rank_ids must be a non-empty list of ints, got {rank_ids!r}"
+        )
+    bad = [r for r in ids if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"create_group({name!r}): rank_ids {bad} are outside [0, {world})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"create_group({name!r}): rank_ids {ids} contain duplicates")
+    sim = _sim.current()
+    if sim is not None:
+        pg = sim.new_group(sorted(ids))
+    else:
+        if dist.get_rank() not in ids:
+            raise ValueError(
+                f"create_group({name!r}): rank {dist.get_rank()} is not in rank_ids {ids}; "
+                "only the members call create_group"
+            )
+        pg = dist.new_group(sorted(ids), timeout=_timeout(), use_local_synchronization=True)
+    group = Group(name, tuple(sorted(ids)), pg)
+    _groups[name] = group
+    return group
+
+
+def destroy_group(name: str) -> None:
+    """Destroy a group made by `create_group`.
+
+    Raises:
+        ValueError: the world group or an unknown name.
+    """
+    if name in _WORLD_ALIASES:
+        raise ValueError("destroy_group: the world group is destroyed by release()")
+    if name not in _groups:
+        raise ValueError(f"destroy_group: no group named {name!r}")
+    group = _groups.pop(name)
+    if group.pg is not None and _sim.current() is None:
+        dist.destroy_process_group(group.pg)
+
+
+def forget_groups() -> None:
+    """Drop the registry of named groups without touching process groups (simulated worlds)."""
+    _groups.clear()
+
+
+def release() -> None:
+    """Leave the job: destroy every group and the default process group (idempotent)."""
+    global _job
+    _groups.clear()
+    if dist.is_initialized() and _sim.current() is None:
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+    _job = None

@@ -1,0 +1,75 @@
+"""The hook through which a simulated world (all ranks in one process) plugs in.
+
+`shardwise.testing.simulated_world` installs a `Simulator` with `install()`; the communication
+layer asks `current()` and, when one is active, lets it answer what a single process cannot
+know by itself: each rank's rank, which sub-groups exist, and point-to-point exchanges between
+simulated ranks. All private torch imports stay in `shardwise.testing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Simulator(Protocol):
+    """What the communication layer needs from a simulated world."""
+
+    world_size: int
+
+    def rank_in(self, ranks: Sequence[int]) -> int:
+        """Each simulated rank's index in `ranks` (a per-rank symbolic int)."""
+        ...
+
+    def tiles(self, ranks: Sequence[int]) -> list[list[int]]:
+        """The translates of `ranks` that partition the world (each runs the collective)."""
+        ...
+
+    def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """A process group for `ranks` (and its translates that tile the world)."""
+        ...
+
+    def values(self, value: Any) -> list[Any]:
+        """`value` as seen by each rank: per-rank ints resolve, other values repeat."""
+        ...
+
+    def local_tensors(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Each rank's local value of `t`."""
+        ...
+
+    def from_local_tensors(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One tensor holding `parts[r]` on rank r."""
+        ...
+
+    def exchange(
+        self,
+        kind: str,
+        sends: Sequence[torch.Tensor],
+        send_to: Sequence[tuple[int, int]],
+        recv_from: Sequence[tuple[int, int]],
+        recv_shapes: Sequence[Sequence[int]],
+        dtype: torch.dtype,
+        group: Sequence[int],
+    ) -> tuple[list[torch.Tensor], int]:
+        """Point-to-point between simulated ranks; peers are (global rank or -1, tag) pairs,
+        each possibly per-rank. Returns the received tensors and the most bytes any rank sent.
+        """
+        ...
+
+
+_current: Simulator | None = None
+
+
+def current() -> Simulator | None:
+    """The active simulator, or None in a real (or 1-rank) job."""
+    return _current
+
+
+def install(sim: Simulator | None) -> Simulator | None:
+    """Make `sim` the active simulator; returns the previous one."""
+    global _current
+    prev, _current = _current, sim
+    return prev

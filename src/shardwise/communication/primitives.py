@@ -1,0 +1,277 @@
+"""The seven collective primitives (``sw.ops.AllReduce`` ...) as autograd-aware modules.
+
+Each primitive is a `torch.nn.Module` that checks its arguments when built and when called, and
+runs a `torch.autograd.Function` whose backward is the collective's adjoint:
+
+=================  =========================================  =================================
+primitive          forward                                    backward (gradient)
+=================  =========================================  =================================
+AllReduce(SUM)     reduce over the group                      AllReduce(SUM) of the gradient
+AllReduce(MAX/MIN) reduce                                     AllReduce(SUM)(g) where x == out
+AllReduce(PROD)    reduce                                     AllReduce(SUM)(g * out) / x
+AllGather          concat on dim 0                            ReduceScatter(SUM)
+ReduceScatter      reduce, rank i keeps chunk i of dim 0      AllGather (masked for MAX/MIN)
+Broadcast          root's tensors on every rank               Reduce(SUM) onto the root
+AlltoAll           split / send / concat                      AlltoAll with the dims swapped
+NeighborExchange   point-to-point sends                       the reverse sends
+NeighborExchangeV2 2-D halo exchange (8 directions, NCHW)     slices + exchange: autograd
+=================  =========================================  =================================
+
+Rank ids (``root_rank``, ``send_rank_ids`` ...) are global ranks and must belong to `group`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.communication import _collectives as C
+from shardwise.communication import _sim, recorder
+from shardwise.communication._collectives import ReduceOp, as_reduce_op
+from shardwise.communication._init import Group, get_group_size, resolve_group
+
+GroupArg = str | Group | None
+
+
+def _per_rank(value: Any) -> list[Any]:
+    """`value` as each rank sees it (one entry outside a simulated world)."""
+    sim = _sim.current()
+    return sim.values(value) if sim is not None else [value]
+
+
+class _AllReduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, op: ReduceOp, group: GroupArg) -> torch.Tensor:
+        out = C.all_reduce(x, op, group)
+        ctx.op, ctx.group = op, group
+        if op is not ReduceOp.SUM:
+            ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        with recorder.phase("backward"):
+            if ctx.op is ReduceOp.SUM:
+                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None
+            x, out = ctx.saved_tensors
+            if ctx.op is ReduceOp.PROD:
+                return C.all_reduce(g * out, ReduceOp.SUM, ctx.group) / x, None, None
+            return C.all_reduce(g, ReduceOp.SUM, ctx.group) * (x == out), None, None
+
+
+class _AllGatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: GroupArg) -> torch.Tensor:
+        ctx.group = group
+        return C.all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with recorder.phase("backward"):
+            return C.reduce_scatter(g, ReduceOp.SUM, ctx.group), None
+
+
+class _ReduceScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, op: ReduceOp, group: GroupArg) -> torch.Tensor:
+        out = C.reduce_scatter(x, op, group)
+        ctx.op, ctx.group = op, group
+        if op is not ReduceOp.SUM:
+            ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        with recorder.phase("backward"):
+            if ctx.op is ReduceOp.SUM:
+                return C.all_gather(g, ctx.group), None, None
+            x, out = ctx.saved_tensors
+            if ctx.op is ReduceOp.PROD:
+                return C.all_gather(g * out, ctx.group) / x, None, None
+            return C.all_gather(g, ctx.group) * (x == C.all_gather(out, ctx.group)), None, None
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, root: int, group: GroupArg) -> torch.Tensor:
+        ctx.root, ctx.group = root, group
+        return C.broadcast(x, root, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        with recorder.phase("backward"):
+            return C.reduce(g, ctx.root, ctx.group), None, None
+
+
+class _AlltoAllFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, split_dim: int, concat_dim: int, group: GroupArg
+    ) -> torch.Tensor:
+        ctx.dims, ctx.group = (split_dim, concat_dim), group
+        return C.all_to_all(x, split_dim, concat_dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        split_dim, concat_dim = ctx.dims
+        with recorder.phase("backward"):
+            return C.all_to_all(g, concat_dim, split_dim, ctx.group), None, None, None
+
+
+class _ExchangeFn(torch.autograd.Function):
+    """Point-to-point exchange; `plan` = (kind, send_to, recv_from, recv_shapes, dtype, group)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: tuple[Any, ...], *sends: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        kind, send_to, recv_from, recv_shapes, dtype, group = plan
+        device = sends[0].device if sends else torch.device("cpu")
+        ctx.plan = plan
+        ctx.send_meta = [(tuple(s.shape), s.dtype) for s in sends]
+        ctx.device = device
+        outs = C.exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, device, group)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        kind, send_to, recv_from, _, dtype, group = ctx.plan
+        shapes = [shape for shape, _ in ctx.send_meta]
+        with recorder.phase("backward"):
+            back = C.exchange(kind, grads, recv_from, send_to, shapes, dtype, ctx.device, group)
+        return (None, *back)
+
+
+def _check_group_arg(name: str, group: GroupArg) -> None:
+    if group is not None and not isinstance(group, str | Group):
+        raise TypeError(f"{name}: group must be a group name or None, got {type(group).__name__}")
+
+
+class AllReduce(nn.Module):
+    """Reduce a tensor over `group`; every rank gets the result.
+
+    Args:
+        op: `ReduceOp.SUM` (default), `MAX`, `MIN` or `PROD` (or their names).
+        group: group name from `create_group`, or None for the world group.
+
+    Example:
+        >>> loss = sw.ops.AllReduce()(loss) / sw.communication.get_group_size()
+    """
+
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: GroupArg = None) -> None:
+        super().__init__()
+        _check_group_arg("AllReduce", group)
+        self.op, self.group = as_reduce_op(op), group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _AllReduceFn.apply(x, self.op, self.group)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"op={self.op.name}, group={self.group!r}"
+
+
+class AllGather(nn.Module):
+    """Concatenate every rank's tensor along dim 0 (group-rank order).
+
+    Example:
+        >>> y = sw.ops.AllGather()(x)      # x: [2, 8] on each of 4 ranks -> y: [8, 8]
+    """
+
+    def __init__(self, group: GroupArg = None) -> None:
+        super().__init__()
+        _check_group_arg("AllGather", group)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _AllGatherFn.apply(x, self.group)
+        return out
+
+
+class ReduceScatter(nn.Module):
+    """Reduce over `group` and keep this rank's chunk of dim 0 (dim 0 must divide by N).
+
+    Example:
+        >>> y = sw.ops.ReduceScatter()(x)  # x: [8, 8] on each of 4 ranks -> y: [2, 8]
+    """
+
+    def __init__(self, op: ReduceOp | str = ReduceOp.SUM, group: GroupArg = None) -> None:
+        super().__init__()
+        _check_group_arg("ReduceScatter", group)
+        self.op, self.group = as_reduce_op(op), group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _ReduceScatterFn.apply(x, self.op, self.group)
+        return out
+
+
+class Broadcast(nn.Module):
+    """Send the tensors of global rank `root_rank` to every rank of `group`.
+
+    Takes a tensor or a tuple of tensors and returns a tuple, as MindSpore's Broadcast.
+
+    Example:
+        >>> (w,) = sw.ops.Broadcast(0)((w,))
+    """
+
+    def __init__(self, root_rank: int, group: GroupArg = None) -> None:
+        super().__init__()
+        _check_group_arg("Broadcast", group)
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank < 0:
+            raise ValueError(f"Broadcast: root_rank={root_rank!r} must be a global rank (int >= 0)")
+        self.root_rank, self.group = root_rank, group
+
+    def forward(self, x: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        xs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+        C.check_member("Broadcast", self.root_rank, resolve_group(self.group), "root_rank")
+        return tuple(_BroadcastFn.apply(t, self.root_rank, self.group) for t in xs)
+
+
+class AlltoAll(nn.Module):
+    """Split on `split_dim` into `split_count` chunks, send chunk i to rank i of the group, and
+    concatenate what arrives along `concat_dim`.
+
+    Args:
+        split_count: must equal the group size.
+        split_dim: the dim to split (its size must divide by `split_count`).
+        concat_dim: the dim to concatenate the received chunks on.
+        group: group name, or None for the world group.
+
+    Example:
+        >>> y = sw.ops.AlltoAll(4, 0, 1)(x)   # x: [8, 3] -> y: [2, 12]
+    """
+
+    def __init__(
+        self, split_count: int, split_dim: int, concat_dim: int, group: GroupArg = None
+    ) -> None:
+        super().__init__()
+        _check_group_arg("AlltoAll", group)
+        for name, v in (("split_count", split_count), ("split_dim", split_dim)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"AlltoAll: {name}={v!r} must be an int")
+        if isinstance(concat_dim, bool) or not isinstance(concat_dim, int):
+            raise ValueError(f"AlltoAll: concat_dim={concat_dim!r} must be an int")
+        if split_count < 1:
+            raise ValueError(f"AlltoAll: split_count={split_count} must be >= 1")
+        self.split_count, self.split_dim, self.concat_dim = split_count, split_dim, concat_dim
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = get_group_size(self.group)
+        if self.split_count != n:
+            raise ValueError(
+                f"AlltoAll: split_count={self.split_count} must equal the group size {n}"
+            )
+        nd = x.dim()
+        for name, d in (("split_dim", self.split_dim), ("concat_dim", self.concat_dim)):
+            if not -nd <= d < nd:
+                raise ValueError(f"AlltoAll: {name}={d} is out of range for a {nd}-d input")
+        size = x.shape[self.split_dim]
+        if size % n != 0:
+            raise ValueError(
+                f"AlltoAll: input dim {self.split_dim} (split_dim) has size {size}, "
+                f"which does not divide by split_count={n}"
+            )
+        out: torch.Tensor = _AlltoAllFn.apply(x, self.split_dim, self.concat_dim, self.group)
+        return out

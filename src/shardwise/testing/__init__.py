@@ -1,0 +1,26 @@
+"""Testing helpers: simulated worlds, parity assertions, real-process jobs.
+
+- `simulated_world(n)` (`_world`): every rank of an n-rank job in one process; holds all of
+  shardwise's private torch imports.
+- `assert_matches_single_device` (`_compare`): parity with the single-device run, rank by rank.
+- `run_job`, `free_port` (`_procs`): the few real multi-process tests, through `shardwise run`.
+- `CommRecorder` (re-exported): which collectives ran, with bytes and times.
+"""
+
+from shardwise.communication.recorder import CommRecord, CommRecorder
+from shardwise.testing._compare import assert_matches_single_device
+from shardwise.testing._procs import JobResult, free_port, run_job
+from shardwise.testing._world import SimulatedWorld, current_world, simulated_world, tiles
+
+__all__ = [
+    "CommRecord",
+    "CommRecorder",
+    "JobResult",
+    "SimulatedWorld",
+    "assert_matches_single_device",
+    "current_world",
+    "free_port",
+    "run_job",
+    "simulated_world",
+    "tiles",
+]

@@ -1,0 +1,82 @@
+"""`assert_matches_single_device`: compare a (simulated or real) parallel result with the
+single-device run, rank by rank, with float32 tolerances by default."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shardwise.communication import _sim
+
+
+def _ranks_of(t: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
+    sim = _sim.current()
+    if sim is None:
+        return [(None, t)]
+    return list(enumerate(sim.local_tensors(t)))
+
+
+def assert_matches_single_device(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    what: str = "value",
+) -> None:
+    """Assert that a parallel result equals the single-device one on every rank.
+
+    Args:
+        actual: a tensor (per-rank inside `simulated_world`), or a dict / list / tuple of them.
+        expected: the same structure of plain tensors (every rank must match), or a callable
+            ``rank -> expected tensor`` for results that differ per rank (shards).
+        rtol: relative tolerance (1e-5: float32 parity).
+        atol: absolute tolerance for values near zero.
+        what: a name used in the failure message.
+
+    Raises:
+        AssertionError: naming the entry, the rank and the largest difference.
+
+    Example:
+        >>> assert_matches_single_device(parallel_grads, single_grads, what="grads")
+    """
+    if isinstance(actual, Mapping):
+        assert isinstance(expected, Mapping), f"{what}: expected a mapping"
+        assert set(actual) == set(expected), f"{what}: keys {set(actual)} != {set(expected)}"
+        for k in actual:
+            assert_matches_single_device(
+                actual[k], expected[k], rtol=rtol, atol=atol, what=f"{what}[{k!r}]"
+            )
+        return
+    if isinstance(actual, Sequence) and not isinstance(actual, torch.Tensor):
+        assert isinstance(expected, Sequence), f"{what}: expected a sequence"
+        assert len(actual) == len(expected), f"{what}: {len(actual)} entries != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_matches_single_device(a, e, rtol=rtol, atol=atol, what=f"{what}[{i}]")
+        return
+    assert isinstance(actual, torch.Tensor), f"{what}: expected a tensor, got {type(actual)}"
+    for rank, value in _ranks_of(actual):
+        want = expected(rank if rank is not None else 0) if callable(expected) else expected
+        where = what if rank is None else f"{what} on rank {rank}"
+        _compare(value, want, rtol, atol, where)
+
+
+def _compare(value: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, where: str) -> None:
+    assert tuple(value.shape) == tuple(want.shape), (
+        f"{where}: shape {list(value.shape)} != single-device {list(want.shape)}"
+    )
+    v, w = value.detach().double().cpu(), want.detach().double().cpu()
+    if torch.allclose(v, w, rtol=rtol, atol=atol, equal_nan=True):
+        return
+    diff = (v - w).abs()
+    i = int(diff.argmax())
+    raise AssertionError(
+        f"{where}: differs from single-device (rtol={rtol}, atol={atol}); largest difference "
+        f"{float(diff.flatten()[i]):.3g} at flat index {i}: {float(v.flatten()[i])!r} vs "
+        f"{float(w.flatten()[i])!r}"
+    )
+
+
+ExpectedFn = Callable[[int], torch.Tensor]

@@ -1,0 +1,82 @@
+"""Helpers for the few real multi-process tests: free ports and `shardwise run` jobs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a `run_job` launch left: exit code, launcher output and the log folder."""
+
+    returncode: int
+    output: str
+    log_dir: Path
+
+    def worker_log(self, rank: int) -> str:
+        """The text of ``worker_<rank>.log``."""
+        return (self.log_dir / f"worker_{rank}.log").read_text()
+
+    def __str__(self) -> str:
+        return f"job exit {self.returncode}, logs in {self.log_dir}"
+
+
+def run_job(
+    script: str | os.PathLike[str],
+    worker_num: int,
+    log_dir: str | os.PathLike[str],
+    *script_args: str,
+    local_worker_num: int | None = None,
+    timeout: float = 180.0,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> JobResult:
+    """Run `script` under ``shardwise run`` on this node and wait for it.
+
+    Args:
+        script: the worker script.
+        worker_num: total workers.
+        log_dir: where scheduler.log and worker_<rank>.log go.
+        *script_args: passed to the script.
+        local_worker_num: workers on this node (default: all).
+        timeout: seconds before the launcher is killed (raises subprocess.TimeoutExpired).
+        extra: more launcher options, e.g. ``("--join", "True")``.
+        env: extra environment variables.
+
+    Returns:
+        A `JobResult`.
+
+    Example:
+        >>> res = run_job("examples/collectives.py", 4, tmp_path)
+        >>> assert res.returncode == 0, res.output
+    """
+    cmd = [
+        sys.executable, "-m", "shardwise", "run",
+        "--worker_num", str(worker_num),
+        "--local_worker_num", str(local_worker_num or worker_num),
+        "--master_port", str(free_port()),
+        "--log_dir", str(log_dir),
+        *extra,
+        str(script), *script_args,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    return JobResult(proc.returncode, proc.stdout + proc.stderr, Path(log_dir))

@@ -1,0 +1,244 @@
+"""`simulated_world(n)`: every rank of an n-rank job in one process.
+
+Built on torch's LocalTensorMode (each tensor holds one value per rank, collectives are computed
+exactly across them) and the fake process group. This module holds all of shardwise's private
+torch imports. `SimulatedWorld` is also the `communication._sim.Simulator`: it gives each rank
+its rank (a per-rank symbolic int), checks that sub-groups tile the world (LocalTensorMode runs a
+sub-group collective on every translate of the group at once, like a mesh axis), and carries out
+point-to-point exchanges (`exchange`), which LocalTensorMode cannot do on its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.communication import _init, _sim
+
+
+def _private() -> tuple[Any, Any, Any]:
+    import torch.testing._internal.distributed.fake_pg as fake_pg
+    from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
+
+    return fake_pg, (LocalIntNode, LocalTensor), LocalTensorMode
+
+
+def tiles(ranks: Sequence[int], world_size: int) -> list[list[int]] | None:
+    """The translates of `ranks` that partition ``range(world_size)``, or None if none do.
+
+    Example:
+        >>> tiles([0, 2], 4)
+        [[0, 2], [1, 3]]
+    """
+    base = sorted(ranks)
+    shifted = [r - base[0] for r in base]
+    covered: set[int] = set()
+    out: list[list[int]] = []
+    for start in range(world_size):
+        if start in covered:
+            continue
+        tile = [start + s for s in shifted]
+        if tile[-1] >= world_size or covered.intersection(tile):
+            return None
+        covered.update(tile)
+        out.append(tile)
+    return out
+
+
+class SimulatedWorld:
+    """Handle on a simulated n-rank job (see `simulated_world`)."""
+
+    def __init__(self, world_size: int, mode: Any) -> None:
+        self.world_size = world_size
+        self.mode = mode
+        _, (self._int_node, self._local_tensor), _ = _private()
+
+    # -- per-rank values -------------------------------------------------------------------
+    def rank_map(self, fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """A tensor whose value on rank r is ``fn(r)``."""
+        out: torch.Tensor = self.mode.rank_map(fn)
+        return out
+
+    def local(self, t: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s value of `t`."""
+        return self.local_tensors(t)[rank]
+
+    def local_tensors(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's value of `t` (a plain tensor is the same on all ranks)."""
+        if isinstance(t, self._local_tensor):
+            return [t._local_tensors[r] for r in range(self.world_size)]
+        return [t] * self.world_size
+
+    def from_local_tensors(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One tensor with value ``parts[r]`` on rank r."""
+        return self.rank_map(lambda r: parts[r])
+
+    def values(self, value: Any) -> list[Any]:
+        """`value` on each rank: per-rank symbolic ints resolve, anything else repeats."""
+        if isinstance(value, torch.SymInt):
+            node = value.node
+            if isinstance(node, self._int_node):
+                return [node._local_ints[r] for r in range(self.world_size)]
+            constant = node.maybe_as_int()
+            if constant is not None:
+                return [constant] * self.world_size
+        return [value] * self.world_size
+
+    def per_rank_int(self, values: Sequence[int]) -> int:
+        """A symbolic int equal to ``values[r]`` on rank r."""
+        node = self._int_node(local_ints=dict(enumerate(values)))
+        return torch.SymInt(node)  # type: ignore[return-value,no-any-return]
+
+    # -- groups ----------------------------------------------------------------------------
+    def tiles(self, ranks: Sequence[int]) -> list[list[int]]:
+        found = tiles(ranks, self.world_size)
+        assert found is not None, "groups are checked when they are created"
+        return found
+
+    def rank_in(self, ranks: Sequence[int]) -> int:
+        index = {r: i for tile in self.tiles(ranks) for i, r in enumerate(tile)}
+        return self.per_rank_int([index[r] for r in range(self.world_size)])
+
+    def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
+        if tiles(ranks, self.world_size) is None:
+            raise ValueError(
+                f"create_group: ranks {list(ranks)} cannot be simulated: in simulated_world("
+                f"{self.world_size}) a group runs on all its translates at once, so they must "
+                "tile the world like a mesh axis (e.g. [0, 2] of 4 ranks; not [0, 1, 3])"
+            )
+        pg: dist.ProcessGroup = dist.new_group(list(ranks))
+        return pg
+
+    # -- point-to-point --------------------------------------------------------------------
+    def exchange(
+        self,
+        kind: str,
+        sends: Sequence[torch.Tensor],
+        send_to: Sequence[tuple[int, int]],
+        recv_from: Sequence[tuple[int, int]],
+        recv_shapes: Sequence[Sequence[int]],
+        dtype: torch.dtype,
+        group: Sequence[int],
+    ) -> tuple[list[torch.Tensor], int]:
+        n = self.world_size
+        parts = [self.local_tensors(s) for s in sends]
+        queues: dict[tuple[int, int, int], deque[torch.Tensor]] = defaultdict(deque)
+        sent = [0] * n
+        for i, (peer, tag) in enumerate(send_to):
+            for r, dst in enumerate(self.values(peer)):
+                x = parts[i][r]
+                if dst == -1 or x.numel() == 0:
+                    continue
+                self._check_peer(kind, dst, r, group)
+                queues[(r, dst, tag)].append(x.detach().clone())
+                sent[r] += x.numel() * x.element_size()
+        outs = [
+            self._receive(kind, j, peer, tag, recv_shapes[j], dtype, group, queues)
+            for j, (peer, tag) in enumerate(recv_from)
+        ]
+        left = [(k, len(q)) for k, q in queues.items() if q]
+        if left:
+            (src, dst, tag), _ = left[0]
+            raise ValueError(
+                f"{kind}: rank {src} sends a tensor (tag {tag}) to rank {dst}, which does not "
+                "receive it; check that recv_rank_ids mirror send_rank_ids"
+            )
+        return outs, max(sent)
+
+    def _check_peer(self, kind: str, peer: int, rank: int, group: Sequence[int]) -> None:
+        if peer not in group or rank not in group:
+            raise ValueError(
+                f"{kind}: rank {rank} names peer {peer}, not a rank of group {list(group)}"
+            )
+
+    def _receive(
+        self,
+        kind: str,
+        slot: int,
+        peer: int,
+        tag: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        group: Sequence[int],
+        queues: dict[tuple[int, int, int], deque[torch.Tensor]],
+    ) -> torch.Tensor:
+        got = []
+        for r, src in enumerate(self.values(peer)):
+            want = tuple(int(d) for d in self.values_shape(shape, r))
+            if src == -1 or 0 in want:
+                got.append(torch.zeros(want, dtype=dtype))
+                continue
+            self._check_peer(kind, src, r, group)
+            q = queues.get((src, r, tag))
+            if not q:
+                raise ValueError(
+                    f"{kind}: rank {r} expects a tensor of shape {list(want)} from rank {src} "
+                    f"(receive slot {slot}), but rank {src} sends nothing to rank {r}; "
+                    "a real job would hang here"
+                )
+            x = q.popleft()
+            if tuple(x.shape) != want:
+                raise ValueError(
+                    f"{kind}: rank {r} expects shape {list(want)} from rank {src} (receive slot "
+                    f"{slot}) but rank {src} sends shape {list(x.shape)}; make recv_shapes match "
+                    "the sender's send_shapes"
+                )
+            got.append(x.to(dtype))
+        return self.from_local_tensors(got)
+
+    def values_shape(self, shape: Sequence[int], rank: int) -> list[int]:
+        return [self.values(d)[rank] for d in shape]
+
+
+def current_world() -> SimulatedWorld | None:
+    """The active `SimulatedWorld`, or None outside `simulated_world`."""
+    sim = _sim.current()
+    return sim if isinstance(sim, SimulatedWorld) else None
+
+
+@contextmanager
+def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
+    """Run every rank of a `world_size`-rank job in this process.
+
+    Inside, tensors may hold a different value per rank (`SimulatedWorld.rank_map`),
+    `shardwise.communication` functions and the collective primitives compute exactly what a
+    real job would, and `get_rank()` is a per-rank int (so ``x[rank * k:(rank + 1) * k]`` works).
+
+    Args:
+        world_size: number of simulated ranks (>= 1).
+
+    Yields:
+        The `SimulatedWorld`.
+
+    Raises:
+        RuntimeError: a process group already exists in this process.
+
+    Example:
+        >>> with simulated_world(4) as world:
+        ...     x = world.rank_map(lambda r: torch.full((2,), float(r)))
+        ...     y = sw.ops.AllReduce()(x)          # 6.0 on every rank
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"simulated_world: world_size={world_size!r} must be an int >= 1")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "simulated_world: a process group already exists in this process; "
+            "call shardwise.communication.release() first"
+        )
+    fake_pg, _, local_tensor_mode = _private()
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_pg.FakeStore())
+    mode = local_tensor_mode(world_size)
+    world = SimulatedWorld(world_size, mode)
+    previous = _sim.install(world)
+    try:
+        with mode:
+            yield world
+    finally:
+        _sim.install(previous)
+        _init.forget_groups()
+        dist.destroy_process_group()

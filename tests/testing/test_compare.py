@@ -1,0 +1,26 @@
+"""assert_matches_single_device catches differences, names where they are, and accepts parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+
+def test_plain_tensors() -> None:
+    assert_matches_single_device(torch.ones(3), torch.ones(3) * (1 + 1e-7))
+    with pytest.raises(AssertionError, match=r"loss: differs .* 0.5 at flat index 2"):
+        assert_matches_single_device(
+            torch.tensor([1.0, 2, 3]), torch.tensor([1.0, 2, 3.5]), what="loss"
+        )
+    with pytest.raises(AssertionError, match=r"shape \[2\] != single-device \[3\]"):
+        assert_matches_single_device(torch.ones(2), torch.ones(3))
+
+
+def test_per_rank_values_and_structures() -> None:
+    with simulated_world(2) as world:
+        x = world.rank_map(lambda r: torch.full((2,), float(r)))
+        assert_matches_single_device({"a": [x]}, {"a": [lambda r: torch.full((2,), float(r))]})
+        with pytest.raises(AssertionError, match=r"grads\['a'\]\[0\] on rank 1"):
+            assert_matches_single_device({"a": [x]}, {"a": [torch.zeros(2)]}, what="grads")
