@@ -20,6 +20,8 @@ demo: $(STAMP)
 	rm -rf log_output
 	$(VENV)/bin/shardwise run --worker_num 8 --local_worker_num 8 --log_dir log_output \
 		--join True examples/collectives.py
+	@echo "--- rank 0 (log_output/worker_0.log) ---"; cat log_output/worker_0.log
+	@echo "--- every rank ---"; grep -h "all collectives OK" log_output/worker_*.log
 	@echo "per-worker logs: log_output/worker_<rank>.log, launcher log: log_output/scheduler.log"
 
 lint: $(STAMP)

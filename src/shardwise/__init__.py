@@ -1,11 +1,23 @@
 """shardwise: MindSpore's distributed parallel training for PyTorch users.
 
-``import shardwise as sw``; see README.md for the architecture and API.md for the contract.
+``import shardwise as sw``; README.md describes the architecture, API.md the contract.
 """
 
-from shardwise import communication, ops
+from shardwise import communication, nn, ops, train
 from shardwise.communication import CommRecorder
+from shardwise.context import get_seed, set_seed
+from shardwise.train import Model
 
 __version__ = "0.1.0"
 
-__all__ = ["CommRecorder", "__version__", "communication", "ops"]
+__all__ = [
+    "CommRecorder",
+    "Model",
+    "__version__",
+    "communication",
+    "get_seed",
+    "nn",
+    "ops",
+    "set_seed",
+    "train",
+]

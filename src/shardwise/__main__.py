@@ -1,6 +1,6 @@
-"""``python -m shardwise run ...`` is ``shardwise run ...``."""
+"""``python -m shardwise run ...`` is ``shardwise run ...`` (same exit code)."""
 
 from shardwise.launch.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

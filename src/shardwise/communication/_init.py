@@ -162,7 +162,7 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
 
     Args:
         name: the group's name; must not exist yet.
-        rank_ids: distinct global ranks, each in ``[0, world_size)``, at least 2... or 1.
+        rank_ids: distinct global ranks, each in ``[0, world_size)`` (one rank is allowed).
 
     Returns:
         The new `Group`; collectives accept the name or the object.

@@ -3,6 +3,7 @@ single-device run, rank by rank, with float32 tolerances by default."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,13 @@ def _ranks_of(t: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
     if sim is None:
         return [(None, t)]
     return list(enumerate(sim.local_tensors(t)))
+
+
+def _outside() -> Any:
+    from shardwise.testing._world import current_world
+
+    world = current_world()
+    return world.outside() if world is not None else contextlib.nullcontext()
 
 
 def assert_matches_single_device(
@@ -60,7 +68,8 @@ def assert_matches_single_device(
     for rank, value in _ranks_of(actual):
         want = expected(rank if rank is not None else 0) if callable(expected) else expected
         where = what if rank is None else f"{what} on rank {rank}"
-        _compare(value, want, rtol, atol, where)
+        with _outside():
+            _compare(value, want, rtol, atol, where)
 
 
 def _compare(value: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, where: str) -> None:

@@ -44,7 +44,7 @@ def run_job(
     extra: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> JobResult:
-    """Run `script` under ``shardwise run`` on this node and wait for it.
+    """Run `script` under ``shardwise run --join True`` on this node and wait for it.
 
     Args:
         script: the worker script.
@@ -69,6 +69,7 @@ def run_job(
         "--local_worker_num", str(local_worker_num or worker_num),
         "--master_port", str(free_port()),
         "--log_dir", str(log_dir),
+        "--join", "True",
         *extra,
         str(script), *script_args,
     ]  # fmt: skip

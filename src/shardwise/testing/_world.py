@@ -64,6 +64,36 @@ class SimulatedWorld:
         out: torch.Tensor = self.mode.rank_map(fn)
         return out
 
+    def outside(self) -> Any:
+        """A context in which tensors are plain again (LocalTensorMode paused)."""
+        return self.mode.disable()
+
+    def same(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (made outside the world) as a value held by every rank.
+
+        Make data outside the world: inside, random factories draw once per rank, so a shared
+        `torch.Generator` gives every rank different numbers.
+        """
+        if isinstance(t, self._local_tensor):
+            raise ValueError("same(): the tensor already holds per-rank values; make it outside")
+        return self.rank_map(lambda r: t.clone())
+
+    def replicate(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Give every rank its own copy of `module`'s parameters and buffers (in place).
+
+        A network built outside the world holds plain tensors; training it with per-rank data
+        needs per-rank parameters (they stay equal when the training is data parallel).
+        Build optimizers after this call.
+        """
+        for mod in module.modules():
+            for name, p in list(mod.named_parameters(recurse=False)):
+                value = self.same(p.detach())
+                setattr(mod, name, torch.nn.Parameter(value, requires_grad=p.requires_grad))
+            for name, b in list(mod.named_buffers(recurse=False)):
+                if b is not None:
+                    mod.register_buffer(name, self.same(b))
+        return module
+
     def local(self, t: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s value of `t`."""
         return self.local_tensors(t)[rank]

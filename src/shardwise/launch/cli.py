@@ -1,0 +1,286 @@
+"""The command line: ``shardwise run [options] script.py [script args]``, also ``swrun``.
+
+- `main`: the ``shardwise`` command; ``shardwise --help`` lists its subcommands (``run``).
+- `swrun_main`: the ``swrun`` command, the same as ``shardwise run``.
+- `parse_run_args`: msrun-compatible options (each spelled ``--worker_num`` or
+  ``--worker-num``) to a validated `LaunchConfig`; user errors exit with code 2 and a
+  one-line reason (argparse's ``error``).
+- `split_argv`: the launcher's options end at the script; everything after it, ``--x``
+  options included, goes to the script untouched.
+- `parse_bool`: msrun's booleans, ``True``/``False``/``true``/``false``/``1``/``0``.
+
+The job itself is `detach.launch` (``--join``) and `job.run_job`; see docs/launcher.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from shardwise.launch.config import LaunchConfig
+from shardwise.launch.errors import EXIT_USAGE
+
+_TRUE = frozenset({"true", "1", "yes"})
+_FALSE = frozenset({"false", "0", "no"})
+
+EPILOG = """\
+examples:
+  shardwise run --worker_num 8 --local_worker_num 8 --log_dir log_output --join True train.py
+  # two machines, 4 workers each (run one line on each machine):
+  shardwise run --worker_num 8 --local_worker_num 4 --master_addr 10.0.0.1 --node_rank 0 train.py
+  shardwise run --worker_num 8 --local_worker_num 4 --master_addr 10.0.0.1 --node_rank 1 train.py
+
+logs: LOG_DIR/scheduler.log (the launcher) and LOG_DIR/worker_<rank>.log (each worker's output).
+exit codes: 0 ok, 1 a worker failed, 2 bad options, 3 rendezvous failed, 128+N signal N.
+"""
+
+
+def parse_bool(text: str) -> bool:
+    """Parse an msrun boolean.
+
+    Args:
+        text: ``True``/``False``/``1``/``0``/``yes``/``no``, any case.
+
+    Returns:
+        The boolean.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse turns it into a usage error).
+
+    Example:
+        >>> parse_bool("True"), parse_bool("0")
+        (True, False)
+    """
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected True/False (or true/false/1/0), got {text!r}")
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    return value
+
+
+# name, type, default, metavar, help
+_OPTIONS: list[tuple[str, Callable[[str], object], object, str, str]] = [
+    ("worker_num", _int_at_least(1), 8, "N", "workers in the whole job, all nodes (default 8)"),
+    (
+        "local_worker_num",
+        _int_at_least(1),
+        None,
+        "N",
+        "workers started on this node (default: --worker_num, i.e. one node)",
+    ),
+    ("master_addr", str, "127.0.0.1", "ADDR", "host of node 0, where the store runs"),
+    ("master_port", _port, 8118, "PORT", "port of the rendezvous store (default 8118)"),
+    (
+        "node_rank",
+        _int_at_least(-1),
+        -1,
+        "R",
+        "index of this node; -1: the host of master_addr is 0, others get one in order",
+    ),
+    ("log_dir", str, ".", "DIR", "folder of scheduler.log and worker_<rank>.log (created)"),
+    (
+        "join",
+        parse_bool,
+        False,
+        "BOOL",
+        "True: wait for the job and print a summary; False: return once the workers run, "
+        "supervising them in the background (default False)",
+    ),
+    ("cluster_time_out", _seconds, 600.0, "S", "seconds to wait for all workers (default 600)"),
+    ("bind_core", parse_bool, False, "BOOL", "pin each worker to its own CPU cores"),
+]
+VALUE_OPTIONS = frozenset(
+    spelling for name, *_ in _OPTIONS for spelling in (f"--{name}", f"--{name.replace('_', '-')}")
+)
+
+
+def build_run_parser(prog: str = "shardwise run") -> argparse.ArgumentParser:
+    """The argparse parser of ``shardwise run`` (used for help and for the options).
+
+    Example:
+        >>> build_run_parser().parse_args(["x.py"]).worker_num
+        8
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Start the workers of a distributed job on this node (msrun-compatible).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for name, kind, default, metavar, text in _OPTIONS:
+        spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])
+        parser.add_argument(
+            *spellings, dest=name, type=kind, default=default, metavar=metavar, help=text
+        )
+    parser.add_argument("script", help="the Python script every worker runs")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments for the script, passed untouched"
+    )
+    return parser
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split a command line into the launcher's options and ``[script, *script_args]``.
+
+    The script is the first token that is neither an option nor an option's value; ``--``
+    also ends the options.
+
+    Example:
+        >>> split_argv(["--worker_num", "2", "train.py", "--lr", "0.1"])
+        (['--worker_num', '2'], ['train.py', '--lr', '0.1'])
+    """
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--":
+            return args[:i], args[i + 1 :]
+        if not token.startswith("-") or token == "-":
+            return args[:i], args[i:]
+        i += 2 if token in VALUE_OPTIONS else 1
+    return args, []
+
+
+def parse_run_args(argv: Sequence[str], prog: str = "shardwise run") -> LaunchConfig:
+    """Parse and validate ``shardwise run``'s command line.
+
+    Args:
+        argv: the arguments after ``shardwise run`` (or ``swrun``).
+        prog: the command name for messages.
+
+    Returns:
+        The `LaunchConfig`.
+
+    Raises:
+        SystemExit: code 2 with a usage message for bad options, a missing script, or
+            ``--local_worker_num`` above ``--worker_num``; code 0 after ``--help``.
+
+    Example:
+        >>> cfg = parse_run_args(["--worker-num", "4", "--local_worker_num=4", "setup.py", "--x"])
+        >>> cfg.worker_num, cfg.script_args
+        (4, ('--x',))
+    """
+    parser = build_run_parser(prog)
+    options, command = split_argv(argv)
+    if not command:
+        parser.parse_args([*options, "--", "script.py"])  # --help, or bad options, first
+        parser.error(f"no script given: {prog} [options] script.py [script args]")
+    ns = parser.parse_args([*options, "--", command[0]])
+    if ns.local_worker_num is None:
+        ns.local_worker_num = ns.worker_num
+    cfg = LaunchConfig(
+        script=ns.script,
+        script_args=tuple(command[1:]),
+        **{name: getattr(ns, name) for name, *_ in _OPTIONS},
+    )
+    problem = _problem(cfg)
+    if problem:
+        parser.error(problem)
+    return cfg
+
+
+def _problem(cfg: LaunchConfig) -> str | None:
+    """The first inconsistency of `cfg` that argparse cannot see, or None."""
+    if cfg.local_worker_num > cfg.worker_num:
+        return (
+            f"--local_worker_num {cfg.local_worker_num} is more than --worker_num "
+            f"{cfg.worker_num} (the workers of all nodes together)"
+        )
+    script = Path(cfg.script)
+    if not script.exists():
+        return f"script {cfg.script!r} does not exist (from {Path.cwd()})"
+    if not script.is_file():
+        return f"script {cfg.script!r} is not a file"
+    max_node = cfg.worker_num - cfg.local_worker_num
+    if not cfg.single_node and cfg.node_rank > max_node:
+        return (
+            f"--node_rank {cfg.node_rank} is impossible with --worker_num {cfg.worker_num} and "
+            f"--local_worker_num {cfg.local_worker_num}: node ranks go from 0 to at most {max_node}"
+        )
+    return None
+
+
+def _run(argv: Sequence[str], prog: str) -> int:
+    cfg = parse_run_args(argv, prog)
+    from shardwise.launch.detach import launch
+
+    return launch(cfg)
+
+
+def swrun_main(argv: Sequence[str] | None = None) -> int:
+    """The ``swrun`` command: ``swrun [options] script.py [script args]``.
+
+    Args:
+        argv: the arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit code (see ``swrun --help``).
+
+    Example:
+        >>> swrun_main(["--worker_num", "2", "--local_worker_num", "2", "--join", "True", "t.py"])
+        0
+    """
+    return _run(sys.argv[1:] if argv is None else argv, "swrun")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``shardwise`` command: ``shardwise run ...`` (see ``shardwise --help``).
+
+    Args:
+        argv: the arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit code.
+
+    Example:
+        >>> main(["run", "--worker_num", "2", "--local_worker_num", "2", "--join", "True", "t.py"])
+        0
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "run":
+        return _run(args[1:], "shardwise run")
+    parser = argparse.ArgumentParser(
+        prog="shardwise", description="shardwise: MindSpore-style parallel training for PyTorch."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser(
+        "run",
+        help="start the workers of a distributed job (msrun-compatible; also `swrun`)",
+        add_help=False,
+    )
+    parser.parse_args(args)  # --help, or an error for an unknown command
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE

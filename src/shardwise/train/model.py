@@ -1,0 +1,240 @@
+"""`Model`: MindSpore's high-level train / eval loop over a plain torch network.
+
+`Model.train` runs epochs of steps (`_train_step`: forward, loss, backward, optional gradient
+reducer, optimizer step) and calls the callbacks' hooks around them; `Model.eval` computes the
+metrics (`Accuracy`), summing the counts over the ranks when the dataset is sharded per rank.
+A tqdm progress bar is shown on rank 0 when stdout is a terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Sequence, Sized
+from typing import Any
+
+import torch
+
+from shardwise.communication import _collectives as C
+from shardwise.communication import _init, _sim
+from shardwise.train import callbacks as cb
+
+
+class Accuracy:
+    """Top-1 accuracy: argmax of the logits against integer labels."""
+
+    def __init__(self) -> None:
+        self.correct = 0.0
+        self.total = 0.0
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        if logits.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"Accuracy: {logits.shape[0]} predictions for {labels.shape[0]} labels; the "
+                "network must return one row of logits per sample"
+            )
+        self.correct += float((logits.argmax(dim=-1) == labels).sum())
+        self.total += float(labels.shape[0])
+
+    def counts(self) -> torch.Tensor:
+        return torch.tensor([self.correct, self.total], dtype=torch.float64)
+
+    def result(self, counts: torch.Tensor) -> float:
+        return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
+
+
+METRICS: dict[str, Callable[[], Accuracy]] = {"accuracy": Accuracy, "acc": Accuracy}
+
+
+def _make_metrics(metrics: Iterable[str] | dict[str, Any] | None) -> dict[str, Callable[[], Any]]:
+    if metrics is None:
+        return {}
+    names = list(metrics)
+    unknown = [m for m in names if m not in METRICS]
+    if unknown:
+        raise ValueError(f"Model: unknown metrics {unknown}; known: {sorted(METRICS)}")
+    return {m: METRICS[m] for m in names}
+
+
+def _is_rank0() -> bool:
+    if _sim.current() is not None or not _init.is_initialized():
+        return True
+    return _init.get_rank() == 0
+
+
+class Model:
+    """Train and evaluate `network` with `loss_fn` and a torch `optimizer`.
+
+    Args:
+        network: a `torch.nn.Module`; with `loss_fn` None it must return the loss itself.
+        loss_fn: called as ``loss_fn(network(*inputs), label)``.
+        optimizer: any `torch.optim.Optimizer` (needed by `train`).
+        metrics: names for `eval`, e.g. ``{"accuracy"}``.
+        grad_reducer: called after ``loss.backward()`` and before ``optimizer.step()``, e.g. a
+            `sw.nn.DistributedGradReducer` for manual data parallel.
+
+    Example:
+        >>> model = sw.Model(net, torch.nn.CrossEntropyLoss(), opt, metrics={"accuracy"})
+        >>> model.train(1, train_set, callbacks=[sw.train.LossMonitor(20)])
+        >>> model.eval(test_set)
+        {'accuracy': 0.93}
+    """
+
+    def __init__(
+        self,
+        network: torch.nn.Module,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        metrics: Iterable[str] | dict[str, Any] | None = None,
+        grad_reducer: Callable[[], Any] | None = None,
+    ) -> None:
+        if not isinstance(network, torch.nn.Module):
+            raise TypeError(
+                f"Model: network must be a torch.nn.Module, got {type(network).__name__}"
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"Model: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
+        self.metrics = _make_metrics(metrics)
+        self.grad_reducer = grad_reducer
+        self.cur_step_num = 0
+
+    def _train_step(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_fn is None:
+            loss = self.network(*batch)
+        else:
+            *inputs, label = batch
+            loss = self.loss_fn(self.network(*inputs), label)
+        loss.backward()
+        if self.grad_reducer is not None:
+            self.grad_reducer()
+        self.optimizer.step()
+        out: torch.Tensor = loss.detach()
+        return out
+
+    def train(
+        self,
+        epoch: int,
+        train_dataset: Iterable[Sequence[torch.Tensor]],
+        callbacks: Sequence[cb.Callback] | cb.Callback | None = None,
+        dataset_sink_mode: bool = False,
+        initial_epoch: int = 0,
+    ) -> None:
+        """Train for epochs ``initial_epoch + 1 .. epoch`` over `train_dataset`.
+
+        Args:
+            epoch: the last epoch number (MindSpore semantics with `initial_epoch`).
+            train_dataset: yields tuples ``(*inputs, label)`` of tensors.
+            callbacks: `Callback`s (LossMonitor, TimeMonitor, ModelCheckpoint ...).
+            dataset_sink_mode: accepted for MindSpore scripts; PyTorch has no device sink, so
+                True runs the same loop (with a warning).
+            initial_epoch: epochs already done (resuming from a checkpoint).
+
+        Raises:
+            ValueError: no optimizer, a bad epoch count, or an invalid loss (LossMonitor).
+        """
+        if self.optimizer is None:
+            raise ValueError("Model.train: pass optimizer= to Model to train")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            raise ValueError(f"Model.train: epoch={epoch!r} must be an int >= 1")
+        if not 0 <= initial_epoch < epoch:
+            raise ValueError(f"Model.train: initial_epoch={initial_epoch} must be in [0, {epoch})")
+        if dataset_sink_mode:
+            warnings.warn("dataset_sink_mode=True has no effect in shardwise", stacklevel=2)
+        cbs = [callbacks] if isinstance(callbacks, cb.Callback) else list(callbacks or [])
+        batch_num = len(train_dataset) if isinstance(train_dataset, Sized) else 0
+        ctx = cb.RunContext(
+            self.network, self.optimizer, self.loss_fn, epoch, batch_num, initial_epoch,
+            self.cur_step_num,
+        )  # fmt: skip
+        self.network.train()
+        for c in cbs:
+            c.on_train_begin(ctx)
+        for ep in range(initial_epoch + 1, epoch + 1):
+            ctx.cur_epoch_num = ep
+            self._run_epoch(ctx, train_dataset, cbs)
+            if ctx.stop_requested:
+                break
+        for c in cbs:
+            c.on_train_end(ctx)
+
+    def _run_epoch(
+        self, ctx: cb.RunContext, data: Iterable[Sequence[torch.Tensor]], cbs: list[cb.Callback]
+    ) -> None:
+        for c in cbs:
+            c.on_train_epoch_begin(ctx)
+        with _progress(ctx) as bar:
+            for batch in data:
+                for c in cbs:
+                    c.on_train_step_begin(ctx)
+                ctx.net_outputs = self._train_step(batch)
+                ctx.cur_step_num += 1
+                self.cur_step_num = ctx.cur_step_num
+                if bar is not None:
+                    bar.update(1)
+                for c in cbs:
+                    c.on_train_step_end(ctx)
+                if ctx.stop_requested:
+                    break
+        if ctx.batch_num == 0:
+            ctx.batch_num = max(ctx.cur_step_num, 1)
+        for c in cbs:
+            c.on_train_epoch_end(ctx)
+
+    @torch.no_grad()
+    def eval(
+        self, valid_dataset: Iterable[Sequence[torch.Tensor]], dataset_sink_mode: bool = False
+    ) -> dict[str, float]:
+        """Compute the metrics over `valid_dataset` (``{"accuracy": 0.93}``).
+
+        When the dataset is sharded over the ranks (``num_shards > 1``), the counts are summed
+        over the world group so every rank returns the global value.
+        """
+        if not self.metrics:
+            raise ValueError("Model.eval: pass metrics={'accuracy'} to Model to evaluate")
+        was_training = self.network.training
+        self.network.eval()
+        state = {name: make() for name, make in self.metrics.items()}
+        for batch in valid_dataset:
+            *inputs, label = batch
+            logits = self.network(*inputs)
+            for m in state.values():
+                m.update(logits, label)
+        self.network.train(was_training)
+        sharded = (getattr(valid_dataset, "num_shards", None) or 1) > 1
+        out = {}
+        for name, m in state.items():
+            counts = m.counts()
+            if sharded and _init.is_initialized():
+                counts = C.all_reduce(counts, C.ReduceOp.SUM, None)
+            out[name] = m.result(counts)
+        return out
+
+
+class _progress:
+    """A tqdm bar over one epoch, on rank 0 when stdout is a terminal; else nothing."""
+
+    def __init__(self, ctx: cb.RunContext) -> None:
+        self.ctx = ctx
+        self.bar: Any = None
+
+    def __enter__(self) -> Any:
+        if not (sys.stdout.isatty() and _is_rank0()):
+            return None
+        try:
+            from tqdm import tqdm  # type: ignore[import-untyped]
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            return None
+        total = self.ctx.batch_num or None
+        self.bar = tqdm(total=total, desc=f"epoch {self.ctx.cur_epoch_num}", leave=False)
+        cb._active_bar.append(self.bar)
+        return self.bar
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            cb._active_bar.remove(self.bar)
+            self.bar.close()

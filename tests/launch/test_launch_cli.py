@@ -1,0 +1,146 @@
+"""`shardwise run` / `swrun` command line: msrun options, both spellings, booleans, pass-through
+of the script's arguments, and clear usage errors (exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from shardwise.launch import cli
+from shardwise.launch.cli import parse_bool, parse_run_args, split_argv
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return str(path)
+
+
+def test_defaults_match_msrun(script: str) -> None:
+    cfg = parse_run_args([script])
+    assert (cfg.worker_num, cfg.local_worker_num) == (8, 8)
+    assert (cfg.master_addr, cfg.master_port, cfg.node_rank) == ("127.0.0.1", 8118, -1)
+    assert (cfg.log_dir, cfg.join, cfg.cluster_time_out, cfg.bind_core) == (".", False, 600, False)
+    assert cfg.script == script and cfg.script_args == ()
+
+
+def test_local_worker_num_defaults_to_worker_num(script: str) -> None:
+    cfg = parse_run_args(["--worker_num", "4", script])
+    assert (cfg.worker_num, cfg.local_worker_num, cfg.single_node) == (4, 4, True)
+    assert parse_run_args(["--local_worker_num", "2", script]).worker_num == 8
+
+
+def test_every_option_in_both_spellings(script: str) -> None:
+    underscores = [
+        "--worker_num", "8", "--local_worker_num", "4", "--master_addr", "10.0.0.1",
+        "--master_port", "9000", "--node_rank", "1", "--log_dir", "out", "--join", "True",
+        "--cluster_time_out", "30", "--bind_core", "true", script,
+    ]  # fmt: skip
+    dashes = [a.replace("_", "-") if a.startswith("--") else a for a in underscores]
+    equals = [f"{a}={b}" for a, b in zip(underscores[:-1:2], underscores[1:-1:2], strict=True)]
+    for argv in (underscores, dashes, [*equals, script]):
+        cfg = parse_run_args(argv)
+        assert (cfg.worker_num, cfg.local_worker_num, cfg.node_rank) == (8, 4, 1)
+        assert (cfg.master_addr, cfg.master_port, cfg.log_dir) == ("10.0.0.1", 9000, "out")
+        assert cfg.join and cfg.bind_core and cfg.cluster_time_out == 30
+
+
+def test_script_arguments_pass_through_untouched(script: str) -> None:
+    args = ["--worker_num", "99", "--lr=0.1", "-v", "--", "positional", "--join"]
+    cfg = parse_run_args(["--worker_num", "2", "--local_worker_num", "2", script, *args])
+    assert cfg.worker_num == 2
+    assert cfg.script_args == tuple(args)
+
+
+def test_double_dash_ends_the_options(script: str) -> None:
+    cfg = parse_run_args(["--worker_num", "2", "--local_worker_num", "1", "--", script, "-x"])
+    assert cfg.script == script and cfg.script_args == ("-x",)
+
+
+def test_split_argv() -> None:
+    assert split_argv(["--join", "True", "a.py", "--join", "False"]) == (
+        ["--join", "True"],
+        ["a.py", "--join", "False"],
+    )
+    assert split_argv(["--join=True", "a.py"]) == (["--join=True"], ["a.py"])
+    assert split_argv(["--worker_num", "2"]) == (["--worker_num", "2"], [])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("True", True), ("true", True), ("1", True), ("False", False), ("false", False), ("0", False)],
+)
+def test_parse_bool(text: str, value: bool) -> None:
+    assert parse_bool(text) is value
+
+
+@pytest.mark.parametrize("text", ["maybe", "", "2", "Truee"])
+def test_parse_bool_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="expected True/False"):
+        parse_bool(text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--worker_num", "4", "--local_worker_num", "8"], "--local_worker_num 8 is more than"),
+        (["--worker_num", "0"], "must be at least 1"),
+        (["--local_worker_num", "0"], "must be at least 1"),
+        (["--worker_num", "four"], "expected an integer"),
+        (["--join", "maybe"], "expected True/False"),
+        (["--bind_core", "yes please"], "expected True/False"),
+        (["--master_port", "70000"], "at most 65535"),
+        (["--cluster_time_out", "0"], "more than 0 seconds"),
+        (["--node_rank", "-2"], "at least -1"),
+        (["--worker_num", "8", "--local_worker_num", "4", "--node_rank", "5"], "impossible"),
+        (["--no_such_option", "1"], "unrecognized arguments"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_reason(
+    argv: list[str], message: str, script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_run_args([*argv, script])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_run_args(["--worker_num", "2", str(tmp_path / "nope.py")])
+    assert exc.value.code == 2
+    assert "nope.py' does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_run_args(["--worker_num", "2"])
+    assert "no script given" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_run_args([str(tmp_path)])
+    assert "is not a file" in capsys.readouterr().err
+
+
+def test_shardwise_help_lists_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "run" in out and "msrun" in out
+    assert cli.main([]) == 2
+
+
+def test_run_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    for name in ["worker_num", "local_worker_num", "master_addr", "master_port", "node_rank"]:
+        assert f"--{name}" in out
+    for name in ["log_dir", "join", "cluster_time_out", "bind_core"]:
+        assert f"--{name}" in out
+
+
+def test_command_line_round_trips(script: str) -> None:
+    cfg = parse_run_args(["--worker_num", "2", "--local_worker_num", "2", script, "--a", "1"])
+    again = parse_run_args(cfg.command_line().split())
+    assert again == cfg

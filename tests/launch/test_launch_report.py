@@ -1,0 +1,147 @@
+"""Root-cause reporting: traceback extraction from worker logs, collapsing identical tracebacks,
+and the order of the failure report (root cause first, then other failures, stopped ranks, logs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.launch.report import (
+    RootCause,
+    WorkerExit,
+    describe_returncode,
+    extract_traceback,
+    format_failure_report,
+    format_ranks,
+    format_success_summary,
+    group_failures,
+    log_excerpt,
+    worker_root_cause,
+)
+
+TB = """\
+Traceback (most recent call last):
+  File "/job/train.py", line 9, in <module>
+    main()
+  File "/job/train.py", line 5, in main
+    raise ValueError("bad shape")
+ValueError: bad shape
+"""
+
+
+def _exit(
+    tmp: Path, rank: int, code: int, text: str, ended: float, stopped: bool = False
+) -> WorkerExit:
+    log = tmp / f"worker_{rank}.log"
+    log.write_text(text)
+    return WorkerExit(rank, rank, 1000 + rank, code, ended, stopped, str(log))
+
+
+def test_extract_traceback_takes_the_last_one_to_the_end() -> None:
+    text = (
+        "step 1\nTraceback (most recent call last):\n  old\nKeyError: 1\nretrying\n" + TB + "\n\n"
+    )
+    assert extract_traceback(text) == TB.splitlines()
+    assert extract_traceback("no error here\n") == []
+
+
+def test_extract_traceback_keeps_chained_exceptions_final_part() -> None:
+    chained = TB + "\nDuring handling of the above exception, another exception occurred:\n\n" + TB
+    assert extract_traceback(chained) == TB.splitlines()
+
+
+def test_extract_traceback_is_capped_keeping_the_end() -> None:
+    frames = "".join(f'  File "f.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(40))
+    text = "Traceback (most recent call last):\n" + frames + "RecursionError: deep\n"
+    tb = extract_traceback(text, max_lines=30)
+    assert len(tb) == 30
+    assert tb[0].startswith("Traceback") and "lines left out" in tb[1]
+    assert tb[-1] == "RecursionError: deep"
+
+
+def test_log_excerpt_falls_back_to_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "worker_0.log"
+    log.write_text("".join(f"line {i}\n" for i in range(20)))
+    lines, is_tb = log_excerpt(log)
+    assert not is_tb and lines == [f"line {i}" for i in range(10, 20)]
+    log.write_text("")
+    assert log_excerpt(log) == (["(worker_0.log is empty)"], False)
+
+
+def test_identical_tracebacks_collapse_in_failure_order(tmp_path: Path) -> None:
+    exits = [
+        _exit(tmp_path, 0, -15, "", 5.0, stopped=True),
+        _exit(tmp_path, 3, 1, TB, 2.0),
+        _exit(tmp_path, 1, 1, TB, 1.0),
+        _exit(tmp_path, 2, 1, TB.replace("bad shape", "other"), 3.0),
+    ]
+    groups = group_failures(exits)
+    assert [g.ranks for g in groups] == [[1, 3], [2]]
+    assert groups[0].is_traceback and groups[0].lines[-1] == "ValueError: bad shape"
+
+
+def test_failure_report_puts_the_root_cause_first(tmp_path: Path) -> None:
+    exits = [
+        _exit(tmp_path, 0, -15, "working\n", 5.0, stopped=True),
+        _exit(tmp_path, 1, 1, TB, 1.0),
+        _exit(tmp_path, 2, -9, "", 5.0, stopped=True),
+        _exit(tmp_path, 3, 1, TB, 2.0),
+    ]
+    root = worker_root_cause(exits[1], 0, "host")
+    text = format_failure_report(root, exits, 0, "/logs/scheduler.log")
+    lines = text.splitlines()
+    assert lines[0] == "shardwise run: job failed: rank 1 failed first with exit code 1 (pid 1001)"
+    assert lines[1] == "ranks 1, 3 failed with the same error:"
+    assert lines[2:8] == ["  " + line for line in TB.splitlines()]
+    assert lines[8] == "stopped by the launcher: ranks 0, 2 (ended by SIGKILL, SIGTERM)"
+    assert lines[9] == f"logs: {tmp_path}/worker_1.log, /logs/scheduler.log"
+
+
+def test_failure_report_signal_and_other_failures(tmp_path: Path) -> None:
+    exits = [
+        _exit(tmp_path, 0, -9, "loading\n", 1.0),
+        _exit(tmp_path, 1, 2, TB, 2.0),
+    ]
+    text = format_failure_report(worker_root_cause(exits[0], 0, "h"), exits, 0, "s.log")
+    assert text.splitlines()[0].endswith("rank 0 failed first with signal SIGKILL (pid 1000)")
+    assert "no traceback in worker_0.log; its last lines:\n  loading" in text
+    assert "rank 1 also failed with exit code 2 (pid 1001):" in text
+    assert text.index("SIGKILL") < text.index("ValueError")
+
+
+def test_failure_report_from_another_node(tmp_path: Path) -> None:
+    root = RootCause.from_json(
+        RootCause(
+            "rank 5 failed first with exit code 1 (pid 7)",
+            node_rank=1,
+            host="nodeB",
+            rank=5,
+            lines=tuple(TB.splitlines()),
+            log="/b/worker_5.log",
+        ).to_json()
+    )
+    exits = [_exit(tmp_path, 0, -15, "", 1.0, stopped=True)]
+    text = format_failure_report(root, exits, 0, "/a/scheduler.log")
+    lines = text.splitlines()
+    assert lines[0] == (
+        "shardwise run: job failed on node 1 (nodeB): rank 5 failed first with exit code 1 (pid 7)"
+    )
+    assert lines[-3] == "  ValueError: bad shape"
+    assert lines[-2] == "stopped by the launcher: rank 0 (ended by SIGTERM)"
+    assert lines[-1] == "logs: /b/worker_5.log (on nodeB), /a/scheduler.log"
+
+
+def test_root_cause_json_survives_garbage() -> None:
+    root = RootCause.from_json(b"not json")
+    assert "another launcher reported a failure" in root.reason
+
+
+def test_small_formatters() -> None:
+    assert describe_returncode(1) == "exit code 1"
+    assert describe_returncode(-9) == "signal SIGKILL"
+    assert describe_returncode(-15) == "signal SIGTERM"
+    assert format_ranks([3, 0, 1, 2]) == "0-3"
+    assert format_ranks([1, 3]) == "1, 3"
+    assert format_ranks([0, 1]) == "0, 1"
+    summary = format_success_summary([], 1.25, "/logs")
+    assert "job finished" in summary and "/logs/scheduler.log" in summary

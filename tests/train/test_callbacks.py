@@ -1,0 +1,120 @@
+"""LossMonitor's line byte for byte, TimeMonitor, Model's loop bookkeeping and its errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+import shardwise.train
+
+
+def _data(steps: int, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(batch, 3, generator=g), torch.randint(0, 2, (batch,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def _model() -> sw.Model:
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    return sw.Model(
+        net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1), metrics={"accuracy"}
+    )
+
+
+class Losses(sw.train.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, float]] = []
+
+    def on_train_step_end(self, ctx: sw.train.RunContext) -> None:
+        self.seen.append((ctx.cur_epoch_num, ctx.step_in_epoch, float(ctx.net_outputs)))
+
+
+def test_loss_monitor_line_byte_for_byte(capsys: pytest.CaptureFixture[str]) -> None:
+    losses = Losses()
+    _model().train(2, _data(5), callbacks=[sw.train.LossMonitor(2), losses])
+    out = capsys.readouterr().out.splitlines()
+    want = [f"epoch: {e} step: {s}, loss is {loss!r}" for e, s, loss in losses.seen if s % 2 == 0]
+    assert out == want
+    assert len(out) == 4 and out[0].startswith("epoch: 1 step: 2, loss is ")
+    assert re.fullmatch(r"epoch: 2 step: 4, loss is \d\.\d+", out[-1])
+
+
+def test_loss_monitor_value_is_python_float_repr(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = sw.train.RunContext(nn.Linear(1, 1), None, None, 1, 100, cur_epoch_num=1, cur_step_num=20)
+    ctx.net_outputs = torch.tensor(2.241283893585205)
+    sw.train.LossMonitor(20).on_train_step_end(ctx)
+    assert capsys.readouterr().out == "epoch: 1 step: 20, loss is 2.241283893585205\n"
+
+
+def test_loss_monitor_stops_on_nan() -> None:
+    ctx = sw.train.RunContext(nn.Linear(1, 1), None, None, 1, 10, cur_epoch_num=1, cur_step_num=3)
+    ctx.net_outputs = torch.tensor(float("nan"))
+    with pytest.raises(ValueError, match=r"epoch: 1 step: 3\. Invalid loss nan"):
+        sw.train.LossMonitor().on_train_step_end(ctx)
+
+
+def test_loss_monitor_bad_argument() -> None:
+    with pytest.raises(ValueError, match="per_print_times=0 must be >= 1"):
+        sw.train.LossMonitor(0)
+
+
+def test_time_monitor(capsys: pytest.CaptureFixture[str]) -> None:
+    _model().train(1, _data(3), callbacks=[sw.train.TimeMonitor()])
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms", line)
+
+
+def test_steps_count_across_epochs_and_initial_epoch() -> None:
+    losses = Losses()
+    model = _model()
+    model.train(3, _data(4), callbacks=[losses], initial_epoch=1)
+    assert [(e, s) for e, s, _ in losses.seen] == [(e, s) for e in (2, 3) for s in (1, 2, 3, 4)]
+    assert model.cur_step_num == 8
+
+
+def test_set_seed_makes_training_repeatable() -> None:
+    def run() -> list[float]:
+        sw.set_seed(3)
+        net = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+        losses = Losses()
+        sw.Model(net, nn.CrossEntropyLoss(), torch.optim.Adam(net.parameters())).train(
+            1, _data(4), callbacks=[losses]
+        )
+        return [x for _, _, x in losses.seen]
+
+    assert run() == run()
+    with pytest.raises(ValueError, match="seed=-1"):
+        sw.set_seed(-1)
+
+
+def test_eval_accuracy() -> None:
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        net.weight.copy_(torch.eye(2))
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    y = torch.tensor([0, 1, 1, 1])
+    assert sw.Model(net, metrics={"accuracy"}).eval([(x, y)]) == {"accuracy": 0.75}
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "message"),
+    [
+        (lambda: sw.Model(nn.Linear(1, 1)).train(1, []), ValueError, "pass optimizer="),
+        (lambda: _model().train(0, []), ValueError, "epoch=0 must be an int >= 1"),
+        (lambda: _model().train(2, [], initial_epoch=2), ValueError, "initial_epoch=2"),
+        (lambda: sw.Model(nn.Linear(1, 1)).eval([]), ValueError, "pass metrics="),
+        (lambda: sw.Model("net"), TypeError, "network must be a torch.nn.Module"),  # type: ignore[arg-type]
+        (lambda: sw.Model(nn.Linear(1, 1), metrics={"f1"}), ValueError, "unknown metrics"),
+    ],
+)
+def test_model_errors(call, exc: type[Exception], message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(exc, match=message):
+        call()
