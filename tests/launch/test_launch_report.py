@@ -145,3 +145,18 @@ def test_small_formatters() -> None:
     assert format_ranks([0, 1]) == "0, 1"
     summary = format_success_summary([], 1.25, "/logs")
     assert "job finished" in summary and "/logs/scheduler.log" in summary
+
+
+def test_extract_traceback_strips_torch_rank_prefixes() -> None:
+    from shardwise.launch.report import extract_traceback
+
+    text = (
+        "[rank2]: Traceback (most recent call last):\n"
+        '[rank2]:   File "/tmp/fail.py", line 6, in <module>\n'
+        "[rank2]: RuntimeError: boom on rank 2\n"
+    )
+    assert extract_traceback(text) == [
+        "Traceback (most recent call last):",
+        '  File "/tmp/fail.py", line 6, in <module>',
+        "RuntimeError: boom on rank 2",
+    ]

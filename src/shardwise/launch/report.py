@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 MAX_TRACEBACK_LINES = 30
 TAIL_LINES = 10
 _TAIL_BYTES = 256 * 1024
@@ -142,7 +144,8 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
         >>> extract_traceback("x\\nTraceback (most recent call last):\\n  f()\\nE: boom\\n")
         ['Traceback (most recent call last):', '  f()', 'E: boom']
     """
-    lines = [line.rstrip() for line in text.splitlines()]
+    # torch.distributed's excepthook prefixes every line with "[rankN]: "
+    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)]
     if not starts:
         return []
