@@ -3,7 +3,7 @@
 ``import shardwise as sw``; README.md describes the architecture, API.md the contract.
 """
 
-from shardwise import communication, nn, ops, train
+from shardwise import communication, dataset, nn, ops, train
 from shardwise.communication import CommRecorder
 from shardwise.context import get_seed, set_seed
 from shardwise.train import Model
@@ -15,6 +15,7 @@ __all__ = [
     "Model",
     "__version__",
     "communication",
+    "dataset",
     "get_seed",
     "nn",
     "ops",

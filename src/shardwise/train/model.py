@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -199,8 +199,7 @@ class Model:
         was_training = self.network.training
         self.network.eval()
         state = {name: make() for name, make in self.metrics.items()}
-        for batch in valid_dataset:
-            *inputs, label = batch
+        for inputs, label in _trimmed_batches(valid_dataset):
             logits = self.network(*inputs)
             for m in state.values():
                 m.update(logits, label)
@@ -213,6 +212,24 @@ class Model:
                 counts = C.all_reduce(counts, C.ReduceOp.SUM, None)
             out[name] = m.result(counts)
         return out
+
+
+def _trimmed_batches(
+    data: Iterable[Sequence[torch.Tensor]],
+) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+    """``(inputs, label)`` per batch; a sharded dataset's last batch loses the rows that wrap
+    around to the start of the epoch (`get_padding`), so no sample is counted twice."""
+    pad = int(data.get_padding()) if hasattr(data, "get_padding") else 0
+    it = iter(data)
+    batch = next(it, None)
+    while batch is not None:
+        following = next(it, None)
+        *inputs, label = batch
+        if following is None and pad:
+            inputs = [x[: len(x) - pad] for x in inputs]
+            label = label[: len(label) - pad]
+        yield inputs, label
+        batch = following
 
 
 class _progress:

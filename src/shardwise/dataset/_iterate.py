@@ -1,0 +1,48 @@
+"""Iterators over several epochs (MindSpore's ``create_tuple_iterator`` semantics).
+
+- `EpochIterator`: re-iterable; each ``for`` loop over it runs the dataset's next epoch, up to
+  ``num_epochs``.
+- `pick`: selects (and optionally converts to NumPy) the columns of one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from shardwise.dataset._sources import Row
+
+
+class _Epochs(Protocol):
+    def _next_epoch(self) -> Iterator[Row]: ...
+
+
+def pick(row: Row, picks: Sequence[int], output_numpy: bool) -> tuple[Any, ...]:
+    """The columns `picks` of `row`, as NumPy arrays when `output_numpy`."""
+    return tuple(row[i].numpy() if output_numpy else row[i] for i in picks)
+
+
+class EpochIterator:
+    """Iterates a `Dataset` epoch after epoch; one ``for`` loop = one epoch."""
+
+    def __init__(self, dataset: _Epochs, num_epochs: int, convert: Callable[[Row], Any]) -> None:
+        if not isinstance(num_epochs, int) or num_epochs < -1 or num_epochs == 0:
+            raise ValueError(f"num_epochs={num_epochs!r} must be -1 (unlimited) or an int >= 1")
+        self._dataset, self._num_epochs, self._convert = dataset, num_epochs, convert
+        self._current: Iterator[Row] | None = None
+        self._started = 0
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._current is None:
+            if 0 <= self._num_epochs <= self._started:
+                raise StopIteration
+            self._current = self._dataset._next_epoch()
+            self._started += 1
+        try:
+            return self._convert(next(self._current))
+        except StopIteration:
+            self._current = None
+            raise

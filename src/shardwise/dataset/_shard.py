@@ -1,0 +1,106 @@
+"""Which shard this pipeline reads: explicit ``num_shards``/``shard_id``, or ``"auto"``.
+
+- `ShardSetting.create`: validates the user's arguments.
+- `ShardSetting.resolve`: ``(num_shards, shard_id)`` now; ``"auto"`` asks
+  ``shardwise.communication`` (the world group) each time, so a pipeline built before
+  ``init()`` shards once the job is up.
+- `agree_seed`: for ``"auto"`` with several ranks, every rank takes rank 0's seed (one
+  broadcast, the first time the pipeline is iterated), so an unseeded job still agrees on
+  the global order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+AUTO: Literal["auto"] = "auto"
+NumShards = int | Literal["auto"] | None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ShardSetting:
+    """``num_shards`` (an int, ``"auto"`` or None) and ``shard_id`` as given by the user."""
+
+    num_shards: NumShards = None
+    shard_id: int | None = None
+
+    @staticmethod
+    def create(num_shards: object, shard_id: object, who: str) -> ShardSetting:
+        """Validate the arguments of a source dataset.
+
+        Raises:
+            ValueError: inconsistent or out-of-range values; the message says what to pass.
+        """
+        if num_shards is None:
+            if shard_id is not None:
+                raise ValueError(f"{who}: shard_id={shard_id!r} needs num_shards as well")
+            return ShardSetting()
+        if num_shards == AUTO:
+            if shard_id is not None:
+                raise ValueError(
+                    f"{who}: num_shards='auto' takes the shard from the job's rank; "
+                    "leave shard_id=None"
+                )
+            return ShardSetting(AUTO, None)
+        if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+            raise ValueError(
+                f"{who}: num_shards={num_shards!r} must be an int >= 1, 'auto' or None"
+            )
+        if not _is_int(shard_id) or not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
+            raise ValueError(
+                f"{who}: shard_id={shard_id!r} must be an int in [0, {num_shards}) "
+                f"when num_shards={num_shards}"
+            )
+        return ShardSetting(num_shards, shard_id)
+
+    def resolve(self) -> tuple[int, int]:
+        """``(num_shards, shard_id)``; ``"auto"`` gives ``(group size, rank)`` or ``(1, 0)``.
+
+        Raises:
+            ValueError: ``"auto"`` inside ``simulated_world()``, where one process holds every
+                rank and the rank is symbolic.
+        """
+        if self.num_shards is None:
+            return 1, 0
+        if self.num_shards != AUTO:
+            assert self.shard_id is not None
+            return int(self.num_shards), self.shard_id
+        from shardwise import communication as comm
+
+        if not comm.is_initialized():
+            return 1, 0
+        size, rank = comm.get_group_size(), comm.get_rank()
+        if type(rank) is not int:
+            raise ValueError(
+                "num_shards='auto' needs a real rank, but this process simulates every rank "
+                "(simulated_world); pass num_shards and shard_id explicitly"
+            )
+        return size, rank
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the shard comes from the job (``num_shards="auto"``)."""
+        return self.num_shards == AUTO
+
+
+def agree_seed(seed: int) -> int:
+    """Rank 0's `seed`, broadcast to every rank of the world group (a collective).
+
+    Example:
+        >>> agree_seed(torch.initial_seed())   # same value on every rank afterwards
+    """
+    from shardwise import communication as comm
+
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
+    t = torch.tensor([seed & ((1 << 63) - 1)], dtype=torch.int64, device=device)
+    (out,) = comm.Broadcast(0)(t)
+    return int(out.item())

@@ -1,0 +1,176 @@
+"""Per-rank sharding of global batches: rank r's k-th batch is rows [r*b, (r+1)*b) of the k-th
+global batch of N*b samples, the shards are disjoint and cover the data, and every rank yields
+the same number of batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise.communication as comm
+from shardwise.dataset import Dataset, GeneratorDataset
+from shardwise.dataset._order import buffer_shuffle, samples_per_rank, shard_positions
+
+
+def pipeline(n: int, seed: int = 7, **shard: Any) -> Dataset:
+    """Rows 0..n-1 (ids), shuffled at the source and through a buffer, under torch seed `seed`."""
+    torch.manual_seed(seed)
+    ds = GeneratorDataset([(i,) for i in range(n)], "id", **shard)
+    return ds.shuffle(16)
+
+
+def epoch(ds: Dataset) -> list[list[int]]:
+    return [row[0].reshape(-1).tolist() for row in ds]
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
+@pytest.mark.parametrize("num_shards", [2, 4, 8])
+@pytest.mark.parametrize("n", [96, 101])
+def test_rank_batches_are_slices_of_global_batches(num_shards: int, n: int) -> None:
+    b = 3
+    global_batches = epoch(pipeline(n).batch(num_shards * b, drop_remainder=True))
+    counts = set()
+    for r in range(num_shards):
+        ds = pipeline(n, num_shards=num_shards, shard_id=r).batch(b, drop_remainder=True)
+        mine = epoch(ds)
+        counts.add(len(mine))
+        assert len(ds) == len(mine) == len(global_batches)
+        for k, batch in enumerate(mine):
+            assert batch == global_batches[k][r * b : (r + 1) * b]
+    assert counts == {n // (num_shards * b)}
+
+
+@pytest.mark.parametrize("num_shards", [2, 4, 8])
+def test_shards_are_disjoint_and_cover(num_shards: int) -> None:
+    n, b = 96, 4  # 96 = 3 global batches of 32, and divisible by 2*4 and 4*4
+    shards = [
+        flat(epoch(pipeline(n, num_shards=num_shards, shard_id=r).batch(b)))
+        for r in range(num_shards)
+    ]
+    seen = sorted(i for s in shards for i in s)
+    assert seen == list(range(n))  # disjoint (no repeats) and covering
+    order = flat(epoch(pipeline(n)))
+    for r in range(num_shards):
+        unbatched = flat(epoch(pipeline(n, num_shards=num_shards, shard_id=r)))
+        assert unbatched == order[r::num_shards]  # no batch(): round robin
+
+
+@pytest.mark.parametrize("num_shards", [2, 4, 8])
+def test_trailing_partial_global_batch_wraps(num_shards: int) -> None:
+    n, b = 45, 4
+    order = flat(epoch(pipeline(n)))  # the unsharded global order
+    group = num_shards * b
+    full = n // group
+    padded = (order + order * 8)[: (full + 1) * group]  # wraps to the start, as often as needed
+    per_rank = []
+    for r in range(num_shards):
+        ds = pipeline(n, num_shards=num_shards, shard_id=r).batch(b)
+        mine = epoch(ds)
+        per_rank.append(mine)
+        assert len(mine) == len(ds) == full + 1
+        assert all(len(batch) == b for batch in mine)  # equal shapes on every rank
+        for k, batch in enumerate(mine):
+            assert batch == padded[k * group + r * b : k * group + (r + 1) * b]
+    assert sorted({i for m in per_rank for batch in m for i in batch}) == list(range(n))
+    real = []  # without the padding rows, the ranks hold each sample exactly once
+    for r, mine in enumerate(per_rank):
+        ds = pipeline(n, num_shards=num_shards, shard_id=r).batch(b)
+        assert (ds.num_shards, ds.shard_id) == (num_shards, r)
+        real += flat(mine)[: len(flat(mine)) - ds.get_padding()]
+    assert sorted(real) == list(range(n))
+
+
+def test_epochs_and_seeds_on_shards() -> None:
+    a = pipeline(64, seed=1, num_shards=2, shard_id=0).batch(4)
+    first, second = epoch(a), epoch(a)
+    assert first != second
+    again = pipeline(64, seed=1, num_shards=2, shard_id=0).batch(4)
+    assert [epoch(again), epoch(again)] == [first, second]
+    other_rank_second_epoch = pipeline(64, seed=1, num_shards=2, shard_id=1).batch(4)
+    other_rank_second_epoch.set_epoch(1)
+    union = sorted(flat(second + epoch(other_rank_second_epoch)))
+    assert union == list(range(64))
+
+
+def test_shuffle_after_batch_keeps_ranks_aligned() -> None:
+    n, b, num_shards = 64, 2, 4
+    global_batches = epoch(pipeline(n).batch(num_shards * b).shuffle(4))
+    for r in range(num_shards):
+        mine = epoch(pipeline(n, num_shards=num_shards, shard_id=r).batch(b).shuffle(4))
+        assert mine == [g[r * b : (r + 1) * b] for g in global_batches]
+
+
+def test_num_samples_is_per_shard() -> None:
+    ds = pipeline(100, num_shards=4, shard_id=3, num_samples=10)
+    assert len(ds) == 10 and len(epoch(ds)) == 10
+
+
+def test_shard_argument_errors() -> None:
+    with pytest.raises(ValueError, match="shard_id=1 needs num_shards"):
+        GeneratorDataset([1], "x", shard_id=1)
+    with pytest.raises(ValueError, match=r"shard_id=4 must be an int in \[0, 4\)"):
+        GeneratorDataset([1], "x", num_shards=4, shard_id=4)
+    with pytest.raises(ValueError, match=r"shard_id=None must be an int"):
+        GeneratorDataset([1], "x", num_shards=2)
+    with pytest.raises(ValueError, match="num_shards=0 must be an int >= 1, 'auto' or None"):
+        GeneratorDataset([1], "x", num_shards=0, shard_id=0)
+    with pytest.raises(ValueError, match="leave shard_id=None"):
+        GeneratorDataset([1], "x", num_shards="auto", shard_id=0)
+
+
+def test_auto_without_a_job_is_unsharded() -> None:
+    ds = pipeline(10, num_shards="auto").batch(5)
+    assert ds.get_shard() == (1, 0) and len(ds) == 2
+
+
+def test_auto_takes_rank_and_rank0_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-rank job seen from rank 2: the shard comes from communication and the seed from rank 0
+    (one Broadcast, on the first iteration only)."""
+    broadcasts: list[int] = []
+
+    class FakeBroadcast:
+        def __init__(self, root_rank: int) -> None:
+            assert root_rank == 0
+
+        def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor]:
+            broadcasts.append(int(t.item()))
+            return (torch.tensor([11]),)  # rank 0 created its pipeline under seed 11
+
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "get_group_size", lambda group=None: 4)
+    monkeypatch.setattr(comm, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(comm, "Broadcast", FakeBroadcast)
+    auto = pipeline(80, seed=99, num_shards="auto").batch(2)
+    assert auto.get_shard() == (4, 2) and len(auto) == 10
+    explicit = pipeline(80, seed=11, num_shards=4, shard_id=2).batch(2)
+    assert epoch(auto) == epoch(explicit)
+    assert epoch(auto) == epoch(explicit)  # the second epoch too
+    assert broadcasts == [99]
+
+
+def test_auto_rejects_simulated_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Symbolic:
+        pass
+
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm, "get_group_size", lambda group=None: 2)
+    monkeypatch.setattr(comm, "get_rank", lambda group=None: Symbolic())
+    with pytest.raises(ValueError, match="pass num_shards and shard_id explicitly"):
+        len(pipeline(8, num_shards="auto"))
+
+
+def test_order_helpers() -> None:
+    assert shard_positions(10, 2, 1, 2, drop_remainder=False).tolist() == [2, 3, 6, 7, 0, 1]
+    assert shard_positions(10, 2, 0, 2, drop_remainder=True).tolist() == [0, 1, 4, 5]
+    assert shard_positions(3, 4, 3, 2, drop_remainder=False).tolist() == [0, 1]  # wraps twice
+    assert shard_positions(5, 1, 0, 2, drop_remainder=False).tolist() == [0, 1, 2, 3, 4]
+    assert samples_per_rank(10, 2, 2, drop_remainder=False) == 6
+    assert samples_per_rank(10, 1, 4, drop_remainder=True) == 8
+    items = list(range(20))
+    assert buffer_shuffle(items, 5, seed=3) == buffer_shuffle(items, 5, seed=3)
+    assert sorted(buffer_shuffle(items, 5, seed=3)) == items
