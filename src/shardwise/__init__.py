@@ -3,9 +3,11 @@
 ``import shardwise as sw``; README.md describes the architecture, API.md the contract.
 """
 
-from shardwise import communication, dataset, nn, ops, train
+from shardwise import checkpoint, communication, dataset, nn, ops, parameter, train
+from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
 from shardwise.communication import CommRecorder
 from shardwise.context import get_seed, set_seed
+from shardwise.parameter import Parameter, initializer, no_init_parameters, set_comm_fusion
 from shardwise.train import Model
 
 __version__ = "0.1.0"
@@ -13,12 +15,21 @@ __version__ = "0.1.0"
 __all__ = [
     "CommRecorder",
     "Model",
+    "Parameter",
     "__version__",
+    "checkpoint",
     "communication",
     "dataset",
     "get_seed",
+    "initializer",
+    "load_checkpoint",
+    "load_param_into_net",
     "nn",
+    "no_init_parameters",
     "ops",
+    "parameter",
+    "save_checkpoint",
+    "set_comm_fusion",
     "set_seed",
     "train",
 ]

@@ -118,3 +118,12 @@ def test_without_reducer_parameters_diverge() -> None:
         model.train(1, [(world.same(x), world.same(y)) for x, y in plain])
         w = net.layer1.weight
         assert not torch.equal(world.local(w, 0), world.local(w, 1))
+
+
+def test_replicate_accepts_shardwise_parameters() -> None:
+    """sw.Parameter (a Parameter subclass LocalTensorMode rejects) replicates by value."""
+    net = nn.Linear(2, 2)
+    net.weight = sw.Parameter(torch.ones(2, 2), name="w")
+    with simulated_world(2) as world:
+        world.replicate(net)
+        assert_matches_single_device(net.weight, torch.ones(2, 2))

@@ -21,6 +21,12 @@ import torch.distributed as dist
 from shardwise.communication import _init, _sim
 
 
+def _no_dispatch_modes() -> Any:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def _private() -> tuple[Any, Any, Any]:
     import torch.testing._internal.distributed.fake_pg as fake_pg
     from torch.distributed._local_tensor import LocalIntNode, LocalTensor, LocalTensorMode
@@ -83,12 +89,15 @@ class SimulatedWorld:
 
         A network built outside the world holds plain tensors; training it with per-rank data
         needs per-rank parameters (they stay equal when the training is data parallel).
-        Build optimizers after this call.
+        Build optimizers after this call. Replicas are plain parameters: sw.Parameter attributes
+        (parallel_optimizer, comm_fusion) are not carried over.
         """
         for mod in module.modules():
             for name, p in list(mod.named_parameters(recurse=False)):
-                value = self.same(p.detach())
-                setattr(mod, name, torch.nn.Parameter(value, requires_grad=p.requires_grad))
+                with _no_dispatch_modes():  # LocalTensorMode rejects Parameter subclasses
+                    plain = torch.Tensor(p.detach()).clone()
+                value = torch.nn.Parameter(self.same(plain), requires_grad=p.requires_grad)
+                setattr(mod, name, value)
             for name, b in list(mod.named_buffers(recurse=False)):
                 if b is not None:
                     mod.register_buffer(name, self.same(b))

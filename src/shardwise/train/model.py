@@ -165,6 +165,9 @@ class Model:
     def _run_epoch(
         self, ctx: cb.RunContext, data: Iterable[Sequence[torch.Tensor]], cbs: list[cb.Callback]
     ) -> None:
+        set_epoch = getattr(data, "set_epoch", None)
+        if callable(set_epoch):  # a resumed run sees the same data order as an uninterrupted one
+            set_epoch(ctx.cur_epoch_num - 1)
         for c in cbs:
             c.on_train_epoch_begin(ctx)
         with _progress(ctx) as bar:

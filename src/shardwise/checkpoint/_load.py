@@ -1,0 +1,108 @@
+"""``sw.load_param_into_net``: copy checkpoint entries into a network, MindSpore-style.
+
+- `_net_entries`: what a network can receive: its parameters and persistent buffers, by
+  ``state_dict`` name (tied parameters appear under each name).
+- `_match`: exact names first; with ``strict_load=False`` also a unique suffix match at a
+  ``.`` boundary (``network.fc.weight`` <-> ``fc.weight``), as MindSpore does for wrappers.
+- `_store`: shape check, dtype check (strict) or cast (non-strict), then copy in place;
+  a deferred (meta) entry receives the values directly, so no random init ever runs.
+- `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from shardwise.checkpoint._errors import CheckpointError
+from shardwise.parameter import assign_tensor
+
+
+def _net_entries(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(net.state_dict(keep_vars=True))
+
+
+def _suffix_match(name: str, candidates: list[str]) -> str | None:
+    found = [key for key in candidates if key.endswith("." + name) or name.endswith("." + key)]
+    return found[0] if len(found) == 1 else None
+
+
+def _match(names: list[str], keys: list[str], strict: bool) -> dict[str, str]:
+    key_set = set(keys)
+    matches = {name: name for name in names if name in key_set}
+    if strict:
+        return matches
+    taken = set(matches.values())
+    unused = [key for key in keys if key not in taken]
+    for name in names:
+        if name in matches:
+            continue
+        key = _suffix_match(name, unused)
+        if key is not None:
+            matches[name] = key
+            unused.remove(key)
+    return matches
+
+
+def _store(name: str, target: torch.Tensor, value: torch.Tensor, strict: bool) -> None:
+    if tuple(target.shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"cannot load {name!r}: checkpoint shape {list(value.shape)} != network shape "
+            f"{list(target.shape)}"
+        )
+    if strict and target.dtype != value.dtype:
+        raise CheckpointError(
+            f"cannot load {name!r}: checkpoint dtype {value.dtype} != network dtype "
+            f"{target.dtype} (strict_load=True does not convert)"
+        )
+    with torch.no_grad():
+        if target.is_meta:
+            assign_tensor(target, value.to(dtype=target.dtype, copy=True))
+        else:
+            target.copy_(value)
+
+
+def load_param_into_net(
+    net: torch.nn.Module,
+    parameter_dict: Mapping[str, torch.Tensor],
+    strict_load: bool = False,
+) -> tuple[list[str], list[str]]:
+    """Load checkpoint entries into ``net`` in place (MindSpore's ``load_param_into_net``).
+
+    Args:
+        net: the network; parameters and persistent buffers can be loaded. Deferred
+            (``no_init_parameters``) entries are filled directly from the checkpoint.
+        parameter_dict: name -> tensor, usually from ``load_checkpoint``.
+        strict_load: ``True``: names must match exactly and dtypes must agree.
+            ``False``: names may also match by a unique dotted suffix, and values are cast
+            to the network's dtype.
+
+    Returns:
+        ``(param_not_load, ckpt_not_load)``: network entries that received nothing, and
+        checkpoint entries that went nowhere.
+
+    Example:
+        >>> net = torch.nn.Linear(4, 2)
+        >>> load_param_into_net(net, {"weight": torch.zeros(2, 4), "extra": torch.ones(1)})
+        (['bias'], ['extra'])
+    """
+    if not isinstance(net, torch.nn.Module):
+        raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
+    if not isinstance(parameter_dict, Mapping):
+        raise TypeError(f"parameter_dict must be a mapping, got {type(parameter_dict).__name__}")
+    targets = _net_entries(net)
+    matches = _match(list(targets), list(parameter_dict), strict_load)
+    done: set[int] = set()
+    for name, key in matches.items():
+        value = parameter_dict[key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"checkpoint entry {key!r} is not a tensor")
+        target = targets[name]
+        if id(target) not in done:
+            _store(name, target, value, strict_load)
+            done.add(id(target))
+    used = set(matches.values())
+    param_not_load = [name for name, target in targets.items() if id(target) not in done]
+    ckpt_not_load = [key for key in parameter_dict if key not in used]
+    return param_not_load, ckpt_not_load

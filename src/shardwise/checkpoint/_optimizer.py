@@ -1,0 +1,163 @@
+"""Optimizer state in a checkpoint, keyed by parameter *names* instead of positions.
+
+Any ``torch.optim`` optimizer works: its ``state_dict()`` is split into tensors (stored as
+safetensors entries ``optimizer.state.<param name>.<key>``) and everything else (param
+groups with their hyperparameters and parameter names, non-tensor state such as ints)
+stored as JSON. Loading maps the names back onto the new optimizer's parameters and calls
+``optimizer.load_state_dict``, so a resumed run continues bit-identically.
+
+- `param_names`: the name of each optimizer parameter (module path, dict key, or index).
+- `optimizer_entries`: state_dict -> (tensors, JSON description) for saving.
+- `OptimizerState`: what `load_checkpoint` found (the JSON and its tensors).
+- `load_optimizer_state`: restore an optimizer from a loaded checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._format import OPTIMIZER_PREFIX, decode_value, encode_value
+
+
+@dataclass
+class OptimizerState:
+    """The optimizer part of a checkpoint: JSON description plus its tensors by key."""
+
+    description: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def param_names(optimizer: torch.optim.Optimizer, owner: object = None) -> list[str]:
+    """Names of the optimizer's parameters, in ``state_dict`` index order.
+
+    Args:
+        optimizer: any torch optimizer.
+        owner: the ``nn.Module`` (names = module paths) or the dict name -> tensor that
+            holds the parameters; parameters it does not hold are named by their index.
+
+    Returns:
+        One unique name per parameter.
+    """
+    by_id: dict[int, str] = {}
+    if isinstance(owner, torch.nn.Module):
+        for name, param in owner.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(param), name)
+    elif isinstance(owner, Mapping):
+        by_id = {id(value): str(key) for key, value in owner.items()}
+    names = [by_id.get(id(p), str(i)) for i, p in enumerate(_flat_params(optimizer))]
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"optimizer parameters have clashing names: {names}")
+    return names
+
+
+def optimizer_entries(
+    optimizer: torch.optim.Optimizer, owner: object = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into safetensors entries and a JSON description.
+
+    Args:
+        optimizer: any torch optimizer.
+        owner: as for `param_names`.
+
+    Returns:
+        ``(tensors, description)``; ``description["tensors"]`` lists the tensor keys.
+    """
+    names = param_names(optimizer, owner)
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
+    for index, entries in state_dict["state"].items():
+        name = names[index]
+        prefix = f"{OPTIMIZER_PREFIX}state.{name}"
+        state[name] = {k: encode_value(v, f"{prefix}.{k}", tensors) for k, v in entries.items()}
+    groups = []
+    for number, group in enumerate(state_dict["param_groups"]):
+        prefix = f"{OPTIMIZER_PREFIX}param_groups.{number}"
+        encoded = {
+            k: encode_value(v, f"{prefix}.{k}", tensors) for k, v in group.items() if k != "params"
+        }
+        encoded["params"] = [names[i] for i in group["params"]]
+        groups.append(encoded)
+    description = {
+        "class": type(optimizer).__qualname__,
+        "param_groups": groups,
+        "state": state,
+        "tensors": sorted(tensors),
+    }
+    return tensors, description
+
+
+def _rebuilt_groups(
+    optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], names: list[str], where: str
+) -> list[dict[str, Any]]:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where}: {len(saved)} parameter groups saved, the optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    index = {name: i for i, name in enumerate(names)}
+    groups, position = [], 0
+    for number, (old, new) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
+        current = names[position : position + len(new["params"])]
+        position += len(new["params"])
+        if list(old["params"]) != current:
+            raise CheckpointError(
+                f"{where}: parameter group {number} saved parameters {old['params']} but the "
+                f"optimizer holds {current} (pass the network as net= to match by name)"
+            )
+        group = {k: v for k, v in old.items() if k != "params"}
+        group["params"] = [index[name] for name in current]
+        groups.append(group)
+    return groups
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, ckpt: Any, net: torch.nn.Module | None = None
+) -> None:
+    """Restore ``optimizer`` from a checkpoint written with ``save_checkpoint(optimizer=...)``.
+
+    Args:
+        optimizer: a freshly built optimizer of the same class over the same parameters.
+        ckpt: the `Checkpoint` returned by ``load_checkpoint``.
+        net: the module whose parameter names the checkpoint used (needed when it was
+            saved from a module); without it parameters are matched by position.
+
+    Returns:
+        None.
+
+    Example:
+        >>> ckpt = load_checkpoint("run/checkpoint-1_100.safetensors")  # doctest: +SKIP
+        >>> load_param_into_net(net, ckpt)  # doctest: +SKIP
+        >>> load_optimizer_state(opt, ckpt, net)  # doctest: +SKIP
+    """
+    where = str(getattr(ckpt, "path", None) or "checkpoint")
+    saved: OptimizerState | None = getattr(ckpt, "optimizer_state", None)
+    if saved is None:
+        raise CheckpointError(f"{where}: holds no optimizer state")
+    description = saved.description
+    if description.get("class") != type(optimizer).__qualname__:
+        raise CheckpointError(
+            f"{where}: optimizer state of {description.get('class')} cannot be loaded into "
+            f"{type(optimizer).__qualname__}"
+        )
+    names = param_names(optimizer, net)
+    groups = _rebuilt_groups(optimizer, description["param_groups"], names, where)
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(description["state"]) - set(index))
+    if unknown:
+        raise CheckpointError(f"{where}: optimizer state for unknown parameters {unknown}")
+    state = {
+        index[name]: decode_value(entries, saved.tensors)
+        for name, entries in description["state"].items()
+    }
+    groups = [decode_value(group, saved.tensors) for group in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,152 @@
+"""`ModelCheckpoint` and `CheckpointConfig`: save the network (and optimizer) during training.
+
+Files are ``{prefix}-{epoch}_{step_in_epoch}.safetensors`` (MindSpore's ``.ckpt`` naming) in
+``directory`` (``directory/rank_<r>/`` when the job has several ranks), written atomically by
+`shardwise.checkpoint.CheckpointManager`, which also keeps at most ``keep_checkpoint_max``.
+Each file holds the optimizer state and the epoch / global step, so `resume` can continue
+training with the identical loss sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.checkpoint import (
+    CheckpointManager,
+    load_checkpoint,
+    load_optimizer_state,
+    load_param_into_net,
+    unused_prefix,
+)
+from shardwise.communication import _init, _sim
+from shardwise.train.callbacks import Callback, RunContext
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When to save and how many files to keep.
+
+    Args:
+        save_checkpoint_steps: save every this many steps (>= 1).
+        keep_checkpoint_max: keep at most this many files (>= 1).
+        save_optimizer: store the optimizer state too (needed to resume exactly).
+    """
+
+    save_checkpoint_steps: int = 1
+    keep_checkpoint_max: int = 5
+    save_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("save_checkpoint_steps", "keep_checkpoint_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CheckpointConfig: {name}={value!r} must be an int >= 1")
+
+
+def _job_rank_and_size() -> tuple[int, int]:
+    if not _init.is_initialized() or _sim.current() is not None:
+        return 0, 1
+    return int(_init.get_rank()), _init.get_group_size()
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints every ``config.save_checkpoint_steps`` steps and at the end.
+
+    Args:
+        prefix: file prefix; if the directory already holds files with it, ``prefix_1``,
+            ``prefix_2`` ... is used (as MindSpore does).
+        directory: where to save (default: the current directory); per rank
+            ``directory/rank_<r>/`` in a multi-rank job.
+        config: a `CheckpointConfig`.
+
+    Example:
+        >>> cfg = sw.train.CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=3)
+        >>> model.train(2, data, callbacks=[sw.train.ModelCheckpoint("mnist", "ckpt", cfg)])
+    """
+
+    def __init__(
+        self,
+        prefix: str = "checkpoint",
+        directory: str | Path | None = None,
+        config: CheckpointConfig | None = None,
+    ) -> None:
+        self.config = config or CheckpointConfig()
+        if not isinstance(self.config, CheckpointConfig):
+            raise TypeError("ModelCheckpoint: config must be a CheckpointConfig")
+        self.prefix, self.directory = prefix, Path(directory or ".")
+        self.manager: CheckpointManager | None = None
+        self._last_saved = -1
+
+    def on_train_begin(self, ctx: RunContext) -> None:
+        rank, size = _job_rank_and_size()
+        probe = CheckpointManager(self.directory, self.prefix, rank=rank, world_size=size)
+        prefix = unused_prefix(probe.directory, self.prefix)
+        self.manager = CheckpointManager(
+            self.directory,
+            prefix,
+            self.config.keep_checkpoint_max,
+            rank=rank,
+            world_size=size,
+        )
+
+    def on_train_step_end(self, ctx: RunContext) -> None:
+        if ctx.cur_step_num % self.config.save_checkpoint_steps == 0:
+            self._save(ctx)
+
+    def on_train_end(self, ctx: RunContext) -> None:
+        if ctx.cur_step_num != self._last_saved and ctx.cur_step_num > 0:
+            self._save(ctx)
+
+    def _save(self, ctx: RunContext) -> None:
+        assert self.manager is not None, "on_train_begin runs first"
+        optimizer = ctx.optimizer if self.config.save_optimizer else None
+        self.manager.save(
+            ctx.network,
+            epoch=ctx.cur_epoch_num,
+            step=ctx.step_in_epoch,
+            optimizer=optimizer,
+            extra={"global_step": ctx.cur_step_num, "batch_num": ctx.batch_num},
+        )
+        self._last_saved = ctx.cur_step_num
+
+    @property
+    def latest(self) -> Path | None:
+        """The newest checkpoint this callback wrote (None before training)."""
+        return self.manager.latest() if self.manager is not None else None
+
+
+def resume(model: object, path: str | Path) -> int:
+    """Load a `ModelCheckpoint` file into a `Model`'s network and optimizer.
+
+    Args:
+        model: the `sw.Model` to continue training.
+        path: a checkpoint saved at the end of an epoch.
+
+    Returns:
+        The epoch to pass as ``initial_epoch`` to ``model.train``.
+
+    Raises:
+        CheckpointError: the file is damaged or not a checkpoint.
+        ValueError: the checkpoint was saved in the middle of an epoch.
+
+    Example:
+        >>> done = sw.train.resume(model, "ckpt/checkpoint-1_1875.safetensors")
+        >>> model.train(2, data, initial_epoch=done)
+    """
+    from shardwise.train.model import Model
+
+    if not isinstance(model, Model):
+        raise TypeError("resume: model must be a shardwise Model")
+    ckpt = load_checkpoint(path)
+    extra = ckpt.extra if isinstance(ckpt.extra, dict) else {}
+    if ckpt.epoch is None or ckpt.step != extra.get("batch_num"):
+        raise ValueError(
+            f"resume: {path} was not saved at the end of an epoch (epoch {ckpt.epoch}, step "
+            f"{ckpt.step} of {extra.get('batch_num')}); save at epoch ends to resume"
+        )
+    load_param_into_net(model.network, ckpt, strict_load=True)
+    if model.optimizer is not None and ckpt.optimizer_state is not None:
+        load_optimizer_state(model.optimizer, ckpt, model.network)
+    model.cur_step_num = int(extra.get("global_step", 0))
+    return int(ckpt.epoch)

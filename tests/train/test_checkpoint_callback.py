@@ -1,0 +1,87 @@
+"""ModelCheckpoint writes MindSpore-named files with rotation; resume continues training with
+the identical loss sequence (same data order, optimizer state and step count)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+import shardwise.train
+from shardwise.checkpoint import CheckpointError
+
+
+def dataset() -> sw.dataset.GeneratorDataset:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g)
+    return sw.dataset.GeneratorDataset([(x[i], y[i]) for i in range(24)], ["x", "y"]).batch(6)
+
+
+def model() -> sw.Model:
+    net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    return sw.Model(net, nn.CrossEntropyLoss(), torch.optim.Adam(net.parameters(), 1e-2))
+
+
+class Losses(sw.train.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_step_end(self, ctx: sw.train.RunContext) -> None:
+        self.values.append(float(ctx.net_outputs))
+
+
+def test_resume_gives_identical_losses(tmp_path: Path) -> None:
+    sw.set_seed(0)
+    full, straight = model(), Losses()
+    full.train(3, dataset(), callbacks=[straight])
+
+    sw.set_seed(0)
+    first, part1 = model(), Losses()
+    cfg = sw.train.CheckpointConfig(save_checkpoint_steps=4, keep_checkpoint_max=2)
+    saver = sw.train.ModelCheckpoint("mlp", tmp_path, cfg)
+    first.train(1, dataset(), callbacks=[part1, saver])
+    assert saver.latest is not None and saver.latest.name == "mlp-1_4.safetensors"
+
+    sw.set_seed(123)  # a different seed: everything must come from the checkpoint
+    second, part2 = model(), Losses()
+    done = sw.train.resume(second, saver.latest)
+    assert done == 1 and second.cur_step_num == 4
+    sw.set_seed(0)  # the data order is the seed's, as in the uninterrupted run
+    data = dataset()
+    second.train(3, data, callbacks=[part2], initial_epoch=done)
+    assert part1.values + part2.values == straight.values
+
+
+def test_rotation_and_prefix(tmp_path: Path) -> None:
+    sw.set_seed(0)
+    cfg = sw.train.CheckpointConfig(save_checkpoint_steps=1, keep_checkpoint_max=3)
+    model().train(2, dataset(), callbacks=[sw.train.ModelCheckpoint("net", tmp_path, cfg)])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["net-2_2.safetensors", "net-2_3.safetensors", "net-2_4.safetensors"]
+    model().train(1, dataset(), callbacks=[sw.train.ModelCheckpoint("net", tmp_path, cfg)])
+    assert any(p.name.startswith("net_1-1_") for p in tmp_path.iterdir())
+
+
+def test_resume_rejects_mid_epoch_and_truncated(tmp_path: Path) -> None:
+    sw.set_seed(0)
+    cfg = sw.train.CheckpointConfig(save_checkpoint_steps=2)
+    saver = sw.train.ModelCheckpoint("m", tmp_path, cfg)
+    model().train(1, dataset(), callbacks=[saver])
+    with pytest.raises(ValueError, match="not saved at the end of an epoch"):
+        sw.train.resume(model(), tmp_path / "m-1_2.safetensors")
+    latest = saver.latest
+    assert latest is not None
+    data = latest.read_bytes()
+    latest.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=latest.name):
+        sw.train.resume(model(), latest)
+    previous = sw.load_checkpoint(tmp_path / "m-1_2.safetensors")  # still intact
+    assert previous.epoch == 1 and previous.step == 2
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ValueError, match="save_checkpoint_steps=0"):
+        sw.train.CheckpointConfig(save_checkpoint_steps=0)
