@@ -5,39 +5,17 @@ checking its rank and group size and all-reducing; and a plain single process.""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from shardwise.testing import clean_env, free_port
+
 WORKER = Path(__file__).with_name("workers") / "env_init.py"
-_LAUNCHER_PREFIXES = ("OMPI_", "MS_", "TORCHELASTIC_", "SHARDWISE_")
-_LAUNCHER_VARS = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "RANK_ID", "RANK_SIZE", "RANK_TABLE_FILE", "DEVICE_ID",
-}  # fmt: skip
 
 pytestmark = pytest.mark.multiprocess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def base_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)
-    }
-    env["SHARDWISE_COMM_TIMEOUT"] = "60"
-    return env
 
 
 def run_ranks(envs: list[dict[str, str]], cwd: Path) -> list[dict[str, float]]:
@@ -45,7 +23,7 @@ def run_ranks(envs: list[dict[str, str]], cwd: Path) -> list[dict[str, float]]:
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER)],
-            env={**base_env(), **env},
+            env={**clean_env(), **env},
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

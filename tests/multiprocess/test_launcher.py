@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,31 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.testing import clean_env, free_port
+
 WORKERS = Path(__file__).with_name("workers")
-_JOB_VARS = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "RANK_ID", "RANK_SIZE", "RANK_TABLE_FILE", "DEVICE_ID",
-}  # fmt: skip
 
 pytestmark = pytest.mark.multiprocess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def clean_env() -> dict[str, str]:
-    """The test's environment without any launcher's variables (pytest may run under one)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _JOB_VARS and not k.startswith(("OMPI_", "MS_", "TORCHELASTIC_", "SHARDWISE_"))
-    }
-    env["SHARDWISE_COMM_TIMEOUT"] = "60"
-    return env
 
 
 def swrun_cmd(*args: str) -> list[str]:

@@ -9,7 +9,7 @@
 
 from shardwise.communication.recorder import CommRecord, CommRecorder
 from shardwise.testing._compare import assert_matches_single_device
-from shardwise.testing._procs import JobResult, free_port, run_job
+from shardwise.testing._procs import JobResult, clean_env, free_port, run_job
 from shardwise.testing._world import SimulatedWorld, current_world, simulated_world, tiles
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "JobResult",
     "SimulatedWorld",
     "assert_matches_single_device",
+    "clean_env",
     "current_world",
     "free_port",
     "run_job",

@@ -9,6 +9,27 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# What launchers (ours, torchrun, mpirun, msrun, rank tables) put in a worker's environment.
+LAUNCHER_VARS = frozenset(
+    {
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+        "MASTER_ADDR", "MASTER_PORT", "RANK_ID", "RANK_SIZE", "RANK_TABLE_FILE", "DEVICE_ID",
+    }
+)  # fmt: skip
+LAUNCHER_PREFIXES = ("OMPI_", "MS_", "TORCHELASTIC_", "SHARDWISE_")
+
+
+def clean_env(comm_timeout_s: float = 60.0) -> dict[str, str]:
+    """This process's environment without any launcher's variables (tests may themselves run
+    under a launcher), with a short communication timeout so a broken test fails fast."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)
+    }
+    env["SHARDWISE_COMM_TIMEOUT"] = str(comm_timeout_s)
+    return env
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -78,6 +99,6 @@ def run_job(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**clean_env(), **(env or {})},
     )
     return JobResult(proc.returncode, proc.stdout + proc.stderr, Path(log_dir))
