@@ -21,7 +21,7 @@ S = FLOATS * 4
         (lambda: sw.ops.AllGather(), "AllGather", (N - 1) * S),
         (lambda: sw.ops.ReduceScatter(), "ReduceScatter", (N - 1) * S // N),
         (lambda: sw.ops.AlltoAll(N, 0, 1), "AlltoAll", (N - 1) * S // N),
-        (lambda: sw.ops.Broadcast(0), "Broadcast", S),
+        (lambda: sw.ops.Broadcast(0), "Broadcast", (N - 1) * S // N),
     ],
 )
 def test_one_record_per_call_with_bound(make, kind: str, expected_bytes: int) -> None:  # type: ignore[no-untyped-def]

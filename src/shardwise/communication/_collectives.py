@@ -71,9 +71,12 @@ def as_reduce_op(op: ReduceOp | str) -> ReduceOp:
         raise ValueError(f"op={op!r} is not a reduction; use ReduceOp.{{{names}}}") from None
 
 
-def _record(kind: str, g: Group, t: torch.Tensor, nbytes: int, start: float) -> None:
-    seconds = recorder.timer() - start
-    recorder.record(kind, g.ranks, t.dtype, t.numel(), nbytes, seconds)
+def _record(kind: str, g: Group, t: torch.Tensor, start: float) -> None:
+    """Report one call of `kind` on input `t` (nothing happens unless a recorder is active)."""
+    if not recorder.recording():
+        return
+    nbytes = recorder.bytes_bound(kind, _nbytes(t), len(g.ranks))
+    recorder.record(kind, g.ranks, t.dtype, t.numel(), nbytes, recorder.timer() - start)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -110,10 +113,10 @@ def all_reduce(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torc
     """Reduce `t` over the group; every rank gets the result (a new tensor)."""
     g = resolve_group(group)
     _check_same_shape("AllReduce", t)
-    start = recorder.timer()
+    start = recorder.start()
     out = t.detach().clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, op=op.torch_op(), group=g.pg)
-    _record("AllReduce", g, t, recorder.bytes_bound("AllReduce", _nbytes(t), len(g.ranks)), start)
+    _record("AllReduce", g, t, start)
     return out
 
 
@@ -124,11 +127,11 @@ def all_gather(t: torch.Tensor, group: str | Group | None) -> torch.Tensor:
         raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
     _check_same_shape("AllGather", t)
     n = len(g.ranks)
-    start = recorder.timer()
+    start = recorder.start()
     src = t.detach().contiguous()
     out = src.new_empty((n * src.shape[0], *src.shape[1:]))
     dist.all_gather_single(out, src, group=g.pg)
-    _record("AllGather", g, t, recorder.bytes_bound("AllGather", _nbytes(t), n), start)
+    _record("AllGather", g, t, start)
     return out
 
 
@@ -138,7 +141,7 @@ def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> 
     n = len(g.ranks)
     _check_dim0("ReduceScatter", t, n)
     _check_same_shape("ReduceScatter", t)
-    start = recorder.timer()
+    start = recorder.start()
     src = t.detach().contiguous()
     if _is_gloo(g):
         # all-to-all moves only the chunks other ranks own: (N-1)/N of the input per rank.
@@ -148,7 +151,7 @@ def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> 
     else:
         out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
         dist.reduce_scatter_single(out, src, op=op.torch_op(), group=g.pg)
-    _record("ReduceScatter", g, t, recorder.bytes_bound("ReduceScatter", _nbytes(t), n), start)
+    _record("ReduceScatter", g, t, start)
     return out
 
 
@@ -181,13 +184,13 @@ def broadcast(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Te
     g = resolve_group(group)
     check_member("Broadcast", root, g, "root_rank")
     _check_same_shape("Broadcast", t)
-    start = recorder.timer()
+    start = recorder.start()
     if _sim.current() is not None:
         out = _sim_rooted(t, root, g, reduce=False)
     else:
         out = t.detach().clone(memory_format=torch.contiguous_format)
         dist.broadcast(out, src=root, group=g.pg)
-    _record("Broadcast", g, t, recorder.bytes_bound("Broadcast", _nbytes(t), len(g.ranks)), start)
+    _record("Broadcast", g, t, start)
     return out
 
 
@@ -195,7 +198,7 @@ def reduce(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Tenso
     """Sum `t` onto the `root` rank; the other ranks get zeros."""
     g = resolve_group(group)
     check_member("Reduce", root, g, "root_rank")
-    start = recorder.timer()
+    start = recorder.start()
     if _sim.current() is not None:
         out = _sim_rooted(t, root, g, reduce=True)
     else:
@@ -203,7 +206,7 @@ def reduce(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Tenso
         dist.reduce(out, dst=root, group=g.pg)
         if dist.get_rank() != root:
             out.zero_()
-    _record("Reduce", g, t, recorder.bytes_bound("Reduce", _nbytes(t), len(g.ranks)), start)
+    _record("Reduce", g, t, start)
     return out
 
 
@@ -214,13 +217,21 @@ def all_to_all(
     g = resolve_group(group)
     n = len(g.ranks)
     _check_same_shape("AlltoAll", t)
-    start = recorder.timer()
-    chunks = t.detach().chunk(n, dim=split_dim)
-    send = torch.stack(chunks, 0).contiguous()
+    start = recorder.start()
+    src = t.detach()
+    # chunk i of split_dim goes to rank i: on dim 0 the tensor already is that buffer
+    if split_dim % src.dim() == 0:
+        send = src.contiguous()
+    else:
+        send = torch.stack(src.chunk(n, dim=split_dim), 0).contiguous()
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send, group=g.pg)
-    out = torch.cat(received.unbind(0), dim=concat_dim)
-    _record("AlltoAll", g, t, recorder.bytes_bound("AlltoAll", _nbytes(t), n), start)
+    split0, concat0 = split_dim % src.dim() == 0, concat_dim % src.dim() == 0
+    if concat0:  # the received chunks, in rank order, already are the concatenation
+        out = received if split0 else received.flatten(0, 1)
+    else:
+        out = torch.cat(received.chunk(n, 0) if split0 else received.unbind(0), dim=concat_dim)
+    _record("AlltoAll", g, t, start)
     return out
 
 
@@ -240,7 +251,7 @@ def exchange(
     and tag pair up in order. Every peer must be a member of `group`.
     """
     g = resolve_group(group)
-    start = recorder.timer()
+    start = recorder.start()
     sim = _sim.current()
     if sim is not None:
         outs, sent = sim.exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, g.ranks)
@@ -248,7 +259,10 @@ def exchange(
         for peer, _ in [*send_to, *recv_from]:
             if peer != -1:
                 check_member(kind, peer, g, "send/recv rank id")
-        outs = [torch.zeros(tuple(s), dtype=dtype, device=device) for s in recv_shapes]
+        outs = [
+            (torch.zeros if src == -1 else torch.empty)(tuple(s), dtype=dtype, device=device)
+            for s, (src, _) in zip(recv_shapes, recv_from, strict=True)
+        ]
         ops = [
             dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
             for x, (dst, tag) in zip(sends, send_to, strict=True)
@@ -263,7 +277,7 @@ def exchange(
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         sent = sum(_nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d != -1)
-    numel = sum(x.numel() for x in sends)
-    seconds = recorder.timer() - start
-    recorder.record(kind, g.ranks, dtype, numel, sent, seconds)
+    if recorder.recording():
+        numel = sum(x.numel() for x in sends)
+        recorder.record(kind, g.ranks, dtype, numel, sent, recorder.timer() - start)
     return outs

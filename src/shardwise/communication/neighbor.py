@@ -2,7 +2,7 @@
 
 `NeighborExchange` sends a tuple of tensors to a list of ranks and receives a tuple from another
 list. `NeighborExchangeV2` exchanges the borders of an NCHW tensor with up to 8 neighbours
-(`DIRECTIONS`); `_halo_sends` cuts what goes out, `_assemble` pads the tensor with what came in.
+(`DIRECTIONS`); `_halo_sends` cuts what goes out, `_assemble` pads the tensor and writes in what came in.
 A border sent towards direction d arrives as the receiver's opposite border ((d + 4) % 8), which
 is how messages pair up (the direction is the tag). Gradients flow back along the same pairs.
 
@@ -161,13 +161,20 @@ def _recv_shapes(x: torch.Tensor, lens: Sequence[int]) -> list[tuple[int, ...]]:
     return [(n, c, a, b) for a, b in hw]
 
 
-def _assemble(x: torch.Tensor, got: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Pad `x` with the received blocks: [tl t tr] / [l x r] / [bl b br]."""
-    t, tr, r, br, b, bl, left, tl = got
-    upper = torch.cat([tl, t, tr], dim=3)
-    middle = torch.cat([left, x, r], dim=3)
-    lower = torch.cat([bl, b, br], dim=3)
-    return torch.cat([upper, middle, lower], dim=2)
+def _assemble(x: torch.Tensor, got: Sequence[torch.Tensor], lens: Sequence[int]) -> torch.Tensor:
+    """Pad `x` by `lens` = [top, bottom, left, right] and write the received blocks into the
+    border: [tl t tr] / [l x r] / [bl b br] (one allocation; autograd flows through the copies)."""
+    top, bottom, left, right = lens
+    h, w = x.shape[2], x.shape[3]
+    out = torch.nn.functional.pad(x, (left, right, top, bottom))
+    rows = {"t": slice(0, top), "m": slice(top, top + h), "b": slice(top + h, top + h + bottom)}
+    cols = {"l": slice(0, left), "m": slice(left, left + w), "r": slice(left + w, left + w + right)}
+    where = [("t", "m"), ("t", "r"), ("m", "r"), ("b", "r"), ("b", "m"), ("b", "l"), ("m", "l")]
+    where.append(("t", "l"))
+    for block, (r, c) in zip(got, where, strict=True):
+        if block.numel():
+            out[:, :, rows[r], cols[c]] = block
+    return out
 
 
 class NeighborExchangeV2(nn.Module):
@@ -240,4 +247,4 @@ class NeighborExchangeV2(nn.Module):
             self.group,
         )
         got: tuple[torch.Tensor, ...] = _ExchangeFn.apply(plan, *sends)
-        return _assemble(x, got)
+        return _assemble(x, got, self.recv_lens)

@@ -35,8 +35,9 @@ def bytes_bound(kind: str, nbytes: int, group_size: int) -> int:
 
     Returns:
         AllReduce 2(N-1)/N·S, AllGather (N-1)·S, ReduceScatter (N-1)/N·S, AlltoAll (N-1)/N·S,
-        Broadcast S (every rank but the last forwards the message once in a pipelined chain),
-        point-to-point exchanges: what is sent. A 1-rank group sends nothing.
+        Broadcast and Reduce (N-1)/N·S (the mean over ranks: in a pipelined chain every rank but
+        one forwards S once), point-to-point exchanges: what is sent. A 1-rank group sends
+        nothing.
 
     Example:
         >>> bytes_bound("AllReduce", 1024, 4)
@@ -51,7 +52,10 @@ def bytes_bound(kind: str, nbytes: int, group_size: int) -> int:
         return (n - 1) * nbytes
     if kind in ("ReduceScatter", "AlltoAll"):
         return (n - 1) * nbytes // n
-    if kind in ("Broadcast", "Reduce", "NeighborExchange", "NeighborExchangeV2"):
+    if kind in ("Broadcast", "Reduce"):
+        # a pipelined chain: N-1 ranks forward S each, (N-1)/N S per rank on average
+        return (n - 1) * nbytes // n
+    if kind in ("NeighborExchange", "NeighborExchangeV2"):
         return nbytes
     raise ValueError(f"bytes_bound: unknown collective kind {kind!r}")
 
@@ -179,6 +183,11 @@ def phase(name: str) -> Iterator[None]:
 
 def timer() -> float:
     """The clock used for `CommRecord.seconds`; waits for queued CUDA work first."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def start() -> float:
+    """A collective's start time: `timer()` while recording, else 0.0 (no clock, no sync)."""
+    return timer() if _active else 0.0
