@@ -2,7 +2,8 @@
 
 `NeighborExchange` sends a tuple of tensors to a list of ranks and receives a tuple from another
 list. `NeighborExchangeV2` exchanges the borders of an NCHW tensor with up to 8 neighbours
-(`DIRECTIONS`); `_halo_sends` cuts what goes out, `_assemble` pads the tensor and writes in what came in.
+(`DIRECTIONS`); `_halo_sends` cuts what goes out, `_assemble` pads the tensor and writes in
+what came in.
 A border sent towards direction d arrives as the receiver's opposite border ((d + 4) % 8), which
 is how messages pair up (the direction is the tag). Gradients flow back along the same pairs.
 
