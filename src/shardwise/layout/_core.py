@@ -1,0 +1,204 @@
+"""The core of the layout algebra: a device matrix with named axes, and a tensor's layout on it.
+
+`DeviceMatrix` arranges ranks row-major (the first axis is the slowest, the last the fastest):
+`coord` / `rank` convert between a rank and its coordinate, `group_along` lists the ranks that
+differ only along some axes (the group a collective over those axes runs on).
+
+`TensorLayout` says, for each tensor dim, which device axes split it, outer first (MindSpore's
+tuple alias order: for ``("sp", "dp")`` the block index is ``sp * |dp| + dp``). Axes that split no
+dim hold replicas. `block_index`, `local_shape` and `local_slice` give the part of a global
+tensor each rank holds; `check` validates a layout against a global shape.
+
+Everything here is pure: no process group, no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DeviceMatrix:
+    """Ranks arranged in a named, row-major grid.
+
+    Attributes:
+        shape: size of every axis, slowest first.
+        names: one alias per axis.
+        rank_list: the global rank at each position (row-major); default ``0 .. size - 1``.
+
+    Example:
+        >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
+        >>> m.coord(5), m.rank((1, 0, 1))
+        ((1, 0, 1), 5)
+    """
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    rank_list: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.shape or any(not isinstance(s, int) or s < 1 for s in self.shape):
+            raise ValueError(f"device matrix {self.shape}: every axis size must be an int >= 1")
+        if len(self.names) != len(self.shape):
+            raise ValueError(
+                f"device matrix {self.shape} has {len(self.shape)} axes but "
+                f"{len(self.names)} alias names {self.names}"
+            )
+        if len(set(self.names)) != len(self.names) or "None" in self.names:
+            raise ValueError(f"alias names {self.names} must be distinct and not 'None'")
+        if not self.rank_list:
+            object.__setattr__(self, "rank_list", tuple(range(self.size)))
+        ranks = self.rank_list
+        if len(ranks) != self.size or len(set(ranks)) != len(ranks) or min(ranks) < 0:
+            raise ValueError(
+                f"rank_list {list(ranks)} must hold {self.size} distinct ranks >= 0 "
+                f"(the product of the device matrix {self.shape})"
+            )
+
+    @property
+    def size(self) -> int:
+        """Number of devices (the product of the shape)."""
+        return math.prod(self.shape)
+
+    def axis(self, name: str) -> int:
+        """Index of the axis called `name`.
+
+        Raises:
+            ValueError: unknown alias (the message lists the known ones).
+        """
+        if name not in self.names:
+            raise ValueError(f"unknown alias {name!r}; this device matrix has {list(self.names)}")
+        return self.names.index(name)
+
+    def coord(self, rank: int) -> tuple[int, ...]:
+        """The coordinate of global `rank` (first axis slowest)."""
+        if rank not in self.rank_list:
+            raise ValueError(f"rank {rank} is not in this device matrix {self}")
+        pos = self.rank_list.index(rank)
+        out = []
+        for size in reversed(self.shape):
+            out.append(pos % size)
+            pos //= size
+        return tuple(reversed(out))
+
+    def rank(self, coord: Sequence[int]) -> int:
+        """The global rank at `coord`."""
+        pos = 0
+        for c, size in zip(coord, self.shape, strict=True):
+            if not 0 <= c < size:
+                raise ValueError(f"coordinate {tuple(coord)} is outside {self.shape}")
+            pos = pos * size + c
+        return self.rank_list[pos]
+
+    def group_along(self, rank: int, axes: Sequence[int]) -> tuple[int, ...]:
+        """The ranks that share `rank`'s coordinate except along `axes`, ordered by their
+        coordinate along `axes` (the first axis outer): the group of a collective over `axes`.
+        """
+        base = list(self.coord(rank))
+        out = []
+        for k in range(math.prod(self.shape[a] for a in axes)):
+            c = list(base)
+            for a in reversed(axes):
+                c[a] = k % self.shape[a]
+                k //= self.shape[a]
+            out.append(self.rank(c))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.names, self.shape, strict=True))
+        default = self.rank_list == tuple(range(self.size))
+        return f"DeviceMatrix({axes}{'' if default else f', ranks={list(self.rank_list)}'})"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Which device axes split each dim of a tensor.
+
+    Attributes:
+        matrix: the device matrix.
+        dims: for each tensor dim, the indices of the axes splitting it, outer first; ``()``
+            means not split.
+
+    Example:
+        >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
+        >>> x = TensorLayout(m, ((2,), (1, 0)))          # layout("mp", ("sp", "dp"))
+        >>> str(x), x.local_shape((8, 16))
+        ('(mp, (sp, dp)) on DeviceMatrix(dp=2, sp=2, mp=2)', (4, 4))
+    """
+
+    matrix: DeviceMatrix
+    dims: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        used = [a for axes in self.dims for a in axes]
+        bad = [a for a in used if not 0 <= a < len(self.matrix.shape)]
+        if bad:
+            raise ValueError(f"axes {bad} are not axes of {self.matrix}")
+        if len(set(used)) != len(used):
+            names = [self.matrix.names[a] for a in used]
+            raise ValueError(f"a device axis splits more than one dim (or twice): {names}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    def used_axes(self) -> tuple[int, ...]:
+        """Axes that split some dim."""
+        return tuple(sorted(a for axes in self.dims for a in axes))
+
+    def replicated_axes(self) -> tuple[int, ...]:
+        """Axes along which the tensor is replicated (they split no dim)."""
+        used = set(self.used_axes())
+        return tuple(a for a in range(len(self.matrix.shape)) if a not in used)
+
+    def split_count(self, dim: int) -> int:
+        """Into how many blocks `dim` is cut."""
+        return math.prod(self.matrix.shape[a] for a in self.dims[dim])
+
+    def block_index(self, rank: int, dim: int) -> int:
+        """Which block of `dim` global `rank` holds (outer axes first)."""
+        coord = self.matrix.coord(rank)
+        index = 0
+        for a in self.dims[dim]:
+            index = index * self.matrix.shape[a] + coord[a]
+        return index
+
+    def check(self, shape: Sequence[int], who: str = "tensor") -> None:
+        """Raise a ValueError naming `who`, the dim and the axes if the layout cannot hold a
+        tensor of global `shape`."""
+        if len(shape) != self.ndim:
+            raise ValueError(
+                f"{who}: layout {self} has {self.ndim} dims but the tensor has shape {list(shape)}"
+            )
+        for d, size in enumerate(shape):
+            parts = self.split_count(d)
+            if size % parts:
+                axes = "*".join(self.matrix.names[a] for a in self.dims[d])
+                raise ValueError(
+                    f"{who}: dim {d} of size {size} cannot be split into {parts} parts "
+                    f"(axes {axes}); use a split that divides {size}"
+                )
+
+    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of each rank's block of a tensor of global `shape`."""
+        self.check(shape)
+        return tuple(size // self.split_count(d) for d, size in enumerate(shape))
+
+    def local_slice(self, rank: int, shape: Sequence[int]) -> tuple[slice, ...]:
+        """The slices of a global tensor of `shape` that global `rank` holds."""
+        local = self.local_shape(shape)
+        return tuple(
+            slice(self.block_index(rank, d) * n, (self.block_index(rank, d) + 1) * n)
+            for d, n in enumerate(local)
+        )
+
+    def __str__(self) -> str:
+        def one(axes: tuple[int, ...]) -> str:
+            names = [self.matrix.names[a] for a in axes]
+            if not names:
+                return "None"
+            return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+
+        return f"({', '.join(one(a) for a in self.dims)}) on {self.matrix}"
