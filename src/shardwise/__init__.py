@@ -3,10 +3,11 @@
 ``import shardwise as sw``; README.md describes the architecture, API.md the contract.
 """
 
-from shardwise import checkpoint, communication, dataset, nn, ops, parameter, train
+from shardwise import checkpoint, communication, dataset, layout, nn, ops, parameter, train
 from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
 from shardwise.communication import CommRecorder
 from shardwise.context import get_seed, set_seed
+from shardwise.layout import Layout
 from shardwise.parameter import Parameter, initializer, no_init_parameters, set_comm_fusion
 from shardwise.train import Model
 
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommRecorder",
+    "Layout",
     "Model",
     "Parameter",
     "__version__",
@@ -22,6 +24,7 @@ __all__ = [
     "dataset",
     "get_seed",
     "initializer",
+    "layout",
     "load_checkpoint",
     "load_param_into_net",
     "nn",

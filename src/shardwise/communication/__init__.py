@@ -16,6 +16,7 @@ from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
 from shardwise.communication._init import (
     WORLD_COMM_GROUP,
     Group,
+    comm_timeout,
     create_group,
     default_backend,
     destroy_group,
@@ -52,6 +53,7 @@ __all__ = [
     "ReduceOp",
     "ReduceScatter",
     "bytes_bound",
+    "comm_timeout",
     "create_group",
     "default_backend",
     "destroy_group",

@@ -44,7 +44,7 @@ _groups: dict[str, Group] = {}
 _job: JobEnv | None = None
 
 
-def _timeout() -> datetime.timedelta:
+def comm_timeout() -> datetime.timedelta:
     return datetime.timedelta(
         seconds=float(os.environ.get("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
     )
@@ -78,7 +78,7 @@ def init(backend: str | None = None) -> None:
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"init(backend={backend!r}): expected 'gloo', 'nccl' or None (auto)")
     job = detect_job()
-    timeout = _timeout()
+    timeout = comm_timeout()
     store: Any
     if job.world_size == 1:
         store = dist.HashStore()  # type: ignore[attr-defined]
@@ -200,7 +200,7 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
                 f"create_group({name!r}): rank {dist.get_rank()} is not in rank_ids {ids}; "
                 "only the members call create_group"
             )
-        pg = dist.new_group(sorted(ids), timeout=_timeout(), use_local_synchronization=True)
+        pg = dist.new_group(sorted(ids), timeout=comm_timeout(), use_local_synchronization=True)
     group = Group(name, tuple(sorted(ids)), pg)
     _groups[name] = group
     return group

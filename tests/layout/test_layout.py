@@ -1,0 +1,171 @@
+"""`Layout`: construction, the call form, the seed-003 device-coordinate table, every error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardwise.layout import (
+    DeviceMatrix,
+    Layout,
+    LayoutTypeError,
+    TensorLayout,
+    tensor_layout_from_dict,
+    tensor_layout_to_dict,
+    tensor_map,
+)
+
+LAYOUT = Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+# Seed 003: matmul1 = MatMul().shard((layout("mp", ("sp", "dp")), layout(("sp", "dp"), "None")))
+# with x: [32, 784] and fc1_weight: [784, 512]. Derived by hand: x dim 0 is cut in 2 by mp (16
+# rows each); x dim 1 in 4 by (sp outer, dp inner), block sp*2 + dp (196 columns each); the weight
+# dim 0 like x dim 1, its dim 1 whole.
+#   (dp, sp, mp): (x rows, x cols, weight rows, weight cols)
+SEED_003_TABLE = {
+    (0, 0, 0): ((0, 16), (0, 196), (0, 196), (0, 512)),
+    (0, 0, 1): ((16, 32), (0, 196), (0, 196), (0, 512)),
+    (0, 1, 0): ((0, 16), (392, 588), (392, 588), (0, 512)),
+    (0, 1, 1): ((16, 32), (392, 588), (392, 588), (0, 512)),
+    (1, 0, 0): ((0, 16), (196, 392), (196, 392), (0, 512)),
+    (1, 0, 1): ((16, 32), (196, 392), (196, 392), (0, 512)),
+    (1, 1, 0): ((0, 16), (588, 784), (588, 784), (0, 512)),
+    (1, 1, 1): ((16, 32), (588, 784), (588, 784), (0, 512)),
+}
+
+
+def _ranges(slices: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in slices)
+
+
+def test_seed_003_device_coordinate_table() -> None:
+    x = LAYOUT("mp", ("sp", "dp"))
+    w = LAYOUT(("sp", "dp"), "None")
+    assert x.local_shape((32, 784)) == (16, 196)
+    assert w.local_shape((784, 512)) == (196, 512)
+    for (dp, sp, mp), (xr, xc, wr, wc) in SEED_003_TABLE.items():
+        rank = LAYOUT.matrix.rank((dp, sp, mp))
+        assert rank == 4 * dp + 2 * sp + mp
+        assert LAYOUT.matrix.coord(rank) == (dp, sp, mp)
+        assert _ranges(x.local_slice(rank, (32, 784))) == (xr, xc), (dp, sp, mp)
+        assert _ranges(w.local_slice(rank, (784, 512))) == (wr, wc), (dp, sp, mp)
+
+
+def test_call_form_dims() -> None:
+    assert LAYOUT("mp", ("sp", "dp")).dims == ((2,), (1, 0))
+    assert LAYOUT(("sp", "dp"), "None").dims == ((1, 0), ())
+    assert LAYOUT("dp", None, ("mp",)).dims == ((0,), (), (2,))
+    assert LAYOUT().dims == ()
+    assert LAYOUT("dp", "mp").matrix is LAYOUT.matrix
+
+
+def test_layout_is_frozen_and_hashable() -> None:
+    assert Layout((2, 4), ("dp", "mp")) == Layout([2, 4], ["dp", "mp"])
+    assert len({Layout((2, 4), ("dp", "mp")), Layout((2, 4), ("dp", "mp"))}) == 1
+    with pytest.raises(AttributeError):
+        LAYOUT.matrix = DeviceMatrix((8,), ("x",))  # type: ignore[misc]
+
+
+def test_str_and_repr() -> None:
+    assert str(LAYOUT) == "Layout(dp=2, sp=2, mp=2)"
+    assert repr(LAYOUT) == "Layout((2, 2, 2), ('dp', 'sp', 'mp'))"
+    custom = Layout((2, 2), ("a", "b"), [3, 2, 1, 0])
+    assert str(custom) == "Layout(a=2, b=2, ranks=[3, 2, 1, 0])"
+    assert repr(custom) == "Layout((2, 2), ('a', 'b'), [3, 2, 1, 0])"
+    assert str(LAYOUT("mp", ("sp", "dp"))) == "(mp, (sp, dp)) on DeviceMatrix(dp=2, sp=2, mp=2)"
+
+
+def test_accessors_and_rank_list() -> None:
+    layout = Layout((2, 2), ("a", "b"), [4, 5, 6, 7])
+    assert layout.device_matrix == (2, 2)
+    assert layout.alias_name == ("a", "b")
+    assert layout.rank_list == (4, 5, 6, 7)
+    x = layout("b", "None")
+    assert _ranges(x.local_slice(5, (4, 2))) == ((2, 4), (0, 2))
+    assert layout.matrix.coord(6) == (1, 0)
+
+
+def test_dicts_round_trip_through_json() -> None:
+    d = LAYOUT.to_dict()
+    assert d == {"device_matrix": [2, 2, 2], "alias_name": ["dp", "sp", "mp"],
+                 "rank_list": list(range(8))}  # fmt: skip
+    assert Layout.from_dict(json.loads(json.dumps(d))) == LAYOUT
+    for t in (LAYOUT("dp", "mp"), LAYOUT("mp", ("sp", "dp")), LAYOUT("None", ("mp", "dp", "sp"))):
+        data = json.loads(json.dumps(tensor_layout_to_dict(t)))
+        assert tensor_layout_from_dict(data) == t
+
+
+def test_tensor_map_counts_axes_from_the_right() -> None:
+    # MindSpore's example: Layout((2, 2, 2), ("dp", "sp", "mp"))("dp", "mp") -> tensor_map (2, 0)
+    assert tensor_map(LAYOUT("dp", "mp")) == (2, 0)
+    assert tensor_map(LAYOUT("mp", ("sp", "dp"))) == (0, (1, 2))
+    assert tensor_map(LAYOUT(("sp", "dp"), "None")) == ((1, 2), -1)
+    assert tensor_layout_to_dict(LAYOUT("None", "sp"))["tensor_map"] == [-1, 1]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("tp", "None"), r"unknown alias 'tp'; this layout's aliases are \['dp', 'sp', 'mp'\]"),
+        (("dp", ("sp", "dp")), r"alias 'dp' is used by dims 0 and 1"),
+        ((("mp", "mp"),), r"alias 'mp' is used by dims 0 and 0"),
+        (((), "dp"), r"dim 0: empty tuple; use 'None'"),
+        ((("sp", "None"),), r"'None' cannot be part of a tuple"),
+        ((("sp", "xx"),), r"unknown alias 'xx'"),
+    ],
+)
+def test_call_errors(args: tuple[object, ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LAYOUT(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [3, ["dp", "sp"], (("dp",),), ("dp", 1)])
+def test_call_wrong_types(bad: object) -> None:
+    with pytest.raises(LayoutTypeError, match="expected an alias, 'None' or a tuple of aliases"):
+        LAYOUT(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        LAYOUT(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (((2, 2), ("dp", "dp")), ValueError, r"repeats \['dp'\]; every axis needs its own alias"),
+        (((2, 2), ("dp",)), ValueError, r"has 2 axes but alias_name \('dp',\) has 1 names"),
+        (((2, 2), ("dp", "None")), ValueError, r"alias 'None' .* is reserved"),
+        (((2, 2), ("dp", "")), ValueError, r"alias '' .* is reserved or empty"),
+        (((2, 0), ("a", "b")), ValueError, r"every size >= 1"),
+        (((), ()), ValueError, r"at least one axis"),
+        (((2, 2), ("a", "b"), [0, 1, 2]), ValueError,
+         r"rank_list has 3 ranks but device_matrix \(2, 2\) holds 4 devices"),
+        (((2, 2), ("a", "b"), [0, 1, 1, 2]), ValueError, r"distinct ranks"),
+        (((2, 2.0), ("a", "b")), LayoutTypeError, r"device_matrix must be a tuple of ints"),
+        ((8, ("a",)), LayoutTypeError, r"device_matrix must be a tuple of ints"),
+        (((True, 2), ("a", "b")), LayoutTypeError, r"device_matrix must be a tuple of ints"),
+        (((2, 2), "ab"), LayoutTypeError, r"alias_name must be a tuple of str"),
+        (((2, 2), ("a", 1)), LayoutTypeError, r"alias_name must be a tuple of str"),
+        (((2, 2), ("a", "b"), "0123"), LayoutTypeError, r"rank_list must be a tuple of ints"),
+        (((2, 2), ("a", "interleaved_parallel")), ValueError, r"not supported"),
+    ],
+)  # fmt: skip
+def test_constructor_errors(args: tuple[object, ...], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Layout(*args)  # type: ignore[arg-type]
+
+
+def test_type_errors_are_value_errors_too() -> None:
+    with pytest.raises(ValueError):
+        Layout(8, ("a",))  # type: ignore[arg-type]
+
+
+def test_tensor_layout_from_dict_rejects_bad_tensor_map() -> None:
+    data = {**LAYOUT.to_dict(), "tensor_map": [3, -1]}
+    with pytest.raises(ValueError, match=r"tensor_map entry 3 is not in 0..2 or -1"):
+        tensor_layout_from_dict(data)
+
+
+def test_call_result_is_a_core_tensor_layout() -> None:
+    t = LAYOUT("mp", ("sp", "dp"))
+    assert isinstance(t, TensorLayout)
+    assert t == TensorLayout(LAYOUT.matrix, ((2,), (1, 0)))
