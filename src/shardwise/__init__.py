@@ -3,7 +3,17 @@
 ``import shardwise as sw``; README.md describes the architecture, API.md the contract.
 """
 
-from shardwise import checkpoint, communication, dataset, layout, nn, ops, parameter, train
+from shardwise import (
+    checkpoint,
+    communication,
+    dataset,
+    layout,
+    nn,
+    ops,
+    parameter,
+    redistribution,
+    train,
+)
 from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
 from shardwise.communication import CommRecorder
 from shardwise.context import get_seed, set_seed
@@ -31,6 +41,7 @@ __all__ = [
     "no_init_parameters",
     "ops",
     "parameter",
+    "redistribution",
     "save_checkpoint",
     "set_comm_fusion",
     "set_seed",

@@ -171,6 +171,11 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
         ValueError: empty/duplicate/out-of-range rank ids, a taken name, or (with real processes)
             the calling rank not in `rank_ids`.
 
+    Note:
+        torch 2.13 names such member-only groups by their ranks and by how many groups the
+        process made before, so every member must have created the same number of groups
+        before this call (create groups in the same order on all ranks).
+
     Example:
         >>> g = create_group("pairs", [0, 1])   # on ranks 0 and 1
         >>> sw.ops.AllReduce(group="pairs")(x)

@@ -1,0 +1,25 @@
+"""Redistribution: move a tensor from one layout to another with local slices, AllGather and
+AlltoAll (never AllReduce).
+
+- `_steps`: the step kinds `Slice`, `AllGather`, `AlltoAll`; `apply_step` (a layout after a
+  step), `legal_steps`, `step_bytes` (the cost model).
+- `_plan`: `plan_redistribution` (Dijkstra over layouts, minimal bytes per rank) and the
+  printable `RedistributionPlan`.
+- `_execute`: `redistribute`, which runs a plan on this rank's local block with the
+  autograd-aware collectives.
+"""
+
+from shardwise.redistribution._execute import redistribute
+from shardwise.redistribution._plan import RedistributionPlan, plan_redistribution
+from shardwise.redistribution._steps import AllGather, AlltoAll, Slice, Step, apply_step
+
+__all__ = [
+    "AllGather",
+    "AlltoAll",
+    "RedistributionPlan",
+    "Slice",
+    "Step",
+    "apply_step",
+    "plan_redistribution",
+    "redistribute",
+]

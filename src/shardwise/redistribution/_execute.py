@@ -1,0 +1,193 @@
+"""The executor: run a `RedistributionPlan` on this rank's local block.
+
+`redistribute` plans (or takes a plan), checks the local block's shape before any collective,
+then runs each step on the process group of the step's device axis:
+
+- `Slice` (`_slice`): keep this rank's part of the local block along the dim, chosen by the
+  rank's coordinate on the axis. The coordinate is computed arithmetically from the rank, so it
+  also works with the per-rank symbolic rank of a simulated world.
+- `AllGather` (`_gather`): ``sw.ops.AllGather`` on the dim (moved to dim 0 and back).
+- `AlltoAll` (`_alltoall`): ``sw.ops.AlltoAll`` splitting the destination dim and concatenating
+  on the source dim.
+
+Collectives exchange blocks in *sorted* group-rank order; a layout orders them by coordinate
+on the axis (`DeviceMatrix.group_along`). When a device matrix's `rank_list` makes the two
+differ, the blocks are permuted locally before (AlltoAll) and after (both) the collective.
+
+Gradients: every step's backward is its exact adjoint (autograd of the primitives and of the
+local slice), so autograd computes the true gradient of the sum of all ranks' losses:
+AllGather -> ReduceScatter, AlltoAll -> the reverse AlltoAll, Slice -> the gradient in this
+rank's part of the block and zeros elsewhere. Gradients of replicated tensors are therefore
+*partial*: their sum over the replicas is the gradient of the logical tensor (see
+docs/redistribution.md for why an AllGather backward of Slice would be wrong here).
+
+Groups are created once per device matrix and axis (`group_name`): in a real job each rank
+creates the group it belongs to (only members call `create_group`), all ranks at the same
+step; in a simulated world the group containing rank 0 is created, and its translates, which
+tile the world like a mesh axis, run at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from shardwise import communication as comm
+from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.redistribution._plan import RedistributionPlan, plan_redistribution
+from shardwise.redistribution._steps import AllGather, AlltoAll, Slice, Step
+
+
+class _Axes:
+    """This rank's view of the device matrix: coordinates and the group of each axis."""
+
+    def __init__(self, layout: TensorLayout) -> None:
+        self.matrix = layout.matrix
+        self.rank = comm.get_rank()
+        self.simulated = not isinstance(self.rank, int)
+        self.world = comm.get_group_size()
+        default = self.matrix.rank_list == tuple(range(self.matrix.size))
+        if self.simulated and (not default or self.matrix.size != self.world):
+            raise ValueError(
+                f"redistribute: in a simulated world of {self.world} ranks the device matrix "
+                f"must span the world with the default rank_list; got {self.matrix}"
+            )
+        if not self.simulated and self.rank not in self.matrix.rank_list:
+            raise ValueError(f"redistribute: rank {self.rank} is not in {self.matrix}")
+
+    def coord(self, axis: int) -> int:
+        """This rank's coordinate on `axis` (a per-rank int in a simulated world)."""
+        if self.simulated:
+            stride = math.prod(self.matrix.shape[axis + 1 :])
+            return (self.rank // stride) % self.matrix.shape[axis]
+        return self.matrix.coord(self.rank)[axis]
+
+    def group(self, axis: int) -> tuple[str | None, tuple[int, ...]]:
+        """The group name of `axis` for this rank, and ``order``: the sorted position of
+        each block (block j comes from rank ``sorted_group[order[j]]``)."""
+        by_block = self.matrix.group_along(0 if self.simulated else self.rank, (axis,))
+        ranks = tuple(sorted(by_block))
+        order = tuple(ranks.index(r) for r in by_block)
+        if ranks == tuple(range(self.world)):
+            return None, order
+        name = group_name(self.matrix, axis, ranks)
+        try:
+            comm.get_group_size(name)
+        except ValueError:
+            comm.create_group(name, list(ranks))
+        return name, order
+
+
+def group_name(matrix: DeviceMatrix, axis: int, ranks: Sequence[int]) -> str:
+    """The name of the group of `ranks` along `axis` of `matrix`, the same on every rank.
+
+    Keyed by the matrix and the axis, not by the ranks alone: then every rank of the matrix
+    creates its group for an axis at the same step of the same plan, so all processes create
+    the same number of process groups in the same order (torch's group names under local
+    synchronization count the groups a process has made; reusing a group on some ranks only
+    would make the members disagree and hang).
+    """
+    digest = hashlib.sha1(str(matrix).encode(), usedforsecurity=False).hexdigest()[:8]
+    members = "-".join(str(r) for r in ranks)
+    return f"redistribution:{matrix.names[axis]}@{digest}:{members}"
+
+
+def _permute(x: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tensor:
+    """Chunk j of the result is chunk ``order[j]`` of `x` along `dim`."""
+    if tuple(order) == tuple(range(len(order))):
+        return x
+    chunks = x.chunk(len(order), dim)
+    return torch.cat([chunks[i] for i in order], dim)
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(order)
+    for j, p in enumerate(order):
+        inv[p] = j
+    return tuple(inv)
+
+
+def _slice(x: torch.Tensor, step: Slice, axes: _Axes) -> torch.Tensor:
+    n = x.shape[step.dim] // axes.matrix.shape[step.axis]
+    return x.narrow(step.dim, axes.coord(step.axis) * n, n)
+
+
+def _gather(x: torch.Tensor, step: AllGather, axes: _Axes) -> torch.Tensor:
+    group, order = axes.group(step.axis)
+    y = comm.AllGather(group)(x.movedim(step.dim, 0))
+    return _permute(y, 0, order).movedim(0, step.dim)
+
+
+def _alltoall(x: torch.Tensor, step: AlltoAll, axes: _Axes) -> torch.Tensor:
+    group, order = axes.group(step.axis)
+    k = len(order)
+    send = _permute(x, step.dst_dim, _inverse(order))
+    y = comm.AlltoAll(k, step.dst_dim, step.src_dim, group)(send)
+    return _permute(y, step.src_dim, order)
+
+
+def _run(x: torch.Tensor, step: Step, axes: _Axes) -> torch.Tensor:
+    if axes.matrix.shape[step.axis] == 1:
+        return x
+    if isinstance(step, Slice):
+        return _slice(x, step, axes)
+    if isinstance(step, AllGather):
+        return _gather(x, step, axes)
+    return _alltoall(x, step, axes)
+
+
+def redistribute(
+    local: torch.Tensor,
+    src: TensorLayout,
+    dst: TensorLayout,
+    shape: Sequence[int],
+    plan: RedistributionPlan | None = None,
+) -> torch.Tensor:
+    """Move this rank's block of a tensor from layout `src` to layout `dst`.
+
+    Every rank of the device matrix calls it with its own block. Autograd flows back through
+    the steps (see the module docstring for the gradient convention).
+
+    Args:
+        local: this rank's block under `src` (shape ``src.local_shape(shape)``).
+        src: the layout `local` is in.
+        dst: the layout to produce; same device matrix.
+        shape: the tensor's global shape.
+        plan: a plan from `plan_redistribution(src, dst, shape)` to reuse; planned if None.
+
+    Returns:
+        This rank's block under `dst`: ``global[dst.local_slice(rank, shape)]``.
+
+    Raises:
+        ValueError: before any collective, when `local` has the wrong shape, `plan` is for other
+            layouts, the layouts do not fit `shape`, or this rank is not in the device matrix.
+
+    Example:
+        >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
+        >>> src, dst = TensorLayout(m, ((0,), (), ())), TensorLayout(m, ((2,), (1, 0), ()))
+        >>> y = redistribute(x_local, src, dst, (8, 8, 8))
+    """
+    shape = tuple(shape)
+    if plan is None:
+        plan = plan_redistribution(src, dst, shape, local.element_size())
+    elif (plan.src, plan.dst, plan.shape) != (src, dst, shape):
+        raise ValueError(
+            f"redistribute: the plan is for {plan.src} -> {plan.dst} with shape "
+            f"{list(plan.shape)}, not {src} -> {dst} with shape {list(shape)}"
+        )
+    want = src.local_shape(shape)
+    if tuple(local.shape) != want:
+        raise ValueError(
+            f"redistribute: the local block has shape {list(local.shape)} but layout {src} "
+            f"gives each rank a block of {list(want)} for global shape {list(shape)}"
+        )
+    if all(src.matrix.shape[step.axis] == 1 for step in plan.steps):
+        return local  # nothing to do (also without a process group)
+    axes = _Axes(src)
+    x = local
+    for step in plan.steps:
+        x = _run(x, step, axes)
+    return x

@@ -1,0 +1,204 @@
+"""The three redistribution steps and their pure algebra on layouts.
+
+A layout lists, for each tensor dim, the device axes splitting it, outer first. A step changes
+one axis of one dim, and only ever the *innermost* one (the last of a dim's axes):
+
+- `Slice(dim, axis)`: a replicated `axis` starts splitting `dim`, as its new innermost axis.
+  Each rank keeps its part of its local block: no communication.
+- `AllGather(dim, axis)`: the innermost `axis` of `dim` stops splitting it; the ranks along
+  `axis` concatenate their blocks.
+- `AlltoAll(axis, src_dim, dst_dim)`: the innermost `axis` of `src_dim` becomes the innermost
+  axis of `dst_dim`; the ranks along `axis` exchange parts of their blocks.
+
+Why innermost only: the ranks along the innermost axis of a dim hold *adjacent* blocks, so
+concatenating them gives one contiguous block. The ranks along an outer axis hold blocks that
+are a whole inner-stride apart; gathering them yields a strided set of pieces that is not the
+block of any layout.
+
+`apply_step` moves a layout by one step (pure), `legal_steps` lists the steps that may follow a
+layout for a global shape, `step_bytes` is a step's cost: the bytes each rank sends by the
+collective's bound (`communication.bytes_bound`): AllGather over k ranks of an s-byte block
+(k-1)·s, AlltoAll (k-1)/k·s, Slice 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from shardwise.layout import DeviceMatrix, TensorLayout
+
+Dims = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Split `dim` further by the replicated device axis `axis` (no communication).
+
+    Example:
+        >>> Slice(dim=0, axis=2)      # axis 2 becomes dim 0's innermost axis
+    """
+
+    dim: int
+    axis: int
+
+    def describe(self, matrix: DeviceMatrix) -> str:
+        """The step with the axis name, e.g. ``Slice(dim=0, axis=mp, 2 parts)``."""
+        name, k = matrix.names[self.axis], matrix.shape[self.axis]
+        return f"Slice(dim={self.dim}, axis={name}, {k} parts)"
+
+    def __str__(self) -> str:
+        return f"Slice(dim={self.dim}, axis={self.axis})"
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Undo `dim`'s innermost axis `axis`: the ranks along it concatenate their blocks.
+
+    Example:
+        >>> AllGather(dim=1, axis=0)
+    """
+
+    dim: int
+    axis: int
+
+    def describe(self, matrix: DeviceMatrix) -> str:
+        return f"AllGather(dim={self.dim}, axis={_axis(matrix, self.axis)})"
+
+    def __str__(self) -> str:
+        return f"AllGather(dim={self.dim}, axis={self.axis})"
+
+
+@dataclass(frozen=True)
+class AlltoAll:
+    """Move `src_dim`'s innermost axis `axis` to be `dst_dim`'s innermost axis.
+
+    Example:
+        >>> AlltoAll(axis=2, src_dim=2, dst_dim=0)
+    """
+
+    axis: int
+    src_dim: int
+    dst_dim: int
+
+    def describe(self, matrix: DeviceMatrix) -> str:
+        dims = f"dim {self.src_dim} -> {self.dst_dim}"
+        return f"AlltoAll({dims}, axis={_axis(matrix, self.axis)})"
+
+    def __str__(self) -> str:
+        return f"AlltoAll(axis={self.axis}, src_dim={self.src_dim}, dst_dim={self.dst_dim})"
+
+
+Step = Slice | AllGather | AlltoAll
+
+
+def _axis(matrix: DeviceMatrix, axis: int) -> str:
+    name = matrix.names[axis]
+    return f"{name}, group size {matrix.shape[axis]}"
+
+
+def step_key(step: Step) -> tuple[int, int, int, int]:
+    """A total order on steps (the planner's final tie-break): AllGather, AlltoAll, Slice."""
+    if isinstance(step, AllGather):
+        return (0, step.dim, step.axis, 0)
+    if isinstance(step, AlltoAll):
+        return (1, step.src_dim, step.dst_dim, step.axis)
+    return (2, step.dim, step.axis, 0)
+
+
+def apply_dims(dims: Dims, step: Step, n_axes: int) -> Dims:
+    """`apply_step` on the raw per-dim axis tuples of a layout (the planner's fast path).
+
+    Raises:
+        ValueError: the step does not apply to `dims` (names the reason).
+    """
+    out = list(dims)
+
+    def check_dim(d: int) -> None:
+        if not 0 <= d < len(dims):
+            raise ValueError(f"{step}: dim {d} is not a dim of a {len(dims)}-d layout {dims}")
+
+    if isinstance(step, Slice):
+        check_dim(step.dim)
+        if not 0 <= step.axis < n_axes or any(step.axis in axes for axes in dims):
+            raise ValueError(f"{step}: axis {step.axis} is not a replicated axis of {dims}")
+        out[step.dim] = (*dims[step.dim], step.axis)
+        return tuple(out)
+    src = step.dim if isinstance(step, AllGather) else step.src_dim
+    check_dim(src)
+    if not dims[src] or dims[src][-1] != step.axis:
+        raise ValueError(
+            f"{step}: axis {step.axis} is not the innermost axis of dim {src} in {dims}; "
+            "only a dim's innermost axis can be gathered or moved"
+        )
+    out[src] = dims[src][:-1]
+    if isinstance(step, AlltoAll):
+        check_dim(step.dst_dim)
+        if step.dst_dim == src:
+            raise ValueError(f"{step}: src_dim and dst_dim must differ")
+        out[step.dst_dim] = (*dims[step.dst_dim], step.axis)
+    return tuple(out)
+
+
+def apply_step(layout: TensorLayout, step: Step) -> TensorLayout:
+    """The layout after `step` (pure; no tensors, no process group).
+
+    Args:
+        layout: the layout before the step.
+        step: a `Slice`, `AllGather` or `AlltoAll`.
+
+    Returns:
+        The layout after the step, on the same device matrix.
+
+    Raises:
+        ValueError: the step does not apply (e.g. the axis is not the dim's innermost one).
+
+    Example:
+        >>> m = DeviceMatrix((2, 2), ("dp", "mp"))
+        >>> str(apply_step(TensorLayout(m, ((0,), ())), AlltoAll(0, 0, 1)))
+        '(None, dp) on DeviceMatrix(dp=2, mp=2)'
+    """
+    dims = apply_dims(layout.dims, step, len(layout.matrix.shape))
+    return TensorLayout(layout.matrix, dims)
+
+
+def _parts(dims: Dims, d: int, sizes: Sequence[int]) -> int:
+    return math.prod(sizes[a] for a in dims[d])
+
+
+def legal_steps(dims: Dims, sizes: Sequence[int], shape: Sequence[int]) -> Iterator[Step]:
+    """Every step that may follow `dims` for a tensor of global `shape` on a matrix of `sizes`:
+    gathers and moves of each dim's innermost axis, slices by each replicated axis, keeping
+    every dim divisible by its number of parts."""
+    used = {a for axes in dims for a in axes}
+    for d, axes in enumerate(dims):
+        if axes:
+            a = axes[-1]
+            yield AllGather(d, a)
+            for e in range(len(dims)):
+                if e != d and shape[e] % (_parts(dims, e, sizes) * sizes[a]) == 0:
+                    yield AlltoAll(a, d, e)
+        for a, k in enumerate(sizes):
+            if a not in used and shape[d] % (_parts(dims, d, sizes) * k) == 0:
+                yield Slice(d, a)
+
+
+def block_bytes(dims: Dims, sizes: Sequence[int], shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of each rank's local block under `dims`."""
+    return itemsize * math.prod(n // _parts(dims, d, sizes) for d, n in enumerate(shape))
+
+
+def step_bytes(
+    dims: Dims, step: Step, sizes: Sequence[int], shape: Sequence[int], itemsize: int
+) -> int:
+    """Bytes each rank sends for `step` from layout `dims` (the collective's bound).
+
+    AllGather over k ranks of an s-byte local block: (k-1)·s; AlltoAll: (k-1)/k·s (exact: the
+    destination dim's local size divides by k); Slice: 0.
+    """
+    if isinstance(step, Slice):
+        return 0
+    s = block_bytes(dims, sizes, shape, itemsize)
+    k = sizes[step.axis]
+    return (k - 1) * s if isinstance(step, AllGather) else (k - 1) * s // k
