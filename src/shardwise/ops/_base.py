@@ -1,0 +1,214 @@
+"""The base of every shardable primitive: strategies, arguments and names.
+
+- `Primitive`: a `torch.nn.Module` carrying MindSpore's constructor arguments (`init_args`),
+  its strategies (`shard`, `in_strategy`, `out_strategy`) and its module path (`who`).
+- `normalize_strategy`: the light type checks `shard()` does (int tuples or Layout calls, never
+  mixed; lists become tuples). Everything that needs shapes or the device count waits for plan
+  time (`shardwise.ops.rules`).
+- `name_primitives`: gives every primitive inside a network its module path, for messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Self
+
+from torch import nn
+
+from shardwise.layout import Layout, LayoutTypeError, TensorLayout, strategy_kind
+from shardwise.ops._plan import Strategy
+from shardwise.ops._spec import fmt_strategy
+
+REQUIRED = object()
+"""Marks a call argument without default (Gather's axis, Reshape's shape, Transpose's perm)."""
+
+
+def _entry(entry: object, i: int, what: str, who: str) -> tuple[int, ...] | TensorLayout:
+    if isinstance(entry, TensorLayout):
+        return entry
+    if isinstance(entry, Layout):
+        raise LayoutTypeError(
+            f"{who}: {what} entry {i} is a Layout; call it with one alias per tensor dim, "
+            f"e.g. layout('dp', 'None')"
+        )
+    if isinstance(entry, tuple | list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in entry
+    ):
+        return tuple(entry)
+    hint = (
+        " (a strategy holds one tuple per input: ((2, 4),) not (2, 4))"
+        if isinstance(entry, int)
+        else ""
+    )
+    raise LayoutTypeError(
+        f"{who}: {what} entry {i} is {entry!r}; expected a tuple of ints or a Layout call{hint}"
+    )
+
+
+def normalize_strategy(strategy: object, what: str, who: str) -> Strategy | None:
+    """Check a `shard()` argument's types and return it as a tuple of tuples / layouts.
+
+    Args:
+        strategy: None, or one entry per input: a tuple of ints, or a `TensorLayout`.
+        what: ``"in_strategy"`` or ``"out_strategy"``, for messages.
+        who: the primitive, for messages.
+
+    Returns:
+        None, or the strategy with lists turned into tuples.
+
+    Raises:
+        LayoutTypeError: a wrong type (a `TypeError` that is also a `ValueError`).
+        ValueError: int tuples and Layouts mixed.
+
+    Example:
+        >>> normalize_strategy([[2, 4], [4, 1]], "in_strategy", "MatMul")
+        ((2, 4), (4, 1))
+    """
+    if strategy is None:
+        return None
+    if isinstance(strategy, Layout | TensorLayout) or not isinstance(strategy, tuple | list):
+        raise LayoutTypeError(
+            f"{who}: {what} must be a tuple with one entry per input (tuples of ints or Layout "
+            f"calls), got {strategy!r}"
+        )
+    if not strategy:
+        raise LayoutTypeError(f"{who}: {what} is empty; give one entry per input")
+    out = tuple(_entry(e, i, what, who) for i, e in enumerate(strategy))
+    strategy_kind(out, f"{who}: {what}")
+    return out
+
+
+class Primitive(nn.Module):
+    """A shardable compute primitive (base class).
+
+    Subclasses set `input_names` (tensor inputs, in call order) and `call_args` (non-tensor
+    arguments after them, with defaults), pass their constructor arguments to ``__init__`` and
+    implement ``forward`` with torch ops (the single-device result).
+
+    Attributes:
+        in_strategy: the strategy given to `shard` (None: the data-parallel default).
+        out_strategy: the output strategy given to `shard`, or None.
+        module_path: the primitive's name inside its network ("" until `name_primitives`).
+    """
+
+    input_names: ClassVar[tuple[str, ...]] = ("x",)
+    call_args: ClassVar[tuple[tuple[str, object], ...]] = ()
+
+    def __init__(self, **init_args: Any) -> None:
+        super().__init__()
+        self._init_args = dict(init_args)
+        for key, value in init_args.items():
+            setattr(self, key, value)
+        self.in_strategy: Strategy | None = None
+        self.out_strategy: Strategy | None = None
+        self.module_path = ""
+
+    @property
+    def name(self) -> str:
+        """The primitive's MindSpore name (its class name): the key of its rule in `RULES`."""
+        return type(self).__name__
+
+    @property
+    def who(self) -> str:
+        """How messages name it: ``"net.matmul1 (MatMul)"``, or ``"MatMul"`` before naming."""
+        return f"{self.module_path} ({self.name})" if self.module_path else self.name
+
+    def init_args(self) -> dict[str, Any]:
+        """The constructor arguments (MindSpore's primitive attributes)."""
+        return dict(self._init_args)
+
+    def op_args(self, **call_args: Any) -> dict[str, Any]:
+        """``{"op": name, **init_args, **call args}`` for a rule; missing call args take their
+        defaults.
+
+        Raises:
+            ValueError: an unknown call argument, or a required one missing.
+        """
+        known = dict(self.call_args)
+        unknown = sorted(set(call_args) - set(known))
+        if unknown:
+            raise ValueError(
+                f"{self.who}: unknown call arguments {unknown}; it takes {list(known)}"
+            )
+        args: dict[str, Any] = {"op": self.name, **self._init_args}
+        for key, default in known.items():
+            value = call_args.get(key, default)
+            if value is REQUIRED:
+                raise ValueError(f"{self.who}: planning needs the call argument {key!r}")
+            args[key] = value
+        return args
+
+    def split_call(self, *args: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Forward's positional arguments -> (tensor inputs, non-tensor call arguments)."""
+        n = len(self.input_names)
+        names = [key for key, _ in self.call_args]
+        return tuple(args[:n]), dict(zip(names, args[n:], strict=False))
+
+    def shard(self, in_strategy: object = None, out_strategy: object = None) -> Self:
+        """Set the strategies (MindSpore's ``Primitive.shard``); returns self.
+
+        Args:
+            in_strategy: one entry per input: a tuple of split counts per dim (``((2, 4), (4,
+                1))``), or a Layout call (``(layout("mp", ("sp", "dp")), ...)``); None keeps
+                the data-parallel default.
+            out_strategy: optional, same kind as `in_strategy` (MatMul / BatchMatMul / Gather:
+                ask for a ReduceScatter instead of an AllReduce).
+
+        Returns:
+            self, so that ``MatMul().shard(...)`` can be assigned directly.
+
+        Raises:
+            LayoutTypeError: wrong types (also a ValueError).
+            ValueError: int tuples and Layouts mixed (within or across the two strategies), or
+                an out_strategy without an in_strategy.
+
+        Example:
+            >>> mm = MatMul().shard(((2, 4), (4, 1)))
+        """
+        ins = normalize_strategy(in_strategy, "in_strategy", self.who)
+        outs = normalize_strategy(out_strategy, "out_strategy", self.who)
+        if outs is not None:
+            if ins is None:
+                raise ValueError(f"{self.who}: out_strategy needs an in_strategy as well")
+            if strategy_kind(ins, self.who) != strategy_kind(outs, self.who):
+                raise ValueError(
+                    f"{self.who}: in_strategy and out_strategy mix int tuples and Layouts; use "
+                    f"one kind for both"
+                )
+        self.in_strategy, self.out_strategy = ins, outs
+        return self
+
+    def extra_repr(self) -> str:
+        parts = [f"{k}={v!r}" for k, v in self._init_args.items()]
+        if self.in_strategy is not None:
+            parts.append(f"in_strategy={_show(self.in_strategy)}")
+        if self.out_strategy is not None:
+            parts.append(f"out_strategy={_show(self.out_strategy)}")
+        return ", ".join(parts)
+
+
+def _show(strategy: Sequence[object]) -> str:
+    return fmt_strategy(strategy)
+
+
+def name_primitives(net: nn.Module, prefix: str = "") -> dict[str, Primitive]:
+    """Give every primitive inside `net` its module path (``"matmul1"``, ``"block.attn.qk"``).
+
+    Args:
+        net: the network.
+        prefix: prepended to every path (``"net"`` -> ``"net.matmul1"``).
+
+    Returns:
+        Path -> primitive, in `named_modules` order (a shared primitive keeps its first path).
+
+    Example:
+        >>> name_primitives(net, "net")["net.matmul1"].who
+        'net.matmul1 (MatMul)'
+    """
+    found: dict[str, Primitive] = {}
+    for path, module in net.named_modules():
+        if isinstance(module, Primitive):
+            full = ".".join(p for p in (prefix, path) if p) or module.name
+            module.module_path = full
+            found[full] = module
+    return found

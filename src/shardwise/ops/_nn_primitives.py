@@ -1,0 +1,172 @@
+"""Network primitives: `LayerNorm`, `Dropout`, `SoftmaxCrossEntropyWithLogits`, `Gather`.
+
+Each forward is the single-device result, with MindSpore's outputs:
+
+- `LayerNorm` -> ``(y, mean, rstd)`` (MindSpore >= 2.3: the third output is the reciprocal of
+  the standard deviation, ``1 / sqrt(variance + epsilon)``; mean and rstd keep the leading
+  ``begin_norm_axis`` dims and have size 1 elsewhere).
+- `Dropout` -> ``(output, mask)`` (the CPU/GPU form: a mask of x's shape and dtype, 1 = kept).
+- `SoftmaxCrossEntropyWithLogits` -> ``(loss [N], backprop [N, C])``.
+- `Gather` -> ``params[..., indices, ...]`` along `axis` (with `batch_dims`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardwise.ops._base import REQUIRED, Primitive
+
+
+def _norm(axis: int, rank: int) -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise ValueError(f"axis {axis} is out of range for a tensor of {rank} dims")
+    return axis % rank if rank else 0
+
+
+class LayerNorm(Primitive):
+    """Layer normalization over the dims from `begin_norm_axis` on (MindSpore ``ops.LayerNorm``).
+
+    Args:
+        begin_norm_axis: first normalized dim of input_x.
+        begin_params_axis: gamma and beta have shape ``input_x.shape[begin_params_axis:]``.
+        epsilon: added to the variance.
+
+    Call ``op(input_x, gamma, beta)``; returns ``(y, mean, rstd)``. Strategy: the normalized
+    dims not split; gamma / beta split like ``input_x[begin_params_axis:]``, e.g.
+    ``((2, 1, 1), (1,), (1,))``.
+    """
+
+    input_names = ("input_x", "gamma", "beta")
+
+    def __init__(
+        self, begin_norm_axis: int = 1, begin_params_axis: int = 1, epsilon: float = 1e-7
+    ) -> None:
+        for name, value in (
+            ("begin_norm_axis", begin_norm_axis),
+            ("begin_params_axis", begin_params_axis),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"LayerNorm: {name} must be an int, got {value!r}")
+        if not isinstance(epsilon, float):
+            raise TypeError(f"LayerNorm: epsilon must be a float, got {epsilon!r}")
+        super().__init__(
+            begin_norm_axis=begin_norm_axis, begin_params_axis=begin_params_axis, epsilon=epsilon
+        )
+
+    def forward(
+        self, input_x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        args = self.init_args()
+        r = input_x.dim()
+        bna, bpa = _norm(args["begin_norm_axis"], r), _norm(args["begin_params_axis"], r)
+        eps = float(args["epsilon"])
+        if bna == bpa:
+            y, mean, rstd = torch.native_layer_norm(input_x, input_x.shape[bna:], gamma, beta, eps)
+            return y, mean, rstd
+        dims = tuple(range(bna, r))
+        mean = input_x.mean(dim=dims, keepdim=True)
+        var = input_x.var(dim=dims, keepdim=True, unbiased=False)
+        rstd = torch.rsqrt(var + eps)
+        return (input_x - mean) * rstd * gamma + beta, mean, rstd
+
+
+class Dropout(Primitive):
+    """Zero each element with probability ``1 - keep_prob`` and scale the rest by
+    ``1 / keep_prob`` (MindSpore ``ops.Dropout``); returns ``(output, mask)``.
+
+    Args:
+        keep_prob: probability of keeping an element, in (0, 1].
+        Seed0: op seed; with `Seed1`, a non-zero pair gives the op its own reproducible stream.
+        Seed1: global seed part.
+
+    As a PyTorch module, it is the identity (mask of ones) in ``eval()`` mode. Any strategy
+    with one value per dim; the mask has the output's layout.
+    """
+
+    def __init__(self, keep_prob: float = 0.5, Seed0: int = 0, Seed1: int = 0) -> None:
+        if not isinstance(keep_prob, float | int) or not 0 < keep_prob <= 1:
+            raise ValueError(f"Dropout: keep_prob must be in (0, 1], got {keep_prob!r}")
+        super().__init__(keep_prob=float(keep_prob), Seed0=Seed0, Seed1=Seed1)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        seed0, seed1 = int(self.init_args()["Seed0"]), int(self.init_args()["Seed1"])
+        if not seed0 and not seed1:
+            return None
+        if device not in self._generators:
+            gen = torch.Generator(device=device)
+            gen.manual_seed((seed0 << 32) ^ seed1)
+            self._generators[device] = gen
+        return self._generators[device]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = float(self.init_args()["keep_prob"])
+        if not self.training or keep == 1.0:
+            return x, torch.ones_like(x)
+        noise = torch.rand(
+            x.shape, dtype=x.dtype, device=x.device, generator=self._generator(x.device)
+        )
+        mask = (noise < keep).to(x.dtype)
+        return x * mask / keep, mask
+
+
+class SoftmaxCrossEntropyWithLogits(Primitive):
+    """Cross entropy of ``softmax(logits)`` against (one-hot or soft) labels, per sample
+    (MindSpore ``ops.SoftmaxCrossEntropyWithLogits``).
+
+    Call ``op(logits, labels)`` with both [N, C]; returns ``(loss [N], backprop [N, C])`` where
+    ``backprop = softmax(logits) - labels`` (the gradient of the summed loss). Strategy: the
+    class dim not split, e.g. ``((8, 1), (8, 1))``.
+    """
+
+    input_names = ("logits", "labels")
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def forward(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = -(labels * torch.log_softmax(logits, -1)).sum(-1)
+        return loss, torch.softmax(logits, -1) - labels
+
+
+class Gather(Primitive):
+    """Take slices of `input_params` along `axis` at `input_indices` (MindSpore ``ops.Gather``).
+
+    Args:
+        batch_dims: leading dims shared by params and indices (gathered per batch element).
+
+    Call ``op(input_params, input_indices, axis)``; the output has shape
+    ``params[:axis] + indices[batch_dims:] + params[axis + 1:]``. Strategy ``(params, indices)``;
+    params split on `axis` (an embedding split by rows) means each rank looks up only the rows it
+    holds and the results are summed (AllReduce); split on other dims, no communication.
+
+    Example:
+        >>> Gather().shard(((1, 8), (1, 1)))(table, ids, 0)      # table split by columns
+    """
+
+    input_names = ("input_params", "input_indices")
+    call_args = (("axis", REQUIRED),)
+
+    def __init__(self, batch_dims: int = 0) -> None:
+        if isinstance(batch_dims, bool) or not isinstance(batch_dims, int) or batch_dims < 0:
+            raise TypeError(f"Gather: batch_dims must be an int >= 0, got {batch_dims!r}")
+        super().__init__(batch_dims=batch_dims)
+
+    def forward(
+        self, input_params: torch.Tensor, input_indices: torch.Tensor, axis: int
+    ) -> torch.Tensor:
+        params, indices = input_params, input_indices
+        b = int(self.init_args()["batch_dims"])
+        axis = _norm(axis, params.dim())
+        shape = (*params.shape[:axis], *indices.shape[b:], *params.shape[axis + 1 :])
+        if b == 0:
+            return params.index_select(axis, indices.reshape(-1)).reshape(shape)
+        batch = math.prod(params.shape[:b])
+        flat = params.reshape(batch, *params.shape[b:]).movedim(axis - b + 1, 1)
+        rows = torch.arange(batch, device=params.device).unsqueeze(1)
+        out = flat[rows, indices.reshape(batch, -1)]  # [batch, K, params[b:axis], params[axis+1:]]
+        return out.movedim(1, 1 + axis - b).reshape(shape)
