@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench import collectives, loopback
+from bench import collectives, dataloading, loopback, manual_dp
 from bench.harness import BenchConfig, KiB, MiB, WorkerError, host_info
 
 BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
     "loopback": loopback.run,
     "collectives": collectives.run,
+    "manual_dp": manual_dp.run,
+    "dataloading": dataloading.run,
 }
 QUICK_SIZES = (4 * KiB,)
 

@@ -3,7 +3,8 @@
 Each function validates what this rank can check, issues the torch.distributed call (or, in a
 simulated world, the one the simulator answers), and reports a `CommRecord`:
 
-- `all_reduce`, `all_gather` (concat on dim 0), `reduce_scatter` (split on dim 0),
+- `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
+  `reduce_scatter` (split on dim 0),
   `broadcast`, `reduce` (to one rank, used by Broadcast's gradient), `all_to_all`;
 - `exchange`: point-to-point sends/receives (NeighborExchange and its V2 halo form).
 
@@ -111,13 +112,17 @@ def _is_gloo(g: Group) -> bool:
 
 def all_reduce(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
     """Reduce `t` over the group; every rank gets the result (a new tensor)."""
+    return all_reduce_(t.detach().clone(memory_format=torch.contiguous_format), op, group)
+
+
+def all_reduce_(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
+    """Reduce contiguous `t` over the group in place (no copy); returns `t`."""
     g = resolve_group(group)
     _check_same_shape("AllReduce", t)
     start = recorder.start()
-    out = t.detach().clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=op.torch_op(), group=g.pg)
+    dist.all_reduce(t, op=op.torch_op(), group=g.pg)
     _record("AllReduce", g, t, start)
-    return out
+    return t
 
 
 def all_gather(t: torch.Tensor, group: str | Group | None) -> torch.Tensor:

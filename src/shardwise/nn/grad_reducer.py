@@ -1,8 +1,9 @@
 """Manual data parallel: average (or sum) gradients over the ranks, in fused buckets.
 
 `DistributedGradReducer` groups parameters into buckets of at most `bucket_mb` MiB (same dtype and
-device, in parameter order), and per bucket: flattens the gradients (`_flatten`), issues one
-AllReduce, scales by 1/degree when `mean`, and copies the result back (`_unflatten`).
+device, in parameter order), and per bucket: copies the gradients into one flat buffer (kept
+across steps, so no allocation per step), all-reduces it in place, scales it by 1/degree when
+`mean`, and copies the result back (`_reduce_into_buffers`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class DistributedGradReducer:
             raise ValueError(f"DistributedGradReducer: bucket_mb={bucket_mb} must be > 0")
         self.mean, self.degree, self.group = mean, degree, group
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self._buffers: dict[tuple[object, ...], torch.Tensor] = {}
 
     def __call__(
         self, grads: Sequence[torch.Tensor] | None = None
@@ -78,26 +80,30 @@ class DistributedGradReducer:
         the same network, so they agree on which ones).
         """
         if grads is not None:
-            reduced = self._reduce([g.detach() for g in grads])
-            return tuple(reduced)
-        params = [p for p in self.parameters if p.grad is not None]
-        reduced = self._reduce([p.grad for p in params if p.grad is not None])
-        for p, g in zip(params, reduced, strict=True):
-            assert p.grad is not None
-            p.grad.copy_(g)
+            copies = [g.detach().clone() for g in grads]
+            self._reduce_into_buffers(copies, {})
+            return tuple(copies)
+        live = [p.grad for p in self.parameters if p.grad is not None]
+        self._reduce_into_buffers(live, self._buffers)
         return None
 
-    def _reduce(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _reduce_into_buffers(
+        self, tensors: list[torch.Tensor], cache: dict[tuple[object, ...], torch.Tensor]
+    ) -> None:
+        """All-reduce `tensors` in place, one flat buffer per bucket (reused via `cache`)."""
         degree = self.degree or get_group_size(self.group)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
         for bucket in _buckets(tensors, self.bucket_bytes):
-            flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
-            flat = C.all_reduce(flat, C.ReduceOp.SUM, self.group)
+            parts = [tensors[i] for i in bucket]
+            key = tuple((t.shape, t.dtype, t.device) for t in parts)
+            flat = cache.get(key)
+            if flat is None:
+                flat = parts[0].new_empty(sum(t.numel() for t in parts))
+                cache[key] = flat
+            torch.cat([t.reshape(-1) for t in parts], out=flat)
+            C.all_reduce_(flat, C.ReduceOp.SUM, self.group)
             if self.mean:
-                flat = flat / degree
+                flat.div_(degree)
             offset = 0
-            for i in bucket:
-                n = tensors[i].numel()
-                out[i] = flat[offset : offset + n].view_as(tensors[i])
-                offset += n
-        return out
+            for t in parts:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

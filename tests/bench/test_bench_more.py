@@ -1,0 +1,64 @@
+"""Smoke test of the ``manual_dp`` and ``dataloading`` benchmarks (``--quick``, 2 ranks).
+
+`test_manual_dp_quick` runs the real 2-rank gloo job and checks the printed tables and the
+saved JSON: parameters equal after the check steps, 3 shardwise collectives per step, recorded
+bytes = the ring bound. `test_dataloading_quick` runs the 1-rank job on the synthetic IDX set
+(``--quick`` always writes one) and checks the consistency checks and the shard arithmetic.
+Neither asserts a timing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(name: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench.__main__ import main
+
+    args = ["--quick", "--ranks", "2", "--timeout", "60", "--only", name, "--out", str(out)]
+    assert main(args) == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_manual_dp_quick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run("manual_dp", tmp_path, monkeypatch)
+    printed = capsys.readouterr().out
+    text = (tmp_path / "manual_dp.txt").read_text()
+    for word in ("shardwise ms", "DDP ms", "one process ms", "sw/DDP", "sw/one", "theory"):
+        assert word in text and word in printed, word
+
+    (row,) = json.loads((tmp_path / "manual_dp.json").read_text())["rows"]
+    assert row["world_size"] == 2 and row["equal"] is True
+    assert row["diff_ddp"] <= 1e-5 and row["diff_single"] <= 1e-5
+    assert row["collectives"] == 3  # loss forward + loss backward + one fused gradient bucket
+    assert row["recorded_bytes"] == row["theory_bytes"] == row["param_bytes"] + 8  # N = 2
+    assert row["ddp_buckets"] in (None, 1, 2, 3)
+    assert min(row["shardwise_s"], row["ddp_s"], row["single_s"]) > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_dataloading_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run("dataloading", tmp_path, monkeypatch)
+    text = (tmp_path / "dataloading.txt").read_text()
+    for word in ("torch per-sample", "torch batched", "shardwise sharded", "SYNTHETIC"):
+        assert word in text, word
+
+    data = json.loads((tmp_path / "dataloading.json").read_text())
+    assert data["meta"]["checks"] == {"values": True, "shards": True}
+    rows = {(r["pipeline"], r["workers"]): r for r in data["rows"]}
+    assert len(rows) == 8
+    for workers in (0, 2):
+        whole, shard = rows[("shardwise", workers)], rows[("shardwise sharded", workers)]
+        assert whole["rows"] == rows[("torch per-sample", workers)]["rows"] == 1024
+        assert shard["rows"] * 4 == whole["rows"] and shard["batches"] == whole["batches"]
+        assert all(r["epoch_s"] > 0 for r in data["rows"])
