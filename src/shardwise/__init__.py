@@ -10,6 +10,7 @@ from shardwise import (
     layout,
     nn,
     ops,
+    parallel,
     parameter,
     redistribution,
     train,
@@ -18,12 +19,14 @@ from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_chec
 from shardwise.communication import CommRecorder
 from shardwise.context import get_seed, set_seed
 from shardwise.layout import Layout
+from shardwise.parallel import AutoParallel
 from shardwise.parameter import Parameter, initializer, no_init_parameters, set_comm_fusion
 from shardwise.train import Model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoParallel",
     "CommRecorder",
     "Layout",
     "Model",
@@ -40,6 +43,7 @@ __all__ = [
     "nn",
     "no_init_parameters",
     "ops",
+    "parallel",
     "parameter",
     "redistribution",
     "save_checkpoint",

@@ -1,0 +1,21 @@
+"""Operator-level parallel runtime (``shardwise.parallel``).
+
+- `AutoParallel` (`_auto`): the semi_auto wrapper; plans on the first call, then runs each
+  primitive on this rank's blocks with the collectives its strategy implies.
+- `_plan`: step 1, tracing the primitive calls and planning them on one global matrix.
+- `_runtime`: steps 2 to 4, parameter blocks, operator collectives, gradient reduction.
+"""
+
+from shardwise.parallel._auto import AutoParallel
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._plan import CallPlan, NetworkPlan, PrimitiveCall, plan_network, trace_calls
+
+__all__ = [
+    "AutoParallel",
+    "CallPlan",
+    "NetworkPlan",
+    "PrimitiveCall",
+    "UnsupportedParallelError",
+    "plan_network",
+    "trace_calls",
+]

@@ -1,0 +1,144 @@
+"""Steps 2 to 4 on this rank: parameter blocks, operator collectives, gradient reduction.
+
+- `data_parallel_layout`: dim 0 split over every axis of the global matrix (the layout in which
+  network inputs arrive and the wrapper's outputs leave).
+- `shard_parameters` (step 2, apply): replaces each consumed parameter's data by this rank's
+  block, cut with `redistribute` from the replicated layout (local slices only, no collective;
+  the coordinates are computed from the rank, so it also works in a simulated world).
+- `apply_comms` (step 3, run): the forward collectives of an `OpPlan` (`AllReduce` sum / mean,
+  `ReduceScatter`), with the autograd-aware primitives of `shardwise.communication`.
+- `register_grad_reduction` (step 4, gradients): a tensor hook on every sharded parameter that
+  sums its partial gradient over the axes on which the parameter is replicated and divides by
+  the world size (see `reduce_gradient`).
+
+Groups (`group_for`) are named by the matrix, the axes and the ranks, the same on every rank. In
+a real job each rank creates the group it belongs to; in a simulated world the group holding
+rank 0 is created and its translates run at once (the matrix must use the default rank_list).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shardwise import communication as comm
+from shardwise.communication import recorder
+from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.ops import Comm, OpPlan
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.redistribution import redistribute
+
+Shape = tuple[int, ...]
+
+
+def data_parallel_layout(matrix: DeviceMatrix, ndim: int) -> TensorLayout:
+    """Dim 0 split over every axis of `matrix` (outer first), other dims whole."""
+    axes = tuple(a for a, s in enumerate(matrix.shape) if s > 1)
+    return TensorLayout(matrix, (axes,) + ((),) * (ndim - 1))
+
+
+def replicated_layout(matrix: DeviceMatrix, ndim: int) -> TensorLayout:
+    """Every dim whole on every rank."""
+    return TensorLayout(matrix, ((),) * ndim)
+
+
+def _simulated() -> bool:
+    return not isinstance(comm.get_rank(), int)
+
+
+def group_for(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str | None, tuple[int, ...]]:
+    """This rank's group along `axes` of `matrix` (None: the world) and its members, ordered by
+    coordinate (first axis outer). Created on first use."""
+    simulated = _simulated()
+    if simulated and matrix.rank_list != tuple(range(comm.get_group_size())):
+        raise ValueError(f"in a simulated world {matrix} must span it with the default rank_list")
+    members = matrix.group_along(0 if simulated else comm.get_rank(), tuple(axes))
+    ranks = tuple(sorted(members))
+    if len(ranks) == comm.get_group_size():
+        return None, members
+    digest = hashlib.sha1(str(matrix).encode(), usedforsecurity=False).hexdigest()[:8]
+    names = ",".join(matrix.names[a] for a in axes)
+    name = f"parallel:{names}@{digest}:{'-'.join(map(str, ranks))}"
+    try:
+        comm.get_group_size(name)
+    except ValueError:
+        comm.create_group(name, list(ranks))
+    return name, members
+
+
+def _one_comm(x: torch.Tensor, c: Comm, matrix: DeviceMatrix) -> torch.Tensor:
+    axes = c.axis_indices(matrix)
+    group, members = group_for(matrix, axes)
+    if len(members) == 1:
+        return x
+    if c.kind == "AllReduce":
+        y: torch.Tensor = comm.AllReduce("sum", group)(x)
+        return y / len(members) if c.op == "mean" else y
+    if c.kind == "ReduceScatter" and c.op == "sum" and c.dim is not None:
+        if tuple(sorted(members)) != members:
+            raise UnsupportedParallelError(f"{c}: group order differs from rank order")
+        out: torch.Tensor = comm.ReduceScatter("sum", group)(x.movedim(c.dim, 0))
+        return out.movedim(0, c.dim)
+    raise UnsupportedParallelError(f"collective {c} is not supported by the runtime yet")
+
+
+def apply_comms(outputs: list[torch.Tensor], plan: OpPlan) -> list[torch.Tensor]:
+    """Combine the partial outputs of `plan` (in place in the list, returned)."""
+    for c in plan.comms:
+        outputs[c.output] = _one_comm(outputs[c.output], c, plan.matrix)
+    return outputs
+
+
+def _owner(network: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (network.get_submodule(path) if path else network), attr
+
+
+def shard_parameters(network: nn.Module, params: Mapping[str, tuple[TensorLayout, Shape]]) -> None:
+    """Replace each parameter's data by this rank's block of it (same Parameter objects, so an
+    optimizer built before still holds them)."""
+    for name, (layout, shape) in params.items():
+        owner, attr = _owner(network, name)
+        p = getattr(owner, attr)
+        if tuple(p.shape) != tuple(shape):
+            raise ValueError(f"parameter {name!r} has shape {list(p.shape)}, planned {shape}")
+        with torch.no_grad():
+            full = p.detach()
+            block = redistribute(full, replicated_layout(layout.matrix, len(shape)), layout, shape)
+            p.set_(block.clone())  # keeps the Parameter object (`.data =` ignores LocalTensors)
+
+
+def reduce_gradient(layout: TensorLayout, world: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gradient hook of a parameter with `layout`.
+
+    Autograd over the shardwise collectives computes the gradient of the sum over ranks of each
+    rank's loss, and a replicated tensor gets partial gradients that sum to its gradient. The
+    loss is one value replicated on all `world` ranks, so the true gradient of a parameter block
+    is the sum of its partials over the replicated axes divided by `world`.
+    """
+    axes = tuple(a for a in layout.replicated_axes() if layout.matrix.shape[a] > 1)
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        with recorder.phase("backward"):
+            if axes:
+                group, _ = group_for(layout.matrix, axes)
+                g = comm.AllReduce("sum", group)(g)
+        return g / world
+
+    return hook
+
+
+def register_grad_reduction(
+    network: nn.Module, params: Mapping[str, tuple[TensorLayout, Shape]]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Register `reduce_gradient` on every planned parameter; returns the handles."""
+    world = comm.get_group_size()
+    handles = []
+    for name, (layout, _) in params.items():
+        owner, attr = _owner(network, name)
+        p: torch.Tensor = getattr(owner, attr)
+        handles.append(p.register_hook(reduce_gradient(layout, world)))
+    return handles

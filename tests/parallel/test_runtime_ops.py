@@ -1,0 +1,155 @@
+"""`AutoParallel` on small networks that exercise each runtime path, on 8 simulated ranks.
+
+Each network's output (every rank's rows, data parallel) and every parameter block's gradient
+are compared with the single-device run. The loss is ``sum(out * W)`` over the global output for
+a fixed random W: each rank sums its rows, then an AllReduce makes it one replicated value.
+
+Paths: a MatMul whose `out_strategy` asks for a ReduceScatter; Reshape (the local target shape);
+a broadcast bias parameter replicated over some axes (gradient AllReduce over them); ReduceMean
+over a split dim (AllReduce(mean)) and a 1-D output. Plus the runtime's errors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel, UnsupportedParallelError
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+WORLD = 8
+
+
+def _param(*shape: int, seed: int) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)))
+
+
+class ReduceScatterNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(32, 16, seed=1)
+        self.mm = sw.ops.MatMul().shard(((2, 4), (4, 1)), out_strategy=((8, 1),))
+        self.relu = sw.ops.ReLU().shard(((8, 1),))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.relu(self.mm(x, self.w))
+        return out
+
+
+class ReshapeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(6, 4, seed=2)
+        self.reshape = sw.ops.Reshape()
+        self.mm = sw.ops.MatMul().shard(((4, 1), (1, 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mm(self.reshape(x, (64, 6)), self.w)
+        return out
+
+
+class BiasNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(32, 16, seed=3)
+        self.b = _param(16, seed=4)
+        self.mm = sw.ops.MatMul().shard(((2, 1), (1, 4)))
+        self.add = sw.ops.Add().shard(((2, 4), (4,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.add(self.mm(x, self.w), self.b)
+        return out
+
+
+class MeanNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(32, 16, seed=5)
+        self.mm = sw.ops.MatMul().shard(((2, 1), (1, 4)))
+        self.mean = sw.ops.ReduceMean().shard(((2, 4),))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mean(self.mm(x, self.w), 1)
+        return out
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], dict[str, int]]] = {
+    # name: (network, global input shape, forward collectives by kind)
+    "reduce_scatter": (ReduceScatterNet, (16, 32), {"AlltoAll": 1, "ReduceScatter": 1}),
+    "reshape": (ReshapeNet, (16, 4, 6), {"AllGather": 1, "AlltoAll": 1}),
+    "bias": (BiasNet, (16, 32), {"AllGather": 1, "AlltoAll": 1}),
+    "mean": (MeanNet, (16, 32), {"AllGather": 1, "AllReduce": 1}),
+}
+
+
+def _single(net: nn.Module, x: torch.Tensor, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = net(x)
+    (out * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return {"out": out.detach(), **grads}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_output_and_gradient_blocks(case: str) -> None:
+    make, shape, forward = CASES[case]
+    net = make()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    upstream = torch.randn(make()(x).shape, generator=g)
+    want = _single(make(), x, upstream)
+    rows = shape[0] // WORLD
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net)
+        x_local = world.rank_map(lambda r: x[r * rows : (r + 1) * rows].clone())
+        out_rows = want["out"].shape[0] // WORLD
+        w_local = world.rank_map(lambda r: upstream[r * out_rows : (r + 1) * out_rows].clone())
+        with CommRecorder() as rec:
+            out = parallel(x_local)
+            sw.ops.AllReduce()((out * w_local).sum()).backward()
+        kinds = Counter(r.kind for r in rec.select(phase="forward"))
+        kinds -= Counter({"AllReduce": 1})  # the loss
+        full = want["out"]
+        assert_matches_single_device(
+            out, lambda r: full[r * out_rows : (r + 1) * out_rows], what="output"
+        )
+        assert parallel.network_plan is not None
+        for name, p in net.named_parameters():
+            layout, pshape = parallel.network_plan.params[name]
+            grad = want[name]
+            assert p.grad is not None
+            assert_matches_single_device(
+                p.grad, lambda r, g=grad, lay=layout, s=pshape: g[lay.local_slice(r, s)], what=name
+            )
+        assert kinds == Counter(forward), rec.summary()
+
+
+class TorchOpNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(32, 16, seed=6)
+        self.mm = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mm(x * 2, self.w)
+        return out
+
+
+def test_unannotated_torch_op_is_refused() -> None:
+    net, x = TorchOpNet(), torch.zeros(2, 32)
+    with simulated_world(WORLD) as world:
+        parallel = AutoParallel(world.replicate(net))
+        with pytest.raises(
+            UnsupportedParallelError, match=r"mm \(MatMul\): an input was not produced"
+        ):
+            parallel(world.same(x))
+
+
+def test_only_semi_auto() -> None:
+    with pytest.raises(ValueError, match="only 'semi_auto'"):
+        AutoParallel(ReduceScatterNet(), parallel_mode="auto_parallel")
