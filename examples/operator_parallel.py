@@ -117,7 +117,10 @@ def main(network_factory: Any = None) -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=200, help="steps per epoch (-1: all)")
     parser.add_argument("--losses-out", default="", help="write rank 0's losses here (tests)")
+    parser.add_argument("--save-graphs", type=int, default=0, help="IR dumps, level 0-3")
+    parser.add_argument("--save-graphs-path", default="./saved_graph")
     args = parser.parse_args()
+    sw.set_context(save_graphs=args.save_graphs, save_graphs_path=args.save_graphs_path)
     factory = network_factory or (lambda n: Network(strategies(n)))
     losses = train(factory, args.epochs, args.max_steps)
     if args.losses_out and get_rank() == 0:

@@ -13,11 +13,12 @@ from shardwise import (
     parallel,
     parameter,
     redistribution,
+    report,
     train,
 )
 from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
 from shardwise.communication import CommRecorder
-from shardwise.context import get_seed, set_seed
+from shardwise.context import get_context, get_seed, set_context, set_seed
 from shardwise.layout import Layout
 from shardwise.parallel import AutoParallel
 from shardwise.parameter import Parameter, initializer, no_init_parameters, set_comm_fusion
@@ -35,6 +36,7 @@ __all__ = [
     "checkpoint",
     "communication",
     "dataset",
+    "get_context",
     "get_seed",
     "initializer",
     "layout",
@@ -46,8 +48,10 @@ __all__ = [
     "parallel",
     "parameter",
     "redistribution",
+    "report",
     "save_checkpoint",
     "set_comm_fusion",
+    "set_context",
     "set_seed",
     "train",
 ]

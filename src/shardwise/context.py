@@ -1,16 +1,25 @@
-"""Global settings shared by every rank: `set_seed` for now.
+"""Global settings shared by every rank: `set_seed`, `set_context` / `get_context`.
 
 `set_seed(seed)` seeds Python's `random`, NumPy (when installed) and torch (CPU and every CUDA
 device) identically on every rank, and makes CPU runs bit-for-bit repeatable.
+
+`set_context(save_graphs=..., save_graphs_path=...)` holds the report settings (MindSpore's
+``set_context`` keys of the same names): `shardwise.report.dump_plan` reads them when
+`AutoParallel` plans and writes ``<save_graphs_path>/rank_<r>/{step_parallel_begin,execute}.ir``
+(docs/report.md). `get_context(name)` reads one setting back.
 """
 
 from __future__ import annotations
 
+import os
 import random
+from typing import Any
 
 import torch
 
 _seed: int | None = None
+
+_CONTEXT: dict[str, Any] = {"save_graphs": 0, "save_graphs_path": "./saved_graph"}
 
 
 def set_seed(seed: int) -> None:
@@ -48,3 +57,60 @@ def set_seed(seed: int) -> None:
 def get_seed() -> int | None:
     """The seed given to the last `set_seed`, or None."""
     return _seed
+
+
+def set_context(
+    *,
+    save_graphs: int | bool | None = None,
+    save_graphs_path: str | os.PathLike[str] | None = None,
+) -> None:
+    """Set global options (MindSpore's ``set_context``); an argument left None is unchanged.
+
+    Args:
+        save_graphs: report level. 0: no report; 1: per rank ``step_parallel_begin.ir`` (every
+            primitive call with its global shapes and strategies) and ``execute.ir`` (local
+            shapes and every inserted communication op with its rank group); 2: adds bytes per
+            communication and this rank's block of every tensor; 3: adds every rank's block
+            (the slice table). ``True`` / ``False`` mean 1 / 0, as in MindSpore.
+        save_graphs_path: the directory the reports go under (``rank_<r>/`` per rank), created
+            when written; default ``"./saved_graph"``.
+
+    Raises:
+        ValueError: `save_graphs` is not 0, 1, 2, 3 or a bool; `save_graphs_path` is empty.
+        TypeError: `save_graphs_path` is not a str or os.PathLike.
+
+    Example:
+        >>> sw.set_context(save_graphs=2, save_graphs_path="./saved_graph")
+        >>> sw.get_context("save_graphs")
+        2
+    """
+    if save_graphs is not None:
+        if isinstance(save_graphs, bool):
+            save_graphs = int(save_graphs)
+        if not isinstance(save_graphs, int) or save_graphs not in (0, 1, 2, 3):
+            raise ValueError(
+                f"set_context: save_graphs={save_graphs!r} must be 0, 1, 2, 3 (or a bool)"
+            )
+    if save_graphs_path is not None:
+        if not isinstance(save_graphs_path, str | os.PathLike):
+            raise TypeError(
+                f"set_context: save_graphs_path={save_graphs_path!r} must be a str or "
+                f"os.PathLike, not {type(save_graphs_path).__name__}"
+            )
+        if not os.fspath(save_graphs_path):
+            raise ValueError("set_context: save_graphs_path must not be empty")
+    if save_graphs is not None:
+        _CONTEXT["save_graphs"] = save_graphs
+    if save_graphs_path is not None:
+        _CONTEXT["save_graphs_path"] = os.fspath(save_graphs_path)
+
+
+def get_context(name: str) -> Any:
+    """The value of one `set_context` option (``"save_graphs"``, ``"save_graphs_path"``).
+
+    Raises:
+        ValueError: unknown option (the message lists the known ones).
+    """
+    if name not in _CONTEXT:
+        raise ValueError(f"get_context: unknown option {name!r}; known: {sorted(_CONTEXT)}")
+    return _CONTEXT[name]

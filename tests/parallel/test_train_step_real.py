@@ -1,0 +1,24 @@
+"""API.md's train step (seed 003 with nn.Linear, F.relu and nn.CrossEntropyLoss) under
+`AutoParallel` on 8 real gloo processes started by `shardwise run`: the returned loss and every
+parameter block after each of 3 SGD steps equal the single-device run (train_step_worker.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.testing import run_job
+
+WORKER = Path(__file__).parent / "train_step_worker.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_train_step_on_eight_real_processes(tmp_path: Path) -> None:
+    res = run_job(WORKER, 8, tmp_path / "logs", timeout=150)
+    logs = [res.worker_log(r) for r in range(8)]
+    assert res.returncode == 0, res.output + "".join(logs)
+    for rank, log in enumerate(logs):
+        for step in range(3):
+            assert f"CHECK step {step} OK" in log, f"rank {rank}, step {step}:\n{log}"

@@ -1,0 +1,59 @@
+"""`sw.set_context` / `get_context`: the report options and their validation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shardwise.context import get_context, get_seed, set_context, set_seed
+
+
+@pytest.fixture(autouse=True)
+def _restore() -> Iterator[None]:
+    yield
+    set_context(save_graphs=0, save_graphs_path="./saved_graph")
+
+
+def test_defaults_and_set() -> None:
+    assert get_context("save_graphs") == 0
+    assert get_context("save_graphs_path") == "./saved_graph"
+    set_context(save_graphs=2, save_graphs_path=Path("/tmp/g"))
+    assert get_context("save_graphs") == 2
+    assert get_context("save_graphs_path") == "/tmp/g"
+    set_context(save_graphs=True)  # MindSpore's bool form
+    assert get_context("save_graphs") == 1
+    assert get_context("save_graphs_path") == "/tmp/g"  # untouched
+
+
+@pytest.mark.parametrize("bad", [4, -1, 1.0, "1", [1]])
+def test_bad_level(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"save_graphs=.* must be 0, 1, 2, 3"):
+        set_context(save_graphs=bad)  # type: ignore[arg-type]
+    assert get_context("save_graphs") == 0
+
+
+@pytest.mark.parametrize("bad", [3, b"/tmp", ["a"]])
+def test_bad_path_type(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"save_graphs_path=.* must be a str or os.PathLike"):
+        set_context(save_graphs_path=bad)  # type: ignore[arg-type]
+
+
+def test_empty_path_and_nothing_half_set() -> None:
+    with pytest.raises(ValueError, match="must not be empty"):
+        set_context(save_graphs=2, save_graphs_path="")
+    assert get_context("save_graphs") == 0  # validation happens before any change
+
+
+def test_unknown_option() -> None:
+    with pytest.raises(ValueError, match=r"unknown option 'mode'.*save_graphs"):
+        get_context("mode")
+    with pytest.raises(TypeError):
+        set_context(mode=0)  # type: ignore[call-arg]
+
+
+def test_seed_untouched() -> None:
+    set_seed(7)
+    set_context(save_graphs=1)
+    assert get_seed() == 7
