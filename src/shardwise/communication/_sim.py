@@ -8,7 +8,8 @@ simulated ranks. All private torch imports stay in `shardwise.testing`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +39,14 @@ class Simulator(Protocol):
 
     def local_tensors(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Each rank's local value of `t`."""
+        ...
+
+    def rank_map(self, fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """One tensor whose value on rank r is ``fn(r)``."""
+        ...
+
+    def outside(self) -> AbstractContextManager[Any]:
+        """A context in which tensors are plain (no per-rank values, one RNG draw)."""
         ...
 
     def from_local_tensors(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -4,7 +4,9 @@
   network inputs arrive and the wrapper's outputs leave).
 - `shard_parameters` (step 2, apply): replaces each consumed parameter's data by this rank's
   block, cut with `redistribute` from the replicated layout (local slices only, no collective;
-  the coordinates are computed from the rank, so it also works in a simulated world).
+  the coordinates are computed from the rank, so it also works in a simulated world); a network
+  built inside ``sw.no_init_parameters()`` instead materializes only this rank's blocks
+  (`_delayed.materialize_blocks`).
 - `apply_comms` (step 3, run): the forward collectives of an `OpPlan` (`AllReduce` sum / mean,
   `ReduceScatter`), with the autograd-aware primitives of `shardwise.communication`.
 - `register_grad_reduction` (step 4, gradients): a tensor hook on every sharded parameter that
@@ -28,6 +30,7 @@ from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
+from shardwise.parallel._delayed import has_deferred, materialize_blocks
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.redistribution import redistribute
 
@@ -99,7 +102,15 @@ def _owner(network: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def shard_parameters(network: nn.Module, params: Mapping[str, tuple[TensorLayout, Shape]]) -> None:
     """Replace each parameter's data by this rank's block of it (same Parameter objects, so an
-    optimizer built before still holds them)."""
+    optimizer built before still holds them).
+
+    A network built inside ``sw.no_init_parameters()`` is materialized here instead, each rank
+    keeping only its blocks (`materialize_blocks`: each tensor is generated, cut and freed in
+    turn, so no rank holds the whole replicated model).
+    """
+    if has_deferred(network):
+        materialize_blocks(network, params)
+        return
     for name, (layout, shape) in params.items():
         owner, attr = _owner(network, name)
         p = getattr(owner, attr)

@@ -4,7 +4,8 @@
   MindSpore's ``with no_init_parameters:`` both work). Entering starts a `Session`, pushes
   the `Recorder` torch-function mode and global module-registration hooks that note which
   modules own deferred tensors; leaving records the exit RNG state and puts a forward
-  pre-hook on every owner (`_AutoMaterialize`) so the first forward materializes everything.
+  pre-hook on every owner (`_AutoMaterialize`) so the first forward materializes everything
+  (a forward on meta inputs only, such as a planner's shape trace, is let through untouched).
 - `materialize`: replace the deferred tensors of a module (or one tensor) by real ones, in
   place (same objects, so optimizers created inside the block keep working), optionally
   only a slice per tensor (``slicer``) and on another device.
@@ -141,7 +142,7 @@ class _AutoMaterialize:
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         session = self._session
-        if session is None or session.closed:
+        if session is None or session.closed or _meta_call(args):
             return
         targets = _owner_targets(session)
         if targets:
@@ -153,6 +154,13 @@ class _AutoMaterialize:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._session = None
+
+
+def _meta_call(args: Any) -> bool:
+    """Whether a forward gets only meta tensors (shape tracing, e.g. AutoParallel's plan):
+    it computes nothing, so it neither needs values nor ends the session."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)] if isinstance(args, tuple) else []
+    return bool(tensors) and all(t.is_meta for t in tensors)
 
 
 def _owner_targets(session: Session) -> list[Target]:

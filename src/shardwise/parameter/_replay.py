@@ -167,6 +167,7 @@ def compute(
                 root = real.pop(key)
                 for position in wanted.get(key, ()):
                     values[position] = _extract(root, targets[position], slicer, device)
+                del root  # else it stays alive while the next entry allocates its root
     missing = [targets[i].name for i, value in enumerate(values) if value is None]
     if missing:
         raise DeferredInitError(f"no recorded value for {', '.join(missing)}")

@@ -1,0 +1,159 @@
+"""Delayed init under `AutoParallel`: seed 003's network built inside ``sw.no_init_parameters()``.
+
+The network (seed 003's strategies, `sw.Parameter(sw.initializer("normal", ...))` weights) and its
+SGD optimizer are built inside the block after ``torch.manual_seed(SEED)``; on 8 simulated ranks
+AutoParallel's first call materializes each rank's blocks only. Against the single-device network
+built eagerly after the same seed: every rank's block of every parameter before the first step
+(parity from step 0), the 3 losses, and the blocks and gradients after each step (1e-5 relative).
+The optimizer built inside the block steps the materialized parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.layout import TensorLayout
+from shardwise.parallel import AutoParallel, NetworkPlan
+from shardwise.parameter import is_deferred
+from shardwise.testing import SimulatedWorld, assert_matches_single_device, simulated_world
+
+WORLD, BATCH, STEPS, LR, SEED = 8, 32, 3, 0.5, 1234
+
+
+class Network(nn.Module):
+    """Seed 003's network with initializer-made weights (int strategies or Layouts)."""
+
+    def __init__(self, layouts: bool = False) -> None:
+        super().__init__()
+        self.flatten = sw.ops.Flatten()
+        self.fc1_weight = sw.Parameter(sw.initializer("normal", [28 * 28, 512]), name="fc1")
+        self.fc2_weight = sw.Parameter(sw.initializer("normal", [512, 512]), name="fc2")
+        self.fc3_weight = sw.Parameter(sw.initializer("normal", [512, 10]), name="fc3")
+        self.matmul1 = sw.ops.MatMul().shard(((2, 4), (4, 1)))
+        self.relu1 = sw.ops.ReLU().shard(((4, 1),))
+        self.matmul2 = sw.ops.MatMul().shard(((1, 8), (8, 1)))
+        if layouts:
+            layout = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))
+            layout2 = sw.Layout((8,), ("tp",))
+            self.matmul1.shard((layout("mp", ("sp", "dp")), layout(("sp", "dp"), "None")))
+            self.matmul2.shard((layout2("None", "tp"), layout2("tp", "None")))
+        self.relu2 = sw.ops.ReLU().shard(((8, 1),))
+        self.matmul3 = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu1(self.matmul1(self.flatten(x), self.fc1_weight))
+        x = self.relu2(self.matmul2(x, self.fc2_weight))
+        logits: torch.Tensor = self.matmul3(x, self.fc3_weight)
+        return logits
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    return [
+        (torch.randn(BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+State = dict[str, torch.Tensor]
+
+
+def single_device(layouts: bool) -> tuple[State, list[float], list[State]]:
+    """Initial parameters; losses and parameters + gradients after each backward."""
+    torch.manual_seed(SEED)
+    net = Network(layouts)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    losses, states = [], []
+    for x, y in data():
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        state = {n: p.detach().clone() for n, p in net.named_parameters()}
+        state |= {
+            f"{n}.grad": p.grad.clone() for n, p in net.named_parameters() if p.grad is not None
+        }
+        losses.append(loss.item())
+        states.append(state)
+        opt.step()
+        opt.zero_grad()
+    return initial, losses, states
+
+
+def rows_of(world: SimulatedWorld, t: torch.Tensor) -> torch.Tensor:
+    rows = BATCH // WORLD
+    return world.rank_map(lambda r: t[r * rows : (r + 1) * rows].clone())
+
+
+def blocks(full: torch.Tensor, layout: TensorLayout) -> Callable[[int], torch.Tensor]:
+    return lambda r: full[layout.local_slice(r, full.shape)]
+
+
+def check_blocks(net: Network, plan: NetworkPlan, state: State, grads: bool = True) -> None:
+    for name, p in net.named_parameters():
+        layout, shape = plan.params[name]
+        assert tuple(state[name].shape) == shape
+        assert_matches_single_device(p.detach(), blocks(state[name], layout), what=name)
+        if grads:
+            assert p.grad is not None
+            grad = blocks(state[f"{name}.grad"], layout)
+            assert_matches_single_device(p.grad, grad, what=f"{name}.grad")
+
+
+@pytest.mark.parametrize("layouts", [False, True], ids=["int", "layout"])
+def test_delayed_init_matches_single_device_from_step_0(layouts: bool) -> None:
+    initial, losses, states = single_device(layouts)
+    torch.manual_seed(SEED)
+    with sw.no_init_parameters():
+        net = Network(layouts)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+    assert all(is_deferred(p) for p in net.parameters())
+    batches = data()  # made outside the world (inside, random factories draw per rank)
+    with simulated_world(WORLD) as world:
+        parallel = AutoParallel(net)
+        plan = parallel.plan(rows_of(world, batches[0][0]))
+        assert not any(p.is_meta for p in net.parameters())
+        check_blocks(net, plan, initial, grads=False)  # parity from step 0
+        for step, (x, y) in enumerate(batches):
+            logits = parallel(rows_of(world, x))
+            loss = sw.ops.AllReduce()(F.cross_entropy(logits, rows_of(world, y))) / WORLD
+            loss.backward()
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            check_blocks(net, plan, states[step])
+            opt.step()  # the optimizer built inside no_init_parameters
+            opt.zero_grad()
+        last = states[-1]
+        after = {n: last[n] - LR * last[f"{n}.grad"] for n in plan.params}
+        check_blocks(net, plan, after, grads=False)  # the last update
+
+
+def test_local_blocks_only_and_unconsumed_parameters_whole() -> None:
+    """Each rank holds its planned block shape; a parameter no primitive consumes and a buffer
+    (both unplanned) are materialized whole, equal to the eager values."""
+    torch.manual_seed(SEED)
+    eager = Network()
+    eager.extra = sw.Parameter(sw.initializer("normal", [3, 5]))
+    eager.register_buffer("stat", torch.randn(4))
+    extra = torch.Tensor(eager.get_parameter("extra").detach()).clone()
+    stat = eager.get_buffer("stat").clone()
+    torch.manual_seed(SEED)
+    with sw.no_init_parameters():
+        net = Network()
+        net.extra = sw.Parameter(sw.initializer("normal", [3, 5]))
+        net.register_buffer("stat", torch.randn(4))
+    x = data()[0][0]
+    with simulated_world(WORLD) as world:
+        parallel = AutoParallel(net)
+        plan = parallel.plan(rows_of(world, x))
+        assert set(plan.params) == {"fc1_weight", "fc2_weight", "fc3_weight"}
+        for name, (layout, shape) in plan.params.items():
+            assert tuple(getattr(net, name).shape) == tuple(layout.local_shape(shape))
+        assert tuple(net.fc1_weight.shape) == (196, 512)
+        got_extra, got_stat = net.get_parameter("extra").detach(), net.get_buffer("stat")
+        assert_matches_single_device(got_extra, extra, what="extra")
+        assert_matches_single_device(got_stat, stat, what="stat")
