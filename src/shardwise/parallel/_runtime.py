@@ -28,6 +28,7 @@ from torch import nn
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
+from shardwise.communication._collectives import ReduceOp, all_reduce
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
@@ -133,11 +134,11 @@ def reduce_gradient(layout: TensorLayout, world: int) -> Callable[[torch.Tensor]
     axes = tuple(a for a in layout.replicated_axes() if layout.matrix.shape[a] > 1)
 
     def hook(g: torch.Tensor) -> torch.Tensor:
-        with recorder.phase("backward"):
-            if axes:
-                group, _ = group_for(layout.matrix, axes)
-                g = comm.AllReduce("sum", group)(g)
-        return g / world
+        if not axes:
+            return g / world
+        group, _ = group_for(layout.matrix, axes)  # None: the world group
+        with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
+            return all_reduce(g, ReduceOp.SUM, group).div_(world)
 
     return hook
 
