@@ -14,13 +14,20 @@ from shardwise import (
     parameter,
     redistribution,
     report,
+    runtime,
     train,
 )
 from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
 from shardwise.communication import CommRecorder
 from shardwise.context import get_context, get_seed, set_context, set_seed
 from shardwise.layout import Layout
-from shardwise.parallel import AutoParallel
+from shardwise.parallel import (
+    AutoParallel,
+    ParallelMode,
+    get_auto_parallel_context,
+    reset_auto_parallel_context,
+    set_auto_parallel_context,
+)
 from shardwise.parameter import Parameter, initializer, no_init_parameters, set_comm_fusion
 from shardwise.train import Model
 
@@ -31,11 +38,13 @@ __all__ = [
     "CommRecorder",
     "Layout",
     "Model",
+    "ParallelMode",
     "Parameter",
     "__version__",
     "checkpoint",
     "communication",
     "dataset",
+    "get_auto_parallel_context",
     "get_context",
     "get_seed",
     "initializer",
@@ -49,7 +58,10 @@ __all__ = [
     "parameter",
     "redistribution",
     "report",
+    "reset_auto_parallel_context",
+    "runtime",
     "save_checkpoint",
+    "set_auto_parallel_context",
     "set_comm_fusion",
     "set_context",
     "set_seed",

@@ -4,9 +4,17 @@
   primitive on this rank's blocks with the collectives its strategy implies.
 - `_plan`: step 1, tracing the primitive calls and planning them on one global matrix.
 - `_runtime`: steps 2 to 4, parameter blocks, operator collectives, gradient reduction.
+- `_context`: MindSpore's older global style (`set_auto_parallel_context`, `ParallelMode`),
+  read by `AutoParallel` as defaults.
 """
 
 from shardwise.parallel._auto import AutoParallel
+from shardwise.parallel._context import (
+    ParallelMode,
+    get_auto_parallel_context,
+    reset_auto_parallel_context,
+    set_auto_parallel_context,
+)
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._plan import CallPlan, NetworkPlan, PrimitiveCall, plan_network, trace_calls
 
@@ -14,8 +22,12 @@ __all__ = [
     "AutoParallel",
     "CallPlan",
     "NetworkPlan",
+    "ParallelMode",
     "PrimitiveCall",
     "UnsupportedParallelError",
+    "get_auto_parallel_context",
     "plan_network",
+    "reset_auto_parallel_context",
+    "set_auto_parallel_context",
     "trace_calls",
 ]

@@ -25,8 +25,13 @@ import torch
 from torch import nn
 
 from shardwise import communication as comm
-from shardwise import report
+from shardwise import report, runtime
 from shardwise.ops import Primitive
+from shardwise.parallel._context import (
+    check_device_num,
+    get_auto_parallel_context,
+    resolve_parallel_mode,
+)
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
 from shardwise.parallel._runtime import (
@@ -52,6 +57,18 @@ def _global_shape(x: torch.Tensor, world: int) -> Shape:
     return (int(x.shape[0]) * world, *(int(s) for s in x.shape[1:]))
 
 
+def _param_blocks(network: nn.Module, plan: NetworkPlan) -> list[runtime.TensorEstimate]:
+    """This rank's parameter tensors: planned ones' local blocks, the others whole."""
+    out = []
+    for name, p in network.named_parameters():
+        shape = tuple(int(s) for s in p.shape)
+        if name in plan.params:
+            layout, shape = plan.params[name]
+            shape = layout.local_shape(shape)
+        out.append(runtime.TensorEstimate(name, shape, p.dtype))
+    return out
+
+
 class AutoParallel(nn.Module):
     """Run a network operator-parallel as its primitives' strategies say (semi_auto).
 
@@ -60,7 +77,10 @@ class AutoParallel(nn.Module):
             as primitive inputs, and supported unannotated torch ops), or a train-step function
             ``step(*inputs)`` calling such a network, ``loss.backward()`` and
             ``optimizer.step()`` and returning the loss.
-        parallel_mode: only ``"semi_auto"``.
+        parallel_mode: only ``"semi_auto"``; default (None): from `set_auto_parallel_context`
+            (``SEMI_AUTO_PARALLEL`` or the default ``STAND_ALONE`` give semi_auto; other modes
+            raise `UnsupportedParallelError`). The context's ``dataset_strategy`` is read here
+            too (``dataset_strategy()`` overrides it) and its ``device_num`` checked at plan time.
         network: the network of a train step (default: the referenced module with parameters).
         optimizer: the optimizer(s) of a train step (default: those it references).
 
@@ -80,13 +100,12 @@ class AutoParallel(nn.Module):
     def __init__(
         self,
         network_or_step: nn.Module | Callable[..., Any],
-        parallel_mode: str = "semi_auto",
+        parallel_mode: str | None = None,
         network: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     ) -> None:
         super().__init__()
-        if parallel_mode != "semi_auto":
-            raise ValueError(f"AutoParallel: parallel_mode {parallel_mode!r}; only 'semi_auto'")
+        parallel_mode = resolve_parallel_mode(parallel_mode)
         self.train_step: Callable[..., Any] | None = None
         if isinstance(network_or_step, nn.Module):
             network = network_or_step
@@ -100,7 +119,7 @@ class AutoParallel(nn.Module):
         self.network = network
         self.parallel_mode = parallel_mode
         self.network_plan: NetworkPlan | None = None
-        self._dataset = "data_parallel"
+        self._dataset: str = get_auto_parallel_context("dataset_strategy")
         self._tracker = Tracker()
         self._ops: DataParallelOps | None = None
         self._cursor = 0
@@ -129,6 +148,7 @@ class AutoParallel(nn.Module):
         if self.network_plan is not None:
             return self.network_plan
         world = comm.get_group_size()
+        check_device_num(world)
         if shapes is None:
             shapes = [_global_shape(x, world) for x in inputs]
         self._planning = True
@@ -137,6 +157,7 @@ class AutoParallel(nn.Module):
             report.dump_plan(plan, self.network, shapes, self._dataset)  # save_graphs >= 1
         finally:
             self._planning = False
+        runtime.check_memory(_param_blocks(self.network, plan), "AutoParallel.plan")
         shard_parameters(self.network, plan.params)
         self._hooks += register_grad_reduction(self.network, plan.params)
         self._hooks += register_grad_reduction(self.network, self._replicated_params(plan))

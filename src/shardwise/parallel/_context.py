@@ -1,0 +1,246 @@
+"""MindSpore's older global parallel style: `set_auto_parallel_context` and `ParallelMode`.
+
+`set_auto_parallel_context(**kw)` validates and stores process-wide settings;
+`get_auto_parallel_context(name)` reads one back and `reset_auto_parallel_context()` restores
+the defaults. `AutoParallel` reads three of them when it is created or plans:
+
+- ``parallel_mode`` (with ``search_mode``): the wrapper's mode when no ``parallel_mode`` is
+  passed to it (`resolve_parallel_mode`). ``SEMI_AUTO_PARALLEL`` and ``STAND_ALONE`` (the
+  default: the wrapper's own default) run semi_auto; ``AUTO_PARALLEL`` and ``DATA_PARALLEL``
+  are not supported yet (`UnsupportedParallelError`).
+- ``dataset_strategy``: the wrapper's dataset strategy unless ``dataset_strategy()`` is called.
+- ``device_num``: when set, must equal the job's world size at plan time (`check_device_num`).
+
+The other keys (``gradients_mean``, ``enable_parallel_optimizer``,
+``parallel_optimizer_config``, ``comm_fusion``, ``strategy_ckpt_config``) are validated and
+stored only; the runtime does not act on them yet.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._step import DATASET_STRATEGIES
+
+
+class ParallelMode:
+    """The ``parallel_mode`` values of `set_auto_parallel_context` (MindSpore's names)."""
+
+    STAND_ALONE = "stand_alone"
+    DATA_PARALLEL = "data_parallel"
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
+    AUTO_PARALLEL = "auto_parallel"
+    MODES = (STAND_ALONE, DATA_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL)
+
+
+SEARCH_MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming")
+OPTIMIZER_LEVELS = ("level1", "level2", "level3")
+FUSION_MODES = ("auto", "size", "index")
+FUSION_KEYS = ("openstate", "allreduce", "allgather", "reducescatter")
+CKPT_KEYS = ("load_file", "save_file", "only_trainable_params")
+
+_DEFAULTS: dict[str, Any] = {
+    "parallel_mode": ParallelMode.STAND_ALONE,
+    "search_mode": "recursive_programming",
+    "device_num": None,
+    "dataset_strategy": "data_parallel",
+    "gradients_mean": False,
+    "enable_parallel_optimizer": False,
+    "parallel_optimizer_config": {},
+    "comm_fusion": {},
+    "strategy_ckpt_config": {},
+}
+_CONTEXT: dict[str, Any] = copy.deepcopy(_DEFAULTS)
+
+
+def _bad(key: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"set_auto_parallel_context: {key}={value!r} is invalid; valid: {valid}")
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str, Any], Any]:
+    def check(key: str, value: Any) -> Any:
+        if value not in options:
+            raise _bad(key, value, " | ".join(repr(o) for o in options))
+        return value
+
+    return check
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "True | False")
+    return value
+
+
+def _device_num(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise _bad(key, value, "an int in [1, 4096]")
+    return value
+
+
+def _mapping(key: str, value: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _bad(key, value, f"a dict with keys among {keys}")
+    unknown = [k for k in value if k not in keys]
+    if unknown:
+        raise _bad(key, value, f"a dict with keys among {keys} (unknown: {unknown})")
+    return dict(value)
+
+
+def _optimizer_config(key: str, value: Any) -> dict[str, Any]:
+    keys = ("parallel_optimizer_threshold", "optimizer_weight_shard_size", "optimizer_level")
+    out = _mapping(key, value, keys)
+    threshold = out.get("parallel_optimizer_threshold", 0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise _bad(f"{key}['parallel_optimizer_threshold']", threshold, "an int >= 0 (KB)")
+    size = out.get("optimizer_weight_shard_size", -1)
+    if isinstance(size, bool) or not isinstance(size, int) or not (size == -1 or size > 1):
+        raise _bad(f"{key}['optimizer_weight_shard_size']", size, "-1 or an int > 1")
+    level = out.get("optimizer_level", "level1")
+    if level not in OPTIMIZER_LEVELS:
+        raise _bad(
+            f"{key}['optimizer_level']", level, " | ".join(repr(o) for o in OPTIMIZER_LEVELS)
+        )
+    return out
+
+
+def _comm_fusion(key: str, value: Any) -> dict[str, Any]:
+    out = _mapping(key, value, FUSION_KEYS)
+    for name, sub in out.items():
+        if name == "openstate":
+            _bool(f"{key}['openstate']", sub)
+            continue
+        fusion = _mapping(f"{key}[{name!r}]", sub, ("mode", "config"))
+        if fusion.get("mode", "auto") not in FUSION_MODES:
+            raise _bad(
+                f"{key}[{name!r}]['mode']",
+                fusion.get("mode"),
+                " | ".join(repr(m) for m in FUSION_MODES),
+            )
+    return copy.deepcopy(out)
+
+
+def _ckpt_config(key: str, value: Any) -> dict[str, Any]:
+    out = _mapping(key, value, CKPT_KEYS)
+    for name in ("load_file", "save_file"):
+        if name in out and not isinstance(out[name], str):
+            raise _bad(f"{key}[{name!r}]", out[name], "a str path")
+    if "only_trainable_params" in out:
+        _bool(f"{key}['only_trainable_params']", out["only_trainable_params"])
+    return out
+
+
+def _dataset_strategy(key: str, value: Any) -> str:
+    if value not in DATASET_STRATEGIES:
+        valid = " | ".join(repr(s) for s in DATASET_STRATEGIES)
+        raise _bad(key, value, f"{valid} (per-input tuples / Layouts are not supported yet)")
+    return str(value)
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "parallel_mode": _choice(ParallelMode.MODES),
+    "search_mode": _choice(SEARCH_MODES),
+    "device_num": _device_num,
+    "dataset_strategy": _dataset_strategy,
+    "gradients_mean": _bool,
+    "enable_parallel_optimizer": _bool,
+    "parallel_optimizer_config": _optimizer_config,
+    "comm_fusion": _comm_fusion,
+    "strategy_ckpt_config": _ckpt_config,
+}
+
+
+def set_auto_parallel_context(**kwargs: Any) -> None:
+    """Set global parallel options (MindSpore's ``set_auto_parallel_context``).
+
+    All values are checked before any is stored: a bad call changes nothing.
+
+    Args:
+        parallel_mode: a `ParallelMode` value (default ``"stand_alone"``).
+        search_mode: ``"recursive_programming"`` (default), ``"sharding_propagation"`` or
+            ``"dynamic_programming"`` (for ``AUTO_PARALLEL``, not supported yet).
+        device_num: the job's size, an int in [1, 4096]; checked against the world size when
+            `AutoParallel` plans. Default None (not checked).
+        dataset_strategy: ``"data_parallel"`` (default) or ``"full_batch"``.
+        gradients_mean, enable_parallel_optimizer: bools (stored only).
+        parallel_optimizer_config: dict of ``parallel_optimizer_threshold`` (int >= 0),
+            ``optimizer_weight_shard_size`` (-1 or > 1), ``optimizer_level``
+            (``"level1"`` / ``"level2"`` / ``"level3"``) (stored only).
+        comm_fusion: dict of ``openstate`` (bool) and ``allreduce`` / ``allgather`` /
+            ``reducescatter`` (``{"mode": "auto" | "size" | "index", "config": ...}``) (stored).
+        strategy_ckpt_config: dict of ``load_file`` / ``save_file`` (str) and
+            ``only_trainable_params`` (bool) (stored only).
+
+    Raises:
+        ValueError: an unknown key or an invalid value; the message names the key and the
+            valid values.
+    """
+    checked: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key not in _CHECKS:
+            raise ValueError(
+                f"set_auto_parallel_context: unknown key {key!r}; valid keys: {sorted(_CHECKS)}"
+            )
+        checked[key] = _CHECKS[key](key, value)
+    _CONTEXT.update(checked)
+
+
+def get_auto_parallel_context(name: str) -> Any:
+    """The value of one `set_auto_parallel_context` option (a copy for dict options).
+
+    Raises:
+        ValueError: unknown option (the message lists the known ones).
+    """
+    if name not in _CONTEXT:
+        raise ValueError(
+            f"get_auto_parallel_context: unknown key {name!r}; valid keys: {sorted(_CONTEXT)}"
+        )
+    return copy.deepcopy(_CONTEXT[name])
+
+
+def reset_auto_parallel_context() -> None:
+    """Restore every `set_auto_parallel_context` option to its default."""
+    _CONTEXT.clear()
+    _CONTEXT.update(copy.deepcopy(_DEFAULTS))
+
+
+def resolve_parallel_mode(explicit: str | None) -> str:
+    """The wrapper's mode: `explicit` when given, else from the context; only semi_auto runs.
+
+    Raises:
+        UnsupportedParallelError: a mode the runtime cannot run yet (auto search, data
+            parallel).
+        ValueError: an unknown explicit mode.
+    """
+    if explicit is not None:
+        if explicit in ("sharding_propagation", "recursive_programming"):
+            raise UnsupportedParallelError(
+                f"AutoParallel: parallel_mode {explicit!r} (strategy search) is not supported "
+                f"yet; only 'semi_auto'"
+            )
+        if explicit != "semi_auto":
+            raise ValueError(f"AutoParallel: parallel_mode {explicit!r}; only 'semi_auto'")
+        return explicit
+    mode = _CONTEXT["parallel_mode"]
+    if mode in (ParallelMode.STAND_ALONE, ParallelMode.SEMI_AUTO_PARALLEL):
+        return "semi_auto"
+    search = f", search_mode={_CONTEXT['search_mode']!r}" if mode == "auto_parallel" else ""
+    raise UnsupportedParallelError(
+        f"AutoParallel: set_auto_parallel_context(parallel_mode={mode!r}{search}) is not "
+        f"supported yet; use ParallelMode.SEMI_AUTO_PARALLEL (shard every primitive) or pass "
+        f"parallel_mode='semi_auto' to AutoParallel"
+    )
+
+
+def check_device_num(world: int) -> None:
+    """Raise ValueError when the context's ``device_num`` is set and differs from `world`."""
+    device_num = _CONTEXT["device_num"]
+    if device_num is not None and device_num != world:
+        raise ValueError(
+            f"AutoParallel: set_auto_parallel_context(device_num={device_num}) but the job has "
+            f"{world} ranks (communication.get_group_size()); set device_num={world} or leave "
+            f"it unset"
+        )
