@@ -10,12 +10,13 @@ The optimizer built inside the block steps the materialized parameters.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import shardwise as sw
 from shardwise.layout import TensorLayout
@@ -26,31 +27,13 @@ from shardwise.testing import SimulatedWorld, assert_matches_single_device, simu
 WORLD, BATCH, STEPS, LR, SEED = 8, 32, 3, 0.5, 1234
 
 
-class Network(nn.Module):
-    """Seed 003's network with initializer-made weights (int strategies or Layouts)."""
+sys.path.insert(0, str(Path(__file__).parent))
+from test_seed003_parity import Network as Seed003  # noqa: E402  (seed 003's network, shared)
 
-    def __init__(self, layouts: bool = False) -> None:
-        super().__init__()
-        self.flatten = sw.ops.Flatten()
-        self.fc1_weight = sw.Parameter(sw.initializer("normal", [28 * 28, 512]), name="fc1")
-        self.fc2_weight = sw.Parameter(sw.initializer("normal", [512, 512]), name="fc2")
-        self.fc3_weight = sw.Parameter(sw.initializer("normal", [512, 10]), name="fc3")
-        self.matmul1 = sw.ops.MatMul().shard(((2, 4), (4, 1)))
-        self.relu1 = sw.ops.ReLU().shard(((4, 1),))
-        self.matmul2 = sw.ops.MatMul().shard(((1, 8), (8, 1)))
-        if layouts:
-            layout = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))
-            layout2 = sw.Layout((8,), ("tp",))
-            self.matmul1.shard((layout("mp", ("sp", "dp")), layout(("sp", "dp"), "None")))
-            self.matmul2.shard((layout2("None", "tp"), layout2("tp", "None")))
-        self.relu2 = sw.ops.ReLU().shard(((8, 1),))
-        self.matmul3 = sw.ops.MatMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.relu1(self.matmul1(self.flatten(x), self.fc1_weight))
-        x = self.relu2(self.matmul2(x, self.fc2_weight))
-        logits: torch.Tensor = self.matmul3(x, self.fc3_weight)
-        return logits
+def Network(layouts: bool = False) -> Seed003:
+    """Seed 003's network with the seed's ``sw.initializer("normal", ...)`` weights."""
+    return Seed003(layouts, initializer=True)
 
 
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -94,7 +77,7 @@ def blocks(full: torch.Tensor, layout: TensorLayout) -> Callable[[int], torch.Te
     return lambda r: full[layout.local_slice(r, full.shape)]
 
 
-def check_blocks(net: Network, plan: NetworkPlan, state: State, grads: bool = True) -> None:
+def check_blocks(net: Seed003, plan: NetworkPlan, state: State, grads: bool = True) -> None:
     for name, p in net.named_parameters():
         layout, shape = plan.params[name]
         assert tuple(state[name].shape) == shape

@@ -39,15 +39,21 @@ WORLD, BATCH, STEPS, LR = 8, 32, 3, 0.1
 
 
 class Network(nn.Module):
-    """Seed 003's network: int strategies, or (`layouts`) the seed's Layout version."""
+    """Seed 003's network: int strategies, or (`layouts`) the seed's Layout version; weights
+    from a fixed generator, or (`initializer`) the seed's ``sw.initializer("normal", ...)``."""
 
-    def __init__(self, layouts: bool = False) -> None:
+    def __init__(self, layouts: bool = False, initializer: bool = False) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(3)
         self.flatten = sw.ops.Flatten()
-        self.fc1_weight = nn.Parameter(torch.randn(28 * 28, 512, generator=g) * 0.05)
-        self.fc2_weight = nn.Parameter(torch.randn(512, 512, generator=g) * 0.05)
-        self.fc3_weight = nn.Parameter(torch.randn(512, 10, generator=g) * 0.05)
+        if initializer:
+            self.fc1_weight = sw.Parameter(sw.initializer("normal", [28 * 28, 512]), name="fc1")
+            self.fc2_weight = sw.Parameter(sw.initializer("normal", [512, 512]), name="fc2")
+            self.fc3_weight = sw.Parameter(sw.initializer("normal", [512, 10]), name="fc3")
+        else:
+            g = torch.Generator().manual_seed(3)
+            self.fc1_weight = nn.Parameter(torch.randn(28 * 28, 512, generator=g) * 0.05)
+            self.fc2_weight = nn.Parameter(torch.randn(512, 512, generator=g) * 0.05)
+            self.fc3_weight = nn.Parameter(torch.randn(512, 10, generator=g) * 0.05)
         self.matmul1 = sw.ops.MatMul().shard(((2, 4), (4, 1)))
         self.relu1 = sw.ops.ReLU().shard(((4, 1),))
         self.matmul2 = sw.ops.MatMul().shard(((1, 8), (8, 1)))

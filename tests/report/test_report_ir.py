@@ -11,14 +11,13 @@ simulated forward issues (kind, group, bytes).
 from __future__ import annotations
 
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-import shardwise as sw
 from shardwise.communication import CommRecorder
 from shardwise.context import set_context
 from shardwise.parallel import AutoParallel, NetworkPlan, plan_network, trace_calls
@@ -37,35 +36,8 @@ WORLD, BATCH = 8, 32
 SHAPES = [(BATCH, 1, 28, 28)]
 
 
-class Network(nn.Module):
-    """Seed 003's network: int strategies, or (`layouts`) the seed's Layout version."""
-
-    def __init__(self, layouts: bool = False) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(3)
-        self.flatten = sw.ops.Flatten()
-        self.fc1_weight = nn.Parameter(torch.randn(28 * 28, 512, generator=g) * 0.05)
-        self.fc2_weight = nn.Parameter(torch.randn(512, 512, generator=g) * 0.05)
-        self.fc3_weight = nn.Parameter(torch.randn(512, 10, generator=g) * 0.05)
-        self.matmul1 = sw.ops.MatMul().shard(((2, 4), (4, 1)))
-        self.relu1 = sw.ops.ReLU().shard(((4, 1),))
-        self.matmul2 = sw.ops.MatMul().shard(((1, 8), (8, 1)))
-        if layouts:
-            layout = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))
-            layout2 = sw.Layout((8,), ("tp",))
-            self.matmul1.shard((layout("mp", ("sp", "dp")), layout(("sp", "dp"), "None")))
-            self.matmul2.shard((layout2("None", "tp"), layout2("tp", "None")))
-        self.relu2 = sw.ops.ReLU().shard(((8, 1),))
-        self.matmul3 = sw.ops.MatMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.flatten(x)
-        x = self.matmul1(x, self.fc1_weight)
-        x = self.relu1(x)
-        x = self.matmul2(x, self.fc2_weight)
-        x = self.relu2(x)
-        logits: torch.Tensor = self.matmul3(x, self.fc3_weight)
-        return logits
+sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+from test_seed003_parity import Network  # noqa: E402  (seed 003's network, shared)
 
 
 def planned(layouts: bool = False) -> tuple[NetworkPlan, Dataflow]:
