@@ -29,6 +29,7 @@ WORLD, BATCH, STEPS, LR, SEED = 8, 32, 3, 0.5, 1234
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_seed003_parity import Network as Seed003  # noqa: E402  (seed 003's network, shared)
+from test_seed003_parity import train_single  # noqa: E402
 
 
 def Network(layouts: bool = False) -> Seed003:
@@ -51,20 +52,8 @@ def single_device(layouts: bool) -> tuple[State, list[float], list[State]]:
     """Initial parameters; losses and parameters + gradients after each backward."""
     torch.manual_seed(SEED)
     net = Network(layouts)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
-    losses, states = [], []
-    for x, y in data():
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        state = {n: p.detach().clone() for n, p in net.named_parameters()}
-        state |= {
-            f"{n}.grad": p.grad.clone() for n, p in net.named_parameters() if p.grad is not None
-        }
-        losses.append(loss.item())
-        states.append(state)
-        opt.step()
-        opt.zero_grad()
+    losses, states = train_single(net, data(), LR)
     return initial, losses, states
 
 

@@ -83,12 +83,14 @@ def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def single_device(layouts: bool) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """Losses, and parameters + gradients after each step's backward (before the update)."""
-    net = Network(layouts)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
+def train_single(
+    net: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Single-device SGD with cross entropy: losses, and parameters + gradients after each
+    step's backward (before the update). Shared by the parallel parity tests."""
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
     losses, states = [], []
-    for x, y in data():
+    for x, y in batches:
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         state = {n: p.detach().clone() for n, p in net.named_parameters()}
@@ -100,6 +102,11 @@ def single_device(layouts: bool) -> tuple[list[float], list[dict[str, torch.Tens
         opt.step()
         opt.zero_grad()
     return losses, states
+
+
+def single_device(layouts: bool) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Losses, and parameters + gradients after each step's backward (before the update)."""
+    return train_single(Network(layouts), data(), LR)
 
 
 W = (0, 1, 2, 3, 4, 5, 6, 7)

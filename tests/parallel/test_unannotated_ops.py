@@ -10,7 +10,9 @@ ops only (MSE loss), and the errors for ops the runtime cannot run data parallel
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from torch import nn
 import shardwise as sw
 from shardwise.parallel import AutoParallel, NetworkPlan, UnsupportedParallelError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_seed003_parity import train_single
 
 WORLD, BATCH, STEPS, LR = 8, 32, 3, 0.1
 W = (0, 1, 2, 3, 4, 5, 6, 7)
@@ -70,21 +75,7 @@ def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def single_device() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Losses, and parameters + gradients after each step's backward (before the update)."""
-    net, loss_fn = Network(), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    losses, states = [], []
-    for x, y in data():
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        state = {n: p.detach().clone() for n, p in net.named_parameters()}
-        state |= {
-            f"{n}.grad": p.grad.clone() for n, p in net.named_parameters() if p.grad is not None
-        }
-        losses.append(loss.item())
-        states.append(state)
-        opt.step()
-        opt.zero_grad()
-    return losses, states
+    return train_single(Network(), data(), LR)
 
 
 # Forward as seed 003's (matmul1, matmul2 and their input redistributions; F.relu slices the
