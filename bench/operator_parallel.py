@@ -357,7 +357,15 @@ def _spy_mode() -> Any:
 
             tensor = args[0][0] if isinstance(args[0], list) else args[0]
             group = args[-1] if isinstance(args[-1], str) else None
-            size = resolve(cast(Any, group)).size() if group else dist.get_world_size()
+            # the in-place c10d ops (dist.all_reduce(t, group=g)) pass the group as a boxed
+            # ProcessGroup (a ScriptObject), not by name: unbox it, or a subgroup's call would
+            # be priced as a world-sized one
+            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
+            unboxed = [dist.ProcessGroup.unbox(a) for a in boxed if "ProcessGroup" in str(a)]
+            if group:
+                size = resolve(cast(Any, group)).size()
+            else:
+                size = unboxed[0].size() if unboxed else dist.get_world_size()
             assert isinstance(tensor, torch.Tensor)
             nbytes = tensor.numel() * tensor.element_size()
             self.calls.append((kind, tensor.numel(), bytes_bound(kind, nbytes, size)))

@@ -26,7 +26,9 @@ from shardwise.parallel import (
     ParallelMode,
     get_auto_parallel_context,
     reset_auto_parallel_context,
+    reshard,
     set_auto_parallel_context,
+    shard,
 )
 from shardwise.parameter import Parameter, initializer, no_init_parameters, set_comm_fusion
 from shardwise.train import Model
@@ -59,11 +61,13 @@ __all__ = [
     "redistribution",
     "report",
     "reset_auto_parallel_context",
+    "reshard",
     "runtime",
     "save_checkpoint",
     "set_auto_parallel_context",
     "set_comm_fusion",
     "set_context",
     "set_seed",
+    "shard",
     "train",
 ]

@@ -1,10 +1,13 @@
 """Per-rank runtime limits: `set_memory(max_size=...)` (MindSpore's ``runtime.set_memory``).
 
 `set_memory(max_size="28GB")` caps the memory one rank may use. `AutoParallel.plan` estimates
-this rank's parameter bytes from the plan (the local block of every planned parameter plus the
-whole of every replicated one, by dtype size) and calls `check_memory` before any parameter is
-cut or materialized; a plan over the cap raises ValueError naming the cap, the estimate and the
-three largest tensors. Activations, gradients and optimizer state are not counted yet.
+this rank's bytes from the plan and calls `check_memory` before any parameter is cut or
+materialized: parameters (the local block of every planned parameter plus the whole of every
+replicated one, by dtype size), their gradients (the same blocks, for parameters that require
+grad) and activations (every primitive output's local block, as float32, all kept for
+backward: an upper bound for one step). A plan over the cap raises ValueError naming the cap,
+the estimate by kind and the three largest tensors. Optimizer state is not counted (it depends
+on the optimizer; see the optimizer-parallel docs).
 
 Sizes: an int in bytes or a string ``"<number><unit>"`` with unit B, KB, MB, GB or TB (powers
 of 1024, case-insensitive), e.g. ``"512MB"``, ``"28GB"``, ``"1.5GB"``.
@@ -26,11 +29,13 @@ _max_size: int | None = None
 
 @dataclass(frozen=True)
 class TensorEstimate:
-    """One tensor this rank holds: its name, local shape and dtype."""
+    """One tensor this rank holds: its name, local shape, dtype and kind (``"parameters"``,
+    ``"gradients"``, ``"activations"``)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    kind: str = "parameters"
 
     @property
     def nbytes(self) -> int:
@@ -97,14 +102,18 @@ def check_memory(tensors: Sequence[TensorEstimate], what: str) -> int:
     total = sum(t.nbytes for t in tensors)
     if _max_size is None or total <= _max_size:
         return total
+    kinds: dict[str, int] = {}
+    for t in tensors:
+        kinds[t.kind] = kinds.get(t.kind, 0) + t.nbytes
+    parts = ", ".join(f"{k} {format_size(n)}" for k, n in kinds.items())
     largest = sorted(tensors, key=lambda t: t.nbytes, reverse=True)[:3]
     names = ", ".join(
         f"{t.name} {list(t.shape)} {str(t.dtype).removeprefix('torch.')} ({format_size(t.nbytes)})"
         for t in largest
     )
     raise ValueError(
-        f"{what}: this rank's parameters need an estimated {format_size(total)} ({total} bytes), "
+        f"{what}: this rank needs an estimated {format_size(total)} ({total} bytes: {parts}), "
         f"above the set_memory cap max_size={format_size(_max_size)} ({_max_size} bytes); "
-        f"largest: {names}. Activations are not counted yet. Shard the largest tensors further "
-        f"or raise the cap with shardwise.runtime.set_memory(max_size=...)"
+        f"largest: {names}. Shard the largest tensors further or raise the cap with "
+        f"shardwise.runtime.set_memory(max_size=...)"
     )

@@ -107,7 +107,8 @@ def test_wrapper_dataset_strategy_overrides_context() -> None:
         ({"search_mode": "dp"}, "search_mode='dp' is invalid; valid: .*sharding_propagation"),
         ({"device_num": 0}, r"device_num=0 is invalid; valid: an int in \[1, 4096\]"),
         ({"device_num": True}, "device_num=True is invalid"),
-        ({"dataset_strategy": ((2, 1),)}, "dataset_strategy=.*'full_batch'"),
+        ({"dataset_strategy": "model"}, "dataset_strategy: 'model'; valid: .*'full_batch'"),
+        ({"dataset_strategy": ((2, 1), sw.Layout((8,), ("dp",))("dp"))}, "mixes int tuples"),
         ({"gradients_mean": 1}, "gradients_mean=1 is invalid; valid: True | False"),
         ({"enable_parallel_optimizer": "yes"}, "enable_parallel_optimizer='yes' is invalid"),
         (
@@ -193,7 +194,9 @@ def test_device_num_must_match_world_size() -> None:
             plan_seed003(world, net)
         assert tuple(net.fc1_weight.shape) == (784, 512)
         sw.set_auto_parallel_context(device_num=8)
-        net = Network()  # (the failed wrapper's hooks stay on the first network)
+        x = world.rank_map(lambda r: torch.zeros(4, 1, 28, 28))
+        assert net(x).shape == (4, 10)  # the failed wrapper removed its hooks
+        net = Network()
         plan_seed003(world, net)
         assert tuple(net.fc1_weight.shape) == (196, 512)
 
@@ -209,8 +212,13 @@ def test_parse_size() -> None:
     assert sw.runtime.get_memory() == 28 << 30
 
 
-# Seed 003 on 8 ranks: fc1 (196, 512) + fc2 (64, 512) blocks and fc3 (512, 10) whole, float32.
-ESTIMATE = (196 * 512 + 64 * 512 + 512 * 10) * 4
+# Seed 003 on 8 ranks, float32: parameters fc1 (196, 512) + fc2 (64, 512) blocks and fc3
+# (512, 10) whole; the same again for their gradients; activations (local outputs of a global
+# batch of 32): flatten [4, 784], matmul1 [16, 512], relu1 [8, 512], matmul2 [32, 512] (after
+# its AllReduce), relu2 [4, 512], matmul3 [4, 10].
+PARAMS = (196 * 512 + 64 * 512 + 512 * 10) * 4
+ACTIVATIONS = (4 * 784 + 16 * 512 + 8 * 512 + 32 * 512 + 4 * 512 + 4 * 10) * 4
+ESTIMATE = 2 * PARAMS + ACTIVATIONS
 
 
 def test_set_memory_cap_error_names_largest_tensors() -> None:
@@ -221,13 +229,15 @@ def test_set_memory_cap_error_names_largest_tensors() -> None:
             plan_seed003(world, net)
         assert tuple(net.fc1_weight.shape) == (784, 512)  # nothing was cut
     msg = str(err.value)
-    assert f"estimated 540.00 KB ({ESTIMATE} bytes)" in msg
+    assert (
+        f"estimated 1.18 MB ({ESTIMATE} bytes: parameters 540.00 KB, gradients 540.00 KB, "
+        f"activations 132.41 KB)"
+    ) in msg
     assert "max_size=512.00 KB (524288 bytes)" in msg
     assert (
-        "largest: fc1_weight [196, 512] float32 (392.00 KB), fc2_weight [64, 512] float32 "
-        "(128.00 KB), fc3_weight [512, 10] float32 (20.00 KB)"
+        "largest: fc1_weight [196, 512] float32 (392.00 KB), fc1_weight.grad [196, 512] float32 "
+        "(392.00 KB), fc2_weight [64, 512] float32 (128.00 KB)"
     ) in msg
-    assert "Activations are not counted yet" in msg
 
 
 def test_set_memory_cap_passes() -> None:

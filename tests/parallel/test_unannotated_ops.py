@@ -195,8 +195,8 @@ class Bad(nn.Module):
             return F.softmax(h, dim=0)
         if self.body == "view":
             return h.view(-1)
-        if self.body == "sharded":
-            return h * self.w.sum()
+        if self.body == "plain":
+            return h
         return torch.sort(h, dim=1).values
 
 
@@ -205,7 +205,6 @@ class Bad(nn.Module):
     [
         ("softmax0", "softmax: over dim 0"),
         ("view", "view: changes dim 0"),
-        ("sharded", "sharded for a shardwise primitive"),
         ("sort", "torch op torch.sort on a parallel activation"),
     ],
 )
@@ -215,3 +214,17 @@ def test_unsupported_torch_ops_name_the_op(body: str, match: str) -> None:
         parallel = AutoParallel(world.replicate(net))
         with pytest.raises(UnsupportedParallelError, match=match):
             parallel(world.same(x))
+
+
+def test_block_parameter_in_a_torch_op_outside_the_network_is_refused() -> None:
+    """Inside the network a torch op gets a block-stored parameter whole (AllGather); outside
+    it (here: a weight penalty in the train step) it would silently see only the block."""
+    net, x = Bad("plain"), torch.ones(8, 8)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(inputs: torch.Tensor) -> torch.Tensor:
+            return net(inputs).sum() + net.w.sum()
+
+        with pytest.raises(UnsupportedParallelError, match="outside the network's forward"):
+            AutoParallel(step)(world.same(x))

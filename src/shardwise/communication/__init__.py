@@ -27,6 +27,7 @@ from shardwise.communication._init import (
     is_initialized,
     release,
 )
+from shardwise.communication._sim import replicated_draw
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
     AllGather,
@@ -64,4 +65,5 @@ __all__ = [
     "init",
     "is_initialized",
     "release",
+    "replicated_draw",
 ]

@@ -45,6 +45,11 @@ class Simulator(Protocol):
         """One tensor whose value on rank r is ``fn(r)``."""
         ...
 
+    def draw_same(self, draw: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run `draw` once and give its value to every rank; the random stream of every rank
+        advances as the draw did (see `replicated_draw`)."""
+        ...
+
     def outside(self) -> AbstractContextManager[Any]:
         """A context in which tensors are plain (no per-rank values, one RNG draw)."""
         ...
@@ -82,3 +87,25 @@ def install(sim: Simulator | None) -> Simulator | None:
     global _current
     prev, _current = _current, sim
     return prev
+
+
+def replicated_draw(draw: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A random tensor that every rank draws identically (e.g. a global dropout mask).
+
+    In a real job `draw()` simply runs on each rank: with the same seed on every rank
+    (``sw.set_seed``) the global generators agree, so the value is the same everywhere and the
+    generator advances exactly as in a single-device run. In a simulated world random factories
+    would draw once per rank, so the value is drawn once outside the simulation and handed to
+    every rank.
+
+    Args:
+        draw: makes the tensor (e.g. ``lambda: torch.rand(shape)``).
+
+    Returns:
+        The drawn tensor, the same value on every rank.
+
+    Example:
+        >>> noise = replicated_draw(lambda: torch.rand(8, 16))
+    """
+    sim = _current
+    return draw() if sim is None else sim.draw_same(draw)

@@ -90,10 +90,21 @@ class Dropout(Primitive):
             raise ValueError(f"Dropout: keep_prob must be in (0, 1], got {keep_prob!r}")
         super().__init__(keep_prob=float(keep_prob), Seed0=Seed0, Seed1=Seed1)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._next_noise: torch.Tensor | None = None
+
+    def set_next_noise(self, noise: torch.Tensor) -> None:
+        """Use `noise` (uniform in [0, 1), x's shape) instead of a fresh draw in the next
+        forward. The parallel runtime passes this rank's block of one global draw, so that the
+        mask is the same slice of the single-device mask."""
+        self._next_noise = noise
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The op's own generator (non-zero Seed0 / Seed1), or None for the global one."""
+        return self._generator(device)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         seed0, seed1 = int(self.init_args()["Seed0"]), int(self.init_args()["Seed1"])
-        if not seed0 and not seed1:
+        if (not seed0 and not seed1) or device.type == "meta":  # meta: planning draws nothing
             return None
         if device not in self._generators:
             gen = torch.Generator(device=device)
@@ -103,11 +114,17 @@ class Dropout(Primitive):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = float(self.init_args()["keep_prob"])
+        noise, self._next_noise = self._next_noise, None
         if not self.training or keep == 1.0:
             return x, torch.ones_like(x)
-        noise = torch.rand(
-            x.shape, dtype=x.dtype, device=x.device, generator=self._generator(x.device)
-        )
+        if noise is None:
+            noise = torch.rand(
+                x.shape, dtype=x.dtype, device=x.device, generator=self._generator(x.device)
+            )
+        elif noise.shape != x.shape:
+            raise ValueError(
+                f"{self.who}: noise of shape {list(noise.shape)} for x {list(x.shape)}"
+            )
         mask = (noise < keep).to(x.dtype)
         return x * mask / keep, mask
 

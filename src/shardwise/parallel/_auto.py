@@ -17,7 +17,7 @@ blocks, returning its (replicated) loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,13 +26,14 @@ from torch import nn
 
 from shardwise import communication as comm
 from shardwise import report, runtime
+from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
     resolve_parallel_mode,
 )
-from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._local import Masked, prepare
 from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
 from shardwise.parallel._runtime import (
     apply_comms,
@@ -41,14 +42,17 @@ from shardwise.parallel._runtime import (
     replicated_layout,
     shard_parameters,
 )
+from shardwise.parallel._shard import Declared, Entry, activate
 from shardwise.parallel._step import (
-    DATASET_STRATEGIES,
+    DatasetStrategy,
+    arriving_input,
+    check_dataset_strategy,
     dataset_input,
     find_referenced,
     pick_network,
 )
 from shardwise.parallel._torchops import DataParallelOps
-from shardwise.parallel._tracker import State, Tracker, layout_of
+from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
 from shardwise.redistribution import redistribute
 
 
@@ -57,16 +61,38 @@ def _global_shape(x: torch.Tensor, world: int) -> Shape:
     return (int(x.shape[0]) * world, *(int(s) for s in x.shape[1:]))
 
 
-def _param_blocks(network: nn.Module, plan: NetworkPlan) -> list[runtime.TensorEstimate]:
-    """This rank's parameter tensors: planned ones' local blocks, the others whole."""
-    out = []
+def _on(state: State, plan: NetworkPlan) -> State:
+    """A tracked state for the reports: layouts moved onto the plan's matrix."""
+    return state if isinstance(state, str) else layout_of(state, plan.matrix, state.ndim)
+
+
+def _tensor_indices(inputs: Sequence[Any]) -> tuple[list[int], int]:
+    """Each input's position among the tensor inputs, and how many there are."""
+    index, n = [], 0
+    for x in inputs:
+        index.append(n)
+        n += isinstance(x, torch.Tensor)
+    return index, n
+
+
+def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.TensorEstimate]:
+    """This rank's tensors for `runtime.check_memory`: parameters (planned ones' local blocks,
+    the others whole), their gradients, and every primitive output's local block."""
+    out, grads = [], []
     for name, p in network.named_parameters():
         shape = tuple(int(s) for s in p.shape)
         if name in plan.params:
             layout, shape = plan.params[name]
             shape = layout.local_shape(shape)
         out.append(runtime.TensorEstimate(name, shape, p.dtype))
-    return out
+        if p.requires_grad:
+            grads.append(runtime.TensorEstimate(f"{name}.grad", shape, p.dtype, "gradients"))
+    acts = [
+        runtime.TensorEstimate(f"{cp.plan.who} output {k}", local, torch.float32, "activations")
+        for cp in plan.calls
+        for k, local in enumerate(cp.plan.local_output_shapes())
+    ]
+    return out + grads + acts
 
 
 class AutoParallel(nn.Module):
@@ -92,8 +118,8 @@ class AutoParallel(nn.Module):
     parameter holds this rank's block and that block's gradient, so any torch.optim optimizer
     (built before or after the first call) updates the blocks.
 
-    Limits: unannotated torch ops outside `_torchops.OP_KINDS`, non-tensor primitive inputs,
-    Gather's masked lookup and Dropout's global mask are refused; once planned the network only
+    Limits: unannotated torch ops outside `_torchops.OP_KINDS` and non-tensor primitive inputs
+    are refused; once planned the network only
     runs through the wrapper (same primitive calls, same order, same shapes every step).
     """
 
@@ -119,45 +145,65 @@ class AutoParallel(nn.Module):
         self.network = network
         self.parallel_mode = parallel_mode
         self.network_plan: NetworkPlan | None = None
-        self._dataset: str = get_auto_parallel_context("dataset_strategy")
+        self._dataset: DatasetStrategy = get_auto_parallel_context("dataset_strategy")
         self._tracker = Tracker()
         self._ops: DataParallelOps | None = None
         self._cursor = 0
         self._planning = False
+        self._fixup: Masked | None = None
+        self._declared = Declared()
         self._hooks: list[Any] = [
             network.register_forward_pre_hook(self._enter_network),
             network.register_forward_hook(self._leave_network),
         ]
 
-    def dataset_strategy(self, strategy: str) -> AutoParallel:
-        """How each input of the wrapped call is split: ``"data_parallel"`` (the default: a
-        train step gets the global batch and keeps this rank's rows; a module gets this rank's
-        rows) or ``"full_batch"`` (every rank keeps the whole batch). Returns self."""
-        if strategy not in DATASET_STRATEGIES:
-            raise ValueError(
-                f"AutoParallel.dataset_strategy: {strategy!r}; supported: {DATASET_STRATEGIES} "
-                f"(per-input tuples / Layouts are not supported yet)"
-            )
-        self._dataset = strategy
+    def dataset_strategy(self, strategy: DatasetStrategy) -> AutoParallel:
+        """How each input of the wrapped call is split.
+
+        Args:
+            strategy: ``"data_parallel"`` (the default: a train step gets the global batch and
+                keeps this rank's rows; a module gets this rank's rows), ``"full_batch"``
+                (every rank keeps the whole batch), or one entry per tensor input: split
+                counts such as ``((2, 1), (2,))`` (the repeat factor appended on the right when
+                they use fewer devices than the job) or Layout calls
+                ``(layout("dp", "None"), layout("dp"))``; a train step keeps this rank's block,
+                a module gets it.
+
+        Returns:
+            self.
+
+        Example:
+            >>> AutoParallel(train_step).dataset_strategy(((4, 1, 1, 1), (4,)))
+        """
+        self._dataset = check_dataset_strategy(strategy)
         return self
 
-    def plan(self, *inputs: torch.Tensor, shapes: Sequence[Shape] | None = None) -> NetworkPlan:
+    def plan(
+        self,
+        *inputs: torch.Tensor,
+        shapes: Sequence[Shape] | None = None,
+        states: Sequence[State] | None = None,
+        dtypes: Sequence[torch.dtype] | None = None,
+    ) -> NetworkPlan:
         """Plan with the global shapes of the network's inputs and shard the parameters (once).
 
-        `shapes` default: these inputs as this rank's rows of data-parallel inputs."""
+        `shapes` default: these inputs as this rank's rows of data-parallel inputs. `states`:
+        how each input arrives (for the reports; default: as the dataset strategy names).
+        `dtypes`: the inputs' dtypes for the meta trace (default: those of `inputs`)."""
         if self.network_plan is not None:
             return self.network_plan
         world = comm.get_group_size()
-        check_device_num(world)
         if shapes is None:
             shapes = [_global_shape(x, world) for x in inputs]
-        self._planning = True
+        if dtypes is None and inputs:
+            dtypes = [x.dtype for x in inputs]
         try:
-            plan = plan_network(trace_calls(self.network, shapes), world)
-            report.dump_plan(plan, self.network, shapes, self._dataset)  # save_graphs >= 1
-        finally:
-            self._planning = False
-        runtime.check_memory(_param_blocks(self.network, plan), "AutoParallel.plan")
+            check_device_num(world)
+            plan = self._make_plan(world, shapes, states, dtypes)
+            runtime.check_memory(_memory_estimate(self.network, plan), "AutoParallel.plan")
+        except BaseException:
+            self.remove()  # the network works on its own again; the wrapper is spent
+            raise
         shard_parameters(self.network, plan.params)
         self._hooks += register_grad_reduction(self.network, plan.params)
         self._hooks += register_grad_reduction(self.network, self._replicated_params(plan))
@@ -167,6 +213,63 @@ class AutoParallel(nn.Module):
                 self._hooks.append(m.register_forward_hook(self._after))
         self.network_plan = plan
         return plan
+
+    def _make_plan(
+        self,
+        world: int,
+        shapes: Sequence[Shape],
+        states: Sequence[State] | None,
+        dtypes: Sequence[torch.dtype] | None,
+    ) -> NetworkPlan:
+        """Trace on meta tensors (collecting `sw.shard` / `sw.reshard` declarations), plan, and
+        write the reports."""
+        self._planning = True
+        self._declared = Declared()
+        try:
+            with activate(self):
+                calls = trace_calls(self.network, shapes, dtypes)
+            params = self._declared.parameter_layouts(self.network)
+            extra = input_matrices(self._tracker) + self._declared.matrices
+            plan = plan_network(calls, world, extra, params)
+            named = self._dataset if isinstance(self._dataset, str) else "data_parallel"
+            arrive = named if states is None else [_on(st, plan) for st in states]
+            report.dump_plan(plan, self.network, shapes, arrive, input_dtypes=dtypes)
+        finally:
+            self._planning = False
+        return plan
+
+    def remove(self) -> None:
+        """Take the wrapper's hooks off the network (it then runs on its own, unsharded if
+        planning failed). Called when planning fails."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- `sw.reshard` / `sw.shard` (the `_shard.Session` protocol) -------------------------
+    def global_shape(self, t: torch.Tensor) -> Shape:
+        """The tracked global shape of `t` (its own shape when untracked)."""
+        return self._state(t)[1]
+
+    def reshard(self, t: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+        """Move `t` to `layout` (declared only, while planning)."""
+        if self._planning:
+            self._declared.matrices.append(layout.matrix.shape)
+            return t
+        plan = self._plan()
+        state, shape = self._state(t)
+        self._pause(1)
+        try:
+            dst = layout_of(layout, plan.matrix, len(shape))
+            out = redistribute(t, layout_of(state, plan.matrix, len(shape)), dst, shape)
+        finally:
+            self._pause(-1)
+        self._tracker.put(out, dst, shape)
+        return out
+
+    def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
+        """Record a `parameter_plan` while planning (names relative to `owner`)."""
+        if self._planning:
+            self._declared.add(self.network, owner, plan)
 
     def _replicated_params(self, plan: NetworkPlan) -> dict[str, tuple[Any, Shape]]:
         """The parameters no primitive consumes (unannotated modules): whole on every rank."""
@@ -179,15 +282,16 @@ class AutoParallel(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         if self.train_step is not None:
             with self._session():
-                local = [dataset_input(x, self._dataset, self._tracker) for x in inputs]
+                index, n = _tensor_indices(inputs)
+                local = [
+                    dataset_input(x, self._dataset, self._tracker, i, n)
+                    for x, i in zip(inputs, index, strict=True)
+                ]
                 return self.train_step(*local)
-        world = comm.get_group_size()
         with self._session():
-            for x in inputs:
-                if self._dataset == "full_batch":
-                    self._tracker.put(x, "rep", tuple(int(s) for s in x.shape))
-                else:
-                    self._tracker.put(x, "dp", _global_shape(x, world))
+            index, n = _tensor_indices(inputs)
+            for x, i in zip(inputs, index, strict=True):
+                arriving_input(x, self._dataset, self._tracker, i, n)
             out = self.network(*inputs)
             self._pause(1)
             return self._to_data_parallel(out)
@@ -195,17 +299,26 @@ class AutoParallel(nn.Module):
     @contextmanager
     def _session(self) -> Iterator[None]:
         """Track activations and run unannotated torch ops data parallel during one call."""
-        plan = self.network_plan
-        sharded = [] if plan is None else [id(self.network.get_parameter(n)) for n in plan.params]
         self._tracker.clear()
         self._cursor = 0
-        self._ops = DataParallelOps(self._tracker, sharded)
+        self._ops = DataParallelOps(self._tracker, self._sharded())
         try:
-            with self._ops:
+            with self._ops, activate(self):
                 yield
         finally:
             self._ops = None
             self._tracker.clear()
+
+    def _sharded(self) -> dict[int, tuple[TensorLayout, Shape]]:
+        """Parameter id -> (layout, shape) of the parameters stored as blocks."""
+        plan = self.network_plan
+        if plan is None:
+            return {}
+        return {
+            id(self.network.get_parameter(n)): (lay, shape)
+            for n, (lay, shape) in plan.params.items()
+            if lay.used_axes()
+        }
 
     def _pause(self, delta: int) -> None:
         if self._ops is not None:
@@ -220,18 +333,26 @@ class AutoParallel(nn.Module):
                 "AutoParallel object (or the train step it wraps) instead"
             )
         if self.network_plan is None:
-            shapes = [self._state(t)[1] for t in args if isinstance(t, torch.Tensor)]
+            tensors = [t for t in args if isinstance(t, torch.Tensor)]
+            found = [self._state(t) for t in tensors]
             self._pause(1)
             try:
-                self.plan(shapes=shapes)
+                self.plan(
+                    shapes=[f[1] for f in found],
+                    states=[f[0] for f in found],
+                    dtypes=[t.dtype for t in tensors],
+                )
             finally:
                 self._pause(-1)
-            self._ops.sharded = {id(self.network.get_parameter(n)) for n in self._plan().params}
+            self._ops.sharded = self._sharded()
         self._cursor = 0
+        self._ops.in_network += 1
 
     def _leave_network(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._planning:
             return
+        if self._ops is not None:
+            self._ops.in_network -= 1
         calls = self._plan().calls
         if self._cursor != len(calls):
             raise RuntimeError(
@@ -253,7 +374,7 @@ class AutoParallel(nn.Module):
         if not isinstance(out, torch.Tensor):
             return out
         state, shape = self._tracker.get(out, "AutoParallel output")
-        if isinstance(state, str):  # "dp" rows or a whole ("rep") value: as they are
+        if isinstance(state, str) or not shape:  # "dp" rows, a whole value or a scalar: as is
             return out
         return redistribute(out, state, data_parallel_layout(state.matrix, len(shape)), shape)
 
@@ -271,22 +392,22 @@ class AutoParallel(nn.Module):
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         cp = self._current(module)
         assert isinstance(module, Primitive)
-        if cp.plan.local:
-            raise UnsupportedParallelError(
-                f"{cp.plan.who}: local mode {cp.plan.local!r} not supported"
-            )
         self._pause(1)  # until `_after`: the primitive and its redistributions run as written
         tensors, _ = module.split_call(*args)
         local = []
         for i, (t, dst, shape) in enumerate(
             zip(tensors, cp.inputs, cp.call.input_shapes, strict=True)
         ):
-            if i in cp.call.params:  # already this rank's block (step 2)
-                local.append(t)
+            if i in cp.call.params:  # this rank's block (step 2) in the layout it is stored in
+                src = self._plan().params[cp.call.params[i]][0]
+                local.append(t if src == dst else redistribute(t, src, dst, shape))
                 continue
-            state, _ = self._tracker.get(t, cp.plan.who)
+            state, _ = self._state(t)  # untracked: a constant, the same on every rank
             src = layout_of(state, self._plan().matrix, len(shape))
             local.append(redistribute(t, src, dst, shape))
+        local, self._fixup = prepare(
+            module, cp.plan.local, local, cp.inputs, cp.call.input_shapes, dict(cp.call.call_args)
+        )
         rest = args[len(tensors) :]
         if "shape" in cp.call.call_args:  # Reshape: the local target shape
             shape_arg = cp.plan.local_output_shapes()[0]
@@ -302,7 +423,10 @@ class AutoParallel(nn.Module):
     def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         cp = self._current(module)
         single = isinstance(output, torch.Tensor)
-        outs = apply_comms([output] if single else list(output), cp.plan)
+        outs = [output] if single else list(output)
+        if self._fixup is not None:
+            outs, self._fixup = self._fixup.apply(outs), None
+        outs = apply_comms(outs, cp.plan)
         for t, layout, shape in zip(outs, cp.outputs, cp.plan.output_shapes, strict=True):
             self._tracker.put(t, layout, shape)
         self._cursor += 1

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._step import DATASET_STRATEGIES
+from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 
 
 class ParallelMode:
@@ -133,11 +133,8 @@ def _ckpt_config(key: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def _dataset_strategy(key: str, value: Any) -> str:
-    if value not in DATASET_STRATEGIES:
-        valid = " | ".join(repr(s) for s in DATASET_STRATEGIES)
-        raise _bad(key, value, f"{valid} (per-input tuples / Layouts are not supported yet)")
-    return str(value)
+def _dataset_strategy(key: str, value: Any) -> DatasetStrategy:
+    return check_dataset_strategy(value)
 
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
@@ -164,7 +161,8 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             ``"dynamic_programming"`` (for ``AUTO_PARALLEL``, not supported yet).
         device_num: the job's size, an int in [1, 4096]; checked against the world size when
             `AutoParallel` plans. Default None (not checked).
-        dataset_strategy: ``"data_parallel"`` (default) or ``"full_batch"``.
+        dataset_strategy: ``"data_parallel"`` (default), ``"full_batch"`` or one int tuple /
+            Layout call per input (see `AutoParallel.dataset_strategy`).
         gradients_mean, enable_parallel_optimizer: bools (stored only).
         parallel_optimizer_config: dict of ``parallel_optimizer_threshold`` (int >= 0),
             ``optimizer_weight_shard_size`` (-1 or > 1), ``optimizer_level``

@@ -1,13 +1,13 @@
 """Step 1, plan: record every primitive call of a network and lay all plans on one matrix.
 
-- `trace_calls`: runs the network once on meta tensors of the global shapes (parameters swapped
-  for meta tensors with `torch.func.functional_call`, so nothing is computed or allocated) and
-  records each `Primitive` call: the module, its global input shapes, its call arguments and
-  which inputs are parameters (by name).
+- `trace_calls`: runs the network once on meta tensors of the global shapes (parameters and
+  buffers swapped for meta tensors with `torch.func.functional_call`, so nothing is computed or
+  allocated) and records each `Primitive` call: the module, its global input shapes, its call
+  arguments and which inputs are parameters (by name).
 - `plan_network`: plans every call with `plan_primitive` (device_num = world size), finds the
   coarsest common refinement of all their device matrices (`common_refinement`) and moves every
-  input / output layout onto that one global matrix (`refine`). It also fixes each parameter's
-  layout (the layout of the input that consumes it).
+  input / output layout onto that one global matrix (`refine`). It also fixes the layout each
+  parameter is stored in (its ``parameter_plan`` entry, else the layout of its first consumer).
 """
 
 from __future__ import annotations
@@ -74,13 +74,21 @@ class NetworkPlan:
         return "\n".join(lines)
 
 
-def trace_calls(network: nn.Module, input_shapes: Sequence[Shape]) -> list[PrimitiveCall]:
-    """Run `network` on meta tensors of `input_shapes`, recording each primitive call."""
+def trace_calls(
+    network: nn.Module,
+    input_shapes: Sequence[Shape],
+    input_dtypes: Sequence[torch.dtype] | None = None,
+) -> list[PrimitiveCall]:
+    """Run `network` on meta tensors of `input_shapes` (and `input_dtypes`, default float32),
+    recording each primitive call."""
     name_primitives(network)
     metas = {
         n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in network.named_parameters()
     }
     by_id = {id(t): n for n, t in metas.items()}
+    metas |= {  # buffers (constants) on meta too: they meet meta activations
+        n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in network.named_buffers()
+    }
     calls: list[PrimitiveCall] = []
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -98,7 +106,11 @@ def trace_calls(network: nn.Module, input_shapes: Sequence[Shape]) -> list[Primi
         if isinstance(m, Primitive)
     ]
     try:
-        inputs = tuple(torch.empty(s, device="meta") for s in input_shapes)
+        dtypes = list(input_dtypes or [torch.float32] * len(input_shapes))
+        inputs = tuple(
+            torch.empty(s, dtype=d, device="meta")
+            for s, d in zip(input_shapes, dtypes, strict=True)
+        )
         torch.func.functional_call(network, metas, inputs)
     finally:
         for h in handles:
@@ -106,30 +118,41 @@ def trace_calls(network: nn.Module, input_shapes: Sequence[Shape]) -> list[Primi
     return calls
 
 
-def plan_network(calls: Sequence[PrimitiveCall], device_num: int) -> NetworkPlan:
+def plan_network(
+    calls: Sequence[PrimitiveCall],
+    device_num: int,
+    extra_matrices: Sequence[Shape] = (),
+    param_layouts: Mapping[str, tuple[TensorLayout, Shape]] | None = None,
+) -> NetworkPlan:
     """Plan every call and bring all layouts onto the common refinement of their matrices.
 
+    Args:
+        calls: the traced primitive calls.
+        device_num: the job's size.
+        extra_matrices: more device-matrix shapes the global one must refine (the inputs'
+            layouts under a per-input dataset strategy, `sw.reshard` layouts).
+        param_layouts: parameter name -> (layout, global shape) in which it is stored
+            (``parameter_plan``); the others are stored as their first consumer wants them. A
+            consumer wanting another layout gets the parameter redistributed at each use.
+
     Raises:
-        ValueError: the matrices have no common refinement, or a parameter is consumed with two
-            different layouts.
+        ValueError: the matrices have no common refinement.
     """
     plans = [
         plan_primitive(c.module, *c.input_shapes, device_num=device_num, **c.call_args)
         for c in calls
     ]
-    shape = common_refinement([p.matrix.shape for p in plans] or [(device_num,)])
+    given = dict(param_layouts or {})
+    shapes = [p.matrix.shape for p in plans] + list(extra_matrices)
+    shapes += [lay.matrix.shape for lay, _ in given.values()]
+    shape = common_refinement(shapes or [(device_num,)])
     matrix = DeviceMatrix(shape, tuple(f"g{i}" for i in range(len(shape))))
     out: list[CallPlan] = []
-    params: dict[str, tuple[TensorLayout, Shape]] = {}
+    params = {name: (refine(lay, matrix), s) for name, (lay, s) in given.items()}
     for call, plan in zip(calls, plans, strict=True):
         ins = tuple(refine(t, matrix) for t in plan.inputs)
         outs = tuple(refine(t, matrix) for t in plan.outputs)
         out.append(CallPlan(call, plan, ins, outs))
         for i, name in call.params.items():
-            seen = params.setdefault(name, (ins[i], call.input_shapes[i]))
-            if seen[0] != ins[i]:
-                raise ValueError(
-                    f"{plan.who}: parameter {name!r} is used with layout {ins[i]} here but "
-                    f"{seen[0]} by an earlier primitive; give both the same strategy"
-                )
+            params.setdefault(name, (ins[i], call.input_shapes[i]))
     return NetworkPlan(matrix, tuple(out), params)

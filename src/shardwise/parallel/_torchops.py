@@ -1,29 +1,43 @@
 """Unannotated torch ops run data parallel (MindSpore semi_auto semantics).
 
 `DataParallelOps` is a `TorchFunctionMode` active during a wrapped call. A torch function that
-touches no tracked tensor (`Tracker`) runs unchanged (the optimizer, constants, meta tracing).
-One that does is looked up in `OP_KINDS`, the table of supported op kinds:
+touches no tracked tensor (`Tracker`) runs unchanged (the optimizer, constants such as a causal
+``torch.tril`` mask made in the network, meta tracing). One that does is looked up in `OP_KINDS`,
+the table of supported op kinds, and run by its kind's rule (`_torchop_rules.RULES`, which says
+which function does which step):
 
-- ``elementwise`` (broadcasting ``+ - * /``, activations): every input with the output's rank
-  and a dim 0 larger than 1 is brought to the data-parallel layout (``"dp"``: dim 0 split over
-  all ranks), the others (biases, scalars, reduced values) stay whole; the result is ``"dp"``.
+- ``elementwise`` (broadcasting ``+ - * / **``, comparisons, activations, ``sqrt`` / ``rsqrt``,
+  ``masked_fill``, ``where``): every input with the output's rank and a dim 0 larger than 1 is
+  brought to the data-parallel layout (``"dp"``: dim 0 split over all ranks), the others
+  (biases, scalars, reduced values, an [S, S] mask against [B, H, S, S] scores) stay whole; the
+  result is ``"dp"``. ``attention`` (``F.scaled_dot_product_attention`` with ``dropout_p=0``)
+  likewise.
 - ``rowwise`` / ``linear`` (view / reshape / flatten keeping dim 0, softmax off dim 0,
-  ``F.linear``): the first tensor becomes ``"dp"``, every other tensor (weights) must be whole.
+  ``F.linear``), ``rowstat`` (``var`` / ``std`` off dim 0), ``index`` (``x[:, 0]``,
+  ``x[..., :4]``), ``dims`` (``transpose`` / ``permute`` / ``unsqueeze`` / ``squeeze(dim)`` /
+  ``split`` / ``chunk`` keeping dim 0 first), ``cast`` (``float``, ``to(dtype)``, ...),
+  ``norm`` (``F.layer_norm`` / ``F.rms_norm`` over trailing dims), ``embedding``: the first
+  tensor becomes ``"dp"``, every other tensor (weights, tables) must be whole; the result(s)
+  ``"dp"``. ``join`` (``cat`` / ``stack`` off dim 0): every input ``"dp"``. ``matmul``:
+  ``x @ weight`` (rows of x) or batched activations of rank >= 3 (rows of both).
+- ``dropout`` (``F.dropout``, so ``nn.Dropout``; ``torch.dropout``): this rank's rows of one
+  global mask drawn like a single-device run's (`communication.replicated_draw`).
 - ``loss`` (cross entropy, nll, mse, l1): input and target become ``"dp"``; ``"mean"`` /
   ``"sum"`` losses become one replicated value (local loss, AllReduce(sum), / world size for
   the mean: equal local batch sizes), ``"none"`` stays ``"dp"``.
 - ``reduce`` (``sum`` / ``mean``): over all dims or dims containing 0 as the losses; over other
   dims row-wise.
 
-A tracked input whose state is ``"rep"`` everywhere (e.g. a ``full_batch`` input) runs whole on
-every rank. Metadata reads (``shape``, ``size()``, ``backward()``, ...) pass; anything else on a
-tracked tensor raises `UnsupportedParallelError` naming the op.
+An op that would touch dim 0 (index it, join or move it, contract it, normalize over it) raises
+`UnsupportedParallelError` naming the op and what would work. A tracked input whose state is
+``"rep"`` everywhere (e.g. a ``full_batch`` input) runs whole on every rank (dropout: with the
+whole global mask). Metadata reads (``shape``, ``size()``, ``backward()``, ...) pass; any other
+op on a tracked tensor raises `UnsupportedParallelError` naming the op.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,8 +45,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shardwise import communication as comm
+from shardwise.layout import TensorLayout
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import data_parallel_layout, replicated_layout
+from shardwise.parallel._torchop_rules import RULES, op_name
 from shardwise.parallel._tracker import Shape, State, Tracker, check_rank_order
 from shardwise.redistribution import redistribute
 
@@ -41,32 +57,46 @@ _ELEMENTWISE: list[Callable[..., Any]] = [
     T.add, T.__add__, T.__radd__, T.sub, T.__sub__, T.__rsub__, T.mul, T.__mul__, T.__rmul__,
     T.div, T.__truediv__, T.__rtruediv__, T.neg, T.__neg__, torch.add, torch.sub, torch.mul,
     torch.div, torch.neg, torch.relu, T.relu, F.relu, F.gelu, F.silu, torch.sigmoid, T.sigmoid,
-    torch.tanh, T.tanh, torch.exp, T.exp,
+    torch.tanh, T.tanh, torch.exp, T.exp, torch.log, T.log, torch.sqrt, T.sqrt, torch.rsqrt,
+    T.rsqrt, torch.pow, T.pow, T.__pow__, T.__rpow__, torch.abs, T.abs, T.masked_fill,
+    torch.masked_fill, torch.where, T.__eq__, T.__ne__, T.eq, T.ne, T.lt, T.le, T.gt, T.ge,
 ]  # fmt: skip
 _ROWWISE: list[Callable[..., Any]] = [
     T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, F.softmax, F.log_softmax,
     T.softmax, T.log_softmax, torch.softmax, torch.log_softmax, T.detach, T.contiguous, T.clone,
 ]  # fmt: skip
-_SOFTMAX = {F.softmax, F.log_softmax, T.softmax, T.log_softmax, torch.softmax, torch.log_softmax}
+_DIMS: list[Callable[..., Any]] = [
+    T.transpose, torch.transpose, T.permute, torch.permute, T.unsqueeze, torch.unsqueeze,
+    T.squeeze, torch.squeeze, T.split, torch.split, T.chunk, torch.chunk,
+]  # fmt: skip
+_CASTS: list[Callable[..., Any]] = [
+    T.float, T.double, T.half, T.bfloat16, T.long, T.int, T.bool, T.to, T.type_as,
+]  # fmt: skip
+_MATMUL: list[Callable[..., Any]] = [torch.matmul, T.matmul, T.__matmul__, torch.bmm, T.bmm]
 _LOSSES: list[Callable[..., Any]] = [F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss]
-_REDUCE: list[Callable[..., Any]] = [torch.sum, T.sum, torch.mean, T.mean]
 
 OP_KINDS: dict[Callable[..., Any], str] = {
     **{f: "elementwise" for f in _ELEMENTWISE},
+    F.scaled_dot_product_attention: "attention",
     **{f: "rowwise" for f in _ROWWISE},
     F.linear: "linear",
+    **{f: "rowstat" for f in (T.var, torch.var, T.std, torch.std)},
+    T.__getitem__: "index",
+    **{f: "join" for f in (torch.cat, torch.concat, torch.stack)},
+    **{f: "dims" for f in _DIMS},
+    **{f: "cast" for f in _CASTS},
+    F.embedding: "embedding",
+    **{f: "norm" for f in (F.layer_norm, F.rms_norm)},
+    **{f: "matmul" for f in _MATMUL},
+    **{f: "dropout" for f in (F.dropout, torch.dropout)},
     **{f: "loss" for f in _LOSSES},
-    **{f: "reduce" for f in _REDUCE},
+    **{f: "reduce" for f in (torch.sum, T.sum, torch.mean, T.mean)},
 }
-"""The supported torch ops on tracked tensors and their kind (see the module docstring)."""
+"""The supported torch ops on tracked tensors and their kind (see the module docstring); each
+kind's rule is `_torchop_rules.RULES[kind]`."""
 
 _METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.backward}
 _VALUE_READS = {T.item, T.tolist, T.__float__, T.__format__, T.__repr__, T.__bool__}
-
-
-def op_name(func: Callable[..., Any]) -> str:
-    module = getattr(func, "__module__", None) or "torch.Tensor"
-    return f"{module}.{getattr(func, '__name__', repr(func))}"
 
 
 def _is_metadata(func: Callable[..., Any]) -> bool:
@@ -78,14 +108,18 @@ class DataParallelOps(TorchFunctionMode):
     """Runs the ops of `OP_KINDS` on tracked tensors data parallel (see the module docstring).
 
     `paused` > 0 lets everything through (set while a primitive or the planner runs).
-    `sharded`: ids of parameters cut to blocks, refused as whole inputs.
+    `sharded`: parameter id -> (layout, global shape) of the parameters stored as blocks. Inside
+    the network's forward (`in_network` > 0) a torch op gets them whole (AllGather, exact
+    backward: `gather_params`); elsewhere with autograd on (e.g. a penalty on the weights in a
+    train step) they are refused; under ``no_grad`` (the optimizer's update) they pass as blocks.
     """
 
-    def __init__(self, tracker: Tracker, sharded: Iterable[int]) -> None:
+    def __init__(self, tracker: Tracker, sharded: Mapping[int, tuple[TensorLayout, Shape]]) -> None:
         super().__init__()
         self.tracker = tracker
-        self.sharded = set(sharded)
+        self.sharded = dict(sharded)
         self.paused = 0
+        self.in_network = 0
         self.world = comm.get_group_size()
 
     def __torch_function__(
@@ -99,6 +133,9 @@ class DataParallelOps(TorchFunctionMode):
         if self.paused:
             return func(*args, **kwargs)
         tracked, sharded = self._tracked(args, kwargs)
+        if sharded and self.in_network and not _is_metadata(func):
+            args, kwargs = self.gather_params(args, kwargs)
+            tracked, sharded = self._tracked(args, kwargs)
         if sharded and torch.is_grad_enabled() and not _is_metadata(func):
             self._check_whole(sharded[0], op_name(func))  # raises (optimizers run in no_grad)
         if not tracked:
@@ -106,10 +143,28 @@ class DataParallelOps(TorchFunctionMode):
         kind = OP_KINDS.get(func)
         if kind is None:
             return self._other(func, args, kwargs, tracked)
-        if all(s == "rep" for s in tracked):  # whole on every rank: run replicated
+        if kind != "dropout" and all(s == "rep" for s in tracked):  # whole on every rank
             return self._put(func(*args, **kwargs), "rep")
-        rule = _RULES[kind]
-        return rule(self, func, args, kwargs)
+        return RULES[kind](self, func, args, kwargs)
+
+    def gather_params(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The arguments with every sharded parameter replaced by its whole value."""
+
+        def whole(a: Any) -> Any:
+            if isinstance(a, list | tuple):
+                return type(a)(whole(b) for b in a)
+            if not isinstance(a, T) or id(a) not in self.sharded:
+                return a
+            layout, shape = self.sharded[id(a)]
+            self.paused += 1
+            try:
+                return redistribute(a, layout, replicated_layout(layout.matrix, len(shape)), shape)
+            finally:
+                self.paused -= 1
+
+        return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
 
     def _tracked(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -176,8 +231,9 @@ class DataParallelOps(TorchFunctionMode):
     def _check_whole(self, t: T, who: str) -> None:
         if id(t) in self.sharded:
             raise UnsupportedParallelError(
-                f"{who}: a parameter sharded for a shardwise primitive is also used by an "
-                f"unannotated torch op; give it to primitives only"
+                f"{who}: a parameter stored as blocks (for a shardwise primitive or a "
+                f"parameter_plan) is used by a torch op outside the network's forward; use it "
+                f"inside the network, or under torch.no_grad() for an in-place update"
             )
 
     def put_dp(self, out: T) -> T:
@@ -199,75 +255,3 @@ class DataParallelOps(TorchFunctionMode):
             out = out / self.world
         self.tracker.put(out, "rep", tuple(int(s) for s in out.shape))
         return out
-
-
-def _elementwise(m: DataParallelOps, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> T:
-    who = op_name(func)
-    tensors = [a for a in (*args, *kw.values()) if isinstance(a, T)]
-    ndim = max(t.dim() for t in tensors)
-
-    def convert(a: Any) -> Any:
-        if not isinstance(a, T):
-            return a
-        aligned = a.dim() == ndim > 0 and m.state(a)[1][0] != 1
-        return m.to_dp(a, who) if aligned else m.to_whole(a, who)
-
-    out = func(*(convert(a) for a in args), **{k: convert(v) for k, v in kw.items()})
-    return m.put_dp(out)
-
-
-def _rowwise(m: DataParallelOps, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> T:
-    who = op_name(func)
-    x, rest = args[0], args[1:]
-    dim = kw.get("dim", rest[0] if rest and func in _SOFTMAX else None)
-    if func in _SOFTMAX and isinstance(dim, int) and dim % max(x.dim(), 1) == 0:
-        raise UnsupportedParallelError(f"{who}: over dim 0 of a data-parallel activation")
-    local = m.to_dp(x, who)
-
-    def whole(a: Any) -> Any:
-        return m.to_whole(a, who) if isinstance(a, T) else a
-
-    out = func(local, *(whole(a) for a in rest), **{k: whole(v) for k, v in kw.items()})
-    if not isinstance(out, T) or out.dim() == 0 or out.shape[0] != local.shape[0]:
-        raise UnsupportedParallelError(
-            f"{who}: changes dim 0 of a data-parallel activation (local {list(local.shape)} -> "
-            f"{list(out.shape) if isinstance(out, T) else out}); only ops keeping dim 0 run "
-            f"data parallel"
-        )
-    return m.put_dp(out)
-
-
-def _loss(m: DataParallelOps, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> T:
-    who = op_name(func)
-    bound = inspect.signature(func).bind(*args, **kw)
-    given = bound.arguments
-    if given.get("size_average") is not None or given.get("reduce") is not None:
-        raise UnsupportedParallelError(f"{who}: legacy size_average / reduce arguments")
-    reduction = given.get("reduction", "mean")
-    if given.get("weight") is not None and reduction == "mean":
-        raise UnsupportedParallelError(f"{who}: class weights with reduction='mean'")
-    given["input"] = m.to_dp(given["input"], who)
-    given["target"] = m.to_dp(given["target"], who)
-    out: T = func(*bound.args, **bound.kwargs)
-    if reduction == "none":
-        return m.put_dp(out)
-    return m.reduce_rows(out, mean=reduction == "mean")
-
-
-def _reduce(m: DataParallelOps, func: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> T:
-    x = args[0]
-    dim = kw.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
-    dims = None if dim is None else ([dim] if isinstance(dim, int) else list(dim))
-    if dims is not None and all(d % x.dim() != 0 for d in dims):
-        return _rowwise(m, func, args, kw)
-    out = func(m.to_dp(x, op_name(func)), *args[1:], **kw)
-    return m.reduce_rows(out, mean=func in (torch.mean, T.mean))
-
-
-_RULES: dict[str, Callable[[DataParallelOps, Any, tuple[Any, ...], dict[str, Any]], T]] = {
-    "elementwise": _elementwise,
-    "rowwise": _rowwise,
-    "linear": _rowwise,
-    "loss": _loss,
-    "reduce": _reduce,
-}

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import data_parallel_layout, replicated_layout
 
@@ -54,18 +54,24 @@ class Tracker:
             )
         return found
 
+    def states(self) -> list[tuple[State, Shape]]:
+        """The state and global shape of every tracked tensor."""
+        return [(state, shape) for _, state, shape in self._seen.values()]
+
     def clear(self) -> None:
         self._seen.clear()
 
 
 def layout_of(state: State, matrix: DeviceMatrix, ndim: int) -> TensorLayout:
-    """`state` as a layout on `matrix` (``"dp"``: dim 0 split over every axis)."""
+    """`state` as a layout on `matrix` (``"dp"``: dim 0 split over every axis; a layout on a
+    coarser matrix, e.g. a dataset strategy's: refined onto `matrix`)."""
     if state == "dp":
         check_rank_order(matrix)
         return data_parallel_layout(matrix, ndim)
     if state == "rep":
         return replicated_layout(matrix, ndim)
-    return state
+    assert not isinstance(state, str)
+    return state if state.matrix == matrix else refine(state, matrix)
 
 
 def check_rank_order(matrix: DeviceMatrix) -> None:
@@ -75,3 +81,9 @@ def check_rank_order(matrix: DeviceMatrix) -> None:
             f"{matrix}: a custom rank_list is not supported with data-parallel activations "
             f"(unannotated torch ops, network inputs)"
         )
+
+
+def input_matrices(tracker: Tracker) -> list[Shape]:
+    """The device matrices of the tracked tensors that carry their own layout (inputs cut by a
+    per-input dataset strategy, before any primitive ran)."""
+    return [state.matrix.shape for state, _ in tracker.states() if not isinstance(state, str)]

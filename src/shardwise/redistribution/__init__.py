@@ -6,10 +6,10 @@ AlltoAll (never AllReduce).
 - `_plan`: `plan_redistribution` (Dijkstra over layouts, minimal bytes per rank) and the
   printable `RedistributionPlan`.
 - `_execute`: `redistribute`, which runs a plan on this rank's local block with the
-  autograd-aware collectives.
+  autograd-aware collectives; `block_offset` (where this rank's block of a dim starts).
 """
 
-from shardwise.redistribution._execute import redistribute
+from shardwise.redistribution._execute import block_offset, redistribute
 from shardwise.redistribution._plan import RedistributionPlan, plan_redistribution
 from shardwise.redistribution._steps import AllGather, AlltoAll, Slice, Step, apply_step
 
@@ -20,6 +20,7 @@ __all__ = [
     "Slice",
     "Step",
     "apply_step",
+    "block_offset",
     "plan_redistribution",
     "redistribute",
 ]

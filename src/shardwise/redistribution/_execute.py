@@ -191,3 +191,17 @@ def redistribute(
     for step in plan.steps:
         x = _run(x, step, axes)
     return x
+
+
+def block_offset(layout: TensorLayout, dim: int, shape: Sequence[int]) -> int:
+    """Where this rank's block of `dim` starts in the global tensor (a per-rank int in a
+    simulated world).
+
+    Example:
+        >>> block_offset(TensorLayout(m, ((0,), ())), 0, (16, 4))   # rank 5 on (2, 4): 8
+    """
+    axes = _Axes(layout)
+    index = 0
+    for a in layout.dims[dim]:
+        index = index * layout.matrix.shape[a] + axes.coord(a)
+    return index * (int(shape[dim]) // layout.split_count(dim))

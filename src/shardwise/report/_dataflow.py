@@ -134,6 +134,7 @@ def trace_sources(
     input_shapes: Sequence[Shape],
     param_shapes: Mapping[str, Shape] | None = None,
     input_states: Sequence[InputState] | None = None,
+    input_dtypes: Sequence[torch.dtype] | None = None,
 ) -> Dataflow:
     """The `Source` of every tensor input of every primitive call and of every output.
 
@@ -148,13 +149,16 @@ def trace_sources(
         input_states: how each network input arrives: ``"dp"`` (this rank's rows: the
             default), ``"rep"`` (whole on every rank: ``full_batch``) or a layout on the plan's
             matrix.
+        input_dtypes: the inputs' dtypes (default: float32; token ids need their int dtype).
     """
     given = dict(param_shapes or {})
     params = {
         n: torch.empty(given.get(n, tuple(p.shape)), dtype=p.dtype, device="meta")
         for n, p in network.named_parameters()
     }
-    inputs = tuple(torch.empty(s, device="meta") for s in input_shapes)
+    dtypes = list(input_dtypes or [torch.float32] * len(input_shapes))
+    pairs = zip(input_shapes, dtypes, strict=True)
+    inputs = tuple(torch.empty(s, dtype=d, device="meta") for s, d in pairs)
     tracer = _Tracer()
     for n, t in params.items():
         tracer.put(t, Source("param", name=n))
@@ -165,7 +169,11 @@ def trace_sources(
     handles += [m.register_forward_hook(tracer.after) for m in prims]
     try:
         with tracer:
-            result = torch.func.functional_call(network, params, inputs)
+            buffers = {
+                n: torch.empty(b.shape, dtype=b.dtype, device="meta")
+                for n, b in network.named_buffers()
+            }
+            result = torch.func.functional_call(network, params | buffers, inputs)
     finally:
         for h in handles:
             h.remove()

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from shardwise import communication as comm
@@ -97,6 +98,7 @@ def dump_plan(
     input_shapes: Sequence[Sequence[int]],
     dataset_strategy: str | Sequence[InputState] = "data_parallel",
     ranks: Iterable[int] | None = None,
+    input_dtypes: Sequence[torch.dtype] | None = None,
 ) -> list[Path]:
     """Write this rank's reports of `plan` if ``get_context("save_graphs") >= 1``.
 
@@ -111,6 +113,7 @@ def dump_plan(
             ranks), ``"full_batch"`` (whole on every rank), or one state per input (``"dp"``,
             ``"rep"`` or a layout on ``plan.matrix``).
         ranks: the ranks to write for; default: see the module docstring.
+        input_dtypes: the inputs' dtypes for the meta trace (default float32).
 
     Returns:
         The paths written (empty at level 0).
@@ -124,6 +127,6 @@ def dump_plan(
     if level < 1:
         return []
     params = {n: s for n, (_, s) in plan.params.items()}
-    flow = trace_sources(network, shapes, params, states)
+    flow = trace_sources(network, shapes, params, states, input_dtypes)
     chosen = _ranks(plan) if ranks is None else list(ranks)
     return write_reports(plan, flow, chosen, get_context("save_graphs_path"), level)

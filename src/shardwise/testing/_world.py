@@ -74,6 +74,23 @@ class SimulatedWorld:
         """A context in which tensors are plain again (LocalTensorMode paused)."""
         return self.mode.disable()
 
+    def draw_same(self, draw: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Draw once outside the world and hand the value to every rank, advancing the random
+        stream every rank sees (LocalTensorMode keeps one generator state per rank once seeded
+        inside the world and restores it around each op, which would undo a plain draw)."""
+        from torch.distributed import _local_tensor as lt
+
+        states = self.mode._per_rank_rng_states
+        with self.outside():
+            if states:
+                lt._set_rng_state(*states[min(states)])
+            value = draw()
+            if states:
+                after = lt._get_rng_state()
+                for r in list(states):
+                    states[r] = after
+        return self.rank_map(lambda r: value.clone())
+
     def same(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (made outside the world) as a value held by every rank.
 

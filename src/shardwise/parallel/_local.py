@@ -1,0 +1,114 @@
+"""Local compute that is more than "run the primitive on the local blocks" (`OpPlan.local`).
+
+- ``"masked_lookup"`` (`masked_lookup`): Gather with its params split on the gathered axis. Each
+  rank holds the rows ``[lo, lo + n)``; indices outside them are looked up at row 0 of the block
+  and their results zeroed (`Masked.apply`), so the plan's AllReduce over the split axes sums
+  exactly one non-zero contribution per index, the single-device value. Their gradients are
+  zero, so each rank's block only receives the gradient of the rows it holds.
+- ``"random"`` (`dropout_noise`): Dropout draws one uniform noise tensor of the *global* shape
+  (`communication.replicated_draw`: the same value on every rank, the generator advanced as in
+  a single-device run) and gives the primitive this rank's block of it, so the mask is the
+  same slice of the single-device mask.
+
+`prepare` dispatches on the tag and returns the new local inputs and what to do to the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise import communication as comm
+from shardwise.layout import TensorLayout
+from shardwise.ops import Dropout, Primitive
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.redistribution import block_offset, redistribute
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Masked:
+    """Zero the results of the indices this rank does not hold (output 0 of Gather)."""
+
+    mask: torch.Tensor  # the indices' shape, True where this rank holds the row
+    view: tuple[int, ...]  # `mask` reshaped to broadcast against the output
+
+    def apply(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = outputs[0]
+        outputs[0] = out * self.mask.reshape(self.view).to(out.dtype)
+        return outputs
+
+
+def masked_lookup(
+    args: Sequence[Any], layouts: Sequence[TensorLayout], shapes: Sequence[Shape], axis: int, b: int
+) -> tuple[list[Any], Masked]:
+    """Gather's local inputs when the params are split on `axis` (see the module docstring).
+
+    Args:
+        args: this rank's params block and (whole) indices.
+        layouts: the params' and indices' layouts.
+        shapes: their global shapes.
+        axis: the gathered axis of the params (normalized).
+        b: batch_dims.
+
+    Returns:
+        The local inputs (indices shifted into the block, out-of-block ones set to 0) and the
+        output fix-up.
+    """
+    params, indices = args[0], args[1]
+    lo = block_offset(layouts[0], axis, shapes[0])
+    rows = int(params.shape[axis])
+    shifted = indices - lo
+    mask = (shifted >= 0) & (shifted < rows)
+    local_idx = torch.where(mask, shifted, torch.zeros_like(shifted))
+    q, p = len(shapes[1]), len(shapes[0])
+    view = (*shapes[1][:b], *(1,) * (axis - b), *shapes[1][b:q], *(1,) * (p - axis - 1))
+    return [params, local_idx, *args[2:]], Masked(mask, tuple(int(v) for v in view))
+
+
+def dropout_noise(module: Dropout, layout: TensorLayout, shape: Shape, x: torch.Tensor) -> None:
+    """Give `module` this rank's block of one global noise draw for its next forward."""
+    keep = float(module.init_args()["keep_prob"])
+    if not module.training or keep == 1.0:
+        return  # the forward draws nothing
+    gen = module.generator(x.device)
+
+    def draw() -> torch.Tensor:
+        return torch.rand(shape, dtype=x.dtype, device=x.device, generator=gen)
+
+    with torch.no_grad():
+        noise = comm.replicated_draw(draw)
+        whole = TensorLayout(layout.matrix, ((),) * len(shape))
+        module.set_next_noise(redistribute(noise, whole, layout, shape))
+
+
+def prepare(
+    module: Primitive,
+    tag: str,
+    local: list[Any],
+    layouts: Sequence[TensorLayout],
+    shapes: Sequence[Shape],
+    call_args: dict[str, Any],
+) -> tuple[list[Any], Masked | None]:
+    """Apply `OpPlan.local` tag `tag` before `module` runs on `local` (its local inputs).
+
+    Returns:
+        The local inputs to run with, and the output fix-up (None: none).
+
+    Raises:
+        UnsupportedParallelError: an unknown tag.
+    """
+    if not tag:
+        return local, None
+    if tag == "masked_lookup":
+        axis = int(call_args["axis"]) % len(shapes[0])
+        b = int(module.init_args()["batch_dims"])
+        return masked_lookup(local, layouts, shapes, axis, b)
+    if tag == "random" and isinstance(module, Dropout):
+        dropout_noise(module, layouts[0], shapes[0], local[0])
+        return local, None
+    raise UnsupportedParallelError(f"{module.who}: local mode {tag!r} is not supported")

@@ -1,0 +1,271 @@
+"""`sw.shard` and `sw.reshard`: layouts set by the user on tensors, functions and parameters.
+
+- `reshard(tensor, layout)`: inside a network run by `AutoParallel`, moves the tensor to
+  `layout` (a redistribution: slices, AllGather, AlltoAll) and records it there; elsewhere (one
+  device, or outside a wrapped call) it returns the tensor unchanged.
+- `shard(fn_or_module, in_strategy, out_strategy, parameter_plan)`: reshards a function's (or
+  module's) tensor inputs to `in_strategy` and its outputs to `out_strategy`; the body runs with
+  the usual semi_auto rules (primitives as their strategies say, unannotated torch ops data
+  parallel). `parameter_plan` sets the layout in which parameters are *stored* on the ranks:
+  each primitive gets its parameters redistributed from there to the layout its strategy wants
+  (with the adjoint in backward), and unannotated torch ops get them whole (AllGather).
+- `Session`: what an `AutoParallel` offers during one wrapped call (`active_session`); the
+  wrapper registers itself with `activate`.
+- `to_layout`: a strategy entry (int tuple or Layout call) for one tensor as a `TensorLayout`.
+- `Declared`: the layouts declared while planning, and the parameter plan by full name.
+
+While the wrapper traces the network on meta tensors (planning), `reshard` and the `shard`
+wrappers only declare their layouts (`Session.declare_layout`, `Session.declare_parameters`)
+so that the plan's global device matrix refines them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from shardwise import communication as comm
+from shardwise.layout import LayoutTypeError, TensorLayout, resolve_strategy
+from shardwise.ops import normalize_strategy
+
+Entry = tuple[int, ...] | TensorLayout
+Shape = tuple[int, ...]
+
+
+class Session(Protocol):
+    """What `reshard` and `shard` need from the running `AutoParallel`."""
+
+    def reshard(self, t: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+        """Move tracked `t` to `layout` (at run time) or declare it (while planning)."""
+        ...
+
+    def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
+        """Record a parameter plan (names relative to `owner`; None: to the network)."""
+        ...
+
+
+_active: list[Session] = []
+
+
+def active_session() -> Session | None:
+    """The `AutoParallel` running the current call, or None."""
+    return _active[-1] if _active else None
+
+
+@contextmanager
+def activate(session: Session) -> Iterator[None]:
+    """Make `session` the target of `reshard` / `shard` while the block runs."""
+    _active.append(session)
+    try:
+        yield
+    finally:
+        _active.pop()
+
+
+def to_layout(entry: object, shape: Sequence[int], who: str) -> TensorLayout:
+    """One tensor's strategy entry (split counts, repeat appended on the right; or a Layout
+    call) as a `TensorLayout` for a tensor of global `shape`, checked against it.
+
+    Raises:
+        ValueError / LayoutTypeError: a malformed entry, or one that does not fit.
+    """
+    checked = normalize_strategy((entry,), "layout", who)
+    assert checked is not None
+    (one,) = checked
+    ndim = one.ndim if isinstance(one, TensorLayout) else len(one)
+    if ndim != len(shape):
+        raise ValueError(
+            f"{who}: the layout {_fmt(one)} has {ndim} dims but the tensor has shape "
+            f"{list(shape)}; give one entry per tensor dim"
+        )
+    world = comm.get_group_size()
+    if isinstance(one, TensorLayout):
+        return resolve_strategy([one], world, shapes=[shape], who=who).layouts[0]
+    return resolve_strategy([one], world, shapes=[shape], who=who).layouts[0]
+
+
+class Declared:
+    """What `reshard` and the `shard` wrappers declared while the network was traced."""
+
+    def __init__(self) -> None:
+        self.matrices: list[tuple[int, ...]] = []  # device matrices of `reshard` layouts
+        self.entries: dict[str, Entry] = {}  # full parameter name -> its parameter_plan entry
+
+    def add(self, network: nn.Module, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
+        """Record `plan` (names relative to `owner`, a module inside `network`; None: the
+        network itself).
+
+        Raises:
+            ValueError: `owner` is not inside `network`, or a name is not a parameter.
+        """
+        prefix = ""
+        if owner is not None and owner is not network:
+            found = [n for n, m in network.named_modules() if m is owner]
+            if not found:
+                raise ValueError(
+                    f"sw.shard: a module with a parameter_plan ({type(owner).__name__}) is not "
+                    f"part of the network AutoParallel wraps"
+                )
+            prefix = found[0] + "."
+        names = dict(network.named_parameters())
+        for name, entry in plan.items():
+            full = prefix + name
+            if full not in names:
+                valid = sorted(n[len(prefix) :] for n in names if n.startswith(prefix))
+                raise ValueError(
+                    f"sw.shard: parameter_plan names {name!r}, which is not a parameter of "
+                    f"{type(owner or network).__name__}; valid names: {valid}"
+                )
+            self.entries[full] = entry
+
+    def parameter_layouts(self, network: nn.Module) -> dict[str, tuple[TensorLayout, Shape]]:
+        """Every declared parameter's layout and global shape (checked against it)."""
+        out = {}
+        for name, entry in self.entries.items():
+            shape = tuple(int(s) for s in network.get_parameter(name).shape)
+            out[name] = (to_layout(entry, shape, f"sw.shard: parameter_plan[{name!r}]"), shape)
+        return out
+
+
+def _fmt(entry: Entry) -> str:
+    return str(entry) if isinstance(entry, TensorLayout) else str(tuple(entry))
+
+
+def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The global shape of `t` as the running wrapper tracks it (its own shape elsewhere)."""
+    session = active_session()
+    find = getattr(session, "global_shape", None)
+    return tuple(int(s) for s in (find(t) if find is not None else t.shape))
+
+
+def reshard(tensor: torch.Tensor, layout: object) -> torch.Tensor:
+    """Pin `tensor`'s layout at this point of a network.
+
+    Args:
+        tensor: an activation inside a network run by `AutoParallel`.
+        layout: a Layout call such as ``layout("dp", "None")`` or split counts ``(2, 1)``
+            (the repeat factor appended on the right).
+
+    Returns:
+        Under `AutoParallel`: this rank's block of the tensor in `layout` (redistributed with
+        slices / AllGather / AlltoAll, exact backward). Elsewhere: `tensor` unchanged.
+
+    Raises:
+        ValueError: the layout does not fit the tensor or the job (at plan time).
+
+    Example:
+        >>> h = sw.reshard(h, layout("dp", "None"))
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"sw.reshard: expected a tensor, got {type(tensor).__name__}")
+    session = active_session()
+    if session is None:
+        return tensor
+    return session.reshard(tensor, to_layout(layout, _global_shape(tensor), "sw.reshard"))
+
+
+def _check_plan(parameter_plan: object, who: str) -> dict[str, Entry]:
+    if parameter_plan is None:
+        return {}
+    if not isinstance(parameter_plan, Mapping):
+        raise TypeError(
+            f"{who}: parameter_plan must be a dict name -> layout, not {parameter_plan!r}"
+        )
+    out: dict[str, Entry] = {}
+    for name, entry in parameter_plan.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{who}: parameter_plan key {name!r} is not a parameter name")
+        checked = normalize_strategy((entry,), f"parameter_plan[{name!r}]", who)
+        assert checked is not None
+        out[name] = checked[0]
+    return out
+
+
+def _reshard_all(values: Sequence[Any], strategy: Sequence[Entry] | None, what: str) -> list[Any]:
+    """Reshard the tensors among `values` to the entries of `strategy`, in order."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if strategy is None:
+        return list(values)
+    if len(strategy) != len(tensors):
+        raise ValueError(
+            f"sw.shard: {what} has {len(strategy)} entries but the call has {len(tensors)} "
+            f"tensor {'inputs' if what == 'in_strategy' else 'outputs'}; give one per tensor"
+        )
+    entries = iter(strategy)
+    return [reshard(v, next(entries)) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _outputs(out: Any, strategy: Sequence[Entry] | None) -> Any:
+    if strategy is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return _reshard_all([out], strategy, "out_strategy")[0]
+    if isinstance(out, tuple | list):
+        return type(out)(_reshard_all(list(out), strategy, "out_strategy"))
+    raise TypeError(f"sw.shard: out_strategy given but the call returned {type(out).__name__}")
+
+
+def shard(
+    fn_or_module: Callable[..., Any] | nn.Module,
+    in_strategy: object,
+    out_strategy: object = None,
+    parameter_plan: object = None,
+) -> Any:
+    """Set the layouts of a function's or module's inputs, outputs and parameters.
+
+    Args:
+        fn_or_module: a function of tensors, or an `nn.Module` (changed in place: hooks).
+        in_strategy: one entry per tensor input: split counts such as ``(2, 1)`` or a Layout
+            call; None leaves the inputs as they come.
+        out_strategy: one entry per tensor output, or None (outputs as the body leaves them).
+        parameter_plan: parameter name -> entry: the layout each listed parameter is stored in
+            (names relative to the module; for a function, to the network `AutoParallel`
+            wraps), e.g. ``{"fc.weight": (1, 4)}``.
+
+    Returns:
+        The module itself, or a function with `fn`'s signature. Without `AutoParallel` (one
+        device) it computes exactly what `fn_or_module` computes.
+
+    Raises:
+        TypeError / ValueError: malformed strategies (at once); strategies that do not fit the
+            tensors or the job, unknown parameter names (at plan time).
+
+    Example:
+        >>> mlp = sw.shard(mlp, in_strategy=((2, 1),), parameter_plan={"fc1.weight": (4, 1)})
+    """
+    who = "sw.shard"
+    ins = normalize_strategy(in_strategy, "in_strategy", who) if in_strategy is not None else None
+    outs = normalize_strategy(out_strategy, "out_strategy", who)
+    params = _check_plan(parameter_plan, who)
+    if isinstance(fn_or_module, nn.Module):
+        module = fn_or_module
+
+        def before(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            session = active_session()
+            if session is not None and params:
+                session.declare_parameters(m, params)
+            return tuple(_reshard_all(args, ins, "in_strategy")), kwargs
+
+        def after(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+            return _outputs(out, outs)
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after)
+        return module
+    if not callable(fn_or_module):
+        raise LayoutTypeError(f"{who}: expected a function or an nn.Module, got {fn_or_module!r}")
+    fn = fn_or_module
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        session = active_session()
+        if session is not None and params:
+            session.declare_parameters(None, params)
+        return _outputs(fn(*_reshard_all(args, ins, "in_strategy"), **kwargs), outs)
+
+    return wrapper

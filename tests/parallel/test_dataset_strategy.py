@@ -1,0 +1,118 @@
+"""Per-input dataset strategies (int tuples and Layout calls) on 8 simulated ranks.
+
+Seed 003's network as a train step: every rank passes the global batch and keeps its block of
+each input under the strategy (the repeat factor appended on the right when the strategy uses
+fewer than 8 devices); the loss and every parameter block after each update equal the
+single-device run. The module form gets each rank's block directly. Also the global
+``set_auto_parallel_context(dataset_strategy=...)`` form and every error.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_seed003_parity import BATCH, WORLD, Network, data, single_device
+from test_train_step import single_device as single_device_updates
+
+LAYOUT = sw.Layout((2, 4), ("dp", "mp"))
+STRATEGIES: dict[str, Any] = {
+    "all8": ((8, 1, 1, 1), (8,)),
+    "repeat4": ((2, 1, 1, 1), (2,)),  # 2 blocks of rows, each on 4 consecutive ranks
+    "layout": (LAYOUT("dp", "None", "None", "None"), LAYOUT("dp")),
+    "layout_tuple": (LAYOUT(("dp", "mp"), "None", "None", "None"), LAYOUT(("dp", "mp"))),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_train_step_with_per_input_strategy(name: str) -> None:
+    losses, params = single_device_updates(False)
+    batches, net = data(), Network()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        parallel = AutoParallel(train_step).dataset_strategy(STRATEGIES[name])
+        for step, (image, label) in enumerate(batches):
+            loss = parallel(world.same(image), world.same(label))
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            plan = parallel.network_plan
+            assert plan is not None
+            for pname, p in net.named_parameters():
+                layout, shape = plan.params[pname]
+                full = params[step][pname]
+                assert_matches_single_device(
+                    p.detach(), lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)]
+                )
+
+
+def test_module_gets_blocks_and_global_context() -> None:
+    """A wrapped module under ``((2, 1, 1, 1),)`` from the global context: each rank passes
+    rows ``[r // 4 * 16, r // 4 * 16 + 16)``; the logits come back data parallel."""
+    losses, _ = single_device(False)
+    batches, net = data(), Network()
+    half = BATCH // 2
+    sw.set_auto_parallel_context(dataset_strategy=((2, 1, 1, 1),))
+    try:
+        with simulated_world(WORLD) as world:
+            world.replicate(net)
+            parallel = AutoParallel(net)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            rows = BATCH // WORLD
+            for step, (x, y) in enumerate(batches):
+                block = world.rank_map(lambda r, x=x: x[r // 4 * half : (r // 4 + 1) * half])
+                logits = parallel(block)
+                y_rows = world.rank_map(lambda r, y=y: y[r * rows : (r + 1) * rows])
+                loss = sw.ops.AllReduce()(F.cross_entropy(logits, y_rows)) / WORLD
+                loss.backward()
+                assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+                opt.step()
+                opt.zero_grad()
+    finally:
+        sw.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "match"),
+    [
+        ("model_parallel", r"'model_parallel'; valid: 'data_parallel' \| 'full_batch'"),
+        (((8, 1, 1, 1),), r"1 entries for 2 tensor inputs"),
+        (((8, 1), (8,)), r"input 0: strategy \(8, 1\) has 2 values but the input has 4 dims"),
+        (((3, 1, 1, 1), (3,)), r"uses 3 devices .* does not divide the device count 8"),
+        (((1, 1, 1, 16), (1,)), r"uses 16 devices"),
+        (((1, 1, 1, 8), (1,)), r"input 0: dim 3 of size 28 cannot be split into 8 parts"),
+        (((8, 1, 1, 1), LAYOUT("dp")), r"mixes int tuples and Layouts"),
+    ],
+)
+def test_errors(strategy: Any, match: str) -> None:
+    image, label = data()[0]
+    net = Network()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(net(inputs), targets)
+
+        with pytest.raises(ValueError, match=match):
+            AutoParallel(train_step).dataset_strategy(strategy)(
+                world.same(image), world.same(label)
+            )
+    with pytest.raises(ValueError, match="dataset_strategy"):
+        sw.set_auto_parallel_context(dataset_strategy=((8, 1), LAYOUT("dp")))

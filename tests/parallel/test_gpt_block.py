@@ -1,0 +1,149 @@
+"""A GPT-style block under Megatron-style strategies (`testing.models`), 8 simulated ranks.
+
+The block: vocab-parallel embedding (Gather, masked lookup), causal attention with BatchMatMul /
+Softmax / Dropout (heads over mp), row-parallel projection, GeLU MLP (column- then
+row-parallel), two LayerNorms, dropout on the MLP output, a head and a cross-entropy loss. For
+each step the loss, every parameter block and every gradient block equal the single-device run
+with the same seed (dropout masks included), and the collectives are exactly the ones the
+strategies imply, forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from shardwise.parallel import AutoParallel, NetworkPlan
+from shardwise.testing import (
+    CommRecorder,
+    SimulatedWorld,
+    assert_matches_single_device,
+    simulated_world,
+)
+from shardwise.testing.models import GPTBlock, GPTConfig, gpt_batches, megatron_strategies
+
+WORLD, BATCH, STEPS, LR = 8, 8, 2, 0.5
+CFG = GPTConfig()
+W = tuple(range(WORLD))
+
+# dp=2, mp=4 on the global matrix (g0, g1, g2) = (2, 2, 2): dp = g0, mp = (g1, g2); the
+# embedding's (4, 1) strategy with the repeat appended on the right puts its rows on (g0, g1).
+# Groups are those holding rank 0.
+FORWARD = Counter(
+    {
+        # ids (data parallel over all 8) -> whole for the lookup: AllGather over g2, g1, g0
+        ("AllGather", "forward", (0, 1)): 2,  # (and the logits', below)
+        ("AllGather", "forward", (0, 2)): 1,
+        ("AllGather", "forward", (0, 4)): 1,
+        ("AllReduce", "forward", (0, 2, 4, 6)): 1,  # embedding: masked lookup, rows on (g0, g1)
+        ("AllReduce", "forward", (0, 1, 2, 3)): 2,  # row-parallel proj and fc2: over mp
+        # logits (dp, mp) -> the loss's rows over all 8: AllGather g2 (above), AlltoAll g1
+        ("AlltoAll", "forward", (0, 2)): 1,
+        ("AllReduce", "forward", W): 1,  # ReduceMean of the per-token losses
+    }
+)
+BACKWARD = Counter(
+    {
+        ("AllReduce", "backward", W): 6,  # the mean; position, ln1/ln2 gamma and beta grads
+        ("AlltoAll", "backward", (0, 2)): 1,  # adjoint of the logits redistribution
+        ("ReduceScatter", "backward", (0, 1)): 1,
+        ("AllReduce", "backward", (0, 1, 2, 3)): 2,  # adjoints of proj's and fc2's AllReduce
+        ("AllReduce", "backward", (0, 2, 4, 6)): 1,  # adjoint of the embedding's AllReduce
+        # weight grads replicated over dp: wq wk wv wo w1 b1 w2 w_head (split over mp)
+        ("AllReduce", "backward", (0, 4)): 8,
+        ("AllReduce", "backward", (0, 1)): 1,  # embedding rows on (g0, g1), replicated on g2
+    }
+)
+
+
+def single_device(
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Losses; parameters and gradients after each backward (before the SGD update)."""
+    net = GPTBlock(CFG)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    torch.manual_seed(0)
+    losses, states = [], []
+    for ids, onehot in batches:
+        loss = net(ids, onehot)
+        loss.backward()
+        state = {n: p.detach().clone() for n, p in net.named_parameters()}
+        states.append(state | {f"{n}.grad": p.grad.clone() for n, p in net.named_parameters()})
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, states
+
+
+def rows(world: SimulatedWorld, t: torch.Tensor) -> torch.Tensor:
+    n = t.shape[0] // WORLD
+    return world.rank_map(lambda r: t[r * n : (r + 1) * n].clone())
+
+
+def check_blocks(net: GPTBlock, plan: NetworkPlan, state: dict[str, torch.Tensor]) -> None:
+    for name, p in net.named_parameters():
+        layout, shape = plan.params[name]
+        assert p.grad is not None, name
+        for what, value, full in ((name, p.detach(), state[name]), (f"{name}.grad", p.grad, None)):
+            full = state[what] if full is None else full
+            assert_matches_single_device(
+                value, lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)], what=what
+            )
+
+
+def test_gpt_block_megatron_matches_single_device() -> None:
+    batches = gpt_batches(CFG, BATCH, STEPS)
+    losses, states = single_device(batches)
+    net = GPTBlock(CFG, megatron_strategies(2, 4))
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+        torch.manual_seed(0)
+        for step, (ids, onehot) in enumerate(batches):
+            with CommRecorder() as rec:
+                loss = parallel(rows(world, ids), rows(world, onehot))
+                loss.backward()
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            assert rec.kinds() == FORWARD + BACKWARD, rec.summary()
+            assert parallel.network_plan is not None
+            check_blocks(net, parallel.network_plan, states[step])
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize(("dp", "mp"), [(4, 2), (1, 4)])
+def test_gpt_block_train_step_other_grids(dp: int, mp: int) -> None:
+    """The train-step form (global batch on every rank, split by the dataset strategy) on other
+    dp x mp grids (1 x 4: the repeat factor 2 appended): loss and every parameter block after
+    each update."""
+    batches = gpt_batches(CFG, BATCH, STEPS)
+    losses, states = single_device(batches)
+    net = GPTBlock(CFG, megatron_strategies(dp, mp))
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+        def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(ids, onehot)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(train_step)
+        torch.manual_seed(0)
+        for step, (ids, onehot) in enumerate(batches):
+            loss = parallel(world.same(ids), world.same(onehot))
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            plan = parallel.network_plan
+            assert plan is not None
+            if step + 1 < STEPS:  # parameters after this update = before the next backward
+                for name, p in net.named_parameters():
+                    layout, shape = plan.params[name]
+                    full = states[step + 1][name]
+                    assert_matches_single_device(
+                        p.detach(), lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)]
+                    )
