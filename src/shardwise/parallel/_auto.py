@@ -18,7 +18,7 @@ blocks, returning its (replicated) loss.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -28,11 +28,13 @@ from shardwise import communication as comm
 from shardwise import report, runtime
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
+from shardwise.optim import OptimizerParallel, OptimizerPlan, check_fusion, check_hsdp
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
     resolve_parallel_mode,
 )
+from shardwise.parallel._hsdp import settings_from_context, start_engine
 from shardwise.parallel._local import Masked, prepare
 from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
 from shardwise.parallel._runtime import (
@@ -152,6 +154,10 @@ class AutoParallel(nn.Module):
         self._planning = False
         self._fixup: Masked | None = None
         self._declared = Declared()
+        self._hsdp, self._fusion = settings_from_context()
+        self._engine: OptimizerParallel | None = None
+        self._layouts: dict[int, tuple[TensorLayout, Shape]] = {}
+        self._saved = ExitStack()
         self._hooks: list[Any] = [
             network.register_forward_pre_hook(self._enter_network),
             network.register_forward_hook(self._leave_network),
@@ -177,6 +183,57 @@ class AutoParallel(nn.Module):
         """
         self._dataset = check_dataset_strategy(strategy)
         return self
+
+    def hsdp(
+        self, shard_size: int = -1, threshold: float = 64, optimizer_level: str = "level1"
+    ) -> AutoParallel:
+        """Turn on optimizer parallel (MindSpore's hsdp; see docs/optim.md).
+
+        Args:
+            shard_size: ranks one parameter is sharded over; -1: its whole data-parallel group
+                (the ranks holding the same op-level block); else a divisor of it (the shards
+                are then kept equal across the groups by an AllReduce).
+            threshold: KB; smaller parameter blocks are not sharded.
+            optimizer_level: ``"level1"`` (optimizer state and update sharded; weights gathered
+                once per step and kept for forward and backward; full gradients kept until the
+                optimizer step, then reduce-scattered), ``"level2"`` (gradients reduce-scattered
+                in backward as soon as a bucket is ready), ``"level3"`` (also weights gathered
+                again in backward instead of being kept).
+
+        Returns:
+            self.
+
+        Example:
+            >>> AutoParallel(train_step, parallel_mode="semi_auto").hsdp(optimizer_level="level2")
+        """
+        if self.network_plan is not None:
+            raise ValueError("AutoParallel.hsdp: call it before the first step (already planned)")
+        self._hsdp = check_hsdp(shard_size, threshold, optimizer_level)
+        return self
+
+    def comm_fusion(self, config: Mapping[str, Any]) -> AutoParallel:
+        """Bucket gradient / weight collectives by size or index instead of by fusion id.
+
+        Args:
+            config: ``{"allreduce" | "allgather" | "reducescatter": {"mode": "auto" | "size" |
+                "index", "config": ...}}``: ``auto`` = 64 MB buckets, ``size`` = ``config`` MB,
+                ``index`` (allreduce only) = parameter indices where a new bucket starts.
+
+        Returns:
+            self.
+
+        Example:
+            >>> parallel_net.comm_fusion({"allreduce": {"mode": "size", "config": 32}})
+        """
+        if self.network_plan is not None:
+            raise ValueError("AutoParallel.comm_fusion: call it before the first step")
+        self._fusion = check_fusion(config)
+        return self
+
+    @property
+    def optimizer_plan(self) -> OptimizerPlan | None:
+        """The optimizer-parallel plan (None before planning or without hsdp / comm_fusion)."""
+        return None if self._engine is None else self._engine.plan
 
     def plan(
         self,
@@ -205,8 +262,15 @@ class AutoParallel(nn.Module):
             self.remove()  # the network works on its own again; the wrapper is spent
             raise
         shard_parameters(self.network, plan.params)
-        self._hooks += register_grad_reduction(self.network, plan.params)
-        self._hooks += register_grad_reduction(self.network, self._replicated_params(plan))
+        if self._hsdp is not None or self._fusion is not None:
+            self._engine = start_engine(self.network, plan, self._hsdp, self._fusion)
+        else:
+            self._hooks += register_grad_reduction(self.network, plan.params)
+            self._hooks += register_grad_reduction(self.network, self._replicated_params(plan))
+        self._layouts = {
+            id(self.network.get_parameter(n)): v
+            for n, v in {**self._replicated_params(plan), **plan.params}.items()
+        }
         for m in self.network.modules():
             if isinstance(m, Primitive):
                 self._hooks.append(m.register_forward_pre_hook(self._before, with_kwargs=True))
@@ -244,6 +308,8 @@ class AutoParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._engine is not None:
+            self._engine.remove()
 
     # -- `sw.reshard` / `sw.shard` (the `_shard.Session` protocol) -------------------------
     def global_shape(self, t: torch.Tensor) -> Shape:
@@ -301,24 +367,42 @@ class AutoParallel(nn.Module):
         """Track activations and run unannotated torch ops data parallel during one call."""
         self._tracker.clear()
         self._cursor = 0
-        self._ops = DataParallelOps(self._tracker, self._sharded())
+        self._ops = DataParallelOps(self._tracker, self._sharded(), self._whole_param)
         try:
             with self._ops, activate(self):
                 yield
         finally:
+            self._saved.close()
             self._ops = None
             self._tracker.clear()
 
-    def _sharded(self) -> dict[int, tuple[TensorLayout, Shape]]:
-        """Parameter id -> (layout, shape) of the parameters stored as blocks."""
-        plan = self.network_plan
-        if plan is None:
-            return {}
-        return {
-            id(self.network.get_parameter(n)): (lay, shape)
-            for n, (lay, shape) in plan.params.items()
-            if lay.used_axes()
-        }
+    def _sharded(self) -> dict[int, bool]:
+        """Parameter id -> whether it is stored as a block (not whole), for every parameter a
+        torch op inside the network must get through `_whole_param`."""
+        engine = self._engine
+        out = {}
+        for key, (layout, _) in self._layouts.items():
+            cut = bool(layout.used_axes())
+            if engine is not None:
+                name = engine.by_id.get(key)
+                cut = cut or (name is not None and engine.shards[name].sharded)
+                out[key] = cut
+            elif cut:
+                out[key] = True
+        return out
+
+    def _whole_param(self, p: torch.Tensor) -> torch.Tensor:
+        """Parameter `p` whole, for an unannotated torch op inside the network: its compute
+        leaf (optimizer parallel) or its block, gathered when its op-level layout splits it."""
+        layout, shape = self._layouts[id(p)]
+        value = p if self._engine is None else self._engine.compute(p)
+        if not layout.used_axes():
+            return value
+        self._pause(1)
+        try:
+            return redistribute(value, layout, replicated_layout(layout.matrix, len(shape)), shape)
+        finally:
+            self._pause(-1)
 
     def _pause(self, delta: int) -> None:
         if self._ops is not None:
@@ -347,12 +431,17 @@ class AutoParallel(nn.Module):
             self._ops.sharded = self._sharded()
         self._cursor = 0
         self._ops.in_network += 1
+        if self._engine is not None:
+            self._saved.enter_context(self._engine.saved_tensors())
 
     def _leave_network(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._planning:
             return
         if self._ops is not None:
             self._ops.in_network -= 1
+        self._saved.close()
+        if self._engine is not None:
+            self._engine.end_forward()
         calls = self._plan().calls
         if self._cursor != len(calls):
             raise RuntimeError(
@@ -400,6 +489,7 @@ class AutoParallel(nn.Module):
         ):
             if i in cp.call.params:  # this rank's block (step 2) in the layout it is stored in
                 src = self._plan().params[cp.call.params[i]][0]
+                t = t if self._engine is None else self._engine.compute(t)
                 local.append(t if src == dst else redistribute(t, src, dst, shape))
                 continue
             state, _ = self._state(t)  # untracked: a constant, the same on every rank

@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from shardwise import communication as comm
-from shardwise.layout import TensorLayout
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import data_parallel_layout, replicated_layout
 from shardwise.parallel._torchop_rules import RULES, op_name
@@ -108,16 +107,23 @@ class DataParallelOps(TorchFunctionMode):
     """Runs the ops of `OP_KINDS` on tracked tensors data parallel (see the module docstring).
 
     `paused` > 0 lets everything through (set while a primitive or the planner runs).
-    `sharded`: parameter id -> (layout, global shape) of the parameters stored as blocks. Inside
-    the network's forward (`in_network` > 0) a torch op gets them whole (AllGather, exact
-    backward: `gather_params`); elsewhere with autograd on (e.g. a penalty on the weights in a
-    train step) they are refused; under ``no_grad`` (the optimizer's update) they pass as blocks.
+    `sharded`: parameter id -> whether it is stored as a block (not whole). Inside the network's
+    forward (`in_network` > 0) a torch op gets each listed parameter through `whole` (its whole
+    value: AllGather of a block, exact backward, or optimizer parallel's compute leaf:
+    `gather_params`); outside it, with autograd on (e.g. a penalty on the weights in a train
+    step), a block is refused; under ``no_grad`` (the optimizer's update) everything passes.
     """
 
-    def __init__(self, tracker: Tracker, sharded: Mapping[int, tuple[TensorLayout, Shape]]) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        sharded: Mapping[int, bool],
+        whole: Callable[[T], T] | None = None,
+    ) -> None:
         super().__init__()
         self.tracker = tracker
         self.sharded = dict(sharded)
+        self.whole = whole
         self.paused = 0
         self.in_network = 0
         self.world = comm.get_group_size()
@@ -133,7 +139,7 @@ class DataParallelOps(TorchFunctionMode):
         if self.paused:
             return func(*args, **kwargs)
         tracked, sharded = self._tracked(args, kwargs)
-        if sharded and self.in_network and not _is_metadata(func):
+        if self.in_network and not _is_metadata(func) and self._has_param(args, kwargs):
             args, kwargs = self.gather_params(args, kwargs)
             tracked, sharded = self._tracked(args, kwargs)
         if sharded and torch.is_grad_enabled() and not _is_metadata(func):
@@ -147,6 +153,13 @@ class DataParallelOps(TorchFunctionMode):
             return self._put(func(*args, **kwargs), "rep")
         return RULES[kind](self, func, args, kwargs)
 
+    def _has_param(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return any(
+            id(b) in self.sharded
+            for a in (*args, *kwargs.values())
+            for b in (a if isinstance(a, list | tuple) else (a,))
+        )
+
     def gather_params(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -155,12 +168,11 @@ class DataParallelOps(TorchFunctionMode):
         def whole(a: Any) -> Any:
             if isinstance(a, list | tuple):
                 return type(a)(whole(b) for b in a)
-            if not isinstance(a, T) or id(a) not in self.sharded:
+            if not isinstance(a, T) or id(a) not in self.sharded or self.whole is None:
                 return a
-            layout, shape = self.sharded[id(a)]
             self.paused += 1
             try:
-                return redistribute(a, layout, replicated_layout(layout.matrix, len(shape)), shape)
+                return self.whole(a)
             finally:
                 self.paused -= 1
 
@@ -178,7 +190,7 @@ class DataParallelOps(TorchFunctionMode):
         ]
         found = (self.tracker.find(t) for t in flat)
         states = [f[0] for f in found if f is not None]
-        return states, [t for t in flat if id(t) in self.sharded]
+        return states, [t for t in flat if self.sharded.get(id(t), False)]
 
     def _other(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], st: list[Any]
@@ -229,7 +241,7 @@ class DataParallelOps(TorchFunctionMode):
         return redistribute(t, state, replicated_layout(state.matrix, len(shape)), shape)
 
     def _check_whole(self, t: T, who: str) -> None:
-        if id(t) in self.sharded:
+        if self.sharded.get(id(t), False):
             raise UnsupportedParallelError(
                 f"{who}: a parameter stored as blocks (for a shardwise primitive or a "
                 f"parameter_plan) is used by a torch op outside the network's forward; use it "

@@ -106,14 +106,17 @@ class SimulatedWorld:
 
         A network built outside the world holds plain tensors; training it with per-rank data
         needs per-rank parameters (they stay equal when the training is data parallel).
-        Build optimizers after this call. Replicas are plain parameters: sw.Parameter attributes
-        (parallel_optimizer, comm_fusion) are not carried over.
+        Build optimizers after this call. Replicas are plain parameters carrying the
+        ``parallel_optimizer`` and ``comm_fusion`` attributes of the originals (as attributes).
         """
         for mod in module.modules():
             for name, p in list(mod.named_parameters(recurse=False)):
                 with _no_dispatch_modes():  # LocalTensorMode rejects Parameter subclasses
                     plain = torch.Tensor(p.detach()).clone()
                 value = torch.nn.Parameter(self.same(plain), requires_grad=p.requires_grad)
+                for attr in ("parallel_optimizer", "comm_fusion"):
+                    if hasattr(p, attr):
+                        setattr(value, attr, getattr(p, attr))
                 setattr(mod, name, value)
             for name, b in list(mod.named_buffers(recurse=False)):
                 if b is not None:

@@ -1,0 +1,38 @@
+"""``sw.optim``: optimizer-side parallelism.
+
+- `DataParallelRunner` (`_data_parallel`): data-parallel mode, with optional optimizer parallel
+  (each parameter updated on its owner rank, then broadcast).
+- `plan_optimizer` (`_plan`): semi_auto optimizer parallel (hsdp levels 1-3): which parameters
+  shard over which ranks, and the fused buckets of their collectives (`OptimizerPlan`).
+- `OptimizerParallel` (`_engine`): runs that plan: shards at rest, gathered weights for compute,
+  gradients reduce-scattered into the shards in fused buckets (`_groups`: the process groups).
+"""
+
+from shardwise.optim._data_parallel import DataParallelRunner
+from shardwise.optim._engine import OptimizerParallel, check_state
+from shardwise.optim._plan import (
+    Bucket,
+    FusionConfig,
+    HsdpConfig,
+    OptimizerPlan,
+    ParamInfo,
+    ParamShard,
+    check_fusion,
+    check_hsdp,
+    plan_optimizer,
+)
+
+__all__ = [
+    "Bucket",
+    "DataParallelRunner",
+    "FusionConfig",
+    "HsdpConfig",
+    "OptimizerParallel",
+    "OptimizerPlan",
+    "ParamInfo",
+    "ParamShard",
+    "check_fusion",
+    "check_hsdp",
+    "check_state",
+    "plan_optimizer",
+]

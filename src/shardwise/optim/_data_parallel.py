@@ -1,0 +1,600 @@
+"""Data-parallel mode (MindSpore ``parallel_mode="data_parallel"``), with optional optimizer
+parallel (seed 001: parameters grouped, each group updated on one rank, then broadcast).
+
+Every rank holds the whole network and runs it on its rows of each global batch. Which function
+does which step:
+
+- `DataParallelRunner.__init__` checks the arguments, builds the plan (`_build_plan`: the
+  gradient all-reduce buckets, `_grad_buckets`; the owner of each parameter, `assign_owners`;
+  the broadcast buckets, `_broadcast_buckets`) and registers two hooks on every optimizer
+  (``register_step_pre_hook`` / ``register_step_post_hook``).
+- `DataParallelRunner.__call__`: train-step form: cuts each tensor input to this rank's rows
+  (`local_rows`), runs the user's step unchanged, averages the returned loss over the ranks
+  (`_mean_loss`); module form: runs the network on the rows the caller passes.
+- `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
+  (SUM, then divided by the world size), one flat fused all-reduce per bucket
+  (`_all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
+  gradients of the parameters this rank does not own, so the optimizer updates, and keeps state
+  for, only its own parameters.
+- `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
+  broadcasts each owner's updated parameters to every rank, one flat broadcast per
+  (owner, fusion id) bucket (`_broadcast_bucket`).
+
+In a simulated world (`shardwise.testing.simulated_world`) one Python optimizer object serves
+every simulated rank, so a gradient cannot be None on some ranks only: there every rank updates
+every parameter (all hold the same reduced gradients, so the values are those the owner
+computes) and the broadcasts are still issued, so the collectives are those of a real job. In a
+real job only the owner updates.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from shardwise import communication as comm
+from shardwise.communication import _collectives as C
+from shardwise.communication import _sim
+from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
+
+_WHO = "DataParallelRunner"
+AUTO_FUSION_MB = 64.0
+"""Bucket size of ``{"mode": "auto"}`` gradient fusion, in MiB (MindSpore's default)."""
+_FUSION_KEYS = ("openstate", "allreduce", "allgather", "reducescatter")
+_FUSION_MODES = ("auto", "size", "index")
+
+
+@dataclass
+class _Entry:
+    """One parameter of the plan."""
+
+    name: str
+    param: nn.Parameter
+    optimizer: int | None
+    owner: int | None = None
+    fusion: int = 1
+    grad_bucket: int | None = None
+    broadcast_bucket: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+
+@dataclass
+class _Bucket:
+    """Parameters sharing one collective (`root` is the broadcast's owner rank)."""
+
+    index: int
+    entries: list[_Entry] = field(default_factory=list)
+    root: int | None = None
+
+
+@dataclass(frozen=True)
+class _FusionConfig:
+    """The gradient all-reduce fusion: ``"index"`` (by fusion id), ``"size"`` or off."""
+
+    enabled: bool = True
+    mode: str = "index"
+    limit_bytes: int = 0
+
+
+def _check_fusion(fusion: Mapping[str, Any] | None) -> _FusionConfig:
+    """The `fusion` argument checked (MindSpore's ``comm_fusion`` dict)."""
+    if fusion is None:
+        return _FusionConfig()
+    if not isinstance(fusion, Mapping):
+        raise TypeError(
+            f"{_WHO}: fusion must be a dict like {{'allreduce': {{'mode': 'index'}}}}, got "
+            f"{type(fusion).__name__}"
+        )
+    unknown = sorted(set(fusion) - set(_FUSION_KEYS))
+    if unknown:
+        raise ValueError(f"{_WHO}: fusion keys {unknown} are unknown; valid: {list(_FUSION_KEYS)}")
+    enabled = fusion.get("openstate", True)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{_WHO}: fusion['openstate']={enabled!r} must be a bool")
+    sub = fusion.get("allreduce", {})
+    if not isinstance(sub, Mapping):
+        raise TypeError(f"{_WHO}: fusion['allreduce'] must be a dict of 'mode' and 'config'")
+    mode = sub.get("mode", "index")
+    if mode not in _FUSION_MODES:
+        raise ValueError(
+            f"{_WHO}: fusion['allreduce']['mode']={mode!r}; valid: {list(_FUSION_MODES)}"
+        )
+    limit = 0
+    if mode in ("auto", "size"):
+        mb = sub.get("config", AUTO_FUSION_MB) if mode == "size" else AUTO_FUSION_MB
+        if isinstance(mb, bool) or not isinstance(mb, int | float) or mb <= 0:
+            raise ValueError(
+                f"{_WHO}: fusion['allreduce']['config']={mb!r} must be a bucket size in MiB > 0"
+            )
+        limit = int(mb * 2**20)
+    return _FusionConfig(enabled, mode, limit)
+
+
+def local_rows(x: Any, world: int, rank: int) -> Any:
+    """This rank's rows of a global-batch input: dim 0 split over `world` ranks in rank order.
+
+    Non-tensors and 0-d tensors are returned unchanged.
+
+    Args:
+        x: one input of the train step.
+        world: the number of ranks.
+        rank: this rank (a per-rank symbolic int in a simulated world).
+
+    Returns:
+        ``x[rank * rows:(rank + 1) * rows]`` with ``rows = x.shape[0] // world``.
+
+    Raises:
+        ValueError: dim 0 does not divide by `world` (the message names the shape).
+
+    Example:
+        >>> local_rows(torch.arange(8).view(4, 2), 2, 1)
+        tensor([[4, 5],
+                [6, 7]])
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    shape = [int(s) for s in x.shape]
+    if shape[0] % world:
+        raise ValueError(
+            f"{_WHO}: an input of shape {shape} has batch dim {shape[0]}, not divisible by the "
+            f"{world} ranks; pass a global batch whose size is a multiple of {world}"
+        )
+    rows = shape[0] // world
+    return x[rank * rows : (rank + 1) * rows]
+
+
+def assign_owners(sizes: Sequence[int | None], world: int) -> list[int | None]:
+    """Greedy byte balance: each sized item, in order, goes to the rank with the fewest bytes so
+    far (the lowest such rank on ties); None items get no owner.
+
+    Args:
+        sizes: bytes of each parameter, or None for one every rank updates.
+        world: the number of ranks.
+
+    Returns:
+        The owner rank of each item (None where `sizes` is None).
+
+    Example:
+        >>> assign_owners([400, None, 300, 200, 100], 2)
+        [0, None, 1, 1, 0]
+    """
+    load = [0] * world
+    out: list[int | None] = []
+    for size in sizes:
+        if size is None:
+            out.append(None)
+            continue
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += size
+        out.append(owner)
+    return out
+
+
+def _grad_buckets(entries: list[_Entry], config: _FusionConfig, start: int) -> list[_Bucket]:
+    """Buckets of one optimizer's parameters (in parameter order) for the gradient all-reduce.
+
+    ``"index"``: one bucket per fusion id (id 0: one per parameter); ``"size"``/``"auto"``:
+    consecutive parameters up to the limit; fusion off: one per parameter. A bucket holds one
+    dtype and device only.
+    """
+    buckets: list[_Bucket] = []
+    by_key: dict[tuple[object, ...], _Bucket] = {}
+    size = 0
+    for e in entries:
+        kind = (e.param.dtype, e.param.device)
+        if not config.enabled or (config.mode == "index" and e.fusion == 0):
+            bucket = None
+        elif config.mode == "index":
+            bucket = by_key.get((e.fusion, *kind))
+        else:
+            last = buckets[-1] if buckets else None
+            fits = last is not None and size + e.nbytes <= config.limit_bytes
+            same = last is not None and (last.entries[0].param.dtype, last.entries[0].param.device)
+            bucket = last if fits and same == kind else None
+        if bucket is None:
+            bucket = _Bucket(start + len(buckets))
+            buckets.append(bucket)
+            by_key[(e.fusion, *kind)] = bucket
+            size = 0
+        bucket.entries.append(e)
+        size += e.nbytes
+        e.grad_bucket = bucket.index
+    return buckets
+
+
+def _broadcast_buckets(entries: list[_Entry], fused: bool, start: int) -> list[_Bucket]:
+    """One bucket per (owner, fusion id, dtype, device) of one optimizer's owned parameters, in
+    parameter order; fusion id 0 (or fusion off): one per parameter."""
+    buckets: list[_Bucket] = []
+    by_key: dict[tuple[object, ...], _Bucket] = {}
+    for e in entries:
+        if e.owner is None:
+            continue
+        key = (e.owner, e.fusion, e.param.dtype, e.param.device)
+        bucket = by_key.get(key) if fused and e.fusion != 0 else None
+        if bucket is None:
+            bucket = _Bucket(start + len(buckets), root=e.owner)
+            buckets.append(bucket)
+            by_key[key] = bucket
+        bucket.entries.append(e)
+        e.broadcast_bucket = bucket.index
+    return buckets
+
+
+def _all_reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
+    """Average `grads` over the ranks in place: one flat SUM all-reduce, then / world."""
+    if len(grads) == 1 and grads[0].is_contiguous():
+        C.all_reduce_(grads[0], C.ReduceOp.SUM, None).div_(world)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    C.all_reduce_(flat, C.ReduceOp.SUM, None).div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
+    """Give every rank the `root` rank's values of `params`: one flat broadcast."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        got = C.broadcast(flat, root, None)
+        offset = 0
+        for p in params:
+            p.copy_(got[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _mean_loss(out: Any, world: int) -> Any:
+    """The step's result with every floating scalar tensor (also inside a tuple or list)
+    replaced by its mean over the ranks (detached); anything else unchanged."""
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point() and out.numel() == 1:
+            return C.all_reduce(out.detach(), C.ReduceOp.SUM, None).div_(world)
+        return out
+    if isinstance(out, tuple | list):
+        return type(out)(_mean_loss(o, world) for o in out)
+    return out
+
+
+def _remove_handles(handles: list[RemovableHandle]) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimizer]:
+    from shardwise.parallel._step import find_referenced  # lazy: parallel may import optim
+
+    return find_referenced(train_step)[1]
+
+
+class DataParallelRunner:
+    """Data-parallel training of a train step or a module (MindSpore parallel_mode="data_parallel").
+
+    Two forms:
+
+    - train step (`train_step` given): every rank calls ``runner(x, y, ...)`` with the GLOBAL
+      batch; each tensor input is cut to this rank's rows (dim 0 split over the ranks in rank
+      order), the step runs unchanged on them (forward, ``loss.backward()``,
+      ``optimizer.step()``, ...) and the returned loss (every floating scalar tensor it returns)
+      is averaged over the ranks, so it equals the single-device loss of the global batch.
+    - module (`train_step` None): ``runner(x_rows, ...)`` runs the network on the rows the
+      caller passes (each rank reads its own share of the data); the caller computes the loss
+      and calls ``backward()`` and ``optimizer.step()`` itself.
+
+    In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
+    step pre-hook on each of `optimizers`, before the update: the gradients seen by the update
+    are those of the global batch. Only parameters of some optimizer are reduced.
+
+    With ``parallel_optimizer=True`` each parameter that allows it (`parallel_optimizer_of`)
+    and holds at least ``threshold_kb`` KiB gets one owner rank (a greedy byte balance in
+    parameter order, `owners`); only the owner updates it (the others see ``grad = None`` in the
+    step, so any ``torch.optim`` optimizer keeps state for the owned parameters only) and a step
+    post-hook broadcasts it from its owner to every rank, one fused broadcast per
+    (owner, fusion id). Smaller or opted-out parameters are updated by every rank.
+
+    Args:
+        network: the model (every rank holds all of it).
+        optimizers: the optimizers over `network`'s parameters. Empty with a `train_step`:
+            those the step refers to (closure cells, globals).
+        train_step: the user's step function, or None for the module form.
+        parallel_optimizer: group the parameter updates by owner rank, then broadcast.
+        threshold_kb: smallest parameter (KiB) that optimizer parallel assigns to one owner.
+        fusion: MindSpore's ``comm_fusion`` dict. ``openstate`` False: one collective per
+            parameter. ``allreduce``: ``{"mode": "index"}`` (default: one all-reduce per
+            ``comm_fusion`` id, id 0 alone), ``{"mode": "size", "config": MiB}`` or
+            ``{"mode": "auto"}`` (64 MiB buckets of consecutive parameters). ``allgather`` /
+            ``reducescatter`` are accepted and unused (semi-auto only). Broadcasts always fuse
+            by fusion id.
+
+    Raises:
+        RuntimeError: no process group (``shardwise.communication.init()`` not called).
+        TypeError: a non-module network, a non-optimizer, a non-bool `parallel_optimizer`.
+        ValueError: ``threshold_kb < 0``; no optimizer with ``parallel_optimizer=True``; an
+            optimizer holding a parameter that is not `network`'s (or one held twice); a bad
+            `fusion`.
+
+    Example:
+        >>> optimizer = torch.optim.Adam(net.parameters(), 1e-3)
+        >>> def train_step(x, y):
+        ...     loss = loss_fn(net(x), y)
+        ...     loss.backward(); optimizer.step(); optimizer.zero_grad()
+        ...     return loss
+        >>> runner = DataParallelRunner(net, [optimizer], train_step=train_step,
+        ...                             parallel_optimizer=True)
+        >>> loss = runner(images, labels)   # the global batch on every rank
+        >>> print(runner)                   # the plan: owners, fusion ids, buckets
+    """
+
+    def __init__(
+        self,
+        network: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        train_step: Callable[..., Any] | None = None,
+        parallel_optimizer: bool = False,
+        threshold_kb: float = 64,
+        fusion: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(network, nn.Module):
+            raise TypeError(f"{_WHO}: network must be a torch.nn.Module, got {type(network)}")
+        if train_step is not None and not callable(train_step):
+            raise TypeError(f"{_WHO}: train_step must be callable or None, got {train_step!r}")
+        if not isinstance(parallel_optimizer, bool):
+            raise TypeError(f"{_WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
+        if (
+            isinstance(threshold_kb, bool)
+            or not isinstance(threshold_kb, int | float)
+            or not threshold_kb >= 0
+        ):
+            raise ValueError(
+                f"{_WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
+                "(0: every parameter that allows it gets an owner)"
+            )
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        opts = list(optimizers)
+        if not opts and train_step is not None:
+            opts = _find_optimizers(train_step)
+        for i, o in enumerate(opts):
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{_WHO}: optimizers[{i}] is a {type(o).__name__}, not a "
+                    "torch.optim.Optimizer; pass the optimizers built over network.parameters()"
+                )
+        if parallel_optimizer and not opts:
+            raise ValueError(
+                f"{_WHO}: parallel_optimizer=True needs an optimizer, but none was passed"
+                + (" or found in train_step" if train_step is not None else "")
+                + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
+            )
+        self.network = network
+        self.optimizers = opts
+        self.train_step = train_step
+        self.parallel_optimizer = parallel_optimizer
+        self.threshold_kb = float(threshold_kb)
+        self._fusion = _check_fusion(fusion)
+        if not comm.is_initialized():
+            raise RuntimeError(
+                f"{_WHO}: no job yet; call shardwise.communication.init() first (or build the "
+                "runner inside shardwise.testing.simulated_world)"
+            )
+        self.world = comm.get_group_size()
+        self._simulated = _sim.current() is not None
+        self._rank = None if self._simulated else comm.get_rank()
+        self.entries: list[_Entry] = []
+        self._grad_buckets: list[list[_Bucket]] = []
+        self._broadcast_buckets: list[list[_Bucket]] = []
+        self._build_plan()
+        ref = weakref.ref(self)
+        handles: list[RemovableHandle] = []
+        for i, o in enumerate(opts):
+            handles.append(o.register_step_pre_hook(_pre_hook(ref, i)))
+            handles.append(o.register_step_post_hook(_post_hook(ref, i)))
+        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+
+    # -- plan ------------------------------------------------------------------------------
+    def _build_plan(self) -> None:
+        """Entries (owner, fusion id, buckets) of every network parameter, in order."""
+        where: dict[int, int] = {}
+        for i, o in enumerate(self.optimizers):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    if id(p) in where:
+                        raise ValueError(
+                            f"{_WHO}: a parameter of shape {list(p.shape)} is held by "
+                            f"optimizers[{where[id(p)]}] and optimizers[{i}]; give each "
+                            "parameter to one optimizer"
+                        )
+                    where[id(p)] = i
+        named = list(self.network.named_parameters())
+        mine = {id(p) for _, p in named}
+        for i, o in enumerate(self.optimizers):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    if id(p) not in mine:
+                        raise ValueError(
+                            f"{_WHO}: optimizers[{i}] ({type(o).__name__}) holds a parameter of "
+                            f"shape {list(p.shape)} that is not one of the network's; build the "
+                            "optimizer over network.parameters() (after world.replicate(network)"
+                            " in a simulated world)"
+                        )
+        self.entries = [
+            _Entry(n, p, where.get(id(p)), fusion=comm_fusion_of(p))
+            for n, p in named
+            if p.requires_grad
+        ]
+        threshold = self.threshold_kb * 1024
+        sizes = [
+            e.nbytes
+            if self.parallel_optimizer
+            and e.optimizer is not None
+            and parallel_optimizer_of(e.param)
+            and e.nbytes >= threshold
+            else None
+            for e in self.entries
+        ]
+        for e, owner in zip(self.entries, assign_owners(sizes, self.world), strict=True):
+            e.owner = owner
+        n_grad = n_bcast = 0
+        for i in range(len(self.optimizers)):
+            entries = [e for e in self.entries if e.optimizer == i]
+            grads = _grad_buckets(entries, self._fusion, n_grad)
+            bcasts = _broadcast_buckets(entries, self._fusion.enabled, n_bcast)
+            n_grad, n_bcast = n_grad + len(grads), n_bcast + len(bcasts)
+            self._grad_buckets.append(grads)
+            self._broadcast_buckets.append(bcasts)
+
+    @property
+    def owners(self) -> dict[str, int]:
+        """Parameter name -> owner rank, for the parameters optimizer parallel assigned."""
+        return {e.name: e.owner for e in self.entries if e.owner is not None}
+
+    def owned(self, rank: int) -> list[str]:
+        """Names of the parameters rank `rank` updates: its owned ones and the shared ones.
+
+        Args:
+            rank: a rank of the job.
+
+        Returns:
+            Parameter names in parameter order (only parameters of some optimizer).
+
+        Example:
+            >>> runner.owned(0)
+            ['0.weight', '0.bias', '1.bias']
+        """
+        return [
+            e.name
+            for e in self.entries
+            if e.optimizer is not None and (e.owner is None or e.owner == rank)
+        ]
+
+    def collectives_per_step(self) -> dict[str, int]:
+        """How many AllReduce and Broadcast calls one step issues (when every parameter has a
+        gradient); the train-step form adds one AllReduce for the loss.
+
+        Returns:
+            ``{"AllReduce": ..., "Broadcast": ...}``.
+
+        Example:
+            >>> runner.collectives_per_step()
+            {'AllReduce': 4, 'Broadcast': 2}
+        """
+        reduces = sum(len(b) for b in self._grad_buckets)
+        loss = 1 if self.train_step is not None else 0
+        return {
+            "AllReduce": reduces + loss,
+            "Broadcast": sum(len(b) for b in self._broadcast_buckets),
+        }
+
+    def __str__(self) -> str:
+        head = (
+            f"{_WHO}: {self.world} ranks, "
+            f"{'train step' if self.train_step is not None else 'module'} form, "
+            f"parallel_optimizer={self.parallel_optimizer}, threshold_kb={self.threshold_kb:g}"
+        )
+        rows = [("parameter", "shape", "bytes", "owner", "fusion", "allreduce", "broadcast")]
+        for e in self.entries:
+            rows.append(
+                (
+                    e.name,
+                    str(list(e.param.shape)),
+                    str(e.nbytes),
+                    "-" if e.optimizer is None else ("all" if e.owner is None else str(e.owner)),
+                    str(e.fusion),
+                    "-" if e.grad_bucket is None else f"#{e.grad_bucket}",
+                    "-" if e.broadcast_bucket is None else f"#{e.broadcast_bucket}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        counts = self.collectives_per_step()
+        tail = f"per step: {counts['AllReduce']} AllReduce, {counts['Broadcast']} Broadcast"
+        return "\n".join([head, *(line.rstrip() for line in lines), tail])
+
+    # -- running ---------------------------------------------------------------------------
+    def __call__(self, *inputs: Any) -> Any:
+        """Run one train step on the global batch (train-step form), or the network on this
+        rank's rows (module form).
+
+        Args:
+            *inputs: train-step form: the global batch (every rank passes the same); module
+                form: this rank's rows.
+
+        Returns:
+            Train-step form: the step's result with its loss averaged over the ranks; module
+            form: the network's output on the rows.
+
+        Raises:
+            ValueError: (train-step form) a tensor input whose dim 0 does not divide by the
+                number of ranks.
+
+        Example:
+            >>> loss = runner(images, labels)
+        """
+        if self.train_step is None:
+            return self.network(*inputs)
+        rank = comm.get_rank()
+        rows = [local_rows(x, self.world, rank) for x in inputs]
+        return _mean_loss(self.train_step(*rows), self.world)
+
+    def _before_step(self, index: int) -> None:
+        """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""
+        for bucket in self._grad_buckets[index]:
+            grads = [e.param.grad for e in bucket.entries if e.param.grad is not None]
+            if grads:
+                _all_reduce_bucket(grads, self.world)
+        if self._simulated or self._rank is None:
+            return  # every simulated rank updates everything (see the module docstring)
+        for bucket in self._broadcast_buckets[index]:
+            if bucket.root != self._rank:
+                for e in bucket.entries:
+                    e.param.grad = None
+
+    def _after_step(self, index: int) -> None:
+        """Step post-hook of optimizer `index`: broadcast each owned bucket from its owner."""
+        for bucket in self._broadcast_buckets[index]:
+            assert bucket.root is not None
+            _broadcast_bucket([e.param for e in bucket.entries], bucket.root)
+
+    def remove(self) -> None:
+        """Remove the optimizer hooks (also done when the runner is garbage collected).
+
+        Returns:
+            None.
+
+        Example:
+            >>> runner.remove()   # the optimizers step as plain single-process ones again
+        """
+        self._finalizer()
+
+
+def _pre_hook(
+    ref: weakref.ReferenceType[DataParallelRunner], index: int
+) -> Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]:
+    def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
+        runner = ref()
+        if runner is not None:
+            runner._before_step(index)
+
+    return hook
+
+
+def _post_hook(
+    ref: weakref.ReferenceType[DataParallelRunner], index: int
+) -> Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]:
+    def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
+        runner = ref()
+        if runner is not None:
+            runner._after_step(index)
+
+    return hook

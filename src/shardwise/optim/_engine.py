@@ -1,0 +1,322 @@
+"""Optimizer parallel at run time: parameters stored as shards, gathered for compute, gradients
+reduced in fused buckets straight into the shards (levels 1-3).
+
+`OptimizerParallel` runs an `OptimizerPlan` on this rank:
+
+- `shard_parameters` (apply): each sharded parameter's data becomes its shard (dim 0 of its
+  op-level block cut over the shard group); the Parameter object stays, so any optimizer built
+  before or after updates shards and keeps 1/k of the state.
+- `compute` (forward): the tensor the network computes with, a *compute leaf* per parameter and
+  step: for a sharded parameter its op-level block, gathered with one AllGather per bucket on
+  first use (the next shard bucket is gathered right after: prefetch), for the others a view of
+  the parameter. Leaves are reused until the optimizer steps.
+- `_on_grad` (backward): each leaf's post-accumulate-grad hook; when every used leaf of a bucket
+  has its gradient, the bucket is reduced (`_reduce`): one ReduceScatter over the shard group of
+  the bucket's gradients laid out chunk-major (each rank receives its rows of every member),
+  an AllReduce over the copy group when the shard group is smaller than the data-parallel group,
+  or one AllReduce for unsharded members; then / world size (the loss is one value replicated on
+  every rank) and added to ``param.grad``. Level 1 keeps the full-size gradients on the leaves
+  and reduces at the optimizer's step (`flush`, a global step pre-hook); levels 2 and 3 reduce
+  in backward, as soon as a bucket is complete. A bucket left incomplete (unused parameters) is
+  reduced at the end of backward.
+- Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
+  autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
+  backward; in a real job the leaves' storage is freed after the forward.
+- `_before_step` / `_after_step` (global optimizer step hooks, for optimizers holding these
+  parameters): check the optimizer state has this rank's shard shapes, flush level 1; after the
+  step drop the leaves (the weights changed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.optim.optimizer as torch_optimizer
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from shardwise import communication as comm
+from shardwise.communication import recorder
+from shardwise.communication._collectives import ReduceOp, all_gather, all_reduce_, reduce_scatter
+from shardwise.layout import DeviceMatrix
+from shardwise.optim._groups import BucketGroups, bucket_groups
+from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
+
+_Token = tuple[str, str]
+
+
+class OptimizerParallel:
+    """Run `plan` for `network` on this rank (see the module docstring).
+
+    Args:
+        network: the network (its parameters already cut to their op-level blocks).
+        plan: the optimizer plan.
+        matrix: the op-level plan's global device matrix.
+    """
+
+    def __init__(self, network: nn.Module, plan: OptimizerPlan, matrix: DeviceMatrix) -> None:
+        self.plan = plan
+        self.level = plan.config.optimizer_level
+        self.world = comm.get_group_size()
+        self.simulated = not isinstance(comm.get_rank(), int)
+        self.params = {s.info.name: network.get_parameter(s.info.name) for s in plan.params}
+        self.shards = {s.info.name: s for s in plan.params}
+        self.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
+        self.by_id = {id(p): n for n, p in self.params.items()}
+        # groups in bucket order on every rank (member-only groups must be made in one order)
+        self.groups = [bucket_groups(matrix, b.dp_axes, b.shard) for b in plan.buckets]
+        self.leaves: dict[str, torch.Tensor] = {}
+        self.ready: dict[int, set[str]] = {}
+        self._end_queued = False
+        self._regathered: dict[int, dict[str, torch.Tensor]] = {}
+        self._used: dict[str, bool] = {}
+        self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
+        self._gathered_ptrs: dict[int, str] = {}
+        self._handles: list[RemovableHandle] = [
+            torch_optimizer.register_optimizer_step_pre_hook(self._before_step),
+            torch_optimizer.register_optimizer_step_post_hook(self._after_step),
+        ]
+
+    # -- apply -----------------------------------------------------------------------------
+    def shard_parameters(self) -> None:
+        """Cut every sharded parameter to this rank's shard (same Parameter object)."""
+        for i, bucket in enumerate(self.plan.buckets):
+            if bucket.kind != "shard":
+                continue
+            pos = self.groups[i].position
+            for name in bucket.names:
+                p, shard = self.params[name], self.shards[name]
+                rows = shard.shard_shape[0]
+                with torch.no_grad():
+                    piece: Any = p.detach().narrow(0, pos * rows, rows).clone()
+                    p.set_(piece)  # keeps the Parameter object (optimizers hold it)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether `t` is one of the parameters this engine manages."""
+        return id(t) in self.by_id
+
+    def remove(self) -> None:
+        """Remove the global optimizer hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- forward ---------------------------------------------------------------------------
+    def compute(self, p: torch.Tensor) -> torch.Tensor:
+        """The compute leaf of parameter `p` for this step (its whole op-level block)."""
+        name = self.by_id[id(p)]
+        if name not in self.leaves:
+            i = self.bucket_of.get(name)
+            if i is not None and self.plan.buckets[i].kind == "shard":
+                self._gather(i)
+                self._prefetch(i)
+            else:
+                self._leaf(name, p.detach())
+        return self.leaves[name]
+
+    def _leaf(self, name: str, value: torch.Tensor) -> None:
+        leaf = value.requires_grad_(self.params[name].requires_grad)
+        if self.shards[name].sharded:
+            self._gathered_ids[id(leaf)] = name
+            if leaf._base is not None:  # views of the leaf have the root as their _base
+                self._gathered_ids[id(leaf._base)] = name
+            if not self.simulated:
+                self._gathered_ptrs[leaf.untyped_storage().data_ptr()] = name
+        if leaf.requires_grad:
+            leaf.register_post_accumulate_grad_hook(lambda t, n=name: self._on_grad(n))
+        self.leaves[name] = leaf
+
+    def _gathered(self, i: int) -> dict[str, torch.Tensor]:
+        """One AllGather of bucket `i`'s shards: each member's whole op-level block."""
+        bucket, groups = self.plan.buckets[i], self.groups[i]
+        local = torch.cat([self.params[n].detach().reshape(-1) for n in bucket.names])
+        flat = all_gather(local, groups.shard).view(groups.shard_size, -1)
+        out, offset = {}, 0
+        for n in bucket.names:
+            shard = self.shards[n]
+            size = math.prod(shard.shard_shape)
+            out[n] = flat[:, offset : offset + size].reshape(shard.info.block)
+            offset += size
+        return out
+
+    def _gather(self, i: int) -> None:
+        for name, full in self._gathered(i).items():
+            self._leaf(name, full)
+
+    def _prefetch(self, i: int) -> None:
+        """Gather the next shard bucket now (it is needed next)."""
+        for j in range(i + 1, len(self.plan.buckets)):
+            bucket = self.plan.buckets[j]
+            if bucket.kind == "shard":
+                if bucket.names[0] not in self.leaves:
+                    self._gather(j)
+                return
+
+    @contextmanager
+    def saved_tensors(self) -> Iterator[None]:
+        """Level 3: while the network runs forward, autograd saves a token for a gathered
+        weight instead of the weight (gathered again in backward by `_unpack`)."""
+        if self.level != "level3":
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        """A token for a gathered weight or a view of one (e.g. ``weight.t()`` saved by
+        ``linear``): found by identity, view base, or (real job) storage."""
+        base = t._base if t._base is not None else t
+        name = self._gathered_ids.get(id(base))
+        if name is None and not self.simulated:
+            name = self._gathered_ptrs.get(t.untyped_storage().data_ptr())
+        if name is None:
+            return t
+        leaf = self.leaves[name]
+        offset = t.storage_offset() - leaf.storage_offset()
+        view = None if t is leaf else (tuple(t.size()), tuple(t.stride()), offset)
+        return ("hsdp", name, view)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not (isinstance(saved, tuple) and len(saved) == 3 and saved[0] == "hsdp"):
+            return saved  # type: ignore[no-any-return]
+        _, name, view = saved
+        i = self.bucket_of[name]
+        if i not in self._regathered:
+            self._queue_end()
+            with recorder.phase("backward"):
+                self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i).items()}
+        full = self._regathered[i][name]
+        return full if view is None else full.as_strided(*view)
+
+    def end_forward(self) -> None:
+        """Level 3, real job: free the gathered weights now that the forward is done."""
+        if self.level != "level3" or self.simulated:
+            return
+        for name, leaf in self.leaves.items():
+            if self.shards[name].sharded:
+                leaf.untyped_storage().resize_(0)
+
+    # -- backward --------------------------------------------------------------------------
+    def _queue_end(self) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, name: str) -> None:
+        self._queue_end()
+        i = self.bucket_of[name]
+        bucket = self.plan.buckets[i]
+        if bucket.kind == "shard" and self.level == "level1":
+            return  # full gradients kept on the leaves until the optimizer steps
+        done = self.ready.setdefault(i, set())
+        done.add(name)
+        if all(n in done or n not in self.leaves for n in bucket.names):
+            self._reduce(i)
+
+    def _end_backward(self) -> None:
+        """Reduce buckets whose used members all have gradients but some member is unused."""
+        self._end_queued = False
+        self._regathered.clear()
+        for i in sorted(self.ready):
+            if self.ready[i]:
+                self._reduce(i)
+
+    def flush(self) -> None:
+        """Reduce every bucket with pending gradients (level 1: at the optimizer's step)."""
+        for i, bucket in enumerate(self.plan.buckets):
+            leaves = [self.leaves.get(n) for n in bucket.names]
+            if any(leaf is not None and leaf.grad is not None for leaf in leaves):
+                self._reduce(i, phase="step")
+
+    def _reduce(self, i: int, phase: str = "backward") -> None:
+        bucket, groups = self.plan.buckets[i], self.groups[i]
+        self.ready.pop(i, None)
+        grads = self._grads(bucket)
+        if grads is None:
+            return
+        with recorder.phase(phase), torch.no_grad():
+            if bucket.kind == "shard":
+                rows = torch.cat([g.reshape(groups.shard_size, -1) for g in grads], dim=1)
+                flat = reduce_scatter(rows.reshape(-1), ReduceOp.SUM, groups.shard)
+                if groups.copies_size > 1:
+                    all_reduce_(flat, ReduceOp.SUM, groups.copies)
+            else:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                if groups.copies_size > 1:
+                    all_reduce_(flat, ReduceOp.SUM, groups.copies)
+            flat.div_(self.world)
+            self._deposit(bucket, flat)
+
+    def _grads(self, bucket: Bucket) -> list[torch.Tensor] | None:
+        """The members' leaf gradients (zeros for a member without one); None: none has one."""
+        leaves = [self.leaves.get(n) for n in bucket.names]
+        if not any(leaf is not None and leaf.grad is not None for leaf in leaves):
+            return None
+        out = []
+        for n, leaf in zip(bucket.names, leaves, strict=True):
+            grad = None if leaf is None else leaf.grad
+            out.append(grad if grad is not None else self._zeros(n))
+            self._used[n] = grad is not None
+            if leaf is not None:
+                leaf.grad = None
+        return out
+
+    def _zeros(self, name: str) -> torch.Tensor:
+        p, shard = self.params[name], self.shards[name]
+        return torch.zeros(shard.info.block, dtype=p.dtype, device=p.device)
+
+    def _deposit(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        offset = 0
+        for n in bucket.names:
+            p, shard = self.params[n], self.shards[n]
+            shape = shard.shard_shape if bucket.kind == "shard" else shard.info.block
+            size = math.prod(shape)
+            g = flat[offset : offset + size].view(shape)
+            offset += size
+            if self._used.get(n, True):  # an unused parameter keeps grad None, as on one device
+                p.grad = g.clone() if p.grad is None else p.grad + g
+
+    # -- optimizer step hooks --------------------------------------------------------------
+    def _mine(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (self.by_id[id(p)], p)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in self.by_id
+        ]
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        mine = self._mine(optimizer)
+        if not mine:
+            return
+        for name, p in mine:
+            check_state(name, p, optimizer.state.get(p, {}))
+        if self.level == "level1":
+            self.flush()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._mine(optimizer):
+            self.leaves.clear()  # the shards changed: gather again at the next forward
+            self._gathered_ids.clear()
+            self._gathered_ptrs.clear()
+
+
+def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
+    """Raise ValueError when optimizer state does not have this rank's shape of `p` (e.g.
+    loaded from a checkpoint saved with another shard layout)."""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+            raise ValueError(
+                f"optimizer state {key!r} of parameter {name!r} has shape {list(value.shape)} "
+                f"but this rank holds a shard of shape {list(p.shape)}: the state was saved "
+                f"with another optimizer-parallel layout (hsdp shard size / level or device "
+                f"count); load a checkpoint saved under the same layout"
+            )
+
+
+GradHook = Callable[[torch.Tensor], None]
+__all__ = ["BucketGroups", "OptimizerParallel", "ParamShard", "check_state"]

@@ -1,0 +1,403 @@
+"""Optimizer parallel (`AutoParallel.hsdp`) on 2, 4 and 8 simulated ranks.
+
+For levels 1-3 x {SGD, Adam, AdamW} x {pure data parallel (seed 000's MLP), combined with seed
+003's operator-level strategies}: 5 steps of the wrapped train step give the single-device losses
+and updated weights (every rank's shard = the same rows of the single-device tensor). Also: the
+exact collectives with fusion ids 0/1/2, the threshold and ``parallel_optimizer=False``, a shard
+size smaller than the group, per-rank optimizer-state bytes measured from the state tensors,
+optimizers built after the wrapper, ``state_dict`` round trips, and the errors.
+
+Adam / AdamW use lr 1e-4, eps 1e-6: at lr 1e-3, eps 1e-8 their normalized update amplifies the
+float32 rounding of a differently ordered gradient sum past 1e-5 even for plain data parallel
+without optimizer parallel (measured: 2e-6 absolute on 4 ranks), which is not what these tests
+are about.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.optim import OptimizerPlan
+from shardwise.parallel import AutoParallel
+from shardwise.testing import (
+    CommRecorder,
+    SimulatedWorld,
+    assert_matches_single_device,
+    simulated_world,
+)
+
+STEPS, BATCH = 5, 32
+OPTIMIZERS: dict[str, Callable[[object], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),  # type: ignore[arg-type]
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-4, eps=1e-6),  # type: ignore[arg-type]
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-4, eps=1e-6),  # type: ignore[arg-type]
+}
+
+
+class Mlp(nn.Module):
+    """Seed 000's network (fusion ids 0/1/2 on its layers); `small`: 64-128-128-16 on 8x8
+    inputs for the parity matrix (the same code paths, 40x less work per step)."""
+
+    def __init__(self, small: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        d_in, hidden, out = (64, 128, 16) if small else (784, 512, 10)
+        self.flatten = nn.Flatten()
+        self.layer1, self.layer2 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden)
+        self.layer3, self.relu = nn.Linear(hidden, out), nn.ReLU()
+        sw.set_comm_fusion(self.layer1, 0)
+        sw.set_comm_fusion(self.layer2, 1)
+        sw.set_comm_fusion(self.layer3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu(self.layer2(self.relu(self.layer1(self.flatten(x)))))
+        out: torch.Tensor = self.layer3(h)
+        return out
+
+
+class OpNet(nn.Module):
+    """Seed 003's network with its strategies scaled to `world` ranks (8: the seed's), on
+    8x8 inputs with hidden size 128 (`small`) or the seed's 784-512-512."""
+
+    def __init__(self, world: int, small: bool = True) -> None:
+        super().__init__()
+        g, half = torch.Generator().manual_seed(3), world // 2
+        d_in, hidden = (64, 128) if small else (784, 512)
+        self.fc1_weight = nn.Parameter(torch.randn(d_in, hidden, generator=g) * 0.05)
+        self.fc2_weight = nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.05)
+        self.fc3_weight = nn.Parameter(torch.randn(hidden, 16, generator=g) * 0.05)
+        self.flatten = sw.ops.Flatten()
+        self.matmul1 = sw.ops.MatMul().shard(((2, half), (half, 1)))
+        self.relu1 = sw.ops.ReLU().shard(((half, 1),))
+        self.matmul2 = sw.ops.MatMul().shard(((1, world), (world, 1)))
+        self.relu2 = sw.ops.ReLU().shard(((world, 1),))
+        self.matmul3 = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.relu1(self.matmul1(self.flatten(x), self.fc1_weight))
+        out: torch.Tensor = self.matmul3(
+            self.relu2(self.matmul2(h, self.fc2_weight)), self.fc3_weight
+        )
+        return out
+
+
+NETWORKS: dict[str, Callable[[int], nn.Module]] = {"dp": lambda w: Mlp(small=True), "op": OpNet}
+
+
+def data(side: int = 28) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(BATCH, 1, side, side, generator=g),
+            torch.randint(0, 10, (BATCH,), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+# made outside any simulated world (inside, random factories draw per rank)
+DATA, SMALL = data(), data(8)
+
+
+def single_device(
+    make: Callable[[], nn.Module], opt: str, batches: list[tuple[torch.Tensor, torch.Tensor]] = DATA
+) -> tuple[list[float], list[dict]]:
+    net = make()
+    optimizer = OPTIMIZERS[opt](net.parameters())
+    losses, params = [], []
+    for x, y in batches:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        params.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return losses, params
+
+
+def shard_of(
+    parallel: AutoParallel, name: str, full: torch.Tensor
+) -> Callable[[int], torch.Tensor]:
+    """rank -> the rows of the single-device `full` that rank's shard of `name` holds."""
+    plan = parallel.optimizer_plan
+    assert plan is not None and parallel.network_plan is not None
+    shard = plan.param(name)
+    layout, shape = shard.info.layout, shard.info.shape
+
+    def rows(r: int) -> torch.Tensor:
+        block = full[layout.local_slice(r, shape)]
+        if not shard.sharded:
+            return block
+        members = layout.matrix.group_along(r, shard.dp_axes)
+        pos, n = members.index(r) % shard.shard, shard.shard_shape[0]
+        return block[pos * n : (pos + 1) * n]
+
+    return rows
+
+
+def train(
+    world: SimulatedWorld,
+    net: nn.Module,
+    opt: str,
+    configure: Callable[[AutoParallel], object],
+    check: Callable[[int, AutoParallel, CommRecorder], None] | None = None,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> tuple[AutoParallel, torch.optim.Optimizer, list[torch.Tensor]]:
+    """Train `net` (built outside the world) on `batches` (made outside; default `DATA`)."""
+    world.replicate(net)
+    optimizer = OPTIMIZERS[opt](net.parameters())
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    parallel = AutoParallel(train_step, parallel_mode="semi_auto")
+    configure(parallel)
+    losses = []
+    for step, (x, y) in enumerate(batches or DATA):
+        with CommRecorder() as rec:
+            losses.append(parallel(world.same(x), world.same(y)))
+        if check is not None:
+            check(step, parallel, rec)
+    return parallel, optimizer, losses
+
+
+def check_parity(
+    world: int, level: str, opt: str, network: str, threshold: float = 0
+) -> tuple[AutoParallel, OptimizerPlan]:
+    want_losses, want_params = single_device(lambda: NETWORKS[network](world), opt, SMALL)
+    net = NETWORKS[network](world)
+    with simulated_world(world) as w:
+        parallel, _, losses = train(
+            w, net, opt, lambda p: p.hsdp(threshold=threshold, optimizer_level=level), None, SMALL
+        )
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]), what=f"loss {step}")
+        for name, p in net.named_parameters():
+            rows = shard_of(parallel, name, want_params[-1][name])
+            assert_matches_single_device(p.detach(), rows, what=name)
+    assert parallel.optimizer_plan is not None
+    return parallel, parallel.optimizer_plan
+
+
+@pytest.mark.parametrize("network", ["dp", "op"])
+@pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_parity(world: int, level: str, opt: str, network: str) -> None:
+    _, plan = check_parity(world, level, opt, network)
+    assert any(p.sharded for p in plan.params)
+
+
+def test_op_level_parameters_shard_over_their_replicated_axes_only() -> None:
+    """Seed 003 on 8 ranks: fc1 (4, 1) is split over d1 and replicated 2-fold -> 2 shards;
+    fc2 (8, 1) is split 8 ways -> nothing to shard; fc3 (data parallel: replicated) -> 8."""
+    _, plan = check_parity(8, "level1", "sgd", "op")
+    assert [(p.info.name, p.shard, list(p.shard_shape)) for p in plan.params] == [
+        ("fc1_weight", 2, [8, 128]),
+        ("fc2_weight", 1, [16, 128]),
+        ("fc3_weight", 8, [16, 16]),
+    ]
+    assert plan.param("fc2_weight").reason == "no replicas (fully split by its strategy)"
+
+
+W8 = tuple(range(8))
+
+
+def test_fusion_ids_give_one_collective_per_group() -> None:
+    """Level 1, fusion ids 0/1/2, threshold 0 on 8 ranks: layer1's weight and bias (id 0) shard
+    alone; layer2's (id 1) share one bucket; layer3's (id 2: 10 rows, not divisible by 8) are
+    all-reduced together."""
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        assert rec.kinds() == Counter(
+            {
+                ("AllGather", "forward", W8): 3,  # layer1.weight, layer1.bias, layer2 bucket
+                ("ReduceScatter", "step", W8): 3,  # level 1: at the optimizer's step
+                ("AllReduce", "backward", W8): 2,  # layer3 bucket; the loss's backward
+                ("AllReduce", "forward", W8): 1,  # the loss
+            }
+        ), rec.summary()
+
+    net = Mlp()
+    with simulated_world(8) as world:
+        parallel, _, _ = train(world, net, "sgd", lambda p: p.hsdp(threshold=0), check)
+    plan = parallel.optimizer_plan
+    assert plan is not None
+    assert [str(b) for b in plan.buckets] == [
+        "shard over 8 fusion=0: layer1.weight",
+        "shard over 8 fusion=0: layer1.bias",
+        "shard over 8 fusion=1: layer2.weight, layer2.bias",
+        "AllReduce fusion=2: layer3.weight, layer3.bias",
+    ]
+
+
+def test_threshold_parallel_optimizer_false_and_level2_phase() -> None:
+    """Default threshold (64 KB): only the two big weights shard; layer2.weight is marked
+    ``parallel_optimizer=False``, so only layer1.weight shards. Level 2 reduce-scatters in
+    backward."""
+    net = Mlp()
+    net.layer2.weight.parallel_optimizer = False  # type: ignore[assignment]
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        assert rec.kinds() == Counter(
+            {
+                ("AllGather", "forward", W8): 1,
+                ("ReduceScatter", "backward", W8): 1,
+                # layer1.bias (id 0, alone); layer2 bucket (id 1); layer3 bucket; the loss
+                ("AllReduce", "backward", W8): 4,
+                ("AllReduce", "forward", W8): 1,
+            }
+        ), rec.summary()
+
+    with simulated_world(8) as world:
+        parallel, _, _ = train(world, net, "sgd", lambda p: p.hsdp(optimizer_level="level2"), check)
+    plan = parallel.optimizer_plan
+    assert plan is not None
+    assert plan.param("layer2.weight").reason == "parallel_optimizer=False"
+    assert plan.param("layer1.bias").reason == "2048 B < threshold 64 KB"
+
+
+def test_level3_gathers_again_in_backward_and_shard_size() -> None:
+    """Level 3 with shard_size 2 on 8 ranks: weights gathered in forward and again in backward
+    over pairs of ranks, gradients reduce-scattered over the pair and all-reduced over the 4
+    copies of each shard. Four shard buckets (layer1's weight and bias alone: id 0; layer2;
+    layer3: its 10 rows divide by 2)."""
+    pairs, copies = (0, 1), (0, 2, 4, 6)
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        assert rec.kinds() == Counter(
+            {
+                ("AllGather", "forward", pairs): 4,
+                # layer2's and layer3's weights are saved for backward and gathered again;
+                # layer1's weight is not saved (its input needs no gradient)
+                ("AllGather", "backward", pairs): 2,
+                ("ReduceScatter", "backward", pairs): 4,
+                ("AllReduce", "backward", copies): 4,
+                ("AllReduce", "forward", W8): 1,  # the loss, and its backward
+                ("AllReduce", "backward", W8): 1,
+            }
+        ), rec.summary()
+
+    want_losses, _ = single_device(Mlp, "sgd")
+    net = Mlp()
+    with simulated_world(8) as world:
+        _, _, losses = train(
+            world,
+            net,
+            "sgd",
+            lambda p: p.hsdp(shard_size=2, threshold=0, optimizer_level="level3"),
+            check,
+        )
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]))
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_optimizer_state_bytes_are_one_shard(opt: str) -> None:
+    net = Mlp()
+    with simulated_world(4) as world:
+        parallel, optimizer, _ = train(world, net, opt, lambda p: p.hsdp(threshold=0))
+        plan = parallel.optimizer_plan
+        assert plan is not None
+        names = {id(p): n for n, p in parallel.network.named_parameters()}
+        slots = 2 if opt == "adam" else 1  # exp_avg + exp_avg_sq; momentum_buffer
+        for p, state in optimizer.state.items():
+            shard = plan.param(names[id(p)])
+            tensors = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            measured = sum(v.numel() * v.element_size() for v in tensors)
+            numel = shard.info.block[0] // shard.shard
+            for d in shard.info.block[1:]:
+                numel *= d
+            assert measured == slots * numel * 4, names[id(p)]
+
+
+def test_optimizer_built_after_wrapper_and_state_dict_round_trip() -> None:
+    want_losses, want_params = single_device(Mlp, "adamw")
+    net = Mlp()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        box: list[torch.optim.Optimizer] = []
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            box[0].step()
+            box[0].zero_grad()
+            return loss
+
+        parallel = AutoParallel(train_step, network=net, optimizer=[]).hsdp(threshold=0)
+        box.append(OPTIMIZERS["adamw"](net.parameters()))  # after the wrapper, before step 1
+        batches = DATA
+        for step, (x, y) in enumerate(batches[:3]):
+            loss = parallel(world.same(x), world.same(y))
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]))
+        saved = box[0].state_dict()
+        box[0] = OPTIMIZERS["adamw"](net.parameters())  # a fresh optimizer: load the state
+        box[0].load_state_dict(saved)
+        for step, (x, y) in enumerate(batches[3:], start=3):
+            loss = parallel(world.same(x), world.same(y))
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]))
+        for name, p in net.named_parameters():
+            assert_matches_single_device(
+                p.detach(), shard_of(parallel, name, want_params[-1][name])
+            )
+
+
+def test_state_from_another_shard_layout_is_refused() -> None:
+    first, net = Mlp(), Mlp()
+    with simulated_world(8) as world:
+        _, optimizer, _ = train(world, first, "adam", lambda p: p.hsdp(threshold=0))
+        saved = optimizer.state_dict()
+        _, _, _ = train(world, net, "adam", lambda p: p.hsdp(threshold=0, shard_size=4), None)
+        other = OPTIMIZERS["adam"](net.parameters())
+        other.load_state_dict(saved)  # shapes of 8-way shards into 4-way shards
+        with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 'layer1.weight'"):
+            other.step()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"threshold": -1}, ValueError, r"threshold=-1 KB is negative"),
+        ({"optimizer_level": "level4"}, ValueError, r"optimizer_level='level4'; valid"),
+        ({"shard_size": 0}, ValueError, r"shard_size=0; use -1"),
+        ({"shard_size": 2.0}, TypeError, r"shard_size must be an int"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        AutoParallel(Mlp()).hsdp(**kwargs)  # type: ignore[arg-type]
+
+
+def test_shard_size_must_divide_the_group() -> None:
+    net = Mlp()
+    pattern = r"shard_size=3 does not divide .*'layer1.weight'"
+    with simulated_world(8) as world, pytest.raises(ValueError, match=pattern):
+        train(world, net, "sgd", lambda p: p.hsdp(shard_size=3))
+
+
+def test_context_style() -> None:
+    sw.set_auto_parallel_context(
+        enable_parallel_optimizer=True,
+        parallel_optimizer_config={"parallel_optimizer_threshold": 0, "optimizer_level": "level2"},
+    )
+    try:
+        net = Mlp()
+        with simulated_world(2) as world:
+            parallel, _, _ = train(world, net, "sgd", lambda p: None)
+        plan = parallel.optimizer_plan
+        assert plan is not None and plan.config.optimizer_level == "level2"
+        assert plan.param("layer1.bias").sharded
+    finally:
+        sw.reset_auto_parallel_context()
