@@ -19,7 +19,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench import collectives, dataloading, gpt_block, loopback, manual_dp, operator_parallel
+from bench import (
+    collectives,
+    dataloading,
+    gpt_block,
+    loopback,
+    manual_dp,
+    operator_parallel,
+    optimizer_parallel,
+)
 from bench.harness import BenchConfig, KiB, MiB, WorkerError, host_info
 
 BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
@@ -29,6 +37,7 @@ BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
     "dataloading": dataloading.run,
     "operator_parallel": operator_parallel.run,
     "gpt_block": gpt_block.run,
+    "optimizer_parallel": optimizer_parallel.run,
 }
 QUICK_SIZES = (4 * KiB,)
 

@@ -401,3 +401,40 @@ def test_context_style() -> None:
         assert plan.param("layer1.bias").sharded
     finally:
         sw.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_data_parallel_mode_owner_update_and_broadcast(context: bool) -> None:
+    """``parallel_mode="data_parallel"`` with hsdp (seed 001's data-parallel variant): the
+    gradients all-reduced per fusion bucket, each large parameter updated by its owner and
+    broadcast; losses and weights equal the single-device run."""
+    want_losses, want_params = single_device(Mlp, "adamw")
+    net = Mlp()
+    if context:
+        sw.set_auto_parallel_context(parallel_mode=sw.ParallelMode.DATA_PARALLEL)
+    try:
+        with simulated_world(4) as world:
+            world.replicate(net)
+            optimizer = OPTIMIZERS["adamw"](net.parameters())
+
+            def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                loss = F.cross_entropy(net(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                return loss
+
+            mode = None if context else "data_parallel"
+            parallel = AutoParallel(train_step, parallel_mode=mode).hsdp()
+            for step, (x, y) in enumerate(DATA):
+                with CommRecorder() as rec:
+                    loss = parallel(world.same(x), world.same(y))
+                assert_matches_single_device(loss, torch.tensor(want_losses[step]))
+                kinds = Counter(r.kind for r in rec.records)
+                # AllReduce: layer1 weight + bias (id 0), layer2 and layer3 buckets, the loss;
+                # Broadcast: the owners of layer1.weight and layer2.weight (> 64 KB)
+                assert kinds == Counter({"AllReduce": 5, "Broadcast": 2}), rec.summary()
+            for name, p in net.named_parameters():
+                assert_matches_single_device(p.detach(), want_params[-1][name], what=name)
+    finally:
+        sw.reset_auto_parallel_context()

@@ -151,5 +151,5 @@ def test_unannotated_torch_op_is_refused() -> None:
 
 
 def test_only_semi_auto() -> None:
-    with pytest.raises(ValueError, match="only 'semi_auto'"):
+    with pytest.raises(ValueError, match="valid: 'semi_auto'"):
         AutoParallel(ReduceScatterNet(), parallel_mode="auto_parallel")

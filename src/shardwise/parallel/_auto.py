@@ -28,7 +28,13 @@ from shardwise import communication as comm
 from shardwise import report, runtime
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
-from shardwise.optim import OptimizerParallel, OptimizerPlan, check_fusion, check_hsdp
+from shardwise.optim import (
+    DataParallelRunner,
+    OptimizerParallel,
+    OptimizerPlan,
+    check_fusion,
+    check_hsdp,
+)
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
@@ -105,12 +111,15 @@ class AutoParallel(nn.Module):
             as primitive inputs, and supported unannotated torch ops), or a train-step function
             ``step(*inputs)`` calling such a network, ``loss.backward()`` and
             ``optimizer.step()`` and returning the loss.
-        parallel_mode: only ``"semi_auto"``; default (None): from `set_auto_parallel_context`
-            (``SEMI_AUTO_PARALLEL`` or the default ``STAND_ALONE`` give semi_auto; other modes
-            raise `UnsupportedParallelError`). The context's ``dataset_strategy`` is read here
+        parallel_mode: ``"semi_auto"`` or ``"data_parallel"`` (the whole network on every
+            rank, `optim.DataParallelRunner`; with `hsdp`, owner update + broadcast); default
+            (None): from `set_auto_parallel_context` (``SEMI_AUTO_PARALLEL`` or the default
+            ``STAND_ALONE``: semi_auto; ``DATA_PARALLEL``; strategy search modes raise
+            `UnsupportedParallelError`). The context's ``dataset_strategy`` is read here
             too (``dataset_strategy()`` overrides it) and its ``device_num`` checked at plan time.
         network: the network of a train step (default: the referenced module with parameters).
-        optimizer: the optimizer(s) of a train step (default: those it references).
+        optimizer: the optimizer(s) of a train step (default: those it references), or of a
+            wrapped module (needed in data_parallel mode).
 
     A wrapped module is called on each rank with its rows of the global batch and returns its
     rows of the output; the loss built on them must be the same value on every rank (e.g.
@@ -135,14 +144,14 @@ class AutoParallel(nn.Module):
         super().__init__()
         parallel_mode = resolve_parallel_mode(parallel_mode)
         self.train_step: Callable[..., Any] | None = None
+        given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         if isinstance(network_or_step, nn.Module):
             network = network_or_step
-            self.optimizers: list[torch.optim.Optimizer] = []
+            self.optimizers: list[torch.optim.Optimizer] = list(given or [])
         else:
             self.train_step = network_or_step
             modules, found = find_referenced(network_or_step)
             network = network if network is not None else pick_network(modules)
-            given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
             self.optimizers = list(given) if given is not None else found
         self.network = network
         self.parallel_mode = parallel_mode
@@ -158,10 +167,14 @@ class AutoParallel(nn.Module):
         self._engine: OptimizerParallel | None = None
         self._layouts: dict[int, tuple[TensorLayout, Shape]] = {}
         self._saved = ExitStack()
-        self._hooks: list[Any] = [
-            network.register_forward_pre_hook(self._enter_network),
-            network.register_forward_hook(self._leave_network),
-        ]
+        self._runner: DataParallelRunner | None = None
+        self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
+        self._hooks: list[Any] = []
+        if parallel_mode == "semi_auto":
+            self._hooks = [
+                network.register_forward_pre_hook(self._enter_network),
+                network.register_forward_hook(self._leave_network),
+            ]
 
     def dataset_strategy(self, strategy: DatasetStrategy) -> AutoParallel:
         """How each input of the wrapped call is split.
@@ -206,7 +219,7 @@ class AutoParallel(nn.Module):
         Example:
             >>> AutoParallel(train_step, parallel_mode="semi_auto").hsdp(optimizer_level="level2")
         """
-        if self.network_plan is not None:
+        if self.network_plan is not None or self._runner is not None:
             raise ValueError("AutoParallel.hsdp: call it before the first step (already planned)")
         self._hsdp = check_hsdp(shard_size, threshold, optimizer_level)
         return self
@@ -225,9 +238,10 @@ class AutoParallel(nn.Module):
         Example:
             >>> parallel_net.comm_fusion({"allreduce": {"mode": "size", "config": 32}})
         """
-        if self.network_plan is not None:
+        if self.network_plan is not None or self._runner is not None:
             raise ValueError("AutoParallel.comm_fusion: call it before the first step")
         self._fusion = check_fusion(config)
+        self._fusion_dict = dict(config)
         return self
 
     @property
@@ -346,6 +360,8 @@ class AutoParallel(nn.Module):
         }
 
     def forward(self, *inputs: Any) -> Any:
+        if self.parallel_mode == "data_parallel":
+            return self._data_parallel(*inputs)
         if self.train_step is not None:
             with self._session():
                 index, n = _tensor_indices(inputs)
@@ -361,6 +377,22 @@ class AutoParallel(nn.Module):
             out = self.network(*inputs)
             self._pause(1)
             return self._to_data_parallel(out)
+
+    def _data_parallel(self, *inputs: Any) -> Any:
+        """``parallel_mode="data_parallel"``: the whole network on every rank, gradients
+        all-reduced at the optimizer step; with `hsdp`, each parameter updated by its owner and
+        broadcast (seed 001's data-parallel variant, `optim.DataParallelRunner`)."""
+        if self._runner is None:
+            hsdp = self._hsdp
+            self._runner = DataParallelRunner(
+                self.network,
+                self.optimizers,
+                train_step=self.train_step,
+                parallel_optimizer=hsdp is not None,
+                threshold_kb=hsdp.threshold if hsdp is not None else 64,
+                fusion=self._fusion_dict or None,
+            )
+        return self._runner(*inputs)
 
     @contextmanager
     def _session(self) -> Iterator[None]:

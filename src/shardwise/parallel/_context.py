@@ -209,22 +209,25 @@ def resolve_parallel_mode(explicit: str | None) -> str:
     """The wrapper's mode: `explicit` when given, else from the context; only semi_auto runs.
 
     Raises:
-        UnsupportedParallelError: a mode the runtime cannot run yet (auto search, data
-            parallel).
+        UnsupportedParallelError: a mode the runtime cannot run yet (strategy search).
         ValueError: an unknown explicit mode.
     """
     if explicit is not None:
         if explicit in ("sharding_propagation", "recursive_programming"):
             raise UnsupportedParallelError(
                 f"AutoParallel: parallel_mode {explicit!r} (strategy search) is not supported "
-                f"yet; only 'semi_auto'"
+                f"yet; use 'semi_auto' or 'data_parallel'"
             )
-        if explicit != "semi_auto":
-            raise ValueError(f"AutoParallel: parallel_mode {explicit!r}; only 'semi_auto'")
+        if explicit not in ("semi_auto", "data_parallel"):
+            raise ValueError(
+                f"AutoParallel: parallel_mode {explicit!r}; valid: 'semi_auto' | 'data_parallel'"
+            )
         return explicit
     mode = _CONTEXT["parallel_mode"]
     if mode in (ParallelMode.STAND_ALONE, ParallelMode.SEMI_AUTO_PARALLEL):
         return "semi_auto"
+    if mode == ParallelMode.DATA_PARALLEL:
+        return "data_parallel"
     search = f", search_mode={_CONTEXT['search_mode']!r}" if mode == "auto_parallel" else ""
     raise UnsupportedParallelError(
         f"AutoParallel: set_auto_parallel_context(parallel_mode={mode!r}{search}) is not "
