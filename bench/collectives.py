@@ -20,23 +20,17 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bench import harness
+from bench._common import jobs, n_label, oversubscribed_notes, report_meta
 from bench.collective_cases import BASELINES, BUILDERS, COLLECTIVES, Case
-from bench.harness import (
-    BenchConfig,
-    MiB,
-    Table,
-    barrier_bytes,
-    compare,
-    fmt_bytes,
-    fmt_ms,
-    host_info,
-    save_report,
-    spawn,
+from bench.harness import BenchConfig, MiB, Table, compare, fmt_bytes, fmt_ms
+
+OVERSUBSCRIBED = (
+    "* more workers than the {cores} cores: processes are time-sliced, so these times measure "
+    "scheduling as much as communication; never report them as speed-ups"
 )
 
 
@@ -165,7 +159,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
     from shardwise.communication import get_group_size, get_rank
 
     n, rank = get_group_size(), get_rank()
-    barrier = barrier_bytes()
+    barrier = harness.barrier_bytes()
     rows = [
         _measure(kind, n, rank, size, args, barrier)
         for size in args["sizes"]
@@ -198,7 +192,7 @@ def table(rows: list[CollectiveResult]) -> Table:
         t.rows.append(
             [
                 r.collective + ("" if r.match else " (MISMATCH)"),
-                f"{r.world_size}{'*' if r.oversubscribed else ''}",
+                n_label(r),
                 fmt_bytes(r.size_bytes),
                 fmt_ms(r.shardwise_s),
                 fmt_ms(r.torch_s),
@@ -224,11 +218,7 @@ def _notes(rows: list[CollectiveResult], cores: int) -> list[str]:
         "the input size S",
         "torch side: " + "; ".join(f"{k}: {v}" for k, v in BASELINES.items()),
     ]
-    if any(r.oversubscribed for r in rows):
-        notes.append(
-            f"* more workers than the {cores} cores: processes are time-sliced, so these times "
-            "measure scheduling as much as communication; never report them as speed-ups"
-        )
+    notes += oversubscribed_notes(rows, cores, OVERSUBSCRIBED)
     if not all(r.match for r in rows):
         notes.append("MISMATCH: the two sides gave different results; that row compares nothing")
     return notes
@@ -240,21 +230,15 @@ def run(config: BenchConfig) -> str:
     unknown = sorted(set(kinds) - set(COLLECTIVES))
     if unknown:
         raise ValueError(f"unknown collectives {unknown}; choose from {', '.join(COLLECTIVES)}")
-    cores = os.cpu_count() or 1
-    rows: list[CollectiveResult] = []
-    for n in config.ranks:
-        start = time.monotonic()
-        print(f"[bench] collectives: N={n} on {cores} cores ...", file=sys.stderr, flush=True)
-        args = {"sizes": list(config.sizes), "collectives": kinds, "quick": config.quick}
-        got = spawn("bench.collectives:worker", n, args, config.timeout_s)[0]
-        rows += [CollectiveResult(**r) for r in got]
-        print(f"[bench]   N={n} done in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    args = {"sizes": list(config.sizes), "collectives": kinds, "quick": config.quick}
+    got = jobs("collectives", config, config.ranks, args)
+    rows = [CollectiveResult(**r) for _, results in got for r in results[0]]
     t = table(rows)
-    t.notes = _notes(rows, cores)
+    t.notes = _notes(rows, os.cpu_count() or 1)
     text = str(t)
     data = {
-        "meta": {**host_info(), "backend": "gloo", "quick": config.quick, "baselines": BASELINES},
+        "meta": report_meta(config, baselines=BASELINES),
         "rows": [{**asdict(r), "ratio": r.ratio} for r in rows],
     }
-    save_report(config.out_dir, "collectives", data, text)
+    harness.save_report(config.out_dir, "collectives", data, text)
     return text

@@ -41,25 +41,14 @@ import atexit
 import itertools
 import math
 import os
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from bench.harness import (
-    BenchConfig,
-    Table,
-    barrier_bytes,
-    compare,
-    fmt_bytes,
-    fmt_ms,
-    host_info,
-    save_report,
-    spawn,
-)
-from bench.manual_dp import _fastest_threads
-from bench.operator_parallel import _chunk, _dt_accounting, _exit_quietly, _sw_accounting
+from bench import _common as common
+from bench import harness
+from bench._common import chunk, n_label, ratio
+from bench.harness import BenchConfig, Table, compare, fmt_bytes, fmt_ms
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +64,6 @@ LR = 0.1
 POOL = 4  # distinct global batches, cycled through
 CHECK_STEPS = 3
 CHECK_ATOL = 1e-4  # float32 sums over 512 logits / 1024 MLP columns in a different order
-DEFAULT_RANKS = (2, 4)
 ALLOWED_RANKS = (2, 4, 8)
 Step = Callable[[], "torch.Tensor"]  # one training step; returns the global mean loss
 
@@ -424,7 +412,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Check, account and time every layout of this job's N; rank 0 returns `GPTResult`s."""
     import torch.distributed as dist
 
-    atexit.register(_exit_quietly)
+    atexit.register(common.exit_quietly)
     n, rank, quick = dist.get_world_size(), dist.get_rank(), bool(args["quick"])
     cfg = gpt_config(quick)
     steps, reps = (2, 2) if quick else (5, 5)
@@ -437,17 +425,14 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
     for g in grids:
         for _ in range(2):
             sw[g](), dt[g]()
-        keys = ("sw_collectives", "sw_fwd_bytes", "sw_bwd_bytes", "sw_calls", "sw_comm_s")
-        acc[g] = dict(zip(keys, _sw_accounting(sw[g], steps), strict=True))
-        dt_keys = ("dt_collectives", "dt_bytes", "dt_calls")
-        acc[g].update(zip(dt_keys, _dt_accounting(dt[g]), strict=True))
-    threads = _fastest_threads(_chunk(single, 1), rank, 2 if quick else 5)
+        acc[g] = common.tp_accounting(sw[g], dt[g], steps)
+    threads = common.fastest_threads(chunk(single, 1), rank, 2 if quick else 5)
     candidates: dict[str, Callable[[], object]] = {}
     for dp, mp in grids:
-        candidates[f"shardwise {dp}x{mp}"] = _chunk(sw[dp, mp], steps)
-        candidates[f"DTensor {dp}x{mp}"] = _chunk(dt[dp, mp], steps)
-    candidates["one process"] = _chunk(single, steps, threads) if rank == 0 else lambda: None
-    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=barrier_bytes())
+        candidates[f"shardwise {dp}x{mp}"] = chunk(sw[dp, mp], steps)
+        candidates[f"DTensor {dp}x{mp}"] = chunk(dt[dp, mp], steps)
+    candidates["one process"] = chunk(single, steps, threads) if rank == 0 else lambda: None
+    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=harness.barrier_bytes())
     if rank != 0:
         return None
 
@@ -477,14 +462,6 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _n(r: GPTResult) -> str:
-    return f"{r.world_size}{'*' if r.oversubscribed else ''}"
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b > 0 else "n/a"
-
-
 def _describe(cfg: GPTConfig) -> str:
     return (
         f"vocab {cfg.vocab}, seq {cfg.seq}, hidden {cfg.hidden}, heads {cfg.heads}, ffn "
@@ -502,9 +479,9 @@ def time_table(rows: list[GPTResult], cfg: GPTConfig) -> Table:
     for r in rows:
         worst = max(r.diff_dtensor, r.diff_single, r.diff_dt_params)
         t.rows.append(
-            [_n(r), f"{r.dp}x{r.mp}", fmt_ms(r.shardwise_s), fmt_ms(r.dtensor_s),
-             f"{fmt_ms(r.single_s)} ({r.single_threads}t)", _ratio(r.shardwise_s, r.dtensor_s),
-             _ratio(r.shardwise_s, r.single_s), _ratio(r.dtensor_s, r.single_s),
+            [n_label(r), f"{r.dp}x{r.mp}", fmt_ms(r.shardwise_s), fmt_ms(r.dtensor_s),
+             f"{fmt_ms(r.single_s)} ({r.single_threads}t)", ratio(r.shardwise_s, r.dtensor_s),
+             ratio(r.shardwise_s, r.single_s), ratio(r.dtensor_s, r.single_s),
              f"{'yes' if r.equal else 'NO'} ({worst:.1e})"]
         )  # fmt: skip
     return t
@@ -518,9 +495,9 @@ def comm_table(rows: list[GPTResult]) -> Table:
     )  # fmt: skip
     for r in rows:
         t.rows.append(
-            [_n(r), f"{r.dp}x{r.mp}", fmt_bytes(r.bound_bytes), fmt_bytes(r.sw_fwd_bytes),
+            [n_label(r), f"{r.dp}x{r.mp}", fmt_bytes(r.bound_bytes), fmt_bytes(r.sw_fwd_bytes),
              fmt_bytes(r.sw_bwd_bytes), fmt_bytes(r.sw_bytes), fmt_bytes(r.dt_bytes),
-             _ratio(r.sw_bytes, r.bound_bytes), _ratio(r.dt_bytes, r.bound_bytes),
+             ratio(r.sw_bytes, r.bound_bytes), ratio(r.dt_bytes, r.bound_bytes),
              fmt_bytes(r.lo_shardwise_bytes), fmt_bytes(r.lo_dtensor_bytes),
              str(r.bound_collectives), str(r.sw_collectives), str(r.dt_collectives)]
         )  # fmt: skip
@@ -535,7 +512,7 @@ def split_table(rows: list[GPTResult]) -> Table:
     )  # fmt: skip
     for r in rows:
         t.rows.append(
-            [_n(r), f"{r.dp}x{r.mp}", fmt_ms(r.shardwise_s), fmt_ms(r.sw_comm_s),
+            [n_label(r), f"{r.dp}x{r.mp}", fmt_ms(r.shardwise_s), fmt_ms(r.sw_comm_s),
              fmt_ms(r.shardwise_s - r.sw_comm_s), fmt_ms(r.dtensor_s),
              fmt_ms(r.single_s / r.world_size)]
         )  # fmt: skip
@@ -568,53 +545,42 @@ def _notes(rows: list[GPTResult], cores: int) -> list[str]:
         "call's minimum over ranks, summed; rest = local compute + shardwise's per-primitive "
         "work (approximate)",
     ]
-    if any(r.oversubscribed for r in rows):
-        notes.append(
-            f"* more workers than the {cores} cores: time-sliced processes; these times "
-            "measure scheduling as much as communication, never report them as speed-ups"
-        )
-    return notes
+    return notes + common.oversubscribed_notes(rows, cores)
 
 
 def calls_text(rows: list[GPTResult]) -> str:
-    lines = ["Collectives of one step, in order (kind(phase)[elements per rank]):"]
-    for r in rows:
-        lines.append(f"  N={_n(r)} {r.dp}x{r.mp} shardwise: {r.sw_calls}")
-        lines.append(f"  N={_n(r)} {r.dp}x{r.mp} DTensor:   {r.dt_calls}")
-    return "\n".join(lines)
+    """Each (N, layout)'s collectives in order: shardwise's, then DTensor's."""
+    return common.calls_text(
+        line
+        for r in rows
+        for line in (
+            f"N={n_label(r)} {r.dp}x{r.mp} shardwise: {r.sw_calls}",
+            f"N={n_label(r)} {r.dp}x{r.mp} DTensor:   {r.dt_calls}",
+        )
+    )
 
 
 def ranks_for(config: BenchConfig) -> tuple[int, ...]:
     """N = 2, 4 for the default ``--ranks``; otherwise ``--ranks`` (each of 2, 4, 8)."""
-    ranks = DEFAULT_RANKS if config.ranks == BenchConfig().ranks else config.ranks
-    bad = [n for n in ranks if n not in ALLOWED_RANKS]
-    if bad:
-        raise ValueError(f"gpt_block: --ranks {bad}: allowed are 2, 4, 8 (heads and batch split)")
-    return ranks
+    why = "gpt_block: --ranks {bad}: allowed are 2, 4, 8 (heads and batch split)"
+    return common.ranks_for(config, lambda n: n not in ALLOWED_RANKS, why)
 
 
 def run(config: BenchConfig) -> str:
     """Spawn one job per N, print and save the tables; return the printed text."""
-    cores = os.cpu_count() or 1
-    rows: list[GPTResult] = []
-    for n in ranks_for(config):
-        start = time.monotonic()
-        print(f"[bench] gpt_block: N={n} on {cores} cores ...", file=sys.stderr, flush=True)
-        got = spawn("bench.gpt_block:worker", n, {"quick": config.quick}, config.timeout_s)[0]
-        rows.extend(GPTResult(**g) for g in got)
-        print(f"[bench]   N={n} done in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    jobs = common.jobs("gpt_block", config, ranks_for(config), {"quick": config.quick})
+    rows = [GPTResult(**g) for _, got in jobs for g in got[0]]
     cfg = gpt_config(config.quick)
     split = split_table(rows)
-    split.notes = _notes(rows, cores)
+    split.notes = _notes(rows, os.cpu_count() or 1)
     text = f"{time_table(rows, cfg)}\n\n{comm_table(rows)}\n\n{split}\n\n{calls_text(rows)}"
     data = {
-        "meta": {**host_info(), "backend": "gloo", "quick": config.quick, "lr": LR,
-                 "global_batch": GLOBAL_BATCH, "config": asdict(cfg),
-                 "bound_formula": BOUND_FORMULA},
+        "meta": common.report_meta(config, lr=LR, global_batch=GLOBAL_BATCH, config=asdict(cfg),
+                                   bound_formula=BOUND_FORMULA),
         "rows": [{**asdict(r), "equal": r.equal, "sw_bytes": r.sw_bytes,
                   "sw_over_dtensor": r.shardwise_s / r.dtensor_s,
                   "sw_over_single": r.shardwise_s / r.single_s,
                   "dt_over_single": r.dtensor_s / r.single_s} for r in rows],
     }  # fmt: skip
-    save_report(config.out_dir, "gpt_block", data, text)
+    harness.save_report(config.out_dir, "gpt_block", data, text)
     return text

@@ -21,23 +21,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from bench.harness import (
-    BenchConfig,
-    Table,
-    barrier_bytes,
-    compare,
-    fmt_bytes,
-    fmt_ms,
-    host_info,
-    save_report,
-    spawn,
-)
+from bench import _common as common
+from bench import harness
+from bench._common import chunk, n_label
+from bench.harness import BenchConfig, Table, compare, fmt_bytes, fmt_ms
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +40,6 @@ LR = 1e-2
 POOL = 8  # distinct global batches, cycled through
 CHECK_STEPS = 5
 CHECK_ATOL = 1e-5
-DEFAULT_RANKS = (2, 4)
 Step = Callable[[], None]
 
 
@@ -215,42 +205,6 @@ def _ddp_buckets(ddp: DistributedDataParallel) -> int | None:
         return None
 
 
-def _fastest_threads(step: Step, rank: int, steps: int) -> int:
-    """Rank 0: the faster of 1 thread and all cores for `steps` steps; 1 elsewhere."""
-    import torch
-
-    if rank != 0:
-        return 1
-    saved, best = torch.get_num_threads(), None
-    for threads in sorted({1, os.cpu_count() or 1}):
-        torch.set_num_threads(threads)
-        step()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        took = time.perf_counter() - start
-        best = min(best or (took, threads), (took, threads))
-    torch.set_num_threads(saved)
-    assert best is not None
-    return best[1]
-
-
-def _chunk(step: Step, steps: int, threads: int | None = None) -> Step:
-    """`steps` steps per call (compare's unit); with `threads`, that many torch threads."""
-    import torch
-
-    def call() -> None:
-        saved = torch.get_num_threads()
-        if threads is not None and threads != saved:
-            torch.set_num_threads(threads)
-        for _ in range(steps):
-            step()
-        if threads is not None and threads != saved:
-            torch.set_num_threads(saved)
-
-    return call
-
-
 def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     """Check, account, then time the three candidates on this job's N ranks (rank 0 returns)."""
     import torch.distributed as dist
@@ -263,13 +217,13 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     for _ in range(3):  # DDP rebuilds its buckets after the first step
         sw(), ddp()
     collectives, recorded, phases = _accounting(sw)
-    threads = _fastest_threads(single, rank, 3 if args["quick"] else 20)
+    threads = common.fastest_threads(single, rank, 3 if args["quick"] else 20)
     candidates = {
-        "shardwise": _chunk(sw, steps),
-        "DDP": _chunk(ddp, steps),
-        "one process": _chunk(single, steps, threads) if rank == 0 else lambda: None,
+        "shardwise": chunk(sw, steps),
+        "DDP": chunk(ddp, steps),
+        "one process": chunk(single, steps, threads) if rank == 0 else lambda: None,
     }
-    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=barrier_bytes())
+    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=harness.barrier_bytes())
     if rank != 0:
         return None
     param_bytes = sum(p.numel() * p.element_size() for p in make_net().parameters())
@@ -301,10 +255,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _n(r: DpResult) -> str:
-    return f"{r.world_size}{'*' if r.oversubscribed else ''}"
-
-
 def time_table(rows: list[DpResult]) -> Table:
     """Step times and ratios, one line per N."""
     t = Table(
@@ -315,7 +265,7 @@ def time_table(rows: list[DpResult]) -> Table:
     for r in rows:
         worst = max(r.diff_ddp, r.diff_single)
         t.rows.append(
-            [_n(r), str(GLOBAL_BATCH // r.world_size), fmt_ms(r.shardwise_s), fmt_ms(r.ddp_s),
+            [n_label(r), str(GLOBAL_BATCH // r.world_size), fmt_ms(r.shardwise_s), fmt_ms(r.ddp_s),
              f"{fmt_ms(r.single_s)} ({r.single_threads}t)", f"{r.shardwise_s / r.ddp_s:.2f}",
              f"{r.shardwise_s / r.single_s:.2f}", f"{r.ddp_s / r.single_s:.2f}",
              f"{'yes' if r.equal else 'NO'} ({worst:.1e})"]
@@ -332,7 +282,7 @@ def comm_table(rows: list[DpResult]) -> Table:
     )  # fmt: skip
     for r in rows:
         t.rows.append(
-            [_n(r), fmt_bytes(r.recorded_bytes), fmt_bytes(r.theory_bytes),
+            [n_label(r), fmt_bytes(r.recorded_bytes), fmt_bytes(r.theory_bytes),
              fmt_bytes(r.lo_shardwise_bytes), fmt_bytes(r.lo_ddp_bytes), str(r.collectives),
              "n/a" if r.ddp_buckets is None else str(r.ddp_buckets), r.phases]
         )  # fmt: skip
@@ -357,41 +307,26 @@ def _notes(rows: list[DpResult], cores: int) -> list[str]:
         "under 'forward'); colls DDP: num_buckets_reduced from DDP's logging data (1 MiB first "
         "bucket, then up to 25 MiB), each launched during backward once its gradients are ready",
     ]
-    if any(r.oversubscribed for r in rows):
-        notes.append(
-            f"* more workers than the {cores} cores: time-sliced processes; these times "
-            "measure scheduling as much as communication, never report them as speed-ups"
-        )
-    return notes
+    return notes + common.oversubscribed_notes(rows, cores)
 
 
 def ranks_for(config: BenchConfig) -> tuple[int, ...]:
     """N = 2, 4 for the default ``--ranks``; otherwise ``--ranks`` (each must divide 32)."""
-    ranks = DEFAULT_RANKS if config.ranks == BenchConfig().ranks else config.ranks
-    bad = [n for n in ranks if GLOBAL_BATCH % n]
-    if bad:
-        raise ValueError(f"manual_dp: --ranks {bad} do not divide the global batch {GLOBAL_BATCH}")
-    return ranks
+    why = f"manual_dp: --ranks {{bad}} do not divide the global batch {GLOBAL_BATCH}"
+    return common.ranks_for(config, lambda n: GLOBAL_BATCH % n != 0, why)
 
 
 def run(config: BenchConfig) -> str:
     """Spawn one job per N, print and save the two tables; return the printed text."""
-    cores = os.cpu_count() or 1
-    rows: list[DpResult] = []
-    for n in ranks_for(config):
-        start = time.monotonic()
-        print(f"[bench] manual_dp: N={n} on {cores} cores ...", file=sys.stderr, flush=True)
-        got = spawn("bench.manual_dp:worker", n, {"quick": config.quick}, config.timeout_s)[0]
-        rows.append(DpResult(**got))
-        print(f"[bench]   N={n} done in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    jobs = common.jobs("manual_dp", config, ranks_for(config), {"quick": config.quick})
+    rows = [DpResult(**got[0]) for _, got in jobs]
     comm = comm_table(rows)
-    comm.notes = _notes(rows, cores)
+    comm.notes = _notes(rows, os.cpu_count() or 1)
     text = f"{time_table(rows)}\n\n{comm}"
     data = {
-        "meta": {**host_info(), "backend": "gloo", "quick": config.quick, "lr": LR,
-                 "global_batch": GLOBAL_BATCH},
+        "meta": common.report_meta(config, lr=LR, global_batch=GLOBAL_BATCH),
         "rows": [{**asdict(r), "equal": r.equal, "sw_over_ddp": r.shardwise_s / r.ddp_s,
                   "sw_over_single": r.shardwise_s / r.single_s} for r in rows],
     }  # fmt: skip
-    save_report(config.out_dir, "manual_dp", data, text)
+    harness.save_report(config.out_dir, "manual_dp", data, text)
     return text

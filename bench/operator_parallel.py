@@ -18,8 +18,8 @@ strategies scaled by the example's `strategies(N)`) on its rows of a global batc
   shapes, forward + backward + SGD, no communication): the compute part of a parallel step.
 
 `_check` trains fresh copies 3 steps and compares losses (and the DTensor parameters with the
-one-process ones); `_sw_accounting` records shardwise's collectives with `CommRecorder`;
-`_dt_accounting` records DTensor's functional collectives with a dispatch mode (`CollectiveSpy`)
+one-process ones); `bench._common.tp_accounting` records shardwise's collectives with
+`CommRecorder` and DTensor's functional collectives with a dispatch mode (`CollectiveSpy`)
 and prices them with the same `bytes_bound`; `harness.compare` times the four candidates.
 `run` prints three tables (step time; communication; shardwise's overhead) and saves
 ``operator_parallel.json`` / ``operator_parallel.txt``.
@@ -32,26 +32,26 @@ import functools
 import importlib.util
 import itertools
 import os
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
-from bench.harness import (
-    REPO_ROOT,
-    BenchConfig,
-    Table,
-    barrier_bytes,
-    compare,
-    fmt_bytes,
-    fmt_ms,
-    host_info,
-    save_report,
-    spawn,
+from bench import harness
+from bench._common import (
+    calls_text,
+    chunk,
+    exit_quietly,
+    fastest_threads,
+    jobs,
+    n_label,
+    oversubscribed_notes,
+    ranks_for,
+    ratio,
+    report_meta,
+    tp_accounting,
 )
-from bench.manual_dp import _fastest_threads
+from bench.harness import REPO_ROOT, BenchConfig, Table, compare, fmt_bytes, fmt_ms
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,6 @@ LR = 1e-2
 POOL = 4  # distinct global batches, cycled through
 CHECK_STEPS = 3
 CHECK_ATOL = 1e-5
-DEFAULT_RANKS = (2, 4)
 ALLOWED_RANKS = (2, 4, 8)  # the example's `strategies` knows these
 EXAMPLE = REPO_ROOT / "examples" / "operator_parallel.py"
 Step = Callable[[], "torch.Tensor"]  # one training step; returns the global mean loss
@@ -310,101 +309,6 @@ def local_step(n: int, rank: int) -> Step:
     return step
 
 
-# --------------------------------------------------------------------------- accounting
-
-
-def _spy_mode() -> Any:
-    """A `CollectiveSpy` (a ``TorchDispatchMode`` subclass, built lazily: torch is imported in
-    the workers only)."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from shardwise.communication import bytes_bound
-
-    # c10d op name (functional collectives, and the in-place all-reduce of the loss) -> kind
-    kinds = {"all_reduce": "AllReduce", "all_gather_into_tensor": "AllGather",
-             "reduce_scatter_tensor": "ReduceScatter", "all_to_all_single": "AlltoAll",
-             "allreduce_": "AllReduce"}  # fmt: skip
-
-    class CollectiveSpy(TorchDispatchMode):
-        """Records every c10d collective dispatched inside: (kind, elements, bytes_bound).
-
-        An op on DTensors is handed back (``NotImplemented``) so that DTensor's own dispatch
-        runs with the mode still active: the collectives of its implicit redistributions
-        (e.g. reducing a Partial gradient inside the optimizer step) are seen too.
-        """
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls: list[tuple[str, int, int]] = []
-
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented
-            name = func.__name__.split(".")[0]
-            if name in kinds and "c10d" in str(func):
-                self._record(kinds[name], args)
-            return func(*args, **(kwargs or {}))
-
-        def _record(self, kind: str, args: Any) -> None:
-            import torch
-            import torch.distributed as dist
-            from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
-                _resolve_process_group as resolve,
-            )
-
-            tensor = args[0][0] if isinstance(args[0], list) else args[0]
-            group = args[-1] if isinstance(args[-1], str) else None
-            # the in-place c10d ops (dist.all_reduce(t, group=g)) pass the group as a boxed
-            # ProcessGroup (a ScriptObject), not by name: unbox it, or a subgroup's call would
-            # be priced as a world-sized one
-            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
-            unboxed = [dist.ProcessGroup.unbox(a) for a in boxed if "ProcessGroup" in str(a)]
-            if group:
-                size = resolve(cast(Any, group)).size()
-            else:
-                size = unboxed[0].size() if unboxed else dist.get_world_size()
-            assert isinstance(tensor, torch.Tensor)
-            nbytes = tensor.numel() * tensor.element_size()
-            self.calls.append((kind, tensor.numel(), bytes_bound(kind, nbytes, size)))
-
-    return CollectiveSpy()
-
-
-def _dt_accounting(dt: Step) -> tuple[int, int, str]:
-    """One DTensor step under the spy: (collectives, bytes per rank, each call)."""
-    spy = _spy_mode()
-    with spy:
-        dt()
-    calls = " ".join(f"{k}[{numel}]" for k, numel, _ in spy.calls)
-    return len(spy.calls), sum(b for _, _, b in spy.calls), calls
-
-
-def _sw_accounting(sw: Step, steps: int) -> tuple[int, int, int, str, float]:
-    """Shardwise steps under `CommRecorder`: collectives, forward and backward bytes per rank
-    per step, the calls of one step, and the collectives' seconds per step: each call's
-    minimum over ranks (the last rank to arrive waits least: about the transfer alone, without
-    waiting for slower ranks), summed."""
-    import torch
-    import torch.distributed as dist
-
-    from shardwise.communication import CommRecorder
-
-    with CommRecorder() as rec:
-        sw()
-    calls = " ".join(f"{r.kind}({r.phase[0]})[{r.numel}]" for r in rec.records)
-    fwd = sum(r.bytes_sent for r in rec.select(phase="forward"))
-    bwd = sum(r.bytes_sent for r in rec.select(phase="backward"))
-    with CommRecorder() as timed:
-        for _ in range(steps):
-            sw()
-    seconds = torch.tensor([r.seconds for r in timed.records], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MIN)  # the same calls in the same order everywhere
-    return rec.count(), fwd, bwd, calls, float(seconds.sum()) / steps
-
-
 # --------------------------------------------------------------------------- the worker
 
 
@@ -432,21 +336,6 @@ def _check(n: int, rank: int) -> tuple[float, float, float, list[float]]:
     return diff_dt, float((losses[0] - losses[2]).abs().max()), diff_params, losses[0].tolist()
 
 
-def _chunk(step: Step, steps: int, threads: int | None = None) -> Callable[[], None]:
-    """`steps` steps per call (compare's unit); with `threads`, that many torch threads."""
-    import torch
-
-    def call() -> None:
-        saved = torch.get_num_threads()
-        if threads is not None:
-            torch.set_num_threads(threads)
-        for _ in range(steps):
-            step()
-        torch.set_num_threads(saved)
-
-    return call
-
-
 def _time(n: int, rank: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """Account, then time the four candidates side by side: (measurements, accounting)."""
     (_, sw), (_, dt) = shardwise_step(n, rank), dtensor_step(n, rank)
@@ -455,17 +344,15 @@ def _time(n: int, rank: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any
     steps, reps = (2, 2) if quick else (10, 7)
     for _ in range(2):
         sw(), dt(), local()
-    sw_keys = ("sw_collectives", "sw_fwd_bytes", "sw_bwd_bytes", "sw_calls", "sw_comm_s")
-    acc: dict[str, Any] = dict(zip(sw_keys, _sw_accounting(sw, steps), strict=True))
-    acc.update(zip(("dt_collectives", "dt_bytes", "dt_calls"), _dt_accounting(dt), strict=True))
-    acc["single_threads"] = threads = _fastest_threads(_chunk(single, 1), rank, 3 if quick else 10)
+    acc = tp_accounting(sw, dt, steps)
+    acc["single_threads"] = threads = fastest_threads(chunk(single, 1), rank, 3 if quick else 10)
     candidates = {
-        "shardwise": _chunk(sw, steps),
-        "DTensor": _chunk(dt, steps),
-        "one process": _chunk(single, steps, threads) if rank == 0 else lambda: None,
-        "local compute": _chunk(local, steps),
+        "shardwise": chunk(sw, steps),
+        "DTensor": chunk(dt, steps),
+        "one process": chunk(single, steps, threads) if rank == 0 else lambda: None,
+        "local compute": chunk(local, steps),
     }
-    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=barrier_bytes())
+    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=harness.barrier_bytes())
     lo = {k: v.median_lo_bytes for k, v in m.items()}
     return {
         "shardwise_s": m["shardwise"].median_s / steps,
@@ -479,25 +366,11 @@ def _time(n: int, rank: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any
     }, acc
 
 
-def _exit_quietly() -> None:
-    """At exit, once the job has been left cleanly (``release()`` destroyed the process group,
-    which `bench._worker` does only after writing this rank's result), skip the interpreter's
-    finalization: after the DTensor runs on gloo it sometimes aborts there ("terminate called
-    without an active exception", no Python frame; about 1 job in 10), which `spawn` would
-    report as a failed job. A rank that failed never released, so its exit status is kept."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
 def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     """Check, account, time on this job's N ranks; rank 0 returns an `OpResult` as a dict."""
     import torch.distributed as dist
 
-    atexit.register(_exit_quietly)
+    atexit.register(exit_quietly)
     n, rank = dist.get_world_size(), dist.get_rank()
     diff_dt, diff_single, diff_params, losses = _check(n, rank)
     timed, acc = _time(n, rank, bool(args["quick"]))
@@ -514,14 +387,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _n(r: OpResult) -> str:
-    return f"{r.world_size}{'*' if r.oversubscribed else ''}"
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b > 0 else "n/a"
-
-
 def time_table(rows: list[OpResult]) -> Table:
     """Step times and ratios, one line per N."""
     t = Table(
@@ -533,10 +398,10 @@ def time_table(rows: list[OpResult]) -> Table:
     for r in rows:
         worst = max(r.diff_dtensor, r.diff_single, r.diff_dt_params)
         t.rows.append(
-            [_n(r), r.mesh, str(GLOBAL_BATCH // r.world_size), fmt_ms(r.shardwise_s),
+            [n_label(r), r.mesh, str(GLOBAL_BATCH // r.world_size), fmt_ms(r.shardwise_s),
              fmt_ms(r.dtensor_s), f"{fmt_ms(r.single_s)} ({r.single_threads}t)",
-             _ratio(r.shardwise_s, r.dtensor_s), _ratio(r.shardwise_s, r.single_s),
-             _ratio(r.dtensor_s, r.single_s), f"{'yes' if r.equal else 'NO'} ({worst:.1e})"]
+             ratio(r.shardwise_s, r.dtensor_s), ratio(r.shardwise_s, r.single_s),
+             ratio(r.dtensor_s, r.single_s), f"{'yes' if r.equal else 'NO'} ({worst:.1e})"]
         )  # fmt: skip
     return t
 
@@ -551,8 +416,8 @@ def comm_table(rows: list[OpResult]) -> Table:
     for r in rows:
         total = r.sw_fwd_bytes + r.sw_bwd_bytes
         t.rows.append(
-            [_n(r), fmt_bytes(r.sw_fwd_bytes), fmt_bytes(r.sw_bwd_bytes), fmt_bytes(total),
-             fmt_bytes(r.dt_bytes), _ratio(total, r.dt_bytes), fmt_bytes(r.lo_shardwise_bytes),
+            [n_label(r), fmt_bytes(r.sw_fwd_bytes), fmt_bytes(r.sw_bwd_bytes), fmt_bytes(total),
+             fmt_bytes(r.dt_bytes), ratio(total, r.dt_bytes), fmt_bytes(r.lo_shardwise_bytes),
              fmt_bytes(r.lo_dtensor_bytes), str(r.sw_collectives), str(r.dt_collectives)]
         )  # fmt: skip
     return t
@@ -567,7 +432,7 @@ def overhead_table(rows: list[OpResult]) -> Table:
     )  # fmt: skip
     for r in rows:
         t.rows.append(
-            [_n(r), fmt_ms(r.shardwise_s), fmt_ms(r.sw_comm_s), fmt_ms(r.local_s),
+            [n_label(r), fmt_ms(r.shardwise_s), fmt_ms(r.sw_comm_s), fmt_ms(r.local_s),
              fmt_ms(r.overhead_s), f"{100 * r.overhead_s / r.shardwise_s:.0f}%",
              fmt_ms(r.dtensor_s - r.local_s)]
         )  # fmt: skip
@@ -596,54 +461,41 @@ def _notes(rows: list[OpResult], cores: int) -> list[str]:
         "slicing/concatenation, autograd bookkeeping (approximate: the local run does not "
         "reproduce the real step's cache behaviour or rank skew)",
     ]
-    if any(r.oversubscribed for r in rows):
-        notes.append(
-            f"* more workers than the {cores} cores: time-sliced processes; these times "
-            "measure scheduling as much as communication, never report them as speed-ups"
-        )
-    return notes
+    return notes + oversubscribed_notes(rows, cores)
 
 
-def calls_text(rows: list[OpResult]) -> str:
+def _calls(rows: list[OpResult]) -> str:
     """Each N's collectives in order: shardwise's kind(f|b)[elements], then DTensor's."""
-    lines = ["Collectives of one step, in order (kind(phase)[elements per rank]):"]
-    for r in rows:
-        lines.append(f"  N={_n(r)} shardwise: {r.sw_calls}")
-        lines.append(f"  N={_n(r)} DTensor:   {r.dt_calls}")
-    return "\n".join(lines)
-
-
-def ranks_for(config: BenchConfig) -> tuple[int, ...]:
-    """N = 2, 4 for the default ``--ranks``; otherwise ``--ranks`` (each of 2, 4, 8)."""
-    ranks = DEFAULT_RANKS if config.ranks == BenchConfig().ranks else config.ranks
-    bad = [n for n in ranks if n not in ALLOWED_RANKS]
-    if bad:
-        raise ValueError(
-            f"operator_parallel: --ranks {bad}: the example has strategies for 2, 4, 8"
+    return calls_text(
+        line
+        for r in rows
+        for line in (
+            f"N={n_label(r)} shardwise: {r.sw_calls}",
+            f"N={n_label(r)} DTensor:   {r.dt_calls}",
         )
-    return ranks
+    )
+
+
+def _ranks(config: BenchConfig) -> tuple[int, ...]:
+    """N = 2, 4 for the default ``--ranks``; otherwise ``--ranks`` (each of 2, 4, 8)."""
+    why = "operator_parallel: --ranks {bad}: the example has strategies for 2, 4, 8"
+    return ranks_for(config, lambda n: n not in ALLOWED_RANKS, why)
 
 
 def run(config: BenchConfig) -> str:
     """Spawn one job per N, print and save the tables; return the printed text."""
-    cores = os.cpu_count() or 1
-    rows: list[OpResult] = []
-    for n in ranks_for(config):
-        start = time.monotonic()
-        print(f"[bench] operator_parallel: N={n} on {cores} cores ...", file=sys.stderr, flush=True)
-        args = {"quick": config.quick}
-        got = spawn("bench.operator_parallel:worker", n, args, config.timeout_s)[0]
-        rows.append(OpResult(**got))
-        print(f"[bench]   N={n} done in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    args = {"quick": config.quick}
+    rows = [
+        OpResult(**got[0]) for _, got in jobs("operator_parallel", config, _ranks(config), args)
+    ]
     over = overhead_table(rows)
-    over.notes = _notes(rows, cores)
-    text = f"{time_table(rows)}\n\n{comm_table(rows)}\n\n{over}\n\n{calls_text(rows)}"
+    over.notes = _notes(rows, os.cpu_count() or 1)
+    text = f"{time_table(rows)}\n\n{comm_table(rows)}\n\n{over}\n\n{_calls(rows)}"
     data = {
-        "meta": {**host_info(), "backend": "gloo", "quick": config.quick, "lr": LR,
-                 "global_batch": GLOBAL_BATCH, "dtensor_plans": DTENSOR_PLANS},
+        "meta": report_meta(config, lr=LR, global_batch=GLOBAL_BATCH, dtensor_plans=DTENSOR_PLANS),
         "rows": [{**asdict(r), "equal": r.equal, "overhead_s": r.overhead_s,
                   "sw_over_dtensor": r.shardwise_s / r.dtensor_s,
                   "sw_over_single": r.shardwise_s / r.single_s} for r in rows],
     }  # fmt: skip
-    save_report(config.out_dir, "operator_parallel", data, text)
+    harness.save_report(config.out_dir, "operator_parallel", data, text)
     return text

@@ -27,8 +27,8 @@ The PyTorch candidates get this rank's rows and all-reduce the loss value once (
 candidate returns the global mean loss). `_check_losses` compares the first `CHECK_STEPS`
 losses of every candidate with DDP's (max relative difference). Communication per step:
 shardwise's `CommRecorder`; the PyTorch candidates' c10d collectives seen by a
-``TorchDispatchMode`` (`_spy_mode`: the approach of ``bench.operator_parallel``'s
-``CollectiveSpy``, extended to the in-place ProcessGroup ops DDP's reducer, FSDP2 and
+``TorchDispatchMode`` (``bench._common.spy_mode``, shared with ``bench.operator_parallel``:
+a ``CollectiveSpy`` extended to the in-place ProcessGroup ops DDP's reducer, FSDP2 and
 ZeroRedundancyOptimizer dispatch: ``allreduce_``, ``_allgather_base_``,
 ``_reduce_scatter_base_``, ``broadcast_``, ...), all priced with ``bytes_bound``; the loopback
 counter measures what really crossed. `bound_bytes` is the textbook minimum, `state_bytes` the
@@ -44,24 +44,14 @@ import atexit
 import itertools
 import os
 import resource
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from bench.harness import (
-    BenchConfig,
-    Table,
-    barrier_bytes,
-    compare,
-    fmt_bytes,
-    fmt_ms,
-    host_info,
-    save_report,
-    spawn,
-)
-from bench.operator_parallel import _chunk, _exit_quietly
+from bench import _common as common
+from bench import harness
+from bench._common import n_label, ratio
+from bench.harness import BenchConfig, Table, compare, fmt_bytes, fmt_ms, spawn
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +61,6 @@ POOL = 4  # distinct global batches, cycled through
 CHECK_STEPS = 3
 CHECK_RTOL = 1e-4  # max relative loss difference counted as "equal" to DDP
 MEM_STEPS = 3
-DEFAULT_RANKS = (2, 4)
 CLASSES = 10
 MODELS = ("mlp", "wide")
 # model -> (global batch, input features, hidden d, ffn f, blocks); mlp: seed 000's MNIST MLP
@@ -268,100 +257,12 @@ def make_step(name: str, model: str, quick: bool, n: int, rank: int) -> tuple[An
 
 # --------------------------------------------------------------------------- accounting
 
-# c10d op (functional collectives and the in-place ProcessGroup ops) -> (kind, input index)
-_KINDS = {
-    "all_reduce": ("AllReduce", 0), "allreduce_": ("AllReduce", 0),
-    "allreduce_coalesced_": ("AllReduce", 0),
-    "all_gather_into_tensor": ("AllGather", 0), "_allgather_base_": ("AllGather", 1),
-    "allgather_": ("AllGather", 1), "allgather_into_tensor_coalesced_": ("AllGather", 1),
-    "reduce_scatter_tensor": ("ReduceScatter", 0), "_reduce_scatter_base_": ("ReduceScatter", 1),
-    "reduce_scatter_": ("ReduceScatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("ReduceScatter", 1),
-    "broadcast_": ("Broadcast", 0), "all_to_all_single": ("AlltoAll", 0),
-    "alltoall_base_": ("AlltoAll", 1),
-}  # fmt: skip
-
-
-def _spy_mode() -> Any:
-    """A `CollectiveSpy`: records every c10d collective dispatched inside as (kind, elements,
-    bytes_bound). DTensor ops are handed back (``NotImplemented``) so that DTensor's own
-    dispatch runs with the mode still active (FSDP2's parameters are DTensors)."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CollectiveSpy(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls: list[tuple[str, int, int]] = []
-
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented
-            name = func.__name__.split(".")[0]
-            if name in _KINDS and "c10d" in str(func):
-                self._record(*_KINDS[name], args)
-            return func(*args, **(kwargs or {}))
-
-        def _record(self, kind: str, index: int, args: Any) -> None:
-            import torch
-            import torch.distributed as dist
-            from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
-                _resolve_process_group as resolve,
-            )
-
-            from shardwise.communication import bytes_bound
-
-            value = args[index]
-            tensors = value if isinstance(value, list | tuple) else [value]
-            if tensors and isinstance(tensors[0], list | tuple):  # allgather_: list of lists
-                tensors = [t for inner in tensors for t in inner]
-            numel = sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
-            nbytes = sum(
-                t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)
-            )
-            named = [a for a in args if isinstance(a, str)]
-            boxed = [a for a in args if isinstance(a, torch.ScriptObject)]
-            unboxed = [dist.ProcessGroup.unbox(a) for a in boxed if "ProcessGroup" in str(a)]
-            if unboxed:
-                size = unboxed[0].size()
-            elif named:
-                size = resolve(cast(Any, named[-1])).size()
-            else:
-                size = dist.get_world_size()
-            self.calls.append((kind, numel, bytes_bound(kind, nbytes, size)))
-
-    return CollectiveSpy()
-
-
-def torch_accounting(step: Step) -> tuple[int, int, str]:
-    """One baseline step under the spy: (collectives, bytes per rank, each call)."""
-    spy = _spy_mode()
-    with spy:
-        step()
-    calls = " ".join(f"{k}[{numel}]" for k, numel, _ in spy.calls)
-    return len(spy.calls), sum(b for _, _, b in spy.calls), calls
-
 
 def sw_accounting(step: Step, steps: int) -> tuple[int, int, str, float]:
-    """Shardwise steps under `CommRecorder`: (collectives, bytes per rank, the calls of one
-    step, the collectives' seconds per step: each call's minimum over ranks, summed)."""
-    import torch
-    import torch.distributed as dist
-
-    from shardwise.testing import CommRecorder
-
-    with CommRecorder() as rec:
-        step()
-    calls = " ".join(f"{r.kind}({r.phase[0]})[{r.numel}]" for r in rec.records)
-    total = sum(r.bytes_sent for r in rec.records)
-    with CommRecorder() as timed:
-        for _ in range(steps):
-            step()
-    seconds = torch.tensor([r.seconds for r in timed.records], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MIN)  # same calls in the same order everywhere
-    return rec.count(), total, calls, float(seconds.sum()) / steps
+    """Shardwise steps under `CommRecorder` (`common.sw_accounting`): (collectives, bytes per
+    rank, the calls of one step, the collectives' seconds per step)."""
+    rec, calls, seconds = common.sw_accounting(step, steps)
+    return rec.count(), sum(r.bytes_sent for r in rec.records), calls, seconds
 
 
 # --------------------------------------------------------------------------- the workers
@@ -405,11 +306,11 @@ def _model_rows(model: str, quick: bool, n: int, rank: int) -> list[dict[str, An
     losses = _check_losses(fns)
     acc: dict[str, tuple[int, int, str, float | None]] = {}
     for name, fn in fns.items():
-        acc[name] = sw_accounting(fn, steps) if name in SW else (*torch_accounting(fn), None)
+        acc[name] = sw_accounting(fn, steps) if name in SW else (*common.torch_accounting(fn), None)
     if rank == 0:
         print(f"[{model} N={n}] {built['sw level1'][0].optimizer_plan}", flush=True)
-    candidates = {name: _chunk(fn, steps) for name, fn in fns.items()}
-    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=barrier_bytes())
+    candidates = {name: common.chunk(fn, steps) for name, fn in fns.items()}
+    m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=harness.barrier_bytes())
     p = param_count(model, quick) * 4
     ref = losses["DDP"]
     out = []
@@ -433,7 +334,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
     next); rank 0 returns the `OptResult`s as dicts."""
     import torch.distributed as dist
 
-    atexit.register(_exit_quietly)
+    atexit.register(common.exit_quietly)
     n, rank = dist.get_world_size(), dist.get_rank()
     rows = [r for model in MODELS for r in _model_rows(model, bool(args["quick"]), n, rank)]
     return rows if rank == 0 else None
@@ -447,7 +348,7 @@ def mem_worker(args: dict[str, Any]) -> dict[str, int]:
     """One candidate alone in a fresh job: (peak RSS, peak minus the RSS before building)."""
     import torch.distributed as dist
 
-    atexit.register(_exit_quietly)
+    atexit.register(common.exit_quietly)
     n, rank = dist.get_world_size(), dist.get_rank()
     before = _maxrss_bytes()
     _, step = make_step(str(args["name"]), str(args["model"]), bool(args["quick"]), n, rank)
@@ -458,14 +359,6 @@ def mem_worker(args: dict[str, Any]) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- the parent
-
-
-def _n(r: OptResult) -> str:
-    return f"{r.world_size}{'*' if r.oversubscribed else ''}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "n/a"
 
 
 def _describe(model: str, quick: bool) -> str:
@@ -490,9 +383,9 @@ def time_table(rows: list[OptResult], model: str, quick: bool) -> Table:
         ddp = next(r.step_s for r in group if r.name == "DDP")
         for r in group:
             t.rows.append(
-                [_n(r), r.name, fmt_ms(r.step_s), _ratio(r.step_s, best), _ratio(r.step_s, ddp),
+                [n_label(r), r.name, fmt_ms(r.step_s), ratio(r.step_s, best), ratio(r.step_s, ddp),
                  "-" if r.comm_s is None else fmt_ms(r.comm_s), fmt_bytes(r.bytes_sent),
-                 fmt_bytes(r.bound), _ratio(r.bytes_sent, r.bound), fmt_bytes(r.lo_bytes),
+                 fmt_bytes(r.bound), ratio(r.bytes_sent, r.bound), fmt_bytes(r.lo_bytes),
                  str(r.collectives), f"{r.loss_rel_diff:.1e}"]
             )  # fmt: skip
         t.rows.append([])
@@ -509,8 +402,8 @@ def mem_table(rows: list[OptResult]) -> Table:
     )  # fmt: skip
     for r in rows:
         t.rows.append(
-            [r.model, _n(r), r.name, fmt_bytes(r.param_bytes), fmt_bytes(r.state_theory),
-             fmt_bytes(r.rss_peak), fmt_bytes(r.rss_growth), _ratio(r.rss_growth, r.state_theory)]
+            [r.model, n_label(r), r.name, fmt_bytes(r.param_bytes), fmt_bytes(r.state_theory),
+             fmt_bytes(r.rss_peak), fmt_bytes(r.rss_growth), ratio(r.rss_growth, r.state_theory)]
         )  # fmt: skip
     return t
 
@@ -542,59 +435,48 @@ def _notes(rows: list[OptResult], cores: int) -> list[str]:
         "communication buffers, AdamW temporaries and allocator slack, which the theory leaves "
         "out)",
     ]
-    if any(r.oversubscribed for r in rows):
-        notes.append(
-            f"* more workers than the {cores} cores: time-sliced processes; these times "
-            "measure scheduling as much as communication, never report them as speed-ups"
-        )
-    return notes
+    return notes + common.oversubscribed_notes(rows, cores)
 
 
 def calls_text(rows: list[OptResult]) -> str:
-    lines = ["Collectives of one step, in order (kind(phase)[elements per rank]):"]
-    for r in rows:
-        lines.append(f"  {r.model} N={_n(r)} {r.name}: {r.calls}")
-    return "\n".join(lines)
+    """Each (model, N, candidate)'s collectives in order."""
+    return common.calls_text(f"{r.model} N={n_label(r)} {r.name}: {r.calls}" for r in rows)
 
 
 def ranks_for(config: BenchConfig) -> tuple[int, ...]:
     """N = 2, 4 for the default ``--ranks``; otherwise ``--ranks`` (each must divide 16)."""
-    ranks = DEFAULT_RANKS if config.ranks == BenchConfig().ranks else config.ranks
-    bad = [n for n in ranks if 16 % n]
-    if bad:
-        raise ValueError(f"optimizer_parallel: --ranks {bad}: N must divide the batch (16)")
-    return ranks
+    why = "optimizer_parallel: --ranks {bad}: N must divide the batch (16)"
+    return common.ranks_for(config, lambda n: 16 % n != 0, why)
+
+
+def _with_memory(got: list[dict[str, Any]], n: int, config: BenchConfig) -> list[OptResult]:
+    """Rank 0's rows of one timing job, each measured `MEM_MODEL` configuration with its peak
+    RSS from a fresh `mem_worker` job (``--quick``: `QUICK_MEM` only)."""
+    mem_names = QUICK_MEM if config.quick else CANDIDATES
+    rows = []
+    for g in got:
+        if g["model"] == MEM_MODEL and g["name"] in mem_names:
+            args = {"model": MEM_MODEL, "name": g["name"], "quick": config.quick}
+            mem = spawn("bench.optimizer_parallel:mem_worker", n, args, config.timeout_s)
+            g["rss_peak"] = max(x["rss_peak"] for x in mem)
+            g["rss_growth"] = max(x["rss_growth"] for x in mem)
+        rows.append(OptResult(**g))
+    return rows
 
 
 def run(config: BenchConfig) -> str:
     """One timing job per N (both models), one memory job per wide configuration; print and
     save the tables; return the printed text."""
-    cores = os.cpu_count() or 1
-    rows: list[OptResult] = []
-    mem_names = QUICK_MEM if config.quick else CANDIDATES
-    for n in ranks_for(config):
-        start = time.monotonic()
-        print(
-            f"[bench] optimizer_parallel: N={n} on {cores} cores ...", file=sys.stderr, flush=True
-        )
-        got = spawn("bench.optimizer_parallel:worker", n, {"quick": config.quick}, config.timeout_s)
-        for g in got[0]:
-            if g["model"] == MEM_MODEL and g["name"] in mem_names:
-                args = {"model": MEM_MODEL, "name": g["name"], "quick": config.quick}
-                mem = spawn("bench.optimizer_parallel:mem_worker", n, args, config.timeout_s)
-                g["rss_peak"] = max(x["rss_peak"] for x in mem)
-                g["rss_growth"] = max(x["rss_growth"] for x in mem)
-            rows.append(OptResult(**g))
-        print(f"[bench]   N={n} done in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    jobs = common.jobs("optimizer_parallel", config, ranks_for(config), {"quick": config.quick})
+    rows = [r for n, got in jobs for r in _with_memory(got[0], n, config)]
     tables = [time_table([r for r in rows if r.model == m], m, config.quick) for m in MODELS]
     mem = mem_table([r for r in rows if r.model == MEM_MODEL])
-    mem.notes = _notes(rows, cores)
+    mem.notes = _notes(rows, os.cpu_count() or 1)
     text = "\n\n".join([*map(str, tables), str(mem), calls_text(rows)])
     data = {
-        "meta": {**host_info(), "backend": "gloo", "quick": config.quick, "lr": LR,
-                 "shapes": shapes(config.quick), "state_formula": STATE_FORMULA,
-                 "bound_formula": BOUND_FORMULA},
+        "meta": common.report_meta(config, lr=LR, shapes=shapes(config.quick),
+                                   state_formula=STATE_FORMULA, bound_formula=BOUND_FORMULA),
         "rows": [asdict(r) for r in rows],
     }  # fmt: skip
-    save_report(config.out_dir, "optimizer_parallel", data, text)
+    harness.save_report(config.out_dir, "optimizer_parallel", data, text)
     return text

@@ -108,6 +108,8 @@ def train(hidden: int, steps: int, level: str) -> None:
         print(f"step {step}: loss is {loss}, collectives {counts}", flush=True)
         if rank0:
             print(rec.summary(), flush=True)
+        if rank0 and step == steps - 1:  # when each bucket moved, relative to compute
+            print(rec.timeline(), flush=True)
 
 
 def main() -> None:

@@ -438,3 +438,108 @@ def test_data_parallel_mode_owner_update_and_broadcast(context: bool) -> None:
                 assert_matches_single_device(p.detach(), want_params[-1][name], what=name)
     finally:
         sw.reset_auto_parallel_context()
+
+
+def test_timeline_shows_buckets_reduced_during_backward() -> None:
+    """Level 3: each bucket's ReduceScatter runs as soon as its gradients are ready, while
+    earlier layers' gradients are still being computed (the last layer's bucket first), and a
+    weight saved for backward is gathered again before its bucket is reduced."""
+    net = Mlp()
+    with simulated_world(4) as world:
+        recs: list[CommRecorder] = []
+        train(
+            world,
+            net,
+            "sgd",
+            lambda p: p.hsdp(threshold=0, optimizer_level="level3"),
+            lambda step, p, rec: recs.append(rec),
+            DATA[:1],
+        )
+    rec = recs[0]
+    marks = dict(rec.marks)
+    scatters = [r for r in rec.records if r.kind == "ReduceScatter"]
+    assert [r.label.split(" (")[0] for r in scatters] == ["bucket 2", "bucket 1", "bucket 0"]
+    assert all(
+        marks["backward: first gradient ready"] < r.end < marks["backward done"] for r in scatters
+    )
+    regather = next(r for r in rec.records if r.kind == "AllGather" and r.phase == "backward")
+    assert (
+        regather.label.startswith("bucket 2")
+        and regather.end <= scatters[0].end - scatters[0].seconds
+    )
+    text = rec.timeline()
+    assert "-- forward" in text and "ReduceScatter(backward) bucket 0 (layer1.weight)" in text
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.Adagrad(p, lr=0.01),
+        lambda p: torch.optim.RMSprop(p, lr=1e-4, eps=1e-6),
+    ],
+    ids=["adagrad", "rmsprop"],
+)
+def test_other_optimizers(make: Callable[[object], torch.optim.Optimizer]) -> None:
+    OPTIMIZERS["extra"] = make
+    try:
+        for level in ("level1", "level3"):
+            check_parity(4, level, "extra", "dp")
+    finally:
+        del OPTIMIZERS["extra"]
+
+
+def test_comm_fusion_modes_bucket_by_size_and_index() -> None:
+    from shardwise.layout import DeviceMatrix, TensorLayout
+    from shardwise.optim import ParamInfo, check_fusion, check_hsdp, plan_optimizer
+
+    matrix = DeviceMatrix((8,), ("dp",))
+    whole = TensorLayout(matrix, ((), ()))
+    infos = [
+        ParamInfo(f"w{i}", whole, (64, 1024), torch.float32, fusion=i % 2) for i in range(6)
+    ]  # 256 KB each, fusion ids 0, 1, 0, 1, 0, 1
+    by_id = plan_optimizer(infos, check_hsdp(-1, 0, "level1"))
+    assert [b.names for b in by_id.buckets] == [
+        ("w0",),
+        ("w1", "w3", "w5"),
+        ("w2",),
+        ("w4",),
+    ]  # id 0: alone; id 1: one bucket
+    sized = plan_optimizer(
+        infos,
+        check_hsdp(-1, 0, "level1"),
+        check_fusion({"reducescatter": {"mode": "size", "config": 0.5}}),
+    )
+    assert [b.names for b in sized.buckets] == [("w0", "w1"), ("w2", "w3"), ("w4", "w5")]
+    auto = plan_optimizer(
+        infos, check_hsdp(-1, 0, "level1"), check_fusion({"allgather": {"mode": "auto"}})
+    )
+    assert [b.names for b in auto.buckets] == [tuple(f"w{i}" for i in range(6))]
+    indexed = plan_optimizer(
+        infos, None, check_fusion({"allreduce": {"mode": "index", "config": [0, 2, 5]}})
+    )  # no hsdp: gradient AllReduce buckets split where the indices say
+    assert [b.names for b in indexed.buckets] == [("w0", "w1"), ("w2", "w3", "w4"), ("w5",)]
+    for bad, match in (
+        ({"allgather": {"mode": "index", "config": [0]}}, "'index' is for 'allreduce' only"),
+        ({"allreduce": {"mode": "size", "config": 0}}, "needs config = MB > 0"),
+        ({"broadcast": {"mode": "auto"}}, "unknown key 'broadcast'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_fusion(bad)
+
+
+def test_dropped_wrapper_frees_network_and_global_hooks() -> None:
+    import gc
+    import weakref
+
+    import torch.optim.optimizer as torch_optimizer
+
+    gc.collect()  # earlier tests' dropped engines
+    before = len(torch_optimizer._global_optimizer_pre_hooks)
+    net = Mlp()
+    alive = weakref.ref(net)
+    with simulated_world(2) as world:
+        train(world, net, "sgd", lambda p: p.hsdp(threshold=0), None, DATA[:1])
+    del net
+    gc.collect()
+    assert alive() is None
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == before

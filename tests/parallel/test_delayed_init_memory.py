@@ -4,12 +4,12 @@ A 1 GiB model (8 parameters of [4096, 8192] float32, 128 MiB each) is built insi
 ``sw.no_init_parameters()`` in a fresh process, then materialized either whole (`materialize`)
 or as rank 5's blocks of a ((2, 4) matrix, rows over the first axis, columns over the second)
 layout, with `block_slicer` (the slicer `AutoParallel` uses). The measured figure is an upper
-bound of the extra memory materialization needed: the process's peak RSS (``ru_maxrss``) after
-materializing minus its RSS just before. The local blocks are 8 x 16 MiB = 128 MiB; the cap is
-4x that (512 MiB), below the model's 1 GiB. The whole materialization must exceed the cap (so the
-measurement sees torch allocations) and the sharded one stay under it (it holds its blocks plus
-the one full tensor being generated, 128 MiB here: measured about +258 MiB, against +1025 MiB
-whole). Both runs give the same block values.
+bound of the extra memory materialization needed: the process's peak RSS (``VmHWM``, reset just
+before materializing through ``/proc/self/clear_refs``) minus its RSS just before. The local
+blocks are 8 x 16 MiB = 128 MiB; the cap is 4x that (512 MiB), below the model's 1 GiB. The
+whole materialization must exceed the cap (so the measurement sees torch allocations) and the
+sharded one stay under it (it holds its blocks plus the one full tensor being generated, 128 MiB
+here: measured about +258 MiB, against +1025 MiB whole). Both runs give the same block values.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ LOCAL_BYTES = FULL_BYTES // 8
 CAP = 4 * LOCAL_BYTES
 
 WORKER = f"""
-import gc, json, os, resource, sys
+import gc, json, os, sys
 import torch
 import shardwise as sw
 from shardwise.layout import DeviceMatrix, TensorLayout
@@ -36,6 +36,15 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+def reset_peak():  # Linux: "5" resets VmHWM (the peak RSS) to the current RSS
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+def peak_rss():
+    with open("/proc/self/status") as f:
+        line = next(l for l in f if l.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
 torch.manual_seed(0)
 with sw.no_init_parameters():
     net = torch.nn.ParameterList(
@@ -45,11 +54,12 @@ layout = TensorLayout(DeviceMatrix((2, 4), ("a", "b")), ((0,), (1,)))
 params = {{n: (layout, ({ROWS}, {COLS})) for n, _ in net.named_parameters()}}
 gc.collect()
 before = rss()
+reset_peak()  # the peak of the materialization alone (not of the imports before it)
 if sys.argv[1] == "full":
     materialize(net)
 else:
     materialize(net, slicer=block_slicer(params, {RANK}))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss()
 index = layout.local_slice({RANK}, ({ROWS}, {COLS}))
 sums = [float(p.detach()[index].double().sum()) if sys.argv[1] == "full"
         else float(p.detach().double().sum()) for p in net]

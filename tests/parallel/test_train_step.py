@@ -103,3 +103,34 @@ def test_finds_network_and_optimizers() -> None:
         AutoParallel(lambda x: net(x) + other(x))
     with pytest.raises(ValueError, match="dataset_strategy"):
         AutoParallel(step).dataset_strategy("model_parallel")
+
+
+def test_optimizer_state_made_at_construction_is_cut() -> None:
+    """Adagrad fills its state at construction, before the wrapper cuts the parameters: the
+    state is cut to each rank's block the same way."""
+    batches = data()
+    single, loss_fn = Network(False), nn.CrossEntropyLoss()
+    opt = torch.optim.Adagrad(single.parameters(), lr=0.05)
+    want = []
+    for x, y in batches:
+        loss = loss_fn(single(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    net = Network(False)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        optimizer = torch.optim.Adagrad(net.parameters(), lr=0.05)
+
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = loss_fn(net(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+        parallel = AutoParallel(train_step)
+        for step, (x, y) in enumerate(batches):
+            loss = parallel(world.same(x), world.same(y))
+            assert_matches_single_device(loss, torch.tensor(want[step]), what=f"loss {step}")

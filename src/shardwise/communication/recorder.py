@@ -73,7 +73,9 @@ class CommRecord:
         bytes_sent: bytes each rank sends (the bound of `bytes_bound`; for point-to-point
             exchanges the largest amount any rank sends).
         seconds: wall time of the call on this process.
-        phase: ``"forward"`` or ``"backward"``.
+        phase: ``"forward"``, ``"backward"`` or ``"step"`` (optimizer parallel at the step).
+        end: `timer()` when the call returned (0.0: not timed).
+        label: what it moves (``label()``, e.g. an optimizer-parallel bucket), or "".
     """
 
     kind: str
@@ -83,6 +85,8 @@ class CommRecord:
     bytes_sent: int
     seconds: float
     phase: str = "forward"
+    end: float = 0.0
+    label: str = ""
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
@@ -103,6 +107,8 @@ class CommRecorder:
     """
 
     records: list[CommRecord] = field(default_factory=list)
+    marks: list[tuple[str, float]] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
 
     def __enter__(self) -> CommRecorder:
         _active.append(self)
@@ -136,6 +142,29 @@ class CommRecorder:
         """Counts by (kind, phase, group): the shape tests assert on."""
         return Counter((r.kind, r.phase, r.group) for r in self.records)
 
+    def timeline(self) -> str:
+        """Every collective and compute mark in time order, in ms since the recorder started:
+        when each (labelled) collective ran relative to forward, backward and the optimizer step
+        (the marks `mark()` sets), e.g. an optimizer-parallel bucket's ReduceScatter starting
+        while later gradients are still being computed.
+
+        Example:
+            >>> print(rec.timeline())
+        """
+        events: list[tuple[float, str]] = [(t, f"{'':>8}  -- {name}") for name, t in self.marks]
+        for r in self.records:
+            start = r.end - r.seconds
+            label = f" {r.label}" if r.label else ""
+            line = (
+                f"{(r.end - self.t0) * 1e3:8.2f}  {r.kind}({r.phase}){label} "
+                f"group={list(r.group)} {r.bytes_sent} B"
+            )
+            events.append((start, line))
+        rows = ["start ms    end ms  event"]
+        for t, line in sorted(events, key=lambda e: e[0]):
+            rows.append(f"{(t - self.t0) * 1e3:8.2f}  {line}")
+        return "\n".join(rows)
+
     def summary(self) -> str:
         """A table: one line per (kind, phase, group) with count, bytes and time."""
         rows = ["kind               phase     group                 calls   bytes/rank     ms"]
@@ -150,6 +179,7 @@ class CommRecorder:
 
 _active: list[CommRecorder] = []
 _phase: list[str] = ["forward"]
+_label: list[str] = [""]
 
 
 def recording() -> bool:
@@ -166,9 +196,28 @@ def record(
     seconds: float,
 ) -> None:
     """Append one record to every active recorder."""
-    rec = CommRecord(kind, group, dtype, numel, bytes_sent, seconds, _phase[-1])
+    end = time.perf_counter()
+    rec = CommRecord(kind, group, dtype, numel, bytes_sent, seconds, _phase[-1], end, _label[-1])
     for r in _active:
         r.records.append(rec)
+
+
+@contextmanager
+def label(name: str) -> Iterator[None]:
+    """Label the collectives issued inside (shown by `CommRecorder.timeline`)."""
+    _label.append(name)
+    try:
+        yield
+    finally:
+        _label.pop()
+
+
+def mark(name: str) -> None:
+    """Note a compute event (``"forward"``, ``"backward done"`` ...) for the timelines."""
+    if _active:
+        now = time.perf_counter()
+        for r in _active:
+            r.marks.append((name, now))
 
 
 @contextmanager

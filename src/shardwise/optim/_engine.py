@@ -21,15 +21,18 @@ reduced in fused buckets straight into the shards (levels 1-3).
   reduced at the end of backward.
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
-  backward; in a real job the leaves' storage is freed after the forward.
+  backward, together with the previous saved bucket (prefetch: backward runs the layers in
+  reverse); in a real job the leaves' storage is freed after the forward.
 - `_before_step` / `_after_step` (global optimizer step hooks, for optimizers holding these
-  parameters): check the optimizer state has this rank's shard shapes, flush level 1; after the
-  step drop the leaves (the weights changed).
+  parameters): cut state made before the parameters were cut (`_adopt_state`), check the
+  state has this rank's shard shapes (`check_state`), flush level 1; after the step drop the
+  leaves (the weights changed).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -42,9 +45,10 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.communication._collectives import ReduceOp, all_gather, all_reduce_, reduce_scatter
-from shardwise.layout import DeviceMatrix
+from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
+from shardwise.redistribution import redistribute
 
 _Token = tuple[str, str]
 
@@ -76,10 +80,26 @@ class OptimizerParallel:
         self._used: dict[str, bool] = {}
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
         self._gathered_ptrs: dict[int, str] = {}
+        self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
+        # global hooks hold only a weak reference: a dropped engine (and its network) is freed
+        ref = weakref.ref(self)
+
+        def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            engine = ref()
+            if engine is not None:
+                engine._before_step(optimizer, args, kwargs)
+
+        def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            engine = ref()
+            if engine is not None:
+                engine._after_step(optimizer, args, kwargs)
+
         self._handles: list[RemovableHandle] = [
-            torch_optimizer.register_optimizer_step_pre_hook(self._before_step),
-            torch_optimizer.register_optimizer_step_post_hook(self._after_step),
+            torch_optimizer.register_optimizer_step_pre_hook(before),
+            torch_optimizer.register_optimizer_step_post_hook(after),
         ]
+        for handle in self._handles:
+            weakref.finalize(self, handle.remove)
 
     # -- apply -----------------------------------------------------------------------------
     def shard_parameters(self) -> None:
@@ -133,8 +153,12 @@ class OptimizerParallel:
     def _gathered(self, i: int) -> dict[str, torch.Tensor]:
         """One AllGather of bucket `i`'s shards: each member's whole op-level block."""
         bucket, groups = self.plan.buckets[i], self.groups[i]
-        local = torch.cat([self.params[n].detach().reshape(-1) for n in bucket.names])
-        flat = all_gather(local, groups.shard).view(groups.shard_size, -1)
+        pieces = [self.params[n].detach().reshape(-1) for n in bucket.names]
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one member: no copy
+        gathered = all_gather(local, groups.shard)
+        if len(pieces) == 1:  # the shards stacked along dim 0 are the block itself
+            return {bucket.names[0]: gathered.view(self.shards[bucket.names[0]].info.block)}
+        flat = gathered.view(groups.shard_size, -1)
         out, offset = {}, 0
         for n in bucket.names:
             shard = self.shards[n]
@@ -143,8 +167,14 @@ class OptimizerParallel:
             offset += size
         return out
 
+    def _label(self, i: int) -> str:
+        bucket = self.plan.buckets[i]
+        return f"bucket {i} ({', '.join(bucket.names)})"
+
     def _gather(self, i: int) -> None:
-        for name, full in self._gathered(i).items():
+        with recorder.label(self._label(i)):
+            gathered = self._gathered(i)
+        for name, full in gathered.items():
             self._leaf(name, full)
 
     def _prefetch(self, i: int) -> None:
@@ -178,6 +208,7 @@ class OptimizerParallel:
         leaf = self.leaves[name]
         offset = t.storage_offset() - leaf.storage_offset()
         view = None if t is leaf else (tuple(t.size()), tuple(t.stride()), offset)
+        self._packed.add(self.bucket_of[name])
         return ("hsdp", name, view)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -187,10 +218,17 @@ class OptimizerParallel:
         i = self.bucket_of[name]
         if i not in self._regathered:
             self._queue_end()
-            with recorder.phase("backward"):
-                self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i).items()}
+            self._regather(i)
+            # backward runs the layers in reverse: gather the previous saved bucket now
+            earlier = [j for j in self._packed if j < i and j not in self._regathered]
+            if earlier:
+                self._regather(max(earlier))
         full = self._regathered[i][name]
         return full if view is None else full.as_strided(*view)
+
+    def _regather(self, i: int) -> None:
+        with recorder.phase("backward"), recorder.label(self._label(i)):
+            self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i).items()}
 
     def end_forward(self) -> None:
         """Level 3, real job: free the gathered weights now that the forward is done."""
@@ -203,6 +241,7 @@ class OptimizerParallel:
     # -- backward --------------------------------------------------------------------------
     def _queue_end(self) -> None:
         if not self._end_queued:
+            recorder.mark("backward: first gradient ready")
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -221,6 +260,8 @@ class OptimizerParallel:
         """Reduce buckets whose used members all have gradients but some member is unused."""
         self._end_queued = False
         self._regathered.clear()
+        self._packed.clear()
+        recorder.mark("backward done")
         for i in sorted(self.ready):
             if self.ready[i]:
                 self._reduce(i)
@@ -238,14 +279,20 @@ class OptimizerParallel:
         grads = self._grads(bucket)
         if grads is None:
             return
-        with recorder.phase(phase), torch.no_grad():
+        with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
             if bucket.kind == "shard":
-                rows = torch.cat([g.reshape(groups.shard_size, -1) for g in grads], dim=1)
+                chunks = [g.reshape(groups.shard_size, -1) for g in grads]
+                rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
                 flat = reduce_scatter(rows.reshape(-1), ReduceOp.SUM, groups.shard)
                 if groups.copies_size > 1:
                     all_reduce_(flat, ReduceOp.SUM, groups.copies)
             else:
-                flat = torch.cat([g.reshape(-1) for g in grads])
+                flat = (
+                    grads[0].reshape(-1)
+                    if len(grads) == 1
+                    else torch.cat([g.reshape(-1) for g in grads])
+                )
+                # (one member: reduced in place in its gradient, which the leaf no longer holds)
                 if groups.copies_size > 1:
                     all_reduce_(flat, ReduceOp.SUM, groups.copies)
             flat.div_(self.world)
@@ -293,10 +340,33 @@ class OptimizerParallel:
         mine = self._mine(optimizer)
         if not mine:
             return
+        recorder.mark("optimizer step")
         for name, p in mine:
-            check_state(name, p, optimizer.state.get(p, {}))
+            state = optimizer.state.get(p)
+            if state:
+                self._adopt_state(name, p, state)
+                check_state(name, p, state)
         if self.level == "level1":
             self.flush()
+
+    def _adopt_state(self, name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Cut state an optimizer made before the parameters were cut (``Adagrad`` fills its
+        ``sum`` at construction) to this rank's rows: from the global shape or the op-level
+        block shape to the shard. Elementwise state of the rows, so exact."""
+        shard = self.shards[name]
+        info = shard.info
+        for key, value in list(state.items()):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape == p.shape:
+                continue
+            with torch.no_grad():
+                if tuple(value.shape) == info.shape and info.shape != info.block:
+                    whole = TensorLayout(info.layout.matrix, ((),) * len(info.shape))
+                    value = redistribute(value, whole, info.layout, info.shape)
+                if tuple(value.shape) == info.block and shard.sharded:
+                    pos = self.groups[self.bucket_of[name]].position
+                    rows = shard.shard_shape[0]
+                    value = value.narrow(0, pos * rows, rows)
+                state[key] = value.clone()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mine(optimizer):

@@ -263,6 +263,8 @@ def _decide(info: ParamInfo, config: HsdpConfig | None) -> ParamShard:
         reason = "not trainable"
     elif not info.parallel_optimizer:
         reason = "parallel_optimizer=False"
+    elif matrix.size == 1:
+        reason = "a 1-rank job"
     elif k == 1:
         reason = "no replicas (fully split by its strategy)"
     elif info.block_bytes < config.threshold * 1024:

@@ -9,6 +9,7 @@
   (`_delayed.materialize_blocks`).
 - `apply_comms` (step 3, run): the forward collectives of an `OpPlan` (`AllReduce` sum / mean,
   `ReduceScatter`), with the autograd-aware primitives of `shardwise.communication`.
+- `cut_optimizer_state`: optimizer state made before the cut (Adagrad), cut the same way.
 - `register_grad_reduction` (step 4, gradients): a tensor hook on every sharded parameter that
   sums its partial gradient over the axes on which the parameter is replicated and divides by
   the world size (see `reduce_gradient`).
@@ -154,3 +155,24 @@ def register_grad_reduction(
         p: torch.Tensor = getattr(owner, attr)
         handles.append(p.register_hook(reduce_gradient(layout, world)))
     return handles
+
+
+def cut_optimizer_state(
+    network: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    params: Mapping[str, tuple[TensorLayout, Shape]],
+) -> None:
+    """Cut state that `optimizers` made before the parameters were cut to their blocks
+    (``Adagrad`` fills ``sum`` at construction) to this rank's block, like the parameters."""
+    names = {id(p): n for n, p in network.named_parameters()}
+    for optimizer in optimizers:
+        for p, state in optimizer.state.items():
+            name = names.get(id(p))
+            if name is None or name not in params:
+                continue
+            layout, shape = params[name]
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == shape != p.shape:
+                    with torch.no_grad():
+                        whole = replicated_layout(layout.matrix, len(shape))
+                        state[key] = redistribute(value, whole, layout, shape).clone()
