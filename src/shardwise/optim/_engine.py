@@ -325,7 +325,8 @@ class OptimizerParallel:
             g = flat[offset : offset + size].view(shape)
             offset += size
             if self._used.get(n, True):  # an unused parameter keeps grad None, as on one device
-                p.grad = g.clone() if p.grad is None else p.grad + g
+                # a view of the bucket's fresh reduced buffer: no copy (disjoint per member)
+                p.grad = g if p.grad is None else p.grad + g
 
     # -- optimizer step hooks --------------------------------------------------------------
     def _mine(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
