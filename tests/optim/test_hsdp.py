@@ -543,3 +543,24 @@ def test_dropped_wrapper_frees_network_and_global_hooks() -> None:
     gc.collect()
     assert alive() is None
     assert len(torch_optimizer._global_optimizer_pre_hooks) == before
+
+
+def test_fused_gradient_allreduce_without_hsdp() -> None:
+    """``comm_fusion({})`` without hsdp: gradients all-reduced in buckets by fusion id (id 0:
+    one per parameter), nothing sharded; the same losses and weights as one device."""
+    want_losses, want_params = single_device(Mlp, "sgd")
+    net = Mlp()
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        assert rec.kinds() == Counter(
+            {("AllReduce", "backward", (0, 1, 2, 3)): 5, ("AllReduce", "forward", (0, 1, 2, 3)): 1}
+        ), rec.summary()  # layer1.weight, layer1.bias, layer2 bucket, layer3 bucket, the loss
+
+    with simulated_world(4) as world:
+        parallel, _, losses = train(world, net, "sgd", lambda p: p.comm_fusion({}), check)
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]))
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), want_params[-1][name], what=name)
+    plan = parallel.optimizer_plan
+    assert plan is not None and not any(p.sharded for p in plan.params)
