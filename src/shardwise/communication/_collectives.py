@@ -4,7 +4,8 @@ Each function validates what this rank can check, issues the torch.distributed c
 simulated world, the one the simulator answers), and reports a `CommRecord`:
 
 - `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
-  `reduce_scatter` (split on dim 0),
+  `reduce_scatter` (split on dim 0) and `reduce_scatter_async` (started now, finished by
+  `Pending.wait`: computation goes on meanwhile; simulated worlds finish at once),
   `broadcast`, `reduce` (to one rank, used by Broadcast's gradient), `all_to_all`;
 - `exchange`: point-to-point sends/receives (NeighborExchange and its V2 halo form).
 
@@ -16,7 +17,7 @@ N received chunks locally, the (N-1)/N bound.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,54 @@ def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> 
         dist.reduce_scatter_single(out, src, op=op.torch_op(), group=g.pg)
     _record("ReduceScatter", g, t, start)
     return out
+
+
+class Pending:
+    """A started collective; `wait()` finishes it and returns its result (once)."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish: Callable[[], torch.Tensor] | None = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        assert self._result is not None
+        return self._result
+
+
+def reduce_scatter_async(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> Pending:
+    """`reduce_scatter`, started now and finished by ``Pending.wait()`` (recorded then, with the
+    phase and label current at the start and the time from start to finish)."""
+    if _sim.current() is not None:
+        out = reduce_scatter(t, op, group)  # one process holds every rank: nothing runs aside
+        return Pending(lambda: out)
+    g = resolve_group(group)
+    n = len(g.ranks)
+    _check_dim0("ReduceScatter", t, n)
+    start = recorder.start()
+    phase, label = recorder.current()
+    src = t.detach().contiguous()
+    if _is_gloo(g):
+        received = torch.empty_like(src)
+        work = dist.all_to_all_single(received, src, group=g.pg, async_op=True)
+    else:
+        received = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+        work = dist.reduce_scatter_single(
+            received, src, op=op.torch_op(), group=g.pg, async_op=True
+        )
+
+    def finish() -> torch.Tensor:
+        assert work is not None
+        work.wait()
+        out = received
+        if _is_gloo(g):
+            out = op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
+        with recorder.phase(phase), recorder.label(label):
+            _record("ReduceScatter", g, t, start)
+        return out
+
+    return Pending(finish)
 
 
 def check_member(what: str, rank: int, g: Group, arg: str) -> None:

@@ -212,6 +212,11 @@ def label(name: str) -> Iterator[None]:
         _label.pop()
 
 
+def current() -> tuple[str, str]:
+    """The phase and label collectives issued now are recorded under."""
+    return _phase[-1], _label[-1]
+
+
 def mark(name: str) -> None:
     """Note a compute event (``"forward"``, ``"backward done"`` ...) for the timelines."""
     if _active:

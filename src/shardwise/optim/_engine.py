@@ -15,10 +15,12 @@ reduced in fused buckets straight into the shards (levels 1-3).
   the bucket's gradients laid out chunk-major (each rank receives its rows of every member),
   an AllReduce over the copy group when the shard group is smaller than the data-parallel group,
   or one AllReduce for unsharded members; then / world size (the loss is one value replicated on
-  every rank) and added to ``param.grad``. Level 1 keeps the full-size gradients on the leaves
-  and reduces at the optimizer's step (`flush`, a global step pre-hook); levels 2 and 3 reduce
-  in backward, as soon as a bucket is complete. A bucket left incomplete (unused parameters) is
-  reduced at the end of backward.
+  every rank) and added to ``param.grad``. In backward the ReduceScatter is started
+  asynchronously (`reduce_scatter_async`) and finished at the end of backward (`_drain`), so it
+  runs while the earlier layers' gradients are computed. Level 1 keeps the full-size gradients
+  on the leaves and reduces at the optimizer's step (`flush`, a global step pre-hook); levels 2
+  and 3 reduce in backward, as soon as a bucket is complete. A bucket left incomplete (unused
+  parameters) is reduced at the end of backward.
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
   backward, together with the previous saved bucket (prefetch: backward runs the layers in
@@ -44,7 +46,14 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
-from shardwise.communication._collectives import ReduceOp, all_gather, all_reduce_, reduce_scatter
+from shardwise.communication._collectives import (
+    Pending,
+    ReduceOp,
+    all_gather,
+    all_reduce_,
+    reduce_scatter,
+    reduce_scatter_async,
+)
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
@@ -81,6 +90,7 @@ class OptimizerParallel:
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
         self._gathered_ptrs: dict[int, str] = {}
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
+        self._inflight: list[tuple[int, Pending]] = []  # started ReduceScatters
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
         ref = weakref.ref(self)
 
@@ -261,10 +271,11 @@ class OptimizerParallel:
         self._end_queued = False
         self._regathered.clear()
         self._packed.clear()
-        recorder.mark("backward done")
         for i in sorted(self.ready):
             if self.ready[i]:
                 self._reduce(i)
+        self._drain()
+        recorder.mark("backward done")
 
     def flush(self) -> None:
         """Reduce every bucket with pending gradients (level 1: at the optimizer's step)."""
@@ -283,9 +294,11 @@ class OptimizerParallel:
             if bucket.kind == "shard":
                 chunks = [g.reshape(groups.shard_size, -1) for g in grads]
                 rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+                if phase == "backward":  # runs while backward computes; finished by `_drain`
+                    pending = reduce_scatter_async(rows.reshape(-1), ReduceOp.SUM, groups.shard)
+                    self._inflight.append((i, pending))
+                    return
                 flat = reduce_scatter(rows.reshape(-1), ReduceOp.SUM, groups.shard)
-                if groups.copies_size > 1:
-                    all_reduce_(flat, ReduceOp.SUM, groups.copies)
             else:
                 flat = (
                     grads[0].reshape(-1)
@@ -293,10 +306,22 @@ class OptimizerParallel:
                     else torch.cat([g.reshape(-1) for g in grads])
                 )
                 # (one member: reduced in place in its gradient, which the leaf no longer holds)
-                if groups.copies_size > 1:
-                    all_reduce_(flat, ReduceOp.SUM, groups.copies)
-            flat.div_(self.world)
-            self._deposit(bucket, flat)
+            self._finish(i, flat)
+
+    def _finish(self, i: int, flat: torch.Tensor) -> None:
+        """The AllReduce over the copy group, / world size, into ``param.grad``."""
+        groups = self.groups[i]
+        if groups.copies_size > 1:
+            all_reduce_(flat, ReduceOp.SUM, groups.copies)
+        flat.div_(self.world)
+        self._deposit(self.plan.buckets[i], flat)
+
+    def _drain(self) -> None:
+        """Finish the started ReduceScatters, in the order they started."""
+        inflight, self._inflight = self._inflight, []
+        for i, pending in inflight:
+            with recorder.phase("backward"), recorder.label(self._label(i)), torch.no_grad():
+                self._finish(i, pending.wait())
 
     def _grads(self, bucket: Bucket) -> list[torch.Tensor] | None:
         """The members' leaf gradients (zeros for a member without one); None: none has one."""
@@ -342,6 +367,7 @@ class OptimizerParallel:
         if not mine:
             return
         recorder.mark("optimizer step")
+        self._drain()  # (already done at the end of backward)
         for name, p in mine:
             state = optimizer.state.get(p)
             if state:
