@@ -4,8 +4,9 @@ Each function validates what this rank can check, issues the torch.distributed c
 simulated world, the one the simulator answers), and reports a `CommRecord`:
 
 - `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
-  `reduce_scatter` (split on dim 0) and `reduce_scatter_async` (started now, finished by
-  `Pending.wait`: computation goes on meanwhile; simulated worlds finish at once),
+  `reduce_scatter` (split on dim 0), and `all_gather_async` / `reduce_scatter_async` (started
+  now, finished by `Pending.wait`: computation goes on meanwhile; simulated worlds finish at
+  once),
   `broadcast`, `reduce` (to one rank, used by Broadcast's gradient), `all_to_all`;
 - `exchange`: point-to-point sends/receives (NeighborExchange and its V2 halo form).
 
@@ -173,6 +174,30 @@ class Pending:
             self._result, self._finish = self._finish(), None
         assert self._result is not None
         return self._result
+
+
+def all_gather_async(t: torch.Tensor, group: str | Group | None) -> Pending:
+    """`all_gather`, started now and finished by ``Pending.wait()`` (recorded then)."""
+    if _sim.current() is not None:
+        out = all_gather(t, group)  # one process holds every rank: nothing runs aside
+        return Pending(lambda: out)
+    g = resolve_group(group)
+    if t.dim() == 0:
+        raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
+    start = recorder.start()
+    phase, label = recorder.current()
+    src = t.detach().contiguous()
+    out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
+    work = dist.all_gather_single(out, src, group=g.pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        assert work is not None
+        work.wait()
+        with recorder.phase(phase), recorder.label(label):
+            _record("AllGather", g, t, start)
+        return out
+
+    return Pending(finish)
 
 
 def reduce_scatter_async(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> Pending:

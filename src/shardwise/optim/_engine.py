@@ -49,7 +49,7 @@ from shardwise.communication import recorder
 from shardwise.communication._collectives import (
     Pending,
     ReduceOp,
-    all_gather,
+    all_gather_async,
     all_reduce_,
     reduce_scatter,
     reduce_scatter_async,
@@ -91,6 +91,7 @@ class OptimizerParallel:
         self._gathered_ptrs: dict[int, str] = {}
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
         self._inflight: list[tuple[int, Pending]] = []  # started ReduceScatters
+        self._prefetched: dict[int, Pending] = {}  # started AllGathers of the next bucket
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
         ref = weakref.ref(self)
 
@@ -160,13 +161,19 @@ class OptimizerParallel:
             leaf.register_post_accumulate_grad_hook(lambda t, n=name: self._on_grad(n))
         self.leaves[name] = leaf
 
-    def _gathered(self, i: int) -> dict[str, torch.Tensor]:
-        """One AllGather of bucket `i`'s shards: each member's whole op-level block."""
+    def _start_gather(self, i: int) -> Pending:
+        """Start one AllGather of bucket `i`'s shards (finished by `_gathered`)."""
         bucket, groups = self.plan.buckets[i], self.groups[i]
         pieces = [self.params[n].detach().reshape(-1) for n in bucket.names]
         local = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one member: no copy
-        gathered = all_gather(local, groups.shard)
-        if len(pieces) == 1:  # the shards stacked along dim 0 are the block itself
+        with recorder.label(self._label(i)):
+            return all_gather_async(local, groups.shard)
+
+    def _gathered(self, i: int, pending: Pending | None = None) -> dict[str, torch.Tensor]:
+        """Bucket `i`'s members' whole op-level blocks (one AllGather; `pending`: started)."""
+        bucket, groups = self.plan.buckets[i], self.groups[i]
+        gathered = (pending or self._start_gather(i)).wait()
+        if len(bucket.names) == 1:  # the shards stacked along dim 0 are the block itself
             return {bucket.names[0]: gathered.view(self.shards[bucket.names[0]].info.block)}
         flat = gathered.view(groups.shard_size, -1)
         out, offset = {}, 0
@@ -182,18 +189,18 @@ class OptimizerParallel:
         return f"bucket {i} ({', '.join(bucket.names)})"
 
     def _gather(self, i: int) -> None:
-        with recorder.label(self._label(i)):
-            gathered = self._gathered(i)
+        gathered = self._gathered(i, self._prefetched.pop(i, None))
         for name, full in gathered.items():
             self._leaf(name, full)
 
     def _prefetch(self, i: int) -> None:
-        """Gather the next shard bucket now (it is needed next)."""
+        """Start gathering the next shard bucket (it is needed next; it runs while bucket `i`'s
+        layers compute and is finished at its first use)."""
         for j in range(i + 1, len(self.plan.buckets)):
             bucket = self.plan.buckets[j]
             if bucket.kind == "shard":
-                if bucket.names[0] not in self.leaves:
-                    self._gather(j)
+                if bucket.names[0] not in self.leaves and j not in self._prefetched:
+                    self._prefetched[j] = self._start_gather(j)
                 return
 
     @contextmanager
@@ -237,7 +244,7 @@ class OptimizerParallel:
         return full if view is None else full.as_strided(*view)
 
     def _regather(self, i: int) -> None:
-        with recorder.phase("backward"), recorder.label(self._label(i)):
+        with recorder.phase("backward"):
             self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i).items()}
 
     def end_forward(self) -> None:
@@ -398,6 +405,9 @@ class OptimizerParallel:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mine(optimizer):
             self.leaves.clear()  # the shards changed: gather again at the next forward
+            for pending in self._prefetched.values():  # (a bucket prefetched but never used)
+                pending.wait()
+            self._prefetched.clear()
             self._gathered_ids.clear()
             self._gathered_ptrs.clear()
 
