@@ -564,3 +564,17 @@ def test_fused_gradient_allreduce_without_hsdp() -> None:
             assert_matches_single_device(p.detach(), want_params[-1][name], what=name)
     plan = parallel.optimizer_plan
     assert plan is not None and not any(p.sharded for p in plan.params)
+
+
+def test_comm_fusion_openstate_false_is_one_collective_per_parameter() -> None:
+    from shardwise.layout import DeviceMatrix, TensorLayout
+    from shardwise.optim import ParamInfo, check_fusion, check_hsdp, plan_optimizer
+
+    whole = TensorLayout(DeviceMatrix((8,), ("dp",)), ((), ()))
+    infos = [ParamInfo(f"w{i}", whole, (64, 64), torch.float32) for i in range(3)]  # all id 1
+    fused = plan_optimizer(infos, check_hsdp(-1, 0, "level2"))
+    assert [b.names for b in fused.buckets] == [("w0", "w1", "w2")]
+    off = plan_optimizer(infos, check_hsdp(-1, 0, "level2"), check_fusion({"openstate": False}))
+    assert [b.names for b in off.buckets] == [("w0",), ("w1",), ("w2",)]
+    with pytest.raises(TypeError, match="openstate"):
+        check_fusion({"openstate": "yes"})

@@ -79,9 +79,11 @@ def check_hsdp(shard_size: object, threshold: object, optimizer_level: object) -
 
 @dataclass(frozen=True)
 class FusionConfig:
-    """Per collective kind: (mode, config) when bucketing by size / index, absent: by id."""
+    """Per collective kind: (mode, config) when bucketing by size / index, absent: by id;
+    ``enabled`` False (``openstate: False``): no fusion, one collective per parameter."""
 
     modes: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
+    enabled: bool = True
 
     def bucket_bytes(self, kind: str) -> int | None:
         """The bucket cap of `kind` in bytes (``auto`` / ``size``), else None."""
@@ -114,6 +116,9 @@ def check_fusion(config: object) -> FusionConfig:
             f"comm_fusion: expected a dict such as {{'allreduce': ...}}, got {config!r}"
         )
     modes: dict[str, tuple[str, Any]] = {}
+    enabled = config.get("openstate", True)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"comm_fusion['openstate'] must be True or False, got {enabled!r}")
     for kind, sub in config.items():
         if kind == "openstate":
             continue
@@ -135,7 +140,7 @@ def check_fusion(config: object) -> FusionConfig:
         elif mode not in ("auto", "size"):
             raise ValueError(f"comm_fusion[{kind!r}]: mode {mode!r}; valid: auto | size | index")
         modes[kind] = (str(mode), value)
-    return FusionConfig(modes)
+    return FusionConfig(modes, enabled)
 
 
 @dataclass(frozen=True)
@@ -283,6 +288,8 @@ def _chunks(
 ) -> list[tuple[list[ParamShard], int]]:
     """Members of one (kind, groups) class cut into buckets: by fusion id, size cap or index."""
     out: list[tuple[list[ParamShard], int]] = []
+    if cap == 0:  # fusion off
+        return [([p], 0) for p in members]
     if cap is not None or points is not None:
         current: list[ParamShard] = []
         size = 0
@@ -342,6 +349,7 @@ def plan_optimizer(
             if kind == "allreduce"
             else (fusion.bucket_bytes("reducescatter") or fusion.bucket_bytes("allgather"))
         )
+        cap = cap if fusion.enabled else 0  # 0: fusion off
         points = fusion.split_points(key)
         for group, fid in _chunks(members, cap, points, index):
             names = tuple(p.info.name for p in group)
