@@ -175,13 +175,18 @@ def _batches(model: str, quick: bool, rows: slice) -> Callable[[], tuple[Any, An
 
 
 def shardwise_step(model: str, quick: bool, level: str | None) -> tuple[Any, Step]:
-    """``AutoParallel(train_step)`` (+ ``.hsdp(threshold=0, optimizer_level=level)``); every
-    rank passes the global batch. Returns (the wrapper, the step)."""
+    """``AutoParallel(train_step)`` (+ ``.hsdp(threshold=0, optimizer_level=level)``), each
+    ``nn.Linear`` with its own ``comm_fusion`` id (one bucket per layer, like FSDP2's units, so
+    the buckets' collectives can overlap compute); every rank passes the global batch. Returns
+    (the wrapper, the step)."""
     import torch
 
     import shardwise as sw
 
     net = make_net(model, quick)
+    linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    for i, layer in enumerate(linears):  # one bucket per Linear (as FSDP2's units; seed 000)
+        sw.set_comm_fusion(layer, i + 1)
     opt = torch.optim.AdamW(net.parameters(), LR)  # before the first call: same Parameters
     loss_fn = torch.nn.CrossEntropyLoss()
 
