@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -127,41 +128,6 @@ def all_reduce_(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> tor
     return t
 
 
-def all_gather(t: torch.Tensor, group: str | Group | None) -> torch.Tensor:
-    """Concatenate every rank's `t` along dim 0, in group-rank order."""
-    g = resolve_group(group)
-    if t.dim() == 0:
-        raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
-    _check_same_shape("AllGather", t)
-    n = len(g.ranks)
-    start = recorder.start()
-    src = t.detach().contiguous()
-    out = src.new_empty((n * src.shape[0], *src.shape[1:]))
-    dist.all_gather_single(out, src, group=g.pg)
-    _record("AllGather", g, t, start)
-    return out
-
-
-def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
-    """Reduce `t` over the group and give rank i the i-th chunk of dim 0."""
-    g = resolve_group(group)
-    n = len(g.ranks)
-    _check_dim0("ReduceScatter", t, n)
-    _check_same_shape("ReduceScatter", t)
-    start = recorder.start()
-    src = t.detach().contiguous()
-    if _is_gloo(g):
-        # all-to-all moves only the chunks other ranks own: (N-1)/N of the input per rank.
-        received = torch.empty_like(src)
-        dist.all_to_all_single(received, src, group=g.pg)
-        out = op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
-    else:
-        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-        dist.reduce_scatter_single(out, src, op=op.torch_op(), group=g.pg)
-    _record("ReduceScatter", g, t, start)
-    return out
-
-
 class Pending:
     """A started collective; `wait()` finishes it and returns its result (once)."""
 
@@ -176,62 +142,84 @@ class Pending:
         return self._result
 
 
-def all_gather_async(t: torch.Tensor, group: str | Group | None) -> Pending:
-    """`all_gather`, started now and finished by ``Pending.wait()`` (recorded then)."""
-    if _sim.current() is not None:
-        out = all_gather(t, group)  # one process holds every rank: nothing runs aside
-        return Pending(lambda: out)
-    g = resolve_group(group)
-    if t.dim() == 0:
-        raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
-    start = recorder.start()
+def _started(
+    kind: str,
+    g: Group,
+    t: torch.Tensor,
+    start: float,
+    work: Any,
+    result: Callable[[], torch.Tensor],
+) -> Pending:
+    """A `Pending` that waits for `work` (None: already done), computes the result and records
+    the call under the phase and label current now (its start)."""
     phase, label = recorder.current()
-    src = t.detach().contiguous()
-    out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
-    work = dist.all_gather_single(out, src, group=g.pg, async_op=True)
 
     def finish() -> torch.Tensor:
-        assert work is not None
-        work.wait()
+        if work is not None:
+            work.wait()
+        out = result()
         with recorder.phase(phase), recorder.label(label):
-            _record("AllGather", g, t, start)
+            _record(kind, g, t, start)
         return out
 
     return Pending(finish)
+
+
+def _start_all_gather(t: torch.Tensor, group: str | Group | None, async_op: bool) -> Pending:
+    g = resolve_group(group)
+    if t.dim() == 0:
+        raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
+    _check_same_shape("AllGather", t)
+    start = recorder.start()
+    src = t.detach().contiguous()
+    out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
+    work = dist.all_gather_single(out, src, group=g.pg, async_op=async_op)
+    return _started("AllGather", g, t, start, work, lambda: out)
+
+
+def _start_reduce_scatter(
+    t: torch.Tensor, op: ReduceOp, group: str | Group | None, async_op: bool
+) -> Pending:
+    g = resolve_group(group)
+    n = len(g.ranks)
+    _check_dim0("ReduceScatter", t, n)
+    _check_same_shape("ReduceScatter", t)
+    start = recorder.start()
+    src = t.detach().contiguous()
+    if _is_gloo(g):
+        # all-to-all moves only the chunks other ranks own: (N-1)/N of the input per rank.
+        received = torch.empty_like(src)
+        work = dist.all_to_all_single(received, src, group=g.pg, async_op=async_op)
+
+        def reduced() -> torch.Tensor:
+            return op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
+
+        return _started("ReduceScatter", g, t, start, work, reduced)
+    out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+    work = dist.reduce_scatter_single(out, src, op=op.torch_op(), group=g.pg, async_op=async_op)
+    return _started("ReduceScatter", g, t, start, work, lambda: out)
+
+
+def all_gather(t: torch.Tensor, group: str | Group | None) -> torch.Tensor:
+    """Concatenate every rank's `t` along dim 0, in group-rank order."""
+    return _start_all_gather(t, group, async_op=False).wait()
+
+
+def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
+    """Reduce `t` over the group and give rank i the i-th chunk of dim 0."""
+    return _start_reduce_scatter(t, op, group, async_op=False).wait()
+
+
+def all_gather_async(t: torch.Tensor, group: str | Group | None) -> Pending:
+    """`all_gather`, started now and finished by ``Pending.wait()`` (recorded then, with the
+    phase and label current at the start). A simulated world runs it at once."""
+    return _start_all_gather(t, group, async_op=_sim.current() is None)
 
 
 def reduce_scatter_async(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> Pending:
     """`reduce_scatter`, started now and finished by ``Pending.wait()`` (recorded then, with the
-    phase and label current at the start and the time from start to finish)."""
-    if _sim.current() is not None:
-        out = reduce_scatter(t, op, group)  # one process holds every rank: nothing runs aside
-        return Pending(lambda: out)
-    g = resolve_group(group)
-    n = len(g.ranks)
-    _check_dim0("ReduceScatter", t, n)
-    start = recorder.start()
-    phase, label = recorder.current()
-    src = t.detach().contiguous()
-    if _is_gloo(g):
-        received = torch.empty_like(src)
-        work = dist.all_to_all_single(received, src, group=g.pg, async_op=True)
-    else:
-        received = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-        work = dist.reduce_scatter_single(
-            received, src, op=op.torch_op(), group=g.pg, async_op=True
-        )
-
-    def finish() -> torch.Tensor:
-        assert work is not None
-        work.wait()
-        out = received
-        if _is_gloo(g):
-            out = op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
-        with recorder.phase(phase), recorder.label(label):
-            _record("ReduceScatter", g, t, start)
-        return out
-
-    return Pending(finish)
+    phase and label current at the start). A simulated world runs it at once."""
+    return _start_reduce_scatter(t, op, group, async_op=_sim.current() is None)
 
 
 def check_member(what: str, rank: int, g: Group, arg: str) -> None:
