@@ -20,12 +20,14 @@ from shardwise.communication._init import (
     create_group,
     default_backend,
     destroy_group,
+    ensure_group,
     get_group_size,
     get_local_rank,
     get_rank,
     init,
     is_initialized,
     release,
+    scoped_group_name,
 )
 from shardwise.communication._sim import replicated_draw
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
@@ -59,6 +61,7 @@ __all__ = [
     "default_backend",
     "destroy_group",
     "detect_job",
+    "ensure_group",
     "get_group_size",
     "get_local_rank",
     "get_rank",
@@ -66,4 +69,5 @@ __all__ = [
     "is_initialized",
     "release",
     "replicated_draw",
+    "scoped_group_name",
 ]

@@ -13,7 +13,9 @@ Under `shardwise.testing.simulated_world(n)` the default group already exists (a
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +157,30 @@ def get_local_rank() -> int:
     """Rank of this process on its node (0 in a 1-rank job or a simulated world)."""
     _require_init("get_local_rank")
     return _job.local_rank if _job is not None else 0
+
+
+def scoped_group_name(tag: str, scope: str, ranks: Sequence[int]) -> str:
+    """A group name the same on every rank: ``<tag>@<8 hex of sha1(scope)>:<sorted ranks>``.
+
+    `scope` is what the group belongs to (a plan's device matrix, as text): every rank of it
+    then creates its groups at the same steps, in the same order (torch's member-only group
+    names count the groups a process has made).
+
+    Example:
+        >>> scoped_group_name("parallel:g1", str(matrix), [0, 1])
+        'parallel:g1@1a2b3c4d:0-1'
+    """
+    digest = hashlib.sha1(scope.encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"{tag}@{digest}:{'-'.join(str(r) for r in sorted(ranks))}"
+
+
+def ensure_group(name: str, ranks: Sequence[int]) -> str:
+    """The group `name` of `ranks`, created on first use (`create_group`); returns `name`."""
+    try:
+        get_group_size(name)
+    except ValueError:
+        create_group(name, list(ranks))
+    return name
 
 
 def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:

@@ -14,7 +14,6 @@ groups of rank 0 stand for their translates).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,13 +52,7 @@ def _named(kind: str, matrix: DeviceMatrix, ranks: Sequence[int]) -> str | None:
     ranks = tuple(sorted(ranks))
     if len(ranks) == comm.get_group_size():
         return None
-    digest = hashlib.sha1(str(matrix).encode(), usedforsecurity=False).hexdigest()[:8]
-    name = f"hsdp-{kind}@{digest}:{'-'.join(map(str, ranks))}"
-    try:
-        comm.get_group_size(name)
-    except ValueError:
-        comm.create_group(name, list(ranks))
-    return name
+    return comm.ensure_group(comm.scoped_group_name(f"hsdp-{kind}", str(matrix), ranks), ranks)
 
 
 def bucket_groups(matrix: DeviceMatrix, axes: Sequence[int], shard: int) -> BucketGroups:

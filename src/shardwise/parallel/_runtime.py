@@ -21,7 +21,6 @@ rank 0 is created and its translates run at once (the matrix must use the defaul
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -64,14 +63,9 @@ def group_for(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str | None, tu
     ranks = tuple(sorted(members))
     if len(ranks) == comm.get_group_size():
         return None, members
-    digest = hashlib.sha1(str(matrix).encode(), usedforsecurity=False).hexdigest()[:8]
     names = ",".join(matrix.names[a] for a in axes)
-    name = f"parallel:{names}@{digest}:{'-'.join(map(str, ranks))}"
-    try:
-        comm.get_group_size(name)
-    except ValueError:
-        comm.create_group(name, list(ranks))
-    return name, members
+    name = comm.scoped_group_name(f"parallel:{names}", str(matrix), ranks)
+    return comm.ensure_group(name, ranks), members
 
 
 def _one_comm(x: torch.Tensor, c: Comm, matrix: DeviceMatrix) -> torch.Tensor:

@@ -29,7 +29,6 @@ tile the world like a mesh axis, run at once.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 
@@ -73,12 +72,7 @@ class _Axes:
         order = tuple(ranks.index(r) for r in by_block)
         if ranks == tuple(range(self.world)):
             return None, order
-        name = group_name(self.matrix, axis, ranks)
-        try:
-            comm.get_group_size(name)
-        except ValueError:
-            comm.create_group(name, list(ranks))
-        return name, order
+        return comm.ensure_group(group_name(self.matrix, axis, ranks), ranks), order
 
 
 def group_name(matrix: DeviceMatrix, axis: int, ranks: Sequence[int]) -> str:
@@ -90,9 +84,7 @@ def group_name(matrix: DeviceMatrix, axis: int, ranks: Sequence[int]) -> str:
     synchronization count the groups a process has made; reusing a group on some ranks only
     would make the members disagree and hang).
     """
-    digest = hashlib.sha1(str(matrix).encode(), usedforsecurity=False).hexdigest()[:8]
-    members = "-".join(str(r) for r in ranks)
-    return f"redistribution:{matrix.names[axis]}@{digest}:{members}"
+    return comm.scoped_group_name(f"redistribution:{matrix.names[axis]}", str(matrix), ranks)
 
 
 def _permute(x: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tensor:
