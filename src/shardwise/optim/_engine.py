@@ -54,10 +54,10 @@ from shardwise.communication._collectives import (
     reduce_scatter,
     reduce_scatter_async,
 )
-from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.layout import DeviceMatrix
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
-from shardwise.redistribution import redistribute
+from shardwise.redistribution import local_block
 
 _Token = tuple[str, str]
 
@@ -394,8 +394,7 @@ class OptimizerParallel:
                 continue
             with torch.no_grad():
                 if tuple(value.shape) == info.shape and info.shape != info.block:
-                    whole = TensorLayout(info.layout.matrix, ((),) * len(info.shape))
-                    value = redistribute(value, whole, info.layout, info.shape)
+                    value = local_block(value, info.layout, info.shape)
                 if tuple(value.shape) == info.block and shard.sharded:
                     pos = self.groups[self.bucket_of[name]].position
                     rows = shard.shard_shape[0]

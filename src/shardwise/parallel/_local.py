@@ -25,7 +25,7 @@ from shardwise import communication as comm
 from shardwise.layout import TensorLayout
 from shardwise.ops import Dropout, Primitive
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.redistribution import block_offset, redistribute
+from shardwise.redistribution import block_offset, local_block
 
 Shape = tuple[int, ...]
 
@@ -82,8 +82,7 @@ def dropout_noise(module: Dropout, layout: TensorLayout, shape: Shape, x: torch.
 
     with torch.no_grad():
         noise = comm.replicated_draw(draw)
-        whole = TensorLayout(layout.matrix, ((),) * len(shape))
-        module.set_next_noise(redistribute(noise, whole, layout, shape))
+        module.set_next_noise(local_block(noise, layout, shape))
 
 
 def prepare(

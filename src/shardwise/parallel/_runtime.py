@@ -33,7 +33,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.redistribution import redistribute
+from shardwise.redistribution import local_block
 
 Shape = tuple[int, ...]
 
@@ -114,7 +114,7 @@ def shard_parameters(network: nn.Module, params: Mapping[str, tuple[TensorLayout
             raise ValueError(f"parameter {name!r} has shape {list(p.shape)}, planned {shape}")
         with torch.no_grad():
             full = p.detach()
-            block = redistribute(full, replicated_layout(layout.matrix, len(shape)), layout, shape)
+            block = local_block(full, layout, shape)
             p.set_(block.clone())  # keeps the Parameter object (`.data =` ignores LocalTensors)
 
 
@@ -168,5 +168,4 @@ def cut_optimizer_state(
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and tuple(value.shape) == shape != p.shape:
                     with torch.no_grad():
-                        whole = replicated_layout(layout.matrix, len(shape))
-                        state[key] = redistribute(value, whole, layout, shape).clone()
+                        state[key] = local_block(value, layout, shape).clone()

@@ -25,7 +25,7 @@ from shardwise import communication as comm
 from shardwise.layout import TensorLayout, resolve_strategy
 from shardwise.ops import normalize_strategy
 from shardwise.parallel._tracker import Tracker
-from shardwise.redistribution import redistribute
+from shardwise.redistribution import local_block
 
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 DatasetStrategy = str | tuple[tuple[int, ...] | TensorLayout, ...]
@@ -125,8 +125,7 @@ def dataset_input(
     layout = input_layout(strategy, index, x.dim(), count, comm.get_group_size())
     if layout is not None:
         layout.check(shape, f"{_WHO} input {index}")
-        whole = TensorLayout(layout.matrix, ((),) * len(shape))
-        local = redistribute(x, whole, layout, shape)  # local slices only
+        local = local_block(x, layout, shape)
         tracker.put(local, layout, shape)
         return local
     if strategy == "full_batch" or x.dim() == 0:

@@ -6,10 +6,11 @@ AlltoAll (never AllReduce).
 - `_plan`: `plan_redistribution` (Dijkstra over layouts, minimal bytes per rank) and the
   printable `RedistributionPlan`.
 - `_execute`: `redistribute`, which runs a plan on this rank's local block with the
-  autograd-aware collectives; `block_offset` (where this rank's block of a dim starts).
+  autograd-aware collectives; `block_offset` (where this rank's block of a dim starts);
+  `local_block` (a whole tensor cut to this rank's block).
 """
 
-from shardwise.redistribution._execute import block_offset, redistribute
+from shardwise.redistribution._execute import block_offset, local_block, redistribute
 from shardwise.redistribution._plan import RedistributionPlan, plan_redistribution
 from shardwise.redistribution._steps import AllGather, AlltoAll, Slice, Step, apply_step
 
@@ -21,6 +22,7 @@ __all__ = [
     "Step",
     "apply_step",
     "block_offset",
+    "local_block",
     "plan_redistribution",
     "redistribute",
 ]

@@ -197,3 +197,14 @@ def block_offset(layout: TensorLayout, dim: int, shape: Sequence[int]) -> int:
     for a in layout.dims[dim]:
         index = index * layout.matrix.shape[a] + axes.coord(a)
     return index * (int(shape[dim]) // layout.split_count(dim))
+
+
+def local_block(whole: torch.Tensor, layout: TensorLayout, shape: Sequence[int]) -> torch.Tensor:
+    """This rank's block under `layout` of a tensor every rank holds whole (local slices only,
+    no collective; works on the per-rank ranks of a simulated world).
+
+    Example:
+        >>> block = local_block(weight, layout, weight.shape)
+    """
+    replicated = TensorLayout(layout.matrix, ((),) * len(shape))
+    return redistribute(whole, replicated, layout, shape)
