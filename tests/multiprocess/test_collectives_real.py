@@ -12,7 +12,7 @@ from shardwise.testing import run_job
 WORKER = Path(__file__).with_name("real_collectives_worker.py")
 CHECKS = [
     "AllReduce", "AllReduce-max", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
-    "NeighborExchange", "NeighborExchangeV2", "AllReduce-subgroup",
+    "NeighborExchange", "NeighborExchangeV2", "AllReduce-subgroup", "Buckets",
 ]  # fmt: skip
 
 

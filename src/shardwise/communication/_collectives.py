@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from shardwise.communication import _sim, recorder
 from shardwise.communication._init import Group, resolve_group
+
+T = TypeVar("T")
 
 
 class ReduceOp(enum.Enum):
@@ -46,17 +48,23 @@ class ReduceOp(enum.Enum):
 
     def reduce(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Reduce `t` along `dim` locally, in index order (deterministic)."""
-        parts = t.unbind(dim)
-        out = parts[0].clone()
-        for p in parts[1:]:
-            if self is ReduceOp.SUM:
-                out = out + p
-            elif self is ReduceOp.PROD:
-                out = out * p
-            elif self is ReduceOp.MAX:
-                out = torch.maximum(out, p)
-            else:
-                out = torch.minimum(out, p)
+        return self.reduce_parts(t.unbind(dim))
+
+    def reduce_parts(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Reduce equal-shape `parts` in index order into a new tensor (deterministic; the
+        first step writes a fresh result, the later ones update it in place)."""
+        if len(parts) == 1:
+            return parts[0].clone()
+        fns: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+            ReduceOp.SUM: torch.add,
+            ReduceOp.PROD: torch.mul,
+            ReduceOp.MAX: torch.maximum,
+            ReduceOp.MIN: torch.minimum,
+        }
+        fn = fns[self]
+        out = fn(parts[0], parts[1])
+        for p in parts[2:]:
+            fn(out, p, out=out)
         return out
 
 
@@ -77,10 +85,16 @@ def as_reduce_op(op: ReduceOp | str) -> ReduceOp:
 
 def _record(kind: str, g: Group, t: torch.Tensor, start: float) -> None:
     """Report one call of `kind` on input `t` (nothing happens unless a recorder is active)."""
+    record_sized(kind, g, t.dtype, t.numel(), start)
+
+
+def record_sized(kind: str, g: Group, dtype: torch.dtype, numel: int, start: float) -> None:
+    """Report one call of `kind` on an input of `numel` elements of `dtype` (priced with
+    `bytes_bound`; nothing happens unless a recorder is active)."""
     if not recorder.recording():
         return
-    nbytes = recorder.bytes_bound(kind, _nbytes(t), len(g.ranks))
-    recorder.record(kind, g.ranks, t.dtype, t.numel(), nbytes, recorder.timer() - start)
+    nbytes = recorder.bytes_bound(kind, numel * dtype.itemsize, len(g.ranks))
+    recorder.record(kind, g.ranks, dtype, numel, nbytes, recorder.timer() - start)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -128,14 +142,14 @@ def all_reduce_(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> tor
     return t
 
 
-class Pending:
+class Pending(Generic[T]):
     """A started collective; `wait()` finishes it and returns its result (once)."""
 
-    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
-        self._finish: Callable[[], torch.Tensor] | None = finish
-        self._result: torch.Tensor | None = None
+    def __init__(self, finish: Callable[[], T]) -> None:
+        self._finish: Callable[[], T] | None = finish
+        self._result: T | None = None
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> T:
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
         assert self._result is not None
@@ -149,7 +163,7 @@ def _started(
     start: float,
     work: Any,
     result: Callable[[], torch.Tensor],
-) -> Pending:
+) -> Pending[torch.Tensor]:
     """A `Pending` that waits for `work` (None: already done), computes the result and records
     the call under the phase and label current now (its start)."""
     phase, label = recorder.current()
@@ -165,7 +179,9 @@ def _started(
     return Pending(finish)
 
 
-def _start_all_gather(t: torch.Tensor, group: str | Group | None, async_op: bool) -> Pending:
+def _start_all_gather(
+    t: torch.Tensor, group: str | Group | None, async_op: bool
+) -> Pending[torch.Tensor]:
     g = resolve_group(group)
     if t.dim() == 0:
         raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
@@ -179,7 +195,7 @@ def _start_all_gather(t: torch.Tensor, group: str | Group | None, async_op: bool
 
 def _start_reduce_scatter(
     t: torch.Tensor, op: ReduceOp, group: str | Group | None, async_op: bool
-) -> Pending:
+) -> Pending[torch.Tensor]:
     g = resolve_group(group)
     n = len(g.ranks)
     _check_dim0("ReduceScatter", t, n)
@@ -210,13 +226,15 @@ def reduce_scatter(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> 
     return _start_reduce_scatter(t, op, group, async_op=False).wait()
 
 
-def all_gather_async(t: torch.Tensor, group: str | Group | None) -> Pending:
+def all_gather_async(t: torch.Tensor, group: str | Group | None) -> Pending[torch.Tensor]:
     """`all_gather`, started now and finished by ``Pending.wait()`` (recorded then, with the
     phase and label current at the start). A simulated world runs it at once."""
     return _start_all_gather(t, group, async_op=_sim.current() is None)
 
 
-def reduce_scatter_async(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> Pending:
+def reduce_scatter_async(
+    t: torch.Tensor, op: ReduceOp, group: str | Group | None
+) -> Pending[torch.Tensor]:
     """`reduce_scatter`, started now and finished by ``Pending.wait()`` (recorded then, with the
     phase and label current at the start). A simulated world runs it at once."""
     return _start_reduce_scatter(t, op, group, async_op=_sim.current() is None)

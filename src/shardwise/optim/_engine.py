@@ -46,14 +46,8 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
-from shardwise.communication._collectives import (
-    Pending,
-    ReduceOp,
-    all_gather_async,
-    all_reduce_,
-    reduce_scatter,
-    reduce_scatter_async,
-)
+from shardwise.communication._buckets import all_gather_bucket, reduce_scatter_bucket
+from shardwise.communication._collectives import Pending, ReduceOp, all_reduce_
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
@@ -90,8 +84,8 @@ class OptimizerParallel:
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
         self._gathered_ptrs: dict[int, str] = {}
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
-        self._inflight: list[tuple[int, Pending]] = []  # started ReduceScatters
-        self._prefetched: dict[int, Pending] = {}  # started AllGathers of the next bucket
+        self._inflight: list[tuple[int, str, Pending[list[torch.Tensor]]]] = []  # started RSs
+        self._prefetched: dict[int, Pending[list[torch.Tensor]]] = {}  # next buckets' AGs
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
         ref = weakref.ref(self)
 
@@ -161,28 +155,21 @@ class OptimizerParallel:
             leaf.register_post_accumulate_grad_hook(lambda t, n=name: self._on_grad(n))
         self.leaves[name] = leaf
 
-    def _start_gather(self, i: int) -> Pending:
+    def _start_gather(self, i: int) -> Pending[list[torch.Tensor]]:
         """Start one AllGather of bucket `i`'s shards (finished by `_gathered`)."""
-        bucket, groups = self.plan.buckets[i], self.groups[i]
-        pieces = [self.params[n].detach().reshape(-1) for n in bucket.names]
-        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one member: no copy
+        bucket = self.plan.buckets[i]
         with recorder.label(self._label(i)):
-            return all_gather_async(local, groups.shard)
+            return all_gather_bucket(
+                [self.params[n].detach() for n in bucket.names], self.groups[i].shard
+            )
 
-    def _gathered(self, i: int, pending: Pending | None = None) -> dict[str, torch.Tensor]:
+    def _gathered(
+        self, i: int, pending: Pending[list[torch.Tensor]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Bucket `i`'s members' whole op-level blocks (one AllGather; `pending`: started)."""
-        bucket, groups = self.plan.buckets[i], self.groups[i]
+        names = self.plan.buckets[i].names
         gathered = (pending or self._start_gather(i)).wait()
-        if len(bucket.names) == 1:  # the shards stacked along dim 0 are the block itself
-            return {bucket.names[0]: gathered.view(self.shards[bucket.names[0]].info.block)}
-        flat = gathered.view(groups.shard_size, -1)
-        out, offset = {}, 0
-        for n in bucket.names:
-            shard = self.shards[n]
-            size = math.prod(shard.shard_shape)
-            out[n] = flat[:, offset : offset + size].reshape(shard.info.block)
-            offset += size
-        return out
+        return {n: g.view(self.shards[n].info.block) for n, g in zip(names, gathered, strict=True)}
 
     def _label(self, i: int) -> str:
         bucket = self.plan.buckets[i]
@@ -289,9 +276,12 @@ class OptimizerParallel:
         for i, bucket in enumerate(self.plan.buckets):
             leaves = [self.leaves.get(n) for n in bucket.names]
             if any(leaf is not None and leaf.grad is not None for leaf in leaves):
-                self._reduce(i, phase="step")
+                self._reduce(i, phase="step")  # all started before any is waited for
+        self._drain()
 
     def _reduce(self, i: int, phase: str = "backward") -> None:
+        """Start reducing bucket `i`'s gradients (finished by `_drain`: at the end of backward,
+        or at once for level 1's reduction at the optimizer step)."""
         bucket, groups = self.plan.buckets[i], self.groups[i]
         self.ready.pop(i, None)
         grads = self._grads(bucket)
@@ -299,35 +289,36 @@ class OptimizerParallel:
             return
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
             if bucket.kind == "shard":
-                chunks = [g.reshape(groups.shard_size, -1) for g in grads]
-                rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
-                if phase == "backward":  # runs while backward computes; finished by `_drain`
-                    pending = reduce_scatter_async(rows.reshape(-1), ReduceOp.SUM, groups.shard)
-                    self._inflight.append((i, pending))
-                    return
-                flat = reduce_scatter(rows.reshape(-1), ReduceOp.SUM, groups.shard)
-            else:
-                flat = (
-                    grads[0].reshape(-1)
-                    if len(grads) == 1
-                    else torch.cat([g.reshape(-1) for g in grads])
-                )
-                # (one member: reduced in place in its gradient, which the leaf no longer holds)
-            self._finish(i, flat)
+                pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
+                self._inflight.append((i, phase, pending))
+                return
+            flat = (
+                grads[0].reshape(-1)
+                if len(grads) == 1
+                else torch.cat([g.reshape(-1) for g in grads])
+            )
+            # (one member: reduced in place in its gradient, which the leaf no longer holds)
+            self._finish(i, [flat])
 
-    def _finish(self, i: int, flat: torch.Tensor) -> None:
-        """The AllReduce over the copy group, / world size, into ``param.grad``."""
-        groups = self.groups[i]
+    def _finish(self, i: int, parts: list[torch.Tensor]) -> None:
+        """The AllReduce over the copy group, / world size, into ``param.grad`` (`parts`: one
+        reduced tensor per member, or one flat buffer of them all)."""
+        groups, bucket = self.groups[i], self.plan.buckets[i]
         if groups.copies_size > 1:
+            flat = parts[0].view(-1) if len(parts) == 1 else torch.cat([p.view(-1) for p in parts])
             all_reduce_(flat, ReduceOp.SUM, groups.copies)
-        flat.div_(self.world)
-        self._deposit(self.plan.buckets[i], flat)
+            parts = [flat]
+        if len(parts) != len(bucket.names):
+            sizes = [math.prod(self._shape(n, bucket)) for n in bucket.names]
+            parts = list(parts[0].split(sizes))
+        for n, part in zip(bucket.names, parts, strict=True):
+            self._deposit(n, bucket, part.div_(self.world))
 
     def _drain(self) -> None:
         """Finish the started ReduceScatters, in the order they started."""
         inflight, self._inflight = self._inflight, []
-        for i, pending in inflight:
-            with recorder.phase("backward"), recorder.label(self._label(i)), torch.no_grad():
+        for i, phase, pending in inflight:
+            with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
                 self._finish(i, pending.wait())
 
     def _grads(self, bucket: Bucket) -> list[torch.Tensor] | None:
@@ -348,17 +339,17 @@ class OptimizerParallel:
         p, shard = self.params[name], self.shards[name]
         return torch.zeros(shard.info.block, dtype=p.dtype, device=p.device)
 
-    def _deposit(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        offset = 0
-        for n in bucket.names:
-            p, shard = self.params[n], self.shards[n]
-            shape = shard.shard_shape if bucket.kind == "shard" else shard.info.block
-            size = math.prod(shape)
-            g = flat[offset : offset + size].view(shape)
-            offset += size
-            if self._used.get(n, True):  # an unused parameter keeps grad None, as on one device
-                # a view of the bucket's fresh reduced buffer: no copy (disjoint per member)
-                p.grad = g if p.grad is None else p.grad + g
+    def _deposit(self, name: str, bucket: Bucket, grad: torch.Tensor) -> None:
+        """Add a reduced gradient (a fresh tensor) to parameter `name`'s ``.grad``."""
+        p = self.params[name]
+        if self._used.get(name, True):  # an unused parameter keeps grad None, as on one device
+            g = grad.view(self._shape(name, bucket))
+            p.grad = g if p.grad is None else p.grad + g
+
+    def _shape(self, name: str, bucket: Bucket) -> tuple[int, ...]:
+        """Parameter `name`'s stored shape: its shard or (unsharded) its op-level block."""
+        shard = self.shards[name]
+        return tuple(shard.shard_shape if bucket.kind == "shard" else shard.info.block)
 
     # -- optimizer step hooks --------------------------------------------------------------
     def _mine(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
