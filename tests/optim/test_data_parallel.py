@@ -181,6 +181,11 @@ def test_default_threshold_and_no_fusion() -> None:
         2, OPTIMIZERS["sgd"], False, lambda *a: None, fusion={"allreduce": {"mode": "auto"}}
     )
     assert rec.count("AllReduce") == 2 * STEPS and rec.count("Broadcast") == 0
+    # index mode: a new bucket at network parameters 2 and 4 (one per layer), + the loss
+    index = {"allreduce": {"mode": "index", "config": [2, 4]}}
+    runner, rec = run_parallel(2, OPTIMIZERS["sgd"], False, lambda *a: None, fusion=index)
+    assert rec.count("AllReduce") == 4 * STEPS
+    assert [len(b.entries) for b in runner._grad_buckets[0]] == [2, 2, 2]
 
 
 def test_per_rank_state_is_the_owned_share() -> None:
@@ -298,7 +303,7 @@ def test_bad_inputs() -> None:
             DataParallelRunner(opt, [opt])  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="parallel_optimizer=1"):
             DataParallelRunner(net, [opt], parallel_optimizer=1)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="fusion keys"):
+        with pytest.raises(ValueError, match="unknown key 'allreduce_mode'"):
             DataParallelRunner(net, [opt], fusion={"allreduce_mode": 1})
         with pytest.raises(ValueError, match="mode"):
             DataParallelRunner(net, [opt], fusion={"allreduce": {"mode": "bucket"}})

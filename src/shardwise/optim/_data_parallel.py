@@ -30,7 +30,7 @@ real job only the owner updates.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,13 +41,10 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim
+from shardwise.optim._plan import FusionConfig, check_fusion
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 
 _WHO = "DataParallelRunner"
-AUTO_FUSION_MB = 64.0
-"""Bucket size of ``{"mode": "auto"}`` gradient fusion, in MiB (MindSpore's default)."""
-_FUSION_KEYS = ("openstate", "allreduce", "allgather", "reducescatter")
-_FUSION_MODES = ("auto", "size", "index")
 
 
 @dataclass
@@ -59,6 +56,7 @@ class _Entry:
     optimizer: int | None
     owner: int | None = None
     fusion: int = 1
+    index: int = 0  # position among the network's parameters (``index`` fusion split points)
     grad_bucket: int | None = None
     broadcast_bucket: int | None = None
 
@@ -74,49 +72,6 @@ class _Bucket:
     index: int
     entries: list[_Entry] = field(default_factory=list)
     root: int | None = None
-
-
-@dataclass(frozen=True)
-class _FusionConfig:
-    """The gradient all-reduce fusion: ``"index"`` (by fusion id), ``"size"`` or off."""
-
-    enabled: bool = True
-    mode: str = "index"
-    limit_bytes: int = 0
-
-
-def _check_fusion(fusion: Mapping[str, Any] | None) -> _FusionConfig:
-    """The `fusion` argument checked (MindSpore's ``comm_fusion`` dict)."""
-    if fusion is None:
-        return _FusionConfig()
-    if not isinstance(fusion, Mapping):
-        raise TypeError(
-            f"{_WHO}: fusion must be a dict like {{'allreduce': {{'mode': 'index'}}}}, got "
-            f"{type(fusion).__name__}"
-        )
-    unknown = sorted(set(fusion) - set(_FUSION_KEYS))
-    if unknown:
-        raise ValueError(f"{_WHO}: fusion keys {unknown} are unknown; valid: {list(_FUSION_KEYS)}")
-    enabled = fusion.get("openstate", True)
-    if not isinstance(enabled, bool):
-        raise TypeError(f"{_WHO}: fusion['openstate']={enabled!r} must be a bool")
-    sub = fusion.get("allreduce", {})
-    if not isinstance(sub, Mapping):
-        raise TypeError(f"{_WHO}: fusion['allreduce'] must be a dict of 'mode' and 'config'")
-    mode = sub.get("mode", "index")
-    if mode not in _FUSION_MODES:
-        raise ValueError(
-            f"{_WHO}: fusion['allreduce']['mode']={mode!r}; valid: {list(_FUSION_MODES)}"
-        )
-    limit = 0
-    if mode in ("auto", "size"):
-        mb = sub.get("config", AUTO_FUSION_MB) if mode == "size" else AUTO_FUSION_MB
-        if isinstance(mb, bool) or not isinstance(mb, int | float) or mb <= 0:
-            raise ValueError(
-                f"{_WHO}: fusion['allreduce']['config']={mb!r} must be a bucket size in MiB > 0"
-            )
-        limit = int(mb * 2**20)
-    return _FusionConfig(enabled, mode, limit)
 
 
 def local_rows(x: Any, world: int, rank: int) -> Any:
@@ -179,27 +134,32 @@ def assign_owners(sizes: Sequence[int | None], world: int) -> list[int | None]:
     return out
 
 
-def _grad_buckets(entries: list[_Entry], config: _FusionConfig, start: int) -> list[_Bucket]:
+def _grad_buckets(entries: list[_Entry], config: FusionConfig, start: int) -> list[_Bucket]:
     """Buckets of one optimizer's parameters (in parameter order) for the gradient all-reduce.
 
-    ``"index"``: one bucket per fusion id (id 0: one per parameter); ``"size"``/``"auto"``:
-    consecutive parameters up to the limit; fusion off: one per parameter. A bucket holds one
-    dtype and device only.
+    By fusion id unless `config` (``optim.check_fusion``) buckets ``allreduce`` by ``size`` /
+    ``auto`` (consecutive parameters up to the cap) or ``index`` (a new bucket at each split
+    point, a network parameter index); fusion id 0 alone; fusion off (``openstate`` False): one
+    per parameter. A bucket holds one dtype and device only.
     """
+    cap = config.bucket_bytes("allreduce")
+    points = config.split_points("allreduce")
     buckets: list[_Bucket] = []
     by_key: dict[tuple[object, ...], _Bucket] = {}
     size = 0
     for e in entries:
         kind = (e.param.dtype, e.param.device)
-        if not config.enabled or (config.mode == "index" and e.fusion == 0):
+        last = buckets[-1] if buckets else None
+        same = last is not None and (last.entries[0].param.dtype, last.entries[0].param.device)
+        bucket: _Bucket | None
+        if not config.enabled:
             bucket = None
-        elif config.mode == "index":
-            bucket = by_key.get((e.fusion, *kind))
+        elif cap is not None:
+            bucket = last if size + e.nbytes <= cap and same == kind else None
+        elif points is not None:
+            bucket = last if e.index not in points and same == kind else None
         else:
-            last = buckets[-1] if buckets else None
-            fits = last is not None and size + e.nbytes <= config.limit_bytes
-            same = last is not None and (last.entries[0].param.dtype, last.entries[0].param.device)
-            bucket = last if fits and same == kind else None
+            bucket = None if e.fusion == 0 else by_key.get((e.fusion, *kind))
         if bucket is None:
             bucket = _Bucket(start + len(buckets))
             buckets.append(bucket)
@@ -309,12 +269,13 @@ class DataParallelRunner:
         train_step: the user's step function, or None for the module form.
         parallel_optimizer: group the parameter updates by owner rank, then broadcast.
         threshold_kb: smallest parameter (KiB) that optimizer parallel assigns to one owner.
-        fusion: MindSpore's ``comm_fusion`` dict. ``openstate`` False: one collective per
-            parameter. ``allreduce``: ``{"mode": "index"}`` (default: one all-reduce per
-            ``comm_fusion`` id, id 0 alone), ``{"mode": "size", "config": MiB}`` or
-            ``{"mode": "auto"}`` (64 MiB buckets of consecutive parameters). ``allgather`` /
-            ``reducescatter`` are accepted and unused (semi-auto only). Broadcasts always fuse
-            by fusion id.
+        fusion: MindSpore's ``comm_fusion`` dict, checked by ``optim.check_fusion`` (the same
+            rules as ``AutoParallel.comm_fusion``). ``openstate`` False: one collective per
+            parameter. ``allreduce``: absent: one all-reduce per ``comm_fusion`` id (id 0
+            alone); ``{"mode": "size", "config": MiB}`` / ``{"mode": "auto"}`` (64 MiB buckets
+            of consecutive parameters); ``{"mode": "index", "config": [i, ...]}`` (a new bucket
+            at each network parameter index). ``allgather`` / ``reducescatter`` are accepted
+            and unused (semi-auto only). Broadcasts always fuse by fusion id.
 
     Raises:
         RuntimeError: no process group (``shardwise.communication.init()`` not called).
@@ -382,7 +343,7 @@ class DataParallelRunner:
         self.train_step = train_step
         self.parallel_optimizer = parallel_optimizer
         self.threshold_kb = float(threshold_kb)
-        self._fusion = _check_fusion(fusion)
+        self._fusion = FusionConfig() if fusion is None else check_fusion(fusion)
         if not comm.is_initialized():
             raise RuntimeError(
                 f"{_WHO}: no job yet; call shardwise.communication.init() first (or build the "
@@ -429,8 +390,8 @@ class DataParallelRunner:
                             " in a simulated world)"
                         )
         self.entries = [
-            _Entry(n, p, where.get(id(p)), fusion=comm_fusion_of(p))
-            for n, p in named
+            _Entry(n, p, where.get(id(p)), fusion=comm_fusion_of(p), index=k)
+            for k, (n, p) in enumerate(named)
             if p.requires_grad
         ]
         threshold = self.threshold_kb * 1024
