@@ -86,6 +86,7 @@ class OptimizerParallel:
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
         self._inflight: list[tuple[int, str, Pending[list[torch.Tensor]]]] = []  # started RSs
         self._prefetched: dict[int, Pending[list[torch.Tensor]]] = {}  # next buckets' AGs
+        self._regathering: dict[int, Pending[list[torch.Tensor]]] = {}  # level 3, backward
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
         ref = weakref.ref(self)
 
@@ -137,8 +138,10 @@ class OptimizerParallel:
         if name not in self.leaves:
             i = self.bucket_of.get(name)
             if i is not None and self.plan.buckets[i].kind == "shard":
+                # levels 1-2 keep every gathered bucket until backward: start them all now (their
+                # transfers overlap); level 3 frees them: only this bucket and the next one
+                self._prefetch(i, 2 if self.level == "level3" else len(self.plan.buckets))
                 self._gather(i)
-                self._prefetch(i)
             else:
                 self._leaf(name, p.detach())
         return self.leaves[name]
@@ -180,14 +183,17 @@ class OptimizerParallel:
         for name, full in gathered.items():
             self._leaf(name, full)
 
-    def _prefetch(self, i: int) -> None:
-        """Start gathering the next shard bucket (it is needed next; it runs while bucket `i`'s
-        layers compute and is finished at its first use)."""
-        for j in range(i + 1, len(self.plan.buckets)):
+    def _prefetch(self, i: int, depth: int) -> None:
+        """Start gathering shard bucket `i` and the shard buckets after it, `depth` in all, that
+        are neither gathered nor started (each finished at its first use, by `_gather`)."""
+        for j in range(i, len(self.plan.buckets)):
             bucket = self.plan.buckets[j]
-            if bucket.kind == "shard":
-                if bucket.names[0] not in self.leaves and j not in self._prefetched:
-                    self._prefetched[j] = self._start_gather(j)
+            if bucket.kind != "shard":
+                continue
+            if bucket.names[0] not in self.leaves and j not in self._prefetched:
+                self._prefetched[j] = self._start_gather(j)
+            depth -= 1
+            if depth == 0:
                 return
 
     @contextmanager
@@ -222,17 +228,20 @@ class OptimizerParallel:
         i = self.bucket_of[name]
         if i not in self._regathered:
             self._queue_end()
-            self._regather(i)
-            # backward runs the layers in reverse: gather the previous saved bucket now
+            self._start_regather(i)
+            # backward runs the layers in reverse: start gathering the previous saved bucket too
             earlier = [j for j in self._packed if j < i and j not in self._regathered]
             if earlier:
-                self._regather(max(earlier))
+                self._start_regather(max(earlier))
+            pending = self._regathering.pop(i)
+            self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i, pending).items()}
         full = self._regathered[i][name]
         return full if view is None else full.as_strided(*view)
 
-    def _regather(self, i: int) -> None:
-        with recorder.phase("backward"):
-            self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i).items()}
+    def _start_regather(self, i: int) -> None:
+        if i not in self._regathering:
+            with recorder.phase("backward"):
+                self._regathering[i] = self._start_gather(i)
 
     def end_forward(self) -> None:
         """Level 3, real job: free the gathered weights now that the forward is done."""
@@ -263,6 +272,9 @@ class OptimizerParallel:
     def _end_backward(self) -> None:
         """Reduce buckets whose used members all have gradients but some member is unused."""
         self._end_queued = False
+        for pending in self._regathering.values():  # (started, but no saved weight needed it)
+            pending.wait()
+        self._regathering.clear()
         self._regathered.clear()
         self._packed.clear()
         for i in sorted(self.ready):

@@ -33,15 +33,22 @@ An op that would touch dim 0 (index it, join or move it, contract it, normalize 
 ``"rep"`` everywhere (e.g. a ``full_batch`` input) runs whole on every rank (dropout: with the
 whole global mask). Metadata reads (``shape``, ``size()``, ``backward()``, ...) pass; any other
 op on a tracked tensor raises `UnsupportedParallelError` naming the op.
+
+While an optimizer steps without a closure (global step hooks, `_step_pre` / `_step_post`)
+the active modes let every op through unexamined: the update touches parameters and state
+only, and looking at each of its many small ops cost about 1 ms per step on a small MLP. A
+step with a closure (LBFGS) runs the network again, so it is examined as usual.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.optim.optimizer as torch_optimizer
 from torch.overrides import TorchFunctionMode
 
 from shardwise import communication as comm
@@ -126,7 +133,20 @@ class DataParallelOps(TorchFunctionMode):
         self.whole = whole
         self.paused = 0
         self.in_network = 0
+        self.stepping = 0  # > 0: an optimizer (without closure) is stepping
         self.world = comm.get_group_size()
+
+    def __enter__(self) -> DataParallelOps:
+        if not _STEP_HOOKS:
+            _STEP_HOOKS.append(torch_optimizer.register_optimizer_step_pre_hook(_step_pre))
+            _STEP_HOOKS.append(torch_optimizer.register_optimizer_step_post_hook(_step_post))
+        _ACTIVE.add(self)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.discard(self)
+        super().__exit__(*exc)
 
     def __torch_function__(
         self,
@@ -136,7 +156,7 @@ class DataParallelOps(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.paused:
+        if self.paused or self.stepping:
             return func(*args, **kwargs)
         tracked, sharded = self._tracked(args, kwargs)
         if self.in_network and not _is_metadata(func) and self._has_param(args, kwargs):
@@ -267,3 +287,24 @@ class DataParallelOps(TorchFunctionMode):
             out = out / self.world
         self.tracker.put(out, "rep", tuple(int(s) for s in out.shape))
         return out
+
+
+_ACTIVE: weakref.WeakSet[DataParallelOps] = weakref.WeakSet()  # entered, not yet exited
+_STEP_HOOKS: list[Any] = []  # the global optimizer step hooks, registered once
+
+
+def _no_closure(args: Any, kwargs: Any) -> bool:
+    """The step's arguments (``args[0]`` is the optimizer itself) hold no closure."""
+    return len(args) <= 1 and not kwargs
+
+
+def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _no_closure(args, kwargs):  # a closure re-runs the network: keep examining its ops
+        for mode in _ACTIVE:
+            mode.stepping += 1
+
+
+def _step_post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _no_closure(args, kwargs):
+        for mode in _ACTIVE:
+            mode.stepping = max(0, mode.stepping - 1)
