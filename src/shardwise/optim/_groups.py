@@ -55,6 +55,21 @@ def _named(kind: str, matrix: DeviceMatrix, ranks: Sequence[int]) -> str | None:
     return comm.ensure_group(comm.scoped_group_name(f"hsdp-{kind}", str(matrix), ranks), ranks)
 
 
+def group_ranks(
+    matrix: DeviceMatrix, axes: Sequence[int], shard: int, rank: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global rank `rank`'s (shard group, copy group) for data-parallel `axes` (pure).
+
+    Example:
+        >>> group_ranks(DeviceMatrix((4,), ("dp",)), (0,), 2, 3)
+        ((2, 3), (1, 3))
+    """
+    members = matrix.group_along(rank, tuple(axes))
+    pos = members.index(rank)
+    chunk = pos // shard
+    return tuple(members[chunk * shard : (chunk + 1) * shard]), tuple(members[pos % shard :: shard])
+
+
 def bucket_groups(matrix: DeviceMatrix, axes: Sequence[int], shard: int) -> BucketGroups:
     """The shard and copy groups of this rank for data-parallel `axes` of `matrix`.
 
@@ -70,13 +85,10 @@ def bucket_groups(matrix: DeviceMatrix, axes: Sequence[int], shard: int) -> Buck
     simulated = not isinstance(rank, int)
     if simulated and matrix.rank_list != tuple(range(comm.get_group_size())):
         raise ValueError(f"in a simulated world {matrix} must use the default rank_list")
-    members = matrix.group_along(0 if simulated else rank, tuple(axes))
-    k = len(members)
-    real_pos = 0 if simulated else members.index(rank)
-    chunk = real_pos // shard
-    shard_ranks = members[chunk * shard : (chunk + 1) * shard]
-    copy_ranks = members[real_pos % shard :: shard]
-    position = _position(matrix, axes, rank) % shard if simulated else real_pos % shard
+    shard_ranks, copy_ranks = group_ranks(matrix, axes, shard, 0 if simulated else rank)
+    k = len(shard_ranks) * len(copy_ranks)
+    real_pos = 0 if simulated else shard_ranks.index(rank)
+    position = _position(matrix, axes, rank) % shard if simulated else real_pos
     return BucketGroups(
         _named("shard", matrix, shard_ranks) if shard > 1 else None,
         shard,

@@ -280,6 +280,7 @@ class AutoParallel(CallRuntime):
         shard_parameters(self.network, plan.params)
         if self._hsdp is not None or self._fusion is not None:
             self._engine = start_engine(self.network, plan, self._hsdp, self._fusion)
+            report.dump_optimizer(self._engine.plan, plan)
         else:
             cut_optimizer_state(self.network, self.optimizers, plan.params)
             self._hooks += register_grad_reduction(self.network, plan.params)

@@ -4,12 +4,15 @@ With ``sw.set_context(save_graphs=1|2|3, save_graphs_path=...)``, `dump_plan` (c
 `AutoParallel.plan`) writes per rank ``<path>/rank_<r>/step_parallel_begin.ir`` (every primitive
 call: global input shapes, in_strategy / out_strategy and who set them, the device matrix) and
 ``<path>/rank_<r>/execute.ir`` (local shapes and every inserted communication op with this
-rank's group). docs/report.md shows both for seed 003.
+rank's group). docs/report.md shows both for seed 003. With optimizer parallel (hsdp /
+comm_fusion), `dump_optimizer` appends to ``execute.ir`` every collective of each bucket per
+training step.
 
 - `_dataflow`: `trace_sources` (which value feeds each primitive input) and the redistribution
   the runtime will do for each input (`input_redistributions`), without running anything.
 - `_begin` / `_execute`: the pure formatters `format_step_parallel_begin` / `format_execute`.
-- `_write`: `write_reports` (directories, atomic writes) and `dump_plan`.
+- `_optimizer`: the pure formatter `format_optimizer` (the optimizer-parallel section).
+- `_write`: `write_reports` (directories, atomic writes), `dump_plan` and `dump_optimizer`.
 """
 
 from shardwise.report._begin import format_step_parallel_begin
@@ -21,13 +24,16 @@ from shardwise.report._dataflow import (
     trace_sources,
 )
 from shardwise.report._execute import format_execute
-from shardwise.report._write import dump_plan, write_ir, write_reports
+from shardwise.report._optimizer import format_optimizer
+from shardwise.report._write import dump_optimizer, dump_plan, write_ir, write_reports
 
 __all__ = [
     "Dataflow",
     "Source",
+    "dump_optimizer",
     "dump_plan",
     "format_execute",
+    "format_optimizer",
     "format_step_parallel_begin",
     "input_redistributions",
     "output_redistributions",

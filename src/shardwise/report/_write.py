@@ -18,10 +18,12 @@ from torch import nn
 
 from shardwise import communication as comm
 from shardwise.context import get_context
+from shardwise.optim._plan import OptimizerPlan
 from shardwise.parallel._plan import NetworkPlan
 from shardwise.report._begin import format_step_parallel_begin
 from shardwise.report._dataflow import Dataflow, InputState, trace_sources
 from shardwise.report._execute import format_execute
+from shardwise.report._optimizer import format_optimizer
 
 BEGIN_FILE = "step_parallel_begin.ir"
 EXECUTE_FILE = "execute.ir"
@@ -90,6 +92,29 @@ def _input_states(strategy: str | Sequence[InputState], n: int) -> list[InputSta
             )
         return [_DATASET[strategy]] * n
     return list(strategy)
+
+
+def dump_optimizer(
+    optimizer_plan: OptimizerPlan, plan: NetworkPlan, ranks: Iterable[int] | None = None
+) -> list[Path]:
+    """Append the optimizer-parallel section (`format_optimizer`) to this rank's ``execute.ir``
+    if ``get_context("save_graphs") >= 1`` (`AutoParallel.plan` calls it once the engine is
+    built, after `dump_plan` wrote the file).
+
+    Returns:
+        The paths rewritten (empty at level 0).
+    """
+    level = int(get_context("save_graphs"))
+    if level < 1:
+        return []
+    root = Path(get_context("save_graphs_path"))
+    paths = []
+    for r in _ranks(plan) if ranks is None else list(ranks):
+        path = root / f"rank_{r}" / EXECUTE_FILE
+        before = path.read_text(encoding="utf-8") if path.exists() else ""
+        section = format_optimizer(optimizer_plan, plan.matrix, r, level)
+        paths.append(write_ir(root, r, EXECUTE_FILE, before + "\n" + section))
+    return paths
 
 
 def dump_plan(

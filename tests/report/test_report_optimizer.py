@@ -1,0 +1,100 @@
+"""The optimizer-parallel section of ``execute.ir``: with hsdp, every bucket's collectives per
+training step on each rank, with that rank's groups; its ``send_bytes`` add up to what the
+CommRecorder measures in one step (8 simulated ranks, seed 000's MLP, fusion ids 0/1/2)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shardwise.context import set_context
+from shardwise.parallel import AutoParallel
+from shardwise.testing import CommRecorder, simulated_world
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "optim"))
+from test_hsdp import SMALL, Mlp
+
+LINE = re.compile(
+    r"^%opt\d+ = (\w+)\((.*)\) \{when: (\w+).*group: \[([\d, ]+)\].*send_bytes: (\d+)\}$"
+)
+
+
+def run(tmp_path: Path, level: str, shard_size: int) -> tuple[CommRecorder, Path]:
+    net = Mlp(small=True)
+    set_context(save_graphs=2, save_graphs_path=str(tmp_path))
+    try:
+        with simulated_world(8) as world:
+            world.replicate(net)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+            def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                loss = F.cross_entropy(net(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                return loss
+
+            parallel = AutoParallel(train_step, parallel_mode="semi_auto")
+            parallel.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level)
+            x, y = SMALL[0]
+            parallel(world.same(x), world.same(y))
+            with CommRecorder() as rec:
+                parallel(world.same(x), world.same(y))
+    finally:
+        set_context(save_graphs=0, save_graphs_path="./saved_graph")
+    return rec, tmp_path
+
+
+def section(path: Path) -> list[tuple[str, str, str, tuple[int, ...], int]]:
+    text = path.read_text()
+    assert "# optimizer parallel: hsdp(" in text
+    out = []
+    for line in text.splitlines():
+        if line.startswith("%opt"):
+            m = LINE.match(line)
+            assert m, line
+            kind, names, when, group, sent = m.groups()
+            out.append((kind, names, when, tuple(int(r) for r in group.split(", ")), int(sent)))
+    return out
+
+
+def test_level1_section_matches_the_recorded_step(tmp_path: Path) -> None:
+    rec, root = run(tmp_path, "level1", shard_size=2)
+    pairs, copies = (0, 1), (0, 2, 4, 6)
+    got = section(root / "rank_0" / "execute.ir")
+    # four shard buckets (layer1's weight and bias alone: fusion id 0; layer2; layer3)
+    assert Counter((k, w, g) for k, _, w, g, _ in got) == Counter(
+        {
+            ("AllGather", "forward", pairs): 4,
+            ("ReduceScatter", "optimizer", pairs): 4,
+            ("AllReduce", "after", copies): 4,
+        }
+    )
+    assert [n for k, n, *_ in got if k == "AllGather"] == [
+        "layer1.weight", "layer1.bias", "layer2.weight, layer2.bias",
+        "layer3.weight, layer3.bias",
+    ]  # fmt: skip
+    # everything but the loss's AllReduce pair: the same bytes as the recorded step
+    recorded = sum(r.bytes_sent for r in rec.records if r.group != tuple(range(8)))
+    assert sum(s for *_, s in got) == recorded
+    # rank 5: its own pair and copies
+    groups = {g for *_, g, _ in section(root / "rank_5" / "execute.ir")}
+    assert groups == {(4, 5), (1, 3, 5, 7)}
+
+
+def test_level3_lists_the_backward_gathers(tmp_path: Path) -> None:
+    _, root = run(tmp_path, "level3", shard_size=-1)
+    got = section(root / "rank_3" / "execute.ir")
+    everyone = tuple(range(8))
+    assert Counter((k, w, g) for k, _, w, g, _ in got) == Counter(
+        {
+            ("AllGather", "forward", everyone): 4,
+            ("AllGather", "backward", everyone): 4,
+            ("ReduceScatter", "backward", everyone): 4,
+        }
+    )
