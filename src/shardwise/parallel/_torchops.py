@@ -156,13 +156,13 @@ class DataParallelOps(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.paused or self.stepping:
+        if self.paused or self.stepping or _is_metadata(func):  # (metadata always passes)
             return func(*args, **kwargs)
         tracked, sharded = self._tracked(args, kwargs)
-        if self.in_network and not _is_metadata(func) and self._has_param(args, kwargs):
+        if self.in_network and self._has_param(args, kwargs):
             args, kwargs = self.gather_params(args, kwargs)
             tracked, sharded = self._tracked(args, kwargs)
-        if sharded and torch.is_grad_enabled() and not _is_metadata(func):
+        if sharded and torch.is_grad_enabled():
             self._check_whole(sharded[0], op_name(func))  # raises (optimizers run in no_grad)
         if not tracked:
             return func(*args, **kwargs)
@@ -215,8 +215,6 @@ class DataParallelOps(TorchFunctionMode):
     def _other(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], st: list[Any]
     ) -> Any:
-        if _is_metadata(func):
-            return func(*args, **kwargs)
         if func in _VALUE_READS and all(s == "rep" for s in st):
             return func(*args, **kwargs)
         raise UnsupportedParallelError(
