@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from bench import (
     collectives,
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
     "optimizer_parallel": optimizer_parallel.run,
 }
 QUICK_SIZES = (4 * KiB,)
+V = TypeVar("V")
 
 
 def parse_size(text: str) -> int:
@@ -56,8 +58,17 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _csv(convert: Callable[[str], int]) -> Callable[[str], tuple[int, ...]]:
+def _csv(convert: Callable[[str], V]) -> Callable[[str], tuple[V, ...]]:
     return lambda text: tuple(convert(p) for p in text.split(",") if p.strip())
+
+
+def _benchmark(text: str) -> str:
+    name = text.strip()
+    if name not in BENCHMARKS:
+        raise argparse.ArgumentTypeError(
+            f"--only: unknown benchmark {name!r}; one of {sorted(BENCHMARKS)}"
+        )
+    return name
 
 
 def _ranks(text: str) -> int:
@@ -72,7 +83,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[list[str], BenchConfi
     p = argparse.ArgumentParser(
         prog="python -m bench", description="Run the shardwise benchmarks, print and save them."
     )
-    p.add_argument("--only", choices=sorted(BENCHMARKS), help="run one benchmark")
+    p.add_argument(
+        "--only",
+        type=_csv(_benchmark),
+        help=f"comma-separated benchmarks to run (default all): {', '.join(BENCHMARKS)}",
+    )
     p.add_argument("--ranks", type=_csv(_ranks), help="world sizes, default 2,4,8")
     p.add_argument("--sizes", type=_csv(parse_size), help="bytes per rank, default 64K,1M,8M")
     p.add_argument("--collectives", help="comma-separated subset, e.g. AllReduce,ReduceScatter")
@@ -91,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[list[str], BenchConfi
         timeout_s=a.timeout,
         out_dir=a.out or (default.out_dir / "quick" if a.quick else default.out_dir),
     )
-    return ([a.only] if a.only else list(BENCHMARKS)), config
+    return (list(a.only) if a.only else list(BENCHMARKS)), config
 
 
 def _header(config: BenchConfig) -> str:
