@@ -7,24 +7,26 @@ reduced in fused buckets straight into the shards (levels 1-3).
   op-level block cut over the shard group); the Parameter object stays, so any optimizer built
   before or after updates shards and keeps 1/k of the state.
 - `compute` (forward): the tensor the network computes with, a *compute leaf* per parameter and
-  step: for a sharded parameter its op-level block, gathered with one AllGather per bucket on
-  first use (the next shard bucket is gathered right after: prefetch), for the others a view of
-  the parameter. Leaves are reused until the optimizer steps.
+  step: for a sharded parameter its op-level block, gathered with one AllGather per bucket
+  (`communication._buckets.all_gather_bucket`) on first use, for the others a view of the
+  parameter. Leaves are reused until the optimizer steps. Prefetch (`_prefetch`): at levels 1-2
+  the first use of a shard bucket starts every shard bucket's gather (all are kept until
+  backward anyway); level 3 starts the bucket in use and the next one.
 - `_on_grad` (backward): each leaf's post-accumulate-grad hook; when every used leaf of a bucket
   has its gradient, the bucket is reduced (`_reduce`): one ReduceScatter over the shard group of
-  the bucket's gradients laid out chunk-major (each rank receives its rows of every member),
-  an AllReduce over the copy group when the shard group is smaller than the data-parallel group,
-  or one AllReduce for unsharded members; then / world size (the loss is one value replicated on
-  every rank) and added to ``param.grad``. In backward the ReduceScatter is started
-  asynchronously (`reduce_scatter_async`) and finished at the end of backward (`_drain`), so it
-  runs while the earlier layers' gradients are computed. Level 1 keeps the full-size gradients
-  on the leaves and reduces at the optimizer's step (`flush`, a global step pre-hook); levels 2
-  and 3 reduce in backward, as soon as a bucket is complete. A bucket left incomplete (unused
-  parameters) is reduced at the end of backward.
+  the bucket's gradients (`reduce_scatter_bucket`: each rank receives its dim-0 chunk of every
+  member), an AllReduce over the copy group when the shard group is smaller than the
+  data-parallel group, or one AllReduce for unsharded members; then / world size (the loss is
+  one value replicated on every rank) and added to ``param.grad``. The ReduceScatters are
+  started asynchronously and finished (`_drain`) at the end of backward, so they run while the
+  earlier layers' gradients are computed. Level 1 keeps the full-size gradients on the leaves
+  and reduces at the optimizer's step (`flush`, a global step pre-hook: every bucket started,
+  then all finished); levels 2 and 3 reduce in backward, as soon as a bucket is complete. A
+  bucket left incomplete (unused parameters) is reduced at the end of backward.
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
-  backward, together with the previous saved bucket (prefetch: backward runs the layers in
-  reverse); in a real job the leaves' storage is freed after the forward.
+  backward, starting the previous saved bucket's gather too (prefetch: backward runs the layers
+  in reverse); in a real job the leaves' storage is freed after the forward.
 - `_before_step` / `_after_step` (global optimizer step hooks, for optimizers holding these
   parameters): cut state made before the parameters were cut (`_adopt_state`), check the
   state has this rank's shard shapes (`check_state`), flush level 1; after the step drop the
