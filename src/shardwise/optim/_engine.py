@@ -380,6 +380,11 @@ class OptimizerParallel:
             return
         recorder.mark("optimizer step")
         self._drain()  # (already done at the end of backward)
+        # a bucket gathered ahead but never used: finish it before the update changes the
+        # shards its sends read from
+        for pending in self._prefetched.values():
+            pending.wait()
+        self._prefetched.clear()
         for name, p in mine:
             state = optimizer.state.get(p)
             if state:
@@ -409,9 +414,6 @@ class OptimizerParallel:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._mine(optimizer):
             self.leaves.clear()  # the shards changed: gather again at the next forward
-            for pending in self._prefetched.values():  # (a bucket prefetched but never used)
-                pending.wait()
-            self._prefetched.clear()
             self._gathered_ids.clear()
             self._gathered_ptrs.clear()
 
