@@ -578,3 +578,38 @@ def test_comm_fusion_openstate_false_is_one_collective_per_parameter() -> None:
     assert [b.names for b in off.buckets] == [("w0",), ("w1",), ("w2",)]
     with pytest.raises(TypeError, match="openstate"):
         check_fusion({"openstate": "yes"})
+
+
+class SpareMlp(Mlp):
+    """The small seed-000 MLP plus a layer (fusion id 3) its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__(small=True)
+        self.spare = nn.Linear(128, 128)
+        sw.set_comm_fusion(self.spare, 3)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_unused_bucket_keeps_its_values_and_no_gradient(level: str) -> None:
+    """A bucket no layer uses: its shards keep the initial values (SGD skips a None gradient,
+    as on one device) and it is never reduced; it is still gathered ahead (levels 1-2 start
+    every bucket's gather at the first use, level 3 the bucket after the one in use: here the
+    last layer's): one wasted AllGather per step. The rest matches single-device training."""
+    want_losses, want_params = single_device(SpareMlp, "sgd", SMALL)
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        labels = [(r.kind, r.label) for r in rec.records]
+        spare_ops = [kind for kind, label in labels if "spare" in label]
+        assert "ReduceScatter" not in spare_ops and "AllReduce" not in spare_ops
+        assert spare_ops == ["AllGather"]
+
+    net = SpareMlp()
+    with simulated_world(4) as world:
+        parallel, _, losses = train(
+            world, net, "sgd", lambda p: p.hsdp(threshold=0, optimizer_level=level), check, SMALL
+        )
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]))
+        for name, p in net.named_parameters():
+            rows = shard_of(parallel, name, want_params[-1][name])
+            assert_matches_single_device(p.detach(), rows, what=name)
