@@ -9,15 +9,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from shardwise.context import set_context
-from shardwise.parallel import AutoParallel
 from shardwise.testing import CommRecorder, simulated_world
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "optim"))
-from test_hsdp import SMALL, Mlp
+from test_hsdp import SMALL, Mlp, train
 
 LINE = re.compile(
     r"^%opt\d+ = (\w+)\((.*)\) \{when: (\w+).*group: \[([\d, ]+)\].*send_bytes: (\d+)\}$"
@@ -25,29 +21,23 @@ LINE = re.compile(
 
 
 def run(tmp_path: Path, level: str, shard_size: int) -> tuple[CommRecorder, Path]:
-    net = Mlp(small=True)
+    """Two SGD steps with ``save_graphs=2``; the recorder of the second step."""
+    recorders: list[CommRecorder] = []
+    net = Mlp(small=True)  # outside the world (inside, factories draw per rank)
     set_context(save_graphs=2, save_graphs_path=str(tmp_path))
     try:
         with simulated_world(8) as world:
-            world.replicate(net)
-            optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-
-            def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-                loss = F.cross_entropy(net(x), y)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                return loss
-
-            parallel = AutoParallel(train_step, parallel_mode="semi_auto")
-            parallel.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level)
-            x, y = SMALL[0]
-            parallel(world.same(x), world.same(y))
-            with CommRecorder() as rec:
-                parallel(world.same(x), world.same(y))
+            train(
+                world,
+                net,
+                "sgd",
+                lambda p: p.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level),
+                lambda step, parallel, rec: recorders.append(rec),
+                SMALL[:2],
+            )
     finally:
         set_context(save_graphs=0, save_graphs_path="./saved_graph")
-    return rec, tmp_path
+    return recorders[-1], tmp_path
 
 
 def section(path: Path) -> list[tuple[str, str, str, tuple[int, ...], int]]:
