@@ -7,6 +7,8 @@ process-group functions directly.
 - `_init`: `init`, `get_rank`, `get_group_size`, `get_local_rank`, `create_group`,
   `destroy_group`, `release`.
 - `_collectives`: the plain collectives (recorded, no autograd).
+- `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (pairwise sends on
+  gloo, no packing copies; optimizer parallel's buckets).
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
 - `recorder`: `CommRecorder`, bytes bounds.
 """
