@@ -4,7 +4,8 @@ Each function validates what this rank can check, issues the torch.distributed c
 simulated world, the one the simulator answers), and reports a `CommRecord`:
 
 - `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
-  `reduce_scatter` (split on dim 0), and `all_gather_async` / `reduce_scatter_async` (started
+  `reduce_scatter` (split on dim 0), and `all_reduce_async` / `all_gather_async` /
+  `reduce_scatter_async` (started
   now, finished by `Pending.wait`: computation goes on meanwhile; simulated worlds finish at
   once),
   `broadcast`, `reduce` (to one rank, used by Broadcast's gradient), `all_to_all`;
@@ -134,12 +135,16 @@ def all_reduce(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torc
 
 def all_reduce_(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> torch.Tensor:
     """Reduce contiguous `t` over the group in place (no copy); returns `t`."""
-    g = resolve_group(group)
-    _check_same_shape("AllReduce", t)
-    start = recorder.start()
-    dist.all_reduce(t, op=op.torch_op(), group=g.pg)
-    _record("AllReduce", g, t, start)
-    return t
+    return _start_all_reduce(t, op, group, async_op=False).wait()
+
+
+def all_reduce_async(
+    t: torch.Tensor, op: ReduceOp, group: str | Group | None
+) -> Pending[torch.Tensor]:
+    """`all_reduce_` (in place on contiguous `t`), started now and finished by
+    ``Pending.wait()`` (recorded then, with the phase and label current at the start). A
+    simulated world runs it at once."""
+    return _start_all_reduce(t, op, group, async_op=_sim.current() is None)
 
 
 class Pending(Generic[T]):
@@ -177,6 +182,16 @@ def _started(
         return out
 
     return Pending(finish)
+
+
+def _start_all_reduce(
+    t: torch.Tensor, op: ReduceOp, group: str | Group | None, async_op: bool
+) -> Pending[torch.Tensor]:
+    g = resolve_group(group)
+    _check_same_shape("AllReduce", t)
+    start = recorder.start()
+    work = dist.all_reduce(t, op=op.torch_op(), group=g.pg, async_op=async_op)
+    return _started("AllReduce", g, t, start, work, lambda: t)
 
 
 def _start_all_gather(

@@ -49,7 +49,12 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.communication._buckets import all_gather_bucket, reduce_scatter_bucket
-from shardwise.communication._collectives import Pending, ReduceOp, all_reduce_
+from shardwise.communication._collectives import (
+    Pending,
+    ReduceOp,
+    all_reduce_,
+    all_reduce_async,
+)
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
@@ -86,7 +91,8 @@ class OptimizerParallel:
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
         self._gathered_ptrs: dict[int, str] = {}
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
-        self._inflight: list[tuple[int, str, Pending[list[torch.Tensor]]]] = []  # started RSs
+        # started reductions: (bucket, phase, pending, whether the copy-group AllReduce is done)
+        self._inflight: list[tuple[int, str, Pending[list[torch.Tensor]], bool]] = []
         self._prefetched: dict[int, Pending[list[torch.Tensor]]] = {}  # next buckets' AGs
         self._regathering: dict[int, Pending[list[torch.Tensor]]] = {}  # level 3, backward
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
@@ -304,21 +310,25 @@ class OptimizerParallel:
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
             if bucket.kind == "shard":
                 pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
-                self._inflight.append((i, phase, pending))
+                self._inflight.append((i, phase, pending, False))
                 return
+            # (one member: reduced in place in its gradient, which the leaf no longer holds)
             flat = (
                 grads[0].reshape(-1)
                 if len(grads) == 1
                 else torch.cat([g.reshape(-1) for g in grads])
             )
-            # (one member: reduced in place in its gradient, which the leaf no longer holds)
-            self._finish(i, [flat])
+            if groups.copies_size > 1:
+                started = all_reduce_async(flat, ReduceOp.SUM, groups.copies)
+                self._inflight.append((i, phase, Pending(lambda: [started.wait()]), True))
+            else:
+                self._finish(i, [flat], copies_reduced=True)
 
-    def _finish(self, i: int, parts: list[torch.Tensor]) -> None:
-        """The AllReduce over the copy group, / world size, into ``param.grad`` (`parts`: one
-        reduced tensor per member, or one flat buffer of them all)."""
+    def _finish(self, i: int, parts: list[torch.Tensor], copies_reduced: bool) -> None:
+        """The AllReduce over the copy group (unless `copies_reduced`), / world size, into
+        ``param.grad`` (`parts`: one reduced tensor per member, or one flat buffer of them)."""
         groups, bucket = self.groups[i], self.plan.buckets[i]
-        if groups.copies_size > 1:
+        if groups.copies_size > 1 and not copies_reduced:
             flat = parts[0].view(-1) if len(parts) == 1 else torch.cat([p.view(-1) for p in parts])
             all_reduce_(flat, ReduceOp.SUM, groups.copies)
             parts = [flat]
@@ -329,11 +339,11 @@ class OptimizerParallel:
             self._deposit(n, bucket, part.div_(self.world))
 
     def _drain(self) -> None:
-        """Finish the started ReduceScatters, in the order they started."""
+        """Finish the started reductions, in the order they started."""
         inflight, self._inflight = self._inflight, []
-        for i, phase, pending in inflight:
+        for i, phase, pending, copies_reduced in inflight:
             with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
-                self._finish(i, pending.wait())
+                self._finish(i, pending.wait(), copies_reduced)
 
     def _grads(self, bucket: Bucket) -> list[torch.Tensor] | None:
         """The members' leaf gradients (zeros for a member without one); None: none has one."""
