@@ -11,6 +11,10 @@ machinery itself is ``bench.harness``.
   baseline's thread count), `exit_quietly` (skip a crash-prone interpreter finalization),
   `sw_accounting` (shardwise's collectives under `CommRecorder`) and `torch_accounting` (the
   c10d collectives of a PyTorch step seen by a ``TorchDispatchMode``, `spy_mode`).
+- Shardwise vs DTensor (``bench.operator_parallel``, ``bench.gpt_block``): `TPResult` (the
+  fields both records share), `tp_accounting` (their communication fields) and `check_three`
+  (fresh shardwise / DTensor / one-process copies trained side by side: the loss and parameter
+  differences).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from bench.harness import BenchConfig, host_info, spawn
 
 if TYPE_CHECKING:
+    import torch
+
     from shardwise.communication import CommRecorder
 
 DEFAULT_RANKS = (2, 4)
@@ -267,3 +274,72 @@ def tp_accounting(sw: Step, dt: Step, steps: int) -> dict[str, Any]:
         "dt_bytes": dt_bytes,
         "dt_calls": dt_calls,
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPResult:
+    """What a shardwise-vs-DTensor benchmark records for one configuration (the benchmark's
+    record adds its own fields: the mesh, the layout, a bound, ...)."""
+
+    world_size: int
+    shardwise_s: float  # per step, median of the repetitions, max over ranks
+    dtensor_s: float
+    single_s: float  # one process, `single_threads` threads
+    single_threads: int
+    sw_comm_s: float  # CommRecorder's collective wall time per step (each call's min over ranks)
+    diff_dtensor: float  # max |loss shardwise - loss DTensor| over the check steps
+    diff_single: float  # max |loss shardwise - loss one process|
+    diff_dt_params: float  # max |DTensor parameter - one-process parameter| after the check
+    sw_fwd_bytes: int  # CommRecorder per rank per step, forward (bytes_bound)
+    sw_bwd_bytes: int
+    sw_collectives: int
+    sw_calls: str  # the step's collectives in order
+    dt_bytes: int  # DTensor's collectives priced with bytes_bound
+    dt_collectives: int
+    dt_calls: str
+    lo_shardwise_bytes: float | None  # measured loopback bytes per rank per step
+    lo_dtensor_bytes: float | None
+    steps_per_call: int
+    reps: int
+    oversubscribed: bool
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def worst_diff(self) -> float:
+        """The largest of the three check differences."""
+        return max(self.diff_dtensor, self.diff_single, self.diff_dt_params)
+
+
+def check_three(
+    sw: Step,
+    dt: Step,
+    single: Step,
+    dt_full: Callable[[], list[torch.Tensor]],
+    single_params: Iterable[torch.Tensor],
+    rank: int,
+    steps: int,
+) -> tuple[float, float, float, list[float]]:
+    """Train fresh shardwise / DTensor / one-process copies `steps` steps side by side (the one
+    process on rank 0 only): (max |loss sw - loss DTensor|, max |loss sw - loss one process|,
+    max |DTensor parameter - one-process parameter| after the steps, shardwise's losses).
+    `dt_full` gives DTensor's parameters whole (a collective: every rank calls it). Ranks
+    other than 0 get zeros and no losses."""
+    import torch
+
+    losses = torch.zeros(3, steps, dtype=torch.float64)
+    for i in range(steps):
+        losses[0, i], losses[1, i] = (
+            float(cast(Any, sw()).detach()),
+            float(cast(Any, dt()).detach()),
+        )
+        if rank == 0:
+            losses[2, i] = float(cast(Any, single()).detach())
+    full = dt_full()
+    if rank != 0:
+        return 0.0, 0.0, 0.0, []
+    diff_params = max(
+        float((a.detach() - b.detach()).abs().max())
+        for a, b in zip(full, single_params, strict=True)
+    )
+    diff_dt = float((losses[0] - losses[1]).abs().max())
+    return diff_dt, float((losses[0] - losses[2]).abs().max()), diff_params, losses[0].tolist()

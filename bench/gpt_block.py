@@ -42,7 +42,7 @@ import itertools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from bench import _common as common
@@ -79,40 +79,19 @@ def layouts(n: int) -> list[tuple[int, int]]:
     return [(1, n)] + ([(2, n // 2)] if n >= 4 else [])
 
 
-@dataclass(frozen=True)
-class GPTResult:
-    """One N and one ``dp x mp`` layout: times, the check, communication of one step."""
+@dataclass(frozen=True, kw_only=True)
+class GPTResult(common.TPResult):
+    """One N and one ``dp x mp`` layout: times, the check, communication of one step (the
+    shared fields: `common.TPResult`)."""
 
-    world_size: int
     dp: int
     mp: int
-    shardwise_s: float  # per step, median of the repetitions, max over ranks
-    dtensor_s: float
-    single_s: float  # the same for every layout of one N (measured once per job)
-    single_threads: int
-    sw_comm_s: float  # CommRecorder's collective wall time per step (each call's min over ranks)
-    diff_dtensor: float  # max |loss shardwise - loss DTensor| over the check steps
-    diff_single: float  # max |loss shardwise - loss one process|
-    diff_dt_params: float  # max |DTensor parameter - one-process parameter| after the check
-    sw_fwd_bytes: int  # CommRecorder per rank per step, forward (bytes_bound)
-    sw_bwd_bytes: int
-    sw_collectives: int
-    sw_calls: str
-    dt_bytes: int  # DTensor's collectives priced with bytes_bound
-    dt_collectives: int
-    dt_calls: str
     bound_bytes: int  # `megatron_bound`
     bound_collectives: int
-    lo_shardwise_bytes: float | None  # measured loopback bytes per rank per step
-    lo_dtensor_bytes: float | None
-    steps_per_call: int
-    reps: int
-    oversubscribed: bool
-    losses: list[float] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
-        return max(self.diff_dtensor, self.diff_single, self.diff_dt_params) <= CHECK_ATOL
+        return self.worst_diff <= CHECK_ATOL
 
     @property
     def sw_bytes(self) -> int:
@@ -384,28 +363,17 @@ def single_step(cfg: GPTConfig) -> tuple[Any, Step]:
 
 
 def _check(cfg: GPTConfig, dp: int, mp: int, rank: int) -> tuple[float, float, float, list[float]]:
-    """Fresh shardwise / DTensor / one-process copies, `CHECK_STEPS` steps: max loss differences
-    (vs DTensor, vs one process), max |DTensor param - one-process param|, shardwise's losses
-    (rank 0's values)."""
-    import torch
+    """`common.check_three` on fresh shardwise / DTensor / one-process copies, `CHECK_STEPS`
+    steps."""
     from torch.distributed.tensor import DTensor
 
     (_, sw), (dt_model, dt) = shardwise_step(cfg, dp, mp, rank), dtensor_step(cfg, dp, mp, rank)
     single_model, single = single_step(cfg)
-    losses = torch.zeros(3, CHECK_STEPS, dtype=torch.float64)
-    for i in range(CHECK_STEPS):
-        losses[0, i], losses[1, i] = float(sw()), float(dt())
-        if rank == 0:
-            losses[2, i] = float(single())
-    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in dt_model.parameters()]
-    if rank != 0:
-        return 0.0, 0.0, 0.0, []
-    diff_params = max(
-        float((a.detach() - b.detach()).abs().max())
-        for a, b in zip(full, single_model.parameters(), strict=True)
-    )
-    diff_dt = float((losses[0] - losses[1]).abs().max())
-    return diff_dt, float((losses[0] - losses[2]).abs().max()), diff_params, losses[0].tolist()
+
+    def dt_full() -> list[torch.Tensor]:
+        return [p.full_tensor() if isinstance(p, DTensor) else p for p in dt_model.parameters()]
+
+    return common.check_three(sw, dt, single, dt_full, single_model.parameters(), rank, CHECK_STEPS)
 
 
 def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -477,7 +445,7 @@ def time_table(rows: list[GPTResult], cfg: GPTConfig) -> Table:
          "DT/one", "losses sw = DT = one (max |diff|)"],
     )  # fmt: skip
     for r in rows:
-        worst = max(r.diff_dtensor, r.diff_single, r.diff_dt_params)
+        worst = r.worst_diff
         t.rows.append(
             [n_label(r), f"{r.dp}x{r.mp}", fmt_ms(r.shardwise_s), fmt_ms(r.dtensor_s),
              f"{fmt_ms(r.single_s)} ({r.single_threads}t)", ratio(r.shardwise_s, r.dtensor_s),

@@ -33,13 +33,15 @@ import importlib.util
 import itertools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from bench import harness
 from bench._common import (
+    TPResult,
     calls_text,
+    check_three,
     chunk,
     exit_quietly,
     fastest_threads,
@@ -83,39 +85,18 @@ DTENSOR_PLANS: dict[int, dict[str, str]] = {
 IN_FEATURES, HIDDEN, CLASSES = 28 * 28, 512, 10
 
 
-@dataclass(frozen=True)
-class OpResult:
-    """One N: step times, the correctness check, communication and overhead of one step."""
+@dataclass(frozen=True, kw_only=True)
+class OpResult(TPResult):
+    """One N: step times, the correctness check, communication and overhead of one step (the
+    shared fields: `bench._common.TPResult`)."""
 
-    world_size: int
     mesh: str
-    shardwise_s: float  # per step, median of the repetitions, max over ranks
-    dtensor_s: float
-    single_s: float
-    single_threads: int
     local_s: float  # local blocks only, no communication (max over ranks)
-    sw_comm_s: float  # CommRecorder's collective wall time per step (each call's min over ranks)
-    diff_dtensor: float  # max |loss shardwise - loss DTensor| over the check steps
-    diff_single: float  # max |loss shardwise - loss one process|
-    diff_dt_params: float  # max |DTensor parameter - one-process parameter| after the check
-    sw_fwd_bytes: int  # CommRecorder per rank per step, forward (bytes_bound)
-    sw_bwd_bytes: int
-    sw_collectives: int
-    sw_calls: str  # the step's collectives in order
-    dt_bytes: int  # DTensor's collectives priced with bytes_bound
-    dt_collectives: int
-    dt_calls: str
-    lo_shardwise_bytes: float | None  # measured loopback bytes per rank per step
-    lo_dtensor_bytes: float | None
-    steps_per_call: int
-    reps: int
-    oversubscribed: bool
-    losses: list[float] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
         """Whether the three losses (and DTensor's parameters) matched during the check."""
-        return max(self.diff_dtensor, self.diff_single, self.diff_dt_params) <= CHECK_ATOL
+        return self.worst_diff <= CHECK_ATOL
 
     @property
     def overhead_s(self) -> float:
@@ -313,27 +294,15 @@ def local_step(n: int, rank: int) -> Step:
 
 
 def _check(n: int, rank: int) -> tuple[float, float, float, list[float]]:
-    """Fresh shardwise / DTensor / one-process copies, `CHECK_STEPS` steps each: max loss
-    differences (vs DTensor, vs one process), max |DTensor param - one-process param|, and
-    shardwise's losses (rank 0's values; the losses are the same on every rank)."""
-    import torch
-
+    """`check_three` on fresh shardwise / DTensor / one-process copies, `CHECK_STEPS` steps
+    each (the losses are the same on every rank: rank 0's are returned)."""
     (_, sw), (dt_params, dt) = shardwise_step(n, rank), dtensor_step(n, rank)
     single_params, single = single_step(n)
-    losses = torch.zeros(3, CHECK_STEPS, dtype=torch.float64)
-    for i in range(CHECK_STEPS):
-        losses[0, i], losses[1, i] = float(sw()), float(dt())
-        if rank == 0:
-            losses[2, i] = float(single())
-    full = [p.full_tensor() for p in dt_params]  # collective: every rank
-    if rank != 0:
-        return 0.0, 0.0, 0.0, []
-    diff_params = max(
-        float((a.detach() - b.detach()).abs().max())
-        for a, b in zip(full, single_params, strict=True)
-    )
-    diff_dt = float((losses[0] - losses[1]).abs().max())
-    return diff_dt, float((losses[0] - losses[2]).abs().max()), diff_params, losses[0].tolist()
+
+    def dt_full() -> list[torch.Tensor]:
+        return [p.full_tensor() for p in dt_params]  # collective: every rank
+
+    return check_three(sw, dt, single, dt_full, single_params, rank, CHECK_STEPS)
 
 
 def _time(n: int, rank: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -396,7 +365,7 @@ def time_table(rows: list[OpResult]) -> Table:
          "sw/one", "DT/one", "losses sw = DT = one (max |diff|)"],
     )  # fmt: skip
     for r in rows:
-        worst = max(r.diff_dtensor, r.diff_single, r.diff_dt_params)
+        worst = r.worst_diff
         t.rows.append(
             [n_label(r), r.mesh, str(GLOBAL_BATCH // r.world_size), fmt_ms(r.shardwise_s),
              fmt_ms(r.dtensor_s), f"{fmt_ms(r.single_s)} ({r.single_threads}t)",
