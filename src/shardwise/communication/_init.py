@@ -263,6 +263,31 @@ def release() -> None:
     _groups.clear()
     if dist.is_initialized() and _sim.current() is None:
         if dist.get_world_size() > 1:
-            dist.barrier()
+            _store_barrier()
         dist.destroy_process_group()
     _job = None
+
+
+_releases = 0  # release() calls so far (the same count on every rank)
+
+
+def _store_barrier() -> None:
+    """Wait until every rank has reached `release`, through the rendezvous store.
+
+    Not ``dist.barrier()``: on torch 2.13 a gloo work object carries the caller's Python
+    context (``contextvars``), and the barrier's is freed by a gloo worker thread a moment
+    after ``wait()`` returns; when that happens during interpreter shutdown the worker cannot
+    take the GIL and the process aborts ("terminate called without an active exception",
+    about 1 job in 20-40 here). Store calls run on this thread and leave no such object.
+    """
+    global _releases
+    _releases += 1
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):  # no store to use: the plain barrier
+        dist.barrier()
+        return
+    key = f"shardwise/release/{_releases}"
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(f"{key}/done", "1")
+    store.wait([f"{key}/done"], comm_timeout())
