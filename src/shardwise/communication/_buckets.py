@@ -21,7 +21,8 @@ and records ONE AllGather / ReduceScatter of the bucket's total size. Two transp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,10 @@ from shardwise.communication import _sim, recorder
 from shardwise.communication._collectives import (
     Pending,
     ReduceOp,
+    _check_dim0,
     _start_all_gather,
     _start_reduce_scatter,
-    record_sized,
+    deferred_record,
 )
 from shardwise.communication._init import Group, resolve_group
 
@@ -67,10 +69,29 @@ def _next_tags(g: Group, count: int) -> int:
     return _TAG_BASE + tag
 
 
-def _peers(g: Group) -> tuple[int, list[tuple[int, int]]]:
-    """(this rank's position, [(destination position, source position)] for k = 1..N-1)."""
-    n, pos = len(g.ranks), g.ranks.index(dist.get_rank())
-    return pos, [((pos + k) % n, (pos - k) % n) for k in range(1, n)]
+def _position(g: Group) -> int:
+    return g.ranks.index(dist.get_rank())
+
+
+def _post_pairwise(
+    g: Group,
+    count: int,
+    send: Callable[[int, int], torch.Tensor],
+    recv: Callable[[int, int], torch.Tensor],
+) -> list[Any]:
+    """Post the pairwise exchange of `count` members: at step k = 1..N-1, member m's
+    ``send(m, dst)`` goes to the rank k positions after this one and ``recv(m, src)`` receives
+    from the rank k positions before (positions in the group; tag: one per member and call).
+    Returns the works to wait for."""
+    n, pos = len(g.ranks), _position(g)
+    tag = _next_tags(g, count)
+    works = []
+    for k in range(1, n):
+        dst, src = (pos + k) % n, (pos - k) % n
+        for m in range(count):
+            works.append(dist.isend(send(m, dst), g.ranks[dst], group=g.pg, tag=tag + m))
+            works.append(dist.irecv(recv(m, src), g.ranks[src], g.pg, tag + m))
+    return [w for w in works if w is not None]
 
 
 def all_gather_bucket(
@@ -95,27 +116,23 @@ def all_gather_bucket(
     per_rank = sum(p.numel() * p.element_size() for p in pieces)
     if _transport(g, per_rank) == "flat":
         return _flat_gather(pieces, g)
-    start, (phase, label) = recorder.start(), recorder.current()
+    done = deferred_record(
+        "AllGather", g, pieces[0].dtype, sum(p.numel() for p in pieces), recorder.start()
+    )
     outs = [p.new_empty((n * p.shape[0], *p.shape[1:])) for p in pieces]
-    pos, steps = _peers(g)
-    tag = _next_tags(g, len(pieces))
-    works = []
-    for dst, src in steps:
-        for m, (piece, out) in enumerate(zip(pieces, outs, strict=True)):
-            rows = piece.shape[0]
-            works.append(dist.isend(piece, g.ranks[dst], group=g.pg, tag=tag + m))
-            works.append(dist.irecv(out.narrow(0, src * rows, rows), g.ranks[src], g.pg, tag + m))
-    for piece, out in zip(pieces, outs, strict=True):  # this rank's own rows, while they travel
-        out.narrow(0, pos * piece.shape[0], piece.shape[0]).copy_(piece)
+
+    def rows_of(m: int, position: int) -> torch.Tensor:
+        rows = pieces[m].shape[0]
+        return outs[m].narrow(0, position * rows, rows)
+
+    works = _post_pairwise(g, len(pieces), lambda m, dst: pieces[m], rows_of)
+    for m, piece in enumerate(pieces):  # this rank's own rows, while the others travel
+        rows_of(m, _position(g)).copy_(piece)
 
     def finish() -> list[torch.Tensor]:
         for work in works:
-            if work is not None:
-                work.wait()
-        with recorder.phase(phase), recorder.label(label):
-            record_sized(
-                "AllGather", g, pieces[0].dtype, per_rank // pieces[0].element_size(), start
-            )
+            work.wait()
+        done()
         return outs
 
     return Pending(finish)
@@ -165,37 +182,27 @@ def reduce_scatter_bucket(
     n = len(g.ranks)
     _check_members("ReduceScatter", tensors)
     for t in tensors:
-        if t.shape[0] % n != 0:
-            raise ValueError(
-                f"ReduceScatter: a member of shape {list(t.shape)} has dim 0 of size "
-                f"{t.shape[0]}, which does not divide into {n} ranks of the group; make dim 0 "
-                f"a multiple of {n}"
-            )
+        _check_dim0("ReduceScatter", t, n)
     members = [t.detach().contiguous() for t in tensors]
     per_rank = sum(t.numel() * t.element_size() for t in members) // n
     if _transport(g, per_rank) == "flat":
         return _flat_scatter(members, op, g)
-    start, (phase, label) = recorder.start(), recorder.current()
-    _, steps = _peers(g)
-    tag = _next_tags(g, len(members))
+    numel = sum(t.numel() for t in members)
+    done = deferred_record("ReduceScatter", g, members[0].dtype, numel, recorder.start())
     chunks = [t.chunk(n, 0) for t in members]
     received: list[list[torch.Tensor]] = [list(c) for c in chunks]  # [member][position]
-    works = []
-    for dst, src in steps:
-        for m, member_chunks in enumerate(chunks):
-            buf = torch.empty_like(member_chunks[src])
-            received[m][src] = buf
-            works.append(dist.isend(member_chunks[dst], g.ranks[dst], group=g.pg, tag=tag + m))
-            works.append(dist.irecv(buf, g.ranks[src], g.pg, tag + m))
+
+    def receive(m: int, src: int) -> torch.Tensor:
+        received[m][src] = torch.empty_like(chunks[m][src])
+        return received[m][src]
+
+    works = _post_pairwise(g, len(members), lambda m, dst: chunks[m][dst], receive)
 
     def finish() -> list[torch.Tensor]:
         for work in works:
-            if work is not None:
-                work.wait()
+            work.wait()
         out = [op.reduce_parts(parts) for parts in received]
-        with recorder.phase(phase), recorder.label(label):
-            numel = sum(t.numel() for t in members)
-            record_sized("ReduceScatter", g, members[0].dtype, numel, start)
+        done()
         return out
 
     return Pending(finish)

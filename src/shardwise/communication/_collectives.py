@@ -171,17 +171,30 @@ def _started(
 ) -> Pending[torch.Tensor]:
     """A `Pending` that waits for `work` (None: already done), computes the result and records
     the call under the phase and label current now (its start)."""
-    phase, label = recorder.current()
+    done = deferred_record(kind, g, t.dtype, t.numel(), start)
 
     def finish() -> torch.Tensor:
         if work is not None:
             work.wait()
         out = result()
-        with recorder.phase(phase), recorder.label(label):
-            _record(kind, g, t, start)
+        done()
         return out
 
     return Pending(finish)
+
+
+def deferred_record(
+    kind: str, g: Group, dtype: torch.dtype, numel: int, start: float
+) -> Callable[[], None]:
+    """For a call started at `start` and finished later: a function that records it (as
+    `record_sized`) under the phase and label current now, at its start."""
+    phase, label = recorder.current()
+
+    def done() -> None:
+        with recorder.phase(phase), recorder.label(label):
+            record_sized(kind, g, dtype, numel, start)
+
+    return done
 
 
 def _start_all_reduce(
