@@ -91,8 +91,9 @@ class OptimizerParallel:
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
         self._gathered_ptrs: dict[int, str] = {}
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
-        # started reductions: (bucket, phase, pending, whether the copy-group AllReduce is done)
-        self._inflight: list[tuple[int, str, Pending[list[torch.Tensor]], bool]] = []
+        self._inflight: list[
+            tuple[int, str, Pending[list[torch.Tensor]]]
+        ] = []  # started reductions
         self._prefetched: dict[int, Pending[list[torch.Tensor]]] = {}  # next buckets' AGs
         self._regathering: dict[int, Pending[list[torch.Tensor]]] = {}  # level 3, backward
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
@@ -310,7 +311,7 @@ class OptimizerParallel:
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
             if bucket.kind == "shard":
                 pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
-                self._inflight.append((i, phase, pending, False))
+                self._inflight.append((i, phase, pending))
                 return
             # (one member: reduced in place in its gradient, which the leaf no longer holds)
             flat = (
@@ -320,15 +321,16 @@ class OptimizerParallel:
             )
             if groups.copies_size > 1:
                 started = all_reduce_async(flat, ReduceOp.SUM, groups.copies)
-                self._inflight.append((i, phase, Pending(lambda: [started.wait()]), True))
+                self._inflight.append((i, phase, Pending(lambda: [started.wait()])))
             else:
-                self._finish(i, [flat], copies_reduced=True)
+                self._finish(i, [flat])
 
-    def _finish(self, i: int, parts: list[torch.Tensor], copies_reduced: bool) -> None:
-        """The AllReduce over the copy group (unless `copies_reduced`), / world size, into
-        ``param.grad`` (`parts`: one reduced tensor per member, or one flat buffer of them)."""
+    def _finish(self, i: int, parts: list[torch.Tensor]) -> None:
+        """A shard bucket's AllReduce over the copy group (an all-reduce bucket's AllReduce
+        already was that), / world size, into ``param.grad`` (`parts`: one reduced tensor per
+        member, or one flat buffer of them)."""
         groups, bucket = self.groups[i], self.plan.buckets[i]
-        if groups.copies_size > 1 and not copies_reduced:
+        if bucket.kind == "shard" and groups.copies_size > 1:
             flat = parts[0].view(-1) if len(parts) == 1 else torch.cat([p.view(-1) for p in parts])
             all_reduce_(flat, ReduceOp.SUM, groups.copies)
             parts = [flat]
@@ -341,9 +343,9 @@ class OptimizerParallel:
     def _drain(self) -> None:
         """Finish the started reductions, in the order they started."""
         inflight, self._inflight = self._inflight, []
-        for i, phase, pending, copies_reduced in inflight:
+        for i, phase, pending in inflight:
             with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
-                self._finish(i, pending.wait(), copies_reduced)
+                self._finish(i, pending.wait())
 
     def _grads(self, bucket: Bucket) -> list[torch.Tensor] | None:
         """The members' leaf gradients (zeros for a member without one); None: none has one."""
