@@ -98,21 +98,35 @@ def main() -> None:
 
 def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> None:
     """Bucketed AllGather / ReduceScatter, both transports (pairwise forced by a zero
-    threshold), two buckets in flight at once: the gathers equal the concatenation, the
-    pairwise reduction equals the flat one bit for bit (both sum in group-rank order)."""
-    from shardwise.communication import _buckets
+    threshold; "coalesced": small buckets joining one message per peer in
+    `_pairwise.coalesced`, with a one-member bucket of each kind too), two or more buckets in
+    flight at once: the gathers equal the concatenation, the pairwise reduction equals the flat
+    one bit for bit (both sum in group-rank order), every bucket recorded as one collective."""
+    from shardwise.communication import CommRecorder, _buckets, _pairwise
     from shardwise.communication._collectives import ReduceOp
 
     k = len(members)
     shapes = [(2 * k, 3), (k,), (3 * k, 5)]
     pieces = [inputs(n, (s[0] // k, *s[1:]), seed=10 + i) for i, s in enumerate(shapes)]
     fulls = [inputs(n, s, seed=20 + i) for i, s in enumerate(shapes)]
-    results = {}
+    results: dict[object, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for threshold in (0, 1 << 40):
         _buckets.PAIRWISE_MIN_BYTES = threshold
         gather = _buckets.all_gather_bucket([p[rank] for p in pieces], group)
         scatter = _buckets.reduce_scatter_bucket([f[rank] for f in fulls], ReduceOp.SUM, group)
         results[threshold] = (scatter.wait(), gather.wait())
+    _buckets.PAIRWISE_MIN_BYTES = 256 * 1024
+    with CommRecorder() as rec:
+        with _pairwise.coalesced():
+            gathers = [_buckets.all_gather_bucket([pieces[0][rank]], group)]
+            gathers.append(_buckets.all_gather_bucket([p[rank] for p in pieces[1:]], group))
+            scatter_one = _buckets.reduce_scatter_bucket([fulls[0][rank]], ReduceOp.SUM, group)
+            scatter = _buckets.reduce_scatter_bucket(
+                [f[rank] for f in fulls[1:]], ReduceOp.SUM, group
+            )
+        gathered = [t for g in gathers for t in g.wait()]
+        results["coalesced"] = ([*scatter_one.wait(), *scatter.wait()], gathered)
+    assert rec.count("AllGather") == 2 and rec.count("ReduceScatter") == 2, "one per bucket"
     pos = members.index(rank)
     for scattered, gathered in results.values():
         for p, got in zip(pieces, gathered, strict=True):
@@ -120,9 +134,9 @@ def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> N
         for f, got in zip(fulls, scattered, strict=True):
             want = sum(f[r] for r in members).chunk(k)[pos]
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), "bucket ReduceScatter"
-    for a, b in zip(results[0][0], results[1 << 40][0], strict=True):
-        assert torch.equal(a, b), "pairwise and flat ReduceScatter differ"
-    _buckets.PAIRWISE_MIN_BYTES = 256 * 1024
+    for other in (0, "coalesced"):
+        for a, b in zip(results[other][0], results[1 << 40][0], strict=True):
+            assert torch.equal(a, b), f"{other} pairwise and flat ReduceScatter differ"
 
 
 if __name__ == "__main__":

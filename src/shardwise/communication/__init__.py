@@ -7,8 +7,9 @@ process-group functions directly.
 - `_init`: `init`, `get_rank`, `get_group_size`, `get_local_rank`, `create_group`,
   `destroy_group`, `release`.
 - `_collectives`: the plain collectives (recorded, no autograd).
-- `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (pairwise sends on
-  gloo, no packing copies; optimizer parallel's buckets).
+- `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
+  parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
+  buckets started together inside `_pairwise.coalesced()`.
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
 - `recorder`: `CommRecorder`, bytes bounds.
 """

@@ -9,25 +9,27 @@ Both start the collective and return a `Pending` whose ``wait()`` gives the per-
 and records ONE AllGather / ReduceScatter of the bucket's total size. Two transports
 (`_transport` picks):
 
-- **pairwise** (real gloo groups, buckets of at least `PAIRWISE_MIN_BYTES` per rank): at step
-  k = 1..N-1 each rank sends every member's piece to the rank k places after it and receives
-  from the rank k places before it, straight from the members into their places in the
-  results: no packing copy, no unpacking copy, (N-1)/N of the bucket per rank (the bound).
-  On 2 CPU cores this is about twice as fast as gloo's own allgather / alltoall at 4-16 MiB
-  (N = 2 and 4; bench/README.md, "Optimizer parallel").
+- **pairwise** (real gloo groups, buckets of at least `PAIRWISE_MIN_BYTES` per rank, or any
+  bucket inside `_pairwise.coalesced()`): at step k = 1..N-1 each rank sends the rank k places
+  after it ONE message holding every member's piece (`_pairwise.Exchange`: on gloo each
+  message in flight costs a notification round trip) and receives one from the rank k places
+  before; a one-member bucket travels straight from the member into its place in the result.
+  (N-1)/N of the bucket per rank (the bound). On 2 CPU cores this is about twice as fast as
+  gloo's own allgather / alltoall at 4-16 MiB (N = 2 and 4; bench/README.md, "Optimizer
+  parallel"). Buckets started together inside `coalesced()` share their messages (one per
+  peer) and are still recorded as one collective each.
 - **flat** (NCCL, simulated worlds, small buckets): the members packed chunk-major into one
   buffer, one `all_gather` / `reduce_scatter` of `_collectives`, the results unpacked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardwise.communication import _sim, recorder
+from shardwise.communication import _pairwise, _sim, recorder
 from shardwise.communication._collectives import (
     Pending,
     ReduceOp,
@@ -38,9 +40,7 @@ from shardwise.communication._collectives import (
 )
 from shardwise.communication._init import Group, resolve_group
 
-PAIRWISE_MIN_BYTES = 256 * 1024  # per rank; below it one gloo collective beats 2K(N-1) messages
-_TAG_BASE = 1 << 24  # above the tags users give NeighborExchange (same send/recv slot space)
-_tags: dict[tuple[int, ...], int] = {}  # group ranks -> the next tag (same order on every rank)
+PAIRWISE_MIN_BYTES = 256 * 1024  # per rank; below it one gloo collective beats 2(N-1) messages
 
 
 def _check_members(what: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -56,42 +56,14 @@ def _check_members(what: str, tensors: Sequence[torch.Tensor]) -> None:
 
 
 def _transport(g: Group, per_rank_bytes: int) -> str:
+    """``"pairwise"`` on a real gloo group for a bucket of at least `PAIRWISE_MIN_BYTES` per
+    rank, or of any size inside `coalesced()` (it joins a message that is sent anyway)."""
     n = len(g.ranks)
-    if n == 1 or _sim.current() is not None or per_rank_bytes < PAIRWISE_MIN_BYTES:
+    if n == 1 or _sim.current() is not None:
+        return "flat"
+    if per_rank_bytes < PAIRWISE_MIN_BYTES and not _pairwise.coalescing():
         return "flat"
     return "pairwise" if dist.get_backend(g.pg) == "gloo" else "flat"
-
-
-def _next_tags(g: Group, count: int) -> int:
-    """The first of `count` fresh message tags for one bucket call on group `g`."""
-    tag = _tags.get(g.ranks, 0)
-    _tags[g.ranks] = (tag + count) % (1 << 20)
-    return _TAG_BASE + tag
-
-
-def _position(g: Group) -> int:
-    return g.ranks.index(dist.get_rank())
-
-
-def _post_pairwise(
-    g: Group,
-    count: int,
-    send: Callable[[int, int], torch.Tensor],
-    recv: Callable[[int, int], torch.Tensor],
-) -> list[Any]:
-    """Post the pairwise exchange of `count` members: at step k = 1..N-1, member m's
-    ``send(m, dst)`` goes to the rank k positions after this one and ``recv(m, src)`` receives
-    from the rank k positions before (positions in the group; tag: one per member and call).
-    Returns the works to wait for."""
-    n, pos = len(g.ranks), _position(g)
-    tag = _next_tags(g, count)
-    works = []
-    for k in range(1, n):
-        dst, src = (pos + k) % n, (pos - k) % n
-        for m in range(count):
-            works.append(dist.isend(send(m, dst), g.ranks[dst], group=g.pg, tag=tag + m))
-            works.append(dist.irecv(recv(m, src), g.ranks[src], g.pg, tag + m))
-    return [w for w in works if w is not None]
 
 
 def all_gather_bucket(
@@ -125,13 +97,18 @@ def all_gather_bucket(
         rows = pieces[m].shape[0]
         return outs[m].narrow(0, position * rows, rows)
 
-    works = _post_pairwise(g, len(pieces), lambda m, dst: pieces[m], rows_of)
+    exchange, own = _pairwise.join(g, pieces[0].dtype)
+    for m, piece in enumerate(pieces):  # (each member's piece goes to every peer)
+        exchange.add(
+            dict.fromkeys(exchange.peers, piece), {p: rows_of(m, p) for p in exchange.peers}
+        )
+    if own:
+        exchange.post()
     for m, piece in enumerate(pieces):  # this rank's own rows, while the others travel
-        rows_of(m, _position(g)).copy_(piece)
+        rows_of(m, exchange.position).copy_(piece)
 
     def finish() -> list[torch.Tensor]:
-        for work in works:
-            work.wait()
+        exchange.wait()
         done()
         return outs
 
@@ -192,15 +169,18 @@ def reduce_scatter_bucket(
     chunks = [t.chunk(n, 0) for t in members]
     received: list[list[torch.Tensor]] = [list(c) for c in chunks]  # [member][position]
 
-    def receive(m: int, src: int) -> torch.Tensor:
-        received[m][src] = torch.empty_like(chunks[m][src])
-        return received[m][src]
-
-    works = _post_pairwise(g, len(members), lambda m, dst: chunks[m][dst], receive)
+    exchange, own = _pairwise.join(g, members[0].dtype)
+    for m, chunk in enumerate(chunks):
+        for p in exchange.peers:
+            received[m][p] = torch.empty_like(chunk[p])
+        exchange.add(
+            {p: chunk[p] for p in exchange.peers}, {p: received[m][p] for p in exchange.peers}
+        )
+    if own:
+        exchange.post()
 
     def finish() -> list[torch.Tensor]:
-        for work in works:
-            work.wait()
+        exchange.wait()
         out = [op.reduce_parts(parts) for parts in received]
         done()
         return out

@@ -11,7 +11,9 @@ reduced in fused buckets straight into the shards (levels 1-3).
   (`communication._buckets.all_gather_bucket`) on first use, for the others a view of the
   parameter. Leaves are reused until the optimizer steps. Prefetch (`_prefetch`): at levels 1-2
   the first use of a shard bucket starts every shard bucket's gather (all are kept until
-  backward anyway); level 3 starts the bucket in use and the next one.
+  backward anyway); level 3 starts the bucket in use and the next one. Gathers started
+  together are coalesced (`communication._pairwise.coalesced`: on gloo one message per peer
+  instead of one per bucket; still one recorded AllGather per bucket).
 - `_on_grad` (backward): each leaf's post-accumulate-grad hook; when every used leaf of a bucket
   has its gradient, the bucket is reduced (`_reduce`): one ReduceScatter over the shard group of
   the bucket's gradients (`reduce_scatter_bucket`: each rank receives its dim-0 chunk of every
@@ -21,8 +23,8 @@ reduced in fused buckets straight into the shards (levels 1-3).
   started asynchronously and finished (`_drain`) at the end of backward, so they run while the
   earlier layers' gradients are computed. Level 1 keeps the full-size gradients on the leaves
   and reduces at the optimizer's step (`flush`, a global step pre-hook: every bucket started,
-  then all finished); levels 2 and 3 reduce in backward, as soon as a bucket is complete. A
-  bucket left incomplete (unused parameters) is reduced at the end of backward.
+  coalesced, then all finished); levels 2 and 3 reduce in backward, as soon as a bucket is
+  complete. A bucket left incomplete (unused parameters) is reduced at the end of backward.
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
   backward, starting the previous saved bucket's gather too (prefetch: backward runs the layers
@@ -55,6 +57,7 @@ from shardwise.communication._collectives import (
     all_reduce_,
     all_reduce_async,
 )
+from shardwise.communication._pairwise import coalesced
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
@@ -195,15 +198,16 @@ class OptimizerParallel:
     def _prefetch(self, i: int, depth: int) -> None:
         """Start gathering shard bucket `i` and the shard buckets after it, `depth` in all, that
         are neither gathered nor started (each finished at its first use, by `_gather`)."""
-        for j in range(i, len(self.plan.buckets)):
-            bucket = self.plan.buckets[j]
-            if bucket.kind != "shard":
-                continue
-            if bucket.names[0] not in self.leaves and j not in self._prefetched:
-                self._prefetched[j] = self._start_gather(j)
-            depth -= 1
-            if depth == 0:
-                return
+        with coalesced():  # started together: one message per peer on gloo
+            for j in range(i, len(self.plan.buckets)):
+                bucket = self.plan.buckets[j]
+                if bucket.kind != "shard":
+                    continue
+                if bucket.names[0] not in self.leaves and j not in self._prefetched:
+                    self._prefetched[j] = self._start_gather(j)
+                depth -= 1
+                if depth == 0:
+                    return
 
     @contextmanager
     def saved_tensors(self) -> Iterator[None]:
@@ -294,10 +298,11 @@ class OptimizerParallel:
 
     def flush(self) -> None:
         """Reduce every bucket with pending gradients (level 1: at the optimizer's step)."""
-        for i, bucket in enumerate(self.plan.buckets):
-            leaves = [self.leaves.get(n) for n in bucket.names]
-            if any(leaf is not None and leaf.grad is not None for leaf in leaves):
-                self._reduce(i, phase="step")  # all started before any is waited for
+        with coalesced():  # all started before any is waited for: one message per peer
+            for i, bucket in enumerate(self.plan.buckets):
+                leaves = [self.leaves.get(n) for n in bucket.names]
+                if any(leaf is not None and leaf.grad is not None for leaf in leaves):
+                    self._reduce(i, phase="step")
         self._drain()
 
     def _reduce(self, i: int, phase: str = "backward") -> None:
