@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -41,3 +44,55 @@ def test_calls_before_init_explain() -> None:
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend='tpu'"):
         init("tpu")
+
+
+class _Store:
+    """A rendezvous store shared by threads (add / set / wait), logging who did what."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+        self.log: list[tuple[int, str]] = []
+        self.cond = threading.Condition()
+
+    def add(self, key: str, n: int) -> int:
+        with self.cond:
+            self.values[key] = self.values.get(key, 0) + n
+            self.log.append((_rank.value, f"add {key}"))
+            self.cond.notify_all()
+            return self.values[key]
+
+    def set(self, key: str, value: str) -> None:
+        self.add(key, 1)
+
+    def wait(self, keys: list[str], timeout: object) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: all(k in self.values for k in keys), 10)
+
+
+_rank = threading.local()
+
+
+def test_release_barrier_keeps_the_store_host_until_every_rank_left() -> None:
+    """Rank 0 hosts the rendezvous store: its `_store_barrier` returns only after every rank
+    has stopped using the store, else a rank still waiting loses its connection."""
+    from shardwise.communication._init import store_barrier
+
+    store, world = _Store(), 3
+    returned: list[tuple[int, int]] = []
+
+    def rank(r: int) -> None:
+        _rank.value = r
+        if r == world - 1:
+            time.sleep(0.2)  # the last to arrive: the others are already waiting
+        store_barrier(store, "release/1", r, world)
+        with store.cond:
+            returned.append((r, len(store.log)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    last_use = max(i for i, (r, _) in enumerate(store.log) if r != 0) + 1
+    host_return = dict(returned)[0]
+    assert len(returned) == world and host_return >= last_use

@@ -287,7 +287,20 @@ def _store_barrier() -> None:
     except (AttributeError, RuntimeError, ValueError):  # no store to use: the plain barrier
         dist.barrier()
         return
-    key = f"shardwise/release/{_releases}"
-    if store.add(key, 1) == dist.get_world_size():
+    store_barrier(store, f"shardwise/release/{_releases}", dist.get_rank(), dist.get_world_size())
+
+
+def store_barrier(store: Any, key: str, rank: int, world: int) -> None:
+    """Wait on `store` (add / set / wait) until all `world` ranks have called this with `key`.
+
+    The store lives in rank 0's process (torch's default), so rank 0 returns last: only after
+    every rank is past its wait, else a rank still waiting would lose its connection
+    ("Connection reset by peer") when rank 0 exits.
+    """
+    if store.add(key, 1) == world:
         store.set(f"{key}/done", "1")
     store.wait([f"{key}/done"], comm_timeout())
+    if store.add(f"{key}/left", 1) == world:
+        store.set(f"{key}/gone", "1")
+    if rank == 0:
+        store.wait([f"{key}/gone"], comm_timeout())
