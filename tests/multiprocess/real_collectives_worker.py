@@ -116,17 +116,20 @@ def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> N
         scatter = _buckets.reduce_scatter_bucket([f[rank] for f in fulls], ReduceOp.SUM, group)
         results[threshold] = (scatter.wait(), gather.wait())
     _buckets.PAIRWISE_MIN_BYTES = 256 * 1024
-    with CommRecorder() as rec:
-        with _pairwise.coalesced():
-            gathers = [_buckets.all_gather_bucket([pieces[0][rank]], group)]
-            gathers.append(_buckets.all_gather_bucket([p[rank] for p in pieces[1:]], group))
-            scatter_one = _buckets.reduce_scatter_bucket([fulls[0][rank]], ReduceOp.SUM, group)
-            scatter = _buckets.reduce_scatter_bucket(
-                [f[rank] for f in fulls[1:]], ReduceOp.SUM, group
-            )
-        gathered = [t for g in gathers for t in g.wait()]
-        results["coalesced"] = ([*scatter_one.wait(), *scatter.wait()], gathered)
-    assert rec.count("AllGather") == 2 and rec.count("ReduceScatter") == 2, "one per bucket"
+    for separate in (1 << 20, 40):  # 40 bytes: the 60-byte parts travel alone, not packed
+        _pairwise.SEPARATE_BYTES = separate
+        with CommRecorder() as rec:
+            with _pairwise.coalesced():
+                gathers = [_buckets.all_gather_bucket([pieces[0][rank]], group)]
+                gathers.append(_buckets.all_gather_bucket([p[rank] for p in pieces[1:]], group))
+                one = _buckets.reduce_scatter_bucket([fulls[0][rank]], ReduceOp.SUM, group)
+                scatter = _buckets.reduce_scatter_bucket(
+                    [f[rank] for f in fulls[1:]], ReduceOp.SUM, group
+                )
+            gathered = [t for g in gathers for t in g.wait()]
+            results[f"coalesced {separate}"] = ([*one.wait(), *scatter.wait()], gathered)
+        assert rec.count("AllGather") == 2 and rec.count("ReduceScatter") == 2, "one per bucket"
+    _pairwise.SEPARATE_BYTES = 1 << 20
     pos = members.index(rank)
     for scattered, gathered in results.values():
         for p, got in zip(pieces, gathered, strict=True):
@@ -134,7 +137,7 @@ def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> N
         for f, got in zip(fulls, scattered, strict=True):
             want = sum(f[r] for r in members).chunk(k)[pos]
             assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), "bucket ReduceScatter"
-    for other in (0, "coalesced"):
+    for other in (0, "coalesced 1048576", "coalesced 40"):
         for a, b in zip(results[other][0], results[1 << 40][0], strict=True):
             assert torch.equal(a, b), f"{other} pairwise and flat ReduceScatter differ"
 

@@ -1,18 +1,20 @@
-"""Pairwise exchanges on gloo: one message from every rank to every other rank of a group.
+"""Pairwise exchanges on gloo: messages from every rank to every other rank of a group.
 
 The bucket collectives (`_buckets`) move their data this way on real gloo groups. Every
 message in flight between two gloo ranks costs a notification round trip handled by gloo's
 I/O threads, so on 2 CPU cores two 650 KB messages take about twice as long as one 1.3 MB
-message. An `Exchange` therefore packs everything one rank sends to one peer into ONE message,
-across the members of a bucket and, inside `coalesced()`, across every bucket call started in
-the block.
+message. An `Exchange` therefore packs the small parts one rank sends to one peer into ONE
+message, across the members of a bucket and, inside `coalesced()`, across every bucket call
+started in the block; a part of `SEPARATE_BYTES` or more travels alone, straight from its
+tensor (packing it would cost a copy larger than the round trip it saves).
 
 - `join(g, dtype)`: the exchange a bucket call adds its parts to: inside `coalesced()` the one
   shared by every call on `g` with that dtype (posted when the block ends), otherwise a fresh
   one the caller posts.
-- `Exchange.add` (a send part per peer and a receive target per peer), `Exchange.post` (one
-  ``isend`` / ``irecv`` per peer; the parts packed with `_packed`), `Exchange.wait` (the
-  targets filled: received in place when a message has one target, else unpacked).
+- `Exchange.add` (a send part per peer and a receive target per peer), `Exchange.post` (the
+  messages of `_messages`, one ``isend`` / ``irecv`` each; small parts packed with `_packed`),
+  `Exchange.wait` (the targets filled: received in place when a message has one target, else
+  unpacked).
 - `coalesced()`: the block whose bucket calls share their exchanges.
 """
 
@@ -29,14 +31,29 @@ from shardwise.communication._init import Group
 
 _TAG_BASE = 1 << 24  # above the tags users give NeighborExchange (same send/recv slot space)
 _tags: dict[tuple[int, ...], int] = {}  # group ranks -> the next tag (same order on every rank)
+SEPARATE_BYTES = 1 << 20  # a part this large travels in a message of its own
 _open: list[dict[tuple[tuple[int, ...], torch.dtype], Exchange]] = []  # open coalesced blocks
 
 
-def _next_tag(g: Group) -> int:
-    """A fresh message tag for one exchange on group `g` (the same on every rank)."""
+def _next_tag(g: Group, count: int) -> int:
+    """The first of `count` fresh message tags for one exchange on group `g` (the same on
+    every rank)."""
     tag = _tags.get(g.ranks, 0)
-    _tags[g.ranks] = (tag + 1) % (1 << 20)
+    _tags[g.ranks] = (tag + count) % (1 << 20)
     return _TAG_BASE + tag
+
+
+def _numel(parts: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() for p in parts)
+
+
+def _messages(parts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The parts (indices) of each message to one peer: every part smaller than
+    `SEPARATE_BYTES` in one packed message (first), each larger part in a message of its own
+    (no packing copy; a round trip is small next to its transfer)."""
+    small = [i for i, p in enumerate(parts) if p.numel() * p.element_size() < SEPARATE_BYTES]
+    alone = [[i] for i in range(len(parts)) if i not in small]
+    return ([small] if small else []) + alone
 
 
 def _packed(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -68,7 +85,7 @@ class Exchange:
         self.peers = [p for p in range(len(g.ranks)) if p != self.position]
         self._out: dict[int, list[torch.Tensor]] = {p: [] for p in self.peers}
         self._into: dict[int, list[torch.Tensor]] = {p: [] for p in self.peers}
-        self._inbox: dict[int, torch.Tensor] = {}
+        self._inbox: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, targets)
         self._works: list[Any] | None = None
 
     def add(self, send: Mapping[int, torch.Tensor], recv: Mapping[int, torch.Tensor]) -> None:
@@ -80,25 +97,25 @@ class Exchange:
             self._into[peer].append(recv[peer])
 
     def post(self) -> None:
-        """At step k = 1..N-1 send the packed message to the rank k positions after this one
-        and receive the one from the rank k positions before."""
-        n, pos, tag = len(self.g.ranks), self.position, _next_tag(self.g)
-        messages: dict[tuple[int, ...], torch.Tensor] = {}  # the same parts: packed once
+        """At step k = 1..N-1 send the messages to the rank k positions after this one and
+        receive those from the rank k positions before (`_messages` groups the parts)."""
+        n, pos = len(self.g.ranks), self.position
+        groups = _messages(self._out[self.peers[0]])  # (the same sizes for every peer)
+        tag = _next_tag(self.g, len(groups))
+        packed: dict[tuple[int, ...], torch.Tensor] = {}  # the same parts: packed once
         works = []
         for k in range(1, n):
             dst, src = (pos + k) % n, (pos - k) % n
-            parts = self._out[dst]
-            key = tuple(id(p) for p in parts)
-            if key not in messages:
-                messages[key] = _packed(parts)
-            works.append(dist.isend(messages[key], self.g.ranks[dst], group=self.g.pg, tag=tag))
-            targets = self._into[src]
-            if len(targets) == 1:
-                box = targets[0]
-            else:
-                box = targets[0].new_empty(sum(t.numel() for t in targets))
-            self._inbox[src] = box
-            works.append(dist.irecv(box, self.g.ranks[src], self.g.pg, tag))
+            for j, members in enumerate(groups):
+                parts = [self._out[dst][i] for i in members]
+                key = tuple(id(p) for p in parts)
+                if key not in packed:
+                    packed[key] = _packed(parts)
+                works.append(dist.isend(packed[key], self.g.ranks[dst], self.g.pg, tag + j))
+                targets = [self._into[src][i] for i in members]
+                box = targets[0] if len(targets) == 1 else targets[0].new_empty(_numel(targets))
+                self._inbox.append((box, targets))
+                works.append(dist.irecv(box, self.g.ranks[src], self.g.pg, tag + j))
         self._works = [w for w in works if w is not None]
         self._out = {}
 
@@ -108,12 +125,11 @@ class Exchange:
         for work in self._works:
             work.wait()
         self._works = []
-        for src, box in self._inbox.items():
-            targets = self._into[src]
+        for box, targets in self._inbox:
             if len(targets) > 1:
                 for target, got in zip(targets, _unpacked(box, targets), strict=True):
                     target.copy_(got)
-        self._inbox = {}
+        self._inbox = []
 
     def __str__(self) -> str:
         return f"Exchange(group={list(self.g.ranks)}, posted={self._works is not None})"
