@@ -98,17 +98,18 @@ def all_gather_bucket(
         return outs[m].narrow(0, position * rows, rows)
 
     exchange, own = _pairwise.join(g, pieces[0].dtype)
-    for m, piece in enumerate(pieces):  # (each member's piece goes to every peer)
-        exchange.add(
-            dict.fromkeys(exchange.peers, piece), {p: rows_of(m, p) for p in exchange.peers}
-        )
+    peers = exchange.peers
+    parts = [  # (each member's piece goes to every peer)
+        exchange.add(dict.fromkeys(peers, piece), {p: rows_of(m, p) for p in peers})
+        for m, piece in enumerate(pieces)
+    ]
     if own:
         exchange.post()
     for m, piece in enumerate(pieces):  # this rank's own rows, while the others travel
         rows_of(m, exchange.position).copy_(piece)
 
     def finish() -> list[torch.Tensor]:
-        exchange.wait()
+        exchange.wait(parts)
         done()
         return outs
 
@@ -170,18 +171,17 @@ def reduce_scatter_bucket(
     received: list[list[torch.Tensor]] = [list(c) for c in chunks]  # [member][position]
 
     exchange, own = _pairwise.join(g, members[0].dtype)
+    peers, parts = exchange.peers, []
     for m, chunk in enumerate(chunks):
-        for p in exchange.peers:
+        for p in peers:
             received[m][p] = torch.empty_like(chunk[p])
-        exchange.add(
-            {p: chunk[p] for p in exchange.peers}, {p: received[m][p] for p in exchange.peers}
-        )
+        parts.append(exchange.add({p: chunk[p] for p in peers}, {p: received[m][p] for p in peers}))
     if own:
         exchange.post()
 
     def finish() -> list[torch.Tensor]:
-        exchange.wait()
-        out = [op.reduce_parts(parts) for parts in received]
+        exchange.wait(parts)
+        out = [op.reduce_parts(pieces) for pieces in received]
         done()
         return out
 

@@ -14,8 +14,9 @@ straight from its tensor (packing it would cost a copy larger than the round tri
   one the caller posts.
 - `Exchange.add` (a send part per peer and a receive target per peer), `Exchange.post` (the
   messages of `_messages`, one ``isend`` / ``irecv`` each; small parts packed with `_packed`),
-  `Exchange.wait` (the targets filled: received in place when a message has one target, else
-  unpacked).
+  `Exchange.wait` (the messages carrying the given parts finished, their targets filled:
+  received in place when a message has one target, else unpacked; a bucket waits only for
+  its own messages, so a coalesced level-3 prefetch does not wait for the next bucket's).
 - `coalesced()`: the block whose bucket calls share their exchanges.
 """
 
@@ -73,6 +74,25 @@ def _unpacked(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return out
 
 
+class _Message:
+    """One message to and one from a peer: its works, receive buffer and targets."""
+
+    def __init__(self, box: torch.Tensor, targets: list[torch.Tensor], works: list[Any]) -> None:
+        self.box, self.targets, self.works = box, targets, works
+        self.done = False
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        for work in self.works:
+            work.wait()
+        if len(self.targets) > 1:
+            for target, got in zip(self.targets, _unpacked(self.box, self.targets), strict=True):
+                target.copy_(got)
+        self.done = True
+        self.works, self.targets = [], []
+
+
 class Exchange:
     """What this rank sends to and fills from every peer of group `g` (positions in the group).
 
@@ -86,25 +106,26 @@ class Exchange:
         self.peers = [p for p in range(len(g.ranks)) if p != self.position]
         self._out: dict[int, list[torch.Tensor]] = {p: [] for p in self.peers}
         self._into: dict[int, list[torch.Tensor]] = {p: [] for p in self.peers}
-        self._inbox: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (buffer, targets)
-        self._works: list[Any] | None = None
+        self._carrying: dict[int, list[_Message]] = {}  # part index -> the messages with it
+        self._posted = False
 
-    def add(self, send: Mapping[int, torch.Tensor], recv: Mapping[int, torch.Tensor]) -> None:
-        """Add ``send[peer]`` to the message to each peer (`peers`) and ``recv[peer]``
-        (contiguous) to the targets filled from each peer's message."""
-        assert self._works is None, "exchange already posted"
+    def add(self, send: Mapping[int, torch.Tensor], recv: Mapping[int, torch.Tensor]) -> int:
+        """Add ``send[peer]`` to the messages to each peer (`peers`) and ``recv[peer]``
+        (contiguous) to the targets filled from each peer's messages; returns the part's index
+        (for `wait`)."""
+        assert not self._posted, "exchange already posted"
         for peer in self.peers:
             self._out[peer].append(send[peer])
             self._into[peer].append(recv[peer])
+        return len(self._out[self.peers[0]]) - 1
 
     def post(self) -> None:
         """At step k = 1..N-1 send the messages to the rank k positions after this one and
         receive those from the rank k positions before (`_messages` groups the parts)."""
-        n, pos = len(self.g.ranks), self.position
+        n, pos, g = len(self.g.ranks), self.position, self.g
         groups = _messages(self._out[self.peers[0]])  # (the same sizes for every peer)
-        tag = _next_tag(self.g, len(groups))
+        tag = _next_tag(g, len(groups))
         packed: dict[tuple[int, ...], torch.Tensor] = {}  # the same parts: packed once
-        works = []
         for k in range(1, n):
             dst, src = (pos + k) % n, (pos - k) % n
             for j, members in enumerate(groups):
@@ -112,28 +133,28 @@ class Exchange:
                 key = tuple(id(p) for p in parts)
                 if key not in packed:
                     packed[key] = _packed(parts)
-                works.append(dist.isend(packed[key], self.g.ranks[dst], self.g.pg, tag + j))
                 targets = [self._into[src][i] for i in members]
                 box = targets[0] if len(targets) == 1 else targets[0].new_empty(_numel(targets))
-                self._inbox.append((box, targets))
-                works.append(dist.irecv(box, self.g.ranks[src], self.g.pg, tag + j))
-        self._works = [w for w in works if w is not None]
-        self._out = {}
+                works = [
+                    dist.isend(packed[key], g.ranks[dst], g.pg, tag + j),
+                    dist.irecv(box, g.ranks[src], g.pg, tag + j),
+                ]
+                message = _Message(box, targets, [w for w in works if w is not None])
+                for i in members:
+                    self._carrying.setdefault(i, []).append(message)
+        self._posted = True
+        self._out, self._into = {}, {}
 
-    def wait(self) -> None:
-        """Finish the messages and fill the targets (idempotent)."""
-        assert self._works is not None, "exchange waited for before it was posted"
-        for work in self._works:
-            work.wait()
-        self._works = []
-        for box, targets in self._inbox:
-            if len(targets) > 1:
-                for target, got in zip(targets, _unpacked(box, targets), strict=True):
-                    target.copy_(got)
-        self._inbox = []
+    def wait(self, parts: Sequence[int]) -> None:
+        """Finish the messages carrying `parts` (indices from `add`) and fill their targets;
+        the exchange's other messages may still be travelling."""
+        assert self._posted, "exchange waited for before it was posted"
+        for i in parts:
+            for message in self._carrying.get(i, []):
+                message.finish()
 
     def __str__(self) -> str:
-        return f"Exchange(group={list(self.g.ranks)}, posted={self._works is not None})"
+        return f"Exchange(group={list(self.g.ranks)}, posted={self._posted})"
 
 
 def coalescing() -> bool:
