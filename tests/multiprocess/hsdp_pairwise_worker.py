@@ -1,8 +1,10 @@
 """Worker for test_hsdp_pairwise_real.py: optimizer parallel at levels 1-3 on real gloo
 processes with buckets large enough (>= 256 KiB per rank) for the pairwise bucket transport,
-one bucket per layer and a layer the forward never uses. Each rank trains the same network on
-one device too (same seed, same global batches) and checks its losses and its shard of every
-parameter against that; prints ``CHECK <level> OK``.
+one bucket per layer and a layer the forward never uses; then plain data parallel (no hsdp:
+each gradient all-reduced asynchronously in ``.grad``), with one and with two backward calls
+per step (the second accumulates onto ``.grad``: reduced synchronously). Each rank trains the
+same network on one device too (same seed, same global batches) and checks its losses and its
+shard (or block) of every parameter against that; prints ``CHECK <mode> OK``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from shardwise.communication import _buckets, get_group_size, get_rank
 from shardwise.parallel import AutoParallel
 
 STEPS, BATCH = 3, 16
+MODES = ("level1", "level2", "level3", "dp", "dp accumulate")
 
 
 class Net(nn.Module):
@@ -44,52 +47,64 @@ def optimizer(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
-def single_device() -> tuple[list[float], dict[str, torch.Tensor]]:
+def step_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, twice: bool) -> torch.Tensor:
+    """Forward and backward of one step (`twice`: a second backward on half the inputs, its
+    gradients accumulating onto the first's)."""
+    loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    if twice:
+        F.cross_entropy(net(x * 0.5), y).backward()
+    return loss
+
+
+def single_device(twice: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     net = Net()
     opt = optimizer(net)
     losses = []
     for x, y in batches():
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
+        loss = step_loss(net, x, y, twice)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-def check(level: str, want_losses: list[float], want: dict[str, torch.Tensor]) -> None:
+def check(mode: str) -> None:
+    """`mode`: an optimizer level, ``"dp"`` or ``"dp accumulate"`` (two backward calls)."""
+    twice = mode == "dp accumulate"
+    want_losses, want = single_device(twice)
     net = Net()
     opt = optimizer(net)
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
+        loss = step_loss(net, x, y, twice)
         opt.step()
         opt.zero_grad()
         return loss
 
     parallel = AutoParallel(train_step, parallel_mode="semi_auto")
-    parallel.hsdp(threshold=0, optimizer_level=level)
+    if mode.startswith("level"):
+        parallel.hsdp(threshold=0, optimizer_level=mode)
     losses = [float(parallel(x, y)) for x, y in batches()]
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
     plan, rank = parallel.optimizer_plan, get_rank()
-    assert plan is not None
     for name, p in net.named_parameters():
-        shard = plan.param(name)
-        assert shard.sharded, name
-        rows = shard.shard_shape[0]
-        expected = want[name][rank * rows : (rank + 1) * rows]
+        expected = want[name]
+        if plan is not None:
+            shard = plan.param(name)
+            assert shard.sharded, name
+            rows = shard.shard_shape[0]
+            expected = expected[rank * rows : (rank + 1) * rows]
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6, msg=name)
-    print(f"CHECK {level} OK", flush=True)
+    print(f"CHECK {mode} OK", flush=True)
 
 
 def main() -> None:
     sw.communication.init()
     assert get_group_size() == 2
     assert _buckets.PAIRWISE_MIN_BYTES <= 512 * 256 * 4 // 2  # layer1's bucket goes pairwise
-    want_losses, want = single_device()
-    for level in ("level1", "level2", "level3"):
-        check(level, want_losses, want)
+    for mode in MODES:
+        check(mode)
     sw.communication.release()
 
 

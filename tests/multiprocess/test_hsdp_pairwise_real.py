@@ -1,5 +1,6 @@
 """Optimizer parallel on 2 real gloo processes through the pairwise bucket transport (buckets of
->= 256 KiB per rank), levels 1-3, with an unused layer gathered ahead: losses and every shard
+>= 256 KiB per rank), levels 1-3, with an unused layer gathered ahead, and plain data parallel's
+asynchronous gradient AllReduce (one and two backward calls per step): losses and every shard
 equal single-device training (hsdp_pairwise_worker.py)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 from shardwise.testing import run_job
 
 WORKER = Path(__file__).with_name("hsdp_pairwise_worker.py")
+MODES = ("level1", "level2", "level3", "dp", "dp accumulate")  # the worker's MODES
 
 
 @pytest.mark.multiprocess
@@ -20,5 +22,5 @@ def test_hsdp_levels_on_two_real_processes(tmp_path: Path) -> None:
     assert res.returncode == 0, res.output + "".join(res.worker_log(r) for r in range(2))
     for rank in range(2):
         log = res.worker_log(rank)
-        for level in ("level1", "level2", "level3"):
-            assert f"CHECK {level} OK" in log, f"rank {rank}, {level}:\n{log}"
+        for mode in MODES:
+            assert f"CHECK {mode} OK" in log, f"rank {rank}, {mode}:\n{log}"

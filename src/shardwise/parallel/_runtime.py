@@ -10,9 +10,9 @@
 - `apply_comms` (step 3, run): the forward collectives of an `OpPlan` (`AllReduce` sum / mean,
   `ReduceScatter`), with the autograd-aware primitives of `shardwise.communication`.
 - `cut_optimizer_state`: optimizer state made before the cut (Adagrad), cut the same way.
-- `register_grad_reduction` (step 4, gradients): a tensor hook on every sharded parameter that
-  sums its partial gradient over the axes on which the parameter is replicated and divides by
-  the world size (see `reduce_gradient`).
+- `register_grad_reduction` (step 4, gradients): hooks on every planned parameter that sum its
+  partial gradient over the axes on which the parameter is replicated and divide by the world
+  size; in a real job asynchronously, overlapping backward (`_GradReduction`).
 
 Groups (`group_for`) are named by the matrix, the axes and the ranks, the same on every rank. In
 a real job each rank creates the group it belongs to; in a simulated world the group holding
@@ -21,14 +21,15 @@ rank 0 is created and its translates run at once (the matrix must use the defaul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
-from shardwise.communication._collectives import ReduceOp, all_reduce
+from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
@@ -118,36 +119,74 @@ def shard_parameters(network: nn.Module, params: Mapping[str, tuple[TensorLayout
             p.set_(block.clone())  # keeps the Parameter object (`.data =` ignores LocalTensors)
 
 
-def reduce_gradient(layout: TensorLayout, world: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The gradient hook of a parameter with `layout`.
+class _GradReduction:
+    """The gradient reduction of the planned parameters of one network (see
+    `register_grad_reduction`); `pending`: AllReduces started in place in ``.grad``, finished
+    (and divided by the world size) at the end of backward by `_finish`."""
 
-    Autograd over the shardwise collectives computes the gradient of the sum over ranks of each
-    rank's loss, and a replicated tensor gets partial gradients that sum to its gradient. The
-    loss is one value replicated on all `world` ranks, so the true gradient of a parameter block
-    is the sum of its partials over the replicated axes divided by `world`.
-    """
-    axes = tuple(a for a in layout.replicated_axes() if layout.matrix.shape[a] > 1)
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.overlap = isinstance(comm.get_rank(), int)  # (a simulated world: all at once)
+        self.pending: list[tuple[torch.Tensor, Pending[torch.Tensor]]] = []
+        self.queued = False
 
-    def hook(g: torch.Tensor) -> torch.Tensor:
-        if not axes:
-            return g / world
-        group, _ = group_for(layout.matrix, axes)  # None: the world group
-        with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
-            return all_reduce(g, ReduceOp.SUM, group).div_(world)
+    def hooks(self, p: torch.Tensor, layout: TensorLayout) -> list[RemovableHandle]:
+        """The tensor hook (before accumulation) and post-accumulate hook of parameter `p`."""
+        axes = tuple(a for a in layout.replicated_axes() if layout.matrix.shape[a] > 1)
+        world, fresh = self.world, [False]
 
-    return hook
+        def before(g: torch.Tensor) -> torch.Tensor:
+            if not axes:
+                return g / world
+            fresh[0] = self.overlap and p.grad is None and g.is_contiguous()
+            if fresh[0]:  # reduced in place in .grad once autograd has stored it (`after`)
+                return g
+            group, _ = group_for(layout.matrix, axes)  # None: the world group
+            with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
+                return all_reduce(g, ReduceOp.SUM, group).div_(world)
+
+        def after(param: torch.Tensor) -> None:
+            grad = param.grad
+            if not fresh[0] or grad is None:
+                return
+            fresh[0] = False
+            group, _ = group_for(layout.matrix, axes)
+            with recorder.phase("backward"):
+                self.pending.append((grad, all_reduce_async(grad, ReduceOp.SUM, group)))
+            if not self.queued:
+                self.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+        return [p.register_hook(before), p.register_post_accumulate_grad_hook(after)]
+
+    def _finish(self) -> None:
+        self.queued = False
+        pending, self.pending = self.pending, []
+        for grad, started in pending:
+            started.wait()
+            grad.div_(self.world)
 
 
 def register_grad_reduction(
     network: nn.Module, params: Mapping[str, tuple[TensorLayout, Shape]]
-) -> list[torch.utils.hooks.RemovableHandle]:
-    """Register `reduce_gradient` on every planned parameter; returns the handles."""
-    world = comm.get_group_size()
+) -> list[RemovableHandle]:
+    """Reduce every planned parameter's gradient; returns the hooks' handles.
+
+    Autograd over the shardwise collectives computes the gradient of the sum over ranks of each
+    rank's loss, and a replicated tensor gets partial gradients that sum to its gradient. The
+    loss is one value replicated on all ranks, so the true gradient of a parameter block is the
+    sum of its partials over the axes it is replicated on, divided by the world size. In a real
+    job a gradient that lands in an empty ``.grad`` is all-reduced asynchronously in place
+    (started by a post-accumulate hook, one AllReduce per parameter as before, finished at the
+    end of backward), so the reductions run while the earlier layers' gradients are computed;
+    a gradient accumulating onto an existing ``.grad`` (several backward calls per step) and a
+    simulated world reduce synchronously in the tensor hook.
+    """
+    reduction = _GradReduction(comm.get_group_size())
     handles = []
     for name, (layout, _) in params.items():
         owner, attr = _owner(network, name)
-        p: torch.Tensor = getattr(owner, attr)
-        handles.append(p.register_hook(reduce_gradient(layout, world)))
+        handles += reduction.hooks(getattr(owner, attr), layout)
     return handles
 
 
