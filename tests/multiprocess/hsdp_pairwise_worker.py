@@ -99,12 +99,35 @@ def check(mode: str) -> None:
     print(f"CHECK {mode} OK", flush=True)
 
 
+def check_autograd_grad() -> None:
+    """A wrapped network (not a train step), each rank's loss over its own rows:
+    ``torch.autograd.grad`` returns the reduced gradients (it stores nothing in ``.grad``, so
+    the overlapped in-place reduction must not be used), and so does ``backward()``."""
+
+    def used(net: nn.Module) -> list[nn.Parameter]:
+        return [p for n, p in net.named_parameters() if not n.startswith("spare")]
+
+    ref = Net()
+    x, y = batches()[0]
+    want = torch.autograd.grad(F.cross_entropy(ref(x), y), used(ref))
+    net = Net()
+    parallel = AutoParallel(net, parallel_mode="semi_auto")
+    rows = slice(get_rank() * BATCH // 2, (get_rank() + 1) * BATCH // 2)
+    got = torch.autograd.grad(F.cross_entropy(parallel(x[rows]), y[rows]), used(net))
+    F.cross_entropy(parallel(x[rows]), y[rows]).backward()
+    for g, p, w in zip(got, used(net), want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-6)
+    print("CHECK dp autograd.grad OK", flush=True)
+
+
 def main() -> None:
     sw.communication.init()
     assert get_group_size() == 2
     assert _buckets.PAIRWISE_MIN_BYTES <= 512 * 256 * 4 // 2  # layer1's bucket goes pairwise
     for mode in MODES:
         check(mode)
+    check_autograd_grad()
     sw.communication.release()
 
 

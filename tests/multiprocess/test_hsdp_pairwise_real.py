@@ -1,7 +1,8 @@
 """Optimizer parallel on 2 real gloo processes through the pairwise bucket transport (buckets of
 >= 256 KiB per rank), levels 1-3, with an unused layer gathered ahead, and plain data parallel's
-asynchronous gradient AllReduce (one and two backward calls per step): losses and every shard
-equal single-device training (hsdp_pairwise_worker.py)."""
+asynchronous gradient AllReduce (one and two backward calls per step, and gradients taken with
+torch.autograd.grad): losses, gradients and every shard equal single-device training
+(hsdp_pairwise_worker.py)."""
 
 from __future__ import annotations
 
@@ -22,5 +23,5 @@ def test_hsdp_levels_on_two_real_processes(tmp_path: Path) -> None:
     assert res.returncode == 0, res.output + "".join(res.worker_log(r) for r in range(2))
     for rank in range(2):
         log = res.worker_log(rank)
-        for mode in MODES:
+        for mode in (*MODES, "dp autograd.grad"):
             assert f"CHECK {mode} OK" in log, f"rank {rank}, {mode}:\n{log}"

@@ -22,6 +22,7 @@ rank 0 is created and its translates run at once (the matrix must use the defaul
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,11 +135,12 @@ class _GradReduction:
         """The tensor hook (before accumulation) and post-accumulate hook of parameter `p`."""
         axes = tuple(a for a in layout.replicated_axes() if layout.matrix.shape[a] > 1)
         world, fresh = self.world, [False]
+        store = _grad_store(p)
 
         def before(g: torch.Tensor) -> torch.Tensor:
             if not axes:
                 return g / world
-            fresh[0] = self.overlap and p.grad is None and g.is_contiguous()
+            fresh[0] = self.overlap and p.grad is None and g.is_contiguous() and _stores(store)
             if fresh[0]:  # reduced in place in .grad once autograd has stored it (`after`)
                 return g
             group, _ = group_for(layout.matrix, axes)  # None: the world group
@@ -167,6 +169,23 @@ class _GradReduction:
             grad.div_(self.world)
 
 
+def _grad_store(p: torch.Tensor) -> Any:
+    """Autograd's node that stores ``p.grad`` (run by ``backward()``, not by
+    ``torch.autograd.grad(loss, params)``); None when `p` needs no gradient."""
+    view = p.view_as(p)
+    return None if view.grad_fn is None else view.grad_fn.next_functions[0][0]
+
+
+def _stores(store: Any) -> bool:
+    """Whether the running backward stores the gradient into ``.grad`` (node `store`)."""
+    if store is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(store))
+    except RuntimeError:  # torch refuses leaf nodes inside torch.autograd.grad: nothing stored
+        return False
+
+
 def register_grad_reduction(
     network: nn.Module, params: Mapping[str, tuple[TensorLayout, Shape]]
 ) -> list[RemovableHandle]:
@@ -179,8 +198,9 @@ def register_grad_reduction(
     job a gradient that lands in an empty ``.grad`` is all-reduced asynchronously in place
     (started by a post-accumulate hook, one AllReduce per parameter as before, finished at the
     end of backward), so the reductions run while the earlier layers' gradients are computed;
-    a gradient accumulating onto an existing ``.grad`` (several backward calls per step) and a
-    simulated world reduce synchronously in the tensor hook.
+    a gradient accumulating onto an existing ``.grad`` (several backward calls per step), one
+    that ``torch.autograd.grad`` returns instead of storing, and a simulated world are reduced
+    synchronously in the tensor hook.
     """
     reduction = _GradReduction(comm.get_group_size())
     handles = []
