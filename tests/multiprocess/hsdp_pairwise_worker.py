@@ -1,8 +1,9 @@
 """Worker for test_hsdp_pairwise_real.py: optimizer parallel at levels 1-3 on real gloo
 processes with buckets large enough (>= 256 KiB per rank) for the pairwise bucket transport,
-one bucket per layer and a layer the forward never uses; then plain data parallel (no hsdp:
-each gradient all-reduced asynchronously in ``.grad``), with one and with two backward calls
-per step (the second accumulates onto ``.grad``: reduced synchronously). Each rank trains the
+one bucket per layer and a layer the forward never uses, and plain data parallel (no hsdp:
+each gradient all-reduced asynchronously in ``.grad``); each with one and with two forward +
+backward passes per step (the second accumulates; level 3 gathers the weights its first
+forward freed again). Each rank trains the
 same network on one device too (same seed, same global batches) and checks its losses and its
 shard (or block) of every parameter against that; prints ``CHECK <mode> OK``.
 """
@@ -18,7 +19,8 @@ from shardwise.communication import _buckets, get_group_size, get_rank
 from shardwise.parallel import AutoParallel
 
 STEPS, BATCH = 3, 16
-MODES = ("level1", "level2", "level3", "dp", "dp accumulate")
+MODES = ("level1", "level2", "level3", "dp")
+MODES = (*MODES, *(f"{m} accumulate" for m in MODES))  # + two backward calls per step
 
 
 class Net(nn.Module):
@@ -70,8 +72,9 @@ def single_device(twice: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def check(mode: str) -> None:
-    """`mode`: an optimizer level, ``"dp"`` or ``"dp accumulate"`` (two backward calls)."""
-    twice = mode == "dp accumulate"
+    """`mode`: an optimizer level or ``"dp"``, `` accumulate`` added: two forward + backward
+    passes per step."""
+    twice = mode.endswith("accumulate")
     want_losses, want = single_device(twice)
     net = Net()
     opt = optimizer(net)
@@ -84,7 +87,7 @@ def check(mode: str) -> None:
 
     parallel = AutoParallel(train_step, parallel_mode="semi_auto")
     if mode.startswith("level"):
-        parallel.hsdp(threshold=0, optimizer_level=mode)
+        parallel.hsdp(threshold=0, optimizer_level=mode.split()[0])
     losses = [float(parallel(x, y)) for x, y in batches()]
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
     plan, rank = parallel.optimizer_plan, get_rank()
@@ -102,7 +105,8 @@ def check(mode: str) -> None:
 def check_autograd_grad() -> None:
     """A wrapped network (not a train step), each rank's loss over its own rows:
     ``torch.autograd.grad`` returns the reduced gradients (it stores nothing in ``.grad``, so
-    the overlapped in-place reduction must not be used), and so does ``backward()``."""
+    the overlapped in-place reduction must not be used), and so does ``backward()``, also
+    after a backward that raised midway."""
 
     def used(net: nn.Module) -> list[nn.Parameter]:
         return [p for n, p in net.named_parameters() if not n.startswith("spare")]
@@ -114,11 +118,55 @@ def check_autograd_grad() -> None:
     parallel = AutoParallel(net, parallel_mode="semi_auto")
     rows = slice(get_rank() * BATCH // 2, (get_rank() + 1) * BATCH // 2)
     got = torch.autograd.grad(F.cross_entropy(parallel(x[rows]), y[rows]), used(net))
+
+    # a backward that fails after the later layers' reductions started: the next one is exact
+    handle = net.layer1.weight.register_hook(_boom)
+    try:
+        F.cross_entropy(parallel(x[rows]), y[rows]).backward()
+    except RuntimeError as e:
+        assert "boom" in str(e), e
+    handle.remove()
+    net.zero_grad(set_to_none=True)
     F.cross_entropy(parallel(x[rows]), y[rows]).backward()
     for g, p, w in zip(got, used(net), want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-6)
     print("CHECK dp autograd.grad OK", flush=True)
+
+
+def check_failed_backward(level: str) -> None:
+    """hsdp `level`, a wrapped network: a backward that raises midway (a hook on the input's
+    gradient, after the later layers' reductions started) is forgotten; the next backward's
+    gradients equal one device's."""
+    x, y = batches()[0]
+    ref = Net()
+    F.cross_entropy(ref(x), y).backward()
+    net = Net()
+    parallel = AutoParallel(net, parallel_mode="semi_auto").hsdp(threshold=0, optimizer_level=level)
+    rank = get_rank()
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    failing = x[rows].clone().requires_grad_(True)
+    failing.register_hook(_boom)
+    try:
+        F.cross_entropy(parallel(failing), y[rows]).backward()
+    except RuntimeError as e:
+        assert "boom" in str(e), e
+    net.zero_grad(set_to_none=True)
+    F.cross_entropy(parallel(x[rows]), y[rows]).backward()
+    plan = parallel.optimizer_plan
+    assert plan is not None
+    for name, p in net.named_parameters():
+        want = ref.get_parameter(name).grad
+        if want is None:
+            assert p.grad is None, name
+            continue
+        n = plan.param(name).shard_shape[0]
+        torch.testing.assert_close(p.grad, want[rank * n : (rank + 1) * n], rtol=1e-5, atol=1e-6)
+    print(f"CHECK {level} failed backward OK", flush=True)
+
+
+def _boom(g: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("boom")
 
 
 def main() -> None:
@@ -128,6 +176,8 @@ def main() -> None:
     for mode in MODES:
         check(mode)
     check_autograd_grad()
+    for level in ("level2", "level3"):
+        check_failed_backward(level)
     sw.communication.release()
 
 

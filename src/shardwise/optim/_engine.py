@@ -28,7 +28,13 @@ reduced in fused buckets straight into the shards (levels 1-3).
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
   backward, starting the previous saved bucket's gather too (prefetch: backward runs the layers
-  in reverse); in a real job the leaves' storage is freed after the forward.
+  in reverse); in a real job the leaves' storage is freed after the forward, and a second
+  forward before the optimizer steps (gradient accumulation) gathers it again into the same
+  leaves (`_refill`).
+- A backward that raised midway (`_drop_unfinished_backward`, run by the next forward): its
+  started collectives are finished and dropped, its partial buckets, re-gathers and (levels
+  2-3) leaf gradients forgotten; the end-of-backward callback is queued once per backward
+  (graph task), so the next backward still gets one.
 - `_before_step` / `_after_step` (global optimizer step hooks, for optimizers holding these
   parameters): cut state made before the parameters were cut (`_adopt_state`), check the
   state has this rank's shard shapes (`check_state`), flush level 1; after the step drop the
@@ -88,7 +94,7 @@ class OptimizerParallel:
         self.groups = [bucket_groups(matrix, b.dp_axes, b.shard) for b in plan.buckets]
         self.leaves: dict[str, torch.Tensor] = {}
         self.ready: dict[int, set[str]] = {}
-        self._end_queued = False
+        self._end_queued = -1  # the backward (graph task id) `_end_backward` is queued for
         self._regathered: dict[int, dict[str, torch.Tensor]] = {}
         self._used: dict[str, bool] = {}
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
@@ -147,7 +153,9 @@ class OptimizerParallel:
     def compute(self, p: torch.Tensor) -> torch.Tensor:
         """The compute leaf of parameter `p` for this step (its whole op-level block)."""
         name = self.by_id[id(p)]
-        if name not in self.leaves:
+        if self._end_queued != -1 and torch._C._current_graph_task_id() == -1:
+            self._drop_unfinished_backward()  # a forward after a backward that raised
+        if name not in self.leaves or self._freed(name):
             i = self.bucket_of.get(name)
             if i is not None and self.plan.buckets[i].kind == "shard":
                 # levels 1-2 keep every gathered bucket until backward: start them all now (their
@@ -193,7 +201,32 @@ class OptimizerParallel:
     def _gather(self, i: int) -> None:
         gathered = self._gathered(i, self._prefetched.pop(i, None))
         for name, full in gathered.items():
-            self._leaf(name, full)
+            if name in self.leaves:
+                self._refill(name, full)
+            else:
+                self._leaf(name, full)
+
+    def _freed(self, name: str) -> bool:
+        """Level 3, real job: whether `end_forward` freed leaf `name` (a second forward before
+        the optimizer steps, e.g. gradient accumulation, gathers it again)."""
+        leaf = self.leaves.get(name)
+        return leaf is not None and self._frees() and leaf.untyped_storage().size() == 0
+
+    def _frees(self) -> bool:
+        return self.level == "level3" and not self.simulated
+
+    def _refill(self, name: str, full: torch.Tensor) -> None:
+        """Put the gathered weight back into freed leaf `name`: the same leaf object, so the
+        gradients of both forwards accumulate on it."""
+        leaf = self.leaves[name]
+        dims = zip(leaf.shape, leaf.stride(), strict=True)
+        last = leaf.storage_offset() + sum((n - 1) * s for n, s in dims)
+        storage = leaf.untyped_storage()
+        storage.resize_(max(storage.size(), int(last + 1) * leaf.element_size()))
+        with torch.no_grad():
+            leaf.copy_(full)
+        self._gathered_ptrs = {k: v for k, v in self._gathered_ptrs.items() if v != name}
+        self._gathered_ptrs[storage.data_ptr()] = name
 
     def _prefetch(self, i: int, depth: int) -> None:
         """Start gathering shard bucket `i` and the shard buckets after it, `depth` in all, that
@@ -203,7 +236,8 @@ class OptimizerParallel:
                 bucket = self.plan.buckets[j]
                 if bucket.kind != "shard":
                     continue
-                if bucket.names[0] not in self.leaves and j not in self._prefetched:
+                first = bucket.names[0]
+                if (first not in self.leaves or self._freed(first)) and j not in self._prefetched:
                     self._prefetched[j] = self._start_gather(j)
                 depth -= 1
                 if depth == 0:
@@ -258,18 +292,39 @@ class OptimizerParallel:
 
     def end_forward(self) -> None:
         """Level 3, real job: free the gathered weights now that the forward is done."""
-        if self.level != "level3" or self.simulated:
+        if not self._frees():
             return
         for name, leaf in self.leaves.items():
             if self.shards[name].sharded:
                 leaf.untyped_storage().resize_(0)
+        # the allocator may hand those addresses to the next forward's activations
+        self._gathered_ptrs.clear()
 
     # -- backward --------------------------------------------------------------------------
     def _queue_end(self) -> None:
-        if not self._end_queued:
-            recorder.mark("backward: first gradient ready")
-            self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        task = torch._C._current_graph_task_id()
+        if self._end_queued == task:
+            return
+        recorder.mark("backward: first gradient ready")
+        self._end_queued = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _drop_unfinished_backward(self) -> None:
+        """Forget what a backward that raised left (called by the next forward): its started
+        collectives are finished (every rank posted them) and their results dropped, its
+        partial buckets and backward re-gathers forgotten (the weights may have changed since)
+        and, at levels 2-3, the gradients its leaves got (level 1's leaves accumulate the
+        step's earlier backward calls too: kept)."""
+        for pending in [*self._regathering.values(), *(p for _, _, p in self._inflight)]:
+            pending.wait()
+        self._end_queued = -1
+        self._regathering.clear()
+        self._regathered.clear()
+        self._inflight.clear()
+        self.ready.clear()
+        if self.level != "level1":
+            for leaf in self.leaves.values():
+                leaf.grad = None
 
     def _on_grad(self, name: str) -> None:
         self._queue_end()
@@ -284,7 +339,7 @@ class OptimizerParallel:
 
     def _end_backward(self) -> None:
         """Reduce buckets whose used members all have gradients but some member is unused."""
-        self._end_queued = False
+        self._end_queued = -1
         for pending in self._regathering.values():  # (started, but no saved weight needed it)
             pending.wait()
         self._regathering.clear()

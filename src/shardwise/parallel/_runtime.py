@@ -129,7 +129,7 @@ class _GradReduction:
         self.world = world
         self.overlap = isinstance(comm.get_rank(), int)  # (a simulated world: all at once)
         self.pending: list[tuple[torch.Tensor, Pending[torch.Tensor]]] = []
-        self.queued = False
+        self.queued_for = -1  # the backward (graph task id) `_finish` is queued for
 
     def hooks(self, p: torch.Tensor, layout: TensorLayout) -> list[RemovableHandle]:
         """The tensor hook (before accumulation) and post-accumulate hook of parameter `p`."""
@@ -155,14 +155,15 @@ class _GradReduction:
             group, _ = group_for(layout.matrix, axes)
             with recorder.phase("backward"):
                 self.pending.append((grad, all_reduce_async(grad, ReduceOp.SUM, group)))
-            if not self.queued:
-                self.queued = True
+            task = torch._C._current_graph_task_id()
+            if self.queued_for != task:  # (per backward: one that raised never ran its callback)
+                self.queued_for = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
         return [p.register_hook(before), p.register_post_accumulate_grad_hook(after)]
 
     def _finish(self) -> None:
-        self.queued = False
+        self.queued_for = -1
         pending, self.pending = self.pending, []
         for grad, started in pending:
             started.wait()
