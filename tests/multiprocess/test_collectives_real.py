@@ -19,9 +19,4 @@ CHECKS = [
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_collectives_on_four_real_processes(tmp_path: Path) -> None:
-    res = run_job(WORKER, 4, tmp_path / "logs", timeout=200)
-    assert res.returncode == 0, res.output + "".join(res.worker_log(r) for r in range(4))
-    for rank in range(4):
-        log = res.worker_log(rank)
-        for name in CHECKS:
-            assert f"CHECK {name} OK" in log, f"rank {rank} did not pass {name}:\n{log}"
+    run_job(WORKER, 4, tmp_path / "logs", timeout=200).assert_checks(4, CHECKS)

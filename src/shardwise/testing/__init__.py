@@ -3,7 +3,8 @@
 - `simulated_world(n)` (`_world`): every rank of an n-rank job in one process; holds all of
   shardwise's private torch imports.
 - `assert_matches_single_device` (`_compare`): parity with the single-device run, rank by rank.
-- `run_job`, `free_port` (`_procs`): the few real multi-process tests, through `shardwise run`.
+- `run_job`, `free_port` (`_procs`): the few real multi-process tests, through `shardwise run`;
+  `JobResult.assert_checks`: the job passed and every rank logged its ``CHECK <name> OK`` lines.
 - `CommRecorder` (re-exported): which collectives ran, with bytes and times.
 """
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,22 @@ class JobResult:
     def worker_log(self, rank: int) -> str:
         """The text of ``worker_<rank>.log``."""
         return (self.log_dir / f"worker_{rank}.log").read_text()
+
+    def assert_checks(self, world_size: int, names: Iterable[str]) -> None:
+        """Assert the job succeeded and every rank's log has a ``CHECK <name> OK`` line for
+        each of `names` (the workers print one per check they passed).
+
+        Example:
+            >>> run_job(worker, 2, logs).assert_checks(2, ["AllReduce"])  # doctest: +SKIP
+        """
+        logs = [self.worker_log(r) for r in range(world_size)]
+        if self.returncode != 0:
+            raise AssertionError(self.output + "".join(logs))
+        names = list(names)
+        for rank, log in enumerate(logs):
+            for name in names:
+                if f"CHECK {name} OK" not in log:
+                    raise AssertionError(f"rank {rank} did not pass {name}:\n{log}")
 
     def __str__(self) -> str:
         return f"job exit {self.returncode}, logs in {self.log_dir}"
