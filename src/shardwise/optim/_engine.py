@@ -225,8 +225,7 @@ class OptimizerParallel:
         storage.resize_(max(storage.size(), int(last + 1) * leaf.element_size()))
         with torch.no_grad():
             leaf.copy_(full)
-        self._gathered_ptrs = {k: v for k, v in self._gathered_ptrs.items() if v != name}
-        self._gathered_ptrs[storage.data_ptr()] = name
+        self._gathered_ptrs[storage.data_ptr()] = name  # (`end_forward` forgot the old one)
 
     def _prefetch(self, i: int, depth: int) -> None:
         """Start gathering shard bucket `i` and the shard buckets after it, `depth` in all, that
