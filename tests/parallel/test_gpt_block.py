@@ -114,6 +114,35 @@ def test_gpt_block_megatron_matches_single_device() -> None:
             opt.zero_grad()
 
 
+def test_gpt_block_train_step_needs_no_allreduce_for_the_loss_backward() -> None:
+    """The train-step form calls ``loss.backward()`` inside the wrapped call: the ReduceMean's
+    AllReduce (the loss) gets a seed of ones on every rank, so its adjoint AllReduce is skipped
+    (docs/parallel.md); every other collective is the network form's, and so are the losses."""
+    batches = gpt_batches(CFG, BATCH, STEPS)
+    losses, _ = single_device(batches)
+    net = GPTBlock(CFG, megatron_strategies(2, 4))
+    want = FORWARD + BACKWARD
+    want[("AllReduce", "backward", W)] -= 1
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+        def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(ids, onehot)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(train_step)
+        torch.manual_seed(0)
+        for step, (ids, onehot) in enumerate(batches):
+            with CommRecorder() as rec:
+                loss = parallel(world.same(ids), world.same(onehot))
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            assert rec.kinds() == want, rec.summary()
+
+
 @pytest.mark.parametrize(("dp", "mp"), [(4, 2), (1, 4)])
 def test_gpt_block_train_step_other_grids(dp: int, mp: int) -> None:
     """The train-step form (global batch on every rank, split by the dataset strategy) on other

@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
+from shardwise.communication.primitives import sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
@@ -76,8 +77,7 @@ def _one_comm(x: torch.Tensor, c: Comm, matrix: DeviceMatrix) -> torch.Tensor:
     if len(members) == 1:
         return x
     if c.kind == "AllReduce":
-        y: torch.Tensor = comm.AllReduce("sum", group)(x)
-        return y / len(members) if c.op == "mean" else y
+        return sum_over_ranks(x, group, len(members) if c.op == "mean" else 1)
     if c.kind == "ReduceScatter" and c.op == "sum" and c.dim is not None:
         if tuple(sorted(members)) != members:
             raise UnsupportedParallelError(f"{c}: group order differs from rank order")

@@ -52,6 +52,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.overrides import TorchFunctionMode
 
 from shardwise import communication as comm
+from shardwise.communication.primitives import mark_replicated_seed, sum_over_ranks
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import data_parallel_layout, replicated_layout
 from shardwise.parallel._torchop_rules import RULES, op_name
@@ -110,6 +111,12 @@ def _is_metadata(func: Callable[..., Any]) -> bool:
     return func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__")
 
 
+def _seeded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A ``Tensor.backward`` call without a gradient (the seed is ones, on every rank)."""
+    gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
+    return gradient is None and bool(args) and isinstance(args[0], T)
+
+
 class DataParallelOps(TorchFunctionMode):
     """Runs the ops of `OP_KINDS` on tracked tensors data parallel (see the module docstring).
 
@@ -156,6 +163,8 @@ class DataParallelOps(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is T.backward and _seeded(args, kwargs):
+            mark_replicated_seed(args[0])
         if self.paused or self.stepping or _is_metadata(func):  # (metadata always passes)
             return func(*args, **kwargs)
         tracked, sharded = self._tracked(args, kwargs)
@@ -280,9 +289,7 @@ class DataParallelOps(TorchFunctionMode):
 
     def reduce_rows(self, local: T, mean: bool) -> T:
         """A value reduced over this rank's rows -> the same reduction over the global batch."""
-        out: T = comm.AllReduce("sum", None)(local)
-        if mean:
-            out = out / self.world
+        out = sum_over_ranks(local, None, self.world if mean else 1)
         self.tracker.put(out, "rep", tuple(int(s) for s in out.shape))
         return out
 

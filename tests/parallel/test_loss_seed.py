@@ -1,0 +1,106 @@
+"""The loss's AllReduce in backward, under `AutoParallel` on simulated ranks.
+
+A data-parallel loss is made whole by one AllReduce (`sum_over_ranks`). When the train step
+calls ``loss.backward()`` on it, the seed of backward is ones on every rank, so the adjoint
+AllReduce would only multiply it by the group size: shardwise multiplies locally and sends
+nothing. Any other root of backward (a scaled loss, an explicit gradient) keeps the AllReduce.
+In every case the loss and the gradients equal one device's, and the collectives are exactly
+the loss's forward AllReduce plus one gradient AllReduce per parameter (plus the loss's
+backward AllReduce where the seed is not known to be the same on every rank).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.communication.primitives import mark_replicated_seed, sum_over_ranks
+from shardwise.parallel import AutoParallel
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+BATCH, D_IN, HIDDEN, CLASSES = 12, 6, 5, 3
+
+Backward = Callable[[torch.Tensor], object]
+# how the train step runs backward -> whether the loss's backward still all-reduces
+BACKWARDS: dict[str, tuple[Backward, int]] = {
+    "loss.backward()": (lambda loss: loss.backward(), 0),
+    "loss.backward(retain_graph) twice": (
+        lambda loss: (loss.backward(retain_graph=True), loss.backward()),
+        0,
+    ),
+    # the mark lasts one backward: the second, from another root, all-reduces again
+    "loss.backward(retain_graph) twice, then scaled": (
+        lambda loss: (loss.backward(retain_graph=True), (2 * loss).backward()),
+        1,
+    ),
+    "(2 * loss).backward()": (lambda loss: (2 * loss).backward(), 1),
+    "loss.backward(gradient)": (lambda loss: loss.backward(torch.full((), 0.5)), 1),
+}
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, D_IN, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("how", list(BACKWARDS))
+def test_loss_backward_all_reduces_only_when_the_seed_may_differ(how: str, world_size: int) -> None:
+    run, loss_backward_all_reduces = BACKWARDS[how]
+    x, y = batch()
+    single = make_net()
+    want_loss = F.cross_entropy(single(x), y)
+    run(want_loss)
+    want_grads = {n: p.grad for n, p in single.named_parameters()}
+
+    net = make_net()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        run(loss)
+        return loss
+
+    ranks = tuple(range(world_size))
+    passes = 2 if "twice" in how else 1
+    comms = Counter(
+        {
+            ("AllReduce", "forward", ranks): 1,
+            ("AllReduce", "backward", ranks): 4 * passes + loss_backward_all_reduces,
+        }
+    )
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        parallel = AutoParallel(step)
+        with CommRecorder() as rec:
+            loss = parallel(world.same(x), world.same(y))
+        assert rec.kinds() == comms, rec.summary()
+        assert_matches_single_device(loss, want_loss, what="loss")
+        got = {n: p.grad for n, p in net.named_parameters()}
+        assert_matches_single_device(got, want_grads, what="grads")
+
+
+@pytest.mark.parametrize("divisor", [1, 4])
+def test_sum_over_ranks_seeded_backward_is_the_group_size_times_the_seed(divisor: int) -> None:
+    """Directly: a marked result's backward gives the seed x group size / divisor (what the
+    AllReduce of equal seeds gives) with no collective; unmarked, the AllReduce runs."""
+    with simulated_world(4):
+        for marked in (True, False):
+            x = torch.ones(3).requires_grad_()  # (a world's tensors hold every rank's value)
+            with CommRecorder() as rec:
+                out = sum_over_ranks(x.sum(), None, divisor)
+                if marked:
+                    assert mark_replicated_seed(out)
+                out.backward()
+            assert rec.count("AllReduce", "backward") == (0 if marked else 1), rec.summary()
+            assert_matches_single_device(x.grad, torch.full((3,), 4 / divisor), what="grad")
+    assert not mark_replicated_seed(torch.ones(2, requires_grad=True).sum())  # not a sum over ranks
