@@ -14,8 +14,9 @@ optimizer plan and the collectives of each step (`sw.CommRecorder`). Optimizer p
 parameter's dim 0 over the ranks, so a [10, 10] weight does not shard on 8 ranks; part 2 uses
 ``--hidden 16`` layers by default (every weight and bias divides by 8). Then id 0 gives one
 AllGather and one ReduceScatter per parameter (4 each for layer1), ids 1 and 2 one fused
-AllGather and one fused ReduceScatter per layer: 6 of each per step. The 2 AllReduces are the
-loss's (the mean over the global batch in forward, its gradient in backward).
+AllGather and one fused ReduceScatter per layer: 6 of each per step. The 1 AllReduce is the
+loss's (the mean over the global batch in forward; ``loss.backward()`` in the train step needs
+none: its seed is ones on every rank).
 """
 
 from __future__ import annotations
