@@ -88,7 +88,13 @@ def check(mode: str) -> None:
     parallel = AutoParallel(train_step, parallel_mode="semi_auto")
     if mode.startswith("level"):
         parallel.hsdp(threshold=0, optimizer_level=mode.split()[0])
-    losses = [float(parallel(x, y)) for x, y in batches()]
+    losses = []
+    for x, y in batches():
+        with sw.CommRecorder() as rec:
+            losses.append(float(parallel(x, y)))
+        # the loss (1 element) is all-reduced in forward only: loss.backward() needs none
+        scalar = [(r.kind, r.phase) for r in rec.records if r.numel == 1]
+        assert scalar == [("AllReduce", "forward")] * (2 if twice else 1), scalar
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
     plan, rank = parallel.optimizer_plan, get_rank()
     for name, p in net.named_parameters():

@@ -139,7 +139,7 @@ class _GradReduction:
 
         def before(g: torch.Tensor) -> torch.Tensor:
             if not axes:
-                return g / world
+                return g / world if world > 1 else g  # (one rank: no copy of the gradient)
             fresh[0] = self.overlap and p.grad is None and g.is_contiguous() and _stores(store)
             if fresh[0]:  # reduced in place in .grad once autograd has stored it (`after`)
                 return g
