@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.communication.primitives import mark_replicated_seed, sum_over_ranks
+from shardwise.communication.primitives import replicated_seed, sum_over_ranks
 from shardwise.parallel import AutoParallel
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
@@ -91,16 +91,23 @@ def test_loss_backward_all_reduces_only_when_the_seed_may_differ(how: str, world
 
 @pytest.mark.parametrize("divisor", [1, 4])
 def test_sum_over_ranks_seeded_backward_is_the_group_size_times_the_seed(divisor: int) -> None:
-    """Directly: a marked result's backward gives the seed x group size / divisor (what the
-    AllReduce of equal seeds gives) with no collective; unmarked, the AllReduce runs."""
+    """Directly: inside `replicated_seed` the result's backward gives the seed x group size /
+    divisor (what the AllReduce of equal seeds gives) with no collective; after the block, or
+    unmarked, the AllReduce runs."""
     with simulated_world(4):
         for marked in (True, False):
             x = torch.ones(3).requires_grad_()  # (a world's tensors hold every rank's value)
             with CommRecorder() as rec:
                 out = sum_over_ranks(x.sum(), None, divisor)
                 if marked:
-                    assert mark_replicated_seed(out)
-                out.backward()
-            assert rec.count("AllReduce", "backward") == (0 if marked else 1), rec.summary()
-            assert_matches_single_device(x.grad, torch.full((3,), 4 / divisor), what="grad")
-    assert not mark_replicated_seed(torch.ones(2, requires_grad=True).sum())  # not a sum over ranks
+                    with replicated_seed(out) as known:
+                        assert known
+                        out.backward(retain_graph=True)
+                    out.backward()  # the mark ended with the block: all-reduced
+                else:
+                    out.backward()
+            assert rec.count("AllReduce", "backward") == 1, rec.summary()
+            want = torch.full((3,), 4 / divisor) * (2 if marked else 1)
+            assert_matches_single_device(x.grad, want, what="grad")
+    with replicated_seed(torch.ones(2, requires_grad=True).sum()) as known:
+        assert not known  # not a sum over ranks

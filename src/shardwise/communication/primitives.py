@@ -21,15 +21,16 @@ Rank ids (``root_rank``, ``send_rank_ids`` ...) are global ranks and must belong
 
 `sum_over_ranks(x, group, divisor)` is the AllReduce(SUM) (then / `divisor`) by which the
 parallel runtime makes a partial value (a loss over this rank's rows) whole. Its backward is
-the same AllReduce of the gradient, except when `mark_replicated_seed` flagged its output as
-the root of a ``loss.backward()`` without a gradient argument: the seed (ones) is then the same
-on every rank, and the sum over the group of N equal values is N times the value, computed
-locally: one synchronizing collective per training step fewer.
+the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
+``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
+and the sum over the group of N equal values is N times the value, computed locally: one
+synchronizing collective per training step fewer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -80,7 +81,6 @@ class _SumOverRanksFn(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         g = g / ctx.divisor if ctx.divisor != 1 else g
         if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            ctx.replicated_seed = False  # (a retained graph's next backward may differ)
             return g * get_group_size(ctx.group), None, None
         with recorder.phase("backward"):
             return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None
@@ -89,7 +89,7 @@ class _SumOverRanksFn(torch.autograd.Function):
 def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce), divided by `divisor`; the
     gradient is the AllReduce of the gradient / `divisor`, or, when the result is the root of a
-    seeded backward (`mark_replicated_seed`), the gradient times the group size (no collective).
+    seeded backward (`replicated_seed`), the gradient times the group size (no collective).
 
     Args:
         x: this rank's partial value.
@@ -106,20 +106,27 @@ def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) ->
     return out
 
 
-def mark_replicated_seed(root: torch.Tensor) -> bool:
-    """If `root` is a `sum_over_ranks` result, note that the coming backward starts at it with
-    a seed equal on every rank (``root.backward()`` without a gradient: ones), so its backward
-    needs no AllReduce. Returns whether it was marked.
+@contextmanager
+def replicated_seed(root: torch.Tensor) -> Iterator[bool]:
+    """While the block runs ``root.backward()`` without a gradient (a seed of ones, the same on
+    every rank): if `root` is a `sum_over_ranks` result, its backward multiplies by the group
+    size instead of all-reducing. Yields whether `root` is one; the mark ends with the block,
+    so a later backward through a retained graph (another seed) all-reduces again.
 
     Example:
-        >>> mark_replicated_seed(loss); loss.backward()  # doctest: +SKIP
+        >>> with replicated_seed(loss):  # doctest: +SKIP
+        ...     loss.backward()
     """
     node: Any = root.grad_fn
     backward_cls: Any = _SumOverRanksFn._backward_cls  # type: ignore[attr-defined]
-    if isinstance(node, backward_cls):
-        node.replicated_seed = True
-        return True
-    return False
+    if not isinstance(node, backward_cls):
+        yield False
+        return
+    node.replicated_seed = True
+    try:
+        yield True
+    finally:
+        node.replicated_seed = False
 
 
 class _AllGatherFn(torch.autograd.Function):

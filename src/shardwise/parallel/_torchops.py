@@ -52,7 +52,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.overrides import TorchFunctionMode
 
 from shardwise import communication as comm
-from shardwise.communication.primitives import mark_replicated_seed, sum_over_ranks
+from shardwise.communication.primitives import replicated_seed, sum_over_ranks
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import data_parallel_layout, replicated_layout
 from shardwise.parallel._torchop_rules import RULES, op_name
@@ -164,7 +164,8 @@ class DataParallelOps(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is T.backward and _seeded(args, kwargs):
-            mark_replicated_seed(args[0])
+            with replicated_seed(args[0]):
+                return func(*args, **kwargs)
         if self.paused or self.stepping or _is_metadata(func):  # (metadata always passes)
             return func(*args, **kwargs)
         tracked, sharded = self._tracked(args, kwargs)
