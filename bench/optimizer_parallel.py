@@ -305,7 +305,8 @@ def _check_losses(steps: dict[str, Step]) -> dict[str, list[float]]:
 
 def _model_rows(model: str, quick: bool, n: int, rank: int) -> list[dict[str, Any]]:
     """Check, account and time the eight candidates on `model`; rank 0 gets `OptResult`s."""
-    steps, reps = (1, 2) if quick else ((5, 7) if model == "mlp" else (1, 5))
+    # mlp: 15 x 10 steps, enough to resolve ~1 ms of a ~15 ms step on this noisy host
+    steps, reps = (1, 2) if quick else ((10, 15) if model == "mlp" else (1, 5))
     built = {name: make_step(name, model, quick, n, rank) for name in CANDIDATES}
     fns = {name: s for name, (_, s) in built.items()}
     losses = _check_losses(fns)
