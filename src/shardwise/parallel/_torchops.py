@@ -24,7 +24,10 @@ which function does which step):
   global mask drawn like a single-device run's (`communication.replicated_draw`).
 - ``loss`` (cross entropy, nll, mse, l1): input and target become ``"dp"``; ``"mean"`` /
   ``"sum"`` losses become one replicated value (local loss, AllReduce(sum), / world size for
-  the mean: equal local batch sizes), ``"none"`` stays ``"dp"``.
+  the mean: equal local batch sizes; `reduce_rows`, with `sum_over_ranks`; one rank: no
+  collective), ``"none"`` stays ``"dp"``. ``loss.backward()`` without a gradient runs inside
+  `communication.primitives.replicated_seed(loss)`: the seed is ones on every rank, so the
+  loss's backward multiplies by the world size instead of all-reducing.
 - ``reduce`` (``sum`` / ``mean``): over all dims or dims containing 0 as the losses; over other
   dims row-wise.
 
