@@ -87,9 +87,10 @@ class _SumOverRanksFn(torch.autograd.Function):
 
 
 def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) -> torch.Tensor:
-    """The sum of `x` over the ranks of `group` (one AllReduce), divided by `divisor`; the
-    gradient is the AllReduce of the gradient / `divisor`, or, when the result is the root of a
-    seeded backward (`replicated_seed`), the gradient times the group size (no collective).
+    """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
+    divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
+    the result is the root of a seeded backward (`replicated_seed`), the gradient times the
+    group size (no collective).
 
     Args:
         x: this rank's partial value.
@@ -102,6 +103,8 @@ def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) ->
     Example:
         >>> loss = sum_over_ranks(local_sum, None, divisor=global_rows)  # doctest: +SKIP
     """
+    if get_group_size(group) == 1:  # this rank's value is the sum: no collective
+        return x / divisor if divisor != 1 else x
     out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor)
     return out
 

@@ -293,8 +293,7 @@ class DataParallelOps(TorchFunctionMode):
 
     def reduce_rows(self, local: T, mean: bool) -> T:
         """A value reduced over this rank's rows -> the same reduction over the global batch."""
-        # (one rank: the local value is the whole one, no collective)
-        out = sum_over_ranks(local, None, self.world if mean else 1) if self.world > 1 else local
+        out = sum_over_ranks(local, None, self.world if mean else 1)
         self.tracker.put(out, "rep", tuple(int(s) for s in out.shape))
         return out
 
