@@ -93,6 +93,22 @@ def check_blocks(net: GPTBlock, plan: NetworkPlan, state: dict[str, torch.Tensor
             )
 
 
+def train_step_form(world: SimulatedWorld, net: GPTBlock) -> AutoParallel:
+    """`net` replicated in `world`, wrapped in the train-step form: forward, ``loss.backward()``
+    and an SGD step inside the wrapped call, which takes the global batch on every rank."""
+    world.replicate(net)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+    def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(ids, onehot)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return AutoParallel(train_step)
+
+
 def test_gpt_block_megatron_matches_single_device() -> None:
     batches = gpt_batches(CFG, BATCH, STEPS)
     losses, states = single_device(batches)
@@ -124,17 +140,7 @@ def test_gpt_block_train_step_needs_no_allreduce_for_the_loss_backward() -> None
     want = FORWARD + BACKWARD
     want[("AllReduce", "backward", W)] -= 1
     with simulated_world(WORLD) as world:
-        world.replicate(net)
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-
-        def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(ids, onehot)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = AutoParallel(train_step)
+        parallel = train_step_form(world, net)
         torch.manual_seed(0)
         for step, (ids, onehot) in enumerate(batches):
             with CommRecorder() as rec:
@@ -152,17 +158,7 @@ def test_gpt_block_train_step_other_grids(dp: int, mp: int) -> None:
     losses, states = single_device(batches)
     net = GPTBlock(CFG, megatron_strategies(dp, mp))
     with simulated_world(WORLD) as world:
-        world.replicate(net)
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-
-        def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(ids, onehot)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = AutoParallel(train_step)
+        parallel = train_step_form(world, net)
         torch.manual_seed(0)
         for step, (ids, onehot) in enumerate(batches):
             loss = parallel(world.same(ids), world.same(onehot))
