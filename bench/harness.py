@@ -194,17 +194,25 @@ def barrier_bytes(reps: int = 7) -> float | None:
 
 @dataclass
 class Measurement:
-    """One candidate's repetitions: seconds per call (max over ranks) and loopback bytes per
-    rank per call (rank 0's reading of the whole host's ``lo`` counter, barriers subtracted;
-    empty on the other ranks)."""
+    """One candidate's repetitions: seconds and process CPU seconds per call (each the max over
+    ranks) and loopback bytes per rank per call (rank 0's reading of the whole host's ``lo``
+    counter, barriers subtracted; empty on the other ranks)."""
 
     name: str
     seconds: list[float] = field(default_factory=list)
     lo_bytes: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)  # process CPU per call, max over ranks
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.seconds)
+
+    @property
+    def median_cpu_s(self) -> float:
+        """CPU seconds per call of the busiest rank's process (all its threads: compute and
+        gloo's I/O), median of the repetitions: with as many ranks as cores the step can be no
+        shorter than this."""
+        return statistics.median(self.cpu_seconds)
 
     @property
     def median_lo_bytes(self) -> float | None:
@@ -217,9 +225,9 @@ class Measurement:
 
 def _timed(
     fn: Callable[[], object], iters: int, barrier: float | None
-) -> tuple[float, float | None]:
+) -> tuple[float, float | None, float]:
     """One repetition on this rank: (seconds per call; loopback bytes per rank per call on
-    rank 0, None elsewhere).
+    rank 0, None elsewhere; this process's CPU seconds per call, every thread).
 
     Rank 0 reads the counter *before* the opening barrier: no rank can send a byte of the
     loop before rank 0 has read it (others would otherwise start an all-to-all while rank 0
@@ -231,15 +239,15 @@ def _timed(
     read = dist.get_rank() == 0 and barrier is not None
     before = lo_tx_bytes() if read else None
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(iters):
         fn()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     dist.barrier()
     moved = _delta(before, lo_tx_bytes() if read else None)
     if moved is None or barrier is None:
-        return elapsed / iters, None
-    return elapsed / iters, (moved - barrier) / dist.get_world_size() / iters
+        return elapsed / iters, None, cpu / iters
+    return elapsed / iters, (moved - barrier) / dist.get_world_size() / iters, cpu / iters
 
 
 def compare(
@@ -259,8 +267,9 @@ def compare(
         barrier: `barrier_bytes()`, subtracted from each loopback reading (None: no reading).
 
     Returns:
-        name -> `Measurement`; the seconds are the max over ranks (one all-reduce at the end,
-        so no collective but the candidates' runs between two readings of the counter).
+        name -> `Measurement`; the seconds and CPU seconds are the max over ranks (one
+        all-reduce at the end, so no collective but the candidates' runs between two readings
+        of the counter).
     """
     import torch
     import torch.distributed as dist
@@ -272,14 +281,18 @@ def compare(
     names = list(candidates)
     for rep in range(reps):
         for name in names if rep % 2 == 0 else names[::-1]:
-            seconds, lo = _timed(candidates[name], iters, barrier)
+            seconds, lo, cpu = _timed(candidates[name], iters, barrier)
             out[name].seconds.append(seconds)
+            out[name].cpu_seconds.append(cpu)
             if lo is not None:
                 out[name].lo_bytes.append(lo)
-    slowest = torch.tensor([s for m in out.values() for s in m.seconds], dtype=torch.float64)
+    slowest = torch.tensor(
+        [s for m in out.values() for s in (*m.seconds, *m.cpu_seconds)], dtype=torch.float64
+    )
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     for i, m in enumerate(out.values()):
-        m.seconds = slowest[i * reps : (i + 1) * reps].tolist()
+        m.seconds = slowest[2 * i * reps : (2 * i + 1) * reps].tolist()
+        m.cpu_seconds = slowest[(2 * i + 1) * reps : (2 * i + 2) * reps].tolist()
     return out
 
 

@@ -281,6 +281,7 @@ class OptResult:
     world_size: int
     name: str
     step_s: float  # per step, median of the repetitions, max over ranks
+    cpu_s: float  # process CPU per step (all threads), median of the repetitions, max over ranks
     bytes_sent: int  # per rank per step: CommRecorder (shardwise) / the spy (PyTorch)
     bound: int  # `bound_bytes`
     collectives: int
@@ -326,6 +327,7 @@ def _model_rows(model: str, quick: bool, n: int, rank: int) -> list[dict[str, An
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses[name], ref, strict=True))
         result = OptResult(
             model=model, world_size=n, name=name, step_s=m[name].median_s / steps,
+            cpu_s=m[name].median_cpu_s / steps,
             bytes_sent=sent, bound=bound_bytes(name, p, n), collectives=count, calls=calls,
             comm_s=comm_s, lo_bytes=None if lo is None else lo / steps, loss_rel_diff=diff,
             param_bytes=p, state_theory=state_bytes(name, p, n), steps_per_call=steps,
@@ -380,7 +382,7 @@ def time_table(rows: list[OptResult], model: str, quick: bool) -> Table:
     """Step times and bytes per (N, candidate) of one model."""
     t = Table(
         f"Optimizer parallel, {model} ({_describe(model, quick)}), AdamW: per training step",
-        ["N", "candidate", "ms", "/best base", "/DDP", "coll ms", "sent/rank", "bound",
+        ["N", "candidate", "ms", "/best base", "/DDP", "cpu ms", "coll ms", "sent/rank", "bound",
          "sent/bound", "lo/rank", "colls", "loss rel diff vs DDP"],
     )  # fmt: skip
     for n in sorted({r.world_size for r in rows}):
@@ -390,8 +392,9 @@ def time_table(rows: list[OptResult], model: str, quick: bool) -> Table:
         for r in group:
             t.rows.append(
                 [n_label(r), r.name, fmt_ms(r.step_s), ratio(r.step_s, best), ratio(r.step_s, ddp),
-                 "-" if r.comm_s is None else fmt_ms(r.comm_s), fmt_bytes(r.bytes_sent),
-                 fmt_bytes(r.bound), ratio(r.bytes_sent, r.bound), fmt_bytes(r.lo_bytes),
+                 fmt_ms(r.cpu_s), "-" if r.comm_s is None else fmt_ms(r.comm_s),
+                 fmt_bytes(r.bytes_sent), fmt_bytes(r.bound), ratio(r.bytes_sent, r.bound),
+                 fmt_bytes(r.lo_bytes),
                  str(r.collectives), f"{r.loss_rel_diff:.1e}"]
             )  # fmt: skip
         t.rows.append([])
@@ -420,7 +423,10 @@ def _notes(rows: list[OptResult], cores: int) -> list[str]:
         f"ms: per step (forward + backward + AdamW step + zero_grad), median of the "
         f"repetitions ({r0.reps} x {r0.steps_per_call} steps for {r0.model}), max over ranks; "
         "the eight candidates alternate within one job per N (one model after the other). "
-        "/best base: over the fastest PyTorch baseline of that N; > 1: slower. coll ms: "
+        "/best base: over the fastest PyTorch baseline of that N; > 1: slower. cpu ms: CPU "
+        "time per step of one rank's process, every thread (compute, gloo's I/O, shardwise's "
+        "Python), median of the repetitions, max over ranks: with one rank per core a step "
+        "cannot take less. coll ms: "
         "CommRecorder's wall time of shardwise's collectives per step (each call's min over "
         "ranks, summed), taken in a "
         "separate accounting run of a few steps, not in the timed repetitions: indicative only "

@@ -31,7 +31,16 @@ def test_optimizer_parallel_quick(
     assert main([*args, "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     text = (tmp_path / "optimizer_parallel.txt").read_text()
-    for word in ("/best base", "/DDP", "sent/bound", "peak RSS", "loss rel diff", "FSDP2 zero3"):
+    words = (
+        "/best base",
+        "/DDP",
+        "cpu ms",
+        "sent/bound",
+        "peak RSS",
+        "loss rel diff",
+        "FSDP2 zero3",
+    )
+    for word in words:
         assert word in text and word in printed, word
 
     rows = json.loads((tmp_path / "optimizer_parallel.json").read_text())["rows"]
@@ -41,6 +50,7 @@ def test_optimizer_parallel_quick(
     by = {(r["model"], r["name"]): r for r in rows}
     for r in rows:
         assert r["world_size"] == 2 and r["step_s"] > 0, r["name"]
+        assert 0 < r["cpu_s"] < 20 * r["step_s"], r["name"]  # this process's threads only
         assert r["loss_rel_diff"] <= CHECK_RTOL and len(r["losses"]) == 3, r["name"]
         # the bound is a minimum (the loss's backward needs no all-reduce: loss.backward());
         # level 3 may send less: a weight autograd does not save (the first layer's: its input
