@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import nn
 
 from shardwise.parallel import AutoParallel, _torchops
@@ -81,3 +82,93 @@ def test_step_ops_pass_unexamined_and_closures_are_examined(closure: bool) -> No
     assert opt.seen == ([[0]] if closure else [[1]])
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(got_weight, want_weight, rtol=1e-6, atol=1e-7)
+
+
+class StackDepth(torch.optim.SGD):
+    """SGD that records the torch-function mode stack's depth when it updates (and can fail)."""
+
+    depths: list[int]
+    fail = False
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        self.depths.append(torch._C._len_torch_function_stack())
+        if self.fail:
+            raise RuntimeError("step failed")
+        return super().step(closure)
+
+
+class Passing(torch.overrides.TorchFunctionMode):
+    """A user's mode that lets everything through."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def after_step_loss_single_device() -> float:
+    """One SGD step, then the loss of the updated net on the same batch (one device)."""
+    net, (x, y) = make_net(), batch()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    return float(nn.functional.cross_entropy(net(x), y).detach())
+
+
+@pytest.mark.parametrize("user_mode", [False, True], ids=["lifted", "under-a-user-mode"])
+def test_step_runs_with_the_mode_off_the_stack_and_it_comes_back(user_mode: bool) -> None:
+    """A plain step runs with the mode lifted off the torch-function stack (no dispatch per op);
+    the ops after it are examined again (the loss after the step is the global one). Under a
+    user's mode on top, nothing is lifted and the step passes through as before."""
+    want = after_step_loss_single_device()
+    net, (x, y) = make_net(), batch()
+    base = torch._C._len_torch_function_stack()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = StackDepth(net.parameters(), lr=0.1)
+        opt.depths = []
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            nn.functional.cross_entropy(net(x), y).backward()
+            if user_mode:
+                with Passing():
+                    opt.step()
+            else:
+                opt.step()
+            return nn.functional.cross_entropy(net(x), y)  # examined: the global batch's loss
+
+        step = AutoParallel(train_step, parallel_mode="semi_auto")
+        got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
+        inside = torch._C._len_torch_function_stack()
+    assert opt.depths == ([base + 2] if user_mode else [base])  # lifted: ours is off the stack
+    assert inside == base  # every mode exited
+    hooks = torch_optimizer._global_optimizer_pre_hooks  # type: ignore[attr-defined]
+    assert next(iter(hooks)) == _torchops._STEP_HOOKS[0].id  # runs before optimizer parallel's
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_a_step_that_raises_leaves_no_mode_behind() -> None:
+    """The step raises with the mode lifted: the wrapped call raises, the stack is back to what it
+    was, and the next call runs data parallel with the right result."""
+    want = after_step_loss_single_device()
+    net, (x, y) = make_net(), batch()
+    base = torch._C._len_torch_function_stack()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = StackDepth(net.parameters(), lr=0.1)
+        opt.depths = []
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            return nn.functional.cross_entropy(net(x), y)
+
+        step = AutoParallel(train_step, parallel_mode="semi_auto")
+        opt.fail = True
+        with pytest.raises(RuntimeError, match="step failed"):
+            step(world.same(x), world.same(y))
+        assert torch._C._len_torch_function_stack() == base
+        assert not _torchops._lifted() and not list(_torchops._ACTIVE)
+        opt.fail = False
+        for p in net.parameters():
+            p.grad = None
+        got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
