@@ -93,6 +93,8 @@ def main() -> None:
     check_buckets(rank, n, world, None)
     check_buckets(rank, n, half, f"parity{rank % 2}")
     print("CHECK Buckets OK", flush=True)
+    check_pool(rank, n)
+    print("CHECK BufferPool OK", flush=True)
     sw.communication.release()
 
 
@@ -140,6 +142,39 @@ def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> N
     for other in (0, "coalesced 1048576", "coalesced 40"):
         for a, b in zip(results[other][0], results[1 << 40][0], strict=True):
             assert torch.equal(a, b), f"{other} pairwise and flat ReduceScatter differ"
+
+
+def check_pool(rank: int, n: int) -> None:
+    """The packed send and receive buffers of pairwise messages go back to `_pairwise`'s pool
+    once their message finished and are reused by the next exchange of the same sizes (new
+    data, right results); with `POOL_BYTES` 0 nothing is kept."""
+    from shardwise.communication import _buckets, _pairwise
+
+    shapes = [(2 * n, 3), (n,), (n, 5)]  # small members: packed into one message per peer
+    _pairwise._pool.clear()
+    _pairwise._pooled[0] = 0
+    seen: list[set[int]] = []
+    for seed in (30, 40):
+        pieces = [inputs(n, s, seed=seed + i) for i, s in enumerate(shapes)]
+        with _pairwise.coalesced():
+            pending = _buckets.all_gather_bucket([p[rank] for p in pieces], None)
+        got = pending.wait()
+        for p, g in zip(pieces, got, strict=True):
+            assert torch.equal(g, torch.cat(p)), "pooled AllGather"
+        seen.append({b.data_ptr() for free in _pairwise._pool.values() for b in free})
+    # one packed send buffer (the same parts go to every peer) and a box per peer, all back
+    assert len(seen[0]) == n, seen
+    assert seen[0] == seen[1], "the second exchange reused the pooled buffers"
+    assert _pairwise._pooled[0] == sum(
+        b.numel() * b.element_size() for free in _pairwise._pool.values() for b in free
+    )
+    _pairwise.POOL_BYTES = 0
+    _pairwise._pool.clear()
+    _pairwise._pooled[0] = 0
+    with _pairwise.coalesced():
+        pending = _buckets.all_gather_bucket([torch.ones(n)], None)
+    assert torch.equal(pending.wait()[0], torch.ones(n * n)) and not _pairwise._pool
+    _pairwise.POOL_BYTES = 64 << 20
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ WORKER = Path(__file__).with_name("real_collectives_worker.py")
 CHECKS = [
     "AllReduce", "AllReduce-max", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
     "NeighborExchange", "NeighborExchangeV2", "AllReduce-subgroup", "Buckets",
+    "BufferPool",
 ]  # fmt: skip
 
 

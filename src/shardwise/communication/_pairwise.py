@@ -18,6 +18,10 @@ straight from its tensor (packing it would cost a copy larger than the round tri
   received in place when a message has one target, else unpacked; a bucket waits only for
   its own messages, so a coalesced level-3 prefetch does not wait for the next bucket's).
 - `coalesced()`: the block whose bucket calls share their exchanges.
+- `_take` / `_give`: packed send buffers and receive boxes come from a pool of free buffers
+  (`POOL_BYTES` at most) and go back when their message finished: a fresh 1.3 MB buffer costs
+  page faults and cold caches on every step (the MNIST MLP at level 2: 0.2-0.8 ms less CPU
+  per step and rank with the pool, alternated in one job).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ _TAG_BASE = 1 << 24  # above the tags users give NeighborExchange (same send/rec
 _tags: dict[tuple[int, ...], int] = {}  # group ranks -> the next tag (same order on every rank)
 SEPARATE_BYTES = 1 << 20  # a part this large travels in a message of its own
 _open: list[dict[tuple[tuple[int, ...], torch.dtype], Exchange]] = []  # open coalesced blocks
+POOL_BYTES = 64 << 20  # at most this many bytes of free pack / receive buffers kept for reuse
+_pool: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+_pooled = [0]  # bytes in `_pool`
 
 
 def _next_tag(g: Group, count: int) -> int:
@@ -58,11 +65,32 @@ def _messages(parts: Sequence[torch.Tensor]) -> list[list[int]]:
     return ([small] if small else []) + alone
 
 
+def _take(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer of `numel` elements of `like`'s dtype and device: a pooled one when free
+    (its pages mapped and warm: a fresh 1.3 MB buffer costs ~0.15 ms of page faults here)."""
+    free = _pool.get((numel, like.dtype, like.device))
+    if not free:
+        return like.new_empty(numel)
+    buffer = free.pop()
+    _pooled[0] -= numel * buffer.element_size()
+    return buffer
+
+
+def _give(buffer: torch.Tensor) -> None:
+    """Return a `_take` buffer no message uses any more (kept while the pool is under
+    `POOL_BYTES`)."""
+    size = buffer.numel() * buffer.element_size()
+    if _pooled[0] + size > POOL_BYTES:
+        return
+    _pool.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+    _pooled[0] += size
+
+
 def _packed(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flat message of `parts` (the part itself when there is one: no copy)."""
     if len(parts) == 1:
         return parts[0]
-    return torch.cat([p.reshape(-1) for p in parts])
+    return torch.cat([p.reshape(-1) for p in parts], out=_take(_numel(parts), parts[0]))
 
 
 def _unpacked(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -74,11 +102,26 @@ def _unpacked(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return out
 
 
-class _Message:
-    """One message to and one from a peer: its works, receive buffer and targets."""
+class _Sent:
+    """A message's send buffer, shared by the messages carrying the same parts to every peer; a
+    packed (pooled) one goes back to the pool when the last of them finished."""
 
-    def __init__(self, box: torch.Tensor, targets: list[torch.Tensor], works: list[Any]) -> None:
-        self.box, self.targets, self.works = box, targets, works
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        self.buffer, self.pooled, self.users = _packed(parts), len(parts) > 1, 0
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self.pooled:
+            _give(self.buffer)
+
+
+class _Message:
+    """One message to and one from a peer: its works, send and receive buffers and targets."""
+
+    def __init__(
+        self, sent: _Sent, box: torch.Tensor, targets: list[torch.Tensor], works: list[Any]
+    ) -> None:
+        self.sent, self.box, self.targets, self.works = sent, box, targets, works
         self.done = False
 
     def finish(self) -> None:
@@ -86,9 +129,11 @@ class _Message:
             return
         for work in self.works:
             work.wait()
-        if len(self.targets) > 1:
+        if len(self.targets) > 1:  # (a pooled box: give it back once unpacked)
             for target, got in zip(self.targets, _unpacked(self.box, self.targets), strict=True):
                 target.copy_(got)
+            _give(self.box)
+        self.sent.release()
         self.done = True
         self.works, self.targets = [], []
 
@@ -125,21 +170,23 @@ class Exchange:
         n, pos, g = len(self.g.ranks), self.position, self.g
         groups = _messages(self._out[self.peers[0]])  # (the same sizes for every peer)
         tag = _next_tag(g, len(groups))
-        packed: dict[tuple[int, ...], torch.Tensor] = {}  # the same parts: packed once
+        packed: dict[tuple[int, ...], _Sent] = {}  # the same parts: packed once
         for k in range(1, n):
             dst, src = (pos + k) % n, (pos - k) % n
             for j, members in enumerate(groups):
                 parts = [self._out[dst][i] for i in members]
                 key = tuple(id(p) for p in parts)
                 if key not in packed:
-                    packed[key] = _packed(parts)
+                    packed[key] = _Sent(parts)
+                sent = packed[key]
+                sent.users += 1
                 targets = [self._into[src][i] for i in members]
-                box = targets[0] if len(targets) == 1 else targets[0].new_empty(_numel(targets))
+                box = targets[0] if len(targets) == 1 else _take(_numel(targets), targets[0])
                 works = [
-                    dist.isend(packed[key], g.ranks[dst], g.pg, tag + j),
+                    dist.isend(sent.buffer, g.ranks[dst], g.pg, tag + j),
                     dist.irecv(box, g.ranks[src], g.pg, tag + j),
                 ]
-                message = _Message(box, targets, [w for w in works if w is not None])
+                message = _Message(sent, box, targets, [w for w in works if w is not None])
                 for i in members:
                     self._carrying.setdefault(i, []).append(message)
         self._posted = True
