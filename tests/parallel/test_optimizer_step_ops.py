@@ -5,6 +5,7 @@ parallel, results equal single-device."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -170,5 +171,44 @@ def test_a_step_that_raises_leaves_no_mode_behind() -> None:
         opt.fail = False
         for p in net.parameters():
             p.grad = None
+        got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+class Outer(torch.optim.SGD):
+    """SGD whose step first steps an inner optimizer that raises (and is caught)."""
+
+    inner: StackDepth
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        with contextlib.suppress(RuntimeError):
+            self.inner.step()
+        return super().step(closure)
+
+
+def test_steps_outside_wrapped_calls_and_raising_inner_steps_leave_nothing_behind() -> None:
+    """An optimizer stepping (and raising) outside any wrapped call records nothing; an inner
+    step that raised inside an outer one is dropped when the outer step ends, which puts the mode
+    back: the loss after it is the global batch's."""
+    lone = StackDepth([torch.zeros(2, requires_grad=True)], lr=0.1)
+    lone.depths, lone.fail = [], True
+    with pytest.raises(RuntimeError):
+        lone.step()
+    assert not _torchops._lifted()
+
+    want = after_step_loss_single_device()
+    net, (x, y) = make_net(), batch()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = Outer(net.parameters(), lr=0.1)
+        opt.inner = lone
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            assert not _torchops._lifted()  # the inner step's entry went with the outer one
+            return nn.functional.cross_entropy(net(x), y)
+
+        step = AutoParallel(train_step, parallel_mode="semi_auto")
         got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

@@ -41,9 +41,10 @@ While an optimizer steps without a closure (global step hooks, `_step_pre` / `_s
 the active modes let every op through unexamined: the update touches parameters and state
 only, and looking at each of its many small ops cost about 1 ms per step on a small MLP. The
 mode on top of the thread's torch-function stack is even taken off it for the step (`_lift`,
-put back by `_step_post`, or by its own exit when the step raised): each op still routed
-through a mode costs ~2 us of Python, ~0.4 ms per AdamW step of a 3-layer MLP. A step with a
-closure (LBFGS) runs the network again, so it is examined as usual.
+put back by `_step_post`, or by its own exit when the step raised; a step that raised inside
+another step is undone when the outer one ends): each op still routed through a mode costs
+~2 us of Python, ~0.4 ms per AdamW step of a 3-layer MLP. A step with a closure (LBFGS) runs
+the network again, so it is examined as usual.
 """
 
 from __future__ import annotations
@@ -159,9 +160,10 @@ class DataParallelOps(TorchFunctionMode):
 
     def __exit__(self, *exc: object) -> None:
         _ACTIVE.discard(self)
+        # (entries left by steps that raised: none is needed once no mode is active)
+        _lifted()[:] = [e for e in _lifted() if e[1] is not self] if _ACTIVE else []
         if self.lifted:  # an optimizer step raised: `_step_post` never put it back
             self.lifted = False
-            _lifted()[:] = [m for m in _lifted() if m is not self]
             return
         super().__exit__(*exc)
 
@@ -307,7 +309,7 @@ class DataParallelOps(TorchFunctionMode):
 
 _ACTIVE: weakref.WeakSet[DataParallelOps] = weakref.WeakSet()  # entered, not yet exited
 _STEP_HOOKS: list[Any] = []  # the global optimizer step hooks, registered once
-_THREAD = threading.local()  # .lifted: per open step of this thread, the mode it lifted
+_THREAD = threading.local()  # .lifted: per open step of this thread, (optimizer id, lifted mode)
 
 
 def _register_step_hooks() -> None:
@@ -324,11 +326,20 @@ def _register_step_hooks() -> None:
         post.move_to_end(_STEP_HOOKS[1].id)
 
 
-def _lifted() -> list[DataParallelOps | None]:
-    stack: list[DataParallelOps | None] | None = getattr(_THREAD, "lifted", None)
+_Lifted = tuple[int, "DataParallelOps | None"]
+
+
+def _lifted() -> list[_Lifted]:
+    stack: list[_Lifted] | None = getattr(_THREAD, "lifted", None)
     if stack is None:
         stack = _THREAD.lifted = []
     return stack
+
+
+def _put_back(mode: DataParallelOps | None) -> None:
+    if mode is not None and mode.lifted:
+        mode.lifted = False
+        torch._C._push_on_torch_function_stack(mode)
 
 
 def _lift() -> DataParallelOps | None:
@@ -350,18 +361,21 @@ def _no_closure(args: Any, kwargs: Any) -> bool:
 
 
 def _step_pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _no_closure(args, kwargs):  # a closure re-runs the network: keep examining its ops
+    # (no active mode: nothing to do; a closure re-runs the network: keep examining its ops)
+    if _ACTIVE and _no_closure(args, kwargs):
         for mode in _ACTIVE:
             mode.stepping += 1
-        _lifted().append(_lift())
+        _lifted().append((id(optimizer), _lift()))
 
 
 def _step_post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _no_closure(args, kwargs):
+    stack = _lifted()
+    if not _no_closure(args, kwargs) or all(key != id(optimizer) for key, _ in stack):
+        return
+    while stack:  # (entries above this step's: steps inside it that raised, undone too)
+        key, lifted = stack.pop()
         for mode in _ACTIVE:
             mode.stepping = max(0, mode.stepping - 1)
-        stack = _lifted()
-        lifted = stack.pop() if stack else None
-        if lifted is not None and lifted.lifted:
-            lifted.lifted = False
-            torch._C._push_on_torch_function_stack(lifted)
+        _put_back(lifted)
+        if key == id(optimizer):
+            return
