@@ -88,8 +88,10 @@ def test_step_ops_pass_unexamined_and_closures_are_examined(closure: bool) -> No
 class StackDepth(torch.optim.SGD):
     """SGD that records the torch-function mode stack's depth when it updates (and can fail)."""
 
-    depths: list[int]
-    fail = False
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.depths: list[int] = []
+        self.fail = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         self.depths.append(torch._C._len_torch_function_stack())
@@ -114,6 +116,24 @@ def after_step_loss_single_device() -> float:
     return float(nn.functional.cross_entropy(net(x), y).detach())
 
 
+def step_then_loss(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> AutoParallel:
+    """The wrapped train step: backward, ``opt.step()`` inside ``around()``, then the loss of the
+    updated net on the same batch (examined: the global batch's loss)."""
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nn.functional.cross_entropy(net(x), y).backward()
+        with around():
+            opt.step()
+        loss: torch.Tensor = nn.functional.cross_entropy(net(x), y)
+        return loss
+
+    return AutoParallel(train_step, parallel_mode="semi_auto", network=net, optimizer=opt)
+
+
 @pytest.mark.parametrize("user_mode", [False, True], ids=["lifted", "under-a-user-mode"])
 def test_step_runs_with_the_mode_off_the_stack_and_it_comes_back(user_mode: bool) -> None:
     """A plain step runs with the mode lifted off the torch-function stack (no dispatch per op);
@@ -125,18 +145,7 @@ def test_step_runs_with_the_mode_off_the_stack_and_it_comes_back(user_mode: bool
     with simulated_world(2) as world:
         world.replicate(net)
         opt = StackDepth(net.parameters(), lr=0.1)
-        opt.depths = []
-
-        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            nn.functional.cross_entropy(net(x), y).backward()
-            if user_mode:
-                with Passing():
-                    opt.step()
-            else:
-                opt.step()
-            return nn.functional.cross_entropy(net(x), y)  # examined: the global batch's loss
-
-        step = AutoParallel(train_step, parallel_mode="semi_auto")
+        step = step_then_loss(net, opt, Passing if user_mode else contextlib.nullcontext)
         got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
         inside = torch._C._len_torch_function_stack()
     assert opt.depths == ([base + 2] if user_mode else [base])  # lifted: ours is off the stack
@@ -155,14 +164,7 @@ def test_a_step_that_raises_leaves_no_mode_behind() -> None:
     with simulated_world(2) as world:
         world.replicate(net)
         opt = StackDepth(net.parameters(), lr=0.1)
-        opt.depths = []
-
-        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            nn.functional.cross_entropy(net(x), y).backward()
-            opt.step()
-            return nn.functional.cross_entropy(net(x), y)
-
-        step = AutoParallel(train_step, parallel_mode="semi_auto")
+        step = step_then_loss(net, opt)
         opt.fail = True
         with pytest.raises(RuntimeError, match="step failed"):
             step(world.same(x), world.same(y))
@@ -191,7 +193,7 @@ def test_steps_outside_wrapped_calls_and_raising_inner_steps_leave_nothing_behin
     step that raised inside an outer one is dropped when the outer step ends, which puts the mode
     back: the loss after it is the global batch's."""
     lone = StackDepth([torch.zeros(2, requires_grad=True)], lr=0.1)
-    lone.depths, lone.fail = [], True
+    lone.fail = True
     with pytest.raises(RuntimeError):
         lone.step()
     assert not _torchops._lifted()
