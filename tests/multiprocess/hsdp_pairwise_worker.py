@@ -171,6 +171,39 @@ def check_failed_backward(level: str) -> None:
     print(f"CHECK {level} failed backward OK", flush=True)
 
 
+def check_kept_graph(level: str) -> None:
+    """hsdp `level` (1-2: the compute leaves are refilled in place by the next step's gather):
+    ``retain_graph=True``, a step, then the next call's forward and a second backward through
+    the first graph: autograd raises, as on one device for a weight the optimizer changed in
+    place (the leaves' version moved), instead of using the new weights silently."""
+    x, y = batches()[0]
+    net = Net()
+    opt = optimizer(net)
+    kept: list[torch.Tensor] = []
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        if kept:  # the second call: its forward refilled the leaves
+            kept[0].backward()
+        else:
+            loss.backward(retain_graph=True)
+            kept.append(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    parallel = AutoParallel(train_step, parallel_mode="semi_auto")
+    parallel.hsdp(threshold=0, optimizer_level=level)
+    parallel(x, y)
+    try:
+        parallel(x, y)
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e), e
+    else:
+        raise AssertionError("a graph kept across a refill was used")
+    print(f"CHECK {level} kept graph refused OK", flush=True)
+
+
 def _boom(g: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("boom")
 
@@ -184,6 +217,8 @@ def main() -> None:
     check_autograd_grad()
     for level in ("level2", "level3"):
         check_failed_backward(level)
+    for level in ("level1", "level2"):
+        check_kept_graph(level)
     sw.communication.release()
 
 

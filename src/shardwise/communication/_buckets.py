@@ -67,16 +67,21 @@ def _transport(g: Group, per_rank_bytes: int) -> str:
 
 
 def all_gather_bucket(
-    shards: Sequence[torch.Tensor], group: str | Group | None
+    shards: Sequence[torch.Tensor],
+    group: str | Group | None,
+    outs: Sequence[torch.Tensor] | None = None,
 ) -> Pending[list[torch.Tensor]]:
     """Start gathering every member of a bucket over the group (see the module docstring).
 
     Args:
         shards: this rank's piece of each member (same dtype, at least 1-d).
         group: the group (name, `Group` or None for the world).
+        outs: contiguous tensors to gather into (one per member, ``N * rows`` rows), e.g. last
+            step's results refilled in place; None: new ones.
 
     Returns:
-        A `Pending`; ``wait()`` gives one tensor per member, ``N * rows`` rows each.
+        A `Pending`; ``wait()`` gives one tensor per member, ``N * rows`` rows each (`outs`
+        when given).
 
     Example:
         >>> got = all_gather_bucket([w_shard, b_shard], "dp").wait()  # doctest: +SKIP
@@ -86,16 +91,20 @@ def all_gather_bucket(
     n = len(g.ranks)
     pieces = [s.detach().contiguous() for s in shards]
     per_rank = sum(p.numel() * p.element_size() for p in pieces)
+    shapes = [(n * p.shape[0], *p.shape[1:]) for p in pieces]
+    if outs is not None:
+        assert [tuple(o.shape) for o in outs] == shapes and all(o.is_contiguous() for o in outs)
     if _transport(g, per_rank) == "flat":
-        return _flat_gather(pieces, g)
+        return _flat_gather(pieces, g, outs)
     done = deferred_record(
         "AllGather", g, pieces[0].dtype, sum(p.numel() for p in pieces), recorder.start()
     )
-    outs = [p.new_empty((n * p.shape[0], *p.shape[1:])) for p in pieces]
+    fresh = [p.new_empty(s) for p, s in zip(pieces, shapes, strict=True)] if outs is None else []
+    into = [*outs] if outs is not None else fresh
 
     def rows_of(m: int, position: int) -> torch.Tensor:
         rows = pieces[m].shape[0]
-        return outs[m].narrow(0, position * rows, rows)
+        return into[m].narrow(0, position * rows, rows)
 
     exchange, own = _pairwise.join(g, pieces[0].dtype)
     peers = exchange.peers
@@ -111,12 +120,14 @@ def all_gather_bucket(
     def finish() -> list[torch.Tensor]:
         exchange.wait(parts)
         done()
-        return outs
+        return into
 
     return Pending(finish)
 
 
-def _flat_gather(pieces: list[torch.Tensor], g: Group) -> Pending[list[torch.Tensor]]:
+def _flat_gather(
+    pieces: list[torch.Tensor], g: Group, outs: Sequence[torch.Tensor] | None
+) -> Pending[list[torch.Tensor]]:
     n = len(g.ranks)
     flat = pieces[0].reshape(-1) if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
     inner = _start_all_gather(flat, g, async_op=_sim.current() is None)
@@ -124,13 +135,18 @@ def _flat_gather(pieces: list[torch.Tensor], g: Group) -> Pending[list[torch.Ten
     def finish() -> list[torch.Tensor]:
         gathered = inner.wait()
         if len(pieces) == 1:  # the pieces stacked on dim 0 are the result itself
-            return [gathered.view(n * pieces[0].shape[0], *pieces[0].shape[1:])]
-        rows, out, offset = gathered.view(n, -1), [], 0
-        for p in pieces:
-            size = p.numel()
-            out.append(rows[:, offset : offset + size].reshape(n * p.shape[0], *p.shape[1:]))
-            offset += size
-        return out
+            out = [gathered.view(n * pieces[0].shape[0], *pieces[0].shape[1:])]
+        else:
+            rows, out, offset = gathered.view(n, -1), [], 0
+            for p in pieces:
+                size = p.numel()
+                out.append(rows[:, offset : offset + size].reshape(n * p.shape[0], *p.shape[1:]))
+                offset += size
+        if outs is None:
+            return out
+        for target, got in zip(outs, out, strict=True):
+            target.copy_(got)
+        return [*outs]
 
     return Pending(finish)
 

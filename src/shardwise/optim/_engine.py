@@ -9,7 +9,10 @@ reduced in fused buckets straight into the shards (levels 1-3).
 - `compute` (forward): the tensor the network computes with, a *compute leaf* per parameter and
   step: for a sharded parameter its op-level block, gathered with one AllGather per bucket
   (`communication._buckets.all_gather_bucket`) on first use, for the others a view of the
-  parameter. Leaves are reused until the optimizer steps. Prefetch (`_prefetch`): at levels 1-2
+  parameter. Leaves are reused until the optimizer steps; at levels 1-2 a sharded one is kept
+  past the step (`_stale`) and the next gather writes into it in place (same tensor, storage
+  and hook: no new buffer per step; its version moves, so autograd refuses a graph kept from
+  before, as for a weight updated in place on one device). Prefetch (`_prefetch`): at levels 1-2
   the first use of a shard bucket starts every shard bucket's gather (all are kept until
   backward anyway); level 3 starts the bucket in use and the next one. Gathers started
   together are coalesced (`communication._pairwise.coalesced`: on gloo one message per peer
@@ -37,8 +40,8 @@ reduced in fused buckets straight into the shards (levels 1-3).
   (graph task), so the next backward still gets one.
 - `_before_step` / `_after_step` (global optimizer step hooks, for optimizers holding these
   parameters): cut state made before the parameters were cut (`_adopt_state`), check the
-  state has this rank's shard shapes (`check_state`), flush level 1; after the step drop the
-  leaves (the weights changed).
+  state has this rank's shard shapes (`check_state`), flush level 1; after the step mark the
+  leaves stale (levels 1-2) or drop them (level 3, and unsharded parameters' views).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class OptimizerParallel:
         # groups in bucket order on every rank (member-only groups must be made in one order)
         self.groups = [bucket_groups(matrix, b.dp_axes, b.shard) for b in plan.buckets]
         self.leaves: dict[str, torch.Tensor] = {}
+        self._stale: set[str] = set()  # levels 1-2: leaves kept past the step, refilled in place
         self.ready: dict[int, set[str]] = {}
         self._end_queued = -1  # the backward (graph task id) `_end_backward` is queued for
         self._regathered: dict[int, dict[str, torch.Tensor]] = {}
@@ -155,7 +159,7 @@ class OptimizerParallel:
         name = self.by_id[id(p)]
         if self._end_queued != -1 and torch._C._current_graph_task_id() == -1:
             self._drop_unfinished_backward()  # a forward after a backward that raised
-        if name not in self.leaves or self._freed(name):
+        if not self._live(name):
             i = self.bucket_of.get(name)
             if i is not None and self.plan.buckets[i].kind == "shard":
                 # levels 1-2 keep every gathered bucket until backward: start them all now (their
@@ -166,6 +170,10 @@ class OptimizerParallel:
                 self._leaf(name, p.detach())
         return self.leaves[name]
 
+    def _live(self, name: str) -> bool:
+        """Whether parameter `name` has a compute leaf holding this step's weights."""
+        return name in self.leaves and name not in self._stale and not self._freed(name)
+
     def _leaf(self, name: str, value: torch.Tensor) -> None:
         leaf = value.requires_grad_(self.params[name].requires_grad)
         if self.shards[name].sharded:
@@ -174,16 +182,23 @@ class OptimizerParallel:
                 self._gathered_ids[id(leaf._base)] = name
             if not self.simulated:
                 self._gathered_ptrs[leaf.untyped_storage().data_ptr()] = name
-        if leaf.requires_grad:
-            leaf.register_post_accumulate_grad_hook(lambda t, n=name: self._on_grad(n))
+        if leaf.requires_grad:  # (a weak reference: leaves outlive steps, hooks are not traced)
+            leaf.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), name))
         self.leaves[name] = leaf
 
     def _start_gather(self, i: int) -> Pending[list[torch.Tensor]]:
         """Start one AllGather of bucket `i`'s shards (finished by `_gathered`)."""
         bucket = self.plan.buckets[i]
+        outs = None  # levels 1-2 after a step: into last step's leaves (same storage and hooks)
+        stale = [n for n in bucket.names if n in self._stale]
+        if stale and len(stale) == len(bucket.names):
+            outs = [self.leaves[n].detach() for n in bucket.names]  # (shape: the op-level block)
+        for n in stale if outs is None else ():  # (a member had no leaf: new leaves for all)
+            self._stale.discard(n)
+            del self.leaves[n]
         with recorder.label(self._label(i)):
             return all_gather_bucket(
-                [self.params[n].detach() for n in bucket.names], self.groups[i].shard
+                [self.params[n].detach() for n in bucket.names], self.groups[i].shard, outs
             )
 
     def _gathered(
@@ -201,7 +216,9 @@ class OptimizerParallel:
     def _gather(self, i: int) -> None:
         gathered = self._gathered(i, self._prefetched.pop(i, None))
         for name, full in gathered.items():
-            if name in self.leaves:
+            if name in self._stale:  # gathered into the leaf itself (its version bumped)
+                self._stale.discard(name)
+            elif name in self.leaves:
                 self._refill(name, full)
             else:
                 self._leaf(name, full)
@@ -235,8 +252,7 @@ class OptimizerParallel:
                 bucket = self.plan.buckets[j]
                 if bucket.kind != "shard":
                     continue
-                first = bucket.names[0]
-                if (first not in self.leaves or self._freed(first)) and j not in self._prefetched:
+                if not self._live(bucket.names[0]) and j not in self._prefetched:
                     self._prefetched[j] = self._start_gather(j)
                 depth -= 1
                 if depth == 0:
@@ -333,7 +349,8 @@ class OptimizerParallel:
             return  # full gradients kept on the leaves until the optimizer steps
         done = self.ready.setdefault(i, set())
         done.add(name)
-        if all(n in done or n not in self.leaves for n in bucket.names):
+        # (a member without a leaf this step, unused, does not hold the bucket back)
+        if all(n in done or n not in self.leaves or n in self._stale for n in bucket.names):
             self._reduce(i)
 
     def _end_backward(self) -> None:
@@ -483,8 +500,12 @@ class OptimizerParallel:
                 state[key] = value.clone()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._mine(optimizer):
-            self.leaves.clear()  # the shards changed: gather again at the next forward
+        if self._mine(optimizer):  # the shards changed: gather again at the next forward
+            if self.level == "level3":
+                self.leaves.clear()
+            else:  # sharded members: refilled in place; the others (views of the parameter): new
+                self._stale = {n for n in self.leaves if self.shards[n].sharded}
+                self.leaves = {n: leaf for n, leaf in self.leaves.items() if n in self._stale}
             self._gathered_ids.clear()
             self._gathered_ptrs.clear()
 
@@ -503,4 +524,17 @@ def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
 
 
 GradHook = Callable[[torch.Tensor], None]
+
+
+def _grad_hook(engine: weakref.ref[OptimizerParallel], name: str) -> GradHook:
+    """Leaf `name`'s post-accumulate-grad hook: the engine's `_on_grad` (while it lives)."""
+
+    def hook(leaf: torch.Tensor) -> None:
+        alive = engine()
+        if alive is not None:
+            alive._on_grad(name)
+
+    return hook
+
+
 __all__ = ["BucketGroups", "OptimizerParallel", "ParamShard", "check_state"]

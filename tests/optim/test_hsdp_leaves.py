@@ -1,0 +1,132 @@
+"""Levels 1-2 keep each sharded parameter's compute leaf past the optimizer step and gather the
+next step's weights into it in place (the same tensor, its hooks, its storage; no new buffer
+per step); level 3 still makes new ones. A bucket whose member had no leaf in the last step
+(unused then) gets new leaves for all its members. 2 and 4 simulated ranks, results equal
+single-device training. (A graph kept across a refill is refused by autograd: checked on real
+processes, `tests/multiprocess/hsdp_pairwise_worker.py`.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hsdp import SMALL, Mlp, shard_of, single_device, train
+
+
+def engine_leaf(parallel: AutoParallel, name: str) -> torch.Tensor:
+    engine = parallel._engine
+    assert engine is not None
+    return engine.leaves[name]
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_levels_1_2_refill_the_same_leaf_in_place(level: str) -> None:
+    """Every step after the first gathers layer2's weight into last step's leaf (levels 1-2:
+    same object, version bumped, storage reused); level 3 makes a new leaf each step. The
+    losses and updated weights equal single-device training either way."""
+    want_losses, want_params = single_device(lambda: Mlp(small=True), "adamw", SMALL)
+    seen: list[tuple[torch.Tensor, int]] = []  # (the leaf, its version) after each step
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        engine = parallel._engine
+        assert engine is not None
+        leaf = engine.leaves.get("layer2.weight")  # (level 3: dropped at the step)
+        if leaf is not None:
+            seen.append((leaf, leaf._version))
+
+    net = Mlp(small=True)
+    with simulated_world(2) as world:
+        parallel, _, losses = train(
+            world, net, "adamw", lambda p: p.hsdp(threshold=0, optimizer_level=level), check, SMALL
+        )
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]), what=f"loss {step}")
+        for name, p in net.named_parameters():
+            rows = shard_of(parallel, name, want_params[-1][name])
+            assert_matches_single_device(p.detach(), rows, what=name)
+    if level == "level3":
+        assert not seen  # no leaf kept past a step
+        return
+    assert len(seen) == len(SMALL) and all(leaf is seen[0][0] for leaf, _ in seen)  # one leaf
+    versions = [v for _, v in seen]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)  # refilled
+
+
+class Sometimes(nn.Module):
+    """Two layers in one fusion bucket (id 1); `extra` runs only when `use_extra` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.flatten, self.first = nn.Flatten(), nn.Linear(64, 32)
+        self.extra, self.head = nn.Linear(32, 32), nn.Linear(32, 16)
+        sw.set_comm_fusion(self.first, 1)
+        sw.set_comm_fusion(self.extra, 1)
+        sw.set_comm_fusion(self.head, 2)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(self.flatten(x)))
+        if self.use_extra:
+            h = torch.relu(self.extra(h))
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_members_used_in_some_steps_only_and_a_bucket_missing_a_leaf(level: str) -> None:
+    """`extra` is skipped in step 0 and used from step 1 on: its leaf, gathered ahead with its
+    bucket, gets no gradient in step 0 (no update, as on one device) and is refilled in place
+    like the others. Then, with one member's leaf taken away after step 1 (a bucket half without
+    leaves), step 2 gathers the bucket into new leaves for all its members, and step 3 refills
+    those. Losses and weights equal single-device training with the same schedule."""
+    use = [False, True, True, True]
+    batches = SMALL[: len(use)]
+
+    def single() -> tuple[list[float], dict[str, torch.Tensor]]:
+        net, losses = Sometimes(), []
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for flag, (x, y) in zip(use, batches, strict=True):
+            net.use_extra = flag
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+    want_losses, want_params = single()
+    net = Sometimes()
+    leaves: list[torch.Tensor] = []
+
+    def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
+        leaves.append(engine_leaf(parallel, "first.weight"))
+        if step == 1:
+            engine = parallel._engine
+            assert engine is not None
+            del engine.leaves["extra.weight"]
+            engine._stale.discard("extra.weight")
+        if step + 1 < len(use):
+            net.use_extra = use[step + 1]
+
+    with simulated_world(4) as world:
+        parallel, _, losses = train(
+            world, net, "sgd", lambda p: p.hsdp(threshold=0, optimizer_level=level), check, batches
+        )
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]), what=f"loss {step}")
+        for name, p in net.named_parameters():
+            rows = shard_of(parallel, name, want_params[name])
+            assert_matches_single_device(p.detach(), rows, what=name)
+    # steps 0-1: one leaf refilled; step 2: new leaves (a member had none); step 3 refills them
+    assert leaves[0] is leaves[1] and leaves[1] is not leaves[2] and leaves[2] is leaves[3]
