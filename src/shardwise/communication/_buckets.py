@@ -99,8 +99,9 @@ def all_gather_bucket(
     done = deferred_record(
         "AllGather", g, pieces[0].dtype, sum(p.numel() for p in pieces), recorder.start()
     )
-    fresh = [p.new_empty(s) for p, s in zip(pieces, shapes, strict=True)] if outs is None else []
-    into = [*outs] if outs is not None else fresh
+    if outs is None:
+        outs = [p.new_empty(s) for p, s in zip(pieces, shapes, strict=True)]
+    into = [*outs]
 
     def rows_of(m: int, position: int) -> torch.Tensor:
         rows = pieces[m].shape[0]
