@@ -8,6 +8,7 @@ processes, `tests/multiprocess/hsdp_pairwise_worker.py`.)"""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,29 @@ from shardwise.testing import CommRecorder, assert_matches_single_device, simula
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hsdp import SMALL, Mlp, shard_of, single_device, train
+
+
+def train_and_compare(
+    world_size: int,
+    net: nn.Module,
+    opt: str,
+    level: str,
+    check: Callable[[int, AutoParallel, CommRecorder], None],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    want_losses: list[float],
+    want_params: dict[str, torch.Tensor],
+) -> None:
+    """Train `net` with hsdp `level` (`check` after each step): every loss and every rank's
+    shard of the final weights equal single-device training's."""
+    with simulated_world(world_size) as world:
+        parallel, _, losses = train(
+            world, net, opt, lambda p: p.hsdp(threshold=0, optimizer_level=level), check, batches
+        )
+        for step, loss in enumerate(losses):
+            assert_matches_single_device(loss, torch.tensor(want_losses[step]), what=f"loss {step}")
+        for name, p in net.named_parameters():
+            rows = shard_of(parallel, name, want_params[name])
+            assert_matches_single_device(p.detach(), rows, what=name)
 
 
 def engine_leaf(parallel: AutoParallel, name: str) -> torch.Tensor:
@@ -44,16 +68,8 @@ def test_levels_1_2_refill_the_same_leaf_in_place(level: str) -> None:
         if leaf is not None:
             seen.append((leaf, leaf._version))
 
-    net = Mlp(small=True)
-    with simulated_world(2) as world:
-        parallel, _, losses = train(
-            world, net, "adamw", lambda p: p.hsdp(threshold=0, optimizer_level=level), check, SMALL
-        )
-        for step, loss in enumerate(losses):
-            assert_matches_single_device(loss, torch.tensor(want_losses[step]), what=f"loss {step}")
-        for name, p in net.named_parameters():
-            rows = shard_of(parallel, name, want_params[-1][name])
-            assert_matches_single_device(p.detach(), rows, what=name)
+    net, final = Mlp(small=True), want_params[-1]
+    train_and_compare(2, net, "adamw", level, check, SMALL, want_losses, final)
     if level == "level3":
         assert not seen  # no leaf kept past a step
         return
@@ -119,14 +135,6 @@ def test_members_used_in_some_steps_only_and_a_bucket_missing_a_leaf(level: str)
         if step + 1 < len(use):
             net.use_extra = use[step + 1]
 
-    with simulated_world(4) as world:
-        parallel, _, losses = train(
-            world, net, "sgd", lambda p: p.hsdp(threshold=0, optimizer_level=level), check, batches
-        )
-        for step, loss in enumerate(losses):
-            assert_matches_single_device(loss, torch.tensor(want_losses[step]), what=f"loss {step}")
-        for name, p in net.named_parameters():
-            rows = shard_of(parallel, name, want_params[name])
-            assert_matches_single_device(p.detach(), rows, what=name)
+    train_and_compare(4, net, "sgd", level, check, batches, want_losses, want_params)
     # steps 0-1: one leaf refilled; step 2: new leaves (a member had none); step 3 refills them
     assert leaves[0] is leaves[1] and leaves[1] is not leaves[2] and leaves[2] is leaves[3]
