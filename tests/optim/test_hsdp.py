@@ -532,6 +532,9 @@ def test_dropped_wrapper_frees_network_and_global_hooks() -> None:
 
     import torch.optim.optimizer as torch_optimizer
 
+    from shardwise.parallel import _torchops
+
+    _torchops._register_step_hooks()  # (the mode's own pair, registered once per process)
     gc.collect()  # earlier tests' dropped engines
     before = len(torch_optimizer._global_optimizer_pre_hooks)
     net = Mlp()
