@@ -64,18 +64,21 @@ def test_levels_1_2_refill_the_same_leaf_in_place(level: str) -> None:
     def check(step: int, parallel: AutoParallel, rec: CommRecorder) -> None:
         engine = parallel._engine
         assert engine is not None
-        leaf = engine.leaves.get("layer2.weight")  # (level 3: dropped at the step)
-        if leaf is not None:
-            seen.append((leaf, leaf._version))
+        for name in ("layer1.weight", "layer2.weight"):  # a one-member bucket (id 0), a shared one
+            leaf = engine.leaves.get(name)  # (level 3: dropped at the step)
+            if leaf is not None:
+                seen.append((leaf, leaf._version))
 
     net, final = Mlp(small=True), want_params[-1]
     train_and_compare(2, net, "adamw", level, check, SMALL, want_losses, final)
     if level == "level3":
         assert not seen  # no leaf kept past a step
         return
-    assert len(seen) == len(SMALL) and all(leaf is seen[0][0] for leaf, _ in seen)  # one leaf
-    versions = [v for _, v in seen]
-    assert versions == sorted(versions) and len(set(versions)) == len(versions)  # refilled
+    assert len(seen) == 2 * len(SMALL)
+    for per_name in (seen[0::2], seen[1::2]):
+        assert all(leaf is per_name[0][0] for leaf, _ in per_name)  # one leaf
+        versions = [v for _, v in per_name]
+        assert versions == sorted(versions) and len(set(versions)) == len(versions)  # refilled
 
 
 class Sometimes(nn.Module):

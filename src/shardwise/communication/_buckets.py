@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from shardwise.communication import _pairwise, _sim, recorder
 from shardwise.communication._collectives import (
@@ -129,25 +130,30 @@ def all_gather_bucket(
 def _flat_gather(
     pieces: list[torch.Tensor], g: Group, outs: Sequence[torch.Tensor] | None
 ) -> Pending[list[torch.Tensor]]:
-    n = len(g.ranks)
-    flat = pieces[0].reshape(-1) if len(pieces) == 1 else torch.cat([p.reshape(-1) for p in pieces])
-    inner = _start_all_gather(flat, g, async_op=_sim.current() is None)
+    n, single = len(g.ranks), len(pieces) == 1
+    flat = pieces[0].reshape(-1) if single else torch.cat([p.reshape(-1) for p in pieces])
+    # one member: the pieces stacked on dim 0 are the result itself, gathered straight into it
+    into = outs[0].view(-1) if single and outs is not None else None
+    inner = _start_all_gather(flat, g, async_op=_sim.current() is None, out=into)
 
     def finish() -> list[torch.Tensor]:
         gathered = inner.wait()
-        if len(pieces) == 1:  # the pieces stacked on dim 0 are the result itself
-            out = [gathered.view(n * pieces[0].shape[0], *pieces[0].shape[1:])]
-        else:
-            rows, out, offset = gathered.view(n, -1), [], 0
-            for p in pieces:
-                size = p.numel()
-                out.append(rows[:, offset : offset + size].reshape(n * p.shape[0], *p.shape[1:]))
-                offset += size
-        if outs is None:
-            return out
-        for target, got in zip(outs, out, strict=True):
-            target.copy_(got)
-        return [*outs]
+        if single:
+            if outs is None:
+                return [gathered.view(n * pieces[0].shape[0], *pieces[0].shape[1:])]
+            increment_version(outs[0])  # (written by the collective: mark it changed in place)
+            return [outs[0]]
+        rows, out, offset = gathered.view(n, -1), [], 0
+        for m, p in enumerate(pieces):
+            size = p.numel()
+            block = rows[:, offset : offset + size]  # each rank's piece of member m, in a row
+            if outs is None:
+                out.append(block.reshape(n * p.shape[0], *p.shape[1:]))
+            else:
+                out.append(outs[m])
+                outs[m].view(n, size).copy_(block)
+            offset += size
+        return out
 
     return Pending(finish)
 

@@ -208,15 +208,17 @@ def _start_all_reduce(
 
 
 def _start_all_gather(
-    t: torch.Tensor, group: str | Group | None, async_op: bool
+    t: torch.Tensor, group: str | Group | None, async_op: bool, out: torch.Tensor | None = None
 ) -> Pending[torch.Tensor]:
+    """`out`: a contiguous tensor of the result's shape to gather into (None: a new one)."""
     g = resolve_group(group)
     if t.dim() == 0:
         raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
     _check_same_shape("AllGather", t)
     start = recorder.start()
     src = t.detach().contiguous()
-    out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
+    if out is None:
+        out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
     work = dist.all_gather_single(out, src, group=g.pg, async_op=async_op)
     return _started("AllGather", g, t, start, work, lambda: out)
 

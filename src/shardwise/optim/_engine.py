@@ -193,9 +193,10 @@ class OptimizerParallel:
         stale = [n for n in bucket.names if n in self._stale]
         if stale and len(stale) == len(bucket.names):
             outs = [self.leaves[n].detach() for n in bucket.names]  # (shape: the op-level block)
-        for n in stale if outs is None else ():  # (a member had no leaf: new leaves for all)
-            self._stale.discard(n)
-            del self.leaves[n]
+        else:  # (a member had no leaf: new leaves for all)
+            for n in stale:
+                self._stale.discard(n)
+                del self.leaves[n]
         with recorder.label(self._label(i)):
             return all_gather_bucket(
                 [self.params[n].detach() for n in bucket.names], self.groups[i].shard, outs
