@@ -81,7 +81,7 @@ def test_collectives_per_fusion_group_on_8_ranks(level: str) -> None:
         parallel_net = ex.parallel_step(net, level)
         for step, (x, y) in enumerate(data):
             with CommRecorder() as rec:
-                loss = parallel_net(world.same(x), world.same(y))
+                loss = parallel_net(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, torch.tensor(want[step]), what=f"loss {step}")
             # 4 per-parameter collectives for layer1 (id 0), one fused each for layers 2 and 3
             assert rec.count("AllGather", "forward") == 6, rec.summary()

@@ -107,7 +107,7 @@ def run_parallel(
             **kw,
         )
         for step, (x, y) in enumerate(batches):
-            check(step, runner(world.same(x), world.same(y)), net)
+            check(step, runner(world.rows(x), world.rows(y)), net)
     return runner, rec
 
 
@@ -307,7 +307,15 @@ def test_bad_inputs() -> None:
             DataParallelRunner(net, [opt], fusion={"allreduce_mode": 1})
         with pytest.raises(ValueError, match="mode"):
             DataParallelRunner(net, [opt], fusion={"allreduce": {"mode": "bucket"}})
-        runner = DataParallelRunner(net, [opt], train_step=lambda x: net(x).sum())
-        with pytest.raises(ValueError, match=r"shape \[3, 4\].*not divisible by the 2 ranks"):
+        runner = DataParallelRunner(
+            net, [opt], train_step=lambda x: net(x).sum(), dataset_strategy="full_batch"
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"'full_batch' .*shape \[3, 4\].*not divisible by "
+            r"the 2 ranks.*'data_parallel' \(each rank passes its own rows\)",
+        ):
             runner(world.same(odd))
+        with pytest.raises(ValueError, match="per-input strategies need parallel_mode='semi_auto'"):
+            DataParallelRunner(net, [opt], dataset_strategy=((2, 1),))
         runner.remove()

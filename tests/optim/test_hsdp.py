@@ -166,7 +166,7 @@ def train(
     losses = []
     for step, (x, y) in enumerate(batches or DATA):
         with CommRecorder() as rec:
-            losses.append(parallel(world.same(x), world.same(y)))
+            losses.append(parallel(world.rows(x), world.rows(y)))
         if check is not None:
             check(step, parallel, rec)
     return parallel, optimizer, losses
@@ -339,13 +339,13 @@ def test_optimizer_built_after_wrapper_and_state_dict_round_trip() -> None:
         box.append(OPTIMIZERS["adamw"](net.parameters()))  # after the wrapper, before step 1
         batches = DATA
         for step, (x, y) in enumerate(batches[:3]):
-            loss = parallel(world.same(x), world.same(y))
+            loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, torch.tensor(want_losses[step]))
         saved = box[0].state_dict()
         box[0] = OPTIMIZERS["adamw"](net.parameters())  # a fresh optimizer: load the state
         box[0].load_state_dict(saved)
         for step, (x, y) in enumerate(batches[3:], start=3):
-            loss = parallel(world.same(x), world.same(y))
+            loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, torch.tensor(want_losses[step]))
         for name, p in net.named_parameters():
             assert_matches_single_device(
@@ -427,7 +427,7 @@ def test_data_parallel_mode_owner_update_and_broadcast(context: bool) -> None:
             parallel = AutoParallel(train_step, parallel_mode=mode).hsdp()
             for step, (x, y) in enumerate(DATA):
                 with CommRecorder() as rec:
-                    loss = parallel(world.same(x), world.same(y))
+                    loss = parallel(world.rows(x), world.rows(y))
                 assert_matches_single_device(loss, torch.tensor(want_losses[step]))
                 kinds = Counter(r.kind for r in rec.records)
                 # AllReduce: layer1 weight + bias (id 0), layer2 and layer3 buckets, the loss;

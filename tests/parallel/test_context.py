@@ -59,7 +59,7 @@ def train(make: Callable[[Callable[..., torch.Tensor]], AutoParallel]) -> str:
 
         parallel_net = make(train_step)
         for step, (image, label) in enumerate(batches):
-            loss = parallel_net(world.same(image), world.same(label))
+            loss = parallel_net(world.rows(image), world.rows(label))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             plan = parallel_net.network_plan
             assert plan is not None

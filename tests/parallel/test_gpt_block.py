@@ -144,7 +144,7 @@ def test_gpt_block_train_step_needs_no_allreduce_for_the_loss_backward() -> None
         torch.manual_seed(0)
         for step, (ids, onehot) in enumerate(batches):
             with CommRecorder() as rec:
-                loss = parallel(world.same(ids), world.same(onehot))
+                loss = parallel(world.rows(ids), world.rows(onehot))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == want, rec.summary()
 
@@ -161,7 +161,7 @@ def test_gpt_block_train_step_other_grids(dp: int, mp: int) -> None:
         parallel = train_step_form(world, net)
         torch.manual_seed(0)
         for step, (ids, onehot) in enumerate(batches):
-            loss = parallel(world.same(ids), world.same(onehot))
+            loss = parallel(world.rows(ids), world.rows(onehot))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             plan = parallel.network_plan
             assert plan is not None

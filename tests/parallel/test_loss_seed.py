@@ -82,7 +82,7 @@ def test_loss_backward_all_reduces_only_when_the_seed_may_differ(how: str, world
         world.replicate(net)
         parallel = AutoParallel(step)
         with CommRecorder() as rec:
-            loss = parallel(world.same(x), world.same(y))
+            loss = parallel(world.rows(x), world.rows(y))
         assert rec.kinds() == comms, rec.summary()
         assert_matches_single_device(loss, want_loss, what="loss")
         got = {n: p.grad for n, p in net.named_parameters()}

@@ -76,7 +76,7 @@ def test_step_ops_pass_unexamined_and_closures_are_examined(closure: bool) -> No
             opt.step()
             return loss
 
-        loss = AutoParallel(train_step, parallel_mode="semi_auto")(world.same(x), world.same(y))
+        loss = AutoParallel(train_step, parallel_mode="semi_auto")(world.rows(x), world.rows(y))
         got_weight = world.local(net.weight.detach(), 0)
         got_loss = float(world.local(loss, 0))
     # the global step hooks run before the optimizer's body: one active mode, counting
@@ -146,7 +146,7 @@ def test_step_runs_with_the_mode_off_the_stack_and_it_comes_back(user_mode: bool
         world.replicate(net)
         opt = StackDepth(net.parameters(), lr=0.1)
         step = step_then_loss(net, opt, Passing if user_mode else contextlib.nullcontext)
-        got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
+        got = float(world.local(step(world.rows(x), world.rows(y)), 0).detach())
         inside = torch._C._len_torch_function_stack()
     assert opt.depths == ([base + 2] if user_mode else [base])  # lifted: ours is off the stack
     assert inside == base  # every mode exited
@@ -167,13 +167,13 @@ def test_a_step_that_raises_leaves_no_mode_behind() -> None:
         step = step_then_loss(net, opt)
         opt.fail = True
         with pytest.raises(RuntimeError, match="step failed"):
-            step(world.same(x), world.same(y))
+            step(world.rows(x), world.rows(y))
         assert torch._C._len_torch_function_stack() == base
         assert not _torchops._lifted() and not list(_torchops._ACTIVE)
         opt.fail = False
         for p in net.parameters():
             p.grad = None
-        got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
+        got = float(world.local(step(world.rows(x), world.rows(y)), 0).detach())
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
@@ -212,5 +212,5 @@ def test_steps_outside_wrapped_calls_and_raising_inner_steps_leave_nothing_behin
             return nn.functional.cross_entropy(net(x), y)
 
         step = AutoParallel(train_step, parallel_mode="semi_auto")
-        got = float(world.local(step(world.same(x), world.same(y)), 0).detach())
+        got = float(world.local(step(world.rows(x), world.rows(y)), 0).detach())
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

@@ -1,8 +1,8 @@
 """`AutoParallel` wrapping a train-step function (API.md's pattern), 8 simulated ranks.
 
 Seed 003's network (its int strategies and its Layout version) with ``nn.CrossEntropyLoss``
-and SGD built before the wrapper; the train step is the seed's, unchanged. Every rank passes the
-global batch; with the default ``"data_parallel"`` dataset strategy each keeps its rows, with
+and SGD built before the wrapper; the train step is the seed's, unchanged. With the default
+``"data_parallel"`` dataset strategy each rank passes its rows of the global batch, with
 ``"full_batch"`` the whole batch. For 3 steps the returned loss (the same on every rank) and
 every parameter block after each update equal the single-device run. Also: how the wrapper
 finds the network and optimizers (closure cells, globals, ``network=`` / ``optimizer=``).
@@ -64,7 +64,8 @@ def test_seed003_train_step_matches_single_device(layouts: bool, strategy: str) 
         assert parallel_net.network is net and parallel_net.optimizers == [optimizer]
         parallel_net.dataset_strategy(strategy)
         for step, (image, label) in enumerate(batches):
-            loss = parallel_net(world.same(image), world.same(label))
+            give = world.same if strategy == "full_batch" else world.rows
+            loss = parallel_net(give(image), give(label))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             plan = parallel_net.network_plan
             assert plan is not None
@@ -107,10 +108,12 @@ def test_finds_network_and_optimizers() -> None:
 
 def test_optimizer_state_made_at_construction_is_cut() -> None:
     """Adagrad fills its state at construction, before the wrapper cuts the parameters: the
-    state is cut to each rank's block the same way."""
+    state is cut to each rank's block the same way. (A non-zero initial accumulator keeps the
+    first update from being ``lr * sign(grad)``, which turns rounding noise in near-zero
+    gradients into differences of ``2 * lr``.)"""
     batches = data()
     single, loss_fn = Network(False), nn.CrossEntropyLoss()
-    opt = torch.optim.Adagrad(single.parameters(), lr=0.05)
+    opt = torch.optim.Adagrad(single.parameters(), lr=0.05, initial_accumulator_value=0.1)
     want = []
     for x, y in batches:
         loss = loss_fn(single(x), y)
@@ -121,7 +124,7 @@ def test_optimizer_state_made_at_construction_is_cut() -> None:
     net = Network(False)
     with simulated_world(WORLD) as world:
         world.replicate(net)
-        optimizer = torch.optim.Adagrad(net.parameters(), lr=0.05)
+        optimizer = torch.optim.Adagrad(net.parameters(), lr=0.05, initial_accumulator_value=0.1)
 
         def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss: torch.Tensor = loss_fn(net(inputs), targets)
@@ -132,5 +135,5 @@ def test_optimizer_state_made_at_construction_is_cut() -> None:
 
         parallel = AutoParallel(train_step)
         for step, (x, y) in enumerate(batches):
-            loss = parallel(world.same(x), world.same(y))
+            loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, torch.tensor(want[step]), what=f"loss {step}")

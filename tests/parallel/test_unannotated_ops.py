@@ -136,7 +136,7 @@ def test_linear_relu_and_cross_entropy_run_data_parallel() -> None:
         opt = torch.optim.SGD(net.parameters(), lr=LR)
         for step, (x, y) in enumerate(batches):
             with CommRecorder() as rec:
-                loss = parallel(world.same(x), world.same(y))  # the global batch on every rank
+                loss = parallel(world.rows(x), world.rows(y))  # each rank passes its rows
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == COMMS, rec.summary()
             assert parallel.network_plan is not None
@@ -175,7 +175,7 @@ def test_torch_only_network_mse_sum_and_mean() -> None:
     with simulated_world(WORLD) as world:
         world.replicate(net)
         parallel = AutoParallel(total, network=net)
-        got = parallel(world.same(x), world.same(y))
+        got = parallel(world.rows(x), world.rows(y))
         got.backward()
         assert_matches_single_device(got, loss.detach(), what="loss")
         for n, p in net.named_parameters():
@@ -227,4 +227,4 @@ def test_block_parameter_in_a_torch_op_outside_the_network_is_refused() -> None:
             return net(inputs).sum() + net.w.sum()
 
         with pytest.raises(UnsupportedParallelError, match="outside the network's forward"):
-            AutoParallel(step)(world.same(x))
+            AutoParallel(step)(world.rows(x))

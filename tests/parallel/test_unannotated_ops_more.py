@@ -122,7 +122,7 @@ def test_gpt_block_of_torch_ops_trains_like_one_device(world_size: int) -> None:
         torch.manual_seed(SEED)  # dropout masks: drawn once, globally, as on one device
         for i, (tokens, targets) in enumerate(data):
             with CommRecorder() as rec:
-                loss = parallel(world.same(tokens), world.same(targets))
+                loss = parallel(world.rows(tokens), world.rows(targets))
             assert rec.kinds() == comms, rec.summary()
             assert_matches_single_device(loss, losses[i], what=f"loss {i}")
             got = {n: p.grad for n, p in net.named_parameters()}
@@ -173,7 +173,7 @@ def test_more_ops_match_one_device() -> None:
 
     with simulated_world(4) as world:
         world.replicate(net)
-        got = AutoParallel(step, network=net)(world.same(x), world.same(y))
+        got = AutoParallel(step, network=net)(world.rows(x), world.rows(y))
         assert_matches_single_device(got, want.detach(), what="loss")
         assert_matches_single_device(
             {n: p.grad for n, p in net.named_parameters()}, grads, what="grads"

@@ -1,16 +1,18 @@
 """Data-parallel mode (MindSpore ``parallel_mode="data_parallel"``), with optional optimizer
 parallel (seed 001: parameters grouped, each group updated on one rank, then broadcast).
 
-Every rank holds the whole network and runs it on its rows of each global batch. Which function
-does which step:
+Every rank holds the whole network and runs it on its rows of each global batch: the rows it
+passes (dataset strategy ``"data_parallel"``, MindSpore's default) or its rows cut from the whole
+batch it passes (``"full_batch"``). Which function does which step:
 
 - `DataParallelRunner.__init__` checks the arguments, builds the plan (`_build_plan`: the
   gradient all-reduce buckets, `_grad_buckets`; the owner of each parameter, `assign_owners`;
   the broadcast buckets, `_broadcast_buckets`) and registers two hooks on every optimizer
   (``register_step_pre_hook`` / ``register_step_post_hook``).
-- `DataParallelRunner.__call__`: train-step form: cuts each tensor input to this rank's rows
-  (`local_rows`), runs the user's step unchanged, averages the returned loss over the ranks
-  (`_mean_loss`); module form: runs the network on the rows the caller passes.
+- `DataParallelRunner.__call__`: under ``"full_batch"`` cuts each tensor input to this rank's
+  rows (`local_rows`); train-step form: runs the user's step unchanged on the rows, averages the
+  returned loss over the ranks (`_mean_loss`); module form: runs the network on the rows (under
+  ``"full_batch"`` the output is gathered whole again, `_gather_rows`).
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
   (SUM, then divided by the world size), one flat fused all-reduce per bucket
   (`_all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
@@ -41,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim
+from shardwise.communication.primitives import AllGather
 from shardwise.optim._plan import FusionConfig, check_fusion
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 
@@ -100,8 +103,11 @@ def local_rows(x: Any, world: int, rank: int) -> Any:
     shape = [int(s) for s in x.shape]
     if shape[0] % world:
         raise ValueError(
-            f"{_WHO}: an input of shape {shape} has batch dim {shape[0]}, not divisible by the "
-            f"{world} ranks; pass a global batch whose size is a multiple of {world}"
+            f"{_WHO}: dataset_strategy 'full_batch' (every rank passes the whole global batch, "
+            f"cut here into equal rows per rank): an input of shape {shape} has batch dim "
+            f"{shape[0]}, not divisible by the {world} ranks; pass a global batch whose size is "
+            f"a multiple of {world}, or read the data sharded and use 'data_parallel' (each "
+            "rank passes its own rows)"
         )
     rows = shape[0] // world
     return x[rank * rows : (rank + 1) * rows]
@@ -226,13 +232,24 @@ def _mean_loss(out: Any, world: int) -> Any:
     return out
 
 
+def _gather_rows(out: Any) -> Any:
+    """Every tensor of a module's output (also inside a tuple or list) with each rank's rows
+    concatenated in rank order: the whole batch's output on every rank (``sw.ops.AllGather``;
+    its backward reduce-scatters, which the gradient average turns into the global gradient)."""
+    if isinstance(out, torch.Tensor):
+        return AllGather()(out) if out.dim() > 0 else out
+    if isinstance(out, tuple | list):
+        return type(out)(_gather_rows(o) for o in out)
+    return out
+
+
 def _remove_handles(handles: list[RemovableHandle]) -> None:
     for h in handles:
         h.remove()
 
 
 def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimizer]:
-    from shardwise.parallel._step import find_referenced  # lazy: parallel may import optim
+    from shardwise.parallel._discover import find_referenced  # lazy: parallel may import optim
 
     return find_referenced(train_step)[1]
 
@@ -242,14 +259,17 @@ class DataParallelRunner:
 
     Two forms:
 
-    - train step (`train_step` given): every rank calls ``runner(x, y, ...)`` with the GLOBAL
-      batch; each tensor input is cut to this rank's rows (dim 0 split over the ranks in rank
-      order), the step runs unchanged on them (forward, ``loss.backward()``,
-      ``optimizer.step()``, ...) and the returned loss (every floating scalar tensor it returns)
-      is averaged over the ranks, so it equals the single-device loss of the global batch.
-    - module (`train_step` None): ``runner(x_rows, ...)`` runs the network on the rows the
-      caller passes (each rank reads its own share of the data); the caller computes the loss
-      and calls ``backward()`` and ``optimizer.step()`` itself.
+    - train step (`train_step` given): every rank calls ``runner(x, y, ...)`` with its rows of
+      the global batch (``dataset_strategy="data_parallel"``, the default: each rank reads its
+      own share of the data, e.g. ``num_shards=n, shard_id=rank``) or with the whole global
+      batch (``"full_batch"``: each tensor input is then cut to this rank's rows, dim 0 split
+      over the ranks in rank order); the step runs unchanged on the rows (forward,
+      ``loss.backward()``, ``optimizer.step()``, ...) and the returned loss (every floating
+      scalar tensor it returns) is averaged over the ranks, so it equals the single-device loss
+      of the global batch.
+    - module (`train_step` None): ``runner(x, ...)`` runs the network on this rank's rows (as
+      above); under ``"full_batch"`` the output is gathered whole on every rank. The caller
+      computes the loss and calls ``backward()`` and ``optimizer.step()`` itself.
 
     In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
     step pre-hook on each of `optimizers`, before the update: the gradients seen by the update
@@ -276,13 +296,15 @@ class DataParallelRunner:
             of consecutive parameters); ``{"mode": "index", "config": [i, ...]}`` (a new bucket
             at each network parameter index). ``allgather`` / ``reducescatter`` are accepted
             and unused (semi-auto only). Broadcasts always fuse by fusion id.
+        dataset_strategy: ``"data_parallel"`` (each rank passes its own rows of the global
+            batch) or ``"full_batch"`` (each rank passes the whole global batch).
 
     Raises:
         RuntimeError: no process group (``shardwise.communication.init()`` not called).
         TypeError: a non-module network, a non-optimizer, a non-bool `parallel_optimizer`.
-        ValueError: ``threshold_kb < 0``; no optimizer with ``parallel_optimizer=True``; an
-            optimizer holding a parameter that is not `network`'s (or one held twice); a bad
-            `fusion`.
+        ValueError: an unknown `dataset_strategy`; ``threshold_kb < 0``; no optimizer with
+            ``parallel_optimizer=True``; an optimizer holding a parameter that is not
+            `network`'s (or one held twice); a bad `fusion`.
 
     Example:
         >>> optimizer = torch.optim.Adam(net.parameters(), 1e-3)
@@ -292,7 +314,7 @@ class DataParallelRunner:
         ...     return loss
         >>> runner = DataParallelRunner(net, [optimizer], train_step=train_step,
         ...                             parallel_optimizer=True)
-        >>> loss = runner(images, labels)   # the global batch on every rank
+        >>> loss = runner(images, labels)   # this rank's rows of the global batch
         >>> print(runner)                   # the plan: owners, fusion ids, buckets
     """
 
@@ -305,7 +327,15 @@ class DataParallelRunner:
         parallel_optimizer: bool = False,
         threshold_kb: float = 64,
         fusion: dict[str, Any] | None = None,
+        dataset_strategy: Any = "data_parallel",
     ) -> None:
+        if dataset_strategy not in ("data_parallel", "full_batch"):
+            raise ValueError(
+                f"{_WHO}: dataset_strategy={dataset_strategy!r}; parallel_mode='data_parallel' "
+                "takes 'data_parallel' (each rank passes its own rows of the global batch) or "
+                "'full_batch' (each rank passes the whole global batch); per-input strategies "
+                "need parallel_mode='semi_auto'"
+            )
         if not isinstance(network, nn.Module):
             raise TypeError(f"{_WHO}: network must be a torch.nn.Module, got {type(network)}")
         if train_step is not None and not callable(train_step):
@@ -341,6 +371,7 @@ class DataParallelRunner:
         self.network = network
         self.optimizers = opts
         self.train_step = train_step
+        self.dataset_strategy: str = dataset_strategy
         self.parallel_optimizer = parallel_optimizer
         self.threshold_kb = float(threshold_kb)
         self._fusion = FusionConfig() if fusion is None else check_fusion(fusion)
@@ -484,29 +515,34 @@ class DataParallelRunner:
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *inputs: Any) -> Any:
-        """Run one train step on the global batch (train-step form), or the network on this
-        rank's rows (module form).
+        """Run one train step (train-step form), or the network (module form), on this rank's
+        share of the global batch.
 
         Args:
-            *inputs: train-step form: the global batch (every rank passes the same); module
-                form: this rank's rows.
+            *inputs: under ``dataset_strategy="data_parallel"`` this rank's rows of the global
+                batch (the global batch is the ranks' rows in rank order; every rank passes the
+                same number of rows); under ``"full_batch"`` the whole global batch, of which
+                each tensor input is cut to this rank's rows (`local_rows`).
 
         Returns:
             Train-step form: the step's result with its loss averaged over the ranks; module
-            form: the network's output on the rows.
+            form: the network's output on this rank's rows (``"full_batch"``: every tensor
+            output gathered whole on every rank, autograd-aware).
 
         Raises:
-            ValueError: (train-step form) a tensor input whose dim 0 does not divide by the
+            ValueError: (``"full_batch"``) a tensor input whose dim 0 does not divide by the
                 number of ranks.
 
         Example:
-            >>> loss = runner(images, labels)
+            >>> loss = runner(images, labels)   # this rank's rows
         """
+        if self.dataset_strategy == "full_batch":
+            rank = comm.get_rank()
+            inputs = tuple(local_rows(x, self.world, rank) for x in inputs)
         if self.train_step is None:
-            return self.network(*inputs)
-        rank = comm.get_rank()
-        rows = [local_rows(x, self.world, rank) for x in inputs]
-        return _mean_loss(self.train_step(*rows), self.world)
+            out = self.network(*inputs)
+            return _gather_rows(out) if self.dataset_strategy == "full_batch" else out
+        return _mean_loss(self.train_step(*inputs), self.world)
 
     def _before_step(self, index: int) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""

@@ -12,14 +12,16 @@ the plan's collectives and record the output layouts; unannotated torch ops run 
 (`_torchops.DataParallelOps`, a TorchFunctionMode active during the session).
 ``parallel_mode="data_parallel"`` instead runs `optim.DataParallelRunner` (`_data_parallel`).
 
-Wrapping a network: inputs arrive and outputs leave data parallel (each rank passes / gets its
-own rows). Wrapping a train step: every rank passes the global batch; each input is cut by the
-dataset strategy (`_step.dataset_input`) and the user's function runs unchanged on the local
-blocks, returning its (replicated) loss.
+Inputs follow MindSpore's convention in both forms (`_step.arriving_input`): under the default
+``"data_parallel"`` dataset strategy each rank passes its own rows of the global batch, under
+``"full_batch"`` the whole global batch, under per-input entries its block. A wrapped network's
+outputs leave as this rank's rows (the whole output under ``"full_batch"``); a wrapped train
+step runs unchanged on what the rank passed and returns its (replicated) loss.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -44,6 +46,7 @@ from shardwise.parallel._context import (
     get_auto_parallel_context,
     resolve_parallel_mode,
 )
+from shardwise.parallel._discover import find_referenced, pick_network
 from shardwise.parallel._hsdp import settings_from_context, start_engine
 from shardwise.parallel._local import Masked
 from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
@@ -58,9 +61,6 @@ from shardwise.parallel._step import (
     DatasetStrategy,
     arriving_input,
     check_dataset_strategy,
-    dataset_input,
-    find_referenced,
-    pick_network,
 )
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
@@ -105,6 +105,34 @@ def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.Tens
     return out + grads + acts
 
 
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[AutoParallel]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each network's current wrapper (the last `AutoParallel` built on it)."""
+
+
+def _take_over(network: nn.Module, wrapper: AutoParallel) -> None:
+    """Make `wrapper` the network's wrapper: an earlier one that has not planned yet (or ran
+    in data_parallel mode, which shards nothing) gives up its hooks, as when a notebook cell
+    that builds the wrapper runs again.
+
+    Raises:
+        ValueError: an earlier wrapper already planned the network in semi_auto (its
+            parameters hold this rank's blocks).
+    """
+    ref = _WRAPPERS.get(network)
+    old = None if ref is None else ref()
+    if old is not None and old is not wrapper:
+        if old.network_plan is not None:
+            raise ValueError(
+                f"AutoParallel: {type(network).__name__} was already planned and sharded by an "
+                "earlier AutoParallel (its parameters hold this rank's blocks); keep calling "
+                "that wrapper, or build the network (and its optimizer) again before wrapping it"
+            )
+        old.remove()
+    _WRAPPERS[network] = weakref.ref(wrapper)
+
+
 class AutoParallel(CallRuntime):
     """Run a network operator-parallel as its primitives' strategies say (semi_auto).
 
@@ -123,10 +151,14 @@ class AutoParallel(CallRuntime):
         optimizer: the optimizer(s) of a train step (default: those it references), or of a
             wrapped module (needed in data_parallel mode).
 
-    A wrapped module is called on each rank with its rows of the global batch and returns its
-    rows of the output; the loss built on them must be the same value on every rank (e.g.
-    ``AllReduce()(loss) / n``). A wrapped train step is called with the global batch on every
-    rank (`dataset_strategy`) and returns the loss, the same on every rank. The gradient hooks
+    Inputs, in both forms (MindSpore's convention, `dataset_strategy`): by default
+    (``"data_parallel"``) each rank passes its own rows of the global batch, e.g. from a dataset
+    read with ``num_shards=n, shard_id=rank``; the global batch is the ranks' rows in rank order.
+    Under ``"full_batch"`` each rank passes the whole global batch. A wrapped module returns
+    this rank's rows of the output (``"full_batch"``: the whole output); the loss built on them
+    must be the same value on every rank (e.g. ``AllReduce()(loss) / n`` on rows). A wrapped
+    train step runs unchanged on what the rank passed and returns the loss of the global
+    batch, the same on every rank. The gradient hooks
     treat the n replicas as one loss (sum over replicas, then / n). After ``backward`` each
     parameter holds this rank's block and that block's gradient, so any torch.optim optimizer
     (built before or after the first call) updates the blocks.
@@ -135,6 +167,8 @@ class AutoParallel(CallRuntime):
     are refused; once planned the network only
     runs through the wrapper (same primitive calls, same order, same shapes every step).
     """
+
+    _shardwise_wrapper = True  # skipped when a train step's modules are looked up
 
     def __init__(
         self,
@@ -172,6 +206,7 @@ class AutoParallel(CallRuntime):
         self._runner: DataParallelRunner | None = None
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
+        _take_over(network, self)
         if parallel_mode == "semi_auto":
             self._hooks = [
                 network.register_forward_pre_hook(self._enter_network),
@@ -182,13 +217,15 @@ class AutoParallel(CallRuntime):
         """How each input of the wrapped call is split.
 
         Args:
-            strategy: ``"data_parallel"`` (the default: a train step gets the global batch and
-                keeps this rank's rows; a module gets this rank's rows), ``"full_batch"``
-                (every rank keeps the whole batch), or one entry per tensor input: split
-                counts such as ``((2, 1), (2,))`` (the repeat factor appended on the right when
-                they use fewer devices than the job) or Layout calls
-                ``(layout("dp", "None"), layout("dp"))``; a train step keeps this rank's block,
-                a module gets it.
+            strategy: how each rank's inputs relate to the global batch, the same for a
+                wrapped module and a wrapped train step: ``"data_parallel"`` (the default:
+                each rank passes its own rows; the global batch is the ranks' rows in rank
+                order), ``"full_batch"`` (each rank passes the whole global batch; each
+                consumer takes its share), or one entry per tensor input, each rank passing its
+                block of that layout: split counts such as ``((2, 1), (2,))`` (the repeat
+                factor appended on the right when they use fewer devices than the job: ranks
+                0-3 pass the first half of the rows on 8 ranks) or Layout calls
+                ``(layout("dp", "None"), layout("dp"))``.
 
         Returns:
             self.
@@ -328,6 +365,8 @@ class AutoParallel(CallRuntime):
         self._hooks = []
         if self._engine is not None:
             self._engine.remove()
+        if self._runner is not None:
+            self._runner.remove()
 
     def _replicated_params(self, plan: NetworkPlan) -> dict[str, tuple[Any, Shape]]:
         """The parameters no primitive consumes (unannotated modules): whole on every rank."""
@@ -340,21 +379,15 @@ class AutoParallel(CallRuntime):
     def forward(self, *inputs: Any) -> Any:
         if self.parallel_mode == "data_parallel":
             return self._data_parallel(*inputs)
-        if self.train_step is not None:
-            with self._session():
-                index, n = _tensor_indices(inputs)
-                local = [
-                    dataset_input(x, self._dataset, self._tracker, i, n)
-                    for x, i in zip(inputs, index, strict=True)
-                ]
-                return self.train_step(*local)
         with self._session():
             index, n = _tensor_indices(inputs)
             for x, i in zip(inputs, index, strict=True):
                 arriving_input(x, self._dataset, self._tracker, i, n)
+            if self.train_step is not None:
+                return self.train_step(*inputs)
             out = self.network(*inputs)
             self._pause(1)
-            return self._to_data_parallel(out)
+            return self._to_output(out, whole=self._dataset == "full_batch")
 
     def _data_parallel(self, *inputs: Any) -> Any:
         """``parallel_mode="data_parallel"``: the whole network on every rank, gradients
@@ -369,5 +402,6 @@ class AutoParallel(CallRuntime):
                 parallel_optimizer=hsdp is not None,
                 threshold_kb=hsdp.threshold if hsdp is not None else 64,
                 fusion=self._fusion_dict or None,
+                dataset_strategy=self._dataset,
             )
         return self._runner(*inputs)

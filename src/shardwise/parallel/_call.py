@@ -176,15 +176,22 @@ class CallRuntime(nn.Module):
         found = self._tracker.find(t)
         return found if found is not None else ("rep", tuple(int(s) for s in t.shape))
 
-    def _to_data_parallel(self, out: Any) -> Any:
+    def _to_output(self, out: Any, whole: bool) -> Any:
+        """A wrapped network's output as it leaves: this rank's rows (data parallel), or the
+        whole value on every rank when `whole` (``"full_batch"`` inputs)."""
         if isinstance(out, tuple | list):
-            return type(out)(self._to_data_parallel(o) for o in out)
+            return type(out)(self._to_output(o, whole) for o in out)
         if not isinstance(out, torch.Tensor):
             return out
         state, shape = self._tracker.get(out, "AutoParallel output")
-        if isinstance(state, str) or not shape:  # "dp" rows, a whole value or a scalar: as is
+        if state == "rep" or not shape:  # a whole value or a scalar: as is
             return out
-        return redistribute(out, state, data_parallel_layout(state.matrix, len(shape)), shape)
+        if not whole and state == "dp":
+            return out
+        matrix = self._plan().matrix
+        src = layout_of(state, matrix, len(shape))
+        dst = replicated_layout(matrix, len(shape)) if whole else None
+        return redistribute(out, src, dst or data_parallel_layout(matrix, len(shape)), shape)
 
     def _current(self, module: nn.Module) -> Any:
         calls = self._plan().calls

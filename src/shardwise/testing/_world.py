@@ -101,6 +101,22 @@ class SimulatedWorld:
             raise ValueError("same(): the tensor already holds per-rank values; make it outside")
         return self.rank_map(lambda r: t.clone())
 
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Each rank's rows of a global batch `t` (made outside the world): dim 0 split into
+        equal parts, rank r holding part r, as a dataset read with ``num_shards=n,
+        shard_id=r`` gives them (what a wrapped call takes under ``"data_parallel"``).
+
+        Raises:
+            ValueError: dim 0 does not divide by the world size.
+        """
+        if isinstance(t, self._local_tensor):
+            raise ValueError("rows(): the tensor already holds per-rank values; make it outside")
+        n = self.world_size
+        if t.dim() == 0 or t.shape[0] % n:
+            raise ValueError(f"rows(): dim 0 of shape {list(t.shape)} does not split into {n}")
+        k = t.shape[0] // n
+        return self.rank_map(lambda r: t[r * k : (r + 1) * k].clone())
+
     def replicate(self, module: torch.nn.Module) -> torch.nn.Module:
         """Give every rank its own copy of `module`'s parameters and buffers (in place).
 

@@ -1,0 +1,179 @@
+"""Which modules and optimizers a train-step function uses, read from what its code loads.
+
+`AutoParallel(train_step)` and the data-parallel runner need the step's network and optimizers
+without the user naming them. `find_referenced` reads the function's bytecode (`dis`) and
+collects the values it really loads:
+
+- `_loaded_values`: globals (``LOAD_GLOBAL`` / ``LOAD_NAME``), closure cells (``LOAD_DEREF``)
+  and, for a bound method, ``self``; each followed through the attribute chain the code reads
+  on it (``trainer.net``, ``self.model.encoder``: `_attribute`, which reads stored values only,
+  never runs a property);
+- functions reached that way (a helper the step calls, a nested function or lambda defined in
+  it: `_nested_code`) are read the same way, once each (`_Search`).
+
+Attribute names alone (``optimizer.step()`` names ``step``) load nothing, so a global that
+shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `AutoParallel`
+and the like, which contain the network) are skipped.
+
+`pick_network`: of the modules found, the one with parameters that contains the others.
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+_ROOT_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"}
+_ATTR_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
+_MAX_FUNCTIONS = 64
+_MISSING = object()
+
+
+def is_wrapper(value: object) -> bool:
+    """Whether `value` is one of shardwise's wrappers (a class attribute marks them)."""
+    return bool(getattr(type(value), "_shardwise_wrapper", False))
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    """`obj.name` as stored (a module's submodule / parameter, an instance or class value),
+    without running properties or ``__getattr__`` hooks; `_MISSING` when not stored."""
+    if isinstance(obj, nn.Module):
+        for store in ("_modules", "_parameters", "_buffers"):
+            found = obj.__dict__.get(store, {}).get(name, _MISSING)
+            if found is not _MISSING:
+                return found
+    try:
+        value = inspect.getattr_static(obj, name)
+    except AttributeError:
+        return _MISSING
+    if isinstance(value, property | types.GetSetDescriptorType | types.MemberDescriptorType):
+        return _MISSING
+    if isinstance(value, staticmethod | classmethod):
+        return value.__func__
+    if isinstance(value, types.FunctionType) and not isinstance(obj, type):
+        return types.MethodType(value, obj)  # a method read on an instance: bound
+    return value
+
+
+def _nested_code(code: types.CodeType) -> Iterator[types.CodeType]:
+    """The code objects defined inside `code` (nested functions, lambdas, comprehensions)."""
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield const
+            yield from _nested_code(const)
+
+
+def _cells(fn: types.FunctionType) -> dict[str, Any]:
+    """`fn`'s closure variables that hold a value, by name."""
+    out = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
+def _loaded_values(
+    code: types.CodeType, scope: dict[str, Any], cells: dict[str, Any], this: Any
+) -> Iterator[Any]:
+    """Each value `code` loads from `scope` (globals), `cells` (closure) or `this` (a bound
+    method's ``self``, the first argument), and each attribute it reads on such a value."""
+    first = code.co_varnames[0] if code.co_argcount and this is not _MISSING else None
+    current: Any = _MISSING
+    for ins in dis.get_instructions(code):
+        name = ins.argval if isinstance(ins.argval, str) else None
+        if ins.opname in _ROOT_LOADS and name is not None:
+            current = cells.get(name, scope.get(name, _MISSING))
+        elif ins.opname.startswith("LOAD_FAST") and name is not None and name == first:
+            current = this
+        elif ins.opname in _ATTR_LOADS and name is not None and current is not _MISSING:
+            current = _attribute(current, name)
+        else:
+            current = _MISSING
+            continue
+        if current is not _MISSING:
+            yield current
+
+
+class _Search:
+    """Walk the functions reachable from a train step, collecting the values they load."""
+
+    def __init__(self) -> None:
+        self.values: list[Any] = []
+        self.seen: set[int] = set()
+
+    def function(self, fn: Any, root: bool = False) -> None:
+        """Collect what `fn` loads; follow the functions it reaches (not shardwise's own)."""
+        this = getattr(fn, "__self__", _MISSING)
+        fn = getattr(fn, "__func__", fn)
+        if not isinstance(fn, types.FunctionType) or id(fn) in self.seen:
+            return
+        own = (fn.__module__ or "").startswith("shardwise.")
+        if not root and (len(self.seen) >= _MAX_FUNCTIONS or own):
+            return
+        self.seen.add(id(fn))
+        scope, cells = fn.__globals__, _cells(fn)
+        if this is not _MISSING:
+            self.values.append(this)
+        for code in (fn.__code__, *_nested_code(fn.__code__)):
+            bound = this if code is fn.__code__ else _MISSING
+            for value in _loaded_values(code, scope, cells, bound):
+                if is_wrapper(value):
+                    continue
+                self.values.append(value)
+                if callable(value) and not isinstance(value, nn.Module | type):
+                    self.function(value)
+
+
+def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The modules and optimizers a train step uses, in the order its code loads them.
+
+    Args:
+        fn: the train step (a function, lambda or bound method).
+
+    Returns:
+        ``(modules, optimizers)``: every `nn.Module` and `torch.optim.Optimizer` the code loads
+        from its globals or closure, through attribute reads on them (``self.net``), in the
+        helper functions it calls and the functions defined inside it; each once.
+
+    Raises:
+        TypeError: `fn` has no Python code to read (a builtin, a C function).
+
+    Example:
+        >>> def step(x):
+        ...     loss = net(x).sum(); loss.backward(); optimizer.step(); return loss
+        >>> find_referenced(step)   # ([net], [optimizer]), even with a global named ``step``
+    """
+    if not isinstance(getattr(fn, "__func__", fn), types.FunctionType):
+        raise TypeError(f"AutoParallel: cannot inspect {fn!r}; pass network= and optimizer=")
+    search = _Search()
+    search.function(fn, root=True)
+    unique = list({id(v): v for v in search.values}.values())
+    modules = [v for v in unique if isinstance(v, nn.Module)]
+    optimizers = [v for v in unique if isinstance(v, torch.optim.Optimizer)]
+    return modules, optimizers
+
+
+def pick_network(modules: list[nn.Module]) -> nn.Module:
+    """The referenced module with parameters that contains every other one with parameters.
+
+    Raises:
+        ValueError: none contains all the others (the message names them; pass network=).
+    """
+    with_params = [m for m in modules if any(True for _ in m.parameters())]
+    for m in with_params:
+        inside = {id(s) for s in m.modules()}
+        if all(id(o) in inside for o in with_params):
+            return m
+    names = [type(m).__name__ for m in with_params]
+    raise ValueError(
+        f"AutoParallel: the train step references {len(with_params)} modules with parameters "
+        f"({names}) and none contains the others; pass network="
+    )

@@ -1,0 +1,180 @@
+"""One input convention for both wrapper forms and both parallel modes (MindSpore's).
+
+Under ``dataset_strategy("data_parallel")`` (the default) every rank passes its own rows of the
+global batch; under ``"full_batch"`` every rank passes all of it. For each parallel mode
+(``semi_auto``, ``data_parallel``) x form (wrapped module, wrapped train step) x strategy, on 2
+and 4 simulated ranks, two SGD steps give the loss and the gradients (as the optimizer sees
+them) of one device on the same global batch. A plain-torch MLP runs every combination; a
+network with an annotated MatMul (contraction split over 2 ranks) runs the semi_auto ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel
+from shardwise.testing import SimulatedWorld, assert_matches_single_device, simulated_world
+
+BATCH, STEPS = 8, 2
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g) * 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Annotated(MLP):
+    """The MLP with its first layer as a MatMul whose contraction is split over 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(self.fc1.weight.detach().t().clone())
+        self.b = nn.Parameter(self.fc1.bias.detach().clone())
+        del self.fc1
+        self.matmul = sw.ops.MatMul().shard(((1, 2), (2, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.matmul(x, self.w) + self.b))
+
+
+class Recording(torch.optim.SGD):
+    """SGD that keeps a copy of every gradient it is asked to apply."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g))] * 2
+
+
+def single_device(cls: type[MLP]) -> tuple[list[float], list[list[torch.Tensor]]]:
+    net = cls()
+    opt = Recording(net.parameters())
+    losses = []
+    for x, y in data()[:STEPS]:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt.seen
+
+
+def train_step_form(world: SimulatedWorld, net: nn.Module, mode: str, strategy: str) -> Any:
+    opt = Recording(net.parameters())
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    wrapper = AutoParallel(train_step, parallel_mode=mode).dataset_strategy(strategy)
+    return wrapper, opt, lambda x, y: wrapper(x, y)
+
+
+def module_form(world: SimulatedWorld, net: nn.Module, mode: str, strategy: str) -> Any:
+    opt = Recording(net.parameters())
+    wrapper = AutoParallel(net, parallel_mode=mode, optimizer=opt).dataset_strategy(strategy)
+    n = world.world_size
+
+    def call(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = wrapper(x)
+        if strategy == "full_batch":  # the whole output on every rank: the global loss
+            loss = F.cross_entropy(out, y)
+            shown = loss
+        elif mode == "semi_auto":  # rows: a loss equal on every rank, as the wrapper asks
+            loss = sw.ops.AllReduce()(F.cross_entropy(out, y)) / n
+            shown = loss
+        else:  # data_parallel mode averages the gradients at the optimizer step
+            loss = F.cross_entropy(out, y)
+            shown = sw.ops.AllReduce()(loss.detach()) / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return shown
+
+    return wrapper, opt, call
+
+
+def check_grads(
+    wrapper: AutoParallel, net: nn.Module, got: list[torch.Tensor], want: list[torch.Tensor]
+) -> None:
+    plan = wrapper.network_plan
+    for (name, _), g, w in zip(net.named_parameters(), got, want, strict=True):
+        if plan is not None and name in plan.params:
+            layout, shape = plan.params[name]
+            assert_matches_single_device(
+                g, lambda r, w=w, a=layout, s=shape: w[a.local_slice(r, s)], what=name
+            )
+        else:
+            assert_matches_single_device(g, w, what=name)
+
+
+CASES = [
+    (cls, mode, form, strategy)
+    for cls in (MLP, Annotated)
+    for mode in ("semi_auto", "data_parallel")
+    for form in ("module", "train_step")
+    for strategy in ("data_parallel", "full_batch")
+    if cls is MLP or mode == "semi_auto"
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize(
+    ("cls", "mode", "form", "strategy"),
+    CASES,
+    ids=["-".join([c.__name__, m, f, s]) for c, m, f, s in CASES],
+)
+def test_matches_one_device(
+    world_size: int, cls: type[MLP], mode: str, form: str, strategy: str
+) -> None:
+    losses, grads = single_device(cls)
+    net, batches = cls(), data()[:STEPS]
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        make = module_form if form == "module" else train_step_form
+        wrapper, opt, call = make(world, net, mode, strategy)
+        give = world.same if strategy == "full_batch" else world.rows
+        for step, (x, y) in enumerate(batches):
+            loss = call(give(x), give(y))
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            check_grads(wrapper, net, opt.seen[step], grads[step])
+
+
+@pytest.mark.parametrize("form", ["module", "train_step"])
+def test_full_batch_that_does_not_divide_names_the_convention(form: str) -> None:
+    net, (x, y) = MLP(), data()[0]
+    with simulated_world(4) as world:
+        world.replicate(net)
+        make = module_form if form == "module" else train_step_form
+        _, _, call = make(world, net, "data_parallel", "full_batch")
+        with pytest.raises(
+            ValueError,
+            match=r"'full_batch' \(every rank passes the whole global "
+            r"batch.*batch dim 6, not divisible by the 4 ranks.*'data_parallel'",
+        ):
+            call(world.same(x[:6]), world.same(y[:6]))
