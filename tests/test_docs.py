@@ -10,8 +10,9 @@ The marker is an HTML comment (invisible on GitHub) on the line right before a f
   output must equal the fence's text (trailing spaces ignored).
 
 Blocks needing several ranks use `shardwise.testing.simulated_world(n)` themselves. Blocks that
-need MNIST data, real processes or names the reader supplies stay unmarked. `parse_doc` finds the
-blocks and every malformed marker; `test_markers_well_formed` fails on any of the latter.
+need MNIST data, real processes or names the reader supplies stay unmarked (docs/README.md says
+the same for writers). `parse_doc` finds the blocks and every malformed marker;
+`test_markers_well_formed` fails on any of the latter.
 """
 
 from __future__ import annotations
