@@ -9,9 +9,10 @@ The marker is an HTML comment (invisible on GitHub) on the line right before a f
 - ``<!-- output -->`` before the first fence after a runnable block: that block's standard
   output must equal the fence's text (trailing spaces ignored).
 
-Blocks needing several ranks use `shardwise.testing.simulated_world(n)` themselves. Blocks that
-need MNIST data, real processes or names the reader supplies stay unmarked (docs/README.md says
-the same for writers). `parse_doc` finds the blocks and every malformed marker;
+Blocks needing several ranks use `shardwise.testing.simulated_world(n)` themselves; blocks that
+read ``data/MNIST`` get a small random stand-in there (`write_small_mnist`). Blocks that need
+real worker processes or names the reader supplies stay unmarked (docs/README.md says the same
+for writers). `parse_doc` finds the blocks and every malformed marker;
 `test_markers_well_formed` fails on any of the latter.
 """
 
@@ -29,6 +30,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from shardwise.dataset import write_idx
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^\s*<!--\s*(runnable(?: continues)?|output)\s*-->\s*$")
@@ -137,9 +139,23 @@ def _collect() -> list[DocBlock]:
     return [b for path in doc_files() for b in parse_doc(path, path.read_text())[0]]
 
 
+def write_small_mnist(directory: Path, n_train: int = 64, n_test: int = 16) -> None:
+    """MNIST's four IDX files with a few random samples (the real files are 55 MB): blocks that
+    read ``data/MNIST`` run on these."""
+    directory.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        images = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
+        labels = torch.randint(0, 10, (n,), dtype=torch.uint8, generator=g)
+        write_idx(directory / f"{split}-images-idx3-ubyte", images)
+        write_idx(directory / f"{split}-labels-idx1-ubyte", labels)
+
+
 @pytest.fixture
 def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A fresh working directory; shardwise's global settings and torch's RNG put back."""
+    """A fresh working directory holding a small ``data/MNIST``; shardwise's global settings
+    and torch's RNG put back afterwards."""
+    write_small_mnist(tmp_path / "data" / "MNIST")
     monkeypatch.chdir(tmp_path)
     rng = torch.random.get_rng_state()
     try:
