@@ -8,6 +8,7 @@
   bad call changes nothing; `reset_auto_parallel_context` restores the defaults.
 - Unsupported modes raise `UnsupportedParallelError` when the wrapper is created.
 - ``device_num`` differing from the world size fails at plan time.
+- The context's ``comm_fusion`` is acted on: the same gradient buckets as ``.comm_fusion(...)``.
 - `set_memory`: parsing, a cap below the plan's parameter estimate fails before any parameter
   is cut (naming cap, estimate, the three largest tensors), a cap above it passes.
 """
@@ -245,3 +246,26 @@ def test_set_memory_cap_passes() -> None:
         net = Network()
         plan_seed003(world, net)
         assert tuple(net.fc2_weight.shape) == (64, 512)
+
+
+def _buckets(make: Callable[[Network], AutoParallel]) -> list[tuple[str, ...]] | None:
+    """The gradient buckets of seed 003 wrapped by `make` after planning (None: no fusion)."""
+    net, (image, _) = Network(), data()[0]
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        wrapper = make(net)
+        wrapper.plan(world.rank_map(lambda r: image[r * 4 : (r + 1) * 4]))
+        plan = wrapper.optimizer_plan
+        return None if plan is None else [b.names for b in plan.buckets]
+
+
+def test_context_comm_fusion_is_acted_on() -> None:
+    """The context's ``comm_fusion`` buckets the gradient collectives exactly as the wrapper's
+    ``.comm_fusion(...)`` does (without either, gradients are reduced per parameter by hooks
+    and there is no bucket plan)."""
+    fusion = {"allreduce": {"mode": "index", "config": [1]}}
+    assert _buckets(AutoParallel) is None
+    by_method = _buckets(lambda net: AutoParallel(net).comm_fusion(fusion))
+    sw.set_auto_parallel_context(comm_fusion=fusion)
+    by_context = _buckets(AutoParallel)
+    assert by_method is not None and by_context == by_method

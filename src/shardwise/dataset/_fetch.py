@@ -1,7 +1,7 @@
 """Turning a list of indices into finished rows or batches: the work a loader worker does.
 
-- `MapStep`: one ``map(operations, input_columns)`` call, applied to stacked columns
-  (`apply_stacked`, vectorized) or to one row (`apply_row`).
+- `MapStep`: one ``map(operations, input_columns)`` call; `MapStep.apply` runs its ops on
+  stacked columns (``batched=True``, vectorized) or on one row.
 - `stack_rows`: rows -> one tensor per column, with a clear error for unequal shapes.
 - `Fetcher`: the ``torch.utils.data.Dataset`` handed to ``DataLoader``; its ``__getitems__``
   reads a whole index batch from the table, runs the maps before ``batch()`` (vectorized when

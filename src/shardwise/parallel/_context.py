@@ -2,18 +2,20 @@
 
 `set_auto_parallel_context(**kw)` validates and stores process-wide settings;
 `get_auto_parallel_context(name)` reads one back and `reset_auto_parallel_context()` restores
-the defaults. `AutoParallel` reads three of them when it is created or plans:
+the defaults. `AutoParallel` reads these when it is created or plans:
 
 - ``parallel_mode`` (with ``search_mode``): the wrapper's mode when no ``parallel_mode`` is
   passed to it (`resolve_parallel_mode`). ``SEMI_AUTO_PARALLEL`` and ``STAND_ALONE`` (the
-  default: the wrapper's own default) run semi_auto; ``AUTO_PARALLEL`` and ``DATA_PARALLEL``
-  are not supported yet (`UnsupportedParallelError`).
+  default: the wrapper's own default) run semi_auto, ``DATA_PARALLEL`` the data-parallel mode;
+  ``AUTO_PARALLEL`` (strategy search) is not supported yet (`UnsupportedParallelError`).
 - ``dataset_strategy``: the wrapper's dataset strategy unless ``dataset_strategy()`` is called.
 - ``device_num``: when set, must equal the job's world size at plan time (`check_device_num`).
+- ``enable_parallel_optimizer`` with ``parallel_optimizer_config``, and ``comm_fusion``: the
+  wrapper's optimizer parallel and fusion buckets unless ``hsdp()`` / ``comm_fusion()`` are
+  called (`parallel._hsdp.settings_from_context`).
 
-The other keys (``gradients_mean``, ``enable_parallel_optimizer``,
-``parallel_optimizer_config``, ``comm_fusion``, ``strategy_ckpt_config``) are validated and
-stored only; the runtime does not act on them yet.
+``gradients_mean`` and ``strategy_ckpt_config`` are validated and stored only; the runtime does
+not act on them yet.
 """
 
 from __future__ import annotations
@@ -163,12 +165,15 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             `AutoParallel` plans. Default None (not checked).
         dataset_strategy: ``"data_parallel"`` (default), ``"full_batch"`` or one int tuple /
             Layout call per input (see `AutoParallel.dataset_strategy`).
-        gradients_mean, enable_parallel_optimizer: bools (stored only).
-        parallel_optimizer_config: dict of ``parallel_optimizer_threshold`` (int >= 0),
-            ``optimizer_weight_shard_size`` (-1 or > 1), ``optimizer_level``
-            (``"level1"`` / ``"level2"`` / ``"level3"``) (stored only).
+        gradients_mean: bool (stored only).
+        enable_parallel_optimizer: bool; True turns on optimizer parallel in `AutoParallel`
+            (as its ``hsdp()``), with ``parallel_optimizer_config``.
+        parallel_optimizer_config: dict of ``parallel_optimizer_threshold`` (int >= 0, KB;
+            default 64), ``optimizer_weight_shard_size`` (-1 or > 1), ``optimizer_level``
+            (``"level1"`` / ``"level2"`` / ``"level3"``).
         comm_fusion: dict of ``openstate`` (bool) and ``allreduce`` / ``allgather`` /
-            ``reducescatter`` (``{"mode": "auto" | "size" | "index", "config": ...}``) (stored).
+            ``reducescatter`` (``{"mode": "auto" | "size" | "index", "config": ...}``); the
+            buckets of `AutoParallel` (as its ``comm_fusion()``).
         strategy_ckpt_config: dict of ``load_file`` / ``save_file`` (str) and
             ``only_trainable_params`` (bool) (stored only).
 
@@ -206,7 +211,8 @@ def reset_auto_parallel_context() -> None:
 
 
 def resolve_parallel_mode(explicit: str | None) -> str:
-    """The wrapper's mode: `explicit` when given, else from the context; only semi_auto runs.
+    """The wrapper's mode, ``"semi_auto"`` or ``"data_parallel"``: `explicit` when given,
+    else from the context.
 
     Raises:
         UnsupportedParallelError: a mode the runtime cannot run yet (strategy search).

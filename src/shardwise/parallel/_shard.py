@@ -15,8 +15,9 @@
 - `Declared`: the layouts declared while planning, and the parameter plan by full name.
 
 While the wrapper traces the network on meta tensors (planning), `reshard` and the `shard`
-wrappers only declare their layouts (`Session.declare_layout`, `Session.declare_parameters`)
-so that the plan's global device matrix refines them.
+wrappers only declare their layouts (`Session.reshard` records each layout's device matrix,
+`Session.declare_parameters` the parameter plan, both into the wrapper's `Declared`) so that
+the plan's global device matrix refines them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,119 @@
+"""Every private torch API shardwise uses still exists, with the shape shardwise relies on.
+
+A top-level import of a private name fails loudly at import time, but most of these are
+attributes read at run time, and two (the optimizers' global hook dicts, the default store) are
+read with a fallback that would silently change behaviour. Each case names the shardwise module
+that uses the API (the list README.md's "Private torch APIs" paragraph gives), so a torch
+upgrade that changes one fails here first, saying where to look.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.testing import simulated_world
+
+
+def _attr(module: str, *names: str) -> object:
+    obj: object = importlib.import_module(module)
+    for name in names:
+        obj = getattr(obj, name)
+    return obj
+
+
+def _callable(module: str, *names: str) -> Callable[[], None]:
+    def check() -> None:
+        assert callable(_attr(module, *names)), f"{module}.{'.'.join(names)} is not callable"
+
+    return check
+
+
+def _hook_dicts() -> None:
+    import torch.optim.optimizer as opt
+
+    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        assert isinstance(getattr(opt, name), OrderedDict), name  # moved with move_to_end
+
+
+def _engine_queue_callback() -> None:
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    assert callable(engine.queue_callback)
+
+
+def _tensor_internals() -> None:
+    base = torch.zeros(4)
+    view = base[1:]
+    assert view._base is base
+    assert isinstance(base.untyped_storage()._cdata, int)
+    sub = torch.Tensor._make_subclass(torch.nn.Parameter, torch.zeros(2), True)
+    assert isinstance(sub, torch.nn.Parameter) and sub.requires_grad
+
+
+def _module_dicts() -> None:
+    m = torch.nn.BatchNorm1d(2)
+    assert "weight" in m._parameters and "running_mean" in m._buffers
+
+
+def _local_tensor_world() -> None:
+    with simulated_world(2) as world:
+        x = world.rank_map(lambda r: torch.full((1,), float(r)))
+        assert [float(t) for t in x._local_tensors.values()] == [0.0, 1.0]
+        assert isinstance(world.mode._per_rank_rng_states, dict)
+    lt = importlib.import_module("torch.distributed._local_tensor")
+    assert callable(lt._get_rng_state) and callable(lt._set_rng_state)
+
+
+def _default_store() -> None:
+    assert callable(dist.distributed_c10d._get_default_store)
+
+
+CASES: dict[str, Callable[[], None]] = {
+    "testing/_world: _disable_current_modes": _callable(
+        "torch.utils._python_dispatch", "_disable_current_modes"
+    ),
+    "testing/_world: fake process group": _callable(
+        "torch.testing._internal.distributed.fake_pg", "FakeStore"
+    ),
+    "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
+    "layout/_dtensor: _StridedShard": _callable(
+        "torch.distributed.tensor.placement_types", "_StridedShard"
+    ),
+    "parallel/_torchops: torch-function stack push": _callable(
+        "torch._C", "_push_on_torch_function_stack"
+    ),
+    "parallel/_torchops: torch-function stack pop": _callable(
+        "torch._C", "_pop_torch_function_stack"
+    ),
+    "parallel/_torchops: torch-function stack length": _callable(
+        "torch._C", "_len_torch_function_stack"
+    ),
+    "parallel/_torchops: the optimizers' global step-hook dicts": _hook_dicts,
+    "parallel/_runtime, optim/_engine: _current_graph_task_id": _callable(
+        "torch._C", "_current_graph_task_id"
+    ),
+    "parallel/_runtime: _will_engine_execute_node": _callable(
+        "torch._C", "_will_engine_execute_node"
+    ),
+    "parallel/_runtime, optim/_engine: queue_callback": _engine_queue_callback,
+    "optim/_engine, parameter/_parameter, parameter/_tape: tensor internals": _tensor_internals,
+    "parameter/_deferred, parallel/_delayed: Module._parameters / _buffers": _module_dicts,
+    "communication/_init: _get_default_store": _default_store,
+    "communication/mesh: Backend.Options": _callable(
+        "torch._C._distributed_c10d", "Backend", "Options"
+    ),
+    "launch/store, launch/rendezvous: TCPStore": _callable(
+        "torch._C._distributed_c10d", "TCPStore"
+    ),
+    "launch/rendezvous: PrefixStore": _callable("torch._C._distributed_c10d", "PrefixStore"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_private_torch_api_is_there(case: str) -> None:
+    CASES[case]()
