@@ -174,11 +174,13 @@ def _batches(model: str, quick: bool, rows: slice) -> Callable[[], tuple[Any, An
 # --------------------------------------------------------------------------- the candidates
 
 
-def shardwise_step(model: str, quick: bool, level: str | None) -> tuple[Any, Step]:
+def shardwise_step(
+    model: str, quick: bool, level: str | None, n: int, rank: int
+) -> tuple[Any, Step]:
     """``AutoParallel(train_step)`` (+ ``.hsdp(threshold=0, optimizer_level=level)``), each
     ``nn.Linear`` with its own ``comm_fusion`` id (one bucket per layer, like FSDP2's units, so
-    the buckets' collectives can overlap compute); every rank passes the global batch. Returns
-    (the wrapper, the step)."""
+    the buckets' collectives can overlap compute); every rank passes its rows of the global
+    batch (``dataset_strategy("data_parallel")``). Returns (the wrapper, the step)."""
     import torch
 
     import shardwise as sw
@@ -200,7 +202,8 @@ def shardwise_step(model: str, quick: bool, level: str | None) -> tuple[Any, Ste
     parallel = sw.AutoParallel(train_step, parallel_mode="semi_auto")
     if level is not None:
         parallel = parallel.hsdp(threshold=0, optimizer_level=level)
-    batch = _batches(model, quick, slice(None))
+    size = _data(model, quick)[0].shape[1]
+    batch = _batches(model, quick, slice(rank * size // n, (rank + 1) * size // n))
 
     def step() -> torch.Tensor:
         loss: torch.Tensor = parallel(*batch())
@@ -256,7 +259,7 @@ def torch_step(name: str, model: str, quick: bool, n: int, rank: int) -> Step:
 def make_step(name: str, model: str, quick: bool, n: int, rank: int) -> tuple[Any, Step]:
     """Candidate `name`: (shardwise's wrapper or None, its step)."""
     if name in SW:
-        return shardwise_step(model, quick, LEVEL[name])
+        return shardwise_step(model, quick, LEVEL[name], n, rank)
     return None, torch_step(name, model, quick, n, rank)
 
 

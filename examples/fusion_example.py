@@ -87,7 +87,7 @@ def parallel_step(net: nn.Module, level: str) -> sw.AutoParallel:
 
 
 def batches(hidden: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random global batches of 32 (every rank is given the same ones)."""
+    """Random global batches of 32 (every rank makes the same ones and passes its rows)."""
     g = torch.Generator().manual_seed(0)
     return [
         (torch.randn(32, hidden, generator=g), torch.randn(32, hidden, generator=g))
@@ -101,8 +101,10 @@ def train(hidden: int, steps: int, level: str) -> None:
     parallel_net = parallel_step(Net(hidden), level)
     rank0 = get_rank() == 0
     for step, (x, y) in enumerate(batches(hidden, steps)):
+        n, rank = sw.communication.get_group_size(), get_rank()
+        rows = slice(rank * 32 // n, (rank + 1) * 32 // n)  # this rank's rows (data_parallel)
         with sw.CommRecorder() as rec:
-            loss = parallel_net(x, y).item()
+            loss = parallel_net(x[rows], y[rows]).item()
         if step == 0 and rank0:
             print(parallel_net.optimizer_plan, flush=True)
         counts = {k: rec.count(k) for k in ("AllGather", "ReduceScatter", "AllReduce")}

@@ -9,8 +9,12 @@ As in the tutorial, the network (Flatten, Dense 784-512, 512-512, 512-10, ReLU) 
 optimizer are built inside ``no_init_parameters()`` (nothing is allocated until the first step),
 the three layers get fusion ids 0, 1 and 2, and the train step is the single-device one
 (``loss.backward(); optimizer.step(); optimizer.zero_grad()``). ``AutoParallel(train_step,
-parallel_mode="semi_auto").hsdp()`` runs it data parallel (every rank is given the global batch
-of 32 and keeps its rows) and shards the optimizer: each parameter of at least 64 KB whose dim 0
+parallel_mode="semi_auto").hsdp()`` runs it data parallel and shards the optimizer. The dataset
+is read sharded (``num_shards=n, shard_id=rank``, batches of 32 // n): each rank reads only its
+own rows of every global batch of 32, which is what the default
+``dataset_strategy("data_parallel")`` expects (MindSpore's convention; the tutorial's unsharded
+dataset would instead need ``dataset_strategy("full_batch")``, and every rank would then read
+and transform the whole batch only to use 1/n of it). each parameter of at least 64 KB whose dim 0
 divides the ranks is stored, updated and reduce-scattered as one 1/n shard per rank and gathered
 for compute (``--level``: when). Fusion ids pick the buckets: id 0 one collective per parameter,
 ids 1 and 2 one fused collective per layer. Rank 0 prints the optimizer plan after the first
@@ -60,13 +64,20 @@ def synthetic_rows(rows: int) -> list[tuple[torch.Tensor, int]]:
 
 
 def create_dataset(batch_size: int, data_path: str, synthetic: int = 0) -> Any:
-    """The tutorial's pipeline: global batches (every rank reads the same ones)."""
+    """The tutorial's pipeline, read sharded: this rank's rows of each global batch."""
+    n, rank = sw.communication.get_group_size(), get_rank()
+    if batch_size % n:
+        raise ValueError(f"the global batch {batch_size} must divide by the {n} ranks")
     if synthetic:
         dataset = sw.dataset.GeneratorDataset(
-            synthetic_rows(synthetic), ["image", "label"], shuffle=False
+            synthetic_rows(synthetic),
+            ["image", "label"],
+            shuffle=False,
+            num_shards=n,
+            shard_id=rank,
         )
     else:
-        dataset = sw.dataset.MnistDataset(data_path)
+        dataset = sw.dataset.MnistDataset(data_path, num_shards=n, shard_id=rank)
     image_transforms = [
         vision.Rescale(1.0 / 255.0, 0),
         vision.Normalize(mean=(0.1307,), std=(0.3081,)),
@@ -75,7 +86,7 @@ def create_dataset(batch_size: int, data_path: str, synthetic: int = 0) -> Any:
     label_transform = transforms.TypeCast(torch.int64)
     dataset = dataset.map(image_transforms, "image")
     dataset = dataset.map(label_transform, "label")
-    return dataset.batch(batch_size)
+    return dataset.batch(batch_size // n)
 
 
 def build() -> tuple[Network, torch.optim.Optimizer]:

@@ -1,7 +1,7 @@
 """Worker for test_data_parallel_real.py: `DataParallelRunner` with optimizer parallel on real
 gloo processes. Seed 000's MLP, fusion ids 0/1/2 per layer, Adam, the default 64 KiB threshold
 (on 4 ranks: ``1.weight`` owned by rank 0, ``3.weight`` by rank 1, ranks 2 and 3 own nothing);
-every rank passes the same 5 global batches of 32.
+every rank passes its rows of the same 5 global batches of 32.
 
 Writes ``<out>/rank_<r>.json`` (losses, owners, the names of the parameters that have optimizer
 state on this rank, their state bytes, the collectives per step, which gradients were dropped in
@@ -72,8 +72,10 @@ def main() -> None:
     runner = DataParallelRunner(net, [optimizer], train_step=train_step, parallel_optimizer=True)
     losses = []
     with CommRecorder() as rec:
+        n = sw.communication.get_group_size()
         for x, y in make_data():
-            losses.append(float(runner(x, y)))
+            mine = slice(rank * BATCH // n, (rank + 1) * BATCH // n)  # this rank's rows
+            losses.append(float(runner(x[mine], y[mine])))
     state = {names[id(p)]: s for p, s in optimizer.state.items()}
     state_bytes = sum(
         t.numel() * t.element_size()

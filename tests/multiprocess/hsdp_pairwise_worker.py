@@ -89,9 +89,11 @@ def check(mode: str) -> None:
     if mode.startswith("level"):
         parallel.hsdp(threshold=0, optimizer_level=mode.split()[0])
     losses = []
+    n, rank = sw.communication.get_group_size(), get_rank()
     for x, y in batches():
+        mine = slice(rank * x.shape[0] // n, (rank + 1) * x.shape[0] // n)  # this rank's rows
         with sw.CommRecorder() as rec:
-            losses.append(float(parallel(x, y)))
+            losses.append(float(parallel(x[mine], y[mine])))
         # the loss (1 element) is all-reduced in forward only: loss.backward() needs none
         scalar = [(r.kind, r.phase) for r in rec.records if r.numel == 1]
         assert scalar == [("AllReduce", "forward")] * (2 if twice else 1), scalar
@@ -194,6 +196,11 @@ def check_kept_graph(level: str) -> None:
 
     parallel = AutoParallel(train_step, parallel_mode="semi_auto")
     parallel.hsdp(threshold=0, optimizer_level=level)
+    n, rank = sw.communication.get_group_size(), get_rank()
+    x, y = (
+        x[rank * BATCH // n : (rank + 1) * BATCH // n],
+        y[rank * BATCH // n : (rank + 1) * BATCH // n],
+    )
     parallel(x, y)
     try:
         parallel(x, y)

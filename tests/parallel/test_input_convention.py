@@ -10,6 +10,7 @@ network with an annotated MatMul (contraction split over 2 ranks) runs the semi_
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.parallel import AutoParallel
-from shardwise.testing import SimulatedWorld, assert_matches_single_device, simulated_world
+from shardwise.testing import assert_matches_single_device, simulated_world
 
 BATCH, STEPS = 8, 2
 
@@ -63,7 +64,9 @@ class Recording(torch.optim.SGD):
         return super().step(closure)
 
 
+@functools.cache
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches (made once: a first call outside a simulated world makes them plain)."""
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g))] * 2
 
@@ -81,7 +84,8 @@ def single_device(cls: type[MLP]) -> tuple[list[float], list[list[torch.Tensor]]
     return losses, opt.seen
 
 
-def train_step_form(world: SimulatedWorld, net: nn.Module, mode: str, strategy: str) -> Any:
+def train_step_form(n: int, net: nn.Module, mode: str, strategy: str) -> Any:
+    """(wrapper, optimizer, call(x, y) -> loss) for a wrapped train step on `n` ranks."""
     opt = Recording(net.parameters())
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -95,10 +99,11 @@ def train_step_form(world: SimulatedWorld, net: nn.Module, mode: str, strategy: 
     return wrapper, opt, lambda x, y: wrapper(x, y)
 
 
-def module_form(world: SimulatedWorld, net: nn.Module, mode: str, strategy: str) -> Any:
+def module_form(n: int, net: nn.Module, mode: str, strategy: str) -> Any:
+    """(wrapper, optimizer, call(x, y) -> loss) for a wrapped module on `n` ranks: the loss is
+    built outside the wrapper, as the user's code would."""
     opt = Recording(net.parameters())
     wrapper = AutoParallel(net, parallel_mode=mode, optimizer=opt).dataset_strategy(strategy)
-    n = world.world_size
 
     def call(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = wrapper(x)
@@ -122,6 +127,7 @@ def module_form(world: SimulatedWorld, net: nn.Module, mode: str, strategy: str)
 def check_grads(
     wrapper: AutoParallel, net: nn.Module, got: list[torch.Tensor], want: list[torch.Tensor]
 ) -> None:
+    """Each gradient the optimizer saw is this rank's block of the single-device one."""
     plan = wrapper.network_plan
     for (name, _), g, w in zip(net.named_parameters(), got, want, strict=True):
         if plan is not None and name in plan.params:
@@ -131,6 +137,19 @@ def check_grads(
             )
         else:
             assert_matches_single_device(g, w, what=name)
+
+
+def run_case(n: int, net: nn.Module, case: tuple[str, str, str], give: Any, want: Any) -> None:
+    """Train `net` (every rank's copy) STEPS steps as `case` (mode, form, strategy) says,
+    feeding each global batch of `data()` through `give` (whole or this rank's rows), and
+    compare with `want` (`single_device`'s losses and gradients)."""
+    (mode, form, strategy), (losses, grads) = case, want
+    make = module_form if form == "module" else train_step_form
+    wrapper, opt, call = make(n, net, mode, strategy)
+    for step, (x, y) in enumerate(data()[:STEPS]):
+        loss = call(give(x), give(y))
+        assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+        check_grads(wrapper, net, opt.seen[step], grads[step])
 
 
 CASES = [
@@ -152,17 +171,11 @@ CASES = [
 def test_matches_one_device(
     world_size: int, cls: type[MLP], mode: str, form: str, strategy: str
 ) -> None:
-    losses, grads = single_device(cls)
-    net, batches = cls(), data()[:STEPS]
+    net, want = cls(), single_device(cls)
     with simulated_world(world_size) as world:
         world.replicate(net)
-        make = module_form if form == "module" else train_step_form
-        wrapper, opt, call = make(world, net, mode, strategy)
-        give = world.same if strategy == "full_batch" else world.rows
-        for step, (x, y) in enumerate(batches):
-            loss = call(give(x), give(y))
-            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
-            check_grads(wrapper, net, opt.seen[step], grads[step])
+        split = world.same if strategy == "full_batch" else world.rows
+        run_case(world_size, net, (mode, form, strategy), split, want)
 
 
 @pytest.mark.parametrize("form", ["module", "train_step"])
@@ -171,7 +184,7 @@ def test_full_batch_that_does_not_divide_names_the_convention(form: str) -> None
     with simulated_world(4) as world:
         world.replicate(net)
         make = module_form if form == "module" else train_step_form
-        _, _, call = make(world, net, "data_parallel", "full_batch")
+        _, _, call = make(4, net, "data_parallel", "full_batch")
         with pytest.raises(
             ValueError,
             match=r"'full_batch' \(every rank passes the whole global "

@@ -12,6 +12,13 @@ import torch
 from shardwise.communication import _sim
 
 
+def _this_rank() -> int:
+    """This process's rank in a real job (0 without one)."""
+    from shardwise import communication as comm
+
+    return comm.get_rank() if comm.is_initialized() else 0
+
+
 def _ranks_of(t: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
     sim = _sim.current()
     if sim is None:
@@ -39,7 +46,8 @@ def assert_matches_single_device(
     Args:
         actual: a tensor (per-rank inside `simulated_world`), or a dict / list / tuple of them.
         expected: the same structure of plain tensors (every rank must match), or a callable
-            ``rank -> expected tensor`` for results that differ per rank (shards).
+            ``rank -> expected tensor`` for results that differ per rank (shards), called with
+            each simulated rank, or with this process's rank in a real job.
         rtol: relative tolerance (1e-5: float32 parity).
         atol: absolute tolerance for values near zero.
         what: a name used in the failure message.
@@ -66,7 +74,8 @@ def assert_matches_single_device(
         return
     assert isinstance(actual, torch.Tensor), f"{what}: expected a tensor, got {type(actual)}"
     for rank, value in _ranks_of(actual):
-        want = expected(rank if rank is not None else 0) if callable(expected) else expected
+        here = rank if rank is not None else _this_rank()
+        want = expected(here) if callable(expected) else expected
         where = what if rank is None else f"{what} on rank {rank}"
         with _outside():
             _compare(value, want, rtol, atol, where)

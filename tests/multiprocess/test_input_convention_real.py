@@ -1,0 +1,23 @@
+"""The input convention on 2 real gloo processes (one job, every case of
+tests/parallel/test_input_convention.py): each rank passes its rows under ``"data_parallel"``,
+the whole batch under ``"full_batch"``, in both wrapper forms and both parallel modes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise.testing import run_job
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "parallel"))
+from test_input_convention import CASES  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_every_case_matches_one_device_on_2_processes(tmp_path: Path) -> None:
+    names = ["-".join([c.__name__, m, f, s]) for c, m, f, s in CASES]
+    run_job(HERE / "input_convention_worker.py", 2, tmp_path / "logs").assert_checks(2, names)
