@@ -63,9 +63,12 @@ def synthetic_rows(rows: int) -> list[tuple[torch.Tensor, int]]:
     return [(images[i], int(labels[i])) for i in range(rows)]
 
 
-def create_dataset(batch_size: int, data_path: str, synthetic: int = 0) -> Any:
-    """The tutorial's pipeline, read sharded: this rank's rows of each global batch."""
-    n, rank = sw.communication.get_group_size(), get_rank()
+def create_dataset(
+    batch_size: int, data_path: str, synthetic: int = 0, num_shards: int = 1, shard_id: int = 0
+) -> Any:
+    """The tutorial's pipeline, read sharded: rank `shard_id`'s rows of each global batch of
+    `batch_size` (all of them with the defaults, one process)."""
+    n, rank = num_shards, shard_id
     if batch_size % n:
         raise ValueError(f"the global batch {batch_size} must divide by the {n} ranks")
     if synthetic:
@@ -126,7 +129,8 @@ def main() -> None:
 
     parallel_net = sw.AutoParallel(train_step, parallel_mode="semi_auto")
     parallel_net.hsdp(optimizer_level=args.level)
-    data_set = create_dataset(BATCH_SIZE, args.data, args.synthetic)
+    n, rank = sw.communication.get_group_size(), get_rank()
+    data_set = create_dataset(BATCH_SIZE, args.data, args.synthetic, n, rank)
 
     losses: list[float] = []
     for epoch in range(args.epochs):
