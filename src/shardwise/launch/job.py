@@ -4,14 +4,17 @@
 
 1. open ``LOG_DIR/scheduler.log`` and catch SIGINT/SIGTERM/SIGHUP (`SignalWatcher`);
 2. rendezvous (`rendezvous.Rendezvous`: connect, claim a node rank, register, wait for all);
-3. start the local workers (`supervisor.Supervisor.start`), then tell the foreground process
+3. `_socket_ifname`: the workers' ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; with several
+   nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
+   local workers (`supervisor.Supervisor.start`), then tell the foreground process
    (``--join False``, see `detach`) that the job is up;
 4. `_monitor`: every `POLL_S` collect worker exits; the first local failure is published to the
-   store, the other launchers' failures are read from it, signals and lost launchers are
-   handled; on any of these, every local worker is stopped;
-5. `_finish`: tell the store this launcher is done (the host keeps the store up until every
-   launcher is done), print the report (`report.format_failure_report`) or, with
-   ``--join True``, the success summary, and return the exit code.
+   store, the other launchers' failures are read from it, signals, lost launchers and a lost
+   store (`_check_store`) are handled; on any of these, every local worker is stopped;
+5. `_finish`: after a local worker's failure, name a lost node first when there is one
+   (`_lost_first`); tell the store this launcher is done (the host keeps the store up until
+   every launcher is done or lost), print the report (`report.format_failure_report`) or,
+   with ``--join True``, the success summary, and return the exit code.
 """
 
 from __future__ import annotations
