@@ -282,6 +282,8 @@ def _finish(
     """Name a lost node first (`_lost_first`), mark this launcher done, keep the store up for the
     others (host), report, exit code."""
     outcome = _lost_first(rdv, job, log, outcome)
+    if rdv.hb is not None and not rdv.hosting:  # before node 0 may close the store
+        rdv.hb.stop()
     try:
         rdv.mark_finished()
         if rdv.hosting and job.num_nodes > 1:
