@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardwise-installed
 LINT_PATHS := src tests examples bench
 
-.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion test lint typecheck pytest bench clean
+.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion test lint typecheck pytest mpi bench clean
 
 venv: $(STAMP)
 
@@ -64,8 +64,20 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Open MPI for the real-mpirun test (tests/multiprocess/test_mpirun_real.py): installed with
+# apt-get when mpirun is missing and this is root with apt-get (CI); else that test is skipped.
+mpi:
+	@command -v mpirun >/dev/null 2>&1 || { \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Open MPI (openmpi-bin) for the mpirun test"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			openmpi-bin; } >/dev/null 2>&1 || \
+		echo "could not install openmpi-bin: the mpirun test will be skipped"; \
+	else echo "mpirun not found (needs root and apt-get to install): the mpirun test will be skipped"; \
+	fi; }
+
 # pytest exits 5 when it collected no test; that is a failure here, never a pass.
-pytest: $(STAMP)
+pytest: $(STAMP) mpi
 	@$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

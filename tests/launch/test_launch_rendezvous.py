@@ -1,8 +1,9 @@
 """The launchers' rendezvous on a real in-process TCPStore (no worker processes): who hosts,
-node ranks, rank offsets, too many or too few workers, and first-failure-wins."""
+node ranks, rank offsets, too many or too few workers, first-failure-wins, and heartbeats."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import LauncherInterrupted, RendezvousError
+from shardwise.launch.liveness import lost_cause
 from shardwise.launch.rendezvous import Rendezvous
 from shardwise.launch.report import RootCause
 from shardwise.launch.schedlog import SchedulerLog
@@ -120,10 +122,33 @@ def test_first_failure_wins_and_liveness(log: SchedulerLog) -> None:
     assert other.publish_failure(first) == first
     assert host.publish_failure(RootCause("later", 0, "a")) == first
     assert host.failure() == first
-    other.beat()
-    assert host.lost_nodes() == []
     other.mark_finished()
     assert host.finished_count() == 1
+
+
+def test_heartbeats_tell_a_lost_launcher_from_a_live_or_finished_one(log: SchedulerLog) -> None:
+    port = _free_port()
+    rdvs = [_connect(port, log, worker_num=3, local_worker_num=1) for _ in range(3)]
+    for rdv in rdvs:
+        rdv.register()
+    for rdv in rdvs:
+        rdv.wait_for_all(time.monotonic() + 2, log)
+        rdv.start_heartbeat()
+    host, quiet, done = rdvs
+    assert host.hb is not None and quiet.hb is not None and done.hb is not None
+    assert [p.node_rank for p in host.peers()] == [1, 2]
+    since = time.monotonic()
+    assert host.hb.settle(since, after_s=1.0) == []  # both beat again: alive
+    assert time.monotonic() - since < 1.5
+    done.mark_finished()
+    done.hb.stop()
+    quiet.hb.stop()  # stops beating without finishing: lost
+    lost = host.hb.settle(time.monotonic(), after_s=1.0)
+    assert [(p.node_rank, p.pid) for p in lost] == [(1, os.getpid())]
+    assert host.hb.lost(after_s=60.0) == []
+    cause = lost_cause(lost, 0, "hostA", after_s=1.0)
+    assert cause.reason.startswith("node 1 (host ") and "stopped sending heartbeats" in cause.reason
+    host.hb.stop()
 
 
 def test_must_host_errors_are_clear(log: SchedulerLog) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from shardwise.communication import _sim
 from shardwise.communication._env import JobEnv, detect_job
+from shardwise.communication._netif import socket_ifname_env
 
 WORLD_COMM_GROUP = "world_group"
 _WORLD_ALIASES = frozenset({WORLD_COMM_GROUP, "hccl_world_group", "nccl_world_group"})
@@ -98,6 +99,8 @@ def init(backend: str | None = None) -> None:
         run_id = os.environ.get("SHARDWISE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
         if run_id:
             store = dist.PrefixStore(f"job/{run_id}", store)  # type: ignore[attr-defined]
+        # the interface that reaches the master, unless GLOO_/NCCL_SOCKET_IFNAME is set
+        os.environ.update(socket_ifname_env(job.master_addr, os.environ))
     if backend == "nccl":
         torch.cuda.set_device(job.local_rank)
     dist.init_process_group(

@@ -9,6 +9,7 @@ Modules, in the order a launch uses them:
   (`store` hosts or reaches that store);
 - `env`: each worker's environment (`env.worker_env`) and CPU cores (`env.split_cores`);
 - `supervisor`: start, watch and stop the worker processes;
+- `liveness`: heartbeats between the launchers of several nodes, the "node N lost" root cause;
 - `report`: the root cause of a failure, from the worker logs;
 - `schedlog`: ``LOG_DIR/scheduler.log``.
 

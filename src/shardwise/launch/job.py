@@ -4,14 +4,17 @@
 
 1. open ``LOG_DIR/scheduler.log`` and catch SIGINT/SIGTERM/SIGHUP (`SignalWatcher`);
 2. rendezvous (`rendezvous.Rendezvous`: connect, claim a node rank, register, wait for all);
-3. start the local workers (`supervisor.Supervisor.start`), then tell the foreground process
+3. `_socket_ifname`: the workers' ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; with several
+   nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
+   local workers (`supervisor.Supervisor.start`), then tell the foreground process
    (``--join False``, see `detach`) that the job is up;
 4. `_monitor`: every `POLL_S` collect worker exits; the first local failure is published to the
-   store, the other launchers' failures are read from it, signals and lost launchers are
-   handled; on any of these, every local worker is stopped;
-5. `_finish`: tell the store this launcher is done (the host keeps the store up until every
-   launcher is done), print the report (`report.format_failure_report`) or, with
-   ``--join True``, the success summary, and return the exit code.
+   store, the other launchers' failures are read from it, signals, lost launchers and a lost
+   store (`_check_store`) are handled; on any of these, every local worker is stopped;
+5. `_finish`: after a local worker's failure, name a lost node first when there is one
+   (`_lost_first`); tell the store this launcher is done (the host keeps the store up until
+   every launcher is done or lost), print the report (`report.format_failure_report`) or,
+   with ``--join True``, the success summary, and return the exit code.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from shardwise.launch.errors import (
     LauncherInterrupted,
     RendezvousError,
 )
+from shardwise.launch.liveness import lost_cause, store_lost_cause
 from shardwise.launch.report import (
     RootCause,
     format_failure_report,
@@ -50,7 +54,6 @@ if TYPE_CHECKING:  # rendezvous imports torch; run_job imports it after setting 
 
 POLL_S = 0.1
 STORE_POLL_S = 0.2
-BEAT_S = 1.0
 FINISH_WAIT_S = 15.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -79,6 +82,7 @@ class SignalWatcher:
 class _Outcome:
     root: RootCause | None = None
     exit_code: int = EXIT_OK
+    seen: float = 0.0  # time.monotonic() when a local worker's failure was seen
 
 
 def run_job(cfg: LaunchConfig, on_started: OnStarted | None = None) -> int:
@@ -119,6 +123,12 @@ def run_job(cfg: LaunchConfig, on_started: OnStarted | None = None) -> int:
         f"rendezvous complete: node {job.node_rank} of {job.num_nodes}, ranks "
         f"{format_ranks(list(job.ranks))} of {job.worker_num}, run id {job.run_id}"
     )
+    base_env.update(_socket_ifname(cfg, base_env, log))
+    if job.num_nodes > 1:
+        try:
+            rdv.start_heartbeat()
+        except RuntimeError as e:
+            log.info(f"no heartbeat (store unreachable): {str(e).splitlines()[0]}")
     sup = Supervisor(log)
     started = time.monotonic()
     try:
@@ -163,6 +173,17 @@ def _rendezvous(
         return _fail_early(log, f"shardwise run: {e} while waiting for the workers", e.exit_code)
 
 
+def _socket_ifname(cfg: LaunchConfig, env: dict[str, str], log: SchedulerLog) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` for the workers: the interface that
+    routes to ``--master_addr``, where the user set neither (`communication._netif`)."""
+    from shardwise.communication._netif import socket_ifname_env
+
+    chosen = socket_ifname_env(cfg.master_addr, env)
+    for name, value in chosen.items():
+        log.info(f"workers get {name}={value}, the interface that routes to {cfg.master_addr}")
+    return chosen
+
+
 def _fail_early(log: SchedulerLog, message: str, code: int) -> int:
     log.info(message)
     log.info(f"launcher exits with code {code}")
@@ -175,7 +196,7 @@ def _monitor(
     rdv: Rendezvous, sup: Supervisor, job: NodeAssignment, log: SchedulerLog, signals: SignalWatcher
 ) -> _Outcome:
     """Watch until every local worker exited or the job must stop; then stop the rest."""
-    next_store, next_beat = 0.0, 0.0
+    next_store = 0.0
     while sup.running():
         failed = [w for w in sup.poll(POLL_S) if w.returncode != 0 and not w.stop_requested]
         outcome: _Outcome | None = None
@@ -183,7 +204,7 @@ def _monitor(
         if failed:
             exit_ = next(e for e in sup.exits() if e.rank == failed[0].rank)
             local = worker_root_cause(exit_, job.node_rank, log.host)
-            outcome = _Outcome(_publish(rdv, local, log), EXIT_WORKER_FAILED)
+            outcome = _Outcome(_publish(rdv, local, log), EXIT_WORKER_FAILED, time.monotonic())
         elif signum is not None:
             name = signal.Signals(signum).name
             local = RootCause(
@@ -192,9 +213,7 @@ def _monitor(
             outcome = _Outcome(_publish(rdv, local, log), 128 + signum)
         elif time.monotonic() >= next_store:
             next_store = time.monotonic() + STORE_POLL_S
-            outcome = _check_store(rdv, job, log, time.monotonic() >= next_beat)
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + BEAT_S
+            outcome = _check_store(rdv, job, log)
         if outcome is not None:
             log.info(f"job failed: {outcome.root.reason if outcome.root else '?'}")
             sup.stop()
@@ -212,28 +231,42 @@ def _publish(rdv: Rendezvous, local: RootCause, log: SchedulerLog) -> RootCause:
         return local
 
 
-def _check_store(
-    rdv: Rendezvous, job: NodeAssignment, log: SchedulerLog, beat: bool
-) -> _Outcome | None:
-    """Read another launcher's failure, send a heartbeat, and (host) look for lost launchers."""
+def _check_store(rdv: Rendezvous, job: NodeAssignment, log: SchedulerLog) -> _Outcome | None:
+    """Read another launcher's failure and look for launchers that stopped beating."""
     try:
         root = rdv.failure()
-        if root is None and beat:
-            rdv.beat()
-            lost = rdv.lost_nodes() if rdv.hosting else []
-            if lost:
-                names = ", ".join(f"node {m.node} ({m.host})" for m in lost)
-                local = RootCause(
-                    f"lost contact with the launcher of {names}", job.node_rank, log.host
-                )
-                root = rdv.publish_failure(local)
+        lost = rdv.hb.lost() if root is None and rdv.hb is not None else []
+        if lost:
+            root = rdv.publish_failure(lost_cause(lost, job.node_rank, log.host))
     except RuntimeError as e:
-        where = f"{job.master_addr}:{job.master_port}"
-        reason = (
-            f"lost contact with the job's store at {where} (the launcher of node 0 exited?): {e}"
-        )
-        root = RootCause(reason.splitlines()[0], job.node_rank, log.host)
+        root = _store_lost(rdv, job, log, (str(e).splitlines() or ["?"])[0])
     return None if root is None else _Outcome(root, EXIT_WORKER_FAILED)
+
+
+def _store_lost(rdv: Rendezvous, job: NodeAssignment, log: SchedulerLog, error: str) -> RootCause:
+    master = next((p for p in rdv.peers() if p.node_rank == 0), None)
+    where = f"{job.master_addr}:{job.master_port}"
+    return store_lost_cause(master, where, error, job.node_rank, log.host)
+
+
+def _lost_first(
+    rdv: Rendezvous, job: NodeAssignment, log: SchedulerLog, outcome: _Outcome
+) -> _Outcome:
+    """A local worker's failure may only echo another node's loss (its collective lost its
+    peers): wait for the other launchers' heartbeats (`Heartbeat.settle`), and when one is lost,
+    or node 0's store is gone, make that the root cause."""
+    root, hb = outcome.root, rdv.hb
+    if hb is None or root is None or root.node_rank != job.node_rank or root.rank is None:
+        return outcome
+    lost = hb.settle(outcome.seen)
+    if hb.error is not None and not rdv.hosting:
+        cause = _store_lost(rdv, job, log, hb.error)
+    elif lost:
+        cause = lost_cause(lost, job.node_rank, log.host)
+    else:
+        return outcome
+    log.info(f"root cause: {cause.reason}")
+    return _Outcome(cause, outcome.exit_code, outcome.seen)
 
 
 def _finish(
@@ -246,7 +279,11 @@ def _finish(
     started: float,
     signals: SignalWatcher,
 ) -> int:
-    """Mark this launcher done, keep the store up for the others (host), report, exit code."""
+    """Name a lost node first (`_lost_first`), mark this launcher done, keep the store up for the
+    others (host), report, exit code."""
+    outcome = _lost_first(rdv, job, log, outcome)
+    if rdv.hb is not None and not rdv.hosting:  # before node 0 may close the store
+        rdv.hb.stop()
     try:
         rdv.mark_finished()
         if rdv.hosting and job.num_nodes > 1:
@@ -257,6 +294,8 @@ def _finish(
                 outcome = _Outcome(root, EXIT_WORKER_FAILED)
     except RuntimeError as e:
         log.info(f"store unavailable at the end of the job: {str(e).splitlines()[0]}")
+    if rdv.hb is not None:
+        rdv.hb.stop()
     if outcome.root is not None:
         text = format_failure_report(outcome.root, sup.exits(), job.node_rank, str(log.path))
         print(text, file=sys.stderr, flush=True)
@@ -278,15 +317,16 @@ def _wait_others(
     outcome: _Outcome,
     signals: SignalWatcher,
 ) -> None:
-    """Host only: keep the store up until every launcher is done (bounded after a failure)."""
+    """Host only: keep the store up until every launcher is done or lost (bounded after a
+    failure)."""
     limit = time.monotonic() + FINISH_WAIT_S
     log.info(f"waiting for the other {job.num_nodes - 1} launcher(s) to finish")
-    while rdv.finished_count() < job.num_nodes:
+    while rdv.finished_count() < job.num_nodes - len(rdv.hb.lost() if rdv.hb else []):
         if outcome.root is not None and time.monotonic() >= limit:
             log.info("the other launchers did not all finish; closing the store")
             return
         if outcome.root is None:
-            found = _check_store(rdv, job, log, beat=True)
+            found = _check_store(rdv, job, log)
             signum = signals.pending()
             if found is None and signum is not None:
                 name = signal.Signals(signum).name

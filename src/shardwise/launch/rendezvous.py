@@ -15,13 +15,15 @@ Steps (one launcher):
    launchers to start.
 
 While the job runs, the store also carries the first failure (`publish_failure` /
-`failure`, first writer wins), heartbeats (`beat`, checked by the host in `lost_nodes`) and the
-count of launchers that are done (`mark_finished` / `finished_count`). All keys live under the
+`failure`, first writer wins), every launcher's heartbeat (`heartbeat`: a `liveness.Heartbeat`
+thread on its own connection, watching the others' too) and the launchers that are done
+(`mark_finished` / `finished_count`). All keys live under the
 ``shardwise_launch/`` prefix; the workers use ``job/<run id>/`` (see `communication.init`).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -34,6 +36,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.errors import LauncherInterrupted, RendezvousError
+from shardwise.launch.liveness import Heartbeat, Peer
 from shardwise.launch.report import RootCause
 from shardwise.launch.schedlog import SchedulerLog
 from shardwise.launch.store import StopCheck, open_store
@@ -41,7 +44,7 @@ from shardwise.launch.store import StopCheck, open_store
 KEY_PREFIX = "shardwise_launch"
 POLL_S = 0.1
 PROGRESS_EVERY_S = 5.0
-LIVENESS_S = 30.0
+HEARTBEAT_TIMEOUT_S = 10.0
 LINGER_S = 1.0
 
 
@@ -74,7 +77,7 @@ class Rendezvous:
         self.run_id = ""
         self.node_claim = -1
         self.nodes: list[Member] = []
-        self._beats: dict[int, tuple[int, float]] = {}
+        self.hb: Heartbeat | None = None
 
     # -- step 1 -------------------------------------------------------------------------------
     @staticmethod
@@ -280,24 +283,24 @@ class Rendezvous:
             return None
         return RootCause.from_json(self.store.get("failed"))
 
-    def beat(self) -> None:
-        """Tell the host this launcher is alive."""
-        self.store.add(f"beat/{self.node_claim}", 1)
+    def peers(self) -> list[Peer]:
+        """The other launchers of the job, with their node ranks (after `wait_for_all`)."""
+        return [
+            Peer(pos, m.node, m.host, m.pid)
+            for pos, m in enumerate(self.nodes)
+            if m.node != self.node_claim
+        ]
 
-    def lost_nodes(self) -> list[Member]:
-        """Other unfinished launchers whose heartbeat stopped for `LIVENESS_S` (host only)."""
-        now = time.monotonic()
-        lost = []
-        for m in self.nodes:
-            if m.node == self.node_claim or self.store.check([f"done/{m.node}"]):
-                continue
-            count = self.store.add(f"beat/{m.node}", 0)
-            seen = self._beats.get(m.node)
-            if seen is None or seen[0] != count:
-                self._beats[m.node] = (count, now)
-            elif now - seen[1] > LIVENESS_S:
-                lost.append(m)
-        return lost
+    def start_heartbeat(self) -> None:
+        """Start `hb`, this launcher's `Heartbeat`, on a connection of its own (several nodes)."""
+        client = TCPStore(
+            self.cfg.master_addr,
+            self.cfg.master_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=HEARTBEAT_TIMEOUT_S),
+        )
+        store = PrefixStore(KEY_PREFIX, client)
+        self.hb = Heartbeat(store, self.node_claim, self.peers()).start()
 
     def mark_finished(self) -> None:
         """Tell the others this launcher is done (its workers have all exited)."""
