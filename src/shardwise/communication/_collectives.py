@@ -350,6 +350,27 @@ def all_to_all(
     return out
 
 
+def _to_self(
+    sends: Sequence[torch.Tensor],
+    send_to: Sequence[tuple[int, int]],
+    outs: Sequence[torch.Tensor],
+    recv_from: Sequence[tuple[int, int]],
+    me: int,
+) -> set[int]:
+    """Messages a rank sends to itself, delivered by a local copy (gloo has no pair to itself):
+    the receive slots filled, matched with the sends by tag, in order."""
+    filled: set[int] = set()
+    for x, (dst, tag) in zip(sends, send_to, strict=True):
+        if dst != me:
+            continue
+        for j, (src, rtag) in enumerate(recv_from):
+            if src == me and rtag == tag and j not in filled:
+                outs[j].copy_(x.detach().reshape(outs[j].shape))
+                filled.add(j)
+                break
+    return filled
+
+
 def exchange(
     kind: str,
     sends: Sequence[torch.Tensor],
@@ -378,20 +399,24 @@ def exchange(
             (torch.zeros if src == -1 else torch.empty)(tuple(s), dtype=dtype, device=device)
             for s, (src, _) in zip(recv_shapes, recv_from, strict=True)
         ]
+        me = dist.get_rank()
+        to_self = _to_self(sends, send_to, outs, recv_from, me)
         ops = [
             dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
             for x, (dst, tag) in zip(sends, send_to, strict=True)
-            if dst != -1 and x.numel() > 0
+            if dst not in (-1, me) and x.numel() > 0
         ]
         ops += [
             dist.P2POp(dist.irecv, out, src, g.pg, tag)
-            for out, (src, tag) in zip(outs, recv_from, strict=True)
-            if src != -1 and out.numel() > 0
+            for j, (out, (src, tag)) in enumerate(zip(outs, recv_from, strict=True))
+            if src != -1 and j not in to_self and out.numel() > 0
         ]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        sent = sum(_nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d != -1)
+        sent = sum(
+            _nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me)
+        )
     if recorder.recording():
         numel = sum(x.numel() for x in sends)
         recorder.record(kind, g.ranks, dtype, numel, sent, recorder.timer() - start)
