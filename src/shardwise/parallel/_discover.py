@@ -9,7 +9,8 @@ collects the values it really loads:
   on it (``trainer.net``, ``self.model.encoder``: `_attribute`, which reads stored values only,
   never runs a property);
 - functions reached that way (a helper the step calls, a nested function or lambda defined in
-  it: `_nested_code`) are read the same way, once each (`_Search`).
+  it: `_nested_code`) are read the same way, once each (`_Search`); not those of torch or
+  shardwise, nor the methods of a module or optimizer (``optimizer.step``).
 
 Attribute names alone (``optimizer.step()`` names ``step``) load nothing, so a global that
 shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `AutoParallel`
@@ -32,6 +33,8 @@ from torch import nn
 _ROOT_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"}
 _ATTR_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
 _MAX_FUNCTIONS = 64
+_LIBRARIES = {"torch", "shardwise", "numpy", "functools", "builtins"}
+"""Packages whose functions are not followed (the user's network is not defined there)."""
 _MISSING = object()
 
 
@@ -115,8 +118,9 @@ class _Search:
         fn = getattr(fn, "__func__", fn)
         if not isinstance(fn, types.FunctionType) or id(fn) in self.seen:
             return
-        own = (fn.__module__ or "").startswith("shardwise.")
-        if not root and (len(self.seen) >= _MAX_FUNCTIONS or own):
+        library = (fn.__module__ or "").split(".")[0] in _LIBRARIES
+        owner = isinstance(this, nn.Module | torch.optim.Optimizer)
+        if not root and (len(self.seen) >= _MAX_FUNCTIONS or library or owner):
             return
         self.seen.add(id(fn))
         scope, cells = fn.__globals__, _cells(fn)
