@@ -40,8 +40,9 @@ def _clean_context() -> Iterator[None]:
     sw.runtime.set_memory(None)
 
 
-def train(make: Callable[[Callable[..., torch.Tensor]], AutoParallel]) -> str:
-    """Train seed 003 with the wrapper `make` builds; check it against the single device.
+def train(make: Callable[[Callable[..., torch.Tensor]], AutoParallel], full: bool) -> str:
+    """Train seed 003 with the wrapper `make` builds, each rank passing the whole global batch
+    (`full`: ``"full_batch"``) or its rows; check it against the single device.
 
     Returns the plan as text."""
     losses, params = single_device(False)
@@ -59,8 +60,9 @@ def train(make: Callable[[Callable[..., torch.Tensor]], AutoParallel]) -> str:
             return loss
 
         parallel_net = make(train_step)
+        give = world.same if full else world.rows
         for step, (image, label) in enumerate(batches):
-            loss = parallel_net(world.rows(image), world.rows(label))
+            loss = parallel_net(give(image), give(label))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             plan = parallel_net.network_plan
             assert plan is not None
@@ -89,9 +91,9 @@ def test_older_style_trains_like_new_style(strategy: str) -> None:
         assert wrapper.parallel_mode == "semi_auto" and wrapper._dataset == strategy
         return wrapper
 
-    new_plan = train(new)
+    new_plan = train(new, strategy == "full_batch")
     sw.reset_auto_parallel_context()
-    assert train(old) == new_plan
+    assert train(old, strategy == "full_batch") == new_plan
 
 
 def test_wrapper_dataset_strategy_overrides_context() -> None:
