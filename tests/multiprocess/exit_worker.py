@@ -6,6 +6,7 @@ while the others wait for it in the next one.
 """
 
 import sys
+import time
 
 import torch
 
@@ -17,6 +18,7 @@ rank, n = comm.get_rank(), comm.get_group_size()
 total = comm.AllReduce()(torch.full((8,), float(rank + 1)))
 assert total.tolist() == [n * (n + 1) / 2] * 8, total
 if mode == "raise" and rank == 1:
+    print(f"raising at {time.time():.3f}", flush=True)
     raise ValueError(f"boom from rank {rank}")
 gathered = comm.AllGather()(torch.full((2,), float(rank)))
 assert gathered.tolist() == [float(r) for r in range(n) for _ in range(2)], gathered

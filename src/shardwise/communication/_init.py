@@ -3,7 +3,8 @@
 `init()` reads the job from the launcher's environment (`_env.detect_job`), builds the
 rendezvous store and the default process group; `get_rank`, `get_group_size`,
 `get_local_rank` answer questions about it; `create_group` / `destroy_group` keep a registry of
-named sub-groups (MindSpore style); `release()` tears everything down. A script that never
+named sub-groups (MindSpore style); `release()` tears everything down. Under `shardwise run`
+`init()` also opens the collective trace (`_trace.open_trace`). A script that never
 calls `release()` leaves the job the same way at interpreter exit (`_exit.install`, registered
 by `init()`; `leave_at_exit` is its barrier-with-a-bound and teardown).
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.communication import _exit, _sim
+from shardwise.communication import _exit, _sim, _trace
 from shardwise.communication._env import JobEnv, detect_job
 
 WORLD_COMM_GROUP = "world_group"
@@ -112,6 +113,8 @@ def init(backend: str | None = None) -> None:
     )
     _job = job
     _exit.install()
+    if job.world_size > 1:
+        _trace.open_trace()
 
 
 def is_initialized() -> bool:
@@ -275,6 +278,7 @@ def release() -> None:
         if dist.get_world_size() > 1:
             _store_barrier()
         dist.destroy_process_group()
+    _trace.close_trace()
     _job = None
 
 
