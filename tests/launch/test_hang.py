@@ -73,6 +73,11 @@ def test_nothing_to_explain(tmp_path: Path) -> None:
     everyone = {r: [("AllReduce", WORLD, r != 0)] for r in range(4)}
     found = traces(tmp_path, everyone)
     assert find_stragglers(0, found) is None  # all arrived: a plain failure
+    behind = traces(tmp_path, {0: [("AllReduce", WORLD, False)], 1: []})
+    entered = behind[0].groups["world_group"].entered_at
+    assert find_stragglers(0, behind, entered + 5.0, min_wait=1.0) is not None
+    # failed 0.1 s after it entered: an error of the collective, rank 1 was on its way
+    assert find_stragglers(0, behind, entered + 0.1, min_wait=1.0) is None
     assert find_stragglers(1, found) is None  # not inside a collective
     assert read_trace(tmp_path / "missing.comm") is None
     (tmp_path / "junk.comm").write_bytes(b"x" * _trace.SIZE)

@@ -7,7 +7,8 @@ a collective, the launcher, before it stops the others:
 1. `read_trace`: reads the trace of every local worker;
 2. `find_stragglers`: compares, for the group of the failed collective, how many collectives
    each member entered and the kind of its last one: the members behind the others, or inside
-   another kind of collective, never arrived;
+   another kind of collective, never arrived (only when the failed rank had waited in it for
+   `min_wait` seconds: an immediate error of the collective blames nobody);
 3. `collect_stacks`: sends SIGUSR1 to those still running (their ``faulthandler`` writes every
    thread's Python stack to their log) and reads the stacks back; for those already gone, the
    last traceback of their log;
@@ -45,6 +46,7 @@ from shardwise.launch.report import RootCause, WorkerExit, log_excerpt, ranks_la
 from shardwise.launch.supervisor import Worker
 
 STACK_WAIT_S = 2.0
+MIN_WAIT_S = 1.0
 STACK_HEADER = "(most recent call first):"
 MAX_STACK_LINES = 30
 
@@ -140,18 +142,30 @@ def read_trace(path: str | Path) -> Trace | None:
     return Trace(pid, bool(flags & FLAG_STACKS), last_name, groups)
 
 
-def find_stragglers(failed: int, traces: Mapping[int, Trace]) -> Stragglers | None:
+def find_stragglers(
+    failed: int, traces: Mapping[int, Trace], failed_at: float | None = None, min_wait: float = 0.0
+) -> Stragglers | None:
     """The members of the failed rank's collective that never arrived at it, if any.
 
     The failed rank's unfinished collective (the oldest, when several are) names the group.
     Of its members, those that entered the most collectives of it and agree on the most
     common kind arrived; the others (behind, or in another kind of collective) never did.
+
+    Args:
+        failed: the rank that failed.
+        traces: rank -> its trace (this node's workers).
+        failed_at: wall time of the failure; with `min_wait`, a failure less than `min_wait`
+            seconds after the rank entered its collective is not a wait for late ranks (an
+            error of the collective itself, while the others were on their way): None then.
+        min_wait: see `failed_at`.
     """
     mine = traces.get(failed)
     inside = [g for g in mine.groups.values() if g.entered > g.finished] if mine else []
     if not inside:
         return None
     where = min(inside, key=lambda g: g.entered_at)
+    if failed_at is not None and failed_at - where.entered_at < min_wait:
+        return None
     members = where.ranks or tuple(sorted(r for r, t in traces.items() if where.name in t.groups))
     known = {r: traces[r].groups.get(where.name) for r in members if r in traces}
     counts = {r: g.entered if g else 0 for r, g in known.items()}
@@ -165,6 +179,21 @@ def find_stragglers(failed: int, traces: Mapping[int, Trace]) -> Stragglers | No
         return None
     waiting = tuple(r for r in known if r not in missing)
     return Stragglers(where.name, members, kind, top, waiting, missing)
+
+
+def min_wait(env: Mapping[str, str] = os.environ) -> float:
+    """How long a rank must have waited in a collective before late ranks are blamed:
+    `MIN_WAIT_S`, or half of ``$SHARDWISE_COMM_TIMEOUT`` (the workers inherit it) if shorter.
+
+    Example:
+        >>> min_wait({"SHARDWISE_COMM_TIMEOUT": "0.5"})
+        0.25
+    """
+    try:
+        timeout = float(env.get("SHARDWISE_COMM_TIMEOUT", "300"))
+    except ValueError:
+        timeout = 300.0
+    return min(MIN_WAIT_S, timeout / 2)
 
 
 def collect_stacks(pids: Mapping[int, tuple[int, Path]]) -> dict[int, list[str]]:
@@ -234,8 +263,9 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
     logs = {w.rank: w.log_path for w in workers}
     running = {w.rank: w.pid for w in workers if w.returncode is None}
     traces = {r: t for r, log in logs.items() if (t := read_trace(trace_path(log))) is not None}
-    found = find_stragglers(failed.rank, traces)
-    if found is None:
+    mine = traces.get(failed.rank)
+    found = find_stragglers(failed.rank, traces, failed.ended, min_wait())
+    if found is None or mine is None:
         return root
     asked = {r: (running[r], logs[r]) for r in found.missing if r in running}
     stacks = collect_stacks({r: v for r, v in asked.items() if traces[r].dumps_stacks})
@@ -245,9 +275,11 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
         if rank not in running and rank != failed.rank:  # (the failed rank's lines follow)
             lines.append("  the end of its log:")
             lines += [f"    {line}" for line in log_excerpt(logs[rank])[0]]
+    waited = failed.ended - mine.groups[found.group].entered_at
     reason = (
         f"{ranks_label(list(found.missing))} never arrived at {found.target()}; "
-        f"{ranks_label(list(found.waiting))} waited in it until rank {failed.rank} failed"
+        f"{ranks_label(list(found.waiting))} waited in it until rank {failed.rank} failed "
+        f"after {waited:.1f} s"
     )
     return replace(root, reason=reason, stuck=tuple(lines))
 
