@@ -10,8 +10,9 @@ launcher reports a job that did all its work as failed.
 - `_at_exit`: a script that ended normally (or through ``sys.exit``) leaves the job as
   `release()` does: a barrier through the rendezvous store, bounded by `exit_wait` so that a
   rank never waits long for peers that are still busy or gone, then the process groups are
-  destroyed while the interpreter is still whole. A script that raised is left alone: it
-  waits for nobody, its traceback is its last output, and it ends before its peers notice.
+  destroyed while the interpreter is still whole. A script that raised is left alone but for
+  a `RAISED_PAUSE_S` pause in which torch's worker threads finish with the last collectives:
+  it waits for nobody, its traceback is its last output, and it ends before its peers notice.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import atexit
 import datetime
 import os
 import sys
+import time
 from types import TracebackType
 
 EXIT_WAIT_S = 10.0
+RAISED_PAUSE_S = 0.05
 
 _installed_pid: int | None = None  # the process that registered the hook (a fork re-registers)
 _raised = False  # an uncaught exception reached sys.excepthook in this process
@@ -63,10 +66,14 @@ def script_raised() -> bool:
 
 
 def _at_exit() -> None:
-    if _installed_pid != os.getpid() or _raised:
+    if _installed_pid != os.getpid():
+        return
+    if _raised:
         # A raising script keeps torch's own teardown: destroying its groups here would close
         # its connections while it is still alive, and the peers waiting on it would fail (and
-        # could exit) before it does.
+        # could exit) before it does. A short pause (the GIL released) lets torch's worker
+        # threads drop the last collectives' tensors while the interpreter can still take them.
+        time.sleep(RAISED_PAUSE_S)
         return
     from shardwise.communication._init import leave_at_exit
 

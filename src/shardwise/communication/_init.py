@@ -63,13 +63,14 @@ def default_backend() -> str:
 def init(backend: str | None = None) -> None:
     """Join the distributed job (idempotent).
 
-    Args:
-        backend: ``"gloo"``, ``"nccl"`` or None for the default (`default_backend()`).
-
     The process leaves the job cleanly at exit even without `release()`: a script that ends
     normally (or by ``sys.exit``) waits at most 10 s for the other ranks to end too, then tears
     its process groups down before the interpreter does; a script that raises leaves at once,
-    with its own traceback and exit status.
+    waits for nobody, and its traceback is the job's root cause. Under ``shardwise run`` it also
+    traces which collective it is in, for the launcher's report of a hang.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or None for the default (`default_backend()`).
 
     Raises:
         LaunchEnvError: the launcher's environment is incomplete; the message names the variable.
