@@ -1,7 +1,8 @@
 """The collectives themselves: plain functions, no autograd, every call recorded.
 
 Each function validates what this rank can check, issues the torch.distributed call (or, in a
-simulated world, the one the simulator answers), and reports a `CommRecord`:
+simulated world, the one the simulator answers) between `_trace.enter` and `_trace.leave` (which
+collective this rank is in, for the launcher's hang report), and reports a `CommRecord`:
 
 - `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
   `reduce_scatter` (split on dim 0), and `all_reduce_async` / `all_gather_async` /
@@ -25,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise.communication import _sim, recorder
+from shardwise.communication import _sim, _trace, recorder
 from shardwise.communication._init import Group, resolve_group
 
 T = TypeVar("T")
@@ -168,14 +169,16 @@ def _started(
     start: float,
     work: Any,
     result: Callable[[], torch.Tensor],
+    token: _trace.Token = None,
 ) -> Pending[torch.Tensor]:
     """A `Pending` that waits for `work` (None: already done), computes the result and records
-    the call under the phase and label current now (its start)."""
+    the call under the phase and label current now (its start); `token`: its `_trace.enter`."""
     done = deferred_record(kind, g, t.dtype, t.numel(), start)
 
     def finish() -> torch.Tensor:
         if work is not None:
             work.wait()
+        _trace.leave(token)
         out = result()
         done()
         return out
@@ -203,8 +206,9 @@ def _start_all_reduce(
     g = resolve_group(group)
     _check_same_shape("AllReduce", t)
     start = recorder.start()
+    token = _trace.enter("AllReduce", g)
     work = dist.all_reduce(t, op=op.torch_op(), group=g.pg, async_op=async_op)
-    return _started("AllReduce", g, t, start, work, lambda: t)
+    return _started("AllReduce", g, t, start, work, lambda: t, token)
 
 
 def _start_all_gather(
@@ -219,8 +223,9 @@ def _start_all_gather(
     src = t.detach().contiguous()
     if out is None:
         out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
+    token = _trace.enter("AllGather", g)
     work = dist.all_gather_single(out, src, group=g.pg, async_op=async_op)
-    return _started("AllGather", g, t, start, work, lambda: out)
+    return _started("AllGather", g, t, start, work, lambda: out, token)
 
 
 def _start_reduce_scatter(
@@ -232,6 +237,7 @@ def _start_reduce_scatter(
     _check_same_shape("ReduceScatter", t)
     start = recorder.start()
     src = t.detach().contiguous()
+    token = _trace.enter("ReduceScatter", g)
     if _is_gloo(g):
         # all-to-all moves only the chunks other ranks own: (N-1)/N of the input per rank.
         received = torch.empty_like(src)
@@ -240,10 +246,10 @@ def _start_reduce_scatter(
         def reduced() -> torch.Tensor:
             return op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
 
-        return _started("ReduceScatter", g, t, start, work, reduced)
+        return _started("ReduceScatter", g, t, start, work, reduced, token)
     out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
     work = dist.reduce_scatter_single(out, src, op=op.torch_op(), group=g.pg, async_op=async_op)
-    return _started("ReduceScatter", g, t, start, work, lambda: out)
+    return _started("ReduceScatter", g, t, start, work, lambda: out, token)
 
 
 def all_gather(t: torch.Tensor, group: str | Group | None) -> torch.Tensor:
@@ -304,7 +310,9 @@ def broadcast(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Te
         out = _sim_rooted(t, root, g, reduce=False)
     else:
         out = t.detach().clone(memory_format=torch.contiguous_format)
+        token = _trace.enter("Broadcast", g)
         dist.broadcast(out, src=root, group=g.pg)
+        _trace.leave(token)
     _record("Broadcast", g, t, start)
     return out
 
@@ -318,7 +326,9 @@ def reduce(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Tenso
         out = _sim_rooted(t, root, g, reduce=True)
     else:
         out = t.detach().clone(memory_format=torch.contiguous_format)
+        token = _trace.enter("Reduce", g)
         dist.reduce(out, dst=root, group=g.pg)
+        _trace.leave(token)
         if dist.get_rank() != root:
             out.zero_()
     _record("Reduce", g, t, start)
@@ -340,7 +350,9 @@ def all_to_all(
     else:
         send = torch.stack(src.chunk(n, dim=split_dim), 0).contiguous()
     received = torch.empty_like(send)
+    token = _trace.enter("AlltoAll", g)
     dist.all_to_all_single(received, send, group=g.pg)
+    _trace.leave(token)
     split0, concat0 = split_dim % src.dim() == 0, concat_dim % src.dim() == 0
     if concat0:  # the received chunks, in rank order, already are the concatenation
         out = received if split0 else received.flatten(0, 1)
@@ -412,8 +424,10 @@ def exchange(
             if src != -1 and j not in to_self and out.numel() > 0
         ]
         if ops:
+            token = _trace.enter(kind, g)
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+            _trace.leave(token)
         sent = sum(
             _nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me)
         )

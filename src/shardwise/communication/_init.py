@@ -3,7 +3,10 @@
 `init()` reads the job from the launcher's environment (`_env.detect_job`), builds the
 rendezvous store and the default process group; `get_rank`, `get_group_size`,
 `get_local_rank` answer questions about it; `create_group` / `destroy_group` keep a registry of
-named sub-groups (MindSpore style); `release()` tears everything down.
+named sub-groups (MindSpore style); `release()` tears everything down. Under `shardwise run`
+`init()` also opens the collective trace (`_trace.open_trace`). A script that never
+calls `release()` leaves the job the same way at interpreter exit (`_exit.install`, registered
+by `init()`; `leave_at_exit` is its barrier-with-a-bound and teardown).
 
 Under `shardwise.testing.simulated_world(n)` the default group already exists (a fake one) and
 `get_rank()` returns a per-rank symbolic int, so rank-dependent code such as
@@ -22,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.communication import _sim
+from shardwise.communication import _exit, _sim, _trace
 from shardwise.communication._env import JobEnv, detect_job
 from shardwise.communication._netif import socket_ifname_env
 
@@ -60,6 +63,12 @@ def default_backend() -> str:
 
 def init(backend: str | None = None) -> None:
     """Join the distributed job (idempotent).
+
+    The process leaves the job cleanly at exit even without `release()`: a script that ends
+    normally (or by ``sys.exit``) waits at most 10 s for the other ranks to end too, then tears
+    its process groups down before the interpreter does; a script that raises leaves at once,
+    waits for nobody, and its traceback is the job's root cause. Under ``shardwise run`` it also
+    traces which collective it is in, for the launcher's report of a hang.
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or None for the default (`default_backend()`).
@@ -107,6 +116,9 @@ def init(backend: str | None = None) -> None:
         backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout
     )
     _job = job
+    _exit.install()
+    if job.world_size > 1:
+        _trace.open_trace()
 
 
 def is_initialized() -> bool:
@@ -261,12 +273,33 @@ def forget_groups() -> None:
 
 
 def release() -> None:
-    """Leave the job: destroy every group and the default process group (idempotent)."""
+    """Leave the job: wait for every rank, destroy every group and the default process group
+    (idempotent). Optional: `init()` makes the process do the same at exit, with a bounded
+    wait."""
     global _job
     _groups.clear()
     if dist.is_initialized() and _sim.current() is None:
         if dist.get_world_size() > 1:
             _store_barrier()
+        dist.destroy_process_group()
+    _trace.close_trace()
+    _job = None
+
+
+def leave_at_exit() -> None:
+    """`release()` for interpreter exit: the barrier gives up after `_exit.exit_wait` (the ranks
+    still missing are busy elsewhere or gone, and no collective of this rank is in flight), then
+    the process groups are destroyed all the same."""
+    global _job
+    _groups.clear()
+    if dist.is_initialized() and _sim.current() is None:
+        if dist.get_world_size() > 1:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                wait = _exit.exit_wait(comm_timeout())
+                store_barrier(store, "shardwise/exit", dist.get_rank(), dist.get_world_size(), wait)
+            except (RuntimeError, ValueError, AttributeError):  # late peers, or the store is gone
+                pass
         dist.destroy_process_group()
     _job = None
 
@@ -293,17 +326,21 @@ def _store_barrier() -> None:
     store_barrier(store, f"shardwise/release/{_releases}", dist.get_rank(), dist.get_world_size())
 
 
-def store_barrier(store: Any, key: str, rank: int, world: int) -> None:
-    """Wait on `store` (add / set / wait) until all `world` ranks have called this with `key`.
+def store_barrier(
+    store: Any, key: str, rank: int, world: int, timeout: datetime.timedelta | None = None
+) -> None:
+    """Wait on `store` (add / set / wait) until all `world` ranks have called this with `key`
+    (each wait at most `timeout`, default `comm_timeout()`; torch's store error when it ends).
 
     The store lives in rank 0's process (torch's default), so rank 0 returns last: only after
     every rank is past its wait, else a rank still waiting would lose its connection
     ("Connection reset by peer") when rank 0 exits.
     """
+    timeout = comm_timeout() if timeout is None else timeout
     if store.add(key, 1) == world:
         store.set(f"{key}/done", "1")
-    store.wait([f"{key}/done"], comm_timeout())
+    store.wait([f"{key}/done"], timeout)
     if store.add(f"{key}/left", 1) == world:
         store.set(f"{key}/gone", "1")
     if rank == 0:
-        store.wait([f"{key}/gone"], comm_timeout())
+        store.wait([f"{key}/gone"], timeout)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise.communication import _trace
 from shardwise.communication._init import Group
 
 _TAG_BASE = 1 << 24  # above the tags users give NeighborExchange (same send/recv slot space)
@@ -153,6 +154,7 @@ class Exchange:
         self._into: dict[int, list[torch.Tensor]] = {p: [] for p in self.peers}
         self._carrying: dict[int, list[_Message]] = {}  # part index -> the messages with it
         self._posted = False
+        self._token: _trace.Token = None
 
     def add(self, send: Mapping[int, torch.Tensor], recv: Mapping[int, torch.Tensor]) -> int:
         """Add ``send[peer]`` to the messages to each peer (`peers`) and ``recv[peer]``
@@ -170,6 +172,7 @@ class Exchange:
         n, pos, g = len(self.g.ranks), self.position, self.g
         groups = _messages(self._out[self.peers[0]])  # (the same sizes for every peer)
         tag = _next_tag(g, len(groups))
+        self._token = _trace.enter("BucketExchange", g)
         packed: dict[tuple[int, ...], _Sent] = {}  # the same parts: packed once
         for k in range(1, n):
             dst, src = (pos + k) % n, (pos - k) % n
@@ -199,6 +202,8 @@ class Exchange:
         for i in parts:
             for message in self._carrying.get(i, []):
                 message.finish()
+        if all(m.done for ms in self._carrying.values() for m in ms):
+            _trace.leave(self._token)
 
     def __str__(self) -> str:
         return f"Exchange(group={list(self.g.ranks)}, posted={self._posted})"

@@ -8,9 +8,11 @@
    nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
    local workers (`supervisor.Supervisor.start`), then tell the foreground process
    (``--join False``, see `detach`) that the job is up;
-4. `_monitor`: every `POLL_S` collect worker exits; the first local failure is published to the
-   store, the other launchers' failures are read from it, signals, lost launchers and a lost
-   store (`_check_store`) are handled; on any of these, every local worker is stopped;
+4. `_monitor`: every `POLL_S` collect worker exits; the first local failure (explained by
+   `hang.explain` when it died in a collective that other ranks never arrived at) is
+   published to the store, the other launchers' failures are read from it, signals, lost
+   launchers and a lost store (`_check_store`) are handled; on any of these, every local
+   worker is stopped;
 5. `_finish`: after a local worker's failure, name a lost node first when there is one
    (`_lost_first`); tell the store this launcher is done (the host keeps the store up until
    every launcher is done or lost), print the report (`report.format_failure_report`) or,
@@ -41,6 +43,7 @@ from shardwise.launch.errors import (
 from shardwise.launch.liveness import lost_cause, store_lost_cause
 from shardwise.launch.report import (
     RootCause,
+    WorkerExit,
     format_failure_report,
     format_ranks,
     format_success_summary,
@@ -203,7 +206,7 @@ def _monitor(
         signum = signals.pending()
         if failed:
             exit_ = next(e for e in sup.exits() if e.rank == failed[0].rank)
-            local = worker_root_cause(exit_, job.node_rank, log.host)
+            local = _explain(worker_root_cause(exit_, job.node_rank, log.host), exit_, sup, log)
             outcome = _Outcome(_publish(rdv, local, log), EXIT_WORKER_FAILED, time.monotonic())
         elif signum is not None:
             name = signal.Signals(signum).name
@@ -220,6 +223,18 @@ def _monitor(
             return outcome
     sup.sweep()
     return _Outcome()
+
+
+def _explain(root: RootCause, failed: WorkerExit, sup: Supervisor, log: SchedulerLog) -> RootCause:
+    """`hang.explain`: when `failed` died in a collective that some local ranks never arrived
+    at, the root cause names them and where they are (asked before they are stopped)."""
+    from shardwise.launch.hang import explain  # imports torch (loaded by the rendezvous)
+
+    try:
+        return explain(root, failed, sup.workers)
+    except Exception as e:  # a diagnosis must never cost the report
+        log.info(f"could not look for ranks that never arrived: {type(e).__name__}: {e}")
+        return root
 
 
 def _publish(rdv: Rendezvous, local: RootCause, log: SchedulerLog) -> RootCause:

@@ -65,6 +65,8 @@ class RootCause:
             interrupted, or lost).
         lines: traceback tail (or last log lines) of that worker.
         log: path of that worker's log, on its node.
+        stuck: when the worker failed in a collective some ranks never arrived at (see
+            `hang.explain`): where each of those ranks is, shown before the worker's lines.
     """
 
     reason: str
@@ -73,6 +75,7 @@ class RootCause:
     rank: int | None = None
     lines: tuple[str, ...] = ()
     log: str = ""
+    stuck: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         """Serialize for the store."""
@@ -84,6 +87,7 @@ class RootCause:
                 "rank": self.rank,
                 "lines": list(self.lines),
                 "log": self.log,
+                "stuck": list(self.stuck),
             }
         )
 
@@ -99,6 +103,7 @@ class RootCause:
                 rank=None if d.get("rank") is None else int(d["rank"]),
                 lines=tuple(str(x) for x in d.get("lines", [])),
                 log=str(d.get("log", "")),
+                stuck=tuple(str(x) for x in d.get("stuck", [])),
             )
         except (ValueError, KeyError, TypeError):
             return RootCause(
@@ -301,11 +306,19 @@ def format_failure_report(
     groups = group_failures(exits)
     local_root = root.node_rank == node_rank and root.rank is not None
     where = "" if root.node_rank == node_rank else f" on node {root.node_rank} ({root.host})"
-    out = [f"shardwise run: job failed{where}: {root.reason}"]
+    out = [f"shardwise run: job failed{where}: {root.reason}", *root.stuck]
     if local_root and groups:
+        head = groups[0].exits[0]
+        if root.stuck and len(groups[0].exits) == 1:
+            out.append(
+                f"rank {head.rank} failed first with {describe_returncode(head.returncode)} "
+                f"(pid {head.pid}):"
+            )
         out += _group_text(groups[0], first=True)
         groups = groups[1:]
     elif root.lines:
+        if root.stuck and root.rank is not None:
+            out.append(f"rank {root.rank} failed first:")
         out += _indent(root.lines)
     for group in groups:
         out += _group_text(group, first=False)

@@ -179,6 +179,11 @@ class Supervisor:
         log_path = cfg.log_path / f"worker_{rank}.log"
         cmd = [sys.executable, cfg.script, *cfg.script_args]
         env = worker_env(base_env, job, local_rank, cores)
+        from shardwise.communication._trace import TRACE_ENV  # (torch is imported by now)
+
+        trace = log_path.with_suffix(".comm")
+        trace.unlink(missing_ok=True)  # a previous job's
+        env[TRACE_ENV] = str(trace)
         saved = os.sched_getaffinity(0) if cores else None
         with open(log_path, "wb") as out:
             try:

@@ -1,0 +1,107 @@
+"""`launch.hang` on trace files written by `communication._trace` (no processes): which ranks
+never arrived at the failed rank's collective, and how the report puts them first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardwise.communication import _trace
+from shardwise.communication._init import Group
+from shardwise.launch.hang import Trace, find_stragglers, read_trace
+from shardwise.launch.report import RootCause, WorkerExit, format_failure_report
+
+WORLD = Group("world_group", (0, 1, 2, 3), None)
+PAIR = Group("pair", (2, 3), None)
+
+
+def write(path: Path, calls: list[tuple[str, Group, bool]]) -> None:
+    """A trace of `calls`: (kind, group, finished)."""
+    assert _trace.open_trace(str(path))
+    try:
+        for kind, group, finished in calls:
+            token = _trace.enter(kind, group)
+            if finished:
+                _trace.leave(token)
+    finally:
+        _trace.close_trace()
+
+
+def traces(tmp_path: Path, calls: dict[int, list[tuple[str, Group, bool]]]) -> dict[int, Trace]:
+    for rank, rank_calls in calls.items():
+        write(tmp_path / f"{rank}.comm", rank_calls)
+    out = {rank: read_trace(tmp_path / f"{rank}.comm") for rank in calls}
+    return {rank: t for rank, t in out.items() if t is not None}
+
+
+def test_a_rank_behind_the_others_never_arrived(tmp_path: Path) -> None:
+    done = ("AllReduce", WORLD, True)
+    found = traces(
+        tmp_path,
+        {
+            0: [done, ("AllReduce", WORLD, False)],
+            1: [done],
+            2: [done, ("AllReduce", PAIR, True), ("AllReduce", WORLD, False)],
+            3: [done, ("AllReduce", PAIR, True), ("AllReduce", WORLD, False)],
+        },
+    )
+    t2 = found[2]
+    assert t2 is not None and t2.last == "world_group"
+    assert t2.groups["pair"].ranks == (2, 3) and t2.groups["pair"].finished == 1
+    result = find_stragglers(2, found)
+    assert result is not None
+    assert (result.group, result.kind, result.seq) == ("world_group", "AllReduce", 2)
+    assert result.missing == (1,) and result.waiting == (0, 2, 3)
+    assert result.target() == "AllReduce #2 of group world_group (ranks 0-3)"
+
+
+def test_a_rank_in_another_collective_never_arrived(tmp_path: Path) -> None:
+    found = traces(
+        tmp_path,
+        {
+            0: [("AllReduce", WORLD, False)],
+            1: [("AllGather", WORLD, False)],
+            2: [("AllReduce", WORLD, False)],
+            3: [("AllReduce", WORLD, False)],
+        },
+    )
+    for failed in (0, 1):  # whoever timed out first, the odd one out is named
+        result = find_stragglers(failed, found)
+        assert result is not None and result.missing == (1,) and result.kind == "AllReduce"
+
+
+def test_nothing_to_explain(tmp_path: Path) -> None:
+    everyone = {r: [("AllReduce", WORLD, r != 0)] for r in range(4)}
+    found = traces(tmp_path, everyone)
+    assert find_stragglers(0, found) is None  # all arrived: a plain failure
+    behind = traces(tmp_path, {0: [("AllReduce", WORLD, False)], 1: []})
+    entered = behind[0].groups["world_group"].entered_at
+    assert find_stragglers(0, behind, entered + 5.0, min_wait=1.0) is not None
+    # failed 0.1 s after it entered: an error of the collective, rank 1 was on its way
+    assert find_stragglers(0, behind, entered + 0.1, min_wait=1.0) is None
+    assert find_stragglers(1, found) is None  # not inside a collective
+    assert read_trace(tmp_path / "missing.comm") is None
+    (tmp_path / "junk.comm").write_bytes(b"x" * _trace.SIZE)
+    assert read_trace(tmp_path / "junk.comm") is None
+
+
+def test_the_report_puts_the_stuck_ranks_first(tmp_path: Path) -> None:
+    log = tmp_path / "worker_2.log"
+    log.write_text("Traceback (most recent call last):\n  x\nRuntimeError: Timed out\n")
+    root = RootCause(
+        "rank 1 never arrived at AllReduce #2", 0, "h", 2, ("RuntimeError: Timed out",), str(log),
+        stuck=("rank 1 (pid 7, still running): ...", "  its Python stack:"),
+    )  # fmt: skip
+    assert RootCause.from_json(root.to_json()) == root
+    exits = [WorkerExit(2, 2, 9, 1, 1.0, False, str(log))]
+    text = format_failure_report(root, exits, 0, "s.log").splitlines()
+    assert text[:4] == [
+        "shardwise run: job failed: rank 1 never arrived at AllReduce #2",
+        "rank 1 (pid 7, still running): ...",
+        "  its Python stack:",
+        "rank 2 failed first with exit code 1 (pid 9):",
+    ]
+    assert text[4:7] == [
+        "  Traceback (most recent call last):",
+        "    x",
+        "  RuntimeError: Timed out",
+    ]

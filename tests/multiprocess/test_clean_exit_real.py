@@ -1,0 +1,75 @@
+"""Leaving a job without `release()`: `init()` makes every exit clean (20 real 4-rank jobs, none
+aborts at interpreter exit), and a rank that raises is still the job's root cause, reported
+with its own traceback, at once."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from shardwise.testing import clean_env, free_port
+
+WORKER = Path(__file__).with_name("exit_worker.py")
+JOBS, AT_ONCE = 20, 4
+
+pytestmark = pytest.mark.multiprocess
+
+
+def start(log_dir: Path, mode: str) -> subprocess.Popen[str]:
+    cmd = [
+        sys.executable, "-m", "shardwise", "run", "--worker_num", "4", "--local_worker_num", "4",
+        "--master_port", str(free_port()), "--log_dir", str(log_dir), "--join", "True",
+        str(WORKER), mode,
+    ]  # fmt: skip
+    env = {**clean_env(30), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def leftovers() -> list[str]:
+    """Command lines of live processes running the worker script."""
+    ps = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if str(WORKER) in line and not line.startswith("Z")]
+
+
+@pytest.mark.timeout(400)
+def test_twenty_jobs_without_release_all_succeed(tmp_path: Path) -> None:
+    failures: list[str] = []
+    for first in range(0, JOBS, AT_ONCE):  # a few jobs at a time keeps both cores busy
+        jobs = [(j, start(tmp_path / f"job{j}", "clean")) for j in range(first, first + AT_ONCE)]
+        for j, proc in jobs:
+            out, err = proc.communicate(timeout=120)
+            if proc.returncode != 0:
+                failures.append(f"job {j}: exit {proc.returncode}\n{err}")
+            else:
+                assert "job finished: ranks 0-3 exited with code 0" in out, out
+    assert not failures, f"{len(failures)} of {JOBS} jobs failed:\n" + "\n".join(failures)
+    for j in range(JOBS):
+        for rank in range(4):
+            log = (tmp_path / f"job{j}" / f"worker_{rank}.log").read_text()
+            assert f"rank {rank} ok" in log and "terminate called" not in log, log
+    assert not leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_a_raising_rank_is_the_root_cause_with_its_traceback(tmp_path: Path) -> None:
+    proc = start(tmp_path / "logs", "raise")
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == 1, err
+    lines = err.splitlines()
+    assert lines[0].startswith("shardwise run: job failed: rank 1 failed first with"), err
+    assert lines[1] == "  Traceback (most recent call last):", err
+    assert err.index("ValueError: boom from rank 1") < err.index("stopped by the launcher"), err
+    assert "stopped by the launcher: ranks 0, 2, 3" in err
+    # the raising rank waited for nobody at its exit (the others never reach theirs)
+    worker_1 = (tmp_path / "logs/worker_1.log").read_text()
+    raised = float(re.findall(r"raising at ([\d.]+)", worker_1)[0])
+    scheduler = (tmp_path / "logs/scheduler.log").read_text()
+    stamp = re.findall(r"^(\S+ \S+) .*rank 1 \(pid \d+\) exited with code", scheduler, re.M)[0]
+    exited = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    assert exited - raised < 5, f"rank 1 exited {exited - raised:.1f} s after it raised"
+    assert not leftovers()
