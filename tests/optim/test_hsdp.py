@@ -549,10 +549,11 @@ def test_dropped_wrapper_frees_network_and_global_hooks() -> None:
 
 def test_fused_gradient_allreduce_without_hsdp() -> None:
     """``comm_fusion({})`` without hsdp: gradients all-reduced in buckets by fusion id (id 0:
-    one per parameter), nothing sharded; the same losses and weights as one device (3 steps:
-    by the fifth, SGD with momentum 0.9 at lr 0.1 has grown the rounding differences of the
-    summation order past 1e-5 on some CPUs)."""
-    batches = DATA[:3]
+    one per parameter), nothing sharded; the same losses and weights as one device. (Batch 1 is
+    left out: after the first update one hidden unit's pre-activation for one of its rows lies
+    within rounding of ReLU's kink, so on some CPUs the 4-way split flips that unit and its
+    weight row's gradient, a tie, not a reduction error.)"""
+    batches = [DATA[0], *DATA[2:4]]
     want_losses, want_params = single_device(Mlp, "sgd", batches)
     net = Mlp()
 

@@ -68,7 +68,10 @@ class Recording(torch.optim.SGD):
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches (made once: a first call outside a simulated world makes them plain)."""
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g))] * 2
+    return [
+        (torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def single_device(cls: type[MLP]) -> tuple[list[float], list[list[torch.Tensor]]]:

@@ -2,7 +2,8 @@
 
 Each function validates what this rank can check, issues the torch.distributed call (or, in a
 simulated world, the one the simulator answers) between `_trace.enter` and `_trace.leave` (which
-collective this rank is in, for the launcher's hang report), and reports a `CommRecord`:
+collective this rank is in, for the launcher's hang report; point-to-point `exchange` is not
+traced, since only some of a group's ranks take part in it), and reports a `CommRecord`:
 
 - `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
   `reduce_scatter` (split on dim 0), and `all_reduce_async` / `all_gather_async` /
@@ -423,11 +424,9 @@ def exchange(
             for j, (out, (src, tag)) in enumerate(zip(outs, recv_from, strict=True))
             if src != -1 and j not in to_self and out.numel() > 0
         ]
-        if ops:
-            token = _trace.enter(kind, g)
+        if ops:  # not traced: only some of the group's ranks take part in point-to-point
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            _trace.leave(token)
         sent = sum(
             _nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me)
         )

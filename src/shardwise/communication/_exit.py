@@ -61,14 +61,16 @@ def install() -> None:
 
 
 def script_raised() -> bool:
-    """Whether an uncaught exception ended (or is ending) this process's script."""
-    return _raised
+    """Whether an uncaught exception ended (or is ending) this process's script: seen by the
+    wrapped excepthook, or (a hook installed later replaced it, e.g. rich's or IPython's) by
+    ``sys.last_value``, which the interpreter sets before exit handlers run."""
+    return _raised or getattr(sys, "last_value", None) is not None
 
 
 def _at_exit() -> None:
     if _installed_pid != os.getpid():
         return
-    if _raised:
+    if script_raised():
         # A raising script keeps torch's own teardown: destroying its groups here would close
         # its connections while it is still alive, and the peers waiting on it would fail (and
         # could exit) before it does. A short pause (the GIL released) lets torch's worker

@@ -125,7 +125,8 @@ def open_trace(path: str | None = None) -> bool:
         return False
     if hasattr(signal, "SIGUSR1") and sys.stderr is not None:
         try:
-            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+            chain = callable(signal.getsignal(signal.SIGUSR1))  # keep a handler already there
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=chain)
             _active.flags |= FLAG_STACKS
         except (ValueError, OSError, RuntimeError, AttributeError):  # stderr without a file
             pass

@@ -268,7 +268,9 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
     if found is None or mine is None:
         return root
     asked = {r: (running[r], logs[r]) for r in found.missing if r in running}
-    stacks = collect_stacks({r: v for r, v in asked.items() if traces[r].dumps_stacks})
+    stacks = collect_stacks(  # only the process that registered the handler (not a parent)
+        {r: v for r, v in asked.items() if traces[r].dumps_stacks and traces[r].pid == v[0]}
+    )
     lines: list[str] = []
     for rank in found.missing:
         lines += _straggler_lines(rank, found, traces[rank], rank in running, stacks.get(rank))

@@ -59,8 +59,11 @@ def _attribute(obj: Any, name: str) -> Any:
         return _MISSING
     if isinstance(value, staticmethod | classmethod):
         return value.__func__
-    if isinstance(value, types.FunctionType) and not isinstance(obj, type):
-        return types.MethodType(value, obj)  # a method read on an instance: bound
+    stored_on_object = isinstance(obj, type | types.ModuleType) or name in getattr(
+        obj, "__dict__", {}
+    )
+    if isinstance(value, types.FunctionType) and not stored_on_object:
+        return types.MethodType(value, obj)  # a method of the class read on an instance: bound
     return value
 
 
@@ -91,10 +94,11 @@ def _loaded_values(
     first = code.co_varnames[0] if code.co_argcount and this is not _MISSING else None
     current: Any = _MISSING
     for ins in dis.get_instructions(code):
-        name = ins.argval if isinstance(ins.argval, str) else None
+        arg = ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval  # 3.13's pairs
+        name = arg if isinstance(arg, str) else None
         if ins.opname in _ROOT_LOADS and name is not None:
             current = cells.get(name, scope.get(name, _MISSING))
-        elif ins.opname.startswith("LOAD_FAST") and name is not None and name == first:
+        elif "LOAD_FAST" in ins.opname and name is not None and name == first:
             current = this
         elif ins.opname in _ATTR_LOADS and name is not None and current is not _MISSING:
             current = _attribute(current, name)
