@@ -40,14 +40,13 @@ def test_the_interface_that_holds_the_route_source_is_picked() -> None:
     name, addr = own_address()
     assert interface_of_address(addr) == name
     assert interface_to(addr) == name
-    assert socket_ifname_env(addr, {}) == {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+    assert socket_ifname_env(addr, {}) == {"GLOO_SOCKET_IFNAME": name}  # NCCL picks its own
 
 
 def test_a_value_the_user_set_is_kept() -> None:
     name, addr = own_address()
-    assert socket_ifname_env(addr, {"GLOO_SOCKET_IFNAME": "mine"}) == {"NCCL_SOCKET_IFNAME": name}
-    both = {"GLOO_SOCKET_IFNAME": "a", "NCCL_SOCKET_IFNAME": "b"}
-    assert socket_ifname_env(addr, both) == {}
+    assert socket_ifname_env(addr, {"GLOO_SOCKET_IFNAME": "mine"}) == {}
+    assert socket_ifname_env(addr, {"NCCL_SOCKET_IFNAME": "b"}) == {"GLOO_SOCKET_IFNAME": name}
 
 
 def test_unknown_addresses_give_none() -> None:

@@ -108,7 +108,7 @@ def init(backend: str | None = None) -> None:
         run_id = os.environ.get("SHARDWISE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
         if run_id:
             store = dist.PrefixStore(f"job/{run_id}", store)  # type: ignore[attr-defined]
-        # the interface that reaches the master, unless GLOO_/NCCL_SOCKET_IFNAME is set
+        # the interface that reaches the master, unless GLOO_SOCKET_IFNAME is set
         os.environ.update(socket_ifname_env(job.master_addr, os.environ))
     if backend == "nccl":
         torch.cuda.set_device(job.local_rank)

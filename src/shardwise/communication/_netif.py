@@ -10,8 +10,10 @@ own loopback, and the full mesh fails with "Connection refused, remote=[127.0.0.
 - `interface_of_address`: the interface holding a local address (IPv4 through the
   ``SIOCGIFCONF`` ioctl, which also lists secondary addresses; IPv6 from ``/proc/net/if_inet6``).
 - `interface_to`: both steps, for a host name or an address; None for a loopback master.
-- `socket_ifname_env`: the ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` values to add to an
-  environment where the user set neither (a user's value is always kept).
+- `socket_ifname_env`: the ``GLOO_SOCKET_IFNAME`` value to add to an environment where the
+  user did not set it (a user's value is always kept). ``NCCL_SOCKET_IFNAME`` is left to NCCL,
+  which already skips loopback and picks its own fastest interface (the one that routes to the
+  master may be a slower management network).
 
 Pure Python and the standard library only: `shardwise run` calls it for its workers and
 `communication.init()` for every other launcher (torchrun, mpirun).
@@ -28,7 +30,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
-NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
 _SIOCGIFCONF = 0x8912
 _IFREQ_SIZE = 40  # struct ifreq on 64-bit Linux: 16 bytes of name, 24 of union
 _IF_INET6 = Path("/proc/net/if_inet6")
@@ -147,15 +148,14 @@ def socket_ifname_env(master_addr: str, env: Mapping[str, str]) -> dict[str, str
         env: the environment the process group will be created in.
 
     Returns:
-        ``{"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}`` less any variable `env`
-        already sets; empty when both are set, or `interface_to` finds none (a loopback
-        master keeps torch's default).
+        ``{"GLOO_SOCKET_IFNAME": name}``; empty when `env` already sets it, or `interface_to`
+        finds none (a loopback master keeps torch's default).
 
     Example:
         >>> socket_ifname_env("127.0.0.1", {})
         {}
     """
-    missing = [k for k in (GLOO_IFNAME, NCCL_IFNAME) if not env.get(k)]
+    missing = [k for k in (GLOO_IFNAME,) if not env.get(k)]
     if not missing:
         return {}
     name = interface_to(master_addr)

@@ -4,7 +4,7 @@
 
 1. open ``LOG_DIR/scheduler.log`` and catch SIGINT/SIGTERM/SIGHUP (`SignalWatcher`);
 2. rendezvous (`rendezvous.Rendezvous`: connect, claim a node rank, register, wait for all);
-3. `_socket_ifname`: the workers' ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; with several
+3. `_socket_ifname`: the workers' ``GLOO_SOCKET_IFNAME``; with several
    nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
    local workers (`supervisor.Supervisor.start`), then tell the foreground process
    (``--join False``, see `detach`) that the job is up;
@@ -177,8 +177,8 @@ def _rendezvous(
 
 
 def _socket_ifname(cfg: LaunchConfig, env: dict[str, str], log: SchedulerLog) -> dict[str, str]:
-    """``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` for the workers: the interface that
-    routes to ``--master_addr``, where the user set neither (`communication._netif`)."""
+    """``GLOO_SOCKET_IFNAME`` for the workers: the interface that routes to
+    ``--master_addr``, unless the user set it (`communication._netif`)."""
     from shardwise.communication._netif import socket_ifname_env
 
     chosen = socket_ifname_env(cfg.master_addr, env)

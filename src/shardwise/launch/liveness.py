@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -24,7 +25,9 @@ from typing import Any
 from shardwise.launch.report import RootCause
 
 BEAT_S = 0.5
-LOST_S = 5.0
+LOST_S = float(os.environ.get("SHARDWISE_NODE_TIMEOUT", "5"))
+"""Seconds without a heartbeat after which a launcher counts as lost
+(``SHARDWISE_NODE_TIMEOUT``)."""
 _KEEP = 32  # counter values remembered per launcher
 
 
@@ -91,10 +94,16 @@ class Heartbeat:
                     self._moved[p.claim] = now
 
     def _run(self) -> None:
+        failing_since: float | None = None
         while not self._stop.wait(self._interval):
             try:
                 self._tick()
-            except RuntimeError as e:  # the store is gone: node 0's launcher exited
+                failing_since = None
+            except RuntimeError as e:  # a slow store, or gone: node 0's launcher exited
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since < LOST_S:
+                    continue  # a transient failure: beat again, as the others wait LOST_S
                 with self._lock:
                     self.error = (str(e).splitlines() or [type(e).__name__])[0]
                 return
