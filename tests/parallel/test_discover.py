@@ -184,5 +184,22 @@ def test_recreated_wrapper_takes_over() -> None:
         assert_matches_single_device(loss, torch.tensor(want_loss))
         for name, p in t.net.named_parameters():
             assert_matches_single_device(p.detach(), want_params[name], what=name)
-        with pytest.raises(ValueError, match=r"already planned .* keep calling that wrapper"):
+        with pytest.raises(ValueError, match=r"already run .* keep calling that wrapper"):
             sw.AutoParallel(t.step)
+
+
+def test_superseded_and_running_wrappers_in_data_parallel_mode() -> None:
+    """data_parallel mode: a wrapper that never ran is superseded (calling it names the newer
+    one); once one ran (its optimizer hooks average the gradients) a new one is refused,
+    instead of silently removing the running one's hooks."""
+    want_loss, _ = single_device_loss_and_params()
+    with simulated_world(2) as world:
+        t = Trainer(world)
+        first = sw.AutoParallel(t.step, parallel_mode="data_parallel")
+        second = sw.AutoParallel(t.step, parallel_mode="data_parallel")
+        with pytest.raises(ValueError, match="a newer AutoParallel wraps Net; call that one"):
+            first(world.rows(X), world.rows(Y))
+        loss = second(world.rows(X), world.rows(Y))
+        assert_matches_single_device(loss, torch.tensor(want_loss))
+        with pytest.raises(ValueError, match=r"already run .*data_parallel: its optimizer hooks"):
+            sw.AutoParallel(t.net, parallel_mode="data_parallel", optimizer=t.opt)

@@ -21,7 +21,6 @@ step runs unchanged on what the rank passed and returns its (replicated) loss.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -49,6 +48,7 @@ from shardwise.parallel._context import (
 from shardwise.parallel._discover import find_referenced, pick_network
 from shardwise.parallel._hsdp import settings_from_context, start_engine
 from shardwise.parallel._local import Masked
+from shardwise.parallel._ownership import take_over
 from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
 from shardwise.parallel._runtime import (
     cut_optimizer_state,
@@ -103,34 +103,6 @@ def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.Tens
         for k, local in enumerate(cp.plan.local_output_shapes())
     ]
     return out + grads + acts
-
-
-_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[AutoParallel]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Each network's current wrapper (the last `AutoParallel` built on it)."""
-
-
-def _take_over(network: nn.Module, wrapper: AutoParallel) -> None:
-    """Make `wrapper` the network's wrapper: an earlier one that has not planned yet (or ran
-    in data_parallel mode, which shards nothing) gives up its hooks, as when a notebook cell
-    that builds the wrapper runs again.
-
-    Raises:
-        ValueError: an earlier wrapper already planned the network in semi_auto (its
-            parameters hold this rank's blocks).
-    """
-    ref = _WRAPPERS.get(network)
-    old = None if ref is None else ref()
-    if old is not None and old is not wrapper:
-        if old.network_plan is not None:
-            raise ValueError(
-                f"AutoParallel: {type(network).__name__} was already planned and sharded by an "
-                "earlier AutoParallel (its parameters hold this rank's blocks); keep calling "
-                "that wrapper, or build the network (and its optimizer) again before wrapping it"
-            )
-        old.remove()
-    _WRAPPERS[network] = weakref.ref(wrapper)
 
 
 class AutoParallel(CallRuntime):
@@ -206,7 +178,8 @@ class AutoParallel(CallRuntime):
         self._runner: DataParallelRunner | None = None
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
-        _take_over(network, self)
+        self._superseded = False
+        take_over(network, self)
         if parallel_mode == "semi_auto":
             self._hooks = [
                 network.register_forward_pre_hook(self._enter_network),
@@ -377,6 +350,11 @@ class AutoParallel(CallRuntime):
         }
 
     def forward(self, *inputs: Any) -> Any:
+        if self._superseded:
+            raise ValueError(
+                f"AutoParallel: a newer AutoParallel wraps {type(self.network).__name__}; call "
+                "that one"
+            )
         if self.parallel_mode == "data_parallel":
             return self._data_parallel(*inputs)
         with self._session():

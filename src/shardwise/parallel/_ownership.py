@@ -1,0 +1,50 @@
+"""Which wrapper runs a network: one `AutoParallel` per network at a time.
+
+`take_over` is called when a wrapper is built: an earlier wrapper of the same network that
+never ran gives up its hooks and refuses later calls (a notebook cell that builds the wrapper,
+run again); one that already ran is kept, and the new one is refused with the fix.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+from torch import nn
+
+
+class Wrapper(Protocol):
+    """What `take_over` needs of a wrapper (`AutoParallel`)."""
+
+    network_plan: Any
+    _runner: Any
+    _superseded: bool
+
+    def remove(self) -> None: ...
+
+
+_WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Wrapper]] = weakref.WeakKeyDictionary()
+"""Each network's current wrapper (the last `AutoParallel` built on it)."""
+
+
+def take_over(network: nn.Module, wrapper: Wrapper) -> None:
+    """Make `wrapper` the network's wrapper: an earlier one that never ran gives up its hooks
+    (and refuses later calls), as when a notebook cell that builds the wrapper runs again.
+
+    Raises:
+        ValueError: an earlier wrapper already ran (semi_auto: the parameters hold this rank's
+            blocks; data_parallel: its optimizer hooks average the gradients).
+    """
+    ref = _WRAPPERS.get(network)
+    old = None if ref is None else ref()
+    if old is not None and old is not wrapper:
+        if old.network_plan is not None or old._runner is not None:
+            raise ValueError(
+                f"AutoParallel: {type(network).__name__} is already run by an earlier "
+                "AutoParallel (semi_auto: its parameters hold this rank's blocks; data_parallel: "
+                "its optimizer hooks average the gradients); keep calling that wrapper, or build "
+                "the network (and its optimizer) again before wrapping it"
+            )
+        old.remove()
+        old._superseded = True
+    _WRAPPERS[network] = weakref.ref(wrapper)
