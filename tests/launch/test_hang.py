@@ -105,3 +105,27 @@ def test_the_report_puts_the_stuck_ranks_first(tmp_path: Path) -> None:
         "    x",
         "  RuntimeError: Timed out",
     ]
+
+
+def test_nccl_style_traces_and_the_collective_entered_last(tmp_path: Path) -> None:
+    """NCCL returns once a collective is queued, so a waiting rank shows nothing unfinished:
+    the collective it entered last is taken, unless the failed rank is the one behind (then its
+    own error is the cause). A prefetch still open on another group does not hide the
+    collective entered after it."""
+    done = ("AllReduce", WORLD, True)
+    queued = traces(tmp_path, {0: [done, done], 1: [done], 2: [done, done], 3: [done, done]})
+    result = find_stragglers(0, queued)
+    assert result is not None and result.missing == (1,) and result.seq == 2
+    assert find_stragglers(1, queued) is None  # rank 1 raised before its second AllReduce
+    prefetch = ("AllGather", PAIR, False)
+    found = traces(
+        tmp_path,
+        {
+            2: [prefetch, ("AllReduce", WORLD, False)],
+            3: [prefetch, ("AllReduce", WORLD, False)],
+            0: [("AllReduce", WORLD, False)],
+            1: [],
+        },
+    )
+    result = find_stragglers(2, found)
+    assert result is not None and result.group == "world_group" and result.missing == (1,)

@@ -15,7 +15,9 @@ a collective, the launcher, before it stops the others:
 4. `explain`: puts it together as the job's `RootCause`: its reason names the ranks that never
    arrived and the collective, its `stuck` lines hold where each one is.
 
-Only this node's workers are read: a rank on another node is neither blamed nor cleared.
+Only this node's workers are read: a rank on another node is neither blamed nor cleared. With
+NCCL a collective returns once queued, so the collective a rank entered last stands for the one
+it waits in.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def find_stragglers(
 ) -> Stragglers | None:
     """The members of the failed rank's collective that never arrived at it, if any.
 
-    The failed rank's unfinished collective (the oldest, when several are) names the group.
+    The failed rank's collective (`_failed_collective`) names the group.
     Of its members, those that entered the most collectives of it and agree on the most
     common kind arrived; the others (behind, or in another kind of collective) never did.
 
@@ -160,16 +162,17 @@ def find_stragglers(
         min_wait: see `failed_at`.
     """
     mine = traces.get(failed)
-    inside = [g for g in mine.groups.values() if g.entered > g.finished] if mine else []
-    if not inside:
+    where = _failed_collective(mine) if mine else None
+    if where is None:
         return None
-    where = min(inside, key=lambda g: g.entered_at)
     if failed_at is not None and failed_at - where.entered_at < min_wait:
         return None
     members = where.ranks or tuple(sorted(r for r, t in traces.items() if where.name in t.groups))
     known = {r: traces[r].groups.get(where.name) for r in members if r in traces}
     counts = {r: g.entered if g else 0 for r, g in known.items()}
     top = max(counts.values())
+    if where.entered <= where.finished and counts[failed] < top:
+        return None  # (NCCL fallback) the failed rank is behind: its own error is the cause
     kinds = Counter(g.kind for r, g in known.items() if g and counts[r] == top)
     kind = kinds.most_common(1)[0][0]
     if kinds[where.kind] == kinds[kind] and counts[failed] == top:
@@ -179,6 +182,20 @@ def find_stragglers(
         return None
     waiting = tuple(r for r in known if r not in missing)
     return Stragglers(where.name, members, kind, top, waiting, missing)
+
+
+def _failed_collective(mine: Trace) -> GroupTrace | None:
+    """The collective the failed rank was in: the one it entered last when that one is
+    unfinished, else its oldest unfinished one (an earlier prefetch on another group), else the
+    one it entered last (NCCL returns from a collective once it is queued, so a rank waiting on
+    the device shows no unfinished collective)."""
+    last = mine.groups.get(mine.last) if mine.last is not None else None
+    if last is not None and last.entered > last.finished:
+        return last
+    inside = [g for g in mine.groups.values() if g.entered > g.finished]
+    if inside:
+        return min(inside, key=lambda g: g.entered_at)
+    return last
 
 
 def min_wait(env: Mapping[str, str] = os.environ) -> float:
