@@ -384,6 +384,43 @@ def _to_self(
     return filled
 
 
+def _p2p(
+    kind: str,
+    sends: Sequence[torch.Tensor],
+    send_to: Sequence[tuple[int, int]],
+    recv_from: Sequence[tuple[int, int]],
+    recv_shapes: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    g: Group,
+) -> tuple[list[torch.Tensor], int]:
+    """`exchange` in a real job: (the received tensors, the bytes sent to other ranks)."""
+    for peer, _ in [*send_to, *recv_from]:
+        if peer != -1:
+            check_member(kind, peer, g, "send/recv rank id")
+    outs = [
+        (torch.zeros if src == -1 else torch.empty)(tuple(s), dtype=dtype, device=device)
+        for s, (src, _) in zip(recv_shapes, recv_from, strict=True)
+    ]
+    me = dist.get_rank()
+    to_self = _to_self(sends, send_to, outs, recv_from, me)
+    ops = [
+        dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
+        for x, (dst, tag) in zip(sends, send_to, strict=True)
+        if dst not in (-1, me) and x.numel() > 0
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, out, src, g.pg, tag)
+        for j, (out, (src, tag)) in enumerate(zip(outs, recv_from, strict=True))
+        if src != -1 and j not in to_self and out.numel() > 0
+    ]
+    if ops:  # not traced: only some of the group's ranks take part in point-to-point
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    sent = sum(_nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me))
+    return outs, sent
+
+
 def exchange(
     kind: str,
     sends: Sequence[torch.Tensor],
@@ -405,31 +442,7 @@ def exchange(
     if sim is not None:
         outs, sent = sim.exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, g.ranks)
     else:
-        for peer, _ in [*send_to, *recv_from]:
-            if peer != -1:
-                check_member(kind, peer, g, "send/recv rank id")
-        outs = [
-            (torch.zeros if src == -1 else torch.empty)(tuple(s), dtype=dtype, device=device)
-            for s, (src, _) in zip(recv_shapes, recv_from, strict=True)
-        ]
-        me = dist.get_rank()
-        to_self = _to_self(sends, send_to, outs, recv_from, me)
-        ops = [
-            dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
-            for x, (dst, tag) in zip(sends, send_to, strict=True)
-            if dst not in (-1, me) and x.numel() > 0
-        ]
-        ops += [
-            dist.P2POp(dist.irecv, out, src, g.pg, tag)
-            for j, (out, (src, tag)) in enumerate(zip(outs, recv_from, strict=True))
-            if src != -1 and j not in to_self and out.numel() > 0
-        ]
-        if ops:  # not traced: only some of the group's ranks take part in point-to-point
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        sent = sum(
-            _nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me)
-        )
+        outs, sent = _p2p(kind, sends, send_to, recv_from, recv_shapes, dtype, device, g)
     if recorder.recording():
         numel = sum(x.numel() for x in sends)
         recorder.record(kind, g.ranks, dtype, numel, sent, recorder.timer() - start)

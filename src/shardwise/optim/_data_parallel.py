@@ -254,6 +254,34 @@ def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimiz
     return find_referenced(train_step)[1]
 
 
+def _check_arguments(
+    network: Any, train_step: Any, parallel_optimizer: Any, threshold_kb: Any, strategy: Any
+) -> None:
+    """`DataParallelRunner`'s argument types and values (the errors its docstring lists)."""
+    if strategy not in ("data_parallel", "full_batch"):
+        raise ValueError(
+            f"{_WHO}: dataset_strategy={strategy!r}; parallel_mode='data_parallel' "
+            "takes 'data_parallel' (each rank passes its own rows of the global batch) or "
+            "'full_batch' (each rank passes the whole global batch); per-input strategies "
+            "need parallel_mode='semi_auto'"
+        )
+    if not isinstance(network, nn.Module):
+        raise TypeError(f"{_WHO}: network must be a torch.nn.Module, got {type(network)}")
+    if train_step is not None and not callable(train_step):
+        raise TypeError(f"{_WHO}: train_step must be callable or None, got {train_step!r}")
+    if not isinstance(parallel_optimizer, bool):
+        raise TypeError(f"{_WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
+    if (
+        isinstance(threshold_kb, bool)
+        or not isinstance(threshold_kb, int | float)
+        or not threshold_kb >= 0
+    ):
+        raise ValueError(
+            f"{_WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
+            "(0: every parameter that allows it gets an owner)"
+        )
+
+
 class DataParallelRunner:
     """Data-parallel training of a train step or a module (MindSpore parallel_mode="data_parallel").
 
@@ -329,28 +357,7 @@ class DataParallelRunner:
         fusion: dict[str, Any] | None = None,
         dataset_strategy: Any = "data_parallel",
     ) -> None:
-        if dataset_strategy not in ("data_parallel", "full_batch"):
-            raise ValueError(
-                f"{_WHO}: dataset_strategy={dataset_strategy!r}; parallel_mode='data_parallel' "
-                "takes 'data_parallel' (each rank passes its own rows of the global batch) or "
-                "'full_batch' (each rank passes the whole global batch); per-input strategies "
-                "need parallel_mode='semi_auto'"
-            )
-        if not isinstance(network, nn.Module):
-            raise TypeError(f"{_WHO}: network must be a torch.nn.Module, got {type(network)}")
-        if train_step is not None and not callable(train_step):
-            raise TypeError(f"{_WHO}: train_step must be callable or None, got {train_step!r}")
-        if not isinstance(parallel_optimizer, bool):
-            raise TypeError(f"{_WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
-        if (
-            isinstance(threshold_kb, bool)
-            or not isinstance(threshold_kb, int | float)
-            or not threshold_kb >= 0
-        ):
-            raise ValueError(
-                f"{_WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
-                "(0: every parameter that allows it gets an owner)"
-            )
+        _check_arguments(network, train_step, parallel_optimizer, threshold_kb, dataset_strategy)
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         opts = list(optimizers)
