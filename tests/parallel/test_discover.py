@@ -203,3 +203,15 @@ def test_superseded_and_running_wrappers_in_data_parallel_mode() -> None:
         assert_matches_single_device(loss, torch.tensor(want_loss))
         with pytest.raises(ValueError, match=r"already run .*data_parallel: its optimizer hooks"):
             sw.AutoParallel(t.net, parallel_mode="data_parallel", optimizer=t.opt)
+
+
+def test_steps_with_constant_tuples_and_keywords() -> None:
+    """Code with tuple constants (``()``, ``("a", "b")``) and keyword calls reads as well."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = net(x).sum(dim=(), keepdim=False) if x.dim() == 9 else net(x).sum()
+        loss.backward(gradient=torch.ones(()))
+        optimizer.step(*())
+        return loss
+
+    assert sw.AutoParallel(step).network is net

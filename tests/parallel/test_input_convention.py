@@ -194,3 +194,21 @@ def test_full_batch_that_does_not_divide_names_the_convention(form: str) -> None
             r"batch.*batch dim 6, not divisible by the 4 ranks.*'data_parallel'",
         ):
             call(world.same(x[:6]), world.same(y[:6]))
+
+
+@pytest.mark.parametrize("form", ["module", "train_step"])
+def test_full_batch_takes_this_ranks_share(form: str) -> None:
+    """semi_auto under ``"full_batch"``: the first unannotated op takes this rank's rows of the
+    whole batch (a local slice), so the plain-torch layers run on 8 / 4 rows per rank, as under
+    ``"data_parallel"``; the loss still equals one device's."""
+    (losses, _), net = single_device(MLP), MLP()
+    seen: list[int] = []
+    with simulated_world(4) as world:
+        world.replicate(net)
+        net.fc2.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].shape[0])))
+        make = module_form if form == "module" else train_step_form
+        _, _, call = make(4, net, "semi_auto", "full_batch")
+        x, y = data()[0]
+        loss = call(world.same(x), world.same(y))
+        assert_matches_single_device(loss, torch.tensor(losses[0]))
+    assert seen[-1] == BATCH // 4  # (the first call is planned on a global-shape trace first)

@@ -94,7 +94,8 @@ def _loaded_values(
     first = code.co_varnames[0] if code.co_argcount and this is not _MISSING else None
     current: Any = _MISSING
     for ins in dis.get_instructions(code):
-        arg = ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval  # 3.13's pairs
+        arg = ins.argval  # (3.13 pairs two local loads: the last one is on top)
+        arg = arg[-1] if isinstance(arg, tuple) and "LOAD_FAST" in ins.opname else arg
         name = arg if isinstance(arg, str) else None
         if ins.opname in _ROOT_LOADS and name is not None:
             current = cells.get(name, scope.get(name, _MISSING))

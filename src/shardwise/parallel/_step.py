@@ -91,7 +91,9 @@ def arriving_input(
     layout = input_layout(strategy, index, x.dim(), count, world)
     if layout is not None:
         tracker.put(x, layout, tuple(n * layout.split_count(d) for d, n in enumerate(local)))
-    elif strategy == "full_batch" or x.dim() == 0:
+    elif strategy == "full_batch" and x.dim() > 0:
+        tracker.put_batch(x)
+    elif x.dim() == 0:
         tracker.put(x, "rep", local)
     else:
         tracker.put(x, "dp", (local[0] * world, *local[1:]))

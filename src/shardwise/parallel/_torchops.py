@@ -32,8 +32,11 @@ which function does which step):
   dims row-wise.
 
 An op that would touch dim 0 (index it, join or move it, contract it, normalize over it) raises
-`UnsupportedParallelError` naming the op and what would work. A tracked input whose state is
-``"rep"`` everywhere (e.g. a ``full_batch`` input) runs whole on every rank (dropout: with the
+`UnsupportedParallelError` naming the op and what would work. A ``full_batch`` input
+(`Tracker.batch`) is taken as this rank's rows by the first unannotated op that uses it
+(`_batch_rows`: a local slice, no communication), so the ops after it run data parallel; an op
+that needs the whole batch (it touches dim 0) runs it whole. A tracked input whose state is
+``"rep"`` everywhere (a loss, a reduced value) runs whole on every rank (dropout: with the
 whole global mask). Metadata reads (``shape``, ``size()``, ``backward()``, ...) pass; any other
 op on a tracked tensor raises `UnsupportedParallelError` naming the op.
 
@@ -151,6 +154,7 @@ class DataParallelOps(TorchFunctionMode):
         self.stepping = 0  # > 0: an optimizer (without closure) is stepping
         self.lifted = False  # off the torch-function stack while an optimizer steps
         self.world = comm.get_group_size()
+        self._rows: dict[int, T] = {}  # full_batch input id -> this rank's rows of it
 
     def __enter__(self) -> DataParallelOps:
         _register_step_hooks()
@@ -191,9 +195,40 @@ class DataParallelOps(TorchFunctionMode):
         kind = OP_KINDS.get(func)
         if kind is None:
             return self._other(func, args, kwargs, tracked)
+        if self.tracker.batch:
+            rows = self._batch_rows(args, kwargs)
+            if rows is not None:
+                try:  # this rank's share of a full_batch input, as for "data_parallel"
+                    return RULES[kind](self, func, *rows)
+                except UnsupportedParallelError:
+                    pass  # the op needs the whole batch (it touches dim 0): run it whole
         if kind != "dropout" and all(s == "rep" for s in tracked):  # whole on every rank
             return self._put(func(*args, **kwargs), "rep")
         return RULES[kind](self, func, args, kwargs)
+
+    def _batch_rows(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The arguments with every ``full_batch`` input (`Tracker.batch`) whose dim 0 divides
+        by the world size replaced by this rank's rows of it (tracked ``"dp"``, one slice per
+        input and call); None when there is none."""
+        batch, cache = self.tracker.batch, self._rows
+        found = False
+
+        def rows(a: Any) -> Any:
+            nonlocal found
+            if isinstance(a, list | tuple):
+                return type(a)(rows(b) for b in a)
+            if not isinstance(a, T) or batch.get(id(a)) is not a or a.shape[0] % self.world:
+                return a
+            found = True
+            if id(a) not in cache:
+                k, rank = a.shape[0] // self.world, comm.get_rank()
+                cache[id(a)] = self.put_dp(a[rank * k : (rank + 1) * k])
+            return cache[id(a)]
+
+        out = tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
+        return out if found else None
 
     def _has_param(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         return any(

@@ -33,6 +33,13 @@ class Tracker:
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[torch.Tensor, State, Shape]] = {}
+        self.batch: dict[int, torch.Tensor] = {}  # ``full_batch`` inputs (whole, ``"rep"``)
+
+    def put_batch(self, t: torch.Tensor) -> None:
+        """Track a ``full_batch`` input: whole on every rank (``"rep"``), and an unannotated
+        torch op takes this rank's rows of it (`DataParallelOps`)."""
+        self.put(t, "rep", tuple(int(s) for s in t.shape))
+        self.batch[id(t)] = t
 
     def put(self, t: torch.Tensor, state: State, shape: Shape) -> None:
         self._seen[id(t)] = (t, state, shape)
@@ -60,6 +67,7 @@ class Tracker:
 
     def clear(self) -> None:
         self._seen.clear()
+        self.batch.clear()
 
 
 def layout_of(state: State, matrix: DeviceMatrix, ndim: int) -> TensorLayout:
