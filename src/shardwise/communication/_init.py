@@ -15,6 +15,7 @@ Under `shardwise.testing.simulated_world(n)` the default group already exists (a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -276,39 +277,40 @@ def release() -> None:
     """Leave the job: wait for every rank, destroy every group and the default process group
     (idempotent). Optional: `init()` makes the process do the same at exit, with a bounded
     wait."""
-    global _job
-    _groups.clear()
-    if dist.is_initialized() and _sim.current() is None:
-        if dist.get_world_size() > 1:
-            _store_barrier()
-        dist.destroy_process_group()
-    _trace.close_trace()
-    _job = None
+    _leave(bounded=False)
 
 
 def leave_at_exit() -> None:
     """`release()` for interpreter exit: the barrier gives up after `_exit.exit_wait` (the ranks
     still missing are busy elsewhere or gone, and no collective of this rank is in flight), then
     the process groups are destroyed all the same."""
+    _leave(bounded=True)
+
+
+def _leave(bounded: bool) -> None:
+    """The teardown of `release` and `leave_at_exit`: the store barrier (`bounded`: at most
+    `_exit.exit_wait`, and a barrier that fails or finds no store is given up), then destroy."""
     global _job
     _groups.clear()
     if dist.is_initialized() and _sim.current() is None:
         if dist.get_world_size() > 1:
-            try:
-                store = dist.distributed_c10d._get_default_store()
-                wait = _exit.exit_wait(comm_timeout())
-                store_barrier(store, "shardwise/exit", dist.get_rank(), dist.get_world_size(), wait)
-            except (RuntimeError, ValueError, AttributeError):  # late peers, or the store is gone
-                pass
+            if not bounded:
+                _store_barrier()
+            else:  # (late peers, or the store is gone: given up)
+                with contextlib.suppress(RuntimeError, ValueError):
+                    _store_barrier(_exit.exit_wait(comm_timeout()), fallback=False)
         dist.destroy_process_group()
+    _trace.close_trace()
     _job = None
 
 
 _releases = 0  # release() calls so far (the same count on every rank)
 
 
-def _store_barrier() -> None:
-    """Wait until every rank has reached `release`, through the rendezvous store.
+def _store_barrier(timeout: datetime.timedelta | None = None, fallback: bool = True) -> None:
+    """Wait until every rank has reached `release` (or the exit), through the rendezvous store,
+    each wait at most `timeout` (default `comm_timeout()`); without a store to use, the plain
+    barrier (`fallback`) or none.
 
     Not ``dist.barrier()``: on torch 2.13 a gloo work object carries the caller's Python
     context (``contextvars``), and the barrier's is freed by a gloo worker thread a moment
@@ -321,9 +323,11 @@ def _store_barrier() -> None:
     try:
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):  # no store to use: the plain barrier
-        dist.barrier()
+        if fallback:
+            dist.barrier()
         return
-    store_barrier(store, f"shardwise/release/{_releases}", dist.get_rank(), dist.get_world_size())
+    key = f"shardwise/release/{_releases}"
+    store_barrier(store, key, dist.get_rank(), dist.get_world_size(), timeout)
 
 
 def store_barrier(
