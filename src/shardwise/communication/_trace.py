@@ -28,6 +28,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,6 +48,11 @@ SLOTS = 64
 SIZE = HEADER_SIZE + SLOTS * SLOT_SIZE
 _LAST = struct.Struct("<i")
 _FINISHED = struct.Struct("<Q")
+
+
+def trace_path(log_path: str | Path) -> Path:
+    """The trace file next to a worker log: ``worker_3.log`` -> ``worker_3.comm``."""
+    return Path(log_path).with_suffix(".comm")
 
 
 def ranks_text(ranks: tuple[int, ...]) -> str:

@@ -43,6 +43,7 @@ from shardwise.communication._trace import (
     SLOT,
     SLOT_SIZE,
     SLOTS,
+    trace_path,
 )
 from shardwise.launch.report import RootCause, WorkerExit, log_excerpt, ranks_label
 from shardwise.launch.supervisor import Worker
@@ -94,11 +95,6 @@ class Stragglers:
     def target(self) -> str:
         """``AllReduce #12 of group world_group (ranks 0-3)``."""
         return f"{self.kind} #{self.seq} of group {self.group} ({ranks_label(list(self.members))})"
-
-
-def trace_path(log_path: str | Path) -> Path:
-    """The trace file next to a worker log: ``worker_3.log`` -> ``worker_3.comm``."""
-    return Path(log_path).with_suffix(".comm")
 
 
 def _parse_ranks(text: str) -> tuple[int, ...] | None:
@@ -321,5 +317,5 @@ def _straggler_lines(
             out.append("  its Python stack:")
             out += [f"    {line}" for line in stack]
         else:
-            out.append("  (it did not write its stack within 2 s)")
+            out.append(f"  (it did not write its stack within {STACK_WAIT_S:g} s)")
     return out

@@ -179,9 +179,9 @@ class Supervisor:
         log_path = cfg.log_path / f"worker_{rank}.log"
         cmd = [sys.executable, cfg.script, *cfg.script_args]
         env = worker_env(base_env, job, local_rank, cores)
-        from shardwise.communication._trace import TRACE_ENV  # (torch is imported by now)
+        from shardwise.communication._trace import TRACE_ENV, trace_path  # (torch is loaded)
 
-        trace = log_path.with_suffix(".comm")
+        trace = trace_path(log_path)
         trace.unlink(missing_ok=True)  # a previous job's
         env[TRACE_ENV] = str(trace)
         saved = os.sched_getaffinity(0) if cores else None
