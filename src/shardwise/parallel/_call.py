@@ -188,10 +188,9 @@ class CallRuntime(nn.Module):
             return out
         if not whole and state == "dp":
             return out
-        matrix = self._plan().matrix
-        src = layout_of(state, matrix, len(shape))
-        dst = replicated_layout(matrix, len(shape)) if whole else None
-        return redistribute(out, src, dst or data_parallel_layout(matrix, len(shape)), shape)
+        matrix, ndim = self._plan().matrix, len(shape)
+        to = replicated_layout if whole else data_parallel_layout
+        return redistribute(out, layout_of(state, matrix, ndim), to(matrix, ndim), shape)
 
     def _current(self, module: nn.Module) -> Any:
         calls = self._plan().calls

@@ -223,8 +223,7 @@ class DataParallelOps(TorchFunctionMode):
                 return a
             found = True
             if id(a) not in cache:
-                k, rank = a.shape[0] // self.world, comm.get_rank()
-                cache[id(a)] = self.put_dp(a[rank * k : (rank + 1) * k])
+                cache[id(a)] = self.put_dp(self.to_dp(a, "full_batch input"))
             return cache[id(a)]
 
         out = tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
