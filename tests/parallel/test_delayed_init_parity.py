@@ -22,7 +22,7 @@ import shardwise as sw
 from shardwise.layout import TensorLayout
 from shardwise.parallel import AutoParallel, NetworkPlan
 from shardwise.parameter import is_deferred
-from shardwise.testing import SimulatedWorld, assert_matches_single_device, simulated_world
+from shardwise.testing import assert_matches_single_device, simulated_world
 
 WORLD, BATCH, STEPS, LR, SEED = 8, 32, 3, 0.5, 1234
 
@@ -57,11 +57,6 @@ def single_device(layouts: bool) -> tuple[State, list[float], list[State]]:
     return initial, losses, states
 
 
-def rows_of(world: SimulatedWorld, t: torch.Tensor) -> torch.Tensor:
-    rows = BATCH // WORLD
-    return world.rank_map(lambda r: t[r * rows : (r + 1) * rows].clone())
-
-
 def blocks(full: torch.Tensor, layout: TensorLayout) -> Callable[[int], torch.Tensor]:
     return lambda r: full[layout.local_slice(r, full.shape)]
 
@@ -88,12 +83,12 @@ def test_delayed_init_matches_single_device_from_step_0(layouts: bool) -> None:
     batches = data()  # made outside the world (inside, random factories draw per rank)
     with simulated_world(WORLD) as world:
         parallel = AutoParallel(net)
-        plan = parallel.plan(rows_of(world, batches[0][0]))
+        plan = parallel.plan(world.rows(batches[0][0]))
         assert not any(p.is_meta for p in net.parameters())
         check_blocks(net, plan, initial, grads=False)  # parity from step 0
         for step, (x, y) in enumerate(batches):
-            logits = parallel(rows_of(world, x))
-            loss = sw.ops.AllReduce()(F.cross_entropy(logits, rows_of(world, y))) / WORLD
+            logits = parallel(world.rows(x))
+            loss = sw.ops.AllReduce()(F.cross_entropy(logits, world.rows(y))) / WORLD
             loss.backward()
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             check_blocks(net, plan, states[step])
@@ -121,7 +116,7 @@ def test_local_blocks_only_and_unconsumed_parameters_whole() -> None:
     x = data()[0][0]
     with simulated_world(WORLD) as world:
         parallel = AutoParallel(net)
-        plan = parallel.plan(rows_of(world, x))
+        plan = parallel.plan(world.rows(x))
         assert set(plan.params) == {"fc1_weight", "fc2_weight", "fc3_weight"}
         for name, (layout, shape) in plan.params.items():
             assert tuple(getattr(net, name).shape) == tuple(layout.local_shape(shape))

@@ -77,11 +77,6 @@ def single_device(
     return losses, states
 
 
-def rows(world: SimulatedWorld, t: torch.Tensor) -> torch.Tensor:
-    n = t.shape[0] // WORLD
-    return world.rank_map(lambda r: t[r * n : (r + 1) * n].clone())
-
-
 def check_blocks(net: GPTBlock, plan: NetworkPlan, state: dict[str, torch.Tensor]) -> None:
     for name, p in net.named_parameters():
         layout, shape = plan.params[name]
@@ -120,7 +115,7 @@ def test_gpt_block_megatron_matches_single_device() -> None:
         torch.manual_seed(0)
         for step, (ids, onehot) in enumerate(batches):
             with CommRecorder() as rec:
-                loss = parallel(rows(world, ids), rows(world, onehot))
+                loss = parallel(world.rows(ids), world.rows(onehot))
                 loss.backward()
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == FORWARD + BACKWARD, rec.summary()

@@ -63,11 +63,11 @@ def _run(
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
     (out * upstream).sum().backward()
     want = {n: p.grad.clone() for n, p in make.named_parameters() if p.grad is not None}
-    rows, out_rows = x.shape[0] // WORLD, out.shape[0] // WORLD
+    out_rows = out.shape[0] // WORLD
     with simulated_world(WORLD) as world:
         world.replicate(net)
         parallel = AutoParallel(net)
-        x_local = world.rank_map(lambda r: x[r * rows : (r + 1) * rows].clone())
+        x_local = world.rows(x)
         w_local = world.rank_map(lambda r: upstream[r * out_rows : (r + 1) * out_rows].clone())
         torch.manual_seed(5)
         with CommRecorder() as rec:

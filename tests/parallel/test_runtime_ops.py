@@ -102,11 +102,10 @@ def test_output_and_gradient_blocks(case: str) -> None:
     x = torch.randn(shape, generator=g)
     upstream = torch.randn(make()(x).shape, generator=g)
     want = _single(make(), x, upstream)
-    rows = shape[0] // WORLD
     with simulated_world(WORLD) as world:
         world.replicate(net)
         parallel = AutoParallel(net)
-        x_local = world.rank_map(lambda r: x[r * rows : (r + 1) * rows].clone())
+        x_local = world.rows(x)
         out_rows = want["out"].shape[0] // WORLD
         w_local = world.rank_map(lambda r: upstream[r * out_rows : (r + 1) * out_rows].clone())
         with CommRecorder() as rec:

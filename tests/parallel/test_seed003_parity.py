@@ -30,7 +30,6 @@ from shardwise.layout import TensorLayout
 from shardwise.parallel import AutoParallel, NetworkPlan
 from shardwise.testing import (
     CommRecorder,
-    SimulatedWorld,
     assert_matches_single_device,
     simulated_world,
 )
@@ -135,12 +134,6 @@ BACKWARD = Counter(
 )
 
 
-def rows_of(world: SimulatedWorld, t: torch.Tensor) -> torch.Tensor:
-    """Each rank's rows of the global batch `t` (data parallel)."""
-    rows = BATCH // WORLD
-    return world.rank_map(lambda r: t[r * rows : (r + 1) * rows].clone())
-
-
 def blocks(full: torch.Tensor, layout: TensorLayout) -> Callable[[int], torch.Tensor]:
     """rank -> that rank's block of the single-device tensor `full`."""
     return lambda r: full[layout.local_slice(r, full.shape)]
@@ -167,8 +160,8 @@ def test_seed003_losses_parameters_and_collectives(layouts: bool) -> None:
         opt = torch.optim.SGD(net.parameters(), lr=LR)  # before the first call: same Parameters
         for step, (x, y) in enumerate(batches):
             with CommRecorder() as rec:
-                logits = parallel(rows_of(world, x))
-                loss = sw.ops.AllReduce()(F.cross_entropy(logits, rows_of(world, y))) / WORLD
+                logits = parallel(world.rows(x))
+                loss = sw.ops.AllReduce()(F.cross_entropy(logits, world.rows(y))) / WORLD
                 loss.backward()
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == expected, rec.summary()

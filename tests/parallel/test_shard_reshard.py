@@ -127,11 +127,11 @@ def run(
     upstream = torch.randn(out.shape, generator=g)
     (out * upstream).sum().backward()
     want = {n: (p.detach().clone(), p.grad.clone()) for n, p in single.named_parameters()}
-    net, rows, out_rows = make(), shape[0] // WORLD, out.shape[0] // WORLD
+    net, out_rows = make(), out.shape[0] // WORLD
     with simulated_world(WORLD) as world:
         world.replicate(net)
         parallel = AutoParallel(net)
-        x_local = world.rank_map(lambda r: x[r * rows : (r + 1) * rows].clone())
+        x_local = world.rows(x)
         u_local = world.rank_map(lambda r: upstream[r * out_rows : (r + 1) * out_rows].clone())
         with CommRecorder() as rec:
             got = parallel(x_local)
