@@ -251,7 +251,7 @@ def test_set_memory_cap_passes() -> None:
 
 
 def _buckets(make: Callable[[Network], AutoParallel]) -> list[tuple[str, ...]] | None:
-    """The gradient buckets of seed 003 wrapped by `make` after planning (None: no fusion)."""
+    """The gradient buckets of seed 003 wrapped by `make` after planning."""
     net, (image, _) = Network(), data()[0]
     with simulated_world(WORLD) as world:
         world.replicate(net)
@@ -263,10 +263,12 @@ def _buckets(make: Callable[[Network], AutoParallel]) -> list[tuple[str, ...]] |
 
 def test_context_comm_fusion_is_acted_on() -> None:
     """The context's ``comm_fusion`` buckets the gradient collectives exactly as the wrapper's
-    ``.comm_fusion(...)`` does (without either, gradients are reduced per parameter by hooks
-    and there is no bucket plan)."""
+    ``.comm_fusion(...)`` does (without either, gradients go in 25 MB buckets, one per
+    replica group, filled in backward order)."""
     fusion = {"allreduce": {"mode": "index", "config": [1]}}
-    assert _buckets(AutoParallel) is None
+    # fc3 is replicated on all 8 ranks, fc2 on none (its gradient is only scaled), fc1 on g0:
+    # three groups, so three buckets, in reverse parameter order
+    assert _buckets(AutoParallel) == [("fc3_weight",), ("fc2_weight",), ("fc1_weight",)]
     by_method = _buckets(lambda net: AutoParallel(net).comm_fusion(fusion))
     sw.set_auto_parallel_context(comm_fusion=fusion)
     by_context = _buckets(AutoParallel)

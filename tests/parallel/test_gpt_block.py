@@ -46,13 +46,16 @@ FORWARD = Counter(
 )
 BACKWARD = Counter(
     {
-        ("AllReduce", "backward", W): 6,  # the mean; position, ln1/ln2 gamma and beta grads
+        # the mean; one bucket of the position, ln1/ln2 gamma and beta grads (5 per-parameter
+        # AllReduces over all 8 ranks are one bucket now)
+        ("AllReduce", "backward", W): 2,
         ("AlltoAll", "backward", (0, 2)): 1,  # adjoint of the logits redistribution
         ("ReduceScatter", "backward", (0, 1)): 1,
         ("AllReduce", "backward", (0, 1, 2, 3)): 2,  # adjoints of proj's and fc2's AllReduce
         ("AllReduce", "backward", (0, 2, 4, 6)): 1,  # adjoint of the embedding's AllReduce
-        # weight grads replicated over dp: wq wk wv wo w1 b1 w2 w_head (split over mp)
-        ("AllReduce", "backward", (0, 4)): 8,
+        # weight grads replicated over dp: wq wk wv wo w1 b1 w2 w_head (split over mp); the 8
+        # per-parameter AllReduces over (0, 4) are one bucket now
+        ("AllReduce", "backward", (0, 4)): 1,
         ("AllReduce", "backward", (0, 1)): 1,  # embedding rows on (g0, g1), replicated on g2
     }
 )

@@ -5,8 +5,9 @@ calls ``loss.backward()`` on it, the seed of backward is ones on every rank, so 
 AllReduce would only multiply it by the group size: shardwise multiplies locally and sends
 nothing. Any other root of backward (a scaled loss, an explicit gradient) keeps the AllReduce.
 In every case the loss and the gradients equal one device's, and the collectives are exactly
-the loss's forward AllReduce plus one gradient AllReduce per parameter (plus the loss's
-backward AllReduce where the seed is not known to be the same on every rank).
+the loss's forward AllReduce plus one gradient AllReduce per backward (the four parameters'
+gradients in one bucket) (plus the loss's backward AllReduce where the seed is not known to be
+the same on every rank).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def test_loss_backward_all_reduces_only_when_the_seed_may_differ(how: str, world
     comms = Counter(
         {
             ("AllReduce", "forward", ranks): 1,
-            ("AllReduce", "backward", ranks): 4 * passes + loss_backward_all_reduces,
+            # the 4 per-parameter gradient AllReduces of each backward are one bucket now
+            ("AllReduce", "backward", ranks): passes + loss_backward_all_reduces,
         }
     )
     with simulated_world(world_size) as world:

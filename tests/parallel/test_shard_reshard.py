@@ -166,7 +166,7 @@ def test_reshard_moves_activation() -> None:
             # mm1 out: rows over all 8 -> (dp, mp) and back for mm2: one AlltoAll over mp each
             ("AlltoAll", "forward", MP): 2,
             ("AlltoAll", "backward", MP): 2,
-            ("AllReduce", "backward", W): 2,  # w1, w2: replicated
+            ("AllReduce", "backward", W): 1,  # w1, w2: replicated (2 AllReduces: 1 bucket now)
         }
     ), rec.summary()
 
@@ -245,7 +245,8 @@ def test_parameter_plan_for_torch_layers() -> None:
         {
             ("AllGather", "forward", W): 2,  # each weight gathered just before its use
             ("ReduceScatter", "backward", W): 2,  # and its gradient reduce-scattered
-            ("AllReduce", "backward", W): 2,  # the biases: whole on every rank
+            # the biases: whole on every rank (2 per-parameter AllReduces: one bucket now)
+            ("AllReduce", "backward", W): 1,
         }
     ), rec.summary()
 

@@ -6,7 +6,8 @@ scores ``q @ k.transpose(-2, -1)`` masked with a causal ``torch.tril`` mask made
 softmax, `nn.Dropout(0.1)` in train mode on the attention weights and the residual branches, a
 GeLU MLP, residuals, a final LayerNorm and head, cross entropy on token targets) trains for 3
 SGD steps exactly as on one device with the same seed: the loss on every rank, every gradient,
-and the collectives (the loss's AllReduce and one gradient AllReduce per parameter). A second
+and the collectives (the loss's AllReduce and one gradient AllReduce: every parameter's
+gradient in one bucket). A second
 network exercises the remaining ops (cat / stack / indexing / permute / chunk / var / rsqrt /
 pow / where / bmm / scaled_dot_product_attention / casts); then the errors for ops that would
 touch the split dim 0.
@@ -101,13 +102,11 @@ def test_gpt_block_of_torch_ops_trains_like_one_device(world_size: int) -> None:
     net, data = GPTBlock(), batches()
     ranks = tuple(range(world_size))
     # No primitive consumes a parameter, so every parameter is replicated and its gradient is
-    # all-reduced over all ranks once per step; the forward's only collective is the mean
-    # loss's AllReduce, whose backward needs none (loss.backward(): the seed is ones on every
-    # rank, so the adjoint AllReduce would only multiply it by the world size).
-    n_params = len(list(net.parameters()))
-    comms = Counter(
-        {("AllReduce", "forward", ranks): 1, ("AllReduce", "backward", ranks): n_params}
-    )
+    # all-reduced over all ranks once per step: the per-parameter AllReduces (one per parameter
+    # before) are one 25 MB bucket now; the forward's only collective is the mean loss's
+    # AllReduce, whose backward needs none (loss.backward(): the seed is ones on every rank, so
+    # the adjoint AllReduce would only multiply it by the world size).
+    comms = Counter({("AllReduce", "forward", ranks): 1, ("AllReduce", "backward", ranks): 1})
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(net(tokens), targets)

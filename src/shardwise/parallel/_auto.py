@@ -3,8 +3,8 @@
 On the network's first call (`AutoParallel.plan`): step 1 (`_plan.trace_calls`,
 `_plan.plan_network`, with the layouts `sw.shard` / `sw.reshard` declare), step 2
 (`_runtime.shard_parameters`), then either optimizer parallel (`_hsdp.start_engine`: shards,
-fused gradient buckets) or the per-parameter gradient hooks of step 4
-(`_runtime.register_grad_reduction`; parameters no primitive consumes are replicated and
+fused gradient buckets) or the gradient hooks of step 4 (`_runtime.GradBuckets`: one AllReduce
+per fused bucket, `_hsdp.gradient_buckets`; parameters no primitive consumes are replicated and
 all-reduced over every rank). Every call then runs step 3 in a session
 (`_call.CallRuntime`): hooks on the primitives redistribute each input from the state it has
 (`_tracker.Tracker`) to the layout its plan wants, run the primitive on the local blocks, apply
@@ -46,13 +46,13 @@ from shardwise.parallel._context import (
     resolve_parallel_mode,
 )
 from shardwise.parallel._discover import find_referenced, pick_network
-from shardwise.parallel._hsdp import settings_from_context, start_engine
+from shardwise.parallel._hsdp import gradient_buckets, settings_from_context, start_engine
 from shardwise.parallel._local import Masked
 from shardwise.parallel._ownership import take_over
 from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
 from shardwise.parallel._runtime import (
+    GradBuckets,
     cut_optimizer_state,
-    register_grad_reduction,
     replicated_layout,
     shard_parameters,
 )
@@ -173,6 +173,8 @@ class AutoParallel(CallRuntime):
         self._declared = Declared()
         self._hsdp, self._fusion = settings_from_context()
         self._engine: OptimizerParallel | None = None
+        self._grads: GradBuckets | None = None
+        self._grad_plan: OptimizerPlan | None = None
         self._layouts: dict[int, tuple[TensorLayout, Shape]] = {}
         self._saved = ExitStack()
         self._runner: DataParallelRunner | None = None
@@ -239,6 +241,11 @@ class AutoParallel(CallRuntime):
     def comm_fusion(self, config: Mapping[str, Any]) -> AutoParallel:
         """Bucket gradient / weight collectives by size or index instead of by fusion id.
 
+        Without this call (and without the context's ``comm_fusion``) the gradient AllReduces
+        go in buckets of at most 25 MB (DDP's default); with it, a kind without a mode fuses by
+        ``comm_fusion`` id (``set_comm_fusion``; id 0: one collective per parameter), and
+        ``{"openstate": False}`` gives one collective per parameter.
+
         Args:
             config: ``{"allreduce" | "allgather" | "reducescatter": {"mode": "auto" | "size" |
                 "index", "config": ...}}``: ``auto`` = 64 MB buckets, ``size`` = ``config`` MB,
@@ -258,8 +265,10 @@ class AutoParallel(CallRuntime):
 
     @property
     def optimizer_plan(self) -> OptimizerPlan | None:
-        """The optimizer-parallel plan (None before planning or without hsdp / comm_fusion)."""
-        return None if self._engine is None else self._engine.plan
+        """The optimizer-parallel plan (None before planning): with `hsdp`, which parameters
+        shard and the buckets of their collectives; without, nothing sharded and the gradient
+        AllReduce buckets (25 MB by default, or as `comm_fusion` says)."""
+        return self._engine.plan if self._engine is not None else self._grad_plan
 
     def plan(
         self,
@@ -288,13 +297,16 @@ class AutoParallel(CallRuntime):
             self.remove()  # the network works on its own again; the wrapper is spent
             raise
         shard_parameters(self.network, plan.params)
-        if self._hsdp is not None or self._fusion is not None:
+        if self._hsdp is not None:
             self._engine = start_engine(self.network, plan, self._hsdp, self._fusion)
             report.dump_optimizer(self._engine.plan, plan)
         else:
             cut_optimizer_state(self.network, self.optimizers, plan.params)
-            self._hooks += register_grad_reduction(self.network, plan.params)
-            self._hooks += register_grad_reduction(self.network, self._replicated_params(plan))
+            buckets = gradient_buckets(self.network, plan, self._fusion)
+            self._grads = GradBuckets(self.network, buckets, plan.matrix)
+            self._hooks += self._grads.handles
+            self._grad_plan = buckets
+            report.dump_optimizer(buckets, plan)
         self._layouts = {
             id(self.network.get_parameter(n)): v
             for n, v in {**self._replicated_params(plan), **plan.params}.items()

@@ -28,7 +28,12 @@ from shardwise.ops import Primitive
 from shardwise.optim import OptimizerParallel
 from shardwise.parallel._local import Masked, prepare
 from shardwise.parallel._plan import NetworkPlan, Shape
-from shardwise.parallel._runtime import apply_comms, data_parallel_layout, replicated_layout
+from shardwise.parallel._runtime import (
+    GradBuckets,
+    apply_comms,
+    data_parallel_layout,
+    replicated_layout,
+)
 from shardwise.parallel._shard import Declared, Entry, activate
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, layout_of
@@ -48,6 +53,7 @@ class CallRuntime(nn.Module):
     _fixup: Masked | None
     _declared: Declared
     _engine: OptimizerParallel | None
+    _grads: GradBuckets | None
     _layouts: dict[int, tuple[TensorLayout, Shape]]
     _saved: ExitStack
 
@@ -149,6 +155,8 @@ class CallRuntime(nn.Module):
         self._cursor = 0
         self._ops.in_network += 1
         recorder.mark("forward")
+        if self._grads is not None:
+            self._grads.drop_unfinished()  # (a backward that raised)
         if self._engine is not None:
             self._saved.enter_context(self._engine.saved_tensors())
 

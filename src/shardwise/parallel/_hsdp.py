@@ -4,19 +4,27 @@
   ``comm_fusion`` of `set_auto_parallel_context` as `HsdpConfig` / `FusionConfig`.
 - `param_infos`: every parameter as the op-level plan left it (planned: its layout; the others:
   whole on every rank), with ``parallel_optimizer`` and ``comm_fusion``.
-- `start_engine` (after the op-level blocks are cut): `plan_optimizer`, then an
-  `OptimizerParallel` that cuts the shards and from then on reduces every gradient (replacing the
-  per-parameter gradient hooks of `_runtime.register_grad_reduction`).
+- `start_engine` (after the op-level blocks are cut, with hsdp): `plan_optimizer`, then an
+  `OptimizerParallel` that cuts the shards and from then on reduces every gradient.
+- `gradient_buckets` (without hsdp): the fused gradient AllReduce buckets that
+  `_runtime.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
+  most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from torch import nn
 
+from shardwise.nn.grad_reducer import DEFAULT_BUCKET_MB
 from shardwise.optim import (
+    Bucket,
     FusionConfig,
     HsdpConfig,
     OptimizerParallel,
+    OptimizerPlan,
     ParamInfo,
     check_fusion,
     check_hsdp,
@@ -77,3 +85,46 @@ def start_engine(
     engine = OptimizerParallel(network, optimizer_plan, plan.matrix)
     engine.shard_parameters()
     return engine
+
+
+def gradient_buckets(
+    network: nn.Module, plan: NetworkPlan, fusion: FusionConfig | None
+) -> OptimizerPlan:
+    """The gradient AllReduce buckets of `network` without optimizer parallel.
+
+    Parameters whose blocks are replicated on the same axes (the AllReduce's group) and share a
+    dtype (one flat buffer) are fused, as `plan_optimizer` forms buckets without sharding:
+    `fusion` None (no ``comm_fusion``) means DDP's default, buckets of at most
+    `DEFAULT_BUCKET_MB` MB; ``comm_fusion`` modes ``size`` / ``auto`` cap them likewise; without
+    an ``allreduce`` mode they go by ``comm_fusion`` id (id 0: one per parameter), ``index``
+    splits them at parameter indices, ``openstate: False`` gives one per parameter. Size-capped
+    buckets are filled in reverse parameter order, the order in which backward produces the
+    gradients (as DDP), and listed in that order; the others in parameter order.
+
+    Args:
+        network: the network (its parameters cut to their op-level blocks or not).
+        plan: its op-level plan.
+        fusion: the ``comm_fusion`` settings (None: 25 MB buckets).
+
+    Returns:
+        An `OptimizerPlan` with nothing sharded and ``allreduce`` buckets (a bucket with no
+        ``dp_axes`` needs no collective: its gradients are only scaled).
+    """
+    if fusion is None:
+        fusion = FusionConfig({"allreduce": ("size", DEFAULT_BUCKET_MB)})
+    infos = param_infos(network, plan)
+    backward = fusion.enabled and fusion.bucket_bytes("allreduce") is not None
+    planned = plan_optimizer(infos[::-1] if backward else infos, None, fusion)
+    dtypes = {info.name: info.dtype for info in infos}
+    buckets = tuple(b for bucket in planned.buckets for b in _by_dtype(bucket, dtypes))
+    order = {info.name: i for i, info in enumerate(infos)}
+    params = tuple(sorted(planned.params, key=lambda s: order[s.info.name]))
+    return dataclasses.replace(planned, params=params, buckets=buckets)
+
+
+def _by_dtype(bucket: Bucket, dtypes: dict[str, torch.dtype]) -> list[Bucket]:
+    """`bucket` split into one bucket per dtype of its members (in order of first appearance)."""
+    names: dict[torch.dtype, list[str]] = {}
+    for n in bucket.names:
+        names.setdefault(dtypes[n], []).append(n)
+    return [dataclasses.replace(bucket, names=tuple(ns)) for ns in names.values()]

@@ -10,18 +10,21 @@
 - `apply_comms` (step 3, run): the forward collectives of an `OpPlan` (`AllReduce` sum / mean,
   `ReduceScatter`), with the autograd-aware primitives of `shardwise.communication`.
 - `cut_optimizer_state`: optimizer state made before the cut (Adagrad), cut the same way.
-- `register_grad_reduction` (step 4, gradients): hooks on every planned parameter that sum its
-  partial gradient over the axes on which the parameter is replicated and divide by the world
-  size; in a real job asynchronously, overlapping backward (`_GradReduction`).
+- `GradBuckets` (step 4, gradients, without optimizer parallel): hooks on every parameter that
+  sum its partial gradient over the axes on which the parameter is replicated, one AllReduce
+  per fused bucket of gradients (`_hsdp.gradient_buckets`: DDP's 25 MB by default), started as
+  soon as the bucket is full (asynchronous in a real job: it overlaps the rest of backward),
+  and divide by the world size.
 
 Groups (`group_for`) are named by the matrix, the axes and the ranks, the same on every rank. In
 a real job each rank creates the group it belongs to; in a simulated world the group holding
-rank 0 is created and its translates run at once (the matrix must use the default rank_list).
+rank 0 is created and its translates run at once (`communication._init.anchor_rank`; the
+matrix must use the default rank_list).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,9 +34,11 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
+from shardwise.communication._init import anchor_rank
 from shardwise.communication.primitives import sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
+from shardwise.optim import OptimizerPlan
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.redistribution import local_block
@@ -52,17 +57,11 @@ def replicated_layout(matrix: DeviceMatrix, ndim: int) -> TensorLayout:
     return TensorLayout(matrix, ((),) * ndim)
 
 
-def _simulated() -> bool:
-    return not isinstance(comm.get_rank(), int)
-
-
 def group_for(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str | None, tuple[int, ...]]:
     """This rank's group along `axes` of `matrix` (None: the world) and its members, ordered by
-    coordinate (first axis outer). Created on first use."""
-    simulated = _simulated()
-    if simulated and matrix.rank_list != tuple(range(comm.get_group_size())):
-        raise ValueError(f"in a simulated world {matrix} must span it with the default rank_list")
-    members = matrix.group_along(0 if simulated else comm.get_rank(), tuple(axes))
+    coordinate (first axis outer). Created on first use (`anchor_rank`: in a simulated world
+    rank 0's group, which runs on its translates too)."""
+    members = matrix.group_along(anchor_rank(matrix.rank_list), tuple(axes))
     ranks = tuple(sorted(members))
     if len(ranks) == comm.get_group_size():
         return None, members
@@ -120,54 +119,176 @@ def shard_parameters(network: nn.Module, params: Mapping[str, tuple[TensorLayout
             p.set_(block.clone())  # keeps the Parameter object (`.data =` ignores LocalTensors)
 
 
-class _GradReduction:
-    """The gradient reduction of the planned parameters of one network (see
-    `register_grad_reduction`); `pending`: AllReduces started in place in ``.grad``, finished
-    (and divided by the world size) at the end of backward by `_finish`."""
+class _Bucket:
+    """One gradient bucket on this rank: its parameters, their places in one flat buffer, and
+    what the running backward put there."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.overlap = isinstance(comm.get_rank(), int)  # (a simulated world: all at once)
-        self.pending: list[tuple[torch.Tensor, Pending[torch.Tensor]]] = []
-        self.queued_for = -1  # the backward (graph task id) `_finish` is queued for
+    def __init__(self, label: str, group: str | None, params: Sequence[torch.Tensor]) -> None:
+        self.label, self.group, self.params = label, group, params
+        self.sizes = [p.numel() for p in params]
+        self.offsets = [sum(self.sizes[:j]) for j in range(len(params))]
+        self.stores = [_grad_store(p) for p in params]
+        self.kept: torch.Tensor | None = None  # the flat buffer for stored gradients, reused
+        # the running backward: its flat buffer, how each member that got a gradient receives
+        # the reduced one ("store": copied into .grad, "add": added to .grad, "return": the
+        # hook returned its slot), and the started AllReduce
+        self.flat: torch.Tensor | None = None
+        self.got: dict[int, str] = {}
+        self.pending: Pending[torch.Tensor] | None = None
+        self.extra: list[tuple[int, torch.Tensor]] = []  # reduced on their own onto a "store"
 
-    def hooks(self, p: torch.Tensor, layout: TensorLayout) -> list[RemovableHandle]:
-        """The tensor hook (before accumulation) and post-accumulate hook of parameter `p`."""
-        axes = tuple(a for a in layout.replicated_axes() if layout.matrix.shape[a] > 1)
-        world, fresh = self.world, [False]
-        store = _grad_store(p)
+    def slot(self, j: int) -> torch.Tensor:
+        """Member `j`'s place in the flat buffer (flat)."""
+        assert self.flat is not None
+        return self.flat[self.offsets[j] : self.offsets[j] + self.sizes[j]]
 
-        def before(g: torch.Tensor) -> torch.Tensor:
-            if not axes:
-                return g / world if world > 1 else g  # (one rank: no copy of the gradient)
-            fresh[0] = self.overlap and p.grad is None and g.is_contiguous() and _stores(store)
-            if fresh[0]:  # reduced in place in .grad once autograd has stored it (`after`)
-                return g
-            group, _ = group_for(layout.matrix, axes)  # None: the world group
-            with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
-                return all_reduce(g, ReduceOp.SUM, group).div_(world)
+    def buffer(self, g: torch.Tensor, keep: bool) -> torch.Tensor:
+        """This backward's flat buffer: the kept one (`keep`: the reduced gradients are copied
+        out at the end of backward) or a new one (its slots are returned to the caller)."""
+        if not keep:
+            return g.new_empty(sum(self.sizes))
+        if self.kept is None:
+            self.kept = g.new_empty(sum(self.sizes))
+        return self.kept
 
-        def after(param: torch.Tensor) -> None:
-            grad = param.grad
-            if not fresh[0] or grad is None:
-                return
-            fresh[0] = False
-            group, _ = group_for(layout.matrix, axes)
-            with recorder.phase("backward"):
-                self.pending.append((grad, all_reduce_async(grad, ReduceOp.SUM, group)))
-            task = torch._C._current_graph_task_id()
-            if self.queued_for != task:  # (per backward: one that raised never ran its callback)
-                self.queued_for = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+    def reset(self) -> None:
+        self.flat, self.got, self.pending, self.extra = None, {}, None, []
 
-        return [p.register_hook(before), p.register_post_accumulate_grad_hook(after)]
+
+class GradBuckets:
+    """Step 4 without optimizer parallel: every gradient summed over the axes its parameter is
+    replicated on, in fused buckets (`_hsdp.gradient_buckets`), then / world size.
+
+    Each parameter's tensor hook copies its gradient into its slot of the bucket's flat buffer
+    as autograd produces it; the bucket's one AllReduce (`all_reduce_async`, in place on the
+    buffer) starts as soon as every member is in, so in a real job it runs while the earlier
+    layers' gradients are computed (a simulated world runs it at once). At the end of backward
+    (`_finish`, queued with autograd's ``queue_callback``) the buckets that some parameters left
+    incomplete start (zeros in the missing slots: every rank runs the same graph), all are
+    finished in the order they started, divided by the world size and delivered: copied into
+    ``.grad`` (the hook returned the gradient itself, which autograd stored), added to an
+    existing ``.grad`` (several backward calls per step: the hook returned zeros), or, for
+    ``torch.autograd.grad`` (nothing stored), already in place in the slot the hook returned.
+    A parameter without a gradient in a backward keeps its ``.grad``. A gradient arriving in
+    another backward while one is running (a nested one) or twice in one backward is all-reduced
+    on its own in the hook. A backward that raised is dropped at the next forward
+    (`drop_unfinished`): its started AllReduces are finished, its partial buckets forgotten; the
+    gradients it stored in an empty ``.grad`` stay unreduced (zero them before stepping).
+    """
+
+    def __init__(self, network: nn.Module, plan: OptimizerPlan, matrix: DeviceMatrix) -> None:
+        self.world = comm.get_group_size()
+        self.buckets: list[_Bucket] = []
+        self.started: list[_Bucket] = []  # this backward's started AllReduces, in order
+        self.task = -1  # the backward (graph task id) whose gradients the buckets hold
+        self.handles: list[RemovableHandle] = []
+        for i, b in enumerate(plan.buckets):
+            params = [network.get_parameter(n) for n in b.names]
+            if not b.dp_axes:  # no replicas: only / world size
+                if self.world > 1:
+                    self.handles += [p.register_hook(self._scale) for p in params]
+                continue
+            group, _ = group_for(matrix, b.dp_axes)  # (created in bucket order on every rank)
+            bucket = _Bucket(f"bucket {i} ({', '.join(b.names)})", group, params)
+            self.buckets.append(bucket)
+            self.handles += [p.register_hook(self._hook(bucket, j)) for j, p in enumerate(params)]
+
+    def _scale(self, g: torch.Tensor) -> torch.Tensor:
+        return g / self.world
+
+    def _hook(self, bucket: _Bucket, j: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        p = bucket.params[j]
+
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            if not self._join() or j in bucket.got or bucket.pending is not None:
+                reduced = self._now(g, bucket.group)  # (a nested backward, a second gradient)
+                if bucket.got.get(j) == "store":  # added to .grad, which `_finish` overwrites
+                    bucket.extra.append((j, reduced))
+                return reduced
+            stores = _stores(bucket.stores[j])
+            if bucket.flat is None:
+                bucket.flat = bucket.buffer(g, keep=stores)
+            elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
+                return self._now(g, bucket.group)
+            slot = bucket.slot(j)
+            slot.copy_(g.reshape(-1))
+            if not stores:
+                bucket.got[j], out = "return", slot.view_as(g)
+            elif p.grad is None:
+                bucket.got[j], out = "store", g
+            else:  # autograd adds zeros; the reduced gradient is added at the end
+                bucket.got[j], out = "add", g.new_zeros(()).expand_as(g)
+            if len(bucket.got) == len(bucket.params):
+                self._start(bucket)
+            return out
+
+        return hook
+
+    def _join(self) -> bool:
+        """Whether the running backward is the one the buckets collect (the first to deliver a
+        gradient since the last `_finish` queues it at its end)."""
+        task = torch._C._current_graph_task_id()
+        if self.task == -1:
+            self.task = task
+            recorder.mark("backward: first gradient ready")
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        return task == self.task
+
+    def _now(self, g: torch.Tensor, group: str | None) -> torch.Tensor:
+        with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
+            return all_reduce(g, ReduceOp.SUM, group).div_(self.world)
+
+    def _start(self, bucket: _Bucket) -> None:
+        assert bucket.flat is not None
+        with recorder.phase("backward"), recorder.label(bucket.label):
+            bucket.pending = all_reduce_async(bucket.flat, ReduceOp.SUM, bucket.group)
+        self.started.append(bucket)
 
     def _finish(self) -> None:
-        self.queued_for = -1
-        pending, self.pending = self.pending, []
-        for grad, started in pending:
-            started.wait()
-            grad.div_(self.world)
+        """The end of the backward: start the incomplete buckets, finish all, deliver."""
+        self.task = -1
+        for bucket in self.buckets:
+            if bucket.flat is not None and bucket.pending is None:
+                for j in range(len(bucket.params)):
+                    if j not in bucket.got:
+                        bucket.slot(j).zero_()
+                self._start(bucket)
+        started, self.started = self.started, []
+        with torch.no_grad():
+            for bucket in started:
+                assert bucket.pending is not None and bucket.flat is not None
+                bucket.pending.wait()
+                bucket.flat.div_(self.world)
+                for j, how in bucket.got.items():
+                    p, reduced = bucket.params[j], bucket.slot(j).view(bucket.params[j].shape)
+                    if how == "return":
+                        continue
+                    if p.grad is None:  # (autograd stored nothing after all)
+                        p.grad = reduced.clone()
+                    elif how == "store":
+                        p.grad.copy_(reduced)
+                    else:
+                        p.grad.add_(reduced)
+                for j, reduced in bucket.extra:
+                    grad = bucket.params[j].grad
+                    assert grad is not None
+                    grad.add_(reduced)
+                bucket.reset()
+        recorder.mark("backward done")
+
+    def drop_unfinished(self) -> None:
+        """Forget a backward that raised (its `_finish` never ran; call at the next forward):
+        its started AllReduces are finished (every rank started them) and dropped, its partial
+        buckets forgotten. Nothing to do inside a backward, or after one that finished."""
+        if self.task == -1 or torch._C._current_graph_task_id() != -1:
+            return
+        for bucket in self.started:
+            assert bucket.pending is not None
+            bucket.pending.wait()
+        self.started = []
+        for bucket in self.buckets:
+            bucket.reset()
+        self.task = -1
 
 
 def _grad_store(p: torch.Tensor) -> Any:
@@ -185,30 +306,6 @@ def _stores(store: Any) -> bool:
         return bool(torch._C._will_engine_execute_node(store))
     except RuntimeError:  # torch refuses leaf nodes inside torch.autograd.grad: nothing stored
         return False
-
-
-def register_grad_reduction(
-    network: nn.Module, params: Mapping[str, tuple[TensorLayout, Shape]]
-) -> list[RemovableHandle]:
-    """Reduce every planned parameter's gradient; returns the hooks' handles.
-
-    Autograd over the shardwise collectives computes the gradient of the sum over ranks of each
-    rank's loss, and a replicated tensor gets partial gradients that sum to its gradient. The
-    loss is one value replicated on all ranks, so the true gradient of a parameter block is the
-    sum of its partials over the axes it is replicated on, divided by the world size. In a real
-    job a gradient that lands in an empty ``.grad`` is all-reduced asynchronously in place
-    (started by a post-accumulate hook, one AllReduce per parameter as before, finished at the
-    end of backward), so the reductions run while the earlier layers' gradients are computed;
-    a gradient accumulating onto an existing ``.grad`` (several backward calls per step), one
-    that ``torch.autograd.grad`` returns instead of storing, and a simulated world are reduced
-    synchronously in the tensor hook.
-    """
-    reduction = _GradReduction(comm.get_group_size())
-    handles = []
-    for name, (layout, _) in params.items():
-        owner, attr = _owner(network, name)
-        handles += reduction.hooks(getattr(owner, attr), layout)
-    return handles
 
 
 def cut_optimizer_state(
