@@ -1,11 +1,12 @@
 """Worker for test_hsdp_pairwise_real.py: optimizer parallel at levels 1-3 on real gloo
 processes with buckets large enough (>= 256 KiB per rank) for the pairwise bucket transport,
 one bucket per layer and a layer the forward never uses, and plain data parallel (no hsdp:
-each gradient all-reduced asynchronously in ``.grad``); each with one and with two forward +
-backward passes per step (the second accumulates; level 3 gathers the weights its first
-forward freed again). Each rank trains the
-same network on one device too (same seed, same global batches) and checks its losses and its
-shard (or block) of every parameter against that; prints ``CHECK <mode> OK``.
+the gradients all-reduced in buckets, ``dp``: one 25 MB bucket, ``dp buckets``: 1 MB buckets,
+each started asynchronously as soon as it is full, so the later layers' AllReduces run while
+layer1's gradient is computed); each with one and with two forward + backward passes per step
+(the second accumulates; level 3 gathers the weights its first forward freed again). Each rank
+trains the same network on one device too (same seed, same global batches) and checks its losses
+and its shard (or block) of every parameter against that; prints ``CHECK <mode> OK``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.communication import _buckets, get_group_size, get_rank
+from shardwise.communication import _buckets, get_group_size, get_rank, recorder
 from shardwise.parallel import AutoParallel
 
 STEPS, BATCH = 3, 16
-MODES = ("level1", "level2", "level3", "dp")
+MODES = ("level1", "level2", "level3", "dp", "dp buckets")
+# 1 MB gradient buckets, filled in reverse parameter order: (head.bias, head.weight, spare.bias)
+# (started at the end of backward: spare gets no gradient), (spare.weight) (never started),
+# (layer2.bias), (layer2.weight), (layer1.bias, layer1.weight): 4 AllReduces per backward
+DP_BUCKETS = {"allreduce": {"mode": "size", "config": 1}}
 MODES = (*MODES, *(f"{m} accumulate" for m in MODES))  # + two backward calls per step
 
 
@@ -72,12 +77,14 @@ def single_device(twice: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def check(mode: str) -> None:
-    """`mode`: an optimizer level or ``"dp"``, `` accumulate`` added: two forward + backward
-    passes per step."""
+    """`mode`: an optimizer level, ``"dp"`` or ``"dp buckets"``, `` accumulate`` added: two
+    forward + backward passes per step."""
     twice = mode.endswith("accumulate")
     want_losses, want = single_device(twice)
     net = Net()
     opt = optimizer(net)
+    # (registered before shardwise's hooks: runs before layer1.weight's gradient is bucketed)
+    net.layer1.weight.register_hook(lambda g: recorder.mark("layer1.weight gradient"))
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = step_loss(net, x, y, twice)
@@ -88,6 +95,9 @@ def check(mode: str) -> None:
     parallel = AutoParallel(train_step, parallel_mode="semi_auto")
     if mode.startswith("level"):
         parallel.hsdp(threshold=0, optimizer_level=mode.split()[0])
+    buckets = mode.startswith("dp buckets")
+    if buckets:
+        parallel.comm_fusion(DP_BUCKETS)
     losses = []
     n, rank = sw.communication.get_group_size(), get_rank()
     for x, y in batches():
@@ -97,17 +107,34 @@ def check(mode: str) -> None:
         # the loss (1 element) is all-reduced in forward only: loss.backward() needs none
         scalar = [(r.kind, r.phase) for r in rec.records if r.numel == 1]
         assert scalar == [("AllReduce", "forward")] * (2 if twice else 1), scalar
+        if mode.startswith("dp"):
+            check_dp_buckets(rec, buckets, twice)
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
     plan, rank = parallel.optimizer_plan, get_rank()
     for name, p in net.named_parameters():
         expected = want[name]
-        if plan is not None:
-            shard = plan.param(name)
-            assert shard.sharded, name
+        assert plan is not None
+        shard = plan.param(name)
+        assert shard.sharded == mode.startswith("level"), name  # (dp: gradient buckets only)
+        if shard.sharded:
             rows = shard.shard_shape[0]
             expected = expected[rank * rows : (rank + 1) * rows]
         torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6, msg=name)
     print(f"CHECK {mode} OK", flush=True)
+
+
+def check_dp_buckets(rec: sw.CommRecorder, buckets: bool, twice: bool) -> None:
+    """One AllReduce per gradient bucket and backward (`DP_BUCKETS`); with 1 MB buckets and one
+    backward, layer2's two buckets start before layer1.weight's gradient exists, layer1's
+    after, and the one holding spare.bias (no gradient) at the end."""
+    grads = rec.select("AllReduce", "backward")
+    assert len(grads) == (4 if buckets else 1) * (2 if twice else 1), rec.summary()
+    if not buckets or twice:
+        return
+    (mark,) = [t for name, t in rec.marks if name == "layer1.weight gradient"]
+    start = {r.label.split(" (")[0]: r.end - r.seconds for r in grads}
+    assert start["bucket 2"] < mark and start["bucket 3"] < mark, (start, mark)
+    assert mark < start["bucket 4"] < start["bucket 0"], (start, mark)
 
 
 def check_autograd_grad() -> None:

@@ -1,6 +1,7 @@
 """Optimizer parallel on 2 real gloo processes through the pairwise bucket transport (buckets of
 >= 256 KiB per rank), levels 1-3, with an unused layer gathered ahead, and plain data parallel's
-asynchronous gradient AllReduce (one and two backward calls per step, and gradients taken with
+bucketed asynchronous gradient AllReduce (one 25 MB bucket, and 1 MB buckets started while
+backward goes on; one and two backward calls per step, and gradients taken with
 torch.autograd.grad), and a backward that raised midway then a clean one at levels 2-3:
 losses, gradients and every shard equal single-device training; a graph kept across the next
 step's in-place refill of the compute leaves (levels 1-2) is refused by autograd
@@ -15,7 +16,7 @@ import pytest
 from shardwise.testing import run_job
 
 WORKER = Path(__file__).with_name("hsdp_pairwise_worker.py")
-MODES = ("level1", "level2", "level3", "dp")
+MODES = ("level1", "level2", "level3", "dp", "dp buckets")
 MODES = (*MODES, *(f"{m} accumulate" for m in MODES))  # the worker's MODES
 
 
