@@ -12,7 +12,8 @@ matters) side by side on the same global batches:
 Candidates (a training step is forward + backward + ``AdamW.step()`` + ``zero_grad()``):
 
 - ``sw dp``: ``sw.AutoParallel(train_step, parallel_mode="semi_auto")`` without hsdp (plain data
-  parallel: one gradient AllReduce per parameter);
+  parallel: the gradient AllReduces in 25 MB buckets, DDP's default; the layers' fusion ids
+  are not used without a ``comm_fusion`` call);
 - ``sw level1`` / ``level2`` / ``level3``: the same with
   ``.hsdp(threshold=0, optimizer_level=L)``. Every rank passes the GLOBAL batch to the wrapped
   train step (``loss = loss_fn(net(x), y); loss.backward(); opt.step(); opt.zero_grad(); return
