@@ -1,6 +1,7 @@
 """The optimizer-parallel section of ``execute.ir``: with hsdp, every bucket's collectives per
 training step on each rank, with that rank's groups; its ``send_bytes`` add up to what the
-CommRecorder measures in one step (8 simulated ranks, seed 000's MLP, fusion ids 0/1/2)."""
+CommRecorder measures in one step (8 simulated ranks, seed 000's MLP, fusion ids 0/1/2).
+Without hsdp, the same section lists the gradient AllReduce buckets."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ LINE = re.compile(
 )
 
 
-def run(tmp_path: Path, level: str, shard_size: int) -> tuple[CommRecorder, Path]:
-    """Two SGD steps with ``save_graphs=2``; the recorder of the second step."""
+def run(tmp_path: Path, level: str | None, shard_size: int = -1) -> tuple[CommRecorder, Path]:
+    """Two SGD steps with ``save_graphs=2`` (hsdp at `level`; None: without hsdp); the recorder
+    of the second step."""
     recorders: list[CommRecorder] = []
     net = Mlp(small=True)  # outside the world (inside, factories draw per rank)
     set_context(save_graphs=2, save_graphs_path=str(tmp_path))
@@ -31,7 +33,11 @@ def run(tmp_path: Path, level: str, shard_size: int) -> tuple[CommRecorder, Path
                 world,
                 net,
                 "sgd",
-                lambda p: p.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level),
+                lambda p: (
+                    None
+                    if level is None
+                    else p.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level)
+                ),
                 lambda step, parallel, rec: recorders.append(rec),
                 SMALL[:2],
             )
@@ -88,3 +94,16 @@ def test_level3_lists_the_backward_gathers(tmp_path: Path) -> None:
             ("ReduceScatter", "backward", everyone): 4,
         }
     )
+
+
+def test_without_hsdp_lists_the_gradient_buckets(tmp_path: Path) -> None:
+    """Without hsdp: one AllReduce per 25 MB gradient bucket, here one for the whole MLP (every
+    parameter replicated on all 8 ranks), its bytes those of the recorded step."""
+    rec, root = run(tmp_path, None)
+    got = section(root / "rank_0" / "execute.ir")
+    everyone = tuple(range(8))
+    names = "layer3.bias, layer3.weight, layer2.bias, layer2.weight, layer1.bias, layer1.weight"
+    assert [(k, n, w, g) for k, n, w, g, _ in got] == [("AllReduce", names, "backward", everyone)]
+    # the loss's forward AllReduce (1 element) is not in the section
+    recorded = sum(r.bytes_sent for r in rec.records if r.phase == "backward")
+    assert sum(s for *_, s in got) == recorded
