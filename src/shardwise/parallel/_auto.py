@@ -46,6 +46,9 @@ from shardwise.parallel._context import (
     resolve_parallel_mode,
 )
 from shardwise.parallel._discover import find_referenced, pick_network
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._graph_run import GraphRun
+from shardwise.parallel._graph_run import eligible as graph_eligible
 from shardwise.parallel._hsdp import settings_from_context, start_engine
 from shardwise.parallel._local import Masked
 from shardwise.parallel._ownership import take_over
@@ -64,6 +67,7 @@ from shardwise.parallel._step import (
 )
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
+from shardwise.planner import ParallelPlan
 
 
 def _global_shape(x: torch.Tensor, world: int) -> Shape:
@@ -179,6 +183,8 @@ class AutoParallel(CallRuntime):
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
         self._superseded = False
+        self._graph: GraphRun | None = None
+        self._graph_planning = False
         take_over(network, self)
         if parallel_mode == "semi_auto":
             self._hooks = [
@@ -349,14 +355,34 @@ class AutoParallel(CallRuntime):
             if name not in plan.params
         }
 
-    def forward(self, *inputs: Any) -> Any:
+    @property
+    def has_run(self) -> bool:
+        """Whether the wrapper has planned (semi_auto) or run (data_parallel)."""
+        return self.network_plan is not None or self._runner is not None or self._graph is not None
+
+    @property
+    def parallel_plan(self) -> ParallelPlan | None:
+        """The `ParallelPlan` of a network of plain torch ops (None before the first call, or
+        for a network of shardwise primitives: see `network_plan`)."""
+        return None if self._graph is None else self._graph.parallel_plan
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._superseded:
             raise ValueError(
                 f"AutoParallel: a newer AutoParallel wraps {type(self.network).__name__}; call "
                 "that one"
             )
         if self.parallel_mode == "data_parallel":
-            return self._data_parallel(*inputs)
+            return self._data_parallel(*inputs, **kwargs)
+        if self._graph is None and self.network_plan is None and self._graph_ok():
+            self._graph = self._plan_graph(inputs, kwargs)
+        if self._graph is not None:
+            return self._graph(inputs, kwargs)
+        if kwargs:
+            raise UnsupportedParallelError(
+                "AutoParallel: keyword inputs are supported for networks of plain torch ops; "
+                "a network of shardwise primitives takes positional tensors"
+            )
         with self._session():
             index, n = _tensor_indices(inputs)
             for x, i in zip(inputs, index, strict=True):
@@ -367,7 +393,30 @@ class AutoParallel(CallRuntime):
             self._pause(1)
             return self._to_output(out, whole=self._dataset == "full_batch")
 
-    def _data_parallel(self, *inputs: Any) -> Any:
+    def _graph_ok(self) -> bool:
+        optimizer_parallel = self._hsdp is not None or self._fusion is not None
+        return graph_eligible(self.network, self._dataset, optimizer_parallel)
+
+    def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun | None:
+        """Capture and plan a network of plain torch ops (None: it declares layouts)."""
+        fn = self.train_step if self.train_step is not None else self.network
+        run = GraphRun(fn, self.network, self._dataset)
+        self._graph_planning = True
+        try:
+            check_device_num(comm.get_group_size())
+            plan = run.plan(inputs, kwargs)
+        except BaseException:
+            self.remove()
+            raise
+        finally:
+            self._graph_planning = False
+        if plan is None:
+            return None
+        self._hooks += run.hooks
+        report.dump_parallel_plan(plan)
+        return run
+
+    def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:
         """``parallel_mode="data_parallel"``: the whole network on every rank, gradients
         all-reduced at the optimizer step; with `hsdp`, each parameter updated by its owner and
         broadcast (seed 001's data-parallel variant, `optim.DataParallelRunner`)."""
@@ -382,4 +431,4 @@ class AutoParallel(CallRuntime):
                 fusion=self._fusion_dict or None,
                 dataset_strategy=self._dataset,
             )
-        return self._runner(*inputs)
+        return self._runner(*inputs, **kwargs)
