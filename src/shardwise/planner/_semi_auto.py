@@ -160,8 +160,7 @@ class _Planner:
                 )
                 for x in args
             }
-            a, k = pytree.tree_map_only(
-                AtenArg, lambda x, specs=specs: specs[id(x)], (call.args, dict(call.kwargs))
+            a, k = pytree.tree_map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
             )
             try:
                 dec = decide(call.op, a, k, self.mesh, self.ndim)
@@ -216,6 +215,15 @@ class _Planner:
             f"the split dims divisible by the number of devices splitting them (e.g. a global "
             f"batch divisible by {self.device_num}), or annotate the op with shard()"
         )
+
+
+def _lookup(specs: dict[int, Spec]) -> Any:
+    """``arg -> its Spec`` for `pytree.tree_map_only`."""
+
+    def find(x: AtenArg) -> Spec:
+        return specs[id(x)]
+
+    return find
 
 
 def _global_axes(op_matrix: DeviceMatrix, axes: Sequence[str], m: DeviceMatrix) -> tuple[str, ...]:
