@@ -161,7 +161,6 @@ class _Planner:
                 for x in args
             }
             a, k = pytree.tree_map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
-            )
             try:
                 dec = decide(call.op, a, k, self.mesh, self.ndim)
             except (RuntimeError, ValueError, AssertionError) as e:
