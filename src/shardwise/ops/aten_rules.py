@@ -90,7 +90,9 @@ def join_rule(stack: bool) -> AtenRule:
     """
 
     def rule(args: Sequence[Any], ndim: int) -> Decision:
-        tensors = [t for t in args[0] if isinstance(t, Spec)]
+        every = [t for t in args[0] if isinstance(t, Spec)]
+        # (cat skips empty 1-d tensors, e.g. an empty cache: they take any placement)
+        tensors = [t for t in every if stack or t.shape != (0,)] or every
         rank = len(tensors[0].shape) + (1 if stack else 0)
         dim = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else 0
         dim %= rank
@@ -103,7 +105,9 @@ def join_rule(stack: bool) -> AtenRule:
             ins.append(p if keep else Replicate())
             shifted = Shard(p.dim + 1) if keep and stack and p.dim >= dim else p  # type: ignore[attr-defined]
             outs.append(shifted if keep else Replicate())
-        return Decision(tuple(tuple(ins) for _ in tensors), (tuple(outs),), "shardwise")
+        empty = tuple(Replicate() for _ in range(ndim))
+        need = tuple(tuple(ins) if t in tensors else empty for t in every)
+        return Decision(need, (tuple(outs),), "shardwise")
 
     rule.__name__ = "stack_rule" if stack else "cat_rule"
     return rule
