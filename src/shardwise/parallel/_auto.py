@@ -65,6 +65,7 @@ from shardwise.parallel._step import (
     arriving_input,
     check_dataset_strategy,
 )
+from shardwise.parallel._strategy_files import StrategyFiles
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
 from shardwise.planner import ParallelPlan
@@ -109,7 +110,7 @@ def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.Tens
     return out + grads + acts
 
 
-class AutoParallel(CallRuntime):
+class AutoParallel(CallRuntime, StrategyFiles):
     """Run a network operator-parallel as its primitives' strategies say (semi_auto).
 
     Args:
@@ -185,6 +186,8 @@ class AutoParallel(CallRuntime):
         self._superseded = False
         self._graph: GraphRun | None = None
         self._graph_planning = False
+        self._loaded: tuple[ParallelPlan, str] | None = None
+        self._loaded_params: tuple[int, dict[str, Any], str] | None = None
         take_over(network, self)
         if parallel_mode == "semi_auto":
             self._hooks = [
@@ -412,6 +415,12 @@ class AutoParallel(CallRuntime):
             self._graph_planning = False
         if plan is None:
             return None
+        try:
+            self._check_loaded(run)
+        except BaseException:
+            run.remove()
+            self.remove()
+            raise
         self._hooks += run.hooks
         report.dump_parallel_plan(plan)
         return run

@@ -5,9 +5,19 @@
 - `_semi_auto`: `plan_semi_auto` (annotated ops keep their strategies, every other op data
   parallel, through the sharding rules of `shardwise.ops`) -> `ParallelPlan`.
 - `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable, JSON).
+- `_files`: operator and parameter strategy files, checked against the network on load.
 """
 
 from shardwise.planner._capture import CaptureError, capture
+from shardwise.planner._files import (
+    StrategyFileError,
+    check_matches,
+    check_params,
+    load_operator_strategy_file,
+    load_param_strategy_file,
+    save_operator_strategy_file,
+    save_param_strategy_file,
+)
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref, TensorInfo
 from shardwise.planner._plan import (
     BucketPlan,
@@ -35,7 +45,14 @@ __all__ = [
     "Placed",
     "PlanError",
     "Ref",
+    "StrategyFileError",
     "TensorInfo",
     "capture",
+    "check_matches",
+    "check_params",
+    "load_operator_strategy_file",
+    "load_param_strategy_file",
     "plan_semi_auto",
+    "save_operator_strategy_file",
+    "save_param_strategy_file",
 ]
