@@ -125,8 +125,8 @@ def run(config: BenchConfig) -> str:
     """One job per N; print and save the table."""
     ranks = common.ranks_for(config, lambda n: GLOBAL_BATCH % n != 0, "N must divide 16: {bad}")
     started = time.monotonic()
-    rows = [Gpt2Result(**g) for _, got in common.jobs("gpt2_semi_auto", config, ranks,
-                                                        {"quick": config.quick}) for g in got[:1]]  # fmt: skip
+    jobs = common.jobs("gpt2_semi_auto", config, ranks, {"quick": config.quick})
+    rows = [Gpt2Result(**got[0]) for _, got in jobs]
     table = Table(
         "GPT-2 (nanoGPT, semi_auto, no annotation) vs DDP: seconds per step",
         ["N", "shardwise s", "DDP s", "ratio", "sw CPU s", "DDP CPU s", "colls/step", "max diff"],
@@ -142,7 +142,7 @@ def run(config: BenchConfig) -> str:
                 f"{r.max_diff:.1e}",
             ]
             for r in rows
-        ],  # fmt: skip
+        ],
     )
     table.notes = common.oversubscribed_notes(rows, os.cpu_count() or 1)
     text = str(table)

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zoo import GPT2, token_batches  # noqa: E402
-
-import shardwise as sw  # noqa: E402
-from shardwise.communication import get_group_size, get_rank  # noqa: E402
-from shardwise.testing import CommRecorder  # noqa: E402
+import shardwise as sw
+from shardwise.communication import get_group_size, get_rank
+from shardwise.testing import CommRecorder
+from zoo import GPT2, token_batches
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}
