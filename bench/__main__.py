@@ -23,11 +23,13 @@ from typing import TypeVar
 from bench import (
     collectives,
     dataloading,
+    gpt2_semi_auto,
     gpt_block,
     loopback,
     manual_dp,
     operator_parallel,
     optimizer_parallel,
+    planning,
 )
 from bench.harness import BenchConfig, KiB, MiB, WorkerError, host_info
 
@@ -39,6 +41,8 @@ BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
     "operator_parallel": operator_parallel.run,
     "gpt_block": gpt_block.run,
     "optimizer_parallel": optimizer_parallel.run,
+    "planning": planning.run,
+    "gpt2_semi_auto": gpt2_semi_auto.run,
 }
 QUICK_SIZES = (4 * KiB,)
 V = TypeVar("V")

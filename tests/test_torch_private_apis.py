@@ -69,6 +69,27 @@ def _local_tensor_world() -> None:
     assert callable(lt._get_rng_state) and callable(lt._set_rng_state)
 
 
+def _fake_capture() -> None:
+    fake = importlib.import_module("torch._subclasses.fake_tensor")
+    for name in ("FakeTensorMode", "FakeTensor", "DataDependentOutputException"):
+        assert hasattr(fake, name), name
+    assert hasattr(fake, "DynamicOutputShapeException")
+    assert callable(torch.nn.utils.stateless._reparametrize_module)
+    assert hasattr(importlib.import_module("torch.utils._python_dispatch"), "TorchDispatchMode")
+
+
+def _dtensor_rules() -> None:
+    from torch.distributed.tensor import Shard
+
+    from shardwise.ops._dtensor import Spec, mesh_of, propagate, rule_count
+
+    assert rule_count() > 1000  # DTensor's sharding strategies (about 1,160 overloads)
+    mesh = mesh_of((2,), ("g0",), (0, 1))  # no process group
+    x = Spec((Shard(0),), (8, 16, 64), (1024, 64, 1), "float32")
+    ins, outs = propagate(torch.ops.aten.view.default, (x, [-1, 64]), {}, mesh)
+    assert ins == [(Shard(0),)] and outs == [(Shard(0),)]
+
+
 def _default_store() -> None:
     assert callable(dist.distributed_c10d._get_default_store)
 
@@ -104,6 +125,10 @@ CASES: dict[str, Callable[[], None]] = {
     "optim/_engine, parameter/_parameter, parameter/_tape: tensor internals": _tensor_internals,
     "parameter/_deferred, parallel/_delayed: Module._parameters / _buffers": _module_dicts,
     "communication/_init: _get_default_store": _default_store,
+    "planner/_fake: fake tensors, TorchDispatchMode, _reparametrize_module": _fake_capture,
+    "ops/_dtensor: DTensor's sharding propagator and a mesh without process group": (
+        _dtensor_rules
+    ),
     "communication/mesh: Backend.Options": _callable(
         "torch._C._distributed_c10d", "Backend", "Options"
     ),

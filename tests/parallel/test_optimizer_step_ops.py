@@ -14,6 +14,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from torch import nn
 
+import shardwise as sw
 from shardwise.parallel import AutoParallel, _torchops
 from shardwise.testing import simulated_world
 
@@ -33,9 +34,27 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
+class Net(nn.Module):
+    """A linear layer and a shardwise primitive: the primitive runtime (and its torch-op mode)
+    runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.act = sw.ops.Tanh()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.lin.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.act(self.lin(x))
+        return out
+
+
 def make_net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Linear(6, 3)
+    return Net()
 
 
 def single_device(closure: bool) -> tuple[float, torch.Tensor]:

@@ -32,7 +32,7 @@ from shardwise.communication._init import (
     release,
     scoped_group_name,
 )
-from shardwise.communication._sim import replicated_draw
+from shardwise.communication._sim import plain_tensors, replicated_draw
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
     AllGather,
@@ -70,6 +70,7 @@ __all__ = [
     "get_rank",
     "init",
     "is_initialized",
+    "plain_tensors",
     "release",
     "replicated_draw",
     "scoped_group_name",

@@ -8,6 +8,7 @@ simulated ranks. All private torch imports stay in `shardwise.testing`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -87,6 +88,18 @@ def install(sim: Simulator | None) -> Simulator | None:
     global _current
     prev, _current = _current, sim
     return prev
+
+
+def plain_tensors() -> AbstractContextManager[Any]:
+    """A context in which tensors are plain, one value for the whole job (no per-rank values):
+    capture and planning run in it. In a real job it does nothing.
+
+    Example:
+        >>> with plain_tensors():
+        ...     graph = capture(model, ids, ids)
+    """
+    sim = current()
+    return sim.outside() if sim is not None else contextlib.nullcontext()
 
 
 def replicated_draw(draw: Callable[[], torch.Tensor]) -> torch.Tensor:

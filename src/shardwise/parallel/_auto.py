@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ from shardwise.parallel._context import (
     resolve_parallel_mode,
 )
 from shardwise.parallel._discover import find_referenced, pick_network
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._graph_run import GraphRun
+from shardwise.parallel._graph_run import eligible as graph_eligible
 from shardwise.parallel._hsdp import gradient_buckets, settings_from_context, start_engine
 from shardwise.parallel._local import Masked
 from shardwise.parallel._ownership import take_over
@@ -62,8 +65,10 @@ from shardwise.parallel._step import (
     arriving_input,
     check_dataset_strategy,
 )
+from shardwise.parallel._strategy_files import StrategyFiles
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
+from shardwise.planner import ParallelPlan
 
 
 def _global_shape(x: torch.Tensor, world: int) -> Shape:
@@ -105,7 +110,7 @@ def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.Tens
     return out + grads + acts
 
 
-class AutoParallel(CallRuntime):
+class AutoParallel(CallRuntime, StrategyFiles):
     """Run a network operator-parallel as its primitives' strategies say (semi_auto).
 
     Args:
@@ -181,6 +186,10 @@ class AutoParallel(CallRuntime):
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
         self._superseded = False
+        self._graph: GraphRun | None = None
+        self._graph_planning = False
+        self._loaded: tuple[ParallelPlan, str] | None = None
+        self._loaded_params: tuple[int, dict[str, Any], str] | None = None
         take_over(network, self)
         if parallel_mode == "semi_auto":
             self._hooks = [
@@ -268,6 +277,8 @@ class AutoParallel(CallRuntime):
         """The optimizer-parallel plan (None before planning): with `hsdp`, which parameters
         shard and the buckets of their collectives; without, nothing sharded and the gradient
         AllReduce buckets (25 MB by default, or as `comm_fusion` says)."""
+        if self._graph is not None:  # (a network of plain torch ops)
+            return self._graph.grad_plan
         return self._engine.plan if self._engine is not None else self._grad_plan
 
     def plan(
@@ -302,8 +313,9 @@ class AutoParallel(CallRuntime):
             report.dump_optimizer(self._engine.plan, plan)
         else:
             cut_optimizer_state(self.network, self.optimizers, plan.params)
-            buckets = gradient_buckets(self.network, plan, self._fusion)
-            self._grads = GradBuckets(self.network, buckets, plan.matrix)
+            layouts = {**self._replicated_params(plan), **plan.params}
+            buckets = gradient_buckets(self.network, layouts, self._fusion)
+            self._grads = GradBuckets(self.network, buckets)
             self._hooks += self._grads.handles
             self._grad_plan = buckets
             report.dump_optimizer(buckets, plan)
@@ -361,14 +373,34 @@ class AutoParallel(CallRuntime):
             if name not in plan.params
         }
 
-    def forward(self, *inputs: Any) -> Any:
+    @property
+    def has_run(self) -> bool:
+        """Whether the wrapper has planned (semi_auto) or run (data_parallel)."""
+        return self.network_plan is not None or self._runner is not None or self._graph is not None
+
+    @property
+    def parallel_plan(self) -> ParallelPlan | None:
+        """The `ParallelPlan` of a network of plain torch ops (None before the first call, or
+        for a network of shardwise primitives: see `network_plan`)."""
+        return None if self._graph is None else self._graph.parallel_plan
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._superseded:
             raise ValueError(
                 f"AutoParallel: a newer AutoParallel wraps {type(self.network).__name__}; call "
                 "that one"
             )
         if self.parallel_mode == "data_parallel":
-            return self._data_parallel(*inputs)
+            return self._data_parallel(*inputs, **kwargs)
+        if self._graph is None and self.network_plan is None and self._graph_ok():
+            self._graph = self._plan_graph(inputs, kwargs)
+        if self._graph is not None:
+            return self._graph(inputs, kwargs)
+        if kwargs:
+            raise UnsupportedParallelError(
+                "AutoParallel: keyword inputs are supported for networks of plain torch ops; "
+                "a network of shardwise primitives takes positional tensors"
+            )
         with self._session():
             index, n = _tensor_indices(inputs)
             for x, i in zip(inputs, index, strict=True):
@@ -379,7 +411,38 @@ class AutoParallel(CallRuntime):
             self._pause(1)
             return self._to_output(out, whole=self._dataset == "full_batch")
 
-    def _data_parallel(self, *inputs: Any) -> Any:
+    def _graph_ok(self) -> bool:
+        optimizer_parallel = self._hsdp is not None or self._fusion is not None
+        return graph_eligible(self.network, self._dataset, optimizer_parallel)
+
+    def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun | None:
+        """Capture and plan a network of plain torch ops (None: it declares layouts)."""
+        fn = self.train_step if self.train_step is not None else self.network
+        run = GraphRun(fn, self.network, self._dataset)
+        self._graph_planning = True
+        try:
+            check_device_num(comm.get_group_size())
+            plan = run.plan(inputs, kwargs)
+        except BaseException:
+            self.remove()
+            raise
+        finally:
+            self._graph_planning = False
+        if plan is None:
+            return None
+        try:
+            self._check_loaded(run)
+        except BaseException:
+            run.remove()
+            self.remove()
+            raise
+        self._hooks += run.hooks
+        report.dump_parallel_plan(plan)
+        if run.grad_plan is not None:  # (the gradient buckets; only `plan.matrix` is read)
+            report.dump_optimizer(run.grad_plan, cast(Any, plan))
+        return run
+
+    def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:
         """``parallel_mode="data_parallel"``: the whole network on every rank, gradients
         all-reduced at the optimizer step; with `hsdp`, each parameter updated by its owner and
         broadcast (seed 001's data-parallel variant, `optim.DataParallelRunner`)."""
@@ -394,4 +457,4 @@ class AutoParallel(CallRuntime):
                 fusion=self._fusion_dict or None,
                 dataset_strategy=self._dataset,
             )
-        return self._runner(*inputs)
+        return self._runner(*inputs, **kwargs)

@@ -56,6 +56,8 @@ class CallRuntime(nn.Module):
     _grads: GradBuckets | None
     _layouts: dict[int, tuple[TensorLayout, Shape]]
     _saved: ExitStack
+    _graph: Any  # `_graph_run.GraphRun` once a network of plain torch ops is planned
+    _graph_planning: bool
 
     plan: Callable[..., NetworkPlan]  # AutoParallel.plan
 
@@ -132,7 +134,7 @@ class CallRuntime(nn.Module):
             self._ops.paused += delta
 
     def _enter_network(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._planning:
+        if self._planning or self._graph_planning or self._graph is not None:
             return
         if self._ops is None:
             raise RuntimeError(
@@ -161,7 +163,7 @@ class CallRuntime(nn.Module):
             self._saved.enter_context(self._engine.saved_tensors())
 
     def _leave_network(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._planning:
+        if self._planning or self._graph_planning or self._graph is not None:
             return
         if self._ops is not None:
             self._ops.in_network -= 1

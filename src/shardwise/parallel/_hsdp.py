@@ -14,10 +14,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from shardwise.layout import TensorLayout
 from shardwise.nn.grad_reducer import DEFAULT_BUCKET_MB
 from shardwise.optim import (
     Bucket,
@@ -31,7 +33,7 @@ from shardwise.optim import (
     plan_optimizer,
 )
 from shardwise.parallel._context import get_auto_parallel_context
-from shardwise.parallel._plan import NetworkPlan
+from shardwise.parallel._plan import NetworkPlan, Shape
 from shardwise.parallel._runtime import replicated_layout
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 
@@ -88,9 +90,12 @@ def start_engine(
 
 
 def gradient_buckets(
-    network: nn.Module, plan: NetworkPlan, fusion: FusionConfig | None
+    network: nn.Module,
+    layouts: Mapping[str, tuple[TensorLayout, Shape]],
+    fusion: FusionConfig | None,
 ) -> OptimizerPlan:
-    """The gradient AllReduce buckets of `network` without optimizer parallel.
+    """The gradient AllReduce buckets of `network`'s parameters named in `layouts` (each stored
+    in its layout) without optimizer parallel.
 
     Parameters whose blocks are replicated on the same axes (the AllReduce's group) and share a
     dtype (one flat buffer) are fused, as `plan_optimizer` forms buckets without sharding:
@@ -102,8 +107,9 @@ def gradient_buckets(
     gradients (as DDP), and listed in that order; the others in parameter order.
 
     Args:
-        network: the network (its parameters cut to their op-level blocks or not).
-        plan: its op-level plan.
+        network: the network (its parameters cut to their blocks or not).
+        layouts: the layout and global shape each parameter is stored in (e.g. the op-level
+            plan's, and whole on every rank for the others).
         fusion: the ``comm_fusion`` settings (None: 25 MB buckets).
 
     Returns:
@@ -112,7 +118,18 @@ def gradient_buckets(
     """
     if fusion is None:
         fusion = FusionConfig({"allreduce": ("size", DEFAULT_BUCKET_MB)})
-    infos = param_infos(network, plan)
+    infos = [
+        ParamInfo(
+            name,
+            *layouts[name],
+            p.dtype,
+            parallel_optimizer_of(p),
+            comm_fusion_of(p),
+            p.requires_grad,
+        )
+        for name, p in network.named_parameters()
+        if name in layouts
+    ]
     backward = fusion.enabled and fusion.bucket_bytes("allreduce") is not None
     planned = plan_optimizer(infos[::-1] if backward else infos, None, fusion)
     dtypes = {info.name: info.dtype for info in infos}

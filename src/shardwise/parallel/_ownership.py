@@ -8,7 +8,7 @@ run again); one that already ran is kept, and the new one is refused with the fi
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import nn
 
@@ -16,9 +16,10 @@ from torch import nn
 class Wrapper(Protocol):
     """What `take_over` needs of a wrapper (`AutoParallel`)."""
 
-    network_plan: Any
-    _runner: Any
     _superseded: bool
+
+    @property
+    def has_run(self) -> bool: ...
 
     def remove(self) -> None: ...
 
@@ -38,7 +39,7 @@ def take_over(network: nn.Module, wrapper: Wrapper) -> None:
     ref = _WRAPPERS.get(network)
     old = None if ref is None else ref()
     if old is not None and old is not wrapper:
-        if old.network_plan is not None or old._runner is not None:
+        if old.has_run:
             raise ValueError(
                 f"AutoParallel: {type(network).__name__} is already run by an earlier "
                 "AutoParallel (semi_auto: its parameters hold this rank's blocks; data_parallel: "

@@ -176,7 +176,7 @@ class GradBuckets:
     gradients it stored in an empty ``.grad`` stay unreduced (zero them before stepping).
     """
 
-    def __init__(self, network: nn.Module, plan: OptimizerPlan, matrix: DeviceMatrix) -> None:
+    def __init__(self, network: nn.Module, plan: OptimizerPlan) -> None:
         self.world = comm.get_group_size()
         self.buckets: list[_Bucket] = []
         self.started: list[_Bucket] = []  # this backward's started AllReduces, in order
@@ -188,6 +188,7 @@ class GradBuckets:
                 if self.world > 1:
                     self.handles += [p.register_hook(self._scale) for p in params]
                 continue
+            matrix = plan.param(b.names[0]).info.layout.matrix  # (the members' matrix)
             group, _ = group_for(matrix, b.dp_axes)  # (created in bucket order on every rank)
             bucket = _Bucket(f"bucket {i} ({', '.join(b.names)})", group, params)
             self.buckets.append(bucket)

@@ -13,6 +13,7 @@ training step.
 - `_begin` / `_execute`: the pure formatters `format_step_parallel_begin` / `format_execute`.
 - `_optimizer`: the pure formatter `format_optimizer` (the optimizer-parallel section).
 - `_write`: `write_reports` (directories, atomic writes), `dump_plan` and `dump_optimizer`.
+- `_parallel_plan`: the same two files for a `planner.ParallelPlan` (`dump_parallel_plan`).
 """
 
 from shardwise.report._begin import format_step_parallel_begin
@@ -25,15 +26,23 @@ from shardwise.report._dataflow import (
 )
 from shardwise.report._execute import format_execute
 from shardwise.report._optimizer import format_optimizer
+from shardwise.report._parallel_plan import (
+    dump_parallel_plan,
+    format_plan_begin,
+    format_plan_execute,
+)
 from shardwise.report._write import dump_optimizer, dump_plan, write_ir, write_reports
 
 __all__ = [
     "Dataflow",
     "Source",
     "dump_optimizer",
+    "dump_parallel_plan",
     "dump_plan",
     "format_execute",
     "format_optimizer",
+    "format_plan_begin",
+    "format_plan_execute",
     "format_step_parallel_begin",
     "input_redistributions",
     "output_redistributions",

@@ -124,19 +124,27 @@ class SimulatedWorld:
         needs per-rank parameters (they stay equal when the training is data parallel).
         Build optimizers after this call. Replicas are plain parameters carrying the
         ``parallel_optimizer`` and ``comm_fusion`` attributes of the originals (as attributes).
+        A parameter or buffer shared by several modules (a head tied to the embedding) gets one
+        replica, shared the same way.
         """
+        # id of an original -> (the original, kept alive so its id stays unique; its replica)
+        replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for mod in module.modules():
             for name, p in list(mod.named_parameters(recurse=False)):
-                with _no_dispatch_modes():  # LocalTensorMode rejects Parameter subclasses
-                    plain = torch.Tensor(p.detach()).clone()
-                value = torch.nn.Parameter(self.same(plain), requires_grad=p.requires_grad)
-                for attr in ("parallel_optimizer", "comm_fusion"):
-                    if hasattr(p, attr):
-                        setattr(value, attr, getattr(p, attr))
-                setattr(mod, name, value)
+                if id(p) not in replicas:
+                    with _no_dispatch_modes():  # LocalTensorMode rejects Parameter subclasses
+                        plain = torch.Tensor(p.detach()).clone()
+                    value = torch.nn.Parameter(self.same(plain), requires_grad=p.requires_grad)
+                    for attr in ("parallel_optimizer", "comm_fusion"):
+                        if hasattr(p, attr):
+                            setattr(value, attr, getattr(p, attr))
+                    replicas[id(p)] = (p, value)
+                setattr(mod, name, replicas[id(p)][1])
             for name, b in list(mod.named_buffers(recurse=False)):
                 if b is not None:
-                    mod.register_buffer(name, self.same(b))
+                    if id(b) not in replicas:
+                        replicas[id(b)] = (b, self.same(b))
+                    setattr(mod, name, replicas[id(b)][1])  # keeps the buffer's persistence
         return module
 
     def local(self, t: torch.Tensor, rank: int) -> torch.Tensor:

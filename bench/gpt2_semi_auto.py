@@ -1,0 +1,154 @@
+"""nanoGPT's GPT-2 (`tests/zoo.py`) in semi_auto with no annotation against DDP, side by side.
+
+Each of N gloo ranks trains the same model on its rows of a global batch: shardwise
+(``sw.AutoParallel(train_step, parallel_mode="semi_auto")``: capture, plan, run the plan) and
+what a PyTorch user writes (``DistributedDataParallel`` around the model), both with AdamW.
+Printed per N: seconds per step (max over ranks, median of repetitions), the ratio
+shardwise / DDP, CPU seconds per step, the collectives per step and the largest parameter
+difference after the check steps (shardwise vs DDP: the same training).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench import _common as common
+from bench import harness
+from bench.harness import BenchConfig, Table
+
+SIZES = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 512, "block_size": 64}
+QUICK = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16}
+GLOBAL_BATCH = 16
+
+
+@dataclass
+class Gpt2Result:
+    world_size: int
+    shardwise_s: float
+    ddp_s: float
+    shardwise_cpu_s: float
+    ddp_cpu_s: float
+    collectives: int
+    max_diff: float
+    oversubscribed: bool
+
+
+def _make(quick: bool) -> Any:
+    from tests.zoo import GPT2
+
+    return GPT2(**(QUICK if quick else SIZES))
+
+
+def _batch(quick: bool, n: int, rank: int) -> tuple[Any, Any]:
+    from tests.zoo import token_batches
+
+    sizes = QUICK if quick else SIZES
+    ((x, y),) = token_batches(1, GLOBAL_BATCH, sizes["block_size"], sizes["vocab_size"])
+    rows = GLOBAL_BATCH // n
+    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+
+
+def _steps(quick: bool, n: int, rank: int) -> tuple[Any, Any, Any, Any]:
+    """(shardwise net, its step, DDP module, its step) on this rank's rows."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import shardwise as sw
+
+    x, y = _batch(quick, n, rank)
+    net = _make(quick)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def sw_train(a: Any, b: Any) -> Any:
+        loss = net(a, b)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    parallel = sw.AutoParallel(sw_train, parallel_mode="semi_auto")
+    ddp = DistributedDataParallel(_make(quick))
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+    def ddp_train() -> Any:
+        loss = ddp(x, y)[1]
+        loss.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+        return loss
+
+    return net, (lambda: parallel(x, y)), ddp, ddp_train
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any] | None:
+    """Check, count, then time both candidates on this job's N ranks (rank 0 returns)."""
+    import torch.distributed as dist
+
+    from shardwise.testing import CommRecorder
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    quick = bool(args["quick"])
+    net, sw_step, ddp, ddp_step = _steps(quick, n, rank)
+    for _ in range(3):
+        sw_step(), ddp_step()
+    pairs = zip(net.parameters(), ddp.module.parameters(), strict=True)
+    diff = max(float((p - q).abs().max()) for p, q in pairs)
+    with CommRecorder() as rec:
+        sw_step()
+    steps, reps = (1, 2) if quick else (5, 7)
+    m = harness.compare(
+        {"shardwise": common.chunk(sw_step, steps), "DDP": common.chunk(ddp_step, steps)},
+        iters=1,
+        reps=reps,
+        warmup=1,
+    )
+    if rank != 0:
+        return None
+    return asdict(
+        Gpt2Result(
+            world_size=n,
+            shardwise_s=m["shardwise"].median_s / steps,
+            ddp_s=m["DDP"].median_s / steps,
+            shardwise_cpu_s=m["shardwise"].median_cpu_s / steps,
+            ddp_cpu_s=m["DDP"].median_cpu_s / steps,
+            collectives=len(rec.records),
+            max_diff=diff,
+            oversubscribed=n > (os.cpu_count() or 1),
+        )
+    )
+
+
+def run(config: BenchConfig) -> str:
+    """One job per N; print and save the table."""
+    ranks = common.ranks_for(config, lambda n: GLOBAL_BATCH % n != 0, "N must divide 16: {bad}")
+    started = time.monotonic()
+    jobs = common.jobs("gpt2_semi_auto", config, ranks, {"quick": config.quick})
+    rows = [Gpt2Result(**got[0]) for _, got in jobs]
+    table = Table(
+        "GPT-2 (nanoGPT, semi_auto, no annotation) vs DDP: seconds per step",
+        ["N", "shardwise s", "DDP s", "ratio", "sw CPU s", "DDP CPU s", "colls/step", "max diff"],
+        [
+            [
+                common.n_label(r),
+                f"{r.shardwise_s:.4f}",
+                f"{r.ddp_s:.4f}",
+                common.ratio(r.shardwise_s, r.ddp_s),
+                f"{r.shardwise_cpu_s:.4f}",
+                f"{r.ddp_cpu_s:.4f}",
+                str(r.collectives),
+                f"{r.max_diff:.1e}",
+            ]
+            for r in rows
+        ],
+    )
+    table.notes = common.oversubscribed_notes(rows, os.cpu_count() or 1)
+    text = str(table)
+    data = {"meta": common.report_meta(config, sizes=QUICK if config.quick else SIZES,
+                                       global_batch=GLOBAL_BATCH,
+                                       seconds=time.monotonic() - started),
+            "rows": [asdict(r) for r in rows]}  # fmt: skip
+    harness.save_report(config.out_dir, "gpt2_semi_auto", data, text)
+    return text

@@ -1,0 +1,151 @@
+"""Sharding rules of torch ops, for the planner: ``decide(aten_op, args, kwargs, mesh)``.
+
+A torch-level op (``F.linear``, ``x.view(...)``) runs as one or more aten ops; the planner asks
+this module about each. The answer (`Decision`) says which placements (DTensor's ``Shard(d)``,
+``Replicate()``, ``Partial()``, one per mesh dim) every tensor argument must have and which its
+outputs get, and where the rule came from (`Decision.source`):
+
+- ``"shardwise"``: an entry of `ATEN_RULES` below: shardwise's own rules, only for what
+  torch 2.13's DTensor lacks;
+- ``"dtensor"``: DTensor's sharding strategies (about 1,160 aten overloads: matmuls, views,
+  pointwise ops, norms, embedding, losses, convolution, pooling, ...), queried through
+  `shardwise.ops._dtensor` without a process group;
+- ``"factory"``: an op without tensor arguments (``arange``, ``zeros``): outputs replicated;
+- ``"replicate"``: no rule anywhere: every tensor argument is made whole and the op runs
+  replicated (always correct; it costs AllGathers, and `Decision` says so).
+
+The rules of shardwise's primitives (``sw.ops.MatMul`` ...) are in `shardwise.ops.rules`.
+
+Adding an op: one entry in `ATEN_RULES`, ``"aten.<name>.<overload>": rule``, where ``rule(args,
+mesh_ndim)`` receives the op's arguments with each tensor as an `Arg` (placements, shape) and
+returns a `Decision` (see `sdpa_cpu_rule`). An entry here wins over DTensor's rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from shardwise.ops._dtensor import Spec, has_rule, propagate
+
+Placements = tuple[Placement, ...]
+Arg = Spec
+"""A tensor argument: ``.placements`` (one per mesh dim), ``.shape``, ``.stride``, ``.dtype``."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one aten call runs distributed.
+
+    Attributes:
+        inputs: the placements each tensor argument must have (pytree order of the arguments).
+        outputs: the placements of each output (None: not a tensor).
+        source: ``"shardwise"``, ``"dtensor"``, ``"factory"`` or ``"replicate"``.
+    """
+
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements | None, ...]
+    source: str
+
+
+AtenRule = Callable[[Sequence[Any], int], Decision]
+
+
+def _rep(n: int) -> Placements:
+    return tuple(Replicate() for _ in range(n))
+
+
+def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: q, k, v of shape [B, H, S, D].
+
+    Per mesh dim: when q is split on the batch or head dim, k and v (and a mask with that dim)
+    are split the same way and the output and logsumexp follow; anything else runs replicated.
+    """
+    q, k, v = args[0], args[1], args[2]
+    tensors = [a for a in pytree.tree_leaves(list(args)) if isinstance(a, Spec)]
+    ins: list[list[Placement]] = [[] for _ in tensors]
+    outs: list[Placement] = []
+    for m in range(ndim):
+        p = q.placements[m]
+        keep = isinstance(p, Shard) and p.dim in (0, 1) and type(p) is Shard
+        keep = keep and k.shape[p.dim] == q.shape[p.dim] == v.shape[p.dim]  # type: ignore[union-attr]
+        for i, t in enumerate(tensors):
+            wide = keep and t.shape[p.dim] == q.shape[p.dim] > 1  # type: ignore[union-attr]
+            ins[i].append(p if wide else Replicate())
+        outs.append(p if keep else Replicate())
+    out = tuple(outs)
+    return Decision(tuple(tuple(i) for i in ins), (out, out), "shardwise")
+
+
+def join_rule(stack: bool) -> AtenRule:
+    """``aten.cat`` / ``aten.stack`` of a list of tensors along ``dim``.
+
+    Per mesh dim: when every input is split the same way on a dim other than the joined one,
+    the output is split there too (``stack`` shifts it past the new dim); anything else is
+    joined whole. (DTensor's strategy for a list argument does not report the inputs it needs.)
+    """
+
+    def rule(args: Sequence[Any], ndim: int) -> Decision:
+        every = [t for t in args[0] if isinstance(t, Spec)]
+        # (cat skips empty 1-d tensors, e.g. an empty cache: they take any placement)
+        tensors = [t for t in every if stack or t.shape != (0,)] or every
+        rank = len(tensors[0].shape) + (1 if stack else 0)
+        dim = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else 0
+        dim %= rank
+        ins: list[Placement] = []
+        outs: list[Placement] = []
+        for m in range(ndim):
+            p = tensors[0].placements[m]
+            same = all(t.placements[m] == p for t in tensors) and type(p) is Shard
+            keep = same and p.dim != dim  # type: ignore[attr-defined]
+            ins.append(p if keep else Replicate())
+            shifted = Shard(p.dim + 1) if keep and stack and p.dim >= dim else p  # type: ignore[attr-defined]
+            outs.append(shifted if keep else Replicate())
+        empty = tuple(Replicate() for _ in range(ndim))
+        need = tuple(tuple(ins) if t in tensors else empty for t in every)
+        return Decision(need, (tuple(outs),), "shardwise")
+
+    rule.__name__ = "stack_rule" if stack else "cat_rule"
+    return rule
+
+
+ATEN_RULES: dict[str, AtenRule] = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
+    "aten.cat.default": join_rule(stack=False),
+    "aten.stack.default": join_rule(stack=True),
+}
+"""shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
+
+
+def rule_source(op: Any) -> str:
+    """Where `op`'s rule comes from: ``"shardwise"``, ``"dtensor"`` or ``"replicate"``."""
+    if str(op) in ATEN_RULES:
+        return "shardwise"
+    return "dtensor" if has_rule(op) else "replicate"
+
+
+def decide(
+    op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: Any, ndim: int
+) -> Decision:
+    """The `Decision` for one aten call whose tensor arguments are `Arg`s.
+
+    Raises:
+        RuntimeError: DTensor refuses the placements (an uneven split); the planner turns it
+            into an error naming the op and the fix.
+    """
+    tensors = [a for a in pytree.tree_leaves((list(args), dict(kwargs))) if isinstance(a, Spec)]
+    own = ATEN_RULES.get(str(op))
+    if own is not None:
+        return own(list(args) + list(kwargs.values()), ndim)
+    if has_rule(op):
+        try:
+            ins, outs = propagate(op, args, kwargs, mesh)
+            return Decision(tuple(ins), tuple(outs), "dtensor")
+        except NotImplementedError:
+            pass
+    source = "factory" if not tensors else "replicate"
+    return Decision(tuple(_rep(ndim) for _ in tensors), (_rep(ndim),), source)

@@ -1,0 +1,234 @@
+"""Run a `ParallelPlan` on this rank: each torch op of the captured graph, on local blocks.
+
+`PlanExecutor` is a ``TorchFunctionMode`` active during one wrapped call. The k-th torch-level
+call the network (or train step) makes is the plan's node k (the capture recorded the calls the
+same way, `planner.is_recorded`). For it the executor:
+
+1. moves each tensor input as the plan's edge into that node says (`planner.EdgePlan`: an
+   AllReduce of partial values, then Slice / AllGather / AlltoAll steps, all autograd-aware);
+   a parameter is first taken as stored (optimizer parallel: its compute leaf);
+2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
+   the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
+   mask (drawn like a single-device run draws it, so masks match one device);
+3. applies the edges of returned values (the loss's AllReduce) right after the op.
+
+Nothing about layouts is decided here: every placement, step and collective comes from the
+plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
+unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils import _pytree as pytree
+
+from shardwise import communication as comm
+from shardwise.communication.primitives import replicated_seed, sum_over_ranks
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._runtime import group_for
+from shardwise.planner import EdgePlan, ParallelPlan
+from shardwise.planner._capture import record_kind
+from shardwise.planner._graph import TensorSlot
+from shardwise.redistribution import local_block, redistribute
+
+T = torch.Tensor
+_SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+
+
+def move(x: T, edge: EdgePlan) -> T:
+    """`x` (this rank's part of the edge's value) moved as `edge` says."""
+    m = edge.src.layout.matrix
+    if edge.reduced:
+        group, members = group_for(m, edge.reduced)
+        divisor = len(members) if edge.src.reduce == "avg" else 1
+        x = sum_over_ranks(x, group, divisor)
+    if edge.steps:
+        x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
+    return x
+
+
+class PlanExecutor(TorchFunctionMode):
+    """Carries out `plan` (see the module docstring).
+
+    Args:
+        plan: the plan.
+        params: parameter id -> its name, for the parameters the plan stores.
+        param_value: the value a parameter enters an op with (default: itself).
+        templates: each node's captured arguments (`planner.Node.args` / ``kwargs``): an op
+            whose inputs are all whole gets the captured sizes instead of the ones user code
+            computed from local shapes.
+    """
+
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        params: dict[int, str],
+        param_value: Callable[[T], T] | None = None,
+        templates: list[tuple[Any, Any]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.plan = plan
+        self.templates = templates
+        self.params = params
+        self.param_value = param_value
+        self.cursor = 0
+        self.edges: dict[tuple[int, int], EdgePlan] = {
+            (e.consumer, e.slot): e for e in plan.edges if e.consumer >= 0
+        }
+        self.returned: dict[str, list[EdgePlan]] = {}
+        for e in plan.edges:
+            if e.consumer == -1:
+                self.returned.setdefault(e.value, []).append(e)
+        self.paused = 0
+        self.finished = False
+        self.inputs: dict[int, str] = {}  # id of each call input -> its graph name
+
+    @property
+    def done(self) -> bool:
+        """Whether every op of the plan ran."""
+        return self.cursor >= len(self.plan.nodes)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is T.backward:
+            self.check_done("loss.backward()")
+            self.finished = True  # a closure may run the graph again (`_restarts`)
+            gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
+            if gradient is None and args and isinstance(args[0], T):
+                with replicated_seed(args[0]):
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        if self.paused or record_kind(func) != "op":
+            return func(*args, **kwargs)
+        if self.done and not self._restarts(func, args, kwargs):
+            return func(*args, **kwargs)
+        node = self.plan.nodes[self.cursor]
+        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        if op != node.op:
+            raise UnsupportedParallelError(
+                f"AutoParallel: the network called {op} where the plan has op %{node.index} "
+                f"{node.name} ({node.op}); it must run the same torch ops in the same order "
+                f"every step (plan again for a different network)"
+            )
+        self.cursor += 1
+        self.paused += 1
+        try:
+            out = self._run(func, node.index, args, kwargs)
+        finally:
+            self.paused -= 1
+        return out
+
+    def _restarts(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> bool:
+        """After a backward, whether this call is the graph's first op again (an optimizer's
+        closure re-running the network): the same op on the same inputs and parameters."""
+        if not self.finished or not self.plan.nodes:
+            return False
+        first = self.plan.nodes[0]
+        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        if op != first.op:
+            return False
+        tensors = [t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)]
+        names = [self.inputs.get(id(t)) for t in tensors]
+        names = [
+            f"param:{self.params[id(t)]}" if id(t) in self.params else n
+            for t, n in zip(tensors, names, strict=True)
+        ]
+        if names != list(first.values):
+            return False
+        self.cursor, self.finished = 0, False
+        return True
+
+    def check_done(self, where: str) -> None:
+        """Raise when `where` comes before the plan's last op ran."""
+        if not self.done and self.cursor:
+            node = self.plan.nodes[self.cursor]
+            raise UnsupportedParallelError(
+                f"AutoParallel: {where} came after {self.cursor} of the plan's "
+                f"{len(self.plan.nodes)} ops (next: %{node.index} {node.name}); the step must "
+                f"run the captured ops every time"
+            )
+
+    def _run(
+        self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        node = self.plan.nodes[k]
+        leaves, spec = pytree.tree_flatten((args, kw))
+        slot = 0
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, T):
+                continue
+            if id(leaf) in self.params and self.param_value is not None:
+                leaf = self.param_value(leaf)
+            edge = self.edges.get((k, slot))
+            leaves[i] = leaf if edge is None else move(leaf, edge)
+            slot += 1
+        args, kw = pytree.tree_unflatten(leaves, spec)
+        if self.templates is not None and all(not p.layout.used_axes() for p in node.inputs):
+            args, kw = self._global_args(k, args, kw)  # whole inputs: the captured sizes
+        if node.op in _SIZED and node.shapes[0] != node.local_shapes[0]:
+            out = func(args[0], node.local_shapes[0])
+        elif func is F.dropout:
+            out = self._dropout(k, args, kw)
+        else:
+            out = func(*args, **kw)
+        return self._returned(k, out)
+
+    def _global_args(
+        self, k: int, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The captured call (global sizes) with this call's tensors in it."""
+        assert self.templates is not None
+        tensors = [t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)]
+        template = self.templates[k]
+        if len(tensors) != len(self.plan.nodes[k].inputs):
+            return args, kw
+
+        def fill(x: Any) -> Any:
+            return tensors[x.slot] if isinstance(x, TensorSlot) else x
+
+        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map(
+            fill, template, is_leaf=lambda x: isinstance(x, TensorSlot)
+        )
+        return tuple(out[0]), dict(out[1])
+
+    def _returned(self, k: int, out: Any) -> Any:
+        """Apply the edges of the node's returned outputs (the loss's AllReduce)."""
+        if not self.returned:
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        j = 0
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, T):
+                continue
+            name = f"%{k}" + (f".{j}" if j else "")
+            for e in self.returned.get(name, []):
+                leaves[i] = move(leaves[i], e)
+            j += 1
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _dropout(self, k: int, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        """``F.dropout``: this rank's block of one global mask (as one device draws it)."""
+        node = self.plan.nodes[k]
+        bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
+        x, p = bound["input"], float(bound.get("p", 0.5))
+        if not bound.get("training", True) or p == 0:
+            return x
+        shape = node.shapes[0]
+        mask = comm.replicated_draw(
+            lambda: F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+        )
+        mask = local_block(mask, node.outputs[0].layout, shape)
+        return x.mul_(mask) if bound.get("inplace", False) else x * mask

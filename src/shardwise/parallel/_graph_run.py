@@ -1,0 +1,162 @@
+"""semi_auto for networks of plain torch ops: capture -> plan -> apply -> run, on one plan.
+
+`GraphRun` serves `AutoParallel` when the network holds no shardwise primitive and nothing in it
+declares a layout (``sw.shard`` / ``sw.reshard``), with a ``"data_parallel"`` or
+``"full_batch"`` dataset strategy and without optimizer parallel:
+
+- `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)
+  on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`; returns None when
+  the capture met a layout declaration (the primitive runtime of `_call` serves those).
+- apply: the gradient hooks of `_runtime.GradBuckets` for every parameter in the layout the
+  plan stores it in (DDP-style 25 MB buckets, `_hsdp.gradient_buckets`).
+- `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
+  this rank's rows by the plan's entry edges; a wrapped network's outputs leave as this rank's
+  rows (``full_batch``: whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from shardwise import communication as comm
+from shardwise.layout import TensorLayout
+from shardwise.ops import Primitive
+from shardwise.optim import OptimizerPlan
+from shardwise.parallel._executor import PlanExecutor, move
+from shardwise.parallel._hsdp import gradient_buckets
+from shardwise.parallel._runtime import GradBuckets
+from shardwise.parallel._shard import Entry, activate
+from shardwise.planner import ParallelPlan, Placed, capture, plan_semi_auto
+from shardwise.planner._capture import input_key
+from shardwise.planner._plan import replicated
+from shardwise.planner._semi_auto import data_parallel
+from shardwise.redistribution import redistribute
+
+T = torch.Tensor
+
+
+class _Declarations:
+    """A `_shard.Session` that only notes whether anything declared a layout."""
+
+    def __init__(self) -> None:
+        self.found = False
+
+    def reshard(self, t: T, layout: TensorLayout) -> T:
+        self.found = True
+        return t
+
+    def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
+        self.found = True
+
+
+def eligible(network: nn.Module, dataset: object, optimizer_parallel: bool) -> bool:
+    """Whether `GraphRun` can serve this network (see the module docstring)."""
+    if optimizer_parallel or dataset not in ("data_parallel", "full_batch"):
+        return False
+    return not any(isinstance(m, Primitive) for m in network.modules())
+
+
+def _global(x: Any, world: int, dataset: object) -> Any:
+    """A meta tensor of `x`'s global shape (rows of all ranks under data_parallel)."""
+    if not isinstance(x, T):
+        return x
+    shape = list(x.shape)
+    if dataset == "data_parallel" and shape:
+        shape[0] *= world
+    return torch.empty(shape, dtype=x.dtype, device="meta")
+
+
+class GraphRun:
+    """One network or train step run from its `ParallelPlan` (see the module docstring)."""
+
+    def __init__(self, fn: Callable[..., Any], network: nn.Module, dataset: object) -> None:
+        self.fn = fn
+        self.network = network
+        self.dataset = dataset
+        self.module_form = fn is network
+        self.parallel_plan: ParallelPlan | None = None
+        self.templates: list[tuple[Any, Any]] = []
+        self.hooks: list[Any] = []
+        self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
+        self.grads: GradBuckets | None = None
+
+    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan | None:
+        """Capture and plan with the global shapes of this call's inputs; None when the network
+        declares layouts."""
+        world = comm.get_group_size()
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        g_args, g_kwargs = pytree.tree_map(
+            lambda x: _global(x, world, self.dataset), (args, kwargs)
+        )
+        seen = _Declarations()
+        with activate(seen), comm.plain_tensors():
+            graph = capture(self.fn, *g_args, networks=[self.network], device=device, **g_kwargs)
+        if seen.found:
+            return None
+        with comm.plain_tensors():
+            plan = plan_semi_auto(graph, world, dataset=str(self.dataset))
+        self.parallel_plan = plan
+        self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
+        stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
+        self.grad_plan = gradient_buckets(self.network, stored, None)
+        self.grads = GradBuckets(self.network, self.grad_plan)
+        self.hooks += self.grads.handles
+        return plan
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        plan = self.parallel_plan
+        assert plan is not None
+        if self.dataset == "full_batch":
+            args, kwargs = self._cut_inputs(plan, args, kwargs)
+        if self.grads is not None:
+            self.grads.drop_unfinished()  # (a backward that raised)
+        params = {id(p): n for n, p in self.network.named_parameters()}
+        executor = PlanExecutor(plan, params, templates=self.templates)
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, T):
+                executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"
+        with executor:
+            out = self.fn(*args, **kwargs)
+        executor.check_done("the end of the call")
+        return self._outputs(plan, out) if self.module_form else out
+
+    def _cut_inputs(
+        self, plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``full_batch``: each input the plan cuts at entry, as this rank's rows."""
+        entry = {e.value.removeprefix("input:"): e for e in plan.edges if e.consumer == -2}
+        flat, spec = pytree.tree_flatten_with_path((args, kwargs))
+        leaves = []
+        for path, leaf in flat:
+            edge = entry.get(input_key(pytree.keystr(path)))
+            leaves.append(leaf if edge is None or not isinstance(leaf, T) else move(leaf, edge))
+        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, spec)
+        return out
+
+    def _outputs(self, plan: ParallelPlan, out: Any) -> Any:
+        """A wrapped network's outputs as this rank's rows (``full_batch``: whole)."""
+        leaves, spec = pytree.tree_flatten(out)
+        placed = iter(plan.outputs)
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, T):
+                continue
+            src: Placed = next(placed)
+            ndim = leaf.dim()
+            gshape = tuple(int(s) * src.layout.split_count(d) for d, s in enumerate(leaf.shape))
+            whole = self.dataset == "full_batch" or ndim == 0 or gshape[0] % plan.device_num
+            m = src.layout.matrix
+            want = replicated(m, ndim) if whole else data_parallel(m, ndim)
+            if src.layout != want.layout:
+                leaves[i] = redistribute(leaf, src.layout, want.layout, gshape)
+        return pytree.tree_unflatten(leaves, spec)

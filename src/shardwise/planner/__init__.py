@@ -1,0 +1,58 @@
+"""Planning: capture a network's op graph, give every op a strategy, keep the result as a
+`ParallelPlan`. Nothing here touches a process group.
+
+- `_capture`: `capture` (every op of a forward or train step, on fake tensors) -> `Graph`.
+- `_semi_auto`: `plan_semi_auto` (annotated ops keep their strategies, every other op data
+  parallel, through the sharding rules of `shardwise.ops`) -> `ParallelPlan`.
+- `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable, JSON).
+- `_files`: operator and parameter strategy files, checked against the network on load.
+"""
+
+from shardwise.planner._capture import CaptureError, capture
+from shardwise.planner._files import (
+    StrategyFileError,
+    check_matches,
+    check_params,
+    load_operator_strategy_file,
+    load_param_strategy_file,
+    save_operator_strategy_file,
+    save_param_strategy_file,
+)
+from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref, TensorInfo
+from shardwise.planner._plan import (
+    BucketPlan,
+    Collective,
+    EdgePlan,
+    NodePlan,
+    ParallelPlan,
+    ParamPlan,
+    Placed,
+)
+from shardwise.planner._semi_auto import PlanError, plan_semi_auto
+
+__all__ = [
+    "AtenArg",
+    "AtenCall",
+    "BucketPlan",
+    "CaptureError",
+    "Collective",
+    "EdgePlan",
+    "Graph",
+    "Node",
+    "NodePlan",
+    "ParallelPlan",
+    "ParamPlan",
+    "Placed",
+    "PlanError",
+    "Ref",
+    "StrategyFileError",
+    "TensorInfo",
+    "capture",
+    "check_matches",
+    "check_params",
+    "load_operator_strategy_file",
+    "load_param_strategy_file",
+    "plan_semi_auto",
+    "save_operator_strategy_file",
+    "save_param_strategy_file",
+]

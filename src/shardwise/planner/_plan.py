@@ -1,0 +1,482 @@
+"""`ParallelPlan`: every decision of a parallel job, as plain frozen data.
+
+- `Placed`: how a value is spread over the devices: a `TensorLayout` (which axes split which
+  dim) plus the axes on which each rank holds a partial sum (``Partial`` in DTensor's terms).
+- `NodePlan`: one op's strategy: the placements its inputs must have, those of its outputs,
+  its local output shapes and the collectives the op itself runs (a primitive's AllReduce).
+- `EdgePlan`: one input of one op (or a returned value) whose producer left it elsewhere: the
+  AllReduce of partial sums, then the redistribution steps (Slice, AllGather, AlltoAll).
+- `ParamPlan`: the layout a parameter is stored in.
+- `ParallelPlan`: all of it on one device matrix; `str()` prints it, `diff` compares two,
+  `to_dict` / `from_dict` / `save` / `load` keep it as JSON (a loaded plan is equal).
+- `to_placed` / `placements_of`: the conversions to and from DTensor placements.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from shardwise.layout import DeviceMatrix, TensorLayout, from_placements, to_placements
+from shardwise.redistribution import AllGather, AlltoAll, Slice, Step
+
+Shape = tuple[int, ...]
+FORMAT = "shardwise.ParallelPlan/1"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A value's distribution.
+
+    Attributes:
+        layout: which axes split which dim (on the plan's matrix).
+        partial: axes over which the ranks hold partial values still to be reduced.
+        reduce: ``"sum"`` or ``"avg"``: how the partial values combine.
+    """
+
+    layout: TensorLayout
+    partial: tuple[int, ...] = ()
+    reduce: str = "sum"
+
+    def __str__(self) -> str:
+        dims = ", ".join(_axes_str(self.layout.matrix, a) for a in self.layout.dims)
+        text = f"({dims})"
+        if self.partial:
+            text += f" partial-{self.reduce}[{_axes_str(self.layout.matrix, self.partial)}]"
+        return text
+
+    def local_shape(self, shape: Sequence[int]) -> Shape:
+        """This layout's block shape of a tensor of global `shape`."""
+        return tuple(self.layout.local_shape(shape))
+
+
+def _axes_str(matrix: DeviceMatrix, axes: Sequence[int]) -> str:
+    names = [matrix.names[a] for a in axes]
+    if not names:
+        return "None"
+    return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+
+
+def replicated(matrix: DeviceMatrix, ndim: int) -> Placed:
+    """Whole on every rank."""
+    return Placed(TensorLayout(matrix, ((),) * ndim))
+
+
+def to_placed(matrix: DeviceMatrix, placements: Sequence[Placement], ndim: int) -> Placed:
+    """DTensor placements (one per axis of `matrix`) as a `Placed`."""
+    partial = tuple(a for a, p in enumerate(placements) if isinstance(p, Partial))
+    reduce = "sum"
+    if partial:
+        ops = {placements[a].reduce_op for a in partial}  # type: ignore[attr-defined]
+        reduce = "avg" if ops == {"avg"} else "sum"
+    plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    return Placed(from_placements(matrix, plain, ndim), partial, reduce)
+
+
+def placements_of(placed: Placed) -> tuple[Placement, ...]:
+    """A `Placed` as DTensor placements."""
+    out = list(to_placements(placed.layout))
+    for a in placed.partial:
+        out[a] = Partial(placed.reduce)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective the plan runs: its kind, the axes it runs over, and where.
+
+    Example:
+        >>> str(Collective("AllReduce", ("g0",), "cross_entropy -> return", "sum"))
+        'AllReduce(sum) over g0 at cross_entropy -> return'
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    where: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        detail = f"({self.detail})" if self.detail else ""
+        return f"{self.kind}{detail} over {', '.join(self.axes)} at {self.where}"
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One op's strategy.
+
+    Attributes:
+        index / name / op: as in the graph.
+        rule: where the strategy came from: ``"user"`` (a ``shard()`` strategy), ``"default"``
+            (a primitive's data-parallel default), ``"dtensor"``, ``"shardwise"`` (our aten
+            rules), ``"factory"``, ``"replicate"`` (no rule: run whole).
+        inputs: the placements its tensor inputs must have.
+        outputs: its outputs' placements.
+        shapes: its outputs' global shapes.
+        comms: the collectives the op runs itself (a primitive's AllReduce / ReduceScatter).
+        values: the values its tensor inputs are (``"%3"``, ``"param:fc.weight"``,
+            ``"input:args[0]"``).
+    """
+
+    index: int
+    name: str
+    op: str
+    rule: str
+    inputs: tuple[Placed, ...]
+    outputs: tuple[Placed, ...]
+    shapes: tuple[Shape, ...]
+    comms: tuple[Collective, ...] = ()
+    values: tuple[str, ...] = ()
+
+    @property
+    def local_shapes(self) -> tuple[Shape, ...]:
+        """Each output's block shape on a rank."""
+        return tuple(p.local_shape(s) for p, s in zip(self.outputs, self.shapes, strict=True))
+
+    def __str__(self) -> str:
+        ins = ", ".join(str(p) for p in self.inputs)
+        outs = ", ".join(f"{p} {list(s)}" for p, s in zip(self.outputs, self.shapes, strict=True))
+        return f"%{self.index} {self.name} [{self.op}; {self.rule}]: {ins} -> {outs}"
+
+
+@dataclass(frozen=True)
+class EdgePlan:
+    """A value moved between its producer and a consumer.
+
+    Attributes:
+        consumer: the consuming node's index (-1: the value is returned).
+        slot: which of its tensor inputs (or returned values).
+        value: the value (``"%3"``, ``"param:w"``, ``"input:args[0]"``).
+        shape: its global shape.
+        src / dst: the producer's placement and the one wanted.
+        steps: after the AllReduce of `src`'s partial axes not partial in `dst`, the
+            redistribution steps.
+    """
+
+    consumer: int
+    slot: int
+    value: str
+    shape: Shape
+    src: Placed
+    dst: Placed
+    steps: tuple[Step, ...] = ()
+
+    @property
+    def reduced(self) -> tuple[int, ...]:
+        """Axes whose partial values are all-reduced on this edge."""
+        return tuple(a for a in self.src.partial if a not in self.dst.partial)
+
+    def collectives(self, where: str) -> list[Collective]:
+        """The collectives of this edge (slices are local and not listed)."""
+        m = self.src.layout.matrix
+        out = []
+        if self.reduced:
+            names = tuple(m.names[a] for a in self.reduced)
+            out.append(Collective("AllReduce", names, where, self.src.reduce))
+        for step in self.steps:
+            if isinstance(step, Slice) or m.shape[step.axis] == 1:
+                continue
+            out.append(Collective(type(step).__name__, (m.names[step.axis],), where))
+        return out
+
+    def __str__(self) -> str:
+        parts = []
+        if self.reduced:
+            m = self.src.layout.matrix
+            parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.reduced)}")
+        parts += [s.describe(self.src.layout.matrix) for s in self.steps]
+        return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The layout a parameter is stored in (`shape`: global) and its dtype."""
+
+    layout: TensorLayout
+    shape: Shape
+    dtype: str = "float32"
+
+    def __str__(self) -> str:
+        return f"{Placed(self.layout)} {self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """A fused collective over gradients or weights: its kind, axes and parameters."""
+
+    kind: str
+    axes: tuple[str, ...]
+    params: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {', '.join(self.axes)}: {', '.join(self.params)}"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Every decision of one parallel network or train step.
+
+    Attributes:
+        device_num: the job's size.
+        matrix: the one device matrix every layout lives on.
+        mode: the parallel mode that made it (``"semi_auto"``).
+        inputs: how each tensor input arrives on the ranks.
+        nodes: every op's strategy, in execution order.
+        edges: every redistribution between a producer and a consumer.
+        params: every parameter's storage layout.
+        buckets: fused gradient / weight collectives (optimizer parallel).
+        input_shapes: each input's global shape.
+        outputs: each returned tensor's placement (after its edges).
+    """
+
+    device_num: int
+    matrix: DeviceMatrix
+    mode: str
+    inputs: Mapping[str, Placed]
+    nodes: tuple[NodePlan, ...]
+    edges: tuple[EdgePlan, ...]
+    params: Mapping[str, ParamPlan]
+    buckets: tuple[BucketPlan, ...] = ()
+    input_shapes: Mapping[str, Shape] = field(default_factory=dict)
+    outputs: tuple[Placed, ...] = ()
+
+    def node(self, name: str) -> NodePlan:
+        """The node called `name`.
+
+        Raises:
+            KeyError: no such node (the message lists a few names).
+        """
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no op {name!r} in the plan; ops: {[n.name for n in self.nodes[:8]]}...")
+
+    def collectives(self) -> list[Collective]:
+        """Every collective of one forward, in order: the ops' own and the edges'."""
+        by_consumer: dict[int, list[EdgePlan]] = {}
+        for e in self.edges:
+            by_consumer.setdefault(e.consumer, []).append(e)
+        out: list[Collective] = []
+        for n in self.nodes:
+            for e in by_consumer.get(n.index, []):
+                out += e.collectives(f"{n.name} input {e.slot}")
+            out += list(n.comms)
+        for e in by_consumer.get(-1, []):
+            out += e.collectives(f"return {e.slot}")
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"ParallelPlan ({self.mode}, {self.device_num} devices) on {self.matrix}"]
+        lines += [f"  input {k}: {p}" for k, p in self.inputs.items()]
+        by_consumer: dict[int, list[EdgePlan]] = {}
+        for e in self.edges:
+            by_consumer.setdefault(e.consumer, []).append(e)
+        for n in self.nodes:
+            lines += [f"    edge {e}" for e in by_consumer.get(n.index, [])]
+            lines.append(f"  {n}")
+            lines += [f"    comm {c}" for c in n.comms]
+        lines += [f"    edge {e}" for e in by_consumer.get(-1, [])]
+        lines += [f"  param {k}: {p}" for k, p in self.params.items()]
+        lines += [f"  bucket {b}" for b in self.buckets]
+        return "\n".join(lines)
+
+    def diff(self, other: ParallelPlan) -> list[str]:
+        """What differs between this plan and `other`, one line per difference (empty: equal).
+
+        Example:
+            >>> plan_a.diff(plan_b)
+            ['node %6 transformer.h.0.attn.c_attn/linear: outputs (g0, None, None) -> ...']
+        """
+        out = []
+        if (self.device_num, self.matrix) != (other.device_num, other.matrix):
+            out.append(f"matrix: {self.matrix} ({self.device_num}) -> {other.matrix}")
+        for a, b in zip(self.nodes, other.nodes, strict=False):
+            if a != b:
+                out.append(f"node %{a.index} {a.name}: {a} -> {b}")
+        if len(self.nodes) != len(other.nodes):
+            out.append(f"ops: {len(self.nodes)} -> {len(other.nodes)}")
+        mine, theirs = set(map(str, self.edges)), set(map(str, other.edges))
+        out += [f"edge only in first: {e}" for e in sorted(mine - theirs)]
+        out += [f"edge only in second: {e}" for e in sorted(theirs - mine)]
+        for k in sorted(set(self.params) | set(other.params)):
+            a_p, b_p = self.params.get(k), other.params.get(k)
+            if a_p != b_p:
+                out.append(f"param {k}: {a_p} -> {b_p}")
+        if self.buckets != other.buckets:
+            out.append("buckets differ")
+        return out
+
+    # -- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (`from_dict` reads it back into an equal plan)."""
+        return {
+            "format": FORMAT,
+            "device_num": self.device_num,
+            "matrix": {
+                "shape": list(self.matrix.shape),
+                "names": list(self.matrix.names),
+                "rank_list": list(self.matrix.rank_list),
+            },
+            "mode": self.mode,
+            "inputs": {k: _placed_d(p) for k, p in self.inputs.items()},
+            "input_shapes": {k: list(s) for k, s in self.input_shapes.items()},
+            "outputs": [_placed_d(p) for p in self.outputs],
+            "nodes": [_node_d(n) for n in self.nodes],
+            "edges": [_edge_d(e) for e in self.edges],
+            "params": {
+                k: {"dims": _dims_d(p.layout), "shape": list(p.shape), "dtype": p.dtype}
+                for k, p in self.params.items()
+            },
+            "buckets": [
+                {"kind": b.kind, "axes": list(b.axes), "params": list(b.params)}
+                for b in self.buckets
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelPlan:
+        """The plan `to_dict` wrote.
+
+        Raises:
+            ValueError: not a shardwise plan, or a malformed one.
+        """
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a shardwise plan (format {data.get('format')!r}, want {FORMAT})")
+        mx = data["matrix"]
+        m = DeviceMatrix(tuple(mx["shape"]), tuple(mx["names"]), tuple(mx["rank_list"]))
+        return cls(
+            device_num=int(data["device_num"]),
+            matrix=m,
+            mode=str(data["mode"]),
+            inputs={k: _placed(m, v) for k, v in data["inputs"].items()},
+            nodes=tuple(_node(m, n) for n in data["nodes"]),
+            edges=tuple(_edge(m, e) for e in data["edges"]),
+            params={
+                k: ParamPlan(_layout(m, v["dims"]), tuple(v["shape"]), v["dtype"])
+                for k, v in data["params"].items()
+            },
+            buckets=tuple(
+                BucketPlan(b["kind"], tuple(b["axes"]), tuple(b["params"])) for b in data["buckets"]
+            ),
+            input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
+            outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON to `path`."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ParallelPlan:
+        """Read a plan `save` wrote."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _dims_d(layout: TensorLayout) -> list[list[int]]:
+    return [list(a) for a in layout.dims]
+
+
+def _layout(m: DeviceMatrix, dims: Sequence[Sequence[int]]) -> TensorLayout:
+    return TensorLayout(m, tuple(tuple(int(a) for a in d) for d in dims))
+
+
+def _placed_d(p: Placed) -> dict[str, Any]:
+    out: dict[str, Any] = {"dims": _dims_d(p.layout)}
+    if p.partial:
+        out |= {"partial": list(p.partial), "reduce": p.reduce}
+    return out
+
+
+def _placed(m: DeviceMatrix, d: Mapping[str, Any]) -> Placed:
+    return Placed(_layout(m, d["dims"]), tuple(d.get("partial", ())), d.get("reduce", "sum"))
+
+
+def _comm_d(c: Collective) -> dict[str, Any]:
+    return {"kind": c.kind, "axes": list(c.axes), "where": c.where, "detail": c.detail}
+
+
+def _node_d(n: NodePlan) -> dict[str, Any]:
+    return {
+        "index": n.index,
+        "name": n.name,
+        "op": n.op,
+        "rule": n.rule,
+        "inputs": [_placed_d(p) for p in n.inputs],
+        "outputs": [_placed_d(p) for p in n.outputs],
+        "shapes": [list(s) for s in n.shapes],
+        "comms": [_comm_d(c) for c in n.comms],
+        "values": list(n.values),
+    }
+
+
+def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
+    return NodePlan(
+        index=int(d["index"]),
+        name=d["name"],
+        op=d["op"],
+        rule=d["rule"],
+        inputs=tuple(_placed(m, p) for p in d["inputs"]),
+        outputs=tuple(_placed(m, p) for p in d["outputs"]),
+        shapes=tuple(tuple(s) for s in d["shapes"]),
+        comms=tuple(
+            Collective(c["kind"], tuple(c["axes"]), c["where"], c["detail"]) for c in d["comms"]
+        ),
+        values=tuple(d.get("values", ())),
+    )
+
+
+def _step_d(s: Step) -> dict[str, Any]:
+    if isinstance(s, AlltoAll):
+        return {"kind": "AlltoAll", "axis": s.axis, "src_dim": s.src_dim, "dst_dim": s.dst_dim}
+    return {"kind": type(s).__name__, "dim": s.dim, "axis": s.axis}
+
+
+def _step(d: Mapping[str, Any]) -> Step:
+    if d["kind"] == "AlltoAll":
+        return AlltoAll(int(d["axis"]), int(d["src_dim"]), int(d["dst_dim"]))
+    if d["kind"] == "Slice":
+        return Slice(int(d["dim"]), int(d["axis"]))
+    return AllGather(int(d["dim"]), int(d["axis"]))
+
+
+def _edge_d(e: EdgePlan) -> dict[str, Any]:
+    return {
+        "consumer": e.consumer,
+        "slot": e.slot,
+        "value": e.value,
+        "shape": list(e.shape),
+        "src": _placed_d(e.src),
+        "dst": _placed_d(e.dst),
+        "steps": [_step_d(s) for s in e.steps],
+    }
+
+
+def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
+    return EdgePlan(
+        consumer=int(d["consumer"]),
+        slot=int(d["slot"]),
+        value=d["value"],
+        shape=tuple(d["shape"]),
+        src=_placed(m, d["src"]),
+        dst=_placed(m, d["dst"]),
+        steps=tuple(_step(s) for s in d["steps"]),
+    )
+
+
+__all__ = [
+    "BucketPlan",
+    "Collective",
+    "EdgePlan",
+    "NodePlan",
+    "ParallelPlan",
+    "ParamPlan",
+    "Placed",
+    "Shard",
+    "placements_of",
+    "replicated",
+    "to_placed",
+]

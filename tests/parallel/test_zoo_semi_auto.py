@@ -1,0 +1,134 @@
+"""Users' own models in semi_auto with no annotation: ``sw.AutoParallel(train_step,
+parallel_mode="semi_auto")`` captures the whole train step (every torch op up to
+``loss.backward()``), plans it (every op data parallel through DTensor's and shardwise's sharding
+rules) and runs the plan on each rank.
+
+Models (plain torch, `tests/zoo.py`): nanoGPT's GPT-2 (its ``view(-1, V)`` before the loss, the
+head tied to the embedding, AdamW decay / no-decay groups), a Llama (RMSNorm, rotary, grouped
+query attention, SwiGLU), a CIFAR-style ResNet (BatchNorm, max pool) and Hugging Face's
+``GPT2LMHeadModel`` called with keywords (``model(input_ids=..., labels=...).loss``).
+
+Each rank passes its own rows of the global batch; two training steps equal the single-device run
+on the global batch (the loss, every gradient the optimizer applies, every parameter; 1e-5
+relative), and the collectives are exactly: per step one forward AllReduce over all ranks (the
+loss, a mean over the batch, made whole where it is computed) and one backward AllReduce over
+all ranks (every parameter's gradient in one 25 MB bucket). The ResNet's training-mode
+BatchNorm needs the statistics of the whole batch: its rule (DTensor's) gathers its input at the
+first BatchNorm, and the rest of the network then runs whole on every rank (correct, and what
+the plan says; a SyncBatchNorm-style rule that keeps the rows split is future work).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2, Llama, ResNet, gpt2_hf, image_batches, token_batches
+
+STEPS, BATCH = 2, 8
+ADAM = {"lr": 1e-4, "eps": 1e-6}  # (see test_zoo_data_parallel.py: Adam and split rounding)
+
+MODELS: dict[str, Any] = {
+    "gpt2": (GPT2, lambda n: n.configure_optimizers(weight_decay=0.1, **ADAM), "tokens"),
+    "llama": (Llama, lambda n: torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9), "tokens"),
+    "resnet": (ResNet, lambda n: torch.optim.SGD(n.parameters(), lr=0.1), "images"),
+    "gpt2_hf": (gpt2_hf, lambda n: torch.optim.AdamW(n.parameters(), **ADAM), "tokens"),
+}
+
+
+def loss_of(name: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "gpt2_hf":
+        out: torch.Tensor = net(input_ids=x, labels=x).loss
+        return out
+    return net(x, y)[1]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def data(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return token_batches(STEPS, BATCH) if kind == "tokens" else image_batches(STEPS, BATCH)
+
+
+@functools.cache
+def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Per step: the loss and every gradient (by name), on one device."""
+    make, optimizer, kind = MODELS[name]
+    net = make()
+    opt = optimizer(net)
+    losses, grads = [], []
+    for x, y in data(kind):
+        loss = loss_of(name, net, x, y)
+        loss.backward()
+        grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, grads
+
+
+CASES = [("gpt2", 2), ("gpt2", 4), ("gpt2", 8), ("llama", 2), ("llama", 4)]
+CASES += [("resnet", 2), ("gpt2_hf", 2), ("gpt2_hf", 4)]
+
+
+@pytest.mark.parametrize(("name", "world_size"), CASES)
+def test_semi_auto_without_annotation_matches_one_device(name: str, world_size: int) -> None:
+    make, optimizer, kind = MODELS[name]
+    want_losses, want_grads = single_device(name)
+    net = make()
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        opt = optimizer(net)
+        seen: list[dict[str, torch.Tensor]] = []
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_of(name, net, x, y)
+            loss.backward()
+            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with CommRecorder() as rec:
+            for s, (x, y) in enumerate(data(kind)):
+                loss = parallel(world.rows(x), world.rows(y))
+                assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
+                assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+        plan = parallel.parallel_plan
+        assert plan is not None
+        ranks = tuple(range(world_size))
+        want = Counter(
+            {
+                ("AllReduce", "forward", ranks): STEPS,
+                # one gradient bucket per step (each model is under 25 MB): the per-parameter
+                # AllReduces (n_params per step) are one bucket now
+                ("AllReduce", "backward", ranks): STEPS,
+            }
+        )
+        if name == "resnet":
+            # the first BatchNorm gathers the batch (whole-batch statistics, DTensor's rule);
+            # from there on the network runs whole on every rank, so the loss is already whole
+            # and the labels are gathered for it too
+            where = [c.where for c in plan.collectives() if c.kind == "AllGather"]
+            assert where == ["stem.1/batch_norm input 0", "cross_entropy input 1"], where
+            want[("AllReduce", "forward", ranks)] = 0
+            want[("AllGather", "forward", ranks)] = 2 * STEPS
+            want[("ReduceScatter", "backward", ranks)] = STEPS  # the activations' adjoint
+            want = +want
+        assert rec.kinds() == want, rec.summary()

@@ -1,0 +1,24 @@
+"""nanoGPT's GPT-2 in semi_auto with no annotation on 4 real gloo processes started by
+`shardwise run` (zoo_semi_auto_worker.py): per step the loss, every gradient, every parameter and
+the collectives match (the worker checks against its own single-device run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.testing import run_job
+
+WORKER = Path(__file__).parent / "zoo_semi_auto_worker.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_gpt2_semi_auto_on_four_real_processes(tmp_path: Path) -> None:
+    res = run_job(WORKER, 4, tmp_path / "logs", timeout=150)
+    logs = [res.worker_log(r) for r in range(4)]
+    assert res.returncode == 0, res.output + "".join(logs)
+    for rank, log in enumerate(logs):
+        for step in range(2):
+            assert f"CHECK step {step} OK" in log, f"rank {rank}, step {step}:\n{log}"

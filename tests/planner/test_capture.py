@@ -1,0 +1,103 @@
+"""`planner.capture`: every op of a forward or train step, on fake tensors, with module paths,
+edges, global shapes and the aten ops each ran; keyword inputs and dataclass outputs; clear
+errors for what it cannot follow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.planner import CaptureError, Ref, capture
+from shardwise.testing.models import GPTBlock, GPTConfig, megatron_strategies
+
+from ..zoo import GPT2, gpt2_hf
+
+
+def test_gpt2_graph_has_every_op_with_edges_and_paths() -> None:
+    net = GPT2()
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    graph = capture(net, ids, ids)
+    ops = [n.op.rsplit(".", 1)[-1] for n in graph.nodes]
+    for op in ("embedding", "layer_norm", "linear", "split", "view", "transpose"):
+        assert op in ops
+    assert "scaled_dot_product_attention" in ops and ops[-1] == "cross_entropy"
+    attn = next(n for n in graph.nodes if n.name == "transformer.h.0.attn.c_attn/linear")
+    assert attn.inputs[1] == Ref("param", "transformer.h.0.attn.c_attn.weight")
+    assert attn.outputs[0].shape == (8, 16, 96)
+    assert [str(a.op) for a in attn.aten] == [
+        "aten.view.default",
+        "aten.t.default",
+        "aten.addmm.default",
+        "aten.view.default",
+    ]
+    view = graph.nodes[-3]  # logits.view(-1, V): folds the batch into the rows
+    assert view.op == "torch.Tensor.view" and view.outputs[0].shape == (128, 64)
+    assert graph.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert graph.outputs[-1] == Ref("node", len(graph.nodes) - 1)
+    assert graph.inputs["args[0]"].shape == (8, 16)
+
+
+def test_capture_computes_nothing_and_leaves_the_network_alone() -> None:
+    with torch.device("meta"):
+        net = GPT2(n_layer=4)  # no memory: the parameters are meta tensors
+    graph = capture(net, torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))
+    assert len(graph.params) == len(list(net.parameters()))
+    assert all(p.device.type == "meta" for p in net.parameters())
+
+
+def test_train_step_with_keywords_and_dataclass_output() -> None:
+    net = gpt2_hf()
+    opt = torch.optim.AdamW(net.parameters())
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()  # (not run: capture stops at backward)
+        return loss
+
+    graph = capture(step, torch.zeros(4, 16, dtype=torch.long), networks=[net])
+    assert graph.outputs == (Ref("node", len(graph.nodes) - 1),)
+    assert graph.nodes[-1].op == "torch.nn.functional.cross_entropy"
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_primitives_are_single_nodes() -> None:
+    cfg = GPTConfig()
+    net = GPTBlock(cfg, megatron_strategies(2, 4))
+    ids = torch.zeros(8, cfg.seq, dtype=torch.long)
+    onehot = torch.zeros(8 * cfg.seq, cfg.vocab)
+    graph = capture(net, ids, onehot)
+    prims = [n for n in graph.nodes if n.is_primitive]
+    assert len(prims) == len(graph.nodes)  # GPTBlock is primitives only
+    assert prims[0].op == "shardwise.ops.Gather" and not prims[0].aten
+
+
+class ItemInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if h.sum() > 0:  # data-dependent control flow
+            return h
+        return -h
+
+
+class NonzeroInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x[x > 0])
+
+
+@pytest.mark.parametrize(
+    ("net", "match"),
+    [
+        (ItemInForward(), r"__bool__ at test_capture.py:\d+ reads a tensor's value .* torch.where"),
+        (NonzeroInForward(), r"__getitem__ at test_capture.py:\d+ has an output whose shape"),
+    ],
+)
+def test_values_in_the_forward_name_the_op_and_line(net: nn.Module, match: str) -> None:
+    with pytest.raises(CaptureError, match=match):
+        capture(net, torch.ones(2, 4))

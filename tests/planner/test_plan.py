@@ -1,0 +1,131 @@
+"""`planner.plan_semi_auto` and `ParallelPlan`: seed 003's network (int and Layout strategies),
+the Megatron GPT block and nanoGPT planned without processes; printed, saved, loaded (equal),
+diffed; plan-time errors; strategy files through `AutoParallel`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.planner import (
+    ParallelPlan,
+    PlanError,
+    StrategyFileError,
+    capture,
+    plan_semi_auto,
+)
+from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing.models import GPTBlock, GPTConfig, megatron_strategies
+
+from ..parallel.test_seed003_parity import Network
+from ..zoo import GPT2, token_batches
+
+
+def seed003_plan(layouts: bool) -> ParallelPlan:
+    return plan_semi_auto(capture(Network(layouts), torch.zeros(32, 1, 28, 28)), 8)
+
+
+@pytest.mark.parametrize("layouts", [False, True], ids=["int", "layout"])
+def test_seed003_plan(layouts: bool, tmp_path: Path) -> None:
+    plan = seed003_plan(layouts)
+    assert [n.rule for n in plan.nodes] == ["default", "user", "user", "user", "user", "default"]
+    text = str(plan)
+    assert "matmul1/MatMul [shardwise.ops.MatMul; user]" in text
+    # the strategies' own partial sums (seed 003: matmul1 splits K over 4, matmul2 over 8)
+    sizes = dict(zip(plan.matrix.names, plan.matrix.shape, strict=True))
+    own = {
+        n.name: [(c.kind, c.detail, math.prod(sizes[a] for a in c.axes)) for c in n.comms]
+        for n in plan.nodes
+        if n.comms
+    }
+    assert own == {
+        "matmul1/MatMul": [("AllReduce", "sum", 4)],
+        "matmul2/MatMul": [("AllReduce", "sum", 8)],
+    }
+    assert plan.params["fc3_weight"].layout.used_axes() == ()
+    plan.save(tmp_path / "plan.json")
+    loaded = ParallelPlan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.diff(plan) == []
+    assert str(loaded) == text
+
+
+def test_int_and_layout_plans_differ_where_the_strategies_do() -> None:
+    diff = seed003_plan(False).diff(seed003_plan(True))
+    assert any(d.startswith("node %1 matmul1/MatMul") for d in diff), diff
+    assert not any("matmul3" in d for d in diff), diff
+
+
+def test_gpt_block_plan_round_trips() -> None:
+    cfg = GPTConfig()
+    net = GPTBlock(cfg, megatron_strategies(2, 4))
+    ids, onehot = torch.zeros(8, cfg.seq, dtype=torch.long), torch.zeros(8 * cfg.seq, cfg.vocab)
+    plan = plan_semi_auto(capture(net, ids, onehot), 8)
+    assert plan.matrix.shape == (2, 2, 2)
+    again = ParallelPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    kinds = {c.kind for c in plan.collectives()}
+    assert {"AllReduce", "AllGather", "AlltoAll"} <= kinds
+
+
+def test_nanogpt_plans_data_parallel_with_one_collective() -> None:
+    ids = torch.zeros(8, 16, dtype=torch.long)
+    plan = plan_semi_auto(capture(GPT2(), ids, ids), 4)
+    assert [str(c) for c in plan.collectives()] == ["AllReduce(avg) over g0 at return 0"]
+    view = plan.nodes[-3]
+    assert view.op == "torch.Tensor.view" and str(view.outputs[0]) == "(g0, None)"
+    assert view.local_shapes == ((32, 64),)
+
+
+def test_a_batch_that_does_not_divide_is_a_plan_error() -> None:
+    ids = torch.zeros(6, 16, dtype=torch.long)
+    with pytest.raises(PlanError, match=r"input args\[0\]: dim 0 of global shape \[6, 16\].* 4"):
+        plan_semi_auto(capture(GPT2(), ids, ids), 4)
+
+
+def step_of(net: torch.nn.Module, opt: torch.optim.Optimizer):  # type: ignore[no-untyped-def]
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def test_strategy_files_round_trip_and_mismatches(tmp_path: Path) -> None:
+    (x, y), (x2, y2) = token_batches(2, 8)
+    net = GPT2()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        first = sw.AutoParallel(step_of(net, torch.optim.SGD(net.parameters(), lr=0.1)))
+        want = first(world.rows(x), world.rows(y))
+        first.save_operator_strategy_file(tmp_path / "ops.json")
+        first.save_param_strategy_file(tmp_path / "params.json")
+    net2 = GPT2()
+    with simulated_world(2) as world:
+        world.replicate(net2)
+        again = sw.AutoParallel(step_of(net2, torch.optim.SGD(net2.parameters(), lr=0.1)))
+        again.load_operator_strategy_file(tmp_path / "ops.json")
+        again.load_param_strategy_file(tmp_path / "params.json")
+        got = again(world.rows(x), world.rows(y))
+        assert_matches_single_device(got, want.detach(), what="loss of the loaded plan")
+        assert again.parallel_plan == ParallelPlan.load(tmp_path / "ops.json")
+    net3, net4 = GPT2(), GPT2(n_layer=1)
+    with simulated_world(4) as world:  # another device count
+        world.replicate(net3)
+        wrong = sw.AutoParallel(step_of(net3, torch.optim.SGD(net3.parameters(), lr=0.1)))
+        wrong.load_operator_strategy_file(tmp_path / "ops.json")
+        with pytest.raises(StrategyFileError, match=r"planned for 2 devices, the job has 4"):
+            wrong(world.rows(x2), world.rows(y2))
+    with simulated_world(2) as world:  # another network
+        world.replicate(net4)
+        other = sw.AutoParallel(step_of(net4, torch.optim.SGD(net4.parameters(), lr=0.1)))
+        other.load_operator_strategy_file(tmp_path / "ops.json")
+        with pytest.raises(StrategyFileError, match=r"op %\d+ is .* in the file but .* network"):
+            other(world.rows(x2), world.rows(y2))
