@@ -397,13 +397,12 @@ class AutoParallel(CallRuntime, StrategyFiles):
             return self._to_output(out, whole=self._dataset == "full_batch")
 
     def _graph_ok(self) -> bool:
-        optimizer_parallel = self._hsdp is not None or self._fusion is not None
-        return graph_eligible(self.network, self._dataset, optimizer_parallel)
+        return graph_eligible(self.network, self._dataset)
 
     def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun | None:
         """Capture and plan a network of plain torch ops (None: it declares layouts)."""
         fn = self.train_step if self.train_step is not None else self.network
-        run = GraphRun(fn, self.network, self._dataset)
+        run = GraphRun(fn, self.network, self._dataset, self._hsdp, self._fusion)
         self._graph_planning = True
         try:
             check_device_num(comm.get_group_size())
@@ -422,7 +421,13 @@ class AutoParallel(CallRuntime, StrategyFiles):
             self.remove()
             raise
         self._hooks += run.hooks
+        self._engine = run.engine
+        # (the primitive-call view of the same plan: no primitive call, every parameter whole)
+        stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
+        self.network_plan = NetworkPlan(plan.matrix, (), stored)
         report.dump_parallel_plan(plan)
+        if run.engine is not None:
+            report.dump_optimizer(run.engine.plan, self.network_plan)
         return run
 
     def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:
