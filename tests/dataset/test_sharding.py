@@ -144,7 +144,7 @@ def test_auto_takes_rank_and_rank0_seed(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(comm, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "get_group_size", lambda group=None: 4)
-    monkeypatch.setattr(comm, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(comm, "process_ranks", lambda: (2,))
     monkeypatch.setattr(comm, "Broadcast", FakeBroadcast)
     auto = pipeline(80, seed=99, num_shards="auto").batch(2)
     assert auto.get_shard() == (4, 2) and len(auto) == 10
@@ -157,6 +157,8 @@ def test_auto_takes_rank_and_rank0_seed(monkeypatch: pytest.MonkeyPatch) -> None
 def test_auto_rejects_a_process_running_several_ranks() -> None:
     with simulated_world(2), pytest.raises(ValueError, match="this process runs 2 ranks"):
         len(pipeline(8, num_shards="auto"))
+    with simulated_world(1):  # one rank: its plain rank
+        assert pipeline(8, num_shards="auto").get_shard() == (1, 0)
 
 
 def test_order_helpers() -> None:

@@ -75,14 +75,14 @@ class ShardSetting:
 
         if not comm.is_initialized():
             return 1, 0
-        ranks = len(comm.process_ranks())
-        if ranks != 1:
+        ranks = comm.process_ranks()
+        if len(ranks) != 1:
             raise ValueError(
                 f"num_shards='auto' reads the shard of the one rank a process runs, but this "
-                f"process runs {ranks} ranks (simulated_world); pass num_shards and shard_id "
-                "explicitly"
+                f"process runs {len(ranks)} ranks (simulated_world); pass num_shards and "
+                "shard_id explicitly"
             )
-        return comm.get_group_size(), comm.get_rank()
+        return comm.get_group_size(), ranks[0]
 
     @property
     def is_auto(self) -> bool:
