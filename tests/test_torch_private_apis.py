@@ -58,6 +58,10 @@ def _tensor_internals() -> None:
 def _module_dicts() -> None:
     m = torch.nn.BatchNorm1d(2)
     assert "weight" in m._parameters and "running_mean" in m._buffers
+    m.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert "scratch" in m._non_persistent_buffers_set and "running_mean" not in (
+        m._non_persistent_buffers_set
+    )
 
 
 def _local_tensor_world() -> None:
@@ -123,7 +127,9 @@ CASES: dict[str, Callable[[], None]] = {
     ),
     "parallel/_runtime, optim/_engine: queue_callback": _engine_queue_callback,
     "optim/_engine, parameter/_parameter, parameter/_tape: tensor internals": _tensor_internals,
-    "parameter/_deferred, parallel/_delayed: Module._parameters / _buffers": _module_dicts,
+    "parameter/_deferred: Module._parameters / _buffers / _non_persistent_buffers_set": (
+        _module_dicts
+    ),
     "communication/_init: _get_default_store": _default_store,
     "planner/_fake: fake tensors, TorchDispatchMode, _reparametrize_module": _fake_capture,
     "ops/_dtensor: DTensor's sharding propagator and a mesh without process group": (

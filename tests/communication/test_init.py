@@ -10,7 +10,6 @@ import torch
 
 import shardwise as sw
 from shardwise.communication import get_group_size, get_local_rank, get_rank, init, release
-from shardwise.communication._init import anchor_rank
 
 
 def test_init_plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,20 +31,9 @@ def test_init_plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
         assert rec.total_bytes() == 0
         sw.communication.create_group("solo", [0])
         assert get_rank("solo") == 0
-        assert anchor_rank([0]) == 0  # a real job: its own rank
     finally:
         release()
     assert not sw.communication.is_initialized()
-
-
-def test_anchor_rank_in_a_simulated_world() -> None:
-    """Rank 0's groups stand for every rank's; that needs the default rank order."""
-    from shardwise.testing import simulated_world
-
-    with simulated_world(4):
-        assert anchor_rank(range(4)) == 0
-        with pytest.raises(ValueError, match=r"default rank_list 0\.\.3; got \[3, 2, 1, 0\]"):
-            anchor_rank([3, 2, 1, 0])
 
 
 def test_calls_before_init_explain() -> None:

@@ -12,6 +12,7 @@ import torch
 import shardwise.communication as comm
 from shardwise.dataset import Dataset, GeneratorDataset
 from shardwise.dataset._order import buffer_shuffle, samples_per_rank, shard_positions
+from shardwise.testing import simulated_world
 
 
 def pipeline(n: int, seed: int = 7, **shard: Any) -> Dataset:
@@ -143,7 +144,7 @@ def test_auto_takes_rank_and_rank0_seed(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(comm, "is_initialized", lambda: True)
     monkeypatch.setattr(comm, "get_group_size", lambda group=None: 4)
-    monkeypatch.setattr(comm, "get_rank", lambda group=None: 2)
+    monkeypatch.setattr(comm, "process_ranks", lambda: (2,))
     monkeypatch.setattr(comm, "Broadcast", FakeBroadcast)
     auto = pipeline(80, seed=99, num_shards="auto").batch(2)
     assert auto.get_shard() == (4, 2) and len(auto) == 10
@@ -153,15 +154,11 @@ def test_auto_takes_rank_and_rank0_seed(monkeypatch: pytest.MonkeyPatch) -> None
     assert broadcasts == [99]
 
 
-def test_auto_rejects_simulated_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Symbolic:
-        pass
-
-    monkeypatch.setattr(comm, "is_initialized", lambda: True)
-    monkeypatch.setattr(comm, "get_group_size", lambda group=None: 2)
-    monkeypatch.setattr(comm, "get_rank", lambda group=None: Symbolic())
-    with pytest.raises(ValueError, match="pass num_shards and shard_id explicitly"):
+def test_auto_rejects_a_process_running_several_ranks() -> None:
+    with simulated_world(2), pytest.raises(ValueError, match="this process runs 2 ranks"):
         len(pipeline(8, num_shards="auto"))
+    with simulated_world(1):  # one rank: its plain rank
+        assert pipeline(8, num_shards="auto").get_shard() == (1, 0)
 
 
 def test_order_helpers() -> None:

@@ -82,20 +82,24 @@ def test_levels_1_2_refill_the_same_leaf_in_place(level: str) -> None:
 
 
 class Sometimes(nn.Module):
-    """Two layers in one fusion bucket (id 1); `extra` runs only when `use_extra` is set."""
+    """Two layers in one fusion bucket (id 1); `extra` runs only when `use_extra` is set. Its first
+    activation is a shardwise primitive, so the primitive runtime runs it, deciding the torch ops
+    around it one by one (a network of plain torch ops runs one captured plan and must run the
+    same ops every step)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.flatten, self.first = nn.Flatten(), nn.Linear(64, 32)
         self.extra, self.head = nn.Linear(32, 32), nn.Linear(32, 16)
+        self.act = sw.ops.ReLU()
         sw.set_comm_fusion(self.first, 1)
         sw.set_comm_fusion(self.extra, 1)
         sw.set_comm_fusion(self.head, 2)
         self.use_extra = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.first(self.flatten(x)))
+        h = self.act(self.first(self.flatten(x)))
         if self.use_extra:
             h = torch.relu(self.extra(h))
         out: torch.Tensor = self.head(h)

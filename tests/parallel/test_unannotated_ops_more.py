@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.parallel import AutoParallel
+from shardwise.parallel import AutoParallel, UnsupportedParallelError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 BATCH, SEQ, VOCAB, EMBED, HEADS, STEPS, LR, SEED = 8, 6, 17, 16, 2, 3, 0.1, 1234
@@ -227,4 +227,26 @@ def test_attention_dropout_inside_the_kernel_is_refused() -> None:
     with simulated_world(2) as world:
         parallel = AutoParallel(world.replicate(net))
         with pytest.raises(ValueError, match=r"dropout_p > 0 .* pass dropout_p=0.0"):
+            parallel(world.rows(x))
+
+
+class Changing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.twice = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h: torch.Tensor = self.lin(x)
+        return torch.tanh(h) if self.twice else torch.relu(h)
+
+
+def test_a_network_whose_ops_change_between_steps_is_refused() -> None:
+    """The plan is captured once: another op at the same place names both ops."""
+    net, x = Changing(), torch.randn(4, 4)
+    with simulated_world(2) as world:
+        parallel = AutoParallel(world.replicate(net))
+        parallel(world.rows(x))
+        net.twice = True
+        with pytest.raises(UnsupportedParallelError, match=r"called torch.tanh where the plan has"):
             parallel(world.rows(x))

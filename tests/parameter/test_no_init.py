@@ -186,6 +186,21 @@ def test_materialized_values_leave_the_module_deferred() -> None:
     _assert_identical(full, net)
 
 
+def test_materialize_given_values_keeps_the_objects() -> None:
+    full = _eager(MatMulNet)
+    net = _deferred(MatMulNet)
+    kept = net.fc2_weight
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="pass values, or a slicer"):
+        materialize(net, values={}, slicer=lambda name, shape: None)
+    with pytest.raises(ValueError, match="no value for"):
+        materialize(net, values={})
+    materialize(net, values=materialized_values(net))
+    assert net.fc2_weight is kept and optimizer.param_groups[0]["params"][1] is kept
+    _assert_identical(full, net)
+    assert not is_deferred(kept)
+
+
 def test_reseeding_inside_the_block_is_replayed() -> None:
     def build() -> nn.Module:
         first = nn.Linear(4, 4)

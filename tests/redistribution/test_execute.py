@@ -171,12 +171,23 @@ def test_errors_before_any_collective() -> None:
         other = plan_redistribution(src, lay(None, None, None), SHAPE)
         with pytest.raises(ValueError, match="the plan is for"):
             redistribute(x, src, dst, SHAPE, plan=other)
-        reversed_ranks = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"), tuple(range(7, -1, -1)))
-        rsrc = TensorLayout(reversed_ranks, src.dims)
-        rdst = TensorLayout(reversed_ranks, dst.dims)
-        with pytest.raises(ValueError, match="default rank_list"):
-            redistribute(x, rsrc, rdst, SHAPE)
+        # (a real job runs this rank_list, tests/multiprocess; here its groups are not
+        # translates of one another, which one process running every rank cannot do)
+        shuffled = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"), (3, 0, 6, 5, 1, 7, 2, 4))
+        ssrc, sdst = TensorLayout(shuffled, src.dims), TensorLayout(shuffled, dst.dims)
+        with pytest.raises(ValueError, match=r"not rank 0's group .* shifted"):
+            redistribute(x, ssrc, sdst, SHAPE)
         assert rec.records == []
+
+
+def test_reversed_rank_list() -> None:
+    """A rank_list whose groups are translates of one another (here reversed: blocks permuted
+    around each collective) runs as in a real job (tests/multiprocess covers it too)."""
+    backwards = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"), tuple(range(7, -1, -1)))
+    with simulated_world(8) as world:
+        for i, (src, dst) in enumerate(CHOSEN[:4] + CHOSEN[6:8]):
+            rsrc, rdst = TensorLayout(backwards, src.dims), TensorLayout(backwards, dst.dims)
+            run_case(world, rsrc, rdst, SHAPE, seed=10 + i)
 
 
 def test_plan_is_reused() -> None:

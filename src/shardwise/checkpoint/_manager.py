@@ -25,6 +25,11 @@ from shardwise.checkpoint._io import PathLike, load_checkpoint, save_checkpoint
 SUFFIX = ".safetensors"
 
 
+def _is_int(value: object) -> bool:
+    """Whether `value` is a plain int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def checkpoint_dir_for_rank(directory: PathLike, rank: int, world_size: int) -> Path:
     """The directory rank ``rank`` writes to: ``directory/rank_<rank>`` if ``world_size > 1``.
 
@@ -40,9 +45,9 @@ def checkpoint_dir_for_rank(directory: PathLike, rank: int, world_size: int) -> 
         >>> checkpoint_dir_for_rank("ckpt", 3, 8)
         PosixPath('ckpt/rank_3')
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+    if not _is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     base = Path(directory)
     return base / f"rank_{rank}" if world_size > 1 else base
@@ -156,9 +161,7 @@ class CheckpointManager:
         world_size: int = 1,
     ) -> None:
         if keep_checkpoint_max is not None and (
-            isinstance(keep_checkpoint_max, bool)
-            or not isinstance(keep_checkpoint_max, int)
-            or keep_checkpoint_max < 1
+            not _is_int(keep_checkpoint_max) or keep_checkpoint_max < 1
         ):
             raise ValueError(
                 f"keep_checkpoint_max must be an int >= 1 or None, got {keep_checkpoint_max!r}"

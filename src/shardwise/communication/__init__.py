@@ -6,6 +6,8 @@ process-group functions directly.
 - `_env.detect_job`: which job this process is in (shardwise run, torchrun, mpirun, rank table).
 - `_init`: `init`, `get_rank`, `get_group_size`, `get_local_rank`, `create_group`,
   `destroy_group`, `release`.
+- `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
+  world (`process_ranks`, `rank_value`, `own_group`, `rank_parts`, `file_rank`).
 - `_collectives`: the plain collectives (recorded, no autograd).
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
   parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
@@ -31,6 +33,13 @@ from shardwise.communication._init import (
     is_initialized,
     release,
     scoped_group_name,
+)
+from shardwise.communication._ranks import (
+    file_rank,
+    own_group,
+    process_ranks,
+    rank_parts,
+    rank_value,
 )
 from shardwise.communication._sim import plain_tensors, replicated_draw
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
@@ -65,12 +74,17 @@ __all__ = [
     "destroy_group",
     "detect_job",
     "ensure_group",
+    "file_rank",
     "get_group_size",
     "get_local_rank",
     "get_rank",
     "init",
     "is_initialized",
+    "own_group",
     "plain_tensors",
+    "process_ranks",
+    "rank_parts",
+    "rank_value",
     "release",
     "replicated_draw",
     "scoped_group_name",

@@ -175,32 +175,6 @@ def get_local_rank() -> int:
     return _job.local_rank if _job is not None else 0
 
 
-def anchor_rank(rank_list: Sequence[int]) -> int:
-    """The global rank whose sub-groups this process creates, for a device layout whose ranks in
-    device order are `rank_list` (``DeviceMatrix.rank_list``).
-
-    In a real job: this process's rank (each rank creates the groups it belongs to). In a
-    simulated world every rank runs in this process and a group created for some ranks also
-    runs on each translate of it that tiles the world, so rank 0's groups stand for every
-    rank's; that needs `rank_list` to be the default ``0 .. n-1``.
-
-    Raises:
-        ValueError: in a simulated world, `rank_list` is not the default ``0 .. n-1``.
-
-    Example:
-        >>> members = matrix.group_along(anchor_rank(matrix.rank_list), (0,))  # doctest: +SKIP
-    """
-    sim = _sim.current()
-    if sim is None:
-        return get_rank()
-    if tuple(rank_list) != tuple(range(sim.world_size)):
-        raise ValueError(
-            f"in a simulated world of {sim.world_size} ranks a device matrix must span it with "
-            f"the default rank_list 0..{sim.world_size - 1}; got {list(rank_list)}"
-        )
-    return 0
-
-
 def scoped_group_name(tag: str, scope: str, ranks: Sequence[int]) -> str:
     """A group name the same on every rank: ``<tag>@<8 hex of sha1(scope)>:<sorted ranks>``.
 

@@ -42,6 +42,10 @@ class Simulator(Protocol):
         """Each rank's local value of `t`."""
         ...
 
+    def per_rank_int(self, values: Sequence[int]) -> int:
+        """A symbolic int equal to ``values[r]`` on rank r."""
+        ...
+
     def rank_map(self, fn: Callable[[int], torch.Tensor]) -> torch.Tensor:
         """One tensor whose value on rank r is ``fn(r)``."""
         ...

@@ -64,8 +64,7 @@ class ShardSetting:
         """``(num_shards, shard_id)``; ``"auto"`` gives ``(group size, rank)`` or ``(1, 0)``.
 
         Raises:
-            ValueError: ``"auto"`` inside ``simulated_world()``, where one process holds every
-                rank and the rank is symbolic.
+            ValueError: ``"auto"`` in a process that runs several ranks (``simulated_world()``).
         """
         if self.num_shards is None:
             return 1, 0
@@ -76,13 +75,14 @@ class ShardSetting:
 
         if not comm.is_initialized():
             return 1, 0
-        size, rank = comm.get_group_size(), comm.get_rank()
-        if type(rank) is not int:
+        ranks = comm.process_ranks()
+        if len(ranks) != 1:
             raise ValueError(
-                "num_shards='auto' needs a real rank, but this process simulates every rank "
-                "(simulated_world); pass num_shards and shard_id explicitly"
+                f"num_shards='auto' reads the shard of the one rank a process runs, but this "
+                f"process runs {len(ranks)} ranks (simulated_world); pass num_shards and "
+                "shard_id explicitly"
             )
-        return size, rank
+        return comm.get_group_size(), ranks[0]
 
     @property
     def is_auto(self) -> bool:

@@ -16,17 +16,16 @@ batch it passes (``"full_batch"``). Which function does which step:
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
   (SUM, then divided by the world size), one flat fused all-reduce per bucket
   (`_all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
-  gradients of the parameters this rank does not own, so the optimizer updates, and keeps state
-  for, only its own parameters.
+  gradients of the parameters that no rank of this process owns, so the optimizer updates, and
+  keeps state for, only its own parameters.
 - `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
   broadcasts each owner's updated parameters to every rank, one flat broadcast per
   (owner, fusion id) bucket (`_broadcast_bucket`).
 
-In a simulated world (`shardwise.testing.simulated_world`) one Python optimizer object serves
-every simulated rank, so a gradient cannot be None on some ranks only: there every rank updates
-every parameter (all hold the same reduced gradients, so the values are those the owner
-computes) and the broadcasts are still issued, so the collectives are those of a real job. In a
-real job only the owner updates.
+A process updates the parameters owned by the ranks it runs (`communication.process_ranks`):
+in a job, its own rank's and the shared ones. A process running every rank (a simulated world)
+updates every parameter with one optimizer object: all ranks hold the same reduced gradients,
+so the values are those the owner computes, and the broadcasts are issued all the same.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise.communication import _collectives as C
-from shardwise.communication import _sim
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._plan import FusionConfig, check_fusion
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
@@ -388,8 +386,7 @@ class DataParallelRunner:
                 "runner inside shardwise.testing.simulated_world)"
             )
         self.world = comm.get_group_size()
-        self._simulated = _sim.current() is not None
-        self._rank = None if self._simulated else comm.get_rank()
+        self._ranks = comm.process_ranks()  # the ranks whose parameters this process updates
         self.entries: list[_Entry] = []
         self._grad_buckets: list[list[_Bucket]] = []
         self._broadcast_buckets: list[list[_Bucket]] = []
@@ -557,10 +554,8 @@ class DataParallelRunner:
             grads = [e.param.grad for e in bucket.entries if e.param.grad is not None]
             if grads:
                 _all_reduce_bucket(grads, self.world)
-        if self._simulated or self._rank is None:
-            return  # every simulated rank updates everything (see the module docstring)
         for bucket in self._broadcast_buckets[index]:
-            if bucket.root != self._rank:
+            if bucket.root not in self._ranks:  # updated by its owner's process
                 for e in bucket.entries:
                     e.param.grad = None
 

@@ -31,9 +31,9 @@ reduced in fused buckets straight into the shards (levels 1-3).
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks) and `_unpack` gathers the bucket again in
   backward, starting the previous saved bucket's gather too (prefetch: backward runs the layers
-  in reverse); in a real job the leaves' storage is freed after the forward, and a second
-  forward before the optimizer steps (gradient accumulation) gathers it again into the same
-  leaves (`_refill`).
+  in reverse); the leaves' storage is freed after the forward (`communication.rank_parts`: the
+  storage of every rank this process runs), and a second forward before the optimizer steps
+  (gradient accumulation) gathers it again into the same leaves (`_refill`).
 - A backward that raised midway (`_drop_unfinished_backward`, run by the next forward): its
   started collectives are finished and dropped, its partial buckets, re-gathers and (levels
   2-3) leaf gradients forgotten; the end-of-backward callback is queued once per backward
@@ -88,7 +88,6 @@ class OptimizerParallel:
         self.plan = plan
         self.level = plan.config.optimizer_level
         self.world = comm.get_group_size()
-        self.simulated = not isinstance(comm.get_rank(), int)
         self.params = {s.info.name: network.get_parameter(s.info.name) for s in plan.params}
         self.shards = {s.info.name: s for s in plan.params}
         self.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
@@ -102,7 +101,7 @@ class OptimizerParallel:
         self._regathered: dict[int, dict[str, torch.Tensor]] = {}
         self._used: dict[str, bool] = {}
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
-        self._gathered_ptrs: dict[int, str] = {}
+        self._gathered_ptrs: dict[tuple[int, ...], str] = {}
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
         self._inflight: list[
             tuple[int, str, Pending[list[torch.Tensor]]]
@@ -180,8 +179,7 @@ class OptimizerParallel:
             self._gathered_ids[id(leaf)] = name
             if leaf._base is not None:  # views of the leaf have the root as their _base
                 self._gathered_ids[id(leaf._base)] = name
-            if not self.simulated:
-                self._gathered_ptrs[leaf.untyped_storage().data_ptr()] = name
+            self._gathered_ptrs[_storage_key(leaf)] = name
         if leaf.requires_grad:  # (a weak reference: leaves outlive steps, hooks are not traced)
             leaf.register_post_accumulate_grad_hook(_grad_hook(weakref.ref(self), name))
         self.leaves[name] = leaf
@@ -225,25 +223,27 @@ class OptimizerParallel:
                 self._leaf(name, full)
 
     def _freed(self, name: str) -> bool:
-        """Level 3, real job: whether `end_forward` freed leaf `name` (a second forward before
-        the optimizer steps, e.g. gradient accumulation, gathers it again)."""
+        """Level 3: whether `end_forward` freed leaf `name` (a second forward before the
+        optimizer steps, e.g. gradient accumulation, gathers it again)."""
         leaf = self.leaves.get(name)
-        return leaf is not None and self._frees() and leaf.untyped_storage().size() == 0
-
-    def _frees(self) -> bool:
-        return self.level == "level3" and not self.simulated
+        return (
+            leaf is not None
+            and self.level == "level3"
+            and all(part.untyped_storage().size() == 0 for part in comm.rank_parts(leaf))
+        )
 
     def _refill(self, name: str, full: torch.Tensor) -> None:
         """Put the gathered weight back into freed leaf `name`: the same leaf object, so the
         gradients of both forwards accumulate on it."""
         leaf = self.leaves[name]
-        dims = zip(leaf.shape, leaf.stride(), strict=True)
-        last = leaf.storage_offset() + sum((n - 1) * s for n, s in dims)
-        storage = leaf.untyped_storage()
-        storage.resize_(max(storage.size(), int(last + 1) * leaf.element_size()))
+        for part in comm.rank_parts(leaf):
+            dims = zip(part.shape, part.stride(), strict=True)
+            last = part.storage_offset() + sum((n - 1) * s for n, s in dims)
+            storage = part.untyped_storage()
+            storage.resize_(max(storage.size(), int(last + 1) * part.element_size()))
         with torch.no_grad():
             leaf.copy_(full)
-        self._gathered_ptrs[storage.data_ptr()] = name  # (`end_forward` forgot the old one)
+        self._gathered_ptrs[_storage_key(leaf)] = name  # (`end_forward` forgot the old one)
 
     def _prefetch(self, i: int, depth: int) -> None:
         """Start gathering shard bucket `i` and the shard buckets after it, `depth` in all, that
@@ -271,11 +271,11 @@ class OptimizerParallel:
 
     def _pack(self, t: torch.Tensor) -> Any:
         """A token for a gathered weight or a view of one (e.g. ``weight.t()`` saved by
-        ``linear``): found by identity, view base, or (real job) storage."""
+        ``linear``): found by identity, view base, or storage."""
         base = t._base if t._base is not None else t
         name = self._gathered_ids.get(id(base))
-        if name is None and not self.simulated:
-            name = self._gathered_ptrs.get(t.untyped_storage().data_ptr())
+        if name is None:
+            name = self._gathered_ptrs.get(_storage_key(t))
         if name is None:
             return t
         leaf = self.leaves[name]
@@ -307,12 +307,13 @@ class OptimizerParallel:
                 self._regathering[i] = self._start_gather(i)
 
     def end_forward(self) -> None:
-        """Level 3, real job: free the gathered weights now that the forward is done."""
-        if not self._frees():
+        """Level 3: free the gathered weights now that the forward is done."""
+        if self.level != "level3":
             return
         for name, leaf in self.leaves.items():
             if self.shards[name].sharded:
-                leaf.untyped_storage().resize_(0)
+                for part in comm.rank_parts(leaf):
+                    part.untyped_storage().resize_(0)
         # the allocator may hand those addresses to the next forward's activations
         self._gathered_ptrs.clear()
 
@@ -509,6 +510,11 @@ class OptimizerParallel:
                 self.leaves = {n: leaf for n, leaf in self.leaves.items() if n in self._stale}
             self._gathered_ids.clear()
             self._gathered_ptrs.clear()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, ...]:
+    """Where `t`'s data lives: the storage address of each rank's part (views share it)."""
+    return tuple(part.untyped_storage().data_ptr() for part in comm.rank_parts(t))
 
 
 def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:

@@ -7,14 +7,13 @@ of ``s`` ranks: the *shard group* (this rank's chunk: AllGather of weights, Redu
 gradients) and the *copy group* (the ranks at the same position of every chunk: AllReduce of the
 reduced shard when ``s`` is smaller than the group).
 
-`bucket_groups` returns both (names created on first use, the same on every rank) and this
-rank's position in the shard group (a per-rank symbolic int in a simulated world, where the
-groups of rank 0 stand for their translates).
+`bucket_groups` returns both (names created on first use, the same on every rank; found with
+`communication.own_group`) and this rank's position in the shard group
+(`communication.rank_value`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ class BucketGroups:
     Attributes:
         shard: name of the shard group, and its size.
         copies: name of the copy group, and its size.
-        position: this rank's index in the shard group (symbolic in a simulated world).
+        position: this rank's index in the shard group (a rank-dependent int).
     """
 
     shard: str | None
@@ -37,15 +36,6 @@ class BucketGroups:
     copies: str | None
     copies_size: int
     position: int
-
-
-def _position(matrix: DeviceMatrix, axes: Sequence[int], rank: int) -> int:
-    """This rank's index in its data-parallel group (works on symbolic ranks)."""
-    pos = 0
-    for a in axes:
-        stride = math.prod(matrix.shape[a + 1 :])
-        pos = pos * matrix.shape[a] + (rank // stride) % matrix.shape[a]
-    return pos
 
 
 def _named(kind: str, matrix: DeviceMatrix, ranks: Sequence[int]) -> str | None:
@@ -74,21 +64,17 @@ def bucket_groups(matrix: DeviceMatrix, axes: Sequence[int], shard: int) -> Buck
     """The shard and copy groups of this rank for data-parallel `axes` of `matrix`.
 
     Args:
-        matrix: the plan's global device matrix (default rank_list in a simulated world).
+        matrix: the plan's global device matrix.
         axes: the axes the parameters are replicated on.
         shard: the shard group size (1: no sharding, the copy group is the whole dp group).
 
     Returns:
         `BucketGroups`.
     """
-    rank = comm.get_rank()
-    simulated = not isinstance(rank, int)
-    if simulated and matrix.rank_list != tuple(range(comm.get_group_size())):
-        raise ValueError(f"in a simulated world {matrix} must use the default rank_list")
-    shard_ranks, copy_ranks = group_ranks(matrix, axes, shard, 0 if simulated else rank)
+    shard_ranks = comm.own_group(lambda r: group_ranks(matrix, axes, shard, r)[0])
+    copy_ranks = comm.own_group(lambda r: group_ranks(matrix, axes, shard, r)[1])
     k = len(shard_ranks) * len(copy_ranks)
-    real_pos = 0 if simulated else shard_ranks.index(rank)
-    position = _position(matrix, axes, rank) % shard if simulated else real_pos
+    position = comm.rank_value(lambda r: group_ranks(matrix, axes, shard, r)[0].index(r))
     return BucketGroups(
         _named("shard", matrix, shard_ranks) if shard > 1 else None,
         shard,

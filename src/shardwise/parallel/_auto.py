@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -277,9 +277,11 @@ class AutoParallel(CallRuntime, StrategyFiles):
         """The optimizer-parallel plan (None before planning): with `hsdp`, which parameters
         shard and the buckets of their collectives; without, nothing sharded and the gradient
         AllReduce buckets (25 MB by default, or as `comm_fusion` says)."""
+        if self._engine is not None:
+            return self._engine.plan
         if self._graph is not None:  # (a network of plain torch ops)
             return self._graph.grad_plan
-        return self._engine.plan if self._engine is not None else self._grad_plan
+        return self._grad_plan
 
     def plan(
         self,
@@ -412,13 +414,12 @@ class AutoParallel(CallRuntime, StrategyFiles):
             return self._to_output(out, whole=self._dataset == "full_batch")
 
     def _graph_ok(self) -> bool:
-        optimizer_parallel = self._hsdp is not None or self._fusion is not None
-        return graph_eligible(self.network, self._dataset, optimizer_parallel)
+        return graph_eligible(self.network, self._dataset)
 
     def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun | None:
         """Capture and plan a network of plain torch ops (None: it declares layouts)."""
         fn = self.train_step if self.train_step is not None else self.network
-        run = GraphRun(fn, self.network, self._dataset)
+        run = GraphRun(fn, self.network, self._dataset, self._hsdp, self._fusion)
         self._graph_planning = True
         try:
             check_device_num(comm.get_group_size())
@@ -437,9 +438,15 @@ class AutoParallel(CallRuntime, StrategyFiles):
             self.remove()
             raise
         self._hooks += run.hooks
+        self._engine = run.engine
+        # (the primitive-call view of the same plan: no primitive call, every parameter whole)
+        stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
+        self.network_plan = NetworkPlan(plan.matrix, (), stored)
         report.dump_parallel_plan(plan)
-        if run.grad_plan is not None:  # (the gradient buckets; only `plan.matrix` is read)
-            report.dump_optimizer(run.grad_plan, cast(Any, plan))
+        if run.engine is not None:
+            report.dump_optimizer(run.engine.plan, self.network_plan)
+        elif run.grad_plan is not None:  # (the gradient AllReduce buckets)
+            report.dump_optimizer(run.grad_plan, self.network_plan)
         return run
 
     def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -62,6 +62,7 @@ class PlanExecutor(TorchFunctionMode):
         templates: each node's captured arguments (`planner.Node.args` / ``kwargs``): an op
             whose inputs are all whole gets the captured sizes instead of the ones user code
             computed from local shapes.
+        on_end: called each time the plan's last op has run (the end of the forward).
     """
 
     def __init__(
@@ -70,10 +71,12 @@ class PlanExecutor(TorchFunctionMode):
         params: dict[int, str],
         param_value: Callable[[T], T] | None = None,
         templates: list[tuple[Any, Any]] | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
         self.templates = templates
+        self.on_end = on_end
         self.params = params
         self.param_value = param_value
         self.cursor = 0
@@ -127,6 +130,8 @@ class PlanExecutor(TorchFunctionMode):
             out = self._run(func, node.index, args, kwargs)
         finally:
             self.paused -= 1
+        if self.done and self.on_end is not None:
+            self.on_end()
         return out
 
     def _restarts(

@@ -2,13 +2,16 @@
 
 `GraphRun` serves `AutoParallel` when the network holds no shardwise primitive and nothing in it
 declares a layout (``sw.shard`` / ``sw.reshard``), with a ``"data_parallel"`` or
-``"full_batch"`` dataset strategy and without optimizer parallel:
+``"full_batch"`` dataset strategy:
 
 - `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)
   on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`; returns None when
   the capture met a layout declaration (the primitive runtime of `_call` serves those).
-- apply: the gradient hooks of `_runtime.GradBuckets` for every parameter in the layout the
-  plan stores it in (DDP-style 25 MB buckets, `_hsdp.gradient_buckets`).
+- apply: for every parameter in the layout the plan stores it in, the gradient hooks of
+  `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)`` says:
+  `_hsdp.gradient_buckets`); with ``hsdp()`` instead the optimizer-parallel engine
+  (`_hsdp.start_engine`: shards at rest, each op gets a parameter's compute weight through
+  `OptimizerParallel.compute`, gradients reduced into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
   this rank's rows by the plan's entry edges; a wrapped network's outputs leave as this rank's
   rows (``full_batch``: whole).
@@ -17,6 +20,7 @@ declares a layout (``sw.shard`` / ``sw.reshard``), with a ``"data_parallel"`` or
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -24,11 +28,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
+from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
-from shardwise.optim import OptimizerPlan
+from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._executor import PlanExecutor, move
-from shardwise.parallel._hsdp import gradient_buckets
+from shardwise.parallel._hsdp import gradient_buckets, start_engine
+from shardwise.parallel._plan import NetworkPlan
 from shardwise.parallel._runtime import GradBuckets
 from shardwise.parallel._shard import Entry, activate
 from shardwise.planner import ParallelPlan, Placed, capture, plan_semi_auto
@@ -54,9 +60,9 @@ class _Declarations:
         self.found = True
 
 
-def eligible(network: nn.Module, dataset: object, optimizer_parallel: bool) -> bool:
+def eligible(network: nn.Module, dataset: object) -> bool:
     """Whether `GraphRun` can serve this network (see the module docstring)."""
-    if optimizer_parallel or dataset not in ("data_parallel", "full_batch"):
+    if dataset not in ("data_parallel", "full_batch"):
         return False
     return not any(isinstance(m, Primitive) for m in network.modules())
 
@@ -74,10 +80,19 @@ def _global(x: Any, world: int, dataset: object) -> Any:
 class GraphRun:
     """One network or train step run from its `ParallelPlan` (see the module docstring)."""
 
-    def __init__(self, fn: Callable[..., Any], network: nn.Module, dataset: object) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        network: nn.Module,
+        dataset: object,
+        hsdp: HsdpConfig | None = None,
+        fusion: FusionConfig | None = None,
+    ) -> None:
         self.fn = fn
         self.network = network
         self.dataset = dataset
+        self.hsdp, self.fusion = hsdp, fusion
+        self.engine: OptimizerParallel | None = None
         self.module_form = fn is network
         self.parallel_plan: ParallelPlan | None = None
         self.templates: list[tuple[Any, Any]] = []
@@ -104,15 +119,22 @@ class GraphRun:
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
-        self.grad_plan = gradient_buckets(self.network, stored, None)
-        self.grads = GradBuckets(self.network, self.grad_plan)
-        self.hooks += self.grads.handles
+        if self.hsdp is not None:
+            # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
+            as_network_plan = NetworkPlan(plan.matrix, (), stored)
+            self.engine = start_engine(self.network, as_network_plan, self.hsdp, self.fusion)
+        else:
+            self.grad_plan = gradient_buckets(self.network, stored, self.fusion)
+            self.grads = GradBuckets(self.network, self.grad_plan)
+            self.hooks += self.grads.handles
         return plan
 
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        if self.engine is not None:
+            self.engine.remove()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         plan = self.parallel_plan
@@ -122,12 +144,33 @@ class GraphRun:
         if self.grads is not None:
             self.grads.drop_unfinished()  # (a backward that raised)
         params = {id(p): n for n, p in self.network.named_parameters()}
-        executor = PlanExecutor(plan, params, templates=self.templates)
+        engine = self.engine
+        saved = ExitStack()
+
+        def forward_done() -> None:  # (optimizer parallel: level 3 frees the gathered weights)
+            saved.close()
+            if engine is not None:
+                engine.end_forward()
+            recorder.mark("forward done")
+
+        executor = PlanExecutor(
+            plan,
+            params,
+            param_value=None if engine is None else engine.compute,
+            templates=self.templates,
+            on_end=forward_done,
+        )
+        if engine is not None:
+            saved.enter_context(engine.saved_tensors())
+        recorder.mark("forward")
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, T):
                 executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"
-        with executor:
-            out = self.fn(*args, **kwargs)
+        try:
+            with executor:
+                out = self.fn(*args, **kwargs)
+        finally:
+            saved.close()
         executor.check_done("the end of the call")
         return self._outputs(plan, out) if self.module_form else out
 

@@ -18,8 +18,8 @@
 
 Groups (`group_for`) are named by the matrix, the axes and the ranks, the same on every rank. In
 a real job each rank creates the group it belongs to; in a simulated world the group holding
-rank 0 is created and its translates run at once (`communication._init.anchor_rank`; the
-matrix must use the default rank_list).
+rank 0 is created and its translates run at once (`communication.own_group`; the matrix must
+use the default rank_list).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
-from shardwise.communication._init import anchor_rank
 from shardwise.communication.primitives import sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Comm, OpPlan
@@ -59,9 +58,9 @@ def replicated_layout(matrix: DeviceMatrix, ndim: int) -> TensorLayout:
 
 def group_for(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str | None, tuple[int, ...]]:
     """This rank's group along `axes` of `matrix` (None: the world) and its members, ordered by
-    coordinate (first axis outer). Created on first use (`anchor_rank`: in a simulated world
-    rank 0's group, which runs on its translates too)."""
-    members = matrix.group_along(anchor_rank(matrix.rank_list), tuple(axes))
+    coordinate (first axis outer). Created on first use (`communication.own_group`: in a
+    simulated world rank 0's group, which runs on its translates too)."""
+    members = comm.own_group(lambda r: matrix.group_along(r, tuple(axes)))
     ranks = tuple(sorted(members))
     if len(ranks) == comm.get_group_size():
         return None, members

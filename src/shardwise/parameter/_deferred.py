@@ -8,7 +8,9 @@
   (a forward on meta inputs only, such as a planner's shape trace, is let through untouched).
 - `materialize`: replace the deferred tensors of a module (or one tensor) by real ones, in
   place (same objects, so optimizers created inside the block keep working), optionally
-  only a slice per tensor (``slicer``) and on another device.
+  only a slice per tensor (``slicer``) and on another device, or values computed elsewhere
+  (``values``; a tensor of another class, such as a per-rank tensor, cannot take over the
+  object: the module gets a new parameter and optimizers are re-pointed to it, `_retarget`).
 - `materialized_values`: the same values, returned by name without touching the module.
 - `is_deferred`: whether a tensor is a recorded, not yet materialized, deferred tensor.
 """
@@ -16,12 +18,15 @@
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch.nn.modules import module as module_hooks
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shardwise.parameter import _rng
@@ -219,6 +224,7 @@ def materialize(
     *,
     slicer: Slicer | None = None,
     device: torch.device | str | None = None,
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> Any:
     """Give ``obj``'s deferred parameters and buffers real values, in place.
 
@@ -233,9 +239,19 @@ def materialize(
             ``full[index]`` (a copy), e.g. this rank's shard. ``None`` from it = keep whole.
         device: move the values there (they are generated where construction would have
             put them, normally the CPU, so the random stream is the eager one).
+        values: the values to give instead of replaying, by name, as `materialized_values`
+            returns them (e.g. computed per rank and joined by
+            ``shardwise.communication.rank_value``); then `slicer` and `device` must be None.
+            A value whose class is not ``torch.Tensor`` (a per-rank tensor) cannot take over
+            the object: ``obj`` (a module) gets a new ``nn.Parameter`` or buffer holding it, and
+            an optimizer holding the old object steps the new one from its next step on.
 
     Returns:
         ``obj``.
+
+    Raises:
+        ValueError: `values` with a `slicer` or `device`, or without the value of a deferred
+            tensor of ``obj``.
 
     Example:
         >>> torch.manual_seed(0)
@@ -245,11 +261,73 @@ def materialize(
         >>> net.weight.shape
         torch.Size([2, 8])
     """
+    if values is not None and (slicer is not None or device is not None):
+        raise ValueError("materialize: pass values, or a slicer / device to replay with")
     target_device = None if device is None else _rng.normalize_device(device)
     for session, targets in _group(obj).items():
-        _assign(targets, compute(session, targets, slicer, target_device))
+        if values is None:
+            _assign(targets, compute(session, targets, slicer, target_device))
+        else:
+            missing = [t.name for t in targets if t.name not in values]
+            if missing:
+                raise ValueError(f"materialize: no value for {', '.join(missing)}")
+            _give(obj, targets, [values[t.name] for t in targets])
         _finish(session)
     return obj
+
+
+def _give(obj: torch.nn.Module | torch.Tensor, targets: list[Target], values: list[Any]) -> None:
+    """`_assign`, except that a value of another tensor class than ``torch.Tensor`` replaces
+    its target on the module (`assign_tensor` keeps the object's class, which such a value
+    cannot take)."""
+    replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for target, value in zip(targets, values, strict=True):
+        if type(value) is torch.Tensor or not isinstance(obj, torch.nn.Module):
+            assign_tensor(target.tensor, value)
+            continue
+        path, _, attr = target.name.rpartition(".")
+        owner = obj.get_submodule(path) if path else obj
+        old = target.tensor
+        if attr in owner._parameters:
+            new = torch.nn.Parameter(value.detach(), requires_grad=old.requires_grad)
+            setattr(owner, attr, new)
+            replaced.append((old, new))
+        else:
+            persistent = attr not in owner._non_persistent_buffers_set
+            owner.register_buffer(attr, value, persistent=persistent)
+    _retarget(replaced)
+
+
+_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+_RETARGET_HOOK: list[RemovableHandle] = []
+
+
+def _retarget(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make optimizers holding an old parameter object step the new one instead (a global
+    optimizer step pre-hook re-points their ``param_groups`` before their next step)."""
+    for old, new in pairs:
+        _REPLACED[id(old)] = (weakref.ref(old), weakref.ref(new))
+    if pairs and not _RETARGET_HOOK:
+        _RETARGET_HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    if not _REPLACED:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [_current(p) for p in group["params"]]
+    for key in list(_REPLACED):
+        old, new = _REPLACED[key]
+        if old() is None or new() is None:
+            del _REPLACED[key]
+
+
+def _current(p: torch.Tensor) -> torch.Tensor:
+    found = _REPLACED.get(id(p))
+    if found is None or found[0]() is not p:
+        return p
+    new = found[1]()
+    return p if new is None else new
 
 
 def materialized_values(

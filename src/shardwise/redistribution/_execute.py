@@ -4,8 +4,7 @@
 then runs each step on the process group of the step's device axis:
 
 - `Slice` (`_slice`): keep this rank's part of the local block along the dim, chosen by the
-  rank's coordinate on the axis. The coordinate is computed arithmetically from the rank, so it
-  also works with the per-rank symbolic rank of a simulated world.
+  rank's coordinate on the axis (`communication.rank_value`: a rank-dependent int).
 - `AllGather` (`_gather`): ``sw.ops.AllGather`` on the dim (moved to dim 0 and back).
 - `AlltoAll` (`_alltoall`): ``sw.ops.AlltoAll`` splitting the destination dim and concatenating
   on the source dim.
@@ -21,15 +20,13 @@ rank's part of the block and zeros elsewhere. Gradients of replicated tensors ar
 *partial*: their sum over the replicas is the gradient of the logical tensor (see
 docs/redistribution.md for why an AllGather backward of Slice would be wrong here).
 
-Groups are created once per device matrix and axis (`group_name`): in a real job each rank
-creates the group it belongs to (only members call `create_group`), all ranks at the same
-step; in a simulated world the group containing rank 0 is created, and its translates, which
-tile the world like a mesh axis, run at once.
+Groups are created once per device matrix and axis (`group_name`): each rank creates the group
+it belongs to (`communication.own_group`; only members call `create_group`), all ranks at the
+same step.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -45,29 +42,19 @@ class _Axes:
 
     def __init__(self, layout: TensorLayout) -> None:
         self.matrix = layout.matrix
-        self.rank = comm.get_rank()
-        self.simulated = not isinstance(self.rank, int)
         self.world = comm.get_group_size()
-        default = self.matrix.rank_list == tuple(range(self.matrix.size))
-        if self.simulated and (not default or self.matrix.size != self.world):
-            raise ValueError(
-                f"redistribute: in a simulated world of {self.world} ranks the device matrix "
-                f"must span the world with the default rank_list; got {self.matrix}"
-            )
-        if not self.simulated and self.rank not in self.matrix.rank_list:
-            raise ValueError(f"redistribute: rank {self.rank} is not in {self.matrix}")
+        for rank in comm.process_ranks():
+            if rank not in self.matrix.rank_list:
+                raise ValueError(f"redistribute: rank {rank} is not in {self.matrix}")
 
     def coord(self, axis: int) -> int:
-        """This rank's coordinate on `axis` (a per-rank int in a simulated world)."""
-        if self.simulated:
-            stride = math.prod(self.matrix.shape[axis + 1 :])
-            return (self.rank // stride) % self.matrix.shape[axis]
-        return self.matrix.coord(self.rank)[axis]
+        """This rank's coordinate on `axis` (a rank-dependent int)."""
+        return comm.rank_value(lambda r: self.matrix.coord(r)[axis])
 
     def group(self, axis: int) -> tuple[str | None, tuple[int, ...]]:
         """The group name of `axis` for this rank, and ``order``: the sorted position of
         each block (block j comes from rank ``sorted_group[order[j]]``)."""
-        by_block = self.matrix.group_along(0 if self.simulated else self.rank, (axis,))
+        by_block = comm.own_group(lambda r: self.matrix.group_along(r, (axis,)))
         ranks = tuple(sorted(by_block))
         order = tuple(ranks.index(r) for r in by_block)
         if ranks == tuple(range(self.world)):
@@ -186,8 +173,7 @@ def redistribute(
 
 
 def block_offset(layout: TensorLayout, dim: int, shape: Sequence[int]) -> int:
-    """Where this rank's block of `dim` starts in the global tensor (a per-rank int in a
-    simulated world).
+    """Where this rank's block of `dim` starts in the global tensor (a rank-dependent int).
 
     Example:
         >>> block_offset(TensorLayout(m, ((0,), ())), 0, (16, 4))   # rank 5 on (2, 4): 8
@@ -201,7 +187,7 @@ def block_offset(layout: TensorLayout, dim: int, shape: Sequence[int]) -> int:
 
 def local_block(whole: torch.Tensor, layout: TensorLayout, shape: Sequence[int]) -> torch.Tensor:
     """This rank's block under `layout` of a tensor every rank holds whole (local slices only,
-    no collective; works on the per-rank ranks of a simulated world).
+    no collective).
 
     Example:
         >>> block = local_block(weight, layout, weight.shape)

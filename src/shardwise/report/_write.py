@@ -2,8 +2,9 @@
 ranks) and `dump_plan` (what `AutoParallel.plan` calls: reads ``save_graphs`` and
 ``save_graphs_path`` from `shardwise.context`, does nothing at level 0).
 
-Which ranks `dump_plan` writes: this process's rank in a real job; every rank of the plan in a
-simulated world (one process plays all ranks) or when no process group exists (planning alone).
+Which ranks `dump_plan` writes: the ranks of the plan this process runs
+(`communication.process_ranks`: its own rank in a job), or every rank of the plan when no
+process group exists (planning alone).
 """
 
 from __future__ import annotations
@@ -77,10 +78,8 @@ def write_reports(
 def _ranks(plan: NetworkPlan) -> list[int]:
     if not comm.is_initialized():
         return list(plan.matrix.rank_list)
-    rank = comm.get_rank()
-    if not isinstance(rank, int):  # a simulated world: the symbolic rank of every rank
-        return list(plan.matrix.rank_list)
-    return [rank]
+    mine = comm.process_ranks()
+    return [r for r in plan.matrix.rank_list if r in mine]
 
 
 def _input_states(strategy: str | Sequence[InputState], n: int) -> list[InputState]:

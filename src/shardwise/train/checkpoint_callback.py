@@ -19,7 +19,7 @@ from shardwise.checkpoint import (
     load_param_into_net,
     unused_prefix,
 )
-from shardwise.communication import _init, _sim
+from shardwise.communication import file_rank
 from shardwise.train.callbacks import Callback, RunContext
 
 
@@ -42,12 +42,6 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CheckpointConfig: {name}={value!r} must be an int >= 1")
-
-
-def _job_rank_and_size() -> tuple[int, int]:
-    if not _init.is_initialized() or _sim.current() is not None:
-        return 0, 1
-    return int(_init.get_rank()), _init.get_group_size()
 
 
 class ModelCheckpoint(Callback):
@@ -79,7 +73,7 @@ class ModelCheckpoint(Callback):
         self._last_saved = -1
 
     def on_train_begin(self, ctx: RunContext) -> None:
-        rank, size = _job_rank_and_size()
+        rank, size = file_rank()
         probe = CheckpointManager(self.directory, self.prefix, rank=rank, world_size=size)
         prefix = unused_prefix(probe.directory, self.prefix)
         self.manager = CheckpointManager(

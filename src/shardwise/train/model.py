@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from shardwise import communication as comm
 from shardwise.communication import _collectives as C
-from shardwise.communication import _init, _sim
 from shardwise.train import callbacks as cb
 
 
@@ -57,9 +57,7 @@ def _make_metrics(metrics: Iterable[str] | dict[str, Any] | None) -> dict[str, C
 
 
 def _is_rank0() -> bool:
-    if _sim.current() is not None or not _init.is_initialized():
-        return True
-    return _init.get_rank() == 0
+    return 0 in comm.process_ranks()
 
 
 class Model:
@@ -211,7 +209,7 @@ class Model:
         out = {}
         for name, m in state.items():
             counts = m.counts()
-            if sharded and _init.is_initialized():
+            if sharded and comm.is_initialized():
                 counts = C.all_reduce(counts, C.ReduceOp.SUM, None)
             out[name] = m.result(counts)
         return out

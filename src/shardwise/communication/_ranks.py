@@ -1,0 +1,169 @@
+"""Rank-dependent values and groups, asked the same way whoever runs the ranks.
+
+In a job each process runs one rank. Under `shardwise.testing.simulated_world(n)` one process
+runs all n ranks at once: a tensor holds one value per rank and `get_rank()` is a per-rank
+symbolic int. Code outside this package asks these functions instead of asking which case it
+is in, so tests run the code that real jobs run:
+
+- `process_ranks`: the global ranks whose work this process does (its own rank in a job).
+- `rank_value`: ``make(rank)`` for this rank: an int, a tensor, or a dict / list / tuple of
+  them, computed for each rank the process runs (a per-rank value when it runs several).
+- `own_group`: this rank's group among the groups ``members_of(r)`` that partition the ranks
+  (in a simulated world rank 0's group, which stands for its translates).
+- `rank_parts`: the plain tensors holding a tensor's value on the ranks the process runs
+  (for storage-level work: data pointers, freeing and refilling storage).
+- `file_rank`: the rank and world size that name the files this process writes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardwise.communication import _init, _sim
+
+T = TypeVar("T")
+
+
+def process_ranks() -> tuple[int, ...]:
+    """The global ranks whose work this process does.
+
+    Returns:
+        ``(rank,)`` in a job (one rank per process); every rank ``0 .. n-1`` in
+        ``simulated_world(n)``; ``(0,)`` outside any job (a lone process is rank 0 of a 1-rank
+        job).
+
+    Example:
+        >>> if bucket.root not in comm.process_ranks():
+        ...     drop_gradients(bucket)   # another process updates this bucket
+    """
+    if not dist.is_initialized():
+        return (0,)
+    sim = _sim.current()
+    if sim is not None:
+        return tuple(range(sim.world_size))
+    return (dist.get_rank(),)
+
+
+def rank_value(make: Callable[[int], T]) -> T:
+    """``make(rank)`` for this process's global rank, as a rank-dependent value.
+
+    In a job this is ``make(get_rank())``. Where one process runs every rank (simulated world)
+    `make` runs once per rank, with plain tensors (outside the per-rank mode: a random draw
+    happens once per call, as on one process), and the results are joined: tensors into one
+    per-rank tensor, ints that differ into a per-rank int, dicts / lists / tuples item by item;
+    anything else must be equal on every rank.
+
+    Args:
+        make: computes rank r's value from its global rank r.
+
+    Returns:
+        This rank's value (per-rank where ranks differ).
+
+    Raises:
+        RuntimeError: no job (call `init()` first).
+        ValueError: (several ranks per process) values other than ints and tensors that differ
+            between ranks.
+
+    Example:
+        >>> coord = rank_value(lambda r: matrix.coord(r)[axis])   # this rank's coordinate
+        >>> block = x.narrow(0, coord * rows, rows)
+    """
+    sim = _sim.current()
+    if sim is None:
+        return make(_init.get_rank())
+    with sim.outside():
+        values = [make(r) for r in range(sim.world_size)]
+    joined: T = _join(sim, values, "rank_value")
+    return joined
+
+
+def _join(sim: _sim.Simulator, values: list[Any], where: str) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return sim.from_local_tensors(values)
+    if isinstance(first, int) and not isinstance(first, bool):
+        return first if all(v == first for v in values) else sim.per_rank_int(values)
+    if isinstance(first, dict):
+        return {k: _join(sim, [v[k] for v in values], f"{where}[{k!r}]") for k in first}
+    if isinstance(first, list | tuple):
+        items = [_join(sim, [v[i] for v in values], f"{where}[{i}]") for i in range(len(first))]
+        return type(first)(items)
+    if any(v != first for v in values):
+        raise ValueError(
+            f"{where}: the ranks give different values of type {type(first).__name__}; only "
+            "ints and tensors may differ between ranks"
+        )
+    return first
+
+
+def own_group(members_of: Callable[[int], Sequence[int]]) -> tuple[int, ...]:
+    """This rank's group, among the groups ``members_of(r)`` (global ranks, in the caller's
+    order) that partition the ranks.
+
+    In a job this is ``members_of(get_rank())``. Where one process runs every rank (simulated
+    world) a collective on a group runs on all its translates at once, so every rank's group
+    must be rank 0's shifted (the same order), and rank 0's group is returned for all.
+
+    Args:
+        members_of: rank r's group, r among it.
+
+    Returns:
+        The members, in the order `members_of` gives them.
+
+    Raises:
+        RuntimeError: no job (call `init()` first).
+        ValueError: (several ranks per process) a rank's group is not a translate of rank 0's.
+
+    Example:
+        >>> ranks = own_group(lambda r: matrix.group_along(r, (axis,)))
+        >>> name = ensure_group(scoped_group_name("tp", str(matrix), ranks), ranks)
+    """
+    sim = _sim.current()
+    if sim is None:
+        return tuple(members_of(_init.get_rank()))
+    first = tuple(members_of(0))
+    for r in range(1, sim.world_size):
+        got = tuple(members_of(r))
+        shift = min(got) - min(first)
+        if got != tuple(m + shift for m in first):
+            raise ValueError(
+                f"rank {r}'s group {list(got)} is not rank 0's group {list(first)} shifted: "
+                f"in simulated_world({sim.world_size}) a collective runs on a group and all its "
+                "translates at once, so the groups must tile the world like a mesh axis (for "
+                "a device matrix: use the default rank_list over the whole world)"
+            )
+    return first
+
+
+def rank_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s value on the ranks this process runs, in rank order
+    (`t` itself in a job; one per rank in a simulated world). For storage-level work (data
+    pointers, ``untyped_storage().resize_``); compute on `t` itself.
+
+    Example:
+        >>> for part in rank_parts(leaf):
+        ...     part.untyped_storage().resize_(0)   # free the gathered weight
+    """
+    sim = _sim.current()
+    return [t] if sim is None else sim.local_tensors(t)
+
+
+def file_rank() -> tuple[int, int]:
+    """``(rank, world size)`` naming the files this process writes for itself (e.g.
+    ``directory/rank_<rank>`` checkpoints when the size is above 1).
+
+    Returns:
+        This process's rank and the world size in a job; ``(0, 1)`` outside a job and where one
+        process runs every rank (simulated world: one set of files for the whole job).
+
+    Example:
+        >>> rank, size = file_rank()
+        >>> manager = CheckpointManager("ckpt", rank=rank, world_size=size)
+    """
+    if not dist.is_initialized() or _sim.current() is not None:
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()

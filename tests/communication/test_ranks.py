@@ -1,0 +1,62 @@
+"""`process_ranks`, `rank_value`, `own_group`, `rank_parts`, `file_rank`: the same questions
+answered outside a job, in a 1-rank job (one rank per process, as in a real job) and in a
+simulated world (one process running every rank). Real multi-rank jobs run them through
+tests/multiprocess (redistribution, optimizer parallel, data parallel, delayed init)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise import communication as comm
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+
+def test_outside_a_job() -> None:
+    assert comm.process_ranks() == (0,)
+    assert comm.file_rank() == (0, 1)
+    t = torch.ones(2)
+    assert comm.rank_parts(t) == [t]
+    with pytest.raises(RuntimeError, match="init"):
+        comm.rank_value(lambda r: r)
+    with pytest.raises(RuntimeError, match="init"):
+        comm.own_group(lambda r: [r])
+
+
+def test_one_rank_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK_TABLE_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    comm.init()
+    try:
+        assert comm.process_ranks() == (0,)
+        assert comm.file_rank() == (0, 1)
+        got = comm.rank_value(lambda r: {"r": r + 5, "t": torch.full((1,), float(r))})
+        assert got["r"] == 5 and torch.equal(got["t"], torch.zeros(1))
+        assert comm.own_group(lambda r: (r,)) == (0,)
+        t = torch.ones(2)
+        assert comm.rank_parts(t) == [t]
+    finally:
+        comm.release()
+
+
+def test_every_rank_in_one_process() -> None:
+    with simulated_world(4) as world:
+        assert comm.process_ranks() == (0, 1, 2, 3)
+        assert comm.file_rank() == (0, 1)
+        coord = comm.rank_value(lambda r: r % 2)  # a per-rank int
+        x = world.rank_map(lambda r: torch.arange(4.0))
+        assert_matches_single_device(
+            x.narrow(0, coord * 2, 2), lambda r: torch.arange(4.0)[r % 2 * 2 :][:2]
+        )
+        same = comm.rank_value(lambda r: (3, "dp"))  # equal on every rank: plain values
+        assert same == (3, "dp") and type(same[0]) is int
+        blocks = comm.rank_value(lambda r: {"w": torch.full((2,), float(r)), "k": r})
+        assert_matches_single_device(blocks["w"], lambda r: torch.full((2,), float(r)))
+        assert [float(p[0]) for p in comm.rank_parts(blocks["w"])] == [0.0, 1.0, 2.0, 3.0]
+        with pytest.raises(ValueError, match="only ints and tensors may differ"):
+            comm.rank_value(lambda r: f"rank {r}")
+        # a mesh axis: every rank's group is rank 0's shifted, rank 0's stands for them all
+        assert comm.own_group(lambda r: (r % 2, r % 2 + 2)) == (0, 2)
+        assert comm.own_group(lambda r: (r // 2 * 2 + 1, r // 2 * 2)) == (1, 0)
+        with pytest.raises(ValueError, match=r"rank 2's group \[3, 2\] is not rank 0's"):
+            comm.own_group(lambda r: (0, 1) if r < 2 else (3, 2))
