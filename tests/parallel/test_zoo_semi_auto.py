@@ -132,3 +132,75 @@ def test_semi_auto_without_annotation_matches_one_device(name: str, world_size: 
             want[("ReduceScatter", "backward", ranks)] = STEPS  # the activations' adjoint
             want = +want
         assert rec.kinds() == want, rec.summary()
+
+
+@functools.cache
+def gpt2_reference() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """GPT-2 on one device: the loss and every parameter after each step."""
+    make, optimizer, kind = MODELS["gpt2"]
+    net = make()
+    opt = optimizer(net)
+    losses, params = [], []
+    for x, y in data(kind):
+        loss = loss_of("gpt2", net, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        params.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return losses, params
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt2_with_optimizer_parallel_matches_one_device(level: str, world_size: int) -> None:
+    """hsdp on the plain-torch path: every parameter stored as a 1/n shard (threshold 0), its
+    compute weight gathered for the ops; losses and updated parameters equal one device's (each
+    rank's shard = its rows of the single-device parameter). Collectives per step: the loss's
+    AllReduce, one AllGather per fused bucket forward (level 3: again in backward) and one
+    ReduceScatter per bucket (level 1 at the optimizer step, levels 2-3 in backward). Every
+    parameter has the default fusion id: one bucket."""
+    make, optimizer, kind = MODELS["gpt2"]
+    want_losses, want_params = gpt2_reference()
+    batches = data(kind)
+    net = make()
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        opt = optimizer(net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = loss_of("gpt2", net, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step).hsdp(threshold=0, optimizer_level=level)
+        for s, (x, y) in enumerate(batches):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
+            plan = parallel.optimizer_plan
+            assert plan is not None
+            for name, p in net.named_parameters():
+                full, shard = want_params[s][name], plan.param(name)
+                if not shard.sharded:
+                    assert_matches_single_device(p.detach(), full, what=name)
+                    continue
+                n = shard.shard_shape[0]
+                assert_matches_single_device(
+                    p.detach(), lambda r, f=full, n=n: f[r * n : (r + 1) * n], what=name
+                )
+            buckets = len(plan.buckets)
+            ranks = tuple(range(world_size))
+            scatter = "step" if level == "level1" else "backward"  # level 1: at the step
+            want = Counter(
+                {
+                    ("AllReduce", "forward", ranks): 1,
+                    ("AllGather", "forward", ranks): buckets,
+                    ("ReduceScatter", scatter, ranks): buckets,
+                }
+            )
+            if level == "level3":
+                want[("AllGather", "backward", ranks)] = buckets
+            assert rec.kinds() == want, rec.summary()

@@ -63,6 +63,7 @@ class PlanExecutor(TorchFunctionMode):
             whose inputs are all whole gets the captured sizes instead of the ones user code
             computed from local shapes.
         on_end: called each time the plan's last op has run (the end of the forward).
+        on_start: called each time the plan's first op is about to run.
     """
 
     def __init__(
@@ -72,11 +73,13 @@ class PlanExecutor(TorchFunctionMode):
         param_value: Callable[[T], T] | None = None,
         templates: list[tuple[Any, Any]] | None = None,
         on_end: Callable[[], None] | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
         self.templates = templates
         self.on_end = on_end
+        self.on_start = on_start
         self.params = params
         self.param_value = param_value
         self.cursor = 0
@@ -106,7 +109,7 @@ class PlanExecutor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is T.backward:
             self.check_done("loss.backward()")
-            self.finished = True  # a closure may run the graph again (`_restarts`)
+            self.finished = True  # the step may run the plan again (`_restarts`)
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             if gradient is None and args and isinstance(args[0], T):
                 with replicated_seed(args[0]):
@@ -118,12 +121,16 @@ class PlanExecutor(TorchFunctionMode):
             return func(*args, **kwargs)
         node = self.plan.nodes[self.cursor]
         op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        if not any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs))):
+            return self._factory(func, op, args, kwargs)
         if op != node.op:
             raise UnsupportedParallelError(
                 f"AutoParallel: the network called {op} where the plan has op %{node.index} "
                 f"{node.name} ({node.op}); it must run the same torch ops in the same order "
                 f"every step (plan again for a different network)"
             )
+        if self.cursor == 0 and self.on_start is not None:
+            self.on_start()
         self.cursor += 1
         self.paused += 1
         try:
@@ -134,11 +141,35 @@ class PlanExecutor(TorchFunctionMode):
             self.on_end()
         return out
 
+    def _factory(
+        self, func: Callable[..., Any], op: str, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
+        on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one."""
+        out = func(*args, **kw)
+        if not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
+            return out
+        node = self.plan.nodes[self.cursor]
+        if op != node.op:
+            raise UnsupportedParallelError(
+                f"AutoParallel: the network made a tensor with {op} where the plan has op "
+                f"%{node.index} {node.name} ({node.op}); it must run the same torch ops in the "
+                f"same order every step"
+            )
+        if self.cursor == 0 and self.on_start is not None:
+            self.on_start()
+        self.cursor += 1
+        out = self._returned(node.index, out)
+        if self.done and self.on_end is not None:
+            self.on_end()
+        return out
+
     def _restarts(
         self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
     ) -> bool:
-        """After a backward, whether this call is the graph's first op again (an optimizer's
-        closure re-running the network): the same op on the same inputs and parameters."""
+        """After the plan ran and a backward: whether this call starts it again (gradient
+        accumulation, an optimizer's closure): the plan's first op, with the same parameters
+        in the same places (other inputs may differ: a scaled batch, another chunk)."""
         if not self.finished or not self.plan.nodes:
             return False
         first = self.plan.nodes[0]
@@ -146,13 +177,12 @@ class PlanExecutor(TorchFunctionMode):
         if op != first.op:
             return False
         tensors = [t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)]
-        names = [self.inputs.get(id(t)) for t in tensors]
-        names = [
-            f"param:{self.params[id(t)]}" if id(t) in self.params else n
-            for t, n in zip(tensors, names, strict=True)
-        ]
-        if names != list(first.values):
+        if len(tensors) != len(first.values):
             return False
+        for t, value in zip(tensors, first.values, strict=True):
+            name = self.params.get(id(t))
+            if (name is not None or value.startswith("param:")) and value != f"param:{name}":
+                return False
         self.cursor, self.finished = 0, False
         return True
 

@@ -147,7 +147,12 @@ class GraphRun:
         engine = self.engine
         saved = ExitStack()
 
-        def forward_done() -> None:  # (optimizer parallel: level 3 frees the gathered weights)
+        def forward_starts() -> None:  # (optimizer parallel level 3: tokens for saved weights)
+            if engine is not None:
+                saved.enter_context(engine.saved_tensors())
+            recorder.mark("forward")
+
+        def forward_done() -> None:  # (optimizer parallel level 3: free the gathered weights)
             saved.close()
             if engine is not None:
                 engine.end_forward()
@@ -159,10 +164,8 @@ class GraphRun:
             param_value=None if engine is None else engine.compute,
             templates=self.templates,
             on_end=forward_done,
+            on_start=forward_starts,
         )
-        if engine is not None:
-            saved.enter_context(engine.saved_tensors())
-        recorder.mark("forward")
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, T):
                 executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"

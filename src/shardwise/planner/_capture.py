@@ -8,9 +8,11 @@ torch-level call (``F.linear``, ``x.view(...)``, ``torch.arange``, ...), with `_
 node (its inner calls are not recorded). Module hooks give each node its module path. Nothing is
 computed and no process group is used.
 
-For a train step, capture stops at ``loss.backward()``: the step is not run further (no
-optimizer step on fake tensors) and the loss is the graph's output. Reading a value before
-that (``.item()``, ``bool(t)``) or an op whose output shape depends on values raises
+For a train step, capture ends at the first ``loss.backward()``: the step is not run further
+(no backward, no optimizer step, no code of the user's after it on fake tensors), and the loss
+is the graph's output. A step that runs the network again (gradient accumulation, an
+optimizer's closure) runs the same plan again (`parallel._executor`). Reading a value in the
+graph (``.item()``, ``bool(t)``) or an op whose output shape depends on values raises
 `CaptureError` naming the op and the source line.
 """
 
@@ -122,11 +124,11 @@ class _State:
         self.consts: list[TensorInfo] = []
         self.counts: dict[str, int] = {}
         self.inside_primitive = 0
-        self.done = False  # past ``backward()``: nothing more is recorded
+        self.done = False  # capture has ended: nothing more is recorded
         self.aten: list[AtenCall] | None = None  # the running node's aten program
         self.aten_ids: dict[int, AtenArg] = {}
         self.tmp = 0
-        self.backward_root: Ref | None = None
+        self.backward_roots: list[Ref] = []
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -211,10 +213,10 @@ class _Recorder(TorchFunctionMode):
         kind = record_kind(func)
         if s.done or s.inside_primitive or kind == "skip":
             return func(*args, **kwargs)
-        if kind == "backward":  # the step's backward: the graph ends, the step is not run on
-            s.done = True
+        if kind == "backward":  # the graph ends; the rest of the step is not run on fakes
             if args and isinstance(args[0], T) and id(args[0]) in s.known:
-                s.backward_root = s.known[id(args[0])]
+                s.backward_roots.append(s.known[id(args[0])])
+            s.done = True
             raise _StopCapture
         if kind == "alias":
             out = func(*args, **kwargs)
@@ -250,8 +252,9 @@ class _Recorder(TorchFunctionMode):
             aten, ids = s.aten, s.aten_ids
             s.aten = None
         outs, _ = _tensors(out)
-        out_map = [ids.get(id(t)) for t in outs]
-        s.add_node(op, func, ins, outs, template, aten or (), out_map)
+        if ins or outs:  # (not a call on Python state only, such as torch.set_grad_enabled)
+            out_map = [ids.get(id(t)) for t in outs]
+            s.add_node(op, func, ins, outs, template, aten or (), out_map)
         return out
 
 
@@ -446,8 +449,7 @@ def capture(
             out = None
     outs, _ = _tensors(out)
     returned = [state.known[id(t)] for t in outs if id(t) in state.known]
-    if state.backward_root is not None:
-        returned = [state.backward_root]
+    returned += [r for r in state.backward_roots if r not in returned]
     return Graph(
         nodes=tuple(state.nodes),
         inputs=inputs,
