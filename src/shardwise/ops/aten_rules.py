@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from shardwise.ops._dtensor import Spec, has_rule, propagate
@@ -113,10 +113,38 @@ def join_rule(stack: bool) -> AtenRule:
     return rule
 
 
+def pointwise_loss_rule(args: Sequence[Any], ndim: int) -> Decision:
+    """``aten.mse_loss`` / ``smooth_l1_loss`` / ``huber_loss`` (input, target, reduction, ...).
+
+    Per mesh dim: input and target split the same way keep their split; the loss is then that
+    split (``reduction="none"``) or a partial value (``"mean"``: the mean of equal blocks'
+    means, ``"sum"``); anything else runs whole. (DTensor gathers these losses whole.)
+    """
+    x, target = args[0], args[1]
+    reduction = int(args[2]) if len(args) > 2 and isinstance(args[2], int) else 1
+    ins: list[Placement] = []
+    outs: list[Placement] = []
+    for m in range(ndim):
+        p = x.placements[m]
+        keep = type(p) is Shard and target.placements[m] == p and x.shape == target.shape
+        ins.append(p if keep else Replicate())
+        if not keep:
+            outs.append(Replicate())
+        elif reduction == 0:
+            outs.append(p)
+        else:
+            outs.append(Partial("avg" if reduction == 1 else "sum"))
+    pair = tuple(ins)
+    return Decision((pair, pair), (tuple(outs),), "shardwise")
+
+
 ATEN_RULES: dict[str, AtenRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
     "aten.cat.default": join_rule(stack=False),
     "aten.stack.default": join_rule(stack=True),
+    "aten.mse_loss.default": pointwise_loss_rule,
+    "aten.smooth_l1_loss.default": pointwise_loss_rule,
+    "aten.huber_loss.default": pointwise_loss_rule,
 }
 """shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
 
