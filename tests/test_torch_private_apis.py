@@ -78,7 +78,6 @@ def _fake_capture() -> None:
     for name in ("FakeTensorMode", "FakeTensor", "DataDependentOutputException"):
         assert hasattr(fake, name), name
     assert hasattr(fake, "DynamicOutputShapeException")
-    assert callable(torch.nn.utils.stateless._reparametrize_module)
     assert hasattr(importlib.import_module("torch.utils._python_dispatch"), "TorchDispatchMode")
 
 
@@ -131,7 +130,7 @@ CASES: dict[str, Callable[[], None]] = {
         _module_dicts
     ),
     "communication/_init: _get_default_store": _default_store,
-    "planner/_fake: fake tensors, TorchDispatchMode, _reparametrize_module": _fake_capture,
+    "planner/_fake: fake tensors, TorchDispatchMode, Module._parameters": _fake_capture,
     "ops/_dtensor: DTensor's sharding propagator and a mesh without process group": (
         _dtensor_rules
     ),

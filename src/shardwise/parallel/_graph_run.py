@@ -32,10 +32,11 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
+from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._executor import PlanExecutor, move
 from shardwise.parallel._hsdp import gradient_buckets, start_engine
 from shardwise.parallel._plan import NetworkPlan
-from shardwise.parallel._runtime import GradBuckets
+from shardwise.parallel._runtime import GradBuckets, shard_parameters
 from shardwise.parallel._shard import Entry, activate
 from shardwise.planner import ParallelPlan, Placed, capture, plan_semi_auto
 from shardwise.planner._capture import input_key
@@ -119,6 +120,8 @@ class GraphRun:
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
+        if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
+            shard_parameters(self.network, stored)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
             as_network_plan = NetworkPlan(plan.matrix, (), stored)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -139,6 +139,20 @@ class _NoInitParameters:
 no_init_parameters = _NoInitParameters()
 
 
+_TRACING = [0]  # > 0: forwards are traced (planner.capture), nothing materializes
+
+
+@contextmanager
+def tracing() -> Iterator[None]:
+    """While the block runs, a forward of a network built in ``no_init_parameters()`` computes
+    nothing (it is traced on fake tensors) and does not materialize it."""
+    _TRACING[0] += 1
+    try:
+        yield
+    finally:
+        _TRACING[0] -= 1
+
+
 class _AutoMaterialize:
     """Forward pre-hook: materialize the whole session before the first forward."""
 
@@ -147,7 +161,7 @@ class _AutoMaterialize:
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         session = self._session
-        if session is None or session.closed or _meta_call(args):
+        if session is None or session.closed or _TRACING[0] or _meta_call(args):
             return
         targets = _owner_targets(session)
         if targets:

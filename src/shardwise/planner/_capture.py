@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 
 from shardwise.ops import Primitive, name_primitives
+from shardwise.parameter._deferred import tracing
 from shardwise.planner._fake import (
     DATA_DEPENDENT,
     FakeTensorMode,
@@ -414,31 +415,30 @@ def capture(
     buffers: dict[str, TensorInfo] = {}
     tied: dict[str, str] = {}
     modules: dict[int, str] = {}
-    fakes: list[dict[str, T]] = []
+    fakes: dict[int, T] = {}
     for i, net in enumerate(networks):
         prefix = "" if len(networks) == 1 else f"{i}."
         name_primitives(net)
         modules |= {id(m): prefix + p for p, m in net.named_modules()}
-        swap: dict[str, T] = {}
         first: dict[int, str] = {}
         for name, p in net.named_parameters(remove_duplicate=False):
             if id(p) in first:
                 tied[prefix + name] = prefix + first[id(p)]
                 continue
             first[id(p)] = name
-            swap[name] = _fake_like(mode, p, device)
-            known[id(swap[name])] = Ref("param", prefix + name)
+            fakes[id(p)] = _fake_like(mode, p, device)
+            known[id(fakes[id(p)])] = Ref("param", prefix + name)
             params[prefix + name] = info_of(p)
         for name, b in net.named_buffers():
-            swap[name] = _fake_like(mode, b, device)
-            known[id(swap[name])] = Ref("buffer", prefix + name)
+            fakes[id(b)] = _fake_like(mode, b, device)
+            known[id(fakes[id(b)])] = Ref("buffer", prefix + name)
             buffers[prefix + name] = info_of(b)
-        fakes.append(swap)
     state = _State(known, modules)
-    state.keep += [t for swap in fakes for t in swap.values()]
+    state.keep += list(fakes.values())
     with ExitStack() as stack:
-        for net, swap in zip(networks, fakes, strict=True):
-            stack.enter_context(reparametrize(net, swap, tie_weights=True, strict=False))
+        for net in networks:
+            stack.enter_context(reparametrize(net, fakes))
+        stack.enter_context(tracing())  # (a delayed-init network is not materialized)
         stack.enter_context(mode)
         stack.enter_context(_module_hooks(state))
         stack.enter_context(_AtenRecorder(state))
