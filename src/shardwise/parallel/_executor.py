@@ -123,15 +123,7 @@ class PlanExecutor(TorchFunctionMode):
         op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
         if not any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs))):
             return self._factory(func, op, args, kwargs)
-        if op != node.op:
-            raise UnsupportedParallelError(
-                f"AutoParallel: the network called {op} where the plan has op %{node.index} "
-                f"{node.name} ({node.op}); it must run the same torch ops in the same order "
-                f"every step (plan again for a different network)"
-            )
-        if self.cursor == 0 and self.on_start is not None:
-            self.on_start()
-        self.cursor += 1
+        self._advance(op, "called")
         self.paused += 1
         try:
             out = self._run(func, node.index, args, kwargs)
@@ -150,19 +142,24 @@ class PlanExecutor(TorchFunctionMode):
         if not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
             return out
         node = self.plan.nodes[self.cursor]
-        if op != node.op:
-            raise UnsupportedParallelError(
-                f"AutoParallel: the network made a tensor with {op} where the plan has op "
-                f"%{node.index} {node.name} ({node.op}); it must run the same torch ops in the "
-                f"same order every step"
-            )
-        if self.cursor == 0 and self.on_start is not None:
-            self.on_start()
-        self.cursor += 1
+        self._advance(op, "made a tensor with")
         out = self._returned(node.index, out)
         if self.done and self.on_end is not None:
             self.on_end()
         return out
+
+    def _advance(self, op: str, did: str) -> None:
+        """Step to the next node, which must be `op` (else an error naming both ops)."""
+        node = self.plan.nodes[self.cursor]
+        if op != node.op:
+            raise UnsupportedParallelError(
+                f"AutoParallel: the network {did} {op} where the plan has op %{node.index} "
+                f"{node.name} ({node.op}); it must run the same torch ops in the same order "
+                f"every step (plan again for a different network)"
+            )
+        if self.cursor == 0 and self.on_start is not None:
+            self.on_start()
+        self.cursor += 1
 
     def _restarts(
         self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
