@@ -440,7 +440,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
         self._hooks += run.hooks
         self._engine = run.engine
         # (the primitive-call view of the same plan: no primitive call, every parameter whole)
-        stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
+        stored = plan.param_layouts()
         self.network_plan = NetworkPlan(plan.matrix, (), stored)
         report.dump_parallel_plan(plan)
         if run.engine is not None:

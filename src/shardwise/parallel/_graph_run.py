@@ -119,7 +119,7 @@ class GraphRun:
             plan = plan_semi_auto(graph, world, dataset=str(self.dataset))
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
-        stored = {n: (p.layout, p.shape) for n, p in plan.params.items()}
+        stored = plan.param_layouts()
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
         if self.hsdp is not None:

@@ -14,8 +14,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shardwise.layout import DeviceMatrix
-from shardwise.planner._plan import FORMAT, ParallelPlan, ParamPlan, _dims_d, _layout
+from shardwise.planner._plan import (
+    FORMAT,
+    ParallelPlan,
+    ParamPlan,
+    matrix_d,
+    matrix_of,
+    params_d,
+    params_of,
+)
 
 PARAM_FORMAT = "shardwise.ParamStrategy/1"
 
@@ -40,16 +47,12 @@ def load_operator_strategy_file(path: str | Path) -> ParallelPlan:
 
 def save_param_strategy_file(plan: ParallelPlan, path: str | Path) -> None:
     """Write the parameters' layouts of `plan` to `path` (JSON)."""
-    m = plan.matrix
     data = {
         "format": PARAM_FORMAT,
         "plan_format": FORMAT,
         "device_num": plan.device_num,
-        "matrix": {"shape": list(m.shape), "names": list(m.names), "rank_list": list(m.rank_list)},
-        "params": {
-            k: {"dims": _dims_d(p.layout), "shape": list(p.shape), "dtype": p.dtype}
-            for k, p in plan.params.items()
-        },
+        "matrix": matrix_d(plan.matrix),
+        "params": params_d(plan.params),
     }
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
@@ -60,13 +63,8 @@ def load_param_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamPlan
         data: dict[str, Any] = json.loads(Path(path).read_text())
         if data.get("format") != PARAM_FORMAT:
             raise ValueError(f"format {data.get('format')!r}")
-        mx = data["matrix"]
-        m = DeviceMatrix(tuple(mx["shape"]), tuple(mx["names"]), tuple(mx["rank_list"]))
-        params = {
-            k: ParamPlan(_layout(m, v["dims"]), tuple(v["shape"]), v["dtype"])
-            for k, v in data["params"].items()
-        }
-        return int(data["device_num"]), params
+        m = matrix_of(data["matrix"])
+        return int(data["device_num"]), params_of(m, data["params"])
     except (KeyError, ValueError, json.JSONDecodeError) as e:
         raise StrategyFileError(f"{path}: not a shardwise parameter strategy file ({e})") from None
 

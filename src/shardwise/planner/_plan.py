@@ -255,6 +255,10 @@ class ParallelPlan:
                 return n
         raise KeyError(f"no op {name!r} in the plan; ops: {[n.name for n in self.nodes[:8]]}...")
 
+    def param_layouts(self) -> dict[str, tuple[TensorLayout, Shape]]:
+        """Parameter name -> (storage layout, global shape), the form the runtime takes."""
+        return {n: (p.layout, p.shape) for n, p in self.params.items()}
+
     def collectives(self) -> list[Collective]:
         """Every collective of one forward, in order: the ops' own and the edges'."""
         by_consumer: dict[int, list[EdgePlan]] = {}
@@ -316,21 +320,14 @@ class ParallelPlan:
         return {
             "format": FORMAT,
             "device_num": self.device_num,
-            "matrix": {
-                "shape": list(self.matrix.shape),
-                "names": list(self.matrix.names),
-                "rank_list": list(self.matrix.rank_list),
-            },
+            "matrix": matrix_d(self.matrix),
             "mode": self.mode,
             "inputs": {k: _placed_d(p) for k, p in self.inputs.items()},
             "input_shapes": {k: list(s) for k, s in self.input_shapes.items()},
             "outputs": [_placed_d(p) for p in self.outputs],
             "nodes": [_node_d(n) for n in self.nodes],
             "edges": [_edge_d(e) for e in self.edges],
-            "params": {
-                k: {"dims": _dims_d(p.layout), "shape": list(p.shape), "dtype": p.dtype}
-                for k, p in self.params.items()
-            },
+            "params": params_d(self.params),
             "buckets": [
                 {"kind": b.kind, "axes": list(b.axes), "params": list(b.params)}
                 for b in self.buckets
@@ -346,8 +343,7 @@ class ParallelPlan:
         """
         if data.get("format") != FORMAT:
             raise ValueError(f"not a shardwise plan (format {data.get('format')!r}, want {FORMAT})")
-        mx = data["matrix"]
-        m = DeviceMatrix(tuple(mx["shape"]), tuple(mx["names"]), tuple(mx["rank_list"]))
+        m = matrix_of(data["matrix"])
         return cls(
             device_num=int(data["device_num"]),
             matrix=m,
@@ -355,10 +351,7 @@ class ParallelPlan:
             inputs={k: _placed(m, v) for k, v in data["inputs"].items()},
             nodes=tuple(_node(m, n) for n in data["nodes"]),
             edges=tuple(_edge(m, e) for e in data["edges"]),
-            params={
-                k: ParamPlan(_layout(m, v["dims"]), tuple(v["shape"]), v["dtype"])
-                for k, v in data["params"].items()
-            },
+            params=params_of(m, data["params"]),
             buckets=tuple(
                 BucketPlan(b["kind"], tuple(b["axes"]), tuple(b["params"])) for b in data["buckets"]
             ),
@@ -374,6 +367,31 @@ class ParallelPlan:
     def load(cls, path: str | Path) -> ParallelPlan:
         """Read a plan `save` wrote."""
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def matrix_d(m: DeviceMatrix) -> dict[str, list[Any]]:
+    """A device matrix as JSON-ready data (`matrix_of` reads it back)."""
+    return {"shape": list(m.shape), "names": list(m.names), "rank_list": list(m.rank_list)}
+
+
+def matrix_of(d: Mapping[str, Any]) -> DeviceMatrix:
+    """The device matrix `matrix_d` wrote."""
+    return DeviceMatrix(tuple(d["shape"]), tuple(d["names"]), tuple(d["rank_list"]))
+
+
+def params_d(params: Mapping[str, ParamPlan]) -> dict[str, dict[str, Any]]:
+    """Parameter layouts as JSON-ready data (`params_of` reads them back)."""
+    return {
+        k: {"dims": _dims_d(p.layout), "shape": list(p.shape), "dtype": p.dtype}
+        for k, p in params.items()
+    }
+
+
+def params_of(m: DeviceMatrix, d: Mapping[str, Any]) -> dict[str, ParamPlan]:
+    """The parameter layouts `params_d` wrote, on matrix `m`."""
+    return {
+        k: ParamPlan(_layout(m, v["dims"]), tuple(v["shape"]), v["dtype"]) for k, v in d.items()
+    }
 
 
 def _dims_d(layout: TensorLayout) -> list[list[int]]:
