@@ -91,6 +91,12 @@ def _dtensor_rules() -> None:
     x = Spec((Shard(0),), (8, 16, 64), (1024, 64, 1), "float32")
     ins, outs = propagate(torch.ops.aten.view.default, (x, [-1, 64]), {}, mesh)
     assert ins == [(Shard(0),)] and outs == [(Shard(0),)]
+    # the sizes are part of the propagator's cache key (its runtime schema info): the same
+    # input viewed two ways gets two answers, not the first one cached
+    y = Spec((Shard(2),), (8, 16, 32), (512, 32, 1), "float32")
+    _, folded = propagate(torch.ops.aten.view.default, (y, [128, 32]), {}, mesh)
+    _, split = propagate(torch.ops.aten.view.default, (y, [8, 16, 4, 8]), {}, mesh)
+    assert folded == [(Shard(1),)] and split == [(Shard(2),)], (folded, split)
 
 
 def _default_store() -> None:

@@ -85,7 +85,11 @@ def propagate(
         RuntimeError / NotImplementedError: DTensor's own (no rule; an uneven split it refuses).
     """
     a, k = pytree.tree_map_only(Spec, lambda s: _spec(mesh, s), (tuple(args), dict(kwargs)))
-    out = _propagator().propagate_op_sharding(OpSchema(op, a, k))
+    p = _propagator()
+    # (as DTensor's dispatcher does: the schema info makes the non-tensor arguments, such as a
+    # view's sizes, part of the key of the propagator's cache)
+    info = p.op_to_schema_info.get(op) or p.op_to_schema_info_for_single_dim_strategy.get(op)
+    out = p.propagate_op_sharding(OpSchema(op, a, k, schema_info=info))
     given = [s for s in pytree.tree_leaves((a, k)) if isinstance(s, DTensorSpec)]
     wanted = given
     if out.needs_redistribute and out.redistribute_schema is not None:

@@ -69,6 +69,7 @@ from shardwise.parallel._strategy_files import StrategyFiles
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
 from shardwise.planner import ParallelPlan
+from shardwise.planner._graph import op_strategy
 
 
 def _global_shape(x: torch.Tensor, world: int) -> Shape:
@@ -108,6 +109,18 @@ def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.Tens
         for k, local in enumerate(cp.plan.local_output_shapes())
     ]
     return out + grads + acts
+
+
+def _refuse_op_form(network: nn.Module) -> None:
+    """The primitive runtime does not run ``sw.shard``'s op form (`GraphRun` does)."""
+    for name, m in network.named_modules():
+        if op_strategy(m) is not None:
+            raise UnsupportedParallelError(
+                f"sw.shard on {name} ({type(m).__name__}): the op form (a strategy for the "
+                f"module's op) runs in networks of plain torch ops; this network also holds "
+                f"shardwise primitives, so annotate a primitive (sw.ops.MatMul(transpose_b=True)"
+                f".shard(...)) instead"
+            )
 
 
 class AutoParallel(CallRuntime, StrategyFiles):
@@ -304,6 +317,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
             dtypes = [x.dtype for x in inputs]
         try:
             check_device_num(world)
+            _refuse_op_form(self.network)
             plan = self._make_plan(world, shapes, states, dtypes)
             runtime.check_memory(_memory_estimate(self.network, plan), "AutoParallel.plan")
         except BaseException:
@@ -416,10 +430,12 @@ class AutoParallel(CallRuntime, StrategyFiles):
     def _graph_ok(self) -> bool:
         return graph_eligible(self.network, self._dataset)
 
-    def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun | None:
-        """Capture and plan a network of plain torch ops (None: it declares layouts)."""
+    def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun:
+        """Capture and plan a network of plain torch ops."""
         fn = self.train_step if self.train_step is not None else self.network
-        run = GraphRun(fn, self.network, self._dataset, self._hsdp, self._fusion)
+        run = GraphRun(
+            fn, self.network, self._dataset, self._hsdp, self._fusion, optimizers=self.optimizers
+        )
         self._graph_planning = True
         try:
             check_device_num(comm.get_group_size())
@@ -429,8 +445,6 @@ class AutoParallel(CallRuntime, StrategyFiles):
             raise
         finally:
             self._graph_planning = False
-        if plan is None:
-            return None
         try:
             self._check_loaded(run)
         except BaseException:

@@ -34,7 +34,7 @@ from shardwise.parallel._runtime import (
     data_parallel_layout,
     replicated_layout,
 )
-from shardwise.parallel._shard import Declared, Entry, activate
+from shardwise.parallel._shard import Declared, Entry, activate, to_layout
 from shardwise.parallel._torchops import DataParallelOps
 from shardwise.parallel._tracker import State, Tracker, layout_of
 from shardwise.redistribution import redistribute
@@ -66,8 +66,9 @@ class CallRuntime(nn.Module):
         """The tracked global shape of `t` (its own shape when untracked)."""
         return self._state(t)[1]
 
-    def reshard(self, t: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
-        """Move `t` to `layout` (declared only, while planning)."""
+    def reshard(self, t: torch.Tensor, entry: Entry) -> torch.Tensor:
+        """Move `t` to the layout `entry` names (declared only, while planning)."""
+        layout = to_layout(entry, self.global_shape(t), "sw.reshard")
         if self._planning:
             self._declared.matrices.append(layout.matrix.shape)
             return t

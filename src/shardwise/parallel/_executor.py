@@ -5,7 +5,9 @@ call the network (or train step) makes is the plan's node k (the capture recorde
 same way, `planner.is_recorded`). For it the executor:
 
 1. moves each tensor input as the plan's edge into that node says (`planner.EdgePlan`: an
-   AllReduce of partial values, then Slice / AllGather / AlltoAll steps, all autograd-aware);
+   AllReduce of partial values, then Slice / AllGather / AlltoAll steps, all autograd-aware; a
+   ``shared`` edge reuses the value an earlier edge of this forward moved the same way;
+   a whole value wanted partial is kept on the first rank of those axes, `_keep_first`);
    a parameter is first taken as stored (optimizer parallel: its compute leaf);
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
    the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
@@ -29,9 +31,10 @@ from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
 from shardwise.communication.primitives import replicated_seed, sum_over_ranks
+from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import group_for
-from shardwise.planner import EdgePlan, ParallelPlan
+from shardwise.planner import EdgePlan, ParallelPlan, Placed
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
 from shardwise.redistribution import local_block, redistribute
@@ -49,7 +52,20 @@ def move(x: T, edge: EdgePlan) -> T:
         x = sum_over_ranks(x, group, divisor)
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
+    if edge.kept:
+        x = _keep_first(x, m, edge.kept)
     return x
+
+
+def _keep_first(x: T, matrix: DeviceMatrix, axes: tuple[int, ...]) -> T:
+    """`x` on the ranks at coordinate 0 of `axes`, zeros on the others (a whole value made a
+    partial sum over `axes`); the gradient reaches `x` from the first ranks only."""
+    count = 1
+    for a in axes:
+        count *= matrix.shape[a]
+    stacked = torch.cat([x.unsqueeze(0), x.new_zeros((count - 1, *x.shape))])
+    layout = TensorLayout(matrix, (axes,) + ((),) * x.dim())
+    return local_block(stacked, layout, tuple(stacked.shape)).squeeze(0)
 
 
 class PlanExecutor(TorchFunctionMode):
@@ -92,6 +108,7 @@ class PlanExecutor(TorchFunctionMode):
                 self.returned.setdefault(e.value, []).append(e)
         self.paused = 0
         self.finished = False
+        self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.inputs: dict[int, str] = {}  # id of each call input -> its graph name
 
     @property
@@ -129,8 +146,10 @@ class PlanExecutor(TorchFunctionMode):
             out = self._run(func, node.index, args, kwargs)
         finally:
             self.paused -= 1
-        if self.done and self.on_end is not None:
-            self.on_end()
+        if self.done:
+            self.moved.clear()
+            if self.on_end is not None:
+                self.on_end()
         return out
 
     def _factory(
@@ -157,8 +176,10 @@ class PlanExecutor(TorchFunctionMode):
                 f"{node.name} ({node.op}); it must run the same torch ops in the same order "
                 f"every step (plan again for a different network)"
             )
-        if self.cursor == 0 and self.on_start is not None:
-            self.on_start()
+        if self.cursor == 0:
+            self.moved.clear()
+            if self.on_start is not None:
+                self.on_start()
         self.cursor += 1
 
     def _restarts(
@@ -205,7 +226,11 @@ class PlanExecutor(TorchFunctionMode):
             if id(leaf) in self.params and self.param_value is not None:
                 leaf = self.param_value(leaf)
             edge = self.edges.get((k, slot))
-            leaves[i] = leaf if edge is None else move(leaf, edge)
+            if edge is not None and edge.shared:
+                leaf = self.moved[(edge.value, edge.dst)]
+            elif edge is not None:
+                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge)
+            leaves[i] = leaf
             slot += 1
         args, kw = pytree.tree_unflatten(leaves, spec)
         if self.templates is not None and all(not p.layout.used_axes() for p in node.inputs):

@@ -1,15 +1,18 @@
 """semi_auto for networks of plain torch ops: capture -> plan -> apply -> run, on one plan.
 
-`GraphRun` serves `AutoParallel` when the network holds no shardwise primitive and nothing in it
-declares a layout (``sw.shard`` / ``sw.reshard``), with a ``"data_parallel"`` or
-``"full_batch"`` dataset strategy:
+`GraphRun` serves `AutoParallel` when the network holds no shardwise primitive, with a
+``"data_parallel"`` or ``"full_batch"`` dataset strategy:
 
 - `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)
-  on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`; returns None when
-  the capture met a layout declaration (the primitive runtime of `_call` serves those).
-- apply: for every parameter in the layout the plan stores it in, the gradient hooks of
-  `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)`` says:
-  `_hsdp.gradient_buckets`); with ``hsdp()`` instead the optimizer-parallel engine
+  on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`. ``sw.reshard``
+  (and so ``sw.shard``'s input and output strategies) is one op of the graph
+  (`_shard.reshard_value`, through `_GraphSession`); ``sw.shard``'s op form on an
+  ``nn.Linear`` / ``nn.Embedding`` annotates its node; parameter plans are collected during
+  the capture.
+- apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
+  optimizer state already made); for every parameter in the layout the plan stores it in, the
+  gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
+  says: `_hsdp.gradient_buckets`); with ``hsdp()`` instead the optimizer-parallel engine
   (`_hsdp.start_engine`: shards at rest, each op gets a parameter's compute weight through
   `OptimizerParallel.compute`, gradients reduced into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
@@ -19,7 +22,7 @@ declares a layout (``sw.shard`` / ``sw.reshard``), with a ``"data_parallel"`` or
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -29,15 +32,14 @@ from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
-from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._executor import PlanExecutor, move
 from shardwise.parallel._hsdp import gradient_buckets, start_engine
 from shardwise.parallel._plan import NetworkPlan
-from shardwise.parallel._runtime import GradBuckets, shard_parameters
-from shardwise.parallel._shard import Entry, activate
+from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
+from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.planner import ParallelPlan, Placed, capture, plan_semi_auto
 from shardwise.planner._capture import input_key
 from shardwise.planner._plan import replicated
@@ -47,18 +49,21 @@ from shardwise.redistribution import redistribute
 T = torch.Tensor
 
 
-class _Declarations:
-    """A `_shard.Session` that only notes whether anything declared a layout."""
+class _GraphSession:
+    """The `_shard.Session` of a captured network: ``sw.reshard`` becomes the graph op
+    `reshard_value` (recorded by the capture, carried out by the executor), and parameter plans
+    are collected while capturing."""
 
-    def __init__(self) -> None:
-        self.found = False
+    def __init__(self, network: nn.Module) -> None:
+        self.network = network
+        self.declared: Declared | None = Declared()
 
-    def reshard(self, t: T, layout: TensorLayout) -> T:
-        self.found = True
-        return t
+    def reshard(self, t: T, entry: Entry) -> T:
+        return reshard_value(t, entry)
 
     def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
-        self.found = True
+        if self.declared is not None:
+            self.declared.add(self.network, owner, plan)
 
 
 def eligible(network: nn.Module, dataset: object) -> bool:
@@ -88,6 +93,7 @@ class GraphRun:
         dataset: object,
         hsdp: HsdpConfig | None = None,
         fusion: FusionConfig | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         self.fn = fn
         self.network = network
@@ -100,28 +106,38 @@ class GraphRun:
         self.hooks: list[Any] = []
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
+        self.optimizers = list(optimizers)
+        self.session = _GraphSession(network)
 
-    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan | None:
-        """Capture and plan with the global shapes of this call's inputs; None when the network
-        declares layouts."""
+    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
+        """Capture and plan with the global shapes of this call's inputs, and apply the plan
+        to the parameters."""
         world = comm.get_group_size()
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
         device = tensors[0].device if tensors else torch.device("cpu")
         g_args, g_kwargs = pytree.tree_map(
             lambda x: _global(x, world, self.dataset), (args, kwargs)
         )
-        seen = _Declarations()
-        with activate(seen), comm.plain_tensors():
+        with activate(self.session), comm.plain_tensors():
             graph = capture(self.fn, *g_args, networks=[self.network], device=device, **g_kwargs)
-        if seen.found:
-            return None
-        with comm.plain_tensors():
-            plan = plan_semi_auto(graph, world, dataset=str(self.dataset))
+            assert self.session.declared is not None
+            declared = self.session.declared.parameter_layouts(self.network)
+            self.session.declared = None
+            plan = plan_semi_auto(
+                graph,
+                world,
+                dataset=str(self.dataset),
+                param_layouts={n: layout for n, (layout, _) in declared.items()},
+            )
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         stored = plan.param_layouts()
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
+        else:  # each split parameter (and state an optimizer made already) cut to its block
+            split = {n: v for n, v in stored.items() if v[0].used_axes()}
+            shard_parameters(self.network, split)
+            cut_optimizer_state(self.network, self.optimizers, split)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
             as_network_plan = NetworkPlan(plan.matrix, (), stored)
@@ -173,7 +189,7 @@ class GraphRun:
             if isinstance(leaf, T):
                 executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"
         try:
-            with executor:
+            with executor, activate(self.session):
                 out = self.fn(*args, **kwargs)
         finally:
             saved.close()

@@ -4,13 +4,16 @@
   `layout` (a redistribution: slices, AllGather, AlltoAll) and records it there; elsewhere (one
   device, or outside a wrapped call) it returns the tensor unchanged.
 - `shard(fn_or_module, in_strategy, out_strategy, parameter_plan)`: reshards a function's (or
-  module's) tensor inputs to `in_strategy` and its outputs to `out_strategy`; the body runs with
+  module's) tensor inputs to `in_strategy` and its outputs to `out_strategy` (for an
+  ``nn.Linear`` / ``nn.Embedding`` with one entry per tensor of its op, the op form: the strategy
+  of that op, `op_strategy`, which the capture attaches to its node); the body runs with
   the usual semi_auto rules (primitives as their strategies say, unannotated torch ops data
   parallel). `parameter_plan` sets the layout in which parameters are *stored* on the ranks:
   each primitive gets its parameters redistributed from there to the layout its strategy wants
   (with the adjoint in backward), and unannotated torch ops get them whole (AllGather).
 - `Session`: what an `AutoParallel` offers during one wrapped call (`active_session`); the
-  wrapper registers itself with `activate`.
+  wrapper registers itself with `activate`. A network run from its captured graph reshards
+  through `reshard_value`, one op of the graph.
 - `to_layout`: a strategy entry (int tuple or Layout call) for one tensor as a `TensorLayout`.
 - `Declared`: the layouts declared while planning, and the parameter plan by full name.
 
@@ -29,10 +32,12 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from shardwise import communication as comm
 from shardwise.layout import LayoutTypeError, TensorLayout, resolve_strategy
 from shardwise.ops import normalize_strategy
+from shardwise.planner._graph import OP_STRATEGY
 
 Entry = tuple[int, ...] | TensorLayout
 Shape = tuple[int, ...]
@@ -41,8 +46,9 @@ Shape = tuple[int, ...]
 class Session(Protocol):
     """What `reshard` and `shard` need from the running `AutoParallel`."""
 
-    def reshard(self, t: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
-        """Move tracked `t` to `layout` (at run time) or declare it (while planning)."""
+    def reshard(self, t: torch.Tensor, entry: Entry) -> torch.Tensor:
+        """Move `t` to the layout `entry` names (at run time) or declare it (while
+        planning)."""
         ...
 
     def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
@@ -133,15 +139,15 @@ class Declared:
         return out
 
 
+def _is_op_form(module: nn.Module, ins: Sequence[Entry] | None) -> bool:
+    """Whether `in_strategy` annotates `module`'s op (``nn.Linear``: the input and the weight,
+    as ``MatMul(transpose_b=True)`` takes them) rather than its inputs."""
+    names = OP_FORM.get(type(module))
+    return names is not None and ins is not None and len(ins) == len(names)
+
+
 def _fmt(entry: Entry) -> str:
     return str(entry) if isinstance(entry, TensorLayout) else str(tuple(entry))
-
-
-def _global_shape(t: torch.Tensor) -> tuple[int, ...]:
-    """The global shape of `t` as the running wrapper tracks it (its own shape elsewhere)."""
-    session = active_session()
-    find = getattr(session, "global_shape", None)
-    return tuple(int(s) for s in (find(t) if find is not None else t.shape))
 
 
 def reshard(tensor: torch.Tensor, layout: object) -> torch.Tensor:
@@ -164,10 +170,32 @@ def reshard(tensor: torch.Tensor, layout: object) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"sw.reshard: expected a tensor, got {type(tensor).__name__}")
+    checked = normalize_strategy((layout,), "layout", "sw.reshard")
+    assert checked is not None
     session = active_session()
     if session is None:
         return tensor
-    return session.reshard(tensor, to_layout(layout, _global_shape(tensor), "sw.reshard"))
+    return session.reshard(tensor, checked[0])
+
+
+def reshard_value(tensor: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The graph op of `reshard` (``"shardwise.reshard"``): seen as one call by the capture
+    and by the plan executor (torch-function modes), which place its output in `entry`'s
+    layout; on its own it returns `tensor`."""
+    if has_torch_function_unary(tensor):
+        out: torch.Tensor = handle_torch_function(reshard_value, (tensor,), tensor, entry)
+        return out
+    return tensor
+
+
+reshard_value.__qualname__ = "shardwise.reshard"
+
+
+# Modules whose single torch call `shard`'s op form annotates: its tensor arguments, in order.
+OP_FORM: dict[type[nn.Module], tuple[str, ...]] = {
+    nn.Linear: ("input", "weight"),
+    nn.Embedding: ("input", "weight"),
+}
 
 
 def _check_plan(parameter_plan: object, who: str) -> dict[str, Entry]:
@@ -228,6 +256,17 @@ def shard(
             (names relative to the module; for a function, to the network `AutoParallel`
             wraps), e.g. ``{"fc.weight": (1, 4)}``.
 
+    The op form: for an ``nn.Linear`` or ``nn.Embedding``, an `in_strategy` with one entry per
+    tensor of the module's op, ``(input, weight)``, annotates that op instead of resharding the
+    module's inputs, the way a primitive's ``shard()`` does: ``nn.Linear`` as
+    ``MatMul(transpose_b=True)`` takes it (the input as ``(rows, in_features)``, rows being
+    dim 0; the weight ``[out_features, in_features]``; the bias follows the output features),
+    ``nn.Embedding`` as ``F.embedding(ids, weight)`` (the weight split on the embedding dim).
+    ``sw.shard(block.attn.c_attn, in_strategy=((2, 1), (4, 1)))`` makes the Linear column
+    parallel (input rows over a 2-way axis, output features over a 4-way one);
+    ``((2, 4), (1, 4))`` makes it row parallel (a partial output, all-reduced where it is
+    consumed). The weight is stored in that layout. Networks of plain torch ops only.
+
     Returns:
         The module itself, or a function with `fn`'s signature. Without `AutoParallel` (one
         device) it computes exactly what `fn_or_module` computes.
@@ -243,6 +282,15 @@ def shard(
     ins = normalize_strategy(in_strategy, "in_strategy", who) if in_strategy is not None else None
     outs = normalize_strategy(out_strategy, "out_strategy", who)
     params = _check_plan(parameter_plan, who)
+    if isinstance(fn_or_module, nn.Module) and _is_op_form(fn_or_module, ins):
+        setattr(fn_or_module, OP_STRATEGY, ins)
+        if outs is not None or params:
+            raise ValueError(
+                f"{who}: the op form of {type(fn_or_module).__name__} (one in_strategy entry per "
+                f"tensor of its op: {', '.join(OP_FORM[type(fn_or_module)])}) sets the weight's "
+                f"layout itself; give no out_strategy or parameter_plan with it"
+            )
+        return fn_or_module
     if isinstance(fn_or_module, nn.Module):
         module = fn_or_module
 

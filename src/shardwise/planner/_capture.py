@@ -45,6 +45,7 @@ from shardwise.planner._graph import (
     Ref,
     TensorInfo,
     TensorSlot,
+    op_strategy,
 )
 
 T = torch.Tensor
@@ -130,6 +131,9 @@ class _State:
         self.aten_ids: dict[int, AtenArg] = {}
         self.tmp = 0
         self.backward_roots: list[Ref] = []
+        # op-form ``sw.shard`` strategies of the modules being run: [module path, strategy,
+        # whether a node took it]
+        self.annotated: list[list[Any]] = []
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -162,6 +166,7 @@ class _State:
         out_map: Sequence[AtenArg | None] = (),
     ) -> None:
         index = len(self.nodes)
+        strategy = self._annotation(op)
         node = Node(
             index=index,
             name=self.name(op),
@@ -175,10 +180,25 @@ class _State:
             out_map=tuple(out_map),
             source=_source(),
             target=target,
+            strategy=strategy,
         )
         self.nodes.append(node)
         for j, t in enumerate(outs):
             self._remember(t, Ref("node", index, j))
+
+    def _annotation(self, op: str) -> tuple[Any, ...] | None:
+        """The op-form strategy for a node made directly in an annotated module (its one op)."""
+        if not self.annotated or not self.stack or self.annotated[-1][0] != self.stack[-1]:
+            return None
+        entry = self.annotated[-1]
+        if entry[2]:
+            raise CaptureError(
+                f"sw.shard on {entry[0]}: its op-form in_strategy annotates the module's single "
+                f"torch call, but it also called {op} at {_source()}; annotate a module that "
+                f"makes one call (nn.Linear, nn.Embedding), or reshard its inputs instead"
+            )
+        entry[2] = True
+        return tuple(entry[1])
 
 
 def _tensors(tree: Any) -> tuple[list[T], Any]:
@@ -315,8 +335,13 @@ def _module_hooks(s: _State) -> Iterator[None]:
             pending[id(module)] = ins
             s.inside_primitive += 1
         s.stack.append(path if path is not None else type(module).__name__)
+        strategy = op_strategy(module)
+        if strategy is not None and not s.inside_primitive and not s.done:
+            s.annotated.append([s.stack[-1], strategy, False])
 
     def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if s.annotated and s.stack and s.annotated[-1][0] == s.stack[-1]:
+            s.annotated.pop()
         if s.stack:
             s.stack.pop()
         ins = pending.pop(id(module), None)

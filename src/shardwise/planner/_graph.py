@@ -102,6 +102,8 @@ class Node:
             the op returned an input, e.g. ``contiguous`` on a contiguous tensor).
         source: ``file:line`` of the user's code that called it.
         target: the callable (the torch function, or the primitive module); not compared.
+        strategy: the op-form ``sw.shard`` strategy of the module that made this op (one entry
+            per tensor input: int tuples or layouts), or None.
     """
 
     index: int
@@ -116,6 +118,7 @@ class Node:
     out_map: tuple[AtenArg | None, ...] = ()
     source: str = ""
     target: Any = field(default=None, compare=False, repr=False)
+    strategy: tuple[Any, ...] | None = None
 
     @property
     def is_primitive(self) -> bool:
@@ -126,6 +129,15 @@ class Node:
         ins = ", ".join(str(r) for r in self.inputs)
         outs = ", ".join(str(o) for o in self.outputs)
         return f"%{self.index} {self.name} = {self.op}({ins}) -> {outs}"
+
+
+OP_STRATEGY = "_shardwise_op_strategy"  # the attribute `sw.shard`'s op form sets on a module
+
+
+def op_strategy(module: Any) -> tuple[Any, ...] | None:
+    """The op-form strategy ``sw.shard`` set on `module` (None: none)."""
+    found: tuple[Any, ...] | None = getattr(module, OP_STRATEGY, None)
+    return found
 
 
 @dataclass(frozen=True)

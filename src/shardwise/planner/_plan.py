@@ -154,7 +154,9 @@ class EdgePlan:
         shape: its global shape.
         src / dst: the producer's placement and the one wanted.
         steps: after the AllReduce of `src`'s partial axes not partial in `dst`, the
-            redistribution steps.
+            redistribution steps (then `kept`, for axes partial in `dst` only).
+        shared: the same value was already moved to `dst` for an earlier consumer of this
+            forward: that result is reused (no collective; its backward adjoint runs once).
     """
 
     consumer: int
@@ -164,16 +166,25 @@ class EdgePlan:
     src: Placed
     dst: Placed
     steps: tuple[Step, ...] = ()
+    shared: bool = False
 
     @property
     def reduced(self) -> tuple[int, ...]:
         """Axes whose partial values are all-reduced on this edge."""
         return tuple(a for a in self.src.partial if a not in self.dst.partial)
 
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """Axes over which a whole value becomes a partial one: kept on the ranks at
+        coordinate 0 of these axes, zero on the others (no collective)."""
+        return tuple(a for a in self.dst.partial if a not in self.src.partial)
+
     def collectives(self, where: str) -> list[Collective]:
         """The collectives of this edge (slices are local and not listed)."""
         m = self.src.layout.matrix
-        out = []
+        out: list[Collective] = []
+        if self.shared:
+            return out
         if self.reduced:
             names = tuple(m.names[a] for a in self.reduced)
             out.append(Collective("AllReduce", names, where, self.src.reduce))
@@ -184,11 +195,16 @@ class EdgePlan:
         return out
 
     def __str__(self) -> str:
+        if self.shared:
+            return f"{self.value} {self.src} -> {self.dst}: reused (moved for an earlier op)"
         parts = []
         if self.reduced:
             m = self.src.layout.matrix
             parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.reduced)}")
         parts += [s.describe(self.src.layout.matrix) for s in self.steps]
+        if self.kept:
+            m = self.src.layout.matrix
+            parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")
         return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
 
 
@@ -470,6 +486,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         "src": _placed_d(e.src),
         "dst": _placed_d(e.dst),
         "steps": [_step_d(s) for s in e.steps],
+        "shared": e.shared,
     }
 
 
@@ -482,6 +499,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         src=_placed(m, d["src"]),
         dst=_placed(m, d["dst"]),
         steps=tuple(_step(s) for s in d["steps"]),
+        shared=bool(d.get("shared", False)),
     )
 
 

@@ -9,7 +9,11 @@
    ``"data_parallel"`` dataset strategy; ``"full_batch"``: whole, then sliced at entry; or the
    given per-input layouts), parameters in their declared layout or the layout their first
    primitive wants (else whole), buffers and constants whole.
-3. `_torch_node`: every other op follows its inputs through its aten ops, asking the sharding
+3. `_torch_node`: an op annotated with ``sw.shard``'s op form takes its inputs as annotated
+   (`_annotated.op_form`; `_Planner.pin` follows its aten program from there, so the bias,
+   output and partial sums come from the rules, and stores its parameters that way), a
+   ``sw.reshard`` node pins its value's layout, and every other op follows its inputs through
+   its aten ops, asking the sharding
    rules (`ops.aten_rules.decide`: DTensor's, or shardwise's own) at each; from the
    data-parallel inputs this gives data-parallel ops (views that fold the batch dim, reductions
    over it and losses included: a mean over the batch is a partial value, all-reduced where it
@@ -18,7 +22,9 @@
 4. Every mismatch between a producer's placement and a consumer's becomes an `EdgePlan`
    (AllReduce of partial values, then the cheapest Slice / AllGather / AlltoAll steps). A
    partial scalar (a loss, a sum over the batch) and a partial returned value are all-reduced
-   right where they are made (consumer -1), so the loss is one value on every rank.
+   right where they are made (consumer -1), so the loss is one value on every rank. A whole
+   value that a consumer wants partial (the bias of a row-parallel ``F.linear``) is kept on
+   the first rank of those axes and zero on the others (`EdgePlan.kept`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout, common_refinement, refi
 from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import Spec, mesh_of
 from shardwise.ops.aten_rules import decide
+from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
 from shardwise.planner._graph import AtenArg, Graph, Node, Ref
 from shardwise.planner._plan import (
     Collective,
@@ -81,6 +88,9 @@ class _Planner:
         self.state: dict[Ref, Placed] = {}
         self.edges: list[EdgePlan] = []
         self.nodes: list[NodePlan] = []
+        # op-form annotated nodes: index -> (input placements, output placements)
+        self.pinned: dict[int, tuple[list[Placements], list[Placements]]] = {}
+        self.moved: set[tuple[Ref, Placed, Placed]] = set()  # moves made so far (`EdgePlan.shared`)
 
     def rep(self) -> Placements:
         return tuple(Replicate() for _ in range(self.ndim))
@@ -91,10 +101,11 @@ class _Planner:
         if src == dst:
             return
         info = self.graph.info(ref)
-        if any(a not in src.partial for a in dst.partial):
-            raise PlanError(f"{ref}: a whole value cannot become a partial one ({src} -> {dst})")
         steps = plan_redistribution(src.layout, dst.layout, info.shape, _itemsize(info.dtype))
-        self.edges.append(EdgePlan(consumer, slot, str(ref), info.shape, src, dst, steps.steps))
+        shared = consumer >= 0 and (ref, src, dst) in self.moved
+        self.moved.add((ref, src, dst))
+        edge = EdgePlan(consumer, slot, str(ref), info.shape, src, dst, steps.steps, shared)
+        self.edges.append(edge)
 
     # -- primitives ----------------------------------------------------------------------
     def primitive(self, node: Node, op: OpPlan) -> None:
@@ -120,7 +131,17 @@ class _Planner:
     def torch_node(self, node: Node) -> None:
         self._check_random(node)
         have = [placements_of(self.state[r]) for r in node.inputs]
-        need, outs, rule = self._follow(node, have)
+        if node.index in self.pinned:
+            need, outs = self.pinned[node.index]
+            rule = "user"
+        elif node.op == RESHARD:
+            layout = reshard_layout(node, self.graph.info(node.inputs[0]).shape, self.device_num)
+            need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
+            rule = "user"
+        else:
+            need, outs, rule = self._follow(node, have)
+            if rule == "replicate" and node.inputs:  # MindSpore's default before running whole
+                need, outs, rule = self._follow(node, self._data_parallel_inputs(node))
         ins = tuple(
             to_placed(self.matrix, p, len(self.graph.info(r).shape))
             for p, r in zip(need, node.inputs, strict=True)
@@ -139,11 +160,37 @@ class _Planner:
             NodePlan(node.index, node.name, node.op, rule, ins, placed, shapes, (), values)
         )
 
+    def pin(self, node: Node, layouts: Mapping[int, TensorLayout]) -> dict[str, TensorLayout]:
+        """Plan an op-form annotated node from its inputs' `layouts` (slot -> layout); returns
+        the storage layout of each parameter it reads (the partial axes left out)."""
+        have = [
+            placements_of(Placed(refine(layouts[i], self.matrix)))
+            if i in layouts
+            else placements_of(replicated(self.matrix, len(self.graph.info(r).shape)))
+            for i, r in enumerate(node.inputs)
+        ]
+        need, outs, _ = self._follow(node, have, strict=True)
+        for i in layouts:
+            if need[i] != have[i]:
+                raise PlanError(
+                    f"sw.shard on {node.module} ({node.op} at {node.source}): the sharding rule "
+                    f"of {node.op} cannot take input {i} as annotated ({have[i]}; it wants "
+                    f"{need[i]}); change the strategy"
+                )
+        self.pinned[node.index] = (need, outs)
+        out: dict[str, TensorLayout] = {}
+        for i, ref in enumerate(node.inputs):
+            if ref.kind == "param":
+                placed = to_placed(self.matrix, need[i], len(self.graph.info(ref).shape))
+                out.setdefault(str(ref.key), placed.layout)
+        return out
+
     def _follow(
-        self, node: Node, have: list[Placements]
+        self, node: Node, have: list[Placements], strict: bool = False
     ) -> tuple[list[Placements], list[Placements], str]:
         """Run the node's aten program on placements: (its inputs' placements, its outputs',
-        the rule source). Falls back to replicated when an intermediate must move."""
+        the rule source). Falls back to replicated when an intermediate must move (`strict`:
+        an annotated op, which raises instead)."""
         need = list(have)
         used: set[int] = set()
         tmp: dict[int, Placements] = {}
@@ -172,6 +219,12 @@ class _Planner:
                     continue
                 if arg.kind == "in" and arg.index not in used:
                     need[arg.index] = want
+                elif strict:
+                    raise PlanError(
+                        f"sw.shard on {node.module} ({node.op} at {node.source}): with the "
+                        f"annotated layouts, {call.op} inside it would have to move an "
+                        f"intermediate value; change the strategy"
+                    )
                 else:  # an intermediate (or an input already used) would have to move
                     return self._replicated(node)
             used |= {arg.index for arg in args if arg.kind == "in"}
@@ -189,6 +242,18 @@ class _Planner:
         while len(outs) < len(node.outputs):
             outs.append(self.rep())
         return need, outs, max(sources, key=_ORDER.__getitem__)
+
+    def _data_parallel_inputs(self, node: Node) -> list[Placements]:
+        """The node's activations split on dim 0 over every axis (when it divides), everything
+        else whole: the data-parallel strategy semi_auto gives an op whose inputs' own layouts
+        it cannot follow."""
+        out = []
+        for ref in node.inputs:
+            shape = self.graph.info(ref).shape
+            active = ref.kind in ("input", "node") and shape and shape[0] % self.device_num == 0
+            placed = data_parallel(self.matrix, len(shape)) if active else None
+            out.append(placements_of(placed or replicated(self.matrix, len(shape))))
+        return out
 
     def _check_random(self, node: Node) -> None:
         """Refuse random draws that happen inside a kernel (each rank would draw its own)."""
@@ -319,10 +384,24 @@ def plan_semi_auto(
     extra = list(extra_matrices)
     if isinstance(dataset, Mapping):
         extra += [t.matrix.shape for t in dataset.values()]
+    try:
+        forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
+        extra += [m.shape for m, _ in forms.values()]
+        extra += [
+            reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix.shape
+            for n in graph.nodes
+            if n.op == RESHARD
+        ]
+    except AnnotationError as e:
+        raise PlanError(str(e)) from None
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
     p = _Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
-    params = _param_layouts(graph, prims, given, matrix)
+    pinned: dict[str, TensorLayout] = {}
+    for index, (_, layouts) in forms.items():
+        for name, layout in p.pin(graph.nodes[index], layouts).items():
+            pinned.setdefault(name, layout)
+    params = _param_layouts(graph, prims, given, matrix, pinned)
     for name, layout in params.items():
         p.state[Ref("param", name)] = Placed(layout)
     for name, info in graph.buffers.items():
@@ -369,9 +448,10 @@ def _param_layouts(
     prims: Mapping[int, OpPlan],
     given: Mapping[str, TensorLayout],
     matrix: DeviceMatrix,
+    pinned: Mapping[str, TensorLayout],
 ) -> dict[str, TensorLayout]:
     """Each parameter's storage layout: declared, else its first primitive consumer's, else
-    whole."""
+    the layout its op-form annotated op reads it in (`pinned`), else whole."""
     out = {n: refine(t, matrix) for n, t in given.items()}
     for node in graph.nodes:
         if node.index not in prims:
@@ -379,6 +459,8 @@ def _param_layouts(
         for ref, layout in zip(node.inputs, prims[node.index].inputs, strict=True):
             if ref.kind == "param":
                 out.setdefault(str(ref.key), refine(layout, matrix))
+    for name, layout in pinned.items():
+        out.setdefault(name, layout)
     for name, info in graph.params.items():
         out.setdefault(name, TensorLayout(matrix, ((),) * len(info.shape)))
     return {n: out[n] for n in graph.params}

@@ -1,0 +1,115 @@
+"""The layouts users pin on torch ops and values: ``sw.reshard`` nodes and op-form ``sw.shard``.
+
+- `reshard_layout`: a ``"shardwise.reshard"`` node's layout (its entry resolved for the value's
+  global shape and the job's size).
+- `op_form`: the layouts an op-form strategy gives an annotated op's tensor inputs, on the op's
+  own device matrix. ``nn.Linear``'s ``F.linear(x, weight, bias)`` is read as
+  ``MatMul(transpose_b=True)`` reads its strategy (``x`` as ``(rows, in_features)``, rows being
+  dim 0); ``nn.Embedding``'s ``F.embedding(ids, weight)`` with the ids' dims on the first
+  axes of the op's matrix and the embedding dim on the last. The planner then follows the op's
+  aten program from these layouts (the bias, the output and any partial sums come from the
+  sharding rules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shardwise.layout import DeviceMatrix, TensorLayout, resolve_strategy
+from shardwise.ops import MatMul, normalize_strategy, plan_primitive
+from shardwise.planner._graph import Graph, Node
+
+Shape = tuple[int, ...]
+RESHARD = "shardwise.reshard"
+LINEAR = "torch.nn.functional.linear"
+EMBEDDING = "torch.nn.functional.embedding"
+
+
+class AnnotationError(ValueError):
+    """An ``sw.shard`` / ``sw.reshard`` annotation that does not fit its op or the job."""
+
+
+def reshard_layout(node: Node, shape: Shape, device_num: int) -> TensorLayout:
+    """The layout a ``sw.reshard`` node pins (checked against the value's global `shape`)."""
+    entry = node.args[1] if len(node.args) > 1 else node.kwargs["entry"]
+    who = f"sw.reshard at {node.source}"
+    checked = normalize_strategy((entry,), "layout", who)
+    assert checked is not None
+    (one,) = checked
+    ndim = one.ndim if isinstance(one, TensorLayout) else len(one)
+    if ndim != len(shape):
+        raise AnnotationError(
+            f"{who}: the layout {one} has {ndim} dims but the tensor has shape {list(shape)}; "
+            f"give one entry per tensor dim"
+        )
+    found = resolve_strategy((one,), device_num, shapes=[shape], who=who)  # type: ignore[arg-type]
+    return found.layouts[0]
+
+
+def op_form(
+    node: Node, graph: Graph, device_num: int
+) -> tuple[DeviceMatrix, dict[int, TensorLayout]]:
+    """The op's device matrix and the layout of each annotated input slot.
+
+    Raises:
+        AnnotationError: the op is not one the op form knows, or the strategy does not fit.
+    """
+    assert node.strategy is not None
+    shapes = [graph.info(r).shape for r in node.inputs]
+    who = f"sw.shard on {node.module} ({node.op} at {node.source})"
+    if node.op == LINEAR:
+        return _linear(node.strategy, shapes, device_num, who)
+    if node.op == EMBEDDING:
+        return _embedding(node.strategy, shapes, device_num, who)
+    raise AnnotationError(
+        f"{who}: the op form of sw.shard annotates F.linear (nn.Linear) or F.embedding "
+        f"(nn.Embedding), not {node.op}; reshard the module's inputs instead"
+    )
+
+
+def _linear(
+    strategy: Sequence[Any], shapes: Sequence[Shape], device_num: int, who: str
+) -> tuple[DeviceMatrix, dict[int, TensorLayout]]:
+    x, w = shapes[0], shapes[1]
+    if len(x) < 2:
+        raise AnnotationError(f"{who}: the op form needs an input of 2 or more dims, got {list(x)}")
+    rows = 1
+    for s in x[:-1]:
+        rows *= s
+    mm = MatMul(transpose_b=True).shard(tuple(strategy))
+    mm.module_path = who.removeprefix("sw.shard on ")
+    try:
+        op = plan_primitive(mm, (rows, x[-1]), w, device_num=device_num)
+    except ValueError as e:
+        raise AnnotationError(f"{e} (nn.Linear read as MatMul(transpose_b=True))") from None
+    x2d, weight = op.inputs[0], op.inputs[1]
+    if x[0] % x2d.split_count(0):
+        raise AnnotationError(
+            f"{who}: the input's rows are split {x2d.split_count(0)} ways but its dim 0 has "
+            f"{x[0]} entries; use a batch divisible by {x2d.split_count(0)}"
+        )
+    dims = (x2d.dims[0],) + ((),) * (len(x) - 2) + (x2d.dims[1],)
+    return op.matrix, {0: TensorLayout(op.matrix, dims), 1: weight}
+
+
+def _embedding(
+    strategy: Sequence[Any], shapes: Sequence[Shape], device_num: int, who: str
+) -> tuple[DeviceMatrix, dict[int, TensorLayout]]:
+    """``F.embedding(ids, weight)``: ids dims on the first axes, the embedding dim on the
+    last (MindSpore's order: the outer axes split the batch)."""
+    ids = shapes[0]
+    vocab = f"{who}: splitting the vocabulary (the weight's dim 0) is not supported by "
+    vocab += "nn.Embedding's op form; split the embedding dim instead, e.g. ((2, 1), (1, 4)), "
+    vocab += "or use sw.ops.Gather"
+    if isinstance(strategy[1], tuple) and strategy[1][0] != 1:
+        raise AnnotationError(vocab)
+    axes: list[list[int | None]] = [list(range(len(ids))), [None, len(ids)]]
+    try:
+        found = resolve_strategy(tuple(strategy), device_num, axes, shapes=shapes, who=who)
+    except ValueError as e:
+        raise AnnotationError(str(e)) from None
+    index, weight = found.layouts[0], found.layouts[1]
+    if weight.dims[0]:
+        raise AnnotationError(vocab)
+    return found.matrix, {0: index, 1: weight}

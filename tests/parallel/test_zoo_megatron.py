@@ -1,0 +1,256 @@
+"""Megatron-style tensor parallel on plain-torch GPT-2 and Llama, annotated the MindSpore way.
+
+``sw.shard(block.attn.c_attn, in_strategy=((dp, 1), (mp, 1)))`` (the op form: one entry per
+tensor of ``F.linear``, read as ``MatMul(transpose_b=True)``) makes each block's ``c_attn`` and
+``mlp.c_fc`` column parallel and ``((dp, mp), (1, mp))`` its two ``c_proj`` row parallel,
+without touching the model's code (`tests/zoo.py`'s nanoGPT, AdamW with decay / no-decay
+groups). Every other op runs data parallel, as semi_auto says.
+
+Two training steps equal one device on the global batch: the loss and every gradient (each
+rank's block of it), 1e-5 relative, on 2 (1 x 2), 4 (2 x 2) and 8 (2 x 4) simulated ranks, and
+with optimizer parallel (hsdp levels 1-3) on 4. The collectives are asserted exactly, per
+layer (over the mp axis):
+
+- forward: 3 AllGathers (the residual stream's rows gathered for ``c_attn`` and for ``c_fc``,
+  which take the rows over dp only; ``c_attn``'s output columns gathered for
+  ``split(n_embd, dim=2)``, since q, k and v each span columns of every mp rank) and 2
+  AllReduces (the partial outputs of the row-parallel ``c_proj``, summed where the residual add
+  consumes them); the biases of ``c_proj`` are added on the first mp rank only, no collective;
+- backward: their adjoints (3 ReduceScatters, 2 AllReduces);
+- per step: the loss's AllReduce over all ranks, and one gradient bucket per group of
+  replicas (the whole parameters over all ranks, the mp-split ones over dp).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2, GPT2Config, Llama, token_batches
+
+STEPS, BATCH = 2, 8
+ADAM = {"lr": 1e-4, "eps": 1e-6}
+LAYERS = GPT2Config().n_layer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def megatron(net: GPT2, dp: int, mp: int) -> GPT2:
+    """Column-parallel c_attn / c_fc, row-parallel c_proj, in every block."""
+    for block in net.transformer.h:
+        sw.shard(block.attn.c_attn, in_strategy=((dp, 1), (mp, 1)))
+        sw.shard(block.attn.c_proj, in_strategy=((dp, mp), (1, mp)))
+        sw.shard(block.mlp.c_fc, in_strategy=((dp, 1), (mp, 1)))
+        sw.shard(block.mlp.c_proj, in_strategy=((dp, mp), (1, mp)))
+    return net
+
+
+def megatron_llama(net: Llama, dp: int, mp: int) -> Llama:
+    """Column-parallel wq / wk / wv / w1 / w3, row-parallel wo / w2, in every block."""
+    for block in net.layers:
+        for m in (block.wq, block.wk, block.wv, block.w1, block.w3):
+            sw.shard(m, in_strategy=((dp, 1), (mp, 1)))
+        for m in (block.wo, block.w2):
+            sw.shard(m, in_strategy=((dp, mp), (1, mp)))
+    return net
+
+
+def test_megatron_llama_matches_one_device() -> None:
+    """The Llama (RMSNorm, rotary, grouped-query attention, SwiGLU) at 2 x 2: q, k and v stay
+    split by heads from their projections through rotary, ``repeat_interleave`` and attention
+    to ``wo`` (no collective inside attention). Per layer over mp: 2 AllGathers forward (the
+    rows gathered once for wq / wk / wv, once for w1 / w3: the later consumers reuse the moved
+    value) and 2 AllReduces (wo, w2), and their adjoints backward."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 64, (BATCH, 16), generator=g)
+    y = torch.randint(0, 64, (BATCH, 16), generator=g)
+    ref = Llama()
+    want = ref(x, y)[1]
+    assert want is not None
+    want.backward()
+    net = megatron_llama(Llama(), 2, 2)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        grads: dict[str, torch.Tensor] = {}
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = net(a, b)[1]
+            assert loss is not None
+            loss.backward()
+            grads.update({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        with CommRecorder() as rec:
+            loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        for name, p in ref.named_parameters():
+            assert p.grad is not None
+            assert_matches_single_device(
+                grads[name], block_of(parallel, name, p.grad), what=f"{name}.grad"
+            )
+        layers = len(net.layers)
+        want_kinds = per_layer(2, 2)
+        want_kinds[("AllGather", "forward", (0, 1))] = 2 * layers
+        want_kinds[("ReduceScatter", "backward", (0, 1))] = 2 * layers
+        assert rec.kinds() == want_kinds, rec.summary()
+
+
+@functools.cache
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return token_batches(STEPS, BATCH)
+
+
+@functools.cache
+def reference() -> list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Per step on one device: the loss, every gradient, every parameter after the step."""
+    net = GPT2()
+    opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+    out = []
+    for x, y in batches():
+        loss = net(x, y)[1]
+        assert loss is not None
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in net.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        params = {n: p.detach().clone() for n, p in net.named_parameters()}
+        out.append((loss.detach(), grads, params))
+    return out
+
+
+def block_of(
+    parallel: sw.AutoParallel, name: str, full: torch.Tensor
+) -> Callable[[int], torch.Tensor]:
+    """rank -> its block of the single-device `full` (the stored layout of parameter `name`)."""
+    plan = parallel.parallel_plan
+    assert plan is not None
+    layout = plan.params[name].layout
+    return lambda r: full[layout.local_slice(r, tuple(full.shape))]
+
+
+def per_layer(dp: int, mp: int) -> Counter[tuple[str, str, tuple[int, ...]]]:
+    """The exact collectives of one step (see the module docstring); groups hold rank 0."""
+    world = tuple(range(dp * mp))
+    mp_group, dp_group = tuple(range(mp)), tuple(range(0, dp * mp, mp))
+    want: Counter[tuple[str, str, tuple[int, ...]]] = Counter(
+        {
+            ("AllGather", "forward", mp_group): 3 * LAYERS,
+            ("AllReduce", "forward", mp_group): 2 * LAYERS,
+            ("ReduceScatter", "backward", mp_group): 3 * LAYERS,
+            ("AllReduce", "backward", mp_group): 2 * LAYERS,
+        }
+    )
+    want[("AllReduce", "forward", world)] += 1  # the loss
+    want[("AllReduce", "backward", world)] += 1  # the whole parameters' gradient bucket
+    if dp > 1:
+        want[("AllReduce", "backward", dp_group)] += 1  # the mp-split ones, over dp
+    return want
+
+
+@pytest.mark.parametrize(("dp", "mp"), [(1, 2), (2, 2), (2, 4)])
+def test_megatron_gpt2_matches_one_device(dp: int, mp: int) -> None:
+    want = reference()
+    net = megatron(GPT2(), dp, mp)
+    with simulated_world(dp * mp) as world:
+        world.replicate(net)
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        seen: list[dict[str, torch.Tensor]] = []
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = net(x, y)[1]
+            assert loss is not None
+            loss.backward()
+            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for s, (x, y) in enumerate(batches()):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            for name, grad in seen[s].items():
+                full = want[s][1][name]
+                assert_matches_single_device(
+                    grad, block_of(parallel, name, full), what=f"step {s} {name}.grad"
+                )
+            assert rec.kinds() == per_layer(dp, mp), rec.summary()
+        plan = parallel.parallel_plan
+        assert plan is not None
+        # the annotated weights are stored as their strategies split them
+        c_attn, c_proj = (f"transformer.h.0.attn.{m}.weight" for m in ("c_attn", "c_proj"))
+        assert plan.params[c_attn].layout.local_shape((96, 32)) == (96 // mp, 32)
+        assert plan.params[c_proj].layout.local_shape((32, 32)) == (32, 32 // mp)
+        assert tuple(net.transformer.h[0].attn.c_attn.weight.shape) == (96 // mp, 32)
+        node = next(n for n in plan.nodes if n.name == "transformer.h.0.attn.c_attn/linear")
+        assert node.rule == "user"
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
+    """hsdp on top of 2 x 2 tensor parallel: each parameter block sharded over its dp
+    replicas (threshold 0); losses and updated parameters equal one device's."""
+    want = reference()
+    net = megatron(GPT2(), 2, 2)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = net(x, y)[1]
+            assert loss is not None
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step).hsdp(threshold=0, optimizer_level=level)
+        for s, (x, y) in enumerate(batches()):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            plan = parallel.optimizer_plan
+            assert plan is not None
+            for name, p in net.named_parameters():
+                shard = plan.param(name)
+                layout, shape = shard.info.layout, shard.info.shape
+                full = want[s][2][name]
+
+                def rows(r: int, f: torch.Tensor = full, sh=shard, a=layout, g=shape) -> Any:
+                    block = f[a.local_slice(r, g)]
+                    if not sh.sharded:
+                        return block
+                    members = a.matrix.group_along(r, sh.dp_axes)
+                    pos, n = members.index(r) % sh.shard, sh.shard_shape[0]
+                    return block[pos * n : (pos + 1) * n]
+
+                assert_matches_single_device(p.detach(), rows, what=f"step {s} {name}")
+            kinds = rec.kinds()
+            # the tensor-parallel collectives are those of the plain run; the gradient
+            # buckets' AllReduces become hsdp's AllGather / ReduceScatter per bucket
+            tp = per_layer(2, 2)
+            for key in list(tp):
+                if key[0] == "AllReduce" and key[1] == "backward" and key[2] != (0, 1):
+                    del tp[key]
+            assert all(kinds[k] == v for k, v in tp.items()), rec.summary()
+            buckets = len(plan.buckets)
+            gathers = sum(v for k, v in kinds.items() if k[0] == "AllGather") - 3 * LAYERS
+            scatters = sum(v for k, v in kinds.items() if k[0] == "ReduceScatter") - 3 * LAYERS
+            assert gathers == buckets * (2 if level == "level3" else 1), rec.summary()
+            assert scatters == buckets, rec.summary()
