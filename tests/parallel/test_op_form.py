@@ -107,9 +107,9 @@ def test_embedding_and_linear_op_form() -> None:
     ]
     assert rec.kinds() == Counter(
         {
-            ("AllGather", "forward", MP): 2,  # ids (rows over all -> dp), labels for the loss
-            ("AllReduce", "forward", MP): 1,  # head: row parallel, summed before the loss
-            ("AllReduce", "forward", DP): 1,  # the loss (rows over dp)
+            ("AllGather", "forward", MP): 1,  # ids: rows over all -> over dp
+            ("AllReduce", "forward", MP): 1,  # head: row parallel, summed (then rows over all)
+            ("AllReduce", "forward", ALL): 1,  # the loss, on each rank's rows
             ("AllReduce", "backward", MP): 1,  # (its adjoint)
             ("AllReduce", "backward", ALL): 1,  # head.bias: whole, one bucket
             ("AllReduce", "backward", DP): 1,  # emb.weight, head.weight: split over mp
@@ -139,21 +139,33 @@ def test_reshard_is_a_graph_op(tmp_path: Path) -> None:
     assert ParallelPlan.load(tmp_path / "plan.json") == plan
 
 
-def test_op_form_needs_a_plain_torch_network() -> None:
+def test_op_form_next_to_a_primitive() -> None:
+    """An annotated nn.Linear (column parallel) feeding a shardwise primitive: one plan for
+    both; the output rows equal one device's."""
+
     class Mixed(nn.Module):
         def __init__(self) -> None:
             super().__init__()
+            torch.manual_seed(5)
             self.fc = sw.shard(nn.Linear(8, 8), in_strategy=((2, 1), (2, 1)))
-            self.relu = sw.ops.ReLU()
+            self.relu = sw.ops.ReLU().shard(((2, 2),))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.relu(self.fc(x))
+            out: torch.Tensor = self.relu(self.fc(x))
+            return out
 
-    net, x = Mixed(), torch.randn(8, 8)
+    x = torch.randn(8, 8)
+    want = Mixed()(x).detach()
+    net = Mixed()
     with simulated_world(WORLD) as world:
+        world.replicate(net)
         rows = world.rows(x)
-        with pytest.raises(ValueError, match=r"fc \(Linear\).*primitive"):
-            sw.AutoParallel(net)(rows)
+        parallel = sw.AutoParallel(net)
+        got = parallel(rows)
+        assert_matches_single_device(got, lambda r: want[2 * r : 2 * r + 2])
+        plan = parallel.parallel_plan
+        assert plan is not None
+        assert [n.rule for n in plan.nodes] == ["user", "user"]
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
-"""While an optimizer steps (no closure) inside a wrapped train step, the data-parallel torch-op
-mode lets the update's ops through unexamined; a step with a closure (which re-runs the network)
-is examined as usual, so its loss is still the global one. 2 simulated ranks, plain data
-parallel, results equal single-device."""
+"""Optimizer steps inside a wrapped train step: after the plan's ops ran, the update's ops pass
+through the plan executor untouched; a step with a closure (which re-runs the network) runs the
+plan again, so its loss is still the global one; a loss computed after the step (the network run
+again) too; a step that raises leaves no mode behind. 2 simulated ranks, results equal
+single-device."""
 
 from __future__ import annotations
 
@@ -11,22 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.optim.optimizer as torch_optimizer
 from torch import nn
 
 import shardwise as sw
-from shardwise.parallel import AutoParallel, _torchops
+from shardwise.parallel import AutoParallel
 from shardwise.testing import simulated_world
-
-
-class Recording(torch.optim.SGD):
-    """SGD that records the active modes' `stepping` counters when it updates."""
-
-    seen: list[list[int]]
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        self.seen.append([m.stepping for m in _torchops._ACTIVE])
-        return super().step(closure)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +25,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Net(nn.Module):
-    """A linear layer and a shardwise primitive: the primitive runtime (and its torch-op mode)
-    runs it."""
+    """A linear layer and a shardwise primitive."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -72,13 +61,12 @@ def single_device(closure: bool) -> tuple[float, torch.Tensor]:
 
 
 @pytest.mark.parametrize("closure", [False, True], ids=["plain-step", "closure"])
-def test_step_ops_pass_unexamined_and_closures_are_examined(closure: bool) -> None:
+def test_steps_and_closures_match_one_device(closure: bool) -> None:
     want_loss, want_weight = single_device(closure)
     net, (x, y) = make_net(), batch()
     with simulated_world(2) as world:
         world.replicate(net)
-        opt = Recording(net.parameters(), lr=0.1)
-        opt.seen = []
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
         closure_losses: list[torch.Tensor] = []
 
         def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,8 +86,6 @@ def test_step_ops_pass_unexamined_and_closures_are_examined(closure: bool) -> No
         loss = AutoParallel(train_step, parallel_mode="semi_auto")(world.rows(x), world.rows(y))
         got_weight = world.local(net.weight.detach(), 0)
         got_loss = float(world.local(loss, 0))
-    # the global step hooks run before the optimizer's body: one active mode, counting
-    assert opt.seen == ([[0]] if closure else [[1]])
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(got_weight, want_weight, rtol=1e-6, atol=1e-7)
 
@@ -153,11 +139,11 @@ def step_then_loss(
     return AutoParallel(train_step, parallel_mode="semi_auto", network=net, optimizer=opt)
 
 
-@pytest.mark.parametrize("user_mode", [False, True], ids=["lifted", "under-a-user-mode"])
-def test_step_runs_with_the_mode_off_the_stack_and_it_comes_back(user_mode: bool) -> None:
-    """A plain step runs with the mode lifted off the torch-function stack (no dispatch per op);
-    the ops after it are examined again (the loss after the step is the global one). Under a
-    user's mode on top, nothing is lifted and the step passes through as before."""
+@pytest.mark.parametrize("user_mode", [False, True], ids=["plain", "under-a-user-mode"])
+def test_loss_after_the_step_runs_the_plan_again(user_mode: bool) -> None:
+    """The network run again after ``opt.step()`` (the loss of the updated net) runs the plan
+    again: the loss of the global batch. The optimizer steps under the plan executor (and a
+    user's mode on top, when there is one); every mode is off the stack afterwards."""
     want = after_step_loss_single_device()
     net, (x, y) = make_net(), batch()
     base = torch._C._len_torch_function_stack()
@@ -167,16 +153,14 @@ def test_step_runs_with_the_mode_off_the_stack_and_it_comes_back(user_mode: bool
         step = step_then_loss(net, opt, Passing if user_mode else contextlib.nullcontext)
         got = float(world.local(step(world.rows(x), world.rows(y)), 0).detach())
         inside = torch._C._len_torch_function_stack()
-    assert opt.depths == ([base + 2] if user_mode else [base])  # lifted: ours is off the stack
+    assert opt.depths == ([base + 2] if user_mode else [base + 1])  # the executor (+ user)
     assert inside == base  # every mode exited
-    hooks = torch_optimizer._global_optimizer_pre_hooks  # type: ignore[attr-defined]
-    assert next(iter(hooks)) == _torchops._STEP_HOOKS[0].id  # runs before optimizer parallel's
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_a_step_that_raises_leaves_no_mode_behind() -> None:
-    """The step raises with the mode lifted: the wrapped call raises, the stack is back to what it
-    was, and the next call runs data parallel with the right result."""
+    """The step raises: the wrapped call raises, the stack is back to what it was, and the next
+    call runs the plan with the right result."""
     want = after_step_loss_single_device()
     net, (x, y) = make_net(), batch()
     base = torch._C._len_torch_function_stack()
@@ -188,7 +172,6 @@ def test_a_step_that_raises_leaves_no_mode_behind() -> None:
         with pytest.raises(RuntimeError, match="step failed"):
             step(world.rows(x), world.rows(y))
         assert torch._C._len_torch_function_stack() == base
-        assert not _torchops._lifted() and not list(_torchops._ACTIVE)
         opt.fail = False
         for p in net.parameters():
             p.grad = None
@@ -208,14 +191,15 @@ class Outer(torch.optim.SGD):
 
 
 def test_steps_outside_wrapped_calls_and_raising_inner_steps_leave_nothing_behind() -> None:
-    """An optimizer stepping (and raising) outside any wrapped call records nothing; an inner
-    step that raised inside an outer one is dropped when the outer step ends, which puts the mode
-    back: the loss after it is the global batch's."""
+    """An optimizer stepping (and raising) outside any wrapped call leaves the mode stack as it
+    was; an inner step that raised inside an outer one changes nothing: the loss after it is
+    the global batch's."""
     lone = StackDepth([torch.zeros(2, requires_grad=True)], lr=0.1)
     lone.fail = True
+    base = torch._C._len_torch_function_stack()
     with pytest.raises(RuntimeError):
         lone.step()
-    assert not _torchops._lifted()
+    assert torch._C._len_torch_function_stack() == base
 
     want = after_step_loss_single_device()
     net, (x, y) = make_net(), batch()
@@ -227,7 +211,6 @@ def test_steps_outside_wrapped_calls_and_raising_inner_steps_leave_nothing_behin
         def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             nn.functional.cross_entropy(net(x), y).backward()
             opt.step()
-            assert not _torchops._lifted()  # the inner step's entry went with the outer one
             return nn.functional.cross_entropy(net(x), y)
 
         step = AutoParallel(train_step, parallel_mode="semi_auto")

@@ -30,6 +30,7 @@ from shardwise.report import (
     trace_sources,
     write_ir,
 )
+from shardwise.report._parallel_plan import format_plan_execute
 from shardwise.testing import simulated_world
 
 WORLD, BATCH = 8, 32
@@ -179,23 +180,32 @@ def test_bad_level_and_rank() -> None:
         format_execute(plan, Dataflow(flow.calls[:2], flow.outputs), 0)
 
 
+def plan_comm_ops(text: str) -> Counter[tuple[str, tuple[int, ...]]]:
+    """(kind, group) of every collective in a plan's execute.ir."""
+    out: Counter[tuple[str, tuple[int, ...]]] = Counter()
+    for x in text.splitlines():
+        m = re.match(r"\s+(\w+)(?:\(\w+\))? over .* group \[([\d, ]+)\] send_bytes", x)
+        if m:
+            out[(m.group(1), tuple(int(r) for r in m.group(2).split(", ")))] += 1
+    return out
+
+
 @pytest.mark.parametrize("layouts", [False, True], ids=["int", "layout"])
 def test_comm_ops_match_a_simulated_forward(layouts: bool) -> None:
-    """Every communication op of execute.ir (rank 0) is a collective the runtime issues, with
-    the same group and bytes, and nothing else is issued."""
+    """Every collective of the plan's execute.ir (rank 0) is one the run issues, with the same
+    group and bytes, and nothing else is issued (the report prints the plan: no second trace)."""
     net = Network(layouts)
-    flow = trace_sources(net, SHAPES)  # before wrapping: the wrapper refuses direct calls
     with simulated_world(WORLD) as world, CommRecorder() as rec:
         world.replicate(net)
         parallel = AutoParallel(net)
         parallel(world.rank_map(lambda r: torch.zeros(BATCH // WORLD, 1, 28, 28)))
-    plan = parallel.network_plan
+    plan = parallel.parallel_plan
     assert plan is not None
-    text = format_execute(plan, flow, 0, level=2)
+    text = format_plan_execute(plan, 0)
     forward = Counter({(k, g): n for (k, phase, g), n in rec.kinds().items() if phase == "forward"})
-    assert comm_ops(text) == forward, rec.summary()
+    assert plan_comm_ops(text) == forward, rec.summary() + "\n" + text
     sent = sum(r.bytes_sent for r in rec.records)
-    assert f"# bytes this rank sends in one forward: {sent}" in text
+    assert f"# bytes this rank sends in one forward: {sent}" in text, text
 
 
 def test_write_ir_and_dump_plan(tmp_path: Path) -> None:

@@ -1,15 +1,20 @@
 """`AutoParallel`: the semi_auto operator-parallel wrapper (a network or a train-step function).
 
-On the network's first call (`AutoParallel.plan`): step 1 (`_plan.trace_calls`,
-`_plan.plan_network`, with the layouts `sw.shard` / `sw.reshard` declare), step 2
-(`_runtime.shard_parameters`), then either optimizer parallel (`_hsdp.start_engine`: shards,
-fused gradient buckets) or the gradient hooks of step 4 (`_runtime.GradBuckets`: one AllReduce
-per fused bucket, `_hsdp.gradient_buckets`; parameters no primitive consumes are replicated and
-all-reduced over every rank). Every call then runs step 3 in a session
+Every call with a ``"data_parallel"`` or ``"full_batch"`` dataset strategy runs from one
+`ParallelPlan` (`_graph_run.GraphRun`): the first call captures every op of the network or train
+step (shardwise primitives, torch ops, ``sw.shard`` / ``sw.reshard`` annotations), plans it
+(`planner.plan_semi_auto`), cuts the parameters to their stored blocks and starts either
+optimizer parallel (`_hsdp.start_engine`) or the gradient buckets (`_runtime.GradBuckets`); every
+call then runs under the plan executor (`_executor.PlanExecutor`), and a call that runs other ops
+or shapes is planned again. `_plan_graph` also writes the reports.
+
+The primitive runtime serves per-input dataset strategies and an explicit `AutoParallel.plan`:
+step 1 (`_plan.trace_calls`, `_plan.plan_network`), step 2 (`_runtime.shard_parameters`), then
+optimizer parallel or the gradient hooks; every call then runs step 3 in a session
 (`_call.CallRuntime`): hooks on the primitives redistribute each input from the state it has
 (`_tracker.Tracker`) to the layout its plan wants, run the primitive on the local blocks, apply
 the plan's collectives and record the output layouts; unannotated torch ops run data parallel
-(`_torchops.DataParallelOps`, a TorchFunctionMode active during the session).
+(`_torchops.DataParallelOps`).
 ``parallel_mode="data_parallel"`` instead runs `optim.DataParallelRunner` (`_data_parallel`).
 
 Inputs follow MindSpore's convention in both forms (`_step.arriving_input`): under the default
@@ -127,8 +132,8 @@ class AutoParallel(CallRuntime, StrategyFiles):
     """Run a network operator-parallel as its primitives' strategies say (semi_auto).
 
     Args:
-        network_or_step: a module (its compute: shardwise primitives, parameters passed directly
-            as primitive inputs, and supported unannotated torch ops), or a train-step function
+        network_or_step: a module (shardwise primitives, torch modules and ops, annotated
+            with ``shard()`` / ``sw.shard`` or not), or a train-step function
             ``step(*inputs)`` calling such a network, ``loss.backward()`` and
             ``optimizer.step()`` and returning the loss.
         parallel_mode: ``"semi_auto"`` or ``"data_parallel"`` (the whole network on every
@@ -153,9 +158,11 @@ class AutoParallel(CallRuntime, StrategyFiles):
     parameter holds this rank's block and that block's gradient, so any torch.optim optimizer
     (built before or after the first call) updates the blocks.
 
-    Limits: unannotated torch ops outside `_torchops.OP_KINDS` and non-tensor primitive inputs
-    are refused; once planned the network only
-    runs through the wrapper (same primitive calls, same order, same shapes every step).
+    Limits: once planned the network only runs through the wrapper; a call that runs other
+    ops (before its first backward) or passes other shapes is planned again; ops that change
+    after a backward within one call are refused. Per-input dataset strategies and an explicit
+    `plan` use the primitive runtime, which refuses unannotated torch ops outside
+    `_torchops.OP_KINDS`.
     """
 
     _shardwise_wrapper = True  # skipped when a train step's modules are looked up

@@ -32,15 +32,23 @@ from torch.utils import _pytree as pytree
 from shardwise import communication as comm
 from shardwise.communication.primitives import replicated_seed, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.ops import Primitive
 from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._local import Masked, prepare
 from shardwise.parallel._runtime import group_for
-from shardwise.planner import EdgePlan, ParallelPlan, Placed
+from shardwise.planner import Collective, EdgePlan, ParallelPlan, Placed
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
 from shardwise.redistribution import local_block, redistribute
 
 T = torch.Tensor
 _SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+
+
+class Replan(BaseException):
+    """The network ran other ops than the plan's before any backward of this call (a branch
+    on a Python flag, another input shape): `GraphRun` captures and plans it again and runs
+    the call anew. A BaseException, so that user code's ``except Exception`` lets it pass."""
 
 
 def move(x: T, edge: EdgePlan) -> T:
@@ -55,6 +63,23 @@ def move(x: T, edge: EdgePlan) -> T:
     if edge.kept:
         x = _keep_first(x, m, edge.kept)
     return x
+
+
+def run_collective(x: T, c: Collective, matrix: DeviceMatrix) -> T:
+    """An op's own collective (`NodePlan.comms`): AllReduce (sum / mean) or ReduceScatter (sum,
+    along `c.dim`) over the plan's axes `c.axes`."""
+    axes = [matrix.axis(a) for a in c.axes]
+    group, members = group_for(matrix, axes)
+    if len(members) == 1:
+        return x
+    if c.kind == "AllReduce":
+        return sum_over_ranks(x, group, len(members) if c.detail == "mean" else 1)
+    if c.kind == "ReduceScatter" and c.detail == "sum" and c.dim is not None:
+        if tuple(sorted(members)) != members:
+            raise UnsupportedParallelError(f"{c}: group order differs from rank order")
+        out: T = comm.ReduceScatter("sum", group)(x.movedim(c.dim, 0))
+        return out.movedim(0, c.dim)
+    raise UnsupportedParallelError(f"collective {c} is not supported by the executor")
 
 
 def _keep_first(x: T, matrix: DeviceMatrix, axes: tuple[int, ...]) -> T:
@@ -108,7 +133,9 @@ class PlanExecutor(TorchFunctionMode):
                 self.returned.setdefault(e.value, []).append(e)
         self.paused = 0
         self.finished = False
+        self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
+        self.primitives: list[tuple[int, Masked | None] | None] = []  # the running primitives
         self.inputs: dict[int, str] = {}  # id of each call input -> its graph name
 
     @property
@@ -127,6 +154,7 @@ class PlanExecutor(TorchFunctionMode):
         if func is T.backward:
             self.check_done("loss.backward()")
             self.finished = True  # the step may run the plan again (`_restarts`)
+            self.backward_seen = True
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             if gradient is None and args and isinstance(args[0], T):
                 with replicated_seed(args[0]):
@@ -134,10 +162,10 @@ class PlanExecutor(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.paused or record_kind(func) != "op":
             return func(*args, **kwargs)
-        if self.done and not self._restarts(func, args, kwargs):
+        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        if self.done and not self._restarts(op, (args, kwargs)):
             return func(*args, **kwargs)
         node = self.plan.nodes[self.cursor]
-        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
         if not any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs))):
             return self._factory(func, op, args, kwargs)
         self._advance(op, "called")
@@ -151,6 +179,83 @@ class PlanExecutor(TorchFunctionMode):
             if self.on_end is not None:
                 self.on_end()
         return out
+
+    # -- shardwise primitives (module hooks that `GraphRun` registers) ---------------------
+    def enter_primitive(
+        self, module: Primitive, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A primitive's forward pre-hook: its node's inputs moved as the edges say (its
+        parameters from their stored layout, through `param_value`), its local compute prepared
+        (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes."""
+        if self.paused:
+            return None
+        self.paused += 1  # until `leave_primitive`: the moves and the primitive's own ops
+        op = f"shardwise.ops.{module.name}"
+        if self.done and not self._restarts(op, args):
+            self.primitives.append(None)
+            return None
+        node = self.plan.nodes[self.cursor]
+        self._advance(op, "called")
+        tensors, call_args = module.split_call(*args)
+        local = self._moved_inputs(node.index, list(tensors))
+        layouts = [p.layout for p in node.inputs]
+        local, fixup = prepare(module, node.local, local, layouts, node.in_shapes, call_args)
+        self.primitives.append((node.index, fixup))
+        rest = args[len(tensors) :]
+        if "shape" in call_args:  # Reshape: the local target shape
+            target = node.local_shapes[0]
+            if "shape" in kwargs:
+                kwargs = {**kwargs, "shape": target}
+            else:
+                names = [k for k, _ in module.call_args]
+                rest = tuple(
+                    target if n == "shape" else a for n, a in zip(names, rest, strict=False)
+                )
+        return (*local, *rest), kwargs
+
+    def leave_primitive(self, module: Primitive, args: tuple[Any, ...], output: Any) -> Any:
+        """A primitive's forward hook: the output fix-up, the op's own collectives (from the
+        plan's `NodePlan.comms`), the edges of returned values."""
+        if not self.primitives:
+            return None
+        entry = self.primitives.pop()
+        if entry is None:
+            self.paused -= 1
+            return None
+        k, fixup = entry
+        single = isinstance(output, T)
+        outs = [output] if single else list(output)
+        try:
+            if fixup is not None:
+                outs = fixup.apply(outs)
+            matrix = self.plan.matrix
+            for c in self.plan.nodes[k].comms:
+                outs[c.output] = run_collective(outs[c.output], c, matrix)
+            out = self._returned(k, outs[0] if single else tuple(outs))
+        finally:
+            self.paused -= 1
+        if self.done:
+            self.moved.clear()
+            if self.on_end is not None:
+                self.on_end()
+        return out
+
+    def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
+        """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
+        slot = 0
+        for i, leaf in enumerate(tensors):
+            if not isinstance(leaf, T):
+                continue
+            if id(leaf) in self.params and self.param_value is not None:
+                leaf = self.param_value(leaf)
+            edge = self.edges.get((k, slot))
+            if edge is not None and edge.shared:
+                leaf = self.moved[(edge.value, edge.dst)]
+            elif edge is not None:
+                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge)
+            tensors[i] = leaf
+            slot += 1
+        return tensors
 
     def _factory(
         self, func: Callable[..., Any], op: str, args: tuple[Any, ...], kw: dict[str, Any]
@@ -171,6 +276,8 @@ class PlanExecutor(TorchFunctionMode):
         """Step to the next node, which must be `op` (else an error naming both ops)."""
         node = self.plan.nodes[self.cursor]
         if op != node.op:
+            if not self.backward_seen:
+                raise Replan(f"{op} where the plan has %{node.index} {node.name} ({node.op})")
             raise UnsupportedParallelError(
                 f"AutoParallel: the network {did} {op} where the plan has op %{node.index} "
                 f"{node.name} ({node.op}); it must run the same torch ops in the same order "
@@ -182,19 +289,16 @@ class PlanExecutor(TorchFunctionMode):
                 self.on_start()
         self.cursor += 1
 
-    def _restarts(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> bool:
+    def _restarts(self, op: str, args: Any) -> bool:
         """After the plan ran and a backward: whether this call starts it again (gradient
         accumulation, an optimizer's closure): the plan's first op, with the same parameters
         in the same places (other inputs may differ: a scaled batch, another chunk)."""
         if not self.finished or not self.plan.nodes:
             return False
         first = self.plan.nodes[0]
-        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
         if op != first.op:
             return False
-        tensors = [t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)]
+        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, T)]
         if len(tensors) != len(first.values):
             return False
         for t, value in zip(tensors, first.values, strict=True):
@@ -208,6 +312,8 @@ class PlanExecutor(TorchFunctionMode):
         """Raise when `where` comes before the plan's last op ran."""
         if not self.done and self.cursor:
             node = self.plan.nodes[self.cursor]
+            if not self.backward_seen:
+                raise Replan(f"{where} before %{node.index} {node.name} ({node.op})")
             raise UnsupportedParallelError(
                 f"AutoParallel: {where} came after {self.cursor} of the plan's "
                 f"{len(self.plan.nodes)} ops (next: %{node.index} {node.name}); the step must "
@@ -219,20 +325,7 @@ class PlanExecutor(TorchFunctionMode):
     ) -> Any:
         node = self.plan.nodes[k]
         leaves, spec = pytree.tree_flatten((args, kw))
-        slot = 0
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, T):
-                continue
-            if id(leaf) in self.params and self.param_value is not None:
-                leaf = self.param_value(leaf)
-            edge = self.edges.get((k, slot))
-            if edge is not None and edge.shared:
-                leaf = self.moved[(edge.value, edge.dst)]
-            elif edge is not None:
-                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge)
-            leaves[i] = leaf
-            slot += 1
-        args, kw = pytree.tree_unflatten(leaves, spec)
+        args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
         if self.templates is not None and all(not p.layout.used_axes() for p in node.inputs):
             args, kw = self._global_args(k, args, kw)  # whole inputs: the captured sizes
         if node.op in _SIZED and node.shapes[0] != node.local_shapes[0]:

@@ -22,8 +22,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -31,16 +31,18 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
+from shardwise import report, runtime
 from shardwise.communication import recorder
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._delayed import has_deferred
-from shardwise.parallel._executor import PlanExecutor, move
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._executor import PlanExecutor, Replan, move
 from shardwise.parallel._hsdp import gradient_buckets, start_engine
 from shardwise.parallel._plan import NetworkPlan
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
-from shardwise.planner import ParallelPlan, Placed, capture, plan_semi_auto
+from shardwise.planner import Graph, ParallelPlan, Placed, capture, plan_semi_auto
 from shardwise.planner._capture import input_key
 from shardwise.planner._plan import replicated
 from shardwise.planner._semi_auto import data_parallel
@@ -68,9 +70,26 @@ class _GraphSession:
 
 def eligible(network: nn.Module, dataset: object) -> bool:
     """Whether `GraphRun` can serve this network (see the module docstring)."""
-    if dataset not in ("data_parallel", "full_batch"):
-        return False
-    return not any(isinstance(m, Primitive) for m in network.modules())
+    return dataset in ("data_parallel", "full_batch")
+
+
+def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
+    """This rank's tensors under `plan` for `runtime.check_memory`: each parameter's stored
+    block and its gradient, and every op's output block (all assumed kept for backward: an
+    upper bound for one step)."""
+    out, grads = [], []
+    for name, p in plan.params.items():
+        shape = p.layout.local_shape(p.shape)
+        dtype = getattr(torch, p.dtype)
+        out.append(runtime.TensorEstimate(name, shape, dtype))
+        if dtype.is_floating_point:
+            grads.append(runtime.TensorEstimate(f"{name}.grad", shape, dtype, "gradients"))
+    acts = [
+        runtime.TensorEstimate(f"{n.name} output {k}", local, torch.float32, "activations")
+        for n in plan.nodes
+        for k, local in enumerate(n.local_shapes)
+    ]
+    return out + grads + acts
 
 
 def _global(x: Any, world: int, dataset: object) -> Any:
@@ -108,29 +127,53 @@ class GraphRun:
         self.grads: GradBuckets | None = None
         self.optimizers = list(optimizers)
         self.session = _GraphSession(network)
+        self.executor: PlanExecutor | None = None  # during a call
+        self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
+        self.capturing = False
 
-    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
-        """Capture and plan with the global shapes of this call's inputs, and apply the plan
-        to the parameters."""
+    def _capture_plan(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
+    ) -> tuple[Graph, ParallelPlan]:
+        """Capture the call with the global shapes of its inputs and plan it; `stored`: a plan
+        whose parameter storage (and global parameter shapes) the new plan keeps."""
         world = comm.get_group_size()
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
         device = tensors[0].device if tensors else torch.device("cpu")
         g_args, g_kwargs = pytree.tree_map(
             lambda x: _global(x, world, self.dataset), (args, kwargs)
         )
-        with activate(self.session), comm.plain_tensors():
-            graph = capture(self.fn, *g_args, networks=[self.network], device=device, **g_kwargs)
-            assert self.session.declared is not None
-            declared = self.session.declared.parameter_layouts(self.network)
-            self.session.declared = None
-            plan = plan_semi_auto(
-                graph,
-                world,
-                dataset=str(self.dataset),
-                param_layouts={n: layout for n, (layout, _) in declared.items()},
+        shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
+        with activate(self.session), comm.plain_tensors(), self._capturing():
+            graph = capture(
+                self.fn,
+                *g_args,
+                networks=[self.network],
+                device=device,
+                param_shapes=shapes,
+                **g_kwargs,
             )
+            if stored is None:
+                assert self.session.declared is not None
+                declared = self.session.declared.parameter_layouts(self.network)
+                self.session.declared = None
+                given = {n: layout for n, (layout, _) in declared.items()}
+            else:
+                given = {n: p.layout for n, p in stored.params.items()}
+            plan = plan_semi_auto(graph, world, dataset=str(self.dataset), param_layouts=given)
+        runtime.check_memory(memory_estimate(plan), "AutoParallel")
+        return graph, plan
+
+    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
+        """Capture and plan with the global shapes of this call's inputs, and apply the plan
+        to the parameters."""
+        graph, plan = self._capture_plan(args, kwargs)
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
+        self.plans = [(plan, self.templates)]
+        for m in self.network.modules():
+            if isinstance(m, Primitive):
+                self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
+                self.hooks.append(m.register_forward_hook(self._leave))
         stored = plan.param_layouts()
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
@@ -148,6 +191,33 @@ class GraphRun:
             self.hooks += self.grads.handles
         return plan
 
+    @contextmanager
+    def _capturing(self) -> Iterator[None]:
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+    def _enter(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.capturing:
+            return None
+        if self.executor is None:
+            raise RuntimeError(
+                "AutoParallel: the wrapped network was called outside the wrapper; call the "
+                "AutoParallel object (or the train step it wraps) instead"
+            )
+        assert isinstance(module, Primitive)
+        return self.executor.enter_primitive(module, args, kwargs)
+
+    def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.executor is None or self.capturing:
+            return None
+        assert isinstance(module, Primitive)
+        return self.executor.leave_primitive(module, args, output)
+
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
@@ -156,6 +226,55 @@ class GraphRun:
             self.engine.remove()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        shapes = self._input_shapes(args, kwargs)
+        plan = self.parallel_plan
+        assert plan is not None
+        if shapes != dict(plan.input_shapes):  # another input signature: its plan, or a new one
+            found = [(p, t) for p, t in self.plans if dict(p.input_shapes) == shapes]
+            if found:
+                self.parallel_plan, self.templates = found[-1]
+            else:
+                self._replan(args, kwargs, f"inputs of global shapes {shapes}")
+        try:
+            return self._run(args, kwargs)
+        except Replan as e:
+            reason = str(e)
+        self._replan(args, kwargs, reason)
+        try:
+            return self._run(args, kwargs)
+        except Replan as e:  # (the new plan was captured from this very call)
+            raise UnsupportedParallelError(
+                f"AutoParallel: the network called {e} right after being planned for this "
+                f"call; its ops depend on something capture does not see"
+            ) from None
+
+    def _input_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Each tensor input's global shape, by its graph name."""
+        world = comm.get_group_size()
+        out = {}
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, T):
+                glob = _global(leaf, world, self.dataset)
+                out[input_key(pytree.keystr(path))] = tuple(int(s) for s in glob.shape)
+        return out
+
+    def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
+        """The network ran other ops than the plan's (`reason`): a plan for this call, kept
+        with the others (the parameters stay stored as the first plan stores them)."""
+        first = self.plans[0][0]
+        graph, plan = self._capture_plan(args, kwargs, stored=first)
+        for known, templates in self.plans:
+            if known == plan:
+                self.parallel_plan, self.templates = known, templates
+                return
+        self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
+        self.parallel_plan = plan
+        self.plans.append((plan, self.templates))
+        report.dump_parallel_plan(plan)
+        recorder.mark(f"planned again: the network called {reason}")
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call under a `PlanExecutor` of the current plan."""
         plan = self.parallel_plan
         assert plan is not None
         if self.dataset == "full_batch":
@@ -188,10 +307,16 @@ class GraphRun:
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, T):
                 executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"
+        self.executor = executor
         try:
             with executor, activate(self.session):
                 out = self.fn(*args, **kwargs)
+        except Replan:
+            if engine is not None and executor.cursor:
+                engine.end_forward()  # (the forward stops here; the call runs anew)
+            raise
         finally:
+            self.executor = None
             saved.close()
         executor.check_done("the end of the call")
         return self._outputs(plan, out) if self.module_form else out

@@ -19,7 +19,7 @@ graph (``.item()``, ``bool(t)``) or an op whose output shape depends on values r
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -368,10 +368,18 @@ def _module_hooks(s: _State) -> Iterator[None]:
             h.remove()
 
 
-def _fake_like(mode: FakeTensorMode, t: T, device: torch.device) -> T:
-    """A fake tensor with `t`'s shape, dtype and requires_grad, on `device`."""
+def _fake_like(
+    mode: FakeTensorMode, t: T, device: torch.device, shape: Sequence[int] | None = None
+) -> T:
+    """A fake tensor with `t`'s shape (or `shape`, contiguous), dtype and requires_grad, on
+    `device`."""
     with mode:
-        out = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+        if shape is not None:
+            out = torch.empty(tuple(shape), dtype=t.dtype, device=device)
+        else:
+            out = torch.empty_strided(
+                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device
+            )
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
 
 
@@ -387,6 +395,7 @@ def capture(
     *args: Any,
     networks: Sequence[nn.Module] | None = None,
     device: torch.device | str | None = None,
+    param_shapes: Mapping[str, Sequence[int]] | None = None,
     **kwargs: Any,
 ) -> Graph:
     """Record every op of one call of `fn` on fake tensors of the inputs' global shapes.
@@ -400,6 +409,8 @@ def capture(
             modules a train step references).
         device: the device the fake tensors claim (default: the inputs' first non-meta device,
             else CPU).
+        param_shapes: parameter name -> its global shape, for parameters already cut to this
+            rank's block (default: their own shapes).
 
     Returns:
         The `Graph`.
@@ -451,9 +462,10 @@ def capture(
                 tied[prefix + name] = prefix + first[id(p)]
                 continue
             first[id(p)] = name
-            fakes[id(p)] = _fake_like(mode, p, device)
+            shape = (param_shapes or {}).get(prefix + name)
+            fakes[id(p)] = _fake_like(mode, p, device, shape)
             known[id(fakes[id(p)])] = Ref("param", prefix + name)
-            params[prefix + name] = info_of(p)
+            params[prefix + name] = info_of(fakes[id(p)])
         for name, b in net.named_buffers():
             fakes[id(b)] = _fake_like(mode, b, device)
             known[id(fakes[id(b)])] = Ref("buffer", prefix + name)

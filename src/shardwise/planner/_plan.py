@@ -88,7 +88,9 @@ def placements_of(placed: Placed) -> tuple[Placement, ...]:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective the plan runs: its kind, the axes it runs over, and where.
+    """One collective the plan runs: its kind, the axes it runs over, and where (for an op's
+    own collective, also which of its outputs it combines and, for a ReduceScatter, the dim it
+    cuts).
 
     Example:
         >>> str(Collective("AllReduce", ("g0",), "cross_entropy -> return", "sum"))
@@ -99,6 +101,8 @@ class Collective:
     axes: tuple[str, ...]
     where: str
     detail: str = ""
+    output: int = 0
+    dim: int | None = None
 
     def __str__(self) -> str:
         detail = f"({self.detail})" if self.detail else ""
@@ -120,6 +124,9 @@ class NodePlan:
         comms: the collectives the op runs itself (a primitive's AllReduce / ReduceScatter).
         values: the values its tensor inputs are (``"%3"``, ``"param:fc.weight"``,
             ``"input:args[0]"``).
+        local: a primitive's local compute when it is more than the op on its blocks
+            (``"masked_lookup"``, ``"random"``: see `shardwise.ops.OpPlan.local`).
+        in_shapes: its tensor inputs' global shapes.
     """
 
     index: int
@@ -131,6 +138,8 @@ class NodePlan:
     shapes: tuple[Shape, ...]
     comms: tuple[Collective, ...] = ()
     values: tuple[str, ...] = ()
+    local: str = ""
+    in_shapes: tuple[Shape, ...] = ()
 
     @property
     def local_shapes(self) -> tuple[Shape, ...]:
@@ -157,6 +166,7 @@ class EdgePlan:
             redistribution steps (then `kept`, for axes partial in `dst` only).
         shared: the same value was already moved to `dst` for an earlier consumer of this
             forward: that result is reused (no collective; its backward adjoint runs once).
+        dtype: the value's dtype (``"float32"``).
     """
 
     consumer: int
@@ -167,6 +177,7 @@ class EdgePlan:
     dst: Placed
     steps: tuple[Step, ...] = ()
     shared: bool = False
+    dtype: str = "float32"
 
     @property
     def reduced(self) -> tuple[int, ...]:
@@ -430,7 +441,24 @@ def _placed(m: DeviceMatrix, d: Mapping[str, Any]) -> Placed:
 
 
 def _comm_d(c: Collective) -> dict[str, Any]:
-    return {"kind": c.kind, "axes": list(c.axes), "where": c.where, "detail": c.detail}
+    out = {"kind": c.kind, "axes": list(c.axes), "where": c.where, "detail": c.detail}
+    return (
+        out
+        | ({"output": c.output} if c.output else {})
+        | ({"dim": c.dim} if c.dim is not None else {})
+    )
+
+
+def _comm(c: Mapping[str, Any]) -> Collective:
+    dim = c.get("dim")
+    return Collective(
+        c["kind"],
+        tuple(c["axes"]),
+        c["where"],
+        c["detail"],
+        int(c.get("output", 0)),
+        None if dim is None else int(dim),
+    )
 
 
 def _node_d(n: NodePlan) -> dict[str, Any]:
@@ -444,6 +472,8 @@ def _node_d(n: NodePlan) -> dict[str, Any]:
         "shapes": [list(s) for s in n.shapes],
         "comms": [_comm_d(c) for c in n.comms],
         "values": list(n.values),
+        "local": n.local,
+        "in_shapes": [list(s) for s in n.in_shapes],
     }
 
 
@@ -456,10 +486,10 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
         inputs=tuple(_placed(m, p) for p in d["inputs"]),
         outputs=tuple(_placed(m, p) for p in d["outputs"]),
         shapes=tuple(tuple(s) for s in d["shapes"]),
-        comms=tuple(
-            Collective(c["kind"], tuple(c["axes"]), c["where"], c["detail"]) for c in d["comms"]
-        ),
+        comms=tuple(_comm(c) for c in d["comms"]),
         values=tuple(d.get("values", ())),
+        local=d.get("local", ""),
+        in_shapes=tuple(tuple(s) for s in d.get("in_shapes", ())),
     )
 
 
@@ -487,6 +517,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         "dst": _placed_d(e.dst),
         "steps": [_step_d(s) for s in e.steps],
         "shared": e.shared,
+        "dtype": e.dtype,
     }
 
 
@@ -500,6 +531,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         dst=_placed(m, d["dst"]),
         steps=tuple(_step(s) for s in d["steps"]),
         shared=bool(d.get("shared", False)),
+        dtype=d.get("dtype", "float32"),
     )
 
 

@@ -17,8 +17,9 @@
    rules (`ops.aten_rules.decide`: DTensor's, or shardwise's own) at each; from the
    data-parallel inputs this gives data-parallel ops (views that fold the batch dim, reductions
    over it and losses included: a mean over the batch is a partial value, all-reduced where it
-   is consumed whole). An op whose rule would move an intermediate value inside it runs
-   replicated.
+   is consumed whole). When following would move the inputs (or the rule would move an
+   intermediate value inside the op), `_Planner._cheaper` takes the data-parallel strategy
+   if it moves fewer bytes; an op that can do neither runs replicated.
 4. Every mismatch between a producer's placement and a consumer's becomes an `EdgePlan`
    (AllReduce of partial values, then the cheapest Slice / AllGather / AlltoAll steps). A
    partial scalar (a loss, a sum over the batch) and a partial returned value are all-reduced
@@ -104,7 +105,9 @@ class _Planner:
         steps = plan_redistribution(src.layout, dst.layout, info.shape, _itemsize(info.dtype))
         shared = consumer >= 0 and (ref, src, dst) in self.moved
         self.moved.add((ref, src, dst))
-        edge = EdgePlan(consumer, slot, str(ref), info.shape, src, dst, steps.steps, shared)
+        edge = EdgePlan(
+            consumer, slot, str(ref), info.shape, src, dst, steps.steps, shared, info.dtype
+        )
         self.edges.append(edge)
 
     # -- primitives ----------------------------------------------------------------------
@@ -117,14 +120,27 @@ class _Planner:
         for j, p in enumerate(outs):
             self.state[Ref("node", node.index, j)] = p
         comms = tuple(
-            Collective(c.kind, _global_axes(op.matrix, c.axes, m), node.name, c.op)
+            Collective(c.kind, _global_axes(op.matrix, c.axes, m), node.name, c.op, c.output, c.dim)
             for c in op.comms
         )
         rule = "user" if op.user_set else "default"
         shapes = tuple(tuple(s) for s in op.output_shapes)
         values = tuple(str(r) for r in node.inputs)
+        in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
         self.nodes.append(
-            NodePlan(node.index, node.name, node.op, rule, ins, outs, shapes, comms, values)
+            NodePlan(
+                node.index,
+                node.name,
+                node.op,
+                rule,
+                ins,
+                outs,
+                shapes,
+                comms,
+                values,
+                op.local,
+                in_shapes,
+            )
         )
 
     # -- torch ops -----------------------------------------------------------------------
@@ -139,9 +155,7 @@ class _Planner:
             need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
             rule = "user"
         else:
-            need, outs, rule = self._follow(node, have)
-            if rule == "replicate" and node.inputs:  # MindSpore's default before running whole
-                need, outs, rule = self._follow(node, self._data_parallel_inputs(node))
+            need, outs, rule = self._cheaper(node, have)
         ins = tuple(
             to_placed(self.matrix, p, len(self.graph.info(r).shape))
             for p, r in zip(need, node.inputs, strict=True)
@@ -156,8 +170,21 @@ class _Planner:
             self.state[Ref("node", node.index, j)] = p
         shapes = tuple(o.shape for o in node.outputs)
         values = tuple(str(r) for r in node.inputs)
+        in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
         self.nodes.append(
-            NodePlan(node.index, node.name, node.op, rule, ins, placed, shapes, (), values)
+            NodePlan(
+                node.index,
+                node.name,
+                node.op,
+                rule,
+                ins,
+                placed,
+                shapes,
+                (),
+                values,
+                "",
+                in_shapes,
+            )
         )
 
     def pin(self, node: Node, layouts: Mapping[int, TensorLayout]) -> dict[str, TensorLayout]:
@@ -242,6 +269,41 @@ class _Planner:
         while len(outs) < len(node.outputs):
             outs.append(self.rep())
         return need, outs, max(sources, key=_ORDER.__getitem__)
+
+    def _cheaper(
+        self, node: Node, have: list[Placements]
+    ) -> tuple[list[Placements], list[Placements], str]:
+        """An unannotated op's strategy: it follows its inputs' placements, unless that moves
+        them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less."""
+        need, outs, rule = self._follow(node, have)
+        if not node.inputs:
+            return need, outs, rule
+        cost = self._cost(node, need)
+        if rule != "replicate" and cost == 0:
+            return need, outs, rule
+        alt = self._follow(node, self._data_parallel_inputs(node))
+        if alt[2] != "replicate" and (rule == "replicate" or self._cost(node, alt[0]) < cost):
+            return alt
+        return need, outs, rule
+
+    def _cost(self, node: Node, need: list[Placements]) -> int:
+        """Bytes a rank sends to move the node's inputs to `need` (partial sums reduced)."""
+        total = 0
+        for ref, want in zip(node.inputs, need, strict=True):
+            src = self.state[ref]
+            info = self.graph.info(ref)
+            dst = to_placed(self.matrix, want, len(info.shape))
+            if src == dst:
+                continue
+            size = _itemsize(info.dtype)
+            if any(a not in dst.partial for a in src.partial):
+                n = 1
+                for s in src.layout.local_shape(info.shape):
+                    n *= s
+                total += 2 * n * size
+            moved = plan_redistribution(src.layout, dst.layout, info.shape, size)
+            total += moved.total_bytes
+        return total
 
     def _data_parallel_inputs(self, node: Node) -> list[Placements]:
         """The node's activations split on dim 0 over every axis (when it divides), everything
@@ -412,7 +474,8 @@ def plan_semi_auto(
         info = graph.inputs[key]
         src = arrive[key]
         steps = plan_redistribution(src.layout, dp.layout, info.shape, _itemsize(info.dtype))
-        p.edges.append(EdgePlan(-2, k, f"input:{key}", info.shape, src, dp, steps.steps))
+        edge = EdgePlan(-2, k, f"input:{key}", info.shape, src, dp, steps.steps, dtype=info.dtype)
+        p.edges.append(edge)
     returned = set(graph.outputs)
     reduced = 0
     for node in graph.nodes:

@@ -1,0 +1,109 @@
+"""Networks whose ops change between calls get one plan per variant.
+
+A plan is captured from one call. When a later call runs other ops before its first backward
+(a branch on a Python flag), or passes inputs of other global shapes, `AutoParallel` captures and
+plans that call too (the parameters stay stored as the first plan stores them) and keeps both:
+a variant seen before reuses its plan. Each step equals one device's (loss and parameters).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import UnsupportedParallelError
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+WORLD = 4
+
+
+class Branchy(nn.Module):
+    """An MLP whose middle layer runs only when `deep` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.mid, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.deep = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.deep:
+            h = torch.tanh(self.mid(h))
+        out: torch.Tensor = self.fc2(h)
+        return out
+
+
+SCHEDULE = [(False, 8), (True, 8), (False, 8), (True, 16), (False, 8)]  # (deep, global batch)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+        for _, n in SCHEDULE
+    ]
+
+
+def test_branches_and_batch_sizes_get_their_own_plans() -> None:
+    data = batches()
+    ref = Branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for (deep, _), (x, y) in zip(SCHEDULE, data, strict=True):
+        ref.deep = deep
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append((loss.detach(), {n: p.detach().clone() for n, p in ref.named_parameters()}))
+
+    net = Branchy()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        popt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            popt.step()
+            popt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        plans = []
+        for s, ((deep, _), (x, y)) in enumerate(zip(SCHEDULE, data, strict=True)):
+            net.deep = deep
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            for name, p in net.named_parameters():
+                assert_matches_single_device(p.detach(), want[s][1][name], what=f"{s} {name}")
+            plans.append(parallel.parallel_plan)
+    ops = [len(p.nodes) if p is not None else 0 for p in plans]
+    assert ops[0] == ops[2] == ops[4] < ops[1] == ops[3]
+    assert plans[2] is plans[0] and plans[4] is plans[0]  # a variant seen before: its plan
+    assert plans[3] is not plans[1]  # (another batch size)
+    assert plans[3] is not None and plans[3].input_shapes["args[0]"] == (16, 8)
+
+
+def test_ops_that_change_after_backward_are_an_error() -> None:
+    """Two forwards in one step (gradient accumulation) must run the same ops: the second one
+    changing after a backward cannot be planned again mid-step."""
+    net, x, y = Branchy(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            net.deep = False
+            F.cross_entropy(net(a), b).backward()
+            net.deep = True
+            loss = F.cross_entropy(net(a), b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        with pytest.raises(UnsupportedParallelError, match="same torch ops"):
+            parallel(world.rows(x), world.rows(y))
