@@ -21,6 +21,7 @@ unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,32 @@ from shardwise.redistribution import local_block, redistribute
 
 T = torch.Tensor
 _SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+
+
+_NAMES: dict[Any, str] = {}
+
+
+def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments hold a tensor (flat arguments checked without pytree)."""
+    for a in args:
+        if isinstance(a, T):
+            return True
+    if not kwargs and not any(isinstance(a, list | tuple | dict) for a in args):
+        return False
+    return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """A torch function's qualified name, as the capture records it (cached: torch's
+    `resolve_name` costs microseconds a call)."""
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):
+        pass
+    name = str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
+    with contextlib.suppress(TypeError):  # (an unhashable callable)
+        _NAMES[func] = name
+    return name
 
 
 class Replan(BaseException):
@@ -131,11 +158,20 @@ class PlanExecutor(TorchFunctionMode):
         for e in plan.edges:
             if e.consumer == -1:
                 self.returned.setdefault(e.value, []).append(e)
+        self.returning = {int(v[1:].split(".")[0]) for v in self.returned if v.startswith("%")}
+        # per node: whether every input is whole; a view's local size argument (or None)
+        self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in plan.nodes]
+        self.flat_templates: dict[int, tuple[list[Any], Any]] = {}
+        self.sized = [
+            n.local_shapes[0] if n.op in _SIZED and n.shapes[0] != n.local_shapes[0] else None
+            for n in plan.nodes
+        ]
         self.paused = 0
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[tuple[int, Masked | None] | None] = []  # the running primitives
+        self.stepping: list[tuple[int, bool]] = []  # running optimizer steps (id, paused)
         self.inputs: dict[int, str] = {}  # id of each call input -> its graph name
 
     @property
@@ -162,11 +198,11 @@ class PlanExecutor(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.paused or record_kind(func) != "op":
             return func(*args, **kwargs)
-        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        op = op_name(func)
         if self.done and not self._restarts(op, (args, kwargs)):
             return func(*args, **kwargs)
         node = self.plan.nodes[self.cursor]
-        if not any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs))):
+        if not _has_tensor(args, kwargs):
             return self._factory(func, op, args, kwargs)
         self._advance(op, "called")
         self.paused += 1
@@ -179,6 +215,21 @@ class PlanExecutor(TorchFunctionMode):
             if self.on_end is not None:
                 self.on_end()
         return out
+
+    # -- optimizer steps (global step hooks that `GraphRun` registers) ----------------------
+    def step_starts(self, optimizer: Any, closure: bool) -> None:
+        """An optimizer steps inside the call: without a closure its ops are not the plan's
+        and pass unexamined until `step_ends` (a closure re-runs the network: examined)."""
+        self.stepping.append((id(optimizer), not closure))
+        self.paused += not closure
+
+    def step_ends(self, optimizer: Any) -> None:
+        """The step of `optimizer` ended; steps inside it that raised end with it."""
+        while self.stepping:
+            key, paused = self.stepping.pop()
+            self.paused -= paused
+            if key == id(optimizer):
+                return
 
     # -- shardwise primitives (module hooks that `GraphRun` registers) ---------------------
     def enter_primitive(
@@ -323,13 +374,17 @@ class PlanExecutor(TorchFunctionMode):
     def _run(
         self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
-        node = self.plan.nodes[k]
-        leaves, spec = pytree.tree_flatten((args, kw))
-        args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
-        if self.templates is not None and all(not p.layout.used_axes() for p in node.inputs):
-            args, kw = self._global_args(k, args, kw)  # whole inputs: the captured sizes
-        if node.op in _SIZED and node.shapes[0] != node.local_shapes[0]:
-            out = func(args[0], node.local_shapes[0])
+        if not kw and not any(isinstance(a, list | tuple | dict) for a in args):
+            leaves = self._moved_inputs(k, list(args))  # (flat arguments: no pytree)
+            args = tuple(leaves)
+        else:
+            leaves, spec = pytree.tree_flatten((args, kw))
+            args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
+        if self.templates is not None and self.whole[k]:
+            tensors = [t for t in leaves if isinstance(t, T)]
+            args, kw = self._global_args(k, tensors, args, kw)  # the captured sizes
+        if self.sized[k] is not None:
+            out = func(args[0], self.sized[k])
         elif func is F.dropout:
             out = self._dropout(k, args, kw)
         else:
@@ -337,26 +392,24 @@ class PlanExecutor(TorchFunctionMode):
         return self._returned(k, out)
 
     def _global_args(
-        self, k: int, args: tuple[Any, ...], kw: dict[str, Any]
+        self, k: int, tensors: list[T], args: tuple[Any, ...], kw: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The captured call (global sizes) with this call's tensors in it."""
+        """The captured call (global sizes) with this call's `tensors` in it."""
         assert self.templates is not None
-        tensors = [t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)]
-        template = self.templates[k]
         if len(tensors) != len(self.plan.nodes[k].inputs):
             return args, kw
-
-        def fill(x: Any) -> Any:
-            return tensors[x.slot] if isinstance(x, TensorSlot) else x
-
-        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map(
-            fill, template, is_leaf=lambda x: isinstance(x, TensorSlot)
-        )
+        flat = self.flat_templates.get(k)
+        if flat is None:
+            flat = self.flat_templates[k] = pytree.tree_flatten(
+                self.templates[k], is_leaf=lambda x: isinstance(x, TensorSlot)
+            )
+        leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
+        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
         return tuple(out[0]), dict(out[1])
 
     def _returned(self, k: int, out: Any) -> Any:
         """Apply the edges of the node's returned outputs (the loss's AllReduce)."""
-        if not self.returned:
+        if k not in self.returning:
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0

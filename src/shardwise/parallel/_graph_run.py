@@ -22,12 +22,17 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
@@ -174,6 +179,7 @@ class GraphRun:
             if isinstance(m, Primitive):
                 self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
                 self.hooks.append(m.register_forward_hook(self._leave))
+        self._step_hooks()
         stored = plan.param_layouts()
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
@@ -211,6 +217,37 @@ class GraphRun:
             )
         assert isinstance(module, Primitive)
         return self.executor.enter_primitive(module, args, kwargs)
+
+    def _step_hooks(self) -> None:
+        """Global optimizer step hooks (`_step_starts` / `_step_ends`) that hold this run only
+        weakly and go away with it, so that a dropped wrapper frees its network."""
+        ref = weakref.ref(self)
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            run = ref()
+            if run is not None:
+                run._step_starts(optimizer, args, kwargs)
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            run = ref()
+            if run is not None:
+                run._step_ends(optimizer, args, kwargs)
+
+        for handle in (
+            register_optimizer_step_pre_hook(pre),
+            register_optimizer_step_post_hook(post),
+        ):
+            weakref.finalize(self, handle.remove)
+            self.hooks.append(handle)
+
+    def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.executor is not None:
+            closure = (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
+            self.executor.step_starts(optimizer, closure)
+
+    def _step_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.executor is not None:
+            self.executor.step_ends(optimizer)
 
     def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.executor is None or self.capturing:
