@@ -19,6 +19,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.planner import ParallelPlan, PlanError
+from shardwise.planner._graph import op_strategy
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 LAYOUT = sw.Layout((2, 2), ("dp", "mp"))
@@ -187,5 +188,32 @@ def test_bad_op_form_strategies(emb: tuple, head: tuple, match: str) -> None:
 
 
 def test_op_form_refuses_out_strategy() -> None:
+    linear = nn.Linear(8, 8)
     with pytest.raises(ValueError, match="op form of Linear"):
-        sw.shard(nn.Linear(8, 8), in_strategy=((2, 1), (2, 1)), out_strategy=((2, 1),))
+        sw.shard(linear, in_strategy=((2, 1), (2, 1)), out_strategy=((2, 1),))
+    assert op_strategy(linear) is None  # (nothing half set)
+
+
+class Residual(nn.Module):
+    """A block whose input is resharded by ``sw.shard`` while the residual uses it as is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.sub = sw.shard(nn.Linear(8, 8), in_strategy=(LAYOUT("dp", "mp"),))
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.sub(h) + h * self.scale, y)
+
+
+def test_resharded_input_and_its_original_are_two_values() -> None:
+    """``sw.shard(module, in_strategy=...)`` moves the module's input; the residual still
+    reads the original, in its own layout."""
+    _, _, x, _ = data()
+    y = torch.randn(8, 8, generator=torch.Generator().manual_seed(9))
+    parallel, _ = train_once(Residual, x, y)
+    plan = parallel.parallel_plan
+    assert plan is not None
+    reshard = next(n for n in plan.nodes if n.op == "shardwise.reshard")
+    assert str(reshard.outputs[0]) == "(g0, g1)"

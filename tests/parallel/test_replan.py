@@ -107,3 +107,49 @@ def test_ops_that_change_after_backward_are_an_error() -> None:
         parallel = sw.AutoParallel(step)
         with pytest.raises(UnsupportedParallelError, match="same torch ops"):
             parallel(world.rows(x), world.rows(y))
+
+
+class NormBranch(nn.Module):
+    """BatchNorm (running statistics: state the forward changes), then a flag branch, then an
+    extra op appended at the end when `tail` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.fc, self.bn, self.mid = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+        self.deep, self.tail = False, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.fc(x))
+        if self.deep:
+            h = self.mid(h)
+        return h.softmax(0) if self.tail else h
+
+
+def test_a_stopped_attempt_leaves_no_trace_and_tail_ops_are_planned() -> None:
+    """A call that stops on a new branch is run again from the start: the BatchNorm statistics
+    its first attempt updated are put back (running mean and batch count equal one device's).
+    An op appended after the plan's last op (softmax over the batch) is planned too, not run on
+    each rank's rows."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 8, generator=g) for _ in range(3)]
+    flags = [(False, False), (True, False), (True, True)]
+    ref = NormBranch()
+    want = []
+    for (deep, tail), x in zip(flags, xs, strict=True):
+        ref.deep, ref.tail = deep, tail
+        want.append(ref(x).detach())
+    net = NormBranch()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+        for s, ((deep, tail), x) in enumerate(zip(flags, xs, strict=True)):
+            net.deep, net.tail = deep, tail
+            got = parallel(world.rows(x))
+            n = 8 // WORLD
+            assert_matches_single_device(
+                got, lambda r, w=want[s], n=n: w[r * n : (r + 1) * n], what=f"call {s}"
+            )
+        assert_matches_single_device(net.bn.running_mean, ref.bn.running_mean, what="mean")
+        assert_matches_single_device(net.bn.running_var, ref.bn.running_var, what="var")
+        assert int(world.local(net.bn.num_batches_tracked, 0)) == 3

@@ -122,9 +122,10 @@ def _refuse_op_form(network: nn.Module) -> None:
         if op_strategy(m) is not None:
             raise UnsupportedParallelError(
                 f"sw.shard on {name} ({type(m).__name__}): the op form (a strategy for the "
-                f"module's op) runs in networks of plain torch ops; this network also holds "
-                f"shardwise primitives, so annotate a primitive (sw.ops.MatMul(transpose_b=True)"
-                f".shard(...)) instead"
+                f"module's op) runs from the captured plan, which per-input dataset strategies "
+                f"and an explicit AutoParallel.plan() do not use yet; use the dataset strategy "
+                f"'data_parallel' or 'full_batch' and let the first call plan, or annotate a "
+                f"primitive (sw.ops.MatMul(transpose_b=True).shard(...)) instead"
             )
 
 
@@ -299,7 +300,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
         AllReduce buckets (25 MB by default, or as `comm_fusion` says)."""
         if self._engine is not None:
             return self._engine.plan
-        if self._graph is not None:  # (a network of plain torch ops)
+        if self._graph is not None:  # (a network run from its ParallelPlan)
             return self._graph.grad_plan
         return self._grad_plan
 
@@ -403,8 +404,8 @@ class AutoParallel(CallRuntime, StrategyFiles):
 
     @property
     def parallel_plan(self) -> ParallelPlan | None:
-        """The `ParallelPlan` of a network of plain torch ops (None before the first call, or
-        for a network of shardwise primitives: see `network_plan`)."""
+        """The `ParallelPlan` the wrapper runs (None before the first call, or in the primitive
+        runtime, for per-input dataset strategies or an explicit `plan`: see `network_plan`)."""
         return None if self._graph is None else self._graph.parallel_plan
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -421,8 +422,8 @@ class AutoParallel(CallRuntime, StrategyFiles):
             return self._graph(inputs, kwargs)
         if kwargs:
             raise UnsupportedParallelError(
-                "AutoParallel: keyword inputs are supported for networks of plain torch ops; "
-                "a network of shardwise primitives takes positional tensors"
+                "AutoParallel: keyword inputs are supported with the 'data_parallel' or "
+                "'full_batch' dataset strategy; per-input strategies take positional tensors"
             )
         with self._session():
             index, n = _tensor_indices(inputs)
@@ -438,7 +439,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
         return graph_eligible(self.network, self._dataset)
 
     def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun:
-        """Capture and plan a network of plain torch ops."""
+        """Capture and plan the network (or train step) on its first call."""
         fn = self.train_step if self.train_step is not None else self.network
         run = GraphRun(
             fn, self.network, self._dataset, self._hsdp, self._fusion, optimizers=self.optimizers
@@ -460,7 +461,8 @@ class AutoParallel(CallRuntime, StrategyFiles):
             raise
         self._hooks += run.hooks
         self._engine = run.engine
-        # (the primitive-call view of the same plan: no primitive call, every parameter whole)
+        # (the stored parameter layouts as a NetworkPlan, for the optimizer report and for
+        # `network_plan` readers; its primitive calls are in the ParallelPlan)
         stored = plan.param_layouts()
         self.network_plan = NetworkPlan(plan.matrix, (), stored)
         report.dump_parallel_plan(plan)

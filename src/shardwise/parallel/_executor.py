@@ -35,7 +35,7 @@ from shardwise.communication.primitives import replicated_seed, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Primitive
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._local import Masked, prepare
+from shardwise.parallel._local import prepare
 from shardwise.parallel._runtime import group_for
 from shardwise.planner import Collective, EdgePlan, ParallelPlan, Placed
 from shardwise.planner._capture import record_kind
@@ -47,6 +47,7 @@ _SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.T
 
 
 _NAMES: dict[Any, str] = {}
+_PASSED = object()  # a primitive call that is not a node (nested, or in an optimizer step)
 
 
 def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -74,8 +75,17 @@ def op_name(func: Callable[..., Any]) -> str:
 
 class Replan(BaseException):
     """The network ran other ops than the plan's before any backward of this call (a branch
-    on a Python flag, another input shape): `GraphRun` captures and plans it again and runs
-    the call anew. A BaseException, so that user code's ``except Exception`` lets it pass."""
+    on a Python flag): `GraphRun` plans it again and runs the call anew. A BaseException, so
+    that user code's ``except Exception`` lets it pass.
+
+    Attributes:
+        cursor: how many of the plan's ops ran.
+        op: the op the network called instead of the plan's next one (None: it stopped there).
+    """
+
+    def __init__(self, message: str, cursor: int, op: str | None) -> None:
+        super().__init__(message)
+        self.cursor, self.op = cursor, op
 
 
 def move(x: T, edge: EdgePlan) -> T:
@@ -170,7 +180,7 @@ class PlanExecutor(TorchFunctionMode):
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
-        self.primitives: list[tuple[int, Masked | None] | None] = []  # the running primitives
+        self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.stepping: list[tuple[int, bool]] = []  # running optimizer steps (id, paused)
         self.inputs: dict[int, str] = {}  # id of each call input -> its graph name
 
@@ -200,6 +210,8 @@ class PlanExecutor(TorchFunctionMode):
             return func(*args, **kwargs)
         op = op_name(func)
         if self.done and not self._restarts(op, (args, kwargs)):
+            if not self.backward_seen:  # an op the plan does not have, before any backward
+                raise Replan(f"{op} after the plan's last op", self.cursor, op)
             return func(*args, **kwargs)
         node = self.plan.nodes[self.cursor]
         if not _has_tensor(args, kwargs):
@@ -219,7 +231,10 @@ class PlanExecutor(TorchFunctionMode):
     # -- optimizer steps (global step hooks that `GraphRun` registers) ----------------------
     def step_starts(self, optimizer: Any, closure: bool) -> None:
         """An optimizer steps inside the call: without a closure its ops are not the plan's
-        and pass unexamined until `step_ends` (a closure re-runs the network: examined)."""
+        and pass unexamined until `step_ends` (a closure re-runs the network: examined). A
+        step of the same optimizer still open is one that raised: it ends here."""
+        if any(key == id(optimizer) for key, _ in self.stepping):
+            self.step_ends(optimizer)
         self.stepping.append((id(optimizer), not closure))
         self.paused += not closure
 
@@ -238,13 +253,16 @@ class PlanExecutor(TorchFunctionMode):
         """A primitive's forward pre-hook: its node's inputs moved as the edges say (its
         parameters from their stored layout, through `param_value`), its local compute prepared
         (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes."""
-        if self.paused:
+        if self.paused:  # (inside another primitive, or an optimizer step)
+            self.primitives.append(_PASSED)
             return None
-        self.paused += 1  # until `leave_primitive`: the moves and the primitive's own ops
         op = f"shardwise.ops.{module.name}"
         if self.done and not self._restarts(op, args):
-            self.primitives.append(None)
+            if not self.backward_seen:
+                raise Replan(f"{op} after the plan's last op", self.cursor, op)
+            self.primitives.append(_PASSED)
             return None
+        self.paused += 1  # until `leave_primitive`: the moves and the primitive's own ops
         node = self.plan.nodes[self.cursor]
         self._advance(op, "called")
         tensors, call_args = module.split_call(*args)
@@ -270,8 +288,7 @@ class PlanExecutor(TorchFunctionMode):
         if not self.primitives:
             return None
         entry = self.primitives.pop()
-        if entry is None:
-            self.paused -= 1
+        if entry is _PASSED:
             return None
         k, fixup = entry
         single = isinstance(output, T)
@@ -319,8 +336,10 @@ class PlanExecutor(TorchFunctionMode):
         node = self.plan.nodes[self.cursor]
         self._advance(op, "made a tensor with")
         out = self._returned(node.index, out)
-        if self.done and self.on_end is not None:
-            self.on_end()
+        if self.done:
+            self.moved.clear()
+            if self.on_end is not None:
+                self.on_end()
         return out
 
     def _advance(self, op: str, did: str) -> None:
@@ -328,7 +347,8 @@ class PlanExecutor(TorchFunctionMode):
         node = self.plan.nodes[self.cursor]
         if op != node.op:
             if not self.backward_seen:
-                raise Replan(f"{op} where the plan has %{node.index} {node.name} ({node.op})")
+                message = f"{op} where the plan has %{node.index} {node.name} ({node.op})"
+                raise Replan(message, self.cursor, op)
             raise UnsupportedParallelError(
                 f"AutoParallel: the network {did} {op} where the plan has op %{node.index} "
                 f"{node.name} ({node.op}); it must run the same torch ops in the same order "
@@ -364,7 +384,7 @@ class PlanExecutor(TorchFunctionMode):
         if not self.done and self.cursor:
             node = self.plan.nodes[self.cursor]
             if not self.backward_seen:
-                raise Replan(f"{where} before %{node.index} {node.name} ({node.op})")
+                raise Replan(f"{where} before %{node.index} {node.name}", self.cursor, None)
             raise UnsupportedParallelError(
                 f"AutoParallel: {where} came after {self.cursor} of the plan's "
                 f"{len(self.plan.nodes)} ops (next: %{node.index} {node.name}); the step must "

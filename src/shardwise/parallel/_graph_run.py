@@ -36,7 +36,7 @@ from torch.optim.optimizer import (
 from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
-from shardwise import report, runtime
+from shardwise import runtime
 from shardwise.communication import recorder
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
@@ -272,11 +272,13 @@ class GraphRun:
                 self.parallel_plan, self.templates = found[-1]
             else:
                 self._replan(args, kwargs, f"inputs of global shapes {shapes}")
+        state = self._state()
         try:
             return self._run(args, kwargs)
         except Replan as e:
-            reason = str(e)
-        self._replan(args, kwargs, reason)
+            self._restore(state)  # (what the stopped attempt changed: buffers, the RNG)
+            if not self._known_variant(shapes, e):
+                self._replan(args, kwargs, str(e))
         try:
             return self._run(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)
@@ -284,6 +286,42 @@ class GraphRun:
                 f"AutoParallel: the network called {e} right after being planned for this "
                 f"call; its ops depend on something capture does not see"
             ) from None
+
+    def _state(self) -> tuple[list[tuple[T, T]], T]:
+        """The network's buffers (copies) and the RNG state, for `_restore`."""
+        with torch.no_grad():
+            buffers = [(b, b.clone()) for b in self.network.buffers()]
+        return buffers, torch.get_rng_state()
+
+    def _restore(self, state: tuple[list[tuple[T, T]], T]) -> None:
+        """Undo a stopped attempt's changes to buffers (BatchNorm statistics) and the RNG;
+        other Python state it changed stays changed."""
+        buffers, rng = state
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(rng)
+
+    def _known_variant(self, shapes: dict[str, Any], e: Replan) -> bool:
+        """Switch to the one known plan for these inputs whose first ops are the ones that ran
+        and whose next op is the one called (or which ends there); False: none or several."""
+        plan = self.parallel_plan
+        assert plan is not None
+        ran = [n.op for n in plan.nodes[: e.cursor]]
+        found = []
+        for known, templates in self.plans:
+            nodes = known.nodes
+            if known is plan or dict(known.input_shapes) != shapes:
+                continue
+            if [n.op for n in nodes[: e.cursor]] != ran:
+                continue
+            ends = e.op is None and len(nodes) == e.cursor
+            if ends or (e.op is not None and len(nodes) > e.cursor and nodes[e.cursor].op == e.op):
+                found.append((known, templates))
+        if len(found) != 1:
+            return False
+        self.parallel_plan, self.templates = found[0]
+        return True
 
     def _input_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Each tensor input's global shape, by its graph name."""
@@ -307,7 +345,6 @@ class GraphRun:
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.parallel_plan = plan
         self.plans.append((plan, self.templates))
-        report.dump_parallel_plan(plan)
         recorder.mark(f"planned again: the network called {reason}")
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

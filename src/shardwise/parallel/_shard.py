@@ -181,11 +181,12 @@ def reshard(tensor: torch.Tensor, layout: object) -> torch.Tensor:
 def reshard_value(tensor: torch.Tensor, entry: Entry) -> torch.Tensor:
     """The graph op of `reshard` (``"shardwise.reshard"``): seen as one call by the capture
     and by the plan executor (torch-function modes), which place its output in `entry`'s
-    layout; on its own it returns `tensor`."""
+    layout; on its own it returns a view of `tensor` (a new value: later uses of `tensor`
+    itself keep its layout)."""
     if has_torch_function_unary(tensor):
         out: torch.Tensor = handle_torch_function(reshard_value, (tensor,), tensor, entry)
         return out
-    return tensor
+    return tensor.view_as(tensor)  # (a new value: the input keeps its own layout)
 
 
 reshard_value.__qualname__ = "shardwise.reshard"
@@ -265,7 +266,8 @@ def shard(
     ``sw.shard(block.attn.c_attn, in_strategy=((2, 1), (4, 1)))`` makes the Linear column
     parallel (input rows over a 2-way axis, output features over a 4-way one);
     ``((2, 4), (1, 4))`` makes it row parallel (a partial output, all-reduced where it is
-    consumed). The weight is stored in that layout. Networks of plain torch ops only.
+    consumed). The weight is stored in that layout. Not in the primitive runtime (per-input
+    dataset strategies, an explicit ``AutoParallel.plan``).
 
     Returns:
         The module itself, or a function with `fn`'s signature. Without `AutoParallel` (one
@@ -283,13 +285,13 @@ def shard(
     outs = normalize_strategy(out_strategy, "out_strategy", who)
     params = _check_plan(parameter_plan, who)
     if isinstance(fn_or_module, nn.Module) and _is_op_form(fn_or_module, ins):
-        setattr(fn_or_module, OP_STRATEGY, ins)
         if outs is not None or params:
             raise ValueError(
                 f"{who}: the op form of {type(fn_or_module).__name__} (one in_strategy entry per "
                 f"tensor of its op: {', '.join(OP_FORM[type(fn_or_module)])}) sets the weight's "
                 f"layout itself; give no out_strategy or parameter_plan with it"
             )
+        setattr(fn_or_module, OP_STRATEGY, ins)
         return fn_or_module
     if isinstance(fn_or_module, nn.Module):
         module = fn_or_module

@@ -35,8 +35,9 @@ class StrategyFiles:
             path: the file to write.
 
         Raises:
-            ValueError: nothing planned yet (call the wrapper once first), or a network of
-                shardwise primitives (their plan is `network_plan`; files come later).
+            ValueError: nothing planned yet (call the wrapper once first), or a network run by
+                the primitive runtime (per-input dataset strategies, an explicit ``plan()``:
+                its plan is `network_plan`).
 
         Example:
             >>> parallel_step.save_operator_strategy_file("plan.json")
@@ -80,8 +81,9 @@ class StrategyFiles:
         plan = self.parallel_plan
         if plan is None:
             raise ValueError(
-                f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper once first (networks "
-                f"of shardwise primitives keep their plan in network_plan)"
+                f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper once first (a "
+                f"network with per-input dataset strategies or an explicit plan() runs the "
+                f"primitive runtime, whose plan is network_plan)"
             )
         return plan
 
@@ -98,6 +100,7 @@ class StrategyFiles:
                     f"parameters in other layouts is not supported for this network yet"
                 )
             run.parallel_plan = loaded
+            run.plans = [(loaded, run.templates)]
         if self._loaded_params is not None:
             device_num, params, path = self._loaded_params
             if device_num != fresh.device_num:
