@@ -2,9 +2,18 @@
 `ParallelPlan`. Nothing here touches a process group.
 
 - `_capture`: `capture` (every op of a forward or train step, on fake tensors) -> `Graph`.
+- `_recorders`: capture's torch-function and dispatch modes and module hooks (one `Node` per
+  torch-level call, with its aten ops and module path), and `record_kind`.
+- `_fake`: the private torch APIs capture needs (fake tensors, parameters swapped for fakes).
+- `_graph`: `Graph` and its parts (global shapes and dtypes only, no tensor data).
 - `_semi_auto`: `plan_semi_auto` (annotated ops keep their strategies, every other op data
   parallel, through the sharding rules of `shardwise.ops`) -> `ParallelPlan`.
-- `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable, JSON).
+- `_follow`: an op's aten program followed on placements (the strategy of an unannotated or
+  op-form annotated op, the cheaper of following and data parallel).
+- `_placement`: the global device matrix and where inputs and parameters start.
+- `_annotated`: ``sw.shard``'s op form and ``sw.reshard`` read from the graph.
+- `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable).
+- `_plan_json`: a `ParallelPlan` as JSON and back (`ParallelPlan.to_dict` / `from_dict`).
 - `_files`: operator and parameter strategy files, checked against the network on load.
 """
 

@@ -1,12 +1,19 @@
 """Capture: run a network or a train step once on fake tensors and record every op.
 
-`capture(fn, *args, **kwargs)` swaps every parameter and buffer of the networks for a fake
-tensor of the same global shape (`_fake.reparametrize`), turns the tensor inputs into fake
-tensors, and calls `fn` under `_Recorder`, a ``TorchFunctionMode`` that makes one `Node` per
-torch-level call (``F.linear``, ``x.view(...)``, ``torch.arange``, ...), with `_AtenRecorder`
-(a dispatch mode under it) listing the aten ops each call ran. A shardwise primitive becomes one
-node (its inner calls are not recorded). Module hooks give each node its module path. Nothing is
-computed and no process group is used.
+`capture(fn, *args, **kwargs)` makes a `Graph`:
+
+1. the tensor inputs become fake tensors of their global shapes (`_fake_like`, on `_device`),
+   each named by `input_key` (``args[0]``, ``labels``);
+2. every parameter and buffer of the networks is swapped for a fake tensor of the same global
+   shape (`_fake.reparametrize`; a tied parameter is recorded once, `Graph.tied`);
+3. `fn` is called under the recorders of `_recorders`: `_Recorder`, a ``TorchFunctionMode``
+   that makes one `Node` per torch-level call (``F.linear``, ``x.view(...)``,
+   ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
+   ops each call ran, and `_module_hooks` giving each node its module path. A shardwise
+   primitive becomes one node (its inner calls are not recorded);
+4. the returned tensors (and the train step's loss) become the graph's outputs.
+
+Nothing is computed and no process group is used.
 
 For a train step, capture ends at the first ``loss.backward()``: the step is not run further
 (no backward, no optimizer step, no code of the user's after it on fake tensors), and the loss
@@ -14,358 +21,38 @@ is the graph's output. A step that runs the network again (gradient accumulation
 optimizer's closure) runs the same plan again (`parallel._executor`). Reading a value in the
 graph (``.item()``, ``bool(t)``) or an op whose output shape depends on values raises
 `CaptureError` naming the op and the source line.
+
+`record_kind`, `CaptureError`, `dtype_name` and `info_of` are `_recorders`'s, importable from
+here too.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 
-from shardwise.ops import Primitive, name_primitives
+from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
-from shardwise.planner._fake import (
-    DATA_DEPENDENT,
-    FakeTensorMode,
-    TorchDispatchMode,
-    reparametrize,
+from shardwise.planner._fake import FakeTensorMode, reparametrize
+from shardwise.planner._graph import Graph, Ref, TensorInfo
+from shardwise.planner._recorders import (
+    CaptureError,
+    T,
+    _AtenRecorder,
+    _module_hooks,
+    _Recorder,
+    _State,
+    _StopCapture,
+    _tensors,
+    dtype_name,
+    info_of,
+    record_kind,
 )
-from shardwise.planner._graph import (
-    AtenArg,
-    AtenCall,
-    Graph,
-    Node,
-    Ref,
-    TensorInfo,
-    TensorSlot,
-    op_strategy,
-)
-
-T = torch.Tensor
-_METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.numel}
-_METADATA |= {T.stride, T.element_size, T.nelement, T.data_ptr, T.__len__, T.get_device}
-_VALUE_READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.numpy}
-_VALUE_READS |= {T.__format__, T.__repr__, T.__str__}
-_SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
-
-
-_ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
-_ALIASES = {torch._C.TensorBase.contiguous, T.contiguous}  # the same value, no node
-
-
-def record_kind(func: Callable[..., Any]) -> str:
-    """How capture (and the plan executor) treat a torch-level call: ``"skip"`` (metadata,
-    attribute reads and writes), ``"read"`` (a tensor's value), ``"backward"`` or ``"op"``
-    (a node of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
-    if func in _ALIASES:
-        return "alias"
-    if func in _METADATA or isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
-    if func is T.backward:
-        return "backward"
-    if func in _VALUE_READS:
-        return "read"
-    if getattr(func, "__name__", "") in ("__get__", "__set__"):
-        owner = getattr(func, "__self__", None)
-        is_op = func.__name__ == "__get__" and getattr(owner, "__name__", "") in _ATTR_OPS
-        return "op" if is_op else "skip"
-    return "op"
-
-
-class _StopCapture(BaseException):
-    """Raised at a train step's ``backward()``: capture ends there (the optimizer step and
-    whatever follows are not run on fake tensors)."""
-
-
-class CaptureError(ValueError):
-    """The network does something capture cannot follow (a value read, a data-dependent
-    shape); the message names the op, its source line and what to do instead."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def info_of(t: T) -> TensorInfo:
-    """A tensor's global shape and dtype."""
-    return TensorInfo(tuple(int(s) for s in t.shape), dtype_name(t.dtype))
-
-
-def _source() -> str:
-    """``file:line`` of the innermost caller outside torch and shardwise."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_FILES) and "contextlib" not in name:
-            return f"{Path(name).name}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "?"
-
-
-def _short(op: str) -> str:
-    return op.rsplit(".", 1)[-1].strip("_") or op
-
-
-class _State:
-    """What the recorders share while one capture runs."""
-
-    def __init__(self, names: dict[int, Ref], modules: dict[int, str]) -> None:
-        self.known: dict[int, Ref] = dict(names)  # tensor id -> the value it is
-        self.keep: list[T] = []  # every recorded tensor, so that no id is reused
-        self.modules = modules  # module id -> path
-        self.stack: list[str] = []
-        self.nodes: list[Node] = []
-        self.consts: list[TensorInfo] = []
-        self.counts: dict[str, int] = {}
-        self.inside_primitive = 0
-        self.done = False  # capture has ended: nothing more is recorded
-        self.aten: list[AtenCall] | None = None  # the running node's aten program
-        self.aten_ids: dict[int, AtenArg] = {}
-        self.tmp = 0
-        self.backward_roots: list[Ref] = []
-        # op-form ``sw.shard`` strategies of the modules being run: [module path, strategy,
-        # whether a node took it]
-        self.annotated: list[list[Any]] = []
-
-    def ref(self, t: T) -> Ref:
-        found = self.known.get(id(t))
-        if found is not None:
-            return found
-        ref = Ref("const", len(self.consts))
-        self.consts.append(info_of(t))
-        self._remember(t, ref)
-        return ref
-
-    def _remember(self, t: T, ref: Ref) -> None:
-        self.known[id(t)] = ref
-        self.keep.append(t)
-
-    def name(self, op: str) -> str:
-        module = self.stack[-1] if self.stack else ""
-        base = f"{module}/{_short(op)}" if module.strip(".") else _short(op)
-        n = self.counts.get(base, 0)
-        self.counts[base] = n + 1
-        return base if n == 0 else f"{base}_{n}"
-
-    def add_node(
-        self,
-        op: str,
-        target: Any,
-        ins: Sequence[T],
-        outs: Sequence[T],
-        template: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}),
-        aten: Sequence[AtenCall] = (),
-        out_map: Sequence[AtenArg | None] = (),
-    ) -> None:
-        index = len(self.nodes)
-        strategy = self._annotation(op)
-        node = Node(
-            index=index,
-            name=self.name(op),
-            op=op,
-            module=self.stack[-1] if self.stack else "",
-            inputs=tuple(self.ref(t) for t in ins),
-            outputs=tuple(info_of(t) for t in outs),
-            args=template[0],
-            kwargs=template[1],
-            aten=tuple(aten),
-            out_map=tuple(out_map),
-            source=_source(),
-            target=target,
-            strategy=strategy,
-        )
-        self.nodes.append(node)
-        for j, t in enumerate(outs):
-            self._remember(t, Ref("node", index, j))
-
-    def _annotation(self, op: str) -> tuple[Any, ...] | None:
-        """The op-form strategy for a node made directly in an annotated module (its one op)."""
-        if not self.annotated or not self.stack or self.annotated[-1][0] != self.stack[-1]:
-            return None
-        entry = self.annotated[-1]
-        if entry[2]:
-            raise CaptureError(
-                f"sw.shard on {entry[0]}: its op-form in_strategy annotates the module's single "
-                f"torch call, but it also called {op} at {_source()}; annotate a module that "
-                f"makes one call (nn.Linear, nn.Embedding), or reshard its inputs instead"
-            )
-        entry[2] = True
-        return tuple(entry[1])
-
-
-def _tensors(tree: Any) -> tuple[list[T], Any]:
-    """The tensors of a pytree, in order, and the tree with each one as a `TensorSlot`."""
-    leaves, spec = pytree.tree_flatten(tree)
-    tensors: list[T] = []
-    out = []
-    for leaf in leaves:
-        if isinstance(leaf, T):
-            out.append(TensorSlot(len(tensors)))
-            tensors.append(leaf)
-        else:
-            out.append(leaf)
-    return tensors, pytree.tree_unflatten(out, spec)
-
-
-class _Recorder(TorchFunctionMode):
-    """Makes one node per torch-level call (see the module docstring)."""
-
-    def __init__(self, state: _State) -> None:
-        super().__init__()
-        self.s = state
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        s = self.s
-        kind = record_kind(func)
-        if s.done or s.inside_primitive or kind == "skip":
-            return func(*args, **kwargs)
-        if kind == "backward":  # the graph ends; the rest of the step is not run on fakes
-            if args and isinstance(args[0], T) and id(args[0]) in s.known:
-                s.backward_roots.append(s.known[id(args[0])])
-            s.done = True
-            raise _StopCapture
-        if kind == "alias":
-            out = func(*args, **kwargs)
-            if isinstance(args[0], T) and id(args[0]) in s.known and out is not args[0]:
-                s.known[id(out)] = s.known[id(args[0])]
-                s.keep.append(out)
-            return out
-        if kind == "read":
-            raise CaptureError(
-                f"{resolve_name(func) or func} at {_source()} reads a tensor's value while the "
-                f"network is captured (fake tensors have no values); keep values out of the "
-                f"forward (log the loss after loss.backward(), use torch.where instead of "
-                f"Python if on a tensor)"
-            )
-        return self._record(func, args, kwargs)
-
-    def _record(self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        s = self.s
-        ins, template = _tensors((args, kw))
-        s.aten, s.aten_ids, s.tmp = [], {}, 0
-        for i, t in enumerate(ins):
-            s.aten_ids.setdefault(id(t), AtenArg("in", i, info_of(t), tuple(t.stride())))
-        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
-        try:
-            out = func(*args, **kw)
-        except DATA_DEPENDENT as e:
-            raise CaptureError(
-                f"{op} at {_source()} has an output whose shape depends on tensor values "
-                f"({type(e).__name__}), which capture cannot follow; use an op with a fixed "
-                f"output shape (a mask and torch.where instead of indexing by a boolean tensor)"
-            ) from None
-        finally:
-            aten, ids = s.aten, s.aten_ids
-            s.aten = None
-        outs, _ = _tensors(out)
-        if ins or outs:  # (not a call on Python state only, such as torch.set_grad_enabled)
-            out_map = [ids.get(id(t)) for t in outs]
-            s.add_node(op, func, ins, outs, template, aten or (), out_map)
-        return out
-
-
-class _AtenRecorder(TorchDispatchMode):
-    """Lists the aten ops of the running node (`_State.aten`)."""
-
-    def __init__(self, state: _State) -> None:
-        super().__init__()
-        self.s = state
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        s = self.s
-        if s.aten is None or func.namespace != "aten":
-            return out
-
-        def arg(x: Any) -> Any:
-            if not isinstance(x, T):
-                return x
-            found = s.aten_ids.get(id(x))
-            if found is None:  # a tensor the program made without an op (a lifted constant)
-                found = AtenArg("tmp", s.tmp, info_of(x), tuple(x.stride()))
-                s.tmp += 1
-                s.aten_ids[id(x)] = found
-                s.keep.append(x)
-            return found
-
-        a, k = pytree.tree_map(arg, (args, kwargs))
-        made = []
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, T) and id(t) not in s.aten_ids:
-                s.aten_ids[id(t)] = AtenArg("tmp", s.tmp, info_of(t), tuple(t.stride()))
-                s.tmp += 1
-                s.keep.append(t)
-            if isinstance(t, T):
-                made.append(s.aten_ids[id(t)])
-        s.aten.append(AtenCall(func, tuple(a), dict(k), tuple(made)))
-        return out
-
-
-@contextmanager
-def _module_hooks(s: _State) -> Iterator[None]:
-    """Module paths for the nodes, and shardwise primitives recorded as single nodes."""
-    pending: dict[int, list[T]] = {}
-
-    def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-        path = s.modules.get(id(module))
-        if isinstance(module, Primitive) and not s.inside_primitive and not s.done:
-            ins, _ = _tensors(module.split_call(*args)[0])
-            pending[id(module)] = ins
-            s.inside_primitive += 1
-        s.stack.append(path if path is not None else type(module).__name__)
-        strategy = op_strategy(module)
-        if strategy is not None and not s.inside_primitive and not s.done:
-            s.annotated.append([s.stack[-1], strategy, False])
-
-    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if s.annotated and s.stack and s.annotated[-1][0] == s.stack[-1]:
-            s.annotated.pop()
-        if s.stack:
-            s.stack.pop()
-        ins = pending.pop(id(module), None)
-        if ins is None:
-            return
-        s.inside_primitive -= 1
-        assert isinstance(module, Primitive)
-        outs, _ = _tensors(output)
-        _, call_args = module.split_call(*args)
-        s.stack.append(s.modules.get(id(module), module.name))
-        try:
-            s.add_node(f"shardwise.ops.{module.name}", module, ins, outs, ((), dict(call_args)))
-        finally:
-            s.stack.pop()
-
-    handles = [
-        nn.modules.module.register_module_forward_pre_hook(pre),
-        nn.modules.module.register_module_forward_hook(post),
-    ]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _fake_like(
@@ -506,3 +193,6 @@ def input_key(path: str) -> str:
     if rest.startswith("['") and rest.endswith("']") and rest.count("[") == 1:
         return rest[2:-2]
     return "kwargs" + rest
+
+
+__all__ = ["CaptureError", "capture", "dtype_name", "info_of", "input_key", "record_kind"]

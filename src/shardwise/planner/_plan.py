@@ -10,6 +10,10 @@
 - `ParallelPlan`: all of it on one device matrix; `str()` prints it, `diff` compares two,
   `to_dict` / `from_dict` / `save` / `load` keep it as JSON (a loaded plan is equal).
 - `to_placed` / `placements_of`: the conversions to and from DTensor placements.
+
+The JSON encoding is `_plan_json`'s (`to_dict` / `from_dict` call its `plan_d` / `plan_of`);
+it builds these classes, so it is imported at the end of this module, which re-exports its
+`FORMAT`, `matrix_d` / `matrix_of` and `params_d` / `params_of`.
 """
 
 from __future__ import annotations
@@ -23,10 +27,9 @@ from typing import Any
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout, from_placements, to_placements
-from shardwise.redistribution import AllGather, AlltoAll, Slice, Step
+from shardwise.redistribution import Slice, Step
 
 Shape = tuple[int, ...]
-FORMAT = "shardwise.ParallelPlan/1"
 
 
 @dataclass(frozen=True)
@@ -341,25 +344,10 @@ class ParallelPlan:
             out.append("buckets differ")
         return out
 
-    # -- JSON ----------------------------------------------------------------------------
+    # -- JSON (`_plan_json`) -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (`from_dict` reads it back into an equal plan)."""
-        return {
-            "format": FORMAT,
-            "device_num": self.device_num,
-            "matrix": matrix_d(self.matrix),
-            "mode": self.mode,
-            "inputs": {k: _placed_d(p) for k, p in self.inputs.items()},
-            "input_shapes": {k: list(s) for k, s in self.input_shapes.items()},
-            "outputs": [_placed_d(p) for p in self.outputs],
-            "nodes": [_node_d(n) for n in self.nodes],
-            "edges": [_edge_d(e) for e in self.edges],
-            "params": params_d(self.params),
-            "buckets": [
-                {"kind": b.kind, "axes": list(b.axes), "params": list(b.params)}
-                for b in self.buckets
-            ],
-        }
+        return plan_d(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelPlan:
@@ -368,23 +356,7 @@ class ParallelPlan:
         Raises:
             ValueError: not a shardwise plan, or a malformed one.
         """
-        if data.get("format") != FORMAT:
-            raise ValueError(f"not a shardwise plan (format {data.get('format')!r}, want {FORMAT})")
-        m = matrix_of(data["matrix"])
-        return cls(
-            device_num=int(data["device_num"]),
-            matrix=m,
-            mode=str(data["mode"]),
-            inputs={k: _placed(m, v) for k, v in data["inputs"].items()},
-            nodes=tuple(_node(m, n) for n in data["nodes"]),
-            edges=tuple(_edge(m, e) for e in data["edges"]),
-            params=params_of(m, data["params"]),
-            buckets=tuple(
-                BucketPlan(b["kind"], tuple(b["axes"]), tuple(b["params"])) for b in data["buckets"]
-            ),
-            input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
-            outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
-        )
+        return plan_of(data, cls)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON to `path`."""
@@ -396,146 +368,19 @@ class ParallelPlan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def matrix_d(m: DeviceMatrix) -> dict[str, list[Any]]:
-    """A device matrix as JSON-ready data (`matrix_of` reads it back)."""
-    return {"shape": list(m.shape), "names": list(m.names), "rank_list": list(m.rank_list)}
-
-
-def matrix_of(d: Mapping[str, Any]) -> DeviceMatrix:
-    """The device matrix `matrix_d` wrote."""
-    return DeviceMatrix(tuple(d["shape"]), tuple(d["names"]), tuple(d["rank_list"]))
-
-
-def params_d(params: Mapping[str, ParamPlan]) -> dict[str, dict[str, Any]]:
-    """Parameter layouts as JSON-ready data (`params_of` reads them back)."""
-    return {
-        k: {"dims": _dims_d(p.layout), "shape": list(p.shape), "dtype": p.dtype}
-        for k, p in params.items()
-    }
-
-
-def params_of(m: DeviceMatrix, d: Mapping[str, Any]) -> dict[str, ParamPlan]:
-    """The parameter layouts `params_d` wrote, on matrix `m`."""
-    return {
-        k: ParamPlan(_layout(m, v["dims"]), tuple(v["shape"]), v["dtype"]) for k, v in d.items()
-    }
-
-
-def _dims_d(layout: TensorLayout) -> list[list[int]]:
-    return [list(a) for a in layout.dims]
-
-
-def _layout(m: DeviceMatrix, dims: Sequence[Sequence[int]]) -> TensorLayout:
-    return TensorLayout(m, tuple(tuple(int(a) for a in d) for d in dims))
-
-
-def _placed_d(p: Placed) -> dict[str, Any]:
-    out: dict[str, Any] = {"dims": _dims_d(p.layout)}
-    if p.partial:
-        out |= {"partial": list(p.partial), "reduce": p.reduce}
-    return out
-
-
-def _placed(m: DeviceMatrix, d: Mapping[str, Any]) -> Placed:
-    return Placed(_layout(m, d["dims"]), tuple(d.get("partial", ())), d.get("reduce", "sum"))
-
-
-def _comm_d(c: Collective) -> dict[str, Any]:
-    out = {"kind": c.kind, "axes": list(c.axes), "where": c.where, "detail": c.detail}
-    return (
-        out
-        | ({"output": c.output} if c.output else {})
-        | ({"dim": c.dim} if c.dim is not None else {})
-    )
-
-
-def _comm(c: Mapping[str, Any]) -> Collective:
-    dim = c.get("dim")
-    return Collective(
-        c["kind"],
-        tuple(c["axes"]),
-        c["where"],
-        c["detail"],
-        int(c.get("output", 0)),
-        None if dim is None else int(dim),
-    )
-
-
-def _node_d(n: NodePlan) -> dict[str, Any]:
-    return {
-        "index": n.index,
-        "name": n.name,
-        "op": n.op,
-        "rule": n.rule,
-        "inputs": [_placed_d(p) for p in n.inputs],
-        "outputs": [_placed_d(p) for p in n.outputs],
-        "shapes": [list(s) for s in n.shapes],
-        "comms": [_comm_d(c) for c in n.comms],
-        "values": list(n.values),
-        "local": n.local,
-        "in_shapes": [list(s) for s in n.in_shapes],
-    }
-
-
-def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
-    return NodePlan(
-        index=int(d["index"]),
-        name=d["name"],
-        op=d["op"],
-        rule=d["rule"],
-        inputs=tuple(_placed(m, p) for p in d["inputs"]),
-        outputs=tuple(_placed(m, p) for p in d["outputs"]),
-        shapes=tuple(tuple(s) for s in d["shapes"]),
-        comms=tuple(_comm(c) for c in d["comms"]),
-        values=tuple(d.get("values", ())),
-        local=d.get("local", ""),
-        in_shapes=tuple(tuple(s) for s in d.get("in_shapes", ())),
-    )
-
-
-def _step_d(s: Step) -> dict[str, Any]:
-    if isinstance(s, AlltoAll):
-        return {"kind": "AlltoAll", "axis": s.axis, "src_dim": s.src_dim, "dst_dim": s.dst_dim}
-    return {"kind": type(s).__name__, "dim": s.dim, "axis": s.axis}
-
-
-def _step(d: Mapping[str, Any]) -> Step:
-    if d["kind"] == "AlltoAll":
-        return AlltoAll(int(d["axis"]), int(d["src_dim"]), int(d["dst_dim"]))
-    if d["kind"] == "Slice":
-        return Slice(int(d["dim"]), int(d["axis"]))
-    return AllGather(int(d["dim"]), int(d["axis"]))
-
-
-def _edge_d(e: EdgePlan) -> dict[str, Any]:
-    return {
-        "consumer": e.consumer,
-        "slot": e.slot,
-        "value": e.value,
-        "shape": list(e.shape),
-        "src": _placed_d(e.src),
-        "dst": _placed_d(e.dst),
-        "steps": [_step_d(s) for s in e.steps],
-        "shared": e.shared,
-        "dtype": e.dtype,
-    }
-
-
-def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
-    return EdgePlan(
-        consumer=int(d["consumer"]),
-        slot=int(d["slot"]),
-        value=d["value"],
-        shape=tuple(d["shape"]),
-        src=_placed(m, d["src"]),
-        dst=_placed(m, d["dst"]),
-        steps=tuple(_step(s) for s in d["steps"]),
-        shared=bool(d.get("shared", False)),
-        dtype=d.get("dtype", "float32"),
-    )
-
+# `_plan_json` imports the classes above, so its names are bound here, once they exist.
+from shardwise.planner._plan_json import (  # noqa: E402
+    FORMAT,
+    matrix_d,
+    matrix_of,
+    params_d,
+    params_of,
+    plan_d,
+    plan_of,
+)
 
 __all__ = [
+    "FORMAT",
     "BucketPlan",
     "Collective",
     "EdgePlan",
@@ -544,6 +389,10 @@ __all__ = [
     "ParamPlan",
     "Placed",
     "Shard",
+    "matrix_d",
+    "matrix_of",
+    "params_d",
+    "params_of",
     "placements_of",
     "replicated",
     "to_placed",

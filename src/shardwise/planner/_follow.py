@@ -1,0 +1,214 @@
+"""Following an op's aten program on placements: the strategy of an op with no rule of its own.
+
+`_Follow` is `_semi_auto._Planner`'s half that asks the sharding rules (`ops.aten_rules.decide`:
+DTensor's, or shardwise's own) about every aten op a torch-level node ran:
+
+- `_Follow._follow`: runs the node's aten program on placements, from the ones its inputs
+  have: each aten op's rule says which placements its arguments need and which its outputs
+  get; an input not yet used takes what its first use needs, while an intermediate value (or
+  an input already used) that would have to move makes the op run replicated (`_replicated`).
+  Returns the inputs' placements, the outputs' and the rule that decided (the highest in
+  `_ORDER` of those that took part).
+- `_Follow._cheaper`: an unannotated op's strategy: the one `_follow` gives, unless it moves
+  the inputs (or runs replicated) and the data-parallel one (`_data_parallel_inputs`) moves
+  fewer bytes (`_cost`).
+- `_Follow.pin`: an op annotated with ``sw.shard``'s op form: `_follow` from the annotated
+  input layouts, strictly (a rule that would move them, or an intermediate, is a `PlanError`);
+  the result is kept in `pinned` for `_Planner.torch_node`, and the layouts its parameters are
+  read in are returned (their storage layouts).
+- `_Follow._error`: the `PlanError` for an aten op no rule can run on the inputs as placed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.tensor import Replicate
+from torch.utils import _pytree as pytree
+
+from shardwise.layout import DeviceMatrix, TensorLayout, refine
+from shardwise.ops._dtensor import Spec
+from shardwise.ops.aten_rules import decide
+from shardwise.planner._graph import AtenArg, Graph, Node, Ref
+from shardwise.planner._placement import (
+    Placements,
+    PlanError,
+    _itemsize,
+    data_parallel,
+)
+from shardwise.planner._plan import Placed, placements_of, replicated, to_placed
+from shardwise.redistribution import plan_redistribution
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_ORDER = {"identity": 0, "factory": 1, "dtensor": 2, "shardwise": 3, "replicate": 4}
+
+
+class _Follow:
+    """The aten-program half of `_semi_auto._Planner` (which sets the attributes below)."""
+
+    graph: Graph
+    device_num: int
+    matrix: DeviceMatrix
+    ndim: int
+    mesh: DeviceMesh
+    state: dict[Ref, Placed]
+    # op-form annotated nodes: index -> (input placements, output placements)
+    pinned: dict[int, tuple[list[Placements], list[Placements]]]
+
+    def rep(self) -> Placements:
+        return tuple(Replicate() for _ in range(self.ndim))
+
+    def pin(self, node: Node, layouts: Mapping[int, TensorLayout]) -> dict[str, TensorLayout]:
+        """Plan an op-form annotated node from its inputs' `layouts` (slot -> layout); returns
+        the storage layout of each parameter it reads (the partial axes left out)."""
+        have = [
+            placements_of(Placed(refine(layouts[i], self.matrix)))
+            if i in layouts
+            else placements_of(replicated(self.matrix, len(self.graph.info(r).shape)))
+            for i, r in enumerate(node.inputs)
+        ]
+        need, outs, _ = self._follow(node, have, strict=True)
+        for i in layouts:
+            if need[i] != have[i]:
+                raise PlanError(
+                    f"sw.shard on {node.module} ({node.op} at {node.source}): the sharding rule "
+                    f"of {node.op} cannot take input {i} as annotated ({have[i]}; it wants "
+                    f"{need[i]}); change the strategy"
+                )
+        self.pinned[node.index] = (need, outs)
+        out: dict[str, TensorLayout] = {}
+        for i, ref in enumerate(node.inputs):
+            if ref.kind == "param":
+                placed = to_placed(self.matrix, need[i], len(self.graph.info(ref).shape))
+                out.setdefault(str(ref.key), placed.layout)
+        return out
+
+    def _follow(
+        self, node: Node, have: list[Placements], strict: bool = False
+    ) -> tuple[list[Placements], list[Placements], str]:
+        """Run the node's aten program on placements: (its inputs' placements, its outputs',
+        the rule source). Falls back to replicated when an intermediate must move (`strict`:
+        an annotated op, which raises instead)."""
+        need = list(have)
+        used: set[int] = set()
+        tmp: dict[int, Placements] = {}
+        sources = {"identity" if node.inputs else "factory"}
+        for call in node.aten:
+            leaves = pytree.tree_leaves((call.args, dict(call.kwargs)))
+            args = [x for x in leaves if isinstance(x, AtenArg)]
+            specs = {
+                id(x): Spec(
+                    need[x.index] if x.kind == "in" else tmp.get(x.index, self.rep()),
+                    x.info.shape,
+                    x.stride,
+                    x.info.dtype,
+                )
+                for x in args
+            }
+            a, k = pytree.tree_map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
+            try:
+                dec = decide(call.op, a, k, self.mesh, self.ndim)
+            except (RuntimeError, ValueError, AssertionError) as e:
+                raise self._error(node, call.op, e) from None
+            sources.add(dec.source)
+            for arg, want in zip(args, dec.inputs, strict=False):
+                cur = need[arg.index] if arg.kind == "in" else tmp.get(arg.index, self.rep())
+                if want == cur:
+                    continue
+                if arg.kind == "in" and arg.index not in used:
+                    need[arg.index] = want
+                elif strict:
+                    raise PlanError(
+                        f"sw.shard on {node.module} ({node.op} at {node.source}): with the "
+                        f"annotated layouts, {call.op} inside it would have to move an "
+                        f"intermediate value; change the strategy"
+                    )
+                else:  # an intermediate (or an input already used) would have to move
+                    return self._replicated(node)
+            used |= {arg.index for arg in args if arg.kind == "in"}
+            for j, out in enumerate(call.outputs):
+                got = dec.outputs[j] if j < len(dec.outputs) else None
+                tmp[out.index] = got if got is not None else self.rep()
+        for j, ref in enumerate(node.inputs):  # a tensor passed twice: its first slot decides
+            need[j] = need[node.inputs.index(ref)]
+        outs = []
+        for om in node.out_map:
+            if om is None:
+                outs.append(self.rep())
+            else:
+                outs.append(need[om.index] if om.kind == "in" else tmp.get(om.index, self.rep()))
+        while len(outs) < len(node.outputs):
+            outs.append(self.rep())
+        return need, outs, max(sources, key=_ORDER.__getitem__)
+
+    def _cheaper(
+        self, node: Node, have: list[Placements]
+    ) -> tuple[list[Placements], list[Placements], str]:
+        """An unannotated op's strategy: it follows its inputs' placements, unless that moves
+        them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less."""
+        need, outs, rule = self._follow(node, have)
+        if not node.inputs:
+            return need, outs, rule
+        cost = self._cost(node, need)
+        if rule != "replicate" and cost == 0:
+            return need, outs, rule
+        alt = self._follow(node, self._data_parallel_inputs(node))
+        if alt[2] != "replicate" and (rule == "replicate" or self._cost(node, alt[0]) < cost):
+            return alt
+        return need, outs, rule
+
+    def _cost(self, node: Node, need: list[Placements]) -> int:
+        """Bytes a rank sends to move the node's inputs to `need` (partial sums reduced)."""
+        total = 0
+        for ref, want in zip(node.inputs, need, strict=True):
+            src = self.state[ref]
+            info = self.graph.info(ref)
+            dst = to_placed(self.matrix, want, len(info.shape))
+            if src == dst:
+                continue
+            size = _itemsize(info.dtype)
+            if any(a not in dst.partial for a in src.partial):
+                n = 1
+                for s in src.layout.local_shape(info.shape):
+                    n *= s
+                total += 2 * n * size
+            moved = plan_redistribution(src.layout, dst.layout, info.shape, size)
+            total += moved.total_bytes
+        return total
+
+    def _data_parallel_inputs(self, node: Node) -> list[Placements]:
+        """The node's activations split on dim 0 over every axis (when it divides), everything
+        else whole: the data-parallel strategy semi_auto gives an op whose inputs' own layouts
+        it cannot follow."""
+        out = []
+        for ref in node.inputs:
+            shape = self.graph.info(ref).shape
+            active = ref.kind in ("input", "node") and shape and shape[0] % self.device_num == 0
+            placed = data_parallel(self.matrix, len(shape)) if active else None
+            out.append(placements_of(placed or replicated(self.matrix, len(shape))))
+        return out
+
+    def _replicated(self, node: Node) -> tuple[list[Placements], list[Placements], str]:
+        return [self.rep() for _ in node.inputs], [self.rep() for _ in node.outputs], "replicate"
+
+    def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
+        shapes = [list(self.graph.info(r).shape) for r in node.inputs]
+        placed = [str(self.state[r]) for r in node.inputs]
+        return PlanError(
+            f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
+            f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: make "
+            f"the split dims divisible by the number of devices splitting them (e.g. a global "
+            f"batch divisible by {self.device_num}), or annotate the op with shard()"
+        )
+
+
+def _lookup(specs: dict[int, Spec]) -> Any:
+    """``arg -> its Spec`` for `pytree.tree_map_only`."""
+
+    def find(x: AtenArg) -> Spec:
+        return specs[id(x)]
+
+    return find

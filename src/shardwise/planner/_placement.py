@@ -1,0 +1,124 @@
+"""Where semi_auto planning starts: the global device matrix and every input's and
+parameter's first placement, plus what the planner's modules share.
+
+- `_matrix`: the one global device matrix: the common refinement of the primitives' own
+  matrices, those of declared layouts and the extra shapes (op-form annotations,
+  ``sw.reshard``), axes named ``g0``, ``g1``, ...; `_global_axes`: the global axes an op
+  matrix's axes cover after that refinement.
+- `_input_state`: how each input arrives (split on dim 0 over all devices for
+  ``"data_parallel"``, whole then sliced at entry for ``"full_batch"``, or the given
+  per-input layouts) and which inputs are cut at entry.
+- `_param_layouts`: each parameter's storage layout: declared, else its first primitive
+  consumer's, else the one its op-form annotated op reads it in, else whole.
+- `data_parallel`: dim 0 split over every axis (semi_auto's default for activations);
+  `PlanError`: what planning raises; `_itemsize`: a dtype's bytes per element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import Placement
+
+from shardwise.layout import DeviceMatrix, TensorLayout, common_refinement, refine
+from shardwise.ops import OpPlan
+from shardwise.planner._graph import Graph, Ref
+from shardwise.planner._plan import Placed, replicated
+
+if TYPE_CHECKING:
+    from shardwise.planner._semi_auto import _Planner
+
+Shape = tuple[int, ...]
+Placements = tuple[Placement, ...]
+DatasetStrategy = str | Mapping[str, TensorLayout]
+
+
+class PlanError(ValueError):
+    """The network cannot be planned as asked; the message names the op, the tensor dim and
+    the fix."""
+
+
+def _itemsize(dtype: str) -> int:
+    return int(getattr(torch, dtype).itemsize)
+
+
+def data_parallel(matrix: DeviceMatrix, ndim: int) -> Placed:
+    """Dim 0 split over every axis of `matrix`, outer first."""
+    axes = tuple(a for a, s in enumerate(matrix.shape) if s > 1)
+    return Placed(TensorLayout(matrix, (axes,) + ((),) * (ndim - 1)))
+
+
+def _global_axes(op_matrix: DeviceMatrix, axes: Sequence[str], m: DeviceMatrix) -> tuple[str, ...]:
+    """The global axes that an op-matrix axis list covers (after refinement)."""
+    from shardwise.layout import axis_runs
+
+    runs = axis_runs(op_matrix.shape, m.shape)
+    return tuple(m.names[g] for a in axes for g in runs[op_matrix.axis(a)])
+
+
+def _matrix(
+    ops: Sequence[OpPlan], device_num: int, extra: Sequence[Shape], given: Sequence[TensorLayout]
+) -> DeviceMatrix:
+    shapes = [o.matrix.shape for o in ops] + list(extra) + [t.matrix.shape for t in given]
+    shape = common_refinement(shapes or [(device_num,)])
+    return DeviceMatrix(shape, tuple(f"g{i}" for i in range(len(shape))))
+
+
+def _input_state(
+    p: _Planner, graph: Graph, dataset: DatasetStrategy
+) -> tuple[dict[str, Placed], list[tuple[str, Placed]]]:
+    """How each input arrives, and the inputs cut at entry (full_batch)."""
+    arrive: dict[str, Placed] = {}
+    entry = []
+    for key, info in graph.inputs.items():
+        ref = Ref("input", key)
+        ndim = len(info.shape)
+        if isinstance(dataset, Mapping):
+            layout = dataset.get(key)
+            placed = (
+                replicated(p.matrix, ndim) if layout is None else Placed(refine(layout, p.matrix))
+            )
+            arrive[key] = p.state[ref] = placed
+            continue
+        if ndim == 0 or info.shape[0] % p.device_num:
+            if dataset == "data_parallel" and ndim:
+                raise PlanError(
+                    f"input {key}: dim 0 of global shape {list(info.shape)} cannot be split over "
+                    f"{p.device_num} devices (dataset strategy 'data_parallel': each rank passes "
+                    f"its own rows); use a global batch divisible by {p.device_num}"
+                )
+            arrive[key] = p.state[ref] = replicated(p.matrix, ndim)
+            continue
+        dp = data_parallel(p.matrix, ndim)
+        if dataset == "full_batch":
+            arrive[key] = replicated(p.matrix, ndim)
+            entry.append((key, dp))
+        else:
+            arrive[key] = dp
+        p.state[ref] = dp
+    return arrive, entry
+
+
+def _param_layouts(
+    graph: Graph,
+    prims: Mapping[int, OpPlan],
+    given: Mapping[str, TensorLayout],
+    matrix: DeviceMatrix,
+    pinned: Mapping[str, TensorLayout],
+) -> dict[str, TensorLayout]:
+    """Each parameter's storage layout: declared, else its first primitive consumer's, else
+    the layout its op-form annotated op reads it in (`pinned`), else whole."""
+    out = {n: refine(t, matrix) for n, t in given.items()}
+    for node in graph.nodes:
+        if node.index not in prims:
+            continue
+        for ref, layout in zip(node.inputs, prims[node.index].inputs, strict=True):
+            if ref.kind == "param":
+                out.setdefault(str(ref.key), refine(layout, matrix))
+    for name, layout in pinned.items():
+        out.setdefault(name, layout)
+    for name, info in graph.params.items():
+        out.setdefault(name, TensorLayout(matrix, ((),) * len(info.shape)))
+    return {n: out[n] for n in graph.params}
