@@ -1,6 +1,7 @@
-"""nanoGPT's GPT-2 in semi_auto with no annotation on 4 real gloo processes started by
-`shardwise run` (zoo_semi_auto_worker.py): per step the loss, every gradient, every parameter and
-the collectives match (the worker checks against its own single-device run)."""
+"""nanoGPT's GPT-2 in semi_auto on 4 real gloo processes started by `shardwise run`
+(zoo_semi_auto_worker.py), with no annotation and then with Megatron annotations at 2 x 2
+(``sw.shard`` on the ``nn.Linear``s): per step the loss, every gradient (block), every
+parameter and the collectives match (the worker checks against its own single-device run)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,4 @@ def test_gpt2_semi_auto_on_four_real_processes(tmp_path: Path) -> None:
     for rank, log in enumerate(logs):
         for step in range(2):
             assert f"CHECK step {step} OK" in log, f"rank {rank}, step {step}:\n{log}"
+            assert f"CHECK megatron step {step} OK" in log, f"rank {rank}, megatron {step}:\n{log}"

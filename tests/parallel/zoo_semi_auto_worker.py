@@ -3,8 +3,9 @@ annotation on real gloo processes. Each process passes its own rows of the globa
 2 AdamW steps (decay / no-decay groups) and checks the returned loss, every gradient and every
 parameter against the single-device run it computes itself (1e-5 relative), and the collectives
 of each step: one forward AllReduce (the loss), one backward AllReduce (every gradient in one
-25 MB bucket, started asynchronously). Prints
-``CHECK step <k> OK``; a mismatch raises.
+25 MB bucket, started asynchronously). Prints ``CHECK step <k> OK``; a mismatch raises. On 4
+processes it then trains the model with Megatron annotations at 2 x 2 (``megatron``) and prints
+``CHECK megatron step <k> OK``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,66 @@ def main() -> None:
             rec.summary()
         )
         print(f"CHECK step {k} OK", flush=True)
+    if n == 4:
+        megatron(batches, rank)
     sw.communication.release()
+
+
+def megatron(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    """The same model with Megatron annotations at dp x mp = 2 x 2 (column-parallel c_attn /
+    c_fc, row-parallel c_proj): the loss, each rank's block of every gradient, and per step
+    2 AllGathers, 2 AlltoAlls and 2 AllReduces per layer forward (their adjoints backward),
+    the loss and two gradient buckets."""
+    ref, net = GPT2(), GPT2()
+    ref_opt = ref.configure_optimizers(weight_decay=0.1, **ADAM)
+    for block in net.transformer.h:
+        sw.shard(block.attn.c_attn, in_strategy=((2, 1), (2, 1)))
+        sw.shard(block.attn.c_proj, in_strategy=((2, 2), (1, 2)))
+        sw.shard(block.mlp.c_fc, in_strategy=((2, 1), (2, 1)))
+        sw.shard(block.mlp.c_proj, in_strategy=((2, 2), (1, 2)))
+    opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+    grads: list[dict[str, torch.Tensor]] = []
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(x, y)[1]
+        loss.backward()
+        grads.append({k: p.grad.detach().clone() for k, p in net.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    rows, layers = BATCH // 4, len(net.transformer.h)
+    for k, (x, y) in enumerate(batches):
+        want = ref(x, y)[1]
+        want.backward()
+        want_grads = {name: p.grad.detach().clone() for name, p in ref.named_parameters()}
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = slice(rank * rows, (rank + 1) * rows)
+        with CommRecorder() as rec:
+            loss = parallel(x[mine], y[mine])
+        close(loss.detach(), want.detach(), f"megatron loss {k}")
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, g in want_grads.items():
+            block = g[plan.params[name].layout.local_slice(rank, tuple(g.shape))]
+            close(grads[k][name], block, f"megatron gradient of {name}, step {k}")
+        kinds: Counter[tuple[str, str]] = Counter()
+        for (kind, phase, _), count in rec.kinds().items():
+            kinds[(kind, phase)] += count
+        want_kinds = Counter(
+            {
+                ("AllGather", "forward"): 2 * layers,
+                ("AlltoAll", "forward"): 2 * layers,
+                ("AllReduce", "forward"): 2 * layers + 1,  # c_proj twice a layer; the loss
+                ("ReduceScatter", "backward"): 2 * layers,
+                ("AlltoAll", "backward"): 2 * layers,
+                ("AllReduce", "backward"): 2 * layers + 2,  # + the two gradient buckets
+            }
+        )
+        assert kinds == want_kinds, rec.summary()
+        print(f"CHECK megatron step {k} OK", flush=True)
 
 
 if __name__ == "__main__":
