@@ -61,6 +61,9 @@ def test_train_step_with_per_input_strategy(name: str) -> None:
         for step, (image, label) in enumerate(batches):
             loss = parallel(block(world, image, 0, name), block(world, label, 1, name))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            assert parallel.parallel_plan is not None  # run from the captured plan
+            arrive = parallel.parallel_plan.inputs["args[0]"].layout
+            assert arrive.split_count(0) == {"all8": 8, "repeat4": 2, "layout": 2}.get(name, 8)
             plan = parallel.network_plan
             assert plan is not None
             for pname, p in net.named_parameters():

@@ -8,7 +8,7 @@ optimizer parallel (`_hsdp.start_engine`) or the gradient buckets (`_runtime.Gra
 call then runs under the plan executor (`_executor.PlanExecutor`), and a call that runs other ops
 or shapes is planned again. `_plan_graph` also writes the reports.
 
-The primitive runtime serves per-input dataset strategies and an explicit `AutoParallel.plan`:
+The primitive runtime serves an explicit `AutoParallel.plan` before the first call:
 step 1 (`_plan.trace_calls`, `_plan.plan_network`), step 2 (`_runtime.shard_parameters`), then
 optimizer parallel or the gradient hooks; every call then runs step 3 in a session
 (`_call.CallRuntime`): hooks on the primitives redistribute each input from the state it has
@@ -122,10 +122,8 @@ def _refuse_op_form(network: nn.Module) -> None:
         if op_strategy(m) is not None:
             raise UnsupportedParallelError(
                 f"sw.shard on {name} ({type(m).__name__}): the op form (a strategy for the "
-                f"module's op) runs from the captured plan, which per-input dataset strategies "
-                f"and an explicit AutoParallel.plan() do not use yet; use the dataset strategy "
-                f"'data_parallel' or 'full_batch' and let the first call plan, or annotate a "
-                f"primitive (sw.ops.MatMul(transpose_b=True).shard(...)) instead"
+                f"module's op) runs from the captured plan, which an explicit "
+                f"AutoParallel.plan() does not make yet; let the first call plan instead"
             )
 
 
@@ -405,7 +403,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
     @property
     def parallel_plan(self) -> ParallelPlan | None:
         """The `ParallelPlan` the wrapper runs (None before the first call, or in the primitive
-        runtime, for per-input dataset strategies or an explicit `plan`: see `network_plan`)."""
+        runtime, after an explicit `plan`: see `network_plan`)."""
         return None if self._graph is None else self._graph.parallel_plan
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

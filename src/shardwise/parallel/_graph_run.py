@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from shardwise import communication as comm
 from shardwise import runtime
 from shardwise.communication import recorder
+from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._delayed import has_deferred
@@ -47,6 +48,7 @@ from shardwise.parallel._hsdp import gradient_buckets, start_engine
 from shardwise.parallel._plan import NetworkPlan
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
+from shardwise.parallel._step import input_layout
 from shardwise.planner import Graph, ParallelPlan, Placed, capture, plan_semi_auto
 from shardwise.planner._capture import input_key
 from shardwise.planner._plan import replicated
@@ -74,8 +76,8 @@ class _GraphSession:
 
 
 def eligible(network: nn.Module, dataset: object) -> bool:
-    """Whether `GraphRun` can serve this network (see the module docstring)."""
-    return dataset in ("data_parallel", "full_batch")
+    """Whether `GraphRun` can serve this network (every dataset strategy can)."""
+    return dataset is not None
 
 
 def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
@@ -97,12 +99,15 @@ def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
     return out + grads + acts
 
 
-def _global(x: Any, world: int, dataset: object) -> Any:
-    """A meta tensor of `x`'s global shape (rows of all ranks under data_parallel)."""
+def _global(x: Any, world: int, dataset: object, layout: TensorLayout | None = None) -> Any:
+    """A meta tensor of `x`'s global shape (rows of all ranks under data_parallel; its block's
+    dims times their split counts under a per-input `layout`)."""
     if not isinstance(x, T):
         return x
     shape = list(x.shape)
-    if dataset == "data_parallel" and shape:
+    if layout is not None:
+        shape = [n * layout.split_count(d) for d, n in enumerate(shape)]
+    elif dataset == "data_parallel" and shape:
         shape[0] *= world
     return torch.empty(shape, dtype=x.dtype, device="meta")
 
@@ -144,8 +149,14 @@ class GraphRun:
         world = comm.get_group_size()
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
         device = tensors[0].device if tensors else torch.device("cpu")
-        g_args, g_kwargs = pytree.tree_map(
-            lambda x: _global(x, world, self.dataset), (args, kwargs)
+        layouts = self._input_layouts(args, kwargs)
+        leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+        g_args, g_kwargs = pytree.tree_unflatten(
+            [
+                _global(x, world, self.dataset, layouts.get(input_key(pytree.keystr(path))))
+                for path, x in leaves
+            ],
+            spec,
         )
         shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
         with activate(self.session), comm.plain_tensors(), self._capturing():
@@ -164,7 +175,8 @@ class GraphRun:
                 given = {n: layout for n, (layout, _) in declared.items()}
             else:
                 given = {n: p.layout for n, p in stored.params.items()}
-            plan = plan_semi_auto(graph, world, dataset=str(self.dataset), param_layouts=given)
+            dataset = layouts if layouts else str(self.dataset)
+            plan = plan_semi_auto(graph, world, dataset=dataset, param_layouts=given)
         runtime.check_memory(memory_estimate(plan), "AutoParallel")
         return graph, plan
 
@@ -323,14 +335,34 @@ class GraphRun:
         self.parallel_plan, self.templates = found[0]
         return True
 
+    def _input_layouts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Under per-input dataset entries: each tensor input's layout by its graph name (the
+        entries follow the tensors in call order); else empty."""
+        if isinstance(self.dataset, str):
+            return {}
+        world = comm.get_group_size()
+        found = [
+            (input_key(pytree.keystr(path)), leaf)
+            for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
+            if isinstance(leaf, T)
+        ]
+        out = {}
+        for i, (key, leaf) in enumerate(found):
+            layout = input_layout(self.dataset, i, leaf.dim(), len(found), world)  # type: ignore[arg-type]
+            if layout is not None:
+                out[key] = layout
+        return out
+
     def _input_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Each tensor input's global shape, by its graph name."""
         world = comm.get_group_size()
+        layouts = self._input_layouts(args, kwargs)
         out = {}
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, T):
-                glob = _global(leaf, world, self.dataset)
-                out[input_key(pytree.keystr(path))] = tuple(int(s) for s in glob.shape)
+                key = input_key(pytree.keystr(path))
+                glob = _global(leaf, world, self.dataset, layouts.get(key))
+                out[key] = tuple(int(s) for s in glob.shape)
         return out
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:

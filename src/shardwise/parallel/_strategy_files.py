@@ -36,8 +36,8 @@ class StrategyFiles:
 
         Raises:
             ValueError: nothing planned yet (call the wrapper once first), or a network run by
-                the primitive runtime (per-input dataset strategies, an explicit ``plan()``:
-                its plan is `network_plan`).
+                the primitive runtime (an explicit ``plan()`` before the first call: its plan
+                is `network_plan`).
 
         Example:
             >>> parallel_step.save_operator_strategy_file("plan.json")
@@ -82,7 +82,7 @@ class StrategyFiles:
         if plan is None:
             raise ValueError(
                 f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper once first (a "
-                f"network with per-input dataset strategies or an explicit plan() runs the "
+                f"network planned by an explicit plan() runs the "
                 f"primitive runtime, whose plan is network_plan)"
             )
         return plan
