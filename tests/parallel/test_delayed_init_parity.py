@@ -117,7 +117,8 @@ def test_local_blocks_only_and_unconsumed_parameters_whole() -> None:
     with simulated_world(WORLD) as world:
         parallel = AutoParallel(net)
         plan = parallel.plan(world.rows(x))
-        assert set(plan.params) == {"fc1_weight", "fc2_weight", "fc3_weight"}
+        assert set(plan.params) == {"fc1_weight", "fc2_weight", "fc3_weight", "extra"}
+        assert not plan.params["extra"][0].used_axes()  # unconsumed: stored whole
         for name, (layout, shape) in plan.params.items():
             assert tuple(getattr(net, name).shape) == tuple(layout.local_shape(shape))
         assert tuple(net.fc1_weight.shape) == (196, 512)

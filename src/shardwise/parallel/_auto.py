@@ -1,14 +1,15 @@
 """`AutoParallel`: the semi_auto operator-parallel wrapper (a network or a train-step function).
 
-Every call with a ``"data_parallel"`` or ``"full_batch"`` dataset strategy runs from one
-`ParallelPlan` (`_graph_run.GraphRun`): the first call captures every op of the network or train
-step (shardwise primitives, torch ops, ``sw.shard`` / ``sw.reshard`` annotations), plans it
-(`planner.plan_semi_auto`), cuts the parameters to their stored blocks and starts either
-optimizer parallel (`_hsdp.start_engine`) or the gradient buckets (`_runtime.GradBuckets`); every
-call then runs under the plan executor (`_executor.PlanExecutor`), and a call that runs other ops
-or shapes is planned again. `_plan_graph` also writes the reports.
+Every call (any dataset strategy) runs from one `ParallelPlan` (`_graph_run.GraphRun`): the
+first call (or `AutoParallel.plan` given this rank's inputs) captures every op of the network
+or train step (shardwise primitives, torch ops, ``sw.shard`` / ``sw.reshard`` annotations),
+plans it (`planner.plan_semi_auto`), cuts the parameters to their stored blocks and starts
+either optimizer parallel (`_hsdp.start_engine`) or the gradient buckets
+(`_runtime.GradBuckets`); every call then runs under the plan executor
+(`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
+`_plan_graph` also writes the reports.
 
-The primitive runtime serves an explicit `AutoParallel.plan` before the first call:
+The primitive runtime serves `AutoParallel.plan(shapes=...)` (global shapes, no inputs):
 step 1 (`_plan.trace_calls`, `_plan.plan_network`), step 2 (`_runtime.shard_parameters`), then
 optimizer parallel or the gradient hooks; every call then runs step 3 in a session
 (`_call.CallRuntime`): hooks on the primitives redistribute each input from the state it has
@@ -122,8 +123,8 @@ def _refuse_op_form(network: nn.Module) -> None:
         if op_strategy(m) is not None:
             raise UnsupportedParallelError(
                 f"sw.shard on {name} ({type(m).__name__}): the op form (a strategy for the "
-                f"module's op) runs from the captured plan, which an explicit "
-                f"AutoParallel.plan() does not make yet; let the first call plan instead"
+                f"module's op) runs from the captured plan, which AutoParallel.plan(shapes=...) "
+                f"does not make; pass this rank's inputs (plan(x, y)) or let the first call plan"
             )
 
 
@@ -159,8 +160,8 @@ class AutoParallel(CallRuntime, StrategyFiles):
 
     Limits: once planned the network only runs through the wrapper; a call that runs other
     ops (before its first backward) or passes other shapes is planned again; ops that change
-    after a backward within one call are refused. Per-input dataset strategies and an explicit
-    `plan` use the primitive runtime, which refuses unannotated torch ops outside
+    after a backward within one call are refused. `plan(shapes=...)` (global shapes instead of
+    inputs) uses the primitive runtime, which refuses unannotated torch ops outside
     `_torchops.OP_KINDS`.
     """
 
@@ -311,10 +312,18 @@ class AutoParallel(CallRuntime, StrategyFiles):
     ) -> NetworkPlan:
         """Plan with the global shapes of the network's inputs and shard the parameters (once).
 
-        `shapes` default: these inputs as this rank's rows of data-parallel inputs. `states`:
-        how each input arrives (for the reports; default: as the dataset strategy names).
-        `dtypes`: the inputs' dtypes for the meta trace (default: those of `inputs`)."""
+        Given `inputs` alone (this rank's inputs, as a call passes them), the call is captured
+        and planned as the first call would be (`ParallelPlan`, `parallel_plan`), and its
+        stored parameter layouts are returned. `shapes` (global shapes) / `states` use the
+        primitive runtime: `shapes` default: these inputs as this rank's rows of data-parallel
+        inputs; `states`: how each input arrives (for the reports; default: as the dataset
+        strategy names); `dtypes`: the inputs' dtypes for the meta trace (default: those of
+        `inputs`)."""
         if self.network_plan is not None:
+            return self.network_plan
+        if shapes is None and states is None and self._graph is None and self._graph_ok():
+            self._graph = self._plan_graph(tuple(inputs), {})
+            assert self.network_plan is not None
             return self.network_plan
         world = comm.get_group_size()
         if shapes is None:
@@ -403,7 +412,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
     @property
     def parallel_plan(self) -> ParallelPlan | None:
         """The `ParallelPlan` the wrapper runs (None before the first call, or in the primitive
-        runtime, after an explicit `plan`: see `network_plan`)."""
+        runtime, after `plan(shapes=...)`: see `network_plan`)."""
         return None if self._graph is None else self._graph.parallel_plan
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -36,7 +36,7 @@ class StrategyFiles:
 
         Raises:
             ValueError: nothing planned yet (call the wrapper once first), or a network run by
-                the primitive runtime (an explicit ``plan()`` before the first call: its plan
+                the primitive runtime (``plan(shapes=...)`` with global shapes: its plan
                 is `network_plan`).
 
         Example:
@@ -82,7 +82,7 @@ class StrategyFiles:
         if plan is None:
             raise ValueError(
                 f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper once first (a "
-                f"network planned by an explicit plan() runs the "
+                f"network planned by plan(shapes=...) runs the "
                 f"primitive runtime, whose plan is network_plan)"
             )
         return plan
