@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ import torch
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..optim.test_hsdp import shard_of
 from ..zoo import GPT2, GPT2Config, Llama, token_batches
 
 STEPS, BATCH = 2, 8
@@ -233,19 +233,10 @@ def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
             plan = parallel.optimizer_plan
             assert plan is not None
             for name, p in net.named_parameters():
-                shard = plan.param(name)
-                layout, shape = shard.info.layout, shard.info.shape
                 full = want[s][2][name]
-
-                def rows(r: int, f: torch.Tensor = full, sh=shard, a=layout, g=shape) -> Any:
-                    block = f[a.local_slice(r, g)]
-                    if not sh.sharded:
-                        return block
-                    members = a.matrix.group_along(r, sh.dp_axes)
-                    pos, n = members.index(r) % sh.shard, sh.shard_shape[0]
-                    return block[pos * n : (pos + 1) * n]
-
-                assert_matches_single_device(p.detach(), rows, what=f"step {s} {name}")
+                assert_matches_single_device(
+                    p.detach(), shard_of(parallel, name, full), what=f"step {s} {name}"
+                )
             kinds = rec.kinds()
             # the tensor-parallel collectives are those of the plain run; the gradient
             # buckets' AllReduces become hsdp's AllGather / ReduceScatter per bucket

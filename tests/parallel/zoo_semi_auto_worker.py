@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,15 +33,9 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"rank {get_rank()}: {what} differs (max abs diff {diff})")
 
 
-def main() -> None:
-    sw.communication.init()
-    rank, n = get_rank(), get_group_size()
-    batches = token_batches(STEPS, BATCH)
-    ref = GPT2()
-    ref_opt = ref.configure_optimizers(weight_decay=0.1, **ADAM)
-    net = GPT2()
+def train_step(net: GPT2, grads: list[dict[str, torch.Tensor]]) -> Any:
+    """The train step (AdamW with decay groups), recording each step's gradients in `grads`."""
     opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
-    grads: list[dict[str, torch.Tensor]] = []
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss: torch.Tensor = net(x, y)[1]
@@ -50,7 +45,18 @@ def main() -> None:
         opt.zero_grad()
         return loss
 
-    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    return step
+
+
+def main() -> None:
+    sw.communication.init()
+    rank, n = get_rank(), get_group_size()
+    batches = token_batches(STEPS, BATCH)
+    ref = GPT2()
+    ref_opt = ref.configure_optimizers(weight_decay=0.1, **ADAM)
+    net = GPT2()
+    grads: list[dict[str, torch.Tensor]] = []
+    parallel = sw.AutoParallel(train_step(net, grads), parallel_mode="semi_auto")
     rows = BATCH // n
     for k, (x, y) in enumerate(batches):
         want = ref(x, y)[1]
@@ -91,18 +97,8 @@ def megatron(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> Non
         sw.shard(block.attn.c_proj, in_strategy=((2, 2), (1, 2)))
         sw.shard(block.mlp.c_fc, in_strategy=((2, 1), (2, 1)))
         sw.shard(block.mlp.c_proj, in_strategy=((2, 2), (1, 2)))
-    opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
     grads: list[dict[str, torch.Tensor]] = []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = net(x, y)[1]
-        loss.backward()
-        grads.append({k: p.grad.detach().clone() for k, p in net.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    parallel = sw.AutoParallel(train_step(net, grads), parallel_mode="semi_auto")
     rows, layers = BATCH // 4, len(net.transformer.h)
     for k, (x, y) in enumerate(batches):
         want = ref(x, y)[1]

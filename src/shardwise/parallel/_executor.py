@@ -36,7 +36,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.ops import Primitive
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._local import prepare
-from shardwise.parallel._runtime import group_for
+from shardwise.parallel._runtime import combine, group_for
 from shardwise.planner import Collective, EdgePlan, ParallelPlan, Placed
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
@@ -106,17 +106,7 @@ def run_collective(x: T, c: Collective, matrix: DeviceMatrix) -> T:
     """An op's own collective (`NodePlan.comms`): AllReduce (sum / mean) or ReduceScatter (sum,
     along `c.dim`) over the plan's axes `c.axes`."""
     axes = [matrix.axis(a) for a in c.axes]
-    group, members = group_for(matrix, axes)
-    if len(members) == 1:
-        return x
-    if c.kind == "AllReduce":
-        return sum_over_ranks(x, group, len(members) if c.detail == "mean" else 1)
-    if c.kind == "ReduceScatter" and c.detail == "sum" and c.dim is not None:
-        if tuple(sorted(members)) != members:
-            raise UnsupportedParallelError(f"{c}: group order differs from rank order")
-        out: T = comm.ReduceScatter("sum", group)(x.movedim(c.dim, 0))
-        return out.movedim(0, c.dim)
-    raise UnsupportedParallelError(f"collective {c} is not supported by the executor")
+    return combine(x, c.kind, c.detail, c.dim, matrix, axes, c)
 
 
 def _keep_first(x: T, matrix: DeviceMatrix, axes: tuple[int, ...]) -> T:
@@ -222,11 +212,15 @@ class PlanExecutor(TorchFunctionMode):
             out = self._run(func, node.index, args, kwargs)
         finally:
             self.paused -= 1
+        self._ended()
+        return out
+
+    def _ended(self) -> None:
+        """After an op: when it was the plan's last, drop the moved values and call `on_end`."""
         if self.done:
             self.moved.clear()
             if self.on_end is not None:
                 self.on_end()
-        return out
 
     # -- optimizer steps (global step hooks that `GraphRun` registers) ----------------------
     def step_starts(self, optimizer: Any, closure: bool) -> None:
@@ -302,10 +296,7 @@ class PlanExecutor(TorchFunctionMode):
             out = self._returned(k, outs[0] if single else tuple(outs))
         finally:
             self.paused -= 1
-        if self.done:
-            self.moved.clear()
-            if self.on_end is not None:
-                self.on_end()
+        self._ended()
         return out
 
     def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
@@ -336,10 +327,7 @@ class PlanExecutor(TorchFunctionMode):
         node = self.plan.nodes[self.cursor]
         self._advance(op, "made a tensor with")
         out = self._returned(node.index, out)
-        if self.done:
-            self.moved.clear()
-            if self.on_end is not None:
-                self.on_end()
+        self._ended()
         return out
 
     def _advance(self, op: str, did: str) -> None:

@@ -69,19 +69,32 @@ def group_for(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str | None, tu
     return comm.ensure_group(name, ranks), members
 
 
-def _one_comm(x: torch.Tensor, c: Comm, matrix: DeviceMatrix) -> torch.Tensor:
-    axes = c.axis_indices(matrix)
+def combine(
+    x: torch.Tensor,
+    kind: str,
+    op: str,
+    dim: int | None,
+    matrix: DeviceMatrix,
+    axes: Sequence[int],
+    what: object,
+) -> torch.Tensor:
+    """An op's own collective over `axes` of `matrix`: ``"AllReduce"`` (`op` ``"sum"`` or
+    ``"mean"``) or ``"ReduceScatter"`` (``"sum"``, cutting `dim`); `what` names it in errors."""
     group, members = group_for(matrix, axes)
     if len(members) == 1:
         return x
-    if c.kind == "AllReduce":
-        return sum_over_ranks(x, group, len(members) if c.op == "mean" else 1)
-    if c.kind == "ReduceScatter" and c.op == "sum" and c.dim is not None:
+    if kind == "AllReduce":
+        return sum_over_ranks(x, group, len(members) if op == "mean" else 1)
+    if kind == "ReduceScatter" and op == "sum" and dim is not None:
         if tuple(sorted(members)) != members:
-            raise UnsupportedParallelError(f"{c}: group order differs from rank order")
-        out: torch.Tensor = comm.ReduceScatter("sum", group)(x.movedim(c.dim, 0))
-        return out.movedim(0, c.dim)
-    raise UnsupportedParallelError(f"collective {c} is not supported by the runtime yet")
+            raise UnsupportedParallelError(f"{what}: group order differs from rank order")
+        out: torch.Tensor = comm.ReduceScatter("sum", group)(x.movedim(dim, 0))
+        return out.movedim(0, dim)
+    raise UnsupportedParallelError(f"collective {what} is not supported yet")
+
+
+def _one_comm(x: torch.Tensor, c: Comm, matrix: DeviceMatrix) -> torch.Tensor:
+    return combine(x, c.kind, c.op, c.dim, matrix, c.axis_indices(matrix), c)
 
 
 def apply_comms(outputs: list[torch.Tensor], plan: OpPlan) -> list[torch.Tensor]:

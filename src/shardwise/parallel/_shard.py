@@ -35,8 +35,9 @@ from torch import nn
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from shardwise import communication as comm
-from shardwise.layout import LayoutTypeError, TensorLayout, resolve_strategy
+from shardwise.layout import LayoutTypeError, TensorLayout
 from shardwise.ops import normalize_strategy
+from shardwise.planner._annotated import entry_layout
 from shardwise.planner._graph import OP_STRATEGY
 
 Entry = tuple[int, ...] | TensorLayout
@@ -76,24 +77,13 @@ def activate(session: Session) -> Iterator[None]:
 
 def to_layout(entry: object, shape: Sequence[int], who: str) -> TensorLayout:
     """One tensor's strategy entry (split counts, repeat appended on the right; or a Layout
-    call) as a `TensorLayout` for a tensor of global `shape`, checked against it.
+    call) as a `TensorLayout` for a tensor of global `shape`, checked against it
+    (`planner._annotated.entry_layout` with this job's size).
 
     Raises:
         ValueError / LayoutTypeError: a malformed entry, or one that does not fit.
     """
-    checked = normalize_strategy((entry,), "layout", who)
-    assert checked is not None
-    (one,) = checked
-    ndim = one.ndim if isinstance(one, TensorLayout) else len(one)
-    if ndim != len(shape):
-        raise ValueError(
-            f"{who}: the layout {_fmt(one)} has {ndim} dims but the tensor has shape "
-            f"{list(shape)}; give one entry per tensor dim"
-        )
-    world = comm.get_group_size()
-    if isinstance(one, TensorLayout):
-        return resolve_strategy([one], world, shapes=[shape], who=who).layouts[0]
-    return resolve_strategy([one], world, shapes=[shape], who=who).layouts[0]
+    return entry_layout(entry, tuple(int(s) for s in shape), comm.get_group_size(), who)
 
 
 class Declared:

@@ -30,10 +30,13 @@ class AnnotationError(ValueError):
     """An ``sw.shard`` / ``sw.reshard`` annotation that does not fit its op or the job."""
 
 
-def reshard_layout(node: Node, shape: Shape, device_num: int) -> TensorLayout:
-    """The layout a ``sw.reshard`` node pins (checked against the value's global `shape`)."""
-    entry = node.args[1] if len(node.args) > 1 else node.kwargs["entry"]
-    who = f"sw.reshard at {node.source}"
+def entry_layout(entry: Any, shape: Shape, device_num: int, who: str) -> TensorLayout:
+    """One tensor's strategy entry (split counts, the repeat appended on the right; or a Layout
+    call) as a `TensorLayout` for a tensor of global `shape` in a job of `device_num`.
+
+    Raises:
+        AnnotationError / LayoutTypeError: a malformed entry, or one that does not fit.
+    """
     checked = normalize_strategy((entry,), "layout", who)
     assert checked is not None
     (one,) = checked
@@ -45,6 +48,12 @@ def reshard_layout(node: Node, shape: Shape, device_num: int) -> TensorLayout:
         )
     found = resolve_strategy((one,), device_num, shapes=[shape], who=who)  # type: ignore[arg-type]
     return found.layouts[0]
+
+
+def reshard_layout(node: Node, shape: Shape, device_num: int) -> TensorLayout:
+    """The layout a ``sw.reshard`` node pins (checked against the value's global `shape`)."""
+    entry = node.args[1] if len(node.args) > 1 else node.kwargs["entry"]
+    return entry_layout(entry, shape, device_num, f"sw.reshard at {node.source}")
 
 
 def op_form(
