@@ -48,6 +48,18 @@ def train_step(net: GPT2, grads: list[dict[str, torch.Tensor]]) -> Any:
     return step
 
 
+def reference_step(
+    ref: GPT2, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One single-device step on the global batch: its loss and every gradient."""
+    want: torch.Tensor = ref(x, y)[1]
+    want.backward()
+    grads = {name: p.grad.detach().clone() for name, p in ref.named_parameters()}
+    opt.step()
+    opt.zero_grad()
+    return want, grads
+
+
 def main() -> None:
     sw.communication.init()
     rank, n = get_rank(), get_group_size()
@@ -59,11 +71,7 @@ def main() -> None:
     parallel = sw.AutoParallel(train_step(net, grads), parallel_mode="semi_auto")
     rows = BATCH // n
     for k, (x, y) in enumerate(batches):
-        want = ref(x, y)[1]
-        want.backward()
-        want_grads = {name: p.grad.detach().clone() for name, p in ref.named_parameters()}
-        ref_opt.step()
-        ref_opt.zero_grad()
+        want, want_grads = reference_step(ref, ref_opt, x, y)
         mine = slice(rank * rows, (rank + 1) * rows)
         with CommRecorder() as rec:
             loss = parallel(x[mine], y[mine])
@@ -101,11 +109,7 @@ def megatron(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> Non
     parallel = sw.AutoParallel(train_step(net, grads), parallel_mode="semi_auto")
     rows, layers = BATCH // 4, len(net.transformer.h)
     for k, (x, y) in enumerate(batches):
-        want = ref(x, y)[1]
-        want.backward()
-        want_grads = {name: p.grad.detach().clone() for name, p in ref.named_parameters()}
-        ref_opt.step()
-        ref_opt.zero_grad()
+        want, want_grads = reference_step(ref, ref_opt, x, y)
         mine = slice(rank * rows, (rank + 1) * rows)
         with CommRecorder() as rec:
             loss = parallel(x[mine], y[mine])

@@ -54,7 +54,6 @@ from shardwise.parallel._context import (
 from shardwise.parallel._discover import find_referenced, pick_network
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._graph_run import GraphRun
-from shardwise.parallel._graph_run import eligible as graph_eligible
 from shardwise.parallel._hsdp import gradient_buckets, settings_from_context, start_engine
 from shardwise.parallel._local import Masked
 from shardwise.parallel._ownership import take_over
@@ -321,7 +320,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
         `inputs`)."""
         if self.network_plan is not None:
             return self.network_plan
-        if shapes is None and states is None and self._graph is None and self._graph_ok():
+        if shapes is None and states is None and self._graph is None:
             self._graph = self._plan_graph(tuple(inputs), {})
             assert self.network_plan is not None
             return self.network_plan
@@ -423,14 +422,14 @@ class AutoParallel(CallRuntime, StrategyFiles):
             )
         if self.parallel_mode == "data_parallel":
             return self._data_parallel(*inputs, **kwargs)
-        if self._graph is None and self.network_plan is None and self._graph_ok():
+        if self._graph is None and self.network_plan is None:
             self._graph = self._plan_graph(inputs, kwargs)
         if self._graph is not None:
             return self._graph(inputs, kwargs)
         if kwargs:
             raise UnsupportedParallelError(
-                "AutoParallel: keyword inputs are supported with the 'data_parallel' or "
-                "'full_batch' dataset strategy; per-input strategies take positional tensors"
+                "AutoParallel: after plan(shapes=...) the network takes positional tensors; "
+                "plan with this rank's inputs (plan(x, y)) to call it with keywords"
             )
         with self._session():
             index, n = _tensor_indices(inputs)
@@ -441,9 +440,6 @@ class AutoParallel(CallRuntime, StrategyFiles):
             out = self.network(*inputs)
             self._pause(1)
             return self._to_output(out, whole=self._dataset == "full_batch")
-
-    def _graph_ok(self) -> bool:
-        return graph_eligible(self.network, self._dataset)
 
     def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun:
         """Capture and plan the network (or train step) on its first call."""

@@ -7,7 +7,7 @@ same way, `planner.is_recorded`). For it the executor:
 1. moves each tensor input as the plan's edge into that node says (`planner.EdgePlan`: an
    AllReduce of partial values, then Slice / AllGather / AlltoAll steps, all autograd-aware; a
    ``shared`` edge reuses the value an earlier edge of this forward moved the same way;
-   a whole value wanted partial is kept on the first rank of those axes, `_keep_first`);
+   a whole value wanted partial is kept on the first rank of those axes; `_edges.move`);
    a parameter is first taken as stored (optimizer parallel: its compute leaf);
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
    the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
@@ -31,16 +31,15 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
-from shardwise.communication.primitives import replicated_seed, sum_over_ranks
-from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.communication.primitives import replicated_seed
 from shardwise.ops import Primitive
+from shardwise.parallel._edges import move, run_collective
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._local import prepare
-from shardwise.parallel._runtime import combine, group_for
-from shardwise.planner import Collective, EdgePlan, ParallelPlan, Placed
+from shardwise.planner import EdgePlan, ParallelPlan, Placed
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
-from shardwise.redistribution import local_block, redistribute
+from shardwise.redistribution import local_block
 
 T = torch.Tensor
 _SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
@@ -86,38 +85,6 @@ class Replan(BaseException):
     def __init__(self, message: str, cursor: int, op: str | None) -> None:
         super().__init__(message)
         self.cursor, self.op = cursor, op
-
-
-def move(x: T, edge: EdgePlan) -> T:
-    """`x` (this rank's part of the edge's value) moved as `edge` says."""
-    m = edge.src.layout.matrix
-    if edge.reduced:
-        group, members = group_for(m, edge.reduced)
-        divisor = len(members) if edge.src.reduce == "avg" else 1
-        x = sum_over_ranks(x, group, divisor)
-    if edge.steps:
-        x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
-    if edge.kept:
-        x = _keep_first(x, m, edge.kept)
-    return x
-
-
-def run_collective(x: T, c: Collective, matrix: DeviceMatrix) -> T:
-    """An op's own collective (`NodePlan.comms`): AllReduce (sum / mean) or ReduceScatter (sum,
-    along `c.dim`) over the plan's axes `c.axes`."""
-    axes = [matrix.axis(a) for a in c.axes]
-    return combine(x, c.kind, c.detail, c.dim, matrix, axes, c)
-
-
-def _keep_first(x: T, matrix: DeviceMatrix, axes: tuple[int, ...]) -> T:
-    """`x` on the ranks at coordinate 0 of `axes`, zeros on the others (a whole value made a
-    partial sum over `axes`); the gradient reaches `x` from the first ranks only."""
-    count = 1
-    for a in axes:
-        count *= matrix.shape[a]
-    stacked = torch.cat([x.unsqueeze(0), x.new_zeros((count - 1, *x.shape))])
-    layout = TensorLayout(matrix, (axes,) + ((),) * x.dim())
-    return local_block(stacked, layout, tuple(stacked.shape)).squeeze(0)
 
 
 class PlanExecutor(TorchFunctionMode):

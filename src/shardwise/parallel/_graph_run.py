@@ -1,7 +1,7 @@
-"""semi_auto for networks of plain torch ops: capture -> plan -> apply -> run, on one plan.
+"""semi_auto on one plan: capture -> plan -> apply -> run (`GraphRun`).
 
-`GraphRun` serves `AutoParallel` when the network holds no shardwise primitive, with a
-``"data_parallel"`` or ``"full_batch"`` dataset strategy:
+`GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
+annotations alike; any dataset strategy) except after `AutoParallel.plan(shapes=...)`:
 
 - `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)
   on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`. ``sw.reshard``
@@ -42,8 +42,9 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._delayed import has_deferred
+from shardwise.parallel._edges import move
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._executor import PlanExecutor, Replan, move
+from shardwise.parallel._executor import PlanExecutor, Replan
 from shardwise.parallel._hsdp import gradient_buckets, start_engine
 from shardwise.parallel._plan import NetworkPlan
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
@@ -73,11 +74,6 @@ class _GraphSession:
     def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
         if self.declared is not None:
             self.declared.add(self.network, owner, plan)
-
-
-def eligible(network: nn.Module, dataset: object) -> bool:
-    """Whether `GraphRun` can serve this network (every dataset strategy can)."""
-    return dataset is not None
 
 
 def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:

@@ -1,0 +1,51 @@
+"""Moving values as a `ParallelPlan` says, on this rank (used by `_executor.PlanExecutor`).
+
+- `move`: one edge (`planner.EdgePlan`): the AllReduce of partial values, then the Slice /
+  AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial.
+- `run_collective`: an op's own collective (`planner.NodePlan.comms`), through
+  `_runtime.combine`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.communication.primitives import sum_over_ranks
+from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.parallel._runtime import combine, group_for
+from shardwise.planner import Collective, EdgePlan
+from shardwise.redistribution import local_block, redistribute
+
+T = torch.Tensor
+
+
+def move(x: T, edge: EdgePlan) -> T:
+    """`x` (this rank's part of the edge's value) moved as `edge` says."""
+    m = edge.src.layout.matrix
+    if edge.reduced:
+        group, members = group_for(m, edge.reduced)
+        divisor = len(members) if edge.src.reduce == "avg" else 1
+        x = sum_over_ranks(x, group, divisor)
+    if edge.steps:
+        x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
+    if edge.kept:
+        x = _keep_first(x, m, edge.kept)
+    return x
+
+
+def run_collective(x: T, c: Collective, matrix: DeviceMatrix) -> T:
+    """An op's own collective (`NodePlan.comms`): AllReduce (sum / mean) or ReduceScatter (sum,
+    along `c.dim`) over the plan's axes `c.axes`."""
+    axes = [matrix.axis(a) for a in c.axes]
+    return combine(x, c.kind, c.detail, c.dim, matrix, axes, c)
+
+
+def _keep_first(x: T, matrix: DeviceMatrix, axes: tuple[int, ...]) -> T:
+    """`x` on the ranks at coordinate 0 of `axes`, zeros on the others (a whole value made a
+    partial sum over `axes`); the gradient reaches `x` from the first ranks only."""
+    count = 1
+    for a in axes:
+        count *= matrix.shape[a]
+    stacked = torch.cat([x.unsqueeze(0), x.new_zeros((count - 1, *x.shape))])
+    layout = TensorLayout(matrix, (axes,) + ((),) * x.dim())
+    return local_block(stacked, layout, tuple(stacked.shape)).squeeze(0)
