@@ -10,7 +10,6 @@ upgrade that changes one fails here first, saying where to look.
 from __future__ import annotations
 
 import importlib
-from collections import OrderedDict
 from collections.abc import Callable
 
 import pytest
@@ -32,13 +31,6 @@ def _callable(module: str, *names: str) -> Callable[[], None]:
         assert callable(_attr(module, *names)), f"{module}.{'.'.join(names)} is not callable"
 
     return check
-
-
-def _hook_dicts() -> None:
-    import torch.optim.optimizer as opt
-
-    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
-        assert isinstance(getattr(opt, name), OrderedDict), name  # moved with move_to_end
 
 
 def _engine_queue_callback() -> None:
@@ -114,16 +106,6 @@ CASES: dict[str, Callable[[], None]] = {
     "layout/_dtensor: _StridedShard": _callable(
         "torch.distributed.tensor.placement_types", "_StridedShard"
     ),
-    "parallel/_torchops: torch-function stack push": _callable(
-        "torch._C", "_push_on_torch_function_stack"
-    ),
-    "parallel/_torchops: torch-function stack pop": _callable(
-        "torch._C", "_pop_torch_function_stack"
-    ),
-    "parallel/_torchops: torch-function stack length": _callable(
-        "torch._C", "_len_torch_function_stack"
-    ),
-    "parallel/_torchops: the optimizers' global step-hook dicts": _hook_dicts,
     "parallel/_runtime, optim/_engine: _current_graph_task_id": _callable(
         "torch._C", "_current_graph_task_id"
     ),

@@ -4,7 +4,7 @@
 device) identically on every rank, and makes CPU runs bit-for-bit repeatable.
 
 `set_context(save_graphs=..., save_graphs_path=...)` holds the report settings (MindSpore's
-``set_context`` keys of the same names): `shardwise.report.dump_plan` reads them when
+``set_context`` keys of the same names): `shardwise.report.dump_parallel_plan` reads them when
 `AutoParallel` plans and writes ``<save_graphs_path>/rank_<r>/{step_parallel_begin,execute}.ir``
 (docs/report.md). `get_context(name)` reads one setting back.
 """

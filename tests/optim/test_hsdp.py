@@ -127,7 +127,7 @@ def shard_of(
 ) -> Callable[[int], torch.Tensor]:
     """rank -> the rows of the single-device `full` that rank's shard of `name` holds."""
     plan = parallel.optimizer_plan
-    assert plan is not None and parallel.network_plan is not None
+    assert plan is not None and parallel.parallel_plan is not None
     shard = plan.param(name)
     layout, shape = shard.info.layout, shard.info.shape
 
@@ -532,9 +532,6 @@ def test_dropped_wrapper_frees_network_and_global_hooks() -> None:
 
     import torch.optim.optimizer as torch_optimizer
 
-    from shardwise.parallel import _torchops
-
-    _torchops._register_step_hooks()  # (the mode's own pair, registered once per process)
     gc.collect()  # earlier tests' dropped engines
     before = len(torch_optimizer._global_optimizer_pre_hooks)
     net = Mlp()

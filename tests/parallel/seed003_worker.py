@@ -36,9 +36,9 @@ def main() -> None:
         loss = sw.ops.AllReduce()(F.cross_entropy(logits, y[mine])) / n
         loss.backward()
         close(loss.detach(), torch.tensor(losses[step]), f"loss {step}")
-        assert parallel.network_plan is not None
+        assert parallel.parallel_plan is not None
         for name, p in net.named_parameters():
-            layout, shape = parallel.network_plan.params[name]
+            layout, shape = parallel.parallel_plan.param_layouts()[name]
             block = layout.local_slice(rank, shape)
             assert p.grad is not None
             close(p.detach(), states[step][name][block], f"{name} step {step}")

@@ -64,10 +64,10 @@ def train(make: Callable[[Callable[..., torch.Tensor]], AutoParallel], full: boo
         for step, (image, label) in enumerate(batches):
             loss = parallel_net(give(image), give(label))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
-            plan = parallel_net.network_plan
+            plan = parallel_net.parallel_plan
             assert plan is not None
             for name, p in net.named_parameters():
-                layout, shape = plan.params[name]
+                layout, shape = plan.param_layouts()[name]
                 full = params[step][name]
                 assert_matches_single_device(
                     p.detach(), lambda r, f=full, s=shape, lay=layout: f[lay.local_slice(r, s)]

@@ -64,10 +64,10 @@ def test_train_step_with_per_input_strategy(name: str) -> None:
             assert parallel.parallel_plan is not None  # run from the captured plan
             arrive = parallel.parallel_plan.inputs["args[0]"].layout
             assert arrive.split_count(0) == {"all8": 8, "repeat4": 2, "layout": 2}.get(name, 8)
-            plan = parallel.network_plan
+            plan = parallel.parallel_plan
             assert plan is not None
             for pname, p in net.named_parameters():
-                layout, shape = plan.params[pname]
+                layout, shape = plan.param_layouts()[pname]
                 full = params[step][pname]
                 assert_matches_single_device(
                     p.detach(), lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)]

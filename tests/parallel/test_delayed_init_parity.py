@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.layout import TensorLayout
-from shardwise.parallel import AutoParallel, NetworkPlan
+from shardwise.parallel import AutoParallel
 from shardwise.parameter import is_deferred
+from shardwise.planner import ParallelPlan
 from shardwise.testing import assert_matches_single_device, simulated_world
 
 WORLD, BATCH, STEPS, LR, SEED = 8, 32, 3, 0.5, 1234
@@ -61,9 +62,9 @@ def blocks(full: torch.Tensor, layout: TensorLayout) -> Callable[[int], torch.Te
     return lambda r: full[layout.local_slice(r, full.shape)]
 
 
-def check_blocks(net: Seed003, plan: NetworkPlan, state: State, grads: bool = True) -> None:
+def check_blocks(net: Seed003, plan: ParallelPlan, state: State, grads: bool = True) -> None:
     for name, p in net.named_parameters():
-        layout, shape = plan.params[name]
+        layout, shape = plan.param_layouts()[name]
         assert tuple(state[name].shape) == shape
         assert_matches_single_device(p.detach(), blocks(state[name], layout), what=name)
         if grads:
@@ -118,8 +119,8 @@ def test_local_blocks_only_and_unconsumed_parameters_whole() -> None:
         parallel = AutoParallel(net)
         plan = parallel.plan(world.rows(x))
         assert set(plan.params) == {"fc1_weight", "fc2_weight", "fc3_weight", "extra"}
-        assert not plan.params["extra"][0].used_axes()  # unconsumed: stored whole
-        for name, (layout, shape) in plan.params.items():
+        assert not plan.params["extra"].layout.used_axes()  # unconsumed: stored whole
+        for name, (layout, shape) in plan.param_layouts().items():
             assert tuple(getattr(net, name).shape) == tuple(layout.local_shape(shape))
         assert tuple(net.fc1_weight.shape) == (196, 512)
         got_extra, got_stat = net.get_parameter("extra").detach(), net.get_buffer("stat")

@@ -34,7 +34,7 @@ def close(got, want, what):
 
 def check(net, plan, state, rank, grads):
     for name, p in net.named_parameters():
-        index = plan.params[name][0].local_slice(rank, state[name].shape)
+        index = plan.params[name].layout.local_slice(rank, state[name].shape)
         close(p.detach(), state[name][index], name)
         if grads:
             close(p.grad, state[name + ".grad"][index], name + ".grad")

@@ -15,7 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-from shardwise.parallel import AutoParallel, NetworkPlan
+from shardwise.parallel import AutoParallel
+from shardwise.planner import ParallelPlan
 from shardwise.testing import (
     CommRecorder,
     SimulatedWorld,
@@ -80,9 +81,9 @@ def single_device(
     return losses, states
 
 
-def check_blocks(net: GPTBlock, plan: NetworkPlan, state: dict[str, torch.Tensor]) -> None:
+def check_blocks(net: GPTBlock, plan: ParallelPlan, state: dict[str, torch.Tensor]) -> None:
     for name, p in net.named_parameters():
-        layout, shape = plan.params[name]
+        layout, shape = plan.param_layouts()[name]
         assert p.grad is not None, name
         for what, value, full in ((name, p.detach(), state[name]), (f"{name}.grad", p.grad, None)):
             full = state[what] if full is None else full
@@ -122,8 +123,8 @@ def test_gpt_block_megatron_matches_single_device() -> None:
                 loss.backward()
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == FORWARD + BACKWARD, rec.summary()
-            assert parallel.network_plan is not None
-            check_blocks(net, parallel.network_plan, states[step])
+            assert parallel.parallel_plan is not None
+            check_blocks(net, parallel.parallel_plan, states[step])
             opt.step()
             opt.zero_grad()
 
@@ -161,11 +162,11 @@ def test_gpt_block_train_step_other_grids(dp: int, mp: int) -> None:
         for step, (ids, onehot) in enumerate(batches):
             loss = parallel(world.rows(ids), world.rows(onehot))
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
-            plan = parallel.network_plan
+            plan = parallel.parallel_plan
             assert plan is not None
             if step + 1 < STEPS:  # parameters after this update = before the next backward
                 for name, p in net.named_parameters():
-                    layout, shape = plan.params[name]
+                    layout, shape = plan.param_layouts()[name]
                     full = states[step + 1][name]
                     assert_matches_single_device(
                         p.detach(), lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)]

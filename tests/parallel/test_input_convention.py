@@ -131,10 +131,10 @@ def check_grads(
     wrapper: AutoParallel, net: nn.Module, got: list[torch.Tensor], want: list[torch.Tensor]
 ) -> None:
     """Each gradient the optimizer saw is this rank's block of the single-device one."""
-    plan = wrapper.network_plan
+    plan = wrapper.parallel_plan
     for (name, _), g, w in zip(net.named_parameters(), got, want, strict=True):
         if plan is not None and name in plan.params:
-            layout, shape = plan.params[name]
+            layout, shape = plan.param_layouts()[name]
             assert_matches_single_device(
                 g, lambda r, w=w, a=layout, s=shape: w[a.local_slice(r, s)], what=name
             )

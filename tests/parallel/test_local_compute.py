@@ -77,9 +77,9 @@ def _run(
         assert_matches_single_device(
             got, lambda r: full[r * out_rows : (r + 1) * out_rows], what="output"
         )
-        assert parallel.network_plan is not None
+        assert parallel.parallel_plan is not None
         for name, p in net.named_parameters():
-            layout, shape = parallel.network_plan.params[name]
+            layout, shape = parallel.parallel_plan.param_layouts()[name]
             assert p.grad is not None
             assert_matches_single_device(
                 p.grad, lambda r, g=want[name], a=layout, s=shape: g[a.local_slice(r, s)], what=name

@@ -117,9 +117,9 @@ def test_output_and_gradient_blocks(case: str) -> None:
         assert_matches_single_device(
             out, lambda r: full[r * out_rows : (r + 1) * out_rows], what="output"
         )
-        assert parallel.network_plan is not None
+        assert parallel.parallel_plan is not None
         for name, p in net.named_parameters():
-            layout, pshape = parallel.network_plan.params[name]
+            layout, pshape = parallel.parallel_plan.param_layouts()[name]
             grad = want[name]
             assert p.grad is not None
             assert_matches_single_device(

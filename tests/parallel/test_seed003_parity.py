@@ -27,7 +27,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.layout import TensorLayout
-from shardwise.parallel import AutoParallel, NetworkPlan
+from shardwise.parallel import AutoParallel
+from shardwise.planner import ParallelPlan
 from shardwise.testing import (
     CommRecorder,
     assert_matches_single_device,
@@ -139,10 +140,10 @@ def blocks(full: torch.Tensor, layout: TensorLayout) -> Callable[[int], torch.Te
     return lambda r: full[layout.local_slice(r, full.shape)]
 
 
-def check_blocks(net: Network, plan: NetworkPlan, state: dict[str, torch.Tensor]) -> None:
+def check_blocks(net: Network, plan: ParallelPlan, state: dict[str, torch.Tensor]) -> None:
     """Every rank's block of every parameter and of its gradient vs the single-device slice."""
     for name, p in net.named_parameters():
-        layout, shape = plan.params[name]
+        layout, shape = plan.param_layouts()[name]
         assert tuple(state[name].shape) == shape and p.grad is not None
         assert_matches_single_device(p.detach(), blocks(state[name], layout), what=name)
         grad = blocks(state[f"{name}.grad"], layout)
@@ -165,8 +166,8 @@ def test_seed003_losses_parameters_and_collectives(layouts: bool) -> None:
                 loss.backward()
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == expected, rec.summary()
-            assert parallel.network_plan is not None
-            check_blocks(net, parallel.network_plan, states[step])
+            assert parallel.parallel_plan is not None
+            check_blocks(net, parallel.parallel_plan, states[step])
             opt.step()
             opt.zero_grad()
 
@@ -202,7 +203,7 @@ def test_seed003_plan() -> None:
         parallel = AutoParallel(net)
         plan = parallel.plan(world.rank_map(lambda r: torch.zeros(BATCH // WORLD, 1, 28, 28)))
         assert plan.matrix.shape == (2, 2, 2)
-        got = {n: (str(lay).split(" on ")[0], s) for n, (lay, s) in plan.params.items()}
+        got = {n: (str(lay).split(" on ")[0], s) for n, (lay, s) in plan.param_layouts().items()}
         assert got == {
             "fc1_weight": ("((g1, g2), None)", (784, 512)),
             "fc2_weight": ("((g0, g1, g2), None)", (512, 512)),

@@ -138,12 +138,12 @@ def run(
             sw.ops.AllReduce()((got * u_local).sum()).backward()
         full = out.detach()
         assert_matches_single_device(got, lambda r: full[r * out_rows : (r + 1) * out_rows])
-        plan = parallel.network_plan
+        plan = parallel.parallel_plan
         assert plan is not None
         for name, p in net.named_parameters():
             value, grad = want[name]
             whole = replicated_layout(plan.matrix, value.dim()), tuple(value.shape)
-            layout, pshape = plan.params.get(name, whole)  # unplanned: whole on every rank
+            layout, pshape = plan.param_layouts().get(name, whole)  # unplanned: whole on every rank
             assert p.grad is not None
             for what, t, f in ((name, p.detach(), value), (f"{name}.grad", p.grad, grad)):
                 assert_matches_single_device(
@@ -174,9 +174,9 @@ def test_reshard_moves_activation() -> None:
 def test_shard_module_with_parameter_plan() -> None:
     """w1 stored split 8 ways (ZeRO-3 style): gathered at use, its gradient reduce-scattered."""
     rec, parallel, _ = run(ShardedModuleNet, (16, 32))
-    plan = parallel.network_plan
+    plan = parallel.parallel_plan
     assert plan is not None
-    layout, shape = plan.params["block.w1"]
+    layout, shape = plan.param_layouts()["block.w1"]
     assert layout.local_shape(shape) == (4, 16)
     assert rec.kinds() == LOSS + Counter(
         {
@@ -194,9 +194,9 @@ def test_shard_module_with_parameter_plan() -> None:
 
 def test_shard_function_with_layouts() -> None:
     rec, parallel, _ = run(ShardedFunctionNet, (16, 32))
-    plan = parallel.network_plan
+    plan = parallel.parallel_plan
     assert plan is not None
-    layout, shape = plan.params["w"]
+    layout, shape = plan.param_layouts()["w"]
     assert layout.local_shape(shape) == (8, 16)  # stored as the plan says (= mm's wish)
     assert rec.kinds() == LOSS + Counter(
         {

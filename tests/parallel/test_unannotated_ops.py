@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.parallel import AutoParallel, NetworkPlan
+from shardwise.parallel import AutoParallel
+from shardwise.planner import ParallelPlan
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -105,12 +106,12 @@ def rows(t: torch.Tensor) -> object:
     return lambda r: t[r * n : (r + 1) * n].clone()
 
 
-def check_params(net: nn.Module, plan: NetworkPlan, state: dict[str, torch.Tensor]) -> None:
+def check_params(net: nn.Module, plan: ParallelPlan, state: dict[str, torch.Tensor]) -> None:
     """Each rank's block of every parameter and gradient (whole for unannotated modules)."""
     for name, p in net.named_parameters():
         want, grad = state[name], state[f"{name}.grad"]
         if name in plan.params:
-            layout, shape = plan.params[name]
+            layout, shape = plan.param_layouts()[name]
             for value, full in ((p.detach(), want), (p.grad, grad)):
                 assert value is not None
                 assert_matches_single_device(
@@ -142,11 +143,11 @@ def test_linear_relu_and_cross_entropy_run_data_parallel() -> None:
                 loss = parallel(world.rows(x), world.rows(y))  # each rank passes its rows
             assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
             assert rec.kinds() == COMMS, rec.summary()
-            assert parallel.network_plan is not None
-            stored = parallel.network_plan.params
+            assert parallel.parallel_plan is not None
+            stored = parallel.parallel_plan.param_layouts()
             split = {n for n, (layout, _) in stored.items() if layout.used_axes()}
             assert split == {"fc1_weight", "fc2_weight"}  # as the MatMuls want them
-            check_params(net, parallel.network_plan, states[step])
+            check_params(net, parallel.parallel_plan, states[step])
             opt.step()
             opt.zero_grad()
 

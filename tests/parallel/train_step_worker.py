@@ -56,12 +56,12 @@ def main() -> None:
     for step, (image, label) in enumerate(data()):
         loss = parallel_net(image, label)
         close(loss.detach(), losses[step], f"loss {step}")
-        plan = parallel_net.network_plan
+        plan = parallel_net.parallel_plan
         assert plan is not None
         for name, p in net.named_parameters():
             want = params[step][name]
             if name in plan.params:
-                layout, shape = plan.params[name]
+                layout, shape = plan.param_layouts()[name]
                 want = want[layout.local_slice(rank, shape)]
             close(p.detach(), want, f"{name} step {step}")
         print(f"CHECK step {step} OK", flush=True)

@@ -1,43 +1,33 @@
 """`AutoParallel`: the semi_auto operator-parallel wrapper (a network or a train-step function).
 
 Every call (any dataset strategy) runs from one `ParallelPlan` (`_graph_run.GraphRun`): the
-first call (or `AutoParallel.plan` given this rank's inputs) captures every op of the network
-or train step (shardwise primitives, torch ops, ``sw.shard`` / ``sw.reshard`` annotations),
-plans it (`planner.plan_semi_auto`), cuts the parameters to their stored blocks and starts
-either optimizer parallel (`_hsdp.start_engine`) or the gradient buckets
-(`_runtime.GradBuckets`); every call then runs under the plan executor
+first call (or `AutoParallel.plan`, given this rank's inputs or the inputs' global shapes)
+captures every op of the network or train step (shardwise primitives, torch ops, ``sw.shard`` /
+``sw.reshard`` annotations), plans it (`planner.plan_semi_auto`), cuts the parameters to their
+stored blocks and starts either optimizer parallel (`_hsdp.start_engine`) or the gradient
+buckets (`_runtime.GradBuckets`); every call then runs under the plan executor
 (`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
-`_plan_graph` also writes the reports.
+`_plan_graph` also writes the reports. ``parallel_mode="data_parallel"`` instead runs
+`optim.DataParallelRunner` (`_data_parallel`).
 
-The primitive runtime serves `AutoParallel.plan(shapes=...)` (global shapes, no inputs):
-step 1 (`_plan.trace_calls`, `_plan.plan_network`), step 2 (`_runtime.shard_parameters`), then
-optimizer parallel or the gradient hooks; every call then runs step 3 in a session
-(`_call.CallRuntime`): hooks on the primitives redistribute each input from the state it has
-(`_tracker.Tracker`) to the layout its plan wants, run the primitive on the local blocks, apply
-the plan's collectives and record the output layouts; unannotated torch ops run data parallel
-(`_torchops.DataParallelOps`).
-``parallel_mode="data_parallel"`` instead runs `optim.DataParallelRunner` (`_data_parallel`).
-
-Inputs follow MindSpore's convention in both forms (`_step.arriving_input`): under the default
-``"data_parallel"`` dataset strategy each rank passes its own rows of the global batch, under
-``"full_batch"`` the whole global batch, under per-input entries its block. A wrapped network's
-outputs leave as this rank's rows (the whole output under ``"full_batch"``); a wrapped train
-step runs unchanged on what the rank passed and returns its (replicated) loss.
+Inputs follow MindSpore's convention: under the default ``"data_parallel"`` dataset strategy
+each rank passes its own rows of the global batch, under ``"full_batch"`` the whole global
+batch, under per-input entries its block (`_local_inputs` turns global shapes into such
+inputs). A wrapped network's outputs leave as this rank's rows (the whole output under
+``"full_batch"``); a wrapped train step runs unchanged on what the rank passed and returns its
+(replicated) loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise import communication as comm
-from shardwise import report, runtime
-from shardwise.layout import TensorLayout
-from shardwise.ops import Primitive
+from shardwise import report
 from shardwise.optim import (
     DataParallelRunner,
     OptimizerParallel,
@@ -45,89 +35,63 @@ from shardwise.optim import (
     check_fusion,
     check_hsdp,
 )
-from shardwise.parallel._call import CallRuntime
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
     resolve_parallel_mode,
 )
 from shardwise.parallel._discover import find_referenced, pick_network
-from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._graph_run import GraphRun
-from shardwise.parallel._hsdp import gradient_buckets, settings_from_context, start_engine
-from shardwise.parallel._local import Masked
+from shardwise.parallel._hsdp import settings_from_context
 from shardwise.parallel._ownership import take_over
-from shardwise.parallel._plan import NetworkPlan, Shape, plan_network, trace_calls
-from shardwise.parallel._runtime import (
-    GradBuckets,
-    cut_optimizer_state,
-    replicated_layout,
-    shard_parameters,
-)
-from shardwise.parallel._shard import Declared, activate
-from shardwise.parallel._step import (
-    DatasetStrategy,
-    arriving_input,
-    check_dataset_strategy,
-)
+from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy, input_layout
 from shardwise.parallel._strategy_files import StrategyFiles
-from shardwise.parallel._torchops import DataParallelOps
-from shardwise.parallel._tracker import State, Tracker, input_matrices, layout_of
 from shardwise.planner import ParallelPlan
-from shardwise.planner._graph import op_strategy
+
+Shape = tuple[int, ...]
 
 
-def _global_shape(x: torch.Tensor, world: int) -> Shape:
-    """The global shape of a data-parallel input of which `x` is this rank's rows."""
-    return (int(x.shape[0]) * world, *(int(s) for s in x.shape[1:]))
+def _local_inputs(
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype] | None,
+    dataset: DatasetStrategy,
+    world: int,
+) -> tuple[torch.Tensor, ...]:
+    """Meta tensors shaped as one rank's inputs of the given global `shapes` under `dataset`
+    (its rows under ``"data_parallel"``, the whole under ``"full_batch"``, its block under
+    per-input entries).
+
+    Raises:
+        ValueError: a dtype count that differs from the shape count, or a global shape that the
+            dataset strategy does not divide.
+    """
+    if dtypes is not None and len(dtypes) != len(shapes):
+        raise ValueError(
+            f"AutoParallel.plan: {len(dtypes)} dtypes for {len(shapes)} shapes; give one per input"
+        )
+    out = []
+    for i, shape in enumerate(shapes):
+        glob = tuple(int(s) for s in shape)
+        dtype = torch.float32 if dtypes is None else dtypes[i]
+        layout = input_layout(dataset, i, len(glob), len(shapes), world)
+        if layout is not None:
+            split = [layout.split_count(d) for d in range(len(glob))]
+        elif dataset == "data_parallel" and glob:
+            split = [world] + [1] * (len(glob) - 1)
+        else:
+            split = [1] * len(glob)
+        for d, (n, k) in enumerate(zip(glob, split, strict=True)):
+            if n % k:
+                raise ValueError(
+                    f"AutoParallel.plan: input {i} dim {d} has {n} elements, which the dataset "
+                    f"strategy splits {k} ways; give a global shape divisible by {k}"
+                )
+        local = tuple(n // k for n, k in zip(glob, split, strict=True))
+        out.append(torch.empty(local, dtype=dtype, device="meta"))
+    return tuple(out)
 
 
-def _on(state: State, plan: NetworkPlan) -> State:
-    """A tracked state for the reports: layouts moved onto the plan's matrix."""
-    return state if isinstance(state, str) else layout_of(state, plan.matrix, state.ndim)
-
-
-def _tensor_indices(inputs: Sequence[Any]) -> tuple[list[int], int]:
-    """Each input's position among the tensor inputs, and how many there are."""
-    index, n = [], 0
-    for x in inputs:
-        index.append(n)
-        n += isinstance(x, torch.Tensor)
-    return index, n
-
-
-def _memory_estimate(network: nn.Module, plan: NetworkPlan) -> list[runtime.TensorEstimate]:
-    """This rank's tensors for `runtime.check_memory`: parameters (planned ones' local blocks,
-    the others whole), their gradients, and every primitive output's local block."""
-    out, grads = [], []
-    for name, p in network.named_parameters():
-        shape = tuple(int(s) for s in p.shape)
-        if name in plan.params:
-            layout, shape = plan.params[name]
-            shape = layout.local_shape(shape)
-        out.append(runtime.TensorEstimate(name, shape, p.dtype))
-        if p.requires_grad:
-            grads.append(runtime.TensorEstimate(f"{name}.grad", shape, p.dtype, "gradients"))
-    acts = [
-        runtime.TensorEstimate(f"{cp.plan.who} output {k}", local, torch.float32, "activations")
-        for cp in plan.calls
-        for k, local in enumerate(cp.plan.local_output_shapes())
-    ]
-    return out + grads + acts
-
-
-def _refuse_op_form(network: nn.Module) -> None:
-    """The primitive runtime does not run ``sw.shard``'s op form (`GraphRun` does)."""
-    for name, m in network.named_modules():
-        if op_strategy(m) is not None:
-            raise UnsupportedParallelError(
-                f"sw.shard on {name} ({type(m).__name__}): the op form (a strategy for the "
-                f"module's op) runs from the captured plan, which AutoParallel.plan(shapes=...) "
-                f"does not make; pass this rank's inputs (plan(x, y)) or let the first call plan"
-            )
-
-
-class AutoParallel(CallRuntime, StrategyFiles):
+class AutoParallel(nn.Module, StrategyFiles):
     """Run a network operator-parallel as its primitives' strategies say (semi_auto).
 
     Args:
@@ -159,9 +123,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
 
     Limits: once planned the network only runs through the wrapper; a call that runs other
     ops (before its first backward) or passes other shapes is planned again; ops that change
-    after a backward within one call are refused. `plan(shapes=...)` (global shapes instead of
-    inputs) uses the primitive runtime, which refuses unannotated torch ops outside
-    `_torchops.OP_KINDS`.
+    after a backward within one call are refused.
     """
 
     _shardwise_wrapper = True  # skipped when a train step's modules are looked up
@@ -187,34 +149,16 @@ class AutoParallel(CallRuntime, StrategyFiles):
             self.optimizers = list(given) if given is not None else found
         self.network = network
         self.parallel_mode = parallel_mode
-        self.network_plan: NetworkPlan | None = None
         self._dataset: DatasetStrategy = get_auto_parallel_context("dataset_strategy")
-        self._tracker = Tracker()
-        self._ops: DataParallelOps | None = None
-        self._cursor = 0
-        self._planning = False
-        self._fixup: Masked | None = None
-        self._declared = Declared()
         self._hsdp, self._fusion = settings_from_context()
-        self._engine: OptimizerParallel | None = None
-        self._grads: GradBuckets | None = None
-        self._grad_plan: OptimizerPlan | None = None
-        self._layouts: dict[int, tuple[TensorLayout, Shape]] = {}
-        self._saved = ExitStack()
         self._runner: DataParallelRunner | None = None
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
         self._superseded = False
         self._graph: GraphRun | None = None
-        self._graph_planning = False
         self._loaded: tuple[ParallelPlan, str] | None = None
         self._loaded_params: tuple[int, dict[str, Any], str] | None = None
         take_over(network, self)
-        if parallel_mode == "semi_auto":
-            self._hooks = [
-                network.register_forward_pre_hook(self._enter_network),
-                network.register_forward_hook(self._leave_network),
-            ]
 
     def dataset_strategy(self, strategy: DatasetStrategy) -> AutoParallel:
         """How each input of the wrapped call is split.
@@ -261,7 +205,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
         Example:
             >>> AutoParallel(train_step, parallel_mode="semi_auto").hsdp(optimizer_level="level2")
         """
-        if self.network_plan is not None or self._runner is not None:
+        if self.has_run:
             raise ValueError("AutoParallel.hsdp: call it before the first step (already planned)")
         self._hsdp = check_hsdp(shard_size, threshold, optimizer_level)
         return self
@@ -285,7 +229,7 @@ class AutoParallel(CallRuntime, StrategyFiles):
         Example:
             >>> parallel_net.comm_fusion({"allreduce": {"mode": "size", "config": 32}})
         """
-        if self.network_plan is not None or self._runner is not None:
+        if self.has_run:
             raise ValueError("AutoParallel.comm_fusion: call it before the first step")
         self._fusion = check_fusion(config)
         self._fusion_dict = dict(config)
@@ -296,92 +240,56 @@ class AutoParallel(CallRuntime, StrategyFiles):
         """The optimizer-parallel plan (None before planning): with `hsdp`, which parameters
         shard and the buckets of their collectives; without, nothing sharded and the gradient
         AllReduce buckets (25 MB by default, or as `comm_fusion` says)."""
-        if self._engine is not None:
-            return self._engine.plan
-        if self._graph is not None:  # (a network run from its ParallelPlan)
-            return self._graph.grad_plan
-        return self._grad_plan
+        if self._graph is None:
+            return None
+        engine = self._engine
+        return engine.plan if engine is not None else self._graph.grad_plan
+
+    @property
+    def _engine(self) -> OptimizerParallel | None:
+        """The optimizer-parallel engine (with `hsdp`, once planned)."""
+        return None if self._graph is None else self._graph.engine
 
     def plan(
         self,
-        *inputs: torch.Tensor,
-        shapes: Sequence[Shape] | None = None,
-        states: Sequence[State] | None = None,
+        *inputs: Any,
+        shapes: Sequence[Sequence[int]] | None = None,
         dtypes: Sequence[torch.dtype] | None = None,
-    ) -> NetworkPlan:
-        """Plan with the global shapes of the network's inputs and shard the parameters (once).
+    ) -> ParallelPlan:
+        """Capture and plan the call as its first call would, and cut the parameters (once).
 
-        Given `inputs` alone (this rank's inputs, as a call passes them), the call is captured
-        and planned as the first call would be (`ParallelPlan`, `parallel_plan`), and its
-        stored parameter layouts are returned. `shapes` (global shapes) / `states` use the
-        primitive runtime: `shapes` default: these inputs as this rank's rows of data-parallel
-        inputs; `states`: how each input arrives (for the reports; default: as the dataset
-        strategy names); `dtypes`: the inputs' dtypes for the meta trace (default: those of
-        `inputs`)."""
-        if self.network_plan is not None:
-            return self.network_plan
-        if shapes is None and states is None and self._graph is None:
+        Args:
+            inputs: this rank's inputs, as a call passes them (positional).
+            shapes: instead of `inputs`, the global shapes of the call's tensor inputs
+                (positional); each rank's inputs are then taken to be its share under the
+                dataset strategy (its rows under ``"data_parallel"``).
+            dtypes: the dtypes of the `shapes` inputs (default: float32).
+
+        Returns:
+            The `ParallelPlan` the wrapper runs (the same as `parallel_plan`).
+
+        Raises:
+            ValueError: both or neither of `inputs` and `shapes`; shapes the dataset strategy
+                does not divide; an invalid plan (`planner.PlanError`).
+
+        Example:
+            >>> plan = AutoParallel(net).plan(shapes=[(32, 784)])
+            >>> print(plan)  # doctest: +SKIP
+        """
+        if self.parallel_mode != "semi_auto":
+            raise ValueError("AutoParallel.plan: only semi_auto plans (data_parallel runs as is)")
+        if self._graph is None:
+            if (shapes is None) == (not inputs):
+                raise ValueError(
+                    "AutoParallel.plan: pass this rank's inputs (plan(x, y)) or their global "
+                    "shapes (plan(shapes=[(32, 784), (32,)])), not both"
+                )
+            if shapes is not None:
+                world = comm.get_group_size()
+                inputs = _local_inputs(shapes, dtypes, self._dataset, world)
             self._graph = self._plan_graph(tuple(inputs), {})
-            assert self.network_plan is not None
-            return self.network_plan
-        world = comm.get_group_size()
-        if shapes is None:
-            shapes = [_global_shape(x, world) for x in inputs]
-        if dtypes is None and inputs:
-            dtypes = [x.dtype for x in inputs]
-        try:
-            check_device_num(world)
-            _refuse_op_form(self.network)
-            plan = self._make_plan(world, shapes, states, dtypes)
-            runtime.check_memory(_memory_estimate(self.network, plan), "AutoParallel.plan")
-        except BaseException:
-            self.remove()  # the network works on its own again; the wrapper is spent
-            raise
-        shard_parameters(self.network, plan.params)
-        if self._hsdp is not None:
-            self._engine = start_engine(self.network, plan, self._hsdp, self._fusion)
-            report.dump_optimizer(self._engine.plan, plan)
-        else:
-            cut_optimizer_state(self.network, self.optimizers, plan.params)
-            layouts = {**self._replicated_params(plan), **plan.params}
-            buckets = gradient_buckets(self.network, layouts, self._fusion)
-            self._grads = GradBuckets(self.network, buckets)
-            self._hooks += self._grads.handles
-            self._grad_plan = buckets
-            report.dump_optimizer(buckets, plan)
-        self._layouts = {
-            id(self.network.get_parameter(n)): v
-            for n, v in {**self._replicated_params(plan), **plan.params}.items()
-        }
-        for m in self.network.modules():
-            if isinstance(m, Primitive):
-                self._hooks.append(m.register_forward_pre_hook(self._before, with_kwargs=True))
-                self._hooks.append(m.register_forward_hook(self._after))
-        self.network_plan = plan
-        return plan
-
-    def _make_plan(
-        self,
-        world: int,
-        shapes: Sequence[Shape],
-        states: Sequence[State] | None,
-        dtypes: Sequence[torch.dtype] | None,
-    ) -> NetworkPlan:
-        """Trace on meta tensors (collecting `sw.shard` / `sw.reshard` declarations), plan, and
-        write the reports."""
-        self._planning = True
-        self._declared = Declared()
-        try:
-            with activate(self):
-                calls = trace_calls(self.network, shapes, dtypes)
-            params = self._declared.parameter_layouts(self.network)
-            extra = input_matrices(self._tracker) + self._declared.matrices
-            plan = plan_network(calls, world, extra, params)
-            named = self._dataset if isinstance(self._dataset, str) else "data_parallel"
-            arrive = named if states is None else [_on(st, plan) for st in states]
-            report.dump_plan(plan, self.network, shapes, arrive, input_dtypes=dtypes)
-        finally:
-            self._planning = False
+        plan = self._graph.parallel_plan
+        assert plan is not None
         return plan
 
     def remove(self) -> None:
@@ -390,28 +298,19 @@ class AutoParallel(CallRuntime, StrategyFiles):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._engine is not None:
-            self._engine.remove()
+        if self._graph is not None:
+            self._graph.remove()
         if self._runner is not None:
             self._runner.remove()
-
-    def _replicated_params(self, plan: NetworkPlan) -> dict[str, tuple[Any, Shape]]:
-        """The parameters no primitive consumes (unannotated modules): whole on every rank."""
-        return {
-            name: (replicated_layout(plan.matrix, p.dim()), tuple(int(s) for s in p.shape))
-            for name, p in self.network.named_parameters()
-            if name not in plan.params
-        }
 
     @property
     def has_run(self) -> bool:
         """Whether the wrapper has planned (semi_auto) or run (data_parallel)."""
-        return self.network_plan is not None or self._runner is not None or self._graph is not None
+        return self._runner is not None or self._graph is not None
 
     @property
     def parallel_plan(self) -> ParallelPlan | None:
-        """The `ParallelPlan` the wrapper runs (None before the first call, or in the primitive
-        runtime, after `plan(shapes=...)`: see `network_plan`)."""
+        """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
         return None if self._graph is None else self._graph.parallel_plan
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -422,57 +321,44 @@ class AutoParallel(CallRuntime, StrategyFiles):
             )
         if self.parallel_mode == "data_parallel":
             return self._data_parallel(*inputs, **kwargs)
-        if self._graph is None and self.network_plan is None:
+        if self._graph is None:
             self._graph = self._plan_graph(inputs, kwargs)
-        if self._graph is not None:
-            return self._graph(inputs, kwargs)
-        if kwargs:
-            raise UnsupportedParallelError(
-                "AutoParallel: after plan(shapes=...) the network takes positional tensors; "
-                "plan with this rank's inputs (plan(x, y)) to call it with keywords"
-            )
-        with self._session():
-            index, n = _tensor_indices(inputs)
-            for x, i in zip(inputs, index, strict=True):
-                arriving_input(x, self._dataset, self._tracker, i, n)
-            if self.train_step is not None:
-                return self.train_step(*inputs)
-            out = self.network(*inputs)
-            self._pause(1)
-            return self._to_output(out, whole=self._dataset == "full_batch")
+        return self._graph(inputs, kwargs)
 
     def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun:
         """Capture and plan the network (or train step) on its first call."""
         fn = self.train_step if self.train_step is not None else self.network
-        run = GraphRun(
-            fn, self.network, self._dataset, self._hsdp, self._fusion, optimizers=self.optimizers
-        )
-        self._graph_planning = True
+        world = comm.get_group_size()
         try:
-            check_device_num(comm.get_group_size())
-            plan = run.plan(inputs, kwargs)
+            check_device_num(world)
+            layouts = self._loaded_layouts(self.network, world)
         except BaseException:
             self.remove()
             raise
-        finally:
-            self._graph_planning = False
+        run = GraphRun(
+            fn,
+            self.network,
+            self._dataset,
+            self._hsdp,
+            self._fusion,
+            optimizers=self.optimizers,
+            param_layouts=layouts,
+        )
         try:
+            run.plan(inputs, kwargs)
             self._check_loaded(run)
         except BaseException:
             run.remove()
             self.remove()
             raise
         self._hooks += run.hooks
-        self._engine = run.engine
-        # (the stored parameter layouts as a NetworkPlan, for the optimizer report and for
-        # `network_plan` readers; its primitive calls are in the ParallelPlan)
-        stored = plan.param_layouts()
-        self.network_plan = NetworkPlan(plan.matrix, (), stored)
+        plan = run.parallel_plan
+        assert plan is not None
         report.dump_parallel_plan(plan)
         if run.engine is not None:
-            report.dump_optimizer(run.engine.plan, self.network_plan)
+            report.dump_optimizer(run.engine.plan, plan.matrix)
         elif run.grad_plan is not None:  # (the gradient AllReduce buckets)
-            report.dump_optimizer(run.grad_plan, self.network_plan)
+            report.dump_optimizer(run.grad_plan, plan.matrix)
         return run
 
     def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,7 @@
 """semi_auto on one plan: capture -> plan -> apply -> run (`GraphRun`).
 
-`GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
-annotations alike; any dataset strategy) except after `AutoParallel.plan(shapes=...)`:
+``GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
+annotations alike; any dataset strategy):
 
 - `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)
   on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`. ``sw.reshard``
@@ -22,6 +22,7 @@ annotations alike; any dataset strategy) except after `AutoParallel.plan(shapes=
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -45,8 +46,7 @@ from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._edges import move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor, Replan
-from shardwise.parallel._hsdp import gradient_buckets, start_engine
-from shardwise.parallel._plan import NetworkPlan
+from shardwise.parallel._hsdp import bucket_plans, optimizer_plan, start_engine
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.parallel._step import input_layout
@@ -119,8 +119,10 @@ class GraphRun:
         hsdp: HsdpConfig | None = None,
         fusion: FusionConfig | None = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
+        param_layouts: Mapping[str, TensorLayout] | None = None,
     ) -> None:
         self.fn = fn
+        self.param_layouts = dict(param_layouts or {})  # (from a loaded strategy file)
         self.network = network
         self.dataset = dataset
         self.hsdp, self.fusion = hsdp, fusion
@@ -136,6 +138,7 @@ class GraphRun:
         self.executor: PlanExecutor | None = None  # during a call
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
         self.capturing = False
+        self.blocks = False  # (parameters stored as blocks or shards: see _network_called)
 
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
@@ -144,7 +147,9 @@ class GraphRun:
         whose parameter storage (and global parameter shapes) the new plan keeps."""
         world = comm.get_group_size()
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = next((t.device for t in tensors if t.device.type != "meta"), None)
+        if device is None:  # (meta inputs: `AutoParallel.plan(shapes=...)`)
+            device = next((p.device for p in self.network.parameters()), torch.device("cpu"))
         layouts = self._input_layouts(args, kwargs)
         leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
         g_args, g_kwargs = pytree.tree_unflatten(
@@ -169,6 +174,7 @@ class GraphRun:
                 declared = self.session.declared.parameter_layouts(self.network)
                 self.session.declared = None
                 given = {n: layout for n, (layout, _) in declared.items()}
+                given.update(self.param_layouts)  # (a loaded strategy file's storage wins)
             else:
                 given = {n: p.layout for n, p in stored.params.items()}
             dataset = layouts if layouts else str(self.dataset)
@@ -177,9 +183,13 @@ class GraphRun:
         return graph, plan
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
-        """Capture and plan with the global shapes of this call's inputs, and apply the plan
+        """Capture and plan with the global shapes of this call's inputs (the ops, the
+        parameters' storage and the gradient / optimizer-parallel buckets), and apply the plan
         to the parameters."""
         graph, plan = self._capture_plan(args, kwargs)
+        stored = plan.param_layouts()
+        buckets = optimizer_plan(self.network, plan.matrix, stored, self.hsdp, self.fusion)
+        plan = dataclasses.replace(plan, buckets=bucket_plans(buckets, plan.matrix))
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]
@@ -188,7 +198,8 @@ class GraphRun:
                 self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
                 self.hooks.append(m.register_forward_hook(self._leave))
         self._step_hooks()
-        stored = plan.param_layouts()
+        self.blocks = self.hsdp is not None or any(v[0].used_axes() for v in stored.values())
+        self.hooks.append(self.network.register_forward_pre_hook(self._network_called))
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
         else:  # each split parameter (and state an optimizer made already) cut to its block
@@ -197,10 +208,9 @@ class GraphRun:
             cut_optimizer_state(self.network, self.optimizers, split)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
-            as_network_plan = NetworkPlan(plan.matrix, (), stored)
-            self.engine = start_engine(self.network, as_network_plan, self.hsdp, self.fusion)
+            self.engine = start_engine(self.network, plan.matrix, buckets)
         else:
-            self.grad_plan = gradient_buckets(self.network, stored, self.fusion)
+            self.grad_plan = buckets
             self.grads = GradBuckets(self.network, self.grad_plan)
             self.hooks += self.grads.handles
         return plan
@@ -212,6 +222,16 @@ class GraphRun:
             yield
         finally:
             self.capturing = False
+
+    def _network_called(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Refuse a call of the network outside the wrapper once its parameters hold blocks or
+        shards (it would compute on them as if they were whole)."""
+        if self.executor is None and not self.capturing and self.blocks:
+            raise RuntimeError(
+                f"AutoParallel: {type(module).__name__} was called outside its wrapper; its "
+                "parameters hold this rank's blocks, so call the AutoParallel object (or the "
+                "train step it wraps) instead"
+            )
 
     def _enter(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -366,6 +386,7 @@ class GraphRun:
         with the others (the parameters stay stored as the first plan stores them)."""
         first = self.plans[0][0]
         graph, plan = self._capture_plan(args, kwargs, stored=first)
+        plan = dataclasses.replace(plan, buckets=first.buckets)  # (the same parameters)
         for known, templates in self.plans:
             if known == plan:
                 self.parallel_plan, self.templates = known, templates

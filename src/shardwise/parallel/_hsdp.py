@@ -4,8 +4,11 @@
   ``comm_fusion`` of `set_auto_parallel_context` as `HsdpConfig` / `FusionConfig`.
 - `param_infos`: every parameter as the op-level plan left it (planned: its layout; the others:
   whole on every rank), with ``parallel_optimizer`` and ``comm_fusion``.
-- `start_engine` (after the op-level blocks are cut, with hsdp): `plan_optimizer`, then an
-  `OptimizerParallel` that cuts the shards and from then on reduces every gradient.
+- `optimizer_plan`: with hsdp `plan_optimizer` (which parameters shard, the buckets of their
+  collectives), without `gradient_buckets`; `bucket_plans`: its buckets as the `ParallelPlan`
+  records them.
+- `start_engine` (after the op-level blocks are cut, with hsdp): an `OptimizerParallel` that
+  cuts the shards and from then on reduces every gradient.
 - `gradient_buckets` (without hsdp): the fused gradient AllReduce buckets that
   `_runtime.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
   most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
@@ -19,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from shardwise.layout import TensorLayout
+from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.nn.grad_reducer import DEFAULT_BUCKET_MB
 from shardwise.optim import (
     Bucket,
@@ -33,9 +36,9 @@ from shardwise.optim import (
     plan_optimizer,
 )
 from shardwise.parallel._context import get_auto_parallel_context
-from shardwise.parallel._plan import NetworkPlan, Shape
-from shardwise.parallel._runtime import replicated_layout
+from shardwise.parallel._runtime import Shape, replicated_layout
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
+from shardwise.planner import BucketPlan
 
 
 def settings_from_context() -> tuple[HsdpConfig | None, FusionConfig | None]:
@@ -52,15 +55,18 @@ def settings_from_context() -> tuple[HsdpConfig | None, FusionConfig | None]:
     return hsdp, (check_fusion(fusion) if fusion else None)
 
 
-def param_infos(network: nn.Module, plan: NetworkPlan) -> list[ParamInfo]:
-    """Every parameter of `network` with its op-level layout on the plan's matrix."""
+def param_infos(
+    network: nn.Module, matrix: DeviceMatrix, stored: Mapping[str, tuple[TensorLayout, Shape]]
+) -> list[ParamInfo]:
+    """Every parameter of `network` with its op-level layout on `matrix` (`stored`: name ->
+    (storage layout, global shape); the others whole on every rank)."""
     out = []
     for name, p in network.named_parameters():
-        if name in plan.params:
-            layout, shape = plan.params[name]
+        if name in stored:
+            layout, shape = stored[name]
         else:
             shape = tuple(int(s) for s in p.shape)
-            layout = replicated_layout(plan.matrix, len(shape))
+            layout = replicated_layout(matrix, len(shape))
         out.append(
             ParamInfo(
                 name,
@@ -75,16 +81,34 @@ def param_infos(network: nn.Module, plan: NetworkPlan) -> list[ParamInfo]:
     return out
 
 
-def start_engine(
+def optimizer_plan(
     network: nn.Module,
-    plan: NetworkPlan,
+    matrix: DeviceMatrix,
+    stored: Mapping[str, tuple[TensorLayout, Shape]],
     hsdp: HsdpConfig | None,
     fusion: FusionConfig | None,
+) -> OptimizerPlan:
+    """The optimizer-parallel plan (with `hsdp`: `plan_optimizer`) or the gradient AllReduce
+    buckets (without: `gradient_buckets`) of `network` stored as `stored` says."""
+    if hsdp is not None:
+        return plan_optimizer(param_infos(network, matrix, stored), hsdp, fusion)
+    return gradient_buckets(network, stored, fusion)
+
+
+def bucket_plans(plan: OptimizerPlan, matrix: DeviceMatrix) -> tuple[BucketPlan, ...]:
+    """`plan`'s buckets as the `ParallelPlan` records them (axes by name)."""
+    return tuple(
+        BucketPlan(b.kind, tuple(matrix.names[a] for a in b.dp_axes), b.names, b.shard, b.fusion)
+        for b in plan.buckets
+    )
+
+
+def start_engine(
+    network: nn.Module, matrix: DeviceMatrix, plan: OptimizerPlan
 ) -> OptimizerParallel:
-    """Plan optimizer parallel for `network` and cut the shards (call once, after the op-level
-    blocks are in place)."""
-    optimizer_plan = plan_optimizer(param_infos(network, plan), hsdp, fusion)
-    engine = OptimizerParallel(network, optimizer_plan, plan.matrix)
+    """Start optimizer parallel for `network` as `plan` (`optimizer_plan` with hsdp) says and
+    cut the shards (call once, after the op-level blocks are in place)."""
+    engine = OptimizerParallel(network, plan, matrix)
     engine.shard_parameters()
     return engine
 

@@ -1,14 +1,12 @@
-"""Steps 2 to 4 on this rank: parameter blocks, operator collectives, gradient reduction.
+"""Apply and run on this rank: parameter blocks, an op's own collectives, gradient reduction.
 
-- `data_parallel_layout`: dim 0 split over every axis of the global matrix (the layout in which
-  network inputs arrive and the wrapper's outputs leave).
 - `shard_parameters` (step 2, apply): replaces each consumed parameter's data by this rank's
   block, cut with `redistribute` from the replicated layout (local slices only, no collective;
   the coordinates are computed from the rank, so it also works in a simulated world); a network
   built inside ``sw.no_init_parameters()`` instead materializes only this rank's blocks
   (`_delayed.materialize_blocks`).
-- `apply_comms` (step 3, run): the forward collectives of an `OpPlan` (`AllReduce` sum / mean,
-  `ReduceScatter`), with the autograd-aware primitives of `shardwise.communication`.
+- `combine` (run): one collective an op's strategy implies (`AllReduce` sum / mean,
+  `ReduceScatter`, ...), with the autograd-aware primitives of `shardwise.communication`.
 - `cut_optimizer_state`: optimizer state made before the cut (Adagrad), cut the same way.
 - `GradBuckets` (step 4, gradients, without optimizer parallel): hooks on every parameter that
   sum its partial gradient over the axes on which the parameter is replicated, one AllReduce
@@ -36,19 +34,12 @@ from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
 from shardwise.communication.primitives import sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
-from shardwise.ops import Comm, OpPlan
 from shardwise.optim import OptimizerPlan
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.redistribution import local_block
 
 Shape = tuple[int, ...]
-
-
-def data_parallel_layout(matrix: DeviceMatrix, ndim: int) -> TensorLayout:
-    """Dim 0 split over every axis of `matrix` (outer first), other dims whole."""
-    axes = tuple(a for a, s in enumerate(matrix.shape) if s > 1)
-    return TensorLayout(matrix, (axes,) + ((),) * (ndim - 1))
 
 
 def replicated_layout(matrix: DeviceMatrix, ndim: int) -> TensorLayout:
@@ -91,17 +82,6 @@ def combine(
         out: torch.Tensor = comm.ReduceScatter("sum", group)(x.movedim(dim, 0))
         return out.movedim(0, dim)
     raise UnsupportedParallelError(f"collective {what} is not supported yet")
-
-
-def _one_comm(x: torch.Tensor, c: Comm, matrix: DeviceMatrix) -> torch.Tensor:
-    return combine(x, c.kind, c.op, c.dim, matrix, c.axis_indices(matrix), c)
-
-
-def apply_comms(outputs: list[torch.Tensor], plan: OpPlan) -> list[torch.Tensor]:
-    """Combine the partial outputs of `plan` (in place in the list, returned)."""
-    for c in plan.comms:
-        outputs[c.output] = _one_comm(outputs[c.output], c, plan.matrix)
-    return outputs
 
 
 def _owner(network: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -256,8 +256,7 @@ def shard(
     ``sw.shard(block.attn.c_attn, in_strategy=((2, 1), (4, 1)))`` makes the Linear column
     parallel (input rows over a 2-way axis, output features over a 4-way one);
     ``((2, 4), (1, 4))`` makes it row parallel (a partial output, all-reduced where it is
-    consumed). The weight is stored in that layout. Not after
-    ``AutoParallel.plan(shapes=...)`` (the primitive runtime).
+    consumed). The weight is stored in that layout.
 
     Returns:
         The module itself, or a function with `fn`'s signature. Without `AutoParallel` (one

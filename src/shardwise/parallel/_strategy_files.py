@@ -5,12 +5,23 @@ parameters' layouts as JSON, and load them back, checked against the network at 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from shardwise import planner
+from shardwise.layout import TensorLayout
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.planner import ParallelPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shaped:
+    """A parameter's global shape, as `planner.check_params` reads it."""
+
+    shape: tuple[int, ...]
 
 
 class StrategyFiles:
@@ -35,9 +46,7 @@ class StrategyFiles:
             path: the file to write.
 
         Raises:
-            ValueError: nothing planned yet (call the wrapper once first), or a network run by
-                the primitive runtime (``plan(shapes=...)`` with global shapes: its plan
-                is `network_plan`).
+            ValueError: nothing planned yet (call the wrapper or its ``plan`` once first).
 
         Example:
             >>> parallel_step.save_operator_strategy_file("plan.json")
@@ -65,9 +74,10 @@ class StrategyFiles:
         return self
 
     def load_param_strategy_file(self, path: str | Path) -> Any:
-        """Check at the first call that the parameters' layouts saved in `path` are this plan's
-        (same device count, names, shapes and layouts); a mismatch raises
-        `planner.StrategyFileError` naming the first one.
+        """Store the parameters as `path` says: at the first call the network is planned with
+        each parameter in the file's layout (MindSpore's ``strategy_ckpt_load_file``), after
+        checking the file against the job (device count) and the network (every parameter's
+        name and global shape); the first mismatch raises `planner.StrategyFileError`.
 
         Returns:
             self.
@@ -81,11 +91,38 @@ class StrategyFiles:
         plan = self.parallel_plan
         if plan is None:
             raise ValueError(
-                f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper once first (a "
-                f"network planned by plan(shapes=...) runs the "
-                f"primitive runtime, whose plan is network_plan)"
+                f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper (or its plan()) "
+                f"once first"
             )
         return plan
+
+    def _loaded_layouts(self, network: nn.Module, world: int) -> dict[str, TensorLayout]:
+        """The parameters' storage layouts the loaded files set (the operator strategy file's,
+        else the parameter strategy file's; empty without either), checked first against the
+        job's size and the network's parameters.
+
+        Raises:
+            planner.StrategyFileError: another device count; for a parameter strategy file a
+                missing, extra or resized parameter (the first one named).
+        """
+        params: dict[str, Any]
+        if self._loaded is not None:
+            plan, path = self._loaded
+            device_num, params = plan.device_num, dict(plan.params)
+        elif self._loaded_params is not None:
+            device_num, params, path = self._loaded_params
+        else:
+            return {}
+        if device_num != world:
+            raise planner.StrategyFileError(
+                f"{path}: planned for {device_num} devices, the job has {world}; plan again "
+                f"for this device count (or transform the checkpoint)"
+            )
+        shapes = {n: tuple(int(s) for s in p.shape) for n, p in network.named_parameters()}
+        if self._loaded is None:
+            planner.check_params(params, {n: _Shaped(s) for n, s in shapes.items()}, path)
+        # (an operator strategy file's mismatches are named op by op after capture)
+        return {n: p.layout for n, p in params.items() if tuple(p.shape) == shapes.get(n)}
 
     def _check_loaded(self, run: GraphRun) -> None:
         """Check the loaded strategy files against the fresh plan and run the loaded plan."""
@@ -94,23 +131,29 @@ class StrategyFiles:
         if self._loaded is not None:
             loaded, path = self._loaded
             planner.check_matches(loaded, fresh, path)
-            if loaded.params != fresh.params:
+            if loaded.params != fresh.params:  # (planned with the file's storage: equal)
+                name = next(n for n in fresh.params if loaded.params[n] != fresh.params[n])
                 raise planner.StrategyFileError(
-                    f"{path}: the parameters' layouts differ from this plan's; storing "
-                    f"parameters in other layouts is not supported for this network yet"
+                    f"{path}: parameter {name!r} is stored as {loaded.params[name]} in the "
+                    f"file but can only be stored as {fresh.params[name]} on this job's device "
+                    f"matrix {fresh.matrix}"
+                )
+            if not loaded.buckets:  # (a file without buckets: this job's)
+                loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
+            elif loaded.buckets != fresh.buckets:
+                raise planner.StrategyFileError(
+                    f"{path}: the gradient / optimizer buckets differ from this job's "
+                    f"({loaded.buckets[0]} against {fresh.buckets[0] if fresh.buckets else None}"
+                    f"); use the same hsdp() / comm_fusion() settings as the saving job"
                 )
             run.parallel_plan = loaded
             run.plans = [(loaded, run.templates)]
-        if self._loaded_params is not None:
-            device_num, params, path = self._loaded_params
-            if device_num != fresh.device_num:
-                raise planner.StrategyFileError(
-                    f"{path}: saved for {device_num} devices, the job has {fresh.device_num}"
-                )
+        if self._loaded_params is not None:  # (stored as the file says, or as the ops file)
+            _, params, path = self._loaded_params
             planner.check_params(params, fresh.params, path)
             for name, p in params.items():
                 if p.layout.dims != fresh.params[name].layout.dims:
                     raise planner.StrategyFileError(
                         f"{path}: parameter {name!r} is stored as {p} in the file, as "
-                        f"{fresh.params[name]} by this plan"
+                        f"{fresh.params[name]} by this plan (the operator strategy file's)"
                     )

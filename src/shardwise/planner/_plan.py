@@ -236,14 +236,29 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """A fused collective over gradients or weights: its kind, axes and parameters."""
+    """A fused collective over gradients or weights (`optim.Bucket` on the plan's matrix).
+
+    Attributes:
+        kind: ``"allreduce"`` (the gradients all-reduced over `axes`) or ``"shard"`` (optimizer
+            parallel: weights all-gathered and gradients reduce-scattered over a shard group
+            of `shard` ranks along `axes`).
+        axes: the data-parallel axes (names on the plan's matrix; empty: no collective, the
+            gradients are only scaled).
+        params: the parameters, in bucket order.
+        shard: the shard group's size (1 for ``"allreduce"``).
+        fusion: the ``comm_fusion`` id that formed it (-1: formed by size or index).
+    """
 
     kind: str
     axes: tuple[str, ...]
     params: tuple[str, ...]
+    shard: int = 1
+    fusion: int = -1
 
     def __str__(self) -> str:
-        return f"{self.kind} over {', '.join(self.axes)}: {', '.join(self.params)}"
+        how = "AllReduce" if self.kind == "allreduce" else f"shard {self.shard}-way"
+        over = ", ".join(self.axes) or "no axis (scaled only)"
+        return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"
 
 
 @dataclass(frozen=True)

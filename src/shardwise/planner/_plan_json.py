@@ -47,7 +47,14 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
         "edges": [_edge_d(e) for e in plan.edges],
         "params": params_d(plan.params),
         "buckets": [
-            {"kind": b.kind, "axes": list(b.axes), "params": list(b.params)} for b in plan.buckets
+            {
+                "kind": b.kind,
+                "axes": list(b.axes),
+                "params": list(b.params),
+                "shard": b.shard,
+                "fusion": b.fusion,
+            }
+            for b in plan.buckets
         ],
     }
 
@@ -70,7 +77,14 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
         edges=tuple(_edge(m, e) for e in data["edges"]),
         params=params_of(m, data["params"]),
         buckets=tuple(
-            BucketPlan(b["kind"], tuple(b["axes"]), tuple(b["params"])) for b in data["buckets"]
+            BucketPlan(
+                b["kind"],
+                tuple(b["axes"]),
+                tuple(b["params"]),
+                int(b.get("shard", 1)),
+                int(b.get("fusion", -1)),
+            )
+            for b in data["buckets"]
         ),
         input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
         outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),

@@ -12,19 +12,23 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, cast
 
 import torch
 
 from shardwise.communication.recorder import bytes_bound
 from shardwise.context import get_context
-from shardwise.layout import DeviceMatrix
+from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner import Collective, EdgePlan, NodePlan, ParallelPlan
 from shardwise.redistribution import Slice, plan_redistribution
-from shardwise.report._format import fmt_slice
-from shardwise.report._write import BEGIN_FILE, EXECUTE_FILE, _ranks, write_ir
+from shardwise.report._write import BEGIN_FILE, EXECUTE_FILE, report_ranks, write_ir
+
+
+def fmt_slice(layout: TensorLayout, rank: int, shape: Sequence[int]) -> str:
+    """The block of a global tensor `rank` holds: ``[0:16, 0:196]``."""
+    parts = layout.local_slice(rank, shape)
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in parts) + "]"
 
 
 def _blocks(n: NodePlan, rank: int) -> str:
@@ -36,18 +40,50 @@ def _blocks(n: NodePlan, rank: int) -> str:
     return f"({ins}) -> ({outs})"
 
 
+def check_level(level: int, plan: ParallelPlan, rank: int | None = None) -> None:
+    """A report level of 1 to 3 and a rank of the plan's matrix.
+
+    Raises:
+        ValueError: either is out of range.
+    """
+    if level not in (1, 2, 3):
+        raise ValueError(f"report level {level}; valid: 1, 2, 3 (save_graphs)")
+    if rank is not None and rank not in plan.matrix.rank_list:
+        raise ValueError(
+            f"report for rank {rank}: the plan's device matrix {plan.matrix} has ranks "
+            f"{min(plan.matrix.rank_list)} to {max(plan.matrix.rank_list)}"
+        )
+
+
+def in_strategy(n: NodePlan) -> tuple[tuple[int, ...], ...]:
+    """Node `n`'s strategy in MindSpore's notation: each tensor input's split count per dim
+    (``((2, 4), (4, 1))`` for seed 003's first MatMul)."""
+    return tuple(
+        tuple(p.layout.split_count(d) for d in range(len(s)))
+        for p, s in zip(n.inputs, n.in_shapes, strict=False)
+    )
+
+
 def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
-    """The whole plan, one op per line (`str(plan)`), under a header; at level 3, under every
-    op the slice table (every rank's block of each input and output)."""
-    if level < 3:
-        return f"# step_parallel_begin: {len(plan.nodes)} ops\n{plan}\n"
+    """The whole plan, one op per line (`str(plan)`), under a header; under every op with
+    inputs its strategy (`in_strategy`) and where it came from; at level 3 also the slice table
+    (every rank's block of each input and output).
+
+    Raises:
+        ValueError: a level outside 1 to 3.
+    """
+    check_level(level, plan)
     lines = [f"# step_parallel_begin: {len(plan.nodes)} ops"]
     by_index = {n.index: n for n in plan.nodes}
     for line in str(plan).splitlines():
         lines.append(line)
         head = line.strip()
-        if head.startswith("%") and " [" in head:
-            node = by_index[int(head[1:].split(" ", 1)[0])]
+        if not (head.startswith("%") and " [" in head):
+            continue
+        node = by_index[int(head[1:].split(" ", 1)[0])]
+        if node.in_shapes:
+            lines.append(f"    in_strategy {in_strategy(node)} from {node.rule}")
+        if level >= 3:
             lines += [f"    # rank {r}: {_blocks(node, r)}" for r in plan.matrix.rank_list]
     return "\n".join(lines) + "\n"
 
@@ -90,7 +126,12 @@ def _node_bytes(n: NodePlan, m: DeviceMatrix, rank: int) -> list[tuple[Collectiv
 def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     """This rank's local shapes and forward collectives: each with its group (the ranks this
     rank runs it with) and the bytes this rank sends (``send_bytes``), and their total; from
-    level 2, under every op this rank's block of each input and output."""
+    level 2, under every op this rank's block of each input and output.
+
+    Raises:
+        ValueError: a level outside 1 to 3, or a rank outside the plan's matrix.
+    """
+    check_level(level, plan, rank)
     m = plan.matrix
     lines = [f"# execute: rank {rank} of {plan.device_num} on {m}"]
     by_consumer: dict[int, list[EdgePlan]] = {}
@@ -135,7 +176,7 @@ def dump_parallel_plan(plan: ParallelPlan, ranks: Iterable[int] | None = None) -
     if level < 1:
         return []
     root = Path(get_context("save_graphs_path"))
-    chosen = _ranks(cast(Any, plan)) if ranks is None else list(ranks)
+    chosen = report_ranks(plan.matrix) if ranks is None else list(ranks)
     paths = []
     begin = format_plan_begin(plan, level)
     for r in chosen:

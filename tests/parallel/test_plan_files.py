@@ -1,0 +1,198 @@
+"""What a `ParallelPlan` records beyond the ops, and strategy files that set it.
+
+- The gradient / optimizer-parallel buckets are part of the plan (`ParallelPlan.buckets`):
+  printed, saved and loaded with it, and the run issues exactly one collective per bucket.
+- A parameter strategy file is a directive (MindSpore's ``strategy_ckpt_load_file``): an
+  unannotated network that loads one stores its parameters as the file says and still trains
+  like one device; a file for another network or device count is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel
+from shardwise.planner import BucketPlan, ParallelPlan, StrategyFileError
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2, token_batches
+
+WORLD, LR = 4, 0.1
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+class Sharded(nn.Module):
+    """The MLP with its weights stored as 4 row blocks (a parameter plan)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = sw.shard(_mlp(), None, parameter_plan={"0.weight": (4, 1), "2.weight": (4, 1)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mlp(x)
+        return out
+
+
+class Plain(nn.Module):
+    """The same MLP and parameter names, without annotations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mlp(x)
+        return out
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 32, generator=g), torch.randint(0, 8, (8,), generator=g)) for _ in "ab"]
+
+
+def _single_device() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    net = Plain()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _train(net: nn.Module, load: Path | None = None) -> AutoParallel:
+    """Two SGD steps of `net` on 4 simulated ranks (each passing its rows), checked against one
+    device: losses and every parameter block as the plan stores it."""
+    want_losses, want_params = _single_device()
+    batches = _batches()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(step)
+        if load is not None:
+            parallel.load_param_strategy_file(load)
+        for (x, y), want in zip(batches, want_losses, strict=True):
+            assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want)
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, p in net.named_parameters():
+            layout, shape = plan.param_layouts()[name]
+            full = want_params[name]
+            assert_matches_single_device(
+                p.detach(), lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)], what=name
+            )
+    return parallel
+
+
+def test_a_parameter_strategy_file_sets_the_storage(tmp_path: Path) -> None:
+    first = _train(Sharded())
+    first.save_param_strategy_file(tmp_path / "params.json")
+    net = Plain()
+    again = _train(net, load=tmp_path / "params.json")
+    assert tuple(net.mlp[0].weight.shape) == (16, 32)  # stored as the file says: 1/4 of the rows
+    assert tuple(net.mlp[2].weight.shape) == (2, 64)
+    plan, saved = again.parallel_plan, first.parallel_plan
+    assert plan is not None and saved is not None
+    assert plan.params == saved.params
+
+
+def test_a_parameter_file_of_another_job_is_refused(tmp_path: Path) -> None:
+    _train(Sharded()).save_param_strategy_file(tmp_path / "params.json")
+    x, net, other = torch.randn(8, 32), Plain(), nn.Sequential(nn.Linear(32, 8))
+    with simulated_world(2) as world:  # another device count
+        world.replicate(net)
+        parallel = AutoParallel(net).load_param_strategy_file(tmp_path / "params.json")
+        with pytest.raises(StrategyFileError, match=r"planned for 4 devices, the job has 2"):
+            parallel(world.rows(x))
+        assert net(world.rows(x)).shape == (4, 8)  # the network is given back, uncut
+    with simulated_world(WORLD) as world:  # another network
+        world.replicate(other)
+        parallel = AutoParallel(other).load_param_strategy_file(tmp_path / "params.json")
+        with pytest.raises(StrategyFileError, match=r"no layout for parameter '0.weight'"):
+            parallel(world.rows(x))
+
+
+def test_the_plan_holds_the_gradient_buckets(tmp_path: Path) -> None:
+    """GPT-2 with no annotation on 2 ranks: every gradient in one 25 MB bucket over g0, in the
+    plan (printed, saved) and in the run (one backward AllReduce)."""
+    (x, y), *_ = token_batches(1, 8)
+    net = GPT2()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+        def step(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(ids, targets)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(step)
+        with CommRecorder() as rec:
+            parallel(world.rows(x), world.rows(y))
+    plan = parallel.parallel_plan
+    assert plan is not None
+    (bucket,) = plan.buckets
+    assert (bucket.kind, bucket.axes, bucket.shard) == ("allreduce", ("g0",), 1)
+    assert set(bucket.params) == {n for n, _ in net.named_parameters()}
+    assert bucket.params[0] == "lm_head.weight" or bucket.params[-1] == "transformer.wte.weight"
+    assert "  bucket AllReduce over g0 fusion=-1: " in str(plan)
+    backward = Counter(r.kind for r in rec.select(phase="backward"))
+    assert backward == Counter({"AllReduce": len(plan.buckets)}), rec.summary()
+    plan.save(tmp_path / "plan.json")
+    assert ParallelPlan.load(tmp_path / "plan.json").buckets == plan.buckets
+
+
+def test_hsdp_buckets_are_in_the_plan() -> None:
+    """With optimizer parallel (threshold 0) every parameter is sharded 4 ways over the
+    data-parallel axis, in one bucket of fusion id 1 (the default id); `plan(shapes=...)`
+    plans from the global input shape."""
+    net = Plain()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).hsdp(threshold=0)
+        plan = parallel.plan(shapes=[(8, 32)])
+    assert plan.buckets == (
+        BucketPlan(
+            "shard", ("g0",), ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"), 4, 1
+        ),
+    )
+    assert tuple(net.mlp[0].weight.shape) == (16, 32)  # this rank's shard at rest
+
+
+def test_a_network_holding_blocks_refuses_calls_outside_its_wrapper() -> None:
+    """Once a plan stores parameters as blocks, calling the network itself (not the wrapper)
+    raises, naming the fix; a plan that keeps every parameter whole lets it run (evaluation on
+    this rank's rows)."""
+    sharded, plain, x = Sharded(), Plain(), torch.randn(8, 32)
+    with simulated_world(WORLD) as world:
+        world.replicate(sharded)
+        world.replicate(plain)
+        AutoParallel(sharded).plan(world.rows(x))
+        with pytest.raises(RuntimeError, match=r"called outside its wrapper; .* blocks"):
+            sharded(world.rows(x))
+        AutoParallel(plain).plan(world.rows(x))
+        assert plain(world.rows(x)).shape == (2, 8)
