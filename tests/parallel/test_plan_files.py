@@ -22,6 +22,7 @@ from shardwise.parallel import AutoParallel
 from shardwise.planner import BucketPlan, ParallelPlan, StrategyFileError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..planner.test_plan import step_of
 from ..zoo import GPT2, token_batches
 
 WORLD, LR = 4, 0.1
@@ -141,16 +142,7 @@ def test_the_plan_holds_the_gradient_buckets(tmp_path: Path) -> None:
     net = GPT2()
     with simulated_world(2) as world:
         world.replicate(net)
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-
-        def step(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(ids, targets)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = AutoParallel(step)
+        parallel = AutoParallel(step_of(net, torch.optim.SGD(net.parameters(), lr=LR)))
         with CommRecorder() as rec:
             parallel(world.rows(x), world.rows(y))
     plan = parallel.parallel_plan

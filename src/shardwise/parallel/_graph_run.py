@@ -1,6 +1,6 @@
 """semi_auto on one plan: capture -> plan -> apply -> run (`GraphRun`).
 
-``GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
+`GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
 annotations alike; any dataset strategy):
 
 - `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)

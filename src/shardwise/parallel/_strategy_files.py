@@ -17,13 +17,6 @@ from shardwise.parallel._graph_run import GraphRun
 from shardwise.planner import ParallelPlan
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shaped:
-    """A parameter's global shape, as `planner.check_params` reads it."""
-
-    shape: tuple[int, ...]
-
-
 class StrategyFiles:
     """Mixed into `AutoParallel`; state set by its ``__init__``."""
 
@@ -113,14 +106,10 @@ class StrategyFiles:
             device_num, params, path = self._loaded_params
         else:
             return {}
-        if device_num != world:
-            raise planner.StrategyFileError(
-                f"{path}: planned for {device_num} devices, the job has {world}; plan again "
-                f"for this device count (or transform the checkpoint)"
-            )
+        planner.check_device_count(device_num, world, path)
         shapes = {n: tuple(int(s) for s in p.shape) for n, p in network.named_parameters()}
         if self._loaded is None:
-            planner.check_params(params, {n: _Shaped(s) for n, s in shapes.items()}, path)
+            planner.check_params(params, shapes, path)
         # (an operator strategy file's mismatches are named op by op after capture)
         return {n: p.layout for n, p in params.items() if tuple(p.shape) == shapes.get(n)}
 
@@ -150,7 +139,7 @@ class StrategyFiles:
             run.plans = [(loaded, run.templates)]
         if self._loaded_params is not None:  # (stored as the file says, or as the ops file)
             _, params, path = self._loaded_params
-            planner.check_params(params, fresh.params, path)
+            planner.check_params(params, {n: p.shape for n, p in fresh.params.items()}, path)
             for name, p in params.items():
                 if p.layout.dims != fresh.params[name].layout.dims:
                     raise planner.StrategyFileError(

@@ -20,6 +20,7 @@
 from shardwise.planner._capture import CaptureError, capture
 from shardwise.planner._files import (
     StrategyFileError,
+    check_device_count,
     check_matches,
     check_params,
     load_operator_strategy_file,
@@ -57,6 +58,7 @@ __all__ = [
     "StrategyFileError",
     "TensorInfo",
     "capture",
+    "check_device_count",
     "check_matches",
     "check_params",
     "load_operator_strategy_file",

@@ -5,12 +5,15 @@
 - `save_param_strategy_file` / `load_param_strategy_file`: the parameters' storage layouts only
   (what a checkpoint of the job needs to know).
 - `check_matches`: a loaded plan against a freshly planned one of the same network: the first
-  difference (device count, op, shape, parameter) is a `StrategyFileError` naming it.
+  difference (device count, op, shape, parameter) is a `StrategyFileError` naming it;
+  `check_device_count` / `check_params` (a file's parameters against the network's global
+  shapes) are its parts, also used before planning with a loaded file's layouts.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,11 +76,7 @@ def check_matches(loaded: ParallelPlan, fresh: ParallelPlan, path: str | Path) -
     """Raise `StrategyFileError` at the first way `loaded` does not fit the network `fresh` was
     planned for (same device count, same ops in the same order with the same shapes, same
     parameters)."""
-    if loaded.device_num != fresh.device_num:
-        raise StrategyFileError(
-            f"{path}: planned for {loaded.device_num} devices, the job has {fresh.device_num}; "
-            f"plan again for this device count (or transform the checkpoint)"
-        )
+    check_device_count(loaded.device_num, fresh.device_num, path)
     for a, b in zip(loaded.nodes, fresh.nodes, strict=False):
         if (a.name, a.op, a.shapes) != (b.name, b.op, b.shapes):
             raise StrategyFileError(
@@ -90,22 +89,33 @@ def check_matches(loaded: ParallelPlan, fresh: ParallelPlan, path: str | Path) -
         raise StrategyFileError(
             f"{path}: the file has {len(loaded.nodes)} ops, this network {len(fresh.nodes)}"
         )
-    check_params(loaded.params, fresh.params, path)
+    check_params(loaded.params, {n: p.shape for n, p in fresh.params.items()}, path)
+
+
+def check_device_count(saved: int, job: int, path: str | Path) -> None:
+    """Raise `StrategyFileError` when a file saved for `saved` devices is loaded by a job of
+    `job` devices."""
+    if saved != job:
+        raise StrategyFileError(
+            f"{path}: planned for {saved} devices, the job has {job}; "
+            f"plan again for this device count (or transform the checkpoint)"
+        )
 
 
 def check_params(
-    loaded: dict[str, ParamPlan] | Any, fresh: dict[str, ParamPlan] | Any, path: str | Path
+    loaded: Mapping[str, ParamPlan], shapes: Mapping[str, Sequence[int]], path: str | Path
 ) -> None:
-    """Raise `StrategyFileError` at the first parameter missing or of another shape."""
-    for name, p in fresh.items():
+    """Raise `StrategyFileError` at the first parameter of the network (name -> global shape
+    in `shapes`) missing from `loaded` or of another shape there, or the first extra one."""
+    for name, shape in shapes.items():
         got = loaded.get(name)
         if got is None:
             raise StrategyFileError(f"{path}: no layout for parameter {name!r}")
-        if tuple(got.shape) != tuple(p.shape):
+        if tuple(got.shape) != tuple(shape):
             raise StrategyFileError(
                 f"{path}: parameter {name!r} has shape {list(got.shape)} in the file, "
-                f"{list(p.shape)} in this network"
+                f"{list(shape)} in this network"
             )
-    extra = sorted(set(loaded) - set(fresh))
+    extra = sorted(set(loaded) - set(shapes))
     if extra:
         raise StrategyFileError(f"{path}: parameter {extra[0]!r} is not in this network")
