@@ -47,13 +47,15 @@ FORWARD = Counter(
 )
 BACKWARD = Counter(
     {
-        # the mean; one bucket of the position, ln1/ln2 gamma and beta grads (5 per-parameter
-        # AllReduces over all 8 ranks are one bucket now)
-        ("AllReduce", "backward", W): 2,
+        ("AllReduce", "backward", W): 1,  # the mean's adjoint (the module form's seed)
         ("AlltoAll", "backward", MP): 1,  # adjoint of the logits redistribution
-        ("AllReduce", "backward", MP): 3,  # adjoints of embedding's, proj's and fc2's AllReduce
-        # weight grads replicated over dp: wq wk wv wo w1 b1 w2 w_head and the embedding (split
-        # over mp): one bucket over dp (the embedding had its own bucket before)
+        # the gradients of ln1's, ln2's and res2's outputs averaged over mp where the
+        # column-parallel q/k/v, fc1 and head read them (Megatron's f); the adjoints of the
+        # embedding's, proj's and fc2's AllReduces are then local (they were these 3 before)
+        ("AllReduce", "backward", MP): 3,
+        # every gradient over dp in one bucket: wq wk wv wo w1 b1 w2 w_head and the embedding
+        # (split over mp; the embedding had its own bucket before), and the position and
+        # ln1/ln2 gamma and beta, equal over mp now (a bucket over all 8 ranks before)
         ("AllReduce", "backward", DP): 1,
     }
 )

@@ -12,7 +12,9 @@ annotations alike; any dataset strategy) except after `AutoParallel.plan(shapes=
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
   optimizer state already made); for every parameter in the layout the plan stores it in, the
   gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
-  says: `_hsdp.gradient_buckets`); with ``hsdp()`` instead the optimizer-parallel engine
+  says: `_hsdp.gradient_buckets`; gradients the plan makes equal over some axes are not summed
+  over them: `ParallelPlan.equal_grads`, the buckets made again for a plan variant whose
+  differ: `GraphRun._buckets`); with ``hsdp()`` instead the optimizer-parallel engine
   (`_hsdp.start_engine`: shards at rest, each op gets a parameter's compute weight through
   `OptimizerParallel.compute`, gradients reduced into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
@@ -131,6 +133,7 @@ class GraphRun:
         self.hooks: list[Any] = []
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
+        self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
         self.optimizers = list(optimizers)
         self.session = _GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
@@ -200,10 +203,24 @@ class GraphRun:
             as_network_plan = NetworkPlan(plan.matrix, (), stored)
             self.engine = start_engine(self.network, as_network_plan, self.hsdp, self.fusion)
         else:
-            self.grad_plan = gradient_buckets(self.network, stored, self.fusion)
-            self.grads = GradBuckets(self.network, self.grad_plan)
-            self.hooks += self.grads.handles
+            self._buckets(plan)
         return plan
+
+    def _buckets(self, plan: ParallelPlan) -> None:
+        """The gradient buckets of the first plan's parameters, with `plan`'s equal gradients
+        (`ParallelPlan.equal_grads`); made again when a plan variant's differ."""
+        if self.grads is not None:
+            if dict(plan.equal_grads) == self.grads_equal:
+                return
+            self.grads.drop_unfinished()
+            for h in self.grads.handles:
+                h.remove()
+                self.hooks.remove(h)
+        stored = self.plans[0][0].param_layouts()
+        self.grad_plan = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
+        self.grads = GradBuckets(self.network, self.grad_plan)
+        self.hooks += self.grads.handles
+        self.grads_equal = dict(plan.equal_grads)
 
     @contextmanager
     def _capturing(self) -> Iterator[None]:
@@ -382,6 +399,7 @@ class GraphRun:
         if self.dataset == "full_batch":
             args, kwargs = self._cut_inputs(plan, args, kwargs)
         if self.grads is not None:
+            self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
         params = {id(p): n for n, p in self.network.named_parameters()}
         engine = self.engine

@@ -93,6 +93,7 @@ def gradient_buckets(
     network: nn.Module,
     layouts: Mapping[str, tuple[TensorLayout, Shape]],
     fusion: FusionConfig | None,
+    equal: Mapping[str, tuple[int, ...]] | None = None,
 ) -> OptimizerPlan:
     """The gradient AllReduce buckets of `network`'s parameters named in `layouts` (each stored
     in its layout) without optimizer parallel.
@@ -111,6 +112,8 @@ def gradient_buckets(
         layouts: the layout and global shape each parameter is stored in (e.g. the op-level
             plan's, and whole on every rank for the others).
         fusion: the ``comm_fusion`` settings (None: 25 MB buckets).
+        equal: parameter -> the axes its gradient is equal on (`ParallelPlan.equal_grads`: not
+            reduced over them).
 
     Returns:
         An `OptimizerPlan` with nothing sharded and ``allreduce`` buckets (a bucket with no
@@ -126,6 +129,7 @@ def gradient_buckets(
             parallel_optimizer_of(p),
             comm_fusion_of(p),
             p.requires_grad,
+            tuple((equal or {}).get(name, ())),
         )
         for name, p in network.named_parameters()
         if name in layouts
