@@ -7,7 +7,9 @@ residual's outputs over mp where the column-parallel matmuls read them, so the a
 two forward AllReduces are local and the LayerNorm's gradients need no AllReduce over mp (the
 same collectives in backward, minus the LayerNorm's bucket). When the block's input comes
 gathered instead (no AllReduce to save), the plan keeps the plain adjoints. Losses and every
-gradient block equal the single-device run; the collectives are asserted exactly.
+gradient block equal the single-device run; the collectives are asserted exactly. With
+optimizer parallel (hsdp) the engine sums the equal shares over every replica: the updated
+parameters equal one device's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch import nn
 from shardwise import ops
 from shardwise.parallel import AutoParallel
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..optim.test_hsdp import shard_of
 
 B, K, H, F, V = 8, 16, 16, 32, 8
 
@@ -146,3 +150,41 @@ def test_gathered_input_keeps_the_plain_adjoints(dp: int, mp: int) -> None:
     unequal and all-reduces the LayerNorm's gradients."""
     got = _check(dp, mp, gathered=True)
     assert got[("AllReduce", "backward", tuple(range(mp)))] == (3 if dp == 1 else 2), got
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_equal_gradients_with_optimizer_parallel(level: str) -> None:
+    """hsdp at 2 x 2: the engine reduces each gradient over all its replicas (equal shares
+    summed give the same total), so the updated parameters equal one device's."""
+    x0 = torch.randn(B, K, generator=torch.Generator().manual_seed(4))
+    single = MLPBlock(2, 2, gathered=False, parallel=False)
+    ref_opt = torch.optim.SGD(single.parameters(), lr=0.5)
+    want = []
+    for _ in range(2):
+        loss = single(x0)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append((loss.detach(), {n: p.detach().clone() for n, p in single.named_parameters()}))
+    net = MLPBlock(2, 2, gathered=False)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(step).hsdp(threshold=0, optimizer_level=level)
+        for s, (loss_want, params) in enumerate(want):
+            loss = parallel(world.rows(x0))
+            assert_matches_single_device(loss, loss_want, what=f"loss {s}")
+            plan = parallel.parallel_plan
+            assert plan is not None and dict(plan.equal_grads) == {"gamma": (1,), "beta": (1,)}
+            for name, p in net.named_parameters():
+                assert_matches_single_device(
+                    p.detach(), shard_of(parallel, name, params[name]), what=f"{s} {name}"
+                )

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -157,6 +158,7 @@ class _Axis:
         self.entries: dict[Key, tuple[Where, int, bool]] = {}  # value -> its AllReduce over a
         self.blocked: set[Key] = set()
         self.params: set[Key] = set()
+        self.classes: Counter[tuple[int, ...]] | None = None  # parameters per bucket group
 
     def repl(self, p: Placed) -> bool:
         return self.a not in p.layout.used_axes() and self.a not in p.partial
@@ -265,18 +267,23 @@ class _Axis:
             r.f[(k, j)] = self.v.nbytes(key, self.v.out_placed(k, j)) if needs else 0
         return list(out.values())
 
-    def _classes(self, drop: set[str]) -> int:
-        """Gradient buckets (by reduction axes) of the parameters, with `drop`'s losing the
-        axis."""
-        classes = set()
-        for name, layout in self.v.params.items():
-            if not self.v.needs.get(Ref("param", name), False):
-                continue
-            axes = {x for x in layout.replicated_axes() if self.matrix.shape[x] > 1}
-            axes -= self.found.params.get(name, set()) | ({self.a} if name in drop else set())
-            if axes:
-                classes.add(tuple(sorted(axes)))
-        return len(classes)
+    def _class(self, name: str) -> tuple[int, ...]:
+        """The axes parameter `name`'s gradient is summed over (its bucket's group)."""
+        layout, equal = self.v.params[name], self.found.params.get(name, set())
+        shape = self.matrix.shape
+        return tuple(x for x in layout.replicated_axes() if shape[x] > 1 and x not in equal)
+
+    def _buckets(self, equal: set[str]) -> int:
+        """How many more gradient buckets (groups of reduction axes) there are when the
+        parameters `equal` are not summed over the axis (negative: fewer)."""
+        if self.classes is None:
+            grads = [n for n in self.v.params if self.v.needs.get(Ref("param", n), False)]
+            self.classes = Counter(self._class(n) for n in grads)
+        before = Counter(self._class(n) for n in equal)
+        after = Counter(tuple(x for x in c if x != self.a) for c in before.elements())
+        change = self.classes - before + after
+        touched = (set(before) | set(after)) - {()}
+        return sum((change[c] > 0) - (self.classes[c] > 0) for c in touched)
 
     def decide(self, r: _Region) -> bool:
         """Step 3: convert `r` when that adds no bytes and no collectives and saves something."""
@@ -285,7 +292,7 @@ class _Axis:
         new_f = sum(1 for kj, b in r.f.items() if b and not self.found.f.get(kj))
         saved = [b for _, b, saves in r.entries if saves]
         equal = r.params - r.shared
-        count = new_f - len(saved) + self._classes(equal) - self._classes(set())
+        count = new_f - len(saved) + self._buckets(equal)
         extra = sum(r.f.values()) - sum(saved)
         return count <= 0 and extra <= 0 and (count < 0 or extra < 0 or bool(equal))
 
@@ -294,6 +301,7 @@ class _Axis:
             self.found.f.setdefault(kj, set()).add(self.a)
         for where, _, _ in r.entries:
             self.found.local.setdefault(where, set()).add(self.a)
+        self.classes = None  # (recounted with the new equal parameters)
         for name in r.params - r.shared:
             self.found.params.setdefault(name, set()).add(self.a)
 
