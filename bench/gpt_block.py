@@ -9,9 +9,10 @@ not reproduce shardwise's masks), on a global batch of `GLOBAL_BATCH` sequences 
 tokens from `gpt_batches`, the same on every rank), SGD lr `LR`. Candidates, per layout
 ``dp x mp`` (``1 x N`` always: pure tensor parallel; ``2 x N/2`` too for N >= 4):
 
-- ``shardwise``: ``sw.AutoParallel(GPTBlock(cfg, megatron_strategies(dp, mp)))`` (module
-  form): each rank passes its rows of the ids and of the one-hot targets and gets the global
-  mean loss; backward; SGD;
+- ``shardwise``: ``sw.AutoParallel(train_step)`` on ``GPTBlock(cfg, megatron_strategies(dp,
+  mp))``, the train-step form (forward, ``loss.backward()``, SGD inside the wrapped call, as
+  MindSpore's ``TrainOneStepCell``): each rank passes its rows of the ids and of the one-hot
+  targets and gets the global mean loss;
 - ``DTensor``: `TorchGPTBlock`, an ``nn.Module`` port of the same block (``nn.Embedding``,
   ``nn.Linear``, ``nn.LayerNorm``, tanh GeLU) with the same weights, parallelized with
   ``parallelize_module`` on the ``mp`` dim of an ``init_device_mesh("cpu", (dp, mp))`` mesh
@@ -278,22 +279,27 @@ def _batches(cfg: GPTConfig, part: int, parts: int) -> Callable[[], tuple[Any, A
 
 
 def shardwise_step(cfg: GPTConfig, dp: int, mp: int, rank: int) -> tuple[Any, Step]:
-    """``AutoParallel(GPTBlock)`` (module form) on this rank's rows; returns the global loss."""
+    """``AutoParallel(train_step)`` (the train-step form: forward, ``loss.backward()`` and the
+    SGD step inside the wrapped call) on this rank's rows; returns the global loss."""
     import torch
 
     from shardwise.parallel import AutoParallel
 
     net = make_net(cfg, dp, mp)
-    parallel = AutoParallel(net)
     opt = torch.optim.SGD(net.parameters(), LR)
     batch = _batches(cfg, rank, dp * mp)
 
-    def step() -> torch.Tensor:
-        ids, onehot = batch()
-        loss: torch.Tensor = parallel(ids, onehot)
+    def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(ids, onehot)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
+
+    parallel = AutoParallel(train_step)
+
+    def step() -> torch.Tensor:
+        loss: torch.Tensor = parallel(*batch())
         return loss.detach()
 
     return net, step

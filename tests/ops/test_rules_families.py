@@ -146,6 +146,21 @@ def test_gather_vocab_split_is_a_masked_lookup(simulate: Sim) -> None:
     assert plan.grad_reduce_axes(0) == ()
 
 
+def test_gather_vocab_split_with_a_split_batch(simulate: Sim) -> None:
+    """MindSpore's ((mp, 1), (dp, 1)): the batch split outer (like the data-parallel ops
+    around it), the rows inside each batch group; the AllReduce over the rows' axis only."""
+    ids = torch.randint(0, 64, (4, 6))
+    plan = check(simulate, Gather().shard(((4, 1), (2, 1))), [rand(64, 16), ids], axis=0)
+    assert plan.device_matrix == (2, 1, 4, 1) and plan.local == "masked_lookup"
+    assert plan.comms == (Comm("AllReduce", ("d2",)),)
+    assert dims(plan.outputs[0]) == (("d0",), (), ())
+    assert plan.grad_reduce_axes(0) == ("d0",)  # the table: replicated over the batch axis
+    op = Gather().shard(((2, 1), (2, 1)), ((4, 1, 1),))  # 4 of 8 devices, a ReduceScatter
+    plan = check(simulate, op, [rand(64, 16), torch.randint(0, 64, (8, 6))], axis=0)
+    assert plan.device_matrix == (2, 1, 2, 1, 2)
+    assert plan.comms == (Comm("ReduceScatter", ("d2",), dim=0),)
+
+
 def test_gather_column_split_and_default(simulate: Sim) -> None:
     ids = torch.randint(0, 64, (8, 6))
     plan = check(simulate, Gather().shard(((1, 8), (1, 1))), [rand(64, 16), ids], axis=0)

@@ -29,35 +29,35 @@ WORLD, BATCH, STEPS, LR = 8, 8, 2, 0.5
 CFG = GPTConfig()
 W = tuple(range(WORLD))
 
-# dp=2, mp=4 on the global matrix (g0, g1, g2) = (2, 2, 2): dp = g0, mp = (g1, g2); the
-# embedding's (4, 1) strategy with the repeat appended on the right puts its rows on (g0, g1).
-# Groups are those holding rank 0.
+# dp=2, mp=4 on the global matrix (g0, g1) = (2, 4): dp = g0, mp = g1 (the embedding's
+# ((mp, 1), (dp, 1)) puts its batch on dp, outer, and its rows on mp, as MindSpore's split-batch
+# Gather does). Groups are those holding rank 0.
+MP, DP = (0, 1, 2, 3), (0, 4)
 FORWARD = Counter(
     {
-        # ids (data parallel over all 8) -> whole for the lookup: AllGather over g2, g1, g0
-        ("AllGather", "forward", (0, 1)): 2,  # (and the logits', below)
-        ("AllGather", "forward", (0, 2)): 1,
-        ("AllGather", "forward", (0, 4)): 1,
-        ("AllReduce", "forward", (0, 2, 4, 6)): 1,  # embedding: masked lookup, rows on (g0, g1)
-        ("AllReduce", "forward", (0, 1, 2, 3)): 2,  # row-parallel proj and fc2: over mp
-        # logits (dp, mp) -> the loss's rows over all 8: AllGather g2 (above), AlltoAll g1
-        ("AlltoAll", "forward", (0, 2)): 1,
+        # ids (data parallel over all 8) -> split over dp only for the lookup: one AllGather over
+        # mp (two before: the old ((mp, 1), (1, 1)) looked up the whole batch on every rank)
+        ("AllGather", "forward", MP): 1,
+        # embedding (masked lookup, rows on mp), row-parallel proj and fc2: over mp
+        ("AllReduce", "forward", MP): 3,
+        # logits (dp, mp) -> the loss's rows over all 8: one AlltoAll over mp (an AllGather and
+        # an AlltoAll before, on the old (2, 2, 2) matrix)
+        ("AlltoAll", "forward", MP): 1,
         ("AllReduce", "forward", W): 1,  # ReduceMean of the per-token losses
     }
 )
 BACKWARD = Counter(
     {
-        # the mean; one bucket of the position, ln1/ln2 gamma and beta grads (5 per-parameter
-        # AllReduces over all 8 ranks are one bucket now)
-        ("AllReduce", "backward", W): 2,
-        ("AlltoAll", "backward", (0, 2)): 1,  # adjoint of the logits redistribution
-        ("ReduceScatter", "backward", (0, 1)): 1,
-        ("AllReduce", "backward", (0, 1, 2, 3)): 2,  # adjoints of proj's and fc2's AllReduce
-        ("AllReduce", "backward", (0, 2, 4, 6)): 1,  # adjoint of the embedding's AllReduce
-        # weight grads replicated over dp: wq wk wv wo w1 b1 w2 w_head (split over mp); the 8
-        # per-parameter AllReduces over (0, 4) are one bucket now
-        ("AllReduce", "backward", (0, 4)): 1,
-        ("AllReduce", "backward", (0, 1)): 1,  # embedding rows on (g0, g1), replicated on g2
+        ("AllReduce", "backward", W): 1,  # the mean's adjoint (the module form's seed)
+        ("AlltoAll", "backward", MP): 1,  # adjoint of the logits redistribution
+        # the gradients of ln1's, ln2's and res2's outputs averaged over mp where the
+        # column-parallel q/k/v, fc1 and head read them (Megatron's f); the adjoints of the
+        # embedding's, proj's and fc2's AllReduces are then local (they were these 3 before)
+        ("AllReduce", "backward", MP): 3,
+        # every gradient over dp in one bucket: wq wk wv wo w1 b1 w2 w_head and the embedding
+        # (split over mp; the embedding had its own bucket before), and the position and
+        # ln1/ln2 gamma and beta, equal over mp now (a bucket over all 8 ranks before)
+        ("AllReduce", "backward", DP): 1,
     }
 )
 

@@ -65,11 +65,26 @@ def test_gpt_block_plan_round_trips() -> None:
     net = GPTBlock(cfg, megatron_strategies(2, 4))
     ids, onehot = torch.zeros(8, cfg.seq, dtype=torch.long), torch.zeros(8 * cfg.seq, cfg.vocab)
     plan = plan_semi_auto(capture(net, ids, onehot), 8)
-    assert plan.matrix.shape == (2, 2, 2)
+    # (2, 4): the embedding's ((mp, 1), (dp, 1)) has dp outer, mp inner, like every other op
+    assert plan.matrix.shape == (2, 4)
     again = ParallelPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
     kinds = {c.kind for c in plan.collectives()}
     assert {"AllReduce", "AllGather", "AlltoAll"} <= kinds
+    # equal gradients over mp (g1): the gradients of what the column-parallel q/k/v, fc1 and
+    # head read are averaged over mp (Megatron's f), so the AllReduces that made those values
+    # whole need no adjoint collective, nor the LayerNorms' and the position's gradients
+    averaged = {n.name: [str(c) for c in n.backward] for n in plan.nodes if n.backward}
+    assert averaged == {
+        "ln1/LayerNorm": ["AllReduce(avg) over g1 at ln1/LayerNorm"],
+        "ln2/LayerNorm": ["AllReduce(avg) over g1 at ln2/LayerNorm"],
+        "res2/Add": ["AllReduce(avg) over g1 at res2/Add"],
+    }
+    local = {n.name: c.equal_grad for n in plan.nodes for c in n.comms if c.equal_grad}
+    assert local == {"embed/Gather": ("g1",), "proj/MatMul": ("g1",), "fc2/MatMul": ("g1",)}
+    replicated = ("position", "ln1_gamma", "ln1_beta", "ln2_gamma", "ln2_beta")
+    assert dict(plan.equal_grads) == {n: (1,) for n in replicated}
+    assert "backward local on g1" in str(plan) and "(gradient equal on g1)" in str(plan)
 
 
 def test_nanogpt_plans_data_parallel_with_one_collective() -> None:

@@ -24,14 +24,17 @@ parallel runtime makes a partial value (a loss over this rank's rows) whole. Its
 the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
 ``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
 and the sum over the group of N equal values is N times the value, computed locally: one
-synchronizing collective per training step fewer.
+synchronizing collective per training step fewer. A plan that knows the result's gradient is the
+same on some of the group's ranks says so with a `GradRoute` (the AllReduce over the other ranks
+only, or none). `average_gradient(x, group)` is the other side (Megatron's ``f``): in backward
+it replaces the gradient of `x` by its mean over the group, making it the same on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -70,32 +73,53 @@ class _AllReduceFn(torch.autograd.Function):
             return C.all_reduce(g, ReduceOp.SUM, ctx.group) * (x == out), None, None
 
 
+class GradRoute(NamedTuple):
+    """The adjoint of a `sum_over_ranks` whose result's gradient is the same on some of its
+    group's ranks (each holds an equal share of the summed gradient): the AllReduce of the
+    gradient over `group` only (None: the world; no collective when `reduce` is False), then
+    times `times` (the number of ranks the gradient is equal on)."""
+
+    group: GroupArg
+    reduce: bool
+    times: int
+
+
 class _SumOverRanksFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: GroupArg, divisor: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: GroupArg, divisor: int, route: GradRoute | None
+    ) -> torch.Tensor:
         out = C.all_reduce(x, ReduceOp.SUM, group)
-        ctx.group, ctx.divisor, ctx.replicated_seed = group, divisor, False
+        ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
         return out / divisor if divisor != 1 else out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         g = g / ctx.divisor if ctx.divisor != 1 else g
         if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            return g * get_group_size(ctx.group), None, None
+            return g * get_group_size(ctx.group), None, None, None
+        route: GradRoute | None = ctx.route
         with recorder.phase("backward"):
-            return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None
+            if route is None:
+                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None
+            if route.reduce:
+                g = C.all_reduce(g, ReduceOp.SUM, route.group)
+            return (g * route.times if route.times != 1 else g), None, None, None
 
 
-def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) -> torch.Tensor:
+def sum_over_ranks(
+    x: torch.Tensor, group: GroupArg = None, divisor: int = 1, route: GradRoute | None = None
+) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
     the result is the root of a seeded backward (`replicated_seed`), the gradient times the
-    group size (no collective).
+    group size (no collective), or as `route` says.
 
     Args:
         x: this rank's partial value.
         group: group name, `Group` or None (the world).
         divisor: divide the sum by it (e.g. the world size, for a mean over all ranks' rows).
+        route: the result's gradient is the same on some of the group's ranks: its adjoint.
 
     Returns:
         The reduced value, the same on every rank.
@@ -105,8 +129,29 @@ def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) ->
     """
     if get_group_size(group) == 1:  # this rank's value is the sum: no collective
         return x / divisor if divisor != 1 else x
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor)
+    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route)
     return out
+
+
+def average_gradient(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
+    """`x` itself, whose gradient (the sum of what all its consumers gave it) is replaced in
+    backward by its mean over the ranks of `group` (one AllReduce; a hook on `x`): the ranks'
+    shares of the summed gradient made equal (Megatron's ``f``). Nothing for a leaf, a tensor
+    without gradient or a one-rank group.
+
+    Example:
+        >>> h = average_gradient(layer_norm(x), "mp")  # doctest: +SKIP
+    """
+    size = get_group_size(group)
+    if size == 1 or not x.requires_grad or x.grad_fn is None:
+        return x
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        with recorder.phase("backward"):
+            return C.all_reduce(g, ReduceOp.SUM, group).div_(size)
+
+    x.register_hook(hook)
+    return x
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardwise.ops._plan import OpPlan, Rule, Shape, Strategy
-from shardwise.ops._spec import plan_spec
+from shardwise.ops._spec import Spec, plan_spec
 from shardwise.ops._specs import (
     SpecBuilder,
     bias_add_spec,
@@ -77,6 +77,44 @@ def spec_rule(builder: SpecBuilder) -> Rule:
     return rule
 
 
+def _split_dims(entry: object) -> list[int]:
+    """The dims an int strategy entry splits (none for a Layout entry: see the plan)."""
+    return [d for d, v in enumerate(entry) if v != 1] if isinstance(entry, tuple) else []
+
+
+def batch_and_rows(op_args: Mapping[str, Any], in_strategy: Strategy | None) -> bool:
+    """Whether an int strategy is MindSpore's vocabulary-parallel embedding with a split batch:
+    axis 0, no batch dims, the params split on dim 0 only and the indices on dim 0 only
+    (``((mp, 1), (dp, 1))``). Its device matrix is the indices' axes first (outer), then the
+    params' (``[dp, mp]``): the batch split like the data-parallel ops around it, the rows inside
+    each batch group."""
+    if in_strategy is None or len(in_strategy) != 2 or op_args.get("batch_dims", 0) != 0:
+        return False
+    params, indices = in_strategy
+    if not isinstance(params, tuple) or not _split_dims(params) == [0] == _split_dims(indices):
+        return False
+    return op_args.get("axis") in (0, -len(params))
+
+
+def _indices_first(spec: Spec, p: int, q: int) -> Spec:
+    """`spec` with the indices' logical axes numbered before the params' (axis 0, no batch
+    dims: the indices' dims are ``p .. p+q-1``)."""
+    new = {**{d: q + d for d in range(p)}, **{p + d: d for d in range(q)}}
+
+    def dims(ds: Sequence[int | None]) -> tuple[int | None, ...]:
+        return tuple(None if d is None else new[d] for d in ds)
+
+    return dataclasses.replace(
+        spec,
+        inputs=tuple(dims(ds) for ds in spec.inputs),
+        outputs=tuple(dims(ds) for ds in spec.outputs),
+        reduced=tuple(new[d] for d in spec.reduced),
+        fixed={new[d]: why for d, why in spec.fixed.items()},
+        roles={new[d]: role for d, role in spec.roles.items()},
+        batch=None if spec.batch is None or spec.batch < 0 else new[spec.batch],
+    )
+
+
 def gather_rule(
     op_args: Mapping[str, Any],
     in_strategy: Strategy | None,
@@ -87,14 +125,23 @@ def gather_rule(
 ) -> OpPlan:
     """Gather: the generic plan, plus MindSpore's constraints when the params are split on the
     gathered axis (a masked lookup: each rank looks up the rows it holds, zeros elsewhere, then
-    AllReduce): params of 1 or 2 dims, indices not split.
+    AllReduce): params of 1 or 2 dims, indices not split, except MindSpore's split batch
+    (`batch_and_rows`: params split on axis 0 only, indices on dim 0 only; the device matrix
+    puts the indices' split outer).
 
     Example:
         >>> gather_rule({"op": "Gather", "axis": 0}, ((8, 1), (1, 1)), None,
         ...             [(1024, 64), (4, 16)], 8, "embedding").comms
         (Comm(kind='AllReduce', axes=('d0',), dim=None, op='sum', output=0),)
+        >>> gather_rule({"op": "Gather", "axis": 0}, ((4, 1), (2, 1)), None,
+        ...             [(1024, 64), (4, 16)], 8, "embedding").comms
+        (Comm(kind='AllReduce', axes=('d2',), dim=None, op='sum', output=0),)
     """
-    plan = spec_rule(gather_spec)(op_args, in_strategy, out_strategy, input_shapes, device_num, who)
+    shapes = _shapes(input_shapes)
+    spec = gather_spec(op_args, shapes, who)
+    if batch_and_rows(op_args, in_strategy):
+        spec = _indices_first(spec, len(shapes[0]), len(shapes[1]))
+    plan = plan_spec(spec, in_strategy, out_strategy, shapes, device_num, who)
     if not plan.comms:
         return dataclasses.replace(plan, local="")
     params, indices = plan.inputs
@@ -105,13 +152,14 @@ def gather_rule(
             f"of 1 or 2 dims, got {list(plan.input_shapes[0])}; do not split that axis"
         )
     split = [d for d in range(indices.ndim) if indices.split_count(d) > 1]
-    if split:
-        d = split[0]
+    params_split = [d for d in range(params.ndim) if params.split_count(d) > 1]
+    if split and not (split == [0] and params_split == [0]):
+        d = split[-1]
         raise ValueError(
             f"{label}: input 0 (input_params) is split on the gathered axis (masked lookup + "
             f"AllReduce), so input 1 (input_indices) cannot be split too, but its dim {d} is "
-            f"split into {indices.split_count(d)}; valid: 1 for every indices dim, or do not "
-            f"split the params' gathered axis"
+            f"split into {indices.split_count(d)}; valid: 1 for every indices dim, or (axis 0, "
+            f"params split on dim 0 only) a split of indices dim 0 only, e.g. ((4, 1), (2, 1))"
         )
     return plan
 

@@ -155,6 +155,8 @@ class ParamInfo:
         parallel_optimizer: ``sw.Parameter``'s flag (True for plain parameters).
         fusion: its ``comm_fusion`` id.
         requires_grad: trainable.
+        equal_axes: replica axes over which every rank's gradient is the same (the plan made
+            it equal: ``ParallelPlan.equal_grads``): not reduced over, multiplied by their size.
     """
 
     name: str
@@ -164,6 +166,7 @@ class ParamInfo:
     parallel_optimizer: bool = True
     fusion: int = 1
     requires_grad: bool = True
+    equal_axes: tuple[int, ...] = ()
 
     @property
     def block(self) -> Shape:
@@ -253,7 +256,8 @@ class OptimizerPlan:
 
 def _decide(info: ParamInfo, config: HsdpConfig | None) -> ParamShard:
     matrix = info.layout.matrix
-    axes = tuple(a for a in info.layout.replicated_axes() if matrix.shape[a] > 1)
+    replicas = info.layout.replicated_axes()
+    axes = tuple(a for a in replicas if matrix.shape[a] > 1 and a not in info.equal_axes)
     k = math.prod(matrix.shape[a] for a in axes)
     if config is None:
         return ParamShard(info, axes, k, 1, "optimizer parallel off")

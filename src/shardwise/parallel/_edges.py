@@ -4,16 +4,25 @@
   AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial.
 - `run_collective`: an op's own collective (`planner.NodePlan.comms`), through
   `_runtime.combine`.
+- `grad_route`: the adjoint of such an AllReduce when the plan says its result's gradient is
+  the same on the ranks of some of its axes (`equal_grad`): the AllReduce over the others only.
+- `average_outputs`: the AllReduce(avg)s of an op's output gradients in backward
+  (`NodePlan.backward`, Megatron's ``f``).
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from collections.abc import Sequence
+from typing import Any
 
-from shardwise.communication.primitives import sum_over_ranks
+import torch
+from torch.utils import _pytree as pytree
+
+from shardwise.communication.primitives import GradRoute, average_gradient, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._runtime import combine, group_for
-from shardwise.planner import Collective, EdgePlan
+from shardwise.planner import Collective, EdgePlan, NodePlan
 from shardwise.redistribution import local_block, redistribute
 
 T = torch.Tensor
@@ -25,7 +34,7 @@ def move(x: T, edge: EdgePlan) -> T:
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
         divisor = len(members) if edge.src.reduce == "avg" else 1
-        x = sum_over_ranks(x, group, divisor)
+        x = sum_over_ranks(x, group, divisor, grad_route(m, edge.reduced, edge.equal_grad))
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:
@@ -37,7 +46,28 @@ def run_collective(x: T, c: Collective, matrix: DeviceMatrix) -> T:
     """An op's own collective (`NodePlan.comms`): AllReduce (sum / mean) or ReduceScatter (sum,
     along `c.dim`) over the plan's axes `c.axes`."""
     axes = [matrix.axis(a) for a in c.axes]
-    return combine(x, c.kind, c.detail, c.dim, matrix, axes, c)
+    route = grad_route(matrix, axes, [matrix.axis(a) for a in c.equal_grad])
+    return combine(x, c.kind, c.detail, c.dim, matrix, axes, c, route)
+
+
+def grad_route(matrix: DeviceMatrix, axes: Sequence[int], equal: Sequence[int]) -> GradRoute | None:
+    """The adjoint of an AllReduce over `axes` whose result's gradient is the same on the ranks
+    of `equal` (None: none is): the AllReduce over the other axes, times the `equal` ranks."""
+    if not equal:
+        return None
+    rest = [a for a in axes if a not in equal]
+    group, members = group_for(matrix, rest) if rest else (None, (0,))
+    return GradRoute(group, len(members) > 1, math.prod(matrix.shape[a] for a in equal))
+
+
+def average_outputs(out: Any, node: NodePlan, matrix: DeviceMatrix) -> None:
+    """Register `node`'s AllReduce(avg)s (``NodePlan.backward``) on the gradients of its
+    outputs `out` (a tensor, or a structure of them in the node's output order)."""
+    tensors = [out] if isinstance(out, T) else pytree.tree_leaves(out)
+    tensors = [t for t in tensors if isinstance(t, T)]
+    for c in node.backward:
+        group, _ = group_for(matrix, [matrix.axis(a) for a in c.axes])
+        average_gradient(tensors[c.output], group)
 
 
 def _keep_first(x: T, matrix: DeviceMatrix, axes: tuple[int, ...]) -> T:

@@ -12,7 +12,9 @@ same way, `planner.is_recorded`). For it the executor:
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
    the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
-3. applies the edges of returned values (the loss's AllReduce) right after the op.
+3. applies the edges of returned values (the loss's AllReduce) right after the op, then the
+   AllReduce(avg)s of output gradients the plan puts there (`NodePlan.backward`, registered on
+   the outputs for backward: `_edges.average_outputs`).
 
 Nothing about layouts is decided here: every placement, step and collective comes from the
 plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
@@ -33,7 +35,7 @@ from torch.utils import _pytree as pytree
 from shardwise import communication as comm
 from shardwise.communication.primitives import replicated_seed
 from shardwise.ops import Primitive
-from shardwise.parallel._edges import move, run_collective
+from shardwise.parallel._edges import average_outputs, move, run_collective
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._local import prepare
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
@@ -126,6 +128,7 @@ class PlanExecutor(TorchFunctionMode):
             if e.consumer == -1:
                 self.returned.setdefault(e.value, []).append(e)
         self.returning = {int(v[1:].split(".")[0]) for v in self.returned if v.startswith("%")}
+        self.averaging = {n.index for n in plan.nodes if n.backward}
         # per node: whether every input is whole; a view's local size argument (or None)
         self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in plan.nodes]
         self.flat_templates: dict[int, tuple[list[Any], Any]] = {}
@@ -261,6 +264,8 @@ class PlanExecutor(TorchFunctionMode):
             for c in self.plan.nodes[k].comms:
                 outs[c.output] = run_collective(outs[c.output], c, matrix)
             out = self._returned(k, outs[0] if single else tuple(outs))
+            if k in self.averaging:
+                average_outputs(out, self.plan.nodes[k], matrix)
         finally:
             self.paused -= 1
         self._ended()
@@ -364,7 +369,10 @@ class PlanExecutor(TorchFunctionMode):
             out = self._dropout(k, args, kw)
         else:
             out = func(*args, **kw)
-        return self._returned(k, out)
+        out = self._returned(k, out)
+        if k in self.averaging:
+            average_outputs(out, self.plan.nodes[k], self.plan.matrix)
+        return out
 
     def _global_args(
         self, k: int, tensors: list[T], args: tuple[Any, ...], kw: dict[str, Any]

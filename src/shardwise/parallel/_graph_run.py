@@ -12,7 +12,9 @@ annotations alike; any dataset strategy):
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
   optimizer state already made); for every parameter in the layout the plan stores it in, the
   gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
-  says: `_hsdp.gradient_buckets`); with ``hsdp()`` instead the optimizer-parallel engine
+  says: `_hsdp.gradient_buckets`; gradients the plan makes equal over some axes are not summed
+  over them: `ParallelPlan.equal_grads`, the buckets made again for a plan variant whose
+  differ: `GraphRun._buckets`); with ``hsdp()`` instead the optimizer-parallel engine
   (`_hsdp.start_engine`: shards at rest, each op gets a parameter's compute weight through
   `OptimizerParallel.compute`, gradients reduced into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
@@ -46,7 +48,12 @@ from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._edges import move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor, Replan
-from shardwise.parallel._hsdp import bucket_plans, optimizer_plan, start_engine
+from shardwise.parallel._hsdp import (
+    bucket_plans,
+    gradient_buckets,
+    optimizer_plan,
+    start_engine,
+)
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.parallel._step import input_layout
@@ -133,6 +140,7 @@ class GraphRun:
         self.hooks: list[Any] = []
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
+        self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
         self.optimizers = list(optimizers)
         self.session = _GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
@@ -188,7 +196,9 @@ class GraphRun:
         to the parameters."""
         graph, plan = self._capture_plan(args, kwargs)
         stored = plan.param_layouts()
-        buckets = optimizer_plan(self.network, plan.matrix, stored, self.hsdp, self.fusion)
+        buckets = optimizer_plan(
+            self.network, plan.matrix, stored, self.hsdp, self.fusion, plan.equal_grads
+        )
         plan = dataclasses.replace(plan, buckets=bucket_plans(buckets, plan.matrix))
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
@@ -210,10 +220,27 @@ class GraphRun:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
             self.engine = start_engine(self.network, plan.matrix, buckets)
         else:
-            self.grad_plan = buckets
-            self.grads = GradBuckets(self.network, self.grad_plan)
-            self.hooks += self.grads.handles
+            self._buckets(plan, buckets)
         return plan
+
+    def _buckets(self, plan: ParallelPlan, buckets: OptimizerPlan | None = None) -> None:
+        """The gradient buckets (`buckets`, else made from the first plan's parameters with
+        `plan`'s equal gradients, `ParallelPlan.equal_grads`); made again when a plan variant's
+        equal gradients differ."""
+        if self.grads is not None:
+            if dict(plan.equal_grads) == self.grads_equal:
+                return
+            self.grads.drop_unfinished()
+            for h in self.grads.handles:
+                h.remove()
+                self.hooks.remove(h)
+        if buckets is None:
+            stored = self.plans[0][0].param_layouts()
+            buckets = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
+        self.grad_plan = buckets
+        self.grads = GradBuckets(self.network, self.grad_plan)
+        self.hooks += self.grads.handles
+        self.grads_equal = dict(plan.equal_grads)
 
     @contextmanager
     def _capturing(self) -> Iterator[None]:
@@ -386,7 +413,12 @@ class GraphRun:
         with the others (the parameters stay stored as the first plan stores them)."""
         first = self.plans[0][0]
         graph, plan = self._capture_plan(args, kwargs, stored=first)
-        plan = dataclasses.replace(plan, buckets=first.buckets)  # (the same parameters)
+        if self.hsdp is None:  # (the first plan's parameters, this plan's equal gradients)
+            stored = first.param_layouts()
+            made = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
+            plan = dataclasses.replace(plan, buckets=bucket_plans(made, plan.matrix))
+        else:  # (the engine's shards stay as the first plan made them)
+            plan = dataclasses.replace(plan, buckets=first.buckets)
         for known, templates in self.plans:
             if known == plan:
                 self.parallel_plan, self.templates = known, templates
@@ -403,6 +435,7 @@ class GraphRun:
         if self.dataset == "full_batch":
             args, kwargs = self._cut_inputs(plan, args, kwargs)
         if self.grads is not None:
+            self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
         params = {id(p): n for n, p in self.network.named_parameters()}
         engine = self.engine

@@ -87,12 +87,14 @@ def optimizer_plan(
     stored: Mapping[str, tuple[TensorLayout, Shape]],
     hsdp: HsdpConfig | None,
     fusion: FusionConfig | None,
+    equal: Mapping[str, tuple[int, ...]] | None = None,
 ) -> OptimizerPlan:
-    """The optimizer-parallel plan (with `hsdp`: `plan_optimizer`) or the gradient AllReduce
-    buckets (without: `gradient_buckets`) of `network` stored as `stored` says."""
+    """The optimizer-parallel plan (with `hsdp`: `plan_optimizer`, which sums every gradient
+    over all its replicas) or the gradient AllReduce buckets (without: `gradient_buckets`,
+    not summed over the axes `equal` names) of `network` stored as `stored` says."""
     if hsdp is not None:
         return plan_optimizer(param_infos(network, matrix, stored), hsdp, fusion)
-    return gradient_buckets(network, stored, fusion)
+    return gradient_buckets(network, stored, fusion, equal)
 
 
 def bucket_plans(plan: OptimizerPlan, matrix: DeviceMatrix) -> tuple[BucketPlan, ...]:
@@ -117,6 +119,7 @@ def gradient_buckets(
     network: nn.Module,
     layouts: Mapping[str, tuple[TensorLayout, Shape]],
     fusion: FusionConfig | None,
+    equal: Mapping[str, tuple[int, ...]] | None = None,
 ) -> OptimizerPlan:
     """The gradient AllReduce buckets of `network`'s parameters named in `layouts` (each stored
     in its layout) without optimizer parallel.
@@ -135,6 +138,8 @@ def gradient_buckets(
         layouts: the layout and global shape each parameter is stored in (e.g. the op-level
             plan's, and whole on every rank for the others).
         fusion: the ``comm_fusion`` settings (None: 25 MB buckets).
+        equal: parameter -> the axes its gradient is equal on (`ParallelPlan.equal_grads`: not
+            reduced over them).
 
     Returns:
         An `OptimizerPlan` with nothing sharded and ``allreduce`` buckets (a bucket with no
@@ -150,6 +155,7 @@ def gradient_buckets(
             parallel_optimizer_of(p),
             comm_fusion_of(p),
             p.requires_grad,
+            tuple((equal or {}).get(name, ())),
         )
         for name, p in network.named_parameters()
         if name in layouts

@@ -49,7 +49,8 @@ def masked_lookup(
     """Gather's local inputs when the params are split on `axis` (see the module docstring).
 
     Args:
-        args: this rank's params block and (whole) indices.
+        args: this rank's params block and indices block (whole, or split on dim 0 only:
+            `shardwise.ops.rules.batch_and_rows`).
         layouts: the params' and indices' layouts.
         shapes: their global shapes.
         axis: the gathered axis of the params (normalized).
@@ -65,8 +66,8 @@ def masked_lookup(
     shifted = indices - lo
     mask = (shifted >= 0) & (shifted < rows)
     local_idx = torch.where(mask, shifted, torch.zeros_like(shifted))
-    q, p = len(shapes[1]), len(shapes[0])
-    view = (*shapes[1][:b], *(1,) * (axis - b), *shapes[1][b:q], *(1,) * (p - axis - 1))
+    idx, p = tuple(indices.shape), len(shapes[0])  # (the local block's shape)
+    view = (*idx[:b], *(1,) * (axis - b), *idx[b:], *(1,) * (p - axis - 1))
     return [params, local_idx, *args[2:]], Masked(mask, tuple(int(v) for v in view))
 
 

@@ -12,7 +12,8 @@
   sum its partial gradient over the axes on which the parameter is replicated, one AllReduce
   per fused bucket of gradients (`_hsdp.gradient_buckets`: DDP's 25 MB by default), started as
   soon as the bucket is full (asynchronous in a real job: it overlaps the rest of backward),
-  and divide by the world size.
+  and divide by the world size; a gradient the plan made equal over some replica axes
+  (`ParallelPlan.equal_grads`) is not summed over them but multiplied by their size (`_times`).
 
 Groups (`group_for`) are named by the matrix, the axes and the ranks, the same on every rank. In
 a real job each rank creates the group it belongs to; in a simulated world the group holding
@@ -22,6 +23,7 @@ use the default rank_list).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,9 +34,9 @@ from torch.utils.hooks import RemovableHandle
 from shardwise import communication as comm
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
-from shardwise.communication.primitives import sum_over_ranks
+from shardwise.communication.primitives import GradRoute, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
-from shardwise.optim import OptimizerPlan
+from shardwise.optim import OptimizerPlan, ParamInfo
 from shardwise.parallel._delayed import has_deferred, materialize_blocks
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.redistribution import local_block
@@ -68,14 +70,16 @@ def combine(
     matrix: DeviceMatrix,
     axes: Sequence[int],
     what: object,
+    route: GradRoute | None = None,
 ) -> torch.Tensor:
     """An op's own collective over `axes` of `matrix`: ``"AllReduce"`` (`op` ``"sum"`` or
-    ``"mean"``) or ``"ReduceScatter"`` (``"sum"``, cutting `dim`); `what` names it in errors."""
+    ``"mean"``; its adjoint as `route` says) or ``"ReduceScatter"`` (``"sum"``, cutting `dim`);
+    `what` names it in errors."""
     group, members = group_for(matrix, axes)
     if len(members) == 1:
         return x
     if kind == "AllReduce":
-        return sum_over_ranks(x, group, len(members) if op == "mean" else 1)
+        return sum_over_ranks(x, group, len(members) if op == "mean" else 1, route)
     if kind == "ReduceScatter" and op == "sum" and dim is not None:
         if tuple(sorted(members)) != members:
             raise UnsupportedParallelError(f"{what}: group order differs from rank order")
@@ -115,8 +119,11 @@ class _Bucket:
     """One gradient bucket on this rank: its parameters, their places in one flat buffer, and
     what the running backward put there."""
 
-    def __init__(self, label: str, group: str | None, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, label: str, group: str | None, params: Sequence[torch.Tensor], times: list[int]
+    ) -> None:
         self.label, self.group, self.params = label, group, params
+        self.times = times  # per member: the ranks its gradient is equal on (`_times`)
         self.sizes = [p.numel() for p in params]
         self.offsets = [sum(self.sizes[:j]) for j in range(len(params))]
         self.stores = [_grad_store(p) for p in params]
@@ -176,18 +183,24 @@ class GradBuckets:
         self.handles: list[RemovableHandle] = []
         for i, b in enumerate(plan.buckets):
             params = [network.get_parameter(n) for n in b.names]
-            if not b.dp_axes:  # no replicas: only / world size
+            times = [_times(plan.param(n).info) for n in b.names]
+            if not b.dp_axes:  # no replicas to sum over: only * times / world size
                 if self.world > 1:
-                    self.handles += [p.register_hook(self._scale) for p in params]
+                    self.handles += [
+                        p.register_hook(self._scale(t)) for p, t in zip(params, times, strict=True)
+                    ]
                 continue
             matrix = plan.param(b.names[0]).info.layout.matrix  # (the members' matrix)
             group, _ = group_for(matrix, b.dp_axes)  # (created in bucket order on every rank)
-            bucket = _Bucket(f"bucket {i} ({', '.join(b.names)})", group, params)
+            bucket = _Bucket(f"bucket {i} ({', '.join(b.names)})", group, params, times)
             self.buckets.append(bucket)
             self.handles += [p.register_hook(self._hook(bucket, j)) for j, p in enumerate(params)]
 
-    def _scale(self, g: torch.Tensor) -> torch.Tensor:
-        return g / self.world
+    def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def scale(g: torch.Tensor) -> torch.Tensor:
+            return g * times / self.world if times != 1 else g / self.world
+
+        return scale
 
     def _hook(self, bucket: _Bucket, j: int) -> Callable[[torch.Tensor], torch.Tensor]:
         p = bucket.params[j]
@@ -195,6 +208,8 @@ class GradBuckets:
         def hook(g: torch.Tensor) -> torch.Tensor:
             if not self._join() or j in bucket.got or bucket.pending is not None:
                 reduced = self._now(g, bucket.group)  # (a nested backward, a second gradient)
+                if bucket.times[j] != 1:
+                    reduced.mul_(bucket.times[j])
                 if bucket.got.get(j) == "store":  # added to .grad, which `_finish` overwrites
                     bucket.extra.append((j, reduced))
                 return reduced
@@ -205,6 +220,8 @@ class GradBuckets:
                 return self._now(g, bucket.group)
             slot = bucket.slot(j)
             slot.copy_(g.reshape(-1))
+            if bucket.times[j] != 1:
+                slot.mul_(bucket.times[j])
             if not stores:
                 bucket.got[j], out = "return", slot.view_as(g)
             elif p.grad is None:
@@ -282,6 +299,13 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.reset()
         self.task = -1
+
+
+def _times(info: ParamInfo) -> int:
+    """The ranks a parameter's gradient is equal on (`ParamInfo.equal_axes`): what the sum over
+    them is, times one rank's gradient."""
+    matrix = info.layout.matrix
+    return math.prod(matrix.shape[a] for a in info.equal_axes)
 
 
 def _grad_store(p: torch.Tensor) -> Any:

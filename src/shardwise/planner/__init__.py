@@ -11,6 +11,9 @@
 - `_follow`: an op's aten program followed on placements (the strategy of an unannotated or
   op-form annotated op, the cheaper of following and data parallel).
 - `_placement`: the global device matrix and where inputs and parameters start.
+- `_backward`: `plan_backward`, the last planning step: where a replicated value's gradient is
+  averaged over an axis (Megatron's ``f``) so that forward AllReduces' adjoints and replicated
+  parameters' gradient reductions over that axis become local.
 - `_annotated`: ``sw.shard``'s op form and ``sw.reshard`` read from the graph.
 - `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable).
 - `_plan_json`: a `ParallelPlan` as JSON and back (`ParallelPlan.to_dict` / `from_dict`).

@@ -36,8 +36,10 @@ from shardwise.planner._placement import (
     PlanError,
     _itemsize,
     data_parallel,
+    placements_of,
+    to_placed,
 )
-from shardwise.planner._plan import Placed, placements_of, replicated, to_placed
+from shardwise.planner._plan import Placed, replicated
 from shardwise.redistribution import plan_redistribution
 
 if TYPE_CHECKING:

@@ -12,6 +12,7 @@ parameter's first placement, plus what the planner's modules share.
   consumer's, else the one its op-form annotated op reads it in, else whole.
 - `data_parallel`: dim 0 split over every axis (semi_auto's default for activations);
   `PlanError`: what planning raises; `_itemsize`: a dtype's bytes per element.
+- `to_placed` / `placements_of`: a `Placed` from and to DTensor placements.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Partial, Placement, Replicate
 
-from shardwise.layout import DeviceMatrix, TensorLayout, common_refinement, refine
+from shardwise.layout import (
+    DeviceMatrix,
+    TensorLayout,
+    common_refinement,
+    from_placements,
+    refine,
+    to_placements,
+)
 from shardwise.ops import OpPlan
 from shardwise.planner._graph import Graph, Ref
 from shardwise.planner._plan import Placed, replicated
@@ -33,6 +41,25 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 Placements = tuple[Placement, ...]
 DatasetStrategy = str | Mapping[str, TensorLayout]
+
+
+def to_placed(matrix: DeviceMatrix, placements: Sequence[Placement], ndim: int) -> Placed:
+    """DTensor placements (one per axis of `matrix`) as a `Placed`."""
+    partial = tuple(a for a, p in enumerate(placements) if isinstance(p, Partial))
+    reduce = "sum"
+    if partial:
+        ops = {placements[a].reduce_op for a in partial}  # type: ignore[attr-defined]
+        reduce = "avg" if ops == {"avg"} else "sum"
+    plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    return Placed(from_placements(matrix, plain, ndim), partial, reduce)
+
+
+def placements_of(placed: Placed) -> tuple[Placement, ...]:
+    """A `Placed` as DTensor placements."""
+    out = list(to_placements(placed.layout))
+    for a in placed.partial:
+        out[a] = Partial(placed.reduce)
+    return tuple(out)
 
 
 class PlanError(ValueError):

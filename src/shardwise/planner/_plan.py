@@ -9,7 +9,6 @@
 - `ParamPlan`: the layout a parameter is stored in.
 - `ParallelPlan`: all of it on one device matrix; `str()` prints it, `diff` compares two,
   `to_dict` / `from_dict` / `save` / `load` keep it as JSON (a loaded plan is equal).
-- `to_placed` / `placements_of`: the conversions to and from DTensor placements.
 
 The JSON encoding is `_plan_json`'s (`to_dict` / `from_dict` call its `plan_d` / `plan_of`);
 it builds these classes, so it is imported at the end of this module, which re-exports its
@@ -24,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Shard
 
-from shardwise.layout import DeviceMatrix, TensorLayout, from_placements, to_placements
+from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.redistribution import Slice, Step
 
 Shape = tuple[int, ...]
@@ -70,25 +69,6 @@ def replicated(matrix: DeviceMatrix, ndim: int) -> Placed:
     return Placed(TensorLayout(matrix, ((),) * ndim))
 
 
-def to_placed(matrix: DeviceMatrix, placements: Sequence[Placement], ndim: int) -> Placed:
-    """DTensor placements (one per axis of `matrix`) as a `Placed`."""
-    partial = tuple(a for a, p in enumerate(placements) if isinstance(p, Partial))
-    reduce = "sum"
-    if partial:
-        ops = {placements[a].reduce_op for a in partial}  # type: ignore[attr-defined]
-        reduce = "avg" if ops == {"avg"} else "sum"
-    plain = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-    return Placed(from_placements(matrix, plain, ndim), partial, reduce)
-
-
-def placements_of(placed: Placed) -> tuple[Placement, ...]:
-    """A `Placed` as DTensor placements."""
-    out = list(to_placements(placed.layout))
-    for a in placed.partial:
-        out[a] = Partial(placed.reduce)
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class Collective:
     """One collective the plan runs: its kind, the axes it runs over, and where (for an op's
@@ -106,10 +86,12 @@ class Collective:
     detail: str = ""
     output: int = 0
     dim: int | None = None
+    equal_grad: tuple[str, ...] = ()  # (AllReduce) axes whose adjoint is local (`_backward`)
 
     def __str__(self) -> str:
         detail = f"({self.detail})" if self.detail else ""
-        return f"{self.kind}{detail} over {', '.join(self.axes)} at {self.where}"
+        local = f"; backward local on {', '.join(self.equal_grad)}" if self.equal_grad else ""
+        return f"{self.kind}{detail} over {', '.join(self.axes)} at {self.where}{local}"
 
 
 @dataclass(frozen=True)
@@ -130,6 +112,8 @@ class NodePlan:
         local: a primitive's local compute when it is more than the op on its blocks
             (``"masked_lookup"``, ``"random"``: see `shardwise.ops.OpPlan.local`).
         in_shapes: its tensor inputs' global shapes.
+        backward: AllReduce(avg)s of its outputs' gradients in backward (Megatron's ``f``,
+            `_backward`): the gradient made the same on every rank of those axes.
     """
 
     index: int
@@ -143,6 +127,7 @@ class NodePlan:
     values: tuple[str, ...] = ()
     local: str = ""
     in_shapes: tuple[Shape, ...] = ()
+    backward: tuple[Collective, ...] = ()
 
     @property
     def local_shapes(self) -> tuple[Shape, ...]:
@@ -170,6 +155,8 @@ class EdgePlan:
         shared: the same value was already moved to `dst` for an earlier consumer of this
             forward: that result is reused (no collective; its backward adjoint runs once).
         dtype: the value's dtype (``"float32"``).
+        equal_grad: axes of `reduced` whose adjoint is local (the gradient is the same on
+            their ranks: `_backward`).
     """
 
     consumer: int
@@ -181,6 +168,7 @@ class EdgePlan:
     steps: tuple[Step, ...] = ()
     shared: bool = False
     dtype: str = "float32"
+    equal_grad: tuple[int, ...] = ()
 
     @property
     def reduced(self) -> tuple[int, ...]:
@@ -216,9 +204,11 @@ class EdgePlan:
             m = self.src.layout.matrix
             parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.reduced)}")
         parts += [s.describe(self.src.layout.matrix) for s in self.steps]
+        m = self.src.layout.matrix
         if self.kept:
-            m = self.src.layout.matrix
             parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")
+        if self.equal_grad:
+            parts.append(f"backward local on {_axes_str(m, self.equal_grad)}")
         return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
 
 
@@ -276,6 +266,8 @@ class ParallelPlan:
         buckets: fused gradient / weight collectives (optimizer parallel).
         input_shapes: each input's global shape.
         outputs: each returned tensor's placement (after its edges).
+        equal_grads: parameter -> the axes over which its gradient is the same on every rank
+            (no reduction over them: `_backward`).
     """
 
     device_num: int
@@ -288,6 +280,7 @@ class ParallelPlan:
     buckets: tuple[BucketPlan, ...] = ()
     input_shapes: Mapping[str, Shape] = field(default_factory=dict)
     outputs: tuple[Placed, ...] = ()
+    equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def node(self, name: str) -> NodePlan:
         """The node called `name`.
@@ -328,8 +321,12 @@ class ParallelPlan:
             lines += [f"    edge {e}" for e in by_consumer.get(n.index, [])]
             lines.append(f"  {n}")
             lines += [f"    comm {c}" for c in n.comms]
+            lines += [f"    backward {c} output {c.output}" for c in n.backward]
         lines += [f"    edge {e}" for e in by_consumer.get(-1, [])]
-        lines += [f"  param {k}: {p}" for k, p in self.params.items()]
+        for k, p in self.params.items():
+            equal = self.equal_grads.get(k, ())
+            note = f" (gradient equal on {_axes_str(self.matrix, equal)})" if equal else ""
+            lines.append(f"  param {k}: {p}{note}")
         lines += [f"  bucket {b}" for b in self.buckets]
         return "\n".join(lines)
 
@@ -357,6 +354,8 @@ class ParallelPlan:
                 out.append(f"param {k}: {a_p} -> {b_p}")
         if self.buckets != other.buckets:
             out.append("buckets differ")
+        if self.equal_grads != other.equal_grads:
+            out.append(f"equal gradients: {dict(self.equal_grads)} -> {dict(other.equal_grads)}")
         return out
 
     # -- JSON (`_plan_json`) -------------------------------------------------------------
@@ -408,7 +407,5 @@ __all__ = [
     "matrix_of",
     "params_d",
     "params_of",
-    "placements_of",
     "replicated",
-    "to_placed",
 ]

@@ -7,7 +7,9 @@
 - `_placed_d` / `_placed`, `_comm_d` / `_comm`, `_node_d` / `_node`, `_step_d` / `_step`,
   `_edge_d` / `_edge`: one `Placed`, `Collective`, `NodePlan`, redistribution step and
   `EdgePlan`; a layout is stored as its dims (the axes splitting each), read back on the
-  plan's matrix.
+  plan's matrix. The backward's parts (`equal_grad`, `NodePlan.backward`,
+  `ParallelPlan.equal_grads`) are written only when present (a plan without them reads back
+  with none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
 into an equal value.
@@ -35,7 +37,7 @@ FORMAT = "shardwise.ParallelPlan/1"
 
 def plan_d(plan: ParallelPlan) -> dict[str, Any]:
     """`plan` as JSON-ready data (`plan_of` reads it back into an equal plan)."""
-    return {
+    out = {
         "format": FORMAT,
         "device_num": plan.device_num,
         "matrix": matrix_d(plan.matrix),
@@ -57,6 +59,9 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
             for b in plan.buckets
         ],
     }
+    if plan.equal_grads:
+        out["equal_grads"] = {k: list(v) for k, v in plan.equal_grads.items()}
+    return out
 
 
 def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> ParallelPlan:
@@ -88,6 +93,7 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
         ),
         input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
         outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
+        equal_grads={k: tuple(v) for k, v in data.get("equal_grads", {}).items()},
     )
 
 
@@ -141,6 +147,7 @@ def _comm_d(c: Collective) -> dict[str, Any]:
         out
         | ({"output": c.output} if c.output else {})
         | ({"dim": c.dim} if c.dim is not None else {})
+        | ({"equal_grad": list(c.equal_grad)} if c.equal_grad else {})
     )
 
 
@@ -153,6 +160,7 @@ def _comm(c: Mapping[str, Any]) -> Collective:
         c["detail"],
         int(c.get("output", 0)),
         None if dim is None else int(dim),
+        tuple(c.get("equal_grad", ())),
     )
 
 
@@ -169,7 +177,7 @@ def _node_d(n: NodePlan) -> dict[str, Any]:
         "values": list(n.values),
         "local": n.local,
         "in_shapes": [list(s) for s in n.in_shapes],
-    }
+    } | ({"backward": [_comm_d(c) for c in n.backward]} if n.backward else {})
 
 
 def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
@@ -185,6 +193,7 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
         values=tuple(d.get("values", ())),
         local=d.get("local", ""),
         in_shapes=tuple(tuple(s) for s in d.get("in_shapes", ())),
+        backward=tuple(_comm(c) for c in d.get("backward", ())),
     )
 
 
@@ -213,7 +222,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         "steps": [_step_d(s) for s in e.steps],
         "shared": e.shared,
         "dtype": e.dtype,
-    }
+    } | ({"equal_grad": list(e.equal_grad)} if e.equal_grad else {})
 
 
 def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
@@ -227,6 +236,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         steps=tuple(_step(s) for s in d["steps"]),
         shared=bool(d.get("shared", False)),
         dtype=d.get("dtype", "float32"),
+        equal_grad=tuple(int(a) for a in d.get("equal_grad", ())),
     )
 
 

@@ -30,6 +30,9 @@
    every rank. A whole value that a consumer wants partial (the bias of a row-parallel
    ``F.linear``) is kept on the first rank of those axes and zero on the others
    (`EdgePlan.kept`).
+5. `_backward.plan_backward`: where a replicated value's gradient is made the same on every
+   replica (Megatron's ``f``) because that saves the adjoints of forward AllReduces and the
+   gradient reduction of replicated parameters.
 
 `PlanError` and `data_parallel` are `_placement`'s, importable from here too.
 """
@@ -42,6 +45,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
+from shardwise.planner._backward import plan_backward
 from shardwise.planner._follow import _Follow
 from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._placement import (
@@ -55,6 +59,8 @@ from shardwise.planner._placement import (
     _matrix,
     _param_layouts,
     data_parallel,
+    placements_of,
+    to_placed,
 )
 from shardwise.planner._plan import (
     Collective,
@@ -63,9 +69,7 @@ from shardwise.planner._plan import (
     ParallelPlan,
     ParamPlan,
     Placed,
-    placements_of,
     replicated,
-    to_placed,
 )
 from shardwise.redistribution import plan_redistribution
 
@@ -277,19 +281,21 @@ def plan_semi_auto(
                 p.edge(-1, reduced, ref, Placed(src.layout))
                 p.state[ref] = Placed(src.layout)
                 reduced += 1
+    nodes, edges, equal = plan_backward(graph, p.nodes, p.edges, params, matrix)
     return ParallelPlan(
         device_num=device_num,
         matrix=matrix,
         mode="semi_auto",
         inputs=arrive,
-        nodes=tuple(p.nodes),
-        edges=tuple(p.edges),
+        nodes=nodes,
+        edges=edges,
         params={
             n: ParamPlan(layout, graph.params[n].shape, graph.params[n].dtype)
             for n, layout in params.items()
         },
         input_shapes={k: v.shape for k, v in graph.inputs.items()},
         outputs=tuple(p.state[ref] for ref in graph.outputs),
+        equal_grads=equal,
     )
 
 

@@ -37,14 +37,16 @@ class GPTConfig:
 def megatron_strategies(dp: int, mp: int) -> dict[str, tuple[tuple[int, ...], ...]]:
     """The Megatron-style strategy of every primitive of `GPTBlock` on a ``dp x mp`` grid.
 
-    Embedding rows split over mp (masked lookup + AllReduce); Q/K/V and the MLP's first matmul
-    column-parallel (heads / ffn columns over mp); the attention output and the MLP's second
-    matmul row-parallel (AllReduce over mp); attention per (batch over dp, heads over mp); the
-    rest data parallel over dp (and over dp * mp for the loss rows).
+    Embedding rows split over mp and the ids' batch over dp (MindSpore's split-batch Gather
+    ``((mp, 1), (dp, 1))``: a masked lookup of this dp group's ids + AllReduce over mp); Q/K/V
+    and the MLP's first matmul column-parallel (heads / ffn columns over mp); the attention
+    output and the MLP's second matmul row-parallel (AllReduce over mp); attention per (batch
+    over dp, heads over mp); the rest data parallel over dp (and over dp * mp for the loss
+    rows).
     """
     n = dp * mp
     return {
-        "embed": ((mp, 1), (1, 1)),
+        "embed": ((mp, 1), (dp, 1)),
         "add_pos": ((dp, 1, 1), (1, 1)),
         "flatten_tokens": ((dp, 1, 1),),
         "ln1": ((dp, 1), (1,), (1,)),
