@@ -46,6 +46,7 @@ from shardwise.parallel._edges import move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor, Replan
 from shardwise.parallel._hsdp import gradient_buckets, start_engine
+from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._plan import NetworkPlan
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
@@ -135,6 +136,7 @@ class GraphRun:
         self.session = _GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
+        self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
         self.capturing = False
 
     def _capture_plan(
@@ -250,7 +252,8 @@ class GraphRun:
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.executor is not None:
-            closure = (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
+            # (torch passes the optimizer itself as args[0])
+            closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
             self.executor.step_starts(optimizer, closure)
 
     def _step_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -398,17 +401,19 @@ class GraphRun:
                 engine.end_forward()
             recorder.mark("forward done")
 
+        known = self.tables.get(id(plan))
+        table = known[1] if known is not None and known[0] is plan else None
+        if table is None:  # (worked out once per plan)
+            table = NodeTable(plan, self.templates)
+            self.tables[id(plan)] = (plan, table)
         executor = PlanExecutor(
             plan,
             params,
             param_value=None if engine is None else engine.compute,
-            templates=self.templates,
             on_end=forward_done,
             on_start=forward_starts,
+            table=table,
         )
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-            if isinstance(leaf, T):
-                executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"
         self.executor = executor
         try:
             with executor, activate(self.session):
