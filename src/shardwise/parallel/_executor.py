@@ -78,7 +78,8 @@ class PlanExecutor(TorchFunctionMode):
 
     Args:
         plan: the plan.
-        params: parameter id -> its name, for the parameters the plan stores.
+        params: parameter id -> its name, for the parameters the plan stores (called when
+            first needed).
         param_value: the value a parameter enters an op with (default: itself).
         templates: each node's captured arguments (`planner.Node.args` / ``kwargs``): an op
             whose inputs are all whole gets the captured sizes instead of the ones user code
@@ -91,7 +92,7 @@ class PlanExecutor(TorchFunctionMode):
     def __init__(
         self,
         plan: ParallelPlan,
-        params: dict[int, str],
+        params: Callable[[], dict[int, str]],
         param_value: Callable[[T], T] | None = None,
         templates: list[tuple[Any, Any]] | None = None,
         on_end: Callable[[], None] | None = None,
@@ -103,7 +104,8 @@ class PlanExecutor(TorchFunctionMode):
         self.table = table if table is not None else NodeTable(plan, templates)
         self.on_end = on_end
         self.on_start = on_start
-        self.params = params
+        self.params_of = params
+        self.known_params: dict[int, str] | None = None
         self.param_value = param_value
         self.cursor = 0
         self.count = len(plan.nodes)
@@ -117,6 +119,13 @@ class PlanExecutor(TorchFunctionMode):
         # running optimizer steps: (id, paused, lifted off the mode stack)
         self.stepping: list[tuple[int, bool, bool]] = []
         self.lifted = False  # off the mode stack (during an optimizer step)
+
+    @property
+    def params(self) -> dict[int, str]:
+        """Parameter id -> its name."""
+        if self.known_params is None:
+            self.known_params = self.params_of()
+        return self.known_params
 
     @property
     def done(self) -> bool:
@@ -298,7 +307,7 @@ class PlanExecutor(TorchFunctionMode):
         for i, leaf in enumerate(tensors):
             if not isinstance(leaf, T):
                 continue
-            if id(leaf) in self.params and self.param_value is not None:
+            if self.param_value is not None and id(leaf) in self.params:
                 leaf = self.param_value(leaf)
             edge = self.table.edges.get((k, slot))
             if edge is not None and edge.shared:
