@@ -138,6 +138,7 @@ class _Bucket:
     def __init__(self, label: str, group: str | None, params: Sequence[torch.Tensor]) -> None:
         self.label, self.group, self.params = label, group, params
         self.sizes = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
         self.offsets = [sum(self.sizes[:j]) for j in range(len(params))]
         self.stores = [_grad_store(p) for p in params]
         # the flat buffer for stored gradients, reused while no gradient delivered from it
@@ -154,11 +155,11 @@ class _Bucket:
         self.extra: list[tuple[int, torch.Tensor]] = []  # reduced on their own onto a "store"
 
     def slot(self, j: int) -> torch.Tensor:
-        """Member `j`'s place in the flat buffer (flat)."""
+        """Member `j`'s place in the flat buffer (in its parameter's shape)."""
         assert self.flat is not None
         if self.flat is self.kept:
             return self.kept_slots[j]
-        return self.flat[self.offsets[j] : self.offsets[j] + self.sizes[j]]
+        return self.flat[self.offsets[j] : self.offsets[j] + self.sizes[j]].view(self.shapes[j])
 
     def buffer(self, g: torch.Tensor, keep: bool) -> torch.Tensor:
         """This backward's flat buffer: the kept one (`keep`: the reduced gradients go to
@@ -169,7 +170,8 @@ class _Bucket:
         if self.kept is None or _storage_refs(self.kept) > self.kept_refs:
             self.kept = g.new_empty(sum(self.sizes))
             self.kept_slots = [
-                self.kept[o : o + n] for o, n in zip(self.offsets, self.sizes, strict=True)
+                self.kept[o : o + n].view(shape)
+                for o, n, shape in zip(self.offsets, self.sizes, self.shapes, strict=True)
             ]
             self.kept_refs = _storage_refs(self.kept)
         return self.kept
@@ -189,11 +191,12 @@ class GradBuckets:
     (`_finish`, queued with autograd's ``queue_callback``) the buckets that some parameters left
     incomplete start (zeros in the missing slots: every rank runs the same graph), all are
     finished in the order they started, divided by the world size and delivered: its slot made
-    the parameter's ``.grad`` (a view of the flat buffer, like DDP's ``gradient_as_bucket_view``;
-    the hook returned the gradient itself, which autograd stored until then; the buffer is
-    reused next backward unless a delivered gradient is still referenced), added to an
-    existing ``.grad`` (several backward calls per step: the hook returned zeros), or, for
-    ``torch.autograd.grad`` (nothing stored), already in place in the slot the hook returned.
+    the parameter's ``.grad`` (a view of the flat buffer, like DDP's
+    ``gradient_as_bucket_view``; the hook returned the gradient itself, which autograd stored
+    until then; the buffer is reused next backward unless a delivered gradient is still
+    referenced), added to an existing ``.grad`` (several backward calls per step: the hook
+    returned zeros), or, for ``torch.autograd.grad`` (nothing stored), already in place in the
+    slot the hook returned.
     A parameter without a gradient in a backward keeps its ``.grad``. A gradient arriving in
     another backward while one is running (a nested one) or twice in one backward is all-reduced
     on its own in the hook. A backward that raised is dropped at the next forward
@@ -226,7 +229,9 @@ class GradBuckets:
         p = bucket.params[j]
 
         def hook(g: torch.Tensor) -> torch.Tensor:
-            if not self._join() or j in bucket.got or bucket.pending is not None:
+            task = torch._C._current_graph_task_id()
+            joined = task == self.task or self._join(task)
+            if not joined or j in bucket.got or bucket.pending is not None:
                 reduced = self._now(g, bucket.group)  # (a nested backward, a second gradient)
                 if bucket.got.get(j) == "store":  # added to .grad, which `_finish` overwrites
                     bucket.extra.append((j, reduced))
@@ -237,7 +242,7 @@ class GradBuckets:
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(g, bucket.group)
             slot = bucket.slot(j)
-            slot.copy_(g.reshape(-1))
+            slot.copy_(g)
             if not stores:
                 bucket.got[j], out = "return", slot.view_as(g)
             elif p.grad is None:
@@ -250,10 +255,9 @@ class GradBuckets:
 
         return hook
 
-    def _join(self) -> bool:
-        """Whether the running backward is the one the buckets collect (the first to deliver a
-        gradient since the last `_finish` queues it at its end)."""
-        task = torch._C._current_graph_task_id()
+    def _join(self, task: int) -> bool:
+        """Whether the running backward (graph task `task`) is the one the buckets collect (the
+        first to deliver a gradient since the last `_finish` queues it at its end)."""
         if self.task == -1:
             self.task = task
             recorder.mark("backward: first gradient ready")
@@ -286,7 +290,7 @@ class GradBuckets:
                 bucket.pending.wait()
                 bucket.flat.div_(self.world)
                 for j, how in bucket.got.items():
-                    p, reduced = bucket.params[j], bucket.slot(j).view(bucket.params[j].shape)
+                    p, reduced = bucket.params[j], bucket.slot(j).view(bucket.shapes[j])
                     if how == "return":
                         continue
                     if p.grad is None or how == "store":  # (its slot of the kept buffer)
