@@ -23,7 +23,7 @@ Nothing about layouts is decided here: every placement, step and collective come
 plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
 unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`. An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
-(`PlanExecutor.step_starts` / `step_ends`), so its ops do not reach Python here.
+(`_stepping.SteppingMode`, its base), so its ops do not reach Python here.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from shardwise.communication.primitives import replicated_seed
@@ -42,19 +41,25 @@ from shardwise.parallel._edges import move, run_collective
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._local import dropout_block, prepare
 from shardwise.parallel._node_table import PLAIN, SIZED, SLOW, NodeTable, call_info
+from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
 
 T = torch.Tensor
+_NESTED = (list, tuple, dict)
 _PASSED = object()  # a primitive call that is not a node (nested, or in an optimizer step)
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether no argument is a container (its tensors are the arguments themselves)."""
+    return not any(isinstance(a, _NESTED) for a in args) and not any(
+        isinstance(v, _NESTED) for v in kwargs.values()
+    )
 
 
 def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call's arguments hold a tensor (flat arguments checked without pytree)."""
-    for a in args:
-        if isinstance(a, T):
-            return True
-    if not kwargs and not any(isinstance(a, list | tuple | dict) for a in args):
-        return False
+    if _flat(args, kwargs):
+        return any(isinstance(a, T) for a in args) or any(isinstance(v, T) for v in kwargs.values())
     return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
 
 
@@ -73,7 +78,7 @@ class Replan(BaseException):
         self.cursor, self.op = cursor, op
 
 
-class PlanExecutor(TorchFunctionMode):
+class PlanExecutor(SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -111,14 +116,10 @@ class PlanExecutor(TorchFunctionMode):
         self.count = len(plan.nodes)
         self.ops = self.table.ops
         self.fast = self.table.fast if param_value is None else self.table.fast_no_param
-        self.paused = 0
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
-        # running optimizer steps: (id, paused, lifted off the mode stack)
-        self.stepping: list[tuple[int, bool, bool]] = []
-        self.lifted = False  # off the mode stack (during an optimizer step)
 
     @property
     def params(self) -> dict[int, str]:
@@ -140,15 +141,14 @@ class PlanExecutor(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kind, op = call_info(func)
+        if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
+            if kind == "backward":
+                return self._call(func, kind, op, args, kwargs or {})
+            return func(*args, **kwargs) if kwargs else func(*args)
         k = self.cursor
         fast = self.fast[k] if k < self.count else SLOW
         if (  # a node on its short path (`NodeTable.fast`): the op checked, the cursor moved
-            fast
-            and kind == "op"
-            and not self.paused
-            and op == self.ops[k]
-            and args
-            and isinstance(args[0], T)
+            fast and not self.paused and op == self.ops[k] and args and isinstance(args[0], T)
         ):
             self.cursor = k + 1
             self.paused += 1
@@ -200,47 +200,6 @@ class PlanExecutor(TorchFunctionMode):
             self.moved.clear()
             if self.on_end is not None:
                 self.on_end()
-
-    # -- optimizer steps (global step hooks that `GraphRun` registers) ----------------------
-    def step_starts(self, optimizer: Any, closure: bool) -> None:
-        """An optimizer steps inside the call: without a closure its ops are not the plan's
-        and pass unexamined until `step_ends` (a closure re-runs the network: examined). When
-        this mode is the top of the torch-function mode stack it is taken off it for the step
-        (its ops then never reach Python here), else it stays paused. A step of the same
-        optimizer still open is one that raised: it ends here."""
-        if any(key == id(optimizer) for key, _, _ in self.stepping):
-            self.step_ends(optimizer)
-        lifted = not closure and self._lift()
-        self.stepping.append((id(optimizer), not closure, lifted))
-        self.paused += not closure
-
-    def step_ends(self, optimizer: Any) -> None:
-        """The step of `optimizer` ended; steps inside it that raised end with it."""
-        while self.stepping:
-            key, paused, lifted = self.stepping.pop()
-            self.paused -= paused
-            if lifted:
-                self.lifted = False
-                torch._C._push_on_torch_function_stack(self)
-            if key == id(optimizer):
-                return
-
-    def _lift(self) -> bool:
-        """Take this mode off the top of the mode stack (False: it is not the top)."""
-        depth = torch._C._len_torch_function_stack()
-        if self.lifted or not depth or torch._C._get_function_stack_at(depth - 1) is not self:
-            return False
-        torch._C._pop_torch_function_stack()
-        self.lifted = True
-        return True
-
-    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        """Leave the mode stack (a step that raised left this mode off it already)."""
-        self.stepping.clear()
-        if self.lifted:
-            self.lifted = False
-            return
-        super().__exit__(exc_type, exc_val, exc_tb)
 
     # -- shardwise primitives (module hooks that `GraphRun` registers) ---------------------
     def enter_primitive(
@@ -324,7 +283,7 @@ class PlanExecutor(TorchFunctionMode):
         """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
         on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one."""
         out = func(*args, **kw)
-        if not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
+        if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
             return out
         node = self.plan.nodes[self.cursor]
         self._advance(op, "made a tensor with")
@@ -384,9 +343,9 @@ class PlanExecutor(TorchFunctionMode):
     def _run(
         self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
-        if not kw and not any(isinstance(a, list | tuple | dict) for a in args):
-            leaves = self._moved_inputs(k, list(args))  # (flat arguments: no pytree)
-            args = tuple(leaves)
+        if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
+            leaves = self._moved_inputs(k, [*args, *kw.values()])
+            args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
         else:
             leaves, spec = pytree.tree_flatten((args, kw))
             args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
@@ -406,6 +365,10 @@ class PlanExecutor(TorchFunctionMode):
     def _returned(self, k: int, out: Any) -> Any:
         """Apply the edges of the node's returned outputs (the loss's AllReduce)."""
         if k not in self.table.returning:
+            return out
+        if isinstance(out, T):  # (one tensor: no pytree)
+            for e in self.table.returned.get(f"%{k}", []):
+                out = move(out, e)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0
