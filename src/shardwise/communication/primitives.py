@@ -20,7 +20,8 @@ NeighborExchangeV2 2-D halo exchange (8 directions, NCHW)     slices + exchange:
 Rank ids (``root_rank``, ``send_rank_ids`` ...) are global ranks and must belong to `group`.
 
 `sum_over_ranks(x, group, divisor)` is the AllReduce(SUM) (then / `divisor`) by which the
-parallel runtime makes a partial value (a loss over this rank's rows) whole. Its backward is
+parallel runtime makes a partial value (a loss over this rank's rows) whole (optionally only
+started, finished by the caller later: the plan executor's returned loss). Its backward is
 the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
 ``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
 and the sum over the group of N equal values is N times the value, computed locally: one
@@ -29,7 +30,7 @@ synchronizing collective per training step fewer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,21 +73,40 @@ class _AllReduceFn(torch.autograd.Function):
 
 class _SumOverRanksFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: GroupArg, divisor: int) -> torch.Tensor:
-        out = C.all_reduce(x, ReduceOp.SUM, group)
+    def forward(
+        ctx: Any, x: torch.Tensor, group: GroupArg, divisor: int, started: list[Any] | None
+    ) -> torch.Tensor:
         ctx.group, ctx.divisor, ctx.replicated_seed = group, divisor, False
-        return out / divisor if divisor != 1 else out
+        if started is None:
+            out = C.all_reduce(x, ReduceOp.SUM, group)
+            return out / divisor if divisor != 1 else out
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        pending = C.all_reduce_async(out, ReduceOp.SUM, group)
+
+        def finish() -> None:
+            pending.wait()
+            if divisor != 1:
+                with torch.no_grad():
+                    out.div_(divisor)
+
+        started.append(finish)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         g = g / ctx.divisor if ctx.divisor != 1 else g
         if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            return g * get_group_size(ctx.group), None, None
+            return g * get_group_size(ctx.group), None, None, None
         with recorder.phase("backward"):
-            return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None
+            return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None
 
 
-def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) -> torch.Tensor:
+def sum_over_ranks(
+    x: torch.Tensor,
+    group: GroupArg = None,
+    divisor: int = 1,
+    started: list[Callable[[], None]] | None = None,
+) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
     the result is the root of a seeded backward (`replicated_seed`), the gradient times the
@@ -96,6 +116,10 @@ def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) ->
         x: this rank's partial value.
         group: group name, `Group` or None (the world).
         divisor: divide the sum by it (e.g. the world size, for a mean over all ranks' rows).
+        started: when given, the AllReduce is only started (in a real job: a simulated world
+            runs it at once) and a function that finishes it is appended here: the result holds
+            the sum only after that function ran, and must not be read before (its backward
+            needs no value of it).
 
     Returns:
         The reduced value, the same on every rank.
@@ -105,7 +129,9 @@ def sum_over_ranks(x: torch.Tensor, group: GroupArg = None, divisor: int = 1) ->
     """
     if get_group_size(group) == 1:  # this rank's value is the sum: no collective
         return x / divisor if divisor != 1 else x
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor)
+    if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
+        started = None
+    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, started)
     return out
 
 

@@ -12,7 +12,10 @@ same way, `planner.is_recorded`). For it the executor:
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
    the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
-3. applies the edges of returned values (the loss's AllReduce) right after the op.
+3. applies the edges of returned values right after the op; the loss's AllReduce is only
+   started there (`sum_over_ranks`) and finished before anything can read the loss: at the
+   next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
+   overlap), before an optimizer step or a primitive, at the end of the call.
 
 What each node needs is worked out once per plan (`_node_table.NodeTable`): a node with no
 edge in or out (nearly every node under data parallel) takes a short path in
@@ -120,6 +123,7 @@ class PlanExecutor(SteppingMode):
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
+        self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
 
     @property
     def params(self) -> dict[int, str]:
@@ -140,6 +144,8 @@ class PlanExecutor(SteppingMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if self.started and func is not T.backward:  # (the loss's AllReduce: see `_returned`)
+            self.finish_started()
         kind, op = call_info(func)
         if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
             if kind == "backward":
@@ -174,8 +180,11 @@ class PlanExecutor(SteppingMode):
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             if gradient is None and args and isinstance(args[0], T):
                 with replicated_seed(args[0]):
-                    return func(*args, **kwargs)
-            return func(*args, **kwargs)
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            self.finish_started()  # (a started AllReduce of the loss ran alongside)
+            return out
         if self.paused or kind != "op":
             return func(*args, **kwargs)
         if self.done and not self._restarts(op, (args, kwargs)):
@@ -201,6 +210,20 @@ class PlanExecutor(SteppingMode):
             if self.on_end is not None:
                 self.on_end()
 
+    def finish_started(self) -> None:
+        """Finish the started AllReduces of returned values (their results are whole now)."""
+        started, self.started = self.started, []
+        for finish in started:
+            finish()
+
+    def step_starts(self, optimizer: Any, closure: bool) -> None:
+        self.finish_started()  # (the step's ops do not come here)
+        super().step_starts(optimizer, closure)
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        self.finish_started()
+        super().__exit__(exc_type, exc_val, exc_tb)
+
     # -- shardwise primitives (module hooks that `GraphRun` registers) ---------------------
     def enter_primitive(
         self, module: Primitive, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -208,6 +231,7 @@ class PlanExecutor(SteppingMode):
         """A primitive's forward pre-hook: its node's inputs moved as the edges say (its
         parameters from their stored layout, through `param_value`), its local compute prepared
         (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes."""
+        self.finish_started()
         if self.paused:  # (inside another primitive, or an optimizer step)
             self.primitives.append(_PASSED)
             return None
@@ -368,7 +392,7 @@ class PlanExecutor(SteppingMode):
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e)
+                out = move(out, e, self.started)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0
