@@ -43,7 +43,7 @@ from shardwise.ops import Primitive
 from shardwise.parallel._edges import move, run_collective
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._local import dropout_block, prepare
-from shardwise.parallel._node_table import PLAIN, SIZED, SLOW, NodeTable, call_info
+from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
 
@@ -146,7 +146,10 @@ class PlanExecutor(SteppingMode):
     ) -> Any:
         if self.started and func is not T.backward:  # (the loss's AllReduce: see `_returned`)
             self.finish_started()
-        kind, op = call_info(func)
+        try:
+            kind, op = CALLS[func]  # (`call_info`'s cache, read inline: a call on every op)
+        except (KeyError, TypeError):
+            kind, op = call_info(func)
         if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
             if kind == "backward":
                 return self._call(func, kind, op, args, kwargs or {})

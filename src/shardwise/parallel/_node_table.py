@@ -36,20 +36,20 @@ PLAIN = 1  # the op on the blocks as they are
 SIZED = 2  # a view: the plan's local shape as the size argument
 DROPOUT = 3  # this rank's block of one global mask
 
-_INFO: dict[Any, tuple[str, str]] = {}
+CALLS: dict[Any, tuple[str, str]] = {}  # `call_info` by function (the executor reads it inline)
 
 
 def call_info(func: Callable[..., Any]) -> tuple[str, str]:
     """A torch-level call's kind (`record_kind`: ``"op"``, ``"skip"``, ``"backward"`` ...) and
     its qualified name, as the capture records it (cached)."""
     try:
-        return _INFO[func]
+        return CALLS[func]
     except (KeyError, TypeError):
         pass
     name = str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
     info = (record_kind(func), name)
     with contextlib.suppress(TypeError):  # (an unhashable callable)
-        _INFO[func] = info
+        CALLS[func] = info
     return info
 
 
