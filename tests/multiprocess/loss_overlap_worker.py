@@ -79,7 +79,21 @@ def after_step(net, opt, x, y, seen):  # type: ignore[no-untyped-def]
     return F.cross_entropy(net(x), y)  # the network again: the updated net's loss
 
 
-CASES: list[Step] = [read_before_backward, returned, accumulated, scaled, closure, after_step]
+def inference(net, opt, x, y, seen):  # type: ignore[no-untyped-def]
+    with torch.inference_mode():  # (an inference tensor: finished in place all the same)
+        loss = F.cross_entropy(net(x), y)
+    return loss
+
+
+CASES: list[Step] = [
+    read_before_backward,
+    returned,
+    accumulated,
+    scaled,
+    closure,
+    after_step,
+    inference,
+]
 
 
 def run(step: Step, parallel: bool, rows: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:

@@ -85,8 +85,8 @@ class _SumOverRanksFn(torch.autograd.Function):
 
         def finish() -> None:
             pending.wait()
-            if divisor != 1:
-                with torch.no_grad():
+            if divisor != 1:  # (in place, also on a tensor made under inference_mode)
+                with torch.inference_mode(out.is_inference()), torch.no_grad():
                     out.div_(divisor)
 
         started.append(finish)
