@@ -91,6 +91,29 @@ def _dtensor_rules() -> None:
     assert folded == [(Shard(1),)] and split == [(Shard(2),)], (folded, split)
 
 
+def _storage_use_count() -> None:
+    base = torch.zeros(4)
+    alone = int(torch._C._storage_Use_Count(base.untyped_storage()._cdata))
+    view = base[1:]
+    shared = int(torch._C._storage_Use_Count(base.untyped_storage()._cdata))
+    assert shared == alone + 1, (alone, shared)  # (a view holds a reference to the storage)
+    del view
+
+
+def _function_mode_stack() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    mode = TorchFunctionMode()
+    depth = torch._C._len_torch_function_stack()
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        assert torch._C._len_torch_function_stack() == depth + 1
+        assert torch._C._get_function_stack_at(depth) is mode
+    finally:
+        assert torch._C._pop_torch_function_stack() is mode
+    assert torch._C._len_torch_function_stack() == depth
+
+
 def _default_store() -> None:
     assert callable(dist.distributed_c10d._get_default_store)
 
@@ -113,6 +136,8 @@ CASES: dict[str, Callable[[], None]] = {
         "torch._C", "_will_engine_execute_node"
     ),
     "parallel/_runtime, optim/_engine: queue_callback": _engine_queue_callback,
+    "parallel/_runtime: _storage_Use_Count": _storage_use_count,
+    "parallel/_stepping: the torch-function mode stack": _function_mode_stack,
     "optim/_engine, parameter/_parameter, parameter/_tape: tensor internals": _tensor_internals,
     "parameter/_deferred: Module._parameters / _buffers / _non_persistent_buffers_set": (
         _module_dicts

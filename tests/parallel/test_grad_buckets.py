@@ -9,7 +9,8 @@ parameter order and started as soon as they are full (before the first layer's g
 exists). In every case the loss and the gradients equal one device's, also with two backward
 calls per step (accumulating, onto a gradient left as zeros too), with ``torch.autograd.grad``
 (returned, nothing stored), with a layer that gets no gradient, after a backward that raised,
-and with a float64 parameter (its own bucket: one dtype per flat buffer).
+and with a float64 parameter (its own bucket: one dtype per flat buffer). The gradients are
+views of the bucket's buffer: gradients a caller keeps are not overwritten by the next backward.
 """
 
 from __future__ import annotations
@@ -255,3 +256,30 @@ def test_float64_parameter_gets_its_own_bucket() -> None:
         dtypes = [r.dtype for r in rec.select(phase="backward")]
         assert sorted(map(str, dtypes)) == ["torch.float32", "torch.float64"]
         assert_matches_single_device(grads(net), grads(ref), what="grads")
+
+
+def test_kept_gradients_are_not_overwritten() -> None:
+    """The reduced gradients are slots of the bucket's flat buffer, which the next backward
+    reuses once they are dropped; gradients the caller still holds keep their values (that
+    backward takes a new buffer), and each step's gradients are one device's."""
+
+    def doubled(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return backward_once(net, x * 2, y)
+
+    _, want = single_device(backward_once)
+    _, want_doubled = single_device(doubled)
+    net = Mlp()
+    x, y = batch()  # (made outside the world: plain tensors)
+    x2 = x * 2
+    with simulated_world(WORLD) as world:
+        parallel = wrapped(world, net, backward_once)
+        parallel(world.rows(x), world.rows(y))
+        kept = grads(net)  # (held across the next backward)
+        net.zero_grad()
+        parallel(world.rows(x2), world.rows(y))
+        assert_matches_single_device(kept, want, what="kept grads")
+        assert_matches_single_device(grads(net), want_doubled, what="grads")
+        del kept
+        net.zero_grad()
+        parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(grads(net), want, what="grads")

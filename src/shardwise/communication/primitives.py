@@ -20,7 +20,8 @@ NeighborExchangeV2 2-D halo exchange (8 directions, NCHW)     slices + exchange:
 Rank ids (``root_rank``, ``send_rank_ids`` ...) are global ranks and must belong to `group`.
 
 `sum_over_ranks(x, group, divisor)` is the AllReduce(SUM) (then / `divisor`) by which the
-parallel runtime makes a partial value (a loss over this rank's rows) whole. Its backward is
+parallel runtime makes a partial value (a loss over this rank's rows) whole (optionally only
+started, finished by the caller later: the plan executor's returned loss). Its backward is
 the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
 ``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
 and the sum over the group of N equal values is N times the value, computed locally: one
@@ -32,7 +33,7 @@ it replaces the gradient of `x` by its mean over the group, making it the same o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -87,28 +88,49 @@ class GradRoute(NamedTuple):
 class _SumOverRanksFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, group: GroupArg, divisor: int, route: GradRoute | None
+        ctx: Any,
+        x: torch.Tensor,
+        group: GroupArg,
+        divisor: int,
+        route: GradRoute | None,
+        started: list[Any] | None,
     ) -> torch.Tensor:
-        out = C.all_reduce(x, ReduceOp.SUM, group)
         ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
-        return out / divisor if divisor != 1 else out
+        if started is None:
+            out = C.all_reduce(x, ReduceOp.SUM, group)
+            return out / divisor if divisor != 1 else out
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        pending = C.all_reduce_async(out, ReduceOp.SUM, group)
+
+        def finish() -> None:
+            pending.wait()
+            if divisor != 1:  # (in place, also on a tensor made under inference_mode)
+                with torch.inference_mode(out.is_inference()), torch.no_grad():
+                    out.div_(divisor)
+
+        started.append(finish)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         g = g / ctx.divisor if ctx.divisor != 1 else g
         if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            return g * get_group_size(ctx.group), None, None, None
+            return g * get_group_size(ctx.group), None, None, None, None
         route: GradRoute | None = ctx.route
         with recorder.phase("backward"):
             if route is None:
-                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None
+                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None, None
             if route.reduce:
                 g = C.all_reduce(g, ReduceOp.SUM, route.group)
-            return (g * route.times if route.times != 1 else g), None, None, None
+            return (g * route.times if route.times != 1 else g), None, None, None, None
 
 
 def sum_over_ranks(
-    x: torch.Tensor, group: GroupArg = None, divisor: int = 1, route: GradRoute | None = None
+    x: torch.Tensor,
+    group: GroupArg = None,
+    divisor: int = 1,
+    route: GradRoute | None = None,
+    started: list[Callable[[], None]] | None = None,
 ) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
@@ -120,6 +142,10 @@ def sum_over_ranks(
         group: group name, `Group` or None (the world).
         divisor: divide the sum by it (e.g. the world size, for a mean over all ranks' rows).
         route: the result's gradient is the same on some of the group's ranks: its adjoint.
+        started: when given, the AllReduce is only started (in a real job: a simulated world
+            runs it at once) and a function that finishes it is appended here: the result holds
+            the sum only after that function ran, and must not be read before (its backward
+            needs no value of it).
 
     Returns:
         The reduced value, the same on every rank.
@@ -129,7 +155,9 @@ def sum_over_ranks(
     """
     if get_group_size(group) == 1:  # this rank's value is the sum: no collective
         return x / divisor if divisor != 1 else x
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route)
+    if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
+        started = None
+    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started)
     return out
 
 

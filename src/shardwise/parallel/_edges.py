@@ -1,7 +1,8 @@
 """Moving values as a `ParallelPlan` says, on this rank (used by `_executor.PlanExecutor`).
 
 - `move`: one edge (`planner.EdgePlan`): the AllReduce of partial values, then the Slice /
-  AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial.
+  AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial; an edge that
+  is only the AllReduce can be started and finished later (the executor's returned loss).
 - `run_collective`: an op's own collective (`planner.NodePlan.comms`), through
   `_runtime.combine`.
 - `grad_route`: the adjoint of such an AllReduce when the plan says its result's gradient is
@@ -13,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,13 +29,17 @@ from shardwise.redistribution import local_block, redistribute
 T = torch.Tensor
 
 
-def move(x: T, edge: EdgePlan) -> T:
-    """`x` (this rank's part of the edge's value) moved as `edge` says."""
+def move(x: T, edge: EdgePlan, started: list[Callable[[], None]] | None = None) -> T:
+    """`x` (this rank's part of the edge's value) moved as `edge` says; with `started`, an edge
+    that is only an AllReduce is only started (`sum_over_ranks`: finished by the function it
+    appends there)."""
     m = edge.src.layout.matrix
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
         divisor = len(members) if edge.src.reduce == "avg" else 1
-        x = sum_over_ranks(x, group, divisor, grad_route(m, edge.reduced, edge.equal_grad))
+        route = grad_route(m, edge.reduced, edge.equal_grad)
+        only = not edge.steps and not edge.kept
+        x = sum_over_ranks(x, group, divisor, route, started if only else None)
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:

@@ -12,66 +12,60 @@ same way, `planner.is_recorded`). For it the executor:
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
    the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
-3. applies the edges of returned values (the loss's AllReduce) right after the op, then the
+3. applies the edges of returned values right after the op; the loss's AllReduce is only
+   started there (`sum_over_ranks`) and finished before anything can read the loss: at the
+   next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
+   overlap), before an optimizer step or a primitive, at the end of the call; then the
    AllReduce(avg)s of output gradients the plan puts there (`NodePlan.backward`, registered on
    the outputs for backward: `_edges.average_outputs`).
 
+What each node needs is worked out once per plan (`_node_table.NodeTable`): a node with no
+edge in or out and no gradient average (nearly every node under data parallel) takes a short
+path in `PlanExecutor.__torch_function__` (its op checked against the plan's, the cursor
+moved, the op run); the others take the full path (`PlanExecutor._call`).
+
 Nothing about layouts is decided here: every placement, step and collective comes from the
 plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
-unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`.
+unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`. An optimizer
+step without a closure takes the executor off the torch-function mode stack until it ends
+(`_stepping.SteppingMode`, its base), so its ops do not reach Python here.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 
-from shardwise import communication as comm
 from shardwise.communication.primitives import replicated_seed
 from shardwise.ops import Primitive
 from shardwise.parallel._edges import average_outputs, move, run_collective
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._local import prepare
-from shardwise.planner import EdgePlan, ParallelPlan, Placed
-from shardwise.planner._capture import record_kind
-from shardwise.planner._graph import TensorSlot
-from shardwise.redistribution import local_block
+from shardwise.parallel._local import dropout_block, prepare
+from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
+from shardwise.parallel._stepping import SteppingMode
+from shardwise.planner import ParallelPlan, Placed
 
 T = torch.Tensor
-_SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
-
-
-_NAMES: dict[Any, str] = {}
+_NESTED = (list, tuple, dict)
 _PASSED = object()  # a primitive call that is not a node (nested, or in an optimizer step)
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether no argument is a container (its tensors are the arguments themselves)."""
+    return not any(isinstance(a, _NESTED) for a in args) and not any(
+        isinstance(v, _NESTED) for v in kwargs.values()
+    )
 
 
 def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call's arguments hold a tensor (flat arguments checked without pytree)."""
-    for a in args:
-        if isinstance(a, T):
-            return True
-    if not kwargs and not any(isinstance(a, list | tuple | dict) for a in args):
-        return False
+    if _flat(args, kwargs):
+        return any(isinstance(a, T) for a in args) or any(isinstance(v, T) for v in kwargs.values())
     return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
-
-
-def op_name(func: Callable[..., Any]) -> str:
-    """A torch function's qualified name, as the capture records it (cached: torch's
-    `resolve_name` costs microseconds a call)."""
-    try:
-        return _NAMES[func]
-    except (KeyError, TypeError):
-        pass
-    name = str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
-    with contextlib.suppress(TypeError):  # (an unhashable callable)
-        _NAMES[func] = name
-    return name
 
 
 class Replan(BaseException):
@@ -89,65 +83,61 @@ class Replan(BaseException):
         self.cursor, self.op = cursor, op
 
 
-class PlanExecutor(TorchFunctionMode):
+class PlanExecutor(SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
         plan: the plan.
-        params: parameter id -> its name, for the parameters the plan stores.
+        params: parameter id -> its name, for the parameters the plan stores (called when
+            first needed).
         param_value: the value a parameter enters an op with (default: itself).
         templates: each node's captured arguments (`planner.Node.args` / ``kwargs``): an op
             whose inputs are all whole gets the captured sizes instead of the ones user code
             computed from local shapes.
         on_end: called each time the plan's last op has run (the end of the forward).
         on_start: called each time the plan's first op is about to run.
+        table: the plan's `NodeTable` (made from `plan` and `templates` when None).
     """
 
     def __init__(
         self,
         plan: ParallelPlan,
-        params: dict[int, str],
+        params: Callable[[], dict[int, str]],
         param_value: Callable[[T], T] | None = None,
         templates: list[tuple[Any, Any]] | None = None,
         on_end: Callable[[], None] | None = None,
         on_start: Callable[[], None] | None = None,
+        table: NodeTable | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
-        self.templates = templates
+        self.table = table if table is not None else NodeTable(plan, templates)
         self.on_end = on_end
         self.on_start = on_start
-        self.params = params
+        self.params_of = params
+        self.known_params: dict[int, str] | None = None
         self.param_value = param_value
         self.cursor = 0
-        self.edges: dict[tuple[int, int], EdgePlan] = {
-            (e.consumer, e.slot): e for e in plan.edges if e.consumer >= 0
-        }
-        self.returned: dict[str, list[EdgePlan]] = {}
-        for e in plan.edges:
-            if e.consumer == -1:
-                self.returned.setdefault(e.value, []).append(e)
-        self.returning = {int(v[1:].split(".")[0]) for v in self.returned if v.startswith("%")}
-        self.averaging = {n.index for n in plan.nodes if n.backward}
-        # per node: whether every input is whole; a view's local size argument (or None)
-        self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in plan.nodes]
-        self.flat_templates: dict[int, tuple[list[Any], Any]] = {}
-        self.sized = [
-            n.local_shapes[0] if n.op in _SIZED and n.shapes[0] != n.local_shapes[0] else None
-            for n in plan.nodes
-        ]
-        self.paused = 0
+        self.count = len(plan.nodes)
+        self.ops = self.table.ops
+        self.fast = self.table.fast if param_value is None else self.table.fast_no_param
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
-        self.stepping: list[tuple[int, bool]] = []  # running optimizer steps (id, paused)
-        self.inputs: dict[int, str] = {}  # id of each call input -> its graph name
+        self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
+
+    @property
+    def params(self) -> dict[int, str]:
+        """Parameter id -> its name."""
+        if self.known_params is None:
+            self.known_params = self.params_of()
+        return self.known_params
 
     @property
     def done(self) -> bool:
         """Whether every op of the plan ran."""
-        return self.cursor >= len(self.plan.nodes)
+        return self.cursor >= self.count
 
     def __torch_function__(
         self,
@@ -156,30 +146,63 @@ class PlanExecutor(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if func is T.backward:
+        if self.started and func is not T.backward:  # (the loss's AllReduce: see `_returned`)
+            self.finish_started()
+        try:
+            kind, op = CALLS[func]  # (`call_info`'s cache, read inline: a call on every op)
+        except (KeyError, TypeError):
+            kind, op = call_info(func)
+        if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
+            if kind == "backward":
+                return self._call(func, kind, op, args, kwargs or {})
+            return func(*args, **kwargs) if kwargs else func(*args)
+        k = self.cursor
+        fast = self.fast[k] if k < self.count else SLOW
+        if (  # a node on its short path (`NodeTable.fast`): the op checked, the cursor moved
+            fast and not self.paused and op == self.ops[k] and args and isinstance(args[0], T)
+        ):
+            self.cursor = k + 1
+            self.paused += 1
+            try:
+                if fast == PLAIN:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                if fast == SIZED:
+                    return func(args[0], self.table.sized[k])
+                node = self.plan.nodes[k]
+                return dropout_block(node.outputs[0].layout, node.shapes[0], args, kwargs or {})
+            finally:
+                self.paused -= 1
+        return self._call(func, kind, op, args, kwargs or {})
+
+    def _call(
+        self, func: Callable[..., Any], kind: str, op: str, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """Any call but a plain node's: backward, calls that are no node, other nodes."""
+        if kind == "backward":
             self.check_done("loss.backward()")
             self.finished = True  # the step may run the plan again (`_restarts`)
             self.backward_seen = True
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             if gradient is None and args and isinstance(args[0], T):
                 with replicated_seed(args[0]):
-                    return func(*args, **kwargs)
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            self.finish_started()  # (a started AllReduce of the loss ran alongside)
+            return out
+        if self.paused or kind != "op":
             return func(*args, **kwargs)
-        if self.paused or record_kind(func) != "op":
-            return func(*args, **kwargs)
-        op = op_name(func)
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
             return func(*args, **kwargs)
-        node = self.plan.nodes[self.cursor]
+        k = self.cursor
         if not _has_tensor(args, kwargs):
             return self._factory(func, op, args, kwargs)
         self._advance(op, "called")
         self.paused += 1
         try:
-            out = self._run(func, node.index, args, kwargs)
+            out = self._run(func, k, args, kwargs)
         finally:
             self.paused -= 1
         self._ended()
@@ -192,23 +215,19 @@ class PlanExecutor(TorchFunctionMode):
             if self.on_end is not None:
                 self.on_end()
 
-    # -- optimizer steps (global step hooks that `GraphRun` registers) ----------------------
-    def step_starts(self, optimizer: Any, closure: bool) -> None:
-        """An optimizer steps inside the call: without a closure its ops are not the plan's
-        and pass unexamined until `step_ends` (a closure re-runs the network: examined). A
-        step of the same optimizer still open is one that raised: it ends here."""
-        if any(key == id(optimizer) for key, _ in self.stepping):
-            self.step_ends(optimizer)
-        self.stepping.append((id(optimizer), not closure))
-        self.paused += not closure
+    def finish_started(self) -> None:
+        """Finish the started AllReduces of returned values (their results are whole now)."""
+        started, self.started = self.started, []
+        for finish in started:
+            finish()
 
-    def step_ends(self, optimizer: Any) -> None:
-        """The step of `optimizer` ended; steps inside it that raised end with it."""
-        while self.stepping:
-            key, paused = self.stepping.pop()
-            self.paused -= paused
-            if key == id(optimizer):
-                return
+    def step_starts(self, optimizer: Any, closure: bool) -> None:
+        self.finish_started()  # (the step's ops do not come here)
+        super().step_starts(optimizer, closure)
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        self.finish_started()
+        super().__exit__(exc_type, exc_val, exc_tb)
 
     # -- shardwise primitives (module hooks that `GraphRun` registers) ---------------------
     def enter_primitive(
@@ -217,6 +236,7 @@ class PlanExecutor(TorchFunctionMode):
         """A primitive's forward pre-hook: its node's inputs moved as the edges say (its
         parameters from their stored layout, through `param_value`), its local compute prepared
         (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes."""
+        self.finish_started()
         if self.paused:  # (inside another primitive, or an optimizer step)
             self.primitives.append(_PASSED)
             return None
@@ -264,7 +284,7 @@ class PlanExecutor(TorchFunctionMode):
             for c in self.plan.nodes[k].comms:
                 outs[c.output] = run_collective(outs[c.output], c, matrix)
             out = self._returned(k, outs[0] if single else tuple(outs))
-            if k in self.averaging:
+            if k in self.table.averaging:
                 average_outputs(out, self.plan.nodes[k], matrix)
         finally:
             self.paused -= 1
@@ -277,9 +297,9 @@ class PlanExecutor(TorchFunctionMode):
         for i, leaf in enumerate(tensors):
             if not isinstance(leaf, T):
                 continue
-            if id(leaf) in self.params and self.param_value is not None:
+            if self.param_value is not None and id(leaf) in self.params:
                 leaf = self.param_value(leaf)
-            edge = self.edges.get((k, slot))
+            edge = self.table.edges.get((k, slot))
             if edge is not None and edge.shared:
                 leaf = self.moved[(edge.value, edge.dst)]
             elif edge is not None:
@@ -294,7 +314,7 @@ class PlanExecutor(TorchFunctionMode):
         """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
         on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one."""
         out = func(*args, **kw)
-        if not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
+        if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
             return out
         node = self.plan.nodes[self.cursor]
         self._advance(op, "made a tensor with")
@@ -354,45 +374,35 @@ class PlanExecutor(TorchFunctionMode):
     def _run(
         self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
-        if not kw and not any(isinstance(a, list | tuple | dict) for a in args):
-            leaves = self._moved_inputs(k, list(args))  # (flat arguments: no pytree)
-            args = tuple(leaves)
+        if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
+            leaves = self._moved_inputs(k, [*args, *kw.values()])
+            args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
         else:
             leaves, spec = pytree.tree_flatten((args, kw))
             args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
-        if self.templates is not None and self.whole[k]:
+        table = self.table
+        if table.templates is not None and table.whole[k]:
             tensors = [t for t in leaves if isinstance(t, T)]
-            args, kw = self._global_args(k, tensors, args, kw)  # the captured sizes
-        if self.sized[k] is not None:
-            out = func(args[0], self.sized[k])
+            args, kw = table.global_args(k, tensors, args, kw)  # the captured sizes
+        if table.sized[k] is not None:
+            out = func(args[0], table.sized[k])
         elif func is F.dropout:
-            out = self._dropout(k, args, kw)
+            node = self.plan.nodes[k]
+            out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)
         else:
             out = func(*args, **kw)
         out = self._returned(k, out)
-        if k in self.averaging:
+        if k in table.averaging:
             average_outputs(out, self.plan.nodes[k], self.plan.matrix)
         return out
 
-    def _global_args(
-        self, k: int, tensors: list[T], args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The captured call (global sizes) with this call's `tensors` in it."""
-        assert self.templates is not None
-        if len(tensors) != len(self.plan.nodes[k].inputs):
-            return args, kw
-        flat = self.flat_templates.get(k)
-        if flat is None:
-            flat = self.flat_templates[k] = pytree.tree_flatten(
-                self.templates[k], is_leaf=lambda x: isinstance(x, TensorSlot)
-            )
-        leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
-        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
-        return tuple(out[0]), dict(out[1])
-
     def _returned(self, k: int, out: Any) -> Any:
         """Apply the edges of the node's returned outputs (the loss's AllReduce)."""
-        if k not in self.returning:
+        if k not in self.table.returning:
+            return out
+        if isinstance(out, T):  # (one tensor: no pytree)
+            for e in self.table.returned.get(f"%{k}", []):
+                out = move(out, e, self.started)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0
@@ -400,21 +410,7 @@ class PlanExecutor(TorchFunctionMode):
             if not isinstance(leaf, T):
                 continue
             name = f"%{k}" + (f".{j}" if j else "")
-            for e in self.returned.get(name, []):
+            for e in self.table.returned.get(name, []):
                 leaves[i] = move(leaves[i], e)
             j += 1
         return pytree.tree_unflatten(leaves, spec)
-
-    def _dropout(self, k: int, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        """``F.dropout``: this rank's block of one global mask (as one device draws it)."""
-        node = self.plan.nodes[k]
-        bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
-        x, p = bound["input"], float(bound.get("p", 0.5))
-        if not bound.get("training", True) or p == 0:
-            return x
-        shape = node.shapes[0]
-        mask = comm.replicated_draw(
-            lambda: F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
-        )
-        mask = local_block(mask, node.outputs[0].layout, shape)
-        return x.mul_(mask) if bound.get("inplace", False) else x * mask

@@ -54,6 +54,7 @@ from shardwise.parallel._hsdp import (
     optimizer_plan,
     start_engine,
 )
+from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.parallel._step import input_layout
@@ -102,17 +103,35 @@ def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
     return out + grads + acts
 
 
-def _global(x: Any, world: int, dataset: object, layout: TensorLayout | None = None) -> Any:
-    """A meta tensor of `x`'s global shape (rows of all ranks under data_parallel; its block's
-    dims times their split counts under a per-input `layout`)."""
-    if not isinstance(x, T):
-        return x
-    shape = list(x.shape)
+def _global_shape(
+    x: T, world: int, dataset: object, layout: TensorLayout | None
+) -> tuple[int, ...]:
+    """`x`'s global shape: rows of all ranks under data_parallel; its block's dims times their
+    split counts under a per-input `layout`."""
+    shape = [int(n) for n in x.shape]
     if layout is not None:
         shape = [n * layout.split_count(d) for d, n in enumerate(shape)]
     elif dataset == "data_parallel" and shape:
         shape[0] *= world
-    return torch.empty(shape, dtype=x.dtype, device="meta")
+    return tuple(shape)
+
+
+def _global(x: Any, world: int, dataset: object, layout: TensorLayout | None = None) -> Any:
+    """A meta tensor of `x`'s global shape (`_global_shape`)."""
+    if not isinstance(x, T):
+        return x
+    return torch.empty(_global_shape(x, world, dataset, layout), dtype=x.dtype, device="meta")
+
+
+def _tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, T]]:
+    """Each tensor input of a call with its graph name (`input_key`), in call order."""
+    if not kwargs and all(isinstance(a, T) for a in args):  # (positional tensors: no pytree)
+        return [(f"args[{i}]", a) for i, a in enumerate(args)]
+    return [
+        (input_key(pytree.keystr(path)), leaf)
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
+        if isinstance(leaf, T)
+    ]
 
 
 class GraphRun:
@@ -145,8 +164,10 @@ class GraphRun:
         self.session = _GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
+        self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: see _network_called)
+        self.modules: list[nn.Module] = []  # (the network's, listed when planning)
 
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
@@ -203,6 +224,8 @@ class GraphRun:
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]
+        self.tables = {}
+        self.modules = list(self.network.modules())
         for m in self.network.modules():
             if isinstance(m, Primitive):
                 self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
@@ -297,7 +320,8 @@ class GraphRun:
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.executor is not None:
-            closure = (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
+            # (torch passes the optimizer itself as args[0])
+            closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
             self.executor.step_starts(optimizer, closure)
 
     def _step_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -343,9 +367,12 @@ class GraphRun:
             ) from None
 
     def _state(self) -> tuple[list[tuple[T, T]], T]:
-        """The network's buffers (copies) and the RNG state, for `_restore`."""
+        """The network's buffers (copies) and the RNG state, for `_restore` (the modules are
+        listed once, when planning; each one's buffers are read anew)."""
         with torch.no_grad():
-            buffers = [(b, b.clone()) for b in self.network.buffers()]
+            buffers = [
+                (b, b.clone()) for m in self.modules for b in m._buffers.values() if b is not None
+            ]
         return buffers, torch.get_rng_state()
 
     def _restore(self, state: tuple[list[tuple[T, T]], T]) -> None:
@@ -384,11 +411,7 @@ class GraphRun:
         if isinstance(self.dataset, str):
             return {}
         world = comm.get_group_size()
-        found = [
-            (input_key(pytree.keystr(path)), leaf)
-            for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
-            if isinstance(leaf, T)
-        ]
+        found = _tensor_inputs(args, kwargs)
         out = {}
         for i, (key, leaf) in enumerate(found):
             layout = input_layout(self.dataset, i, leaf.dim(), len(found), world)  # type: ignore[arg-type]
@@ -400,13 +423,10 @@ class GraphRun:
         """Each tensor input's global shape, by its graph name."""
         world = comm.get_group_size()
         layouts = self._input_layouts(args, kwargs)
-        out = {}
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-            if isinstance(leaf, T):
-                key = input_key(pytree.keystr(path))
-                glob = _global(leaf, world, self.dataset, layouts.get(key))
-                out[key] = tuple(int(s) for s in glob.shape)
-        return out
+        return {
+            key: _global_shape(leaf, world, self.dataset, layouts.get(key))
+            for key, leaf in _tensor_inputs(args, kwargs)
+        }
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept
@@ -437,7 +457,7 @@ class GraphRun:
         if self.grads is not None:
             self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
-        params = {id(p): n for n, p in self.network.named_parameters()}
+        network = self.network
         engine = self.engine
         saved = ExitStack()
 
@@ -452,17 +472,19 @@ class GraphRun:
                 engine.end_forward()
             recorder.mark("forward done")
 
+        known = self.tables.get(id(plan))
+        table = known[1] if known is not None and known[0] is plan else None
+        if table is None:  # (worked out once per plan)
+            table = NodeTable(plan, self.templates)
+            self.tables[id(plan)] = (plan, table)
         executor = PlanExecutor(
             plan,
-            params,
+            lambda: {id(p): n for n, p in network.named_parameters()},
             param_value=None if engine is None else engine.compute,
-            templates=self.templates,
             on_end=forward_done,
             on_start=forward_starts,
+            table=table,
         )
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-            if isinstance(leaf, T):
-                executor.inputs[id(leaf)] = f"input:{input_key(pytree.keystr(path))}"
         self.executor = executor
         try:
             with executor, activate(self.session):

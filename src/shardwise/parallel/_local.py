@@ -11,6 +11,9 @@
   same slice of the single-device mask.
 
 `prepare` dispatches on the tag and returns the new local inputs and what to do to the outputs.
+
+- ``F.dropout`` in a captured network (`dropout_block`, for the plan executor): the same, a
+  mask of the global shape drawn as one device draws it, this rank's block of it applied.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from shardwise import communication as comm
 from shardwise.layout import TensorLayout
@@ -112,3 +116,19 @@ def prepare(
         dropout_noise(module, layouts[0], shapes[0], local[0])
         return local, None
     raise UnsupportedParallelError(f"{module.who}: local mode {tag!r} is not supported")
+
+
+def dropout_block(
+    layout: TensorLayout, shape: Shape, args: Sequence[Any], kw: dict[str, Any]
+) -> torch.Tensor:
+    """``F.dropout(*args, **kw)`` on this rank's block (of `layout`) of an output of global
+    `shape`: this rank's block of one global mask (as one device draws it)."""
+    bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
+    x, p = bound["input"], float(bound.get("p", 0.5))
+    if not bound.get("training", True) or p == 0:
+        return x  # type: ignore[no-any-return]
+    mask = comm.replicated_draw(
+        lambda: F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
+    )
+    mask = local_block(mask, layout, shape)
+    return x.mul_(mask) if bound.get("inplace", False) else x * mask  # type: ignore[no-any-return]

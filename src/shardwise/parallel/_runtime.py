@@ -125,29 +125,42 @@ class _Bucket:
         self.label, self.group, self.params = label, group, params
         self.times = times  # per member: the ranks its gradient is equal on (`_times`)
         self.sizes = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
         self.offsets = [sum(self.sizes[:j]) for j in range(len(params))]
         self.stores = [_grad_store(p) for p in params]
-        self.kept: torch.Tensor | None = None  # the flat buffer for stored gradients, reused
+        # the flat buffer for stored gradients, reused while no gradient delivered from it
+        # is alive (`_finish` makes each member's .grad its slot), and its slots
+        self.kept: torch.Tensor | None = None
+        self.kept_slots: list[torch.Tensor] = []
+        self.kept_refs = 0  # references to its storage of its own (`_storage_refs`)
         # the running backward: its flat buffer, how each member that got a gradient receives
-        # the reduced one ("store": copied into .grad, "add": added to .grad, "return": the
-        # hook returned its slot), and the started AllReduce
+        # the reduced one ("store": its slot becomes .grad, "add": added to .grad, "return":
+        # the hook returned its slot), and the started AllReduce
         self.flat: torch.Tensor | None = None
         self.got: dict[int, str] = {}
         self.pending: Pending[torch.Tensor] | None = None
         self.extra: list[tuple[int, torch.Tensor]] = []  # reduced on their own onto a "store"
 
     def slot(self, j: int) -> torch.Tensor:
-        """Member `j`'s place in the flat buffer (flat)."""
+        """Member `j`'s place in the flat buffer (in its parameter's shape)."""
         assert self.flat is not None
-        return self.flat[self.offsets[j] : self.offsets[j] + self.sizes[j]]
+        if self.flat is self.kept:
+            return self.kept_slots[j]
+        return self.flat[self.offsets[j] : self.offsets[j] + self.sizes[j]].view(self.shapes[j])
 
     def buffer(self, g: torch.Tensor, keep: bool) -> torch.Tensor:
-        """This backward's flat buffer: the kept one (`keep`: the reduced gradients are copied
-        out at the end of backward) or a new one (its slots are returned to the caller)."""
+        """This backward's flat buffer: the kept one (`keep`: the reduced gradients go to
+        ``.grad`` at the end of backward; a new kept one while gradients of the last are still
+        referenced) or a new one (its slots are returned to the caller)."""
         if not keep:
             return g.new_empty(sum(self.sizes))
-        if self.kept is None:
+        if self.kept is None or _storage_refs(self.kept) > self.kept_refs:
             self.kept = g.new_empty(sum(self.sizes))
+            self.kept_slots = [
+                self.kept[o : o + n].view(shape)
+                for o, n, shape in zip(self.offsets, self.sizes, self.shapes, strict=True)
+            ]
+            self.kept_refs = _storage_refs(self.kept)
         return self.kept
 
     def reset(self) -> None:
@@ -164,10 +177,13 @@ class GradBuckets:
     layers' gradients are computed (a simulated world runs it at once). At the end of backward
     (`_finish`, queued with autograd's ``queue_callback``) the buckets that some parameters left
     incomplete start (zeros in the missing slots: every rank runs the same graph), all are
-    finished in the order they started, divided by the world size and delivered: copied into
-    ``.grad`` (the hook returned the gradient itself, which autograd stored), added to an
-    existing ``.grad`` (several backward calls per step: the hook returned zeros), or, for
-    ``torch.autograd.grad`` (nothing stored), already in place in the slot the hook returned.
+    finished in the order they started, divided by the world size and delivered: its slot made
+    the parameter's ``.grad`` (a view of the flat buffer, like DDP's
+    ``gradient_as_bucket_view``; the hook returned the gradient itself, which autograd stored
+    until then; the buffer is reused next backward unless a delivered gradient is still
+    referenced), added to an existing ``.grad`` (several backward calls per step: the hook
+    returned zeros), or, for ``torch.autograd.grad`` (nothing stored), already in place in the
+    slot the hook returned.
     A parameter without a gradient in a backward keeps its ``.grad``. A gradient arriving in
     another backward while one is running (a nested one) or twice in one backward is all-reduced
     on its own in the hook. A backward that raised is dropped at the next forward
@@ -206,7 +222,9 @@ class GradBuckets:
         p = bucket.params[j]
 
         def hook(g: torch.Tensor) -> torch.Tensor:
-            if not self._join() or j in bucket.got or bucket.pending is not None:
+            task = torch._C._current_graph_task_id()
+            joined = task == self.task or self._join(task)
+            if not joined or j in bucket.got or bucket.pending is not None:
                 reduced = self._now(g, bucket.group)  # (a nested backward, a second gradient)
                 if bucket.times[j] != 1:
                     reduced.mul_(bucket.times[j])
@@ -219,7 +237,7 @@ class GradBuckets:
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(g, bucket.group)
             slot = bucket.slot(j)
-            slot.copy_(g.reshape(-1))
+            slot.copy_(g)
             if bucket.times[j] != 1:
                 slot.mul_(bucket.times[j])
             if not stores:
@@ -234,10 +252,9 @@ class GradBuckets:
 
         return hook
 
-    def _join(self) -> bool:
-        """Whether the running backward is the one the buckets collect (the first to deliver a
-        gradient since the last `_finish` queues it at its end)."""
-        task = torch._C._current_graph_task_id()
+    def _join(self, task: int) -> bool:
+        """Whether the running backward (graph task `task`) is the one the buckets collect (the
+        first to deliver a gradient since the last `_finish` queues it at its end)."""
         if self.task == -1:
             self.task = task
             recorder.mark("backward: first gradient ready")
@@ -270,13 +287,11 @@ class GradBuckets:
                 bucket.pending.wait()
                 bucket.flat.div_(self.world)
                 for j, how in bucket.got.items():
-                    p, reduced = bucket.params[j], bucket.slot(j).view(bucket.params[j].shape)
+                    p, reduced = bucket.params[j], bucket.slot(j).view(bucket.shapes[j])
                     if how == "return":
                         continue
-                    if p.grad is None:  # (autograd stored nothing after all)
-                        p.grad = reduced.clone()
-                    elif how == "store":
-                        p.grad.copy_(reduced)
+                    if p.grad is None or how == "store":  # (its slot of the kept buffer)
+                        p.grad = reduced
                     else:
                         p.grad.add_(reduced)
                 for j, reduced in bucket.extra:
@@ -306,6 +321,11 @@ def _times(info: ParamInfo) -> int:
     them is, times one rank's gradient."""
     matrix = info.layout.matrix
     return math.prod(matrix.shape[a] for a in info.equal_axes)
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share `t`'s storage."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
 
 
 def _grad_store(p: torch.Tensor) -> Any:

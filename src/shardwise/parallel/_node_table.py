@@ -1,0 +1,130 @@
+"""What the plan executor does at each node of one `ParallelPlan`, worked out once per plan.
+
+- `call_info`: how a torch-level call is treated (`planner.record_kind`) and its qualified name,
+  cached per function (torch's `resolve_name` costs microseconds a call).
+- `NodeTable`: per plan, read by `_executor.PlanExecutor` on every call: the edges into each
+  node and those of returned values, per node whether all its inputs are whole (it then runs
+  with the captured sizes: `NodeTable.global_args`), a view's local size argument, whether it
+  reads a parameter, and its short path (`NodeTable.fast`): a node with no edge in or out, no
+  gradient average (`NodePlan.backward`), neither the first nor the last, is `PLAIN` (nothing
+  to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape) or
+  `DROPOUT`; under data parallel nearly every
+  node is one of these, and the executor runs them after checking only the op against the
+  plan's and counting the cursor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import resolve_name
+from torch.utils import _pytree as pytree
+
+from shardwise.planner import EdgePlan, ParallelPlan
+from shardwise.planner._capture import record_kind
+from shardwise.planner._graph import TensorSlot
+
+T = torch.Tensor
+_SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+_DROPOUT = "torch.nn.functional.dropout"
+
+# how the executor runs each node (`NodeTable.fast`)
+SLOW = 0  # the full path: edges, captured sizes, the first or last node, returned values
+PLAIN = 1  # the op on the blocks as they are
+SIZED = 2  # a view: the plan's local shape as the size argument
+DROPOUT = 3  # this rank's block of one global mask
+
+CALLS: dict[Any, tuple[str, str]] = {}  # `call_info` by function (the executor reads it inline)
+
+
+def call_info(func: Callable[..., Any]) -> tuple[str, str]:
+    """A torch-level call's kind (`record_kind`: ``"op"``, ``"skip"``, ``"backward"`` ...) and
+    its qualified name, as the capture records it (cached)."""
+    try:
+        return CALLS[func]
+    except (KeyError, TypeError):
+        pass
+    name = str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
+    info = (record_kind(func), name)
+    with contextlib.suppress(TypeError):  # (an unhashable callable)
+        CALLS[func] = info
+    return info
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """A torch function's qualified name, as the capture records it (cached)."""
+    return call_info(func)[1]
+
+
+class NodeTable:
+    """The per-node facts of `plan` the executor reads (see the module docstring).
+
+    Args:
+        plan: the plan.
+        templates: each node's captured arguments (`planner.Node.args` / ``kwargs``), or None.
+    """
+
+    def __init__(self, plan: ParallelPlan, templates: list[tuple[Any, Any]] | None) -> None:
+        self.templates = templates
+        nodes = plan.nodes
+        self.ops = [n.op for n in nodes]
+        self.edges: dict[tuple[int, int], EdgePlan] = {
+            (e.consumer, e.slot): e for e in plan.edges if e.consumer >= 0
+        }
+        self.returned: dict[str, list[EdgePlan]] = {}
+        for e in plan.edges:
+            if e.consumer == -1:
+                self.returned.setdefault(e.value, []).append(e)
+        self.returning = {int(v[1:].split(".")[0]) for v in self.returned if v.startswith("%")}
+        self.averaging = {n.index for n in nodes if n.backward}  # (`NodePlan.backward`)
+        self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
+        self.sized = [
+            n.local_shapes[0] if n.op in _SIZED and n.shapes[0] != n.local_shapes[0] else None
+            for n in nodes
+        ]
+        self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
+        moved = {k for k, _ in self.edges}
+        self.fast = [
+            self._kind(k, n.op)
+            if n.values
+            and not n.comms
+            and k not in moved
+            and k not in self.returning
+            and k not in self.averaging
+            else SLOW
+            for k, n in enumerate(nodes)
+        ]
+        # (when parameters enter ops through a hook: only nodes that read none)
+        self.fast_no_param = [
+            SLOW if h else f for f, h in zip(self.fast, self.has_param, strict=True)
+        ]
+        self.flat_templates: dict[int, tuple[list[Any], Any]] = {}
+        self.inputs = [len(n.inputs) for n in nodes]
+
+    def _kind(self, k: int, op: str) -> int:
+        """The short path of node `k` (called with no edge in or out): `SLOW` for the first
+        and last nodes and for whole ones given the captured sizes."""
+        if not 0 < k < len(self.ops) - 1 or (self.templates is not None and self.whole[k]):
+            return SLOW
+        if self.sized[k] is not None:
+            return SIZED
+        return DROPOUT if op == _DROPOUT else PLAIN
+
+    def global_args(
+        self, k: int, tensors: list[T], args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Node `k`'s captured call (global sizes) with this call's `tensors` in it."""
+        assert self.templates is not None
+        if len(tensors) != self.inputs[k]:
+            return args, kw
+        flat = self.flat_templates.get(k)
+        if flat is None:
+            flat = self.flat_templates[k] = pytree.tree_flatten(
+                self.templates[k], is_leaf=lambda x: isinstance(x, TensorSlot)
+            )
+        leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
+        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
+        return tuple(out[0]), dict(out[1])
