@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -188,3 +189,53 @@ def test_a_network_holding_blocks_refuses_calls_outside_its_wrapper() -> None:
             sharded(world.rows(x))
         AutoParallel(plain).plan(world.rows(x))
         assert plain(world.rows(x)).shape == (2, 8)
+
+
+def test_strategy_ckpt_config_saves_and_loads_the_parameter_file(tmp_path: Path) -> None:
+    """MindSpore's context way: ``save_file`` writes the parameter strategy file when the
+    wrapper plans (the same file `save_param_strategy_file` writes), ``load_file`` makes a new
+    wrapper store its parameters as the file says."""
+    path = tmp_path / "ckpt" / "strategy.json"
+    try:
+        sw.set_auto_parallel_context(strategy_ckpt_config={"save_file": str(path)})
+        first = _train(Sharded())
+        first.save_param_strategy_file(tmp_path / "explicit.json")
+        assert path.read_text() == (tmp_path / "explicit.json").read_text()
+        sw.set_auto_parallel_context(strategy_ckpt_config={"load_file": str(path)})
+        net = Plain()
+        _train(net)
+        assert tuple(net.mlp[0].weight.shape) == (16, 32)  # stored as the file says
+    finally:
+        sw.reset_auto_parallel_context()
+
+
+def test_only_trainable_params(tmp_path: Path) -> None:
+    """``only_trainable_params`` (MindSpore's default True) leaves frozen parameters out of the
+    saved file; a network loading that file plans them as usual. A missing ``load_file`` is
+    refused when the wrapper is made."""
+    path = tmp_path / "strategy.json"
+    x = torch.randn(8, 32)
+    try:
+        for only in (True, False):
+            sw.set_auto_parallel_context(
+                strategy_ckpt_config={"save_file": str(path), "only_trainable_params": only}
+            )
+            net = Sharded()
+            net.mlp[0].bias.requires_grad_(False)
+            with simulated_world(WORLD) as world:
+                world.replicate(net)
+                AutoParallel(net)(world.rows(x))
+            saved = json.loads(path.read_text())["params"]
+            assert ("mlp.0.bias" in saved) is not only and "mlp.0.weight" in saved
+        sw.set_auto_parallel_context(strategy_ckpt_config={"load_file": str(path)})
+        plain = Plain()
+        plain.mlp[0].bias.requires_grad_(False)
+        with simulated_world(WORLD) as world:
+            world.replicate(plain)
+            assert AutoParallel(plain)(world.rows(x)).shape == (2, 8)
+        assert tuple(plain.mlp[0].weight.shape) == (16, 32)
+        sw.set_auto_parallel_context(strategy_ckpt_config={"load_file": str(tmp_path / "none")})
+        with pytest.raises(StrategyFileError, match=r"none: cannot read the parameter strategy"):
+            AutoParallel(Plain())
+    finally:
+        sw.reset_auto_parallel_context()

@@ -147,15 +147,20 @@ def plan_comm_ops(text: str) -> Counter[tuple[str, tuple[int, ...]]]:
     return out
 
 
-@pytest.mark.parametrize("layouts", [False, True], ids=["int", "layout"])
-def test_comm_ops_match_a_simulated_forward(layouts: bool) -> None:
+@pytest.mark.parametrize(
+    ("layouts", "dtype"),
+    [(False, torch.float32), (True, torch.float32), (False, torch.float64)],
+    ids=["int", "layout", "float64"],
+)
+def test_comm_ops_match_a_simulated_forward(layouts: bool, dtype: torch.dtype) -> None:
     """Every collective of the plan's execute.ir (rank 0) is one the run issues, with the same
-    group and bytes, and nothing else is issued (the report prints the plan: no second trace)."""
-    net = Network(layouts)
+    group and bytes (in the network's dtype), and nothing else is issued (the report prints the
+    plan: no second trace)."""
+    net = Network(layouts).to(dtype)
     with simulated_world(WORLD) as world, CommRecorder() as rec:
         world.replicate(net)
         parallel = AutoParallel(net)
-        parallel(world.rank_map(lambda r: torch.zeros(BATCH // WORLD, 1, 28, 28)))
+        parallel(world.rank_map(lambda r: torch.zeros(BATCH // WORLD, 1, 28, 28, dtype=dtype)))
     plan = parallel.parallel_plan
     assert plan is not None
     text = format_plan_execute(plan, 0)

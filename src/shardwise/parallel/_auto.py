@@ -158,7 +158,10 @@ class AutoParallel(nn.Module, StrategyFiles):
         self._graph: GraphRun | None = None
         self._loaded: tuple[ParallelPlan, str] | None = None
         self._loaded_params: tuple[int, dict[str, Any], str] | None = None
+        self._ckpt_config: dict[str, Any] = get_auto_parallel_context("strategy_ckpt_config")
         take_over(network, self)
+        if self._ckpt_config.get("load_file") and parallel_mode != "data_parallel":
+            self.load_param_strategy_file(self._ckpt_config["load_file"])
 
     def dataset_strategy(self, strategy: DatasetStrategy) -> AutoParallel:
         """How each input of the wrapped call is split.
@@ -355,6 +358,9 @@ class AutoParallel(nn.Module, StrategyFiles):
         plan = run.parallel_plan
         assert plan is not None
         report.dump_parallel_plan(plan)
+        save = self._ckpt_config.get("save_file")
+        if save:  # (set_auto_parallel_context(strategy_ckpt_config=...)); MindSpore's default
+            self._save_params(plan, save, self._ckpt_config.get("only_trainable_params", True))
         if run.engine is not None:
             report.dump_optimizer(run.engine.plan, plan.matrix)
         elif run.grad_plan is not None:  # (the gradient AllReduce buckets)

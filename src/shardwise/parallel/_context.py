@@ -14,8 +14,11 @@ the defaults. `AutoParallel` reads these when it is created or plans:
   wrapper's optimizer parallel and fusion buckets unless ``hsdp()`` / ``comm_fusion()`` are
   called (`parallel._hsdp.settings_from_context`).
 
-``gradients_mean`` and ``strategy_ckpt_config`` are validated and stored only; the runtime does
-not act on them yet.
+- ``strategy_ckpt_config``: ``load_file`` is loaded as the wrapper's parameter strategy file
+  when it is created, ``save_file`` written when it plans (``only_trainable_params``, default
+  True: only parameters that require a gradient); semi_auto only (`parallel._strategy_files`).
+
+``gradients_mean`` is validated and stored only.
 """
 
 from __future__ import annotations
@@ -174,8 +177,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         comm_fusion: dict of ``openstate`` (bool) and ``allreduce`` / ``allgather`` /
             ``reducescatter`` (``{"mode": "auto" | "size" | "index", "config": ...}``); the
             buckets of `AutoParallel` (as its ``comm_fusion()``).
-        strategy_ckpt_config: dict of ``load_file`` / ``save_file`` (str) and
-            ``only_trainable_params`` (bool) (stored only).
+        strategy_ckpt_config: dict of ``load_file`` / ``save_file`` (str paths of parameter
+            strategy files: loaded when a semi_auto `AutoParallel` is created, written when it
+            plans) and ``only_trainable_params`` (bool, default True: save only parameters
+            that require a gradient).
 
     Raises:
         ValueError: an unknown key or an invalid value; the message names the key and the

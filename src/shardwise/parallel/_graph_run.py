@@ -96,7 +96,9 @@ def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
         if dtype.is_floating_point:
             grads.append(runtime.TensorEstimate(f"{name}.grad", shape, dtype, "gradients"))
     acts = [
-        runtime.TensorEstimate(f"{n.name} output {k}", local, torch.float32, "activations")
+        runtime.TensorEstimate(
+            f"{n.name} output {k}", local, getattr(torch, n.dtype(k)), "activations"
+        )
         for n in plan.nodes
         for k, local in enumerate(n.local_shapes)
     ]

@@ -20,6 +20,7 @@ from shardwise.planner import ParallelPlan
 class StrategyFiles:
     """Mixed into `AutoParallel`; state set by its ``__init__``."""
 
+    network: nn.Module
     _loaded: tuple[ParallelPlan, str] | None
     _loaded_params: tuple[int, dict[str, Any], str] | None
 
@@ -46,10 +47,28 @@ class StrategyFiles:
         """
         planner.save_operator_strategy_file(self._saved_plan("save_operator_strategy_file"), path)
 
-    def save_param_strategy_file(self, path: str | Path) -> None:
+    def save_param_strategy_file(
+        self, path: str | Path, only_trainable_params: bool = False
+    ) -> None:
         """Write every parameter's storage layout to `path` as JSON (see
-        `save_operator_strategy_file`)."""
-        planner.save_param_strategy_file(self._saved_plan("save_param_strategy_file"), path)
+        `save_operator_strategy_file`).
+
+        Args:
+            path: the file to write (atomically: every rank may write the same path).
+            only_trainable_params: only the parameters that require a gradient (MindSpore's
+                ``strategy_ckpt_config`` option; loading such a file plans the others).
+
+        Example:
+            >>> parallel_step.save_param_strategy_file("params.json")
+        """
+        plan = self._saved_plan("save_param_strategy_file")
+        self._save_params(plan, path, only_trainable_params)
+
+    def _save_params(self, plan: ParallelPlan, path: str | Path, only_trainable: bool) -> None:
+        names = None
+        if only_trainable:
+            names = {n for n, p in self.network.named_parameters() if p.requires_grad}
+        planner.save_param_strategy_file(plan, path, names)
 
     def load_operator_strategy_file(self, path: str | Path) -> Any:
         """Run the plan saved in `path` instead of planning: at the first call the network is
@@ -109,7 +128,7 @@ class StrategyFiles:
         planner.check_device_count(device_num, world, path)
         shapes = {n: tuple(int(s) for s in p.shape) for n, p in network.named_parameters()}
         if self._loaded is None:
-            planner.check_params(params, shapes, path)
+            planner.check_params(params, shapes, path, _frozen(network))
         # (an operator strategy file's mismatches are named op by op after capture)
         return {n: p.layout for n, p in params.items() if tuple(p.shape) == shapes.get(n)}
 
@@ -139,10 +158,17 @@ class StrategyFiles:
             run.plans = [(loaded, run.templates)]
         if self._loaded_params is not None:  # (stored as the file says, or as the ops file)
             _, params, path = self._loaded_params
-            planner.check_params(params, {n: p.shape for n, p in fresh.params.items()}, path)
+            shapes = {n: p.shape for n, p in fresh.params.items()}
+            planner.check_params(params, shapes, path, _frozen(run.network))
             for name, p in params.items():
                 if p.layout.dims != fresh.params[name].layout.dims:
                     raise planner.StrategyFileError(
                         f"{path}: parameter {name!r} is stored as {p} in the file, as "
                         f"{fresh.params[name]} by this plan (the operator strategy file's)"
                     )
+
+
+def _frozen(network: nn.Module) -> set[str]:
+    """The parameters of `network` that need no gradient (a file saved with
+    ``only_trainable_params`` has no layout for them: they are planned as usual)."""
+    return {n for n, p in network.named_parameters() if not p.requires_grad}

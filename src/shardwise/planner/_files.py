@@ -3,7 +3,9 @@
 - `save_operator_strategy_file` / `load_operator_strategy_file`: the whole plan (every op's
   strategy, every edge's steps, the parameters' layouts).
 - `save_param_strategy_file` / `load_param_strategy_file`: the parameters' storage layouts only
-  (what a checkpoint of the job needs to know).
+  (what a checkpoint of the job needs to know), or those of some parameters (MindSpore's
+  ``only_trainable_params``). Files are written atomically (`_write`: a temporary name in the
+  same folder, then renamed), so ranks writing the same path never leave half a file.
 - `check_matches`: a loaded plan against a freshly planned one of the same network: the first
   difference (device count, op, shape, parameter) is a `StrategyFileError` naming it;
   `check_device_count` / `check_params` (a file's parameters against the network's global
@@ -13,7 +15,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import os
+import tempfile
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,40 +39,68 @@ class StrategyFileError(ValueError):
     mismatch and the fix."""
 
 
+def _write(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read(path: str | Path, what: str) -> Any:
+    """The JSON in `path` (a missing or unreadable file: `StrategyFileError`)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise StrategyFileError(f"{path}: cannot read the {what} ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise StrategyFileError(f"{path}: not a shardwise {what} ({e})") from None
+
+
 def save_operator_strategy_file(plan: ParallelPlan, path: str | Path) -> None:
     """Write `plan` to `path` (JSON)."""
-    plan.save(path)
+    _write(path, json.dumps(plan.to_dict(), indent=1) + "\n")
 
 
 def load_operator_strategy_file(path: str | Path) -> ParallelPlan:
     """Read a plan `save_operator_strategy_file` wrote (equal to the saved one)."""
+    data = _read(path, "operator strategy file")
     try:
-        return ParallelPlan.load(path)
-    except (KeyError, ValueError, json.JSONDecodeError) as e:
+        return ParallelPlan.from_dict(data)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise StrategyFileError(f"{path}: not a shardwise operator strategy file ({e})") from None
 
 
-def save_param_strategy_file(plan: ParallelPlan, path: str | Path) -> None:
-    """Write the parameters' layouts of `plan` to `path` (JSON)."""
+def save_param_strategy_file(
+    plan: ParallelPlan, path: str | Path, names: Collection[str] | None = None
+) -> None:
+    """Write the parameters' layouts of `plan` to `path` (JSON): all, or those in `names`."""
+    params = plan.params if names is None else {n: p for n, p in plan.params.items() if n in names}
     data = {
         "format": PARAM_FORMAT,
         "plan_format": FORMAT,
         "device_num": plan.device_num,
         "matrix": matrix_d(plan.matrix),
-        "params": params_d(plan.params),
+        "params": params_d(params),
     }
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    _write(path, json.dumps(data, indent=1) + "\n")
 
 
 def load_param_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamPlan]]:
     """The device count and parameter layouts `save_param_strategy_file` wrote."""
+    data = _read(path, "parameter strategy file")
     try:
-        data: dict[str, Any] = json.loads(Path(path).read_text())
         if data.get("format") != PARAM_FORMAT:
             raise ValueError(f"format {data.get('format')!r}")
         m = matrix_of(data["matrix"])
         return int(data["device_num"]), params_of(m, data["params"])
-    except (KeyError, ValueError, json.JSONDecodeError) as e:
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise StrategyFileError(f"{path}: not a shardwise parameter strategy file ({e})") from None
 
 
@@ -103,12 +135,19 @@ def check_device_count(saved: int, job: int, path: str | Path) -> None:
 
 
 def check_params(
-    loaded: Mapping[str, ParamPlan], shapes: Mapping[str, Sequence[int]], path: str | Path
+    loaded: Mapping[str, ParamPlan],
+    shapes: Mapping[str, Sequence[int]],
+    path: str | Path,
+    optional: Collection[str] = (),
 ) -> None:
     """Raise `StrategyFileError` at the first parameter of the network (name -> global shape
-    in `shapes`) missing from `loaded` or of another shape there, or the first extra one."""
+    in `shapes`) missing from `loaded` (unless in `optional`: a file saved with
+    ``only_trainable_params`` lacks the frozen ones) or of another shape there, or the first
+    extra one."""
     for name, shape in shapes.items():
         got = loaded.get(name)
+        if got is None and name in optional:
+            continue
         if got is None:
             raise StrategyFileError(f"{path}: no layout for parameter {name!r}")
         if tuple(got.shape) != tuple(shape):

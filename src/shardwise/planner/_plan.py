@@ -114,6 +114,8 @@ class NodePlan:
         in_shapes: its tensor inputs' global shapes.
         backward: AllReduce(avg)s of its outputs' gradients in backward (Megatron's ``f``,
             `_backward`): the gradient made the same on every rank of those axes.
+        dtypes: its outputs' dtypes (``"float32"``; empty in a plan saved without them: read
+            as float32).
     """
 
     index: int
@@ -128,6 +130,11 @@ class NodePlan:
     local: str = ""
     in_shapes: tuple[Shape, ...] = ()
     backward: tuple[Collective, ...] = ()
+    dtypes: tuple[str, ...] = ()
+
+    def dtype(self, output: int) -> str:
+        """Output `output`'s dtype."""
+        return self.dtypes[output] if output < len(self.dtypes) else "float32"
 
     @property
     def local_shapes(self) -> tuple[Shape, ...]:

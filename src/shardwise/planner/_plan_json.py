@@ -177,6 +177,7 @@ def _node_d(n: NodePlan) -> dict[str, Any]:
         "values": list(n.values),
         "local": n.local,
         "in_shapes": [list(s) for s in n.in_shapes],
+        "dtypes": list(n.dtypes),
     } | ({"backward": [_comm_d(c) for c in n.backward]} if n.backward else {})
 
 
@@ -194,6 +195,7 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
         local=d.get("local", ""),
         in_shapes=tuple(tuple(s) for s in d.get("in_shapes", ())),
         backward=tuple(_comm(c) for c in d.get("backward", ())),
+        dtypes=tuple(d.get("dtypes", ())),
     )
 
 

@@ -134,6 +134,7 @@ class _Planner(_Follow):
                 values,
                 op.local,
                 in_shapes,
+                dtypes=tuple(o.dtype for o in node.outputs),
             )
         )
 
@@ -178,6 +179,7 @@ class _Planner(_Follow):
                 values,
                 "",
                 in_shapes,
+                dtypes=tuple(o.dtype for o in node.outputs),
             )
         )
 

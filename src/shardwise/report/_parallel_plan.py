@@ -112,11 +112,12 @@ def _edge_bytes(e: EdgePlan, rank: int) -> list[tuple[Collective, list[int], int
 
 
 def _node_bytes(n: NodePlan, m: DeviceMatrix, rank: int) -> list[tuple[Collective, list[int], int]]:
-    """An op's own collectives with this rank's group and the bytes it sends (float32)."""
+    """An op's own collectives with this rank's group and the bytes it sends."""
     out = []
     for c in n.comms:
         group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
-        local = math.prod(n.local_shapes[c.output]) * 4
+        itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
+        local = math.prod(n.local_shapes[c.output]) * itemsize
         if c.kind == "ReduceScatter":
             local *= len(group)  # (the unscattered input)
         out.append((c, group, bytes_bound(c.kind, local, len(group))))
