@@ -8,13 +8,17 @@ a variant seen before reuses its plan. Each step equals one device's (loss and p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.context import set_context
 from shardwise.parallel import UnsupportedParallelError
+from shardwise.report import format_plan_begin, format_plan_execute
 from shardwise.testing import assert_matches_single_device, simulated_world
 
 WORLD = 4
@@ -153,3 +157,38 @@ def test_a_stopped_attempt_leaves_no_trace_and_tail_ops_are_planned() -> None:
         assert_matches_single_device(net.bn.running_mean, ref.bn.running_mean, what="mean")
         assert_matches_single_device(net.bn.running_var, ref.bn.running_var, what="var")
         assert int(world.local(net.bn.num_batches_tracked, 0)) == 3
+
+
+def test_each_plan_made_again_gets_its_own_ir_files(tmp_path: Path) -> None:
+    """With ``save_graphs``, the first plan goes to ``step_parallel_begin.ir`` / ``execute.ir``
+    and the k-th plan made again to ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``."""
+    net = Branchy()
+    xs = {rows: torch.randn(rows, 8) for rows in (8, 16)}
+    try:
+        set_context(save_graphs=1, save_graphs_path=tmp_path)
+        with simulated_world(WORLD) as world:
+            world.replicate(net)
+            parallel = sw.AutoParallel(net)
+            plans = []
+            for deep, rows in [(False, 8), (True, 8), (False, 8), (True, 16)]:
+                net.deep = deep
+                parallel(world.rows(xs[rows]))
+                plans.append(parallel.parallel_plan)
+    finally:
+        set_context(save_graphs=0, save_graphs_path="./saved_graph")
+    names = sorted(p.name for p in (tmp_path / "rank_0").iterdir())
+    assert names == [
+        "execute.ir",
+        "execute_1.ir",
+        "execute_2.ir",
+        "step_parallel_begin.ir",
+        "step_parallel_begin_1.ir",
+        "step_parallel_begin_2.ir",
+    ]
+    for k, plan in [(0, plans[0]), (1, plans[1]), (2, plans[3])]:
+        assert plan is not None
+        suffix = f"_{k}" if k else ""
+        begin = (tmp_path / "rank_3" / f"step_parallel_begin{suffix}.ir").read_text()
+        assert begin == format_plan_begin(plan)
+        execute = (tmp_path / "rank_3" / f"execute{suffix}.ir").read_text()
+        assert execute.startswith(format_plan_execute(plan, 3))

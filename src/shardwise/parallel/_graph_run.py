@@ -39,7 +39,7 @@ from torch.optim.optimizer import (
 from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
-from shardwise import runtime
+from shardwise import report, runtime
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
@@ -449,6 +449,7 @@ class GraphRun:
         self.parallel_plan = plan
         self.plans.append((plan, self.templates))
         recorder.mark(f"planned again: the network called {reason}")
+        report.dump_parallel_plan(plan, variant=len(self.plans) - 1)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call under a `PlanExecutor` of the current plan."""

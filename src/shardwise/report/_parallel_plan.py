@@ -6,7 +6,8 @@
   forward collective the plan inserts with this rank's group and the bytes it sends.
 - `dump_parallel_plan`: writes both per rank when ``save_graphs >= 1`` (level 2: this rank's
   blocks in ``execute.ir``; level 3: every rank's blocks, the slice table, in
-  ``step_parallel_begin.ir``).
+  ``step_parallel_begin.ir``); a plan made again for other ops or shapes goes to
+  ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``.
 """
 
 from __future__ import annotations
@@ -166,9 +167,17 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
-def dump_parallel_plan(plan: ParallelPlan, ranks: Iterable[int] | None = None) -> list[Path]:
+def dump_parallel_plan(
+    plan: ParallelPlan, ranks: Iterable[int] | None = None, variant: int = 0
+) -> list[Path]:
     """Write ``step_parallel_begin.ir`` and ``execute.ir`` of `plan` per rank if
     ``get_context("save_graphs") >= 1``.
+
+    Args:
+        plan: the plan.
+        ranks: the ranks to write (default: `report_ranks`).
+        variant: 0 for a wrapper's first plan; k > 0 for the k-th plan made again (other
+            ops or shapes), written as ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``.
 
     Returns:
         The paths written (empty at level 0).
@@ -180,7 +189,11 @@ def dump_parallel_plan(plan: ParallelPlan, ranks: Iterable[int] | None = None) -
     chosen = report_ranks(plan.matrix) if ranks is None else list(ranks)
     paths = []
     begin = format_plan_begin(plan, level)
+    begin_file, execute_file = BEGIN_FILE, EXECUTE_FILE
+    if variant:
+        begin_file = begin_file.replace(".ir", f"_{variant}.ir")
+        execute_file = execute_file.replace(".ir", f"_{variant}.ir")
     for r in chosen:
-        paths.append(write_ir(root, r, BEGIN_FILE, begin))
-        paths.append(write_ir(root, r, EXECUTE_FILE, format_plan_execute(plan, r, level)))
+        paths.append(write_ir(root, r, begin_file, begin))
+        paths.append(write_ir(root, r, execute_file, format_plan_execute(plan, r, level)))
     return paths
