@@ -3,12 +3,14 @@
 `GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
 annotations alike; any dataset strategy):
 
-- `GraphRun.plan` (first call): `planner.capture` of the train step (or the network's forward)
-  on fake inputs of the global batch's shapes, then `planner.plan_semi_auto`. ``sw.reshard``
-  (and so ``sw.shard``'s input and output strategies) is one op of the graph
-  (`_shard.reshard_value`, through `_GraphSession`); ``sw.shard``'s op form on an
-  ``nn.Linear`` / ``nn.Embedding`` annotates its node; parameter plans are collected during
-  the capture.
+- `GraphRun.plan` (first call): `_graph_capture.capture_plan`: `planner.capture` of the train
+  step (or the network's forward) on fake inputs of the global batch's shapes
+  (`_call_io.global_inputs`), then `planner.plan_semi_auto`. ``sw.reshard`` (and so
+  ``sw.shard``'s input and output strategies) is one op of the graph (`_shard.reshard_value`,
+  through `_graph_capture.GraphSession`); ``sw.shard``'s op form on an ``nn.Linear`` /
+  ``nn.Embedding`` annotates its node; parameter plans are collected during the capture. A
+  call with other input shapes or ops is planned again (`GraphRun._replan`; the plans are kept
+  and looked up by `_call_io.input_shapes`).
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
   optimizer state already made); for every parameter in the layout the plan stores it in, the
   gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
@@ -18,8 +20,8 @@ annotations alike; any dataset strategy):
   (`_hsdp.start_engine`: shards at rest, each op gets a parameter's compute weight through
   `OptimizerParallel.compute`, gradients reduced into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
-  this rank's rows by the plan's entry edges; a wrapped network's outputs leave as this rank's
-  rows (``full_batch``: whole).
+  this rank's rows by the plan's entry edges (`_call_io.cut_inputs`); a wrapped network's
+  outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`).
 """
 
 from __future__ import annotations
@@ -36,18 +38,22 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
-from shardwise import report, runtime
+from shardwise import report
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
+from shardwise.parallel._call_io import (
+    cut_inputs,
+    input_shapes,
+    rank_outputs,
+)
 from shardwise.parallel._delayed import has_deferred
-from shardwise.parallel._edges import move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor, Replan
+from shardwise.parallel._graph_capture import GraphSession, capture_plan
 from shardwise.parallel._hsdp import (
     bucket_plans,
     gradient_buckets,
@@ -56,84 +62,10 @@ from shardwise.parallel._hsdp import (
 )
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
-from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
-from shardwise.parallel._step import input_layout
-from shardwise.planner import Graph, ParallelPlan, Placed, capture, plan_semi_auto
-from shardwise.planner._capture import input_key
-from shardwise.planner._plan import replicated
-from shardwise.planner._semi_auto import data_parallel
-from shardwise.redistribution import redistribute
+from shardwise.parallel._shard import activate
+from shardwise.planner import Graph, ParallelPlan
 
 T = torch.Tensor
-
-
-class _GraphSession:
-    """The `_shard.Session` of a captured network: ``sw.reshard`` becomes the graph op
-    `reshard_value` (recorded by the capture, carried out by the executor), and parameter plans
-    are collected while capturing."""
-
-    def __init__(self, network: nn.Module) -> None:
-        self.network = network
-        self.declared: Declared | None = Declared()
-
-    def reshard(self, t: T, entry: Entry) -> T:
-        return reshard_value(t, entry)
-
-    def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
-        if self.declared is not None:
-            self.declared.add(self.network, owner, plan)
-
-
-def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
-    """This rank's tensors under `plan` for `runtime.check_memory`: each parameter's stored
-    block and its gradient, and every op's output block (all assumed kept for backward: an
-    upper bound for one step)."""
-    out, grads = [], []
-    for name, p in plan.params.items():
-        shape = p.layout.local_shape(p.shape)
-        dtype = getattr(torch, p.dtype)
-        out.append(runtime.TensorEstimate(name, shape, dtype))
-        if dtype.is_floating_point:
-            grads.append(runtime.TensorEstimate(f"{name}.grad", shape, dtype, "gradients"))
-    acts = [
-        runtime.TensorEstimate(
-            f"{n.name} output {k}", local, getattr(torch, n.dtype(k)), "activations"
-        )
-        for n in plan.nodes
-        for k, local in enumerate(n.local_shapes)
-    ]
-    return out + grads + acts
-
-
-def _global_shape(
-    x: T, world: int, dataset: object, layout: TensorLayout | None
-) -> tuple[int, ...]:
-    """`x`'s global shape: rows of all ranks under data_parallel; its block's dims times their
-    split counts under a per-input `layout`."""
-    shape = [int(n) for n in x.shape]
-    if layout is not None:
-        shape = [n * layout.split_count(d) for d, n in enumerate(shape)]
-    elif dataset == "data_parallel" and shape:
-        shape[0] *= world
-    return tuple(shape)
-
-
-def _global(x: Any, world: int, dataset: object, layout: TensorLayout | None = None) -> Any:
-    """A meta tensor of `x`'s global shape (`_global_shape`)."""
-    if not isinstance(x, T):
-        return x
-    return torch.empty(_global_shape(x, world, dataset, layout), dtype=x.dtype, device="meta")
-
-
-def _tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, T]]:
-    """Each tensor input of a call with its graph name (`input_key`), in call order."""
-    if not kwargs and all(isinstance(a, T) for a in args):  # (positional tensors: no pytree)
-        return [(f"args[{i}]", a) for i, a in enumerate(args)]
-    return [
-        (input_key(pytree.keystr(path)), leaf)
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
-        if isinstance(leaf, T)
-    ]
 
 
 class GraphRun:
@@ -163,7 +95,7 @@ class GraphRun:
         self.grads: GradBuckets | None = None
         self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
         self.optimizers = list(optimizers)
-        self.session = _GraphSession(network)
+        self.session = GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
         self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
@@ -174,44 +106,18 @@ class GraphRun:
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
     ) -> tuple[Graph, ParallelPlan]:
-        """Capture the call with the global shapes of its inputs and plan it; `stored`: a plan
-        whose parameter storage (and global parameter shapes) the new plan keeps."""
-        world = comm.get_group_size()
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
-        device = next((t.device for t in tensors if t.device.type != "meta"), None)
-        if device is None:  # (meta inputs: `AutoParallel.plan(shapes=...)`)
-            device = next((p.device for p in self.network.parameters()), torch.device("cpu"))
-        layouts = self._input_layouts(args, kwargs)
-        leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
-        g_args, g_kwargs = pytree.tree_unflatten(
-            [
-                _global(x, world, self.dataset, layouts.get(input_key(pytree.keystr(path))))
-                for path, x in leaves
-            ],
-            spec,
-        )
-        shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
-        with activate(self.session), comm.plain_tensors(), self._capturing():
-            graph = capture(
+        """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps)."""
+        with self._capturing():
+            return capture_plan(
                 self.fn,
-                *g_args,
-                networks=[self.network],
-                device=device,
-                param_shapes=shapes,
-                **g_kwargs,
+                self.network,
+                self.session,
+                self.dataset,
+                self.param_layouts,
+                args,
+                kwargs,
+                stored,
             )
-            if stored is None:
-                assert self.session.declared is not None
-                declared = self.session.declared.parameter_layouts(self.network)
-                self.session.declared = None
-                given = {n: layout for n, (layout, _) in declared.items()}
-                given.update(self.param_layouts)  # (a loaded strategy file's storage wins)
-            else:
-                given = {n: p.layout for n, p in stored.params.items()}
-            dataset = layouts if layouts else str(self.dataset)
-            plan = plan_semi_auto(graph, world, dataset=dataset, param_layouts=given)
-        runtime.check_memory(memory_estimate(plan), "AutoParallel")
-        return graph, plan
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
         """Capture and plan with the global shapes of this call's inputs (the ops, the
@@ -344,7 +250,7 @@ class GraphRun:
             self.engine.remove()
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        shapes = self._input_shapes(args, kwargs)
+        shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None
         if shapes != dict(plan.input_shapes):  # another input signature: its plan, or a new one
@@ -407,29 +313,6 @@ class GraphRun:
         self.parallel_plan, self.templates = found[0]
         return True
 
-    def _input_layouts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Under per-input dataset entries: each tensor input's layout by its graph name (the
-        entries follow the tensors in call order); else empty."""
-        if isinstance(self.dataset, str):
-            return {}
-        world = comm.get_group_size()
-        found = _tensor_inputs(args, kwargs)
-        out = {}
-        for i, (key, leaf) in enumerate(found):
-            layout = input_layout(self.dataset, i, leaf.dim(), len(found), world)  # type: ignore[arg-type]
-            if layout is not None:
-                out[key] = layout
-        return out
-
-    def _input_shapes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Each tensor input's global shape, by its graph name."""
-        world = comm.get_group_size()
-        layouts = self._input_layouts(args, kwargs)
-        return {
-            key: _global_shape(leaf, world, self.dataset, layouts.get(key))
-            for key, leaf in _tensor_inputs(args, kwargs)
-        }
-
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept
         with the others (the parameters stay stored as the first plan stores them)."""
@@ -456,7 +339,7 @@ class GraphRun:
         plan = self.parallel_plan
         assert plan is not None
         if self.dataset == "full_batch":
-            args, kwargs = self._cut_inputs(plan, args, kwargs)
+            args, kwargs = cut_inputs(plan, args, kwargs)
         if self.grads is not None:
             self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
@@ -500,34 +383,4 @@ class GraphRun:
             self.executor = None
             saved.close()
         executor.check_done("the end of the call")
-        return self._outputs(plan, out) if self.module_form else out
-
-    def _cut_inputs(
-        self, plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``full_batch``: each input the plan cuts at entry, as this rank's rows."""
-        entry = {e.value.removeprefix("input:"): e for e in plan.edges if e.consumer == -2}
-        flat, spec = pytree.tree_flatten_with_path((args, kwargs))
-        leaves = []
-        for path, leaf in flat:
-            edge = entry.get(input_key(pytree.keystr(path)))
-            leaves.append(leaf if edge is None or not isinstance(leaf, T) else move(leaf, edge))
-        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, spec)
-        return out
-
-    def _outputs(self, plan: ParallelPlan, out: Any) -> Any:
-        """A wrapped network's outputs as this rank's rows (``full_batch``: whole)."""
-        leaves, spec = pytree.tree_flatten(out)
-        placed = iter(plan.outputs)
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, T):
-                continue
-            src: Placed = next(placed)
-            ndim = leaf.dim()
-            gshape = tuple(int(s) * src.layout.split_count(d) for d, s in enumerate(leaf.shape))
-            whole = self.dataset == "full_batch" or ndim == 0 or gshape[0] % plan.device_num
-            m = src.layout.matrix
-            want = replicated(m, ndim) if whole else data_parallel(m, ndim)
-            if src.layout != want.layout:
-                leaves[i] = redistribute(leaf, src.layout, want.layout, gshape)
-        return pytree.tree_unflatten(leaves, spec)
+        return rank_outputs(plan, out, self.dataset) if self.module_form else out

@@ -1,7 +1,7 @@
 """`ParallelPlan`: every decision of a parallel job, as plain frozen data.
 
-- `Placed`: how a value is spread over the devices: a `TensorLayout` (which axes split which
-  dim) plus the axes on which each rank holds a partial sum (``Partial`` in DTensor's terms).
+- `Placed` and `Collective` (from `_placed`): how a value is spread over the devices, and one
+  collective the plan runs.
 - `NodePlan`: one op's strategy: the placements its inputs must have, those of its outputs,
   its local output shapes and the collectives the op itself runs (a primitive's AllReduce).
 - `EdgePlan`: one input of one op (or a returned value) whose producer left it elsewhere: the
@@ -18,7 +18,7 @@ it builds these classes, so it is imported at the end of this module, which re-e
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,72 +26,8 @@ from typing import Any
 from torch.distributed.tensor import Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.planner._placed import Collective, Placed, Shape, _axes_str, replicated
 from shardwise.redistribution import Slice, Step
-
-Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Placed:
-    """A value's distribution.
-
-    Attributes:
-        layout: which axes split which dim (on the plan's matrix).
-        partial: axes over which the ranks hold partial values still to be reduced.
-        reduce: ``"sum"`` or ``"avg"``: how the partial values combine.
-    """
-
-    layout: TensorLayout
-    partial: tuple[int, ...] = ()
-    reduce: str = "sum"
-
-    def __str__(self) -> str:
-        dims = ", ".join(_axes_str(self.layout.matrix, a) for a in self.layout.dims)
-        text = f"({dims})"
-        if self.partial:
-            text += f" partial-{self.reduce}[{_axes_str(self.layout.matrix, self.partial)}]"
-        return text
-
-    def local_shape(self, shape: Sequence[int]) -> Shape:
-        """This layout's block shape of a tensor of global `shape`."""
-        return tuple(self.layout.local_shape(shape))
-
-
-def _axes_str(matrix: DeviceMatrix, axes: Sequence[int]) -> str:
-    names = [matrix.names[a] for a in axes]
-    if not names:
-        return "None"
-    return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
-
-
-def replicated(matrix: DeviceMatrix, ndim: int) -> Placed:
-    """Whole on every rank."""
-    return Placed(TensorLayout(matrix, ((),) * ndim))
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective the plan runs: its kind, the axes it runs over, and where (for an op's
-    own collective, also which of its outputs it combines and, for a ReduceScatter, the dim it
-    cuts).
-
-    Example:
-        >>> str(Collective("AllReduce", ("g0",), "cross_entropy -> return", "sum"))
-        'AllReduce(sum) over g0 at cross_entropy -> return'
-    """
-
-    kind: str
-    axes: tuple[str, ...]
-    where: str
-    detail: str = ""
-    output: int = 0
-    dim: int | None = None
-    equal_grad: tuple[str, ...] = ()  # (AllReduce) axes whose adjoint is local (`_backward`)
-
-    def __str__(self) -> str:
-        detail = f"({self.detail})" if self.detail else ""
-        local = f"; backward local on {', '.join(self.equal_grad)}" if self.equal_grad else ""
-        return f"{self.kind}{detail} over {', '.join(self.axes)} at {self.where}{local}"
 
 
 @dataclass(frozen=True)
@@ -409,6 +345,7 @@ __all__ = [
     "ParallelPlan",
     "ParamPlan",
     "Placed",
+    "Shape",
     "Shard",
     "matrix_d",
     "matrix_of",

@@ -1,0 +1,127 @@
+"""The inputs and outputs of one call `GraphRun` serves, as the plan sees them.
+
+- `tensor_inputs`: each tensor input with its graph name (`planner._capture.input_key`).
+- `input_layouts` / `input_shapes`: under per-input dataset entries each input's layout; each
+  input's global shape (rows of all ranks under ``data_parallel``, the block times its split
+  counts under a per-input layout) — what the plan is looked up by.
+- `global_inputs`: the call's arguments as meta tensors of those global shapes (for capture).
+- `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
+- `rank_outputs`: a wrapped network's outputs as this rank's rows (``full_batch``: whole).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardwise.layout import TensorLayout
+from shardwise.parallel._edges import move
+from shardwise.parallel._step import input_layout
+from shardwise.planner import ParallelPlan, Placed
+from shardwise.planner._capture import input_key
+from shardwise.planner._plan import replicated
+from shardwise.planner._semi_auto import data_parallel
+from shardwise.redistribution import redistribute
+
+T = torch.Tensor
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _global_shape(
+    x: T, world: int, dataset: object, layout: TensorLayout | None
+) -> tuple[int, ...]:
+    """`x`'s global shape: rows of all ranks under data_parallel; its block's dims times their
+    split counts under a per-input `layout`."""
+    shape = [int(n) for n in x.shape]
+    if layout is not None:
+        shape = [n * layout.split_count(d) for d, n in enumerate(shape)]
+    elif dataset == "data_parallel" and shape:
+        shape[0] *= world
+    return tuple(shape)
+
+
+def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, T]]:
+    """Each tensor input of a call with its graph name (`input_key`), in call order."""
+    if not kwargs and all(isinstance(a, T) for a in args):  # (positional tensors: no pytree)
+        return [(f"args[{i}]", a) for i, a in enumerate(args)]
+    return [
+        (input_key(pytree.keystr(path)), leaf)
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]
+        if isinstance(leaf, T)
+    ]
+
+
+def input_layouts(
+    dataset: object, world: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, TensorLayout]:
+    """Under per-input dataset entries: each tensor input's layout by its graph name (the
+    entries follow the tensors in call order); else empty."""
+    if isinstance(dataset, str):
+        return {}
+    found = tensor_inputs(args, kwargs)
+    out = {}
+    for i, (key, leaf) in enumerate(found):
+        layout = input_layout(dataset, i, leaf.dim(), len(found), world)  # type: ignore[arg-type]
+        if layout is not None:
+            out[key] = layout
+    return out
+
+
+def input_shapes(
+    dataset: object, world: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, tuple[int, ...]]:
+    """Each tensor input's global shape, by its graph name."""
+    layouts = input_layouts(dataset, world, args, kwargs)
+    return {
+        key: _global_shape(leaf, world, dataset, layouts.get(key))
+        for key, leaf in tensor_inputs(args, kwargs)
+    }
+
+
+def global_inputs(
+    dataset: object, world: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Call:
+    """The call's arguments with each tensor replaced by a meta tensor of its global shape."""
+    layouts = input_layouts(dataset, world, args, kwargs)
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    out = []
+    for path, x in leaves:
+        if isinstance(x, T):
+            layout = layouts.get(input_key(pytree.keystr(path)))
+            shape = _global_shape(x, world, dataset, layout)
+            x = torch.empty(shape, dtype=x.dtype, device="meta")
+        out.append(x)
+    g_args, g_kwargs = pytree.tree_unflatten(out, spec)
+    return tuple(g_args), dict(g_kwargs)
+
+
+def cut_inputs(plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """``full_batch``: each input the plan cuts at entry, as this rank's rows."""
+    entry = {e.value.removeprefix("input:"): e for e in plan.edges if e.consumer == -2}
+    flat, spec = pytree.tree_flatten_with_path((args, kwargs))
+    leaves = []
+    for path, leaf in flat:
+        edge = entry.get(input_key(pytree.keystr(path)))
+        leaves.append(leaf if edge is None or not isinstance(leaf, T) else move(leaf, edge))
+    out: Call = pytree.tree_unflatten(leaves, spec)
+    return out
+
+
+def rank_outputs(plan: ParallelPlan, out: Any, dataset: object) -> Any:
+    """A wrapped network's outputs as this rank's rows (``full_batch``: whole)."""
+    leaves, spec = pytree.tree_flatten(out)
+    placed = iter(plan.outputs)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, T):
+            continue
+        src: Placed = next(placed)
+        ndim = leaf.dim()
+        gshape = tuple(int(s) * src.layout.split_count(d) for d, s in enumerate(leaf.shape))
+        whole = dataset == "full_batch" or ndim == 0 or gshape[0] % plan.device_num
+        m = src.layout.matrix
+        want = replicated(m, ndim) if whole else data_parallel(m, ndim)
+        if src.layout != want.layout:
+            leaves[i] = redistribute(leaf, src.layout, want.layout, gshape)
+    return pytree.tree_unflatten(leaves, spec)

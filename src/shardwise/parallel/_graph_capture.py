@@ -1,0 +1,116 @@
+"""Capture and plan one call of a network or train step (for `_graph_run.GraphRun`).
+
+- `GraphSession`: the `_shard.Session` while capturing: ``sw.reshard`` becomes the graph op
+  `_shard.reshard_value`, parameter plans (``sw.shard(..., parameter_plan=...)``) are
+  collected.
+- `capture_plan`: `planner.capture` of the call on meta inputs of the global shapes
+  (`_call_io.global_inputs`), then `planner.plan_semi_auto` with the declared (or loaded, or
+  kept) parameter layouts; the plan is checked against ``sw.runtime.set_memory``'s cap
+  (`memory_estimate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from shardwise import communication as comm
+from shardwise import runtime
+from shardwise.layout import TensorLayout
+from shardwise.parallel._call_io import global_inputs, input_layouts
+from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
+from shardwise.planner import Graph, ParallelPlan, capture, plan_semi_auto
+
+T = torch.Tensor
+
+
+class GraphSession:
+    """The `_shard.Session` of a captured network: ``sw.reshard`` becomes the graph op
+    `reshard_value` (recorded by the capture, carried out by the executor), and parameter plans
+    are collected while capturing."""
+
+    def __init__(self, network: nn.Module) -> None:
+        self.network = network
+        self.declared: Declared | None = Declared()
+
+    def reshard(self, t: T, entry: Entry) -> T:
+        return reshard_value(t, entry)
+
+    def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
+        if self.declared is not None:
+            self.declared.add(self.network, owner, plan)
+
+
+def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
+    """This rank's tensors under `plan` for `runtime.check_memory`: each parameter's stored
+    block and its gradient, and every op's output block (all assumed kept for backward: an
+    upper bound for one step)."""
+    out, grads = [], []
+    for name, p in plan.params.items():
+        shape = p.layout.local_shape(p.shape)
+        dtype = getattr(torch, p.dtype)
+        out.append(runtime.TensorEstimate(name, shape, dtype))
+        if dtype.is_floating_point:
+            grads.append(runtime.TensorEstimate(f"{name}.grad", shape, dtype, "gradients"))
+    acts = [
+        runtime.TensorEstimate(
+            f"{n.name} output {k}", local, getattr(torch, n.dtype(k)), "activations"
+        )
+        for n in plan.nodes
+        for k, local in enumerate(n.local_shapes)
+    ]
+    return out + grads + acts
+
+
+def capture_plan(
+    fn: Callable[..., Any],
+    network: nn.Module,
+    session: GraphSession,
+    dataset: object,
+    loaded: Mapping[str, TensorLayout],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    stored: ParallelPlan | None = None,
+) -> tuple[Graph, ParallelPlan]:
+    """Capture the call `fn(*args, **kwargs)` with the global shapes of its inputs and plan it.
+
+    Args:
+        fn: the network or train step.
+        network: the network whose parameters the plan stores.
+        session: the capture's session (its declared parameter plans are taken once).
+        dataset: the dataset strategy (``"data_parallel"``, ``"full_batch"`` or per input).
+        loaded: parameter layouts of a loaded strategy file (they win over declared ones).
+        args / kwargs: this rank's call.
+        stored: a plan whose parameter storage (and global parameter shapes) the new plan
+            keeps (a plan made again), or None (the first plan).
+
+    Returns:
+        The graph and its plan.
+    """
+    world = comm.get_group_size()
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
+    device = next((t.device for t in tensors if t.device.type != "meta"), None)
+    if device is None:  # (meta inputs: `AutoParallel.plan(shapes=...)`)
+        device = next((p.device for p in network.parameters()), torch.device("cpu"))
+    layouts = input_layouts(dataset, world, args, kwargs)
+    g_args, g_kwargs = global_inputs(dataset, world, args, kwargs)
+    shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
+    with activate(session), comm.plain_tensors():
+        graph = capture(
+            fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs
+        )
+        if stored is None:
+            assert session.declared is not None
+            declared = session.declared.parameter_layouts(network)
+            session.declared = None
+            given = {n: layout for n, (layout, _) in declared.items()}
+            given.update(loaded)  # (a loaded strategy file's storage wins)
+        else:
+            given = {n: p.layout for n, p in stored.params.items()}
+        plan = plan_semi_auto(graph, world, dataset=layouts or str(dataset), param_layouts=given)
+    runtime.check_memory(memory_estimate(plan), "AutoParallel")
+    return graph, plan
