@@ -74,6 +74,7 @@ def spec_rule(builder: SpecBuilder) -> Rule:
 
     rule.__name__ = builder.__name__.replace("_spec", "_rule")
     rule.__doc__ = f"The sharding rule built from `{builder.__name__}`."
+    rule.spec_builder = builder  # type: ignore[attr-defined]  # (`_candidates`)
     return rule
 
 
@@ -163,6 +164,8 @@ def gather_rule(
         )
     return plan
 
+
+gather_rule.spec_builder = gather_spec  # type: ignore[attr-defined]  # (`_candidates`)
 
 FAMILIES: dict[str, tuple[Rule, tuple[str, ...]]] = {
     "matmul": (spec_rule(matmul_spec), ("MatMul", "BatchMatMul")),

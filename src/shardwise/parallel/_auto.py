@@ -1,9 +1,10 @@
-"""`AutoParallel`: the semi_auto operator-parallel wrapper (a network or a train-step function).
+"""`AutoParallel`: the operator-parallel wrapper (a network or a train-step function).
 
 Every call (any dataset strategy) runs from one `ParallelPlan` (`_graph_run.GraphRun`): the
 first call (or `AutoParallel.plan`, given this rank's inputs or the inputs' global shapes)
 captures every op of the network or train step (shardwise primitives, torch ops, ``sw.shard`` /
-``sw.reshard`` annotations), plans it (`planner.plan_semi_auto`), cuts the parameters to their
+``sw.reshard`` annotations), plans it (`planner.plan_semi_auto`; in sharding_propagation
+`planner.plan_sharding_propagation`), cuts the parameters to their
 stored blocks and starts either optimizer parallel (`_hsdp.start_engine`) or the gradient
 buckets (`_runtime.GradBuckets`); every call then runs under the plan executor
 (`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
@@ -92,18 +93,22 @@ def _local_inputs(
 
 
 class AutoParallel(nn.Module, StrategyFiles):
-    """Run a network operator-parallel as its primitives' strategies say (semi_auto).
+    """Run a network operator-parallel as its strategies say (semi_auto, sharding_propagation).
 
     Args:
         network_or_step: a module (shardwise primitives, torch modules and ops, annotated
             with ``shard()`` / ``sw.shard`` or not), or a train-step function
             ``step(*inputs)`` calling such a network, ``loss.backward()`` and
             ``optimizer.step()`` and returning the loss.
-        parallel_mode: ``"semi_auto"`` or ``"data_parallel"`` (the whole network on every
-            rank, `optim.DataParallelRunner`; with `hsdp`, owner update + broadcast); default
-            (None): from `set_auto_parallel_context` (``SEMI_AUTO_PARALLEL`` or the default
-            ``STAND_ALONE``: semi_auto; ``DATA_PARALLEL``; strategy search modes raise
-            `UnsupportedParallelError`). The context's ``dataset_strategy`` is read here
+        parallel_mode: ``"semi_auto"`` (annotated ops keep their strategies, the others run
+            data parallel), ``"sharding_propagation"`` (annotated ops keep theirs, the others
+            take the strategies that make the graph's redistributions cheapest:
+            `planner.plan_sharding_propagation`) or ``"data_parallel"`` (the whole network on
+            every rank, `optim.DataParallelRunner`; with `hsdp`, owner update + broadcast);
+            default (None): from `set_auto_parallel_context` (``SEMI_AUTO_PARALLEL`` or the
+            default ``STAND_ALONE``: semi_auto; ``AUTO_PARALLEL`` with
+            ``search_mode="sharding_propagation"``; ``DATA_PARALLEL``; the search mode
+            ``recursive_programming`` raises `UnsupportedParallelError`). The context's ``dataset_strategy`` is read here
             too (``dataset_strategy()`` overrides it) and its ``device_num`` checked at plan time.
         network: the network of a train step (default: the referenced module with parameters).
         optimizer: the optimizer(s) of a train step (default: those it references), or of a
@@ -279,8 +284,8 @@ class AutoParallel(nn.Module, StrategyFiles):
             >>> plan = AutoParallel(net).plan(shapes=[(32, 784)])
             >>> print(plan)  # doctest: +SKIP
         """
-        if self.parallel_mode != "semi_auto":
-            raise ValueError("AutoParallel.plan: only semi_auto plans (data_parallel runs as is)")
+        if self.parallel_mode == "data_parallel":
+            raise ValueError("AutoParallel.plan: data_parallel runs as is: nothing to plan")
         if self._graph is None:
             if (shapes is None) == (not inputs):
                 raise ValueError(
@@ -316,6 +321,25 @@ class AutoParallel(nn.Module, StrategyFiles):
         """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
         return None if self._graph is None else self._graph.parallel_plan
 
+    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Each op's name (module path and op, as the IR prints it) -> its in_strategy, for
+        annotated, propagated and data-parallel ops alike (`ParallelPlan.strategies`).
+
+        Raises:
+            ValueError: nothing planned yet (call the wrapper or its ``plan`` first).
+
+        Example:
+            >>> parallel_net.strategies()["relu/ReLU"]  # seed 002, sharding_propagation
+            ((2, 4),)
+        """
+        plan = self.parallel_plan
+        if plan is None:
+            raise ValueError(
+                "AutoParallel.strategies: nothing planned yet; call the wrapper (or its plan()) "
+                "once first"
+            )
+        return plan.strategies()
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._superseded:
             raise ValueError(
@@ -346,6 +370,7 @@ class AutoParallel(nn.Module, StrategyFiles):
             self._fusion,
             optimizers=self.optimizers,
             param_layouts=layouts,
+            mode=self.parallel_mode,
         )
         try:
             run.plan(inputs, kwargs)

@@ -4,8 +4,9 @@
   `_shard.reshard_value`, parameter plans (``sw.shard(..., parameter_plan=...)``) are
   collected.
 - `capture_plan`: `planner.capture` of the call on meta inputs of the global shapes
-  (`_call_io.global_inputs`), then `planner.plan_semi_auto` with the declared (or loaded, or
-  kept) parameter layouts; the plan is checked against ``sw.runtime.set_memory``'s cap
+  (`_call_io.global_inputs`), then `planner.plan_semi_auto` (or, in sharding_propagation,
+  `planner.plan_sharding_propagation`) with the declared (or loaded, or kept) parameter
+  layouts; the plan is checked against ``sw.runtime.set_memory``'s cap
   (`memory_estimate`).
 """
 
@@ -23,7 +24,13 @@ from shardwise import runtime
 from shardwise.layout import TensorLayout
 from shardwise.parallel._call_io import global_inputs, input_layouts
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
-from shardwise.planner import Graph, ParallelPlan, capture, plan_semi_auto
+from shardwise.planner import (
+    Graph,
+    ParallelPlan,
+    capture,
+    plan_semi_auto,
+    plan_sharding_propagation,
+)
 
 T = torch.Tensor
 
@@ -75,6 +82,7 @@ def capture_plan(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     stored: ParallelPlan | None = None,
+    mode: str = "semi_auto",
 ) -> tuple[Graph, ParallelPlan]:
     """Capture the call `fn(*args, **kwargs)` with the global shapes of its inputs and plan it.
 
@@ -87,6 +95,8 @@ def capture_plan(
         args / kwargs: this rank's call.
         stored: a plan whose parameter storage (and global parameter shapes) the new plan
             keeps (a plan made again), or None (the first plan).
+        mode: ``"semi_auto"`` (`planner.plan_semi_auto`) or ``"sharding_propagation"``
+            (`planner.plan_sharding_propagation`).
 
     Returns:
         The graph and its plan.
@@ -111,6 +121,7 @@ def capture_plan(
             given.update(loaded)  # (a loaded strategy file's storage wins)
         else:
             given = {n: p.layout for n, p in stored.params.items()}
-        plan = plan_semi_auto(graph, world, dataset=layouts or str(dataset), param_layouts=given)
+        planner = plan_sharding_propagation if mode == "sharding_propagation" else plan_semi_auto
+        plan = planner(graph, world, dataset=layouts or str(dataset), param_layouts=given)
     runtime.check_memory(memory_estimate(plan), "AutoParallel")
     return graph, plan

@@ -80,8 +80,10 @@ class GraphRun:
         fusion: FusionConfig | None = None,
         optimizers: Sequence[torch.optim.Optimizer] = (),
         param_layouts: Mapping[str, TensorLayout] | None = None,
+        mode: str = "semi_auto",
     ) -> None:
         self.fn = fn
+        self.mode = mode  # (the planner: semi_auto or sharding_propagation)
         self.param_layouts = dict(param_layouts or {})  # (from a loaded strategy file)
         self.network = network
         self.dataset = dataset
@@ -117,6 +119,7 @@ class GraphRun:
                 args,
                 kwargs,
                 stored,
+                self.mode,
             )
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:

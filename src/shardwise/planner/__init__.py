@@ -8,6 +8,10 @@
 - `_graph`: `Graph` and its parts (global shapes and dtypes only, no tensor data).
 - `_semi_auto`: `plan_semi_auto` (annotated ops keep their strategies, every other op data
   parallel, through the sharding rules of `shardwise.ops`) -> `ParallelPlan`.
+- `_propagate`: `plan_sharding_propagation` (annotated ops keep their strategies, every other
+  op the one that makes the whole graph's redistributions cheapest): `_choices` (every node's
+  candidate strategies), `_cost` (the alpha-beta `CostModel`, `load_cost_model`), `_solve`
+  (exact: tree DP or an ILP through HiGHS; MindSpore's greedy order for comparison).
 - `_follow`: an op's aten program followed on placements (the strategy of an unannotated or
   op-form annotated op, the cheaper of following and data parallel).
 - `_placement`: the global device matrix and where inputs and parameters start.
@@ -21,6 +25,7 @@
 """
 
 from shardwise.planner._capture import CaptureError, capture
+from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._files import (
     StrategyFileError,
     check_device_count,
@@ -41,6 +46,7 @@ from shardwise.planner._plan import (
     ParamPlan,
     Placed,
 )
+from shardwise.planner._propagate import plan_sharding_propagation
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "BucketPlan",
     "CaptureError",
     "Collective",
+    "CostModel",
     "EdgePlan",
     "Graph",
     "Node",
@@ -64,9 +71,11 @@ __all__ = [
     "check_device_count",
     "check_matches",
     "check_params",
+    "load_cost_model",
     "load_operator_strategy_file",
     "load_param_strategy_file",
     "plan_semi_auto",
+    "plan_sharding_propagation",
     "save_operator_strategy_file",
     "save_param_strategy_file",
 ]

@@ -73,6 +73,15 @@ class NodePlan:
         return self.dtypes[output] if output < len(self.dtypes) else "float32"
 
     @property
+    def in_strategy(self) -> tuple[tuple[int, ...], ...]:
+        """The strategy in MindSpore's notation: each tensor input's split count per dim
+        (``((2, 4), (4, 1))`` for seed 003's first MatMul)."""
+        return tuple(
+            tuple(p.layout.split_count(d) for d in range(len(s)))
+            for p, s in zip(self.inputs, self.in_shapes, strict=False)
+        )
+
+    @property
     def local_shapes(self) -> tuple[Shape, ...]:
         """Each output's block shape on a rank."""
         return tuple(p.local_shape(s) for p, s in zip(self.outputs, self.shapes, strict=True))
@@ -235,6 +244,15 @@ class ParallelPlan:
             if n.name == name:
                 return n
         raise KeyError(f"no op {name!r} in the plan; ops: {[n.name for n in self.nodes[:8]]}...")
+
+    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Each op's name (its module path and op) -> its in_strategy (`NodePlan.in_strategy`).
+
+        Example:
+            >>> plan.strategies()["relu/ReLU"]  # seed 002 by sharding propagation
+            ((2, 4),)
+        """
+        return {n.name: n.in_strategy for n in self.nodes}
 
     def param_layouts(self) -> dict[str, tuple[TensorLayout, Shape]]:
         """Parameter name -> (storage layout, global shape), the form the runtime takes."""

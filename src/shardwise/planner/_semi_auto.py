@@ -40,6 +40,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
@@ -89,6 +90,8 @@ class _Planner(_Follow):
         # op-form annotated nodes: index -> (input placements, output placements)
         self.pinned: dict[int, tuple[list[Placements], list[Placements]]] = {}
         self.moved: set[tuple[Ref, Placed, Placed]] = set()  # moves made so far (`EdgePlan.shared`)
+        # an automatic planner's decisions: index -> (input placements, outputs', rule)
+        self.chosen: dict[int, tuple[list[Placements], list[Placements], str]] = {}
 
     def edge(self, consumer: int, slot: int, ref: Ref, dst: Placed) -> None:
         """Move value `ref` to `dst` for `consumer` (an `EdgePlan` when it is elsewhere)."""
@@ -105,7 +108,7 @@ class _Planner(_Follow):
         self.edges.append(edge)
 
     # -- primitives ----------------------------------------------------------------------
-    def primitive(self, node: Node, op: OpPlan) -> None:
+    def primitive(self, node: Node, op: OpPlan, rule: str | None = None) -> None:
         m = self.matrix
         ins = tuple(Placed(refine(t, m)) for t in op.inputs)
         outs = tuple(Placed(refine(t, m)) for t in op.outputs)
@@ -117,7 +120,8 @@ class _Planner(_Follow):
             Collective(c.kind, _global_axes(op.matrix, c.axes, m), node.name, c.op, c.output, c.dim)
             for c in op.comms
         )
-        rule = "user" if op.user_set else "default"
+        if rule is None:
+            rule = "user" if op.user_set else "default"
         shapes = tuple(tuple(s) for s in op.output_shapes)
         values = tuple(str(r) for r in node.inputs)
         in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
@@ -145,6 +149,8 @@ class _Planner(_Follow):
         if node.index in self.pinned:
             need, outs = self.pinned[node.index]
             rule = "user"
+        elif node.index in self.chosen:
+            need, outs, rule = self.chosen[node.index]
         elif node.op == RESHARD:
             layout = reshard_layout(node, self.graph.info(node.inputs[0]).shape, self.device_num)
             need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
@@ -196,6 +202,124 @@ class _Planner(_Follow):
             )
 
 
+@dataclass
+class Setup:
+    """What every mode's planning starts from (`setup`): the planner on the global matrix, the
+    inputs' arrival and entry cuts, the primitives' plans, the parameters' fixed layouts."""
+
+    planner: _Planner
+    arrive: dict[str, Placed]
+    entry: list[tuple[str, Placed]]
+    prims: dict[int, OpPlan]
+    given: dict[str, TensorLayout]  # declared / loaded, refined onto the matrix
+    pinned: dict[str, TensorLayout]  # read by op-form annotated ops
+
+
+def setup(
+    graph: Graph,
+    device_num: int,
+    dataset: DatasetStrategy,
+    param_layouts: Mapping[str, TensorLayout] | None,
+    extra_matrices: Sequence[Shape],
+    annotated_only: bool = False,
+) -> Setup:
+    """Plan the primitives by their rules (with `annotated_only`, only those with a ``shard()``
+    strategy), refine every matrix into the global one, place the inputs, pin the op-form
+    annotations."""
+    prims = {
+        n.index: plan_primitive(
+            n.target,
+            *[graph.info(r).shape for r in n.inputs],
+            device_num=device_num,
+            **dict(n.kwargs),
+        )
+        for n in graph.nodes
+        if n.is_primitive
+    }
+    if annotated_only:
+        prims = {k: op for k, op in prims.items() if op.user_set}
+    given = dict(param_layouts or {})
+    extra = list(extra_matrices)
+    if isinstance(dataset, Mapping):
+        extra += [t.matrix.shape for t in dataset.values()]
+    try:
+        forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
+        extra += [m.shape for m, _ in forms.values()]
+        extra += [
+            reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix.shape
+            for n in graph.nodes
+            if n.op == RESHARD
+        ]
+    except AnnotationError as e:
+        raise PlanError(str(e)) from None
+    matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
+    p = _Planner(graph, device_num, matrix)
+    arrive, entry = _input_state(p, graph, dataset)
+    pinned: dict[str, TensorLayout] = {}
+    for index, (_, layouts) in forms.items():
+        for name, layout in p.pin(graph.nodes[index], layouts).items():
+            pinned.setdefault(name, layout)
+    given = {n: refine(t, matrix) for n, t in given.items()}
+    return Setup(p, arrive, entry, prims, given, pinned)
+
+
+def walk(
+    graph: Graph,
+    s: Setup,
+    params: Mapping[str, TensorLayout],
+    mode: str,
+    rules: Mapping[int, str] | None = None,
+) -> ParallelPlan:
+    """Place every value as the decisions say (the primitives' plans in ``s.prims``, torch ops
+    as ``s.planner.chosen`` says or by following their inputs), make the edges, the loss's
+    reduction and the backward's equal gradients, and return the plan (`rules`: a primitive
+    node's rule label other than its plan's)."""
+    p = s.planner
+    matrix = p.matrix
+    for name, layout in params.items():
+        p.state[Ref("param", name)] = Placed(layout)
+    for name, info in graph.buffers.items():
+        p.state[Ref("buffer", name)] = replicated(matrix, len(info.shape))
+    for i, info in enumerate(graph.consts):
+        p.state[Ref("const", i)] = replicated(matrix, len(info.shape))
+    for k, (key, dp) in enumerate(s.entry):
+        info = graph.inputs[key]
+        src = s.arrive[key]
+        steps = plan_redistribution(src.layout, dp.layout, info.shape, _itemsize(info.dtype))
+        edge = EdgePlan(-2, k, f"input:{key}", info.shape, src, dp, steps.steps, dtype=info.dtype)
+        p.edges.append(edge)
+    returned = set(graph.outputs)
+    reduced = 0
+    for node in graph.nodes:
+        if node.index in s.prims:
+            p.primitive(node, s.prims[node.index], (rules or {}).get(node.index))
+        else:
+            p.torch_node(node)
+        for o, info in enumerate(node.outputs):
+            ref = Ref("node", node.index, o)
+            src = p.state[ref]
+            if src.partial and (ref in returned or not info.shape):  # a loss: whole at once
+                p.edge(-1, reduced, ref, Placed(src.layout))
+                p.state[ref] = Placed(src.layout)
+                reduced += 1
+    nodes, edges, equal = plan_backward(graph, p.nodes, p.edges, params, matrix)
+    return ParallelPlan(
+        device_num=p.device_num,
+        matrix=matrix,
+        mode=mode,
+        inputs=s.arrive,
+        nodes=nodes,
+        edges=edges,
+        params={
+            n: ParamPlan(layout, graph.params[n].shape, graph.params[n].dtype)
+            for n, layout in params.items()
+        },
+        input_shapes={k: v.shape for k, v in graph.inputs.items()},
+        outputs=tuple(p.state[ref] for ref in graph.outputs),
+        equal_grads=equal,
+    )
+
+
 def plan_semi_auto(
     graph: Graph,
     device_num: int,
@@ -225,80 +349,9 @@ def plan_semi_auto(
         >>> [str(c) for c in plan.collectives()]
         ['AllReduce(avg) over g0 at return 1']
     """
-    prims = {
-        n.index: plan_primitive(
-            n.target,
-            *[graph.info(r).shape for r in n.inputs],
-            device_num=device_num,
-            **dict(n.kwargs),
-        )
-        for n in graph.nodes
-        if n.is_primitive
-    }
-    given = dict(param_layouts or {})
-    extra = list(extra_matrices)
-    if isinstance(dataset, Mapping):
-        extra += [t.matrix.shape for t in dataset.values()]
-    try:
-        forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
-        extra += [m.shape for m, _ in forms.values()]
-        extra += [
-            reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix.shape
-            for n in graph.nodes
-            if n.op == RESHARD
-        ]
-    except AnnotationError as e:
-        raise PlanError(str(e)) from None
-    matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
-    p = _Planner(graph, device_num, matrix)
-    arrive, entry = _input_state(p, graph, dataset)
-    pinned: dict[str, TensorLayout] = {}
-    for index, (_, layouts) in forms.items():
-        for name, layout in p.pin(graph.nodes[index], layouts).items():
-            pinned.setdefault(name, layout)
-    params = _param_layouts(graph, prims, given, matrix, pinned)
-    for name, layout in params.items():
-        p.state[Ref("param", name)] = Placed(layout)
-    for name, info in graph.buffers.items():
-        p.state[Ref("buffer", name)] = replicated(matrix, len(info.shape))
-    for i, info in enumerate(graph.consts):
-        p.state[Ref("const", i)] = replicated(matrix, len(info.shape))
-    for k, (key, dp) in enumerate(entry):
-        info = graph.inputs[key]
-        src = arrive[key]
-        steps = plan_redistribution(src.layout, dp.layout, info.shape, _itemsize(info.dtype))
-        edge = EdgePlan(-2, k, f"input:{key}", info.shape, src, dp, steps.steps, dtype=info.dtype)
-        p.edges.append(edge)
-    returned = set(graph.outputs)
-    reduced = 0
-    for node in graph.nodes:
-        if node.index in prims:
-            p.primitive(node, prims[node.index])
-        else:
-            p.torch_node(node)
-        for o, info in enumerate(node.outputs):
-            ref = Ref("node", node.index, o)
-            src = p.state[ref]
-            if src.partial and (ref in returned or not info.shape):  # a loss: whole at once
-                p.edge(-1, reduced, ref, Placed(src.layout))
-                p.state[ref] = Placed(src.layout)
-                reduced += 1
-    nodes, edges, equal = plan_backward(graph, p.nodes, p.edges, params, matrix)
-    return ParallelPlan(
-        device_num=device_num,
-        matrix=matrix,
-        mode="semi_auto",
-        inputs=arrive,
-        nodes=nodes,
-        edges=edges,
-        params={
-            n: ParamPlan(layout, graph.params[n].shape, graph.params[n].dtype)
-            for n, layout in params.items()
-        },
-        input_shapes={k: v.shape for k, v in graph.inputs.items()},
-        outputs=tuple(p.state[ref] for ref in graph.outputs),
-        equal_grads=equal,
-    )
+    s = setup(graph, device_num, dataset, param_layouts, extra_matrices)
+    params = _param_layouts(graph, s.prims, s.given, s.planner.matrix, s.pinned)
+    return walk(graph, s, params, "semi_auto")
 
 
 __all__ = [

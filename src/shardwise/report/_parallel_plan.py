@@ -57,12 +57,8 @@ def check_level(level: int, plan: ParallelPlan, rank: int | None = None) -> None
 
 
 def in_strategy(n: NodePlan) -> tuple[tuple[int, ...], ...]:
-    """Node `n`'s strategy in MindSpore's notation: each tensor input's split count per dim
-    (``((2, 4), (4, 1))`` for seed 003's first MatMul)."""
-    return tuple(
-        tuple(p.layout.split_count(d) for d in range(len(s)))
-        for p, s in zip(n.inputs, n.in_shapes, strict=False)
-    )
+    """Node `n`'s strategy in MindSpore's notation (`NodePlan.in_strategy`)."""
+    return n.in_strategy
 
 
 def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:

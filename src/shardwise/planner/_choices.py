@@ -1,0 +1,297 @@
+"""The candidate strategies of every node and parameter, for the automatic planners.
+
+A `Choice` is one strategy of one node: the placements its inputs must have (on the plan's
+global device matrix), its outputs' placements, where it came from and, for a primitive, its
+in_strategy. `Choices.build` makes them in graph order:
+
+- fixed nodes get one: an annotated primitive (its ``shard()`` strategy), an op annotated with
+  ``sw.shard``'s op form, a ``sw.reshard`` node;
+- an unannotated primitive gets every strategy its rule accepts whose device matrix refines
+  onto the global one (`ops.candidate_strategies`);
+- a torch op gets what following its aten program gives (`_follow._Follow._follow`) from each
+  combination of its inputs' candidate placements (`_combos`; capped at `MAX_COMBOS`: then one
+  input varied at a time), and from the data-parallel inputs;
+- a parameter that no declaration or loaded file fixes gets every placement of its dims over
+  the matrix's axes (`value_placements`), its storage chosen with its consumers; inputs,
+  buffers and constants keep the one placement they arrive in.
+
+After the forward pass, `Choices.build` asks each torch op once more for the placements its
+consumers' choices want of its output (`_wanted`: the op's inputs given that placement where
+their shape is the output's), and runs the forward pass again so that the consumers see the
+new outputs: annotations propagate backwards as well as forwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch.distributed.tensor import Replicate, Shard
+
+from shardwise.layout import TensorLayout, refine
+from shardwise.ops import OpPlan, Strategy
+from shardwise.ops._candidates import candidate_strategies
+from shardwise.planner._annotated import RESHARD, reshard_layout
+from shardwise.planner._graph import Graph, Node, Ref
+from shardwise.planner._placement import (
+    Placements,
+    PlanError,
+    _global_axes,
+    placements_of,
+    to_placed,
+)
+from shardwise.planner._plan import Placed
+
+if TYPE_CHECKING:
+    from shardwise.planner._semi_auto import _Planner
+
+MAX_COMBOS = 96
+"""Most input-placement combinations a torch op is followed from (beyond: one at a time)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One candidate strategy of a node.
+
+    Attributes:
+        need: per tensor input, the placements it must have.
+        outs: per output, its placements.
+        rule: where it came from (``"user"``, ``"propagated"``, the rule source of a torch op:
+            ``"dtensor"``, ``"shardwise"``, ``"replicate"`` ...).
+        strategy: a primitive's in_strategy (None for torch ops).
+        plan: a primitive's `OpPlan` for that strategy.
+        compute: its outputs' elements over the devices that share the work (the product of
+            the axes that split or leave partial any input or output): a proxy of one rank's
+            compute.
+        reduced: matrix axes over which the op's own collectives combined its outputs (a
+            primitive's AllReduce after a split contraction).
+    """
+
+    need: tuple[Placements, ...]
+    outs: tuple[Placements, ...]
+    rule: str
+    strategy: Strategy | None = None
+    plan: OpPlan | None = field(default=None, compare=False, hash=False)
+    compute: int = 0
+    reduced: frozenset[int] = frozenset()
+
+
+def value_placements(planner: _Planner, shape: tuple[int, ...]) -> list[Placements]:
+    """Every placement of a tensor of `shape` with each matrix axis replicating it or splitting
+    one dim that divides (replicated first)."""
+    m = planner.matrix
+    per_axis = []
+    for size in m.shape:
+        opts: list[Replicate | Shard] = [Replicate()]
+        if size > 1:
+            opts += [Shard(d) for d in range(len(shape))]
+        per_axis.append(opts)
+    out: list[Placements] = []
+    for combo in itertools.product(*per_axis):
+        placed: Placements = tuple(combo)
+        try:
+            layout = to_placed(m, placed, len(shape)).layout
+        except ValueError:
+            continue
+        if all(shape[d] % layout.split_count(d) == 0 for d in range(len(shape))):
+            out.append(placed)
+    return out
+
+
+class Choices:
+    """Builds the candidate `Choice`s of a graph's nodes and parameters (module docstring).
+
+    Args:
+        planner: the `_semi_auto._Planner` of the graph (its matrix, inputs' state, and the
+            op-form annotations already pinned).
+        graph: the captured graph.
+        fixed: annotated primitive nodes -> their `OpPlan`.
+        given: parameters whose storage layout is fixed (declared or loaded).
+    """
+
+    def __init__(
+        self,
+        planner: _Planner,
+        graph: Graph,
+        fixed: Mapping[int, OpPlan],
+        given: Mapping[str, TensorLayout],
+    ) -> None:
+        self.p = planner
+        self.graph = graph
+        self.fixed = fixed
+        self.given = given
+        self.nodes: dict[int, list[Choice]] = {}
+        self.params: dict[str, list[Placements]] = {}
+        self.values: dict[Ref, list[Placements]] = {}
+        self._followed: dict[tuple[int, tuple[Placements, ...]], Choice | None] = {}
+        self._prims: dict[int, list[Choice]] = {}
+
+    def build(self) -> Choices:
+        """Make every node's and parameter's candidates (forward, backward, forward again)."""
+        for name, info in self.graph.params.items():
+            if name in self.given:
+                placed = Placed(refine(self.given[name], self.p.matrix))
+                self.params[name] = [placements_of(placed)]
+            else:
+                self.params[name] = value_placements(self.p, info.shape)
+        self._forward()
+        wanted = self._wanted()
+        if wanted:
+            self._forward(wanted)
+        return self
+
+    # -- the forward pass ------------------------------------------------------------------
+    def _known(self, ref: Ref) -> list[Placements]:
+        if ref.kind == "param":
+            return self.params[str(ref.key)]
+        if ref.kind == "node":
+            return self.values.get(ref, [])
+        return [placements_of(self.p.state[ref])]
+
+    def _forward(self, wanted: Mapping[int, list[Placements]] | None = None) -> None:
+        for node in self.graph.nodes:
+            found = self.nodes.setdefault(node.index, [])
+            for c in self._node(node, (wanted or {}).get(node.index, [])):
+                if c not in found:
+                    found.append(c)
+            if not found:
+                raise PlanError(
+                    f"{node.name} ({node.op} at {node.source}): no strategy fits the device "
+                    f"matrix {self.p.matrix}; annotate it with shard()"
+                )
+            for o in range(len(node.outputs)):
+                ref = Ref("node", node.index, o)
+                seen = self.values.setdefault(ref, [])
+                for c in found:
+                    if c.outs[o] not in seen:
+                        seen.append(c.outs[o])
+
+    def _node(self, node: Node, wanted: list[Placements]) -> list[Choice]:
+        """The node's choices (fixed nodes: one)."""
+        if node.index in self.fixed:
+            c = self._op_choice(node, self.fixed[node.index], "user")
+            if c is None:  # (the global matrix refines every fixed op's)
+                raise AssertionError(node.name)
+            return [c]
+        if node.index in self.p.pinned:
+            need, outs = self.p.pinned[node.index]
+            return [self._choice(node, need, outs, "user")]
+        if node.op == RESHARD:
+            shape = self.graph.info(node.inputs[0]).shape
+            layout = reshard_layout(node, shape, self.p.device_num)
+            placed = placements_of(Placed(refine(layout, self.p.matrix)))
+            return [self._choice(node, [placed], [placed], "user")]
+        if node.is_primitive:
+            return self._primitive(node)
+        out = []
+        combos = self._combos(node)
+        combos += self._from_wanted(node, wanted)
+        for have in combos:
+            c = self._follow(node, have)
+            if c is not None and c not in out:
+                out.append(c)
+        return out
+
+    def _choice(
+        self, node: Node, need: list[Placements], outs: list[Placements], rule: str
+    ) -> Choice:
+        m = self.p.matrix
+        split = 1
+        for axis, size in enumerate(m.shape):
+            if any(not isinstance(pl[axis], Replicate) for pl in [*need, *outs]):
+                split *= size
+        total = sum(math.prod(info.shape) for info in node.outputs)
+        return Choice(tuple(need), tuple(outs), rule, compute=-(-total // split))
+
+    def _op_choice(self, node: Node, op: OpPlan, rule: str) -> Choice | None:
+        m = self.p.matrix
+        try:
+            need = [placements_of(Placed(refine(t, m))) for t in op.inputs]
+            outs = [placements_of(Placed(refine(t, m))) for t in op.outputs]
+        except ValueError:  # (its matrix does not refine onto the global one)
+            return None
+        c = self._choice(node, need, outs, rule)
+        names = [g for comm in op.comms for g in _global_axes(op.matrix, comm.axes, m)]
+        reduced = frozenset(m.names.index(g) for g in names)
+        return Choice(c.need, c.outs, rule, _strategy(op), op, c.compute, reduced)
+
+    def _primitive(self, node: Node) -> list[Choice]:
+        if node.index not in self._prims:
+            shapes = [self.graph.info(r).shape for r in node.inputs]
+            found = candidate_strategies(
+                node.target, *shapes, device_num=self.p.device_num, **dict(node.kwargs)
+            )
+            choices = [self._op_choice(node, op, "propagated") for _, op in found]
+            self._prims[node.index] = [c for c in choices if c is not None]
+        return self._prims[node.index]
+
+    def _combos(self, node: Node) -> list[tuple[Placements, ...]]:
+        """Input placements to follow the node from: every combination of its inputs' known
+        placements (at most `MAX_COMBOS`, else each input's varied with the others at their
+        first), and the data-parallel inputs."""
+        known = [self._known(r) or [self.p.rep()] for r in node.inputs]
+        total = math.prod(len(k) for k in known)
+        if total <= MAX_COMBOS:
+            out = [tuple(c) for c in itertools.product(*known)]
+        else:
+            first = [k[0] for k in known]
+            out = [tuple(first)]
+            for i, options in enumerate(known):
+                for o in options[1:]:
+                    out.append((*first[:i], o, *first[i + 1 :]))
+        out.append(tuple(self.p._data_parallel_inputs(node)))
+        return out
+
+    def _follow(self, node: Node, have: tuple[Placements, ...]) -> Choice | None:
+        key = (node.index, have)
+        if key not in self._followed:
+            try:
+                need, outs, rule = self.p._follow(node, list(have))
+            except PlanError:
+                self._followed[key] = None
+            else:
+                self._followed[key] = self._choice(node, need, outs, rule)
+        return self._followed[key]
+
+    # -- backwards: what the consumers want ----------------------------------------------
+    def _wanted(self) -> dict[int, list[Placements]]:
+        """Torch op -> the placements of its output 0 that some consumer's choice needs and
+        none of its own choices gives."""
+        out: dict[int, list[Placements]] = {}
+        for node in self.graph.nodes:
+            for slot, ref in enumerate(node.inputs):
+                if ref.kind != "node" or ref.index != 0:
+                    continue
+                producer = self.graph.nodes[int(ref.key)]
+                if producer.is_primitive or producer.index in self.fixed:
+                    continue
+                have = {c.outs[0] for c in self.nodes[producer.index]}
+                for c in self.nodes[node.index]:
+                    want = c.need[slot]
+                    if want not in have and want not in out.get(producer.index, []):
+                        out.setdefault(producer.index, []).append(want)
+        return out
+
+    def _from_wanted(self, node: Node, wanted: list[Placements]) -> list[tuple[Placements, ...]]:
+        """For each wanted output placement: the node's inputs of the output's shape given it,
+        the others at their first known placement."""
+        if not wanted or not node.outputs:
+            return []
+        shape = node.outputs[0].shape
+        out = []
+        for want in wanted:
+            have = []
+            for r in node.inputs:
+                known = self._known(r) or [self.p.rep()]
+                same = self.graph.info(r).shape == shape and r.kind in ("node", "param")
+                have.append(want if same else known[0])
+            out.append(tuple(have))
+        return out
+
+
+def _strategy(op: OpPlan) -> Strategy:
+    """An OpPlan's in_strategy as split counts per input dim."""
+    return tuple(tuple(layout.split_count(d) for d in range(layout.ndim)) for layout in op.inputs)

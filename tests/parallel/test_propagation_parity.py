@@ -1,0 +1,150 @@
+"""sharding_propagation under `AutoParallel` on 2, 4 and 8 simulated ranks: seed 002's network
+(MatMul annotated, ReLU and MatMul propagated) trained as the seed trains it (MSE loss, momentum
+SGD lr 0.2 / momentum 0.1) equals one device: every loss, every parameter block after every
+step; the collectives of a step are asserted exactly. Also reachable through
+``set_auto_parallel_context(parallel_mode=AUTO_PARALLEL, search_mode="sharding_propagation")``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..planner.test_propagate import Seed002
+
+STEPS, LR, MOMENTUM = 3, 0.2, 0.1
+Strategy = tuple[tuple[int, int], tuple[int, int]]
+
+
+def _data(batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.rand(batch, 32, generator=g), torch.rand(batch, 16, generator=g))] * STEPS
+
+
+def _net(strategy: Strategy) -> Seed002:
+    net = Seed002(annotate=False)
+    net.matmul.shard(strategy)
+    return net
+
+
+def _single(
+    strategy: Strategy,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """One device: each step's loss and the parameters after it."""
+    net = _net(strategy)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, params = [], []
+    for x, y in batches:
+        loss = F.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        params.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return losses, params
+
+
+def _train(
+    ranks: int, strategy: Strategy, context: bool = False
+) -> tuple[AutoParallel, Counter[tuple[str, str, tuple[int, ...]]]]:
+    """STEPS steps on `ranks` ranks checked against one device; the first step's collectives."""
+    batches = _data(2 * ranks)  # (seed 002: 2 rows per rank)
+    want, after = _single(strategy, batches)
+    net = _net(strategy)
+    kinds: Counter[tuple[str, str, tuple[int, ...]]] = Counter()
+    with simulated_world(ranks) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        mode = None if context else "sharding_propagation"
+        parallel = AutoParallel(step, parallel_mode=mode)
+        for s, (x, y) in enumerate(batches):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            kinds = kinds or rec.kinds()
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+            plan = parallel.parallel_plan
+            assert plan is not None
+            for name, p in net.named_parameters():
+                layout, shape = plan.param_layouts()[name]
+                full = after[s][name]
+                assert_matches_single_device(
+                    p.detach(),
+                    lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)],
+                    what=f"{name} after step {s}",
+                )
+    return parallel, kinds
+
+
+G4 = (0, 1, 2, 3)
+W8 = (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+def test_seed002_on_8_ranks() -> None:
+    parallel, kinds = _train(8, ((2, 4), (4, 1)))
+    assert parallel.strategies() == {
+        "matmul/MatMul": ((2, 4), (4, 1)),
+        "relu/ReLU": ((2, 4),),
+        "matmul2/MatMul": ((2, 4), (4, 1)),
+        "mse_loss": ((8, 1), (8, 1)),
+    }
+    assert kinds == Counter(
+        {
+            ("AlltoAll", "forward", G4): 1,  # the input rows to matmul's (2, 4)
+            ("AllReduce", "forward", G4): 2,  # matmul and matmul2: K split over 4
+            ("AllReduce", "forward", W8): 1,  # the loss
+            ("AllReduce", "backward", G4): 2,  # the adjoints of matmul's and matmul2's
+            ("AllReduce", "backward", (0, 4)): 1,  # both weights' gradients: one bucket over dp
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "strategy", "relu", "matmul2"),
+    [
+        (2, ((1, 2), (2, 1)), ((1, 2),), ((1, 2), (2, 1))),
+        (4, ((2, 2), (2, 1)), ((2, 2),), ((2, 2), (2, 1))),
+    ],
+    ids=["2", "4"],
+)
+def test_seed002_on_2_and_4_ranks(
+    ranks: int,
+    strategy: Strategy,
+    relu: tuple[tuple[int, ...], ...],
+    matmul2: tuple[tuple[int, ...], ...],
+) -> None:
+    parallel, kinds = _train(ranks, strategy)
+    got = parallel.strategies()
+    assert got["relu/ReLU"] == relu and got["matmul2/MatMul"] == matmul2
+    plan = parallel.parallel_plan
+    assert plan is not None
+    forward = Counter({k: n for k, n in kinds.items() if k[1] == "forward"})
+    planned = Counter(c.kind for c in plan.collectives())
+    assert Counter(k[0] for k in forward.elements()) == planned
+
+
+def test_the_context_way() -> None:
+    try:
+        sw.set_auto_parallel_context(
+            parallel_mode=sw.ParallelMode.AUTO_PARALLEL, search_mode="sharding_propagation"
+        )
+        parallel, _ = _train(8, ((2, 4), (4, 1)), context=True)
+    finally:
+        sw.reset_auto_parallel_context()
+    assert parallel.parallel_mode == "sharding_propagation"
+    assert parallel.strategies()["relu/ReLU"] == ((2, 4),)
