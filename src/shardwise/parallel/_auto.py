@@ -108,8 +108,9 @@ class AutoParallel(nn.Module, StrategyFiles):
             default (None): from `set_auto_parallel_context` (``SEMI_AUTO_PARALLEL`` or the
             default ``STAND_ALONE``: semi_auto; ``AUTO_PARALLEL`` with
             ``search_mode="sharding_propagation"``; ``DATA_PARALLEL``; the search mode
-            ``recursive_programming`` raises `UnsupportedParallelError`). The context's ``dataset_strategy`` is read here
-            too (``dataset_strategy()`` overrides it) and its ``device_num`` checked at plan time.
+            ``recursive_programming`` raises `UnsupportedParallelError`). The context's
+            ``dataset_strategy`` is read here too (``dataset_strategy()`` overrides it) and
+            its ``device_num`` checked at plan time.
         network: the network of a train step (default: the referenced module with parameters).
         optimizer: the optimizer(s) of a train step (default: those it references), or of a
             wrapped module (needed in data_parallel mode).
