@@ -165,8 +165,8 @@ def test_set_get_reset() -> None:
     ("context", "match"),
     [
         (
-            {"parallel_mode": "auto_parallel", "search_mode": "sharding_propagation"},
-            "parallel_mode='auto_parallel', search_mode='sharding_propagation'.*not supported",
+            {"parallel_mode": "auto_parallel", "search_mode": "recursive_programming"},
+            "parallel_mode='auto_parallel', search_mode='recursive_programming'.*not supported",
         ),
     ],
 )
@@ -178,9 +178,9 @@ def test_unsupported_modes_fail_at_creation(context: dict[str, str], match: str)
 
 
 def test_unsupported_explicit_modes() -> None:
-    with pytest.raises(UnsupportedParallelError, match=r"'sharding_propagation'.*not supported"):
-        AutoParallel(Network(), parallel_mode="sharding_propagation")
-    with pytest.raises(ValueError, match=r"valid: 'semi_auto' \| 'data_parallel'"):
+    with pytest.raises(UnsupportedParallelError, match=r"'recursive_programming'.*not supported"):
+        AutoParallel(Network(), parallel_mode="recursive_programming")
+    with pytest.raises(ValueError, match=r"valid: 'semi_auto' \| 'sharding_propagation' \|"):
         AutoParallel(Network(), parallel_mode="auto_parallel")
 
 
