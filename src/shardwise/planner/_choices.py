@@ -48,8 +48,8 @@ from shardwise.planner._plan import Placed
 if TYPE_CHECKING:
     from shardwise.planner._semi_auto import _Planner
 
-MAX_COMBOS = 96
-"""Most input-placement combinations a torch op is followed from (beyond: one at a time)."""
+MAX_COMBOS = 64
+"""Most input-placement combinations a torch op is followed from (beyond: `Choices._combos`)."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,10 @@ class Choices:
         self.nodes: dict[int, list[Choice]] = {}
         self.params: dict[str, list[Placements]] = {}
         self.values: dict[Ref, list[Placements]] = {}
-        self._followed: dict[tuple[int, tuple[Placements, ...]], Choice | None] = {}
-        self._prims: dict[int, list[Choice]] = {}
+        # by node signature (repeated layers share them)
+        self._followed: dict[tuple[object, tuple[Placements, ...]], Choice | None] = {}
+        self._prims: dict[object, list[Choice]] = {}
+        self._signatures: dict[int, object] = {}
 
     def build(self) -> Choices:
         """Make every node's and parameter's candidates (forward, backward, forward again)."""
@@ -195,6 +197,15 @@ class Choices:
                 out.append(c)
         return out
 
+    def _check(self, node: Node, need: list[Placements], outs: list[Placements]) -> None:
+        """Raise ValueError when a placement has no `TensorLayout` on the matrix (DTensor's
+        strided shards in an order the matrix cannot give)."""
+        m = self.p.matrix
+        for placed, ref in zip(need, node.inputs, strict=True):
+            to_placed(m, placed, len(self.graph.info(ref).shape))
+        for placed, info in zip(outs, node.outputs, strict=True):
+            to_placed(m, placed, len(info.shape))
+
     def _choice(
         self, node: Node, need: list[Placements], outs: list[Placements], rule: str
     ) -> Choice:
@@ -218,39 +229,60 @@ class Choices:
         reduced = frozenset(m.names.index(g) for g in names)
         return Choice(c.need, c.outs, rule, _strategy(op), op, c.compute, reduced)
 
+    def _signature(self, node: Node) -> object:
+        """What a node's choices depend on: its op, its inputs' and outputs' global metadata
+        and its call's other arguments (equal for the same op in repeated layers)."""
+        if node.index not in self._signatures:
+            infos = tuple(self.graph.info(r) for r in node.inputs)
+            args = repr((node.args, sorted(node.kwargs.items())))
+            if node.is_primitive:
+                args += repr(node.target.op_args(**dict(node.kwargs)))
+            self._signatures[node.index] = (node.op, infos, node.outputs, args)
+        return self._signatures[node.index]
+
     def _primitive(self, node: Node) -> list[Choice]:
-        if node.index not in self._prims:
+        key = self._signature(node)
+        if key not in self._prims:
             shapes = [self.graph.info(r).shape for r in node.inputs]
             found = candidate_strategies(
                 node.target, *shapes, device_num=self.p.device_num, **dict(node.kwargs)
             )
             choices = [self._op_choice(node, op, "propagated") for _, op in found]
-            self._prims[node.index] = [c for c in choices if c is not None]
-        return self._prims[node.index]
+            self._prims[key] = [c for c in choices if c is not None]
+        return self._prims[key]
 
     def _combos(self, node: Node) -> list[tuple[Placements, ...]]:
         """Input placements to follow the node from: every combination of its inputs' known
-        placements (at most `MAX_COMBOS`, else each input's varied with the others at their
-        first), and the data-parallel inputs."""
+        placements while there are at most `MAX_COMBOS`; beyond, each known placement given
+        to every input of its shape at once (the others at their first), and each parameter's
+        varied alone; and the data-parallel inputs. (A bias or norm weight, at most 1-D, is
+        given replicated: it takes what its first use needs.)"""
         known = [self._known(r) or [self.p.rep()] for r in node.inputs]
-        total = math.prod(len(k) for k in known)
-        if total <= MAX_COMBOS:
-            out = [tuple(c) for c in itertools.product(*known)]
-        else:
+        for i, r in enumerate(node.inputs):
+            if r.kind == "param" and len(self.graph.info(r).shape) <= 1:
+                known[i] = [self.p.rep()]
+        out = _product(known, range(len(known)))
+        if out is None:
             first = [k[0] for k in known]
+            shapes = [self.graph.info(r).shape for r in node.inputs]
             out = [tuple(first)]
             for i, options in enumerate(known):
-                for o in options[1:]:
-                    out.append((*first[:i], o, *first[i + 1 :]))
+                for option in options:
+                    have = list(first)
+                    for j, shape in enumerate(shapes):
+                        if j == i or (shape == shapes[i] and node.inputs[j].kind != "param"):
+                            have[j] = option
+                    out.append(tuple(have))
         out.append(tuple(self.p._data_parallel_inputs(node)))
-        return out
+        return list(dict.fromkeys(out))
 
     def _follow(self, node: Node, have: tuple[Placements, ...]) -> Choice | None:
-        key = (node.index, have)
+        key = (self._signature(node), have)
         if key not in self._followed:
             try:
                 need, outs, rule = self.p._follow(node, list(have))
-            except PlanError:
+                self._check(node, need, outs)
+            except (PlanError, ValueError):  # (no rule; placements no layout expresses)
                 self._followed[key] = None
             else:
                 self._followed[key] = self._choice(node, need, outs, rule)
@@ -295,3 +327,10 @@ class Choices:
 def _strategy(op: OpPlan) -> Strategy:
     """An OpPlan's in_strategy as split counts per input dim."""
     return tuple(tuple(layout.split_count(d) for d in range(layout.ndim)) for layout in op.inputs)
+
+
+def _product(known: list[list[Placements]], slots: range) -> list[tuple[Placements, ...]] | None:
+    """Every combination of the known placements, or None beyond `MAX_COMBOS`."""
+    if math.prod(len(known[i]) for i in slots) > MAX_COMBOS:
+        return None
+    return [tuple(c) for c in itertools.product(*(known[i] for i in slots))]
