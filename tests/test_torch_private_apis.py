@@ -129,16 +129,18 @@ CASES: dict[str, Callable[[], None]] = {
     "layout/_dtensor: _StridedShard": _callable(
         "torch.distributed.tensor.placement_types", "_StridedShard"
     ),
-    "parallel/_runtime, optim/_engine: _current_graph_task_id": _callable(
-        "torch._C", "_current_graph_task_id"
+    "parallel/_runtime, optim/_engine_gather, optim/_engine_reduce: _current_graph_task_id": (
+        _callable("torch._C", "_current_graph_task_id")
     ),
     "parallel/_runtime: _will_engine_execute_node": _callable(
         "torch._C", "_will_engine_execute_node"
     ),
-    "parallel/_runtime, optim/_engine: queue_callback": _engine_queue_callback,
+    "parallel/_runtime, optim/_engine_reduce: queue_callback": _engine_queue_callback,
     "parallel/_runtime: _storage_Use_Count": _storage_use_count,
     "parallel/_stepping: the torch-function mode stack": _function_mode_stack,
-    "optim/_engine, parameter/_parameter, parameter/_tape: tensor internals": _tensor_internals,
+    "optim/_engine_gather, parameter/_parameter, parameter/_tape: tensor internals": (
+        _tensor_internals
+    ),
     "parameter/_deferred: Module._parameters / _buffers / _non_persistent_buffers_set": (
         _module_dicts
     ),

@@ -20,7 +20,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.optim import DataParallelRunner
-from shardwise.optim._data_parallel import assign_owners, local_rows
+from shardwise.optim._data_parallel_plan import assign_owners
+from shardwise.optim._data_parallel_steps import local_rows
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 STEPS, BATCH = 5, 32

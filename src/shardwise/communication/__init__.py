@@ -8,7 +8,8 @@ process-group functions directly.
   `destroy_group`, `release`.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
   world (`process_ranks`, `rank_value`, `own_group`, `rank_parts`, `file_rank`).
-- `_collectives`: the plain collectives (recorded, no autograd).
+- `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
+  reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
   parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
   buckets started together inside `_pairwise.coalesced()`.

@@ -2,16 +2,20 @@
 
 Each function validates what this rank can check, issues the torch.distributed call (or, in a
 simulated world, the one the simulator answers) between `_trace.enter` and `_trace.leave` (which
-collective this rank is in, for the launcher's hang report; point-to-point `exchange` is not
-traced, since only some of a group's ranks take part in it), and reports a `CommRecord`:
+collective this rank is in, for the launcher's hang report), and reports a `CommRecord`
+(`_record` / `record_sized`; a started call through `deferred_record`):
 
 - `all_reduce` (and in place: `all_reduce_`), `all_gather` (concat on dim 0),
   `reduce_scatter` (split on dim 0), and `all_reduce_async` / `all_gather_async` /
-  `reduce_scatter_async` (started
-  now, finished by `Pending.wait`: computation goes on meanwhile; simulated worlds finish at
-  once),
-  `broadcast`, `reduce` (to one rank, used by Broadcast's gradient), `all_to_all`;
-- `exchange`: point-to-point sends/receives (NeighborExchange and its V2 halo form).
+  `reduce_scatter_async` (started now by `_start_all_reduce` / `_start_all_gather` /
+  `_start_reduce_scatter`, finished by `Pending.wait`: computation goes on meanwhile; simulated
+  worlds finish at once);
+- `broadcast`, `reduce` (to one rank, used by Broadcast's gradient; in a simulated world
+  `_sim_rooted`), `all_to_all`;
+- `check_member`: a root or peer rank must be in the group.
+
+The reductions are `ReduceOp` (`shardwise.communication._reduce_op`, re-exported here);
+point-to-point `exchange` is in `shardwise.communication._exchange`.
 
 Gloo's own reduce-scatter is an all-reduce followed by a copy, 2(N-1)/N bytes per rank;
 `reduce_scatter` on gloo instead sends each rank its chunk with one all-to-all and reduces the
@@ -20,8 +24,7 @@ N received chunks locally, the (N-1)/N bound.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -29,61 +32,10 @@ import torch.distributed as dist
 
 from shardwise.communication import _sim, _trace, recorder
 from shardwise.communication._init import Group, resolve_group
+from shardwise.communication._reduce_op import ReduceOp as ReduceOp
+from shardwise.communication._reduce_op import as_reduce_op as as_reduce_op
 
 T = TypeVar("T")
-
-
-class ReduceOp(enum.Enum):
-    """Reduction of AllReduce / ReduceScatter, with MindSpore's names."""
-
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
-    PROD = "prod"
-
-    def torch_op(self) -> dist.ReduceOp.RedOpType:
-        return {
-            ReduceOp.SUM: dist.ReduceOp.SUM,
-            ReduceOp.MAX: dist.ReduceOp.MAX,
-            ReduceOp.MIN: dist.ReduceOp.MIN,
-            ReduceOp.PROD: dist.ReduceOp.PRODUCT,
-        }[self]
-
-    def reduce(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Reduce `t` along `dim` locally, in index order (deterministic)."""
-        return self.reduce_parts(t.unbind(dim))
-
-    def reduce_parts(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Reduce equal-shape `parts` in index order into a new tensor (deterministic; the
-        first step writes a fresh result, the later ones update it in place)."""
-        if len(parts) == 1:
-            return parts[0].clone()
-        fns: dict[ReduceOp, Callable[..., torch.Tensor]] = {
-            ReduceOp.SUM: torch.add,
-            ReduceOp.PROD: torch.mul,
-            ReduceOp.MAX: torch.maximum,
-            ReduceOp.MIN: torch.minimum,
-        }
-        fn = fns[self]
-        out = fn(parts[0], parts[1])
-        for p in parts[2:]:
-            fn(out, p, out=out)
-        return out
-
-
-def as_reduce_op(op: ReduceOp | str) -> ReduceOp:
-    """Accept a `ReduceOp` or its name (``"sum"``, ``"max"``, ...).
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    if isinstance(op, ReduceOp):
-        return op
-    try:
-        return ReduceOp(str(op).lower())
-    except ValueError:
-        names = ", ".join(o.name for o in ReduceOp)
-        raise ValueError(f"op={op!r} is not a reduction; use ReduceOp.{{{names}}}") from None
 
 
 def _record(kind: str, g: Group, t: torch.Tensor, start: float) -> None:
@@ -98,10 +50,6 @@ def record_sized(kind: str, g: Group, dtype: torch.dtype, numel: int, start: flo
         return
     nbytes = recorder.bytes_bound(kind, numel * dtype.itemsize, len(g.ranks))
     recorder.record(kind, g.ranks, dtype, numel, nbytes, recorder.timer() - start)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _check_same_shape(what: str, t: torch.Tensor) -> None:
@@ -361,89 +309,3 @@ def all_to_all(
         out = torch.cat(received.chunk(n, 0) if split0 else received.unbind(0), dim=concat_dim)
     _record("AlltoAll", g, t, start)
     return out
-
-
-def _to_self(
-    sends: Sequence[torch.Tensor],
-    send_to: Sequence[tuple[int, int]],
-    outs: Sequence[torch.Tensor],
-    recv_from: Sequence[tuple[int, int]],
-    me: int,
-) -> set[int]:
-    """Messages a rank sends to itself, delivered by a local copy (gloo has no pair to itself):
-    the receive slots filled, matched with the sends by tag, in order."""
-    filled: set[int] = set()
-    for x, (dst, tag) in zip(sends, send_to, strict=True):
-        if dst != me:
-            continue
-        for j, (src, rtag) in enumerate(recv_from):
-            if src == me and rtag == tag and j not in filled:
-                outs[j].copy_(x.detach().reshape(outs[j].shape))
-                filled.add(j)
-                break
-    return filled
-
-
-def _p2p(
-    kind: str,
-    sends: Sequence[torch.Tensor],
-    send_to: Sequence[tuple[int, int]],
-    recv_from: Sequence[tuple[int, int]],
-    recv_shapes: Sequence[Sequence[int]],
-    dtype: torch.dtype,
-    device: torch.device,
-    g: Group,
-) -> tuple[list[torch.Tensor], int]:
-    """`exchange` in a real job: (the received tensors, the bytes sent to other ranks)."""
-    for peer, _ in [*send_to, *recv_from]:
-        if peer != -1:
-            check_member(kind, peer, g, "send/recv rank id")
-    outs = [
-        (torch.zeros if src == -1 else torch.empty)(tuple(s), dtype=dtype, device=device)
-        for s, (src, _) in zip(recv_shapes, recv_from, strict=True)
-    ]
-    me = dist.get_rank()
-    to_self = _to_self(sends, send_to, outs, recv_from, me)
-    ops = [
-        dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
-        for x, (dst, tag) in zip(sends, send_to, strict=True)
-        if dst not in (-1, me) and x.numel() > 0
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, out, src, g.pg, tag)
-        for j, (out, (src, tag)) in enumerate(zip(outs, recv_from, strict=True))
-        if src != -1 and j not in to_self and out.numel() > 0
-    ]
-    if ops:  # not traced: only some of the group's ranks take part in point-to-point
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    sent = sum(_nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me))
-    return outs, sent
-
-
-def exchange(
-    kind: str,
-    sends: Sequence[torch.Tensor],
-    send_to: Sequence[tuple[int, int]],
-    recv_from: Sequence[tuple[int, int]],
-    recv_shapes: Sequence[Sequence[int]],
-    dtype: torch.dtype,
-    device: torch.device,
-    group: str | Group | None,
-) -> list[torch.Tensor]:
-    """Point-to-point: send ``sends[i]`` to ``send_to[i] = (global rank, tag)``; receive slot j
-    from ``recv_from[j] = (global rank, tag)`` with shape ``recv_shapes[j]``. A peer of -1 means
-    "no transfer" (that receive slot holds zeros). Messages with the same source, destination
-    and tag pair up in order. Every peer must be a member of `group`.
-    """
-    g = resolve_group(group)
-    start = recorder.start()
-    sim = _sim.current()
-    if sim is not None:
-        outs, sent = sim.exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, g.ranks)
-    else:
-        outs, sent = _p2p(kind, sends, send_to, recv_from, recv_shapes, dtype, device, g)
-    if recorder.recording():
-        numel = sum(x.numel() for x in sends)
-        recorder.record(kind, g.ranks, dtype, numel, sent, recorder.timer() - start)
-    return outs

@@ -43,6 +43,7 @@ from torch import nn
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim, recorder
 from shardwise.communication._collectives import ReduceOp, as_reduce_op
+from shardwise.communication._exchange import exchange
 from shardwise.communication._init import Group, get_group_size, resolve_group
 
 GroupArg = str | Group | None
@@ -274,7 +275,7 @@ class _ExchangeFn(torch.autograd.Function):
         ctx.plan = plan
         ctx.send_meta = [(tuple(s.shape), s.dtype) for s in sends]
         ctx.device = device
-        outs = C.exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, device, group)
+        outs = exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, device, group)
         return tuple(outs)
 
     @staticmethod
@@ -282,7 +283,7 @@ class _ExchangeFn(torch.autograd.Function):
         kind, send_to, recv_from, _, dtype, group = ctx.plan
         shapes = [shape for shape, _ in ctx.send_meta]
         with recorder.phase("backward"):
-            back = C.exchange(kind, grads, recv_from, send_to, shapes, dtype, ctx.device, group)
+            back = exchange(kind, grads, recv_from, send_to, shapes, dtype, ctx.device, group)
         return (None, *back)
 
 

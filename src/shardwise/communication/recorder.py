@@ -1,9 +1,10 @@
 """Communication accounting: what every collective shardwise issues costs.
 
 `CommRecorder` is a context manager; while one is active, `record()` (called by every
-collective in `_collectives.py`) appends a `CommRecord`: kind, group ranks, dtype, element count,
-bytes sent per rank by the ring/pairwise bound of that collective (`bytes_bound`), wall time,
-and whether it ran in the forward or the backward pass. Recorders nest; each sees every record.
+collective in `_collectives.py` and by `_exchange.py`'s point-to-point `exchange`) appends a
+`CommRecord`: kind, group ranks, dtype, element count, bytes sent per rank by the ring/pairwise
+bound of that collective (`bytes_bound`), wall time, and whether it ran in the forward or the
+backward pass. Recorders nest; each sees every record.
 
 Example:
     >>> with CommRecorder() as rec:

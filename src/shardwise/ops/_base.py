@@ -17,7 +17,7 @@ from torch import nn
 
 from shardwise.layout import Layout, LayoutTypeError, TensorLayout, strategy_kind
 from shardwise.ops._plan import Strategy
-from shardwise.ops._spec import fmt_strategy
+from shardwise.ops._spec_checks import fmt_strategy
 
 REQUIRED = object()
 """Marks a call argument without default (Gather's axis, Reshape's shape, Transpose's perm)."""

@@ -6,15 +6,16 @@ are the axes of the device matrix of a tuple strategy (MatMul ``((a, b), (b, c))
 c]``). Dims on one logical axis must be split alike; some may not be split at all (`fixed`);
 summed ones (`reduced`) leave partial sums that need an AllReduce when split.
 
-`plan_spec` runs the steps, each a small function:
+`plan_spec` runs the steps, each a small function (the checks of steps 2, 3 and 5, and how
+strategies are written in their messages, are in `shardwise.ops._spec_checks`):
 
 1. `default_strategy`: no strategy -> data parallel (the batch axis over every device).
-2. `_check_entries`: ints or Layouts (never mixed), one entry per input, one value per dim.
-3. `_check_ties` / `_check_fixed`: dims on one logical axis split alike; broadcast and `fixed`
+2. `check_entries`: ints or Layouts (never mixed), one entry per input, one value per dim.
+3. `check_ties` / `check_fixed`: dims on one logical axis split alike; broadcast and `fixed`
    dims (Softmax's axis, LayerNorm's normalized dims, ...) whole.
 4. `strategy_layouts` / `check_layout_strategy` (`shardwise.layout`): device matrix, input
-   layouts, product and divisibility checks.
-5. `_logical_axes` / `_check_disjoint`: each logical axis -> its device axes; no device axis may
+   layouts, product and divisibility checks (`_resolve` runs steps 2-4).
+5. `_logical_axes` / `check_disjoint`: each logical axis -> its device axes; no device axis may
    split two logical axes.
 6. `_outputs`: output layouts and the AllReduce over the device axes of the `reduced` axes.
 7. `_apply_out_strategy`: `out_strategy` may ask for a ReduceScatter onto output dim 0 instead.
@@ -29,12 +30,19 @@ from shardwise.layout import (
     DeviceMatrix,
     StrategyLayouts,
     TensorLayout,
-    check_int_strategy,
     check_layout_strategy,
     strategy_kind,
     strategy_layouts,
 )
 from shardwise.ops._plan import Comm, OpPlan, ReduceKind, Shape, Strategy
+from shardwise.ops._spec_checks import (
+    check_disjoint,
+    check_entries,
+    check_fixed,
+    check_ties,
+    fmt_strategy,
+    layout_call,
+)
 
 Dims = tuple[int | None, ...]
 
@@ -75,33 +83,6 @@ class Spec:
     batch: int | None = None
 
 
-def fmt_strategy(strategy: Sequence[object]) -> str:
-    """A strategy as the user writes it: ``((2, 4), (4, 1))`` or ``(layout('dp', 'None'),)``."""
-
-    def one(entry: object) -> str:
-        if isinstance(entry, TensorLayout):
-            return layout_call(entry)
-        values = list(entry) if isinstance(entry, tuple | list) else [entry]
-        return "(" + ", ".join(str(v) for v in values) + ("," if len(values) == 1 else "") + ")"
-
-    inner = ", ".join(one(e) for e in strategy)
-    return f"({inner},)" if len(strategy) == 1 else f"({inner})"
-
-
-def layout_call(layout: TensorLayout) -> str:
-    """``layout('mp', ('sp', 'dp'))``: how to write `layout` as a Layout call."""
-    names = layout.matrix.names
-
-    def one(axes: tuple[int, ...]) -> str:
-        if not axes:
-            return "'None'"
-        if len(axes) == 1:
-            return repr(names[axes[0]])
-        return "(" + ", ".join(repr(names[a]) for a in axes) + ")"
-
-    return "layout(" + ", ".join(one(a) for a in layout.dims) + ")"
-
-
 def default_strategy(spec: Spec, device_num: int) -> tuple[tuple[int, ...], ...]:
     """MindSpore's semi_auto default: the batch axis split over every device, the rest whole.
 
@@ -121,127 +102,6 @@ def default_strategy(spec: Spec, device_num: int) -> tuple[tuple[int, ...], ...]
     )
 
 
-def _input(spec: Spec, i: int) -> str:
-    return f"input {i} ({spec.input_names[i]})"
-
-
-def _splits(entry: tuple[int, ...] | TensorLayout, d: int) -> int:
-    return entry.split_count(d) if isinstance(entry, TensorLayout) else entry[d]
-
-
-def _key(entry: tuple[int, ...] | TensorLayout, d: int) -> object:
-    """What must agree between dims on one logical axis: the count, or the (non-trivial) axes."""
-    if isinstance(entry, TensorLayout):
-        return tuple(entry.matrix.names[a] for a in entry.dims[d] if entry.matrix.shape[a] > 1)
-    return entry[d]
-
-
-def _show(entry: tuple[int, ...] | TensorLayout, d: int) -> str:
-    if isinstance(entry, TensorLayout):
-        axes = [entry.matrix.names[a] for a in entry.dims[d]]
-        return f"{entry.split_count(d)} (axes {', '.join(axes) or 'None'})"
-    return str(entry[d])
-
-
-def _with(strategy: Strategy, fixes: Mapping[tuple[int, int], int]) -> str:
-    """The int strategy with some (input, dim) values replaced, as a suggestion."""
-    out = [
-        tuple(fixes.get((i, d), v) for d, v in enumerate(e)) if isinstance(e, tuple) else e
-        for i, e in enumerate(strategy)
-    ]
-    return fmt_strategy(out)
-
-
-def _count(n: int, noun: str) -> str:
-    plural = "entries" if noun == "entry" else noun + "s"
-    return f"{n} {noun if n == 1 else plural}"
-
-
-def _check_entries(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: str) -> str:
-    """Kind, entry count and per-input length; returns ``"ints"`` or ``"layouts"``."""
-    kind = strategy_kind(strategy, label)
-    names = ", ".join(spec.input_names)
-    if len(strategy) != len(spec.inputs):
-        raise ValueError(
-            f"{label}: strategy {fmt_strategy(strategy)} has {_count(len(strategy), 'entry')} "
-            f"but {spec.op} has {_count(len(spec.inputs), 'input')} ({names}); give one entry "
-            f"per input"
-        )
-    ranks = [len(s) for s in shapes]
-    if kind == "ints":
-        check_int_strategy(strategy, ranks, label, spec.input_names)
-        return kind
-    matrix = strategy[0].matrix if isinstance(strategy[0], TensorLayout) else None
-    for i, (entry, shape) in enumerate(zip(strategy, shapes, strict=True)):
-        assert isinstance(entry, TensorLayout)
-        if entry.matrix != matrix:
-            raise ValueError(
-                f"{label}: {_input(spec, i)} is laid out on {entry.matrix} but input 0 on "
-                f"{matrix}; all inputs of one primitive need the same Layout"
-            )
-        if entry.ndim != len(shape):
-            raise ValueError(
-                f"{label}: {_input(spec, i)} has {len(shape)} dims (shape {list(shape)}) but its "
-                f"layout {layout_call(entry)} has {entry.ndim}; give one alias or 'None' per dim"
-            )
-    return kind
-
-
-def _check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: str) -> None:
-    """Dims on one logical axis split alike; broadcast dims (None) not split."""
-    first: dict[int, tuple[int, int]] = {}
-    for i, dims in enumerate(spec.inputs):
-        entry = strategy[i]
-        for d, lg in enumerate(dims):
-            if lg is None:
-                if _splits(entry, d) > 1:
-                    fix = _with(strategy, {(i, d): 1}) if isinstance(entry, tuple) else "'None'"
-                    raise ValueError(
-                        f"{label}: {_input(spec, i)} dim {d} (size {shapes[i][d]}) is broadcast "
-                        f"and cannot be split, but the strategy splits it into "
-                        f"{_show(entry, d)}; valid: {fix}"
-                    )
-                continue
-            if lg not in first:
-                first[lg] = (i, d)
-                continue
-            j, e = first[lg]
-            if _key(entry, d) != _key(strategy[j], e):
-                role = f" ({spec.roles[lg]})" if lg in spec.roles else ""
-                other = strategy[j]
-                fix = (
-                    _with(strategy, {(i, d): other[e]})
-                    if isinstance(other, tuple)
-                    else f"the same axes as {_input(spec, j)} dim {e}"
-                )
-                raise ValueError(
-                    f"{label}: {_input(spec, j)} dim {e} and {_input(spec, i)} dim {d}{role} must "
-                    f"be split alike, but the strategy splits them into {_show(other, e)} and "
-                    f"{_show(entry, d)}; valid: {fix}"
-                )
-
-
-def _check_fixed(strategy: Strategy, spec: Spec, label: str) -> None:
-    """Dims on a `fixed` logical axis must be whole."""
-    bad = {
-        (i, d): 1
-        for i, dims in enumerate(spec.inputs)
-        for d, lg in enumerate(dims)
-        if lg in spec.fixed and _splits(strategy[i], d) > 1
-    }
-    if not bad:
-        return
-    i, d = next(iter(bad))
-    entry = strategy[i]
-    lg = spec.inputs[i][d]
-    assert lg is not None
-    fix = _with(strategy, bad) if isinstance(entry, tuple) else "'None' for that dim"
-    raise ValueError(
-        f"{label}: {_input(spec, i)} dim {d} {spec.fixed[lg]} and cannot be split, but the "
-        f"strategy splits it into {_show(entry, d)}; valid: {fix}"
-    )
-
-
 def _logical_axes(layouts: Sequence[TensorLayout], spec: Spec) -> dict[int, tuple[int, ...]]:
     """Each logical axis -> the device axes splitting it (from its first input dim)."""
     out: dict[int, tuple[int, ...]] = {}
@@ -250,28 +110,6 @@ def _logical_axes(layouts: Sequence[TensorLayout], spec: Spec) -> dict[int, tupl
             if lg is not None and lg not in out:
                 out[lg] = layout.dims[d]
     return out
-
-
-def _where(spec: Spec, lg: int) -> str:
-    for i, dims in enumerate(spec.inputs):
-        if lg in dims:
-            role = f" ({spec.roles[lg]})" if lg in spec.roles else ""
-            return f"{_input(spec, i)} dim {dims.index(lg)}{role}"
-    return f"logical axis {lg}"
-
-
-def _check_disjoint(
-    axes: Mapping[int, tuple[int, ...]], matrix: DeviceMatrix, spec: Spec, label: str
-) -> None:
-    owner: dict[int, int] = {}
-    for lg, device_axes in sorted(axes.items()):
-        for a in device_axes:
-            if matrix.shape[a] > 1 and owner.setdefault(a, lg) != lg:
-                raise ValueError(
-                    f"{label}: device axis {matrix.names[a]!r} splits both "
-                    f"{_where(spec, owner[a])} and {_where(spec, lg)}; one device axis can split "
-                    f"only one of the op's dims; use another axis or 'None' for one of them"
-                )
 
 
 def _outputs(
@@ -345,9 +183,9 @@ def _resolve(
     strategy: Strategy, spec: Spec, shapes: Sequence[Shape], device_num: int, label: str
 ) -> tuple[str, StrategyLayouts]:
     """Steps 2-4: the checks, then the device matrix and the input layouts."""
-    kind = _check_entries(strategy, spec, shapes, label)
-    _check_ties(strategy, spec, shapes, label)
-    _check_fixed(strategy, spec, label)
+    kind = check_entries(strategy, spec, shapes, label)
+    check_ties(strategy, spec, shapes, label)
+    check_fixed(strategy, spec, label)
     names = spec.input_names
     if kind == "ints":
         ints = [e for e in strategy if isinstance(e, tuple)]
@@ -398,7 +236,7 @@ def plan_spec(
         label = f"{who} (default data-parallel strategy {fmt_strategy(strategy)})"
     kind, res = _resolve(strategy, spec, shapes, device_num, label)
     axes = _logical_axes(res.layouts, spec)
-    _check_disjoint(axes, res.matrix, spec, label)
+    check_disjoint(axes, res.matrix, spec, label)
     outs, red = _outputs(spec, res.matrix, axes)
     comms: tuple[Comm, ...] = (
         (Comm("AllReduce", _names(res.matrix, red), op=spec.reduce_op),) if red else ()

@@ -5,22 +5,25 @@ Every rank holds the whole network and runs it on its rows of each global batch:
 passes (dataset strategy ``"data_parallel"``, MindSpore's default) or its rows cut from the whole
 batch it passes (``"full_batch"``). Which function does which step:
 
-- `DataParallelRunner.__init__` checks the arguments, builds the plan (`_build_plan`: the
-  gradient all-reduce buckets, `_grad_buckets`; the owner of each parameter, `assign_owners`;
-  the broadcast buckets, `_broadcast_buckets`) and registers two hooks on every optimizer
-  (``register_step_pre_hook`` / ``register_step_post_hook``).
+- `DataParallelRunner.__init__` checks the arguments (`_check_arguments`), builds the plan
+  (`_build_plan`, from ``_data_parallel_plan``: each parameter's optimizer and owner rank,
+  `plan_entries`; the gradient all-reduce and broadcast buckets, `plan_buckets`) and registers
+  two hooks on every optimizer (``register_step_pre_hook`` / ``register_step_post_hook``).
 - `DataParallelRunner.__call__`: under ``"full_batch"`` cuts each tensor input to this rank's
   rows (`local_rows`); train-step form: runs the user's step unchanged on the rows, averages the
-  returned loss over the ranks (`_mean_loss`); module form: runs the network on the rows (under
-  ``"full_batch"`` the output is gathered whole again, `_gather_rows`).
+  returned loss over the ranks (`mean_loss`); module form: runs the network on the rows (under
+  ``"full_batch"`` the output is gathered whole again, `gather_rows`).
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
   (SUM, then divided by the world size), one flat fused all-reduce per bucket
-  (`_all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
+  (`all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
   gradients of the parameters that no rank of this process owns, so the optimizer updates, and
   keeps state for, only its own parameters.
 - `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
   broadcasts each owner's updated parameters to every rank, one flat broadcast per
-  (owner, fusion id) bucket (`_broadcast_bucket`).
+  (owner, fusion id) bucket (`broadcast_bucket`).
+
+The tensor work of those steps (the collectives and the batch cut) is in
+``_data_parallel_steps``.
 
 A process updates the parameters owned by the ranks it runs (`communication.process_ranks`):
 in a job, its own rank's and the shared ones. A process running every rank (a simulated world)
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,205 +42,21 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
-from shardwise.communication import _collectives as C
-from shardwise.communication.primitives import AllGather
+from shardwise.optim._data_parallel_plan import (
+    WHO,
+    CommBucket,
+    ParamEntry,
+    plan_buckets,
+    plan_entries,
+)
+from shardwise.optim._data_parallel_steps import (
+    all_reduce_bucket,
+    broadcast_bucket,
+    gather_rows,
+    local_rows,
+    mean_loss,
+)
 from shardwise.optim._plan import FusionConfig, check_fusion
-from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
-
-_WHO = "DataParallelRunner"
-
-
-@dataclass
-class _Entry:
-    """One parameter of the plan."""
-
-    name: str
-    param: nn.Parameter
-    optimizer: int | None
-    owner: int | None = None
-    fusion: int = 1
-    index: int = 0  # position among the network's parameters (``index`` fusion split points)
-    grad_bucket: int | None = None
-    broadcast_bucket: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.param.numel() * self.param.element_size()
-
-
-@dataclass
-class _Bucket:
-    """Parameters sharing one collective (`root` is the broadcast's owner rank)."""
-
-    index: int
-    entries: list[_Entry] = field(default_factory=list)
-    root: int | None = None
-
-
-def local_rows(x: Any, world: int, rank: int) -> Any:
-    """This rank's rows of a global-batch input: dim 0 split over `world` ranks in rank order.
-
-    Non-tensors and 0-d tensors are returned unchanged.
-
-    Args:
-        x: one input of the train step.
-        world: the number of ranks.
-        rank: this rank (a per-rank symbolic int in a simulated world).
-
-    Returns:
-        ``x[rank * rows:(rank + 1) * rows]`` with ``rows = x.shape[0] // world``.
-
-    Raises:
-        ValueError: dim 0 does not divide by `world` (the message names the shape).
-
-    Example:
-        >>> local_rows(torch.arange(8).view(4, 2), 2, 1)
-        tensor([[4, 5],
-                [6, 7]])
-    """
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        return x
-    shape = [int(s) for s in x.shape]
-    if shape[0] % world:
-        raise ValueError(
-            f"{_WHO}: dataset_strategy 'full_batch' (every rank passes the whole global batch, "
-            f"cut here into equal rows per rank): an input of shape {shape} has batch dim "
-            f"{shape[0]}, not divisible by the {world} ranks; pass a global batch whose size is "
-            f"a multiple of {world}, or read the data sharded and use 'data_parallel' (each "
-            "rank passes its own rows)"
-        )
-    rows = shape[0] // world
-    return x[rank * rows : (rank + 1) * rows]
-
-
-def assign_owners(sizes: Sequence[int | None], world: int) -> list[int | None]:
-    """Greedy byte balance: each sized item, in order, goes to the rank with the fewest bytes so
-    far (the lowest such rank on ties); None items get no owner.
-
-    Args:
-        sizes: bytes of each parameter, or None for one every rank updates.
-        world: the number of ranks.
-
-    Returns:
-        The owner rank of each item (None where `sizes` is None).
-
-    Example:
-        >>> assign_owners([400, None, 300, 200, 100], 2)
-        [0, None, 1, 1, 0]
-    """
-    load = [0] * world
-    out: list[int | None] = []
-    for size in sizes:
-        if size is None:
-            out.append(None)
-            continue
-        owner = min(range(world), key=lambda r: (load[r], r))
-        load[owner] += size
-        out.append(owner)
-    return out
-
-
-def _grad_buckets(entries: list[_Entry], config: FusionConfig, start: int) -> list[_Bucket]:
-    """Buckets of one optimizer's parameters (in parameter order) for the gradient all-reduce.
-
-    By fusion id unless `config` (``optim.check_fusion``) buckets ``allreduce`` by ``size`` /
-    ``auto`` (consecutive parameters up to the cap) or ``index`` (a new bucket at each split
-    point, a network parameter index); fusion id 0 alone; fusion off (``openstate`` False): one
-    per parameter. A bucket holds one dtype and device only.
-    """
-    cap = config.bucket_bytes("allreduce")
-    points = config.split_points("allreduce")
-    buckets: list[_Bucket] = []
-    by_key: dict[tuple[object, ...], _Bucket] = {}
-    size = 0
-    for e in entries:
-        kind = (e.param.dtype, e.param.device)
-        last = buckets[-1] if buckets else None
-        same = last is not None and (last.entries[0].param.dtype, last.entries[0].param.device)
-        bucket: _Bucket | None
-        if not config.enabled:
-            bucket = None
-        elif cap is not None:
-            bucket = last if size + e.nbytes <= cap and same == kind else None
-        elif points is not None:
-            bucket = last if e.index not in points and same == kind else None
-        else:
-            bucket = None if e.fusion == 0 else by_key.get((e.fusion, *kind))
-        if bucket is None:
-            bucket = _Bucket(start + len(buckets))
-            buckets.append(bucket)
-            by_key[(e.fusion, *kind)] = bucket
-            size = 0
-        bucket.entries.append(e)
-        size += e.nbytes
-        e.grad_bucket = bucket.index
-    return buckets
-
-
-def _broadcast_buckets(entries: list[_Entry], fused: bool, start: int) -> list[_Bucket]:
-    """One bucket per (owner, fusion id, dtype, device) of one optimizer's owned parameters, in
-    parameter order; fusion id 0 (or fusion off): one per parameter."""
-    buckets: list[_Bucket] = []
-    by_key: dict[tuple[object, ...], _Bucket] = {}
-    for e in entries:
-        if e.owner is None:
-            continue
-        key = (e.owner, e.fusion, e.param.dtype, e.param.device)
-        bucket = by_key.get(key) if fused and e.fusion != 0 else None
-        if bucket is None:
-            bucket = _Bucket(start + len(buckets), root=e.owner)
-            buckets.append(bucket)
-            by_key[key] = bucket
-        bucket.entries.append(e)
-        e.broadcast_bucket = bucket.index
-    return buckets
-
-
-def _all_reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
-    """Average `grads` over the ranks in place: one flat SUM all-reduce, then / world."""
-    if len(grads) == 1 and grads[0].is_contiguous():
-        C.all_reduce_(grads[0], C.ReduceOp.SUM, None).div_(world)
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    C.all_reduce_(flat, C.ReduceOp.SUM, None).div_(world)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
-    """Give every rank the `root` rank's values of `params`: one flat broadcast."""
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        got = C.broadcast(flat, root, None)
-        offset = 0
-        for p in params:
-            p.copy_(got[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-def _mean_loss(out: Any, world: int) -> Any:
-    """The step's result with every floating scalar tensor (also inside a tuple or list)
-    replaced by its mean over the ranks (detached); anything else unchanged."""
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point() and out.numel() == 1:
-            return C.all_reduce(out.detach(), C.ReduceOp.SUM, None).div_(world)
-        return out
-    if isinstance(out, tuple | list):
-        return type(out)(_mean_loss(o, world) for o in out)
-    return out
-
-
-def _gather_rows(out: Any) -> Any:
-    """Every tensor of a module's output (also inside a tuple or list) with each rank's rows
-    concatenated in rank order: the whole batch's output on every rank (``sw.ops.AllGather``;
-    its backward reduce-scatters, which the gradient average turns into the global gradient)."""
-    if isinstance(out, torch.Tensor):
-        return AllGather()(out) if out.dim() > 0 else out
-    if isinstance(out, tuple | list):
-        return type(out)(_gather_rows(o) for o in out)
-    return out
 
 
 def _remove_handles(handles: list[RemovableHandle]) -> None:
@@ -258,24 +76,24 @@ def _check_arguments(
     """`DataParallelRunner`'s argument types and values (the errors its docstring lists)."""
     if strategy not in ("data_parallel", "full_batch"):
         raise ValueError(
-            f"{_WHO}: dataset_strategy={strategy!r}; parallel_mode='data_parallel' "
+            f"{WHO}: dataset_strategy={strategy!r}; parallel_mode='data_parallel' "
             "takes 'data_parallel' (each rank passes its own rows of the global batch) or "
             "'full_batch' (each rank passes the whole global batch); per-input strategies "
             "need parallel_mode='semi_auto'"
         )
     if not isinstance(network, nn.Module):
-        raise TypeError(f"{_WHO}: network must be a torch.nn.Module, got {type(network)}")
+        raise TypeError(f"{WHO}: network must be a torch.nn.Module, got {type(network)}")
     if train_step is not None and not callable(train_step):
-        raise TypeError(f"{_WHO}: train_step must be callable or None, got {train_step!r}")
+        raise TypeError(f"{WHO}: train_step must be callable or None, got {train_step!r}")
     if not isinstance(parallel_optimizer, bool):
-        raise TypeError(f"{_WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
+        raise TypeError(f"{WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
     if (
         isinstance(threshold_kb, bool)
         or not isinstance(threshold_kb, int | float)
         or not threshold_kb >= 0
     ):
         raise ValueError(
-            f"{_WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
+            f"{WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
             "(0: every parameter that allows it gets an owner)"
         )
 
@@ -364,12 +182,12 @@ class DataParallelRunner:
         for i, o in enumerate(opts):
             if not isinstance(o, torch.optim.Optimizer):
                 raise TypeError(
-                    f"{_WHO}: optimizers[{i}] is a {type(o).__name__}, not a "
+                    f"{WHO}: optimizers[{i}] is a {type(o).__name__}, not a "
                     "torch.optim.Optimizer; pass the optimizers built over network.parameters()"
                 )
         if parallel_optimizer and not opts:
             raise ValueError(
-                f"{_WHO}: parallel_optimizer=True needs an optimizer, but none was passed"
+                f"{WHO}: parallel_optimizer=True needs an optimizer, but none was passed"
                 + (" or found in train_step" if train_step is not None else "")
                 + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
             )
@@ -382,14 +200,14 @@ class DataParallelRunner:
         self._fusion = FusionConfig() if fusion is None else check_fusion(fusion)
         if not comm.is_initialized():
             raise RuntimeError(
-                f"{_WHO}: no job yet; call shardwise.communication.init() first (or build the "
+                f"{WHO}: no job yet; call shardwise.communication.init() first (or build the "
                 "runner inside shardwise.testing.simulated_world)"
             )
         self.world = comm.get_group_size()
         self._ranks = comm.process_ranks()  # the ranks whose parameters this process updates
-        self.entries: list[_Entry] = []
-        self._grad_buckets: list[list[_Bucket]] = []
-        self._broadcast_buckets: list[list[_Bucket]] = []
+        self.entries: list[ParamEntry] = []
+        self._grad_buckets: list[list[CommBucket]] = []
+        self._broadcast_buckets: list[list[CommBucket]] = []
         self._build_plan()
         ref = weakref.ref(self)
         handles: list[RemovableHandle] = []
@@ -401,54 +219,12 @@ class DataParallelRunner:
     # -- plan ------------------------------------------------------------------------------
     def _build_plan(self) -> None:
         """Entries (owner, fusion id, buckets) of every network parameter, in order."""
-        where: dict[int, int] = {}
-        for i, o in enumerate(self.optimizers):
-            for group in o.param_groups:
-                for p in group["params"]:
-                    if id(p) in where:
-                        raise ValueError(
-                            f"{_WHO}: a parameter of shape {list(p.shape)} is held by "
-                            f"optimizers[{where[id(p)]}] and optimizers[{i}]; give each "
-                            "parameter to one optimizer"
-                        )
-                    where[id(p)] = i
-        named = list(self.network.named_parameters())
-        mine = {id(p) for _, p in named}
-        for i, o in enumerate(self.optimizers):
-            for group in o.param_groups:
-                for p in group["params"]:
-                    if id(p) not in mine:
-                        raise ValueError(
-                            f"{_WHO}: optimizers[{i}] ({type(o).__name__}) holds a parameter of "
-                            f"shape {list(p.shape)} that is not one of the network's; build the "
-                            "optimizer over network.parameters() (after world.replicate(network)"
-                            " in a simulated world)"
-                        )
-        self.entries = [
-            _Entry(n, p, where.get(id(p)), fusion=comm_fusion_of(p), index=k)
-            for k, (n, p) in enumerate(named)
-            if p.requires_grad
-        ]
-        threshold = self.threshold_kb * 1024
-        sizes = [
-            e.nbytes
-            if self.parallel_optimizer
-            and e.optimizer is not None
-            and parallel_optimizer_of(e.param)
-            and e.nbytes >= threshold
-            else None
-            for e in self.entries
-        ]
-        for e, owner in zip(self.entries, assign_owners(sizes, self.world), strict=True):
-            e.owner = owner
-        n_grad = n_bcast = 0
-        for i in range(len(self.optimizers)):
-            entries = [e for e in self.entries if e.optimizer == i]
-            grads = _grad_buckets(entries, self._fusion, n_grad)
-            bcasts = _broadcast_buckets(entries, self._fusion.enabled, n_bcast)
-            n_grad, n_bcast = n_grad + len(grads), n_bcast + len(bcasts)
-            self._grad_buckets.append(grads)
-            self._broadcast_buckets.append(bcasts)
+        self.entries = plan_entries(
+            self.network, self.optimizers, self.parallel_optimizer, self.threshold_kb, self.world
+        )
+        self._grad_buckets, self._broadcast_buckets = plan_buckets(
+            self.entries, len(self.optimizers), self._fusion
+        )
 
     @property
     def owners(self) -> dict[str, int]:
@@ -494,7 +270,7 @@ class DataParallelRunner:
 
     def __str__(self) -> str:
         head = (
-            f"{_WHO}: {self.world} ranks, "
+            f"{WHO}: {self.world} ranks, "
             f"{'train step' if self.train_step is not None else 'module'} form, "
             f"parallel_optimizer={self.parallel_optimizer}, threshold_kb={self.threshold_kb:g}"
         )
@@ -545,15 +321,15 @@ class DataParallelRunner:
             inputs = tuple(local_rows(x, self.world, rank) for x in inputs)
         if self.train_step is None:
             out = self.network(*inputs)
-            return _gather_rows(out) if self.dataset_strategy == "full_batch" else out
-        return _mean_loss(self.train_step(*inputs), self.world)
+            return gather_rows(out) if self.dataset_strategy == "full_batch" else out
+        return mean_loss(self.train_step(*inputs), self.world)
 
     def _before_step(self, index: int) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""
         for bucket in self._grad_buckets[index]:
             grads = [e.param.grad for e in bucket.entries if e.param.grad is not None]
             if grads:
-                _all_reduce_bucket(grads, self.world)
+                all_reduce_bucket(grads, self.world)
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process
                 for e in bucket.entries:
@@ -563,7 +339,7 @@ class DataParallelRunner:
         """Step post-hook of optimizer `index`: broadcast each owned bucket from its owner."""
         for bucket in self._broadcast_buckets[index]:
             assert bucket.root is not None
-            _broadcast_bucket([e.param for e in bucket.entries], bucket.root)
+            broadcast_bucket([e.param for e in bucket.entries], bucket.root)
 
     def remove(self) -> None:
         """Remove the optimizer hooks (also done when the runner is garbage collected).

@@ -1,0 +1,221 @@
+"""The plan of data-parallel mode (`DataParallelRunner`): which rank updates each parameter,
+and which parameters share one collective.
+
+`plan_entries` and `plan_buckets` build it, in the runner's constructor:
+
+- `plan_entries`: one `ParamEntry` per network parameter that requires a gradient, in order:
+  the optimizer holding it (`optimizer_of`, which also refuses a parameter held by two
+  optimizers or not the network's), its ``comm_fusion`` id, and with ``parallel_optimizer=True``
+  its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
+  hold at least the threshold).
+- `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
+  size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
+  owner and fusion id), each a `CommBucket`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardwise.optim._plan import FusionConfig
+from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
+
+WHO = "DataParallelRunner"
+
+
+@dataclass
+class ParamEntry:
+    """One parameter of the plan."""
+
+    name: str
+    param: nn.Parameter
+    optimizer: int | None
+    owner: int | None = None
+    fusion: int = 1
+    index: int = 0  # position among the network's parameters (``index`` fusion split points)
+    grad_bucket: int | None = None
+    broadcast_bucket: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.param.numel() * self.param.element_size()
+
+
+@dataclass
+class CommBucket:
+    """Parameters sharing one collective (`root` is the broadcast's owner rank)."""
+
+    index: int
+    entries: list[ParamEntry] = field(default_factory=list)
+    root: int | None = None
+
+
+def assign_owners(sizes: Sequence[int | None], world: int) -> list[int | None]:
+    """Greedy byte balance: each sized item, in order, goes to the rank with the fewest bytes so
+    far (the lowest such rank on ties); None items get no owner.
+
+    Args:
+        sizes: bytes of each parameter, or None for one every rank updates.
+        world: the number of ranks.
+
+    Returns:
+        The owner rank of each item (None where `sizes` is None).
+
+    Example:
+        >>> assign_owners([400, None, 300, 200, 100], 2)
+        [0, None, 1, 1, 0]
+    """
+    load = [0] * world
+    out: list[int | None] = []
+    for size in sizes:
+        if size is None:
+            out.append(None)
+            continue
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += size
+        out.append(owner)
+    return out
+
+
+def grad_buckets(entries: list[ParamEntry], config: FusionConfig, start: int) -> list[CommBucket]:
+    """Buckets of one optimizer's parameters (in parameter order) for the gradient all-reduce.
+
+    By fusion id unless `config` (``optim.check_fusion``) buckets ``allreduce`` by ``size`` /
+    ``auto`` (consecutive parameters up to the cap) or ``index`` (a new bucket at each split
+    point, a network parameter index); fusion id 0 alone; fusion off (``openstate`` False): one
+    per parameter. A bucket holds one dtype and device only.
+    """
+    cap = config.bucket_bytes("allreduce")
+    points = config.split_points("allreduce")
+    buckets: list[CommBucket] = []
+    by_key: dict[tuple[object, ...], CommBucket] = {}
+    size = 0
+    for e in entries:
+        kind = (e.param.dtype, e.param.device)
+        last = buckets[-1] if buckets else None
+        same = last is not None and (last.entries[0].param.dtype, last.entries[0].param.device)
+        bucket: CommBucket | None
+        if not config.enabled:
+            bucket = None
+        elif cap is not None:
+            bucket = last if size + e.nbytes <= cap and same == kind else None
+        elif points is not None:
+            bucket = last if e.index not in points and same == kind else None
+        else:
+            bucket = None if e.fusion == 0 else by_key.get((e.fusion, *kind))
+        if bucket is None:
+            bucket = CommBucket(start + len(buckets))
+            buckets.append(bucket)
+            by_key[(e.fusion, *kind)] = bucket
+            size = 0
+        bucket.entries.append(e)
+        size += e.nbytes
+        e.grad_bucket = bucket.index
+    return buckets
+
+
+def broadcast_buckets(entries: list[ParamEntry], fused: bool, start: int) -> list[CommBucket]:
+    """One bucket per (owner, fusion id, dtype, device) of one optimizer's owned parameters, in
+    parameter order; fusion id 0 (or fusion off): one per parameter."""
+    buckets: list[CommBucket] = []
+    by_key: dict[tuple[object, ...], CommBucket] = {}
+    for e in entries:
+        if e.owner is None:
+            continue
+        key = (e.owner, e.fusion, e.param.dtype, e.param.device)
+        bucket = by_key.get(key) if fused and e.fusion != 0 else None
+        if bucket is None:
+            bucket = CommBucket(start + len(buckets), root=e.owner)
+            buckets.append(bucket)
+            by_key[key] = bucket
+        bucket.entries.append(e)
+        e.broadcast_bucket = bucket.index
+    return buckets
+
+
+def optimizer_of(network: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, int]:
+    """``id(parameter)`` -> the index of the optimizer holding it.
+
+    Raises:
+        ValueError: a parameter held by two optimizers, or an optimizer holding a parameter
+            that is not one of `network`'s.
+    """
+    where: dict[int, int] = {}
+    for i, o in enumerate(optimizers):
+        for group in o.param_groups:
+            for p in group["params"]:
+                if id(p) in where:
+                    raise ValueError(
+                        f"{WHO}: a parameter of shape {list(p.shape)} is held by "
+                        f"optimizers[{where[id(p)]}] and optimizers[{i}]; give each "
+                        "parameter to one optimizer"
+                    )
+                where[id(p)] = i
+    mine = {id(p) for p in network.parameters()}
+    for i, o in enumerate(optimizers):
+        for group in o.param_groups:
+            for p in group["params"]:
+                if id(p) not in mine:
+                    raise ValueError(
+                        f"{WHO}: optimizers[{i}] ({type(o).__name__}) holds a parameter of "
+                        f"shape {list(p.shape)} that is not one of the network's; build the "
+                        "optimizer over network.parameters() (after world.replicate(network)"
+                        " in a simulated world)"
+                    )
+    return where
+
+
+def plan_entries(
+    network: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    parallel_optimizer: bool,
+    threshold_kb: float,
+    world: int,
+) -> list[ParamEntry]:
+    """One entry per parameter of `network` that requires a gradient, in parameter order, with
+    its optimizer, fusion id and (``parallel_optimizer=True``) owner rank.
+
+    Raises:
+        ValueError: as `optimizer_of`.
+    """
+    where = optimizer_of(network, optimizers)
+    entries = [
+        ParamEntry(n, p, where.get(id(p)), fusion=comm_fusion_of(p), index=k)
+        for k, (n, p) in enumerate(network.named_parameters())
+        if p.requires_grad
+    ]
+    threshold = threshold_kb * 1024
+    sizes = [
+        e.nbytes
+        if parallel_optimizer
+        and e.optimizer is not None
+        and parallel_optimizer_of(e.param)
+        and e.nbytes >= threshold
+        else None
+        for e in entries
+    ]
+    for e, owner in zip(entries, assign_owners(sizes, world), strict=True):
+        e.owner = owner
+    return entries
+
+
+def plan_buckets(
+    entries: list[ParamEntry], n_optimizers: int, fusion: FusionConfig
+) -> tuple[list[list[CommBucket]], list[list[CommBucket]]]:
+    """Per optimizer, its gradient all-reduce buckets and its broadcast buckets (numbered
+    across the optimizers, in order; each entry gets its buckets' indices)."""
+    grads_out: list[list[CommBucket]] = []
+    bcasts_out: list[list[CommBucket]] = []
+    n_grad = n_bcast = 0
+    for i in range(n_optimizers):
+        mine = [e for e in entries if e.optimizer == i]
+        grads = grad_buckets(mine, fusion, n_grad)
+        bcasts = broadcast_buckets(mine, fusion.enabled, n_bcast)
+        n_grad, n_bcast = n_grad + len(grads), n_bcast + len(bcasts)
+        grads_out.append(grads)
+        bcasts_out.append(bcasts)
+    return grads_out, bcasts_out

@@ -1,0 +1,107 @@
+"""What `DataParallelRunner` does to a call's tensors and, in the optimizer's step hooks, to the
+gradients and parameters: the collectives of data-parallel mode (through
+``communication._collectives``), and the batch cut.
+
+- `local_rows` (``"full_batch"``): this rank's rows of a global-batch input.
+- `mean_loss` (train-step form): the step's loss averaged over the ranks (one AllReduce).
+- `gather_rows` (module form, ``"full_batch"``): the output's rows of every rank, concatenated
+  (``sw.ops.AllGather``, autograd-aware).
+- `all_reduce_bucket` (step pre-hook): one gradient bucket averaged over the ranks, one flat
+  fused AllReduce.
+- `broadcast_bucket` (step post-hook): one owner's updated parameters sent to every rank, one
+  flat Broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise.communication import _collectives as C
+from shardwise.communication.primitives import AllGather
+from shardwise.optim._data_parallel_plan import WHO
+
+
+def local_rows(x: Any, world: int, rank: int) -> Any:
+    """This rank's rows of a global-batch input: dim 0 split over `world` ranks in rank order.
+
+    Non-tensors and 0-d tensors are returned unchanged.
+
+    Args:
+        x: one input of the train step.
+        world: the number of ranks.
+        rank: this rank (a per-rank symbolic int in a simulated world).
+
+    Returns:
+        ``x[rank * rows:(rank + 1) * rows]`` with ``rows = x.shape[0] // world``.
+
+    Raises:
+        ValueError: dim 0 does not divide by `world` (the message names the shape).
+
+    Example:
+        >>> local_rows(torch.arange(8).view(4, 2), 2, 1)
+        tensor([[4, 5],
+                [6, 7]])
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    shape = [int(s) for s in x.shape]
+    if shape[0] % world:
+        raise ValueError(
+            f"{WHO}: dataset_strategy 'full_batch' (every rank passes the whole global batch, "
+            f"cut here into equal rows per rank): an input of shape {shape} has batch dim "
+            f"{shape[0]}, not divisible by the {world} ranks; pass a global batch whose size is "
+            f"a multiple of {world}, or read the data sharded and use 'data_parallel' (each "
+            "rank passes its own rows)"
+        )
+    rows = shape[0] // world
+    return x[rank * rows : (rank + 1) * rows]
+
+
+def all_reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
+    """Average `grads` over the ranks in place: one flat SUM all-reduce, then / world."""
+    if len(grads) == 1 and grads[0].is_contiguous():
+        C.all_reduce_(grads[0], C.ReduceOp.SUM, None).div_(world)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    C.all_reduce_(flat, C.ReduceOp.SUM, None).div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
+    """Give every rank the `root` rank's values of `params`: one flat broadcast."""
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        got = C.broadcast(flat, root, None)
+        offset = 0
+        for p in params:
+            p.copy_(got[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def mean_loss(out: Any, world: int) -> Any:
+    """The step's result with every floating scalar tensor (also inside a tuple or list)
+    replaced by its mean over the ranks (detached); anything else unchanged."""
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point() and out.numel() == 1:
+            return C.all_reduce(out.detach(), C.ReduceOp.SUM, None).div_(world)
+        return out
+    if isinstance(out, tuple | list):
+        return type(out)(mean_loss(o, world) for o in out)
+    return out
+
+
+def gather_rows(out: Any) -> Any:
+    """Every tensor of a module's output (also inside a tuple or list) with each rank's rows
+    concatenated in rank order: the whole batch's output on every rank (``sw.ops.AllGather``;
+    its backward reduce-scatters, which the gradient average turns into the global gradient)."""
+    if isinstance(out, torch.Tensor):
+        return AllGather()(out) if out.dim() > 0 else out
+    if isinstance(out, tuple | list):
+        return type(out)(gather_rows(o) for o in out)
+    return out

@@ -1,0 +1,219 @@
+"""Optimizer parallel at run time, backward: each bucket's gradients reduced into the shards
+(`GradReduction`, the base of `OptimizerParallel`, whose constructor sets the state below).
+
+- `_on_grad` (backward): each compute leaf's post-accumulate-grad hook (`grad_hook`); when
+  every used leaf of a bucket has its gradient, the bucket is reduced (`_reduce`): one
+  ReduceScatter over the shard group of the bucket's gradients (`reduce_scatter_bucket`: each
+  rank receives its dim-0 chunk of every member), an AllReduce over the copy group when the
+  shard group is smaller than the data-parallel group, or one AllReduce for unsharded members;
+  then / world size (the loss is one value replicated on every rank) and added to
+  ``param.grad`` (`_finish`, `_deposit`). The ReduceScatters are started asynchronously and
+  finished (`_drain`) at the end of backward, so they run while the earlier layers' gradients
+  are computed. Level 1 keeps the full-size gradients on the leaves and reduces at the
+  optimizer's step (`flush`: every bucket started, coalesced, then all finished); levels 2 and
+  3 reduce in backward, as soon as a bucket is complete. A bucket left incomplete (unused
+  parameters) is reduced at the end of backward (`_end_backward`, queued once per backward,
+  graph task, by `_queue_end`).
+- A backward that raised midway (`_drop_unfinished_backward`, run by the next forward): its
+  started collectives are finished and dropped, its partial buckets, re-gathers and (levels
+  2-3) leaf gradients forgotten; the end-of-backward callback is queued once per backward
+  (graph task), so the next backward still gets one.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from shardwise.communication import recorder
+from shardwise.communication._buckets import reduce_scatter_bucket
+from shardwise.communication._collectives import (
+    Pending,
+    ReduceOp,
+    all_reduce_,
+    all_reduce_async,
+)
+from shardwise.communication._pairwise import coalesced
+from shardwise.optim._groups import BucketGroups
+from shardwise.optim._plan import Bucket, OptimizerPlan, ParamShard
+
+
+class GradReduction:
+    """The backward half of `OptimizerParallel` (see the module docstring); the attributes are
+    set by `OptimizerParallel.__init__`."""
+
+    plan: OptimizerPlan
+    level: str
+    world: int
+    params: dict[str, nn.Parameter]
+    shards: dict[str, ParamShard]
+    bucket_of: dict[str, int]
+    groups: list[BucketGroups]
+    leaves: dict[str, torch.Tensor]
+    _stale: set[str]
+    ready: dict[int, set[str]]
+    _end_queued: int
+    _regathered: dict[int, dict[str, torch.Tensor]]
+    _regathering: dict[int, Pending[list[torch.Tensor]]]
+    _packed: set[int]
+    _used: dict[str, bool]
+    _inflight: list[tuple[int, str, Pending[list[torch.Tensor]]]]
+
+    def _label(self, i: int) -> str:
+        bucket = self.plan.buckets[i]
+        return f"bucket {i} ({', '.join(bucket.names)})"
+
+    def _queue_end(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._end_queued == task:
+            return
+        recorder.mark("backward: first gradient ready")
+        self._end_queued = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _drop_unfinished_backward(self) -> None:
+        """Forget what a backward that raised left (called by the next forward): its started
+        collectives are finished (every rank posted them) and their results dropped, its
+        partial buckets and backward re-gathers forgotten (the weights may have changed since)
+        and, at levels 2-3, the gradients its leaves got (level 1's leaves accumulate the
+        step's earlier backward calls too: kept)."""
+        for pending in [*self._regathering.values(), *(p for _, _, p in self._inflight)]:
+            pending.wait()
+        self._end_queued = -1
+        self._regathering.clear()
+        self._regathered.clear()
+        self._inflight.clear()
+        self.ready.clear()
+        if self.level != "level1":
+            for leaf in self.leaves.values():
+                leaf.grad = None
+
+    def _on_grad(self, name: str) -> None:
+        self._queue_end()
+        i = self.bucket_of[name]
+        bucket = self.plan.buckets[i]
+        if bucket.kind == "shard" and self.level == "level1":
+            return  # full gradients kept on the leaves until the optimizer steps
+        done = self.ready.setdefault(i, set())
+        done.add(name)
+        # (a member without a leaf this step, unused, does not hold the bucket back)
+        if all(n in done or n not in self.leaves or n in self._stale for n in bucket.names):
+            self._reduce(i)
+
+    def _end_backward(self) -> None:
+        """Reduce buckets whose used members all have gradients but some member is unused."""
+        self._end_queued = -1
+        for pending in self._regathering.values():  # (started, but no saved weight needed it)
+            pending.wait()
+        self._regathering.clear()
+        self._regathered.clear()
+        self._packed.clear()
+        for i in sorted(self.ready):
+            if self.ready[i]:
+                self._reduce(i)
+        self._drain()
+        recorder.mark("backward done")
+
+    def flush(self) -> None:
+        """Reduce every bucket with pending gradients (level 1: at the optimizer's step)."""
+        with coalesced():  # all started before any is waited for: one message per peer
+            for i, bucket in enumerate(self.plan.buckets):
+                leaves = [self.leaves.get(n) for n in bucket.names]
+                if any(leaf is not None and leaf.grad is not None for leaf in leaves):
+                    self._reduce(i, phase="step")
+        self._drain()
+
+    def _reduce(self, i: int, phase: str = "backward") -> None:
+        """Start reducing bucket `i`'s gradients (finished by `_drain`: at the end of backward,
+        or at once for level 1's reduction at the optimizer step)."""
+        bucket, groups = self.plan.buckets[i], self.groups[i]
+        self.ready.pop(i, None)
+        grads = self._grads(bucket)
+        if grads is None:
+            return
+        with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
+            if bucket.kind == "shard":
+                pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
+                self._inflight.append((i, phase, pending))
+                return
+            # (one member: reduced in place in its gradient, which the leaf no longer holds)
+            flat = (
+                grads[0].reshape(-1)
+                if len(grads) == 1
+                else torch.cat([g.reshape(-1) for g in grads])
+            )
+            if groups.copies_size > 1:
+                started = all_reduce_async(flat, ReduceOp.SUM, groups.copies)
+                self._inflight.append((i, phase, Pending(lambda: [started.wait()])))
+            else:
+                self._finish(i, [flat])
+
+    def _finish(self, i: int, parts: list[torch.Tensor]) -> None:
+        """A shard bucket's AllReduce over the copy group (an all-reduce bucket's AllReduce
+        already was that), / world size, into ``param.grad`` (`parts`: one reduced tensor per
+        member, or one flat buffer of them)."""
+        groups, bucket = self.groups[i], self.plan.buckets[i]
+        if bucket.kind == "shard" and groups.copies_size > 1:
+            flat = parts[0].view(-1) if len(parts) == 1 else torch.cat([p.view(-1) for p in parts])
+            all_reduce_(flat, ReduceOp.SUM, groups.copies)
+            parts = [flat]
+        if len(parts) != len(bucket.names):
+            sizes = [math.prod(self._shape(n, bucket)) for n in bucket.names]
+            parts = list(parts[0].split(sizes))
+        for n, part in zip(bucket.names, parts, strict=True):
+            self._deposit(n, bucket, part.div_(self.world))
+
+    def _drain(self) -> None:
+        """Finish the started reductions, in the order they started."""
+        inflight, self._inflight = self._inflight, []
+        for i, phase, pending in inflight:
+            with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
+                self._finish(i, pending.wait())
+
+    def _grads(self, bucket: Bucket) -> list[torch.Tensor] | None:
+        """The members' leaf gradients (zeros for a member without one); None: none has one."""
+        leaves = [self.leaves.get(n) for n in bucket.names]
+        if not any(leaf is not None and leaf.grad is not None for leaf in leaves):
+            return None
+        out = []
+        for n, leaf in zip(bucket.names, leaves, strict=True):
+            grad = None if leaf is None else leaf.grad
+            out.append(grad if grad is not None else self._zeros(n))
+            self._used[n] = grad is not None
+            if leaf is not None:
+                leaf.grad = None
+        return out
+
+    def _zeros(self, name: str) -> torch.Tensor:
+        p, shard = self.params[name], self.shards[name]
+        return torch.zeros(shard.info.block, dtype=p.dtype, device=p.device)
+
+    def _deposit(self, name: str, bucket: Bucket, grad: torch.Tensor) -> None:
+        """Add a reduced gradient (a fresh tensor) to parameter `name`'s ``.grad``."""
+        p = self.params[name]
+        if self._used.get(name, True):  # an unused parameter keeps grad None, as on one device
+            g = grad.view(self._shape(name, bucket))
+            p.grad = g if p.grad is None else p.grad + g
+
+    def _shape(self, name: str, bucket: Bucket) -> tuple[int, ...]:
+        """Parameter `name`'s stored shape: its shard or (unsharded) its op-level block."""
+        shard = self.shards[name]
+        return tuple(shard.shard_shape if bucket.kind == "shard" else shard.info.block)
+
+
+GradHook = Callable[[torch.Tensor], None]
+
+
+def grad_hook(engine: weakref.ref[GradReduction], name: str) -> GradHook:
+    """Leaf `name`'s post-accumulate-grad hook: the engine's `_on_grad` (while it lives)."""
+
+    def hook(leaf: torch.Tensor) -> None:
+        alive = engine()
+        if alive is not None:
+            alive._on_grad(name)
+
+    return hook
