@@ -8,6 +8,7 @@ step; the collectives of a step are asserted exactly. Also reachable through
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def _single(
 
 
 def _train(
-    ranks: int, strategy: Strategy, context: bool = False
+    ranks: int, strategy: Strategy, context: bool = False, load: Path | None = None
 ) -> tuple[AutoParallel, Counter[tuple[str, str, tuple[int, ...]]]]:
     """STEPS steps on `ranks` ranks checked against one device; the first step's collectives."""
     batches = _data(2 * ranks)  # (seed 002: 2 rows per rank)
@@ -73,6 +74,8 @@ def _train(
 
         mode = None if context else "sharding_propagation"
         parallel = AutoParallel(step, parallel_mode=mode)
+        if load is not None:
+            parallel.load_operator_strategy_file(load)
         for s, (x, y) in enumerate(batches):
             with CommRecorder() as rec:
                 loss = parallel(world.rows(x), world.rows(y))
@@ -148,3 +151,27 @@ def test_the_context_way() -> None:
         sw.reset_auto_parallel_context()
     assert parallel.parallel_mode == "sharding_propagation"
     assert parallel.strategies()["relu/ReLU"] == ((2, 4),)
+
+
+def test_strategies_explain_and_a_saved_plan_runs_without_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`strategies()` / `explain()` read the plan; the operator strategy file records the
+    propagated strategies, and a wrapper that loads it runs that plan without searching."""
+    first, _ = _train(8, ((2, 4), (4, 1)))
+    assert first.explain("relu/ReLU").startswith(
+        "relu/ReLU: ((2, 4),) (propagated from matmul/MatMul (annotated))"
+    )
+    with pytest.raises(ValueError, match=r"no op 'relu'.*close: \['relu/ReLU'"):
+        first.explain("relu")
+    first.save_operator_strategy_file(tmp_path / "plan.json")
+
+    def no_search(*args: object, **kwargs: object) -> None:
+        raise AssertionError("searched although a plan was loaded")
+
+    monkeypatch.setattr("shardwise.parallel._graph_capture.plan_sharding_propagation", no_search)
+    again, _ = _train(8, ((2, 4), (4, 1)), load=tmp_path / "plan.json")
+    assert again.parallel_plan == first.parallel_plan
+    assert again.strategies() == first.strategies()
+    with pytest.raises(ValueError, match="no explained plan"):
+        again.explain("relu/ReLU")  # (a loaded plan carries no explanations)

@@ -168,3 +168,28 @@ def test_a_torch_mlp_with_nothing_annotated_is_data_parallel() -> None:
     dp = plan_semi_auto(graph, 4)
     assert plan.strategies() == dp.strategies()
     assert [str(c) for c in plan.collectives()] == [str(c) for c in dp.collectives()]
+
+
+def test_each_choice_is_explained() -> None:
+    """Every op says where its strategy came from and what the alternatives cost; the IR's
+    step_parallel_begin ends with the same section."""
+    from shardwise.report import format_plan_begin
+
+    plan = plan_sharding_propagation(capture(Seed002(), torch.zeros(16, 32)), 8)
+    relu = plan.explained["relu/ReLU"]
+    assert relu.strategy == ((2, 4),)
+    assert relu.source == "propagated from matmul/MatMul (annotated)"
+    assert plan.explained["matmul/MatMul"].source == "annotated"
+    best, *others = relu.alternatives
+    assert best.chosen and best.strategy == ((2, 4),) and best.comm_s == 0.0
+    eight = next(a for a in others if a.strategy == ((8, 1),))
+    assert eight.comm_s > 0  # (matmul2's (2, 4) input would need an AlltoAll)
+    assert eight.memory == best.memory and eight.compute == best.compute
+    whole = next(a for a in others if a.strategy == ((1, 1),))
+    assert whole.compute == 8 * best.compute and whole.memory == 8 * best.memory
+    text = format_plan_begin(plan)
+    assert "# sharding_propagation: why each op has its strategy" in text
+    assert "  relu/ReLU: ((2, 4),) (propagated from matmul/MatMul (annotated))" in text
+    nothing = plan_sharding_propagation(capture(Seed002(annotate=False), torch.zeros(16, 32)), 8)
+    source = nothing.explained["relu/ReLU"].source
+    assert source == "propagated from the dataset strategy (the inputs' placement)"

@@ -45,6 +45,7 @@ from shardwise.parallel._discover import find_referenced, pick_network
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
 from shardwise.parallel._ownership import take_over
+from shardwise.parallel._reading import PlanReading
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy, input_layout
 from shardwise.parallel._strategy_files import StrategyFiles
 from shardwise.planner import ParallelPlan
@@ -92,7 +93,7 @@ def _local_inputs(
     return tuple(out)
 
 
-class AutoParallel(nn.Module, StrategyFiles):
+class AutoParallel(nn.Module, StrategyFiles, PlanReading):
     """Run a network operator-parallel as its strategies say (semi_auto, sharding_propagation).
 
     Args:
@@ -322,25 +323,6 @@ class AutoParallel(nn.Module, StrategyFiles):
         """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
         return None if self._graph is None else self._graph.parallel_plan
 
-    def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
-        """Each op's name (module path and op, as the IR prints it) -> its in_strategy, for
-        annotated, propagated and data-parallel ops alike (`ParallelPlan.strategies`).
-
-        Raises:
-            ValueError: nothing planned yet (call the wrapper or its ``plan`` first).
-
-        Example:
-            >>> parallel_net.strategies()["relu/ReLU"]  # seed 002, sharding_propagation
-            ((2, 4),)
-        """
-        plan = self.parallel_plan
-        if plan is None:
-            raise ValueError(
-                "AutoParallel.strategies: nothing planned yet; call the wrapper (or its plan()) "
-                "once first"
-            )
-        return plan.strategies()
-
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._superseded:
             raise ValueError(
@@ -371,7 +353,8 @@ class AutoParallel(nn.Module, StrategyFiles):
             self._fusion,
             optimizers=self.optimizers,
             param_layouts=layouts,
-            mode=self.parallel_mode,
+            # (a loaded operator file is the plan: checked against a semi_auto one, no search)
+            mode="semi_auto" if self._loaded is not None else self.parallel_mode,
         )
         try:
             run.plan(inputs, kwargs)

@@ -220,6 +220,8 @@ class ParallelPlan:
         outputs: each returned tensor's placement (after its edges).
         equal_grads: parameter -> the axes over which its gradient is the same on every rank
             (no reduction over them: `_backward`).
+        explained: op name -> why an automatic planner chose its strategy
+            (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
     """
 
     device_num: int
@@ -233,6 +235,7 @@ class ParallelPlan:
     input_shapes: Mapping[str, Shape] = field(default_factory=dict)
     outputs: tuple[Placed, ...] = ()
     equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def node(self, name: str) -> NodePlan:
         """The node called `name`.

@@ -26,6 +26,7 @@ that makes the whole graph's redistributions cheapest.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from shardwise.layout import TensorLayout
 from shardwise.planner._annotated import RESHARD
 from shardwise.planner._choices import Choice, Choices
 from shardwise.planner._cost import CostModel, load_cost_model
+from shardwise.planner._explain import explain_run
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._placement import (
     DatasetStrategy,
@@ -76,6 +78,7 @@ class Propagation:
         variables: ``("node", index)`` or ``("param", name)`` per variable.
         assignment: the chosen candidate per variable.
         method: how it was solved (``"tree"``, ``"ilp"``, ``"greedy"``).
+        fixed: the variables of annotated nodes (one candidate: the user's).
     """
 
     setup: Setup
@@ -84,6 +87,7 @@ class Propagation:
     variables: list[tuple[str, int | str]]
     assignment: list[int]
     method: str
+    fixed: frozenset[int] = frozenset()
 
 
 class _Builder:
@@ -188,7 +192,12 @@ def propagate(
         assignment, how = greedy(problem), "greedy"
     else:
         assignment, how = solve(problem)
-    return Propagation(s, choices, problem, variables, assignment, how)
+    annotated = set(s.prims) | set(s.planner.pinned)
+    annotated |= {n.index for n in graph.nodes if n.op == RESHARD}
+    fixed = frozenset(
+        v for v, (kind, key) in enumerate(variables) if kind == "node" and key in annotated
+    )
+    return Propagation(s, choices, problem, variables, assignment, how, fixed)
 
 
 def plan_sharding_propagation(
@@ -262,4 +271,5 @@ def build_plan(graph: Graph, run: Propagation) -> ParallelPlan:
     for name, info in graph.params.items():
         params.setdefault(name, TensorLayout(p.matrix, ((),) * len(info.shape)))
     ordered = {n: params[n] for n in graph.params}
-    return walk(graph, s, ordered, "sharding_propagation", rules)
+    plan = walk(graph, s, ordered, "sharding_propagation", rules)
+    return dataclasses.replace(plan, explained=explain_run(graph, run))

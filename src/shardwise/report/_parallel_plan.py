@@ -64,7 +64,9 @@ def in_strategy(n: NodePlan) -> tuple[tuple[int, ...], ...]:
 def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
     """The whole plan, one op per line (`str(plan)`), under a header; under every op with
     inputs its strategy (`in_strategy`) and where it came from; at level 3 also the slice table
-    (every rank's block of each input and output).
+    (every rank's block of each input and output). A plan an automatic planner made ends with
+    why each op has its strategy (`ParallelPlan.explained`: the source and the cheapest
+    alternatives with their communication / compute / memory costs).
 
     Raises:
         ValueError: a level outside 1 to 3.
@@ -82,6 +84,12 @@ def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
             lines.append(f"    in_strategy {in_strategy(node)} from {node.rule}")
         if level >= 3:
             lines += [f"    # rank {r}: {_blocks(node, r)}" for r in plan.matrix.rank_list]
+    if plan.explained:
+        lines.append(
+            f"# {plan.mode}: why each op has its strategy (alternatives with their cost: "
+            f"communication on its edges, its neighbours as chosen; compute; memory per rank)"
+        )
+        lines += [f"  {line}" for e in plan.explained.values() for line in str(e).splitlines()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,144 @@
+"""Why an automatic planner chose each op's strategy: the alternatives and their costs.
+
+- `Alternative`: one candidate strategy of an op with its cost split into communication (the
+  redistributions on the op's edges, its neighbours as chosen, by the cost model), compute
+  (elements one rank computes) and memory (bytes of its inputs' and outputs' blocks on one
+  rank).
+- `Explanation`: an op's chosen strategy, where it came from (annotated, or the annotated op or
+  dataset it was propagated from: the nearest one along the graph's edges) and its cheapest
+  alternatives.
+- `explain_run`: every node's `Explanation` from a solved `_propagate.Propagation`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardwise.layout import DeviceMatrix
+from shardwise.planner._choices import Choice
+from shardwise.planner._graph import Graph
+from shardwise.planner._placement import _itemsize, to_placed
+from shardwise.planner._solve import _pair
+
+if TYPE_CHECKING:
+    from shardwise.planner._propagate import Propagation
+
+KEPT = 6
+"""Alternatives an `Explanation` keeps (the cheapest, the chosen one always among them)."""
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One candidate strategy of an op (see the module docstring)."""
+
+    strategy: tuple[tuple[int, ...], ...]
+    comm_s: float
+    compute: int
+    memory: int
+    chosen: bool = False
+
+    def __str__(self) -> str:
+        mark = "  <- chosen" if self.chosen else ""
+        return (
+            f"{self.strategy}: comm {self.comm_s * 1e6:.1f} us, compute {self.compute} "
+            f"elements, memory {self.memory} B{mark}"
+        )
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why an op has its strategy.
+
+    Attributes:
+        name: the op (module path and op).
+        strategy: its in_strategy.
+        source: ``"annotated"``, ``"propagated from <op> (annotated)"`` or ``"propagated from
+            the dataset strategy (input ...)"``.
+        alternatives: the cheapest candidates (by communication, then compute), with costs.
+    """
+
+    name: str
+    strategy: tuple[tuple[int, ...], ...]
+    source: str
+    alternatives: tuple[Alternative, ...]
+
+    def __str__(self) -> str:
+        lines = [f"{self.name}: {self.strategy} ({self.source})"]
+        lines += [f"    {a}" for a in self.alternatives]
+        return "\n".join(lines)
+
+
+def _strategy(
+    graph: Graph, index: int, c: Choice, matrix: DeviceMatrix
+) -> tuple[tuple[int, ...], ...]:
+    node = graph.nodes[index]
+    out = []
+    for placed, ref in zip(c.need, node.inputs, strict=True):
+        ndim = len(graph.info(ref).shape)
+        layout = to_placed(matrix, placed, ndim).layout
+        out.append(tuple(layout.split_count(d) for d in range(ndim)))
+    return tuple(out)
+
+
+def _memory(graph: Graph, index: int, c: Choice, matrix: DeviceMatrix) -> int:
+    node = graph.nodes[index]
+    infos = [graph.info(r) for r in node.inputs] + list(node.outputs)
+    total = 0
+    for placed, info in zip([*c.need, *c.outs], infos, strict=True):
+        layout = to_placed(matrix, placed, len(info.shape)).layout
+        total += math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
+    return total
+
+
+def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
+    """Every node's `Explanation` from a solved `_propagate.Propagation` `run`."""
+    p, problem, pick = run.setup.planner, run.problem, run.assignment
+    var = {key: v for v, key in enumerate(run.variables)}
+    nbrs = problem.neighbours()
+    fixed = set(run.fixed)
+    out: dict[str, Explanation] = {}
+    for node in graph.nodes:
+        v = var[("node", node.index)]
+        choices = run.choices.nodes[node.index]
+        alts = []
+        for j, c in enumerate(choices):
+            ns = problem.unary[v][j][0] + sum(_pair(problem, v, j, u, pick[u])[0] for u in nbrs[v])
+            alts.append(
+                Alternative(
+                    _strategy(graph, node.index, c, p.matrix),
+                    ns / 1e9,
+                    c.compute,
+                    _memory(graph, node.index, c, p.matrix),
+                    j == pick[v],
+                )
+            )
+        ranked = sorted(alts, key=lambda a: (a.comm_s, a.compute, not a.chosen))[:KEPT]
+        chosen = next(a for a in alts if a.chosen)
+        if chosen not in ranked:
+            ranked[-1] = chosen
+        source = "annotated" if v in fixed else _source(graph, run, v, fixed, nbrs)
+        out[node.name] = Explanation(node.name, chosen.strategy, source, tuple(ranked))
+    return out
+
+
+def _source(
+    graph: Graph, run: Propagation, start: int, fixed: set[int], nbrs: list[list[int]]
+) -> str:
+    """The nearest annotated op along the graph's links (breadth first), or the dataset."""
+    variables, anchored = run.variables, run.problem.anchored
+    seen, queue = {start}, deque([start])
+    while queue:
+        v = queue.popleft()
+        if v in fixed:
+            _, key = variables[v]
+            return f"propagated from {graph.nodes[int(key)].name} (annotated)"
+        if v in anchored:
+            return "propagated from the dataset strategy (the inputs' placement)"
+        for u in nbrs[v]:
+            if u not in seen:
+                seen.add(u)
+                queue.append(u)
+    return "no annotation reaches it: the cheapest on its own"
