@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.planner import capture, plan_semi_auto, plan_sharding_propagation
+from shardwise.planner import PlanError, capture, plan_semi_auto, plan_sharding_propagation
 from shardwise.planner._solve import Problem, brute_force, greedy, solve, total
 from shardwise.report import format_plan_execute
 
@@ -193,3 +193,10 @@ def test_each_choice_is_explained() -> None:
     nothing = plan_sharding_propagation(capture(Seed002(annotate=False), torch.zeros(16, 32)), 8)
     source = nothing.explained["relu/ReLU"].source
     assert source == "propagated from the dataset strategy (the inputs' placement)"
+
+
+def test_contradictory_annotations_are_named() -> None:
+    net = SharedWeight()
+    net.b.shard(((1, 1), (1, 4)))  # w by columns here, by rows in `a`
+    with pytest.raises(PlanError, match=r"contradictory annotations: parameter 'w' is read as "):
+        plan_sharding_propagation(capture(net, torch.zeros(8, 16)), 4)

@@ -41,6 +41,7 @@ from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._placement import (
     DatasetStrategy,
     Placements,
+    PlanError,
     Shape,
     _itemsize,
     placements_of,
@@ -173,6 +174,30 @@ class _Builder:
                     prob.anchored.add(v)
 
 
+def _check_shared(graph: Graph, s: Setup, choices: Choices) -> None:
+    """Refuse a parameter that two annotated ops read in different layouts (MindSpore names
+    such annotations contradictory): naming both ops, their layouts and the fix."""
+    m = s.planner.matrix
+    seen: dict[str, tuple[str, Placed]] = {}
+    for node in graph.nodes:
+        if node.index not in s.prims and node.index not in s.planner.pinned:
+            continue
+        (c,) = choices.nodes[node.index]
+        for slot, ref in enumerate(node.inputs):
+            if ref.kind != "param" or str(ref.key) in s.given:
+                continue
+            layout = to_placed(m, c.need[slot], len(graph.info(ref).shape)).layout
+            placed = Placed(layout)
+            first = seen.setdefault(str(ref.key), (node.name, placed))
+            if first[1] != placed:
+                raise PlanError(
+                    f"contradictory annotations: parameter {str(ref.key)!r} is read as "
+                    f"{first[1]} by {first[0]} and as {placed} by {node.name}, both annotated "
+                    f"with shard(); give both ops strategies that split it alike, or leave one "
+                    f"unannotated so that propagation chooses it"
+                )
+
+
 def propagate(
     graph: Graph,
     device_num: int,
@@ -187,6 +212,7 @@ def propagate(
     ``"greedy"``: MindSpore's breadth-first propagation instead of the exact solution)."""
     s = setup(graph, device_num, dataset, param_layouts, extra_matrices, annotated_only=True)
     choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
+    _check_shared(graph, s, choices)
     problem, variables = _Builder(graph, s, choices, model or load_cost_model()).problem()
     if method == "greedy":
         assignment, how = greedy(problem), "greedy"
