@@ -200,3 +200,75 @@ def test_contradictory_annotations_are_named() -> None:
     net.b.shard(((1, 1), (1, 4)))  # w by columns here, by rows in `a`
     with pytest.raises(PlanError, match=r"contradictory annotations: parameter 'w' is read as "):
         plan_sharding_propagation(capture(net, torch.zeros(8, 16)), 4)
+
+
+class OutStrategy(nn.Module):
+    """A MatMul whose out_strategy asks for a ReduceScatter onto rows, feeding a diamond of
+    unannotated ops (relu and mul of the same value, then add)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 32))
+        self.mm = sw.ops.MatMul().shard(((1, 8), (8, 1)), out_strategy=((8, 1),))
+        self.relu, self.mul, self.add = sw.ops.ReLU(), sw.ops.Mul(), sw.ops.Add()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mm(x, self.w)
+        out: torch.Tensor = self.add(self.relu(h), self.mul(h, h))
+        return out
+
+
+class Broadcast(nn.Module):
+    """``[32, C] - [32, 1]`` (Sub, unannotated) before a ReLU annotated ``(2, 4)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub, self.relu = sw.ops.Sub(), sw.ops.ReLU().shard(((2, 4),))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.relu(self.sub(x, y))
+        return out
+
+
+class Heads(nn.Module):
+    """Attention heads: q projected column-parallel (annotated), k unannotated, both reshaped
+    to heads and transposed, BatchMatMul, Softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk = nn.Parameter(torch.randn(32, 32)), nn.Parameter(torch.randn(32, 32))
+        self.q = sw.ops.MatMul().shard(((2, 1), (1, 4)))
+        self.k = sw.ops.MatMul()
+        self.r1, self.r2 = sw.ops.Reshape(), sw.ops.Reshape()
+        self.t1, self.t2 = sw.ops.Transpose(), sw.ops.Transpose()
+        self.bmm, self.softmax = sw.ops.BatchMatMul(transpose_b=True), sw.ops.Softmax()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.t1(self.r1(self.q(x, self.wq), (8, 4, 4, 8)), (0, 2, 1, 3))
+        k = self.t2(self.r2(self.k(x, self.wk), (8, 4, 4, 8)), (0, 2, 1, 3))
+        out: torch.Tensor = self.softmax(self.bmm(q, k))
+        return out
+
+
+def test_propagation_through_common_patterns() -> None:
+    """An out_strategy's rows feed the diamond with no move; a broadcast Sub keeps its
+    [32, 1] input's rows split like the other's; attention heads stay split over the 4-device
+    axis through reshape, transpose, BatchMatMul and Softmax, and k is projected the same way
+    without moving q."""
+    plan = plan_sharding_propagation(capture(OutStrategy(), torch.zeros(16, 16)), 8)
+    assert {k: v for k, v in plan.strategies().items() if k != "mm/MatMul"} == {
+        "relu/ReLU": ((8, 1),),
+        "mul/Mul": ((8, 1), (8, 1)),
+        "add/Add": ((8, 1), (8, 1)),
+    }
+    assert [e for e in plan.edges if e.consumer > 0] == []
+    plan = plan_sharding_propagation(
+        capture(Broadcast(), torch.zeros(32, 8), torch.zeros(32, 1)), 8
+    )
+    assert plan.strategies()["sub/Sub"] == ((8, 1), (8, 1))
+    plan = plan_sharding_propagation(capture(Heads(), torch.zeros(32, 32)), 8)
+    got = plan.strategies()
+    assert got["t1/Transpose"] == got["t2/Transpose"] == ((2, 1, 4, 1),)
+    assert got["bmm/BatchMatMul"] == ((2, 4, 1, 1), (2, 4, 1, 1))
+    assert got["softmax/Softmax"] == ((2, 4, 1, 1),)
+    assert [e for e in plan.edges if e.consumer > 4 and e.steps] == []  # (heads never move)
