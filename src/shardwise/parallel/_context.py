@@ -216,24 +216,20 @@ def reset_auto_parallel_context() -> None:
 
 
 def resolve_parallel_mode(explicit: str | None) -> str:
-    """The wrapper's mode, ``"semi_auto"``, ``"sharding_propagation"`` or ``"data_parallel"``:
-    `explicit` when given, else from the context (``AUTO_PARALLEL`` with
-    ``search_mode="sharding_propagation"``: sharding propagation).
+    """The wrapper's mode: ``"semi_auto"``, ``"sharding_propagation"``,
+    ``"recursive_programming"`` or ``"data_parallel"``: `explicit` when given, else from the
+    context (``AUTO_PARALLEL`` takes its ``search_mode``).
 
     Raises:
-        UnsupportedParallelError: a mode the runtime cannot run yet (the search modes).
+        UnsupportedParallelError: ``search_mode="dynamic_programming"`` (not implemented).
         ValueError: an unknown explicit mode.
     """
+    modes = ("semi_auto", "sharding_propagation", "recursive_programming", "data_parallel")
     if explicit is not None:
-        if explicit == "recursive_programming":
-            raise UnsupportedParallelError(
-                f"AutoParallel: parallel_mode {explicit!r} (strategy search) is not supported "
-                f"yet; use 'sharding_propagation', 'semi_auto' or 'data_parallel'"
-            )
-        if explicit not in ("semi_auto", "sharding_propagation", "data_parallel"):
+        if explicit not in modes:
             raise ValueError(
-                f"AutoParallel: parallel_mode {explicit!r}; valid: 'semi_auto' | "
-                f"'sharding_propagation' | 'data_parallel'"
+                f"AutoParallel: parallel_mode {explicit!r}; valid: "
+                + " | ".join(repr(m) for m in modes)
             )
         return explicit
     mode = _CONTEXT["parallel_mode"]
@@ -241,13 +237,13 @@ def resolve_parallel_mode(explicit: str | None) -> str:
         return "semi_auto"
     if mode == ParallelMode.DATA_PARALLEL:
         return "data_parallel"
-    if mode == ParallelMode.AUTO_PARALLEL and _CONTEXT["search_mode"] == "sharding_propagation":
-        return "sharding_propagation"
-    search = f", search_mode={_CONTEXT['search_mode']!r}" if mode == "auto_parallel" else ""
+    search = _CONTEXT["search_mode"]
+    if search in ("sharding_propagation", "recursive_programming"):
+        return str(search)
     raise UnsupportedParallelError(
-        f"AutoParallel: set_auto_parallel_context(parallel_mode={mode!r}{search}) is not "
-        f"supported yet; use search_mode='sharding_propagation', ParallelMode.SEMI_AUTO_PARALLEL "
-        f"(shard every primitive) or pass parallel_mode='semi_auto' to AutoParallel"
+        f"AutoParallel: set_auto_parallel_context(parallel_mode={mode!r}, "
+        f"search_mode={search!r}) is not supported; use search_mode='recursive_programming' "
+        f"or 'sharding_propagation', or ParallelMode.SEMI_AUTO_PARALLEL"
     )
 
 

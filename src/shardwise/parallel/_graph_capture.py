@@ -28,11 +28,17 @@ from shardwise.planner import (
     Graph,
     ParallelPlan,
     capture,
+    plan_recursive_programming,
     plan_semi_auto,
     plan_sharding_propagation,
 )
 
 T = torch.Tensor
+_PLANNERS = {
+    "semi_auto": plan_semi_auto,
+    "sharding_propagation": plan_sharding_propagation,
+    "recursive_programming": plan_recursive_programming,
+}
 
 
 class GraphSession:
@@ -95,8 +101,9 @@ def capture_plan(
         args / kwargs: this rank's call.
         stored: a plan whose parameter storage (and global parameter shapes) the new plan
             keeps (a plan made again), or None (the first plan).
-        mode: ``"semi_auto"`` (`planner.plan_semi_auto`) or ``"sharding_propagation"``
-            (`planner.plan_sharding_propagation`).
+        mode: ``"semi_auto"`` (`planner.plan_semi_auto`), ``"sharding_propagation"``
+            (`planner.plan_sharding_propagation`) or ``"recursive_programming"``
+            (`planner.plan_recursive_programming`).
 
     Returns:
         The graph and its plan.
@@ -121,7 +128,7 @@ def capture_plan(
             given.update(loaded)  # (a loaded strategy file's storage wins)
         else:
             given = {n: p.layout for n, p in stored.params.items()}
-        planner = plan_sharding_propagation if mode == "sharding_propagation" else plan_semi_auto
+        planner = _PLANNERS[mode]
         plan = planner(graph, world, dataset=layouts or str(dataset), param_layouts=given)
     runtime.check_memory(memory_estimate(plan), "AutoParallel")
     return graph, plan

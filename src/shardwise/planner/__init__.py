@@ -12,6 +12,10 @@
   op the one that makes the whole graph's redistributions cheapest): `_choices` (every node's
   candidate strategies), `_cost` (the alpha-beta `CostModel`, `load_cost_model`), `_solve`
   (exact: tree DP or an ILP through HiGHS; MindSpore's greedy order for comparison).
+- `_search`: `plan_recursive_programming` (no annotation needed: every op's strategy and the
+  device matrix chosen by the total cost: communication including the ops' own collectives,
+  compute (`_flops`), memory under the ``set_memory`` cap); `_plan_cost`: `plan_cost` prices
+  any plan by the same model; `_explain`: why each op has its strategy.
 - `_follow`: an op's aten program followed on placements (the strategy of an unannotated or
   op-form annotated op, the cheaper of following and data parallel).
 - `_placement`: the global device matrix and where inputs and parameters start.
@@ -46,7 +50,9 @@ from shardwise.planner._plan import (
     ParamPlan,
     Placed,
 )
+from shardwise.planner._plan_cost import PlanCost, plan_cost
 from shardwise.planner._propagate import plan_sharding_propagation
+from shardwise.planner._search import plan_recursive_programming
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
 
 __all__ = [
@@ -63,6 +69,7 @@ __all__ = [
     "ParallelPlan",
     "ParamPlan",
     "Placed",
+    "PlanCost",
     "PlanError",
     "Ref",
     "StrategyFileError",
@@ -74,6 +81,8 @@ __all__ = [
     "load_cost_model",
     "load_operator_strategy_file",
     "load_param_strategy_file",
+    "plan_cost",
+    "plan_recursive_programming",
     "plan_semi_auto",
     "plan_sharding_propagation",
     "save_operator_strategy_file",

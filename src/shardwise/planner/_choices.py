@@ -68,6 +68,7 @@ class Choice:
             compute.
         reduced: matrix axes over which the op's own collectives combined its outputs (a
             primitive's AllReduce after a split contraction).
+        split: the devices that share the op's work (see `compute`).
     """
 
     need: tuple[Placements, ...]
@@ -77,6 +78,7 @@ class Choice:
     plan: OpPlan | None = field(default=None, compare=False, hash=False)
     compute: int = 0
     reduced: frozenset[int] = frozenset()
+    split: int = 1
 
 
 def value_placements(planner: _Planner, shape: tuple[int, ...]) -> list[Placements]:
@@ -215,7 +217,7 @@ class Choices:
             if any(not isinstance(pl[axis], Replicate) for pl in [*need, *outs]):
                 split *= size
         total = sum(math.prod(info.shape) for info in node.outputs)
-        return Choice(tuple(need), tuple(outs), rule, compute=-(-total // split))
+        return Choice(tuple(need), tuple(outs), rule, compute=-(-total // split), split=split)
 
     def _op_choice(self, node: Node, op: OpPlan, rule: str) -> Choice | None:
         m = self.p.matrix
@@ -227,7 +229,7 @@ class Choices:
         c = self._choice(node, need, outs, rule)
         names = [g for comm in op.comms for g in _global_axes(op.matrix, comm.axes, m)]
         reduced = frozenset(m.names.index(g) for g in names)
-        return Choice(c.need, c.outs, rule, _strategy(op), op, c.compute, reduced)
+        return Choice(c.need, c.outs, rule, _strategy(op), op, c.compute, reduced, c.split)
 
     def _signature(self, node: Node) -> object:
         """What a node's choices depend on: its op, its inputs' and outputs' global metadata

@@ -4,7 +4,8 @@ A collective over a group of ``k`` ranks along mesh axis ``a`` that makes each r
 bytes (`communication.recorder.bytes_bound`: AllReduce 2(k-1)/k·B, AllGather (k-1)·B,
 AlltoAll / ReduceScatter (k-1)/k·B for a B-byte block) takes ``alpha[a] · steps + S · beta[a]``
 seconds, where ``steps`` is the collective's rounds in a ring (AllReduce 2(k-1), the others
-k-1). A Slice costs nothing.
+k-1). A Slice costs nothing. The search (recursive_programming) also prices compute (FLOPs /
+`flops_per_s`) and memory (bytes held · `memory_s_per_byte`).
 
 - `CostModel`: per-axis alpha (s) and beta (s per byte), ``collective`` and ``edge`` prices
   (an `EdgePlan`-like move: the AllReduce of partial sums, then the redistribution steps).
@@ -31,6 +32,10 @@ DEFAULT_ALPHA_S = 10e-6
 """Default latency of one collective round: 10 µs."""
 DEFAULT_BETA_S_PER_BYTE = 1e-10
 """Default time per byte sent: 0.1 ns (10 GB/s)."""
+DEFAULT_FLOPS_PER_S = 1e12
+"""Default compute speed of one device for the search: 1 TFLOP/s."""
+DEFAULT_MEMORY_S_PER_BYTE = 1e-12
+"""Default price of holding one byte on a rank for the search: 1 ps (1 µs per MB)."""
 LOOPBACK_JSON = Path("bench") / "results" / "loopback.json"
 
 
@@ -42,6 +47,8 @@ class CostModel:
         alpha: one value per axis of the device matrix (or one for all, as a 1-tuple).
         beta: likewise.
         source: where the numbers come from (printed in explanations).
+        flops_per_s: one device's compute speed (the search's compute cost).
+        memory_s_per_byte: what holding a byte on a rank costs in the search's objective.
 
     Example:
         >>> m = CostModel((1e-5,), (1e-10,))
@@ -52,6 +59,8 @@ class CostModel:
     alpha: tuple[float, ...] = (DEFAULT_ALPHA_S,)
     beta: tuple[float, ...] = (DEFAULT_BETA_S_PER_BYTE,)
     source: str = "defaults"
+    flops_per_s: float = DEFAULT_FLOPS_PER_S
+    memory_s_per_byte: float = DEFAULT_MEMORY_S_PER_BYTE
 
     def _of(self, values: tuple[float, ...], axis: int) -> float:
         return values[axis] if axis < len(values) else values[-1]

@@ -270,8 +270,8 @@ def plan_sharding_propagation(
     return build_plan(graph, run)
 
 
-def build_plan(graph: Graph, run: Propagation) -> ParallelPlan:
-    """The `ParallelPlan` of a solved `Propagation` (step 5)."""
+def build_plan(graph: Graph, run: Propagation, mode: str = "sharding_propagation") -> ParallelPlan:
+    """The `ParallelPlan` of a solved `Propagation` (step 5), made by `mode`."""
     s, p = run.setup, run.setup.planner
     params = dict(s.given)
     for name, layout in s.pinned.items():
@@ -291,11 +291,11 @@ def build_plan(graph: Graph, run: Propagation) -> ParallelPlan:
             continue
         if c.plan is not None:
             s.prims[index] = c.plan
-            rules[index] = "propagated"
+            rules[index] = "propagated" if mode == "sharding_propagation" else "searched"
         elif node.op != RESHARD:
             p.chosen[index] = (list(c.need), list(c.outs), c.rule)
     for name, info in graph.params.items():
         params.setdefault(name, TensorLayout(p.matrix, ((),) * len(info.shape)))
     ordered = {n: params[n] for n in graph.params}
-    plan = walk(graph, s, ordered, "sharding_propagation", rules)
+    plan = walk(graph, s, ordered, mode, rules)
     return dataclasses.replace(plan, explained=explain_run(graph, run))

@@ -31,6 +31,14 @@ Cost = tuple[int, ...]
 Matrix = list[list[Cost]]
 
 
+class OverCap(ValueError):
+    """No assignment fits the memory cap."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"no assignment fits the memory cap of {cap} bytes")
+        self.cap = cap
+
+
 def add(a: Cost, b: Cost) -> Cost:
     """Elementwise sum of two costs."""
     return tuple(x + y for x, y in zip(a, b, strict=True))
@@ -47,6 +55,8 @@ class Problem:
         anchored: variables linked to a fixed value (where `greedy` starts, with the fixed
             variables).
         width: components of a `Cost`.
+        memory: per variable, per candidate, bytes it holds on a rank (with `cap`).
+        cap: the most bytes the chosen candidates may hold together (None: no limit).
     """
 
     domains: list[int]
@@ -54,6 +64,8 @@ class Problem:
     pairs: dict[tuple[int, int], Matrix] = field(default_factory=dict)
     anchored: set[int] = field(default_factory=set)
     width: int = 3
+    memory: list[list[int]] | None = None
+    cap: int | None = None
 
     def zero(self) -> Cost:
         return (0,) * self.width
@@ -158,7 +170,7 @@ def _is_forest(problem: Problem) -> bool:
 def solve(problem: Problem) -> tuple[list[int], str]:
     """The cheapest assignment, exactly: (candidate per variable, the method: ``"tree"`` or
     ``"ilp"``)."""
-    if _is_forest(problem):
+    if problem.cap is None and _is_forest(problem):
         return _tree_dp(problem), "tree"
     return _ilp(problem), "ilp"
 
@@ -261,6 +273,12 @@ def _ilp(problem: Problem) -> list[int]:
     shape = (len(eq.rhs), n)
     a = coo_array((eq.vals, (eq.rows, eq.cols)), shape=shape).tocsr()
     constraints = [LinearConstraint(a, eq.rhs, eq.rhs)]
+    if problem.cap is not None and problem.memory is not None:  # the memory cap
+        row = np.zeros(n)
+        for v, d in enumerate(problem.domains):
+            for i in range(d):
+                row[offsets[v] + i] = problem.memory[v][i]
+        constraints.append(LinearConstraint(row.reshape(1, -1), -np.inf, float(problem.cap)))
     integrality = np.zeros(n)
     integrality[:binaries] = 1
     x = None
@@ -268,6 +286,8 @@ def _ilp(problem: Problem) -> list[int]:
         c = _objective(problem, offsets, pair_off, n, k)
         res = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1))
         if res.x is None:
+            if problem.cap is not None:
+                raise OverCap(problem.cap)
             raise AssertionError(f"HiGHS found no assignment: {res.message}")
         x = res.x
         constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, float(res.fun) + 0.5))

@@ -1,0 +1,232 @@
+"""recursive_programming: every op's strategy chosen by the total cost of the plan.
+
+`plan_recursive_programming(graph, device_num, ...)` is MindSpore's default automatic mode,
+solved exactly over shardwise's candidates. Annotations are constraints (they stay fixed, as
+in sharding propagation); nothing needs to be annotated.
+
+1. **Device matrices.** With annotations the matrix is theirs. Without, every way to lay the
+   devices out on one or two named axes is tried (``(8,)``, ``(2, 4)``, ``(4, 2)`` for 8
+   devices): the data-parallel plan lives on the first, Megatron-style dp x mp plans on the
+   others.
+2. **Candidates** as for propagation (`_choices.Choices`), and one variable per node and free
+   parameter.
+3. **Cost** of a candidate, all in seconds (`_cost.CostModel`): the redistributions on its
+   edges (as propagation), plus its own collectives (a primitive's AllReduce after a split
+   contraction, priced like any AllReduce), plus its compute (`_flops.node_flops` over the
+   devices that share it, at ``flops_per_s``), plus the memory it holds on a rank (its outputs'
+   blocks, kept for backward; a parameter's block with its gradient and two optimizer moments)
+   at ``memory_s_per_byte``. With ``sw.runtime.set_memory`` the chosen candidates' memory must
+   also fit under the cap (an ILP row; a plan that cannot is a `PlanError` naming the least
+   memory any plan needs).
+4. `_solve.solve` per matrix (exact), the cheapest matrix wins; `_semi_auto.walk` builds the
+   plan (mode ``"recursive_programming"``), with `_explain` explanations.
+
+`plan_cost` prices any `ParallelPlan` of the graph by the same model (the data-parallel one,
+a hand-written Megatron one, a propagated one), so plans compare side by side; the search's
+plan is never costlier than any plan in its candidate space.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shardwise import runtime
+from shardwise.layout import TensorLayout
+from shardwise.planner._annotated import RESHARD
+from shardwise.planner._choices import Choice, Choices
+from shardwise.planner._cost import CostModel, load_cost_model
+from shardwise.planner._flops import node_flops
+from shardwise.planner._graph import Graph
+from shardwise.planner._placement import (
+    DatasetStrategy,
+    PlanError,
+    Shape,
+    _global_axes,
+    _itemsize,
+    to_placed,
+)
+from shardwise.planner._plan import ParallelPlan
+from shardwise.planner._propagate import Propagation, _Builder, _check_shared, build_plan
+from shardwise.planner._semi_auto import Setup, setup
+from shardwise.planner._solve import OverCap, Problem, solve, total
+
+PARAM_COPIES = 4
+"""A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
+
+
+def matrix_shapes(device_num: int) -> list[Shape]:
+    """The device matrices the search tries without annotations: one axis, then every split
+    into two axes of at least 2 devices each."""
+    out: list[Shape] = [(device_num,)]
+    out += [(a, device_num // a) for a in range(2, device_num) if device_num % a == 0]
+    return out
+
+
+class _Costs(_Builder):
+    """`_propagate._Builder` with the search's full cost (step 3 of the module docstring)."""
+
+    def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
+        prob, variables = super().problem()
+        memory: list[list[int]] = []
+        for v, (kind, key) in enumerate(variables):
+            if kind == "node":
+                own = [self._own(int(key), c) for c in self.choices.nodes[int(key)]]
+            else:
+                own = [self._param(str(key), j) for j in range(prob.domains[v])]
+            memory.append([m for _, m in own])
+            prob.unary[v] = [
+                (cost[0] + ns, 0, cost[2]) for cost, (ns, _) in zip(prob.unary[v], own, strict=True)
+            ]
+        prob.memory = memory
+        return prob, variables
+
+    def _own(self, index: int, c: Choice) -> tuple[int, int]:
+        """(ns of the choice's own collectives and compute plus its memory price, its bytes)."""
+        node, m, model = self.graph.nodes[index], self.s.planner.matrix, self.model
+        secs = 0.0
+        if c.plan is not None:
+            for comm in c.plan.comms:
+                info = node.outputs[comm.output]
+                layout = to_placed(m, c.outs[comm.output], len(info.shape)).layout
+                block = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
+                axes = [m.names.index(g) for g in _global_axes(c.plan.matrix, comm.axes, m)]
+                if comm.kind == "ReduceScatter":
+                    group = math.prod(m.shape[a] for a in axes)
+                    secs += model.collective("ReduceScatter", block * group, group, axes[0])
+                else:
+                    secs += model.all_reduce(block, m, axes)
+        shapes = [self.graph.info(r).shape for r in node.inputs]
+        flops = node_flops(node.op, shapes, [o.shape for o in node.outputs])
+        secs += flops / c.split / model.flops_per_s
+        held = 0
+        for placed, info in zip(c.outs, node.outputs, strict=True):
+            layout = to_placed(m, placed, len(info.shape)).layout
+            held += math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
+        secs += held * model.memory_s_per_byte
+        return round(secs * 1e9), held
+
+    def _param(self, name: str, j: int) -> tuple[int, int]:
+        info = self.graph.params[name]
+        placed = self.choices.params[name][j]
+        layout = to_placed(self.s.planner.matrix, placed, len(info.shape)).layout
+        held = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype) * PARAM_COPIES
+        return round(held * self.model.memory_s_per_byte * 1e9), held
+
+
+@dataclass
+class Searched:
+    """The search's result: the winning propagation-style run and every matrix's total."""
+
+    run: Propagation
+    totals: dict[Shape, float]  # matrix shape -> its best plan's cost in seconds
+
+
+def search(
+    graph: Graph,
+    device_num: int,
+    *,
+    dataset: DatasetStrategy = "data_parallel",
+    param_layouts: Mapping[str, TensorLayout] | None = None,
+    extra_matrices: Sequence[Shape] = (),
+    model: CostModel | None = None,
+) -> Searched:
+    """Steps 1-4 of the module docstring, without building the plan."""
+    model = model or load_cost_model()
+    cap = runtime.get_memory()
+    annotated = _annotated(graph, param_layouts, dataset, extra_matrices)
+    shapes = [()] if annotated else matrix_shapes(device_num)
+    best: tuple[float, Propagation] | None = None
+    totals: dict[Shape, float] = {}
+    least: int | None = None
+    for shape in shapes:
+        extra = [*extra_matrices, shape] if shape else list(extra_matrices)
+        s = setup(graph, device_num, dataset, param_layouts, extra, annotated_only=True)
+        choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
+        _check_shared(graph, s, choices)
+        problem, variables = _Costs(graph, s, choices, model).problem()
+        assert problem.memory is not None
+        floor = sum(min(row) for row in problem.memory)
+        least = floor if least is None else min(least, floor)
+        if cap is not None:
+            problem.cap = cap
+            if floor > cap:
+                continue
+        try:
+            assignment, how = solve(problem)
+        except OverCap:
+            continue
+        cost = total(problem, assignment)[0] / 1e9
+        totals[s.planner.matrix.shape] = cost
+        if best is None or cost < best[0]:
+            fixed = _fixed(graph, s, variables)
+            best = (cost, Propagation(s, choices, problem, variables, assignment, how, fixed))
+    if best is None:
+        raise PlanError(
+            f"recursive_programming: no plan fits the set_memory cap of "
+            f"{runtime.format_size(cap or 0)}: the least memory any plan needs on a rank is "
+            f"{runtime.format_size(least or 0)}; raise the cap or use more devices"
+        )
+    return Searched(best[1], totals)
+
+
+def _annotated(
+    graph: Graph,
+    param_layouts: Mapping[str, TensorLayout] | None,
+    dataset: DatasetStrategy,
+    extra: Sequence[Shape],
+) -> bool:
+    if param_layouts or extra or isinstance(dataset, Mapping):
+        return True
+    for node in graph.nodes:
+        if node.strategy or node.op == RESHARD:
+            return True
+        if node.is_primitive and node.target.in_strategy is not None:
+            return True
+    return False
+
+
+def _fixed(graph: Graph, s: Setup, variables: list[tuple[str, int | str]]) -> frozenset[int]:
+    annotated = set(s.prims) | set(s.planner.pinned)
+    annotated |= {n.index for n in graph.nodes if n.op == RESHARD}
+    return frozenset(v for v, (k, key) in enumerate(variables) if k == "node" and key in annotated)
+
+
+def plan_recursive_programming(
+    graph: Graph,
+    device_num: int,
+    *,
+    dataset: DatasetStrategy = "data_parallel",
+    param_layouts: Mapping[str, TensorLayout] | None = None,
+    extra_matrices: Sequence[Shape] = (),
+    model: CostModel | None = None,
+) -> ParallelPlan:
+    """Plan a captured graph by the search (see the module docstring).
+
+    Args:
+        graph: from `capture`.
+        device_num: the job's size.
+        dataset: as `plan_semi_auto`'s.
+        param_layouts: parameter name -> its declared storage layout.
+        extra_matrices: device-matrix shapes the global matrix must refine.
+        model: the cost model (default: `load_cost_model`).
+
+    Returns:
+        The `ParallelPlan` (mode ``"recursive_programming"``).
+
+    Raises:
+        PlanError: no plan fits the ``set_memory`` cap; annotations that contradict.
+
+    Example:
+        >>> plan = plan_recursive_programming(capture(step, ids, ids), device_num=8)
+    """
+    found = search(
+        graph,
+        device_num,
+        dataset=dataset,
+        param_layouts=param_layouts,
+        extra_matrices=extra_matrices,
+        model=model,
+    )
+    return build_plan(graph, found.run, mode="recursive_programming")

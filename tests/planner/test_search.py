@@ -1,0 +1,109 @@
+"""`planner.plan_recursive_programming`: the search picks data parallel for a large batch with
+a small hidden size and tensor parallel for a small batch with a large one; it is never costlier
+than the data-parallel plan, a hand-written Megatron plan or sharding propagation under its own
+model (`plan_cost`); the ``set_memory`` cap constrains it; and its plan trains like one device
+on 4 simulated ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.planner import (
+    PlanError,
+    capture,
+    plan_cost,
+    plan_recursive_programming,
+    plan_semi_auto,
+    plan_sharding_propagation,
+)
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+from .test_propagate import Seed002
+
+
+def _mlp(hidden: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+
+def _graph(net: nn.Module, batch: int, hidden: int):  # type: ignore[no-untyped-def]
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return net(x).square().mean()
+
+    return capture(step, torch.zeros(batch, hidden), networks=[net])
+
+
+def test_large_batch_small_hidden_is_data_parallel() -> None:
+    g = _graph(_mlp(64), 4096, 64)
+    plan = plan_recursive_programming(g, 4)
+    assert plan.mode == "recursive_programming"
+    assert plan.strategies() == plan_semi_auto(g, 4).strategies()
+    assert plan.collectives() == plan_semi_auto(g, 4).collectives()
+
+
+def test_small_batch_large_hidden_is_tensor_parallel() -> None:
+    net = _mlp(2048)
+    g = _graph(net, 8, 2048)
+    plan = plan_recursive_programming(g, 4)
+    w0 = plan.params["0.weight"].layout
+    assert w0.split_count(0) == 4  # fc1's output features over all 4 devices
+    dp = plan_semi_auto(g, 4)
+    assert plan_cost(plan).total < plan_cost(dp).total
+    # a hand-written Megatron plan (column then row parallel) costs at least as much
+    sw.shard(net[0], in_strategy=((1, 1), (4, 1)))
+    sw.shard(net[2], in_strategy=((1, 4), (1, 4)))
+    megatron = plan_semi_auto(_graph(net, 8, 2048), 4)
+    assert plan_cost(plan).total <= plan_cost(megatron).total + 1e-12
+
+
+def test_search_is_never_costlier_than_propagation_on_seed002() -> None:
+    g = capture(Seed002(), torch.zeros(16, 32))
+    propagated, searched = plan_sharding_propagation(g, 8), plan_recursive_programming(g, 8)
+    assert searched.strategies()["matmul/MatMul"] == ((2, 4), (4, 1))  # (a constraint)
+    assert plan_cost(searched).total <= plan_cost(propagated).total
+    assert searched.explained["relu/ReLU"].source == "propagated from matmul/MatMul (annotated)"
+
+
+def test_the_memory_cap_constrains_the_search() -> None:
+    g = _graph(_mlp(256), 64, 256)
+    free = plan_recursive_programming(g, 4)
+    try:
+        sw.runtime.set_memory(1024)
+        with pytest.raises(PlanError, match=r"no plan fits the set_memory cap of .* least memory"):
+            plan_recursive_programming(g, 4)
+    finally:
+        sw.runtime.set_memory(None)
+    assert free.params
+
+
+def test_a_searched_plan_trains_like_one_device() -> None:
+    hidden, batch = 512, 8
+    x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(3))
+    ref = _mlp(hidden)
+    want = ref(x).square().mean()
+    want.backward()
+    net = _mlp(hidden)
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x).square().mean()
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="recursive_programming")
+        loss = parallel(world.rows(x))
+        assert_matches_single_device(loss, want.detach())
+        plan = parallel.parallel_plan
+        assert plan is not None and plan.mode == "recursive_programming"
+        for (name, p), r in zip(net.named_parameters(), ref.parameters(), strict=True):
+            layout, shape = plan.param_layouts()[name]
+            assert p.grad is not None and r.grad is not None
+            full = r.grad
+            assert_matches_single_device(
+                p.grad, lambda k, f=full, a=layout, s=shape: f[a.local_slice(k, s)], what=name
+            )
