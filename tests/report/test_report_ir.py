@@ -5,7 +5,8 @@ The network is seed 003's (Flatten, MatMul ((2, 4), (4, 1)), ReLU ((4, 1),), Mat
 matrix is (g0, g1, g2) = (2, 2, 2). Checked: strategies (user-set and chosen) and where they
 came from, global and local shapes, the collectives with this rank's groups for ranks 0 and 5,
 levels 2 and 3, the writer, bad levels and ranks, and that the collectives of ``execute.ir``
-are exactly those a simulated forward issues (kind, group, bytes).
+are exactly those a simulated forward issues (kind, group, bytes). The edges' local slices
+(``StridedSlice``, nothing sent) are listed too, for seed 003 and for seed 002's relu input.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from shardwise.communication import CommRecorder
 from shardwise.context import set_context
 from shardwise.parallel import AutoParallel
-from shardwise.planner import ParallelPlan
+from shardwise.planner import ParallelPlan, capture, plan_sharding_propagation
 from shardwise.report import dump_parallel_plan, format_plan_begin, format_plan_execute, write_ir
 from shardwise.testing import simulated_world
 
@@ -100,6 +101,16 @@ def test_execute_rank0() -> None:
     assert "group [0, 1, 2, 3, 4, 5, 6, 7]" in ar2
     assert line(text, "%5 matmul3/MatMul: local [4, 10]")
     assert "block" not in text  # level 2
+    # the edges' local slices (MindSpore's StridedSlice, begin / end in the block's coordinates)
+    assert line(text, "Slice(dim=0, axis=g1, 2 parts) at relu1/ReLU input 0:") == (
+        "Slice(dim=0, axis=g1, 2 parts) at relu1/ReLU input 0: "
+        "StridedSlice((0, 0), (8, 512), (1, 1)) of local [16, 512] send_bytes 0"
+    )
+    # consecutive Slice steps of one edge: one StridedSlice
+    assert line(text, "Slice(dim=1, axis=g1, 2 parts); Slice(dim=1, axis=g2, 2 parts) at").endswith(
+        "at matmul2/MatMul input 0: StridedSlice((0, 0), (32, 64), (1, 1)) of local [32, 256] "
+        "send_bytes 0"
+    )
 
 
 def test_execute_rank5() -> None:
@@ -113,6 +124,27 @@ def test_execute_rank5() -> None:
             ("AllGather", (5, 7)): 1,
             ("AllReduce", (0, 1, 2, 3, 4, 5, 6, 7)): 1,
         }
+    )
+
+
+def test_execute_seed002_strided_slice() -> None:
+    """Seed 002 under sharding propagation: after matmul's AllReduce over 0-1-2-3, relu's input
+    is cut locally to its 4 columns of 16, as the seed's ``StridedSlice(%13, (0, 0), (8, 4),
+    (1, 1))``; rank 5 keeps columns 4:8."""
+    from ..planner.test_propagate import Seed002
+
+    plan = plan_sharding_propagation(capture(Seed002(), torch.zeros(16, 32)), WORLD)
+    zero, five = format_plan_execute(plan, 0), format_plan_execute(plan, 5)
+    assert line(zero, "AllReduce(sum) over g1 at matmul/MatMul").endswith(
+        "group [0, 1, 2, 3] send_bytes 768"
+    )
+    assert line(zero, "Slice(dim=1, axis=g1, 4 parts) at relu/ReLU input 0:") == (
+        "Slice(dim=1, axis=g1, 4 parts) at relu/ReLU input 0: "
+        "StridedSlice((0, 0), (8, 4), (1, 1)) of local [8, 16] send_bytes 0"
+    )
+    assert "StridedSlice((0, 4), (8, 8), (1, 1)) of local [8, 16]" in five
+    assert plan_comm_ops(zero) == Counter(
+        {("AlltoAll", (0, 1, 2, 3)): 1, ("AllReduce", (0, 1, 2, 3)): 2}
     )
 
 
@@ -201,7 +233,12 @@ def test_full_batch_inputs() -> None:
     assert line(text, "input args[0]:") == "input args[0]: (None, None, None, None)"
     first = format_plan_execute(plan, 0).split("%1 matmul1")[0]
     assert "AllGather over g2 at matmul1" in first  # (Flatten's rows, then matmul1's columns)
-    assert "at entry" not in first  # the cut to rows is a local slice: no collective
+    entry = [x.strip() for x in first.splitlines() if " at entry" in x]
+    assert entry == [  # the cut to rows is a local slice: no collective
+        "Slice(dim=0, axis=g0, 2 parts); Slice(dim=0, axis=g1, 2 parts); Slice(dim=0, axis=g2, "
+        "2 parts) at entry: StridedSlice((0, 0, 0, 0), (4, 1, 28, 28), (1, 1, 1, 1)) of local "
+        "[32, 1, 28, 28] send_bytes 0"
+    ]
 
 
 class WithTorchOp(Network):

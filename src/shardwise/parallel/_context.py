@@ -6,8 +6,10 @@ the defaults. `AutoParallel` reads these when it is created or plans:
 
 - ``parallel_mode`` (with ``search_mode``): the wrapper's mode when no ``parallel_mode`` is
   passed to it (`resolve_parallel_mode`). ``SEMI_AUTO_PARALLEL`` and ``STAND_ALONE`` (the
-  default: the wrapper's own default) run semi_auto, ``DATA_PARALLEL`` the data-parallel mode;
-  ``AUTO_PARALLEL`` (strategy search) is not supported yet (`UnsupportedParallelError`).
+  default: the wrapper's own default) run semi_auto, ``DATA_PARALLEL`` the data-parallel mode,
+  ``AUTO_PARALLEL`` with ``search_mode="sharding_propagation"`` sharding propagation; the other
+  search modes are not supported yet (`UnsupportedParallelError`). `train.Model` reads it too:
+  any mode but ``STAND_ALONE`` runs its train step through `AutoParallel`.
 - ``dataset_strategy``: the wrapper's dataset strategy unless ``dataset_strategy()`` is called.
 - ``device_num``: when set, must equal the job's world size at plan time (`check_device_num`).
 - ``enable_parallel_optimizer`` with ``parallel_optimizer_config``, and ``comm_fusion``: the

@@ -2,8 +2,9 @@
 
 - `format_plan_begin`: ``step_parallel_begin.ir``: every op with its global output shapes, the
   placements of its inputs and outputs, and where its strategy came from.
-- `format_plan_execute`: ``execute.ir`` for one rank: every op's local output shapes, and every
-  forward collective the plan inserts with this rank's group and the bytes it sends.
+- `format_plan_execute`: ``execute.ir`` for one rank: every op's local output shapes, every
+  forward collective the plan inserts with this rank's group and the bytes it sends, and every
+  local slice of an edge (`LocalSlice`: MindSpore's ``StridedSlice``, nothing sent).
 - `dump_parallel_plan`: writes both per rank when ``save_graphs >= 1`` (level 2: this rank's
   blocks in ``execute.ir``; level 3: every rank's blocks, the slice table, in
   ``step_parallel_begin.ir``); a plan made again for other ops or shapes goes to
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,13 +95,65 @@ def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _edge_bytes(e: EdgePlan, rank: int) -> list[tuple[Collective, list[int], int]]:
-    """This edge's collectives with this rank's group and the bytes it sends in each."""
+@dataclass(frozen=True)
+class LocalSlice:
+    """A `Slice` step of an edge on one rank: a local ``StridedSlice`` of the block it holds.
+
+    Attributes:
+        step: the step as the plan prints it, ``Slice(dim=1, axis=g1, 4 parts)``.
+        begin, end: the kept range, per dim, in the coordinates of this rank's block before
+            the step (MindSpore's ``StridedSlice(x, begin, end, strides)``, strides 1).
+        local: this rank's block shape before the step.
+    """
+
+    step: str
+    begin: tuple[int, ...]
+    end: tuple[int, ...]
+    local: tuple[int, ...]
+
+    def then(self, later: LocalSlice) -> LocalSlice:
+        """This slice followed by `later` (a slice of the block this one keeps): one
+        ``StridedSlice``, as consecutive Slice steps run."""
+        return LocalSlice(
+            f"{self.step}; {later.step}",
+            tuple(b + lb for b, lb in zip(self.begin, later.begin, strict=True)),
+            tuple(b + le for b, le in zip(self.begin, later.end, strict=True)),
+            self.local,
+        )
+
+    def __str__(self) -> str:
+        strides = tuple(1 for _ in self.begin)
+        return (
+            f"StridedSlice({self.begin}, {self.end}, {strides}) of local {list(self.local)} "
+            f"send_bytes 0"
+        )
+
+
+def _local_slice(
+    step: Slice, before: TensorLayout, after: TensorLayout, rank: int, shape: Sequence[int]
+) -> LocalSlice:
+    """`step` on `rank`: the part of its block (under `before`) it keeps (under `after`)."""
+    held, kept = before.local_slice(rank, shape), after.local_slice(rank, shape)
+    return LocalSlice(
+        step.describe(before.matrix),
+        tuple(k.start - h.start for h, k in zip(held, kept, strict=True)),
+        tuple(k.stop - h.start for h, k in zip(held, kept, strict=True)),
+        tuple(h.stop - h.start for h in held),
+    )
+
+
+Found = tuple[Collective, list[int], int] | LocalSlice
+"""A collective with this rank's group and the bytes it sends, or a local slice."""
+
+
+def _edge_bytes(e: EdgePlan, rank: int) -> list[Found]:
+    """This edge's collectives with this rank's group and the bytes it sends in each, and its
+    local slices, in the order they run."""
     m = e.src.layout.matrix
     if e.shared:
         return []
     size = int(getattr(torch, e.dtype).itemsize)
-    out = []
+    out: list[Found] = []
     if e.reduced:
         n = math.prod(e.src.layout.local_shape(e.shape)) * size
         group = sorted(m.group_along(rank, e.reduced))
@@ -107,8 +161,19 @@ def _edge_bytes(e: EdgePlan, rank: int) -> list[tuple[Collective, list[int], int
         out.append((c, group, bytes_bound("AllReduce", n, len(group))))
     if e.steps:
         moved = plan_redistribution(e.src.layout, e.dst.layout, e.shape, size)
-        for step, sent in zip(moved.steps, moved.step_bytes, strict=True):
-            if isinstance(step, Slice) or m.shape[step.axis] == 1:
+        befores = (moved.src, *moved.layouts[:-1])
+        for step, before, after, sent in zip(
+            moved.steps, befores, moved.layouts, moved.step_bytes, strict=True
+        ):
+            if m.shape[step.axis] == 1:
+                continue
+            if isinstance(step, Slice):
+                cut = _local_slice(step, before, after, rank, e.shape)
+                last = out[-1] if out else None
+                if isinstance(last, LocalSlice):  # consecutive slices: one StridedSlice
+                    out[-1] = last.then(cut)
+                else:
+                    out.append(cut)
                 continue
             group = sorted(m.group_along(rank, (step.axis,)))
             c = Collective(type(step).__name__, (m.names[step.axis],), "")
@@ -116,9 +181,9 @@ def _edge_bytes(e: EdgePlan, rank: int) -> list[tuple[Collective, list[int], int
     return out
 
 
-def _node_bytes(n: NodePlan, m: DeviceMatrix, rank: int) -> list[tuple[Collective, list[int], int]]:
+def _node_bytes(n: NodePlan, m: DeviceMatrix, rank: int) -> list[Found]:
     """An op's own collectives with this rank's group and the bytes it sends."""
-    out = []
+    out: list[Found] = []
     for c in n.comms:
         group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
         itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
@@ -131,8 +196,10 @@ def _node_bytes(n: NodePlan, m: DeviceMatrix, rank: int) -> list[tuple[Collectiv
 
 def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     """This rank's local shapes and forward collectives: each with its group (the ranks this
-    rank runs it with) and the bytes this rank sends (``send_bytes``), and their total; from
-    level 2, under every op this rank's block of each input and output.
+    rank runs it with) and the bytes this rank sends (``send_bytes``), and their total; each
+    local slice of an edge (``Slice(dim=1, axis=g1, 4 parts) at relu/ReLU input 0:
+    StridedSlice((0, 0), (8, 4), (1, 1)) of local [8, 16] send_bytes 0``); from level 2, under
+    every op this rank's block of each input and output.
 
     Raises:
         ValueError: a level outside 1 to 3, or a rank outside the plan's matrix.
@@ -145,9 +212,13 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
         by_consumer.setdefault(e.consumer, []).append(e)
     total = 0
 
-    def put(found: list[tuple[Collective, list[int], int]], where: str) -> None:
+    def put(found: list[Found], where: str) -> None:
         nonlocal total
-        for c, group, sent in found:
+        for item in found:
+            if isinstance(item, LocalSlice):
+                lines.append(f"    {item.step} at {where}: {item}")
+                continue
+            c, group, sent = item
             detail = f"({c.detail})" if c.detail else ""
             axes = ", ".join(c.axes)
             lines.append(

@@ -4,6 +4,12 @@
 reducer, optimizer step) and calls the callbacks' hooks around them; `Model.eval` computes the
 metrics (`Accuracy`), summing the counts over the ranks when the dataset is sharded per rank.
 A tqdm progress bar is shown on rank 0 when stdout is a terminal.
+
+As MindSpore's ``Model`` does, training follows `set_auto_parallel_context`: in a job
+(``communication.init()`` called) whose context mode is not ``STAND_ALONE``, `_parallel_step`
+runs the same train step through `AutoParallel` (semi_auto, sharding propagation or the
+data-parallel mode, as the context says), so each rank passes its own rows and every step's
+loss is the global batch's, the same on every rank.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import communication as comm
 from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
+
+if TYPE_CHECKING:
+    from shardwise.parallel import AutoParallel
 
 
 class Accuracy:
@@ -69,7 +78,13 @@ class Model:
         optimizer: any `torch.optim.Optimizer` (needed by `train`).
         metrics: names for `eval`, e.g. ``{"accuracy"}``.
         grad_reducer: called after ``loss.backward()`` and before ``optimizer.step()``, e.g. a
-            `sw.nn.DistributedGradReducer` for manual data parallel.
+            `sw.nn.DistributedGradReducer` for manual data parallel (``STAND_ALONE`` only).
+
+    Under ``set_auto_parallel_context(parallel_mode=...)`` other than ``STAND_ALONE`` (in a job
+    started with ``communication.init()``), `train` runs its step through `sw.AutoParallel`:
+    operator parallel as the primitives' ``shard()`` strategies and the context's
+    ``search_mode`` / ``dataset_strategy`` say, gradients reduced by it (no `grad_reducer`).
+    The network then runs only through that wrapper (`eval` is refused).
 
     Example:
         >>> model = sw.Model(net, torch.nn.CrossEntropyLoss(), opt, metrics={"accuracy"})
@@ -98,9 +113,53 @@ class Model:
         self.metrics = _make_metrics(metrics)
         self.grad_reducer = grad_reducer
         self.cur_step_num = 0
+        self.parallel: AutoParallel | None = None  # the train step's wrapper, made by `train`
+
+    def _parallel_step(self) -> AutoParallel | None:
+        """The train step wrapped in `AutoParallel` when the auto-parallel context asks for a
+        parallel mode in a job (made once); None for a plain (``STAND_ALONE``) step.
+
+        Raises:
+            ValueError: a `grad_reducer` together with a parallel mode.
+        """
+        from shardwise.parallel import AutoParallel, ParallelMode, get_auto_parallel_context
+
+        # (imported here: shardwise.parallel imports much of the package)
+
+        if self.parallel is not None:
+            return self.parallel
+        mode = get_auto_parallel_context("parallel_mode")
+        if mode == ParallelMode.STAND_ALONE or not comm.is_initialized():
+            return None
+        if self.grad_reducer is not None:
+            raise ValueError(
+                f"Model: grad_reducer is for manual parallel, but set_auto_parallel_context("
+                f"parallel_mode={mode!r}) makes AutoParallel reduce the gradients; drop "
+                "grad_reducer or set parallel_mode=ParallelMode.STAND_ALONE"
+            )
+        network, loss_fn, optimizer = self.network, self.loss_fn, self.optimizer
+        assert optimizer is not None
+
+        def train_step(*batch: torch.Tensor) -> torch.Tensor:
+            if loss_fn is None:
+                loss: torch.Tensor = network(*batch)
+            else:
+                *inputs, label = batch
+                loss = loss_fn(network(*inputs), label)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        self.parallel = AutoParallel(train_step, network=network, optimizer=optimizer)
+        return self.parallel
 
     def _train_step(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         assert self.optimizer is not None
+        parallel = self._parallel_step()
+        if parallel is not None:
+            out: torch.Tensor = parallel(*batch).detach()
+            return out
         self.optimizer.zero_grad(set_to_none=True)
         if self.loss_fn is None:
             loss = self.network(*batch)
@@ -111,8 +170,8 @@ class Model:
         if self.grad_reducer is not None:
             self.grad_reducer()
         self.optimizer.step()
-        out: torch.Tensor = loss.detach()
-        return out
+        detached: torch.Tensor = loss.detach()
+        return detached
 
     def train(
         self,
@@ -143,6 +202,7 @@ class Model:
             raise ValueError(f"Model.train: initial_epoch={initial_epoch} must be in [0, {epoch})")
         if dataset_sink_mode:
             warnings.warn("dataset_sink_mode=True has no effect in shardwise", stacklevel=2)
+        self._parallel_step()  # (a parallel mode's errors before any callback runs)
         cbs = [callbacks] if isinstance(callbacks, cb.Callback) else list(callbacks or [])
         batch_num = len(train_dataset) if isinstance(train_dataset, Sized) else 0
         ctx = cb.RunContext(
@@ -197,6 +257,12 @@ class Model:
         """
         if not self.metrics:
             raise ValueError("Model.eval: pass metrics={'accuracy'} to Model to evaluate")
+        if self.parallel is not None:
+            raise ValueError(
+                "Model.eval: the network was trained under AutoParallel (set_auto_parallel_"
+                "context) and holds this rank's blocks; evaluate through a Model built with "
+                "parallel_mode=ParallelMode.STAND_ALONE on a network with whole parameters"
+            )
         was_training = self.network.training
         self.network.eval()
         state = {name: make() for name, make in self.metrics.items()}
