@@ -198,7 +198,7 @@ class _Follow:
 
     def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
         shapes = [list(self.graph.info(r).shape) for r in node.inputs]
-        placed = [str(self.state[r]) for r in node.inputs]
+        placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
         return PlanError(
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
             f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: make "

@@ -2,7 +2,8 @@
 
 `plan_cost(plan, model)` prices one forward of any plan (semi_auto, propagated, searched, a
 hand-written Megatron one) the way `_search` prices candidates: the edges' redistributions and
-the ops' own collectives (communication), each op's FLOPs over the devices that share it
+the ops' own collectives and each parameter's gradient AllReduce over the axes that replicate
+it (communication), each op's FLOPs over the devices that share it
 (compute), and the bytes a rank holds (outputs kept for backward; each parameter's block with
 its gradient and two optimizer moments) at ``memory_s_per_byte`` (memory). Backward is not
 priced separately (it mirrors the forward's communication).
@@ -15,12 +16,29 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate
 
+from shardwise.communication.recorder import bytes_bound
+from shardwise.layout import TensorLayout
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import node_flops
 from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, NodePlan, ParallelPlan
 
 PARAM_COPIES = 4
+"""A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
+
+
+def grad_sync(model: CostModel, layout: TensorLayout, block: int) -> float:
+    """Seconds of a parameter's share of the gradient AllReduce (a `block`-byte block stored as
+    `layout`) over the matrix axes that replicate it: its bytes only, since the gradients of
+    many parameters travel in one fused bucket (the latency is paid once per bucket)."""
+    m = layout.matrix
+    used = set(layout.used_axes())
+    axes = [a for a, size in enumerate(m.shape) if size > 1 and a not in used]
+    if not axes:
+        return 0.0
+    group = math.prod(m.shape[a] for a in axes)
+    worst = max(model._of(model.beta, a) for a in axes)
+    return bytes_bound("AllReduce", block, group) * worst
 
 
 @dataclass(frozen=True)
@@ -82,5 +100,7 @@ def plan_cost(plan: ParallelPlan, model: CostModel | None = None) -> PlanCost:
         compute += flops / _split(n) / model.flops_per_s if n.inputs or n.outputs else 0.0
         held += sum(math.prod(s) * _itemsize(n.dtype(k)) for k, s in enumerate(n.local_shapes))
     for p in plan.params.values():
-        held += math.prod(p.layout.local_shape(p.shape)) * _itemsize(p.dtype) * PARAM_COPIES
+        block = math.prod(p.layout.local_shape(p.shape)) * _itemsize(p.dtype)
+        held += block * PARAM_COPIES
+        comm += grad_sync(model, p.layout, block) if p.dtype.startswith("float") else 0.0
     return PlanCost(comm, compute, held * model.memory_s_per_byte)

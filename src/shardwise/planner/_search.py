@@ -15,9 +15,10 @@ in sharding propagation); nothing needs to be annotated.
    contraction, priced like any AllReduce), plus its compute (`_flops.node_flops` over the
    devices that share it, at ``flops_per_s``), plus the memory it holds on a rank (its outputs'
    blocks, kept for backward; a parameter's block with its gradient and two optimizer moments)
-   at ``memory_s_per_byte``. With ``sw.runtime.set_memory`` the chosen candidates' memory must
-   also fit under the cap (an ILP row; a plan that cannot is a `PlanError` naming the least
-   memory any plan needs).
+   at ``memory_s_per_byte``; a parameter's gradient AllReduce over the axes that replicate it
+   (its data-parallel synchronization, once a step). With ``sw.runtime.set_memory`` the chosen
+   candidates' memory must also fit under the cap (an ILP row; a plan that cannot is a
+   `PlanError` naming the least memory any plan needs).
 4. `_solve.solve` per matrix (exact), the cheapest matrix wins; `_semi_auto.walk` builds the
    plan (mode ``"recursive_programming"``), with `_explain` explanations.
 
@@ -48,12 +49,10 @@ from shardwise.planner._placement import (
     to_placed,
 )
 from shardwise.planner._plan import ParallelPlan
+from shardwise.planner._plan_cost import PARAM_COPIES, grad_sync
 from shardwise.planner._propagate import Propagation, _Builder, _check_shared, build_plan
 from shardwise.planner._semi_auto import Setup, setup
 from shardwise.planner._solve import OverCap, Problem, solve, total
-
-PARAM_COPIES = 4
-"""A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
 
 
 def matrix_shapes(device_num: int) -> list[Shape]:
@@ -108,11 +107,15 @@ class _Costs(_Builder):
         return round(secs * 1e9), held
 
     def _param(self, name: str, j: int) -> tuple[int, int]:
+        """(ns of the parameter's gradient AllReduce over the axes that replicate it plus its
+        memory price, the bytes it holds with its gradient and optimizer state)."""
         info = self.graph.params[name]
-        placed = self.choices.params[name][j]
-        layout = to_placed(self.s.planner.matrix, placed, len(info.shape)).layout
-        held = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype) * PARAM_COPIES
-        return round(held * self.model.memory_s_per_byte * 1e9), held
+        m = self.s.planner.matrix
+        layout = to_placed(m, self.choices.params[name][j], len(info.shape)).layout
+        block = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
+        secs = grad_sync(self.model, layout, block) if info.dtype.startswith("float") else 0.0
+        held = block * PARAM_COPIES
+        return round((secs + held * self.model.memory_s_per_byte) * 1e9), held
 
 
 @dataclass
