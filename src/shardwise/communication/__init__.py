@@ -13,6 +13,8 @@ process-group functions directly.
   parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
   buckets started together inside `_pairwise.coalesced()`.
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
+- `_max_over_ranks`: `max_over_ranks`, the AllReduce(MAX) of partial maxima (ReduceMax with
+  its reduced dim split), with its adjoint.
 - `recorder`: `CommRecorder`, bytes bounds.
 """
 
@@ -34,6 +36,7 @@ from shardwise.communication._init import (
     release,
     scoped_group_name,
 )
+from shardwise.communication._max_over_ranks import max_over_ranks
 from shardwise.communication._ranks import (
     file_rank,
     own_group,
@@ -80,6 +83,7 @@ __all__ = [
     "get_rank",
     "init",
     "is_initialized",
+    "max_over_ranks",
     "own_group",
     "plain_tensors",
     "process_ranks",
