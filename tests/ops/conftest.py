@@ -7,8 +7,8 @@ This is the reference semantics of a plan (what the distributed runtime must do)
 2. runs the primitive on the blocks (Reshape: with the local target shape; Gather with
    ``local == "masked_lookup"``: indices shifted by the rank's first row, rows it does not hold
    zeroed);
-3. applies `plan.comms` in order (AllReduce: sum or mean over the group; ReduceScatter: sum, then
-   the rank's chunk of `dim` by its position in the group);
+3. applies `plan.comms` in order (AllReduce: sum, mean or max over the group; ReduceScatter:
+   sum, then the rank's chunk of `dim` by its position in the group);
 4. must then hold exactly `plan.outputs[k].local_slice(rank, output_shape)` of each output.
 """
 
@@ -59,6 +59,8 @@ def _apply_comms(plan: OpPlan, partial: dict[int, list[torch.Tensor]]) -> None:
         for rank in plan.matrix.rank_list:
             group = comm.group(plan.matrix, rank)
             total = sum((partial[r][k] for r in group), torch.zeros_like(partial[rank][k]))
+            if comm.op == "max":
+                total = torch.stack([partial[r][k] for r in group]).amax(dim=0)
             if comm.op == "mean":
                 total = total / len(group)
             if comm.kind == "ReduceScatter":

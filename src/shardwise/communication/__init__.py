@@ -14,6 +14,8 @@ process-group functions directly.
   parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
   buckets started together inside `_pairwise.coalesced()`.
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
+- `_max_over_ranks`: `max_over_ranks`, the AllReduce(MAX) of partial maxima (ReduceMax with
+  its reduced dim split), with its adjoint.
 - `recorder`: `CommRecorder`, bytes bounds.
 """
 
@@ -35,6 +37,7 @@ from shardwise.communication._init import (
     release,
     scoped_group_name,
 )
+from shardwise.communication._max_over_ranks import max_over_ranks
 from shardwise.communication._ranks import (
     file_rank,
     own_group,
@@ -81,6 +84,7 @@ __all__ = [
     "get_rank",
     "init",
     "is_initialized",
+    "max_over_ranks",
     "own_group",
     "plain_tensors",
     "process_ranks",

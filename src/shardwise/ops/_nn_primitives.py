@@ -1,10 +1,15 @@
-"""Network primitives: `LayerNorm`, `Dropout`, `SoftmaxCrossEntropyWithLogits`, `Gather`.
+"""Network primitives: `LayerNorm`, `BatchNorm`, `Dropout`, `SoftmaxCrossEntropyWithLogits`,
+`Gather`.
 
 Each forward is the single-device result, with MindSpore's outputs:
 
 - `LayerNorm` -> ``(y, mean, rstd)`` (MindSpore >= 2.3: the third output is the reciprocal of
   the standard deviation, ``1 / sqrt(variance + epsilon)``; mean and rstd keep the leading
   ``begin_norm_axis`` dims and have size 1 elsewhere).
+- `BatchNorm` -> ``(y, batch_mean, batch_variance, reserve_space_1, reserve_space_2)``; in
+  training the statistics are those of the whole batch: `batch_stats` combines each block's
+  mean and sum of squared deviations (one entry per rank; one device: its own), and the
+  running `mean` / `variance` inputs are updated in place.
 - `Dropout` -> ``(output, mask)`` (the CPU/GPU form: a mask of x's shape and dtype, 1 = kept).
 - `SoftmaxCrossEntropyWithLogits` -> ``(loss [N], backprop [N, C])``.
 - `Gather` -> ``params[..., indices, ...]`` along `axis` (with `batch_dims`).
@@ -13,6 +18,7 @@ Each forward is the single-device result, with MindSpore's outputs:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -70,6 +76,116 @@ class LayerNorm(Primitive):
         var = input_x.var(dim=dims, keepdim=True, unbiased=False)
         rstd = torch.rsqrt(var + eps)
         return (input_x - mean) * rstd * gamma + beta, mean, rstd
+
+
+def batch_stats(stats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and the sum of squared deviations of a whole batch from those of its blocks.
+
+    Args:
+        stats: [k, 2, C]: per block (k of them, `count` values per channel each), its mean and
+            its sum of squared deviations from that mean.
+        count: values per channel in one block.
+
+    Returns:
+        ([C] mean, [C] sum of squared deviations) of the k blocks together (Chan et al.'s
+        pairwise combination, exact for equal block sizes).
+    """
+    means, m2 = stats[:, 0], stats[:, 1]
+    mean = means.mean(dim=0)
+    return mean, m2.sum(dim=0) + count * ((means - mean) ** 2).sum(dim=0)
+
+
+class BatchNorm(Primitive):
+    """Batch normalization over N (and H, W) per channel (MindSpore ``ops.BatchNorm``).
+
+    Args:
+        is_training: True: normalize with the batch's statistics and update `mean` / `variance`
+            in place (``new = (1 - momentum) * old + momentum * batch``; the running variance
+            takes the unbiased batch variance); False: normalize with `mean` / `variance`.
+        epsilon: added to the variance.
+        momentum: weight of the batch statistics in the running ones, in [0, 1].
+        data_format: ``"NCHW"`` only.
+
+    Call ``op(input_x, scale, bias, mean, variance)`` with input_x [N, C] or [N, C, H, W] and
+    four [C] tensors; returns ``(y, batch_mean, batch_variance, reserve_space_1,
+    reserve_space_2)``: in training the batch mean and (biased) variance, the reserve spaces
+    equal to them; in inference `mean` and `variance` (copies). Strategy ``((n, c, h, w), (c,),
+    (c,), (c,), (c,))``, any split; in training the statistics are those of the *global* batch
+    (the blocks' statistics gathered over the axes splitting N / H / W), so a split batch trains
+    exactly like one device (MindSpore uses SyncBatchNorm only on Ascend).
+
+    Example:
+        >>> bn = BatchNorm(is_training=True).shard(((8, 1, 1, 1), (1,), (1,), (1,), (1,)))
+        >>> y, *_ = bn(x, gamma, beta, running_mean, running_var)
+    """
+
+    input_names = ("input_x", "scale", "bias", "mean", "variance")
+
+    def __init__(
+        self,
+        is_training: bool = False,
+        epsilon: float = 1e-5,
+        momentum: float = 0.1,
+        data_format: str = "NCHW",
+    ) -> None:
+        if not isinstance(is_training, bool):
+            raise TypeError(f"BatchNorm: is_training must be a bool, got {is_training!r}")
+        for name, value, lo in (("epsilon", epsilon, 0.0), ("momentum", momentum, 0.0)):
+            if not isinstance(value, float | int) or not lo <= value <= 1:
+                raise ValueError(f"BatchNorm: {name} must be a float in [0, 1], got {value!r}")
+        if data_format != "NCHW":
+            raise ValueError("BatchNorm: data_format must be 'NCHW' (the only layout supported)")
+        super().__init__(
+            is_training=is_training,
+            epsilon=float(epsilon),
+            momentum=float(momentum),
+            data_format=data_format,
+        )
+        self._gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def set_next_gather(self, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Use `gather` ([1, 2, C] -> [k, 2, C], autograd-aware) in the next training forward
+        to collect the statistics of the k blocks of the batch (the parallel runtime passes an
+        AllGather over the ranks splitting N / H / W)."""
+        self._gather = gather
+
+    def forward(
+        self,
+        input_x: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor,
+        mean: torch.Tensor,
+        variance: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        args = self.init_args()
+        x, eps = input_x, float(args["epsilon"])
+        view = (1, -1) + (1,) * (x.dim() - 2)
+        gather, self._gather = self._gather, None
+        if not args["is_training"]:
+            y = (x - mean.reshape(view)) * (torch.rsqrt(variance + eps) * scale).reshape(view)
+            return (
+                y + bias.reshape(view),
+                mean.clone(),
+                variance.clone(),
+                mean.clone(),
+                variance.clone(),
+            )
+        dims = (0, *range(2, x.dim()))
+        count = x.numel() // max(x.shape[1], 1)
+        local_mean = x.mean(dim=dims)
+        local_m2 = ((x - local_mean.reshape(view)) ** 2).sum(dim=dims)
+        stats = torch.stack([local_mean, local_m2]).unsqueeze(0)
+        blocks = gather(stats) if gather is not None else stats
+        batch_mean, m2 = batch_stats(blocks, count)
+        total = count * blocks.shape[0]
+        batch_var = m2 / total
+        y = (x - batch_mean.reshape(view)) * (torch.rsqrt(batch_var + eps) * scale).reshape(view)
+        m = float(args["momentum"])
+        with torch.no_grad():
+            mean.mul_(1 - m).add_(batch_mean.detach(), alpha=m)
+            unbiased = m2.detach() / (total - 1) if total > 1 else batch_var.detach()
+            variance.mul_(1 - m).add_(unbiased, alpha=m)
+        return y + bias.reshape(view), batch_mean, batch_var, batch_mean.clone(), batch_var.clone()
 
 
 class Dropout(Primitive):

@@ -35,7 +35,7 @@ call arguments (``axis``, ``perm``, ``shape``); `who` names the primitive in err
 """
 
 CommKind: TypeAlias = Literal["AllReduce", "ReduceScatter"]
-ReduceKind: TypeAlias = Literal["sum", "mean"]
+ReduceKind: TypeAlias = Literal["sum", "mean", "max"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Comm:
         axes: device-matrix axis names the collective runs over (the group: ranks that differ
             only along them, see `DeviceMatrix.group_along`).
         dim: the output dim a ReduceScatter cuts; None for AllReduce.
-        op: ``"sum"`` or ``"mean"`` (the mean of equal-sized partial means: ReduceMean).
+        op: ``"sum"``, ``"mean"`` (the mean of equal-sized partial means: ReduceMean) or
+            ``"max"`` (the maximum of partial maxima: ReduceMax; AllReduce only).
         output: which output of the primitive it applies to.
 
     Example:

@@ -1,4 +1,5 @@
-"""Shape and reduction primitives: `Flatten`, `Reshape`, `Transpose`, `ReduceSum`, `ReduceMean`.
+"""Shape and reduction primitives: `Flatten`, `Reshape`, `Transpose`, `ReduceSum`, `ReduceMean`,
+`ReduceMax`.
 
 Non-tensor arguments are call arguments, as in MindSpore: ``Reshape()(x, shape)``,
 ``Transpose()(x, perm)``, ``ReduceSum(keep_dims)(x, axis)``.
@@ -70,7 +71,7 @@ def _dims(axis: AxisArg, rank: int) -> tuple[int, ...]:
 
 
 class _Reduce(Primitive):
-    """ReduceSum / ReduceMean: ``op(x, axis=())``; ``()`` reduces every dim (unless
+    """ReduceSum / ReduceMean / ReduceMax: ``op(x, axis=())``; ``()`` reduces every dim (unless
     `skip_mode`, then x is returned as is).
 
     Args:
@@ -78,7 +79,7 @@ class _Reduce(Primitive):
         skip_mode: with an empty axis, skip the reduction.
 
     Any strategy; a split reduced dim leaves partial results combined by an AllReduce over its
-    axes (sum, or mean for ReduceMean).
+    axes (sum; mean for ReduceMean; max for ReduceMax).
     """
 
     call_args = (("axis", ()),)
@@ -88,7 +89,7 @@ class _Reduce(Primitive):
             raise TypeError(f"{self.name}: keep_dims and skip_mode must be bools")
         super().__init__(keep_dims=keep_dims, skip_mode=skip_mode)
 
-    def _reduce(self, x: torch.Tensor, axis: AxisArg, mean: bool) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor, axis: AxisArg, how: str) -> torch.Tensor:
         args = self.init_args()
         dims = _dims(axis, x.dim())
         if not dims:
@@ -98,18 +99,38 @@ class _Reduce(Primitive):
         if not dims:  # a 0-dim tensor
             return x.clone()
         keep = bool(args["keep_dims"])
-        return x.mean(dim=dims, keepdim=keep) if mean else x.sum(dim=dims, keepdim=keep)
+        if how == "max":
+            return x.amax(dim=dims, keepdim=keep)
+        return x.mean(dim=dims, keepdim=keep) if how == "mean" else x.sum(dim=dims, keepdim=keep)
 
 
 class ReduceSum(_Reduce):
     """Sum over `axis` (MindSpore ``ops.ReduceSum``); see `_Reduce`."""
 
     def forward(self, x: torch.Tensor, axis: AxisArg = ()) -> torch.Tensor:
-        return self._reduce(x, axis, mean=False)
+        return self._reduce(x, axis, "sum")
 
 
 class ReduceMean(_Reduce):
     """Mean over `axis` (MindSpore ``ops.ReduceMean``); see `_Reduce`."""
 
     def forward(self, x: torch.Tensor, axis: AxisArg = ()) -> torch.Tensor:
-        return self._reduce(x, axis, mean=True)
+        return self._reduce(x, axis, "mean")
+
+
+class ReduceMax(_Reduce):
+    """Maximum over `axis` (MindSpore ``ops.ReduceMax``); see `_Reduce`.
+
+    A split reduced dim: each rank takes the maximum of its block, then an AllReduce(max) over
+    the split axes (as MindSpore inserts). Its gradient goes to the elements equal to the
+    maximum, split evenly between equal ones within a rank's block (as one device splits it
+    between all of them); equal maxima on different ranks each get the whole gradient (as
+    MindSpore's AllReduce(max) adjoint does), so only exact ties across ranks differ from one
+    device.
+
+    Example:
+        >>> m = ReduceMax(keep_dims=True).shard(((2, 4),))(x, -1)  # AllReduce(max) over 4
+    """
+
+    def forward(self, x: torch.Tensor, axis: AxisArg = ()) -> torch.Tensor:
+        return self._reduce(x, axis, "max")

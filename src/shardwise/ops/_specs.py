@@ -4,10 +4,12 @@ One builder per family, each ``builder(op_args, shapes, who) -> Spec``:
 
 - `matmul_spec`: MatMul / BatchMatMul (transpose flags, broadcast batch dims; K summed).
 - `broadcast_spec`: Add / Sub / Mul / Div (NumPy broadcasting; broadcast dims never split).
-- `unary_spec`: ReLU / GeLU / Sigmoid / Tanh / Dropout (Dropout: 2 outputs, ``local="random"``).
+- `unary_spec`: ReLU / GeLU / Sigmoid / Tanh / Exp / Log / Cast / Dropout (Dropout: 2 outputs,
+  ``local="random"``).
 - `softmax_spec`: Softmax / LogSoftmax (the axis may not be split).
 - `bias_add_spec`, `layer_norm_spec`, `softmax_ce_spec`, `gather_spec`.
-- `reduce_spec`: ReduceSum / ReduceMean (a split reduced dim -> AllReduce sum / mean).
+- `reduce_spec`: ReduceSum / ReduceMean / ReduceMax (a split reduced dim -> AllReduce sum /
+  mean / max).
 - `transpose_spec`, `reshape_spec` (Reshape and Flatten; `_reshape_groups` finds merged dims).
 
 Builders validate shapes and arguments and raise ValueError naming `who`.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from shardwise.layout import elementwise_axes
-from shardwise.ops._plan import Shape
+from shardwise.ops._plan import ReduceKind, Shape
 from shardwise.ops._spec import Dims, Spec
 
 SpecBuilder: TypeAlias = Callable[[Mapping[str, Any], Sequence[Shape], str], Spec]
@@ -117,12 +119,13 @@ def broadcast_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str
 def unary_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str) -> Spec:
     """One input, same-shaped output(s); Dropout also returns its mask (same layout)."""
     op = str(op_args["op"])
-    _arity(op, shapes, ("x",), who)
+    names = ("input_x",) if op == "Cast" else ("x",)
+    _arity(op, shapes, names, who)
     ids = tuple(range(len(shapes[0])))
     count = 2 if op == "Dropout" else 1
     return Spec(
         op,
-        ("x",),
+        names,
         (ids,),
         (ids,) * count,
         (tuple(shapes[0]),) * count,
@@ -191,8 +194,11 @@ def layer_norm_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: st
     )
 
 
+_REDUCE_OPS: dict[str, ReduceKind] = {"ReduceMean": "mean", "ReduceMax": "max"}
+
+
 def reduce_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str) -> Spec:
-    """ReduceSum / ReduceMean over `axis` (``()``: every dim, unless skip_mode)."""
+    """ReduceSum / ReduceMean / ReduceMax over `axis` (``()``: every dim, unless skip_mode)."""
     op = str(op_args["op"])
     _arity(op, shapes, ("x",), who)
     x = shapes[0]
@@ -215,7 +221,7 @@ def reduce_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str) -
         (out,),
         (shape,),
         reduced=axes,
-        reduce_op="mean" if op == "ReduceMean" else "sum",
+        reduce_op=_REDUCE_OPS.get(op, "sum"),
     )
 
 

@@ -6,9 +6,10 @@ with ``.shard(in_strategy, out_strategy)`` (`shardwise.ops._base.Primitive`). Ho
 lays a primitive out on the devices is its rule in `shardwise.ops.rules.RULES`.
 
 This module holds the matrix products, the elementwise and activation families (one table each:
-`_BINARY`, `_UNARY`) and Softmax / LogSoftmax; `_nn_primitives` holds LayerNorm, Dropout,
-SoftmaxCrossEntropyWithLogits and Gather; `_shape_primitives` Flatten, Reshape, Transpose and
-the reductions. All are re-exported here.
+`_BINARY`, `_UNARY`), Cast and Softmax / LogSoftmax; `_nn_primitives` holds LayerNorm,
+BatchNorm, Dropout, SoftmaxCrossEntropyWithLogits and Gather; `_cnn_primitives` Conv2D, MaxPool
+and AvgPool; `_shape_primitives` Flatten, Reshape, Transpose and the reductions. All are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -20,9 +21,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops._base import Primitive
-from shardwise.ops._nn_primitives import Dropout, Gather, LayerNorm, SoftmaxCrossEntropyWithLogits
-from shardwise.ops._shape_primitives import Flatten, ReduceMean, ReduceSum, Reshape, Transpose
+from shardwise.ops._base import REQUIRED, Primitive
+from shardwise.ops._cnn_primitives import AvgPool, Conv2D, MaxPool
+from shardwise.ops._nn_primitives import (
+    BatchNorm,
+    Dropout,
+    Gather,
+    LayerNorm,
+    SoftmaxCrossEntropyWithLogits,
+)
+from shardwise.ops._shape_primitives import (
+    Flatten,
+    ReduceMax,
+    ReduceMean,
+    ReduceSum,
+    Reshape,
+    Transpose,
+)
 
 Operand = torch.Tensor | float | int
 
@@ -160,6 +175,8 @@ _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "GeLU": lambda x: F.gelu(x, approximate="tanh"),
     "Sigmoid": torch.sigmoid,
     "Tanh": torch.tanh,
+    "Exp": torch.exp,
+    "Log": torch.log,
 }
 
 
@@ -187,6 +204,44 @@ class Sigmoid(_Unary):
 
 class Tanh(_Unary):
     """``tanh(x)``."""
+
+
+class Exp(_Unary):
+    """``e ** x`` (MindSpore ``ops.Exp``). Example: ``Exp().shard(((2, 4),))``."""
+
+
+class Log(_Unary):
+    """The natural logarithm of x (MindSpore ``ops.Log``)."""
+
+
+def to_dtype(dtype: object, who: str) -> torch.dtype:
+    """`dtype` as a torch dtype: a torch dtype, or its name (``"float16"``, ``"int32"``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise TypeError(
+            f"{who}: dtype must be a torch dtype or its name (torch.float16, 'float32'), got "
+            f"{dtype!r}"
+        )
+    return found
+
+
+class Cast(Primitive):
+    """``input_x`` converted to `dtype` (MindSpore ``ops.Cast``); call ``op(input_x, dtype)``.
+
+    `dtype` is a torch dtype or its name. Elementwise: any strategy with one value per dim, the
+    output laid out like the input (``Cast().shard(((8, 1),))(x, torch.float16)``).
+    """
+
+    input_names = ("input_x",)
+    call_args = (("dtype", REQUIRED),)
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def forward(self, input_x: torch.Tensor, dtype: object) -> torch.Tensor:
+        return input_x.to(to_dtype(dtype, self.who))
 
 
 class Softmax(Primitive):
@@ -221,18 +276,26 @@ class LogSoftmax(Primitive):
 
 __all__ = [
     "Add",
+    "AvgPool",
     "BatchMatMul",
+    "BatchNorm",
     "BiasAdd",
+    "Cast",
+    "Conv2D",
     "Div",
     "Dropout",
+    "Exp",
     "Flatten",
     "Gather",
     "GeLU",
     "LayerNorm",
+    "Log",
     "LogSoftmax",
     "MatMul",
+    "MaxPool",
     "Mul",
     "ReLU",
+    "ReduceMax",
     "ReduceMean",
     "ReduceSum",
     "Reshape",

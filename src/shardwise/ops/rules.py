@@ -9,21 +9,28 @@ family          primitives                              forward communication
 matmul          MatMul, BatchMatMul                     split K -> AllReduce over K's axes, or
                                                         ReduceScatter on dim 0 (out_strategy)
 broadcast       Add, Sub, Mul, Div                      none (broadcast dims never split)
-unary           ReLU, GeLU, Sigmoid, Tanh, Dropout      none
+unary           ReLU, GeLU, Sigmoid, Tanh, Exp, Log,    none
+                Cast, Dropout
 softmax         Softmax, LogSoftmax                     none (the axis may not be split)
 bias_add        BiasAdd                                 none (bias split like the channel dim)
 layer_norm      LayerNorm                               none (normalized dims may not be split)
-reduce          ReduceSum, ReduceMean                   split reduced dim -> AllReduce sum / mean
+reduce          ReduceSum, ReduceMean, ReduceMax        split reduced dim -> AllReduce sum / mean
+                                                        / max
 softmax_ce      SoftmaxCrossEntropyWithLogits           none (the class dim may not be split)
 gather          Gather                                  params split on axis -> masked lookup +
                                                         AllReduce (or ReduceScatter, axis 0)
 transpose       Transpose                               none
 reshape         Reshape, Flatten                        none (merged dims: outermost split only)
+conv2d          Conv2D                                  split C_in -> AllReduce sum; H, W and the
+                                                        kernel dims never split (halo exchange)
+pool            MaxPool, AvgPool                        none (H, W never split)
+batch_norm      BatchNorm                               none after the op; in training, inside it,
+                                                        the batch statistics gathered over N/H/W
 ==============  ======================================  ==========================================
 
 Each rule builds the call's `Spec` (`shardwise.ops._specs`) and hands it to `plan_spec`
-(`shardwise.ops._spec`); Gather adds its own constraints (`gather_rule`). `plan_primitive` plans
-one primitive module for given input shapes.
+(`shardwise.ops._spec`); Gather adds its own constraints (`gather_rule`), Conv2D its kernel dims
+(`conv2d_rule`). `plan_primitive` plans one primitive module for given input shapes.
 """
 
 from __future__ import annotations
@@ -32,8 +39,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from shardwise.layout import TensorLayout
+from shardwise.ops._cnn_specs import batch_norm_spec, conv2d_spec, pool_spec
 from shardwise.ops._plan import OpPlan, Rule, Shape, Strategy
 from shardwise.ops._spec import Spec, plan_spec
+from shardwise.ops._spec_checks import fmt_strategy
 from shardwise.ops._specs import (
     SpecBuilder,
     bias_add_spec,
@@ -167,18 +177,63 @@ def gather_rule(
 
 gather_rule.spec_builder = gather_spec  # type: ignore[attr-defined]  # (`_candidates`)
 
+
+def conv2d_rule(
+    op_args: Mapping[str, Any],
+    in_strategy: Strategy | None,
+    out_strategy: Strategy | None,
+    input_shapes: Sequence[Sequence[int]],
+    device_num: int,
+    who: str,
+) -> OpPlan:
+    """Conv2D: the generic plan (`conv2d_spec`), after checking that the weight's kernel dims
+    (kh, kw) are not split: a block of a kernel would need the input rows of the others.
+
+    Example:
+        >>> conv2d_rule({"op": "Conv2D", "out_channel": 8, "kernel_size": 3},
+        ...             ((1, 4, 1, 1), (2, 4, 1, 1)), None, [(8, 16, 9, 9), (8, 16, 3, 3)],
+        ...             8, "conv").comms
+        (Comm(kind='AllReduce', axes=('d1',), dim=None, op='sum', output=0),)
+    """
+    shapes = _shapes(input_shapes)
+    spec = conv2d_spec(op_args, shapes, who)
+    if in_strategy is not None and len(in_strategy) == 2:
+        weight = in_strategy[1]
+        for d, what in ((2, "kernel height kh"), (3, "kernel width kw")):
+            if isinstance(weight, TensorLayout):
+                n = weight.split_count(d) if d < weight.ndim else 1
+                fix = "'None' for that dim"
+            else:
+                n = weight[d] if d < len(weight) else 1
+                fix = fmt_strategy([in_strategy[0], (*weight[:2], 1, 1)])
+            if n > 1:
+                raise ValueError(
+                    f"{who}: input 1 (weight) dim {d} is the {what} of Conv2D and cannot be split, "
+                    f"but the strategy splits it into {n}; valid: {fix}"
+                )
+    return plan_spec(spec, in_strategy, out_strategy, shapes, device_num, who)
+
+
+conv2d_rule.spec_builder = conv2d_spec  # type: ignore[attr-defined]  # (`_candidates`)
+
 FAMILIES: dict[str, tuple[Rule, tuple[str, ...]]] = {
     "matmul": (spec_rule(matmul_spec), ("MatMul", "BatchMatMul")),
     "broadcast": (spec_rule(broadcast_spec), ("Add", "Sub", "Mul", "Div")),
-    "unary": (spec_rule(unary_spec), ("ReLU", "GeLU", "Sigmoid", "Tanh", "Dropout")),
+    "unary": (
+        spec_rule(unary_spec),
+        ("ReLU", "GeLU", "Sigmoid", "Tanh", "Exp", "Log", "Cast", "Dropout"),
+    ),
     "softmax": (spec_rule(softmax_spec), ("Softmax", "LogSoftmax")),
     "bias_add": (spec_rule(bias_add_spec), ("BiasAdd",)),
     "layer_norm": (spec_rule(layer_norm_spec), ("LayerNorm",)),
-    "reduce": (spec_rule(reduce_spec), ("ReduceSum", "ReduceMean")),
+    "reduce": (spec_rule(reduce_spec), ("ReduceSum", "ReduceMean", "ReduceMax")),
     "softmax_ce": (spec_rule(softmax_ce_spec), ("SoftmaxCrossEntropyWithLogits",)),
     "gather": (gather_rule, ("Gather",)),
     "transpose": (spec_rule(transpose_spec), ("Transpose",)),
     "reshape": (spec_rule(reshape_spec), ("Reshape", "Flatten")),
+    "conv2d": (conv2d_rule, ("Conv2D",)),
+    "pool": (spec_rule(pool_spec), ("MaxPool", "AvgPool")),
+    "batch_norm": (spec_rule(batch_norm_spec), ("BatchNorm",)),
 }
 """Family -> (its rule, the primitives that use it)."""
 
@@ -199,7 +254,7 @@ def plan_primitive(
         *input_shapes: the global shape of each tensor input, in call order.
         device_num: devices in the job (or pipeline stage).
         **call_args: the non-tensor call arguments (``axis`` for ReduceSum / Gather, ``perm``
-            for Transpose, ``shape`` for Reshape).
+            for Transpose, ``shape`` for Reshape, ``dtype`` for Cast).
 
     Returns:
         The `OpPlan`.

@@ -3,7 +3,8 @@
 - `AutoParallel` (`_auto`): the semi_auto wrapper; captures and plans the call on the first
   call (`_graph_run.GraphRun`), then runs every call from its `ParallelPlan` (`_executor`).
 - `_runtime`: parameter blocks, an op's own collectives, gradient reduction.
-- `_local`: Gather's masked lookup and Dropout's global mask (`OpPlan.local`).
+- `_local`: Gather's masked lookup, Dropout's global mask and BatchNorm's gathered batch
+  statistics (`OpPlan.local`).
 - `_step`: dataset strategies (named, per-input tuples / Layouts).
 - `_shard`: `shard` and `reshard` (user-set layouts of tensors, functions and parameters).
 - `_context`: MindSpore's older global style (`set_auto_parallel_context`, `ParallelMode`),

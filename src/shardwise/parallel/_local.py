@@ -10,6 +10,13 @@
   a single-device run) and gives the primitive this rank's block of it, so the mask is the
   same slice of the single-device mask.
 
+- ``"batch_stats"`` (`batch_stats_gather`): BatchNorm in training with its input split on N, H
+  or W. Each rank computes its block's per-channel mean and sum of squared deviations; one
+  AllGather over the axes splitting N / H / W collects them (autograd-aware: its adjoint is a
+  ReduceScatter) and the primitive combines them into the statistics of the whole batch
+  (`shardwise.ops._nn_primitives.batch_stats`), so y, the gradients and the running statistics
+  equal one device's.
+
 `prepare` dispatches on the tag and returns the new local inputs and what to do to the outputs.
 
 - ``F.dropout`` in a captured network (`dropout_block`, for the plan executor): the same, a
@@ -27,8 +34,9 @@ import torch.nn.functional as F
 
 from shardwise import communication as comm
 from shardwise.layout import TensorLayout
-from shardwise.ops import Dropout, Primitive
+from shardwise.ops import BatchNorm, Dropout, Primitive
 from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._runtime import group_for
 from shardwise.redistribution import block_offset, local_block
 
 Shape = tuple[int, ...]
@@ -90,6 +98,19 @@ def dropout_noise(module: Dropout, layout: TensorLayout, shape: Shape, x: torch.
         module.set_next_noise(local_block(noise, layout, shape))
 
 
+def batch_stats_gather(module: BatchNorm, layout: TensorLayout) -> None:
+    """Give `module` the AllGather of its next forward's block statistics over the axes that
+    split input_x (`layout`) on any dim but C (nothing when no such axis has size > 1)."""
+    matrix = layout.matrix
+    axes = sorted(
+        a for d in range(layout.ndim) if d != 1 for a in layout.dims[d] if matrix.shape[a] > 1
+    )
+    if not axes:
+        return
+    group, _ = group_for(matrix, axes)
+    module.set_next_gather(comm.AllGather(group))
+
+
 def prepare(
     module: Primitive,
     tag: str,
@@ -112,6 +133,9 @@ def prepare(
         axis = int(call_args["axis"]) % len(shapes[0])
         b = int(module.init_args()["batch_dims"])
         return masked_lookup(local, layouts, shapes, axis, b)
+    if tag == "batch_stats" and isinstance(module, BatchNorm):
+        batch_stats_gather(module, layouts[0])
+        return local, None
     if tag == "random" and isinstance(module, Dropout):
         dropout_noise(module, layouts[0], shapes[0], local[0])
         return local, None

@@ -5,7 +5,7 @@
   the coordinates are computed from the rank, so it also works in a simulated world); a network
   built inside ``sw.no_init_parameters()`` instead materializes only this rank's blocks
   (`_delayed.materialize_blocks`).
-- `combine` (run): one collective an op's strategy implies (`AllReduce` sum / mean,
+- `combine` (run): one collective an op's strategy implies (`AllReduce` sum / mean / max,
   `ReduceScatter`, ...), with the autograd-aware primitives of `shardwise.communication`.
 - `cut_optimizer_state`: optimizer state made before the cut (Adagrad), cut the same way.
 - `GradBuckets` (step 4, gradients, without optimizer parallel): hooks on every parameter that
@@ -72,12 +72,14 @@ def combine(
     what: object,
     route: GradRoute | None = None,
 ) -> torch.Tensor:
-    """An op's own collective over `axes` of `matrix`: ``"AllReduce"`` (`op` ``"sum"`` or
-    ``"mean"``; its adjoint as `route` says) or ``"ReduceScatter"`` (``"sum"``, cutting `dim`);
-    `what` names it in errors."""
+    """An op's own collective over `axes` of `matrix`: ``"AllReduce"`` (`op` ``"sum"``,
+    ``"mean"`` or ``"max"``: `communication.max_over_ranks`; its adjoint as `route` says) or
+    ``"ReduceScatter"`` (``"sum"``, cutting `dim`); `what` names it in errors."""
     group, members = group_for(matrix, axes)
     if len(members) == 1:
         return x
+    if kind == "AllReduce" and op == "max":
+        return comm.max_over_ranks(x, group, route)
     if kind == "AllReduce":
         return sum_over_ranks(x, group, len(members) if op == "mean" else 1, route)
     if kind == "ReduceScatter" and op == "sum" and dim is not None:
