@@ -175,3 +175,38 @@ def test_strategies_explain_and_a_saved_plan_runs_without_search(
     assert again.strategies() == first.strategies()
     with pytest.raises(ValueError, match="no explained plan"):
         again.explain("relu/ReLU")  # (a loaded plan carries no explanations)
+
+
+def test_a_conv_net_propagates_from_its_conv() -> None:
+    """Only Conv2D is annotated (batch over 2, output channels over 2, 4 ranks): BatchNorm,
+    ReLU, MaxPool and Flatten take the conv's (2, 2) layout (no move between them, the unique
+    zero-redistribution answer); two steps equal one device."""
+    from .test_cnn_parity import LR as LR_CNN
+    from .test_cnn_parity import ConvNet, check_blocks, data, single
+
+    def net() -> ConvNet:
+        made = ConvNet({"conv": ((2, 1, 1, 1), (2, 1, 1, 1)), "bn": None, "act": None})
+        for m in (made.bn, made.relu, made.pool):
+            m.in_strategy = None
+        return made
+
+    losses, states = single(net())
+    model, batches = net(), data()
+    with simulated_world(4) as world:
+        world.replicate(model)
+        parallel = AutoParallel(model, parallel_mode="sharding_propagation")
+        opt = torch.optim.SGD(model.parameters(), lr=LR_CNN)
+        for step, (x, y) in enumerate(batches):
+            logits = parallel(world.rows(x))
+            loss = sw.ops.AllReduce()(F.cross_entropy(logits, world.rows(y))) / 4
+            loss.backward()
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            plan = parallel.parallel_plan
+            assert plan is not None
+            check_blocks(model, plan, states[step])
+            opt.step()
+            opt.zero_grad()
+    got = parallel.strategies()
+    assert got["bn/BatchNorm"] == ((2, 2, 1, 1), (2,), (2,), (2,), (2,))
+    assert got["relu/ReLU"] == got["pool/MaxPool"] == got["flatten/Flatten"] == ((2, 2, 1, 1),)
+    assert [e for e in plan.edges if 0 < e.consumer < 4 and e.steps] == []
