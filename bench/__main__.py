@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from bench import (
+    auto_plans,
     collectives,
     dataloading,
     gpt2_semi_auto,
@@ -43,6 +44,7 @@ BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
     "optimizer_parallel": optimizer_parallel.run,
     "planning": planning.run,
     "gpt2_semi_auto": gpt2_semi_auto.run,
+    "auto_plans": auto_plans.run,
 }
 QUICK_SIZES = (4 * KiB,)
 V = TypeVar("V")

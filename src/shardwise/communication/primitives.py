@@ -19,23 +19,14 @@ NeighborExchangeV2 2-D halo exchange (8 directions, NCHW)     slices + exchange:
 
 Rank ids (``root_rank``, ``send_rank_ids`` ...) are global ranks and must belong to `group`.
 
-`sum_over_ranks(x, group, divisor)` is the AllReduce(SUM) (then / `divisor`) by which the
-parallel runtime makes a partial value (a loss over this rank's rows) whole (optionally only
-started, finished by the caller later: the plan executor's returned loss). Its backward is
-the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
-``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
-and the sum over the group of N equal values is N times the value, computed locally: one
-synchronizing collective per training step fewer. A plan that knows the result's gradient is the
-same on some of the group's ranks says so with a `GradRoute` (the AllReduce over the other ranks
-only, or none). `average_gradient(x, group)` is the other side (Megatron's ``f``): in backward
-it replaces the gradient of `x` by its mean over the group, making it the same on every rank.
+`sum_over_ranks`, `average_gradient`, `replicated_seed` and `GradRoute` (the parallel
+runtime's reductions, `_reductions`) are importable from here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,8 +36,11 @@ from shardwise.communication import _sim, recorder
 from shardwise.communication._collectives import ReduceOp, as_reduce_op
 from shardwise.communication._exchange import exchange
 from shardwise.communication._init import Group, get_group_size, resolve_group
-
-GroupArg = str | Group | None
+from shardwise.communication._reductions import GradRoute as GradRoute
+from shardwise.communication._reductions import GroupArg as GroupArg
+from shardwise.communication._reductions import average_gradient as average_gradient
+from shardwise.communication._reductions import replicated_seed as replicated_seed
+from shardwise.communication._reductions import sum_over_ranks as sum_over_ranks
 
 
 def _per_rank(value: Any) -> list[Any]:
@@ -73,137 +67,6 @@ class _AllReduceFn(torch.autograd.Function):
             if ctx.op is ReduceOp.PROD:
                 return C.all_reduce(g * out, ReduceOp.SUM, ctx.group) / x, None, None
             return C.all_reduce(g, ReduceOp.SUM, ctx.group) * (x == out), None, None
-
-
-class GradRoute(NamedTuple):
-    """The adjoint of a `sum_over_ranks` whose result's gradient is the same on some of its
-    group's ranks (each holds an equal share of the summed gradient): the AllReduce of the
-    gradient over `group` only (None: the world; no collective when `reduce` is False), then
-    times `times` (the number of ranks the gradient is equal on)."""
-
-    group: GroupArg
-    reduce: bool
-    times: int
-
-
-class _SumOverRanksFn(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        group: GroupArg,
-        divisor: int,
-        route: GradRoute | None,
-        started: list[Any] | None,
-    ) -> torch.Tensor:
-        ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
-        if started is None:
-            out = C.all_reduce(x, ReduceOp.SUM, group)
-            return out / divisor if divisor != 1 else out
-        out = x.detach().clone(memory_format=torch.contiguous_format)
-        pending = C.all_reduce_async(out, ReduceOp.SUM, group)
-
-        def finish() -> None:
-            pending.wait()
-            if divisor != 1:  # (in place, also on a tensor made under inference_mode)
-                with torch.inference_mode(out.is_inference()), torch.no_grad():
-                    out.div_(divisor)
-
-        started.append(finish)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        g = g / ctx.divisor if ctx.divisor != 1 else g
-        if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            return g * get_group_size(ctx.group), None, None, None, None
-        route: GradRoute | None = ctx.route
-        with recorder.phase("backward"):
-            if route is None:
-                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None, None
-            if route.reduce:
-                g = C.all_reduce(g, ReduceOp.SUM, route.group)
-            return (g * route.times if route.times != 1 else g), None, None, None, None
-
-
-def sum_over_ranks(
-    x: torch.Tensor,
-    group: GroupArg = None,
-    divisor: int = 1,
-    route: GradRoute | None = None,
-    started: list[Callable[[], None]] | None = None,
-) -> torch.Tensor:
-    """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
-    divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
-    the result is the root of a seeded backward (`replicated_seed`), the gradient times the
-    group size (no collective), or as `route` says.
-
-    Args:
-        x: this rank's partial value.
-        group: group name, `Group` or None (the world).
-        divisor: divide the sum by it (e.g. the world size, for a mean over all ranks' rows).
-        route: the result's gradient is the same on some of the group's ranks: its adjoint.
-        started: when given, the AllReduce is only started (in a real job: a simulated world
-            runs it at once) and a function that finishes it is appended here: the result holds
-            the sum only after that function ran, and must not be read before (its backward
-            needs no value of it).
-
-    Returns:
-        The reduced value, the same on every rank.
-
-    Example:
-        >>> loss = sum_over_ranks(local_sum, None, divisor=global_rows)  # doctest: +SKIP
-    """
-    if get_group_size(group) == 1:  # this rank's value is the sum: no collective
-        return x / divisor if divisor != 1 else x
-    if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
-        started = None
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started)
-    return out
-
-
-def average_gradient(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
-    """`x` itself, whose gradient (the sum of what all its consumers gave it) is replaced in
-    backward by its mean over the ranks of `group` (one AllReduce; a hook on `x`): the ranks'
-    shares of the summed gradient made equal (Megatron's ``f``). Nothing for a leaf, a tensor
-    without gradient or a one-rank group.
-
-    Example:
-        >>> h = average_gradient(layer_norm(x), "mp")  # doctest: +SKIP
-    """
-    size = get_group_size(group)
-    if size == 1 or not x.requires_grad or x.grad_fn is None:
-        return x
-
-    def hook(g: torch.Tensor) -> torch.Tensor:
-        with recorder.phase("backward"):
-            return C.all_reduce(g, ReduceOp.SUM, group).div_(size)
-
-    x.register_hook(hook)
-    return x
-
-
-@contextmanager
-def replicated_seed(root: torch.Tensor) -> Iterator[bool]:
-    """While the block runs ``root.backward()`` without a gradient (a seed of ones, the same on
-    every rank): if `root` is a `sum_over_ranks` result, its backward multiplies by the group
-    size instead of all-reducing. Yields whether `root` is one; the mark ends with the block,
-    so a later backward through a retained graph (another seed) all-reduces again.
-
-    Example:
-        >>> with replicated_seed(loss):  # doctest: +SKIP
-        ...     loss.backward()
-    """
-    node: Any = root.grad_fn
-    backward_cls: Any = _SumOverRanksFn._backward_cls  # type: ignore[attr-defined]
-    if not isinstance(node, backward_cls):
-        yield False
-        return
-    node.replicated_seed = True
-    try:
-        yield True
-    finally:
-        node.replicated_seed = False
 
 
 class _AllGatherFn(torch.autograd.Function):
