@@ -10,8 +10,8 @@ k-1). A Slice costs nothing. The search (recursive_programming) also prices comp
 - `CostModel`: per-axis alpha (s) and beta (s per byte), ``collective`` and ``edge`` prices
   (an `EdgePlan`-like move: the AllReduce of partial sums, then the redistribution steps).
 - `load_cost_model`: the model of ``bench/results/loopback.json`` (the measured gloo loopback
-  fit, `python -m bench --only loopback`) when the file is there, else `DEFAULT_ALPHA_S` /
-  `DEFAULT_BETA_S_PER_BYTE` on every axis.
+  fit, `python -m bench --only loopback`) or of the file ``SHARDWISE_COST_MODEL`` names when
+  the file is there, else `DEFAULT_ALPHA_S` / `DEFAULT_BETA_S_PER_BYTE` on every axis.
 """
 
 from __future__ import annotations
@@ -122,13 +122,18 @@ def _move(
 
 
 def load_cost_model(path: str | os.PathLike[str] | None = None) -> CostModel:
-    """The cost model: the fit in `path` (default: ``bench/results/loopback.json`` under the
-    current directory) on every axis when the file exists, else the documented defaults.
+    """The cost model: the fit in `path` (default: the file the ``SHARDWISE_COST_MODEL``
+    environment variable names, else ``bench/results/loopback.json`` under the current
+    directory) on every axis when the file exists, else the documented defaults
+    (``SHARDWISE_COST_MODEL=defaults``: always the defaults).
 
     Returns:
         A `CostModel` (``source`` names the file or ``"defaults"``).
     """
-    target = Path(path) if path is not None else LOOPBACK_JSON
+    chosen = os.environ.get("SHARDWISE_COST_MODEL", "")
+    if path is None and chosen == "defaults":
+        return CostModel()
+    target = Path(path) if path is not None else Path(chosen) if chosen else LOOPBACK_JSON
     try:
         data = json.loads(target.read_text())
         alpha, beta = float(data["alpha_s"]), float(data["beta_s_per_byte"])
