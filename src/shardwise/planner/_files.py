@@ -4,8 +4,9 @@
   strategy, every edge's steps, the parameters' layouts).
 - `save_param_strategy_file` / `load_param_strategy_file`: the parameters' storage layouts only
   (what a checkpoint of the job needs to know), or those of some parameters (MindSpore's
-  ``only_trainable_params``). Files are written atomically (`_write`: a temporary name in the
-  same folder, then renamed), so ranks writing the same path never leave half a file.
+  ``only_trainable_params``). Files are written atomically (`write_text_atomically`: a
+  temporary name in the same folder, then renamed), so ranks writing the same path never
+  leave half a file.
 - `check_matches`: a loaded plan against a freshly planned one of the same network: the first
   difference (device count, op, shape, parameter) is a `StrategyFileError` naming it;
   `check_device_count` / `check_params` (a file's parameters against the network's global
@@ -15,12 +16,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from shardwise._atomic import write_text_atomically
 from shardwise.planner._plan import (
     FORMAT,
     ParallelPlan,
@@ -39,20 +39,6 @@ class StrategyFileError(ValueError):
     mismatch and the fix."""
 
 
-def _write(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and a rename."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _read(path: str | Path, what: str) -> Any:
     """The JSON in `path` (a missing or unreadable file: `StrategyFileError`)."""
     try:
@@ -65,7 +51,7 @@ def _read(path: str | Path, what: str) -> Any:
 
 def save_operator_strategy_file(plan: ParallelPlan, path: str | Path) -> None:
     """Write `plan` to `path` (JSON)."""
-    _write(path, json.dumps(plan.to_dict(), indent=1) + "\n")
+    write_text_atomically(path, json.dumps(plan.to_dict(), indent=1) + "\n")
 
 
 def load_operator_strategy_file(path: str | Path) -> ParallelPlan:
@@ -89,7 +75,7 @@ def save_param_strategy_file(
         "matrix": matrix_d(plan.matrix),
         "params": params_d(params),
     }
-    _write(path, json.dumps(data, indent=1) + "\n")
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n")
 
 
 def load_param_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamPlan]]:

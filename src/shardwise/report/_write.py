@@ -6,11 +6,11 @@ to ``execute.ir``).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from shardwise import communication as comm
+from shardwise._atomic import write_text_atomically
 from shardwise.context import get_context
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._plan import OptimizerPlan
@@ -27,18 +27,7 @@ def write_ir(root: str | os.PathLike[str], rank: int, filename: str, text: str) 
     Returns:
         The path written.
     """
-    folder = Path(root) / f"rank_{rank}"
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / filename
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_text_atomically(Path(root) / f"rank_{rank}" / filename, text)
 
 
 def report_ranks(matrix: DeviceMatrix) -> list[int]:
