@@ -28,7 +28,8 @@ Nothing about layouts is decided here: every placement, step and collective come
 plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
 unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`. An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
-(`_stepping.SteppingMode`, its base), so its ops do not reach Python here.
+(`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise
+primitive is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`).
 """
 
 from __future__ import annotations
@@ -41,17 +42,16 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from shardwise.communication.primitives import replicated_seed
-from shardwise.ops import Primitive
-from shardwise.parallel._edges import average_outputs, move, run_collective
+from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._local import dropout_block, prepare
+from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
+from shardwise.parallel._local import dropout_block
 from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
 
 T = torch.Tensor
 _NESTED = (list, tuple, dict)
-_PASSED = object()  # a primitive call that is not a node (nested, or in an optimizer step)
 
 
 def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -68,22 +68,7 @@ def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
 
 
-class Replan(BaseException):
-    """The network ran other ops than the plan's before any backward of this call (a branch
-    on a Python flag): `GraphRun` plans it again and runs the call anew. A BaseException, so
-    that user code's ``except Exception`` lets it pass.
-
-    Attributes:
-        cursor: how many of the plan's ops ran.
-        op: the op the network called instead of the plan's next one (None: it stopped there).
-    """
-
-    def __init__(self, message: str, cursor: int, op: str | None) -> None:
-        super().__init__(message)
-        self.cursor, self.op = cursor, op
-
-
-class PlanExecutor(SteppingMode):
+class PlanExecutor(PrimitiveHooks, SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -228,68 +213,6 @@ class PlanExecutor(SteppingMode):
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         self.finish_started()
         super().__exit__(exc_type, exc_val, exc_tb)
-
-    # -- shardwise primitives (module hooks that `GraphRun` registers) ---------------------
-    def enter_primitive(
-        self, module: Primitive, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """A primitive's forward pre-hook: its node's inputs moved as the edges say (its
-        parameters from their stored layout, through `param_value`), its local compute prepared
-        (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes."""
-        self.finish_started()
-        if self.paused:  # (inside another primitive, or an optimizer step)
-            self.primitives.append(_PASSED)
-            return None
-        op = f"shardwise.ops.{module.name}"
-        if self.done and not self._restarts(op, args):
-            if not self.backward_seen:
-                raise Replan(f"{op} after the plan's last op", self.cursor, op)
-            self.primitives.append(_PASSED)
-            return None
-        self.paused += 1  # until `leave_primitive`: the moves and the primitive's own ops
-        node = self.plan.nodes[self.cursor]
-        self._advance(op, "called")
-        tensors, call_args = module.split_call(*args)
-        local = self._moved_inputs(node.index, list(tensors))
-        layouts = [p.layout for p in node.inputs]
-        local, fixup = prepare(module, node.local, local, layouts, node.in_shapes, call_args)
-        self.primitives.append((node.index, fixup))
-        rest = args[len(tensors) :]
-        if "shape" in call_args:  # Reshape: the local target shape
-            target = node.local_shapes[0]
-            if "shape" in kwargs:
-                kwargs = {**kwargs, "shape": target}
-            else:
-                names = [k for k, _ in module.call_args]
-                rest = tuple(
-                    target if n == "shape" else a for n, a in zip(names, rest, strict=False)
-                )
-        return (*local, *rest), kwargs
-
-    def leave_primitive(self, module: Primitive, args: tuple[Any, ...], output: Any) -> Any:
-        """A primitive's forward hook: the output fix-up, the op's own collectives (from the
-        plan's `NodePlan.comms`), the edges of returned values."""
-        if not self.primitives:
-            return None
-        entry = self.primitives.pop()
-        if entry is _PASSED:
-            return None
-        k, fixup = entry
-        single = isinstance(output, T)
-        outs = [output] if single else list(output)
-        try:
-            if fixup is not None:
-                outs = fixup.apply(outs)
-            matrix = self.plan.matrix
-            for c in self.plan.nodes[k].comms:
-                outs[c.output] = run_collective(outs[c.output], c, matrix)
-            out = self._returned(k, outs[0] if single else tuple(outs))
-            if k in self.table.averaging:
-                average_outputs(out, self.plan.nodes[k], matrix)
-        finally:
-            self.paused -= 1
-        self._ended()
-        return out
 
     def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
         """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""

@@ -52,7 +52,8 @@ from shardwise.parallel._call_io import (
 )
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._executor import PlanExecutor, Replan
+from shardwise.parallel._executor import PlanExecutor
+from shardwise.parallel._executor_primitives import Replan
 from shardwise.parallel._graph_capture import GraphSession, capture_plan
 from shardwise.parallel._hsdp import (
     bucket_plans,
