@@ -169,7 +169,10 @@ def test_strategies_explain_and_a_saved_plan_runs_without_search(
     def no_search(*args: object, **kwargs: object) -> None:
         raise AssertionError("searched although a plan was loaded")
 
-    monkeypatch.setattr("shardwise.parallel._graph_capture.plan_sharding_propagation", no_search)
+    from shardwise.parallel import _graph_capture
+
+    for mode in ("sharding_propagation", "recursive_programming"):  # (the planners it calls)
+        monkeypatch.setitem(_graph_capture._PLANNERS, mode, no_search)
     again, _ = _train(8, ((2, 4), (4, 1)), load=tmp_path / "plan.json")
     assert again.parallel_plan == first.parallel_plan
     assert again.strategies() == first.strategies()

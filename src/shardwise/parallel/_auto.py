@@ -4,7 +4,8 @@ Every call (any dataset strategy) runs from one `ParallelPlan` (`_graph_run.Grap
 first call (or `AutoParallel.plan`, given this rank's inputs or the inputs' global shapes)
 captures every op of the network or train step (shardwise primitives, torch ops, ``sw.shard`` /
 ``sw.reshard`` annotations), plans it (`planner.plan_semi_auto`; in sharding_propagation
-`planner.plan_sharding_propagation`), cuts the parameters to their
+`planner.plan_sharding_propagation`, in recursive_programming
+`planner.plan_recursive_programming`), cuts the parameters to their
 stored blocks and starts either optimizer parallel (`_hsdp.start_engine`) or the gradient
 buckets (`_runtime.GradBuckets`); every call then runs under the plan executor
 (`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
@@ -94,7 +95,8 @@ def _local_inputs(
 
 
 class AutoParallel(nn.Module, StrategyFiles, PlanReading):
-    """Run a network operator-parallel as its strategies say (semi_auto, sharding_propagation).
+    """Run a network operator-parallel as its strategies say, or as the automatic planners
+    choose (semi_auto, sharding_propagation, recursive_programming).
 
     Args:
         network_or_step: a module (shardwise primitives, torch modules and ops, annotated
@@ -104,12 +106,14 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
         parallel_mode: ``"semi_auto"`` (annotated ops keep their strategies, the others run
             data parallel), ``"sharding_propagation"`` (annotated ops keep theirs, the others
             take the strategies that make the graph's redistributions cheapest:
-            `planner.plan_sharding_propagation`) or ``"data_parallel"`` (the whole network on
-            every rank, `optim.DataParallelRunner`; with `hsdp`, owner update + broadcast);
-            default (None): from `set_auto_parallel_context` (``SEMI_AUTO_PARALLEL`` or the
-            default ``STAND_ALONE``: semi_auto; ``AUTO_PARALLEL`` with
-            ``search_mode="sharding_propagation"``; ``DATA_PARALLEL``; the search mode
-            ``recursive_programming`` raises `UnsupportedParallelError`). The context's
+            `planner.plan_sharding_propagation`), ``"recursive_programming"`` (every strategy
+            and the device matrix chosen by the plan's total cost, annotations as
+            constraints: `planner.plan_recursive_programming`) or ``"data_parallel"`` (the
+            whole network on every rank, `optim.DataParallelRunner`; with `hsdp`, owner update
+            + broadcast); default (None): from `set_auto_parallel_context`
+            (``SEMI_AUTO_PARALLEL`` or the default ``STAND_ALONE``: semi_auto;
+            ``AUTO_PARALLEL``: its ``search_mode``; ``DATA_PARALLEL``; the search mode
+            ``dynamic_programming`` raises `UnsupportedParallelError`). The context's
             ``dataset_strategy`` is read here too (``dataset_strategy()`` overrides it) and
             its ``device_num`` checked at plan time.
         network: the network of a train step (default: the referenced module with parameters).

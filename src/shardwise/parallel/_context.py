@@ -7,8 +7,9 @@ the defaults. `AutoParallel` reads these when it is created or plans:
 - ``parallel_mode`` (with ``search_mode``): the wrapper's mode when no ``parallel_mode`` is
   passed to it (`resolve_parallel_mode`). ``SEMI_AUTO_PARALLEL`` and ``STAND_ALONE`` (the
   default: the wrapper's own default) run semi_auto, ``DATA_PARALLEL`` the data-parallel mode,
-  ``AUTO_PARALLEL`` with ``search_mode="sharding_propagation"`` sharding propagation; the other
-  search modes are not supported yet (`UnsupportedParallelError`). `train.Model` reads it too:
+  ``AUTO_PARALLEL`` with ``search_mode="sharding_propagation"`` sharding propagation, with
+  ``"recursive_programming"`` (the default) the strategy search; ``"dynamic_programming"`` is
+  not supported (`UnsupportedParallelError`). `train.Model` reads it too:
   any mode but ``STAND_ALONE`` runs its train step through `AutoParallel`.
 - ``dataset_strategy``: the wrapper's dataset strategy unless ``dataset_strategy()`` is called.
 - ``device_num``: when set, must equal the job's world size at plan time (`check_device_num`).
@@ -165,7 +166,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     Args:
         parallel_mode: a `ParallelMode` value (default ``"stand_alone"``).
         search_mode: ``"recursive_programming"`` (default), ``"sharding_propagation"`` or
-            ``"dynamic_programming"`` (for ``AUTO_PARALLEL``, not supported yet).
+            ``"dynamic_programming"`` (for ``AUTO_PARALLEL``; the last is not supported).
         device_num: the job's size, an int in [1, 4096]; checked against the world size when
             `AutoParallel` plans. Default None (not checked).
         dataset_strategy: ``"data_parallel"`` (default), ``"full_batch"`` or one int tuple /

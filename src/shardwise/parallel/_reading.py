@@ -61,7 +61,7 @@ class PlanReading:
             why = "nothing planned yet" if plan is None else f"a {plan.mode} plan"
             raise ValueError(
                 f"AutoParallel.explain: no explained plan ({why}); explanations come from "
-                f"parallel_mode='sharding_propagation'"
+                f"parallel_mode='sharding_propagation' or 'recursive_programming'"
             )
         if name not in plan.explained:
             near = difflib.get_close_matches(name, list(plan.explained), n=5, cutoff=0.3)
