@@ -13,6 +13,8 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.planner import (
+    CostModel,
+    ParallelPlan,
     PlanError,
     capture,
     plan_cost,
@@ -68,16 +70,29 @@ def test_search_is_never_costlier_than_propagation_on_seed002() -> None:
     assert searched.explained["relu/ReLU"].source == "propagated from matmul/MatMul (annotated)"
 
 
+def _held(plan: ParallelPlan) -> float:
+    """The bytes one rank holds under `plan`, as the search counts them."""
+    return plan_cost(plan).memory / CostModel().memory_s_per_byte
+
+
 def test_the_memory_cap_constrains_the_search() -> None:
-    g = _graph(_mlp(256), 64, 256)
+    """A cap between the least memory any plan needs and what the free optimum holds gives
+    another plan, under the cap; a cap below every plan's need is a PlanError naming it."""
+    g = _graph(_mlp(256), 1024, 256)
     free = plan_recursive_programming(g, 4)
+    least = _held(plan_recursive_programming(g, 4, model=CostModel(memory_s_per_byte=1e-3)))
+    assert least < _held(free)
+    cap = int((least + _held(free)) / 2)
     try:
-        sw.runtime.set_memory(1024)
+        sw.runtime.set_memory(cap)
+        capped = plan_recursive_programming(g, 4)
+        assert _held(capped) <= cap and capped.strategies() != free.strategies()
+        assert plan_cost(capped).total >= plan_cost(free).total
+        sw.runtime.set_memory(int(least) - 1)
         with pytest.raises(PlanError, match=r"no plan fits the set_memory cap of .* least memory"):
             plan_recursive_programming(g, 4)
     finally:
         sw.runtime.set_memory(None)
-    assert free.params
 
 
 def test_a_searched_plan_trains_like_one_device() -> None:
