@@ -76,9 +76,12 @@ def _fake_capture() -> None:
 def _dtensor_rules() -> None:
     from torch.distributed.tensor import Shard
 
-    from shardwise.ops._dtensor import Spec, mesh_of, propagate, rule_count
+    from shardwise.ops._dtensor import Spec, _propagator, mesh_of, propagate, rule_count
 
     assert rule_count() > 1000  # DTensor's sharding strategies (about 1,160 overloads)
+    # (the per-mesh-dim registry, asked one mesh dim at a time by _dtensor._per_axis)
+    single = _propagator().op_single_dim_strategy_funcs
+    assert torch.ops.aten.add.Tensor in single and len(single) > 900
     mesh = mesh_of((2,), ("g0",), (0, 1))  # no process group
     x = Spec((Shard(0),), (8, 16, 64), (1024, 64, 1), "float32")
     ins, outs = propagate(torch.ops.aten.view.default, (x, [-1, 64]), {}, mesh)

@@ -7,7 +7,15 @@ it (checked by tests/test_torch_private_apis.py).
 - `mesh_of`: a `DeviceMesh` of a device matrix's shape built without any process group.
 - `has_rule`: whether DTensor knows an aten op.
 - `propagate`: the placements DTensor wants for an op's tensor arguments, given theirs, and the
-  placements of its outputs.
+  placements of its outputs. Answers are memoized per query (`_memo`: the op, the mesh shape,
+  every argument in hashable form), so repeated layers and repeated plans ask DTensor once.
+- `_per_axis`: the fast path of `propagate` on a mesh of several dims for an op DTensor
+  describes per mesh dim (``op_single_dim_strategy_funcs``, whose full-mesh strategies are the
+  cartesian product of single-dim ones): each mesh dim is asked on a 1-D mesh of its size
+  (memoized too, so shared by every matrix with a dim of that size). When every dim keeps its
+  input placements, the full-mesh answer is their combination (DTensor prefers a strategy that
+  moves nothing, and the product of the single-dim ones is one), once the combined placements
+  split every dim evenly; otherwise the full mesh is asked as before.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.utils import _pytree as pytree
@@ -67,15 +75,39 @@ def _spec(mesh: DeviceMesh, s: Spec) -> DTensorSpec:
     return DTensorSpec(mesh, s.placements, meta)
 
 
+Answer = tuple[list[Placements], list[Placements | None]]
+_memo: dict[object, Answer] = {}
+_MEMO_MAX = 200_000
+
+
+def _hashable(args: Sequence[Any], kwargs: Mapping[str, Any]) -> object | None:
+    """The arguments as a hashable key (each `Spec` as its fields), None when one is not."""
+    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    key = tuple(
+        (x.placements, x.shape, x.stride, x.dtype) if isinstance(x, Spec) else x for x in leaves
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return (str(tree), key)
+
+
 def propagate(
-    op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: DeviceMesh
-) -> tuple[list[Placements], list[Placements | None]]:
-    """DTensor's choice for one aten call.
+    op: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    mesh: DeviceMesh,
+    out_shapes: Sequence[Sequence[int]] | None = None,
+) -> Answer:
+    """DTensor's choice for one aten call (memoized; see the module docstring).
 
     Args:
         op: the aten overload.
         args / kwargs: its arguments, each tensor given as a `Spec`.
         mesh: from `mesh_of`.
+        out_shapes: the global shape of each tensor output, when known: it lets an op DTensor
+            describes per mesh dim be asked per dim (`_per_axis`).
 
     Returns:
         (the placements each `Spec` argument must have, in pytree order; the placements of each
@@ -84,6 +116,30 @@ def propagate(
     Raises:
         RuntimeError / NotImplementedError: DTensor's own (no rule; an uneven split it refuses).
     """
+    key = _hashable(args, kwargs)
+    if key is not None:
+        key = (op, tuple(mesh.shape), key)
+        hit = _memo.get(key)
+        if hit is not None:
+            return hit
+    answer = None
+    if (
+        mesh.ndim > 1
+        and out_shapes is not None
+        and op in _propagator().op_single_dim_strategy_funcs
+    ):
+        answer = _per_axis(op, args, kwargs, mesh, out_shapes)
+    if answer is None:
+        answer = _full(op, args, kwargs, mesh)
+    if key is not None:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        _memo[key] = answer
+    return answer
+
+
+def _full(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: DeviceMesh) -> Answer:
+    """Ask DTensor's propagator on the whole mesh."""
     a, k = pytree.tree_map_only(Spec, lambda s: _spec(mesh, s), (tuple(args), dict(kwargs)))
     p = _propagator()
     # (as DTensor's dispatcher does: the schema info makes the non-tensor arguments, such as a
@@ -105,3 +161,63 @@ def propagate(
         [tuple(s.placements) for s in wanted],
         [None if s is None else tuple(s.placements) for s in flat],
     )
+
+
+def _per_axis(
+    op: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    mesh: DeviceMesh,
+    out_shapes: Sequence[Sequence[int]],
+) -> Answer | None:
+    """The full-mesh answer combined from one 1-D answer per mesh dim, or None when some dim
+    would move an input, a placement is not a plain one, or a combined split is uneven."""
+    given = [s for s in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(s, Spec)]
+    if not all(type(p) in _PLAIN for s in given for p in s.placements):
+        return None
+    outs: list[list[Placement] | None] = []
+    for m, size in enumerate(mesh.shape):
+        sub = mesh_of((size,), ("d",), tuple(range(size)))
+        one = functools.partial(_axis, m=m)
+        a, k = pytree.tree_map_only(Spec, one, (tuple(args), dict(kwargs)))
+        try:
+            ins, got = propagate(op, a, k, sub)
+        except (RuntimeError, NotImplementedError, ValueError, AssertionError):
+            return None
+        if ins != [(s.placements[m],) for s in given]:
+            return None
+        if m == 0:
+            outs = [None if o is None else [] for o in got]
+        if len(got) != len(outs) or len(got) != len(out_shapes):
+            return None
+        for j, o in enumerate(got):
+            row = outs[j]
+            if (o is None) != (row is None):
+                return None
+            if o is not None and row is not None:
+                row.append(o[0])
+    placed = [tuple(o) if o is not None else None for o in outs]
+    tensors = [(s.shape, s.placements) for s in given]
+    tensors += [(tuple(sh), p) for sh, p in zip(out_shapes, placed, strict=True) if p is not None]
+    if not all(_even(shape, p, tuple(mesh.shape)) for shape, p in tensors):
+        return None
+    return [s.placements for s in given], placed
+
+
+_PLAIN = (Shard, Replicate, Partial)
+
+
+def _axis(s: Spec, m: int) -> Spec:
+    return Spec((s.placements[m],), s.shape, s.stride, s.dtype)
+
+
+def _even(shape: Sequence[int], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether every dim that `placements` split divides evenly into at least one element."""
+    for d, size in enumerate(shape):
+        n = 1
+        for p, axis in zip(placements, mesh_shape, strict=True):
+            if isinstance(p, Shard) and p.dim % max(len(shape), 1) == d:
+                n *= axis
+        if n > 1 and (size < n or size % n):
+            return False
+    return True

@@ -157,9 +157,15 @@ def rule_source(op: Any) -> str:
 
 
 def decide(
-    op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: Any, ndim: int
+    op: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    mesh: Any,
+    ndim: int,
+    out_shapes: Sequence[Sequence[int]] | None = None,
 ) -> Decision:
-    """The `Decision` for one aten call whose tensor arguments are `Arg`s.
+    """The `Decision` for one aten call whose tensor arguments are `Arg`s (`out_shapes`: its
+    tensor outputs' global shapes, when known: DTensor is then asked per mesh dim where it can).
 
     Raises:
         RuntimeError: DTensor refuses the placements (an uneven split); the planner turns it
@@ -171,7 +177,7 @@ def decide(
         return own(list(args) + list(kwargs.values()), ndim)
     if has_rule(op):
         try:
-            ins, outs = propagate(op, args, kwargs, mesh)
+            ins, outs = propagate(op, args, kwargs, mesh, out_shapes)
             return Decision(tuple(ins), tuple(outs), "dtensor")
         except NotImplementedError:
             pass

@@ -100,6 +100,7 @@ def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
     nbrs = problem.neighbours()
     fixed = set(run.fixed)
     out: dict[str, Explanation] = {}
+    sources = _sources(graph, run, fixed, nbrs)
     for node in graph.nodes:
         v = var[("node", node.index)]
         choices = run.choices.nodes[node.index]
@@ -119,26 +120,30 @@ def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
         chosen = next(a for a in alts if a.chosen)
         if chosen not in ranked:
             ranked[-1] = chosen
-        source = "annotated" if v in fixed else _source(graph, run, v, fixed, nbrs)
+        source = "annotated" if v in fixed else sources[v]
         out[node.name] = Explanation(node.name, chosen.strategy, source, tuple(ranked))
     return out
 
 
-def _source(
-    graph: Graph, run: Propagation, start: int, fixed: set[int], nbrs: list[list[int]]
-) -> str:
-    """The nearest annotated op along the graph's links (breadth first), or the dataset."""
+def _sources(graph: Graph, run: Propagation, fixed: set[int], nbrs: list[list[int]]) -> list[str]:
+    """Per variable: the nearest annotated op along the graph's links, or the dataset (one
+    breadth-first search from all of them at once; an annotated op first at equal distance)."""
     variables, anchored = run.variables, run.problem.anchored
-    seen, queue = {start}, deque([start])
+    label: list[str | None] = [None] * len(variables)
+    queue: deque[int] = deque()
+    for v in sorted(fixed):
+        _, key = variables[v]
+        label[v] = f"propagated from {graph.nodes[int(key)].name} (annotated)"
+        queue.append(v)
+    for v in sorted(anchored):
+        if label[v] is None:
+            label[v] = "propagated from the dataset strategy (the inputs' placement)"
+            queue.append(v)
     while queue:
         v = queue.popleft()
-        if v in fixed:
-            _, key = variables[v]
-            return f"propagated from {graph.nodes[int(key)].name} (annotated)"
-        if v in anchored:
-            return "propagated from the dataset strategy (the inputs' placement)"
         for u in nbrs[v]:
-            if u not in seen:
-                seen.add(u)
+            if label[u] is None:
+                label[u] = label[v]
                 queue.append(u)
-    return "no annotation reaches it: the cheapest on its own"
+    alone = "no annotation reaches it: the cheapest on its own"
+    return [x if x is not None else alone for x in label]

@@ -112,7 +112,8 @@ class _Follow:
             }
             a, k = pytree.tree_map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
             try:
-                dec = decide(call.op, a, k, self.mesh, self.ndim)
+                shapes = [o.info.shape for o in call.outputs]
+                dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
             except (RuntimeError, ValueError, AssertionError) as e:
                 raise self._error(node, call.op, e) from None
             sources.add(dec.source)

@@ -19,7 +19,9 @@ that makes the whole graph's redistributions cheapest.
    of mesh axes whose placement a value changes on an edge, where a partial axis that splits
    the value's last dim counts as kept (relu after ``MatMul((2, 4), (4, 1))`` takes ``(2, 4)``:
    the contraction's axis splits the hidden dim, the batch keeps its axis).
-4. `_solve.solve`: exact (tree DP, else an ILP through HiGHS).
+4. `_solve.solve`: exact (tree DP, else an ILP through HiGHS), on the problem whose repeated
+   layers' variables are tied (`_tie.solve_tied`: one variable per layer-index pattern, so the
+   problem does not grow with depth; exact among the plans whose layers decide alike).
 5. `_semi_auto.walk` with the chosen strategies: the primitives' plans (rule
    ``"propagated"``), the torch ops' placements, the parameters' storage.
 """
@@ -50,6 +52,7 @@ from shardwise.planner._placement import (
 from shardwise.planner._plan import ParallelPlan, Placed
 from shardwise.planner._semi_auto import Setup, setup, walk
 from shardwise.planner._solve import Cost, Problem, add, greedy, solve
+from shardwise.planner._tie import layer_keys, solve_tied
 
 
 def changes(
@@ -207,15 +210,19 @@ def propagate(
     extra_matrices: Sequence[Shape] = (),
     model: CostModel | None = None,
     method: str = "exact",
+    tie_layers: bool = True,
 ) -> Propagation:
     """Choose every unannotated op's strategy (steps 1-4 of the module docstring; `method`
-    ``"greedy"``: MindSpore's breadth-first propagation instead of the exact solution)."""
+    ``"greedy"``: MindSpore's breadth-first propagation instead of the exact solution;
+    `tie_layers`: repeated layers decide alike, `_tie`)."""
     s = setup(graph, device_num, dataset, param_layouts, extra_matrices, annotated_only=True)
     choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
     _check_shared(graph, s, choices)
     problem, variables = _Builder(graph, s, choices, model or load_cost_model()).problem()
     if method == "greedy":
         assignment, how = greedy(problem), "greedy"
+    elif tie_layers:
+        assignment, how = solve_tied(problem, layer_keys(graph, choices, variables))
     else:
         assignment, how = solve(problem)
     annotated = set(s.prims) | set(s.planner.pinned)

@@ -19,8 +19,10 @@ in sharding propagation); nothing needs to be annotated.
    (its data-parallel synchronization, once a step). With ``sw.runtime.set_memory`` the chosen
    candidates' memory must also fit under the cap (an ILP row; a plan that cannot is a
    `PlanError` naming the least memory any plan needs).
-4. `_solve.solve` per matrix (exact), the cheapest matrix wins; `_semi_auto.walk` builds the
-   plan (mode ``"recursive_programming"``), with `_explain` explanations.
+4. `_solve.solve` per matrix (exact; repeated layers tied, `_tie.solve_tied`, so they decide
+   alike and the problem does not grow with depth), the cheapest matrix wins;
+   `_semi_auto.walk` builds the plan (mode ``"recursive_programming"``), with `_explain`
+   explanations.
 
 `plan_cost` prices any `ParallelPlan` of the graph by the same model (the data-parallel one,
 a hand-written Megatron one, a propagated one), so plans compare side by side; the search's
@@ -52,7 +54,8 @@ from shardwise.planner._plan import ParallelPlan
 from shardwise.planner._plan_cost import PARAM_COPIES, grad_sync
 from shardwise.planner._propagate import Propagation, _Builder, _check_shared, build_plan
 from shardwise.planner._semi_auto import Setup, setup
-from shardwise.planner._solve import OverCap, Problem, solve, total
+from shardwise.planner._solve import OverCap, Problem, total
+from shardwise.planner._tie import layer_keys, solve_tied
 
 
 def matrix_shapes(device_num: int) -> list[Shape]:
@@ -134,8 +137,10 @@ def search(
     param_layouts: Mapping[str, TensorLayout] | None = None,
     extra_matrices: Sequence[Shape] = (),
     model: CostModel | None = None,
+    tie_layers: bool = True,
 ) -> Searched:
-    """Steps 1-4 of the module docstring, without building the plan."""
+    """Steps 1-4 of the module docstring, without building the plan (`tie_layers`: repeated
+    layers decide alike, `_tie`)."""
     model = model or load_cost_model()
     cap = runtime.get_memory()
     annotated = _annotated(graph, param_layouts, dataset, extra_matrices)
@@ -156,8 +161,9 @@ def search(
             problem.cap = cap
             if floor > cap:
                 continue
+        keys = layer_keys(graph, choices, variables) if tie_layers else [None] * len(variables)
         try:
-            assignment, how = solve(problem)
+            assignment, how = solve_tied(problem, keys)
         except OverCap:
             continue
         cost = total(problem, assignment)[0] / 1e9

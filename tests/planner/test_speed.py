@@ -1,0 +1,139 @@
+"""The automatic planners' shortcuts give what the long way gives.
+
+- Tied layers (`planner._tie`): on a 2- and 3-layer GPT-2 the tied plan equals the untied one
+  (propagation on a 2-D matrix, and the search), and its cost is the untied optimum; on random
+  problems the tied optimum equals brute force over tied assignments.
+- DTensor asked per mesh dim (`ops._dtensor._per_axis`): on every aten call a GPT-2 plan asks
+  about, on 2-D meshes, the combined per-dim answer (when there is one) equals DTensor's
+  full-mesh answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from tests.zoo import GPT2
+from torch.utils import _pytree as pytree
+
+import shardwise.ops._dtensor as dt
+import shardwise.ops.aten_rules as rules
+from shardwise.planner import capture
+from shardwise.planner._propagate import build_plan, propagate
+from shardwise.planner._search import search
+from shardwise.planner._solve import solve, total
+from shardwise.planner._tie import _pattern, tie, untie
+
+from .test_propagate import _random_problem
+
+
+def _gpt(n_layer: int, batch: int = 4):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    net = GPT2(n_layer=n_layer, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    ids = torch.zeros(batch, 16, dtype=torch.long)
+    return capture(net, ids, ids)
+
+
+def test_layer_patterns() -> None:
+    assert _pattern("transformer.h.3.attn.c_attn/linear") == "transformer.h.*.attn.c_attn/linear"
+    assert _pattern("transformer.h.11/add_1") == "transformer.h.*/add_1"
+    assert _pattern("transformer.h.2.ln_1.weight") == "transformer.h.*.ln_1.weight"
+    assert _pattern("0/linear") == "*/linear"
+    assert _pattern("transformer.wte/embedding") is None
+    assert _pattern("attn/view_1") is None
+
+
+@pytest.mark.parametrize("n_layer", [2, 3])
+def test_tied_layers_plan_as_untied_propagation(n_layer: int) -> None:
+    graph = _gpt(n_layer)
+    runs = [propagate(graph, 4, extra_matrices=[(2, 2)], tie_layers=tied) for tied in (True, False)]
+    assert runs[0].assignment == runs[1].assignment
+    assert total(runs[0].problem, runs[0].assignment) == total(runs[1].problem, runs[1].assignment)
+    plans = [build_plan(graph, r) for r in runs]
+    assert plans[0].strategies() == plans[1].strategies()
+
+
+def test_tied_layers_search_as_untied() -> None:
+    graph = _gpt(2)
+    tied, untied = (search(graph, 4, tie_layers=t) for t in (True, False))
+    assert tied.totals == untied.totals
+    assert tied.run.assignment == untied.run.assignment
+
+
+def test_tied_problem_is_exact_for_tied_assignments() -> None:
+    rng = random.Random(7)
+    for _ in range(30):
+        p = _random_problem(rng, rng.randint(3, 7), 2)
+        # tie variables of equal domains pairwise, at random
+        keys: list[object | None] = [None] * len(p.domains)
+        for v in range(len(p.domains)):
+            for u in range(v):
+                if p.domains[u] == p.domains[v] and keys[u] is not None and rng.random() < 0.5:
+                    keys[v] = keys[u]
+                    break
+            else:
+                keys[v] = ("k", v) if rng.random() < 0.7 else None
+        small, group = tie(p, keys)
+        choice = untie(solve(small)[0], group)
+        best = min(
+            total(p, untie(a, group)) for a in itertools.product(*(range(d) for d in small.domains))
+        )
+        assert total(p, choice) == best
+        assert all(
+            choice[v] == choice[u]
+            for u in range(len(p.domains))
+            for v in range(u)
+            if group[u] == group[v]
+        )
+
+
+def _queries(matrix: tuple[int, int]) -> list[tuple]:  # type: ignore[type-arg]
+    """Every (op, args, kwargs, out_shapes) a 1-layer propagation on `matrix` asks DTensor."""
+    seen: list[tuple] = []  # type: ignore[type-arg]
+    real = rules.propagate
+
+    def spy(op, args, kwargs, mesh, out_shapes=None):  # type: ignore[no-untyped-def]
+        if mesh.ndim == 2 and out_shapes is not None:
+            seen.append((op, args, kwargs, out_shapes))
+        return real(op, args, kwargs, mesh, out_shapes)
+
+    rules.propagate = spy  # type: ignore[assignment]
+    try:
+        n = matrix[0] * matrix[1]
+        propagate(_gpt(1, batch=n), n, extra_matrices=[matrix], tie_layers=False)
+    finally:
+        rules.propagate = real  # type: ignore[assignment]
+    return seen
+
+
+def _placing(wanted):  # type: ignore[no-untyped-def]
+    def place(s: dt.Spec) -> dt.Spec:
+        return dt.Spec(next(wanted), s.shape, s.stride, s.dtype)
+
+    return place
+
+
+@pytest.mark.parametrize("matrix", [(2, 2), (2, 4)])
+def test_per_axis_answers_equal_dtensors_full_mesh(matrix: tuple[int, int]) -> None:
+    """Each query as asked, and again with its inputs placed as DTensor wants them (the case
+    the per-dim answer serves): wherever `_per_axis` answers, DTensor's full mesh agrees."""
+    n = matrix[0] * matrix[1]
+    mesh = dt.mesh_of(matrix, ("a", "b"), tuple(range(n)))
+    single = dt._propagator().op_single_dim_strategy_funcs
+    checked = 0
+    for op, args, kwargs, shapes in _queries(matrix):
+        if op not in single:
+            continue
+        try:
+            ins, _ = dt._full(op, args, kwargs, mesh)
+        except (RuntimeError, NotImplementedError):
+            continue
+        moved = pytree.tree_map_only(dt.Spec, _placing(iter(ins)), (tuple(args), dict(kwargs)))
+        for a, k in ((args, kwargs), moved):
+            got = dt._per_axis(op, a, k, mesh, shapes)
+            if got is not None:
+                assert got == dt._full(op, a, k, mesh), (op, a, k)
+                checked += 1
+    assert checked > 20
