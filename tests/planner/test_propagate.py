@@ -19,7 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.planner import PlanError, capture, plan_semi_auto, plan_sharding_propagation
+from shardwise.planner import (
+    PlanError,
+    capture,
+    plan_recursive_programming,
+    plan_semi_auto,
+    plan_sharding_propagation,
+)
 from shardwise.planner._solve import Problem, brute_force, greedy, solve, total
 from shardwise.report import format_plan_execute
 
@@ -278,3 +284,32 @@ def test_propagation_through_common_patterns() -> None:
     assert got["bmm/BatchMatMul"] == ((2, 4, 1, 1), (2, 4, 1, 1))
     assert got["softmax/Softmax"] == ((2, 4, 1, 1),)
     assert [e for e in plan.edges if e.consumer > 4 and e.steps] == []  # (heads never move)
+
+
+class Chain(nn.Module):
+    """A parameter through four elementwise ops into a MatMul annotated to split its input's
+    columns (and a buffer and a constant read by torch ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(8, 16))
+        self.w = nn.Parameter(torch.randn(16, 16))
+        self.register_buffer("scale", torch.ones(16))
+        self.offset = torch.ones(16)  # (a constant the capture records)
+        self.mm = sw.ops.MatMul().shard(((1, 4), (4, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(torch.tanh(torch.relu(self.p * 2.0)))
+        out: torch.Tensor = self.mm(h, self.w) * self.scale + self.offset + x
+        return out
+
+
+def test_annotations_propagate_backwards_through_chains() -> None:
+    """The MatMul's column split travels back through sigmoid, tanh, relu and the scaling to
+    the parameter's storage (each op computes a quarter; no move anywhere); buffers and
+    constants read by torch ops are whole on every rank."""
+    graph = capture(Chain(), torch.zeros(8, 16))
+    for plan in (plan_sharding_propagation(graph, 4), plan_recursive_programming(graph, 4)):
+        got = plan.strategies()
+        assert got["mul"] == got["relu"] == got["tanh"] == got["sigmoid"] == ((1, 4),)
+        assert plan.params["p"].layout.dims == ((), (0,))

@@ -15,10 +15,10 @@ in_strategy. `Choices.build` makes them in graph order:
   the matrix's axes (`value_placements`), its storage chosen with its consumers; inputs,
   buffers and constants keep the one placement they arrive in.
 
-After the forward pass, `Choices.build` asks each torch op once more for the placements its
-consumers' choices want of its output (`_wanted`: the op's inputs given that placement where
-their shape is the output's), and runs the forward pass again so that the consumers see the
-new outputs: annotations propagate backwards as well as forwards.
+After the forward pass, `Choices.build` asks each torch op for the placements its consumers'
+choices want of its output (`_wanted`: the op's inputs given that placement where their shape
+is the output's) and runs the forward pass again, until no op is asked for a new placement:
+annotations propagate backwards as well as forwards, through chains of ops.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate, Shard
+from torch.utils import _pytree as pytree
 
 from shardwise.layout import TensorLayout, refine
 from shardwise.ops import OpPlan, Strategy
 from shardwise.ops._candidates import candidate_strategies
 from shardwise.planner._annotated import RESHARD, reshard_layout
-from shardwise.planner._graph import Graph, Node, Ref
+from shardwise.planner._graph import AtenArg, Graph, Node, Ref
 from shardwise.planner._placement import (
     Placements,
     PlanError,
@@ -48,6 +49,8 @@ from shardwise.planner._plan import Placed
 if TYPE_CHECKING:
     from shardwise.planner._semi_auto import _Planner
 
+BACKWARD_PASSES = 16
+"""Most backward passes of `Choices.build` (a wanted placement travels one op per pass)."""
 MAX_COMBOS = 64
 """Most input-placement combinations a torch op is followed from (beyond: `Choices._combos`)."""
 
@@ -134,7 +137,9 @@ class Choices:
         self._signatures: dict[int, object] = {}
 
     def build(self) -> Choices:
-        """Make every node's and parameter's candidates (forward, backward, forward again)."""
+        """Make every node's and parameter's candidates: forward, then backward passes (the
+        placements consumers want, each followed by a forward pass) until no op is asked for a
+        new placement, at most `BACKWARD_PASSES` times."""
         for name, info in self.graph.params.items():
             if name in self.given:
                 placed = Placed(refine(self.given[name], self.p.matrix))
@@ -142,8 +147,13 @@ class Choices:
             else:
                 self.params[name] = value_placements(self.p, info.shape)
         self._forward()
-        wanted = self._wanted()
-        if wanted:
+        tried: set[tuple[int, Placements]] = set()
+        for _ in range(BACKWARD_PASSES):  # (a want travels one op back per pass)
+            wanted = {k: [w for w in ws if (k, w) not in tried] for k, ws in self._wanted().items()}
+            wanted = {k: ws for k, ws in wanted.items() if ws}
+            if not wanted:
+                break
+            tried |= {(k, w) for k, ws in wanted.items() for w in ws}
             self._forward(wanted)
         return self
 
@@ -233,13 +243,28 @@ class Choices:
 
     def _signature(self, node: Node) -> object:
         """What a node's choices depend on: its op, its inputs' and outputs' global metadata
-        and its call's other arguments (equal for the same op in repeated layers)."""
+        and its call's other arguments, which inputs are the same value, the inputs' strides
+        (equal for the same op in repeated layers)."""
         if node.index not in self._signatures:
             infos = tuple(self.graph.info(r) for r in node.inputs)
+            aliases = tuple(node.inputs.index(r) for r in node.inputs)  # (a value read twice)
+            strides = tuple(
+                (x.index, x.stride)
+                for call in node.aten
+                for x in pytree.tree_leaves((call.args, dict(call.kwargs)))
+                if isinstance(x, AtenArg) and x.kind == "in"
+            )
             args = repr((node.args, sorted(node.kwargs.items())))
             if node.is_primitive:
                 args += repr(node.target.op_args(**dict(node.kwargs)))
-            self._signatures[node.index] = (node.op, infos, node.outputs, args)
+            self._signatures[node.index] = (
+                node.op,
+                infos,
+                node.outputs,
+                args,
+                aliases,
+                strides,
+            )
         return self._signatures[node.index]
 
     def _primitive(self, node: Node) -> list[Choice]:

@@ -255,6 +255,10 @@ def setup(
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
     p = _Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
+    for name, info in graph.buffers.items():  # (whole on every rank, known before planning)
+        p.state[Ref("buffer", name)] = replicated(matrix, len(info.shape))
+    for i, info in enumerate(graph.consts):
+        p.state[Ref("const", i)] = replicated(matrix, len(info.shape))
     pinned: dict[str, TensorLayout] = {}
     for index, (_, layouts) in forms.items():
         for name, layout in p.pin(graph.nodes[index], layouts).items():
@@ -278,10 +282,6 @@ def walk(
     matrix = p.matrix
     for name, layout in params.items():
         p.state[Ref("param", name)] = Placed(layout)
-    for name, info in graph.buffers.items():
-        p.state[Ref("buffer", name)] = replicated(matrix, len(info.shape))
-    for i, info in enumerate(graph.consts):
-        p.state[Ref("const", i)] = replicated(matrix, len(info.shape))
     for k, (key, dp) in enumerate(s.entry):
         info = graph.inputs[key]
         src = s.arrive[key]

@@ -10,7 +10,8 @@ integers, so that equal costs are exactly equal).
   (`_tree_dp`: min-sum messages from the leaves, then the argmin from the roots); any other
   graph by an integer program through SciPy's HiGHS (`_ilp`: one binary per candidate, one
   continuous variable per candidate pair with the local-polytope marginal constraints, one
-  solve per tuple component, each keeping the optimum of the ones before).
+  solve per tuple component with a zero optimality gap, each keeping the optimum of the ones
+  before, then one for the lowest candidate indices so that ties do not depend on HiGHS).
 - `greedy`: MindSpore's propagation, breadth first from the variables that are fixed (one
   candidate) or anchored (linked to a fixed value), each taking the candidate cheapest
   against its decided neighbours; the baseline the exact answer is never worse than.
@@ -282,15 +283,27 @@ def _ilp(problem: Problem) -> list[int]:
     integrality = np.zeros(n)
     integrality[:binaries] = 1
     x = None
-    for k in range(problem.width):  # lexicographic: each component keeps the ones before
-        c = _objective(problem, offsets, pair_off, n, k)
-        res = milp(c, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1))
-        if res.x is None:
+    ties = np.zeros(n)  # (last: the lowest candidate indices among the optima, as the DP)
+    for v, d in enumerate(problem.domains):
+        ties[offsets[v] : offsets[v] + d] = np.arange(d)
+    objectives = [_objective(problem, offsets, pair_off, n, k) for k in range(problem.width)]
+    for c in [*objectives, ties]:  # lexicographic: each keeps the optimum of the ones before
+        if x is not None and not c.any():
+            continue
+        res = milp(
+            c,
+            constraints=constraints,
+            integrality=integrality,
+            bounds=Bounds(0, 1),
+            options={"mip_rel_gap": 0.0},  # (exact: HiGHS stops at a 1e-4 gap by default)
+        )
+        if not res.success or res.x is None:
             if problem.cap is not None:
                 raise OverCap(problem.cap)
             raise AssertionError(f"HiGHS found no assignment: {res.message}")
         x = res.x
-        constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, float(res.fun) + 0.5))
+        slack = max(0.5, 1e-9 * abs(float(res.fun)))  # (integer costs; float rounding)
+        constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, float(res.fun) + slack))
     assert x is not None
     return [int(np.argmax(x[offsets[v] : offsets[v] + d])) for v, d in enumerate(problem.domains)]
 
@@ -298,14 +311,16 @@ def _ilp(problem: Problem) -> list[int]:
 def _objective(
     problem: Problem, offsets: list[int], pair_off: dict[tuple[int, int], int], n: int, k: int
 ) -> np.ndarray:
-    """Component `k` of every candidate's and candidate pair's cost, as the ILP's vector."""
+    """Component `k` of every candidate's and candidate pair's cost, as the ILP's vector, each
+    variable's and each pair's costs less their least (a constant per factor: the same
+    optimum, and small numbers that HiGHS compares exactly)."""
     c = np.zeros(n)
     for v, d in enumerate(problem.domains):
-        for i in range(d):
-            c[offsets[v] + i] = problem.unary[v][i][k]
+        costs = [problem.unary[v][i][k] for i in range(d)]
+        low = min(costs)
+        c[offsets[v] : offsets[v] + d] = [x - low for x in costs]
     for (u, v), base in pair_off.items():
-        dv = problem.domains[v]
-        for i, row in enumerate(problem.pairs[(u, v)]):
-            for j, cost in enumerate(row):
-                c[base + i * dv + j] = cost[k]
+        flat = [cost[k] for row in problem.pairs[(u, v)] for cost in row]
+        low = min(flat)
+        c[base : base + len(flat)] = [x - low for x in flat]
     return c
