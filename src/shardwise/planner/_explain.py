@@ -39,12 +39,14 @@ class Alternative:
     compute: int
     memory: int
     chosen: bool = False
+    compute_s: float | None = None
 
     def __str__(self) -> str:
         mark = "  <- chosen" if self.chosen else ""
+        timed = f" ({self.compute_s * 1e6:.1f} us)" if self.compute_s is not None else ""
         return (
             f"{self.strategy}: comm {self.comm_s * 1e6:.1f} us, compute {self.compute} "
-            f"elements, memory {self.memory} B{mark}"
+            f"elements{timed}, memory {self.memory} B{mark}"
         )
 
 
@@ -107,6 +109,11 @@ def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
         alts = []
         for j, c in enumerate(choices):
             ns = problem.unary[v][j][0] + sum(_pair(problem, v, j, u, pick[u])[0] for u in nbrs[v])
+            compute_s = None
+            if problem.parts is not None:  # (the search: compute and memory are in its cost)
+                _, compute_ns, memory_ns = problem.parts[v][j]
+                ns -= compute_ns + memory_ns
+                compute_s = compute_ns / 1e9
             alts.append(
                 Alternative(
                     _strategy(graph, node.index, c, p.matrix),
@@ -114,15 +121,21 @@ def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
                     c.compute,
                     _memory(graph, node.index, c, p.matrix),
                     j == pick[v],
+                    compute_s,
                 )
             )
-        ranked = sorted(alts, key=lambda a: (a.comm_s, a.compute, not a.chosen))[:KEPT]
+        ranked = sorted(alts, key=lambda a: (_rank(a), a.compute, not a.chosen))[:KEPT]
         chosen = next(a for a in alts if a.chosen)
         if chosen not in ranked:
             ranked[-1] = chosen
         source = "annotated" if v in fixed else sources[v]
         out[node.name] = Explanation(node.name, chosen.strategy, source, tuple(ranked))
     return out
+
+
+def _rank(a: Alternative) -> float:
+    """What an alternative is ranked by: its communication (and, in the search, its compute)."""
+    return a.comm_s + (a.compute_s or 0.0)
 
 
 def _sources(graph: Graph, run: Propagation, fixed: set[int], nbrs: list[list[int]]) -> list[str]:

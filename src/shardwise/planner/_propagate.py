@@ -215,6 +215,8 @@ def propagate(
     """Choose every unannotated op's strategy (steps 1-4 of the module docstring; `method`
     ``"greedy"``: MindSpore's breadth-first propagation instead of the exact solution;
     `tie_layers`: repeated layers decide alike, `_tie`)."""
+    if method not in ("exact", "greedy"):
+        raise ValueError(f"propagate: method {method!r}; valid: 'exact' | 'greedy'")
     s = setup(graph, device_num, dataset, param_layouts, extra_matrices, annotated_only=True)
     choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
     _check_shared(graph, s, choices)
@@ -278,8 +280,10 @@ def plan_sharding_propagation(
 
 
 def build_plan(graph: Graph, run: Propagation, mode: str = "sharding_propagation") -> ParallelPlan:
-    """The `ParallelPlan` of a solved `Propagation` (step 5), made by `mode`."""
+    """The `ParallelPlan` of a solved `Propagation` (step 5), made by `mode`; once per run (it
+    records the decisions in the run's planner)."""
     s, p = run.setup, run.setup.planner
+    assert not p.nodes, "build_plan: a Propagation builds one plan"
     params = dict(s.given)
     for name, layout in s.pinned.items():
         params.setdefault(name, layout)

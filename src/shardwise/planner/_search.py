@@ -18,7 +18,7 @@ in sharding propagation); nothing needs to be annotated.
    at ``memory_s_per_byte``; a parameter's gradient AllReduce over the axes that replicate it
    (its data-parallel synchronization, once a step). With ``sw.runtime.set_memory`` the chosen
    candidates' memory must also fit under the cap (an ILP row; a plan that cannot is a
-   `PlanError` naming the least memory any plan needs).
+   `PlanError` naming a lower bound of the memory any plan needs).
 4. `_solve.solve` per matrix (exact; repeated layers tied, `_tie.solve_tied`, so they decide
    alike and the problem does not grow with depth), the cheapest matrix wins;
    `_semi_auto.walk` builds the plan (mode ``"recursive_programming"``), with `_explain`
@@ -72,20 +72,23 @@ class _Costs(_Builder):
     def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
         prob, variables = super().problem()
         memory: list[list[int]] = []
+        parts: list[list[tuple[int, int, int]]] = []
         for v, (kind, key) in enumerate(variables):
             if kind == "node":
                 own = [self._own(int(key), c) for c in self.choices.nodes[int(key)]]
             else:
                 own = [self._param(str(key), j) for j in range(prob.domains[v])]
             memory.append([m for _, m in own])
+            parts.append([split for split, _ in own])
             prob.unary[v] = [
-                (cost[0] + ns, 0, cost[2]) for cost, (ns, _) in zip(prob.unary[v], own, strict=True)
+                (cost[0] + sum(split), 0, cost[2])
+                for cost, (split, _) in zip(prob.unary[v], own, strict=True)
             ]
-        prob.memory = memory
+        prob.memory, prob.parts = memory, parts
         return prob, variables
 
-    def _own(self, index: int, c: Choice) -> tuple[int, int]:
-        """(ns of the choice's own collectives and compute plus its memory price, its bytes)."""
+    def _own(self, index: int, c: Choice) -> tuple[tuple[int, int, int], int]:
+        """((ns of the choice's own collectives, of its compute, its memory price), its bytes)."""
         node, m, model = self.graph.nodes[index], self.s.planner.matrix, self.model
         secs = 0.0
         if c.plan is not None:
@@ -101,24 +104,24 @@ class _Costs(_Builder):
                     secs += model.all_reduce(block, m, axes)
         shapes = [self.graph.info(r).shape for r in node.inputs]
         flops = node_flops(node.op, shapes, [o.shape for o in node.outputs])
-        secs += flops / c.split / model.flops_per_s
+        compute = flops / c.split / model.flops_per_s
         held = 0
         for placed, info in zip(c.outs, node.outputs, strict=True):
             layout = to_placed(m, placed, len(info.shape)).layout
             held += math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
-        secs += held * model.memory_s_per_byte
-        return round(secs * 1e9), held
+        priced = held * model.memory_s_per_byte
+        return (round(secs * 1e9), round(compute * 1e9), round(priced * 1e9)), held
 
-    def _param(self, name: str, j: int) -> tuple[int, int]:
-        """(ns of the parameter's gradient AllReduce over the axes that replicate it plus its
-        memory price, the bytes it holds with its gradient and optimizer state)."""
+    def _param(self, name: str, j: int) -> tuple[tuple[int, int, int], int]:
+        """((ns of the parameter's gradient AllReduce over the axes that replicate it, 0, its
+        memory price), the bytes it holds with its gradient and optimizer state)."""
         info = self.graph.params[name]
         m = self.s.planner.matrix
         layout = to_placed(m, self.choices.params[name][j], len(info.shape)).layout
         block = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
         secs = grad_sync(self.model, layout, block) if info.dtype.startswith("float") else 0.0
         held = block * PARAM_COPIES
-        return round((secs + held * self.model.memory_s_per_byte) * 1e9), held
+        return (round(secs * 1e9), 0, round(held * self.model.memory_s_per_byte * 1e9)), held
 
 
 @dataclass
@@ -174,8 +177,9 @@ def search(
     if best is None:
         raise PlanError(
             f"recursive_programming: no plan fits the set_memory cap of "
-            f"{runtime.format_size(cap or 0)}: the least memory any plan needs on a rank is "
-            f"{runtime.format_size(least or 0)}; raise the cap or use more devices"
+            f"{runtime.format_size(cap or 0)}: any plan needs at least "
+            f"{runtime.format_size(least or 0)} on a rank (the least memory of each op's and "
+            f"parameter's strategies summed); raise the cap or use more devices"
         )
     return Searched(best[1], totals)
 

@@ -58,6 +58,9 @@ class Problem:
         width: components of a `Cost`.
         memory: per variable, per candidate, bytes it holds on a rank (with `cap`).
         cap: the most bytes the chosen candidates may hold together (None: no limit).
+        parts: per variable, per candidate, what its `unary` cost's first component holds
+            besides moves: (its own collectives, compute, memory price), in ns (the search's;
+            for explanations).
     """
 
     domains: list[int]
@@ -67,6 +70,7 @@ class Problem:
     width: int = 3
     memory: list[list[int]] | None = None
     cap: int | None = None
+    parts: list[list[tuple[int, int, int]]] | None = None
 
     def zero(self) -> Cost:
         return (0,) * self.width
