@@ -135,6 +135,7 @@ class Choices:
         self._followed: dict[tuple[object, tuple[Placements, ...]], Choice | None] = {}
         self._prims: dict[object, list[Choice]] = {}
         self._signatures: dict[int, object] = {}
+        self._errors: dict[int, str] = {}  # node -> the first reason a candidate failed
 
     def build(self) -> Choices:
         """Make every node's and parameter's candidates: forward, then backward passes (the
@@ -172,8 +173,10 @@ class Choices:
                 if c not in found:
                     found.append(c)
             if not found:
+                why = self._errors.get(node.index)
                 raise PlanError(
-                    f"{node.name} ({node.op} at {node.source}): no strategy fits the device "
+                    why
+                    or f"{node.name} ({node.op} at {node.source}): no strategy fits the device "
                     f"matrix {self.p.matrix}; annotate it with shard()"
                 )
             for o in range(len(node.outputs)):
@@ -309,8 +312,9 @@ class Choices:
             try:
                 need, outs, rule = self.p._follow(node, list(have))
                 self._check(node, need, outs)
-            except (PlanError, ValueError):  # (no rule; placements no layout expresses)
+            except (PlanError, ValueError) as e:  # (no rule; placements no layout expresses)
                 self._followed[key] = None
+                self._errors.setdefault(node.index, str(e))
             else:
                 self._followed[key] = self._choice(node, need, outs, rule)
         return self._followed[key]
