@@ -125,8 +125,8 @@ def check(mode: str) -> None:
 
 def check_dp_buckets(rec: sw.CommRecorder, buckets: bool, twice: bool) -> None:
     """One AllReduce per gradient bucket and backward (`DP_BUCKETS`); with 1 MB buckets and one
-    backward, layer2's two buckets start before layer1.weight's gradient exists, layer1's
-    after, and the one holding spare.bias (no gradient) at the end."""
+    backward, layer2's two buckets start before layer1.weight's gradient exists, layer1's and
+    the one holding spare.bias (no gradient, started at the end of backward) after."""
     grads = rec.select("AllReduce", "backward")
     assert len(grads) == (4 if buckets else 1) * (2 if twice else 1), rec.summary()
     if not buckets or twice:
@@ -134,7 +134,10 @@ def check_dp_buckets(rec: sw.CommRecorder, buckets: bool, twice: bool) -> None:
     (mark,) = [t for name, t in rec.marks if name == "layer1.weight gradient"]
     start = {r.label.split(" (")[0]: r.end - r.seconds for r in grads}
     assert start["bucket 2"] < mark and start["bucket 3"] < mark, (start, mark)
-    assert mark < start["bucket 4"] < start["bucket 0"], (start, mark)
+    # (layer1's bucket and spare.bias's both start after layer1's gradient; their order is
+    # not asserted: under load layer1's bucket was once seen starting 20 us after the
+    # end-of-backward flush that starts spare.bias's)
+    assert mark < start["bucket 4"] and mark < start["bucket 0"], (start, mark)
 
 
 def check_autograd_grad() -> None:
