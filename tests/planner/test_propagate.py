@@ -313,3 +313,16 @@ def test_annotations_propagate_backwards_through_chains() -> None:
         got = plan.strategies()
         assert got["mul"] == got["relu"] == got["tanh"] == got["sigmoid"] == ((1, 4),)
         assert plan.params["p"].layout.dims == ((), (0,))
+
+
+def test_candidates_that_split_a_dim_unevenly_are_dropped() -> None:
+    """DTensor allows uneven shards (a 48-wide dim over a 32-device axis); shardwise's blocks
+    are equal, so such candidates are dropped instead of failing the plan."""
+    from ..zoo import GPT2
+
+    net = GPT2(n_layer=1, n_embd=48, n_head=4, vocab_size=64, block_size=8)
+    ids = torch.zeros(64, 8, dtype=torch.long)
+    plan = plan_sharding_propagation(capture(net, ids, ids), 64, extra_matrices=[(2, 32)])
+    for n in plan.nodes:
+        for placed, shape in zip(n.outputs, n.shapes, strict=True):
+            assert all(s % placed.layout.split_count(d) == 0 for d, s in enumerate(shape)), n

@@ -214,12 +214,15 @@ class Choices:
 
     def _check(self, node: Node, need: list[Placements], outs: list[Placements]) -> None:
         """Raise ValueError when a placement has no `TensorLayout` on the matrix (DTensor's
-        strided shards in an order the matrix cannot give)."""
+        strided shards in an order the matrix cannot give) or splits a dim unevenly (DTensor
+        allows it; shardwise's blocks are equal)."""
         m = self.p.matrix
-        for placed, ref in zip(need, node.inputs, strict=True):
-            to_placed(m, placed, len(self.graph.info(ref).shape))
-        for placed, info in zip(outs, node.outputs, strict=True):
-            to_placed(m, placed, len(info.shape))
+        infos = [self.graph.info(r) for r in node.inputs] + list(node.outputs)
+        for placed, info in zip([*need, *outs], infos, strict=True):
+            layout = to_placed(m, placed, len(info.shape)).layout
+            for d, size in enumerate(info.shape):
+                if size % layout.split_count(d):
+                    raise ValueError(f"dim {d} of size {size} splits unevenly")
 
     def _choice(
         self, node: Node, need: list[Placements], outs: list[Placements], rule: str
