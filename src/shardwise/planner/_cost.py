@@ -83,6 +83,14 @@ class CostModel:
         worst = max(axes, key=lambda a: self._of(self.beta, a))
         return self.collective("AllReduce", nbytes, group, worst)
 
+    def combine(self, kind: str, block: int, matrix: DeviceMatrix, axes: Sequence[int]) -> float:
+        """An op's own collective over `axes` on its `block`-byte output block: a
+        ReduceScatter (of the unscattered input) or an AllReduce."""
+        if kind == "ReduceScatter":
+            group = math.prod(matrix.shape[a] for a in axes)
+            return self.collective("ReduceScatter", block * group, group, axes[0])
+        return self.all_reduce(block, matrix, axes)
+
     def move(
         self,
         src: TensorLayout,

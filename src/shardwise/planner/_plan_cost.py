@@ -72,11 +72,7 @@ def _split(n: NodePlan) -> int:
 def _own(n: NodePlan, c: Collective, model: CostModel) -> float:
     m = n.outputs[c.output].layout.matrix
     block = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
-    axes = [m.names.index(a) for a in c.axes]
-    if c.kind == "ReduceScatter":
-        group = math.prod(m.shape[a] for a in axes)
-        return model.collective("ReduceScatter", block * group, group, axes[0])
-    return model.all_reduce(block, m, axes)
+    return model.combine(c.kind, block, m, [m.names.index(a) for a in c.axes])
 
 
 def plan_cost(plan: ParallelPlan, model: CostModel | None = None) -> PlanCost:

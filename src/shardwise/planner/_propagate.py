@@ -201,6 +201,34 @@ def _check_shared(graph: Graph, s: Setup, choices: Choices) -> None:
                 )
 
 
+def problem_of(
+    graph: Graph,
+    device_num: int,
+    dataset: DatasetStrategy,
+    param_layouts: Mapping[str, TensorLayout] | None,
+    extra_matrices: Sequence[Shape],
+    model: CostModel,
+    builder: type[_Builder] = _Builder,
+) -> tuple[Setup, Choices, Problem, list[tuple[str, int | str]]]:
+    """Steps 1-3 (shared with the search, whose `builder` adds its costs): the setup with the
+    annotated ops, every candidate, the `Problem` and its variables."""
+    s = setup(graph, device_num, dataset, param_layouts, extra_matrices, annotated_only=True)
+    choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
+    _check_shared(graph, s, choices)
+    problem, variables = builder(graph, s, choices, model).problem()
+    return s, choices, problem, variables
+
+
+def fixed_variables(
+    graph: Graph, s: Setup, variables: list[tuple[str, int | str]]
+) -> frozenset[int]:
+    """The variables of annotated nodes (primitives with ``shard()``, op-form annotations,
+    ``sw.reshard``): one candidate each, the user's."""
+    annotated = set(s.prims) | set(s.planner.pinned)
+    annotated |= {n.index for n in graph.nodes if n.op == RESHARD}
+    return frozenset(v for v, (k, key) in enumerate(variables) if k == "node" and key in annotated)
+
+
 def propagate(
     graph: Graph,
     device_num: int,
@@ -217,21 +245,16 @@ def propagate(
     `tie_layers`: repeated layers decide alike, `_tie`)."""
     if method not in ("exact", "greedy"):
         raise ValueError(f"propagate: method {method!r}; valid: 'exact' | 'greedy'")
-    s = setup(graph, device_num, dataset, param_layouts, extra_matrices, annotated_only=True)
-    choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
-    _check_shared(graph, s, choices)
-    problem, variables = _Builder(graph, s, choices, model or load_cost_model()).problem()
+    s, choices, problem, variables = problem_of(
+        graph, device_num, dataset, param_layouts, extra_matrices, model or load_cost_model()
+    )
     if method == "greedy":
         assignment, how = greedy(problem), "greedy"
     elif tie_layers:
         assignment, how = solve_tied(problem, layer_keys(graph, choices, variables))
     else:
         assignment, how = solve(problem)
-    annotated = set(s.prims) | set(s.planner.pinned)
-    annotated |= {n.index for n in graph.nodes if n.op == RESHARD}
-    fixed = frozenset(
-        v for v, (kind, key) in enumerate(variables) if kind == "node" and key in annotated
-    )
+    fixed = fixed_variables(graph, s, variables)
     return Propagation(s, choices, problem, variables, assignment, how, fixed)
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from shardwise import runtime
 from shardwise.layout import TensorLayout
 from shardwise.planner._annotated import RESHARD
-from shardwise.planner._choices import Choice, Choices
+from shardwise.planner._choices import Choice
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import node_flops
 from shardwise.planner._graph import Graph
@@ -52,8 +52,13 @@ from shardwise.planner._placement import (
 )
 from shardwise.planner._plan import ParallelPlan
 from shardwise.planner._plan_cost import PARAM_COPIES, grad_sync
-from shardwise.planner._propagate import Propagation, _Builder, _check_shared, build_plan
-from shardwise.planner._semi_auto import Setup, setup
+from shardwise.planner._propagate import (
+    Propagation,
+    _Builder,
+    build_plan,
+    fixed_variables,
+    problem_of,
+)
 from shardwise.planner._solve import OverCap, Problem, total
 from shardwise.planner._tie import layer_keys, solve_tied
 
@@ -97,11 +102,7 @@ class _Costs(_Builder):
                 layout = to_placed(m, c.outs[comm.output], len(info.shape)).layout
                 block = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
                 axes = [m.names.index(g) for g in _global_axes(c.plan.matrix, comm.axes, m)]
-                if comm.kind == "ReduceScatter":
-                    group = math.prod(m.shape[a] for a in axes)
-                    secs += model.collective("ReduceScatter", block * group, group, axes[0])
-                else:
-                    secs += model.all_reduce(block, m, axes)
+                secs += model.combine(comm.kind, block, m, axes)
         shapes = [self.graph.info(r).shape for r in node.inputs]
         flops = node_flops(node.op, shapes, [o.shape for o in node.outputs])
         compute = flops / c.split / model.flops_per_s
@@ -153,10 +154,9 @@ def search(
     least: int | None = None
     for shape in shapes:
         extra = [*extra_matrices, shape] if shape else list(extra_matrices)
-        s = setup(graph, device_num, dataset, param_layouts, extra, annotated_only=True)
-        choices = Choices(s.planner, graph, s.prims, {**s.given, **s.pinned}).build()
-        _check_shared(graph, s, choices)
-        problem, variables = _Costs(graph, s, choices, model).problem()
+        s, choices, problem, variables = problem_of(
+            graph, device_num, dataset, param_layouts, extra, model, _Costs
+        )
         assert problem.memory is not None
         floor = sum(min(row) for row in problem.memory)
         least = floor if least is None else min(least, floor)
@@ -172,7 +172,7 @@ def search(
         cost = total(problem, assignment)[0] / 1e9
         totals[s.planner.matrix.shape] = cost
         if best is None or cost < best[0]:
-            fixed = _fixed(graph, s, variables)
+            fixed = fixed_variables(graph, s, variables)
             best = (cost, Propagation(s, choices, problem, variables, assignment, how, fixed))
     if best is None:
         raise PlanError(
@@ -198,12 +198,6 @@ def _annotated(
         if node.is_primitive and node.target.in_strategy is not None:
             return True
     return False
-
-
-def _fixed(graph: Graph, s: Setup, variables: list[tuple[str, int | str]]) -> frozenset[int]:
-    annotated = set(s.prims) | set(s.planner.pinned)
-    annotated |= {n.index for n in graph.nodes if n.op == RESHARD}
-    return frozenset(v for v, (k, key) in enumerate(variables) if k == "node" and key in annotated)
 
 
 def plan_recursive_programming(
