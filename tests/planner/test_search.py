@@ -86,7 +86,7 @@ def test_the_memory_cap_constrains_the_search() -> None:
     try:
         sw.runtime.set_memory(cap)
         capped = plan_recursive_programming(g, 4)
-        assert _held(capped) <= cap and capped.strategies() != free.strategies()
+        assert _held(capped) <= cap < _held(free)  # (another plan: the free one holds more)
         assert plan_cost(capped).total >= plan_cost(free).total
         sw.runtime.set_memory(int(least) - 1)
         with pytest.raises(PlanError, match=r"no plan fits the set_memory cap .* needs at least"):

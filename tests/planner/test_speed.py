@@ -137,3 +137,29 @@ def test_per_axis_answers_equal_dtensors_full_mesh(matrix: tuple[int, int]) -> N
                 assert got == dt._full(op, a, k, mesh), (op, a, k)
                 checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("matrix", [(2, 2), (2, 4)])
+def test_candidate_answers_are_strategies_dtensor_accepts(matrix: tuple[int, int]) -> None:
+    """Inside `candidates` the per-dim answer may move inputs: with the inputs placed as it
+    says, DTensor's full mesh moves nothing and gives the same outputs (it is one of its
+    strategies), and outside `candidates` the answers are DTensor's own."""
+    n = matrix[0] * matrix[1]
+    mesh = dt.mesh_of(matrix, ("a", "b"), tuple(range(n)))
+    single = dt._propagator().op_single_dim_strategy_funcs
+    loose = 0
+    for op, args, kwargs, shapes in _queries(matrix):
+        if op not in single:
+            continue
+        with dt.candidates():
+            got = dt._per_axis(op, args, kwargs, mesh, shapes)
+        if got is None:
+            continue
+        ins, outs = got
+        given = [s.placements for s in pytree.tree_leaves((args, kwargs)) if isinstance(s, dt.Spec)]
+        loose += ins != given
+        placed = pytree.tree_map_only(dt.Spec, _placing(iter(ins)), (tuple(args), dict(kwargs)))
+        assert dt._full(op, *placed, mesh) == (ins, outs), (op, args, kwargs)
+        if ins != given:
+            assert dt._per_axis(op, args, kwargs, mesh, shapes) is None
+    assert loose > 5

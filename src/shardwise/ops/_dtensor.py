@@ -16,12 +16,18 @@ it (checked by tests/test_torch_private_apis.py).
   input placements, the full-mesh answer is their combination (DTensor prefers a strategy that
   moves nothing, and the product of the single-dim ones is one), once the combined placements
   split every dim evenly; otherwise the full mesh is asked as before.
+- `candidates`: a context in which `_per_axis` also answers when a dim moves an input: the
+  combination of the per-dim answers is then *a* strategy DTensor accepts (one of its full-mesh
+  products, checked even), not necessarily the one its full-mesh search would prefer. The
+  automatic planners generate candidates this way (they rank candidates by their own cost);
+  semi_auto, which follows DTensor's preference, does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +84,26 @@ def _spec(mesh: DeviceMesh, s: Spec) -> DTensorSpec:
 Answer = tuple[list[Placements], list[Placements | None]]
 _memo: dict[object, Answer] = {}
 _MEMO_MAX = 200_000
+_loose = [False]  # (inside `candidates`)
+
+
+@contextlib.contextmanager
+def candidates() -> Iterator[None]:
+    """Within it, `propagate` on a mesh of several dims answers with the combination of the
+    per-dim answers even when they move an input (module docstring); the answers are memoized
+    apart from the exact ones.
+
+    Example:
+        >>> mesh = mesh_of((2, 4), ("a", "b"), tuple(range(8)))
+        >>> with candidates():
+        ...     ins, outs = propagate(op, args, kwargs, mesh)  # doctest: +SKIP
+    """
+    before = _loose[0]
+    _loose[0] = True
+    try:
+        yield
+    finally:
+        _loose[0] = before
 
 
 def _hashable(args: Sequence[Any], kwargs: Mapping[str, Any]) -> object | None:
@@ -118,7 +144,7 @@ def propagate(
     """
     key = _hashable(args, kwargs)
     if key is not None:
-        key = (op, tuple(mesh.shape), key)
+        key = (op, tuple(mesh.shape), _loose[0] and mesh.ndim > 1, key)
         hit = _memo.get(key)
         if hit is not None:
             return hit
@@ -171,11 +197,13 @@ def _per_axis(
     out_shapes: Sequence[Sequence[int]],
 ) -> Answer | None:
     """The full-mesh answer combined from one 1-D answer per mesh dim, or None when some dim
-    would move an input, a placement is not a plain one, or a combined split is uneven."""
+    would move an input (outside `candidates`), a placement is not a plain one, or a combined
+    split is uneven."""
     given = [s for s in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(s, Spec)]
     if not all(type(p) in _PLAIN for s in given for p in s.placements):
         return None
     outs: list[list[Placement] | None] = []
+    moved = [list(s.placements) for s in given]
     for m, size in enumerate(mesh.shape):
         sub = mesh_of((size,), ("d",), tuple(range(size)))
         one = functools.partial(_axis, m=m)
@@ -184,8 +212,12 @@ def _per_axis(
             ins, got = propagate(op, a, k, sub)
         except (RuntimeError, NotImplementedError, ValueError, AssertionError):
             return None
-        if ins != [(s.placements[m],) for s in given]:
+        if len(ins) != len(given) or not all(type(p) in _PLAIN for x in ins for p in x):
             return None
+        for j, wanted in enumerate(ins):
+            if wanted != (given[j].placements[m],) and not _loose[0]:
+                return None  # (an input moves: DTensor's full mesh decides how)
+            moved[j][m] = wanted[0]
         if m == 0:
             outs = [None if o is None else [] for o in got]
         if len(got) != len(outs) or len(got) != len(out_shapes):
@@ -195,13 +227,16 @@ def _per_axis(
             if (o is None) != (row is None):
                 return None
             if o is not None and row is not None:
+                if type(o[0]) not in _PLAIN:  # (e.g. the masked partial of a vocabulary split)
+                    return None
                 row.append(o[0])
+    need = [tuple(x) for x in moved]
     placed = [tuple(o) if o is not None else None for o in outs]
-    tensors = [(s.shape, s.placements) for s in given]
+    tensors = [(s.shape, p) for s, p in zip(given, need, strict=True)]
     tensors += [(tuple(sh), p) for sh, p in zip(out_shapes, placed, strict=True) if p is not None]
     if not all(_even(shape, p, tuple(mesh.shape)) for shape, p in tensors):
         return None
-    return [s.placements for s in given], placed
+    return need, placed
 
 
 _PLAIN = (Shard, Replicate, Partial)

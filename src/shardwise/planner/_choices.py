@@ -23,18 +23,20 @@ annotations propagate backwards as well as forwards, through chains of ops.
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.utils import _pytree as pytree
 
 from shardwise.layout import TensorLayout, refine
 from shardwise.ops import OpPlan, Strategy
 from shardwise.ops._candidates import candidate_strategies
+from shardwise.ops._dtensor import candidates
 from shardwise.planner._annotated import RESHARD, reshard_layout
 from shardwise.planner._graph import AtenArg, Graph, Node, Ref
 from shardwise.planner._placement import (
@@ -132,21 +134,42 @@ class Choices:
         self.params: dict[str, list[Placements]] = {}
         self.values: dict[Ref, list[Placements]] = {}
         # by node signature (repeated layers share them)
-        self._followed: dict[tuple[object, tuple[Placements, ...]], Choice | None] = {}
+        self._followed: dict[tuple[int, tuple[Placements, ...]], Choice | str] = {}
+        self._torch: dict[object, tuple[list[Choice], str | None]] = {}
+        self._sig_ids: dict[object, int] = {}
+        self._sig_of: dict[int, int] = {}  # node -> its signature's number
+        self._known_ids: dict[Ref, int] = {}
+        self._lists: dict[tuple[int, ...], int] = {}  # ids of known placements -> number
+        self._alive: list[tuple[Placements, ...]] = []
         self._prims: dict[object, list[Choice]] = {}
         self._signatures: dict[int, object] = {}
         self._errors: dict[int, str] = {}  # node -> the first reason a candidate failed
+        self._readers: dict[int, list[int]] | None = None
+        self._canonical: dict[tuple[Choice, int], Choice] = {}
+        self._placements: dict[Placements, Placements] = {}
+        self._found_ids: dict[int, set[int]] = {}  # node -> ids of its choices
+        self._seen_ids: dict[Ref, set[int]] = {}  # value -> ids of its known placements
+        self._grown: set[int] = set()  # nodes whose choices grew since the last `_wanted`
 
     def build(self) -> Choices:
         """Make every node's and parameter's candidates: forward, then backward passes (the
         placements consumers want, each followed by a forward pass) until no op is asked for a
-        new placement, at most `BACKWARD_PASSES` times."""
+        new placement, at most `BACKWARD_PASSES` times. DTensor is asked for candidates
+        (`ops._dtensor.candidates`): on a matrix of several axes, any strategy of its rules,
+        not only the one its own search prefers."""
+        with candidates():
+            return self._build()
+
+    def _build(self) -> Choices:
+        by_shape: dict[tuple[int, ...], list[Placements]] = {}
         for name, info in self.graph.params.items():
             if name in self.given:
-                placed = Placed(refine(self.given[name], self.p.matrix))
-                self.params[name] = [placements_of(placed)]
+                given = placements_of(Placed(refine(self.given[name], self.p.matrix)))
+                self.params[name] = [self._placements.setdefault(given, given)]  # (canonical)
             else:
-                self.params[name] = value_placements(self.p, info.shape)
+                if info.shape not in by_shape:
+                    by_shape[info.shape] = value_placements(self.p, info.shape)
+                self.params[name] = by_shape[info.shape]
         self._forward()
         tried: set[tuple[int, Placements]] = set()
         for _ in range(BACKWARD_PASSES):  # (a want travels one op back per pass)
@@ -167,11 +190,25 @@ class Choices:
         return [placements_of(self.p.state[ref])]
 
     def _forward(self, wanted: Mapping[int, list[Placements]] | None = None) -> None:
-        for node in self.graph.nodes:
+        """One pass in graph order. The first visits every node; a later one (`wanted` given)
+        only the nodes asked for a placement and those whose inputs gained one since their
+        last visit: any other node's choices would come out the same."""
+        first = wanted is None
+        wanted = wanted or {}
+        queue = list(range(len(self.graph.nodes))) if first else sorted(wanted)
+        queued = set(queue)
+        readers = self._consumers()
+        while queue:  # (a min-heap of node indices: graph order)
+            node = self.graph.nodes[heapq.heappop(queue)]
             found = self.nodes.setdefault(node.index, [])
-            for c in self._node(node, (wanted or {}).get(node.index, [])):
-                if c not in found:
+            before = len(found)
+            ids = self._found_ids.setdefault(node.index, set())
+            for c in self._node(node, wanted.get(node.index, [])):  # (canonical: `_canon`)
+                if id(c) not in ids:
+                    ids.add(id(c))
                     found.append(c)
+            if len(found) > before:
+                self._grown.add(node.index)
             if not found:
                 why = self._errors.get(node.index)
                 raise PlanError(
@@ -179,12 +216,33 @@ class Choices:
                     or f"{node.name} ({node.op} at {node.source}): no strategy fits the device "
                     f"matrix {self.p.matrix}; annotate it with shard()"
                 )
+            grew = False
             for o in range(len(node.outputs)):
                 ref = Ref("node", node.index, o)
                 seen = self.values.setdefault(ref, [])
-                for c in found:
-                    if c.outs[o] not in seen:
+                seen_ids = self._seen_ids.setdefault(ref, set())
+                n = len(seen)
+                for c in found[before:]:
+                    if id(c.outs[o]) not in seen_ids:
+                        seen_ids.add(id(c.outs[o]))
                         seen.append(c.outs[o])
+                if len(seen) > n or ref not in self._known_ids:
+                    self._known_ids[ref] = self._intern(seen)
+                    grew = True
+            if grew and not first:
+                for i in readers.get(node.index, ()):
+                    if i not in queued:
+                        queued.add(i)
+                        heapq.heappush(queue, i)
+
+    def _consumers(self) -> dict[int, list[int]]:
+        """Node -> the nodes that read one of its outputs."""
+        if self._readers is None:
+            self._readers = {}
+            for node in self.graph.nodes:
+                for ref in dict.fromkeys(r for r in node.inputs if r.kind == "node"):
+                    self._readers.setdefault(int(ref.key), []).append(node.index)
+        return self._readers
 
     def _node(self, node: Node, wanted: list[Placements]) -> list[Choice]:
         """The node's choices (fixed nodes: one)."""
@@ -192,25 +250,80 @@ class Choices:
             c = self._op_choice(node, self.fixed[node.index], "user")
             if c is None:  # (the global matrix refines every fixed op's)
                 raise AssertionError(node.name)
-            return [c]
+            return [self._canon(c)]
         if node.index in self.p.pinned:
             need, outs = self.p.pinned[node.index]
-            return [self._choice(node, need, outs, "user")]
+            return [self._canon(self._choice(node, need, outs, "user"))]
         if node.op == RESHARD:
             shape = self.graph.info(node.inputs[0]).shape
             layout = reshard_layout(node, shape, self.p.device_num)
             placed = placements_of(Placed(refine(layout, self.p.matrix)))
-            return [self._choice(node, [placed], [placed], "user")]
+            return [self._canon(self._choice(node, [placed], [placed], "user"))]
         if node.is_primitive:
             return self._primitive(node)
-        out = []
-        combos = self._combos(node)
-        combos += self._from_wanted(node, wanted)
-        for have in combos:
-            c = self._follow(node, have)
-            if c is not None and c not in out:
-                out.append(c)
-        return out
+        # (what a torch op's choices depend on; repeated layers ask the same)
+        key = (
+            self._sig_id(node),
+            tuple(r.kind for r in node.inputs),
+            tuple(self._known_id(r) for r in node.inputs),
+            tuple(wanted),
+        )
+        hit = self._torch.get(key)
+        if hit is None:
+            out: list[Choice] = []
+            why: str | None = None
+            combos = self._combos(node)
+            combos += self._from_wanted(node, wanted)
+            for have in combos:
+                got = self._follow(node, have)
+                if isinstance(got, str):
+                    why = why or got
+                elif all(got is not x for x in out):  # (canonical: `_canon`)
+                    out.append(got)
+            hit = self._torch[key] = (out, why)
+        if hit[1] is not None:
+            self._errors.setdefault(node.index, hit[1])
+        return hit[0]
+
+    def _canon(self, c: Choice) -> Choice:
+        """The one object of each distinct choice, its placements one object each too: the
+        passes compare them by identity."""
+        key = (c, id(c.plan))  # (equality leaves the primitive's plan out: not here)
+        found = self._canonical.get(key)
+        if found is None:
+            need = tuple(self._placements.setdefault(p, p) for p in c.need)
+            outs = tuple(self._placements.setdefault(p, p) for p in c.outs)
+            found = self._canonical[key] = dataclasses.replace(c, need=need, outs=outs)
+        return found
+
+    def signature_id(self, node: Node) -> int:
+        """A number per distinct `_signature`: nodes with equal numbers are the same op on the
+        same global metadata (repeated layers), whose candidates mean the same."""
+        return self._sig_id(node)
+
+    def _sig_id(self, node: Node) -> int:
+        """A number per distinct `_signature`."""
+        found = self._sig_of.get(node.index)
+        if found is None:
+            sig = self._signature(node)
+            found = self._sig_of[node.index] = self._sig_ids.setdefault(sig, len(self._sig_ids))
+        return found
+
+    def _known_id(self, ref: Ref) -> int:
+        """A number per distinct list of a value's known placements (`_known`)."""
+        found = self._known_ids.get(ref)
+        if found is None:
+            found = self._known_ids[ref] = self._intern(self._known(ref))
+        return found
+
+    def _intern(self, placements: list[Placements]) -> int:
+        """A number per list of the same placement objects (kept alive, so ids stay theirs)."""
+        key = tuple(map(id, placements))
+        found = self._lists.get(key)
+        if found is None:
+            found = self._lists[key] = len(self._lists)
+            self._alive.append(tuple(placements))
+        return found
 
     def _check(self, node: Node, need: list[Placements], outs: list[Placements]) -> None:
         """Raise ValueError when a placement has no `TensorLayout` on the matrix (DTensor's
@@ -257,8 +370,8 @@ class Choices:
             strides = tuple(
                 (x.index, x.stride)
                 for call in node.aten
-                for x in pytree.tree_leaves((call.args, dict(call.kwargs)))
-                if isinstance(x, AtenArg) and x.kind == "in"
+                for x in _aten_args((call.args, tuple(call.kwargs.values())))
+                if x.kind == "in"
             )
             args = repr((node.args, sorted(node.kwargs.items())))
             if node.is_primitive:
@@ -281,7 +394,7 @@ class Choices:
                 node.target, *shapes, device_num=self.p.device_num, **dict(node.kwargs)
             )
             choices = [self._op_choice(node, op, "propagated") for _, op in found]
-            self._prims[key] = [c for c in choices if c is not None]
+            self._prims[key] = [self._canon(c) for c in choices if c is not None]
         return self._prims[key]
 
     def _combos(self, node: Node) -> list[tuple[Placements, ...]]:
@@ -309,36 +422,40 @@ class Choices:
         out.append(tuple(self.p._data_parallel_inputs(node)))
         return list(dict.fromkeys(out))
 
-    def _follow(self, node: Node, have: tuple[Placements, ...]) -> Choice | None:
-        key = (self._signature(node), have)
-        if key not in self._followed:
+    def _follow(self, node: Node, have: tuple[Placements, ...]) -> Choice | str:
+        """The choice following the node from inputs placed `have`, or why there is none."""
+        key = (self._sig_id(node), have)
+        found = self._followed.get(key)
+        if found is None:
             try:
                 need, outs, rule = self.p._follow(node, list(have))
                 self._check(node, need, outs)
             except (PlanError, ValueError) as e:  # (no rule; placements no layout expresses)
-                self._followed[key] = None
-                self._errors.setdefault(node.index, str(e))
+                found = str(e)
             else:
-                self._followed[key] = self._choice(node, need, outs, rule)
-        return self._followed[key]
+                found = self._canon(self._choice(node, need, outs, rule))
+            self._followed[key] = found
+        return found
 
     # -- backwards: what the consumers want ----------------------------------------------
     def _wanted(self) -> dict[int, list[Placements]]:
         """Torch op -> the placements of its output 0 that some consumer's choice needs and
         none of its own choices gives."""
         out: dict[int, list[Placements]] = {}
-        for node in self.graph.nodes:
+        grown, self._grown = sorted(self._grown), set()  # (the others ask again what was tried)
+        for node in (self.graph.nodes[i] for i in grown):
             for slot, ref in enumerate(node.inputs):
                 if ref.kind != "node" or ref.index != 0:
                     continue
                 producer = self.graph.nodes[int(ref.key)]
                 if producer.is_primitive or producer.index in self.fixed:
                     continue
-                have = {c.outs[0] for c in self.nodes[producer.index]}
+                have = {id(c.outs[0]) for c in self.nodes[producer.index]}
                 for c in self.nodes[node.index]:
-                    want = c.need[slot]
-                    if want not in have and want not in out.get(producer.index, []):
-                        out.setdefault(producer.index, []).append(want)
+                    want = c.need[slot]  # (canonical objects: compared by identity)
+                    asked = out.setdefault(producer.index, [])
+                    if id(want) not in have and all(want is not w for w in asked):
+                        asked.append(want)
         return out
 
     def _from_wanted(self, node: Node, wanted: list[Placements]) -> list[tuple[Placements, ...]]:
@@ -356,6 +473,18 @@ class Choices:
                 have.append(want if same else known[0])
             out.append(tuple(have))
         return out
+
+
+def _aten_args(tree: object) -> Iterator[AtenArg]:
+    """The `AtenArg`s in nested tuples / lists / dicts, in order."""
+    if isinstance(tree, AtenArg):
+        yield tree
+    elif isinstance(tree, tuple | list):
+        for x in tree:
+            yield from _aten_args(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _aten_args(x)
 
 
 def _strategy(op: OpPlan) -> Strategy:

@@ -103,27 +103,27 @@ def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
     fixed = set(run.fixed)
     out: dict[str, Explanation] = {}
     sources = _sources(graph, run, fixed, nbrs)
+    shaped: dict[tuple[int, int], tuple[tuple[tuple[int, ...], ...], int]] = {}
     for node in graph.nodes:
+        sig = run.choices.signature_id(node)
         v = var[("node", node.index)]
         choices = run.choices.nodes[node.index]
         alts = []
         for j, c in enumerate(choices):
             ns = problem.unary[v][j][0] + sum(_pair(problem, v, j, u, pick[u])[0] for u in nbrs[v])
             compute_s = None
+            key = (id(c), sig)  # (the same candidate of the same op: repeated layers)
+            if key not in shaped:
+                shaped[key] = (
+                    _strategy(graph, node.index, c, p.matrix),
+                    _memory(graph, node.index, c, p.matrix),
+                )
+            strategy, memory = shaped[key]
             if problem.parts is not None:  # (the search: compute and memory are in its cost)
                 _, compute_ns, memory_ns = problem.parts[v][j]
                 ns -= compute_ns + memory_ns
                 compute_s = compute_ns / 1e9
-            alts.append(
-                Alternative(
-                    _strategy(graph, node.index, c, p.matrix),
-                    ns / 1e9,
-                    c.compute,
-                    _memory(graph, node.index, c, p.matrix),
-                    j == pick[v],
-                    compute_s,
-                )
-            )
+            alts.append(Alternative(strategy, ns / 1e9, c.compute, memory, j == pick[v], compute_s))
         ranked = sorted(alts, key=lambda a: (_rank(a), a.compute, not a.chosen))[:KEPT]
         chosen = next(a for a in alts if a.chosen)
         if chosen not in ranked:

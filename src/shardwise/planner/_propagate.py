@@ -39,6 +39,7 @@ from shardwise.planner._annotated import RESHARD
 from shardwise.planner._choices import Choice, Choices
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._explain import explain_run
+from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._placement import (
     DatasetStrategy,
@@ -51,7 +52,7 @@ from shardwise.planner._placement import (
 )
 from shardwise.planner._plan import ParallelPlan, Placed
 from shardwise.planner._semi_auto import Setup, setup, walk
-from shardwise.planner._solve import Cost, Problem, add, greedy, solve
+from shardwise.planner._solve import Cost, Matrix, Problem, add, greedy, solve
 from shardwise.planner._tie import layer_keys, solve_tied
 
 
@@ -106,6 +107,8 @@ class _Builder:
             if name not in s.given and name not in s.pinned:
                 self.var[("param", name)] = len(self.var)
         self._moves: dict[tuple[Placements, Placements, TensorInfo, frozenset[int]], Cost] = {}
+        self._lists: dict[tuple[int, ...], int] = {}
+        self._matrices: dict[object, Matrix] = {}
 
     def move(
         self,
@@ -150,6 +153,26 @@ class _Builder:
             self._link(prob, node.index)
         return prob, variables
 
+    def _same(self, choices: Sequence[object]) -> int:
+        """A number per list of the same candidate objects (repeated layers share them)."""
+        return self._lists.setdefault(tuple(map(id, choices)), len(self._lists))
+
+    def _matrix(
+        self, theirs: Sequence[object], out: int, mine: list[Choice], slot: int, info: TensorInfo
+    ) -> Matrix:
+        """The move costs from each of `theirs` (`Choice`s: their output `out`; or parameter
+        placements) to each of `mine`'s input `slot`; memoized per list of candidates."""
+        key = (self._same(theirs), out, self._same(mine), slot, info)
+        found = self._matrices.get(key)
+        if found is None:
+            found = self._matrices[key] = [
+                [self.move(t.outs[out], c.need[slot], info, t.reduced) for c in mine]
+                if isinstance(t, Choice)
+                else [self.move(t, c.need[slot], info) for c in mine]  # type: ignore[arg-type]
+                for t in theirs
+            ]
+        return found
+
     def _link(self, prob: Problem, index: int) -> None:
         node = self.graph.nodes[index]
         v = self.var[("node", index)]
@@ -158,15 +181,11 @@ class _Builder:
             info = self.graph.info(ref)
             if ref.kind == "node":
                 q = int(ref.key)
-                theirs = self.choices.nodes[q]
-                matrix = [
-                    [self.move(t.outs[ref.index], c.need[slot], info, t.reduced) for c in mine]
-                    for t in theirs
-                ]
+                matrix = self._matrix(self.choices.nodes[q], ref.index, mine, slot, info)
                 prob.link(self.var[("node", q)], v, matrix)
             elif ref.kind == "param" and ("param", str(ref.key)) in self.var:
                 options = self.choices.params[str(ref.key)]
-                matrix = [[self.move(o, c.need[slot], info) for c in mine] for o in options]
+                matrix = self._matrix(options, 0, mine, slot, info)
                 prob.link(self.var[("param", str(ref.key))], v, matrix)
             else:
                 src = self._fixed(ref)
@@ -229,6 +248,7 @@ def fixed_variables(
     return frozenset(v for v, (k, key) in enumerate(variables) if k == "node" and key in annotated)
 
 
+@gc_paused
 def propagate(
     graph: Graph,
     device_num: int,
@@ -258,6 +278,7 @@ def propagate(
     return Propagation(s, choices, problem, variables, assignment, how, fixed)
 
 
+@gc_paused
 def plan_sharding_propagation(
     graph: Graph,
     device_num: int,
@@ -302,6 +323,7 @@ def plan_sharding_propagation(
     return build_plan(graph, run)
 
 
+@gc_paused
 def build_plan(graph: Graph, run: Propagation, mode: str = "sharding_propagation") -> ParallelPlan:
     """The `ParallelPlan` of a solved `Propagation` (step 5), made by `mode`; once per run (it
     records the decisions in the run's planner)."""

@@ -41,6 +41,7 @@ from shardwise.planner._annotated import RESHARD
 from shardwise.planner._choices import Choice
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import node_flops
+from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph
 from shardwise.planner._placement import (
     DatasetStrategy,
@@ -133,6 +134,7 @@ class Searched:
     totals: dict[Shape, float]  # matrix shape -> its best plan's cost in seconds
 
 
+@gc_paused
 def search(
     graph: Graph,
     device_num: int,
@@ -200,6 +202,7 @@ def _annotated(
     return False
 
 
+@gc_paused
 def plan_recursive_programming(
     graph: Graph,
     device_num: int,

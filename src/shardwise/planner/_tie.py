@@ -8,8 +8,9 @@ problem they solve has one variable per tied group and its size does not grow wi
 - `layer_keys`: the tie key of every variable of a `_propagate.Propagation`-style problem: a
   node's name, or a parameter's, with every numeric module-path component replaced by ``*``
   (``transformer.h.*.attn.c_attn/linear``), plus what its candidates depend on (the node's
-  signature, the parameter's shape) and the candidates themselves; None (never tied) for a
-  name with no numeric component.
+  signature, the parameter's shape) and the candidates themselves (by identity: `Choices`
+  keeps one object per distinct candidate); None (never tied) for a name with no numeric
+  component.
 - `tie`: the tied `Problem`: one variable per group of equal keys (its first member
   represents it), each group's unary costs and memory summed over its members; a pair of
   linked variables becomes a pair of their groups (matrices of pairs that land on the same two
@@ -29,9 +30,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from shardwise.planner._choices import Choices
 from shardwise.planner._graph import Graph
-from shardwise.planner._solve import Problem, add, solve
+from shardwise.planner._solve import Cost, Matrix, Problem, solve
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=[./]|$)|^\d+(?=[./])")
 
@@ -51,10 +54,11 @@ def layer_keys(
         if kind == "node":
             node = graph.nodes[int(key)]
             pattern = _pattern(node.name)
-            own: object = (choices._signature(node), tuple(choices.nodes[node.index]))
+            # (candidates are canonical objects, `Choices._canon`: equal ones are the same)
+            own: object = (choices.signature_id(node), tuple(map(id, choices.nodes[node.index])))
         else:
             pattern = _pattern(str(key))
-            own = (graph.params[str(key)], tuple(choices.params[str(key)]))
+            own = (graph.params[str(key)], tuple(map(id, choices.params[str(key)])))
         keys.append(None if pattern is None else (kind, pattern, own))
     return keys
 
@@ -71,12 +75,10 @@ def tie(problem: Problem, keys: Sequence[object | None]) -> tuple[Problem, list[
         members[g].append(v)
         group.append(g)
     domains = [problem.domains[m[0]] for m in members]
-    unary = []
-    for m in members:
-        row = list(problem.unary[m[0]])
-        for v in m[1:]:
-            row = [add(a, b) for a, b in zip(row, problem.unary[v], strict=True)]
-        unary.append(row)
+    unary = [
+        _tuples(np.asarray([problem.unary[v] for v in m], dtype=np.int64).sum(axis=0))
+        for m in members
+    ]
     tied = Problem(domains, unary, width=problem.width, cap=problem.cap)
     tied.anchored = {group[v] for v in problem.anchored}
     if problem.memory is not None:
@@ -84,9 +86,31 @@ def tie(problem: Problem, keys: Sequence[object | None]) -> tuple[Problem, list[
         tied.memory = [
             [sum(memory[v][i] for v in m) for i in range(domains[g])] for g, m in enumerate(members)
         ]
+    # (pairs that land on the same two groups are added up; repeated layers repeat the same
+    # matrix objects, so each distinct one is converted once and counted)
+    landed: dict[tuple[int, int], dict[int, tuple[Matrix, bool, list[int]]]] = {}
     for (u, v), matrix in problem.pairs.items():
-        tied.link(group[u], group[v], matrix)
+        gu, gv = group[u], group[v]
+        flip = gu > gv
+        entry = landed.setdefault((gv, gu) if flip else (gu, gv), {})
+        entry.setdefault(id(matrix) * 2 + flip, (matrix, flip, [0]))[2][0] += 1
+    for (gu, gv), entries in landed.items():
+        summed = sum(
+            (
+                np.asarray(m, dtype=np.int64).swapaxes(0, 1)
+                if flip
+                else np.asarray(m, dtype=np.int64)
+            )
+            * count[0]
+            for m, flip, count in entries.values()
+        )
+        tied.link(gu, gv, [_tuples(row) for row in summed])  # type: ignore[union-attr]
     return tied, group
+
+
+def _tuples(rows: np.ndarray) -> list[Cost]:
+    """A 2-D integer array as a list of `Cost` tuples."""
+    return [tuple(r) for r in rows.tolist()]
 
 
 def untie(assignment: Sequence[int], group: Sequence[int]) -> list[int]:
