@@ -92,6 +92,10 @@ def _dtensor_rules() -> None:
     _, folded = propagate(torch.ops.aten.view.default, (y, [128, 32]), {}, mesh)
     _, split = propagate(torch.ops.aten.view.default, (y, [8, 16, 4, 8]), {}, mesh)
     assert folded == [(Shard(1),)] and split == [(Shard(2),)], (folded, split)
+    # (a view is asked uncached without its size rewrite, which is put back afterwards)
+    p = _propagator()
+    assert callable(p.propagate_op_sharding_non_cached)
+    assert torch.ops.aten.view.default in p.op_to_shape_and_stride_idx
 
 
 def _storage_use_count() -> None:

@@ -16,6 +16,8 @@ import random
 import pytest
 import torch
 from tests.zoo import GPT2
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 import shardwise.ops._dtensor as dt
@@ -148,7 +150,7 @@ def test_candidate_answers_are_strategies_dtensor_accepts(matrix: tuple[int, int
     mesh = dt.mesh_of(matrix, ("a", "b"), tuple(range(n)))
     single = dt._propagator().op_single_dim_strategy_funcs
     loose = 0
-    for op, args, kwargs, shapes in _queries(matrix):
+    for op, args, kwargs, shapes in _queries(matrix) + _strided_queries(matrix):
         if op not in single:
             continue
         with dt.candidates():
@@ -163,3 +165,23 @@ def test_candidate_answers_are_strategies_dtensor_accepts(matrix: tuple[int, int
         if ins != given:
             assert dt._per_axis(op, args, kwargs, mesh, shapes) is None
     assert loose > 5
+
+
+def _strided_queries(matrix: tuple[int, int]) -> list[tuple]:  # type: ignore[type-arg]
+    """Queries whose inputs hold DTensor's strided shards (a dim split by both axes, the
+    second outermost: what a view of ``[B, T, C]`` split on T by one axis and on B by the other
+    gives), as the search meets them on large matrices."""
+    b = matrix[1]
+    strided = (_StridedShard(0, split_factor=b), Shard(0))
+    x = dt.Spec(strided, (64, 32), (32, 1), "float32")
+    w = dt.Spec((Replicate(), Shard(1)), (32, 48), (1, 32), "float32")
+    bias = dt.Spec((Replicate(), Replicate()), (48,), (1,), "float32")
+    y = dt.Spec((Replicate(), Shard(0)), (64, 32), (32, 1), "float32")
+    aten = torch.ops.aten
+    return [
+        (aten.addmm.default, (bias, x, w), {}, [(64, 48)]),
+        (aten.mm.default, (x, w), {}, [(64, 48)]),
+        (aten.add.Tensor, (x, y), {}, [(64, 32)]),
+        (aten.add.Tensor, (x, x), {}, [(64, 32)]),
+        (aten.gelu.default, (x,), {}, [(64, 32)]),
+    ]

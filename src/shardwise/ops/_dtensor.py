@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 Placements = tuple[Placement, ...]
@@ -171,14 +172,26 @@ def _full(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: DeviceM
     # (as DTensor's dispatcher does: the schema info makes the non-tensor arguments, such as a
     # view's sizes, part of the key of the propagator's cache)
     info = p.op_to_schema_info.get(op) or p.op_to_schema_info_for_single_dim_strategy.get(op)
-    out = p.propagate_op_sharding(OpSchema(op, a, k, schema_info=info))
+    schema = OpSchema(op, a, k, schema_info=info)
+    shaped = p.op_to_shape_and_stride_idx
+    if op in shaped:
+        # (DTensor then rewrites a view's size arguments to the local shape: placements do not
+        # depend on it, and on a mesh of 1,024 ranks it costs 0.1 s a query. Asked uncached
+        # and without it; `_memo` keeps the answer; the rule is put back before returning.)
+        held = shaped.pop(op)
+        try:
+            out = p.propagate_op_sharding_non_cached(schema)
+        finally:
+            shaped[op] = held
+    else:
+        out = p.propagate_op_sharding(schema)
     given = [s for s in pytree.tree_leaves((a, k)) if isinstance(s, DTensorSpec)]
     wanted = given
     if out.needs_redistribute and out.redistribute_schema is not None:
-        schema = out.redistribute_schema
+        moved = out.redistribute_schema
         wanted = [
             s
-            for s in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
+            for s in pytree.tree_leaves((moved.args_schema, moved.kwargs_schema))
             if isinstance(s, DTensorSpec)
         ]
     outs = out.output_spec
@@ -200,8 +213,13 @@ def _per_axis(
     would move an input (outside `candidates`), a placement is not a plain one, or a combined
     split is uneven."""
     given = [s for s in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(s, Spec)]
-    if not all(type(p) in _PLAIN for s in given for p in s.placements):
-        return None
+    kinds = _LOOSE if _loose[0] else _PLAIN
+    if not all(
+        type(p) in kinds or (_loose[0] and isinstance(p, Partial))
+        for s in given
+        for p in s.placements
+    ):
+        return None  # (a masked partial given is fine for candidates: the answer must reduce it)
     outs: list[list[Placement] | None] = []
     moved = [list(s.placements) for s in given]
     for m, size in enumerate(mesh.shape):
@@ -212,7 +230,7 @@ def _per_axis(
             ins, got = propagate(op, a, k, sub)
         except (RuntimeError, NotImplementedError, ValueError, AssertionError):
             return None
-        if len(ins) != len(given) or not all(type(p) in _PLAIN for x in ins for p in x):
+        if len(ins) != len(given) or not all(type(p) in kinds for x in ins for p in x):
             return None
         for j, wanted in enumerate(ins):
             if wanted != (given[j].placements[m],) and not _loose[0]:
@@ -227,7 +245,7 @@ def _per_axis(
             if (o is None) != (row is None):
                 return None
             if o is not None and row is not None:
-                if type(o[0]) not in _PLAIN:  # (e.g. the masked partial of a vocabulary split)
+                if type(o[0]) not in kinds:  # (e.g. the masked partial of a vocabulary split)
                     return None
                 row.append(o[0])
     need = [tuple(x) for x in moved]
@@ -240,6 +258,10 @@ def _per_axis(
 
 
 _PLAIN = (Shard, Replicate, Partial)
+_LOOSE = (*_PLAIN, _StridedShard)
+"""Placements `_per_axis` combines: plain ones; inside `candidates` also DTensor's strided
+shards (a mesh dim's strategies take them as its single-dim rules expand them, so the product
+of per-dim answers is still one of the full mesh's strategies)."""
 
 
 def _axis(s: Spec, m: int) -> Spec:
