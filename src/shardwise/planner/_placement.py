@@ -17,6 +17,7 @@ parameter's first placement, plus what the planner's modules share.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,13 @@ DatasetStrategy = str | Mapping[str, TensorLayout]
 
 
 def to_placed(matrix: DeviceMatrix, placements: Sequence[Placement], ndim: int) -> Placed:
-    """DTensor placements (one per axis of `matrix`) as a `Placed`."""
+    """DTensor placements (one per axis of `matrix`) as a `Placed` (memoized: a `Placed` is
+    immutable, and planning asks the same few placements thousands of times)."""
+    return _to_placed(matrix, tuple(placements), ndim)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _to_placed(matrix: DeviceMatrix, placements: Placements, ndim: int) -> Placed:
     partial = tuple(a for a, p in enumerate(placements) if isinstance(p, Partial))
     reduce = "sum"
     if partial:
