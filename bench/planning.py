@@ -4,7 +4,8 @@ built on the meta device, in one process with no process group.
 - `_semi_auto_rows`: 48 layers, capture and the semi_auto plan for 8 and 64 devices (ops, aten
   ops, seconds).
 - `_propagation_row`: a deep graph of about 10,000 torch-level ops (476 layers), sharding
-  propagation with nothing annotated on 8 devices (one axis) and on a (2, 4) matrix.
+  propagation with nothing annotated on 8 devices (one axis) and on a (2, 4) matrix: choosing
+  the strategies and building the plan timed apart, cold and warm.
 - `_search_rows`: GPT-2 small (12 layers), `plan_recursive_programming` for 8, 64 and 1,024
   devices (every device matrix of one or two axes tried; global batch: the larger of 64 and the
   device count, so that it splits).
@@ -60,16 +61,24 @@ def _semi_auto_rows(net: Any, ids: torch.Tensor) -> list[dict[str, Any]]:
 
 
 def _propagation_row(quick: bool) -> dict[str, Any]:
-    from shardwise.planner import capture, plan_sharding_propagation
+    """Propagation (choosing every op's strategy: `propagate`) and building the plan from the
+    choice (`build_plan`: layouts, redistributions, backward, explanations), each timed on
+    its own, first (cold: DTensor's and SciPy's first use in the process) and again (warm)."""
+    from shardwise.planner import capture
+    from shardwise.planner._propagate import build_plan, propagate
 
     net, ids = _model(quick, n_layer=476)
     t0 = time.perf_counter()
     graph = capture(net, ids, ids)
     row: dict[str, Any] = {"ops": len(graph.nodes), "capture_s": time.perf_counter() - t0}
-    for label, extra in (("8", []), ("2x4", [(2, 4)])):
-        t0 = time.perf_counter()
-        plan_sharding_propagation(graph, 8, extra_matrices=extra)
-        row[f"propagate_{label}_s"] = time.perf_counter() - t0
+    for when in ("cold", "warm"):
+        for label, extra in (("8", []), ("2x4", [(2, 4)])):
+            t0 = time.perf_counter()
+            run = propagate(graph, 8, extra_matrices=extra)
+            t1 = time.perf_counter()
+            build_plan(graph, run)
+            row[f"propagate_{label}_{when}_s"] = t1 - t0
+            row[f"build_{label}_{when}_s"] = time.perf_counter() - t1
     return row
 
 
@@ -117,10 +126,13 @@ def run(config: BenchConfig) -> str:
             f"{r['device_num']:>7}  {r['ops']:>4}  {r['aten_ops']:>8}  {r['capture_s']:>9.3f}"
             f"  {r['plan_s']:>6.3f}  {total:>7.3f}  {r['collectives']:>11}"
         )
-    lines.append(
-        f"propagation, {prop['ops']} ops (capture {prop['capture_s']:.2f} s): "
-        f"8 devices {prop['propagate_8_s']:.2f} s, (2, 4) {prop['propagate_2x4_s']:.2f} s"
-    )
+    lines.append(f"propagation, {prop['ops']} ops (capture {prop['capture_s']:.2f} s):")
+    for label, name in (("8", "8 devices"), ("2x4", "(2, 4)   ")):
+        lines.append(
+            f"  {name}  propagate {prop[f'propagate_{label}_cold_s']:.2f} s cold, "
+            f"{prop[f'propagate_{label}_warm_s']:.2f} s warm; build the plan "
+            f"{prop[f'build_{label}_cold_s']:.2f} / {prop[f'build_{label}_warm_s']:.2f} s"
+        )
     lines.append("search (12 layers)  devices  ops  matrices  search s")
     for r in searched:
         lines.append(
