@@ -12,8 +12,9 @@ that makes the whole graph's redistributions cheapest.
    value costs what moving the value from the producer's placement to the consumer's costs
    (`_cost.CostModel.move`: the AllReduce of partial sums, then the cheapest steps, priced
    by the alpha-beta model); values that arrive fixed (inputs, buffers, constants, declared
-   parameters) cost their consumers the same way. An op's own collectives (the AllReduce after
-   a split contraction) are not counted, as in MindSpore. The cost is a tuple compared in
+   parameters) cost their consumers the same way (each consumer's move priced on its own,
+   although the plan moves a value two consumers take alike once). An op's own collectives
+   (the AllReduce after a split contraction) are not counted, as in MindSpore. The cost is a tuple compared in
    order (`Cost`): the redistribution time in nanoseconds, then the ties, broken as MindSpore's
    seed 002 shows: the elements each rank computes (more devices used first), then the number
    of mesh axes whose placement a value changes on an edge, where a partial axis that splits
