@@ -67,7 +67,9 @@ def test_search_is_never_costlier_than_propagation_on_seed002() -> None:
     propagated, searched = plan_sharding_propagation(g, 8), plan_recursive_programming(g, 8)
     assert searched.strategies()["matmul/MatMul"] == ((2, 4), (4, 1))  # (a constraint)
     assert plan_cost(searched).total <= plan_cost(propagated).total
-    assert searched.explained["relu/ReLU"].source == "propagated from matmul/MatMul (annotated)"
+    assert propagated.explained["relu/ReLU"].source == "propagated from matmul/MatMul (annotated)"
+    relu = searched.explained["relu/ReLU"].source
+    assert relu == "searched: the least total cost, constrained by matmul/MatMul (annotated)"
 
 
 def _held(plan: ParallelPlan) -> float:

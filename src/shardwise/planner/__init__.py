@@ -11,8 +11,9 @@
 - `_propagate`: `plan_sharding_propagation` (annotated ops keep their strategies, every other
   op the one that makes the whole graph's redistributions cheapest): `_choices` (every node's
   candidate strategies; one node's in `_one_node`), `_tie` (repeated layers decide alike),
-  `_gc` (the collector paused while planning), `_cost` (the alpha-beta `CostModel`, `load_cost_model`), `_solve`
-  (exact: tree DP or an ILP through HiGHS; MindSpore's greedy order for comparison).
+  `_gc` (the collector paused while planning), `_cost` (the alpha-beta `CostModel`,
+  `load_cost_model`), `_solve` (exact: tree DP or an ILP through HiGHS; MindSpore's greedy
+  order for comparison).
 - `_search`: `plan_recursive_programming` (no annotation needed: every op's strategy and the
   device matrix chosen by the total cost: communication including the ops' own collectives,
   compute (`_flops`), memory under the ``set_memory`` cap); `_plan_cost`: `plan_cost` prices

@@ -58,7 +58,8 @@ class Explanation:
         name: the op (module path and op).
         strategy: its in_strategy.
         source: ``"annotated"``, ``"propagated from <op> (annotated)"`` or ``"propagated from
-            the dataset strategy (input ...)"``.
+            the dataset strategy (input ...)"``; in the search ``"searched: the least total
+            cost, constrained by <op> (annotated)"`` (or by the dataset strategy).
         alternatives: the cheapest candidates (by communication, then compute), with costs.
     """
 
@@ -95,14 +96,20 @@ def _memory(graph: Graph, index: int, c: Choice, matrix: DeviceMatrix) -> int:
     return total
 
 
-def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
-    """Every node's `Explanation` from a solved `_propagate.Propagation` `run`."""
+def explain_run(
+    graph: Graph, run: Propagation, mode: str = "sharding_propagation"
+) -> dict[str, Explanation]:
+    """Every node's `Explanation` from a solved `_propagate.Propagation` `run`, made by `mode`
+    (the search's sources say so: its ops are chosen by the total cost, an annotation only
+    constrains them)."""
     p, problem, pick = run.setup.planner, run.problem, run.assignment
     var = {key: v for v, key in enumerate(run.variables)}
     nbrs = problem.neighbours()
     fixed = set(run.fixed)
     out: dict[str, Explanation] = {}
     sources = _sources(graph, run, fixed, nbrs)
+    if mode != "sharding_propagation":
+        sources = [_searched(x) for x in sources]
     shaped: dict[tuple[int, int], tuple[tuple[tuple[int, ...], ...], int]] = {}
     for node in graph.nodes:
         sig = run.choices.signature_id(node)
@@ -131,6 +138,14 @@ def explain_run(graph: Graph, run: Propagation) -> dict[str, Explanation]:
         source = "annotated" if v in fixed else sources[v]
         out[node.name] = Explanation(node.name, chosen.strategy, source, tuple(ranked))
     return out
+
+
+def _searched(source: str) -> str:
+    """A propagation source as the search's: the least total cost, near what constrained it."""
+    near = source.removeprefix("propagated from ")
+    if near == source:
+        return "searched: the least total cost (no annotation reaches it)"
+    return f"searched: the least total cost, constrained by {near}"
 
 
 def _rank(a: Alternative) -> float:

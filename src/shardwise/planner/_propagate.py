@@ -14,12 +14,13 @@ that makes the whole graph's redistributions cheapest.
    by the alpha-beta model); values that arrive fixed (inputs, buffers, constants, declared
    parameters) cost their consumers the same way (each consumer's move priced on its own,
    although the plan moves a value two consumers take alike once). An op's own collectives
-   (the AllReduce after a split contraction) are not counted, as in MindSpore. The cost is a tuple compared in
-   order (`Cost`): the redistribution time in nanoseconds, then the ties, broken as MindSpore's
-   seed 002 shows: the elements each rank computes (more devices used first), then the number
-   of mesh axes whose placement a value changes on an edge, where a partial axis that splits
-   the value's last dim counts as kept (relu after ``MatMul((2, 4), (4, 1))`` takes ``(2, 4)``:
-   the contraction's axis splits the hidden dim, the batch keeps its axis).
+   (the AllReduce after a split contraction) are not counted, as in MindSpore. The cost is a
+   tuple compared in order (`Cost`): the redistribution time in nanoseconds, then the ties,
+   broken as MindSpore's seed 002 shows: the elements each rank computes (more devices used
+   first), then the number of mesh axes whose placement a value changes on an edge, where a
+   partial axis that splits the value's last dim counts as kept (relu after
+   ``MatMul((2, 4), (4, 1))`` takes ``(2, 4)``: the contraction's axis splits the hidden dim,
+   the batch keeps its axis).
 4. `_solve.solve`: exact (tree DP, else an ILP through HiGHS), on the problem whose repeated
    layers' variables are tied (`_tie.solve_tied`: one variable per layer-index pattern, so the
    problem does not grow with depth; exact among the plans whose layers decide alike).
@@ -355,4 +356,4 @@ def build_plan(graph: Graph, run: Propagation, mode: str = "sharding_propagation
         params.setdefault(name, TensorLayout(p.matrix, ((),) * len(info.shape)))
     ordered = {n: params[n] for n in graph.params}
     plan = walk(graph, s, ordered, mode, rules)
-    return dataclasses.replace(plan, explained=explain_run(graph, run))
+    return dataclasses.replace(plan, explained=explain_run(graph, run, mode))
