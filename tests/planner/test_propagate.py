@@ -326,3 +326,19 @@ def test_candidates_that_split_a_dim_unevenly_are_dropped() -> None:
     for n in plan.nodes:
         for placed, shape in zip(n.outputs, n.shapes, strict=True):
             assert all(s % placed.layout.split_count(d) == 0 for d, s in enumerate(shape)), n
+
+
+def test_gpt2_small_column_parallel_over_every_device_plans() -> None:
+    """A regression: GPT-2 small's c_attn / c_fc split over all 8 devices made the ILP's third
+    (tie-break) solve infeasible, HiGHS's float optimum of the second one lying below every
+    integer point; each solve now keeps its component at the assignment's own exact value."""
+    from tests.zoo import GPT2
+
+    with torch.device("meta"):
+        net = GPT2(n_layer=1, n_embd=768, n_head=12, vocab_size=50304, block_size=1024)
+    for block in net.transformer.h:
+        sw.shard(block.attn.c_attn, in_strategy=((1, 1), (8, 1)))
+        sw.shard(block.mlp.c_fc, in_strategy=((1, 1), (8, 1)))
+    ids = torch.zeros(16, 1024, dtype=torch.long)
+    plan = plan_sharding_propagation(capture(net, ids, ids), 8)
+    assert plan.strategies()["transformer.h.0.attn.c_attn/linear"] == ((1, 1, 1), (8, 1), (8,))

@@ -286,13 +286,13 @@ def _ilp(problem: Problem) -> list[int]:
         constraints.append(LinearConstraint(row.reshape(1, -1), -np.inf, float(problem.cap)))
     integrality = np.zeros(n)
     integrality[:binaries] = 1
-    x = None
+    best: list[int] | None = None
     ties = np.zeros(n)  # (last: the lowest candidate indices among the optima, as the DP)
     for v, d in enumerate(problem.domains):
         ties[offsets[v] : offsets[v] + d] = np.arange(d)
     objectives = [_objective(problem, offsets, pair_off, n, k) for k in range(problem.width)]
     for c in [*objectives, ties]:  # lexicographic: each keeps the optimum of the ones before
-        if x is not None and not c.any():
+        if best is not None and not c.any():
             continue
         res = milp(
             c,
@@ -302,14 +302,37 @@ def _ilp(problem: Problem) -> list[int]:
             options={"mip_rel_gap": 0.0},  # (exact: HiGHS stops at a 1e-4 gap by default)
         )
         if not res.success or res.x is None:
+            if best is not None:  # (a tie-break HiGHS cannot meet numerically: keep the last)
+                break
             if problem.cap is not None:
                 raise OverCap(problem.cap)
             raise AssertionError(f"HiGHS found no assignment: {res.message}")
         x = res.x
-        slack = max(0.5, 1e-9 * abs(float(res.fun)))  # (integer costs; float rounding)
-        constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, float(res.fun) + slack))
-    assert x is not None
-    return [int(np.argmax(x[offsets[v] : offsets[v] + d])) for v, d in enumerate(problem.domains)]
+        best = [
+            int(np.argmax(x[offsets[v] : offsets[v] + d])) for v, d in enumerate(problem.domains)
+        ]
+        # (the next solves keep this component at the assignment's own value, exact integer
+        # arithmetic, not HiGHS's float optimum, which may lie below any integer point)
+        value = float(c @ _point(best, offsets, pair_off, problem, n))
+        constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, value + 0.5))
+    assert best is not None
+    return best
+
+
+def _point(
+    choice: list[int],
+    offsets: list[int],
+    pair_off: dict[tuple[int, int], int],
+    problem: Problem,
+    n: int,
+) -> np.ndarray:
+    """The ILP's variables for one assignment (a candidate per variable, and its pairs)."""
+    x = np.zeros(n)
+    for v, i in enumerate(choice):
+        x[offsets[v] + i] = 1.0
+    for (u, v), base in pair_off.items():
+        x[base + choice[u] * problem.domains[v] + choice[v]] = 1.0
+    return x
 
 
 def _objective(
