@@ -14,7 +14,8 @@ is read sharded (``num_shards=n, shard_id=rank``, batches of 32 // n): each rank
 own rows of every global batch of 32, which is what the default
 ``dataset_strategy("data_parallel")`` expects (MindSpore's convention; the tutorial's unsharded
 dataset would instead need ``dataset_strategy("full_batch")``, and every rank would then read
-and transform the whole batch only to use 1/n of it). each parameter of at least 64 KB whose dim 0
+and transform the whole batch only to use 1/n of it; beyond 32 ranks the global batch is one
+row per rank, `global_batch`). each parameter of at least 64 KB whose dim 0
 divides the ranks is stored, updated and reduce-scattered as one 1/n shard per rank and gathered
 for compute (``--level``: when). Fusion ids pick the buckets: id 0 one collective per parameter,
 ids 1 and 2 one fused collective per layer. Rank 0 prints the optimizer plan after the first
@@ -92,6 +93,13 @@ def create_dataset(
     return dataset.batch(batch_size // n)
 
 
+def global_batch(n: int) -> int:
+    """The tutorial's global batch of 32, raised to a multiple of `n` when `n` ranks do not
+    divide it (more than 32 ranks: one row each at least, e.g. for ``shardwise plan
+    --device_num 1024``)."""
+    return BATCH_SIZE if BATCH_SIZE % n == 0 else -(-BATCH_SIZE // n) * n
+
+
 def build() -> tuple[Network, torch.optim.Optimizer]:
     """Network and optimizer with delayed initialization, fusion ids 0 / 1 / 2."""
     with sw.no_init_parameters():
@@ -130,7 +138,7 @@ def main() -> None:
     parallel_net = sw.AutoParallel(train_step, parallel_mode="semi_auto")
     parallel_net.hsdp(optimizer_level=args.level)
     n, rank = sw.communication.get_group_size(), get_rank()
-    data_set = create_dataset(BATCH_SIZE, args.data, args.synthetic, n, rank)
+    data_set = create_dataset(global_batch(n), args.data, args.synthetic, n, rank)
 
     losses: list[float] = []
     for epoch in range(args.epochs):

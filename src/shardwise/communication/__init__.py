@@ -17,9 +17,12 @@ process-group functions directly.
 - `_max_over_ranks`: `max_over_ranks`, the AllReduce(MAX) of partial maxima (ReduceMax with
   its reduced dim split), with its adjoint.
 - `recorder`: `CommRecorder`, bytes bounds.
+- `_dry`: `dry_run`, this process as one rank of an N-rank world with no other process
+  (``shardwise plan``).
 """
 
 from shardwise.communication._collectives import ReduceOp
+from shardwise.communication._dry import dry_run
 from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
 from shardwise.communication._init import (
     WORLD_COMM_GROUP,
@@ -77,6 +80,7 @@ __all__ = [
     "default_backend",
     "destroy_group",
     "detect_job",
+    "dry_run",
     "ensure_group",
     "file_rank",
     "get_group_size",

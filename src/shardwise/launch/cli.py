@@ -1,6 +1,7 @@
 """The command line: ``shardwise run [options] script.py [script args]``, also ``swrun``.
 
-- `main`: the ``shardwise`` command; ``shardwise --help`` lists its subcommands (``run``).
+- `main`: the ``shardwise`` command; ``shardwise --help`` lists its subcommands (``run``;
+  ``plan``, the dry run of `dry_run.plan_main`).
 - `swrun_main`: the ``swrun`` command, the same as ``shardwise run``.
 - `parse_run_args`: msrun-compatible options (each spelled ``--worker_num`` or
   ``--worker-num``) to a validated `LaunchConfig`; user errors exit with code 2 and a
@@ -272,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "run":
         return _run(args[1:], "shardwise run")
+    if args and args[0] == "plan":
+        from shardwise.launch.dry_run import plan_main  # (imports the planner: only here)
+
+        return plan_main(args[1:])
     parser = argparse.ArgumentParser(
         prog="shardwise", description="shardwise: MindSpore-style parallel training for PyTorch."
     )
@@ -279,6 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser(
         "run",
         help="start the workers of a distributed job (msrun-compatible; also `swrun`)",
+        add_help=False,
+    )
+    commands.add_parser(
+        "plan",
+        help="plan a training script for N devices in this process, no devices needed (a dry "
+        "run: plan.json, IR files, summary.txt)",
         add_help=False,
     )
     parser.parse_args(args)  # --help, or an error for an unknown command

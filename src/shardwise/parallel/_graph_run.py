@@ -62,6 +62,7 @@ from shardwise.parallel._hsdp import (
     start_engine,
 )
 from shardwise.parallel._node_table import NodeTable
+from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
 from shardwise.planner import Graph, ParallelPlan
@@ -133,6 +134,7 @@ class GraphRun:
             self.network, plan.matrix, stored, self.hsdp, self.fusion, plan.equal_grads
         )
         plan = dataclasses.replace(plan, buckets=bucket_plans(buckets, plan.matrix))
+        notify(Planned(plan, graph, self.network, tuple(self.optimizers), buckets, self.hsdp))
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]

@@ -1,0 +1,212 @@
+"""``shardwise plan [--device_num N] [--rank R] [--out DIR] script.py [args]``: a dry run.
+
+The user's unchanged training script runs in this one process as rank R of an N-rank job
+(`communication.dry_run`: a fake process group, no other process, no collective moves data),
+with every parameter it builds on the meta device (`_meta_params.meta_parameters`: no memory,
+no init compute; data and other tensors stay real). The first wrapped network
+(``sw.AutoParallel`` or ``sw.Model``) that plans stops the script
+(`parallel._observe.add_plan_hook`); nothing is cut, allocated or run. Then:
+
+- ``DIR/plan.json``: the `ParallelPlan` (`ParallelPlan.to_dict`);
+- ``DIR/rank_<R>/step_parallel_begin.ir`` and ``execute.ir``: the IR files of rank R;
+- ``DIR/summary.txt``: rank R's memory by kind and its peak, the bytes it sends per step by
+  collective kind and mesh axis with counts, and the cost model's step estimate
+  (`report._summary`).
+
+- `plan_main`: the command (argument parsing, errors with exit codes).
+- `dry_plan`: run a script and return what it planned (`Planned`), or raise `DryRunError`.
+- `write_outputs`: the files above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import runpy
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+from shardwise import communication
+from shardwise.launch._meta_params import meta_parameters
+from shardwise.parallel._observe import Planned, add_plan_hook
+from shardwise.planner import PlanError
+from shardwise.report import format_plan_begin, format_plan_execute
+from shardwise.report._summary import (
+    estimate_memory,
+    format_summary,
+    optimizer_state_per_element,
+    step_traffic,
+)
+
+
+class DryRunError(RuntimeError):
+    """The script could not be planned: it never called a wrapped network, or failed first."""
+
+
+class _Stop(BaseException):
+    """Raised by the plan hook to end the script once it has planned (not an `Exception`, so
+    that a script's ``except Exception`` does not swallow it)."""
+
+    def __init__(self, planned: Planned) -> None:
+        super().__init__("planned")
+        self.planned = planned
+
+
+@contextlib.contextmanager
+def _script_argv(script: str, args: Sequence[str]) -> Iterator[None]:
+    saved, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    try:
+        yield
+    finally:
+        sys.argv, sys.path[:] = saved, saved_path
+
+
+def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -> Planned:
+    """Run `script` as rank `rank` of `device_num` until its first plan (module docstring).
+
+    Args:
+        script: the training script's path.
+        args: its arguments.
+        device_num: the job's size.
+        rank: the rank played.
+
+    Returns:
+        The `Planned` event (plan, graph, network, optimizers, buckets).
+
+    Raises:
+        DryRunError: the script ended (or exited) without calling a wrapped network.
+        ValueError: a bad device count or rank (`communication.dry_run`), or the planner's own
+            errors (`PlanError`: a strategy the device count does not divide, ...).
+
+    Example:
+        >>> planned = dry_plan("examples/quick_start.py", [], device_num=1024)
+        >>> planned.plan.device_num
+        1024
+    """
+
+    def stop(event: Planned) -> None:
+        raise _Stop(event)
+
+    handle = add_plan_hook(stop)
+    try:
+        with communication.dry_run(device_num, rank), _script_argv(script, args), meta_parameters():
+            runpy.run_path(script, run_name="__main__")
+    except _Stop as done:
+        return done.planned
+    except PlanError:
+        raise
+    except Exception as e:  # (the script's own failure, before it planned)
+        raise DryRunError(
+            f"{script} failed before any wrapped network planned: {type(e).__name__}: {e} "
+            f"(in a dry run parameters are meta tensors: a script cannot compute with its "
+            f"network before the first call of the wrapped one)"
+        ) from e
+    except SystemExit as e:
+        raise DryRunError(
+            f"{script} exited (code {e.code}) before any wrapped network planned; "
+            f"check its arguments for a {device_num}-device job"
+        ) from None
+    finally:
+        handle.remove()
+    raise DryRunError(
+        f"{script} never called a wrapped network: shardwise plan stops at the first call of "
+        f"an sw.AutoParallel (parallel_mode semi_auto, sharding_propagation or "
+        f"recursive_programming) or an sw.Model under such a context; wrap the network or the "
+        f"train step the script trains"
+    )
+
+
+def _optimizer_of(planned: Planned) -> torch.optim.Optimizer | None:
+    """The optimizer over the network's parameters: one the wrapper knows, else one found
+    among the live objects (a script usually builds it before its first step)."""
+    if planned.optimizers:
+        return planned.optimizers[0]
+    mine = {id(p) for p in planned.network.parameters()}
+    for obj in gc.get_objects():
+        params = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
+        if any(id(p) in mine for g in params for p in g["params"]):
+            return obj  # type: ignore[no-any-return]
+    return None
+
+
+def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] = ()) -> None:
+    """Write plan.json, rank R's IR files and summary.txt into `out` (module docstring).
+
+    Example:
+        >>> write_outputs(dry_plan("train.py", [], 64), Path("plan_64"), rank=0)
+    """
+    plan = planned.plan
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
+    ir = out / f"rank_{rank}"
+    ir.mkdir(exist_ok=True)
+    (ir / "step_parallel_begin.ir").write_text(format_plan_begin(plan, 1))
+    (ir / "execute.ir").write_text(format_plan_execute(plan, rank, 1))
+    optimizer = _optimizer_of(planned)
+    state = optimizer_state_per_element(optimizer)
+    memory = estimate_memory(plan, planned.buckets, state, rank)
+    traffic = step_traffic(plan, rank, planned.buckets)
+    what = type(optimizer).__name__ if optimizer is not None else "none found"
+    lines = [*header, f"optimizer: {what} ({state} state elements per parameter element)"]
+    if planned.hsdp is not None:
+        lines.append(f"optimizer parallel: {planned.hsdp}")
+    (out / "summary.txt").write_text(format_summary(plan, memory, traffic, lines))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardwise plan",
+        description="Plan a training script for N devices in this process (a dry run): no "
+        "processes, no collectives, no compute. Writes plan.json, the IR files of one rank "
+        "and summary.txt (memory per rank, bytes per step, step-time estimate).",
+    )
+    p.add_argument("--device_num", "--device-num", type=int, default=8, help="devices (8)")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose files are written (0)")
+    p.add_argument("--out", type=Path, default=Path("shardwise_plan"), help="output folder")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return p
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """The ``shardwise plan`` command (module docstring). Exit codes: 0 planned, 1 the script
+    could not be planned (the reason on stderr), 2 bad options.
+
+    Example:
+        >>> plan_main(["--device_num", "1024", "examples/quick_start.py"])
+        0
+    """
+    parser = _parser()
+    a = parser.parse_args(list(argv))
+    if a.device_num < 1:
+        parser.error(f"--device_num {a.device_num}: must be at least 1")
+    if not 0 <= a.rank < a.device_num:
+        parser.error(f"--rank {a.rank}: must be from 0 to {a.device_num - 1} (--device_num)")
+    if not Path(a.script).is_file():
+        parser.error(f"{a.script}: no such script")
+    start = time.perf_counter()
+    bar = tqdm(total=2, desc="shardwise plan", delay=1.0, file=sys.stderr, leave=False)
+    try:
+        planned = dry_plan(a.script, a.args, a.device_num, a.rank)
+        bar.update(1)
+        secs = time.perf_counter() - start
+        header = [f"shardwise plan {a.script} on {a.device_num} devices (rank {a.rank})"]
+        header.append(f"planned in {secs:.2f} s")
+        write_outputs(planned, a.out, a.rank, header)
+        bar.update(1)
+    except (DryRunError, PlanError, ValueError) as e:
+        bar.close()
+        print(f"shardwise plan: {e}", file=sys.stderr)
+        return 1
+    bar.close()
+    print(f"shardwise plan: {a.out}/plan.json, {a.out}/rank_{a.rank}/*.ir, {a.out}/summary.txt")
+    return 0

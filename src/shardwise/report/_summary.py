@@ -1,0 +1,281 @@
+"""What one rank of a planned job holds and sends per step: the dry run's ``summary.txt``.
+
+Everything here is computed from the `ParallelPlan` (and the optimizer-parallel plan), with no
+process group and no tensor data:
+
+- `optimizer_state_per_element`: elements of state a torch optimizer keeps per parameter
+  element (Adam / AdamW 2, 3 with ``amsgrad``; SGD 1 with momentum, else 0; ...).
+- `estimate_memory`: a `MemoryEstimate` of one rank: parameters, gradients, optimizer state
+  (each by its hsdp level), activations kept for backward, communication buffers, and the
+  peak (their sum: everything is held at once at the end of backward, before the step).
+- `step_traffic`: the collectives of one training step with the bytes this rank sends in each:
+  the forward's (as ``execute.ir`` lists them), the backward's (each forward step's adjoint:
+  AllGather -> ReduceScatter, AlltoAll -> AlltoAll, a local slice -> nothing; the plan's
+  gradient averages), and the gradient synchronisation of the optimizer-parallel or
+  gradient-bucket plan; `Traffic` sums them by collective kind and mesh axis.
+- `format_summary`: the text of ``summary.txt`` (with the cost model's roofline estimate of
+  the step time, `planner.plan_cost`).
+
+The memory model per parameter of op-level block ``B`` bytes sharded ``s`` ways by optimizer
+parallel (``s = 1`` when not): level 1 keeps the whole compute leaf ``B`` and its shard
+``B / s``, whole gradients ``B`` (reduce-scattered at the step into ``B / s``) and state on the
+shard; level 2 keeps the leaf and the shard, gradients only as shards; level 3 keeps only the
+shard (the leaf is gathered for forward and again for backward: a communication buffer).
+Activations: every op's local outputs, all kept (an upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.communication.recorder import bytes_bound
+from shardwise.optim import OptimizerPlan
+from shardwise.planner import Collective, ParallelPlan, plan_cost
+from shardwise.redistribution import AllGather, AlltoAll
+from shardwise.report._parallel_plan import Found, LocalSlice, _edge_bytes, _node_bytes
+from shardwise.runtime import format_size
+
+KINDS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers")
+"""The parts of a `MemoryEstimate`, in the order summaries and pictures stack them."""
+
+_STATE = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
+
+
+def optimizer_state_per_element(optimizer: torch.optim.Optimizer | None) -> int:
+    """Elements of state `optimizer` keeps per parameter element (None: no optimizer, 0).
+
+    Example:
+        >>> optimizer_state_per_element(torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9))
+        1
+    """
+    if optimizer is None:
+        return 0
+    name = type(optimizer).__name__
+    defaults = optimizer.defaults
+    if name in _STATE:
+        return _STATE[name] + (1 if defaults.get("amsgrad") else 0)
+    if name == "SGD":
+        return 1 if defaults.get("momentum", 0) else 0
+    if name == "RMSprop":
+        return 1 + bool(defaults.get("momentum", 0)) + bool(defaults.get("centered"))
+    return 2  # (an optimizer not listed: priced like Adam)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's memory under a plan.
+
+    Attributes:
+        rank: the rank.
+        parts: bytes per kind (`KINDS`, in that order).
+        largest: the largest tensors (name, bytes), largest first.
+    """
+
+    rank: int
+    parts: Mapping[str, int]
+    largest: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def peak(self) -> int:
+        """Everything held at once (the end of backward, before the optimizer's step)."""
+        return sum(self.parts.values())
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {format_size(v)}" for k, v in self.parts.items())
+        return f"rank {self.rank}: peak {format_size(self.peak)} ({parts})"
+
+
+def estimate_memory(
+    plan: ParallelPlan,
+    optimizer: OptimizerPlan | None = None,
+    state_per_element: int = 0,
+    rank: int = 0,
+) -> MemoryEstimate:
+    """One rank's memory under `plan` (see the module docstring for the model).
+
+    Args:
+        plan: the op-level plan.
+        optimizer: the optimizer-parallel (or gradient-bucket) plan of its parameters; None:
+            every parameter whole on its op-level block, gradients likewise.
+        state_per_element: `optimizer_state_per_element` of the job's optimizer.
+        rank: which rank (blocks are equal on every rank; the rank is reported).
+
+    Returns:
+        The `MemoryEstimate`.
+
+    Example:
+        >>> estimate_memory(plan, state_per_element=2).peak  # doctest: +SKIP
+        1048576
+    """
+    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
+    parts = dict.fromkeys(KINDS, 0)
+    tensors: list[tuple[str, int]] = []
+    gathered = 0
+    for name, p in plan.params.items():
+        itemsize = int(getattr(torch, p.dtype).itemsize)
+        block = math.prod(p.layout.local_shape(p.shape)) * itemsize
+        shard = _shard_of(optimizer, name)
+        piece = block // shard
+        trained = p.dtype.startswith("float")
+        held = piece if shard > 1 and level == "level3" else block + (piece if shard > 1 else 0)
+        parts["parameters"] += held
+        if trained:
+            parts["gradients"] += piece if shard > 1 and level != "level1" else block
+            parts["optimizer state"] += state_per_element * piece
+        if shard > 1 and level == "level3":
+            gathered = max(gathered, block)
+        tensors.append((name, held))
+    for n in plan.nodes:
+        for k, local in enumerate(n.local_shapes):
+            nbytes = math.prod(local) * int(getattr(torch, n.dtype(k)).itemsize)
+            parts["activations"] += nbytes
+            tensors.append((f"{n.name} output {k}", nbytes))
+    parts["communication buffers"] = _buffers(plan, optimizer) + gathered
+    largest = tuple(sorted(tensors, key=lambda t: -t[1])[:3])
+    return MemoryEstimate(rank, parts, largest)
+
+
+def _shard_of(optimizer: OptimizerPlan | None, name: str) -> int:
+    if optimizer is None:
+        return 1
+    try:
+        return optimizer.param(name).shard
+    except KeyError:
+        return 1
+
+
+def _buffers(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> int:
+    """The largest fused bucket (gathered weights or reduced gradients) plus the largest value
+    an edge moves (both held beside their sources while a collective runs)."""
+    bucket = 0
+    if optimizer is not None:
+        sizes = {p.info.name: p.info.block_bytes for p in optimizer.params}
+        bucket = max((sum(sizes[n] for n in b.names) for b in optimizer.buckets), default=0)
+    moved = 0
+    for e in plan.edges:
+        if e.steps or e.reduced:
+            itemsize = int(getattr(torch, e.dtype).itemsize)
+            moved = max(moved, math.prod(e.dst.layout.local_shape(e.shape)) * itemsize)
+    return bucket + moved
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sends per step and collective counts, by (phase, kind, mesh axes)."""
+
+    sent: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    count: dict[tuple[str, str, str], int] = field(default_factory=dict)
+
+    def add(self, phase: str, c: Collective, nbytes: int) -> None:
+        key = (phase, c.kind, ",".join(c.axes))
+        self.sent[key] = self.sent.get(key, 0) + nbytes
+        self.count[key] = self.count.get(key, 0) + 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())
+
+
+def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None) -> Traffic:
+    """The collectives of one training step on `rank` (see the module docstring).
+
+    Example:
+        >>> step_traffic(plan, 0, None).total  # doctest: +SKIP
+        6144
+    """
+    out = Traffic()
+    m = plan.matrix
+    for e in plan.edges:
+        for item in _edge_bytes(e, rank):
+            if isinstance(item, LocalSlice):
+                continue
+            c, _, sent = item
+            out.add("forward", c, sent)
+            if c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
+                back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
+                out.add("backward", Collective(back, c.axes, c.where), sent)
+    for n in plan.nodes:
+        for c, _, sent in _collectives(_node_bytes(n, m, rank)):
+            out.add("forward", c, sent)
+        for c in n.backward:
+            size = len(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
+            itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
+            nbytes = math.prod(n.local_shapes[c.output]) * itemsize
+            out.add("backward", c, bytes_bound(c.kind, nbytes, size))
+    if optimizer is not None:
+        _gradient_sync(out, plan, optimizer)
+    return out
+
+
+def _collectives(found: Iterable[Found]) -> list[tuple[Collective, list[int], int]]:
+    return [item for item in found if not isinstance(item, LocalSlice)]
+
+
+def _gradient_sync(out: Traffic, plan: ParallelPlan, optimizer: OptimizerPlan) -> None:
+    """Each bucket's collectives: an AllReduce of the gradients over its data-parallel axes,
+    or (optimizer parallel) an AllGather of the weights per forward (and again in backward at
+    level 3) and a ReduceScatter of the gradients over the shard group (then an AllReduce
+    over the copies when the shard group is smaller than the data-parallel group)."""
+    m = plan.matrix
+    sizes = {p.info.name: p.info.block_bytes for p in optimizer.params}
+    level = optimizer.config.optimizer_level
+    for b in optimizer.buckets:
+        axes = tuple(m.names[a] for a in b.dp_axes)
+        group = math.prod(m.shape[a] for a in b.dp_axes)
+        total = sum(sizes[n] for n in b.names)
+        if not axes or group <= 1:
+            continue
+        if b.kind == "allreduce":
+            out.add("gradients", Collective("AllReduce", axes, "bucket"), _ar(total, group))
+            continue
+        gathers = 2 if level == "level3" else 1
+        for _ in range(gathers):
+            sent = bytes_bound("AllGather", total // b.shard, b.shard)
+            out.add("weights", Collective("AllGather", axes, "bucket"), sent)
+        sent = bytes_bound("ReduceScatter", total, b.shard)
+        out.add("gradients", Collective("ReduceScatter", axes, "bucket"), sent)
+        if group > b.shard:
+            copies = group // b.shard
+            sent = _ar(total // b.shard, copies)
+            out.add("gradients", Collective("AllReduce", axes, "bucket copies"), sent)
+
+
+def _ar(nbytes: int, group: int) -> int:
+    return bytes_bound("AllReduce", nbytes, group)
+
+
+def format_summary(
+    plan: ParallelPlan,
+    memory: MemoryEstimate,
+    traffic: Traffic,
+    header: Sequence[str] = (),
+) -> str:
+    """The text of ``summary.txt``: memory per kind and the peak, bytes sent per step by
+    phase / collective kind / mesh axes with counts, and the roofline step time."""
+    lines = list(header)
+    lines.append(f"plan: {plan.mode}, {plan.device_num} devices on {plan.matrix}")
+    lines.append(f"ops: {len(plan.nodes)}, parameters: {len(plan.params)}")
+    lines.append("")
+    lines.append(f"memory of rank {memory.rank} (estimate):")
+    for kind, nbytes in memory.parts.items():
+        lines.append(f"  {kind:<22} {format_size(nbytes):>12}  ({nbytes} B)")
+    lines.append(f"  {'peak':<22} {format_size(memory.peak):>12}  ({memory.peak} B)")
+    for name, nbytes in memory.largest:
+        lines.append(f"  largest: {name} {format_size(nbytes)}")
+    lines.append("")
+    lines.append(f"bytes rank {memory.rank} sends per step: {traffic.total}")
+    lines.append(f"  {'phase':<10} {'collective':<14} {'axes':<12} {'count':>6} {'bytes':>14}")
+    for key in sorted(traffic.sent):
+        phase, kind, axes = key
+        lines.append(
+            f"  {phase:<10} {kind:<14} {axes or '-':<12} {traffic.count[key]:>6} "
+            f"{traffic.sent[key]:>14}"
+        )
+    cost = plan_cost(plan)
+    lines.append("")
+    lines.append(f"roofline (cost model, one forward): {cost}")
+    return "\n".join(lines) + "\n"

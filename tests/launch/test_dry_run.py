@@ -1,0 +1,133 @@
+"""``shardwise plan``: a training script planned for N devices in this process (a dry run).
+
+- The scripts users run: seed 002's quick start, the optimizer-parallel example (synthetic
+  data, hsdp level 3) and GPT-2 small (12 layers, AdamW) planned for 1,024 devices, and GPT-2
+  small Megatron-annotated by propagation at 64: plan.json, rank R's IR files and summary.txt
+  are written; the plan is for N devices, the IR is R's, the summary gives memory by kind, bytes
+  by collective and axis, and the step estimate.
+- The summary's figures: parameters, gradients and optimizer state of GPT-2 small match its
+  parameter count (data parallel: whole on every rank; AdamW: two state elements).
+- Errors: a script that never calls a wrapped network, a device count the strategies do not
+  divide (exit 1, the reason on stderr), an out-of-range ``--rank`` (exit 2).
+- `communication.dry_run`: the size and rank the script sees, and nothing left behind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise import communication
+from shardwise.launch.cli import main
+from shardwise.launch.dry_run import dry_plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _plan(tmp_path: Path, *argv: str) -> tuple[int, Path]:
+    out = tmp_path / "out"
+    code = main(["plan", "--out", str(out), *argv])
+    return code, out
+
+
+def test_quick_start_at_1024_devices(tmp_path: Path) -> None:
+    code, out = _plan(
+        tmp_path, "--device_num", "1024", "--rank", "5", str(EXAMPLES / "quick_start.py")
+    )
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["device_num"] == 1024
+    execute = (out / "rank_5" / "execute.ir").read_text()
+    assert "rank 5 of 1024" in execute
+    assert "relu" in (out / "rank_5" / "step_parallel_begin.ir").read_text()
+    summary = (out / "summary.txt").read_text()
+    for part in ("parameters", "gradients", "optimizer state", "activations", "peak"):
+        assert part in summary
+    assert "optimizer: SGD (1 state elements" in summary  # (momentum 0.1)
+    assert "roofline" in summary
+
+
+def test_optimizer_parallel_level3_at_1024_devices(tmp_path: Path) -> None:
+    script = str(EXAMPLES / "optimizer_parallel.py")
+    code, out = _plan(
+        tmp_path, "--device_num", "1024", script, "--synthetic", "1024", "--level", "level3"
+    )
+    assert code == 0
+    summary = (out / "summary.txt").read_text()
+    assert "optimizer parallel: hsdp(shard_size=-1, threshold=64 KB, level3)" in summary
+
+
+def test_gpt2_small_summary_counts_its_parameters(tmp_path: Path) -> None:
+    code, out = _plan(
+        tmp_path, "--device_num", "1024", str(EXAMPLES / "gpt2.py"), "--size", "small"
+    )
+    assert code == 0
+    summary = (out / "summary.txt").read_text()
+    params = 124_475_904  # GPT-2 small with the 50,304-token vocabulary, head tied
+    assert f"({params * 4} B)" in _line(summary, "parameters")
+    assert f"({params * 4} B)" in _line(summary, "gradients")
+    assert f"({params * 8} B)" in _line(summary, "optimizer state")  # AdamW: 2 per element
+    assert "gradients  AllReduce      g0" in summary
+    assert json.loads((out / "plan.json").read_text())["device_num"] == 1024
+
+
+def _line(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if line.strip().startswith(start))
+
+
+def test_gpt2_small_megatron_annotations_at_64_devices() -> None:
+    planned = dry_plan(
+        str(EXAMPLES / "gpt2.py"),
+        ["--size", "small", "--mode", "sharding_propagation", "--mp", "8"],
+        64,
+    )
+    assert planned.plan.device_num == 64 and planned.plan.mode == "sharding_propagation"
+    c_attn = planned.plan.strategies()["transformer.h.0.attn.c_attn/linear"]
+    assert c_attn == ((8, 1, 1), (8, 1), (8,))
+    assert not dist.is_initialized()  # (the dry run's world is gone)
+
+
+def test_a_script_that_never_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "nothing.py"
+    script.write_text("import torch\nprint(torch.nn.Linear(4, 4).weight.shape)\n")
+    code, _ = _plan(tmp_path, "--device_num", "8", str(script))
+    assert code == 1
+    assert "never called a wrapped network" in capsys.readouterr().err
+    script.write_text("import torch\nprint(torch.nn.Linear(4, 4)(torch.zeros(1, 4)))\n")
+    code, _ = _plan(tmp_path, "--device_num", "8", str(script))
+    assert code == 1
+    assert "failed before any wrapped network planned: RuntimeError" in capsys.readouterr().err
+
+
+def test_strategies_the_device_count_does_not_divide(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = _plan(tmp_path, "--device_num", "6", str(EXAMPLES / "quick_start.py"))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "matmul" in err and "6" in err
+
+
+def test_an_out_of_range_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        _plan(tmp_path, "--device_num", "8", "--rank", "8", str(EXAMPLES / "quick_start.py"))
+    assert e.value.code == 2
+    assert "--rank 8: must be from 0 to 7" in capsys.readouterr().err
+
+
+def test_dry_run_world() -> None:
+    with communication.dry_run(1024, rank=7):
+        assert communication.get_group_size() == 1024
+        assert communication.get_rank() == 7
+        communication.init()  # (finds the world made: returns)
+    assert not dist.is_initialized()
+    with (
+        pytest.raises(ValueError, match="rank=8 is outside the world of 8 ranks"),
+        communication.dry_run(8, rank=8),
+    ):
+        pass
+    assert torch.zeros(1).device.type == "cpu"
