@@ -133,7 +133,7 @@ CASES: dict[str, Callable[[], None]] = {
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
-    "layout/_dtensor: _StridedShard": _callable(
+    "layout/_dtensor, ops/aten_rules: _StridedShard": _callable(
         "torch.distributed.tensor.placement_types", "_StridedShard"
     ),
     "parallel/_runtime, optim/_engine_gather, optim/_engine_reduce: _current_graph_task_id": (

@@ -20,7 +20,7 @@ from shardwise import (
 from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
 from shardwise.communication import CommRecorder
 from shardwise.context import get_context, get_seed, set_context, set_seed
-from shardwise.layout import Layout
+from shardwise.layout import Layout, strided
 from shardwise.parallel import (
     AutoParallel,
     ParallelMode,
@@ -69,5 +69,6 @@ __all__ = [
     "set_context",
     "set_seed",
     "shard",
+    "strided",
     "train",
 ]

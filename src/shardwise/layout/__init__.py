@@ -3,7 +3,8 @@
 - `_core`: `DeviceMatrix` (rank <-> coordinate, axis groups), `TensorLayout` (which axes split
   which dim, each rank's block).
 - `_layout`: `Layout` (``sw.Layout``: named device matrix, call form ``layout("mp", ("sp",
-  "dp"))``), MindSpore ``tensor_map`` conversion and dicts for strategy files.
+  "dp"))``), `strided` (``sw.strided``: a dim cut into groups, each split over the axes),
+  MindSpore ``tensor_map`` conversion and dicts for strategy files.
 - `_strategy`: int / Layout strategies -> a primitive's device matrix and input layouts (repeat
   factor appended on the right), with every validation error.
 - `_rules`: helpers for primitives' rules (`elementwise_axes`, `data_parallel_strategy`).
@@ -19,6 +20,8 @@ from shardwise.layout._layout import (
     DimSpec,
     Layout,
     LayoutTypeError,
+    Strided,
+    strided,
     tensor_layout_from_dict,
     tensor_layout_to_dict,
     tensor_map,
@@ -47,6 +50,7 @@ __all__ = [
     "Layout",
     "LayoutTypeError",
     "StrategyLayouts",
+    "Strided",
     "TensorLayout",
     "axis_runs",
     "check_int_strategy",
@@ -62,6 +66,7 @@ __all__ = [
     "split_factor",
     "strategy_kind",
     "strategy_layouts",
+    "strided",
     "tensor_layout_from_dict",
     "tensor_layout_to_dict",
     "tensor_map",

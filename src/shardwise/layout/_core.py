@@ -9,6 +9,12 @@ tuple alias order: for ``("sp", "dp")`` the block index is ``sp * |dp| + dp``). 
 dim hold replicas. `block_index`, `local_shape` and `local_slice` give the part of a global
 tensor each rank holds; `check` validates a layout against a global shape.
 
+A dim may also be *strided* (`TensorLayout.groups`): cut into ``g`` equal groups first, each
+group split over the dim's axes, and each rank holding its block of every group, in group order
+(``sw.strided("mp", 3)`` on a fused q/k/v projection's ``3C`` outputs: each rank holds its heads
+of q, of k and of v). Its block is then not one contiguous range: `local_index` gives it as an
+index ``tensor[index]`` accepts, `local_ranges` as ranges.
+
 Everything here is pure: no process group, no tensors.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -120,16 +127,24 @@ class TensorLayout:
         matrix: the device matrix.
         dims: for each tensor dim, the indices of the axes splitting it, outer first; ``()``
             means not split.
+        groups: for each tensor dim, into how many equal groups it is cut before its axes
+            split each group (a strided dim; DTensor's ``_StridedShard``); ``()`` means 1 for
+            every dim. Kept only for dims split into more than one part (else normalized to 1),
+            and ``()`` when every dim has 1, so a plain layout equals one built without it.
 
     Example:
         >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
         >>> x = TensorLayout(m, ((2,), (1, 0)))          # layout("mp", ("sp", "dp"))
         >>> str(x), x.local_shape((8, 16))
         ('(mp, (sp, dp)) on DeviceMatrix(dp=2, sp=2, mp=2)', (4, 4))
+        >>> qkv = TensorLayout(m, ((2,), ()), groups=(3, 1))  # layout(strided("mp", 3), None)
+        >>> qkv.local_index(1, (12, 4))                       # rank 1: mp = 1
+        ([2, 3, 6, 7, 10, 11], slice(0, 4, None))
     """
 
     matrix: DeviceMatrix
     dims: tuple[tuple[int, ...], ...]
+    groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         used = [a for axes in self.dims for a in axes]
@@ -139,6 +154,17 @@ class TensorLayout:
         if len(set(used)) != len(used):
             names = [self.matrix.names[a] for a in used]
             raise ValueError(f"a device axis splits more than one dim (or twice): {names}")
+        if not self.groups:
+            return
+        if len(self.groups) != len(self.dims) or any(
+            isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.groups
+        ):
+            raise ValueError(
+                f"groups {self.groups}: give one group count >= 1 per tensor dim "
+                f"({len(self.dims)} dims)"
+            )
+        kept = tuple(g if self.split_count(d) > 1 else 1 for d, g in enumerate(self.groups))
+        object.__setattr__(self, "groups", kept if any(g > 1 for g in kept) else ())
 
     @property
     def ndim(self) -> int:
@@ -157,6 +183,19 @@ class TensorLayout:
         """Into how many blocks `dim` is cut."""
         return math.prod(self.matrix.shape[a] for a in self.dims[dim])
 
+    def groups_of(self, dim: int) -> int:
+        """Into how many strided groups `dim` is cut (1: a plain split, or not split)."""
+        return self.groups[dim] if self.groups else 1
+
+    @property
+    def strided(self) -> bool:
+        """Whether some dim is strided (its block is not one contiguous range)."""
+        return bool(self.groups)
+
+    def plain(self) -> TensorLayout:
+        """The same axes on every dim, without strided groups."""
+        return TensorLayout(self.matrix, self.dims) if self.groups else self
+
     def block_index(self, rank: int, dim: int) -> int:
         """Which block of `dim` global `rank` holds (outer axes first)."""
         coord = self.matrix.coord(rank)
@@ -174,8 +213,17 @@ class TensorLayout:
             )
         for d, size in enumerate(shape):
             parts = self.split_count(d)
+            axes = "*".join(self.matrix.names[a] for a in self.dims[d])
+            g = self.groups_of(d)
+            if g > 1 and size % (g * parts):
+                raise ValueError(
+                    f"{who}: dim {d} of size {size} cannot be cut into {g} strided groups each "
+                    f"split into {parts} parts (axis {axes}): {g} x {parts} = {g * parts} does "
+                    f"not divide {size}; use a group count and a split whose product divides "
+                    f"{size} (strided({axes!r}, k) with k x {parts} dividing {size}), or a "
+                    f"plain split"
+                )
             if size % parts:
-                axes = "*".join(self.matrix.names[a] for a in self.dims[d])
                 raise ValueError(
                     f"{who}: dim {d} of size {size} cannot be split into {parts} parts "
                     f"(axes {axes}); use a split that divides {size}"
@@ -187,18 +235,66 @@ class TensorLayout:
         return tuple(size // self.split_count(d) for d, size in enumerate(shape))
 
     def local_slice(self, rank: int, shape: Sequence[int]) -> tuple[slice, ...]:
-        """The slices of a global tensor of `shape` that global `rank` holds."""
+        """The slices of a global tensor of `shape` that global `rank` holds.
+
+        Raises:
+            ValueError: a strided layout (its block is several ranges: use `local_index`).
+        """
+        if self.groups:
+            raise ValueError(
+                f"layout {self} is strided: a rank's block is not one slice; use local_index "
+                f"(an index tensor[index] accepts) or local_ranges"
+            )
         local = self.local_shape(shape)
         return tuple(
             slice(self.block_index(rank, d) * n, (self.block_index(rank, d) + 1) * n)
             for d, n in enumerate(local)
         )
 
+    def local_ranges(self, rank: int, shape: Sequence[int]) -> tuple[tuple[range, ...], ...]:
+        """Per dim, the global index ranges global `rank` holds, in the order its block holds
+        them: one range for a plain dim, one per group for a strided dim."""
+        local = self.local_shape(shape)
+        out = []
+        for d, n in enumerate(local):
+            g = self.groups_of(d)
+            step, start = shape[d] // g, self.block_index(rank, d) * (n // g)
+            out.append(tuple(range(i * step + start, i * step + start + n // g) for i in range(g)))
+        return tuple(out)
+
+    def local_index(self, rank: int, shape: Sequence[int]) -> tuple[slice | list[Any], ...]:
+        """The index of global `rank`'s block in a global tensor of `shape`:
+        ``global[layout.local_index(rank, shape)]`` is the block.
+
+        A plain layout gives `local_slice`; a strided dim gives the list of its global indices
+        (with several strided dims, every dim becomes a nested list shaped to broadcast, so
+        that advanced indexing takes their outer product).
+        """
+        if not self.groups:
+            return self.local_slice(rank, shape)
+        ranges = self.local_ranges(rank, shape)
+        flat = [[i for r in rs for i in r] for rs in ranges]
+        strided = [d for d in range(self.ndim) if self.groups_of(d) > 1]
+        if len(strided) == 1:
+            return tuple(
+                flat[d] if d in strided else slice(rs[0].start, rs[0].stop)
+                for d, rs in enumerate(ranges)
+            )
+        out: list[slice | list[Any]] = []
+        for d, idx in enumerate(flat):  # shape [n_d, 1, ..., 1]: broadcasts to the block
+            nested: list[Any] = list(idx)
+            for _ in range(self.ndim - 1 - d):
+                nested = [[x] for x in nested]
+            out.append(nested)
+        return tuple(out)
+
     def __str__(self) -> str:
-        def one(axes: tuple[int, ...]) -> str:
+        def one(d: int, axes: tuple[int, ...]) -> str:
             names = [self.matrix.names[a] for a in axes]
             if not names:
                 return "None"
-            return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+            text = names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+            g = self.groups_of(d)
+            return f"strided({text}, {g})" if g > 1 else text
 
-        return f"({', '.join(one(a) for a in self.dims)}) on {self.matrix}"
+        return f"({', '.join(one(d, a) for d, a in enumerate(self.dims))}) on {self.matrix}"

@@ -17,6 +17,11 @@ already-applied axes match this rank, in global order, i.e. an array indexed by 
 of d in tuple order. Viewed as ``[outer, |m|, inner]`` (outer = remaining axes before m in the
 tuple), selecting coordinate c in the middle is exactly ``_StridedShard(d, split_factor=outer)``:
 cut into `outer` pieces, cut each into |m| chunks, keep chunk c of every piece.
+
+A strided dim (`TensorLayout.groups`: g groups, each split over the dim's axes) is the same array
+with one more outermost index, the group, which no mesh dim selects: every mesh dim's factor is
+multiplied by g (``layout(strided("mp", 3), "None")`` on one axis: ``_StridedShard(0,
+split_factor=3)``). `from_placements` finds g as the factor of the dim's outermost axis.
 """
 
 from __future__ import annotations
@@ -42,17 +47,19 @@ def split_factor(layout: TensorLayout, axis: int) -> int:
 
     Returns:
         The product of the sizes of the axes that split the same dim, are outer to `axis` in its
-        tuple and come after `axis` in mesh order (size-1 axes count as 1).
+        tuple and come after `axis` in mesh order (size-1 axes count as 1), times the dim's
+        strided group count.
 
     Example:
         >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
         >>> split_factor(TensorLayout(m, ((2,), (1, 0))), 0)    # ("sp", "dp"): dp under sp
         2
     """
-    for axes in layout.dims:
+    for d, axes in enumerate(layout.dims):
         if axis in axes:
             outer = axes[: axes.index(axis)]
-            return math.prod(layout.matrix.shape[a] for a in outer if a > axis)
+            inner = math.prod(layout.matrix.shape[a] for a in outer if a > axis)
+            return layout.groups_of(d) * inner
     raise ValueError(f"axis {axis} splits no dim of {layout}")
 
 
@@ -98,7 +105,7 @@ def from_placements(
 
     Raises:
         ValueError: a Partial or other placement, or a _StridedShard combination that no
-            tuple order produces.
+            tuple order and group count produces.
 
     Example:
         >>> m = DeviceMatrix((2, 2), ("dp", "mp"))
@@ -116,10 +123,15 @@ def from_placements(
             raise ValueError(f"mesh dim {axis}: {p} has no layout (only Replicate / Shard)")
     want = tuple(Replicate() if matrix.shape[a] == 1 else p for a, p in enumerate(placements))
     choices = [list(itertools.permutations(axes)) for axes in by_dim]
+    # a strided dim's group count is the factor of its outermost axis (`split_factor`)
+    factors = [
+        sorted({1} | {getattr(placements[a], "split_factor", 1) for a in axes}) for axes in by_dim
+    ]
     for dims in itertools.product(*choices):
-        candidate = TensorLayout(matrix, tuple(dims))
-        if to_placements(candidate) == want:
-            return candidate
+        for groups in itertools.product(*factors):
+            candidate = TensorLayout(matrix, tuple(dims), tuple(groups))
+            if to_placements(candidate) == want:
+                return candidate
     raise ValueError(f"placements {placements} match no axis order on {matrix}")
 
 

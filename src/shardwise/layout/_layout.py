@@ -3,6 +3,8 @@
 ``Layout((2, 2, 2), ("dp", "sp", "mp"))`` names the axes of a `DeviceMatrix`;
 ``layout("mp", ("sp", "dp"))`` says, for each tensor dim, which axes split it and returns a
 `TensorLayout` (`Layout.__call__`, which parses every argument with `_parse_dim`).
+``layout(strided("mp", 3), "None")`` (`strided`, ``sw.strided``) cuts dim 0 into 3 equal groups
+and splits each over mp: a fused q/k/v projection's rows, each rank holding its heads of all three.
 
 `tensor_map` / `tensor_layout_to_dict` / `tensor_layout_from_dict` convert a `TensorLayout` to and
 from MindSpore's ``tensor_map`` form (axis indices counted from the right, ``-1`` = not split), the
@@ -23,8 +25,66 @@ from shardwise.layout._core import DeviceMatrix, TensorLayout
 NONE = "None"
 """The alias that means "this tensor dim is not split"."""
 
-DimSpec: TypeAlias = str | tuple[str, ...] | None
-"""One argument of a layout call: an alias, ``"None"`` (or ``None``), or a tuple of aliases."""
+
+@dataclass(frozen=True)
+class Strided:
+    """A layout-call argument for a strided dim (made by `strided`): the dim is cut into
+    `groups` equal groups, each split over `axes` (outer first), and each rank holds its block
+    of every group, in group order (DTensor's ``_StridedShard``)."""
+
+    axes: tuple[str, ...]
+    groups: int
+
+    def __repr__(self) -> str:
+        axes = self.axes[0] if len(self.axes) == 1 else self.axes
+        return f"strided({axes!r}, {self.groups})"
+
+
+def strided(axes: str | Sequence[str], groups: int) -> Strided:
+    """Split a dim over `axes` in `groups` interleaved groups: an argument of a layout call.
+
+    The dim (size n) is viewed as ``groups`` consecutive groups of n / groups; each group is
+    split over `axes` as a plain dim would be, and a rank holds its block of every group,
+    concatenated in group order. For a fused projection whose outputs are ``[q; k; v]``
+    (nanoGPT's ``c_attn``, ``nn.Linear(C, 3 * C)``), ``strided("mp", 3)`` on the weight's
+    output dim gives each mp rank the same heads of q, k and v, so ``split(C, dim=-1)`` keeps
+    all three split over mp with no communication.
+
+    Args:
+        axes: an alias or a tuple of aliases (outer first), as in a plain layout call.
+        groups: the number of groups (an int >= 1; 1 is a plain split).
+
+    Returns:
+        A `Strided` argument for `Layout.__call__`.
+
+    Raises:
+        LayoutTypeError: `axes` is not an alias or a tuple of aliases, `groups` not an int.
+        ValueError: `groups` < 1, no alias, or ``"None"`` among the aliases.
+
+    Example:
+        >>> layout = Layout((2, 4), ("dp", "mp"))
+        >>> w = layout(strided("mp", 3), "None")   # c_attn.weight [3C, C]
+        >>> str(w)
+        '(strided(mp, 3), None) on DeviceMatrix(dp=2, mp=4)'
+    """
+    names = (axes,) if isinstance(axes, str) else axes
+    if not isinstance(names, tuple | list) or any(not isinstance(a, str) for a in names):
+        raise LayoutTypeError(f"strided: axes must be an alias or a tuple of aliases, got {axes!r}")
+    if not names or NONE in names:
+        raise ValueError(
+            f"strided({axes!r}, {groups!r}): give the alias(es) that split each group; "
+            f"'None' cannot be strided"
+        )
+    if isinstance(groups, bool) or not isinstance(groups, int):
+        raise LayoutTypeError(f"strided: groups must be an int, got {groups!r}")
+    if groups < 1:
+        raise ValueError(f"strided({axes!r}, {groups}): groups must be >= 1")
+    return Strided(tuple(names), groups)
+
+
+DimSpec: TypeAlias = str | tuple[str, ...] | Strided | None
+"""One argument of a layout call: an alias, ``"None"`` (or ``None``), a tuple of aliases, or a
+`strided` dim."""
 
 TensorMapEntry: TypeAlias = int | tuple[int, ...]
 
@@ -128,7 +188,8 @@ class Layout:
 
         Args:
             *tensor_map: per dim, an alias (split by that axis), ``"None"`` / ``None`` (not
-                split) or a tuple of aliases (split by all of them, the first outer).
+                split), a tuple of aliases (split by all of them, the first outer) or
+                ``strided(aliases, groups)`` (cut into equal groups, each split by them).
 
         Returns:
             The `TensorLayout` on this device matrix.
@@ -142,6 +203,7 @@ class Layout:
             ((0,), ())
         """
         dims = tuple(self._parse_dim(spec, i, tensor_map) for i, spec in enumerate(tensor_map))
+        groups = tuple(s.groups if isinstance(s, Strided) else 1 for s in tensor_map)
         seen: dict[int, int] = {}
         for d, axes in enumerate(dims):
             for a in axes:
@@ -151,11 +213,13 @@ class Layout:
                         f"by dims {seen[a]} and {d}; each alias may split a tensor only once"
                     )
                 seen[a] = d
-        return TensorLayout(self.matrix, dims)
+        return TensorLayout(self.matrix, dims, groups)
 
     def _parse_dim(self, spec: object, dim: int, call: tuple[object, ...]) -> tuple[int, ...]:
         """The axes that split tensor dim `dim` according to `spec` (outer first)."""
         where = f"layout{_call_str(call)}, dim {dim}"
+        if isinstance(spec, Strided):
+            spec = spec.axes
         if spec is None or spec == NONE:
             return ()
         if isinstance(spec, str):
@@ -234,9 +298,12 @@ def tensor_map(layout: TensorLayout) -> tuple[TensorMapEntry, ...]:
 
 def tensor_layout_to_dict(layout: TensorLayout) -> dict[str, Any]:
     """A JSON-ready dict: `Layout.to_dict` plus ``"tensor_map"`` (see `tensor_map`; tuples
-    become lists)."""
+    become lists) and, for a strided layout, ``"groups"`` (one count per dim)."""
     tmap = [list(e) if isinstance(e, tuple) else e for e in tensor_map(layout)]
-    return {**Layout.of(layout.matrix).to_dict(), "tensor_map": tmap}
+    out = {**Layout.of(layout.matrix).to_dict(), "tensor_map": tmap}
+    if layout.groups:
+        out["groups"] = list(layout.groups)
+    return out
 
 
 def tensor_layout_from_dict(data: Mapping[str, Any]) -> TensorLayout:
@@ -256,4 +323,5 @@ def tensor_layout_from_dict(data: Mapping[str, Any]) -> TensorLayout:
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= last for i in idx):
             raise ValueError(f"tensor_map entry {entry!r} is not in 0..{last} or -1")
         dims.append(tuple(last - i for i in idx))
-    return TensorLayout(layout.matrix, tuple(dims))
+    groups = data.get("groups") or ()
+    return TensorLayout(layout.matrix, tuple(dims), tuple(int(g) for g in groups))

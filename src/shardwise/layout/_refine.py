@@ -97,7 +97,8 @@ def refine(layout: TensorLayout, fine: DeviceMatrix) -> TensorLayout:
         fine: a refinement of ``layout.matrix`` (see `common_refinement`).
 
     Returns:
-        The layout on `fine`: each coarse axis replaced by its run of fine axes, outer first.
+        The layout on `fine`: each coarse axis replaced by its run of fine axes, outer first
+        (strided groups kept).
 
     Raises:
         ValueError: different rank lists, or `fine` does not refine the layout's matrix.
@@ -112,4 +113,4 @@ def refine(layout: TensorLayout, fine: DeviceMatrix) -> TensorLayout:
         raise ValueError(f"{fine} and {layout.matrix} order the ranks differently")
     runs = axis_runs(layout.matrix.shape, fine.shape)
     dims = tuple(tuple(f for a in axes for f in runs[a]) for axes in layout.dims)
-    return TensorLayout(fine, dims)
+    return TensorLayout(fine, dims, layout.groups)

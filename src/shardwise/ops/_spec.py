@@ -194,6 +194,14 @@ def _resolve(
         )
     else:
         layouts = [e for e in strategy if isinstance(e, TensorLayout)]
+        for i, layout in enumerate(layouts):
+            if layout.strided:
+                name = names[i] if names and i < len(names) else f"input {i}"
+                raise ValueError(
+                    f"{label}: input {i} ({name}) is laid out strided ({layout}); a "
+                    f"primitive's strategy takes plain layouts only (strided layouts are for "
+                    f"torch ops: sw.shard's op form on nn.Linear, sw.reshard, parameter_plan)"
+                )
         res = check_layout_strategy(
             layouts, device_num, shapes=shapes, who=label, input_names=names
         )

@@ -18,7 +18,8 @@ The rules of shardwise's primitives (``sw.ops.MatMul`` ...) are in `shardwise.op
 
 Adding an op: one entry in `ATEN_RULES`, ``"aten.<name>.<overload>": rule``, where ``rule(args,
 mesh_ndim)`` receives the op's arguments with each tensor as an `Arg` (placements, shape) and
-returns a `Decision` (see `sdpa_cpu_rule`). An entry here wins over DTensor's rule.
+returns a `Decision` (see `sdpa_cpu_rule`), or None to leave this call to DTensor's rule (see
+`strided_split_rule`). An entry here wins over DTensor's rule.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 from shardwise.ops._dtensor import Spec, has_rule, propagate
@@ -52,7 +54,7 @@ class Decision:
     source: str
 
 
-AtenRule = Callable[[Sequence[Any], int], Decision]
+AtenRule = Callable[[Sequence[Any], int], Decision | None]
 
 
 def _rep(n: int) -> Placements:
@@ -138,6 +140,49 @@ def pointwise_loss_rule(args: Sequence[Any], ndim: int) -> Decision:
     return Decision((pair, pair), (tuple(outs),), "shardwise")
 
 
+def strided_split_rule(args: Sequence[Any], ndim: int) -> Decision | None:
+    """``aten.split.Tensor`` / ``aten.split_with_sizes`` of a dim split strided over one mesh dim.
+
+    ``_StridedShard(d, split_factor=g)`` (a `TensorLayout` strided in g groups, e.g.
+    ``sw.strided("mp", 3)`` on a fused q/k/v projection) cuts dim d into g groups and each group
+    over the mesh dim. When every part of the split is a whole number j of groups, each part
+    keeps the split with no communication: ``Shard(d)`` for one group (q, k and v each split
+    over mp, every rank holding its own heads), ``_StridedShard(d, split_factor=j)`` for j; the
+    other mesh dims keep their placements (split is linear: partial values stay partial).
+    Anything else (parts that cut a group, a dim split by several mesh dims) returns None:
+    DTensor's rule, which gathers the split dim.
+    """
+    x = args[0]
+    rank = len(x.shape)
+    dim = int(args[2]) % rank if len(args) > 2 and isinstance(args[2], int) else 0
+    on_dim = [
+        m
+        for m, p in enumerate(x.placements)
+        if isinstance(p, Shard | _StridedShard) and p.dim % rank == dim
+    ]
+    if len(on_dim) != 1 or not isinstance(x.placements[on_dim[0]], _StridedShard):
+        return None
+    m = on_dim[0]
+    n, factor = x.shape[dim], x.placements[m].split_factor
+    if n % factor:
+        return None
+    piece = n // factor
+    size = args[1]
+    if isinstance(size, int):
+        sizes = [size] * (n // size) + ([n % size] if n % size else []) if size > 0 else []
+    else:
+        sizes = [int(v) for v in size]
+    if not sizes or any(v % piece for v in sizes):
+        return None
+    outs = []
+    for v in sizes:
+        j = v // piece
+        out = list(x.placements)
+        out[m] = Shard(dim) if j == 1 else _StridedShard(dim, split_factor=j)
+        outs.append(tuple(out))
+    return Decision((tuple(x.placements),), tuple(outs), "shardwise")
+
+
 ATEN_RULES: dict[str, AtenRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
     "aten.cat.default": join_rule(stack=False),
@@ -145,12 +190,15 @@ ATEN_RULES: dict[str, AtenRule] = {
     "aten.mse_loss.default": pointwise_loss_rule,
     "aten.smooth_l1_loss.default": pointwise_loss_rule,
     "aten.huber_loss.default": pointwise_loss_rule,
+    "aten.split.Tensor": strided_split_rule,
+    "aten.split_with_sizes.default": strided_split_rule,
 }
 """shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
 
 
 def rule_source(op: Any) -> str:
-    """Where `op`'s rule comes from: ``"shardwise"``, ``"dtensor"`` or ``"replicate"``."""
+    """Where `op`'s rule comes from: ``"shardwise"``, ``"dtensor"`` or ``"replicate"`` (an
+    op with both answers ``"shardwise"``: its own rule is asked first)."""
     if str(op) in ATEN_RULES:
         return "shardwise"
     return "dtensor" if has_rule(op) else "replicate"
@@ -174,7 +222,9 @@ def decide(
     tensors = [a for a in pytree.tree_leaves((list(args), dict(kwargs))) if isinstance(a, Spec)]
     own = ATEN_RULES.get(str(op))
     if own is not None:
-        return own(list(args) + list(kwargs.values()), ndim)
+        mine = own(list(args) + list(kwargs.values()), ndim)
+        if mine is not None:
+            return mine
     if has_rule(op):
         try:
             ins, outs = propagate(op, args, kwargs, mesh, out_shapes)

@@ -2,7 +2,8 @@
 
 - `has_deferred`: whether a network still holds deferred (recorded, unallocated) tensors.
 - `block_slicer`: the ``slicer(name, full_shape) -> index`` of one rank: a planned parameter
-  keeps its layout's block (`TensorLayout.local_slice`), anything else stays whole.
+  keeps its layout's block (`TensorLayout.local_index`: a slice per dim, or the indices of a
+  strided dim's rows in every group), anything else stays whole.
 - `materialize_blocks`: replays the recorded construction with that slicer, so each tensor is
   generated, cut to this rank's block and dropped before the next one is generated: a rank
   never holds more than its blocks plus the one full tensor being generated (the initializers
@@ -18,6 +19,7 @@ the old one are re-pointed to it before their next step.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
@@ -38,14 +40,14 @@ def has_deferred(network: nn.Module) -> bool:
 def block_slicer(params: Params, rank: int) -> Slicer:
     """`rank`'s slicer: planned parameters keep their block, other tensors stay whole."""
 
-    def slicer(name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    def slicer(name: str, shape: tuple[int, ...]) -> tuple[slice | list[Any], ...] | None:
         planned = params.get(name)
         if planned is None:
             return None
         layout, global_shape = planned
         if tuple(shape) != tuple(global_shape):
             raise ValueError(f"parameter {name!r} has shape {list(shape)}, planned {global_shape}")
-        return layout.local_slice(rank, shape)
+        return layout.local_index(rank, shape)
 
     return slicer
 

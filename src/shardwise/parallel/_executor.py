@@ -10,7 +10,8 @@ same way, `planner.is_recorded`). For it the executor:
    a whole value wanted partial is kept on the first rank of those axes; `_edges.move`);
    a parameter is first taken as stored (optimizer parallel: its compute leaf);
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
-   the plan's local output shape; ``F.dropout`` multiplies by this rank's block of one global
+   the plan's local output shape, those of a ``split`` along a split dim (a strided q/k/v
+   projection) the parts' local sizes; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
 3. applies the edges of returned values right after the op; the loss's AllReduce is only
    started there (`sum_over_ranks`) and finished before anything can read the loss: at the
@@ -152,7 +153,7 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
                 if fast == PLAIN:
                     return func(*args, **kwargs) if kwargs else func(*args)
                 if fast == SIZED:
-                    return func(args[0], self.table.sized[k])
+                    return func(args[0], *(self.table.sized[k] or ()))
                 node = self.plan.nodes[k]
                 return dropout_block(node.outputs[0].layout, node.shapes[0], args, kwargs or {})
             finally:
@@ -307,8 +308,9 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
         if table.templates is not None and table.whole[k]:
             tensors = [t for t in leaves if isinstance(t, T)]
             args, kw = table.global_args(k, tensors, args, kw)  # the captured sizes
-        if table.sized[k] is not None:
-            out = func(args[0], table.sized[k])
+        sized = table.sized[k]
+        if sized is not None:
+            out = func(args[0], *sized)
         elif func is F.dropout:
             node = self.plan.nodes[k]
             out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)

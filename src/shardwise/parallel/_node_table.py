@@ -4,10 +4,12 @@
   cached per function (torch's `resolve_name` costs microseconds a call).
 - `NodeTable`: per plan, read by `_executor.PlanExecutor` on every call: the edges into each
   node and those of returned values, per node whether all its inputs are whole (it then runs
-  with the captured sizes: `NodeTable.global_args`), a view's local size argument, whether it
-  reads a parameter, and its short path (`NodeTable.fast`): a node with no edge in or out, no
+  with the captured sizes: `NodeTable.global_args`), a view's local size argument (a split's
+  local part sizes and dim, when the split dim is split: ``sw.strided``), whether it reads a
+  parameter, and its short path (`NodeTable.fast`): a node with no edge in or out, no
   gradient average (`NodePlan.backward`), neither the first nor the last, is `PLAIN` (nothing
-  to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape) or
+  to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape, a
+  split its local sizes) or
   `DROPOUT`; under data parallel nearly every
   node is one of these, and the executor runs them after checking only the op against the
   plan's and counting the cursor.
@@ -23,18 +25,19 @@ import torch
 from torch.overrides import resolve_name
 from torch.utils import _pytree as pytree
 
-from shardwise.planner import EdgePlan, ParallelPlan
+from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
 
 T = torch.Tensor
 _SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+_SPLITS = {"torch.Tensor.split", "torch.split", "torch.Tensor.split_with_sizes"}
 _DROPOUT = "torch.nn.functional.dropout"
 
 # how the executor runs each node (`NodeTable.fast`)
 SLOW = 0  # the full path: edges, captured sizes, the first or last node, returned values
 PLAIN = 1  # the op on the blocks as they are
-SIZED = 2  # a view: the plan's local shape as the size argument
+SIZED = 2  # a view: the plan's local shape as the size argument (a split: sizes and dim)
 DROPOUT = 3  # this rank's block of one global mask
 
 CALLS: dict[Any, tuple[str, str]] = {}  # `call_info` by function (the executor reads it inline)
@@ -81,10 +84,7 @@ class NodeTable:
         self.returning = {int(v[1:].split(".")[0]) for v in self.returned if v.startswith("%")}
         self.averaging = {n.index for n in nodes if n.backward}  # (`NodePlan.backward`)
         self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
-        self.sized = [
-            n.local_shapes[0] if n.op in _SIZED and n.shapes[0] != n.local_shapes[0] else None
-            for n in nodes
-        ]
+        self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
         moved = {k for k, _ in self.edges}
         self.fast = [
@@ -128,3 +128,20 @@ class NodeTable:
         leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
         out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
         return tuple(out[0]), dict(out[1])
+
+
+def _sized(n: NodePlan) -> tuple[Any, ...] | None:
+    """The size arguments node `n` runs with on a rank's blocks (after its tensor), or None
+    when its own are right: a view's local shape; a split's local part sizes and its dim when
+    that dim is split (a strided one: each part keeps its share of every rank)."""
+    if n.op in _SIZED:
+        return (n.local_shapes[0],) if n.shapes[0] != n.local_shapes[0] else None
+    if n.op not in _SPLITS or not n.in_shapes or len(n.shapes) < 2:
+        return None
+    whole = n.in_shapes[0]
+    dims = [d for d in range(len(whole)) if any(s[d] != whole[d] for s in n.shapes)]
+    if len(dims) != 1:
+        return None
+    d = dims[0]
+    local = [s[d] for s in n.local_shapes]
+    return (local, d) if local != [s[d] for s in n.shapes] else None

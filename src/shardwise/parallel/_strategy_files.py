@@ -161,7 +161,8 @@ class StrategyFiles:
             shapes = {n: p.shape for n, p in fresh.params.items()}
             planner.check_params(params, shapes, path, _frozen(run.network))
             for name, p in params.items():
-                if p.layout.dims != fresh.params[name].layout.dims:
+                mine = fresh.params[name].layout
+                if (p.layout.dims, p.layout.groups) != (mine.dims, mine.groups):
                     raise planner.StrategyFileError(
                         f"{path}: parameter {name!r} is stored as {p} in the file, as "
                         f"{fresh.params[name]} by this plan (the operator strategy file's)"

@@ -5,10 +5,10 @@
 - `op_form`: the layouts an op-form strategy gives an annotated op's tensor inputs, on the op's
   own device matrix. ``nn.Linear``'s ``F.linear(x, weight, bias)`` is read as
   ``MatMul(transpose_b=True)`` reads its strategy (``x`` as ``(rows, in_features)``, rows being
-  dim 0); ``nn.Embedding``'s ``F.embedding(ids, weight)`` with the ids' dims on the first
-  axes of the op's matrix and the embedding dim on the last. The planner then follows the op's
-  aten program from these layouts (the bias, the output and any partial sums come from the
-  sharding rules).
+  dim 0; the weight's output features may be strided, ``sw.strided``); ``nn.Embedding``'s
+  ``F.embedding(ids, weight)`` with the ids' dims on the first axes of the op's matrix and the
+  embedding dim on the last. The planner then follows the op's aten program from these layouts
+  (the bias, the output and any partial sums come from the sharding rules).
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def _linear(
     rows = 1
     for s in x[:-1]:
         rows *= s
-    mm = MatMul(transpose_b=True).shard(tuple(strategy))
+    groups = _strided_weight_rows(strategy, who)
+    plain = tuple(e.plain() if isinstance(e, TensorLayout) else e for e in strategy)
+    mm = MatMul(transpose_b=True).shard(plain)
     mm.module_path = who.removeprefix("sw.shard on ")
     try:
         op = plan_primitive(mm, (rows, x[-1]), w, device_num=device_num)
@@ -99,7 +101,32 @@ def _linear(
             f"{x[0]} entries; use a batch divisible by {x2d.split_count(0)}"
         )
     dims = (x2d.dims[0],) + ((),) * (len(x) - 2) + (x2d.dims[1],)
+    if groups > 1:
+        weight = TensorLayout(op.matrix, weight.dims, (groups, 1))
+        weight.check(w, f"{who}: input 1 (weight)")
     return op.matrix, {0: TensorLayout(op.matrix, dims), 1: weight}
+
+
+def _strided_weight_rows(strategy: Sequence[Any], who: str) -> int:
+    """The strided group count of an ``nn.Linear`` strategy: only the weight's output features
+    (its dim 0, e.g. ``layout(sw.strided("mp", 3), "None")`` for a fused q/k/v projection) may
+    be strided; the output then is strided alike (the sharding rules carry it on).
+
+    Raises:
+        AnnotationError: a strided dim anywhere else.
+    """
+    for i, entry in enumerate(strategy):
+        if not isinstance(entry, TensorLayout) or not entry.strided:
+            continue
+        bad = [d for d in range(entry.ndim) if entry.groups_of(d) > 1 and (i, d) != (1, 0)]
+        if bad:
+            raise AnnotationError(
+                f"{who}: input {i} dim {bad[0]} is strided ({entry}); nn.Linear's op form takes "
+                f"a strided split only on the weight's output features (input 1 dim 0), e.g. "
+                f"layout(sw.strided('mp', 3), 'None') for a fused q/k/v projection"
+            )
+    weight = strategy[1] if len(strategy) > 1 else None
+    return weight.groups_of(0) if isinstance(weight, TensorLayout) else 1
 
 
 def _embedding(

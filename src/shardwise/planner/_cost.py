@@ -118,7 +118,7 @@ def _move(
     if reduced:
         block = math.prod(src.local_shape(shape)) * itemsize
         total += model.all_reduce(block, m, reduced)
-    if src.dims != dst.dims:
+    if src.dims != dst.dims or src.groups != dst.groups:
         plan = plan_redistribution(src, dst, shape, itemsize)
         for step, sent in zip(plan.steps, plan.step_bytes, strict=True):
             if isinstance(step, Slice) or m.shape[step.axis] == 1:

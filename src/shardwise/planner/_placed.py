@@ -1,8 +1,8 @@
 """The small parts of a `ParallelPlan`: placements and collectives.
 
 - `Placed`: how a value is spread over the devices: a `TensorLayout` (which axes split which
-  dim) plus the axes on which each rank holds a partial sum (``Partial`` in DTensor's terms);
-  `replicated`: whole on every rank.
+  dim, ``strided(g1, 3)`` for a strided one) plus the axes on which each rank holds a partial
+  sum (``Partial`` in DTensor's terms); `replicated`: whole on every rank.
 - `Collective`: one collective the plan runs (kind, axes, where).
 """
 
@@ -31,7 +31,13 @@ class Placed:
     reduce: str = "sum"
 
     def __str__(self) -> str:
-        dims = ", ".join(_axes_str(self.layout.matrix, a) for a in self.layout.dims)
+        m, layout = self.layout.matrix, self.layout
+        dims = ", ".join(
+            f"strided({_axes_str(m, a)}, {layout.groups_of(d)})"
+            if layout.groups_of(d) > 1
+            else _axes_str(m, a)
+            for d, a in enumerate(layout.dims)
+        )
         text = f"({dims})"
         if self.partial:
             text += f" partial-{self.reduce}[{_axes_str(self.layout.matrix, self.partial)}]"

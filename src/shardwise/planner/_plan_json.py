@@ -6,10 +6,10 @@
   storage layouts (also the parameter strategy file's content, `_files`).
 - `_placed_d` / `_placed`, `_comm_d` / `_comm`, `_node_d` / `_node`, `_step_d` / `_step`,
   `_edge_d` / `_edge`: one `Placed`, `Collective`, `NodePlan`, redistribution step and
-  `EdgePlan`; a layout is stored as its dims (the axes splitting each), read back on the
-  plan's matrix. The backward's parts (`equal_grad`, `NodePlan.backward`,
-  `ParallelPlan.equal_grads`) are written only when present (a plan without them reads back
-  with none).
+  `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
+  its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
+  `NodePlan.backward`, `ParallelPlan.equal_grads`) are written only when present (a plan
+  without them reads back with none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
 into an equal value.
@@ -111,6 +111,7 @@ def params_d(params: Mapping[str, ParamPlan]) -> dict[str, dict[str, Any]]:
     """Parameter layouts as JSON-ready data (`params_of` reads them back)."""
     return {
         k: {"dims": _dims_d(p.layout), "shape": list(p.shape), "dtype": p.dtype}
+        | _groups_d(p.layout)
         for k, p in params.items()
     }
 
@@ -118,7 +119,8 @@ def params_d(params: Mapping[str, ParamPlan]) -> dict[str, dict[str, Any]]:
 def params_of(m: DeviceMatrix, d: Mapping[str, Any]) -> dict[str, ParamPlan]:
     """The parameter layouts `params_d` wrote, on matrix `m`."""
     return {
-        k: ParamPlan(_layout(m, v["dims"]), tuple(v["shape"]), v["dtype"]) for k, v in d.items()
+        k: ParamPlan(_layout(m, v["dims"], v.get("groups", ())), tuple(v["shape"]), v["dtype"])
+        for k, v in d.items()
     }
 
 
@@ -126,19 +128,28 @@ def _dims_d(layout: TensorLayout) -> list[list[int]]:
     return [list(a) for a in layout.dims]
 
 
-def _layout(m: DeviceMatrix, dims: Sequence[Sequence[int]]) -> TensorLayout:
-    return TensorLayout(m, tuple(tuple(int(a) for a in d) for d in dims))
+def _groups_d(layout: TensorLayout) -> dict[str, list[int]]:
+    return {"groups": list(layout.groups)} if layout.groups else {}
+
+
+def _layout(
+    m: DeviceMatrix, dims: Sequence[Sequence[int]], groups: Sequence[int] = ()
+) -> TensorLayout:
+    return TensorLayout(
+        m, tuple(tuple(int(a) for a in d) for d in dims), tuple(int(g) for g in groups)
+    )
 
 
 def _placed_d(p: Placed) -> dict[str, Any]:
-    out: dict[str, Any] = {"dims": _dims_d(p.layout)}
+    out: dict[str, Any] = {"dims": _dims_d(p.layout)} | _groups_d(p.layout)
     if p.partial:
         out |= {"partial": list(p.partial), "reduce": p.reduce}
     return out
 
 
 def _placed(m: DeviceMatrix, d: Mapping[str, Any]) -> Placed:
-    return Placed(_layout(m, d["dims"]), tuple(d.get("partial", ())), d.get("reduce", "sum"))
+    layout = _layout(m, d["dims"], d.get("groups", ()))
+    return Placed(layout, tuple(d.get("partial", ())), d.get("reduce", "sum"))
 
 
 def _comm_d(c: Collective) -> dict[str, Any]:
@@ -201,16 +212,27 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
 
 def _step_d(s: Step) -> dict[str, Any]:
     if isinstance(s, AlltoAll):
-        return {"kind": "AlltoAll", "axis": s.axis, "src_dim": s.src_dim, "dst_dim": s.dst_dim}
-    return {"kind": type(s).__name__, "dim": s.dim, "axis": s.axis}
+        out = {"kind": "AlltoAll", "axis": s.axis, "src_dim": s.src_dim, "dst_dim": s.dst_dim}
+        if (s.src_groups, s.dst_groups) != (1, 1):
+            out |= {"src_groups": s.src_groups, "dst_groups": s.dst_groups}
+        return out
+    return {"kind": type(s).__name__, "dim": s.dim, "axis": s.axis} | (
+        {"groups": s.groups} if s.groups > 1 else {}
+    )
 
 
 def _step(d: Mapping[str, Any]) -> Step:
     if d["kind"] == "AlltoAll":
-        return AlltoAll(int(d["axis"]), int(d["src_dim"]), int(d["dst_dim"]))
+        return AlltoAll(
+            int(d["axis"]),
+            int(d["src_dim"]),
+            int(d["dst_dim"]),
+            int(d.get("src_groups", 1)),
+            int(d.get("dst_groups", 1)),
+        )
     if d["kind"] == "Slice":
-        return Slice(int(d["dim"]), int(d["axis"]))
-    return AllGather(int(d["dim"]), int(d["axis"]))
+        return Slice(int(d["dim"]), int(d["axis"]), int(d.get("groups", 1)))
+    return AllGather(int(d["dim"]), int(d["axis"]), int(d.get("groups", 1)))
 
 
 def _edge_d(e: EdgePlan) -> dict[str, Any]:

@@ -13,6 +13,11 @@ Collectives exchange blocks in *sorted* group-rank order; a layout orders them b
 on the axis (`DeviceMatrix.group_along`). When a device matrix's `rank_list` makes the two
 differ, the blocks are permuted locally before (AlltoAll) and after (both) the collective.
 
+A strided dim (g groups) holds its block of every group, in group order: a Slice keeps this
+rank's part of each group; the pieces a collective sends along a strided dim are first
+regrouped so that each destination's part (its piece of every group) is contiguous
+(`_by_part`), and what it receives along one is put back in group order (`_by_group`).
+
 Gradients: every step's backward is its exact adjoint (autograd of the primitives and of the
 local slice), so autograd computes the true gradient of the sum of all ranks' losses:
 AllGather -> ReduceScatter, AlltoAll -> the reverse AlltoAll, Slice -> the gradient in this
@@ -89,23 +94,45 @@ def _inverse(order: Sequence[int]) -> tuple[int, ...]:
     return tuple(inv)
 
 
+def _by_part(x: torch.Tensor, dim: int, groups: int, parts: int) -> torch.Tensor:
+    """`dim` holds `groups` groups each of `parts` pieces: reorder it to `parts` parts each
+    holding its piece of every group (part j contiguous)."""
+    if groups == 1:
+        return x
+    n = x.shape[dim]
+    y: torch.Tensor = x.unflatten(dim, (groups, parts, n // (groups * parts)))
+    return y.transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def _by_group(x: torch.Tensor, dim: int, groups: int, parts: int) -> torch.Tensor:
+    """The inverse of `_by_part`: `parts` parts each holding a piece of every group, back to
+    `groups` groups each of `parts` pieces."""
+    if groups == 1:
+        return x
+    n = x.shape[dim]
+    y: torch.Tensor = x.unflatten(dim, (parts, groups, n // (groups * parts)))
+    return y.transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
 def _slice(x: torch.Tensor, step: Slice, axes: _Axes) -> torch.Tensor:
-    n = x.shape[step.dim] // axes.matrix.shape[step.axis]
-    return x.narrow(step.dim, axes.coord(step.axis) * n, n)
+    k = axes.matrix.shape[step.axis]
+    n = x.shape[step.dim] // k
+    return _by_part(x, step.dim, step.groups, k).narrow(step.dim, axes.coord(step.axis) * n, n)
 
 
 def _gather(x: torch.Tensor, step: AllGather, axes: _Axes) -> torch.Tensor:
     group, order = axes.group(step.axis)
     y = comm.AllGather(group)(x.movedim(step.dim, 0))
-    return _permute(y, 0, order).movedim(0, step.dim)
+    y = _permute(y, 0, order).movedim(0, step.dim)
+    return _by_group(y, step.dim, step.groups, len(order))
 
 
 def _alltoall(x: torch.Tensor, step: AlltoAll, axes: _Axes) -> torch.Tensor:
     group, order = axes.group(step.axis)
     k = len(order)
-    send = _permute(x, step.dst_dim, _inverse(order))
+    send = _permute(_by_part(x, step.dst_dim, step.dst_groups, k), step.dst_dim, _inverse(order))
     y = comm.AlltoAll(k, step.dst_dim, step.src_dim, group)(send)
-    return _permute(y, step.src_dim, order)
+    return _by_group(_permute(y, step.src_dim, order), step.src_dim, step.src_groups, k)
 
 
 def _run(x: torch.Tensor, step: Step, axes: _Axes) -> torch.Tensor:
@@ -178,6 +205,8 @@ def block_offset(layout: TensorLayout, dim: int, shape: Sequence[int]) -> int:
     Example:
         >>> block_offset(TensorLayout(m, ((0,), ())), 0, (16, 4))   # rank 5 on (2, 4): 8
     """
+    if layout.groups_of(dim) > 1:
+        raise ValueError(f"block_offset: dim {dim} of {layout} is strided (several ranges)")
     axes = _Axes(layout)
     index = 0
     for a in layout.dims[dim]:

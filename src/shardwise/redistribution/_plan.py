@@ -9,6 +9,11 @@ each state is the minimum in that order and the predecessor chain reconstructs i
 
 `RedistributionPlan` holds the result: the steps, the layout after each, the bytes per rank of
 each and in total; `str(plan)` prints one line per step.
+
+Strided layouts (`TensorLayout.groups`): within one search every dim keeps one group count
+(`_phases`), the count of whichever layout splits it. A dim that both layouts split with
+different counts is first gathered whole (a first search, from `src` to `src` without those
+dims' axes), then split again as `dst` wants (a second search).
 """
 
 from __future__ import annotations
@@ -100,13 +105,15 @@ class RedistributionPlan:
 def layout_map(layout: TensorLayout) -> str:
     """A layout's tensor map alone, e.g. ``(mp, (sp, dp), None)``."""
 
-    def one(axes: tuple[int, ...]) -> str:
+    def one(d: int, axes: tuple[int, ...]) -> str:
         names = [layout.matrix.names[a] for a in axes]
         if not names:
             return "None"
-        return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+        text = names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+        g = layout.groups_of(d)
+        return f"strided({text}, {g})" if g > 1 else text
 
-    return "(" + ", ".join(one(axes) for axes in layout.dims) + ")"
+    return "(" + ", ".join(one(d, axes) for d, axes in enumerate(layout.dims)) + ")"
 
 
 def format_bytes(n: int) -> str:
@@ -137,9 +144,14 @@ def _validate(src: TensorLayout, dst: TensorLayout, shape: Sequence[int], itemsi
 
 @functools.lru_cache(maxsize=1 << 16)
 def _edges(
-    dims: Dims, sizes: tuple[int, ...], shape: tuple[int, ...], itemsize: int
+    dims: Dims,
+    sizes: tuple[int, ...],
+    shape: tuple[int, ...],
+    itemsize: int,
+    groups: tuple[int, ...] = (),
 ) -> tuple[Edge, ...]:
-    """The steps out of layout `dims`: (step, next layout, bytes per rank, order key).
+    """The steps out of layout `dims` (each dim cut in `groups`): (step, next layout, bytes
+    per rank, order key).
 
     Cached: planning many tensors of the same shape on one matrix walks the same graph.
     """
@@ -150,7 +162,7 @@ def _edges(
             step_bytes(dims, step, sizes, shape, itemsize),
             step_key(step),
         )
-        for step in legal_steps(dims, sizes, shape)
+        for step in legal_steps(dims, sizes, shape, groups)
     )
 
 
@@ -174,9 +186,15 @@ def _lower_bound(
 
 
 def _search(
-    matrix: DeviceMatrix, src: Dims, dst: Dims, shape: tuple[int, ...], itemsize: int
+    matrix: DeviceMatrix,
+    src: Dims,
+    dst: Dims,
+    shape: tuple[int, ...],
+    itemsize: int,
+    groups: tuple[int, ...] = (),
 ) -> list[Step]:
-    """A* from `src` to `dst` under the (bytes, steps, sequence) order."""
+    """A* from `src` to `dst` under the (bytes, steps, sequence) order (each dim cut in its
+    `groups`)."""
     sizes = matrix.shape
     best: dict[Dims, Key] = {src: (0, 0, ())}
     back: dict[Dims, tuple[Dims, Step]] = {}
@@ -190,7 +208,7 @@ def _search(
             continue
         done.add(dims)
         nbytes, nsteps, seq = key
-        for step, nxt, cost, order in _edges(dims, sizes, shape, itemsize):
+        for step, nxt, cost, order in _edges(dims, sizes, shape, itemsize, groups):
             if nxt in done:
                 continue
             new: Key = (nbytes + cost, nsteps + 1, (*seq, order))
@@ -235,11 +253,42 @@ def plan_redistribution(
     """
     shape = tuple(shape)
     _validate(src, dst, shape, itemsize)
-    steps = _search(src.matrix, src.dims, dst.dims, shape, itemsize)
+    steps: list[Step] = []
     layouts, costs = [], []
-    dims = src.dims
-    for step in steps:
-        costs.append(step_bytes(dims, step, src.matrix.shape, shape, itemsize))
-        dims = apply_dims(dims, step, len(src.matrix.shape))
-        layouts.append(TensorLayout(src.matrix, dims))
+    for start, end, groups in _phases(src, dst):
+        dims = start.dims
+        for step in _search(src.matrix, start.dims, end.dims, shape, itemsize, groups):
+            costs.append(step_bytes(dims, step, src.matrix.shape, shape, itemsize))
+            dims = apply_dims(dims, step, len(src.matrix.shape))
+            layouts.append(TensorLayout(src.matrix, dims, groups))
+            steps.append(step)
     return RedistributionPlan(src, dst, shape, itemsize, tuple(steps), tuple(layouts), tuple(costs))
+
+
+def _phases(
+    src: TensorLayout, dst: TensorLayout
+) -> list[tuple[TensorLayout, TensorLayout, tuple[int, ...]]]:
+    """The searches from `src` to `dst`, each with one group count per dim (empty: plain).
+
+    One search when no dim is split by both layouts with different group counts; else two:
+    first those dims gathered whole, then on to `dst`.
+    """
+    if not src.groups and not dst.groups:
+        return [(src, dst, ())]
+    n = src.ndim
+
+    def counts(a: TensorLayout, b: TensorLayout) -> tuple[int, ...]:
+        return tuple(a.groups_of(d) if a.split_count(d) > 1 else b.groups_of(d) for d in range(n))
+
+    clash = [
+        d
+        for d in range(n)
+        if src.split_count(d) > 1
+        and dst.split_count(d) > 1
+        and src.groups_of(d) != dst.groups_of(d)
+    ]
+    if not clash:
+        return [(src, dst, counts(src, dst))]
+    dims = tuple(() if d in clash else axes for d, axes in enumerate(src.dims))
+    mid = TensorLayout(src.matrix, dims, tuple(src.groups_of(d) for d in range(n)))
+    return [(src, mid, counts(src, mid)), (mid, dst, counts(mid, dst))]

@@ -15,6 +15,12 @@ concatenating them gives one contiguous block. The ranks along an outer axis hol
 are a whole inner-stride apart; gathering them yields a strided set of pieces that is not the
 block of any layout.
 
+A strided dim (`TensorLayout.groups`: cut into g groups, each split over the dim's axes) moves
+the same way inside every group: each step carries the group count of the dim(s) it touches
+(`Slice.groups`, `AllGather.groups`, `AlltoAll.src_groups` / `dst_groups`; 1 for a plain dim),
+and `legal_steps` takes them per dim (fixed while one plan runs: `_plan` changes a dim's groups
+only by gathering it whole first).
+
 `apply_step` moves a layout by one step (pure), `legal_steps` lists the steps that may follow a
 layout for a global shape, `step_bytes` is a step's cost: the bytes each rank sends by the
 collective's bound (`communication.bytes_bound`): AllGather over k ranks of an s-byte block
@@ -42,14 +48,16 @@ class Slice:
 
     dim: int
     axis: int
+    groups: int = 1
 
     def describe(self, matrix: DeviceMatrix) -> str:
-        """The step with the axis name, e.g. ``Slice(dim=0, axis=mp, 2 parts)``."""
+        """The step with the axis name, e.g. ``Slice(dim=0, axis=mp, 2 parts)`` (``, in each
+        of 3 groups`` for a strided dim)."""
         name, k = matrix.names[self.axis], matrix.shape[self.axis]
-        return f"Slice(dim={self.dim}, axis={name}, {k} parts)"
+        return f"Slice(dim={self.dim}, axis={name}, {k} parts{_in_groups(self.groups)})"
 
     def __str__(self) -> str:
-        return f"Slice(dim={self.dim}, axis={self.axis})"
+        return f"Slice(dim={self.dim}, axis={self.axis}{_groups(self.groups)})"
 
 
 @dataclass(frozen=True)
@@ -62,12 +70,14 @@ class AllGather:
 
     dim: int
     axis: int
+    groups: int = 1
 
     def describe(self, matrix: DeviceMatrix) -> str:
-        return f"AllGather(dim={self.dim}, axis={_axis(matrix, self.axis)})"
+        axis = _axis(matrix, self.axis)
+        return f"AllGather(dim={self.dim}, axis={axis}{_in_groups(self.groups)})"
 
     def __str__(self) -> str:
-        return f"AllGather(dim={self.dim}, axis={self.axis})"
+        return f"AllGather(dim={self.dim}, axis={self.axis}{_groups(self.groups)})"
 
 
 @dataclass(frozen=True)
@@ -81,13 +91,19 @@ class AlltoAll:
     axis: int
     src_dim: int
     dst_dim: int
+    src_groups: int = 1
+    dst_groups: int = 1
 
     def describe(self, matrix: DeviceMatrix) -> str:
-        dims = f"dim {self.src_dim} -> {self.dst_dim}"
-        return f"AlltoAll({dims}, axis={_axis(matrix, self.axis)})"
+        src = f"{self.src_dim}{_strided(self.src_groups)}"
+        dst = f"{self.dst_dim}{_strided(self.dst_groups)}"
+        return f"AlltoAll(dim {src} -> {dst}, axis={_axis(matrix, self.axis)})"
 
     def __str__(self) -> str:
-        return f"AlltoAll(axis={self.axis}, src_dim={self.src_dim}, dst_dim={self.dst_dim})"
+        groups = ""
+        if (self.src_groups, self.dst_groups) != (1, 1):
+            groups = f", src_groups={self.src_groups}, dst_groups={self.dst_groups}"
+        return f"AlltoAll(axis={self.axis}, src_dim={self.src_dim}, dst_dim={self.dst_dim}{groups})"
 
 
 Step = Slice | AllGather | AlltoAll
@@ -96,6 +112,18 @@ Step = Slice | AllGather | AlltoAll
 def _axis(matrix: DeviceMatrix, axis: int) -> str:
     name = matrix.names[axis]
     return f"{name}, group size {matrix.shape[axis]}"
+
+
+def _in_groups(groups: int) -> str:
+    return f", in each of {groups} groups" if groups > 1 else ""
+
+
+def _groups(groups: int) -> str:
+    return f", groups={groups}" if groups > 1 else ""
+
+
+def _strided(groups: int) -> str:
+    return f" ({groups} groups)" if groups > 1 else ""
 
 
 def step_key(step: Step) -> tuple[int, int, int, int]:
@@ -160,28 +188,37 @@ def apply_step(layout: TensorLayout, step: Step) -> TensorLayout:
         '(None, dp) on DeviceMatrix(dp=2, mp=2)'
     """
     dims = apply_dims(layout.dims, step, len(layout.matrix.shape))
-    return TensorLayout(layout.matrix, dims)
+    groups = [layout.groups_of(d) for d in range(layout.ndim)]
+    if isinstance(step, Slice):
+        groups[step.dim] = step.groups
+    elif isinstance(step, AlltoAll):
+        groups[step.dst_dim] = step.dst_groups
+    return TensorLayout(layout.matrix, dims, tuple(groups))
 
 
 def _parts(dims: Dims, d: int, sizes: Sequence[int]) -> int:
     return math.prod(sizes[a] for a in dims[d])
 
 
-def legal_steps(dims: Dims, sizes: Sequence[int], shape: Sequence[int]) -> Iterator[Step]:
+def legal_steps(
+    dims: Dims, sizes: Sequence[int], shape: Sequence[int], groups: Sequence[int] = ()
+) -> Iterator[Step]:
     """Every step that may follow `dims` for a tensor of global `shape` on a matrix of `sizes`:
     gathers and moves of each dim's innermost axis, slices by each replicated axis, keeping
-    every dim divisible by its number of parts."""
+    every dim divisible by its number of parts (times its strided `groups`, one count per dim;
+    empty: all 1)."""
+    g = tuple(groups) or (1,) * len(dims)
     used = {a for axes in dims for a in axes}
     for d, axes in enumerate(dims):
         if axes:
             a = axes[-1]
-            yield AllGather(d, a)
+            yield AllGather(d, a, g[d])
             for e in range(len(dims)):
-                if e != d and shape[e] % (_parts(dims, e, sizes) * sizes[a]) == 0:
-                    yield AlltoAll(a, d, e)
+                if e != d and shape[e] % (g[e] * _parts(dims, e, sizes) * sizes[a]) == 0:
+                    yield AlltoAll(a, d, e, g[d], g[e])
         for a, k in enumerate(sizes):
-            if a not in used and shape[d] % (_parts(dims, d, sizes) * k) == 0:
-                yield Slice(d, a)
+            if a not in used and shape[d] % (g[d] * _parts(dims, d, sizes) * k) == 0:
+                yield Slice(d, a, g[d])
 
 
 def block_bytes(dims: Dims, sizes: Sequence[int], shape: Sequence[int], itemsize: int) -> int:

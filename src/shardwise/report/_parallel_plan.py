@@ -29,9 +29,10 @@ from shardwise.report._write import BEGIN_FILE, EXECUTE_FILE, report_ranks, writ
 
 
 def fmt_slice(layout: TensorLayout, rank: int, shape: Sequence[int]) -> str:
-    """The block of a global tensor `rank` holds: ``[0:16, 0:196]``."""
-    parts = layout.local_slice(rank, shape)
-    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in parts) + "]"
+    """The block of a global tensor `rank` holds: ``[0:16, 0:196]`` (a strided dim: its range
+    in every group, ``[0:16+32:48+64:80, 0:32]``)."""
+    ranges = layout.local_ranges(rank, shape)
+    return "[" + ", ".join("+".join(f"{r.start}:{r.stop}" for r in rs) for rs in ranges) + "]"
 
 
 def _blocks(n: NodePlan, rank: int) -> str:
@@ -104,12 +105,15 @@ class LocalSlice:
         begin, end: the kept range, per dim, in the coordinates of this rank's block before
             the step (MindSpore's ``StridedSlice(x, begin, end, strides)``, strides 1).
         local: this rank's block shape before the step.
+        groups: per dim, the strided group count (``()``: plain): the kept range is then
+            the same in each group's piece of the block, and `begin` / `end` are within it.
     """
 
     step: str
     begin: tuple[int, ...]
     end: tuple[int, ...]
     local: tuple[int, ...]
+    groups: tuple[int, ...] = ()
 
     def then(self, later: LocalSlice) -> LocalSlice:
         """This slice followed by `later` (a slice of the block this one keeps): one
@@ -119,26 +123,31 @@ class LocalSlice:
             tuple(b + lb for b, lb in zip(self.begin, later.begin, strict=True)),
             tuple(b + le for b, le in zip(self.begin, later.end, strict=True)),
             self.local,
+            self.groups or later.groups,
         )
 
     def __str__(self) -> str:
         strides = tuple(1 for _ in self.begin)
+        per = f" in each strided group (groups {list(self.groups)})" if self.groups else ""
         return (
-            f"StridedSlice({self.begin}, {self.end}, {strides}) of local {list(self.local)} "
-            f"send_bytes 0"
+            f"StridedSlice({self.begin}, {self.end}, {strides}){per} of local "
+            f"{list(self.local)} send_bytes 0"
         )
 
 
 def _local_slice(
     step: Slice, before: TensorLayout, after: TensorLayout, rank: int, shape: Sequence[int]
 ) -> LocalSlice:
-    """`step` on `rank`: the part of its block (under `before`) it keeps (under `after`)."""
-    held, kept = before.local_slice(rank, shape), after.local_slice(rank, shape)
+    """`step` on `rank`: the part of its block (under `before`) it keeps (under `after`);
+    in a strided dim, the part of each group's piece (the same in every group)."""
+    held = [rs[0] for rs in before.local_ranges(rank, shape)]
+    kept = [rs[0] for rs in after.local_ranges(rank, shape)]
     return LocalSlice(
         step.describe(before.matrix),
         tuple(k.start - h.start for h, k in zip(held, kept, strict=True)),
         tuple(k.stop - h.start for h, k in zip(held, kept, strict=True)),
-        tuple(h.stop - h.start for h in held),
+        before.local_shape(shape),
+        after.groups,
     )
 
 
