@@ -121,6 +121,17 @@ def _function_mode_stack() -> None:
     assert torch._C._len_torch_function_stack() == depth
 
 
+def _meta_parameters() -> None:
+    from shardwise.launch._meta_params import meta_parameters
+
+    with meta_parameters():
+        linear = torch.nn.Linear(2048, 2048)
+        plain = torch.zeros(3)
+    assert linear.weight.device.type == "meta" and isinstance(linear.weight, torch.nn.Parameter)
+    assert plain.device.type == "cpu"
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"  # (put back)
+
+
 def _default_store() -> None:
     assert callable(dist.distributed_c10d._get_default_store)
 
@@ -129,9 +140,10 @@ CASES: dict[str, Callable[[], None]] = {
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),
-    "testing/_world: fake process group": _callable(
+    "testing/_world, communication/_dry: fake process group": _callable(
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
+    "launch/_meta_params: Tensor._make_subclass builds every Parameter": _meta_parameters,
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
     "layout/_dtensor, ops/aten_rules: _StridedShard": _callable(
         "torch.distributed.tensor.placement_types", "_StridedShard"
