@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.layout import refine
 from shardwise.ops import OpPlan, Strategy
@@ -60,6 +60,10 @@ class Choice:
         reduced: matrix axes over which the op's own collectives combined its outputs (a
             primitive's AllReduce after a split contraction).
         split: the devices that share the op's work (see `compute`).
+        own: matrix axes over which the op's own strategy leaves an output partial because an
+            input is split there (a contraction over a split dim: a row-parallel linear, a sum
+            over a split dim): reducing them is the op's own collective, as a primitive's
+            AllReduce (not an add passing partial sums on).
     """
 
     need: tuple[Placements, ...]
@@ -70,6 +74,7 @@ class Choice:
     compute: int = 0
     reduced: frozenset[int] = frozenset()
     split: int = 1
+    own: frozenset[int] = frozenset()
 
 
 class _OneNode:
@@ -183,10 +188,16 @@ class _OneNode:
 
     def _check(self, node: Node, need: list[Placements], outs: list[Placements]) -> None:
         """Raise ValueError when a placement has no `TensorLayout` on the matrix (DTensor's
-        strided shards in an order the matrix cannot give) or splits a dim unevenly (DTensor
-        allows it; shardwise's blocks are equal)."""
+        strided shards in an order the matrix cannot give), splits a dim unevenly (DTensor
+        allows it; shardwise's blocks are equal), or is a partial value other than a plain sum
+        or mean (DTensor's masked partial of a vocabulary-split embedding: its local op masks
+        out-of-range ids, which the plan's executor, running the op itself on each block, does
+        not)."""
         m = self.p.matrix
         infos = [self.graph.info(r) for r in node.inputs] + list(node.outputs)
+        for placed in [*need, *outs]:
+            if any(isinstance(p, Partial) and type(p) is not Partial for p in placed):
+                raise ValueError(f"{placed}: a masked partial value")
         for placed, info in zip([*need, *outs], infos, strict=True):
             layout = to_placed(m, placed, len(info.shape)).layout
             for d, size in enumerate(info.shape):
@@ -202,7 +213,15 @@ class _OneNode:
             if any(not isinstance(pl[axis], Replicate) for pl in [*need, *outs]):
                 split *= size
         total = sum(math.prod(info.shape) for info in node.outputs)
-        return Choice(tuple(need), tuple(outs), rule, compute=-(-total // split), split=split)
+        own = frozenset(
+            a
+            for a in range(len(m.shape))
+            if any(isinstance(pl[a], Partial) for pl in outs)
+            and any(isinstance(pl[a], Shard) for pl in need)
+        )
+        return Choice(
+            tuple(need), tuple(outs), rule, compute=-(-total // split), split=split, own=own
+        )
 
     def _op_choice(self, node: Node, op: OpPlan, rule: str) -> Choice | None:
         m = self.p.matrix

@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardwise.layout import TensorLayout
 from shardwise.planner._annotated import RESHARD
@@ -98,7 +98,18 @@ class Propagation:
 
 
 class _Builder:
-    """Builds the `Problem` of a graph's choices (step 3 of the module docstring)."""
+    """Builds the `Problem` of a graph's choices (step 3 of the module docstring).
+
+    `price_own`: whether the AllReduce of partial sums that a producer's own strategy made
+    (`Choice.own`: a torch op contracting a split dim, as a row-parallel ``nn.Linear``) is
+    priced. Propagation does not: as MindSpore's ops (and shardwise's primitives) reduce inside
+    the op, the value is priced as leaving its producer reduced, its AllReduce the op's own
+    collective; a consumer that takes it partial instead (an add passing partial sums on)
+    makes a new partial value, whose reduction is priced where it happens. The search
+    (`_search._Costs`) prices every reduction.
+    """
+
+    price_own = False
 
     def __init__(self, graph: Graph, s: Setup, choices: Choices, model: CostModel) -> None:
         self.graph, self.s, self.choices, self.model = graph, s, choices, model
@@ -108,7 +119,7 @@ class _Builder:
         for name in graph.params:
             if name not in s.given and name not in s.pinned:
                 self.var[("param", name)] = len(self.var)
-        self._moves: dict[tuple[Placements, Placements, TensorInfo, frozenset[int]], Cost] = {}
+        self._moves: dict[object, Cost] = {}
         self._lists: dict[tuple[int, ...], int] = {}
         self._matrices: dict[object, Matrix] = {}
 
@@ -118,11 +129,16 @@ class _Builder:
         dst: Placements,
         info: TensorInfo,
         reduced: frozenset[int] = frozenset(),
+        own: frozenset[int] = frozenset(),
     ) -> Cost:
-        """The cost of an edge: (ns, 0, axes changed); `reduced`: the producer's (`changes`)."""
-        key = (src, dst, info, reduced)
+        """The cost of an edge: (ns, 0, axes changed); `reduced`: the producer's (`changes`);
+        `own`: the axes its own strategy left partial (`Choice.own`)."""
+        key = (src, dst, info, reduced, own)
         if key not in self._moves:
             m = self.s.planner.matrix
+            if own and not self.price_own:  # (reduced by the producer itself: its collective)
+                src = tuple(Replicate() if x in own else p for x, p in enumerate(src))
+                reduced = reduced | own
             a, b = to_placed(m, src, len(info.shape)), to_placed(m, dst, len(info.shape))
             partial = tuple(x for x in a.partial if x not in b.partial)
             secs = self.model.move(a.layout, b.layout, info.shape, _itemsize(info.dtype), partial)
@@ -168,7 +184,7 @@ class _Builder:
         found = self._matrices.get(key)
         if found is None:
             found = self._matrices[key] = [
-                [self.move(t.outs[out], c.need[slot], info, t.reduced) for c in mine]
+                [self.move(t.outs[out], c.need[slot], info, t.reduced, t.own) for c in mine]
                 if isinstance(t, Choice)
                 else [self.move(t, c.need[slot], info) for c in mine]  # type: ignore[arg-type]
                 for t in theirs

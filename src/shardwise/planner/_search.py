@@ -75,6 +75,8 @@ def matrix_shapes(device_num: int) -> list[Shape]:
 class _Costs(_Builder):
     """`_propagate._Builder` with the search's full cost (step 3 of the module docstring)."""
 
+    price_own = True  # (a torch op's partial sums are reduced on its out-edges: priced)
+
     def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
         prob, variables = super().problem()
         memory: list[list[int]] = []
