@@ -44,7 +44,7 @@ def plan_memory(plan: ParallelPlan) -> dict[int, dict[str, int]]:
 
     Example:
         >>> plan_memory(plan)[0]  # seed 003, 8 devices, global batch 32
-        {'parameters': 422952, 'gradients': 422952, 'activations': 82112}
+        {'parameters': 552960, 'gradients': 552960, 'activations': 135584}
     """
     from shardwise.parallel._graph_capture import memory_estimate  # (parallel imports report)
 
