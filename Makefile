@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardwise-installed
 LINT_PATHS := src tests examples bench
 
-.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion quick-start test lint typecheck pytest mpi bench clean
+.PHONY: venv data demo demo-collectives demo-optimizer-parallel demo-fusion quick-start test lint typecheck pytest mpi browser bench clean
 
 venv: $(STAMP)
 
@@ -93,8 +93,20 @@ mpi:
 	else echo "mpirun not found (needs root and apt-get to install): the mpirun test will be skipped"; \
 	fi; }
 
+# Chromium for the headless-browser test of plan.html (tests/report/test_plan_browser.py):
+# installed with apt-get when missing and this is root with apt-get (CI); else that test is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium for the plan.html browser test"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			chromium; } >/dev/null 2>&1 || \
+		echo "could not install chromium: the browser test will be skipped"; \
+	else echo "chromium not found (needs root and apt-get to install): the browser test will be skipped"; \
+	fi; }
+
 # pytest exits 5 when it collected no test; that is a failure here, never a pass.
-pytest: $(STAMP) mpi
+pytest: $(STAMP) mpi browser
 	@$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 

@@ -24,7 +24,8 @@ The tutorial's setup with shardwise's MindSpore-style API:
   ``Model`` follows the context and runs its train step through ``sw.AutoParallel``. With
   ``save_graphs=2`` each rank writes ``saved_graph/rank_<r>/step_parallel_begin.ir`` (every
   op's strategy) and ``execute.ir`` (its local shapes, each AllReduce with its rank group, each
-  local StridedSlice). Every rank prints ``epoch: 1 step: 1, loss is ...``.
+  local StridedSlice) and ``plan.html`` (the plan as a web page); rank 0 also draws
+  ``plan.png``. Every rank prints ``epoch: 1 step: 1, loss is ...``.
 """
 
 from __future__ import annotations

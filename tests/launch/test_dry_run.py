@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import shardwise as sw
 from shardwise import communication
 from shardwise.launch.cli import main
 from shardwise.launch.dry_run import dry_plan
@@ -35,6 +36,7 @@ def _plan(tmp_path: Path, *argv: str) -> tuple[int, Path]:
 
 
 def test_quick_start_at_1024_devices(tmp_path: Path) -> None:
+    before = sw.get_auto_parallel_context("parallel_mode")
     code, out = _plan(
         tmp_path, "--device_num", "1024", "--rank", "5", str(EXAMPLES / "quick_start.py")
     )
@@ -49,6 +51,11 @@ def test_quick_start_at_1024_devices(tmp_path: Path) -> None:
         assert part in summary
     assert "optimizer: SGD (1 state elements" in summary  # (momentum 0.1)
     assert "roofline" in summary
+    html = (out / "plan.html").read_text()
+    assert "id='op-" in html or 'id="op-' in html
+    assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # (the script's AUTO_PARALLEL context is put back: the process goes on as before)
+    assert sw.get_auto_parallel_context("parallel_mode") == before
 
 
 def test_optimizer_parallel_level3_at_1024_devices(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ Open MPI's ``mpirun`` (as the seed's run_with_mpi.sh), checked the same way (`ch
   they decrease as one device's do;
 - ``saved_graph/rank_<r>/step_parallel_begin.ir`` shows relu ``((2, 4),)`` and matmul2
   ``((2, 4), (4, 1))`` propagated, and ``execute.ir`` the AllReduce over 0-1-2-3 (4-5-6-7 on
-  ranks 4-7) and the seed's local ``StridedSlice((0, 0), (8, 4), (1, 1))``;
+  ranks 4-7) and the seed's local ``StridedSlice((0, 0), (8, 4), (1, 1))``; each rank's
+  ``plan.html`` marks that rank, and rank 0 alone draws ``plan.png``;
 - each rank's last checkpoint holds its block of the weights, equal to the reference's.
 
 The mpirun variant is skipped with the reason when ``mpirun`` is not on PATH (``make test``
@@ -99,6 +100,11 @@ def check_job(logs: list[str], root: Path) -> None:
             f"(8, {cols + 4}), (1, 1)) of local [8, 16] send_bytes 0"
         )
         assert slice_line in execute, execute
+        page = (ir / "plan.html").read_text()  # each process writes its own rank's page
+        for i, op in enumerate(["matmul/MatMul", "relu/ReLU", "matmul2/MatMul"]):
+            assert f"id='op-{i}'" in page and f"<span class='name'>{op}</span>" in page, page
+        assert f"<tr class='me'><td>{rank}</td>" in page
+        assert (ir / "plan.png").exists() == (rank == 0), rank  # drawn once, by rank 0
 
         ckpt = root / "ckpt" / str(rank) / f"rank_{rank}" / "checkpoint-5_4.safetensors"
         saved = sw.load_checkpoint(ckpt)

@@ -216,7 +216,18 @@ def test_write_ir_and_dump_parallel_plan(tmp_path: Path) -> None:
         written = dump_parallel_plan(plan)  # no process group: every rank
     finally:
         set_context(save_graphs=0, save_graphs_path="./saved_graph")
-    assert len(written) == 16
+    assert len(written) == 16 + 8 + 1  # two IR files and plan.html per rank; plan.png once
+    assert sorted(p.name for p in (tmp_path / "g" / "rank_0").iterdir()) == [
+        "execute.ir",
+        "plan.html",
+        "plan.png",
+        "step_parallel_begin.ir",
+    ]
+    assert sorted(p.name for p in (tmp_path / "g" / "rank_5").iterdir()) == [
+        "execute.ir",
+        "plan.html",
+        "step_parallel_begin.ir",
+    ]
     execute = (tmp_path / "g" / "rank_5" / "execute.ir").read_text()
     assert execute == format_plan_execute(plan, 5)
     begin = (tmp_path / "g" / "rank_0" / "step_parallel_begin.ir").read_text()

@@ -11,7 +11,9 @@ no init compute; data and other tensors stay real). The first wrapped network
 - ``DIR/rank_<R>/step_parallel_begin.ir`` and ``execute.ir``: the IR files of rank R;
 - ``DIR/summary.txt``: rank R's memory by kind and its peak, the bytes it sends per step by
   collective kind and mesh axis with counts, and the cost model's step estimate
-  (`report._summary`).
+  (`report._summary`);
+- ``DIR/plan.html`` and ``DIR/plan.png``: the plan pictures (`report.write_plan_html` /
+  `write_plan_png`), with this estimate's memory per rank and rank R marked.
 
 - `plan_main`: the command (argument parsing, errors with exit codes).
 - `dry_plan`: run a script and return what it planned (`Planned`), or raise `DryRunError`.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import runpy
@@ -37,7 +40,12 @@ from shardwise import communication
 from shardwise.launch._meta_params import meta_parameters
 from shardwise.parallel._observe import Planned, add_plan_hook
 from shardwise.planner import PlanError
-from shardwise.report import format_plan_begin, format_plan_execute
+from shardwise.report import (
+    format_plan_begin,
+    format_plan_execute,
+    write_plan_html,
+    write_plan_png,
+)
 from shardwise.report._summary import (
     estimate_memory,
     format_summary,
@@ -57,6 +65,39 @@ class _Stop(BaseException):
     def __init__(self, planned: Planned) -> None:
         super().__init__("planned")
         self.planned = planned
+
+
+@contextlib.contextmanager
+def _kept_globals() -> Iterator[None]:
+    """Put back what a script sets for its process (shardwise's contexts, the memory cap, the
+    random states) once the dry run stops it: `dry_plan` can run in a process that goes on."""
+    import random
+
+    import numpy as np
+
+    from shardwise import context, runtime
+    from shardwise.parallel import _context
+
+    saved = (
+        copy.deepcopy(_context._CONTEXT),
+        dict(context._CONTEXT),
+        runtime.get_memory(),
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state(),
+    )
+    try:
+        yield
+    finally:
+        parallel, report, cap, rng, py_rng, np_rng = saved
+        _context._CONTEXT.clear()
+        _context._CONTEXT.update(parallel)
+        context._CONTEXT.clear()
+        context._CONTEXT.update(report)
+        runtime.set_memory(cap)
+        torch.set_rng_state(rng)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
 
 
 @contextlib.contextmanager
@@ -98,7 +139,12 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
 
     handle = add_plan_hook(stop)
     try:
-        with communication.dry_run(device_num, rank), _script_argv(script, args), meta_parameters():
+        with (
+            communication.dry_run(device_num, rank),
+            _script_argv(script, args),
+            _kept_globals(),
+            meta_parameters(),
+        ):
             runpy.run_path(script, run_name="__main__")
     except _Stop as done:
         return done.planned
@@ -160,6 +206,12 @@ def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] 
     if planned.hsdp is not None:
         lines.append(f"optimizer parallel: {planned.hsdp}")
     (out / "summary.txt").write_text(format_summary(plan, memory, traffic, lines))
+    per_rank = {r: dict(memory.parts) for r in range(plan.device_num)}  # (equal blocks)
+    write_plan_html(plan, out / "plan.html", memory=per_rank, rank=rank)
+    try:
+        write_plan_png(plan, out / "plan.png", memory=per_rank)
+    except ImportError as e:  # (matplotlib missing: the HTML says the same)
+        print(f"shardwise plan: plan.png skipped ({e})", file=sys.stderr)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -208,5 +260,8 @@ def plan_main(argv: Sequence[str]) -> int:
         print(f"shardwise plan: {e}", file=sys.stderr)
         return 1
     bar.close()
-    print(f"shardwise plan: {a.out}/plan.json, {a.out}/rank_{a.rank}/*.ir, {a.out}/summary.txt")
+    print(
+        f"shardwise plan: {a.out}/plan.json, {a.out}/rank_{a.rank}/*.ir, {a.out}/summary.txt, "
+        f"{a.out}/plan.html, {a.out}/plan.png"
+    )
     return 0

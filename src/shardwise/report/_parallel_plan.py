@@ -4,35 +4,25 @@
   placements of its inputs and outputs, and where its strategy came from.
 - `format_plan_execute`: ``execute.ir`` for one rank: every op's local output shapes, every
   forward collective the plan inserts with this rank's group and the bytes it sends, and every
-  local slice of an edge (`LocalSlice`: MindSpore's ``StridedSlice``, nothing sent).
+  local slice of an edge (`_sends.LocalSlice`: MindSpore's ``StridedSlice``, nothing sent).
 - `dump_parallel_plan`: writes both per rank when ``save_graphs >= 1`` (level 2: this rank's
   blocks in ``execute.ir``; level 3: every rank's blocks, the slice table, in
-  ``step_parallel_begin.ir``); a plan made again for other ops or shapes goes to
-  ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``.
+  ``step_parallel_begin.ir``), then the plan pictures (`_pictures.dump_plan_pictures`:
+  ``plan.html``, ``plan.png``); a plan made again for other ops or shapes goes to
+  ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir`` (``plan_<k>.html`` / ``plan_<k>.png``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
-from shardwise.communication.recorder import bytes_bound
 from shardwise.context import get_context
-from shardwise.layout import DeviceMatrix, TensorLayout
-from shardwise.planner import Collective, EdgePlan, NodePlan, ParallelPlan
-from shardwise.redistribution import Slice, plan_redistribution
+from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
+from shardwise.report._pictures import dump_plan_pictures
+from shardwise.report._plan_data import Memory
+from shardwise.report._sends import Found, LocalSlice, edge_sends, fmt_slice, node_sends
 from shardwise.report._write import BEGIN_FILE, EXECUTE_FILE, report_ranks, write_ir
-
-
-def fmt_slice(layout: TensorLayout, rank: int, shape: Sequence[int]) -> str:
-    """The block of a global tensor `rank` holds: ``[0:16, 0:196]`` (a strided dim: its range
-    in every group, ``[0:16+32:48+64:80, 0:32]``)."""
-    ranges = layout.local_ranges(rank, shape)
-    return "[" + ", ".join("+".join(f"{r.start}:{r.stop}" for r in rs) for rs in ranges) + "]"
 
 
 def _blocks(n: NodePlan, rank: int) -> str:
@@ -96,113 +86,6 @@ def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
-@dataclass(frozen=True)
-class LocalSlice:
-    """A `Slice` step of an edge on one rank: a local ``StridedSlice`` of the block it holds.
-
-    Attributes:
-        step: the step as the plan prints it, ``Slice(dim=1, axis=g1, 4 parts)``.
-        begin, end: the kept range, per dim, in the coordinates of this rank's block before
-            the step (MindSpore's ``StridedSlice(x, begin, end, strides)``, strides 1).
-        local: this rank's block shape before the step.
-        groups: per dim, the strided group count (``()``: plain): the kept range is then
-            the same in each group's piece of the block, and `begin` / `end` are within it.
-    """
-
-    step: str
-    begin: tuple[int, ...]
-    end: tuple[int, ...]
-    local: tuple[int, ...]
-    groups: tuple[int, ...] = ()
-
-    def then(self, later: LocalSlice) -> LocalSlice:
-        """This slice followed by `later` (a slice of the block this one keeps): one
-        ``StridedSlice``, as consecutive Slice steps run."""
-        return LocalSlice(
-            f"{self.step}; {later.step}",
-            tuple(b + lb for b, lb in zip(self.begin, later.begin, strict=True)),
-            tuple(b + le for b, le in zip(self.begin, later.end, strict=True)),
-            self.local,
-            self.groups or later.groups,
-        )
-
-    def __str__(self) -> str:
-        strides = tuple(1 for _ in self.begin)
-        per = f" in each strided group (groups {list(self.groups)})" if self.groups else ""
-        return (
-            f"StridedSlice({self.begin}, {self.end}, {strides}){per} of local "
-            f"{list(self.local)} send_bytes 0"
-        )
-
-
-def _local_slice(
-    step: Slice, before: TensorLayout, after: TensorLayout, rank: int, shape: Sequence[int]
-) -> LocalSlice:
-    """`step` on `rank`: the part of its block (under `before`) it keeps (under `after`);
-    in a strided dim, the part of each group's piece (the same in every group)."""
-    held = [rs[0] for rs in before.local_ranges(rank, shape)]
-    kept = [rs[0] for rs in after.local_ranges(rank, shape)]
-    return LocalSlice(
-        step.describe(before.matrix),
-        tuple(k.start - h.start for h, k in zip(held, kept, strict=True)),
-        tuple(k.stop - h.start for h, k in zip(held, kept, strict=True)),
-        before.local_shape(shape),
-        after.groups,
-    )
-
-
-Found = tuple[Collective, list[int], int] | LocalSlice
-"""A collective with this rank's group and the bytes it sends, or a local slice."""
-
-
-def _edge_bytes(e: EdgePlan, rank: int) -> list[Found]:
-    """This edge's collectives with this rank's group and the bytes it sends in each, and its
-    local slices, in the order they run."""
-    m = e.src.layout.matrix
-    if e.shared:
-        return []
-    size = int(getattr(torch, e.dtype).itemsize)
-    out: list[Found] = []
-    if e.reduced:
-        n = math.prod(e.src.layout.local_shape(e.shape)) * size
-        group = sorted(m.group_along(rank, e.reduced))
-        c = Collective("AllReduce", tuple(m.names[a] for a in e.reduced), "", e.src.reduce)
-        out.append((c, group, bytes_bound("AllReduce", n, len(group))))
-    if e.steps:
-        moved = plan_redistribution(e.src.layout, e.dst.layout, e.shape, size)
-        befores = (moved.src, *moved.layouts[:-1])
-        for step, before, after, sent in zip(
-            moved.steps, befores, moved.layouts, moved.step_bytes, strict=True
-        ):
-            if m.shape[step.axis] == 1:
-                continue
-            if isinstance(step, Slice):
-                cut = _local_slice(step, before, after, rank, e.shape)
-                last = out[-1] if out else None
-                if isinstance(last, LocalSlice):  # consecutive slices: one StridedSlice
-                    out[-1] = last.then(cut)
-                else:
-                    out.append(cut)
-                continue
-            group = sorted(m.group_along(rank, (step.axis,)))
-            c = Collective(type(step).__name__, (m.names[step.axis],), "")
-            out.append((c, group, sent))
-    return out
-
-
-def _node_bytes(n: NodePlan, m: DeviceMatrix, rank: int) -> list[Found]:
-    """An op's own collectives with this rank's group and the bytes it sends."""
-    out: list[Found] = []
-    for c in n.comms:
-        group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
-        itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
-        local = math.prod(n.local_shapes[c.output]) * itemsize
-        if c.kind == "ReduceScatter":
-            local *= len(group)  # (the unscattered input)
-        out.append((c, group, bytes_bound(c.kind, local, len(group))))
-    return out
-
-
 def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     """This rank's local shapes and forward collectives: each with its group (the ranks this
     rank runs it with) and the bytes this rank sends (``send_bytes``), and their total; each
@@ -236,32 +119,38 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
             total += sent
 
     for e in by_consumer.get(-2, []):
-        put(_edge_bytes(e, rank), "entry")
+        put(edge_sends(e, rank), "entry")
     for n in plan.nodes:
         for e in by_consumer.get(n.index, []):
-            put(_edge_bytes(e, rank), f"{n.name} input {e.slot}")
+            put(edge_sends(e, rank), f"{n.name} input {e.slot}")
         shapes = ", ".join(str(list(s)) for s in n.local_shapes)
         lines.append(f"  %{n.index} {n.name}: local {shapes}")
         if level >= 2:
             lines.append(f"    block {_blocks(n, rank)}")
-        put(_node_bytes(n, m, rank), n.name)
+        put(node_sends(n, m, rank), n.name)
     for e in by_consumer.get(-1, []):
-        put(_edge_bytes(e, rank), f"return {e.slot}")
+        put(edge_sends(e, rank), f"return {e.slot}")
     lines.append(f"# bytes this rank sends in one forward: {total}")
     return "\n".join(lines) + "\n"
 
 
 def dump_parallel_plan(
-    plan: ParallelPlan, ranks: Iterable[int] | None = None, variant: int = 0
+    plan: ParallelPlan,
+    ranks: Iterable[int] | None = None,
+    variant: int = 0,
+    memory: Memory | None = None,
 ) -> list[Path]:
     """Write ``step_parallel_begin.ir`` and ``execute.ir`` of `plan` per rank if
-    ``get_context("save_graphs") >= 1``.
+    ``get_context("save_graphs") >= 1``, and the plan pictures: ``plan.html`` per rank and
+    ``plan.png`` under the plan's first rank (`_pictures.dump_plan_pictures`).
 
     Args:
         plan: the plan.
         ranks: the ranks to write (default: `report_ranks`).
         variant: 0 for a wrapper's first plan; k > 0 for the k-th plan made again (other
-            ops or shapes), written as ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``.
+            ops or shapes), written as ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``
+            (and ``plan_<k>.html`` / ``plan_<k>.png``).
+        memory: rank -> {kind: bytes} for the pictures' memory bars (None: `plan_memory`).
 
     Returns:
         The paths written (empty at level 0).
@@ -280,4 +169,4 @@ def dump_parallel_plan(
     for r in chosen:
         paths.append(write_ir(root, r, begin_file, begin))
         paths.append(write_ir(root, r, execute_file, format_plan_execute(plan, r, level)))
-    return paths
+    return paths + dump_plan_pictures(plan, root, chosen, variant, memory)

@@ -36,7 +36,7 @@ from shardwise.communication.recorder import bytes_bound
 from shardwise.optim import OptimizerPlan
 from shardwise.planner import Collective, ParallelPlan, plan_cost
 from shardwise.redistribution import AllGather, AlltoAll
-from shardwise.report._parallel_plan import Found, LocalSlice, _edge_bytes, _node_bytes
+from shardwise.report._sends import Found, LocalSlice, edge_sends, node_sends
 from shardwise.runtime import format_size
 
 KINDS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers")
@@ -190,7 +190,7 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
     out = Traffic()
     m = plan.matrix
     for e in plan.edges:
-        for item in _edge_bytes(e, rank):
+        for item in edge_sends(e, rank):
             if isinstance(item, LocalSlice):
                 continue
             c, _, sent = item
@@ -199,7 +199,7 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
                 back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
                 out.add("backward", Collective(back, c.axes, c.where), sent)
     for n in plan.nodes:
-        for c, _, sent in _collectives(_node_bytes(n, m, rank)):
+        for c, _, sent in _collectives(node_sends(n, m, rank)):
             out.add("forward", c, sent)
         for c in n.backward:
             size = len(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
