@@ -7,6 +7,8 @@
 - `_deferred`: `no_init_parameters`, `materialize`, `materialized_values`, `is_deferred`.
 - `_recorder` / `_tape` / `_replay` / `_rng`: how deferred construction is recorded on meta
   tensors and replayed bit-identically (see docs/checkpoint.md, "Delayed initialization").
+- `_blocks` / `_lower` / `_chunked` / `_box`: replaying a sliced tensor as its block only, its
+  random fills drawn in chunks (see docs/parallel.md, "Delayed init").
 """
 
 from shardwise.parameter._deferred import (
