@@ -99,6 +99,7 @@ FILLS: dict[str, Callable[[torch.Tensor], object]] = {
     "fill_ zero_ mul_ add_": lambda t: (t.zero_(), t.fill_(3.0), t.mul_(0.3), t.add_(1.25)),
     "normal_ then view fill_": lambda t: (t.normal_(), t[5].fill_(0), t[:, 20:].mul_(2)),
     "init twice": lambda t: (INIT.kaiming_uniform_(t), t.normal_(0, 0.02)),
+    "own generator": lambda t: t.normal_(0, 1, generator=torch.Generator().manual_seed(5)),
 }
 
 
@@ -112,6 +113,22 @@ def test_each_fill_float32(split: str, caplog: pytest.LogCaptureFixture) -> None
 def test_random_fills_other_dtypes(dtype: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
     names = ("uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "fill_ zero_ mul_ add_")
     check(lambda: Fills([FILLS[n] for n in names], dtype), "2d", caplog)
+    assert whole_reasons(caplog) == []
+
+
+class Initializers(nn.Module):
+    """MindSpore's initializers (`sw.initializer`), one [37, 29] parameter each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(
+            sw.Parameter(sw.initializer(name, [37, 29])) for name in sw.parameter.VALID_NAMES
+        )
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_mindspore_initializers(split: str, caplog: pytest.LogCaptureFixture) -> None:
+    check(Initializers, split, caplog)
     assert whole_reasons(caplog) == []
 
 

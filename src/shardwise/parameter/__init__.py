@@ -11,6 +11,7 @@
   random fills drawn in chunks (see docs/parallel.md, "Delayed init").
 """
 
+from shardwise.parameter._blocks import Slicer
 from shardwise.parameter._deferred import (
     is_deferred,
     materialize,
@@ -42,7 +43,6 @@ from shardwise.parameter._parameter import (
     parallel_optimizer_of,
     set_comm_fusion,
 )
-from shardwise.parameter._replay import Slicer
 
 __all__ = [
     "DEFAULT_COMM_FUSION",

@@ -43,6 +43,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 """The buffer a random fill draws through: 4 MiB (about a million float32 elements)."""
 
 Slicer = Callable[[str, tuple[int, ...]], Any]
+"""``slicer(name, full_shape) -> index`` (anything ``tensor[index]`` accepts) or None = whole."""
 
 
 @dataclass

@@ -30,11 +30,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shardwise.parameter import _rng
-from shardwise.parameter._blocks import DEFAULT_CHUNK_BYTES
+from shardwise.parameter._blocks import DEFAULT_CHUNK_BYTES, Slicer
 from shardwise.parameter._errors import DeferredInitError
 from shardwise.parameter._parameter import assign_tensor
 from shardwise.parameter._recorder import Recorder, patched_init_functions
-from shardwise.parameter._replay import Slicer, Target, compute
+from shardwise.parameter._replay import Target, compute
 from shardwise.parameter._tape import Session, session_of
 
 _LOCAL = threading.local()

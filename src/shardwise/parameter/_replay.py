@@ -19,7 +19,7 @@ the same ``torch.manual_seed``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +27,15 @@ from typing import Any
 import torch
 
 from shardwise.parameter import _rng
-from shardwise.parameter._blocks import DEFAULT_CHUNK_BYTES, BlockPlan, plan_blocks, run_steps
+from shardwise.parameter._blocks import (
+    DEFAULT_CHUNK_BYTES,
+    BlockPlan,
+    Slicer,
+    plan_blocks,
+    run_steps,
+)
 from shardwise.parameter._errors import DeferredInitError
 from shardwise.parameter._tape import RecordedOp, RngReset, Session, TensorRef, flatten
-
-Slicer = Callable[[str, tuple[int, ...]], Any]
-"""``slicer(name, full_shape) -> index`` (anything ``tensor[index]`` accepts) or None = whole."""
 
 
 @dataclass(frozen=True)
