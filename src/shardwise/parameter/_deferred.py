@@ -274,7 +274,7 @@ def materialize(
             tensor of ``obj``.
 
     Example:
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> with no_init_parameters():
         ...     net = torch.nn.Linear(8, 4)
         >>> _ = materialize(net, slicer=lambda name, shape: slice(0, shape[0] // 2))
