@@ -13,6 +13,9 @@ is one of these steps; `lower` turns one recorded entry into its steps, or says 
   depends on that element only (``fill_``, ``zero_``, ``mul_``, ``add_``, ``sub_``, ``div_``,
   ``clamp_``; ``nn.init.zeros_`` / ``ones_`` / ``constant_``), on the tensor or on a view of it
   that is a box (``weight[padding_idx].fill_(0)``).
+- `Derive` (`derivation`): the tensor is computed from one other tensor alone by exact
+  elementwise arithmetic with numbers or a dtype cast (``torch.randn(n, d) * 0.02``,
+  ``.double()``); the other tensor then lives as the same block.
 
 The ``torch.nn.init`` functions are lowered by running them on a `_Probe`: an object that
 answers their shape questions (``dim``, ``size``, ``shape``, ``numel``) and records the fills
