@@ -4,10 +4,12 @@
 - `block_slicer`: the ``slicer(name, full_shape) -> index`` of one rank: a planned parameter
   keeps its layout's block (`TensorLayout.local_index`: a slice per dim, or the indices of a
   strided dim's rows in every group), anything else stays whole.
-- `materialize_blocks`: replays the recorded construction with that slicer, so each tensor is
-  generated, cut to this rank's block and dropped before the next one is generated: a rank
-  never holds more than its blocks plus the one full tensor being generated (the initializers
-  draw a whole tensor from the RNG stream, which keeps values equal to the single-device run).
+- `materialize_blocks`: replays the recorded construction with that slicer: a tensor is
+  generated in chunks that advance the RNG stream exactly as the whole draw would (so values
+  equal the single-device run) and only this rank's block is kept, so a rank holds its blocks
+  plus a bounded buffer; a tensor whose fills cannot be chunked identically (or whose block is
+  not one slice per dim, as a strided one) is generated whole, cut and dropped before the next
+  one (see ``shardwise.parameter._blocks``).
 
 The replay runs for each rank this process runs (`communication.rank_value`: its own rank in a
 job) and `sw.parameter.materialize` gives the values to the network: in place, so an optimizer

@@ -7,8 +7,11 @@
 - `_deferred`: `no_init_parameters`, `materialize`, `materialized_values`, `is_deferred`.
 - `_recorder` / `_tape` / `_replay` / `_rng`: how deferred construction is recorded on meta
   tensors and replayed bit-identically (see docs/checkpoint.md, "Delayed initialization").
+- `_blocks` / `_lower` / `_chunked` / `_box`: replaying a sliced tensor as its block only, its
+  random fills drawn in chunks (see docs/parallel.md, "Delayed init").
 """
 
+from shardwise.parameter._blocks import Slicer
 from shardwise.parameter._deferred import (
     is_deferred,
     materialize,
@@ -40,7 +43,6 @@ from shardwise.parameter._parameter import (
     parallel_optimizer_of,
     set_comm_fusion,
 )
-from shardwise.parameter._replay import Slicer
 
 __all__ = [
     "DEFAULT_COMM_FUSION",

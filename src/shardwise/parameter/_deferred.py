@@ -30,10 +30,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shardwise.parameter import _rng
+from shardwise.parameter._blocks import DEFAULT_CHUNK_BYTES, Slicer
 from shardwise.parameter._errors import DeferredInitError
 from shardwise.parameter._parameter import assign_tensor
 from shardwise.parameter._recorder import Recorder, patched_init_functions
-from shardwise.parameter._replay import Slicer, Target, compute
+from shardwise.parameter._replay import Target, compute
 from shardwise.parameter._tape import Session, session_of
 
 _LOCAL = threading.local()
@@ -239,6 +240,7 @@ def materialize(
     slicer: Slicer | None = None,
     device: torch.device | str | None = None,
     values: Mapping[str, torch.Tensor] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Any:
     """Give ``obj``'s deferred parameters and buffers real values, in place.
 
@@ -251,6 +253,8 @@ def materialize(
         obj: an ``nn.Module`` (all its deferred parameters and buffers) or one tensor.
         slicer: optional ``slicer(name, full_shape) -> index``; each tensor then keeps only
             ``full[index]`` (a copy), e.g. this rank's shard. ``None`` from it = keep whole.
+            Where the index is one step-1 slice per dimension, the tensor is generated in
+            chunks and only its block is ever held (see docs/parallel.md, "Delayed init").
         device: move the values there (they are generated where construction would have
             put them, normally the CPU, so the random stream is the eager one).
         values: the values to give instead of replaying, by name, as `materialized_values`
@@ -259,6 +263,8 @@ def materialize(
             A value whose class is not ``torch.Tensor`` (a per-rank tensor) cannot take over
             the object: ``obj`` (a module) gets a new ``nn.Parameter`` or buffer holding it, and
             an optimizer holding the old object steps the new one from its next step on.
+        chunk_bytes: the buffer random fills of sliced tensors draw through (4 MiB by
+            default); 0 generates every tensor whole before cutting it.
 
     Returns:
         ``obj``.
@@ -268,7 +274,7 @@ def materialize(
             tensor of ``obj``.
 
     Example:
-        >>> torch.manual_seed(0)
+        >>> _ = torch.manual_seed(0)
         >>> with no_init_parameters():
         ...     net = torch.nn.Linear(8, 4)
         >>> _ = materialize(net, slicer=lambda name, shape: slice(0, shape[0] // 2))
@@ -280,7 +286,7 @@ def materialize(
     target_device = None if device is None else _rng.normalize_device(device)
     for session, targets in _group(obj).items():
         if values is None:
-            _assign(targets, compute(session, targets, slicer, target_device))
+            _assign(targets, compute(session, targets, slicer, target_device, chunk_bytes))
         else:
             missing = [t.name for t in targets if t.name not in values]
             if missing:
@@ -349,6 +355,7 @@ def materialized_values(
     *,
     slicer: Slicer | None = None,
     device: torch.device | str | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> dict[str, torch.Tensor]:
     """The values `materialize` would give, by name, leaving ``obj`` deferred.
 
@@ -356,6 +363,7 @@ def materialized_values(
         obj: an ``nn.Module`` or one deferred tensor (named ``""`` or its ``.name``).
         slicer: as for `materialize`.
         device: as for `materialize`.
+        chunk_bytes: as for `materialize`.
 
     Returns:
         ``{name: value}`` for every deferred parameter and buffer.
@@ -369,7 +377,7 @@ def materialized_values(
     target_device = None if device is None else _rng.normalize_device(device)
     result: dict[str, torch.Tensor] = {}
     for session, targets in _group(obj).items():
-        values = compute(session, targets, slicer, target_device)
+        values = compute(session, targets, slicer, target_device, chunk_bytes)
         result.update((t.name, v) for t, v in zip(targets, values, strict=True))
     return result
 

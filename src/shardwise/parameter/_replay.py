@@ -9,8 +9,9 @@ the same ``torch.manual_seed``.
 - `Target`: a deferred tensor to compute (its name, object and view of a root).
 - `compute`: run the tape once; each root is kept only until its last use, at which point
   the targets viewing it are extracted (whole, or ``slicer(name, shape)``-sliced and
-  copied, so a rank keeps only its shard and at most one full parameter is alive beyond
-  what the tape itself needs); returns the values in target order.
+  copied); returns the values in target order. A sliced root that ``_blocks.plan_blocks``
+  accepts lives as its block only: its entries run as lowered steps on the block (random
+  fills drawn in chunks), so it never exists whole.
 - `_rng_scope`: generator bookkeeping. Afterwards the generators are left where eager
   construction would have left them if nobody drew random numbers since the block was
   exited; otherwise they are restored to what they were (the caller's stream is untouched).
@@ -18,7 +19,7 @@ the same ``torch.manual_seed``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +27,15 @@ from typing import Any
 import torch
 
 from shardwise.parameter import _rng
+from shardwise.parameter._blocks import (
+    DEFAULT_CHUNK_BYTES,
+    BlockPlan,
+    Slicer,
+    plan_blocks,
+    run_steps,
+)
 from shardwise.parameter._errors import DeferredInitError
 from shardwise.parameter._tape import RecordedOp, RngReset, Session, TensorRef, flatten
-
-Slicer = Callable[[str, tuple[int, ...]], Any]
-"""``slicer(name, full_shape) -> index`` (anything ``tensor[index]`` accepts) or None = whole."""
 
 
 @dataclass(frozen=True)
@@ -147,10 +152,16 @@ def compute(
     targets: list[Target],
     slicer: Slicer | None = None,
     device: torch.device | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> list[torch.Tensor]:
-    """Replay ``session``'s tape once and return the values of ``targets``, in order."""
+    """Replay ``session``'s tape once and return the values of ``targets``, in order.
+
+    A sliced target that `plan_blocks` accepts is generated as its block only, its random fills
+    drawn through a buffer of ``chunk_bytes``; ``chunk_bytes=0`` replays every tensor whole.
+    """
     if session.recording:
         raise DeferredInitError("materialize after leaving the no_init_parameters block")
+    plan = plan_blocks(session, targets, slicer if chunk_bytes > 0 else None)
     wanted: dict[int, list[int]] = {}
     for position, target in enumerate(targets):
         wanted.setdefault(target.ref.key, []).append(position)
@@ -162,13 +173,36 @@ def compute(
             if isinstance(entry, RngReset):
                 _rng.set_state(entry.device, entry.state)
                 continue
-            _run(entry, real)
+            if index in plan.steps:
+                _run_block(index, plan, real, session, chunk_bytes)
+            else:
+                _run(entry, real)
             for key in schedule.get(index, ()):
                 root = real.pop(key)
-                for position in wanted.get(key, ()):
-                    values[position] = _extract(root, targets[position], slicer, device)
+                for n, position in enumerate(wanted.get(key, ())):
+                    if key in plan.boxes:  # already the block
+                        block = root if n == 0 else root.clone()
+                        values[position] = block if device is None else block.to(device)
+                    else:
+                        values[position] = _extract(root, targets[position], slicer, device)
                 del root  # else it stays alive while the next entry allocates its root
     missing = [targets[i].name for i, value in enumerate(values) if value is None]
     if missing:
         raise DeferredInitError(f"no recorded value for {', '.join(missing)}")
     return [value for value in values if value is not None]
+
+
+def _run_block(
+    index: int, plan: BlockPlan, real: dict[int, torch.Tensor], session: Session, chunk: int
+) -> None:
+    """Run the lowered entry ``index`` on its root's block (``real`` holds blocks for them)."""
+    key, steps = plan.steps[index]
+    real[key] = run_steps(
+        steps,
+        real,
+        real.get(key),
+        plan.boxes[key],
+        plan.dtypes[key],
+        session.root_device[key],
+        chunk,
+    )
