@@ -9,8 +9,9 @@ The network is the tutorial's: ``MatMul().shard(((2, 4), (4, 1)))``, ``ReLU().sh
 are exactly the tutorial's; with 2 or 4 workers they are scaled down (same shape of split, see
 `strategies`). `sw.AutoParallel` plans every primitive, cuts each weight to this rank's block
 and inserts the collectives the strategies imply. Each rank reads only its rows of every global
-batch of 32 (data-parallel input), the loss is the mean over the global batch on every rank, and
-every rank prints the tutorial's lines ``epoch: 0, step: 0, loss is 2.30...``.
+batch of 32 (data-parallel input; one row per rank beyond 32 ranks), the loss is the mean over
+the global batch on every rank, and every rank prints the tutorial's lines ``epoch: 0, step: 0,
+loss is 2.30...``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ Strategy = tuple[tuple[Any, ...], ...]
 
 
 def strategies(device_num: int) -> dict[str, Strategy]:
-    """The tutorial's strategies for 8 devices, scaled for 2 and 4."""
-    if device_num == 8:
+    """The tutorial's strategies for 8 devices, scaled for 2 and 4; on a multiple of 8
+    devices the tutorial's (each op's strategy repeated over the other devices, which split
+    the batch: ``shardwise plan --device_num 1024``)."""
+    if device_num % 8 == 0:
         return {
             "matmul1": ((2, 4), (4, 1)),
             "relu1": ((4, 1),),
@@ -46,7 +49,7 @@ def strategies(device_num: int) -> dict[str, Strategy]:
             "matmul2": ((1, device_num), (device_num, 1)),
             "relu2": ((device_num, 1),),
         }
-    raise SystemExit(f"run with 2, 4 or 8 workers (got {device_num})")
+    raise SystemExit(f"run with 2, 4 or a multiple of 8 workers (got {device_num})")
 
 
 class Network(nn.Module):
@@ -69,6 +72,11 @@ class Network(nn.Module):
         x = self.matmul2(x, self.fc2_weight)
         x = self.relu2(x)
         return self.matmul3(x, self.fc3_weight)
+
+
+def global_batch(device_num: int) -> int:
+    """The tutorial's global batch of 32; beyond 32 devices one row per rank."""
+    return max(32, device_num)
 
 
 def create_dataset(batch_size: int, rank: int, device_num: int) -> sw.dataset.MnistDataset:
@@ -94,7 +102,7 @@ def train(network_factory: Any, epochs: int, max_steps: int) -> list[float]:
     parallel_net = sw.AutoParallel(net, parallel_mode="semi_auto")
     optimizer = torch.optim.SGD(net.parameters(), 1e-2)
     loss_fn = nn.CrossEntropyLoss()
-    data_set = create_dataset(32, rank, device_num)
+    data_set = create_dataset(global_batch(device_num), rank, device_num)
     losses = []
     for epoch in range(epochs):
         for i, (image, label) in enumerate(data_set):

@@ -1,10 +1,11 @@
 """``shardwise plan``: a training script planned for N devices in this process (a dry run).
 
-- The scripts users run: seed 002's quick start, the optimizer-parallel example (synthetic
-  data, hsdp level 3) and GPT-2 small (12 layers, AdamW) planned for 1,024 devices, and GPT-2
-  small Megatron-annotated by propagation at 64: plan.json, rank R's IR files and summary.txt
-  are written; the plan is for N devices, the IR is R's, the summary gives memory by kind, bytes
-  by collective and axis, and the step estimate.
+- The scripts users run, planned for 1,024 devices: seed 002's quick start, seed 003's
+  operator-parallel example, the optimizer-parallel example (synthetic data, hsdp level 3) and
+  GPT-2 small (12 layers, AdamW); and GPT-2 small Megatron-annotated by propagation at 64:
+  plan.json, rank R's IR files, summary.txt and the pictures are written; the plan is for N
+  devices, the IR is R's, the summary gives memory by kind, bytes by collective and axis, and
+  the step estimate.
 - The summary's figures: parameters, gradients and optimizer state of GPT-2 small match its
   parameter count (data parallel: whole on every rank; AdamW: two state elements).
 - Errors: a script that never calls a wrapped network, a device count the strategies do not
@@ -56,6 +57,22 @@ def test_quick_start_at_1024_devices(tmp_path: Path) -> None:
     assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # (the script's AUTO_PARALLEL context is put back: the process goes on as before)
     assert sw.get_auto_parallel_context("parallel_mode") == before
+
+
+def test_operator_parallel_at_1024_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed 003's tutorial strategies, repeated over the other devices (a 2 x 2 x 2 x 128
+    matrix), reading a small MNIST stand-in (one row per rank of the global batch)."""
+    from tests.test_docs import write_small_mnist
+
+    write_small_mnist(tmp_path / "mnist", n_train=1024, n_test=16)
+    monkeypatch.setenv("DATA_PATH", str(tmp_path / "mnist"))
+    code, out = _plan(tmp_path, "--device_num", "1024", str(EXAMPLES / "operator_parallel.py"))
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["device_num"] == 1024
+    summary = (out / "summary.txt").read_text()
+    assert "DeviceMatrix(g0=2, g1=2, g2=2, g3=128)" in summary
+    assert "optimizer: SGD (0 state elements" in summary  # (built after the wrapper)
 
 
 def test_optimizer_parallel_level3_at_1024_devices(tmp_path: Path) -> None:

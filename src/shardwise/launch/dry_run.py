@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import runpy
@@ -135,7 +136,9 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
     """
 
     def stop(event: Planned) -> None:
-        raise _Stop(event)
+        found = _optimizer_of(event)  # (now, while the script's objects are alive)
+        optimizers = (found,) if found is not None and not event.optimizers else ()
+        raise _Stop(dataclasses.replace(event, optimizers=event.optimizers + optimizers))
 
     handle = add_plan_hook(stop)
     try:
