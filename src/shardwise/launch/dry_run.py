@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import gc
 import json
 import runpy
 import sys
@@ -49,6 +48,7 @@ from shardwise.report import (
 )
 from shardwise.report._summary import (
     estimate_memory,
+    find_optimizer,
     format_summary,
     optimizer_state_per_element,
     step_traffic,
@@ -175,16 +175,7 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
 
 
 def _optimizer_of(planned: Planned) -> torch.optim.Optimizer | None:
-    """The optimizer over the network's parameters: one the wrapper knows, else one found
-    among the live objects (a script usually builds it before its first step)."""
-    if planned.optimizers:
-        return planned.optimizers[0]
-    mine = {id(p) for p in planned.network.parameters()}
-    for obj in gc.get_objects():
-        params = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
-        if any(id(p) in mine for g in params for p in g["params"]):
-            return obj  # type: ignore[no-any-return]
-    return None
+    return find_optimizer(planned.network, planned.optimizers)
 
 
 def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] = ()) -> None:

@@ -6,13 +6,14 @@
 - `capture_plan`: `planner.capture` of the call on meta inputs of the global shapes
   (`_call_io.global_inputs`), then `planner.plan_semi_auto` (or, in sharding_propagation,
   `planner.plan_sharding_propagation`) with the declared (or loaded, or kept) parameter
-  layouts; the plan is checked against ``sw.runtime.set_memory``'s cap
-  (`memory_estimate`).
+  layouts.
+- `check_plan_memory`: the plan (with its gradient or optimizer-parallel buckets) checked
+  against ``sw.runtime.set_memory``'s cap, by the one memory model (`report.memory_tensors`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 from shardwise import communication as comm
 from shardwise import runtime
 from shardwise.layout import TensorLayout
+from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import global_inputs, input_layouts
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.planner import (
@@ -31,6 +33,11 @@ from shardwise.planner import (
     plan_recursive_programming,
     plan_semi_auto,
     plan_sharding_propagation,
+)
+from shardwise.report._summary import (
+    find_optimizer,
+    memory_tensors,
+    optimizer_state_per_element,
 )
 
 T = torch.Tensor
@@ -58,25 +65,19 @@ class GraphSession:
             self.declared.add(self.network, owner, plan)
 
 
-def memory_estimate(plan: ParallelPlan) -> list[runtime.TensorEstimate]:
-    """This rank's tensors under `plan` for `runtime.check_memory`: each parameter's stored
-    block and its gradient, and every op's output block (all assumed kept for backward: an
-    upper bound for one step)."""
-    out, grads = [], []
-    for name, p in plan.params.items():
-        shape = p.layout.local_shape(p.shape)
-        dtype = getattr(torch, p.dtype)
-        out.append(runtime.TensorEstimate(name, shape, dtype))
-        if dtype.is_floating_point:
-            grads.append(runtime.TensorEstimate(f"{name}.grad", shape, dtype, "gradients"))
-    acts = [
-        runtime.TensorEstimate(
-            f"{n.name} output {k}", local, getattr(torch, n.dtype(k)), "activations"
-        )
-        for n in plan.nodes
-        for k, local in enumerate(n.local_shapes)
-    ]
-    return out + grads + acts
+def check_plan_memory(
+    plan: ParallelPlan,
+    buckets: OptimizerPlan | None,
+    network: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> None:
+    """Refuse `plan` when this rank's estimate (`report.memory_tensors`: parameters,
+    gradients, optimizer state by hsdp level, activations, communication buffers) is above the
+    ``set_memory`` cap, before any parameter is cut (`runtime.check_memory`)."""
+    if runtime.get_memory() is None:
+        return
+    state = optimizer_state_per_element(find_optimizer(network, optimizers))
+    runtime.check_memory(memory_tensors(plan, buckets, state), "AutoParallel")
 
 
 def capture_plan(
@@ -130,5 +131,4 @@ def capture_plan(
             given = {n: p.layout for n, p in stored.params.items()}
         planner = _PLANNERS[mode]
         plan = planner(graph, world, dataset=layouts or str(dataset), param_layouts=given)
-    runtime.check_memory(memory_estimate(plan), "AutoParallel")
     return graph, plan

@@ -54,7 +54,7 @@ from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._executor_primitives import Replan
-from shardwise.parallel._graph_capture import GraphSession, capture_plan
+from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory
 from shardwise.parallel._hsdp import (
     bucket_plans,
     gradient_buckets,
@@ -135,6 +135,7 @@ class GraphRun:
         )
         plan = dataclasses.replace(plan, buckets=bucket_plans(buckets, plan.matrix))
         notify(Planned(plan, graph, self.network, tuple(self.optimizers), buckets, self.hsdp))
+        check_plan_memory(plan, buckets, self.network, self.optimizers)  # (nothing cut yet)
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]

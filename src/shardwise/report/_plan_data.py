@@ -1,7 +1,8 @@
 """What the plan pictures show, as plain data (no HTML, no matplotlib).
 
-- `plan_memory`: each rank's bytes by kind (parameters, gradients, activations) from the blocks
-  the plan gives it (`parallel._graph_capture.memory_estimate`).
+- `plan_memory`: each rank's bytes by kind (parameters, gradients, optimizer state,
+  activations, communication buffers) from the blocks
+  the plan gives it (`_summary.estimate_memory`).
 - `memory_kinds` / `memory_groups`: the kinds in the order given, and consecutive ranks with
   equal breakdowns merged into one bar (at most `MAX_BARS` bars).
 - `shown_ranks`: the ranks whose blocks a slice table lists (every rank up to `ALL_RANKS_UP_TO`
@@ -32,26 +33,25 @@ ENTRY, RETURN = -2, -1  # `EdgePlan.consumer` of an input's edge / a returned va
 
 
 def plan_memory(plan: ParallelPlan) -> dict[int, dict[str, int]]:
-    """Each rank's bytes by kind under `plan`: its parameter blocks, their gradients and every
-    op's output block (all kept for backward: an upper bound for one step).
+    """Each rank's bytes by kind under `plan` (`_summary.estimate_memory`, no optimizer
+    known: its state left out): parameters, gradients, optimizer state, activations (every
+    op's output block, all kept for backward: an upper bound for one step), communication
+    buffers.
 
     Args:
         plan: the plan.
 
     Returns:
-        rank -> {"parameters": bytes, "gradients": bytes, "activations": bytes}, every rank
-        of the plan's matrix.
+        rank -> {kind: bytes}, every rank of the plan's matrix (equal blocks: the same).
 
     Example:
-        >>> plan_memory(plan)[0]  # seed 003, 8 devices, global batch 32
-        {'parameters': 552960, 'gradients': 552960, 'activations': 135584}
+        >>> plan_memory(plan)[0]["parameters"]  # seed 003, 8 devices, global batch 32
+        552960
     """
-    from shardwise.parallel._graph_capture import memory_estimate  # (parallel imports report)
+    from shardwise.report._summary import estimate_memory
 
-    kinds: dict[str, int] = {"parameters": 0, "gradients": 0, "activations": 0}
-    for t in memory_estimate(plan):
-        kinds[t.kind] = kinds.get(t.kind, 0) + t.nbytes
-    return {r: dict(kinds) for r in plan.matrix.rank_list}
+    parts = dict(estimate_memory(plan).parts)
+    return {r: dict(parts) for r in plan.matrix.rank_list}
 
 
 def memory_kinds(memory: Memory) -> list[str]:

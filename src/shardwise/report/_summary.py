@@ -3,11 +3,15 @@
 Everything here is computed from the `ParallelPlan` (and the optimizer-parallel plan), with no
 process group and no tensor data:
 
+- `find_optimizer`: the optimizer over a network's parameters.
 - `optimizer_state_per_element`: elements of state a torch optimizer keeps per parameter
   element (Adam / AdamW 2, 3 with ``amsgrad``; SGD 1 with momentum, else 0; ...).
-- `estimate_memory`: a `MemoryEstimate` of one rank: parameters, gradients, optimizer state
-  (each by its hsdp level), activations kept for backward, communication buffers, and the
-  peak (their sum: everything is held at once at the end of backward, before the step).
+- `memory_tensors`: every tensor one rank holds, with its kind: parameters, gradients,
+  optimizer state (each by its hsdp level), activations kept for backward, communication
+  buffers; ``sw.runtime.set_memory``'s check (`runtime.check_memory`) and `estimate_memory`
+  both read it (one model).
+- `estimate_memory`: a `MemoryEstimate` of one rank: those kinds summed, and the peak (their
+  sum: everything is held at once at the end of backward, before the step).
 - `step_traffic`: the collectives of one training step with the bytes this rank sends in each:
   the forward's (as ``execute.ir`` lists them), the backward's (each forward step's adjoint:
   AllGather -> ReduceScatter, AlltoAll -> AlltoAll, a local slice -> nothing; the plan's
@@ -26,6 +30,7 @@ Activations: every op's local outputs, all kept (an upper bound).
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,9 +40,9 @@ import torch
 from shardwise.communication.recorder import bytes_bound
 from shardwise.optim import OptimizerPlan
 from shardwise.planner import Collective, ParallelPlan, plan_cost
-from shardwise.redistribution import AllGather, AlltoAll
+from shardwise.redistribution import AllGather, AlltoAll, Slice
 from shardwise.report._sends import Found, LocalSlice, edge_sends, node_sends
-from shardwise.runtime import format_size
+from shardwise.runtime import TensorEstimate, format_size
 
 KINDS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers")
 """The parts of a `MemoryEstimate`, in the order summaries and pictures stack them."""
@@ -63,6 +68,28 @@ def optimizer_state_per_element(optimizer: torch.optim.Optimizer | None) -> int:
     if name == "RMSprop":
         return 1 + bool(defaults.get("momentum", 0)) + bool(defaults.get("centered"))
     return 2  # (an optimizer not listed: priced like Adam)
+
+
+def find_optimizer(
+    network: torch.nn.Module, known: Sequence[torch.optim.Optimizer] = ()
+) -> torch.optim.Optimizer | None:
+    """The optimizer over `network`'s parameters: the first of `known`, else one among the
+    live objects (scripts build it before their first step; a scan of the heap, so only for
+    the memory check and the dry run).
+
+    Example:
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> find_optimizer(net) is opt
+        True
+    """
+    if known:
+        return known[0]
+    mine = {id(p) for p in network.parameters()}
+    for obj in gc.get_objects():
+        groups = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
+        if any(id(p) in mine for g in groups for p in g["params"]):
+            return obj  # type: ignore[no-any-return]
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,32 +138,60 @@ def estimate_memory(
         >>> estimate_memory(plan, state_per_element=2).peak  # doctest: +SKIP
         1048576
     """
-    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
+    tensors = memory_tensors(plan, optimizer, state_per_element)
     parts = dict.fromkeys(KINDS, 0)
-    tensors: list[tuple[str, int]] = []
+    for t in tensors:
+        parts[t.kind] += t.nbytes
+    largest = sorted(tensors, key=lambda t: -t.nbytes)[:3]
+    return MemoryEstimate(rank, parts, tuple((t.name, t.nbytes) for t in largest))
+
+
+def memory_tensors(
+    plan: ParallelPlan, optimizer: OptimizerPlan | None = None, state_per_element: int = 0
+) -> list[TensorEstimate]:
+    """Every tensor one rank holds under `plan`, each with its kind (`KINDS`): the model of
+    the module docstring, which `estimate_memory` sums and ``sw.runtime.set_memory`` checks
+    (`runtime.check_memory`) before anything is allocated.
+
+    Example:
+        >>> [t.kind for t in memory_tensors(plan)][:2]  # doctest: +SKIP
+        ['parameters', 'gradients']
+    """
+    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
+    out: list[TensorEstimate] = []
     gathered = 0
     for name, p in plan.params.items():
-        itemsize = int(getattr(torch, p.dtype).itemsize)
-        block = math.prod(p.layout.local_shape(p.shape)) * itemsize
+        dtype = getattr(torch, p.dtype)
+        block = p.layout.local_shape(p.shape)
         shard = _shard_of(optimizer, name)
-        piece = block // shard
-        trained = p.dtype.startswith("float")
-        held = piece if shard > 1 and level == "level3" else block + (piece if shard > 1 else 0)
-        parts["parameters"] += held
-        if trained:
-            parts["gradients"] += piece if shard > 1 and level != "level1" else block
-            parts["optimizer state"] += state_per_element * piece
+        piece = (block[0] // shard, *block[1:]) if shard > 1 else block
+        if not (shard > 1 and level == "level3"):
+            out.append(TensorEstimate(name, block, dtype, "parameters"))
+        if shard > 1:
+            out.append(TensorEstimate(f"{name} (shard)", piece, dtype, "parameters"))
+        if dtype.is_floating_point:
+            grad = piece if shard > 1 and level != "level1" else block
+            out.append(TensorEstimate(f"{name}.grad", grad, dtype, "gradients"))
+            if state_per_element:
+                state = (state_per_element, *piece)
+                out.append(
+                    TensorEstimate(f"{name} optimizer state", state, dtype, "optimizer state")
+                )
         if shard > 1 and level == "level3":
-            gathered = max(gathered, block)
-        tensors.append((name, held))
+            gathered = max(gathered, math.prod(block) * dtype.itemsize)
     for n in plan.nodes:
         for k, local in enumerate(n.local_shapes):
-            nbytes = math.prod(local) * int(getattr(torch, n.dtype(k)).itemsize)
-            parts["activations"] += nbytes
-            tensors.append((f"{n.name} output {k}", nbytes))
-    parts["communication buffers"] = _buffers(plan, optimizer) + gathered
-    largest = tuple(sorted(tensors, key=lambda t: -t[1])[:3])
-    return MemoryEstimate(rank, parts, largest)
+            dtype = getattr(torch, n.dtype(k))
+            out.append(TensorEstimate(f"{n.name} output {k}", local, dtype, "activations"))
+    buffers = [
+        ("the largest fused bucket", _bucket_bytes(plan, optimizer)),
+        ("the largest value an edge moves", _moved_bytes(plan)),
+        ("the largest parameter gathered (level 3)", gathered),
+    ]
+    for what, nbytes in buffers:
+        if nbytes:
+            out.append(TensorEstimate(what, (nbytes,), torch.uint8, "communication buffers"))
+    return out
 
 
 def _shard_of(optimizer: OptimizerPlan | None, name: str) -> int:
@@ -148,19 +203,30 @@ def _shard_of(optimizer: OptimizerPlan | None, name: str) -> int:
         return 1
 
 
-def _buffers(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> int:
-    """The largest fused bucket (gathered weights or reduced gradients) plus the largest value
-    an edge moves (both held beside their sources while a collective runs)."""
-    bucket = 0
-    if optimizer is not None:
+def _bucket_bytes(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> int:
+    """The largest fused bucket (gathered weights or reduced gradients): the plan's own
+    buckets (`ParallelPlan.buckets`), else `optimizer`'s."""
+    if optimizer is not None and not plan.buckets:
         sizes = {p.info.name: p.info.block_bytes for p in optimizer.params}
-        bucket = max((sum(sizes[n] for n in b.names) for b in optimizer.buckets), default=0)
+        return max((sum(sizes[n] for n in b.names) for b in optimizer.buckets), default=0)
+    blocks = {
+        name: math.prod(p.layout.local_shape(p.shape)) * int(getattr(torch, p.dtype).itemsize)
+        for name, p in plan.params.items()
+    }
+    return max((sum(blocks[n] for n in b.params) for b in plan.buckets), default=0)
+
+
+def _moved_bytes(plan: ParallelPlan) -> int:
+    """The largest value an edge moves (its destination block, held beside the source while
+    the collective runs)."""
     moved = 0
+    m = plan.matrix
     for e in plan.edges:
-        if e.steps or e.reduced:
+        sends = [s for s in e.steps if not isinstance(s, Slice) and m.shape[s.axis] > 1]
+        if sends or e.reduced:  # (a local slice alone needs no buffer)
             itemsize = int(getattr(torch, e.dtype).itemsize)
             moved = max(moved, math.prod(e.dst.layout.local_shape(e.shape)) * itemsize)
-    return bucket + moved
+    return moved
 
 
 @dataclass
