@@ -10,6 +10,10 @@ built on the meta device, in one process with no process group.
   devices (every device matrix of one or two axes tried; global batch: the larger of 64 and the
   device count, so that it splits).
 
+- `_dry_run_row`: ``shardwise plan --device_num 1024 examples/gpt2.py --size small`` in a fresh
+  process: wall time and peak RSS (the largest of this process's children so far: it is the
+  only one).
+
 `--quick`: small sizes (a twelfth of the layers, 64 hidden; search on 8 and 64 devices).
 """
 
@@ -110,6 +114,31 @@ def _search_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _dry_run_row(quick: bool) -> dict[str, Any]:
+    """``shardwise plan --device_num 1024 examples/gpt2.py --size small`` (GPT-2 small; tiny
+    with ``--quick``) as a user runs it: a fresh process, its wall time and peak RSS."""
+    import resource
+    import subprocess
+    import sys
+    import tempfile
+
+    size = "tiny" if quick else "small"
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "shardwise", "plan", "--device_num", "1024", "--out", out]
+        cmd += ["examples/gpt2.py", "--size", size]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        secs = time.perf_counter() - t0
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "size": size,
+        "wall_s": secs,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "rc": done.returncode,
+    }
+
+
 def run(config: BenchConfig) -> str:
     """Build, capture and plan; print and save the tables."""
     t0 = time.perf_counter()
@@ -118,6 +147,7 @@ def run(config: BenchConfig) -> str:
     rows = _semi_auto_rows(net, ids)
     prop = _propagation_row(config.quick)
     searched = _search_rows(config.quick)
+    dry = _dry_run_row(config.quick)
     lines = [f"planning ({'quick' if config.quick else '48 layers'}; build on meta {built:.2f} s)"]
     lines.append("devices  ops  aten ops  capture s  plan s  total s  collectives")
     for r in rows:
@@ -139,7 +169,18 @@ def run(config: BenchConfig) -> str:
             f"{'':>19}  {r['device_num']:>7}  {r['ops']:>3}  {r['matrices']:>8}"
             f"  {r['search_s']:>8.2f}  {r['error'][:60]}"
         )
+    lines.append(
+        f"shardwise plan --device_num 1024 examples/gpt2.py --size {dry['size']}: "
+        f"{dry['wall_s']:.2f} s wall ({dry['cpu_s']:.2f} s CPU), peak RSS "
+        f"{dry['peak_rss_mb']:.0f} MB (exit {dry['rc']})"
+    )
     text = "\n".join(lines)
-    data = {"build_s": built, "rows": rows, "propagation": prop, "search": searched}
+    data = {
+        "build_s": built,
+        "rows": rows,
+        "propagation": prop,
+        "search": searched,
+        "dry_run": dry,
+    }
     harness.save_report(config.out_dir, "planning", data, text)
     return text
