@@ -33,6 +33,7 @@ import shardwise as sw
 from shardwise import planner
 from shardwise.layout import TensorLayout
 from shardwise.optim import OptimizerPlan
+from shardwise.report._summary import step_traffic
 from shardwise.testing import CommRecorder, SimulatedWorld, simulated_world
 from shardwise.testing import assert_matches_single_device as same
 
@@ -182,6 +183,8 @@ def test_strided_qkv_sends_less_than_plain_column_parallel(dp: int, mp: int, pro
         (dp, mp, proj)
     ]
     assert strided_rec.total_bytes() < plain_rec.total_bytes()
+    for plan, rec in ((plain, plain_rec), (strided, strided_rec)):  # (shardwise plan's count)
+        assert step_traffic(plan, 0, None).total == pytest.approx(rec.total_bytes(), rel=1e-3)
     if proj:  # (the same collectives less the gathers; c_attn and c_fc only: strided trades
         # plain's gathers for Megatron's AllReduces, fewer bytes, more latency at these sizes)
         assert planner.plan_cost(strided).total < planner.plan_cost(plain).total
@@ -213,6 +216,8 @@ def test_semi_auto_megatron_drops_the_alltoalls() -> None:
     assert plain_rec.count("AlltoAll") == 4 * LAYERS and strided_rec.count("AlltoAll") == 0
     assert strided_rec.total_bytes() < plain_rec.total_bytes()
     assert planner.plan_cost(strided).total < planner.plan_cost(plain).total
+    for plan, rec in ((plain, plain_rec), (strided, strided_rec)):  # (shardwise plan's count)
+        assert step_traffic(plan, 0, None).total == pytest.approx(rec.total_bytes(), rel=1e-3)
 
 
 def test_delayed_init_cuts_the_strided_rows() -> None:

@@ -14,9 +14,11 @@ process group and no tensor data:
   sum: everything is held at once at the end of backward, before the step).
 - `step_traffic`: the collectives of one training step with the bytes this rank sends in each:
   the forward's (as ``execute.ir`` lists them), the backward's (each forward step's adjoint:
-  AllGather -> ReduceScatter, AlltoAll -> AlltoAll, a local slice -> nothing; the plan's
-  gradient averages), and the gradient synchronisation of the optimizer-parallel or
-  gradient-bucket plan; `Traffic` sums them by collective kind and mesh axis.
+  AllGather -> ReduceScatter, AlltoAll -> AlltoAll, an AllReduce -> an AllReduce over the
+  axes on which the plan does not make its gradient equal, a local slice -> nothing; the
+  plan's gradient averages), and the gradient synchronisation of the plan's gradient or
+  optimizer-parallel buckets; `Traffic` sums them by collective kind and mesh axis. (The value
+  a network returns counts its adjoint: a train step's returned loss has none, a few bytes.)
 - `format_summary`: the text of ``summary.txt`` (with the cost model's roofline estimate of
   the step time, `planner.plan_cost`).
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.communication.recorder import bytes_bound
+from shardwise.layout import DeviceMatrix
 from shardwise.optim import OptimizerPlan
 from shardwise.planner import Collective, ParallelPlan, plan_cost
 from shardwise.redistribution import AllGather, AlltoAll, Slice
@@ -249,6 +252,16 @@ class Traffic:
 def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None) -> Traffic:
     """The collectives of one training step on `rank` (see the module docstring).
 
+    Args:
+        plan: the plan (its `ParallelPlan.buckets`: the gradient or optimizer-parallel
+            buckets).
+        rank: the rank whose bytes are counted.
+        optimizer: the optimizer-parallel plan (its hsdp level: level 3 gathers the weights
+            again in backward); None: level 1.
+
+    Returns:
+        The `Traffic`.
+
     Example:
         >>> step_traffic(plan, 0, None).total  # doctest: +SKIP
         6144
@@ -261,53 +274,86 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
                 continue
             c, _, sent = item
             out.add("forward", c, sent)
-            if c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
+            if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
+                _adjoint(out, m, rank, c, e.reduced, e.equal_grad, sent)
+            elif c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
                 back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
                 out.add("backward", Collective(back, c.axes, c.where), sent)
     for n in plan.nodes:
         for c, _, sent in _collectives(node_sends(n, m, rank)):
             out.add("forward", c, sent)
+            axes = tuple(m.names.index(a) for a in c.axes)
+            if c.kind == "AllReduce":
+                equal = tuple(m.names.index(a) for a in c.equal_grad)
+                _adjoint(out, m, rank, c, axes, equal, sent)
+            elif c.kind == "ReduceScatter":
+                out.add("backward", Collective("AllGather", c.axes, c.where), sent)
         for c in n.backward:
             size = len(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
             itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
             nbytes = math.prod(n.local_shapes[c.output]) * itemsize
             out.add("backward", c, bytes_bound(c.kind, nbytes, size))
-    if optimizer is not None:
-        _gradient_sync(out, plan, optimizer)
+    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
+    _gradient_sync(out, plan, level)
     return out
+
+
+def _adjoint(
+    out: Traffic,
+    m: DeviceMatrix,
+    rank: int,
+    c: Collective,
+    axes: Sequence[int],
+    equal: Sequence[int],
+    sent: int,
+) -> None:
+    """The backward of an AllReduce over `axes`: an AllReduce of the gradient over the axes
+    on which the plan does not make it equal (`equal`), the same bytes per rank in the
+    smaller group."""
+    rest = tuple(a for a in axes if a not in equal)
+    if not rest:
+        return
+    whole = len(m.group_along(rank, tuple(axes)))
+    size = len(m.group_along(rank, rest))
+    nbytes = sent * whole // max(2 * (whole - 1), 1)  # (the block, from its bound)
+    names = tuple(m.names[a] for a in rest)
+    out.add(
+        "backward", Collective("AllReduce", names, c.where), bytes_bound("AllReduce", nbytes, size)
+    )
 
 
 def _collectives(found: Iterable[Found]) -> list[tuple[Collective, list[int], int]]:
     return [item for item in found if not isinstance(item, LocalSlice)]
 
 
-def _gradient_sync(out: Traffic, plan: ParallelPlan, optimizer: OptimizerPlan) -> None:
-    """Each bucket's collectives: an AllReduce of the gradients over its data-parallel axes,
-    or (optimizer parallel) an AllGather of the weights per forward (and again in backward at
-    level 3) and a ReduceScatter of the gradients over the shard group (then an AllReduce
-    over the copies when the shard group is smaller than the data-parallel group)."""
+def _gradient_sync(out: Traffic, plan: ParallelPlan, level: str) -> None:
+    """Each bucket of the plan's (`ParallelPlan.buckets`): an AllReduce of the gradients over
+    its data-parallel axes, or (optimizer parallel) an AllGather of the weights per forward
+    (and again in backward at level 3) and a ReduceScatter of the gradients over the shard
+    group (then an AllReduce over the copies when the shard group is smaller than the
+    data-parallel group)."""
     m = plan.matrix
-    sizes = {p.info.name: p.info.block_bytes for p in optimizer.params}
-    level = optimizer.config.optimizer_level
-    for b in optimizer.buckets:
-        axes = tuple(m.names[a] for a in b.dp_axes)
-        group = math.prod(m.shape[a] for a in b.dp_axes)
-        total = sum(sizes[n] for n in b.names)
-        if not axes or group <= 1:
+    sizes = {
+        name: math.prod(p.layout.local_shape(p.shape)) * int(getattr(torch, p.dtype).itemsize)
+        for name, p in plan.params.items()
+    }
+    for b in plan.buckets:
+        group = math.prod(m.shape[m.names.index(a)] for a in b.axes)
+        total = sum(sizes[n] for n in b.params)
+        if not b.axes or group <= 1:
             continue
         if b.kind == "allreduce":
-            out.add("gradients", Collective("AllReduce", axes, "bucket"), _ar(total, group))
+            out.add("gradients", Collective("AllReduce", b.axes, "bucket"), _ar(total, group))
             continue
         gathers = 2 if level == "level3" else 1
         for _ in range(gathers):
             sent = bytes_bound("AllGather", total // b.shard, b.shard)
-            out.add("weights", Collective("AllGather", axes, "bucket"), sent)
+            out.add("weights", Collective("AllGather", b.axes, "bucket"), sent)
         sent = bytes_bound("ReduceScatter", total, b.shard)
-        out.add("gradients", Collective("ReduceScatter", axes, "bucket"), sent)
+        out.add("gradients", Collective("ReduceScatter", b.axes, "bucket"), sent)
         if group > b.shard:
-            copies = group // b.shard
-            sent = _ar(total // b.shard, copies)
-            out.add("gradients", Collective("AllReduce", axes, "bucket copies"), sent)
+            sent = _ar(total // b.shard, group // b.shard)
+            out.add("gradients", Collective("AllReduce", b.axes, "bucket copies"), sent)
 
 
 def _ar(nbytes: int, group: int) -> int:
