@@ -17,7 +17,8 @@
 - `_search`: `plan_recursive_programming` (no annotation needed: every op's strategy and the
   device matrix chosen by the total cost: communication including the ops' own collectives,
   compute (`_flops`), memory under the ``set_memory`` cap); `_plan_cost`: `plan_cost` prices
-  any plan by the same model; `_explain`: why each op has its strategy.
+  any plan by the same model, `step_cost` estimates its training step; `_explain`: why each op
+  has its strategy.
 - `_follow`: an op's aten program followed on placements (the strategy of an unannotated or
   op-form annotated op, the cheaper of following and data parallel).
 - `_placement`: the global device matrix and where inputs and parameters start.
@@ -52,7 +53,7 @@ from shardwise.planner._plan import (
     ParamPlan,
     Placed,
 )
-from shardwise.planner._plan_cost import PlanCost, plan_cost
+from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, step_cost
 from shardwise.planner._propagate import plan_sharding_propagation
 from shardwise.planner._search import plan_recursive_programming
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
@@ -74,6 +75,7 @@ __all__ = [
     "PlanCost",
     "PlanError",
     "Ref",
+    "StepCost",
     "StrategyFileError",
     "TensorInfo",
     "capture",
@@ -89,4 +91,5 @@ __all__ = [
     "plan_sharding_propagation",
     "save_operator_strategy_file",
     "save_param_strategy_file",
+    "step_cost",
 ]

@@ -1,11 +1,16 @@
-"""A rough count of an op's floating-point work, for the search's compute cost.
+"""A rough count of an op's work: floating-point operations and memory traffic.
 
 `node_flops(op, in_shapes, out_shapes)`: matrix products (``F.linear``, ``torch.matmul`` /
 ``mm`` / ``bmm``, ``addmm`` / ``baddbmm``, shardwise's ``MatMul`` / ``BatchMatMul``) count
 2 · (the output's elements) · (the contracted size); attention
 (``scaled_dot_product_attention``) 4 · (q's elements) · (k's sequence length); convolutions
 2 · (output elements) · (weight elements / output channels); every other op counts its
-outputs' elements (one operation each).
+outputs' elements (one operation each). The search prices these at ``flops_per_s``.
+
+`node_elements(op, in_shapes, out_shapes)`: the elements the op reads and writes (its inputs'
+and outputs'), for a step estimate's memory-bound ops (`_plan_cost.step_cost`): a view
+(``view``, ``transpose``, ``split`` ...) moves none, an embedding reads only the rows it
+returns (its indices and its output, not the whole table).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ _PRODUCTS = {
 _ADDMM = {"torch.addmm", "torch.Tensor.addmm", "torch.baddbmm", "torch.Tensor.baddbmm"}
 _ATTENTION = "torch.nn.functional.scaled_dot_product_attention"
 _CONVS = {"torch.nn.functional.conv2d", "torch.nn.functional.conv1d", "shardwise.ops.Conv2D"}
+_VIEWS = {
+    "view", "reshape", "transpose", "permute", "split", "chunk", "unbind", "unsqueeze",
+    "squeeze", "flatten", "unflatten", "expand", "narrow", "t", "__getitem__", "view_as",
+    "reshape_as", "expand_as", "movedim", "swapaxes", "select", "detach", "size", "dim",
+}  # fmt: skip
+_EMBEDDINGS = {"torch.nn.functional.embedding"}  # (indices, table)
 
 
 def node_flops(
@@ -62,3 +73,27 @@ def _product_flops(op: str, ins: Sequence[Sequence[int]], out: Sequence[int]) ->
         return math.prod(out)
     k = int(ins[0][-1])
     return 2 * max(math.prod(out), 1) * k
+
+
+def is_view(op: str) -> bool:
+    """Whether `op` (``torch.Tensor.view``, ``torch.transpose`` ...) only relabels memory."""
+    return op.rsplit(".", 1)[-1] in _VIEWS
+
+
+def node_elements(
+    op: str, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]]
+) -> int:
+    """The elements `op` reads and writes over these shapes (see the module docstring).
+
+    Example:
+        >>> node_elements("torch.nn.functional.gelu", [(8, 64)], [(8, 64)])
+        1024
+        >>> node_elements("torch.Tensor.view", [(8, 64)], [(512,)])
+        0
+    """
+    if is_view(op):
+        return 0
+    out = sum(math.prod(s) for s in out_shapes)
+    if op in _EMBEDDINGS and in_shapes:
+        return math.prod(in_shapes[0]) + out  # the indices, then the rows read and written
+    return sum(math.prod(s) for s in in_shapes) + out

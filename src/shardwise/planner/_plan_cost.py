@@ -7,6 +7,29 @@ it (communication), each op's FLOPs over the devices that share it
 (compute), and the bytes a rank holds (outputs kept for backward; each parameter's block with
 its gradient and two optimizer moments) at ``memory_s_per_byte`` (memory). Backward is not
 priced separately (it mirrors the forward's communication).
+
+`step_cost(plan, model)` estimates the seconds of one training step (forward, backward,
+optimizer) on a rank of a plan that is a train step (`StepCost`):
+
+- forward communication: every edge's move (the values a step returns too: the loss's
+  AllReduce) and every op's own collective, each collective at ``call_s`` plus its rounds and
+  bytes;
+- backward communication: their adjoints (an AllReduce's is an AllReduce over the axes whose
+  gradient is not already equal, an AllGather's a ReduceScatter, an AlltoAll's the reverse
+  AlltoAll, a Slice's nothing; none for the step's tensor inputs, integer values and the
+  returned values, the step's backward having run before they are moved), and the ops'
+  gradient AllReduces (`NodePlan.backward`);
+- gradient synchronization: one AllReduce per gradient bucket (`ParallelPlan.buckets`; a plan
+  without them: the parameters grouped by the axes that replicate their gradient, in buckets of
+  at most 25 MB), optimizer parallel's ReduceScatter and AllGather;
+- compute: per op, ``op_s`` plus the larger of its forward and backward FLOPs (three times the
+  forward's: backward computes the gradients of both operands of a product) at
+  ``flops_per_s`` and the bytes it reads and writes at ``traffic_s_per_byte`` (which includes
+  backward's traffic); a view costs ``op_s`` only;
+- optimizer: per stored parameter ``optimizer_s_per_tensor`` plus its block's elements (a
+  1/k slice under optimizer parallel) at ``optimizer_s_per_element``.
+
+Collectives are priced one after another and never overlapped with compute.
 """
 
 from __future__ import annotations
@@ -18,13 +41,16 @@ from torch.distributed.tensor import Replicate
 
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import TensorLayout
+from shardwise.nn.grad_reducer import DEFAULT_BUCKET_MB
 from shardwise.planner._cost import CostModel, load_cost_model
-from shardwise.planner._flops import node_flops
+from shardwise.planner._flops import is_view, node_elements, node_flops
 from shardwise.planner._placement import _itemsize, placements_of
-from shardwise.planner._plan import Collective, NodePlan, ParallelPlan
+from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
 
 PARAM_COPIES = 4
 """A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
+BACKWARD_FLOPS = 2
+"""Backward's FLOPs per forward FLOP (a product's gradient with respect to both operands)."""
 
 
 def grad_sync(model: CostModel, layout: TensorLayout, block: int) -> float:
@@ -100,3 +126,184 @@ def plan_cost(plan: ParallelPlan, model: CostModel | None = None) -> PlanCost:
         held += block * PARAM_COPIES
         comm += grad_sync(model, p.layout, block) if p.dtype.startswith("float") else 0.0
     return PlanCost(comm, compute, held * model.memory_s_per_byte)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one training step on a rank by part (see the module docstring), and the
+    collectives it runs.
+
+    Attributes:
+        forward_comm / backward_comm: the edges' and ops' collectives, and their adjoints.
+        grad_sync: the gradient buckets' collectives.
+        compute: every op's forward and backward.
+        optimizer: the parameters' update.
+        collectives: how many collectives a step runs (as `CommRecorder` counts them).
+    """
+
+    forward_comm: float
+    backward_comm: float
+    grad_sync: float
+    compute: float
+    optimizer: float
+    collectives: int
+
+    @property
+    def comm(self) -> float:
+        return self.forward_comm + self.backward_comm + self.grad_sync
+
+    @property
+    def total(self) -> float:
+        return self.comm + self.compute + self.optimizer
+
+    def __str__(self) -> str:
+        return (
+            f"{self.total * 1e3:.2f} ms (comm {self.comm * 1e3:.2f}: forward "
+            f"{self.forward_comm * 1e3:.2f}, backward {self.backward_comm * 1e3:.2f}, gradients "
+            f"{self.grad_sync * 1e3:.2f}; compute {self.compute * 1e3:.2f}, optimizer "
+            f"{self.optimizer * 1e3:.2f}; {self.collectives} collectives)"
+        )
+
+
+def _edge_collectives(e: EdgePlan, backward: bool) -> int:
+    m = e.src.layout.matrix
+    reduced = [a for a in e.reduced if not backward or a not in e.equal_grad]
+    count = 1 if any(m.shape[a] > 1 for a in reduced) else 0
+    return count + len(e.collectives("")) - (1 if e.reduced else 0)
+
+
+def _has_gradient(e: EdgePlan) -> bool:
+    """Whether backward runs the edge's adjoint: a floating-point value computed or stored in
+    the step (not a tensor input) and consumed by an op (not returned)."""
+    floating = e.dtype.startswith(("float", "bfloat", "complex"))
+    return floating and e.consumer != -1 and not e.value.startswith("input:")
+
+
+def _edge_backward(e: EdgePlan, model: CostModel) -> float:
+    """The adjoint of an edge's move: its AllReduce over the axes whose gradient is not equal,
+    and per AllGather / AlltoAll step a ReduceScatter / AlltoAll sending the same bytes."""
+    reduced = tuple(a for a in e.reduced if a not in e.equal_grad)
+    return model.move(e.src.layout, e.dst.layout, e.shape, _itemsize(e.dtype), reduced)
+
+
+def _own_backward(n: NodePlan, c: Collective, model: CostModel) -> tuple[float, int]:
+    m = n.outputs[c.output].layout.matrix
+    block = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
+    if c.kind == "ReduceScatter":  # its adjoint, an AllGather of the output block, as much
+        return _own(n, c, model), 1
+    axes = [m.names.index(a) for a in c.axes if a not in c.equal_grad]
+    if math.prod(m.shape[a] for a in axes) <= 1:
+        return 0.0, 0
+    return model.all_reduce(block, m, axes), 1
+
+
+def _f(n: NodePlan, c: Collective, model: CostModel) -> tuple[float, int]:
+    """An AllReduce(avg) of an output's gradient (`NodePlan.backward`)."""
+    m = n.outputs[c.output].layout.matrix
+    axes = [m.names.index(a) for a in c.axes]
+    if math.prod(m.shape[a] for a in axes) <= 1:
+        return 0.0, 0
+    block = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
+    return model.all_reduce(block, m, axes), 1
+
+
+def _block_bytes(plan: ParallelPlan, name: str) -> int:
+    p = plan.params[name]
+    return math.prod(p.layout.local_shape(p.shape)) * _itemsize(p.dtype)
+
+
+def _sync_axes(plan: ParallelPlan, name: str) -> tuple[int, ...]:
+    """The axes a parameter's gradient is all-reduced over: those replicating it, less those
+    on which the plan makes it equal."""
+    p = plan.params[name]
+    used, equal = set(p.layout.used_axes()), set(plan.equal_grads.get(name, ()))
+    m = p.layout.matrix
+    return tuple(a for a, k in enumerate(m.shape) if k > 1 and a not in used and a not in equal)
+
+
+def _grad_sync(plan: ParallelPlan, model: CostModel) -> tuple[float, int, dict[str, int]]:
+    """(seconds, collectives, parameter -> optimizer-parallel shard count) of the gradient
+    buckets."""
+    m, secs, count, sharded = plan.matrix, 0.0, 0, {}
+    if plan.buckets:
+        for b in plan.buckets:
+            axes = [m.names.index(a) for a in b.axes]
+            group = math.prod(m.shape[a] for a in axes)
+            nbytes = sum(_block_bytes(plan, name) for name in b.params if name in plan.params)
+            if group <= 1 or nbytes == 0:
+                continue
+            if b.kind == "shard":
+                sharded.update({name: b.shard for name in b.params})
+                secs += model.collective("ReduceScatter", nbytes, b.shard, axes[0])
+                secs += model.collective("AllGather", nbytes // b.shard, b.shard, axes[0])
+                count += 2
+            else:
+                secs += model.all_reduce(nbytes, m, axes)
+                count += 1
+        return secs, count, sharded
+    groups: dict[tuple[int, ...], int] = {}
+    for name, p in plan.params.items():
+        over = _sync_axes(plan, name)
+        if over and p.dtype.startswith("float"):
+            groups[over] = groups.get(over, 0) + _block_bytes(plan, name)
+    cap = int(DEFAULT_BUCKET_MB * (1 << 20))
+    for over, nbytes in groups.items():
+        buckets = -(-nbytes // cap)
+        secs += buckets * model.all_reduce(-(-nbytes // buckets), m, over)
+        count += buckets
+    return secs, count, sharded
+
+
+def _compute(n: NodePlan, model: CostModel) -> float:
+    if is_view(n.op):
+        return model.op_s
+    ins = [p.local_shape(s) for p, s in zip(n.inputs, n.in_shapes, strict=False)]
+    elements = node_elements(n.op, ins, n.local_shapes)
+    flops = node_flops(n.op, n.in_shapes, n.shapes) / _split(n)
+    itemsize = _itemsize(n.dtype(0)) if n.outputs else 4
+    work = max(
+        (1 + BACKWARD_FLOPS) * flops / model.flops_per_s,
+        elements * itemsize * model.traffic_s_per_byte,
+    )
+    return model.op_s + work
+
+
+def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
+    """The seconds of one training step on a rank of `plan` (see the module docstring).
+
+    Example:
+        >>> print(step_cost(plan))  # doctest: +SKIP
+        18.40 ms (comm 2.10: forward 0.40, backward 0.00, gradients 1.70; compute 12.10,
+        optimizer 4.20; 2 collectives)
+    """
+    model = model or load_cost_model()
+    forward = backward = 0.0
+    count = 0
+    for e in plan.edges:
+        if e.shared:
+            continue
+        forward += model.move(e.src.layout, e.dst.layout, e.shape, _itemsize(e.dtype), e.reduced)
+        count += _edge_collectives(e, backward=False)
+        if _has_gradient(e):
+            backward += _edge_backward(e, model)
+            count += _edge_collectives(e, backward=True)
+    compute = 0.0
+    for n in plan.nodes:
+        for c in n.comms:
+            forward += _own(n, c, model)
+            secs, calls = _own_backward(n, c, model)
+            backward += secs
+            count += 1 + calls
+        for c in n.backward:
+            secs, calls = _f(n, c, model)
+            backward += secs
+            count += calls
+        compute += _compute(n, model) if n.inputs or n.outputs else 0.0
+    synced, calls, sharded = _grad_sync(plan, model)
+    optimizer = 0.0
+    for name, p in plan.params.items():
+        if not p.dtype.startswith("float"):
+            continue
+        elements = math.prod(p.layout.local_shape(p.shape)) / sharded.get(name, 1)
+        optimizer += model.optimizer_s_per_tensor + elements * model.optimizer_s_per_element
+    return StepCost(forward, backward, synced, compute, optimizer, count + calls)
