@@ -11,16 +11,22 @@ Per N (gloo ranks, each passing its rows of the global batch), in one job, alter
   against the search.
 
 Each candidate trains with AdamW (SGD for seed 002) in the train-step form; printed: the plan's
-cost by the planners' model (`planner.plan_cost`, with its communication / compute / memory
-split), the measured seconds per step (max over ranks, median of repetitions), the ratio of
-predicted to measured, the collectives per step and the planning seconds.
+forward cost by the planners' model (`planner.plan_cost`, what the search minimizes), its
+training-step estimate (`planner.step_cost`: communication / compute / optimizer), the
+measured seconds and process CPU seconds per step (max over ranks, median of repetitions),
+the seconds the busiest rank's main thread waited for a core (other processes' load), the ratio
+of the step estimate to the measured step, the collectives per step (estimated and recorded) and
+the planning seconds.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from bench import _common as common
@@ -46,7 +52,14 @@ class PlanRow:
     comm_s: float
     compute_s: float
     memory_s: float
+    step_s: float
+    step_comm_s: float
+    step_compute_s: float
+    step_optimizer_s: float
+    step_collectives: int
     measured_s: float
+    cpu_s: float
+    waited_s: float | None
     collectives: int
     plan_s: float
     matrix: str
@@ -122,16 +135,38 @@ def _candidates(quick: bool, n: int, rank: int) -> list[tuple[str, str, Any, Any
     return out
 
 
+def _run_queue_s() -> float | None:
+    """Seconds this thread has waited for a core so far (Linux ``schedstat``), None if unknown."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _waiting(fn: Callable[[], None], waits: list[float]) -> Callable[[], None]:
+    """`fn`, appending to `waits` the seconds each call spent waiting for a core."""
+
+    def call() -> None:
+        before = _run_queue_s()
+        fn()
+        after = _run_queue_s()
+        if before is not None and after is not None:
+            waits.append(after - before)
+
+    return call
+
+
 def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Plan (timed), check, count and time every candidate on this job's N ranks."""
+    import torch
     import torch.distributed as dist
 
-    from shardwise.planner import plan_cost
+    from shardwise.planner import plan_cost, step_cost
     from shardwise.testing import CommRecorder
 
     n, rank = dist.get_world_size(), dist.get_rank()
     quick = bool(args["quick"])
-    found, steps = [], {}
+    found, steps, waits = [], {}, {}
     for case, mode, parallel, x, y in _candidates(quick, n, rank):
         started = time.perf_counter()
         parallel(x, y)  # (the first call plans)
@@ -139,28 +174,36 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
         with CommRecorder() as rec:
             parallel(x, y)
         plan = parallel.parallel_plan
-        found.append((case, mode, plan_cost(plan), len(rec.records), planned, str(plan.matrix)))
+        cost, step = plan_cost(plan), step_cost(plan)
+        found.append((case, mode, cost, step, len(rec.records), planned, str(plan.matrix)))
         call = common.chunk(lambda p=parallel, a=x, b=y: p(a, b), 1 if quick else 3)
-        steps[f"{case}/{mode}"] = call
+        waits[f"{case}/{mode}"] = []
+        steps[f"{case}/{mode}"] = _waiting(call, waits[f"{case}/{mode}"])
     m = harness.compare(steps, iters=1, reps=2 if quick else 5, warmup=1)
+    per = 1 if quick else 3
+    waited = torch.tensor([statistics.median(w) / per if w else -1.0 for w in waits.values()])
+    dist.all_reduce(waited, op=dist.ReduceOp.MAX)  # (-1: no rank could read schedstat)
+    wait_of = {k: v if v >= 0 else None for k, v in zip(waits, waited.tolist(), strict=True)}
     if rank != 0:
         return None
-    per = 1 if quick else 3
     return [
         asdict(
             PlanRow(
                 n, case, mode, cost.total, cost.comm, cost.compute, cost.memory,
-                m[f"{case}/{mode}"].median_s / per, colls, planned, matrix,
-                n > (os.cpu_count() or 1),
+                step.total, step.comm, step.compute, step.optimizer, step.collectives,
+                m[f"{case}/{mode}"].median_s / per, m[f"{case}/{mode}"].median_cpu_s / per,
+                wait_of[f"{case}/{mode}"], colls, planned, matrix, n > (os.cpu_count() or 1),
             )
         )
-        for case, mode, cost, colls, planned, matrix in found
+        for case, mode, cost, step, colls, planned, matrix in found
     ]  # fmt: skip
 
 
-def _split_us(r: PlanRow) -> str:
-    parts = "/".join(f"{v * 1e6:.0f}" for v in (r.comm_s, r.compute_s, r.memory_s))
-    return f"{r.cost_s * 1e6:.0f} ({parts})"
+def _split_ms(r: PlanRow) -> str:
+    parts = "/".join(
+        f"{v * 1e3:.1f}" for v in (r.step_comm_s, r.step_compute_s, r.step_optimizer_s)
+    )
+    return f"{r.step_s * 1e3:.1f} ({parts})"
 
 
 def run(config: BenchConfig) -> str:
@@ -170,20 +213,29 @@ def run(config: BenchConfig) -> str:
     jobs = common.jobs("auto_plans", config, ranks, {"quick": config.quick})
     rows = [PlanRow(**r) for _, got in jobs for r in got[0]]
     table = Table(
-        "Automatic plans: plan cost (model) against measured seconds per step",
-        ["N", "case", "candidate", "matrix", "cost us (comm/compute/mem)", "measured ms",
-         "predicted/measured", "colls/step", "plan s"],
+        "Automatic plans: the model's step estimate against the measured step",
+        ["N", "case", "candidate", "matrix", "forward us", "step ms (comm/compute/opt)",
+         "measured ms", "CPU ms", "waited ms", "predicted/measured", "colls est/rec", "plan s"],
         [
             [
-                common.n_label(r), r.case, r.candidate, r.matrix,
-                _split_us(r),
-                f"{r.measured_s * 1e3:.2f}", common.ratio(r.cost_s, r.measured_s),
-                str(r.collectives), f"{r.plan_s:.1f}",
+                common.n_label(r), r.case, r.candidate, r.matrix.removeprefix("DeviceMatrix"),
+                f"{r.cost_s * 1e6:.0f}", _split_ms(r),
+                f"{r.measured_s * 1e3:.2f}", f"{r.cpu_s * 1e3:.2f}",
+                "n/a" if r.waited_s is None else f"{r.waited_s * 1e3:.1f}",
+                common.ratio(r.step_s, r.measured_s),
+                f"{r.step_collectives}/{r.collectives}", f"{r.plan_s:.1f}",
             ]
             for r in rows
         ],
     )  # fmt: skip
-    table.notes = common.oversubscribed_notes(rows, os.cpu_count() or 1)
+    table.notes = [
+        "forward us: plan_cost (one forward, what the search minimizes); step ms: step_cost "
+        "(forward + backward + gradient buckets + AdamW's update; seed 002 trains with SGD, "
+        "cheaper); CPU ms: the busiest rank's process CPU per step; waited ms: the longest any "
+        "rank's main thread waited for a core per step (other processes, or more ranks than "
+        "cores)",
+        *common.oversubscribed_notes(rows, os.cpu_count() or 1),
+    ]
     text = str(table)
     data = {"meta": common.report_meta(config, seconds=time.monotonic() - started),
             "rows": [asdict(r) for r in rows]}  # fmt: skip

@@ -1,13 +1,17 @@
-"""Loopback latency and bandwidth of gloo: a fitted cost model t = alpha + bytes * beta.
+"""Loopback latency and bandwidth of gloo: a fitted cost model t = alpha + bytes * beta, and
+the calibration of the planners' cost model on this machine.
 
 - `worker` (runs on 2 ranks): ping-pong with ``dist.send`` / ``dist.recv`` for message sizes
   8 B .. 16 MiB; the one-way time of a size is half the median of its timed round trips.
 - `fit` : least squares of t = alpha + bytes * beta on those points, weighted by 1/t so that
   the 8-byte and the 16-MiB points count alike (relative residuals).
-- `run` : spawns the workers, fits, prints a table and saves ``loopback.json``
-  ({"alpha_s", "beta_s_per_byte", "backend": "gloo", "host", ...}) and ``loopback.txt``.
+- `run` : spawns the workers, fits, then calibrates (`bench.calibration`: compute on a 2-rank
+  job, shardwise's collectives on 2 and 4 ranks, 2 only with ``--quick``), prints the tables
+  and saves ``loopback.json`` ({"alpha_s", "beta_s_per_byte", "backend": "gloo", "host", ...,
+  "collective": {"call_s", "alpha_s", "beta_s_per_byte", ...}, "compute": {"flops_per_s",
+  "op_s", ...}}) and ``loopback.txt``.
 - `load_loopback_model` : reads ``loopback.json`` back as a `LoopbackModel` (cost models
-  outside ``bench/`` read the same JSON keys directly).
+  outside ``bench/`` read the same JSON keys directly: `shardwise.planner.load_cost_model`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import calibration
 from bench.harness import (
     REPO_ROOT,
     BenchConfig,
@@ -189,8 +194,84 @@ def table(points: list[list[float]], used: list[bool], model: LoopbackModel) -> 
     return t
 
 
+def collective_table(points: list[list[Any]], fitted: dict[str, Any]) -> Table:
+    """One row per collective, N and size: measured and fitted time per call."""
+    forms = fitted["forms"]
+    names = list(forms)
+    t = Table(
+        "Collectives (shardwise sw.ops, gloo): time per call in a step against the fitted forms",
+        ["collective", "N", "block", "in step us", "back-to-back us", *[f"{n} us" for n in names]],
+    )
+    for kind, n, nbytes, secs, tight in points:
+        row = [str(kind), f"{n}", fmt_bytes(nbytes), f"{secs * 1e6:.0f}", f"{tight * 1e6:.0f}"]
+        for name in names:
+            c = forms[name]["coefficients"]
+            rounds = 2 * (n - 1) if kind == "AllReduce" else n - 1
+            sent = calibration.bytes_sent(str(kind), int(nbytes), int(n))
+            pred = c["call_s"] + rounds * c["alpha_s"] + sent * c["beta_s_per_byte"]
+            row.append(f"{pred * 1e6:.0f} ({(pred - secs) / secs:+.0%})")
+        t.rows.append(row)
+    for name in names:
+        f, c = forms[name], forms[name]["coefficients"]
+        rms = ", ".join(f"N={n}: {v:.0%}" for n, v in f["rms"].items())
+        t.notes.append(
+            f"{name}: call {c['call_s'] * 1e6:.1f} us, alpha {c['alpha_s'] * 1e6:.1f} us per "
+            f"round, 1/beta {1 / c['beta_s_per_byte'] / 1e9:.2f} GB/s; RMS relative residual "
+            f"{rms}{'' if f['valid'] else ' (a negative coefficient: not used)'}"
+        )
+    fitted_ns = ", ".join(str(n) for n in fitted["fitted_ns"])
+    t.notes.append(
+        f"fitted on N = {fitted_ns} (no more ranks than cores); kept: {fitted['form']} (the "
+        "least RMS residual there with no negative term)"
+    )
+    t.notes.append(
+        "in step: what a call adds to a loop computing ~0.7 ms between calls (gloo's threads "
+        "asleep, the ranks a little apart, as in a training step), the fit's input; "
+        "back-to-back: a call in a tight loop of calls; both the 10th percentile of 7 "
+        "repetitions of 16 calls"
+    )
+    return t
+
+
+def compute_table(compute: dict[str, Any]) -> Table:
+    """The compute constants of the cost model, with what each was measured on."""
+    t = Table(
+        f"Compute calibration (each of 2 ranks at once, {compute['threads_per_rank']} thread(s) "
+        "each; the median over the ranks)",
+        ["constant", "value", "measured on"],
+    )
+    rank0 = compute["ranks"][0]
+    shapes = ", ".join(f"{r}x{k}x{n} {f / 1e9:.0f}" for r, k, n, f in rank0["matmul"])
+    t.rows = [
+        ["flops_per_s", f"{compute['flops_per_s'] / 1e9:.1f} GFLOP/s", f"F.linear: {shapes}"],
+        [
+            "op_s",
+            f"{compute['op_s'] * 1e6:.1f} us",
+            f"one more op in an AutoParallel train step ({compute['executor_op_s'] * 1e6:.1f}); "
+            f"torch alone, forward + backward: {compute['torch_op_s'] * 1e6:.1f}",
+        ],
+        [
+            "traffic_s_per_byte",
+            f"{compute['traffic_s_per_byte'] * 1e12:.1f} ps/B",
+            "layer_norm / gelu / mul chains, forward + backward, per byte read and written",
+        ],
+        [
+            "optimizer_s_per_tensor",
+            f"{compute['optimizer_s_per_tensor'] * 1e6:.1f} us",
+            "AdamW step, per parameter",
+        ],
+        [
+            "optimizer_s_per_element",
+            f"{compute['optimizer_s_per_element'] * 1e9:.2f} ns",
+            "AdamW step, per element",
+        ],
+    ]
+    return t
+
+
 def run(config: BenchConfig) -> str:
-    """Measure, fit, save ``loopback.json`` / ``loopback.txt``; return the printed text."""
+    """Measure, fit, calibrate, save ``loopback.json`` / ``loopback.txt``; return the printed
+    text."""
     sizes = QUICK_SIZES if config.quick else SIZES
     results = spawn(
         "bench.loopback:worker", 2, {"sizes": sizes, "quick": config.quick}, config.timeout_s
@@ -199,7 +280,19 @@ def run(config: BenchConfig) -> str:
     alpha, beta, used = robust_fit(points)
     info = host_info()
     model = LoopbackModel(alpha, beta, "gloo", info["host"])
-    text = str(table(points, used, model))
+    compute = calibration.combine_compute(
+        spawn("bench.calibration:compute_worker", 2, {"quick": config.quick}, config.timeout_s)
+    )
+    coll_points: list[list[Any]] = []
+    coll_sizes = (
+        calibration.QUICK_COLLECTIVE_SIZES if config.quick else calibration.COLLECTIVE_SIZES
+    )
+    for n in (2,) if config.quick else (2, 4):
+        args = {"quick": config.quick, "sizes": coll_sizes}
+        coll_points += spawn("bench.calibration:collectives_worker", n, args, config.timeout_s)[0]
+    fitted = calibration.fit_collectives(coll_points, int(info["cpu_count"]))
+    tables = [table(points, used, model), collective_table(coll_points, fitted)]
+    text = "\n\n".join(str(t) for t in (*tables, compute_table(compute)))
     data = {
         **asdict(model),
         "bandwidth_gbps": model.bandwidth_gbps,
@@ -207,9 +300,14 @@ def run(config: BenchConfig) -> str:
             {"bytes": int(b), "seconds": s, "median_s": m, "in_fit": u}
             for (b, s, m), u in zip(points, used, strict=True)
         ],
+        "collective": {**fitted, "points": coll_points},
+        "compute": compute,
         "quick": config.quick,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **{k: v for k, v in info.items() if k != "host"},
     }
+    if fitted["form"] is None:  # no usable fit: the cost model keeps the ping-pong's
+        del data["collective"]
+        data["collective_points"] = coll_points
     save_report(config.out_dir, "loopback", data, text)
     return text
