@@ -5,7 +5,8 @@ Run everything with ``python -m bench`` (or ``make bench``) from the repository 
 
 - `harness`: spawn real gloo workers, time candidates side by side, format tables.
 - `_worker`: the entry point of one worker process (``python -m bench._worker SPEC``).
-- `loopback`: the fitted latency / bandwidth of loopback gloo, `load_loopback_model()`.
+- `loopback`: the fitted latency / bandwidth of loopback gloo, `load_loopback_model()`, and
+  the calibration of the planners' cost model (`calibration`: compute and collectives).
 - `collective_cases`: both sides (shardwise primitive, torch call) of each collective.
 - `collectives`: times, bytes and the table of the seven collectives vs the torch calls.
 """
