@@ -214,9 +214,11 @@ def collective_table(points: list[list[Any]], fitted: dict[str, Any]) -> Table:
     for name in names:
         f, c = forms[name], forms[name]["coefficients"]
         rms = ", ".join(f"N={n}: {v:.0%}" for n, v in f["rms"].items())
+        beta = c["beta_s_per_byte"]
+        bandwidth = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "n/a"
         t.notes.append(
             f"{name}: call {c['call_s'] * 1e6:.1f} us, alpha {c['alpha_s'] * 1e6:.1f} us per "
-            f"round, 1/beta {1 / c['beta_s_per_byte'] / 1e9:.2f} GB/s; RMS relative residual "
+            f"round, 1/beta {bandwidth}; RMS relative residual "
             f"{rms}{'' if f['valid'] else ' (a negative coefficient: not used)'}"
         )
     fitted_ns = ", ".join(str(n) for n in fitted["fitted_ns"])

@@ -56,6 +56,10 @@ def test_quick_run_writes_tables_and_json(tmp_path: Path) -> None:
     assert model["backend"] == "gloo" and model["host"]
     assert math.isfinite(model["alpha_s"]) and math.isfinite(model["beta_s_per_byte"])
     assert len(model["points"]) >= 3
+    compute = model["compute"]  # the cost model's calibration (shardwise.planner reads it)
+    assert compute["flops_per_s"] > 0 and compute["op_s"] >= 0
+    assert compute["optimizer_s_per_element"] >= 0 and compute["traffic_s_per_byte"] >= 0
+    assert "collective" in model or "collective_points" in model
 
 
 def test_fit_and_load_loopback_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,3 +83,31 @@ def test_fit_and_load_loopback_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
     model = load_loopback_model(path)
     assert math.isclose(model.bandwidth_gbps, 3.0, rel_tol=1e-6) and model.host == "h"
     assert "alpha 50.0 us" in str(model)
+
+
+def test_collective_fit_prefers_a_per_call_cost_and_skips_oversubscribed_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`fit_collectives` recovers call / alpha / beta from exact points, keeps the form with a
+    call cost, and fits only the N that do not exceed the cores (it reports the others)."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench.calibration import bytes_sent, fit_collectives, line_fit
+
+    call, alpha, beta = 300e-6, 40e-6, 1e-9
+    points = []
+    for n in (2, 4):
+        for kind in ("AllReduce", "AllGather", "ReduceScatter", "AlltoAll"):
+            for nbytes in (64, 65536, 4 << 20):
+                rounds = 2 * (n - 1) if kind == "AllReduce" else n - 1
+                t = call + rounds * alpha + bytes_sent(kind, nbytes, n) * beta
+                points.append([kind, n, nbytes, t, t])
+    got = fit_collectives(points, cores=4)
+    assert got["form"] == "call + rounds + bytes" and got["fitted_ns"] == [2, 4]
+    for key, want in (("call_s", call), ("alpha_s", alpha), ("beta_s_per_byte", beta)):
+        assert math.isclose(got[key], want, rel_tol=1e-6), key
+    slowed = [[k, n, b, t * (3 if n == 4 else 1), m] for k, n, b, t, m in points]
+    two = fit_collectives(slowed, cores=2)  # N = 4 time-sliced: not fitted, still reported
+    assert two["fitted_ns"] == [2] and math.isclose(two["call_s"], call, rel_tol=1e-3)
+    assert math.isclose(two["forms"][two["form"]]["rms"][4], 2 / 3, rel_tol=1e-3)  # 3x slower
+    intercept, slope = line_fit([(x, 2e-6 + 3e-10 * x) for x in (8e3, 1.3e5, 2e6)])
+    assert math.isclose(intercept, 2e-6, rel_tol=1e-6) and math.isclose(slope, 3e-10, rel_tol=1e-6)
