@@ -1,7 +1,8 @@
 """Calibration of the planners' cost model (`shardwise.planner.CostModel`) on this machine.
 
-Run by `bench.loopback.run` after its ping-pong; the numbers go into ``loopback.json`` under
-``compute`` and ``collective``, where `shardwise.planner.load_cost_model` reads them.
+Run by `bench.loopback.run` after its ping-pong (`worker`: one 2-rank job for the compute and
+the collectives, then a 4-rank job for the collectives); the numbers go into ``loopback.json``
+under ``compute`` and ``collective``, where `shardwise.planner.load_cost_model` reads them.
 
 - `compute_worker` (every rank of a 2-rank job, so that both cores are busy and each rank has
   the threads a rank of a job gets): `matmul_rate` (float32 ``F.linear`` forward and backward
@@ -219,7 +220,8 @@ def optimizer_fit(quick: bool) -> dict[str, Any]:
 
 
 def compute_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """Every rank measures (both cores busy, as in a job); each returns its numbers."""
+    """Every rank measures (both cores busy, as in a job); each returns its numbers (with
+    ``quick``, tiny sizes and no `executor_op_s`: ``op_s`` is then torch's own)."""
     import torch
 
     quick = bool(args["quick"])
@@ -229,9 +231,15 @@ def compute_worker(args: dict[str, Any]) -> dict[str, Any]:
         "matmul": rates,
         "flops_per_s": statistics.median(r[-1] for r in rates),
         "traffic": traffic_fit(quick),
-        "executor": executor_op_s(quick),
+        "executor": {"op_s": 0.0} if quick else executor_op_s(quick),
         "optimizer": optimizer_fit(quick),
     }
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    """The 2-rank calibration job: `compute_worker`, then `collectives_worker` (rank 0's
+    points under ``"collectives"``)."""
+    return {"compute": compute_worker(args), "collectives": collectives_worker(args)}
 
 
 def combine_compute(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -230,7 +230,7 @@ def collective_table(points: list[list[Any]], fitted: dict[str, Any]) -> Table:
         "in step: what a call adds to a loop computing ~0.7 ms between calls (gloo's threads "
         "asleep, the ranks a little apart, as in a training step), the fit's input; "
         "back-to-back: a call in a tight loop of calls; both the 10th percentile of 7 "
-        "repetitions of 16 calls"
+        "repetitions of 16 calls (3 of 2 with --quick)"
     )
     return t
 
@@ -282,16 +282,15 @@ def run(config: BenchConfig) -> str:
     alpha, beta, used = robust_fit(points)
     info = host_info()
     model = LoopbackModel(alpha, beta, "gloo", info["host"])
-    compute = calibration.combine_compute(
-        spawn("bench.calibration:compute_worker", 2, {"quick": config.quick}, config.timeout_s)
-    )
-    coll_points: list[list[Any]] = []
     coll_sizes = (
         calibration.QUICK_COLLECTIVE_SIZES if config.quick else calibration.COLLECTIVE_SIZES
     )
-    for n in (2,) if config.quick else (2, 4):
-        args = {"quick": config.quick, "sizes": coll_sizes}
-        coll_points += spawn("bench.calibration:collectives_worker", n, args, config.timeout_s)[0]
+    args = {"quick": config.quick, "sizes": coll_sizes}
+    calibrated = spawn("bench.calibration:worker", 2, args, config.timeout_s)
+    compute = calibration.combine_compute([r["compute"] for r in calibrated])
+    coll_points: list[list[Any]] = calibrated[0]["collectives"]
+    if not config.quick:
+        coll_points += spawn("bench.calibration:collectives_worker", 4, args, config.timeout_s)[0]
     fitted = calibration.fit_collectives(coll_points, int(info["cpu_count"]))
     tables = [table(points, used, model), collective_table(coll_points, fitted)]
     text = "\n\n".join(str(t) for t in (*tables, compute_table(compute)))
