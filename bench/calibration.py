@@ -19,7 +19,9 @@ under ``compute`` and ``collective``, where `shardwise.planner.load_cost_model` 
   ``call`` and without ``alpha``, on the jobs with no more ranks than cores, with their relative
   residuals per N (the oversubscribed jobs' too).
 
-Times are the 10th percentile of the repetitions (other processes only ever add time).
+Times are the 10th percentile of the repetitions (other processes only ever add time); the
+compute's are the measuring thread's CPU time (what it costs on a core, without the time spent
+waiting for one), the collectives' wall-clock time.
 """
 
 from __future__ import annotations
@@ -50,14 +52,16 @@ def _low(samples: Sequence[float]) -> float:
 
 
 def _timed(fn: Callable[[], object], reps: int, calls: int = 1) -> float:
-    """Seconds per call of `fn`: the 10th percentile over `reps` loops of `calls` calls."""
+    """CPU seconds of this thread per call of `fn` (torch runs a rank's one intra-op thread on
+    the caller's): the 10th percentile over `reps` loops of `calls` calls. CPU time leaves out
+    the time the thread waits for a core while other processes run."""
     fn()
     samples = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.thread_time()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / calls)
+        samples.append((time.thread_time() - start) / calls)
     return _low(samples)
 
 
@@ -141,8 +145,9 @@ def traffic_fit(quick: bool) -> dict[str, Any]:
 
 def executor_op_s(quick: bool) -> dict[str, Any]:
     """What one more op adds to a training step run by ``sw.AutoParallel``: a network of a
-    scaled input and a chain of tiny ops (data parallel over the job), its step timed at two
-    depths, alternating; the difference over the ops' difference (``op_s``)."""
+    scaled input and a chain of tiny ops (data parallel over the job), its step's CPU time on
+    the main thread at two depths, alternating; the difference over the ops' difference
+    (``op_s``)."""
     import torch
     import torch.distributed as dist
 
@@ -180,9 +185,9 @@ def executor_op_s(quick: bool) -> dict[str, Any]:
     for rep in range(3 if quick else 15):
         for depth in depths if rep % 2 == 0 else depths[::-1]:
             dist.barrier()
-            start = time.perf_counter()
+            start = time.thread_time()
             steps[depth]()
-            samples[depth].append(time.perf_counter() - start)
+            samples[depth].append(time.thread_time() - start)
     low = [_low(samples[d]) for d in depths]
     return {"op_s": (low[1] - low[0]) / (depths[1] - depths[0]), "depths": depths, "step_s": low}
 
