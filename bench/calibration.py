@@ -15,9 +15,10 @@ under ``compute`` and ``collective``, where `shardwise.planner.load_cost_model` 
   AlltoAll (``sw.ops``) at block sizes 64 B .. 4 MiB: what a call adds to a loop that computes
   between calls (as a training step does), and a call in a tight loop of calls.
 - `fit_collectives`: weighted least squares of t = call + rounds · alpha + sent · beta
-  (rounds and sent bytes as `CostModel.collective` counts them), and of the forms without
-  ``call`` and without ``alpha``, on the jobs with no more ranks than cores, with their relative
-  residuals per N (the oversubscribed jobs' too).
+  (rounds and sent bytes as `CostModel.collective` counts them), of the forms without
+  ``call`` and without ``alpha``, and with alpha fixed at the ping-pong's one-way latency, on the
+  jobs with no more ranks than cores, with their relative residuals per N (the oversubscribed
+  jobs' too).
 
 Times are the 10th percentile of the repetitions (other processes only ever add time); the
 compute's are the measuring thread's CPU time (what it costs on a core, without the time spent
@@ -341,13 +342,16 @@ def _features(kind: str, n: int, nbytes: int) -> tuple[float, float, float]:
     return 1.0, float(rounds), float(bytes_sent(kind, nbytes, n))
 
 
-def _solve(rows: list[tuple[float, ...]], ys: list[float]) -> list[float] | None:
-    """Least squares of rows · c = ys with weights 1/y^2 (normal equations, Gauss-Jordan)."""
+def _solve(
+    rows: list[tuple[float, ...]], ys: list[float], scale: list[float]
+) -> list[float] | None:
+    """Least squares of rows · c = ys with weights 1/scale^2 (normal equations,
+    Gauss-Jordan)."""
     k = len(rows[0])
     a = [[0.0] * k for _ in range(k)]
     b = [0.0] * k
-    for r, y in zip(rows, ys, strict=True):
-        w = 1.0 / y**2
+    for r, y, t in zip(rows, ys, scale, strict=True):
+        w = 1.0 / t**2
         for i in range(k):
             b[i] += w * r[i] * y
             for j in range(k):
@@ -370,13 +374,21 @@ FORMS = {
     "rounds + bytes": (1, 2),
     "call + bytes": (0, 2),
 }
+PING_PONG_FORM = "call + ping-pong rounds + bytes"
 
 
-def fit_collectives(points: Sequence[Sequence[Any]], cores: int) -> dict[str, Any]:
+def fit_collectives(
+    points: Sequence[Sequence[Any]], cores: int, round_s: float | None = None
+) -> dict[str, Any]:
     """Fit every form of `FORMS` on the `points` ([kind, N, bytes, seconds, ...]) whose N is at
-    most `cores` (more processes than cores time-slice: their times are the scheduler's); keep
-    the form with the least RMS relative residual whose coefficients are all >= 0. Residuals
-    are reported for every N, fitted or not.
+    most `cores` (more processes than cores time-slice: their times are the scheduler's), and
+    with `round_s` (the ping-pong's one-way latency) `PING_PONG_FORM`: alpha fixed at
+    `round_s`, call and beta fitted. Residuals (relative) are reported for every N, fitted or
+    not.
+
+    Kept: with only N = 2 fitted (1 or 2 rounds a call: too few to tell a per-call cost from a
+    per-round one) `PING_PONG_FORM`; with larger N, the form with the least RMS residual. Only
+    forms whose coefficients are all >= 0 are kept (None when none is).
 
     Returns:
         {"call_s", "alpha_s", "beta_s_per_byte", "form", "fitted_ns", "forms": {form:
@@ -385,16 +397,24 @@ def fit_collectives(points: Sequence[Sequence[Any]], cores: int) -> dict[str, An
     fitted_ns = sorted({int(p[1]) for p in points if int(p[1]) <= cores})
     used = [p for p in points if int(p[1]) in fitted_ns] or list(points)
     feats_used = [_features(str(k), int(n), int(b)) for k, n, b, *_ in used]
+    times_used = [float(p[3]) for p in used]
     feats = [_features(str(k), int(n), int(b)) for k, n, b, *_ in points]
     ys = [float(p[3]) for p in points]
-    forms: dict[str, Any] = {}
+    fits: dict[str, list[float]] = {}
     for name, cols in FORMS.items():
-        coef = _solve([tuple(f[c] for c in cols) for f in feats_used], [float(p[3]) for p in used])
-        if coef is None:
-            continue
-        full = [0.0, 0.0, 0.0]
-        for c, v in zip(cols, coef, strict=True):
-            full[c] = v
+        coef = _solve([tuple(f[c] for c in cols) for f in feats_used], times_used, times_used)
+        if coef is not None:
+            full = [0.0, 0.0, 0.0]
+            for c, v in zip(cols, coef, strict=True):
+                full[c] = v
+            fits[name] = full
+    if round_s is not None:
+        rest = [t - f[1] * round_s for f, t in zip(feats_used, times_used, strict=True)]
+        coef = _solve([(f[0], f[2]) for f in feats_used], rest, times_used)
+        if coef is not None:
+            fits[PING_PONG_FORM] = [coef[0], round_s, coef[1]]
+    forms: dict[str, Any] = {}
+    for name, full in fits.items():
         errors: dict[int, list[float]] = {}
         for f, y, p in zip(feats, ys, points, strict=True):
             pred = sum(fi * ci for fi, ci in zip(f, full, strict=True))
@@ -412,5 +432,7 @@ def fit_collectives(points: Sequence[Sequence[Any]], cores: int) -> dict[str, An
 
     valid = [name for name in forms if forms[name]["valid"]]
     best = min(valid, key=overall) if valid else None
+    if max(fitted_ns, default=0) <= 2 and PING_PONG_FORM in valid:
+        best = PING_PONG_FORM
     chosen = forms[best]["coefficients"] if best else {}
     return {**chosen, "form": best, "fitted_ns": fitted_ns, "forms": forms}

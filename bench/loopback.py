@@ -222,9 +222,14 @@ def collective_table(points: list[list[Any]], fitted: dict[str, Any]) -> Table:
             f"{rms}{'' if f['valid'] else ' (a negative coefficient: not used)'}"
         )
     fitted_ns = ", ".join(str(n) for n in fitted["fitted_ns"])
+    why = (
+        "at N = 2 a call has 1 or 2 rounds, too few to tell a per-call cost from a per-round "
+        "one: the round is the ping-pong's one-way time"
+        if fitted["form"] == calibration.PING_PONG_FORM
+        else "the least RMS residual there with no negative term"
+    )
     t.notes.append(
-        f"fitted on N = {fitted_ns} (no more ranks than cores); kept: {fitted['form']} (the "
-        "least RMS residual there with no negative term)"
+        f"fitted on N = {fitted_ns} (no more ranks than cores); kept: {fitted['form']} ({why})"
     )
     t.notes.append(
         "in step: what a call adds to a loop computing ~0.7 ms between calls (gloo's threads "
@@ -291,7 +296,7 @@ def run(config: BenchConfig) -> str:
     coll_points: list[list[Any]] = calibrated[0]["collectives"]
     if not config.quick:
         coll_points += spawn("bench.calibration:collectives_worker", 4, args, config.timeout_s)[0]
-    fitted = calibration.fit_collectives(coll_points, int(info["cpu_count"]))
+    fitted = calibration.fit_collectives(coll_points, int(info["cpu_count"]), alpha)
     tables = [table(points, used, model), collective_table(coll_points, fitted)]
     text = "\n\n".join(str(t) for t in (*tables, compute_table(compute)))
     data = {

@@ -89,7 +89,8 @@ def test_collective_fit_prefers_a_per_call_cost_and_skips_oversubscribed_jobs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`fit_collectives` recovers call / alpha / beta from exact points, keeps the form with a
-    call cost, and fits only the N that do not exceed the cores (it reports the others)."""
+    call cost, fits only the N that do not exceed the cores (it reports the others), and with
+    N = 2 alone takes the round's latency from the ping-pong."""
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     from bench.calibration import bytes_sent, fit_collectives, line_fit
 
@@ -109,5 +110,8 @@ def test_collective_fit_prefers_a_per_call_cost_and_skips_oversubscribed_jobs(
     two = fit_collectives(slowed, cores=2)  # N = 4 time-sliced: not fitted, still reported
     assert two["fitted_ns"] == [2] and math.isclose(two["call_s"], call, rel_tol=1e-3)
     assert math.isclose(two["forms"][two["form"]]["rms"][4], 2 / 3, rel_tol=1e-3)  # 3x slower
+    pinned = fit_collectives(slowed, cores=2, round_s=alpha)  # N = 2 only: the ping-pong's round
+    assert pinned["form"] == "call + ping-pong rounds + bytes" and pinned["alpha_s"] == alpha
+    assert math.isclose(pinned["call_s"], call, rel_tol=1e-6)
     intercept, slope = line_fit([(x, 2e-6 + 3e-10 * x) for x in (8e3, 1.3e5, 2e6)])
     assert math.isclose(intercept, 2e-6, rel_tol=1e-6) and math.isclose(slope, 3e-10, rel_tol=1e-6)
