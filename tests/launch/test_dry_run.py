@@ -51,7 +51,7 @@ def test_quick_start_at_1024_devices(tmp_path: Path) -> None:
     for part in ("parameters", "gradients", "optimizer state", "activations", "peak"):
         assert part in summary
     assert "optimizer: SGD (1 state elements" in summary  # (momentum 0.1)
-    assert "roofline" in summary
+    assert "step estimate (cost model, one training step)" in summary
     html = (out / "plan.html").read_text()
     assert "id='op-" in html or 'id="op-' in html
     assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

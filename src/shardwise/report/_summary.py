@@ -19,8 +19,8 @@ process group and no tensor data:
   plan's gradient averages), and the gradient synchronisation of the plan's gradient or
   optimizer-parallel buckets; `Traffic` sums them by collective kind and mesh axis. (The value
   a network returns counts its adjoint: a train step's returned loss has none, a few bytes.)
-- `format_summary`: the text of ``summary.txt`` (with the cost model's roofline estimate of
-  the step time, `planner.plan_cost`).
+- `format_summary`: the text of ``summary.txt`` (with the cost model's estimate of the step
+  time, `planner.step_cost`, and of one forward, `planner.plan_cost`).
 
 The memory model per parameter of op-level block ``B`` bytes sharded ``s`` ways by optimizer
 parallel (``s = 1`` when not): level 1 keeps the whole compute leaf ``B`` and its shard
@@ -42,7 +42,7 @@ import torch
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix
 from shardwise.optim import OptimizerPlan
-from shardwise.planner import Collective, ParallelPlan, plan_cost
+from shardwise.planner import Collective, ParallelPlan, plan_cost, step_cost
 from shardwise.redistribution import AllGather, AlltoAll, Slice
 from shardwise.report._sends import Found, LocalSlice, edge_sends, node_sends
 from shardwise.runtime import TensorEstimate, format_size
@@ -367,7 +367,7 @@ def format_summary(
     header: Sequence[str] = (),
 ) -> str:
     """The text of ``summary.txt``: memory per kind and the peak, bytes sent per step by
-    phase / collective kind / mesh axes with counts, and the roofline step time."""
+    phase / collective kind / mesh axes with counts, and the step and forward estimates."""
     lines = list(header)
     lines.append(f"plan: {plan.mode}, {plan.device_num} devices on {plan.matrix}")
     lines.append(f"ops: {len(plan.nodes)}, parameters: {len(plan.params)}")
@@ -387,7 +387,7 @@ def format_summary(
             f"  {phase:<10} {kind:<14} {axes or '-':<12} {traffic.count[key]:>6} "
             f"{traffic.sent[key]:>14}"
         )
-    cost = plan_cost(plan)
     lines.append("")
-    lines.append(f"roofline (cost model, one forward): {cost}")
+    lines.append(f"step estimate (cost model, one training step): {step_cost(plan)}")
+    lines.append(f"  of which one forward (the search's objective): {plan_cost(plan)}")
     return "\n".join(lines) + "\n"
