@@ -136,9 +136,10 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
     """
 
     def stop(event: Planned) -> None:
-        found = _optimizer_of(event)  # (now, while the script's objects are alive)
-        optimizers = (found,) if found is not None and not event.optimizers else ()
-        raise _Stop(dataclasses.replace(event, optimizers=event.optimizers + optimizers))
+        # (found now, while the script's objects are alive)
+        found = find_optimizer(event.network, event.optimizers)
+        optimizers = (found,) if found is not None else ()
+        raise _Stop(dataclasses.replace(event, optimizers=optimizers))
 
     handle = add_plan_hook(stop)
     try:
@@ -174,10 +175,6 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
     )
 
 
-def _optimizer_of(planned: Planned) -> torch.optim.Optimizer | None:
-    return find_optimizer(planned.network, planned.optimizers)
-
-
 def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] = ()) -> None:
     """Write plan.json, rank R's IR files and summary.txt into `out` (module docstring).
 
@@ -191,7 +188,7 @@ def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] 
     ir.mkdir(exist_ok=True)
     (ir / "step_parallel_begin.ir").write_text(format_plan_begin(plan, 1))
     (ir / "execute.ir").write_text(format_plan_execute(plan, rank, 1))
-    optimizer = _optimizer_of(planned)
+    optimizer = find_optimizer(planned.network, planned.optimizers)
     state = optimizer_state_per_element(optimizer)
     memory = estimate_memory(plan, planned.buckets, state, rank)
     traffic = step_traffic(plan, rank, planned.buckets)

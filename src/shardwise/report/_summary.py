@@ -212,11 +212,20 @@ def _bucket_bytes(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> int:
     if optimizer is not None and not plan.buckets:
         sizes = {p.info.name: p.info.block_bytes for p in optimizer.params}
         return max((sum(sizes[n] for n in b.names) for b in optimizer.buckets), default=0)
-    blocks = {
-        name: math.prod(p.layout.local_shape(p.shape)) * int(getattr(torch, p.dtype).itemsize)
+    blocks = _param_blocks(plan)
+    return max((sum(blocks[n] for n in b.params) for b in plan.buckets), default=0)
+
+
+def _itemsize(dtype: str) -> int:
+    return int(getattr(torch, dtype).itemsize)
+
+
+def _param_blocks(plan: ParallelPlan) -> dict[str, int]:
+    """Parameter -> bytes of this rank's op-level block."""
+    return {
+        name: math.prod(p.layout.local_shape(p.shape)) * _itemsize(p.dtype)
         for name, p in plan.params.items()
     }
-    return max((sum(blocks[n] for n in b.params) for b in plan.buckets), default=0)
 
 
 def _moved_bytes(plan: ParallelPlan) -> int:
@@ -227,8 +236,7 @@ def _moved_bytes(plan: ParallelPlan) -> int:
     for e in plan.edges:
         sends = [s for s in e.steps if not isinstance(s, Slice) and m.shape[s.axis] > 1]
         if sends or e.reduced:  # (a local slice alone needs no buffer)
-            itemsize = int(getattr(torch, e.dtype).itemsize)
-            moved = max(moved, math.prod(e.dst.layout.local_shape(e.shape)) * itemsize)
+            moved = max(moved, math.prod(e.dst.layout.local_shape(e.shape)) * _itemsize(e.dtype))
     return moved
 
 
@@ -275,7 +283,8 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
             c, _, sent = item
             out.add("forward", c, sent)
             if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
-                _adjoint(out, m, rank, c, e.reduced, e.equal_grad, sent)
+                block = math.prod(e.src.layout.local_shape(e.shape)) * _itemsize(e.dtype)
+                _adjoint(out, m, rank, c, e.reduced, e.equal_grad, block)
             elif c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
                 back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
                 out.add("backward", Collective(back, c.axes, c.where), sent)
@@ -285,13 +294,13 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
             axes = tuple(m.names.index(a) for a in c.axes)
             if c.kind == "AllReduce":
                 equal = tuple(m.names.index(a) for a in c.equal_grad)
-                _adjoint(out, m, rank, c, axes, equal, sent)
+                block = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
+                _adjoint(out, m, rank, c, axes, equal, block)
             elif c.kind == "ReduceScatter":
                 out.add("backward", Collective("AllGather", c.axes, c.where), sent)
         for c in n.backward:
             size = len(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
-            itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
-            nbytes = math.prod(n.local_shapes[c.output]) * itemsize
+            nbytes = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
             out.add("backward", c, bytes_bound(c.kind, nbytes, size))
     level = optimizer.config.optimizer_level if optimizer is not None else "level1"
     _gradient_sync(out, plan, level)
@@ -305,17 +314,14 @@ def _adjoint(
     c: Collective,
     axes: Sequence[int],
     equal: Sequence[int],
-    sent: int,
+    nbytes: int,
 ) -> None:
-    """The backward of an AllReduce over `axes`: an AllReduce of the gradient over the axes
-    on which the plan does not make it equal (`equal`), the same bytes per rank in the
-    smaller group."""
+    """The backward of an AllReduce over `axes` of an `nbytes` block: an AllReduce of the
+    gradient over the axes on which the plan does not make it equal (`equal`)."""
     rest = tuple(a for a in axes if a not in equal)
     if not rest:
         return
-    whole = len(m.group_along(rank, tuple(axes)))
     size = len(m.group_along(rank, rest))
-    nbytes = sent * whole // max(2 * (whole - 1), 1)  # (the block, from its bound)
     names = tuple(m.names[a] for a in rest)
     out.add(
         "backward", Collective("AllReduce", names, c.where), bytes_bound("AllReduce", nbytes, size)
@@ -333,10 +339,7 @@ def _gradient_sync(out: Traffic, plan: ParallelPlan, level: str) -> None:
     group (then an AllReduce over the copies when the shard group is smaller than the
     data-parallel group)."""
     m = plan.matrix
-    sizes = {
-        name: math.prod(p.layout.local_shape(p.shape)) * int(getattr(torch, p.dtype).itemsize)
-        for name, p in plan.params.items()
-    }
+    sizes = _param_blocks(plan)
     for b in plan.buckets:
         group = math.prod(m.shape[m.names.index(a)] for a in b.axes)
         total = sum(sizes[n] for n in b.params)
