@@ -17,7 +17,12 @@ from shardwise import (
     runtime,
     train,
 )
-from shardwise.checkpoint import load_checkpoint, load_param_into_net, save_checkpoint
+from shardwise.checkpoint import (
+    load_checkpoint,
+    load_param_into_net,
+    save_checkpoint,
+    transform_checkpoints,
+)
 from shardwise.communication import CommRecorder
 from shardwise.context import get_context, get_seed, set_context, set_seed
 from shardwise.layout import Layout, strided
@@ -71,4 +76,5 @@ __all__ = [
     "shard",
     "strided",
     "train",
+    "transform_checkpoints",
 ]

@@ -6,8 +6,20 @@
 - `_manager`: `checkpoint_dir_for_rank`, `CheckpointManager` (naming and
   ``keep_checkpoint_max`` rotation), `latest_checkpoint`, `list_checkpoints`.
 - `_format`: the file layout (keys, metadata, checksums); see docs/checkpoint.md.
+
+Checkpoints across plans and device counts (each rank's file records its cut):
+
+- `_pieces`: which part of a global tensor an entry holds (`Piece`), copying overlaps.
+- `_strategy`: `CheckpointStrategy`, a job's cut (from a plan, a strategy file, a count).
+- `_describe`: what a rank's file records when saved from a planned network.
+- `_stream`: safetensors read and written one tensor at a time.
+- `_sources`: `SourceSet`, the rank files of one checkpoint, checked and assembled.
+- `_transform`: `transform`, `merge`, MindSpore's `transform_checkpoints` and
+  `unified_safetensors`.
+- `_distributed`: `load_distributed`, any checkpoint into a network's current plan.
 """
 
+from shardwise.checkpoint._distributed import load_distributed
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._io import Checkpoint, load_checkpoint, save_checkpoint
 from shardwise.checkpoint._load import load_param_into_net
@@ -21,20 +33,34 @@ from shardwise.checkpoint._manager import (
     unused_prefix,
 )
 from shardwise.checkpoint._optimizer import OptimizerState, load_optimizer_state
+from shardwise.checkpoint._strategy import CheckpointStrategy, ShardSpec
+from shardwise.checkpoint._transform import (
+    merge,
+    transform,
+    transform_checkpoints,
+    unified_safetensors,
+)
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointStrategy",
     "OptimizerState",
+    "ShardSpec",
     "checkpoint_dir_for_rank",
     "checkpoint_filename",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_distributed",
     "load_optimizer_state",
     "load_param_into_net",
+    "merge",
     "parse_checkpoint_filename",
     "save_checkpoint",
+    "transform",
+    "transform_checkpoints",
+    "unified_safetensors",
     "unused_prefix",
 ]

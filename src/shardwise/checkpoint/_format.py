@@ -10,6 +10,9 @@ Metadata (all strings): ``format`` = ``pt``; ``shardwise.version``; ``shardwise.
 ``shardwise.epoch`` (decimal); ``shardwise.extra`` (JSON); ``shardwise.optimizer`` (JSON:
 optimizer class, param groups with parameter *names*, non-tensor state, and which keys
 hold its tensors); ``shardwise.checksums`` (JSON ``{key: crc32}`` of every tensor's bytes).
+A rank's file of a parallel job also records how it was cut: ``shardwise.rank``,
+``shardwise.device_num``, ``shardwise.strategy`` (JSON: the parameter strategy file of the
+plan) and ``shardwise.pieces`` (JSON ``{key: piece}`` for every entry that is not whole).
 
 - `saveable`: detach, move to CPU, make contiguous and unshared (safetensors' rules).
 - `checksum`: CRC-32 of a tensor's bytes.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import json
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,10 @@ KEY_EPOCH = "shardwise.epoch"
 KEY_EXTRA = "shardwise.extra"
 KEY_OPTIMIZER = "shardwise.optimizer"
 KEY_CHECKSUMS = "shardwise.checksums"
+KEY_RANK = "shardwise.rank"
+KEY_DEVICE_NUM = "shardwise.device_num"
+KEY_STRATEGY = "shardwise.strategy"
+KEY_PIECES = "shardwise.pieces"
 OPTIMIZER_PREFIX = "optimizer."
 
 _TUPLE = "__tuple__"
@@ -119,7 +127,7 @@ def check_count(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
 
 
-def parse_int(path: Path, metadata: dict[str, str], key: str) -> int | None:
+def parse_int(path: Path, metadata: Mapping[str, str], key: str) -> int | None:
     """Read an integer metadata entry (None when absent)."""
     if key not in metadata:
         return None
@@ -129,7 +137,7 @@ def parse_int(path: Path, metadata: dict[str, str], key: str) -> int | None:
         raise CheckpointError(f"{path}: metadata {key!r} is not an integer") from exc
 
 
-def parse_json(path: Path, metadata: dict[str, str], key: str) -> Any:
+def parse_json(path: Path, metadata: Mapping[str, str], key: str) -> Any:
     """Read a JSON metadata entry (None when absent)."""
     if key not in metadata:
         return None

@@ -2,7 +2,8 @@
 
 - `save_checkpoint`: collect the entries (`_entries`: module state_dict, dict, or
   MindSpore's list of ``{"name", "data"}``), add the optimizer (`optimizer_entries`),
-  metadata and per-tensor CRC-32 checksums, then `_write_atomically`: a temporary file in
+  metadata (for a network a plan has cut: this rank's cut, `_describe.describe`) and
+  per-tensor CRC-32 checksums, then `_write_atomically`: a temporary file in
   the same directory, fsync, ``os.replace``, fsync of the directory. A crash leaves either
   the old file or the new one, never a half-written file under the final name.
 - `load_checkpoint`: parse with safetensors (no pickle, ever), verify the checksums, split
@@ -25,6 +26,7 @@ import safetensors.torch
 import torch
 
 from shardwise.checkpoint import _format as fmt
+from shardwise.checkpoint._describe import describe
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._optimizer import OptimizerState, optimizer_entries
 
@@ -173,6 +175,8 @@ def save_checkpoint(
             raise CheckpointError(f"model entries {clash} clash with optimizer entries")
         tensors.update((k, fmt.saveable(k, v, seen)) for k, v in opt_tensors.items())
         metadata[fmt.KEY_OPTIMIZER] = json.dumps(description)
+    if isinstance(obj, torch.nn.Module):  # a planned network's rank file records its cut
+        metadata.update(describe(obj, tensors))
     sums = {name: fmt.checksum(value) for name, value in tensors.items()}
     metadata[fmt.KEY_CHECKSUMS] = json.dumps(sums)
     _write_atomically(tensors, metadata, target)

@@ -11,6 +11,7 @@
   read by `AutoParallel` as defaults.
 """
 
+from shardwise.checkpoint import unified_safetensors
 from shardwise.parallel._auto import AutoParallel
 from shardwise.parallel._context import (
     ParallelMode,
@@ -30,4 +31,5 @@ __all__ = [
     "reshard",
     "set_auto_parallel_context",
     "shard",
+    "unified_safetensors",
 ]

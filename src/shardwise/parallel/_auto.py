@@ -323,6 +323,11 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
         return self._runner is not None or self._graph is not None
 
     @property
+    def stored_plan(self) -> ParallelPlan | None:
+        """The plan the parameters are stored by (the first one made; None before planning)."""
+        return self._graph.plans[0][0] if self._graph is not None and self._graph.plans else None
+
+    @property
     def parallel_plan(self) -> ParallelPlan | None:
         """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
         return None if self._graph is None else self._graph.parallel_plan

@@ -3,14 +3,18 @@
 `take_over` is called when a wrapper is built: an earlier wrapper of the same network that
 never ran gives up its hooks and refuses later calls (a notebook cell that builds the wrapper,
 run again); one that already ran is kept, and the new one is refused with the fix.
+`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from shardwise.planner import ParallelPlan
 
 
 class Wrapper(Protocol):
@@ -22,6 +26,9 @@ class Wrapper(Protocol):
     def has_run(self) -> bool: ...
 
     def remove(self) -> None: ...
+
+    @property
+    def stored_plan(self) -> ParallelPlan | None: ...
 
 
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Wrapper]] = weakref.WeakKeyDictionary()
@@ -49,3 +56,12 @@ def take_over(network: nn.Module, wrapper: Wrapper) -> None:
         old.remove()
         old._superseded = True
     _WRAPPERS[network] = weakref.ref(wrapper)
+
+
+def stored_plan(network: nn.Module) -> ParallelPlan | None:
+    """The plan by which `network`'s parameters (and its optimizer's state) are stored on this
+    rank: its wrapper's first plan, with the optimizer-parallel buckets; None when no wrapper
+    has cut them (not planned yet, or data_parallel)."""
+    ref = _WRAPPERS.get(network)
+    wrapper = None if ref is None else ref()
+    return None if wrapper is None or wrapper._superseded else wrapper.stored_plan

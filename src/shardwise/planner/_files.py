@@ -3,7 +3,8 @@
 - `save_operator_strategy_file` / `load_operator_strategy_file`: the whole plan (every op's
   strategy, every edge's steps, the parameters' layouts).
 - `save_param_strategy_file` / `load_param_strategy_file`: the parameters' storage layouts only
-  (what a checkpoint of the job needs to know), or those of some parameters (MindSpore's
+  (what a checkpoint of the job needs to know: with optimizer parallel, ``shards`` says which
+  parameters are cut further along dim 0, over which axes), or those of some parameters (MindSpore's
   ``only_trainable_params``). Files are written atomically (`write_text_atomically`: a
   temporary name in the same folder, then renamed), so ranks writing the same path never
   leave half a file.
@@ -74,8 +75,24 @@ def save_param_strategy_file(
         "device_num": plan.device_num,
         "matrix": matrix_d(plan.matrix),
         "params": params_d(params),
+        "shards": {
+            name: {"axes": list(b.axes), "shard": b.shard}
+            for b in plan.buckets
+            if b.kind == "shard" and b.shard > 1
+            for name in b.params
+            if name in params
+        },
     }
     write_text_atomically(path, json.dumps(data, indent=1) + "\n")
+
+
+def shards_d(shards: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Optimizer-parallel cuts (objects with ``axes``, ``shard``, ``pad``) as JSON-ready data,
+    as `save_param_strategy_file` writes them."""
+    return {
+        n: {"axes": list(s.axes), "shard": s.shard} | ({"pad": True} if s.pad else {})
+        for n, s in shards.items()
+    }
 
 
 def load_param_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamPlan]]:

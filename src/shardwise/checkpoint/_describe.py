@@ -1,0 +1,92 @@
+"""What a rank's checkpoint records about its cut, and how that is found for a network.
+
+- `aliases`: state_dict names that are another name of a parameter (tied weights).
+- `network_strategy`: the `CheckpointStrategy` a network's parameters are stored by on this
+  rank (None: not cut: unplanned, or data parallel).
+- `strategy_metadata`: the metadata strings of rank r's file under a strategy: rank, device
+  count, the strategy (the parameter strategy file's JSON), and each non-whole entry's piece.
+- `describe`: those strings for a network saved on this rank, each entry's piece taken from
+  the plan and checked against the tensor actually saved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from shardwise import communication as comm
+from shardwise.checkpoint import _format as fmt
+from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._pieces import Piece
+from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
+
+
+def aliases(network: nn.Module) -> dict[str, str]:
+    """Each extra state_dict name of a tied parameter -> its first name."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in network.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return {a: n for a, n in out.items() if a != n}
+
+
+def network_strategy(network: nn.Module) -> CheckpointStrategy | None:
+    """The strategy `network`'s parameters are stored by (None when they are not cut)."""
+    from shardwise.parallel._ownership import stored_plan  # (parallel imports checkpoint users)
+
+    plan = stored_plan(network)
+    return None if plan is None else CheckpointStrategy.from_plan(plan, aliases(network))
+
+
+def strategy_metadata(
+    strategy: CheckpointStrategy, rank: int, pieces: Mapping[str, Piece]
+) -> dict[str, str]:
+    """Rank `rank`'s metadata strings for a file holding `pieces`."""
+    return {
+        fmt.KEY_RANK: str(rank),
+        fmt.KEY_DEVICE_NUM: str(strategy.device_num),
+        fmt.KEY_STRATEGY: json.dumps(strategy.to_json()),
+        fmt.KEY_PIECES: json.dumps({k: p.to_json() for k, p in pieces.items() if not p.is_whole}),
+    }
+
+
+def _global_shape(strategy: CheckpointStrategy, key: str, tensor: torch.Tensor) -> tuple[int, ...]:
+    owner = key[len(STATE_PREFIX) :].rpartition(".")[0] if key.startswith(STATE_PREFIX) else key
+    p = strategy.params.get(owner)
+    if p is None or tensor.dim() == 0:
+        return tuple(tensor.shape)
+    return tuple(p.shape)
+
+
+def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The metadata recording how this rank's `tensors` (its state_dict and optimizer entries)
+    are cut; empty when the network is not cut.
+
+    Raises:
+        CheckpointError: the job's size is not the plan's, or an entry's shape is not the
+            piece the plan gives it.
+    """
+    strategy = network_strategy(network)
+    if strategy is None:
+        return {}
+    rank, size = comm.file_rank()
+    if size != strategy.device_num:
+        raise CheckpointError(
+            f"the network is planned for {strategy.device_num} devices but this process writes "
+            f"the files of a {size}-rank job (a simulated world runs every rank in one process: "
+            "save from a real job, one file per rank)"
+        )
+    pieces = {}
+    for key, t in tensors.items():
+        piece = strategy.entry_piece(key, _global_shape(strategy, key, t), rank)
+        if piece.local_shape != tuple(t.shape):
+            raise CheckpointError(
+                f"checkpoint entry {key!r} has shape {list(t.shape)}, but the plan stores it as "
+                f"{piece} on rank {rank}; save after the first step, or before the network is "
+                "planned"
+            )
+        pieces[key] = piece
+    return strategy_metadata(strategy, rank, pieces)

@@ -1,0 +1,215 @@
+"""A distributed checkpoint on disk: one file per rank, found, checked and read piece by piece.
+
+`SourceSet` opens a checkpoint directory (``rank_<r>/<file>`` per rank, MindSpore's layout and
+`CheckpointManager`'s) or a single file, reads every file's header only, and checks that the
+files make one checkpoint: every rank of the recorded job present, the same entries with the
+same global shapes and dtypes on every rank, and each tensor's pieces tiling it. Tensors are
+read only when asked:
+
+- `SourceSet.read`: one rank's stored block of an entry (checksum verified).
+- `SourceSet.assemble`: any piece of an entry (the whole tensor, or another plan's block) from
+  the blocks that overlap it, each read and dropped in turn.
+- `find_files`: the file of each rank (`name`, the newest of `prefix`, or the only one).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.checkpoint import _format as fmt
+from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._manager import parse_checkpoint_filename
+from shardwise.checkpoint._pieces import (
+    Piece,
+    check_covers,
+    copy_overlap,
+    overlaps,
+    piece_of,
+    whole,
+)
+from shardwise.checkpoint._strategy import CheckpointStrategy
+from shardwise.checkpoint._stream import FileIndex, read_entry, read_index
+
+_RANK_DIR = re.compile(r"^rank_(\d+)$")
+
+
+def _newest(directory: Path, prefix: str | None) -> Path:
+    files = sorted(p for p in directory.glob("*.safetensors") if not p.name.startswith("."))
+    if prefix is not None:
+        dated = [(parse_checkpoint_filename(p.name, prefix), p) for p in files]
+        ordered = sorted((d, p) for d, p in dated if d is not None)
+        if not ordered:
+            raise CheckpointError(f"{directory}: no checkpoint file of prefix {prefix!r}")
+        return ordered[-1][1]
+    if len(files) != 1:
+        raise CheckpointError(
+            f"{directory}: {len(files)} checkpoint files "
+            f"({', '.join(p.name for p in files[:4])}); pass the file name or its prefix"
+        )
+    return files[0]
+
+
+def find_files(src: Path, name: str | None = None, prefix: str | None = None) -> dict[int, Path]:
+    """Each rank's file in `src` (a file: rank 0 only; a directory of ``rank_<r>`` folders; a
+    directory holding the files of a one-rank job)."""
+    if src.is_file():
+        return {0: src}
+    if not src.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {src}")
+    ranks = {
+        int(m.group(1)): p for p in src.iterdir() if p.is_dir() and (m := _RANK_DIR.match(p.name))
+    }
+    folders = ranks or {0: src}
+    out = {}
+    for r, folder in sorted(folders.items()):
+        if name is not None:
+            out[r] = folder / name
+            if not out[r].is_file():
+                raise CheckpointError(f"missing rank file: {out[r]}")
+        else:
+            out[r] = _newest(folder, prefix)
+    return out
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One rank's file: its header and the piece each entry holds."""
+
+    rank: int
+    index: FileIndex
+    pieces: Mapping[str, Piece]
+
+
+def _rank_file(rank: int, path: Path, given: CheckpointStrategy | None) -> RankFile:
+    index = read_index(path)
+    recorded = fmt.parse_int(path, index.metadata, fmt.KEY_RANK)
+    if recorded is not None and recorded != rank:
+        raise CheckpointError(
+            f"{path}: the file records rank {recorded}, it is in rank {rank}'s place"
+        )
+    stored = fmt.parse_json(path, index.metadata, fmt.KEY_PIECES) or {}
+    pieces = {}
+    for key, entry in index.entries.items():
+        if key in stored:
+            pieces[key] = piece_of(stored[key])
+        elif given is not None:  # (a file that does not describe itself: the strategy file)
+            pieces[key] = given.entry_piece(key, entry.shape, rank)
+        else:
+            pieces[key] = whole(entry.shape)
+        if pieces[key].local_shape != entry.shape:
+            raise CheckpointError(
+                f"{path}: {key!r} stores shape {list(entry.shape)}, but its piece {pieces[key]} "
+                "has another; the strategy does not fit this checkpoint"
+            )
+    return RankFile(rank, index, pieces)
+
+
+class SourceSet:
+    """A checkpoint of one or more rank files, checked to be whole and consistent.
+
+    Args:
+        src: a checkpoint directory (``rank_<r>/`` folders, or the files of one rank) or file.
+        name: the file name in every rank folder (default: the only one, or the newest of
+            `prefix`).
+        prefix: pick the newest ``{prefix}-{epoch}_{step}.safetensors``.
+        strategy: how the files were cut, for files that do not record it (MindSpore's
+            ``src_strategy_file``).
+
+    Example:
+        >>> src = SourceSet(Path("ckpt"))  # doctest: +SKIP
+        >>> full = src.assemble("fc.weight", whole(src.shape("fc.weight")))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        src: str | Path,
+        name: str | None = None,
+        prefix: str | None = None,
+        strategy: CheckpointStrategy | None = None,
+    ) -> None:
+        paths = find_files(Path(src), name, prefix)
+        self.files = [_rank_file(r, p, strategy) for r, p in paths.items()]
+        first = self.files[0]
+        recorded = fmt.parse_int(first.index.path, first.index.metadata, fmt.KEY_DEVICE_NUM)
+        self.device_num = recorded or (strategy.device_num if strategy else len(self.files))
+        missing = sorted(set(range(self.device_num)) - set(paths))
+        if missing or len(paths) != self.device_num:
+            extra = sorted(set(paths) - set(range(self.device_num)))
+            raise CheckpointError(
+                f"{src}: the checkpoint is of {self.device_num} ranks but "
+                + (f"rank files {[f'rank_{r}' for r in missing]} are missing" if missing else "")
+                + (f"rank folders {extra} do not belong to it" if extra else "")
+            )
+        self._check_entries()
+
+    def _check_entries(self) -> None:
+        first = self.files[0]
+        self.names = list(first.index.entries)
+        for f in self.files[1:]:
+            if set(f.index.entries) != set(self.names):
+                diff = sorted(set(f.index.entries) ^ set(self.names))
+                raise CheckpointError(
+                    f"{f.index.path}: entry {diff[0]!r} is in one rank's file but not in "
+                    f"{first.index.path}'s; the files are of different checkpoints"
+                )
+            for key in self.names:
+                a, b = first.pieces[key], f.pieces[key]
+                da, db = first.index.entries[key].dtype, f.index.entries[key].dtype
+                if a.shape != b.shape or da != db:
+                    raise CheckpointError(
+                        f"{key!r} is {da}{list(a.shape)} in {first.index.path} but "
+                        f"{db}{list(b.shape)} in {f.index.path}"
+                    )
+        for key in self.names:
+            check_covers(key, self.shape(key), (f.pieces[key] for f in self.files))
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """Rank 0's metadata (step, epoch, optimizer description, ...)."""
+        return self.files[0].index.metadata
+
+    @property
+    def recorded_strategy(self) -> CheckpointStrategy | None:
+        """The strategy the files record (None for files that do not describe themselves)."""
+        data = fmt.parse_json(self.files[0].index.path, self.metadata, fmt.KEY_STRATEGY)
+        return None if data is None else CheckpointStrategy.from_json(data, "checkpoint")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Entry `key`'s global shape."""
+        return self.files[0].pieces[key].shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        """Entry `key`'s dtype."""
+        return self.files[0].index.entries[key].dtype
+
+    def read(self, key: str, rank: int) -> torch.Tensor:
+        """Rank `rank`'s stored block of `key` (checksum verified)."""
+        return read_entry(self.files[rank].index, key)
+
+    def holders(self, key: str) -> dict[Piece, int]:
+        """Each distinct stored piece of `key`, with the first rank holding it."""
+        out: dict[Piece, int] = {}
+        for f in self.files:
+            out.setdefault(f.pieces[key], f.rank)
+        return out
+
+    def assemble(self, key: str, target: Piece) -> torch.Tensor:
+        """The block `target` of entry `key`, from the stored blocks overlapping it (padding
+        positions are zero)."""
+        out = torch.zeros(target.local_shape, dtype=self.dtype(key))
+        for piece, rank in self.holders(key).items():
+            if target == piece:
+                return self.read(key, rank)
+            if overlaps(target, piece):
+                copy_overlap(out, target, self.read(key, rank), piece)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """A short description: device count, files and entries (for messages)."""
+        return {"device_num": self.device_num, "files": [str(f.index.path) for f in self.files]}

@@ -1,0 +1,181 @@
+"""How a job cuts its checkpoint: `CheckpointStrategy`, from a plan, a strategy file or a count.
+
+A checkpoint strategy says, for every rank, which piece of every entry that rank's file holds:
+a parameter's storage layout (the plan's ``params``), then optimizer parallel's dim-0 shard of
+it (the plan's ``"shard"`` buckets), and, for optimizer state shaped like its parameter, the
+same piece; anything else (buffers, Adam's ``step``) is whole on every rank.
+
+- `ShardSpec`: one parameter's optimizer-parallel cut (axes, shard size, padding).
+- `CheckpointStrategy`: `param_piece`, `entry_piece`; built by `from_plan`, `single`,
+  `replicated`, `from_json`; `to_json` (the parameter strategy file's content).
+- `as_strategy`: what users pass as a destination (a plan, a strategy file, a device count,
+  None for one device).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._format import OPTIMIZER_PREFIX
+from shardwise.checkpoint._pieces import Piece, cut_rows, layout_piece, whole
+from shardwise.layout import DeviceMatrix
+from shardwise.planner import ParallelPlan, ParamPlan
+from shardwise.planner._files import PARAM_FORMAT, shards_d
+from shardwise.planner._plan_json import matrix_d, matrix_of, params_d, params_of
+
+STATE_PREFIX = f"{OPTIMIZER_PREFIX}state."
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A parameter cut by optimizer parallel: its block's dim 0 over a shard group of `shard`
+    ranks along the data-parallel `axes` (names); `pad`: equal parts, the last padded."""
+
+    axes: tuple[str, ...]
+    shard: int
+    pad: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointStrategy:
+    """Which piece of every checkpoint entry each of `device_num` ranks holds.
+
+    Attributes:
+        device_num: the job's size.
+        matrix: the device matrix the layouts live on.
+        params: each parameter's storage layout and global shape (by state_dict name).
+        shards: the parameters optimizer parallel cuts further.
+
+    Example:
+        >>> s = CheckpointStrategy.from_plan(parallel_net.parallel_plan)  # doctest: +SKIP
+        >>> s.param_piece("fc.weight", rank=1)  # doctest: +SKIP
+    """
+
+    device_num: int
+    matrix: DeviceMatrix
+    params: Mapping[str, ParamPlan] = field(default_factory=dict)
+    shards: Mapping[str, ShardSpec] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls) -> CheckpointStrategy:
+        """One device: every entry whole."""
+        return cls.replicated(1)
+
+    @classmethod
+    def replicated(cls, device_num: int) -> CheckpointStrategy:
+        """`device_num` ranks each holding every entry whole (data parallel, no hsdp)."""
+        if isinstance(device_num, bool) or not isinstance(device_num, int) or device_num < 1:
+            raise ValueError(f"device count {device_num!r} must be an int >= 1")
+        return cls(device_num, DeviceMatrix((device_num,), ("dp",)))
+
+    @classmethod
+    def from_plan(
+        cls, plan: ParallelPlan, aliases: Mapping[str, str] | None = None
+    ) -> CheckpointStrategy:
+        """The cut a plan's job makes (`aliases`: extra state_dict name -> the planned name of
+        the same tensor, as tied weights)."""
+        params = dict(plan.params)
+        shards = {
+            name: ShardSpec(tuple(b.axes), b.shard)
+            for b in plan.buckets
+            if b.kind == "shard" and b.shard > 1
+            for name in b.params
+        }
+        for alias, name in (aliases or {}).items():
+            if name in params and alias not in params:
+                params[alias] = params[name]
+                if name in shards:
+                    shards[alias] = shards[name]
+        return cls(plan.device_num, plan.matrix, params, shards)
+
+    def param_piece(self, name: str, rank: int) -> Piece:
+        """Rank `rank`'s piece of parameter `name` (its layout's block, then its shard)."""
+        p = self.params[name]
+        piece = layout_piece(p.layout, rank, p.shape)
+        spec = self.shards.get(name)
+        if spec is None:
+            return piece
+        axes = tuple(self.matrix.names.index(a) for a in spec.axes)
+        members = self.matrix.group_along(rank, axes)
+        pos = members.index(rank)
+        return cut_rows(piece, pos % spec.shard, spec.shard, spec.pad)
+
+    def entry_piece(self, name: str, shape: tuple[int, ...], rank: int) -> Piece:
+        """Rank `rank`'s piece of checkpoint entry `name` of global `shape`: a parameter's, an
+        optimizer state tensor shaped like its parameter (``optimizer.state.<param>.<key>``)
+        as the parameter, anything else whole."""
+        if not 0 <= rank < self.device_num:
+            raise ValueError(f"rank {rank} is not in a job of {self.device_num} devices")
+        owner = name
+        if name.startswith(STATE_PREFIX):
+            owner = name[len(STATE_PREFIX) :].rpartition(".")[0]
+        p = self.params.get(owner)
+        if p is None or tuple(p.shape) != tuple(shape):
+            return whole(shape)
+        return self.param_piece(owner, rank)
+
+    def to_json(self) -> dict[str, Any]:
+        """The parameter strategy file's content (``shards``: the optimizer-parallel cuts)."""
+        return {
+            "format": PARAM_FORMAT,
+            "device_num": self.device_num,
+            "matrix": matrix_d(self.matrix),
+            "params": params_d(self.params),
+            "shards": shards_d(self.shards),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "strategy") -> CheckpointStrategy:
+        """Read `to_json`'s data, a parameter strategy file's or an operator strategy file's."""
+        try:
+            if data.get("format") != PARAM_FORMAT:  # (an operator strategy file: a whole plan)
+                return cls.from_plan(ParallelPlan.from_dict(data))
+            m = matrix_of(data["matrix"])
+            shards = {
+                n: ShardSpec(tuple(v["axes"]), int(v["shard"]), bool(v.get("pad", False)))
+                for n, v in data.get("shards", {}).items()
+            }
+            return cls(int(data["device_num"]), m, params_of(m, data["params"]), shards)
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{where}: not a shardwise strategy ({e})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> CheckpointStrategy:
+        """Read a parameter or operator strategy file."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: cannot read the strategy file ({e})") from None
+        return cls.from_json(data, str(path))
+
+
+def as_strategy(value: object) -> CheckpointStrategy:
+    """A destination strategy from what a user passes.
+
+    Args:
+        value: a `CheckpointStrategy`; a `ParallelPlan` (``parallel_net.parallel_plan``); the
+            path of a parameter or operator strategy file; an int N (N ranks each holding
+            everything: data parallel); None (one device).
+
+    Returns:
+        The `CheckpointStrategy`.
+    """
+    if value is None:
+        return CheckpointStrategy.single()
+    if isinstance(value, CheckpointStrategy):
+        return value
+    if isinstance(value, ParallelPlan):
+        return CheckpointStrategy.from_plan(value)
+    if isinstance(value, str | Path):
+        return CheckpointStrategy.load(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return CheckpointStrategy.replicated(value)
+    raise TypeError(
+        "a checkpoint strategy is a ParallelPlan, a strategy file path, a device count or None "
+        f"(one device), got {type(value).__name__}"
+    )

@@ -1,0 +1,94 @@
+"""Worker for test_checkpoint_resume_real.py: train a small MLP with Adam for some steps under
+one plan, optionally after loading a distributed checkpoint of another plan, and save this
+rank's checkpoint.
+
+Plans: ``tp`` (4 ranks: dp 2 x mp 2, first Linear column parallel, second row parallel,
+optimizer parallel level 1 over dp) and ``dp`` (any count: data parallel, optimizer parallel
+level 3). Rank 0 writes the global losses (one per line) to ``--losses-out`` and the plan's
+parameter strategy file to ``--strategy-out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.communication import get_group_size, get_rank, init
+
+ROWS, FEATURES, CLASSES = 8, 16, 8
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, 32)
+        self.fc2 = nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches of every step of the whole run (the same in every leg)."""
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(ROWS, FEATURES, generator=g), torch.randint(0, CLASSES, (ROWS,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def build() -> tuple[Net, torch.optim.Optimizer]:
+    sw.set_seed(0)
+    net = Net()
+    return net, torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.8, 0.9))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", choices=["tp", "dp"], required=True)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--load")
+    parser.add_argument("--save", required=True)
+    parser.add_argument("--losses-out", required=True)
+    parser.add_argument("--strategy-out")
+    args = parser.parse_args()
+    init()
+    n, rank = get_group_size(), get_rank()
+    net, opt = build()
+    if args.plan == "tp":
+        sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))  # column parallel
+        sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))  # row parallel
+    if args.load:  # before the first step, as users write it
+        assert sw.checkpoint.load_distributed(net, args.load, opt) == ([], [])
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = sw.AutoParallel(train_step, parallel_mode="semi_auto")
+    step.hsdp(threshold=0, optimizer_level="level1" if args.plan == "tp" else "level3")
+    losses = []
+    k = ROWS // n
+    for x, y in batches(args.first + args.steps)[args.first :]:
+        losses.append(
+            float(step(x[rank * k : (rank + 1) * k], y[rank * k : (rank + 1) * k]).detach())
+        )
+    path = Path(args.save) / f"rank_{rank}" / f"ckpt-1_{args.first + args.steps}.safetensors"
+    sw.save_checkpoint(net, path, step=args.first + args.steps, optimizer=opt)
+    if rank == 0:
+        Path(args.losses_out).write_text("".join(f"{v!r}\n" for v in losses))
+        if args.strategy_out:
+            step.save_param_strategy_file(args.strategy_out)
+    sw.communication.release()
+
+
+if __name__ == "__main__":
+    main()
