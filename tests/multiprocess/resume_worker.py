@@ -4,8 +4,10 @@ rank's checkpoint.
 
 Plans: ``tp`` (4 ranks: dp 2 x mp 2, first Linear column parallel, second row parallel,
 optimizer parallel level 1 over dp) and ``dp`` (any count: data parallel, optimizer parallel
-level 3). Rank 0 writes the global losses (one per line) to ``--losses-out`` and the plan's
-parameter strategy file to ``--strategy-out``.
+level 3). The checkpoint of another plan is loaded with `load_distributed` before the first
+step (``--load``), or, already transformed for this plan, rank by rank with the plain
+``load_checkpoint`` after planning (``--load-plain``). Rank 0 writes the global losses (one
+per line) to ``--losses-out`` and the plan's parameter strategy file to ``--strategy-out``.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def main() -> None:
     parser.add_argument("--plan", choices=["tp", "dp"], required=True)
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--load")
+    parser.add_argument("--load", help="load_distributed from here before the first step")
+    parser.add_argument("--load-plain", help="plan, then load rank_<r>/ckpt-1_<first> as is")
     parser.add_argument("--save", required=True)
     parser.add_argument("--losses-out", required=True)
     parser.add_argument("--strategy-out")
@@ -75,6 +78,13 @@ def main() -> None:
 
     step = sw.AutoParallel(train_step, parallel_mode="semi_auto")
     step.hsdp(threshold=0, optimizer_level="level1" if args.plan == "tp" else "level3")
+    if args.load_plain:  # a checkpoint already cut for this plan: each rank loads its own file
+        step.plan(shapes=[(ROWS, FEATURES), (ROWS,)], dtypes=[torch.float32, torch.int64])
+        ckpt = sw.load_checkpoint(
+            Path(args.load_plain) / f"rank_{rank}" / f"ckpt-1_{args.first}.safetensors"
+        )
+        assert sw.load_param_into_net(net, ckpt, strict_load=True) == ([], [])
+        sw.checkpoint.load_optimizer_state(opt, ckpt, net)
     losses = []
     k = ROWS // n
     for x, y in batches(args.first + args.steps)[args.first :]:

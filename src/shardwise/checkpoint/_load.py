@@ -4,18 +4,22 @@
   ``state_dict`` name (tied parameters appear under each name).
 - `_match`: exact names first; with ``strict_load=False`` also a unique suffix match at a
   ``.`` boundary (``network.fc.weight`` <-> ``fc.weight``), as MindSpore does for wrappers.
-- `_store`: shape check, dtype check (strict) or cast (non-strict), then copy in place;
-  a deferred (meta) entry receives the values directly, so no random init ever runs.
+- `_store`: shape check (a rank's part of a distributed checkpoint loaded into a whole tensor:
+  the message says to use `load_distributed`), dtype check (strict) or cast (non-strict), then
+  copy in place; a deferred (meta) entry receives the values directly, so no random init ever runs.
 - `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
 from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._format import KEY_PIECES
 from shardwise.parameter import assign_tensor
 
 
@@ -45,11 +49,26 @@ def _match(names: list[str], keys: list[str], strict: bool) -> dict[str, str]:
     return matches
 
 
-def _store(name: str, target: torch.Tensor, value: torch.Tensor, strict: bool) -> None:
+def _piece_hint(key: str, pieces: Mapping[str, object], where: object) -> str:
+    """Why a rank file's entry cannot fill a whole tensor, and the fix."""
+    piece = pieces.get(key)
+    if not isinstance(piece, dict):
+        return ""
+    return (
+        f"; the file is one rank's part of a distributed checkpoint (it holds {piece.get('dims')}"
+        f" of a {piece.get('shape')} tensor): load the checkpoint folder with "
+        f"sw.checkpoint.load_distributed(net, {str(Path(str(where)).parent.parent)!r}), "
+        "before or after the first step"
+    )
+
+
+def _store(
+    name: str, target: torch.Tensor, value: torch.Tensor, strict: bool, hint: str = ""
+) -> None:
     if tuple(target.shape) != tuple(value.shape):
         raise CheckpointError(
             f"cannot load {name!r}: checkpoint shape {list(value.shape)} != network shape "
-            f"{list(target.shape)}"
+            f"{list(target.shape)}{hint}"
         )
     if strict and target.dtype != value.dtype:
         raise CheckpointError(
@@ -93,6 +112,9 @@ def load_param_into_net(
         raise TypeError(f"parameter_dict must be a mapping, got {type(parameter_dict).__name__}")
     targets = _net_entries(net)
     matches = _match(list(targets), list(parameter_dict), strict_load)
+    metadata = getattr(parameter_dict, "metadata", None) or {}
+    pieces = json.loads(metadata.get(KEY_PIECES, "{}")) if isinstance(metadata, Mapping) else {}
+    where = getattr(parameter_dict, "path", None)
     done: set[int] = set()
     for name, key in matches.items():
         value = parameter_dict[key]
@@ -100,7 +122,7 @@ def load_param_into_net(
             raise TypeError(f"checkpoint entry {key!r} is not a tensor")
         target = targets[name]
         if id(target) not in done:
-            _store(name, target, value, strict_load)
+            _store(name, target, value, strict_load, _piece_hint(key, pieces, where))
             done.add(id(target))
     used = set(matches.values())
     param_not_load = [name for name, target in targets.items() if id(target) not in done]
