@@ -34,11 +34,22 @@ def aliases(network: nn.Module) -> dict[str, str]:
 
 
 def network_strategy(network: nn.Module) -> CheckpointStrategy | None:
-    """The strategy `network`'s parameters are stored by (None when they are not cut)."""
+    """The strategy `network`'s parameters are stored by, under its state_dict names (the
+    planned network may be a submodule, as in an `AutoParallel` wrapper); None when nothing in
+    it is cut."""
     from shardwise.parallel._ownership import stored_plan  # (parallel imports checkpoint users)
 
-    plan = stored_plan(network)
-    return None if plan is None else CheckpointStrategy.from_plan(plan, aliases(network))
+    found = [(p, m, plan) for p, m in network.named_modules() if (plan := stored_plan(m))]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise CheckpointError(
+            f"{type(network).__name__} holds {len(found)} planned networks "
+            f"({', '.join(p or '(itself)' for p, _, _ in found)}); save each one on its own"
+        )
+    prefix, module, plan = found[0]
+    strategy = CheckpointStrategy.from_plan(plan, aliases(module))
+    return strategy.renamed(f"{prefix}.") if prefix else strategy
 
 
 def strategy_metadata(

@@ -14,6 +14,7 @@ same piece; anything else (buffers, Adam's ``step``) is whole on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -92,6 +93,14 @@ class CheckpointStrategy:
                 if name in shards:
                     shards[alias] = shards[name]
         return cls(plan.device_num, plan.matrix, params, shards)
+
+    def renamed(self, prefix: str) -> CheckpointStrategy:
+        """The same cut with every parameter name prefixed (a network inside a wrapper)."""
+        return dataclasses.replace(
+            self,
+            params={prefix + k: v for k, v in self.params.items()},
+            shards={prefix + k: v for k, v in self.shards.items()},
+        )
 
     def param_piece(self, name: str, rank: int) -> Piece:
         """Rank `rank`'s piece of parameter `name` (its layout's block, then its shard)."""
