@@ -42,8 +42,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._dcp_boxes import Box, boxes
-from shardwise.checkpoint._dcp_optimizer import Path as KeyPath
-from shardwise.checkpoint._dcp_optimizer import Ref, torch_leaves
+from shardwise.checkpoint._dcp_optimizer import KeyPath, Ref, torch_leaves
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._sources import SourceSet
 from shardwise.checkpoint._strategy import as_strategy

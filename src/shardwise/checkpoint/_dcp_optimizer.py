@@ -26,7 +26,7 @@ from typing import Any
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import OPTIMIZER_PREFIX, decode_value, encode_value, tensor_ref
 
-Path = tuple[str | int, ...]
+KeyPath = tuple[str | int, ...]
 _GROUP = re.compile(r"^(\d+)\.([^.]+)$")
 
 
@@ -45,7 +45,7 @@ def _terminal(values: list[Any]) -> bool:
     return True
 
 
-def leaves(value: Any, path: Path, out: list[tuple[Path, Any]]) -> list[tuple[Path, Any]]:
+def leaves(value: Any, path: KeyPath, out: list[tuple[KeyPath, Any]]) -> list[tuple[KeyPath, Any]]:
     """Append the (path, leaf) pairs DCP's flattening makes of `value` at `path` to `out`."""
     if isinstance(value, Mapping):
         for k, v in value.items():
@@ -71,7 +71,9 @@ def _flat_layout(state: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) 
     return out
 
 
-def torch_leaves(description: Mapping[str, Any], key: str, flatten: bool) -> list[tuple[Path, Any]]:
+def torch_leaves(
+    description: Mapping[str, Any], key: str, flatten: bool
+) -> list[tuple[KeyPath, Any]]:
     """shardwise's optimizer description as DCP's leaves under top-level `key`.
 
     Args:
