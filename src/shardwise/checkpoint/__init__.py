@@ -17,8 +17,17 @@ Checkpoints across plans and device counts (each rank's file records its cut):
 - `_transform`: `transform`, `merge`, MindSpore's `transform_checkpoints` and
   `unified_safetensors`.
 - `_distributed`: `load_distributed`, any checkpoint into a network's current plan.
+
+torch.distributed.checkpoint (DCP) interop:
+
+- `_dcp_boxes`: a stored block as DCP's rectangular chunks.
+- `_dcp_optimizer`: optimizer state between shardwise's description and DCP's keys.
+- `_dcp_export`: `export_dcp`, a shardwise checkpoint in DCP's format.
+- `_dcp_import`: `import_dcp`, a DCP checkpoint (torch's FSDP2 / DTensor saves) as shardwise's.
 """
 
+from shardwise.checkpoint._dcp_export import export_dcp
+from shardwise.checkpoint._dcp_import import import_dcp
 from shardwise.checkpoint._distributed import load_distributed
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._io import Checkpoint, load_checkpoint, save_checkpoint
@@ -50,6 +59,8 @@ __all__ = [
     "ShardSpec",
     "checkpoint_dir_for_rank",
     "checkpoint_filename",
+    "export_dcp",
+    "import_dcp",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

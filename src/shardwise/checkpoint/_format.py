@@ -16,7 +16,8 @@ plan) and ``shardwise.pieces`` (JSON ``{key: piece}`` for every entry that is no
 
 - `saveable`: detach, move to CPU, make contiguous and unshared (safetensors' rules).
 - `checksum`: CRC-32 of a tensor's bytes.
-- `encode_value` / `decode_value`: JSON with tuples and tensors kept apart (markers).
+- `encode_value` / `decode_value`: JSON with tuples and tensors kept apart (markers,
+  `tensor_ref`).
 - `parse_int`, `parse_json`: read metadata back, naming the file on errors.
 """
 
@@ -106,8 +107,13 @@ def encode_value(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
     raise TypeError(f"cannot store {key!r} of type {type(value).__name__} in a checkpoint")
 
 
-def decode_value(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of `encode_value`."""
+def tensor_ref(key: str) -> dict[str, str]:
+    """The marker `encode_value` leaves for the tensor stored as entry `key`."""
+    return {_TENSOR: key}
+
+
+def decode_value(value: Any, tensors: Mapping[str, Any]) -> Any:
+    """Inverse of `encode_value` (each marker replaced by ``tensors[key]``)."""
     if isinstance(value, list):
         return [decode_value(v, tensors) for v in value]
     if isinstance(value, dict):

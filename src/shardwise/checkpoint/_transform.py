@@ -9,6 +9,7 @@
 - `merge`: the whole tensors of the model entries in one safetensors file that plain
   ``model.load_state_dict(safetensors.torch.load_file(path))`` loads.
 - `transform_checkpoints` / `unified_safetensors`: MindSpore's names and arguments for the two.
+- `Blocks`: what `_cut` reads (a `SourceSet`; `import_dcp` gives a torch DCP checkpoint).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
+import torch
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from shardwise.checkpoint import _format as fmt
@@ -36,14 +39,30 @@ _PROGRESS_BYTES = 64 << 20  # a progress bar for checkpoints from this size on
 _KEEP = (fmt.KEY_VERSION, fmt.KEY_STEP, fmt.KEY_EPOCH, fmt.KEY_EXTRA, fmt.KEY_OPTIMIZER)
 
 
-def _check_fits(source: SourceSet, dst: CheckpointStrategy) -> None:
+class Blocks(Protocol):
+    """What `_cut` reads: a checkpoint's entries (a `SourceSet`, or an imported DCP one)."""
+
+    @property
+    def names(self) -> Sequence[str]: ...
+
+    @property
+    def metadata(self) -> Mapping[str, str]: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def dtype(self, key: str) -> torch.dtype: ...
+
+    def assemble(self, key: str, target: Piece) -> torch.Tensor: ...
+
+
+def _check_fits(source: Blocks, dst: CheckpointStrategy) -> None:
     """The destination strategy's parameters are the checkpoint's, with the same shapes, and
     their layouts divide them."""
     for name, p in dst.params.items():
         if name not in source.names:
             raise CheckpointError(
                 f"the destination strategy has parameter {name!r}, the checkpoint does not "
-                f"(it has {source.names[:3]}...); the strategy belongs to another network"
+                f"(it has {list(source.names)[:3]}...); the strategy belongs to another network"
             )
         if tuple(p.shape) != source.shape(name):
             raise CheckpointError(
@@ -58,13 +77,13 @@ def _check_fits(source: SourceSet, dst: CheckpointStrategy) -> None:
 
 
 def _pieces(
-    source: SourceSet, dst: CheckpointStrategy, rank: int, keys: Sequence[str]
+    source: Blocks, dst: CheckpointStrategy, rank: int, keys: Sequence[str]
 ) -> dict[str, Piece]:
     return {k: dst.entry_piece(k, source.shape(k), rank) for k in keys}
 
 
 def _write_file(
-    source: SourceSet, path: Path, pieces: dict[str, Piece], meta: dict[str, str], bar: tqdm
+    source: Blocks, path: Path, pieces: dict[str, Piece], meta: dict[str, str], bar: tqdm
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     specs = [(k, source.dtype(k), p.local_shape) for k, p in pieces.items()]
@@ -111,7 +130,7 @@ def _bar(total: int, what: str, progress: bool | None) -> tqdm:
 
 
 def _cut(
-    source: SourceSet,
+    source: Blocks,
     dst: CheckpointStrategy,
     out: Path,
     path_of: Callable[[Path, int], Path],

@@ -1,0 +1,203 @@
+"""torch DCP interop in both directions, against what torch's own APIs save and load.
+
+shardwise -> torch: a 4-rank shardwise checkpoint (tensor parallel, optimizer parallel with
+padding, a strided layout) exported with `export_dcp` is loaded by torch's ``dcp.load`` into
+plain tensors (``no_dist``, in this process) and, on 2 real gloo ranks, into an FSDP2 model and
+Adam and into ``Shard(-1)`` DTensors (dcp_worker.py); values are equal exactly and the next
+step's loss is the one-device loss. torch -> shardwise: what FSDP2 + ``dcp.save`` wrote on
+those ranks (both optimizer layouts) is imported for one device and for 2 ranks, equal exactly,
+and a plain model and Adam loaded from it continue with torch's own next loss.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import shardwise as sw
+from shardwise.checkpoint import (
+    CheckpointError,
+    CheckpointStrategy,
+    ShardSpec,
+    export_dcp,
+    import_dcp,
+    merge,
+    transform,
+)
+from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.planner import ParamPlan
+from shardwise.testing import run_job
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import dcp_worker as w  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def four_ranks() -> CheckpointStrategy:
+    """dp x mp = 2 x 2: columns over mp, rows over dp by optimizer parallel (padded for 3
+    rows), a strided bias (5 groups of 2 over mp), the last bias whole."""
+    m = DeviceMatrix((2, 2), ("dp", "mp"))
+    params = {
+        "0.weight": ParamPlan(TensorLayout(m, ((), (1,))), (10, 6)),
+        "0.bias": ParamPlan(TensorLayout(m, ((1,),), groups=(5,)), (10,)),
+        "2.weight": ParamPlan(TensorLayout(m, ((), (1,))), (3, 10)),
+    }
+    shards = {"0.weight": ShardSpec(("dp",), 2), "2.weight": ShardSpec(("dp",), 2, pad=True)}
+    return CheckpointStrategy(4, m, params, shards)
+
+
+def two_ranks() -> CheckpointStrategy:
+    m = DeviceMatrix((2,), ("mp",))
+    return CheckpointStrategy(2, m, {"0.weight": ParamPlan(TensorLayout(m, ((0,), ())), (10, 6))})
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A one-device model (other values than the checkpoint's) and a fresh Adam."""
+    net = w.network(7)
+    opt = torch.optim.Adam(net.parameters(), lr=w.LR)
+    return net, opt
+
+
+def shardwise_checkpoint(root: Path) -> tuple[Path, dict[str, torch.Tensor], float]:
+    """A 4-rank checkpoint of the model and Adam after one step; its full values; the loss
+    after one more step on one device."""
+    net = w.network(0)
+    opt = torch.optim.Adam(net.parameters(), lr=w.LR)
+    w.step(net, opt)
+    sw.save_checkpoint(net, root / "one.safetensors", optimizer=opt)
+    full = dict(net.state_dict())
+    for i, name in enumerate(n for n, _ in net.named_parameters()):
+        full |= {f"optimizer.state.{name}.{k}": v for k, v in opt.state_dict()["state"][i].items()}
+    full = {k: v.detach().clone() for k, v in full.items()}
+    transform(root / "one.safetensors", root / "four", four_ranks())
+    w.step(net, opt)
+    return root / "four", full, w.loss(net)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank torch job's folder, after it saved and loaded (one launch for all tests)."""
+    out = tmp_path_factory.mktemp("dcp")
+    four, full, after = shardwise_checkpoint(out)
+    export_dcp(four, out / "shardwise_dcp", model_key="model")
+    safetensors.torch.save_file(full, out / "shardwise_full.safetensors")
+    (out / "shardwise_loss.json").write_text(json.dumps(after.hex()))
+    res = run_job(HERE / "dcp_worker.py", 2, out / "logs", str(out), timeout=150)
+    res.assert_checks(2, ["save", "load_fsdp2", "continue", "load_dtensor"])
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_torch_fsdp2_and_dtensors_load_an_export(job: Path) -> None:
+    assert (job / "shardwise_dcp" / ".metadata").is_file()  # (the worker's checks passed)
+
+
+def continue_from(merged: Path) -> float:
+    ckpt = sw.load_checkpoint(merged)
+    net, opt = fresh()
+    net.load_state_dict(dict(ckpt))
+    sw.checkpoint.load_optimizer_state(opt, ckpt, net)
+    w.step(net, opt)
+    return w.loss(net)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_import_fsdp2_checkpoint_for_one_device(job: Path, tmp_path: Path) -> None:
+    want = safetensors.torch.load_file(job / "torch_full.safetensors")
+    import_dcp(job / "torch_nested", tmp_path / "one", model_key="model",
+               optimizer_class=torch.optim.Adam)  # fmt: skip
+    merge(tmp_path / "one", tmp_path / "m.safetensors", optimizer=True)
+    got = safetensors.torch.load_file(tmp_path / "m.safetensors")
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    torch_loss = float.fromhex(json.loads((job / "torch_loss.json").read_text()))
+    assert continue_from(tmp_path / "m.safetensors") == torch_loss
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_import_torchtitan_layout_for_two_ranks(job: Path, tmp_path: Path) -> None:
+    want = safetensors.torch.load_file(job / "torch_full.safetensors")
+    import_dcp(job / "torch_flat", tmp_path / "two", two_ranks(), optimizer_class="Adam")
+    block = sw.load_checkpoint(tmp_path / "two" / "rank_1" / "checkpoint.safetensors")
+    assert torch.equal(block["0.weight"], want["0.weight"][5:])
+    net, opt = fresh()
+    assert sw.checkpoint.load_distributed(net, tmp_path / "two", opt) == ([], [])
+    w.step(net, opt)
+    assert w.loss(net) == float.fromhex(json.loads((job / "torch_loss.json").read_text()))
+
+
+def test_export_loads_as_plain_tensors_and_optimizer(tmp_path: Path) -> None:
+    four, full, after = shardwise_checkpoint(tmp_path)
+    for flatten in (False, True):
+        out = tmp_path / f"dcp_{flatten}"
+        export_dcp(four, out, flatten_optimizer=flatten)
+        net, opt = fresh()
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        msd = get_model_state_dict(net)
+        osd = get_optimizer_state_dict(net, opt, options=options)
+        dcp.load({**msd, "optimizer": osd}, checkpoint_id=out, no_dist=True)
+        set_model_state_dict(net, msd)
+        set_optimizer_state_dict(net, opt, osd, options=options)
+        for k, v in net.state_dict().items():
+            assert torch.equal(v, full[k]), k
+        w.step(net, opt)
+        assert w.loss(net) == after
+
+
+def test_export_import_round_trip_is_exact(tmp_path: Path) -> None:
+    four, full, _ = shardwise_checkpoint(tmp_path)
+    export_dcp(four, tmp_path / "dcp", model_key="model", optimizer_key="optim")
+    import_dcp(tmp_path / "dcp", tmp_path / "back", four_ranks(), model_key="model",
+               optimizer_key="optim", optimizer_class=torch.optim.Adam)  # fmt: skip
+    for r in range(4):
+        a = safetensors.torch.load_file(four / f"rank_{r}" / "one.safetensors")
+        b = safetensors.torch.load_file(tmp_path / "back" / f"rank_{r}" / "checkpoint.safetensors")
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)
+    import_dcp(tmp_path / "dcp", tmp_path / "model_only", model_key="model", optimizer=False)
+    ckpt = sw.load_checkpoint(tmp_path / "model_only" / "checkpoint.safetensors")
+    assert ckpt.optimizer_state is None
+    assert set(ckpt) == {k for k in full if not k.startswith("optimizer.")}
+
+
+def test_errors_name_the_problem(tmp_path: Path) -> None:
+    four, _, _ = shardwise_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        import_dcp(tmp_path / "absent", tmp_path / "x")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"no \.metadata"):
+        import_dcp(tmp_path / "empty", tmp_path / "x")
+    export_dcp(four, tmp_path / "dcp")
+    with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
+        export_dcp(four, tmp_path / "dcp")
+    with pytest.raises(CheckpointError, match="optimizer_class="):
+        import_dcp(tmp_path / "dcp", tmp_path / "x")
+    import_dcp(tmp_path / "dcp", tmp_path / "x", optimizer=False)
+    with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
+        import_dcp(tmp_path / "dcp", tmp_path / "x", optimizer=False)
+    with pytest.raises(CheckpointError, match="model_key="):
+        import_dcp(tmp_path / "dcp", tmp_path / "y", model_key="model", optimizer=False)
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="not readable DCP metadata"):
+        import_dcp(tmp_path / "dcp", tmp_path / "z")
+    assert not (tmp_path / "z").exists()
