@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from shardwise.communication import init, release
+
 LR = 1e-2
 
 
@@ -134,12 +136,12 @@ def load(out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    init()  # (torch's gloo group; release() ends it cleanly, see communication/_exit.py)
     torch.set_num_threads(1)
     save(out)
     if (out / "shardwise_dcp").exists():
         load(out)
-    dist.destroy_process_group()
+    release()
 
 
 if __name__ == "__main__":
