@@ -93,7 +93,8 @@ def test_gpt2_small_summary_counts_its_parameters(tmp_path: Path) -> None:
     summary = (out / "summary.txt").read_text()
     params = 124_475_904  # GPT-2 small with the 50,304-token vocabulary, head tied
     assert f"({params * 4} B)" in _line(summary, "parameters")
-    assert f"({params * 4} B)" in _line(summary, "gradients")
+    assert "at the start of backward" in _line(summary, "peak")  # (no parameter gradient yet)
+    assert f"({2 * 1024 * 50304 * 4} B)" in _line(summary, "gradients")  # the logits' gradient
     assert f"({params * 8} B)" in _line(summary, "optimizer state")  # AdamW: 2 per element
     assert "gradients  AllReduce      g0" in summary
     assert json.loads((out / "plan.json").read_text())["device_num"] == 1024

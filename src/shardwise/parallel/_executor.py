@@ -199,7 +199,16 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
         if self.done:
             self.moved.clear()
             if self.on_end is not None:
-                self.on_end()
+                self._paused_call(self.on_end)
+
+    def _paused_call(self, callback: Callable[[], None]) -> None:
+        """`callback` (the optimizer-parallel engine's forward start / end: level 3 frees the
+        gathered weights) with the executor paused: its own tensor calls are not network ops."""
+        self.paused += 1
+        try:
+            callback()
+        finally:
+            self.paused -= 1
 
     def finish_started(self) -> None:
         """Finish the started AllReduces of returned values (their results are whole now)."""
@@ -261,7 +270,7 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
         if self.cursor == 0:
             self.moved.clear()
             if self.on_start is not None:
-                self.on_start()
+                self._paused_call(self.on_start)
         self.cursor += 1
 
     def _restarts(self, op: str, args: Any) -> bool:

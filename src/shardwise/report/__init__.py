@@ -19,9 +19,12 @@ buckets, `dump_optimizer` appends to ``execute.ir`` every collective of each buc
 - `_html`: `format_plan_html` / `write_plan_html` (``plan.html``).
 - `_png`: `render_plan_png` / `write_plan_png` (``plan.png``, matplotlib Agg).
 - `_pictures`: `dump_plan_pictures`, the pictures `dump_parallel_plan` writes.
+- `_measure`: `MemoryMeter`, the bytes torch's CPU allocator holds in a real run (to compare
+  with the estimate of `_summary`).
 """
 
 from shardwise.report._html import format_plan_html, write_plan_html
+from shardwise.report._measure import MemoryMeter
 from shardwise.report._optimizer import format_optimizer
 from shardwise.report._parallel_plan import (
     dump_parallel_plan,
@@ -33,6 +36,7 @@ from shardwise.report._png import render_plan_png, write_plan_png
 from shardwise.report._write import dump_optimizer, report_ranks, write_ir
 
 __all__ = [
+    "MemoryMeter",
     "dump_optimizer",
     "dump_parallel_plan",
     "format_optimizer",

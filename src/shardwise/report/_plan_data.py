@@ -2,7 +2,7 @@
 
 - `plan_memory`: each rank's bytes by kind (parameters, gradients, optimizer state,
   activations, communication buffers) from the blocks
-  the plan gives it (`_summary.estimate_memory`).
+  the plan gives it (`_memory.estimate_memory`).
 - `memory_kinds` / `memory_groups`: the kinds in the order given, and consecutive ranks with
   equal breakdowns merged into one bar (at most `MAX_BARS` bars).
 - `shown_ranks`: the ranks whose blocks a slice table lists (every rank up to `ALL_RANKS_UP_TO`
@@ -33,10 +33,9 @@ ENTRY, RETURN = -2, -1  # `EdgePlan.consumer` of an input's edge / a returned va
 
 
 def plan_memory(plan: ParallelPlan) -> dict[int, dict[str, int]]:
-    """Each rank's bytes by kind under `plan` (`_summary.estimate_memory`, no optimizer
-    known: its state left out): parameters, gradients, optimizer state, activations (every
-    op's output block, all kept for backward: an upper bound for one step), communication
-    buffers.
+    """Each rank's bytes by kind at its peak under `plan` (`_memory.estimate_memory`, no
+    optimizer known: its state left out): parameters, gradients, optimizer state, activations
+    (the op outputs held for backward), communication buffers.
 
     Args:
         plan: the plan.
@@ -48,7 +47,7 @@ def plan_memory(plan: ParallelPlan) -> dict[int, dict[str, int]]:
         >>> plan_memory(plan)[0]["parameters"]  # seed 003, 8 devices, global batch 32
         552960
     """
-    from shardwise.report._summary import estimate_memory
+    from shardwise.report._memory import estimate_memory
 
     parts = dict(estimate_memory(plan).parts)
     return {r: dict(parts) for r in plan.matrix.rank_list}

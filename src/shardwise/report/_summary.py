@@ -32,9 +32,8 @@ Activations: every op's local outputs, all kept (an upper bound).
 
 from __future__ import annotations
 
-import gc
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,177 +42,45 @@ from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix
 from shardwise.optim import OptimizerPlan
 from shardwise.planner import Collective, ParallelPlan, plan_cost, step_cost
-from shardwise.redistribution import AllGather, AlltoAll, Slice
+from shardwise.redistribution import AllGather, AlltoAll
+from shardwise.report._memory import (
+    KINDS,
+    MemoryEstimate,
+    estimate_memory,
+    find_optimizer,
+    memory_tensors,
+    optimizer_state_per_element,
+)
 from shardwise.report._sends import Found, LocalSlice, edge_sends, node_sends
-from shardwise.runtime import TensorEstimate, format_size
+from shardwise.runtime import format_size
 
-KINDS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers")
-"""The parts of a `MemoryEstimate`, in the order summaries and pictures stack them."""
-
-_STATE = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
-
-
-def optimizer_state_per_element(optimizer: torch.optim.Optimizer | None) -> int:
-    """Elements of state `optimizer` keeps per parameter element (None: no optimizer, 0).
-
-    Example:
-        >>> optimizer_state_per_element(torch.optim.SGD([torch.zeros(1)], lr=0.1, momentum=0.9))
-        1
-    """
-    if optimizer is None:
-        return 0
-    name = type(optimizer).__name__
-    defaults = optimizer.defaults
-    if name in _STATE:
-        return _STATE[name] + (1 if defaults.get("amsgrad") else 0)
-    if name == "SGD":
-        return 1 if defaults.get("momentum", 0) else 0
-    if name == "RMSprop":
-        return 1 + bool(defaults.get("momentum", 0)) + bool(defaults.get("centered"))
-    return 2  # (an optimizer not listed: priced like Adam)
-
-
-def find_optimizer(
-    network: torch.nn.Module, known: Sequence[torch.optim.Optimizer] = ()
-) -> torch.optim.Optimizer | None:
-    """The optimizer over `network`'s parameters: the first of `known`, else one among the
-    live objects (scripts build it before their first step; a scan of the heap, so only for
-    the memory check and the dry run).
-
-    Example:
-        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        >>> find_optimizer(net) is opt
-        True
-    """
-    if known:
-        return known[0]
-    mine = {id(p) for p in network.parameters()}
-    for obj in gc.get_objects():
-        groups = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
-        if any(id(p) in mine for g in groups for p in g["params"]):
-            return obj  # type: ignore[no-any-return]
-    return None
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """One rank's memory under a plan.
-
-    Attributes:
-        rank: the rank.
-        parts: bytes per kind (`KINDS`, in that order).
-        largest: the largest tensors (name, bytes), largest first.
-    """
-
-    rank: int
-    parts: Mapping[str, int]
-    largest: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def peak(self) -> int:
-        """Everything held at once (the end of backward, before the optimizer's step)."""
-        return sum(self.parts.values())
-
-    def __str__(self) -> str:
-        parts = ", ".join(f"{k} {format_size(v)}" for k, v in self.parts.items())
-        return f"rank {self.rank}: peak {format_size(self.peak)} ({parts})"
-
-
-def estimate_memory(
-    plan: ParallelPlan,
-    optimizer: OptimizerPlan | None = None,
-    state_per_element: int = 0,
-    rank: int = 0,
-) -> MemoryEstimate:
-    """One rank's memory under `plan` (see the module docstring for the model).
-
-    Args:
-        plan: the op-level plan.
-        optimizer: the optimizer-parallel (or gradient-bucket) plan of its parameters; None:
-            every parameter whole on its op-level block, gradients likewise.
-        state_per_element: `optimizer_state_per_element` of the job's optimizer.
-        rank: which rank (blocks are equal on every rank; the rank is reported).
-
-    Returns:
-        The `MemoryEstimate`.
-
-    Example:
-        >>> estimate_memory(plan, state_per_element=2).peak  # doctest: +SKIP
-        1048576
-    """
-    tensors = memory_tensors(plan, optimizer, state_per_element)
-    parts = dict.fromkeys(KINDS, 0)
-    for t in tensors:
-        parts[t.kind] += t.nbytes
-    largest = sorted(tensors, key=lambda t: -t.nbytes)[:3]
-    return MemoryEstimate(rank, parts, tuple((t.name, t.nbytes) for t in largest))
-
-
-def memory_tensors(
-    plan: ParallelPlan, optimizer: OptimizerPlan | None = None, state_per_element: int = 0
-) -> list[TensorEstimate]:
-    """Every tensor one rank holds under `plan`, each with its kind (`KINDS`): the model of
-    the module docstring, which `estimate_memory` sums and ``sw.runtime.set_memory`` checks
-    (`runtime.check_memory`) before anything is allocated.
-
-    Example:
-        >>> [t.kind for t in memory_tensors(plan)][:2]  # doctest: +SKIP
-        ['parameters', 'gradients']
-    """
-    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
-    out: list[TensorEstimate] = []
-    gathered = 0
-    for name, p in plan.params.items():
-        dtype = getattr(torch, p.dtype)
-        block = p.layout.local_shape(p.shape)
-        shard = _shard_of(optimizer, name)
-        piece = (block[0] // shard, *block[1:]) if shard > 1 else block
-        if not (shard > 1 and level == "level3"):
-            out.append(TensorEstimate(name, block, dtype, "parameters"))
-        if shard > 1:
-            out.append(TensorEstimate(f"{name} (shard)", piece, dtype, "parameters"))
-        if dtype.is_floating_point:
-            grad = piece if shard > 1 and level != "level1" else block
-            out.append(TensorEstimate(f"{name}.grad", grad, dtype, "gradients"))
-            if state_per_element:
-                state = (state_per_element, *piece)
-                out.append(
-                    TensorEstimate(f"{name} optimizer state", state, dtype, "optimizer state")
-                )
-        if shard > 1 and level == "level3":
-            gathered = max(gathered, math.prod(block) * dtype.itemsize)
-    for n in plan.nodes:
-        for k, local in enumerate(n.local_shapes):
-            dtype = getattr(torch, n.dtype(k))
-            out.append(TensorEstimate(f"{n.name} output {k}", local, dtype, "activations"))
-    buffers = [
-        ("the largest fused bucket", _bucket_bytes(plan, optimizer)),
-        ("the largest value an edge moves", _moved_bytes(plan)),
-        ("the largest parameter gathered (level 3)", gathered),
+_UNSAVED = frozenset(
+    [
+        "add",
+        "sub",
+        "Add",
+        "Sub",
+        "BiasAdd",
+        "TensorAdd",
+        "Gather",
+        "embedding",
+        "index_select",
+        "EmbeddingLookup",
     ]
-    for what, nbytes in buffers:
-        if nbytes:
-            out.append(TensorEstimate(what, (nbytes,), torch.uint8, "communication buffers"))
-    return out
+)
+"""Ops that save none of their parameter inputs for backward (the last part of the name)."""
 
-
-def _shard_of(optimizer: OptimizerPlan | None, name: str) -> int:
-    if optimizer is None:
-        return 1
-    try:
-        return optimizer.param(name).shard
-    except KeyError:
-        return 1
-
-
-def _bucket_bytes(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> int:
-    """The largest fused bucket (gathered weights or reduced gradients): the plan's own
-    buckets (`ParallelPlan.buckets`), else `optimizer`'s."""
-    if optimizer is not None and not plan.buckets:
-        sizes = {p.info.name: p.info.block_bytes for p in optimizer.params}
-        return max((sum(sizes[n] for n in b.names) for b in optimizer.buckets), default=0)
-    blocks = _param_blocks(plan)
-    return max((sum(blocks[n] for n in b.params) for b in plan.buckets), default=0)
+__all__ = [
+    "KINDS",
+    "MemoryEstimate",
+    "Traffic",
+    "estimate_memory",
+    "find_optimizer",
+    "format_summary",
+    "memory_tensors",
+    "optimizer_state_per_element",
+    "step_traffic",
+]
 
 
 def _itemsize(dtype: str) -> int:
@@ -226,18 +93,6 @@ def _param_blocks(plan: ParallelPlan) -> dict[str, int]:
         name: math.prod(p.layout.local_shape(p.shape)) * _itemsize(p.dtype)
         for name, p in plan.params.items()
     }
-
-
-def _moved_bytes(plan: ParallelPlan) -> int:
-    """The largest value an edge moves (its destination block, held beside the source while
-    the collective runs)."""
-    moved = 0
-    m = plan.matrix
-    for e in plan.edges:
-        sends = [s for s in e.steps if not isinstance(s, Slice) and m.shape[s.axis] > 1]
-        if sends or e.reduced:  # (a local slice alone needs no buffer)
-            moved = max(moved, math.prod(e.dst.layout.local_shape(e.shape)) * _itemsize(e.dtype))
-    return moved
 
 
 @dataclass
@@ -276,12 +131,15 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
     """
     out = Traffic()
     m = plan.matrix
+    needs = needs_grad(plan)
     for e in plan.edges:
         for item in edge_sends(e, rank):
             if isinstance(item, LocalSlice):
                 continue
             c, _, sent = item
             out.add("forward", c, sent)
+            if e.value not in needs:  # (no gradient flows back: no adjoint)
+                continue
             if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
                 block = math.prod(e.src.layout.local_shape(e.shape)) * _itemsize(e.dtype)
                 _adjoint(out, m, rank, c, e.reduced, e.equal_grad, block)
@@ -291,6 +149,8 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
     for n in plan.nodes:
         for c, _, sent in _collectives(node_sends(n, m, rank)):
             out.add("forward", c, sent)
+            if _value(n.index, c.output) not in needs:
+                continue
             axes = tuple(m.names.index(a) for a in c.axes)
             if c.kind == "AllReduce":
                 equal = tuple(m.names.index(a) for a in c.equal_grad)
@@ -303,8 +163,42 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
             nbytes = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
             out.add("backward", c, bytes_bound(c.kind, nbytes, size))
     level = optimizer.config.optimizer_level if optimizer is not None else "level1"
-    _gradient_sync(out, plan, level)
+    _gradient_sync(out, plan, level, saved_params(plan, needs))
     return out
+
+
+def _value(node: int, output: int) -> str:
+    """The name the plan gives output `output` of node `node` (``"%3"``, ``"%7.1"``)."""
+    return f"%{node}" + (f".{output}" if output else "")
+
+
+def needs_grad(plan: ParallelPlan) -> set[str]:
+    """The values whose gradient a backward computes: the floating parameters and every
+    floating output of an op with such an input (the network's inputs need none)."""
+    need = {f"param:{n}" for n, p in plan.params.items() if _floating(p.dtype)}
+    for n in plan.nodes:
+        if any(v in need for v in n.values):
+            need.update(_value(n.index, i) for i in range(len(n.outputs)) if _floating(n.dtype(i)))
+    return need
+
+
+def saved_params(plan: ParallelPlan, needs: set[str]) -> set[str]:
+    """The parameters autograd saves for backward: inputs of an op that multiplies them with
+    another input needing a gradient (a MatMul's weight; not the first layer's, whose input
+    needs none, nor an Add's or a lookup's table). Level 3 gathers these again in backward."""
+    out = set()
+    for n in plan.nodes:
+        if n.op.rsplit(".", 1)[-1] in _UNSAVED:
+            continue
+        for v in n.values:
+            others = [w for w in n.values if w != v]
+            if v.startswith("param:") and any(w in needs for w in others):
+                out.add(v.removeprefix("param:"))
+    return out
+
+
+def _floating(dtype: str) -> bool:
+    return bool(getattr(torch, dtype).is_floating_point)
 
 
 def _adjoint(
@@ -332,12 +226,12 @@ def _collectives(found: Iterable[Found]) -> list[tuple[Collective, list[int], in
     return [item for item in found if not isinstance(item, LocalSlice)]
 
 
-def _gradient_sync(out: Traffic, plan: ParallelPlan, level: str) -> None:
+def _gradient_sync(out: Traffic, plan: ParallelPlan, level: str, saved: set[str]) -> None:
     """Each bucket of the plan's (`ParallelPlan.buckets`): an AllReduce of the gradients over
     its data-parallel axes, or (optimizer parallel) an AllGather of the weights per forward
-    (and again in backward at level 3) and a ReduceScatter of the gradients over the shard
-    group (then an AllReduce over the copies when the shard group is smaller than the
-    data-parallel group)."""
+    (and again in backward at level 3, when autograd saved a member: `saved`) and a
+    ReduceScatter of the gradients over the shard group (then an AllReduce over the copies
+    when the shard group is smaller than the data-parallel group)."""
     m = plan.matrix
     sizes = _param_blocks(plan)
     for b in plan.buckets:
@@ -348,7 +242,7 @@ def _gradient_sync(out: Traffic, plan: ParallelPlan, level: str) -> None:
         if b.kind == "allreduce":
             out.add("gradients", Collective("AllReduce", b.axes, "bucket"), _ar(total, group))
             continue
-        gathers = 2 if level == "level3" else 1
+        gathers = 2 if level == "level3" and saved.intersection(b.params) else 1
         for _ in range(gathers):
             sent = bytes_bound("AllGather", total // b.shard, b.shard)
             out.add("weights", Collective("AllGather", b.axes, "bucket"), sent)
@@ -375,10 +269,11 @@ def format_summary(
     lines.append(f"plan: {plan.mode}, {plan.device_num} devices on {plan.matrix}")
     lines.append(f"ops: {len(plan.nodes)}, parameters: {len(plan.params)}")
     lines.append("")
-    lines.append(f"memory of rank {memory.rank} (estimate):")
+    lines.append(f"memory of rank {memory.rank} at its peak (estimate):")
     for kind, nbytes in memory.parts.items():
         lines.append(f"  {kind:<22} {format_size(nbytes):>12}  ({nbytes} B)")
-    lines.append(f"  {'peak':<22} {format_size(memory.peak):>12}  ({memory.peak} B)")
+    peak = f"  {'peak':<22} {format_size(memory.peak):>12}  ({memory.peak} B)"
+    lines.append(peak + (f" at the {memory.moment}" if memory.moment else ""))
     for name, nbytes in memory.largest:
         lines.append(f"  largest: {name} {format_size(nbytes)}")
     lines.append("")
