@@ -166,6 +166,7 @@ class SourceSet:
     ) -> None:
         paths = find_files(Path(src), name, prefix)
         self.files = [_rank_file(r, p, strategy) for r, p in paths.items()]
+        self._verified: set[tuple[int, str]] = set()  # (rank, key) blocks checksummed once
         first = self.files[0]
         recorded = fmt.parse_int(first.index.path, first.index.metadata, fmt.KEY_DEVICE_NUM)
         self.device_num = recorded or (strategy.device_num if strategy else len(self.files))
@@ -239,9 +240,13 @@ class SourceSet:
         """Entry `key`'s dtype."""
         return self.files[0].index.entries[key].dtype
 
-    def read(self, key: str, rank: int) -> torch.Tensor:
-        """Rank `rank`'s stored block of `key` (checksum verified)."""
-        return read_entry(self.files[rank].index, key)
+    def read(self, key: str, rank: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank `rank`'s stored block of `key` (checksum verified the first time it is read;
+        `into`: a byte buffer to read into, as `read_entry`)."""
+        verify = (rank, key) not in self._verified
+        block = read_entry(self.files[rank].index, key, verify=verify, into=into)
+        self._verified.add((rank, key))
+        return block
 
     def holders(self, key: str) -> dict[Piece, int]:
         """Each distinct stored piece of `key`, with the first rank holding it."""
@@ -257,16 +262,17 @@ class SourceSet:
         for piece, rank in self.holders(key).items():
             if target == piece:
                 into = None if buffers is None else buffers.take("block", self.nbytes(key, rank))
-                return read_entry(self.files[rank].index, key, into=into)
+                return self.read(key, rank, into)
         if buffers is None:
             out = torch.zeros(target.local_shape, dtype=dtype)
         else:
-            out = buffers.take("block", target.numel * dtype.itemsize).view(dtype).zero_()
-            out = out.reshape(target.local_shape)
+            raw = buffers.take("block", target.numel * dtype.itemsize)
+            raw.numpy().fill(0)  # (in this thread, as `copy_overlap` copies)
+            out = raw.view(dtype).reshape(target.local_shape)
         for piece, rank in self.holders(key).items():
             if overlaps(target, piece):
                 into = None if buffers is None else buffers.take("read", self.nbytes(key, rank))
-                copy_overlap(out, target, read_entry(self.files[rank].index, key, into=into), piece)
+                copy_overlap(out, target, self.read(key, rank, into), piece)
         return out
 
     def nbytes(self, key: str, rank: int) -> int:

@@ -6,7 +6,8 @@
   reused for every entry, sized for the largest). Everything is
   written into a hidden folder next to the destination, which is renamed into place at the end
   (`_publish`): a killed transform leaves the destination absent (or, with ``overwrite``, the
-  old one), never half written.
+  old one), never half written; the next transform to that destination removes the hidden
+  output a killed one of this host left.
 - `merge`: the whole tensors of the model entries in one safetensors file that plain
   ``model.load_state_dict(safetensors.torch.load_file(path))`` loads.
 - `transform_checkpoints` / `unified_safetensors`: MindSpore's names and arguments for the two.
