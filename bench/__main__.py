@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from bench import (
     auto_plans,
+    checkpoint_transform,
     collectives,
     dataloading,
     gpt2_semi_auto,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, Callable[[BenchConfig], str]] = {
     "planning": planning.run,
     "gpt2_semi_auto": gpt2_semi_auto.run,
     "auto_plans": auto_plans.run,
+    "checkpoint_transform": checkpoint_transform.run,
 }
 QUICK_SIZES = (4 * KiB,)
 V = TypeVar("V")

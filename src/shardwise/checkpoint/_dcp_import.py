@@ -185,8 +185,9 @@ class DcpBlocks:
         """Entry `key`'s dtype."""
         return self._meta(key).properties.dtype
 
-    def assemble(self, key: str, target: Piece) -> torch.Tensor:
-        """The block `target` of entry `key`, read from the DCP chunks overlapping it."""
+    def assemble(self, key: str, target: Piece, buffers: object = None) -> torch.Tensor:
+        """The block `target` of entry `key`, read from the DCP chunks overlapping it (a new
+        tensor; `buffers` is not used)."""
         fqn = self.dcp_key[key]
         items = _read_items(fqn, self._meta(key), target)
         got = sum(math.prod(i.lengths) for i in items)

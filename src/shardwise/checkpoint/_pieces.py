@@ -198,7 +198,7 @@ def copy_overlap(dst: torch.Tensor, dst_piece: Piece, src: torch.Tensor, src_pie
     for d in lists:
         s_view = s_view.index_select(d, torch.from_numpy(pairs[d][1]))
     if not lists:
-        d_view.copy_(s_view)
+        _copy(d_view, s_view)
     elif len(lists) == 1:
         d_view.index_copy_(lists[0], torch.from_numpy(pairs[lists[0]][0]), s_view)
     else:  # several strided dims: every dim as a broadcast index
@@ -210,6 +210,19 @@ def copy_overlap(dst: torch.Tensor, dst_piece: Piece, src: torch.Tensor, src_pie
             index.append(torch.from_numpy(np.asarray(pos)).reshape(shape))
         d_view.index_put_(tuple(index), s_view)
     return math.prod(len(t) for t, _ in pairs)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` in this thread (numpy on same-size integer views: the copy is bound
+    by memory, and torch's thread pool costs a scheduler tick per call on a busy host)."""
+    as_int = _SAME_SIZE_INT.get(dst.element_size())
+    if as_int is None or dst.dtype != src.dtype:
+        dst.copy_(src)
+        return
+    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
 
 
 def check_covers(name: str, shape: Sequence[int], pieces: Iterable[Piece]) -> None:

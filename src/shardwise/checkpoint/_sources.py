@@ -8,7 +8,7 @@ read only when asked:
 
 - `SourceSet.read`: one rank's stored block of an entry (checksum verified).
 - `SourceSet.assemble`: any piece of an entry (the whole tensor, or another plan's block) from
-  the blocks that overlap it, each read and dropped in turn.
+  the blocks that overlap it, each read and dropped in turn (into reused `Buffers` when given).
 - `find_files`: the file of each rank (`name`, the newest of `prefix`, or the only one).
 """
 
@@ -37,6 +37,14 @@ from shardwise.checkpoint._strategy import CheckpointStrategy
 from shardwise.checkpoint._stream import FileIndex, read_entry, read_index
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
+_SAME_ON_EVERY_RANK = (fmt.KEY_DEVICE_NUM, fmt.KEY_STEP, fmt.KEY_EPOCH, fmt.KEY_STRATEGY)
+
+
+def _mismatch(key: str, path_a: Path, a: str | None, path_b: Path, b: str | None) -> str:
+    if key == fmt.KEY_STRATEGY and a and b:
+        return f"{path_b} records another cut ({key}) than {path_a}"
+    a_text, b_text = ("nothing" if v is None else repr(v[:60]) for v in (a, b))
+    return f"{path_b} records {key} = {b_text} but {path_a} records {a_text}"
 
 
 def _newest(directory: Path, prefix: str | None) -> Path:
@@ -110,6 +118,29 @@ def _rank_file(rank: int, path: Path, given: CheckpointStrategy | None) -> RankF
     return RankFile(rank, index, pieces)
 
 
+class Buffers:
+    """Byte buffers reused from one `SourceSet.assemble` call to the next (the block being
+    assembled, the stored block being read), each allocated once at the size it is created
+    with: memory stays at those two blocks however many entries pass through.
+
+    Args:
+        block: the largest block to assemble, in bytes.
+        read: the largest stored block to read, in bytes.
+    """
+
+    def __init__(self, block: int, read: int) -> None:
+        self.sizes = {"block": block, "read": read}
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, slot: str, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of buffer `slot` ("block" or "read")."""
+        if slot not in self.buffers:
+            self.buffers[slot] = torch.empty(self.sizes[slot], dtype=torch.uint8)
+        if nbytes > self.sizes[slot]:
+            raise ValueError(f"{nbytes} bytes do not fit the {slot} buffer of {self.sizes[slot]}")
+        return self.buffers[slot][:nbytes]
+
+
 class SourceSet:
     """A checkpoint of one or more rank files, checked to be whole and consistent.
 
@@ -135,18 +166,39 @@ class SourceSet:
     ) -> None:
         paths = find_files(Path(src), name, prefix)
         self.files = [_rank_file(r, p, strategy) for r, p in paths.items()]
+        self._verified: set[tuple[int, str]] = set()  # (rank, key) blocks checksummed once
         first = self.files[0]
         recorded = fmt.parse_int(first.index.path, first.index.metadata, fmt.KEY_DEVICE_NUM)
         self.device_num = recorded or (strategy.device_num if strategy else len(self.files))
         missing = sorted(set(range(self.device_num)) - set(paths))
         if missing or len(paths) != self.device_num:
             extra = sorted(set(paths) - set(range(self.device_num)))
+            problems = []
+            if missing:
+                problems.append(
+                    f"the files of {', '.join(f'rank_{r}' for r in missing)} are missing"
+                )
+            if extra:
+                problems.append(f"folders {', '.join(f'rank_{r}' for r in extra)} are extra")
             raise CheckpointError(
-                f"{src}: the checkpoint is of {self.device_num} ranks but "
-                + (f"rank files {[f'rank_{r}' for r in missing]} are missing" if missing else "")
-                + (f"rank folders {extra} do not belong to it" if extra else "")
+                f"{src}: the checkpoint is of {self.device_num} ranks but {'; '.join(problems)}; "
+                f"it needs the folders rank_0 ... rank_{self.device_num - 1}, one file each"
             )
+        self._check_same_save()
         self._check_entries()
+
+    def _check_same_save(self) -> None:
+        """Every file records the same job, strategy, step and epoch (rank files of two
+        checkpoints mixed in one folder are refused)."""
+        first = self.files[0]
+        for f in self.files[1:]:
+            for key in _SAME_ON_EVERY_RANK:
+                a, b = first.index.metadata.get(key), f.index.metadata.get(key)
+                if a != b:
+                    raise CheckpointError(
+                        f"{_mismatch(key, first.index.path, a, f.index.path, b)}: the rank files "
+                        "are of different checkpoints; put the files of one save together"
+                    )
 
     def _check_entries(self) -> None:
         first = self.files[0]
@@ -188,9 +240,13 @@ class SourceSet:
         """Entry `key`'s dtype."""
         return self.files[0].index.entries[key].dtype
 
-    def read(self, key: str, rank: int) -> torch.Tensor:
-        """Rank `rank`'s stored block of `key` (checksum verified)."""
-        return read_entry(self.files[rank].index, key)
+    def read(self, key: str, rank: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank `rank`'s stored block of `key` (checksum verified the first time it is read;
+        `into`: a byte buffer to read into, as `read_entry`)."""
+        verify = (rank, key) not in self._verified
+        block = read_entry(self.files[rank].index, key, verify=verify, into=into)
+        self._verified.add((rank, key))
+        return block
 
     def holders(self, key: str) -> dict[Piece, int]:
         """Each distinct stored piece of `key`, with the first rank holding it."""
@@ -199,16 +255,30 @@ class SourceSet:
             out.setdefault(f.pieces[key], f.rank)
         return out
 
-    def assemble(self, key: str, target: Piece) -> torch.Tensor:
+    def assemble(self, key: str, target: Piece, buffers: Buffers | None = None) -> torch.Tensor:
         """The block `target` of entry `key`, from the stored blocks overlapping it (padding
-        positions are zero)."""
-        out = torch.zeros(target.local_shape, dtype=self.dtype(key))
+        positions are zero): a new tensor, or a view of `buffers` valid until the next call."""
+        dtype = self.dtype(key)
         for piece, rank in self.holders(key).items():
             if target == piece:
-                return self.read(key, rank)
+                into = None if buffers is None else buffers.take("block", self.nbytes(key, rank))
+                return self.read(key, rank, into)
+        if buffers is None:
+            out = torch.zeros(target.local_shape, dtype=dtype)
+        else:
+            raw = buffers.take("block", target.numel * dtype.itemsize)
+            raw.numpy().fill(0)  # (in this thread, as `copy_overlap` copies)
+            out = raw.view(dtype).reshape(target.local_shape)
+        for piece, rank in self.holders(key).items():
             if overlaps(target, piece):
-                copy_overlap(out, target, self.read(key, rank), piece)
+                into = None if buffers is None else buffers.take("read", self.nbytes(key, rank))
+                copy_overlap(out, target, self.read(key, rank, into), piece)
         return out
+
+    def nbytes(self, key: str, rank: int) -> int:
+        """The bytes of rank `rank`'s stored block of `key`."""
+        e = self.files[rank].index.entries[key]
+        return e.stop - e.start
 
     def describe(self) -> dict[str, Any]:
         """A short description: device count, files and entries (for messages)."""

@@ -6,8 +6,8 @@ end in spaces, which is how `StreamWriter` reserves room for the checksums it on
 the end.
 
 - `FileIndex` / `read_index`: a file's header (tensor entries, metadata, where data starts).
-- `read_entry`: one tensor into a fresh buffer, its CRC-32 checked against the file's
-  ``shardwise.checksums`` when present.
+- `read_entry`: one tensor into a fresh buffer (or a reused one), its CRC-32 checked against
+  the file's ``shardwise.checksums`` when present.
 - `StreamWriter`: declare every entry up front, `write` them in order (each checksummed as
   written), `close` to fill in the header; files written this way load with
   ``safetensors.torch.load_file`` and `shardwise.load_checkpoint`.
@@ -89,20 +89,50 @@ def read_index(path: Path) -> FileIndex:
             "corrupt or in another format (shardwise never unpickles)"
         ) from None
     sums = fmt.parse_json(path, metadata, fmt.KEY_CHECKSUMS) or {}
-    return FileIndex(path, entries, metadata, 8 + n, {k: int(v) for k, v in sums.items()})
+    index = FileIndex(path, entries, metadata, 8 + n, {k: int(v) for k, v in sums.items()})
+    _check_sizes(index)
+    return index
 
 
-def read_entry(index: FileIndex, name: str, verify: bool = True) -> torch.Tensor:
-    """Entry `name` of the file as a new CPU tensor (checksum verified)."""
+def _check_sizes(index: FileIndex) -> None:
+    """Each entry's byte range fits its dtype and shape, and the file holds them all."""
+    for key, e in index.entries.items():
+        want = int(torch.Size(e.shape).numel()) * e.dtype.itemsize
+        if e.stop - e.start != want:
+            raise CheckpointError(
+                f"{index.path}: tensor {key!r} spans {e.stop - e.start} bytes but is "
+                f"{list(e.shape)} of {e.dtype} ({want} bytes); the file is corrupt"
+            )
+    end = index.data_start + max((e.stop for e in index.entries.values()), default=0)
+    size = index.path.stat().st_size
+    if size < end:
+        raise CheckpointError(
+            f"{index.path}: the file is truncated ({size} bytes, its header needs {end}): an "
+            "interrupted copy or save; copy it again or use another checkpoint"
+        )
+
+
+def read_entry(
+    index: FileIndex, name: str, verify: bool = True, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Entry `name` of the file as a CPU tensor (checksum verified): a new one, or a view of
+    the start of the byte buffer `into` (uint8, large enough)."""
     e = index.entries[name]
-    buf = torch.empty(e.stop - e.start, dtype=torch.uint8)
+    buf = (
+        torch.empty(e.stop - e.start, dtype=torch.uint8)
+        if into is None
+        else into[: e.stop - e.start]
+    )
     with open(index.path, "rb") as f:
         f.seek(index.data_start + e.start)
         got = f.readinto(buf.numpy().data)
     if got != e.stop - e.start:
         raise CheckpointError(f"{index.path}: tensor {name!r} is truncated")
     if verify and name in index.checksums and zlib.crc32(buf.numpy().data) != index.checksums[name]:
-        raise CheckpointError(f"{index.path}: tensor {name!r} is corrupt (checksum mismatch)")
+        raise CheckpointError(
+            f"{index.path}: tensor {name!r} is corrupt (checksum mismatch: its bytes changed "
+            "after it was saved); restore the file from a copy or use another checkpoint"
+        )
     return buf.view(e.dtype).reshape(e.shape) if e.shape else buf.view(e.dtype).reshape(())
 
 

@@ -2,10 +2,12 @@
 
 - `transform`: every destination rank's file, entry by entry: each block assembled from the
   source blocks that overlap it (`SourceSet.assemble`) and streamed to disk (`StreamWriter`),
-  so at most one destination block and one source block are in memory at a time. Everything is
+  so at most one destination block and one source block are in memory at a time (two buffers
+  reused for every entry, sized for the largest). Everything is
   written into a hidden folder next to the destination, which is renamed into place at the end
   (`_publish`): a killed transform leaves the destination absent (or, with ``overwrite``, the
-  old one), never half written.
+  old one), never half written; the next transform to that destination removes the hidden
+  output a killed one of this host left.
 - `merge`: the whole tensors of the model entries in one safetensors file that plain
   ``model.load_state_dict(safetensors.torch.load_file(path))`` loads.
 - `transform_checkpoints` / `unified_safetensors`: MindSpore's names and arguments for the two.
@@ -15,10 +17,14 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
+import socket
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -30,12 +36,13 @@ from shardwise.checkpoint._describe import strategy_metadata
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._manager import checkpoint_dir_for_rank
 from shardwise.checkpoint._pieces import Piece
-from shardwise.checkpoint._sources import SourceSet
+from shardwise.checkpoint._sources import Buffers, SourceSet
 from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
 from shardwise.checkpoint._stream import StreamWriter
 
 PathLike = str | os.PathLike[str]
 _PROGRESS_BYTES = 64 << 20  # a progress bar for checkpoints from this size on
+_OWNER = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())  # a partial output's host
 _KEEP = (fmt.KEY_VERSION, fmt.KEY_STEP, fmt.KEY_EPOCH, fmt.KEY_EXTRA, fmt.KEY_OPTIMIZER)
 
 
@@ -52,7 +59,7 @@ class Blocks(Protocol):
 
     def dtype(self, key: str) -> torch.dtype: ...
 
-    def assemble(self, key: str, target: Piece) -> torch.Tensor: ...
+    def assemble(self, key: str, target: Piece, buffers: Buffers | None = None) -> torch.Tensor: ...
 
 
 def _check_fits(source: Blocks, dst: CheckpointStrategy) -> None:
@@ -70,10 +77,11 @@ def _check_fits(source: Blocks, dst: CheckpointStrategy) -> None:
                 f"{list(p.shape)} in the destination strategy"
             )
         try:
+            p.layout.check(p.shape, who=f"parameter {name!r} {list(p.shape)}")
             for r in range(dst.device_num):
                 dst.param_piece(name, r)
         except ValueError as e:
-            raise CheckpointError(f"the destination strategy does not fit {name!r}: {e}") from None
+            raise CheckpointError(f"the destination strategy does not fit: {e}") from None
 
 
 def _pieces(
@@ -83,16 +91,35 @@ def _pieces(
 
 
 def _write_file(
-    source: Blocks, path: Path, pieces: dict[str, Piece], meta: dict[str, str], bar: tqdm
+    source: Blocks, path: Path, pieces: dict[str, Piece], meta: dict[str, str], out: _Out
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     specs = [(k, source.dtype(k), p.local_shape) for k, p in pieces.items()]
     with StreamWriter(path, specs, meta) as writer:
         for key, piece in pieces.items():
-            block = source.assemble(key, piece)
+            block = source.assemble(key, piece, out.buffers)
             writer.write(key, block)
-            bar.update(block.numel() * block.element_size())
+            out.bar.update(block.numel() * block.element_size())
             del block
+
+
+@dataclass
+class _Out:
+    """What every file of one transform shares: the progress bar, the reused buffers."""
+
+    bar: tqdm
+    buffers: Buffers | None
+
+
+def _buffers(source: Blocks, plans: Sequence[Mapping[str, Piece]]) -> Buffers | None:
+    """Buffers for the largest destination block and the largest stored block (a `SourceSet`;
+    other sources allocate their own)."""
+    if not isinstance(source, SourceSet):
+        return None
+    block = max((source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items()),
+                default=0)  # fmt: skip
+    read = max((source.nbytes(k, f.rank) for f in source.files for k in source.names), default=0)
+    return Buffers(block, read)
 
 
 @contextlib.contextmanager
@@ -100,9 +127,13 @@ def _publish(dst: Path, overwrite: bool) -> Iterator[Path]:
     """A hidden path next to `dst` to write into (a file or a folder), renamed to `dst` when
     the block ends without error; on an error (or a kill) `dst` is left as it was."""
     if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} exists; pass overwrite=True to replace it")
+        raise CheckpointError(
+            f"{dst} exists; pass overwrite=True to replace it (once the new one is complete), "
+            "or choose another destination"
+        )
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    _remove_stale(dst)
+    tmp = dst.with_name(f".{dst.name}.partial-{_OWNER}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     try:
         yield tmp
     except BaseException:
@@ -115,6 +146,25 @@ def _publish(dst: Path, overwrite: bool) -> Iterator[Path]:
     os.replace(tmp, dst)
     if old is not None:
         _remove(old)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
+
+
+def _remove_stale(dst: Path) -> None:
+    """Remove the hidden partial outputs next to `dst` left by killed transforms of this host
+    (their process is gone; a live one's, or another host's, are left alone)."""
+    for path in dst.parent.glob(f".{glob.escape(dst.name)}.partial-{_OWNER}-*"):
+        pid = path.name[len(f".{dst.name}.partial-{_OWNER}-") :].partition("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(path)
 
 
 def _remove(path: Path) -> None:
@@ -148,9 +198,10 @@ def _cut(
     plans = [_pieces(source, dst, r, keys) for r in range(dst.device_num)]
     total = sum(source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items())
     with _publish(out, overwrite) as tmp, _bar(total, "checkpoint", progress) as bar:
+        shared = _Out(bar, _buffers(source, plans))
         for r, pieces in enumerate(plans):
             extra = strategy_metadata(dst, r, pieces) if meta is None else dict(meta)
-            _write_file(source, path_of(tmp, r), pieces, {"format": "pt"} | keep | extra, bar)
+            _write_file(source, path_of(tmp, r), pieces, {"format": "pt"} | keep | extra, shared)
 
 
 def transform(

@@ -1,0 +1,224 @@
+"""Bad input to transform / merge / transform_checkpoints / load_distributed: a clear
+`CheckpointError` naming the problem and the fix, and nothing overwritten.
+
+Covered: missing rank files, a corrupt tensor (checksum), a truncated file, rank files of two
+checkpoints mixed, a strategy that does not fit the shapes (or is of another network), an
+existing destination (refused without ``overwrite``; replaced only by a complete new one),
+and a checkpoint of another network. The destination is checked byte for byte (absent, or
+its old content) and no hidden partial output is left next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tests.checkpoint.ckpt_cases import (
+    SHAPES,
+    Net,
+    hidden,
+    merged,
+    snapshot,
+    source,
+    split,
+    tensors,
+)
+
+import shardwise as sw
+from shardwise.checkpoint import CheckpointError
+
+APIS = ("transform", "merge", "transform_checkpoints", "load_distributed")
+
+
+def _call(api: str, src: Path, dst: Path, net: Net) -> Callable[[], object]:
+    return {
+        "transform": lambda: sw.checkpoint.transform(src, dst, 2),
+        "merge": lambda: sw.checkpoint.merge(src, dst),
+        "transform_checkpoints": lambda: sw.transform_checkpoints(src, dst, "ck_"),
+        "load_distributed": lambda: sw.checkpoint.load_distributed(net, src),
+    }[api]
+
+
+def _refused(api: str, src: Path, dst: Path, *words: str) -> str:
+    """Run `api`; it must raise `CheckpointError` naming every word, leave `dst` absent and
+    nothing hidden next to it (a load_distributed network: untouched when the error comes
+    before any tensor is read)."""
+    net = Net()
+    with pytest.raises(CheckpointError) as info:
+        _call(api, src, dst, net)()
+    message = str(info.value)
+    for word in words:
+        assert word in message, (word, message)
+    assert not dst.exists() and hidden(dst.parent) == [] and net.unchanged()
+    return message
+
+
+def _entry_offset(path: Path, key: str) -> int:
+    """Where entry `key`'s bytes start in the safetensors file `path`."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return 8 + n + json.loads(data[8 : 8 + n])[key]["data_offsets"][0]
+
+
+def _corrupt(path: Path, key: str) -> None:
+    data = bytearray(path.read_bytes())
+    data[_entry_offset(path, key) + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_missing_rank_files_are_named(api: str, tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    for r in (1, 3):
+        shutil.rmtree(src / f"rank_{r}")
+    msg = _refused(api, src, tmp_path / "out" / "dst", "4 ranks", "rank_1, rank_3", str(src))
+    assert "rank_0 ... rank_3" in msg  # what the folder needs
+
+
+@pytest.mark.parametrize("api", APIS[:3])
+def test_a_corrupt_tensor_names_its_key_and_file(api: str, tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    _corrupt(src / "rank_2" / "whole.safetensors", "q")
+    where = str(src / "rank_2" / "whole.safetensors")
+    _refused(api, src, tmp_path / "out" / "dst", where, "'q'", "checksum", "restore")
+
+
+def test_load_distributed_of_a_corrupt_file_names_it(tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    _corrupt(src / "rank_1" / "whole.safetensors", "w")
+    with pytest.raises(CheckpointError, match=r"rank_1/whole.safetensors: tensor 'w' is corrupt"):
+        sw.checkpoint.load_distributed(Net(), src)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_truncated_file_is_refused_before_anything_is_read(api: str, tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    path = src / "rank_3" / "whole.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    _refused(api, src, tmp_path / "out" / "dst", str(path), "truncated", "copy it again")
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_rank_files_of_two_saves_mixed_are_refused(api: str, tmp_path: Path) -> None:
+    src = source(tmp_path / "s", step=10)
+    other = source(tmp_path / "other", step=20)  # the same network, saved later
+    shutil.rmtree(src / "rank_1")
+    shutil.copytree(other / "rank_1", src / "rank_1")
+    _refused(api, src, tmp_path / "out" / "dst", "shardwise.step", "'20'", "'10'", "different")
+
+
+def test_rank_files_of_two_cuts_mixed_are_refused(tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    whole = tmp_path / "s" / "whole.safetensors"
+    other = sw.checkpoint.transform(whole, tmp_path / "other", split(4, {"q": (12, 4)}, dim=1))
+    shutil.rmtree(src / "rank_2")
+    shutil.copytree(other / "rank_2", src / "rank_2")
+    _refused("transform", src, tmp_path / "out" / "dst", "another cut", "different checkpoints")
+
+
+def test_a_strategy_that_does_not_divide_names_parameter_dim_and_axis(tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    dst = tmp_path / "out" / "dst"
+    bad = split(4, {"b": (6,)})  # 6 elements over 4 ranks
+    with pytest.raises(CheckpointError) as info:
+        sw.checkpoint.transform(src, dst, bad)
+    for word in ("parameter 'b' [6]", "dim 0", "4 parts", "axes mp", "divides 6"):
+        assert word in str(info.value), (word, str(info.value))
+    assert not dst.exists() and hidden(dst.parent) == []
+
+    strategy_file = tmp_path / "bad.json"  # the same through MindSpore's strategy file
+    strategy_file.write_text(json.dumps(split(4, {"q": (12, 4)}, dim=1).to_json()))
+    sw.transform_checkpoints(src, tmp_path / "fine", "ck_", None, strategy_file)  # 4 | 4
+    strategy_file.write_text(json.dumps(split(8, {"q": (12, 4)}, dim=1).to_json()))
+    with pytest.raises(CheckpointError, match=r"parameter 'q' \[12, 4\]: dim 1 .* 8 parts"):
+        sw.transform_checkpoints(src, dst, "ck_", None, strategy_file)
+    assert not dst.exists() and hidden(dst.parent) == []
+
+
+def test_a_strategy_of_other_shapes_or_another_network_is_named(tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    dst = tmp_path / "out" / "dst"
+    with pytest.raises(CheckpointError, match=r"'q' is \[12, 4\] in the checkpoint but \[12, 8\]"):
+        sw.checkpoint.transform(src, dst, split(2, {"q": (12, 8)}))
+    with pytest.raises(CheckpointError, match=r"parameter 'fc.weight', the checkpoint does not"):
+        sw.checkpoint.transform(src, dst, split(2, {"fc.weight": (4, 4)}))
+    assert not dst.exists() and hidden(dst.parent) == []
+
+
+def test_a_checkpoint_of_another_network_names_the_first_difference(tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    net = Net({"w": (8, 6), "b": (6,), "q": (12, 5), "z": (3,)})  # q differs first, then z
+    with pytest.raises(CheckpointError, match=r"'q' is \[12, 4\] in the checkpoint but \[12, 5\]"):
+        sw.checkpoint.load_distributed(net, src)
+    assert net.unchanged()
+    net = Net({"w": (8, 6), "b": (6,), "q": (12, 4), "z": (3,)})
+    with pytest.raises(CheckpointError, match=r"Net.z \[3\] is not in the checkpoint"):
+        sw.checkpoint.load_distributed(net, src)
+    assert net.unchanged()
+    net = Net({"w": (8, 6), "b": (6,)})
+    with pytest.raises(CheckpointError, match=r"checkpoint entry 'q' is not in Net"):
+        sw.checkpoint.load_distributed(net, src)
+    assert net.unchanged()
+
+
+def _writers(src: Path, dst: Path, overwrite: bool) -> dict[str, Callable[[], object]]:
+    return {
+        "transform": lambda: sw.checkpoint.transform(src, dst, 2, overwrite=overwrite),
+        "merge": lambda: sw.checkpoint.merge(src, dst / "m.safetensors", overwrite=overwrite),
+        "transform_checkpoints": lambda: sw.transform_checkpoints(
+            src, dst, "ck_", overwrite=overwrite
+        ),
+        "unified_safetensors": lambda: sw.checkpoint.unified_safetensors(
+            src, None, dst, overwrite=overwrite
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "api", ["transform", "merge", "transform_checkpoints", "unified_safetensors"]
+)
+def test_an_existing_destination_is_refused_and_kept(api: str, tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    dst = tmp_path / "out" / "dst"
+    target = dst / "m.safetensors" if api == "merge" else dst
+    target.parent.mkdir(parents=True)
+    if api == "merge":
+        target.write_bytes(b"an older merged file")
+    else:
+        (dst / "rank_0").mkdir(parents=True)
+        (dst / "rank_0" / "old.safetensors").write_bytes(b"an older checkpoint")
+    before = snapshot(target)
+    with pytest.raises(CheckpointError) as info:
+        _writers(src, dst, overwrite=False)[api]()
+    assert f"{target} exists" in str(info.value) and "overwrite=True" in str(info.value)
+    assert snapshot(target) == before and hidden(target.parent) == []
+
+
+@pytest.mark.parametrize(
+    "api", ["transform", "merge", "transform_checkpoints", "unified_safetensors"]
+)
+def test_overwrite_replaces_only_with_a_complete_checkpoint(api: str, tmp_path: Path) -> None:
+    src = source(tmp_path / "s")
+    dst = tmp_path / "out" / "dst"
+    _writers(source(tmp_path / "older", seed=1), dst, overwrite=False)[api]()
+    target = dst / "m.safetensors" if api == "merge" else dst
+    before = snapshot(target)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    _corrupt(broken / "rank_3" / "whole.safetensors", "w")  # fails after some files are written
+    with pytest.raises(CheckpointError, match="corrupt"):
+        _writers(broken, dst, overwrite=True)[api]()
+    assert snapshot(target) == before and hidden(target.parent) == []
+
+    _writers(src, dst, overwrite=True)[api]()
+    assert snapshot(target) != before and hidden(target.parent) == []
+    got = merged(dst, tmp_path / "check.safetensors") if api != "merge" else None
+    got = got or dict(sw.load_checkpoint(target))
+    assert got.keys() == SHAPES.keys()
+    assert all(torch.equal(got[k], v) for k, v in tensors().items())
