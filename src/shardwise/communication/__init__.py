@@ -12,7 +12,8 @@ process-group functions directly.
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
   parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
-  buckets started together inside `_pairwise.coalesced()`.
+  buckets started together inside `_pairwise.coalesced()`; `release_buffers` frees its pool of
+  message buffers.
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
 - `_max_over_ranks`: `max_over_ranks`, the AllReduce(MAX) of partial maxima (ReduceMax with
   its reduced dim split), with its adjoint.
@@ -41,6 +42,7 @@ from shardwise.communication._init import (
     scoped_group_name,
 )
 from shardwise.communication._max_over_ranks import max_over_ranks
+from shardwise.communication._pairwise import release_buffers
 from shardwise.communication._ranks import (
     file_rank,
     own_group,
@@ -95,6 +97,7 @@ __all__ = [
     "rank_parts",
     "rank_value",
     "release",
+    "release_buffers",
     "replicated_draw",
     "scoped_group_name",
 ]

@@ -18,10 +18,10 @@ straight from its tensor (packing it would cost a copy larger than the round tri
   received in place when a message has one target, else unpacked; a bucket waits only for
   its own messages, so a coalesced level-3 prefetch does not wait for the next bucket's).
 - `coalesced()`: the block whose bucket calls share their exchanges.
-- `_take` / `_give`: packed send buffers and receive boxes come from a pool of free buffers
-  (`POOL_BYTES` at most) and go back when their message finished: a fresh 1.3 MB buffer costs
-  page faults and cold caches on every step (the MNIST MLP at level 2: 0.2-0.8 ms less CPU
-  per step and rank with the pool, alternated in one job).
+- `_take` / `_give` / `release_buffers`: packed send buffers and receive boxes come from a pool
+  of free buffers (`POOL_BYTES` at most) and go back when their message finished: a fresh
+  1.3 MB buffer costs page faults and cold caches on every step (the MNIST MLP at level 2:
+  0.2-0.8 ms less CPU per step and rank with the pool, alternated in one job).
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def _give(buffer: torch.Tensor) -> None:
         return
     _pool.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
     _pooled[0] += size
+
+
+def release_buffers() -> None:
+    """Free the pooled message buffers (they are made again as messages need them): between
+    two jobs run in one process, or before measuring a fresh job's memory."""
+    _pool.clear()
+    _pooled[0] = 0
 
 
 def _packed(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -117,9 +117,9 @@ class MemoryMeter:
         live: dict[int, int] = {}  # address -> bytes, of blocks allocated while measuring
         held = 0
         for t, nbytes, ptr in events:
-            if nbytes > 0:
+            if nbytes > 0:  # (an address given out again was freed, seen or not: by a thread
+                held += nbytes - live.get(ptr, 0)  # the profiler does not watch, say)
                 live[ptr] = nbytes
-                held += nbytes
             else:  # (a block allocated before the meter started is not counted when freed)
                 held -= live.pop(ptr, 0)
             self._series.append((t, held))
