@@ -52,6 +52,7 @@ def main() -> None:
     init()
     n, rank = get_group_size(), get_rank()
     sizes = SIZES[args.size]
+    sw.set_seed(1)  # (every rank builds the same weights)
     net = GPT2(**sizes)
     if args.mode == "sharding_propagation":
         if n % args.mp:
@@ -72,9 +73,9 @@ def main() -> None:
     seq = sizes["block_size"]
     for step in range(args.steps):
         tokens = torch.randint(0, sizes["vocab_size"], (args.batch, seq + 1), generator=g)
-        loss = parallel_step(tokens[:, :-1], tokens[:, 1:])
+        loss = parallel_step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         if rank == 0:
-            print(f"step {step}: loss {float(loss.detach()):.4f}", flush=True)
+            print(f"step {step}: loss {float(loss.detach()):.6f}", flush=True)
     sw.communication.release()
 
 
