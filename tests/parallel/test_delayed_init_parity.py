@@ -126,3 +126,39 @@ def test_local_blocks_only_and_unconsumed_parameters_whole() -> None:
         got_extra, got_stat = net.get_parameter("extra").detach(), net.get_buffer("stat")
         assert_matches_single_device(got_extra, extra, what="extra")
         assert_matches_single_device(got_stat, stat, what="stat")
+
+
+def test_tied_weights_stay_tied_gpt2() -> None:
+    """nanoGPT ties ``lm_head.weight`` to ``transformer.wte.weight``: built inside the block on
+    simulated ranks (each rank's value a new Parameter object), both modules get the same new
+    Parameter, and the losses equal the eagerly built network's."""
+    from shardwise.testing.nanogpt import GPT2
+
+    cfg = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16}
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+
+    def losses(deferred: bool) -> list[float]:
+        with simulated_world(2):
+            sw.set_seed(1)
+            if deferred:
+                with sw.no_init_parameters():
+                    net = GPT2(**cfg)
+                    opt = net.configure_optimizers(weight_decay=0.1, lr=6e-4)
+            else:
+                net = GPT2(**cfg)
+                opt = net.configure_optimizers(weight_decay=0.1, lr=6e-4)
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                _, loss = net(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            parallel = AutoParallel(step, parallel_mode="semi_auto")
+            out = [float(parallel(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+                   for _ in range(2)]  # fmt: skip
+            assert net.lm_head.weight is net.transformer.wte.weight
+            return out
+
+    assert losses(True) == losses(False)

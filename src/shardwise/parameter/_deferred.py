@@ -310,7 +310,10 @@ def _give(obj: torch.nn.Module | torch.Tensor, targets: list[Target], values: li
         old = target.tensor
         if attr in owner._parameters:
             new = torch.nn.Parameter(value.detach(), requires_grad=old.requires_grad)
-            setattr(owner, attr, new)
+            for module in obj.modules():  # (every module holding it: tied weights stay tied)
+                for key, held in list(module._parameters.items()):
+                    if held is old:
+                        setattr(module, key, new)
             replaced.append((old, new))
         else:
             persistent = attr not in owner._non_persistent_buffers_set
