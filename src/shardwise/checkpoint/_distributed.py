@@ -7,6 +7,9 @@ network holds on this rank (`SourceSet.assemble`), one entry at a time:
   first step then cuts them (and optimizer state loaded here) as it cuts a fresh network;
 - a planned network: this rank's blocks under its plan (every rank's, in a simulated world).
 
+Every block it will read is checksummed first, so a corrupt file is refused before the network
+or the optimizer changes.
+
 - `load_distributed`: the public function (weights, and the optimizer state with
   ``optimizer=``).
 - `_Entries`: the checkpoint's entries as a lazy mapping, so `load_param_into_net` matches
@@ -124,6 +127,7 @@ def load_distributed(
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 
     model = [k for k in source.names if not k.startswith(fmt.OPTIMIZER_PREFIX)]
+    source.verify(source.names if optimizer is not None else model)  # (before loading any)
     result = load_param_into_net(network, _Entries(model, make), strict_load=strict)
     if optimizer is not None:
         _load_optimizer(source, optimizer, network, make)

@@ -6,7 +6,8 @@ files make one checkpoint: every rank of the recorded job present, the same entr
 same global shapes and dtypes on every rank, and each tensor's pieces tiling it. Tensors are
 read only when asked:
 
-- `SourceSet.read`: one rank's stored block of an entry (checksum verified).
+- `SourceSet.read`: one rank's stored block of an entry (checksum verified); `SourceSet.verify`
+  checks the blocks of some entries up front.
 - `SourceSet.assemble`: any piece of an entry (the whole tensor, or another plan's block) from
   the blocks that overlap it, each read and dropped in turn (into reused `Buffers` when given).
 - `find_files`: the file of each rank (`name`, the newest of `prefix`, or the only one).
@@ -247,6 +248,14 @@ class SourceSet:
         block = read_entry(self.files[rank].index, key, verify=verify, into=into)
         self._verified.add((rank, key))
         return block
+
+    def verify(self, keys: list[str]) -> None:
+        """Checksum every stored block of `keys` that an assembly would read (one at a time),
+        so that a corrupt file is found before anything is loaded."""
+        for key in keys:
+            for rank in self.holders(key).values():
+                if (rank, key) not in self._verified:
+                    self.read(key, rank)
 
     def holders(self, key: str) -> dict[Piece, int]:
         """Each distinct stored piece of `key`, with the first rank holding it."""
