@@ -123,11 +123,13 @@ def load_distributed(
     def make(key: str) -> torch.Tensor:
         shape = source.shape(key)
         if strategy is None:
-            return source.assemble(key, whole(shape))
+            with comm.plain_tensors():  # (the same whole tensor on every rank)
+                return source.assemble(key, whole(shape))
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 
     model = [k for k in source.names if not k.startswith(fmt.OPTIMIZER_PREFIX)]
-    source.verify(source.names if optimizer is not None else model)  # (before loading any)
+    with comm.plain_tensors():  # (before loading anything; one read for the whole job)
+        source.verify(source.names if optimizer is not None else model)
     result = load_param_into_net(network, _Entries(model, make), strict_load=strict)
     if optimizer is not None:
         _load_optimizer(source, optimizer, network, make)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import os
 import re
@@ -139,6 +140,9 @@ def _publish(dst: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+    if dst.exists() and _exchange(tmp, dst):  # (atomic: dst is the old or the new, always)
+        _remove(tmp)
+        return
     old = None
     if dst.exists():
         old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:6]}")
@@ -146,6 +150,18 @@ def _publish(dst: Path, overwrite: bool) -> Iterator[Path]:
     os.replace(tmp, dst)
     if old is not None:
         _remove(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system cannot (the caller then renames the old one away first)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return bool(renameat2(at_fdcwd, bytes(a), at_fdcwd, bytes(b), rename_exchange) == 0)
 
 
 def _alive(pid: int) -> bool:
