@@ -14,6 +14,7 @@ Checkpoints across plans and device counts (each rank's file records its cut):
 - `_describe`: what a rank's file records when saved from a planned network.
 - `_stream`: safetensors read and written one tensor at a time.
 - `_sources`: `SourceSet`, the rank files of one checkpoint, checked and assembled.
+- `_publish`: a destination written in a hidden place and published whole.
 - `_transform`: `transform`, `merge`, MindSpore's `transform_checkpoints` and
   `unified_safetensors`.
 - `_distributed`: `load_distributed`, any checkpoint into a network's current plan.

@@ -44,9 +44,9 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._dcp_boxes import Box, boxes
 from shardwise.checkpoint._dcp_optimizer import KeyPath, Ref, torch_leaves
 from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._publish import publish
 from shardwise.checkpoint._sources import SourceSet
 from shardwise.checkpoint._strategy import as_strategy
-from shardwise.checkpoint._transform import _publish
 
 PathLike = str | os.PathLike[str]
 
@@ -161,7 +161,7 @@ def export_dcp(
         leaves += _optimizer_leaves(source, optimizer_key, flatten_optimizer)
     planner = _ExportPlanner(source, leaves)
     out = Path(dcp_dir)
-    with _publish(out, overwrite) as tmp, warnings.catch_warnings():
+    with publish(out, overwrite) as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
         save({}, storage_writer=writer, planner=planner, no_dist=True)

@@ -1,13 +1,14 @@
 """Re-cut a distributed checkpoint for another plan or device count, or merge it into one file.
 
-- `transform`: every destination rank's file, entry by entry: each block assembled from the
-  source blocks that overlap it (`SourceSet.assemble`) and streamed to disk (`StreamWriter`),
-  so at most one destination block and one source block are in memory at a time (two buffers
-  reused for every entry, sized for the largest). Everything is
-  written into a hidden folder next to the destination, which is renamed into place at the end
-  (`_publish`): a killed transform leaves the destination absent (or, with ``overwrite``, the
-  old one), never half written; the next transform to that destination removes the hidden
-  output a killed one of this host left.
+- `transform`: the destination's files, written entry by entry (`_cut`). With up to
+  `_OPEN_FILES` destination ranks every file is open at once (`_write_entry_major`): each
+  entry is assembled once from the stored blocks (`SourceSet.assemble`; whole when the ranks
+  hold different pieces of it) and every rank's block is cut from it, so each stored block is
+  read once and at most the entry and one block are in memory (two buffers reused for every
+  entry, sized for the largest); with more, one file at a time (`_write_file`). Everything is
+  written into a hidden folder next to the destination and published at the end
+  (`_publish.publish`): a killed transform leaves the destination absent (or, with
+  ``overwrite``, the old one), never half written.
 - `merge`: the whole tensors of the model entries in one safetensors file that plain
   ``model.load_state_dict(safetensors.torch.load_file(path))`` loads.
 - `transform_checkpoints` / `unified_safetensors`: MindSpore's names and arguments for the two.
@@ -16,15 +17,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import glob
+import math
 import os
-import re
-import shutil
-import socket
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -36,14 +31,15 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import strategy_metadata
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._manager import checkpoint_dir_for_rank
-from shardwise.checkpoint._pieces import Piece
+from shardwise.checkpoint._pieces import Piece, copy_overlap, whole
+from shardwise.checkpoint._publish import publish
 from shardwise.checkpoint._sources import Buffers, SourceSet
 from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
 from shardwise.checkpoint._stream import StreamWriter
 
 PathLike = str | os.PathLike[str]
+_OPEN_FILES = 256  # up to this many destination ranks, every file is written at once
 _PROGRESS_BYTES = 64 << 20  # a progress bar for checkpoints from this size on
-_OWNER = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())  # a partial output's host
 _KEEP = (fmt.KEY_VERSION, fmt.KEY_STEP, fmt.KEY_EPOCH, fmt.KEY_EXTRA, fmt.KEY_OPTIMIZER)
 
 
@@ -117,77 +113,75 @@ def _buffers(source: Blocks, plans: Sequence[Mapping[str, Piece]]) -> Buffers | 
     other sources allocate their own)."""
     if not isinstance(source, SourceSet):
         return None
-    block = max((source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items()),
-                default=0)  # fmt: skip
-    read = max((source.nbytes(k, f.rank) for f in source.files for k in source.names), default=0)
-    return Buffers(block, read)
+    pieces = max((source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items()),
+                 default=0)  # fmt: skip
+    stored = max((source.nbytes(k, f.rank) for f in source.files for k in source.names), default=0)
+    whole_entry = max((source.dtype(k).itemsize * math.prod(source.shape(k)) for k in source.names),
+                      default=0)  # fmt: skip
+    # "block": the entry being assembled (at most whole); "read": a stored block while it is
+    # read, then a destination block cut from the entry (never both at once)
+    return Buffers(max(pieces, whole_entry), max(stored, pieces))
 
 
-@contextlib.contextmanager
-def _publish(dst: Path, overwrite: bool) -> Iterator[Path]:
-    """A hidden path next to `dst` to write into (a file or a folder), renamed to `dst` when
-    the block ends without error; on an error (or a kill) `dst` is left as it was."""
-    if dst.exists() and not overwrite:
-        raise CheckpointError(
-            f"{dst} exists; pass overwrite=True to replace it (once the new one is complete), "
-            "or choose another destination"
-        )
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(dst)
-    tmp = dst.with_name(f".{dst.name}.partial-{_OWNER}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-    try:
-        yield tmp
-    except BaseException:
-        _remove(tmp)
-        raise
-    if dst.exists() and _exchange(tmp, dst):  # (atomic: dst is the old or the new, always)
-        _remove(tmp)
-        return
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:6]}")
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    if old is not None:
-        _remove(old)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
-    system cannot (the caller then renames the old one away first)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return bool(renameat2(at_fdcwd, bytes(a), at_fdcwd, bytes(b), rename_exchange) == 0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's process)
-        return True
-    return True
-
-
-def _remove_stale(dst: Path) -> None:
-    """Remove the hidden partial outputs next to `dst` left by killed transforms of this host
-    (their process is gone; a live one's, or another host's, are left alone)."""
-    for path in dst.parent.glob(f".{glob.escape(dst.name)}.partial-{_OWNER}-*"):
-        pid = path.name[len(f".{dst.name}.partial-{_OWNER}-") :].partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove(path)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
+def _cut_from(entry: torch.Tensor, shape: tuple[int, ...], piece: Piece, out: _Out) -> torch.Tensor:
+    """Destination block `piece` of a whole entry: a view where it is one slab of rows, else a
+    copy (padding zero) in the reused read buffer."""
+    dims = piece.dims
+    if (
+        all(rs == ((0, n),) for rs, n in zip(dims[1:], shape[1:], strict=True))
+        and len(dims[0]) == 1
+    ):
+        ((a, b),) = dims[0]
+        if b <= shape[0]:
+            return entry[a:b]
+    if out.buffers is None:
+        block = torch.zeros(piece.local_shape, dtype=entry.dtype)
     else:
-        path.unlink(missing_ok=True)
+        raw = out.buffers.take("read", piece.numel * entry.element_size())
+        raw.numpy().fill(0)
+        block = raw.view(entry.dtype).reshape(piece.local_shape)
+    copy_overlap(block, piece, entry, whole(shape))
+    return block
+
+
+def _write_entry_major(
+    source: Blocks,
+    paths: Sequence[Path],
+    plans: Sequence[Mapping[str, Piece]],
+    metas: Sequence[Mapping[str, str]],
+    out: _Out,
+) -> None:
+    """Every destination file open at once, written entry by entry: each entry assembled once
+    (whole, when ranks hold different pieces of it) and every rank's block cut from it."""
+    writers: list[StreamWriter] = []
+    try:
+        for path, pieces, meta in zip(paths, plans, metas, strict=True):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            specs = [(k, source.dtype(k), p.local_shape) for k, p in pieces.items()]
+            writers.append(StreamWriter(path, specs, meta))
+        for key in plans[0] if plans else ():
+            groups: dict[Piece, list[int]] = {}
+            for r, pieces in enumerate(plans):
+                groups.setdefault(pieces[key], []).append(r)
+            shape = source.shape(key)
+            entry = None
+            if len(groups) > 1:
+                entry = source.assemble(key, whole(shape), out.buffers)
+            for piece, ranks in groups.items():
+                block = (
+                    source.assemble(key, piece, out.buffers)
+                    if entry is None
+                    else _cut_from(entry, shape, piece, out)
+                )
+                for r in ranks:
+                    writers[r].write(key, block)
+                    out.bar.update(block.numel() * block.element_size())
+        for w in writers:
+            w.close()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
 
 
 def _bar(total: int, what: str, progress: bool | None) -> tqdm:
@@ -213,11 +207,20 @@ def _cut(
     keep = {k: v for k, v in source.metadata.items() if k in _KEEP and meta is None}
     plans = [_pieces(source, dst, r, keys) for r in range(dst.device_num)]
     total = sum(source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items())
-    with _publish(out, overwrite) as tmp, _bar(total, "checkpoint", progress) as bar:
+    with publish(out, overwrite) as tmp, _bar(total, "checkpoint", progress) as bar:
         shared = _Out(bar, _buffers(source, plans))
-        for r, pieces in enumerate(plans):
-            extra = strategy_metadata(dst, r, pieces) if meta is None else dict(meta)
-            _write_file(source, path_of(tmp, r), pieces, {"format": "pt"} | keep | extra, shared)
+        metas = [
+            {"format": "pt"}
+            | keep
+            | (strategy_metadata(dst, r, ps) if meta is None else dict(meta))
+            for r, ps in enumerate(plans)
+        ]
+        paths = [path_of(tmp, r) for r in range(dst.device_num)]
+        if dst.device_num <= _OPEN_FILES:  # (each stored block read once)
+            _write_entry_major(source, paths, plans, metas, shared)
+        else:  # (one file open at a time; a stored block read once per rank needing it)
+            for path, pieces, m in zip(paths, plans, metas, strict=True):
+                _write_file(source, path, pieces, m, shared)
 
 
 def transform(
