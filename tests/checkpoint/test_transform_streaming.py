@@ -9,6 +9,7 @@ hidden partial output holds a file; the memory test reads the process's peak RSS
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -84,8 +85,9 @@ def test_a_killed_transform_leaves_no_destination_and_the_next_run_completes(
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     assert not dst.exists()
-    stale = hidden(dst.parent)
-    assert len(stale) == 1 and stale[0].startswith(f".dst.partial-{_host()}-{proc.pid}-")
+    stale = hidden(dst.parent)  # the partial output and its (no longer held) lock file
+    assert len(stale) == 2 and stale[0].startswith(f".dst.partial-{_host()}-{proc.pid}-")
+    assert stale[1] == stale[0] + ".lock"
 
     sw.checkpoint.transform(src, dst)  # the same again: completes, and clears the stale output
     assert hidden(dst.parent) == [] and (dst / "whole.safetensors").is_file()
@@ -111,8 +113,17 @@ def test_partial_outputs_of_live_processes_or_other_hosts_are_left_alone(tmp_pat
     for name in names:
         (dst.parent / name).mkdir()
         (dst.parent / name / "f").write_bytes(b"x")
-    sw.checkpoint.transform(src, dst, 2)
+    held = f".dst.partial-otherhost-{dead.pid}-held"  # a lock held: a live writer, kept
+    freed = f".dst.partial-otherhost-{dead.pid}-freed"  # a lock nobody holds: removed
+    for name in (held, freed):
+        (dst.parent / name).mkdir()
+        (dst.parent / (name + ".lock")).write_bytes(b"")
+    with open(dst.parent / (held + ".lock")) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sw.checkpoint.transform(src, dst, 2)
     assert {n: (dst.parent / n).exists() for n in names} == names
+    assert (dst.parent / held).exists() and not (dst.parent / freed).exists()
+    assert not (dst.parent / (freed + ".lock")).exists()
     assert snapshot(dst) is not None
 
 

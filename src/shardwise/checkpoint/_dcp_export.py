@@ -52,7 +52,7 @@ PathLike = str | os.PathLike[str]
 
 
 def _model_leaves(source: SourceSet, model_key: str | None) -> list[tuple[KeyPath, Any]]:
-    keys = [k for k in source.names if not k.startswith(fmt.OPTIMIZER_PREFIX)]
+    keys = source.model_names
     return [((k,) if model_key is None else (model_key, k), Ref(k)) for k in keys]
 
 
@@ -63,7 +63,7 @@ def _optimizer_leaves(source: SourceSet, key: str, flatten: bool) -> list[tuple[
     description = fmt.parse_json(where, source.metadata, fmt.KEY_OPTIMIZER)
     if description is not None:
         return torch_leaves(description, key, flatten)
-    keys = [k for k in source.names if k.startswith(fmt.OPTIMIZER_PREFIX)]
+    keys = [k for k in source.names if source.is_optimizer(k)]
     return [((key, k[len(fmt.OPTIMIZER_PREFIX) :]), Ref(k)) for k in keys]
 
 

@@ -124,6 +124,7 @@ class DcpBlocks:
         class_name: str | None,
     ) -> None:
         self.reader, self.md = _open(path)
+        self.paths = [Path(path)]  # (a destination may not hold it)
         self.loader = _Reader()
         entries = self.md.state_dict_metadata
         opt = None if optimizer_key is None else f"{optimizer_key}."

@@ -20,7 +20,7 @@ from torch import nn
 from shardwise import communication as comm
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
-from shardwise.checkpoint._pieces import Piece
+from shardwise.checkpoint._pieces import Piece, whole
 from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
 
 
@@ -64,12 +64,27 @@ def strategy_metadata(
     }
 
 
-def _global_shape(strategy: CheckpointStrategy, key: str, tensor: torch.Tensor) -> tuple[int, ...]:
-    owner = key[len(STATE_PREFIX) :].rpartition(".")[0] if key.startswith(STATE_PREFIX) else key
+def _piece(strategy: CheckpointStrategy, key: str, t: torch.Tensor, rank: int) -> Piece:
+    """The piece this rank's saved `t` of entry `key` holds under `strategy`."""
+    state = key.startswith(STATE_PREFIX)
+    owner = key[len(STATE_PREFIX) :].rpartition(".")[0] if state else key
     p = strategy.params.get(owner)
-    if p is None or tensor.dim() == 0:
-        return tuple(tensor.shape)
-    return tuple(p.shape)
+    if p is None or t.dim() == 0:
+        return whole(tuple(t.shape))
+    piece = strategy.param_piece(owner, rank)
+    if piece.local_shape == tuple(t.shape):
+        return piece
+    if state:
+        raise CheckpointError(
+            f"optimizer state {key!r} has shape {list(t.shape)}, not the shape of its "
+            f"parameter's block {list(piece.local_shape)} ({piece}): state not cut like its "
+            "parameter (Adafactor's row / column statistics, say) cannot be recorded; save "
+            "without the optimizer, or use an optimizer whose state is shaped like the parameter"
+        )
+    raise CheckpointError(
+        f"checkpoint entry {key!r} has shape {list(t.shape)}, but the plan stores it as "
+        f"{piece} on rank {rank}; save after the first step, or before the network is planned"
+    )
 
 
 def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -90,14 +105,5 @@ def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[st
             f"the files of a {size}-rank job (a simulated world runs every rank in one process: "
             "save from a real job, one file per rank)"
         )
-    pieces = {}
-    for key, t in tensors.items():
-        piece = strategy.entry_piece(key, _global_shape(strategy, key, t), rank)
-        if piece.local_shape != tuple(t.shape):
-            raise CheckpointError(
-                f"checkpoint entry {key!r} has shape {list(t.shape)}, but the plan stores it as "
-                f"{piece} on rank {rank}; save after the first step, or before the network is "
-                "planned"
-            )
-        pieces[key] = piece
+    pieces = {key: _piece(strategy, key, t, rank) for key, t in tensors.items()}
     return strategy_metadata(strategy, rank, pieces)

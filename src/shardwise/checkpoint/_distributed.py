@@ -60,8 +60,17 @@ def _check_same_network(
     source: SourceSet, network: nn.Module, shapes: Mapping[str, tuple[int, ...]]
 ) -> None:
     """The first parameter or buffer whose name or global shape differs: `CheckpointError`."""
-    model = [k for k in source.names if not k.startswith(fmt.OPTIMIZER_PREFIX)]
+    model = source.model_names
+    recorded = source.recorded_strategy
+    wrapper = recorded.prefix if recorded is not None else ""
     for name, shape in shapes.items():
+        if name not in model and wrapper and wrapper + name in model:
+            raise CheckpointError(
+                f"the checkpoint names {name!r} {wrapper + name!r}: it was saved through the "
+                f"network's wrapper; load it into the wrapper (load_distributed(parallel_net, "
+                "...), built before the first step) or merge it (sw.checkpoint.merge drops the "
+                "prefix)"
+            )
         if name not in model:
             raise CheckpointError(
                 f"{type(network).__name__}.{name} {list(shape)} is not in the checkpoint "
@@ -127,7 +136,7 @@ def load_distributed(
                 return source.assemble(key, whole(shape))
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 
-    model = [k for k in source.names if not k.startswith(fmt.OPTIMIZER_PREFIX)]
+    model = source.model_names
     with comm.plain_tensors():  # (before loading anything; one read for the whole job)
         source.verify(source.names if optimizer is not None else model)
     result = load_param_into_net(network, _Entries(model, make), strict_load=strict)
@@ -146,6 +155,6 @@ def _load_optimizer(
     description = fmt.parse_json(where, source.metadata, fmt.KEY_OPTIMIZER)
     if description is None:
         raise CheckpointError(f"{where}: holds no optimizer state (save it with optimizer=)")
-    keys = [k for k in source.names if k.startswith(fmt.OPTIMIZER_PREFIX)]
+    keys = [k for k in source.names if source.is_optimizer(k)]
     state = OptimizerState(json.loads(json.dumps(description)), {k: make(k) for k in keys})
     load_optimizer_state(optimizer, SimpleNamespace(path=where, optimizer_state=state), network)

@@ -30,6 +30,7 @@ from shardwise.checkpoint._errors import CheckpointError
 from shardwise.layout import TensorLayout
 
 Ranges = tuple[tuple[int, int], ...]
+_PAIRWISE = 64  # up to this many distinct pieces, `check_covers` also checks them pairwise
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,15 @@ def check_covers(name: str, shape: Sequence[int], pieces: Iterable[Piece]) -> No
     """Raise `CheckpointError` unless the distinct `pieces` tile the tensor of `shape`."""
     distinct = set(pieces)
     total, want = sum(p.size for p in distinct), math.prod(shape)
+    if total == want and len(distinct) <= _PAIRWISE:  # (equal counts: also no overlap, no gap)
+        ordered = sorted(distinct, key=str)
+        for i, a in enumerate(ordered):
+            for b in ordered[i + 1 :]:
+                if overlaps(a, b):
+                    raise CheckpointError(
+                        f"{name!r}: the rank files' pieces {a} and {b} overlap, so others leave "
+                        "a gap; the recorded cut (or src_strategy) does not fit this checkpoint"
+                    )
     if total != want:
         raise CheckpointError(
             f"{name!r}: the rank files hold {total} of its {want} elements (global shape "

@@ -204,12 +204,21 @@ class SourceSet:
     def _check_entries(self) -> None:
         first = self.files[0]
         self.names = list(first.index.entries)
+        described = fmt.parse_json(first.index.path, self.metadata, fmt.KEY_OPTIMIZER) or {}
+        self.optimizer_keys = frozenset(described.get("tensors", ())) & set(self.names)
         for f in self.files[1:]:
             if set(f.index.entries) != set(self.names):
                 diff = sorted(set(f.index.entries) ^ set(self.names))
+                hint = "the files are of different checkpoints"
+                if diff[0].startswith(fmt.OPTIMIZER_PREFIX):
+                    hint = (
+                        "the optimizer state is on some ranks only (data_parallel with hsdp "
+                        "keeps each parameter's state on its owner rank): such a checkpoint "
+                        "cannot be re-cut; save it from semi_auto, or without the optimizer"
+                    )
                 raise CheckpointError(
                     f"{f.index.path}: entry {diff[0]!r} is in one rank's file but not in "
-                    f"{first.index.path}'s; the files are of different checkpoints"
+                    f"{first.index.path}'s; {hint}"
                 )
             for key in self.names:
                 a, b = first.pieces[key], f.pieces[key]
@@ -221,6 +230,40 @@ class SourceSet:
                     )
         for key in self.names:
             check_covers(key, self.shape(key), (f.pieces[key] for f in self.files))
+            self._check_replicas(key)
+
+    def _check_replicas(self, key: str) -> None:
+        """Files holding the same piece of `key` must hold the same values (their recorded
+        checksums agree): rank files that do not record their cut are taken as whole, and
+        blocks of a cut tensor saved that way would otherwise pass for one whole tensor."""
+        seen: dict[Piece, tuple[int, RankFile]] = {}
+        for f in self.files:
+            crc = f.index.checksums.get(key)
+            if crc is None:
+                continue
+            first = seen.setdefault(f.pieces[key], (crc, f))
+            if first[0] != crc:
+                raise CheckpointError(
+                    f"{key!r} holds different values in {first[1].index.path} and "
+                    f"{f.index.path}, which both record it as {f.pieces[key]}; rank files "
+                    "that do not record their cut (saved from a dict or state_dict, or by "
+                    "another tool) need src_strategy= (the job's parameter strategy file)"
+                )
+
+    @property
+    def paths(self) -> list[Path]:
+        """The rank files, in rank order."""
+        return [f.index.path for f in self.files]
+
+    def is_optimizer(self, key: str) -> bool:
+        """Whether entry `key` is optimizer state (listed by the file's optimizer description),
+        not a model entry."""
+        return key in self.optimizer_keys
+
+    @property
+    def model_names(self) -> list[str]:
+        """The model entries (parameters and buffers), in file order."""
+        return [k for k in self.names if k not in self.optimizer_keys]
 
     @property
     def metadata(self) -> Mapping[str, str]:

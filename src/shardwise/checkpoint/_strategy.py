@@ -7,7 +7,8 @@ same piece; anything else (buffers, Adam's ``step``) is whole on every rank.
 
 - `ShardSpec`: one parameter's optimizer-parallel cut (axes, shard size, padding).
 - `CheckpointStrategy`: `param_piece`, `entry_piece`; built by `from_plan`, `single`,
-  `replicated`, `from_json`; `to_json` (the parameter strategy file's content).
+  `replicated`, `from_json`; `to_json` (the parameter strategy file's content); `aligned` to
+  a checkpoint's names (a wrapper's prefix, tied names).
 - `as_strategy`: what users pass as a destination (a plan, a strategy file, a device count,
   None for one device).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ class CheckpointStrategy:
         matrix: the device matrix the layouts live on.
         params: each parameter's storage layout and global shape (by state_dict name).
         shards: the parameters optimizer parallel cuts further.
+        aliases: extra state_dict names of tied parameters -> their first name (cut alike).
+        prefix: what the network's names carry in the checkpoint (``network.`` when it was
+            saved through its `AutoParallel` wrapper).
 
     Example:
         >>> s = CheckpointStrategy.from_plan(parallel_net.parallel_plan)  # doctest: +SKIP
@@ -61,6 +65,8 @@ class CheckpointStrategy:
     matrix: DeviceMatrix
     params: Mapping[str, ParamPlan] = field(default_factory=dict)
     shards: Mapping[str, ShardSpec] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    prefix: str = ""
 
     @classmethod
     def single(cls) -> CheckpointStrategy:
@@ -80,19 +86,24 @@ class CheckpointStrategy:
     ) -> CheckpointStrategy:
         """The cut a plan's job makes (`aliases`: extra state_dict name -> the planned name of
         the same tensor, as tied weights)."""
-        params = dict(plan.params)
         shards = {
             name: ShardSpec(tuple(b.axes), b.shard)
             for b in plan.buckets
             if b.kind == "shard" and b.shard > 1
             for name in b.params
         }
-        for alias, name in (aliases or {}).items():
-            if name in params and alias not in params:
-                params[alias] = params[name]
-                if name in shards:
-                    shards[alias] = shards[name]
-        return cls(plan.device_num, plan.matrix, params, shards)
+        made = cls(plan.device_num, plan.matrix, dict(plan.params), shards)
+        return made.with_aliases(aliases or {})
+
+    def with_aliases(self, aliases: Mapping[str, str]) -> CheckpointStrategy:
+        """The same cut, with tied names (alias -> a parameter's name) cut as their parameter."""
+        params, shards, kept = dict(self.params), dict(self.shards), dict(self.aliases)
+        for alias, name in aliases.items():
+            if name in self.params and alias not in self.params:
+                params[alias], kept[alias] = self.params[name], name
+                if name in self.shards:
+                    shards[alias] = self.shards[name]
+        return dataclasses.replace(self, params=params, shards=shards, aliases=kept)
 
     def renamed(self, prefix: str) -> CheckpointStrategy:
         """The same cut with every parameter name prefixed (a network inside a wrapper)."""
@@ -100,7 +111,26 @@ class CheckpointStrategy:
             self,
             params={prefix + k: v for k, v in self.params.items()},
             shards={prefix + k: v for k, v in self.shards.items()},
+            aliases={prefix + k: prefix + v for k, v in self.aliases.items()},
+            prefix=prefix + self.prefix,
         )
+
+    def aligned(
+        self, names: Collection[str], recorded: CheckpointStrategy | None
+    ) -> CheckpointStrategy:
+        """This strategy for a checkpoint of entries `names` that recorded `recorded`: names
+        prefixed as the checkpoint's (a wrapper's ``network.``) and its tied names added."""
+        out, present = self, set(names)
+        if out.params and not all(n in present for n in out.params):
+            first = next(iter(out.params))
+            for key in sorted(k for k in present if k.endswith("." + first)):
+                prefix = key[: -len(first)]
+                if all(prefix + n in present for n in out.params):
+                    out = out.renamed(prefix)
+                    break
+        if recorded is not None:
+            out = out.with_aliases({a: n for a, n in recorded.aliases.items() if a in present})
+        return out
 
     def param_piece(self, name: str, rank: int) -> Piece:
         """Rank `rank`'s piece of parameter `name` (its layout's block, then its shard)."""
@@ -136,6 +166,8 @@ class CheckpointStrategy:
             "matrix": matrix_d(self.matrix),
             "params": params_d(self.params),
             "shards": shards_d(self.shards),
+            "aliases": dict(self.aliases),
+            "prefix": self.prefix,
         }
 
     @classmethod
@@ -149,7 +181,9 @@ class CheckpointStrategy:
                 n: ShardSpec(tuple(v["axes"]), int(v["shard"]), bool(v.get("pad", False)))
                 for n, v in data.get("shards", {}).items()
             }
-            return cls(int(data["device_num"]), m, params_of(m, data["params"]), shards)
+            made = cls(int(data["device_num"]), m, params_of(m, data["params"]), shards)
+            made = dataclasses.replace(made, prefix=str(data.get("prefix", "")))
+            return made.with_aliases(dict(data.get("aliases", {})))
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{where}: not a shardwise strategy ({e})") from None
 

@@ -81,6 +81,19 @@ def _check_fits(source: Blocks, dst: CheckpointStrategy) -> None:
             raise CheckpointError(f"the destination strategy does not fit: {e}") from None
 
 
+def _check_apart(source: Blocks, out: Path) -> None:
+    """The destination must not be, or hold, a file it is made from (publishing it would
+    replace the source)."""
+    target = out.resolve()
+    for path in getattr(source, "paths", ()):
+        path = Path(path).resolve()
+        if path == target or target in path.parents:
+            raise CheckpointError(
+                f"the destination {out} holds the checkpoint it is made from ({path}); "
+                "write it somewhere else"
+            )
+
+
 def _pieces(
     source: Blocks, dst: CheckpointStrategy, rank: int, keys: Sequence[str]
 ) -> dict[str, Piece]:
@@ -91,11 +104,11 @@ def _write_file(
     source: Blocks, path: Path, pieces: dict[str, Piece], meta: dict[str, str], out: _Out
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    specs = [(k, source.dtype(k), p.local_shape) for k, p in pieces.items()]
+    specs = [(out.name(k), source.dtype(k), p.local_shape) for k, p in pieces.items()]
     with StreamWriter(path, specs, meta) as writer:
         for key, piece in pieces.items():
             block = source.assemble(key, piece, out.buffers)
-            writer.write(key, block)
+            writer.write(out.name(key), block)
             out.bar.update(block.numel() * block.element_size())
             del block
 
@@ -106,6 +119,11 @@ class _Out:
 
     bar: tqdm
     buffers: Buffers | None
+    strip: str = ""
+
+    def name(self, key: str) -> str:
+        """The name `key` is written under."""
+        return key.removeprefix(self.strip) if self.strip else key
 
 
 def _buffers(source: Blocks, plans: Sequence[Mapping[str, Piece]]) -> Buffers | None:
@@ -157,7 +175,7 @@ def _write_entry_major(
     try:
         for path, pieces, meta in zip(paths, plans, metas, strict=True):
             path.parent.mkdir(parents=True, exist_ok=True)
-            specs = [(k, source.dtype(k), p.local_shape) for k, p in pieces.items()]
+            specs = [(out.name(k), source.dtype(k), p.local_shape) for k, p in pieces.items()]
             writers.append(StreamWriter(path, specs, meta))
         for key in plans[0] if plans else ():
             groups: dict[Piece, list[int]] = {}
@@ -174,7 +192,7 @@ def _write_entry_major(
                     else _cut_from(entry, shape, piece, out)
                 )
                 for r in ranks:
-                    writers[r].write(key, block)
+                    writers[r].write(out.name(key), block)
                     out.bar.update(block.numel() * block.element_size())
         for w in writers:
             w.close()
@@ -199,16 +217,21 @@ def _cut(
     meta: Mapping[str, str] | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    strip: str = "",
 ) -> None:
     """Write `source` cut by `dst`: rank r's file at ``path_of(tmp, r)`` inside the hidden
-    `out` being written, published as `out` at the end."""
+    `out` being written, published as `out` at the end (`strip`: a prefix taken off every
+    name that has it)."""
+    recorded = source.recorded_strategy if isinstance(source, SourceSet) else None
+    _check_apart(source, out)
+    dst = dst.aligned(source.names, recorded)
     _check_fits(source, dst)
     keys = source.names if keys is None else keys
     keep = {k: v for k, v in source.metadata.items() if k in _KEEP and meta is None}
     plans = [_pieces(source, dst, r, keys) for r in range(dst.device_num)]
     total = sum(source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items())
     with publish(out, overwrite) as tmp, _bar(total, "checkpoint", progress) as bar:
-        shared = _Out(bar, _buffers(source, plans))
+        shared = _Out(bar, _buffers(source, plans), strip)
         metas = [
             {"format": "pt"}
             | keep
@@ -285,9 +308,11 @@ def merge(
 ) -> Path:
     """Write the whole tensors of a distributed checkpoint into one safetensors file.
 
-    The file holds the model entries under the network's own names (``optimizer=True``: the
-    optimizer state too, for `load_optimizer_state`), so plain PyTorch loads it with
-    ``model.load_state_dict(safetensors.torch.load_file(out_file))``.
+    The file holds the model entries under the network's own names (a checkpoint saved
+    through an `AutoParallel` wrapper loses the wrapper's ``network.`` prefix), so plain
+    PyTorch loads it with ``model.load_state_dict(safetensors.torch.load_file(out_file))``.
+    ``optimizer=True`` keeps the optimizer state too, for `load_optimizer_state`, and every
+    name as saved.
 
     Args:
         src_dir: the checkpoint (as for `transform`).
@@ -304,13 +329,15 @@ def merge(
     """
     src_given = None if src_strategy is None else as_strategy(src_strategy)
     source = SourceSet(Path(src_dir), name, prefix, src_given)
-    keys = [k for k in source.names if optimizer or not k.startswith(fmt.OPTIMIZER_PREFIX)]
+    keys = source.names if optimizer else source.model_names
     kept = _KEEP if optimizer else tuple(k for k in _KEEP if k != fmt.KEY_OPTIMIZER)
     meta = {"format": "pt"} | {k: v for k, v in source.metadata.items() if k in kept}
     single = CheckpointStrategy.single()
     out = Path(out_file)
+    recorded = source.recorded_strategy
+    strip = "" if optimizer or recorded is None else recorded.prefix
     _cut(source, single, out, lambda tmp, r: tmp, keys=keys, meta=meta, overwrite=overwrite,
-         progress=progress)  # fmt: skip
+         progress=progress, strip=strip)  # fmt: skip
     return out
 
 
