@@ -250,3 +250,86 @@ def test_a_rank_file_into_a_whole_network_names_the_fix(
     ckpt = sw.load_checkpoint(tmp_path / "tp" / "rank_1" / "ckpt-1_2.safetensors")
     with pytest.raises(sw.checkpoint.CheckpointError, match=r"load_distributed\(net, '.*tp'\)"):
         sw.load_param_into_net(MLP(), ckpt)
+
+
+def test_undescribed_rank_files_of_a_cut_tensor_are_refused(tmp_path: Path) -> None:
+    """Blocks saved as plain dicts (no recorded cut) look whole; their values differ, so the
+    checkpoint is refused instead of merged as rank 0's block."""
+    full = torch.arange(16.0).reshape(4, 4)
+    for r in range(2):
+        sw.save_checkpoint(
+            {"w": full[2 * r : 2 * r + 2]}, tmp_path / "c" / f"rank_{r}" / "x.safetensors"
+        )
+    with pytest.raises(sw.checkpoint.CheckpointError, match="need src_strategy"):
+        merge(tmp_path / "c", tmp_path / "m.safetensors")
+    m = DeviceMatrix((2,), ("dp",))
+    rows = CheckpointStrategy(2, m, {"w": ParamPlan(TensorLayout(m, ((0,), ())), (4, 4))})
+    merge(tmp_path / "c", tmp_path / "m.safetensors", src_strategy=rows)  # with it: whole again
+    assert torch.equal(safetensors.torch.load_file(tmp_path / "m.safetensors")["w"], full)
+
+
+def test_a_module_named_optimizer_is_a_model_entry(tmp_path: Path) -> None:
+    net = nn.Module()
+    net.optimizer = nn.Linear(2, 3)
+    opt = torch.optim.Adam(net.parameters())
+    net.optimizer(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sw.save_checkpoint(net, tmp_path / "c" / "x.safetensors", optimizer=opt)
+    merge(tmp_path / "c", tmp_path / "m.safetensors")
+    assert sorted(safetensors.torch.load_file(tmp_path / "m.safetensors")) == [
+        "optimizer.bias",
+        "optimizer.weight",
+    ]
+    fresh = nn.Module()
+    fresh.optimizer = nn.Linear(2, 3)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    assert sw.checkpoint.load_distributed(fresh, tmp_path / "c", fresh_opt) == ([], [])
+    assert torch.equal(fresh.optimizer.weight, net.optimizer.weight)
+    assert torch.equal(
+        fresh_opt.state[fresh.optimizer.weight]["exp_avg"],
+        opt.state[net.optimizer.weight]["exp_avg"],
+    )
+
+
+def test_a_destination_may_not_hold_its_source(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    src, _ = trained
+    transform(src, tmp_path / "p", 2)
+    (tmp_path / "p" / "precious.txt").write_text("keep")
+    with pytest.raises(sw.checkpoint.CheckpointError, match="holds the checkpoint it is made from"):
+        transform(tmp_path / "p", tmp_path / "p", 1, overwrite=True)
+    with pytest.raises(sw.checkpoint.CheckpointError, match="holds the checkpoint it is made from"):
+        merge(tmp_path / "p", tmp_path, overwrite=True)
+    assert (tmp_path / "p" / "precious.txt").read_text() == "keep"
+    assert len(list((tmp_path / "p").rglob("*.safetensors"))) == 2
+
+
+def test_tied_weights_follow_their_parameter(tmp_path: Path) -> None:
+    """A strategy made from a plan lists the tied weight once; the transform cuts the tied
+    name as the job itself stored it (the checkpoint records the alias)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(self.emb(x))
+            return out
+
+    with simulated_world(2):
+        net = Tied()
+        parallel = AutoParallel(net, parallel_mode="semi_auto").hsdp(threshold=0)
+        plan = parallel.plan(shapes=[(4, 3)], dtypes=[torch.int64])
+    assert "head.weight" not in plan.params  # (one entry for the tied pair)
+    single = Tied()
+    sw.save_checkpoint(single, tmp_path / "one" / "x.safetensors")
+    strategy = CheckpointStrategy.from_plan(plan, {"head.weight": "emb.weight"})
+    transform(tmp_path / "one", tmp_path / "a", strategy)  # records the alias
+    transform(tmp_path / "a", tmp_path / "b", plan)  # the plan alone: the alias still cut
+    got = safetensors.torch.load_file(tmp_path / "b" / "rank_1" / "x.safetensors")
+    assert got["head.weight"].shape == got["emb.weight"].shape == (8, 8)
+    assert torch.equal(got["head.weight"], single.emb.weight.detach()[8:])

@@ -20,7 +20,7 @@ from torch import nn
 from shardwise import communication as comm
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
-from shardwise.checkpoint._pieces import Piece, whole
+from shardwise.checkpoint._pieces import Piece
 from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
 
 
@@ -66,24 +66,19 @@ def strategy_metadata(
 
 def _piece(strategy: CheckpointStrategy, key: str, t: torch.Tensor, rank: int) -> Piece:
     """The piece this rank's saved `t` of entry `key` holds under `strategy`."""
-    state = key.startswith(STATE_PREFIX)
-    owner = key[len(STATE_PREFIX) :].rpartition(".")[0] if state else key
-    p = strategy.params.get(owner)
-    if p is None or t.dim() == 0:
-        return whole(tuple(t.shape))
-    piece = strategy.param_piece(owner, rank)
-    if piece.local_shape == tuple(t.shape):
+    piece = strategy.stored_piece(key, tuple(t.shape), rank)
+    if piece is not None:
         return piece
-    if state:
+    if key.startswith(STATE_PREFIX):
         raise CheckpointError(
-            f"optimizer state {key!r} has shape {list(t.shape)}, not the shape of its "
-            f"parameter's block {list(piece.local_shape)} ({piece}): state not cut like its "
-            "parameter (Adafactor's row / column statistics, say) cannot be recorded; save "
-            "without the optimizer, or use an optimizer whose state is shaped like the parameter"
+            f"optimizer state {key!r} has shape {list(t.shape)}, not its parameter's block's: "
+            "state not cut like its parameter (Adafactor's row / column statistics, say) "
+            "cannot be recorded; save without the optimizer, or use an optimizer whose state "
+            "is shaped like the parameter"
         )
     raise CheckpointError(
-        f"checkpoint entry {key!r} has shape {list(t.shape)}, but the plan stores it as "
-        f"{piece} on rank {rank}; save after the first step, or before the network is planned"
+        f"checkpoint entry {key!r} has shape {list(t.shape)}, not the block the plan stores "
+        f"on rank {rank}; save after the first step, or before the network is planned"
     )
 
 

@@ -108,7 +108,14 @@ def _rank_file(rank: int, path: Path, given: CheckpointStrategy | None) -> RankF
         if key in stored:
             pieces[key] = piece_of(stored[key])
         elif given is not None:  # (a file that does not describe itself: the strategy file)
-            pieces[key] = given.entry_piece(key, entry.shape, rank)
+            found = given.stored_piece(key, entry.shape, rank)
+            if found is None:
+                raise CheckpointError(
+                    f"{path}: {key!r} stores shape {list(entry.shape)}, not the block rank "
+                    f"{rank} holds under the given strategy; the strategy does not fit this "
+                    "checkpoint"
+                )
+            pieces[key] = found
         else:
             pieces[key] = whole(entry.shape)
         if pieces[key].local_shape != entry.shape:

@@ -99,8 +99,11 @@ class CheckpointStrategy:
         """The same cut, with tied names (alias -> a parameter's name) cut as their parameter."""
         params, shards, kept = dict(self.params), dict(self.shards), dict(self.aliases)
         for alias, name in aliases.items():
-            if name in self.params and alias not in self.params:
-                params[alias], kept[alias] = self.params[name], name
+            if name not in self.params:
+                continue
+            kept[alias] = name
+            if alias not in self.params:
+                params[alias] = self.params[name]
                 if name in self.shards:
                     shards[alias] = self.shards[name]
         return dataclasses.replace(self, params=params, shards=shards, aliases=kept)
@@ -157,6 +160,17 @@ class CheckpointStrategy:
         if p is None or tuple(p.shape) != tuple(shape):
             return whole(shape)
         return self.param_piece(owner, rank)
+
+    def stored_piece(self, key: str, local: tuple[int, ...], rank: int) -> Piece | None:
+        """The piece a rank's stored block of entry `key`, of `local` shape, holds: its
+        parameter's block when it has that block's shape (a parameter, or optimizer state cut
+        like it), whole for an entry of no planned parameter or a 0-d one; None when the shape
+        fits neither (the entry is not stored as this strategy cuts it)."""
+        owner = key[len(STATE_PREFIX) :].rpartition(".")[0] if key.startswith(STATE_PREFIX) else key
+        if owner not in self.params or len(local) == 0:
+            return whole(local)
+        piece = self.param_piece(owner, rank)
+        return piece if piece.local_shape == tuple(local) else None
 
     def to_json(self) -> dict[str, Any]:
         """The parameter strategy file's content (``shards``: the optimizer-parallel cuts)."""
