@@ -130,6 +130,7 @@ BUILDERS = {"seed003": _seed003, "gpt_block": _gpt_block, "gpt2": _gpt2}
 def measure_case(network: str, level: str, rank: int, n: int) -> dict[str, Any]:
     """One case on this rank: the estimate and the measured peak and bytes (see the module
     docstring)."""
+    from shardwise.communication import release_buffers
     from shardwise.report import MemoryMeter
     from shardwise.report._summary import (
         estimate_memory,
@@ -138,6 +139,7 @@ def measure_case(network: str, level: str, rank: int, n: int) -> dict[str, Any]:
     )
     from shardwise.testing import CommRecorder
 
+    release_buffers()  # (the pool of message buffers the previous case left: a fresh job's)
     with MemoryMeter() as meter:
         parallel, opt, step = BUILDERS[network](rank, n)
         parallel.hsdp(threshold=0, optimizer_level=level)

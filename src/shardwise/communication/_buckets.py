@@ -38,6 +38,7 @@ from shardwise.communication._collectives import (
     _start_all_gather,
     _start_reduce_scatter,
     deferred_record,
+    free_now,
 )
 from shardwise.communication._init import Group, resolve_group
 
@@ -225,6 +226,8 @@ def _flat_scatter(
             size = t.numel() // n
             out.append(reduced[offset : offset + size].view(t.shape[0] // n, *t.shape[1:]))
             offset += size
+        if len(rows) > 1:  # (the members packed: a buffer of ours)
+            free_now(flat)
         return out
 
     return Pending(finish)

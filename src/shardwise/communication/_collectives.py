@@ -111,6 +111,15 @@ class Pending(Generic[T]):
         return self._result
 
 
+def free_now(t: torch.Tensor) -> None:
+    """Free the storage of `t`, a finished collective's buffer that nothing else uses, on this
+    thread now: gloo's worker thread may hold the finished work, and its tensors, a while longer
+    and free them whenever it lets go (at no defined point of the step, and unseen by a
+    `report.MemoryMeter`). Only a plain tensor (a simulated world's holds every rank's part)."""
+    if type(t) is torch.Tensor:
+        t.untyped_storage().resize_(0)
+
+
 def _started(
     kind: str,
     g: Group,
@@ -193,7 +202,9 @@ def _start_reduce_scatter(
         work = dist.all_to_all_single(received, src, group=g.pg, async_op=async_op)
 
         def reduced() -> torch.Tensor:
-            return op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
+            out = op.reduce(received.view(n, src.shape[0] // n, *src.shape[1:]), 0)
+            free_now(received)
+            return out
 
         return _started("ReduceScatter", g, t, start, work, reduced, token)
     out = src.new_empty((src.shape[0] // n, *src.shape[1:]))

@@ -16,10 +16,12 @@
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks, `_pack`) and `_unpack` gathers the bucket
   again in backward (`_start_regather`), starting the previous saved bucket's gather too
-  (prefetch: backward runs the layers in reverse); the leaves' storage is freed after the
-  forward (`communication.rank_parts`: the storage of every rank this process runs), and a
-  second forward before the optimizer steps (gradient accumulation) gathers it again into the
-  same leaves (`_freed`, `_refill`).
+  (prefetch: backward runs the layers in reverse; the two coalesced, as in the forward: on
+  gloo pairwise messages, whose buffers this thread frees, where a gloo collective's are freed
+  whenever its worker thread lets go of them); the leaves' storage is freed after the forward
+  (`communication.rank_parts`: the storage of every rank this process runs), and a second
+  forward before the optimizer steps (gradient accumulation) gathers it again into the same
+  leaves (`_freed`, `_refill`).
 
 The gradient side (`_on_grad`, `_queue_end`, `_drop_unfinished_backward`) is `GradReduction`
 (``_engine_reduce``).
@@ -185,11 +187,12 @@ class WeightGathering(GradReduction):
         i = self.bucket_of[name]
         if i not in self._regathered:
             self._queue_end()
-            self._start_regather(i)
             # backward runs the layers in reverse: start gathering the previous saved bucket too
             earlier = [j for j in self._packed if j < i and j not in self._regathered]
-            if earlier:
-                self._start_regather(max(earlier))
+            with coalesced():  # (as in the forward: one message per peer, buffers from the pool)
+                self._start_regather(i)
+                if earlier:
+                    self._start_regather(max(earlier))
             pending = self._regathering.pop(i)
             self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i, pending).items()}
         full = self._regathered[i][name]

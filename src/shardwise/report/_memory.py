@@ -14,8 +14,10 @@ and the optimizer-parallel plan, with no process group and no tensor data).
 The model. At rest (between steps) a rank holds, per parameter of op-level block ``B`` bytes
 sharded ``s`` ways by optimizer parallel (``s = 1`` when not): levels 1-2 the compute leaf
 ``B`` and the shard ``B / s`` (the leaf is kept from step to step and gathered into in place),
-level 3 only the shard; and the optimizer's state, ``k · B / s``. A step adds, at one of three
-moments, whichever is largest:
+level 3 only the shard; the optimizer's state, ``k · B / s``; and on gloo the packed message
+buffers the pairwise transport's pool keeps (``_pool``: per message length, the most out at
+once during a step; every packed message of a step reuses them, so no moment adds them
+again). A step adds, at one of three moments, whichever is largest:
 
 - ``start of backward``: every op output that owns its storage (a view, reshape, transpose or
   split shares its input's) is still held for backward, plus the gradient of the largest one
@@ -37,15 +39,16 @@ from __future__ import annotations
 
 import gc
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from shardwise.communication._pairwise import SEPARATE_BYTES
 from shardwise.optim import OptimizerPlan
 from shardwise.planner import ParallelPlan
 from shardwise.redistribution import Slice
+from shardwise.report._pool import Key, pooled_buffers, split_at_pool
 from shardwise.runtime import TensorEstimate, format_size
 
 KINDS = ("parameters", "gradients", "optimizer state", "activations", "communication buffers")
@@ -200,10 +203,11 @@ def _peak(
     plan: ParallelPlan, optimizer: OptimizerPlan | None, k: int
 ) -> tuple[str, list[TensorEstimate]]:
     """The moment of the step that holds most, and the tensors held then."""
-    rest = _at_rest(plan, optimizer, k) + _kept_buffers(plan, optimizer)
+    kept, made = _message_buffers(*split_at_pool(_pooled(plan, optimizer)))
+    rest = _at_rest(plan, optimizer, k) + kept
     moments = {
         "start of backward": _backward_start(plan, optimizer),
-        "gradient reduction": _reduction(plan, optimizer),
+        "gradient reduction": _reduction(plan, optimizer) + made,
         "optimizer step": _optimizer_step(plan, optimizer, k),
     }
     moment = max(moments, key=lambda m: sum(t.nbytes for t in moments[m]))
@@ -257,28 +261,27 @@ def _at_rest(plan: ParallelPlan, optimizer: OptimizerPlan | None, k: int) -> lis
     return out
 
 
-def _kept_buffers(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> list[TensorEstimate]:
-    """Level 1: the send and receive buffers of the optimizer step's reduction, kept for the
-    next step. Its ReduceScatters (every shard bucket, started together) pack the pieces under
-    1 MiB that go to one peer into one message; where a message packs several, its buffer
-    (and the receiving one) comes from the pool of `communication._pairwise`, which keeps it:
-    2 (s - 1) pieces per packed member."""
-    if optimizer is None or _level(optimizer) != "level1":
-        return []
-    groups: dict[tuple[tuple[int, ...], int], list[_Param]] = {}
-    params = {p.name: p for p in _params(plan, optimizer)}
-    for b in optimizer.buckets:
-        if b.kind == "shard":
-            packed = [params[n] for n in b.names if params[n].piece_bytes < SEPARATE_BYTES]
-            groups.setdefault((b.dp_axes, b.shard), []).extend(packed)
-    out = []
-    for (_, shard), members in groups.items():
-        if len(members) > 1:
-            for p in members:
-                shape = (2 * (shard - 1), *p.piece)
-                out.append(TensorEstimate(f"{p.name} (kept message buffers)", shape, p.dtype,
-                                          "communication buffers"))  # fmt: skip
-    return out
+def _message_buffers(kept: int, beyond: int) -> tuple[list[TensorEstimate], list[TensorEstimate]]:
+    """The packed message buffers of the pairwise transport (``_pool``): (those its pool keeps
+    from step to step, held at rest: every packed message of a step reuses them; those beyond
+    ``POOL_BYTES``, made during the step: at the gradient reduction)."""
+    kinds = "communication buffers"
+    rest = [TensorEstimate("pooled message buffers", (kept,), torch.uint8, kinds)] if kept else []
+    made = [TensorEstimate("message buffers beyond the pool", (beyond,), torch.uint8, kinds)]
+    return rest, made if beyond else []
+
+
+def _pooled(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> Counter[Key]:
+    from shardwise.report._summary import needs_grad, saved_params  # (it imports this module)
+
+    if optimizer is None:
+        return Counter()
+    params = _params(plan, optimizer)
+    pieces = {p.name: (math.prod(p.piece), p.dtype) for p in params}
+    shard = [b for b in optimizer.buckets if b.kind == "shard"]
+    saved = saved_params(plan, needs_grad(plan))
+    keep = [k for k, b in enumerate(shard) if saved.intersection(b.names)]
+    return pooled_buffers(optimizer, pieces, keep)
 
 
 def _backward_start(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> list[TensorEstimate]:
