@@ -333,3 +333,26 @@ def test_tied_weights_follow_their_parameter(tmp_path: Path) -> None:
     got = safetensors.torch.load_file(tmp_path / "b" / "rank_1" / "x.safetensors")
     assert got["head.weight"].shape == got["emb.weight"].shape == (8, 8)
     assert torch.equal(got["head.weight"], single.emb.weight.detach()[8:])
+
+
+def test_names_under_a_wrapper(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A checkpoint saved through an `AutoParallel` wrapper (``network.`` names, recorded as the
+    strategy's prefix) is re-cut by the network's own plan, and merges to the network's names."""
+    _, full = trained
+    wrapped = {f"network.{k}": v for k, v in full.items() if not k.startswith("optimizer.")}
+    sw.save_checkpoint(wrapped, tmp_path / "one" / "x.safetensors")
+    plan = plan_of(4, None, "level3")
+    transform(
+        tmp_path / "one", tmp_path / "a", CheckpointStrategy.from_plan(plan).renamed("network.")
+    )
+    transform(tmp_path / "a", tmp_path / "b", plan)  # the plan's names carry no prefix
+    rank2 = safetensors.torch.load_file(tmp_path / "b" / "rank_2" / "x.safetensors")
+    assert torch.equal(
+        rank2["network.fc1.weight"], expected_block(plan, "fc1.weight", full["fc1.weight"], 2)
+    )
+    out = merge(tmp_path / "b", tmp_path / "m.safetensors")
+    plain = MLP()
+    plain.load_state_dict(safetensors.torch.load_file(out))
+    assert torch.equal(plain.fc2.weight.detach(), full["fc2.weight"])

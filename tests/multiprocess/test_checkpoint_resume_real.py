@@ -3,9 +3,10 @@
 Adam on a small MLP: 3 steps on 4 ranks (tensor parallel + optimizer parallel level 1), saved;
 the checkpoint transformed to a 2-rank data-parallel plan with optimizer parallel level 3 and
 trained 3 more steps; transformed to one device and trained 3 more with plain torch. The 9
-losses equal 9 uninterrupted single-device steps, and the final Adam state equals the
-single-device one. A second path loads the 4-rank checkpoint straight into the 2-rank job with
-`load_distributed` before its first step.
+losses equal 9 uninterrupted single-device steps, the Adam state loaded on one device is the
+one the 2 ranks saved, bit for bit, and the final Adam state equals the single-device one. A
+second chain loads the 4-rank checkpoint straight into the 2-rank job with `load_distributed`
+before its first step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -64,29 +66,41 @@ def leg(tmp: Path, n: int, tag: str, *args: str) -> list[float]:
     return [float(v) for v in losses.read_text().split()]
 
 
+def one_device(tmp: Path, src: Path, tag: str, steps: int) -> tuple[list[float], dict]:
+    """Transform `src` to one device, load it into the plain torch network and its Adam, check
+    the Adam state is the saved one exactly, and train the last 3 steps."""
+    sw.checkpoint.transform(src, tmp / tag)
+    net, opt = build()
+    ckpt = sw.load_checkpoint(tmp / tag / f"ckpt-1_{steps}.safetensors")
+    assert ckpt.step == steps
+    assert sw.load_param_into_net(net, ckpt, strict_load=True) == ([], [])
+    sw.checkpoint.load_optimizer_state(opt, ckpt, net)
+    saved = safetensors.torch.load_file(sw.checkpoint.merge(src, tmp / f"{tag}.safetensors",
+                                                            optimizer=True))  # fmt: skip
+    for name, p in net.named_parameters():  # carried exactly: the state the ranks saved
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, saved[f"optimizer.state.{name}.{key}"]), (name, key)
+    losses = train(net, opt, batches(9)[steps:])
+    return losses, opt.state_dict()["state"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_resume_across_plans_equals_never_stopping(tmp_path: Path) -> None:
     net, opt = build()
     want = train(net, opt, batches(9))
-    got = leg(tmp_path, 4, "a", "--plan", "tp", "--save", str(tmp_path / "a"))
+    single = opt.state_dict()["state"]
+    first = leg(tmp_path, 4, "a", "--plan", "tp", "--save", str(tmp_path / "a"))
     sw.checkpoint.transform(tmp_path / "a", tmp_path / "b_in", plan_b())
-    got += leg(tmp_path, 2, "b", "--plan", "dp", "--first", "3", "--load-plain",
-               str(tmp_path / "b_in"), "--save", str(tmp_path / "b"))  # fmt: skip
-    sw.checkpoint.transform(tmp_path / "b", tmp_path / "c")
-    resumed, resumed_opt = build()
-    ckpt = sw.load_checkpoint(tmp_path / "c" / "ckpt-1_6.safetensors")
-    assert ckpt.step == 6
-    assert sw.load_param_into_net(resumed, ckpt, strict_load=True) == ([], [])
-    sw.checkpoint.load_optimizer_state(resumed_opt, ckpt, resumed)
-    got += train(resumed, resumed_opt, batches(9)[6:])
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-    final, single = resumed_opt.state_dict()["state"], opt.state_dict()["state"]
-    for index, state in single.items():
-        assert float(final[index]["step"]) == float(state["step"]) == 9.0
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(final[index][key], state[key], rtol=1e-5, atol=1e-7)
-
-    direct = leg(tmp_path, 2, "direct", "--plan", "dp", "--first", "3", "--load",
-                 str(tmp_path / "a"), "--save", str(tmp_path / "d"))  # fmt: skip
-    torch.testing.assert_close(torch.tensor(direct), torch.tensor(want[3:6]), rtol=1e-5, atol=0)
+    # plan B loads its own transformed files (after planning), or the 4-rank checkpoint
+    # directly with load_distributed before its first step
+    for tag, how, where in (("b", "--load-plain", "b_in"), ("d", "--load", "a")):
+        got = first + leg(tmp_path, 2, tag, "--plan", "dp", "--first", "3", how,
+                          str(tmp_path / where), "--save", str(tmp_path / tag))  # fmt: skip
+        last, state = one_device(tmp_path, tmp_path / tag, f"{tag}_one", 6)
+        got += last
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+        for index, moments in single.items():
+            assert float(state[index]["step"]) == float(moments["step"]) == 9.0
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(state[index][key], moments[key], rtol=1e-5, atol=1e-7)
