@@ -78,7 +78,9 @@ def test_optimizer_parallel_quick(
     # memory: --quick measures one configuration (wide, sw level3) in a fresh job
     measured = [r for r in rows if r["rss_peak"] is not None]
     assert [(r["model"], r["name"]) for r in measured] == [("wide", "sw level3")]
-    assert measured[0]["rss_peak"] > measured[0]["rss_growth"] > 0
+    # (growth is the peak above the peak before building: the quick model is small enough
+    # that the imports' peak can be the higher one, so 0 is a valid reading)
+    assert measured[0]["rss_peak"] > measured[0]["rss_growth"] >= 0
 
 
 def test_formulas(monkeypatch: pytest.MonkeyPatch) -> None:
