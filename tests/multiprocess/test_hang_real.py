@@ -78,6 +78,9 @@ def test_a_rank_in_another_collective_is_named(tmp_path: Path) -> None:
     ), err
     assert "): it is in AllGather #2 of world_group instead; last collective entered: " in lines[1]
     assert "AllGather #2 of world_group (still inside)" in lines[1], err
-    assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in err, err
+    # the first rank to fail timed out, or (on a loaded host) saw the peer that timed out just
+    # before it leave
+    timed_out = f"Timed out waiting {TIMEOUT_S * 1000}ms" in err
+    assert timed_out or "Connection closed by peer" in err, err
     assert err.count("Traceback (most recent call last):") >= 1
     assert not leftovers()
