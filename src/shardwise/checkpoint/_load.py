@@ -117,13 +117,14 @@ def load_param_into_net(
     where = getattr(parameter_dict, "path", None)
     done: set[int] = set()
     for name, key in matches.items():
+        target = targets[name]
+        if id(target) in done:  # (a tied name: loaded once, its entry not even read)
+            continue
         value = parameter_dict[key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"checkpoint entry {key!r} is not a tensor")
-        target = targets[name]
-        if id(target) not in done:
-            _store(name, target, value, strict_load, _piece_hint(key, pieces, where))
-            done.add(id(target))
+        _store(name, target, value, strict_load, _piece_hint(key, pieces, where))
+        done.add(id(target))
     used = set(matches.values())
     param_not_load = [name for name, target in targets.items() if id(target) not in done]
     ckpt_not_load = [key for key in parameter_dict if key not in used]
