@@ -133,17 +133,7 @@ def fit(points: list[list[float]]) -> tuple[float, float]:
     Returns:
         (alpha seconds, beta seconds per byte).
     """
-    points = [[b, t] for b, t, *_ in points]
-    w = [1.0 / t**2 for _, t in points]
-    sw = sum(w)
-    sb = sum(wi * b for wi, (b, _) in zip(w, points, strict=True))
-    sbb = sum(wi * b * b for wi, (b, _) in zip(w, points, strict=True))
-    st = sum(wi * t for wi, (_, t) in zip(w, points, strict=True))
-    sbt = sum(wi * b * t for wi, (b, t) in zip(w, points, strict=True))
-    det = sw * sbb - sb * sb
-    beta = (sw * sbt - sb * st) / det
-    alpha = (st - beta * sb) / sw
-    return alpha, beta
+    return calibration.line_fit([(b, t) for b, t, *_ in points])
 
 
 def robust_fit(
