@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +127,7 @@ def read_entry(
         got = f.readinto(buf.numpy().data)
     if got != e.stop - e.start:
         raise CheckpointError(f"{index.path}: tensor {name!r} is truncated")
-    if verify and name in index.checksums and zlib.crc32(buf.numpy().data) != index.checksums[name]:
+    if verify and name in index.checksums and fmt.checksum(buf) != index.checksums[name]:
         raise CheckpointError(
             f"{index.path}: tensor {name!r} is corrupt (checksum mismatch: its bytes changed "
             "after it was saved); restore the file from a copy or use another checkpoint"
@@ -188,9 +187,9 @@ class StreamWriter:
                 f"{self.path}: {name!r} is {tensor.dtype}{list(tensor.shape)}, declared "
                 f"{want['dtype']}{want['shape']}"
             )
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
-        self.sums[name] = zlib.crc32(data)
-        self.file.write(data)
+        flat = tensor.detach().contiguous()
+        self.sums[name] = fmt.checksum(flat)
+        self.file.write(flat.reshape(-1).view(torch.uint8).numpy().data)
         self.next += 1
 
     def close(self) -> None:
