@@ -46,7 +46,6 @@ from shardwise.checkpoint._dcp_optimizer import KeyPath, Ref, torch_leaves
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._publish import publish
 from shardwise.checkpoint._sources import SourceSet
-from shardwise.checkpoint._strategy import as_strategy
 
 PathLike = str | os.PathLike[str]
 
@@ -154,8 +153,7 @@ def export_dcp(
         >>> sw.checkpoint.export_dcp("ckpt_8", "ckpt_dcp")  # doctest: +SKIP
         >>> dcp.load({"model": model_sd}, checkpoint_id="ckpt_dcp")  # in torch  # doctest: +SKIP
     """
-    given = None if src_strategy is None else as_strategy(src_strategy)
-    source = SourceSet(Path(src_dir), name, prefix, given)
+    source = SourceSet(Path(src_dir), name, prefix, src_strategy)
     leaves = _model_leaves(source, model_key)
     if optimizer:
         leaves += _optimizer_leaves(source, optimizer_key, flatten_optimizer)

@@ -35,7 +35,6 @@ from shardwise.checkpoint._load import load_param_into_net
 from shardwise.checkpoint._optimizer import OptimizerState, load_optimizer_state
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
-from shardwise.checkpoint._strategy import as_strategy
 
 
 class _Entries(Mapping[str, torch.Tensor]):
@@ -120,8 +119,7 @@ def load_distributed(
         >>> sw.checkpoint.load_distributed(net, "ckpt_8_ranks", opt)  # on 2 ranks now
         ([], [])
     """
-    given = None if src_strategy is None else as_strategy(src_strategy)
-    source = SourceSet(Path(src_dir), name, prefix, given)
+    source = SourceSet(Path(src_dir), name, prefix, src_strategy)
     strategy = network_strategy(network)
     shapes = {k: tuple(t.shape) for k, t in network.state_dict(keep_vars=True).items()}
     if strategy is not None:

@@ -34,7 +34,7 @@ from shardwise.checkpoint._pieces import (
     piece_of,
     whole,
 )
-from shardwise.checkpoint._strategy import CheckpointStrategy
+from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
 from shardwise.checkpoint._stream import FileIndex, read_entry, read_index
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -158,7 +158,7 @@ class SourceSet:
             `prefix`).
         prefix: pick the newest ``{prefix}-{epoch}_{step}.safetensors``.
         strategy: how the files were cut, for files that do not record it (MindSpore's
-            ``src_strategy_file``).
+            ``src_strategy_file``): any form `as_strategy` takes, or None.
 
     Example:
         >>> src = SourceSet(Path("ckpt"))  # doctest: +SKIP
@@ -170,14 +170,15 @@ class SourceSet:
         src: str | Path,
         name: str | None = None,
         prefix: str | None = None,
-        strategy: CheckpointStrategy | None = None,
+        strategy: object = None,
     ) -> None:
+        given = None if strategy is None else as_strategy(strategy)
         paths = find_files(Path(src), name, prefix)
-        self.files = [_rank_file(r, p, strategy) for r, p in paths.items()]
+        self.files = [_rank_file(r, p, given) for r, p in paths.items()]
         self._verified: set[tuple[int, str]] = set()  # (rank, key) blocks checksummed once
         first = self.files[0]
         recorded = fmt.parse_int(first.index.path, first.index.metadata, fmt.KEY_DEVICE_NUM)
-        self.device_num = recorded or (strategy.device_num if strategy else len(self.files))
+        self.device_num = recorded or (given.device_num if given else len(self.files))
         missing = sorted(set(range(self.device_num)) - set(paths))
         if missing or len(paths) != self.device_num:
             extra = sorted(set(paths) - set(range(self.device_num)))

@@ -33,6 +33,12 @@ from shardwise.planner._plan_json import matrix_d, matrix_of, params_d, params_o
 STATE_PREFIX = f"{OPTIMIZER_PREFIX}state."
 
 
+def owner_of(key: str) -> str:
+    """The parameter an entry belongs to: itself, or ``<param>`` of an optimizer state entry
+    ``optimizer.state.<param>.<key>``."""
+    return key[len(STATE_PREFIX) :].rpartition(".")[0] if key.startswith(STATE_PREFIX) else key
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """A parameter cut by optimizer parallel: its block's dim 0 over a shard group of `shard`
@@ -153,9 +159,7 @@ class CheckpointStrategy:
         as the parameter, anything else whole."""
         if not 0 <= rank < self.device_num:
             raise ValueError(f"rank {rank} is not in a job of {self.device_num} devices")
-        owner = name
-        if name.startswith(STATE_PREFIX):
-            owner = name[len(STATE_PREFIX) :].rpartition(".")[0]
+        owner = owner_of(name)
         p = self.params.get(owner)
         if p is None or tuple(p.shape) != tuple(shape):
             return whole(shape)
@@ -166,7 +170,7 @@ class CheckpointStrategy:
         parameter's block when it has that block's shape (a parameter, or optimizer state cut
         like it), whole for an entry of no planned parameter or a 0-d one; None when the shape
         fits neither (the entry is not stored as this strategy cuts it)."""
-        owner = key[len(STATE_PREFIX) :].rpartition(".")[0] if key.startswith(STATE_PREFIX) else key
+        owner = owner_of(key)
         if owner not in self.params or len(local) == 0:
             return whole(local)
         piece = self.param_piece(owner, rank)

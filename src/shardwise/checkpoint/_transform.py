@@ -283,8 +283,7 @@ def transform(
         >>> sw.checkpoint.transform("ckpt_8", "ckpt_4", "plan_4.json")  # doctest: +SKIP
         >>> sw.checkpoint.transform("ckpt_4", "ckpt_1")                  # one device
     """
-    src_given = None if src_strategy is None else as_strategy(src_strategy)
-    source = SourceSet(Path(src_dir), name, prefix, src_given)
+    source = SourceSet(Path(src_dir), name, prefix, src_strategy)
     dst = as_strategy(dst_strategy)
     file_name = dst_name or source.files[0].index.path.name
 
@@ -327,8 +326,7 @@ def merge(
     Example:
         >>> sw.checkpoint.merge("ckpt", "model.safetensors")  # doctest: +SKIP
     """
-    src_given = None if src_strategy is None else as_strategy(src_strategy)
-    source = SourceSet(Path(src_dir), name, prefix, src_given)
+    source = SourceSet(Path(src_dir), name, prefix, src_strategy)
     keys = source.names if optimizer else source.model_names
     kept = _KEEP if optimizer else tuple(k for k in _KEEP if k != fmt.KEY_OPTIMIZER)
     meta = {"format": "pt"} | {k: v for k, v in source.metadata.items() if k in kept}
@@ -365,8 +363,7 @@ def transform_checkpoints(
     Example:
         >>> sw.transform_checkpoints("src", "dst", "ckpt_", "a.json", "b.json")  # doctest: +SKIP
     """
-    given = None if src_strategy_file is None else as_strategy(src_strategy_file)
-    source = SourceSet(Path(src_checkpoints_dir), strategy=given)
+    source = SourceSet(Path(src_checkpoints_dir), strategy=src_strategy_file)
 
     def path_of(tmp: Path, rank: int) -> Path:
         return tmp / f"rank_{rank}" / f"{ckpt_prefix}{rank}.safetensors"
@@ -396,8 +393,7 @@ def unified_safetensors(
     Returns:
         The merged file's path.
     """
-    given = None if src_strategy_file is None else as_strategy(src_strategy_file)
-    source = SourceSet(Path(src_dir), strategy=given)
+    source = SourceSet(Path(src_dir), strategy=src_strategy_file)
     single = CheckpointStrategy.single()
     _cut(source, single, Path(dst_dir), lambda tmp, r: tmp / file_name, overwrite=overwrite)
     return Path(dst_dir) / file_name

@@ -325,7 +325,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
     @property
     def stored_plan(self) -> ParallelPlan | None:
         """The plan the parameters are stored by (the first one made; None before planning)."""
-        return self._graph.plans[0][0] if self._graph is not None and self._graph.plans else None
+        return self._graph.stored_plan if self._graph is not None and self._graph.plans else None
 
     @property
     def parallel_plan(self) -> ParallelPlan | None:

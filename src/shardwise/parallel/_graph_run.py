@@ -161,6 +161,11 @@ class GraphRun:
             self._buckets(plan, buckets)
         return plan
 
+    @property
+    def stored_plan(self) -> ParallelPlan:
+        """The first plan: the one the parameters are stored by (planned already)."""
+        return self.plans[0][0]
+
     def _buckets(self, plan: ParallelPlan, buckets: OptimizerPlan | None = None) -> None:
         """The gradient buckets (`buckets`, else made from the first plan's parameters with
         `plan`'s equal gradients, `ParallelPlan.equal_grads`); made again when a plan variant's
@@ -173,7 +178,7 @@ class GraphRun:
                 h.remove()
                 self.hooks.remove(h)
         if buckets is None:
-            stored = self.plans[0][0].param_layouts()
+            stored = self.stored_plan.param_layouts()
             buckets = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
         self.grad_plan = buckets
         self.grads = GradBuckets(self.network, self.grad_plan)
@@ -323,7 +328,7 @@ class GraphRun:
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept
         with the others (the parameters stay stored as the first plan stores them)."""
-        first = self.plans[0][0]
+        first = self.stored_plan
         graph, plan = self._capture_plan(args, kwargs, stored=first)
         if self.hsdp is None:  # (the first plan's parameters, this plan's equal gradients)
             stored = first.param_layouts()
