@@ -136,6 +136,24 @@ def _default_store() -> None:
     assert callable(dist.distributed_c10d._get_default_store)
 
 
+def _profiler_event_tree() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.ones(256)
+    roots = prof.profiler.kineto_results.experimental_event_tree()
+    stack, kinds = list(roots), set()
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        kinds.add(type(node.extra_fields).__name__)
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            fields = node.extra_fields
+            assert fields.device.type == "cpu" and isinstance(fields.alloc_size, int)
+            assert isinstance(fields.ptr, int) and isinstance(node.start_time_ns, int)
+    assert "_ExtraFields_Allocation" in kinds, kinds
+
+
 CASES: dict[str, Callable[[], None]] = {
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
@@ -175,6 +193,7 @@ CASES: dict[str, Callable[[], None]] = {
         "torch._C._distributed_c10d", "TCPStore"
     ),
     "launch/rendezvous: PrefixStore": _callable("torch._C._distributed_c10d", "PrefixStore"),
+    "report/_measure: the profiler's event tree and its allocation records": (_profiler_event_tree),
 }
 
 
