@@ -22,6 +22,7 @@ process-group functions directly.
   (``shardwise plan``).
 """
 
+from shardwise.communication._carpool import Carpool
 from shardwise.communication._collectives import ReduceOp
 from shardwise.communication._dry import dry_run
 from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
@@ -67,6 +68,7 @@ __all__ = [
     "AllReduce",
     "AlltoAll",
     "Broadcast",
+    "Carpool",
     "CommRecord",
     "CommRecorder",
     "Group",

@@ -14,8 +14,9 @@ same way, `planner.is_recorded`). For it the executor:
    projection) the parts' local sizes; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
 3. applies the edges of returned values right after the op; the loss's AllReduce is only
-   started there (`sum_over_ranks`) and finished before anything can read the loss: at the
-   next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
+   started there (`sum_over_ranks`; or seated to ride on the gradient bucket's AllReduce over
+   the same ranks, `communication.Carpool`) and finished before anything can read the loss: at
+   the next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
    overlap), before an optimizer step or a primitive, at the end of the call; then the
    AllReduce(avg)s of output gradients the plan puts there (`NodePlan.backward`, registered on
    the outputs for backward: `_edges.average_outputs`).
@@ -23,7 +24,9 @@ same way, `planner.is_recorded`). For it the executor:
 What each node needs is worked out once per plan (`_node_table.NodeTable`): a node with no
 edge in or out and no gradient average (nearly every node under data parallel) takes a short
 path in `PlanExecutor.__torch_function__` (its op checked against the plan's, the cursor
-moved, the op run); the others take the full path (`PlanExecutor._call`).
+moved, the op run); the others take the full path (`PlanExecutor._call`). From a plan's
+third run, modules made only of such nodes run with the executor off the mode stack, and after
+an optimizer step it may stay off until the network is called again (`_spans.SpanRunner`).
 
 Nothing about layouts is decided here: every placement, step and collective comes from the
 plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
@@ -42,12 +45,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+from shardwise.communication import Carpool
 from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
-from shardwise.parallel._local import dropout_block
+from shardwise.parallel._local import dropout_block, dropout_p
 from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
+from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
 
@@ -69,7 +74,7 @@ def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
 
 
-class PlanExecutor(PrimitiveHooks, SteppingMode):
+class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -83,6 +88,8 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
         on_end: called each time the plan's last op has run (the end of the forward).
         on_start: called each time the plan's first op is about to run.
         table: the plan's `NodeTable` (made from `plan` and `templates` when None).
+        pool: the gradient buckets' `communication.Carpool`: the loss's AllReduce rides on
+            their AllReduce when they reduce over its ranks (None: it runs on its own).
     """
 
     def __init__(
@@ -94,8 +101,10 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
         on_end: Callable[[], None] | None = None,
         on_start: Callable[[], None] | None = None,
         table: NodeTable | None = None,
+        pool: Carpool | None = None,
     ) -> None:
         super().__init__()
+        self.pool = pool
         self.plan = plan
         self.table = table if table is not None else NodeTable(plan, templates)
         self.on_end = on_end
@@ -112,6 +121,7 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
+        self._spans_init()
 
     @property
     def params(self) -> dict[int, str]:
@@ -152,10 +162,16 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
             try:
                 if fast == PLAIN:
                     return func(*args, **kwargs) if kwargs else func(*args)
+                table = self.table
                 if fast == SIZED:
-                    return func(args[0], *(self.table.sized[k] or ()))
+                    if table.local[k] is None:
+                        return self.check_sized(func, k, args, kwargs)
+                    return func(args[0], *(table.sized[k] or ()))
                 node = self.plan.nodes[k]
-                return dropout_block(node.outputs[0].layout, node.shapes[0], args, kwargs or {})
+                kwargs = kwargs or {}
+                if table.local[k] is None:
+                    table.local[k] = dropout_p(args, kwargs) == 0
+                return dropout_block(node.outputs[0].layout, node.shapes[0], args, kwargs)
             finally:
                 self.paused -= 1
         return self._call(func, kind, op, args, kwargs or {})
@@ -213,16 +229,25 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
     def finish_started(self) -> None:
         """Finish the started AllReduces of returned values (their results are whole now)."""
         started, self.started = self.started, []
-        for finish in started:
-            finish()
+        self.paused += 1  # (their own tensor calls, an AllReduce of its own, are no network ops)
+        try:
+            for finish in started:
+                finish()
+        finally:
+            self.paused -= 1
 
     def step_starts(self, optimizer: Any, closure: bool) -> None:
         self.finish_started()  # (the step's ops do not come here)
         super().step_starts(optimizer, closure)
 
+    def stay_lifted(self) -> bool:
+        return self.park()
+
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        self.finish_started()
-        super().__exit__(exc_type, exc_val, exc_tb)
+        try:
+            self.finish_started()
+        finally:  # (off the mode stack even when finishing raised)
+            super().__exit__(exc_type, exc_val, exc_tb)
 
     def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
         """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
@@ -268,6 +293,7 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
                 f"every step (plan again for a different network)"
             )
         if self.cursor == 0:
+            self.first_op()
             self.moved.clear()
             if self.on_start is not None:
                 self._paused_call(self.on_start)
@@ -336,7 +362,7 @@ class PlanExecutor(PrimitiveHooks, SteppingMode):
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started)
+                out = move(out, e, self.started, self.pool)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0

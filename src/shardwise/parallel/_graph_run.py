@@ -65,6 +65,7 @@ from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
+from shardwise.parallel._spans import SpanHooks
 from shardwise.planner import Graph, ParallelPlan
 
 T = torch.Tensor
@@ -105,7 +106,8 @@ class GraphRun:
         self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: see _network_called)
-        self.modules: list[nn.Module] = []  # (the network's, listed when planning)
+        self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
+        self.spans = SpanHooks(network, lambda: self.executor)
 
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
@@ -140,7 +142,7 @@ class GraphRun:
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]
         self.tables = {}
-        self.modules = list(self.network.modules())
+        self.modules = [m for m in self.network.modules() if m._buffers]
         for m in self.network.modules():
             if isinstance(m, Primitive):
                 self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
@@ -194,9 +196,12 @@ class GraphRun:
             self.capturing = False
 
     def _network_called(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Refuse a call of the network outside the wrapper once its parameters hold blocks or
-        shards (it would compute on them as if they were whole)."""
-        if self.executor is None and not self.capturing and self.blocks:
+        """Tell the running executor that the network's forward begins (`_spans`); refuse a
+        call of the network outside the wrapper once its parameters hold blocks or shards (it
+        would compute on them as if they were whole)."""
+        if self.executor is not None:
+            self.executor.network_entered()
+        elif not self.capturing and self.blocks:
             raise RuntimeError(
                 f"AutoParallel: {type(module).__name__} was called outside its wrapper; its "
                 "parameters hold this rank's blocks, so call the AutoParallel object (or the "
@@ -258,6 +263,7 @@ class GraphRun:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        self.spans.remove()
         if self.engine is not None:
             self.engine.remove()
 
@@ -287,8 +293,8 @@ class GraphRun:
             ) from None
 
     def _state(self) -> tuple[list[tuple[T, T]], T]:
-        """The network's buffers (copies) and the RNG state, for `_restore` (the modules are
-        listed once, when planning; each one's buffers are read anew)."""
+        """The network's buffers (copies) and the RNG state, for `_restore` (the modules that
+        hold buffers are listed once, when planning; each one's buffers are read anew)."""
         with torch.no_grad():
             buffers = [
                 (b, b.clone()) for m in self.modules for b in m._buffers.values() if b is not None
@@ -382,6 +388,7 @@ class GraphRun:
             on_end=forward_done,
             on_start=forward_starts,
             table=table,
+            pool=None if self.grads is None else self.grads.pool,
         )
         self.executor = executor
         try:
@@ -395,4 +402,6 @@ class GraphRun:
             self.executor = None
             saved.close()
         executor.check_done("the end of the call")
+        if executor.done and table.candidates is None:
+            self.spans.update(table, [n.name for n in plan.nodes])
         return rank_outputs(plan, out, self.dataset) if self.module_form else out

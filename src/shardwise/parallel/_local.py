@@ -142,6 +142,13 @@ def prepare(
     raise UnsupportedParallelError(f"{module.who}: local mode {tag!r} is not supported")
 
 
+def dropout_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
+    """The drop probability of an ``F.dropout(*args, **kw)`` call (0: the identity, in
+    training and evaluation alike)."""
+    bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
+    return float(bound.get("p", 0.5))
+
+
 def dropout_block(
     layout: TensorLayout, shape: Shape, args: Sequence[Any], kw: dict[str, Any]
 ) -> torch.Tensor:

@@ -12,7 +12,8 @@
   split its local sizes) or
   `DROPOUT`; under data parallel nearly every
   node is one of these, and the executor runs them after checking only the op against the
-  plan's and counting the cursor.
+  plan's and counting the cursor. `NodeTable.local` and the spans of `_spans` let whole modules
+  of such nodes run without even that.
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ class NodeTable:
         ]
         self.flat_templates: dict[int, tuple[list[Any], Any]] = {}
         self.inputs = [len(n.inputs) for n in nodes]
+        # (`_spans`) whether each node runs as the network calls it: plain ops yes, views and
+        # dropouts once seen (None until then); the candidate modules, their observed spans
+        self.local: list[bool | None] = [
+            True if f == PLAIN else None if f in (SIZED, DROPOUT) else False for f in self.fast
+        ]
+        self.candidates: set[str] | None = None
+        self.spans: dict[str, tuple[int, int] | None] = {}
+        self.first_in_network: bool | None = None  # the plan's first op inside the network
 
     def _kind(self, k: int, op: str) -> int:
         """The short path of node `k` (called with no edge in or out): `SLOW` for the first

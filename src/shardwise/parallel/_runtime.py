@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
-from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
+from shardwise.communication._collectives import Pending, ReduceOp, all_reduce
 from shardwise.communication.primitives import GradRoute, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.optim import OptimizerPlan, ParamInfo
@@ -127,6 +127,7 @@ class _Bucket:
         self.label, self.group, self.params = label, group, params
         self.times = times  # per member: the ranks its gradient is equal on (`_times`)
         self.sizes = [p.numel() for p in params]
+        self.total = sum(self.sizes)  # (the buffer has `Carpool.SPARE` more, for riders)
         self.shapes = [p.shape for p in params]
         self.offsets = [sum(self.sizes[:j]) for j in range(len(params))]
         self.stores = [_grad_store(p) for p in params]
@@ -155,9 +156,9 @@ class _Bucket:
         ``.grad`` at the end of backward; a new kept one while gradients of the last are still
         referenced) or a new one (its slots are returned to the caller)."""
         if not keep:
-            return g.new_empty(sum(self.sizes))
+            return g.new_empty(self.total + comm.Carpool.SPARE)
         if self.kept is None or _storage_refs(self.kept) > self.kept_refs:
-            self.kept = g.new_empty(sum(self.sizes))
+            self.kept = g.new_empty(self.total + comm.Carpool.SPARE)
             self.kept_slots = [
                 self.kept[o : o + n].view(shape)
                 for o, n, shape in zip(self.offsets, self.sizes, self.shapes, strict=True)
@@ -173,13 +174,15 @@ class GradBuckets:
     """Step 4 without optimizer parallel: every gradient summed over the axes its parameter is
     replicated on, in fused buckets (`_hsdp.gradient_buckets`), then / world size.
 
-    Each parameter's tensor hook copies its gradient into its slot of the bucket's flat buffer
-    as autograd produces it; the bucket's one AllReduce (`all_reduce_async`, in place on the
-    buffer) starts as soon as every member is in, so in a real job it runs while the earlier
-    layers' gradients are computed (a simulated world runs it at once). At the end of backward
+    Each parameter's tensor hook writes its gradient divided by the world size (like DDP) into
+    its slot of the bucket's flat buffer as autograd produces it; the bucket's one AllReduce
+    (`all_reduce_async`, in place on the buffer, carrying the values waiting in `pool`: the
+    loss's AllReduce, `communication.Carpool`) starts as soon as every member is in, so in a
+    real job it runs while the earlier layers' gradients are computed (a simulated world runs it
+    at once). At the end of backward
     (`_finish`, queued with autograd's ``queue_callback``) the buckets that some parameters left
     incomplete start (zeros in the missing slots: every rank runs the same graph), all are
-    finished in the order they started, divided by the world size and delivered: its slot made
+    finished in the order they started and delivered: its slot made
     the parameter's ``.grad`` (a view of the flat buffer, like DDP's
     ``gradient_as_bucket_view``; the hook returned the gradient itself, which autograd stored
     until then; the buffer is reused next backward unless a delivered gradient is still
@@ -213,6 +216,8 @@ class GradBuckets:
             bucket = _Bucket(f"bucket {i} ({', '.join(b.names)})", group, params, times)
             self.buckets.append(bucket)
             self.handles += [p.register_hook(self._hook(bucket, j)) for j, p in enumerate(params)]
+        # (small AllReduces over a bucket's ranks, the loss's, ride on its AllReduce)
+        self.pool = comm.Carpool([b.group for b in self.buckets])
 
     def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def scale(g: torch.Tensor) -> torch.Tensor:
@@ -238,10 +243,11 @@ class GradBuckets:
                 bucket.flat = bucket.buffer(g, keep=stores)
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(g, bucket.group)
-            slot = bucket.slot(j)
-            slot.copy_(g)
-            if bucket.times[j] != 1:
-                slot.mul_(bucket.times[j])
+            slot = bucket.slot(j)  # (divided on the way in: no pass over the bucket later)
+            if bucket.times[j] == 1:
+                torch.div(g, self.world, out=slot)
+            else:
+                torch.mul(g, bucket.times[j], out=slot).div_(self.world)
             if not stores:
                 bucket.got[j], out = "return", slot.view_as(g)
             elif p.grad is None:
@@ -268,9 +274,10 @@ class GradBuckets:
             return all_reduce(g, ReduceOp.SUM, group).div_(self.world)
 
     def _start(self, bucket: _Bucket) -> None:
+        """Start the bucket's AllReduce, with the values waiting in `pool` riding on it."""
         assert bucket.flat is not None
         with recorder.phase("backward"), recorder.label(bucket.label):
-            bucket.pending = all_reduce_async(bucket.flat, ReduceOp.SUM, bucket.group)
+            bucket.pending = self.pool.all_reduce_async(bucket.flat, bucket.total, bucket.group)
         self.started.append(bucket)
 
     def _finish(self) -> None:
@@ -287,7 +294,6 @@ class GradBuckets:
             for bucket in started:
                 assert bucket.pending is not None and bucket.flat is not None
                 bucket.pending.wait()
-                bucket.flat.div_(self.world)
                 for j, how in bucket.got.items():
                     p, reduced = bucket.params[j], bucket.slot(j).view(bucket.shapes[j])
                     if how == "return":

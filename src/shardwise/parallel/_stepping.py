@@ -44,11 +44,16 @@ class SteppingMode(TorchFunctionMode):
         while self.stepping:
             key, paused, lifted = self.stepping.pop()
             self.paused -= paused
-            if lifted:
+            if lifted and not self.stay_lifted():
                 self.lifted = False
                 torch._C._push_on_torch_function_stack(self)
             if key == id(optimizer):
                 return
+
+    def stay_lifted(self) -> bool:
+        """When a step that lifted this mode ends: whether it stays off the stack (a subclass
+        puts itself back later)."""
+        return False
 
     def _lift(self) -> bool:
         """Take this mode off the top of the mode stack (False: it is not the top)."""

@@ -1,0 +1,243 @@
+"""The plan executor's fast paths stay exact over many steps (`parallel._spans`,
+`communication.Carpool`).
+
+From a plan's third run on, a module whose every op runs on this rank's rows as the network
+calls it (a GPT block under data parallel) runs without the executor watching each op, and
+after the optimizer step the executor stays off the mode stack until the network is called
+again. The loss's AllReduce rides on the gradient bucket's AllReduce over the same ranks. Each
+case trains 5 steps on 2 simulated ranks and equals one device at every step (loss and every
+gradient, 1e-5), with the collectives counted:
+
+- GPT-2 with dropout 0: the loss's AllReduce rides on the bucket's (two records, one message);
+- a block with dropout 0.1: it draws its masks through the executor every step;
+- a block whose ``view`` names the global batch size: it keeps the plan's local shape;
+- two optimizer steps in one call, each loss read before ``backward`` (its own AllReduce);
+- no backward at all (an evaluation call): the loss still reduced.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.communication import Carpool
+from shardwise.parallel._executor import PlanExecutor
+from shardwise.parallel._spans import span_candidates
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2, token_batches
+
+STEPS, BATCH, WORLD = 5, 8, 2
+SIZES = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16}
+RANKS = tuple(range(WORLD))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Block(nn.Module):
+    """Linear, GELU, dropout, linear, residual; with `global_view` its ``view`` names the
+    global batch size (plain torch would fail on a rank's rows; the plan gives it the local
+    shape, every step)."""
+
+    def __init__(self, p: float, global_view: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.p, self.global_view = p, global_view
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.a(x))
+        if self.global_view:
+            h = torch.tanh(h.view(BATCH, 4, 8)).view(BATCH, 32)
+        h = nn.functional.dropout(h, self.p, self.training)
+        return self.b(h) + x
+
+
+class Net(nn.Module):
+    def __init__(self, p: float = 0.0, global_view: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.out = nn.Linear(16, 16), Block(p, global_view), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.out(self.block(self.inp(x)))
+        return logits, nn.functional.cross_entropy(logits, y)
+
+
+def _data(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if name != "gpt2":
+        g = torch.Generator().manual_seed(3)
+        return [
+            (torch.randn(BATCH, 16, generator=g), torch.randint(0, 4, (BATCH,), generator=g))
+            for _ in range(STEPS)
+        ]
+    return token_batches(STEPS, BATCH, 16, 64)
+
+
+MAKE: dict[str, Callable[[], nn.Module]] = {
+    "gpt2": lambda: GPT2(**SIZES),
+    "dropout": lambda: Net(p=0.1),
+    "view": lambda: Net(global_view=True),
+}
+
+
+def _one_device(name: str, steps_per_call: int = 1) -> tuple[list[Any], list[Any]]:
+    """Per optimizer step: the loss and every gradient on one device (masks seeded as the
+    parallel run seeds them)."""
+    net = MAKE[name]()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    losses, grads = [], []
+    torch.manual_seed(7)
+    for x, y in _data(name):
+        for _ in range(steps_per_call):
+            loss = net(x, y)[1]
+            loss.backward()
+            grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return losses, grads
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls reaching the executor (one entry per call of the wrapper)."""
+    calls: list[int] = []
+    original = PlanExecutor.__torch_function__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[-1] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PlanExecutor, "__torch_function__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["gpt2", "dropout", "view"])
+def test_many_steps_match_one_device(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    want_losses, want_grads = _one_device(name)
+    net, batches = MAKE[name](), _data(name)
+    calls = _count_calls(monkeypatch)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        seen: list[dict[str, torch.Tensor]] = []
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(x, y)[1]
+            loss.backward()
+            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        torch.manual_seed(7)
+        for s, (x, y) in enumerate(batches):
+            calls.append(0)
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+            # the loss's AllReduce (forward) rides on the gradient bucket's (backward): two
+            # collectives recorded, one message
+            want = Counter(
+                {("AllReduce", "forward", RANKS): 1, ("AllReduce", "backward", RANKS): 1}
+            )
+            assert rec.kinds() == want, rec.summary()
+            params = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values())
+            loss_rec, bucket = sorted(rec.records, key=lambda r: r.numel)
+            assert (loss_rec.numel, bucket.numel) == (1, params)
+            assert loss_rec.carrier == bucket.label != "" and not bucket.carrier
+    if name == "gpt2":  # the blocks and the optimizer-step tail run unwatched from step 3
+        assert calls[2] < 0.6 * calls[1], calls
+    else:  # dropout masks, global sizes: every op of those blocks is watched every step
+        assert calls[2] == calls[1], calls
+
+
+def test_two_optimizer_steps_in_one_call_reading_the_loss_before_backward() -> None:
+    """Two forward / backward / step cycles per call (the executor parks after the first
+    step and comes back when the network is called for the second); each cycle reads its loss
+    before ``backward``, so that loss's AllReduce runs on its own: 4 collectives a call."""
+    want_losses, want_grads = _one_device("gpt2", steps_per_call=2)
+    net, batches = MAKE["gpt2"](), _data("gpt2")
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        seen: list[dict[str, torch.Tensor]] = []
+        read: list[torch.Tensor] = []
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> None:
+            for _ in range(2):
+                loss: torch.Tensor = net(x, y)[1]
+                read.append(loss.detach().clone())
+                loss.backward()
+                seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+                opt.step()
+                opt.zero_grad()
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for s, (x, y) in enumerate(batches):
+            with CommRecorder() as rec:
+                parallel(world.rows(x), world.rows(y))
+            for c, k in enumerate((2 * s, 2 * s + 1)):  # (the capture's reads come first)
+                assert_matches_single_device(read[c - 2], want_losses[k], what=f"loss {k}")
+                assert_matches_single_device(seen[c - 2], want_grads[k], what=f"grads {k}")
+            kinds = rec.kinds()
+            assert kinds[("AllReduce", "backward", RANKS)] == 2, rec.summary()
+            assert kinds[("AllReduce", "forward", RANKS)] == 2, rec.summary()
+            assert not any(r.carrier for r in rec.records), rec.summary()  # 4 messages
+
+
+def test_a_call_without_backward_still_reduces_the_loss() -> None:
+    want_losses, _ = _one_device("gpt2")
+    net, (x, y) = MAKE["gpt2"](), _data("gpt2")[0]
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(
+            lambda x, y: net(x, y)[1], parallel_mode="semi_auto", network=net
+        )
+        for _ in range(3):
+            with CommRecorder() as rec, torch.no_grad():
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want_losses[0], what="loss")
+            assert rec.kinds() == Counter({("AllReduce", "forward", RANKS): 1}), rec.summary()
+
+
+def test_span_candidates_are_the_outermost_local_modules() -> None:
+    """Pure selection rule: all ops local, contiguous, at least 4, callable, outermost."""
+    net = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.ModuleList([nn.ReLU()]))
+    modules = list(net.named_modules())
+    names = ["0/a", "0/b", "0.0/linear", "0.1/relu", "1.0/relu", "1.0/x", "1.0/y", "1.0/z", "t"]
+    local = [True] * 8 + [False]
+    assert span_candidates(names, local, modules) == {"0", "1.0"}  # ("1" is a ModuleList)
+    local[1] = None  # (a view not seen yet)
+    assert span_candidates(names, local, modules) == {"1.0"}
+    names[5] = "0/late"  # (module 0's ops no longer contiguous)
+    local[1] = True
+    assert span_candidates(names, local, modules) == set()
+
+
+def test_carpool_seats_only_small_values_of_its_groups() -> None:
+    """A value too big for the spare room, or over ranks no bucket reduces over, is not
+    seated; a seated value no bucket took runs its own AllReduce when finished."""
+    with simulated_world(WORLD) as world:
+        small = world.rank_map(lambda r: torch.tensor([1.0 + r]))
+        assert Carpool([None]).seat(world.rank_map(lambda r: torch.ones(17)), None) is None
+        assert Carpool([]).seat(small, None) is None
+        seat = Carpool([None]).seat(small, None)
+        assert seat is not None
+        with CommRecorder() as rec:
+            out = seat.finish()
+        assert_matches_single_device(out, torch.tensor([3.0]), what="own AllReduce")
+        assert [r.kind for r in rec.records] == ["AllReduce"]
