@@ -297,6 +297,26 @@ def gpt2_hf(
 
 # ---------------------------------------------------------------------------------------------
 # Data
+def recording_step(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss_of: Any,
+    seen: list[dict[str, torch.Tensor]],
+) -> Any:
+    """A train step ``step(x, y)``: ``loss_of(net, x, y)``, backward, a copy of every gradient
+    (by name) appended to `seen`, the optimizer's step and ``zero_grad``; returns the loss."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = loss_of(net, x, y)
+        loss.backward()
+        seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 # ---------------------------------------------------------------------------------------------
 
 

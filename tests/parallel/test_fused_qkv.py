@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -45,12 +45,7 @@ LAYERS = 2
 Kinds = Counter[tuple[str, str, tuple[int, ...]]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def annotate(net: GPT2, dp: int, mp: int, qkv: str, proj: bool) -> GPT2:

@@ -18,7 +18,7 @@ gradient, 1e-5), with the collectives counted:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,19 +31,14 @@ from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._spans import span_candidates
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
-from ..zoo import GPT2, token_batches
+from ..zoo import GPT2, recording_step, token_batches
 
 STEPS, BATCH, WORLD = 5, 8, 2
 SIZES = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16}
 RANKS = tuple(range(WORLD))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Block(nn.Module):
@@ -132,15 +127,7 @@ def test_many_steps_match_one_device(name: str, monkeypatch: pytest.MonkeyPatch)
         world.replicate(net)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         seen: list[dict[str, torch.Tensor]] = []
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(x, y)[1]
-            loss.backward()
-            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         torch.manual_seed(7)
         for s, (x, y) in enumerate(batches):

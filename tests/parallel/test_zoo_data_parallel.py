@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,15 +101,10 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: these models are tiny, and with two threads every convolution
-    waits on the other core (ResNet forward + backward on a 2-core machine busy with other
-    work: 1.8 s with 2 threads, 0.01 s with 1)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One intra-op thread: these models are tiny, and with two threads every convolution waits on
+# the other core (ResNet forward + backward on a 2-core machine busy with other work: 1.8 s with
+# 2 threads, 0.01 s with 1).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass

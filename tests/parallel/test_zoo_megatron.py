@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -36,19 +36,14 @@ import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..optim.test_hsdp import shard_of
-from ..zoo import GPT2, GPT2Config, Llama, token_batches
+from ..zoo import GPT2, GPT2Config, Llama, recording_step, token_batches
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}
 LAYERS = GPT2Config().n_layer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def megatron(net: GPT2, dp: int, mp: int) -> GPT2:
@@ -175,16 +170,7 @@ def test_megatron_gpt2_matches_one_device(dp: int, mp: int) -> None:
         world.replicate(net)
         opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
         seen: list[dict[str, torch.Tensor]] = []
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = net(x, y)[1]
-            assert loss is not None
-            loss.backward()
-            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         for s, (x, y) in enumerate(batches()):
             with CommRecorder() as rec:

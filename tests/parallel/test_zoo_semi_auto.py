@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,7 +31,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
-from ..zoo import GPT2, Llama, ResNet, gpt2_hf, image_batches, token_batches
+from ..zoo import GPT2, Llama, ResNet, gpt2_hf, image_batches, recording_step, token_batches
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}  # (see test_zoo_data_parallel.py: Adam and split rounding)
@@ -52,12 +51,7 @@ def loss_of(name: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     return net(x, y)[1]  # type: ignore[no-any-return]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
@@ -95,15 +89,7 @@ def test_semi_auto_without_annotation_matches_one_device(name: str, world_size: 
         world.replicate(net)
         opt = optimizer(net)
         seen: list[dict[str, torch.Tensor]] = []
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = loss_of(name, net, x, y)
-            loss.backward()
-            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = recording_step(net, opt, functools.partial(loss_of, name), seen)
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         with CommRecorder() as rec:
             for s, (x, y) in enumerate(data(kind)):
