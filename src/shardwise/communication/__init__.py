@@ -22,7 +22,6 @@ process-group functions directly.
   (``shardwise plan``).
 """
 
-from shardwise.communication._carpool import Carpool
 from shardwise.communication._collectives import ReduceOp
 from shardwise.communication._dry import dry_run
 from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
@@ -68,7 +67,6 @@ __all__ = [
     "AllReduce",
     "AlltoAll",
     "Broadcast",
-    "Carpool",
     "CommRecord",
     "CommRecorder",
     "Group",

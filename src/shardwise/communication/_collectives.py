@@ -43,17 +43,13 @@ def _record(kind: str, g: Group, t: torch.Tensor, start: float) -> None:
     record_sized(kind, g, t.dtype, t.numel(), start)
 
 
-def record_sized(
-    kind: str, g: Group, dtype: torch.dtype, numel: int, start: float, carrier: str = ""
-) -> None:
+def record_sized(kind: str, g: Group, dtype: torch.dtype, numel: int, start: float) -> None:
     """Report one call of `kind` on an input of `numel` elements of `dtype` (priced with
-    `bytes_bound`; nothing happens unless a recorder is active); `carrier`: the label of the
-    call it rode on (then no time of its own)."""
+    `bytes_bound`; nothing happens unless a recorder is active)."""
     if not recorder.recording():
         return
     nbytes = recorder.bytes_bound(kind, numel * dtype.itemsize, len(g.ranks))
-    seconds = 0.0 if carrier else recorder.timer() - start
-    recorder.record(kind, g.ranks, dtype, numel, nbytes, seconds, carrier)
+    recorder.record(kind, g.ranks, dtype, numel, nbytes, recorder.timer() - start)
 
 
 def _check_same_shape(what: str, t: torch.Tensor) -> None:
@@ -93,12 +89,12 @@ def all_reduce_(t: torch.Tensor, op: ReduceOp, group: str | Group | None) -> tor
 
 
 def all_reduce_async(
-    t: torch.Tensor, op: ReduceOp, group: str | Group | None, numel: int | None = None
+    t: torch.Tensor, op: ReduceOp, group: str | Group | None
 ) -> Pending[torch.Tensor]:
     """`all_reduce_` (in place on contiguous `t`), started now and finished by
-    ``Pending.wait()`` (recorded then, with the phase and label current at the start, as
-    `numel` elements: default all). A simulated world runs it at once."""
-    return _start_all_reduce(t, op, group, async_op=_sim.current() is None, numel=numel)
+    ``Pending.wait()`` (recorded then, with the phase and label current at the start). A
+    simulated world runs it at once."""
+    return _start_all_reduce(t, op, group, async_op=_sim.current() is None)
 
 
 class Pending(Generic[T]):
@@ -132,12 +128,10 @@ def _started(
     work: Any,
     result: Callable[[], torch.Tensor],
     token: _trace.Token = None,
-    numel: int | None = None,
 ) -> Pending[torch.Tensor]:
     """A `Pending` that waits for `work` (None: already done), computes the result and records
-    the call (`numel` elements, default all of `t`) under the phase and label current now (its
-    start); `token`: its `_trace.enter`."""
-    done = deferred_record(kind, g, t.dtype, t.numel() if numel is None else numel, start)
+    the call under the phase and label current now (its start); `token`: its `_trace.enter`."""
+    done = deferred_record(kind, g, t.dtype, t.numel(), start)
 
     def finish() -> torch.Tensor:
         if work is not None:
@@ -152,33 +146,27 @@ def _started(
 
 def deferred_record(
     kind: str, g: Group, dtype: torch.dtype, numel: int, start: float
-) -> Callable[..., None]:
+) -> Callable[[], None]:
     """For a call started at `start` and finished later: a function that records it (as
-    `record_sized`, optionally with a ``carrier``) under the phase and label current now, at
-    its start."""
+    `record_sized`) under the phase and label current now, at its start."""
     phase, label = recorder.current()
 
-    def done(carrier: str = "") -> None:
+    def done() -> None:
         with recorder.phase(phase), recorder.label(label):
-            record_sized(kind, g, dtype, numel, start, carrier)
+            record_sized(kind, g, dtype, numel, start)
 
     return done
 
 
 def _start_all_reduce(
-    t: torch.Tensor,
-    op: ReduceOp,
-    group: str | Group | None,
-    async_op: bool,
-    numel: int | None = None,
+    t: torch.Tensor, op: ReduceOp, group: str | Group | None, async_op: bool
 ) -> Pending[torch.Tensor]:
-    """`numel`: the elements recorded (default all; riders are recorded on their own)."""
     g = resolve_group(group)
     _check_same_shape("AllReduce", t)
     start = recorder.start()
     token = _trace.enter("AllReduce", g)
     work = dist.all_reduce(t, op=op.torch_op(), group=g.pg, async_op=async_op)
-    return _started("AllReduce", g, t, start, work, lambda: t, token, numel)
+    return _started("AllReduce", g, t, start, work, lambda: t, token)
 
 
 def _start_all_gather(

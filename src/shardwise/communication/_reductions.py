@@ -2,8 +2,7 @@
 
 `sum_over_ranks(x, group, divisor)` is the AllReduce(SUM) (then / `divisor`) by which the
 parallel runtime makes a partial value (a loss over this rank's rows) whole (optionally only
-started, finished by the caller later: the plan executor's returned loss; or left to ride on
-the next gradient bucket's AllReduce over the same ranks: `_carpool`). Its backward is
+started, finished by the caller later: the plan executor's returned loss). Its backward is
 the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
 ``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
 and the sum over the group of N equal values is N times the value, computed locally: one
@@ -23,7 +22,6 @@ import torch
 
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim, recorder
-from shardwise.communication._carpool import Carpool
 from shardwise.communication._collectives import ReduceOp
 from shardwise.communication._init import Group, get_group_size
 
@@ -50,21 +48,16 @@ class _SumOverRanksFn(torch.autograd.Function):
         divisor: int,
         route: GradRoute | None,
         started: list[Any] | None,
-        pool: Carpool | None,
     ) -> torch.Tensor:
         ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
         if started is None:
             out = C.all_reduce(x, ReduceOp.SUM, group)
             return out / divisor if divisor != 1 else out
         out = x.detach().clone(memory_format=torch.contiguous_format)
-        seat = pool.seat(out, group) if pool is not None else None
-        pending = None if seat is not None else C.all_reduce_async(out, ReduceOp.SUM, group)
+        pending = C.all_reduce_async(out, ReduceOp.SUM, group)
 
         def finish() -> None:
-            if pending is not None:
-                pending.wait()
-            elif seat is not None:  # (riding on a gradient bucket's AllReduce, or its own)
-                seat.finish()
+            pending.wait()
             if divisor != 1:  # (in place, also on a tensor made under inference_mode)
                 with torch.inference_mode(out.is_inference()), torch.no_grad():
                     out.div_(divisor)
@@ -73,17 +66,17 @@ class _SumOverRanksFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         g = g / ctx.divisor if ctx.divisor != 1 else g
         if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            return g * get_group_size(ctx.group), None, None, None, None, None
+            return g * get_group_size(ctx.group), None, None, None, None
         route: GradRoute | None = ctx.route
         with recorder.phase("backward"):
             if route is None:
-                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None, None, None
+                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None, None
             if route.reduce:
                 g = C.all_reduce(g, ReduceOp.SUM, route.group)
-            return (g * route.times if route.times != 1 else g), None, None, None, None, None
+            return (g * route.times if route.times != 1 else g), None, None, None, None
 
 
 def sum_over_ranks(
@@ -92,7 +85,6 @@ def sum_over_ranks(
     divisor: int = 1,
     route: GradRoute | None = None,
     started: list[Callable[[], None]] | None = None,
-    pool: Carpool | None = None,
 ) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
@@ -108,8 +100,6 @@ def sum_over_ranks(
             runs it at once) and a function that finishes it is appended here: the result holds
             the sum only after that function ran, and must not be read before (its backward
             needs no value of it).
-        pool: with `started`, a `Carpool` whose next bucket over the same ranks may carry the
-            value instead of an AllReduce of its own (`_carpool`).
 
     Returns:
         The reduced value, the same on every rank.
@@ -119,9 +109,9 @@ def sum_over_ranks(
     """
     if get_group_size(group) == 1:  # this rank's value is the sum: no collective
         return x / divisor if divisor != 1 else x
-    if _sim.current() is not None and pool is None:  # (one process: nothing to overlap)
+    if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
         started = None
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started, pool)
+    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started)
     return out
 
 

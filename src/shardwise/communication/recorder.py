@@ -77,9 +77,6 @@ class CommRecord:
         phase: ``"forward"``, ``"backward"`` or ``"step"`` (optimizer parallel at the step).
         end: `timer()` when the call returned (0.0: not timed).
         label: what it moves (``label()``, e.g. an optimizer-parallel bucket), or "".
-        carrier: "" for a call of its own; else the label of the call whose message carried
-            it (a loss AllReduce riding on a gradient bucket's: `communication.Carpool`;
-            `seconds` is then 0 and `numel` its own elements only).
     """
 
     kind: str
@@ -91,14 +88,12 @@ class CommRecord:
     phase: str = "forward"
     end: float = 0.0
     label: str = ""
-    carrier: str = ""
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        on = f" on {self.carrier}" if self.carrier else ""
         return (
             f"{self.kind}({self.phase}) group={list(self.group)} {dt}[{self.numel}] "
-            f"sent={self.bytes_sent}B {self.seconds * 1e3:.3f}ms{on}"
+            f"sent={self.bytes_sent}B {self.seconds * 1e3:.3f}ms"
         )
 
 
@@ -161,10 +156,9 @@ class CommRecorder:
         for r in self.records:
             start = r.end - r.seconds
             label = f" {r.label}" if r.label else ""
-            on = f" (on {r.carrier}'s message)" if r.carrier else ""
             line = (
                 f"{(r.end - self.t0) * 1e3:8.2f}  {r.kind}({r.phase}){label} "
-                f"group={list(r.group)} {r.bytes_sent} B{on}"
+                f"group={list(r.group)} {r.bytes_sent} B"
             )
             events.append((start, line))
         rows = ["start ms    end ms  event"]
@@ -173,8 +167,7 @@ class CommRecorder:
         return "\n".join(rows)
 
     def summary(self) -> str:
-        """A table: one line per (kind, phase, group) with count, bytes and time (a collective
-        carried by another's message, `CommRecord.carrier`, counts with no time)."""
+        """A table: one line per (kind, phase, group) with count, bytes and time."""
         rows = ["kind               phase     group                 calls   bytes/rank     ms"]
         for (kind, phase, group), n in sorted(self.kinds().items()):
             sel = [r for r in self.records if (r.kind, r.phase, r.group) == (kind, phase, group)]
@@ -202,13 +195,10 @@ def record(
     numel: int,
     bytes_sent: int,
     seconds: float,
-    carrier: str = "",
 ) -> None:
-    """Append one record to every active recorder (`carrier`: see `CommRecord`)."""
+    """Append one record to every active recorder."""
     end = time.perf_counter()
-    rec = CommRecord(
-        kind, group, dtype, numel, bytes_sent, seconds, _phase[-1], end, _label[-1], carrier
-    )
+    rec = CommRecord(kind, group, dtype, numel, bytes_sent, seconds, _phase[-1], end, _label[-1])
     for r in _active:
         r.records.append(rec)
 

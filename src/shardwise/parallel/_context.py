@@ -21,6 +21,9 @@ the defaults. `AutoParallel` reads these when it is created or plans:
   when it is created, ``save_file`` written when it plans (``only_trainable_params``, default
   True: only parameters that require a gradient); semi_auto only (`parallel._strategy_files`).
 
+- ``watch_every_op``: read when a semi_auto `AutoParallel` plans: the executor examines every op
+  (no unwatched modules, `parallel._spans`).
+
 ``gradients_mean`` is validated and stored only.
 """
 
@@ -60,6 +63,7 @@ _DEFAULTS: dict[str, Any] = {
     "parallel_optimizer_config": {},
     "comm_fusion": {},
     "strategy_ckpt_config": {},
+    "watch_every_op": False,
 }
 _CONTEXT: dict[str, Any] = copy.deepcopy(_DEFAULTS)
 
@@ -155,6 +159,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "parallel_optimizer_config": _optimizer_config,
     "comm_fusion": _comm_fusion,
     "strategy_ckpt_config": _ckpt_config,
+    "watch_every_op": _bool,
 }
 
 
@@ -184,6 +189,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             strategy files: loaded when a semi_auto `AutoParallel` is created, written when it
             plans) and ``only_trainable_params`` (bool, default True: save only parameters
             that require a gradient).
+        watch_every_op: bool (default False); True: the plan executor examines every op of
+            every step, also inside modules of local ops that it otherwise lets run unwatched
+            from a plan's third call (`parallel._spans`; for a module whose ops change from one
+            call to the next), and stays on after an optimizer step.
 
     Raises:
         ValueError: an unknown key or an invalid value; the message names the key and the

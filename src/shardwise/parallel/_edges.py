@@ -2,8 +2,7 @@
 
 - `move`: one edge (`planner.EdgePlan`): the AllReduce of partial values, then the Slice /
   AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial; an edge that
-  is only the AllReduce can be started and finished later (the executor's returned loss), or
-  ride on the next gradient bucket's AllReduce over its ranks (`communication.Carpool`).
+  is only the AllReduce can be started and finished later (the executor's returned loss).
 - `run_collective`: an op's own collective (`planner.NodePlan.comms`), through
   `_runtime.combine`.
 - `grad_route`: the adjoint of such an AllReduce when the plan says its result's gradient is
@@ -21,7 +20,6 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardwise.communication import Carpool
 from shardwise.communication.primitives import GradRoute, average_gradient, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._runtime import combine, group_for
@@ -31,22 +29,17 @@ from shardwise.redistribution import local_block, redistribute
 T = torch.Tensor
 
 
-def move(
-    x: T,
-    edge: EdgePlan,
-    started: list[Callable[[], None]] | None = None,
-    pool: Carpool | None = None,
-) -> T:
+def move(x: T, edge: EdgePlan, started: list[Callable[[], None]] | None = None) -> T:
     """`x` (this rank's part of the edge's value) moved as `edge` says; with `started`, an edge
     that is only an AllReduce is only started (`sum_over_ranks`: finished by the function it
-    appends there; with `pool`, left to ride on the next gradient bucket of its ranks)."""
+    appends there)."""
     m = edge.src.layout.matrix
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
         divisor = len(members) if edge.src.reduce == "avg" else 1
         route = grad_route(m, edge.reduced, edge.equal_grad)
         only = not edge.steps and not edge.kept
-        x = sum_over_ranks(x, group, divisor, route, started if only else None, pool)
+        x = sum_over_ranks(x, group, divisor, route, started if only else None)
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:

@@ -14,8 +14,7 @@ same way, `planner.is_recorded`). For it the executor:
    projection) the parts' local sizes; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
 3. applies the edges of returned values right after the op; the loss's AllReduce is only
-   started there (`sum_over_ranks`; or seated to ride on the gradient bucket's AllReduce over
-   the same ranks, `communication.Carpool`) and finished before anything can read the loss: at
+   started there (`sum_over_ranks`) and finished before anything can read the loss: at
    the next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
    overlap), before an optimizer step or a primitive, at the end of the call; then the
    AllReduce(avg)s of output gradients the plan puts there (`NodePlan.backward`, registered on
@@ -45,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from shardwise.communication import Carpool
 from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
@@ -88,8 +86,6 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         on_end: called each time the plan's last op has run (the end of the forward).
         on_start: called each time the plan's first op is about to run.
         table: the plan's `NodeTable` (made from `plan` and `templates` when None).
-        pool: the gradient buckets' `communication.Carpool`: the loss's AllReduce rides on
-            their AllReduce when they reduce over its ranks (None: it runs on its own).
     """
 
     def __init__(
@@ -101,10 +97,8 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         on_end: Callable[[], None] | None = None,
         on_start: Callable[[], None] | None = None,
         table: NodeTable | None = None,
-        pool: Carpool | None = None,
     ) -> None:
         super().__init__()
-        self.pool = pool
         self.plan = plan
         self.table = table if table is not None else NodeTable(plan, templates)
         self.on_end = on_end
@@ -362,7 +356,7 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started, self.pool)
+                out = move(out, e, self.started)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0

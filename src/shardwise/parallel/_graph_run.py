@@ -50,6 +50,7 @@ from shardwise.parallel._call_io import (
     input_shapes,
     rank_outputs,
 )
+from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
@@ -107,7 +108,8 @@ class GraphRun:
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: see _network_called)
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
-        self.spans = SpanHooks(network, lambda: self.executor)
+        watch_all = bool(get_auto_parallel_context("watch_every_op"))
+        self.spans = SpanHooks(network, lambda: self.executor, enabled=not watch_all)
 
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
@@ -388,7 +390,6 @@ class GraphRun:
             on_end=forward_done,
             on_start=forward_starts,
             table=table,
-            pool=None if self.grads is None else self.grads.pool,
         )
         self.executor = executor
         try:

@@ -107,9 +107,17 @@ class NodeTable:
         # (`_spans`) whether each node runs as the network calls it: plain ops yes, views and
         # dropouts once seen (None until then); the candidate modules, their observed spans
         self.local: list[bool | None] = [
-            True if f == PLAIN else None if f in (SIZED, DROPOUT) else False for f in self.fast
+            False
+            if op.startswith("shardwise.")  # (a primitive: run through its module hooks)
+            else True
+            if f == PLAIN
+            else None
+            if f in (SIZED, DROPOUT)
+            else False
+            for f, op in zip(self.fast, self.ops, strict=True)
         ]
         self.candidates: set[str] | None = None
+        self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
         self.spans: dict[str, tuple[int, int] | None] = {}
         self.first_in_network: bool | None = None  # the plan's first op inside the network
 

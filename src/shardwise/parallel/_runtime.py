@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise.communication import recorder
-from shardwise.communication._collectives import Pending, ReduceOp, all_reduce
+from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
 from shardwise.communication.primitives import GradRoute, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.optim import OptimizerPlan, ParamInfo
@@ -127,7 +127,7 @@ class _Bucket:
         self.label, self.group, self.params = label, group, params
         self.times = times  # per member: the ranks its gradient is equal on (`_times`)
         self.sizes = [p.numel() for p in params]
-        self.total = sum(self.sizes)  # (the buffer has `Carpool.SPARE` more, for riders)
+        self.total = sum(self.sizes)
         self.shapes = [p.shape for p in params]
         self.offsets = [sum(self.sizes[:j]) for j in range(len(params))]
         self.stores = [_grad_store(p) for p in params]
@@ -156,9 +156,9 @@ class _Bucket:
         ``.grad`` at the end of backward; a new kept one while gradients of the last are still
         referenced) or a new one (its slots are returned to the caller)."""
         if not keep:
-            return g.new_empty(self.total + comm.Carpool.SPARE)
+            return g.new_empty(self.total)
         if self.kept is None or _storage_refs(self.kept) > self.kept_refs:
-            self.kept = g.new_empty(self.total + comm.Carpool.SPARE)
+            self.kept = g.new_empty(self.total)
             self.kept_slots = [
                 self.kept[o : o + n].view(shape)
                 for o, n, shape in zip(self.offsets, self.sizes, self.shapes, strict=True)
@@ -172,12 +172,11 @@ class _Bucket:
 
 class GradBuckets:
     """Step 4 without optimizer parallel: every gradient summed over the axes its parameter is
-    replicated on, in fused buckets (`_hsdp.gradient_buckets`), then / world size.
+    replicated on, in fused buckets (`_hsdp.gradient_buckets`), each divided by the world size.
 
     Each parameter's tensor hook writes its gradient divided by the world size (like DDP) into
     its slot of the bucket's flat buffer as autograd produces it; the bucket's one AllReduce
-    (`all_reduce_async`, in place on the buffer, carrying the values waiting in `pool`: the
-    loss's AllReduce, `communication.Carpool`) starts as soon as every member is in, so in a
+    (`all_reduce_async`, in place on the buffer) starts as soon as every member is in, so in a
     real job it runs while the earlier layers' gradients are computed (a simulated world runs it
     at once). At the end of backward
     (`_finish`, queued with autograd's ``queue_callback``) the buckets that some parameters left
@@ -216,8 +215,6 @@ class GradBuckets:
             bucket = _Bucket(f"bucket {i} ({', '.join(b.names)})", group, params, times)
             self.buckets.append(bucket)
             self.handles += [p.register_hook(self._hook(bucket, j)) for j, p in enumerate(params)]
-        # (small AllReduces over a bucket's ranks, the loss's, ride on its AllReduce)
-        self.pool = comm.Carpool([b.group for b in self.buckets])
 
     def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def scale(g: torch.Tensor) -> torch.Tensor:
@@ -244,10 +241,12 @@ class GradBuckets:
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(g, bucket.group)
             slot = bucket.slot(j)  # (divided on the way in: no pass over the bucket later)
-            if bucket.times[j] == 1:
+            if bucket.times[j] == 1 and not g.requires_grad:
                 torch.div(g, self.world, out=slot)
-            else:
-                torch.mul(g, bucket.times[j], out=slot).div_(self.world)
+            else:  # (a gradient with a graph, ``create_graph=True``: no out= op takes it)
+                slot.copy_(g)
+                with torch.no_grad():
+                    slot.mul_(bucket.times[j] / self.world)
             if not stores:
                 bucket.got[j], out = "return", slot.view_as(g)
             elif p.grad is None:
@@ -274,10 +273,9 @@ class GradBuckets:
             return all_reduce(g, ReduceOp.SUM, group).div_(self.world)
 
     def _start(self, bucket: _Bucket) -> None:
-        """Start the bucket's AllReduce, with the values waiting in `pool` riding on it."""
         assert bucket.flat is not None
         with recorder.phase("backward"), recorder.label(bucket.label):
-            bucket.pending = self.pool.all_reduce_async(bucket.flat, bucket.total, bucket.group)
+            bucket.pending = all_reduce_async(bucket.flat, ReduceOp.SUM, bucket.group)
         self.started.append(bucket)
 
     def _finish(self) -> None:

@@ -1,10 +1,11 @@
 """Run the plan's purely local stretches at plain torch speed (`SpanRunner`, `SpanHooks`).
 
 A node is *local* when the executor runs its op on this rank's blocks exactly as the network
-calls it (`NodeTable.local`): a plain op (`PLAIN`), a view or split the network already gives the
-plan's local sizes (checked the first time it runs: `SpanRunner.check_sized`), a dropout with
-``p = 0``. For such a node the executor does nothing but count it; watching it costs only the
-torch-function mode's call into Python (a few microseconds an op).
+calls it (`NodeTable.local`): a plain torch op (`PLAIN`; not a shardwise primitive), a view or
+split the network already gives the plan's local sizes (checked the first time it runs:
+`SpanRunner.check_sized`), an ``nn.Dropout`` whose ``p`` is 0. For such a node the executor does
+nothing but count it; watching it costs only the torch-function mode's call into Python (a few
+microseconds an op).
 
 1. After a plan's first complete run, `span_candidates` picks the outermost modules whose every
    op is a local node, in one contiguous run of the plan, at least `MIN_OPS` of them (a GPT
@@ -12,17 +13,20 @@ torch-function mode's call into Python (a few microseconds an op).
 2. The next run *observes* each candidate: the cursor when it is entered and when it returns is
    its span ``[a, b)``, kept when every node in it is local (`SpanRunner.span_enter` /
    `span_leave`). A module that is seen with two different spans is never skipped.
-3. From then on, a candidate entered at cursor ``a`` runs with the executor off the
-   torch-function mode stack, and the cursor moves to ``b`` when it returns: its ops run
-   unexamined, as the plan says they run.
+3. From then on, a candidate entered at cursor ``a`` (its dropouts' ``p`` still 0) runs with
+   the executor off the torch-function mode stack, and the cursor moves to ``b`` when it
+   returns: its ops run unexamined, as the plan says they run. A module that raises puts the
+   cursor back at ``a``, so whatever the network calls next is checked against the plan.
 
 The same trade is made after the optimizer step of a call whose forward begins inside the
 network (`SpanRunner.park`): the executor stays off the stack (``zero_grad``'s hundred attribute
-reads and writes, logging) until the network is called again (`SpanRunner.network_entered`).
+reads and writes, logging) until the network is called again (`SpanRunner.network_entered`),
+then goes back where it was (`_stepping.SteppingMode._relist`).
 
-What this gives up: an op sequence that changes *inside* a skipped module from one step to the
-next is not caught. Such a network breaks the rule every plan relies on (the same torch ops in
-the same order every step) and is caught everywhere else.
+What this gives up: an op sequence that changes *inside* a skipped module from one call to the
+next (a branch on a Python flag or a step counter inside a GPT block) is not noticed, so it is
+not planned again: its new ops run as local ops. For a network like that, set
+``sw.set_auto_parallel_context(watch_every_op=True)`` before wrapping it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from shardwise.parallel._node_table import NodeTable
 
 T = torch.Tensor
+DROPOUT_OP = "torch.nn.functional.dropout"
 MIN_OPS = 4  # (a hooked module call costs about as much as watching two or three ops)
 
 
@@ -77,6 +82,7 @@ class SpanRunner:
     lifted: bool
     backward_seen: bool
     param_value: Any
+    started: list[Any]
 
     if TYPE_CHECKING:
 
@@ -85,8 +91,12 @@ class SpanRunner:
 
         def _lift(self) -> bool: ...
 
+        def _relist(self) -> None: ...
+
+        def finish_started(self) -> None: ...
+
     def _spans_init(self) -> None:
-        self.skipping: tuple[str, int] | None = None  # (module, the cursor after it)
+        self.skipping: tuple[str, int, int] | None = None  # (module, its span)
         self.watching: dict[str, int] = {}  # observed candidates: the cursor at their entry
         self.parked = False  # off the stack after an optimizer step (`park`)
         self.entered = False  # the network's forward began since the plan last started
@@ -115,15 +125,21 @@ class SpanRunner:
             return
         if not span:
             self.watching[name] = self.cursor
-        elif span[0] == self.cursor and self._lift():
-            self.skipping = (name, span[1])
+            return
+        if span[0] != self.cursor or any(m.p != 0 for m in self.table.guards.get(name, ())):
+            return  # (elsewhere in the plan; a dropout module's p no longer 0)
+        if self.started:  # (a returned value of this forward, read inside: whole first)
+            self.finish_started()
+        if self._lift():
+            self.skipping = (name, span[0], span[1])
 
-    def span_leave(self, name: str) -> None:
-        """A candidate module returns: back on the stack after a skip (the cursor past its
-        ops), or its observed span recorded."""
+    def span_leave(self, name: str, out: Any) -> None:
+        """A candidate module returns (`out`; None when it raised): back on the stack after a
+        skip, the cursor past its ops (when it raised: at its first op, so that what the
+        network calls next is checked against the plan), or its observed span recorded."""
         if self.skipping is not None:
             if self.skipping[0] == name:
-                self.cursor = self.skipping[1]
+                self.cursor = self.skipping[2] if out is not None else self.skipping[1]
                 self.skipping = None
                 self._relist()
             return
@@ -132,14 +148,20 @@ class SpanRunner:
             return
         table = self.table
         span = (start, self.cursor)
-        ok = 0 < start < self.cursor and all(table.local[start : self.cursor])
+        ok = out is not None and 0 < start < self.cursor and all(table.local[start : self.cursor])
         known = table.spans.get(name, ())
         table.spans[name] = span if ok and known in ((), span) else None
 
     def park(self) -> bool:
         """After an optimizer step: whether to stay off the mode stack until the network is
         called again (the plan ran, its backward too, and its first op is in the network)."""
-        self.parked = self.backward_seen and self.done and self.table.first_in_network is True
+        table = self.table  # (not in a plan's first call: `SpanHooks.update` not run yet)
+        self.parked = (
+            self.backward_seen
+            and self.done
+            and table.candidates is not None
+            and table.first_in_network is True
+        )
         return self.parked
 
     def network_entered(self) -> None:
@@ -156,11 +178,6 @@ class SpanRunner:
         table.first_in_network = self.entered and table.first_in_network is not False
         self.entered = False
 
-    def _relist(self) -> None:
-        """Back onto the torch-function mode stack."""
-        self.lifted = False
-        torch._C._push_on_torch_function_stack(self)
-
 
 def _shapes(out: Any) -> Any:
     """The shapes of a view's (a split's) result."""
@@ -175,9 +192,12 @@ class SpanHooks:
     """Forward hooks on the candidate modules of every plan run so far (`span_candidates`),
     which tell the running executor (`executor()`) about their calls."""
 
-    def __init__(self, network: nn.Module, executor: Callable[[], Any]) -> None:
+    def __init__(
+        self, network: nn.Module, executor: Callable[[], Any], enabled: bool = True
+    ) -> None:
         self.network = network
         self.executor = executor
+        self.enabled = enabled  # (False: ``watch_every_op``)
         self.hooked: set[str] = set()
         self.handles: list[RemovableHandle] = []
 
@@ -185,13 +205,31 @@ class SpanHooks:
         """After a complete run of `table`'s plan: choose its candidates (once) and hook them."""
         if table.candidates is not None:
             return
+        if not self.enabled:
+            table.candidates, table.first_in_network = set(), False  # (never parks either)
+            return
         modules = list(self.network.named_modules())
+        by_name = dict(modules)
+        guards: dict[str, list[nn.Dropout]] = {}
+        for k, name in enumerate(names):  # a dropout is local only as an nn.Dropout with p = 0
+            if table.ops[k] != DROPOUT_OP or not table.local[k]:
+                continue
+            path = name.rpartition("/")[0]
+            module = by_name.get(path)
+            if not isinstance(module, nn.Dropout):
+                table.local[k] = False
+                continue
+            parts = path.split(".")
+            for i in range(1, len(parts)):
+                guards.setdefault(".".join(parts[:i]), []).append(module)
         table.candidates = span_candidates(names, table.local, modules)
+        table.guards = {c: guards.get(c, []) for c in table.candidates}
         for path, module in modules:
             if path in table.candidates and path not in self.hooked:
                 self.hooked.add(path)
                 self.handles.append(module.register_forward_pre_hook(self._enter(path)))
-                self.handles.append(module.register_forward_hook(self._leave(path)))
+                leave = module.register_forward_hook(self._leave(path), always_call=True)
+                self.handles.append(leave)
 
     def _enter(self, path: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -205,7 +243,7 @@ class SpanHooks:
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             executor = self.executor()
             if executor is not None:
-                executor.span_leave(path)
+                executor.span_leave(path, out)
 
         return hook
 

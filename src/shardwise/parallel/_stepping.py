@@ -5,8 +5,9 @@
 `step_ends` around each step inside a wrapped call. A step without a closure is not the plan's
 work: its ops pass unexamined. When the mode is the top of the torch-function mode stack it is
 taken off the stack for the step (`_lift`: an optimizer's hundreds of update ops then never
-reach Python here) and pushed back when the step ends; under another mode it stays on the stack,
-paused (`paused`, which the executor also counts up while a primitive runs). A step that raised
+reach Python here) and put back where it was when the step ends (`_relist`); under another mode
+it stays on the stack, paused (`paused`, which the executor also counts up while a primitive
+runs). A step that raised
 is ended by the next step of the same optimizer, by the step around it, or by leaving the mode
 (`__exit__`, which then has nothing to pop).
 """
@@ -28,6 +29,7 @@ class SteppingMode(TorchFunctionMode):
         # running optimizer steps: (id, paused, lifted off the mode stack)
         self.stepping: list[tuple[int, bool, bool]] = []
         self.lifted = False  # off the mode stack (during an optimizer step)
+        self.depth = 0  # (where on the stack it was when lifted)
 
     def step_starts(self, optimizer: Any, closure: bool) -> None:
         """An optimizer steps: without a closure its ops pass unexamined until `step_ends` (a
@@ -45,8 +47,7 @@ class SteppingMode(TorchFunctionMode):
             key, paused, lifted = self.stepping.pop()
             self.paused -= paused
             if lifted and not self.stay_lifted():
-                self.lifted = False
-                torch._C._push_on_torch_function_stack(self)
+                self._relist()
             if key == id(optimizer):
                 return
 
@@ -61,8 +62,19 @@ class SteppingMode(TorchFunctionMode):
         if self.lifted or not depth or torch._C._get_function_stack_at(depth - 1) is not self:
             return False
         torch._C._pop_torch_function_stack()
-        self.lifted = True
+        self.lifted, self.depth = True, depth - 1
         return True
+
+    def _relist(self) -> None:
+        """Back onto the mode stack where `_lift` took it from (under modes entered since,
+        which then leave the stack in their own order)."""
+        above = []
+        while torch._C._len_torch_function_stack() > self.depth:
+            above.append(torch._C._pop_torch_function_stack())
+        torch._C._push_on_torch_function_stack(self)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+        self.lifted = False
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         """Leave the mode stack (a step that raised left this mode off it already)."""
