@@ -45,23 +45,14 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
-from shardwise.parallel._call_io import (
-    cut_inputs,
-    input_shapes,
-    rank_outputs,
-)
+from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._executor_primitives import Replan
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory
-from shardwise.parallel._hsdp import (
-    bucket_plans,
-    gradient_buckets,
-    optimizer_plan,
-    start_engine,
-)
+from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
