@@ -14,8 +14,8 @@ same way, `planner.is_recorded`). For it the executor:
    projection) the parts' local sizes; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device);
 3. applies the edges of returned values right after the op; the loss's AllReduce is only
-   started there (`sum_over_ranks`) and finished before anything can read the loss: at
-   the next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
+   started there (`sum_over_ranks`) and finished before anything can read the loss: at the
+   next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
    overlap), before an optimizer step or a primitive, at the end of the call; then the
    AllReduce(avg)s of output gradients the plan puts there (`NodePlan.backward`, registered on
    the outputs for backward: `_edges.average_outputs`).

@@ -395,5 +395,5 @@ class GraphRun:
             saved.close()
         executor.check_done("the end of the call")
         if executor.done and table.candidates is None:
-            self.spans.update(table, [n.name for n in plan.nodes])
+            self.spans.update(table)
         return rank_outputs(plan, out, self.dataset) if self.module_form else out

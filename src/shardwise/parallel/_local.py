@@ -142,11 +142,15 @@ def prepare(
     raise UnsupportedParallelError(f"{module.who}: local mode {tag!r} is not supported")
 
 
+def _dropout_args(args: Sequence[Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """An ``F.dropout(*args, **kw)`` call's arguments by name."""
+    return dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
+
+
 def dropout_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
     """The drop probability of an ``F.dropout(*args, **kw)`` call (0: the identity, in
     training and evaluation alike)."""
-    bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
-    return float(bound.get("p", 0.5))
+    return float(_dropout_args(args, kw).get("p", 0.5))
 
 
 def dropout_block(
@@ -154,8 +158,8 @@ def dropout_block(
 ) -> torch.Tensor:
     """``F.dropout(*args, **kw)`` on this rank's block (of `layout`) of an output of global
     `shape`: this rank's block of one global mask (as one device draws it)."""
-    bound = dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
-    x, p = bound["input"], float(bound.get("p", 0.5))
+    bound = _dropout_args(args, kw)
+    x, p = bound["input"], dropout_p(args, kw)
     if not bound.get("training", True) or p == 0:
         return x  # type: ignore[no-any-return]
     mask = comm.replicated_draw(

@@ -75,6 +75,7 @@ class NodeTable:
         self.templates = templates
         nodes = plan.nodes
         self.ops = [n.op for n in nodes]
+        self.names = [n.name for n in nodes]  # (``module.path/op``)
         self.edges: dict[tuple[int, int], EdgePlan] = {
             (e.consumer, e.slot): e for e in plan.edges if e.consumer >= 0
         }
@@ -106,16 +107,7 @@ class NodeTable:
         self.inputs = [len(n.inputs) for n in nodes]
         # (`_spans`) whether each node runs as the network calls it: plain ops yes, views and
         # dropouts once seen (None until then); the candidate modules, their observed spans
-        self.local: list[bool | None] = [
-            False
-            if op.startswith("shardwise.")  # (a primitive: run through its module hooks)
-            else True
-            if f == PLAIN
-            else None
-            if f in (SIZED, DROPOUT)
-            else False
-            for f, op in zip(self.fast, self.ops, strict=True)
-        ]
+        self.local = [_local(f, op) for f, op in zip(self.fast, self.ops, strict=True)]
         self.candidates: set[str] | None = None
         self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
         self.spans: dict[str, tuple[int, int] | None] = {}
@@ -145,6 +137,15 @@ class NodeTable:
         leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
         out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
         return tuple(out[0]), dict(out[1])
+
+
+def _local(fast: int, op: str) -> bool | None:
+    """Whether a node runs as the network calls it, as far as its short path tells (`_spans`):
+    a plain torch op yes (a primitive runs through its module hooks: no), a view or a dropout
+    once its first call is seen (None until then), anything else no."""
+    if op.startswith("shardwise."):
+        return False
+    return True if fast == PLAIN else None if fast in (SIZED, DROPOUT) else False
 
 
 def _sized(n: NodePlan) -> tuple[Any, ...] | None:

@@ -38,11 +38,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from shardwise.parallel._node_table import DROPOUT
+
 if TYPE_CHECKING:
     from shardwise.parallel._node_table import NodeTable
 
 T = torch.Tensor
-DROPOUT_OP = "torch.nn.functional.dropout"
 MIN_OPS = 4  # (a hooked module call costs about as much as watching two or three ops)
 
 
@@ -53,10 +54,8 @@ def span_candidates(
     ``path/op``, `names`) are all local (`local`) and contiguous, at least `MIN_OPS` of them."""
     ops: dict[str, list[int]] = {}
     for k, name in enumerate(names):
-        path = name.rpartition("/")[0]
-        parts = path.split(".") if path else []
-        for i in range(1, len(parts) + 1):
-            ops.setdefault(".".join(parts[:i]), []).append(k)
+        for path in _enclosing(name):
+            ops.setdefault(path, []).append(k)
     chosen: set[str] = set()
     for path, module in modules:  # (parents come before their children)
         if not path or any(path.startswith(c + ".") for c in chosen):
@@ -70,6 +69,14 @@ def span_candidates(
         ):
             chosen.add(path)
     return chosen
+
+
+def _enclosing(name: str) -> list[str]:
+    """The paths of the modules a node named ``a.b.c/op`` runs in, outermost first
+    (``a``, ``a.b``, ``a.b.c``)."""
+    path = name.rpartition("/")[0]
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 class SpanRunner:
@@ -201,7 +208,7 @@ class SpanHooks:
         self.hooked: set[str] = set()
         self.handles: list[RemovableHandle] = []
 
-    def update(self, table: NodeTable, names: Sequence[str]) -> None:
+    def update(self, table: NodeTable) -> None:
         """After a complete run of `table`'s plan: choose its candidates (once) and hook them."""
         if table.candidates is not None:
             return
@@ -211,18 +218,17 @@ class SpanHooks:
         modules = list(self.network.named_modules())
         by_name = dict(modules)
         guards: dict[str, list[nn.Dropout]] = {}
-        for k, name in enumerate(names):  # a dropout is local only as an nn.Dropout with p = 0
-            if table.ops[k] != DROPOUT_OP or not table.local[k]:
+        for k, name in enumerate(table.names):  # a dropout is local as an nn.Dropout, p = 0
+            if table.fast[k] != DROPOUT or not table.local[k]:
                 continue
-            path = name.rpartition("/")[0]
+            *outer, path = _enclosing(name) or [""]
             module = by_name.get(path)
             if not isinstance(module, nn.Dropout):
                 table.local[k] = False
                 continue
-            parts = path.split(".")
-            for i in range(1, len(parts)):
-                guards.setdefault(".".join(parts[:i]), []).append(module)
-        table.candidates = span_candidates(names, table.local, modules)
+            for p in outer:
+                guards.setdefault(p, []).append(module)
+        table.candidates = span_candidates(table.names, table.local, modules)
         table.guards = {c: guards.get(c, []) for c in table.candidates}
         for path, module in modules:
             if path in table.candidates and path not in self.hooked:

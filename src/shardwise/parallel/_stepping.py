@@ -7,9 +7,8 @@ work: its ops pass unexamined. When the mode is the top of the torch-function mo
 taken off the stack for the step (`_lift`: an optimizer's hundreds of update ops then never
 reach Python here) and put back where it was when the step ends (`_relist`); under another mode
 it stays on the stack, paused (`paused`, which the executor also counts up while a primitive
-runs). A step that raised
-is ended by the next step of the same optimizer, by the step around it, or by leaving the mode
-(`__exit__`, which then has nothing to pop).
+runs). A step that raised is ended by the next step of the same optimizer, by the step around
+it, or by leaving the mode (`__exit__`, which then has nothing to pop).
 """
 
 from __future__ import annotations
