@@ -3,9 +3,13 @@
 Each of N gloo ranks trains the same model on its rows of a global batch: shardwise
 (``sw.AutoParallel(train_step, parallel_mode="semi_auto")``: capture, plan, run the plan) and
 what a PyTorch user writes (``DistributedDataParallel`` around the model), both with AdamW.
-Printed per N: seconds per step (max over ranks, median of repetitions), the ratio
-shardwise / DDP, CPU seconds per step, the collectives per step and the largest parameter
-difference after the check steps (shardwise vs DDP: the same training).
+A third candidate is the DDP step that also returns what shardwise's returns, the loss of the
+global batch on every rank (DDP's loss is this rank's rows only): the same step followed by
+an AllReduce of the loss. Printed per N: seconds per step (max over ranks, median of
+repetitions), the ratios shardwise / DDP and shardwise / DDP with the loss's AllReduce, CPU
+seconds per step, the collectives per step and the largest parameter difference after the
+check steps (shardwise vs DDP: the same training), and the difference of the next step's
+returned loss between shardwise and DDP with the loss's AllReduce.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from bench.harness import BenchConfig, Table
 SIZES = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 512, "block_size": 64}
 QUICK = {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16}
 GLOBAL_BATCH = 16
+HEADER = ["N", "shardwise s", "DDP s", "ratio", "DDP+loss s", "ratio"]
+HEADER += ["sw CPU s", "DDP CPU s", "colls/step", "max diff", "loss diff"]
 
 
 @dataclass
@@ -29,10 +35,12 @@ class Gpt2Result:
     world_size: int
     shardwise_s: float
     ddp_s: float
+    ddp_loss_s: float
     shardwise_cpu_s: float
     ddp_cpu_s: float
     collectives: int
     max_diff: float
+    loss_diff: float
     oversubscribed: bool
 
 
@@ -51,9 +59,11 @@ def _batch(quick: bool, n: int, rank: int) -> tuple[Any, Any]:
     return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
 
 
-def _steps(quick: bool, n: int, rank: int) -> tuple[Any, Any, Any, Any]:
-    """(shardwise net, its step, DDP module, its step) on this rank's rows."""
+def _steps(quick: bool, n: int, rank: int) -> tuple[Any, Any, Any, Any, Any]:
+    """(shardwise net, its step, DDP module, its step, its step with the loss's AllReduce) on
+    this rank's rows."""
     import torch
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import shardwise as sw
@@ -80,7 +90,12 @@ def _steps(quick: bool, n: int, rank: int) -> tuple[Any, Any, Any, Any]:
         ddp_opt.zero_grad()
         return loss
 
-    return net, (lambda: parallel(x, y)), ddp, ddp_train
+    def ddp_loss_train() -> Any:  # (the global batch's loss on every rank, as shardwise's)
+        loss = ddp_train().detach().clone()
+        dist.all_reduce(loss)
+        return loss / n
+
+    return net, (lambda: parallel(x, y)), ddp, ddp_train, ddp_loss_train
 
 
 def worker(args: dict[str, Any]) -> dict[str, Any] | None:
@@ -91,16 +106,21 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
 
     n, rank = dist.get_world_size(), dist.get_rank()
     quick = bool(args["quick"])
-    net, sw_step, ddp, ddp_step = _steps(quick, n, rank)
+    net, sw_step, ddp, ddp_step, ddp_loss_step = _steps(quick, n, rank)
     for _ in range(3):
         sw_step(), ddp_step()
     pairs = zip(net.parameters(), ddp.module.parameters(), strict=True)
     diff = max(float((p - q).abs().max()) for p, q in pairs)
+    loss_diff = abs(float(sw_step()) - float(ddp_loss_step()))  # (the same step's returned loss)
     with CommRecorder() as rec:
         sw_step()
     steps, reps = (1, 2) if quick else (5, 21)
     m = harness.compare(
-        {"shardwise": common.chunk(sw_step, steps), "DDP": common.chunk(ddp_step, steps)},
+        {
+            "shardwise": common.chunk(sw_step, steps),
+            "DDP": common.chunk(ddp_step, steps),
+            "DDP + loss": common.chunk(ddp_loss_step, steps),
+        },
         iters=1,
         reps=reps,
         warmup=1,
@@ -112,10 +132,12 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
             world_size=n,
             shardwise_s=m["shardwise"].median_s / steps,
             ddp_s=m["DDP"].median_s / steps,
+            ddp_loss_s=m["DDP + loss"].median_s / steps,
             shardwise_cpu_s=m["shardwise"].median_cpu_s / steps,
             ddp_cpu_s=m["DDP"].median_cpu_s / steps,
             collectives=len(rec.records),
             max_diff=diff,
+            loss_diff=loss_diff,
             oversubscribed=n > (os.cpu_count() or 1),
         )
     )
@@ -129,22 +151,29 @@ def run(config: BenchConfig) -> str:
     rows = [Gpt2Result(**got[0]) for _, got in jobs]
     table = Table(
         "GPT-2 (nanoGPT, semi_auto, no annotation) vs DDP: seconds per step",
-        ["N", "shardwise s", "DDP s", "ratio", "sw CPU s", "DDP CPU s", "colls/step", "max diff"],
+        HEADER,
         [
             [
                 common.n_label(r),
                 f"{r.shardwise_s:.4f}",
                 f"{r.ddp_s:.4f}",
                 common.ratio(r.shardwise_s, r.ddp_s),
+                f"{r.ddp_loss_s:.4f}",
+                common.ratio(r.shardwise_s, r.ddp_loss_s),
                 f"{r.shardwise_cpu_s:.4f}",
                 f"{r.ddp_cpu_s:.4f}",
                 str(r.collectives),
                 f"{r.max_diff:.1e}",
+                f"{r.loss_diff:.1e}",
             ]
             for r in rows
         ],
     )
-    table.notes = common.oversubscribed_notes(rows, os.cpu_count() or 1)
+    table.notes = [
+        "DDP+loss: the DDP step, then an AllReduce of its loss (the global batch's loss on "
+        "every rank, as shardwise returns)",
+        *common.oversubscribed_notes(rows, os.cpu_count() or 1),
+    ]
     text = str(table)
     data = {"meta": common.report_meta(config, sizes=QUICK if config.quick else SIZES,
                                        global_batch=GLOBAL_BATCH,

@@ -1,10 +1,13 @@
-"""Smoke test of the ``manual_dp`` and ``dataloading`` benchmarks (``--quick``, 2 ranks).
+"""Smoke test of the ``manual_dp``, ``dataloading`` and ``gpt2_semi_auto`` benchmarks
+(``--quick``, 2 ranks).
 
 `test_manual_dp_quick` runs the real 2-rank gloo job and checks the printed tables and the
 saved JSON: parameters equal after the check steps, 3 shardwise collectives per step, recorded
 bytes = the ring bound. `test_dataloading_quick` runs the 1-rank job on the synthetic IDX set
 (``--quick`` always writes one) and checks the consistency checks and the shard arithmetic.
-Neither asserts a timing.
+`test_gpt2_semi_auto_quick` runs the 2-rank job: shardwise's parameters equal DDP's after the
+check steps, its returned loss equals DDP's after the loss's AllReduce, 2 collectives per step,
+all three candidates timed. None asserts a timing.
 """
 
 from __future__ import annotations
@@ -62,3 +65,18 @@ def test_dataloading_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         assert whole["rows"] == rows[("torch per-sample", workers)]["rows"] == 1024
         assert shard["rows"] * 4 == whole["rows"] and shard["batches"] == whole["batches"]
         assert all(r["epoch_s"] > 0 for r in data["rows"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_gpt2_semi_auto_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run("gpt2_semi_auto", tmp_path, monkeypatch)
+    text = (tmp_path / "gpt2_semi_auto.txt").read_text()
+    for word in ("shardwise s", "DDP s", "DDP+loss s", "an AllReduce of its loss"):
+        assert word in text, word
+
+    (row,) = json.loads((tmp_path / "gpt2_semi_auto.json").read_text())["rows"]
+    assert row["world_size"] == 2 and row["max_diff"] <= 1e-6
+    assert row["loss_diff"] <= 1e-5  # shardwise returns what DDP + the loss's AllReduce does
+    assert row["collectives"] == 2  # one gradient bucket, the loss
+    assert min(row["shardwise_s"], row["ddp_s"], row["ddp_loss_s"]) > 0
