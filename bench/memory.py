@@ -10,7 +10,9 @@ each hsdp level of `LEVELS` (9 cases, one after the other in the same processes)
 2. returns, per rank, the estimate of the plan the wrapper runs (`estimate_memory` of
    ``parallel_plan`` / ``optimizer_plan`` with the optimizer's state per element; `step_traffic`)
    and what the step measured: the allocator's peak within the step, the bytes held when it
-   began, and the recorder's bytes sent.
+   began, and the recorder's bytes sent; and the pool of message buffers after the step
+   (`communication.pooled_bytes`) against the model's ("pooled message buffers" of
+   `memory_tensors`).
 
 The networks (`build_case`): ``seed003``: ``examples/operator_parallel.py``'s Network
 (MatMul / ReLU with the tutorial's strategies scaled to 4 devices) on a global batch of 32
@@ -130,10 +132,11 @@ BUILDERS = {"seed003": _seed003, "gpt_block": _gpt_block, "gpt2": _gpt2}
 def measure_case(network: str, level: str, rank: int, n: int) -> dict[str, Any]:
     """One case on this rank: the estimate and the measured peak and bytes (see the module
     docstring)."""
-    from shardwise.communication import release_buffers
+    from shardwise.communication import pooled_bytes, release_buffers
     from shardwise.report import MemoryMeter
     from shardwise.report._summary import (
         estimate_memory,
+        memory_tensors,
         optimizer_state_per_element,
         step_traffic,
     )
@@ -148,8 +151,11 @@ def measure_case(network: str, level: str, rank: int, n: int) -> dict[str, Any]:
         gc.collect()  # (the network's whole weights, cut to shards, may wait in a cycle)
         with meter.window("step"), CommRecorder() as rec:
             step()
+    pool_measured = pooled_bytes()  # (every message of the step finished: all given back)
     plan, opt_plan = parallel.parallel_plan, parallel.optimizer_plan
-    est = estimate_memory(plan, opt_plan, optimizer_state_per_element(opt), rank)
+    k = optimizer_state_per_element(opt)
+    est = estimate_memory(plan, opt_plan, k, rank)
+    pooled = [t for t in memory_tensors(plan, opt_plan, k) if t.name == "pooled message buffers"]
     out = {
         "network": network,
         "level": level,
@@ -161,6 +167,8 @@ def measure_case(network: str, level: str, rank: int, n: int) -> dict[str, Any]:
         "held_before": meter.held_at("step"),
         "sent_estimate": step_traffic(plan, rank, opt_plan).total,
         "sent_measured": rec.total_bytes(),
+        "pool_estimate": sum(t.nbytes for t in pooled),
+        "pool_measured": pool_measured,
     }
     parallel.remove()
     del parallel, opt, step, meter

@@ -3,7 +3,8 @@
 network, the GPT block (2 x 2 Megatron) and the GPT-2-style model (data parallel), each at hsdp
 levels 1, 2 and 3 (``bench/memory.py``'s cases, one job for all nine). The peak is what torch's
 CPU allocator holds at most during one training step (`report.MemoryMeter`), within 10 % of the
-estimate; the bytes a rank sends are the `CommRecorder`'s, within 1 %."""
+estimate; the bytes a rank sends are the `CommRecorder`'s, within 1 %; the bytes the pool of
+message buffers keeps after the step are the model's (``report/_pool.py``), exactly."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def test_estimate_matches_four_real_ranks() -> None:
         case = f"{r['network']} {r['level']} rank {r['rank']}: {r}"
         assert r["measured_peak"] == pytest.approx(r["estimate_peak"], rel=0.10), case
         assert r["sent_measured"] == pytest.approx(r["sent_estimate"], rel=0.01), case
+        assert r["pool_measured"] == r["pool_estimate"], case
+    assert any(r["pool_measured"] for r in rows)  # (some case packs messages: the pool is used)
     by_level = {
         lv: max(r["measured_peak"] for r in rows if r["network"] == "seed003" and r["level"] == lv)
         for lv in LEVELS

@@ -13,7 +13,7 @@ process-group functions directly.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
   parallel's buckets), on gloo through `_pairwise`: one message per peer, shared by the
   buckets started together inside `_pairwise.coalesced()`; `release_buffers` frees its pool of
-  message buffers.
+  message buffers, `pooled_bytes` says how much it holds.
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
 - `_max_over_ranks`: `max_over_ranks`, the AllReduce(MAX) of partial maxima (ReduceMax with
   its reduced dim split), with its adjoint.
@@ -42,7 +42,7 @@ from shardwise.communication._init import (
     scoped_group_name,
 )
 from shardwise.communication._max_over_ranks import max_over_ranks
-from shardwise.communication._pairwise import release_buffers
+from shardwise.communication._pairwise import pooled_bytes, release_buffers
 from shardwise.communication._ranks import (
     file_rank,
     own_group,
@@ -93,6 +93,7 @@ __all__ = [
     "max_over_ranks",
     "own_group",
     "plain_tensors",
+    "pooled_bytes",
     "process_ranks",
     "rank_parts",
     "rank_value",

@@ -1,13 +1,12 @@
 """Pairwise exchanges on gloo: messages from every rank to every other rank of a group.
 
 The bucket collectives (`_buckets`) move their data this way on real gloo groups. Every message
-in flight between two gloo ranks costs a notification round trip handled by gloo's I/O threads:
-on 2 CPU cores, six messages of 1.3 MB in all took 1.9-2.2 ms against 1.1-1.5 ms for one message
-of 1.3 MB, and the AllGather of one MLP layer's bucket (weight + bias, 0.8 MB per rank, N = 2)
-went from 3.0 ms to 1.6-1.9 ms packed. An `Exchange` therefore packs the small parts one rank
-sends to one peer into ONE message, across the members of a bucket and, inside `coalesced()`,
-across every bucket call started in the block; a part of `SEPARATE_BYTES` or more travels alone,
-straight from its tensor (packing it would cost a copy larger than the round trip it saves).
+in flight between two gloo ranks costs a notification round trip handled by gloo's I/O threads,
+so several small messages cost more than one message of the same bytes. An `Exchange` therefore
+packs the small parts one rank sends to one peer into ONE message, across the members of a
+bucket and, inside `coalesced()`, across every bucket call started in the block; a part of
+`SEPARATE_BYTES` or more travels alone, straight from its tensor (packing it would cost a copy
+larger than the round trip it saves).
 
 - `join(g, dtype)`: the exchange a bucket call adds its parts to: inside `coalesced()` the one
   shared by every call on `g` with that dtype (posted when the block ends), otherwise a fresh
@@ -18,10 +17,9 @@ straight from its tensor (packing it would cost a copy larger than the round tri
   received in place when a message has one target, else unpacked; a bucket waits only for
   its own messages, so a coalesced level-3 prefetch does not wait for the next bucket's).
 - `coalesced()`: the block whose bucket calls share their exchanges.
-- `_take` / `_give` / `release_buffers`: packed send buffers and receive boxes come from a pool
-  of free buffers (`POOL_BYTES` at most) and go back when their message finished: a fresh
-  1.3 MB buffer costs page faults and cold caches on every step (the MNIST MLP at level 2:
-  0.2-0.8 ms less CPU per step and rank with the pool, alternated in one job).
+- `_take` / `_give` / `release_buffers` / `pooled_bytes`: packed send buffers and receive
+  boxes come from a pool of free buffers (`POOL_BYTES` at most) and go back when their message
+  finished: a fresh buffer would cost page faults and cold caches on every step.
 """
 
 from __future__ import annotations
@@ -85,6 +83,17 @@ def _give(buffer: torch.Tensor) -> None:
         return
     _pool.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
     _pooled[0] += size
+
+
+def pooled_bytes() -> int:
+    """Bytes of free message buffers the pool holds now: after a training step, what it keeps
+    until the next (the memory model's "pooled message buffers", ``report/_pool.py``).
+
+    Example:
+        >>> release_buffers(); pooled_bytes()
+        0
+    """
+    return _pooled[0]
 
 
 def release_buffers() -> None:
