@@ -14,18 +14,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(name: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _run(
+    name: str, out: Path, monkeypatch: pytest.MonkeyPatch, words: tuple[str, ...]
+) -> dict[str, Any]:
+    """Run benchmark `name` (``--quick``, 2 ranks); its saved table holds every one of
+    `words`; returns its saved JSON."""
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     from bench.__main__ import main
 
     args = ["--quick", "--ranks", "2", "--timeout", "60", "--only", name, "--out", str(out)]
     assert main(args) == 0
+    text = (out / f"{name}.txt").read_text()
+    for word in words:
+        assert word in text, word
+    data: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return data
 
 
 @pytest.mark.multiprocess
@@ -33,13 +43,12 @@ def _run(name: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_manual_dp_quick(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _run("manual_dp", tmp_path, monkeypatch)
+    words = ("shardwise ms", "DDP ms", "one process ms", "sw/DDP", "sw/one", "theory")
+    (row,) = _run("manual_dp", tmp_path, monkeypatch, words)["rows"]
     printed = capsys.readouterr().out
-    text = (tmp_path / "manual_dp.txt").read_text()
-    for word in ("shardwise ms", "DDP ms", "one process ms", "sw/DDP", "sw/one", "theory"):
-        assert word in text and word in printed, word
+    for word in words:
+        assert word in printed, word
 
-    (row,) = json.loads((tmp_path / "manual_dp.json").read_text())["rows"]
     assert row["world_size"] == 2 and row["equal"] is True
     assert row["diff_ddp"] <= 1e-5 and row["diff_single"] <= 1e-5
     assert row["collectives"] == 3  # loss forward + loss backward + one fused gradient bucket
@@ -51,12 +60,8 @@ def test_manual_dp_quick(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_dataloading_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _run("dataloading", tmp_path, monkeypatch)
-    text = (tmp_path / "dataloading.txt").read_text()
-    for word in ("torch per-sample", "torch batched", "shardwise sharded", "SYNTHETIC"):
-        assert word in text, word
-
-    data = json.loads((tmp_path / "dataloading.json").read_text())
+    words = ("torch per-sample", "torch batched", "shardwise sharded", "SYNTHETIC")
+    data = _run("dataloading", tmp_path, monkeypatch, words)
     assert data["meta"]["checks"] == {"values": True, "shards": True}
     rows = {(r["pipeline"], r["workers"]): r for r in data["rows"]}
     assert len(rows) == 8
@@ -70,12 +75,8 @@ def test_dataloading_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 def test_gpt2_semi_auto_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _run("gpt2_semi_auto", tmp_path, monkeypatch)
-    text = (tmp_path / "gpt2_semi_auto.txt").read_text()
-    for word in ("shardwise s", "DDP s", "DDP+loss s", "an AllReduce of its loss"):
-        assert word in text, word
-
-    (row,) = json.loads((tmp_path / "gpt2_semi_auto.json").read_text())["rows"]
+    words = ("shardwise s", "DDP s", "DDP+loss s", "an AllReduce of its loss")
+    (row,) = _run("gpt2_semi_auto", tmp_path, monkeypatch, words)["rows"]
     assert row["world_size"] == 2 and row["max_diff"] <= 1e-6
     assert row["loss_diff"] <= 1e-5  # shardwise returns what DDP + the loss's AllReduce does
     assert row["collectives"] == 2  # one gradient bucket, the loss
