@@ -38,6 +38,8 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
+from shardwise.ops import _flat as flat
+
 Placements = tuple[Placement, ...]
 
 
@@ -109,15 +111,11 @@ def candidates() -> Iterator[None]:
 
 def _hashable(args: Sequence[Any], kwargs: Mapping[str, Any]) -> object | None:
     """The arguments as a hashable key (each `Spec` as its fields), None when one is not."""
-    leaves, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    key = tuple(
-        (x.placements, x.shape, x.stride, x.dtype) if isinstance(x, Spec) else x for x in leaves
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return (str(tree), key)
+    return flat.key(Spec, _fields, (tuple(args), dict(kwargs)))
+
+
+def _fields(s: Spec) -> tuple[Any, ...]:
+    return (s.placements, s.shape, s.stride, s.dtype)
 
 
 def propagate(

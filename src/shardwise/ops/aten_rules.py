@@ -30,8 +30,8 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils import _pytree as pytree
 
+from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec, has_rule, propagate
 
 Placements = tuple[Placement, ...]
@@ -68,7 +68,7 @@ def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
     are split the same way and the output and logsumexp follow; anything else runs replicated.
     """
     q, k, v = args[0], args[1], args[2]
-    tensors = [a for a in pytree.tree_leaves(list(args)) if isinstance(a, Spec)]
+    tensors = [a for a in flat.leaves(list(args)) if isinstance(a, Spec)]
     ins: list[list[Placement]] = [[] for _ in tensors]
     outs: list[Placement] = []
     for m in range(ndim):
@@ -219,7 +219,7 @@ def decide(
         RuntimeError: DTensor refuses the placements (an uneven split); the planner turns it
             into an error naming the op and the fix.
     """
-    tensors = [a for a in pytree.tree_leaves((list(args), dict(kwargs))) if isinstance(a, Spec)]
+    tensors = [a for a in flat.leaves((list(args), dict(kwargs))) if isinstance(a, Spec)]
     own = ATEN_RULES.get(str(op))
     if own is not None:
         mine = own(list(args) + list(kwargs.values()), ndim)

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Replicate
-from torch.utils import _pytree as pytree
 
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
+from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import decide
 from shardwise.planner._graph import AtenArg, Graph, Node, Ref
@@ -99,8 +99,8 @@ class _Follow:
         tmp: dict[int, Placements] = {}
         sources = {"identity" if node.inputs else "factory"}
         for call in node.aten:
-            leaves = pytree.tree_leaves((call.args, dict(call.kwargs)))
-            args = [x for x in leaves if isinstance(x, AtenArg)]
+            tree = (call.args, dict(call.kwargs))
+            args = [x for x in flat.leaves(tree) if isinstance(x, AtenArg)]
             specs = {
                 id(x): Spec(
                     need[x.index] if x.kind == "in" else tmp.get(x.index, self.rep()),
@@ -110,7 +110,7 @@ class _Follow:
                 )
                 for x in args
             }
-            a, k = pytree.tree_map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
+            a, k = flat.map_only(AtenArg, _lookup(specs), tree)
             try:
                 shapes = [o.info.shape for o in call.outputs]
                 dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
@@ -209,7 +209,7 @@ class _Follow:
 
 
 def _lookup(specs: dict[int, Spec]) -> Any:
-    """``arg -> its Spec`` for `pytree.tree_map_only`."""
+    """``arg -> its Spec`` for `flat.map_only`."""
 
     def find(x: AtenArg) -> Spec:
         return specs[id(x)]

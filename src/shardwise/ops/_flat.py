@@ -1,0 +1,93 @@
+"""Flattening an aten call's arguments on the planners' hot path (used by `_dtensor`,
+`aten_rules` and ``planner/_follow.py``).
+
+The planners walk every aten call of every node, for every candidate layout, and each walk
+flattens the call's arguments several times: to find its tensor arguments, to put their
+layouts in, to make a memo key. The arguments as the capture recorded them are nested tuples,
+lists and dicts of plain values, so these functions handle exactly those containers (and
+``torch.Size``, flattened as torch's pytree flattens it), in pytree's order; torch's general
+pytree, which first looks up each object's registered node type, costs several times more.
+
+- `leaves`: the leaves, in pytree order.
+- `map_only`: the same structure with each instance of a class replaced by a function's result.
+- `key`: a hashable form of the structure, with each instance of a class given by a function
+  (None when a leaf cannot be hashed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+L = TypeVar("L")
+_TUPLE, _LIST, _DICT = object(), object(), object()  # (`key`'s container tags: no value equals one)
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of nested tuples / lists / dicts (and ``torch.Size``), in pytree order.
+
+    Example:
+        >>> leaves(((1, [2, None]), {"k": 3}))
+        [1, 2, None, 3]
+    """
+    out: list[Any] = []
+    _into(tree, out)
+    return out
+
+
+def _into(tree: Any, out: list[Any]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list or kind is torch.Size:
+        for x in tree:
+            _into(x, out)
+    elif kind is dict:
+        for x in tree.values():
+            _into(x, out)
+    else:
+        out.append(tree)
+
+
+def map_only(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
+    """`tree` with each instance of `cls` replaced by ``fn(instance)`` (the containers are
+    rebuilt; ``torch.Size`` is kept as it is, holding only integers).
+
+    Example:
+        >>> map_only(int, lambda x: x * 10, ((1, "a"), {"k": [2]}))
+        ((10, 'a'), {'k': [20]})
+    """
+    kind = type(tree)
+    if kind is tuple:
+        return tuple(map_only(cls, fn, x) for x in tree)
+    if kind is list:
+        return [map_only(cls, fn, x) for x in tree]
+    if kind is dict:
+        return {k: map_only(cls, fn, v) for k, v in tree.items()}
+    return fn(tree) if isinstance(tree, cls) else tree
+
+
+def key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> object | None:
+    """A hashable form of `tree`: its structure (tuple, list and dict told apart, dict keys
+    kept) with each instance of `cls` given as ``fn(instance)``; None when some leaf is not
+    hashable.
+
+    Example:
+        >>> key(int, str, ([1], (2,))) == key(int, str, ((1,), [2]))
+        False
+    """
+    try:
+        made: object = _key(cls, fn, tree)
+        hash(made)
+    except TypeError:
+        return None
+    return made
+
+
+def _key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return (_TUPLE if kind is tuple else _LIST, *(_key(cls, fn, x) for x in tree))
+    if kind is dict:
+        return (_DICT, *((k, _key(cls, fn, v)) for k, v in tree.items()))
+    return fn(tree) if isinstance(tree, cls) else tree
