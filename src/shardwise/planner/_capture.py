@@ -48,10 +48,10 @@ from shardwise.planner._recorders import (
     _Recorder,
     _State,
     _StopCapture,
-    _tensors,
     dtype_name,
     info_of,
     record_kind,
+    tensors_in,
 )
 
 
@@ -171,7 +171,7 @@ def capture(
             out = fn(*call_args, **call_kwargs)
         except _StopCapture:
             out = None
-    outs, _ = _tensors(out)
+    outs = tensors_in(out)
     returned = [state.known[id(t)] for t in outs if id(t) in state.known]
     returned += [r for r in state.backward_roots if r not in returned]
     return Graph(

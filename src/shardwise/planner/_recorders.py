@@ -14,12 +14,14 @@
   shardwise primitive as one node (its inner calls unrecorded) and the op-form ``sw.shard``
   strategies of the modules being run.
 - `dtype_name` / `info_of`: a tensor's dtype name, shape and dtype as `TensorInfo`;
-  `_tensors`: a pytree's tensors and the tree with `TensorSlot`s in their place; `_source`:
+  `tensors_in`: a pytree's tensors; `_tensors`: those and the tree with `TensorSlot`s in their
+  place; `_source`:
   the user's ``file:line`` that the error messages name.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -86,7 +88,13 @@ class CaptureError(ValueError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def info_of(t: T) -> TensorInfo:
@@ -100,7 +108,7 @@ def _source() -> str:
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_SKIP_FILES) and "contextlib" not in name:
-            return f"{Path(name).name}:{frame.f_lineno}"
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "?"
 
@@ -196,6 +204,11 @@ class _State:
         return tuple(entry[1])
 
 
+def tensors_in(tree: Any) -> list[T]:
+    """The tensors of a pytree, in order."""
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, T)]
+
+
 def _tensors(tree: Any) -> tuple[list[T], Any]:
     """The tensors of a pytree, in order, and the tree with each one as a `TensorSlot`."""
     leaves, spec = pytree.tree_flatten(tree)
@@ -267,7 +280,7 @@ class _Recorder(TorchFunctionMode):
         finally:
             aten, ids = s.aten, s.aten_ids
             s.aten = None
-        outs, _ = _tensors(out)
+        outs = tensors_in(out)
         if ins or outs:  # (not a call on Python state only, such as torch.set_grad_enabled)
             out_map = [ids.get(id(t)) for t in outs]
             s.add_node(op, func, ins, outs, template, aten or (), out_map)
@@ -326,7 +339,7 @@ def _module_hooks(s: _State) -> Iterator[None]:
     def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
         path = s.modules.get(id(module))
         if isinstance(module, Primitive) and not s.inside_primitive and not s.done:
-            ins, _ = _tensors(module.split_call(*args)[0])
+            ins = tensors_in(module.split_call(*args)[0])
             pending[id(module)] = ins
             s.inside_primitive += 1
         s.stack.append(path if path is not None else type(module).__name__)
@@ -344,7 +357,7 @@ def _module_hooks(s: _State) -> Iterator[None]:
             return
         s.inside_primitive -= 1
         assert isinstance(module, Primitive)
-        outs, _ = _tensors(output)
+        outs = tensors_in(output)
         _, call_args = module.split_call(*args)
         s.stack.append(s.modules.get(id(module), module.name))
         try:
