@@ -1,8 +1,8 @@
 """Planning time: capture and plan GPT-2-style models (nanoGPT's architecture, `tests/zoo.py`)
 built on the meta device, in one process with no process group.
 
-- `_semi_auto_rows`: 48 layers, capture and the semi_auto plan for 8 and 64 devices (ops, aten
-  ops, seconds).
+- `_semi_auto_rows`: 48 and 96 layers (1,018 and 2,026 torch-level ops), capture and the
+  semi_auto plan for 8 and 64 devices (ops, aten ops, seconds).
 - `_propagation_row`: a deep graph of about 10,000 torch-level ops (476 layers), sharding
   propagation with nothing annotated on 8 devices (one axis) and on a (2, 4) matrix: choosing
   the strategies and building the plan timed apart, cold and warm.
@@ -144,17 +144,22 @@ def run(config: BenchConfig) -> str:
     t0 = time.perf_counter()
     net, ids = _model(config.quick)
     built = time.perf_counter() - t0
-    rows = _semi_auto_rows(net, ids)
+    layers = [max(2, n // 12) if config.quick else n for n in (48, 96)]  # (as `_model` builds)
+    rows = [{"layers": layers[0], **r} for r in _semi_auto_rows(net, ids)]
+    del net
+    deep = _model(config.quick, n_layer=96)
+    rows += [{"layers": layers[1], **r} for r in _semi_auto_rows(*deep)]
     prop = _propagation_row(config.quick)
     searched = _search_rows(config.quick)
     dry = _dry_run_row(config.quick)
-    lines = [f"planning ({'quick' if config.quick else '48 layers'}; build on meta {built:.2f} s)"]
-    lines.append("devices  ops  aten ops  capture s  plan s  total s  collectives")
+    size = "quick: a twelfth of the layers" if config.quick else "48 layers"
+    lines = [f"planning ({size}; build on meta {built:.2f} s)"]
+    lines.append("layers  devices   ops  aten ops  capture s  plan s  total s  collectives")
     for r in rows:
         total = r["capture_s"] + r["plan_s"]
         lines.append(
-            f"{r['device_num']:>7}  {r['ops']:>4}  {r['aten_ops']:>8}  {r['capture_s']:>9.3f}"
-            f"  {r['plan_s']:>6.3f}  {total:>7.3f}  {r['collectives']:>11}"
+            f"{r['layers']:>6}  {r['device_num']:>7}  {r['ops']:>4}  {r['aten_ops']:>8}"
+            f"  {r['capture_s']:>9.3f}  {r['plan_s']:>6.3f}  {total:>7.3f}  {r['collectives']:>11}"
         )
     lines.append(f"propagation, {prop['ops']} ops (capture {prop['capture_s']:.2f} s):")
     for label, name in (("8", "8 devices"), ("2x4", "(2, 4)   ")):

@@ -48,6 +48,10 @@ def test_leaves_and_map_only_match_pytree(cases: list[Any]) -> None:
         assert ours == theirs and pytree.tree_structure(ours) == pytree.tree_structure(theirs)
         tagged += sum(isinstance(x, AtenArg) for x in flat.leaves(tree))
     assert tagged > 100  # (the recorded calls hold tensor arguments to replace)
+    size = (torch.Size([2, 3]), {"k": [torch.Size([4])]})
+    assert flat.leaves(size) == pytree.tree_leaves(size) == [2, 3, 4]
+    assert repr(flat.map_only(int, str, size)) == repr(pytree.tree_map_only(int, str, size))
+    assert flat.plain(size) and not flat.plain((torch.return_types.max((1, 2)),))
 
 
 def test_key_tells_apart_what_pytree_tells_apart(cases: list[Any]) -> None:

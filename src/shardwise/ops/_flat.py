@@ -12,6 +12,8 @@ pytree, which first looks up each object's registered node type, costs several t
 - `map_only`: the same structure with each instance of a class replaced by a function's result.
 - `key`: a hashable form of the structure, with each instance of a class given by a function
   (None when a leaf cannot be hashed).
+- `plain`: whether a tree (a torch call's arguments, as a user's network passes them) holds no
+  container but these, so that the functions above agree with torch's pytree on it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.utils import _pytree as pytree
 
 L = TypeVar("L")
 _TUPLE, _LIST, _DICT = object(), object(), object()  # (`key`'s container tags: no value equals one)
@@ -51,14 +54,14 @@ def _into(tree: Any, out: list[Any]) -> None:
 
 def map_only(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
     """`tree` with each instance of `cls` replaced by ``fn(instance)`` (the containers are
-    rebuilt; ``torch.Size`` is kept as it is, holding only integers).
+    rebuilt, a ``torch.Size`` as a tuple, as torch's pytree rebuilds it).
 
     Example:
         >>> map_only(int, lambda x: x * 10, ((1, "a"), {"k": [2]}))
         ((10, 'a'), {'k': [20]})
     """
     kind = type(tree)
-    if kind is tuple:
+    if kind is tuple or kind is torch.Size:
         return tuple(map_only(cls, fn, x) for x in tree)
     if kind is list:
         return [map_only(cls, fn, x) for x in tree]
@@ -91,3 +94,22 @@ def _key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
     if kind is dict:
         return (_DICT, *((k, _key(cls, fn, v)) for k, v in tree.items()))
     return fn(tree) if isinstance(tree, cls) else tree
+
+
+def plain(tree: Any) -> bool:
+    """Whether `tree` holds no container but exact tuples, lists and dicts (and
+    ``torch.Size``): no namedtuple, ``OrderedDict`` or type registered with torch's pytree,
+    which `leaves` and `map_only` would take for leaves.
+
+    Example:
+        >>> plain(((1, [2]), {"k": 3})), plain((torch.return_types.max((1, 2)),))
+        (True, False)
+    """
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return all(plain(x) for x in tree)
+    if kind is dict:
+        return all(plain(x) for x in tree.values())
+    if kind is torch.Size:
+        return True
+    return not isinstance(tree, tuple | list | dict) and kind not in pytree.SUPPORTED_NODES

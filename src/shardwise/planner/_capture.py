@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
 from shardwise.planner._fake import FakeTensorMode, reparametrize
+from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._recorders import (
     CaptureError,
@@ -77,6 +78,7 @@ def _device(tensors: Sequence[T]) -> torch.device:
     return torch.device("cpu")
 
 
+@gc_paused
 def capture(
     fn: nn.Module | Callable[..., Any],
     *args: Any,

@@ -1,12 +1,13 @@
-"""Pausing CPython's cyclic garbage collector while the automatic planners run.
+"""Pausing CPython's cyclic garbage collector while a graph is captured and planned.
 
-Planning a large graph allocates millions of small objects (candidates, placements, cost
-tuples) that hold no reference cycles. CPython's generational collector still walks the whole
-heap at each full collection, which such allocation rates trigger several times per plan, each
-walk costing a noticeable part of the planning time on a 10,000-op graph (bench/README.md,
-"Planning time"). `gc_paused` turns automatic collection off for the duration of a call and
-restores the previous state afterwards; anything planning leaves unreachable is freed by
-reference counting or by the next collection after it.
+Capturing and planning a large graph allocates millions of small objects (fake tensors, nodes,
+candidates, placements, cost tuples) that hold no reference cycles. CPython's generational
+collector still walks the whole heap at each full collection, which such allocation rates
+trigger several times per plan, each walk costing a noticeable part of the planning time
+(bench/README.md, "Planning time"). `gc_paused` (on `capture`, `plan_semi_auto`, propagation
+and the search) turns automatic collection off for the duration of a call and restores the
+previous state afterwards; anything left unreachable is freed by reference counting or by the
+next collection after it.
 
 - `gc_paused`: a decorator doing that around a planner entry point (re-entrant).
 """

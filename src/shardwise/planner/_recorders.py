@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils import _pytree as pytree
 
 from shardwise.ops import Primitive
+from shardwise.ops import _flat as flat
 from shardwise.planner._fake import DATA_DEPENDENT, TorchDispatchMode
 from shardwise.planner._graph import (
     AtenArg,
@@ -99,7 +100,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 def info_of(t: T) -> TensorInfo:
     """A tensor's global shape and dtype."""
-    return TensorInfo(tuple(int(s) for s in t.shape), dtype_name(t.dtype))
+    return TensorInfo(tuple(map(int, t.shape)), dtype_name(t.dtype))
 
 
 def _source() -> str:
@@ -211,8 +212,15 @@ def tensors_in(tree: Any) -> list[T]:
 
 def _tensors(tree: Any) -> tuple[list[T], Any]:
     """The tensors of a pytree, in order, and the tree with each one as a `TensorSlot`."""
-    leaves, spec = pytree.tree_flatten(tree)
     tensors: list[T] = []
+    if flat.plain(tree):  # (nearly every call: plain containers, walked without pytree)
+
+        def slot(t: T) -> TensorSlot:
+            tensors.append(t)
+            return TensorSlot(len(tensors) - 1)
+
+        return tensors, flat.map_only(T, slot, tree)
+    leaves, spec = pytree.tree_flatten(tree)
     out = []
     for leaf in leaves:
         if isinstance(leaf, T):
@@ -318,9 +326,9 @@ class _AtenRecorder(TorchDispatchMode):
                 s.keep.append(x)
             return found
 
-        a, k = pytree.tree_map(arg, (args, kwargs))
+        a, k = flat.map_only(T, arg, (args, kwargs))  # (aten arguments: plain containers)
         made = []
-        for t in pytree.tree_leaves(out):
+        for t in flat.leaves(out):
             if isinstance(t, T) and id(t) not in s.aten_ids:
                 s.aten_ids[id(t)] = AtenArg("tmp", s.tmp, info_of(t), tuple(t.stride()))
                 s.tmp += 1

@@ -48,6 +48,7 @@ from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
 from shardwise.planner._backward import plan_backward
 from shardwise.planner._follow import _Follow
+from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._placement import (
     DatasetStrategy,
@@ -320,6 +321,7 @@ def walk(
     )
 
 
+@gc_paused
 def plan_semi_auto(
     graph: Graph,
     device_num: int,
