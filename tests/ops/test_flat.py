@@ -69,3 +69,6 @@ def test_key_tells_apart_what_pytree_tells_apart(cases: list[Any]) -> None:
     assert flat.key(int, str, ("tuple", 1)) != flat.key(int, str, ((1,),))
     assert flat.key(int, str, ([1], {"k": [2]})) is not None
     assert flat.key(int, str, ([1], {"k": {2}})) is None  # (a set is no hashable leaf)
+    named = torch.return_types.max((1, 2))  # (a namedtuple: pytree's node, no plain container)
+    assert flat.key(int, str, (named,)) is None
+    assert flat.key(int, str, (torch.Size([1, 2]),)) == flat.key(int, str, ((1, 2),))

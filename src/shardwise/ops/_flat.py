@@ -73,7 +73,7 @@ def map_only(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
 def key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> object | None:
     """A hashable form of `tree`: its structure (tuple, list and dict told apart, dict keys
     kept) with each instance of `cls` given as ``fn(instance)``; None when some leaf is not
-    hashable.
+    hashable or some container is not a plain one (`plain`).
 
     Example:
         >>> key(int, str, ([1], (2,))) == key(int, str, ((1,), [2]))
@@ -89,10 +89,12 @@ def key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> object | None:
 
 def _key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
     kind = type(tree)
-    if kind is tuple or kind is list:
-        return (_TUPLE if kind is tuple else _LIST, *(_key(cls, fn, x) for x in tree))
+    if kind is tuple or kind is list or kind is torch.Size:  # (a Size: a tuple, as pytree has it)
+        return (_LIST if kind is list else _TUPLE, *(_key(cls, fn, x) for x in tree))
     if kind is dict:
         return (_DICT, *((k, _key(cls, fn, v)) for k, v in tree.items()))
+    if isinstance(tree, tuple | list | dict) or kind in pytree.SUPPORTED_NODES:
+        raise TypeError(f"not a plain container: {kind.__name__}")  # (`key` answers None)
     return fn(tree) if isinstance(tree, cls) else tree
 
 

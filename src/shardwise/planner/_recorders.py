@@ -326,9 +326,14 @@ class _AtenRecorder(TorchDispatchMode):
                 s.keep.append(x)
             return found
 
-        a, k = flat.map_only(T, arg, (args, kwargs))  # (aten arguments: plain containers)
+        if flat.plain((args, kwargs, out)):  # (as torch gives aten calls their arguments)
+            a, k = flat.map_only(T, arg, (args, kwargs))
+            results = flat.leaves(out)
+        else:
+            a, k = pytree.tree_map(arg, (args, kwargs))
+            results = pytree.tree_leaves(out)
         made = []
-        for t in flat.leaves(out):
+        for t in results:
             if isinstance(t, T) and id(t) not in s.aten_ids:
                 s.aten_ids[id(t)] = AtenArg("tmp", s.tmp, info_of(t), tuple(t.stride()))
                 s.tmp += 1
