@@ -91,15 +91,11 @@ def _one_device(name: str, steps_per_call: int = 1) -> tuple[list[Any], list[Any
     net = MAKE[name]()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     losses, grads = [], []
+    step = recording_step(net, opt, lambda m, a, b: m(a, b)[1], grads)
     torch.manual_seed(7)
     for x, y in _data(name):
         for _ in range(steps_per_call):
-            loss = net(x, y)[1]
-            loss.backward()
-            grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
+            losses.append(step(x, y).detach())
     return losses, grads
 
 

@@ -66,13 +66,9 @@ def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.T
     net = make()
     opt = optimizer(net)
     losses, grads = [], []
+    step = recording_step(net, opt, functools.partial(loss_of, name), grads)
     for x, y in data(kind):
-        loss = loss_of(name, net, x, y)
-        loss.backward()
-        grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+        losses.append(step(x, y).detach())
     return losses, grads
 
 

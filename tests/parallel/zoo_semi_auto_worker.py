@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shardwise as sw
 from shardwise.communication import get_group_size, get_rank
 from shardwise.testing import CommRecorder
-from zoo import GPT2, token_batches
+from zoo import GPT2, recording_step, token_batches
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}
@@ -36,16 +36,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def train_step(net: GPT2, grads: list[dict[str, torch.Tensor]]) -> Any:
     """The train step (AdamW with decay groups), recording each step's gradients in `grads`."""
     opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss: torch.Tensor = net(x, y)[1]
-        loss.backward()
-        grads.append({k: p.grad.detach().clone() for k, p in net.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
+    return recording_step(net, opt, lambda m, x, y: m(x, y)[1], grads)
 
 
 def reference_step(
