@@ -1,5 +1,5 @@
 """Flattening an aten call's arguments on the planners' hot path (used by `_dtensor`,
-`aten_rules` and ``planner/_follow.py``).
+`aten_rules`, ``planner/_follow.py`` and the capture's ``planner/_recorders.py``).
 
 The planners walk every aten call of every node, for every candidate layout, and each walk
 flattens the call's arguments several times: to find its tensor arguments, to put their
@@ -11,7 +11,7 @@ pytree, which first looks up each object's registered node type, costs several t
 - `leaves`: the leaves, in pytree order.
 - `map_only`: the same structure with each instance of a class replaced by a function's result.
 - `key`: a hashable form of the structure, with each instance of a class given by a function
-  (None when a leaf cannot be hashed).
+  (None when a leaf cannot be hashed or a container is not a plain one).
 - `plain`: whether a tree (a torch call's arguments, as a user's network passes them) holds no
   container but these, so that the functions above agree with torch's pytree on it.
 """
@@ -93,7 +93,7 @@ def _key(cls: type[L], fn: Callable[[L], Any], tree: Any) -> Any:
         return (_LIST if kind is list else _TUPLE, *(_key(cls, fn, x) for x in tree))
     if kind is dict:
         return (_DICT, *((k, _key(cls, fn, v)) for k, v in tree.items()))
-    if isinstance(tree, tuple | list | dict) or kind in pytree.SUPPORTED_NODES:
+    if _foreign(tree):
         raise TypeError(f"not a plain container: {kind.__name__}")  # (`key` answers None)
     return fn(tree) if isinstance(tree, cls) else tree
 
@@ -112,6 +112,11 @@ def plain(tree: Any) -> bool:
         return all(plain(x) for x in tree)
     if kind is dict:
         return all(plain(x) for x in tree.values())
-    if kind is torch.Size:
-        return True
-    return not isinstance(tree, tuple | list | dict) and kind not in pytree.SUPPORTED_NODES
+    return kind is torch.Size or not _foreign(tree)
+
+
+def _foreign(tree: Any) -> bool:
+    """Whether `tree` (no exact tuple, list, dict or ``torch.Size``) is still a container to
+    torch's pytree: a subclass of those (a namedtuple, an ``OrderedDict``) or a registered
+    type."""
+    return isinstance(tree, tuple | list | dict) or type(tree) in pytree.SUPPORTED_NODES

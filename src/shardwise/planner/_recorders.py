@@ -15,12 +15,12 @@
   strategies of the modules being run.
 - `dtype_name` / `info_of`: a tensor's dtype name, shape and dtype as `TensorInfo`;
   `tensors_in`: a pytree's tensors; `_tensors`: those and the tree with `TensorSlot`s in their
-  place; `_source`:
-  the user's ``file:line`` that the error messages name.
+  place; `_source`: the user's ``file:line`` that the error messages name.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -87,15 +87,10 @@ class CaptureError(ValueError):
     shape); the message names the op, its source line and what to do instead."""
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+    return str(dtype).removeprefix("torch.")
 
 
 def info_of(t: T) -> TensorInfo:
