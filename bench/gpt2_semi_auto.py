@@ -6,7 +6,8 @@ what a PyTorch user writes (``DistributedDataParallel`` around the model), both 
 A third candidate is the DDP step that also returns what shardwise's returns, the loss of the
 global batch on every rank (DDP's loss is this rank's rows only): the same step followed by
 an AllReduce of the loss. Printed per N: seconds per step (max over ranks, median of
-repetitions), the ratios shardwise / DDP and shardwise / DDP with the loss's AllReduce, CPU
+repetitions), the ratios shardwise / DDP and shardwise / DDP with the loss's AllReduce (the
+median of the paired repetitions' ratios with its 95 % confidence interval), CPU
 seconds per step, the collectives per step and the largest parameter difference after the
 check steps (shardwise vs DDP: the same training), and the difference of the next step's
 returned loss between shardwise and DDP with the loss's AllReduce.
@@ -42,6 +43,8 @@ class Gpt2Result:
     max_diff: float
     loss_diff: float
     oversubscribed: bool
+    ratio: list[float | None]  # shardwise / DDP, paired: median, 95 % bounds
+    ratio_loss: list[float | None]  # shardwise / DDP+loss, the same
 
 
 def _make(quick: bool) -> Any:
@@ -114,7 +117,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     loss_diff = abs(float(sw_step()) - float(ddp_loss_step()))  # (the same step's returned loss)
     with CommRecorder() as rec:
         sw_step()
-    steps, reps = (1, 2) if quick else (5, 21)
+    steps, reps = (1, 2) if quick else (5, 31)
     m = harness.compare(
         {
             "shardwise": common.chunk(sw_step, steps),
@@ -127,6 +130,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     )
     if rank != 0:
         return None
+    ratios = [harness.paired_ratio(m["shardwise"], m[other]) for other in ("DDP", "DDP + loss")]
     return asdict(
         Gpt2Result(
             world_size=n,
@@ -139,6 +143,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
             max_diff=diff,
             loss_diff=loss_diff,
             oversubscribed=n > (os.cpu_count() or 1),
+            ratio=[ratios[0].median, ratios[0].low, ratios[0].high],
+            ratio_loss=[ratios[1].median, ratios[1].low, ratios[1].high],
         )
     )
 
@@ -157,9 +163,9 @@ def run(config: BenchConfig) -> str:
                 common.n_label(r),
                 f"{r.shardwise_s:.4f}",
                 f"{r.ddp_s:.4f}",
-                common.ratio(r.shardwise_s, r.ddp_s),
+                str(harness.Ratio(*r.ratio)),
                 f"{r.ddp_loss_s:.4f}",
-                common.ratio(r.shardwise_s, r.ddp_loss_s),
+                str(harness.Ratio(*r.ratio_loss)),
                 f"{r.shardwise_cpu_s:.4f}",
                 f"{r.ddp_cpu_s:.4f}",
                 str(r.collectives),
@@ -172,6 +178,9 @@ def run(config: BenchConfig) -> str:
     table.notes = [
         "DDP+loss: the DDP step, then an AllReduce of its loss (the global batch's loss on "
         "every rank, as shardwise returns)",
+        "ratio: the median of the repetitions' ratios (each pair timed back to back) and its "
+        "95 % confidence interval; an interval holding 1.00 cannot tell the two apart on this "
+        "host",
         *common.oversubscribed_notes(rows, os.cpu_count() or 1),
     ]
     text = str(table)

@@ -8,9 +8,10 @@ Three parts, used by every benchmark module:
    and returns what each rank's worker function returned (a JSON file per rank).
 2. In the workers: `compare()` times several candidates in the same run, alternating their
    order every repetition after a warm-up, and returns one `Measurement` per candidate
-   (median of the repetitions, max over ranks). Around every timed loop rank 0 reads the
-   loopback interface's transmit counter (`lo_tx_bytes`); `barrier_bytes()` measures what
-   the barrier that closes the loop adds, which `compare()` subtracts.
+   (median of the repetitions, max over ranks); `paired_ratio` gives two candidates'
+   ratio from their paired repetitions with a confidence interval. Around every timed loop
+   rank 0 reads the loopback interface's transmit counter (`lo_tx_bytes`); `barrier_bytes()`
+   measures what the barrier that closes the loop adds, which `compare()` subtracts.
 3. Output: `Table` (aligned text with notes), `fmt_bytes` / `fmt_ms`, `host_info()` and
    `save_report()` (JSON + the printed text into the results folder).
 
@@ -20,6 +21,7 @@ Benchmarks never assert a timing; they print and save them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -221,6 +223,47 @@ class Measurement:
     def __str__(self) -> str:
         lo = self.median_lo_bytes
         return f"{self.name}: {fmt_ms(self.median_s)} ms, lo {fmt_bytes(lo)}/rank"
+
+
+def paired_ratio(a: Measurement, b: Measurement, level: float = 0.95) -> Ratio:
+    """The step-time ratio ``a / b`` from paired repetitions: each repetition's ``a`` and ``b``
+    ran back to back (`compare` alternates their order), so host noise that lasts longer than
+    one repetition cancels in their ratio. The median of the per-repetition ratios, and a
+    distribution-free `level` confidence interval for that median (order statistics of a
+    binomial(n, 1/2) count; none with fewer than 6 repetitions at 95 %).
+
+    Example:
+        >>> a, b = Measurement("a", seconds=[1.0] * 9), Measurement("b", seconds=[2.0] * 9)
+        >>> str(paired_ratio(a, b))
+        '0.50 (0.50-0.50)'
+    """
+    ratios = sorted(x / y for x, y in zip(a.seconds, b.seconds, strict=True))
+    n = len(ratios)
+    k, tail = 0, 0.0  # the CI is ratios[k - 1 : n - k + 1] (1-based k-th and (n+1-k)-th)
+    while True:
+        tail += math.comb(n, k) / 2**n  # P(count <= k)
+        if 2 * tail > 1 - level:
+            break
+        k += 1
+    median = statistics.median(ratios)
+    if k == 0:
+        return Ratio(median, None, None)
+    return Ratio(median, ratios[k - 1], ratios[n - k])
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A paired ratio (`paired_ratio`): median and confidence bounds (None: too few
+    repetitions for one)."""
+
+    median: float
+    low: float | None
+    high: float | None
+
+    def __str__(self) -> str:
+        if self.low is None or self.high is None:
+            return f"{self.median:.2f}"
+        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f})"
 
 
 def _timed(

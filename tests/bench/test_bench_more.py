@@ -81,3 +81,6 @@ def test_gpt2_semi_auto_quick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert row["loss_diff"] <= 1e-5  # shardwise returns what DDP + the loss's AllReduce does
     assert row["collectives"] == 2  # one gradient bucket, the loss
     assert min(row["shardwise_s"], row["ddp_s"], row["ddp_loss_s"]) > 0
+    # paired ratios: a median and no interval from the quick run's 2 repetitions
+    assert row["ratio"][0] > 0 and row["ratio"][1:] == [None, None]
+    assert row["ratio_loss"][0] > 0 and row["ratio_loss"][1:] == [None, None]

@@ -115,3 +115,26 @@ def test_collective_fit_prefers_a_per_call_cost_and_skips_oversubscribed_jobs(
     assert math.isclose(pinned["call_s"], call, rel_tol=1e-6)
     intercept, slope = line_fit([(x, 2e-6 + 3e-10 * x) for x in (8e3, 1.3e5, 2e6)])
     assert math.isclose(intercept, 2e-6, rel_tol=1e-6) and math.isclose(slope, 3e-10, rel_tol=1e-6)
+
+
+def test_paired_ratio_median_and_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from bench.harness import Measurement, paired_ratio
+
+    # slow and fast repetitions of both candidates: the ratio of the medians (1.9 / 1.0 = 1.9)
+    # is not the median of the ratios of each pair timed back to back (1.1)
+    a = Measurement("a", seconds=[1.1, 2.2, 1.1, 4.4, 1.9])
+    b = Measurement("b", seconds=[1.0, 2.0, 1.0, 4.0, 2.0])
+    got = paired_ratio(a, b)
+    assert got.median == pytest.approx(1.1) and got.low is None and got.high is None  # 5 < 6
+    assert str(got) == "1.10"
+    # 21 pairs with ratios 0.80, 0.81, ..., 1.00: the 95 % interval of the median is the 6th
+    # to the 16th smallest (binomial(21, 1/2): P(count <= 5) = 0.0133, P(count <= 6) = 0.0392)
+    ratios = [0.80 + i / 100 for i in range(21)]
+    got = paired_ratio(Measurement("a", seconds=ratios[::-1]), Measurement("b", [1.0] * 21))
+    assert (got.median, got.low, got.high) == pytest.approx((0.90, 0.85, 0.95))
+    assert str(got) == "0.90 (0.85-0.95)"
+    # 6 pairs: the smallest to the largest covers 1 - 2/64 = 96.9 %
+    six = Measurement("a", [3.0, 1.0, 2.0, 6.0, 5.0, 4.0])
+    got = paired_ratio(six, Measurement("b", [2.0] * 6))
+    assert (got.low, got.high) == (0.5, 3.0)

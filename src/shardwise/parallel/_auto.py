@@ -14,8 +14,8 @@ buckets (`_runtime.GradBuckets`); every call then runs under the plan executor
 
 Inputs follow MindSpore's convention: under the default ``"data_parallel"`` dataset strategy
 each rank passes its own rows of the global batch, under ``"full_batch"`` the whole global
-batch, under per-input entries its block (`_local_inputs` turns global shapes into such
-inputs). A wrapped network's outputs leave as this rank's rows (the whole output under
+batch, under per-input entries its block (`_call_io.local_inputs` turns global shapes into
+such inputs). A wrapped network's outputs leave as this rank's rows (the whole output under
 ``"full_batch"``); a wrapped train step runs unchanged on what the rank passed and returns its
 (replicated) loss.
 """
@@ -37,6 +37,7 @@ from shardwise.optim import (
     check_fusion,
     check_hsdp,
 )
+from shardwise.parallel._call_io import local_inputs
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
@@ -47,51 +48,9 @@ from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
 from shardwise.parallel._ownership import take_over
 from shardwise.parallel._reading import PlanReading
-from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy, input_layout
+from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 from shardwise.parallel._strategy_files import StrategyFiles
 from shardwise.planner import ParallelPlan
-
-Shape = tuple[int, ...]
-
-
-def _local_inputs(
-    shapes: Sequence[Sequence[int]],
-    dtypes: Sequence[torch.dtype] | None,
-    dataset: DatasetStrategy,
-    world: int,
-) -> tuple[torch.Tensor, ...]:
-    """Meta tensors shaped as one rank's inputs of the given global `shapes` under `dataset`
-    (its rows under ``"data_parallel"``, the whole under ``"full_batch"``, its block under
-    per-input entries).
-
-    Raises:
-        ValueError: a dtype count that differs from the shape count, or a global shape that the
-            dataset strategy does not divide.
-    """
-    if dtypes is not None and len(dtypes) != len(shapes):
-        raise ValueError(
-            f"AutoParallel.plan: {len(dtypes)} dtypes for {len(shapes)} shapes; give one per input"
-        )
-    out = []
-    for i, shape in enumerate(shapes):
-        glob = tuple(int(s) for s in shape)
-        dtype = torch.float32 if dtypes is None else dtypes[i]
-        layout = input_layout(dataset, i, len(glob), len(shapes), world)
-        if layout is not None:
-            split = [layout.split_count(d) for d in range(len(glob))]
-        elif dataset == "data_parallel" and glob:
-            split = [world] + [1] * (len(glob) - 1)
-        else:
-            split = [1] * len(glob)
-        for d, (n, k) in enumerate(zip(glob, split, strict=True)):
-            if n % k:
-                raise ValueError(
-                    f"AutoParallel.plan: input {i} dim {d} has {n} elements, which the dataset "
-                    f"strategy splits {k} ways; give a global shape divisible by {k}"
-                )
-        local = tuple(n // k for n, k in zip(glob, split, strict=True))
-        out.append(torch.empty(local, dtype=dtype, device="meta"))
-    return tuple(out)
 
 
 class AutoParallel(nn.Module, StrategyFiles, PlanReading):
@@ -300,7 +259,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
                 )
             if shapes is not None:
                 world = comm.get_group_size()
-                inputs = _local_inputs(shapes, dtypes, self._dataset, world)
+                inputs = local_inputs(shapes, dtypes, self._dataset, world)
             self._graph = self._plan_graph(tuple(inputs), {})
         plan = self._graph.parallel_plan
         assert plan is not None

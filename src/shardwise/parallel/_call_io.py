@@ -5,12 +5,15 @@
   input's global shape (rows of all ranks under ``data_parallel``, the block times its split
   counts under a per-input layout) — what the plan is looked up by.
 - `global_inputs`: the call's arguments as meta tensors of those global shapes (for capture).
+- `local_inputs`: the other way, meta tensors shaped as one rank's inputs of given global
+  shapes (`AutoParallel.plan` given shapes).
 - `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
 - `rank_outputs`: a wrapped network's outputs as this rank's rows (``full_batch``: whole).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from shardwise.layout import TensorLayout
 from shardwise.parallel._edges import move
-from shardwise.parallel._step import input_layout
+from shardwise.parallel._step import DatasetStrategy, input_layout
 from shardwise.planner import ParallelPlan, Placed
 from shardwise.planner._capture import input_key
 from shardwise.planner._plan import replicated
@@ -125,3 +128,43 @@ def rank_outputs(plan: ParallelPlan, out: Any, dataset: object) -> Any:
         if src.layout != want.layout:
             leaves[i] = redistribute(leaf, src.layout, want.layout, gshape)
     return pytree.tree_unflatten(leaves, spec)
+
+
+def local_inputs(
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[torch.dtype] | None,
+    dataset: DatasetStrategy,
+    world: int,
+) -> tuple[torch.Tensor, ...]:
+    """Meta tensors shaped as one rank's inputs of the given global `shapes` under `dataset`
+    (its rows under ``"data_parallel"``, the whole under ``"full_batch"``, its block under
+    per-input entries).
+
+    Raises:
+        ValueError: a dtype count that differs from the shape count, or a global shape that the
+            dataset strategy does not divide.
+    """
+    if dtypes is not None and len(dtypes) != len(shapes):
+        raise ValueError(
+            f"AutoParallel.plan: {len(dtypes)} dtypes for {len(shapes)} shapes; give one per input"
+        )
+    out = []
+    for i, shape in enumerate(shapes):
+        glob = tuple(int(s) for s in shape)
+        dtype = torch.float32 if dtypes is None else dtypes[i]
+        layout = input_layout(dataset, i, len(glob), len(shapes), world)
+        if layout is not None:
+            split = [layout.split_count(d) for d in range(len(glob))]
+        elif dataset == "data_parallel" and glob:
+            split = [world] + [1] * (len(glob) - 1)
+        else:
+            split = [1] * len(glob)
+        for d, (n, k) in enumerate(zip(glob, split, strict=True)):
+            if n % k:
+                raise ValueError(
+                    f"AutoParallel.plan: input {i} dim {d} has {n} elements, which the dataset "
+                    f"strategy splits {k} ways; give a global shape divisible by {k}"
+                )
+        local = tuple(n // k for n, k in zip(glob, split, strict=True))
+        out.append(torch.empty(local, dtype=dtype, device="meta"))
+    return tuple(out)
