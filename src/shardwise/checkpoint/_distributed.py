@@ -134,7 +134,7 @@ def load_distributed(
                 value = source.assemble(key, whole(shape))
             if len(comm.process_ranks()) == 1:
                 return value
-            # (a simulated world: each rank its own copy, so that optimizer state is per rank)
+            # (a process running several ranks: each its own copy, their states updated apart)
             return comm.rank_value(lambda r: value if r == 0 else value.clone())
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 
