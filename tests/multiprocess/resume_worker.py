@@ -3,11 +3,13 @@ one plan, optionally after loading a distributed checkpoint of another plan, and
 rank's checkpoint.
 
 Plans: ``tp`` (4 ranks: dp 2 x mp 2, first Linear column parallel, second row parallel,
-optimizer parallel level 1 over dp) and ``dp`` (any count: data parallel, optimizer parallel
-level 3). The checkpoint of another plan is loaded with `load_distributed` before the first
-step (``--load``), or, already transformed for this plan, rank by rank with the plain
-``load_checkpoint`` after planning (``--load-plain``). Rank 0 writes the global losses (one
-per line) to ``--losses-out`` and the plan's parameter strategy file to ``--strategy-out``.
+optimizer parallel level 1 over dp), ``dp`` (any count: data parallel, optimizer parallel
+level 3) and ``dp-mode`` (``parallel_mode="data_parallel"`` with hsdp: each weight updated by
+its owner rank, whose file alone holds its optimizer state). The checkpoint of another plan is
+loaded with `load_distributed` before the first step (``--load``), or, already transformed for
+this plan, rank by rank with the plain ``load_checkpoint`` after planning (``--load-plain``).
+Rank 0 writes the global losses (one per line) to ``--losses-out`` and the plan's parameter
+strategy file to ``--strategy-out``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def build() -> tuple[Net, torch.optim.Optimizer]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", choices=["tp", "dp"], required=True)
+    parser.add_argument("--plan", choices=["tp", "dp", "dp-mode"], required=True)
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--load", help="load_distributed from here before the first step")
@@ -76,8 +78,11 @@ def main() -> None:
         opt.zero_grad()
         return loss
 
-    step = sw.AutoParallel(train_step, parallel_mode="semi_auto")
-    step.hsdp(threshold=0, optimizer_level="level1" if args.plan == "tp" else "level3")
+    if args.plan == "dp-mode":  # (0.5 KB: the weights get owners, the biases do not)
+        step = sw.AutoParallel(train_step, parallel_mode="data_parallel").hsdp(threshold=0.5)
+    else:
+        step = sw.AutoParallel(train_step, parallel_mode="semi_auto")
+        step.hsdp(threshold=0, optimizer_level="level1" if args.plan == "tp" else "level3")
     if args.load_plain:  # a checkpoint already cut for this plan: each rank loads its own file
         step.plan(shapes=[(ROWS, FEATURES), (ROWS,)], dtypes=[torch.float32, torch.int64])
         ckpt = sw.load_checkpoint(

@@ -6,7 +6,8 @@ trained 3 more steps; transformed to one device and trained 3 more with plain to
 losses equal 9 uninterrupted single-device steps, the Adam state loaded on one device is the
 one the 2 ranks saved, bit for bit, and the final Adam state equals the single-device one. A
 second chain loads the 4-rank checkpoint straight into the 2-rank job with `load_distributed`
-before its first step.
+before its first step. A third starts from 3 steps of ``parallel_mode="data_parallel"`` with
+hsdp on 4 ranks, whose rank files hold each weight's Adam state on its owner rank only.
 """
 
 from __future__ import annotations
@@ -97,10 +98,34 @@ def test_resume_across_plans_equals_never_stopping(tmp_path: Path) -> None:
     for tag, how, where in (("b", "--load-plain", "b_in"), ("d", "--load", "a")):
         got = first + leg(tmp_path, 2, tag, "--plan", "dp", "--first", "3", how,
                           str(tmp_path / where), "--save", str(tmp_path / tag))  # fmt: skip
-        last, state = one_device(tmp_path, tmp_path / tag, f"{tag}_one", 6)
-        got += last
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
-        for index, moments in single.items():
-            assert float(state[index]["step"]) == float(moments["step"]) == 9.0
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(state[index][key], moments[key], rtol=1e-5, atol=1e-7)
+        check_continued(tmp_path, tag, got, want, single)
+
+
+def check_continued(tmp: Path, tag: str, got: list[float], want: list[float], single: dict) -> None:
+    """The 2-rank leg `tag` saved after step 6: on one device the last 3 steps end the 9 losses
+    of one uninterrupted run (`want`) with its Adam state (`single`)."""
+    last, state = one_device(tmp, tmp / tag, f"{tag}_one", 6)
+    got = got + last
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    for index, moments in single.items():
+        assert float(state[index]["step"]) == float(moments["step"]) == 9.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[index][key], moments[key], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(tmp_path: Path) -> None:
+    net, opt = build()
+    want = train(net, opt, batches(9))
+    single = opt.state_dict()["state"]
+    first = leg(tmp_path, 4, "p", "--plan", "dp-mode", "--save", str(tmp_path / "p"))
+    files = [safetensors.torch.load_file(tmp_path / "p" / f"rank_{r}" / "ckpt-1_3.safetensors")
+             for r in range(4)]  # fmt: skip
+    holders = [r for r, f in enumerate(files) if "optimizer.state.fc1.weight.exp_avg" in f]
+    assert len(holders) == 1  # the weight's state on its owner rank only
+    assert all("optimizer.state.fc1.bias.exp_avg" in f for f in files)  # (no owner: all ranks)
+    sw.checkpoint.transform(tmp_path / "p", tmp_path / "q_in", plan_b())
+    got = first + leg(tmp_path, 2, "q", "--plan", "dp", "--first", "3", "--load-plain",
+                      str(tmp_path / "q_in"), "--save", str(tmp_path / "q"))  # fmt: skip
+    check_continued(tmp_path, "q", got, want, single)

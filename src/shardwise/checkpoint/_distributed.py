@@ -131,7 +131,11 @@ def load_distributed(
         shape = source.shape(key)
         if strategy is None:
             with comm.plain_tensors():  # (the same whole tensor on every rank)
-                return source.assemble(key, whole(shape))
+                value = source.assemble(key, whole(shape))
+            if len(comm.process_ranks()) == 1:
+                return value
+            # (a process running several ranks: each its own copy, their states updated apart)
+            return comm.rank_value(lambda r: value if r == 0 else value.clone())
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 
     model = source.model_names

@@ -9,13 +9,16 @@ stored as JSON. Loading maps the names back onto the new optimizer's parameters 
 - `param_names`: the name of each optimizer parameter (module path, dict key, or index).
 - `optimizer_entries`: state_dict -> (tensors, JSON description) for saving.
 - `OptimizerState`: what `load_checkpoint` found (the JSON and its tensors).
+- `merged_description`: one description for the rank files of a job whose ranks each hold the
+  state of some parameters (data_parallel with hsdp: each parameter's on its owner rank).
 - `load_optimizer_state`: restore an optimizer from a loaded checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,6 +97,56 @@ def optimizer_entries(
         "tensors": sorted(tensors),
     }
     return tensors, description
+
+
+def merged_description(
+    found: Sequence[tuple[Path, dict[str, Any] | None]],
+) -> dict[str, Any] | None:
+    """One optimizer description for rank files that each describe the state they hold.
+
+    Every file describes the same optimizer (class and parameter groups); each parameter's
+    state is taken from the files that hold it (data_parallel with hsdp: its owner rank's file
+    only), and the tensor keys are those of every file.
+
+    Args:
+        found: each rank file's path and its description (None: saved without optimizer).
+
+    Returns:
+        The description, state in parameter order; None when no file has one.
+
+    Raises:
+        CheckpointError: some files hold optimizer state and others none, or two files
+            describe another optimizer or another state of one parameter.
+    """
+    described = [(path, d) for path, d in found if d is not None]
+    if not described:
+        return None
+    first_path, first = described[0]
+    if len(described) != len(found):
+        bare = next(path for path, d in found if d is None)
+        raise CheckpointError(
+            f"{bare} holds no optimizer state but {first_path} does: the rank files are of "
+            "different saves; put the files of one save together"
+        )
+    state: dict[str, tuple[Path, Any]] = {}
+    for path, d in described:
+        for key in ("class", "param_groups"):
+            if d.get(key) != first.get(key):
+                raise CheckpointError(
+                    f"{path} describes another optimizer ({key}) than {first_path}: the rank "
+                    "files are of different checkpoints; put the files of one save together"
+                )
+        for name, entries in d.get("state", {}).items():
+            held = state.setdefault(name, (path, entries))
+            if held[1] != entries:
+                raise CheckpointError(
+                    f"{path} and {held[0]} describe different optimizer state for {name!r}: "
+                    "the rank files are of different checkpoints"
+                )
+    order = [n for g in first.get("param_groups", ()) for n in g.get("params", ()) if n in state]
+    order += [n for n in state if n not in order]
+    tensors = sorted({k for _, d in described for k in d.get("tensors", ())})
+    return first | {"state": {n: state[n][1] for n in order}, "tensors": tensors}
 
 
 def _rebuilt_groups(

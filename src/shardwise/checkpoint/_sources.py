@@ -2,9 +2,11 @@
 
 `SourceSet` opens a checkpoint directory (``rank_<r>/<file>`` per rank, MindSpore's layout and
 `CheckpointManager`'s) or a single file, reads every file's header only, and checks that the
-files make one checkpoint: every rank of the recorded job present, the same entries with the
-same global shapes and dtypes on every rank, and each tensor's pieces tiling it. Tensors are
-read only when asked:
+files make one checkpoint: every rank of the recorded job present, the same model entries with
+the same global shapes and dtypes on every rank, and each tensor's pieces tiling it. An
+optimizer entry may be in some files only (data_parallel with hsdp keeps each parameter's
+state, whole, in its owner rank's file): the files holding it must tile it, and `metadata`
+gives one optimizer description of every file's state. Tensors are read only when asked:
 
 - `SourceSet.read`: one rank's stored block of an entry (checksum verified); `SourceSet.verify`
   checks the blocks of some entries up front.
@@ -15,6 +17,7 @@ read only when asked:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ import torch
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._manager import parse_checkpoint_filename
+from shardwise.checkpoint._optimizer import merged_description
 from shardwise.checkpoint._pieces import (
     Piece,
     check_covers,
@@ -210,42 +214,76 @@ class SourceSet:
                     )
 
     def _check_entries(self) -> None:
-        first = self.files[0]
-        self.names = list(first.index.entries)
-        described = fmt.parse_json(first.index.path, self.metadata, fmt.KEY_OPTIMIZER) or {}
-        self.optimizer_keys = frozenset(described.get("tensors", ())) & set(self.names)
-        for f in self.files[1:]:
-            if set(f.index.entries) != set(self.names):
-                diff = sorted(set(f.index.entries) ^ set(self.names))
-                hint = "the files are of different checkpoints"
-                if diff[0].startswith(fmt.OPTIMIZER_PREFIX):
-                    hint = (
-                        "the optimizer state is on some ranks only (data_parallel with hsdp "
-                        "keeps each parameter's state on its owner rank): such a checkpoint "
-                        "cannot be re-cut; save it from semi_auto, or without the optimizer"
-                    )
+        """Every file holds the same model entries; an optimizer entry may be in some files
+        only (data_parallel with hsdp keeps a parameter's state on its owner rank), the pieces
+        of the files holding it then tiling it. Each entry has one global shape and dtype."""
+        found = []
+        for f in self.files:
+            d = fmt.parse_json(f.index.path, f.index.metadata, fmt.KEY_OPTIMIZER)
+            lost = sorted(set(d.get("tensors", ())) - set(f.index.entries)) if d else []
+            if lost:
                 raise CheckpointError(
-                    f"{f.index.path}: entry {diff[0]!r} is in one rank's file but not in "
-                    f"{first.index.path}'s; {hint}"
+                    f"{f.index.path}: its optimizer description lists entry {lost[0]!r}, which "
+                    "the file does not hold; the file is damaged: save it again"
                 )
-            for key in self.names:
-                a, b = first.pieces[key], f.pieces[key]
-                da, db = first.index.entries[key].dtype, f.index.entries[key].dtype
-                if a.shape != b.shape or da != db:
-                    raise CheckpointError(
-                        f"{key!r} is {da}{list(a.shape)} in {first.index.path} but "
-                        f"{db}{list(b.shape)} in {f.index.path}"
-                    )
+            found.append((f.index.path, d))
+        self.description = merged_description(found)
+        meta = self.files[0].index.metadata
+        if self.description is not None and self.description != found[0][1]:
+            meta = {**meta, fmt.KEY_OPTIMIZER: json.dumps(self.description)}
+        self._metadata: Mapping[str, str] = meta
+        self._holder: dict[str, RankFile] = {}
+        for f in self.files:
+            for key in f.index.entries:
+                self._holder.setdefault(key, f)
+        self.names = list(self._holder)
+        described = self.description["tensors"] if self.description else ()
+        self.optimizer_keys = frozenset(described) & set(self.names)
         for key in self.names:
-            check_covers(key, self.shape(key), (f.pieces[key] for f in self.files))
+            self._check_entry(key)
             self._check_replicas(key)
+
+    def _holding(self, key: str) -> list[RankFile]:
+        return [f for f in self.files if key in f.pieces]
+
+    def _check_entry(self, key: str) -> None:
+        """`key` has one global shape and dtype and the pieces of the files holding it tile
+        it; a model entry is in every file, an optimizer entry may be in some only."""
+        first, holding = self._holder[key], self._holding(key)
+        for f in holding:
+            a, b = first.pieces[key], f.pieces[key]
+            da, db = first.index.entries[key].dtype, f.index.entries[key].dtype
+            if a.shape != b.shape or da != db:
+                raise CheckpointError(
+                    f"{key!r} is {da}{list(a.shape)} in {first.index.path} but "
+                    f"{db}{list(b.shape)} in {f.index.path}"
+                )
+        lacking = [f.index.path for f in self.files if key not in f.pieces]
+        pieces = [f.pieces[key] for f in holding]
+        if not lacking:
+            check_covers(key, self.shape(key), pieces)
+            return
+        if key not in self.optimizer_keys:
+            raise CheckpointError(
+                f"{lacking[0]}: entry {key!r} is in {first.index.path} but not in this file; "
+                "the files are of different checkpoints"
+            )
+        try:
+            check_covers(key, self.shape(key), pieces)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"optimizer entry {key!r} is in {', '.join(str(f.index.path) for f in holding)} "
+                f"only, not in {', '.join(map(str, lacking))}, and those files do not hold all "
+                f"of it ({e}); the checkpoint is incomplete: put back every rank's file of "
+                "that save (each rank saves the state it holds)"
+            ) from None
 
     def _check_replicas(self, key: str) -> None:
         """Files holding the same piece of `key` must hold the same values (their recorded
         checksums agree): rank files that do not record their cut are taken as whole, and
         blocks of a cut tensor saved that way would otherwise pass for one whole tensor."""
         seen: dict[Piece, tuple[int, RankFile]] = {}
-        for f in self.files:
+        for f in self._holding(key):
             crc = f.index.checksums.get(key)
             if crc is None:
                 continue
@@ -275,8 +313,9 @@ class SourceSet:
 
     @property
     def metadata(self) -> Mapping[str, str]:
-        """Rank 0's metadata (step, epoch, optimizer description, ...)."""
-        return self.files[0].index.metadata
+        """Rank 0's metadata (step, epoch, ...), with the optimizer description of every
+        file's state (`merged_description`)."""
+        return self._metadata
 
     @property
     def recorded_strategy(self) -> CheckpointStrategy | None:
@@ -286,11 +325,11 @@ class SourceSet:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """Entry `key`'s global shape."""
-        return self.files[0].pieces[key].shape
+        return self._holder[key].pieces[key].shape
 
     def dtype(self, key: str) -> torch.dtype:
         """Entry `key`'s dtype."""
-        return self.files[0].index.entries[key].dtype
+        return self._holder[key].index.entries[key].dtype
 
     def read(self, key: str, rank: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Rank `rank`'s stored block of `key` (checksum verified the first time it is read;
@@ -311,7 +350,7 @@ class SourceSet:
     def holders(self, key: str) -> dict[Piece, int]:
         """Each distinct stored piece of `key`, with the first rank holding it."""
         out: dict[Piece, int] = {}
-        for f in self.files:
+        for f in self._holding(key):
             out.setdefault(f.pieces[key], f.rank)
         return out
 

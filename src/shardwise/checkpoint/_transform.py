@@ -133,7 +133,7 @@ def _buffers(source: Blocks, plans: Sequence[Mapping[str, Piece]]) -> Buffers | 
         return None
     pieces = max((source.dtype(k).itemsize * p.numel for ps in plans for k, p in ps.items()),
                  default=0)  # fmt: skip
-    stored = max((source.nbytes(k, f.rank) for f in source.files for k in source.names), default=0)
+    stored = max((source.nbytes(k, f.rank) for f in source.files for k in f.pieces), default=0)
     whole_entry = max((source.dtype(k).itemsize * math.prod(source.shape(k)) for k in source.names),
                       default=0)  # fmt: skip
     # "block": the entry being assembled (at most whole); "read": a stored block while it is
