@@ -7,11 +7,13 @@ losses equal 9 uninterrupted single-device steps, the Adam state loaded on one d
 one the 2 ranks saved, bit for bit, and the final Adam state equals the single-device one. A
 second chain loads the 4-rank checkpoint straight into the 2-rank job with `load_distributed`
 before its first step. A third starts from 3 steps of ``parallel_mode="data_parallel"`` with
-hsdp on 4 ranks, whose rank files hold each weight's Adam state on its owner rank only.
+hsdp on 4 ranks, whose rank files hold each weight's Adam state on its owner rank only (and
+record the job's 4 ranks: without the last rank's folder the checkpoint is refused).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -125,6 +127,10 @@ def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(tmp_path: Pat
     holders = [r for r, f in enumerate(files) if "optimizer.state.fc1.weight.exp_avg" in f]
     assert len(holders) == 1  # the weight's state on its owner rank only
     assert all("optimizer.state.fc1.bias.exp_avg" in f for f in files)  # (no owner: all ranks)
+    shutil.copytree(tmp_path / "p", tmp_path / "short")
+    shutil.rmtree(tmp_path / "short" / "rank_3")  # the files record the job's 4 ranks
+    with pytest.raises(sw.checkpoint.CheckpointError, match="of 4 ranks but the files of rank_3"):
+        sw.checkpoint.transform(tmp_path / "short", tmp_path / "short_out")
     sw.checkpoint.transform(tmp_path / "p", tmp_path / "q_in", plan_b())
     got = first + leg(tmp_path, 2, "q", "--plan", "dp", "--first", "3", "--load-plain",
                       str(tmp_path / "q_in"), "--save", str(tmp_path / "q"))  # fmt: skip

@@ -6,7 +6,9 @@
 - `strategy_metadata`: the metadata strings of rank r's file under a strategy: rank, device
   count, the strategy (the parameter strategy file's JSON), and each non-whole entry's piece.
 - `describe`: those strings for a network saved on this rank, each entry's piece taken from
-  the plan and checked against the tensor actually saved.
+  the plan and checked against the tensor actually saved; for a network whose parameters are
+  not cut but whose optimizer state is kept by owner ranks (data_parallel with hsdp) and saved,
+  the rank and the device count only (`_job_metadata`): the files are one checkpoint together.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[st
     """
     strategy = network_strategy(network)
     if strategy is None:
-        return {}
+        return _job_metadata(network, tensors)
     rank, size = comm.file_rank()
     if size != strategy.device_num:
         raise CheckpointError(
@@ -102,3 +104,19 @@ def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[st
         )
     pieces = {key: _piece(strategy, key, t, rank) for key, t in tensors.items()}
     return strategy_metadata(strategy, rank, pieces)
+
+
+def _job_metadata(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Rank and device count for the file of a network not cut whose saved optimizer state is
+    on owner ranks (`parallel._ownership.state_on_owners`): a missing rank's file would lose
+    the state of the parameters it owned, so the reader must know how many files there are.
+    Empty otherwise (a whole network's file may be saved by one rank alone)."""
+    from shardwise.parallel._ownership import state_on_owners
+
+    rank, size = comm.file_rank()
+    saved_state = any(k.startswith(fmt.OPTIMIZER_PREFIX) for k in tensors)
+    if size == 1 or not saved_state:
+        return {}
+    if not any(state_on_owners(m) for m in network.modules()):
+        return {}
+    return {fmt.KEY_RANK: str(rank), fmt.KEY_DEVICE_NUM: str(size)}
