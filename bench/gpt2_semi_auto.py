@@ -178,7 +178,7 @@ def run(config: BenchConfig) -> str:
     table.notes = [
         "DDP+loss: the DDP step, then an AllReduce of its loss (the global batch's loss on "
         "every rank, as shardwise returns)",
-        "ratio: the median of the repetitions' ratios (each pair timed back to back) and its "
+        "ratio: the median of the repetitions' ratios (each pair timed in one round) and its "
         "95 % confidence interval; an interval holding 1.00 cannot tell the two apart on this "
         "host",
         *common.oversubscribed_notes(rows, os.cpu_count() or 1),

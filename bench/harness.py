@@ -227,10 +227,10 @@ class Measurement:
 
 def paired_ratio(a: Measurement, b: Measurement, level: float = 0.95) -> Ratio:
     """The step-time ratio ``a / b`` from paired repetitions: each repetition's ``a`` and ``b``
-    ran back to back (`compare` alternates their order), so host noise that lasts longer than
-    one repetition cancels in their ratio. The median of the per-repetition ratios, and a
-    distribution-free `level` confidence interval for that median (order statistics of a
-    binomial(n, 1/2) count; none with fewer than 6 repetitions at 95 %).
+    ran in the same round of `compare` (one call of every candidate, the order alternating), so
+    host noise that lasts longer than a round cancels in their ratio. The median of the
+    per-repetition ratios, and a distribution-free `level` confidence interval for that median
+    (order statistics of a binomial(n, 1/2) count; none with fewer than 6 repetitions at 95 %).
 
     Example:
         >>> a, b = Measurement("a", seconds=[1.0] * 9), Measurement("b", seconds=[2.0] * 9)

@@ -4,12 +4,13 @@ rank's checkpoint.
 
 Plans: ``tp`` (4 ranks: dp 2 x mp 2, first Linear column parallel, second row parallel,
 optimizer parallel level 1 over dp), ``dp`` (any count: data parallel, optimizer parallel
-level 3) and ``dp-mode`` (``parallel_mode="data_parallel"`` with hsdp: each weight updated by
-its owner rank, whose file alone holds its optimizer state). The checkpoint of another plan is
-loaded with `load_distributed` before the first step (``--load``), or, already transformed for
-this plan, rank by rank with the plain ``load_checkpoint`` after planning (``--load-plain``).
-Rank 0 writes the global losses (one per line) to ``--losses-out`` and the plan's parameter
-strategy file to ``--strategy-out``.
+level 3) and ``dp-mode`` (``parallel_mode="data_parallel"`` with hsdp, ``--threshold`` KB: each
+parameter above it updated by its owner rank, whose file alone holds its optimizer state);
+``--no-bias``: Linears without bias. The checkpoint of another plan is loaded with
+`load_distributed` before the first step (``--load``), or, already transformed for this plan,
+rank by rank with the plain ``load_checkpoint`` after planning (``--load-plain``). Rank 0 writes
+the global losses (one per line) to ``--losses-out`` and the plan's parameter strategy file to
+``--strategy-out``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ ROWS, FEATURES, CLASSES = 8, 16, 8
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(FEATURES, 32)
-        self.fc2 = nn.Linear(32, CLASSES)
+        self.fc1 = nn.Linear(FEATURES, 32, bias=bias)
+        self.fc2 = nn.Linear(32, CLASSES, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(x)))
@@ -45,9 +46,9 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def build() -> tuple[Net, torch.optim.Optimizer]:
+def build(bias: bool = True) -> tuple[Net, torch.optim.Optimizer]:
     sw.set_seed(0)
-    net = Net()
+    net = Net(bias)
     return net, torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.8, 0.9))
 
 
@@ -61,10 +62,12 @@ def main() -> None:
     parser.add_argument("--save", required=True)
     parser.add_argument("--losses-out", required=True)
     parser.add_argument("--strategy-out")
+    parser.add_argument("--threshold", type=float, default=0.5, help="KB, dp-mode's hsdp")
+    parser.add_argument("--no-bias", action="store_true", help="Linears without bias")
     args = parser.parse_args()
     init()
     n, rank = get_group_size(), get_rank()
-    net, opt = build()
+    net, opt = build(not args.no_bias)
     if args.plan == "tp":
         sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))  # column parallel
         sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))  # row parallel
@@ -79,7 +82,8 @@ def main() -> None:
         return loss
 
     if args.plan == "dp-mode":  # (0.5 KB: the weights get owners, the biases do not)
-        step = sw.AutoParallel(train_step, parallel_mode="data_parallel").hsdp(threshold=0.5)
+        step = sw.AutoParallel(train_step, parallel_mode="data_parallel")
+        step.hsdp(threshold=args.threshold)
     else:
         step = sw.AutoParallel(train_step, parallel_mode="semi_auto")
         step.hsdp(threshold=0, optimizer_level="level1" if args.plan == "tp" else "level3")

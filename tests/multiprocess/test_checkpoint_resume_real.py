@@ -69,11 +69,13 @@ def leg(tmp: Path, n: int, tag: str, *args: str) -> list[float]:
     return [float(v) for v in losses.read_text().split()]
 
 
-def one_device(tmp: Path, src: Path, tag: str, steps: int) -> tuple[list[float], dict]:
+def one_device(
+    tmp: Path, src: Path, tag: str, steps: int, bias: bool = True
+) -> tuple[list[float], dict]:
     """Transform `src` to one device, load it into the plain torch network and its Adam, check
     the Adam state is the saved one exactly, and train the last 3 steps."""
     sw.checkpoint.transform(src, tmp / tag)
-    net, opt = build()
+    net, opt = build(bias)
     ckpt = sw.load_checkpoint(tmp / tag / f"ckpt-1_{steps}.safetensors")
     assert ckpt.step == steps
     assert sw.load_param_into_net(net, ckpt, strict_load=True) == ([], [])
@@ -103,10 +105,12 @@ def test_resume_across_plans_equals_never_stopping(tmp_path: Path) -> None:
         check_continued(tmp_path, tag, got, want, single)
 
 
-def check_continued(tmp: Path, tag: str, got: list[float], want: list[float], single: dict) -> None:
+def check_continued(
+    tmp: Path, tag: str, got: list[float], want: list[float], single: dict, bias: bool = True
+) -> None:
     """The 2-rank leg `tag` saved after step 6: on one device the last 3 steps end the 9 losses
     of one uninterrupted run (`want`) with its Adam state (`single`)."""
-    last, state = one_device(tmp, tmp / tag, f"{tag}_one", 6)
+    last, state = one_device(tmp, tmp / tag, f"{tag}_one", 6, bias)
     got = got + last
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     for index, moments in single.items():
@@ -127,11 +131,43 @@ def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(tmp_path: Pat
     holders = [r for r, f in enumerate(files) if "optimizer.state.fc1.weight.exp_avg" in f]
     assert len(holders) == 1  # the weight's state on its owner rank only
     assert all("optimizer.state.fc1.bias.exp_avg" in f for f in files)  # (no owner: all ranks)
-    shutil.copytree(tmp_path / "p", tmp_path / "short")
-    shutil.rmtree(tmp_path / "short" / "rank_3")  # the files record the job's 4 ranks
-    with pytest.raises(sw.checkpoint.CheckpointError, match="of 4 ranks but the files of rank_3"):
-        sw.checkpoint.transform(tmp_path / "short", tmp_path / "short_out")
     sw.checkpoint.transform(tmp_path / "p", tmp_path / "q_in", plan_b())
     got = first + leg(tmp_path, 2, "q", "--plan", "dp", "--first", "3", "--load-plain",
                       str(tmp_path / "q_in"), "--save", str(tmp_path / "q"))  # fmt: skip
     check_continued(tmp_path, "q", got, want, single)
+
+
+def state_files(src: Path, n: int, step: int) -> list[set[str]]:
+    """The optimizer entries in each of the `n` rank files of `src` at `step`."""
+    files = [safetensors.torch.load_file(src / f"rank_{r}" / f"ckpt-1_{step}.safetensors")
+             for r in range(n)]  # fmt: skip
+    return [{k for k in f if k.startswith("optimizer.")} for f in files]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_data_parallel_hsdp_resumes_on_fewer_ranks(tmp_path: Path) -> None:
+    """Bias-free, every parameter owned: 2 weights on 4 ranks, so 2 ranks own nothing and save
+    no optimizer tensor; their files still record the job's 4 ranks (without ``rank_3/`` the
+    checkpoint is refused). A 2-rank data_parallel + hsdp job loads it, trains 3 steps and saves:
+    each weight's state again in its owner's file only (the state loaded whole is dropped on
+    the other rank), and one device ends the run like one that never stopped."""
+    net, opt = build(bias=False)
+    want = train(net, opt, batches(9))
+    single = opt.state_dict()["state"]
+    dp_mode = ("--plan", "dp-mode", "--threshold", "0", "--no-bias")
+    first = leg(tmp_path, 4, "r", *dp_mode, "--save", str(tmp_path / "r"))
+    held = state_files(tmp_path / "r", 4, 3)
+    assert sorted(map(len, held)) == [0, 0, 3, 3]  # (one weight's step, exp_avg, exp_avg_sq)
+    shutil.copytree(tmp_path / "r", tmp_path / "short")
+    shutil.rmtree(tmp_path / "short" / "rank_3")
+    with pytest.raises(sw.checkpoint.CheckpointError, match="of 4 ranks but the files of rank_3"):
+        sw.checkpoint.transform(tmp_path / "short", tmp_path / "short_out")
+    got = first + leg(tmp_path, 2, "s", *dp_mode, "--first", "3", "--load", str(tmp_path / "r"),
+                      "--save", str(tmp_path / "s"))  # fmt: skip
+    for name in ("fc1.weight", "fc2.weight"):
+        holders = [
+            k for k in state_files(tmp_path / "s", 2, 6) if f"optimizer.state.{name}.exp_avg" in k
+        ]
+        assert len(holders) == 1, name
+    check_continued(tmp_path, "s", got, want, single, bias=False)

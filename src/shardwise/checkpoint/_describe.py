@@ -24,6 +24,7 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._pieces import Piece
 from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
+from shardwise.optim._data_parallel import state_on_owners
 
 
 def aliases(network: nn.Module) -> dict[str, str]:
@@ -84,9 +85,11 @@ def _piece(strategy: CheckpointStrategy, key: str, t: torch.Tensor, rank: int) -
     )
 
 
-def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """The metadata recording how this rank's `tensors` (its state_dict and optimizer entries)
-    are cut; empty when the network is not cut.
+def describe(
+    network: nn.Module, tensors: Mapping[str, torch.Tensor], with_optimizer: bool = False
+) -> dict[str, str]:
+    """The metadata recording how this rank's `tensors` (its state_dict and optimizer entries,
+    `with_optimizer`: an optimizer was saved) are cut; empty when the network is not cut.
 
     Raises:
         CheckpointError: the job's size is not the plan's, or an entry's shape is not the
@@ -94,7 +97,7 @@ def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[st
     """
     strategy = network_strategy(network)
     if strategy is None:
-        return _job_metadata(network, tensors)
+        return _job_metadata(network, with_optimizer)
     rank, size = comm.file_rank()
     if size != strategy.device_num:
         raise CheckpointError(
@@ -106,16 +109,14 @@ def describe(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[st
     return strategy_metadata(strategy, rank, pieces)
 
 
-def _job_metadata(network: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Rank and device count for the file of a network not cut whose saved optimizer state is
-    on owner ranks (`parallel._ownership.state_on_owners`): a missing rank's file would lose
-    the state of the parameters it owned, so the reader must know how many files there are.
-    Empty otherwise (a whole network's file may be saved by one rank alone)."""
-    from shardwise.parallel._ownership import state_on_owners
-
+def _job_metadata(network: nn.Module, with_optimizer: bool) -> dict[str, str]:
+    """Rank and device count for the file of a network not cut whose optimizer, saved too,
+    keeps state on owner ranks (`optim.state_on_owners`: data_parallel with hsdp): a missing
+    rank's file would lose the state of the parameters it owned, so the reader must know how
+    many files there are (every rank records them, also one that owns nothing). Empty
+    otherwise: a whole network's file may be saved by one rank alone."""
     rank, size = comm.file_rank()
-    saved_state = any(k.startswith(fmt.OPTIMIZER_PREFIX) for k in tensors)
-    if size == 1 or not saved_state:
+    if size == 1 or not with_optimizer:
         return {}
     if not any(state_on_owners(m) for m in network.modules()):
         return {}

@@ -176,7 +176,7 @@ def save_checkpoint(
         tensors.update((k, fmt.saveable(k, v, seen)) for k, v in opt_tensors.items())
         metadata[fmt.KEY_OPTIMIZER] = json.dumps(description)
     if isinstance(obj, torch.nn.Module):  # a planned network's rank file records its cut
-        metadata.update(describe(obj, tensors))
+        metadata.update(describe(obj, tensors, with_optimizer=optimizer is not None))
     sums = {name: fmt.checksum(value) for name, value in tensors.items()}
     metadata[fmt.KEY_CHECKSUMS] = json.dumps(sums)
     _write_atomically(tensors, metadata, target)

@@ -16,8 +16,11 @@ batch it passes (``"full_batch"``). Which function does which step:
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
   (SUM, then divided by the world size), one flat fused all-reduce per bucket
   (`all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
-  gradients of the parameters that no rank of this process owns, so the optimizer updates, and
-  keeps state for, only its own parameters.
+  gradients of the parameters that no rank of this process owns, and their optimizer state
+  (a checkpoint loaded whole gives every rank all of it), so the optimizer updates, and keeps
+  state for, only its own parameters.
+- `state_on_owners`: whether a network's runner keeps optimizer state on owner ranks (its
+  checkpoint files then record the job's size).
 - `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
   broadcasts each owner's updated parameters to every rank, one flat broadcast per
   (owner, fusion id) bucket (`broadcast_bucket`).
@@ -215,6 +218,7 @@ class DataParallelRunner:
             handles.append(o.register_step_pre_hook(_pre_hook(ref, i)))
             handles.append(o.register_step_post_hook(_post_hook(ref, i)))
         self._finalizer = weakref.finalize(self, _remove_handles, handles)
+        _RUNNERS[network] = ref
 
     # -- plan ------------------------------------------------------------------------------
     def _build_plan(self) -> None:
@@ -330,10 +334,12 @@ class DataParallelRunner:
             grads = [e.param.grad for e in bucket.entries if e.param.grad is not None]
             if grads:
                 all_reduce_bucket(grads, self.world)
+        state = self.optimizers[index].state
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process
                 for e in bucket.entries:
                     e.param.grad = None
+                    state.pop(e.param, None)  # (loaded whole: would be saved, never updated)
 
     def _after_step(self, index: int) -> None:
         """Step post-hook of optimizer `index`: broadcast each owned bucket from its owner."""
@@ -351,6 +357,33 @@ class DataParallelRunner:
             >>> runner.remove()   # the optimizers step as plain single-process ones again
         """
         self._finalizer()
+        if _RUNNERS.get(self.network) is not None and _RUNNERS[self.network]() is self:
+            del _RUNNERS[self.network]
+
+
+_RUNNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallelRunner]] = (
+    weakref.WeakKeyDictionary()
+)  # each network's current runner
+
+
+def state_on_owners(network: nn.Module) -> bool:
+    """Whether `network` is run by a `DataParallelRunner` that updates some parameters on their
+    owner rank only (``parallel_optimizer=True``), so that each rank's optimizer holds the state
+    of the parameters it updates and the ranks' checkpoint files are one checkpoint together.
+
+    Args:
+        network: a network (the runner's, or any other).
+
+    Returns:
+        True when its runner (not removed) has owners.
+
+    Example:
+        >>> state_on_owners(net)   # after DataParallelRunner(net, [opt], parallel_optimizer=True)
+        True
+    """
+    ref = _RUNNERS.get(network)
+    runner = None if ref is None else ref()
+    return runner is not None and bool(runner.owners)
 
 
 def _pre_hook(

@@ -287,12 +287,6 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
         return self._graph.stored_plan if self._graph is not None and self._graph.plans else None
 
     @property
-    def state_on_owners(self) -> bool:
-        """Whether each parameter is updated by its owner rank only (``data_parallel`` with
-        hsdp, once it ran): each rank's optimizer then holds its own parameters' state."""
-        return self._runner is not None and bool(self._runner.owners)
-
-    @property
     def parallel_plan(self) -> ParallelPlan | None:
         """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
         return None if self._graph is None else self._graph.parallel_plan

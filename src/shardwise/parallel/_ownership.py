@@ -3,8 +3,7 @@
 `take_over` is called when a wrapper is built: an earlier wrapper of the same network that
 never ran gives up its hooks and refuses later calls (a notebook cell that builds the wrapper,
 run again); one that already ran is kept, and the new one is refused with the fix.
-`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by, and
-`state_on_owners` whether each rank's optimizer holds the state of the parameters it owns only.
+`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by.
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ class Wrapper(Protocol):
 
     @property
     def stored_plan(self) -> ParallelPlan | None: ...
-
-    @property
-    def state_on_owners(self) -> bool: ...
 
 
 _WRAPPERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Wrapper]] = weakref.WeakKeyDictionary()
@@ -69,12 +65,3 @@ def stored_plan(network: nn.Module) -> ParallelPlan | None:
     ref = _WRAPPERS.get(network)
     wrapper = None if ref is None else ref()
     return None if wrapper is None or wrapper._superseded else wrapper.stored_plan
-
-
-def state_on_owners(network: nn.Module) -> bool:
-    """Whether `network`'s wrapper updates each parameter on its owner rank only
-    (``parallel_mode="data_parallel"`` with hsdp), so that each rank's optimizer holds the
-    state of the parameters it owns and the ranks' files make one checkpoint only together."""
-    ref = _WRAPPERS.get(network)
-    wrapper = None if ref is None else ref()
-    return wrapper is not None and not wrapper._superseded and wrapper.state_on_owners
