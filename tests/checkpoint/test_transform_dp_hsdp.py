@@ -8,7 +8,8 @@ Each rank's file is written as that rank writes it in a real job: the whole weig
 optimizer state of the parameters it updates (`DataParallelRunner.owned`), so ranks 2 and 3 hold
 the biases' state only. Merged with the optimizer, the weights and the Adam state (step, both
 moments) equal 3 single-device steps; re-cut for a 2-rank semi_auto plan (or loaded directly,
-or into the same 4-rank job), training continues with the single-device losses.
+or into the same 4-rank job, or exported to torch DCP and loaded by torch), training continues
+with the single-device losses.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import shardwise as sw
 from shardwise import communication as comm
-from shardwise.checkpoint import CheckpointError, merge, transform
+from shardwise.checkpoint import CheckpointError, export_dcp, merge, transform
 from shardwise.optim import DataParallelRunner
 from shardwise.parallel import AutoParallel
 from shardwise.testing import assert_matches_single_device, simulated_world
@@ -283,3 +291,21 @@ def test_a_partial_piece_on_some_ranks_only_is_refused(job: Path, tmp_path: Path
     )
     assert "put back every rank's file" in message
     assert not (tmp_path / "one").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_export_to_torch_dcp_continues_like_one_device(
+    job: Path, single: tuple[Tensors, list[float]], tmp_path: Path
+) -> None:
+    """torch's own ``dcp.load`` (one process) reads the exported owner-only checkpoint into a
+    plain MLP and Adam: the single-device weights and state, and the next 3 losses."""
+    want, tail = single
+    export_dcp(job, tmp_path / "dcp")
+    net = make_net()
+    opt = make_opt(net)
+    msd, osd = get_model_state_dict(net), get_optimizer_state_dict(net, opt)
+    dcp.load({**msd, "optimizer": osd}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    set_model_state_dict(net, msd)
+    set_optimizer_state_dict(net, opt, osd)
+    check_entries(state_entries(net, opt), want)
+    torch.testing.assert_close(train(net, opt, batches()[FIRST:]), tail, rtol=1e-5, atol=0)
