@@ -1,11 +1,11 @@
 """The plan executor's fast paths stay exact over many steps (`parallel._spans`).
 
-From a plan's third run on, a module whose every op runs on this rank's rows as the network
-calls it (a GPT block under data parallel) runs without the executor watching each op, and
-after the optimizer step the executor stays off the mode stack until the network is called
-again. Each case trains 5 steps on 2 simulated ranks and equals one device at every step (loss
-and every gradient, 1e-5), with the collectives counted (the loss's AllReduce forward, the
-gradient bucket's backward):
+With ``watch_every_op=False`` (the fast paths are opt-in), from a plan's third run on, a
+module whose every op runs on this rank's rows as the network calls it (a GPT block under data
+parallel) runs without the executor watching each op, and after the optimizer step the
+executor stays off the mode stack until the network is called again. Each case trains 5 steps
+on 2 simulated ranks and equals one device at every step (loss and every gradient, 1e-5), with
+the collectives counted (the loss's AllReduce forward, the gradient bucket's backward):
 
 - GPT-2 with dropout 0: its blocks run unwatched from the third step;
 - a block with dropout 0.1: it draws its masks through the executor every step;
@@ -17,7 +17,7 @@ gradient bucket's backward):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -36,7 +36,15 @@ SIZES = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size"
 RANKS = tuple(range(WORLD))
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fast_paths")
+
+
+@pytest.fixture
+def fast_paths() -> Iterator[None]:
+    """The fast paths are opt-in: ``watch_every_op=False``."""
+    sw.set_auto_parallel_context(watch_every_op=False)
+    yield
+    sw.reset_auto_parallel_context()
 
 
 class Block(nn.Module):
