@@ -75,14 +75,9 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def train(
     net: nn.Module, opt: torch.optim.Optimizer, data: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = nn.functional.cross_entropy(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    """One device: `step_of` on each batch; the losses."""
+    step = step_of(net, opt)
+    return [float(step(x, y).detach()) for x, y in data]
 
 
 def state_entries(net: nn.Module, opt: torch.optim.Optimizer) -> Tensors:

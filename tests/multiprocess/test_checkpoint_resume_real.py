@@ -62,6 +62,12 @@ def plan_b() -> sw.planner.ParallelPlan:
         )
 
 
+def uninterrupted(bias: bool = True) -> tuple[list[float], dict]:
+    """One device, 9 steps without stopping: the losses and the final Adam state."""
+    net, opt = build(bias)
+    return train(net, opt, batches(9)), opt.state_dict()["state"]
+
+
 def leg(tmp: Path, n: int, tag: str, *args: str) -> list[float]:
     losses = tmp / f"losses_{tag}.txt"
     res = run_job(WORKER, n, tmp / f"logs_{tag}", *args, "--losses-out", str(losses), timeout=150)
@@ -92,9 +98,7 @@ def one_device(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_resume_across_plans_equals_never_stopping(tmp_path: Path) -> None:
-    net, opt = build()
-    want = train(net, opt, batches(9))
-    single = opt.state_dict()["state"]
+    want, single = uninterrupted()
     first = leg(tmp_path, 4, "a", "--plan", "tp", "--save", str(tmp_path / "a"))
     sw.checkpoint.transform(tmp_path / "a", tmp_path / "b_in", plan_b())
     # plan B loads its own transformed files (after planning), or the 4-rank checkpoint
@@ -122,9 +126,7 @@ def check_continued(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(tmp_path: Path) -> None:
-    net, opt = build()
-    want = train(net, opt, batches(9))
-    single = opt.state_dict()["state"]
+    want, single = uninterrupted()
     first = leg(tmp_path, 4, "p", "--plan", "dp-mode", "--save", str(tmp_path / "p"))
     files = [safetensors.torch.load_file(tmp_path / "p" / f"rank_{r}" / "ckpt-1_3.safetensors")
              for r in range(4)]  # fmt: skip
@@ -152,9 +154,7 @@ def test_data_parallel_hsdp_resumes_on_fewer_ranks(tmp_path: Path) -> None:
     checkpoint is refused). A 2-rank data_parallel + hsdp job loads it, trains 3 steps and saves:
     each weight's state again in its owner's file only (the state loaded whole is dropped on
     the other rank), and one device ends the run like one that never stopped."""
-    net, opt = build(bias=False)
-    want = train(net, opt, batches(9))
-    single = opt.state_dict()["state"]
+    want, single = uninterrupted(bias=False)
     dp_mode = ("--plan", "dp-mode", "--threshold", "0", "--no-bias")
     first = leg(tmp_path, 4, "r", *dp_mode, "--save", str(tmp_path / "r"))
     held = state_files(tmp_path / "r", 4, 3)

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import shardwise as sw
+
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
@@ -16,3 +18,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fast_paths() -> Iterator[None]:
+    """The plan executor's opt-in fast paths (``watch_every_op=False``), the default after."""
+    sw.set_auto_parallel_context(watch_every_op=False)
+    yield
+    sw.reset_auto_parallel_context()

@@ -17,7 +17,7 @@ the collectives counted (the loss's AllReduce forward, the gradient bucket's bac
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,14 +37,6 @@ RANKS = tuple(range(WORLD))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fast_paths")
-
-
-@pytest.fixture
-def fast_paths() -> Iterator[None]:
-    """The fast paths are opt-in: ``watch_every_op=False``."""
-    sw.set_auto_parallel_context(watch_every_op=False)
-    yield
-    sw.reset_auto_parallel_context()
 
 
 class Block(nn.Module):

@@ -33,14 +33,6 @@ from shardwise.testing import assert_matches_single_device, simulated_world
 pytestmark = pytest.mark.usefixtures("one_thread", "fast_paths")
 
 
-@pytest.fixture
-def fast_paths() -> Iterator[None]:
-    """The fast paths are opt-in: ``watch_every_op=False``."""
-    sw.set_auto_parallel_context(watch_every_op=False)
-    yield
-    sw.reset_auto_parallel_context()
-
-
 BATCH, STEPS = 8, 6
 
 
