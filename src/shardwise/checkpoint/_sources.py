@@ -259,18 +259,16 @@ class SourceSet:
                     f"{db}{list(b.shape)} in {f.index.path}"
                 )
         lacking = [f.index.path for f in self.files if key not in f.pieces]
-        pieces = [f.pieces[key] for f in holding]
-        if not lacking:
-            check_covers(key, self.shape(key), pieces)
-            return
-        if key not in self.optimizer_keys:
+        if lacking and key not in self.optimizer_keys:
             raise CheckpointError(
                 f"{lacking[0]}: entry {key!r} is in {first.index.path} but not in this file; "
                 "the files are of different checkpoints"
             )
         try:
-            check_covers(key, self.shape(key), pieces)
+            check_covers(key, self.shape(key), [f.pieces[key] for f in holding])
         except CheckpointError as e:
+            if not lacking:
+                raise
             raise CheckpointError(
                 f"optimizer entry {key!r} is in {', '.join(str(f.index.path) for f in holding)} "
                 f"only, not in {', '.join(map(str, lacking))}, and those files do not hold all "

@@ -215,8 +215,8 @@ class DataParallelRunner:
         ref = weakref.ref(self)
         handles: list[RemovableHandle] = []
         for i, o in enumerate(opts):
-            handles.append(o.register_step_pre_hook(_pre_hook(ref, i)))
-            handles.append(o.register_step_post_hook(_post_hook(ref, i)))
+            handles.append(o.register_step_pre_hook(_step_hook(ref, i, after=False)))
+            handles.append(o.register_step_post_hook(_step_hook(ref, i, after=True)))
         self._finalizer = weakref.finalize(self, _remove_handles, handles)
         _RUNNERS[network] = ref
 
@@ -357,8 +357,6 @@ class DataParallelRunner:
             >>> runner.remove()   # the optimizers step as plain single-process ones again
         """
         self._finalizer()
-        if _RUNNERS.get(self.network) is not None and _RUNNERS[self.network]() is self:
-            del _RUNNERS[self.network]
 
 
 _RUNNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallelRunner]] = (
@@ -383,26 +381,18 @@ def state_on_owners(network: nn.Module) -> bool:
     """
     ref = _RUNNERS.get(network)
     runner = None if ref is None else ref()
-    return runner is not None and bool(runner.owners)
+    return runner is not None and runner._finalizer.alive and bool(runner.owners)
 
 
-def _pre_hook(
-    ref: weakref.ReferenceType[DataParallelRunner], index: int
+def _step_hook(
+    ref: weakref.ReferenceType[DataParallelRunner], index: int, after: bool
 ) -> Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]:
+    """Optimizer `index`'s step pre-hook (`after`: post-hook) calling the runner while it
+    lives: `_before_step` (`_after_step`)."""
+
     def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
         runner = ref()
         if runner is not None:
-            runner._before_step(index)
-
-    return hook
-
-
-def _post_hook(
-    ref: weakref.ReferenceType[DataParallelRunner], index: int
-) -> Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]:
-    def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
-        runner = ref()
-        if runner is not None:
-            runner._after_step(index)
+            (runner._after_step if after else runner._before_step)(index)
 
     return hook
