@@ -22,8 +22,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture
 def fast_paths() -> Iterator[None]:
-    """The plan executor's fast paths (``watch_every_op=False``, the default, set explicitly so
-    that the test does not depend on it), the default context after."""
+    """The plan executor's opt-in fast paths (``watch_every_op=False``), the default after."""
     sw.set_auto_parallel_context(watch_every_op=False)
     yield
     sw.reset_auto_parallel_context()

@@ -1,6 +1,6 @@
 """The plan executor's fast paths stay exact over many steps (`parallel._spans`).
 
-With ``watch_every_op=False`` (the default, set explicitly), from a plan's third run on, a
+With ``watch_every_op=False`` (the fast paths are opt-in), from a plan's third run on, a
 module whose every op runs on this rank's rows as the network calls it (a GPT block under data
 parallel) runs without the executor watching each op, and after the optimizer step the
 executor stays off the mode stack until the network is called again. Each case trains 5 steps

@@ -11,8 +11,8 @@ device at every step, loss and every gradient:
 - a user's torch-function mode around the second of three forward passes in one call: the
   executor goes back under it after the optimizer step;
 - a gradient penalty's ``torch.autograd.grad(..., create_graph=True)``;
-- a branch on a Python flag inside a block, with ``watch_every_op=True`` (planned again; the
-  other cases set ``watch_every_op=False``, the default, explicitly).
+- a branch on a Python flag inside a block, with the default ``watch_every_op=True`` (planned
+  again; the other cases opt in to the fast paths with ``watch_every_op=False``).
 """
 
 from __future__ import annotations
@@ -135,17 +135,16 @@ def test_fast_paths_give_way(case: str) -> None:
 
 
 @pytest.fixture
-def watch_every_op() -> Iterator[None]:
-    sw.set_auto_parallel_context(watch_every_op=True)
+def default_context() -> Iterator[None]:
+    sw.reset_auto_parallel_context()  # (the default: watch_every_op=True)
     yield
-    sw.reset_auto_parallel_context()
 
 
-@pytest.mark.usefixtures("watch_every_op")
-def test_a_branch_inside_a_block_is_planned_again_when_every_op_is_watched() -> None:
+@pytest.mark.usefixtures("default_context")
+def test_a_branch_inside_a_block_is_planned_again_by_default() -> None:
     """From step 4 the block centres its activations over the batch (a mean over the rows:
-    an AllReduce under data parallel); watching every op, the executor sees the new ops and
-    plans again."""
+    an AllReduce under data parallel); watching every op (the default), the executor sees the
+    new ops and plans again."""
     _compare(Net, _set("center", lambda s: s >= 4))
 
 

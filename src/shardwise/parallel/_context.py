@@ -21,8 +21,8 @@ the defaults. `AutoParallel` reads these when it is created or plans:
   when it is created, ``save_file`` written when it plans (``only_trainable_params``, default
   True: only parameters that require a gradient); semi_auto only (`parallel._strategy_files`).
 
-- ``watch_every_op``: read when a semi_auto `AutoParallel` plans: the executor examines every op
-  (no unwatched modules, `parallel._spans`).
+- ``watch_every_op``: read when a semi_auto `AutoParallel` plans: True (default), the executor
+  examines every op; False, modules of local ops run unwatched (`parallel._spans`).
 
 ``gradients_mean`` is validated and stored only.
 """
@@ -63,7 +63,7 @@ _DEFAULTS: dict[str, Any] = {
     "parallel_optimizer_config": {},
     "comm_fusion": {},
     "strategy_ckpt_config": {},
-    "watch_every_op": False,
+    "watch_every_op": True,
 }
 _CONTEXT: dict[str, Any] = copy.deepcopy(_DEFAULTS)
 
@@ -189,10 +189,11 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
             strategy files: loaded when a semi_auto `AutoParallel` is created, written when it
             plans) and ``only_trainable_params`` (bool, default True: save only parameters
             that require a gradient).
-        watch_every_op: bool (default False); True: the plan executor examines every op of
-            every step, also inside modules of local ops that it otherwise lets run unwatched
-            from a plan's third call (`parallel._spans`; for a module whose ops change from one
-            call to the next), and stays on after an optimizer step.
+        watch_every_op: bool (default True: the plan executor examines every op of every
+            step, so a module whose ops change from one call to the next is planned again).
+            False: from a plan's third call modules of local ops run unwatched and the
+            executor stays off after an optimizer step (`parallel._spans`): less Python per
+            step, but new ops inside such a module (a branch on a Python flag) run unchecked.
 
     Raises:
         ValueError: an unknown key or an invalid value; the message names the key and the

@@ -25,8 +25,9 @@ then goes back where it was (`_stepping.SteppingMode._relist`).
 
 What this gives up: an op sequence that changes *inside* a skipped module from one call to the
 next (a branch on a Python flag or a step counter inside a GPT block) is not noticed, so it is
-not planned again: its new ops run as local ops. For a network like that, set
-``sw.set_auto_parallel_context(watch_every_op=True)`` before wrapping it.
+not planned again: its new ops run as local ops. So this runs only when the user opts in with
+``sw.set_auto_parallel_context(watch_every_op=False)`` (the default True leaves `SpanHooks`
+disabled: every op is watched).
 """
 
 from __future__ import annotations
