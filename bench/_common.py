@@ -6,15 +6,16 @@ machinery itself is ``bench.harness``.
 
 - In the parent: `ranks_for` (the N to run, default `DEFAULT_RANKS`), `jobs` (one gloo job per
   N with the ``[bench]`` progress lines), `report_meta` (the ``meta`` of the saved JSON), and
-  for the tables `n_label`, `ratio`, `oversubscribed_notes` and `calls_text`.
+  for the tables `n_label`, `ratio`, `paired` (a paired ratio with its interval, as JSON),
+  `oversubscribed_notes` and `calls_text`.
 - In the workers: `chunk` (several steps per timed call), `fastest_threads` (the one-process
   baseline's thread count), `exit_quietly` (skip a crash-prone interpreter finalization),
   `sw_accounting` (shardwise's collectives under `CommRecorder`) and `torch_accounting` (the
   c10d collectives of a PyTorch step seen by a ``TorchDispatchMode``, `spy_mode`).
 - Shardwise vs DTensor (``bench.operator_parallel``, ``bench.gpt_block``): `TPResult` (the
-  fields both records share), `tp_accounting` (their communication fields) and `check_three`
-  (fresh shardwise / DTensor / one-process copies trained side by side: the loss and parameter
-  differences).
+  fields both records share; `TPResult.sw_dt` is their paired step-time ratio),
+  `tp_accounting` (their communication fields) and `check_three` (fresh shardwise / DTensor /
+  one-process copies trained side by side: the loss and parameter differences).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from bench.harness import BenchConfig, host_info, spawn
+from bench.harness import BenchConfig, Measurement, Ratio, host_info, paired_ratio, spawn
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +87,12 @@ def n_label(r: _Row) -> str:
 def ratio(a: float | None, b: float | None) -> str:
     """``a / b`` to two decimals; ``n/a`` when either is unknown or b is not positive."""
     return f"{a / b:.2f}" if a is not None and b is not None and b > 0 else "n/a"
+
+
+def paired(a: Measurement, b: Measurement) -> list[float | None]:
+    """`paired_ratio` of ``a / b`` as the JSON-friendly ``[median, low, high]``."""
+    r = paired_ratio(a, b)
+    return [r.median, r.low, r.high]
 
 
 def oversubscribed_notes(rows: Iterable[_Row], cores: int, text: str = OVERSUBSCRIBED) -> list[str]:
@@ -303,6 +310,16 @@ class TPResult:
     reps: int
     oversubscribed: bool
     losses: list[float] = field(default_factory=list)
+    sw_dt_ratio: list[float | None] = field(default_factory=list)  # `paired_ratio`: med, lo, hi
+
+    @property
+    def sw_dt(self) -> str:
+        """shardwise / DTensor: the paired ratio with its 95 % interval (`harness.Ratio`)."""
+        if not self.sw_dt_ratio:
+            return ratio(self.shardwise_s, self.dtensor_s)
+        median, low, high = self.sw_dt_ratio
+        assert median is not None
+        return str(Ratio(median, low, high))
 
     @property
     def worst_diff(self) -> float:

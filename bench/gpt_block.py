@@ -389,7 +389,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
     atexit.register(common.exit_quietly)
     n, rank, quick = dist.get_world_size(), dist.get_rank(), bool(args["quick"])
     cfg = gpt_config(quick)
-    steps, reps = (2, 2) if quick else (5, 5)
+    steps, reps = (2, 2) if quick else (5, 15)
     grids = layouts(n)
     checks = {g: _check(cfg, *g, rank) for g in grids}
     sw = {g: shardwise_step(cfg, *g, rank)[1] for g in grids}
@@ -428,6 +428,7 @@ def worker(args: dict[str, Any]) -> list[dict[str, Any]] | None:
             lo_dtensor_bytes=lo(f"DTensor {dp}x{mp}"),
             steps_per_call=steps, reps=reps, oversubscribed=n > (os.cpu_count() or 1),
             losses=losses, **acc[dp, mp],
+            sw_dt_ratio=common.paired(m[f"shardwise {dp}x{mp}"], m[f"DTensor {dp}x{mp}"]),
         )  # fmt: skip
         out.append(asdict(result))
     return out
@@ -454,7 +455,7 @@ def time_table(rows: list[GPTResult], cfg: GPTConfig) -> Table:
         worst = r.worst_diff
         t.rows.append(
             [n_label(r), f"{r.dp}x{r.mp}", fmt_ms(r.shardwise_s), fmt_ms(r.dtensor_s),
-             f"{fmt_ms(r.single_s)} ({r.single_threads}t)", ratio(r.shardwise_s, r.dtensor_s),
+             f"{fmt_ms(r.single_s)} ({r.single_threads}t)", r.sw_dt,
              ratio(r.shardwise_s, r.single_s), ratio(r.dtensor_s, r.single_s),
              f"{'yes' if r.equal else 'NO'} ({worst:.1e})"]
         )  # fmt: skip
@@ -498,7 +499,9 @@ def _notes(rows: list[GPTResult], cores: int) -> list[str]:
     notes = [
         f"ms: per step (forward + backward + SGD step), median of {r0.reps} repetitions of "
         f"{r0.steps_per_call} steps, max over ranks; all candidates of one N alternate within "
-        "one job. sw/DT > 1: shardwise slower. one process: rank 0 alone on the whole batch "
+        "one job. sw/DT > 1: shardwise slower; sw/DT is the median of the repetitions' paired "
+        "ratios (95 % interval in brackets: one holding 1.00 cannot tell the two apart here). "
+        "one process: rank 0 alone on the whole batch "
         "(the PyTorch port, no parallelism), (kt) = the faster of 1 thread and all cores; "
         "each parallel rank runs cores/N torch threads",
         "DTensor: parallelize_module on the mp dim of a (dp, mp) mesh; embedding rows SHARDED "

@@ -48,6 +48,7 @@ from bench._common import (
     jobs,
     n_label,
     oversubscribed_notes,
+    paired,
     ranks_for,
     ratio,
     report_meta,
@@ -310,7 +311,7 @@ def _time(n: int, rank: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any
     (_, sw), (_, dt) = shardwise_step(n, rank), dtensor_step(n, rank)
     _, single = single_step(n)
     local = local_step(n, rank)
-    steps, reps = (2, 2) if quick else (10, 7)
+    steps, reps = (2, 2) if quick else (10, 21)
     for _ in range(2):
         sw(), dt(), local()
     acc = tp_accounting(sw, dt, steps)
@@ -332,6 +333,7 @@ def _time(n: int, rank: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any
         "lo_dtensor_bytes": None if lo["DTensor"] is None else lo["DTensor"] / steps,
         "steps_per_call": steps,
         "reps": reps,
+        "sw_dt_ratio": paired(m["shardwise"], m["DTensor"]),
     }, acc
 
 
@@ -369,7 +371,7 @@ def time_table(rows: list[OpResult]) -> Table:
         t.rows.append(
             [n_label(r), r.mesh, str(GLOBAL_BATCH // r.world_size), fmt_ms(r.shardwise_s),
              fmt_ms(r.dtensor_s), f"{fmt_ms(r.single_s)} ({r.single_threads}t)",
-             ratio(r.shardwise_s, r.dtensor_s), ratio(r.shardwise_s, r.single_s),
+             r.sw_dt, ratio(r.shardwise_s, r.single_s),
              ratio(r.dtensor_s, r.single_s), f"{'yes' if r.equal else 'NO'} ({worst:.1e})"]
         )  # fmt: skip
     return t
@@ -413,8 +415,10 @@ def _notes(rows: list[OpResult], cores: int) -> list[str]:
     notes = [
         f"ms: per step (forward + backward + SGD step), median of {r0.reps} repetitions of "
         f"{r0.steps_per_call} steps, max over ranks; the candidates alternate within one job. "
-        "sw/DT > 1: shardwise slower. one process: rank 0 alone on all 32 rows, (kt) = the "
-        "faster of 1 thread and all cores; each parallel rank runs cores/N torch threads",
+        "sw/DT > 1: shardwise slower; sw/DT is the median of the repetitions' paired ratios "
+        "(95 % interval in brackets: one holding 1.00 cannot tell the two apart here). "
+        "one process: rank 0 alone on all 32 rows, (kt) = the faster of 1 thread and all "
+        "cores; each parallel rank runs cores/N torch threads",
         f"losses: fresh copies trained {CHECK_STEPS} steps on the same batches; yes = every loss "
         f"(and every DTensor parameter vs one process) within {CHECK_ATOL:g}",
         "sw fwd / bwd: CommRecorder's bytes per rank (each collective's ring/pairwise "

@@ -38,6 +38,9 @@ def test_gpt_block_quick(
     assert max(row["diff_dtensor"], row["diff_single"], row["diff_dt_params"]) <= 1e-4
     assert len(row["losses"]) == 3 and all(3.5 < loss < 4.8 for loss in row["losses"])  # ~ln 64
     assert min(row["shardwise_s"], row["dtensor_s"], row["single_s"]) > 0
+    # the paired ratio: a median, and no interval from the quick run's 2 repetitions
+    median, low, high = row["sw_dt_ratio"]
+    assert median > 0 and low is None and high is None
     # the bound is a minimum; neither side may beat it (shardwise: 6 AllReduce of activations)
     assert row["sw_bytes"] >= row["bound_bytes"] and row["dt_bytes"] >= row["bound_bytes"]
     assert row["sw_calls"].count("AllReduce(f)[4096]") == 3  # embedding, wo, fc2

@@ -38,6 +38,9 @@ def test_operator_parallel_quick(
     assert max(row["diff_dtensor"], row["diff_single"], row["diff_dt_params"]) <= 1e-5
     assert len(row["losses"]) == 3 and all(2.0 < loss < 2.6 for loss in row["losses"])
     assert min(row["shardwise_s"], row["dtensor_s"], row["single_s"], row["local_s"]) > 0
+    # the paired ratio: a median, and no interval from the quick run's 2 repetitions
+    median, low, high = row["sw_dt_ratio"]
+    assert median > 0 and low is None and high is None
     assert row["sw_fwd_bytes"] > 0 and row["sw_collectives"] >= 3
     assert row["sw_bwd_bytes"] >= W1_BYTES and row["dt_bytes"] >= W1_BYTES  # 2(N-1)/N = 1
     assert row["dt_collectives"] >= 3 and "AllReduce" in row["dt_calls"]

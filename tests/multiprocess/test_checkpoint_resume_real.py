@@ -8,7 +8,8 @@ one the 2 ranks saved, bit for bit, and the final Adam state equals the single-d
 second chain loads the 4-rank checkpoint straight into the 2-rank job with `load_distributed`
 before its first step. A third starts from 3 steps of ``parallel_mode="data_parallel"`` with
 hsdp on 4 ranks, whose rank files hold each weight's Adam state on its owner rank only (and
-record the job's 4 ranks: without the last rank's folder the checkpoint is refused).
+record the job's 4 ranks: without the last rank's folder the checkpoint is refused); those
+files go straight to one device as well as to the 2-rank plan.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(tmp_path: Pat
     holders = [r for r, f in enumerate(files) if "optimizer.state.fc1.weight.exp_avg" in f]
     assert len(holders) == 1  # the weight's state on its owner rank only
     assert all("optimizer.state.fc1.bias.exp_avg" in f for f in files)  # (no owner: all ranks)
+    # straight from the owner-only files to one device: the last 6 steps end the run as one
+    # that never stopped, with its Adam state
+    rest, state = one_device(tmp_path, tmp_path / "p", "p_one", 3)
+    torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(want), rtol=1e-5, atol=0)
+    for index, moments in single.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[index][key], moments[key], rtol=1e-5, atol=1e-7)
     sw.checkpoint.transform(tmp_path / "p", tmp_path / "q_in", plan_b())
     got = first + leg(tmp_path, 2, "q", "--plan", "dp", "--first", "3", "--load-plain",
                       str(tmp_path / "q_in"), "--save", str(tmp_path / "q"))  # fmt: skip
