@@ -1,22 +1,36 @@
-"""Every private torch API shardwise uses still exists, with the shape shardwise relies on.
+"""Private torch APIs stay in `shardwise._torch`, and each one shardwise uses is still there.
 
-A top-level import of a private name fails loudly at import time, but most of these are
-attributes read at run time, and two (the optimizers' global hook dicts, the default store) are
-read with a fallback that would silently change behaviour. Each case names the shardwise module
-that uses the API (the list README.md's "Private torch APIs" paragraph gives), so a torch
-upgrade that changes one fails here first, saying where to look.
+Two kinds of test:
+
+- `test_private_torch_api_is_there`: every private torch API shardwise uses still exists, with
+  the shape shardwise relies on. A top-level import of a private name fails loudly at import
+  time, but most of these are attributes read at run time, and some (the default store, the
+  engine's graph task) are read with a fallback that would silently change behaviour. Each case
+  names the module of `shardwise/_torch/` that wraps the API (README.md's "Private torch APIs"
+  paragraph lists them), so a torch upgrade that changes one fails here first, saying where to
+  look; `testing/_world` keeps the simulated world's own.
+- `test_private_torch_apis_only_in_torch_package`: no other module of shardwise (`testing/`
+  aside) touches a private torch name (`tests/torch_private_scan.py`: an ``ast`` scan).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from tests.torch_private_scan import private_torch_uses
 
+import shardwise
 from shardwise.testing import simulated_world
+
+PACKAGE = Path(shardwise.__file__).parent
+TORCH_PACKAGE = PACKAGE / "_torch"
+EXEMPT_PACKAGES = ("_torch", "testing")  # (`testing/` builds the simulated world on torch's own)
 
 
 def _attr(module: str, *names: str) -> object:
@@ -33,27 +47,237 @@ def _callable(module: str, *names: str) -> Callable[[], None]:
     return check
 
 
-def _engine_queue_callback() -> None:
-    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-    assert callable(engine.queue_callback)
+def _autograd_engine() -> None:
+    from shardwise._torch import autograd_engine as ae
+
+    seen: list[tuple[int, bool]] = []
+    ended: list[int] = []
+    w = torch.ones(2, requires_grad=True)
+    store = w.view_as(w).grad_fn.next_functions[0][0]  # (the node that stores w.grad)
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        seen.append((ae.current_graph_task_id(), ae.will_engine_execute_node(store)))
+        ae.queue_callback(lambda: ended.append(ae.current_graph_task_id()))
+        return g
+
+    w.register_hook(hook)
+    assert ae.current_graph_task_id() == -1
+    (w * 2).sum().backward()
+    assert len(seen) == 1 and seen[0][0] != -1 and seen[0][1] is True, seen
+    assert ended == [seen[0][0]], ended  # (the callback runs at the end of that backward)
 
 
-def _tensor_internals() -> None:
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+def _backward_node_class() -> None:
+    from shardwise._torch.autograd_engine import backward_node_class
+
+    y = _Double.apply(torch.ones(1, requires_grad=True))
+    assert isinstance(y.grad_fn, backward_node_class(_Double))
+    assert not isinstance((y * 1).grad_fn, backward_node_class(_Double))
+
+
+def _storage() -> None:
+    from shardwise._torch.storage import storage_key, storage_use_count, view_base
+
     base = torch.zeros(4)
+    alone = storage_use_count(base)
     view = base[1:]
-    assert view._base is base
-    assert isinstance(base.untyped_storage()._cdata, int)
-    sub = torch.Tensor._make_subclass(torch.nn.Parameter, torch.zeros(2), True)
+    assert storage_use_count(base) == alone + 1  # (a view holds a reference to the storage)
+    assert view_base(view) is base and view_base(base) is None
+    assert isinstance(storage_key(base), int) and storage_key(view) == storage_key(base)
+    meta = torch.empty(4, device="meta")
+    assert storage_key(meta[2:]) == storage_key(meta) != storage_key(torch.empty(4, device="meta"))
+
+
+def _function_mode_stack() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    from shardwise._torch import function_modes as fm
+
+    mode = TorchFunctionMode()
+    depth = fm.len_torch_function_stack()
+    fm.push_on_torch_function_stack(mode)
+    try:
+        assert fm.len_torch_function_stack() == depth + 1
+        assert fm.get_function_stack_at(depth) is mode
+    finally:
+        assert fm.pop_torch_function_stack() is mode
+    assert fm.len_torch_function_stack() == depth
+
+
+def _subclass() -> None:
+    import shardwise as sw
+    from shardwise._torch.subclass import make_subclass
+    from shardwise.launch._meta_params import meta_parameters
+
+    data = torch.zeros(2)
+    sub = make_subclass(torch.nn.Parameter, data, True)
     assert isinstance(sub, torch.nn.Parameter) and sub.requires_grad
+    assert sub.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    with meta_parameters():  # (`subclass_data_rewritten`)
+        linear = torch.nn.Linear(2048, 2048)
+        own = sw.Parameter(torch.zeros(3))
+        plain = torch.zeros(3)
+    assert linear.weight.device.type == "meta" and isinstance(linear.weight, torch.nn.Parameter)
+    assert own.device.type == "meta"  # (`make_subclass` looks torch's function up each call)
+    assert plain.device.type == "cpu"
+    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"  # (put back)
 
 
-def _module_dicts() -> None:
+def _module_state() -> None:
+    from shardwise._torch import module_state as ms
+
     m = torch.nn.BatchNorm1d(2)
-    assert "weight" in m._parameters and "running_mean" in m._buffers
+    assert "weight" in ms.own_parameters(m) and "running_mean" in ms.own_buffers(m)
     m.register_buffer("scratch", torch.zeros(1), persistent=False)
-    assert "scratch" in m._non_persistent_buffers_set and "running_mean" not in (
-        m._non_persistent_buffers_set
-    )
+    names = ms.non_persistent_buffer_names(m)
+    assert "scratch" in names and "running_mean" not in names
+    ms.own_parameters(m)["bias"] = None  # (the live dicts)
+    assert m.bias is None
+    net = torch.nn.Sequential(m)
+    fake = torch.ones(2)
+    with ms.reparametrize(net, {id(m.weight): fake, id(m.running_mean): fake}):
+        assert m.weight is fake and m.running_mean is fake
+    assert isinstance(m.weight, torch.nn.Parameter) and m.running_mean is not fake
+
+
+def _c10d() -> None:
+    from shardwise._torch import c10d
+
+    timeout = datetime.timedelta(seconds=7)
+    opts = c10d.gloo_options(timeout)
+    assert isinstance(opts, c10d.BackendOptions) and opts._timeout == timeout
+    assert hasattr(c10d.BackendOptions, "_timeout")  # (what `nccl_options` sets)
+    if dist.is_nccl_available():
+        assert c10d.nccl_options(timeout)._timeout == timeout
+    assert c10d.TCPStore is dist.TCPStore and c10d.PrefixStore is dist.PrefixStore
+    assert c10d.Store is dist.Store
+    with pytest.raises((RuntimeError, ValueError)):
+        c10d.default_store()  # (no process group)
+    store = c10d.fake_process_group().FakeStore()
+    dist.init_process_group("fake", rank=3, world_size=8, store=store)
+    try:
+        assert isinstance(c10d.default_store(), c10d.Store)
+        assert dist.get_world_size() == 8 and dist.get_rank() == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def _strided_shard() -> None:
+    from torch.distributed.tensor import Placement
+
+    from shardwise._torch.dtensor import StridedShard
+
+    p = StridedShard(1, split_factor=2)
+    assert isinstance(p, Placement) and p.dim == 1 and p.split_factor == 2
+    assert p == StridedShard(1, split_factor=2) != StridedShard(1, split_factor=3)
+
+
+def _dtensor_rules() -> None:
+    from torch.distributed.tensor import Shard
+
+    from shardwise._torch import dtensor as dt
+    from shardwise.ops._dtensor import Spec, propagate
+
+    assert dt.rule_count() > 1000  # DTensor's sharding strategies (about 1,160 overloads)
+    assert dt.has_rule(torch.ops.aten.mm.default)
+    # (the per-mesh-dim registry, asked one mesh dim at a time by ops/_dtensor._per_axis)
+    single = dt.sharding_propagator().op_single_dim_strategy_funcs
+    assert torch.ops.aten.add.Tensor in single and len(single) > 900
+    assert dt.has_single_dim_rule(torch.ops.aten.add.Tensor)
+    mesh = dt.mesh_without_process_group((2,), ("g0",), (0, 1))  # no process group
+    x = Spec((Shard(0),), (8, 16, 64), (1024, 64, 1), "float32")
+    ins, outs = propagate(torch.ops.aten.view.default, (x, [-1, 64]), {}, mesh)
+    assert ins == [(Shard(0),)] and outs == [(Shard(0),)]
+    # the sizes are part of the propagator's cache key (its runtime schema info): the same
+    # input viewed two ways gets two answers, not the first one cached
+    y = Spec((Shard(2),), (8, 16, 32), (512, 32, 1), "float32")
+    _, folded = propagate(torch.ops.aten.view.default, (y, [128, 32]), {}, mesh)
+    _, split = propagate(torch.ops.aten.view.default, (y, [8, 16, 4, 8]), {}, mesh)
+    assert folded == [(Shard(1),)] and split == [(Shard(2),)], (folded, split)
+    # (a view is asked uncached without its size rewrite, which is put back afterwards)
+    p = dt.sharding_propagator()
+    assert callable(p.propagate_op_sharding_non_cached)
+    assert torch.ops.aten.view.default in p.op_to_shape_and_stride_idx
+    z = dt.tensor_spec(mesh, (Shard(0),), (4, 4), (4, 1), "float32")
+    ins, outs = dt.ask_propagator(torch.ops.aten.add.Tensor, (z, z), {})
+    assert ins == [(Shard(0),), (Shard(0),)] and outs == [(Shard(0),)]
+
+
+def _dispatch() -> None:
+    from shardwise._torch import dispatch
+
+    assert isinstance(torch.ops.aten.add.Tensor, dispatch.OpOverload)
+    assert isinstance(torch.ops.aten.add, dispatch.OpOverloadPacket)
+    assert issubclass(torch.Tensor, dispatch.TensorBase)
+    assert callable(dispatch.TensorBase.contiguous)
+    seen: list[object] = []
+
+    class Seen(dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen, seen
+
+
+def _fake_tensors() -> None:
+    from shardwise._torch.fake import DATA_DEPENDENT, FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.ones(4, 3)
+        assert (x @ x.T).shape == (4, 4)
+        for read in (lambda: x.sum().item(), lambda: torch.nonzero(x)):
+            with pytest.raises(DATA_DEPENDENT):
+                read()
+
+
+def _profiler_events() -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from shardwise._torch.profiler_events import Allocation, Range, events
+
+    activities = [ProfilerActivity.CPU]
+    with (
+        profile(activities=activities, profile_memory=True) as prof,
+        record_function("shardwise.test:window"),
+    ):
+        torch.ones(256)
+    got = list(events(prof, "shardwise.test:"))
+    allocations = [e for e in got if isinstance(e, Allocation)]
+    assert any(a.nbytes == 1024 for a in allocations), allocations
+    assert all(isinstance(a.ptr, int) and isinstance(a.time_ns, int) for a in allocations)
+    ranges = [e for e in got if isinstance(e, Range)]
+    assert [r.name for r in ranges] == ["shardwise.test:window"], ranges
+    assert ranges[0].start_ns <= ranges[0].end_ns
+
+
+def _pytree() -> None:
+    from collections import namedtuple
+
+    from shardwise._torch import pytree
+
+    Pair = namedtuple("Pair", "a b")
+    tree = {"x": [1, Pair(2, 3)], "y": (torch.Size([4]),)}
+    leaves, spec = pytree.tree_flatten(tree)
+    assert leaves == [1, 2, 3, 4] and pytree.tree_unflatten(leaves, spec) == tree
+    assert pytree.tree_structure(tree) == spec and pytree.tree_leaves(tree) == leaves
+    paths = [pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(tree)[0]]
+    assert paths == ["['x'][0]", "['x'][1].a", "['x'][1].b", "['y'][0][0]"], paths
+    assert pytree.tree_map(lambda v: v * 2, [1, (2,)]) == [2, (4,)]
+    assert pytree.tree_map_only(int, str, [1, 2.0]) == ["1", 2.0]
+    assert tuple in pytree.SUPPORTED_NODES and torch.Size in pytree.SUPPORTED_NODES
 
 
 def _local_tensor_world() -> None:
@@ -65,138 +289,103 @@ def _local_tensor_world() -> None:
     assert callable(lt._get_rng_state) and callable(lt._set_rng_state)
 
 
-def _fake_capture() -> None:
-    fake = importlib.import_module("torch._subclasses.fake_tensor")
-    for name in ("FakeTensorMode", "FakeTensor", "DataDependentOutputException"):
-        assert hasattr(fake, name), name
-    assert hasattr(fake, "DynamicOutputShapeException")
-    assert hasattr(importlib.import_module("torch.utils._python_dispatch"), "TorchDispatchMode")
-
-
-def _dtensor_rules() -> None:
-    from torch.distributed.tensor import Shard
-
-    from shardwise.ops._dtensor import Spec, _propagator, mesh_of, propagate, rule_count
-
-    assert rule_count() > 1000  # DTensor's sharding strategies (about 1,160 overloads)
-    # (the per-mesh-dim registry, asked one mesh dim at a time by _dtensor._per_axis)
-    single = _propagator().op_single_dim_strategy_funcs
-    assert torch.ops.aten.add.Tensor in single and len(single) > 900
-    mesh = mesh_of((2,), ("g0",), (0, 1))  # no process group
-    x = Spec((Shard(0),), (8, 16, 64), (1024, 64, 1), "float32")
-    ins, outs = propagate(torch.ops.aten.view.default, (x, [-1, 64]), {}, mesh)
-    assert ins == [(Shard(0),)] and outs == [(Shard(0),)]
-    # the sizes are part of the propagator's cache key (its runtime schema info): the same
-    # input viewed two ways gets two answers, not the first one cached
-    y = Spec((Shard(2),), (8, 16, 32), (512, 32, 1), "float32")
-    _, folded = propagate(torch.ops.aten.view.default, (y, [128, 32]), {}, mesh)
-    _, split = propagate(torch.ops.aten.view.default, (y, [8, 16, 4, 8]), {}, mesh)
-    assert folded == [(Shard(1),)] and split == [(Shard(2),)], (folded, split)
-    # (a view is asked uncached without its size rewrite, which is put back afterwards)
-    p = _propagator()
-    assert callable(p.propagate_op_sharding_non_cached)
-    assert torch.ops.aten.view.default in p.op_to_shape_and_stride_idx
-
-
-def _storage_use_count() -> None:
-    base = torch.zeros(4)
-    alone = int(torch._C._storage_Use_Count(base.untyped_storage()._cdata))
-    view = base[1:]
-    shared = int(torch._C._storage_Use_Count(base.untyped_storage()._cdata))
-    assert shared == alone + 1, (alone, shared)  # (a view holds a reference to the storage)
-    del view
-
-
-def _function_mode_stack() -> None:
-    from torch.overrides import TorchFunctionMode
-
-    mode = TorchFunctionMode()
-    depth = torch._C._len_torch_function_stack()
-    torch._C._push_on_torch_function_stack(mode)
-    try:
-        assert torch._C._len_torch_function_stack() == depth + 1
-        assert torch._C._get_function_stack_at(depth) is mode
-    finally:
-        assert torch._C._pop_torch_function_stack() is mode
-    assert torch._C._len_torch_function_stack() == depth
-
-
-def _meta_parameters() -> None:
-    from shardwise.launch._meta_params import meta_parameters
-
-    with meta_parameters():
-        linear = torch.nn.Linear(2048, 2048)
-        plain = torch.zeros(3)
-    assert linear.weight.device.type == "meta" and isinstance(linear.weight, torch.nn.Parameter)
-    assert plain.device.type == "cpu"
-    assert torch.nn.Linear(2, 2).weight.device.type == "cpu"  # (put back)
-
-
-def _default_store() -> None:
-    assert callable(dist.distributed_c10d._get_default_store)
-
-
-def _profiler_event_tree() -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        torch.ones(256)
-    roots = prof.profiler.kineto_results.experimental_event_tree()
-    stack, kinds = list(roots), set()
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children)
-        kinds.add(type(node.extra_fields).__name__)
-        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
-            fields = node.extra_fields
-            assert fields.device.type == "cpu" and isinstance(fields.alloc_size, int)
-            assert isinstance(fields.ptr, int) and isinstance(node.start_time_ns, int)
-    assert "_ExtraFields_Allocation" in kinds, kinds
-
-
 CASES: dict[str, Callable[[], None]] = {
+    "_torch/autograd_engine: graph task id, will_engine_execute_node, queue_callback": (
+        _autograd_engine
+    ),
+    "_torch/autograd_engine: an autograd Function's _backward_cls": _backward_node_class,
+    "_torch/storage: storage _cdata, _storage_Use_Count, Tensor._base": _storage,
+    "_torch/function_modes: the torch-function mode stack": _function_mode_stack,
+    "_torch/subclass: Tensor._make_subclass, replaced for meta parameters": _subclass,
+    "_torch/module_state: Module._parameters / _buffers / _non_persistent_buffers_set": (
+        _module_state
+    ),
+    "_torch/c10d: Backend.Options, _timeout, _get_default_store, stores, fake pg": _c10d,
+    "_torch/dtensor: _StridedShard": _strided_shard,
+    "_torch/dtensor: DTensor's sharding propagator and a mesh without process group": (
+        _dtensor_rules
+    ),
+    "_torch/dispatch: TorchDispatchMode, OpOverload(Packet), TensorBase": _dispatch,
+    "_torch/fake: fake tensors and their data-dependent exceptions": _fake_tensors,
+    "_torch/profiler_events: the profiler's event tree and its allocation records": (
+        _profiler_events
+    ),
+    "_torch/pytree: torch.utils._pytree": _pytree,
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),
-    "testing/_world, communication/_dry: fake process group": _callable(
+    "testing/_world: fake process group": _callable(
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
-    "launch/_meta_params: Tensor._make_subclass builds every Parameter": _meta_parameters,
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
-    "layout/_dtensor, ops/aten_rules: _StridedShard": _callable(
-        "torch.distributed.tensor.placement_types", "_StridedShard"
-    ),
-    "parallel/_runtime, optim/_engine_gather, optim/_engine_reduce: _current_graph_task_id": (
-        _callable("torch._C", "_current_graph_task_id")
-    ),
-    "parallel/_runtime: _will_engine_execute_node": _callable(
-        "torch._C", "_will_engine_execute_node"
-    ),
-    "parallel/_runtime, optim/_engine_reduce: queue_callback": _engine_queue_callback,
-    "parallel/_runtime: _storage_Use_Count": _storage_use_count,
-    "parallel/_stepping: the torch-function mode stack": _function_mode_stack,
-    "optim/_engine_gather, parameter/_parameter, parameter/_tape: tensor internals": (
-        _tensor_internals
-    ),
-    "parameter/_deferred: Module._parameters / _buffers / _non_persistent_buffers_set": (
-        _module_dicts
-    ),
-    "communication/_init: _get_default_store": _default_store,
-    "planner/_fake: fake tensors, TorchDispatchMode, Module._parameters": _fake_capture,
-    "ops/_dtensor: DTensor's sharding propagator and a mesh without process group": (
-        _dtensor_rules
-    ),
-    "communication/mesh: Backend.Options": _callable(
-        "torch._C._distributed_c10d", "Backend", "Options"
-    ),
-    "launch/store, launch/rendezvous: TCPStore": _callable(
-        "torch._C._distributed_c10d", "TCPStore"
-    ),
-    "launch/rendezvous: PrefixStore": _callable("torch._C._distributed_c10d", "PrefixStore"),
-    "report/_measure: the profiler's event tree and its allocation records": (_profiler_event_tree),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_private_torch_api_is_there(case: str) -> None:
     CASES[case]()
+
+
+def test_each_case_names_a_torch_module_and_each_module_has_a_case() -> None:
+    modules = {p.stem for p in TORCH_PACKAGE.glob("*.py") if p.stem != "__init__"}
+    named = {case.split(":")[0].removeprefix("_torch/") for case in CASES}
+    assert named - {"testing/_world"} <= modules, sorted(named - modules)
+    assert modules <= named, f"no case checks _torch/{sorted(modules - named)}"
+
+
+_FIX = (
+    "move each into the module of src/shardwise/_torch/ for its API family (a new one: with a "
+    "case in CASES here) and import it from there"
+)
+
+
+def _scanned_modules(package: Path) -> list[Path]:
+    return [
+        p
+        for p in sorted(package.rglob("*.py"))
+        if p.relative_to(package).parts[0] not in EXEMPT_PACKAGES
+    ]
+
+
+def test_private_torch_apis_only_in_torch_package() -> None:
+    found = [
+        f
+        for path in _scanned_modules(PACKAGE)
+        for f in private_torch_uses(
+            path.read_text(encoding="utf-8"), f"src/shardwise/{path.relative_to(PACKAGE)}"
+        )
+    ]
+    assert not found, (
+        f"{len(found)} uses of private torch APIs outside src/shardwise/_torch/; {_FIX}:\n  "
+        + "\n  ".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "what"),
+    [
+        ("import torch\ntorch._C._current_graph_task_id()", "torch._C._current_graph_task_id"),
+        ("from torch._C._distributed_c10d import TCPStore", "torch._C._distributed_c10d"),
+        ("from torch.utils import _pytree as pytree", "torch.utils._pytree"),
+        ("from torch.distributed.tensor import _ops", "torch.distributed.tensor._ops"),
+        ("import torch.distributed as dist\ndist.distributed_c10d._get_default_store()", "_get"),
+        ("from torch import nn\nT = nn.Module\nT._parameters", "torch.nn.Module._parameters"),
+        ("t.untyped_storage()._cdata", "._cdata"),
+        ("prof.profiler.kineto_results.experimental_event_tree()", ".experimental_event_tree"),
+        ("import importlib\nimportlib.import_module('torch._dynamo.x')", "torch._dynamo.x"),
+        ("from torch.distributed import DeviceMesh as M\nM('cpu', _rank=0)", "_rank="),
+        ("import operator\noperator.attrgetter('_base')", "'_base' by name"),
+    ],
+)
+def test_the_scan_finds_private_uses(code: str, what: str) -> None:
+    found = private_torch_uses(code, "m.py")
+    assert len(found) == 1 and what in found[0], found
+
+
+def test_the_scan_leaves_public_and_own_names_alone() -> None:
+    code = (
+        "import torch\nfrom shardwise.ops import _flat as flat\nfrom shardwise import _torch\n"
+        "torch.__version__\ntorch.ops.aten._scaled_dot_product_flash_attention_for_cpu\n"
+        "self._plan._errors\nsys._getframe(2)\ntorch.nn.Module.register_buffer\n"
+    )
+    assert private_torch_uses(code, "m.py") == []

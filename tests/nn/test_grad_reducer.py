@@ -24,9 +24,9 @@ def test_in_place_mean_and_buckets() -> None:
         reducer()
         for _, p in net.named_parameters():
             assert_matches_single_device(p.grad, torch.full(p.shape, 1.5))  # (0+1+2+3)/4
-        buffers = dict(reducer._buffers)
+        buffers = dict(reducer._bucket_buffers)
         reducer()  # a second step reuses the same flat buffers
-        assert {k: id(v) for k, v in reducer._buffers.items()} == {
+        assert {k: id(v) for k, v in reducer._bucket_buffers.items()} == {
             k: id(v) for k, v in buffers.items()
         }
     # weight 0 alone fills the 16 KiB bucket; the three others share the second

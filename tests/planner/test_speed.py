@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 import shardwise.ops._dtensor as dt
 import shardwise.ops.aten_rules as rules
+from shardwise._torch.dtensor import has_single_dim_rule
 from shardwise.planner import capture
 from shardwise.planner._propagate import build_plan, propagate
 from shardwise.planner._search import search
@@ -123,10 +124,9 @@ def test_per_axis_answers_equal_dtensors_full_mesh(matrix: tuple[int, int]) -> N
     the per-dim answer serves): wherever `_per_axis` answers, DTensor's full mesh agrees."""
     n = matrix[0] * matrix[1]
     mesh = dt.mesh_of(matrix, ("a", "b"), tuple(range(n)))
-    single = dt._propagator().op_single_dim_strategy_funcs
     checked = 0
     for op, args, kwargs, shapes in _queries(matrix):
-        if op not in single:
+        if not has_single_dim_rule(op):
             continue
         try:
             ins, _ = dt._full(op, args, kwargs, mesh)
@@ -148,10 +148,9 @@ def test_candidate_answers_are_strategies_dtensor_accepts(matrix: tuple[int, int
     strategies), and outside `candidates` the answers are DTensor's own."""
     n = matrix[0] * matrix[1]
     mesh = dt.mesh_of(matrix, ("a", "b"), tuple(range(n)))
-    single = dt._propagator().op_single_dim_strategy_funcs
     loose = 0
     for op, args, kwargs, shapes in _queries(matrix) + _strided_queries(matrix):
-        if op not in single:
+        if not has_single_dim_rule(op):
             continue
         with dt.candidates():
             got = dt._per_axis(op, args, kwargs, mesh, shapes)

@@ -6,25 +6,19 @@ at once and moves nothing) with this process as `rank`, so that `get_group_size(
 and returns. ``shardwise plan`` uses it (`launch.dry_run`): plans are made from global shapes
 and never read a collective's result, so they come out as in a real job of N ranks.
 
-The ``"fake"`` backend is registered by a private torch module (`_fake_backend`, checked by
-tests/test_torch_private_apis.py).
+The ``"fake"`` backend is registered by a private torch module (`_torch.c10d.fake_process_group`,
+checked by tests/test_torch_private_apis.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch.distributed as dist
 
+from shardwise._torch.c10d import fake_process_group
 from shardwise.communication import _init
-
-
-def _fake_backend() -> Any:
-    """torch's fake process-group module (it registers the ``"fake"`` backend)."""
-    return importlib.import_module("torch.testing._internal.distributed.fake_pg")
 
 
 @contextlib.contextmanager
@@ -56,7 +50,7 @@ def dry_run(world_size: int, rank: int = 0) -> Iterator[None]:
             "dry_run: a process group already exists in this process; "
             "call shardwise.communication.release() first"
         )
-    store = _fake_backend().FakeStore()
+    store = fake_process_group().FakeStore()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=store)
     try:
         yield

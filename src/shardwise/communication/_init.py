@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardwise._torch.c10d import default_store
 from shardwise.communication import _exit, _sim, _trace
 from shardwise.communication._env import JobEnv, detect_job
 from shardwise.communication._netif import socket_ifname_env
@@ -321,7 +322,7 @@ def _store_barrier(timeout: datetime.timedelta | None = None, fallback: bool = T
     global _releases
     _releases += 1
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
     except (AttributeError, RuntimeError, ValueError):  # no store to use: the plain barrier
         if fallback:
             dist.barrier()

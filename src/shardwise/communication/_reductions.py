@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shardwise._torch.autograd_engine import backward_node_class
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim, recorder
 from shardwise.communication._collectives import ReduceOp
@@ -148,7 +149,7 @@ def replicated_seed(root: torch.Tensor) -> Iterator[bool]:
         ...     loss.backward()
     """
     node: Any = root.grad_fn
-    backward_cls: Any = _SumOverRanksFn._backward_cls  # type: ignore[attr-defined]
+    backward_cls = backward_node_class(_SumOverRanksFn)
     if not isinstance(node, backward_cls):
         yield False
         return

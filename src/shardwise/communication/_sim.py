@@ -3,7 +3,7 @@
 `shardwise.testing.simulated_world` installs a `Simulator` with `install()`; the communication
 layer asks `current()` and, when one is active, lets it answer what a single process cannot
 know by itself: each rank's rank, which sub-groups exist, and point-to-point exchanges between
-simulated ranks. All private torch imports stay in `shardwise.testing`.
+simulated ranks. The simulation's private torch imports stay in `shardwise.testing`.
 """
 
 from __future__ import annotations

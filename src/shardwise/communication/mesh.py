@@ -10,22 +10,20 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise._torch.c10d import BackendOptions, gloo_options, nccl_options
 from shardwise.communication._init import comm_timeout
 
 
 def _backend_override(
     device_type: str, ndim: int, timeout: datetime.timedelta
-) -> tuple[tuple[str | None, C10dBackend.Options | None], ...] | None:
+) -> tuple[tuple[str | None, BackendOptions | None], ...] | None:
     """Per mesh dim, the backend and options carrying `timeout` (None: torch's defaults)."""
-    opts: C10dBackend.Options
     if device_type == "cpu" and dist.is_gloo_available():
-        backend, opts = "gloo", C10dBackend.Options("gloo", timeout)
+        backend, opts = "gloo", gloo_options(timeout)
     elif device_type == "cuda" and dist.is_nccl_available():
-        backend, opts = "nccl", dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        backend, opts = "nccl", nccl_options(timeout)
     else:
         return None
     return tuple((backend, opts) for _ in range(ndim))

@@ -5,19 +5,27 @@ but the script's other tensors (data, the DataLoader's seeds) must stay real. Ev
 ``nn.Parameter`` (and ``sw.Parameter``) is built by ``torch.Tensor._make_subclass(cls, data,
 requires_grad)``; inside `meta_parameters` that call gets a meta tensor of `data`'s shape and
 dtype instead, so parameters hold no memory and init functions on them do nothing. Buffers and
-other tensors are untouched. ``_make_subclass`` is private torch API, used only here (checked by
-tests/test_torch_private_apis.py).
+other tensors are untouched. ``_make_subclass`` is private torch API, replaced for the while
+by `_torch.subclass.subclass_data_rewritten` (checked by tests/test_torch_private_apis.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from shardwise._torch.subclass import subclass_data_rewritten
+
+
+def _on_meta(cls: Any, data: torch.Tensor) -> torch.Tensor:
+    """A parameter's data as a meta tensor of its shape and dtype; other data unchanged."""
+    if isinstance(cls, type) and issubclass(cls, nn.Parameter) and data.device.type != "meta":
+        return torch.empty_like(data, device="meta")
+    return data
 
 
 @contextlib.contextmanager
@@ -29,18 +37,5 @@ def meta_parameters() -> Iterator[None]:
         ...     nn.Linear(4096, 4096).weight.device
         device(type='meta')
     """
-    # (torch._dynamo registers a stand-in for the real function, checking its signature, when
-    # its polyfills are first imported: imported now, before the function is replaced)
-    importlib.import_module("torch._dynamo.polyfills.tensor")
-    real = torch.Tensor._make_subclass
-
-    def make(cls: Any, data: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(cls, type) and issubclass(cls, nn.Parameter) and data.device.type != "meta":
-            data = torch.empty_like(data, device="meta")
-        return real(cls, data, *args, **kwargs)
-
-    torch.Tensor._make_subclass = staticmethod(make)  # type: ignore[assignment]
-    try:
+    with subclass_data_rewritten(_on_meta):
         yield
-    finally:
-        torch.Tensor._make_subclass = real  # type: ignore[method-assign]

@@ -31,9 +31,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-# torch.distributed re-exports these two classes without declaring them (mypy strict).
-from torch._C._distributed_c10d import PrefixStore, TCPStore
-
+from shardwise._torch.c10d import PrefixStore, TCPStore
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.errors import LauncherInterrupted, RendezvousError
 from shardwise.launch.liveness import Heartbeat, Peer

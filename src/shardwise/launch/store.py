@@ -17,9 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 
-# torch.distributed re-exports this class without declaring it (mypy strict).
-from torch._C._distributed_c10d import TCPStore
-
+from shardwise._torch.c10d import TCPStore
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import LauncherInterrupted, RendezvousError
 from shardwise.launch.schedlog import SchedulerLog

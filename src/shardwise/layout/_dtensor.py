@@ -32,8 +32,8 @@ import math
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise._torch.dtensor import StridedShard
 from shardwise.communication.mesh import device_mesh
 from shardwise.layout._core import DeviceMatrix, TensorLayout
 
@@ -86,7 +86,7 @@ def to_placements(layout: TensorLayout) -> tuple[Placement, ...]:
             out.append(Replicate())
             continue
         factor = split_factor(layout, axis)
-        out.append(Shard(dim) if factor == 1 else _StridedShard(dim, split_factor=factor))
+        out.append(Shard(dim) if factor == 1 else StridedShard(dim, split_factor=factor))
     return tuple(out)
 
 
@@ -116,7 +116,7 @@ def from_placements(
         raise ValueError(f"{len(placements)} placements for {matrix}")
     by_dim: list[list[int]] = [[] for _ in range(ndim)]
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard | _StridedShard):
+        if isinstance(p, Shard | StridedShard):
             if matrix.shape[axis] > 1:
                 by_dim[p.dim % ndim].append(axis)
         elif not isinstance(p, Replicate):

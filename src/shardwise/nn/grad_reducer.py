@@ -68,7 +68,7 @@ class DistributedGradReducer:
             raise ValueError(f"DistributedGradReducer: bucket_mb={bucket_mb} must be > 0")
         self.mean, self.degree, self.group = mean, degree, group
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self._buffers: dict[tuple[object, ...], torch.Tensor] = {}
+        self._bucket_buffers: dict[tuple[object, ...], torch.Tensor] = {}
 
     def __call__(
         self, grads: Sequence[torch.Tensor] | None = None
@@ -84,7 +84,7 @@ class DistributedGradReducer:
             self._reduce_into_buffers(copies, {})
             return tuple(copies)
         live = [p.grad for p in self.parameters if p.grad is not None]
-        self._reduce_into_buffers(live, self._buffers)
+        self._reduce_into_buffers(live, self._bucket_buffers)
         return None
 
     def _reduce_into_buffers(

@@ -1,8 +1,8 @@
 """DTensor's sharding strategies for aten ops, queried without a process group.
 
-torch 2.13's DTensor keeps its per-op sharding rules in a private propagator
-(``DTensor._op_dispatcher.sharding_propagator``); this module is the only place that touches
-it (checked by tests/test_torch_private_apis.py).
+torch 2.13's DTensor keeps its per-op sharding rules in a private propagator; `_torch.dtensor`
+is the only module that touches it (checked by tests/test_torch_private_apis.py), this one
+asks it and memoizes the answers.
 
 - `mesh_of`: a `DeviceMesh` of a device matrix's shape built without any process group.
 - `has_rule`: whether DTensor knows an aten op.
@@ -30,41 +30,27 @@ import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils import _pytree as pytree
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from shardwise._torch import pytree
+from shardwise._torch.dtensor import (
+    StridedShard,
+    ask_propagator,
+    has_single_dim_rule,
+    mesh_without_process_group,
+    tensor_spec,
+)
+from shardwise._torch.dtensor import has_rule as has_rule
 from shardwise.ops import _flat as flat
 
 Placements = tuple[Placement, ...]
 
 
-def _propagator() -> Any:
-    return DTensor._op_dispatcher.sharding_propagator
-
-
 @functools.lru_cache(maxsize=64)
 def mesh_of(shape: tuple[int, ...], names: tuple[str, ...], ranks: tuple[int, ...]) -> DeviceMesh:
     """A mesh of `shape` (`ranks` row-major, dims named `names`); no process group is made."""
-    grid = torch.tensor(ranks, dtype=torch.int64).view(shape)
-    return DeviceMesh("cpu", grid, mesh_dim_names=names, _init_backend=False, _rank=ranks[0])
-
-
-def has_rule(op: Any) -> bool:
-    """Whether DTensor has a sharding strategy for aten overload `op`."""
-    p = _propagator()
-    return op in p.op_strategy_funcs or op in p.op_single_dim_strategy_funcs or op in p.op_to_rules
-
-
-def rule_count() -> int:
-    """How many aten overloads DTensor has a sharding strategy for."""
-    p = _propagator()
-    keys = set(p.op_strategy_funcs) | set(p.op_single_dim_strategy_funcs) | set(p.op_to_rules)
-    return len(keys)
+    return mesh_without_process_group(shape, names, ranks)
 
 
 class Spec:
@@ -77,11 +63,6 @@ class Spec:
         self.shape = tuple(shape)
         self.stride = tuple(stride)
         self.dtype = dtype
-
-
-def _spec(mesh: DeviceMesh, s: Spec) -> DTensorSpec:
-    meta = TensorMeta(torch.Size(s.shape), s.stride, getattr(torch, s.dtype))
-    return DTensorSpec(mesh, s.placements, meta)
 
 
 Answer = tuple[list[Placements], list[Placements | None]]
@@ -148,11 +129,7 @@ def propagate(
         if hit is not None:
             return hit
     answer = None
-    if (
-        mesh.ndim > 1
-        and out_shapes is not None
-        and op in _propagator().op_single_dim_strategy_funcs
-    ):
+    if mesh.ndim > 1 and out_shapes is not None and has_single_dim_rule(op):
         answer = _per_axis(op, args, kwargs, mesh, out_shapes)
     if answer is None:
         answer = _full(op, args, kwargs, mesh)
@@ -165,39 +142,12 @@ def propagate(
 
 def _full(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: DeviceMesh) -> Answer:
     """Ask DTensor's propagator on the whole mesh."""
-    a, k = pytree.tree_map_only(Spec, lambda s: _spec(mesh, s), (tuple(args), dict(kwargs)))
-    p = _propagator()
-    # (as DTensor's dispatcher does: the schema info makes the non-tensor arguments, such as a
-    # view's sizes, part of the key of the propagator's cache)
-    info = p.op_to_schema_info.get(op) or p.op_to_schema_info_for_single_dim_strategy.get(op)
-    schema = OpSchema(op, a, k, schema_info=info)
-    shaped = p.op_to_shape_and_stride_idx
-    if op in shaped:
-        # (DTensor then rewrites a view's size arguments to the local shape: placements do not
-        # depend on it, and on a mesh of 1,024 ranks it costs 0.1 s a query. Asked uncached
-        # and without it; `_memo` keeps the answer; the rule is put back before returning.)
-        held = shaped.pop(op)
-        try:
-            out = p.propagate_op_sharding_non_cached(schema)
-        finally:
-            shaped[op] = held
-    else:
-        out = p.propagate_op_sharding(schema)
-    given = [s for s in pytree.tree_leaves((a, k)) if isinstance(s, DTensorSpec)]
-    wanted = given
-    if out.needs_redistribute and out.redistribute_schema is not None:
-        moved = out.redistribute_schema
-        wanted = [
-            s
-            for s in pytree.tree_leaves((moved.args_schema, moved.kwargs_schema))
-            if isinstance(s, DTensorSpec)
-        ]
-    outs = out.output_spec
-    flat = list(outs) if isinstance(outs, tuple | list) else [outs]
-    return (
-        [tuple(s.placements) for s in wanted],
-        [None if s is None else tuple(s.placements) for s in flat],
+    a, k = pytree.tree_map_only(
+        Spec,
+        lambda s: tensor_spec(mesh, s.placements, s.shape, s.stride, s.dtype),
+        (tuple(args), dict(kwargs)),
     )
+    return ask_propagator(op, a, k)
 
 
 def _per_axis(
@@ -256,7 +206,7 @@ def _per_axis(
 
 
 _PLAIN = (Shard, Replicate, Partial)
-_LOOSE = (*_PLAIN, _StridedShard)
+_LOOSE = (*_PLAIN, StridedShard)
 """Placements `_per_axis` combines: plain ones; inside `candidates` also DTensor's strided
 shards (a mesh dim's strategies take them as its single-dim rules expand them, so the product
 of per-dim answers is still one of the full mesh's strategies)."""

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch.utils import _pytree as pytree
+
+from shardwise._torch import pytree
 
 L = TypeVar("L")
 _TUPLE, _LIST, _DICT = object(), object(), object()  # (`key`'s container tags: no value equals one)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardwise._torch.dtensor import StridedShard
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec, has_rule, propagate
 
@@ -158,9 +158,9 @@ def strided_split_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     on_dim = [
         m
         for m, p in enumerate(x.placements)
-        if isinstance(p, Shard | _StridedShard) and p.dim % rank == dim
+        if isinstance(p, Shard | StridedShard) and p.dim % rank == dim
     ]
-    if len(on_dim) != 1 or not isinstance(x.placements[on_dim[0]], _StridedShard):
+    if len(on_dim) != 1 or not isinstance(x.placements[on_dim[0]], StridedShard):
         return None
     m = on_dim[0]
     n, factor = x.shape[dim], x.placements[m].split_factor
@@ -178,7 +178,7 @@ def strided_split_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     for v in sizes:
         j = v // piece
         out = list(x.placements)
-        out[m] = Shard(dim) if j == 1 else _StridedShard(dim, split_factor=j)
+        out[m] = Shard(dim) if j == 1 else StridedShard(dim, split_factor=j)
         outs.append(tuple(out))
     return Decision((tuple(x.placements),), tuple(outs), "shardwise")
 

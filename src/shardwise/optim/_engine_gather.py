@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from shardwise import communication as comm
+from shardwise._torch.autograd_engine import current_graph_task_id
+from shardwise._torch.storage import view_base
 from shardwise.communication import recorder
 from shardwise.communication._buckets import all_gather_bucket
 from shardwise.communication._collectives import Pending
@@ -56,7 +58,7 @@ class WeightGathering(GradReduction):
     def compute(self, p: torch.Tensor) -> torch.Tensor:
         """The compute leaf of parameter `p` for this step (its whole op-level block)."""
         name = self.by_id[id(p)]
-        if self._end_queued != -1 and torch._C._current_graph_task_id() == -1:
+        if self._end_queued != -1 and current_graph_task_id() == -1:
             self._drop_unfinished_backward()  # a forward after a backward that raised
         if not self._live(name):
             i = self.bucket_of.get(name)
@@ -77,8 +79,9 @@ class WeightGathering(GradReduction):
         leaf = value.requires_grad_(self.params[name].requires_grad)
         if self.shards[name].sharded:
             self._gathered_ids[id(leaf)] = name
-            if leaf._base is not None:  # views of the leaf have the root as their _base
-                self._gathered_ids[id(leaf._base)] = name
+            root = view_base(leaf)
+            if root is not None:  # views of the leaf have the root as their base
+                self._gathered_ids[id(root)] = name
             self._gathered_ptrs[_storage_key(leaf)] = name
         if leaf.requires_grad:  # (a weak reference: leaves outlive steps, hooks are not traced)
             leaf.register_post_accumulate_grad_hook(grad_hook(weakref.ref(self), name))
@@ -168,7 +171,9 @@ class WeightGathering(GradReduction):
     def _pack(self, t: torch.Tensor) -> Any:
         """A token for a gathered weight or a view of one (e.g. ``weight.t()`` saved by
         ``linear``): found by identity, view base, or storage."""
-        base = t._base if t._base is not None else t
+        base = view_base(t)
+        if base is None:
+            base = t
         name = self._gathered_ids.get(id(base))
         if name is None:
             name = self._gathered_ptrs.get(_storage_key(t))

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from shardwise._torch.autograd_engine import current_graph_task_id, queue_callback
 from shardwise.communication import recorder
 from shardwise.communication._buckets import reduce_scatter_bucket
 from shardwise.communication._collectives import (
@@ -68,12 +69,12 @@ class GradReduction:
         return f"bucket {i} ({', '.join(bucket.names)})"
 
     def _queue_end(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if self._end_queued == task:
             return
         recorder.mark("backward: first gradient ready")
         self._end_queued = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        queue_callback(self._end_backward)
 
     def _drop_unfinished_backward(self) -> None:
         """Forget what a backward that raised left (called by the next forward): its started

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from shardwise._torch import pytree
 from shardwise.layout import TensorLayout
 from shardwise.parallel._edges import move
 from shardwise.parallel._step import DatasetStrategy, input_layout

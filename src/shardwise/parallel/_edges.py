@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from shardwise._torch import pytree
 from shardwise.communication.primitives import GradRoute, average_gradient, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._runtime import combine, group_for

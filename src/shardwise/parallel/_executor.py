@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
 
+from shardwise._torch import pytree
 from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from shardwise import communication as comm
 from shardwise import runtime
+from shardwise._torch import pytree
 from shardwise.layout import TensorLayout
 from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import global_inputs, input_layouts

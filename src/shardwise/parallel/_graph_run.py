@@ -41,6 +41,7 @@ from torch.optim.optimizer import (
 
 from shardwise import communication as comm
 from shardwise import report
+from shardwise._torch.module_state import own_buffers
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
@@ -135,7 +136,7 @@ class GraphRun:
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]
         self.tables = {}
-        self.modules = [m for m in self.network.modules() if m._buffers]
+        self.modules = [m for m in self.network.modules() if own_buffers(m)]
         for m in self.network.modules():
             if isinstance(m, Primitive):
                 self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
@@ -290,7 +291,10 @@ class GraphRun:
         hold buffers are listed once, when planning; each one's buffers are read anew)."""
         with torch.no_grad():
             buffers = [
-                (b, b.clone()) for m in self.modules for b in m._buffers.values() if b is not None
+                (b, b.clone())
+                for m in self.modules
+                for b in own_buffers(m).values()
+                if b is not None
             ]
         return buffers, torch.get_rng_state()
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch.overrides import resolve_name
-from torch.utils import _pytree as pytree
 
+from shardwise._torch import pytree
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot

@@ -32,6 +32,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
+from shardwise._torch.autograd_engine import (
+    current_graph_task_id,
+    queue_callback,
+    will_engine_execute_node,
+)
+from shardwise._torch.storage import storage_use_count
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
 from shardwise.communication.primitives import GradRoute, sum_over_ranks
@@ -135,7 +141,7 @@ class _Bucket:
         # is alive (`_finish` makes each member's .grad its slot), and its slots
         self.kept: torch.Tensor | None = None
         self.kept_slots: list[torch.Tensor] = []
-        self.kept_refs = 0  # references to its storage of its own (`_storage_refs`)
+        self.kept_refs = 0  # references to its storage of its own (`storage_use_count`)
         # the running backward: its flat buffer, how each member that got a gradient receives
         # the reduced one ("store": its slot becomes .grad, "add": added to .grad, "return":
         # the hook returned its slot), and the started AllReduce
@@ -157,13 +163,13 @@ class _Bucket:
         referenced) or a new one (its slots are returned to the caller)."""
         if not keep:
             return g.new_empty(self.total)
-        if self.kept is None or _storage_refs(self.kept) > self.kept_refs:
+        if self.kept is None or storage_use_count(self.kept) > self.kept_refs:
             self.kept = g.new_empty(self.total)
             self.kept_slots = [
                 self.kept[o : o + n].view(shape)
                 for o, n, shape in zip(self.offsets, self.sizes, self.shapes, strict=True)
             ]
-            self.kept_refs = _storage_refs(self.kept)
+            self.kept_refs = storage_use_count(self.kept)
         return self.kept
 
     def reset(self) -> None:
@@ -226,7 +232,7 @@ class GradBuckets:
         p = bucket.params[j]
 
         def hook(g: torch.Tensor) -> torch.Tensor:
-            task = torch._C._current_graph_task_id()
+            task = current_graph_task_id()
             joined = task == self.task or self._join(task)
             if not joined or j in bucket.got or bucket.pending is not None:
                 reduced = self._now(g, bucket.group)  # (a nested backward, a second gradient)
@@ -265,7 +271,7 @@ class GradBuckets:
         if self.task == -1:
             self.task = task
             recorder.mark("backward: first gradient ready")
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_callback(self._finish)
         return task == self.task
 
     def _now(self, g: torch.Tensor, group: str | None) -> torch.Tensor:
@@ -311,7 +317,7 @@ class GradBuckets:
         """Forget a backward that raised (its `_finish` never ran; call at the next forward):
         its started AllReduces are finished (every rank started them) and dropped, its partial
         buckets forgotten. Nothing to do inside a backward, or after one that finished."""
-        if self.task == -1 or torch._C._current_graph_task_id() != -1:
+        if self.task == -1 or current_graph_task_id() != -1:
             return
         for bucket in self.started:
             assert bucket.pending is not None
@@ -329,11 +335,6 @@ def _times(info: ParamInfo) -> int:
     return math.prod(matrix.shape[a] for a in info.equal_axes)
 
 
-def _storage_refs(t: torch.Tensor) -> int:
-    """How many tensors (and storage objects) share `t`'s storage."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
 def _grad_store(p: torch.Tensor) -> Any:
     """Autograd's node that stores ``p.grad`` (run by ``backward()``, not by
     ``torch.autograd.grad(loss, params)``); None when `p` needs no gradient."""
@@ -346,7 +347,7 @@ def _stores(store: Any) -> bool:
     if store is None:
         return False
     try:
-        return bool(torch._C._will_engine_execute_node(store))
+        return bool(will_engine_execute_node(store))
     except RuntimeError:  # torch refuses leaf nodes inside torch.autograd.grad: nothing stored
         return False
 

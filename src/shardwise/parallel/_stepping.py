@@ -15,8 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.overrides import TorchFunctionMode
+
+from shardwise._torch.function_modes import (
+    get_function_stack_at,
+    len_torch_function_stack,
+    pop_torch_function_stack,
+    push_on_torch_function_stack,
+)
 
 
 class SteppingMode(TorchFunctionMode):
@@ -57,10 +63,10 @@ class SteppingMode(TorchFunctionMode):
 
     def _lift(self) -> bool:
         """Take this mode off the top of the mode stack (False: it is not the top)."""
-        depth = torch._C._len_torch_function_stack()
-        if self.lifted or not depth or torch._C._get_function_stack_at(depth - 1) is not self:
+        depth = len_torch_function_stack()
+        if self.lifted or not depth or get_function_stack_at(depth - 1) is not self:
             return False
-        torch._C._pop_torch_function_stack()
+        pop_torch_function_stack()
         self.lifted, self.depth = True, depth - 1
         return True
 
@@ -68,11 +74,11 @@ class SteppingMode(TorchFunctionMode):
         """Back onto the mode stack where `_lift` took it from (under modes entered since,
         which then leave the stack in their own order)."""
         above = []
-        while torch._C._len_torch_function_stack() > self.depth:
-            above.append(torch._C._pop_torch_function_stack())
-        torch._C._push_on_torch_function_stack(self)
+        while len_torch_function_stack() > self.depth:
+            above.append(pop_torch_function_stack())
+        push_on_torch_function_stack(self)
         for mode in reversed(above):
-            torch._C._push_on_torch_function_stack(mode)
+            push_on_torch_function_stack(mode)
         self.lifted = False
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:

@@ -29,6 +29,11 @@ from torch.nn.modules import module as module_hooks
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from shardwise._torch.module_state import (
+    non_persistent_buffer_names,
+    own_buffers,
+    own_parameters,
+)
 from shardwise.parameter import _rng
 from shardwise.parameter._blocks import DEFAULT_CHUNK_BYTES, Slicer
 from shardwise.parameter._errors import DeferredInitError
@@ -188,7 +193,7 @@ def _owner_targets(session: Session) -> list[Target]:
     seen: set[int] = set()
     for owner in list(session.owners):
         prefix = type(owner).__name__
-        tensors = [*owner._parameters.items(), *owner._buffers.items()]
+        tensors = [*own_parameters(owner).items(), *own_buffers(owner).items()]
         for name, tensor in tensors:
             if tensor is None or id(tensor) in seen or session_of(tensor) is not session:
                 continue
@@ -308,15 +313,15 @@ def _give(obj: torch.nn.Module | torch.Tensor, targets: list[Target], values: li
         path, _, attr = target.name.rpartition(".")
         owner = obj.get_submodule(path) if path else obj
         old = target.tensor
-        if attr in owner._parameters:
+        if attr in own_parameters(owner):
             new = torch.nn.Parameter(value.detach(), requires_grad=old.requires_grad)
             for module in obj.modules():  # (every module holding it: tied weights stay tied)
-                for key, held in list(module._parameters.items()):
+                for key, held in list(own_parameters(module).items()):
                     if held is old:
                         setattr(module, key, new)
             replaced.append((old, new))
         else:
-            persistent = attr not in owner._non_persistent_buffers_set
+            persistent = attr not in non_persistent_buffer_names(owner)
             owner.register_buffer(attr, value, persistent=persistent)
     _retarget(replaced)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from shardwise._torch.subclass import make_subclass
+
 DEFAULT_COMM_FUSION = 1
 """MindSpore's ``ParamInfo`` default fusion id: every parameter left alone is fused together."""
 
@@ -57,7 +59,7 @@ class Parameter(torch.nn.Parameter):
             raise TypeError(f"Parameter data must be a torch.Tensor, got {type(data).__name__}")
         if type(data) is not torch.Tensor:
             data = data.detach()
-        param = torch.Tensor._make_subclass(cls, data, requires_grad)
+        param = make_subclass(cls, data, requires_grad)
         param.name = name
         param.parallel_optimizer = parallel_optimizer
         param.comm_fusion = comm_fusion
@@ -202,6 +204,6 @@ def assign_tensor(target: torch.Tensor, value: torch.Tensor) -> None:
     if type(target) is torch.Tensor:
         replacement = data.requires_grad_(target.requires_grad)
     else:
-        replacement = torch.Tensor._make_subclass(type(target), data, target.requires_grad)
+        replacement = make_subclass(type(target), data, target.requires_grad)
     replacement.__dict__.update(target.__dict__)
     torch.utils.swap_tensors(target, replacement)

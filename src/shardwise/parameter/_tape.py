@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from shardwise._torch.storage import storage_key
 from shardwise.parameter import _rng
 from shardwise.parameter._errors import DeferredInitError
 
@@ -58,11 +59,6 @@ class RngReset:
 
 
 TapeEntry = RecordedOp | RngReset
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the storage behind ``tensor`` (shared by its views and wrappers)."""
-    return int(tensor.untyped_storage()._cdata)
 
 
 def layout_of(tensor: torch.Tensor, key: int) -> TensorRef:

@@ -5,7 +5,7 @@
 1. the tensor inputs become fake tensors of their global shapes (`_fake_like`, on `_device`),
    each named by `input_key` (``args[0]``, ``labels``);
 2. every parameter and buffer of the networks is swapped for a fake tensor of the same global
-   shape (`_fake.reparametrize`; a tied parameter is recorded once, `Graph.tied`);
+   shape (`_torch.module_state.reparametrize`; a tied parameter is recorded once, `Graph.tied`);
 3. `fn` is called under the recorders of `_recorders`: `_Recorder`, a ``TorchFunctionMode``
    that makes one `Node` per torch-level call (``F.linear``, ``x.view(...)``,
    ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
@@ -34,11 +34,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from shardwise._torch import pytree
+from shardwise._torch.fake import FakeTensorMode
+from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
-from shardwise.planner._fake import FakeTensorMode, reparametrize
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._recorders import (

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils import _pytree as pytree
 
+from shardwise._torch import pytree
+from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase, TorchDispatchMode
+from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
 from shardwise.ops import _flat as flat
-from shardwise.planner._fake import DATA_DEPENDENT, TorchDispatchMode
 from shardwise.planner._graph import (
     AtenArg,
     AtenCall,
@@ -55,7 +56,7 @@ _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
 _ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
-_ALIASES = {torch._C.TensorBase.contiguous, T.contiguous}  # the same value, no node
+_ALIASES = {TensorBase.contiguous, T.contiguous}  # the same value, no node
 
 
 def record_kind(func: Callable[..., Any]) -> str:
@@ -64,7 +65,7 @@ def record_kind(func: Callable[..., Any]) -> str:
     (a node of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
     if func in _ALIASES:
         return "alias"
-    if func in _METADATA or isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+    if func in _METADATA or isinstance(func, OpOverload | OpOverloadPacket):
         return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
     if func is T.backward:
         return "backward"

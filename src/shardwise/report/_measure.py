@@ -16,13 +16,15 @@ bytes held at once within it, `MemoryMeter.held_at` the bytes held when it began
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from shardwise._torch.profiler_events import Allocation, Range, events
 
 _PREFIX = "shardwise.memory:"
 
@@ -65,7 +67,7 @@ class MemoryMeter:
     ) -> None:
         self._prof.__exit__(kind, exc, tb)
         if kind is None:
-            self._read(self._prof.profiler.kineto_results.experimental_event_tree())
+            self._read(events(self._prof, _PREFIX))
 
     @contextmanager
     def window(self, name: str) -> Iterator[None]:
@@ -97,26 +99,19 @@ class MemoryMeter:
             )
         return self._windows[name]
 
-    def _read(self, roots: list[Any]) -> None:
+    def _read(self, recorded: Iterable[Allocation | Range]) -> None:
         """The bytes held after each allocation event (allocations made while measuring,
         minus their frees) and the windows' time ranges."""
-        events: list[tuple[int, int, int]] = []  # (time ns, signed bytes, address)
-        stack = list(reversed(roots))  # (walked in time order)
-        while stack:
-            node = stack.pop()
-            stack.extend(reversed(node.children))
-            fields = type(node.extra_fields).__name__
-            if fields == "_ExtraFields_Allocation" and node.extra_fields.device.type == "cpu":
-                e = node.extra_fields
-                events.append((node.start_time_ns, int(e.alloc_size), int(e.ptr)))
-            elif node.name.startswith(_PREFIX):
-                self._windows[node.name[len(_PREFIX) :]] = _Window(
-                    node.start_time_ns, node.end_time_ns
-                )
-        events.sort(key=lambda e: e[0])
+        allocations: list[Allocation] = []
+        for event in recorded:
+            if isinstance(event, Allocation):
+                allocations.append(event)
+            else:
+                self._windows[event.name[len(_PREFIX) :]] = _Window(event.start_ns, event.end_ns)
+        allocations.sort(key=lambda e: e[0])
         live: dict[int, int] = {}  # address -> bytes, of blocks allocated while measuring
         held = 0
-        for t, nbytes, ptr in events:
+        for t, nbytes, ptr in allocations:
             if nbytes > 0:  # (an address given out again was freed, seen or not: by a thread
                 held += nbytes - live.get(ptr, 0)  # the profiler does not watch, say)
                 live[ptr] = nbytes

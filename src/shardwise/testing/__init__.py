@@ -1,7 +1,7 @@
 """Testing helpers: simulated worlds, parity assertions, real-process jobs.
 
-- `simulated_world(n)` (`_world`): every rank of an n-rank job in one process; holds all of
-  shardwise's private torch imports.
+- `simulated_world(n)` (`_world`): every rank of an n-rank job in one process; holds the
+  simulation's private torch imports (shardwise's others are in `shardwise._torch`).
 - `assert_matches_single_device` (`_compare`): parity with the single-device run, rank by rank.
 - `run_job`, `free_port` (`_procs`): the few real multi-process tests, through `shardwise run`;
   `JobResult.assert_checks`: the job passed and every rank logged its ``CHECK <name> OK`` lines.
