@@ -49,8 +49,11 @@ class _SumOverRanksFn(torch.autograd.Function):
         divisor: int,
         route: GradRoute | None,
         started: list[Any] | None,
+        weight: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
+        if weight is not None:
+            return _weighted(ctx, x, weight, group, started)
         if started is None:
             out = C.all_reduce(x, ReduceOp.SUM, group)
             return out / divisor if divisor != 1 else out
@@ -67,17 +70,46 @@ class _SumOverRanksFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
-        g = g / ctx.divisor if ctx.divisor != 1 else g
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if isinstance(ctx.divisor, torch.Tensor):  # (the summed weight: `_weighted`)
+            if ctx.pending is not None:  # (a backward alongside the started AllReduce)
+                ctx.pending.wait()
+            g = (g / ctx.divisor).to(g.dtype)
+        elif ctx.divisor != 1:
+            g = g / ctx.divisor
+        none = (None, None, None, None, None)
         if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
-            return g * get_group_size(ctx.group), None, None, None, None
+            return g * get_group_size(ctx.group), *none
         route: GradRoute | None = ctx.route
         with recorder.phase("backward"):
             if route is None:
-                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None, None, None
+                return C.all_reduce(g, ReduceOp.SUM, ctx.group), *none
             if route.reduce:
                 g = C.all_reduce(g, ReduceOp.SUM, route.group)
-            return (g * route.times if route.times != 1 else g), None, None, None, None
+            return (g * route.times if route.times != 1 else g), *none
+
+
+def _weighted(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: GroupArg, started: list[Any] | None
+) -> torch.Tensor:
+    """`sum_over_ranks` with a weight: one AllReduce of the pair (x, weight) in float32, the
+    result their quotient; the summed weight becomes the backward's divisor."""
+    pair = torch.stack([x.detach().float(), weight.detach().float()])
+    ctx.divisor, ctx.pending = pair[1], None  # (a view: read in backward, once summed)
+    if started is None:
+        pair = C.all_reduce(pair, ReduceOp.SUM, group)
+        ctx.divisor = pair[1]
+        return (pair[0] / pair[1]).to(x.dtype)
+    out = torch.empty((), dtype=x.dtype, device=x.device)
+    pending = ctx.pending = C.all_reduce_async(pair, ReduceOp.SUM, group)
+
+    def finish() -> None:
+        pending.wait()
+        with torch.inference_mode(out.is_inference()), torch.no_grad():
+            out.copy_(pair[0] / pair[1])
+
+    started.append(finish)
+    return out
 
 
 def sum_over_ranks(
@@ -86,9 +118,11 @@ def sum_over_ranks(
     divisor: int = 1,
     route: GradRoute | None = None,
     started: list[Callable[[], None]] | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
-    divided by `divisor`; the gradient is the AllReduce of the gradient / `divisor`, or, when
+    divided by `divisor` (or, with `weight`, by the sum of `weight` over the group: both summed
+    in one AllReduce); the gradient is the AllReduce of the gradient / that divisor, or, when
     the result is the root of a seeded backward (`replicated_seed`), the gradient times the
     group size (no collective), or as `route` says.
 
@@ -101,6 +135,10 @@ def sum_over_ranks(
             runs it at once) and a function that finishes it is appended here: the result holds
             the sum only after that function ran, and must not be read before (its backward
             needs no value of it).
+        weight: this rank's weight (a scalar without gradient, e.g. how many targets a mean
+            loss counted here): the result is the weighted mean of the ranks' values when `x`
+            is this rank's value times its weight (the mean of a loss over all ranks' counted
+            targets, when they count differently).
 
     Returns:
         The reduced value, the same on every rank.
@@ -109,10 +147,12 @@ def sum_over_ranks(
         >>> loss = sum_over_ranks(local_sum, None, divisor=global_rows)  # doctest: +SKIP
     """
     if get_group_size(group) == 1:  # this rank's value is the sum: no collective
+        if weight is not None:
+            return x / weight
         return x / divisor if divisor != 1 else x
     if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
         started = None
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started)
+    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started, weight)
     return out
 
 

@@ -29,17 +29,25 @@ from shardwise.redistribution import local_block, redistribute
 T = torch.Tensor
 
 
-def move(x: T, edge: EdgePlan, started: list[Callable[[], None]] | None = None) -> T:
+def move(
+    x: T,
+    edge: EdgePlan,
+    started: list[Callable[[], None]] | None = None,
+    weight: T | None = None,
+) -> T:
     """`x` (this rank's part of the edge's value) moved as `edge` says; with `started`, an edge
     that is only an AllReduce is only started (`sum_over_ranks`: finished by the function it
-    appends there)."""
+    appends there). With `weight` (a mean loss's counted targets on this rank: `loss_weight`),
+    a partial mean becomes the weighted mean over the ranks, the single-device mean."""
     m = edge.src.layout.matrix
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
         divisor = len(members) if edge.src.reduce == "avg" else 1
         route = grad_route(m, edge.reduced, edge.equal_grad)
         only = not edge.steps and not edge.kept
-        x = sum_over_ranks(x, group, divisor, route, started if only else None)
+        if weight is not None:  # (a rank that counted nothing adds 0, not its NaN mean)
+            x = torch.where(weight > 0, x, 0.0) * weight.to(x.dtype)
+        x = sum_over_ranks(x, group, divisor, route, started if only else None, weight)
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:

@@ -48,7 +48,7 @@ from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
-from shardwise.parallel._local import dropout_block, dropout_p
+from shardwise.parallel._local import dropout_block, dropout_p, loss_weight
 from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
@@ -345,18 +345,20 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)
         else:
             out = func(*args, **kw)
-        out = self._returned(k, out)
+        weight = loss_weight(args, kw) if k in table.weighted else None
+        out = self._returned(k, out, weight)
         if k in table.averaging:
             average_outputs(out, self.plan.nodes[k], self.plan.matrix)
         return out
 
-    def _returned(self, k: int, out: Any) -> Any:
-        """Apply the edges of the node's returned outputs (the loss's AllReduce)."""
+    def _returned(self, k: int, out: Any, weight: T | None = None) -> Any:
+        """Apply the edges of the node's returned outputs (the loss's AllReduce; a mean loss
+        weighed by the targets this rank counted, `weight`: `planner.WEIGHTED_MEAN`)."""
         if k not in self.table.returning:
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started)
+                out = move(out, e, self.started, weight)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0

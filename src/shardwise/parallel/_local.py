@@ -21,6 +21,8 @@
 
 - ``F.dropout`` in a captured network (`dropout_block`, for the plan executor): the same, a
   mask of the global shape drawn as one device draws it, this rank's block of it applied.
+- A cross entropy / NLL mean over split rows (`loss_weight`, for the plan executor): the
+  targets this rank counted, by which the loss's AllReduce weighs its mean.
 """
 
 from __future__ import annotations
@@ -167,3 +169,22 @@ def dropout_block(
     )
     mask = local_block(mask, layout, shape)
     return x.mul_(mask) if bound.get("inplace", False) else x * mask  # type: ignore[no-any-return]
+
+
+_LOSS_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+
+
+def loss_weight(args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
+    """What an ``F.cross_entropy`` / ``F.nll_loss(*args, **kw)`` mean divides by on this rank
+    (`planner.WEIGHTED_MEAN`): the targets not equal to ``ignore_index``, each counted with its
+    class's ``weight`` (float32, no gradient)."""
+    bound = dict(zip(_LOSS_ARGS, args, strict=False)) | kw
+    target: torch.Tensor = bound["target"]
+    weight: torch.Tensor | None = bound.get("weight")
+    kept = target != bound.get("ignore_index", -100)
+    if weight is None:
+        counted: torch.Tensor = kept.sum(dtype=torch.float32)
+        return counted
+    per_target = weight.detach().float()[target.masked_fill(~kept, 0)]
+    weighted: torch.Tensor = (per_target * kept).sum()
+    return weighted

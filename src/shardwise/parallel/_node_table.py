@@ -29,6 +29,7 @@ from shardwise._torch import pytree
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
+from shardwise.planner._losses import WEIGHTED_MEAN
 
 T = torch.Tensor
 _SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
@@ -85,6 +86,7 @@ class NodeTable:
                 self.returned.setdefault(e.value, []).append(e)
         self.returning = {int(v[1:].split(".")[0]) for v in self.returned if v.startswith("%")}
         self.averaging = {n.index for n in nodes if n.backward}  # (`NodePlan.backward`)
+        self.weighted = {n.index for n in nodes if n.local == WEIGHTED_MEAN}  # (mean losses)
         self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
@@ -96,6 +98,7 @@ class NodeTable:
             and k not in moved
             and k not in self.returning
             and k not in self.averaging
+            and k not in self.weighted
             else SLOW
             for k, n in enumerate(nodes)
         ]

@@ -27,9 +27,10 @@
    (`_Planner.edge`: AllReduce of partial values, then the cheapest Slice / AllGather /
    AlltoAll steps). A partial scalar (a loss, a sum over the batch) and a partial returned
    value are all-reduced right where they are made (consumer -1), so the loss is one value on
-   every rank. A whole value that a consumer wants partial (the bias of a row-parallel
-   ``F.linear``) is kept on the first rank of those axes and zero on the others
-   (`EdgePlan.kept`).
+   every rank; a cross entropy / NLL mean is averaged by the targets each rank counted
+   (`_losses.weighted_mean`: ``ignore_index``, class weights). A whole value that a consumer
+   wants partial (the bias of a row-parallel ``F.linear``) is kept on the first rank of those
+   axes and zero on the others (`EdgePlan.kept`).
 5. `_backward.plan_backward`: where a replicated value's gradient is made the same on every
    replica (Megatron's ``f``) because that saves the adjoints of forward AllReduces and the
    gradient reduction of replicated parameters.
@@ -50,6 +51,7 @@ from shardwise.planner._backward import plan_backward
 from shardwise.planner._follow import _Follow
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
+from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
 from shardwise.planner._placement import (
     DatasetStrategy,
     Placements,
@@ -173,6 +175,8 @@ class _Planner(_Follow):
         shapes = tuple(o.shape for o in node.outputs)
         values = tuple(str(r) for r in node.inputs)
         in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
+        target = self.graph.info(node.inputs[1]) if len(node.inputs) > 1 else None
+        local = WEIGHTED_MEAN if placed and weighted_mean(node, placed[0], target) else ""
         self.nodes.append(
             NodePlan(
                 node.index,
@@ -184,7 +188,7 @@ class _Planner(_Follow):
                 shapes,
                 (),
                 values,
-                "",
+                local,
                 in_shapes,
                 dtypes=tuple(o.dtype for o in node.outputs),
             )

@@ -1,0 +1,140 @@
+"""A mean loss whose ranks count different targets equals the single-device mean.
+
+``F.cross_entropy`` / ``F.nll_loss`` with ``reduction="mean"`` divide by the targets they count
+(not ``ignore_index``; each weighted by its class's ``weight``). With the rows split over ranks
+and padding in some rows only, the ranks count differently, and the mean of their means is not
+the single-device loss. In semi_auto the plan marks such a loss (``NodePlan.local ==
+"weighted_mean"``) and its one AllReduce carries the pair (mean x counted, counted): the loss
+and every gradient equal one device's, with the same collectives as before (the loss's
+AllReduce two elements instead of one).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2, gpt2_hf, recording_step, token_batches
+
+STEPS, BATCH = 2, 8
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@functools.cache
+def padded(ignore: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches whose first half of rows is padded (`ignore` targets): the first quarter
+    wholly, the second partly; so 2 or 4 ranks count different targets (the first of 4: none)."""
+    out = []
+    for x, y in token_batches(STEPS, BATCH):
+        y = y.clone()
+        y[: BATCH // 4] = ignore
+        y[BATCH // 4 : BATCH // 2, 5:] = ignore
+        out.append((x, y))
+    return out
+
+
+def gpt2_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return net(x, y)[1]  # type: ignore[no-any-return]
+
+
+def hf_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = net(input_ids=x, labels=y).loss  # (HF shifts the labels itself)
+    return out
+
+
+MODELS = {"gpt2": (GPT2, gpt2_loss, -1), "gpt2_hf": (gpt2_hf, hf_loss, -100)}  # (nanoGPT: -1)
+
+
+@functools.cache
+def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    make, loss_of, ignore = MODELS[name]
+    net = make()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, eps=1e-6)
+    losses, grads = [], []
+    step = recording_step(net, opt, loss_of, grads)
+    for x, y in padded(ignore):
+        losses.append(step(x, y).detach())
+    return losses, grads
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("gpt2", 2), ("gpt2", 4), ("gpt2_hf", 4)])
+def test_padded_targets_match_one_device(name: str, world_size: int) -> None:
+    make, loss_of, ignore = MODELS[name]
+    want_losses, want_grads = single_device(name)
+    net = make()
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, eps=1e-6)
+        seen: list[dict[str, torch.Tensor]] = []
+        parallel = sw.AutoParallel(
+            recording_step(net, opt, loss_of, seen), parallel_mode="semi_auto"
+        )
+        with CommRecorder() as rec:
+            for s, (x, y) in enumerate(padded(ignore)):
+                loss = parallel(world.rows(x), world.rows(y))
+                assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
+                assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+    ranks = tuple(range(world_size))
+    want = {("AllReduce", "forward", ranks): STEPS, ("AllReduce", "backward", ranks): STEPS}
+    assert rec.kinds() == Counter(want), rec.summary()
+    forward = [r.numel for r in rec.records if r.phase == "forward"]
+    assert forward == [2] * STEPS, forward  # (the pair: the loss x counted, counted)
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+WEIGHT = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5])
+
+
+def weighted_ce(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(net(x), y, weight=WEIGHT, ignore_index=4)
+
+
+def smoothed_ce(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    # (label smoothing: DTensor's rules gather the logits, the loss runs whole on every rank)
+    return F.cross_entropy(net(x), y, weight=WEIGHT, ignore_index=4, label_smoothing=0.1)
+
+
+def nll(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.nll_loss(F.log_softmax(net(x), -1), y, weight=WEIGHT)
+
+
+@pytest.mark.parametrize(
+    "loss_of", [weighted_ce, smoothed_ce, nll], ids=["cross_entropy", "smoothed", "nll_loss"]
+)
+def test_class_weights_match_one_device(loss_of: object) -> None:
+    """Class weights: each rank's targets weigh differently, even with nothing ignored."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.tensor([0, 3, 3, 1, 2, 4, 0, 3])
+    ref = Classifier()
+    want = loss_of(ref, x, y)  # type: ignore[operator]
+    want.backward()
+    net = Classifier()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        grads: list[dict[str, torch.Tensor]] = []
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        parallel = sw.AutoParallel(
+            recording_step(net, opt, loss_of, grads), parallel_mode="semi_auto"
+        )
+        loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        assert_matches_single_device(
+            grads[0], {n: p.grad for n, p in ref.named_parameters()}, what="grads"
+        )
