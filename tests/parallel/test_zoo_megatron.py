@@ -8,8 +8,8 @@ groups). Every other op runs data parallel, as semi_auto says.
 
 Two training steps equal one device on the global batch: the loss and every gradient (each
 rank's block of it), 1e-5 relative, on 2 (1 x 2), 4 (2 x 2) and 8 (2 x 4) simulated ranks, and
-with optimizer parallel (hsdp levels 1-3) on 4. The collectives are asserted exactly, per
-layer (over the mp axis):
+with optimizer parallel (hsdp levels 1-3) on 4. The collectives are asserted exactly (with
+hsdp: `hsdp_kinds`), per layer (over the mp axis):
 
 - forward: 2 AllGathers (the residual stream's rows gathered for ``c_attn`` and for ``c_fc``,
   which take the rows over dp only), 2 AlltoAlls (``split(n_embd, dim=2)`` cannot keep
@@ -193,21 +193,43 @@ def test_megatron_gpt2_matches_one_device(dp: int, mp: int) -> None:
         assert node.rule == "user"
 
 
+def hsdp_kinds(level: str) -> Counter[tuple[str, str, tuple[int, ...]]]:
+    """The exact collectives of one hsdp step at 2 x 2: the tensor-parallel ones of the plain
+    run, and instead of its two gradient AllReduces, per bucket (the whole parameters over all
+    4 ranks, the mp-split ones over dp) one AllGather forward and one ReduceScatter (at the
+    optimizer's step for level 1, in backward for levels 2-3), level 3 gathering again in
+    backward."""
+    want = per_layer(2, 2)
+    world, dp_group = (0, 1, 2, 3), (0, 2)
+    reduce_phase = "step" if level == "level1" else "backward"
+    for group in (world, dp_group):
+        del want[("AllReduce", "backward", group)]
+        want[("AllGather", "forward", group)] += 1
+        want[("ReduceScatter", reduce_phase, group)] += 1
+        if level == "level3":
+            want[("AllGather", "backward", group)] += 1
+    return want
+
+
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])
 def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
     """hsdp on top of 2 x 2 tensor parallel: each parameter block sharded over its dp
-    replicas (threshold 0); losses and updated parameters equal one device's."""
+    replicas (threshold 0); the loss, every gradient (the shard each rank updates, read after
+    ``opt.step()``: level 1 reduces at the step) and every updated parameter equal one
+    device's, and the collectives are exactly `hsdp_kinds`."""
     want = reference()
     net = megatron(GPT2(), 2, 2)
     with simulated_world(4) as world:
         world.replicate(net)
         opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        grads: list[dict[str, torch.Tensor]] = []
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = net(x, y)[1]
             assert loss is not None
             loss.backward()
             opt.step()
+            grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
             opt.zero_grad()
             return loss
 
@@ -217,22 +239,13 @@ def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
                 loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
             plan = parallel.optimizer_plan
-            assert plan is not None
+            assert plan is not None and len(plan.buckets) == 2
             for name, p in net.named_parameters():
+                assert_matches_single_device(
+                    grads[s][name], shard_of(parallel, name, want[s][1][name]), what=f"{name}.grad"
+                )
                 full = want[s][2][name]
                 assert_matches_single_device(
                     p.detach(), shard_of(parallel, name, full), what=f"step {s} {name}"
                 )
-            kinds = rec.kinds()
-            # the tensor-parallel collectives are those of the plain run; the gradient
-            # buckets' AllReduces become hsdp's AllGather / ReduceScatter per bucket
-            tp = per_layer(2, 2)
-            for key in list(tp):
-                if key[0] == "AllReduce" and key[1] == "backward" and key[2] != (0, 1):
-                    del tp[key]
-            assert all(kinds[k] == v for k, v in tp.items()), rec.summary()
-            buckets = len(plan.buckets)
-            gathers = sum(v for k, v in kinds.items() if k[0] == "AllGather") - 2 * LAYERS
-            scatters = sum(v for k, v in kinds.items() if k[0] == "ReduceScatter") - 2 * LAYERS
-            assert gathers == buckets * (2 if level == "level3" else 1), rec.summary()
-            assert scatters == buckets, rec.summary()
+            assert rec.kinds() == hsdp_kinds(level), rec.summary()
