@@ -31,12 +31,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..optim.test_hsdp import shard_of
-from ..zoo import GPT2, GPT2Config, Llama, recording_step, token_batches
+from ..zoo import GPT2, CausalSelfAttention, GPT2Config, Llama, recording_step, token_batches
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}
@@ -138,7 +139,7 @@ def block_of(
     plan = parallel.parallel_plan
     assert plan is not None
     layout = plan.params[name].layout
-    return lambda r: full[layout.local_slice(r, tuple(full.shape))]
+    return lambda r: full[layout.local_index(r, tuple(full.shape))]  # (strided: an index list)
 
 
 def per_layer(dp: int, mp: int) -> Counter[tuple[str, str, tuple[int, ...]]]:
@@ -249,3 +250,63 @@ def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
                     p.detach(), shard_of(parallel, name, full), what=f"step {s} {name}"
                 )
             assert rec.kinds() == hsdp_kinds(level), rec.summary()
+
+
+# docs/ops.md: attention annotated by wrapping the function (batch over dp, heads over mp)
+SDPA_2X2 = sw.shard(F.scaled_dot_product_attention, in_strategy=((2, 2, 1, 1),) * 3)
+
+
+class HeadsSplitAttention(CausalSelfAttention):
+    """nanoGPT's attention with one line changed: `SDPA_2X2` called in place of
+    ``F.scaled_dot_product_attention``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        y = SDPA_2X2(q, k, v, is_causal=True, dropout_p=0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))
+        return out
+
+
+@pytest.mark.parametrize("qkv", ["plain", "strided"])
+def test_megatron_gpt2_with_sdpa_function_form(qkv: str) -> None:
+    """``sw.shard(F.scaled_dot_product_attention, in_strategy=((dp, mp, 1, 1),) * 3)`` in every
+    block at 2 x 2, on the Megatron annotation: loss and every gradient equal one device's.
+    With the plain column-parallel ``c_attn`` the heads are not split where attention starts:
+    per layer, q, k and v each move rows -> heads (3 AlltoAlls after the split's
+    columns -> rows, 4 in all), and ``c_proj`` then reads the heads as its columns (none
+    there): 4 AlltoAlls a layer instead of 2, each way. With ``c_attn`` strided (the fused
+    projection's heads split, tests/parallel/test_fused_qkv.py) they already are: no AlltoAll."""
+    want = reference()
+    net = megatron(GPT2(), 2, 2)
+    layout = sw.Layout((2, 2), ("dp", "mp"))
+    for block in net.transformer.h:
+        if qkv == "strided":  # q, k and v each split by heads over mp
+            strided = (layout("dp", "None"), layout(sw.strided("mp", 3), "None"))
+            sw.shard(block.attn.c_attn, in_strategy=strided)
+        block.attn.__class__ = HeadsSplitAttention  # (the one-line change, on the same weights)
+    kinds = per_layer(2, 2)
+    for phase in ("forward", "backward"):
+        kinds[("AlltoAll", phase, (0, 1))] = 4 * LAYERS if qkv == "plain" else 0
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        seen: list[dict[str, torch.Tensor]] = []
+        step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for s, (x, y) in enumerate(batches()):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            assert set(seen[s]) == set(want[s][1])
+            for name, grad in seen[s].items():
+                full = want[s][1][name]
+                assert_matches_single_device(
+                    grad, block_of(parallel, name, full), what=f"step {s} {name}.grad"
+                )
+            assert rec.kinds() == +kinds, rec.summary()
