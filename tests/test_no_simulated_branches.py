@@ -13,7 +13,10 @@ other strings are not code) and reports, as ``file:line: what``:
   (the simulated rank is a per-rank symbolic int, so such a test is a simulated-world check);
 - an identifier (name, attribute, function, class, argument, import alias) containing
   ``simulated`` or ``_sim``, or naming the simulation's own types (``LocalTensor``,
-  ``_local_tensors``, ``LocalIntNode``, ``SymInt``).
+  ``_local_tensors``, ``LocalIntNode``, ``SymInt``);
+- a count of the ranks a process runs compared with something: ``len(comm.process_ranks())``,
+  or ``len(x)`` where the module assigns ``x = ...process_ranks()``, in a comparison (several
+  ranks per process means a simulated world: ask ``communication.holds_several_ranks``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,47 @@ def _identifiers(node: ast.AST) -> list[str]:
     return []
 
 
+def _calls_process_ranks(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name == "process_ranks"
+
+
+def _target_key(node: ast.AST) -> str | None:
+    """``x`` or ``self.x`` as a key (None for other targets)."""
+    if isinstance(node, ast.Name | ast.Attribute):
+        return ast.unparse(node)
+    return None
+
+
+def _process_rank_holders(tree: ast.AST) -> set[str]:
+    """The names (``x``, ``self._ranks``) the module assigns ``...process_ranks()`` to."""
+    held = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _calls_process_ranks(node.value):
+            held |= {k for t in node.targets if (k := _target_key(t)) is not None}
+        elif isinstance(node, ast.AnnAssign | ast.NamedExpr) and _calls_process_ranks(node.value):
+            key = _target_key(node.target)
+            if key is not None:
+                held.add(key)
+    return held
+
+
+def _counts_process_ranks(node: ast.AST, held: set[str]) -> bool:
+    """Whether `node` is ``len(<...process_ranks()>)`` or ``len(<a name holding them>)``."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "len"
+        and len(node.args) == 1
+    ):
+        return False
+    arg = node.args[0]
+    return _calls_process_ranks(arg) or _target_key(arg) in held
+
+
 def violations(source: str, where: str) -> list[str]:
     """Every place in `source` (a module's text) that asks whether the world is simulated, as
     ``where:line: what``."""
@@ -99,7 +143,13 @@ def violations(source: str, where: str) -> list[str]:
     def report(node: ast.AST, what: str) -> None:
         found.append(f"{where}:{getattr(node, 'lineno', '?')}: {what}")
 
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    held = _process_rank_holders(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(
+            _counts_process_ranks(s, held) for s in [node.left, *node.comparators]
+        ):
+            report(node, f"counts the ranks of this process: {ast.unparse(node)}")
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if _is_sim_module(alias.name):
@@ -150,8 +200,8 @@ def test_no_module_outside_communication_asks_whether_the_world_is_simulated() -
     ]
     assert not found, (
         "these modules ask whether they run in a simulated world; use shardwise.communication's "
-        "process_ranks / rank_value / own_group / rank_parts / file_rank instead:\n  "
-        + "\n  ".join(found)
+        "process_ranks / holds_several_ranks / rank_value / own_group / rank_parts / file_rank "
+        "instead:\n  " + "\n  ".join(found)
     )
 
 
@@ -182,6 +232,9 @@ def test_allowed_modules_still_need_their_exemption() -> None:
         ("def _simulated():\n    return 1\n", "identifier '_simulated'"),
         ("if _materialize_simulated(x):\n    pass\n", "identifier '_materialize_simulated'"),
         ("x = t._local_tensors[0]\n", "identifier '_local_tensors'"),
+        ("if len(comm.process_ranks()) == 1:\n    pass\n", "counts the ranks of this process"),
+        ("ranks = comm.process_ranks()\nif len(ranks) != 1:\n    pass\n", "counts the ranks"),
+        ("self._r = process_ranks()\nok = 1 < len(self._r)\n", "counts the ranks"),
     ],
 )
 def test_the_scan_finds(code: str, what: str) -> None:
@@ -197,5 +250,7 @@ msg = "inside simulated_world, pass shard_id"
 ok = isinstance(world_size, int) and type(shard) is int
 from shardwise import communication as comm
 ranks = comm.process_ranks()
+first = ranks[0] if 0 in ranks else len(ranks)
+many = len(other_ranks) > 1 and len(comm.get_ranks()) == 2
 '''
     assert violations(code, "m.py") == []

@@ -1,7 +1,8 @@
-"""`process_ranks`, `rank_value`, `own_group`, `rank_parts`, `file_rank`: the same questions
-answered outside a job, in a 1-rank job (one rank per process, as in a real job) and in a
-simulated world (one process running every rank). Real multi-rank jobs run them through
-tests/multiprocess (redistribution, optimizer parallel, data parallel, delayed init)."""
+"""`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
+`file_rank`: the same questions answered outside a job, in a 1-rank job (one rank per process,
+as in a real job) and in a simulated world (one process running every rank). Real multi-rank
+jobs run them through tests/multiprocess (redistribution, optimizer parallel, data parallel,
+delayed init)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from shardwise.testing import assert_matches_single_device, simulated_world
 
 def test_outside_a_job() -> None:
     assert comm.process_ranks() == (0,)
+    assert not comm.holds_several_ranks()
     assert comm.file_rank() == (0, 1)
     t = torch.ones(2)
     assert comm.rank_parts(t) == [t]
@@ -29,6 +31,7 @@ def test_one_rank_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     comm.init()
     try:
         assert comm.process_ranks() == (0,)
+        assert not comm.holds_several_ranks()
         assert comm.file_rank() == (0, 1)
         got = comm.rank_value(lambda r: {"r": r + 5, "t": torch.full((1,), float(r))})
         assert got["r"] == 5 and torch.equal(got["t"], torch.zeros(1))
@@ -42,6 +45,7 @@ def test_one_rank_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_rank_in_one_process() -> None:
     with simulated_world(4) as world:
         assert comm.process_ranks() == (0, 1, 2, 3)
+        assert comm.holds_several_ranks()
         assert comm.file_rank() == (0, 1)
         coord = comm.rank_value(lambda r: r % 2)  # a per-rank int
         x = world.rank_map(lambda r: torch.arange(4.0))

@@ -1,4 +1,4 @@
-"""A GPT-style block under Megatron-style strategies (`testing.models`), 8 simulated ranks.
+"""A GPT-style block under Megatron-style strategies (`testing.models`), 8 (and 4) simulated ranks.
 
 The block: vocab-parallel embedding (Gather, masked lookup), causal attention with BatchMatMul /
 Softmax / Dropout (heads over mp), row-parallel projection, GeLU MLP (column- then
@@ -171,3 +171,63 @@ def test_gpt_block_train_step_other_grids(dp: int, mp: int) -> None:
                     assert_matches_single_device(
                         p.detach(), lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)]
                     )
+
+
+# dp=2, mp=2 on 4 ranks: (g0, g1) = (2, 2), dp = g0, mp = g1; groups holding rank 0.
+W4, MP2, DP2 = (0, 1, 2, 3), (0, 1), (0, 2)
+# The train-step form at 2 x 2, written out: bench/gpt_block.py's `megatron_bound` counts 11
+# (6 AllReduce over mp, 2 AlltoAll over mp, 1 AllGather of the ids, the loss value over all
+# ranks, one gradient bucket over dp); these are those 11 and nothing else.
+BOUND_2X2 = Counter(
+    {
+        ("AllGather", "forward", MP2): 1,  # ids, split over dp only for the lookup
+        ("AllReduce", "forward", MP2): 3,  # embedding, proj, fc2 outputs
+        ("AlltoAll", "forward", MP2): 1,  # logits vocab columns -> token rows
+        ("AllReduce", "forward", W4): 1,  # the loss value
+        ("AlltoAll", "backward", MP2): 1,  # and back
+        ("AllReduce", "backward", MP2): 3,  # gradients at the q/k/v, fc1 and head inputs
+        ("AllReduce", "backward", DP2): 1,  # every parameter's mp-block, one bucket
+    }
+)
+
+
+def test_gpt_block_2x2_train_step_is_the_megatron_bound() -> None:
+    """dp 2 x mp 2 on 4 ranks, train-step form: exactly the 11 collectives above each step, and
+    the loss and every gradient block (read inside the step, before the update) equal the
+    single-device run's."""
+    batches = gpt_batches(CFG, BATCH, STEPS)
+    losses, states = single_device(batches)
+    net = GPTBlock(CFG, megatron_strategies(2, 2))
+    grads: dict[str, torch.Tensor] = {}
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+        def train_step(ids: torch.Tensor, onehot: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(ids, onehot)
+            loss.backward()
+            grads.update(
+                {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+            )
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(train_step)
+        torch.manual_seed(0)
+        for step, (ids, onehot) in enumerate(batches):
+            grads.clear()
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(ids), world.rows(onehot))
+            assert rec.kinds() == BOUND_2X2, rec.summary()
+            assert sum(rec.kinds().values()) == 11
+            assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
+            plan = parallel.parallel_plan
+            assert plan is not None
+            assert set(grads) == {n for n, _ in net.named_parameters()}
+            for name, grad in grads.items():
+                layout, shape = plan.param_layouts()[name]
+                full = states[step][f"{name}.grad"]
+                assert_matches_single_device(
+                    grad, lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)], what=name
+                )

@@ -8,8 +8,8 @@ groups). Every other op runs data parallel, as semi_auto says.
 
 Two training steps equal one device on the global batch: the loss and every gradient (each
 rank's block of it), 1e-5 relative, on 2 (1 x 2), 4 (2 x 2) and 8 (2 x 4) simulated ranks, and
-with optimizer parallel (hsdp levels 1-3) on 4. The collectives are asserted exactly, per
-layer (over the mp axis):
+with optimizer parallel (hsdp levels 1-3) on 4. The collectives are asserted exactly (with
+hsdp: `hsdp_kinds`), per layer (over the mp axis):
 
 - forward: 2 AllGathers (the residual stream's rows gathered for ``c_attn`` and for ``c_fc``,
   which take the rows over dp only), 2 AlltoAlls (``split(n_embd, dim=2)`` cannot keep
@@ -31,12 +31,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..optim.test_hsdp import shard_of
-from ..zoo import GPT2, GPT2Config, Llama, recording_step, token_batches
+from ..zoo import GPT2, CausalSelfAttention, GPT2Config, Llama, recording_step, token_batches
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}
@@ -138,7 +139,7 @@ def block_of(
     plan = parallel.parallel_plan
     assert plan is not None
     layout = plan.params[name].layout
-    return lambda r: full[layout.local_slice(r, tuple(full.shape))]
+    return lambda r: full[layout.local_index(r, tuple(full.shape))]  # (strided: an index list)
 
 
 def per_layer(dp: int, mp: int) -> Counter[tuple[str, str, tuple[int, ...]]]:
@@ -193,21 +194,43 @@ def test_megatron_gpt2_matches_one_device(dp: int, mp: int) -> None:
         assert node.rule == "user"
 
 
+def hsdp_kinds(level: str) -> Counter[tuple[str, str, tuple[int, ...]]]:
+    """The exact collectives of one hsdp step at 2 x 2: the tensor-parallel ones of the plain
+    run, and instead of its two gradient AllReduces, per bucket (the whole parameters over all
+    4 ranks, the mp-split ones over dp) one AllGather forward and one ReduceScatter (at the
+    optimizer's step for level 1, in backward for levels 2-3), level 3 gathering again in
+    backward."""
+    want = per_layer(2, 2)
+    world, dp_group = (0, 1, 2, 3), (0, 2)
+    reduce_phase = "step" if level == "level1" else "backward"
+    for group in (world, dp_group):
+        del want[("AllReduce", "backward", group)]
+        want[("AllGather", "forward", group)] += 1
+        want[("ReduceScatter", reduce_phase, group)] += 1
+        if level == "level3":
+            want[("AllGather", "backward", group)] += 1
+    return want
+
+
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])
 def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
     """hsdp on top of 2 x 2 tensor parallel: each parameter block sharded over its dp
-    replicas (threshold 0); losses and updated parameters equal one device's."""
+    replicas (threshold 0); the loss, every gradient (the shard each rank updates, read after
+    ``opt.step()``: level 1 reduces at the step) and every updated parameter equal one
+    device's, and the collectives are exactly `hsdp_kinds`."""
     want = reference()
     net = megatron(GPT2(), 2, 2)
     with simulated_world(4) as world:
         world.replicate(net)
         opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        grads: list[dict[str, torch.Tensor]] = []
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = net(x, y)[1]
             assert loss is not None
             loss.backward()
             opt.step()
+            grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
             opt.zero_grad()
             return loss
 
@@ -217,22 +240,73 @@ def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
                 loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
             plan = parallel.optimizer_plan
-            assert plan is not None
+            assert plan is not None and len(plan.buckets) == 2
             for name, p in net.named_parameters():
+                assert_matches_single_device(
+                    grads[s][name], shard_of(parallel, name, want[s][1][name]), what=f"{name}.grad"
+                )
                 full = want[s][2][name]
                 assert_matches_single_device(
                     p.detach(), shard_of(parallel, name, full), what=f"step {s} {name}"
                 )
-            kinds = rec.kinds()
-            # the tensor-parallel collectives are those of the plain run; the gradient
-            # buckets' AllReduces become hsdp's AllGather / ReduceScatter per bucket
-            tp = per_layer(2, 2)
-            for key in list(tp):
-                if key[0] == "AllReduce" and key[1] == "backward" and key[2] != (0, 1):
-                    del tp[key]
-            assert all(kinds[k] == v for k, v in tp.items()), rec.summary()
-            buckets = len(plan.buckets)
-            gathers = sum(v for k, v in kinds.items() if k[0] == "AllGather") - 2 * LAYERS
-            scatters = sum(v for k, v in kinds.items() if k[0] == "ReduceScatter") - 2 * LAYERS
-            assert gathers == buckets * (2 if level == "level3" else 1), rec.summary()
-            assert scatters == buckets, rec.summary()
+            assert rec.kinds() == hsdp_kinds(level), rec.summary()
+
+
+# docs/ops.md: attention annotated by wrapping the function (batch over dp, heads over mp)
+SDPA_2X2 = sw.shard(F.scaled_dot_product_attention, in_strategy=((2, 2, 1, 1),) * 3)
+
+
+class HeadsSplitAttention(CausalSelfAttention):
+    """nanoGPT's attention with one line changed: `SDPA_2X2` called in place of
+    ``F.scaled_dot_product_attention``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)
+        y = SDPA_2X2(q, k, v, is_causal=True, dropout_p=0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))
+        return out
+
+
+@pytest.mark.parametrize("qkv", ["plain", "strided"])
+def test_megatron_gpt2_with_sdpa_function_form(qkv: str) -> None:
+    """``sw.shard(F.scaled_dot_product_attention, in_strategy=((dp, mp, 1, 1),) * 3)`` in every
+    block at 2 x 2, on the Megatron annotation: loss and every gradient equal one device's.
+    With the plain column-parallel ``c_attn`` the heads are not split where attention starts:
+    per layer, q, k and v each move rows -> heads (3 AlltoAlls after the split's
+    columns -> rows, 4 in all), and ``c_proj`` then reads the heads as its columns (none
+    there): 4 AlltoAlls a layer instead of 2, each way. With ``c_attn`` strided (the fused
+    projection's heads split, tests/parallel/test_fused_qkv.py) they already are: no AlltoAll."""
+    want = reference()
+    net = megatron(GPT2(), 2, 2)
+    layout = sw.Layout((2, 2), ("dp", "mp"))
+    for block in net.transformer.h:
+        if qkv == "strided":  # q, k and v each split by heads over mp
+            strided = (layout("dp", "None"), layout(sw.strided("mp", 3), "None"))
+            sw.shard(block.attn.c_attn, in_strategy=strided)
+        block.attn.__class__ = HeadsSplitAttention  # (the one-line change, on the same weights)
+    kinds = per_layer(2, 2)
+    for phase in ("forward", "backward"):
+        kinds[("AlltoAll", phase, (0, 1))] = 4 * LAYERS if qkv == "plain" else 0
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        seen: list[dict[str, torch.Tensor]] = []
+        step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for s, (x, y) in enumerate(batches()):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            assert set(seen[s]) == set(want[s][1])
+            for name, grad in seen[s].items():
+                full = want[s][1][name]
+                assert_matches_single_device(
+                    grad, block_of(parallel, name, full), what=f"step {s} {name}.grad"
+                )
+            assert rec.kinds() == +kinds, rec.summary()

@@ -133,7 +133,7 @@ def gpt2_reference() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]
 
 
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_gpt2_with_optimizer_parallel_matches_one_device(level: str, world_size: int) -> None:
     """hsdp on the plain-torch path: every parameter stored as a 1/n shard (threshold 0), its
     compute weight gathered for the ops; losses and updated parameters equal one device's (each

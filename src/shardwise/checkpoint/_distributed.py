@@ -132,9 +132,9 @@ def load_distributed(
         if strategy is None:
             with comm.plain_tensors():  # (the same whole tensor on every rank)
                 value = source.assemble(key, whole(shape))
-            if len(comm.process_ranks()) == 1:
+            if not comm.holds_several_ranks():
                 return value
-            # (a process running several ranks: each its own copy, their states updated apart)
+            # (each rank its own copy: their states are updated apart)
             return comm.rank_value(lambda r: value if r == 0 else value.clone())
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 

@@ -7,7 +7,8 @@ process-group functions directly.
 - `_init`: `init`, `get_rank`, `get_group_size`, `get_local_rank`, `create_group`,
   `destroy_group`, `release`.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
-  world (`process_ranks`, `rank_value`, `own_group`, `rank_parts`, `file_rank`).
+  world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
+  `file_rank`).
 - `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
@@ -45,6 +46,7 @@ from shardwise.communication._max_over_ranks import max_over_ranks
 from shardwise.communication._pairwise import pooled_bytes, release_buffers
 from shardwise.communication._ranks import (
     file_rank,
+    holds_several_ranks,
     own_group,
     process_ranks,
     rank_parts,
@@ -88,6 +90,7 @@ __all__ = [
     "get_group_size",
     "get_local_rank",
     "get_rank",
+    "holds_several_ranks",
     "init",
     "is_initialized",
     "max_over_ranks",

@@ -6,6 +6,7 @@ symbolic int. Code outside this package asks these functions instead of asking w
 is in, so tests run the code that real jobs run:
 
 - `process_ranks`: the global ranks whose work this process does (its own rank in a job).
+- `holds_several_ranks`: whether this process does the work of more than one rank.
 - `rank_value`: ``make(rank)`` for this rank: an int, a tensor, or a dict / list / tuple of
   them, computed for each rank the process runs (a per-rank value when it runs several).
 - `own_group`: this rank's group among the groups ``members_of(r)`` that partition the ranks
@@ -46,6 +47,25 @@ def process_ranks() -> tuple[int, ...]:
     if sim is not None:
         return tuple(range(sim.world_size))
     return (dist.get_rank(),)
+
+
+def holds_several_ranks() -> bool:
+    """Whether this process does the work of more than one rank at once.
+
+    The one place to ask it: code that needs this process's single plain int rank (to pick a
+    data shard, say), or that may share one object between ranks only when the process runs
+    one, asks this instead of counting `process_ranks`. Prefer `rank_value`, which needs no
+    such branch, where it fits.
+
+    Returns:
+        False in a job (one rank per process) and outside any job; True under
+        ``simulated_world(n)`` with n > 1 (every rank in this process).
+
+    Example:
+        >>> if comm.holds_several_ranks():
+        ...     raise ValueError("pass shard_id explicitly")   # no single rank to read
+    """
+    return len(process_ranks()) > 1
 
 
 def rank_value(make: Callable[[int], T]) -> T:

@@ -75,14 +75,14 @@ class ShardSetting:
 
         if not comm.is_initialized():
             return 1, 0
-        ranks = comm.process_ranks()
-        if len(ranks) != 1:
+        if comm.holds_several_ranks():
             raise ValueError(
                 f"num_shards='auto' reads the shard of the one rank a process runs, but this "
-                f"process runs {len(ranks)} ranks (simulated_world); pass num_shards and "
-                "shard_id explicitly"
+                f"process runs {len(comm.process_ranks())} ranks (simulated_world); pass "
+                "num_shards and shard_id explicitly"
             )
-        return comm.get_group_size(), ranks[0]
+        (rank,) = comm.process_ranks()
+        return comm.get_group_size(), rank
 
     @property
     def is_auto(self) -> bool:
