@@ -48,7 +48,7 @@ from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
-from shardwise.parallel._local import dropout_block, dropout_p, loss_weight
+from shardwise.parallel._local import batch_norm_split, dropout_block, dropout_p, loss_weight
 from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
@@ -343,6 +343,8 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         elif func is F.dropout:
             node = self.plan.nodes[k]
             out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)
+        elif k in table.split_norms:
+            out = batch_norm_split(args, kw, self.plan.nodes[k].outputs[0].layout)
         else:
             out = func(*args, **kw)
         weight = loss_weight(args, kw) if k in table.weighted else None

@@ -23,6 +23,8 @@
   mask of the global shape drawn as one device draws it, this rank's block of it applied.
 - A cross entropy / NLL mean over split rows (`loss_weight`, for the plan executor): the
   targets this rank counted, by which the loss's AllReduce weighs its mean.
+- A training ``F.batch_norm`` on split rows (`batch_norm_split`, for the plan executor): the
+  same statistics gather as ``"batch_stats"``, so each rank normalizes its rows as one device.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from shardwise import communication as comm
 from shardwise.layout import TensorLayout
 from shardwise.ops import BatchNorm, Dropout, Primitive
+from shardwise.ops._nn_primitives import batch_stats
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import group_for
 from shardwise.redistribution import block_offset, local_block
@@ -188,3 +191,38 @@ def loss_weight(args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
     per_target = weight.detach().float()[target.masked_fill(~kept, 0)]
     weighted: torch.Tensor = (per_target * kept).sum()
     return weighted
+
+
+_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
+
+
+def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayout) -> torch.Tensor:
+    """A training ``F.batch_norm(*args, **kw)`` on this rank's rows (of `layout`, split on dim
+    0 only: `planner.SPLIT_BATCH_NORM`), normalized with the whole batch's statistics: each
+    rank's per-channel mean and sum of squared deviations, gathered over the axes splitting
+    the rows (autograd-aware) and combined (`ops._nn_primitives.batch_stats`); the running
+    statistics updated as one device does (the unbiased variance), the same on every rank."""
+    bound = dict(zip(_BN_ARGS, args, strict=False)) | kw
+    x: torch.Tensor = bound["input"]
+    eps, momentum = float(bound.get("eps", 1e-5)), bound.get("momentum", 0.1)
+    dims = [0, *range(2, x.ndim)]
+    shape = [1, -1, *[1] * (x.ndim - 2)]
+    count = x.numel() // x.shape[1]
+    mean = x.mean(dims)
+    m2 = ((x - mean.view(shape)) ** 2).sum(dims)
+    axes = sorted(a for a in layout.dims[0] if layout.matrix.shape[a] > 1)
+    group, members = group_for(layout.matrix, axes)
+    gathered = comm.AllGather(group)(torch.stack([mean, m2])[None])  # [k, 2, C]
+    mean, m2 = batch_stats(gathered, count)
+    n = count * len(members)
+    y = (x - mean.view(shape)) * torch.rsqrt(m2.view(shape) / n + eps)
+    if bound.get("weight") is not None:
+        y = y * bound["weight"].view(shape)
+    if bound.get("bias") is not None:
+        y = y + bound["bias"].view(shape)
+    running_mean, running_var = bound.get("running_mean"), bound.get("running_var")
+    if running_mean is not None and running_var is not None and momentum is not None:
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(m2.detach() / max(n - 1, 1), alpha=momentum)
+    return y

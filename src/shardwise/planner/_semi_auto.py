@@ -43,11 +43,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torch.distributed.tensor import Replicate
+
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
 from shardwise.planner._backward import plan_backward
+from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm
 from shardwise.planner._follow import _Follow
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
@@ -149,6 +152,7 @@ class _Planner(_Follow):
     def torch_node(self, node: Node) -> None:
         self._check_random(node)
         have = [placements_of(self.state[r]) for r in node.inputs]
+        split = False
         if node.index in self.pinned:
             need, outs = self.pinned[node.index]
             rule = "user"
@@ -158,6 +162,9 @@ class _Planner(_Follow):
             layout = reshard_layout(node, self.graph.info(node.inputs[0]).shape, self.device_num)
             need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
             rule = "user"
+        elif split := split_batch_norm(node, have):  # (rows stay split, statistics shared)
+            whole = tuple(Replicate() for _ in range(self.ndim))
+            need, outs, rule = [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
         else:
             need, outs, rule = self._cheaper(node, have)
         ins = tuple(
@@ -177,6 +184,8 @@ class _Planner(_Follow):
         in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
         target = self.graph.info(node.inputs[1]) if len(node.inputs) > 1 else None
         local = WEIGHTED_MEAN if placed and weighted_mean(node, placed[0], target) else ""
+        if split:
+            local = SPLIT_BATCH_NORM
         self.nodes.append(
             NodePlan(
                 node.index,

@@ -1,0 +1,44 @@
+"""Training-mode ``F.batch_norm`` on rows split across ranks: kept split, statistics shared.
+
+DTensor's rule for a training batch norm gathers the batch (the statistics need all of it), and
+everything after the first BatchNorm of a network would then run whole on every rank.
+`split_batch_norm` tells the planner to keep the input's rows split instead (its placement in
+and out, the parameters and running statistics whole) and to mark the node
+(`NodePlan.local` = `SPLIT_BATCH_NORM`): the executor gathers each rank's per-channel mean and
+sum of squared deviations over the axes splitting the rows (one AllGather, autograd-aware),
+combines them into the whole batch's, and normalizes its rows with those (as one device would),
+updating the running statistics the same way on every rank (`parallel/_local.batch_norm_split`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from shardwise.planner._graph import Node
+
+SPLIT_BATCH_NORM = "split_batch_norm"
+"""`NodePlan.local` of a training batch norm whose rows stay split."""
+
+BATCH_NORM = "torch.nn.functional.batch_norm"
+
+
+def split_batch_norm(node: Node, have: Sequence[Sequence[Placement]]) -> bool:
+    """Whether `node` is a training-mode ``F.batch_norm`` whose input arrives split on its rows
+    only (`have`: its inputs' placements per mesh dim), which then stays split.
+
+    Example:
+        >>> split_batch_norm(node, [(Shard(0),), (Replicate(),), (Replicate(),)])  # doctest: +SKIP
+        True
+    """
+    if node.op != BATCH_NORM or not have:
+        return False
+    training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+    if training is not True:
+        return False
+    first = have[0]
+    rows = any(isinstance(p, Shard) and p.dim == 0 for p in first)
+    return rows and all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in first
+    )

@@ -1,0 +1,96 @@
+"""A training-mode ``nn.BatchNorm`` on rows split across ranks trains as on one device.
+
+In semi_auto the plan keeps a training batch norm's rows split (``NodePlan.local ==
+"split_batch_norm"``): each rank gathers only the per-channel statistics of the others' rows (one
+AllGather forward, its adjoint a ReduceScatter backward) and normalizes its own rows with the
+whole batch's. The loss, every gradient and the running statistics equal one device's; the
+evaluation-mode forward afterwards too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn2d = nn.BatchNorm2d(4, momentum=0.3)
+        self.fc = nn.Linear(4 * 6 * 6, 5)
+        self.bn1d = nn.BatchNorm1d(5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn2d(self.conv(x) * 3 + 1))  # (a mean and scale far from 0 and 1)
+        return F.cross_entropy(self.bn1d(self.fc(h.flatten(1))), y)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g))] * 2
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_batch_norm_trains_like_one_device(world_size: int) -> None:
+    data = batches()  # (made outside the world: plain tensors)
+    ref = Net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses, grads = [], []
+    for x, y in data:
+        loss = ref(x, y)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.detach())
+    net = Net()
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        seen: list[dict[str, torch.Tensor]] = []
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = net(x, y)
+            loss.backward()
+            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with CommRecorder() as rec:
+            for s, (x, y) in enumerate(data):
+                loss = parallel(world.rows(x), world.rows(y))
+                assert_matches_single_device(loss, losses[s], what=f"loss {s}")
+                assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
+        for name in ("bn2d", "bn1d"):
+            for stat in ("running_mean", "running_var", "num_batches_tracked"):
+                got, want = getattr(net, name), getattr(ref, name)
+                assert_matches_single_device(
+                    getattr(got, stat), getattr(want, stat), what=f"{name}.{stat}"
+                )
+        plan = parallel.parallel_plan
+        assert plan is not None
+        split = [n.name for n in plan.nodes if n.local == "split_batch_norm"]
+        assert split == ["bn2d/batch_norm", "bn1d/batch_norm"], split
+    ranks = tuple(range(world_size))
+    want = Counter(
+        {
+            ("AllGather", "forward", ranks): 2 * 2,  # (two norms, two steps)
+            ("ReduceScatter", "backward", ranks): 2 * 2,
+            ("AllReduce", "forward", ranks): 2,  # the loss
+            ("AllReduce", "backward", ranks): 2,  # the gradient bucket
+        }
+    )
+    assert rec.kinds() == want, rec.summary()
