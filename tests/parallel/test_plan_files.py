@@ -239,3 +239,57 @@ def test_only_trainable_params(tmp_path: Path) -> None:
             AutoParallel(Plain())
     finally:
         sw.reset_auto_parallel_context()
+
+
+def _load_into(net: nn.Module, path: Path, *inputs: torch.Tensor) -> str:
+    """The `StrategyFileError` message of `net` (2 ranks) loading the operator strategy file
+    `path` and called on `inputs`."""
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).load_operator_strategy_file(path)
+        with pytest.raises(StrategyFileError) as info:
+            parallel(*(world.rows(t) for t in inputs))
+    return str(info.value)
+
+
+def test_a_file_of_another_vocabulary_names_the_embedding_weight(tmp_path: Path) -> None:
+    """nanoGPT saved with a 64-token vocabulary, loaded by one of 80: the message names the
+    first real difference, the (tied) embedding weight and both shapes, not the head's op."""
+    (x, y), *_ = token_batches(1, 8)
+    saved = GPT2(vocab_size=64)
+    with simulated_world(2) as world:
+        world.replicate(saved)
+        first = AutoParallel(saved)
+        first(world.rows(x), world.rows(y))
+        first.save_operator_strategy_file(tmp_path / "ops.json")
+    message = _load_into(GPT2(vocab_size=80), tmp_path / "ops.json", x, y)
+    assert message == (
+        f"{tmp_path / 'ops.json'}: parameter 'transformer.wte.weight' has shape [64, 32] in "
+        f"the file, [80, 32] in this network"
+    )
+
+
+class MeanOverTime(nn.Module):
+    """A mean over dim 1 first: another sequence length changes its input, not its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x.mean(1))
+        return out
+
+
+def test_an_op_whose_input_differs_is_named_at_that_op(tmp_path: Path) -> None:
+    """Saved for 16 steps, called with 12: the mean's output shapes agree, its input does not;
+    the message names that op, the input and both shapes (nothing else differs)."""
+    net, x, shorter = MeanOverTime(), torch.randn(8, 16, 4), torch.randn(8, 12, 4)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        first = AutoParallel(net)
+        first(world.rows(x))
+        first.save_operator_strategy_file(tmp_path / "ops.json")
+    message = _load_into(MeanOverTime(), tmp_path / "ops.json", shorter)
+    assert message.startswith(f"{tmp_path / 'ops.json'}: op %0 ")
+    assert "(input:args[0]) of shape [8, 16, 4] in the file, [8, 12, 4] in this network" in message

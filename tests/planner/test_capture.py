@@ -101,3 +101,22 @@ class NonzeroInForward(nn.Module):
 def test_values_in_the_forward_name_the_op_and_line(net: nn.Module, match: str) -> None:
     with pytest.raises(CaptureError, match=match):
         capture(net, torch.ones(2, 4))
+
+
+class ScaleByMax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().max().item()  # a Python number from a tensor
+        return x / scale
+
+
+def test_item_in_the_forward_names_the_op_the_line_and_the_fix() -> None:
+    """``.item()`` in the forward: the error names ``item``, the user's file:line and what to do
+    instead (fake tensors have no values to turn into a number)."""
+    line = ScaleByMax.forward.__code__.co_firstlineno + 1
+    with pytest.raises(CaptureError) as info:
+        capture(ScaleByMax(), torch.ones(2, 4))
+    assert str(info.value) == (
+        f"torch.Tensor.item at test_capture.py:{line} reads a tensor's value while the network "
+        f"is captured (fake tensors have no values); keep values out of the forward (log the "
+        f"loss after loss.backward(), use torch.where instead of Python if on a tensor)"
+    )

@@ -46,9 +46,17 @@ def run(tmp_path: Path, level: str | None, shard_size: int = -1) -> tuple[CommRe
     return recorders[-1], tmp_path
 
 
-def section(path: Path) -> list[tuple[str, str, str, tuple[int, ...], int]]:
+HSDP = "# optimizer parallel: hsdp("
+BUCKETS = "# gradient buckets (no optimizer parallel); collectives per training step"
+
+
+def section(path: Path, header: str = HSDP) -> list[tuple[str, str, str, tuple[int, ...], int]]:
+    """The section's collectives (its header checked: `HSDP` or `BUCKETS`)."""
     text = path.read_text()
-    assert "# optimizer parallel: hsdp(" in text
+    assert header in text
+    if header == BUCKETS:  # (hsdp never asked for: the section does not claim it)
+        assert "hsdp(" not in text and "optimizer-parallel bytes" not in text
+        assert "# gradient-bucket bytes this rank sends per step: " in text
     out = []
     for line in text.splitlines():
         if line.startswith("%opt"):
@@ -98,9 +106,10 @@ def test_level3_lists_the_backward_gathers(tmp_path: Path) -> None:
 
 def test_without_hsdp_lists_the_gradient_buckets(tmp_path: Path) -> None:
     """Without hsdp: one AllReduce per 25 MB gradient bucket, here one for the whole MLP (every
-    parameter replicated on all 8 ranks), its bytes those of the recorded step."""
+    parameter replicated on all 8 ranks), its bytes those of the recorded step; the header says
+    gradient buckets, no optimizer parallel (not ``hsdp(...)``)."""
     rec, root = run(tmp_path, None)
-    got = section(root / "rank_0" / "execute.ir")
+    got = section(root / "rank_0" / "execute.ir", BUCKETS)
     everyone = tuple(range(8))
     names = "layer3.bias, layer3.weight, layer2.bias, layer2.weight, layer1.bias, layer1.weight"
     assert [(k, n, w, g) for k, n, w, g, _ in got] == [("AllReduce", names, "backward", everyone)]

@@ -233,11 +233,14 @@ class Bucket:
 
 @dataclass(frozen=True)
 class OptimizerPlan:
-    """Every parameter's `ParamShard` and the buckets of its collectives."""
+    """Every parameter's `ParamShard` and the buckets of its collectives; ``optimizer_parallel``
+    False: planned without hsdp (nothing sharded, gradient AllReduce buckets only; ``config``
+    is then the unused default)."""
 
     config: HsdpConfig
     params: tuple[ParamShard, ...]
     buckets: tuple[Bucket, ...]
+    optimizer_parallel: bool = True
 
     def param(self, name: str) -> ParamShard:
         for p in self.params:
@@ -246,7 +249,8 @@ class OptimizerPlan:
         raise KeyError(name)
 
     def __str__(self) -> str:
-        lines = [f"OptimizerPlan {self.config}:"]
+        what = self.config if self.optimizer_parallel else "(no optimizer parallel)"
+        lines = [f"OptimizerPlan {what}:"]
         for p in self.params:
             how = f"sharded {p.shard}-way -> {list(p.shard_shape)}" if p.sharded else p.reason
             lines.append(f"  {p.info.name} {list(p.info.block)} fusion={p.info.fusion}: {how}")
@@ -360,4 +364,4 @@ def plan_optimizer(
             bucket = Bucket("shard" if kind == "shard" else "allreduce", names, axes, shard, fid)
             buckets.append((index[names[0]], bucket))
     ordered = tuple(b for _, b in sorted(buckets, key=lambda t: t[0]))
-    return OptimizerPlan(config or HsdpConfig(), shards, ordered)
+    return OptimizerPlan(config or HsdpConfig(), shards, ordered, config is not None)

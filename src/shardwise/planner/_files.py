@@ -8,8 +8,9 @@
   ``only_trainable_params``). Files are written atomically (`write_text_atomically`: a
   temporary name in the same folder, then renamed), so ranks writing the same path never
   leave half a file.
-- `check_matches`: a loaded plan against a freshly planned one of the same network: the first
-  difference (device count, op, shape, parameter) is a `StrategyFileError` naming it;
+- `check_matches`: a loaded plan against a freshly planned one of the same network: the earliest
+  difference (device count, a resized parameter, an op or its inputs' / outputs' shapes, the op
+  count, a missing or extra parameter) is a `StrategyFileError` naming it;
   `check_device_count` / `check_params` (a file's parameters against the network's global
   shapes) are its parts, also used before planning with a loaded file's layouts.
 """
@@ -24,6 +25,7 @@ from typing import Any
 from shardwise._atomic import write_text_atomically
 from shardwise.planner._plan import (
     FORMAT,
+    NodePlan,
     ParallelPlan,
     ParamPlan,
     matrix_d,
@@ -108,23 +110,48 @@ def load_param_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamPlan
 
 
 def check_matches(loaded: ParallelPlan, fresh: ParallelPlan, path: str | Path) -> None:
-    """Raise `StrategyFileError` at the first way `loaded` does not fit the network `fresh` was
-    planned for (same device count, same ops in the same order with the same shapes, same
-    parameters)."""
+    """Raise `StrategyFileError` at the earliest way `loaded` does not fit the network `fresh`
+    was planned for, in this order: the device count; a parameter of another shape (the cause
+    of every shape difference after it: a GPT-2 of another vocabulary is named by its embedding
+    weight, not by the head's logits); the ops in order (name, op, inputs' and outputs' global
+    shapes: an op whose inputs differ is named at that op, with the input); the op count; a
+    parameter missing or extra."""
     check_device_count(loaded.device_num, fresh.device_num, path)
+    shapes = {n: p.shape for n, p in fresh.params.items()}
+    both = {n: p for n, p in loaded.params.items() if n in shapes}
+    check_params(both, {n: s for n, s in shapes.items() if n in both}, path)
     for a, b in zip(loaded.nodes, fresh.nodes, strict=False):
-        if (a.name, a.op, a.shapes) != (b.name, b.op, b.shapes):
-            raise StrategyFileError(
-                f"{path}: op %{a.index} is {a.name} ({a.op}, output shapes "
-                f"{[list(s) for s in a.shapes]}) in the file but {b.name} ({b.op}, "
-                f"{[list(s) for s in b.shapes]}) in this network; the file belongs to another "
-                f"network or batch size"
-            )
+        _check_node(a, b, path)
     if len(loaded.nodes) != len(fresh.nodes):
         raise StrategyFileError(
             f"{path}: the file has {len(loaded.nodes)} ops, this network {len(fresh.nodes)}"
         )
-    check_params(loaded.params, {n: p.shape for n, p in fresh.params.items()}, path)
+    check_params(loaded.params, shapes, path)
+
+
+def _check_node(a: NodePlan, b: NodePlan, path: str | Path) -> None:
+    """Raise `StrategyFileError` when op `a` of the file is not op `b` of this network: another
+    op or name, an input of another shape (compared when the file records the inputs' shapes),
+    another output shape."""
+    fix = "the file belongs to another network or batch size"
+    if (a.name, a.op) == (b.name, b.op) and a.in_shapes and a.in_shapes != b.in_shapes:
+        if len(a.in_shapes) != len(b.in_shapes):
+            raise StrategyFileError(
+                f"{path}: op %{a.index} {a.name} ({a.op}) has {len(a.in_shapes)} tensor inputs "
+                f"in the file, {len(b.in_shapes)} in this network; {fix}"
+            )
+        i = next(i for i, (x, y) in enumerate(zip(a.in_shapes, b.in_shapes, strict=True)) if x != y)
+        value = f" ({b.values[i]})" if i < len(b.values) else ""
+        raise StrategyFileError(
+            f"{path}: op %{a.index} {a.name} ({a.op}) has input {i}{value} of shape "
+            f"{list(a.in_shapes[i])} in the file, {list(b.in_shapes[i])} in this network; {fix}"
+        )
+    if (a.name, a.op, a.shapes) != (b.name, b.op, b.shapes):
+        raise StrategyFileError(
+            f"{path}: op %{a.index} is {a.name} ({a.op}, output shapes "
+            f"{[list(s) for s in a.shapes]}) in the file but {b.name} ({b.op}, "
+            f"{[list(s) for s in b.shapes]}) in this network; {fix}"
+        )
 
 
 def check_device_count(saved: int, job: int, path: str | Path) -> None:

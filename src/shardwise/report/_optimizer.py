@@ -12,6 +12,10 @@ its members with this rank's shard shapes and the collectives the engine issues 
   shard size is smaller than the data-parallel group);
 - an all-reduce bucket: ``AllReduce`` of the gradients over the data-parallel group.
 
+The header names the hsdp settings (``# optimizer parallel: hsdp(...)``) or, for a plan made
+without hsdp (``OptimizerPlan.optimizer_parallel`` False: the gradient AllReduce buckets only),
+``# gradient buckets (no optimizer parallel)``.
+
 Each carries ``when``, ``group`` (the global ranks this rank runs it with), ``group_size`` and
 ``fusion`` (the bucket's fusion id; -1: formed by size / index); level 2 adds ``send_bytes``
 (this rank's bytes by the collective's bound). Collectives over one rank are not run, nor
@@ -50,7 +54,10 @@ def format_optimizer(plan: OptimizerPlan, matrix: DeviceMatrix, rank: int, level
         >>> print(format_optimizer(parallel_net.optimizer_plan, plan.matrix, 0))  # doctest: +SKIP
     """
     shards = {p.info.name: p for p in plan.params}
-    lines = [f"# optimizer parallel: {plan.config}; collectives per training step"]
+    what = "gradient buckets (no optimizer parallel)"
+    if plan.optimizer_parallel:
+        what = f"optimizer parallel: {plan.config}"
+    lines = [f"# {what}; collectives per training step"]
     total, count = 0, 0
     for i, bucket in enumerate(plan.buckets):
         members = ", ".join(
@@ -69,7 +76,8 @@ def format_optimizer(plan: OptimizerPlan, matrix: DeviceMatrix, rank: int, level
                 attrs += f", send_bytes: {sent}"
             lines.append(f"%opt{count} = {kind}({', '.join(bucket.names)}) {{{attrs}}}")
     if level >= 2:
-        lines.append(f"# optimizer-parallel bytes this rank sends per step: {total}")
+        what = "optimizer-parallel" if plan.optimizer_parallel else "gradient-bucket"
+        lines.append(f"# {what} bytes this rank sends per step: {total}")
     return "\n".join(lines) + "\n"
 
 
