@@ -202,6 +202,9 @@ def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayo
     rank's per-channel mean and sum of squared deviations, gathered over the axes splitting
     the rows (autograd-aware) and combined (`ops._nn_primitives.batch_stats`); the running
     statistics updated as one device does (the unbiased variance), the same on every rank."""
+    axes = sorted(a for a in layout.dims[0] if layout.matrix.shape[a] > 1)
+    if not axes:  # (the rows are whole here: torch's own batch norm)
+        return F.batch_norm(*args, **kw)
     bound = dict(zip(_BN_ARGS, args, strict=False)) | kw
     x: torch.Tensor = bound["input"]
     eps, momentum = float(bound.get("eps", 1e-5)), bound.get("momentum", 0.1)
@@ -210,7 +213,6 @@ def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayo
     count = x.numel() // x.shape[1]
     mean = x.mean(dims)
     m2 = ((x - mean.view(shape)) ** 2).sum(dims)
-    axes = sorted(a for a in layout.dims[0] if layout.matrix.shape[a] > 1)
     group, members = group_for(layout.matrix, axes)
     gathered = comm.AllGather(group)(torch.stack([mean, m2])[None])  # [k, 2, C]
     mean, m2 = batch_stats(gathered, count)
