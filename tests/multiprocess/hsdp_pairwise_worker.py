@@ -104,8 +104,9 @@ def check(mode: str) -> None:
         mine = slice(rank * x.shape[0] // n, (rank + 1) * x.shape[0] // n)  # this rank's rows
         with sw.CommRecorder() as rec:
             losses.append(float(parallel(x[mine], y[mine])))
-        # the loss (1 element) is all-reduced in forward only: loss.backward() needs none
-        scalar = [(r.kind, r.phase) for r in rec.records if r.numel == 1]
+        # the loss is all-reduced in forward only (loss.backward() needs none), with the
+        # targets each rank counted: 2 elements (docs/parallel.md, weighted means)
+        scalar = [(r.kind, r.phase) for r in rec.records if r.numel == 2]
         assert scalar == [("AllReduce", "forward")] * (2 if twice else 1), scalar
         if mode.startswith("dp"):
             check_dp_buckets(rec, buckets, twice)
