@@ -28,10 +28,12 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
@@ -163,26 +165,34 @@ def per_layer(dp: int, mp: int) -> Counter[tuple[str, str, tuple[int, ...]]]:
     return want
 
 
+def train_and_check(world: Any, net: nn.Module, want: Any, kinds: Counter[Any]) -> Any:
+    """Train `net` in semi_auto for the reference's steps: each step's loss and every gradient
+    (this rank's block) equal one device's, and its collectives are exactly `kinds`."""
+    world.replicate(net)
+    opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+    seen: list[dict[str, torch.Tensor]] = []
+    step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
+    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    for s, (x, y) in enumerate(batches()):
+        with CommRecorder() as rec:
+            loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+        assert set(seen[s]) == set(want[s][1])
+        for name, grad in seen[s].items():
+            full = want[s][1][name]
+            assert_matches_single_device(
+                grad, block_of(parallel, name, full), what=f"step {s} {name}.grad"
+            )
+        assert rec.kinds() == kinds, rec.summary()
+    return parallel
+
+
 @pytest.mark.parametrize(("dp", "mp"), [(1, 2), (2, 2), (2, 4)])
 def test_megatron_gpt2_matches_one_device(dp: int, mp: int) -> None:
     want = reference()
     net = megatron(GPT2(), dp, mp)
     with simulated_world(dp * mp) as world:
-        world.replicate(net)
-        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
-        seen: list[dict[str, torch.Tensor]] = []
-        step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
-        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
-        for s, (x, y) in enumerate(batches()):
-            with CommRecorder() as rec:
-                loss = parallel(world.rows(x), world.rows(y))
-            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
-            for name, grad in seen[s].items():
-                full = want[s][1][name]
-                assert_matches_single_device(
-                    grad, block_of(parallel, name, full), what=f"step {s} {name}.grad"
-                )
-            assert rec.kinds() == per_layer(dp, mp), rec.summary()
+        parallel = train_and_check(world, net, want, per_layer(dp, mp))
         plan = parallel.parallel_plan
         assert plan is not None
         # the annotated weights are stored as their strategies split them
@@ -294,19 +304,4 @@ def test_megatron_gpt2_with_sdpa_function_form(qkv: str) -> None:
     for phase in ("forward", "backward"):
         kinds[("AlltoAll", phase, (0, 1))] = 4 * LAYERS if qkv == "plain" else 0
     with simulated_world(4) as world:
-        world.replicate(net)
-        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
-        seen: list[dict[str, torch.Tensor]] = []
-        step = recording_step(net, opt, lambda m, x, y: m(x, y)[1], seen)
-        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
-        for s, (x, y) in enumerate(batches()):
-            with CommRecorder() as rec:
-                loss = parallel(world.rows(x), world.rows(y))
-            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
-            assert set(seen[s]) == set(want[s][1])
-            for name, grad in seen[s].items():
-                full = want[s][1][name]
-                assert_matches_single_device(
-                    grad, block_of(parallel, name, full), what=f"step {s} {name}.grad"
-                )
-            assert rec.kinds() == +kinds, rec.summary()
+        train_and_check(world, net, want, +kinds)
