@@ -14,6 +14,8 @@ so tests run fast on 2 CPU cores. Each model's ``forward(x, targets=None)`` retu
 - `gpt2_hf`: a randomly initialized Hugging Face ``GPT2LMHeadModel`` (transformers, a pinned
   test dependency; imported only when called, offline).
 - `token_batches`, `image_batches`: deterministic global batches for them.
+- `recording_step` (a train step that keeps every gradient) and `semi_auto_matches` (that step
+  in semi_auto, each step's loss and gradients checked against one device's).
 
 Every constructor seeds torch's global RNG with its ``seed`` argument before drawing initial
 values, so two calls with the same arguments build identical networks (the single-device
@@ -315,6 +317,31 @@ def recording_step(
         return loss
 
     return step
+
+
+def semi_auto_matches(
+    world: Any,
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    loss_of: Any,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    want_losses: list[torch.Tensor],
+    want_grads: list[dict[str, torch.Tensor]],
+) -> tuple[Any, Any]:
+    """Train `net` (replicated in simulated `world`) in semi_auto on `batches` (global; each
+    rank passes its rows) with `recording_step`: each step's loss and every gradient equal
+    one device's (`want_*`). Returns the `AutoParallel` and the `CommRecorder` of all steps."""
+    import shardwise as sw
+    from shardwise.testing import CommRecorder, assert_matches_single_device
+
+    seen: list[dict[str, torch.Tensor]] = []
+    parallel = sw.AutoParallel(recording_step(net, opt, loss_of, seen), parallel_mode="semi_auto")
+    with CommRecorder() as rec:
+        for s, (x, y) in enumerate(batches):
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+    return parallel, rec
 
 
 # ---------------------------------------------------------------------------------------------

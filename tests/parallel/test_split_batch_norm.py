@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import shardwise as sw
-from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+from ..zoo import recording_step, semi_auto_matches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,6 +37,10 @@ class Net(nn.Module):
         return F.cross_entropy(self.bn1d(self.fc(h.flatten(1))), y)
 
 
+def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return net(x, y)  # type: ignore[no-any-return]
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     return [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g))] * 2
@@ -45,35 +50,14 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_split_batch_norm_trains_like_one_device(world_size: int) -> None:
     data = batches()  # (made outside the world: plain tensors)
     ref = Net()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    losses, grads = [], []
-    for x, y in data:
-        loss = ref(x, y)
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append(loss.detach())
+    grads: list[dict[str, torch.Tensor]] = []
+    step = recording_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss_of, grads)
+    losses = [step(x, y).detach() for x, y in data]
     net = Net()
     with simulated_world(world_size) as world:
         world.replicate(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        seen: list[dict[str, torch.Tensor]] = []
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = net(x, y)
-            loss.backward()
-            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
-        with CommRecorder() as rec:
-            for s, (x, y) in enumerate(data):
-                loss = parallel(world.rows(x), world.rows(y))
-                assert_matches_single_device(loss, losses[s], what=f"loss {s}")
-                assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
+        parallel, rec = semi_auto_matches(world, net, opt, loss_of, data, losses, grads)
         for name in ("bn2d", "bn1d"):
             for stat in ("running_mean", "running_var", "num_batches_tracked"):
                 got, want = getattr(net, name), getattr(ref, name)

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import shardwise as sw
-from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+from shardwise.testing import simulated_world
 
-from ..zoo import GPT2, gpt2_hf, recording_step, token_batches
+from ..zoo import GPT2, gpt2_hf, recording_step, semi_auto_matches, token_batches
 
 STEPS, BATCH = 2, 8
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,15 +72,9 @@ def test_padded_targets_match_one_device(name: str, world_size: int) -> None:
     with simulated_world(world_size) as world:
         world.replicate(net)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, eps=1e-6)
-        seen: list[dict[str, torch.Tensor]] = []
-        parallel = sw.AutoParallel(
-            recording_step(net, opt, loss_of, seen), parallel_mode="semi_auto"
+        _, rec = semi_auto_matches(
+            world, net, opt, loss_of, padded(ignore), want_losses, want_grads
         )
-        with CommRecorder() as rec:
-            for s, (x, y) in enumerate(padded(ignore)):
-                loss = parallel(world.rows(x), world.rows(y))
-                assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
-                assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
     ranks = tuple(range(world_size))
     want = {("AllReduce", "forward", ranks): STEPS, ("AllReduce", "backward", ranks): STEPS}
     assert rec.kinds() == Counter(want), rec.summary()
@@ -128,13 +121,6 @@ def test_class_weights_match_one_device(loss_of: object) -> None:
     net = Classifier()
     with simulated_world(4) as world:
         world.replicate(net)
-        grads: list[dict[str, torch.Tensor]] = []
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        parallel = sw.AutoParallel(
-            recording_step(net, opt, loss_of, grads), parallel_mode="semi_auto"
-        )
-        loss = parallel(world.rows(x), world.rows(y))
-        assert_matches_single_device(loss, want.detach(), what="loss")
-        assert_matches_single_device(
-            grads[0], {n: p.grad for n, p in ref.named_parameters()}, what="grads"
-        )
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        semi_auto_matches(world, net, opt, loss_of, [(x, y)], [want.detach()], [grads])

@@ -31,7 +31,16 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
-from ..zoo import GPT2, Llama, ResNet, gpt2_hf, image_batches, recording_step, token_batches
+from ..zoo import (
+    GPT2,
+    Llama,
+    ResNet,
+    gpt2_hf,
+    image_batches,
+    recording_step,
+    semi_auto_matches,
+    token_batches,
+)
 
 STEPS, BATCH = 2, 8
 ADAM = {"lr": 1e-4, "eps": 1e-6}  # (see test_zoo_data_parallel.py: Adam and split rounding)
@@ -84,14 +93,10 @@ def test_semi_auto_without_annotation_matches_one_device(name: str, world_size: 
     with simulated_world(world_size) as world:
         world.replicate(net)
         opt = optimizer(net)
-        seen: list[dict[str, torch.Tensor]] = []
-        step = recording_step(net, opt, functools.partial(loss_of, name), seen)
-        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
-        with CommRecorder() as rec:
-            for s, (x, y) in enumerate(data(kind)):
-                loss = parallel(world.rows(x), world.rows(y))
-                assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
-                assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+        loss_fn = functools.partial(loss_of, name)
+        parallel, rec = semi_auto_matches(
+            world, net, opt, loss_fn, data(kind), want_losses, want_grads
+        )
         plan = parallel.parallel_plan
         assert plan is not None
         ranks = tuple(range(world_size))

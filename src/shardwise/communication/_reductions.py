@@ -95,13 +95,13 @@ def _weighted(
     """`sum_over_ranks` with a weight: one AllReduce of the pair (x, weight) in float32, the
     result their quotient; the summed weight becomes the backward's divisor."""
     pair = torch.stack([x.detach().float(), weight.detach().float()])
-    ctx.divisor, ctx.pending = pair[1], None  # (a view: read in backward, once summed)
     if started is None:
         pair = C.all_reduce(pair, ReduceOp.SUM, group)
-        ctx.divisor = pair[1]
+        ctx.divisor, ctx.pending = pair[1], None
         return (pair[0] / pair[1]).to(x.dtype)
     out = torch.empty((), dtype=x.dtype, device=x.device)
-    pending = ctx.pending = C.all_reduce_async(pair, ReduceOp.SUM, group)
+    pending = C.all_reduce_async(pair, ReduceOp.SUM, group)  # (in place on `pair`)
+    ctx.divisor, ctx.pending = pair[1], pending  # (summed once backward waits for it)
 
     def finish() -> None:
         pending.wait()

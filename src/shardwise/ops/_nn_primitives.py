@@ -95,6 +95,48 @@ def batch_stats(stats: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Te
     return mean, m2.sum(dim=0) + count * ((means - mean) ** 2).sum(dim=0)
 
 
+def batch_norm_training(
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    variance: torch.Tensor | None,
+    eps: float,
+    momentum: float,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode batch normalization of `x` ([N, C, ...]) with the whole batch's statistics.
+
+    This block's per-channel mean and sum of squared deviations, collected over the blocks of
+    the batch by `gather` ([1, 2, C] -> [k, 2, C], autograd-aware; None: this block is the
+    batch) and combined (`batch_stats`), normalize `x`; `scale` and `bias` (None: none) follow.
+    The running `mean` / `variance` (None: none kept) are updated in place with `momentum` (the
+    variance with the unbiased batch variance). Used by `BatchNorm` and by the plan executor's
+    training ``F.batch_norm`` on split rows (`parallel/_local.batch_norm_split`).
+
+    Returns:
+        (y, the batch mean [C], the biased batch variance [C]).
+    """
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    dims = (0, *range(2, x.dim()))
+    count = x.numel() // max(x.shape[1], 1)
+    local_mean = x.mean(dim=dims)
+    local_m2 = ((x - local_mean.reshape(view)) ** 2).sum(dim=dims)
+    stats = torch.stack([local_mean, local_m2]).unsqueeze(0)
+    blocks = gather(stats) if gather is not None else stats
+    batch_mean, m2 = batch_stats(blocks, count)
+    total = count * blocks.shape[0]
+    batch_var = m2 / total
+    inv = torch.rsqrt(batch_var + eps)
+    y = (x - batch_mean.reshape(view)) * (inv if scale is None else inv * scale).reshape(view)
+    if mean is not None and variance is not None:
+        with torch.no_grad():
+            mean.mul_(1 - momentum).add_(batch_mean.detach(), alpha=momentum)
+            unbiased = m2.detach() / (total - 1) if total > 1 else batch_var.detach()
+            variance.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return (y if bias is None else y + bias.reshape(view)), batch_mean, batch_var
+
+
 class BatchNorm(Primitive):
     """Batch normalization over N (and H, W) per channel (MindSpore ``ops.BatchNorm``).
 
@@ -170,22 +212,11 @@ class BatchNorm(Primitive):
                 mean.clone(),
                 variance.clone(),
             )
-        dims = (0, *range(2, x.dim()))
-        count = x.numel() // max(x.shape[1], 1)
-        local_mean = x.mean(dim=dims)
-        local_m2 = ((x - local_mean.reshape(view)) ** 2).sum(dim=dims)
-        stats = torch.stack([local_mean, local_m2]).unsqueeze(0)
-        blocks = gather(stats) if gather is not None else stats
-        batch_mean, m2 = batch_stats(blocks, count)
-        total = count * blocks.shape[0]
-        batch_var = m2 / total
-        y = (x - batch_mean.reshape(view)) * (torch.rsqrt(batch_var + eps) * scale).reshape(view)
         m = float(args["momentum"])
-        with torch.no_grad():
-            mean.mul_(1 - m).add_(batch_mean.detach(), alpha=m)
-            unbiased = m2.detach() / (total - 1) if total > 1 else batch_var.detach()
-            variance.mul_(1 - m).add_(unbiased, alpha=m)
-        return y + bias.reshape(view), batch_mean, batch_var, batch_mean.clone(), batch_var.clone()
+        y, batch_mean, batch_var = batch_norm_training(
+            x, scale, bias, mean, variance, eps, m, gather
+        )
+        return y, batch_mean, batch_var, batch_mean.clone(), batch_var.clone()
 
 
 class Dropout(Primitive):

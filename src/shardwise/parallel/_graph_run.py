@@ -290,12 +290,8 @@ class GraphRun:
         """The network's buffers (copies) and the RNG state, for `_restore` (the modules that
         hold buffers are listed once, when planning; each one's buffers are read anew)."""
         with torch.no_grad():
-            buffers = [
-                (b, b.clone())
-                for m in self.modules
-                for b in own_buffers(m).values()
-                if b is not None
-            ]
+            held = (b for m in self.modules for b in own_buffers(m).values() if b is not None)
+            buffers = [(b, b.clone()) for b in held]
         return buffers, torch.get_rng_state()
 
     def _restore(self, state: tuple[list[tuple[T, T]], T]) -> None:

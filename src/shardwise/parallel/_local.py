@@ -24,7 +24,8 @@
 - A cross entropy / NLL mean over split rows (`loss_weight`, for the plan executor): the
   targets this rank counted, by which the loss's AllReduce weighs its mean.
 - A training ``F.batch_norm`` on split rows (`batch_norm_split`, for the plan executor): the
-  same statistics gather as ``"batch_stats"``, so each rank normalizes its rows as one device.
+  same computation as the ``"batch_stats"`` primitive (`ops._nn_primitives.batch_norm_training`),
+  so each rank normalizes its rows as one device.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ import torch.nn.functional as F
 from shardwise import communication as comm
 from shardwise.layout import TensorLayout
 from shardwise.ops import BatchNorm, Dropout, Primitive
-from shardwise.ops._nn_primitives import batch_stats
+from shardwise.ops._nn_primitives import batch_norm_training
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import group_for
+from shardwise.planner._batch_norm import BN_ARGS
+from shardwise.planner._losses import LOSS_ARGS
 from shardwise.redistribution import block_offset, local_block
 
 Shape = tuple[int, ...]
@@ -147,9 +150,14 @@ def prepare(
     raise UnsupportedParallelError(f"{module.who}: local mode {tag!r} is not supported")
 
 
+def _by_name(names: Sequence[str], args: Sequence[Any], kw: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by name (`names`: its parameters in order; defaults left out)."""
+    return dict(zip(names, args, strict=False)) | kw
+
+
 def _dropout_args(args: Sequence[Any], kw: dict[str, Any]) -> dict[str, Any]:
     """An ``F.dropout(*args, **kw)`` call's arguments by name."""
-    return dict(zip(("input", "p", "training", "inplace"), args, strict=False)) | kw
+    return _by_name(("input", "p", "training", "inplace"), args, kw)
 
 
 def dropout_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
@@ -174,14 +182,11 @@ def dropout_block(
     return x.mul_(mask) if bound.get("inplace", False) else x * mask  # type: ignore[no-any-return]
 
 
-_LOSS_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
-
-
 def loss_weight(args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
     """What an ``F.cross_entropy`` / ``F.nll_loss(*args, **kw)`` mean divides by on this rank
     (`planner.WEIGHTED_MEAN`): the targets not equal to ``ignore_index``, each counted with its
     class's ``weight`` (float32, no gradient)."""
-    bound = dict(zip(_LOSS_ARGS, args, strict=False)) | kw
+    bound = _by_name(LOSS_ARGS, args, kw)
     target: torch.Tensor = bound["target"]
     weight: torch.Tensor | None = bound.get("weight")
     kept = target != bound.get("ignore_index", -100)
@@ -193,38 +198,19 @@ def loss_weight(args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
     return weighted
 
 
-_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum")
-
-
 def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayout) -> torch.Tensor:
     """A training ``F.batch_norm(*args, **kw)`` on this rank's rows (of `layout`, split on dim
-    0 only: `planner.SPLIT_BATCH_NORM`), normalized with the whole batch's statistics: each
-    rank's per-channel mean and sum of squared deviations, gathered over the axes splitting
-    the rows (autograd-aware) and combined (`ops._nn_primitives.batch_stats`); the running
-    statistics updated as one device does (the unbiased variance), the same on every rank."""
+    0 only: `planner.SPLIT_BATCH_NORM`), normalized with the whole batch's statistics
+    (`ops._nn_primitives.batch_norm_training`, the blocks' statistics gathered over the axes
+    splitting the rows); the running statistics updated as one device does, on every rank."""
     axes = sorted(a for a in layout.dims[0] if layout.matrix.shape[a] > 1)
     if not axes:  # (the rows are whole here: torch's own batch norm)
         return F.batch_norm(*args, **kw)
-    bound = dict(zip(_BN_ARGS, args, strict=False)) | kw
-    x: torch.Tensor = bound["input"]
-    eps, momentum = float(bound.get("eps", 1e-5)), bound.get("momentum", 0.1)
-    dims = [0, *range(2, x.ndim)]
-    shape = [1, -1, *[1] * (x.ndim - 2)]
-    count = x.numel() // x.shape[1]
-    mean = x.mean(dims)
-    m2 = ((x - mean.view(shape)) ** 2).sum(dims)
-    group, members = group_for(layout.matrix, axes)
-    gathered = comm.AllGather(group)(torch.stack([mean, m2])[None])  # [k, 2, C]
-    mean, m2 = batch_stats(gathered, count)
-    n = count * len(members)
-    y = (x - mean.view(shape)) * torch.rsqrt(m2.view(shape) / n + eps)
-    if bound.get("weight") is not None:
-        y = y * bound["weight"].view(shape)
-    if bound.get("bias") is not None:
-        y = y + bound["bias"].view(shape)
-    running_mean, running_var = bound.get("running_mean"), bound.get("running_var")
-    if running_mean is not None and running_var is not None and momentum is not None:
-        with torch.no_grad():
-            running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
-            running_var.mul_(1 - momentum).add_(m2.detach() / max(n - 1, 1), alpha=momentum)
+    b = _by_name(BN_ARGS, args, kw)
+    group, _ = group_for(layout.matrix, axes)
+    y, _, _ = batch_norm_training(
+        b["input"], b.get("weight"), b.get("bias"), b.get("running_mean"),
+        b.get("running_var"), float(b.get("eps", 1e-5)), float(b.get("momentum", 0.1)),
+        comm.AllGather(group),
+    )  # fmt: skip
     return y

@@ -22,6 +22,8 @@ SPLIT_BATCH_NORM = "split_batch_norm"
 """`NodePlan.local` of a training batch norm whose rows stay split."""
 
 BATCH_NORM = "torch.nn.functional.batch_norm"
+BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+"""``F.batch_norm``'s parameters in order (`parallel/_local.batch_norm_split` reads them)."""
 
 
 def split_batch_norm(node: Node, have: Sequence[Sequence[Placement]]) -> bool:
@@ -34,7 +36,8 @@ def split_batch_norm(node: Node, have: Sequence[Sequence[Placement]]) -> bool:
     """
     if node.op != BATCH_NORM or not have:
         return False
-    training = node.kwargs.get("training", node.args[5] if len(node.args) > 5 else False)
+    at = BN_ARGS.index("training")
+    training = node.kwargs.get("training", node.args[at] if len(node.args) > at else False)
     if training is not True:
         return False
     first = have[0]

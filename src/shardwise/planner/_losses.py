@@ -11,38 +11,39 @@ weight, weight): `communication.primitives.sum_over_ranks`).
 
 from __future__ import annotations
 
-from shardwise.planner._graph import Node, TensorInfo
+from shardwise.planner._graph import Graph, Node
 from shardwise.planner._placed import Placed
 
 WEIGHTED_MEAN = "weighted_mean"
 """`NodePlan.local` of a mean loss the executor averages by its counted targets."""
 
 LOSSES = {"torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss"}
-# (both take (input, target, weight, size_average, ignore_index, reduce, reduction, ...))
-_POSITIONS = {"size_average": 3, "reduce": 5, "reduction": 6}
+LOSS_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+"""The parameters both losses start with, in order (`parallel/_local.loss_weight` reads them)."""
 
 
 def _argument(node: Node, name: str, default: object) -> object:
     if name in node.kwargs:
         return node.kwargs[name]
-    at = _POSITIONS[name]
+    at = LOSS_ARGS.index(name)
     return node.args[at] if len(node.args) > at else default
 
 
-def weighted_mean(node: Node, out: Placed, target: TensorInfo | None) -> bool:
-    """Whether loss node `node`, whose output is placed `out` and whose target is `target`, is
-    a mean over split rows that the ranks may count differently.
+def weighted_mean(node: Node, out: Placed, graph: Graph) -> bool:
+    """Whether loss node `node` of `graph`, whose output is placed `out`, is a mean over split
+    rows that the ranks may count differently.
 
     Example:
-        >>> weighted_mean(node, plan_node.outputs[0], graph.info(node.inputs[1]))  # doctest: +SKIP
+        >>> weighted_mean(node, plan_node.outputs[0], graph)  # doctest: +SKIP
         True
     """
-    if node.op not in LOSSES or target is None or not out.partial or out.reduce != "avg":
+    if node.op not in LOSSES or len(node.inputs) < 2 or not out.partial or out.reduce != "avg":
         return False
     if _argument(node, "size_average", None) is not None:
         return False
     if _argument(node, "reduce", None) is not None:
         return False
+    target = graph.info(node.inputs[1])
     return _argument(node, "reduction", "mean") == "mean" and target.dtype.startswith(
         ("int", "uint")
     )

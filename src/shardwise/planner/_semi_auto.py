@@ -182,10 +182,11 @@ class _Planner(_Follow):
         shapes = tuple(o.shape for o in node.outputs)
         values = tuple(str(r) for r in node.inputs)
         in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
-        target = self.graph.info(node.inputs[1]) if len(node.inputs) > 1 else None
-        local = WEIGHTED_MEAN if placed and weighted_mean(node, placed[0], target) else ""
+        local = ""
         if split:
             local = SPLIT_BATCH_NORM
+        elif placed and weighted_mean(node, placed[0], self.graph):
+            local = WEIGHTED_MEAN
         self.nodes.append(
             NodePlan(
                 node.index,
