@@ -12,7 +12,8 @@ same way, `planner.is_recorded`). For it the executor:
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
    the plan's local output shape, those of a ``split`` along a split dim (a strided q/k/v
    projection) the parts' local sizes; ``F.dropout`` multiplies by this rank's block of one global
-   mask (drawn like a single-device run draws it, so masks match one device);
+   mask (drawn like a single-device run draws it, so masks match one device), and so does an
+   attention with ``dropout_p > 0``, computed in its math form (`_local.attention_dropout`);
 3. applies the edges of returned values right after the op; the loss's AllReduce is only
    started there (`sum_over_ranks`) and finished before anything can read the loss: at the
    next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
@@ -48,7 +49,13 @@ from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
-from shardwise.parallel._local import batch_norm_split, dropout_block, dropout_p, loss_weight
+from shardwise.parallel._local import (
+    attention_dropout,
+    batch_norm_split,
+    dropout_block,
+    dropout_p,
+    loss_weight,
+)
 from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
@@ -345,6 +352,9 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)
         elif k in table.split_norms:
             out = batch_norm_split(args, kw, self.plan.nodes[k].outputs[0].layout)
+        elif k in table.attention_dropouts:
+            node = self.plan.nodes[k]
+            out = attention_dropout(args, kw, node.outputs[0].layout, node.shapes[0])
         else:
             out = func(*args, **kw)
         weight = loss_weight(args, kw) if k in table.weighted else None

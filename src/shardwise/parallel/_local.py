@@ -26,10 +26,14 @@
 - A training ``F.batch_norm`` on split rows (`batch_norm_split`, for the plan executor): the
   same computation as the ``"batch_stats"`` primitive (`ops._nn_primitives.batch_norm_training`),
   so each rank normalizes its rows as one device.
+- ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (`attention_dropout`, for the plan
+  executor): torch's math form on this rank's blocks, the attention weights dropped by this
+  rank's block of one global mask (as one device's math form draws it).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +47,7 @@ from shardwise.ops import BatchNorm, Dropout, Primitive
 from shardwise.ops._nn_primitives import batch_norm_training
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import group_for
+from shardwise.planner._attention import SDPA_ARGS
 from shardwise.planner._batch_norm import BN_ARGS
 from shardwise.planner._losses import LOSS_ARGS
 from shardwise.redistribution import block_offset, local_block
@@ -214,3 +219,44 @@ def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayo
         comm.AllGather(group),
     )  # fmt: skip
     return y
+
+
+def attention_dropout(
+    args: Sequence[Any], kw: dict[str, Any], layout: TensorLayout, shape: Shape
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(*args, **kw)`` with ``dropout_p > 0`` on this rank's
+    blocks (`planner.ATTENTION_DROPOUT`; output of global `shape` placed as `layout`): torch's
+    math form, scores ``(q·√s)(k·√s)ᵀ`` plus the causal or given mask, softmax, dropout, times v.
+    The attention weights ``[..., L, S]`` are split as the output is but on their last dim; the
+    dropout multiplies them by this rank's block of one mask of their global shape, drawn as one
+    device draws it (`dropout_block`). ``dropout_p == 0`` runs torch's own kernel."""
+    b = _by_name(SDPA_ARGS, args, kw)
+    p = float(b.get("dropout_p", 0.0))
+    if p == 0:
+        return F.scaled_dot_product_attention(*args, **kw)
+    q, k, v, mask = b["query"], b["key"], b["value"], b.get("attn_mask")
+    if b.get("enable_gqa", False) and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    scale = b.get("scale")
+    root = math.sqrt(scale if scale is not None else 1 / math.sqrt(q.size(-1)))
+    scores = (q * root) @ (k * root).transpose(-2, -1)
+    groups = (*layout.groups[:-1], 1) if layout.groups else ()
+    weights = TensorLayout(layout.matrix, (*layout.dims[:-1], ()), groups)
+    weights_shape = (*shape[:-1], k.size(-2))
+    if b.get("is_causal", False):  # (this rank's rows of the global causal mask)
+        rows = TensorLayout(layout.matrix, (layout.dims[-2], ()), groups[-2:])
+        causal = torch.ones(weights_shape[-2:], dtype=torch.bool, device=q.device).tril()
+        mask = local_block(causal, rows, weights_shape[-2:])
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+    if mask is not None:
+        scores = scores + mask
+    if mask is not None and not b.get("is_causal", False):  # (rows masked whole: 0, as torch)
+        gone = scores.eq(-math.inf).all(-1, keepdim=True)
+        w = scores.masked_fill(gone, 0.0).softmax(-1).masked_fill(gone, 0.0)
+    else:
+        w = scores.softmax(-1)
+    w = dropout_block(weights, weights_shape, (w, p, True), {})
+    out: torch.Tensor = w @ v
+    return out

@@ -27,6 +27,7 @@ from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
+from shardwise.planner._attention import ATTENTION_DROPOUT
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
 from shardwise.planner._graph import TensorSlot
@@ -89,6 +90,7 @@ class NodeTable:
         self.averaging = {n.index for n in nodes if n.backward}  # (`NodePlan.backward`)
         self.weighted = {n.index for n in nodes if n.local == WEIGHTED_MEAN}  # (mean losses)
         self.split_norms = {n.index for n in nodes if n.local == SPLIT_BATCH_NORM}
+        self.attention_dropouts = {n.index for n in nodes if n.local == ATTENTION_DROPOUT}
         self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
@@ -102,6 +104,7 @@ class NodeTable:
             and k not in self.averaging
             and k not in self.weighted
             and k not in self.split_norms
+            and k not in self.attention_dropouts
             else SLOW
             for k, n in enumerate(nodes)
         ]

@@ -49,6 +49,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
+from shardwise.planner._attention import ATTENTION_DROPOUT, attention_dropout
 from shardwise.planner._backward import plan_backward
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm
 from shardwise.planner._follow import _Follow
@@ -150,7 +151,6 @@ class _Planner(_Follow):
 
     # -- torch ops -----------------------------------------------------------------------
     def torch_node(self, node: Node) -> None:
-        self._check_random(node)
         have = [placements_of(self.state[r]) for r in node.inputs]
         split = False
         if node.index in self.pinned:
@@ -187,6 +187,8 @@ class _Planner(_Follow):
             local = SPLIT_BATCH_NORM
         elif placed and weighted_mean(node, placed[0], self.graph):
             local = WEIGHTED_MEAN
+        elif attention_dropout(node):
+            local = ATTENTION_DROPOUT
         self.nodes.append(
             NodePlan(
                 node.index,
@@ -203,18 +205,6 @@ class _Planner(_Follow):
                 dtypes=tuple(o.dtype for o in node.outputs),
             )
         )
-
-    def _check_random(self, node: Node) -> None:
-        """Refuse random draws that happen inside a kernel (each rank would draw its own)."""
-        if node.op != "torch.nn.functional.scaled_dot_product_attention" or self.device_num == 1:
-            return
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        if p:
-            raise PlanError(
-                f"{node.name} ({node.op} at {node.source}): scaled_dot_product_attention: "
-                f"dropout_p > 0 draws its mask inside the kernel, differently on each rank; "
-                f"pass dropout_p=0.0 (or apply F.dropout to the attention output)"
-            )
 
 
 @dataclass

@@ -1,0 +1,209 @@
+"""``F.scaled_dot_product_attention`` with ``dropout_p > 0`` in semi_auto: masks as one device's.
+
+One device computes such a call on CPU by torch's math form and draws the dropout mask of the
+attention weights ``[B, H, L, S]`` there. The plan marks the node (``NodePlan.local ==
+"attention_dropout"``) and each rank computes the math form on its blocks, dropping its
+weights by its block of one mask of the global shape, drawn as one device draws it. So with the
+same seed, training equals one device: the loss and every gradient (1e-5 relative), with no
+collective beyond the data-parallel ones (the loss's AllReduce, one gradient bucket).
+
+Cases: nanoGPT with dropout 0.1 (attention and residual) on 2 and 4 ranks; nanoGPT at 2 x 2 with
+the heads split (strided ``c_attn``, attention annotated with ``sw.shard``); Hugging Face's
+``GPT2LMHeadModel`` with its own SDPA attention and dropout; a bare attention call with a
+boolean mask, an explicit scale and grouped-query heads; the query's rows split (no causal
+mask), so each rank's block of the mask is a block of rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2, CausalSelfAttention, GPT2Config, gpt2_hf, recording_step, token_batches
+from .test_zoo_megatron import SDPA_2X2, block_of
+
+STEPS, BATCH, SEED = 2, 8, 7
+ADAM = {"lr": 1e-3, "eps": 1e-6}
+DROPOUT = "attention_dropout"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def nanogpt() -> nn.Module:
+    return GPT2(GPT2Config(dropout=0.1))
+
+
+def hf() -> nn.Module:
+    return gpt2_hf(dropout=0.1, attn_implementation="sdpa")
+
+
+MODELS: dict[str, Any] = {
+    "nanogpt": (nanogpt, lambda m, x, y: m(x, y)[1]),
+    "hf": (hf, lambda m, x, y: m(input_ids=x, labels=x).loss),
+}
+
+
+@functools.cache
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return token_batches(STEPS, BATCH)
+
+
+@functools.cache
+def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Per step on one device (dropout drawn from seed `SEED`): the loss, every gradient."""
+    make, loss_of = MODELS[name]
+    net = make()
+    grads: list[dict[str, torch.Tensor]] = []
+    step = recording_step(net, torch.optim.AdamW(net.parameters(), **ADAM), loss_of, grads)
+    torch.manual_seed(SEED)
+    losses = [step(x, y).detach() for x, y in batches()]
+    return losses, grads
+
+
+def train(world: Any, name: str, net: nn.Module) -> tuple[sw.AutoParallel, list[Counter[Any]]]:
+    """`net` trained in semi_auto from seed `SEED`: each step's loss and every gradient (this
+    rank's block) equal one device's; returns the wrapper and each step's collectives. (Call
+    `single_device` and `batches` before entering `world`: they draw.)"""
+    _, loss_of = MODELS[name]
+    want_losses, want_grads = single_device(name)
+    world.replicate(net)
+    seen: list[dict[str, torch.Tensor]] = []
+    step = recording_step(net, torch.optim.AdamW(net.parameters(), **ADAM), loss_of, seen)
+    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    kinds = []
+    torch.manual_seed(SEED)
+    for s, (x, y) in enumerate(batches()):
+        with CommRecorder() as rec:
+            loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
+        for n, grad in seen[s].items():
+            full = block_of(parallel, n, want_grads[s][n])
+            assert_matches_single_device(grad, full, what=f"step {s} {n}.grad")
+        kinds.append(rec.kinds())
+    return parallel, kinds
+
+
+def dropout_nodes(parallel: sw.AutoParallel) -> list[Any]:
+    plan = parallel.parallel_plan
+    assert plan is not None
+    return [n for n in plan.nodes if n.local == DROPOUT]
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("nanogpt", 2), ("nanogpt", 4), ("hf", 2)])
+def test_data_parallel_attention_dropout_matches_one_device(name: str, ranks: int) -> None:
+    """Each layer's attention keeps its rows split and drops its block of the global mask: per
+    step only the loss's AllReduce and one gradient bucket."""
+    net, _, _ = MODELS[name][0](), single_device(name), batches()
+    with simulated_world(ranks) as world:
+        parallel, kinds = train(world, name, net)
+    world_group = tuple(range(ranks))
+    want = Counter({("AllReduce", "forward", world_group): 1})
+    want[("AllReduce", "backward", world_group)] = 1
+    assert kinds == [want] * STEPS
+    nodes = dropout_nodes(parallel)
+    assert len(nodes) == 2  # (one a layer)
+    assert all(n.outputs[0].layout.split_count(0) == ranks for n in nodes)
+
+
+class HeadsSplit(CausalSelfAttention):
+    """nanoGPT's attention, its SDPA call annotated batch over dp, heads over mp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            for t in self.c_attn(x).split(self.n_embd, dim=2)
+        )
+        y = SDPA_2X2(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+        return out
+
+
+def test_heads_split_attention_dropout_matches_one_device() -> None:
+    """2 x 2, q / k / v split by heads (strided ``c_attn``): each rank's weights are its batch
+    rows and heads of the global ones, and so is its block of the mask; attention runs with no
+    collective (per layer only the rows gathered for ``c_attn`` and its adjoint, and the
+    row-parallel heads' AlltoAlls into ``c_proj``'s data-parallel input)."""
+    net = nanogpt()
+    layout = sw.Layout((2, 2), ("dp", "mp"))
+    for block in net.transformer.h:
+        strided = (layout("dp", "None"), layout(sw.strided("mp", 3), "None"))
+        sw.shard(block.attn.c_attn, in_strategy=strided)
+        block.attn.__class__ = HeadsSplit
+    single_device("nanogpt"), batches()
+    with simulated_world(4) as world:
+        parallel, kinds = train(world, "nanogpt", net)
+    assert kinds[0] == kinds[1]
+    assert not any(kind == "AllReduce" and group == (0, 1) for kind, _, group in kinds[0])
+    nodes = dropout_nodes(parallel)
+    assert len(nodes) == 2
+    for n in nodes:  # batch over dp, heads over mp
+        split = n.outputs[0].layout
+        assert [split.split_count(d) for d in range(4)] == [2, 2, 1, 1], str(n)
+
+
+class Attention(nn.Module):
+    """One attention call on projections of `x`: a boolean mask, an explicit scale and grouped
+    query heads (`kind` "masked"), or the query's rows split over the ranks with no mask
+    (`kind` "rows")."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.sdpa = F.scaled_dot_product_attention
+        if kind == "rows":  # (each rank: its rows of the queries, every key)
+            self.sdpa = sw.shard(self.sdpa, in_strategy=((1, 1, 2, 1), (1, 1, 1, 1), (1, 1, 1, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, 4, 2).transpose(1, 2)
+        if self.kind == "rows":
+            k = v = self.kv(x).view(B, T, 4, 2).transpose(1, 2)
+            return self.sdpa(q, k, v, dropout_p=0.3)  # type: ignore[no-any-return]
+        k, v = self.kv(x).view(B, T, 2, 4).transpose(1, 2).split(2, dim=-1)
+        mask = torch.ones(T, T, dtype=torch.bool).tril(-1)  # (row 0 masked whole: zeros)
+        out: torch.Tensor = self.sdpa(
+            q, k, v, attn_mask=mask, dropout_p=0.3, scale=0.7, enable_gqa=True
+        )
+        return out
+
+
+@pytest.mark.parametrize("kind", ["masked", "rows"])
+def test_attention_call_with_dropout_matches_one_device(kind: str) -> None:
+    torch.manual_seed(0)
+    net, x = Attention(kind), torch.randn(4, 6, 8)
+    torch.manual_seed(SEED)
+    want = net(x)
+    want.pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = net(a)
+            out.pow(2).sum().backward()
+            return out
+
+        parallel = sw.AutoParallel(step).dataset_strategy("full_batch")
+        torch.manual_seed(SEED)
+        got = parallel(world.same(x))
+        plan = parallel.parallel_plan
+        assert plan is not None
+        (node,) = [n for n in plan.nodes if n.local == DROPOUT]
+        split = node.outputs[0].layout
+        assert split.split_count(2 if kind == "rows" else 0) == 2, str(node)
+        full = want.detach()
+        assert_matches_single_device(got, lambda r: full[split.local_index(r, tuple(full.shape))])
+        for n, p in net.named_parameters():
+            assert_matches_single_device(p.grad, grads[n], what=f"{n}.grad")
