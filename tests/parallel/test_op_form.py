@@ -217,3 +217,41 @@ def test_resharded_input_and_its_original_are_two_values() -> None:
     assert plan is not None
     reshard = next(n for n in plan.nodes if n.op == "shardwise.reshard")
     assert str(reshard.outputs[0]) == "(g0, g1)"
+
+
+class ScaledLinear(nn.Linear):
+    """A user's ``nn.Linear`` subclass; with `twice`, its forward makes two torch calls."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__(8, 8)
+        self.twice = twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out * 2 if self.twice else out
+
+
+def test_op_form_on_a_linear_subclass() -> None:
+    """An ``nn.Linear`` subclass takes the op form as ``nn.Linear`` does (column parallel:
+    its weight stored as row blocks, the returned rows equal one device's); one whose forward
+    makes a second call is refused naming the module, that call and the fix."""
+    torch.manual_seed(7)
+    net, x = sw.shard(ScaledLinear(), in_strategy=((2, 1), (2, 1))), torch.randn(8, 8)
+    want = net(x).detach()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x))
+        plan = parallel.parallel_plan
+        assert plan is not None and plan.nodes[0].rule == "user"
+        assert plan.params["weight"].layout.local_shape((8, 8)) == (4, 8)
+        assert_matches_single_device(got, lambda r: want[2 * r : 2 * r + 2])  # (rows, returned)
+        assert rec.kinds() == Counter(  # rows over dp in; the columns back to rows over all
+            {("AllGather", "forward", MP): 1, ("AlltoAll", "forward", MP): 1}
+        ), rec.summary()
+    twice = sw.shard(ScaledLinear(twice=True), in_strategy=((2, 1), (2, 1)))
+    with simulated_world(WORLD) as world:
+        world.replicate(twice)
+        with pytest.raises(ValueError, match=r"sw.shard on .*also called .*mul.*reshard"):
+            sw.AutoParallel(twice)(world.rows(x))

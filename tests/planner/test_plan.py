@@ -4,8 +4,11 @@ diffed; plan-time errors; strategy files through `AutoParallel`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import pickle
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,31 @@ def test_seed003_plan(layouts: bool, tmp_path: Path) -> None:
     loaded = ParallelPlan.load(tmp_path / "plan.json")
     assert loaded == plan and loaded.diff(plan) == []
     assert str(loaded) == text
+
+
+def test_a_plan_is_frozen_all_the_way() -> None:
+    """Its mappings are read-only too; a changed plan is a new one (``dataclasses.replace``),
+    and copies (pickle, deepcopy, JSON) are equal and as frozen."""
+    plan = seed003_plan(False)
+    name = next(iter(plan.params))
+    with pytest.raises(TypeError, match="frozen"):
+        plan.params[name] = plan.params[name]  # type: ignore[index]
+    with pytest.raises(TypeError, match="frozen"):
+        plan.inputs.pop("args[0]")  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="frozen"):
+        plan.equal_grads.update({})  # type: ignore[attr-defined]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.params = {}  # type: ignore[misc]
+    fewer = dataclasses.replace(plan, params={k: v for k, v in plan.params.items() if k != name})
+    assert fewer != plan and name in plan.params and name not in fewer.params
+    for copy in (
+        pickle.loads(pickle.dumps(plan)),
+        deepcopy(plan),
+        ParallelPlan.from_dict(plan.to_dict()),
+    ):
+        assert copy == plan
+        with pytest.raises(TypeError, match="frozen"):
+            copy.params.clear()  # type: ignore[attr-defined]
 
 
 def test_int_and_layout_plans_differ_where_the_strategies_do() -> None:

@@ -56,7 +56,16 @@ from shardwise.parallel._local import (
     dropout_p,
     loss_weight,
 )
-from shardwise.parallel._node_table import CALLS, PLAIN, SIZED, SLOW, NodeTable, call_info
+from shardwise.parallel._node_table import (
+    CALLS,
+    PLAIN,
+    SIZED,
+    SLOW,
+    NodeTable,
+    call_info,
+    factory_call,
+    resized_call,
+)
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
@@ -271,7 +280,11 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         self, func: Callable[..., Any], op: str, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
         """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
-        on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one."""
+        on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one.
+        A factory of the plan's next node gets the node's global sizes (`factory_call`)."""
+        k = self.cursor
+        if self.ops[k] == op:
+            args, kw = factory_call(op, args, kw, self.plan.nodes[k].shapes[0])
         out = func(*args, **kw)
         if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
             return out
@@ -352,6 +365,9 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)
         elif k in table.split_norms:
             out = batch_norm_split(args, kw, self.plan.nodes[k].outputs[0].layout)
+        elif k in table.resized:
+            args, kw = resized_call(self.ops[k], args, kw, table.resized[k])
+            out = func(*args, **kw)
         elif k in table.attention_dropouts:
             node = self.plan.nodes[k]
             out = attention_dropout(args, kw, node.outputs[0].layout, node.shapes[0])

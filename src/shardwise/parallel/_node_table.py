@@ -34,9 +34,26 @@ from shardwise.planner._graph import TensorSlot
 from shardwise.planner._losses import WEIGHTED_MEAN
 
 T = torch.Tensor
-_SIZED = {"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.Tensor.expand"}
+_SIZED = {
+    "torch.Tensor.view",
+    "torch.Tensor.reshape",
+    "torch.reshape",
+    "torch.Tensor.expand",
+    "torch.broadcast_to",
+}
 _SPLITS = {"torch.Tensor.split", "torch.split", "torch.Tensor.split_with_sizes"}
 _DROPOUT = "torch.nn.functional.dropout"
+# ops whose size arguments name the output's shape (`resized_call`: this rank's block of it)
+_RESIZED = {
+    "torch.Tensor.unflatten",
+    "torch.unflatten",
+    "torch.Tensor.new_zeros",
+    "torch.Tensor.new_ones",
+    "torch.Tensor.new_empty",
+    "torch.Tensor.new_full",
+}
+# factories whose size arguments name their (whole) output's shape (`factory_call`)
+_FACTORIES = {"torch.zeros", "torch.ones", "torch.empty", "torch.full"}
 
 # how the executor runs each node (`NodeTable.fast`)
 SLOW = 0  # the full path: edges, captured sizes, the first or last node, returned values
@@ -91,6 +108,11 @@ class NodeTable:
         self.weighted = {n.index for n in nodes if n.local == WEIGHTED_MEAN}  # (mean losses)
         self.split_norms = {n.index for n in nodes if n.local == SPLIT_BATCH_NORM}
         self.attention_dropouts = {n.index for n in nodes if n.local == ATTENTION_DROPOUT}
+        self.resized = {  # (size arguments: this rank's block, `resized_call`)
+            n.index: n.local_shapes[0]
+            for n in nodes
+            if n.op in _RESIZED and n.local_shapes[0] != n.shapes[0]
+        }
         self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
@@ -105,6 +127,7 @@ class NodeTable:
             and k not in self.weighted
             and k not in self.split_norms
             and k not in self.attention_dropouts
+            and k not in self.resized
             else SLOW
             for k, n in enumerate(nodes)
         ]
@@ -172,3 +195,48 @@ def _sized(n: NodePlan) -> tuple[Any, ...] | None:
     d = dims[0]
     local = [s[d] for s in n.local_shapes]
     return (local, d) if local != [s[d] for s in n.shapes] else None
+
+
+def resized_call(
+    op: str, args: tuple[Any, ...], kw: dict[str, Any], local: tuple[int, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a call of `op` (one of `_RESIZED`: ``unflatten``, ``new_zeros`` /
+    ``new_ones`` / ``new_empty`` / ``new_full``) with its sizes replaced by this rank's: the
+    plan's local output shape `local`. (The network may give the global sizes, constants of
+    its configuration, or the local ones, read from its blocks: either way the same call.)
+
+    Example:
+        >>> resized_call("torch.Tensor.unflatten", (x, 0, (8, 16)), {}, (4, 16, 32))
+        ((x, 0, (4, 16)), {})
+    """
+    x, rest = args[0], dict(kw)
+    if op.endswith("unflatten"):
+        bound = dict(zip(("input", "dim", "sizes"), args, strict=False)) | rest
+        d = int(bound["dim"]) % x.dim()
+        return (x, d, tuple(local[d : d + len(bound["sizes"])])), {}
+    rest.pop("size", None)
+    if op.endswith("new_full"):
+        fill = args[2] if len(args) > 2 else rest.pop("fill_value")
+        return (x, local, fill), rest
+    return (x, local), rest
+
+
+def factory_call(
+    op: str, args: tuple[Any, ...], kw: dict[str, Any], shape: tuple[int, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a factory call with its sizes the plan's global output `shape` (the
+    factory makes its output whole, as planned, however the network computed its sizes; one of
+    `_FACTORIES`), or the call's own for any other op.
+
+    Example:
+        >>> factory_call("torch.zeros", (4, 16), {"dtype": torch.float16}, (8, 16))
+        (((8, 16),), {'dtype': torch.float16})
+    """
+    if op not in _FACTORIES:
+        return args, kw
+    rest = dict(kw)
+    rest.pop("size", None)
+    if op == "torch.full":
+        fill = args[1] if len(args) > 1 else rest.pop("fill_value")
+        return (shape, fill), rest
+    return (shape,), rest

@@ -132,8 +132,14 @@ class Declared:
 def _is_op_form(module: nn.Module, ins: Sequence[Entry] | None) -> bool:
     """Whether `in_strategy` annotates `module`'s op (``nn.Linear``: the input and the weight,
     as ``MatMul(transpose_b=True)`` takes them) rather than its inputs."""
-    names = OP_FORM.get(type(module))
+    names = op_form_names(module)
     return names is not None and ins is not None and len(ins) == len(names)
+
+
+def op_form_names(module: nn.Module) -> tuple[str, ...] | None:
+    """The tensor arguments of the op `shard`'s op form annotates on `module` (its class or
+    nearest base class in `OP_FORM`: a subclass of ``nn.Linear`` too), or None."""
+    return next((OP_FORM[c] for c in type(module).__mro__ if c in OP_FORM), None)
 
 
 def _fmt(entry: Entry) -> str:
@@ -275,10 +281,11 @@ def shard(
     params = _check_plan(parameter_plan, who)
     if isinstance(fn_or_module, nn.Module) and _is_op_form(fn_or_module, ins):
         if outs is not None or params:
+            names = ", ".join(op_form_names(fn_or_module) or ())
             raise ValueError(
                 f"{who}: the op form of {type(fn_or_module).__name__} (one in_strategy entry per "
-                f"tensor of its op: {', '.join(OP_FORM[type(fn_or_module)])}) sets the weight's "
-                f"layout itself; give no out_strategy or parameter_plan with it"
+                f"tensor of its op: {names}) sets the weight's layout itself; give no "
+                f"out_strategy or parameter_plan with it"
             )
         setattr(fn_or_module, OP_STRATEGY, ins)
         return fn_or_module

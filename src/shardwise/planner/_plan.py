@@ -203,6 +203,26 @@ class BucketPlan:
         return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"
 
 
+class FrozenMap(dict):  # type: ignore[type-arg]
+    """A dict that cannot change once made: the mappings of a frozen `ParallelPlan` (a dict
+    for everything else: equality, JSON, iteration, pickling)."""
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "a ParallelPlan is frozen: its mappings cannot change (dataclasses.replace(plan, "
+            "field=...) makes a new plan)"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _frozen  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _frozen  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (dict(self),))
+
+
+_MAPPINGS = ("inputs", "params", "input_shapes", "equal_grads", "explained")
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """Every decision of one parallel network or train step.
@@ -222,6 +242,9 @@ class ParallelPlan:
             (no reduction over them: `_backward`).
         explained: op name -> why an automatic planner chose its strategy
             (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
+
+    Frozen all the way: the mappings are read-only (`FrozenMap`); ``dataclasses.replace``
+    makes a changed copy.
     """
 
     device_num: int
@@ -236,6 +259,12 @@ class ParallelPlan:
     outputs: tuple[Placed, ...] = ()
     equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in _MAPPINGS:  # (frozen all the way: read-only mappings)
+            value = getattr(self, name)
+            if not isinstance(value, FrozenMap):
+                object.__setattr__(self, name, FrozenMap(value))
 
     def node(self, name: str) -> NodePlan:
         """The node called `name`.

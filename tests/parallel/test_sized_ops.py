@@ -1,0 +1,86 @@
+"""Ops whose arguments name sizes, under semi_auto data parallel: the plan's sizes, not the call's.
+
+A network may give a size argument as a constant of its configuration (the global batch `B`)
+or read it from a tensor (``b, t, c = h.shape``: on a rank, its local block's sizes). On one
+device the two are equal; on a rank they differ. The executor gives each such op the plan's
+sizes: a view / reshape / expand / ``broadcast_to`` / ``unflatten`` / ``new_zeros`` /
+``new_ones`` / ``new_empty`` / ``new_full`` this rank's block of its planned output, a factory
+(``torch.zeros`` / ``ones`` / ``empty`` / ``full``) its whole planned output (the plan then
+slices it where a split value consumes it). Each body, in either form, equals one device on 2
+ranks with no collective (every op here is local to the rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+B, T, C = 4, 3, 8
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Sized(nn.Module):
+    """A Linear, then one op given sizes (`body`), each in its global (`size="global"`: the
+    constants B, T, C) or local form (read from the Linear's output)."""
+
+    def __init__(self, body: str, size: str) -> None:
+        super().__init__()
+        self.lin, self.body, self.size = nn.Linear(C, C), body, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        b, t, c = (B, T, C) if self.size == "global" else h.shape
+        body = self.body
+        if body == "unflatten":
+            return h.flatten(0, 1).unflatten(0, (b, t))
+        if body == "torch.unflatten":
+            return torch.unflatten(h.flatten(0, 1), dim=-2, sizes=(b, t))
+        if body == "new_zeros":
+            return h + h.new_zeros(b, t, c)
+        if body == "new_ones":
+            return h * h.new_ones((b, t, c), dtype=h.dtype)
+        if body == "new_empty":
+            return h + h.new_empty(b, t, c).zero_()
+        if body == "new_full":
+            return h * h.new_full((b, t, c), 2.0)
+        if body == "zeros":
+            return h + torch.zeros(b, t, c, dtype=h.dtype)
+        if body == "full":
+            return h * torch.full((b, t, c), fill_value=3.0)
+        if body == "broadcast_to":
+            return torch.broadcast_to(h[:, :1], (b, t, c)) + h
+        return h.reshape(b * t, c).view(b, t, c).expand(b, t, c)  # "views"
+
+
+BODIES = [
+    "unflatten",
+    "torch.unflatten",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+    "zeros",
+    "full",
+    "broadcast_to",
+    "views",
+]
+
+
+@pytest.mark.parametrize("size", ["global", "local"])
+@pytest.mark.parametrize("body", BODIES)
+def test_size_arguments_follow_the_plan(body: str, size: str) -> None:
+    torch.manual_seed(0)
+    net, x = Sized(body, size), torch.randn(B, T, C)
+    want = net(x).detach()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x))
+        assert_matches_single_device(got, world.rows(want), what=f"{body} ({size} sizes)")
+        assert not rec.kinds(), rec.summary()
