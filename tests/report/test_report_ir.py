@@ -170,9 +170,9 @@ def test_bad_level_and_rank() -> None:
 
 
 def plan_comm_ops(text: str) -> Counter[tuple[str, tuple[int, ...]]]:
-    """(kind, group) of every collective in a plan's execute.ir."""
+    """(kind, group) of every collective in a plan's execute.ir, in its forward section."""
     out: Counter[tuple[str, tuple[int, ...]]] = Counter()
-    for x in text.splitlines():
+    for x in text.partition("# backward")[0].splitlines():
         m = re.match(r"\s+(\w+)(?:\(\w+\))? over .* group \[([\d, ]+)\] send_bytes", x)
         if m:
             out[(m.group(1), tuple(int(r) for r in m.group(2).split(", ")))] += 1
@@ -270,3 +270,45 @@ def test_unannotated_torch_op_is_an_op_of_the_plan() -> None:
     assert after(text, "%2 mul") == "in_strategy ((2, 1),) from dtensor"
     assert after(text, "%1 matmul1").startswith("in_strategy ((2, 4), (4, 1))")
     assert line(text, "comm AllReduce(sum) over g1, g2 at matmul1/MatMul")
+
+
+def test_backward_section_is_what_a_train_step_runs() -> None:
+    """Megatron GPT-2 at 2 x 2 (tests/parallel/test_zoo_megatron.py): the backward section of
+    rank 0's execute.ir lists exactly the backward collectives a train step issues before the
+    gradient buckets, in that order, with its bytes (each forward collective's adjoint:
+    AllGather -> ReduceScatter, AlltoAll -> AlltoAll, AllReduce -> AllReduce); the loss's
+    AllReduce has none (``loss.backward()`` seeds it on every rank), and the section says so."""
+    from ..parallel.test_zoo_megatron import megatron
+    from ..zoo import GPT2, token_batches
+
+    (x, y), net = token_batches(1, 8)[0], megatron(GPT2(), 2, 2)
+    with simulated_world(4) as world, CommRecorder() as rec:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)[1]
+            loss.backward()
+            return loss
+
+        parallel = AutoParallel(step, parallel_mode="semi_auto")
+        parallel(world.rows(x), world.rows(y))
+    plan = parallel.parallel_plan
+    assert plan is not None
+    text = format_plan_execute(plan, 0)
+    ran = [(r.kind, tuple(r.group)) for r in rec.select(phase="backward")]
+    buckets = [("AllReduce", (0, 1, 2, 3)), ("AllReduce", (0, 2))]
+    assert sorted(ran[-2:]) == sorted(buckets), rec.summary()
+    listed = [  # (in order)
+        (m.group(1), tuple(int(r) for r in m.group(2).split(", ")))
+        for x in text.partition("# backward")[2].splitlines()
+        if (m := re.match(r"\s+(\w+) over .* group \[([\d, ]+)\] send_bytes \d+$", x))
+    ]
+    assert listed == ran[:-2], rec.summary() + "\n" + text
+    assert len(listed) == 12  # (2 layers x 3 kinds x 2)
+    assert "at return 0 group [0, 1, 2, 3] send_bytes 6 (none when backward starts" in text
+    sent = sum(r.bytes_sent for r in rec.select(phase="backward") if tuple(r.group) == (0, 1))
+    assert f"# bytes this rank sends in one backward (those marked none left out): {sent}" in text
+    assert line(text, "ReduceScatter over g1 at transformer.h.0.attn.c_attn") == (
+        "ReduceScatter over g1 at transformer.h.0.attn.c_attn/linear input 0 group [0, 1] "
+        "send_bytes 4096"  # (half of the gathered [4, 16, 32] float32 rows)
+    )

@@ -4,7 +4,9 @@
   placements of its inputs and outputs, and where its strategy came from.
 - `format_plan_execute`: ``execute.ir`` for one rank: every op's local output shapes, every
   forward collective the plan inserts with this rank's group and the bytes it sends, and every
-  local slice of an edge (`_sends.LocalSlice`: MindSpore's ``StridedSlice``, nothing sent).
+  local slice of an edge (`_sends.LocalSlice`: MindSpore's ``StridedSlice``, nothing sent);
+  then the backward's collectives (`_backward_lines`: each forward collective's adjoint and the
+  plan's gradient averages, in the order autograd runs them).
 - `dump_parallel_plan`: writes both per rank when ``save_graphs >= 1`` (level 2: this rank's
   blocks in ``execute.ir``; level 3: every rank's blocks, the slice table, in
   ``step_parallel_begin.ir``), then the plan pictures (`_pictures.dump_plan_pictures`:
@@ -22,6 +24,7 @@ from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.report._pictures import dump_plan_pictures
 from shardwise.report._plan_data import Memory
 from shardwise.report._sends import Found, LocalSlice, edge_sends, fmt_slice, node_sends
+from shardwise.report._summary import op_traffic
 from shardwise.report._write import BEGIN_FILE, EXECUTE_FILE, report_ranks, write_ir
 
 
@@ -131,7 +134,32 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     for e in by_consumer.get(-1, []):
         put(edge_sends(e, rank), f"return {e.slot}")
     lines.append(f"# bytes this rank sends in one forward: {total}")
+    lines += _backward_lines(plan, rank)
     return "\n".join(lines) + "\n"
+
+
+def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
+    """The backward section of ``execute.ir``: the adjoints of the forward's collectives and
+    the plan's gradient averages (`_summary.op_traffic`), in the order backward runs them (the
+    gradient buckets are the optimizer section's)."""
+    m = plan.matrix
+    lines = [
+        "# backward (autograd runs them in this order): the adjoints of the forward's "
+        "collectives and the plan's gradient averages"
+    ]
+    total = 0
+    rows = [(c, sent) for phase, c, sent in op_traffic(plan, rank).rows if phase == "backward"]
+    for c, sent in reversed(rows):
+        group = m.group_along(rank, tuple(m.names.index(a) for a in c.axes))
+        seeded = c.where.startswith("return")  # (a returned value's: `replicated_seed`)
+        note = " (none when backward starts there: loss.backward())" if seeded else ""
+        lines.append(
+            f"    {c.kind} over {', '.join(c.axes)} at {c.where} group {list(group)} "
+            f"send_bytes {sent}{note}"
+        )
+        total += 0 if seeded else sent
+    lines.append(f"# bytes this rank sends in one backward (those marked none left out): {total}")
+    return lines
 
 
 def dump_parallel_plan(

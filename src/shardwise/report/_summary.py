@@ -32,6 +32,7 @@ Activations: every op's local outputs, all kept (an upper bound).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ import torch
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix
 from shardwise.optim import OptimizerPlan
-from shardwise.planner import Collective, ParallelPlan, plan_cost, step_cost
+from shardwise.planner import Collective, EdgePlan, ParallelPlan, plan_cost, step_cost
 from shardwise.redistribution import AllGather, AlltoAll
 from shardwise.report._memory import (
     KINDS,
@@ -78,6 +79,7 @@ __all__ = [
     "find_optimizer",
     "format_summary",
     "memory_tensors",
+    "op_traffic",
     "optimizer_state_per_element",
     "step_traffic",
 ]
@@ -101,11 +103,13 @@ class Traffic:
 
     sent: dict[tuple[str, str, str], int] = field(default_factory=dict)
     count: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    rows: list[tuple[str, Collective, int]] = field(default_factory=list)  # (in plan order)
 
     def add(self, phase: str, c: Collective, nbytes: int) -> None:
         key = (phase, c.kind, ",".join(c.axes))
         self.sent[key] = self.sent.get(key, 0) + nbytes
         self.count[key] = self.count.get(key, 0) + 1
+        self.rows.append((phase, c, nbytes))
 
     @property
     def total(self) -> int:
@@ -129,24 +133,32 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
         >>> step_traffic(plan, 0, None).total  # doctest: +SKIP
         6144
     """
+    out = op_traffic(plan, rank)
+    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
+    _gradient_sync(out, plan, level, saved_params(plan, needs_grad(plan)))
+    return out
+
+
+def op_traffic(plan: ParallelPlan, rank: int) -> Traffic:
+    """The collectives the plan's ops and edges run on `rank` in one step, in the order the
+    forward runs them: the forward's and their adjoints in backward (with the plan's gradient
+    averages), without the buckets'. Backward runs the adjoints in the reverse order.
+
+    Example:
+        >>> [str(c) for phase, c, _ in op_traffic(plan, 0).rows if phase == "backward"]
+        ['ReduceScatter over g1 at fc2/linear input 0', ...]
+    """
     out = Traffic()
     m = plan.matrix
     needs = needs_grad(plan)
+    by_consumer: dict[int, list[EdgePlan]] = {}
     for e in plan.edges:
-        for item in edge_sends(e, rank):
-            if isinstance(item, LocalSlice):
-                continue
-            c, _, sent = item
-            out.add("forward", c, sent)
-            if e.value not in needs:  # (no gradient flows back: no adjoint)
-                continue
-            if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
-                block = math.prod(e.src.layout.local_shape(e.shape)) * _itemsize(e.dtype)
-                _adjoint(out, m, rank, c, e.reduced, e.equal_grad, block)
-            elif c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
-                back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
-                out.add("backward", Collective(back, c.axes, c.where), sent)
+        by_consumer.setdefault(e.consumer, []).append(e)
+    for e in by_consumer.get(-2, []):
+        _edge_traffic(out, e, "entry", m, rank, needs)
     for n in plan.nodes:
+        for e in by_consumer.get(n.index, []):
+            _edge_traffic(out, e, f"{n.name} input {e.slot}", m, rank, needs)
         for c, _, sent in _collectives(node_sends(n, m, rank)):
             out.add("forward", c, sent)
             if _value(n.index, c.output) not in needs:
@@ -162,9 +174,30 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
             size = len(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
             nbytes = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
             out.add("backward", c, bytes_bound(c.kind, nbytes, size))
-    level = optimizer.config.optimizer_level if optimizer is not None else "level1"
-    _gradient_sync(out, plan, level, saved_params(plan, needs))
+    for e in by_consumer.get(-1, []):
+        _edge_traffic(out, e, f"return {e.slot}", m, rank, needs)
     return out
+
+
+def _edge_traffic(
+    out: Traffic, e: EdgePlan, where: str, m: DeviceMatrix, rank: int, needs: set[str]
+) -> None:
+    """Edge `e`'s collectives (at `where`) and, when its value needs a gradient, their
+    adjoints."""
+    for item in edge_sends(e, rank):
+        if isinstance(item, LocalSlice):
+            continue
+        c, _, sent = item
+        c = dataclasses.replace(c, where=where)
+        out.add("forward", c, sent)
+        if e.value not in needs:  # (no gradient flows back: no adjoint)
+            continue
+        if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
+            block = math.prod(e.src.layout.local_shape(e.shape)) * _itemsize(e.dtype)
+            _adjoint(out, m, rank, c, e.reduced, e.equal_grad, block)
+        elif c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
+            back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
+            out.add("backward", Collective(back, c.axes, c.where), sent)
 
 
 def _value(node: int, output: int) -> str:
