@@ -38,6 +38,13 @@ from shardwise.optim import (
     check_hsdp,
 )
 from shardwise.parallel._call_io import local_inputs
+from shardwise.parallel._clip import (
+    GradSplits,
+    clip_grad_norm_,
+    clipping,
+    plan_splits,
+    unreduced,
+)
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
@@ -286,6 +293,40 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
         """The plan the parameters are stored by (the first one made; None before planning)."""
         return self._graph.stored_plan if self._graph is not None and self._graph.plans else None
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the network's gradients by the norm of the whole gradients, as one device's
+        ``torch.nn.utils.clip_grad_norm_(network.parameters(), ...)`` does; for code outside
+        a wrapped call (inside one, torch's own function clips this way).
+
+        Args:
+            max_norm / norm_type / error_if_nonfinite: as torch's.
+
+        Returns:
+            The total norm of the whole gradients, the same on every rank.
+
+        Raises:
+            ValueError: before the first call, with hsdp or in the data-parallel mode (the
+                message says why and what to do).
+
+        Example:
+            >>> loss = parallel_net(x).sum()
+            >>> loss.backward()
+            >>> parallel_net.clip_grad_norm_(1.0)
+        """
+        graph = self._graph
+        splits: GradSplits
+        if self.parallel_mode == "data_parallel":
+            splits = unreduced
+        elif graph is None or not graph.plans:
+            raise ValueError("AutoParallel.clip_grad_norm_: call the wrapper first (no plan yet)")
+        else:
+            splits = plan_splits(self.network, graph.stored_plan, graph.engine is not None)
+        return clip_grad_norm_(
+            self.network.parameters(), max_norm, norm_type, error_if_nonfinite, splits=splits
+        )
+
     @property
     def parallel_plan(self) -> ParallelPlan | None:
         """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
@@ -359,4 +400,5 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
                 fusion=self._fusion_dict or None,
                 dataset_strategy=self._dataset,
             )
-        return self._runner(*inputs, **kwargs)
+        with clipping(unreduced):
+            return self._runner(*inputs, **kwargs)

@@ -1,0 +1,131 @@
+"""Gradient clipping by the norm of the whole gradients inside and outside `AutoParallel`.
+
+nanoGPT clips with ``torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)`` between
+``loss.backward()`` and ``optimizer.step()``. Under `AutoParallel` each rank holds blocks, so
+torch's function alone would clip each rank by the norm of its blocks. Inside a wrapped call
+the same call takes the norm of the whole gradients (`shardwise.parallel._clip`): with the
+Megatron annotation at 2 x 2 and 1 x 2 (norms 2, 1 and inf) and in plain data parallel, two
+AdamW steps clipped hard (max_norm 0.05) equal one device's: the returned norm, the loss,
+every clipped gradient (this rank's block), 1e-5 relative; the clipping adds one AllReduce
+over mp per step (the split gradients' partial norms) and none under data parallel. Outside a
+call, ``AutoParallel.clip_grad_norm_`` does the same; with hsdp, in the data-parallel mode and
+before the first call it is a `ValueError` naming why and the fix; outside any call torch's own
+function is in place.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..zoo import GPT2
+from .test_zoo_megatron import ADAM, batches, block_of, megatron, per_layer
+
+MAX_NORM = 0.05
+TORCH_CLIP = nn.utils.clip_grad_norm_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def clipped_step(net: nn.Module, opt: Any, norm_type: float, seen: list[Any]) -> Any:
+    """nanoGPT's step: loss, backward, clip (torch's function, as one device calls it), a copy
+    of the returned norm and every clipped gradient, AdamW's step."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(x, y)[1]
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM, norm_type)
+        seen.append((norm, {n: p.grad.detach().clone() for n, p in net.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def one_device(norm_type: float) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    net = GPT2()
+    seen: list[Any] = []
+    step = clipped_step(net, net.configure_optimizers(weight_decay=0.1, **ADAM), norm_type, seen)
+    losses = [step(x, y).detach() for x, y in batches()]
+    assert all(norm > 2 * MAX_NORM for norm, _ in seen)  # (it clips: a test that can fail)
+    return [(loss, norm, grads) for loss, (norm, grads) in zip(losses, seen, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("dp", "mp", "norm_type"), [(2, 2, 2.0), (1, 2, 1.0), (1, 2, float("inf")), (4, 1, 2.0)]
+)
+def test_clip_inside_a_train_step_matches_one_device(dp: int, mp: int, norm_type: float) -> None:
+    want = one_device(norm_type)
+    net = megatron(GPT2(), dp, mp) if mp > 1 else GPT2()
+    with simulated_world(dp * mp) as world:
+        world.replicate(net)
+        seen: list[Any] = []
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        parallel = sw.AutoParallel(clipped_step(net, opt, norm_type, seen), "semi_auto")
+        for s, (x, y) in enumerate(batches()):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            norm, grads = seen[s]
+            assert_matches_single_device(norm, want[s][1], what=f"norm {s}")
+            for name, grad in grads.items():
+                full = block_of(parallel, name, want[s][2][name])
+                assert_matches_single_device(grad, full, what=f"step {s} {name}.grad")
+            kinds = rec.kinds()
+            if mp > 1:  # one AllReduce over mp of the split gradients' partial norms
+                kinds[("AllReduce", "forward", tuple(range(mp)))] -= 1
+                assert +kinds == per_layer(dp, mp), rec.summary()
+            else:  # data parallel: every gradient is whole after its bucket
+                world_group = tuple(range(dp))
+                want_kinds = Counter({("AllReduce", "forward", world_group): 1})
+                want_kinds[("AllReduce", "backward", world_group)] = 1
+                assert kinds == want_kinds, rec.summary()
+    assert nn.utils.clip_grad_norm_ is TORCH_CLIP  # (torch's own again outside the call)
+
+
+def test_clip_outside_the_call_with_the_wrapper() -> None:
+    """Module form: ``loss.backward()`` and the clipping outside the wrapped call, through
+    `AutoParallel.clip_grad_norm_`: the same norm and clipped gradients as one device."""
+    x, y = batches()[0]
+    ref = GPT2()
+    ref(x, y)[1].backward()
+    want = TORCH_CLIP(ref.parameters(), MAX_NORM)
+    net = megatron(GPT2(), 2, 2)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(lambda a, b: net(a, b)[1], network=net)
+        with pytest.raises(ValueError, match="call the wrapper first"):
+            parallel.clip_grad_norm_(MAX_NORM)
+        parallel(world.rows(x), world.rows(y)).backward()
+        norm = parallel.clip_grad_norm_(MAX_NORM)
+        assert_matches_single_device(norm, want, what="norm")
+        for name, p in net.named_parameters():
+            full = block_of(parallel, name, dict(ref.named_parameters())[name].grad)
+            assert_matches_single_device(p.grad, full, what=f"{name}.grad")
+
+
+@pytest.mark.parametrize("mode", ["hsdp", "data_parallel"])
+def test_clip_is_refused_where_gradients_are_not_whole_blocks(mode: str) -> None:
+    net = GPT2()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        step = clipped_step(net, opt, 2.0, [])
+        if mode == "hsdp":
+            parallel = sw.AutoParallel(step, "semi_auto").hsdp(threshold=0)
+            match = r"hsdp .*no norm of the whole gradients .*clip without hsdp"
+        else:
+            parallel = sw.AutoParallel(step, "data_parallel", optimizer=opt)
+            match = r"data_parallel.*reduces them.*use parallel_mode='semi_auto'"
+        x, y = batches()[0]
+        with pytest.raises(ValueError, match=match):
+            parallel(world.rows(x), world.rows(y))
+    assert nn.utils.clip_grad_norm_ is TORCH_CLIP
