@@ -220,6 +220,7 @@ def _dispatch() -> None:
     assert isinstance(torch.ops.aten.add, dispatch.OpOverloadPacket)
     assert issubclass(torch.Tensor, dispatch.TensorBase)
     assert callable(dispatch.TensorBase.contiguous)
+    assert dispatch.argument_names(torch.ops.aten.native_dropout.default) == ("input", "p", "train")
     seen: list[object] = []
 
     class Seen(dispatch.TorchDispatchMode):
@@ -305,7 +306,9 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/dtensor: DTensor's sharding propagator and a mesh without process group": (
         _dtensor_rules
     ),
-    "_torch/dispatch: TorchDispatchMode, OpOverload(Packet), TensorBase": _dispatch,
+    "_torch/dispatch: TorchDispatchMode, OpOverload(Packet), TensorBase, OpOverload._schema": (
+        _dispatch
+    ),
     "_torch/fake: fake tensors and their data-dependent exceptions": _fake_tensors,
     "_torch/profiler_events: the profiler's event tree and its allocation records": (
         _profiler_events

@@ -12,6 +12,10 @@ the heads split (strided ``c_attn``, attention annotated with ``sw.shard``); Hug
 ``GPT2LMHeadModel`` with its own SDPA attention and dropout; a bare attention call with a
 boolean mask, an explicit scale and grouped-query heads; the query's rows split (no causal
 mask), so each rank's block of the mask is a block of rows.
+
+Other ops that draw random numbers inside on split inputs are refused at plan time: torch's
+``nn.TransformerEncoder`` with dropout (``F.multi_head_attention_forward``; without dropout it
+trains data parallel as one device), ``F.alpha_dropout``, ``torch.rand_like``.
 """
 
 from __future__ import annotations
@@ -207,3 +211,83 @@ def test_attention_call_with_dropout_matches_one_device(kind: str) -> None:
         assert_matches_single_device(got, lambda r: full[split.local_index(r, tuple(full.shape))])
         for n, p in net.named_parameters():
             assert_matches_single_device(p.grad, grads[n], what=f"{n}.grad")
+
+
+class TorchEncoder(nn.Module):
+    """torch's own ``nn.TransformerEncoder`` (pre-norm, causal): its attention is
+    ``F.multi_head_attention_forward``, which draws its attention dropout inside."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(
+            32, 4, 64, dropout=dropout, batch_first=True, norm_first=True
+        )
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        h = self.enc(self.emb(x), mask=mask, is_causal=True)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_torch_transformer_encoder(dropout: float) -> None:
+    """Without dropout it trains data parallel as one device (loss, every gradient; the loss's
+    AllReduce and one gradient bucket). With dropout, ``multi_head_attention_forward`` would
+    draw its attention mask for each rank's rows: refused at plan time, naming the op, its
+    random aten op and the fix, before anything runs."""
+    (x, y), ref = batches()[0], TorchEncoder(dropout)
+    torch.manual_seed(SEED)
+    want = ref(x, y)
+    want.backward()
+    net = TorchEncoder(dropout)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        grads: dict[str, torch.Tensor] = {}
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            grads.update(
+                {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+            )
+            return loss
+
+        parallel = sw.AutoParallel(step, "semi_auto")
+        if dropout:
+            match = r"self_attn/multi_head_attention_forward .* draws random numbers inside "
+            with pytest.raises(ValueError, match=match + r"\(aten.bernoulli_.*dropout=0.0"):
+                parallel(world.rows(x), world.rows(y))
+            return
+        torch.manual_seed(SEED)
+        with CommRecorder() as rec:
+            loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        for n, p in ref.named_parameters():
+            assert_matches_single_device(grads[n], p.grad, what=f"{n}.grad")
+        assert rec.kinds() == Counter(
+            {("AllReduce", "forward", (0, 1)): 1, ("AllReduce", "backward", (0, 1)): 1}
+        ), rec.summary()
+
+
+@pytest.mark.parametrize("body", ["alpha_dropout", "rand_like"])
+def test_random_draws_on_split_rows_are_refused(body: str) -> None:
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return (
+                F.alpha_dropout(h, 0.5, True) if body == "alpha_dropout" else h * torch.rand_like(h)
+            )
+
+    net, x = Noisy(), torch.randn(4, 3, 8)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        with pytest.raises(ValueError, match=rf"{body} .* draws random numbers inside"):
+            sw.AutoParallel(net)(world.rows(x))

@@ -6,6 +6,7 @@
   call of one (a dispatch mode calling aten from Python) is not a node of its own.
 - `TensorBase`: the C++ tensor base class, whose ``contiguous`` a torch-function mode receives
   as well as ``Tensor.contiguous``.
+- `argument_names`: an aten op's parameter names, from its schema (``OpOverload._schema``).
 """
 
 from __future__ import annotations
@@ -14,4 +15,11 @@ from torch._C import TensorBase
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpOverload", "OpOverloadPacket", "TensorBase", "TorchDispatchMode"]
+
+def argument_names(op: OpOverload) -> tuple[str, ...]:
+    """The names of `op`'s parameters, in order (``aten.native_dropout.default``: ``("input",
+    "p", "train")``)."""
+    return tuple(a.name for a in op._schema.arguments)
+
+
+__all__ = ["OpOverload", "OpOverloadPacket", "TensorBase", "TorchDispatchMode", "argument_names"]

@@ -142,10 +142,10 @@ def unreduced(p: nn.Parameter) -> GradSplit:
 
 @contextmanager
 def clipping(splits: GradSplits) -> Iterator[None]:
-    """While the block runs, ``torch.nn.utils.clip_grad_norm_`` is `clip_grad_norm_` with
-    `splits` (the running wrapper's parameters)."""
+    """While the block runs, ``torch.nn.utils.clip_grad_norm_`` is `clip_grad_norm_`, which
+    reads `splits` (the running wrapper's parameters) when given none."""
     _active.append(splits)
-    nn.utils.clip_grad_norm_ = _patched
+    nn.utils.clip_grad_norm_ = clip_grad_norm_
     try:
         yield
     finally:
@@ -153,12 +153,3 @@ def clipping(splits: GradSplits) -> Iterator[None]:
         if not _active:
             nn.utils.clip_grad_norm_ = TORCH_CLIP
 
-
-def _patched(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    return clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -49,7 +49,11 @@ from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
-from shardwise.planner._attention import ATTENTION_DROPOUT, attention_dropout
+from shardwise.planner._attention import (
+    ATTENTION_DROPOUT,
+    attention_dropout,
+    check_random_draws,
+)
 from shardwise.planner._backward import plan_backward
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm
 from shardwise.planner._follow import _Follow
@@ -167,6 +171,7 @@ class _Planner(_Follow):
             need, outs, rule = [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
         else:
             need, outs, rule = self._cheaper(node, have)
+        check_random_draws(node, need)
         ins = tuple(
             to_placed(self.matrix, p, len(self.graph.info(r).shape))
             for p, r in zip(need, node.inputs, strict=True)
