@@ -13,9 +13,11 @@ the heads split (strided ``c_attn``, attention annotated with ``sw.shard``); Hug
 boolean mask, an explicit scale and grouped-query heads; the query's rows split (no causal
 mask), so each rank's block of the mask is a block of rows.
 
-Other ops that draw random numbers inside on split inputs are refused at plan time: torch's
-``nn.TransformerEncoder`` with dropout (``F.multi_head_attention_forward``; without dropout it
-trains data parallel as one device), ``F.alpha_dropout``, ``torch.rand_like``.
+Other ops that fill a tensor with random numbers inside (torch's ``nn.TransformerEncoder``:
+``F.multi_head_attention_forward``'s attention dropout; ``F.alpha_dropout``) draw the whole
+tensor as one device does and keep their block (the plan's ``draws``), laid out in memory as
+one device's (a dropout of a transposed tensor); a new random tensor made from a split one
+(``torch.rand_like``) is refused at plan time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.planner import ParallelPlan
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..zoo import GPT2, CausalSelfAttention, GPT2Config, gpt2_hf, recording_step, token_batches
@@ -214,8 +217,9 @@ def test_attention_call_with_dropout_matches_one_device(kind: str) -> None:
 
 
 class TorchEncoder(nn.Module):
-    """torch's own ``nn.TransformerEncoder`` (pre-norm, causal): its attention is
-    ``F.multi_head_attention_forward``, which draws its attention dropout inside."""
+    """torch's own ``nn.TransformerEncoder`` (pre-norm, causal, batch first): its attention is
+    ``F.multi_head_attention_forward``, which draws its attention dropout inside, and its
+    ``dropout1`` drops the attention's output, a transposed (non-contiguous) tensor."""
 
     def __init__(self, dropout: float) -> None:
         super().__init__()
@@ -235,10 +239,11 @@ class TorchEncoder(nn.Module):
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_torch_transformer_encoder(dropout: float) -> None:
-    """Without dropout it trains data parallel as one device (loss, every gradient; the loss's
-    AllReduce and one gradient bucket). With dropout, ``multi_head_attention_forward`` would
-    draw its attention mask for each rank's rows: refused at plan time, naming the op, its
-    random aten op and the fix, before anything runs."""
+    """torch's ``nn.TransformerEncoder`` trains data parallel as one device, with its default
+    dropout too: the loss and every gradient equal, the loss's AllReduce and one gradient
+    bucket only. Each ``multi_head_attention_forward`` is planned with its one draw (the
+    attention weights' mask, ``[B, H, L, S]`` split on B: this rank's block of one draw), and
+    the plan saves and loads with it."""
     (x, y), ref = batches()[0], TorchEncoder(dropout)
     torch.manual_seed(SEED)
     want = ref(x, y)
@@ -257,11 +262,6 @@ def test_torch_transformer_encoder(dropout: float) -> None:
             return loss
 
         parallel = sw.AutoParallel(step, "semi_auto")
-        if dropout:
-            match = r"self_attn/multi_head_attention_forward .* draws random numbers inside "
-            with pytest.raises(ValueError, match=match + r"\(aten.bernoulli_.*dropout=0.0"):
-                parallel(world.rows(x), world.rows(y))
-            return
         torch.manual_seed(SEED)
         with CommRecorder() as rec:
             loss = parallel(world.rows(x), world.rows(y))
@@ -271,23 +271,52 @@ def test_torch_transformer_encoder(dropout: float) -> None:
         assert rec.kinds() == Counter(
             {("AllReduce", "forward", (0, 1)): 1, ("AllReduce", "backward", (0, 1)): 1}
         ), rec.summary()
+    plan = parallel.parallel_plan
+    assert plan is not None
+    drawing = [n for n in plan.nodes if n.draws]
+    assert len(drawing) == (2 if dropout else 0)
+    for n in drawing:
+        assert n.op.endswith("multi_head_attention_forward") and n.local == "global_draws"
+        ((placed, shape),) = n.draws
+        assert shape == (8, 4, 16, 16) and placed.layout.split_count(0) == 2
+        assert "draw (g0, None, None, None) [8, 4, 16, 16]" in str(plan)
+    assert ParallelPlan.from_dict(plan.to_dict()) == plan
 
 
-@pytest.mark.parametrize("body", ["alpha_dropout", "rand_like"])
-def test_random_draws_on_split_rows_are_refused(body: str) -> None:
-    class Noisy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
+class Noisy(nn.Module):
+    """A Linear on rows split over the ranks, then a random op (`body`)."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.lin(x)
-            return (
-                F.alpha_dropout(h, 0.5, True) if body == "alpha_dropout" else h * torch.rand_like(h)
-            )
+    def __init__(self, body: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.body = nn.Linear(8, 8), body
 
-    net, x = Noisy(), torch.randn(4, 3, 8)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.body == "alpha_dropout":  # (fills a noise tensor in place: planned draws)
+            return F.alpha_dropout(h, 0.5, True)
+        if self.body == "transposed":  # (F.dropout of a non-contiguous tensor)
+            return F.dropout(h.transpose(1, 2), 0.5).transpose(1, 2)
+        return h * torch.rand_like(h)  # (a new random tensor from a split one: refused)
+
+
+@pytest.mark.parametrize("body", ["alpha_dropout", "transposed", "rand_like"])
+def test_random_draws_on_split_rows(body: str) -> None:
+    """Draws on split rows are one device's (each rank its block of the whole draw, laid out
+    in memory as one device's), or refused at plan time naming the op, its random aten op and
+    the fix."""
+    net, x = Noisy(body), torch.randn(4, 3, 8)
+    torch.manual_seed(SEED)
+    want = net(x).detach()
     with simulated_world(2) as world:
         world.replicate(net)
-        with pytest.raises(ValueError, match=rf"{body} .* draws random numbers inside"):
-            sw.AutoParallel(net)(world.rows(x))
+        parallel = sw.AutoParallel(net)
+        torch.manual_seed(SEED)
+        if body == "rand_like":
+            with pytest.raises(ValueError, match=r"rand_like .* draws random numbers inside"):
+                parallel(world.rows(x))
+            return
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x))
+        assert_matches_single_device(got, world.rows(want), what=body)
+        assert not rec.kinds(), rec.summary()

@@ -152,4 +152,3 @@ def clipping(splits: GradSplits) -> Iterator[None]:
         _active.pop()
         if not _active:
             nn.utils.clip_grad_norm_ = TORCH_CLIP
-

@@ -50,6 +50,7 @@ from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
 from shardwise.parallel._local import (
+    GlobalDraws,
     attention_dropout,
     batch_norm_split,
     dropout_block,
@@ -368,6 +369,10 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         elif k in table.resized:
             args, kw = resized_call(self.ops[k], args, kw, table.resized[k])
             out = func(*args, **kw)
+        elif k in table.global_draws:
+            node = self.plan.nodes[k]
+            with GlobalDraws(node.draws, node.name):
+                out = func(*args, **kw)
         elif k in table.attention_dropouts:
             node = self.plan.nodes[k]
             out = attention_dropout(args, kw, node.outputs[0].layout, node.shapes[0])

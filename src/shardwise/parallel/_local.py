@@ -29,12 +29,15 @@
 - ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (`attention_dropout`, for the plan
   executor): torch's math form on this rank's blocks, the attention weights dropped by this
   rank's block of one global mask (as one device's math form draws it).
+- Any other op with random in-place fills (`GlobalDraws`, for the plan executor: the node's
+  `NodePlan.draws`): each fill draws the whole tensor as one device does and keeps this rank's
+  block.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,13 +45,15 @@ import torch
 import torch.nn.functional as F
 
 from shardwise import communication as comm
+from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise.layout import TensorLayout
 from shardwise.ops import BatchNorm, Dropout, Primitive
 from shardwise.ops._nn_primitives import batch_norm_training
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import group_for
-from shardwise.planner._attention import SDPA_ARGS
+from shardwise.planner import Placed
 from shardwise.planner._batch_norm import BN_ARGS
+from shardwise.planner._draws import SDPA_ARGS, is_fill
 from shardwise.planner._losses import LOSS_ARGS
 from shardwise.redistribution import block_offset, local_block
 
@@ -171,6 +176,22 @@ def dropout_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
     return float(_dropout_args(args, kw).get("p", 0.5))
 
 
+def empty_as(block: torch.Tensor, shape: Shape) -> Callable[[], torch.Tensor]:
+    """A maker of an empty tensor of global `shape` whose dims lie in memory in the order
+    ``empty_like`` lays out `block` (this rank's block of it): one device's ``empty_like`` of
+    its whole tensor. A random fill runs in memory order, so a mask drawn into it holds one
+    device's numbers where one device's are (a dropout after a transpose included)."""
+    strides = torch.empty_like(block).stride()
+    order = sorted(range(len(strides)), key=lambda d: -strides[d])  # (outer first; stable)
+    back = [order.index(d) for d in range(len(order))]
+    dtype, device = block.dtype, block.device
+
+    def make() -> torch.Tensor:
+        return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(back)
+
+    return make
+
+
 def dropout_block(
     layout: TensorLayout, shape: Shape, args: Sequence[Any], kw: dict[str, Any]
 ) -> torch.Tensor:
@@ -180,9 +201,8 @@ def dropout_block(
     x, p = bound["input"], dropout_p(args, kw)
     if not bound.get("training", True) or p == 0:
         return x  # type: ignore[no-any-return]
-    mask = comm.replicated_draw(
-        lambda: F.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), p, True)
-    )
+    ones = empty_as(x, shape)
+    mask = comm.replicated_draw(lambda: F.dropout(ones().fill_(1), p, True))
     mask = local_block(mask, layout, shape)
     return x.mul_(mask) if bound.get("inplace", False) else x * mask  # type: ignore[no-any-return]
 
@@ -260,3 +280,37 @@ def attention_dropout(
     w = dropout_block(weights, weights_shape, (w, p, True), {})
     out: torch.Tensor = w @ v
     return out
+
+
+class GlobalDraws(TorchDispatchMode):
+    """While one op runs on this rank's blocks: its k-th random in-place fill (``bernoulli_``,
+    ``uniform_`` ...) fills the tensor with this rank's block of the whole tensor drawn as one
+    device draws it (`communication.replicated_block`; `draws` [k]: the filled tensor's
+    placement and global shape, from the plan)."""
+
+    def __init__(self, draws: Sequence[tuple[Placed, Shape]], who: str) -> None:
+        super().__init__()
+        self.draws, self.who, self.k = draws, who, 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not is_fill(func):
+            return func(*args, **kwargs)
+        if self.k >= len(self.draws):
+            raise UnsupportedParallelError(
+                f"{self.who}: drew more random tensors ({func}) than the plan has "
+                f"({len(self.draws)}); it must run the same ops every call"
+            )
+        placed, shape = self.draws[self.k]
+        self.k += 1
+        t: torch.Tensor = args[0]
+        rest = args[1:]
+        empty = empty_as(t, shape)
+        block = comm.replicated_block(
+            lambda: func(empty(), *rest, **kwargs),
+            lambda r: placed.layout.local_index(r, shape),
+        )
+        with torch.no_grad():
+            return t.copy_(block)

@@ -27,9 +27,9 @@ from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
-from shardwise.planner._attention import ATTENTION_DROPOUT
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
+from shardwise.planner._draws import ATTENTION_DROPOUT
 from shardwise.planner._graph import TensorSlot
 from shardwise.planner._losses import WEIGHTED_MEAN
 
@@ -108,6 +108,7 @@ class NodeTable:
         self.weighted = {n.index for n in nodes if n.local == WEIGHTED_MEAN}  # (mean losses)
         self.split_norms = {n.index for n in nodes if n.local == SPLIT_BATCH_NORM}
         self.attention_dropouts = {n.index for n in nodes if n.local == ATTENTION_DROPOUT}
+        self.global_draws = {n.index for n in nodes if n.draws}  # (`_local.GlobalDraws`)
         self.resized = {  # (size arguments: this rank's block, `resized_call`)
             n.index: n.local_shapes[0]
             for n in nodes
@@ -127,6 +128,7 @@ class NodeTable:
             and k not in self.weighted
             and k not in self.split_norms
             and k not in self.attention_dropouts
+            and k not in self.global_draws
             and k not in self.resized
             else SLOW
             for k, n in enumerate(nodes)

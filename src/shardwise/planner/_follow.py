@@ -30,7 +30,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import decide
-from shardwise.planner._graph import AtenArg, Graph, Node, Ref
+from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
 from shardwise.planner._placement import (
     Placements,
     PlanError,
@@ -89,11 +89,16 @@ class _Follow:
         return out
 
     def _follow(
-        self, node: Node, have: list[Placements], strict: bool = False
+        self,
+        node: Node,
+        have: list[Placements],
+        strict: bool = False,
+        seen: list[tuple[AtenCall, Placements]] | None = None,
     ) -> tuple[list[Placements], list[Placements], str]:
         """Run the node's aten program on placements: (its inputs' placements, its outputs',
         the rule source). Falls back to replicated when an intermediate must move (`strict`:
-        an annotated op, which raises instead)."""
+        an annotated op, which raises instead). With `seen`, each aten call is appended there
+        with its first output's placements."""
         need = list(have)
         used: set[int] = set()
         tmp: dict[int, Placements] = {}
@@ -135,6 +140,9 @@ class _Follow:
             for j, out in enumerate(call.outputs):
                 got = dec.outputs[j] if j < len(dec.outputs) else None
                 tmp[out.index] = got if got is not None else self.rep()
+            if seen is not None:
+                first = dec.outputs[0] if dec.outputs else None
+                seen.append((call, first if first is not None else self.rep()))
         for j, ref in enumerate(node.inputs):  # a tensor passed twice: its first slot decides
             need[j] = need[node.inputs.index(ref)]
         outs = []

@@ -8,8 +8,9 @@
   `_edge_d` / `_edge`: one `Placed`, `Collective`, `NodePlan`, redistribution step and
   `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
   its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
-  `NodePlan.backward`, `ParallelPlan.equal_grads`) are written only when present (a plan
-  without them reads back with none).
+  `NodePlan.backward`, `ParallelPlan.equal_grads`) and a node's random draws
+  (`NodePlan.draws`) are written only when present (a plan without them reads back with
+  none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
 into an equal value.
@@ -176,7 +177,7 @@ def _comm(c: Mapping[str, Any]) -> Collective:
 
 
 def _node_d(n: NodePlan) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "index": n.index,
         "name": n.name,
         "op": n.op,
@@ -189,7 +190,12 @@ def _node_d(n: NodePlan) -> dict[str, Any]:
         "local": n.local,
         "in_shapes": [list(s) for s in n.in_shapes],
         "dtypes": list(n.dtypes),
-    } | ({"backward": [_comm_d(c) for c in n.backward]} if n.backward else {})
+    }
+    if n.backward:
+        out["backward"] = [_comm_d(c) for c in n.backward]
+    if n.draws:
+        out["draws"] = [{"placed": _placed_d(p), "shape": list(s)} for p, s in n.draws]
+    return out
 
 
 def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
@@ -207,6 +213,7 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
         in_shapes=tuple(tuple(s) for s in d.get("in_shapes", ())),
         backward=tuple(_comm(c) for c in d.get("backward", ())),
         dtypes=tuple(d.get("dtypes", ())),
+        draws=tuple((_placed(m, x["placed"]), tuple(x["shape"])) for x in d.get("draws", ())),
     )
 
 

@@ -49,13 +49,14 @@ from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
-from shardwise.planner._attention import (
-    ATTENTION_DROPOUT,
-    attention_dropout,
-    check_random_draws,
-)
 from shardwise.planner._backward import plan_backward
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm
+from shardwise.planner._draws import (
+    ATTENTION_DROPOUT,
+    GLOBAL_DRAWS,
+    attention_dropout,
+    plan_draws,
+)
 from shardwise.planner._follow import _Follow
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
@@ -171,7 +172,7 @@ class _Planner(_Follow):
             need, outs, rule = [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
         else:
             need, outs, rule = self._cheaper(node, have)
-        check_random_draws(node, need)
+        draws = plan_draws(node, need, lambda n, h, seen: self._follow(n, h, seen=seen))
         ins = tuple(
             to_placed(self.matrix, p, len(self.graph.info(r).shape))
             for p, r in zip(need, node.inputs, strict=True)
@@ -194,6 +195,8 @@ class _Planner(_Follow):
             local = WEIGHTED_MEAN
         elif attention_dropout(node):
             local = ATTENTION_DROPOUT
+        elif draws:
+            local = GLOBAL_DRAWS
         self.nodes.append(
             NodePlan(
                 node.index,
@@ -208,6 +211,7 @@ class _Planner(_Follow):
                 local,
                 in_shapes,
                 dtypes=tuple(o.dtype for o in node.outputs),
+                draws=tuple((to_placed(self.matrix, p, len(s)), s) for p, s in draws),
             )
         )
 
