@@ -8,7 +8,8 @@ same seed, training equals one device: the loss and every gradient (1e-5 relativ
 collective beyond the data-parallel ones (the loss's AllReduce, one gradient bucket).
 
 Cases: nanoGPT with dropout 0.1 (attention and residual) on 2 and 4 ranks; nanoGPT at 2 x 2 with
-the heads split (strided ``c_attn``, attention annotated with ``sw.shard``); Hugging Face's
+the heads split (strided ``c_attn``, attention annotated with ``sw.shard``) and with the
+Megatron annotation (row-parallel ``c_proj`` before the residual dropouts); Hugging Face's
 ``GPT2LMHeadModel`` with its own SDPA attention and dropout; a bare attention call with a
 boolean mask, an explicit scale and grouped-query heads; the query's rows split (no causal
 mask), so each rank's block of the mask is a block of rows.
@@ -36,7 +37,7 @@ from shardwise.planner import ParallelPlan
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..zoo import GPT2, CausalSelfAttention, GPT2Config, gpt2_hf, recording_step, token_batches
-from .test_zoo_megatron import SDPA_2X2, block_of
+from .test_zoo_megatron import SDPA_2X2, block_of, megatron, per_layer
 
 STEPS, BATCH, SEED = 2, 8, 7
 ADAM = {"lr": 1e-3, "eps": 1e-6}
@@ -156,6 +157,21 @@ def test_heads_split_attention_dropout_matches_one_device() -> None:
     for n in nodes:  # batch over dp, heads over mp
         split = n.outputs[0].layout
         assert [split.split_count(d) for d in range(4)] == [2, 2, 1, 1], str(n)
+
+
+def test_megatron_with_dropout_matches_one_device() -> None:
+    """The Megatron annotation at 2 x 2 with dropout 0.1: attention drops its weights as one
+    device (its data-parallel math form), and each residual dropout of a row-parallel
+    ``c_proj``'s partial sum runs data parallel (no rule fills a partial sum in place: its
+    AllReduce comes before the dropout instead of at the residual add): the same collectives
+    as without dropout (`test_zoo_megatron.per_layer`), loss and every gradient as one
+    device's."""
+    net = megatron(nanogpt(), 2, 2)
+    single_device("nanogpt"), batches()
+    with simulated_world(4) as world:
+        parallel, kinds = train(world, "nanogpt", net)
+    assert kinds == [per_layer(2, 2)] * STEPS
+    assert len(dropout_nodes(parallel)) == 2
 
 
 class Attention(nn.Module):

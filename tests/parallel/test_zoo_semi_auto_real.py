@@ -24,3 +24,5 @@ def test_gpt2_semi_auto_on_four_real_processes(tmp_path: Path) -> None:
         for step in range(2):
             assert f"CHECK step {step} OK" in log, f"rank {rank}, step {step}:\n{log}"
             assert f"CHECK megatron step {step} OK" in log, f"rank {rank}, megatron {step}:\n{log}"
+            for model in ("gpt2", "encoder"):
+                assert f"CHECK dropout {model} step {step} OK" in log, f"rank {rank}:\n{log}"

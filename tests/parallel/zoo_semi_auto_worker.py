@@ -5,7 +5,11 @@ parameter against the single-device run it computes itself (1e-5 relative), and 
 of each step: one forward AllReduce (the loss), one backward AllReduce (every gradient in one
 25 MB bucket, started asynchronously). Prints ``CHECK step <k> OK``; a mismatch raises. On 4
 processes it then trains the model with Megatron annotations at 2 x 2 (``megatron``) and prints
-``CHECK megatron step <k> OK``.
+``CHECK megatron step <k> OK``; then, with dropout 0.1 (attention and residual) and the step
+clipping its gradients by torch's ``clip_grad_norm_``, the same Megatron model and torch's own
+``nn.TransformerEncoder`` (attention dropout drawn inside ``F.multi_head_attention_forward``),
+each rank's masks drawn as one device draws them from the same seed: ``CHECK dropout <model>
+step <k> OK``.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def main() -> None:
         print(f"CHECK step {k} OK", flush=True)
     if n == 4:
         megatron(batches, rank)
+        dropout_and_clipping(batches, rank)
     sw.communication.release()
 
 
@@ -125,6 +130,75 @@ def megatron(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> Non
         )
         assert kinds == want_kinds, rec.summary()
         print(f"CHECK megatron step {k} OK", flush=True)
+
+
+def dropout_and_clipping(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    """Random draws and clipping in real processes: every rank seeds alike, draws each mask
+    whole and keeps its block (``F.dropout``, SDPA's math form, the encoder's in-place
+    fills); the clipping's partial norms are all-reduced over mp. Loss and every gradient
+    block (clipped) equal one device's, step by step from the same random state."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from zoo import GPT2Config
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(64, 32)
+            layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(32, 64)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:
+            mask = nn.Transformer.generate_square_subsequent_mask(16)
+            h = self.enc(self.emb(x), mask=mask, is_causal=True)
+            return None, F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+    def megatron_gpt2() -> nn.Module:
+        net = GPT2(GPT2Config(dropout=0.1))
+        for block in net.transformer.h:
+            for m, strategy in (("attn.c_attn", ((2, 1), (2, 1))), ("mlp.c_fc", ((2, 1), (2, 1)))):
+                sw.shard(block.get_submodule(m), in_strategy=strategy)
+            for m in ("attn.c_proj", "mlp.c_proj"):
+                sw.shard(block.get_submodule(m), in_strategy=((2, 2), (1, 2)))
+        return net
+
+    for name, make in (("gpt2", megatron_gpt2), ("encoder", Encoder)):
+        ref, net = make(), make()
+        seen: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+
+        def step(m: nn.Module, out: list[Any]) -> Any:
+            opt = torch.optim.AdamW(m.parameters(), **ADAM)
+
+            def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                loss: torch.Tensor = m(a, b)[1]
+                loss.backward()
+                norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                out.append((norm, {k: p.grad.detach().clone() for k, p in m.named_parameters()}))
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            return run
+
+        want: list[Any] = []
+        ref_step, parallel = step(ref, want), sw.AutoParallel(step(net, seen), "semi_auto")
+        torch.manual_seed(7)
+        for k, (x, y) in enumerate(batches):
+            state = torch.get_rng_state()
+            want_loss = ref_step(x, y)
+            torch.set_rng_state(state)
+            loss = parallel(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2])
+            close(loss.detach(), want_loss.detach(), f"dropout {name} loss {k}")
+            close(seen[k][0], want[k][0], f"dropout {name} norm {k}")
+            plan = parallel.parallel_plan
+            assert plan is not None
+            for key, g in want[k][1].items():
+                block = g[plan.params[key].layout.local_slice(rank, tuple(g.shape))]
+                close(seen[k][1][key], block, f"dropout {name} gradient of {key}, step {k}")
+            print(f"CHECK dropout {name} step {k} OK", flush=True)
 
 
 if __name__ == "__main__":

@@ -159,8 +159,19 @@ class _Follow:
         self, node: Node, have: list[Placements]
     ) -> tuple[list[Placements], list[Placements], str]:
         """An unannotated op's strategy: it follows its inputs' placements, unless that moves
-        them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less."""
-        need, outs, rule = self._follow(node, have)
+        them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less.
+        When no rule takes the inputs as placed (a dropout's in-place random fill on a partial
+        sum), the data-parallel strategy, else that error."""
+        try:
+            need, outs, rule = self._follow(node, have)
+        except PlanError:
+            if not node.inputs:
+                raise
+            try:
+                return self._follow(node, self._data_parallel_inputs(node))
+            except PlanError:
+                pass
+            raise
         if not node.inputs:
             return need, outs, rule
         cost = self._cost(node, need)

@@ -22,7 +22,10 @@
    over it and losses included: a mean over the batch is a partial value, all-reduced where it
    is consumed whole). When following would move the inputs (or the rule would move an
    intermediate value inside the op), `_Follow._cheaper` takes the data-parallel strategy
-   if it moves fewer bytes; an op that can do neither runs replicated.
+   if it moves fewer bytes (and when no rule takes the inputs as placed: a dropout's in-place
+   random fill of a row-parallel output's partial sum); an op that can do neither runs
+   replicated. An op's random in-place fills on split inputs are recorded with their
+   placements (`_draws.plan_draws`: each rank draws the whole, keeps its block).
 4. Every mismatch between a producer's placement and a consumer's becomes an `EdgePlan`
    (`_Planner.edge`: AllReduce of partial values, then the cheapest Slice / AllGather /
    AlltoAll steps). A partial scalar (a loss, a sum over the batch) and a partial returned
