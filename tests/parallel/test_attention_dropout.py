@@ -336,3 +336,49 @@ def test_random_draws_on_split_rows(body: str) -> None:
             got = parallel(world.rows(x))
         assert_matches_single_device(got, world.rows(want), what=body)
         assert not rec.kinds(), rec.summary()
+
+
+def test_attention_planned_in_eval_drops_as_one_device_when_trained() -> None:
+    """A wrapped module first called in ``eval()`` (its attention's ``dropout_p`` 0: planned
+    with the attention kernel), then in ``train()``: the attention drops its weights as one
+    device does (its math form with this rank's block of the global mask)."""
+    x = batches()[0][0]
+    ref, net = nanogpt(), nanogpt()
+    torch.manual_seed(SEED)
+    want = ref(x)[0].detach()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+        net.eval()
+        parallel(world.rows(x))
+        plan = parallel.parallel_plan
+        assert plan is not None and not dropout_nodes(parallel)  # (no dropout when planned)
+        net.train()
+        torch.manual_seed(SEED)
+        got = parallel(world.rows(x))[0]
+        assert parallel.parallel_plan is plan  # (the same plan: nothing planned again)
+        assert_matches_single_device(got, world.rows(want), what="logits")
+
+
+def test_encoder_planned_in_eval_is_planned_again_when_trained() -> None:
+    """torch's encoder first called in ``eval()`` (``multi_head_attention_forward`` planned
+    without draws), then trained: the attention's first draw has no planned block, so the call
+    is planned again with its draws (the first plan kept for ``eval()``), and the loss equals
+    one device's."""
+    (x, y), ref, net = batches()[0], TorchEncoder(0.1), TorchEncoder(0.1)
+    torch.manual_seed(SEED)
+    want = ref(x, y).detach()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(lambda a, b: net(a, b), network=net)
+        net.eval()
+        parallel(world.rows(x), world.rows(y))
+        first = parallel.parallel_plan
+        assert first is not None and not any(n.draws for n in first.nodes)
+        net.train()
+        torch.manual_seed(SEED)
+        got = parallel(world.rows(x), world.rows(y))
+        plan = parallel.parallel_plan
+        assert plan is not None and plan != first
+        assert sum(1 for n in plan.nodes if n.draws) == 2
+        assert_matches_single_device(got, want, what="loss")

@@ -50,10 +50,10 @@ from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
 from shardwise.parallel._local import (
-    GlobalDraws,
-    attention_dropout,
-    batch_norm_split,
-    dropout_block,
+    UnplannedDraw,
+    attention_p,
+    compute,
+    drop,
     dropout_p,
     loss_weight,
 )
@@ -65,7 +65,6 @@ from shardwise.parallel._node_table import (
     NodeTable,
     call_info,
     factory_call,
-    resized_call,
 )
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
@@ -178,11 +177,11 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
                     if table.local[k] is None:
                         return self.check_sized(func, k, args, kwargs)
                     return func(args[0], *(table.sized[k] or ()))
-                node = self.plan.nodes[k]
                 kwargs = kwargs or {}
                 if table.local[k] is None:
-                    table.local[k] = dropout_p(args, kwargs) == 0
-                return dropout_block(node.outputs[0].layout, node.shapes[0], args, kwargs)
+                    drops = dropout_p if func is F.dropout else attention_p
+                    table.local[k] = drops(args, kwargs) == 0
+                return drop(func, self.plan.nodes[k], args, kwargs)
             finally:
                 self.paused -= 1
         return self._call(func, kind, op, args, kwargs or {})
@@ -358,26 +357,12 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         if table.templates is not None and table.whole[k]:
             tensors = [t for t in leaves if isinstance(t, T)]
             args, kw = table.global_args(k, tensors, args, kw)  # the captured sizes
-        sized = table.sized[k]
-        if sized is not None:
-            out = func(args[0], *sized)
-        elif func is F.dropout:
-            node = self.plan.nodes[k]
-            out = dropout_block(node.outputs[0].layout, node.shapes[0], args, kw)
-        elif k in table.split_norms:
-            out = batch_norm_split(args, kw, self.plan.nodes[k].outputs[0].layout)
-        elif k in table.resized:
-            args, kw = resized_call(self.ops[k], args, kw, table.resized[k])
-            out = func(*args, **kw)
-        elif k in table.global_draws:
-            node = self.plan.nodes[k]
-            with GlobalDraws(node.draws, node.name):
-                out = func(*args, **kw)
-        elif k in table.attention_dropouts:
-            node = self.plan.nodes[k]
-            out = attention_dropout(args, kw, node.outputs[0].layout, node.shapes[0])
-        else:
-            out = func(*args, **kw)
+        try:
+            out = compute(func, k, self.plan.nodes[k], table, args, kw)
+        except UnplannedDraw as e:  # (planned without its draws: an eval() call)
+            if self.backward_seen:
+                raise
+            raise Replan(str(e), k, self.ops[k]) from None
         weight = loss_weight(args, kw) if k in table.weighted else None
         out = self._returned(k, out, weight)
         if k in table.averaging:

@@ -32,6 +32,9 @@
 - Any other op with random in-place fills (`GlobalDraws`, for the plan executor: the node's
   `NodePlan.draws`): each fill draws the whole tensor as one device does and keeps this rank's
   block.
+
+`compute` is the plan executor's one entry: node k's op on this rank's blocks, by the plan
+(`drop` for a dropout or an attention, on the executor's short path too).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import BatchNorm, Dropout, Primitive
 from shardwise.ops._nn_primitives import batch_norm_training
 from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._node_table import NodeTable, resized_call
 from shardwise.parallel._runtime import group_for
-from shardwise.planner import Placed
+from shardwise.planner import NodePlan, Placed
 from shardwise.planner._batch_norm import BN_ARGS
 from shardwise.planner._draws import SDPA_ARGS, is_fill
 from shardwise.planner._losses import LOSS_ARGS
@@ -241,6 +245,11 @@ def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayo
     return y
 
 
+def attention_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
+    """The dropout probability of an ``F.scaled_dot_product_attention(*args, **kw)`` call."""
+    return float(_by_name(SDPA_ARGS, args, kw).get("dropout_p", 0.0))
+
+
 def attention_dropout(
     args: Sequence[Any], kw: dict[str, Any], layout: TensorLayout, shape: Shape
 ) -> torch.Tensor:
@@ -250,10 +259,10 @@ def attention_dropout(
     The attention weights ``[..., L, S]`` are split as the output is but on their last dim; the
     dropout multiplies them by this rank's block of one mask of their global shape, drawn as one
     device draws it (`dropout_block`). ``dropout_p == 0`` runs torch's own kernel."""
-    b = _by_name(SDPA_ARGS, args, kw)
-    p = float(b.get("dropout_p", 0.0))
+    p = attention_p(args, kw)
     if p == 0:
         return F.scaled_dot_product_attention(*args, **kw)
+    b = _by_name(SDPA_ARGS, args, kw)
     q, k, v, mask = b["query"], b["key"], b["value"], b.get("attn_mask")
     if b.get("enable_gqa", False) and k.size(-3) != q.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
@@ -282,6 +291,10 @@ def attention_dropout(
     return out
 
 
+class UnplannedDraw(UnsupportedParallelError):
+    """An op drew a random tensor its plan has no draw for (planned in ``eval()``, say)."""
+
+
 class GlobalDraws(TorchDispatchMode):
     """While one op runs on this rank's blocks: its k-th random in-place fill (``bernoulli_``,
     ``uniform_`` ...) fills the tensor with this rank's block of the whole tensor drawn as one
@@ -299,7 +312,7 @@ class GlobalDraws(TorchDispatchMode):
         if not is_fill(func):
             return func(*args, **kwargs)
         if self.k >= len(self.draws):
-            raise UnsupportedParallelError(
+            raise UnplannedDraw(
                 f"{self.who}: drew more random tensors ({func}) than the plan has "
                 f"({len(self.draws)}); it must run the same ops every call"
             )
@@ -314,3 +327,40 @@ class GlobalDraws(TorchDispatchMode):
         )
         with torch.no_grad():
             return t.copy_(block)
+
+
+def drop(func: Any, node: NodePlan, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
+    """``F.dropout`` (`dropout_block`) or ``F.scaled_dot_product_attention``
+    (`attention_dropout`) of node `node` on this rank's blocks, with this rank's block of one
+    global mask."""
+    layout, shape = node.outputs[0].layout, node.shapes[0]
+    if func is F.dropout:
+        return dropout_block(layout, shape, args, kw)
+    return attention_dropout(args, kw, layout, shape)
+
+
+def compute(
+    func: Any, k: int, node: NodePlan, table: NodeTable, args: Sequence[Any], kw: dict[str, Any]
+) -> Any:
+    """Node `k`'s op on this rank's blocks, as its plan (`node`, `table`) says: a view's local
+    sizes, a dropout's or an attention's global masks (`drop`), a split batch norm, the
+    local sizes of ``unflatten`` / ``new_*`` (`_node_table.resized_call`), its random fills'
+    global draws (`GlobalDraws`), or the op itself.
+
+    Raises:
+        UnplannedDraw: the op drew a random tensor its plan has no draw for.
+    """
+    sized = table.sized[k]
+    if sized is not None:
+        return func(args[0], *sized)
+    if func is F.dropout or func is F.scaled_dot_product_attention:
+        return drop(func, node, args, kw)
+    if k in table.split_norms:
+        return batch_norm_split(args, kw, node.outputs[0].layout)
+    if k in table.resized:
+        args, kw = resized_call(node.op, tuple(args), kw, table.resized[k])
+        return func(*args, **kw)
+    if k in table.global_draws:
+        with GlobalDraws(node.draws, node.name):
+            return func(*args, **kw)
+    return func(*args, **kw)

@@ -9,8 +9,9 @@
   parameter, and its short path (`NodeTable.fast`): a node with no edge in or out, no
   gradient average (`NodePlan.backward`), neither the first nor the last, is `PLAIN` (nothing
   to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape, a
-  split its local sizes) or
-  `DROPOUT`; under data parallel nearly every
+  split its local sizes) or `DROPOUT` (``F.dropout``, and ``F.scaled_dot_product_attention``,
+  whose dropout, whenever a call asks for it, runs as its math form with this rank's block of
+  one global mask); under data parallel nearly every
   node is one of these, and the executor runs them after checking only the op against the
   plan's and counting the cursor. `NodeTable.local` and the spans of `_spans` let whole modules
   of such nodes run without even that.
@@ -29,7 +30,7 @@ from shardwise._torch import pytree
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
-from shardwise.planner._draws import ATTENTION_DROPOUT
+from shardwise.planner._draws import MAY_DRAW, SDPA
 from shardwise.planner._graph import TensorSlot
 from shardwise.planner._losses import WEIGHTED_MEAN
 
@@ -59,7 +60,7 @@ _FACTORIES = {"torch.zeros", "torch.ones", "torch.empty", "torch.full"}
 SLOW = 0  # the full path: edges, captured sizes, the first or last node, returned values
 PLAIN = 1  # the op on the blocks as they are
 SIZED = 2  # a view: the plan's local shape as the size argument (a split: sizes and dim)
-DROPOUT = 3  # this rank's block of one global mask
+DROPOUT = 3  # this rank's block of one global mask (F.dropout, or SDPA's attention weights)
 
 CALLS: dict[Any, tuple[str, str]] = {}  # `call_info` by function (the executor reads it inline)
 
@@ -107,8 +108,11 @@ class NodeTable:
         self.averaging = {n.index for n in nodes if n.backward}  # (`NodePlan.backward`)
         self.weighted = {n.index for n in nodes if n.local == WEIGHTED_MEAN}  # (mean losses)
         self.split_norms = {n.index for n in nodes if n.local == SPLIT_BATCH_NORM}
-        self.attention_dropouts = {n.index for n in nodes if n.local == ATTENTION_DROPOUT}
-        self.global_draws = {n.index for n in nodes if n.draws}  # (`_local.GlobalDraws`)
+        self.global_draws = {  # (`_local.GlobalDraws`; may draw on split inputs: watched)
+            n.index
+            for n in nodes
+            if n.draws or (n.op in MAY_DRAW and any(p.layout.used_axes() for p in n.inputs))
+        }
         self.resized = {  # (size arguments: this rank's block, `resized_call`)
             n.index: n.local_shapes[0]
             for n in nodes
@@ -127,7 +131,6 @@ class NodeTable:
             and k not in self.averaging
             and k not in self.weighted
             and k not in self.split_norms
-            and k not in self.attention_dropouts
             and k not in self.global_draws
             and k not in self.resized
             else SLOW
@@ -154,7 +157,7 @@ class NodeTable:
             return SLOW
         if self.sized[k] is not None:
             return SIZED
-        return DROPOUT if op == _DROPOUT else PLAIN
+        return DROPOUT if op in (_DROPOUT, SDPA) else PLAIN
 
     def global_args(
         self, k: int, tensors: list[T], args: tuple[Any, ...], kw: dict[str, Any]

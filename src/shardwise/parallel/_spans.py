@@ -3,7 +3,8 @@
 A node is *local* when the executor runs its op on this rank's blocks exactly as the network
 calls it (`NodeTable.local`): a plain torch op (`PLAIN`; not a shardwise primitive), a view or
 split the network already gives the plan's local sizes (checked the first time it runs:
-`SpanRunner.check_sized`), an ``nn.Dropout`` whose ``p`` is 0. For such a node the executor does
+`SpanRunner.check_sized`), an ``nn.Dropout`` whose ``p`` is 0, a scaled-dot-product attention
+whose first call had ``dropout_p`` 0. For such a node the executor does
 nothing but count it; watching it costs only the torch-function mode's call into Python (a few
 microseconds an op).
 
@@ -25,7 +26,9 @@ then goes back where it was (`_stepping.SteppingMode._relist`).
 
 What this gives up: an op sequence that changes *inside* a skipped module from one call to the
 next (a branch on a Python flag or a step counter inside a GPT block) is not noticed, so it is
-not planned again: its new ops run as local ops. So this runs only when the user opts in with
+not planned again: its new ops run as local ops; so is an attention inside one that starts to
+drop weights (``dropout_p`` from 0 to > 0: a module planned in ``eval()`` then trained), which
+then draws its own mask on each rank. So this runs only when the user opts in with
 ``sw.set_auto_parallel_context(watch_every_op=False)`` (the default True leaves `SpanHooks`
 disabled: every op is watched).
 """
@@ -40,6 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardwise.parallel._node_table import DROPOUT
+from shardwise.planner._draws import SDPA
 
 if TYPE_CHECKING:
     from shardwise.parallel._node_table import NodeTable
@@ -220,8 +224,8 @@ class SpanHooks:
         by_name = dict(modules)
         guards: dict[str, list[nn.Dropout]] = {}
         for k, name in enumerate(table.names):  # a dropout is local as an nn.Dropout, p = 0
-            if table.fast[k] != DROPOUT or not table.local[k]:
-                continue
+            if table.fast[k] != DROPOUT or not table.local[k] or table.ops[k] == SDPA:
+                continue  # (an attention: local while its calls had dropout_p 0 when seen)
             *outer, path = _enclosing(name) or [""]
             module = by_name.get(path)
             if not isinstance(module, nn.Dropout):

@@ -21,7 +21,9 @@ one device's three ways:
 
 A draw that makes a new tensor from others (``rand_like``, ``native_dropout``, a fused attention
 kernel with dropout) on split inputs is refused with a `PlanError` naming the op, its random
-aten op and the fix. On whole inputs every rank draws the whole, as one device does.
+aten op and the fix. On whole inputs every rank draws the whole, as one device does. An op of
+`MAY_DRAW` planned without draws (an ``eval()`` call) is watched on split inputs, and a draw
+plans the call again (`parallel/_local.UnplannedDraw`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "sc
 """``F.scaled_dot_product_attention``'s parameters in order (`parallel/_local` reads them)."""
 
 DROPOUT = "torch.nn.functional.dropout"
+
+MAY_DRAW = frozenset(
+    f"torch.nn.functional.{name}"
+    for name in (
+        "multi_head_attention_forward",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "rrelu",
+    )
+)
+"""Torch functions that draw in training only or with a nonzero drop probability: planned
+without draws (an ``eval()`` call), the executor watches them for draws (and plans again)."""
 
 
 def attention_dropout(node: Node) -> bool:
