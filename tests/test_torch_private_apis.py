@@ -264,6 +264,24 @@ def _profiler_events() -> None:
     assert ranges[0].start_ns <= ranges[0].end_ns
 
 
+def _clip_grad() -> None:
+    from shardwise._torch.clip_grad import TORCH_TOTAL_NORM, total_norm_replaced
+
+    t = torch.zeros(2, requires_grad=True)
+    t.grad = torch.tensor([3.0, 4.0])
+    assert float(TORCH_TOTAL_NORM([t.grad], 2.0, False, None)) == 5.0
+    seen: list[int] = []
+
+    def total(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):  # type: ignore[no-untyped-def]
+        seen.append(len(tensors))
+        return torch.tensor(10.0)
+
+    with total_norm_replaced(total):  # (every name clip_grad_norm_ is imported by)
+        assert float(torch.nn.utils.clip_grad_norm_([t], 1.0)) == 10.0
+        assert float(torch.nn.utils.clip_grad.clip_grad_norm_([t], 1.0)) == 10.0
+    assert seen == [1, 1] and float(torch.nn.utils.clip_grad_norm_([t], 1.0)) != 10.0
+
+
 def _pytree() -> None:
     from collections import namedtuple
 
@@ -314,6 +332,7 @@ CASES: dict[str, Callable[[], None]] = {
         _profiler_events
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
+    "_torch/clip_grad: torch.nn.utils.clip_grad._get_total_norm": _clip_grad,
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),

@@ -289,13 +289,17 @@ def test_torch_transformer_encoder(dropout: float) -> None:
         ), rec.summary()
     plan = parallel.parallel_plan
     assert plan is not None
-    drawing = [n for n in plan.nodes if n.draws]
+    drawing = [n for n in plan.nodes if n.local == "global_draws"]
     assert len(drawing) == (2 if dropout else 0)
     for n in drawing:
-        assert n.op.endswith("multi_head_attention_forward") and n.local == "global_draws"
-        ((placed, shape),) = n.draws
+        assert n.op.endswith("multi_head_attention_forward")
+        ((placed, shape, order),) = n.draws
         assert shape == (8, 4, 16, 16) and placed.layout.split_count(0) == 2
+        assert order == (0, 1, 2, 3)  # (the attention weights: contiguous)
         assert "draw (g0, None, None, None) [8, 4, 16, 16]" in str(plan)
+    # each layer's dropout1 drops the attention's output, [B, T, C] with T outer in memory
+    dropout1 = [n for n in plan.nodes if n.name.endswith("dropout1/dropout") and n.draws]
+    assert [n.draws[0][2] for n in dropout1] == ([(1, 0, 2)] * 2 if dropout else [])
     assert ParallelPlan.from_dict(plan.to_dict()) == plan
 
 
@@ -313,15 +317,18 @@ class Noisy(nn.Module):
             return F.alpha_dropout(h, 0.5, True)
         if self.body == "transposed":  # (F.dropout of a non-contiguous tensor)
             return F.dropout(h.transpose(1, 2), 0.5).transpose(1, 2)
+        if self.body == "batch_inner":  # (rows between dims in memory: one row a rank)
+            return F.dropout(self.lin(x.transpose(0, 1)).transpose(0, 1), 0.5)
         return h * torch.rand_like(h)  # (a new random tensor from a split one: refused)
 
 
-@pytest.mark.parametrize("body", ["alpha_dropout", "transposed", "rand_like"])
+@pytest.mark.parametrize("body", ["alpha_dropout", "transposed", "batch_inner", "rand_like"])
 def test_random_draws_on_split_rows(body: str) -> None:
     """Draws on split rows are one device's (each rank its block of the whole draw, laid out
-    in memory as one device's), or refused at plan time naming the op, its random aten op and
-    the fix."""
-    net, x = Noisy(body), torch.randn(4, 3, 8)
+    in memory as one device's: with the rows between two dims in memory and one row a rank,
+    the rank's block alone cannot tell the order, the plan's draw does), or refused at plan
+    time naming the op, its random aten op and the fix."""
+    net, x = Noisy(body), torch.randn(2 if body == "batch_inner" else 4, 3, 8)
     torch.manual_seed(SEED)
     want = net(x).detach()
     with simulated_world(2) as world:
@@ -380,5 +387,5 @@ def test_encoder_planned_in_eval_is_planned_again_when_trained() -> None:
         got = parallel(world.rows(x), world.rows(y))
         plan = parallel.parallel_plan
         assert plan is not None and plan != first
-        assert sum(1 for n in plan.nodes if n.draws) == 2
+        assert sum(1 for n in plan.nodes if n.local == "global_draws") == 2
         assert_matches_single_device(got, want, what="loss")

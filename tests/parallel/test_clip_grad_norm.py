@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as imported_clip  # (the from-import form)
 
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
@@ -29,19 +30,20 @@ from ..zoo import GPT2
 from .test_zoo_megatron import ADAM, batches, block_of, megatron, per_layer
 
 MAX_NORM = 0.05
-TORCH_CLIP = nn.utils.clip_grad_norm_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def clipped_step(net: nn.Module, opt: Any, norm_type: float, seen: list[Any]) -> Any:
-    """nanoGPT's step: loss, backward, clip (torch's function, as one device calls it), a copy
-    of the returned norm and every clipped gradient, AdamW's step."""
+    """nanoGPT's step: loss, backward, clip (torch's function, as one device calls it: by its
+    attribute path, or imported by name for the 1-norm), a copy of the returned norm and
+    every clipped gradient, AdamW's step."""
+    clip = imported_clip if norm_type == 1.0 else torch.nn.utils.clip_grad_norm_
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss: torch.Tensor = net(x, y)[1]
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM, norm_type)
+        norm = clip(net.parameters(), MAX_NORM, norm_type)
         seen.append((norm, {n: p.grad.detach().clone() for n, p in net.named_parameters()}))
         opt.step()
         opt.zero_grad()
@@ -60,7 +62,8 @@ def one_device(norm_type: float) -> list[tuple[torch.Tensor, torch.Tensor, dict[
 
 
 @pytest.mark.parametrize(
-    ("dp", "mp", "norm_type"), [(2, 2, 2.0), (1, 2, 1.0), (1, 2, float("inf")), (4, 1, 2.0)]
+    ("dp", "mp", "norm_type"),
+    [(2, 2, 2.0), (1, 2, 1.0), (1, 2, float("inf")), (4, 1, 2.0)],
 )
 def test_clip_inside_a_train_step_matches_one_device(dp: int, mp: int, norm_type: float) -> None:
     want = one_device(norm_type)
@@ -88,7 +91,7 @@ def test_clip_inside_a_train_step_matches_one_device(dp: int, mp: int, norm_type
                 want_kinds = Counter({("AllReduce", "forward", world_group): 1})
                 want_kinds[("AllReduce", "backward", world_group)] = 1
                 assert kinds == want_kinds, rec.summary()
-    assert nn.utils.clip_grad_norm_ is TORCH_CLIP  # (torch's own again outside the call)
+    assert_torch_clips_alone()
 
 
 def test_clip_outside_the_call_with_the_wrapper() -> None:
@@ -97,7 +100,7 @@ def test_clip_outside_the_call_with_the_wrapper() -> None:
     x, y = batches()[0]
     ref = GPT2()
     ref(x, y)[1].backward()
-    want = TORCH_CLIP(ref.parameters(), MAX_NORM)
+    want = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
     net = megatron(GPT2(), 2, 2)
     with simulated_world(4) as world:
         world.replicate(net)
@@ -105,6 +108,8 @@ def test_clip_outside_the_call_with_the_wrapper() -> None:
         with pytest.raises(ValueError, match="call the wrapper first"):
             parallel.clip_grad_norm_(MAX_NORM)
         parallel(world.rows(x), world.rows(y)).backward()
+        with pytest.raises(ValueError, match=r"norm_type 0 .* not supported"):
+            parallel.clip_grad_norm_(MAX_NORM, 0)
         norm = parallel.clip_grad_norm_(MAX_NORM)
         assert_matches_single_device(norm, want, what="norm")
         for name, p in net.named_parameters():
@@ -128,4 +133,14 @@ def test_clip_is_refused_where_gradients_are_not_whole_blocks(mode: str) -> None
         x, y = batches()[0]
         with pytest.raises(ValueError, match=match):
             parallel(world.rows(x), world.rows(y))
-    assert nn.utils.clip_grad_norm_ is TORCH_CLIP
+        with pytest.raises(ValueError, match=match):  # (and outside the call)
+            parallel.clip_grad_norm_(MAX_NORM)
+    assert_torch_clips_alone()
+
+
+def assert_torch_clips_alone() -> None:
+    """Outside any wrapped call torch's clipping is torch's: a plain tensor's norm (3-4-5)."""
+    t = torch.zeros(2, requires_grad=True)
+    t.grad = torch.tensor([3.0, 4.0])
+    assert float(nn.utils.clip_grad_norm_([t], 1.0)) == 5.0
+    assert float(imported_clip([t], 1.0)) == pytest.approx(1.0)  # (clipped to 1 just now)

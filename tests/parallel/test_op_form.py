@@ -255,3 +255,23 @@ def test_op_form_on_a_linear_subclass() -> None:
         world.replicate(twice)
         with pytest.raises(ValueError, match=r"sw.shard on .*also called .*mul.*reshard"):
             sw.AutoParallel(twice)(world.rows(x))
+
+
+def test_a_view_that_cuts_a_split_dim_unevenly_is_a_plan_error() -> None:
+    """A column-parallel Linear's 6 output features split 2 ways, then viewed as (3, 2): no
+    rule splits 3 evenly, so planning stops with a PlanError naming the op and the fix (it is
+    not silently run data parallel instead)."""
+
+    class Uneven(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = sw.shard(nn.Linear(8, 6), in_strategy=((1, 1), (2, 1)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).view(4, 3, 2)
+
+    net, x = Uneven(), torch.randn(4, 8)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        with pytest.raises(PlanError, match=r"view .*unevenly sharded.* Fix: make the split dims"):
+            sw.AutoParallel(net)(world.rows(x))

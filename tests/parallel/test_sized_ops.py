@@ -52,6 +52,10 @@ class Sized(nn.Module):
             return h + torch.zeros(b, t, c, dtype=h.dtype)
         if body == "full":
             return h * torch.full((b, t, c), fill_value=3.0)
+        if body == "cat_new_zeros":  # (new_zeros's output is whole: DTensor's rule)
+            return (torch.cat([h, h], -1) + h.new_zeros(b, t, 2 * c))[..., :c]
+        if body == "new_ones_2d":
+            return h + h.new_ones(b, t).unsqueeze(-1)
         if body == "broadcast_to":
             return torch.broadcast_to(h[:, :1], (b, t, c)) + h
         return h.reshape(b * t, c).view(b, t, c).expand(b, t, c)  # "views"
@@ -66,6 +70,8 @@ BODIES = [
     "new_full",
     "zeros",
     "full",
+    "cat_new_zeros",
+    "new_ones_2d",
     "broadcast_to",
     "views",
 ]

@@ -52,7 +52,7 @@ from shardwise.communication._ranks import (
     rank_parts,
     rank_value,
 )
-from shardwise.communication._sim import plain_tensors, replicated_block, replicated_draw
+from shardwise.communication._sim import plain_tensors, replicated_draw
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
     AllGather,
@@ -102,7 +102,6 @@ __all__ = [
     "rank_value",
     "release",
     "release_buffers",
-    "replicated_block",
     "replicated_draw",
     "scoped_group_name",
 ]

@@ -126,27 +126,3 @@ def replicated_draw(draw: Callable[[], torch.Tensor]) -> torch.Tensor:
     """
     sim = _current
     return draw() if sim is None else sim.draw_same(draw)
-
-
-def replicated_block(
-    draw: Callable[[], torch.Tensor], index_of: Callable[[int], Any]
-) -> torch.Tensor:
-    """This rank's block (``whole[index_of(rank)]``) of a random tensor every rank draws
-    identically (`replicated_draw`): e.g. its block of a global dropout mask, drawn as one
-    device draws the whole.
-
-    Args:
-        draw: makes the whole tensor.
-        index_of: rank -> the index of its block (``layout.local_index(rank, shape)``).
-
-    Returns:
-        The block, per rank.
-
-    Example:
-        >>> noise = replicated_block(lambda: torch.rand(8, 16), lambda r: slice(4 * r, 4 * r + 4))
-    """
-    sim = _current
-    if sim is None:
-        return draw()[index_of(dist.get_rank() if dist.is_initialized() else 0)]
-    whole = sim.local_tensors(sim.draw_same(draw))
-    return sim.from_local_tensors([part[index_of(r)] for r, part in enumerate(whole)])

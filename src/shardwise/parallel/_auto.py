@@ -39,11 +39,11 @@ from shardwise.optim import (
 )
 from shardwise.parallel._call_io import local_inputs
 from shardwise.parallel._clip import (
-    GradSplits,
+    DATA_PARALLEL,
+    HSDP,
     clip_grad_norm_,
     clipping,
     plan_splits,
-    unreduced,
 )
 from shardwise.parallel._context import (
     check_device_num,
@@ -316,15 +316,21 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
             >>> parallel_net.clip_grad_norm_(1.0)
         """
         graph = self._graph
-        splits: GradSplits
         if self.parallel_mode == "data_parallel":
-            splits = unreduced
-        elif graph is None or not graph.plans:
+            return clip_grad_norm_(
+                self.network.parameters(),
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+                None,
+                DATA_PARALLEL,
+            )
+        if graph is None or not graph.plans:
             raise ValueError("AutoParallel.clip_grad_norm_: call the wrapper first (no plan yet)")
-        else:
-            splits = plan_splits(self.network, graph.stored_plan, graph.engine is not None)
+        splits = plan_splits(self.network, graph.stored_plan)
+        refused = HSDP if graph.engine is not None else ""
         return clip_grad_norm_(
-            self.network.parameters(), max_norm, norm_type, error_if_nonfinite, splits=splits
+            self.network.parameters(), max_norm, norm_type, error_if_nonfinite, splits, refused
         )
 
     @property
@@ -400,5 +406,5 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
                 fusion=self._fusion_dict or None,
                 dataset_strategy=self._dataset,
             )
-        with clipping(unreduced):
+        with clipping(None, DATA_PARALLEL):
             return self._runner(*inputs, **kwargs)

@@ -2,21 +2,21 @@
 
 Under `AutoParallel` each parameter holds this rank's block and that block's gradient, so
 torch's ``clip_grad_norm_`` would take the norm of this rank's blocks: another norm on each
-rank, and another clipping than one device's. `clip_grad_norm_` here takes the norm of the
-whole gradients:
+rank, and another clipping than one device's. While a wrapped call runs (`clipping`), torch's
+clipping takes its total norm from `_TotalNorm` instead (`_torch.clip_grad`: every call of
+``torch.nn.utils.clip_grad_norm_``, however it was imported):
 
-1. `GradSplits` (a wrapper's view of its parameters) says, for each parameter, which device
-   axes split its gradient (those of its stored layout; none for a whole one);
+1. `GradSplits` (a wrapper's view of its parameters) says, for each gradient, which device
+   axes split it (its parameter's stored layout; none for a whole one);
 2. the gradients split over the same axes are one group: the norm of this rank's blocks
-   (torch's ``get_total_norm``), combined over the ranks of those axes (an AllReduce of the
-   p-th powers, or of the maxima for the inf-norm: one collective per group);
+   (torch's own total norm), combined over the ranks of those axes (an AllReduce of the p-th
+   powers, or of the maxima for the inf-norm: one per group);
 3. the total is the norm of the groups' norms, the same on every rank and equal to one
-   device's; torch's ``clip_grads_with_norm_`` then scales every gradient by
-   ``min(1, max_norm / (total + 1e-6))``, as torch's own ``clip_grad_norm_`` does.
+   device's; torch then scales every gradient by ``min(1, max_norm / (total + 1e-6))``.
 
-`clipping(splits)` makes ``torch.nn.utils.clip_grad_norm_`` this function while a wrapped call
-runs, so a train step that clips as one device does (nanoGPT's ``grad_clip``) clips the same
-inside `AutoParallel` unchanged; outside a call, `AutoParallel.clip_grad_norm_` does it.
+Where the gradients are not this rank's blocks of the whole ones (optimizer parallel, the
+data-parallel mode) the clipping is refused with a ValueError naming why and the fix. Outside
+a call, `AutoParallel.clip_grad_norm_` clips the same way (`clip_grad_norm_`).
 """
 
 from __future__ import annotations
@@ -27,67 +27,78 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from shardwise._torch.clip_grad import TORCH_TOTAL_NORM, total_norm_replaced
 from shardwise.communication import AllReduce, ReduceOp
 from shardwise.layout import DeviceMatrix
 from shardwise.planner import ParallelPlan
 
 GradSplit = tuple[DeviceMatrix, tuple[int, ...]] | None
-"""The matrix and the axes (each of size > 1) that split a parameter's gradient; None: whole."""
+"""The matrix and the axes (each of size > 1) that split a gradient; None: whole."""
 
-GradSplits = Callable[[nn.Parameter], GradSplit]
-"""A parameter's `GradSplit` (raises `ValueError` where no norm of whole gradients can be
-taken, naming why and the fix)."""
+GradSplits = Callable[[torch.Tensor], GradSplit]
+"""A gradient's `GradSplit` (a tensor that is no parameter's gradient: None)."""
 
-TORCH_CLIP = nn.utils.clip_grad_norm_
-_active: list[GradSplits] = []
+HSDP = (
+    "clip_grad_norm_ inside AutoParallel with hsdp (optimizer parallel): each rank's gradients "
+    "are shards reduce-scattered in backward (levels 2, 3) or reduced only at the optimizer "
+    "step (level 1), so no norm of the whole gradients is taken there; clip without hsdp()"
+)
+DATA_PARALLEL = (
+    "clip_grad_norm_ inside a parallel_mode='data_parallel' train step: the gradients are this "
+    "rank's own until the optimizer step all-reduces them, so each rank would clip by another "
+    "norm; use parallel_mode='semi_auto' (the same data-parallel plan, gradients reduced in "
+    "backward), where it clips by the norm of the whole gradients"
+)
 
 
-def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-    splits: GradSplits | None = None,
-) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` on parameters stored as blocks: clip by the norm of
-    the whole gradients (see the module docstring).
+def plan_splits(network: nn.Module, plan: ParallelPlan) -> GradSplits:
+    """The `GradSplits` of `network`'s parameters' gradients, stored as `plan` says."""
 
-    Args:
-        parameters / max_norm / norm_type / error_if_nonfinite / foreach: as torch's.
-        splits: each parameter's `GradSplit` (default: the running wrapper's; outside a
-            wrapped call, torch's own clipping).
+    def split(grad: torch.Tensor) -> GradSplit:
+        names = {id(p.grad): n for n, p in network.named_parameters() if p.grad is not None}
+        name = names.get(id(grad))
+        if name is None or name not in plan.params:
+            return None
+        layout = plan.params[name].layout
+        m = layout.matrix
+        return m, tuple(a for a in layout.used_axes() if m.shape[a] > 1)
 
-    Returns:
-        The total norm of the whole gradients (the same on every rank).
+    return split
 
-    Raises:
-        ValueError: gradients that are not this rank's blocks of the whole ones (optimizer
-            parallel, the data-parallel mode: the message names the fix); as torch, a
-            non-finite norm with `error_if_nonfinite`.
 
-    Example:
-        >>> norm = clip_grad_norm_(net.parameters(), 1.0)  # inside a wrapped train step
-    """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    splits = splits if splits is not None else (_active[-1] if _active else None)
-    if splits is None:
-        return TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    groups: dict[GradSplit, list[torch.Tensor]] = {}
-    for p in params:
-        split = splits(p)  # type: ignore[arg-type]  # (asked for every one: it may refuse)
-        if p.grad is not None:
-            groups.setdefault(split if split is not None and split[1] else None, []).append(p.grad)
-    if not groups:
-        return torch.tensor(0.0)
-    p_norm = float(norm_type)
-    norms = []
-    for split, grads in groups.items():
-        local = nn.utils.get_total_norm(grads, p_norm, False, foreach)
-        norms.append(local if split is None else _over_ranks(local, p_norm, *split))
-    total = nn.utils.get_total_norm(norms, p_norm, error_if_nonfinite, foreach)
-    nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-    return total
+class _TotalNorm:
+    """torch's total norm of gradients, of the whole gradients (the module docstring)."""
+
+    def __init__(self, splits: GradSplits | None, refused: str) -> None:
+        self.splits, self.refused = splits, refused
+
+    def __call__(
+        self,
+        tensors: torch.Tensor | Iterable[torch.Tensor],
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        if self.refused or self.splits is None:
+            raise ValueError(self.refused)
+        grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if not grads:
+            return TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)  # type: ignore[no-any-return]
+        groups: dict[GradSplit, list[torch.Tensor]] = {}
+        for g in grads:
+            split = self.splits(g)
+            groups.setdefault(split if split is not None and split[1] else None, []).append(g)
+        p_norm = float(norm_type)
+        if p_norm == 0:
+            raise ValueError(
+                "clip_grad_norm_ with norm_type 0 (torch counts the gradients that are not all "
+                "zero) is not supported inside AutoParallel; use norm_type 2, 1 or inf"
+            )
+        norms = []
+        for split, members in groups.items():
+            local = TORCH_TOTAL_NORM(members, p_norm, False, foreach)
+            norms.append(local if split is None else _over_ranks(local, p_norm, *split))
+        return TORCH_TOTAL_NORM(norms, p_norm, error_if_nonfinite, foreach)  # type: ignore[no-any-return]
 
 
 def _over_ranks(
@@ -104,51 +115,30 @@ def _over_ranks(
         return (summed ** (1.0 / p_norm)).to(local.dtype)  # type: ignore[no-any-return]
 
 
-def plan_splits(network: nn.Module, plan: ParallelPlan, sharded: bool) -> GradSplits:
-    """The `GradSplits` of `network`'s parameters stored as `plan` says (a parameter of
-    another network: whole); with optimizer parallel (`sharded`) none: a `ValueError`."""
-    names: dict[int, str] = {}
-
-    def split(p: nn.Parameter) -> GradSplit:
-        if sharded:
-            raise ValueError(
-                "clip_grad_norm_ inside AutoParallel with hsdp (optimizer parallel): each "
-                "rank's gradients are shards reduce-scattered in backward (levels 2, 3) or "
-                "reduced only at the optimizer step (level 1), so no norm of the whole "
-                "gradients is taken there; clip without hsdp()"
-            )
-        if not names:
-            names.update({id(q): n for n, q in network.named_parameters()})
-        name = names.get(id(p))
-        if name is None or name not in plan.params:
-            return None
-        layout = plan.params[name].layout
-        m = layout.matrix
-        return m, tuple(a for a in layout.used_axes() if m.shape[a] > 1)
-
-    return split
-
-
-def unreduced(p: nn.Parameter) -> GradSplit:
-    """The `GradSplits` of ``parallel_mode="data_parallel"``: a `ValueError` (its gradients
-    are this rank's until the optimizer step reduces them)."""
-    raise ValueError(
-        "clip_grad_norm_ inside a parallel_mode='data_parallel' train step: the gradients are "
-        "this rank's own until the optimizer step all-reduces them, so each rank would clip "
-        "by another norm; use parallel_mode='semi_auto' (the same data-parallel plan, "
-        "gradients reduced in backward), where it clips by the norm of the whole gradients"
-    )
-
-
 @contextmanager
-def clipping(splits: GradSplits) -> Iterator[None]:
-    """While the block runs, ``torch.nn.utils.clip_grad_norm_`` is `clip_grad_norm_`, which
-    reads `splits` (the running wrapper's parameters) when given none."""
-    _active.append(splits)
-    nn.utils.clip_grad_norm_ = clip_grad_norm_
-    try:
+def clipping(splits: GradSplits | None, refused: str = "") -> Iterator[None]:
+    """While the block runs, torch's clipping takes the norm of the whole gradients (`splits`:
+    the running wrapper's), or is refused with ValueError(`refused`)."""
+    with total_norm_replaced(_TotalNorm(splits, refused)):
         yield
-    finally:
-        _active.pop()
-        if not _active:
-            nn.utils.clip_grad_norm_ = TORCH_CLIP
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    splits: GradSplits | None,
+    refused: str = "",
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole gradients (`splits`), or
+    the ValueError `refused` (for `AutoParallel.clip_grad_norm_`, outside a wrapped call).
+
+    Example:
+        >>> clip_grad_norm_(net.parameters(), 1.0, 2.0, False, plan_splits(net, plan))
+    """
+    with clipping(splits, refused):
+        out: torch.Tensor = nn.utils.clip_grad_norm_(
+            parameters, max_norm, norm_type, error_if_nonfinite
+        )
+    return out

@@ -47,7 +47,7 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
-from shardwise.parallel._clip import clipping, plan_splits
+from shardwise.parallel._clip import HSDP, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
@@ -385,8 +385,8 @@ class GraphRun:
         )
         self.executor = executor
         try:
-            splits = plan_splits(network, self.stored_plan, engine is not None)
-            with executor, activate(self.session), clipping(splits):
+            clip = clipping(plan_splits(network, self.stored_plan), HSDP if engine else "")
+            with executor, activate(self.session), clip:
                 out = self.fn(*args, **kwargs)
         except Replan:
             if engine is not None and executor.cursor:

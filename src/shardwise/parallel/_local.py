@@ -180,32 +180,43 @@ def dropout_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
     return float(_dropout_args(args, kw).get("p", 0.5))
 
 
-def empty_as(block: torch.Tensor, shape: Shape) -> Callable[[], torch.Tensor]:
-    """A maker of an empty tensor of global `shape` whose dims lie in memory in the order
-    ``empty_like`` lays out `block` (this rank's block of it): one device's ``empty_like`` of
-    its whole tensor. A random fill runs in memory order, so a mask drawn into it holds one
-    device's numbers where one device's are (a dropout after a transpose included)."""
-    strides = torch.empty_like(block).stride()
-    order = sorted(range(len(strides)), key=lambda d: -strides[d])  # (outer first; stable)
-    back = [order.index(d) for d in range(len(order))]
+def empty_as(
+    block: torch.Tensor, shape: Shape, order: Sequence[int] | None = None
+) -> Callable[[], torch.Tensor]:
+    """A maker of an empty tensor of global `shape` laid out in memory as one device lays out
+    its whole tensor: its dims in `order` (the plan's, from the capture: `NodePlan.draws`),
+    else in the order ``empty_like`` lays out `block` (this rank's block of it; exact unless
+    the block has a size-1 dim the whole has not, when strides tie). A random fill runs in
+    memory order, so a mask drawn into it holds one device's numbers where one device's are
+    (a dropout after a transpose included)."""
+    if order is None:
+        strides = torch.empty_like(block).stride()
+        order = sorted(range(len(strides)), key=lambda d: -strides[d])  # (outer first; stable)
+    dims = list(order)
+    back = [dims.index(d) for d in range(len(dims))]
     dtype, device = block.dtype, block.device
 
     def make() -> torch.Tensor:
-        return torch.empty([shape[d] for d in order], dtype=dtype, device=device).permute(back)
+        return torch.empty([shape[d] for d in dims], dtype=dtype, device=device).permute(back)
 
     return make
 
 
 def dropout_block(
-    layout: TensorLayout, shape: Shape, args: Sequence[Any], kw: dict[str, Any]
+    layout: TensorLayout,
+    shape: Shape,
+    args: Sequence[Any],
+    kw: dict[str, Any],
+    order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``F.dropout(*args, **kw)`` on this rank's block (of `layout`) of an output of global
-    `shape`: this rank's block of one global mask (as one device draws it)."""
+    `shape`: this rank's block of one global mask (as one device draws it, laid out in memory
+    in `order`: `empty_as`)."""
     bound = _dropout_args(args, kw)
     x, p = bound["input"], dropout_p(args, kw)
     if not bound.get("training", True) or p == 0:
         return x  # type: ignore[no-any-return]
-    ones = empty_as(x, shape)
+    ones = empty_as(x, shape, order)
     mask = comm.replicated_draw(lambda: F.dropout(ones().fill_(1), p, True))
     mask = local_block(mask, layout, shape)
     return x.mul_(mask) if bound.get("inplace", False) else x * mask  # type: ignore[no-any-return]
@@ -251,14 +262,19 @@ def attention_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
 
 
 def attention_dropout(
-    args: Sequence[Any], kw: dict[str, Any], layout: TensorLayout, shape: Shape
+    args: Sequence[Any],
+    kw: dict[str, Any],
+    layout: TensorLayout,
+    shape: Shape,
+    order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(*args, **kw)`` with ``dropout_p > 0`` on this rank's
     blocks (`planner.ATTENTION_DROPOUT`; output of global `shape` placed as `layout`): torch's
     math form, scores ``(q·√s)(k·√s)ᵀ`` plus the causal or given mask, softmax, dropout, times v.
     The attention weights ``[..., L, S]`` are split as the output is but on their last dim; the
     dropout multiplies them by this rank's block of one mask of their global shape, drawn as one
-    device draws it (`dropout_block`). ``dropout_p == 0`` runs torch's own kernel."""
+    device draws it (`dropout_block`; in memory `order`). ``dropout_p == 0`` runs torch's own
+    kernel."""
     p = attention_p(args, kw)
     if p == 0:
         return F.scaled_dot_product_attention(*args, **kw)
@@ -286,7 +302,7 @@ def attention_dropout(
         w = scores.masked_fill(gone, 0.0).softmax(-1).masked_fill(gone, 0.0)
     else:
         w = scores.softmax(-1)
-    w = dropout_block(weights, weights_shape, (w, p, True), {})
+    w = dropout_block(weights, weights_shape, (w, p, True), {}, order)
     out: torch.Tensor = w @ v
     return out
 
@@ -298,10 +314,10 @@ class UnplannedDraw(UnsupportedParallelError):
 class GlobalDraws(TorchDispatchMode):
     """While one op runs on this rank's blocks: its k-th random in-place fill (``bernoulli_``,
     ``uniform_`` ...) fills the tensor with this rank's block of the whole tensor drawn as one
-    device draws it (`communication.replicated_block`; `draws` [k]: the filled tensor's
-    placement and global shape, from the plan)."""
+    device draws it (`communication.replicated_draw`, then `local_block`; `draws` [k]: the
+    filled tensor's placement, global shape and memory order, from the plan)."""
 
-    def __init__(self, draws: Sequence[tuple[Placed, Shape]], who: str) -> None:
+    def __init__(self, draws: Sequence[tuple[Placed, Shape, Sequence[int]]], who: str) -> None:
         super().__init__()
         self.draws, self.who, self.k = draws, who, 0
 
@@ -316,27 +332,25 @@ class GlobalDraws(TorchDispatchMode):
                 f"{self.who}: drew more random tensors ({func}) than the plan has "
                 f"({len(self.draws)}); it must run the same ops every call"
             )
-        placed, shape = self.draws[self.k]
+        placed, shape, order = self.draws[self.k]
         self.k += 1
         t: torch.Tensor = args[0]
         rest = args[1:]
-        empty = empty_as(t, shape)
-        block = comm.replicated_block(
-            lambda: func(empty(), *rest, **kwargs),
-            lambda r: placed.layout.local_index(r, shape),
-        )
+        empty = empty_as(t, shape, order)
+        whole = comm.replicated_draw(lambda: func(empty(), *rest, **kwargs))
         with torch.no_grad():
-            return t.copy_(block)
+            return t.copy_(local_block(whole, placed.layout, shape))
 
 
 def drop(func: Any, node: NodePlan, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
     """``F.dropout`` (`dropout_block`) or ``F.scaled_dot_product_attention``
     (`attention_dropout`) of node `node` on this rank's blocks, with this rank's block of one
-    global mask."""
+    global mask (laid out in memory as the plan's draw says, when it lists one)."""
     layout, shape = node.outputs[0].layout, node.shapes[0]
+    order = node.draws[0][2] if node.draws else None
     if func is F.dropout:
-        return dropout_block(layout, shape, args, kw)
-    return attention_dropout(args, kw, layout, shape)
+        return dropout_block(layout, shape, args, kw, order)
+    return attention_dropout(args, kw, layout, shape, order)
 
 
 def compute(

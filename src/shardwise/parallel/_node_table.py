@@ -30,6 +30,7 @@ from shardwise._torch import pytree
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
+from shardwise.planner._draws import DROPOUT as DROPOUT_OP
 from shardwise.planner._draws import MAY_DRAW, SDPA
 from shardwise.planner._graph import TensorSlot
 from shardwise.planner._losses import WEIGHTED_MEAN
@@ -43,7 +44,6 @@ _SIZED = {
     "torch.broadcast_to",
 }
 _SPLITS = {"torch.Tensor.split", "torch.split", "torch.Tensor.split_with_sizes"}
-_DROPOUT = "torch.nn.functional.dropout"
 # ops whose size arguments name the output's shape (`resized_call`: this rank's block of it)
 _RESIZED = {
     "torch.Tensor.unflatten",
@@ -111,12 +111,14 @@ class NodeTable:
         self.global_draws = {  # (`_local.GlobalDraws`; may draw on split inputs: watched)
             n.index
             for n in nodes
-            if n.draws or (n.op in MAY_DRAW and any(p.layout.used_axes() for p in n.inputs))
+            if (n.draws and n.op not in (DROPOUT_OP, SDPA))
+            or (n.op in MAY_DRAW and any(p.layout.used_axes() for p in n.inputs))
         }
         self.resized = {  # (size arguments: this rank's block, `resized_call`)
             n.index: n.local_shapes[0]
             for n in nodes
-            if n.op in _RESIZED and n.local_shapes[0] != n.shapes[0]
+            if n.op in _RESIZED
+            and (n.local_shapes[0] != n.shapes[0] or any(p.layout.used_axes() for p in n.inputs))
         }
         self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
@@ -157,7 +159,7 @@ class NodeTable:
             return SLOW
         if self.sized[k] is not None:
             return SIZED
-        return DROPOUT if op in (_DROPOUT, SDPA) else PLAIN
+        return DROPOUT if op in (DROPOUT_OP, SDPA) else PLAIN
 
     def global_args(
         self, k: int, tensors: list[T], args: tuple[Any, ...], kw: dict[str, Any]

@@ -15,9 +15,11 @@ one device's three ways:
 - any other op whose aten program fills a tensor in place with random numbers (``bernoulli_``,
   ``uniform_``, ``normal_`` ...: ``F.multi_head_attention_forward``'s attention dropout,
   ``F.alpha_dropout``, ``F.dropout2d``) on split inputs (`plan_draws`): the planner records, for
-  each such call in order, the placement and global shape of the tensor it fills
+  each such call in order, the placement, global shape and memory order of the tensor it fills
   (`NodePlan.draws`, local = `GLOBAL_DRAWS`), and the executor lets each fill the whole tensor
-  as one device fills it and keeps this rank's block (`parallel/_local.GlobalDraws`).
+  as one device fills it (in one device's memory order: a fill runs in memory order) and keeps
+  this rank's block (`parallel/_local.GlobalDraws`). ``F.dropout`` and SDPA list their fills
+  too, for the memory order of their masks.
 
 A draw that makes a new tensor from others (``rand_like``, ``native_dropout``, a fused attention
 kernel with dropout) on split inputs is refused with a `PlanError` naming the op, its random
@@ -40,6 +42,9 @@ from shardwise.planner._placement import PlanError
 
 Placements = tuple[Placement, ...]
 Shape = tuple[int, ...]
+Draw = tuple[Placements, Shape, tuple[int, ...]]
+"""A random fill: the filled tensor's placements, global shape and memory order (its dims
+from the largest stride to the smallest, as one device lays it out)."""
 
 ATTENTION_DROPOUT = "attention_dropout"
 """`NodePlan.local` of a scaled-dot-product attention with a dropout probability > 0."""
@@ -87,12 +92,11 @@ Follow = Callable[[Node, list[Placements], list[tuple[AtenCall, Placements]]], A
 """Runs a node's aten program on placements, appending each call with its first output's."""
 
 
-def plan_draws(
-    node: Node, need: Sequence[Placements], follow: Follow
-) -> tuple[tuple[Placements, Shape], ...]:
+def plan_draws(node: Node, need: Sequence[Placements], follow: Follow) -> tuple[Draw, ...]:
     """The in-place random fills of `node`, run on inputs placed `need`: for each, in order,
-    the placements and global shape of the tensor it fills; empty when the node draws nothing
-    or runs on whole inputs, or is drawn by the executor itself (``F.dropout``, SDPA).
+    the placements, global shape and memory order (`Draw`) of the tensor it fills; empty when
+    the node draws nothing or runs on whole inputs. (``F.dropout`` and SDPA, which the executor
+    draws itself, list theirs for the memory order only.)
 
     Raises:
         PlanError: a draw that is no in-place fill (or fills a partial value), on split
@@ -100,19 +104,21 @@ def plan_draws(
 
     Example:
         >>> plan_draws(node, need, follow)  # F.alpha_dropout on rows split over g0
-        (((Shard(dim=0),), (8, 3, 8)),)
+        (((Shard(dim=0),), (8, 3, 8), (0, 1, 2)),)
     """
-    if node.op in (DROPOUT, SDPA) or not any(_draws(c) for c in node.aten):
+    if not any(_draws(c) for c in node.aten):
         return ()
     if all(isinstance(p, Replicate) for placements in need for p in placements):
         return ()  # (whole inputs: every rank draws the whole, as one device)
     seen: list[tuple[AtenCall, Placements]] = []
     follow(node, list(need), seen)
+    own = node.op in (DROPOUT, SDPA)  # (drawn by the executor: in-place fills listed only)
     out = []
     for call, placements in seen:
         if not _draws(call):
             continue
-        if not _fills_in_place(call) or any(isinstance(p, Partial) for p in placements):
+        fills = _fills_in_place(call) and not any(isinstance(p, Partial) for p in placements)
+        if not fills and not own:
             raise PlanError(
                 f"{node.name} ({node.op} at {node.source}): it draws random numbers inside "
                 f"({call.op}) on its inputs split across ranks, so each rank would draw for its "
@@ -120,7 +126,10 @@ def plan_draws(
                 f"F.dropout / nn.Dropout or F.scaled_dot_product_attention(dropout_p=...) (their "
                 f"masks are drawn as one device draws them), or set this op's dropout to 0"
             )
-        out.append((placements, tuple(call.outputs[0].info.shape)))
+        if fills:
+            filled = call.outputs[0]
+            order = tuple(sorted(range(len(filled.stride)), key=lambda d: -filled.stride[d]))
+            out.append((placements, tuple(filled.info.shape), order))
     return tuple(out)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from shardwise.planner._draws import SDPA
+
 _PRODUCTS = {
     "torch.nn.functional.linear",
     "torch.matmul",
@@ -31,7 +33,6 @@ _PRODUCTS = {
     "shardwise.ops.BatchMatMul",
 }
 _ADDMM = {"torch.addmm", "torch.Tensor.addmm", "torch.baddbmm", "torch.Tensor.baddbmm"}
-_ATTENTION = "torch.nn.functional.scaled_dot_product_attention"
 _CONVS = {"torch.nn.functional.conv2d", "torch.nn.functional.conv1d", "shardwise.ops.Conv2D"}
 _VIEWS = {
     "view", "reshape", "transpose", "permute", "split", "chunk", "unbind", "unsqueeze",
@@ -57,7 +58,7 @@ def node_flops(
         return _product_flops(op, in_shapes, out_shapes[0])
     if op in _ADDMM and len(in_shapes) >= 3:  # (bias, a, b): the product of a and b
         return _product_flops(op, in_shapes[1:], out_shapes[0])
-    if op == _ATTENTION and len(in_shapes) >= 2 and len(in_shapes[1]) >= 2:
+    if op == SDPA and len(in_shapes) >= 2 and len(in_shapes[1]) >= 2:
         return 4 * math.prod(in_shapes[0]) * int(in_shapes[1][-2])
     if op in _CONVS and len(in_shapes) >= 2 and len(out_shapes[0]) >= 2:
         channels = int(out_shapes[0][1])

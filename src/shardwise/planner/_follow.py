@@ -11,7 +11,8 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
   `_ORDER` of those that took part).
 - `_Follow._cheaper`: an unannotated op's strategy: the one `_follow` gives, unless it moves
   the inputs (or runs replicated) and the data-parallel one (`_data_parallel_inputs`) moves
-  fewer bytes (`_cost`).
+  fewer bytes (`_cost`), or no rule fills its random tensor as the inputs are placed
+  (`RandomFillError`: a dropout of a partial sum), where the data-parallel one is taken.
 - `_Follow.pin`: an op annotated with ``sw.shard``'s op form: `_follow` from the annotated
   input layouts, strictly (a rule that would move them, or an intermediate, is a `PlanError`);
   the result is kept in `pinned` for `_Planner.torch_node`, and the layouts its parameters are
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.distributed.tensor import Replicate
 
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
@@ -120,7 +122,10 @@ class _Follow:
                 shapes = [o.info.shape for o in call.outputs]
                 dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
             except (RuntimeError, ValueError, AssertionError) as e:
-                raise self._error(node, call.op, e) from None
+                error = self._error(node, call.op, e)
+                if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
+                    raise RandomFillError(str(error)) from None
+                raise error from None
             sources.add(dec.source)
             for arg, want in zip(args, dec.inputs, strict=False):
                 cur = need[arg.index] if arg.kind == "in" else tmp.get(arg.index, self.rep())
@@ -160,11 +165,11 @@ class _Follow:
     ) -> tuple[list[Placements], list[Placements], str]:
         """An unannotated op's strategy: it follows its inputs' placements, unless that moves
         them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less.
-        When no rule takes the inputs as placed (a dropout's in-place random fill on a partial
-        sum), the data-parallel strategy, else that error."""
+        When no rule fills a random tensor as the inputs are placed (a dropout's in-place fill
+        of a partial sum: `RandomFillError`), the data-parallel strategy, else that error."""
         try:
             need, outs, rule = self._follow(node, have)
-        except PlanError:
+        except RandomFillError:
             if not node.inputs:
                 raise
             try:
@@ -225,6 +230,11 @@ class _Follow:
             f"the split dims divisible by the number of devices splitting them (e.g. a global "
             f"batch divisible by {self.device_num}), or annotate the op with shard()"
         )
+
+
+class RandomFillError(PlanError):
+    """No sharding rule runs an op's random fill on its inputs as placed (``bernoulli_`` on a
+    partial sum): `_Follow._cheaper` then tries the data-parallel strategy."""
 
 
 def _lookup(specs: dict[int, Spec]) -> Any:

@@ -52,8 +52,9 @@ class NodePlan:
             `_backward`): the gradient made the same on every rank of those axes.
         dtypes: its outputs' dtypes (``"float32"``; empty in a plan saved without them: read
             as float32).
-        draws: for each random in-place fill inside the op, in order, the placement and
-            global shape of the tensor it fills (each rank draws the whole and keeps its block:
+        draws: for each random in-place fill inside the op, in order, the placement, global
+            shape and memory order (dims from the largest stride) of the tensor it fills (each
+            rank draws the whole as one device lays it out and keeps its block:
             `_draws.plan_draws`).
     """
 
@@ -70,7 +71,7 @@ class NodePlan:
     in_shapes: tuple[Shape, ...] = ()
     backward: tuple[Collective, ...] = ()
     dtypes: tuple[str, ...] = ()
-    draws: tuple[tuple[Placed, Shape], ...] = ()
+    draws: tuple[tuple[Placed, Shape, tuple[int, ...]], ...] = ()
 
     def dtype(self, output: int) -> str:
         """Output `output`'s dtype."""
@@ -319,7 +320,9 @@ class ParallelPlan:
             lines.append(f"  {n}")
             lines += [f"    comm {c}" for c in n.comms]
             lines += [f"    backward {c} output {c.output}" for c in n.backward]
-            lines += [f"    draw {p} {list(s)}: this rank's block of one draw" for p, s in n.draws]
+            lines += [
+                f"    draw {p} {list(s)}: this rank's block of one draw" for p, s, _ in n.draws
+            ]
         lines += [f"    edge {e}" for e in by_consumer.get(-1, [])]
         for k, p in self.params.items():
             equal = self.equal_grads.get(k, ())

@@ -194,7 +194,9 @@ def _node_d(n: NodePlan) -> dict[str, Any]:
     if n.backward:
         out["backward"] = [_comm_d(c) for c in n.backward]
     if n.draws:
-        out["draws"] = [{"placed": _placed_d(p), "shape": list(s)} for p, s in n.draws]
+        out["draws"] = [
+            {"placed": _placed_d(p), "shape": list(s), "order": list(o)} for p, s, o in n.draws
+        ]
     return out
 
 
@@ -213,7 +215,10 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
         in_shapes=tuple(tuple(s) for s in d.get("in_shapes", ())),
         backward=tuple(_comm(c) for c in d.get("backward", ())),
         dtypes=tuple(d.get("dtypes", ())),
-        draws=tuple((_placed(m, x["placed"]), tuple(x["shape"])) for x in d.get("draws", ())),
+        draws=tuple(
+            (_placed(m, x["placed"]), tuple(x["shape"]), tuple(x["order"]))
+            for x in d.get("draws", ())
+        ),
     )
 
 

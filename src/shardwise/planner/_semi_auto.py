@@ -56,7 +56,9 @@ from shardwise.planner._backward import plan_backward
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm
 from shardwise.planner._draws import (
     ATTENTION_DROPOUT,
+    DROPOUT,
     GLOBAL_DRAWS,
+    SDPA,
     attention_dropout,
     plan_draws,
 )
@@ -198,7 +200,7 @@ class _Planner(_Follow):
             local = WEIGHTED_MEAN
         elif attention_dropout(node):
             local = ATTENTION_DROPOUT
-        elif draws:
+        elif draws and node.op not in (DROPOUT, SDPA):
             local = GLOBAL_DRAWS
         self.nodes.append(
             NodePlan(
@@ -214,7 +216,7 @@ class _Planner(_Follow):
                 local,
                 in_shapes,
                 dtypes=tuple(o.dtype for o in node.outputs),
-                draws=tuple((to_placed(self.matrix, p, len(s)), s) for p, s in draws),
+                draws=tuple((to_placed(self.matrix, p, len(s)), s, o) for p, s, o in draws),
             )
         )
 
