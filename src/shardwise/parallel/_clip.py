@@ -21,7 +21,7 @@ a call, `AutoParallel.clip_grad_norm_` clips the same way (`clip_grad_norm_`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -35,8 +35,8 @@ from shardwise.planner import ParallelPlan
 GradSplit = tuple[DeviceMatrix, tuple[int, ...]] | None
 """The matrix and the axes (each of size > 1) that split a gradient; None: whole."""
 
-GradSplits = Callable[[torch.Tensor], GradSplit]
-"""A gradient's `GradSplit` (a tensor that is no parameter's gradient: None)."""
+GradSplits = Callable[[Sequence[torch.Tensor]], list[GradSplit]]
+"""Each gradient's `GradSplit` (a tensor that is no parameter's gradient: None)."""
 
 HSDP = (
     "clip_grad_norm_ inside AutoParallel with hsdp (optimizer parallel): each rank's gradients "
@@ -54,16 +54,19 @@ DATA_PARALLEL = (
 def plan_splits(network: nn.Module, plan: ParallelPlan) -> GradSplits:
     """The `GradSplits` of `network`'s parameters' gradients, stored as `plan` says."""
 
-    def split(grad: torch.Tensor) -> GradSplit:
-        names = {id(p.grad): n for n, p in network.named_parameters() if p.grad is not None}
-        name = names.get(id(grad))
+    def split(name: str | None) -> GradSplit:
         if name is None or name not in plan.params:
             return None
         layout = plan.params[name].layout
         m = layout.matrix
-        return m, tuple(a for a in layout.used_axes() if m.shape[a] > 1)
+        axes = tuple(a for a in layout.used_axes() if m.shape[a] > 1)
+        return (m, axes) if axes else None
 
-    return split
+    def splits(grads: Sequence[torch.Tensor]) -> list[GradSplit]:
+        names = {id(p.grad): n for n, p in network.named_parameters() if p.grad is not None}
+        return [split(names.get(id(g))) for g in grads]
+
+    return splits
 
 
 class _TotalNorm:
@@ -85,9 +88,8 @@ class _TotalNorm:
         if not grads:
             return TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)  # type: ignore[no-any-return]
         groups: dict[GradSplit, list[torch.Tensor]] = {}
-        for g in grads:
-            split = self.splits(g)
-            groups.setdefault(split if split is not None and split[1] else None, []).append(g)
+        for g, split in zip(grads, self.splits(grads), strict=True):
+            groups.setdefault(split, []).append(g)
         p_norm = float(norm_type)
         if p_norm == 0:
             raise ValueError(
