@@ -38,13 +38,7 @@ from shardwise.optim import (
     check_hsdp,
 )
 from shardwise.parallel._call_io import local_inputs
-from shardwise.parallel._clip import (
-    DATA_PARALLEL,
-    HSDP,
-    clip_grad_norm_,
-    clipping,
-    plan_splits,
-)
+from shardwise.parallel._clip import DATA_PARALLEL, Clipping, clipping
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
@@ -60,7 +54,7 @@ from shardwise.parallel._strategy_files import StrategyFiles
 from shardwise.planner import ParallelPlan
 
 
-class AutoParallel(nn.Module, StrategyFiles, PlanReading):
+class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
     """Run a network operator-parallel as its strategies say, or as the automatic planners
     choose (semi_auto, sharding_propagation, recursive_programming).
 
@@ -292,46 +286,6 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading):
     def stored_plan(self) -> ParallelPlan | None:
         """The plan the parameters are stored by (the first one made; None before planning)."""
         return self._graph.stored_plan if self._graph is not None and self._graph.plans else None
-
-    def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
-    ) -> torch.Tensor:
-        """Clip the network's gradients by the norm of the whole gradients, as one device's
-        ``torch.nn.utils.clip_grad_norm_(network.parameters(), ...)`` does; for code outside
-        a wrapped call (inside one, torch's own function clips this way).
-
-        Args:
-            max_norm / norm_type / error_if_nonfinite: as torch's.
-
-        Returns:
-            The total norm of the whole gradients, the same on every rank.
-
-        Raises:
-            ValueError: before the first call, with hsdp or in the data-parallel mode (the
-                message says why and what to do).
-
-        Example:
-            >>> loss = parallel_net(x).sum()
-            >>> loss.backward()
-            >>> parallel_net.clip_grad_norm_(1.0)
-        """
-        graph = self._graph
-        if self.parallel_mode == "data_parallel":
-            return clip_grad_norm_(
-                self.network.parameters(),
-                max_norm,
-                norm_type,
-                error_if_nonfinite,
-                None,
-                DATA_PARALLEL,
-            )
-        if graph is None or not graph.plans:
-            raise ValueError("AutoParallel.clip_grad_norm_: call the wrapper first (no plan yet)")
-        splits = plan_splits(self.network, graph.stored_plan)
-        refused = HSDP if graph.engine is not None else ""
-        return clip_grad_norm_(
-            self.network.parameters(), max_norm, norm_type, error_if_nonfinite, splits, refused
-        )
 
     @property
     def parallel_plan(self) -> ParallelPlan | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from shardwise._torch.clip_grad import TORCH_TOTAL_NORM, total_norm_replaced
 from shardwise.communication import AllReduce, ReduceOp
 from shardwise.layout import DeviceMatrix
 from shardwise.planner import ParallelPlan
+
+if TYPE_CHECKING:
+    from shardwise.parallel._graph_run import GraphRun
 
 GradSplit = tuple[DeviceMatrix, tuple[int, ...]] | None
 """The matrix and the axes (each of size > 1) that split a gradient; None: whole."""
@@ -144,3 +148,44 @@ def clip_grad_norm_(
             parameters, max_norm, norm_type, error_if_nonfinite
         )
     return out
+
+
+class Clipping:
+    """`AutoParallel.clip_grad_norm_` (`AutoParallel` sets the attributes below)."""
+
+    parallel_mode: str
+    network: nn.Module
+    _graph: GraphRun | None
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the network's gradients by the norm of the whole gradients, as one device's
+        ``torch.nn.utils.clip_grad_norm_(network.parameters(), ...)`` does; for code outside
+        a wrapped call (inside one, torch's own function clips this way).
+
+        Args:
+            max_norm / norm_type / error_if_nonfinite: as torch's.
+
+        Returns:
+            The total norm of the whole gradients, the same on every rank.
+
+        Raises:
+            ValueError: before the first call, with hsdp or in the data-parallel mode (the
+                message says why and what to do), or a norm_type of 0.
+
+        Example:
+            >>> loss = parallel_net(x).sum()
+            >>> loss.backward()
+            >>> parallel_net.clip_grad_norm_(1.0)
+        """
+        params, graph = self.network.parameters(), self._graph
+        if self.parallel_mode == "data_parallel":
+            return clip_grad_norm_(
+                params, max_norm, norm_type, error_if_nonfinite, None, DATA_PARALLEL
+            )
+        if graph is None or not graph.plans:
+            raise ValueError("AutoParallel.clip_grad_norm_: call the wrapper first (no plan yet)")
+        splits = plan_splits(self.network, graph.stored_plan)
+        refused = HSDP if graph.engine is not None else ""
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, splits, refused)

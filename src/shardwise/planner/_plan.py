@@ -26,6 +26,7 @@ from typing import Any
 from torch.distributed.tensor import Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.planner._frozen import FrozenMap
 from shardwise.planner._placed import Collective, Placed, Shape, _axes_str, replicated
 from shardwise.redistribution import Slice, Step
 
@@ -206,23 +207,6 @@ class BucketPlan:
         how = "AllReduce" if self.kind == "allreduce" else f"shard {self.shard}-way"
         over = ", ".join(self.axes) or "no axis (scaled only)"
         return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"
-
-
-class FrozenMap(dict):  # type: ignore[type-arg]
-    """A dict that cannot change once made: the mappings of a frozen `ParallelPlan` (a dict
-    for everything else: equality, JSON, iteration, pickling)."""
-
-    def _frozen(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(
-            "a ParallelPlan is frozen: its mappings cannot change (dataclasses.replace(plan, "
-            "field=...) makes a new plan)"
-        )
-
-    __setitem__ = __delitem__ = __ior__ = _frozen  # type: ignore[assignment]
-    clear = pop = popitem = setdefault = update = _frozen  # type: ignore[assignment]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenMap, (dict(self),))
 
 
 _MAPPINGS = ("inputs", "params", "input_shapes", "equal_grads", "explained")
