@@ -31,7 +31,7 @@ from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
 from shardwise.planner._draws import DROPOUT as DROPOUT_OP
-from shardwise.planner._draws import MAY_DRAW, SDPA
+from shardwise.planner._draws import GLOBAL_DRAWS, MAY_DRAW, SDPA
 from shardwise.planner._graph import TensorSlot
 from shardwise.planner._losses import WEIGHTED_MEAN
 
@@ -111,7 +111,7 @@ class NodeTable:
         self.global_draws = {  # (`_local.GlobalDraws`; may draw on split inputs: watched)
             n.index
             for n in nodes
-            if (n.draws and n.op not in (DROPOUT_OP, SDPA))
+            if n.local == GLOBAL_DRAWS
             or (n.op in MAY_DRAW and any(p.layout.used_axes() for p in n.inputs))
         }
         self.resized = {  # (size arguments: this rank's block, `resized_call`)

@@ -279,11 +279,16 @@ class ParallelPlan:
         """Parameter name -> (storage layout, global shape), the form the runtime takes."""
         return {n: (p.layout, p.shape) for n, p in self.params.items()}
 
+    def edges_by_consumer(self) -> dict[int, list[EdgePlan]]:
+        """The edges by the node they feed, in plan order (-1: returned, -2: at entry)."""
+        out: dict[int, list[EdgePlan]] = {}
+        for e in self.edges:
+            out.setdefault(e.consumer, []).append(e)
+        return out
+
     def collectives(self) -> list[Collective]:
         """Every collective of one forward, in order: the ops' own and the edges'."""
-        by_consumer: dict[int, list[EdgePlan]] = {}
-        for e in self.edges:
-            by_consumer.setdefault(e.consumer, []).append(e)
+        by_consumer = self.edges_by_consumer()
         out: list[Collective] = []
         for n in self.nodes:
             for e in by_consumer.get(n.index, []):
@@ -296,9 +301,7 @@ class ParallelPlan:
     def __str__(self) -> str:
         lines = [f"ParallelPlan ({self.mode}, {self.device_num} devices) on {self.matrix}"]
         lines += [f"  input {k}: {p}" for k, p in self.inputs.items()]
-        by_consumer: dict[int, list[EdgePlan]] = {}
-        for e in self.edges:
-            by_consumer.setdefault(e.consumer, []).append(e)
+        by_consumer = self.edges_by_consumer()
         for n in self.nodes:
             lines += [f"    edge {e}" for e in by_consumer.get(n.index, [])]
             lines.append(f"  {n}")

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from shardwise.context import get_context
-from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
+from shardwise.planner import NodePlan, ParallelPlan
 from shardwise.report._pictures import dump_plan_pictures
 from shardwise.report._plan_data import Memory
 from shardwise.report._sends import Found, LocalSlice, edge_sends, fmt_slice, node_sends
@@ -102,9 +102,7 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     check_level(level, plan, rank)
     m = plan.matrix
     lines = [f"# execute: rank {rank} of {plan.device_num} on {m}"]
-    by_consumer: dict[int, list[EdgePlan]] = {}
-    for e in plan.edges:
-        by_consumer.setdefault(e.consumer, []).append(e)
+    by_consumer = plan.edges_by_consumer()
     total = 0
 
     def put(found: list[Found], where: str) -> None:

@@ -151,9 +151,7 @@ def op_traffic(plan: ParallelPlan, rank: int) -> Traffic:
     out = Traffic()
     m = plan.matrix
     needs = needs_grad(plan)
-    by_consumer: dict[int, list[EdgePlan]] = {}
-    for e in plan.edges:
-        by_consumer.setdefault(e.consumer, []).append(e)
+    by_consumer = plan.edges_by_consumer()
     for e in by_consumer.get(-2, []):
         _edge_traffic(out, e, "entry", m, rank, needs)
     for n in plan.nodes:
