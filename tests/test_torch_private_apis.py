@@ -265,7 +265,11 @@ def _profiler_events() -> None:
 
 
 def _clip_grad() -> None:
-    from shardwise._torch.clip_grad import TORCH_TOTAL_NORM, total_norm_replaced
+    from shardwise._torch.clip_grad import (
+        TORCH_CLIP_WITH_NORM,
+        TORCH_TOTAL_NORM,
+        total_norm_replaced,
+    )
 
     t = torch.zeros(2, requires_grad=True)
     t.grad = torch.tensor([3.0, 4.0])
@@ -280,6 +284,18 @@ def _clip_grad() -> None:
         assert float(torch.nn.utils.clip_grad_norm_([t], 1.0)) == 10.0
         assert float(torch.nn.utils.clip_grad.clip_grad_norm_([t], 1.0)) == 10.0
     assert seen == [1, 1] and float(torch.nn.utils.clip_grad_norm_([t], 1.0)) != 10.0
+    # the scaling step: called after the total norm, with the parameters and that same tensor
+    scaled: list[tuple[list[torch.Tensor], float, torch.Tensor]] = []
+    norm = torch.tensor(7.0)
+
+    def scale(parameters, max_norm, total_norm, foreach=None):  # type: ignore[no-untyped-def]
+        scaled.append((list(parameters), max_norm, total_norm))
+        TORCH_CLIP_WITH_NORM(parameters, max_norm, total_norm, foreach)
+
+    with total_norm_replaced(lambda *a, **k: norm, scale):
+        assert torch.nn.utils.clip_grad_norm_((p for p in [t]), 0.5) is norm
+    assert len(scaled) == 1 and scaled[0][0][0] is t and scaled[0][1:] == (0.5, norm)
+    assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is TORCH_CLIP_WITH_NORM
 
 
 def _pytree() -> None:
@@ -332,7 +348,7 @@ CASES: dict[str, Callable[[], None]] = {
         _profiler_events
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
-    "_torch/clip_grad: torch.nn.utils.clip_grad._get_total_norm": _clip_grad,
+    "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),

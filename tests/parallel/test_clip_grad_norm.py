@@ -7,10 +7,11 @@ the same call takes the norm of the whole gradients (`shardwise.parallel._clip`)
 Megatron annotation at 2 x 2 and 1 x 2 (norms 2, 1 and inf) and in plain data parallel, two
 AdamW steps clipped hard (max_norm 0.05) equal one device's: the returned norm, the loss,
 every clipped gradient (this rank's block), 1e-5 relative; the clipping adds one AllReduce
-over mp per step (the split gradients' partial norms) and none under data parallel. Outside a
-call, ``AutoParallel.clip_grad_norm_`` does the same; with hsdp, in the data-parallel mode and
-before the first call it is a `ValueError` naming why and the fix; outside any call torch's own
-function is in place.
+over mp per step (the split gradients' partial norms) and none under data parallel. With hsdp
+(levels 1-3, shard groups smaller than the replicas, on Megatron too) every shard counts once
+and the clipped shards equal one device's rows. Outside a call, ``AutoParallel.clip_grad_norm_``
+does the same; in the data-parallel mode and before the first call it is a `ValueError` naming
+why and the fix; outside any call torch's own function is in place.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from torch.nn.utils import clip_grad_norm_ as imported_clip  # (the from-import 
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..optim.test_hsdp import shard_of
 from ..zoo import GPT2
-from .test_zoo_megatron import ADAM, batches, block_of, megatron, per_layer
+from .test_zoo_megatron import ADAM, batches, block_of, hsdp_kinds, megatron, per_layer
 
 MAX_NORM = 0.05
 
@@ -117,19 +119,100 @@ def test_clip_outside_the_call_with_the_wrapper() -> None:
             assert_matches_single_device(p.grad, full, what=f"{name}.grad")
 
 
-@pytest.mark.parametrize("mode", ["hsdp", "data_parallel"])
-def test_clip_is_refused_where_gradients_are_not_whole_blocks(mode: str) -> None:
+HSDP_CASES = [("level1", -1, 4, 1, 2.0), ("level2", 2, 4, 1, 2.0), ("level3", -1, 4, 1, 1.0)]
+HSDP_CASES += [("level1", -1, 2, 2, 2.0), ("level2", -1, 2, 2, float("inf"))]
+
+
+@pytest.mark.parametrize(("level", "shard_size", "dp", "mp", "norm_type"), HSDP_CASES)
+def test_clip_with_optimizer_parallel_matches_one_device(
+    level: str, shard_size: int, dp: int, mp: int, norm_type: float
+) -> None:
+    """With hsdp each rank holds shards (levels 2-3: reduce-scattered in backward; level 1:
+    full gradients until the step, reduced by the clipping instead, the step then reducing
+    none): the norm counts each distinct shard once (shard groups of 2 among 4 replicas keep two
+    copies of each), on top of the Megatron annotation too. The returned norm, the loss and
+    every clipped shard equal one device's; the clipping adds one AllReduce over all ranks."""
+    want = one_device(norm_type)
+    net = megatron(GPT2(), dp, mp) if mp > 1 else GPT2()
+    with simulated_world(dp * mp) as world:
+        world.replicate(net)
+        seen: list[Any] = []
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        parallel = sw.AutoParallel(clipped_step(net, opt, norm_type, seen), "semi_auto")
+        parallel.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level)
+        for s, (x, y) in enumerate(batches()):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
+            norm, grads = seen[s]
+            assert_matches_single_device(norm, want[s][1], what=f"norm {s}")
+            for name, grad in grads.items():
+                rows = shard_of(parallel, name, want[s][2][name])
+                assert_matches_single_device(grad, rows, what=f"step {s} {name}.grad")
+            assert rec.kinds() == hsdp_clip_kinds(level, shard_size, dp, mp), rec.summary()
+
+
+def hsdp_clip_kinds(
+    level: str, shard_size: int, dp: int, mp: int
+) -> Counter[tuple[str, str, tuple[int, ...]]]:
+    """One clipped hsdp step's collectives (as the recorder lists them: by rank 0's groups):
+    the step's own (`hsdp_kinds` at 2 x 2; under data parallel the loss, then one bucket:
+    AllGather forward, ReduceScatter in backward (level 1: at the step), level 3 gathering
+    again in backward, an AllReduce of the shards over the copy group when the shard groups
+    are smaller) and the clipping's AllReduce over all ranks."""
+    world = tuple(range(dp * mp))
+    if mp > 1:
+        want = hsdp_kinds(level)
+    else:
+        group = tuple(range(shard_size)) if shard_size > 0 else world  # (rank 0's groups)
+        phase = "step" if level == "level1" else "backward"
+        want = Counter({("AllReduce", "forward", world): 1})
+        want[("AllGather", "forward", group)] += 1
+        want[("ReduceScatter", phase, group)] += 1
+        if level == "level3":
+            want[("AllGather", "backward", group)] += 1
+        if group != world:
+            want[("AllReduce", phase, tuple(range(0, dp, shard_size)))] += 1
+    want[("AllReduce", "forward", world)] += 1
+    return want
+
+
+@pytest.mark.parametrize("level", ["level1", "level2"])
+def test_clip_outside_the_call_with_optimizer_parallel(level: str) -> None:
+    """Module form with hsdp: `AutoParallel.clip_grad_norm_` after ``loss.backward()``
+    (level 1: it reduces the held gradients first) gives one device's norm and clipped
+    gradients, as shards; the optimizer's step then reduces nothing more."""
+    x, y = batches()[0]
+    ref = GPT2()
+    ref(x, y)[1].backward()
+    want = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    net = GPT2()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(lambda a, b: net(a, b)[1], network=net)
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        parallel(world.rows(x), world.rows(y)).backward()
+        with CommRecorder() as rec:
+            norm = parallel.clip_grad_norm_(MAX_NORM)
+            torch.optim.SGD(net.parameters(), lr=0.0).step()
+        assert_matches_single_device(norm, want, what="norm")
+        for name, p in net.named_parameters():
+            full = dict(ref.named_parameters())[name].grad
+            assert_matches_single_device(p.grad, shard_of(parallel, name, full), what=name)
+        reduced = 1 if level == "level1" else 0
+        assert rec.kinds() == Counter(
+            {("AllReduce", "forward", (0, 1)): 1, ("ReduceScatter", "step", (0, 1)): reduced}
+        ), rec.summary()
+
+
+def test_clip_is_refused_in_the_data_parallel_mode() -> None:
     net = GPT2()
     with simulated_world(2) as world:
         world.replicate(net)
         opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
         step = clipped_step(net, opt, 2.0, [])
-        if mode == "hsdp":
-            parallel = sw.AutoParallel(step, "semi_auto").hsdp(threshold=0)
-            match = r"hsdp .*no norm of the whole gradients .*clip without hsdp"
-        else:
-            parallel = sw.AutoParallel(step, "data_parallel", optimizer=opt)
-            match = r"data_parallel.*reduces them.*use parallel_mode='semi_auto'"
+        parallel = sw.AutoParallel(step, "data_parallel", optimizer=opt)
+        match = r"data_parallel.*reduces them.*use parallel_mode='semi_auto'"
         x, y = batches()[0]
         with pytest.raises(ValueError, match=match):
             parallel(world.rows(x), world.rows(y))

@@ -1,9 +1,11 @@
-"""The total-norm step of torch's gradient clipping (``torch.nn.utils.clip_grad``).
+"""The two steps of torch's gradient clipping (``torch.nn.utils.clip_grad``).
 
 ``torch.nn.utils.clip_grad_norm_`` (under any name a user imported it by) computes the norm of
-the gradients with the module function ``clip_grad._get_total_norm`` and then scales them.
-`total_norm_replaced` puts another function in its place while a block runs, so every such call
-clips by the norm that function gives (shardwise's: of the whole gradients, `parallel/_clip`).
+the gradients with the module function ``clip_grad._get_total_norm``, then scales them with
+``clip_grad._clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)``, both looked up
+in the module when it runs. `total_norm_replaced` puts other functions in their place while a
+block runs, so every such call clips by the norm they give (shardwise's: of the whole
+gradients, `parallel/_clip`); the second one also sees the parameters, which the first does not.
 """
 
 from __future__ import annotations
@@ -17,17 +19,25 @@ import torch.nn.utils.clip_grad as _clip_grad
 TORCH_TOTAL_NORM: Callable[..., Any] = _clip_grad._get_total_norm
 """torch's own total norm: ``(tensors, norm_type, error_if_nonfinite, foreach) -> norm``."""
 
+TORCH_CLIP_WITH_NORM: Callable[..., Any] = _clip_grad._clip_grads_with_norm_
+"""torch's own scaling: ``(parameters, max_norm, total_norm, foreach) -> None``."""
+
 
 @contextmanager
-def total_norm_replaced(total_norm: Callable[..., Any]) -> Iterator[None]:
+def total_norm_replaced(
+    total_norm: Callable[..., Any], clip_with_norm: Callable[..., Any] | None = None
+) -> Iterator[None]:
     """While the block runs, torch's clipping takes its total norm from `total_norm` (same
-    signature as `TORCH_TOTAL_NORM`); torch's own is back after it."""
-    before = _clip_grad._get_total_norm
+    signature as `TORCH_TOTAL_NORM`) and, when given, scales with `clip_with_norm` (same
+    signature as `TORCH_CLIP_WITH_NORM`); torch's own are back after it."""
+    before = _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_
     _clip_grad._get_total_norm = total_norm
+    if clip_with_norm is not None:
+        _clip_grad._clip_grads_with_norm_ = clip_with_norm
     try:
         yield
     finally:
-        _clip_grad._get_total_norm = before
+        _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_ = before
 
 
-__all__ = ["TORCH_TOTAL_NORM", "total_norm_replaced"]
+__all__ = ["TORCH_CLIP_WITH_NORM", "TORCH_TOTAL_NORM", "total_norm_replaced"]

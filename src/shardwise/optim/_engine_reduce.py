@@ -128,6 +128,15 @@ class GradReduction:
                     self._reduce(i, phase="step")
         self._drain()
 
+    def reduce_held(self) -> bool:
+        """Level 1: reduce the full gradients the leaves hold now (`flush`) instead of at the
+        optimizer's step, which then finds none (gradient clipping needs them reduced);
+        whether there were any."""
+        if self.level != "level1" or all(leaf.grad is None for leaf in self.leaves.values()):
+            return False
+        self.flush()
+        return True
+
     def _reduce(self, i: int, phase: str = "backward") -> None:
         """Start reducing bucket `i`'s gradients (finished by `_drain`: at the end of backward,
         or at once for level 1's reduction at the optimizer step)."""

@@ -47,7 +47,7 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
-from shardwise.parallel._clip import HSDP, clipping, plan_splits
+from shardwise.parallel._clip import GradSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
@@ -60,6 +60,7 @@ from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
+from shardwise.parallel._variants import known_variant, snapshot
 from shardwise.planner import Graph, ParallelPlan
 
 T = torch.Tensor
@@ -162,6 +163,13 @@ class GraphRun:
     def stored_plan(self) -> ParallelPlan:
         """The first plan: the one the parameters are stored by (planned already)."""
         return self.plans[0][0]
+
+    def clip_args(self) -> tuple[GradSplits, str, Callable[[], bool] | None]:
+        """`clipping`'s arguments: the gradients' splits and, with hsdp, the reduction of
+        gradients held unreduced until the optimizer step (level 1)."""
+        engine = self.engine
+        splits = plan_splits(self.network, self.stored_plan, engine.plan if engine else None)
+        return splits, "", None if engine is None else engine.reduce_held
 
     def _buckets(self, plan: ParallelPlan, buckets: OptimizerPlan | None = None) -> None:
         """The gradient buckets (`buckets`, else made from the first plan's parameters with
@@ -272,13 +280,18 @@ class GraphRun:
                 self.parallel_plan, self.templates = found[-1]
             else:
                 self._replan(args, kwargs, f"inputs of global shapes {shapes}")
-        state = self._state()
+        state = snapshot(self.modules)
         try:
             return self._run(args, kwargs)
         except Replan as e:
-            self._restore(state)  # (what the stopped attempt changed: buffers, the RNG)
-            if not self._known_variant(shapes, e):
+            state.restore()  # (what the stopped attempt changed: buffers, the RNG)
+            ran = self.parallel_plan  # (the plan the stopped attempt ran)
+            assert ran is not None
+            variant = known_variant(self.plans, ran, shapes, e)
+            if variant is None:
                 self._replan(args, kwargs, str(e))
+            else:
+                self.parallel_plan, self.templates = variant
         try:
             return self._run(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)
@@ -286,44 +299,6 @@ class GraphRun:
                 f"AutoParallel: the network called {e} right after being planned for this "
                 f"call; its ops depend on something capture does not see"
             ) from None
-
-    def _state(self) -> tuple[list[tuple[T, T]], T]:
-        """The network's buffers (copies) and the RNG state, for `_restore` (the modules that
-        hold buffers are listed once, when planning; each one's buffers are read anew)."""
-        with torch.no_grad():
-            held = (b for m in self.modules for b in own_buffers(m).values() if b is not None)
-            buffers = [(b, b.clone()) for b in held]
-        return buffers, torch.get_rng_state()
-
-    def _restore(self, state: tuple[list[tuple[T, T]], T]) -> None:
-        """Undo a stopped attempt's changes to buffers (BatchNorm statistics) and the RNG;
-        other Python state it changed stays changed."""
-        buffers, rng = state
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.set_rng_state(rng)
-
-    def _known_variant(self, shapes: dict[str, Any], e: Replan) -> bool:
-        """Switch to the one known plan for these inputs whose first ops are the ones that ran
-        and whose next op is the one called (or which ends there); False: none or several."""
-        plan = self.parallel_plan
-        assert plan is not None
-        ran = [n.op for n in plan.nodes[: e.cursor]]
-        found = []
-        for known, templates in self.plans:
-            nodes = known.nodes
-            if known is plan or dict(known.input_shapes) != shapes:
-                continue
-            if [n.op for n in nodes[: e.cursor]] != ran:
-                continue
-            ends = e.op is None and len(nodes) == e.cursor
-            if ends or (e.op is not None and len(nodes) > e.cursor and nodes[e.cursor].op == e.op):
-                found.append((known, templates))
-        if len(found) != 1:
-            return False
-        self.parallel_plan, self.templates = found[0]
-        return True
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept
@@ -385,7 +360,7 @@ class GraphRun:
         )
         self.executor = executor
         try:
-            clip = clipping(plan_splits(network, self.stored_plan), HSDP if engine else "")
+            clip = clipping(*self.clip_args())
             with executor, activate(self.session), clip:
                 out = self.fn(*args, **kwargs)
         except Replan:

@@ -1,0 +1,79 @@
+"""A call stopped midway to be run again (`parallel._executor_primitives.Replan`): what it
+changed, and which known plan fits it.
+
+- `snapshot(modules)`: the modules' buffers (copies) and the RNG state before a call;
+  `Snapshot.restore` undoes the stopped attempt's changes to them (BatchNorm statistics, draws).
+- `known_variant(plans, plan, shapes, stop)`: the one plan kept for these inputs whose first ops
+  are the ones that ran and whose next op is the one called (or which ends there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise._torch.module_state import own_buffers
+from shardwise.parallel._executor_primitives import Replan
+from shardwise.planner import ParallelPlan
+
+Variant = tuple[ParallelPlan, list[tuple[Any, Any]]]
+"""A plan and the argument templates of its nodes."""
+
+
+@dataclass
+class Snapshot:
+    """Buffers (each with its copy) and the RNG state, taken by `snapshot`."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    rng: torch.Tensor
+
+    def restore(self) -> None:
+        """Put the buffers and the RNG state back; other Python state a call changed stays."""
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        torch.set_rng_state(self.rng)
+
+
+def snapshot(modules: Sequence[nn.Module]) -> Snapshot:
+    """The buffers of `modules` (the ones holding buffers, listed once when planning; each
+    one's buffers read anew) and the RNG state.
+
+    Example:
+        >>> state = snapshot([bn])
+        >>> state.restore()
+    """
+    with torch.no_grad():
+        held = (b for m in modules for b in own_buffers(m).values() if b is not None)
+        buffers = [(b, b.clone()) for b in held]
+    return Snapshot(buffers, torch.get_rng_state())
+
+
+def known_variant(
+    plans: Sequence[Variant], plan: ParallelPlan, shapes: dict[str, Any], stop: Replan
+) -> Variant | None:
+    """The one plan of `plans` other than `plan` for inputs of `shapes` whose first ops are
+    `plan`'s up to where the call stopped (`stop.cursor`) and whose next op is the one called
+    there (`stop.op`; None: the call ended); None when no plan or several fit.
+
+    Example:
+        >>> known_variant(run.plans, run.parallel_plan, shapes, stop)  # doctest: +SKIP
+    """
+    ran = [n.op for n in plan.nodes[: stop.cursor]]
+    found = []
+    for variant in plans:
+        nodes = variant[0].nodes
+        if variant[0] is plan or dict(variant[0].input_shapes) != shapes:
+            continue
+        if [n.op for n in nodes[: stop.cursor]] != ran:
+            continue
+        ends = stop.op is None and len(nodes) == stop.cursor
+        if ends or (
+            stop.op is not None and len(nodes) > stop.cursor and nodes[stop.cursor].op == stop.op
+        ):
+            found.append(variant)
+    return found[0] if len(found) == 1 else None
