@@ -3,7 +3,10 @@
 A data-parallel loss is made whole by one AllReduce (`sum_over_ranks`). When the train step
 calls ``loss.backward()`` on it, the seed of backward is ones on every rank, so the adjoint
 AllReduce would only multiply it by the group size: shardwise multiplies locally and sends
-nothing. Any other root of backward (a scaled loss, an explicit gradient) keeps the AllReduce.
+nothing. So it does from a root the plan computes from the loss with ops alike on every rank
+(``(2 * loss).backward()``, ``loss / accumulation_steps``). A root made from something each
+rank holds differently (a sum over its rows), made after the plan, or an explicit gradient
+keeps the AllReduce.
 In every case the loss and the gradients equal one device's, and the collectives are exactly
 the loss's forward AllReduce plus one gradient AllReduce per backward (the four parameters'
 gradients in one bucket) (plus the loss's backward AllReduce where the seed is not known to be
@@ -26,21 +29,28 @@ from shardwise.testing import CommRecorder, assert_matches_single_device, simula
 
 BATCH, D_IN, HIDDEN, CLASSES = 12, 6, 5, 3
 
-Backward = Callable[[torch.Tensor], object]
-# how the train step runs backward -> whether the loss's backward still all-reduces
+Backward = Callable[[torch.Tensor, torch.Tensor], object]
+# how the train step runs backward (from the loss and this rank's input rows) -> whether the
+# loss's backward still all-reduces
 BACKWARDS: dict[str, tuple[Backward, int]] = {
-    "loss.backward()": (lambda loss: loss.backward(), 0),
+    "loss.backward()": (lambda loss, x: loss.backward(), 0),
     "loss.backward(retain_graph) twice": (
-        lambda loss: (loss.backward(retain_graph=True), loss.backward()),
+        lambda loss, x: (loss.backward(retain_graph=True), loss.backward()),
         0,
     ),
-    # the mark lasts one backward: the second, from another root, all-reduces again
+    # the mark lasts one backward: the second, from a root made after the plan, all-reduces
     "loss.backward(retain_graph) twice, then scaled": (
-        lambda loss: (loss.backward(retain_graph=True), (2 * loss).backward()),
+        lambda loss, x: (loss.backward(retain_graph=True), (2 * loss).backward()),
         1,
     ),
-    "(2 * loss).backward()": (lambda loss: (2 * loss).backward(), 1),
-    "loss.backward(gradient)": (lambda loss: loss.backward(torch.full((), 0.5)), 1),
+    # a plan op alike on every rank reads the loss (`EdgePlan.seeded`): the seed stays equal
+    "(2 * loss).backward()": (lambda loss, x: (2 * loss).backward(), 0),
+    "(loss / 4 + 1).backward()": (lambda loss, x: (loss / 4 + 1).backward(), 0),
+    # times the sum over all rows (a scalar: made whole at once, then read alike): equal
+    "(loss * x.sum()).backward()": (lambda loss, x: (loss * x.sum()).backward(), 0),
+    # times each rank's rows, then summed: the loss's gradient differs by rank
+    "(loss * x).sum().backward()": (lambda loss, x: (loss * x).sum().backward(), 1),
+    "loss.backward(gradient)": (lambda loss, x: loss.backward(torch.full((), 0.5)), 1),
 }
 
 
@@ -61,21 +71,21 @@ def test_loss_backward_all_reduces_only_when_the_seed_may_differ(how: str, world
     x, y = batch()
     single = make_net()
     want_loss = F.cross_entropy(single(x), y)
-    run(want_loss)
+    run(want_loss, x)
     want_grads = {n: p.grad for n, p in single.named_parameters()}
 
     net = make_net()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(net(x), y)
-        run(loss)
+        run(loss, x)
         return loss
 
     ranks = tuple(range(world_size))
     passes = 2 if "twice" in how else 1
     comms = Counter(
         {
-            ("AllReduce", "forward", ranks): 1,
+            ("AllReduce", "forward", ranks): 2 if "x" in how else 1,  # (and the sum's)
             # the 4 per-parameter gradient AllReduces of each backward are one bucket now
             ("AllReduce", "backward", ranks): passes + loss_backward_all_reduces,
         }

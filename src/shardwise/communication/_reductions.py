@@ -6,7 +6,9 @@ started, finished by the caller later: the plan executor's returned loss). Its b
 the same AllReduce of the gradient, except inside `replicated_seed(out)`, the block that runs
 ``out.backward()`` without a gradient argument: the seed (ones) is then the same on every rank,
 and the sum over the group of N equal values is N times the value, computed locally: one
-synchronizing collective per training step fewer. A plan that knows the result's gradient is the
+synchronizing collective per training step fewer; so does, inside that block, a result marked
+``seeded`` (the plan knows only ops alike on every rank read it, so its gradient comes from the
+seed alike on every rank: ``(loss / 4).backward()``). A plan that knows the result's gradient is the
 same on some of the group's ranks says so with a `GradRoute` (the AllReduce over the other ranks
 only, or none). `average_gradient(x, group)` is the other side (Megatron's ``f``): in backward
 it replaces the gradient of `x` by its mean over the group, making it the same on every rank.
@@ -50,8 +52,10 @@ class _SumOverRanksFn(torch.autograd.Function):
         route: GradRoute | None,
         started: list[Any] | None,
         weight: torch.Tensor | None,
+        seeded: bool,
     ) -> torch.Tensor:
         ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
+        ctx.seeded = seeded
         if weight is not None:
             return _weighted(ctx, x, weight, group, started)
         if started is None:
@@ -77,8 +81,9 @@ class _SumOverRanksFn(torch.autograd.Function):
             g = (g / ctx.divisor).to(g.dtype)
         elif ctx.divisor != 1:
             g = g / ctx.divisor
-        none = (None, None, None, None, None)
-        if ctx.replicated_seed:  # the same g on every rank: their sum is g * group size
+        none = (None, None, None, None, None, None)
+        if ctx.replicated_seed or (ctx.seeded and _SEEDED[0]):
+            # the same g on every rank: their sum is g * group size
             return g * get_group_size(ctx.group), *none
         route: GradRoute | None = ctx.route
         with recorder.phase("backward"):
@@ -119,6 +124,7 @@ def sum_over_ranks(
     route: GradRoute | None = None,
     started: list[Callable[[], None]] | None = None,
     weight: torch.Tensor | None = None,
+    seeded: bool = False,
 ) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor` (or, with `weight`, by the sum of `weight` over the group: both summed
@@ -139,6 +145,9 @@ def sum_over_ranks(
             loss counted here): the result is the weighted mean of the ranks' values when `x`
             is this rank's value times its weight (the mean of a loss over all ranks' counted
             targets, when they count differently).
+        seeded: only ops that run alike on every rank read the result: inside
+            `replicated_seed` (a backward from a seed of ones) its gradient is the same on every
+            rank, and the adjoint is local.
 
     Returns:
         The reduced value, the same on every rank.
@@ -152,7 +161,7 @@ def sum_over_ranks(
         return x / divisor if divisor != 1 else x
     if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
         started = None
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started, weight)
+    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started, weight, seeded)
     return out
 
 
@@ -177,24 +186,33 @@ def average_gradient(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
     return x
 
 
+_SEEDED = [False]
+"""Whether a `replicated_seed` block runs (read by the backward of ``seeded`` results; not per
+thread: autograd may run a backward on its device threads)."""
+
+
 @contextmanager
-def replicated_seed(root: torch.Tensor) -> Iterator[bool]:
+def replicated_seed(root: torch.Tensor, seeded: bool = True) -> Iterator[bool]:
     """While the block runs ``root.backward()`` without a gradient (a seed of ones, the same on
     every rank): if `root` is a `sum_over_ranks` result, its backward multiplies by the group
-    size instead of all-reducing. Yields whether `root` is one; the mark ends with the block,
-    so a later backward through a retained graph (another seed) all-reduces again.
+    size instead of all-reducing, and so (with `seeded`: `root` was made by the plan that marked
+    them) does that of every result marked ``seeded``. Yields whether `root` is one; the marks
+    end with the block, so a later backward through a retained graph (another seed)
+    all-reduces again.
 
     Example:
         >>> with replicated_seed(loss):  # doctest: +SKIP
         ...     loss.backward()
     """
     node: Any = root.grad_fn
-    backward_cls = backward_node_class(_SumOverRanksFn)
-    if not isinstance(node, backward_cls):
-        yield False
-        return
-    node.replicated_seed = True
+    is_sum = isinstance(node, backward_node_class(_SumOverRanksFn))
+    before = _SEEDED[0]
+    _SEEDED[0] = seeded
+    if is_sum:
+        node.replicated_seed = True
     try:
-        yield True
+        yield is_sum
     finally:
-        node.replicated_seed = False
+        _SEEDED[0] = before
+        if is_sum:
+            node.replicated_seed = False

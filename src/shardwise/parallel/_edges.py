@@ -47,7 +47,7 @@ def move(
         only = not edge.steps and not edge.kept
         if weight is not None:  # (a rank that counted nothing adds 0, not its NaN mean)
             x = torch.where(weight > 0, x, 0.0) * weight.to(x.dtype)
-        x = sum_over_ranks(x, group, divisor, route, started if only else None, weight)
+        x = sum_over_ranks(x, group, divisor, route, started if only else None, weight, edge.seeded)
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:

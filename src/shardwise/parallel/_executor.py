@@ -30,7 +30,8 @@ an optimizer step it may stay off until the network is called again (`_spans.Spa
 
 Nothing about layouts is decided here: every placement, step and collective comes from the
 plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
-unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed`. An optimizer
+unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (with the plan's
+``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise
 primitive is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`).
@@ -128,6 +129,7 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         self.fast = self.table.fast if param_value is None else self.table.fast_no_param
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
+        self.outside = False  # an op outside the plan ran since it last started (after backward)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
@@ -196,7 +198,8 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             self.backward_seen = True
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             if gradient is None and args and isinstance(args[0], T):
-                with replicated_seed(args[0]):
+                # (`EdgePlan.seeded` holds for a root the plan made, not for one made after it)
+                with replicated_seed(args[0], seeded=not self.outside):
                     out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
@@ -207,6 +210,7 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
+            self.outside = True
             return func(*args, **kwargs)
         k = self.cursor
         if not _has_tensor(args, kwargs):
@@ -329,7 +333,7 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             name = self.params.get(id(t))
             if (name is not None or value.startswith("param:")) and value != f"param:{name}":
                 return False
-        self.cursor, self.finished = 0, False
+        self.cursor, self.finished, self.outside = 0, False, False
         return True
 
     def check_done(self, where: str) -> None:

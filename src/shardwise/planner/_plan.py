@@ -115,6 +115,9 @@ class EdgePlan:
         dtype: the value's dtype (``"float32"``).
         equal_grad: axes of `reduced` whose adjoint is local (the gradient is the same on
             their ranks: `_backward`).
+        seeded: the adjoint of the AllReduce of `reduced` is local when backward starts with
+            no gradient (a seed of ones): every consumer of the value runs alike on every
+            rank (`_seeded`).
     """
 
     consumer: int
@@ -127,6 +130,7 @@ class EdgePlan:
     shared: bool = False
     dtype: str = "float32"
     equal_grad: tuple[int, ...] = ()
+    seeded: bool = False
 
     @property
     def reduced(self) -> tuple[int, ...]:
@@ -167,6 +171,8 @@ class EdgePlan:
             parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")
         if self.equal_grad:
             parts.append(f"backward local on {_axes_str(m, self.equal_grad)}")
+        if self.seeded:
+            parts.append("backward local from loss.backward()")
         return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
 
 

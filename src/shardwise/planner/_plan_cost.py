@@ -174,9 +174,10 @@ def _edge_collectives(e: EdgePlan, backward: bool) -> int:
 
 def _has_gradient(e: EdgePlan) -> bool:
     """Whether backward runs the edge's adjoint: a floating-point value computed or stored in
-    the step (not a tensor input) and consumed by an op (not returned)."""
+    the step (not a tensor input) and consumed by an op (not returned), whose adjoint is not
+    local in ``loss.backward()`` (`EdgePlan.seeded`)."""
     floating = e.dtype.startswith(("float", "bfloat", "complex"))
-    return floating and e.consumer != -1 and not e.value.startswith("input:")
+    return floating and e.consumer != -1 and not e.seeded and not e.value.startswith("input:")
 
 
 def _edge_backward(e: EdgePlan, model: CostModel) -> float:

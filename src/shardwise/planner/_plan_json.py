@@ -8,7 +8,7 @@
   `_edge_d` / `_edge`: one `Placed`, `Collective`, `NodePlan`, redistribution step and
   `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
   its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
-  `NodePlan.backward`, `ParallelPlan.equal_grads`) and a node's random draws
+  `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`) and a node's random draws
   (`NodePlan.draws`) are written only when present (a plan without them reads back with
   none).
 
@@ -248,17 +248,21 @@ def _step(d: Mapping[str, Any]) -> Step:
 
 
 def _edge_d(e: EdgePlan) -> dict[str, Any]:
-    return {
-        "consumer": e.consumer,
-        "slot": e.slot,
-        "value": e.value,
-        "shape": list(e.shape),
-        "src": _placed_d(e.src),
-        "dst": _placed_d(e.dst),
-        "steps": [_step_d(s) for s in e.steps],
-        "shared": e.shared,
-        "dtype": e.dtype,
-    } | ({"equal_grad": list(e.equal_grad)} if e.equal_grad else {})
+    return (
+        {
+            "consumer": e.consumer,
+            "slot": e.slot,
+            "value": e.value,
+            "shape": list(e.shape),
+            "src": _placed_d(e.src),
+            "dst": _placed_d(e.dst),
+            "steps": [_step_d(s) for s in e.steps],
+            "shared": e.shared,
+            "dtype": e.dtype,
+        }
+        | ({"equal_grad": list(e.equal_grad)} if e.equal_grad else {})
+        | ({"seeded": True} if e.seeded else {})
+    )
 
 
 def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
@@ -273,6 +277,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         shared=bool(d.get("shared", False)),
         dtype=d.get("dtype", "float32"),
         equal_grad=tuple(int(a) for a in d.get("equal_grad", ())),
+        seeded=bool(d.get("seeded", False)),
     )
 
 

@@ -37,6 +37,9 @@
 5. `_backward.plan_backward`: where a replicated value's gradient is made the same on every
    replica (Megatron's ``f``) because that saves the adjoints of forward AllReduces and the
    gradient reduction of replicated parameters.
+6. `_seeded.plan_seeded`: the AllReduces whose adjoint is local when ``loss.backward()`` starts
+   with no gradient (every consumer of the reduced value runs alike on every rank, e.g.
+   ``loss / accumulation_steps``).
 
 `PlanError` and `data_parallel` are `_placement`'s, importable from here too.
 """
@@ -89,6 +92,7 @@ from shardwise.planner._plan import (
     Placed,
     replicated,
 )
+from shardwise.planner._seeded import plan_seeded
 from shardwise.redistribution import plan_redistribution
 
 
@@ -322,6 +326,7 @@ def walk(
                 p.state[ref] = Placed(src.layout)
                 reduced += 1
     nodes, edges, equal = plan_backward(graph, p.nodes, p.edges, params, matrix)
+    edges = plan_seeded(graph, nodes, edges)
     return ParallelPlan(
         device_num=p.device_num,
         matrix=matrix,

@@ -147,10 +147,17 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
     ]
     total = 0
     rows = [(c, sent) for phase, c, sent in op_traffic(plan, rank).rows if phase == "backward"]
+    names = {n.index: n.name for n in plan.nodes}
+    alike = {
+        f"{names[e.consumer]} input {e.slot}" for e in plan.edges if e.seeded and e.consumer >= 0
+    }
     for c, sent in reversed(rows):
         group = m.group_along(rank, tuple(m.names.index(a) for a in c.axes))
-        seeded = c.where.startswith("return")  # (a returned value's: `replicated_seed`)
+        read_alike = c.kind == "AllReduce" and c.where in alike  # (`EdgePlan.seeded`)
+        seeded = c.where.startswith("return") or read_alike  # (`replicated_seed`)
         note = " (none when backward starts there: loss.backward())" if seeded else ""
+        if read_alike:
+            note = " (none in loss.backward(): only ops alike on every rank read it)"
         lines.append(
             f"    {c.kind} over {', '.join(c.axes)} at {c.where} group {list(group)} "
             f"send_bytes {sent}{note}"

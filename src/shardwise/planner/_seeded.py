@@ -1,0 +1,62 @@
+"""Seeded backward: which AllReduces' adjoints are local when ``loss.backward()`` starts with
+no gradient argument (`plan_seeded`, after `_backward.plan_backward`).
+
+A backward without a gradient starts from a seed of ones, the same on every rank. Its gradient
+stays the same on every rank through ops that run alike on every rank: every input and output
+whole (no split dim, no partial axis), no collective, no gradient average, no random draw, not
+in place. Call such a node *whole*, and *tail* a whole node whose every consumer is a tail node
+or the step's return: a gradient reaching a tail node can only come from the seed through other
+tail nodes, so it is the same on every rank. An AllReduce that makes a partial value whole
+(``loss.mean()`` over split rows, made whole before ``loss / accumulation_steps``) whose every
+consumer is a tail node (or the return) then gets a gradient that is the same on every rank:
+its adjoint is that gradient times the group size, computed locally, instead of an AllReduce
+(`communication.sum_over_ranks` with ``seeded``, while `replicated_seed` runs the backward).
+A backward with an explicit gradient, or through ``torch.autograd.grad``, is not seeded: the
+adjoint stays an AllReduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from shardwise.planner._backward import _in_place
+from shardwise.planner._graph import Graph, Ref
+from shardwise.planner._plan import EdgePlan, NodePlan, Placed
+
+
+def _whole(p: Placed) -> bool:
+    m = p.layout.matrix
+    return not any(m.shape[a] > 1 for a in (*p.layout.used_axes(), *p.partial))
+
+
+def plan_seeded(
+    graph: Graph, nodes: Sequence[NodePlan], edges: Sequence[EdgePlan]
+) -> tuple[EdgePlan, ...]:
+    """`edges` with ``seeded`` set on each AllReduce of a partial value whose every consumer is
+    a tail node or the return (see the module docstring).
+
+    Example:
+        >>> [e.value for e in plan_seeded(graph, nodes, edges) if e.seeded]  # doctest: +SKIP
+        ['%93']
+    """
+    consumers: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        for ref in node.inputs:
+            consumers.setdefault(str(ref), set()).add(node.index)
+    for ref in graph.outputs:
+        consumers.setdefault(str(ref), set()).add(-1)
+    tail: set[int] = {-1}
+    for n in reversed(nodes):  # (consumers run after their producers)
+        whole = all(_whole(p) for p in (*n.inputs, *n.outputs))
+        alike = not (n.comms or n.backward or n.draws or n.local)
+        outs = [str(Ref("node", n.index, o)) for o in range(len(n.outputs))]
+        read = [consumers.get(v, set()) for v in outs]
+        if whole and alike and not _in_place(graph.nodes[n.index]) and all(c <= tail for c in read):
+            tail.add(n.index)
+
+    def seeded(e: EdgePlan) -> bool:
+        read = consumers.get(e.value)
+        return bool(e.reduced) and read is not None and read <= tail
+
+    return tuple(dataclasses.replace(e, seeded=True) if seeded(e) else e for e in edges)
