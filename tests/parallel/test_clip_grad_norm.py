@@ -227,3 +227,57 @@ def assert_torch_clips_alone() -> None:
     t.grad = torch.tensor([3.0, 4.0])
     assert float(nn.utils.clip_grad_norm_([t], 1.0)) == 5.0
     assert float(imported_clip([t], 1.0)) == pytest.approx(1.0)  # (clipped to 1 just now)
+
+
+@pytest.mark.parametrize("level", ["none", "level1", "level3"])
+def test_accumulated_padded_clipped_step_matches_one_device(level: str) -> None:
+    """nanoGPT's loop in one wrapped step: two micro-batches, each ``(loss / 2).backward()``
+    with ``ignore_index=-1`` padding in some rows only (the mean weighed by each rank's counted
+    targets), then the clipping and AdamW, plain or with hsdp: the loss, the norm and every
+    clipped gradient equal one device's, and the only backward AllReduces are the gradient
+    buckets (the halved loss's adjoint is local: `EdgePlan.seeded`)."""
+    data = [(x.clone(), y.clone()) for x, y in batches() * 2]
+    for i, (_, y) in enumerate(data):
+        y[: 1 + i, -5:] = -1  # (padding in the first rows: the ranks count differently)
+
+    def accumulating(net: nn.Module, opt: Any, seen: list[Any]) -> Any:
+        def step(*xy: torch.Tensor) -> torch.Tensor:
+            total = torch.zeros(())
+            for x, y in (xy[:2], xy[2:]):
+                loss = net(x, y)[1] / 2
+                loss.backward()
+                total = total + loss.detach()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
+            seen.append((norm, {n: p.grad.detach().clone() for n, p in net.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return step
+
+    ref, want = GPT2(), []
+    step = accumulating(ref, ref.configure_optimizers(weight_decay=0.1, **ADAM), want)
+    steps = [(*data[0], *data[1]), (*data[2], *data[3])]
+    losses = [step(*xy) for xy in steps]
+    net = GPT2()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        seen: list[Any] = []
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        parallel = sw.AutoParallel(accumulating(net, opt, seen), "semi_auto")
+        if level != "none":
+            parallel.hsdp(threshold=0, optimizer_level=level)
+        for s, xy in enumerate(steps):
+            with CommRecorder() as rec:
+                loss = parallel(*(world.rows(t) for t in xy))
+            assert_matches_single_device(loss, losses[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s][0], want[s][0], what=f"norm {s}")
+            for name, grad in seen[s][1].items():
+                full = want[s][1][name]
+                rows = full if level == "none" else shard_of(parallel, name, full)
+                assert_matches_single_device(grad, rows, what=f"step {s} {name}.grad")
+            buckets = 2 if level != "level1" else 0  # (one per backward; level 1: at the clip)
+            assert rec.count(kind="AllReduce", phase="backward") == (
+                buckets if level == "none" else 0
+            )
+            assert rec.count(phase="backward") == buckets * (2 if level == "level3" else 1)

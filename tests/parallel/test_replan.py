@@ -9,6 +9,7 @@ a variant seen before reuses its plan. Each step equals one device's (loss and p
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import shardwise as sw
 from shardwise.context import set_context
 from shardwise.parallel import UnsupportedParallelError
 from shardwise.report import format_plan_begin, format_plan_execute
-from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 WORLD = 4
 
@@ -110,6 +111,77 @@ def test_ops_that_change_after_backward_are_an_error() -> None:
 
         parallel = sw.AutoParallel(step)
         with pytest.raises(UnsupportedParallelError, match="same torch ops"):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_a_later_pass_starts_where_the_network_was_entered() -> None:
+    """A step whose first op comes before the network (``total = torch.zeros(())``) and that
+    then runs two micro-batches: the second forward starts again where the first entered the
+    network (it was run unplanned before: each rank's own loss, silently), so the summed loss
+    and the gradients equal one device's, with one loss AllReduce per micro-batch."""
+    data = batches()
+    (x1, y1), (x2, y2) = data[0], data[2]
+
+    def make_step(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(*xy: torch.Tensor) -> torch.Tensor:
+            total = torch.zeros(())
+            for x, y in (xy[:2], xy[2:]):
+                loss = F.cross_entropy(net(x), y) / 2
+                loss.backward()
+                total = total + loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return step
+
+    ref = Branchy()
+    want = make_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1))(x1, y1, x2, y2)
+    net = Branchy()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(make_step(net, torch.optim.SGD(net.parameters(), lr=0.1)))
+        with CommRecorder() as rec:
+            loss = parallel(*(world.rows(t) for t in (x1, y1, x2, y2)))
+        assert_matches_single_device(loss, want, what="loss")
+        for name, p in net.named_parameters():
+            got, full = p.detach(), dict(ref.named_parameters())[name].detach()
+            assert_matches_single_device(got, full, what=name)
+        plan = parallel.parallel_plan
+        assert plan is not None and plan.nodes[0].op == "torch.zeros"
+        ranks = tuple(range(WORLD))
+        assert rec.count(kind="AllReduce", phase="forward") == 2, rec.summary()
+        assert rec.kinds()[("AllReduce", "backward", ranks)] == 2  # (the buckets)
+
+
+def test_a_network_entered_again_with_other_first_ops_is_an_error() -> None:
+    """The network called again after backward, but starting with another op than the plan's
+    first pass did: an error naming the op and the plan's, never an unplanned computation."""
+    net, x, y = Branchy(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.scale = net, False
+
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.inner(a * 2.0 if self.scale else a)
+            return out
+
+    outer = Scaled()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            outer.scale = False
+            F.cross_entropy(outer(a), b).backward()
+            outer.scale = True
+            loss = F.cross_entropy(outer(a), b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        with pytest.raises(UnsupportedParallelError, match=r"called again .*first op .*mul"):
             parallel(world.rows(x), world.rows(y))
 
 

@@ -28,14 +28,14 @@ moved, the op run); the others take the full path (`PlanExecutor._call`). From a
 third run, modules made only of such nodes run with the executor off the mode stack, and after
 an optimizer step it may stay off until the network is called again (`_spans.SpanRunner`).
 
-Nothing about layouts is decided here: every placement, step and collective comes from the
-plan. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
+Nothing about layouts is decided here: every placement, step and collective comes from the plan.
+A later pass of the plan in the same call (gradient accumulation) starts where `_passes.Passes`
+says. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
 unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (with the plan's
 ``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
-(`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise
-primitive is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`).
-"""
+(`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
+is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ from shardwise.parallel._node_table import (
     call_info,
     factory_call,
 )
+from shardwise.parallel._passes import Passes
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
@@ -89,7 +90,7 @@ def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
 
 
-class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
+class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -130,6 +131,9 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.outside = False  # an op outside the plan ran since it last started (after backward)
+        self.start = 0  # the node this pass started at (`_restarts`)
+        self.network_start: int | None = None  # the node at which the network was first entered
+        self.reentered = False  # the network was entered again after the plan finished
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
@@ -210,6 +214,8 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
+            if self.reentered:  # (the network again, but not as planned: never unplanned)
+                self._refuse_pass(op)
             self.outside = True
             return func(*args, **kwargs)
         k = self.cursor
@@ -272,9 +278,9 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
             if self.param_value is not None and id(leaf) in self.params:
                 leaf = self.param_value(leaf)
             edge = self.table.edges.get((k, slot))
-            if edge is not None and edge.shared:
+            if edge is not None and edge.shared and (edge.value, edge.dst) in self.moved:
                 leaf = self.moved[(edge.value, edge.dst)]
-            elif edge is not None:
+            elif edge is not None:  # (or shared with a move before this pass started: again)
                 leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge)
             tensors[i] = leaf
             slot += 1
@@ -310,31 +316,12 @@ class PlanExecutor(PrimitiveHooks, SpanRunner, SteppingMode):
                 f"{node.name} ({node.op}); it must run the same torch ops in the same order "
                 f"every step (plan again for a different network)"
             )
-        if self.cursor == 0:
+        if self.cursor == self.start:
             self.first_op()
             self.moved.clear()
             if self.on_start is not None:
                 self._paused_call(self.on_start)
         self.cursor += 1
-
-    def _restarts(self, op: str, args: Any) -> bool:
-        """After the plan ran and a backward: whether this call starts it again (gradient
-        accumulation, an optimizer's closure): the plan's first op, with the same parameters
-        in the same places (other inputs may differ: a scaled batch, another chunk)."""
-        if not self.finished or not self.plan.nodes:
-            return False
-        first = self.plan.nodes[0]
-        if op != first.op:
-            return False
-        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, T)]
-        if len(tensors) != len(first.values):
-            return False
-        for t, value in zip(tensors, first.values, strict=True):
-            name = self.params.get(id(t))
-            if (name is not None or value.startswith("param:")) and value != f"param:{name}":
-                return False
-        self.cursor, self.finished, self.outside = 0, False, False
-        return True
 
     def check_done(self, where: str) -> None:
         """Raise when `where` comes before the plan's last op ran."""
