@@ -123,3 +123,38 @@ def test_sum_over_ranks_seeded_backward_is_the_group_size_times_the_seed(divisor
             assert_matches_single_device(x.grad, want, what="grad")
     with replicated_seed(torch.ones(2, requires_grad=True).sum()) as known:
         assert not known  # not a sum over ranks
+
+
+def test_a_seeded_adjoint_belongs_to_its_own_run() -> None:
+    """The mark names the run of the plan that made it: a value another wrapper returned (its
+    mean made whole, then only doubled: seeded there) and read by this step's split rows keeps
+    its AllReduce in this step's ``loss.backward()`` (the gradient it gets differs by rank)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, 3, generator=g)
+
+    def nets() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        return nn.Linear(3, 1), nn.Linear(3, 1)
+
+    a, b = nets()
+    ((b(x).squeeze(-1) * (a(x).mean() * 2)).mean()).backward()
+    want = {f"a.{n}": p.grad for n, p in a.named_parameters()}
+    want |= {f"b.{n}": p.grad for n, p in b.named_parameters()}
+    a, b = nets()
+
+    def step(rows: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        loss = (b(rows).squeeze(-1) * h).mean()
+        loss.backward()
+        return loss
+
+    with simulated_world(2) as world:
+        world.replicate(a)
+        world.replicate(b)
+        first = AutoParallel(lambda rows: a(rows).mean() * 2)
+        second = AutoParallel(step)
+        second(world.rows(x), first(world.rows(x)))
+        plan = first.parallel_plan
+        assert plan is not None and any(e.seeded for e in plan.edges)
+        got = {f"a.{n}": p.grad for n, p in a.named_parameters()}
+        got |= {f"b.{n}": p.grad for n, p in b.named_parameters()}
+        assert_matches_single_device(got, want, what="grads")

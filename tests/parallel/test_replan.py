@@ -114,18 +114,23 @@ def test_ops_that_change_after_backward_are_an_error() -> None:
             parallel(world.rows(x), world.rows(y))
 
 
-def test_a_later_pass_starts_where_the_network_was_entered() -> None:
+@pytest.mark.parametrize("centred", [False, True])
+def test_a_later_pass_starts_where_the_network_was_entered(centred: bool) -> None:
     """A step whose first op comes before the network (``total = torch.zeros(())``) and that
-    then runs two micro-batches: the second forward starts again where the first entered the
-    network (it was run unplanned before: each rank's own loss, silently), so the summed loss
-    and the gradients equal one device's, with one loss AllReduce per micro-batch."""
+    then runs two micro-batches: the second forward starts again where its ops start (it was
+    run unplanned before: each rank's own loss, silently): at the network, or at the
+    per-micro-batch ``x - x.mean(0)`` before it (a mean over the rows of all ranks: one more
+    AllReduce per micro-batch). The summed loss and the gradients equal one device's."""
     data = batches()
     (x1, y1), (x2, y2) = data[0], data[2]
+    x2 = x2 + torch.arange(8.0)[:, None]  # (the ranks' rows have other means)
 
     def make_step(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
         def step(*xy: torch.Tensor) -> torch.Tensor:
             total = torch.zeros(())
             for x, y in (xy[:2], xy[2:]):
+                if centred:
+                    x = x - x.mean(0, keepdim=True)
                 loss = F.cross_entropy(net(x), y) / 2
                 loss.backward()
                 total = total + loss.detach()
@@ -150,7 +155,8 @@ def test_a_later_pass_starts_where_the_network_was_entered() -> None:
         plan = parallel.parallel_plan
         assert plan is not None and plan.nodes[0].op == "torch.zeros"
         ranks = tuple(range(WORLD))
-        assert rec.count(kind="AllReduce", phase="forward") == 2, rec.summary()
+        means = 2 if centred else 0
+        assert rec.count(kind="AllReduce", phase="forward") == 2 + means, rec.summary()
         assert rec.kinds()[("AllReduce", "backward", ranks)] == 2  # (the buckets)
 
 
@@ -182,6 +188,27 @@ def test_a_network_entered_again_with_other_first_ops_is_an_error() -> None:
 
         parallel = sw.AutoParallel(step)
         with pytest.raises(UnsupportedParallelError, match=r"called again .*first op .*mul"):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_a_pass_reading_a_tensor_made_outside_the_plan_is_an_error() -> None:
+    """After a backward, an op the plan does not have (``x * 1.0``: the first pass had none)
+    runs outside the plan, on this rank's rows only; the network then starting a pass from its
+    result is refused, naming the op and the node."""
+    net, x, y = Branchy(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            total = torch.zeros(())
+            F.cross_entropy(net(a), b).backward()
+            loss = F.cross_entropy(net(a * 1.0), b)
+            loss.backward()
+            return total + loss.detach()
+
+        parallel = sw.AutoParallel(step)
+        match = r"linear starts the plan again at %1 fc1/linear .* made by an op the plan"
+        with pytest.raises(UnsupportedParallelError, match=match):
             parallel(world.rows(x), world.rows(y))
 
 

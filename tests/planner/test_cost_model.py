@@ -189,3 +189,34 @@ def test_the_step_estimate_counts_the_collectives_a_run_records(how: str) -> Non
     assert len(seeded) == (1 if how == "megatron" else 0)
     assert step.backward_comm == 0.0
     assert (rec.count(phase="step") == 1) == (how == "optimizer parallel")
+
+
+def test_a_seeded_edge_still_counts_its_gathers_adjoint() -> None:
+    """2 x 2 Megatron MLP whose row-parallel output (partial over mp, rows split over dp) feeds
+    ``softmax(0)`` over the rows: the edge all-reduces over mp and gathers the rows over dp.
+    Only tail ops read it (`EdgePlan.seeded`): in ``loss.backward()`` its AllReduce's adjoint
+    is local, its AllGather's (a ReduceScatter over dp) still runs; the estimate counts what a
+    run records."""
+    net = _mlp(8)
+    sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+    sw.shard(net[2], in_strategy=((2, 2), (1, 2)))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+
+    def step(a: torch.Tensor) -> torch.Tensor:
+        loss = net(a).softmax(0).square().mean()
+        loss.backward()
+        return loss
+
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        parallel(world.rows(x))
+        with CommRecorder() as rec:
+            parallel(world.rows(x))
+    plan = parallel.parallel_plan
+    assert plan is not None
+    seeded = [e for e in plan.edges if e.seeded and e.consumer >= 0]
+    assert len(seeded) == 1 and seeded[0].steps, [str(e) for e in plan.edges]
+    step_estimate = step_cost(plan, CostModel())
+    assert rec.count(kind="ReduceScatter", phase="backward") == 1, rec.summary()
+    assert step_estimate.collectives == len(rec.records) and step_estimate.backward_comm > 0.0

@@ -8,7 +8,8 @@ the same AllReduce of the gradient, except inside `replicated_seed(out)`, the bl
 and the sum over the group of N equal values is N times the value, computed locally: one
 synchronizing collective per training step fewer; so does, inside that block, a result marked
 ``seeded`` (the plan knows only ops alike on every rank read it, so its gradient comes from the
-seed alike on every rank: ``(loss / 4).backward()``). A plan that knows the result's gradient is the
+seed alike on every rank: ``(loss / 4).backward()``; the mark names the run of the plan, so
+results of other runs keep their AllReduce). A plan that knows the result's gradient is the
 same on some of the group's ranks says so with a `GradRoute` (the AllReduce over the other ranks
 only, or none). `average_gradient(x, group)` is the other side (Megatron's ``f``): in backward
 it replaces the gradient of `x` by its mean over the group, making it the same on every rank.
@@ -52,7 +53,7 @@ class _SumOverRanksFn(torch.autograd.Function):
         route: GradRoute | None,
         started: list[Any] | None,
         weight: torch.Tensor | None,
-        seeded: bool,
+        seeded: object | None,
     ) -> torch.Tensor:
         ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
         ctx.seeded = seeded
@@ -82,7 +83,7 @@ class _SumOverRanksFn(torch.autograd.Function):
         elif ctx.divisor != 1:
             g = g / ctx.divisor
         none = (None, None, None, None, None, None)
-        if ctx.replicated_seed or (ctx.seeded and _SEEDED[0]):
+        if ctx.replicated_seed or (ctx.seeded is not None and ctx.seeded is _SEEDED[0]):
             # the same g on every rank: their sum is g * group size
             return g * get_group_size(ctx.group), *none
         route: GradRoute | None = ctx.route
@@ -124,7 +125,7 @@ def sum_over_ranks(
     route: GradRoute | None = None,
     started: list[Callable[[], None]] | None = None,
     weight: torch.Tensor | None = None,
-    seeded: bool = False,
+    seeded: object | None = None,
 ) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor` (or, with `weight`, by the sum of `weight` over the group: both summed
@@ -145,9 +146,10 @@ def sum_over_ranks(
             loss counted here): the result is the weighted mean of the ranks' values when `x`
             is this rank's value times its weight (the mean of a loss over all ranks' counted
             targets, when they count differently).
-        seeded: only ops that run alike on every rank read the result: inside
-            `replicated_seed` (a backward from a seed of ones) its gradient is the same on every
-            rank, and the adjoint is local.
+        seeded: only ops that run alike on every rank read the result (within the run of a
+            plan this object stands for): inside `replicated_seed` with the same object (a
+            backward from a seed of ones on a root that run made) its gradient is the same on
+            every rank, and the adjoint is local.
 
     Returns:
         The reduced value, the same on every rank.
@@ -186,19 +188,19 @@ def average_gradient(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
     return x
 
 
-_SEEDED = [False]
-"""Whether a `replicated_seed` block runs (read by the backward of ``seeded`` results; not per
-thread: autograd may run a backward on its device threads)."""
+_SEEDED: list[object | None] = [None]
+"""The run whose ``seeded`` results a running `replicated_seed` block covers (read by their
+backward; not per thread: autograd may run a backward on its device threads)."""
 
 
 @contextmanager
-def replicated_seed(root: torch.Tensor, seeded: bool = True) -> Iterator[bool]:
+def replicated_seed(root: torch.Tensor, seeded: object | None = None) -> Iterator[bool]:
     """While the block runs ``root.backward()`` without a gradient (a seed of ones, the same on
     every rank): if `root` is a `sum_over_ranks` result, its backward multiplies by the group
-    size instead of all-reducing, and so (with `seeded`: `root` was made by the plan that marked
-    them) does that of every result marked ``seeded``. Yields whether `root` is one; the marks
-    end with the block, so a later backward through a retained graph (another seed)
-    all-reduces again.
+    size instead of all-reducing, and so does that of every result marked with the object
+    `seeded` (the run of a plan that made `root`: results of other runs or plans all-reduce).
+    Yields whether `root` is one; the marks end with the block, so a later backward through a
+    retained graph (another seed) all-reduces again.
 
     Example:
         >>> with replicated_seed(loss):  # doctest: +SKIP

@@ -34,11 +34,13 @@ def move(
     edge: EdgePlan,
     started: list[Callable[[], None]] | None = None,
     weight: T | None = None,
+    run: object | None = None,
 ) -> T:
     """`x` (this rank's part of the edge's value) moved as `edge` says; with `started`, an edge
     that is only an AllReduce is only started (`sum_over_ranks`: finished by the function it
     appends there). With `weight` (a mean loss's counted targets on this rank: `loss_weight`),
-    a partial mean becomes the weighted mean over the ranks, the single-device mean."""
+    a partial mean becomes the weighted mean over the ranks, the single-device mean. `run`:
+    the executor's current run of the plan (what a ``seeded`` AllReduce is marked with)."""
     m = edge.src.layout.matrix
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
@@ -47,7 +49,8 @@ def move(
         only = not edge.steps and not edge.kept
         if weight is not None:  # (a rank that counted nothing adds 0, not its NaN mean)
             x = torch.where(weight > 0, x, 0.0) * weight.to(x.dtype)
-        x = sum_over_ranks(x, group, divisor, route, started if only else None, weight, edge.seeded)
+        seeded = run if edge.seeded else None  # (`EdgePlan.seeded`, marked with this run)
+        x = sum_over_ranks(x, group, divisor, route, started if only else None, weight, seeded)
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:

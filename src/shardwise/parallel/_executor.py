@@ -39,6 +39,7 @@ is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`).""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -132,8 +133,10 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
         self.outside = False  # an op outside the plan ran since it last started (after backward)
         self.start = 0  # the node this pass started at (`_restarts`)
+        self.run = object()  # this pass (`EdgePlan.seeded`: only its own roots seed it)
         self.network_start: int | None = None  # the node at which the network was first entered
         self.reentered = False  # the network was entered again after the plan finished
+        self.made_outside: dict[int, weakref.ref[T]] = {}  # (`_passes`: id -> the tensor)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
@@ -203,7 +206,7 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             if gradient is None and args and isinstance(args[0], T):
                 # (`EdgePlan.seeded` holds for a root the plan made, not for one made after it)
-                with replicated_seed(args[0], seeded=not self.outside):
+                with replicated_seed(args[0], None if self.outside else self.run):
                     out = func(*args, **kwargs)
             else:
                 out = func(*args, **kwargs)
@@ -214,10 +217,13 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
-            if self.reentered:  # (the network again, but not as planned: never unplanned)
+            if self.reentered and _has_tensor(args, kwargs):  # (the network, not as planned)
                 self._refuse_pass(op)
             self.outside = True
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if isinstance(out, T) and not any(out is a for a in args):  # (not in place)
+                self.made_outside[id(out)] = weakref.ref(out)  # (no pass starts from it)
+            return out
         k = self.cursor
         if not _has_tensor(args, kwargs):
             return self._factory(func, op, args, kwargs)
@@ -281,7 +287,7 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             if edge is not None and edge.shared and (edge.value, edge.dst) in self.moved:
                 leaf = self.moved[(edge.value, edge.dst)]
             elif edge is not None:  # (or shared with a move before this pass started: again)
-                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge)
+                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge, run=self.run)
             tensors[i] = leaf
             slot += 1
         return tensors
@@ -317,6 +323,7 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
                 f"every step (plan again for a different network)"
             )
         if self.cursor == self.start:
+            self.run = object()  # (this run of the plan: what its seeded AllReduces carry)
             self.first_op()
             self.moved.clear()
             if self.on_start is not None:
@@ -367,7 +374,7 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started, weight)
+                out = move(out, e, self.started, weight, self.run)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0
@@ -376,6 +383,6 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
                 continue
             name = f"%{k}" + (f".{j}" if j else "")
             for e in self.table.returned.get(name, []):
-                leaves[i] = move(leaves[i], e)
+                leaves[i] = move(leaves[i], e, run=self.run)
             j += 1
         return pytree.tree_unflatten(leaves, spec)

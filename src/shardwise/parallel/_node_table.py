@@ -148,6 +148,7 @@ class NodeTable:
         # dropouts once seen (None until then); the candidate modules, their observed spans
         self.local = [_local(f, op) for f, op in zip(self.fast, self.ops, strict=True)]
         self.candidates: set[str] | None = None
+        self.points: tuple[int, ...] | None = None  # (`_passes.restart_points`, when needed)
         self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
         self.spans: dict[str, tuple[int, int] | None] = {}
         self.first_in_network: bool | None = None  # the plan's first op inside the network

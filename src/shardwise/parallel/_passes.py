@@ -3,23 +3,59 @@
 
 A train step may run its network more than once: gradient accumulation, an optimizer's closure.
 The plan is captured up to the first ``loss.backward()``; after a backward, a call that starts
-the plan again (`Passes._restarts`) moves the cursor back: to the plan's first op, or, once the
-network's forward began again (`Passes.network_entered`), to the node where the first pass
-entered it (ops before it, such as ``total = torch.zeros(())``, run once). A network entered
-again whose first op is neither is refused (`Passes._refuse_pass`): it never runs unplanned.
+the plan again (`Passes._restarts`) moves the cursor back to a *restart point*
+(`restart_points`): a node k up to where the first pass entered the network
+(`Passes.network_entered`) such that no node from k on reads a value made before k. The ops
+before it run once (``total = torch.zeros(())``); those from it run again in every pass (a
+per-micro-batch ``x - x.mean(0)`` before the network included). The first restart point whose
+op and parameters the call has is taken. Refused with `UnsupportedParallelError`, never run
+unplanned: a network entered again whose first op starts no pass (`Passes._refuse_pass`), and
+a pass whose first op reads a tensor an op outside the plan made since the last backward
+(`Passes.made_outside`: that op would have run on this rank's rows only).
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise._torch import pytree
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.planner import ParallelPlan
+from shardwise.parallel._node_table import NodeTable
+from shardwise.planner import NodePlan, ParallelPlan
 
 T = torch.Tensor
+
+
+def _held(made: dict[int, weakref.ref[T]], t: T) -> bool:
+    ref = made.get(id(t))
+    return ref is not None and ref() is t
+
+
+def restart_points(nodes: Sequence[NodePlan]) -> tuple[int, ...]:
+    """The nodes k at which a later pass may start: no node from k on reads a value made by a
+    node before k.
+
+    Example:
+        >>> restart_points(plan.nodes)[:2]  # (total = torch.zeros(()), then the network)
+        (0, 1)
+    """
+    crossing = [0] * (len(nodes) + 1)  # (+1 where a value's span opens, -1 after it closes)
+    for j, node in enumerate(nodes):
+        for value in node.values:
+            if value.startswith("%"):
+                i = int(value[1:].split(".")[0])
+                crossing[i + 1] += 1
+                crossing[j + 1] -= 1
+    points, open_spans = [], 0
+    for k in range(len(nodes)):
+        open_spans += crossing[k]
+        if open_spans == 0:
+            points.append(k)
+    return tuple(points)
 
 
 class Passes:
@@ -33,6 +69,8 @@ class Passes:
     start: int
     network_start: int | None
     reentered: bool
+    table: NodeTable
+    made_outside: dict[int, weakref.ref[T]]  # made by ops outside the plan since it started
 
     if TYPE_CHECKING:
 
@@ -41,21 +79,38 @@ class Passes:
 
     def _restarts(self, op: str, args: Any) -> bool:
         """After the plan ran and a backward: whether this call starts it again (gradient
-        accumulation, an optimizer's closure): the plan's first op, or, once the network was
-        entered again, the op where the first pass entered it (a step whose first ops, such as
-        ``total = torch.zeros(())``, run once before its micro-batches), with the same
-        parameters in the same places (other inputs may differ: a scaled batch, another chunk)."""
+        accumulation, an optimizer's closure) at a restart point (see the module docstring),
+        with the same parameters in the same places (other inputs may differ: a scaled batch,
+        another chunk)."""
         if not self.finished or not self.plan.nodes:
             return False
-        starts = [0]
-        if self.reentered and self.network_start:
-            starts.append(self.network_start)
-        for start in starts:
+        table = self.table
+        if table.points is None:  # (once per plan)
+            table.points = restart_points(self.plan.nodes)
+        last = self.network_start or 0
+        for start in table.points:
+            if start > last:
+                break
             if self._starts_with(start, op, args):
+                self._check_inputs(op, start, args)
                 self.cursor, self.finished, self.outside = start, False, False
                 self.start, self.reentered = start, False
+                self.made_outside = {}
                 return True
         return False
+
+    def _check_inputs(self, op: str, k: int, args: Any) -> None:
+        """Refuse a pass whose first op reads a tensor made outside the plan since the last
+        backward (on this rank's rows only, without the plan's collectives and masks)."""
+        made = self.made_outside
+        if any(isinstance(t, T) and _held(made, t) for t in pytree.tree_leaves(args)):
+            node = self.plan.nodes[k]
+            raise UnsupportedParallelError(
+                f"AutoParallel: {op} starts the plan again at %{k} {node.name} after "
+                f"loss.backward(), but reads a tensor made by an op the plan does not have "
+                f"(after the backward, outside the plan, so on this rank's rows only); every "
+                f"pass must run the ops of the first from where it starts"
+            )
 
     def _starts_with(self, k: int, op: str, args: Any) -> bool:
         """Whether a call of `op` on `args` is node `k`'s (the same parameters in its places)."""

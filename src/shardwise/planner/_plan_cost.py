@@ -167,23 +167,29 @@ class StepCost:
 
 def _edge_collectives(e: EdgePlan, backward: bool) -> int:
     m = e.src.layout.matrix
-    reduced = [a for a in e.reduced if not backward or a not in e.equal_grad]
+    reduced = [a for a in e.reduced if not backward or _unequal(e, a)]
     count = 1 if any(m.shape[a] > 1 for a in reduced) else 0
     return count + len(e.collectives("")) - (1 if e.reduced else 0)
 
 
+def _unequal(e: EdgePlan, axis: int) -> bool:
+    """Whether the adjoint of edge `e`'s AllReduce over `axis` is a collective: not when the
+    gradient is equal there (`equal_grad`) or in ``loss.backward()`` (`seeded`)."""
+    return not e.seeded and axis not in e.equal_grad
+
+
 def _has_gradient(e: EdgePlan) -> bool:
     """Whether backward runs the edge's adjoint: a floating-point value computed or stored in
-    the step (not a tensor input) and consumed by an op (not returned), whose adjoint is not
-    local in ``loss.backward()`` (`EdgePlan.seeded`)."""
+    the step (not a tensor input) and consumed by an op (not returned)."""
     floating = e.dtype.startswith(("float", "bfloat", "complex"))
-    return floating and e.consumer != -1 and not e.seeded and not e.value.startswith("input:")
+    return floating and e.consumer != -1 and not e.value.startswith("input:")
 
 
 def _edge_backward(e: EdgePlan, model: CostModel) -> float:
-    """The adjoint of an edge's move: its AllReduce over the axes whose gradient is not equal,
-    and per AllGather / AlltoAll step a ReduceScatter / AlltoAll sending the same bytes."""
-    reduced = tuple(a for a in e.reduced if a not in e.equal_grad)
+    """The adjoint of an edge's move: its AllReduce over the axes whose gradient is not equal
+    (none when `seeded`), and per AllGather / AlltoAll step a ReduceScatter / AlltoAll sending
+    the same bytes."""
+    reduced = tuple(a for a in e.reduced if _unequal(e, a))
     return model.move(e.src.layout, e.dst.layout, e.shape, _itemsize(e.dtype), reduced)
 
 
