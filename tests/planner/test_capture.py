@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from shardwise.planner import CaptureError, Ref, capture
 from shardwise.testing.models import GPTBlock, GPTConfig, megatron_strategies
@@ -101,6 +102,34 @@ class NonzeroInForward(nn.Module):
 def test_values_in_the_forward_name_the_op_and_line(net: nn.Module, match: str) -> None:
     with pytest.raises(CaptureError, match=match):
         capture(net, torch.ones(2, 4))
+
+
+class Checkpointed(nn.Module):
+    """An MLP whose hidden layer runs in activation checkpointing (`how`)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(4, 8), nn.Linear(8, 2), how
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc1(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "sequential":
+            h = checkpoint_sequential(nn.Sequential(self.fc1, nn.ReLU()), 1, x, use_reentrant=False)
+        else:
+            h = checkpoint(self.hidden, x, use_reentrant=self.how == "reentrant")
+        out: torch.Tensor = self.fc2(h)
+        return out
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # (fake inputs)
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
+def test_activation_checkpointing_is_refused_naming_the_op_and_line(how: str) -> None:
+    """Its recomputation in backward would run outside the plan (no collectives, other dropout
+    masks: silently other gradients), so the capture refuses it at the first checkpointed op."""
+    with pytest.raises(CaptureError, match=r"linear at test_capture.py:\d+ runs inside activation"):
+        capture(Checkpointed(how), torch.ones(2, 4, requires_grad=True))
 
 
 class ScaleByMax(nn.Module):

@@ -110,6 +110,21 @@ def _source() -> str:
     return "?"
 
 
+_CHECKPOINT_FILE = str(Path(torch.__file__).parent / "utils" / "checkpoint.py")
+"""``torch.utils.checkpoint``'s file: an op called from it runs in activation checkpointing."""
+
+
+def _checkpointed() -> bool:
+    """Whether the running op was called inside ``torch.utils.checkpoint`` (directly, through
+    ``checkpoint_wrapper`` or a ``checkpoint_sequential``)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def _short(op: str) -> str:
     return op.rsplit(".", 1)[-1].strip("_") or op
 
@@ -166,6 +181,14 @@ class _State:
         out_map: Sequence[AtenArg | None] = (),
     ) -> None:
         index = len(self.nodes)
+        if _checkpointed():
+            raise CaptureError(
+                f"{op} at {_source()} runs inside activation checkpointing "
+                f"(torch.utils.checkpoint): its recomputation in backward would run outside the "
+                f"plan, without the plan's collectives, dropout masks and sizes, so AutoParallel "
+                f"does not support it yet; remove the checkpoint from the network under "
+                f"AutoParallel"
+            )
         strategy = self._annotation(op)
         node = Node(
             index=index,
