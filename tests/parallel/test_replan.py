@@ -192,9 +192,11 @@ def test_a_network_entered_again_with_other_first_ops_is_an_error() -> None:
 
 
 def test_a_pass_reading_a_tensor_made_outside_the_plan_is_an_error() -> None:
-    """After a backward, an op the plan does not have (``x * 1.0``: the first pass had none)
-    runs outside the plan, on this rank's rows only; the network then starting a pass from its
-    result is refused, naming the op and the node."""
+    """After a backward, an op the plan does not have (``x - x.mean(0)``: the first pass had
+    none) runs outside the plan, on this rank's rows only (the mean of its own rows); the
+    network then starting a pass from its result is refused, naming the op and the node.
+    An elementwise op there (``x * 0.5``) is right on the rows and allowed:
+    `test_grad_buckets.test_accumulating_backward_calls`."""
     net, x, y = Branchy(), torch.randn(8, 8), torch.randint(0, 3, (8,))
     with simulated_world(WORLD) as world:
         world.replicate(net)
@@ -202,12 +204,12 @@ def test_a_pass_reading_a_tensor_made_outside_the_plan_is_an_error() -> None:
         def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             total = torch.zeros(())
             F.cross_entropy(net(a), b).backward()
-            loss = F.cross_entropy(net(a * 1.0), b)
+            loss = F.cross_entropy(net(a - a.mean(0, keepdim=True)), b)
             loss.backward()
             return total + loss.detach()
 
         parallel = sw.AutoParallel(step)
-        match = r"linear starts the plan again at %1 fc1/linear .* made by an op the plan"
+        match = r"linear \(a new pass\) reads a tensor that an op the plan does not have made"
         with pytest.raises(UnsupportedParallelError, match=match):
             parallel(world.rows(x), world.rows(y))
 
@@ -297,3 +299,87 @@ def test_each_plan_made_again_gets_its_own_ir_files(tmp_path: Path) -> None:
         assert begin == format_plan_begin(plan)
         execute = (tmp_path / "rank_3" / f"execute{suffix}.ir").read_text()
         assert execute.startswith(format_plan_execute(plan, 3))
+
+
+def _two_micro_batches(body: Any) -> None:
+    """`body(net, opt)`'s step on `batches()[0]` with the Python numbers 0.5, then 0.8, on one
+    device and under `AutoParallel` on `WORLD` simulated ranks: the loss and every parameter
+    after each call equal."""
+    x, y = batches()[0]
+    ref, net = Branchy(), Branchy()
+    ref_step = body(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(body(net, torch.optim.SGD(net.parameters(), lr=0.1)))
+        for number in (0.5, 0.8):
+            want = ref_step(x, y, number)
+            got = parallel(world.rows(x), world.rows(y), number)
+            assert_matches_single_device(got, want, what=f"loss ({number})")
+            for name, p in net.named_parameters():
+                full = dict(ref.named_parameters())[name].detach()
+                assert_matches_single_device(p.detach(), full, what=f"{name} ({number})")
+
+
+def test_python_numbers_of_each_pass_and_call_are_used() -> None:
+    """A Python weight that changes between passes and between calls scales the whole loss
+    with this pass's value (ops on whole values once ran with the numbers captured at the first
+    call: 0.5 in every call, silently), and a step whose micro-batches are chunks of its batch
+    starts each pass at the network."""
+
+    def body(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor, first: float) -> torch.Tensor:
+            total = torch.zeros(())
+            for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+                loss = F.cross_entropy(net(xm), ym) * (first if i == 0 else 1 - first / 2)
+                loss.backward()
+                total = total + loss
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return step
+
+    _two_micro_batches(body)
+
+
+def test_slice_bounds_from_a_local_shape_that_change_between_passes_are_an_error() -> None:
+    """``n = x.shape[0] // 2`` reads this rank's rows; the plan slices the whole batch, so the
+    captured bounds serve the first pass, and a later pass changing them is refused (it cannot
+    be told what they mean), naming the op."""
+
+    def body(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+            n = x.shape[0] // 2
+            for i in range(2):
+                part = slice(i * n, (i + 1) * n)
+                (F.cross_entropy(net(x[part]), y[part]) * scale).backward()
+            opt.step()
+            return torch.zeros(())
+
+        return step
+
+    with pytest.raises(
+        UnsupportedParallelError, match=r"__getitem__ .* split tensor's local shape"
+    ):
+        _two_micro_batches(body)
+
+
+def test_an_op_after_backward_like_a_passs_first_does_not_start_it() -> None:
+    """Each micro-batch starts with ``x + x`` (an add of the step's inputs); the logging line
+    ``total = total + loss.detach()`` after its backward is an add too, of values made in the
+    step: it must not start a pass there (it did: then "called add where the plan has linear")."""
+
+    def body(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+            total = torch.zeros(())
+            for _ in range(2):
+                loss = F.cross_entropy(net(x + x), y) * weight
+                loss.backward()
+                total = total + loss.detach()
+            opt.step()
+            opt.zero_grad()
+            return total
+
+        return step
+
+    _two_micro_batches(body)

@@ -100,8 +100,8 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             first needed).
         param_value: the value a parameter enters an op with (default: itself).
         templates: each node's captured arguments (`planner.Node.args` / ``kwargs``): an op
-            whose inputs are all whole gets the captured sizes instead of the ones user code
-            computed from local shapes.
+            whose inputs are all whole gets the captured sizes where user code computed its
+            own from local shapes (`_passes.Passes.sizes`).
         on_end: called each time the plan's last op has run (the end of the forward).
         on_start: called each time the plan's first op is about to run.
         table: the plan's `NodeTable` (made from `plan` and `templates` when None).
@@ -137,6 +137,8 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         self.network_start: int | None = None  # the node at which the network was first entered
         self.reentered = False  # the network was entered again after the plan finished
         self.made_outside: dict[int, weakref.ref[T]] = {}  # (`_passes`: id -> the tensor)
+        self.first_sizes: dict[int, tuple[Any, ...]] = {}
+        self.inputs: dict[int, weakref.ref[T]] = {}  # (`_passes`) the call's input tensors
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
@@ -171,6 +173,8 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             if kind == "backward":
                 return self._call(func, kind, op, args, kwargs or {})
             return func(*args, **kwargs) if kwargs else func(*args)
+        if self.made_outside and not self.paused and not self.done:  # (a later pass)
+            self.check_inputs(op, (args, kwargs))  # (none of its ops reads those)
         k = self.cursor
         fast = self.fast[k] if k < self.count else SLOW
         if (  # a node on its short path (`NodeTable.fast`): the op checked, the cursor moved
@@ -218,11 +222,10 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             if not self.backward_seen:  # an op the plan does not have, before any backward
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
             if self.reentered and _has_tensor(args, kwargs):  # (the network, not as planned)
-                self._refuse_pass(op)
+                self._refuse_pass(op, (args, kwargs))
             self.outside = True
             out = func(*args, **kwargs)
-            if isinstance(out, T) and not any(out is a for a in args):  # (not in place)
-                self.made_outside[id(out)] = weakref.ref(out)  # (no pass starts from it)
+            self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out
         k = self.cursor
         if not _has_tensor(args, kwargs):
@@ -352,9 +355,9 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             leaves, spec = pytree.tree_flatten((args, kw))
             args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
         table = self.table
-        if table.templates is not None and table.whole[k]:
+        if table.templates is not None and table.captured[k]:
             tensors = [t for t in leaves if isinstance(t, T)]
-            args, kw = table.global_args(k, tensors, args, kw)  # the captured sizes
+            args, kw = self.sizes(k, args, kw, table.global_args(k, tensors, args, kw))
         try:
             out = compute(func, k, self.plan.nodes[k], table, args, kw)
         except UnplannedDraw as e:  # (planned without its draws: an eval() call)

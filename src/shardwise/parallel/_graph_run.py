@@ -41,6 +41,7 @@ from torch.optim.optimizer import (
 
 from shardwise import communication as comm
 from shardwise import report
+from shardwise._torch import pytree
 from shardwise._torch.module_state import own_buffers
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
@@ -359,6 +360,8 @@ class GraphRun:
             table=table,
         )
         self.executor = executor
+        leaves = pytree.tree_leaves((args, kwargs))
+        executor.inputs = {id(t): weakref.ref(t) for t in leaves if isinstance(t, T)}
         try:
             clip = clipping(*self.clip_args())
             with executor, activate(self.session), clip:

@@ -120,7 +120,8 @@ class NodeTable:
             if n.op in _RESIZED
             and (n.local_shapes[0] != n.shapes[0] or any(p.layout.used_axes() for p in n.inputs))
         }
-        self.whole = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
+        # (whole inputs: the captured sizes where user code read a split tensor's local shape)
+        self.captured = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
         moved = {k for k, _ in self.edges}
@@ -148,7 +149,6 @@ class NodeTable:
         # dropouts once seen (None until then); the candidate modules, their observed spans
         self.local = [_local(f, op) for f, op in zip(self.fast, self.ops, strict=True)]
         self.candidates: set[str] | None = None
-        self.points: tuple[int, ...] | None = None  # (`_passes.restart_points`, when needed)
         self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
         self.spans: dict[str, tuple[int, int] | None] = {}
         self.first_in_network: bool | None = None  # the plan's first op inside the network
@@ -156,7 +156,7 @@ class NodeTable:
     def _kind(self, k: int, op: str) -> int:
         """The short path of node `k` (called with no edge in or out): `SLOW` for the first
         and last nodes and for whole ones given the captured sizes."""
-        if not 0 < k < len(self.ops) - 1 or (self.templates is not None and self.whole[k]):
+        if not 0 < k < len(self.ops) - 1 or (self.templates is not None and self.captured[k]):
             return SLOW
         if self.sized[k] is not None:
             return SIZED

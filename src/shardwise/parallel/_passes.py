@@ -3,59 +3,60 @@
 
 A train step may run its network more than once: gradient accumulation, an optimizer's closure.
 The plan is captured up to the first ``loss.backward()``; after a backward, a call that starts
-the plan again (`Passes._restarts`) moves the cursor back to a *restart point*
-(`restart_points`): a node k up to where the first pass entered the network
-(`Passes.network_entered`) such that no node from k on reads a value made before k. The ops
-before it run once (``total = torch.zeros(())``); those from it run again in every pass (a
-per-micro-batch ``x - x.mean(0)`` before the network included). The first restart point whose
-op and parameters the call has is taken. Refused with `UnsupportedParallelError`, never run
-unplanned: a network entered again whose first op starts no pass (`Passes._refuse_pass`), and
-a pass whose first op reads a tensor an op outside the plan made since the last backward
-(`Passes.made_outside`: that op would have run on this rank's rows only).
+the plan again (`Passes._restarts`) moves the cursor back to a node up to where the first pass
+entered the network (`Passes.network_entered`): the first whose op and parameters the call has
+and whose inputs no op outside the plan made. The ops before it run once (``total =
+torch.zeros(())``, ``x.chunk(k)`` of the whole batch); those from it again in every pass (a
+per-micro-batch ``x - x.mean(0)`` before the network included).
+
+An op after a backward that starts no pass runs outside the plan, on this rank's blocks: its
+results are *made outside* (`Passes.note_outside`), except those of elementwise ops on tensors
+not made outside (``x * 0.5``, ``detach``, ``to``: right on this rank's blocks); an in-place op
+marks the tensor it changes, parameters excepted (an optimizer's update). Refused with
+`UnsupportedParallelError`, never run unplanned: a network entered again whose first tensor op
+starts no pass (`Passes._refuse_pass`), and any op of a later pass that reads a tensor made
+outside (`Passes.check_inputs`: on one rank's rows, without the plan's collectives and masks).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise._torch import pytree
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._node_table import NodeTable
-from shardwise.planner import NodePlan, ParallelPlan
+from shardwise.planner import ParallelPlan
 
 T = torch.Tensor
 
 
-def _held(made: dict[int, weakref.ref[T]], t: T) -> bool:
+_ELEMENTWISE = {  # (on this rank's blocks each gives its block of the whole result)
+    *("detach", "clone", "contiguous", "to", "float", "double", "half", "bfloat16", "long"),
+    *("int", "bool", "cpu", "cuda", "requires_grad", "type_as"),
+    *("add", "sub", "mul", "div", "true_divide", "neg", "abs", "exp", "log", "sqrt", "rsqrt"),
+    *("sigmoid", "tanh", "relu", "clamp", "clip", "pow", "square", "reciprocal", "sign"),
+    *("radd", "rsub", "rmul", "truediv", "rtruediv", "pow", "rpow"),
+}
+
+
+def _elementwise(op: str) -> bool:
+    """Whether `op` (``torch.Tensor.mul_``, ``torch.add``, ``torch.Tensor.__rtruediv__``) is an
+    elementwise op of `_ELEMENTWISE`."""
+    return op.rsplit(".", 1)[-1].strip("_") in _ELEMENTWISE
+
+
+def _size(x: Any) -> bool:
+    """Whether a call's argument may be a size (an int, a slice), not a tensor or a number."""
+    return isinstance(x, slice) or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _held(made: dict[int, weakref.ref[T]], t: Any) -> bool:
+    if not isinstance(t, T):
+        return False
     ref = made.get(id(t))
     return ref is not None and ref() is t
-
-
-def restart_points(nodes: Sequence[NodePlan]) -> tuple[int, ...]:
-    """The nodes k at which a later pass may start: no node from k on reads a value made by a
-    node before k.
-
-    Example:
-        >>> restart_points(plan.nodes)[:2]  # (total = torch.zeros(()), then the network)
-        (0, 1)
-    """
-    crossing = [0] * (len(nodes) + 1)  # (+1 where a value's span opens, -1 after it closes)
-    for j, node in enumerate(nodes):
-        for value in node.values:
-            if value.startswith("%"):
-                i = int(value[1:].split(".")[0])
-                crossing[i + 1] += 1
-                crossing[j + 1] -= 1
-    points, open_spans = [], 0
-    for k in range(len(nodes)):
-        open_spans += crossing[k]
-        if open_spans == 0:
-            points.append(k)
-    return tuple(points)
 
 
 class Passes:
@@ -69,8 +70,9 @@ class Passes:
     start: int
     network_start: int | None
     reentered: bool
-    table: NodeTable
-    made_outside: dict[int, weakref.ref[T]]  # made by ops outside the plan since it started
+    made_outside: dict[int, weakref.ref[T]]  # tensors ops outside the plan made (by id)
+    first_sizes: dict[int, tuple[Any, ...]]  # (`sizes`) node -> its first pass's own arguments
+    inputs: dict[int, weakref.ref[T]]  # the call's inputs and elementwise results of them
 
     if TYPE_CHECKING:
 
@@ -79,55 +81,93 @@ class Passes:
 
     def _restarts(self, op: str, args: Any) -> bool:
         """After the plan ran and a backward: whether this call starts it again (gradient
-        accumulation, an optimizer's closure) at a restart point (see the module docstring),
-        with the same parameters in the same places (other inputs may differ: a scaled batch,
-        another chunk)."""
+        accumulation, an optimizer's closure; see the module docstring), with the same
+        parameters in the same places (other inputs may differ: a scaled batch, another
+        chunk)."""
         if not self.finished or not self.plan.nodes:
             return False
-        table = self.table
-        if table.points is None:  # (once per plan)
-            table.points = restart_points(self.plan.nodes)
-        last = self.network_start or 0
-        for start in table.points:
-            if start > last:
-                break
-            if self._starts_with(start, op, args):
-                self._check_inputs(op, start, args)
+        leaves = pytree.tree_leaves(args)
+        if any(_held(self.made_outside, t) for t in leaves):
+            return False
+        for start in range((self.network_start or 0) + 1):
+            if self._starts_with(start, op, leaves):
                 self.cursor, self.finished, self.outside = start, False, False
                 self.start, self.reentered = start, False
-                self.made_outside = {}
                 return True
         return False
 
-    def _check_inputs(self, op: str, k: int, args: Any) -> None:
-        """Refuse a pass whose first op reads a tensor made outside the plan since the last
-        backward (on this rank's rows only, without the plan's collectives and masks)."""
-        made = self.made_outside
-        if any(isinstance(t, T) and _held(made, t) for t in pytree.tree_leaves(args)):
-            node = self.plan.nodes[k]
+    def note_outside(self, op: str, args: Any, out: Any) -> None:
+        """An op that ran outside the plan (after a backward) made `out` from `args`."""
+        if not isinstance(out, T) or id(out) in self.params:
+            return
+        leaves = pytree.tree_leaves(args)
+        if not _elementwise(op) or any(_held(self.made_outside, t) for t in leaves):
+            self.made_outside[id(out)] = weakref.ref(out)
+        elif any(_held(self.inputs, t) for t in leaves):  # (``x * 0.5``: stands for an input)
+            self.inputs[id(out)] = weakref.ref(out)
+
+    def check_inputs(self, op: str, args: Any) -> None:
+        """Refuse an op of the plan that reads a tensor made outside the plan (on this rank's
+        rows only, without the plan's collectives and masks)."""
+        if any(_held(self.made_outside, t) for t in pytree.tree_leaves(args)):
+            k = self.cursor
+            node = self.plan.nodes[k] if k < len(self.plan.nodes) else None
+            where = f"the plan's %{k} {node.name}" if node is not None else "a new pass"
             raise UnsupportedParallelError(
-                f"AutoParallel: {op} starts the plan again at %{k} {node.name} after "
-                f"loss.backward(), but reads a tensor made by an op the plan does not have "
-                f"(after the backward, outside the plan, so on this rank's rows only); every "
-                f"pass must run the ops of the first from where it starts"
+                f"AutoParallel: {op} ({where}) reads a tensor that an op the plan does "
+                f"not have made after loss.backward() (outside the plan, so on this rank's rows "
+                f"only); every pass must run the ops of the first from where it starts"
             )
 
-    def _starts_with(self, k: int, op: str, args: Any) -> bool:
-        """Whether a call of `op` on `args` is node `k`'s (the same parameters in its places)."""
+    def sizes(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
+        """The arguments node `k` (on whole inputs) runs with: this call's, except its sizes
+        (ints and slices) where this call's first pass had others than the captured ones
+        (computed from a split tensor's local shape: ``b, t, c = h.shape``): the captured
+        global ones. Python floats and the like are always this call's (a loss weight passed
+        to the step). Raises when a later pass changes sizes that came from a local shape."""
+        own, spec = pytree.tree_flatten((args, kw))
+        global_, global_spec = pytree.tree_flatten(captured)
+        if spec != global_spec:
+            return args, kw
+        at = [i for i, x in enumerate(own) if _size(x)]
+        first = self.first_sizes.setdefault(k, tuple(own[i] for i in at))
+        wanted = tuple(global_[i] for i in at)
+        if first == wanted:
+            return args, kw
+        if tuple(own[i] for i in at) != first:
+            node = self.plan.nodes[k]
+            raise UnsupportedParallelError(
+                f"AutoParallel: {node.op} (%{k} {node.name}) got {[own[i] for i in at]} in this "
+                f"pass and {list(first)} in the first, computed from a split tensor's local "
+                f"shape (the plan has {list(wanted)}); compute them from global sizes (the "
+                f"step's own constants) instead"
+            )
+        for i in at:
+            own[i] = global_[i]
+        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+        return out
+
+    def _starts_with(self, k: int, op: str, leaves: list[Any]) -> bool:
+        """Whether a call of `op` on `leaves` is node `k`'s: the same parameters in its places,
+        the call's inputs where it read inputs (not a value made in the step there)."""
         node = self.plan.nodes[k]
         if op != node.op:
             return False
-        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, T)]
+        tensors = [t for t in leaves if isinstance(t, T)]
         if len(tensors) != len(node.values):
             return False
         for t, value in zip(tensors, node.values, strict=True):
             name = self.params.get(id(t))
             if (name is not None or value.startswith("param:")) and value != f"param:{name}":
                 return False
+            if value.startswith("input:") != _held(self.inputs, t):  # (an input's place)
+                return False
         return True
 
-    def _refuse_pass(self, op: str) -> None:
-        """Raise: the network was entered again, but `op` starts no pass of the plan."""
+    def _refuse_pass(self, op: str, args: Any) -> None:
+        """Raise: the network was entered again, but `op` on `args` starts no pass of the
+        plan (or reads a tensor made outside it)."""
+        self.check_inputs(op, args)
         nodes = self.plan.nodes
         where = [f"%0 {nodes[0].name} ({nodes[0].op})"]
         if self.network_start:
