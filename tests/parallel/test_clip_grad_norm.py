@@ -68,32 +68,15 @@ def one_device(norm_type: float) -> list[tuple[torch.Tensor, torch.Tensor, dict[
     [(2, 2, 2.0), (1, 2, 1.0), (1, 2, float("inf")), (4, 1, 2.0)],
 )
 def test_clip_inside_a_train_step_matches_one_device(dp: int, mp: int, norm_type: float) -> None:
-    want = one_device(norm_type)
-    net = megatron(GPT2(), dp, mp) if mp > 1 else GPT2()
-    with simulated_world(dp * mp) as world:
-        world.replicate(net)
-        seen: list[Any] = []
-        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
-        parallel = sw.AutoParallel(clipped_step(net, opt, norm_type, seen), "semi_auto")
-        for s, (x, y) in enumerate(batches()):
-            with CommRecorder() as rec:
-                loss = parallel(world.rows(x), world.rows(y))
-            assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
-            norm, grads = seen[s]
-            assert_matches_single_device(norm, want[s][1], what=f"norm {s}")
-            for name, grad in grads.items():
-                full = block_of(parallel, name, want[s][2][name])
-                assert_matches_single_device(grad, full, what=f"step {s} {name}.grad")
-            kinds = rec.kinds()
-            if mp > 1:  # one AllReduce over mp of the split gradients' partial norms
-                kinds[("AllReduce", "forward", tuple(range(mp)))] -= 1
-                assert +kinds == per_layer(dp, mp), rec.summary()
-            else:  # data parallel: every gradient is whole after its bucket
-                world_group = tuple(range(dp))
-                want_kinds = Counter({("AllReduce", "forward", world_group): 1})
-                want_kinds[("AllReduce", "backward", world_group)] = 1
-                assert kinds == want_kinds, rec.summary()
-    assert_torch_clips_alone()
+    for kinds in train_clipped(dp, mp, norm_type, block_of):
+        if mp > 1:  # one AllReduce over mp of the split gradients' partial norms
+            kinds[("AllReduce", "forward", tuple(range(mp)))] -= 1
+            assert +kinds == per_layer(dp, mp)
+        else:  # data parallel: every gradient is whole after its bucket
+            world_group = tuple(range(dp))
+            want_kinds = Counter({("AllReduce", "forward", world_group): 1})
+            want_kinds[("AllReduce", "backward", world_group)] = 1
+            assert kinds == want_kinds
 
 
 def test_clip_outside_the_call_with_the_wrapper() -> None:
@@ -132,14 +115,28 @@ def test_clip_with_optimizer_parallel_matches_one_device(
     none): the norm counts each distinct shard once (shard groups of 2 among 4 replicas keep two
     copies of each), on top of the Megatron annotation too. The returned norm, the loss and
     every clipped shard equal one device's; the clipping adds one AllReduce over all ranks."""
+    hsdp = {"shard_size": shard_size, "threshold": 0, "optimizer_level": level}
+    for kinds in train_clipped(dp, mp, norm_type, shard_of, hsdp):
+        assert kinds == hsdp_clip_kinds(level, shard_size, dp, mp)
+
+
+def train_clipped(
+    dp: int, mp: int, norm_type: float, piece: Any, hsdp: dict[str, Any] | None = None
+) -> list[Counter[tuple[str, str, tuple[int, ...]]]]:
+    """`clipped_step` trained two steps on GPT-2 (Megatron at mp > 1; `hsdp`'s settings when
+    given) on dp x mp simulated ranks: the loss, the norm and every clipped gradient (this
+    rank's `piece(parallel, name, full)` of one device's) equal one device's. Returns each
+    step's collectives."""
     want = one_device(norm_type)
     net = megatron(GPT2(), dp, mp) if mp > 1 else GPT2()
+    out = []
     with simulated_world(dp * mp) as world:
         world.replicate(net)
         seen: list[Any] = []
         opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
         parallel = sw.AutoParallel(clipped_step(net, opt, norm_type, seen), "semi_auto")
-        parallel.hsdp(shard_size=shard_size, threshold=0, optimizer_level=level)
+        if hsdp is not None:
+            parallel.hsdp(**hsdp)
         for s, (x, y) in enumerate(batches()):
             with CommRecorder() as rec:
                 loss = parallel(world.rows(x), world.rows(y))
@@ -147,9 +144,11 @@ def test_clip_with_optimizer_parallel_matches_one_device(
             norm, grads = seen[s]
             assert_matches_single_device(norm, want[s][1], what=f"norm {s}")
             for name, grad in grads.items():
-                rows = shard_of(parallel, name, want[s][2][name])
-                assert_matches_single_device(grad, rows, what=f"step {s} {name}.grad")
-            assert rec.kinds() == hsdp_clip_kinds(level, shard_size, dp, mp), rec.summary()
+                full = piece(parallel, name, want[s][2][name])
+                assert_matches_single_device(grad, full, what=f"step {s} {name}.grad")
+            out.append(rec.kinds())
+    assert_torch_clips_alone()
+    return out
 
 
 def hsdp_clip_kinds(
