@@ -383,3 +383,27 @@ def test_an_op_after_backward_like_a_passs_first_does_not_start_it() -> None:
         return step
 
     _two_micro_batches(body)
+
+
+def test_a_factory_after_the_last_backward_starts_no_pass() -> None:
+    """``torch.zeros(())`` after the micro-batches (a logging accumulator) looks like the plan's
+    first op (``total = torch.zeros(())``); the op after it is not the plan's next, so no pass
+    had started: both run outside the plan (it was: "called linalg.vector_norm where the plan
+    has fc1/linear")."""
+
+    def body(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor, weight: float) -> torch.Tensor:
+            total = torch.zeros(())
+            for _ in range(2):
+                loss = F.cross_entropy(net(x), y) * weight
+                loss.backward()
+                total = total + loss.detach()
+            log = torch.zeros(())
+            log = log + torch.nn.utils.clip_grad_norm_(net.parameters(), 10.0)
+            opt.step()
+            opt.zero_grad()
+            return total + 0 * log
+
+        return step
+
+    _two_micro_batches(body)

@@ -139,6 +139,7 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         self.made_outside: dict[int, weakref.ref[T]] = {}  # (`_passes`: id -> the tensor)
         self.first_sizes: dict[int, tuple[Any, ...]] = {}
         self.inputs: dict[int, weakref.ref[T]] = {}  # (`_passes`) the call's input tensors
+        self.tentative = -1  # (`_passes.Passes.abandon`: none in the first pass)
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
@@ -230,6 +231,10 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         k = self.cursor
         if not _has_tensor(args, kwargs):
             return self._factory(func, op, args, kwargs)
+        if op != self.ops[k] and self.abandon(op):  # (a pass only factories started)
+            out = func(*args, **kwargs)
+            self.note_outside(op, (args, kwargs), out)
+            return out
         self._advance(op, "called")
         self.paused += 1
         try:
@@ -306,6 +311,9 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             args, kw = factory_call(op, args, kw, self.plan.nodes[k].shapes[0])
         out = func(*args, **kw)
         if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
+            return out
+        if self.ops[k] != op and self.abandon(op):  # (a pass only factories started)
+            self.note_outside(op, (args, kw), out)
             return out
         node = self.plan.nodes[self.cursor]
         self._advance(op, "made a tensor with")

@@ -7,7 +7,9 @@ the plan again (`Passes._restarts`) moves the cursor back to a node up to where 
 entered the network (`Passes.network_entered`): the first whose op and parameters the call has
 and whose inputs no op outside the plan made. The ops before it run once (``total =
 torch.zeros(())``, ``x.chunk(k)`` of the whole batch); those from it again in every pass (a
-per-micro-batch ``x - x.mean(0)`` before the network included).
+per-micro-batch ``x - x.mean(0)`` before the network included). A pass only factories started
+(``torch.zeros(())`` for logging after the last backward) is dropped at the first op that is
+not the plan's next (`Passes.abandon`).
 
 An op after a backward that starts no pass runs outside the plan, on this rank's blocks: its
 results are *made outside* (`Passes.note_outside`), except those of elementwise ops on tensors
@@ -73,11 +75,15 @@ class Passes:
     made_outside: dict[int, weakref.ref[T]]  # tensors ops outside the plan made (by id)
     first_sizes: dict[int, tuple[Any, ...]]  # (`sizes`) node -> its first pass's own arguments
     inputs: dict[int, weakref.ref[T]]  # the call's inputs and elementwise results of them
+    tentative: int  # a restarted pass is dropped on a mismatch up to this node (`abandon`)
+    backward_seen: bool
 
     if TYPE_CHECKING:
 
         @property
         def params(self) -> dict[int, str]: ...
+
+        def _ended(self) -> None: ...
 
     def _restarts(self, op: str, args: Any) -> bool:
         """After the plan ran and a backward: whether this call starts it again (gradient
@@ -93,8 +99,21 @@ class Passes:
             if self._starts_with(start, op, leaves):
                 self.cursor, self.finished, self.outside = start, False, False
                 self.start, self.reentered = start, False
+                nodes = self.plan.nodes
+                first_read = next((j for j in range(start, len(nodes)) if nodes[j].values), start)
+                self.tentative = first_read  # (a pass started by factories: `abandon`)
                 return True
         return False
+
+    def abandon(self, op: str) -> bool:
+        """Whether `op`, not the plan's next one, ends a pass that only factories started (a
+        ``torch.zeros(())`` for logging after the last backward looked like the plan's first
+        op): the pass is dropped, and `op` runs outside the plan. False: a real mismatch."""
+        if not self.backward_seen or self.cursor > self.tentative:
+            return False
+        self.cursor, self.finished, self.outside = len(self.plan.nodes), True, True
+        self._ended()  # (the forward's end: level 3's saved-weight tokens stop)
+        return True
 
     def note_outside(self, op: str, args: Any, out: Any) -> None:
         """An op that ran outside the plan (after a backward) made `out` from `args`."""
