@@ -296,6 +296,11 @@ def _clip_grad() -> None:
         assert torch.nn.utils.clip_grad_norm_((p for p in [t]), 0.5) is norm
     assert len(scaled) == 1 and scaled[0][0][0] is t and scaled[0][1:] == (0.5, norm)
     assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is TORCH_CLIP_WITH_NORM
+    # the two-step form's name on torch.nn.utils: torch's total norm, replaceable
+    assert torch.nn.utils.get_total_norm is TORCH_TOTAL_NORM
+    with total_norm_replaced(total, None, lambda *a, **k: norm):
+        assert torch.nn.utils.get_total_norm([t.grad]) is norm
+    assert torch.nn.utils.get_total_norm is TORCH_TOTAL_NORM
 
 
 def _pytree() -> None:

@@ -204,6 +204,54 @@ def test_clip_outside_the_call_with_optimizer_parallel(level: str) -> None:
         ), rec.summary()
 
 
+def two_step(net: nn.Module, opt: Any, seen: list[Any]) -> Any:
+    """torchtitan's form of clipping: ``torch.nn.utils.get_total_norm`` of the gradients, then
+    ``torch.nn.utils.clip_grads_with_norm_``, both by their attribute paths."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = net(x, y)[1]
+        loss.backward()
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        torch.nn.utils.clip_grads_with_norm_(net.parameters(), MAX_NORM, norm)
+        seen.append((norm, {n: p.grad.detach().clone() for n, p in net.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("hsdp", [None, "level2", "level1"])
+def test_the_two_step_form_matches_one_device(hsdp: str | None) -> None:
+    """``get_total_norm`` then ``clip_grads_with_norm_`` inside a Megatron 2 x 2 step (with
+    hsdp level 2: shards): one device's norm and clipped gradients; with level 1, whose
+    gradients are held unreduced when listed, a ValueError naming the fix."""
+    ref, want = GPT2(), []
+    step = two_step(ref, ref.configure_optimizers(weight_decay=0.1, **ADAM), want)
+    x, y = batches()[0]
+    want_loss = step(x, y)
+    net = megatron(GPT2(), 2, 2)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        seen: list[Any] = []
+        opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
+        parallel = sw.AutoParallel(two_step(net, opt, seen))
+        if hsdp is not None:
+            parallel.hsdp(threshold=0, optimizer_level=hsdp)
+        if hsdp == "level1":
+            with pytest.raises(ValueError, match=r"get_total_norm .*level1.*clip_grad_norm_"):
+                parallel(world.rows(x), world.rows(y))
+            return
+        loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want_loss, what="loss")
+        assert_matches_single_device(seen[0][0], want[0][0], what="norm")
+        piece = block_of if hsdp is None else shard_of
+        for name, grad in seen[0][1].items():
+            full = piece(parallel, name, want[0][1][name])
+            assert_matches_single_device(grad, full, what=f"{name}.grad")
+
+
 def test_clip_is_refused_in_the_data_parallel_mode() -> None:
     net = GPT2()
     with simulated_world(2) as world:

@@ -6,6 +6,9 @@ the gradients with the module function ``clip_grad._get_total_norm``, then scale
 in the module when it runs. `total_norm_replaced` puts other functions in their place while a
 block runs, so every such call clips by the norm they give (shardwise's: of the whole
 gradients, `parallel/_clip`); the second one also sees the parameters, which the first does not.
+The two-step form ``torch.nn.utils.get_total_norm`` (an alias of the first, looked up on
+``torch.nn.utils`` when called by that path; a name imported from there is torch's own) can be
+replaced too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch.nn.utils as _utils
 import torch.nn.utils.clip_grad as _clip_grad
 
 TORCH_TOTAL_NORM: Callable[..., Any] = _clip_grad._get_total_norm
@@ -25,19 +29,26 @@ TORCH_CLIP_WITH_NORM: Callable[..., Any] = _clip_grad._clip_grads_with_norm_
 
 @contextmanager
 def total_norm_replaced(
-    total_norm: Callable[..., Any], clip_with_norm: Callable[..., Any] | None = None
+    total_norm: Callable[..., Any],
+    clip_with_norm: Callable[..., Any] | None = None,
+    public_total_norm: Callable[..., Any] | None = None,
 ) -> Iterator[None]:
     """While the block runs, torch's clipping takes its total norm from `total_norm` (same
     signature as `TORCH_TOTAL_NORM`) and, when given, scales with `clip_with_norm` (same
-    signature as `TORCH_CLIP_WITH_NORM`); torch's own are back after it."""
+    signature as `TORCH_CLIP_WITH_NORM`), and ``torch.nn.utils.get_total_norm`` (the two-step
+    form, called by that path) is `public_total_norm`; torch's own are back after it."""
     before = _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_
+    public = _utils.get_total_norm
     _clip_grad._get_total_norm = total_norm
     if clip_with_norm is not None:
         _clip_grad._clip_grads_with_norm_ = clip_with_norm
+    if public_total_norm is not None:
+        _utils.get_total_norm = public_total_norm
     try:
         yield
     finally:
         _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_ = before
+        _utils.get_total_norm = public
 
 
 __all__ = ["TORCH_CLIP_WITH_NORM", "TORCH_TOTAL_NORM", "total_norm_replaced"]

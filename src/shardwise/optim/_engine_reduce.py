@@ -128,13 +128,14 @@ class GradReduction:
                     self._reduce(i, phase="step")
         self._drain()
 
-    def reduce_held(self) -> bool:
+    def reduce_held(self, reduce: bool = True) -> bool:
         """Level 1: reduce the full gradients the leaves hold now (`flush`) instead of at the
         optimizer's step, which then finds none (gradient clipping needs them reduced);
-        whether there were any."""
+        whether there were any (with `reduce` False: only whether there are)."""
         if self.level != "level1" or all(leaf.grad is None for leaf in self.leaves.values()):
             return False
-        self.flush()
+        if reduce:
+            self.flush()
         return True
 
     def _reduce(self, i: int, phase: str = "backward") -> None:

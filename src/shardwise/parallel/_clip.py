@@ -128,7 +128,7 @@ class _TotalNorm:
         self,
         splits: GradSplits | None,
         refused: str,
-        reduce_first: Callable[[], bool] | None = None,
+        reduce_first: Callable[[bool], bool] | None = None,
     ) -> None:
         self.splits, self.refused, self.reduce_first = splits, refused, reduce_first
         self.deferred: dict[int, tuple[float, bool, bool | None]] = {}  # id(norm) -> its args
@@ -148,7 +148,7 @@ class _TotalNorm:
                 "clip_grad_norm_ with norm_type 0 (torch counts the gradients that are not all "
                 "zero) is not supported inside AutoParallel; use norm_type 2, 1 or inf"
             )
-        if self.reduce_first is not None and self.reduce_first():
+        if self.reduce_first is not None and self.reduce_first(True):
             # (torch listed the gradients before they were reduced: the norm is taken in `scale`)
             like = grads[0] if grads else torch.empty(())
             norm = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
@@ -177,6 +177,25 @@ class _TotalNorm:
         if counted:
             norms.append(_counted_once(counted, p_norm))
         return TORCH_TOTAL_NORM(norms, p_norm, error_if_nonfinite, foreach)  # type: ignore[no-any-return]
+
+    def public(
+        self,
+        tensors: torch.Tensor | Iterable[torch.Tensor],
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.get_total_norm`` (the two-step form: the gradients listed by the
+        caller) inside a wrapped call: the norm of the whole gradients; refused while hsdp
+        level 1 holds gradients unreduced (the listed ones are not all of them)."""
+        if self.reduce_first is not None and self.reduce_first(False):
+            raise ValueError(
+                "torch.nn.utils.get_total_norm inside AutoParallel with hsdp optimizer_level "
+                "'level1': the gradients are held unreduced until the optimizer step, so the "
+                "ones listed are not all of them; use torch.nn.utils.clip_grad_norm_ (it "
+                "reduces them first) or optimizer_level='level2'"
+            )
+        return self(tensors, norm_type, error_if_nonfinite, foreach)
 
     def scale(
         self,
@@ -229,13 +248,13 @@ def _counted_once(members: list[tuple[torch.Tensor, Copies]], p_norm: float) -> 
 
 @contextmanager
 def clipping(
-    splits: GradSplits | None, refused: str = "", reduce_first: Callable[[], bool] | None = None
+    splits: GradSplits | None, refused: str = "", reduce_first: Callable[[bool], bool] | None = None
 ) -> Iterator[None]:
     """While the block runs, torch's clipping takes the norm of the whole gradients (`splits`:
     the running wrapper's; `reduce_first`: reduces gradients held unreduced, hsdp level 1), or
     is refused with ValueError(`refused`)."""
     total = _TotalNorm(splits, refused, reduce_first)
-    with total_norm_replaced(total, total.scale):
+    with total_norm_replaced(total, total.scale, total.public):
         yield
 
 
@@ -246,7 +265,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool,
     splits: GradSplits | None,
     refused: str = "",
-    reduce_first: Callable[[], bool] | None = None,
+    reduce_first: Callable[[bool], bool] | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` by the norm of the whole gradients (`splits`), or
     the ValueError `refused` (for `AutoParallel.clip_grad_norm_`, outside a wrapped call).

@@ -165,7 +165,7 @@ class GraphRun:
         """The first plan: the one the parameters are stored by (planned already)."""
         return self.plans[0][0]
 
-    def clip_args(self) -> tuple[GradSplits, str, Callable[[], bool] | None]:
+    def clip_args(self) -> tuple[GradSplits, str, Callable[[bool], bool] | None]:
         """`clipping`'s arguments: the gradients' splits and, with hsdp, the reduction of
         gradients held unreduced until the optimizer step (level 1)."""
         engine = self.engine
