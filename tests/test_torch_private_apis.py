@@ -303,6 +303,24 @@ def _clip_grad() -> None:
     assert torch.nn.utils.get_total_norm is TORCH_TOTAL_NORM
 
 
+def _checkpointing() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    from shardwise._torch.checkpointing import in_activation_checkpoint
+
+    seen: list[bool] = []
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        seen.append(in_activation_checkpoint())
+        return t * 2
+
+    x = torch.ones(2, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False)  # (saved-tensor hooks of torch.utils.checkpoint)
+    checkpoint(region, x, use_reentrant=True)  # (a frame of torch/utils/checkpoint.py)
+    region(x)
+    assert seen == [True, True, False], seen
+
+
 def _pytree() -> None:
     from collections import namedtuple
 
@@ -353,6 +371,7 @@ CASES: dict[str, Callable[[], None]] = {
         _profiler_events
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
+    "_torch/checkpointing: top saved-tensor hooks, checkpoint.py frames": _checkpointing,
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from shardwise.planner import CaptureError, Ref, capture
@@ -110,11 +111,14 @@ class Checkpointed(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
         self.fc1, self.fc2, self.how = nn.Linear(4, 8), nn.Linear(8, 2), how
+        self.composed = composable_checkpoint(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.fc1(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "composable":
+            return self.fc2(self.composed(x))
         if self.how == "sequential":
             h = checkpoint_sequential(nn.Sequential(self.fc1, nn.ReLU()), 1, x, use_reentrant=False)
         else:
@@ -124,7 +128,7 @@ class Checkpointed(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # (fake inputs)
-@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential", "composable"])
 def test_activation_checkpointing_is_refused_naming_the_op_and_line(how: str) -> None:
     """Its recomputation in backward would run outside the plan (no collectives, other dropout
     masks: silently other gradients), so the capture refuses it at the first checkpointed op."""

@@ -33,6 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
+from shardwise._torch.checkpointing import in_activation_checkpoint
 from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase, TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
@@ -110,21 +111,6 @@ def _source() -> str:
     return "?"
 
 
-_CHECKPOINT_FILE = str(Path(torch.__file__).parent / "utils" / "checkpoint.py")
-"""``torch.utils.checkpoint``'s file: an op called from it runs in activation checkpointing."""
-
-
-def _checkpointed() -> bool:
-    """Whether the running op was called inside ``torch.utils.checkpoint`` (directly, through
-    ``checkpoint_wrapper`` or a ``checkpoint_sequential``)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename == _CHECKPOINT_FILE:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
 def _short(op: str) -> str:
     return op.rsplit(".", 1)[-1].strip("_") or op
 
@@ -181,7 +167,7 @@ class _State:
         out_map: Sequence[AtenArg | None] = (),
     ) -> None:
         index = len(self.nodes)
-        if _checkpointed():
+        if in_activation_checkpoint():
             raise CaptureError(
                 f"{op} at {_source()} runs inside activation checkpointing "
                 f"(torch.utils.checkpoint): its recomputation in backward would run outside the "
