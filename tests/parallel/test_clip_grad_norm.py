@@ -252,6 +252,24 @@ def test_the_two_step_form_matches_one_device(hsdp: str | None) -> None:
             assert_matches_single_device(grad, full, what=f"{name}.grad")
 
 
+def test_the_two_step_form_refuses_copies_of_the_gradients() -> None:
+    """``get_total_norm`` of copies (``p.grad.detach()``): nothing tells which piece of which
+    gradient each is, so a ValueError (it gave each rank another norm, silently)."""
+    net = megatron(GPT2(), 1, 2)
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(x, y)[1]
+            loss.backward()
+            torch.nn.utils.get_total_norm([p.grad.detach() for p in net.parameters()])
+            return loss
+
+        x, y = batches()[0]
+        with pytest.raises(ValueError, match=r"get_total_norm .* no parameter's \.grad"):
+            sw.AutoParallel(step)(x, y)
+
+
 def test_clip_is_refused_in_the_data_parallel_mode() -> None:
     net = GPT2()
     with simulated_world(2) as world:

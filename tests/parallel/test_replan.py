@@ -407,3 +407,41 @@ def test_a_factory_after_the_last_backward_starts_no_pass() -> None:
         return step
 
     _two_micro_batches(body)
+
+
+class FactoryFirst(nn.Module):
+    """A network whose forward starts with a factory (``torch.ones``, as nanoGPT's positions
+    start with ``torch.arange``); `odd` adds an op right after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.fc, self.odd = nn.Linear(8, 3), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.ones(8)
+        if self.odd:
+            x = x.abs()
+        out: torch.Tensor = self.fc(x * scale)
+        return out
+
+
+def test_a_pass_the_network_started_with_a_factory_still_refuses_other_ops() -> None:
+    """The second micro-batch enters the network, starts the pass with its factory, then runs
+    an op the plan does not have there: an error naming both ops (it is the network's pass,
+    not a logging factory to drop and run outside the plan)."""
+    net, x, y = FactoryFirst(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            net.odd = False
+            F.cross_entropy(net(a), b).backward()
+            net.odd = True
+            loss = F.cross_entropy(net(a), b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        with pytest.raises(UnsupportedParallelError, match=r"called torch.Tensor.abs where"):
+            parallel(world.rows(x), world.rows(y))

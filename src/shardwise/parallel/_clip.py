@@ -92,31 +92,53 @@ def copies(shard: ParamShard) -> Copies:
     return Copies(tuple(first))
 
 
-def plan_splits(
-    network: nn.Module, plan: ParallelPlan, optimizer: OptimizerPlan | None = None
-) -> GradSplits:
+class PlanSplits:
     """The `GradSplits` of `network`'s parameters' gradients, stored as `plan` (and, with
-    optimizer parallel, `optimizer`) says."""
-    counted: dict[str, Copies] = {}
-    shards = {s.info.name: s for s in optimizer.params} if optimizer else {}
+    optimizer parallel, `optimizer`) says (`copies` worked out when a clipping first asks)."""
 
-    def split(name: str | None) -> GradSplit:
-        if name is None or name not in plan.params:
+    def __init__(
+        self, network: nn.Module, plan: ParallelPlan, optimizer: OptimizerPlan | None = None
+    ) -> None:
+        self.network, self.plan = network, plan
+        self.shards = {s.info.name: s for s in optimizer.params} if optimizer else {}
+        self.counted: dict[str, Copies] = {}
+        self.blocks = bool(self.shards) or any(
+            any(p.layout.matrix.shape[a] > 1 for a in p.layout.used_axes())
+            for p in plan.params.values()
+        )  # (some gradient is this rank's piece of a whole one)
+
+    def split(self, name: str | None) -> GradSplit:
+        """Parameter `name`'s gradient's `GradSplit` (None: whole, or no parameter)."""
+        if name is None or name not in self.plan.params:
             return None
-        if name in shards:  # (worked out when a clipping first asks)
-            if name not in counted:
-                counted[name] = copies(shards[name])
-            return counted[name]
-        layout = plan.params[name].layout
+        if name in self.shards:
+            if name not in self.counted:
+                self.counted[name] = copies(self.shards[name])
+            return self.counted[name]
+        layout = self.plan.params[name].layout
         m = layout.matrix
         axes = tuple(a for a in layout.used_axes() if m.shape[a] > 1)
         return (m, axes) if axes else None
 
-    def splits(grads: Sequence[torch.Tensor]) -> list[GradSplit]:
-        names = {id(p.grad): n for n, p in network.named_parameters() if p.grad is not None}
-        return [split(names.get(id(g))) for g in grads]
+    def names(self, grads: Sequence[torch.Tensor]) -> list[str | None]:
+        """The parameter each gradient is the ``.grad`` of (None: no parameter's)."""
+        by_id = {id(p.grad): n for n, p in self.network.named_parameters() if p.grad is not None}
+        return [by_id.get(id(g)) for g in grads]
 
-    return splits
+    def __call__(self, grads: Sequence[torch.Tensor]) -> list[GradSplit]:
+        return [self.split(n) for n in self.names(grads)]
+
+
+def plan_splits(
+    network: nn.Module, plan: ParallelPlan, optimizer: OptimizerPlan | None = None
+) -> PlanSplits:
+    """The `GradSplits` of `network`'s parameters' gradients (`PlanSplits`).
+
+    Example:
+        >>> plan_splits(net, plan)([p.grad for p in net.parameters()])  # doctest: +SKIP
+        [(DeviceMatrix(...), (1,)), None, ...]
+    """
+    return PlanSplits(network, plan, optimizer)
 
 
 class _TotalNorm:
@@ -188,6 +210,15 @@ class _TotalNorm:
         """``torch.nn.utils.get_total_norm`` (the two-step form: the gradients listed by the
         caller) inside a wrapped call: the norm of the whole gradients; refused while hsdp
         level 1 holds gradients unreduced (the listed ones are not all of them)."""
+        splits = self.splits
+        grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if isinstance(splits, PlanSplits) and splits.blocks and None in splits.names(grads):
+            raise ValueError(
+                "torch.nn.utils.get_total_norm inside AutoParallel got a tensor that is no "
+                "parameter's .grad (a copy?): each rank holds pieces of split or sharded "
+                "gradients, and only the parameters' own .grad tensors tell which; pass "
+                "[p.grad for p in params] or use torch.nn.utils.clip_grad_norm_"
+            )
         if self.reduce_first is not None and self.reduce_first(False):
             raise ValueError(
                 "torch.nn.utils.get_total_norm inside AutoParallel with hsdp optimizer_level "
@@ -195,7 +226,7 @@ class _TotalNorm:
                 "ones listed are not all of them; use torch.nn.utils.clip_grad_norm_ (it "
                 "reduces them first) or optimizer_level='level2'"
             )
-        return self(tensors, norm_type, error_if_nonfinite, foreach)
+        return self(grads, norm_type, error_if_nonfinite, foreach)
 
     def scale(
         self,

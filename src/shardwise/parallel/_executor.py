@@ -140,6 +140,7 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         self.first_sizes: dict[int, tuple[Any, ...]] = {}
         self.inputs: dict[int, weakref.ref[T]] = {}  # (`_passes`) the call's input tensors
         self.tentative = -1  # (`_passes.Passes.abandon`: none in the first pass)
+        self.in_network = False
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running

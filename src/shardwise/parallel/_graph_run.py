@@ -48,7 +48,7 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
-from shardwise.parallel._clip import GradSplits, clipping, plan_splits
+from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
@@ -165,7 +165,7 @@ class GraphRun:
         """The first plan: the one the parameters are stored by (planned already)."""
         return self.plans[0][0]
 
-    def clip_args(self) -> tuple[GradSplits, str, Callable[[bool], bool] | None]:
+    def clip_args(self) -> tuple[PlanSplits, str, Callable[[bool], bool] | None]:
         """`clipping`'s arguments: the gradients' splits and, with hsdp, the reduction of
         gradients held unreduced until the optimizer step (level 1)."""
         engine = self.engine

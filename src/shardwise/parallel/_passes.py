@@ -76,6 +76,7 @@ class Passes:
     first_sizes: dict[int, tuple[Any, ...]]  # (`sizes`) node -> its first pass's own arguments
     inputs: dict[int, weakref.ref[T]]  # the call's inputs and elementwise results of them
     tentative: int  # a restarted pass is dropped on a mismatch up to this node (`abandon`)
+    in_network: bool  # the network was entered for the running pass
     backward_seen: bool
 
     if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class Passes:
         for start in range((self.network_start or 0) + 1):
             if self._starts_with(start, op, leaves):
                 self.cursor, self.finished, self.outside = start, False, False
-                self.start, self.reentered = start, False
+                self.start, self.in_network, self.reentered = start, self.reentered, False
                 nodes = self.plan.nodes
                 first_read = next((j for j in range(start, len(nodes)) if nodes[j].values), start)
                 self.tentative = first_read  # (a pass started by factories: `abandon`)
@@ -106,11 +107,12 @@ class Passes:
         return False
 
     def abandon(self, op: str) -> bool:
-        """Whether `op`, not the plan's next one, ends a pass that only factories started (a
-        ``torch.zeros(())`` for logging after the last backward looked like the plan's first
-        op): the pass is dropped, and `op` runs outside the plan. False: a real mismatch."""
-        if not self.backward_seen or self.cursor > self.tentative:
-            return False
+        """Whether `op`, not the plan's next one, ends a pass that only factories started and
+        that did not enter the network (a ``torch.zeros(())`` for logging after the last
+        backward looked like the plan's first op): the pass is dropped, and `op` runs outside
+        the plan. False: a real mismatch."""
+        if not self.backward_seen or self.cursor > self.tentative or self.in_network:
+            return False  # (a real pass: the network was entered for it)
         self.cursor, self.finished, self.outside = len(self.plan.nodes), True, True
         self._ended()  # (the forward's end: level 3's saved-weight tokens stop)
         return True
@@ -206,4 +208,6 @@ class Passes:
             self.reentered = True
         elif self.network_start is None:
             self.network_start = self.cursor
+        else:
+            self.in_network = True  # (this pass entered it: not one to `abandon`)
         super().network_entered()  # type: ignore[misc]
