@@ -1,9 +1,11 @@
-"""The small parts of a `ParallelPlan`: placements and collectives.
+"""The small parts of a `ParallelPlan`: placements, collectives, parameter storage, buckets.
 
 - `Placed`: how a value is spread over the devices: a `TensorLayout` (which axes split which
   dim, ``strided(g1, 3)`` for a strided one) plus the axes on which each rank holds a partial
   sum (``Partial`` in DTensor's terms); `replicated`: whole on every rank.
 - `Collective`: one collective the plan runs (kind, axes, where).
+- `ParamPlan`: the layout a parameter is stored in; `BucketPlan`: a fused collective over
+  gradients or weights.
 """
 
 from __future__ import annotations
@@ -83,3 +85,42 @@ class Collective:
         detail = f"({self.detail})" if self.detail else ""
         local = f"; backward local on {', '.join(self.equal_grad)}" if self.equal_grad else ""
         return f"{self.kind}{detail} over {', '.join(self.axes)} at {self.where}{local}"
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """The layout a parameter is stored in (`shape`: global) and its dtype."""
+
+    layout: TensorLayout
+    shape: Shape
+    dtype: str = "float32"
+
+    def __str__(self) -> str:
+        return f"{Placed(self.layout)} {self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """A fused collective over gradients or weights (`optim.Bucket` on the plan's matrix).
+
+    Attributes:
+        kind: ``"allreduce"`` (the gradients all-reduced over `axes`) or ``"shard"`` (optimizer
+            parallel: weights all-gathered and gradients reduce-scattered over a shard group
+            of `shard` ranks along `axes`).
+        axes: the data-parallel axes (names on the plan's matrix; empty: no collective, the
+            gradients are only scaled).
+        params: the parameters, in bucket order.
+        shard: the shard group's size (1 for ``"allreduce"``).
+        fusion: the ``comm_fusion`` id that formed it (-1: formed by size or index).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    params: tuple[str, ...]
+    shard: int = 1
+    fusion: int = -1
+
+    def __str__(self) -> str:
+        how = "AllReduce" if self.kind == "allreduce" else f"shard {self.shard}-way"
+        over = ", ".join(self.axes) or "no axis (scaled only)"
+        return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"

@@ -1,12 +1,12 @@
 """`ParallelPlan`: every decision of a parallel job, as plain frozen data.
 
-- `Placed` and `Collective` (from `_placed`): how a value is spread over the devices, and one
-  collective the plan runs.
+- `Placed`, `Collective`, `ParamPlan` and `BucketPlan` (from `_placed`): how a value is spread
+  over the devices, one collective the plan runs, the layout a parameter is stored in, and a
+  fused collective over gradients or weights.
 - `NodePlan`: one op's strategy: the placements its inputs must have, those of its outputs,
   its local output shapes and the collectives the op itself runs (a primitive's AllReduce).
 - `EdgePlan`: one input of one op (or a returned value) whose producer left it elsewhere: the
   AllReduce of partial sums, then the redistribution steps (Slice, AllGather, AlltoAll).
-- `ParamPlan`: the layout a parameter is stored in.
 - `ParallelPlan`: all of it on one device matrix; `str()` prints it, `diff` compares two,
   `to_dict` / `from_dict` / `save` / `load` keep it as JSON (a loaded plan is equal).
 
@@ -27,7 +27,15 @@ from torch.distributed.tensor import Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner._frozen import FrozenMap
-from shardwise.planner._placed import Collective, Placed, Shape, _axes_str, replicated
+from shardwise.planner._placed import (
+    BucketPlan,
+    Collective,
+    ParamPlan,
+    Placed,
+    Shape,
+    _axes_str,
+    replicated,
+)
 from shardwise.redistribution import Slice, Step
 
 
@@ -174,45 +182,6 @@ class EdgePlan:
         if self.seeded:
             parts.append("backward local from loss.backward()")
         return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
-
-
-@dataclass(frozen=True)
-class ParamPlan:
-    """The layout a parameter is stored in (`shape`: global) and its dtype."""
-
-    layout: TensorLayout
-    shape: Shape
-    dtype: str = "float32"
-
-    def __str__(self) -> str:
-        return f"{Placed(self.layout)} {self.dtype}{list(self.shape)}"
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    """A fused collective over gradients or weights (`optim.Bucket` on the plan's matrix).
-
-    Attributes:
-        kind: ``"allreduce"`` (the gradients all-reduced over `axes`) or ``"shard"`` (optimizer
-            parallel: weights all-gathered and gradients reduce-scattered over a shard group
-            of `shard` ranks along `axes`).
-        axes: the data-parallel axes (names on the plan's matrix; empty: no collective, the
-            gradients are only scaled).
-        params: the parameters, in bucket order.
-        shard: the shard group's size (1 for ``"allreduce"``).
-        fusion: the ``comm_fusion`` id that formed it (-1: formed by size or index).
-    """
-
-    kind: str
-    axes: tuple[str, ...]
-    params: tuple[str, ...]
-    shard: int = 1
-    fusion: int = -1
-
-    def __str__(self) -> str:
-        how = "AllReduce" if self.kind == "allreduce" else f"shard {self.shard}-way"
-        over = ", ".join(self.axes) or "no axis (scaled only)"
-        return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"
 
 
 _MAPPINGS = ("inputs", "params", "input_shapes", "equal_grads", "explained")
