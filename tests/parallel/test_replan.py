@@ -97,20 +97,27 @@ def test_branches_and_batch_sizes_get_their_own_plans() -> None:
 def test_ops_that_change_after_backward_are_an_error() -> None:
     """Two forwards in one step (gradient accumulation) must run the same ops: the second one
     changing after a backward cannot be planned again mid-step."""
-    net, x, y = Branchy(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    net = Branchy()
+    second_pass_raises(net, net, "deep", "same torch ops")
+
+
+def second_pass_raises(net: nn.Module, called: nn.Module, flag: str, match: str) -> None:
+    """A step calling `called` (holding `net`) twice, with `called.<flag>` False, then True
+    (other ops in the second pass): an `UnsupportedParallelError` matching `match`."""
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
     with simulated_world(WORLD) as world:
         world.replicate(net)
 
         def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            net.deep = False
-            F.cross_entropy(net(a), b).backward()
-            net.deep = True
-            loss = F.cross_entropy(net(a), b)
+            setattr(called, flag, False)
+            F.cross_entropy(called(a), b).backward()
+            setattr(called, flag, True)
+            loss = F.cross_entropy(called(a), b)
             loss.backward()
             return loss
 
         parallel = sw.AutoParallel(step)
-        with pytest.raises(UnsupportedParallelError, match="same torch ops"):
+        with pytest.raises(UnsupportedParallelError, match=match):
             parallel(world.rows(x), world.rows(y))
 
 
@@ -163,7 +170,7 @@ def test_a_later_pass_starts_where_the_network_was_entered(centred: bool) -> Non
 def test_a_network_entered_again_with_other_first_ops_is_an_error() -> None:
     """The network called again after backward, but starting with another op than the plan's
     first pass did: an error naming the op and the plan's, never an unplanned computation."""
-    net, x, y = Branchy(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    net = Branchy()
 
     class Scaled(nn.Module):
         def __init__(self) -> None:
@@ -174,21 +181,7 @@ def test_a_network_entered_again_with_other_first_ops_is_an_error() -> None:
             out: torch.Tensor = self.inner(a * 2.0 if self.scale else a)
             return out
 
-    outer = Scaled()
-    with simulated_world(WORLD) as world:
-        world.replicate(net)
-
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            outer.scale = False
-            F.cross_entropy(outer(a), b).backward()
-            outer.scale = True
-            loss = F.cross_entropy(outer(a), b)
-            loss.backward()
-            return loss
-
-        parallel = sw.AutoParallel(step)
-        with pytest.raises(UnsupportedParallelError, match=r"called again .*first op .*mul"):
-            parallel(world.rows(x), world.rows(y))
+    second_pass_raises(net, Scaled(), "scale", r"called again .*first op .*mul")
 
 
 def test_a_pass_reading_a_tensor_made_outside_the_plan_is_an_error() -> None:
@@ -430,18 +423,5 @@ def test_a_pass_the_network_started_with_a_factory_still_refuses_other_ops() -> 
     """The second micro-batch enters the network, starts the pass with its factory, then runs
     an op the plan does not have there: an error naming both ops (it is the network's pass,
     not a logging factory to drop and run outside the plan)."""
-    net, x, y = FactoryFirst(), torch.randn(8, 8), torch.randint(0, 3, (8,))
-    with simulated_world(WORLD) as world:
-        world.replicate(net)
-
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            net.odd = False
-            F.cross_entropy(net(a), b).backward()
-            net.odd = True
-            loss = F.cross_entropy(net(a), b)
-            loss.backward()
-            return loss
-
-        parallel = sw.AutoParallel(step)
-        with pytest.raises(UnsupportedParallelError, match=r"called torch.Tensor.abs where"):
-            parallel(world.rows(x), world.rows(y))
+    net = FactoryFirst()
+    second_pass_raises(net, net, "odd", r"called torch.Tensor.abs where")
