@@ -17,7 +17,8 @@ each rank passes its own rows of the global batch, under ``"full_batch"`` the wh
 batch, under per-input entries its block (`_call_io.local_inputs` turns global shapes into
 such inputs). A wrapped network's outputs leave as this rank's rows (the whole output under
 ``"full_batch"``); a wrapped train step runs unchanged on what the rank passed and returns its
-(replicated) loss.
+(replicated) loss, and every other tensor the plan made leaves as a network's outputs do
+(`_leaving`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
     this rank's rows of the output (``"full_batch"``: the whole output); the loss built on them
     must be the same value on every rank (e.g. ``AllReduce()(loss) / n`` on rows). A wrapped
     train step runs unchanged on what the rank passed and returns the loss of the global
-    batch, the same on every rank. The gradient hooks
+    batch, the same on every rank; any other tensor it returns that the plan's ops made
+    (``(loss, logits.detach())``) leaves as a wrapped module's outputs do, whatever the plan
+    holds it as (a partial sum, a model-parallel split); an op after ``loss.backward()`` on
+    such a value, other than an elementwise one, is refused. The gradient hooks
     treat the n replicas as one loss (sum over replicas, then / n). After ``backward`` each
     parameter holds this rank's block and that block's gradient, so any torch.optim optimizer
     (built before or after the first call) updates the blocks.

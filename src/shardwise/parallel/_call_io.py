@@ -21,11 +21,10 @@ import torch
 from shardwise._torch import pytree
 from shardwise.layout import TensorLayout
 from shardwise.parallel._edges import move
+from shardwise.parallel._leaving import convention
 from shardwise.parallel._step import DatasetStrategy, input_layout
 from shardwise.planner import ParallelPlan, Placed
 from shardwise.planner._capture import input_key
-from shardwise.planner._plan import replicated
-from shardwise.planner._semi_auto import data_parallel
 from shardwise.redistribution import redistribute
 
 T = torch.Tensor
@@ -120,11 +119,8 @@ def rank_outputs(plan: ParallelPlan, out: Any, dataset: object) -> Any:
         if not isinstance(leaf, T):
             continue
         src: Placed = next(placed)
-        ndim = leaf.dim()
         gshape = tuple(int(s) * src.layout.split_count(d) for d, s in enumerate(leaf.shape))
-        whole = dataset == "full_batch" or ndim == 0 or gshape[0] % plan.device_num
-        m = src.layout.matrix
-        want = replicated(m, ndim) if whole else data_parallel(m, ndim)
+        want = convention(src.layout.matrix, gshape, dataset)
         if src.layout != want.layout:
             leaves[i] = redistribute(leaf, src.layout, want.layout, gshape)
     return pytree.tree_unflatten(leaves, spec)

@@ -35,7 +35,9 @@ unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (
 ``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
-is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`)."""
+is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). An output the
+plan holds other than a returned value leaves the call (a partial sum, a model-parallel split)
+is noted as its op makes it (`_leaving.Leaving`: moved if the train step returns it)."""
 
 from __future__ import annotations
 
@@ -48,17 +50,15 @@ import torch.nn.functional as F
 
 from shardwise._torch import pytree
 from shardwise.communication.primitives import replicated_seed
-from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
+from shardwise.parallel._leaving import Leaving, Placings
 from shardwise.parallel._local import (
-    UnplannedDraw,
     attention_p,
-    compute,
     drop,
     dropout_p,
-    loss_weight,
 )
+from shardwise.parallel._node_run import NodeRun, has_tensor
 from shardwise.parallel._node_table import (
     CALLS,
     PLAIN,
@@ -74,24 +74,9 @@ from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
 
 T = torch.Tensor
-_NESTED = (list, tuple, dict)
 
 
-def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether no argument is a container (its tensors are the arguments themselves)."""
-    return not any(isinstance(a, _NESTED) for a in args) and not any(
-        isinstance(v, _NESTED) for v in kwargs.values()
-    )
-
-
-def _has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a call's arguments hold a tensor (flat arguments checked without pytree)."""
-    if _flat(args, kwargs):
-        return any(isinstance(a, T) for a in args) or any(isinstance(v, T) for v in kwargs.values())
-    return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
-
-
-class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
+class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -144,6 +129,8 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
+        self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
+        self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self._spans_init()
 
     @property
@@ -174,6 +161,8 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
             if kind == "backward":
                 return self._call(func, kind, op, args, kwargs or {})
+            if self.placed and kind != "skip" and self.done:  # (a value read, an alias)
+                return self.placed_call(func, kind, op, args, kwargs or {})
             return func(*args, **kwargs) if kwargs else func(*args)
         if self.made_outside and not self.paused and not self.done:  # (a later pass)
             self.check_inputs(op, (args, kwargs))  # (none of its ops reads those)
@@ -186,20 +175,31 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             self.paused += 1
             try:
                 if fast == PLAIN:
-                    return func(*args, **kwargs) if kwargs else func(*args)
-                table = self.table
-                if fast == SIZED:
-                    if table.local[k] is None:
-                        return self.check_sized(func, k, args, kwargs)
-                    return func(args[0], *(table.sized[k] or ()))
-                kwargs = kwargs or {}
-                if table.local[k] is None:
-                    drops = dropout_p if func is F.dropout else attention_p
-                    table.local[k] = drops(args, kwargs) == 0
-                return drop(func, self.plan.nodes[k], args, kwargs)
+                    out = func(*args, **kwargs) if kwargs else func(*args)
+                else:
+                    out = self._short(func, fast, k, args, kwargs)
             finally:
                 self.paused -= 1
+            leaving = self.leaving[k]
+            if leaving is not None:  # (held other than it leaves the call: `_leaving`)
+                self.note_placed(k, leaving, out)
+            return out
         return self._call(func, kind, op, args, kwargs or {})
+
+    def _short(
+        self, func: Callable[..., Any], fast: int, k: int, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """A `SIZED` node (its local sizes) or a `DROPOUT` one (its block of the mask)."""
+        table = self.table
+        if fast == SIZED:
+            if table.local[k] is None:
+                return self.check_sized(func, k, args, kwargs)
+            return func(args[0], *(table.sized[k] or ()))
+        kwargs = kwargs or {}
+        if table.local[k] is None:
+            drops = dropout_p if func is F.dropout else attention_p
+            table.local[k] = drops(args, kwargs) == 0
+        return drop(func, self.plan.nodes[k], args, kwargs)
 
     def _call(
         self, func: Callable[..., Any], kind: str, op: str, args: tuple[Any, ...], kwargs: Any
@@ -223,14 +223,14 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
-            if self.reentered and _has_tensor(args, kwargs):  # (the network, not as planned)
+            if self.reentered and has_tensor(args, kwargs):  # (the network, not as planned)
                 self._refuse_pass(op, (args, kwargs))
             self.outside = True
             out = func(*args, **kwargs)
             self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out
         k = self.cursor
-        if not _has_tensor(args, kwargs):
+        if not has_tensor(args, kwargs):
             return self._factory(func, op, args, kwargs)
         if op != self.ops[k] and self.abandon(op):  # (a pass only factories started)
             out = func(*args, **kwargs)
@@ -242,6 +242,9 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
             out = self._run(func, k, args, kwargs)
         finally:
             self.paused -= 1
+        leaving = self.leaving[k]
+        if leaving is not None:
+            self.note_placed(k, leaving, out)
         self._ended()
         return out
 
@@ -284,23 +287,6 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         finally:  # (off the mode stack even when finishing raised)
             super().__exit__(exc_type, exc_val, exc_tb)
 
-    def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
-        """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
-        slot = 0
-        for i, leaf in enumerate(tensors):
-            if not isinstance(leaf, T):
-                continue
-            if self.param_value is not None and id(leaf) in self.params:
-                leaf = self.param_value(leaf)
-            edge = self.table.edges.get((k, slot))
-            if edge is not None and edge.shared and (edge.value, edge.dst) in self.moved:
-                leaf = self.moved[(edge.value, edge.dst)]
-            elif edge is not None:  # (or shared with a move before this pass started: again)
-                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge, run=self.run)
-            tensors[i] = leaf
-            slot += 1
-        return tensors
-
     def _factory(
         self, func: Callable[..., Any], op: str, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
@@ -319,6 +305,9 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
         node = self.plan.nodes[self.cursor]
         self._advance(op, "made a tensor with")
         out = self._returned(node.index, out)
+        leaving = self.leaving[node.index]
+        if leaving is not None:
+            self.note_placed(node.index, leaving, out)
         self._ended()
         return out
 
@@ -353,48 +342,3 @@ class PlanExecutor(Passes, PrimitiveHooks, SpanRunner, SteppingMode):
                 f"{len(self.plan.nodes)} ops (next: %{node.index} {node.name}); the step must "
                 f"run the captured ops every time"
             )
-
-    def _run(
-        self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> Any:
-        if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
-            leaves = self._moved_inputs(k, [*args, *kw.values()])
-            args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
-        else:
-            leaves, spec = pytree.tree_flatten((args, kw))
-            args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
-        table = self.table
-        if table.templates is not None and table.captured[k]:
-            tensors = [t for t in leaves if isinstance(t, T)]
-            args, kw = self.sizes(k, args, kw, table.global_args(k, tensors, args, kw))
-        try:
-            out = compute(func, k, self.plan.nodes[k], table, args, kw)
-        except UnplannedDraw as e:  # (planned without its draws: an eval() call)
-            if self.backward_seen:
-                raise
-            raise Replan(str(e), k, self.ops[k]) from None
-        weight = loss_weight(args, kw) if k in table.weighted else None
-        out = self._returned(k, out, weight)
-        if k in table.averaging:
-            average_outputs(out, self.plan.nodes[k], self.plan.matrix)
-        return out
-
-    def _returned(self, k: int, out: Any, weight: T | None = None) -> Any:
-        """Apply the edges of the node's returned outputs (the loss's AllReduce; a mean loss
-        weighed by the targets this rank counted, `weight`: `planner.WEIGHTED_MEAN`)."""
-        if k not in self.table.returning:
-            return out
-        if isinstance(out, T):  # (one tensor: no pytree)
-            for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started, weight, self.run)
-            return out
-        leaves, spec = pytree.tree_flatten(out)
-        j = 0
-        for i, leaf in enumerate(leaves):
-            if not isinstance(leaf, T):
-                continue
-            name = f"%{k}" + (f".{j}" if j else "")
-            for e in self.table.returned.get(name, []):
-                leaves[i] = move(leaves[i], e, run=self.run)
-            j += 1
-        return pytree.tree_unflatten(leaves, spec)

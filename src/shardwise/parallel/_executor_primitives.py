@@ -18,7 +18,7 @@ import torch
 from shardwise.ops import Primitive
 from shardwise.parallel._edges import average_outputs, run_collective
 from shardwise.parallel._local import prepare
-from shardwise.planner import ParallelPlan
+from shardwise.planner import EdgePlan, ParallelPlan
 
 if TYPE_CHECKING:
     from shardwise.parallel._node_table import NodeTable
@@ -68,6 +68,8 @@ class PrimitiveHooks:
         def _returned(self, k: int, out: Any) -> Any: ...
 
         def _ended(self) -> None: ...
+
+        def note_placed(self, k: int, edges: dict[int, EdgePlan], out: Any) -> None: ...
 
     def enter_primitive(
         self, module: Primitive, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -125,6 +127,9 @@ class PrimitiveHooks:
             out = self._returned(k, outs[0] if single else tuple(outs))
             if k in self.table.averaging:
                 average_outputs(out, self.plan.nodes[k], matrix)
+            leaving = self.table.leaving[k]
+            if leaving is not None:  # (`_leaving`: held other than it leaves the call)
+                self.note_placed(k, leaving, out)
         finally:
             self.paused -= 1
         self._ended()

@@ -21,7 +21,8 @@ annotations alike; any dataset strategy):
   `OptimizerParallel.compute`, gradients reduced into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
   this rank's rows by the plan's entry edges (`_call_io.cut_inputs`); a wrapped network's
-  outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`).
+  outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`), and so
+  do the tensors a train step returns (`_leaving.Leaving.step_outputs`).
 """
 
 from __future__ import annotations
@@ -348,8 +349,8 @@ class GraphRun:
 
         known = self.tables.get(id(plan))
         table = known[1] if known is not None and known[0] is plan else None
-        if table is None:  # (worked out once per plan)
-            table = NodeTable(plan, self.templates)
+        if table is None or table.dataset != self.dataset:  # (worked out once per plan)
+            table = NodeTable(plan, self.templates, self.dataset)
             self.tables[id(plan)] = (plan, table)
         executor = PlanExecutor(
             plan,
@@ -376,4 +377,6 @@ class GraphRun:
         executor.check_done("the end of the call")
         if executor.done and table.candidates is None:
             self.spans.update(table)
-        return rank_outputs(plan, out, self.dataset) if self.module_form else out
+        if self.module_form:
+            return rank_outputs(plan, out, self.dataset)
+        return executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)

@@ -27,6 +27,7 @@ import torch
 from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
+from shardwise.parallel._leaving import leave_edges
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
@@ -90,10 +91,18 @@ class NodeTable:
     Args:
         plan: the plan.
         templates: each node's captured arguments (`planner.Node.args` / ``kwargs``), or None.
+        dataset: the call's dataset strategy (how returned values leave: `_leaving`).
     """
 
-    def __init__(self, plan: ParallelPlan, templates: list[tuple[Any, Any]] | None) -> None:
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        templates: list[tuple[Any, Any]] | None,
+        dataset: object = "data_parallel",
+    ) -> None:
         self.templates = templates
+        self.dataset = dataset
+        self.leaving = leave_edges(plan, dataset)  # (per node: outputs moved when returned)
         nodes = plan.nodes
         self.ops = [n.op for n in nodes]
         self.names = [n.name for n in nodes]  # (``module.path/op``)
@@ -147,7 +156,10 @@ class NodeTable:
         self.inputs = [len(n.inputs) for n in nodes]
         # (`_spans`) whether each node runs as the network calls it: plain ops yes, views and
         # dropouts once seen (None until then); the candidate modules, their observed spans
-        self.local = [_local(f, op) for f, op in zip(self.fast, self.ops, strict=True)]
+        self.local = [  # (a skipped module would not note outputs held for leaving)
+            False if leave is not None else _local(f, op)
+            for f, op, leave in zip(self.fast, self.ops, self.leaving, strict=True)
+        ]
         self.candidates: set[str] | None = None
         self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
         self.spans: dict[str, tuple[int, int] | None] = {}

@@ -86,6 +86,8 @@ class Passes:
 
         def _ended(self) -> None: ...
 
+        def check_placed(self, op: str, args: Any, out: Any) -> None: ...
+
     def _restarts(self, op: str, args: Any) -> bool:
         """After the plan ran and a backward: whether this call starts it again (gradient
         accumulation, an optimizer's closure; see the module docstring), with the same
@@ -118,7 +120,9 @@ class Passes:
         return True
 
     def note_outside(self, op: str, args: Any, out: Any) -> None:
-        """An op that ran outside the plan (after a backward) made `out` from `args`."""
+        """An op that ran outside the plan (after a backward) made `out` from `args` (one
+        reading a value the plan holds other than it leaves the call: `_leaving`)."""
+        self.check_placed(op, args, out)
         if not isinstance(out, T) or id(out) in self.params:
             return
         leaves = pytree.tree_leaves(args)

@@ -1,0 +1,120 @@
+"""Run one node of the plan on its full path (`NodeRun`, mixed into `_executor.PlanExecutor`):
+its inputs moved as the plan's edges say (`NodeRun._moved_inputs`), the op on the local blocks
+(`_local.compute`; whole inputs with the captured sizes, `_passes.Passes.sizes`), the edges of
+its returned values (`NodeRun._returned`: the loss's AllReduce, only started) and the gradient
+averages of its outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise._torch import pytree
+from shardwise.parallel._edges import average_outputs, move
+from shardwise.parallel._executor_primitives import Replan
+from shardwise.parallel._local import UnplannedDraw, compute, loss_weight
+from shardwise.parallel._node_table import NodeTable
+from shardwise.planner import ParallelPlan, Placed
+
+T = torch.Tensor
+_NESTED = (list, tuple, dict)
+
+
+def _flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether no argument is a container (its tensors are the arguments themselves)."""
+    return not any(isinstance(a, _NESTED) for a in args) and not any(
+        isinstance(v, _NESTED) for v in kwargs.values()
+    )
+
+
+def has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments hold a tensor (flat arguments checked without pytree)."""
+    if _flat(args, kwargs):
+        return any(isinstance(a, T) for a in args) or any(isinstance(v, T) for v in kwargs.values())
+    return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
+
+
+class NodeRun:
+    """A node's full path (see the module docstring); `PlanExecutor` sets the attributes."""
+
+    plan: ParallelPlan
+    table: NodeTable
+    ops: list[str]
+    param_value: Callable[[T], T] | None
+    moved: dict[tuple[str, Placed], T]
+    started: list[Callable[[], None]]
+    run: object
+    backward_seen: bool
+
+    if TYPE_CHECKING:
+
+        @property
+        def params(self) -> dict[int, str]: ...
+
+        def sizes(
+            self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
+        ) -> tuple[Any, Any]: ...
+
+    def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
+        """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
+        slot = 0
+        for i, leaf in enumerate(tensors):
+            if not isinstance(leaf, T):
+                continue
+            if self.param_value is not None and id(leaf) in self.params:
+                leaf = self.param_value(leaf)
+            edge = self.table.edges.get((k, slot))
+            if edge is not None and edge.shared and (edge.value, edge.dst) in self.moved:
+                leaf = self.moved[(edge.value, edge.dst)]
+            elif edge is not None:  # (or shared with a move before this pass started: again)
+                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge, run=self.run)
+            tensors[i] = leaf
+            slot += 1
+        return tensors
+
+    def _run(
+        self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
+            leaves = self._moved_inputs(k, [*args, *kw.values()])
+            args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
+        else:
+            leaves, spec = pytree.tree_flatten((args, kw))
+            args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
+        table = self.table
+        if table.templates is not None and table.captured[k]:
+            tensors = [t for t in leaves if isinstance(t, T)]
+            args, kw = self.sizes(k, args, kw, table.global_args(k, tensors, args, kw))
+        try:
+            out = compute(func, k, self.plan.nodes[k], table, args, kw)
+        except UnplannedDraw as e:  # (planned without its draws: an eval() call)
+            if self.backward_seen:
+                raise
+            raise Replan(str(e), k, self.ops[k]) from None
+        weight = loss_weight(args, kw) if k in table.weighted else None
+        out = self._returned(k, out, weight)
+        if k in table.averaging:
+            average_outputs(out, self.plan.nodes[k], self.plan.matrix)
+        return out
+
+    def _returned(self, k: int, out: Any, weight: T | None = None) -> Any:
+        """Apply the edges of the node's returned outputs (the loss's AllReduce; a mean loss
+        weighed by the targets this rank counted, `weight`: `planner.WEIGHTED_MEAN`)."""
+        if k not in self.table.returning:
+            return out
+        if isinstance(out, T):  # (one tensor: no pytree)
+            for e in self.table.returned.get(f"%{k}", []):
+                out = move(out, e, self.started, weight, self.run)
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        j = 0
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, T):
+                continue
+            name = f"%{k}" + (f".{j}" if j else "")
+            for e in self.table.returned.get(name, []):
+                leaves[i] = move(leaves[i], e, run=self.run)
+            j += 1
+        return pytree.tree_unflatten(leaves, spec)
