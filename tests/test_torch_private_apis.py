@@ -306,19 +306,21 @@ def _clip_grad() -> None:
 def _checkpointing() -> None:
     from torch.utils.checkpoint import checkpoint
 
-    from shardwise._torch.checkpointing import in_activation_checkpoint
+    from shardwise._torch.checkpointing import checkpointing, in_activation_checkpoint
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, bool]] = []
 
     def region(t: torch.Tensor) -> torch.Tensor:
-        seen.append(in_activation_checkpoint())
+        seen.append((in_activation_checkpoint(), checkpointing()))
         return t * 2
 
     x = torch.ones(2, requires_grad=True)
     checkpoint(region, x, use_reentrant=False)  # (saved-tensor hooks of torch.utils.checkpoint)
     checkpoint(region, x, use_reentrant=True)  # (a frame of torch/utils/checkpoint.py)
     region(x)
-    assert seen == [True, True, False], seen
+    with torch.no_grad():
+        region(x)
+    assert seen == [(True, True), (True, True), (False, False), (False, False)], seen
 
 
 def _pytree() -> None:

@@ -35,7 +35,9 @@ unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (
 ``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
-is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). An output the
+is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). A node inside
+activation checkpointing (turned on after the capture, which refuses it) is refused: its
+recomputation in backward would run outside the plan. An output the
 plan holds other than a returned value leaves the call (a partial sum, a model-parallel split)
 is noted as its op makes it (`_leaving.Leaving`: moved if the train step returns it)."""
 
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise._torch import pytree
+from shardwise._torch.checkpointing import checkpointing
 from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
@@ -171,6 +174,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         if (  # a node on its short path (`NodeTable.fast`): the op checked, the cursor moved
             fast and not self.paused and op == self.ops[k] and args and isinstance(args[0], T)
         ):
+            if checkpointing():  # (tens of nanoseconds: saved-tensor hooks, grad mode)
+                self._refuse_checkpointed(k)
             self.cursor = k + 1
             self.paused += 1
             try:
@@ -236,6 +241,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             out = func(*args, **kwargs)
             self.note_outside(op, (args, kwargs), out)
             return out
+        if checkpointing():
+            self._refuse_checkpointed(k)
         self._advance(op, "called")
         self.paused += 1
         try:
@@ -247,6 +254,20 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             self.note_placed(k, leaving, out)
         self._ended()
         return out
+
+    def _refuse_checkpointed(self, k: int) -> None:
+        """Raise: node `k` runs inside activation checkpointing, turned on after the capture
+        (which refuses it): backward would recompute it on this rank's blocks, outside the
+        plan (without its collectives, sizes and masks)."""
+        node = self.plan.nodes[k]
+        raise UnsupportedParallelError(
+            f"AutoParallel: %{k} {node.name} ({node.op}) runs inside activation checkpointing "
+            f"(torch.utils.checkpoint), turned on after the step was planned; its "
+            f"recomputation in backward would run on this rank's blocks without the plan's "
+            f"collectives, sizes and dropout masks. Turn it off "
+            f"(model.gradient_checkpointing_disable()): shardwise does not support activation "
+            f"checkpointing yet"
+        )
 
     def _ended(self) -> None:
         """After an op: when it was the plan's last, drop the moved values and call `on_end`."""
