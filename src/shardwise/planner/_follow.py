@@ -96,14 +96,19 @@ class _Follow:
         have: list[Placements],
         strict: bool = False,
         seen: list[tuple[AtenCall, Placements]] | None = None,
+        retried: frozenset[int] = frozenset(),
     ) -> tuple[list[Placements], list[Placements], str]:
         """Run the node's aten program on placements: (its inputs' placements, its outputs',
         the rule source). Falls back to replicated when an intermediate must move (`strict`:
-        an annotated op, which raises instead). With `seen`, each aten call is appended there
-        with its first output's placements."""
+        an annotated op, which raises instead), except an intermediate that is a same-shaped
+        copy of an input (``_to_copy``: a linear's bias cast under autocast): the program runs
+        again with that input placed as wanted (once per input, `retried`). With `seen`, each
+        aten call is appended there with its first output's placements."""
         need = list(have)
         used: set[int] = set()
         tmp: dict[int, Placements] = {}
+        copies: dict[int, int] = {}  # intermediate -> the input it copies, placed alike
+        mark = len(seen) if seen is not None else 0
         sources = {"identity" if node.inputs else "factory"}
         for call in node.aten:
             tree = (call.args, dict(call.kwargs))
@@ -133,6 +138,12 @@ class _Follow:
                     continue
                 if arg.kind == "in" and arg.index not in used:
                     need[arg.index] = want
+                elif arg.kind != "in" and copies.get(arg.index, -1) not in (-1, *retried):
+                    i = copies[arg.index]  # (its copy wants another placement: place it so)
+                    if seen is not None:
+                        del seen[mark:]
+                    again = [want if j == i else h for j, h in enumerate(have)]
+                    return self._follow(node, again, strict, seen, retried | {i})
                 elif strict:
                     raise PlanError(
                         f"sw.shard on {node.module} ({node.op} at {node.source}): with the "
@@ -145,6 +156,11 @@ class _Follow:
             for j, out in enumerate(call.outputs):
                 got = dec.outputs[j] if j < len(dec.outputs) else None
                 tmp[out.index] = got if got is not None else self.rep()
+            source = _copied(args, call, dec.inputs, dec.outputs)
+            if source is not None:
+                copies[call.outputs[0].index] = (
+                    source.index if source.kind == "in" else copies.get(source.index, -1)
+                )
             if seen is not None:
                 first = dec.outputs[0] if dec.outputs else None
                 seen.append((call, first if first is not None else self.rep()))
@@ -230,6 +246,15 @@ class _Follow:
             f"the split dims divisible by the number of devices splitting them (e.g. a global "
             f"batch divisible by {self.device_num}), or annotate the op with shard()"
         )
+
+
+def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:
+    """The one tensor argument of `call` when its one output is a same-shaped copy of it,
+    placed as it is (a dtype cast), else None."""
+    if len(args) != 1 or len(call.outputs) != 1 or not ins or not outs:
+        return None
+    same = call.outputs[0].info.shape == args[0].info.shape and outs[0] == ins[0]
+    return args[0] if same else None
 
 
 class RandomFillError(PlanError):
