@@ -4,15 +4,19 @@ A Megatron MLP on 4 simulated ranks (dp 2 x mp 2): ``c_fc`` column parallel (its
 over mp), ``c_proj`` row parallel (its output a partial sum over mp). A train step that returns
 those activations gets each as this rank's rows of the single-device value, as a wrapped
 network's outputs (the whole under ``"full_batch"``): the partial sum all-reduced over mp, the
-columns gathered over mp, rows over dp cut to rows over every rank. The step's value fed back
-into the next call (a recurrent state carried between steps) trains as one device. An op after
-the backward on such a value runs outside the plan: elementwise ones (``detach``, ``* 2``) keep
-it leaving the same way; any other (``argmax``, ``tolist``) is refused, naming the node; the
-same op before the backward is planned and right.
+columns moved to rows, rows over dp cut to rows over every rank; in a plain dataclass too, and
+a value returned twice is moved once. The step's value fed back into the next call (a recurrent
+state carried between steps) trains as one device, with the opt-in fast paths too. An op after
+the backward on such a value runs outside the plan: one right on this rank's part keeps it
+leaving the same way (``detach``, ``* 2``; on the partial sum only linear ones); any other
+(``argmax``, ``+ 1`` or ``relu`` of the partial sum, ``tolist``) is refused, naming the node; the
+same op before the backward is planned and right. Under data parallel nothing is sent, and an
+op after the backward on a whole value the plan made is not refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +99,36 @@ def test_returned_activations_leave_as_this_ranks_rows() -> None:
     ), kinds
 
 
+@dataclasses.dataclass
+class Out:
+    loss: torch.Tensor
+    mixed: torch.Tensor
+    wide: torch.Tensor
+
+
+def linear_after(net: nn.Sequential, x: torch.Tensor) -> tuple[Out, tuple[torch.Tensor, ...]]:
+    """Linear ops on c_proj's partial sum after backward, returned in a plain dataclass, and
+    the value itself twice."""
+    out = net(x)
+    loss = out.pow(2).mean()
+    loss.backward()
+    o = out.detach()
+    return Out(loss, (o * 2 - 0.5 * o) / 4, o.double()), (o, o)
+
+
+def test_linear_ops_on_a_partial_sum_after_backward_keep_it_leaving_as_rows() -> None:
+    x = batch()
+    want, _ = linear_after(make_net(), x)
+    (got, pair), kinds = run(linear_after, x)
+    assert_matches_single_device(got.loss, want.loss, what="loss")
+    assert_matches_single_device(got.mixed, rows_of(want.mixed), what="(2 o - o / 2) / 4")
+    assert_matches_single_device(got.wide, rows_of(want.wide), what="o.double()")
+    assert pair[0] is pair[1]  # (moved once)
+    assert_matches_single_device(pair[0], rows_of(want.wide.float()), what="o")
+    # the loss's move for the mean, then one AllReduce each for mixed, wide and o
+    assert kinds[("AllReduce", "forward", (0, 1))] == 4, kinds
+
+
 def test_full_batch_returns_the_whole_value() -> None:
     x = batch()
     want = hidden_and_out(make_net(), x)
@@ -104,8 +138,12 @@ def test_full_batch_returns_the_whole_value() -> None:
     assert_matches_single_device(out, want[2], what="out")
 
 
-def test_a_returned_state_fed_to_the_next_call_trains_as_one_device() -> None:
-    """The step's output (a partial sum in the plan) is the next call's input, for 3 calls."""
+@pytest.mark.parametrize("watch_every_op", [True, False])
+def test_a_returned_state_fed_to_the_next_call_trains_as_one_device(watch_every_op: bool) -> None:
+    """The step's output (a partial sum in the plan) is the next call's input, for 3 calls; with
+    the opt-in fast paths too (the executor then stays on the mode stack after the optimizer
+    step while a value held otherwise lives, so the ``detach`` after it is seen)."""
+    sw.set_auto_parallel_context(watch_every_op=watch_every_op)
 
     def step(net: nn.Sequential, opt: torch.optim.Optimizer, x: torch.Tensor) -> Any:
         out = net(x)
@@ -132,11 +170,18 @@ def test_a_returned_state_fed_to_the_next_call_trains_as_one_device() -> None:
         for i in range(3):
             loss, state = parallel(state)
             assert_matches_single_device(loss, want[i], what=f"loss {i}")
+    sw.reset_auto_parallel_context()
 
 
 AFTER = {
     "argmax": lambda out: out.argmax(-1),
     "sum": lambda out: out.sum(),
+    # elementwise, but not linear: each rank's part of the sum would add 1, square, round
+    "+ 1": lambda out: out + 1,
+    "relu": lambda out: out.relu(),
+    "out * out": lambda out: out * out,
+    "bfloat16": lambda out: out.bfloat16(),
+    "+ a 0-d tensor": lambda out: out + torch.tensor(1.0),
     # (a value read; called as torch's method: the simulated world's tensor has its own)
     "tolist": lambda out: torch.Tensor.tolist(out),
 }
@@ -169,7 +214,8 @@ def test_the_same_op_before_backward_is_planned() -> None:
 
 
 def test_data_parallel_outputs_leave_with_no_collective() -> None:
-    """Unannotated (every op data parallel): the activations are already this rank's rows."""
+    """Unannotated (every op data parallel): the activations are already this rank's rows; a
+    whole value the plan made (a normalized weight) may be read after the backward."""
     x = batch()
     single = make_net()
     want = single(x)
@@ -179,15 +225,18 @@ def test_data_parallel_outputs_leave_with_no_collective() -> None:
 
         def step(x: torch.Tensor) -> Any:
             out = net(x)
+            w = F.normalize(net[0].weight, dim=-1)  # (whole on every rank: a node of the plan)
             loss = out.pow(2).mean()
             loss.backward()
-            return loss, out.detach().argmax(-1), out
+            return loss, out.detach().argmax(-1), out, w.norm(dim=-1).mean()
 
         parallel = AutoParallel(step, network=net)
         with CommRecorder() as rec:
-            _, pred, out = parallel(world.rows(x))
+            _, pred, out, norm = parallel(world.rows(x))
         assert rec.kinds() == Counter(
             {("AllReduce", "forward", (0, 1, 2, 3)): 1, ("AllReduce", "backward", (0, 1, 2, 3)): 1}
         ), rec.summary()
         assert_matches_single_device(out, rows_of(want.detach()), what="out")
         assert_matches_single_device(pred, rows_of(want.argmax(-1)), what="argmax")
+        # (an op after backward on a whole value is right on every rank: not refused)
+        assert_matches_single_device(norm, torch.tensor(1.0), what="the rows' mean norm")

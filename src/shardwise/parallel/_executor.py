@@ -300,6 +300,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         super().step_starts(optimizer, closure)
 
     def stay_lifted(self) -> bool:
+        if any(ref() is not None for ref, _, _ in self.placed.values()):
+            return False  # (ops on those after the step are watched: `_leaving`)
         return self.park()
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:

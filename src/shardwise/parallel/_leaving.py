@@ -12,16 +12,21 @@ axis only).
   convention (worked out once per plan, with `_node_table.NodeTable`).
 - `Leaving` (mixed into `_executor.PlanExecutor`): `Leaving.note_placed` keeps a weak reference
   to each such output as its op makes it; `Leaving.step_outputs` moves the returned ones at the
-  end of the call; `Leaving.check_placed` runs before every op after the plan ended (after
-  ``loss.backward()``, on this rank's blocks): an elementwise op on such values alone gives a
-  value held the same way (``logits.detach()``, ``h.float() * 2``), any other op reading one is
-  refused with `UnsupportedParallelError` (``logits.argmax(-1)`` on a vocabulary split would
-  compare this rank's columns only), and so is a read of its value (``item``, ``tolist``;
-  printing it shows this rank's block) (`Leaving.placed_call`).
+  end of the call (in tuples, lists, dicts, registered and plain dataclasses; a tensor returned
+  twice is moved once); `Leaving.check_placed` runs on every op after the plan ended (after
+  ``loss.backward()``, on this rank's blocks) that reads such a value: an op right on this
+  rank's part gives a value held the same way (`_keeps`: an elementwise op on blocks of a split;
+  on a partial sum only a linear one, ``detach``, ``* 2``, ``/ 4``, a sum of partial sums, a
+  widening cast); an op on whole values, or one that reads only the shape (``zeros_like``),
+  runs as it is; any other, a move to another device and a read of the value (``item``,
+  ``tolist``; printing shows this rank's part) are refused with `UnsupportedParallelError`
+  (``logits.argmax(-1)`` on a vocabulary split would compare this rank's columns only,
+  ``out + 1`` on a partial sum would add 1 on every rank) (`Leaving.placed_call`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -96,15 +101,25 @@ class Leaving:
         return entry[1], entry[2]
 
     def step_outputs(self, out: Any) -> Any:
-        """The train step's returned `out`, each tensor the plan made as `convention` says."""
+        """The train step's returned `out`, each tensor the plan made as `convention` says (a
+        tensor returned twice moved once; a plain dataclass's fields too)."""
         if not self.placed:
             return out
-        leaves, spec = pytree.tree_flatten(out)
-        for i, leaf in enumerate(leaves):
-            held = self._held(leaf)
-            if held is not None:
-                leaves[i] = move(leaf, held[0])
-        return pytree.tree_unflatten(leaves, spec)
+        done: dict[int, T] = {}
+
+        def leave(x: Any) -> Any:
+            if dataclasses.is_dataclass(x) and not isinstance(x, type):
+                fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
+                changed = {k: v for k, v in fields.items() if leave(v) is not v}
+                return dataclasses.replace(x, **{k: leave(v) for k, v in changed.items()})
+            held = self._held(x)
+            if held is None:
+                return x
+            if id(x) not in done:
+                done[id(x)] = move(x, held[0])
+            return done[id(x)]
+
+        return pytree.tree_map(leave, out, is_leaf=dataclasses.is_dataclass)
 
     def placed_call(
         self, func: Callable[..., Any], kind: str, op: str, args: Any, kwargs: Any
@@ -119,26 +134,63 @@ class Leaving:
         return out
 
     def check_placed(self, op: str, args: Any, out: Any) -> None:
-        """After `op` ran outside the plan on `args`: an elementwise op whose every non-scalar
-        tensor input is held the same way makes `out` held so too; any other op reading such a
-        value is refused (it computed on this rank's block of it)."""
+        """After `op` ran outside the plan on `args` (see the module docstring): `out` held as
+        its inputs are when the op is right on this rank's part of them (`_keeps`), nothing
+        when they are whole values or it only reads their shape, else refused."""
         if not self.placed:
             return
-        leaves = [t for t in pytree.tree_leaves(args) if isinstance(t, T)]
-        held = [(t, self._held(t)) for t in leaves]
-        first = next((h for _, h in held if h is not None), None)
-        if first is None:
+        held = [(t, self._held(t)) for t in pytree.tree_leaves(args) if isinstance(t, T)]
+        marks = [h for _, h in held if h is not None]
+        if not marks or _name(op) in _SHAPE_ONLY:
             return
-        shape = next(t.shape for t, h in held if h is not None)
-        alike = all(h is not None and h[0].src == first[0].src for t, h in held if t.dim() > 0)
-        if _elementwise(op) and alike and isinstance(out, T) and out.shape == shape:
-            self.placed[id(out)] = (weakref.ref(out), first[0], first[1])
+        edge, node = marks[0]
+        moved = isinstance(out, T) and any(out.device != t.device for t, h in held if h)
+        if not moved and _keeps(op, args, held, out):
+            assert isinstance(out, T)
+            self.placed[id(out)] = (weakref.ref(out), edge, node)
             return
-        edge, node = first
+        if not moved and all(not e.src.partial and not e.src.layout.used_axes() for e, _ in marks):
+            return  # (whole values: the op is right on every rank)
+        what = "moves it to another device" if moved else "would compute on this rank's part of it"
         raise UnsupportedParallelError(
             f"AutoParallel: {op} after loss.backward() reads the output of {node}, which the "
-            f"plan holds as {edge.src} (not this rank's rows of it), so it would compute on "
-            f"this rank's part of it only; compute it before loss.backward() (the plan then "
-            f"includes it), or return the tensor from the step (it leaves as this rank's "
-            f"rows) and compute on it after the call"
+            f"plan holds as {edge.src} (not this rank's rows of it), so it {what} only; "
+            f"compute it before loss.backward() (the plan then includes it), or return the "
+            f"tensor from the step (it leaves as this rank's rows) and compute on it after the "
+            f"call"
         )
+
+
+def _name(op: str) -> str:
+    """``torch.Tensor.mul_`` -> ``mul``."""
+    return op.rsplit(".", 1)[-1].strip("_")
+
+
+def _keeps(op: str, args: Any, held: list[tuple[T, Any]], out: Any) -> bool:
+    """Whether `op` on `held` (tensor, its mark or None) gives `out` held as they are: every
+    non-0-d tensor input held alike and `out` shaped as one of them; on partial sums only a
+    linear op (a sum of the ranks' results is the result of their sum)."""
+    marks = [h for _, h in held if h is not None]
+    src = marks[0][0].src
+    if not isinstance(out, T) or any(h is None or h[0].src != src for t, h in held if t.dim()):
+        return False
+    if not any(out.shape == t.shape for t, h in held if h is not None):
+        return False
+    if not src.partial:
+        return _elementwise(op)
+    name = _name(op)
+    numbers = [x for x in pytree.tree_leaves(args) if isinstance(x, int | float)]
+    tensors = [t for t, _ in held]
+    if name in _LINEAR_COPIES:
+        return all(out.dtype.itemsize >= t.dtype.itemsize for t, h in held if h is not None)
+    if name in ("mul", "rmul"):  # (by a number or a 0-d tensor)
+        return len(marks) == 1
+    if name in ("div", "true_divide", "truediv"):  # (the partial sum divided, by those)
+        return len(marks) == 1 and held[0][1] is not None and all(t.dim() == 0 for t in tensors[1:])
+    if name in ("add", "sub"):  # (of partial sums placed alike: no number, no 0-d tensor)
+        return not numbers and all(h is not None for _, h in held)
+    return False
+
+
+_SHAPE_ONLY = {"ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like"}
+_LINEAR_COPIES = {"detach", "clone", "contiguous", "neg", "to", "float", "double", "type_as"}
