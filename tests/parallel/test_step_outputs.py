@@ -28,6 +28,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.parallel import AutoParallel, UnsupportedParallelError
+from shardwise.planner import PlanError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 BATCH, D = 8, 8
@@ -240,3 +241,44 @@ def test_data_parallel_outputs_leave_with_no_collective() -> None:
         assert_matches_single_device(pred, rows_of(want.argmax(-1)), what="argmax")
         # (an op after backward on a whole value is right on every rank: not refused)
         assert_matches_single_device(norm, torch.tensor(1.0), what="the rows' mean norm")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda out: out.clamp_(min=0),
+        lambda out: F.relu(out, inplace=True),
+    ],
+)
+def test_an_in_place_op_on_a_value_the_plan_moves_is_refused(
+    change: Callable[[torch.Tensor], Any],
+) -> None:
+    """In place on c_proj's partial sum before backward: the plan must reduce it first, so the
+    change would land in the moved copy while the next op reads the user's tensor (``clamp_``
+    planned silently so before; DTensor's rule refuses ``relu_`` itself)."""
+
+    def step(net: nn.Sequential, x: torch.Tensor) -> Any:
+        out = net(x)
+        change(out)
+        loss = out.pow(2).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(PlanError, match=r"in.place.*(Fix: |; )write it out of place"):
+        run(step, batch())
+
+
+def test_an_in_place_op_that_needs_no_move_runs() -> None:
+    """``mul_`` of a partial sum is a partial sum: no move, the change stays in the tensor."""
+
+    def step(net: nn.Sequential, x: torch.Tensor) -> Any:
+        out = net(x)
+        out.mul_(2)
+        loss = out.pow(2).mean()
+        loss.backward()
+        return loss
+
+    x = batch()
+    want = step(make_net(), x)
+    loss, _ = run(step, x)
+    assert_matches_single_device(loss, want.detach(), what="loss")

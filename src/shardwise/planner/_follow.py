@@ -240,11 +240,15 @@ class _Follow:
     def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
         shapes = [list(self.graph.info(r).shape) for r in node.inputs]
         placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
+        fix = (
+            "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
+            if "in-place" in str(e)
+            else f"make the split dims divisible by the number of devices splitting them (e.g. "
+            f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
+        )
         return PlanError(
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
-            f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: make "
-            f"the split dims divisible by the number of devices splitting them (e.g. a global "
-            f"batch divisible by {self.device_num}), or annotate the op with shard()"
+            f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
         )
 
 
