@@ -117,7 +117,7 @@ def capture_plan(
     layouts = input_layouts(dataset, world, args, kwargs)
     g_args, g_kwargs = global_inputs(dataset, world, args, kwargs)
     shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
-    with activate(session), comm.plain_tensors():
+    with activate(session), comm.plain_tensors(), eager():
         graph = capture(
             fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs
         )
@@ -132,3 +132,9 @@ def capture_plan(
         planner = _PLANNERS[mode]
         plan = planner(graph, world, dataset=layouts or str(dataset), param_layouts=given)
     return graph, plan
+
+
+def eager() -> Any:
+    """``torch.compile``'d code (a compiled module or step) runs eagerly inside wrapped calls:
+    the capture records every op, and the plan executor runs them one by one."""
+    return torch.compiler.set_stance("force_eager")

@@ -55,7 +55,7 @@ from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._executor_primitives import Replan
-from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory
+from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
 from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
@@ -365,7 +365,7 @@ class GraphRun:
         executor.inputs = {id(t): weakref.ref(t) for t in leaves if isinstance(t, T)}
         try:
             clip = clipping(*self.clip_args())
-            with executor, activate(self.session), clip:
+            with executor, activate(self.session), clip, eager():
                 out = self.fn(*args, **kwargs)
         except Replan:
             if engine is not None and executor.cursor:
