@@ -227,6 +227,10 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             return func(*args, **kwargs)
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward
+                if not has_tensor(args, kwargs):  # (Python state: leaving ``torch.no_grad()``)
+                    out = func(*args, **kwargs)
+                    if not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
+                        return out
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
             if self.reentered and has_tensor(args, kwargs):  # (the network, not as planned)
                 self._refuse_pass(op, (args, kwargs))
