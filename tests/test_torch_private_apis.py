@@ -234,14 +234,16 @@ def _dispatch() -> None:
 
 
 def _fake_tensors() -> None:
-    from shardwise._torch.fake import DATA_DEPENDENT, FakeTensorMode
+    from shardwise._torch.fake import DATA_DEPENDENT, FakeTensor, FakeTensorMode
 
     with FakeTensorMode():
         x = torch.ones(4, 3)
         assert (x @ x.T).shape == (4, 4)
+        assert isinstance(x, FakeTensor)
         for read in (lambda: x.sum().item(), lambda: torch.nonzero(x)):
             with pytest.raises(DATA_DEPENDENT):
                 read()
+    assert not isinstance(torch.ones(1), FakeTensor)
 
 
 def _profiler_events() -> None:

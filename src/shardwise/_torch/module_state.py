@@ -6,7 +6,7 @@ hides which module holds a tied one. shardwise needs each module's own entries: 
 initialization (`parameter/_deferred.py`) replaces a parameter in every module holding it and
 re-registers a buffer keeping its persistence; a wrapped call (`parallel/_graph_run.py`) saves
 the buffers a stopped attempt changed; capture (`planner/_capture.py`) swaps fakes in for a
-while (`reparametrize`).
+while (`reparametrize`) and removes fake buffers a forward registered (`planner/_user_state.py`).
 
 The accessors are ``operator.attrgetter``s: no slower than the attribute reads they replace.
 """

@@ -170,6 +170,19 @@ def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch
     return modules, optimizers
 
 
+def find_objects(fn: Callable[..., Any]) -> list[Any]:
+    """The objects with attributes a train step's code loads (as `find_referenced` reads them:
+    a ``GradScaler``, a trainer, modules, optimizers), each once; none for a callable without
+    Python code."""
+    if not isinstance(getattr(fn, "__func__", fn), types.FunctionType):
+        return []
+    search = _Search()
+    search.function(fn, root=True)
+    plain = (types.FunctionType, types.MethodType, types.ModuleType, type)
+    found = {id(v): v for v in search.values if hasattr(v, "__dict__") and not isinstance(v, plain)}
+    return list(found.values())
+
+
 def pick_network(modules: list[nn.Module]) -> nn.Module:
     """The referenced module with parameters that contains every other one with parameters.
 

@@ -55,6 +55,7 @@ from shardwise.planner._recorders import (
     record_kind,
     tensors_in,
 )
+from shardwise.planner._user_state import kept_real
 
 
 def _fake_like(
@@ -113,13 +114,15 @@ def capture(
         >>> print(g.nodes[0])
         %0 transformer.wte/embedding = torch.nn.functional.embedding(...) -> float32[8, 16, 32]
     """
+    from shardwise.parallel._discover import find_objects, find_referenced
+
     if networks is None:
         if isinstance(fn, nn.Module):
             networks = [fn]
         else:
-            from shardwise.parallel._discover import find_referenced
-
             networks = [m for m in find_referenced(fn)[0] if any(True for _ in m.parameters())]
+    watched = [m for net in networks for m in net.modules()]  # (`kept_real`)
+    watched += [] if isinstance(fn, nn.Module) else find_objects(fn)
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
     if device is None:
         device = _device([leaf for _, leaf in flat if isinstance(leaf, T)])
@@ -163,6 +166,7 @@ def capture(
     state = _State(known, modules)
     state.keep += list(fakes.values())
     with ExitStack() as stack:
+        stack.enter_context(kept_real(watched))  # (first in, last out: after the fakes go)
         for net in networks:
             stack.enter_context(reparametrize(net, fakes))
         stack.enter_context(tracing())  # (a delayed-init network is not materialized)

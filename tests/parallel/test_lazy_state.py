@@ -1,0 +1,107 @@
+"""State a train step creates lazily on its first call, made during the capture.
+
+The capture runs the step on fake tensors. Before, what the step created lazily there stayed
+fake for every later call: ``torch.amp.GradScaler`` creates its scale in its first
+``scaler.scale(loss)``, so training under fp16 autocast used a fake scale (losses 0.0807 and
+0.0884 at steps 2 and 3 against one device's 0.0758 and 0.0805, silently; ``get_scale()``
+failed); a module that caches a tensor on itself in ``forward`` kept a fake one. The capture now
+puts such attributes back (`planner/_user_state.kept_real`), so the first real call creates
+them as one device does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+
+def make() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+def scaled_step(
+    net: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = net(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("megatron", [False, True])
+def test_a_grad_scaler_made_on_the_first_call_trains_as_one_device(megatron: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 8, generator=g) for _ in range(3)]
+    single = make()
+    run = scaled_step(
+        single, torch.optim.SGD(single.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+    )
+    want = [run(x).detach() for x in xs]
+    net = make()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        if megatron:
+            sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+            sw.shard(net[2], in_strategy=((2, 2), (1, 2)))
+        scaler = torch.amp.GradScaler("cpu")
+        step = scaled_step(net, torch.optim.SGD(net.parameters(), lr=0.1), scaler)
+        parallel = sw.AutoParallel(step)
+        for i, x in enumerate(xs):
+            loss = parallel(world.rows(x))
+            # (float16 matmuls summed in another order on the ranks)
+            assert_matches_single_device(loss, want[i], rtol=1e-3, what=f"loss {i}")
+        assert scaler.get_scale() == 2.0**16  # (a real scale, as one device's)
+
+
+class CachesAMask(nn.Module):
+    """Makes a mask on its first forward and keeps it, as an attribute or as a buffer."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "mask"):
+            mask = torch.arange(8.0) % 2
+            if self.how == "buffer":
+                self.register_buffer("mask", mask)
+            else:
+                self.mask = mask
+        out: torch.Tensor = self.lin(x) * self.mask
+        return out
+
+
+@pytest.mark.parametrize("how", ["attribute", "buffer"])
+def test_a_tensor_a_module_caches_in_forward_is_real(how: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 8, generator=g)
+    torch.manual_seed(0)
+    single = CachesAMask(how)
+    want = [single(x).pow(2).mean() for _ in range(2)]
+    torch.manual_seed(0)
+    net = CachesAMask(how)
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        for i in range(2):
+            assert_matches_single_device(parallel(world.rows(x)), want[i], what=f"loss {i}")
+        assert_matches_single_device(net.mask, torch.arange(8.0) % 2, what="the cached mask")
