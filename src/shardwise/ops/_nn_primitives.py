@@ -117,6 +117,9 @@ def batch_norm_training(
     Returns:
         (y, the batch mean [C], the biased batch variance [C]).
     """
+    dtype = x.dtype  # (statistics in float32 for half types, as torch's kernels keep them)
+    if dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
     view = (1, -1) + (1,) * (x.dim() - 2)
     dims = (0, *range(2, x.dim()))
     count = x.numel() // max(x.shape[1], 1)
@@ -134,7 +137,8 @@ def batch_norm_training(
             mean.mul_(1 - momentum).add_(batch_mean.detach(), alpha=momentum)
             unbiased = m2.detach() / (total - 1) if total > 1 else batch_var.detach()
             variance.mul_(1 - momentum).add_(unbiased, alpha=momentum)
-    return (y if bias is None else y + bias.reshape(view)), batch_mean, batch_var
+    y = y if bias is None else y + bias.reshape(view)
+    return y.to(dtype), batch_mean, batch_var
 
 
 class BatchNorm(Primitive):

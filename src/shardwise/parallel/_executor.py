@@ -134,6 +134,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
         self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
+        self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
         self._spans_init()
 
     @property
@@ -235,6 +236,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             if self.reentered and has_tensor(args, kwargs):  # (the network, not as planned)
                 self._refuse_pass(op, (args, kwargs))
             self.outside = True
+            if self.swapped:  # (a tensor changed in place in a moved copy: that copy)
+                args, kwargs = pytree.tree_map(self.current, (args, kwargs))
             out = func(*args, **kwargs)
             self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out

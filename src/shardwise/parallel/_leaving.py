@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,6 +86,10 @@ class Leaving:
     placed: Placings
     plan: ParallelPlan
 
+    if TYPE_CHECKING:
+
+        def current(self, t: Any) -> Any: ...
+
     def note_placed(self, k: int, edges: dict[int, EdgePlan], out: Any) -> None:
         """Node `k` made `out`: keep its outputs that `edges` move when returned."""
         name = self.plan.nodes[k].name
@@ -108,10 +112,12 @@ class Leaving:
         done: dict[int, T] = {}
 
         def leave(x: Any) -> Any:
+            x = self.current(x)  # (changed in place in a moved copy: that copy)
             if dataclasses.is_dataclass(x) and not isinstance(x, type):
                 fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
-                changed = {k: v for k, v in fields.items() if leave(v) is not v}
-                return dataclasses.replace(x, **{k: leave(v) for k, v in changed.items()})
+                moved = {k: tree(v) for k, v in fields.items()}
+                changed = {k: v for k, v in moved.items() if v is not fields[k]}
+                return dataclasses.replace(x, **changed) if changed else x
             held = self._held(x)
             if held is None:
                 return x
@@ -119,7 +125,10 @@ class Leaving:
                 done[id(x)] = move(x, held[0])
             return done[id(x)]
 
-        return pytree.tree_map(leave, out, is_leaf=dataclasses.is_dataclass)
+        def tree(x: Any) -> Any:
+            return pytree.tree_map(leave, x, is_leaf=dataclasses.is_dataclass)
+
+        return tree(out)
 
     def placed_call(
         self, func: Callable[..., Any], kind: str, op: str, args: Any, kwargs: Any
@@ -181,12 +190,20 @@ def _keeps(op: str, args: Any, held: list[tuple[T, Any]], out: Any) -> bool:
     name = _name(op)
     numbers = [x for x in pytree.tree_leaves(args) if isinstance(x, int | float)]
     tensors = [t for t, _ in held]
-    if name in _LINEAR_COPIES:
-        return all(out.dtype.itemsize >= t.dtype.itemsize for t, h in held if h is not None)
+    if name in _LINEAR_COPIES:  # (a cast only to a floating type at least as wide)
+        wide = all(out.dtype.itemsize >= t.dtype.itemsize for t, h in held if h is not None)
+        return wide and (out.dtype.is_floating_point or out.dtype.is_complex)
     if name in ("mul", "rmul"):  # (by a number or a 0-d tensor)
         return len(marks) == 1
     if name in ("div", "true_divide", "truediv"):  # (the partial sum divided, by those)
-        return len(marks) == 1 and held[0][1] is not None and all(t.dim() == 0 for t in tensors[1:])
+        kwargs = args[1] if isinstance(args, tuple) and len(args) > 1 else {}
+        rounded = isinstance(kwargs, dict) and kwargs.get("rounding_mode") is not None
+        return (
+            not rounded
+            and len(marks) == 1
+            and held[0][1] is not None
+            and all(t.dim() == 0 for t in tensors[1:])
+        )
     if name in ("add", "sub"):  # (of partial sums placed alike: no number, no 0-d tensor)
         return not numbers and all(h is not None for _, h in held)
     return False

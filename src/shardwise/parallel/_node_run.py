@@ -6,6 +6,7 @@ averages of its outputs."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,7 @@ class NodeRun:
     started: list[Callable[[], None]]
     run: object
     backward_seen: bool
+    swapped: dict[int, tuple[weakref.ref[T], T]]  # in place on a moved copy: id -> its result
 
     if TYPE_CHECKING:
 
@@ -60,9 +62,12 @@ class NodeRun:
     def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
         """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
         slot = 0
+        reads = k in self.table.reads_in_place
         for i, leaf in enumerate(tensors):
             if not isinstance(leaf, T):
                 continue
+            if reads:
+                leaf = self.current(leaf)
             if self.param_value is not None and id(leaf) in self.params:
                 leaf = self.param_value(leaf)
             edge = self.table.edges.get((k, slot))
@@ -77,13 +82,16 @@ class NodeRun:
     def _run(
         self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
+        table = self.table
+        changed = None  # (an in-place op on a moved input: the tensor the network holds)
+        if k in table.in_place_moved:
+            changed = next((t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)), None)
         if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
             leaves = self._moved_inputs(k, [*args, *kw.values()])
             args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
         else:
             leaves, spec = pytree.tree_flatten((args, kw))
             args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
-        table = self.table
         if table.templates is not None and table.captured[k]:
             tensors = [t for t in leaves if isinstance(t, T)]
             args, kw = self.sizes(k, args, kw, table.global_args(k, tensors, args, kw))
@@ -97,7 +105,15 @@ class NodeRun:
         out = self._returned(k, out, weight)
         if k in table.averaging:
             average_outputs(out, self.plan.nodes[k], self.plan.matrix)
+        if changed is not None and isinstance(out, T):  # (later reads of it get `out`)
+            self.swapped[id(changed)] = (weakref.ref(changed), out)
         return out
+
+    def current(self, t: Any) -> Any:
+        """`t`, or what an in-place op of the plan made of it in a moved copy (`swapped`: the
+        network reads the tensor it changed in place, ``x.clamp_(min=0); y = f(x)``)."""
+        entry = self.swapped.get(id(t)) if self.swapped else None
+        return entry[1] if entry is not None and entry[0]() is t else t
 
     def _returned(self, k: int, out: Any, weight: T | None = None) -> Any:
         """Apply the edges of the node's returned outputs (the loss's AllReduce; a mean loss

@@ -33,6 +33,7 @@ from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
 from shardwise.planner._draws import DROPOUT as DROPOUT_OP
 from shardwise.planner._draws import GLOBAL_DRAWS, MAY_DRAW, SDPA
+from shardwise.planner._follow import in_place
 from shardwise.planner._graph import TensorSlot
 from shardwise.planner._losses import WEIGHTED_MEAN
 
@@ -134,6 +135,19 @@ class NodeTable:
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
         moved = {k for k, _ in self.edges}
+        # an in-place op whose input 0 is moved changes a copy: the nodes reading the result of
+        # an in-place op (of that copy, or of one changed after it) get it even when the
+        # network reads the tensor it changed (`_node_run.current`)
+        changes = {
+            k
+            for k, n in enumerate(nodes)
+            if in_place(n.op) or (templates is not None and _inplace_kw(templates[k]))
+        }
+        self.in_place_moved = {k for k in changes if (k, 0) in self.edges}
+        outs = {f"%{k}" for k in changes} if self.in_place_moved else set()
+        self.reads_in_place = {
+            n.index for n in nodes if any(v.split(".")[0] in outs for v in n.values)
+        }
         self.fast = [
             self._kind(k, n.op)
             if n.values
@@ -145,6 +159,7 @@ class NodeTable:
             and k not in self.split_norms
             and k not in self.global_draws
             and k not in self.resized
+            and k not in self.reads_in_place
             else SLOW
             for k, n in enumerate(nodes)
         ]
@@ -189,6 +204,12 @@ class NodeTable:
         leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
         out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
         return tuple(out[0]), dict(out[1])
+
+
+def _inplace_kw(template: tuple[Any, Any]) -> bool:
+    """Whether a captured call passed ``inplace=True`` (``F.relu(x, inplace=True)``)."""
+    kwargs = template[1] if len(template) > 1 else {}
+    return isinstance(kwargs, dict) and kwargs.get("inplace") is True
 
 
 def _local(fast: int, op: str) -> bool | None:

@@ -126,7 +126,7 @@ class _Follow:
             try:
                 shapes = [o.info.shape for o in call.outputs]
                 dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
-            except (RuntimeError, ValueError, AssertionError) as e:
+            except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
                 error = self._error(node, call.op, e)
                 if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
                     raise RandomFillError(str(error)) from None
@@ -242,7 +242,7 @@ class _Follow:
         placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
         fix = (
             "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
-            if "in-place" in str(e)
+            if "in-place" in str(e) or in_place(node.op)
             else f"make the split dims divisible by the number of devices splitting them (e.g. "
             f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
         )
@@ -250,6 +250,19 @@ class _Follow:
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
             f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
         )
+
+
+_IN_PLACE_DUNDERS = {
+    f"__i{name}__"
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
+} | {"__ixor__", "__ilshift__", "__irshift__"}
+
+
+def in_place(op: str) -> bool:
+    """Whether torch-level `op` changes its first input in place (``torch.Tensor.clamp_``,
+    ``torch.Tensor.__iadd__``)."""
+    name = op.rsplit(".", 1)[-1]
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
 
 
 def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:

@@ -186,14 +186,6 @@ class _Planner(_Follow):
             to_placed(self.matrix, p, len(self.graph.info(r).shape))
             for p, r in zip(need, node.inputs, strict=True)
         )
-        mutates = in_place(node.op) or node.kwargs.get("inplace") is True
-        if node.inputs and mutates and self.state[node.inputs[0]] != ins[0]:
-            raise PlanError(
-                f"{node.op} ({node.name} at {node.source}) changes its input in place, but the "
-                f"plan must first move that input ({self.state[node.inputs[0]]} -> {ins[0]}), "
-                f"so the change would land in a moved copy, not in the tensor the network "
-                f"reads next; write it out of place (x = x.clamp(min=0) for x.clamp_(min=0))"
-            )
         for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
             self.edge(node.index, i, ref, dst)
         placed = tuple(
@@ -350,19 +342,6 @@ def walk(
         outputs=tuple(p.state[ref] for ref in graph.outputs),
         equal_grads=equal,
     )
-
-
-_IN_PLACE_DUNDERS = {
-    f"__i{name}__"
-    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
-} | {"__ixor__", "__ilshift__", "__irshift__"}
-
-
-def in_place(op: str) -> bool:
-    """Whether torch-level `op` changes its first input in place (``torch.Tensor.clamp_``,
-    ``torch.Tensor.__iadd__``)."""
-    name = op.rsplit(".", 1)[-1]
-    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
 
 
 @gc_paused
