@@ -213,3 +213,34 @@ def test_a_conv_net_propagates_from_its_conv() -> None:
     assert got["bn/BatchNorm"] == ((2, 2, 1, 1), (2,), (2,), (2,), (2,))
     assert got["relu/ReLU"] == got["pool/MaxPool"] == got["flatten/Flatten"] == ((2, 2, 1, 1),)
     assert [e for e in plan.edges if 0 < e.consumer < 4 and e.steps] == []
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "semi_auto"])
+def test_hugging_face_gpt2_with_an_arange_of_the_local_batch(mode: str) -> None:
+    """transformers' causal mask starts from ``torch.arange(batch_size)``, the batch size read
+    from this rank's input. The factory now runs with the captured global size where the call
+    gave another one (as ops on whole inputs do), so it makes the whole tensor the plan has:
+    before, under sharding_propagation, the plan's move of it met this rank's 2 rows instead of
+    8 ("redistribute: the local block has shape [2]")."""
+    from ..zoo import gpt2_hf, token_batches
+
+    x, _ = token_batches(1, 8)[0]
+    single = gpt2_hf()
+    want = single(input_ids=x, labels=x).loss
+    want.backward()
+    net = gpt2_hf()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        grads: dict[str, torch.Tensor] = {}
+
+        def step(ids: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            grads.update({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            return loss
+
+        loss = AutoParallel(step, parallel_mode=mode)(world.rows(x))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        for name, p in single.named_parameters():
+            assert p.grad is not None
+            assert_matches_single_device(grads[name], p.grad, what=f"{name}.grad")
