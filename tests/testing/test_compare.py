@@ -24,3 +24,13 @@ def test_per_rank_values_and_structures() -> None:
         assert_matches_single_device({"a": [x]}, {"a": [lambda r: torch.full((2,), float(r))]})
         with pytest.raises(AssertionError, match=r"grads\['a'\]\[0\] on rank 1"):
             assert_matches_single_device({"a": [x]}, {"a": [torch.zeros(2)]}, what="grads")
+
+
+def test_per_rank_values_kept_after_the_world_ended() -> None:
+    """Compared after ``simulated_world`` closed: each rank's value, named (before: an
+    ``AttributeError`` from the per-rank integer of a mismatch)."""
+    with simulated_world(2) as world:
+        x = world.rank_map(lambda r: torch.full((3,), float(r)))
+    assert_matches_single_device(x, lambda r: torch.full((3,), float(r)))
+    with pytest.raises(AssertionError, match=r"x on rank 1: differs"):
+        assert_matches_single_device(x, torch.zeros(3), what="x")

@@ -34,6 +34,15 @@ def _private() -> tuple[Any, Any, Any]:
     return fake_pg, (LocalIntNode, LocalTensor), LocalTensorMode
 
 
+def parts_of(t: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+    """Each rank's value of a per-rank tensor kept from a world that has ended (None: `t` is
+    a plain tensor)."""
+    if not isinstance(t, _private()[1][1]):
+        return None
+    parts = t._local_tensors
+    return [(r, parts[r]) for r in sorted(parts)]
+
+
 def tiles(ranks: Sequence[int], world_size: int) -> list[list[int]] | None:
     """The translates of `ranks` that partition ``range(world_size)``, or None if none do.
 
