@@ -90,3 +90,45 @@ def test_size_arguments_follow_the_plan(body: str, size: str) -> None:
             got = parallel(world.rows(x))
         assert_matches_single_device(got, world.rows(want), what=f"{body} ({size} sizes)")
         assert not rec.kinds(), rec.summary()
+
+
+class Positions(nn.Module):
+    """Adds ``arange(offset, offset + T)`` (an offset passed per call) and a per-row id
+    ``arange(b)`` (the batch size read from the input: this rank's rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        b, t = x.shape
+        pos = torch.arange(offset, offset + t).float()
+        rows = torch.arange(b).float()[:, None]
+        out: torch.Tensor = self.lin(x + pos) * (rows + 1)
+        return out
+
+
+def test_a_factory_takes_the_global_size_but_keeps_other_ints() -> None:
+    """``arange(b)`` of this rank's batch size gets the global size the plan made it with (8
+    rows, then cut to this rank's: the rows' own ids), while ``arange(offset, offset + t)``
+    keeps each call's offset (0, then 3: no split count of the device matrix relates it to the
+    captured one)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g)
+    torch.manual_seed(0)
+    single = Positions()
+    torch.manual_seed(0)
+    net = Positions()
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, offset: int) -> torch.Tensor:
+            loss = net(x, offset).pow(2).mean()
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        for offset in (0, 3):
+            want = single(x, offset).pow(2).mean()
+            got = parallel(world.rows(x), offset)
+            assert_matches_single_device(got, want.detach(), what=f"loss at offset {offset}")

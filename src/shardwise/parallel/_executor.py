@@ -323,13 +323,14 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
         on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one.
         A factory of the plan's next node gets the node's global sizes (`factory_call`; any
-        other factory its captured sizes where user code read this rank's: `Passes.sizes`)."""
+        other factory its captured sizes where user code read this rank's share of them:
+        `Passes.factory_sizes`)."""
         k = self.cursor
         if self.ops[k] == op:
             args, kw = factory_call(op, args, kw, self.plan.nodes[k].shapes[0])
             templates = self.table.templates
             if templates is not None:  # (``torch.arange(b)`` of a local size: the global one)
-                args, kw = self.sizes(k, args, kw, templates[k])
+                args, kw = self.factory_sizes(args, kw, templates[k])
         out = func(*args, **kw)
         if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
             return out

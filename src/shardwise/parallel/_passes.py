@@ -172,6 +172,35 @@ class Passes:
         out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
         return out
 
+    def factory_sizes(self, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
+        """A factory's arguments (``torch.arange(b)``) with each int that is this call's share
+        of the captured global one (times a split count of the plan's device matrix, as a
+        size read from this rank's block is) replaced by the global one; other ints (a step
+        counter, an offset) stay this call's."""
+        own, spec = pytree.tree_flatten((args, kw))
+        global_, global_spec = pytree.tree_flatten(captured)
+        if spec != global_spec:
+            return args, kw
+        counts = self.split_counts
+        changed = False
+        for i, (x, g) in enumerate(zip(own, global_, strict=True)):
+            share = isinstance(x, int) and isinstance(g, int) and _size(x) and _size(g)
+            if share and 0 < x != g and g % x == 0 and g // x in counts:
+                own[i], changed = g, True
+        if not changed:
+            return args, kw
+        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+        return out
+
+    @property
+    def split_counts(self) -> set[int]:
+        """The numbers of blocks a dim split over some axes of the plan's matrix has."""
+        sizes = [s for s in self.plan.matrix.shape if s > 1]
+        counts = {1}
+        for s in sizes:
+            counts |= {c * s for c in counts}
+        return counts - {1}
+
     def _starts_with(self, k: int, op: str, leaves: list[Any]) -> bool:
         """Whether a call of `op` on `leaves` is node `k`'s: the same parameters in its places,
         the call's inputs where it read inputs (not a value made in the step there)."""
