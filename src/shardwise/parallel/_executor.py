@@ -66,6 +66,7 @@ from shardwise.parallel._node_table import (
     CALLS,
     PLAIN,
     SIZED,
+    SIZED_FACTORIES,
     SLOW,
     NodeTable,
     call_info,
@@ -329,7 +330,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         if self.ops[k] == op:
             args, kw = factory_call(op, args, kw, self.plan.nodes[k].shapes[0])
             templates = self.table.templates
-            if templates is not None:  # (``torch.arange(b)`` of a local size: the global one)
+            if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
                 args, kw = self.factory_sizes(args, kw, templates[k])
         out = func(*args, **kw)
         if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):

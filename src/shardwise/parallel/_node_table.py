@@ -57,6 +57,12 @@ _RESIZED = {
 }
 # factories whose size arguments name their (whole) output's shape (`factory_call`)
 _FACTORIES = {"torch.zeros", "torch.ones", "torch.empty", "torch.full"}
+# factories whose int arguments are sizes or bounds (not data, as ``torch.tensor(k)``'s):
+# one that is this rank's share of the captured int takes the global one (`factory_sizes`)
+SIZED_FACTORIES = {
+    *("torch.arange", "torch.linspace", "torch.logspace", "torch.eye", "torch.randperm"),
+    *("torch.rand", "torch.randn", "torch.randint", "torch.tril_indices", "torch.triu_indices"),
+}
 
 # how the executor runs each node (`NodeTable.fast`)
 SLOW = 0  # the full path: edges, captured sizes, the first or last node, returned values

@@ -98,7 +98,14 @@ class Passes:
         leaves = pytree.tree_leaves(args)
         if any(_held(self.made_outside, t) for t in leaves):
             return False
-        for start in range((self.network_start or 0) + 1):
+        bound = self.network_start  # (None: the step calls submodules, never the network)
+        if bound is None:  # (then up to the first op that reads a parameter)
+            nodes = self.plan.nodes
+            reads = (
+                j for j, n in enumerate(nodes) if any(v.startswith("param:") for v in n.values)
+            )
+            bound = next(reads, 0)
+        for start in range(bound + 1):
             if self._starts_with(start, op, leaves):
                 self.cursor, self.finished, self.outside = start, False, False
                 self.start, self.in_network, self.reentered = start, self.reentered, False
