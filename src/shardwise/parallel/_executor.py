@@ -176,7 +176,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         if (  # a node on its short path (`NodeTable.fast`): the op checked, the cursor moved
             fast and not self.paused and op == self.ops[k] and args and isinstance(args[0], T)
         ):
-            if checkpointing():  # (tens of nanoseconds: saved-tensor hooks, grad mode)
+            if checkpointing():  # (about 100 ns: saved-tensor hooks, grad mode)
                 self._refuse_checkpointed(k)
             self.cursor = k + 1
             self.paused += 1
