@@ -33,8 +33,8 @@ from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
 from shardwise.planner._draws import DROPOUT as DROPOUT_OP
 from shardwise.planner._draws import GLOBAL_DRAWS, MAY_DRAW, SDPA
-from shardwise.planner._follow import in_place
 from shardwise.planner._graph import TensorSlot
+from shardwise.planner._in_place import in_place
 from shardwise.planner._losses import WEIGHTED_MEAN
 
 T = torch.Tensor

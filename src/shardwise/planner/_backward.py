@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner._graph import AtenArg, Graph, Node, Ref
+from shardwise.planner._in_place import writes_input
 from shardwise.planner._placement import _itemsize
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, Placed
 
@@ -54,14 +55,6 @@ Where = tuple[str, int, int]  # an AllReduce: ("comm", op, its index) or ("edge"
 
 def _is_float(dtype: str) -> bool:
     return "float" in dtype or "complex" in dtype
-
-
-def _in_place(node: Node) -> bool:
-    """Whether `node` may write into one of its inputs (its output is then that input)."""
-    name = node.op.rsplit(".", 1)[-1]
-    if name.startswith("__"):
-        return name.startswith("__i") or name == "__setitem__"
-    return name.endswith("_") or bool(node.kwargs.get("inplace")) or "out" in node.kwargs
 
 
 @dataclass
@@ -144,7 +137,7 @@ class _Values:
         node = self.graph.nodes[k]
         alias = j < len(node.out_map) and isinstance(node.out_map[j], AtenArg)
         alias = alias and node.out_map[j].kind == "in"  # type: ignore[union-attr]
-        return not alias and not _in_place(node)
+        return not alias and not writes_input(node)
 
 
 class _Axis:

@@ -33,6 +33,7 @@ from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import decide
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
+from shardwise.planner._in_place import in_place
 from shardwise.planner._placement import (
     Placements,
     PlanError,
@@ -250,19 +251,6 @@ class _Follow:
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
             f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
         )
-
-
-_IN_PLACE_DUNDERS = {
-    f"__i{name}__"
-    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
-} | {"__ixor__", "__ilshift__", "__irshift__"}
-
-
-def in_place(op: str) -> bool:
-    """Whether torch-level `op` changes its first input in place (``torch.Tensor.clamp_``,
-    ``torch.Tensor.__iadd__``)."""
-    name = op.rsplit(".", 1)[-1]
-    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
 
 
 def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from shardwise.planner._backward import _in_place
 from shardwise.planner._graph import Graph, Ref
+from shardwise.planner._in_place import writes_input
 from shardwise.planner._plan import EdgePlan, NodePlan, Placed
 
 
@@ -52,7 +52,12 @@ def plan_seeded(
         alike = not (n.comms or n.backward or n.draws or n.local)
         outs = [str(Ref("node", n.index, o)) for o in range(len(n.outputs))]
         read = [consumers.get(v, set()) for v in outs]
-        if whole and alike and not _in_place(graph.nodes[n.index]) and all(c <= tail for c in read):
+        if (
+            whole
+            and alike
+            and not writes_input(graph.nodes[n.index])
+            and all(c <= tail for c in read)
+        ):
             tail.add(n.index)
 
     def seeded(e: EdgePlan) -> bool:

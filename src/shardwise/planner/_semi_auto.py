@@ -65,9 +65,10 @@ from shardwise.planner._draws import (
     attention_dropout,
     plan_draws,
 )
-from shardwise.planner._follow import _Follow, in_place
+from shardwise.planner._follow import _Follow
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
+from shardwise.planner._in_place import check_change
 from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
 from shardwise.planner._placement import (
     DatasetStrategy,
@@ -128,31 +129,6 @@ class _Planner(_Follow):
         )
         self.edges.append(edge)
 
-    def _check_change(self, node: Node, dst: Placed | None) -> None:
-        """Raise when `node` changes its input 0 in place where the executor cannot hand the
-        change to later reads (`_node_run.current` covers an in-place op on a moved input
-        itself): item assignment on a moved value (it returns nothing), or a change through a
-        view when the view or its base was moved (later reads go to the base, and a moved
-        slice holds only this rank's part of it). `dst`: input 0's move (None: none)."""
-        ref = node.inputs[0]
-        setitem = node.op.endswith("__setitem__")
-        changes = setitem or in_place(node.op) or node.kwargs.get("inplace") is True
-        if not changes or ref.kind != "node":
-            return
-        k = int(ref.key)
-        view = self.graph.nodes[k].op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEWS
-        base_moved = view and any(e.consumer == k and e.slot == 0 for e in self.edges)
-        if not ((setitem or view) and (dst is not None or base_moved)):
-            return
-        what = "sets items of" if setitem else "changes a view of"
-        move = f"{self.state[ref]} -> {dst}" if dst is not None else "the view's base"
-        raise PlanError(
-            f"{node.op} ({node.name} at {node.source}) {what} a value in place, but the plan "
-            f"moves it first ({move}), so the change would land in a moved copy, not in the "
-            f"tensor the network reads next; write it out of place (torch.where, "
-            f"x.masked_fill(...), torch.cat)"
-        )
-
     # -- primitives ----------------------------------------------------------------------
     def primitive(self, node: Node, op: OpPlan, rule: str | None = None) -> None:
         m = self.matrix
@@ -212,7 +188,8 @@ class _Planner(_Follow):
             for p, r in zip(need, node.inputs, strict=True)
         )
         if node.inputs:
-            self._check_change(node, ins[0] if self.state[node.inputs[0]] != ins[0] else None)
+            moved = ins[0] if self.state[node.inputs[0]] != ins[0] else None
+            check_change(self.graph, self.state, self.edges, node, moved)
         for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
             self.edge(node.index, i, ref, dst)
         placed = tuple(
@@ -369,13 +346,6 @@ def walk(
         outputs=tuple(p.state[ref] for ref in graph.outputs),
         equal_grads=equal,
     )
-
-
-_VIEWS = {  # (ops whose output shares its input's storage: a change of it changes the input)
-    *("view", "view_as", "__getitem__", "narrow", "select", "transpose", "t", "T", "mT"),
-    *("permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten"),
-    *("split", "chunk", "unbind", "diagonal", "as_strided", "movedim", "swapaxes", "reshape"),
-}
 
 
 @gc_paused

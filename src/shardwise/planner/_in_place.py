@@ -1,0 +1,82 @@
+"""Which ops change a tensor in place, and the in-place changes a plan cannot carry out.
+
+- `in_place`: a torch-level op that changes its first input (``torch.Tensor.clamp_``,
+  ``torch.Tensor.__iadd__``), by its name.
+- `writes_input`: a captured node that may write into one of its inputs (also item
+  assignment, ``inplace=True``, ``out=``, any ``__i...__`` method): the backward analyses
+  (`_backward`, `_seeded`) treat such a node as aliasing its input.
+- `check_change`: raise for an in-place change the plan executor cannot hand to later reads
+  (the planner asks for each torch node whose input 0 it places).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from shardwise.planner._graph import Graph, Node, Ref
+from shardwise.planner._placement import PlanError
+from shardwise.planner._plan import EdgePlan, Placed
+
+_IN_PLACE_DUNDERS = {
+    f"__i{name}__"
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
+} | {"__ixor__", "__ilshift__", "__irshift__"}
+
+_VIEWS = {  # (ops whose output shares its input's storage: a change of it changes the input)
+    *("view", "view_as", "__getitem__", "narrow", "select", "transpose", "t", "T", "mT"),
+    *("permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten"),
+    *("split", "chunk", "unbind", "diagonal", "as_strided", "movedim", "swapaxes", "reshape"),
+}
+
+
+def in_place(op: str) -> bool:
+    """Whether torch-level `op` changes its first input in place (``torch.Tensor.clamp_``,
+    ``torch.Tensor.__iadd__``).
+
+    Example:
+        >>> in_place("torch.Tensor.clamp_"), in_place("torch.Tensor.__iadd__")
+        (True, True)
+    """
+    name = op.rsplit(".", 1)[-1]
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+def writes_input(node: Node) -> bool:
+    """Whether `node` may write into one of its inputs (its output is then that input)."""
+    name = node.op.rsplit(".", 1)[-1]
+    if name.startswith("__"):
+        return name.startswith("__i") or name == "__setitem__"
+    return name.endswith("_") or bool(node.kwargs.get("inplace")) or "out" in node.kwargs
+
+
+def check_change(
+    graph: Graph,
+    state: Mapping[Ref, Placed],
+    edges: Sequence[EdgePlan],
+    node: Node,
+    dst: Placed | None,
+) -> None:
+    """Raise when `node` changes its input 0 in place where the executor cannot hand the
+    change to later reads (`_node_run.current` covers an in-place op on a moved input
+    itself): item assignment on a moved value (it returns nothing), or a change through a
+    view when the view or its base was moved (later reads go to the base, and a moved slice
+    holds only this rank's part of it). `dst`: input 0's move (None: none); `state`: each
+    value's placement; `edges`: the moves planned so far."""
+    ref = node.inputs[0]
+    setitem = node.op.endswith("__setitem__")
+    changes = setitem or in_place(node.op) or node.kwargs.get("inplace") is True
+    if not changes or ref.kind != "node":
+        return
+    k = int(ref.key)
+    view = graph.nodes[k].op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEWS
+    base_moved = view and any(e.consumer == k and e.slot == 0 for e in edges)
+    if not ((setitem or view) and (dst is not None or base_moved)):
+        return
+    what = "sets items of" if setitem else "changes a view of"
+    move = f"{state[ref]} -> {dst}" if dst is not None else "the view's base"
+    raise PlanError(
+        f"{node.op} ({node.name} at {node.source}) {what} a value in place, but the plan "
+        f"moves it first ({move}), so the change would land in a moved copy, not in the "
+        f"tensor the network reads next; write it out of place (torch.where, "
+        f"x.masked_fill(...), torch.cat)"
+    )
