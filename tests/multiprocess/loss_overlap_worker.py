@@ -1,8 +1,10 @@
 """Worker for test_loss_overlap_real.py: wrapped train steps that read the loss at every point
 the plan executor must finish the loss's started AllReduce, on real gloo processes (in a
-simulated world it runs at once). Each rank passes its rows of one global batch; every loss the
-step reads or returns and the parameters after it equal one device's. Prints ``CHECK <case> OK``
-per case."""
+simulated world it runs at once). Each rank passes its rows of one global batch, whose first
+rows are padding (``ignore_index``): the ranks count different targets, so the mean loss is
+weighed by the counts, and a backward that does not wait for the summed count is corrected in
+the gradient buckets. Every loss the step reads or returns and the parameters after it equal
+one device's. Prints ``CHECK <case> OK`` per case."""
 
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ def make_net() -> nn.Module:
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    y[:3] = -100  # (padding: of 2 ranks the first counts 1 target, the second 4)
+    return x, y
 
 
 def read_before_backward(net, opt, x, y, seen):  # type: ignore[no-untyped-def]
@@ -79,6 +83,15 @@ def after_step(net, opt, x, y, seen):  # type: ignore[no-untyped-def]
     return F.cross_entropy(net(x), y)  # the network again: the updated net's loss
 
 
+def regularized(net, opt, x, y, seen):  # type: ignore[no-untyped-def]
+    loss = F.cross_entropy(net(x), y)
+    l2 = sum((p * p).sum() for p in net.parameters())
+    (loss + 0.01 * l2).backward()  # (gradients not only through the loss: alike on every rank)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def inference(net, opt, x, y, seen):  # type: ignore[no-untyped-def]
     with torch.inference_mode():  # (an inference tensor: finished in place all the same)
         loss = F.cross_entropy(net(x), y)
@@ -92,6 +105,7 @@ CASES: list[Step] = [
     scaled,
     closure,
     after_step,
+    regularized,
     inference,
 ]
 

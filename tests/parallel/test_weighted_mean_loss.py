@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -124,3 +125,64 @@ def test_class_weights_match_one_device(loss_of: object) -> None:
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         grads = {n: p.grad for n, p in ref.named_parameters()}
         semi_auto_matches(world, net, opt, loss_of, [(x, y)], [want.detach()], [grads])
+
+
+def resnet_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return net(x, y)[1]  # type: ignore[no-any-return]
+
+
+def test_padded_targets_with_split_batch_norm_match_one_device() -> None:
+    """A split batch norm gathers its statistics (a collective in backward too): the loss's
+    backward waits for the summed count instead of dividing by this rank's estimate."""
+    from ..zoo import ResNet, image_batches
+
+    ((x, y),) = image_batches(1, 8, size=8)
+    y = y.clone()
+    y[:3] = -100  # (rank 0 of 2 counts 1 target, rank 1 counts 4)
+    ref = ResNet(widths=(4, 8))
+    want = resnet_loss(ref, x, y)
+    want.backward()
+    net = ResNet(widths=(4, 8))
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        parallel, _ = semi_auto_matches(
+            world, net, opt, resnet_loss, [(x, y)], [want.detach()], [grads]
+        )
+    assert not any(e.deferred for e in parallel.parallel_plan.edges)
+
+
+def loss_step(net: nn.Module) -> Any:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return gpt2_loss(net, x, y)
+
+    return step
+
+
+def test_backward_does_not_wait_for_the_count_when_the_loss_is_the_only_collective() -> None:
+    """Data parallel GPT-2: the loss's AllReduce is the plan's only collective, so its seeded
+    backward divides by this rank's estimate of the count (``EdgePlan.deferred``, kept in the
+    plan's JSON); under Megatron's layout other collectives meet the gradients: it waits."""
+    import shardwise as sw
+    from shardwise.planner import ParallelPlan
+
+    from ..zoo import GPT2
+
+    ((x, y),) = padded(-1)[:1]
+    deferred, shown = {}, {}
+    for name, annotate in (("dp", False), ("megatron", True)):
+        net = GPT2()
+        if annotate:
+            for block in net.transformer.h:
+                sw.shard(block.attn.c_attn, in_strategy=((1, 1), (2, 1)))
+                sw.shard(block.attn.c_proj, in_strategy=((1, 2), (1, 2)))
+        with simulated_world(2) as world:
+            world.replicate(net)
+            plan = sw.AutoParallel(loss_step(net), parallel_mode="semi_auto").plan(
+                world.rows(x), world.rows(y)
+            )
+        deferred[name], shown[name] = [e.value for e in plan.edges if e.deferred], str(plan)
+        assert ParallelPlan.from_dict(plan.to_dict()) == plan
+    assert len(deferred["dp"]) == 1 and "backward does not wait" in shown["dp"]
+    assert deferred["megatron"] == [] and "backward does not wait" not in shown["megatron"]

@@ -11,8 +11,10 @@ synchronizing collective per training step fewer; so does, inside that block, a 
 seed alike on every rank: ``(loss / 4).backward()``; the mark names the run of the plan, so
 results of other runs keep their AllReduce). A plan that knows the result's gradient is the
 same on some of the group's ranks says so with a `GradRoute` (the AllReduce over the other ranks
-only, or none). `average_gradient(x, group)` is the other side (Megatron's ``f``): in backward
-it replaces the gradient of `x` by its mean over the group, making it the same on every rank.
+only, or none). With a weight (a mean loss's counted targets) and ``defer``, a seeded backward
+does not wait for the summed weight (`_count_factor`). `average_gradient(x, group)` is the
+other side (Megatron's ``f``): in backward it replaces the gradient of `x` by its mean over the
+group, making it the same on every rank.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from shardwise._torch.autograd_engine import backward_node_class
+from shardwise._torch.autograd_engine import backward_node_class, current_graph_task_id
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim, recorder
 from shardwise.communication._collectives import ReduceOp
+from shardwise.communication._count_factor import note_factor
 from shardwise.communication._init import Group, get_group_size
 
 GroupArg = str | Group | None
@@ -54,10 +57,14 @@ class _SumOverRanksFn(torch.autograd.Function):
         started: list[Any] | None,
         weight: torch.Tensor | None,
         seeded: object | None,
+        defer: bool,
     ) -> torch.Tensor:
         ctx.group, ctx.divisor, ctx.replicated_seed, ctx.route = group, divisor, False, route
-        ctx.seeded = seeded
+        ctx.seeded, ctx.defer = seeded, False
         if weight is not None:
+            if defer:  # (the count's estimate: this rank's times the group size; see backward)
+                ctx.defer = True
+                ctx.estimate = torch.where(weight > 0, weight, 1).float() * get_group_size(group)
             return _weighted(ctx, x, weight, group, started)
         if started is None:
             out = C.all_reduce(x, ReduceOp.SUM, group)
@@ -76,14 +83,20 @@ class _SumOverRanksFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if isinstance(ctx.divisor, torch.Tensor):  # (the summed weight: `_weighted`)
+        seeded = ctx.replicated_seed or (ctx.seeded is not None and ctx.seeded is _SEEDED[0])
+        if isinstance(ctx.divisor, torch.Tensor) and ctx.defer and seeded:
+            # not waiting for the summed count: / this rank's estimate of it, and the gradient
+            # sums over ranks multiply each share by estimate / sum (`_count_factor`)
+            note_factor(current_graph_task_id(), ctx.pending, ctx.estimate, ctx.divisor)
+            g = (g / ctx.estimate).to(g.dtype)
+        elif isinstance(ctx.divisor, torch.Tensor):  # (the summed weight: `_weighted`)
             if ctx.pending is not None:  # (a backward alongside the started AllReduce)
                 ctx.pending.wait()
             g = (g / ctx.divisor).to(g.dtype)
         elif ctx.divisor != 1:
             g = g / ctx.divisor
-        none = (None, None, None, None, None, None)
-        if ctx.replicated_seed or (ctx.seeded is not None and ctx.seeded is _SEEDED[0]):
+        none = (None, None, None, None, None, None, None)
+        if seeded:
             # the same g on every rank: their sum is g * group size
             return g * get_group_size(ctx.group), *none
         route: GradRoute | None = ctx.route
@@ -126,6 +139,7 @@ def sum_over_ranks(
     started: list[Callable[[], None]] | None = None,
     weight: torch.Tensor | None = None,
     seeded: object | None = None,
+    defer: bool = False,
 ) -> torch.Tensor:
     """The sum of `x` over the ranks of `group` (one AllReduce; none for a one-rank group),
     divided by `divisor` (or, with `weight`, by the sum of `weight` over the group: both summed
@@ -150,6 +164,9 @@ def sum_over_ranks(
             plan this object stands for): inside `replicated_seed` with the same object (a
             backward from a seed of ones on a root that run made) its gradient is the same on
             every rank, and the adjoint is local.
+        defer: (with `weight`) a seeded backward does not wait for the summed weight: it
+            divides by this rank's weight times the group size and notes the factor by which
+            the backward's gradient sums must correct each rank's share (`_count_factor`).
 
     Returns:
         The reduced value, the same on every rank.
@@ -163,7 +180,9 @@ def sum_over_ranks(
         return x / divisor if divisor != 1 else x
     if _sim.current() is not None:  # (one process runs every rank: nothing to overlap)
         started = None
-    out: torch.Tensor = _SumOverRanksFn.apply(x, group, divisor, route, started, weight, seeded)
+    out: torch.Tensor = _SumOverRanksFn.apply(
+        x, group, divisor, route, started, weight, seeded, defer
+    )
     return out
 
 

@@ -35,12 +35,15 @@ def move(
     started: list[Callable[[], None]] | None = None,
     weight: T | None = None,
     run: object | None = None,
+    defer: bool = False,
 ) -> T:
     """`x` (this rank's part of the edge's value) moved as `edge` says; with `started`, an edge
     that is only an AllReduce is only started (`sum_over_ranks`: finished by the function it
     appends there). With `weight` (a mean loss's counted targets on this rank: `loss_weight`),
     a partial mean becomes the weighted mean over the ranks, the single-device mean. `run`:
-    the executor's current run of the plan (what a ``seeded`` AllReduce is marked with)."""
+    the executor's current run of the plan (what a ``seeded`` AllReduce is marked with);
+    `defer`: the gradients' reducer corrects a backward that did not wait for the count, so a
+    ``deferred`` edge's backward need not wait (`communication.sum_over_ranks`)."""
     m = edge.src.layout.matrix
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
@@ -50,7 +53,10 @@ def move(
         if weight is not None:  # (a rank that counted nothing adds 0, not its NaN mean)
             x = torch.where(weight > 0, x, 0.0) * weight.to(x.dtype)
         seeded = run if edge.seeded else None  # (`EdgePlan.seeded`, marked with this run)
-        x = sum_over_ranks(x, group, divisor, route, started if only else None, weight, seeded)
+        later = defer and edge.deferred
+        x = sum_over_ranks(
+            x, group, divisor, route, started if only else None, weight, seeded, later
+        )
     if edge.steps:
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:

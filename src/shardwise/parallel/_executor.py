@@ -133,6 +133,9 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
+        # the gradients' reducer corrects shares of a backward that did not wait for a mean
+        # loss's count (`EdgePlan.deferred`; set by the caller: not with optimizer parallel)
+        self.defer_count = False
         self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)

@@ -363,6 +363,10 @@ class GraphRun:
         self.executor = executor
         leaves = pytree.tree_leaves((args, kwargs))
         executor.inputs = {id(t): weakref.ref(t) for t in leaves if isinstance(t, T)}
+        # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
+        executor.defer_count = self.grads is not None and not any(
+            isinstance(t, T) and t.requires_grad for t in leaves
+        )
         try:
             clip = clipping(*self.clip_args())
             with executor, activate(self.session), clip, eager():

@@ -47,6 +47,7 @@ class NodeRun:
     moved: dict[tuple[str, Placed], T]
     started: list[Callable[[], None]]
     run: object
+    defer_count: bool
     backward_seen: bool
     swapped: dict[int, tuple[weakref.ref[T], T]]  # in place on a moved copy: id -> its result
 
@@ -122,7 +123,7 @@ class NodeRun:
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started, weight, self.run)
+                out = move(out, e, self.started, weight, self.run, self.defer_count)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0

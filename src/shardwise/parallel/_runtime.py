@@ -40,6 +40,7 @@ from shardwise._torch.autograd_engine import (
 from shardwise._torch.storage import storage_use_count
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
+from shardwise.communication._count_factor import correct_, corrected, forget_factor
 from shardwise.communication.primitives import GradRoute, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.optim import OptimizerPlan, ParamInfo
@@ -199,6 +200,8 @@ class GradBuckets:
     on its own in the hook. A backward that raised is dropped at the next forward
     (`drop_unfinished`): its started AllReduces are finished, its partial buckets forgotten; the
     gradients it stored in an empty ``.grad`` stay unreduced (zero them before stepping).
+    Every share is multiplied, before its sum, by the factor a mean loss whose backward did not
+    wait for its count noted for this backward (`EdgePlan.deferred`, `communication.correct_`).
     """
 
     def __init__(self, network: nn.Module, plan: OptimizerPlan) -> None:
@@ -224,6 +227,7 @@ class GradBuckets:
 
     def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def scale(g: torch.Tensor) -> torch.Tensor:
+            g = corrected(g, current_graph_task_id())  # (a loss's count factor: `_start`)
             return g * times / self.world if times != 1 else g / self.world
 
         return scale
@@ -235,7 +239,8 @@ class GradBuckets:
             task = current_graph_task_id()
             joined = task == self.task or self._join(task)
             if not joined or j in bucket.got or bucket.pending is not None:
-                reduced = self._now(g, bucket.group)  # (a nested backward, a second gradient)
+                # (a nested backward, a second gradient)
+                reduced = self._now(corrected(g, task), bucket.group)
                 if bucket.times[j] != 1:
                     reduced.mul_(bucket.times[j])
                 if bucket.got.get(j) == "store":  # added to .grad, which `_finish` overwrites
@@ -245,7 +250,7 @@ class GradBuckets:
             if bucket.flat is None:
                 bucket.flat = bucket.buffer(g, keep=stores)
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
-                return self._now(g, bucket.group)
+                return self._now(corrected(g, task), bucket.group)
             slot = bucket.slot(j)  # (divided on the way in: no pass over the bucket later)
             if bucket.times[j] == 1 and not g.requires_grad:
                 torch.div(g, self.world, out=slot)
@@ -260,7 +265,7 @@ class GradBuckets:
             else:  # autograd adds zeros; the reduced gradient is added at the end
                 bucket.got[j], out = "add", g.new_zeros(()).expand_as(g)
             if len(bucket.got) == len(bucket.params):
-                self._start(bucket)
+                self._start(bucket, task)
             return out
 
         return hook
@@ -278,21 +283,26 @@ class GradBuckets:
         with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
             return all_reduce(g, ReduceOp.SUM, group).div_(self.world)
 
-    def _start(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: _Bucket, task: int) -> None:
+        """Start the bucket's AllReduce: its shares of backward `task`'s gradients, first
+        multiplied by the factor of a loss whose backward did not wait for its count
+        (`communication.correct_`; nothing when there is none, or when it is 1)."""
         assert bucket.flat is not None
+        correct_(bucket.flat, task)
         with recorder.phase("backward"), recorder.label(bucket.label):
             bucket.pending = all_reduce_async(bucket.flat, ReduceOp.SUM, bucket.group)
         self.started.append(bucket)
 
     def _finish(self) -> None:
         """The end of the backward: start the incomplete buckets, finish all, deliver."""
-        self.task = -1
+        task, self.task = self.task, -1
         for bucket in self.buckets:
             if bucket.flat is not None and bucket.pending is None:
                 for j in range(len(bucket.params)):
                     if j not in bucket.got:
                         bucket.slot(j).zero_()
-                self._start(bucket)
+                self._start(bucket, task)
+        forget_factor(task)
         started, self.started = self.started, []
         with torch.no_grad():
             for bucket in started:

@@ -25,7 +25,8 @@
   averaged over an axis (Megatron's ``f``) so that forward AllReduces' adjoints and replicated
   parameters' gradient reductions over that axis become local.
 - `_seeded`: `plan_seeded`, after it: the AllReduces whose adjoint is local when
-  ``loss.backward()`` starts with no gradient (only ops alike on every rank read the value).
+  ``loss.backward()`` starts with no gradient (only ops alike on every rank read the value);
+  `plan_deferred`: the weighted mean loss whose seeded backward does not wait for the count.
 - `_annotated`: ``sw.shard``'s op form and ``sw.reshard`` read from the graph.
 - `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable).
 - `_plan_json`: a `ParallelPlan` as JSON and back (`ParallelPlan.to_dict` / `from_dict`).

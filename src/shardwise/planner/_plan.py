@@ -126,6 +126,10 @@ class EdgePlan:
         seeded: the adjoint of the AllReduce of `reduced` is local when backward starts with
             no gradient (a seed of ones): every consumer of the value runs alike on every
             rank (`_seeded`).
+        deferred: (a seeded weighted mean loss's AllReduce) a seeded backward divides by this
+            rank's count times the group size instead of waiting for the summed count, and the
+            gradient buckets correct each rank's gradients by estimate / sum
+            (`_seeded.plan_deferred`).
     """
 
     consumer: int
@@ -139,6 +143,7 @@ class EdgePlan:
     dtype: str = "float32"
     equal_grad: tuple[int, ...] = ()
     seeded: bool = False
+    deferred: bool = False
 
     @property
     def reduced(self) -> tuple[int, ...]:
@@ -181,6 +186,8 @@ class EdgePlan:
             parts.append(f"backward local on {_axes_str(m, self.equal_grad)}")
         if self.seeded:
             parts.append("backward local from loss.backward()")
+        if self.deferred:
+            parts.append("backward does not wait for the count")
         return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
 
 

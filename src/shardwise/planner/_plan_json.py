@@ -262,6 +262,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         }
         | ({"equal_grad": list(e.equal_grad)} if e.equal_grad else {})
         | ({"seeded": True} if e.seeded else {})
+        | ({"deferred": True} if e.deferred else {})
     )
 
 
@@ -278,6 +279,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         dtype=d.get("dtype", "float32"),
         equal_grad=tuple(int(a) for a in d.get("equal_grad", ())),
         seeded=bool(d.get("seeded", False)),
+        deferred=bool(d.get("deferred", False)),
     )
 
 

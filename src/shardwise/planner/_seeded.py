@@ -13,6 +13,16 @@ its adjoint is that gradient times the group size, computed locally, instead of 
 (`communication.sum_over_ranks` with ``seeded``, while `replicated_seed` runs the backward).
 A backward with an explicit gradient, or through ``torch.autograd.grad``, is not seeded: the
 adjoint stays an AllReduce.
+
+`plan_deferred` (after `plan_seeded`): a seeded edge of a weighted mean loss (`_losses`: the
+AllReduce of the pair (loss x counted, counted)) whose backward need not wait for the summed
+count. Its backward divides by an estimate of it instead (this rank's count times the group
+size, which is the sum when every rank counted alike), and the gradient buckets multiply each
+rank's gradients by estimate / sum before summing them (`parallel/_runtime.GradBuckets`). That
+is exact when no other collective meets the gradients before their buckets: the loss's AllReduce
+is the plan's only collective. A gradient that reaches a parameter other than through the loss
+(``loss + 0.01 * l2``) then comes from values whole on every rank, the same share on each, and
+the factors add up to the group size over its ranks: the buckets' sum leaves it unchanged.
 """
 
 from __future__ import annotations
@@ -20,9 +30,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from shardwise.planner._draws import ATTENTION_DROPOUT, GLOBAL_DRAWS
 from shardwise.planner._graph import Graph, Ref
 from shardwise.planner._in_place import writes_input
+from shardwise.planner._losses import WEIGHTED_MEAN
 from shardwise.planner._plan import EdgePlan, NodePlan, Placed
+
+_QUIET = {"", "random", ATTENTION_DROPOUT, GLOBAL_DRAWS}
+"""`NodePlan.local` computations that run on this rank's blocks alone (`plan_deferred`)."""
 
 
 def _whole(p: Placed) -> bool:
@@ -65,3 +80,27 @@ def plan_seeded(
         return bool(e.reduced) and read is not None and read <= tail
 
     return tuple(dataclasses.replace(e, seeded=True) if seeded(e) else e for e in edges)
+
+
+def plan_deferred(nodes: Sequence[NodePlan], edges: Sequence[EdgePlan]) -> tuple[EdgePlan, ...]:
+    """`edges` with ``deferred`` set on the seeded AllReduce of a weighted mean loss when it is
+    the plan's only collective (see the module docstring): no other edge moves a value, no node
+    has a collective or a gradient average of its own, and no node's local compute talks to
+    other ranks (a split batch norm gathers its statistics).
+
+    Example:
+        >>> [e.value for e in plan_deferred(nodes, edges) if e.deferred]  # doctest: +SKIP
+        ['%93']
+    """
+    moving = [e for e in edges if not e.shared and (e.reduced or e.steps)]
+    if len(moving) != 1 or any(n.comms or n.backward for n in nodes):
+        return tuple(edges)
+    (loss,) = moving
+    producer = int(loss.value[1:].split(".")[0]) if loss.value.startswith("%") else -1
+    if not (loss.seeded and not loss.kept and producer >= 0):
+        return tuple(edges)
+    if nodes[producer].local != WEIGHTED_MEAN:
+        return tuple(edges)
+    if any(n.local not in _QUIET for n in nodes if n.index != producer):
+        return tuple(edges)
+    return tuple(dataclasses.replace(e, deferred=True) if e is loss else e for e in edges)

@@ -39,7 +39,8 @@
    gradient reduction of replicated parameters.
 6. `_seeded.plan_seeded`: the AllReduces whose adjoint is local when ``loss.backward()`` starts
    with no gradient (every consumer of the reduced value runs alike on every rank, e.g.
-   ``loss / accumulation_steps``).
+   ``loss / accumulation_steps``); `_seeded.plan_deferred`: the weighted mean loss whose
+   seeded backward need not wait for the summed count.
 
 `PlanError` and `data_parallel` are `_placement`'s, importable from here too.
 """
@@ -93,7 +94,7 @@ from shardwise.planner._plan import (
     Placed,
     replicated,
 )
-from shardwise.planner._seeded import plan_seeded
+from shardwise.planner._seeded import plan_deferred, plan_seeded
 from shardwise.redistribution import plan_redistribution
 
 
@@ -330,7 +331,7 @@ def walk(
                 p.state[ref] = Placed(src.layout)
                 reduced += 1
     nodes, edges, equal = plan_backward(graph, p.nodes, p.edges, params, matrix)
-    edges = plan_seeded(graph, nodes, edges)
+    edges = plan_deferred(nodes, plan_seeded(graph, nodes, edges))
     return ParallelPlan(
         device_num=p.device_num,
         matrix=matrix,
