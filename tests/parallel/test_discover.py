@@ -10,6 +10,7 @@ ranks and compared with one device.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -130,6 +131,27 @@ def make_nested(world: SimulatedWorld | None = None) -> tuple[Any, Net, torch.op
     return nested, inner_net, inner_opt
 
 
+def explicit(
+    net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = nn.functional.cross_entropy(net(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def make_defaults(world: SimulatedWorld | None = None) -> tuple[Any, Net, torch.optim.Optimizer]:
+    net, opt = fresh(world)
+
+    def with_defaults(
+        x: torch.Tensor, y: torch.Tensor, net: nn.Module = net, opt: Any = opt
+    ) -> torch.Tensor:
+        return explicit(net, opt, x, y)
+
+    return with_defaults, net, opt
+
+
 def single_device_loss_and_params() -> tuple[float, dict[str, torch.Tensor]]:
     ref, opt = fresh()
     loss = nn.functional.cross_entropy(ref(X), Y)
@@ -144,11 +166,19 @@ def cases(world: SimulatedWorld | None) -> dict[str, tuple[Any, nn.Module, torch
     trainer, bound = Trainer(world), Trainer(world)
     helper_net, helper_opt = fresh(world)
     nested, inner_net, inner_opt = make_nested(world)
+    partial_net, partial_opt = fresh(world)
+    defaults = make_defaults(world)
     return {
         "object attribute": (through_attribute, trainer.net, trainer.opt),
         "bound method": (bound.step, bound.net, bound.opt),
         "helper functions": (with_helpers, helper_net, helper_opt),
         "nested function and lambda": (nested, inner_net, inner_opt),
+        "functools.partial": (
+            functools.partial(explicit, partial_net, partial_opt),
+            partial_net,
+            partial_opt,
+        ),
+        "default arguments": defaults,
     }
 
 

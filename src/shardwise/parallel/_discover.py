@@ -10,7 +10,9 @@ collects the values it really loads:
   never runs a property);
 - functions reached that way (a helper the step calls, a nested function or lambda defined in
   it: `_nested_code`) are read the same way, once each (`_Search`); not those of torch or
-  shardwise, nor the methods of a module or optimizer (``optimizer.step``).
+  shardwise, nor the methods of a module or optimizer (``optimizer.step``);
+- modules and optimizers bound to the function: a ``functools.partial``'s arguments
+  (``partial(train_step, net, opt)``) and default arguments (``def step(x, net=net)``).
 
 Attribute names alone (``optimizer.step()`` names ``step``) load nothing, so a global that
 shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `AutoParallel`
@@ -22,6 +24,7 @@ and the like, which contain the network) are skipped.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import types
 from collections.abc import Callable, Iterator
@@ -119,6 +122,10 @@ class _Search:
 
     def function(self, fn: Any, root: bool = False) -> None:
         """Collect what `fn` loads; follow the functions it reaches (not shardwise's own)."""
+        if isinstance(fn, functools.partial):  # (its bound arguments, then its function)
+            self.bound([*fn.args, *fn.keywords.values()])
+            self.function(fn.func, root)
+            return
         this = getattr(fn, "__self__", _MISSING)
         fn = getattr(fn, "__func__", fn)
         if not isinstance(fn, types.FunctionType) or id(fn) in self.seen:
@@ -131,6 +138,7 @@ class _Search:
         scope, cells = fn.__globals__, _cells(fn)
         if this is not _MISSING:
             self.values.append(this)
+        self.bound([*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()])
         for code in (fn.__code__, *_nested_code(fn.__code__)):
             bound = this if code is fn.__code__ else _MISSING
             for value in _loaded_values(code, scope, cells, bound):
@@ -140,12 +148,25 @@ class _Search:
                 if callable(value) and not isinstance(value, nn.Module | type):
                     self.function(value)
 
+    def bound(self, values: list[Any]) -> None:
+        """Values bound to a function (a partial's arguments, default arguments) that are
+        modules or optimizers (other values are not followed: a default may be anything)."""
+        self.values += [v for v in values if isinstance(v, nn.Module | torch.optim.Optimizer)]
+
+
+def _readable(fn: Any) -> bool:
+    """Whether `fn` has Python code to read (a function, a bound method, a partial of one)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return isinstance(getattr(fn, "__func__", fn), types.FunctionType)
+
 
 def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """The modules and optimizers a train step uses, in the order its code loads them.
 
     Args:
-        fn: the train step (a function, lambda or bound method).
+        fn: the train step (a function, lambda, bound method or ``functools.partial`` of one:
+            its bound arguments and default arguments count as loaded).
 
     Returns:
         ``(modules, optimizers)``: every `nn.Module` and `torch.optim.Optimizer` the code loads
@@ -160,7 +181,7 @@ def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch
         ...     loss = net(x).sum(); loss.backward(); optimizer.step(); return loss
         >>> find_referenced(step)   # ([net], [optimizer]), even with a global named ``step``
     """
-    if not isinstance(getattr(fn, "__func__", fn), types.FunctionType):
+    if not _readable(fn):
         raise TypeError(f"AutoParallel: cannot inspect {fn!r}; pass network= and optimizer=")
     search = _Search()
     search.function(fn, root=True)
@@ -174,7 +195,7 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
     """The objects with attributes a train step's code loads (as `find_referenced` reads them:
     a ``GradScaler``, a trainer, modules, optimizers), each once; none for a callable without
     Python code."""
-    if not isinstance(getattr(fn, "__func__", fn), types.FunctionType):
+    if not _readable(fn):
         return []
     search = _Search()
     search.function(fn, root=True)
