@@ -325,6 +325,26 @@ def _checkpointing() -> None:
     assert seen == [(True, True), (True, True), (False, False), (False, False)], seen
 
 
+def _grad_scaler() -> None:
+    from shardwise._torch.grad_scaler import agree_on_overflow
+
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    seen: list[float] = []
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:  # (another rank found an overflow)
+        seen.append(float(t))
+        return torch.ones_like(t)
+
+    agree_on_overflow(scaler, reduce)
+    scaler.scale(net(torch.ones(1, 2)).sum()).backward()
+    before = net.weight.detach().clone()
+    scaler.step(opt)  # (unscale_ -> the private _unscale_grads_ -> our verdict: skipped)
+    scaler.update()
+    assert seen == [0.0] and torch.equal(net.weight, before) and scaler.get_scale() == 2.0**15
+
+
 def _pytree() -> None:
     from collections import namedtuple
 
@@ -377,6 +397,7 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/pytree: torch.utils._pytree": _pytree,
     "_torch/checkpointing: top saved-tensor hooks, checkpoint.py frames": _checkpointing,
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
+    "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),

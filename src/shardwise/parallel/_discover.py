@@ -18,7 +18,8 @@ Attribute names alone (``optimizer.step()`` names ``step``) load nothing, so a g
 shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `AutoParallel`
 and the like, which contain the network) are skipped.
 
-`pick_network`: of the modules found, the one with parameters that contains the others.
+`pick_network`: of the modules found, the one with parameters that contains the others;
+`grad_scalers`: the ``GradScaler`` objects the step loads.
 """
 
 from __future__ import annotations
@@ -202,6 +203,11 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
     plain = (types.FunctionType, types.MethodType, types.ModuleType, type)
     found = {id(v): v for v in search.values if hasattr(v, "__dict__") and not isinstance(v, plain)}
     return list(found.values())
+
+
+def grad_scalers(fn: Callable[..., Any]) -> list[torch.amp.GradScaler]:
+    """The ``torch.amp.GradScaler`` objects a train step's code loads (`find_objects`)."""
+    return [v for v in find_objects(fn) if isinstance(v, torch.amp.GradScaler)]
 
 
 def pick_network(modules: list[nn.Module]) -> nn.Module:

@@ -1,0 +1,70 @@
+"""A ``torch.amp.GradScaler`` sees every rank's overflow under model parallel.
+
+Each rank's scaler checks the gradients it holds for inf/NaN. Under Megatron's layout those
+are its blocks, so an overflow in one rank's block went unseen by the others: that rank
+skipped its optimizer step and halved its scale, the others stepped (the ranks' parameters and
+scales drifted apart, against one device, which skips). The check's verdict is now the
+maximum over the ranks (`_torch/grad_scaler.agree_on_overflow`, one AllReduce(MAX) of a scalar
+per check; none under data parallel, where every rank holds the whole reduced gradients).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+STEPS = 3  # (each loss after the first depends on whether the steps before were skipped)
+
+
+def make() -> nn.Sequential:
+    """Rows 0-7 of the first weight are zero (tanh(0) = 0: the output does not depend on the
+    second weight's columns 0-7), and those columns are huge: the scaled gradient of the first
+    weight's rows 0-7 overflows float16, the rest stays finite."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    with torch.no_grad():
+        net[0].weight[:8] = 0.0
+        net[0].bias[:8] = 0.0
+        net[2].weight[:, :8] = 1e4
+    return net
+
+
+def train(net: nn.Module, scaler: torch.amp.GradScaler) -> object:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = net(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank() -> None:
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    single, single_scaler = make(), torch.amp.GradScaler("cpu")
+    step = train(single, single_scaler)
+    want = [step(x).detach() for _ in range(STEPS)]  # type: ignore[operator]
+    assert single_scaler.get_scale() == 2.0**16 / 2**STEPS  # (every step skipped)
+    net, scaler = make(), torch.amp.GradScaler("cpu")
+    with simulated_world(4) as world:
+        world.replicate(net)
+        sw.shard(net[0], in_strategy=((2, 1), (2, 1)))  # (rows 0-7 of its weight: mp rank 0)
+        sw.shard(net[2], in_strategy=((2, 2), (1, 2)))
+        parallel = sw.AutoParallel(train(net, scaler))
+        with CommRecorder() as rec:
+            for i in range(STEPS):
+                loss = parallel(world.rows(x))
+                assert_matches_single_device(loss, want[i], rtol=1e-3, what=f"loss {i}")
+        assert scaler.get_scale() == single_scaler.get_scale()
+    checks = [r for r in rec.records if "GradScaler" in r.label]
+    assert Counter((r.kind, r.numel) for r in checks) == Counter({("AllReduce", 1): STEPS})
