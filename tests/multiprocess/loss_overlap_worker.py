@@ -28,7 +28,7 @@ def make_net() -> nn.Module:
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-    y[:3] = -100  # (padding: of 2 ranks the first counts 1 target, the second 4)
+    y[:4] = -100  # (padding: of 2 ranks the first counts no target, the second 4)
     return x, y
 
 

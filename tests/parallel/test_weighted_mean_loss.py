@@ -186,3 +186,30 @@ def test_backward_does_not_wait_for_the_count_when_the_loss_is_the_only_collecti
         assert ParallelPlan.from_dict(plan.to_dict()) == plan
     assert len(deferred["dp"]) == 1 and "backward does not wait" in shown["dp"]
     assert deferred["megatron"] == [] and "backward does not wait" not in shown["megatron"]
+
+
+def regularized(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    l2 = sum((p * p).sum() for p in net.parameters())
+    return F.cross_entropy(net(x), y) + 0.01 * l2  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("padded_rows", [3, 4], ids=["counts 1 and 4", "counts 0 and 4"])
+def test_a_term_beside_the_loss_with_a_rank_counting_nothing(padded_rows: int) -> None:
+    """The backward divides by this rank's estimate of the count and the buckets multiply each
+    rank's share by count x ranks / sum: a share the same on every rank (the L2 term) sums as
+    before only if a rank that counted nothing gets the factor 0."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    y[:padded_rows] = -100
+    ref = Classifier()
+    want = regularized(ref, x, y)
+    want.backward()
+    net = Classifier()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        parallel, _ = semi_auto_matches(
+            world, net, opt, regularized, [(x, y)], [want.detach()], [grads]
+        )
+    assert [e.value for e in parallel.parallel_plan.edges if e.deferred]

@@ -4,11 +4,16 @@ A cross entropy mean over rows split across ranks divides by the targets all ran
 sum of the ranks' counts, all-reduced with the loss: `_reductions.sum_over_ranks` with a
 weight). A seeded backward of such a loss (`EdgePlan.deferred`) does not wait for that sum: it
 divides by an estimate, this rank's count times the group size (the sum itself when every rank
-counted alike), and records the factor estimate / sum for its backward (`note_factor`, keyed
-by autograd's graph task). Whoever sums the gradients over ranks multiplies each rank's share
-by that factor first (`corrected`, `correct_`; the plan executor's gradient buckets), which
-makes the sum the one the true count gives. The factor is exactly 1 when the ranks counted
-alike: on a host tensor nothing is then multiplied (`forget_factor` drops it after backward).
+counted alike; a rank that counted nothing divides by the group size: its loss's gradient is 0
+anyway), and records the factor count x group size / sum for its backward (`note_factor`,
+keyed by autograd's graph task). Whoever sums the gradients over ranks multiplies each rank's
+share by that factor first (`corrected`, `correct_`; the plan executor's gradient buckets),
+which makes the sum the one the true count gives. The factors add up to the group size over
+the ranks (0 for a rank that counted nothing), so a share that is the same on every rank (a
+term of the root not through the loss) sums as before. The factor is exactly 1 when the ranks
+counted alike: on a host tensor nothing is then multiplied (`forget_factor` drops it after
+backward; a backward whose gradients reach no bucket leaves its factor, and the oldest beyond
+16 are dropped: graph task ids only grow, so none applies to a later backward).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ _KEPT = 16  # (factors of backwards that ended without `forget_factor`: the olde
 
 
 class _Factor:
-    """estimate / sum, computed once the sum's AllReduce finished (1 where nothing counted)."""
+    """count x group size / sum, computed once the sum's AllReduce finished (1 where no rank
+    counted anything)."""
 
     def __init__(self, pending: Pending[Any] | None, estimate: torch.Tensor, summed: torch.Tensor):
         self.pending, self.estimate, self.summed = pending, estimate, summed
@@ -51,8 +57,8 @@ _FACTORS: dict[int, _Factor] = {}
 def note_factor(
     task: int, pending: Pending[Any] | None, estimate: torch.Tensor, summed: torch.Tensor
 ) -> None:
-    """Record for backward `task` that its gradients are `estimate` / the sum times too small
-    (`summed` holds the sum once `pending` finished)."""
+    """Record for backward `task` that its gradient shares are to be multiplied by `estimate`
+    (this rank's count x group size) / the sum (`summed` holds it once `pending` finished)."""
     _FACTORS[task] = _Factor(pending, estimate, summed)
     while len(_FACTORS) > _KEPT:
         del _FACTORS[next(iter(_FACTORS))]

@@ -63,8 +63,9 @@ class _SumOverRanksFn(torch.autograd.Function):
         ctx.seeded, ctx.defer = seeded, False
         if weight is not None:
             if defer:  # (the count's estimate: this rank's times the group size; see backward)
-                ctx.defer = True
-                ctx.estimate = torch.where(weight > 0, weight, 1).float() * get_group_size(group)
+                ctx.defer, size = True, get_group_size(group)
+                ctx.counted = weight.detach().float() * size  # (the factor's numerator)
+                ctx.estimate = torch.where(weight > 0, ctx.counted, size)  # (a divisor: not 0)
             return _weighted(ctx, x, weight, group, started)
         if started is None:
             out = C.all_reduce(x, ReduceOp.SUM, group)
@@ -86,8 +87,8 @@ class _SumOverRanksFn(torch.autograd.Function):
         seeded = ctx.replicated_seed or (ctx.seeded is not None and ctx.seeded is _SEEDED[0])
         if isinstance(ctx.divisor, torch.Tensor) and ctx.defer and seeded:
             # not waiting for the summed count: / this rank's estimate of it, and the gradient
-            # sums over ranks multiply each share by estimate / sum (`_count_factor`)
-            note_factor(current_graph_task_id(), ctx.pending, ctx.estimate, ctx.divisor)
+            # sums over ranks multiply each share by count x size / sum (`_count_factor`)
+            note_factor(current_graph_task_id(), ctx.pending, ctx.counted, ctx.divisor)
             g = (g / ctx.estimate).to(g.dtype)
         elif isinstance(ctx.divisor, torch.Tensor):  # (the summed weight: `_weighted`)
             if ctx.pending is not None:  # (a backward alongside the started AllReduce)
