@@ -12,7 +12,8 @@ so tests run fast on 2 CPU cores. Each model's ``forward(x, targets=None)`` retu
 - `ResNet` / `ResNetConfig` / `BasicBlock`: a CIFAR-style ResNet (3x3 stem, BatchNorm, a max
   pool, stages of basic blocks with 1x1 projection shortcuts, global average pool, Linear).
 - `gpt2_hf`: a randomly initialized Hugging Face ``GPT2LMHeadModel`` (transformers, a pinned
-  test dependency; imported only when called, offline).
+  test dependency; imported only when called, offline); `t5_hf`: its
+  ``T5ForConditionalGeneration`` (encoder-decoder).
 - `token_batches`, `image_batches`: deterministic global batches for them.
 - `recording_step` (a train step that keeps every gradient) and `semi_auto_matches` (that step
   in semi_auto, each step's loss and gradients checked against one device's).
@@ -294,6 +295,29 @@ def gpt2_hf(
     )
     torch.manual_seed(seed)
     model: nn.Module = GPT2LMHeadModel(cfg)
+    return model
+
+
+def t5_hf(vocab_size: int = 64, d_model: int = 32, layers: int = 2, seed: int = 0) -> nn.Module:
+    """A randomly initialized ``transformers.T5ForConditionalGeneration`` (encoder-decoder,
+    relative position buckets, no download). Call it as ``model(input_ids=ids,
+    labels=targets).loss``: it builds the decoder inputs from the labels itself
+    (``_shift_right``: item assignment into ``new_zeros``, ``masked_fill_``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        d_kv=d_model // 4,
+        d_ff=2 * d_model,
+        num_layers=layers,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model: nn.Module = T5ForConditionalGeneration(cfg)
     return model
 
 

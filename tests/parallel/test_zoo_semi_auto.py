@@ -39,6 +39,7 @@ from ..zoo import (
     image_batches,
     recording_step,
     semi_auto_matches,
+    t5_hf,
     token_batches,
 )
 
@@ -50,6 +51,7 @@ MODELS: dict[str, Any] = {
     "llama": (Llama, lambda n: torch.optim.SGD(n.parameters(), lr=0.1, momentum=0.9), "tokens"),
     "resnet": (ResNet, lambda n: torch.optim.SGD(n.parameters(), lr=0.1), "images"),
     "gpt2_hf": (gpt2_hf, lambda n: torch.optim.AdamW(n.parameters(), **ADAM), "tokens"),
+    "t5_hf": (t5_hf, lambda n: torch.optim.AdamW(n.parameters(), **ADAM), "tokens"),
 }
 
 
@@ -57,6 +59,9 @@ def loss_of(name: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
     if name == "gpt2_hf":
         out: torch.Tensor = net(input_ids=x, labels=x).loss
         return out
+    if name == "t5_hf":  # (the decoder's inputs made from the labels: `test_fill_ops.py`)
+        t5: torch.Tensor = net(input_ids=x, labels=y).loss
+        return t5
     return net(x, y)[1]  # type: ignore[no-any-return]
 
 
@@ -82,7 +87,7 @@ def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.T
 
 
 CASES = [("gpt2", 2), ("gpt2", 4), ("gpt2", 8), ("llama", 2), ("llama", 4)]
-CASES += [("resnet", 2), ("resnet", 4), ("gpt2_hf", 2), ("gpt2_hf", 4)]
+CASES += [("resnet", 2), ("resnet", 4), ("gpt2_hf", 2), ("gpt2_hf", 4), ("t5_hf", 2)]
 
 
 @pytest.mark.parametrize(("name", "world_size"), CASES)

@@ -183,6 +183,53 @@ def strided_split_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     return Decision((tuple(x.placements),), tuple(outs), "shardwise")
 
 
+def lift_rule(args: Sequence[Any], ndim: int) -> Decision:
+    """``aten.lift_fresh`` / ``lift_fresh_copy``: a constant made a tensor inside the op (the
+    value of ``x[..., 0] = 0``): the output is placed as the input. (DTensor has no rule.)"""
+    p = tuple(args[0].placements)
+    return Decision((p,), (p,), "shardwise")
+
+
+def fill_rule(args: Sequence[Any], ndim: int) -> Decision:
+    """``aten.fill_`` / ``fill`` with a scalar or a 0-d tensor value (``x[..., 0] = 0`` runs
+    ``fill_.Tensor`` on a view).
+
+    Per mesh dim: a split keeps its split, a whole value stays whole; a partial value is made
+    whole first (every rank writing the value would make the sum N times it; DTensor's rule for
+    ``fill_.Scalar`` keeps the partial). The value is replicated. (DTensor has no rule for the
+    ``Tensor`` overloads.)
+    """
+    x = args[0]
+    out = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+    value = [_rep(ndim)] if len(args) > 1 and isinstance(args[1], Spec) else []
+    return Decision((out, *value), (out,), "shardwise")
+
+
+def masked_fill_tensor_rule(args: Sequence[Any], ndim: int) -> Decision | None:
+    """``aten.masked_fill(_).Tensor`` (input, mask, a 0-d tensor value).
+
+    Per mesh dim: a split input keeps its split and the mask (broadcast from the right) is
+    split on the same dim where it has it, else whole; a partial input is made whole first (the
+    filled entries would sum N times the value); the value is replicated. None (DTensor, which
+    has no rule: replicated) for a value with dims. (DTensor has a rule for the ``Scalar``
+    overloads only.)
+    """
+    x, mask, value = args[0], args[1], args[2]
+    if not isinstance(value, Spec) or value.shape != ():
+        return None
+    lead = len(x.shape) - len(mask.shape)
+    ins: list[Placement] = []
+    need_mask: list[Placement] = []
+    for p in x.placements:
+        keep = type(p) is Shard
+        ins.append(p if keep else Replicate())
+        d = p.dim - lead if keep else -1  # type: ignore[attr-defined]
+        wide = keep and d >= 0 and mask.shape[d] == x.shape[p.dim] > 1  # type: ignore[attr-defined]
+        need_mask.append(Shard(d) if wide else Replicate())
+    out = tuple(ins)
+    return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
+
+
 ATEN_RULES: dict[str, AtenRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
     "aten.cat.default": join_rule(stack=False),
@@ -192,6 +239,14 @@ ATEN_RULES: dict[str, AtenRule] = {
     "aten.huber_loss.default": pointwise_loss_rule,
     "aten.split.Tensor": strided_split_rule,
     "aten.split_with_sizes.default": strided_split_rule,
+    "aten.lift_fresh.default": lift_rule,
+    "aten.lift_fresh_copy.default": lift_rule,
+    "aten.fill_.Scalar": fill_rule,
+    "aten.fill_.Tensor": fill_rule,
+    "aten.fill.Scalar": fill_rule,
+    "aten.fill.Tensor": fill_rule,
+    "aten.masked_fill.Tensor": masked_fill_tensor_rule,
+    "aten.masked_fill_.Tensor": masked_fill_tensor_rule,
 }
 """shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
 

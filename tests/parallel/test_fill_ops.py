@@ -1,0 +1,87 @@
+"""Item assignment with a constant and fills, as encoder-decoder models write them.
+
+Hugging Face's T5 / BART / Marian build their decoder inputs with ``_shift_right``:
+``shifted = ids.new_zeros(ids.shape); shifted[..., 1:] = ids[..., :-1].clone();
+shifted[..., 0] = start; shifted.masked_fill_(shifted == -100, pad)``. ``shifted[..., 0] = 0``
+runs ``aten.lift_fresh`` (the constant made a tensor) and ``aten.fill_.Tensor`` on a view, for
+which DTensor has no rule: the planner ran the op whole, had to gather the split ``shifted``
+first and refused the in-place change (a PlanError), so T5 could not be planned.
+``ops.aten_rules`` now has rules for them (and ``masked_fill`` with a 0-d tensor value); the
+rows stay split. DTensor's rule for ``fill_.Scalar`` kept a partial sum partial, so every rank
+wrote the value and the sum was N times it; a partial value is now made whole first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+
+class ShiftRight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = 5
+        shifted.masked_fill_(shifted == -100, 0)
+        h = self.emb(shifted)  # [B, S, 8]
+        keep = torch.arange(ids.shape[1]) < ids.shape[1] - 1  # [S]: the last position off
+        h = h.masked_fill(~keep[:, None], torch.tensor(0.5))
+        return h.pow(2).mean()
+
+
+def test_shift_right_keeps_the_rows_split_and_matches_one_device() -> None:
+    ids = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(1))
+    ids[:, 3] = -100
+    ref = ShiftRight()
+    want = ref(ids)
+    want.backward()
+    net = ShiftRight()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x)
+            loss.backward()
+            return loss
+
+        with CommRecorder() as rec:
+            loss = sw.AutoParallel(step)(world.rows(ids))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        assert_matches_single_device(net.emb.weight.grad, ref.emb.weight.grad, what="grad")
+    # (the loss's AllReduce and the gradient bucket: nothing gathered)
+    assert Counter(r.kind for r in rec.records) == Counter({"AllReduce": 2}), rec.summary()
+
+
+class FillsAPartialSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.relu(self.fc1(x)))  # row-parallel: a partial sum before its AllReduce
+        scale = (h.detach() * 1.0).fill_(2.0)  # (2.0 everywhere, as on one device)
+        return (h * scale).mean()
+
+
+def test_fill_of_a_partial_sum_is_the_value_not_n_times_it() -> None:
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref = FillsAPartialSum()
+    want = ref(x)
+    net = FillsAPartialSum()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))
+        sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
+        got = sw.AutoParallel(net)(world.rows(x))
+        assert_matches_single_device(got, want.detach(), what="loss")
