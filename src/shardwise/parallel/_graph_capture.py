@@ -22,6 +22,7 @@ from torch import nn
 from shardwise import communication as comm
 from shardwise import runtime
 from shardwise._torch import pytree
+from shardwise._transformers import same_masks
 from shardwise.layout import TensorLayout
 from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import global_inputs, input_layouts
@@ -117,7 +118,7 @@ def capture_plan(
     layouts = input_layouts(dataset, world, args, kwargs)
     g_args, g_kwargs = global_inputs(dataset, world, args, kwargs)
     shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
-    with activate(session), comm.plain_tensors(), eager():
+    with activate(session), comm.plain_tensors(), eager(), same_masks():
         graph = capture(
             fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs
         )

@@ -45,6 +45,7 @@ from shardwise import report
 from shardwise._torch import pytree
 from shardwise._torch.grad_scaler import agree_on_overflow
 from shardwise._torch.module_state import own_buffers
+from shardwise._transformers import same_masks
 from shardwise.communication import recorder
 from shardwise.communication._collectives import ReduceOp, all_reduce
 from shardwise.layout import TensorLayout
@@ -375,7 +376,7 @@ class GraphRun:
         )
         try:
             clip = clipping(*self.clip_args())
-            with executor, activate(self.session), clip, eager():
+            with executor, activate(self.session), clip, eager(), same_masks():
                 out = self.fn(*args, **kwargs)
         except Replan:
             if engine is not None and executor.cursor:

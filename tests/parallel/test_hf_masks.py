@@ -1,0 +1,91 @@
+"""Hugging Face models called with an attention mask, under SDPA attention.
+
+transformers reads a padding mask's values to skip building the mask when nothing is padded,
+except while tracing, which it recognizes by a fake tensor: the capture built the mask, a real
+call read ``mask.all()`` instead, and the plan could not run ("the network called
+torch.Tensor.sum where the plan has ... arange"): HF Llama with ``attention_mask=``, and BART,
+whose decoder makes a mask of ones, failed. `shardwise._transformers.same_masks` makes both
+build the mask (`tests` below: padded and unpadded masks, parity with one device's plain
+transformers run, which takes the shortcut).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def llama() -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model: nn.Module = LlamaForCausalLM(cfg)
+    return model
+
+
+def loss_of(net: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    labels = ids.masked_fill(mask == 0, -100)
+    out: torch.Tensor = net(input_ids=ids, attention_mask=mask, labels=labels).loss
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no padding", "right padding"])
+def test_llama_with_an_attention_mask_matches_one_device(padded: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (4, 12), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, 7:] = 0  # (rank 0 of 2 holds the padded row)
+    ref = llama()
+    want = loss_of(ref, ids, mask)
+    want.backward()
+    net = llama()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            loss = loss_of(net, a, m)
+            loss.backward()
+            return loss
+
+        got = sw.AutoParallel(step)(world.rows(ids), world.rows(mask))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+        want_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert_matches_single_device(grads, want_grads, what="grads")
+
+
+def test_the_shortcuts_are_there_and_put_back() -> None:
+    """The two private functions of transformers that `same_masks` replaces (fails loudly when
+    transformers renames them); outside the block they are transformers' own again."""
+    import transformers.masking_utils as mu
+
+    from shardwise._transformers import same_masks
+
+    own = (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa)
+    ones = torch.ones(2, 4, dtype=torch.bool)
+    assert own[0](ones, 4, 4, 0, 0) is True and own[1](ones, 4) is True  # (values read)
+    with same_masks():
+        assert mu._ignore_causal_mask_sdpa(ones, 4, 4, 0, 0) is False
+        assert mu._ignore_bidirectional_mask_sdpa(ones, 4) is False
+        assert mu._ignore_causal_mask_sdpa(None, 4, 4, 0, 0) is True  # (no mask: as before)
+    assert (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa) == own
