@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from torch import nn
 
@@ -83,5 +84,38 @@ def test_fill_of_a_partial_sum_is_the_value_not_n_times_it() -> None:
         world.replicate(net)
         sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))
         sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
+        got = sw.AutoParallel(net)(world.rows(x))
+        assert_matches_single_device(got, want.detach(), what="loss")
+
+
+class MaskedFills(nn.Module):
+    """``masked_fill`` with a 0-d tensor value on a column-parallel activation: an input the
+    mask broadcasts up to its shape (out of place), a mask of size 1 on the split dim, a mask
+    broadcast over the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))  # [B, 16]
+        h = h * torch.masked_fill(h.sum(0), h > 0, torch.tensor(0.5))  # ([16] -> [B, 16])
+        h = h.masked_fill(h[:, :1] > 0, torch.tensor(0.25))
+        h = h.masked_fill(torch.arange(16) % 3 == 0, torch.tensor(-0.5))
+        return self.fc2(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("megatron", [False, True], ids=["data parallel", "megatron"])
+def test_masked_fill_with_a_tensor_value_matches_one_device(megatron: bool) -> None:
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref = MaskedFills()
+    want = ref(x)
+    net = MaskedFills()
+    with simulated_world(4 if megatron else 2) as world:
+        world.replicate(net)
+        if megatron:
+            sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))
+            sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
         got = sw.AutoParallel(net)(world.rows(x))
         assert_matches_single_device(got, want.detach(), what="loss")

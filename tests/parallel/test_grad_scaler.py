@@ -10,8 +10,10 @@ per check; none under data parallel, where every rank holds the whole reduced gr
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
+import pytest
 import torch
 from torch import nn
 
@@ -34,22 +36,32 @@ def make() -> nn.Sequential:
     return net
 
 
-def train(net: nn.Module, scaler: torch.amp.GradScaler) -> object:
+def body(
+    net: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: torch.Tensor
+) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = net(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss
+
+
+def train(net: nn.Module, scaler: torch.amp.GradScaler, how: str = "closure") -> object:
+    """The train step, reaching the scaler through a closure or as a partial's argument."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if how == "partial":
+        return functools.partial(body, net, opt, scaler)
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = net(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss
+        return body(net, opt, scaler, x)
 
     return step
 
 
-def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank() -> None:
+@pytest.mark.parametrize("how", ["closure", "partial"])
+def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank(how: str) -> None:
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     single, single_scaler = make(), torch.amp.GradScaler("cpu")
     step = train(single, single_scaler)
@@ -60,7 +72,7 @@ def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank() -> None:
         world.replicate(net)
         sw.shard(net[0], in_strategy=((2, 1), (2, 1)))  # (rows 0-7 of its weight: mp rank 0)
         sw.shard(net[2], in_strategy=((2, 2), (1, 2)))
-        parallel = sw.AutoParallel(train(net, scaler))
+        parallel = sw.AutoParallel(train(net, scaler, how))
         with CommRecorder() as rec:
             for i in range(STEPS):
                 loss = parallel(world.rows(x))

@@ -20,16 +20,23 @@ import torch
 _MARK = "_shardwise_agreed_overflow"
 
 
-def agree_on_overflow(scaler: Any, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def agree_on_overflow(
+    scaler: Any, reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[], None]:
     """From now on, every inf/NaN check of `scaler` (a ``torch.amp.GradScaler``) holds the
     maximum over the ranks: `reduce(t)` returns the maximum of the float32 scalar `t` over every
     rank (called once per check, on every rank). Once per scaler.
 
+    Returns:
+        A function that gives the scaler its own check back (nothing for a scaler that was
+        already agreeing).
+
     Example:
-        >>> agree_on_overflow(scaler, lambda t: all_reduce(t, ReduceOp.MAX, None))  # doctest: +SKIP
+        >>> undo = agree_on_overflow(scaler, lambda t: all_reduce(t, ReduceOp.MAX, None))
+        >>> undo()  # doctest: +SKIP
     """
     if getattr(scaler, _MARK, False):
-        return
+        return lambda: None
     check = scaler._unscale_grads_  # (bound: the class's method)
 
     def agreed(
@@ -51,6 +58,12 @@ def agree_on_overflow(scaler: Any, reduce: Callable[[torch.Tensor], torch.Tensor
 
     scaler._unscale_grads_ = agreed
     setattr(scaler, _MARK, True)
+
+    def undo() -> None:
+        for name in ("_unscale_grads_", _MARK):
+            scaler.__dict__.pop(name, None)
+
+    return undo
 
 
 __all__ = ["agree_on_overflow"]

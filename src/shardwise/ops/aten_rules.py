@@ -211,13 +211,15 @@ def masked_fill_tensor_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     Per mesh dim: a split input keeps its split and the mask (broadcast from the right) is
     split on the same dim where it has it, else whole; a partial input is made whole first (the
     filled entries would sum N times the value); the value is replicated. None (DTensor, which
-    has no rule: replicated) for a value with dims. (DTensor has a rule for the ``Scalar``
-    overloads only.)
+    has no rule: replicated) for a value with dims, or an input the mask broadcasts to more
+    dims or larger sizes. (DTensor has a rule for the ``Scalar`` overloads only.)
     """
     x, mask, value = args[0], args[1], args[2]
     if not isinstance(value, Spec) or value.shape != ():
         return None
     lead = len(x.shape) - len(mask.shape)
+    if lead < 0 or any(m not in (1, x.shape[lead + i]) for i, m in enumerate(mask.shape)):
+        return None  # (the input broadcast up to the mask: the output has another shape)
     ins: list[Placement] = []
     need_mask: list[Placement] = []
     for p in x.placements:

@@ -150,9 +150,11 @@ class _Search:
                     self.function(value)
 
     def bound(self, values: list[Any]) -> None:
-        """Values bound to a function (a partial's arguments, default arguments) that are
-        modules or optimizers (other values are not followed: a default may be anything)."""
-        self.values += [v for v in values if isinstance(v, nn.Module | torch.optim.Optimizer)]
+        """Values bound to a function (a partial's arguments, default arguments): objects with
+        attributes (modules, optimizers, a ``GradScaler``, a trainer); not tensors, functions,
+        classes or plain values (not followed: a default may be anything)."""
+        plain = (torch.Tensor, types.FunctionType, types.MethodType, types.ModuleType, type)
+        self.values += [v for v in values if hasattr(v, "__dict__") and not isinstance(v, plain)]
 
 
 def _readable(fn: Any) -> bool:

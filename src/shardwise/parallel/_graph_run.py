@@ -97,6 +97,7 @@ class GraphRun:
         self.parallel_plan: ParallelPlan | None = None
         self.templates: list[tuple[Any, Any]] = []
         self.hooks: list[Any] = []
+        self.undo: list[Callable[[], None]] = []  # (GradScalers given one verdict: `plan`)
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
         self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
@@ -153,7 +154,7 @@ class GraphRun:
         self.blocks = self.hsdp is not None or any(v[0].used_axes() for v in stored.values())
         if self.blocks:  # (each rank's GradScaler sees its blocks: one verdict for all ranks)
             for scaler in grad_scalers(self.fn):
-                agree_on_overflow(scaler, _max_over_job)
+                self.undo.append(agree_on_overflow(scaler, _max_over_job))
         self.hooks.append(self.network.register_forward_pre_hook(self._network_called))
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
@@ -278,6 +279,9 @@ class GraphRun:
         self.spans.remove()
         if self.engine is not None:
             self.engine.remove()
+        for undo in self.undo:
+            undo()
+        self.undo = []
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
