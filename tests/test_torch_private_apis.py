@@ -323,6 +323,26 @@ def _checkpointing() -> None:
     with torch.no_grad():
         region(x)
     assert seen == [(True, True), (True, True), (False, False), (False, False)], seen
+    # a non-reentrant region's frame (its pack hook's closure) and its recompute_fn
+    from shardwise._torch.checkpointing import around_recomputation, checkpoint_frame
+
+    frames: list[object] = []
+    ran: list[str] = []
+
+    def sine(t: torch.Tensor) -> torch.Tensor:
+        frames.append(checkpoint_frame())
+        return t.sin()
+
+    out = checkpoint(sine, x, use_reentrant=False)
+    assert frames[0] is not None and checkpoint_frame() is None
+
+    def around(run: Callable[[], None]) -> None:
+        ran.append("around")
+        run()
+
+    around_recomputation(frames[0], around)
+    out.sum().backward()
+    assert ran == ["around"] and len(frames) == 2 and frames[1] is None  # (recomputing)
 
 
 def _grad_scaler() -> None:
@@ -395,7 +415,8 @@ CASES: dict[str, Callable[[], None]] = {
         _profiler_events
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
-    "_torch/checkpointing: top saved-tensor hooks, checkpoint.py frames": _checkpointing,
+    "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward, the pack "
+    "hook's frame and its recompute_fn": _checkpointing,
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(

@@ -1,17 +1,20 @@
-"""Hugging Face transformers' attention-mask shortcuts, taken alike by the capture and the run.
+"""Hugging Face transformers' attention masks, built alike by the capture and the run.
 
-transformers builds attention masks in ``transformers.masking_utils``. With SDPA attention and a
-padding mask given (``model(input_ids=ids, attention_mask=mask, ...)``, or a decoder that makes
-one of ones), its private ``_ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa``
-read the mask's values (``padding_mask.all()``) to skip building the mask when nothing is
-padded, except while tracing, which transformers recognizes by a ``FakeTensor``. So the
-capture (fake tensors) always builds the mask while a real call reads the values and skips it:
-the ops differ, and the plan cannot run. `same_masks` makes those two functions answer
-"do not skip" whenever a padding mask is given, in the capture and in the run alike: the mask
-is always built, the results are those of the skipped path (SDPA with the full causal or
-bidirectional mask equals ``is_causal``), and no value is read. Without a padding mask (a value
-the functions do not read) they answer as transformers does. Nothing happens when transformers
-is not imported. The two names are checked by ``tests/parallel/test_hf_masks.py``.
+transformers builds attention masks in ``transformers.masking_utils``. Several of its steps read
+a tensor's values to take a shortcut, except while tracing, which it asks of
+``is_tracing(tensor)``, true for a ``FakeTensor``: skipping the mask when a padding mask has
+nothing padded (``_ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa``: SDPA
+attention with ``attention_mask=``, a decoder that makes a mask of ones), and dropping the
+packed-sequence mask when ``position_ids`` hold one sequence per row
+(``find_packed_sequence_indices``: training without a cache, e.g. with gradient checkpointing
+or ``use_cache=False``). The capture runs on fake tensors and takes the traced path; a real call
+read the values instead, so its ops differed from the plan's, which could not run.
+`same_masks` makes ``masking_utils.is_tracing`` answer true for a tensor inside the block, in
+the capture and in the run alike: the masks are always built as the traced path builds them
+(the results equal the shortcuts', which exist only to pick faster kernels), and no value is
+read. ``is_tracing()`` without a tensor (compiling, scripting) answers as transformers does.
+Nothing happens when transformers is not imported. The name is checked by
+``tests/parallel/test_hf_masks.py``.
 """
 
 from __future__ import annotations
@@ -21,36 +24,36 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_NAMES = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+_NAME = "is_tracing"
 
 
-def _built_when_padded(original: Callable[..., bool]) -> Callable[..., bool]:
-    def never_with_a_mask(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
-        return False if padding_mask is not None else original(padding_mask, *args, **kwargs)
+def _traced_for_tensors(original: Callable[..., bool]) -> Callable[..., bool]:
+    def is_tracing(tensor: Any = None) -> bool:
+        return True if tensor is not None else original()
 
-    never_with_a_mask.shardwise_original = original  # type: ignore[attr-defined]
-    return never_with_a_mask
+    is_tracing.shardwise_original = original  # type: ignore[attr-defined]
+    return is_tracing
 
 
 @contextmanager
 def same_masks() -> Iterator[None]:
-    """While the block runs, transformers' SDPA mask shortcuts do not read a padding mask's
-    values (see the module docstring).
+    """While the block runs, transformers' mask utilities take their traced path for every
+    tensor (see the module docstring).
 
     Example:
         >>> with same_masks():  # doctest: +SKIP
         ...     loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
     """
     module = sys.modules.get("transformers.masking_utils")
-    saved = {n: getattr(module, n) for n in _NAMES if hasattr(module, n)} if module else {}
-    for name, fn in saved.items():
-        if not hasattr(fn, "shardwise_original"):  # (not already inside such a block)
-            setattr(module, name, _built_when_padded(fn))
+    own = getattr(module, _NAME, None) if module is not None else None
+    if own is None or hasattr(own, "shardwise_original"):  # (none, or inside such a block)
+        yield
+        return
+    setattr(module, _NAME, _traced_for_tensors(own))
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+        setattr(module, _NAME, own)
 
 
 __all__ = ["same_masks"]

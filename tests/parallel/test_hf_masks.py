@@ -74,18 +74,23 @@ def test_llama_with_an_attention_mask_matches_one_device(padded: bool) -> None:
         assert_matches_single_device(grads, want_grads, what="grads")
 
 
-def test_the_shortcuts_are_there_and_put_back() -> None:
-    """The two private functions of transformers that `same_masks` replaces (fails loudly when
-    transformers renames them); outside the block they are transformers' own again."""
+def test_the_traced_path_is_taken_and_put_back() -> None:
+    """`same_masks` replaces ``transformers.masking_utils.is_tracing`` (fails loudly when
+    transformers renames it or stops reading it there); outside the block it is transformers'
+    own again."""
     import transformers.masking_utils as mu
 
     from shardwise._transformers import same_masks
 
-    own = (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa)
+    own = mu.is_tracing
     ones = torch.ones(2, 4, dtype=torch.bool)
-    assert own[0](ones, 4, 4, 0, 0) is True and own[1](ones, 4) is True  # (values read)
+    positions = torch.arange(4).expand(2, 4)
+    assert own(ones) is False and mu._ignore_causal_mask_sdpa(ones, 4, 4, 0, 0) is True
+    assert mu.find_packed_sequence_indices(positions) is None  # (values read: one sequence)
     with same_masks():
         assert mu._ignore_causal_mask_sdpa(ones, 4, 4, 0, 0) is False
         assert mu._ignore_bidirectional_mask_sdpa(ones, 4) is False
         assert mu._ignore_causal_mask_sdpa(None, 4, 4, 0, 0) is True  # (no mask: as before)
-    assert (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa) == own
+        packed = mu.find_packed_sequence_indices(positions)
+        assert packed is not None and not packed.any()  # (the traced path: all in sequence 0)
+    assert mu.is_tracing is own

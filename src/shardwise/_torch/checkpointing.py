@@ -5,19 +5,27 @@ the composable ``torch.distributed._composable.checkpoint(module)``) runs its re
 under saved-tensor hooks that ``torch.utils.checkpoint`` defines: the hooks on top of the
 autograd engine's default hook stack (``torch._C._autograd._top_saved_tensors_default_hooks``,
 private) tell. Reentrant checkpointing runs its region inside a function of
-``torch/utils/checkpoint.py``: a frame of that file on the call stack tells.
+``torch/utils/checkpoint.py`` (``CheckpointFunction.forward``): such a frame on the call stack
+tells.
 `in_activation_checkpoint` asks both; `checkpointing` walks the frames only without grad.
+
+A non-reentrant region's state is a ``_CheckpointFrame`` that its pack hook closes over
+(private): `checkpoint_frame` finds it for the running op, and `around_recomputation` makes
+the region's recomputation in backward (``frame.recompute_fn``, private) run inside a
+function of the caller's (the plan executor replays the region's nodes there).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.utils.checkpoint as _checkpoint_module
 
 _CHECKPOINT = "torch.utils.checkpoint"
-_CHECKPOINT_FILE = str(Path(torch.__file__).parent / "utils" / "checkpoint.py")
+_REENTRANT_FORWARD = _checkpoint_module.CheckpointFunction.forward.__code__
 
 
 def in_activation_checkpoint() -> bool:
@@ -33,8 +41,8 @@ def in_activation_checkpoint() -> bool:
         return True
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename == _CHECKPOINT_FILE:
-            return True
+        if frame.f_code is _REENTRANT_FORWARD:  # (not ``checkpoint_sequential``'s last
+            return True  # segment, which runs plainly in a function of that file)
         frame = frame.f_back  # type: ignore[assignment]
     return False
 
@@ -54,4 +62,37 @@ def checkpointing() -> bool:
     return not torch.is_grad_enabled() and in_activation_checkpoint()
 
 
-__all__ = ["checkpointing", "in_activation_checkpoint"]
+def checkpoint_frame() -> Any | None:
+    """The ``_CheckpointFrame`` of the non-reentrant checkpoint region the running op is in
+    (its forward; not its recomputation), or None (no region, a reentrant one).
+
+    Example:
+        >>> checkpoint_frame() is None
+        True
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    pack = top[0] if top is not None else None
+    code = getattr(pack, "__code__", None)
+    if code is None or not getattr(pack, "__qualname__", "").startswith("_checkpoint_hook."):
+        return None
+    if "frame" not in code.co_freevars or pack.__closure__ is None:
+        return None
+    return pack.__closure__[code.co_freevars.index("frame")].cell_contents
+
+
+def around_recomputation(frame: Any, around: Callable[[Callable[[], None]], None]) -> None:
+    """Make `frame`'s recomputation in backward run as ``around(run)``, where ``run()`` is
+    torch's own recomputation (RNG state and autocast restored, the region's function called).
+
+    Example:
+        >>> around_recomputation(frame, lambda run: run())  # doctest: +SKIP
+    """
+    own = frame.recompute_fn
+
+    def recompute(*args: Any) -> None:
+        around(lambda: own(*args))
+
+    frame.recompute_fn = recompute
+
+
+__all__ = ["around_recomputation", "checkpoint_frame", "checkpointing", "in_activation_checkpoint"]

@@ -52,7 +52,7 @@ from shardwise.communication._ranks import (
     rank_parts,
     rank_value,
 )
-from shardwise.communication._sim import plain_tensors, replicated_draw
+from shardwise.communication._sim import draw_state, plain_tensors, replicated_draw, set_draw_state
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
     AllGather,
@@ -84,6 +84,7 @@ __all__ = [
     "default_backend",
     "destroy_group",
     "detect_job",
+    "draw_state",
     "dry_run",
     "ensure_group",
     "file_rank",
@@ -104,4 +105,5 @@ __all__ = [
     "release_buffers",
     "replicated_draw",
     "scoped_group_name",
+    "set_draw_state",
 ]

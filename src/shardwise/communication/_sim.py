@@ -59,6 +59,14 @@ class Simulator(Protocol):
         """A context in which tensors are plain (no per-rank values, one RNG draw)."""
         ...
 
+    def draw_state(self) -> Any:
+        """The state of the generator `draw_same` draws from."""
+        ...
+
+    def set_draw_state(self, state: Any) -> None:
+        """Put back a state `draw_state` returned."""
+        ...
+
     def from_local_tensors(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """One tensor holding `parts[r]` on rank r."""
         ...
@@ -126,3 +134,31 @@ def replicated_draw(draw: Callable[[], torch.Tensor]) -> torch.Tensor:
     """
     sim = _current
     return draw() if sim is None else sim.draw_same(draw)
+
+
+def draw_state() -> Any:
+    """The state of the random generators `replicated_draw` draws from (in a job: the CPU's and
+    the accelerators'), to draw the same values again later (`set_draw_state`: an activation
+    checkpoint's recomputation).
+
+    Example:
+        >>> state = draw_state()
+        >>> set_draw_state(state)
+    """
+    sim = _current
+    if sim is not None:
+        return sim.draw_state()
+    devices = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), devices
+
+
+def set_draw_state(state: Any) -> None:
+    """Put back a state `draw_state` returned."""
+    sim = _current
+    if sim is not None:
+        sim.set_draw_state(state)
+        return
+    cpu, devices = state
+    torch.set_rng_state(cpu)
+    if devices is not None:
+        torch.cuda.set_rng_state_all(devices)

@@ -19,7 +19,8 @@ shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `Au
 and the like, which contain the network) are skipped.
 
 `pick_network`: of the modules found, the one with parameters that contains the others;
-`grad_scalers`: the ``GradScaler`` objects the step loads.
+`grad_scalers`: the ``GradScaler`` objects the step loads; `agree_scalers`: one inf/NaN verdict
+for all of them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardwise._torch.grad_scaler import agree_on_overflow
+from shardwise.communication import recorder
+from shardwise.communication._collectives import ReduceOp, all_reduce
 
 _ROOT_LOADS = {"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"}
 _ATTR_LOADS = {"LOAD_ATTR", "LOAD_METHOD"}
@@ -210,6 +215,19 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
 def grad_scalers(fn: Callable[..., Any]) -> list[torch.amp.GradScaler]:
     """The ``torch.amp.GradScaler`` objects a train step's code loads (`find_objects`)."""
     return [v for v in find_objects(fn) if isinstance(v, torch.amp.GradScaler)]
+
+
+def agree_scalers(fn: Callable[..., Any]) -> list[Callable[[], None]]:
+    """Give every GradScaler train step `fn` loads one inf/NaN verdict for all ranks (each
+    rank holds blocks of the gradients: `_torch.grad_scaler.agree_on_overflow`, one
+    AllReduce(MAX) of a scalar per check); returns the functions that undo it."""
+    return [agree_on_overflow(s, _max_over_job) for s in grad_scalers(fn)]
+
+
+def _max_over_job(t: torch.Tensor) -> torch.Tensor:
+    """A GradScaler's inf/NaN verdict: the maximum over every rank (`agree_on_overflow`)."""
+    with recorder.label("GradScaler: inf/NaN on any rank's blocks"):
+        return all_reduce(t, ReduceOp.MAX, None)
 
 
 def pick_network(modules: list[nn.Module]) -> nn.Module:

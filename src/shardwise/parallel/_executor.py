@@ -35,9 +35,9 @@ unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (
 ``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
-is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). A node inside
-activation checkpointing (turned on after the capture, which refuses it) is refused: its
-recomputation in backward would run outside the plan. An output the
+is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). A non-reentrant
+activation-checkpointed region's recomputation in backward replays the plan's nodes
+(`_recompute.Recompute`); a reentrant one is refused. An output the
 plan holds other than a returned value leaves the call (a partial sum, a model-parallel split)
 is noted as its op makes it (`_leaving.Leaving`: moved if the train step returns it)."""
 
@@ -73,6 +73,7 @@ from shardwise.parallel._node_table import (
     factory_call,
 )
 from shardwise.parallel._passes import Passes
+from shardwise.parallel._recompute import Recompute
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
@@ -80,7 +81,7 @@ from shardwise.planner import ParallelPlan, Placed
 T = torch.Tensor
 
 
-class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, SteppingMode):
+class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunner, SteppingMode):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -139,7 +140,12 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
         self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
+        self._recompute_init()
         self._spans_init()
+
+    def fresh(self) -> PlanExecutor:
+        """Another executor of this plan (same parameters, table): a region's replay."""
+        return PlanExecutor(self.plan, self.params_of, self.param_value, table=self.table)
 
     @property
     def params(self) -> dict[int, str]:
@@ -180,7 +186,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             fast and not self.paused and op == self.ops[k] and args and isinstance(args[0], T)
         ):
             if checkpointing():  # (about 100 ns: saved-tensor hooks, grad mode)
-                self._refuse_checkpointed(k)
+                self._checkpointed(k)
             self.cursor = k + 1
             self.paused += 1
             try:
@@ -253,7 +259,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             self.note_outside(op, (args, kwargs), out)
             return out
         if checkpointing():
-            self._refuse_checkpointed(k)
+            self._checkpointed(k)
         self._advance(op, "called")
         self.paused += 1
         try:
@@ -265,20 +271,6 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, SpanRunner, Steppin
             self.note_placed(k, leaving, out)
         self._ended()
         return out
-
-    def _refuse_checkpointed(self, k: int) -> None:
-        """Raise: node `k` runs inside activation checkpointing, turned on after the capture
-        (which refuses it): backward would recompute it on this rank's blocks, outside the
-        plan (without its collectives, sizes and masks)."""
-        node = self.plan.nodes[k]
-        raise UnsupportedParallelError(
-            f"AutoParallel: %{k} {node.name} ({node.op}) runs inside activation checkpointing "
-            f"(torch.utils.checkpoint), turned on after the step was planned; its "
-            f"recomputation in backward would run on this rank's blocks without the plan's "
-            f"collectives, sizes and dropout masks. Turn it off "
-            f"(model.gradient_checkpointing_disable()): shardwise does not support activation "
-            f"checkpointing yet"
-        )
 
     def _ended(self) -> None:
         """After an op: when it was the plan's last, drop the moved values and call `on_end`."""

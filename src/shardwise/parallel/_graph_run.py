@@ -43,11 +43,9 @@ from torch.optim.optimizer import (
 from shardwise import communication as comm
 from shardwise import report
 from shardwise._torch import pytree
-from shardwise._torch.grad_scaler import agree_on_overflow
 from shardwise._torch.module_state import own_buffers
 from shardwise._transformers import same_masks
 from shardwise.communication import recorder
-from shardwise.communication._collectives import ReduceOp, all_reduce
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
@@ -55,7 +53,7 @@ from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
 from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
-from shardwise.parallel._discover import grad_scalers
+from shardwise.parallel._discover import agree_scalers
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._executor_primitives import Replan
@@ -63,6 +61,7 @@ from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_
 from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
+from shardwise.parallel._recompute import LEVEL3
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
@@ -153,8 +152,7 @@ class GraphRun:
         self._step_hooks()
         self.blocks = self.hsdp is not None or any(v[0].used_axes() for v in stored.values())
         if self.blocks:  # (each rank's GradScaler sees its blocks: one verdict for all ranks)
-            for scaler in grad_scalers(self.fn):
-                self.undo.append(agree_on_overflow(scaler, _max_over_job))
+            self.undo += agree_scalers(self.fn)
         self.hooks.append(self.network.register_forward_pre_hook(self._network_called))
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
@@ -378,6 +376,8 @@ class GraphRun:
         executor.defer_count = self.grads is not None and not any(
             isinstance(t, T) and t.requires_grad for t in leaves
         )
+        if self.hsdp is not None and self.hsdp.optimizer_level == "level3":
+            executor.no_recompute = LEVEL3
         try:
             clip = clipping(*self.clip_args())
             with executor, activate(self.session), clip, eager(), same_masks():
@@ -395,9 +395,3 @@ class GraphRun:
         if self.module_form:
             return rank_outputs(plan, out, self.dataset)
         return executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
-
-
-def _max_over_job(t: torch.Tensor) -> torch.Tensor:
-    """A GradScaler's inf/NaN verdict: the maximum over every rank (`agree_on_overflow`)."""
-    with recorder.label("GradScaler: inf/NaN on any rank's blocks"):
-        return all_reduce(t, ReduceOp.MAX, None)

@@ -33,7 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
-from shardwise._torch.checkpointing import in_activation_checkpoint
+from shardwise._torch.checkpointing import checkpoint_frame, in_activation_checkpoint
 from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase, TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
@@ -167,13 +167,14 @@ class _State:
         out_map: Sequence[AtenArg | None] = (),
     ) -> None:
         index = len(self.nodes)
-        if in_activation_checkpoint():
+        if in_activation_checkpoint() and checkpoint_frame() is None:
             raise CaptureError(
-                f"{op} at {_source()} runs inside activation checkpointing "
-                f"(torch.utils.checkpoint): its recomputation in backward would run outside the "
-                f"plan, without the plan's collectives, dropout masks and sizes, so AutoParallel "
-                f"does not support it yet; remove the checkpoint from the network under "
-                f"AutoParallel"
+                f"{op} at {_source()} runs inside reentrant activation checkpointing "
+                f"(torch.utils.checkpoint with use_reentrant=True): its recomputation in "
+                f"backward would run outside the plan, without the plan's collectives, dropout "
+                f"masks and sizes; use checkpoint(..., use_reentrant=False) (Hugging Face: "
+                f"gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                f"{{'use_reentrant': False}}))"
             )
         strategy = self._annotation(op)
         node = Node(

@@ -83,6 +83,28 @@ class SimulatedWorld:
         """A context in which tensors are plain again (LocalTensorMode paused)."""
         return self.mode.disable()
 
+    def draw_state(self) -> Any:
+        """The per-rank generator states `draw_same` draws from (the plain generator's when the
+        world was not seeded inside)."""
+        from torch.distributed import _local_tensor as lt
+
+        states = self.mode._per_rank_rng_states
+        if states:
+            return dict(states)
+        with self.outside():
+            return lt._get_rng_state()
+
+    def set_draw_state(self, state: Any) -> None:
+        """Put back a state `draw_state` returned."""
+        from torch.distributed import _local_tensor as lt
+
+        if isinstance(state, dict):
+            self.mode._per_rank_rng_states.clear()
+            self.mode._per_rank_rng_states.update(state)
+            return
+        with self.outside():
+            lt._set_rng_state(*state)
+
     def draw_same(self, draw: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Draw once outside the world and hand the value to every rank, advancing the random
         stream every rank sees (LocalTensorMode keeps one generator state per rank once seeded

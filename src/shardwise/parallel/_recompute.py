@@ -1,0 +1,101 @@
+"""Activation checkpointing under a plan: a region's recomputation replays the plan's nodes.
+
+``torch.utils.checkpoint(fn, ..., use_reentrant=False)`` runs the region's ops in the forward
+(the executor carries them out as usual: they are plan nodes, the capture recorded them) and
+runs ``fn`` again in backward to recompute the tensors it did not keep. That recomputation runs
+inside autograd, where the executor is not on the mode stack: its ops would run on this rank's
+blocks without the plan's moves, collectives, sizes and dropout masks. `Recompute` (a base of
+`_executor.PlanExecutor`):
+
+- `Recompute._checkpointed`: at the first node a region runs (its ``_CheckpointFrame``: the
+  private `_torch.checkpointing.checkpoint_frame`), notes the node and the random generators'
+  state (`communication.draw_state`) and has the region's recomputation run through `_replay`
+  (`_torch.checkpointing.around_recomputation`); a reentrant region, or one the caller forbids
+  (`no_recompute`: optimizer parallel level 3), raises `UnsupportedParallelError`;
+- `Recompute._replay`: a fresh executor of the same plan positioned at that node carries out the
+  recomputation's ops (the same moves and collectives, recorded in the backward phase with a
+  ``recompute from ...`` label), its dropouts drawing from the noted state (the same global
+  masks; torch's early stop of a recomputation simply ends it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from shardwise import communication as comm
+from shardwise._torch.checkpointing import around_recomputation, checkpoint_frame
+from shardwise.communication import recorder
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.planner import ParallelPlan
+
+LEVEL3 = (
+    "optimizer parallel level 3 gathers the weights again in backward, which a recomputed "
+    "region does not replay yet; use optimizer_level='level1' or 'level2' with checkpointing"
+)
+"""`Recompute.no_recompute` under optimizer parallel level 3."""
+
+
+class Recompute:
+    """Checkpointed regions of one executor (see the module docstring)."""
+
+    plan: ParallelPlan
+    run: object
+
+    if TYPE_CHECKING:
+
+        def fresh(self) -> Any: ...
+
+    def _recompute_init(self) -> None:
+        self.regions: weakref.WeakSet[Any] = weakref.WeakSet()  # checkpointed regions seen
+        self.replaying = False  # a region's recomputation (`_replay`)
+        self.no_recompute = ""  # why regions cannot be replayed (set by the caller)
+
+    def _checkpointed(self, k: int) -> None:
+        """Node `k` runs inside activation checkpointing: at a non-reentrant region's first
+        node, its recomputation in backward is made to replay the plan from `k` (`_replay`);
+        a reentrant region is refused. Nothing while replaying."""
+        if self.replaying:
+            return
+        frame = checkpoint_frame()
+        if frame is None or self.no_recompute:
+            self._refuse_checkpointed(k)
+        if frame in self.regions:
+            return
+        self.regions.add(frame)
+        state = comm.draw_state()  # (before the region's first draw)
+        around_recomputation(frame, lambda run: self._replay(k, state, run))
+
+    def _replay(self, k: int, state: Any, run: Callable[[], None]) -> None:
+        """A checkpointed region's recomputation (`run`, in backward): its ops are the plan's
+        nodes from `k` on, carried out as in the forward (moves, collectives, sizes) by an
+        executor of this plan positioned at `k`, its dropouts drawing from the generator state
+        the forward drew from (`state`: the same global masks)."""
+        replay = self.fresh()
+        replay.cursor, replay.start, replay.run = k, -1, self.run
+        replay.backward_seen = replay.replaying = True  # (a mismatch raises: no new plan)
+        now = comm.draw_state()
+        comm.set_draw_state(state)
+        name = self.plan.nodes[k].name
+        try:
+            with recorder.phase("backward"), recorder.label(f"recompute from {name}"), replay:
+                run()
+        finally:
+            comm.set_draw_state(now)
+
+    def _refuse_checkpointed(self, k: int) -> None:
+        """Raise: node `k` runs inside activation checkpointing that cannot be replayed: a
+        reentrant region (its forward ran without grad inside torch's checkpoint function; the
+        capture refuses it, so it was turned on after planning), or `no_recompute` says why."""
+        node = self.plan.nodes[k]
+        why = self.no_recompute or (
+            "reentrant checkpointing (use_reentrant=True) recomputes outside the plan, on this "
+            "rank's blocks without the plan's collectives, sizes and dropout masks; use "
+            "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False}))"
+        )
+        raise UnsupportedParallelError(
+            f"AutoParallel: %{k} {node.name} ({node.op}) runs inside activation checkpointing "
+            f"(torch.utils.checkpoint): {why}"
+        )

@@ -1,0 +1,207 @@
+"""Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) under a plan.
+
+The region's ops are plan nodes in the forward; its recomputation in backward replays the plan
+from the region's first node (`parallel/_recompute.py`): the same moves and collectives (again,
+in the backward phase), this rank's blocks of the same global dropout masks. Before, the capture
+refused checkpointing, and checkpointing turned on after planning was refused at its first op.
+Reentrant checkpointing stays refused, naming the fix (``use_reentrant=False``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import shardwise as sw
+from shardwise.parallel import UnsupportedParallelError
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+STEPS, SEED = 3, 5
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.dropout(torch.relu(self.fc1(x)), 0.3, self.training))
+
+
+class Net(nn.Module):
+    """Two residual blocks with dropout, each in a checkpoint region when `how` says so."""
+
+    def __init__(self, how: str = "non-reentrant") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 4)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.how:
+                x = checkpoint(block, x, use_reentrant=self.how == "reentrant")
+            else:
+                x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def trainer(net: nn.Module, seen: list[dict[str, torch.Tensor]]) -> Any:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def one_device() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    (x, y), grads = batch(), []
+    step = trainer(Net(""), grads)  # (the same masks as with checkpointing: it restores RNG)
+    torch.manual_seed(SEED)
+    return [step(x, y).detach() for _ in range(STEPS)], grads
+
+
+def test_data_parallel_with_dropout_in_checkpointed_blocks_matches_one_device() -> None:
+    want, want_grads = one_device()
+    (x, y), seen, net = batch(), [], Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(trainer(net, seen))
+        torch.manual_seed(SEED)
+        with CommRecorder() as rec:
+            for s in range(STEPS):
+                loss = parallel(world.rows(x), world.rows(y))
+                assert_matches_single_device(loss, want[s], what=f"loss {s}")
+                assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+    # (nothing to recompute but local ops: the loss and the gradient bucket, as without)
+    assert rec.kinds() == Counter(
+        {("AllReduce", "forward", (0, 1)): STEPS, ("AllReduce", "backward", (0, 1)): STEPS}
+    )
+
+
+def megatron(net: Net) -> None:
+    for block in net.blocks:
+        sw.shard(block.fc1, in_strategy=((2, 1), (2, 1)))
+        sw.shard(block.fc2, in_strategy=((2, 2), (1, 2)))
+
+
+def run_megatron(how: str) -> tuple[list[torch.Tensor], Counter[Any]]:
+    (x, y), net = batch(), Net(how)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        megatron(net)
+        parallel = sw.AutoParallel(trainer(net, []))
+        torch.manual_seed(SEED)
+        with CommRecorder() as rec:
+            losses = [parallel(world.rows(x), world.rows(y)) for _ in range(STEPS)]
+        recomputed = Counter(r.kind for r in rec.records if r.label.startswith("recompute from"))
+    return losses, recomputed
+
+
+def test_megatron_with_dropout_in_checkpointed_blocks_matches_one_device() -> None:
+    """The recomputation runs each block's collectives again (the AllGather of its input
+    before the column-parallel layer; torch stops recomputing before the row-parallel
+    AllReduce, whose result backward does not need)."""
+    want, _ = one_device()
+    losses, recomputed = run_megatron("non-reentrant")
+    for s in range(STEPS):
+        assert_matches_single_device(losses[s], want[s], what=f"loss {s}")
+    assert recomputed == Counter({"AllGather": 2 * STEPS})
+    _, without = run_megatron("")
+    assert without == Counter()
+
+
+@pytest.mark.parametrize("level", ["level2", "level3"])
+def test_with_optimizer_parallel(level: str) -> None:
+    """Level 2 replays (the weights are gathered once per step); level 3, which gathers them
+    again in backward, is refused naming the levels that work."""
+    want, _ = one_device()
+    (x, y), net = batch(), Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(trainer(net, [])).hsdp(threshold=0, optimizer_level=level)
+        torch.manual_seed(SEED)
+        if level == "level3":
+            with pytest.raises(UnsupportedParallelError, match=r"level 3 .*'level1' or 'level2'"):
+                parallel(world.rows(x), world.rows(y))
+            return
+        for s in range(STEPS):
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+
+
+def test_turned_on_after_planning() -> None:
+    """``model.gradient_checkpointing_enable()`` after the first step runs the same ops: the
+    non-reentrant regions replay; reentrant ones are refused at their first op, naming it and
+    the fix."""
+    want, want_grads = one_device()
+    (x, y), seen, net = batch(), [], Net("")
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(trainer(net, seen))
+        torch.manual_seed(SEED)
+        for s in range(STEPS):
+            net.how = "non-reentrant" if s else ""
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+        net.how = "reentrant"
+        with pytest.raises(
+            UnsupportedParallelError, match=r"%0 blocks.0.fc1/linear .*use_reentrant=False"
+        ):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_hugging_face_gradient_checkpointing_matches_one_device() -> None:
+    """HF GPT-2 with dropout and ``gradient_checkpointing_enable`` (non-reentrant)."""
+    from ..zoo import gpt2_hf, token_batches
+
+    def make() -> nn.Module:
+        model = gpt2_hf(dropout=0.1)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = net(input_ids=x, labels=x).loss
+        return out
+
+    batches = token_batches(2, 8)
+    ref, grads = make(), []
+    step = trainer_of(ref, loss_of, grads)
+    torch.manual_seed(SEED)
+    want = [step(x, y).detach() for x, y in batches]
+    net, seen = make(), []
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(trainer_of(net, loss_of, seen))
+        torch.manual_seed(SEED)
+        for s, (x, y) in enumerate(batches):
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
+
+
+def trainer_of(net: nn.Module, loss_of: Any, seen: list[dict[str, torch.Tensor]]) -> Any:
+    from ..zoo import recording_step
+
+    return recording_step(net, torch.optim.AdamW(net.parameters(), lr=1e-3), loss_of, seen)
