@@ -47,7 +47,14 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            if self.how:
+            if self.how == "factory first":  # (the region's first node makes a tensor)
+                x = checkpoint(lambda h, b=block: b(h + torch.arange(8.0)), x, use_reentrant=False)
+            elif self.how == "no rng":  # (torch's recomputation draws new masks)
+                x = checkpoint(block, x, use_reentrant=False, preserve_rng_state=False)
+            elif self.how == "nested":
+                x = checkpoint(lambda h, b=block: checkpoint(b, h, use_reentrant=False), x,
+                               use_reentrant=False)  # fmt: skip
+            elif self.how:
                 x = checkpoint(block, x, use_reentrant=self.how == "reentrant")
             else:
                 x = block(x)
@@ -74,16 +81,19 @@ def trainer(net: nn.Module, seen: list[dict[str, torch.Tensor]]) -> Any:
     return step
 
 
-def one_device() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+def one_device(how: str = "") -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     (x, y), grads = batch(), []
-    step = trainer(Net(""), grads)  # (the same masks as with checkpointing: it restores RNG)
+    step = trainer(Net(how), grads)  # (without: the same masks, as checkpointing restores RNG)
     torch.manual_seed(SEED)
     return [step(x, y).detach() for _ in range(STEPS)], grads
 
 
-def test_data_parallel_with_dropout_in_checkpointed_blocks_matches_one_device() -> None:
-    want, want_grads = one_device()
-    (x, y), seen, net = batch(), [], Net()
+@pytest.mark.parametrize("how", ["non-reentrant", "factory first", "no rng"])
+def test_data_parallel_with_dropout_in_checkpointed_blocks_matches_one_device(how: str) -> None:
+    """``no rng``: torch's recomputation draws new masks from the generator as it is then (the
+    gradient of other masks than the forward's, on one device too): the replay does the same."""
+    want, want_grads = one_device(how)  # (checkpointed on one device too)
+    (x, y), seen, net = batch(), [], Net(how)
     with simulated_world(2) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(trainer(net, seen))
@@ -148,6 +158,19 @@ def test_with_optimizer_parallel(level: str) -> None:
         for s in range(STEPS):
             loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s], what=f"loss {s}")
+
+
+def test_nested_regions_are_refused_at_capture() -> None:
+    from shardwise.planner import CaptureError
+
+    (x, y), net = batch(), Net("nested")
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(trainer(net, []))
+        with pytest.raises(
+            CaptureError, match=r"linear at .* inside another .*one after the other"
+        ):
+            parallel(world.rows(x), world.rows(y))
 
 
 def test_turned_on_after_planning() -> None:

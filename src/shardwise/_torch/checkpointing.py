@@ -10,13 +10,15 @@ tells.
 `in_activation_checkpoint` asks both; `checkpointing` walks the frames only without grad.
 
 A non-reentrant region's state is a ``_CheckpointFrame`` that its pack hook closes over
-(private): `checkpoint_frame` finds it for the running op, and `around_recomputation` makes
-the region's recomputation in backward (``frame.recompute_fn``, private) run inside a
-function of the caller's (the plan executor replays the region's nodes there).
+(private): `checkpoint_frame` finds it for the running op, `preserves_rng` reads its
+``preserve_rng_state``, and `around_recomputation` makes the region's recomputation in backward
+(``frame.recompute_fn``, private) run inside a function of the caller's (the plan executor
+replays the region's nodes there). `nested_checkpoint`: a region inside another.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +28,7 @@ import torch.utils.checkpoint as _checkpoint_module
 
 _CHECKPOINT = "torch.utils.checkpoint"
 _REENTRANT_FORWARD = _checkpoint_module.CheckpointFunction.forward.__code__
+_CHECKPOINT_CALL = inspect.unwrap(_checkpoint_module.checkpoint).__code__
 
 
 def in_activation_checkpoint() -> bool:
@@ -80,6 +83,31 @@ def checkpoint_frame() -> Any | None:
     return pack.__closure__[code.co_freevars.index("frame")].cell_contents
 
 
+def nested_checkpoint() -> bool:
+    """Whether the running code is inside two ``torch.utils.checkpoint.checkpoint`` calls
+    (a checkpointed region inside another: its frames on the call stack).
+
+    Example:
+        >>> nested_checkpoint()
+        False
+    """
+    frame, calls = sys._getframe(1), 0
+    while frame is not None:
+        calls += frame.f_code is _CHECKPOINT_CALL
+        frame = frame.f_back  # type: ignore[assignment]
+    return calls > 1
+
+
+def preserves_rng(frame: Any) -> bool:
+    """Whether `frame`'s recomputation restores the random generators' state
+    (``preserve_rng_state``, a variable its private ``recompute_fn`` closes over)."""
+    fn = frame.recompute_fn
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    if "preserve_rng_state" not in names or fn.__closure__ is None:
+        return True
+    return bool(fn.__closure__[names.index("preserve_rng_state")].cell_contents)
+
+
 def around_recomputation(frame: Any, around: Callable[[Callable[[], None]], None]) -> None:
     """Make `frame`'s recomputation in backward run as ``around(run)``, where ``run()`` is
     torch's own recomputation (RNG state and autocast restored, the region's function called).
@@ -95,4 +123,11 @@ def around_recomputation(frame: Any, around: Callable[[Callable[[], None]], None
     frame.recompute_fn = recompute
 
 
-__all__ = ["around_recomputation", "checkpoint_frame", "checkpointing", "in_activation_checkpoint"]
+__all__ = [
+    "around_recomputation",
+    "checkpoint_frame",
+    "checkpointing",
+    "in_activation_checkpoint",
+    "nested_checkpoint",
+    "preserves_rng",
+]

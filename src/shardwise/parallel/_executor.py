@@ -323,6 +323,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
         `Passes.factory_sizes`)."""
         k = self.cursor
         if self.ops[k] == op:
+            if checkpointing():  # (a region's first node may be a factory: `_recompute`)
+                self._checkpointed(k)
             args, kw = factory_call(op, args, kw, self.plan.nodes[k].shapes[0])
             templates = self.table.templates
             if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)

@@ -25,7 +25,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shardwise import communication as comm
-from shardwise._torch.checkpointing import around_recomputation, checkpoint_frame
+from shardwise._torch.checkpointing import (
+    around_recomputation,
+    checkpoint_frame,
+    nested_checkpoint,
+    preserves_rng,
+)
 from shardwise.communication import recorder
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.planner import ParallelPlan
@@ -35,6 +40,11 @@ LEVEL3 = (
     "region does not replay yet; use optimizer_level='level1' or 'level2' with checkpointing"
 )
 """`Recompute.no_recompute` under optimizer parallel level 3."""
+
+NESTED = (
+    "it is a checkpointed region inside another (nested torch.utils.checkpoint), which "
+    "AutoParallel does not support; checkpoint the regions one after the other"
+)
 
 
 class Recompute:
@@ -63,26 +73,32 @@ class Recompute:
             self._refuse_checkpointed(k)
         if frame in self.regions:
             return
+        if nested_checkpoint():
+            self.no_recompute = NESTED
+            self._refuse_checkpointed(k)
         self.regions.add(frame)
-        state = comm.draw_state()  # (before the region's first draw)
+        state = comm.draw_state() if preserves_rng(frame) else None  # (before its first draw)
         around_recomputation(frame, lambda run: self._replay(k, state, run))
 
     def _replay(self, k: int, state: Any, run: Callable[[], None]) -> None:
         """A checkpointed region's recomputation (`run`, in backward): its ops are the plan's
         nodes from `k` on, carried out as in the forward (moves, collectives, sizes) by an
         executor of this plan positioned at `k`, its dropouts drawing from the generator state
-        the forward drew from (`state`: the same global masks)."""
+        the forward drew from (`state`: the same global masks; None: from the current state,
+        as torch's recomputation with ``preserve_rng_state=False`` draws)."""
         replay = self.fresh()
         replay.cursor, replay.start, replay.run = k, -1, self.run
         replay.backward_seen = replay.replaying = True  # (a mismatch raises: no new plan)
-        now = comm.draw_state()
-        comm.set_draw_state(state)
+        now = comm.draw_state() if state is not None else None
+        if state is not None:
+            comm.set_draw_state(state)
         name = self.plan.nodes[k].name
         try:
             with recorder.phase("backward"), recorder.label(f"recompute from {name}"), replay:
                 run()
         finally:
-            comm.set_draw_state(now)
+            if now is not None:
+                comm.set_draw_state(now)
 
     def _refuse_checkpointed(self, k: int) -> None:
         """Raise: node `k` runs inside activation checkpointing that cannot be replayed: a

@@ -33,7 +33,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
-from shardwise._torch.checkpointing import checkpoint_frame, in_activation_checkpoint
+from shardwise._torch.checkpointing import (
+    checkpoint_frame,
+    in_activation_checkpoint,
+    nested_checkpoint,
+)
 from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase, TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
@@ -167,6 +171,12 @@ class _State:
         out_map: Sequence[AtenArg | None] = (),
     ) -> None:
         index = len(self.nodes)
+        if in_activation_checkpoint() and nested_checkpoint():
+            raise CaptureError(
+                f"{op} at {_source()} runs inside a checkpointed region inside another "
+                f"(nested torch.utils.checkpoint), which AutoParallel does not support; "
+                f"checkpoint the regions one after the other"
+            )
         if in_activation_checkpoint() and checkpoint_frame() is None:
             raise CaptureError(
                 f"{op} at {_source()} runs inside reentrant activation checkpointing "
