@@ -9,6 +9,7 @@
   shapes (`AutoParallel.plan` given shapes).
 - `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
 - `rank_outputs`: a wrapped network's outputs as this rank's rows (``full_batch``: whole).
+- `input_gradients`: hooks that make a train step's tensor inputs' gradients one device's.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from shardwise import communication as comm
 from shardwise._torch import pytree
+from shardwise.communication import recorder
+from shardwise.communication._collectives import ReduceOp, all_reduce
 from shardwise.layout import TensorLayout
 from shardwise.parallel._edges import move
 from shardwise.parallel._leaving import convention
+from shardwise.parallel._runtime import group_for
 from shardwise.parallel._step import DatasetStrategy, input_layout
 from shardwise.planner import ParallelPlan, Placed
 from shardwise.planner._capture import input_key
@@ -164,3 +170,38 @@ def local_inputs(
         local = tuple(n // k for n, k in zip(glob, split, strict=True))
         out.append(torch.empty(local, dtype=dtype, device="meta"))
     return tuple(out)
+
+
+def input_gradients(
+    plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any], dataset: object
+) -> list[RemovableHandle]:
+    """Hooks on the call's tensor inputs that require grad, making their gradients one
+    device's: shardwise differentiates the sum of every rank's copy of the step (N copies, N
+    the job's size: `communication.sum_over_ranks`), so a rank's gradient of its input is its
+    share of N times the gradient. The hook sums the shares over the axes the input is
+    replicated on as the caller holds it (``full_batch``: all of them; the rows the plan cut
+    from the whole batch are zero elsewhere) and divides by N: under ``data_parallel`` each
+    rank then holds its rows of one device's gradient (no collective when the rows are split
+    over every axis), under ``full_batch`` all of it. Remove the hooks before the next call.
+
+    Example:
+        >>> handles = input_gradients(plan, (x,), {}, "data_parallel")  # doctest: +SKIP
+    """
+    matrix, world = plan.matrix, comm.get_group_size()
+    handles = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, T) or not leaf.requires_grad:
+            continue
+        placed = plan.inputs.get(input_key(pytree.keystr(path)))
+        used = () if dataset == "full_batch" or placed is None else placed.layout.used_axes()
+        axes = [a for a, n in enumerate(matrix.shape) if n > 1 and a not in used]
+        group = group_for(matrix, axes)[0] if axes else None
+
+        def share_summed(g: T, group: str | None = group, summed: bool = bool(axes)) -> T:
+            if summed:
+                with recorder.phase("backward"), recorder.label("input gradient"):
+                    g = all_reduce(g.clone(), ReduceOp.SUM, group)
+            return g / world
+
+        handles.append(leaf.register_hook(share_summed))
+    return handles

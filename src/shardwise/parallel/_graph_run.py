@@ -49,7 +49,7 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
-from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
+from shardwise.parallel._call_io import cut_inputs, input_gradients, input_shapes, rank_outputs
 from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
@@ -97,6 +97,7 @@ class GraphRun:
         self.templates: list[tuple[Any, Any]] = []
         self.hooks: list[Any] = []
         self.undo: list[Callable[[], None]] = []  # (GradScalers given one verdict: `plan`)
+        self.input_hooks: list[Any] = []  # (the last call's inputs' gradients: `_run`)
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
         self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
@@ -336,6 +337,10 @@ class GraphRun:
         """One call under a `PlanExecutor` of the current plan."""
         plan = self.parallel_plan
         assert plan is not None
+        for h in self.input_hooks:  # (the last call's inputs: `input_gradients`)
+            h.remove()
+        if not self.module_form:
+            self.input_hooks = input_gradients(plan, args, kwargs, self.dataset)
         if self.dataset == "full_batch":
             args, kwargs = cut_inputs(plan, args, kwargs)
         if self.grads is not None:

@@ -1,0 +1,79 @@
+"""A train step's tensor inputs that require grad get one device's gradient.
+
+shardwise differentiates the sum of every rank's copy of the step (N copies), so before, a
+rank's input rows got N times their gradient (2.0 x on 2 ranks, silently). The wrapper now puts
+a hook on each such input (`parallel/_call_io.input_gradients`): the shares summed over the
+axes the input is replicated on (``full_batch``: every axis; the rows the plan cut from the
+whole batch are zero elsewhere), divided by N. Under ``data_parallel`` with the rows split over
+every axis that is a local division; no collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(torch.tanh(self.fc1(x)))
+        return out
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    y[:3] = -100  # (the ranks count different targets: a weighted mean)
+    return x, y
+
+
+def step_of(net: nn.Module) -> object:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("layout", "ranks"), [("data_parallel", 2), ("megatron", 4), ("full_batch", 2)]
+)
+def test_input_gradients_equal_one_devices(layout: str, ranks: int) -> None:
+    x, y = batch()
+    ref, xr = Net(), x.clone().requires_grad_()
+    want = F.cross_entropy(ref(xr), y)
+    want.backward()
+    assert xr.grad is not None
+    net = Net()
+    with simulated_world(ranks) as world:
+        world.replicate(net)
+        if layout == "megatron":
+            sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))
+            sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
+        parallel = sw.AutoParallel(step_of(net))
+        if layout == "full_batch":
+            parallel.dataset_strategy("full_batch")
+            args = (world.same(x).requires_grad_(), world.same(y))
+        else:
+            args = (world.rows(x).requires_grad_(), world.rows(y))
+        with CommRecorder() as rec:
+            loss = parallel(*args)
+        grad = args[0].grad  # (full_batch: the whole batch's; the step saw its cut rows)
+        assert grad is not None
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        whole = layout == "full_batch"
+        expected = xr.grad if whole else world.rows(xr.grad)
+        assert_matches_single_device(grad, expected, what="input gradient")
+    extra = [r.kind for r in rec.records if r.label == "input gradient"]
+    assert extra == (["AllReduce"] if whole else []), rec.summary()
