@@ -119,3 +119,32 @@ def test_masked_fill_with_a_tensor_value_matches_one_device(megatron: bool) -> N
             sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
         got = sw.AutoParallel(net)(world.rows(x))
         assert_matches_single_device(got, want.detach(), what="loss")
+
+
+class ConstantMask(nn.Module):
+    """A mask made in the step (``torch.tensor``) that the plan cuts along a split dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x)).reshape(x.shape[0], 4, 4).clone()
+        h.masked_fill_(torch.tensor([True, False, True, False])[:, None], 0.0)
+        return self.fc2(h.reshape(x.shape[0], 16)).pow(2).mean()
+
+
+def test_a_constant_cut_along_a_split_dim_in_a_simulated_world() -> None:
+    """Cutting a plain tensor (a constant the step made) by a rank-dependent offset failed in
+    a simulated world ('LocalIntNode' object has no attribute 'guard_int'); it is made a
+    per-rank value first (`communication.every_rank`)."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    want = ConstantMask()(x)
+    net = ConstantMask()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))
+        sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
+        got = sw.AutoParallel(net)(world.rows(x))
+        assert_matches_single_device(got, want.detach(), what="loss")

@@ -52,7 +52,13 @@ from shardwise.communication._ranks import (
     rank_parts,
     rank_value,
 )
-from shardwise.communication._sim import draw_state, plain_tensors, replicated_draw, set_draw_state
+from shardwise.communication._sim import (
+    draw_state,
+    every_rank,
+    plain_tensors,
+    replicated_draw,
+    set_draw_state,
+)
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
     AllGather,
@@ -87,6 +93,7 @@ __all__ = [
     "draw_state",
     "dry_run",
     "ensure_group",
+    "every_rank",
     "file_rank",
     "get_group_size",
     "get_local_rank",

@@ -59,6 +59,10 @@ class Simulator(Protocol):
         """A context in which tensors are plain (no per-rank values, one RNG draw)."""
         ...
 
+    def every_rank(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as a value of every rank (a plain tensor made one per-rank tensor)."""
+        ...
+
     def draw_state(self) -> Any:
         """The state of the generator `draw_same` draws from."""
         ...
@@ -162,3 +166,15 @@ def set_draw_state(state: Any) -> None:
     torch.set_rng_state(cpu)
     if devices is not None:
         torch.cuda.set_rng_state_all(devices)
+
+
+def every_rank(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a value every rank holds: itself in a job; in a simulated world a plain tensor
+    (a constant the step made, ``torch.tensor([...])``) becomes a per-rank one, so that a
+    rank-dependent slice of it (`redistribution`) takes each rank's part.
+
+    Example:
+        >>> block = every_rank(mask).narrow(0, coord * rows, rows)
+    """
+    sim = _current
+    return t if sim is None else sim.every_rank(t)

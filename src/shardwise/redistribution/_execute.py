@@ -117,7 +117,8 @@ def _by_group(x: torch.Tensor, dim: int, groups: int, parts: int) -> torch.Tenso
 def _slice(x: torch.Tensor, step: Slice, axes: _Axes) -> torch.Tensor:
     k = axes.matrix.shape[step.axis]
     n = x.shape[step.dim] // k
-    return _by_part(x, step.dim, step.groups, k).narrow(step.dim, axes.coord(step.axis) * n, n)
+    parts = comm.every_rank(_by_part(x, step.dim, step.groups, k))  # (a constant: per rank)
+    return parts.narrow(step.dim, axes.coord(step.axis) * n, n)
 
 
 def _gather(x: torch.Tensor, step: AllGather, axes: _Axes) -> torch.Tensor:

@@ -83,6 +83,13 @@ class SimulatedWorld:
         """A context in which tensors are plain again (LocalTensorMode paused)."""
         return self.mode.disable()
 
+    def every_rank(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as a per-rank tensor (itself when it is one already)."""
+        if isinstance(t, self._local_tensor):
+            held: torch.Tensor = t
+            return held
+        return self.rank_map(lambda r: t)
+
     def draw_state(self) -> Any:
         """The per-rank generator states `draw_same` draws from (the plain generator's when the
         world was not seeded inside)."""
