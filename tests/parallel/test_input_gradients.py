@@ -77,3 +77,28 @@ def test_input_gradients_equal_one_devices(layout: str, ranks: int) -> None:
         assert_matches_single_device(grad, expected, what="input gradient")
     extra = [r.kind for r in rec.records if r.label == "input gradient"]
     assert extra == (["AllReduce"] if whole else []), rec.summary()
+
+
+def test_other_backwards_of_the_input_are_left_alone() -> None:
+    """The hooks act only while the step's own ``loss.backward()`` runs and go when the call
+    ends: a later plain backward through the input, or another wrapper's call on it, gets its
+    own gradient; a tensor passed twice is corrected once."""
+    x, y = batch()
+    ref, xr = Net(), x.clone().requires_grad_()
+    F.cross_entropy(ref(xr), y).backward()
+    assert xr.grad is not None
+    net = Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, again: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(a), b)
+            loss.backward()
+            return loss
+
+        xs = world.rows(x).requires_grad_()
+        sw.AutoParallel(step)(xs, xs, world.rows(y))
+        assert_matches_single_device(xs.grad, world.rows(xr.grad), what="input gradient")
+        xs.grad = None
+        (xs * 3.0).sum().backward()  # (plain code after the call)
+        assert_matches_single_device(xs.grad, torch.full_like(x, 3.0)[:4], what="plain")

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -173,7 +173,11 @@ def local_inputs(
 
 
 def input_gradients(
-    plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any], dataset: object
+    plan: ParallelPlan,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dataset: object,
+    active: Callable[[], bool],
 ) -> list[RemovableHandle]:
     """Hooks on the call's tensor inputs that require grad, making their gradients one
     device's: shardwise differentiates the sum of every rank's copy of the step (N copies, N
@@ -182,22 +186,27 @@ def input_gradients(
     replicated on as the caller holds it (``full_batch``: all of them; the rows the plan cut
     from the whole batch are zero elsewhere) and divides by N: under ``data_parallel`` each
     rank then holds its rows of one device's gradient (no collective when the rows are split
-    over every axis), under ``full_batch`` all of it. Remove the hooks before the next call.
+    over every axis), under ``full_batch`` all of it. It acts only while `active()` (the step's
+    own ``loss.backward()`` runs); a tensor passed twice gets one hook. Remove the hooks when
+    the call ends.
 
     Example:
-        >>> handles = input_gradients(plan, (x,), {}, "data_parallel")  # doctest: +SKIP
+        >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
     """
     matrix, world = plan.matrix, comm.get_group_size()
-    handles = []
+    handles, seen = [], set()
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if not isinstance(leaf, T) or not leaf.requires_grad:
+        if not isinstance(leaf, T) or not leaf.requires_grad or id(leaf) in seen:
             continue
+        seen.add(id(leaf))
         placed = plan.inputs.get(input_key(pytree.keystr(path)))
         used = () if dataset == "full_batch" or placed is None else placed.layout.used_axes()
         axes = [a for a, n in enumerate(matrix.shape) if n > 1 and a not in used]
         group = group_for(matrix, axes)[0] if axes else None
 
         def share_summed(g: T, group: str | None = group, summed: bool = bool(axes)) -> T:
+            if not active():  # (a backward of other code: its own gradient)
+                return g
             if summed:
                 with recorder.phase("backward"), recorder.label("input gradient"):
                     g = all_reduce(g.clone(), ReduceOp.SUM, group)

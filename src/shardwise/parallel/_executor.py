@@ -141,6 +141,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
         self._recompute_init()
+        self.in_backward = 0  # a ``loss.backward()`` of the step runs
         self._spans_init()
 
     def fresh(self) -> PlanExecutor:
@@ -226,12 +227,16 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
             self.finished = True  # the step may run the plan again (`_restarts`)
             self.backward_seen = True
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
-            if gradient is None and args and isinstance(args[0], T):
-                # (`EdgePlan.seeded` holds for a root the plan made, not for one made after it)
-                with replicated_seed(args[0], None if self.outside else self.run):
+            self.in_backward += 1  # (`_call_io.input_gradients` acts only then)
+            try:
+                if gradient is None and args and isinstance(args[0], T):
+                    # (`EdgePlan.seeded` holds for a root the plan made, not one made after it)
+                    with replicated_seed(args[0], None if self.outside else self.run):
+                        out = func(*args, **kwargs)
+                else:
                     out = func(*args, **kwargs)
-            else:
-                out = func(*args, **kwargs)
+            finally:
+                self.in_backward -= 1
             self.finish_started()  # (a started AllReduce of the loss ran alongside)
             return out
         if self.paused or kind != "op":

@@ -22,7 +22,9 @@ annotations alike; any dataset strategy):
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
   this rank's rows by the plan's entry edges (`_call_io.cut_inputs`); a wrapped network's
   outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`), and so
-  do the tensors a train step returns (`_leaving.Leaving.step_outputs`).
+  do the tensors a train step returns (`_leaving.Leaving.step_outputs`); the step's tensor
+  inputs that require grad get one device's gradient (`_call_io.input_gradients`, hooks for
+  the call); optimizer steps reach the executor through `_step_hooks.StepHooks`.
 """
 
 from __future__ import annotations
@@ -35,10 +37,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from shardwise import communication as comm
 from shardwise import report
@@ -65,13 +63,14 @@ from shardwise.parallel._recompute import LEVEL3
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
+from shardwise.parallel._step_hooks import StepHooks
 from shardwise.parallel._variants import known_variant, snapshot
 from shardwise.planner import Graph, ParallelPlan
 
 T = torch.Tensor
 
 
-class GraphRun:
+class GraphRun(StepHooks):
     """One network or train step run from its `ParallelPlan` (see the module docstring)."""
 
     def __init__(
@@ -97,7 +96,6 @@ class GraphRun:
         self.templates: list[tuple[Any, Any]] = []
         self.hooks: list[Any] = []
         self.undo: list[Callable[[], None]] = []  # (GradScalers given one verdict: `plan`)
-        self.input_hooks: list[Any] = []  # (the last call's inputs' gradients: `_run`)
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
         self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
@@ -233,38 +231,6 @@ class GraphRun:
         assert isinstance(module, Primitive)
         return self.executor.enter_primitive(module, args, kwargs)
 
-    def _step_hooks(self) -> None:
-        """Global optimizer step hooks (`_step_starts` / `_step_ends`) that hold this run only
-        weakly and go away with it, so that a dropped wrapper frees its network."""
-        ref = weakref.ref(self)
-
-        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-            run = ref()
-            if run is not None:
-                run._step_starts(optimizer, args, kwargs)
-
-        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
-            run = ref()
-            if run is not None:
-                run._step_ends(optimizer, args, kwargs)
-
-        for handle in (
-            register_optimizer_step_pre_hook(pre),
-            register_optimizer_step_post_hook(post),
-        ):
-            weakref.finalize(self, handle.remove)
-            self.hooks.append(handle)
-
-    def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.executor is not None:
-            # (torch passes the optimizer itself as args[0])
-            closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
-            self.executor.step_starts(optimizer, closure)
-
-    def _step_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.executor is not None:
-            self.executor.step_ends(optimizer)
-
     def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.executor is None or self.capturing:
             return None
@@ -312,6 +278,37 @@ class GraphRun:
                 f"call; its ops depend on something capture does not see"
             ) from None
 
+    def _executor(
+        self,
+        plan: ParallelPlan,
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+        on_start: Callable[[], None],
+        on_end: Callable[[], None],
+    ) -> PlanExecutor:
+        """An executor of `plan` for one call with arguments `call` (the plan's `NodeTable`
+        worked out once per plan)."""
+        known = self.tables.get(id(plan))
+        table = known[1] if known is not None and known[0] is plan else None
+        if table is None or table.dataset != self.dataset:
+            table = NodeTable(plan, self.templates, self.dataset)
+            self.tables[id(plan)] = (plan, table)
+        engine, network = self.engine, self.network
+        executor = PlanExecutor(
+            plan,
+            lambda: {id(p): n for n, p in network.named_parameters()},
+            param_value=None if engine is None else engine.compute,
+            on_end=on_end,
+            on_start=on_start,
+            table=table,
+        )
+        leaves = [t for t in pytree.tree_leaves(call) if isinstance(t, T)]
+        executor.inputs = {id(t): weakref.ref(t) for t in leaves}
+        # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
+        executor.defer_count = self.grads is not None and not any(t.requires_grad for t in leaves)
+        if self.hsdp is not None and self.hsdp.optimizer_level == "level3":
+            executor.no_recompute = LEVEL3
+        return executor
+
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept
         with the others (the parameters stay stored as the first plan stores them)."""
@@ -337,16 +334,12 @@ class GraphRun:
         """One call under a `PlanExecutor` of the current plan."""
         plan = self.parallel_plan
         assert plan is not None
-        for h in self.input_hooks:  # (the last call's inputs: `input_gradients`)
-            h.remove()
-        if not self.module_form:
-            self.input_hooks = input_gradients(plan, args, kwargs, self.dataset)
+        given = (args, kwargs)  # (as the caller holds them: `input_gradients`)
         if self.dataset == "full_batch":
             args, kwargs = cut_inputs(plan, args, kwargs)
         if self.grads is not None:
             self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
-        network = self.network
         engine = self.engine
         saved = ExitStack()
 
@@ -361,29 +354,15 @@ class GraphRun:
                 engine.end_forward()
             recorder.mark("forward done")
 
-        known = self.tables.get(id(plan))
-        table = known[1] if known is not None and known[0] is plan else None
-        if table is None or table.dataset != self.dataset:  # (worked out once per plan)
-            table = NodeTable(plan, self.templates, self.dataset)
-            self.tables[id(plan)] = (plan, table)
-        executor = PlanExecutor(
-            plan,
-            lambda: {id(p): n for n, p in network.named_parameters()},
-            param_value=None if engine is None else engine.compute,
-            on_end=forward_done,
-            on_start=forward_starts,
-            table=table,
+        executor = self.executor = self._executor(
+            plan, (args, kwargs), forward_starts, forward_done
         )
-        self.executor = executor
-        leaves = pytree.tree_leaves((args, kwargs))
-        executor.inputs = {id(t): weakref.ref(t) for t in leaves if isinstance(t, T)}
-        # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
-        executor.defer_count = self.grads is not None and not any(
-            isinstance(t, T) and t.requires_grad for t in leaves
-        )
-        if self.hsdp is not None and self.hsdp.optimizer_level == "level3":
-            executor.no_recompute = LEVEL3
+        hooks: list[Any] = []
         try:
+            if not self.module_form:  # (only while the step's own backward runs)
+                hooks = input_gradients(
+                    plan, *given, self.dataset, lambda: executor.in_backward > 0
+                )
             clip = clipping(*self.clip_args())
             with executor, activate(self.session), clip, eager(), same_masks():
                 out = self.fn(*args, **kwargs)
@@ -394,9 +373,11 @@ class GraphRun:
         finally:
             self.executor = None
             saved.close()
+            for h in hooks:
+                h.remove()
         executor.check_done("the end of the call")
-        if executor.done and table.candidates is None:
-            self.spans.update(table)
+        if executor.done and executor.table.candidates is None:
+            self.spans.update(executor.table)
         if self.module_form:
             return rank_outputs(plan, out, self.dataset)
         return executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)

@@ -1,0 +1,59 @@
+"""The optimizer step hooks of a `_graph_run.GraphRun`: its running executor is told when an
+optimizer steps (`_stepping.SteppingMode`: the executor leaves the mode stack while an optimizer
+steps without a closure).
+
+- `StepHooks._step_hooks`: registers torch's global optimizer step pre / post hooks, holding the
+  run only weakly (a dropped wrapper frees its network; the hooks go with it);
+- `StepHooks._step_starts` / `_step_ends`: forward the step to the running executor, with
+  whether the step has a closure (which re-runs the network, and is watched).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+
+class StepHooks:
+    """The step hooks of a run (see the module docstring); the run sets `executor` and
+    `hooks`."""
+
+    executor: Any
+    hooks: list[Any]
+
+    def _step_hooks(self) -> None:
+        """Global optimizer step hooks (`_step_starts` / `_step_ends`) that hold this run only
+        weakly and go away with it, so that a dropped wrapper frees its network."""
+        ref = weakref.ref(self)
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            run = ref()
+            if run is not None:
+                run._step_starts(optimizer, args, kwargs)
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            run = ref()
+            if run is not None:
+                run._step_ends(optimizer, args, kwargs)
+
+        for handle in (
+            register_optimizer_step_pre_hook(pre),
+            register_optimizer_step_post_hook(post),
+        ):
+            weakref.finalize(self, handle.remove)
+            self.hooks.append(handle)
+
+    def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.executor is not None:
+            # (torch passes the optimizer itself as args[0])
+            closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+            self.executor.step_starts(optimizer, closure)
+
+    def _step_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.executor is not None:
+            self.executor.step_ends(optimizer)
