@@ -102,3 +102,24 @@ def test_other_backwards_of_the_input_are_left_alone() -> None:
         xs.grad = None
         (xs * 3.0).sum().backward()  # (plain code after the call)
         assert_matches_single_device(xs.grad, torch.full_like(x, 3.0)[:4], what="plain")
+
+
+def test_torch_autograd_grad_in_the_step() -> None:
+    """``torch.autograd.grad(loss, [x, *params])`` ends the capture as ``loss.backward()``
+    does (it ran on the fake inputs, which do not require grad, and failed); the input's and
+    the parameters' gradients equal one device's."""
+    x, y = batch()
+    ref, xr = Net(), x.clone().requires_grad_()
+    want = torch.autograd.grad(F.cross_entropy(ref(xr), y), [xr, *ref.parameters()])
+    net = Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            loss = F.cross_entropy(net(a), b)
+            return (loss, *torch.autograd.grad(loss, [a, *net.parameters()]))
+
+        _, gx, *gp = sw.AutoParallel(step)(world.rows(x).requires_grad_(), world.rows(y))
+        assert_matches_single_device(gx, world.rows(want[0]), what="input gradient")
+        for got, expected in zip(gp, want[1:], strict=True):
+            assert_matches_single_device(got, expected, what="parameter gradient")

@@ -62,6 +62,7 @@ _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 _ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
 _ALIASES = {TensorBase.contiguous, T.contiguous}  # the same value, no node
+_BACKWARDS = {torch.autograd.grad, torch.autograd.backward}  # (as ``loss.backward()``)
 
 
 def record_kind(func: Callable[..., Any]) -> str:
@@ -72,7 +73,7 @@ def record_kind(func: Callable[..., Any]) -> str:
         return "alias"
     if func in _METADATA or isinstance(func, OpOverload | OpOverloadPacket):
         return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
-    if func is T.backward:
+    if func is T.backward or func in _BACKWARDS:
         return "backward"
     if func in _VALUE_READS:
         return "read"
@@ -267,8 +268,10 @@ class _Recorder(TorchFunctionMode):
         if s.done or s.inside_primitive or kind == "skip":
             return func(*args, **kwargs)
         if kind == "backward":  # the graph ends; the rest of the step is not run on fakes
-            if args and isinstance(args[0], T) and id(args[0]) in s.known:
-                s.backward_roots.append(s.known[id(args[0])])
+            roots = args[0] if args and isinstance(args[0], list | tuple) else args[:1]
+            for root in roots:  # (``torch.autograd.grad(outputs, inputs)``: its outputs)
+                if isinstance(root, T) and id(root) in s.known:
+                    s.backward_roots.append(s.known[id(root)])
             s.done = True
             raise _StopCapture
         if kind == "alias":
