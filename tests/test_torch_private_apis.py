@@ -343,6 +343,20 @@ def _checkpointing() -> None:
     around_recomputation(frames[0], around)
     out.sum().backward()
     assert ran == ["around"] and len(frames) == 2 and frames[1] is None  # (recomputing)
+    # a reentrant region's ctx (CheckpointFunction.forward's local) and its run_function
+    from shardwise._torch.checkpointing import around_rerun, reentrant_context
+
+    contexts: list[object] = []
+
+    def cosine(t: torch.Tensor) -> torch.Tensor:
+        contexts.append(reentrant_context())
+        return t.cos()
+
+    out = checkpoint(cosine, x, use_reentrant=True)
+    assert contexts[0] is not None and reentrant_context() is None
+    around_rerun(contexts[0], around)
+    out.sum().backward()
+    assert ran == ["around", "around"] and contexts[1] is None  # (rerun in backward)
 
 
 def _grad_scaler() -> None:
@@ -415,8 +429,8 @@ CASES: dict[str, Callable[[], None]] = {
         _profiler_events
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
-    "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward, the pack "
-    "hook's frame and its recompute_fn": _checkpointing,
+    "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward and its ctx's "
+    "run_function, the pack hook's frame and its recompute_fn": _checkpointing,
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(

@@ -4,7 +4,8 @@ The region's ops are plan nodes in the forward; its recomputation in backward re
 from the region's first node (`parallel/_recompute.py`): the same moves and collectives (again,
 in the backward phase), this rank's blocks of the same global dropout masks. Before, the capture
 refused checkpointing, and checkpointing turned on after planning was refused at its first op.
-Reentrant checkpointing stays refused, naming the fix (``use_reentrant=False``).
+Reentrant checkpointing (``use_reentrant=True``, Hugging Face's default) replays the same way;
+its backward runs a backward of its own, whose parameter gradients are all-reduced one by one.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ class Net(nn.Module):
     def __init__(self, how: str = "non-reentrant") -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)  # (a reentrant region's input must require grad)
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(8, 4)
         self.how = how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
         for block in self.blocks:
             if self.how == "factory first":  # (the region's first node makes a tensor)
                 x = checkpoint(lambda h, b=block: b(h + torch.arange(8.0)), x, use_reentrant=False)
@@ -88,10 +91,12 @@ def one_device(how: str = "") -> tuple[list[torch.Tensor], list[dict[str, torch.
     return [step(x, y).detach() for _ in range(STEPS)], grads
 
 
-@pytest.mark.parametrize("how", ["non-reentrant", "factory first", "no rng"])
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "factory first", "no rng"])
 def test_data_parallel_with_dropout_in_checkpointed_blocks_matches_one_device(how: str) -> None:
     """``no rng``: torch's recomputation draws new masks from the generator as it is then (the
-    gradient of other masks than the forward's, on one device too): the replay does the same."""
+    gradient of other masks than the forward's, on one device too): the replay does the same.
+    ``reentrant``: the region's backward runs a backward of its own, whose parameter gradients
+    the buckets all-reduce one by one."""
     want, want_grads = one_device(how)  # (checkpointed on one device too)
     (x, y), seen, net = batch(), [], Net(how)
     with simulated_world(2) as world:
@@ -103,9 +108,14 @@ def test_data_parallel_with_dropout_in_checkpointed_blocks_matches_one_device(ho
                 loss = parallel(world.rows(x), world.rows(y))
                 assert_matches_single_device(loss, want[s], what=f"loss {s}")
                 assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
-    # (nothing to recompute but local ops: the loss and the gradient bucket, as without)
+    # (nothing to recompute but local ops: the loss and the gradient bucket, as without; a
+    # reentrant region's 4 parameters get their gradients in a backward of its own)
+    per_step = 1 + (8 if how == "reentrant" else 0)
     assert rec.kinds() == Counter(
-        {("AllReduce", "forward", (0, 1)): STEPS, ("AllReduce", "backward", (0, 1)): STEPS}
+        {
+            ("AllReduce", "forward", (0, 1)): STEPS,
+            ("AllReduce", "backward", (0, 1)): per_step * STEPS,
+        }
     )
 
 
@@ -141,18 +151,24 @@ def test_megatron_with_dropout_in_checkpointed_blocks_matches_one_device() -> No
     assert without == Counter()
 
 
-@pytest.mark.parametrize("level", ["level2", "level3"])
-def test_with_optimizer_parallel(level: str) -> None:
+@pytest.mark.parametrize(
+    ("level", "how"),
+    [("level2", "non-reentrant"), ("level3", "non-reentrant"), ("level2", "reentrant")],
+)
+def test_with_optimizer_parallel(level: str, how: str) -> None:
     """Level 2 replays (the weights are gathered once per step); level 3, which gathers them
-    again in backward, is refused naming the levels that work."""
+    again in backward, and reentrant regions (a backward inside backward) are refused naming
+    what works."""
     want, _ = one_device()
-    (x, y), net = batch(), Net()
+    (x, y), net = batch(), Net(how)
     with simulated_world(2) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(trainer(net, [])).hsdp(threshold=0, optimizer_level=level)
         torch.manual_seed(SEED)
-        if level == "level3":
-            with pytest.raises(UnsupportedParallelError, match=r"level 3 .*'level1' or 'level2'"):
+        refused = {"level3": r"level 3 .*'level1' or 'level2'", "reentrant": r"use_reentrant=False"}
+        match = refused.get(level) or refused.get(how)
+        if match:
+            with pytest.raises(UnsupportedParallelError, match=match):
                 parallel(world.rows(x), world.rows(y))
             return
         for s in range(STEPS):
@@ -175,8 +191,7 @@ def test_nested_regions_are_refused_at_capture() -> None:
 
 def test_turned_on_after_planning() -> None:
     """``model.gradient_checkpointing_enable()`` after the first step runs the same ops: the
-    non-reentrant regions replay; reentrant ones are refused at their first op, naming it and
-    the fix."""
+    regions replay, non-reentrant (step 1) or reentrant (step 2)."""
     want, want_grads = one_device()
     (x, y), seen, net = batch(), [], Net("")
     with simulated_world(2) as world:
@@ -184,24 +199,21 @@ def test_turned_on_after_planning() -> None:
         parallel = sw.AutoParallel(trainer(net, seen))
         torch.manual_seed(SEED)
         for s in range(STEPS):
-            net.how = "non-reentrant" if s else ""
+            net.how = ["", "non-reentrant", "reentrant"][s]
             loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s], what=f"loss {s}")
             assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
-        net.how = "reentrant"
-        with pytest.raises(
-            UnsupportedParallelError, match=r"%0 blocks.0.fc1/linear .*use_reentrant=False"
-        ):
-            parallel(world.rows(x), world.rows(y))
 
 
-def test_hugging_face_gradient_checkpointing_matches_one_device() -> None:
-    """HF GPT-2 with dropout and ``gradient_checkpointing_enable`` (non-reentrant)."""
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hugging_face_gradient_checkpointing_matches_one_device(reentrant: bool) -> None:
+    """HF GPT-2 with dropout and ``gradient_checkpointing_enable`` (reentrant: its default)."""
     from ..zoo import gpt2_hf, token_batches
 
     def make() -> nn.Module:
         model = gpt2_hf(dropout=0.1)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": reentrant}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
 
     def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

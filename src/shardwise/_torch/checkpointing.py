@@ -13,7 +13,9 @@ A non-reentrant region's state is a ``_CheckpointFrame`` that its pack hook clos
 (private): `checkpoint_frame` finds it for the running op, `preserves_rng` reads its
 ``preserve_rng_state``, and `around_recomputation` makes the region's recomputation in backward
 (``frame.recompute_fn``, private) run inside a function of the caller's (the plan executor
-replays the region's nodes there). `nested_checkpoint`: a region inside another.
+replays the region's nodes there). `nested_checkpoint`: a region inside another. A reentrant
+region's autograd context is the ``ctx`` of ``CheckpointFunction.forward`` (`reentrant_context`,
+a frame's locals); `around_rerun` wraps its ``run_function``, which its backward calls again.
 """
 
 from __future__ import annotations
@@ -83,19 +85,64 @@ def checkpoint_frame() -> Any | None:
     return pack.__closure__[code.co_freevars.index("frame")].cell_contents
 
 
-def nested_checkpoint() -> bool:
-    """Whether the running code is inside two ``torch.utils.checkpoint.checkpoint`` calls
-    (a checkpointed region inside another: its frames on the call stack).
+def reentrant_context() -> Any | None:
+    """The autograd context of the reentrant checkpoint region the running op is in (the
+    ``ctx`` of the private ``CheckpointFunction.forward`` on the call stack, whose
+    ``run_function`` backward calls again), or None.
 
     Example:
-        >>> nested_checkpoint()
-        False
+        >>> reentrant_context() is None
+        True
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def around_rerun(ctx: Any, around: Callable[[Callable[[], None]], None]) -> None:
+    """Make a reentrant region's recomputation in backward (``ctx.run_function``, called by
+    ``CheckpointFunction.backward`` with the RNG state and autocast restored) run as
+    ``around(run)``; its outputs are returned as the region's function returns them.
+
+    Example:
+        >>> around_rerun(ctx, lambda run: run())  # doctest: +SKIP
+    """
+    own = ctx.run_function
+
+    def rerun(*args: Any) -> Any:
+        out: list[Any] = []
+        around(lambda: out.append(own(*args)))
+        return out[0]
+
+    ctx.run_function = rerun
+
+
+def checkpoint_calls() -> int:
+    """How many ``torch.utils.checkpoint.checkpoint`` calls the running code is inside (their
+    frames on the call stack; 2: a checkpointed region inside another).
+
+    Example:
+        >>> checkpoint_calls()
+        0
     """
     frame, calls = sys._getframe(1), 0
     while frame is not None:
         calls += frame.f_code is _CHECKPOINT_CALL
         frame = frame.f_back  # type: ignore[assignment]
-    return calls > 1
+    return calls
+
+
+def nested_checkpoint() -> bool:
+    """Whether the running code is inside a checkpointed region inside another.
+
+    Example:
+        >>> nested_checkpoint()
+        False
+    """
+    return checkpoint_calls() > 1
 
 
 def preserves_rng(frame: Any) -> bool:
@@ -125,9 +172,11 @@ def around_recomputation(frame: Any, around: Callable[[Callable[[], None]], None
 
 __all__ = [
     "around_recomputation",
+    "around_rerun",
     "checkpoint_frame",
     "checkpointing",
     "in_activation_checkpoint",
     "nested_checkpoint",
     "preserves_rng",
+    "reentrant_context",
 ]

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise._torch import pytree
-from shardwise._torch.checkpointing import checkpointing
+from shardwise._torch.checkpointing import checkpoint_calls, checkpointing
 from shardwise.communication.primitives import replicated_seed
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
@@ -257,6 +257,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
             self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out
         k = self.cursor
+        if self.no_recompute and checkpointing():  # (before any op of a region's own)
+            self._refuse_checkpointed(k)
         if not has_tensor(args, kwargs):
             return self._factory(func, op, args, kwargs)
         if op != self.ops[k] and self.abandon(op):  # (a pass only factories started)
@@ -353,6 +355,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
         """Step to the next node, which must be `op` (else an error naming both ops)."""
         node = self.plan.nodes[self.cursor]
         if op != node.op:
+            if self.no_recompute and checkpoint_calls():  # (torch's checkpoint preamble)
+                self._refuse_checkpointed(self.cursor)
             if not self.backward_seen:
                 message = f"{op} where the plan has %{node.index} {node.name} ({node.op})"
                 raise Replan(message, self.cursor, op)

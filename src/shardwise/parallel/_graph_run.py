@@ -59,7 +59,7 @@ from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_
 from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
-from shardwise.parallel._recompute import LEVEL3
+from shardwise.parallel._recompute import LEVEL3, REENTRANT_HSDP
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
@@ -307,6 +307,8 @@ class GraphRun(StepHooks):
         executor.defer_count = self.grads is not None and not any(t.requires_grad for t in leaves)
         if self.hsdp is not None and self.hsdp.optimizer_level == "level3":
             executor.no_recompute = LEVEL3
+        if self.hsdp is not None:
+            executor.reentrant_refused = REENTRANT_HSDP
         return executor
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from shardwise import communication as comm
 from shardwise._torch.checkpointing import (
     around_recomputation,
+    around_rerun,
     checkpoint_frame,
     nested_checkpoint,
     preserves_rng,
+    reentrant_context,
 )
 from shardwise.communication import recorder
 from shardwise.parallel._errors import UnsupportedParallelError
@@ -40,6 +42,14 @@ LEVEL3 = (
     "region does not replay yet; use optimizer_level='level1' or 'level2' with checkpointing"
 )
 """`Recompute.no_recompute` under optimizer parallel level 3."""
+
+REENTRANT_HSDP = (
+    "reentrant checkpointing (use_reentrant=True) runs a backward of its own inside backward, "
+    "which optimizer parallel does not follow; use checkpoint(..., use_reentrant=False) "
+    "(Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    "{'use_reentrant': False}))"
+)
+"""`Recompute.reentrant_refused` with optimizer parallel."""
 
 NESTED = (
     "it is a checkpointed region inside another (nested torch.utils.checkpoint), which "
@@ -52,6 +62,7 @@ class Recompute:
 
     plan: ParallelPlan
     run: object
+    defer_count: bool
 
     if TYPE_CHECKING:
 
@@ -61,6 +72,7 @@ class Recompute:
         self.regions: weakref.WeakSet[Any] = weakref.WeakSet()  # checkpointed regions seen
         self.replaying = False  # a region's recomputation (`_replay`)
         self.no_recompute = ""  # why regions cannot be replayed (set by the caller)
+        self.reentrant_refused = ""  # why reentrant ones cannot (set by the caller)
 
     def _checkpointed(self, k: int) -> None:
         """Node `k` runs inside activation checkpointing: at a non-reentrant region's first
@@ -69,14 +81,23 @@ class Recompute:
         if self.replaying:
             return
         frame = checkpoint_frame()
-        if frame is None or self.no_recompute:
+        region = frame if frame is not None else reentrant_context()
+        if region is None or self.no_recompute:
             self._refuse_checkpointed(k)
-        if frame in self.regions:
+        if region in self.regions:
             return
         if nested_checkpoint():
             self.no_recompute = NESTED
             self._refuse_checkpointed(k)
-        self.regions.add(frame)
+        self.regions.add(region)
+        if frame is None:  # (reentrant: its backward runs a backward of its own)
+            if self.reentrant_refused:
+                self.no_recompute = self.reentrant_refused
+                self._refuse_checkpointed(k)
+            self.defer_count = False  # (that backward's gradients get no loss count factor)
+            state = comm.draw_state() if region.preserve_rng_state else None
+            around_rerun(region, lambda run: self._replay(k, state, run))
+            return
         state = comm.draw_state() if preserves_rng(frame) else None  # (before its first draw)
         around_recomputation(frame, lambda run: self._replay(k, state, run))
 
@@ -100,16 +121,13 @@ class Recompute:
             if now is not None:
                 comm.set_draw_state(now)
 
-    def _refuse_checkpointed(self, k: int) -> None:
+    def _refuse_checkpointed(self, k: int) -> NoReturn:
         """Raise: node `k` runs inside activation checkpointing that cannot be replayed: a
         reentrant region (its forward ran without grad inside torch's checkpoint function; the
         capture refuses it, so it was turned on after planning), or `no_recompute` says why."""
         node = self.plan.nodes[k]
         why = self.no_recompute or (
-            "reentrant checkpointing (use_reentrant=True) recomputes outside the plan, on this "
-            "rank's blocks without the plan's collectives, sizes and dropout masks; use "
-            "checkpoint(..., use_reentrant=False) (Hugging Face: gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False}))"
+            "its recomputation in backward cannot be found to replay the plan there"
         )
         raise UnsupportedParallelError(
             f"AutoParallel: %{k} {node.name} ({node.op}) runs inside activation checkpointing "

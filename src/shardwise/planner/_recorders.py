@@ -33,11 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
-from shardwise._torch.checkpointing import (
-    checkpoint_frame,
-    in_activation_checkpoint,
-    nested_checkpoint,
-)
+from shardwise._torch.checkpointing import in_activation_checkpoint, nested_checkpoint
 from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase, TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
@@ -177,15 +173,6 @@ class _State:
                 f"{op} at {_source()} runs inside a checkpointed region inside another "
                 f"(nested torch.utils.checkpoint), which AutoParallel does not support; "
                 f"checkpoint the regions one after the other"
-            )
-        if in_activation_checkpoint() and checkpoint_frame() is None:
-            raise CaptureError(
-                f"{op} at {_source()} runs inside reentrant activation checkpointing "
-                f"(torch.utils.checkpoint with use_reentrant=True): its recomputation in "
-                f"backward would run outside the plan, without the plan's collectives, dropout "
-                f"masks and sizes; use checkpoint(..., use_reentrant=False) (Hugging Face: "
-                f"gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                f"{{'use_reentrant': False}}))"
             )
         strategy = self._annotation(op)
         node = Node(
