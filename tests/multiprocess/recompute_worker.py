@@ -30,20 +30,25 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Two blocks; `region`: "" (none), "block" (each whole block checkpointed) or "hidden"
-    (only fc1 and its dropout: under Megatron the region's output is a model-parallel split)."""
+    """Two blocks; `region`: "" (none), "block" (each whole block checkpointed), "hidden" (only
+    fc1 and its dropout: under Megatron the region's output is a model-parallel split) or
+    "reentrant" (each whole block, ``use_reentrant=True``)."""
 
     def __init__(self, region: str) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)  # (a reentrant region's input must require grad)
         self.blocks = nn.ModuleList([Block(), Block()])
         self.head = nn.Linear(8, 4)
         self.region = region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
         for b in self.blocks:
             if self.region == "block":
                 x = checkpoint(b, x, use_reentrant=False)
+            elif self.region == "reentrant":
+                x = checkpoint(b, x, use_reentrant=True)
             elif self.region == "hidden":
                 x = x + b.fc2(checkpoint(b.hidden, x, use_reentrant=False))
             else:
@@ -53,6 +58,7 @@ class Net(nn.Module):
 
 
 CASES = [("data_parallel", "block"), ("megatron", "block"), ("megatron", "hidden")]
+CASES += [("data_parallel", "reentrant"), ("megatron", "reentrant")]
 
 
 def losses(mode: str, region: str, rows: Callable[[torch.Tensor], torch.Tensor]) -> list[float]:

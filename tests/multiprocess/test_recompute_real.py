@@ -1,7 +1,7 @@
 """Activation checkpointing on 2 real gloo processes (recompute_worker.py): the region's
 recomputation replays the plan with the dropout masks drawn from each process's restored
 generator state (`communication.draw_state` in a job), for data parallel and Megatron 1 x 2
-with the region a whole block or only its column-parallel half."""
+with the region a whole block or only its column-parallel half, reentrant or not."""
 
 from __future__ import annotations
 
