@@ -99,7 +99,8 @@ def global_inputs(
         if isinstance(x, T):
             layout = layouts.get(input_key(pytree.keystr(path)))
             shape = _global_shape(x, world, dataset, layout)
-            x = torch.empty(shape, dtype=x.dtype, device="meta")
+            grad = x.requires_grad  # (``torch.autograd.grad(loss, [x])`` in the step)
+            x = torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(grad)
         out.append(x)
     g_args, g_kwargs = pytree.tree_unflatten(out, spec)
     return tuple(g_args), dict(g_kwargs)

@@ -174,7 +174,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
         except (KeyError, TypeError):
             kind, op = call_info(func)
         if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
-            if kind == "backward":
+            if kind in ("backward", "grad"):
                 return self._call(func, kind, op, args, kwargs or {})
             if self.placed and kind != "skip" and self.done:  # (a value read, an alias)
                 return self.placed_call(func, kind, op, args, kwargs or {})
@@ -222,6 +222,18 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
         self, func: Callable[..., Any], kind: str, op: str, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
         """Any call but a plain node's: backward, calls that are no node, other nodes."""
+        if kind == "grad":  # (``torch.autograd.grad``: no node, not seeded)
+            last = not kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
+            if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
+                self.check_done("torch.autograd.grad")
+                self.finished = self.backward_seen = True
+            self.in_backward += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.in_backward -= 1
+                if last:
+                    self.finish_started()
         if kind == "backward":
             self.check_done("loss.backward()")
             self.finished = True  # the step may run the plan again (`_restarts`)

@@ -133,7 +133,7 @@ def capture(
     leaves = []
     for path, leaf in flat:
         if isinstance(leaf, T):
-            fake = _fake_like(mode, leaf, device).requires_grad_(False)
+            fake = _fake_like(mode, leaf, device)  # (requires grad as the input does)
             key = input_key(pytree.keystr(path))
             known[id(fake)] = Ref("input", key)
             inputs[key] = info_of(leaf)

@@ -58,19 +58,21 @@ _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 _ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
 _ALIASES = {TensorBase.contiguous, T.contiguous}  # the same value, no node
-_BACKWARDS = {torch.autograd.grad, torch.autograd.backward}  # (as ``loss.backward()``)
 
 
 def record_kind(func: Callable[..., Any]) -> str:
     """How capture (and the plan executor) treat a torch-level call: ``"skip"`` (metadata,
-    attribute reads and writes), ``"read"`` (a tensor's value), ``"backward"`` or ``"op"``
-    (a node of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
+    attribute reads and writes), ``"read"`` (a tensor's value), ``"backward"`` (the end of a
+    train step's graph), ``"grad"`` (``torch.autograd.grad``: run, no node) or ``"op"`` (a node
+    of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
     if func in _ALIASES:
         return "alias"
     if func in _METADATA or isinstance(func, OpOverload | OpOverloadPacket):
         return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
-    if func is T.backward or func in _BACKWARDS:
+    if func is T.backward or func is torch.autograd.backward:
         return "backward"
+    if func is torch.autograd.grad:
+        return "grad"
     if func in _VALUE_READS:
         return "read"
     if getattr(func, "__name__", "") in ("__get__", "__set__"):
@@ -101,6 +103,12 @@ def info_of(t: T) -> TensorInfo:
     return TensorInfo(tuple(map(int, t.shape)), dtype_name(t.dtype))
 
 
+def _creates_graph(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``backward`` / ``torch.autograd.grad`` call passes ``create_graph=True``."""
+    at = 4 if func is torch.autograd.grad else 3  # (its place among the positional ones)
+    return bool(kwargs.get("create_graph", args[at] if len(args) > at else False))
+
+
 def _source() -> str:
     """``file:line`` of the innermost caller outside torch and shardwise."""
     frame = sys._getframe(2)
@@ -122,6 +130,7 @@ class _State:
     def __init__(self, names: dict[int, Ref], modules: dict[int, str]) -> None:
         self.known: dict[int, Ref] = dict(names)  # tensor id -> the value it is
         self.keep: list[T] = []  # every recorded tensor, so that no id is reused
+        self.differentiated: list[T] = []  # gradients with a graph (``create_graph=True``)
         self.modules = modules  # module id -> path
         self.stack: list[str] = []
         self.nodes: list[Node] = []
@@ -254,9 +263,20 @@ class _Recorder(TorchFunctionMode):
         kind = record_kind(func)
         if s.done or s.inside_primitive or kind == "skip":
             return func(*args, **kwargs)
+        if kind == "grad":
+            retain = kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
+            if retain is None:
+                retain = _creates_graph(func, args, kwargs)  # (torch's default)
+            if retain:  # (mid-step, e.g. monitoring: no node; the step goes on)
+                out = func(*args, **kwargs)
+                if _creates_graph(func, args, kwargs):  # (an op reading them is refused)
+                    s.differentiated += tensors_in(out)
+                return out
+            kind = "backward"  # (the graph is freed: the step's last differentiation)
         if kind == "backward":  # the graph ends; the rest of the step is not run on fakes
-            roots = args[0] if args and isinstance(args[0], list | tuple) else args[:1]
-            for root in roots:  # (``torch.autograd.grad(outputs, inputs)``: its outputs)
+            first = args[0] if args else kwargs.get("outputs", kwargs.get("tensors"))
+            roots = first if isinstance(first, list | tuple) else [first]
+            for root in roots:  # (``torch.autograd.backward(tensors)``: each of them)
                 if isinstance(root, T) and id(root) in s.known:
                     s.backward_roots.append(s.known[id(root)])
             s.done = True
@@ -279,6 +299,12 @@ class _Recorder(TorchFunctionMode):
     def _record(self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         s = self.s
         ins, template = _tensors((args, kw))
+        if s.differentiated and any(t is d for t in ins for d in s.differentiated):
+            raise CaptureError(
+                f"{resolve_name(func) or func} at {_source()} computes with gradients that "
+                f"torch.autograd.grad(..., create_graph=True) returned (a gradient penalty, a "
+                f"second derivative), which AutoParallel does not support"
+            )
         s.aten, s.aten_ids, s.tmp = [], {}, 0
         for i, t in enumerate(ins):
             s.aten_ids.setdefault(id(t), AtenArg("in", i, info_of(t), tuple(t.stride())))
