@@ -35,9 +35,9 @@ unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (
 ``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
-is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). A non-reentrant
+is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). An
 activation-checkpointed region's recomputation in backward replays the plan's nodes
-(`_recompute.Recompute`); a reentrant one is refused. An output the
+(`_recompute.Recompute`). An output the
 plan holds other than a returned value leaves the call (a partial sum, a model-parallel split)
 is noted as its op makes it (`_leaving.Leaving`: moved if the train step returns it)."""
 

@@ -1,17 +1,21 @@
 """Activation checkpointing under a plan: a region's recomputation replays the plan's nodes.
 
-``torch.utils.checkpoint(fn, ..., use_reentrant=False)`` runs the region's ops in the forward
-(the executor carries them out as usual: they are plan nodes, the capture recorded them) and
-runs ``fn`` again in backward to recompute the tensors it did not keep. That recomputation runs
-inside autograd, where the executor is not on the mode stack: its ops would run on this rank's
-blocks without the plan's moves, collectives, sizes and dropout masks. `Recompute` (a base of
+``torch.utils.checkpoint(fn, ...)`` runs the region's ops in the forward (the executor carries
+them out as usual: they are plan nodes, the capture recorded them) and runs ``fn`` again in
+backward to recompute the tensors it did not keep. That recomputation runs inside autograd,
+where the executor is not on the mode stack: its ops would run on this rank's blocks without
+the plan's moves, collectives, sizes and dropout masks. `Recompute` (a base of
 `_executor.PlanExecutor`):
 
-- `Recompute._checkpointed`: at the first node a region runs (its ``_CheckpointFrame``: the
-  private `_torch.checkpointing.checkpoint_frame`), notes the node and the random generators'
-  state (`communication.draw_state`) and has the region's recomputation run through `_replay`
-  (`_torch.checkpointing.around_recomputation`); a reentrant region, or one the caller forbids
-  (`no_recompute`: optimizer parallel level 3), raises `UnsupportedParallelError`;
+- `Recompute._checkpointed`: at the first node a region runs, finds the region (a
+  non-reentrant one's ``_CheckpointFrame``: `_torch.checkpointing.checkpoint_frame`; a
+  reentrant one's autograd context: `reentrant_context`), notes the node and the random
+  generators' state (`communication.draw_state`) and has the region's recomputation run
+  through `_replay` (`around_recomputation` / `around_rerun`). A reentrant region's backward
+  runs a backward of its own, whose gradients get no loss count factor: the call's deferred
+  count is switched off. Nested regions, and what the caller forbids (`no_recompute`:
+  optimizer parallel level 3; `reentrant_refused`: reentrant regions with optimizer
+  parallel), raise `UnsupportedParallelError`;
 - `Recompute._replay`: a fresh executor of the same plan positioned at that node carries out the
   recomputation's ops (the same moves and collectives, recorded in the backward phase with a
   ``recompute from ...`` label), its dropouts drawing from the noted state (the same global
@@ -75,9 +79,9 @@ class Recompute:
         self.reentrant_refused = ""  # why reentrant ones cannot (set by the caller)
 
     def _checkpointed(self, k: int) -> None:
-        """Node `k` runs inside activation checkpointing: at a non-reentrant region's first
-        node, its recomputation in backward is made to replay the plan from `k` (`_replay`);
-        a reentrant region is refused. Nothing while replaying."""
+        """Node `k` runs inside activation checkpointing: at a region's first node, its
+        recomputation in backward is made to replay the plan from `k` (`_replay`); what cannot
+        be replayed is refused. Nothing while replaying."""
         if self.replaying:
             return
         frame = checkpoint_frame()
@@ -122,9 +126,8 @@ class Recompute:
                 comm.set_draw_state(now)
 
     def _refuse_checkpointed(self, k: int) -> NoReturn:
-        """Raise: node `k` runs inside activation checkpointing that cannot be replayed: a
-        reentrant region (its forward ran without grad inside torch's checkpoint function; the
-        capture refuses it, so it was turned on after planning), or `no_recompute` says why."""
+        """Raise: node `k` runs inside activation checkpointing that cannot be replayed
+        (`no_recompute` says why; else no region could be found for it)."""
         node = self.plan.nodes[k]
         why = self.no_recompute or (
             "its recomputation in backward cannot be found to replay the plan there"
