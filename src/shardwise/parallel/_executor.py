@@ -77,6 +77,7 @@ from shardwise.parallel._recompute import Recompute
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
+from shardwise.planner._call_kinds import keeps_graph
 
 T = torch.Tensor
 
@@ -223,7 +224,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
     ) -> Any:
         """Any call but a plain node's: backward, calls that are no node, other nodes."""
         if kind == "grad":  # (``torch.autograd.grad``: no node, not seeded)
-            last = not kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
+            last = not keeps_graph(args, kwargs)
             if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
                 self.check_done("torch.autograd.grad")
                 self.finished = self.backward_seen = True

@@ -22,8 +22,8 @@ optimizer's closure) runs the same plan again (`parallel._executor`). Reading a 
 graph (``.item()``, ``bool(t)``) or an op whose output shape depends on values raises
 `CaptureError` naming the op and the source line.
 
-`record_kind`, `CaptureError`, `dtype_name` and `info_of` are `_recorders`'s, importable from
-here too.
+`CaptureError`, `dtype_name` and `info_of` (`_recorders`) and `record_kind` (`_call_kinds`) are
+importable from here too.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from shardwise._torch.fake import FakeTensorMode
 from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
+from shardwise.planner._call_kinds import record_kind
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._recorders import (
@@ -52,7 +53,6 @@ from shardwise.planner._recorders import (
     _StopCapture,
     dtype_name,
     info_of,
-    record_kind,
     tensors_in,
 )
 from shardwise.planner._user_state import kept_real

@@ -1,7 +1,8 @@
 """Capture's recorders: what turns one run on fake tensors into `Node`s.
 
-- `record_kind`: how a torch-level call is treated (skipped, a value read, the train step's
-  ``backward()``, an alias of its input, or an op); the plan executor asks it too.
+- `record_kind` (`_call_kinds`'s): how a torch-level call is treated (skipped, a value read,
+  the train step's ``backward()``, an alias of its input, or an op); the plan executor asks it
+  too.
 - `_State`: what the recorders share during one capture: the value each tensor is (`ref`:
   an unknown tensor becomes a constant), the module path stack, the nodes so far (`add_node`:
   one `Node` with its name, inputs, outputs, aten program, source line and op-form strategy).
@@ -34,10 +35,11 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import in_activation_checkpoint, nested_checkpoint
-from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase, TorchDispatchMode
+from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
 from shardwise.ops import _flat as flat
+from shardwise.planner._call_kinds import creates_graph, keeps_graph, record_kind
 from shardwise.planner._graph import (
     AtenArg,
     AtenCall,
@@ -49,37 +51,7 @@ from shardwise.planner._graph import (
 )
 
 T = torch.Tensor
-_METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.numel}
-_METADATA |= {T.stride, T.element_size, T.nelement, T.data_ptr, T.__len__, T.get_device}
-_VALUE_READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.numpy}
-_VALUE_READS |= {T.__format__, T.__repr__, T.__str__}
 _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
-
-
-_ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
-_ALIASES = {TensorBase.contiguous, T.contiguous}  # the same value, no node
-
-
-def record_kind(func: Callable[..., Any]) -> str:
-    """How capture (and the plan executor) treat a torch-level call: ``"skip"`` (metadata,
-    attribute reads and writes), ``"read"`` (a tensor's value), ``"backward"`` (the end of a
-    train step's graph), ``"grad"`` (``torch.autograd.grad``: run, no node) or ``"op"`` (a node
-    of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
-    if func in _ALIASES:
-        return "alias"
-    if func in _METADATA or isinstance(func, OpOverload | OpOverloadPacket):
-        return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
-    if func is T.backward or func is torch.autograd.backward:
-        return "backward"
-    if func is torch.autograd.grad:
-        return "grad"
-    if func in _VALUE_READS:
-        return "read"
-    if getattr(func, "__name__", "") in ("__get__", "__set__"):
-        owner = getattr(func, "__self__", None)
-        is_op = func.__name__ == "__get__" and getattr(owner, "__name__", "") in _ATTR_OPS
-        return "op" if is_op else "skip"
-    return "op"
 
 
 class _StopCapture(BaseException):
@@ -101,12 +73,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def info_of(t: T) -> TensorInfo:
     """A tensor's global shape and dtype."""
     return TensorInfo(tuple(map(int, t.shape)), dtype_name(t.dtype))
-
-
-def _creates_graph(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    """Whether a ``backward`` / ``torch.autograd.grad`` call passes ``create_graph=True``."""
-    at = 4 if func is torch.autograd.grad else 3  # (its place among the positional ones)
-    return bool(kwargs.get("create_graph", args[at] if len(args) > at else False))
 
 
 def _source() -> str:
@@ -264,12 +230,9 @@ class _Recorder(TorchFunctionMode):
         if s.done or s.inside_primitive or kind == "skip":
             return func(*args, **kwargs)
         if kind == "grad":
-            retain = kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
-            if retain is None:
-                retain = _creates_graph(func, args, kwargs)  # (torch's default)
-            if retain:  # (mid-step, e.g. monitoring: no node; the step goes on)
+            if keeps_graph(args, kwargs):  # (mid-step, e.g. monitoring: no node; goes on)
                 out = func(*args, **kwargs)
-                if _creates_graph(func, args, kwargs):  # (an op reading them is refused)
+                if creates_graph(func, args, kwargs):  # (an op reading them is refused)
                     s.differentiated += tensors_in(out)
                 return out
             kind = "backward"  # (the graph is freed: the step's last differentiation)

@@ -1,0 +1,59 @@
+"""How capture and the plan executor treat a torch-level call (`record_kind`), and what a
+differentiation call asks for (`creates_graph`, `keeps_graph`: ``torch.autograd.grad`` ends a
+train step's graph only when it frees it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase
+
+T = torch.Tensor
+_METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.numel}
+_METADATA |= {T.stride, T.element_size, T.nelement, T.data_ptr, T.__len__, T.get_device}
+_VALUE_READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.numpy}
+_VALUE_READS |= {T.__format__, T.__repr__, T.__str__}
+
+
+_ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
+_ALIASES = {TensorBase.contiguous, T.contiguous}  # the same value, no node
+
+
+def record_kind(func: Callable[..., Any]) -> str:
+    """How capture (and the plan executor) treat a torch-level call: ``"skip"`` (metadata,
+    attribute reads and writes), ``"read"`` (a tensor's value), ``"backward"`` (the end of a
+    train step's graph), ``"grad"`` (``torch.autograd.grad``: run, no node) or ``"op"`` (a node
+    of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
+    if func in _ALIASES:
+        return "alias"
+    if func in _METADATA or isinstance(func, OpOverload | OpOverloadPacket):
+        return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
+    if func is T.backward or func is torch.autograd.backward:
+        return "backward"
+    if func is torch.autograd.grad:
+        return "grad"
+    if func in _VALUE_READS:
+        return "read"
+    if getattr(func, "__name__", "") in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        is_op = func.__name__ == "__get__" and getattr(owner, "__name__", "") in _ATTR_OPS
+        return "op" if is_op else "skip"
+    return "op"
+
+
+def creates_graph(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``backward`` / ``torch.autograd.grad`` call passes ``create_graph=True``."""
+    at = 4 if func is torch.autograd.grad else 3  # (its place among the positional ones)
+    return bool(kwargs.get("create_graph", args[at] if len(args) > at else False))
+
+
+def keeps_graph(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``torch.autograd.grad(*args, **kwargs)`` call keeps the graph (its
+    ``retain_graph``, by default its ``create_graph``): a gradient taken mid-step, not the
+    step's last differentiation."""
+    retain = kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
+    return bool(retain if retain is not None else creates_graph(torch.autograd.grad, args, kwargs))
