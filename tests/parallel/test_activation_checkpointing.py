@@ -70,18 +70,15 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
+def cross_entropy(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(net(x), y)
+
+
 def trainer(net: nn.Module, seen: list[dict[str, torch.Tensor]]) -> Any:
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    """`zoo.recording_step` with SGD and a cross entropy."""
+    from ..zoo import recording_step
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
-        seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
+    return recording_step(net, torch.optim.SGD(net.parameters(), lr=0.1), cross_entropy, seen)
 
 
 def one_device(how: str = "") -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
