@@ -164,3 +164,27 @@ def test_a_gradient_taken_mid_step_and_a_gradient_penalty() -> None:
             assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want.detach())
             grads = {n: p.grad for n, p in net.named_parameters()}
             assert_matches_single_device(grads, {n: p.grad for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("call", ["loss.backward", "torch.autograd.backward"])
+def test_backward_with_create_graph_is_refused_at_capture(call: str) -> None:
+    """``loss.backward(create_graph=True)`` (gradients that carry a graph, for a penalty on
+    ``p.grad``) is a `CaptureError` naming the call's line; it used to crash inside the
+    gradient buckets ("a leaf Variable that requires grad ... in-place")."""
+    from shardwise.planner import CaptureError
+
+    x, y = batch()
+    net = Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(a), b)
+            if call == "loss.backward":
+                loss.backward(create_graph=True)
+            else:
+                torch.autograd.backward([loss], create_graph=True)
+            return loss
+
+        with pytest.raises(CaptureError, match=r"create_graph=True\) at test_input_gradients"):
+            sw.AutoParallel(step)(world.rows(x), world.rows(y))

@@ -32,7 +32,8 @@ Nothing about layouts is decided here: every placement, step and collective come
 A later pass of the plan in the same call (gradient accumulation) starts where `_passes.Passes`
 says. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
 unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (with the plan's
-``seeded`` adjoints local unless an op outside the plan ran since it last started). An optimizer
+``seeded`` adjoints local unless an op outside the plan ran since it last started); a root
+split over the ranks has its seed scaled (`_seeds.Seeds`). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
 is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). An
@@ -74,6 +75,7 @@ from shardwise.parallel._node_table import (
 )
 from shardwise.parallel._passes import Passes
 from shardwise.parallel._recompute import Recompute
+from shardwise.parallel._seeds import Seeds
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
@@ -82,7 +84,9 @@ from shardwise.planner._call_kinds import keeps_graph
 T = torch.Tensor
 
 
-class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunner, SteppingMode):
+class PlanExecutor(
+    Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, Seeds, SpanRunner, SteppingMode
+):
     """Carries out `plan` (see the module docstring).
 
     Args:
@@ -142,6 +146,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
         self._recompute_init()
+        self._seeds_init()
         self.in_backward = 0  # a ``loss.backward()`` of the step runs
         self._spans_init()
 
@@ -227,6 +232,7 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
             last = not keeps_graph(args, kwargs)
             if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
                 self.check_done("torch.autograd.grad")
+                args, kwargs = self.scaled_seeds(func, args, kwargs)
                 self.finished = self.backward_seen = True
             self.in_backward += 1
             try:
@@ -237,8 +243,8 @@ class PlanExecutor(Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, SpanRunn
                     self.finish_started()
         if kind == "backward":
             self.check_done("loss.backward()")
-            self.finished = True  # the step may run the plan again (`_restarts`)
-            self.backward_seen = True
+            args, kwargs = self.scaled_seeds(func, args, kwargs)  # (a split root's: `_seeds`)
+            self.finished = self.backward_seen = True  # (may run the plan again: `_restarts`)
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
             self.in_backward += 1  # (`_call_io.input_gradients` acts only then)
             try:

@@ -1,6 +1,7 @@
 """How capture and the plan executor treat a torch-level call (`record_kind`), and what a
 differentiation call asks for (`creates_graph`, `keeps_graph`: ``torch.autograd.grad`` ends a
-train step's graph only when it frees it).
+train step's graph only when it frees it; `seeds_of` / `with_seeds`: the tensors it starts
+from and their gradients, read and replaced).
 """
 
 from __future__ import annotations
@@ -57,3 +58,34 @@ def keeps_graph(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     step's last differentiation."""
     retain = kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
     return bool(retain if retain is not None else creates_graph(torch.autograd.grad, args, kwargs))
+
+
+# where a differentiation call takes its roots and their gradients: (position, keyword) of each
+_SEEDS: dict[Any, tuple[int, str, int, str]] = {
+    T.backward: (0, "self", 1, "gradient"),
+    torch.autograd.backward: (0, "tensors", 1, "grad_tensors"),
+    torch.autograd.grad: (0, "outputs", 2, "grad_outputs"),
+}
+
+
+def seeds_of(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The roots a ``backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad`` call
+    differentiates and the gradient given for each (None: none given)."""
+    r_at, r_key, g_at, g_key = _SEEDS[func]
+    roots = args[r_at] if len(args) > r_at else kwargs.get(r_key)
+    grads = args[g_at] if len(args) > g_at else kwargs.get(g_key)
+    roots_list = [roots] if not isinstance(roots, list | tuple) else list(roots)
+    if grads is None:
+        return roots_list, [None] * len(roots_list)
+    return roots_list, [grads] if not isinstance(grads, list | tuple) else list(grads)
+
+
+def with_seeds(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grads: list[Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with `grads` as the roots' gradients (`seeds_of`'s order)."""
+    _, _, g_at, g_key = _SEEDS[func]
+    value: Any = grads[0] if func is T.backward else tuple(grads)
+    if len(args) > g_at:
+        return (*args[:g_at], value, *args[g_at + 1 :]), kwargs
+    return args, {**kwargs, g_key: value}

@@ -189,6 +189,7 @@ def capture(
         consts=tuple(state.consts),
         outputs=tuple(returned),
         tied=tied,
+        roots=tuple(state.backward_roots) if state.all_roots_known else (),
     )
 
 

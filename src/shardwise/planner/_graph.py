@@ -159,8 +159,11 @@ class Graph:
         inputs: each tensor input's path and metadata (``"args[0]"``, ``"kwargs['labels']"``).
         params / buffers: name -> metadata, for those the graph uses.
         consts: metadata of tensors made outside the graph (closure constants).
-        outputs: the returned tensors.
+        outputs: the returned tensors (and the train step's backward roots).
         tied: parameter name -> the name it is tied to (shared weights).
+        roots: the tensors the train step's ``backward`` (or last ``torch.autograd.grad``)
+            started from, in the call's order (empty when one of them is no value of the
+            graph).
     """
 
     nodes: tuple[Node, ...]
@@ -170,6 +173,7 @@ class Graph:
     consts: tuple[TensorInfo, ...]
     outputs: tuple[Ref, ...]
     tied: Mapping[str, str] = field(default_factory=dict)
+    roots: tuple[Ref, ...] = ()
 
     def info(self, ref: Ref) -> TensorInfo:
         """The metadata of the value `ref` names."""
@@ -199,4 +203,6 @@ class Graph:
         lines += [f"  input {k}: {v}" for k, v in self.inputs.items()]
         lines += [f"  {n}" for n in self.nodes]
         lines.append("  return " + ", ".join(str(r) for r in self.outputs))
+        if self.roots:
+            lines.append("  backward from " + ", ".join(str(r) for r in self.roots))
         return "\n".join(lines)

@@ -49,6 +49,15 @@ class Placed:
         """This layout's block shape of a tensor of global `shape`."""
         return tuple(self.layout.local_shape(shape))
 
+    def spread(self) -> int:
+        """Over how many ranks one copy of the value is spread: the product of the sizes of
+        the axes that split it or hold it partial (1: each rank holds all of it)."""
+        sizes = self.layout.matrix.shape
+        n = 1
+        for a in set(self.layout.used_axes()) | set(self.partial):
+            n *= sizes[a]
+        return n
+
 
 def _axes_str(matrix: DeviceMatrix, axes: Sequence[int]) -> str:
     names = [matrix.names[a] for a in axes]

@@ -211,6 +211,9 @@ class ParallelPlan:
         outputs: each returned tensor's placement (after its edges).
         equal_grads: parameter -> the axes over which its gradient is the same on every rank
             (no reduction over them: `_backward`).
+        roots: the placements of the tensors the train step's backward starts from (its
+            ``loss.backward()``; empty when capture did not see it): a root split over the
+            ranks has its seed scaled by `Placed.spread` (`seed_scales`).
         explained: op name -> why an automatic planner chose its strategy
             (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
 
@@ -229,6 +232,7 @@ class ParallelPlan:
     input_shapes: Mapping[str, Shape] = field(default_factory=dict)
     outputs: tuple[Placed, ...] = ()
     equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    roots: tuple[Placed, ...] = ()
     explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -298,7 +302,23 @@ class ParallelPlan:
             note = f" (gradient equal on {_axes_str(self.matrix, equal)})" if equal else ""
             lines.append(f"  param {k}: {p}{note}")
         lines += [f"  bucket {b}" for b in self.buckets]
+        lines += [f"  backward from {p} (seed x{p.spread()})" for p in self.roots]
         return "\n".join(lines)
+
+    def seed_scales(self) -> tuple[int, ...]:
+        """Per backward root, the factor its gradient (the seed) is multiplied by.
+
+        shardwise differentiates the sum of every rank's copy of the step, and gradient sums
+        over data-parallel ranks are divided by the group size (`_backward`). A root whole on
+        every rank (a loss made whole by an AllReduce) has one copy per rank, which that
+        division undoes; a root split over the ranks (``out.backward(torch.ones_like(out))``
+        on this rank's rows) has fewer, so its seed counts `Placed.spread` times.
+
+        Example:
+            >>> plan.seed_scales()  # logits split over 2 data-parallel ranks
+            (2,)
+        """
+        return tuple(p.spread() for p in self.roots)
 
     def diff(self, other: ParallelPlan) -> list[str]:
         """What differs between this plan and `other`, one line per difference (empty: equal).
@@ -324,6 +344,8 @@ class ParallelPlan:
                 out.append(f"param {k}: {a_p} -> {b_p}")
         if self.buckets != other.buckets:
             out.append("buckets differ")
+        if self.roots != other.roots:
+            out.append(f"backward roots: {list(map(str, self.roots))} -> {other.roots}")
         if self.equal_grads != other.equal_grads:
             out.append(f"equal gradients: {dict(self.equal_grads)} -> {dict(other.equal_grads)}")
         return out

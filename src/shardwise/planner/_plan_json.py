@@ -8,9 +8,9 @@
   `_edge_d` / `_edge`: one `Placed`, `Collective`, `NodePlan`, redistribution step and
   `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
   its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
-  `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`) and a node's random draws
-  (`NodePlan.draws`) are written only when present (a plan without them reads back with
-  none).
+  `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`, `ParallelPlan.roots`) and a
+  node's random draws (`NodePlan.draws`) are written only when present (a plan without them
+  reads back with none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
 into an equal value.
@@ -62,6 +62,8 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
     }
     if plan.equal_grads:
         out["equal_grads"] = {k: list(v) for k, v in plan.equal_grads.items()}
+    if plan.roots:
+        out["roots"] = [_placed_d(p) for p in plan.roots]
     return out
 
 
@@ -95,6 +97,7 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
         input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
         outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
         equal_grads={k: tuple(v) for k, v in data.get("equal_grads", {}).items()},
+        roots=tuple(_placed(m, p) for p in data.get("roots", [])),
     )
 
 

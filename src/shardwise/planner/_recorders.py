@@ -108,6 +108,7 @@ class _State:
         self.aten_ids: dict[int, AtenArg] = {}
         self.tmp = 0
         self.backward_roots: list[Ref] = []
+        self.all_roots_known = False
         # op-form ``sw.shard`` strategies of the modules being run: [module path, strategy,
         # whether a node took it]
         self.annotated: list[list[Any]] = []
@@ -236,12 +237,20 @@ class _Recorder(TorchFunctionMode):
                     s.differentiated += tensors_in(out)
                 return out
             kind = "backward"  # (the graph is freed: the step's last differentiation)
+        graph_grads = kind == "backward" and creates_graph(func, args, kwargs)
+        if graph_grads and func is not torch.autograd.grad:  # (the buckets: plain gradients)
+            raise CaptureError(
+                f"backward(create_graph=True) at {_source()}: AutoParallel reduces plain "
+                f"parameter gradients, not ones that carry a graph (second derivatives, a "
+                f"penalty on p.grad are not supported); drop create_graph=True"
+            )
         if kind == "backward":  # the graph ends; the rest of the step is not run on fakes
             first = args[0] if args else kwargs.get("outputs", kwargs.get("tensors"))
             roots = first if isinstance(first, list | tuple) else [first]
-            for root in roots:  # (``torch.autograd.backward(tensors)``: each of them)
-                if isinstance(root, T) and id(root) in s.known:
-                    s.backward_roots.append(s.known[id(root)])
+            known = [s.known.get(id(r)) if isinstance(r, T) else None for r in roots]
+            # (``torch.autograd.backward(tensors)``: each of them; none if one is unknown)
+            s.backward_roots = [r for r in known if r is not None]
+            s.all_roots_known = None not in known
             s.done = True
             raise _StopCapture
         if kind == "alias":

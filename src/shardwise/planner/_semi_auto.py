@@ -346,6 +346,7 @@ def walk(
         input_shapes={k: v.shape for k, v in graph.inputs.items()},
         outputs=tuple(p.state[ref] for ref in graph.outputs),
         equal_grads=equal,
+        roots=tuple(p.state[ref] for ref in graph.roots),
     )
 
 

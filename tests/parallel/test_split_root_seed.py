@@ -1,0 +1,244 @@
+"""A train step's backward from a root split over the ranks, under `AutoParallel`.
+
+``out.backward(torch.ones_like(out))`` on this rank's rows seeds each rank's block once, while
+the data-parallel gradient sums are divided by the group size (as for a loss, whole on every
+rank: one copy per rank). The plan records the roots' placements (`ParallelPlan.roots`) and
+multiplies such a seed by how many ranks one copy is spread over (`ParallelPlan.seed_scales`):
+parameter gradients, input gradients and updated hsdp shards equal one device's, with the
+collectives of the same step from a loss (one gradient bucket; Megatron's moves).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import AutoParallel
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+BATCH, D_IN, HIDDEN, OUT = 12, 6, 8, 4
+
+
+def make_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(BATCH, D_IN, generator=torch.Generator().manual_seed(1))
+
+
+def seed_of(out: torch.Tensor) -> torch.Tensor:
+    """A gradient for `out` that differs by row and column (elementwise: right on blocks)."""
+    return torch.cos(out.detach())
+
+
+Backward = Callable[[torch.Tensor], object]
+BACKWARDS: dict[str, Backward] = {
+    "out.backward(ones_like)": lambda out: out.backward(torch.ones_like(out)),
+    "out.backward(gradient=g)": lambda out: out.backward(gradient=seed_of(out)),
+    "torch.autograd.backward([out], [g])": lambda out: torch.autograd.backward(
+        [out], [seed_of(out)]
+    ),
+    # the second backward (retain_graph) from the same root, its seed made after the plan
+    "out.backward(g, retain_graph) twice": lambda out: (
+        out.backward(seed_of(out), retain_graph=True),
+        out.backward(seed_of(out) * 0.5),
+    ),
+}
+
+
+def single_device(run: Backward) -> dict[str, torch.Tensor]:
+    net = make_net()
+    run(net(batch()))
+    return {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+def block_of(
+    parallel: AutoParallel, name: str, full: torch.Tensor
+) -> Callable[[int], torch.Tensor]:
+    plan = parallel.parallel_plan
+    assert plan is not None
+    layout = plan.params[name].layout
+    return lambda r: full[layout.local_index(r, tuple(full.shape))]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("how", list(BACKWARDS))
+def test_data_parallel_split_root(how: str, world_size: int) -> None:
+    run = BACKWARDS[how]
+    want = single_device(run)
+    want_out = make_net()(batch()).detach()
+    net, x = make_net(), batch()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = net(x)
+        run(out)
+        return out
+
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        parallel = AutoParallel(step)
+        with CommRecorder() as rec:
+            out = parallel(world.rows(x))
+        assert_matches_single_device(out, world.rows(want_out), what="out")
+        got = {n: p.grad for n, p in net.named_parameters()}
+        assert_matches_single_device(got, want, what="grads")
+        backwards = 2 if "twice" in how else 1  # (one bucket per backward)
+        assert rec.kinds() == Counter(
+            {("AllReduce", "backward", tuple(range(world_size))): backwards}
+        ), rec.summary()
+        plan = parallel.parallel_plan
+        assert plan is not None and plan.seed_scales() == (world_size,)
+        assert f"backward from (g0, None) (seed x{world_size})" in str(plan)
+
+
+@pytest.mark.parametrize("shape", ["column, column", "column, row"])
+def test_megatron_split_root(shape: str) -> None:
+    """dp 2 x mp 2: the second Linear column parallel leaves the output split over both axes
+    (seed x4); row parallel makes it whole over mp (its AllReduce), split over dp only (x2)."""
+    want = single_device(BACKWARDS["out.backward(gradient=g)"])
+    net = make_net()
+    sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+    second = ((2, 1), (2, 1)) if shape == "column, column" else ((2, 2), (1, 2))
+    sw.shard(net[2], in_strategy=second)
+    x = batch()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = net(x)
+        out.backward(gradient=seed_of(out))
+        return out
+
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = AutoParallel(step)
+        with CommRecorder() as rec:
+            parallel(world.rows(x))
+        for name, p in net.named_parameters():
+            assert_matches_single_device(
+                p.grad, block_of(parallel, name, want[name]), what=f"{name}.grad"
+            )
+        plan = parallel.parallel_plan
+        assert plan is not None
+        assert plan.seed_scales() == ((4,) if shape == "column, column" else (2,))
+        dp, mp = (0, 2), (0, 1)
+        kinds = (
+            {("AllGather", "forward", mp): 2, ("AlltoAll", "forward", mp): 1}
+            | {("ReduceScatter", "backward", mp): 1, ("AllReduce", "backward", dp): 1}
+            if shape == "column, column"
+            else {("AllGather", "forward", mp): 1, ("AllReduce", "forward", mp): 1}
+            | {("AllReduce", "backward", mp): 1, ("AllReduce", "backward", dp): 1}
+            | {("AllReduce", "backward", (0, 1, 2, 3)): 1}
+        )
+        assert rec.kinds() == Counter(kinds), rec.summary()
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_hsdp_split_root_updates_like_one_device(level: str) -> None:
+    """Optimizer parallel on 2 ranks, every parameter a 1/2 shard: after one SGD step from a
+    split root's backward, each rank's shard equals its rows of one device's parameter."""
+    ref = make_net()
+    out = ref(batch())
+    out.backward(seed_of(out))
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    net, x = make_net(), batch()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            out = net(x)
+            out.backward(seed_of(out))
+            opt.step()
+            opt.zero_grad()
+            return out
+
+        parallel = AutoParallel(step).hsdp(threshold=0, optimizer_level=level)
+        parallel(world.rows(x))
+        plan = parallel.optimizer_plan
+        assert plan is not None
+        for name, p in net.named_parameters():
+            full, shard = dict(ref.named_parameters())[name].detach(), plan.param(name)
+            if not shard.sharded:
+                assert_matches_single_device(p.detach(), full, what=name)
+                continue
+            n = shard.shard_shape[0]
+            assert_matches_single_device(
+                p.detach(), lambda r, f=full, n=n: f[r * n : (r + 1) * n], what=name
+            )
+
+
+def test_input_gradient_from_a_split_root() -> None:
+    """``torch.autograd.grad(out, x, grad_outputs=g)`` as the step's last differentiation:
+    each rank gets its rows of one device's input gradient."""
+    x = batch().requires_grad_()
+    ref = make_net()
+    out = ref(x)
+    (want,) = torch.autograd.grad(out, x, grad_outputs=seed_of(out))
+    net, batch_x = make_net(), batch()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            out = net(x)
+            (g,) = torch.autograd.grad(out, x, grad_outputs=seed_of(out))
+            return g
+
+        got = AutoParallel(step)(world.rows(batch_x).requires_grad_())
+        assert_matches_single_device(got, world.rows(want), what="input grad")
+
+
+def test_plan_roots_round_trip(tmp_path: object) -> None:
+    """The roots are part of the plan: saved, loaded equal, and a changed one is a diff."""
+    import dataclasses
+
+    from shardwise.planner import ParallelPlan
+
+    net = make_net()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = net(x)
+        out.backward(torch.ones_like(out))
+        return out
+
+    x = batch()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = AutoParallel(step)
+        parallel(world.rows(x))
+        plan = parallel.parallel_plan
+    assert plan is not None
+    loaded = ParallelPlan.from_dict(plan.to_dict())
+    assert loaded == plan and loaded.roots == plan.roots and plan.roots
+    other = dataclasses.replace(plan, roots=())
+    assert any("backward roots" in line for line in plan.diff(other))
+
+
+def test_gpt2_logits_backward_with_a_gradient() -> None:
+    """nanoGPT's GPT-2 (plain torch, `tests/zoo.py`) on 2 data-parallel ranks, its logits'
+    backward seeded with a gradient: every parameter gradient equals one device's."""
+    from ..zoo import GPT2, GPT2Config, token_batches
+
+    config = GPT2Config(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    ((x, _),) = token_batches(1, 4)
+    ref = GPT2(config)
+    logits, _ = ref(x)
+    logits.backward(seed_of(logits))
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    net = GPT2(config)
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            logits, _ = net(x)
+            logits.backward(seed_of(logits))
+            return logits
+
+        AutoParallel(step)(world.rows(x))
+        got = {n: p.grad for n, p in net.named_parameters()}
+        assert_matches_single_device(got, want, what="grads")
