@@ -85,6 +85,17 @@ def _backward_node_class() -> None:
     assert not isinstance((y * 1).grad_fn, backward_node_class(_Double))
 
 
+def _node_metadata() -> None:
+    from shardwise._torch.autograd_engine import node_metadata
+
+    y = _Double.apply(torch.ones(1, requires_grad=True))
+    for node in (y.grad_fn, (y * 3).grad_fn):  # (a Python Function's node, a C++ one)
+        node_metadata(node)["mark"] = 1
+    assert node_metadata((y * 3 + 1).grad_fn.next_functions[0][0].next_functions[0][0]) == {
+        "mark": 1
+    }
+
+
 def _storage() -> None:
     from shardwise._torch.storage import storage_key, storage_use_count, view_base
 
@@ -410,6 +421,7 @@ CASES: dict[str, Callable[[], None]] = {
         _autograd_engine
     ),
     "_torch/autograd_engine: an autograd Function's _backward_cls": _backward_node_class,
+    "_torch/autograd_engine: a graph node's metadata dict": _node_metadata,
     "_torch/storage: storage _cdata, _storage_Use_Count, Tensor._base": _storage,
     "_torch/function_modes: the torch-function mode stack": _function_mode_stack,
     "_torch/subclass: Tensor._make_subclass, replaced for meta parameters": _subclass,

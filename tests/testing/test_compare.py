@@ -34,3 +34,20 @@ def test_per_rank_values_kept_after_the_world_ended() -> None:
     assert_matches_single_device(x, lambda r: torch.full((3,), float(r)))
     with pytest.raises(AssertionError, match=r"x on rank 1: differs"):
         assert_matches_single_device(x, torch.zeros(3), what="x")
+
+
+def test_per_rank_expected_values() -> None:
+    """An expected value that holds one value per rank (``world.rows(want)``) is compared rank
+    by rank, inside the world and after it ended (before: a mismatch raised an
+    ``AttributeError`` from a per-rank integer instead of naming the rank)."""
+    x = torch.arange(8.0).reshape(4, 2)
+    wrong = x.clone()
+    wrong[3, 1] = 100.0  # (in rank 1's rows)
+    with simulated_world(2) as world:
+        rows, want, bad = world.rows(x), world.rows(x), world.rows(wrong)
+        assert_matches_single_device(rows, want)
+        with pytest.raises(AssertionError, match=r"rows on rank 1: differs .* 7.0 vs 100.0"):
+            assert_matches_single_device(rows, bad, what="rows")
+    assert_matches_single_device(rows, want)
+    with pytest.raises(AssertionError, match=r"rows on rank 1: differs"):
+        assert_matches_single_device(rows, bad, what="rows")

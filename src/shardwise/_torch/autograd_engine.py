@@ -5,7 +5,9 @@ Gradient buckets (`parallel/_runtime.py`) and optimizer parallel (`optim/_engine
 apart from a nested or a later one by its graph task id, ask whether it stores ``.grad``
 (``backward()``) or only returns gradients (``torch.autograd.grad``), and finish their
 collectives when it ends (a callback queued on the engine). `communication/_reductions.py`
-recognises the backward node of its own autograd Function in a graph.
+recognises the backward node of its own autograd Function in a graph. `node_metadata` is a
+graph node's own dict (documented as a method of ``torch.autograd.graph.Node``, a property on
+the nodes torch makes), where `parallel/_call_io.py` marks a wrapped call's results.
 
 The engine functions are bound once here, not wrapped: gradient hooks call them per gradient.
 """
@@ -34,3 +36,10 @@ def backward_node_class(function: type[torch.autograd.Function]) -> type[Any]:
     """The class of the graph nodes that `function`'s ``apply`` records (``grad_fn``)."""
     node_class: type[Any] = function._backward_cls  # type: ignore[attr-defined]
     return node_class
+
+
+def node_metadata(node: Any) -> dict[str, Any]:
+    """The metadata dict of autograd graph node `node` (a ``grad_fn``), kept with the node."""
+    meta = node.metadata
+    out: dict[str, Any] = meta() if callable(meta) else meta
+    return out

@@ -9,11 +9,14 @@
   shapes (`AutoParallel.plan` given shapes).
 - `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
 - `rank_outputs`: a wrapped network's outputs as this rank's rows (``full_batch``: whole).
-- `input_gradients`: hooks that make a train step's tensor inputs' gradients one device's.
+- `input_gradients`: hooks that make a train step's tensor inputs' gradients one device's;
+  `mark_outputs` marks what a call returns, so that an input computed from another call's
+  result is left to that call's gradient convention (`from_a_call`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise._torch import pytree
+from shardwise._torch.autograd_engine import node_metadata
 from shardwise.communication import recorder
 from shardwise.communication._collectives import ReduceOp, all_reduce
 from shardwise.layout import TensorLayout
@@ -173,6 +177,39 @@ def local_inputs(
     return tuple(out)
 
 
+MARK = "shardwise.call_output"  # (an autograd node's metadata key: `mark_outputs`)
+
+
+def mark_outputs(out: Any) -> None:
+    """Mark the autograd nodes of the tensors a wrapped call returns (`from_a_call`)."""
+    for leaf in pytree.tree_leaves(out):
+        values = (
+            [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
+            if (dataclasses.is_dataclass(leaf) and not isinstance(leaf, type))
+            else [leaf]
+        )
+        for value in values:
+            if isinstance(value, T) and value.grad_fn is not None:
+                node_metadata(value.grad_fn)[MARK] = True
+
+
+def from_a_call(t: T, limit: int = 100_000) -> bool:
+    """Whether `t` was computed from a tensor a wrapped call returned (`mark_outputs`): a walk
+    of its autograd graph up to the first marked node (a leaf input: False at once; a walk past
+    `limit` nodes: False)."""
+    todo: list[Any] = [t.grad_fn]
+    seen: set[int] = set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node_metadata(node).get(MARK):
+            return True
+        todo += [n for n, _ in node.next_functions]
+    return False
+
+
 def input_gradients(
     plan: ParallelPlan,
     args: tuple[Any, ...],
@@ -188,8 +225,10 @@ def input_gradients(
     from the whole batch are zero elsewhere) and divides by N: under ``data_parallel`` each
     rank then holds its rows of one device's gradient (no collective when the rows are split
     over every axis), under ``full_batch`` all of it. It acts only while `active()` (the step's
-    own ``loss.backward()`` runs); a tensor passed twice gets one hook. Remove the hooks when
-    the call ends.
+    own ``loss.backward()`` runs); a tensor passed twice gets one hook. An input computed from
+    a tensor another wrapped call returned gets none: its gradient goes on into that call's
+    backward, whose own buckets divide by N (`from_a_call`). Remove the hooks when the call
+    ends.
 
     Example:
         >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
@@ -200,6 +239,8 @@ def input_gradients(
         if not isinstance(leaf, T) or not leaf.requires_grad or id(leaf) in seen:
             continue
         seen.add(id(leaf))
+        if from_a_call(leaf):  # (its gradient flows on into that call's backward as shares)
+            continue
         placed = plan.inputs.get(input_key(pytree.keystr(path)))
         used = () if dataset == "full_batch" or placed is None else placed.layout.used_axes()
         axes = [a for a, n in enumerate(matrix.shape) if n > 1 and a not in used]

@@ -295,6 +295,8 @@ class PlanExecutor(
         leaving = self.leaving[k]
         if leaving is not None:
             self.note_placed(k, leaving, out)
+        if k in self.table.roots:  # (a backward starts from it: `_seeds`)
+            self.note_roots(k, out)
         self._ended()
         return out
 

@@ -47,7 +47,13 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
-from shardwise.parallel._call_io import cut_inputs, input_gradients, input_shapes, rank_outputs
+from shardwise.parallel._call_io import (
+    cut_inputs,
+    input_gradients,
+    input_shapes,
+    mark_outputs,
+    rank_outputs,
+)
 from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
@@ -381,5 +387,8 @@ class GraphRun(StepHooks):
         if executor.done and executor.table.candidates is None:
             self.spans.update(executor.table)
         if self.module_form:
-            return rank_outputs(plan, out, self.dataset)
-        return executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
+            out = rank_outputs(plan, out, self.dataset)
+        else:
+            out = executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
+        mark_outputs(out)  # (an input computed from them: `_call_io.input_gradients`)
+        return out

@@ -7,7 +7,8 @@
   with the captured sizes: `NodeTable.global_args`), a view's local size argument (a split's
   local part sizes and dim, when the split dim is split: ``sw.strided``), whether it reads a
   parameter, and its short path (`NodeTable.fast`): a node with no edge in or out, no
-  gradient average (`NodePlan.backward`), neither the first nor the last, is `PLAIN` (nothing
+  gradient average (`NodePlan.backward`), not a backward root (`NodeTable.roots`, noted for
+  `_seeds`), neither the first nor the last, is `PLAIN` (nothing
   to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape, a
   split its local sizes) or `DROPOUT` (``F.dropout``, and ``F.scaled_dot_product_attention``,
   whose dropout, whenever a call asks for it, runs as its math form with this rank's block of
@@ -140,6 +141,13 @@ class NodeTable:
         self.captured = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
+        # (`_seeds`) the nodes whose outputs a train step's backward starts from: output index
+        # -> the seed's scale; they take the full path, which notes those outputs
+        self.roots: dict[int, dict[int, int]] = {}
+        for root in plan.roots:
+            if root.value.startswith("%"):
+                k, _, i = root.value[1:].partition(".")
+                self.roots.setdefault(int(k), {})[int(i or 0)] = root.placed.spread()
         moved = {k for k, _ in self.edges}
         # an in-place op whose input 0 is moved changes a copy: the nodes reading the result of
         # an in-place op (of that copy, or of one changed after it) get it even when the
@@ -166,6 +174,7 @@ class NodeTable:
             and k not in self.global_draws
             and k not in self.resized
             and k not in self.reads_in_place
+            and k not in self.roots
             else SLOW
             for k, n in enumerate(nodes)
         ]

@@ -4,60 +4,98 @@ shardwise differentiates the sum of every rank's copy of the step, and the data-
 gradient sums are divided by the group size (`planner._backward`). A root whole on every rank
 (the loss, made whole by its AllReduce) has one copy per rank, which that division undoes; a
 root split over the ranks (``out.backward(torch.ones_like(out))`` on this rank's rows: each
-rank seeds only its own block) has `Placed.spread` times fewer. So the plan's roots
-(`ParallelPlan.roots`, what the capture's backward started from) have their seeds multiplied
-by `ParallelPlan.seed_scales` when the step's backward (or last ``torch.autograd.grad``)
-starts from them, and so does a later backward from the same tensors (``retain_graph``).
+rank seeds only its own block) has `Placed.spread` times fewer, so its seed is multiplied by
+that. Which tensor is split how comes from the plan:
 
-`Seeds.scaled_seeds` takes the call's arguments and returns them with the seeds scaled; a
-root the plan does not know (made after an op outside the plan) keeps its seed.
+1. the values the capture's backward started from (`ParallelPlan.roots`): their nodes take the
+   executor's full path, which notes each output as its op makes it (`Seeds.note_roots`, in
+   every pass of the plan);
+2. a value the plan holds other than it leaves the call (`_leaving`: a Megatron split, rows
+   over the data-parallel axis only): that placement;
+3. under ``full_batch`` any other value is whole (the convention values leave in), and a 0-d
+   one always is: seed as given.
+
+A backward under ``data_parallel`` from any other tensor with dims (another output of the
+network than the captured one, a tensor made by your code after an earlier backward) is refused
+with `UnsupportedParallelError`: how it is split is not known, and guessing wrong would give
+1/N of one device's gradients without a word.
+
+`Seeds.scaled_seeds` takes a ``backward`` / ``torch.autograd.backward`` / last
+``torch.autograd.grad`` call's arguments and returns them with the seeds scaled.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise.planner import ParallelPlan
+from shardwise._torch import pytree
+from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.planner._call_kinds import seeds_of, with_seeds
+
+if TYPE_CHECKING:
+    from shardwise.parallel._node_table import NodeTable
+    from shardwise.planner import EdgePlan
 
 T = torch.Tensor
 
 
 class Seeds:
-    """Scales the seeds of backward calls from the plan's roots (see the module docstring);
-    the executor sets `plan`, `outside`, `finished` and calls `_seeds_init`."""
+    """Scales the seeds of backward calls from split roots (see the module docstring); the
+    executor sets `table` and calls `_seeds_init`."""
 
-    plan: ParallelPlan
-    outside: bool
-    finished: bool
+    table: NodeTable
+
+    if TYPE_CHECKING:
+
+        def _held(self, t: Any) -> tuple[EdgePlan, str] | None: ...
 
     def _seeds_init(self) -> None:
-        scales = self.plan.seed_scales()
-        self.scales = scales if any(s != 1 for s in scales) else ()  # (none: nothing to do)
-        self.scaled: list[tuple[weakref.ref[T], int]] = []  # the roots seen, with their scale
+        self.noted: dict[int, tuple[weakref.ref[T], int]] = {}  # id -> (root, its scale)
+
+    def note_roots(self, k: int, out: Any) -> None:
+        """Node `k`, a root node (`NodeTable.roots`), made `out`: note its root outputs."""
+        tensors = [out] if isinstance(out, T) else pytree.tree_leaves(out)
+        for i, t in enumerate(t for t in tensors if isinstance(t, T)):
+            scale = self.table.roots[k].get(i)
+            if scale is not None:
+                self.noted = {j: e for j, e in self.noted.items() if e[0]() is not None}
+                self.noted[id(t)] = (weakref.ref(t), scale)
 
     def scaled_seeds(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """`func`'s arguments with the seeds of the plan's split roots multiplied (call before
-        the executor marks the pass finished)."""
-        scales = self.scales
-        if not scales:
-            return args, kwargs
+        """`func`'s arguments with the seeds of split roots multiplied by their spread.
+
+        Raises:
+            UnsupportedParallelError: a root with dims whose placement the plan does not know,
+                under ``data_parallel``.
+        """
         roots, grads = seeds_of(func, args, kwargs)
-        if not self.finished and not self.outside:  # (this pass's own backward: its roots)
-            pairs = zip(roots, scales, strict=True) if len(roots) == len(scales) else ()
-            self.scaled = [(weakref.ref(r), s) for r, s in pairs if isinstance(r, T) and s != 1]
-        if not self.scaled:
-            return args, kwargs
         out, changed = [], False
         for root, grad in zip(roots, grads, strict=False):
-            scale = next((s for ref, s in self.scaled if ref() is root), 1)
+            scale = self._scale(root) if isinstance(root, T) else 1
             if scale != 1:
                 grad = (torch.ones_like(root) if grad is None else grad) * scale
                 changed = True
             out.append(grad)
         return with_seeds(func, args, kwargs, out) if changed else (args, kwargs)
+
+    def _scale(self, root: T) -> int:
+        """How many ranks one copy of `root` is spread over (see the module docstring)."""
+        noted = self.noted.get(id(root))
+        if noted is not None and noted[0]() is root:
+            return noted[1]
+        held = self._held(root)
+        if held is not None:
+            return held[0].src.spread()
+        if root.dim() == 0 or self.table.dataset == "full_batch":
+            return 1
+        raise UnsupportedParallelError(
+            f"AutoParallel: a backward of the train step starts from a tensor of local shape "
+            f"{list(root.shape)} that its captured backward did not start from, so how it is "
+            f"split over the ranks is not known; start every backward of the step from what the "
+            f"first one starts from, or from a 0-d loss (out.sum(), a mean)"
+        )

@@ -146,6 +146,15 @@ class StrategyFiles:
                     f"file but can only be stored as {fresh.params[name]} on this job's device "
                     f"matrix {fresh.matrix}"
                 )
+            if not loaded.roots:  # (a file saved before plans kept them: this step's)
+                loaded = dataclasses.replace(loaded, roots=fresh.roots)
+            elif loaded.roots != fresh.roots:
+                raise planner.StrategyFileError(
+                    f"{path}: the train step's backward starts from "
+                    f"{', '.join(map(str, loaded.roots))} in the file, from "
+                    f"{', '.join(map(str, fresh.roots)) or 'nothing the capture saw'} in this "
+                    f"step; the file belongs to another train step"
+                )
             if not loaded.buckets:  # (a file without buckets: this job's)
                 loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
             elif loaded.buckets != fresh.buckets:

@@ -55,6 +55,7 @@ from shardwise.planner._plan import (
     ParallelPlan,
     ParamPlan,
     Placed,
+    Root,
 )
 from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, step_cost
 from shardwise.planner._propagate import plan_sharding_propagation
@@ -78,6 +79,7 @@ __all__ = [
     "PlanCost",
     "PlanError",
     "Ref",
+    "Root",
     "StepCost",
     "StrategyFileError",
     "TensorInfo",

@@ -6,6 +6,7 @@
 - `Collective`: one collective the plan runs (kind, axes, where).
 - `ParamPlan`: the layout a parameter is stored in; `BucketPlan`: a fused collective over
   gradients or weights.
+- `Root`: a value a train step's backward starts from, with its placement.
 """
 
 from __future__ import annotations
@@ -133,3 +134,19 @@ class BucketPlan:
         how = "AllReduce" if self.kind == "allreduce" else f"shard {self.shard}-way"
         over = ", ".join(self.axes) or "no axis (scaled only)"
         return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"
+
+
+@dataclass(frozen=True)
+class Root:
+    """A value a train step's backward starts from (``loss.backward()``'s loss).
+
+    Attributes:
+        value: the value (``"%41"``, ``"%7.1"``; as `EdgePlan.value` names them).
+        placed: its placement when backward starts.
+    """
+
+    value: str
+    placed: Placed
+
+    def __str__(self) -> str:
+        return f"{self.value} {self.placed} (seed x{self.placed.spread()})"

@@ -32,6 +32,7 @@ from shardwise.planner._placed import (
     Collective,
     ParamPlan,
     Placed,
+    Root,
     Shape,
     _axes_str,
     replicated,
@@ -211,7 +212,7 @@ class ParallelPlan:
         outputs: each returned tensor's placement (after its edges).
         equal_grads: parameter -> the axes over which its gradient is the same on every rank
             (no reduction over them: `_backward`).
-        roots: the placements of the tensors the train step's backward starts from (its
+        roots: the values the train step's backward starts from, with their placements (its
             ``loss.backward()``; empty when capture did not see it): a root split over the
             ranks has its seed scaled by `Placed.spread` (`seed_scales`).
         explained: op name -> why an automatic planner chose its strategy
@@ -232,7 +233,7 @@ class ParallelPlan:
     input_shapes: Mapping[str, Shape] = field(default_factory=dict)
     outputs: tuple[Placed, ...] = ()
     equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    roots: tuple[Placed, ...] = ()
+    roots: tuple[Root, ...] = ()
     explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -302,7 +303,7 @@ class ParallelPlan:
             note = f" (gradient equal on {_axes_str(self.matrix, equal)})" if equal else ""
             lines.append(f"  param {k}: {p}{note}")
         lines += [f"  bucket {b}" for b in self.buckets]
-        lines += [f"  backward from {p} (seed x{p.spread()})" for p in self.roots]
+        lines += [f"  backward from {r}" for r in self.roots]
         return "\n".join(lines)
 
     def seed_scales(self) -> tuple[int, ...]:
@@ -318,7 +319,7 @@ class ParallelPlan:
             >>> plan.seed_scales()  # logits split over 2 data-parallel ranks
             (2,)
         """
-        return tuple(p.spread() for p in self.roots)
+        return tuple(r.placed.spread() for r in self.roots)
 
     def diff(self, other: ParallelPlan) -> list[str]:
         """What differs between this plan and `other`, one line per difference (empty: equal).
@@ -345,7 +346,8 @@ class ParallelPlan:
         if self.buckets != other.buckets:
             out.append("buckets differ")
         if self.roots != other.roots:
-            out.append(f"backward roots: {list(map(str, self.roots))} -> {other.roots}")
+            roots = [str(r) for r in self.roots], [str(r) for r in other.roots]
+            out.append(f"backward roots: {roots[0]} -> {roots[1]}")
         if self.equal_grads != other.equal_grads:
             out.append(f"equal gradients: {dict(self.equal_grads)} -> {dict(other.equal_grads)}")
         return out
@@ -394,6 +396,7 @@ __all__ = [
     "ParallelPlan",
     "ParamPlan",
     "Placed",
+    "Root",
     "Shape",
     "Shard",
     "matrix_d",

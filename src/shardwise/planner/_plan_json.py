@@ -30,6 +30,7 @@ from shardwise.planner._plan import (
     ParallelPlan,
     ParamPlan,
     Placed,
+    Root,
 )
 from shardwise.redistribution import AllGather, AlltoAll, Slice, Step
 
@@ -63,7 +64,7 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
     if plan.equal_grads:
         out["equal_grads"] = {k: list(v) for k, v in plan.equal_grads.items()}
     if plan.roots:
-        out["roots"] = [_placed_d(p) for p in plan.roots]
+        out["roots"] = [{"value": r.value, "placed": _placed_d(r.placed)} for r in plan.roots]
     return out
 
 
@@ -97,7 +98,7 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
         input_shapes={k: tuple(v) for k, v in data.get("input_shapes", {}).items()},
         outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
         equal_grads={k: tuple(v) for k, v in data.get("equal_grads", {}).items()},
-        roots=tuple(_placed(m, p) for p in data.get("roots", [])),
+        roots=tuple(Root(r["value"], _placed(m, r["placed"])) for r in data.get("roots", [])),
     )
 
 

@@ -92,6 +92,7 @@ from shardwise.planner._plan import (
     ParallelPlan,
     ParamPlan,
     Placed,
+    Root,
     replicated,
 )
 from shardwise.planner._seeded import plan_deferred, plan_seeded
@@ -346,7 +347,7 @@ def walk(
         input_shapes={k: v.shape for k, v in graph.inputs.items()},
         outputs=tuple(p.state[ref] for ref in graph.outputs),
         equal_grads=equal,
-        roots=tuple(p.state[ref] for ref in graph.roots),
+        roots=tuple(Root(str(ref), p.state[ref]) for ref in graph.roots),
     )
 
 

@@ -29,6 +29,15 @@ def _ranks_of(t: torch.Tensor) -> list[tuple[int | None, torch.Tensor]]:
     return list(enumerate(sim.local_tensors(t)))
 
 
+def _per_rank(expected: Any) -> dict[int | None, torch.Tensor]:
+    """Each rank's value of an `expected` that holds one per rank (``world.rows(w)``); empty
+    for a plain tensor, the same on every rank."""
+    if not isinstance(expected, torch.Tensor):
+        return {}
+    parts = _ranks_of(expected)
+    return {} if len(parts) == 1 and parts[0][0] is None else dict(parts)
+
+
 def _outside() -> Any:
     from shardwise.testing._world import current_world
 
@@ -50,7 +59,8 @@ def assert_matches_single_device(
         actual: a tensor (per-rank inside `simulated_world`), or a dict / list / tuple of them.
         expected: the same structure of plain tensors (every rank must match), or a callable
             ``rank -> expected tensor`` for results that differ per rank (shards), called with
-            each simulated rank, or with this process's rank in a real job.
+            each simulated rank, or with this process's rank in a real job; in a simulated
+            world also a per-rank tensor (``world.rows(want)``): each rank's own value.
         rtol: relative tolerance (1e-5: float32 parity).
         atol: absolute tolerance for values near zero.
         what: a name used in the failure message.
@@ -76,9 +86,10 @@ def assert_matches_single_device(
             assert_matches_single_device(a, e, rtol=rtol, atol=atol, what=f"{what}[{i}]")
         return
     assert isinstance(actual, torch.Tensor), f"{what}: expected a tensor, got {type(actual)}"
+    per_rank = _per_rank(expected)
     for rank, value in _ranks_of(actual):
         here = rank if rank is not None else _this_rank()
-        want = expected(here) if callable(expected) else expected
+        want = expected(here) if callable(expected) else per_rank.get(here, expected)
         where = what if rank is None else f"{what} on rank {rank}"
         with _outside():
             _compare(value, want, rtol, atol, where)
