@@ -353,7 +353,7 @@ class PlanExecutor(
         if self.ops[k] == op:
             if checkpointing():  # (a region's first node may be a factory: `_recompute`)
                 self._checkpointed(k)
-            args, kw = factory_call(op, args, kw, self.plan.nodes[k].shapes[0])
+            args, kw = factory_call(op, args, kw, self.plan.nodes[k].local_shapes[0])
             templates = self.table.templates
             if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
                 args, kw = self.factory_sizes(args, kw, templates[k])

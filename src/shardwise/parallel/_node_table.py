@@ -36,6 +36,7 @@ from shardwise.planner._draws import DROPOUT as DROPOUT_OP
 from shardwise.planner._draws import GLOBAL_DRAWS, MAY_DRAW, SDPA
 from shardwise.planner._graph import TensorSlot
 from shardwise.planner._in_place import in_place
+from shardwise.planner._local_factories import FILLS
 from shardwise.planner._losses import WEIGHTED_MEAN
 
 T = torch.Tensor
@@ -57,7 +58,7 @@ _RESIZED = {
     "torch.Tensor.new_full",
 }
 # factories whose size arguments name their (whole) output's shape (`factory_call`)
-_FACTORIES = {"torch.zeros", "torch.ones", "torch.empty", "torch.full"}
+_FACTORIES = FILLS
 # factories whose int arguments are sizes or bounds (not data, as ``torch.tensor(k)``'s):
 # one that is this rank's share of the captured int takes the global one (`factory_sizes`)
 SIZED_FACTORIES = {

@@ -3,10 +3,12 @@
 `_Follow` is `_semi_auto._Planner`'s half that asks the sharding rules (`ops.aten_rules.decide`:
 DTensor's, or shardwise's own) about every aten op a torch-level node ran:
 
-- `_Follow._follow`: runs the node's aten program on placements, from the ones its inputs
-  have: each aten op's rule says which placements its arguments need and which its outputs
-  get; an input not yet used takes what its first use needs, while an intermediate value (or
-  an input already used) that would have to move makes the op run replicated (`_replicated`).
+- `_Follow._follow`: an op with a rule of its own as a whole (`ops.torch_rules.NODE_RULES`: a
+  recurrent layer) takes it; any other runs the node's aten program on placements, from the
+  ones its inputs have: each aten op's rule says which placements its arguments need and
+  which its outputs get; an input not yet used takes what its first use needs, while an
+  intermediate value (or an input already used) that would have to move makes the op run
+  replicated (`_replicated`).
   Returns the inputs' placements, the outputs' and the rule that decided (the highest in
   `_ORDER` of those that took part).
 - `_Follow._cheaper`: an unannotated op's strategy: the one `_follow` gives, unless it moves
@@ -32,6 +34,7 @@ from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import decide
+from shardwise.ops.torch_rules import NODE_RULES
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
 from shardwise.planner._in_place import in_place
 from shardwise.planner._placement import (
@@ -105,6 +108,12 @@ class _Follow:
         copy of an input (``_to_copy``: a linear's bias cast under autocast): the program runs
         again with that input placed as wanted (once per input, `retried`). With `seen`, each
         aten call is appended there with its first output's placements."""
+        whole_op = NODE_RULES.get(node.op)  # (an op parallel as a whole: `ops.torch_rules`)
+        if whole_op is not None and not strict:
+            shapes = [self.graph.info(r).shape for r in node.inputs]
+            decided = whole_op(have, shapes, node.args, self.ndim)
+            if decided is not None:
+                return decided[0], decided[1], "shardwise"
         need = list(have)
         used: set[int] = set()
         tmp: dict[int, Placements] = {}

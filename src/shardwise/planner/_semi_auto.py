@@ -33,7 +33,8 @@
    every rank; a cross entropy / NLL mean is averaged by the targets each rank counted
    (`_losses.weighted_mean`: ``ignore_index``, class weights). A whole value that a consumer
    wants partial (the bias of a row-parallel ``F.linear``) is kept on the first rank of those
-   axes and zero on the others (`EdgePlan.kept`).
+   axes and zero on the others (`EdgePlan.kept`). A fill (``torch.zeros``) whose every
+   consumer cuts the same block is made as that block instead (`_local_factories.split_fills`).
 5. `_backward.plan_backward`: where a replicated value's gradient is made the same on every
    replica (Megatron's ``f``) because that saves the adjoints of forward AllReduces and the
    gradient reduction of replicated parameters.
@@ -70,6 +71,7 @@ from shardwise.planner._follow import _Follow
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._in_place import check_change
+from shardwise.planner._local_factories import split_fills
 from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
 from shardwise.planner._placement import (
     DatasetStrategy,
@@ -331,7 +333,8 @@ def walk(
                 p.edge(-1, reduced, ref, Placed(src.layout))
                 p.state[ref] = Placed(src.layout)
                 reduced += 1
-    nodes, edges, equal = plan_backward(graph, p.nodes, p.edges, params, matrix)
+    nodes, edges = split_fills(graph, p.nodes, p.edges)  # (a zeros read split: made so)
+    nodes, edges, equal = plan_backward(graph, nodes, edges, params, matrix)
     edges = plan_deferred(nodes, plan_seeded(graph, nodes, edges))
     return ParallelPlan(
         device_num=p.device_num,

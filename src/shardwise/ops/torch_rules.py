@@ -1,0 +1,74 @@
+"""Sharding rules of whole torch-level ops, for ops whose aten program no rule can follow.
+
+The planner plans a torch-level op by running its aten program on placements
+(`planner._follow`, the rules of `aten_rules`). Some ops are parallel over a dim as a whole
+while their program is not, op by op: a recurrent layer (``torch.lstm``, ``torch.gru``,
+``torch.rnn_tanh``, ``torch.rnn_relu``, what ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call) runs
+each sample of the batch on its own, but its CPU program folds time and batch into one dim for
+the input projections, so followed op by op it could only run whole on every rank.
+
+`NODE_RULES` maps such an op's qualified name (as the capture records it) to a rule ``rule(have,
+shapes, args, ndim)``: the placements each tensor input has (one per mesh dim, DTensor's
+``Shard`` / ``Replicate``), their global shapes, the call's captured arguments (tensors as
+`planner._graph.TensorSlot`) and the mesh's dims; it returns ``(need, outs)``, the placements
+the inputs must have and those of the outputs, or None to follow the aten program as usual.
+Adding an op is one entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+Placements = tuple[Placement, ...]
+NodeRule = Callable[
+    [Sequence[Placements], Sequence[tuple[int, ...]], Sequence[Any], int],
+    tuple[list[Placements], list[Placements]] | None,
+]
+
+
+def recurrent_rule(states: int, outputs: int) -> NodeRule:
+    """``torch.lstm`` (`states` 2: h and c) / ``torch.gru``, ``torch.rnn_*`` (1), called as
+    ``(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``.
+
+    Per mesh dim: an input split on its batch dim (0 with ``batch_first``, else 1) keeps the
+    split; the hidden states (``[layers, batch, hidden]``) are split on dim 1 alike, the
+    weights whole; the output is split as the input, the final states as the hidden states
+    (`outputs`: the op's tensor outputs). An unbatched input, one split on any other dim, or a
+    dropout between layers while training (random masks drawn inside the op) returns None.
+    """
+
+    def rule(
+        have: Sequence[Placements],
+        shapes: Sequence[tuple[int, ...]],
+        args: Sequence[Any],
+        ndim: int,
+    ) -> tuple[list[Placements], list[Placements]] | None:
+        if len(shapes[0]) != 3 or len(args) < 9:
+            return None
+        layers, dropout, train, batch_first = args[4], args[5], args[6], args[8]
+        if train and dropout and layers > 1:
+            return None
+        batch = 0 if batch_first else 1
+        keep = [type(p) is Shard and p.dim == batch for p in have[0]]
+        if not any(keep):
+            return None
+        x: Placements = tuple(Shard(batch) if k else Replicate() for k in keep)
+        h: Placements = tuple(Shard(1) if k else Replicate() for k in keep)
+        whole: Placements = tuple(Replicate() for _ in range(ndim))
+        need = [x] + [h] * states + [whole] * (len(have) - 1 - states)
+        return need, [x] + [h] * (outputs - 1)
+
+    rule.__name__ = f"recurrent_rule_{states}"
+    return rule
+
+
+NODE_RULES: dict[str, NodeRule] = {
+    "torch.lstm": recurrent_rule(2, 3),
+    "torch.gru": recurrent_rule(1, 2),
+    "torch.rnn_tanh": recurrent_rule(1, 2),
+    "torch.rnn_relu": recurrent_rule(1, 2),
+}
+"""Torch-level op name -> its rule (see the module docstring)."""

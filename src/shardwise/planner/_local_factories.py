@@ -1,0 +1,58 @@
+"""Fills made as this rank's block: a ``torch.zeros`` every consumer reads split (`split_fills`).
+
+A factory (an op without tensor inputs) is planned whole on every rank, and each consumer that
+wants it split cuts its block (a `Slice`: no communication). For a fill of one value
+(``torch.zeros`` / ``ones`` / ``empty`` / ``full``, `FILLS`) whose every consumer cuts the same
+block, the plan makes it as that block instead: the edges go, and the factory runs with its
+local sizes (`NodePlan.local_shapes`). Besides the copy it saves, the tensor then has the shape
+the network's own code expects: a recurrent layer's initial state ``torch.zeros(layers,
+x.size(0), hidden)``, checked against this rank's batch before the op runs (``nn.GRU``'s
+``check_hidden_size``), is this rank's rows, as ``x`` is.
+
+`split_fills(graph, nodes, edges)` returns the nodes and edges with such fills placed split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from shardwise.planner._graph import Graph, Ref
+from shardwise.planner._plan import EdgePlan, NodePlan
+from shardwise.redistribution import Slice
+
+FILLS = frozenset({"torch.zeros", "torch.ones", "torch.empty", "torch.full"})
+"""Factories of one value everywhere: any block of them is the same op at the block's sizes."""
+
+
+def split_fills(
+    graph: Graph, nodes: Sequence[NodePlan], edges: Sequence[EdgePlan]
+) -> tuple[tuple[NodePlan, ...], tuple[EdgePlan, ...]]:
+    """`nodes` and `edges` with every fill whose consumers all cut one block made as it."""
+    consumers = graph.consumers()
+    returned = set(graph.outputs) | set(graph.roots)
+    by_value: dict[str, list[EdgePlan]] = {}
+    for e in edges:
+        by_value.setdefault(e.value, []).append(e)
+    out_nodes, dropped = list(nodes), set()
+    for n in nodes:
+        ref = Ref("node", n.index, 0)
+        if n.op not in FILLS or n.inputs or len(n.outputs) != 1 or ref in returned:
+            continue
+        reads = consumers.get(ref, [])
+        moves = {(e.consumer, e.slot): e for e in by_value.get(str(ref), []) if e.consumer >= 0}
+        if not reads or any(r not in moves for r in reads) or len(moves) != len(reads):
+            continue
+        dst = {e.dst for e in moves.values()}
+        first = next(iter(moves.values()))
+        if (
+            len(dst) != 1
+            or first.src != n.outputs[0]
+            or first.src.partial
+            or first.dst.partial
+            or not all(isinstance(s, Slice) for e in moves.values() for s in e.steps)
+        ):
+            continue
+        out_nodes[n.index] = dataclasses.replace(n, outputs=(first.dst,))
+        dropped |= {id(e) for e in moves.values()}
+    return tuple(out_nodes), tuple(e for e in edges if id(e) not in dropped)
