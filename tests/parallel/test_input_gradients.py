@@ -2,7 +2,7 @@
 
 shardwise differentiates the sum of every rank's copy of the step (N copies), so before, a
 rank's input rows got N times their gradient (2.0 x on 2 ranks, silently). The wrapper now puts
-a hook on each such input (`parallel/_call_io.input_gradients`): the shares summed over the
+a hook on each such input (`parallel/_input_grads.input_gradients`): the shares summed over the
 axes the input is replicated on (``full_batch``: every axis; the rows the plan cut from the
 whole batch are zero elsewhere), divided by N. Under ``data_parallel`` with the rows split over
 every axis that is a local division; no collective.
@@ -190,7 +190,7 @@ def test_backward_with_create_graph_is_refused_at_capture(call: str) -> None:
             sw.AutoParallel(step)(world.rows(x), world.rows(y))
 
 
-@pytest.mark.parametrize("between", ["none", "h * 2"])
+@pytest.mark.parametrize("between", ["none", "h * 2", "h + extra"])
 def test_an_input_another_wrapper_returned_keeps_its_shares(between: str) -> None:
     """A train step's input computed from another wrapped call's result (an encoder wrapped
     on its own, its rows fed to the step, directly or through ops of the caller's) is not
@@ -199,16 +199,18 @@ def test_an_input_another_wrapper_returned_keeps_its_shares(between: str) -> Non
     (0.0655 against 0.131 on 2 ranks, silently)."""
     x, y = batch()
     y = y.clamp(min=0)
+    extra = torch.linspace(-1, 1, 64).reshape(8, 8)
 
     def nets() -> tuple[nn.Module, nn.Module]:
         torch.manual_seed(0)
         return nn.Linear(6, 8), nn.Linear(8, 5)
 
-    def joined(h: torch.Tensor) -> torch.Tensor:
-        return h * 2 if between == "h * 2" else h
+    def joined(h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return h * 2 if between == "h * 2" else h + e if between == "h + extra" else h
 
     enc, head = nets()
-    F.cross_entropy(head(joined(torch.tanh(enc(x)))), y).backward()
+    xr, er = x.clone().requires_grad_(), extra.clone().requires_grad_()
+    F.cross_entropy(head(joined(torch.tanh(enc(xr)), er)), y).backward()
     want = {f"enc.{n}": p.grad for n, p in enc.named_parameters()}
     want |= {f"head.{n}": p.grad for n, p in head.named_parameters()}
     enc, head = nets()
@@ -222,10 +224,15 @@ def test_an_input_another_wrapper_returned_keeps_its_shares(between: str) -> Non
         world.replicate(enc)
         world.replicate(head)
         encoder = sw.AutoParallel(lambda rows: torch.tanh(enc(rows)))
-        sw.AutoParallel(step)(joined(encoder(world.rows(x))), world.rows(y))
+        xs, es = world.rows(x).requires_grad_(), world.rows(extra).requires_grad_()
+        sw.AutoParallel(step)(joined(encoder(xs), es), world.rows(y))
         got = {f"enc.{n}": p.grad for n, p in enc.named_parameters()}
         got |= {f"head.{n}": p.grad for n, p in head.named_parameters()}
         assert_matches_single_device(got, want, what="grads")
+        # the caller's tensors before the encoder and mixed in after it: one device's rows
+        assert_matches_single_device(xs.grad, world.rows(xr.grad), what="x.grad")
+        if between == "h + extra":
+            assert_matches_single_device(es.grad, world.rows(er.grad), what="extra.grad")
 
 
 def test_an_input_computed_from_a_leaf_of_the_caller() -> None:
@@ -240,4 +247,56 @@ def test_an_input_computed_from_a_leaf_of_the_caller() -> None:
         world.replicate(net)
         xs = world.rows(x).requires_grad_()
         sw.AutoParallel(step_of(net))(xs * 2, world.rows(y))
+        assert_matches_single_device(xs.grad, world.rows(xr.grad), what="x.grad")
+
+
+@pytest.mark.parametrize("layout", ["data_parallel", "full_batch"])
+def test_input_gradients_of_a_wrapped_network(layout: str) -> None:
+    """The module form (``AutoParallel(net)``, the loss and its backward after the call): each
+    input that requires grad enters the network through a node that divides its gradient, so
+    ``x.grad`` is one device's (it was N times it) and the parameters' equal one device's."""
+    x, y = batch()
+    y = y.clamp(min=0)
+    ref, xr = Net(), x.clone().requires_grad_()
+    F.cross_entropy(ref(xr), y).backward()
+    assert xr.grad is not None
+    net = Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+        if layout == "full_batch":
+            parallel.dataset_strategy("full_batch")
+            xs, ys = world.same(x).requires_grad_(), world.same(y)
+            F.cross_entropy(parallel(xs), ys).backward()  # (the whole batch's loss)
+            want = xr.grad
+        else:
+            xs, ys = world.rows(x).requires_grad_(), world.rows(y)
+            F.cross_entropy(parallel(xs), ys).backward()  # (this rank's rows' mean)
+            want = world.rows(xr.grad)
+        assert_matches_single_device(xs.grad, want, what="x.grad")
+        got = {n: p.grad for n, p in net.named_parameters()}
+        assert_matches_single_device(got, {n: p.grad for n, p in ref.named_parameters()})
+
+
+def test_a_wrapped_network_given_x_and_2x() -> None:
+    """A wrapped network given ``x`` and ``2 * x``: each path's gradient is divided once at its
+    entry, so ``x.grad`` is one device's (the direct share plus twice the other's)."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.net(a) * self.net(b)
+            return out
+
+    x, _ = batch()
+    ref, xr = Two(), x.clone().requires_grad_()
+    ref(xr, 2 * xr).pow(2).mean().backward()
+    net = Two()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        xs = world.rows(x).requires_grad_()
+        sw.AutoParallel(net)(xs, 2 * xs).pow(2).mean().backward()
         assert_matches_single_device(xs.grad, world.rows(xr.grad), what="x.grad")

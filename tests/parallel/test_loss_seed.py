@@ -158,3 +158,25 @@ def test_a_seeded_adjoint_belongs_to_its_own_run() -> None:
         got = {f"a.{n}": p.grad for n, p in a.named_parameters()}
         got |= {f"b.{n}": p.grad for n, p in b.named_parameters()}
         assert_matches_single_device(got, want, what="grads")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_seed_made_from_python_data(world_size: int) -> None:
+    """``loss.backward(torch.tensor(0.5))`` on a mean over split rows: the seed, a constant
+    made from Python data (in a simulated world a plain tensor, one value on every rank as in
+    a job), gives one device's gradients (the simulated world gave 1/N^2-like ones)."""
+    x, _ = batch()
+    single = make_net()
+    single(x).mean().backward(torch.tensor(0.5))
+    want = {n: p.grad for n, p in single.named_parameters()}
+    net = make_net()
+
+    def step(rows: torch.Tensor) -> torch.Tensor:
+        loss = net(rows).mean()
+        loss.backward(torch.tensor(0.5))
+        return loss
+
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+        AutoParallel(step)(world.rows(x))
+        assert_matches_single_device({n: p.grad for n, p in net.named_parameters()}, want)

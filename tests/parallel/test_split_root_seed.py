@@ -341,3 +341,33 @@ def test_strategy_files_and_backward_roots(tmp_path: Path) -> None:
         )
         with pytest.raises(StrategyFileError, match=r"backward starts from %\d+ \(\) \(seed x1\)"):
             other(world.rows(x))
+
+
+def test_a_primitive_networks_output_as_root() -> None:
+    """Seed 003's network of shardwise primitives on 8 ranks, its logits' backward seeded with a
+    gradient: the root is a primitive's output (noted by its module hook), and every gradient
+    block equals one device's (it was refused: the root was not noted)."""
+    from .test_seed003_parity import Network, blocks, data
+
+    (x, _), *_ = data()
+    rows = x.shape[0]  # (the seed of a mean over the batch: gradients of a loss's size)
+    ref = Network()
+    out = ref(x)
+    out.backward(seed_of(out) / rows)
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    net = Network()
+    with simulated_world(8) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            logits = net(a)
+            logits.backward(seed_of(logits) / rows)
+            return logits
+
+        parallel = AutoParallel(step)
+        parallel(world.rows(x))
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, p in net.named_parameters():
+            layout = plan.params[name].layout
+            assert_matches_single_device(p.grad, blocks(want[name], layout), what=name)

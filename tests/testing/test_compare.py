@@ -51,3 +51,13 @@ def test_per_rank_expected_values() -> None:
     assert_matches_single_device(rows, want)
     with pytest.raises(AssertionError, match=r"rows on rank 1: differs"):
         assert_matches_single_device(rows, bad, what="rows")
+
+
+def test_the_message_names_the_element_past_the_tolerance() -> None:
+    """The element named is the one furthest past the tolerance, not the largest absolute
+    difference (there: 1000.0 vs 1000.005, within 1e-5 of itself, while 0.001 vs 0.0011
+    failed)."""
+    with pytest.raises(AssertionError, match=r"worst difference 0.0001 at flat index 1"):
+        assert_matches_single_device(
+            torch.tensor([1000.0, 0.001]), torch.tensor([1000.005, 0.0011])
+        )

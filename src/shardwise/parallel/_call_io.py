@@ -9,29 +9,21 @@
   shapes (`AutoParallel.plan` given shapes).
 - `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
 - `rank_outputs`: a wrapped network's outputs as this rank's rows (``full_batch``: whole).
-- `input_gradients`: hooks that make a train step's tensor inputs' gradients one device's;
-  `mark_outputs` marks what a call returns, so that an input computed from another call's
-  result is left to that call's gradient convention (`from_a_call`).
+
+The gradients of a call's inputs that require grad are `_input_grads`'.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
-from shardwise import communication as comm
 from shardwise._torch import pytree
-from shardwise._torch.autograd_engine import node_metadata
-from shardwise.communication import recorder
-from shardwise.communication._collectives import ReduceOp, all_reduce
 from shardwise.layout import TensorLayout
 from shardwise.parallel._edges import move
 from shardwise.parallel._leaving import convention
-from shardwise.parallel._runtime import group_for
 from shardwise.parallel._step import DatasetStrategy, input_layout
 from shardwise.planner import ParallelPlan, Placed
 from shardwise.planner._capture import input_key
@@ -175,84 +167,3 @@ def local_inputs(
         local = tuple(n // k for n, k in zip(glob, split, strict=True))
         out.append(torch.empty(local, dtype=dtype, device="meta"))
     return tuple(out)
-
-
-MARK = "shardwise.call_output"  # (an autograd node's metadata key: `mark_outputs`)
-
-
-def mark_outputs(out: Any) -> None:
-    """Mark the autograd nodes of the tensors a wrapped call returns (`from_a_call`)."""
-    for leaf in pytree.tree_leaves(out):
-        values = (
-            [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
-            if (dataclasses.is_dataclass(leaf) and not isinstance(leaf, type))
-            else [leaf]
-        )
-        for value in values:
-            if isinstance(value, T) and value.grad_fn is not None:
-                node_metadata(value.grad_fn)[MARK] = True
-
-
-def from_a_call(t: T, limit: int = 100_000) -> bool:
-    """Whether `t` was computed from a tensor a wrapped call returned (`mark_outputs`): a walk
-    of its autograd graph up to the first marked node (a leaf input: False at once; a walk past
-    `limit` nodes: False)."""
-    todo: list[Any] = [t.grad_fn]
-    seen: set[int] = set()
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node_metadata(node).get(MARK):
-            return True
-        todo += [n for n, _ in node.next_functions]
-    return False
-
-
-def input_gradients(
-    plan: ParallelPlan,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    dataset: object,
-    active: Callable[[], bool],
-) -> list[RemovableHandle]:
-    """Hooks on the call's tensor inputs that require grad, making their gradients one
-    device's: shardwise differentiates the sum of every rank's copy of the step (N copies, N
-    the job's size: `communication.sum_over_ranks`), so a rank's gradient of its input is its
-    share of N times the gradient. The hook sums the shares over the axes the input is
-    replicated on as the caller holds it (``full_batch``: all of them; the rows the plan cut
-    from the whole batch are zero elsewhere) and divides by N: under ``data_parallel`` each
-    rank then holds its rows of one device's gradient (no collective when the rows are split
-    over every axis), under ``full_batch`` all of it. It acts only while `active()` (the step's
-    own ``loss.backward()`` runs); a tensor passed twice gets one hook. An input computed from
-    a tensor another wrapped call returned gets none: its gradient goes on into that call's
-    backward, whose own buckets divide by N (`from_a_call`). Remove the hooks when the call
-    ends.
-
-    Example:
-        >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
-    """
-    matrix, world = plan.matrix, comm.get_group_size()
-    handles, seen = [], set()
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-        if not isinstance(leaf, T) or not leaf.requires_grad or id(leaf) in seen:
-            continue
-        seen.add(id(leaf))
-        if from_a_call(leaf):  # (its gradient flows on into that call's backward as shares)
-            continue
-        placed = plan.inputs.get(input_key(pytree.keystr(path)))
-        used = () if dataset == "full_batch" or placed is None else placed.layout.used_axes()
-        axes = [a for a, n in enumerate(matrix.shape) if n > 1 and a not in used]
-        group = group_for(matrix, axes)[0] if axes else None
-
-        def share_summed(g: T, group: str | None = group, summed: bool = bool(axes)) -> T:
-            if not active():  # (a backward of other code: its own gradient)
-                return g
-            if summed:
-                with recorder.phase("backward"), recorder.label("input gradient"):
-                    g = all_reduce(g.clone(), ReduceOp.SUM, group)
-            return g / world
-
-        handles.append(leaf.register_hook(share_summed))
-    return handles

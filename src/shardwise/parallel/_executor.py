@@ -246,7 +246,7 @@ class PlanExecutor(
             args, kwargs = self.scaled_seeds(func, args, kwargs)  # (a split root's: `_seeds`)
             self.finished = self.backward_seen = True  # (may run the plan again: `_restarts`)
             gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
-            self.in_backward += 1  # (`_call_io.input_gradients` acts only then)
+            self.in_backward += 1  # (`_input_grads.input_gradients` acts only then)
             try:
                 if gradient is None and args and isinstance(args[0], T):
                     # (`EdgePlan.seeded` holds for a root the plan made, not one made after it)

@@ -71,6 +71,8 @@ class PrimitiveHooks:
 
         def note_placed(self, k: int, edges: dict[int, EdgePlan], out: Any) -> None: ...
 
+        def note_roots(self, k: int, out: Any) -> None: ...
+
     def enter_primitive(
         self, module: Primitive, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -130,6 +132,8 @@ class PrimitiveHooks:
             leaving = self.table.leaving[k]
             if leaving is not None:  # (`_leaving`: held other than it leaves the call)
                 self.note_placed(k, leaving, out)
+            if k in self.table.roots:  # (a backward starts from it: `_seeds`)
+                self.note_roots(k, out)
         finally:
             self.paused -= 1
         self._ended()

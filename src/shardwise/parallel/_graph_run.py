@@ -22,9 +22,10 @@ annotations alike; any dataset strategy):
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
   this rank's rows by the plan's entry edges (`_call_io.cut_inputs`); a wrapped network's
   outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`), and so
-  do the tensors a train step returns (`_leaving.Leaving.step_outputs`); the step's tensor
-  inputs that require grad get one device's gradient (`_call_io.input_gradients`, hooks for
-  the call); optimizer steps reach the executor through `_step_hooks.StepHooks`.
+  do the tensors a train step returns (`_leaving.Leaving.step_outputs`); the tensor inputs that
+  require grad get one device's gradient (`_input_grads`: a train step's through hooks for the
+  call, a network's through a dividing autograd node); optimizer steps reach the executor
+  through `_step_hooks.StepHooks`.
 """
 
 from __future__ import annotations
@@ -47,13 +48,7 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
-from shardwise.parallel._call_io import (
-    cut_inputs,
-    input_gradients,
-    input_shapes,
-    mark_outputs,
-    rank_outputs,
-)
+from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
 from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
@@ -63,6 +58,7 @@ from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._executor_primitives import Replan
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
 from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
+from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._recompute import LEVEL3, REENTRANT_HSDP
@@ -342,6 +338,9 @@ class GraphRun(StepHooks):
         """One call under a `PlanExecutor` of the current plan."""
         plan = self.parallel_plan
         assert plan is not None
+        inside = bool(plan.roots)  # (the backward runs in the call, else after it)
+        if not inside:  # (a network, a function without backward: `_input_grads`)
+            args, kwargs = entry_gradients(plan, args, kwargs, self.dataset)
         given = (args, kwargs)  # (as the caller holds them: `input_gradients`)
         if self.dataset == "full_batch":
             args, kwargs = cut_inputs(plan, args, kwargs)
@@ -367,7 +366,7 @@ class GraphRun(StepHooks):
         )
         hooks: list[Any] = []
         try:
-            if not self.module_form:  # (only while the step's own backward runs)
+            if inside:  # (only while the step's own backward runs)
                 hooks = input_gradients(
                     plan, *given, self.dataset, lambda: executor.in_backward > 0
                 )
@@ -390,5 +389,5 @@ class GraphRun(StepHooks):
             out = rank_outputs(plan, out, self.dataset)
         else:
             out = executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
-        mark_outputs(out)  # (an input computed from them: `_call_io.input_gradients`)
+        mark_outputs(out)  # (an input computed from them: `_input_grads`)
         return out

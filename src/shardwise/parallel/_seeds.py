@@ -21,7 +21,8 @@ with `UnsupportedParallelError`: how it is split is not known, and guessing wron
 1/N of one device's gradients without a word.
 
 `Seeds.scaled_seeds` takes a ``backward`` / ``torch.autograd.backward`` / last
-``torch.autograd.grad`` call's arguments and returns them with the seeds scaled.
+``torch.autograd.grad`` call's arguments and returns them with the seeds scaled (and a seed
+that is a constant, ``torch.tensor(1.0)``, held as every rank's: `communication.every_rank`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise._torch import pytree
+from shardwise.communication import every_rank
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.planner._call_kinds import seeds_of, with_seeds
 
@@ -77,10 +79,11 @@ class Seeds:
         out, changed = [], False
         for root, grad in zip(roots, grads, strict=False):
             scale = self._scale(root) if isinstance(root, T) else 1
+            given = every_rank(grad) if isinstance(grad, T) else grad  # (a constant: per rank)
             if scale != 1:
-                grad = (torch.ones_like(root) if grad is None else grad) * scale
-                changed = True
-            out.append(grad)
+                given = (torch.ones_like(root) if given is None else given) * scale
+            changed |= given is not grad
+            out.append(given)
         return with_seeds(func, args, kwargs, out) if changed else (args, kwargs)
 
     def _scale(self, root: T) -> int:

@@ -66,7 +66,7 @@ def assert_matches_single_device(
         what: a name used in the failure message.
 
     Raises:
-        AssertionError: naming the entry, the rank and the largest difference.
+        AssertionError: naming the entry, the rank and the element furthest past the tolerance.
 
     Example:
         >>> assert_matches_single_device(parallel_grads, single_grads, what="grads")
@@ -103,9 +103,10 @@ def _compare(value: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, 
     if torch.allclose(v, w, rtol=rtol, atol=atol, equal_nan=True):
         return
     diff = (v - w).abs()
-    i = int(diff.argmax())
+    over = (diff - (atol + rtol * w.abs())).nan_to_num(nan=float("inf"))  # (past the tolerance)
+    i = int(over.argmax())
     raise AssertionError(
-        f"{where}: differs from single-device (rtol={rtol}, atol={atol}); largest difference "
+        f"{where}: differs from single-device (rtol={rtol}, atol={atol}); worst difference "
         f"{float(diff.flatten()[i]):.3g} at flat index {i}: {float(v.flatten()[i])!r} vs "
         f"{float(w.flatten()[i])!r}"
     )

@@ -1,0 +1,163 @@
+"""The gradients of a wrapped call's tensor inputs that require grad: one device's.
+
+shardwise differentiates the sum of every rank's copy of the step (N copies, N the job's size:
+`communication.sum_over_ranks`), so the gradient a rank computes for a value it holds is its
+share of N times that value's gradient; parameters' shares are summed over their replicas and
+divided by N in the buckets. A tensor the caller passes gets the same: its shares summed over
+the axes the caller holds it replicated on (``full_batch``: all of them; the rows the plan cut
+from the whole batch are zero elsewhere), divided by N (`_Division`): under ``data_parallel``
+each rank holds its rows of one device's gradient (no collective when the rows are split over
+every axis), under ``full_batch`` all of it.
+
+- `input_gradients` (a train step): a hook on each such input for the call, acting only while
+  the step's own backward runs; an input computed from what another wrapped call returned
+  (`from_calls`) is not divided itself (its gradient goes on into that call's backward, whose
+  buckets divide by N): the tensors of the caller's that were mixed into it on the way are.
+- `entry_gradients` (a wrapped network, whose backward runs after the call): each such input
+  enters the network through an autograd node that divides whatever gradient reaches it
+  through the call, whenever that backward runs.
+- `mark_outputs`: each call marks the autograd nodes of what it returns (`from_calls` walks an
+  input's graph back to them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from shardwise import communication as comm
+from shardwise._torch import pytree
+from shardwise._torch.autograd_engine import node_metadata
+from shardwise.communication import recorder
+from shardwise.communication._collectives import ReduceOp, all_reduce
+from shardwise.parallel._runtime import group_for
+from shardwise.planner import ParallelPlan
+from shardwise.planner._capture import input_key
+
+T = torch.Tensor
+MARK = "shardwise.call_output"  # (an autograd node's metadata key: `mark_outputs`)
+WALK_LIMIT = 100_000  # (autograd nodes `from_calls` visits before it gives up: not from a call)
+
+
+def mark_outputs(out: Any) -> None:
+    """Mark the autograd nodes of the tensors a wrapped call returns (`from_calls`)."""
+    for leaf in pytree.tree_leaves(out):
+        values = (
+            [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
+            if (dataclasses.is_dataclass(leaf) and not isinstance(leaf, type))
+            else [leaf]
+        )
+        for value in values:
+            if isinstance(value, T) and value.grad_fn is not None:
+                node_metadata(value.grad_fn)[MARK] = True
+
+
+def from_calls(t: T) -> tuple[bool, list[T]]:
+    """Whether `t` was computed from a tensor a wrapped call returned (`mark_outputs`), and the
+    leaves requiring grad it was computed from without passing one (a walk of its autograd graph
+    that stops at marked nodes; a leaf input: (False, [])."""
+    todo: list[Any] = [t.grad_fn]
+    seen: set[int] = set()
+    marked, leaves = False, []
+    while todo and len(seen) < WALK_LIMIT:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node_metadata(node).get(MARK):
+            marked = True
+            continue
+        variable = getattr(node, "variable", None)  # (an accumulate-grad node: a leaf)
+        if isinstance(variable, T):
+            leaves.append(variable)
+        todo += [n for n, _ in node.next_functions]
+    return marked, leaves
+
+
+def _shares(plan: ParallelPlan, path: Any, dataset: object) -> tuple[str | None, bool]:
+    """The group over which an input's shares are summed (the axes the caller holds it
+    replicated on) and whether there is one."""
+    matrix = plan.matrix
+    placed = plan.inputs.get(input_key(pytree.keystr(path)))
+    used = () if dataset == "full_batch" or placed is None else placed.layout.used_axes()
+    axes = [a for a, n in enumerate(matrix.shape) if n > 1 and a not in used]
+    return (group_for(matrix, axes)[0] if axes else None), bool(axes)
+
+
+def _divided(g: T, group: str | None, summed: bool) -> T:
+    """One device's gradient from a rank's share: summed over `group`, divided by N."""
+    if summed:
+        with recorder.phase("backward"), recorder.label("input gradient"):
+            g = all_reduce(g.clone(), ReduceOp.SUM, group)
+    return g / comm.get_group_size()
+
+
+def input_gradients(
+    plan: ParallelPlan,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dataset: object,
+    active: Callable[[], bool],
+) -> list[RemovableHandle]:
+    """Hooks that make a train step's tensor inputs' gradients one device's (see the module
+    docstring), acting only while `active()` (the step's own backward runs); a tensor passed
+    twice gets one hook. Remove them when the call ends.
+
+    Example:
+        >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
+    """
+    handles, seen = [], set()
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, T) or not leaf.requires_grad or id(leaf) in seen:
+            continue
+        seen.add(id(leaf))
+        marked, upstream = from_calls(leaf)
+        group, summed = _shares(plan, path, dataset)
+
+        def share_summed(g: T, group: str | None = group, summed: bool = summed) -> T:
+            return _divided(g, group, summed) if active() else g  # (other code's: its own)
+
+        targets = [leaf] if not marked else [t for t in upstream if id(t) not in seen]
+        seen |= {id(t) for t in targets}
+        handles += [t.register_hook(share_summed) for t in targets]
+    return handles
+
+
+class _Division(torch.autograd.Function):
+    """Identity forward; backward: one device's gradient from a rank's share (`_divided`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: T, group: str | None, summed: bool) -> T:
+        ctx.group, ctx.summed = group, summed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: T) -> tuple[T, None, None]:
+        return _divided(g, ctx.group, ctx.summed), None, None
+
+
+def entry_gradients(
+    plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any], dataset: object
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A wrapped network's arguments with each tensor that requires grad (and was not computed
+    from another call's result: `from_calls`) passed through `_Division` (see the module
+    docstring); a tensor passed twice is divided on each path it takes.
+
+    Example:
+        >>> args, kwargs = entry_gradients(plan, (x,), {}, "data_parallel")
+    """
+    flat, spec = pytree.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in flat]
+    changed = False
+    for i, (path, leaf) in enumerate(flat):
+        if isinstance(leaf, T) and leaf.requires_grad and not from_calls(leaf)[0]:
+            leaves[i] = _Division.apply(leaf, *_shares(plan, path, dataset))
+            changed = True
+    if not changed:
+        return args, kwargs
+    out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, spec)
+    return out
