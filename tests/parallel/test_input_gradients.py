@@ -190,13 +190,15 @@ def test_backward_with_create_graph_is_refused_at_capture(call: str) -> None:
             sw.AutoParallel(step)(world.rows(x), world.rows(y))
 
 
-@pytest.mark.parametrize("between", ["none", "h * 2", "h + extra"])
+@pytest.mark.parametrize("between", ["none", "h * 2", "h + extra", "h + x"])
 def test_an_input_another_wrapper_returned_keeps_its_shares(between: str) -> None:
     """A train step's input computed from another wrapped call's result (an encoder wrapped
     on its own, its rows fed to the step, directly or through ops of the caller's) is not
-    divided: its gradient flows on into that call's backward, whose buckets divide by N. It
-    was divided there too, and the encoder's gradients came out 1/N of one device's
-    (0.0655 against 0.131 on 2 ranks, silently)."""
+    divided: its gradient flows on into that call's backward, whose buckets divide by N (the
+    encoder's gradients came out 1/N of one device's, 0.0655 against 0.131 on 2 ranks,
+    silently). The gradient on its way to the caller's own tensors mixed in after the call is
+    divided there, on that edge only (``h + x``, a skip connection: x's gradient was the
+    direct path's plus the encoder path's / N)."""
     x, y = batch()
     y = y.clamp(min=0)
     extra = torch.linspace(-1, 1, 64).reshape(8, 8)
@@ -205,12 +207,14 @@ def test_an_input_another_wrapper_returned_keeps_its_shares(between: str) -> Non
         torch.manual_seed(0)
         return nn.Linear(6, 8), nn.Linear(8, 5)
 
-    def joined(h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def joined(h: torch.Tensor, e: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if between == "h + x":  # (a skip connection around the encoder: x on both paths)
+            return h + F.pad(x, (0, 2))
         return h * 2 if between == "h * 2" else h + e if between == "h + extra" else h
 
     enc, head = nets()
     xr, er = x.clone().requires_grad_(), extra.clone().requires_grad_()
-    F.cross_entropy(head(joined(torch.tanh(enc(xr)), er)), y).backward()
+    F.cross_entropy(head(joined(torch.tanh(enc(xr)), er, xr)), y).backward()
     want = {f"enc.{n}": p.grad for n, p in enc.named_parameters()}
     want |= {f"head.{n}": p.grad for n, p in head.named_parameters()}
     enc, head = nets()
@@ -225,7 +229,7 @@ def test_an_input_another_wrapper_returned_keeps_its_shares(between: str) -> Non
         world.replicate(head)
         encoder = sw.AutoParallel(lambda rows: torch.tanh(enc(rows)))
         xs, es = world.rows(x).requires_grad_(), world.rows(extra).requires_grad_()
-        sw.AutoParallel(step)(joined(encoder(xs), es), world.rows(y))
+        sw.AutoParallel(step)(joined(encoder(xs), es, xs), world.rows(y))
         got = {f"enc.{n}": p.grad for n, p in enc.named_parameters()}
         got |= {f"head.{n}": p.grad for n, p in head.named_parameters()}
         assert_matches_single_device(got, want, what="grads")
@@ -300,3 +304,29 @@ def test_a_wrapped_network_given_x_and_2x() -> None:
         xs = world.rows(x).requires_grad_()
         sw.AutoParallel(net)(xs, 2 * xs).pow(2).mean().backward()
         assert_matches_single_device(xs.grad, world.rows(xr.grad), what="x.grad")
+
+
+def test_an_input_the_step_returns_as_it_is_stays_the_callers() -> None:
+    """A step that returns its input (``return loss, a``) does not mark the caller's autograd
+    node as a call's result: a later call on the same tensor still gets one device's gradient
+    (it got N times it: the input was no longer divided)."""
+    x, y = batch()
+    ref, xr = Net(), x.clone().requires_grad_()
+    F.cross_entropy(ref(xr + 0), y).backward()
+    assert xr.grad is not None
+    net = Net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = F.cross_entropy(net(a), b)
+            loss.backward()
+            return loss, a
+
+        parallel = sw.AutoParallel(step)
+        xs = world.rows(x).requires_grad_()
+        e = xs + 0
+        for call in range(2):
+            xs.grad = None
+            parallel(e, world.rows(y))
+            assert_matches_single_device(xs.grad, world.rows(xr.grad), what=f"call {call}")

@@ -146,3 +146,29 @@ def test_a_zeros_read_whole_somewhere_stays_whole() -> None:
         ones = plan.node("ones")
         assert str(zeros.outputs[0]) == "(g0, None)" and str(ones.outputs[0]) == "(None, None)"
         assert not [e for e in plan.edges if e.value == f"%{zeros.index}"]
+
+
+def test_dropout_between_layers_while_training_is_refused() -> None:
+    """``nn.GRU(num_layers=2, dropout=0.5)`` in training draws its masks inside the op: on a
+    split batch a `PlanError` names the op and the fix (it failed with DTensor's "Attempted to
+    unbind along the sharded dimension 0"); in ``eval()`` it runs split."""
+    from shardwise.planner import PlanError
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.rnn = nn.GRU(4, 6, num_layers=2, dropout=0.5, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.rnn(x)[0].pow(2).mean()
+
+    x = torch.randn(8, 5, 4, generator=torch.Generator().manual_seed(3))
+    net = Net()
+    want = Net().eval()(x)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        with pytest.raises(PlanError, match=r"torch.gru at .*dropout=0.5 .*nn.Dropout"):
+            sw.AutoParallel(net)(world.rows(x))
+        net.eval()
+        assert_matches_single_device(sw.AutoParallel(net)(world.rows(x)), want.detach())

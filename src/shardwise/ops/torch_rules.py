@@ -11,8 +11,9 @@ the input projections, so followed op by op it could only run whole on every ran
 shapes, args, ndim)``: the placements each tensor input has (one per mesh dim, DTensor's
 ``Shard`` / ``Replicate``), their global shapes, the call's captured arguments (tensors as
 `planner._graph.TensorSlot`) and the mesh's dims; it returns ``(need, outs)``, the placements
-the inputs must have and those of the outputs, or None to follow the aten program as usual.
-Adding an op is one entry.
+the inputs must have and those of the outputs, or None to follow the aten program as usual; a
+ValueError says the op cannot run as placed (the planner raises it as a `PlanError` naming the
+op). Adding an op is one entry.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
     Per mesh dim: an input split on its batch dim (0 with ``batch_first``, else 1) keeps the
     split; the hidden states (``[layers, batch, hidden]``) are split on dim 1 alike, the
     weights whole; the output is split as the input, the final states as the hidden states
-    (`outputs`: the op's tensor outputs). An unbatched input, one split on any other dim, or a
-    dropout between layers while training (random masks drawn inside the op) returns None.
+    (`outputs`: the op's tensor outputs). An unbatched input or one split on any other dim
+    returns None. A dropout between layers while training on a split batch raises ValueError:
+    the op draws its masks inside, each rank its own, unlike one device's.
     """
 
     def rule(
@@ -49,12 +51,16 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
         if len(shapes[0]) != 3 or len(args) < 9:
             return None
         layers, dropout, train, batch_first = args[4], args[5], args[6], args[8]
-        if train and dropout and layers > 1:
-            return None
         batch = 0 if batch_first else 1
         keep = [type(p) is Shard and p.dim == batch for p in have[0]]
         if not any(keep):
             return None
+        if train and dropout and layers > 1:
+            raise ValueError(
+                f"its dropout={dropout} between layers draws masks inside the op, each rank its "
+                f"own for its rows, unlike one device's; set dropout=0 and put nn.Dropout "
+                f"between single-layer recurrent modules (or call model.eval())"
+            )
         x: Placements = tuple(Shard(batch) if k else Replicate() for k in keep)
         h: Placements = tuple(Shard(1) if k else Replicate() for k in keep)
         whole: Placements = tuple(Replicate() for _ in range(ndim))

@@ -339,6 +339,7 @@ class GraphRun(StepHooks):
         plan = self.parallel_plan
         assert plan is not None
         inside = bool(plan.roots)  # (the backward runs in the call, else after it)
+        caller = (args, kwargs)  # (their autograd nodes are the caller's: `mark_outputs`)
         if not inside:  # (a network, a function without backward: `_input_grads`)
             args, kwargs = entry_gradients(plan, args, kwargs, self.dataset)
         given = (args, kwargs)  # (as the caller holds them: `input_gradients`)
@@ -389,5 +390,5 @@ class GraphRun(StepHooks):
             out = rank_outputs(plan, out, self.dataset)
         else:
             out = executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
-        mark_outputs(out)  # (an input computed from them: `_input_grads`)
+        mark_outputs(out, caller)  # (an input computed from them: `_input_grads`)
         return out

@@ -12,12 +12,13 @@ every axis), under ``full_batch`` all of it.
 - `input_gradients` (a train step): a hook on each such input for the call, acting only while
   the step's own backward runs; an input computed from what another wrapped call returned
   (`from_calls`) is not divided itself (its gradient goes on into that call's backward, whose
-  buckets divide by N): the tensors of the caller's that were mixed into it on the way are.
+  buckets divide by N): the gradient on its way to the caller's tensors mixed into it after
+  that call is, on those edges of the graph (`_on_edge`).
 - `entry_gradients` (a wrapped network, whose backward runs after the call): each such input
   enters the network through an autograd node that divides whatever gradient reaches it
   through the call, whenever that backward runs.
-- `mark_outputs`: each call marks the autograd nodes of what it returns (`from_calls` walks an
-  input's graph back to them).
+- `mark_outputs`: each call marks the autograd nodes of what it returns, not those of its own
+  arguments returned as they are (`from_calls` walks an input's graph back to them).
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ MARK = "shardwise.call_output"  # (an autograd node's metadata key: `mark_output
 WALK_LIMIT = 100_000  # (autograd nodes `from_calls` visits before it gives up: not from a call)
 
 
-def mark_outputs(out: Any) -> None:
-    """Mark the autograd nodes of the tensors a wrapped call returns (`from_calls`)."""
+def mark_outputs(out: Any, call: Any) -> None:
+    """Mark the autograd nodes of the tensors a wrapped call returns (`from_calls`), except
+    those of the call's arguments `call` (an input returned as it is: the caller's node)."""
+    theirs = {id(t.grad_fn) for t in pytree.tree_leaves(call) if isinstance(t, T)}
     for leaf in pytree.tree_leaves(out):
         values = (
             [getattr(leaf, f.name) for f in dataclasses.fields(leaf)]
@@ -52,30 +55,47 @@ def mark_outputs(out: Any) -> None:
             else [leaf]
         )
         for value in values:
-            if isinstance(value, T) and value.grad_fn is not None:
-                node_metadata(value.grad_fn)[MARK] = True
+            node = value.grad_fn if isinstance(value, T) else None
+            if node is not None and id(node) not in theirs:
+                node_metadata(node)[MARK] = True
 
 
-def from_calls(t: T) -> tuple[bool, list[T]]:
-    """Whether `t` was computed from a tensor a wrapped call returned (`mark_outputs`), and the
-    leaves requiring grad it was computed from without passing one (a walk of its autograd graph
-    that stops at marked nodes; a leaf input: (False, [])."""
-    todo: list[Any] = [t.grad_fn]
-    seen: set[int] = set()
-    marked, leaves = False, []
-    while todo and len(seen) < WALK_LIMIT:
-        node = todo.pop()
-        if node is None or id(node) in seen:
+def from_calls(t: T) -> tuple[bool, list[tuple[Any, int]]]:
+    """Whether `t` was computed from a tensor a wrapped call returned (`mark_outputs`), and then
+    the edges of its autograd graph where the gradient leaves for the caller's own values: each
+    ``(node, i)`` whose node leads to a marked node and whose i-th next node does not (in
+    ``encoder(x) + extra``, the add's edge to ``extra``). A walk that stops at marked nodes and
+    gives up past `WALK_LIMIT` nodes (then: not from a call)."""
+    reaches: dict[int, bool] = {}  # node id -> it leads to a marked node
+    order: list[Any] = []  # (nodes after every node they lead to: post-order)
+    stack: list[tuple[Any, bool]] = [(t.grad_fn, False)]
+    while stack and len(reaches) < WALK_LIMIT:
+        node, expanded = stack.pop()
+        if node is None or (id(node) in reaches and not expanded):
             continue
-        seen.add(id(node))
-        if node_metadata(node).get(MARK):
-            marked = True
+        if expanded:
+            order.append(node)
             continue
-        variable = getattr(node, "variable", None)  # (an accumulate-grad node: a leaf)
-        if isinstance(variable, T):
-            leaves.append(variable)
-        todo += [n for n, _ in node.next_functions]
-    return marked, leaves
+        marked = bool(node_metadata(node).get(MARK))
+        reaches[id(node)] = marked
+        stack.append((node, True))
+        if not marked:
+            stack += [(n, False) for n, _ in node.next_functions if n is not None]
+    if stack:
+        return False, []
+    for node in order:  # (each after what it leads to)
+        if not reaches[id(node)]:
+            reaches[id(node)] = any(reaches.get(id(n), False) for n, _ in node.next_functions)
+    if t.grad_fn is None or not reaches[id(t.grad_fn)]:
+        return False, []
+    edges = [
+        (node, i)
+        for node in order
+        if reaches[id(node)] and not node_metadata(node).get(MARK)
+        for i, (n, _) in enumerate(node.next_functions)
+        if n is not None and not reaches[id(n)]
+    ]
+    return True, edges
 
 
 def _shares(plan: ParallelPlan, path: Any, dataset: object) -> tuple[str | None, bool]:
@@ -110,21 +130,39 @@ def input_gradients(
     Example:
         >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
     """
-    handles, seen = [], set()
+    handles: list[RemovableHandle] = []
+    seen: set[Any] = set()
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if not isinstance(leaf, T) or not leaf.requires_grad or id(leaf) in seen:
             continue
         seen.add(id(leaf))
-        marked, upstream = from_calls(leaf)
+        marked, edges = from_calls(leaf)
         group, summed = _shares(plan, path, dataset)
 
         def share_summed(g: T, group: str | None = group, summed: bool = summed) -> T:
             return _divided(g, group, summed) if active() else g  # (other code's: its own)
 
-        targets = [leaf] if not marked else [t for t in upstream if id(t) not in seen]
-        seen |= {id(t) for t in targets}
-        handles += [t.register_hook(share_summed) for t in targets]
+        if not marked:
+            handles.append(leaf.register_hook(share_summed))
+            continue
+        for node, i in edges:  # (only the gradient on its way to the caller's own values)
+            if (id(node), i) not in seen:
+                seen.add((id(node), i))
+                handles.append(node.register_hook(_on_edge(i, share_summed)))
     return handles
+
+
+def _on_edge(i: int, divide: Callable[[T], T]) -> Callable[..., Any]:
+    """An autograd node's post hook that divides the gradient it passes to its `i`-th next
+    node."""
+
+    def hook(grad_inputs: tuple[T | None, ...], grad_outputs: Any) -> tuple[T | None, ...]:
+        g = grad_inputs[i]
+        if g is None:
+            return grad_inputs
+        return (*grad_inputs[:i], divide(g), *grad_inputs[i + 1 :])
+
+    return hook
 
 
 class _Division(torch.autograd.Function):

@@ -111,7 +111,10 @@ class _Follow:
         whole_op = NODE_RULES.get(node.op)  # (an op parallel as a whole: `ops.torch_rules`)
         if whole_op is not None and not strict:
             shapes = [self.graph.info(r).shape for r in node.inputs]
-            decided = whole_op(have, shapes, node.args, self.ndim)
+            try:
+                decided = whole_op(have, shapes, node.args, self.ndim)
+            except ValueError as e:
+                raise PlanError(f"{node.op} at {node.source} ({node.module}): {e}") from None
             if decided is not None:
                 return decided[0], decided[1], "shardwise"
         need = list(have)
