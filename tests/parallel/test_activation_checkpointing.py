@@ -155,24 +155,35 @@ def test_megatron_with_dropout_in_checkpointed_blocks_matches_one_device(how: st
     [("level2", "non-reentrant"), ("level3", "non-reentrant"), ("level2", "reentrant")],
 )
 def test_with_optimizer_parallel(level: str, how: str) -> None:
-    """Level 2 replays (the weights are gathered once per step); level 3, which gathers them
-    again in backward, and reentrant regions (a backward inside backward) are refused naming
-    what works."""
+    """Level 2 replays (the weights are gathered once per step). Level 3 frees the gathered
+    weights after the forward: the recomputation gathers a bucket again in backward, once,
+    shared with the re-gather of the weights autograd saved outside the regions (it was
+    refused). Reentrant regions (a backward inside backward) are refused naming what works."""
     want, _ = one_device()
     (x, y), net = batch(), Net(how)
     with simulated_world(2) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(trainer(net, [])).hsdp(threshold=0, optimizer_level=level)
         torch.manual_seed(SEED)
-        refused = {"level3": r"level 3 .*'level1' or 'level2'", "reentrant": r"use_reentrant=False"}
-        match = refused.get(level) or refused.get(how)
-        if match:
-            with pytest.raises(UnsupportedParallelError, match=match):
+        if how == "reentrant":
+            with pytest.raises(UnsupportedParallelError, match=r"use_reentrant=False"):
                 parallel(world.rows(x), world.rows(y))
             return
-        for s in range(STEPS):
-            loss = parallel(world.rows(x), world.rows(y))
-            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+        with CommRecorder() as rec:
+            for s in range(STEPS):
+                loss = parallel(world.rows(x), world.rows(y))
+                assert_matches_single_device(loss, want[s], what=f"loss {s}")
+        plan = parallel.optimizer_plan
+        assert plan is not None
+        buckets, ranks = len(plan.buckets), (0, 1)
+        kinds = {
+            ("AllReduce", "forward", ranks): STEPS,  # (the loss)
+            ("AllGather", "forward", ranks): buckets * STEPS,
+            ("ReduceScatter", "backward", ranks): buckets * STEPS,
+        }
+        if level == "level3":  # (each bucket once in backward: recomputation and saved weights)
+            kinds[("AllGather", "backward", ranks)] = buckets * STEPS
+        assert rec.kinds() == Counter(kinds), rec.summary()
 
 
 def test_nested_regions_are_refused_at_capture() -> None:
@@ -204,9 +215,17 @@ def test_turned_on_after_planning() -> None:
             assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_hugging_face_gradient_checkpointing_matches_one_device(reentrant: bool) -> None:
-    """HF GPT-2 with dropout and ``gradient_checkpointing_enable`` (reentrant: its default)."""
+@pytest.mark.parametrize(
+    ("reentrant", "level"),
+    [(False, None), (True, None), (False, "level3")],
+    ids=["non-reentrant", "reentrant", "non-reentrant-hsdp-level3"],
+)
+def test_hugging_face_gradient_checkpointing_matches_one_device(
+    reentrant: bool, level: str | None
+) -> None:
+    """HF GPT-2 with dropout and ``gradient_checkpointing_enable`` (reentrant: its default),
+    and with optimizer parallel level 3 (every weight a shard, gathered again in backward for
+    the recomputation: the losses after each update equal one device's)."""
     from ..zoo import gpt2_hf, token_batches
 
     def make() -> nn.Module:
@@ -228,11 +247,14 @@ def test_hugging_face_gradient_checkpointing_matches_one_device(reentrant: bool)
     with simulated_world(2) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(trainer_of(net, loss_of, seen))
+        if level is not None:
+            parallel.hsdp(threshold=0, optimizer_level=level)
         torch.manual_seed(SEED)
         for s, (x, y) in enumerate(batches):
             loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s], what=f"loss {s}")
-            assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
+            if level is None:  # (with hsdp the gradients are shards)
+                assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
 
 
 def trainer_of(net: nn.Module, loss_of: Any, seen: list[dict[str, torch.Tensor]]) -> Any:

@@ -30,7 +30,7 @@ The gradient side (`_on_grad`, `_queue_end`, `_drop_unfinished_backward`) is `Gr
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,7 +62,9 @@ class WeightGathering(GradReduction):
             self._drop_unfinished_backward()  # a forward after a backward that raised
         if not self._live(name):
             i = self.bucket_of.get(name)
-            if i is not None and self.plan.buckets[i].kind == "shard":
+            if i is not None and self._recomputing(i):
+                pass  # (a checkpointed region replayed in backward: its weights again, once)
+            elif i is not None and self.plan.buckets[i].kind == "shard":
                 # levels 1-2 keep every gathered bucket until backward: start them all now (their
                 # transfers overlap); level 3 frees them: only this bucket and the next one
                 self._prefetch(i, 2 if self.level == "level3" else len(self.plan.buckets))
@@ -70,6 +72,24 @@ class WeightGathering(GradReduction):
             else:
                 self._leaf(name, p.detach())
         return self.leaves[name]
+
+    def _recomputing(self, i: int) -> bool:
+        """Level 3, in backward (an activation-checkpointed region's recomputation asks for
+        weights `end_forward` freed): bucket `i`'s leaves filled again, from the bucket's
+        backward re-gather when `_unpack` made one, else from a gather of their own, which a
+        later `_unpack` of the bucket then reads (`_refilled`); True when done."""
+        if self.level != "level3" or current_graph_task_id() == -1:
+            return False
+        names = self.plan.buckets[i].names
+        if i not in self._regathered:
+            self._queue_end()  # (`_end_backward` frees them again)
+            with recorder.phase("backward"):
+                self._regathered[i] = self._gathered(i, self._regathering.pop(i, None))
+        for n, full in self._regathered[i].items():
+            if n in self.leaves and self._freed(n):
+                self._refill(n, full)
+        self._refilled.update(n for n in names if n in self.leaves)
+        return True
 
     def _live(self, name: str) -> bool:
         """Whether parameter `name` has a compute leaf holding this step's weights."""
@@ -208,13 +228,14 @@ class WeightGathering(GradReduction):
             with recorder.phase("backward"):
                 self._regathering[i] = self._start_gather(i)
 
-    def end_forward(self) -> None:
-        """Level 3: free the gathered weights now that the forward is done."""
+    def end_forward(self, names: Iterable[str] | None = None) -> None:
+        """Level 3: free the gathered weights now that the forward is done (`names`: only
+        those, refilled for a recomputation: `_recomputing`)."""
         if self.level != "level3":
             return
-        for name, leaf in self.leaves.items():
+        for name in self.leaves if names is None else names:
             if self.shards[name].sharded:
-                for part in comm.rank_parts(leaf):
+                for part in comm.rank_parts(self.leaves[name]):
                     part.untyped_storage().resize_(0)
         # the allocator may hand those addresses to the next forward's activations
         self._gathered_ptrs.clear()

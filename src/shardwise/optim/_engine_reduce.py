@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -61,8 +62,13 @@ class GradReduction:
     _regathered: dict[int, dict[str, torch.Tensor]]
     _regathering: dict[int, Pending[list[torch.Tensor]]]
     _packed: set[int]
+    _refilled: set[str]
     _used: dict[str, bool]
     _inflight: list[tuple[int, str, Pending[list[torch.Tensor]]]]
+
+    if TYPE_CHECKING:
+
+        def end_forward(self, names: Iterable[str] | None = None) -> None: ...
 
     def _label(self, i: int) -> str:
         bucket = self.plan.buckets[i]
@@ -87,11 +93,18 @@ class GradReduction:
         self._end_queued = -1
         self._regathering.clear()
         self._regathered.clear()
+        self._free_refilled()
         self._inflight.clear()
         self.ready.clear()
         if self.level != "level1":
             for leaf in self.leaves.values():
                 leaf.grad = None
+
+    def _free_refilled(self) -> None:
+        """Level 3: free the leaves a recomputation filled again (`_recomputing`)."""
+        if self._refilled:
+            self.end_forward(self._refilled)
+            self._refilled.clear()
 
     def _on_grad(self, name: str) -> None:
         self._queue_end()
@@ -113,6 +126,7 @@ class GradReduction:
         self._regathering.clear()
         self._regathered.clear()
         self._packed.clear()
+        self._free_refilled()
         for i in sorted(self.ready):
             if self.ready[i]:
                 self._reduce(i)

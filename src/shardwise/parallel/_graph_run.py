@@ -61,7 +61,7 @@ from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_p
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
-from shardwise.parallel._recompute import LEVEL3, REENTRANT_HSDP
+from shardwise.parallel._recompute import REENTRANT_HSDP
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
@@ -307,8 +307,6 @@ class GraphRun(StepHooks):
         executor.inputs = {id(t): weakref.ref(t) for t in leaves}
         # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
         executor.defer_count = self.grads is not None and not any(t.requires_grad for t in leaves)
-        if self.hsdp is not None and self.hsdp.optimizer_level == "level3":
-            executor.no_recompute = LEVEL3
         if self.hsdp is not None:
             executor.reentrant_refused = REENTRANT_HSDP
         return executor

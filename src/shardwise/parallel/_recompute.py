@@ -13,9 +13,9 @@ the plan's moves, collectives, sizes and dropout masks. `Recompute` (a base of
   generators' state (`communication.draw_state`) and has the region's recomputation run
   through `_replay` (`around_recomputation` / `around_rerun`). A reentrant region's backward
   runs a backward of its own, whose gradients get no loss count factor: the call's deferred
-  count is switched off. Nested regions, and what the caller forbids (`no_recompute`:
-  optimizer parallel level 3; `reentrant_refused`: reentrant regions with optimizer
-  parallel), raise `UnsupportedParallelError`;
+  count is switched off. Nested regions, and what the caller forbids (`reentrant_refused`:
+  reentrant regions with optimizer parallel), raise `UnsupportedParallelError` (optimizer
+  parallel level 3 fills the freed weights again when the replay asks for them);
 - `Recompute._replay`: a fresh executor of the same plan positioned at that node carries out the
   recomputation's ops (the same moves and collectives, recorded in the backward phase with a
   ``recompute from ...`` label), its dropouts drawing from the noted state (the same global
@@ -40,12 +40,6 @@ from shardwise._torch.checkpointing import (
 from shardwise.communication import recorder
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.planner import ParallelPlan
-
-LEVEL3 = (
-    "optimizer parallel level 3 gathers the weights again in backward, which a recomputed "
-    "region does not replay yet; use optimizer_level='level1' or 'level2' with checkpointing"
-)
-"""`Recompute.no_recompute` under optimizer parallel level 3."""
 
 REENTRANT_HSDP = (
     "reentrant checkpointing (use_reentrant=True) runs a backward of its own inside backward, "

@@ -16,6 +16,7 @@ from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase
 T = torch.Tensor
 _METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.numel}
 _METADATA |= {T.stride, T.element_size, T.nelement, T.data_ptr, T.__len__, T.get_device}
+_METADATA |= {T.untyped_storage, T.storage_offset}  # (where the data lives: no value read)
 _VALUE_READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.numpy}
 _VALUE_READS |= {T.__format__, T.__repr__, T.__str__}
 
