@@ -16,7 +16,8 @@ so tests run fast on 2 CPU cores. Each model's ``forward(x, targets=None)`` retu
   ``T5ForConditionalGeneration`` (encoder-decoder).
 - `token_batches`, `image_batches`: deterministic global batches for them.
 - `recording_step` (a train step that keeps every gradient) and `semi_auto_matches` (that step
-  in semi_auto, each step's loss and gradients checked against one device's).
+  in semi_auto, each step's loss and gradients checked against one device's);
+  `assert_shards_match` (parameters under optimizer parallel against one device's).
 
 Every constructor seeds torch's global RNG with its ``seed`` argument before drawing initial
 values, so two calls with the same arguments build identical networks (the single-device
@@ -366,6 +367,24 @@ def semi_auto_matches(
             assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
             assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
     return parallel, rec
+
+
+def assert_shards_match(parallel: Any, net: nn.Module, want: dict[str, torch.Tensor]) -> None:
+    """Under optimizer parallel (`parallel`'s ``hsdp``), each parameter of `net` equals one
+    device's (`want`, by name): whole where it is not sharded, else this rank's rows of it."""
+    from shardwise.testing import assert_matches_single_device
+
+    plan = parallel.optimizer_plan
+    assert plan is not None
+    for name, p in net.named_parameters():
+        full, shard = want[name], plan.param(name)
+        if not shard.sharded:
+            assert_matches_single_device(p.detach(), full, what=name)
+            continue
+        n = shard.shard_shape[0]
+        assert_matches_single_device(
+            p.detach(), lambda r, f=full, n=n: f[r * n : (r + 1) * n], what=name
+        )
 
 
 # ---------------------------------------------------------------------------------------------

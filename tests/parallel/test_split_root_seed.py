@@ -24,6 +24,8 @@ from shardwise.parallel import AutoParallel, UnsupportedParallelError
 from shardwise.planner import StrategyFileError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..zoo import assert_shards_match
+
 BATCH, D_IN, HIDDEN, OUT = 12, 6, 8, 4
 
 
@@ -163,17 +165,7 @@ def test_hsdp_split_root_updates_like_one_device(level: str) -> None:
 
         parallel = AutoParallel(step).hsdp(threshold=0, optimizer_level=level)
         parallel(world.rows(x))
-        plan = parallel.optimizer_plan
-        assert plan is not None
-        for name, p in net.named_parameters():
-            full, shard = dict(ref.named_parameters())[name].detach(), plan.param(name)
-            if not shard.sharded:
-                assert_matches_single_device(p.detach(), full, what=name)
-                continue
-            n = shard.shard_shape[0]
-            assert_matches_single_device(
-                p.detach(), lambda r, f=full, n=n: f[r * n : (r + 1) * n], what=name
-            )
+        assert_shards_match(parallel, net, {n: p.detach() for n, p in ref.named_parameters()})
 
 
 def test_input_gradient_from_a_split_root() -> None:
