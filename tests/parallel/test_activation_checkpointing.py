@@ -10,6 +10,7 @@ its backward runs a backward of its own, whose parameter gradients are all-reduc
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -261,3 +262,67 @@ def trainer_of(net: nn.Module, loss_of: Any, seen: list[dict[str, torch.Tensor]]
     from ..zoo import recording_step
 
     return recording_step(net, torch.optim.AdamW(net.parameters(), lr=1e-3), loss_of, seen)
+
+
+class _Boom(torch.autograd.Function):
+    """Identity; its backward raises while `armed`."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if _Boom.armed:
+            raise RuntimeError("boom")
+        return g
+
+
+def test_level3_after_a_backward_that_raised_and_a_step() -> None:
+    """Level 3 with checkpointed blocks: a backward raises after a region was recomputed, the
+    step catches it and still steps the optimizer; the next step runs and its loss equals a
+    fresh run's from the same parameters (it raised ``KeyError`` for a weight the step had
+    dropped)."""
+
+    class Boomed(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = checkpoint(self.blocks[0], self.inp(x), use_reentrant=False)
+            x = checkpoint(self.blocks[1], _Boom.apply(x), use_reentrant=False)
+            out: torch.Tensor = self.head(x)
+            return out
+
+    (x, y), net = batch(), Boomed()
+    net.eval()  # (no dropout: the losses compare across runs)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(a), b)
+            with contextlib.suppress(RuntimeError):  # (a skip-bad-batch loop: still steps)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step).hsdp(threshold=0, optimizer_level="level3")
+        losses = []
+        for armed in (False, True, False):
+            _Boom.armed = armed
+            losses.append(parallel(world.rows(x), world.rows(y)))
+        _Boom.armed = False
+    ref = Boomed()
+    ref.eval()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for armed in (False, True, False):
+        loss = F.cross_entropy(ref(x), y)
+        if not armed:
+            loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.detach())
+    for s in (0, 2):
+        assert_matches_single_device(losses[s], want[s], what=f"loss {s}")

@@ -330,3 +330,34 @@ def test_an_input_the_step_returns_as_it_is_stays_the_callers() -> None:
             xs.grad = None
             parallel(e, world.rows(y))
             assert_matches_single_device(xs.grad, world.rows(xr.grad), what=f"call {call}")
+
+
+def test_a_tensor_mixed_in_and_passed_itself() -> None:
+    """``step(encoder(x) + e, e)``: `e` is a step input (divided by its own hook) and is mixed
+    into the encoder's result; the edge into `e` is not divided a second time (e.grad was 0.75
+    of one device's on 2 ranks)."""
+    x, y = batch()
+    y = y.clamp(min=0)
+    extra = torch.linspace(-1, 1, 64).reshape(8, 8)
+
+    def nets() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        return nn.Linear(6, 8), nn.Linear(8, 5)
+
+    enc, head = nets()
+    er = extra.clone().requires_grad_()
+    (F.cross_entropy(head(torch.tanh(enc(x)) + er), y) + F.cross_entropy(head(er), y)).backward()
+    enc, head = nets()
+
+    def step(h: torch.Tensor, e: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(head(h), b) + F.cross_entropy(head(e), b)
+        loss.backward()
+        return loss
+
+    with simulated_world(2) as world:
+        world.replicate(enc)
+        world.replicate(head)
+        encoder = sw.AutoParallel(lambda rows: torch.tanh(enc(rows)))
+        es = world.rows(extra).requires_grad_()
+        sw.AutoParallel(step)(encoder(world.rows(x)) + es, es, world.rows(y))
+        assert_matches_single_device(es.grad, world.rows(er.grad), what="e.grad")

@@ -64,7 +64,7 @@ class OptimizerParallel(WeightGathering):
         self._regathered: dict[int, dict[str, torch.Tensor]] = {}
         self._used: dict[str, bool] = {}
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
-        self._gathered_ptrs: dict[tuple[int, ...], str] = {}
+        self._gathered_ptrs: dict[tuple[int, ...], list[str]] = {}  # (a bucket's share one)
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
         self._refilled: set[str] = set()  # leaves filled again for a recomputation (level 3)
         self._inflight: list[
@@ -166,6 +166,7 @@ class OptimizerParallel(WeightGathering):
         if self._mine(optimizer):  # the shards changed: gather again at the next forward
             if self.level == "level3":
                 self.leaves.clear()
+                self._refilled.clear()  # (a backward that raised left them: gone with them)
             else:  # sharded members: refilled in place; the others (views of the parameter): new
                 self._stale = {n for n in self.leaves if self.shards[n].sharded}
                 self.leaves = {n: leaf for n, leaf in self.leaves.items() if n in self._stale}

@@ -52,7 +52,7 @@ class WeightGathering(GradReduction):
 
     by_id: dict[int, str]
     _gathered_ids: dict[int, str]
-    _gathered_ptrs: dict[tuple[int, ...], str]
+    _gathered_ptrs: dict[tuple[int, ...], list[str]]
     _prefetched: dict[int, Pending[list[torch.Tensor]]]
 
     def compute(self, p: torch.Tensor) -> torch.Tensor:
@@ -88,6 +88,11 @@ class WeightGathering(GradReduction):
         for n, full in self._regathered[i].items():
             if n in self.leaves and self._freed(n):
                 self._refill(n, full)
+        # (`_unpack` reads the leaves from now on: the gathered copies are not kept twice)
+        self._regathered[i] = {
+            n: self.leaves[n].detach() if n in self.leaves else full
+            for n, full in self._regathered[i].items()
+        }
         self._refilled.update(n for n in names if n in self.leaves)
         return True
 
@@ -102,7 +107,7 @@ class WeightGathering(GradReduction):
             root = view_base(leaf)
             if root is not None:  # views of the leaf have the root as their base
                 self._gathered_ids[id(root)] = name
-            self._gathered_ptrs[_storage_key(leaf)] = name
+            self._gathered_ptrs.setdefault(_storage_key(leaf), []).append(name)
         if leaf.requires_grad:  # (a weak reference: leaves outlive steps, hooks are not traced)
             leaf.register_post_accumulate_grad_hook(grad_hook(weakref.ref(self), name))
         self.leaves[name] = leaf
@@ -162,7 +167,8 @@ class WeightGathering(GradReduction):
             storage.resize_(max(storage.size(), int(last + 1) * part.element_size()))
         with torch.no_grad():
             leaf.copy_(full)
-        self._gathered_ptrs[_storage_key(leaf)] = name  # (`end_forward` forgot the old one)
+        # (`end_forward` forgot the old one)
+        self._gathered_ptrs.setdefault(_storage_key(leaf), []).append(name)
 
     def _prefetch(self, i: int, depth: int) -> None:
         """Start gathering shard bucket `i` and the shard buckets after it, `depth` in all, that
@@ -196,7 +202,7 @@ class WeightGathering(GradReduction):
             base = t
         name = self._gathered_ids.get(id(base))
         if name is None:
-            name = self._gathered_ptrs.get(_storage_key(t))
+            name = self._member_at(t)
         if name is None:
             return t
         leaf = self.leaves[name]
@@ -204,6 +210,16 @@ class WeightGathering(GradReduction):
         view = None if t is leaf else (tuple(t.size()), tuple(t.stride()), offset)
         self._packed.add(self.bucket_of[name])
         return ("hsdp", name, view)
+
+    def _member_at(self, t: torch.Tensor) -> str | None:
+        """The gathered leaf whose storage `t` lies in (the members of a bucket share one
+        buffer: the one whose elements hold `t`'s first)."""
+        for name in self._gathered_ptrs.get(_storage_key(t), []):
+            leaf = self.leaves[name]
+            start = leaf.storage_offset()
+            if start <= t.storage_offset() < start + leaf.numel():
+                return name
+        return None
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not (isinstance(saved, tuple) and len(saved) == 3 and saved[0] == "hsdp"):
@@ -221,7 +237,10 @@ class WeightGathering(GradReduction):
             pending = self._regathering.pop(i)
             self._regathered[i] = {n: t.contiguous() for n, t in self._gathered(i, pending).items()}
         full = self._regathered[i][name]
-        return full if view is None else full.as_strided(*view)
+        if view is None:
+            return full
+        size, stride, offset = view  # (the offset from the leaf's start: from `full`'s)
+        return full.as_strided(size, stride, full.storage_offset() + offset)
 
     def _start_regather(self, i: int) -> None:
         if i not in self._regathering:
@@ -233,7 +252,7 @@ class WeightGathering(GradReduction):
         those, refilled for a recomputation: `_recomputing`)."""
         if self.level != "level3":
             return
-        for name in self.leaves if names is None else names:
+        for name in self.leaves if names is None else [n for n in names if n in self.leaves]:
             if self.shards[name].sharded:
                 for part in comm.rank_parts(self.leaves[name]):
                     part.untyped_storage().resize_(0)

@@ -131,25 +131,48 @@ def input_gradients(
         >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
     """
     handles: list[RemovableHandle] = []
-    seen: set[Any] = set()
+    found: list[tuple[T, Callable[[T], T], bool, list[tuple[Any, int]]]] = []
+    seen: set[int] = set()
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if not isinstance(leaf, T) or not leaf.requires_grad or id(leaf) in seen:
             continue
         seen.add(id(leaf))
-        marked, edges = from_calls(leaf)
-        group, summed = _shares(plan, path, dataset)
-
-        def share_summed(g: T, group: str | None = group, summed: bool = summed) -> T:
-            return _divided(g, group, summed) if active() else g  # (other code's: its own)
-
+        found.append((leaf, _hook(*_shares(plan, path, dataset), active), *from_calls(leaf)))
+    # an input not from a call gets a hook on itself, which divides all of its gradient: an
+    # edge of another input's graph into it is not divided again
+    hooked = {_node_of(t) for t, _, marked, _ in found if not marked}
+    edges_done: set[tuple[int, int]] = set()
+    for leaf, divide, marked, edges in found:
         if not marked:
-            handles.append(leaf.register_hook(share_summed))
+            handles.append(leaf.register_hook(divide))
             continue
         for node, i in edges:  # (only the gradient on its way to the caller's own values)
-            if (id(node), i) not in seen:
-                seen.add((id(node), i))
-                handles.append(node.register_hook(_on_edge(i, share_summed)))
+            target = node.next_functions[i][0]
+            if (id(node), i) not in edges_done and _node_key(target) not in hooked:
+                edges_done.add((id(node), i))
+                handles.append(node.register_hook(_on_edge(i, divide)))
     return handles
+
+
+def _hook(group: str | None, summed: bool, active: Callable[[], bool]) -> Callable[[T], T]:
+    """A gradient hook making a share one device's (`_divided`) while `active()`."""
+
+    def share_summed(g: T) -> T:
+        return _divided(g, group, summed) if active() else g  # (other code's: its own)
+
+    return share_summed
+
+
+def _node_of(t: T) -> int:
+    """The autograd node that receives `t`'s gradient (a leaf's accumulate-grad node stands
+    for the leaf)."""
+    return id(t) if t.grad_fn is None else id(t.grad_fn)
+
+
+def _node_key(node: Any) -> int:
+    """`_node_of` for a graph node: the leaf it accumulates into, or itself."""
+    variable = getattr(node, "variable", None)
+    return id(variable) if isinstance(variable, T) else id(node)
 
 
 def _on_edge(i: int, divide: Callable[[T], T]) -> Callable[..., Any]:
