@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import checkpoint_calls, checkpointing
 from shardwise.communication.primitives import replicated_seed
-from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.parallel._executor_primitives import PrimitiveHooks, Replan
+from shardwise.parallel._errors import Replan, UnsupportedParallelError
+from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
 from shardwise.parallel._local import (
     attention_p,
@@ -393,15 +393,3 @@ class PlanExecutor(
             if self.on_start is not None:
                 self._paused_call(self.on_start)
         self.cursor += 1
-
-    def check_done(self, where: str) -> None:
-        """Raise when `where` comes before the plan's last op ran."""
-        if not self.done and self.cursor:
-            node = self.plan.nodes[self.cursor]
-            if not self.backward_seen:
-                raise Replan(f"{where} before %{node.index} {node.name}", self.cursor, None)
-            raise UnsupportedParallelError(
-                f"AutoParallel: {where} came after {self.cursor} of the plan's "
-                f"{len(self.plan.nodes)} ops (next: %{node.index} {node.name}); the step must "
-                f"run the captured ops every time"
-            )

@@ -1,12 +1,12 @@
 """The plan executor's half for shardwise primitives (`PrimitiveHooks`, mixed into
-`_executor.PlanExecutor`) and `Replan`.
+`_executor.PlanExecutor`).
 
 `GraphRun` registers a forward pre-hook and a forward hook on every primitive module:
 `PrimitiveHooks.enter_primitive` moves the node's inputs as the plan's edges say and prepares
 its local compute (`_local.prepare`); `PrimitiveHooks.leave_primitive` applies the output
 fix-up, the op's own collectives (`NodePlan.comms`, `_edges.run_collective`) and the edges of
-returned values. `Replan` is what the executor raises when the network runs ops the plan does
-not have (before its first backward): `GraphRun` plans that call again.
+returned values. Where the network runs ops the plan does not have (before its first
+backward) they raise `_errors.Replan`: `GraphRun` plans that call again.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from shardwise.ops import Primitive
 from shardwise.parallel._edges import average_outputs, run_collective
+from shardwise.parallel._errors import Replan
 from shardwise.parallel._local import prepare
 from shardwise.planner import EdgePlan, ParallelPlan
 
@@ -25,21 +26,6 @@ if TYPE_CHECKING:
 
 T = torch.Tensor
 _PASSED = object()  # a primitive call that is not a node (nested, or in an optimizer step)
-
-
-class Replan(BaseException):
-    """The network ran other ops than the plan's before any backward of this call (a branch
-    on a Python flag): `GraphRun` plans it again and runs the call anew. A BaseException, so
-    that user code's ``except Exception`` lets it pass.
-
-    Attributes:
-        cursor: how many of the plan's ops ran.
-        op: the op the network called instead of the plan's next one (None: it stopped there).
-    """
-
-    def __init__(self, message: str, cursor: int, op: str | None) -> None:
-        super().__init__(message)
-        self.cursor, self.op = cursor, op
 
 
 class PrimitiveHooks:

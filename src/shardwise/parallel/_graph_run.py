@@ -53,9 +53,8 @@ from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._discover import agree_scalers
-from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
-from shardwise.parallel._executor_primitives import Replan
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
 from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs

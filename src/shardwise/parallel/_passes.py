@@ -18,6 +18,7 @@ marks the tensor it changes, parameters excepted (an optimizer's update). Refuse
 `UnsupportedParallelError`, never run unplanned: a network entered again whose first tensor op
 starts no pass (`Passes._refuse_pass`), and any op of a later pass that reads a tensor made
 outside (`Passes.check_inputs`: on one rank's rows, without the plan's collectives and masks).
+A backward before the pass reached the plan's last op is refused too (`Passes.check_done`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise._torch import pytree
-from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.planner import ParallelPlan
 
 T = torch.Tensor
@@ -84,9 +85,25 @@ class Passes:
         @property
         def params(self) -> dict[int, str]: ...
 
+        @property
+        def done(self) -> bool: ...
+
         def _ended(self) -> None: ...
 
         def check_placed(self, op: str, args: Any, out: Any) -> None: ...
+
+    def check_done(self, where: str) -> None:
+        """Raise when `where` (a backward) comes before the plan's last op ran: another plan
+        is made before any backward of the call (`Replan`), an error after one."""
+        if not self.done and self.cursor:
+            node = self.plan.nodes[self.cursor]
+            if not self.backward_seen:
+                raise Replan(f"{where} before %{node.index} {node.name}", self.cursor, None)
+            raise UnsupportedParallelError(
+                f"AutoParallel: {where} came after {self.cursor} of the plan's "
+                f"{len(self.plan.nodes)} ops (next: %{node.index} {node.name}); the step must "
+                f"run the captured ops every time"
+            )
 
     def _restarts(self, op: str, args: Any) -> bool:
         """After the plan ran and a backward: whether this call starts it again (gradient

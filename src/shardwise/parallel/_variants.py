@@ -1,4 +1,4 @@
-"""A call stopped midway to be run again (`parallel._executor_primitives.Replan`): what it
+"""A call stopped midway to be run again (`parallel._errors.Replan`): what it
 changed, and which known plan fits it.
 
 - `snapshot(modules)`: the modules' buffers (copies) and the RNG state before a call;
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardwise._torch.module_state import own_buffers
-from shardwise.parallel._executor_primitives import Replan
+from shardwise.parallel._errors import Replan
 from shardwise.planner import ParallelPlan
 
 Variant = tuple[ParallelPlan, list[tuple[Any, Any]]]

@@ -212,9 +212,8 @@ class ParallelPlan:
         outputs: each returned tensor's placement (after its edges).
         equal_grads: parameter -> the axes over which its gradient is the same on every rank
             (no reduction over them: `_backward`).
-        roots: the values the train step's backward starts from, with their placements (its
-            ``loss.backward()``; empty when capture did not see it): a root split over the
-            ranks has its seed scaled by `Placed.spread` (`seed_scales`).
+        roots: the values the train step's backward starts from, with their placements
+            (empty when capture saw none): `seed_scales`.
         explained: op name -> why an automatic planner chose its strategy
             (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
 
@@ -307,13 +306,9 @@ class ParallelPlan:
         return "\n".join(lines)
 
     def seed_scales(self) -> tuple[int, ...]:
-        """Per backward root, the factor its gradient (the seed) is multiplied by.
-
-        shardwise differentiates the sum of every rank's copy of the step, and gradient sums
-        over data-parallel ranks are divided by the group size (`_backward`). A root whole on
-        every rank (a loss made whole by an AllReduce) has one copy per rank, which that
-        division undoes; a root split over the ranks (``out.backward(torch.ones_like(out))``
-        on this rank's rows) has fewer, so its seed counts `Placed.spread` times.
+        """Per backward root, the factor its seed is multiplied by: its `Placed.spread` (a
+        split root has fewer copies than a whole loss's N, which the buckets' division by N
+        assumes: `parallel/_seeds.py`).
 
         Example:
             >>> plan.seed_scales()  # logits split over 2 data-parallel ranks
