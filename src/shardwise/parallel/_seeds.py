@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise._torch import pytree
 from shardwise.communication import every_rank
 from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._leaving import _tensors
 from shardwise.planner._call_kinds import seeds_of, with_seeds
 
 if TYPE_CHECKING:
@@ -59,8 +59,7 @@ class Seeds:
 
     def note_roots(self, k: int, out: Any) -> None:
         """Node `k`, a root node (`NodeTable.roots`), made `out`: note its root outputs."""
-        tensors = [out] if isinstance(out, T) else pytree.tree_leaves(out)
-        for i, t in enumerate(t for t in tensors if isinstance(t, T)):
+        for i, t in enumerate(_tensors(out)):  # (numbered as `Leaving.note_placed` does)
             scale = self.table.roots[k].get(i)
             if scale is not None:
                 self.noted = {j: e for j, e in self.noted.items() if e[0]() is not None}
