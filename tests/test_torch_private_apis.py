@@ -19,6 +19,7 @@ import datetime
 import importlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -245,16 +246,38 @@ def _dispatch() -> None:
 
 
 def _fake_tensors() -> None:
-    from shardwise._torch.fake import DATA_DEPENDENT, FakeTensor, FakeTensorMode
+    from shardwise._torch.fake import DATA_DEPENDENT, FakeTensor, FakeTensorMode, holds_fake
+
+    class Wrapper(torch.Tensor):  # (a traceable wrapper subclass: LocalTensor, DTensor)
+        @staticmethod
+        def __new__(cls, inner: torch.Tensor) -> Wrapper:
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        def __init__(self, inner: torch.Tensor) -> None:
+            self.inner = inner
+
+        def __tensor_flatten__(self) -> tuple[list[str], None]:
+            return ["inner"], None
+
+        @staticmethod
+        def __tensor_unflatten__(inner: Any, meta: Any, size: Any, stride: Any) -> Wrapper:
+            return Wrapper(inner["inner"])
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+            raise NotImplementedError
 
     with FakeTensorMode():
         x = torch.ones(4, 3)
+        assert holds_fake(x)
         assert (x @ x.T).shape == (4, 4)
         assert isinstance(x, FakeTensor)
         for read in (lambda: x.sum().item(), lambda: torch.nonzero(x)):
             with pytest.raises(DATA_DEPENDENT):
                 read()
     assert not isinstance(torch.ones(1), FakeTensor)
+    assert holds_fake(Wrapper(x)) and not holds_fake(Wrapper(torch.ones(4, 3)))
+    assert not holds_fake(torch.ones(1))
 
 
 def _profiler_events() -> None:

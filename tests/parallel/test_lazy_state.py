@@ -105,3 +105,65 @@ def test_a_tensor_a_module_caches_in_forward_is_real(how: str) -> None:
         for i in range(2):
             assert_matches_single_device(parallel(world.rows(x)), want[i], what=f"loss {i}")
         assert_matches_single_device(net.mask, torch.arange(8.0) % 2, what="the cached mask")
+
+
+TOTAL = torch.zeros(())  # (`global TOTAL` in a step)
+
+
+def metric_step(net: nn.Module, how: str) -> Callable[..., torch.Tensor]:
+    """A step that keeps a running count of correct rows in `how`: a dict's value, a list's
+    item, a global, a closure's variable (``nonlocal``); all updated before ``backward``, so
+    the plan counts over the global batch."""
+    stats = {"correct": torch.zeros(())}
+    seen = [torch.zeros(())]
+    count = torch.zeros(())
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        global TOTAL
+        nonlocal count
+        out = net(x)
+        right = (out.argmax(1) == y).sum()
+        if how == "dict":
+            stats["correct"] = stats["correct"] + right
+        elif how == "list":
+            seen[0] = seen[0] + right
+        elif how == "global":
+            TOTAL = TOTAL + right
+        else:
+            count = count + right
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        return loss
+
+    def read() -> torch.Tensor:
+        return {"dict": stats["correct"], "list": seen[0], "global": TOTAL}.get(how, count)
+
+    step.read = read  # type: ignore[attr-defined]
+    return step
+
+
+@pytest.mark.parametrize("how", ["dict", "list", "global", "nonlocal"])
+def test_a_running_metric_the_step_keeps_is_real(how: str) -> None:
+    """Before, the capture left a fake tensor in the dict (list, global, cell): every later
+    call added to it, and reading it raised ``DataDependentOutputException`` far from the
+    cause."""
+    global TOTAL
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 8, (8,), generator=g))]
+    batches *= 3
+    TOTAL = torch.zeros(())
+    single = metric_step(make(), how)
+    for x, y in batches:
+        single(x, y)
+    want = single.read().clone()  # type: ignore[attr-defined]
+    TOTAL = torch.zeros(())
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        step = metric_step(net, how)
+        parallel = sw.AutoParallel(step)
+        for x, y in batches:
+            parallel(world.rows(x), world.rows(y))
+        got = step.read()  # type: ignore[attr-defined]
+        assert_matches_single_device(got, want, what=f"running count in a {how}")
+        assert int(want) > 0

@@ -3,11 +3,14 @@
 Capture (`planner/_capture.py`, `planner/_recorders.py`) runs a train step on fake tensors
 (``FakeTensorMode``) to record every op with its global shapes, on any model size, without
 memory or compute; ops whose result depends on tensor values raise one of `DATA_DEPENDENT`,
-which capture reports with the op's source line; `FakeTensor` tells such tensors left in user
-objects (`planner/_user_state.py`). Only in ``torch._subclasses.fake_tensor``.
+which capture reports with the op's source line; `holds_fake` tells such tensors left in user
+objects (`planner/_user_state.py`), also inside a tensor subclass that wraps others. Only in
+``torch._subclasses.fake_tensor`` and ``torch.utils._python_dispatch``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -15,6 +18,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 DATA_DEPENDENT: tuple[type[BaseException], ...] = (
     DataDependentOutputException,
@@ -22,4 +26,16 @@ DATA_DEPENDENT: tuple[type[BaseException], ...] = (
 )
 """Raised by fake tensors when an op's result depends on tensor values."""
 
-__all__ = ["DATA_DEPENDENT", "FakeTensor", "FakeTensorMode"]
+
+def holds_fake(value: Any) -> bool:
+    """Whether `value` is a fake tensor, or a tensor subclass wrapping one (through
+    ``__tensor_flatten__``: a ``DTensor`` of a fake local tensor)."""
+    if isinstance(value, FakeTensor):
+        return True
+    if not is_traceable_wrapper_subclass(value):
+        return False
+    names, _ = value.__tensor_flatten__()
+    return any(holds_fake(getattr(value, name)) for name in names)
+
+
+__all__ = ["DATA_DEPENDENT", "FakeTensor", "FakeTensorMode", "holds_fake"]

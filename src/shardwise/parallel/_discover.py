@@ -124,6 +124,7 @@ class _Search:
 
     def __init__(self) -> None:
         self.values: list[Any] = []
+        self.scopes: list[Any] = []  # (the functions' globals dicts and closure cells)
         self.seen: set[int] = set()
 
     def function(self, fn: Any, root: bool = False) -> None:
@@ -142,6 +143,7 @@ class _Search:
             return
         self.seen.add(id(fn))
         scope, cells = fn.__globals__, _cells(fn)
+        self.scopes += [scope, *(fn.__closure__ or ())]
         if this is not _MISSING:
             self.values.append(this)
         self.bound([*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()])
@@ -200,15 +202,22 @@ def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch
 
 
 def find_objects(fn: Callable[..., Any]) -> list[Any]:
-    """The objects with attributes a train step's code loads (as `find_referenced` reads them:
-    a ``GradScaler``, a trainer, modules, optimizers), each once; none for a callable without
-    Python code."""
+    """The objects whose state a train step's code may change, each once: those with
+    attributes it loads (as `find_referenced` reads them: a ``GradScaler``, a trainer, modules,
+    optimizers), the dicts and lists it loads (``stats["correct"] = ...``), and the globals
+    dict and closure cells of each function it runs (``global total``, ``nonlocal total``);
+    none for a callable without Python code."""
     if not _readable(fn):
         return []
     search = _Search()
     search.function(fn, root=True)
     plain = (types.FunctionType, types.MethodType, types.ModuleType, type)
-    found = {id(v): v for v in search.values if hasattr(v, "__dict__") and not isinstance(v, plain)}
+    found = {
+        id(v): v
+        for v in [*search.values, *search.scopes]
+        if isinstance(v, dict | list | types.CellType)
+        or (hasattr(v, "__dict__") and not isinstance(v, plain))
+    }
     return list(found.values())
 
 
