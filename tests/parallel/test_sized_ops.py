@@ -4,7 +4,9 @@ A network may give a size argument as a constant of its configuration (the globa
 or read it from a tensor (``b, t, c = h.shape``: on a rank, its local block's sizes). On one
 device the two are equal; on a rank they differ. The executor gives each such op the plan's
 sizes: a view / reshape / expand / ``broadcast_to`` / ``unflatten`` / ``new_zeros`` /
-``new_ones`` / ``new_empty`` / ``new_full`` this rank's block of its planned output, a factory
+``new_ones`` / ``new_empty`` / ``new_full`` / ``expand_as`` / ``view_as`` / ``reshape_as`` (whose
+other tensor may be a split one where the output is whole: ``bias.expand_as(h)`` crashed in the
+redistribution) this rank's block of its planned output, a factory
 (``torch.zeros`` / ``ones`` / ``empty`` / ``full``) its whole planned output (the plan then
 slices it where a split value consumes it). Each body, in either form, equals one device on 2
 ranks with no collective (every op here is local to the rows).
@@ -56,6 +58,10 @@ class Sized(nn.Module):
             return (torch.cat([h, h], -1) + h.new_zeros(b, t, 2 * c))[..., :c]
         if body == "new_ones_2d":
             return h + h.new_ones(b, t).unsqueeze(-1)
+        if body == "expand_as":  # (a whole tensor sized by a split one)
+            return h * self.lin.bias.expand_as(h) + torch.ones(c).expand_as(h)
+        if body == "view_as":
+            return h.flatten(0, 1).view_as(h) + h.flatten(1).reshape_as(h)
         if body == "broadcast_to":
             return torch.broadcast_to(h[:, :1], (b, t, c)) + h
         return h.reshape(b * t, c).view(b, t, c).expand(b, t, c)  # "views"
@@ -73,6 +79,8 @@ BODIES = [
     "cat_new_zeros",
     "new_ones_2d",
     "broadcast_to",
+    "expand_as",
+    "view_as",
     "views",
 ]
 

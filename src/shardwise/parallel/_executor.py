@@ -76,6 +76,7 @@ from shardwise.parallel._node_table import (
 from shardwise.parallel._passes import Passes
 from shardwise.parallel._recompute import Recompute
 from shardwise.parallel._seeds import Seeds
+from shardwise.parallel._sizes import Sizes
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import ParallelPlan, Placed
@@ -85,7 +86,7 @@ T = torch.Tensor
 
 
 class PlanExecutor(
-    Passes, Leaving, NodeRun, PrimitiveHooks, Recompute, Seeds, SpanRunner, SteppingMode
+    Passes, Sizes, Leaving, NodeRun, PrimitiveHooks, Recompute, Seeds, SpanRunner, SteppingMode
 ):
     """Carries out `plan` (see the module docstring).
 
@@ -96,7 +97,7 @@ class PlanExecutor(
         param_value: the value a parameter enters an op with (default: itself).
         templates: each node's captured arguments (`planner.Node.args` / ``kwargs``): an op
             whose inputs are all whole gets the captured sizes where user code computed its
-            own from local shapes (`_passes.Passes.sizes`).
+            own from local shapes (`_sizes.Sizes`).
         on_end: called each time the plan's last op has run (the end of the forward).
         on_start: called each time the plan's first op is about to run.
         table: the plan's `NodeTable` (made from `plan` and `templates` when None).
@@ -217,7 +218,7 @@ class PlanExecutor(
         if fast == SIZED:
             if table.local[k] is None:
                 return self.check_sized(func, k, args, kwargs)
-            return func(args[0], *(table.sized[k] or ()))
+            return table.as_sized.get(k, func)(args[0], *(table.sized[k] or ()))
         kwargs = kwargs or {}
         if table.local[k] is None:
             drops = dropout_p if func is F.dropout else attention_p
@@ -348,13 +349,15 @@ class PlanExecutor(
         on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one.
         A factory of the plan's next node gets the node's global sizes (`factory_call`; any
         other factory its captured sizes where user code read this rank's share of them:
-        `Passes.factory_sizes`)."""
+        `Sizes.factory_sizes`)."""
         k = self.cursor
         if self.ops[k] == op:
             if checkpointing():  # (a region's first node may be a factory: `_recompute`)
                 self._checkpointed(k)
-            args, kw = factory_call(op, args, kw, self.plan.nodes[k].local_shapes[0])
             templates = self.table.templates
+            if templates is not None:  # (``torch.tensor(float(b))``: the global b)
+                args, kw = self.factory_numbers(k, args, kw, templates[k])
+            args, kw = factory_call(op, args, kw, self.plan.nodes[k].local_shapes[0])
             if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
                 args, kw = self.factory_sizes(args, kw, templates[k])
         out = func(*args, **kw)

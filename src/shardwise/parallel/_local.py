@@ -366,7 +366,7 @@ def compute(
     """
     sized = table.sized[k]
     if sized is not None:
-        return func(args[0], *sized)
+        return table.as_sized.get(k, func)(args[0], *sized)
     if func is F.dropout or func is F.scaled_dot_product_attention:
         return drop(func, node, args, kw)
     if k in table.split_norms:

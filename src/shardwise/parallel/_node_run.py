@@ -1,6 +1,6 @@
 """Run one node of the plan on its full path (`NodeRun`, mixed into `_executor.PlanExecutor`):
 its inputs moved as the plan's edges say (`NodeRun._moved_inputs`), the op on the local blocks
-(`_local.compute`; whole inputs with the captured sizes, `_passes.Passes.sizes`), the edges of
+(`_local.compute`; whole inputs with the captured sizes, `_sizes.Sizes`), the edges of
 its returned values (`NodeRun._returned`: the loss's AllReduce, only started) and the gradient
 averages of its outputs."""
 
@@ -60,6 +60,10 @@ class NodeRun:
             self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
         ) -> tuple[Any, Any]: ...
 
+        def numbers(
+            self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
+        ) -> tuple[Any, Any]: ...
+
     def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
         """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
         slot = 0
@@ -93,9 +97,13 @@ class NodeRun:
         else:
             leaves, spec = pytree.tree_flatten((args, kw))
             args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
-        if table.templates is not None and table.captured[k]:
+        if table.templates is not None and (table.captured[k] or k in table.numbered):
             tensors = [t for t in leaves if isinstance(t, T)]
-            args, kw = self.sizes(k, args, kw, table.global_args(k, tensors, args, kw))
+            captured = table.global_args(k, tensors, args, kw)
+            if table.captured[k]:
+                args, kw = self.sizes(k, args, kw, captured)
+            else:
+                args, kw = self.numbers(k, args, kw, captured)
         try:
             out = compute(func, k, self.plan.nodes[k], table, args, kw)
         except UnplannedDraw as e:  # (planned without its draws: an eval() call)

@@ -48,6 +48,12 @@ _SIZED = {
     "torch.broadcast_to",
 }
 _SPLITS = {"torch.Tensor.split", "torch.split", "torch.Tensor.split_with_sizes"}
+# views sized by another tensor: run as the view of the plan's local shape (`NodeTable.as_sized`)
+_AS: dict[str, Callable[..., Any]] = {
+    "torch.Tensor.expand_as": torch.Tensor.expand,
+    "torch.Tensor.view_as": torch.Tensor.view,
+    "torch.Tensor.reshape_as": torch.Tensor.reshape,
+}
 # ops whose size arguments name the output's shape (`resized_call`: this rank's block of it)
 _RESIZED = {
     "torch.Tensor.unflatten",
@@ -141,6 +147,10 @@ class NodeTable:
         # (whole inputs: the captured sizes where user code read a split tensor's local shape)
         self.captured = [all(not p.layout.used_axes() for p in n.inputs) for n in nodes]
         self.sized: list[tuple[Any, ...] | None] = [_sized(n) for n in nodes]
+        # (``w.expand_as(h)``: ``w.expand`` to the plan's local shape, not to ``h``'s block)
+        self.as_sized: dict[int, Callable[..., Any]] = {
+            n.index: _AS[n.op] for n in nodes if n.op in _AS
+        }
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
         # (`_seeds`) the nodes whose outputs a train step's backward starts from: output index
         # -> the seed's scale; they take the full path, which notes those outputs
@@ -183,6 +193,25 @@ class NodeTable:
         self.fast_no_param = [
             SLOW if h else f for f, h in zip(self.fast, self.has_param, strict=True)
         ]
+        # ops on split inputs given a Python number (``h / x.size(0)``): the full path, which
+        # checks it against the captured one (`_sizes.Sizes.numbers`), until `checked`
+        self.numbered = {
+            k
+            for k, n in enumerate(nodes)
+            if templates is not None
+            and not self.captured[k]
+            and self.fast[k] in (PLAIN, SLOW)
+            and k not in self.resized
+            and n.op not in _SPLITS
+            and not n.op.startswith("shardwise.")
+            and _has_number(templates[k])
+        }
+        self.unchecked = {k: (self.fast[k], self.fast_no_param[k]) for k in self.numbered}
+        # (`_sizes`) per node run: the positions of its arguments whose number differed from
+        # the captured one the first time it ran, with that number
+        self.shares: dict[int, tuple[tuple[int, Any], ...]] = {}
+        for j in self.unchecked:
+            self.fast[j] = self.fast_no_param[j] = SLOW
         self.flat_templates: dict[int, tuple[list[Any], Any]] = {}
         self.inputs = [len(n.inputs) for n in nodes]
         # (`_spans`) whether each node runs as the network calls it: plain ops yes, views and
@@ -195,6 +224,20 @@ class NodeTable:
         self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
         self.spans: dict[str, tuple[int, int] | None] = {}
         self.first_in_network: bool | None = None  # the plan's first op inside the network
+
+    def checked(self, k: int, differed: bool) -> None:
+        """Node `k`'s numbers were checked (`numbered`): a node whose numbers were the captured
+        ones takes its short path from now on; one with another keeps the full path."""
+        kinds = self.unchecked.pop(k, None)
+        if kinds is None:
+            return
+        if differed:
+            self.local[k] = False
+            return
+        self.numbered.discard(k)
+        self.fast[k], self.fast_no_param[k] = kinds
+        if self.local[k] is False and self.leaving[k] is None:
+            self.local[k] = _local(kinds[0], self.ops[k])
 
     def _kind(self, k: int, op: str) -> int:
         """The short path of node `k` (called with no edge in or out): `SLOW` for the first
@@ -222,6 +265,14 @@ class NodeTable:
         return tuple(out[0]), dict(out[1])
 
 
+def _has_number(template: tuple[Any, Any]) -> bool:
+    """Whether a captured call has a Python int or float argument (not a bool)."""
+    return any(
+        isinstance(x, int | float) and not isinstance(x, bool)
+        for x in pytree.tree_leaves(template, is_leaf=lambda x: isinstance(x, TensorSlot))
+    )
+
+
 def _inplace_kw(template: tuple[Any, Any]) -> bool:
     """Whether a captured call passed ``inplace=True`` (``F.relu(x, inplace=True)``)."""
     kwargs = template[1] if len(template) > 1 else {}
@@ -241,6 +292,8 @@ def _sized(n: NodePlan) -> tuple[Any, ...] | None:
     """The size arguments node `n` runs with on a rank's blocks (after its tensor), or None
     when its own are right: a view's local shape; a split's local part sizes and its dim when
     that dim is split (a strided one: each part keeps its share of every rank)."""
+    if n.op in _AS:  # (the other tensor's block may be another shape than the output's)
+        return (n.local_shapes[0],)
     if n.op in _SIZED:
         return (n.local_shapes[0],) if n.shapes[0] != n.local_shapes[0] else None
     if n.op not in _SPLITS or not n.in_shapes or len(n.shapes) < 2:

@@ -50,11 +50,6 @@ def _elementwise(op: str) -> bool:
     return op.rsplit(".", 1)[-1].strip("_") in _ELEMENTWISE
 
 
-def _size(x: Any) -> bool:
-    """Whether a call's argument may be a size (an int, a slice), not a tensor or a number."""
-    return isinstance(x, slice) or (isinstance(x, int) and not isinstance(x, bool))
-
-
 def _held(made: dict[int, weakref.ref[T]], t: Any) -> bool:
     if not isinstance(t, T):
         return False
@@ -74,7 +69,6 @@ class Passes:
     network_start: int | None
     reentered: bool
     made_outside: dict[int, weakref.ref[T]]  # tensors ops outside the plan made (by id)
-    first_sizes: dict[int, tuple[Any, ...]]  # (`sizes`) node -> its first pass's own arguments
     inputs: dict[int, weakref.ref[T]]  # the call's inputs and elementwise results of them
     tentative: int  # a restarted pass is dropped on a mismatch up to this node (`abandon`)
     in_network: bool  # the network was entered for the running pass
@@ -167,63 +161,6 @@ class Passes:
                 f"not have made after loss.backward() (outside the plan, so on this rank's rows "
                 f"only); every pass must run the ops of the first from where it starts"
             )
-
-    def sizes(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
-        """The arguments node `k` (on whole inputs) runs with: this call's, except its sizes
-        (ints and slices) where this call's first pass had others than the captured ones
-        (computed from a split tensor's local shape: ``b, t, c = h.shape``): the captured
-        global ones. Python floats and the like are always this call's (a loss weight passed
-        to the step). Raises when a later pass changes sizes that came from a local shape."""
-        own, spec = pytree.tree_flatten((args, kw))
-        global_, global_spec = pytree.tree_flatten(captured)
-        if spec != global_spec:
-            return args, kw
-        at = [i for i, x in enumerate(own) if _size(x)]
-        first = self.first_sizes.setdefault(k, tuple(own[i] for i in at))
-        wanted = tuple(global_[i] for i in at)
-        if first == wanted:
-            return args, kw
-        if tuple(own[i] for i in at) != first:
-            node = self.plan.nodes[k]
-            raise UnsupportedParallelError(
-                f"AutoParallel: {node.op} (%{k} {node.name}) got {[own[i] for i in at]} in this "
-                f"pass and {list(first)} in the first, computed from a split tensor's local "
-                f"shape (the plan has {list(wanted)}); compute them from global sizes (the "
-                f"step's own constants) instead"
-            )
-        for i in at:
-            own[i] = global_[i]
-        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-        return out
-
-    def factory_sizes(self, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
-        """A factory's arguments (``torch.arange(b)``) with each int that is this call's share
-        of the captured global one (times a split count of the plan's device matrix, as a
-        size read from this rank's block is) replaced by the global one; other ints (a step
-        counter, an offset) stay this call's."""
-        own, spec = pytree.tree_flatten((args, kw))
-        global_, global_spec = pytree.tree_flatten(captured)
-        if spec != global_spec:
-            return args, kw
-        counts = self.split_counts
-        changed = False
-        for i, (x, g) in enumerate(zip(own, global_, strict=True)):
-            share = isinstance(x, int) and isinstance(g, int) and _size(x) and _size(g)
-            if share and 0 < x != g and g % x == 0 and g // x in counts:
-                own[i], changed = g, True
-        if not changed:
-            return args, kw
-        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-        return out
-
-    @property
-    def split_counts(self) -> set[int]:
-        """The numbers of blocks a dim split over some axes of the plan's matrix has."""
-        sizes = [s for s in self.plan.matrix.shape if s > 1]
-        counts = {1}
-        for s in sizes:
-            counts |= {c * s for c in counts}
-        return counts - {1}
 
     def _starts_with(self, k: int, op: str, leaves: list[Any]) -> bool:
         """Whether a call of `op` on `leaves` is node `k`'s: the same parameters in its places,

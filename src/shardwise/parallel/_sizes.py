@@ -1,0 +1,160 @@
+"""Numbers user code computes from a split tensor's local shape (`Sizes`, mixed into
+`_executor.PlanExecutor`).
+
+The capture runs the network on global shapes; on a rank, ``x.size(0)`` is this rank's block's
+size. A number the network computes from it and passes to an op (``h.view(b, t, c)``,
+``loss / x.size(0)``, ``cov / (z.shape[0] - 1)``, ``torch.tensor(float(n))``) is then not the
+one a device running the whole batch computes. The captured call (`planner.Node.args`) holds
+the global numbers, and the executor gives each op those where the call's own differ:
+
+- `Sizes.sizes`: an op whose inputs are all whole: each int (and slice) the captured one when
+  this call's first pass had others (a later pass that changes them is refused); each float
+  as below.
+- `Sizes.numbers`: an op on split inputs that is not a view (views take the plan's local sizes:
+  `_node_table`): each int or float as below. Such a node takes the full path in the plan's
+  first call (`NodeTable.numbered`); one whose numbers all were the captured ones goes back to
+  its short path (`NodeTable.checked`).
+- `Sizes.factory_numbers`: a factory's numbers (``torch.tensor(x.size(0))``, a fill value), as
+  below; `Sizes.factory_sizes`: a sized factory's ints that are shares of the captured ones
+  (``torch.arange(b)``).
+
+"As below": a number that differs from the captured one the first time the plan runs the node
+(in the call it was captured from, where only a local shape, or Python state the capture itself
+changed, can make it differ) is noted with its position (`NodeTable.shares`); that call and
+every later one that passes the same number there get the captured one. A number that changes
+from call to call (a loss weight, a step counter) is left as the call has it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardwise._torch import pytree
+from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.planner import ParallelPlan
+
+if TYPE_CHECKING:
+    from shardwise.parallel._node_table import NodeTable
+
+
+def _size(x: Any) -> bool:
+    """Whether a call's argument may be a size (an int, a slice), not a tensor or a number."""
+    return isinstance(x, slice) or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _number(x: Any) -> bool:
+    """Whether `x` is a Python int or float (not a bool)."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+class Sizes:
+    """The executor's sizes and numbers (see the module docstring); `PlanExecutor` sets the
+    attributes."""
+
+    plan: ParallelPlan
+    table: NodeTable
+    first_sizes: dict[int, tuple[Any, ...]]  # (`sizes`) node -> its first pass's own arguments
+
+    def sizes(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
+        """The arguments node `k` (on whole inputs) runs with: this call's, except its sizes
+        (ints and slices) where this call's first pass had others than the captured ones
+        (computed from a split tensor's local shape: ``b, t, c = h.shape``): the captured
+        global ones; and its floats that differed in the plan's first call (`_shares`). Other
+        floats are this call's (a loss weight passed to the step). Raises when a later pass
+        changes sizes that came from a local shape."""
+        own, spec = pytree.tree_flatten((args, kw))
+        global_, global_spec = pytree.tree_flatten(captured)
+        if spec != global_spec:
+            return args, kw
+        floats = self._shares(k, own, global_, float)
+        at = [i for i, x in enumerate(own) if _size(x)]
+        first = self.first_sizes.setdefault(k, tuple(own[i] for i in at))
+        wanted = tuple(global_[i] for i in at)
+        if first == wanted and not floats:
+            return args, kw
+        if first != wanted and tuple(own[i] for i in at) != first:
+            node = self.plan.nodes[k]
+            raise UnsupportedParallelError(
+                f"AutoParallel: {node.op} (%{k} {node.name}) got {[own[i] for i in at]} in this "
+                f"pass and {list(first)} in the first, computed from a split tensor's local "
+                f"shape (the plan has {list(wanted)}); compute them from global sizes (the "
+                f"step's own constants) instead"
+            )
+        for i in [*at, *floats] if first != wanted else floats:
+            own[i] = global_[i]
+        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+        return out
+
+    def numbers(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
+        """The arguments node `k` (an op on split inputs with a number, `NodeTable.numbered`)
+        runs with: this call's, with the captured number at each position `_shares` gives
+        (``((out - y) ** 2 / x.size(0)).sum()``); tells the table whether the node has any
+        (`NodeTable.checked`)."""
+        own, spec = pytree.tree_flatten((args, kw))
+        global_, global_spec = pytree.tree_flatten(captured)
+        at = self._shares(k, own, global_, int | float) if spec == global_spec else []
+        self.table.checked(k, bool(self.table.shares.get(k)))
+        if not at:
+            return args, kw
+        for i in at:
+            own[i] = global_[i]
+        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+        return out
+
+    def factory_numbers(
+        self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
+    ) -> tuple[Any, Any]:
+        """Factory node `k`'s arguments with the captured number at each position `_shares`
+        gives (``torch.tensor(float(x.size(0)))``, ``torch.full(shape, float(b))``'s fill)."""
+        own, spec = pytree.tree_flatten((args, kw))
+        global_, global_spec = pytree.tree_flatten(captured)
+        at = self._shares(k, own, global_, int | float) if spec == global_spec else []
+        if not at:
+            return args, kw
+        for i in at:
+            own[i] = global_[i]
+        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+        return out
+
+    def _shares(self, k: int, own: list[Any], global_: list[Any], kind: Any) -> list[int]:
+        """The positions of node `k`'s arguments `own` to give the captured number: those whose
+        number of `kind` differed from the captured one the first time the plan ran the node
+        (in the call it was captured from: `NodeTable.shares`), when this call has that same
+        number there (one that changes from call to call is data: a loss weight)."""
+        known = self.table.shares.get(k)
+        if known is None:
+            known = self.table.shares[k] = tuple(
+                (i, x)
+                for i, (x, g) in enumerate(zip(own, global_, strict=True))
+                if isinstance(x, kind) and _number(x) and _number(g) and x != g
+            )
+        return [i for i, first in known if i < len(own) and own[i] == first]
+
+    def factory_sizes(self, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
+        """A factory's arguments (``torch.arange(b)``) with each int that is this call's share
+        of the captured global one (times a split count of the plan's device matrix, as a
+        size read from this rank's block is) replaced by the global one; other ints (a step
+        counter, an offset) stay this call's."""
+        own, spec = pytree.tree_flatten((args, kw))
+        global_, global_spec = pytree.tree_flatten(captured)
+        if spec != global_spec:
+            return args, kw
+        counts = self.split_counts
+        changed = False
+        for i, (x, g) in enumerate(zip(own, global_, strict=True)):
+            share = isinstance(x, int) and isinstance(g, int) and _size(x) and _size(g)
+            if share and 0 < x != g and g % x == 0 and g // x in counts:
+                own[i], changed = g, True
+        if not changed:
+            return args, kw
+        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+        return out
+
+    @property
+    def split_counts(self) -> set[int]:
+        """The numbers of blocks a dim split over some axes of the plan's matrix has."""
+        sizes = [s for s in self.plan.matrix.shape if s > 1]
+        counts = {1}
+        for s in sizes:
+            counts |= {c * s for c in counts}
+        return counts - {1}

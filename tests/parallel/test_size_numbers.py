@@ -1,0 +1,149 @@
+"""Numbers computed from a local size and given to an op: the global one, as on one device.
+
+On a rank, ``x.size(0)`` is this rank's rows. A loss normalised by it inside an op
+(``((out - y) ** 2 / x.size(0)).sum()``, ``torch.tensor(float(n))``, a covariance over
+``z.shape[0] - 1``) was this rank's share of one device's loss times N (2x on 2 ranks,
+silently: the parallel loss and gradients were twice the single-device ones). Each such
+number is now the captured one (`parallel/_sizes.py`), while numbers that change from call to
+call (a loss weight) stay each call's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+LOSSES: dict[str, Loss] = {
+    "rows / int": lambda o, y, x: ((o - y) ** 2 / x.size(0)).sum(),
+    "rows * float": lambda o, y, x: ((o - y) ** 2 * (1.0 / x.size(0))).sum(),
+    "rows / tensor(int)": lambda o, y, x: ((o - y) ** 2 / torch.tensor(x.size(0))).sum(),
+    "sum / tensor(float)": lambda o, y, x: ((o - y) ** 2).sum() / torch.tensor(float(len(x))),
+    "sum / full": lambda o, y, x: ((o - y) ** 2).sum() / torch.full((), float(x.shape[0])),
+    "sum / sqrt": lambda o, y, x: ((o - y) ** 2).sum() / math.sqrt(x.shape[0]),
+    "rows / (n - 1)": lambda o, y, x: ((o - o.mean(0)) ** 2 / (o.shape[0] - 1)).sum(),
+}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("form", list(LOSSES))
+def test_a_size_derived_number_is_the_global_one(form: str, ranks: int) -> None:
+    loss_of = LOSSES[form]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    single = _net()
+    want = loss_of(single(x), y, x)
+    want.backward()
+    net = _net()
+    with simulated_world(ranks) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = loss_of(net(a), b, a)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for call in range(2):  # (the second call: the noted numbers, short paths elsewhere)
+            for p in net.parameters():
+                p.grad = None
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want.detach(), what=f"{form} loss, call {call}")
+            for (name, p), q in zip(net.named_parameters(), single.parameters(), strict=True):
+                assert_matches_single_device(p.grad, q.grad, what=f"{form} {name}.grad")
+            everyone = tuple(range(ranks))  # (the loss forward, one gradient bucket; the mean)
+            n = 2 if "n - 1" in form else 1
+            assert rec.kinds() == Counter(
+                {("AllReduce", "forward", everyone): n, ("AllReduce", "backward", everyone): n}
+            ), rec.summary()
+
+
+def test_a_per_call_loss_weight_stays_each_calls() -> None:
+    """A float given with the split rows that changes from call to call is data: each call's
+    (the first call's equals the captured one)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    single, net = _net(), _net()
+
+    def step_of(model: nn.Module) -> Any:
+        def step(a: torch.Tensor, b: torch.Tensor, w: float) -> torch.Tensor:
+            loss = ((model(a) - b) ** 2 * w).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(step_of(net), parallel_mode="semi_auto")
+        for w in (1.0, 2.0, 0.5, 2.0):
+            want = step_of(single)(x, y, w)
+            got = parallel(world.rows(x), world.rows(y), w)
+            assert_matches_single_device(got, want.detach(), what=f"loss with weight {w}")
+
+
+class Projector(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.b(torch.relu(self.a(x))), dim=-1)
+
+
+def _covariance_loss(z: torch.Tensor) -> torch.Tensor:
+    """VICReg's covariance term: over ``z.shape[0] - 1`` (7 on one device, 3 on a rank)."""
+    zc = z - z.mean(0)
+    return (zc.T @ zc / (z.shape[0] - 1)).pow(2).sum()
+
+
+def test_covariance_over_rows_minus_one_with_megatron_layers() -> None:
+    """A column- then row-parallel projector at dp 2 x mp 2: the division by ``n - 1`` takes
+    the row-parallel output's partial sums (it was (7 / 3) ** 2 times one device's loss)."""
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(1))
+    single = Projector()
+    want = _covariance_loss(single(x))
+    want.backward()
+    net = Projector()
+    sw.shard(net.a, in_strategy=((2, 1), (2, 1)))
+    sw.shard(net.b, in_strategy=((2, 2), (1, 2)))
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = _covariance_loss(net(a))
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        loss = parallel(world.rows(x))
+        assert_matches_single_device(loss, want.detach(), what="covariance loss")
+        plan = parallel.parallel_plan
+        for name, q in single.named_parameters():
+            layout, full = plan.params[name].layout, q.grad
+
+            def block(rank: int, full: torch.Tensor = full, layout: Any = layout) -> torch.Tensor:
+                return full[layout.local_index(rank, tuple(full.shape))]
+
+            p = net.get_parameter(name)
+            assert_matches_single_device(p.grad, block, what=f"{name}.grad")
