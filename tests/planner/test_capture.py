@@ -4,6 +4,8 @@ errors for what it cannot follow."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,32 @@ class NonzeroInForward(nn.Module):
 def test_values_in_the_forward_name_the_op_and_line(net: nn.Module, match: str) -> None:
     with pytest.raises(CaptureError, match=match):
         capture(net, torch.ones(2, 4))
+
+
+class MaskedEncoder(nn.Module):
+    """torch's own tutorial use: ``nn.TransformerEncoder(src, mask)``; torch reads the mask's
+    values to tell whether it is causal (``is_causal=None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        out: torch.Tensor = self.enc(x, mask)
+        return out
+
+
+def test_a_value_read_inside_torch_names_torchs_function_and_the_argument() -> None:
+    """The error names the user's line, torch's function that reads the value and what to pass
+    instead (it gave the advice for the user's own code: torch.where)."""
+    with pytest.raises(CaptureError) as info:
+        capture(MaskedEncoder(), torch.ones(2, 4, 8))
+    message = str(info.value)
+    assert re.search(r"at test_capture.py:\d+ reads a tensor's value", message), message
+    assert "transformer.py" in message and "(_detect_is_causal_mask)" in message, message
+    assert "pass is_causal=True" in message and "torch.where" not in message, message
 
 
 class Checkpointed(nn.Module):

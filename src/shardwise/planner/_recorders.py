@@ -86,6 +86,32 @@ def _source() -> str:
     return "?"
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent)
+# torch functions that read a tensor's value, with what the user passes instead
+_LIBRARY_READS = {
+    "_detect_is_causal_mask": (
+        "torch checks whether the attention mask is causal by reading it; pass is_causal=True "
+        "(src_is_causal= / tgt_is_causal= for nn.Transformer) when the mask is causal, False "
+        "when it is not"
+    ),
+}
+
+
+def _library_read() -> str:
+    """Where inside torch a value read happens (``; inside torch's transformer.py:1245
+    (_detect_is_causal_mask): ...``), or "" when the user's own code reads it."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
+        name = frame.f_code.co_filename
+        if name.startswith(_TORCH_DIR) and "overrides" not in name and "_tensor.py" not in name:
+            function = frame.f_code.co_name
+            hint = _LIBRARY_READS.get(function, "see whether an argument of it spares the read")
+            where = f"{os.path.basename(name)}:{frame.f_lineno} ({function})"
+            return f"; it is torch's {where} that reads it: {hint}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
 def _short(op: str) -> str:
     return op.rsplit(".", 1)[-1].strip("_") or op
 
@@ -260,11 +286,15 @@ class _Recorder(TorchFunctionMode):
                 s.keep.append(out)
             return out
         if kind == "read":
+            inside = _library_read()
             raise CaptureError(
                 f"{resolve_name(func) or func} at {_source()} reads a tensor's value while the "
-                f"network is captured (fake tensors have no values); keep values out of the "
-                f"forward (log the loss after loss.backward(), use torch.where instead of "
-                f"Python if on a tensor)"
+                f"network is captured (fake tensors have no values)"
+                + (
+                    inside
+                    or "; keep values out of the forward (log the loss after loss.backward(), "
+                    "use torch.where instead of Python if on a tensor)"
+                )
             )
         return self._record(func, args, kwargs)
 
