@@ -194,18 +194,21 @@ class _Follow:
     ) -> tuple[list[Placements], list[Placements], str]:
         """An unannotated op's strategy: it follows its inputs' placements, unless that moves
         them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less.
-        When no rule fills a random tensor as the inputs are placed (a dropout's in-place fill
-        of a partial sum: `RandomFillError`), the data-parallel strategy, else that error."""
+        When no rule runs it as its inputs are placed (a head-merging view of a batch split over
+        (dp, mp); a dropout's in-place fill of a partial sum: `RandomFillError`): its inputs
+        with each dim split over its outer axis only (`_outer_axes`), then the data-parallel
+        strategy, else the first error."""
         try:
             need, outs, rule = self._follow(node, have)
-        except RandomFillError:
+        except PlanError as error:  # (no rule runs it as its inputs are placed)
             if not node.inputs:
                 raise
-            try:
-                return self._follow(node, self._data_parallel_inputs(node))
-            except PlanError:
-                pass
-            raise
+            for fallback in (self._outer_axes(node, have), self._data_parallel_inputs(node)):
+                try:
+                    return self._follow(node, fallback)
+                except PlanError:
+                    pass
+            raise error from None
         if not node.inputs:
             return need, outs, rule
         cost = self._cost(node, need)
@@ -234,6 +237,18 @@ class _Follow:
             moved = plan_redistribution(src.layout, dst.layout, info.shape, size)
             total += moved.total_bytes
         return total
+
+    def _outer_axes(self, node: Node, have: list[Placements]) -> list[Placements]:
+        """`have` with each dim split over several axes split over its outer one only, and no
+        strided groups (a batch over (dp, mp) after a row-parallel layer: back to dp)."""
+        out = []
+        for ref, placements in zip(node.inputs, have, strict=True):
+            ndim = len(self.graph.info(ref).shape)
+            placed = to_placed(self.matrix, placements, ndim)
+            dims = tuple(axes[:1] for axes in placed.layout.dims)
+            layout = TensorLayout(self.matrix, dims)
+            out.append(placements_of(Placed(layout, placed.partial, placed.reduce)))
+        return out
 
     def _data_parallel_inputs(self, node: Node) -> list[Placements]:
         """The node's activations split on dim 0 over every axis (when it divides), everything
