@@ -167,3 +167,53 @@ def test_a_running_metric_the_step_keeps_is_real(how: str) -> None:
         got = step.read()  # type: ignore[attr-defined]
         assert_matches_single_device(got, want, what=f"running count in a {how}")
         assert int(want) > 0
+
+
+class Cycle:
+    """A schedule the step advances itself: the weight of call t is ``W[t % 2]``."""
+
+    W = (1.0, 3.0)
+
+    def __init__(self) -> None:
+        self.t = 0
+        self.ring = [torch.tensor(10.0), torch.tensor(11.0), torch.tensor(12.0)]
+        self.stats: dict[str, list[torch.Tensor]] = {"hist": []}
+
+    def step_of(self, net: nn.Module) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            w = self.W[self.t % 2]
+            self.t += 1
+            loss = ((net(x) - y) ** 2 * w).mean()
+            self.ring.pop(0)  # (a ring of the last three losses, shifted each call)
+            self.ring.append(loss.detach())
+            self.stats["hist"].append(loss.detach())  # (a list inside a dict)
+            smooth = torch.stack(self.ring).mean()
+            loss.backward()
+            return loss, smooth
+
+        return step
+
+
+def test_the_capture_does_not_advance_the_steps_python_state() -> None:
+    """The capture ran the step once before the first real call: a counter it advanced put
+    every call one step ahead (and a value noted as a local size's where the cycle repeated:
+    3.0 turned into 1.0 on calls 0, 2, ...), a ring of losses shifted one place too far
+    (``[12, 12, l0]``), a list inside a dict kept the capture's fake tensor."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    one, many = Cycle(), Cycle()
+    single = make()
+    step = one.step_of(single)
+    want = [tuple(t.detach() for t in step(x, y)) for _ in range(4)]
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(many.step_of(net))
+        for call, (loss, smooth) in enumerate(want):
+            got = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(got[0], loss, what=f"loss of call {call}")
+            assert_matches_single_device(got[1], smooth, what=f"smoothed loss of call {call}")
+        assert many.t == one.t == 4
+        assert len(many.stats["hist"]) == 4
+        for got_t, want_t in zip(many.stats["hist"], one.stats["hist"], strict=True):
+            assert_matches_single_device(got_t, want_t, what="a loss kept in a list in a dict")

@@ -35,6 +35,7 @@ LOSSES: dict[str, Loss] = {
     "sum / full": lambda o, y, x: ((o - y) ** 2).sum() / torch.full((), float(x.shape[0])),
     "sum / sqrt": lambda o, y, x: ((o - y) ** 2).sum() / math.sqrt(x.shape[0]),
     "rows / (n - 1)": lambda o, y, x: ((o - o.mean(0)) ** 2 / (o.shape[0] - 1)).sum(),
+    "rows * new_full": lambda o, y, x: ((o - y) ** 2 * o.new_full(o.shape, 1.0 / len(o))).sum(),
 }
 
 

@@ -193,15 +193,15 @@ class NodeTable:
         self.fast_no_param = [
             SLOW if h else f for f, h in zip(self.fast, self.has_param, strict=True)
         ]
-        # ops on split inputs given a Python number (``h / x.size(0)``): the full path, which
-        # checks it against the captured one (`_sizes.Sizes.numbers`), until `checked`
+        # ops on split inputs given a Python number (``h / x.size(0)``, ``new_full``'s fill):
+        # the full path, which checks it against the captured one (`_sizes.Sizes.numbers`),
+        # until `checked` (a ``new_*``'s sizes it gives are then its local ones: `resized`)
         self.numbered = {
             k
             for k, n in enumerate(nodes)
             if templates is not None
             and not self.captured[k]
             and self.fast[k] in (PLAIN, SLOW)
-            and k not in self.resized
             and n.op not in _SPLITS
             and not n.op.startswith("shardwise.")
             and _has_number(templates[k])

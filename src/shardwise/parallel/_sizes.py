@@ -19,10 +19,12 @@ the global numbers, and the executor gives each op those where the call's own di
   (``torch.arange(b)``).
 
 "As below": a number that differs from the captured one the first time the plan runs the node
-(in the call it was captured from, where only a local shape, or Python state the capture itself
-changed, can make it differ) is noted with its position (`NodeTable.shares`); that call and
-every later one that passes the same number there get the captured one. A number that changes
-from call to call (a loss weight, a step counter) is left as the call has it.
+is noted with its position (`NodeTable.shares`); that call and every later one that passes the
+same number there get the captured one. That first run is in the call the plan was captured
+from, which starts from the Python state the capture started from (`planner._user_state`:
+counters, lists, random generators put back), so only a local shape makes a number differ
+there. A number that changes from call to call (a loss weight, a step counter) is left as the
+call has it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Sizes:
         (`NodeTable.checked`)."""
         own, spec = pytree.tree_flatten((args, kw))
         global_, global_spec = pytree.tree_flatten(captured)
+        # (a call of another structure than the captured one, a keyword given positionally:
+        # nothing to compare it with, and the node takes its short path)
         at = self._shares(k, own, global_, int | float) if spec == global_spec else []
         self.table.checked(k, bool(self.table.shares.get(k)))
         if not at:
@@ -128,7 +132,7 @@ class Sizes:
                 for i, (x, g) in enumerate(zip(own, global_, strict=True))
                 if isinstance(x, kind) and _number(x) and _number(g) and x != g
             )
-        return [i for i, first in known if i < len(own) and own[i] == first]
+        return [i for i, first in known if own[i] == first]
 
     def factory_sizes(self, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
         """A factory's arguments (``torch.arange(b)``) with each int that is this call's share

@@ -1,18 +1,27 @@
-"""Capture leaves no fake tensor in the user's objects.
+"""The capture leaves the train step's Python state as it found it.
 
-The capture runs the network or train step on fake tensors (no values). State the step creates
-lazily on its first call would keep them for every later call: a ``torch.amp.GradScaler``'s
-scale (``scaler.scale(loss)`` creates it), a mask or cache a module stores on itself, a buffer
-registered in ``forward``, a running metric (``stats["correct"] = stats["correct"] + ...``,
-``global total``). `kept_real` snapshots each object's attributes (and a module's buffers),
-each dict, list and closure cell before the capture and, after it, puts back each value a
-fake tensor replaced and removes each one added holding one, so the first real call creates
-them anew.
+The capture runs the network or train step once, on fake tensors (no values), before the first
+real call. Whatever that run changes would otherwise stay:
+
+- state the step creates lazily on its first call would keep fake tensors for every later
+  call: a ``torch.amp.GradScaler``'s scale (``scaler.scale(loss)`` creates it), a mask or
+  cache a module stores on itself, a buffer registered in ``forward``, a running metric
+  (``stats["correct"] = stats["correct"] + ...``, ``global total``, a list appended to);
+- Python state the step advances would be one call ahead of one device's: a step counter
+  (``self.t += 1``; a schedule or cycle read from it), a list of losses, Python's and NumPy's
+  random generators (``random.choice``).
+
+`kept_real` snapshots, before the capture, each object the step's code loads (its attributes;
+a module's public ones, its buffers), each dict, list and set, the plain containers inside
+those (``stats["hist"]``), each closure cell, and the random generators' states; after it, it
+puts back every one that changed, so the first real call starts where the capture started. A
+module's private attributes (``_parameters``, hooks) are only rid of fake tensors (the capture
+restores its parameters itself).
 """
 
 from __future__ import annotations
 
-import functools
+import random
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -24,6 +33,10 @@ from shardwise._torch import pytree
 from shardwise._torch.fake import holds_fake
 from shardwise._torch.module_state import own_buffers
 
+_LIMIT = 200_000  # container items snapshotted at most (a dataset held in a list: its refs)
+_CONTAINERS = (list, dict, set)
+_EMPTY = object()
+
 
 def _fake(value: Any) -> bool:
     """Whether `value` is a fake tensor or a list / tuple / dict holding one."""
@@ -34,10 +47,9 @@ def _fake(value: Any) -> bool:
     return False
 
 
-def _restore(store: dict[str, Any], before: dict[str, Any]) -> None:
-    """In `store` (an object's ``__dict__``, a module's ``_buffers``): each value set or added
-    holding a fake tensor back to what `before` had, or removed when it had none (a container
-    that was there before is left: a module's own ``_buffers``, restored apart)."""
+def _drop_fakes(store: dict[str, Any], before: dict[str, Any]) -> None:
+    """In `store` (a module's ``__dict__`` or ``_buffers``): each value set or added holding a
+    fake tensor back to what `before` had, or removed when it had none."""
     for name, value in list(store.items()):
         if value is not before.get(name) and _fake(value):
             old = before.get(name)
@@ -47,54 +59,30 @@ def _restore(store: dict[str, Any], before: dict[str, Any]) -> None:
                 del store[name]
 
 
-@contextmanager
-def kept_real(objects: Iterable[Any]) -> Iterator[None]:
-    """Undo, on leaving, every fake tensor the block left in `objects` (see the module
-    docstring): in an object's attributes (a module's buffers too), a dict's values, a list's
-    items, a closure cell's content.
-
-    Example:
-        >>> scaler = torch.amp.GradScaler("cpu")
-        >>> with kept_real([scaler]), FakeTensorMode():
-        ...     scaler.scale(torch.ones(()))   # creates scaler._scale: a fake tensor
-        >>> scaler._scale is None
-        True
-    """
-    undo: list[Callable[[], None]] = []
-    for obj in {id(o): o for o in objects}.values():
-        if isinstance(obj, list):
-            undo.append(functools.partial(_restore_list, obj, list(obj)))
-        elif isinstance(obj, types.CellType):
-            undo.append(functools.partial(_restore_cell, obj, _content(obj)))
-        else:
-            store = obj if isinstance(obj, dict) else getattr(obj, "__dict__", None)
-            if isinstance(store, dict):
-                undo.append(functools.partial(_restore, store, dict(store)))
-            buffers = own_buffers(obj) if isinstance(obj, nn.Module) else None
-            if buffers is not None:
-                undo.append(functools.partial(_restore, buffers, dict(buffers)))
-    try:
-        yield
-    finally:
-        for step in undo:
-            step()
+def _put_dict(store: dict[Any, Any], before: dict[Any, Any], public: bool = False) -> None:
+    """`store` back to `before` (each key that changed, was added or removed); with `public`
+    only the keys not starting with ``_`` (a module's attributes), the others rid of fakes."""
+    if public:
+        _drop_fakes(store, before)
+    for key in [k for k in store if k not in before]:
+        if not (public and str(key).startswith("_")):
+            del store[key]
+    for key, value in before.items():
+        if public and str(key).startswith("_"):
+            continue
+        if key not in store or store[key] is not value:
+            store[key] = value
 
 
-def _restore_list(items: list[Any], before: list[Any]) -> None:
-    """Each item of `items` holding a fake tensor back to `before`'s at its index, or dropped
-    when that one held none either (a fake appended)."""
-    if not any(_fake(v) for v in items):
-        return
-    kept = []
-    for i, v in enumerate(items):
-        if not _fake(v):
-            kept.append(v)
-        elif i < len(before) and not _fake(before[i]):
-            kept.append(before[i])
-    items[:] = kept
+def _put_list(items: list[Any], before: list[Any]) -> None:
+    if len(items) != len(before) or any(a is not b for a, b in zip(items, before, strict=True)):
+        items[:] = before
 
 
-_EMPTY = object()
+def _put_set(items: set[Any], before: set[Any]) -> None:
+    if items != before:
+        items.clear()
+        items.update(before)
 
 
 def _content(cell: types.CellType) -> Any:
@@ -104,10 +92,107 @@ def _content(cell: types.CellType) -> Any:
         return _EMPTY
 
 
-def _restore_cell(cell: types.CellType, before: Any) -> None:
-    """A closure cell holding a fake tensor back to what it held (``nonlocal total``)."""
-    if _fake(_content(cell)):
-        if before is _EMPTY:
-            del cell.cell_contents
+def _put_cell(cell: types.CellType, before: Any) -> None:
+    """A closure cell back to what it held (``nonlocal total``)."""
+    if _content(cell) is before:
+        return
+    if before is _EMPTY:
+        del cell.cell_contents
+    else:
+        cell.cell_contents = before
+
+
+class _Snapshot:
+    """The undo steps of one capture (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.undo: list[Callable[[], None]] = []
+        self.seen: set[int] = set()
+        self.items = 0
+
+    def take(self, obj: Any) -> None:
+        """Note how `obj` is now, and the plain containers it holds."""
+        if id(obj) in self.seen or self.items > _LIMIT:
+            return
+        self.seen.add(id(obj))
+        inside: Iterable[Any]
+        if isinstance(obj, list):
+            before_list = list(obj)
+            self.undo.append(lambda: _put_list(obj, before_list))
+            inside = before_list
+        elif isinstance(obj, dict):
+            before_dict = dict(obj)
+            self.undo.append(lambda: _put_dict(obj, before_dict))
+            inside = before_dict.values()
+        elif isinstance(obj, set):
+            before_set = set(obj)
+            self.undo.append(lambda: _put_set(obj, before_set))
+            inside = ()
+        elif isinstance(obj, types.CellType):
+            content = _content(obj)
+            self.undo.append(lambda: _put_cell(obj, content))
+            inside = (content,)
         else:
-            cell.cell_contents = before
+            inside = self._attributes(obj)
+        for value in inside:
+            self.items += 1
+            if isinstance(value, _CONTAINERS):
+                self.take(value)
+
+    def _attributes(self, obj: Any) -> Iterable[Any]:
+        attrs = getattr(obj, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return ()
+        before = dict(attrs)
+        module = isinstance(obj, nn.Module)
+        self.undo.append(lambda: _put_dict(attrs, before, public=module))
+        if module:
+            buffers = own_buffers(obj)
+            if buffers is not None:
+                before_buffers = dict(buffers)
+                self.undo.append(lambda: _drop_fakes(buffers, before_buffers))
+            return [v for k, v in before.items() if not k.startswith("_")]
+        return before.values()
+
+
+@contextmanager
+def kept_real(objects: Iterable[Any]) -> Iterator[None]:
+    """Put back, on leaving, the Python state of `objects` (see the module docstring): an
+    object's attributes (a module's public ones and buffers), a dict's, list's or set's items
+    and the containers inside, a closure cell's content; and Python's and NumPy's random
+    generators.
+
+    Example:
+        >>> scaler = torch.amp.GradScaler("cpu")
+        >>> with kept_real([scaler]), FakeTensorMode():
+        ...     scaler.scale(torch.ones(()))   # creates scaler._scale: a fake tensor
+        >>> scaler._scale is None
+        True
+    """
+    snapshot = _Snapshot()
+    for obj in objects:
+        snapshot.take(obj)
+    generators = _random_states()
+    try:
+        yield
+    finally:
+        for step in snapshot.undo:
+            step()
+        generators()
+
+
+def _random_states() -> Callable[[], None]:
+    """A function that puts Python's and NumPy's global random generators back as they are
+    now."""
+    state = random.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # (NumPy is optional)
+        return lambda: random.setstate(state)
+    np_state = np.random.get_state()
+
+    def put_back() -> None:
+        random.setstate(state)
+        np.random.set_state(np_state)
+
+    return put_back
