@@ -8,9 +8,11 @@ each sample of the batch on its own, but its CPU program folds time and batch in
 the input projections, so followed op by op it could only run whole on every rank.
 
 `NODE_RULES` maps such an op's qualified name (as the capture records it) to a rule ``rule(have,
-shapes, args, ndim)``: the placements each tensor input has (one per mesh dim, DTensor's
-``Shard`` / ``Replicate``), their global shapes, the call's captured arguments (tensors as
-`planner._graph.TensorSlot`) and the mesh's dims; it returns ``(need, outs)``, the placements
+shapes, args, ndim, given)``: the placements each tensor input has (one per mesh dim, DTensor's
+``Shard`` / ``Replicate``), their global shapes, the call's captured positional arguments
+(tensors as `planner._graph.TensorSlot`), the mesh's dims and, per tensor input, whether it is
+a call input each rank passes its own block of (the ``"data_parallel"`` convention: not one cut
+from a whole one); it returns ``(need, outs)``, the placements
 the inputs must have and those of the outputs, or None to follow the aten program as usual; a
 ValueError says the op cannot run as placed (the planner raises it as a `PlanError` naming the
 op). Adding an op is one entry.
@@ -25,7 +27,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 Placements = tuple[Placement, ...]
 NodeRule = Callable[
-    [Sequence[Placements], Sequence[tuple[int, ...]], Sequence[Any], int],
+    [Sequence[Placements], Sequence[tuple[int, ...]], Sequence[Any], int, Sequence[bool]],
     tuple[list[Placements], list[Placements]] | None,
 ]
 
@@ -47,6 +49,7 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
         shapes: Sequence[tuple[int, ...]],
         args: Sequence[Any],
         ndim: int,
+        given: Sequence[bool],
     ) -> tuple[list[Placements], list[Placements]] | None:
         if len(shapes[0]) != 3 or len(args) < 9:
             return None
@@ -71,7 +74,34 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
     return rule
 
 
+def bag_offsets_rule(
+    have: Sequence[Placements],
+    shapes: Sequence[tuple[int, ...]],
+    args: Sequence[Any],
+    ndim: int,
+    given: Sequence[bool],
+) -> tuple[list[Placements], list[Placements]] | None:
+    """``F.embedding_bag(input, weight, offsets, ...)`` with a 1-D input (its third tensor is
+    then the offsets, passed by keyword as ``nn.EmbeddingBag`` does) that each rank passes its
+    own part of (`given`): refused (ValueError). Each rank's offsets index its own flat input,
+    which the data-parallel convention cannot join into one global input (the joined offsets
+    restart at 0: silently other bags than one device's). Otherwise (a 2-D input, or whole
+    inputs cut at entry under ``"full_batch"``) the aten program is followed as usual (None).
+    """
+    if len(shapes[0]) != 1 or len(have) < 3:
+        return None
+    if given[0] or given[2]:
+        raise ValueError(
+            "a 1-D input with offsets arrives as each rank's own bags (their offsets from 0), "
+            "which cannot be joined into one global batch; pass a 2-D input (bags of one "
+            'length, padding_idx for the shorter ones) or use dataset_strategy("full_batch") '
+            "with the whole batch's input and offsets"
+        )
+    return None
+
+
 NODE_RULES: dict[str, NodeRule] = {
+    "torch.nn.functional.embedding_bag": bag_offsets_rule,
     "torch.lstm": recurrent_rule(2, 3),
     "torch.gru": recurrent_rule(1, 2),
     "torch.rnn_tanh": recurrent_rule(1, 2),

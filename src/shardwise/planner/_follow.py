@@ -65,6 +65,7 @@ class _Follow:
     state: dict[Ref, Placed]
     # op-form annotated nodes: index -> (input placements, output placements)
     pinned: dict[int, tuple[list[Placements], list[Placements]]]
+    given_blocks: set[Ref]  # the call inputs each rank passes its own block of (not cut at entry)
 
     def rep(self) -> Placements:
         return tuple(Replicate() for _ in range(self.ndim))
@@ -111,8 +112,9 @@ class _Follow:
         whole_op = NODE_RULES.get(node.op)  # (an op parallel as a whole: `ops.torch_rules`)
         if whole_op is not None and not strict:
             shapes = [self.graph.info(r).shape for r in node.inputs]
+            given = [r in self.given_blocks for r in node.inputs]
             try:
-                decided = whole_op(have, shapes, node.args, self.ndim)
+                decided = whole_op(have, shapes, node.args, self.ndim, given)
             except ValueError as e:
                 raise PlanError(f"{node.op} at {node.source} ({node.module}): {e}") from None
             if decided is not None:
@@ -214,7 +216,10 @@ class _Follow:
         cost = self._cost(node, need)
         if rule != "replicate" and cost == 0:
             return need, outs, rule
-        alt = self._follow(node, self._data_parallel_inputs(node))
+        try:
+            alt = self._follow(node, self._data_parallel_inputs(node))
+        except PlanError:  # (no data-parallel strategy: ``embedding_bag``'s offsets)
+            return need, outs, rule
         if alt[2] != "replicate" and (rule == "replicate" or self._cost(node, alt[0]) < cost):
             return alt
         return need, outs, rule

@@ -118,6 +118,7 @@ class _Planner(_Follow):
         self.moved: set[tuple[Ref, Placed, Placed]] = set()  # moves made so far (`EdgePlan.shared`)
         # an automatic planner's decisions: index -> (input placements, outputs', rule)
         self.chosen: dict[int, tuple[list[Placements], list[Placements], str]] = {}
+        self.given_blocks: set[Ref] = set()  # (`_Follow`: inputs arriving as each rank's block)
 
     def edge(self, consumer: int, slot: int, ref: Ref, dst: Placed) -> None:
         """Move value `ref` to `dst` for `consumer` (an `EdgePlan` when it is elsewhere)."""
@@ -286,6 +287,7 @@ def setup(
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
     p = _Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
+    p.given_blocks = {Ref("input", k) for k, placed in arrive.items() if placed.layout.used_axes()}
     for name, info in graph.buffers.items():  # (whole on every rank, known before planning)
         p.state[Ref("buffer", name)] = replicated(matrix, len(info.shape))
     for i, info in enumerate(graph.consts):

@@ -1,0 +1,93 @@
+"""``nn.EmbeddingBag`` under semi_auto: a 2-D input (bags of one length) splits on its rows; a
+1-D input with offsets cannot, under the data-parallel convention.
+
+Each rank passing its own bags (its flat tokens, its offsets from 0, as a DistributedSampler
+user would) made one global input whose joined offsets restart at 0: the bags were not one
+device's and the loss came out 1.174 against 1.204, silently. The plan now refuses it with a
+`PlanError` naming the fix; under ``"full_batch"`` (every rank the whole input and offsets) the
+same network equals one device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.planner import PlanError
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V = 30
+LENS = [3, 2, 4, 3, 3, 2, 4, 3]  # (8 bags; 12 tokens on each of 2 ranks)
+
+
+class Bags(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag, self.fc = nn.EmbeddingBag(V, 8, mode="mean"), nn.Linear(8, 3)
+
+    def forward(self, flat: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor = self.fc(self.bag(flat, offsets))
+        return out
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randint(0, V, (sum(LENS),), generator=g)
+    offsets = torch.tensor([0, *LENS[:-1]]).cumsum(0)
+    return flat, offsets, torch.randint(0, 3, (8,), generator=g)
+
+
+def _step(net: Bags) -> object:
+    def step(*args: torch.Tensor) -> torch.Tensor:
+        *inputs, y = args
+        loss = F.cross_entropy(net(*inputs), y)
+        loss.backward()
+        return loss
+
+    return step
+
+
+def test_each_ranks_own_offsets_are_refused_with_the_fix() -> None:
+    flat, _, y = _data()
+    net = Bags()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        k = len(LENS) // 2
+
+        def own(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+            lens, start = LENS[rank * k : (rank + 1) * k], sum(LENS[: rank * k])
+            return flat[start : start + sum(lens)], torch.tensor([0, *lens[:-1]]).cumsum(0)
+
+        flats, offsets = world.rank_map(lambda r: own(r)[0]), world.rank_map(lambda r: own(r)[1])
+        with pytest.raises(PlanError, match=r"embedding_bag .*offsets .*full_batch"):
+            sw.AutoParallel(_step(net))(flats, offsets, world.rows(y))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("form", ["full_batch offsets", "2-D rows"])
+def test_embedding_bag_matches_one_device(form: str) -> None:
+    flat, offsets, y = _data()
+    if form == "2-D rows":  # (bags of 3 tokens)
+        inputs: tuple[torch.Tensor, ...] = (flat[:24].view(8, 3),)
+    else:
+        inputs = (flat, offsets)
+    single = Bags()
+    want = F.cross_entropy(single(*inputs), y)
+    want.backward()
+    net = Bags()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(_step(net))  # type: ignore[arg-type]
+        if form == "full_batch offsets":
+            parallel.dataset_strategy("full_batch")
+            loss = parallel(*inputs, y)
+        else:
+            loss = parallel(*(world.rows(t) for t in inputs), world.rows(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        for (name, p), q in zip(net.named_parameters(), single.parameters(), strict=True):
+            assert_matches_single_device(p.grad, q.grad, what=f"{name}.grad")
