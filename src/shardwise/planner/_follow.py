@@ -196,16 +196,21 @@ class _Follow:
     ) -> tuple[list[Placements], list[Placements], str]:
         """An unannotated op's strategy: it follows its inputs' placements, unless that moves
         them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less.
-        When no rule runs it as its inputs are placed (a head-merging view of a batch split over
-        (dp, mp); a dropout's in-place fill of a partial sum: `RandomFillError`): its inputs
-        with each dim split over its outer axis only (`_outer_axes`), then the data-parallel
-        strategy, else the first error."""
+        When no rule runs it as its inputs are placed: with a dim split over several axes (a
+        head-merging view of a batch over (dp, mp)), its inputs with each dim split over its
+        outer axis only (`_outer_axes`); a random fill (a dropout's in-place fill of a partial
+        sum: `RandomFillError`), the data-parallel strategy; else the error (an uneven view of a
+        split dim, an in-place op on a partial sum: not run another way silently)."""
         try:
             need, outs, rule = self._follow(node, have)
         except PlanError as error:  # (no rule runs it as its inputs are placed)
             if not node.inputs:
                 raise
-            for fallback in (self._outer_axes(node, have), self._data_parallel_inputs(node)):
+            outer = self._outer_axes(node, have)
+            fallbacks = [outer] if outer != have else []  # (a dim split over several axes)
+            if isinstance(error, RandomFillError):
+                fallbacks.append(self._data_parallel_inputs(node))
+            for fallback in fallbacks:
                 try:
                     return self._follow(node, fallback)
                 except PlanError:
