@@ -1,6 +1,10 @@
 """``nn.EmbeddingBag`` under semi_auto: a 2-D input (bags of one length) splits on its rows; a
 1-D input with offsets cannot, under the data-parallel convention.
 
+A 2-D input's bags stay on their rows (`ops.torch_rules.embedding_bag_rule`): DTensor has no
+rule for the op, so the plan gathered the input and every rank computed every bag (one
+AllGather a step more, N times the work).
+
 Each rank passing its own bags (its flat tokens, its offsets from 0, as a DistributedSampler
 user would) made one global input whose joined offsets restart at 0: the bags were not one
 device's and the loss came out 1.174 against 1.204, silently. The plan now refuses it with a
@@ -10,6 +14,8 @@ same network equals one device.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +23,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.planner import PlanError
-from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,13 +32,15 @@ LENS = [3, 2, 4, 3, 3, 2, 4, 3]  # (8 bags; 12 tokens on each of 2 ranks)
 
 
 class Bags(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "mean") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.bag, self.fc = nn.EmbeddingBag(V, 8, mode="mean"), nn.Linear(8, 3)
+        self.bag, self.fc = nn.EmbeddingBag(V, 8, mode=mode), nn.Linear(8, 3)
 
-    def forward(self, flat: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-        out: torch.Tensor = self.fc(self.bag(flat, offsets))
+    def forward(
+        self, flat: torch.Tensor, offsets: torch.Tensor | None = None, w: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out: torch.Tensor = self.fc(self.bag(flat, offsets, per_sample_weights=w))
         return out
 
 
@@ -69,17 +77,21 @@ def test_each_ranks_own_offsets_are_refused_with_the_fix() -> None:
             sw.AutoParallel(_step(net))(flats, offsets, world.rows(y))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("form", ["full_batch offsets", "2-D rows"])
+FORMS = ["full_batch offsets", "2-D rows", "2-D rows weighted", "2-D rows max"]
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_embedding_bag_matches_one_device(form: str) -> None:
     flat, offsets, y = _data()
-    if form == "2-D rows":  # (bags of 3 tokens)
-        inputs: tuple[torch.Tensor, ...] = (flat[:24].view(8, 3),)
-    else:
-        inputs = (flat, offsets)
-    single = Bags()
+    rows = flat[:24].view(8, 3)  # (bags of 3 tokens)
+    weights = torch.rand(8, 3, generator=torch.Generator().manual_seed(2))
+    mode = "sum" if "weighted" in form else "max" if "max" in form else "mean"
+    forms = {"full_batch offsets": (flat, offsets), "2-D rows weighted": (rows, None, weights)}
+    inputs = forms.get(form, (rows,))
+    single = Bags(mode)
     want = F.cross_entropy(single(*inputs), y)
     want.backward()
-    net = Bags()
+    net = Bags(mode)
     with simulated_world(2) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(_step(net))  # type: ignore[arg-type]
@@ -87,7 +99,12 @@ def test_embedding_bag_matches_one_device(form: str) -> None:
             parallel.dataset_strategy("full_batch")
             loss = parallel(*inputs, y)
         else:
-            loss = parallel(*(world.rows(t) for t in inputs), world.rows(y))
+            with CommRecorder() as rec:
+                loss = parallel(*(t if t is None else world.rows(t) for t in inputs), world.rows(y))
+            everyone = (0, 1)  # (the loss, one gradient bucket: no gather of the bags)
+            assert rec.kinds() == Counter(
+                {("AllReduce", "forward", everyone): 1, ("AllReduce", "backward", everyone): 1}
+            ), rec.summary()
         assert_matches_single_device(loss, want.detach(), what="loss")
         for (name, p), q in zip(net.named_parameters(), single.parameters(), strict=True):
             assert_matches_single_device(p.grad, q.grad, what=f"{name}.grad")

@@ -74,34 +74,48 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
     return rule
 
 
-def bag_offsets_rule(
+def embedding_bag_rule(
     have: Sequence[Placements],
     shapes: Sequence[tuple[int, ...]],
     args: Sequence[Any],
     ndim: int,
     given: Sequence[bool],
 ) -> tuple[list[Placements], list[Placements]] | None:
-    """``F.embedding_bag(input, weight, offsets, ...)`` with a 1-D input (its third tensor is
-    then the offsets, passed by keyword as ``nn.EmbeddingBag`` does) that each rank passes its
-    own part of (`given`): refused (ValueError). Each rank's offsets index its own flat input,
-    which the data-parallel convention cannot join into one global input (the joined offsets
-    restart at 0: silently other bags than one device's). Otherwise (a 2-D input, or whole
-    inputs cut at entry under ``"full_batch"``) the aten program is followed as usual (None).
+    """``F.embedding_bag(input, weight, offsets=None, ..., per_sample_weights=None)`` (what
+    ``nn.EmbeddingBag`` calls; tensors after the weight come by keyword, in that order).
+
+    - A 2-D input (one bag per row) split on its rows only keeps them: each rank reduces its
+      own bags (``per_sample_weights`` split alike, the weight whole), the output ``[bags,
+      dim]`` split on its rows alike (DTensor has no rule: the input was gathered and every rank
+      computed every bag).
+    - A 1-D input with offsets (its third tensor) that each rank passes its own part of
+      (`given`): ValueError. Each rank's offsets index its own flat input, which the
+      data-parallel convention cannot join into one global input (the joined offsets restart
+      at 0: silently other bags than one device's).
+    - Otherwise (whole inputs cut at entry under ``"full_batch"``, other splits): None, the aten
+      program as usual.
     """
-    if len(shapes[0]) != 1 or len(have) < 3:
+    if len(shapes[0]) == 1:
+        if len(have) >= 3 and (given[0] or given[2]):
+            raise ValueError(
+                "a 1-D input with offsets arrives as each rank's own bags (their offsets from "
+                "0), which cannot be joined into one global batch; pass a 2-D input (bags of one "
+                'length, padding_idx for the shorter ones) or use dataset_strategy("full_batch") '
+                "with the whole batch's input and offsets"
+            )
         return None
-    if given[0] or given[2]:
-        raise ValueError(
-            "a 1-D input with offsets arrives as each rank's own bags (their offsets from 0), "
-            "which cannot be joined into one global batch; pass a 2-D input (bags of one "
-            'length, padding_idx for the shorter ones) or use dataset_strategy("full_batch") '
-            "with the whole batch's input and offsets"
-        )
-    return None
+    rows = have[0]
+    if len(shapes[0]) != 2 or not all(type(p) is Replicate or p == Shard(0) for p in rows):
+        return None
+    if not any(type(p) is Shard for p in rows):
+        return None
+    whole: Placements = tuple(Replicate() for _ in range(ndim))
+    need = [rows, whole, *[rows] * (len(have) - 2)]  # (per_sample_weights: as the input)
+    return need, [rows]
 
 
 NODE_RULES: dict[str, NodeRule] = {
-    "torch.nn.functional.embedding_bag": bag_offsets_rule,
+    "torch.nn.functional.embedding_bag": embedding_bag_rule,
     "torch.lstm": recurrent_rule(2, 3),
     "torch.gru": recurrent_rule(1, 2),
     "torch.rnn_tanh": recurrent_rule(1, 2),
