@@ -15,6 +15,7 @@ same network equals one device.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -108,3 +109,36 @@ def test_embedding_bag_matches_one_device(form: str) -> None:
         assert_matches_single_device(loss, want.detach(), what="loss")
         for (name, p), q in zip(net.named_parameters(), single.parameters(), strict=True):
             assert_matches_single_device(p.grad, q.grad, what=f"{name}.grad")
+
+
+def test_max_norm_bags_run_whole_and_train_as_one_device() -> None:
+    """``max_norm`` rescales in place the weight rows the input reads: on rows split over the
+    ranks each rank rescaled other rows of its copy, and the copies drifted apart (a weight
+    6.44 off one device's after 3 SGD steps). Such a bag keeps its aten program's plan."""
+    rows = _data()[0][:24].view(8, 3)
+    y = _data()[2]
+
+    def make() -> Bags:
+        net = Bags()
+        net.bag.max_norm = 1.0
+        return net
+
+    def train(net: Bags, call: Any) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        out = []
+        for _ in range(3):
+            out.append(call())
+            opt.step()
+            opt.zero_grad()
+        return out
+
+    single = make()
+    want = train(single, lambda: _step(single)(rows, y).detach())  # type: ignore[operator]
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(_step(net))  # type: ignore[arg-type]
+        got = train(net, lambda: parallel(world.rows(rows), world.rows(y)))
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_matches_single_device(g, w, what=f"loss of step {k}")
+        assert_matches_single_device(net.bag.weight, single.bag.weight, what="bag.weight")

@@ -11,8 +11,10 @@ them as one device does.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -217,3 +219,71 @@ def test_the_capture_does_not_advance_the_steps_python_state() -> None:
         assert len(many.stats["hist"]) == 4
         for got_t, want_t in zip(many.stats["hist"], one.stats["hist"], strict=True):
             assert_matches_single_device(got_t, want_t, what="a loss kept in a list in a dict")
+
+
+class Branching:
+    """A trainer whose step counter turns on an extra op every second call (lazy
+    regularization's pattern), and draws a loss weight from its own generators."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net, self.t = net, 0
+        self.opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        self.rng = random.Random(5)
+        self.np_rng = np.random.default_rng(5)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.t += 1
+        w = self.rng.choice([1.0, 3.0]) * float(self.np_rng.choice([1.0, 0.5]))
+        h = self.net(x)
+        if self.t % 2 == 0:
+            h = h * 2.0 + 1.0
+        loss = ((h - y) ** 2).mean() * w
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+def test_a_call_planned_again_part_way_runs_from_the_state_it_started_in() -> None:
+    """The second call takes the other branch: it stops part way, is planned again and run
+    anew. Its counter was advanced twice (``t`` 7 after 4 calls, the branch then on the wrong
+    calls: loss 1.134 against 1.863), and the generator objects' draws (a ``random.Random``,
+    NumPy's ``Generator``, state outside their ``__dict__``) were one call ahead."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)) for _ in range(4)]
+    one = Branching(make())
+    want = [one.step(x, y).detach() for x, y in data]
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        trainer = Branching(net)
+        parallel = sw.AutoParallel(trainer.step)
+        for call, (x, y) in enumerate(data):
+            got = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(got, want[call], what=f"loss of call {call}")
+        assert trainer.t == one.t == 4
+
+
+BIG = list(range(300_000))  # (a large global the step reads: its items fill the snapshot)
+
+
+def test_a_large_global_leaves_the_steps_own_lists_noted() -> None:
+    """A list the step appends to was left holding the capture's fake tensor once a large
+    global had used up the snapshot's item budget (its own list was not noted)."""
+    history: list[torch.Tensor] = []
+    net = make()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = net(a).pow(2).mean() * (1 + BIG[-1] * 0)
+            history.append(loss.detach())
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        for _ in range(2):
+            parallel(world.rows(x))
+        assert len(history) == 2
+        assert_matches_single_device(torch.stack(history).mean(), history[0], what="history")

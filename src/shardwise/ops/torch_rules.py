@@ -8,9 +8,10 @@ each sample of the batch on its own, but its CPU program folds time and batch in
 the input projections, so followed op by op it could only run whole on every rank.
 
 `NODE_RULES` maps such an op's qualified name (as the capture records it) to a rule ``rule(have,
-shapes, args, ndim, given)``: the placements each tensor input has (one per mesh dim, DTensor's
-``Shard`` / ``Replicate``), their global shapes, the call's captured positional arguments
-(tensors as `planner._graph.TensorSlot`), the mesh's dims and, per tensor input, whether it is
+shapes, args, kwargs, ndim, given)``: the placements each tensor input has (one per mesh dim,
+DTensor's ``Shard`` / ``Replicate``), their global shapes, the call's captured positional and
+keyword arguments (tensors as `planner._graph.TensorSlot`), the mesh's dims and, per tensor
+input, whether it is
 a call input each rank passes its own block of (the ``"data_parallel"`` convention: not one cut
 from a whole one); it returns ``(need, outs)``, the placements
 the inputs must have and those of the outputs, or None to follow the aten program as usual; a
@@ -20,14 +21,21 @@ op). Adding an op is one entry.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 Placements = tuple[Placement, ...]
 NodeRule = Callable[
-    [Sequence[Placements], Sequence[tuple[int, ...]], Sequence[Any], int, Sequence[bool]],
+    [
+        Sequence[Placements],
+        Sequence[tuple[int, ...]],
+        Sequence[Any],
+        Mapping[str, Any],
+        int,
+        Sequence[bool],
+    ],
     tuple[list[Placements], list[Placements]] | None,
 ]
 
@@ -48,6 +56,7 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
         have: Sequence[Placements],
         shapes: Sequence[tuple[int, ...]],
         args: Sequence[Any],
+        kwargs: Mapping[str, Any],
         ndim: int,
         given: Sequence[bool],
     ) -> tuple[list[Placements], list[Placements]] | None:
@@ -78,6 +87,7 @@ def embedding_bag_rule(
     have: Sequence[Placements],
     shapes: Sequence[tuple[int, ...]],
     args: Sequence[Any],
+    kwargs: Mapping[str, Any],
     ndim: int,
     given: Sequence[bool],
 ) -> tuple[list[Placements], list[Placements]] | None:
@@ -87,7 +97,8 @@ def embedding_bag_rule(
     - A 2-D input (one bag per row) split on its rows only keeps them: each rank reduces its
       own bags (``per_sample_weights`` split alike, the weight whole), the output ``[bags,
       dim]`` split on its rows alike (DTensor has no rule: the input was gathered and every rank
-      computed every bag).
+      computed every bag). Not with ``max_norm``: the op then rescales in place the weight rows
+      its input reads, which must be the whole batch's on every rank.
     - A 1-D input with offsets (its third tensor) that each rank passes its own part of
       (`given`): ValueError. Each rank's offsets index its own flat input, which the
       data-parallel convention cannot join into one global input (the joined offsets restart
@@ -106,6 +117,9 @@ def embedding_bag_rule(
         return None
     rows = have[0]
     if len(shapes[0]) != 2 or not all(type(p) is Replicate or p == Shard(0) for p in rows):
+        return None
+    max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+    if max_norm is not None:
         return None
     if not any(type(p) is Shard for p in rows):
         return None

@@ -204,9 +204,10 @@ def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch
 def find_objects(fn: Callable[..., Any]) -> list[Any]:
     """The objects whose state a train step's code may change, each once: those with
     attributes it loads (as `find_referenced` reads them: a ``GradScaler``, a trainer, modules,
-    optimizers), the dicts and lists it loads (``stats["correct"] = ...``), and the globals
-    dict and closure cells of each function it runs (``global total``, ``nonlocal total``);
-    none for a callable without Python code."""
+    optimizers, a ``random.Random``), NumPy's random generators, the dicts, lists and sets it
+    loads (``stats["correct"] = ...``), and the globals dict and closure cells of each
+    function it runs (``global total``, ``nonlocal total``); none for a callable without
+    Python code."""
     if not _readable(fn):
         return []
     search = _Search()
@@ -215,8 +216,10 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
     found = {
         id(v): v
         for v in [*search.values, *search.scopes]
-        if isinstance(v, dict | list | types.CellType)
+        if isinstance(v, dict | list | set | types.CellType)
         or (hasattr(v, "__dict__") and not isinstance(v, plain))
+        or hasattr(v, "bit_generator")  # (NumPy's Generator: state, no __dict__)
+        or type(v).__name__ == "RandomState"
     }
     return list(found.values())
 

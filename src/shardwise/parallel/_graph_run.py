@@ -25,7 +25,10 @@ annotations alike; any dataset strategy):
   do the tensors a train step returns (`_leaving.Leaving.step_outputs`); the tensor inputs that
   require grad get one device's gradient (`_input_grads`: a train step's through hooks for the
   call, a network's through a dividing autograd node); optimizer steps reach the executor
-  through `_step_hooks.StepHooks`.
+  through `_step_hooks.StepHooks`. A call that stops part way to be planned again (the step
+  took another branch: `Replan`) runs anew from the state it started in: buffers, torch's and
+  Python's RNG and the step's Python state other than its modules' and optimizers'
+  (`planner._user_state.python_state`: a trainer's counter, a list, a generator object).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
 from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
-from shardwise.parallel._discover import agree_scalers
+from shardwise.parallel._discover import agree_scalers, find_objects
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
@@ -67,6 +70,7 @@ from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
 from shardwise.parallel._variants import known_variant, snapshot
 from shardwise.planner import Graph, ParallelPlan
+from shardwise.planner._user_state import CALL_LIMIT, python_state
 
 T = torch.Tensor
 
@@ -108,6 +112,7 @@ class GraphRun(StepHooks):
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: see _network_called)
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
+        self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         watch_all = bool(get_auto_parallel_context("watch_every_op"))
         self.spans = SpanHooks(network, lambda: self.executor, enabled=not watch_all)
 
@@ -145,6 +150,9 @@ class GraphRun(StepHooks):
         self.plans = [(plan, self.templates)]
         self.tables = {}
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
+        self.objects = [  # (not modules and optimizers: a note of theirs costs ~4 us each)
+            o for o in find_objects(self.fn) if not isinstance(o, nn.Module | torch.optim.Optimizer)
+        ]
         for m in self.network.modules():
             if isinstance(m, Primitive):
                 self.hooks.append(m.register_forward_pre_hook(self._enter, with_kwargs=True))
@@ -259,11 +267,12 @@ class GraphRun(StepHooks):
                 self.parallel_plan, self.templates = found[-1]
             else:
                 self._replan(args, kwargs, f"inputs of global shapes {shapes}")
-        state = snapshot(self.modules)
+        state, python = snapshot(self.modules), python_state(self.objects, CALL_LIMIT, False)
         try:
             return self._run(args, kwargs)
         except Replan as e:
-            state.restore()  # (what the stopped attempt changed: buffers, the RNG)
+            state.restore()  # (what the stopped attempt changed: buffers, the RNG, Python state)
+            python()
             ran = self.parallel_plan  # (the plan the stopped attempt ran)
             assert ran is not None
             variant = known_variant(self.plans, ran, shapes, e)

@@ -114,7 +114,7 @@ class _Follow:
             shapes = [self.graph.info(r).shape for r in node.inputs]
             given = [r in self.given_blocks for r in node.inputs]
             try:
-                decided = whole_op(have, shapes, node.args, self.ndim, given)
+                decided = whole_op(have, shapes, node.args, dict(node.kwargs), self.ndim, given)
             except ValueError as e:
                 raise PlanError(f"{node.op} at {node.source} ({node.module}): {e}") from None
             if decided is not None:

@@ -11,12 +11,15 @@ real call. Whatever that run changes would otherwise stay:
   (``self.t += 1``; a schedule or cycle read from it), a list of losses, Python's and NumPy's
   random generators (``random.choice``).
 
-`kept_real` snapshots, before the capture, each object the step's code loads (its attributes;
-a module's public ones, its buffers), each dict, list and set, the plain containers inside
-those (``stats["hist"]``), each closure cell, and the random generators' states; after it, it
-puts back every one that changed, so the first real call starts where the capture started. A
-module's private attributes (``_parameters``, hooks) are only rid of fake tensors (the capture
-restores its parameters itself).
+`python_state` notes each object the step's code loads (its attributes; a module's public
+ones, its buffers; a random generator object's state), each dict, list and set, the plain
+containers inside those (``stats["hist"]``), each closure cell, and the global random
+generators' states; the function it returns puts back every one that changed. `kept_real`
+does so around the capture, so the first real call starts where the capture started; the
+wrapper does so around each call (`parallel/_graph_run.py`), for a call stopped part way to be
+planned again (another branch of the step) and run anew from where it started. A module's
+private attributes (``_parameters``, hooks) are only rid of fake tensors (the capture restores
+its parameters itself).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from shardwise._torch import pytree
 from shardwise._torch.fake import holds_fake
 from shardwise._torch.module_state import own_buffers
 
-_LIMIT = 200_000  # container items snapshotted at most (a dataset held in a list: its refs)
+_LIMIT = 200_000  # container items looked through for nested containers (a dataset's list)
+CALL_LIMIT = 2_000  # the same, for the note taken at every call (`parallel/_graph_run.py`)
 _CONTAINERS = (list, dict, set)
 _EMPTY = object()
 
@@ -105,14 +109,17 @@ def _put_cell(cell: types.CellType, before: Any) -> None:
 class _Snapshot:
     """The undo steps of one capture (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.undo: list[Callable[[], None]] = []
         self.seen: set[int] = set()
         self.items = 0
+        self.limit = limit
 
-    def take(self, obj: Any) -> None:
-        """Note how `obj` is now, and the plain containers it holds."""
-        if id(obj) in self.seen or self.items > _LIMIT:
+    def take(self, obj: Any, root: bool = False) -> None:
+        """Note how `obj` is now, and the plain containers it holds (a `root`, an object the
+        step loads, whatever the items noted so far; the containers inside up to `limit`
+        items looked through)."""
+        if id(obj) in self.seen or (self.items > self.limit and not root):
             return
         self.seen.add(id(obj))
         inside: Iterable[Any]
@@ -123,7 +130,8 @@ class _Snapshot:
         elif isinstance(obj, dict):
             before_dict = dict(obj)
             self.undo.append(lambda: _put_dict(obj, before_dict))
-            inside = before_dict.values()
+            # (a module's globals: the names the step loads are noted themselves)
+            inside = () if "__builtins__" in before_dict else before_dict.values()
         elif isinstance(obj, set):
             before_set = set(obj)
             self.undo.append(lambda: _put_set(obj, before_set))
@@ -133,8 +141,13 @@ class _Snapshot:
             self.undo.append(lambda: _put_cell(obj, content))
             inside = (content,)
         else:
+            generator = _generator_state(obj)
+            if generator is not None:
+                self.undo.append(generator)
             inside = self._attributes(obj)
         for value in inside:
+            if self.items > self.limit:
+                break
             self.items += 1
             if isinstance(value, _CONTAINERS):
                 self.take(value)
@@ -151,16 +164,41 @@ class _Snapshot:
             if buffers is not None:
                 before_buffers = dict(buffers)
                 self.undo.append(lambda: _drop_fakes(buffers, before_buffers))
-            return [v for k, v in before.items() if not k.startswith("_")]
+            return [v for k, v in before.items() if isinstance(v, _CONTAINERS) and k[:1] != "_"]
         return before.values()
+
+
+def python_state(
+    objects: Iterable[Any], limit: int = _LIMIT, numpy_random: bool = True
+) -> Callable[[], None]:
+    """A function that puts the Python state of `objects` back as it is now (see the module
+    docstring): an object's attributes (a module's public ones and buffers), a random
+    generator object's state, a dict's, list's or set's items and the containers inside, a
+    closure cell's content; and Python's global random generator, NumPy's too with
+    `numpy_random` (reading it costs tens of microseconds). The items of containers looked
+    through for nested ones stop at `limit` (each of `objects` is noted whatever the count).
+
+    Example:
+        >>> put_back = python_state([trainer, history])
+        >>> trainer.t += 1; history.append(0.5)
+        >>> put_back()   # trainer.t and history as they were
+    """
+    snapshot = _Snapshot(limit)
+    for obj in objects:
+        snapshot.take(obj, root=True)
+    generators = _random_states(numpy_random)
+
+    def put_back() -> None:
+        for step in snapshot.undo:
+            step()
+        generators()
+
+    return put_back
 
 
 @contextmanager
 def kept_real(objects: Iterable[Any]) -> Iterator[None]:
-    """Put back, on leaving, the Python state of `objects` (see the module docstring): an
-    object's attributes (a module's public ones and buffers), a dict's, list's or set's items
-    and the containers inside, a closure cell's content; and Python's and NumPy's random
-    generators.
+    """Put back, on leaving, the Python state of `objects` as `python_state` notes it.
 
     Example:
         >>> scaler = torch.amp.GradScaler("cpu")
@@ -169,22 +207,41 @@ def kept_real(objects: Iterable[Any]) -> Iterator[None]:
         >>> scaler._scale is None
         True
     """
-    snapshot = _Snapshot()
-    for obj in objects:
-        snapshot.take(obj)
-    generators = _random_states()
+    put_back = python_state(objects)
     try:
         yield
     finally:
-        for step in snapshot.undo:
-            step()
-        generators()
+        put_back()
 
 
-def _random_states() -> Callable[[], None]:
-    """A function that puts Python's and NumPy's global random generators back as they are
-    now."""
+def _generator_state(obj: Any) -> Callable[[], None] | None:
+    """For a random generator object (``random.Random``, NumPy's ``Generator`` /
+    ``RandomState``: state kept outside their ``__dict__``), a function that puts its state
+    back as it is now; None for any other object."""
+    if isinstance(obj, random.Random):
+        state = obj.getstate()
+        return lambda: obj.setstate(state)
+    if not type(obj).__module__.startswith("numpy.random"):
+        return None
+    bits = getattr(obj, "bit_generator", None)
+    if bits is not None and hasattr(bits, "state"):  # (numpy.random.Generator)
+        bit_state = bits.state
+        return lambda: setattr(bits, "state", bit_state)
+    if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
+        try:  # (numpy.random.RandomState)
+            legacy = obj.get_state()
+        except TypeError:
+            return None
+        return lambda: obj.set_state(legacy)
+    return None
+
+
+def _random_states(numpy_random: bool) -> Callable[[], None]:
+    """A function that puts Python's global random generator back as it is now, and NumPy's
+    with `numpy_random`."""
     state = random.getstate()
+    if not numpy_random:
+        return lambda: random.setstate(state)
     try:
         import numpy as np
     except ImportError:  # (NumPy is optional)
