@@ -16,17 +16,14 @@
   strategies of the modules being run.
 - `dtype_name` / `info_of`: a tensor's dtype name, shape and dtype as `TensorInfo`;
   `tensors_in`: a pytree's tensors; `_tensors`: those and the tree with `TensorSlot`s in their
-  place; `_source`: the user's ``file:line`` that the error messages name.
+  place; the error messages name the user's ``file:line`` (`_source_lines`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,9 +46,9 @@ from shardwise.planner._graph import (
     TensorSlot,
     op_strategy,
 )
+from shardwise.planner._source_lines import library_read, source_line
 
 T = torch.Tensor
-_SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 
 
 class _StopCapture(BaseException):
@@ -73,43 +70,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def info_of(t: T) -> TensorInfo:
     """A tensor's global shape and dtype."""
     return TensorInfo(tuple(map(int, t.shape)), dtype_name(t.dtype))
-
-
-def _source() -> str:
-    """``file:line`` of the innermost caller outside torch and shardwise."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_FILES) and "contextlib" not in name:
-            return f"{os.path.basename(name)}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "?"
-
-
-_TORCH_DIR = str(Path(torch.__file__).parent)
-# torch functions that read a tensor's value, with what the user passes instead
-_LIBRARY_READS = {
-    "_detect_is_causal_mask": (
-        "torch checks whether the attention mask is causal by reading it; pass is_causal=True "
-        "(src_is_causal= / tgt_is_causal= for nn.Transformer) when the mask is causal, False "
-        "when it is not"
-    ),
-}
-
-
-def _library_read() -> str:
-    """Where inside torch a value read happens (``; inside torch's transformer.py:1245
-    (_detect_is_causal_mask): ...``), or "" when the user's own code reads it."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
-        name = frame.f_code.co_filename
-        if name.startswith(_TORCH_DIR) and "overrides" not in name and "_tensor.py" not in name:
-            function = frame.f_code.co_name
-            hint = _LIBRARY_READS.get(function, "see whether an argument of it spares the read")
-            where = f"{os.path.basename(name)}:{frame.f_lineno} ({function})"
-            return f"; it is torch's {where} that reads it: {hint}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return ""
 
 
 def _short(op: str) -> str:
@@ -172,7 +132,7 @@ class _State:
         index = len(self.nodes)
         if in_activation_checkpoint() and nested_checkpoint():
             raise CaptureError(
-                f"{op} at {_source()} runs inside a checkpointed region inside another "
+                f"{op} at {source_line()} runs inside a checkpointed region inside another "
                 f"(nested torch.utils.checkpoint), which AutoParallel does not support; "
                 f"checkpoint the regions one after the other"
             )
@@ -188,7 +148,7 @@ class _State:
             kwargs=template[1],
             aten=tuple(aten),
             out_map=tuple(out_map),
-            source=_source(),
+            source=source_line(),
             target=target,
             strategy=strategy,
         )
@@ -204,7 +164,7 @@ class _State:
         if entry[2]:
             raise CaptureError(
                 f"sw.shard on {entry[0]}: its op-form in_strategy annotates the module's single "
-                f"torch call, but it also called {op} at {_source()}; annotate a module that "
+                f"torch call, but it also called {op} at {source_line()}; annotate a module that "
                 f"makes one call (nn.Linear, nn.Embedding), or reshard its inputs instead"
             )
         entry[2] = True
@@ -266,7 +226,7 @@ class _Recorder(TorchFunctionMode):
         graph_grads = kind == "backward" and creates_graph(func, args, kwargs)
         if graph_grads and func is not torch.autograd.grad:  # (the buckets: plain gradients)
             raise CaptureError(
-                f"backward(create_graph=True) at {_source()}: AutoParallel reduces plain "
+                f"backward(create_graph=True) at {source_line()}: AutoParallel reduces plain "
                 f"parameter gradients, not ones that carry a graph (second derivatives, a "
                 f"penalty on p.grad are not supported); drop create_graph=True"
             )
@@ -286,9 +246,9 @@ class _Recorder(TorchFunctionMode):
                 s.keep.append(out)
             return out
         if kind == "read":
-            inside = _library_read()
+            inside = library_read()
             raise CaptureError(
-                f"{resolve_name(func) or func} at {_source()} reads a tensor's value while the "
+                f"{resolve_name(func) or func} at {source_line()} reads a tensor's value while the "
                 f"network is captured (fake tensors have no values)"
                 + (
                     inside
@@ -303,7 +263,7 @@ class _Recorder(TorchFunctionMode):
         ins, template = _tensors((args, kw))
         if s.differentiated and any(t is d for t in ins for d in s.differentiated):
             raise CaptureError(
-                f"{resolve_name(func) or func} at {_source()} computes with gradients that "
+                f"{resolve_name(func) or func} at {source_line()} computes with gradients that "
                 f"torch.autograd.grad(..., create_graph=True) returned (a gradient penalty, a "
                 f"second derivative), which AutoParallel does not support"
             )
@@ -315,7 +275,7 @@ class _Recorder(TorchFunctionMode):
             out = func(*args, **kw)
         except DATA_DEPENDENT as e:
             raise CaptureError(
-                f"{op} at {_source()} has an output whose shape depends on tensor values "
+                f"{op} at {source_line()} has an output whose shape depends on tensor values "
                 f"({type(e).__name__}), which capture cannot follow; use an op with a fixed "
                 f"output shape (a mask and torch.where instead of indexing by a boolean tensor)"
             ) from None
