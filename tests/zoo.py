@@ -387,6 +387,23 @@ def assert_shards_match(parallel: Any, net: nn.Module, want: dict[str, torch.Ten
         )
 
 
+def assert_grad_blocks_match(parallel: Any, net: nn.Module, single: nn.Module) -> None:
+    """Each parameter gradient of `net` (run under `parallel`) equals this rank's block of one
+    device's (`single`'s), cut by the layout `parallel`'s plan stores the parameter in."""
+    from shardwise.testing import assert_matches_single_device
+
+    plan = parallel.parallel_plan
+    assert plan is not None
+    for name, q in single.named_parameters():
+        layout, full = plan.params[name].layout, q.grad
+        assert full is not None, name
+
+        def block(rank: int, full: torch.Tensor = full, layout: Any = layout) -> torch.Tensor:
+            return full[layout.local_index(rank, tuple(full.shape))]
+
+        assert_matches_single_device(net.get_parameter(name).grad, block, what=f"{name}.grad")
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..zoo import assert_grad_blocks_match
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 Loss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -139,12 +141,4 @@ def test_covariance_over_rows_minus_one_with_megatron_layers() -> None:
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         loss = parallel(world.rows(x))
         assert_matches_single_device(loss, want.detach(), what="covariance loss")
-        plan = parallel.parallel_plan
-        for name, q in single.named_parameters():
-            layout, full = plan.params[name].layout, q.grad
-
-            def block(rank: int, full: torch.Tensor = full, layout: Any = layout) -> torch.Tensor:
-                return full[layout.local_index(rank, tuple(full.shape))]
-
-            p = net.get_parameter(name)
-            assert_matches_single_device(p.grad, block, what=f"{name}.grad")
+        assert_grad_blocks_match(parallel, net, single)

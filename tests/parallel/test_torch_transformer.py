@@ -22,6 +22,8 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..zoo import assert_grad_blocks_match
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, D = 20, 16
@@ -72,15 +74,8 @@ def test_transformer_encoder_matches_one_device(megatron: bool) -> None:
         with CommRecorder() as rec:
             loss = parallel(world.rows(x), world.rows(y))
         assert_matches_single_device(loss, want.detach(), what="loss")
+        assert_grad_blocks_match(parallel, net, single)
         plan = parallel.parallel_plan
-        for name, q in single.named_parameters():
-            layout, full = plan.params[name].layout, q.grad
-            assert full is not None
-
-            def block(rank: int, full: torch.Tensor = full, layout: object = layout) -> object:
-                return full[layout.local_index(rank, tuple(full.shape))]  # type: ignore[attr-defined]
-
-            assert_matches_single_device(net.get_parameter(name).grad, block, what=name)
         mha = [n for n in plan.nodes if n.op.endswith("multi_head_attention_forward")]
         assert len(mha) == 2 and all(n.rule != "replicate" for n in mha), plan
     everyone = tuple(range(ranks))

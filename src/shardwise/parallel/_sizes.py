@@ -49,6 +49,14 @@ def _number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
+def _with(own: list[Any], spec: Any, global_: list[Any], at: list[int]) -> tuple[Any, Any]:
+    """The call's flat arguments `own` (of pytree `spec`) with the captured ones at `at`."""
+    for i in at:
+        own[i] = global_[i]
+    out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
+    return out
+
+
 class Sizes:
     """The executor's sizes and numbers (see the module docstring); `PlanExecutor` sets the
     attributes."""
@@ -82,10 +90,7 @@ class Sizes:
                 f"shape (the plan has {list(wanted)}); compute them from global sizes (the "
                 f"step's own constants) instead"
             )
-        for i in [*at, *floats] if first != wanted else floats:
-            own[i] = global_[i]
-        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-        return out
+        return _with(own, spec, global_, [*at, *floats] if first != wanted else floats)
 
     def numbers(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
         """The arguments node `k` (an op on split inputs with a number, `NodeTable.numbered`)
@@ -98,12 +103,7 @@ class Sizes:
         # nothing to compare it with, and the node takes its short path)
         at = self._shares(k, own, global_, int | float) if spec == global_spec else []
         self.table.checked(k, bool(self.table.shares.get(k)))
-        if not at:
-            return args, kw
-        for i in at:
-            own[i] = global_[i]
-        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-        return out
+        return _with(own, spec, global_, at) if at else (args, kw)
 
     def factory_numbers(
         self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
@@ -113,12 +113,7 @@ class Sizes:
         own, spec = pytree.tree_flatten((args, kw))
         global_, global_spec = pytree.tree_flatten(captured)
         at = self._shares(k, own, global_, int | float) if spec == global_spec else []
-        if not at:
-            return args, kw
-        for i in at:
-            own[i] = global_[i]
-        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-        return out
+        return _with(own, spec, global_, at) if at else (args, kw)
 
     def _shares(self, k: int, own: list[Any], global_: list[Any], kind: Any) -> list[int]:
         """The positions of node `k`'s arguments `own` to give the captured number: those whose
