@@ -175,3 +175,21 @@ def test_loading_into_a_deferred_net_skips_random_init(tmp_path: Path) -> None:
     assert _equal_state(source, net)
     assert [id(p) for p in opt.param_groups[0]["params"]] == objects
     assert isinstance(net.w, Parameter) and net.w.name == "w"
+
+
+def test_a_whole_checkpoint_into_a_planned_network_names_the_fix() -> None:
+    """A single-device state loaded with the plain function after the network was planned (its
+    column-parallel weight cut to this rank's rows) named only the two shapes."""
+    import shardwise as sw
+    from shardwise.testing import simulated_world
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    whole = {k: v.clone() for k, v in net.state_dict().items()}
+    sw.shard(net[0], in_strategy=((1, 1), (2, 1)))
+    x = torch.randn(4, 4)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        sw.AutoParallel(net)(world.rows(x))
+        with pytest.raises(CheckpointError, match=r"block of it .*load_distributed\(net, folder"):
+            load_param_into_net(net, whole)

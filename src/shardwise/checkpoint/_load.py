@@ -62,10 +62,25 @@ def _piece_hint(key: str, pieces: Mapping[str, object], where: object) -> str:
     )
 
 
+def _block_hint(target: torch.Tensor, value: torch.Tensor) -> str:
+    """Why a whole tensor cannot fill a smaller one of as many dims (the network holds this
+    rank's block of it: planned by `AutoParallel`), and the fix."""
+    have, whole = tuple(target.shape), tuple(value.shape)
+    if len(have) != len(whole) or any(h > w for h, w in zip(have, whole, strict=True)):
+        return ""
+    return (
+        "; the network holds this rank's block of it (AutoParallel cut it for its plan): load "
+        "a whole checkpoint before the first call (the first step cuts it as it cuts a fresh "
+        "network), or save it as a checkpoint folder and load that with "
+        "sw.checkpoint.load_distributed(net, folder)"
+    )
+
+
 def _store(
     name: str, target: torch.Tensor, value: torch.Tensor, strict: bool, hint: str = ""
 ) -> None:
     if tuple(target.shape) != tuple(value.shape):
+        hint = hint or _block_hint(target, value)
         raise CheckpointError(
             f"cannot load {name!r}: checkpoint shape {list(value.shape)} != network shape "
             f"{list(target.shape)}{hint}"
