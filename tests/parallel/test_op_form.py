@@ -259,8 +259,9 @@ def test_op_form_on_a_linear_subclass() -> None:
 
 def test_a_view_that_cuts_a_split_dim_unevenly_is_a_plan_error() -> None:
     """A column-parallel Linear's 6 output features split 2 ways, then viewed as (3, 2): no
-    rule splits 3 evenly, so planning stops with a PlanError naming the op and the fix (it is
-    not silently run data parallel instead)."""
+    rule splits 3 evenly, so planning stops with a PlanError naming the op, the split dim, the
+    layer that split it and the fix (it is not silently run data parallel instead; the fix
+    asked for a divisible global batch)."""
 
     class Uneven(nn.Module):
         def __init__(self) -> None:
@@ -273,5 +274,6 @@ def test_a_view_that_cuts_a_split_dim_unevenly_is_a_plan_error() -> None:
     net, x = Uneven(), torch.randn(4, 8)
     with simulated_world(2) as world:
         world.replicate(net)
-        with pytest.raises(PlanError, match=r"view .*unevenly sharded.* Fix: make the split dims"):
+        fix = r"view .*unevenly sharded.* Fix: the op cuts dim 1 .* \(made by lin/linear\)"
+        with pytest.raises(PlanError, match=fix + r".*make the groups .*sw.strided"):
             sw.AutoParallel(net)(world.rows(x))

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.testing import simulated_world
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
 
 from ..zoo import GPT2, gpt2_hf, recording_step, semi_auto_matches, token_batches
 
@@ -213,3 +214,25 @@ def test_a_term_beside_the_loss_with_a_rank_counting_nothing(padded_rows: int) -
             world, net, opt, regularized, [(x, y)], [want.detach()], [grads]
         )
     assert [e.value for e in parallel.parallel_plan.edges if e.deferred]
+
+
+def test_a_float64_loss_is_summed_in_float64() -> None:
+    """The pair (mean x counted, counted) was all-reduced in float32: a float64 network's
+    cross entropy came back rounded to float32 (1.2604386806 against 1.2604387232)."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,))
+    y[1] = 4  # (ignored)
+    ref = Classifier().double()
+    want = F.cross_entropy(ref(x), y, ignore_index=4)
+    net = Classifier().double()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(a), b, ignore_index=4)
+            loss.backward()
+            return loss
+
+        got = sw.AutoParallel(step)(world.rows(x), world.rows(y))
+        assert got.dtype == torch.float64
+        assert_matches_single_device(got, want.detach(), what="loss", rtol=1e-12, atol=1e-14)

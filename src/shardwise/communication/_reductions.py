@@ -112,9 +112,11 @@ class _SumOverRanksFn(torch.autograd.Function):
 def _weighted(
     ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: GroupArg, started: list[Any] | None
 ) -> torch.Tensor:
-    """`sum_over_ranks` with a weight: one AllReduce of the pair (x, weight) in float32, the
-    result their quotient; the summed weight becomes the backward's divisor."""
-    pair = torch.stack([x.detach().float(), weight.detach().float()])
+    """`sum_over_ranks` with a weight: one AllReduce of the pair (x, weight) in float32 (in
+    float64 for a float64 `x`), the result their quotient; the summed weight becomes the
+    backward's divisor."""
+    kind = torch.promote_types(x.dtype, torch.float32)
+    pair = torch.stack([x.detach().to(kind), weight.detach().to(kind)])
     if started is None:
         pair = C.all_reduce(pair, ReduceOp.SUM, group)
         ctx.divisor, ctx.pending = pair[1], None

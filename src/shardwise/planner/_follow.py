@@ -260,6 +260,20 @@ class _Follow:
             out.append(placements_of(Placed(layout, placed.partial, placed.reduce)))
         return out
 
+    def _uneven_fix(self, node: Node) -> str:
+        """The fix for a view that cuts a split dim unevenly, naming the split dims and the
+        nodes that made them."""
+        dims, producers = [], []
+        for ref in node.inputs:
+            placed = self.state.get(ref)
+            if placed is None or not placed.layout.used_axes():
+                continue
+            split = [d for d, axes in enumerate(placed.layout.dims) if axes]
+            dims += [f"dim {d} of {ref}, split in {placed.layout.split_count(d)}" for d in split]
+            if ref.kind == "node":
+                producers.append(self.graph.nodes[int(ref.key)].name)
+        return _uneven_fix_text("; ".join(dims) or "a split dim", producers)
+
     def _data_parallel_inputs(self, node: Node) -> list[Placements]:
         """The node's activations split on dim 0 over every axis (when it divides), everything
         else whole: the data-parallel strategy semi_auto gives an op whose inputs' own layouts
@@ -278,16 +292,30 @@ class _Follow:
     def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
         shapes = [list(self.graph.info(r).shape) for r in node.inputs]
         placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
-        fix = (
-            "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
-            if "in-place" in str(e) or in_place(node.op)
-            else f"make the split dims divisible by the number of devices splitting them (e.g. "
-            f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
-        )
+        if "in-place" in str(e) or in_place(node.op):
+            fix = "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
+        elif "evenly" in str(e):  # (a view cutting a split dim into groups it does not divide)
+            fix = self._uneven_fix(node)
+        else:
+            fix = (
+                f"make the split dims divisible by the number of devices splitting them (e.g. "
+                f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
+            )
         return PlanError(
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
             f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
         )
+
+
+def _uneven_fix_text(what: str, producers: list[str]) -> str:
+    made = f" (made by {', '.join(producers)})" if producers else ""
+    return (
+        f"the op cuts {what}{made} into groups that its number of parts does not divide (2 "
+        f"key/value heads over 4 model-parallel ranks; q, k and v of a fused projection viewed "
+        f"as (3, heads, head_dim) over 2): make the groups (heads) divisible by it, leave the "
+        f"layer making the split unannotated, or split that layer's output strided "
+        f"(sw.strided, docs/layout.md)"
+    )
 
 
 def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:
