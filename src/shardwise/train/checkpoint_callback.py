@@ -9,12 +9,14 @@ training with the identical loss sequence.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.checkpoint import (
     CheckpointManager,
     load_checkpoint,
+    load_distributed,
     load_optimizer_state,
     load_param_into_net,
     unused_prefix,
@@ -115,7 +117,9 @@ def resume(model: object, path: str | Path) -> int:
 
     Args:
         model: the `sw.Model` to continue training.
-        path: a checkpoint saved at the end of an epoch.
+        path: a checkpoint saved at the end of an epoch; in a multi-rank job, this rank's
+            file (``directory/rank_<r>/...``): the checkpoint of all ranks is then loaded with
+            `sw.checkpoint.load_distributed`, so any plan or device count may continue it.
 
     Returns:
         The epoch to pass as ``initial_epoch`` to ``model.train``.
@@ -139,8 +143,12 @@ def resume(model: object, path: str | Path) -> int:
             f"resume: {path} was not saved at the end of an epoch (epoch {ckpt.epoch}, step "
             f"{ckpt.step} of {extra.get('batch_num')}); save at epoch ends to resume"
         )
-    load_param_into_net(model.network, ckpt, strict_load=True)
-    if model.optimizer is not None and ckpt.optimizer_state is not None:
-        load_optimizer_state(model.optimizer, ckpt, model.network)
+    where = Path(path)
+    if re.fullmatch(r"rank_\d+", where.parent.name):  # (a multi-rank job's file: its folder)
+        load_distributed(model.network, where.parent.parent, model.optimizer, name=where.name)
+    else:
+        load_param_into_net(model.network, ckpt, strict_load=True)
+        if model.optimizer is not None and ckpt.optimizer_state is not None:
+            load_optimizer_state(model.optimizer, ckpt, model.network)
     model.cur_step_num = int(extra.get("global_step", 0))
     return int(ckpt.epoch)
