@@ -118,7 +118,6 @@ class _Planner(_Follow):
         self.moved: set[tuple[Ref, Placed, Placed]] = set()  # moves made so far (`EdgePlan.shared`)
         # an automatic planner's decisions: index -> (input placements, outputs', rule)
         self.chosen: dict[int, tuple[list[Placements], list[Placements], str]] = {}
-        self.given_blocks: set[Ref] = set()  # (`_Follow`: inputs arriving as each rank's block)
 
     def edge(self, consumer: int, slot: int, ref: Ref, dst: Placed) -> None:
         """Move value `ref` to `dst` for `consumer` (an `EdgePlan` when it is elsewhere)."""
