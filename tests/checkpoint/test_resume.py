@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import shardwise as sw
 from shardwise.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -16,6 +17,7 @@ from shardwise.checkpoint import (
     load_param_into_net,
     save_checkpoint,
 )
+from shardwise.testing import assert_matches_single_device, simulated_world
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 FACTORIES: dict[str, OptFactory] = {
@@ -109,3 +111,43 @@ def test_optimizer_saved_from_a_dict_of_parameters(tmp_path: Path) -> None:
         torch.equal(a, opt.state[p]["momentum_buffer"])
         for a, p in zip(buffers, net.parameters(), strict=True)
     )
+
+
+@pytest.mark.parametrize("plan", ["data_parallel", "hsdp_level3", "megatron_level1", "megatron"])
+def test_whole_file_loaded_before_the_first_parallel_call(plan: str, tmp_path: Path) -> None:
+    """A one-device checkpoint (weights and Adam state) loaded with `load_param_into_net` and
+    `load_optimizer_state` into a network before its first parallel call (simulated ranks):
+    the run continues with the one-device losses. The state was one plain tensor all simulated
+    ranks updated (N updates a step: losses off from the second step on), and hsdp could not
+    cut it ('LocalIntNode' has no attribute 'guard_int')."""
+    batches = [(x[:4], y[:4]) for x, y in _batches()]
+    net = _net(0)
+    opt = FACTORIES["adam"](list(net.parameters()))
+    _train(net, opt, batches[:2])
+    path = save_checkpoint(net, tmp_path / "whole.safetensors", step=2, optimizer=opt)
+    want = _train(net, opt, batches[2:])
+
+    net = _net(99)
+    with simulated_world(4 if plan.startswith("megatron") else 2) as world:
+        world.replicate(net)
+        opt = FACTORIES["adam"](list(net.parameters()))
+        if plan.startswith("megatron"):
+            sw.shard(net[0], in_strategy=((2, 1), (2, 1)))  # column parallel
+            sw.shard(net[2], in_strategy=((2, 2), (1, 2)))  # row parallel
+        ckpt = load_checkpoint(path)
+        assert load_param_into_net(net, ckpt, strict_load=True) == ([], [])
+        load_optimizer_state(opt, ckpt, net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        if plan != "data_parallel" and plan != "megatron":
+            parallel.hsdp(threshold=0, optimizer_level=plan.split("_")[1])
+        got = [parallel(world.rows(x), world.rows(y)) for x, y in batches[2:]]
+    for i, loss in enumerate(got):
+        assert_matches_single_device(loss, torch.tensor(want[i]), what=f"loss {i}")

@@ -132,10 +132,7 @@ def load_distributed(
         if strategy is None:
             with comm.plain_tensors():  # (the same whole tensor on every rank)
                 value = source.assemble(key, whole(shape))
-            if not comm.holds_several_ranks():
-                return value
-            # (each rank its own copy: their states are updated apart)
-            return comm.rank_value(lambda r: value if r == 0 else value.clone())
+            return comm.every_rank(value, copies=True)  # (their states are updated apart)
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
 
     model = source.model_names

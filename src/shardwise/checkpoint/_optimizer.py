@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardwise import communication as comm
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import OPTIMIZER_PREFIX, decode_value, encode_value
 
@@ -214,3 +215,7 @@ def load_optimizer_state(
     }
     groups = [decode_value(group, saved.tensors) for group in groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    for entries in optimizer.state.values():  # (in a simulated world: each rank its own copy)
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                entries[key] = comm.every_rank(value, copies=True)

@@ -59,8 +59,9 @@ class Simulator(Protocol):
         """A context in which tensors are plain (no per-rank values, one RNG draw)."""
         ...
 
-    def every_rank(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` as a value of every rank (a plain tensor made one per-rank tensor)."""
+    def every_rank(self, t: torch.Tensor, copies: bool = False) -> torch.Tensor:
+        """`t` as a value of every rank (a plain tensor made one per-rank tensor; `copies`:
+        each rank its own copy)."""
         ...
 
     def draw_state(self) -> Any:
@@ -168,13 +169,21 @@ def set_draw_state(state: Any) -> None:
         torch.cuda.set_rng_state_all(devices)
 
 
-def every_rank(t: torch.Tensor) -> torch.Tensor:
+def every_rank(t: torch.Tensor, copies: bool = False) -> torch.Tensor:
     """`t` as a value every rank holds: itself in a job; in a simulated world a plain tensor
     (a constant the step made, ``torch.tensor([...])``) becomes a per-rank one, so that a
     rank-dependent slice of it (`redistribution`) takes each rank's part.
+
+    Args:
+        t: the tensor.
+        copies: the ranks update the value apart (optimizer state, a loaded parameter): in a
+            simulated world each rank gets its own copy (rank 0 keeps `t`), not views of one.
+
+    Returns:
+        `t` in a job; in a simulated world the per-rank tensor (`t` itself if it is one).
 
     Example:
         >>> block = every_rank(mask).narrow(0, coord * rows, rows)
     """
     sim = _current
-    return t if sim is None else sim.every_rank(t)
+    return t if sim is None else sim.every_rank(t, copies)

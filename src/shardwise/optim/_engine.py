@@ -159,7 +159,7 @@ class OptimizerParallel(WeightGathering):
                 if tuple(value.shape) == info.block and shard.sharded:
                     pos = self.groups[self.bucket_of[name]].position
                     rows = shard.shard_shape[0]
-                    value = value.narrow(0, pos * rows, rows)
+                    value = comm.every_rank(value).narrow(0, pos * rows, rows)
                 state[key] = value.clone()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.communication import _init, _sim
+from shardwise.testing._inplace_guard import guarded_mode
 
 
 def _no_dispatch_modes() -> Any:
@@ -83,12 +84,15 @@ class SimulatedWorld:
         """A context in which tensors are plain again (LocalTensorMode paused)."""
         return self.mode.disable()
 
-    def every_rank(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` as a per-rank tensor (itself when it is one already)."""
+    def every_rank(self, t: torch.Tensor, copies: bool = False) -> torch.Tensor:
+        """`t` as a per-rank tensor (itself when it is one already); `copies`: each rank its
+        own copy (rank 0 keeps `t`), for a value the ranks update apart."""
         if isinstance(t, self._local_tensor):
             held: torch.Tensor = t
             return held
-        return self.rank_map(lambda r: t)
+        with self.outside():
+            parts = [t if r == 0 or not copies else t.clone() for r in range(self.world_size)]
+        return self.rank_map(lambda r: parts[r])
 
     def draw_state(self) -> Any:
         """The per-rank generator states `draw_same` draws from (the plain generator's when the
@@ -132,8 +136,8 @@ class SimulatedWorld:
     def same(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (made outside the world) as a value held by every rank.
 
-        Make data outside the world: inside, random factories draw once per rank, so a shared
-        `torch.Generator` gives every rank different numbers.
+        Make data outside the world: inside, random factories draw once per rank (the same
+        numbers on every rank only when the world was seeded inside, or with a ``generator=``).
         """
         if isinstance(t, self._local_tensor):
             raise ValueError("same(): the tensor already holds per-rank values; make it outside")
@@ -329,6 +333,11 @@ def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
     Inside, tensors may hold a different value per rank (`SimulatedWorld.rank_map`),
     `shardwise.communication` functions and the collective primitives compute exactly what a
     real job would, and `get_rank()` is a per-rank int (so ``x[rank * k:(rank + 1) * k]`` works).
+    A tensor made outside the world is one plain tensor all ranks share: an in-place op that
+    writes per-rank values into it (``total += loss``) raises a ValueError (it would be updated
+    once per rank); make it inside, pass it through `SimulatedWorld.same`, or write out of
+    place. A random op given an explicit ``generator=`` gives every rank the draw one process
+    makes from it (as processes seeded alike do).
 
     Args:
         world_size: number of simulated ranks (>= 1).
@@ -351,9 +360,9 @@ def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
             "simulated_world: a process group already exists in this process; "
             "call shardwise.communication.release() first"
         )
-    fake_pg, _, local_tensor_mode = _private()
+    fake_pg, (_, local_tensor), local_tensor_mode = _private()
     dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_pg.FakeStore())
-    mode = local_tensor_mode(world_size)
+    mode = guarded_mode(local_tensor_mode, local_tensor)(world_size)
     world = SimulatedWorld(world_size, mode)
     previous = _sim.install(world)
     try:

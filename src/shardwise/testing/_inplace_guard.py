@@ -1,0 +1,117 @@
+"""What the simulated world adds to torch's LocalTensorMode so that one process behaves as n.
+
+- A tensor made outside the world (before ``with simulated_world(n)``, or loaded from a file
+  there) is one plain tensor that every rank shares. An in-place op that writes per-rank values
+  into it (``total += loss`` with a running total made outside, an optimizer state tensor
+  loaded whole) would run once per rank on that one tensor: n updates where a real job makes
+  one per process. `check_write` raises a ValueError naming the op and the fix instead.
+- A random op given an explicit ``generator=`` would draw each rank's numbers one after the
+  other from that one generator (rank 1 the numbers after rank 0's), where each process of a
+  real job draws from its own generator seeded alike. `same_draws` gives every rank the draw
+  from the generator's state before the op, which then stands advanced once.
+
+`guarded_mode` makes the LocalTensorMode subclass that does both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_WRITES_FIRST: dict[Any, bool] = {}
+
+
+def _writes_first(func: Any) -> bool:
+    """Whether aten overload `func` writes into its first argument (``add_``, ``copy_``,
+    ``_foreach_add_``), cached per overload."""
+    known = _WRITES_FIRST.get(func)
+    if known is None:
+        arguments = func._schema.arguments
+        alias = arguments[0].alias_info if arguments else None
+        known = alias is not None and alias.is_write and func.namespace == "aten"
+        _WRITES_FIRST[func] = known
+    return known
+
+
+def _plain(x: Any, local: type) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, local)
+
+
+def _has_local(values: Any, local: type) -> bool:
+    for v in values:
+        if isinstance(v, local):
+            return True
+        if isinstance(v, (list, tuple)) and any(isinstance(u, local) for u in v):
+            return True
+    return False
+
+
+def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> None:
+    """Raise ValueError when `func` writes per-rank values (a LocalTensor among its other
+    arguments) into a plain tensor that all ranks share (its first argument)."""
+    if not args or not _writes_first(func):
+        return
+    first = args[0]
+    targets = first if isinstance(first, (list, tuple)) else (first,)
+    if not any(_plain(t, local) for t in targets):
+        return
+    if not _has_local(args[1:], local) and not _has_local(kwargs.values(), local):
+        return
+    shape = next(list(t.shape) for t in targets if _plain(t, local))
+    raise ValueError(
+        f"simulated world: {func} writes each rank's value into a tensor of shape {shape} "
+        "made outside the world (one plain tensor that every rank shares): it would be "
+        "updated once per simulated rank, where a real job updates it once per process. "
+        "Make the tensor inside the world (or pass it through world.same(...)), or write "
+        "out of place (total = total + loss)"
+    )
+
+
+def same_draws(
+    mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type
+) -> Any:
+    """`func` (given an explicit ``generator``) run for every rank of `mode` from the
+    generator's state before the call: a new tensor (a factory), or each rank's part of its
+    first argument filled in place (``normal_``); None when other arguments hold per-rank
+    values (left to LocalTensorMode)."""
+    gen = kwargs["generator"]
+    first = args[0] if args and isinstance(args[0], local) else None
+    rest = args[1:] if first is not None else args
+    if _has_local(rest, local) or _has_local(kwargs.values(), local):
+        return None
+    start = gen.get_state()
+
+    def draw(r: int) -> torch.Tensor:
+        gen.set_state(start)
+        if first is None:
+            out: torch.Tensor = func(*args, **kwargs)
+            return out
+        filled: torch.Tensor = func(first._local_tensors[r], *rest, **kwargs)  # type: ignore[attr-defined]
+        return filled
+
+    made = mode.rank_map(draw)
+    return made if first is None else first
+
+
+def guarded_mode(mode_cls: type, local: type) -> type:
+    """A subclass of torch's LocalTensorMode `mode_cls` whose dispatch runs `check_write` and
+    `same_draws`."""
+
+    class GuardedLocalTensorMode(mode_cls):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: tuple[Any, ...],
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            if not self._disable:
+                check_write(func, args, kwargs or {}, local)
+                if kwargs and kwargs.get("generator") is not None:
+                    made = same_draws(self, func, args, kwargs, local)
+                    if made is not None:
+                        return made
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return GuardedLocalTensorMode

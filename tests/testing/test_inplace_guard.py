@@ -1,0 +1,49 @@
+"""In a simulated world, an in-place op that writes each rank's value into a tensor made
+outside the world (one plain tensor all ranks share) raises instead of updating it once per
+rank; made inside (or given with `world.same`), or written out of place, it is each rank's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.testing import simulated_world
+
+
+def test_in_place_write_into_an_outside_tensor_is_refused() -> None:
+    total, ones = torch.zeros(2), torch.ones(4, 2)
+    with simulated_world(2) as world:
+        part = world.rows(ones).sum(0)  # 2.0 on each rank
+        with pytest.raises(ValueError, match=r"aten\.add_\.Tensor .* shape \[2\] made outside"):
+            total += part
+        assert total.tolist() == [0.0, 0.0]  # (nothing written)
+        with pytest.raises(ValueError, match="made outside the world"):
+            torch._foreach_add_([total], [part])
+        inside = torch.zeros(2)
+        inside += part
+        total = total + part  # out of place: a per-rank result
+        for got in (inside, total):
+            assert [t.tolist() for t in world.local_tensors(got)] == [[2.0, 2.0]] * 2
+
+
+def test_writes_without_per_rank_values_still_run_once() -> None:
+    total, step = torch.zeros(2), torch.zeros(())
+    with simulated_world(2):
+        total += 1.0  # (no per-rank value: one write, as in each process)
+        step.add_(1)
+    assert total.tolist() == [1.0, 1.0] and step.item() == 1.0
+
+
+def test_an_explicit_generator_gives_every_rank_the_same_draw() -> None:
+    """Each process of a job draws from its own generator seeded alike: every simulated rank
+    gets the numbers one process gets (rank 1 got the numbers after rank 0's), and the
+    generator stands where one process leaves it."""
+    g = torch.Generator().manual_seed(0)
+    want, after = torch.rand(3, generator=g).tolist(), torch.rand(2, generator=g).tolist()
+    normal = torch.empty(3).normal_(generator=g.manual_seed(1)).tolist()
+    with simulated_world(2) as world:
+        drawn = torch.rand(3, generator=g.manual_seed(0))
+        later = torch.rand(2, generator=g)
+        filled = torch.empty(3).normal_(generator=g.manual_seed(1))  # (in place, per rank)
+    for got, expect in ((drawn, want), (later, after), (filled, normal)):
+        assert [t.tolist() for t in world.local_tensors(got)] == [expect] * 2
