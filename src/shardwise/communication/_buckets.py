@@ -148,8 +148,8 @@ def _flat_gather(
         for m, p in enumerate(pieces):
             size = p.numel()
             block = rows[:, offset : offset + size]  # each rank's piece of member m, in a row
-            if outs is None:
-                out.append(block.reshape(n * p.shape[0], *p.shape[1:]))
+            if outs is None:  # (a member of 1 row a rank: reshape keeps the rows' stride)
+                out.append(block.reshape(n * p.shape[0], *p.shape[1:]).contiguous())
             else:
                 out.append(outs[m])
                 outs[m].view(n, size).copy_(block)
