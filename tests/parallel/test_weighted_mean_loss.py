@@ -21,9 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
-from ..zoo import GPT2, gpt2_hf, recording_step, semi_auto_matches, token_batches
+from ..zoo import (
+    GPT2,
+    assert_grad_blocks_match,
+    gpt2_hf,
+    recording_step,
+    semi_auto_matches,
+    token_batches,
+)
 
 STEPS, BATCH = 2, 8
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -236,3 +243,67 @@ def test_a_float64_loss_is_summed_in_float64() -> None:
         got = sw.AutoParallel(step)(world.rows(x), world.rows(y))
         assert got.dtype == torch.float64
         assert_matches_single_device(got, want.detach(), what="loss", rtol=1e-12, atol=1e-14)
+
+
+class Mlp(nn.Module):
+    """Two Linears; `megatron`: the first column parallel, the second row parallel (mp 2)."""
+
+    def __init__(self, megatron: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 5)
+        if megatron:
+            sw.shard(self.fc1, in_strategy=((2, 1), (2, 1)))
+            sw.shard(self.fc2, in_strategy=((2, 2), (1, 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(torch.relu(self.fc1(x)))
+        return out
+
+
+SOFT_LOSSES = {
+    "soft_cross_entropy": lambda o, t: F.cross_entropy(o, t),
+    "soft_smoothed_weighted": lambda o, t: F.cross_entropy(
+        o, t, weight=WEIGHT, label_smoothing=0.1
+    ),
+    "kl_div_batchmean": lambda o, t: F.kl_div(F.log_softmax(o, -1), t, reduction="batchmean"),
+    "kl_div_log_target": lambda o, t: F.kl_div(
+        F.log_softmax(o, -1), t.log(), reduction="batchmean", log_target=True
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("loss", "world_size", "megatron"),
+    [(name, 2, False) for name in SOFT_LOSSES]
+    + [("soft_cross_entropy", 4, False), ("kl_div_batchmean", 4, True)],
+)
+def test_losses_that_divide_by_their_own_rows(loss: str, world_size: int, megatron: bool) -> None:
+    """A cross entropy of class probabilities (mixup, distillation) and ``kl_div``'s batchmean
+    divide inside torch by the rows they get: each rank divided by its own rows while the plan
+    summed the ranks' values as if by the global rows (N times the loss and the gradients,
+    silently). They are averaged by their rows: loss and gradients equal one device's, with
+    one forward AllReduce a step (the pair)."""
+    g = torch.Generator().manual_seed(5)
+    x, t = torch.randn(8, 6, generator=g), torch.softmax(torch.randn(8, 5, generator=g), -1)
+    f = SOFT_LOSSES[loss]
+
+    ref = Mlp()
+    want = f(ref(x), t)
+    want.backward()
+    net = Mlp(megatron)
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = f(net(x), t)
+            out.backward()
+            return out
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x), world.rows(t))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        assert_grad_blocks_match(parallel, net, ref)
+    forward = [r.numel for r in rec.records if r.phase == "forward" and r.kind == "AllReduce"]
+    assert forward[-1:] == [2], rec.summary()  # (the loss's: the pair)

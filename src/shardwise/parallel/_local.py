@@ -58,7 +58,7 @@ from shardwise.parallel._runtime import group_for
 from shardwise.planner import NodePlan, Placed
 from shardwise.planner._batch_norm import BN_ARGS
 from shardwise.planner._draws import SDPA_ARGS, is_fill
-from shardwise.planner._losses import LOSS_ARGS
+from shardwise.planner._losses import KL_ARGS, KL_DIV, LOSS_ARGS
 from shardwise.redistribution import block_offset, local_block
 
 Shape = tuple[int, ...]
@@ -222,12 +222,20 @@ def dropout_block(
     return x.mul_(mask) if bound.get("inplace", False) else x * mask  # type: ignore[no-any-return]
 
 
-def loss_weight(args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
+def loss_weight(op: str, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:
     """What an ``F.cross_entropy`` / ``F.nll_loss(*args, **kw)`` mean divides by on this rank
     (`planner.WEIGHTED_MEAN`): the targets not equal to ``ignore_index``, each counted with its
-    class's ``weight`` (float32, no gradient)."""
+    class's ``weight``; for ``F.kl_div``'s batchmean and a cross entropy of class probabilities
+    (`op`), the rows torch divides by (float32, no gradient)."""
+    if op == KL_DIV:
+        x = _by_name(KL_ARGS, args, kw)["input"]
+        return torch.tensor(float(x.shape[0]) if x.dim() else 1.0, device=x.device)
     bound = _by_name(LOSS_ARGS, args, kw)
     target: torch.Tensor = bound["target"]
+    if target.is_floating_point():  # (class probabilities: a mean over the rows)
+        x = bound["input"]
+        rows = x.numel() // x.shape[1] if x.dim() > 1 else 1
+        return torch.tensor(float(rows), device=x.device)
     weight: torch.Tensor | None = bound.get("weight")
     kept = target != bound.get("ignore_index", -100)
     if weight is None:

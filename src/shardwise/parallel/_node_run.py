@@ -110,7 +110,7 @@ class NodeRun:
             if self.backward_seen:
                 raise
             raise Replan(str(e), k, self.ops[k]) from None
-        weight = loss_weight(args, kw) if k in table.weighted else None
+        weight = loss_weight(self.plan.nodes[k].op, args, kw) if k in table.weighted else None
         out = self._returned(k, out, weight)
         if k in table.averaging:
             average_outputs(out, self.plan.nodes[k], self.plan.matrix)

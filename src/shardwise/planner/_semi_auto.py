@@ -208,7 +208,7 @@ class _Planner(_Follow):
         local = ""
         if split:
             local = SPLIT_BATCH_NORM
-        elif placed and weighted_mean(node, placed[0], self.graph):
+        elif placed and weighted_mean(node, placed[0], self.graph, ins):
             local = WEIGHTED_MEAN
         elif attention_dropout(node):
             local = ATTENTION_DROPOUT
