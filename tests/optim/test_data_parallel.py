@@ -320,3 +320,29 @@ def test_bad_inputs() -> None:
         with pytest.raises(ValueError, match="per-input strategies need parallel_mode='semi_auto'"):
             DataParallelRunner(net, [opt], dataset_strategy=((2, 1),))
         runner.remove()
+
+
+def test_returned_scalars_in_a_dict_are_the_global_mean() -> None:
+    """``parallel_mode="data_parallel"``: a step returning ``{"loss": loss, "parts": (...)}``
+    gets the loss averaged over the ranks as a bare loss is (it was each rank's own, silently);
+    an int count stays this rank's."""
+    torch.manual_seed(0)
+    net = nn.Linear(6, 3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    want = nn.functional.cross_entropy(net(x), y).detach()
+    hits = (net(x).argmax(-1) == y).reshape(2, 4).sum(1).tolist()  # (each rank's own rows)
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            count = (net(x).argmax(-1) == y).sum()
+            return {"loss": loss, "parts": (2 * loss, count), "rows": x.shape[0]}
+
+        out = sw.AutoParallel(step, parallel_mode="data_parallel")(world.rows(x), world.rows(y))
+        assert_matches_single_device(out["loss"], want, what="loss")
+        assert_matches_single_device(out["parts"][0], 2 * want, what="2 * loss")
+        assert [c.item() for c in world.local_tensors(out["parts"][1])] == hits
+        assert out["rows"] == 4

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise._torch import pytree
 from shardwise.communication import _collectives as C
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO
@@ -85,15 +86,16 @@ def broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
 
 
 def mean_loss(out: Any, world: int) -> Any:
-    """The step's result with every floating scalar tensor (also inside a tuple or list)
-    replaced by its mean over the ranks (detached); anything else unchanged."""
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point() and out.numel() == 1:
-            return C.all_reduce(out.detach(), C.ReduceOp.SUM, None).div_(world)
-        return out
-    if isinstance(out, tuple | list):
-        return type(out)(mean_loss(o, world) for o in out)
-    return out
+    """The step's result with every floating scalar tensor (also inside a tuple, list, dict or
+    other pytree: ``{"loss": loss}``, a model's output) replaced by its mean over the ranks
+    (detached); anything else unchanged."""
+
+    def mean(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel() == 1:
+            return C.all_reduce(leaf.detach(), C.ReduceOp.SUM, None).div_(world)
+        return leaf
+
+    return pytree.tree_map(mean, out)
 
 
 def gather_rows(out: Any) -> Any:
