@@ -337,6 +337,19 @@ def _clip_grad() -> None:
     with total_norm_replaced(total, None, lambda *a, **k: norm):
         assert torch.nn.utils.get_total_norm([t.grad]) is norm
     assert torch.nn.utils.get_total_norm is TORCH_TOTAL_NORM
+    # clip_grad_value_ groups the gradients with the module's function, looked up at call time
+    grouped: list[object] = []
+    t.grad = torch.tensor([3.0, 4.0])
+
+    def grouping(tensors, *args, **kwargs):  # type: ignore[no-untyped-def]
+        grouped.append(tensors)
+        return {}
+
+    with total_norm_replaced(total, None, None, grouping):
+        torch.nn.utils.clip_grad_value_([t], 0.1)
+    assert len(grouped) == 1 and grouped[0][0][0] is t.grad and t.grad.tolist() == [3.0, 4.0]
+    torch.nn.utils.clip_grad_value_([t], 0.5)  # (torch's own again)
+    assert t.grad.tolist() == [0.5, 0.5]
 
 
 def _checkpointing() -> None:

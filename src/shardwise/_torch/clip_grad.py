@@ -8,7 +8,8 @@ block runs, so every such call clips by the norm they give (shardwise's: of the 
 gradients, `parallel/_clip`); the second one also sees the parameters, which the first does not.
 The two-step form ``torch.nn.utils.get_total_norm`` (an alias of the first, looked up on
 ``torch.nn.utils`` when called by that path; a name imported from there is torch's own) can be
-replaced too.
+replaced too, and so can ``clip_grad._group_tensors_by_device_and_dtype``, which every function
+of the module (``clip_grad_value_`` too) calls on the gradients before it clips them.
 """
 
 from __future__ import annotations
@@ -32,23 +33,29 @@ def total_norm_replaced(
     total_norm: Callable[..., Any],
     clip_with_norm: Callable[..., Any] | None = None,
     public_total_norm: Callable[..., Any] | None = None,
+    grouping: Callable[..., Any] | None = None,
 ) -> Iterator[None]:
     """While the block runs, torch's clipping takes its total norm from `total_norm` (same
     signature as `TORCH_TOTAL_NORM`) and, when given, scales with `clip_with_norm` (same
-    signature as `TORCH_CLIP_WITH_NORM`), and ``torch.nn.utils.get_total_norm`` (the two-step
-    form, called by that path) is `public_total_norm`; torch's own are back after it."""
+    signature as `TORCH_CLIP_WITH_NORM`), ``torch.nn.utils.get_total_norm`` (the two-step
+    form, called by that path) is `public_total_norm`, and the module's grouping of the
+    gradients (``clip_grad_value_`` calls it) is `grouping`; torch's own are back after it."""
     before = _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_
     public = _utils.get_total_norm
+    group = _clip_grad._group_tensors_by_device_and_dtype  # type: ignore[attr-defined]
     _clip_grad._get_total_norm = total_norm
     if clip_with_norm is not None:
         _clip_grad._clip_grads_with_norm_ = clip_with_norm
     if public_total_norm is not None:
         _utils.get_total_norm = public_total_norm
+    if grouping is not None:
+        _clip_grad._group_tensors_by_device_and_dtype = grouping  # type: ignore[attr-defined]
     try:
         yield
     finally:
         _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_ = before
         _utils.get_total_norm = public
+        _clip_grad._group_tensors_by_device_and_dtype = group  # type: ignore[attr-defined]
 
 
 __all__ = ["TORCH_CLIP_WITH_NORM", "TORCH_TOTAL_NORM", "total_norm_replaced"]

@@ -72,6 +72,7 @@ class OptimizerParallel(WeightGathering):
         ] = []  # started reductions
         self._prefetched: dict[int, Pending[list[torch.Tensor]]] = {}  # next buckets' AGs
         self._regathering: dict[int, Pending[list[torch.Tensor]]] = {}  # level 3, backward
+        self.reading = False  # (`reduce_for_read` runs: its own reads of ``.grad``)
         # global hooks hold only a weak reference: a dropped engine (and its network) is freed
         ref = weakref.ref(self)
 

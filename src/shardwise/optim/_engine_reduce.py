@@ -65,10 +65,13 @@ class GradReduction:
     _refilled: set[str]
     _used: dict[str, bool]
     _inflight: list[tuple[int, str, Pending[list[torch.Tensor]]]]
+    reading: bool
 
     if TYPE_CHECKING:
 
         def end_forward(self, names: Iterable[str] | None = None) -> None: ...
+
+        def owns(self, t: torch.Tensor) -> bool: ...
 
     def _label(self, i: int) -> str:
         bucket = self.plan.buckets[i]
@@ -141,6 +144,19 @@ class GradReduction:
                 if any(leaf is not None and leaf.grad is not None for leaf in leaves):
                     self._reduce(i, phase="step")
         self._drain()
+
+    def reduce_for_read(self, t: torch.Tensor) -> None:
+        """Level 1, before user code reads ``t.grad`` (``clip_grad_value_``, a gradient's
+        norm logged between backward and the step): when `t` is one of the parameters, the
+        full gradients held on the leaves are reduced now (`reduce_held`), so the read gets
+        the parameter's reduced gradient as at levels 2-3 (it got None: nothing clipped)."""
+        if self.reading or not self.owns(t):
+            return
+        self.reading = True
+        try:
+            self.reduce_held()
+        finally:
+            self.reading = False
 
     def reduce_held(self, reduce: bool = True) -> bool:
         """Level 1: reduce the full gradients the leaves hold now (`flush`) instead of at the

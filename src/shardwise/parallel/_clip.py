@@ -68,6 +68,13 @@ DATA_PARALLEL = (
     "norm; use parallel_mode='semi_auto' (the same data-parallel plan, gradients reduced in "
     "backward), where it clips by the norm of the whole gradients"
 )
+DATA_PARALLEL_VALUE = (
+    "clip_grad_value_ inside a parallel_mode='data_parallel' train step: the gradients are "
+    "this rank's own until the optimizer step all-reduces them, so each rank would clip its "
+    "own gradient (the mean of clipped gradients is not the clipped mean); use "
+    "parallel_mode='semi_auto' (the same data-parallel plan, gradients reduced in backward), "
+    "where it clips the whole gradients"
+)
 
 
 def copies(shard: ParamShard) -> Copies:
@@ -285,8 +292,16 @@ def clipping(
     the running wrapper's; `reduce_first`: reduces gradients held unreduced, hsdp level 1), or
     is refused with ValueError(`refused`)."""
     total = _TotalNorm(splits, refused, reduce_first)
-    with total_norm_replaced(total, total.scale, total.public):
+    grouping = _refuse(DATA_PARALLEL_VALUE) if refused == DATA_PARALLEL else None
+    with total_norm_replaced(total, total.scale, total.public, grouping):
         yield
+
+
+def _refuse(message: str) -> Callable[..., Any]:
+    def grouping(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(message)
+
+    return grouping
 
 
 def clip_grad_norm_(

@@ -85,6 +85,10 @@ from shardwise.planner._call_kinds import keeps_graph
 T = torch.Tensor
 
 
+GRAD_GET = "torch.Tensor.grad.__get__"
+"""The op name of a ``t.grad`` read (`call_info`)."""
+
+
 class PlanExecutor(
     Passes, Sizes, Leaving, NodeRun, PrimitiveHooks, Recompute, Seeds, SpanRunner, SteppingMode
 ):
@@ -143,6 +147,9 @@ class PlanExecutor(
         # the gradients' reducer corrects shares of a backward that did not wait for a mean
         # loss's count (`EdgePlan.deferred`; set by the caller: not with optimizer parallel)
         self.defer_count = False
+        # called with the tensor before each ``t.grad`` read (set by the caller: hsdp level 1
+        # reduces the gradients it holds, so that ``p.grad`` is the parameter's reduced one)
+        self.grad_read: Callable[[T], None] | None = None
         self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
@@ -181,6 +188,8 @@ class PlanExecutor(
         except (KeyError, TypeError):
             kind, op = call_info(func)
         if kind != "op":  # (metadata, attribute reads, aliases: no node; backward: `_call`)
+            if self.grad_read is not None and op == GRAD_GET:  # (``p.grad``: hsdp level 1)
+                self.grad_read(args[0])
             if kind in ("backward", "grad"):
                 return self._call(func, kind, op, args, kwargs or {})
             if self.placed and kind != "skip" and self.done:  # (a value read, an alias)

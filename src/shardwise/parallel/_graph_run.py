@@ -317,6 +317,8 @@ class GraphRun(StepHooks):
         executor.defer_count = self.grads is not None and not any(t.requires_grad for t in leaves)
         if self.hsdp is not None:
             executor.reentrant_refused = REENTRANT_HSDP
+        if engine is not None and engine.level == "level1":
+            executor.grad_read = engine.reduce_for_read
         return executor
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:

@@ -1,0 +1,92 @@
+"""``torch.nn.utils.clip_grad_value_`` between ``loss.backward()`` and the optimizer step.
+
+It clamps each gradient element, so it needs the reduced gradients. Under semi_auto they are
+reduced in backward (levels 2-3: the shards), except with hsdp level 1, which holds each rank's
+full gradients until the step: there the parameters' ``.grad`` was None, nothing was clipped
+(silently). Now reading a parameter's ``.grad`` reduces them first (as clipping by the norm
+does), so every level clips as one device does. In ``parallel_mode="data_parallel"`` (each
+rank's own gradients until the step) it is refused with a ValueError, as ``clip_grad_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from ..optim.test_hsdp import shard_of
+
+STEPS = 3
+
+
+def make() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def clipped(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(net.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))] * STEPS
+
+
+DATA = _data()  # (made outside the simulated worlds)
+
+
+@pytest.mark.parametrize("level", ["none", "level1", "level2", "level3"])
+def test_clip_grad_value_matches_one_device(level: str) -> None:
+    ref = make()
+    opt: Any = torch.optim.SGD(ref.parameters(), lr=0.5)
+    step = clipped(ref, opt)
+    want = [step(x, y).detach() for x, y in DATA]
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        parallel = sw.AutoParallel(clipped(net, opt), parallel_mode="semi_auto")
+        if level != "none":
+            parallel.hsdp(threshold=0, optimizer_level=level)
+        with CommRecorder() as rec:
+            got = [parallel(world.rows(x), world.rows(y)) for x, y in DATA]
+        for s in range(STEPS):
+            assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+        for name, p in net.named_parameters():
+            full = ref.get_parameter(name).detach()
+            expect = shard_of(parallel, name, full) if level != "none" else full
+            assert_matches_single_device(p.detach(), expect, what=name)
+    # level 1: the ReduceScatters the step would run, run when the clipping reads .grad
+    scatters = rec.kinds().get(("ReduceScatter", "backward", (0, 1)), 0)
+    assert scatters == (0 if level in ("none", "level1") else STEPS), rec.summary()
+
+
+def test_clip_grad_value_is_refused_in_the_data_parallel_mode() -> None:
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        parallel = sw.AutoParallel(clipped(net, opt), parallel_mode="data_parallel")
+        x, y = DATA[0]
+        with pytest.raises(ValueError, match=r"clip_grad_value_ .*data_parallel.*semi_auto"):
+            parallel(world.rows(x), world.rows(y))
+    t = torch.zeros(2, requires_grad=True)
+    t.grad = torch.tensor([3.0, -4.0])
+    torch.nn.utils.clip_grad_value_([t], 1.0)  # (torch's own outside the call)
+    assert t.grad.tolist() == [1.0, -1.0]
