@@ -17,8 +17,9 @@ mask), so each rank's block of the mask is a block of rows.
 Other ops that fill a tensor with random numbers inside (torch's ``nn.TransformerEncoder``:
 ``F.multi_head_attention_forward``'s attention dropout; ``F.alpha_dropout``) draw the whole
 tensor as one device does and keep their block (the plan's ``draws``), laid out in memory as
-one device's (a dropout of a transposed tensor); a new random tensor made from a split one
-(``torch.rand_like``) is refused at plan time.
+one device's (a dropout of a transposed tensor), and so do random tensors shaped like a split
+one (``torch.randn_like(std)``, a VAE's noise; ``torch.randn(h.shape)``); a random tensor drawn
+from a split one's values (``torch.bernoulli(p)``) is refused at plan time.
 """
 
 from __future__ import annotations
@@ -318,10 +319,16 @@ class Noisy(nn.Module):
             return F.dropout(h.transpose(1, 2), 0.5).transpose(1, 2)
         if self.body == "batch_inner":  # (rows between dims in memory: one row a rank)
             return F.dropout(self.lin(x.transpose(0, 1)).transpose(0, 1), 0.5)
-        return h * torch.rand_like(h)  # (a new random tensor from a split one: refused)
+        if self.body == "rand_like":  # (a VAE's noise: drawn whole, this rank's block kept)
+            return h + torch.randn_like(h.transpose(1, 2)).transpose(1, 2) * torch.rand_like(h)
+        if self.body == "randn_shape":  # (a factory given a split tensor's local shape)
+            return h * torch.randn(h.shape)
+        return h * torch.bernoulli(torch.sigmoid(h))  # (drawn from a split tensor's values)
 
 
-@pytest.mark.parametrize("body", ["alpha_dropout", "transposed", "batch_inner", "rand_like"])
+@pytest.mark.parametrize(
+    "body", ["alpha_dropout", "transposed", "batch_inner", "rand_like", "randn_shape", "bernoulli"]
+)
 def test_random_draws_on_split_rows(body: str) -> None:
     """Draws on split rows are one device's (each rank its block of the whole draw, laid out
     in memory as one device's: with the rows between two dims in memory and one row a rank,
@@ -334,8 +341,8 @@ def test_random_draws_on_split_rows(body: str) -> None:
         world.replicate(net)
         parallel = sw.AutoParallel(net)
         torch.manual_seed(SEED)
-        if body == "rand_like":
-            with pytest.raises(ValueError, match=r"rand_like .* draws random numbers inside"):
+        if body == "bernoulli":
+            with pytest.raises(ValueError, match=r"bernoulli .* draws random numbers inside"):
                 parallel(world.rows(x))
             return
         with CommRecorder() as rec:
@@ -388,3 +395,66 @@ def test_encoder_planned_in_eval_is_planned_again_when_trained() -> None:
         assert plan is not None and plan != first
         assert sum(1 for n in plan.nodes if n.local == "global_draws") == 2
         assert_matches_single_device(got, want, what="loss")
+
+
+class Vae(nn.Module):
+    """A VAE's reparameterization: ``mu + torch.randn_like(std) * std`` on split rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.dec = nn.Linear(6, 8), nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.enc(x).chunk(2, -1)
+        std = torch.exp(0.5 * logvar)
+        z = mu + torch.randn_like(std) * std
+        rec = F.mse_loss(self.dec(z), x, reduction="sum") / x.shape[0]
+        kld = -0.5 * torch.mean(torch.sum(1 + logvar - mu.pow(2) - logvar.exp(), dim=1))
+        return rec + kld
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_vae_noise_trains_as_one_device(ranks: int) -> None:
+    """A VAE's noise drawn with ``torch.randn_like(std)`` on split rows (refused at plan time
+    before): losses and every gradient equal one device's over two Adam steps, with the
+    data-parallel collectives only."""
+    g = torch.Generator().manual_seed(9)
+    batches = [(torch.randn(8, 6, generator=g),) for _ in range(STEPS)]
+    ref = Vae()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    want, grads = [], []
+    torch.manual_seed(SEED)
+    for (x,) in batches:
+        loss = ref(x)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.detach())
+    net = Vae()
+    with simulated_world(ranks) as world:
+        world.replicate(net)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        seen: list[dict[str, torch.Tensor]] = []
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(x)
+            loss.backward()
+            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})  # type: ignore[union-attr]
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        torch.manual_seed(SEED)
+        with CommRecorder() as rec:
+            for s, (x,) in enumerate(batches):
+                assert_matches_single_device(parallel(world.rows(x)), want[s], what=f"loss {s}")
+                assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
+    ranks_ = tuple(range(ranks))  # (the two loss terms: a partial sum, a partial mean)
+    want_kinds = {
+        ("AllReduce", "forward", ranks_): 2 * STEPS,
+        ("AllReduce", "backward", ranks_): STEPS,
+    }
+    assert rec.kinds() == Counter(want_kinds), rec.summary()

@@ -57,7 +57,7 @@ from shardwise.parallel._node_table import NodeTable, resized_call
 from shardwise.parallel._runtime import group_for
 from shardwise.planner import NodePlan, Placed
 from shardwise.planner._batch_norm import BN_ARGS
-from shardwise.planner._draws import SDPA_ARGS, is_fill
+from shardwise.planner._draws import SDPA_ARGS, is_fill, is_like_draw
 from shardwise.planner._losses import KL_ARGS, KL_DIV, LOSS_ARGS
 from shardwise.redistribution import block_offset, local_block
 
@@ -323,7 +323,8 @@ class GlobalDraws(TorchDispatchMode):
     """While one op runs on this rank's blocks: its k-th random in-place fill (``bernoulli_``,
     ``uniform_`` ...) fills the tensor with this rank's block of the whole tensor drawn as one
     device draws it (`communication.replicated_draw`, then `local_block`; `draws` [k]: the
-    filled tensor's placement, global shape and memory order, from the plan)."""
+    filled tensor's placement, global shape and memory order, from the plan); a random tensor
+    shaped like another (``randn_like``) is this rank's block of the whole drawn so."""
 
     def __init__(self, draws: Sequence[tuple[Placed, Shape, Sequence[int]]], who: str) -> None:
         super().__init__()
@@ -333,7 +334,8 @@ class GlobalDraws(TorchDispatchMode):
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if not is_fill(func):
+        like = is_like_draw(func)
+        if not like and not is_fill(func):
             return func(*args, **kwargs)
         if self.k >= len(self.draws):
             raise UnplannedDraw(
@@ -346,6 +348,8 @@ class GlobalDraws(TorchDispatchMode):
         rest = args[1:]
         empty = empty_as(t, shape, order)
         whole = comm.replicated_draw(lambda: func(empty(), *rest, **kwargs))
+        if like:
+            return local_block(whole, placed.layout, shape).clone()
         with torch.no_grad():
             return t.copy_(local_block(whole, placed.layout, shape))
 

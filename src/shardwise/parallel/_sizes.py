@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from shardwise._torch import pytree
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.planner import ParallelPlan
@@ -42,6 +44,14 @@ if TYPE_CHECKING:
 def _size(x: Any) -> bool:
     """Whether a call's argument may be a size (an int, a slice), not a tensor or a number."""
     return isinstance(x, slice) or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _flatten(args: Any, kw: Any) -> tuple[list[Any], Any]:
+    """A call's arguments flattened as the capture recorded them: a ``torch.Size`` argument
+    (``torch.randn(h.shape)``) as the tuple of its ints."""
+    args = tuple(tuple(a) if isinstance(a, torch.Size) else a for a in args)
+    kw = {k: tuple(v) if isinstance(v, torch.Size) else v for k, v in kw.items()}
+    return pytree.tree_flatten((args, kw))
 
 
 def _number(x: Any) -> bool:
@@ -72,7 +82,7 @@ class Sizes:
         global ones; and its floats that differed in the plan's first call (`_shares`). Other
         floats are this call's (a loss weight passed to the step). Raises when a later pass
         changes sizes that came from a local shape."""
-        own, spec = pytree.tree_flatten((args, kw))
+        own, spec = _flatten(args, kw)
         global_, global_spec = pytree.tree_flatten(captured)
         if spec != global_spec:
             return args, kw
@@ -97,7 +107,7 @@ class Sizes:
         runs with: this call's, with the captured number at each position `_shares` gives
         (``((out - y) ** 2 / x.size(0)).sum()``); tells the table whether the node has any
         (`NodeTable.checked`)."""
-        own, spec = pytree.tree_flatten((args, kw))
+        own, spec = _flatten(args, kw)
         global_, global_spec = pytree.tree_flatten(captured)
         # (a call of another structure than the captured one, a keyword given positionally:
         # nothing to compare it with, and the node takes its short path)
@@ -112,7 +122,7 @@ class Sizes:
         gives (``torch.tensor(float(x.size(0)))``, ``torch.full(shape, float(b))``'s fill)."""
         if self.table.shares.get(k) == ():  # (none noted in the plan's first call: as called)
             return args, kw
-        own, spec = pytree.tree_flatten((args, kw))
+        own, spec = _flatten(args, kw)
         global_, global_spec = pytree.tree_flatten(captured)
         at = self._shares(k, own, global_, int | float) if spec == global_spec else []
         return _with(own, spec, global_, at) if at else (args, kw)
@@ -136,7 +146,7 @@ class Sizes:
         of the captured global one (times a split count of the plan's device matrix, as a
         size read from this rank's block is) replaced by the global one; other ints (a step
         counter, an offset) stay this call's."""
-        own, spec = pytree.tree_flatten((args, kw))
+        own, spec = _flatten(args, kw)
         global_, global_spec = pytree.tree_flatten(captured)
         if spec != global_spec:
             return args, kw

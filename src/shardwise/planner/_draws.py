@@ -21,11 +21,16 @@ one device's three ways:
   this rank's block (`parallel/_local.GlobalDraws`). ``F.dropout`` and SDPA list their fills
   too, for the memory order of their masks.
 
-A draw that makes a new tensor from others (``rand_like``, ``native_dropout``, a fused attention
-kernel with dropout) on split inputs is refused with a `PlanError` naming the op, its random
-aten op and the fix. On whole inputs every rank draws the whole, as one device does. An op of
-`MAY_DRAW` planned without draws (an ``eval()`` call) is watched on split inputs, and a draw
-plans the call again (`parallel/_local.UnplannedDraw`).
+- a random tensor shaped like another (``torch.randn_like(std)``, a VAE's noise;
+  ``rand_like``, ``randint_like``) is planned the same way (its output's placement, global
+  shape and memory order): the executor draws the whole as one device does and keeps this
+  rank's block.
+
+A draw that makes a new tensor from the values of others (``bernoulli(p)``,
+``native_dropout``, a fused attention kernel with dropout) on split inputs is refused with a
+`PlanError` naming the op, its random aten op and the fix. On whole inputs every rank draws
+the whole, as one device does. An op of `MAY_DRAW` planned without draws (an ``eval()`` call)
+is watched on split inputs, and a draw plans the call again (`parallel/_local.UnplannedDraw`).
 """
 
 from __future__ import annotations
@@ -117,7 +122,9 @@ def plan_draws(node: Node, need: Sequence[Placements], follow: Follow) -> tuple[
     for call, placements in seen:
         if not _draws(call):
             continue
-        fills = _fills_in_place(call) and not any(isinstance(p, Partial) for p in placements)
+        fills = (_fills_in_place(call) or is_like_draw(call.op)) and not any(
+            isinstance(p, Partial) for p in placements
+        )
         if not fills and not own:
             raise PlanError(
                 f"{node.name} ({node.op} at {node.source}): it draws random numbers inside "
@@ -139,6 +146,14 @@ def is_fill(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags and str(
         func.overloadpacket.__name__
     ).endswith("_")
+
+
+def is_like_draw(func: Any) -> bool:
+    """Whether an aten op draws a new random tensor shaped like its first argument, from its
+    shape, dtype and layout only (``randn_like``, ``rand_like``, ``randint_like``)."""
+    return torch.Tag.nondeterministic_seeded in func.tags and str(
+        func.overloadpacket.__name__
+    ).endswith("_like")
 
 
 def _fills_in_place(call: AtenCall) -> bool:
