@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import _flat as flat
@@ -208,7 +208,9 @@ class _Follow:
                 raise
             outer = self._outer_axes(node, have)
             fallbacks = [outer] if outer != have else []  # (a dim split over several axes)
-            if isinstance(error, RandomFillError):
+            if isinstance(error, NeedsWholeDim):  # (each split made whole in turn, then DP)
+                fallbacks += _one_axis_whole(have)
+            if isinstance(error, (RandomFillError, NeedsWholeDim)):
                 fallbacks.append(self._data_parallel_inputs(node))
             for fallback in fallbacks:
                 try:
@@ -292,16 +294,24 @@ class _Follow:
     def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
         shapes = [list(self.graph.info(r).shape) for r in node.inputs]
         placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
+        whole = False
         if "in-place" in str(e) or in_place(node.op):
             fix = "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
         elif "evenly" in str(e):  # (a view cutting a split dim into groups it does not divide)
             fix = self._uneven_fix(node)
+        elif whole := "without redistribution" in str(e):  # (DTensor's ``unbind`` of it)
+            fix = (
+                "the op needs whole a dim that its input has split, also with the data-parallel "
+                "strategy: take the parts another way (x.chunk(n, dim) or indexing for "
+                "x.unbind(dim)), or make that dim whole before the op (sw.reshard)"
+            )
         else:
             fix = (
                 f"make the split dims divisible by the number of devices splitting them (e.g. "
                 f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
             )
-        return PlanError(
+        kind = NeedsWholeDim if whole else PlanError
+        return kind(
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
             f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
         )
@@ -318,6 +328,19 @@ def _uneven_fix_text(what: str, producers: list[str]) -> str:
     )
 
 
+def _one_axis_whole(have: list[Placements]) -> list[list[Placements]]:
+    """`have` with one axis's split of one input made whole, for each such (input, axis), the
+    innermost axis first (``unbind`` of the dim a column-parallel layer split: only mp's
+    split gathered, the batch kept on its rows)."""
+    out = []
+    for i, placements in enumerate(have):
+        for axis in reversed(range(len(placements))):
+            if isinstance(placements[axis], Shard):
+                whole = (*placements[:axis], Replicate(), *placements[axis + 1 :])
+                out.append([whole if j == i else p for j, p in enumerate(have)])
+    return out
+
+
 def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:
     """The one tensor argument of `call` when its one output is a same-shaped copy of it,
     placed as it is (a dtype cast), else None."""
@@ -330,6 +353,12 @@ def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg
 class RandomFillError(PlanError):
     """No sharding rule runs an op's random fill on its inputs as placed (``bernoulli_`` on a
     partial sum): `_Follow._cheaper` then tries the data-parallel strategy."""
+
+
+class NeedsWholeDim(PlanError):
+    """No sharding rule runs an op on a dim its input has split, and its rule does not ask to
+    redistribute it (DTensor's ``unbind`` of a split dim): `_Follow._cheaper` then tries the
+    data-parallel strategy."""
 
 
 def _lookup(specs: dict[int, Spec]) -> Any:
