@@ -5,6 +5,7 @@ errors for what it cannot follow."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -90,6 +91,15 @@ class ItemInForward(nn.Module):
         return -h
 
 
+class Lambda(nn.Module):
+    def __init__(self, f: Any) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(x)  # type: ignore[no-any-return]
+
+
 class NonzeroInForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(x[x > 0])
@@ -100,6 +110,15 @@ class NonzeroInForward(nn.Module):
     [
         (ItemInForward(), r"__bool__ at test_capture.py:\d+ reads a tensor's value .* torch.where"),
         (NonzeroInForward(), r"__getitem__ at test_capture.py:\d+ has an output whose shape"),
+        (  # (a value read inside torch's own C++ op, not an output shaped by values)
+            Lambda(lambda x: torch.cov(x.t())),
+            r"torch.cov at test_capture.py:\d+ reads a tensor's value inside torch \(aten.equal",
+        ),
+        (  # (torch's Python check of the variances, named with its line)
+            Lambda(lambda x: F.gaussian_nll_loss(x, x * 2, torch.ones_like(x))),
+            r"gaussian_nll_loss at test_capture.py:\d+ reads a tensor's value inside torch "
+            r"\(functional.py:\d+, gaussian_nll_loss\).* 0.5 \* \(torch.log\(var\)",
+        ),
     ],
 )
 def test_values_in_the_forward_name_the_op_and_line(net: nn.Module, match: str) -> None:

@@ -46,7 +46,7 @@ from shardwise.planner._graph import (
     TensorSlot,
     op_strategy,
 )
-from shardwise.planner._source_lines import library_read, source_line
+from shardwise.planner._source_lines import data_dependent, library_read, source_line
 
 T = torch.Tensor
 
@@ -274,11 +274,7 @@ class _Recorder(TorchFunctionMode):
         try:
             out = func(*args, **kw)
         except DATA_DEPENDENT as e:
-            raise CaptureError(
-                f"{op} at {source_line()} has an output whose shape depends on tensor values "
-                f"({type(e).__name__}), which capture cannot follow; use an op with a fixed "
-                f"output shape (a mask and torch.where instead of indexing by a boolean tensor)"
-            ) from None
+            raise CaptureError(data_dependent(op, e)) from None
         finally:
             aten, ids = s.aten, s.aten_ids
             s.aten = None

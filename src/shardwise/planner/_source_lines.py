@@ -4,12 +4,16 @@
   and shardwise).
 - `library_read`: where inside torch a value read happens, with what to pass instead
   (`LIBRARY_READS`: torch's ``_detect_is_causal_mask`` reads an attention mask), or "".
+- `data_dependent`: the message for a call that fake tensors cannot run: an output whose
+  shape depends on values (``x[mask]``), or a value read inside torch itself
+  (``F.gaussian_nll_loss``'s check of its variances, ``torch.cov``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -52,3 +56,35 @@ def library_read() -> str:
             return f"; it is torch's {where} that reads it: {hint}"
         frame = frame.f_back  # type: ignore[assignment]
     return ""
+
+
+_VALUE_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.item")
+_TORCH_PUBLIC = tuple(
+    os.path.join(_TORCH_DIR, part)
+    for part in ("nn", "functional.py", "distributions", "_refs", "_decomp", "linalg", "fft")
+)
+
+
+def data_dependent(op: str, e: BaseException) -> str:
+    """The capture's message for call `op`, which fake tensors could not run (`e`: torch's
+    ``DataDependentOutputException``), at the user's line: a value read inside torch (with
+    torch's function and line where Python reads it) or an output shaped by values."""
+    func = str(getattr(e, "func", ""))
+    if not func.startswith(_VALUE_READS):
+        return (
+            f"{op} at {source_line()} has an output whose shape depends on tensor values "
+            f"({type(e).__name__}), which capture cannot follow; use an op with a fixed output "
+            f"shape (a mask and torch.where instead of indexing by a boolean tensor)"
+        )
+    where = ""
+    for frame, line in traceback.walk_tb(e.__traceback__):
+        name = frame.f_code.co_filename
+        if name.startswith(_TORCH_PUBLIC):
+            where = f" ({os.path.basename(name)}:{line}, {frame.f_code.co_name})"
+    return (
+        f"{op} at {source_line()} reads a tensor's value inside torch{where} ({func}: a check "
+        f"or a Python number of a tensor) while the network is captured (fake tensors have no "
+        f"values); write it with ops that do not read values (torch.cov / torch.corrcoef: from "
+        f"means, products and sums; F.gaussian_nll_loss: 0.5 * (torch.log(var) + (input - "
+        f"target) ** 2 / var), its mean)"
+    )
