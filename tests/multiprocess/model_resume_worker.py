@@ -66,6 +66,7 @@ def main() -> None:
             done = sw.train.resume(model, folder / f"rank_{rank}" / "net-1_4.safetensors")
             model.train(3, data(rank, n), callbacks=[seen], initial_epoch=done)
         losses[run] = seen.seen
+        torch.distributed.barrier()  # (the resume reads every rank's file: all written)
     if rank == 0:
         out.write_text(json.dumps(losses))
     sw.communication.release()
