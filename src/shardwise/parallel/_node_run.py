@@ -17,7 +17,7 @@ from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import Replan
 from shardwise.parallel._local import UnplannedDraw, compute, loss_weight
 from shardwise.parallel._node_table import NodeTable
-from shardwise.planner import ParallelPlan, Placed
+from shardwise.planner import EdgePlan, ParallelPlan, Placed
 
 T = torch.Tensor
 _NESTED = (list, tuple, dict)
@@ -64,8 +64,12 @@ class NodeRun:
             self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
         ) -> tuple[Any, Any]: ...
 
-    def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]:
-        """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused)."""
+    def _moved_inputs(
+        self, k: int, tensors: list[Any], kept: dict[int, tuple[T, T]] | None = None
+    ) -> list[Any]:
+        """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused);
+        `kept`: for each of its slots, the value and the block given to the op (a copy, which
+        the op changes in place and autograd may have saved: `EdgePlan.written_back`)."""
         slot = 0
         reads = k in self.table.reads_in_place
         for i, leaf in enumerate(tensors):
@@ -80,6 +84,9 @@ class NodeRun:
                 leaf = self.moved[(edge.value, edge.dst)]
             elif edge is not None:  # (or shared with a move before this pass started: again)
                 leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge, run=self.run)
+            if kept is not None and slot in kept:
+                leaf = leaf.clone()
+                kept[slot] = (tensors[i], leaf)
             tensors[i] = leaf
             slot += 1
         return tensors
@@ -91,12 +98,14 @@ class NodeRun:
         changed = None  # (an in-place op on a moved input: the tensor the network holds)
         if k in table.in_place_moved:
             changed = next((t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)), None)
+        backs = table.written_back.get(k)
+        kept = {e.slot: (T(), T()) for e in backs} if backs else None
         if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
-            leaves = self._moved_inputs(k, [*args, *kw.values()])
+            leaves = self._moved_inputs(k, [*args, *kw.values()], kept)
             args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
         else:
             leaves, spec = pytree.tree_flatten((args, kw))
-            args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves), spec)
+            args, kw = pytree.tree_unflatten(self._moved_inputs(k, leaves, kept), spec)
         if table.templates is not None and (table.captured[k] or k in table.numbered):
             tensors = [t for t in leaves if isinstance(t, T)]
             captured = table.global_args(k, tensors, args, kw)
@@ -110,6 +119,8 @@ class NodeRun:
             if self.backward_seen:
                 raise
             raise Replan(str(e), k, self.ops[k]) from None
+        if backs and kept is not None:
+            self._write_back(backs, kept)
         weight = loss_weight(self.plan.nodes[k].op, args, kw) if k in table.weighted else None
         out = self._returned(k, out, weight)
         if k in table.averaging:
@@ -117,6 +128,14 @@ class NodeRun:
         if changed is not None and isinstance(out, T):  # (later reads of it get `out`)
             self.swapped[id(changed)] = (weakref.ref(changed), out)
         return out
+
+    def _write_back(self, backs: list[EdgePlan], kept: dict[int, tuple[T, T]]) -> None:
+        """Gather each block the op changed in place back into its whole buffer
+        (`EdgePlan.written_back`: a batch norm's running statistics of split features)."""
+        with torch.no_grad():
+            for back in backs:
+                whole, block = kept[back.slot]
+                whole.copy_(move(block, back, run=self.run))
 
     def current(self, t: Any) -> Any:
         """`t`, or what an in-place op of the plan made of it in a moved copy (`swapped`: the

@@ -122,8 +122,12 @@ class NodeTable:
         self.ops = [n.op for n in nodes]
         self.names = [n.name for n in nodes]  # (``module.path/op``)
         self.edges: dict[tuple[int, int], EdgePlan] = {
-            (e.consumer, e.slot): e for e in plan.edges if e.consumer >= 0
+            (e.consumer, e.slot): e for e in plan.edges if e.consumer >= 0 and not e.written_back
         }
+        self.written_back: dict[int, list[EdgePlan]] = {}  # (per node: blocks it changed)
+        for e in plan.edges:
+            if e.written_back:
+                self.written_back.setdefault(e.consumer, []).append(e)
         self.returned: dict[str, list[EdgePlan]] = {}
         for e in plan.edges:
             if e.consumer == -1:
@@ -159,7 +163,7 @@ class NodeTable:
             if root.value.startswith("%"):
                 k, _, i = root.value[1:].partition(".")
                 self.roots.setdefault(int(k), {})[int(i or 0)] = root.placed.spread()
-        moved = {k for k, _ in self.edges}
+        moved = {k for k, _ in self.edges} | set(self.written_back)
         # an in-place op whose input 0 is moved changes a copy: the nodes reading the result of
         # an in-place op (of that copy, or of one changed after it) get it even when the
         # network reads the tensor it changed (`_node_run.current`)

@@ -89,11 +89,15 @@ class _Values:
     ) -> None:
         self.graph, self.nodes, self.edges = graph, nodes, edges
         self.params = params
-        self.edge_at = {(e.consumer, e.slot): i for i, e in enumerate(edges) if e.consumer >= 0}
+        self.edge_at = {
+            (e.consumer, e.slot): i
+            for i, e in enumerate(edges)
+            if e.consumer >= 0 and not e.written_back
+        }
         self.made_at = {e.value: i for i, e in enumerate(edges) if e.consumer == -1}
         self.mover: dict[tuple[str, Placed], int] = {}  # the edge that moves a value (not shared)
         for i, e in enumerate(edges):
-            if e.consumer >= 0 and not e.shared:
+            if e.consumer >= 0 and not e.shared and not e.written_back:
                 self.mover.setdefault((e.value, e.dst), i)
         self.returned = set(graph.outputs)
         self.needs = self._needs()

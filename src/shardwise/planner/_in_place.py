@@ -7,15 +7,21 @@
   (`_backward`, `_seeded`) treat such a node as aliasing its input.
 - `check_change`: raise for an in-place change the plan executor cannot hand to later reads
   (the planner asks for each torch node whose input 0 it places).
+- `written_inputs`: the inputs a node's aten program changes in place (its schema's ``(a!)``
+  arguments; a training batch norm's running statistics, which ``native_batch_norm``
+  changes without saying so); `write_back_edges`: for a whole buffer such a node gets as a
+  block, the edge that gathers the changed block back into it after the op.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
-from shardwise.planner._graph import Graph, Node, Ref
-from shardwise.planner._placement import PlanError
+from shardwise.planner._graph import AtenArg, Graph, Node, Ref
+from shardwise.planner._placement import PlanError, _itemsize
 from shardwise.planner._plan import EdgePlan, Placed
+from shardwise.redistribution import plan_redistribution
 
 _IN_PLACE_DUNDERS = {
     f"__i{name}__"
@@ -80,3 +86,49 @@ def check_change(
         f"tensor the network reads next; write it out of place (torch.where, "
         f"x.masked_fill(...), torch.cat)"
     )
+
+
+_RUNNING_STATS = {"aten.native_batch_norm.default": (3, 4)}
+"""Ops that change arguments in place without an ``(a!)`` in their schema: positions."""
+
+
+def written_inputs(node: Node) -> set[int]:
+    """The indices of `node`'s inputs that its aten program changes in place.
+
+    Example:
+        >>> written_inputs(node)  # doctest: +SKIP  (F.batch_norm(x, m, v, w, b, training=True))
+        {1, 2}
+    """
+    out: set[int] = set()
+    for call in node.aten:
+        schema = call.op._schema.arguments
+        silent = _RUNNING_STATS.get(str(call.op), ())
+        training = len(call.args) > 5 and call.args[5] is True
+        for at, value in enumerate(call.args):
+            if not isinstance(value, AtenArg) or value.kind != "in" or at >= len(schema):
+                continue
+            alias = schema[at].alias_info
+            if (alias is not None and alias.is_write) or (training and at in silent):
+                out.add(value.index)
+    return out
+
+
+def write_back_edges(
+    graph: Graph, state: Mapping[Ref, Placed], node: Node, ins: Sequence[Placed]
+) -> list[EdgePlan]:
+    """For each whole buffer `node` gets as a block (its inputs placed `ins`; `state`: each
+    value's placement) and changes in place (a training batch norm's running statistics of
+    split features), an `EdgePlan` (``written_back``) that gathers the changed block back
+    into the whole buffer after the op."""
+    out = []
+    for i in sorted(written_inputs(node)):
+        ref, block = node.inputs[i], ins[i]
+        whole = state[ref]
+        if ref.kind != "buffer" or whole == block:
+            continue
+        info = graph.info(ref)
+        size = _itemsize(info.dtype)
+        steps = plan_redistribution(block.layout, whole.layout, info.shape, size).steps
+        back = EdgePlan(node.index, i, str(ref), info.shape, block, whole, steps)
+        out.append(dataclasses.replace(back, dtype=info.dtype, written_back=True))
+    return out

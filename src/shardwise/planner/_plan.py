@@ -131,6 +131,10 @@ class EdgePlan:
             rank's count times the group size instead of waiting for the summed count, and the
             gradient buckets correct each rank's gradients by estimate / sum
             (`_seeded.plan_deferred`).
+        written_back: after its consumer ran, which changed its moved input `slot` (this
+            rank's block of a whole buffer: a BatchNorm's running statistics of split
+            features) in place, that block is moved from `src` back to the whole `dst` and
+            copied into the value.
     """
 
     consumer: int
@@ -145,6 +149,7 @@ class EdgePlan:
     equal_grad: tuple[int, ...] = ()
     seeded: bool = False
     deferred: bool = False
+    written_back: bool = False
 
     @property
     def reduced(self) -> tuple[int, ...]:
@@ -189,6 +194,8 @@ class EdgePlan:
             parts.append("backward local from loss.backward()")
         if self.deferred:
             parts.append("backward does not wait for the count")
+        if self.written_back:
+            return f"{self.value} {self.src} -> {self.dst} after the op: " + "; ".join(parts)
         return f"{self.value} {self.src} -> {self.dst}: " + ("; ".join(parts) or "no step")
 
 

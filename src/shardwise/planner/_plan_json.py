@@ -267,6 +267,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         | ({"equal_grad": list(e.equal_grad)} if e.equal_grad else {})
         | ({"seeded": True} if e.seeded else {})
         | ({"deferred": True} if e.deferred else {})
+        | ({"written_back": True} if e.written_back else {})
     )
 
 
@@ -284,6 +285,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         equal_grad=tuple(int(a) for a in d.get("equal_grad", ())),
         seeded=bool(d.get("seeded", False)),
         deferred=bool(d.get("deferred", False)),
+        written_back=bool(d.get("written_back", False)),
     )
 
 

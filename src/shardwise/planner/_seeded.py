@@ -92,7 +92,7 @@ def plan_deferred(nodes: Sequence[NodePlan], edges: Sequence[EdgePlan]) -> tuple
         >>> [e.value for e in plan_deferred(nodes, edges) if e.deferred]  # doctest: +SKIP
         ['%93']
     """
-    moving = [e for e in edges if not e.shared and (e.reduced or e.steps)]
+    moving = [e for e in edges if not e.shared and (e.reduced or e.steps or e.written_back)]
     if len(moving) != 1 or any(n.comms or n.backward for n in nodes):
         return tuple(edges)
     (loss,) = moving

@@ -70,7 +70,7 @@ from shardwise.planner._draws import (
 from shardwise.planner._follow import _Follow
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
-from shardwise.planner._in_place import check_change
+from shardwise.planner._in_place import check_change, write_back_edges
 from shardwise.planner._local_factories import split_fills
 from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
 from shardwise.planner._placement import (
@@ -196,6 +196,7 @@ class _Planner(_Follow):
             check_change(self.graph, self.state, self.edges, node, moved)
         for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
             self.edge(node.index, i, ref, dst)
+        self.edges += write_back_edges(self.graph, self.state, node, ins)
         placed = tuple(
             to_placed(self.matrix, p, len(info.shape))
             for p, info in zip(outs, node.outputs, strict=True)
