@@ -195,6 +195,7 @@ class DataParallelRunner:
                 + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
             )
         self.network = network
+        self._params = list(network.parameters())  # (listed once: checked every call)
         self.optimizers = opts
         self.train_step = train_step
         self.dataset_strategy: str = dataset_strategy
@@ -229,6 +230,28 @@ class DataParallelRunner:
         self._grad_buckets, self._broadcast_buckets = plan_buckets(
             self.entries, len(self.optimizers), self._fusion
         )
+        self._planned_for = self._trained()
+
+    def _trained(self) -> tuple[Any, ...]:
+        """What the plan depends on: which parameters require gradients, and the parameters
+        of each optimizer's groups."""
+        groups = tuple(id(p) for o in self.optimizers for g in o.param_groups for p in g["params"])
+        return tuple(p.requires_grad for p in self._params), groups
+
+    def _check_plan(self) -> None:
+        """Plan again when parameters were frozen or unfrozen, or an optimizer got a parameter
+        group, since the plan was made (their gradients were not averaged); with
+        ``parallel_optimizer`` (owners hold state) a ValueError instead."""
+        if self._trained() == self._planned_for:
+            return
+        if self.parallel_optimizer:
+            raise ValueError(
+                f"{WHO}: parameters were frozen or unfrozen, or an optimizer got a parameter "
+                f"group, after the first call; with optimizer parallel each parameter's owner "
+                f"holds its state, so the owners cannot be planned again: set requires_grad "
+                f"and the parameter groups before the first call (lr=0 until a layer trains)"
+            )
+        self._build_plan()
 
     @property
     def owners(self) -> dict[str, int]:
@@ -298,7 +321,7 @@ class DataParallelRunner:
         return "\n".join([head, *(line.rstrip() for line in lines), tail])
 
     # -- running ---------------------------------------------------------------------------
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run one train step (train-step form), or the network (module form), on this rank's
         share of the global batch.
 
@@ -307,6 +330,7 @@ class DataParallelRunner:
                 batch (the global batch is the ranks' rows in rank order; every rank passes the
                 same number of rows); under ``"full_batch"`` the whole global batch, of which
                 each tensor input is cut to this rank's rows (`local_rows`).
+            **kwargs: keyword inputs, taken as `inputs` are (``input_ids=...``).
 
         Returns:
             Train-step form: the step's result with its loss averaged over the ranks; module
@@ -320,13 +344,15 @@ class DataParallelRunner:
         Example:
             >>> loss = runner(images, labels)   # this rank's rows
         """
+        self._check_plan()
         if self.dataset_strategy == "full_batch":
             rank = comm.get_rank()
             inputs = tuple(local_rows(x, self.world, rank) for x in inputs)
+            kwargs = {k: local_rows(x, self.world, rank) for k, x in kwargs.items()}
         if self.train_step is None:
-            out = self.network(*inputs)
+            out = self.network(*inputs, **kwargs)
             return gather_rows(out) if self.dataset_strategy == "full_batch" else out
-        return mean_loss(self.train_step(*inputs), self.world)
+        return mean_loss(self.train_step(*inputs, **kwargs), self.world)
 
     def _before_step(self, index: int) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""

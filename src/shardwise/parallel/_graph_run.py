@@ -16,9 +16,10 @@ annotations alike; any dataset strategy):
   gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
   says: `_hsdp.gradient_buckets`; gradients the plan makes equal over some axes are not summed
   over them: `ParallelPlan.equal_grads`, the buckets made again for a plan variant whose
-  differ: `GraphRun._buckets`); with ``hsdp()`` instead the optimizer-parallel engine
-  (`_hsdp.start_engine`: shards at rest, each op gets a parameter's compute weight through
-  `OptimizerParallel.compute`, gradients reduced into the shards).
+  differ, or when parameters were frozen or unfrozen: `_grad_plan.GradPlanning`); with
+  ``hsdp()`` instead the optimizer-parallel engine (`_hsdp.start_engine`: shards at rest, each
+  op gets a parameter's compute weight through `OptimizerParallel.compute`, gradients reduced
+  into the shards).
 - `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
   this rank's rows by the plan's entry edges (`_call_io.cut_inputs`); a wrapped network's
   outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`), and so
@@ -52,14 +53,20 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
-from shardwise.parallel._clip import PlanSplits, clipping, plan_splits
+from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._discover import agree_scalers, find_objects
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.parallel._executor import PlanExecutor
+from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
-from shardwise.parallel._hsdp import bucket_plans, gradient_buckets, optimizer_plan, start_engine
+from shardwise.parallel._hsdp import (
+    bucket_plans,
+    gradient_buckets,
+    optimizer_plan,
+    start_engine,
+)
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
@@ -75,7 +82,7 @@ from shardwise.planner._user_state import CALL_LIMIT, python_state
 T = torch.Tensor
 
 
-class GraphRun(StepHooks):
+class GraphRun(StepHooks, GradPlanning):
     """One network or train step run from its `ParallelPlan` (see the module docstring)."""
 
     def __init__(
@@ -104,6 +111,8 @@ class GraphRun(StepHooks):
         self.grad_plan: OptimizerPlan | None = None  # the gradient AllReduce buckets
         self.grads: GradBuckets | None = None
         self.grads_equal: dict[str, tuple[int, ...]] = {}  # the plan's equal gradients they use
+        self.trainable: tuple[bool, ...] = ()  # which parameters required gradients then
+        self.watched: list[nn.Parameter] = []  # (the network's parameters, listed once)
         self.optimizers = list(optimizers)
         self.session = GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
@@ -171,40 +180,10 @@ class GraphRun(StepHooks):
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
             self.engine = start_engine(self.network, plan.matrix, buckets)
+            self.trainable = self._trainable()
         else:
             self._buckets(plan, buckets)
         return plan
-
-    @property
-    def stored_plan(self) -> ParallelPlan:
-        """The first plan: the one the parameters are stored by (planned already)."""
-        return self.plans[0][0]
-
-    def clip_args(self) -> tuple[PlanSplits, str, Callable[[bool], bool] | None]:
-        """`clipping`'s arguments: the gradients' splits and, with hsdp, the reduction of
-        gradients held unreduced until the optimizer step (level 1)."""
-        engine = self.engine
-        splits = plan_splits(self.network, self.stored_plan, engine.plan if engine else None)
-        return splits, "", None if engine is None else engine.reduce_held
-
-    def _buckets(self, plan: ParallelPlan, buckets: OptimizerPlan | None = None) -> None:
-        """The gradient buckets (`buckets`, else made from the first plan's parameters with
-        `plan`'s equal gradients, `ParallelPlan.equal_grads`); made again when a plan variant's
-        equal gradients differ."""
-        if self.grads is not None:
-            if dict(plan.equal_grads) == self.grads_equal:
-                return
-            self.grads.drop_unfinished()
-            for h in self.grads.handles:
-                h.remove()
-                self.hooks.remove(h)
-        if buckets is None:
-            stored = self.stored_plan.param_layouts()
-            buckets = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
-        self.grad_plan = buckets
-        self.grads = GradBuckets(self.network, self.grad_plan)
-        self.hooks += self.grads.handles
-        self.grads_equal = dict(plan.equal_grads)
 
     @contextmanager
     def _capturing(self) -> Iterator[None]:
@@ -267,6 +246,7 @@ class GraphRun(StepHooks):
                 self.parallel_plan, self.templates = found[-1]
             else:
                 self._replan(args, kwargs, f"inputs of global shapes {shapes}")
+        self._check_trainable()
         state, python = snapshot(self.modules), python_state(self.objects, CALL_LIMIT, False)
         try:
             return self._run(args, kwargs)

@@ -175,3 +175,17 @@ def _by_dtype(bucket: Bucket, dtypes: dict[str, torch.dtype]) -> list[Bucket]:
     for n in bucket.names:
         names.setdefault(dtypes[n], []).append(n)
     return [dataclasses.replace(bucket, names=tuple(ns)) for ns in names.values()]
+
+
+def check_unfrozen(network: nn.Module, before: tuple[bool, ...]) -> None:
+    """Raise ValueError when a parameter of `network` requires a gradient that did not when
+    optimizer parallel planned its buckets (`before`: `trainable` then)."""
+    for (name, p), was in zip(network.named_parameters(), before, strict=False):
+        if p.requires_grad and not was:
+            raise ValueError(
+                f"AutoParallel: parameter {name!r} requires a gradient now but did not when "
+                f"optimizer parallel (hsdp) planned its shards and buckets at the first call, "
+                f"so its gradient would not be reduced; set requires_grad before the first "
+                f"call (and keep a layer still with lr=0 until it trains), or train without "
+                f"hsdp(), whose gradient buckets are planned again"
+            )

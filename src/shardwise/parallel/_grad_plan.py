@@ -1,0 +1,100 @@
+"""The gradient side of a `_graph_run.GraphRun`: its gradient buckets and clipping arguments.
+
+- `GradPlanning._buckets`: the gradient AllReduce buckets (`_runtime.GradBuckets`) for the
+  first plan's parameters, made again for a plan variant whose equal gradients differ, or when
+  parameters were frozen or unfrozen since (`_trainable_changed`, which also puts the new
+  buckets into the plan; with ``hsdp()``, whose shards are planned once, an unfrozen parameter
+  is refused: `_hsdp.check_unfrozen`).
+- `GradPlanning.clip_args`: `_clip.clipping`'s arguments for a call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from shardwise.optim import FusionConfig, OptimizerParallel, OptimizerPlan
+from shardwise.parallel._clip import PlanSplits, plan_splits
+from shardwise.parallel._hsdp import bucket_plans, check_unfrozen, gradient_buckets
+from shardwise.parallel._runtime import GradBuckets
+from shardwise.planner import ParallelPlan
+
+
+class GradPlanning:
+    """The gradient buckets of a run (see the module docstring); the run sets the
+    attributes."""
+
+    network: nn.Module
+    fusion: FusionConfig | None
+    engine: OptimizerParallel | None
+    grads: GradBuckets | None
+    grad_plan: OptimizerPlan | None
+    grads_equal: dict[str, tuple[int, ...]]
+    trainable: tuple[bool, ...]
+    watched: list[nn.Parameter]
+    hooks: list[Any]
+    parallel_plan: ParallelPlan | None
+    plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]]
+
+    @property
+    def stored_plan(self) -> ParallelPlan:
+        """The first plan: the one the parameters are stored by (planned already)."""
+        return self.plans[0][0]
+
+    def clip_args(self) -> tuple[PlanSplits, str, Callable[[bool], bool] | None]:
+        """`clipping`'s arguments: the gradients' splits and, with hsdp, the reduction of
+        gradients held unreduced until the optimizer step (level 1)."""
+        engine = self.engine
+        splits = plan_splits(self.network, self.stored_plan, engine.plan if engine else None)
+        return splits, "", None if engine is None else engine.reduce_held
+
+    def _buckets(self, plan: ParallelPlan, buckets: OptimizerPlan | None = None) -> None:
+        """The gradient buckets (`buckets`, else made from the first plan's parameters with
+        `plan`'s equal gradients, `ParallelPlan.equal_grads`); made again when a plan variant's
+        equal gradients differ, or parameters were frozen or unfrozen since."""
+        now = self._trainable()
+        if self.grads is not None:
+            if dict(plan.equal_grads) == self.grads_equal and now == self.trainable:
+                return
+            self.grads.drop_unfinished()
+            for h in self.grads.handles:
+                h.remove()
+                self.hooks.remove(h)
+        if buckets is None:
+            stored = self.stored_plan.param_layouts()
+            buckets = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
+        self.grad_plan = buckets
+        self.grads = GradBuckets(self.network, self.grad_plan)
+        self.hooks += self.grads.handles
+        self.trainable = now
+        self.grads_equal = dict(plan.equal_grads)
+
+    def _trainable(self) -> tuple[bool, ...]:
+        """Whether each of the network's parameters requires a gradient, in parameter order
+        (the parameters listed once: a walk of the modules on every call costs far more)."""
+        if not self.watched:
+            self.watched = list(self.network.parameters())
+        return tuple(p.requires_grad for p in self.watched)
+
+    def _check_trainable(self) -> None:
+        """Plan the buckets again when parameters were frozen or unfrozen (`_trainable_changed`)."""
+        if self._trainable() != self.trainable:
+            self._trainable_changed()
+
+    def _trainable_changed(self) -> None:
+        """Parameters were frozen or unfrozen since the gradient buckets were planned: the
+        buckets planned again, in the plan too (with hsdp an unfrozen one is refused)."""
+        plan = self.parallel_plan
+        assert plan is not None
+        if self.engine is not None:
+            check_unfrozen(self.network, self.trainable)
+            self.trainable = self._trainable()
+            return
+        self._buckets(plan)
+        assert self.grad_plan is not None
+        new = dataclasses.replace(plan, buckets=bucket_plans(self.grad_plan, plan.matrix))
+        self.plans = [(new if p is plan else p, t) for p, t in self.plans]
+        self.parallel_plan = new

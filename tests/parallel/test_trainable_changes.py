@@ -1,0 +1,166 @@
+"""Parameters frozen or unfrozen, or given to the optimizer, between calls of a wrapped step.
+
+The gradient buckets (semi_auto) and the data-parallel runner's plan are made for the
+parameters that require gradients at the first call. A layer unfrozen later
+(``requires_grad_(True)``, fine-tuning after a warm-up) had its gradient stepped unreduced on
+each rank (each rank's copy drifting apart, silently); a parameter group added to the
+optimizer later (``add_param_group``) likewise in ``parallel_mode="data_parallel"``. Both now
+plan the buckets again at the next call; with optimizer parallel (hsdp), whose shards and
+owners are planned once, such a change raises a ValueError naming the fix. Also: keyword
+inputs in ``parallel_mode="data_parallel"`` (they raised a TypeError naming an internal class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+STEPS = 3
+
+
+def make(megatron: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[0].requires_grad_(False)
+    if megatron:
+        sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+        sw.shard(net[2], in_strategy=((2, 2), (1, 2)))
+    return net
+
+
+g = torch.Generator().manual_seed(1)
+DATA = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+
+
+def train(net: nn.Module, call: Callable[..., Any], change: Callable[[int], None]) -> list[Any]:
+    out = []
+    for i, (x, y) in enumerate(DATA):
+        change(i)
+        out.append(call(x, y))
+    return out
+
+
+def stepper(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def unfreeze(net: nn.Module) -> Callable[[int], None]:
+    def change(i: int) -> None:
+        if i == 1:  # (after one step with the first layer frozen)
+            net[0].requires_grad_(True)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("mode", "ranks", "megatron"),
+    [("semi_auto", 2, False), ("data_parallel", 2, False), ("semi_auto", 4, True)],
+)
+def test_a_layer_unfrozen_between_steps_trains_as_one_device(
+    mode: str, ranks: int, megatron: bool
+) -> None:
+    ref = make()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = train(ref, lambda x, y: stepper(ref, opt)(x, y).detach(), unfreeze(ref))
+    net = make(megatron)
+    with simulated_world(ranks) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        parallel = sw.AutoParallel(stepper(net, opt), parallel_mode=mode)
+        got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)), unfreeze(net))
+        for s in range(STEPS):
+            assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+        plan = parallel.parallel_plan if mode == "semi_auto" else None
+        for name, p in net.named_parameters():
+            full = ref.get_parameter(name).detach()
+            layout = plan.params[name].layout if plan is not None else None
+            block = (
+                full
+                if layout is None
+                else lambda r, f=full, lay=layout: f[lay.local_index(r, tuple(f.shape))]
+            )
+            assert_matches_single_device(p.detach(), block, what=name)
+        if plan is not None:  # (the plan's buckets hold the unfrozen layer now)
+            assert any("0.weight" in b.params for b in plan.buckets), plan.buckets
+
+
+@pytest.mark.parametrize("mode", ["semi_auto", "data_parallel"])
+def test_unfrozen_under_optimizer_parallel_is_refused(mode: str) -> None:
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        parallel = sw.AutoParallel(stepper(net, opt), parallel_mode=mode)
+        parallel.hsdp(threshold=0, optimizer_level="level2")
+        x, y = DATA[0]
+        parallel(world.rows(x), world.rows(y))
+        net[0].requires_grad_(True)
+        with pytest.raises(ValueError, match=r"before the first call"):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_a_parameter_group_added_later_in_the_data_parallel_mode() -> None:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        return net, torch.optim.SGD(net[2].parameters(), lr=0.1)
+
+    def add(opt: torch.optim.Optimizer, net: nn.Module) -> Callable[[int], None]:
+        def change(i: int) -> None:
+            if i == 1:
+                opt.add_param_group({"params": list(net[0].parameters()), "lr": 0.05})
+
+        return change
+
+    ref, opt = build()
+    want = train(ref, lambda x, y: stepper(ref, opt)(x, y).detach(), add(opt, ref))
+    net = build()[0]
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net[2].parameters(), lr=0.1)
+        parallel = sw.AutoParallel(stepper(net, opt), parallel_mode="data_parallel")
+        got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)), add(opt, net))
+        for s in range(STEPS):
+            assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), ref.get_parameter(name), what=name)
+
+
+@pytest.mark.parametrize("strategy", ["data_parallel", "full_batch"])
+def test_keyword_inputs_in_the_data_parallel_mode(strategy: str) -> None:
+    net = make()
+    x, y = DATA[0]
+    want = F.cross_entropy(net(x), y).detach()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(inputs: torch.Tensor, *, labels: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(inputs), labels)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="data_parallel").dataset_strategy(strategy)
+        give = world.rows if strategy == "data_parallel" else world.same
+        got = parallel(inputs=give(x), labels=give(y))
+        assert_matches_single_device(got, want, what="loss")
+    other, want_out = make(), make()(x).detach()
+    with simulated_world(2) as world:
+        world.replicate(other)
+        module = sw.AutoParallel(other, parallel_mode="data_parallel")
+        out = module(input=world.rows(x))
+        assert_matches_single_device(out.detach(), world.rows(want_out), what="output")
