@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -452,6 +453,21 @@ def _local_tensor_world() -> None:
     assert callable(lt._get_rng_state) and callable(lt._set_rng_state)
 
 
+def _local_tensor_mode_dispatch() -> None:
+    """`testing/_inplace_guard` subclasses LocalTensorMode: its ``__torch_dispatch__(func,
+    types, args, kwargs)``, its ``_disable`` flag, ``rank_map``; an op's ``_schema`` alias
+    info tells a write into the first argument."""
+    mode_cls = importlib.import_module("torch.distributed._local_tensor").LocalTensorMode
+    names = list(inspect.signature(mode_cls.__torch_dispatch__).parameters)
+    assert names == ["self", "func", "types", "args", "kwargs"], names
+    with simulated_world(2) as world:
+        assert world.mode._disable is False and callable(world.mode.rank_map)
+        with world.outside():
+            assert world.mode._disable is True
+    alias = torch.ops.aten.add_.Tensor._schema.arguments[0].alias_info
+    assert alias is not None and alias.is_write
+
+
 CASES: dict[str, Callable[[], None]] = {
     "_torch/autograd_engine: graph task id, will_engine_execute_node, queue_callback": (
         _autograd_engine
@@ -488,6 +504,9 @@ CASES: dict[str, Callable[[], None]] = {
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
+    "testing/_inplace_guard: LocalTensorMode's dispatch, _disable, rank_map": (
+        _local_tensor_mode_dispatch
+    ),
 }
 
 
@@ -499,7 +518,7 @@ def test_private_torch_api_is_there(case: str) -> None:
 def test_each_case_names_a_torch_module_and_each_module_has_a_case() -> None:
     modules = {p.stem for p in TORCH_PACKAGE.glob("*.py") if p.stem != "__init__"}
     named = {case.split(":")[0].removeprefix("_torch/") for case in CASES}
-    assert named - {"testing/_world"} <= modules, sorted(named - modules)
+    assert named - {"testing/_world", "testing/_inplace_guard"} <= modules, sorted(named - modules)
     assert modules <= named, f"no case checks _torch/{sorted(modules - named)}"
 
 

@@ -85,8 +85,7 @@ from shardwise.planner._call_kinds import keeps_graph
 T = torch.Tensor
 
 
-GRAD_GET = "torch.Tensor.grad.__get__"
-"""The op name of a ``t.grad`` read (`call_info`)."""
+GRAD_GET = "torch.Tensor.grad.__get__"  # (the op name of a ``t.grad`` read: `call_info`)
 
 
 class PlanExecutor(
@@ -147,8 +146,7 @@ class PlanExecutor(
         # the gradients' reducer corrects shares of a backward that did not wait for a mean
         # loss's count (`EdgePlan.deferred`; set by the caller: not with optimizer parallel)
         self.defer_count = False
-        # called with the tensor before each ``t.grad`` read (set by the caller: hsdp level 1
-        # reduces the gradients it holds, so that ``p.grad`` is the parameter's reduced one)
+        # before each ``t.grad`` read, with t (hsdp level 1: reduces the gradients it holds)
         self.grad_read: Callable[[T], None] | None = None
         self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call

@@ -99,7 +99,7 @@ class NodeRun:
         if k in table.in_place_moved:
             changed = next((t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)), None)
         backs = table.written_back.get(k)
-        kept = {e.slot: (T(), T()) for e in backs} if backs else None
+        kept = dict.fromkeys((e.slot for e in backs), (T(), T())) if backs else None
         if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
             leaves = self._moved_inputs(k, [*args, *kw.values()], kept)
             args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
