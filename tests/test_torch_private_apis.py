@@ -464,6 +464,10 @@ def _local_tensor_mode_dispatch() -> None:
         assert world.mode._disable is False and callable(world.mode.rank_map)
         with world.outside():
             assert world.mode._disable is True
+        # (its seeding, patched in by _patch_random_functions, made quiet by the guard)
+        assert getattr(torch.manual_seed, "quiet", False)
+        assert getattr(torch.random.manual_seed, "quiet", False)
+    assert not hasattr(torch.manual_seed, "quiet")
     alias = torch.ops.aten.add_.Tensor._schema.arguments[0].alias_info
     assert alias is not None and alias.is_write
 
@@ -504,7 +508,7 @@ CASES: dict[str, Callable[[], None]] = {
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
-    "testing/_inplace_guard: LocalTensorMode's dispatch, _disable, rank_map": (
+    "testing/_inplace_guard: LocalTensorMode's dispatch, _disable, rank_map, seeding": (
         _local_tensor_mode_dispatch
     ),
 }

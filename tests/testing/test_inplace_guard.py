@@ -1,13 +1,17 @@
 """In a simulated world, an in-place op that writes each rank's value into a tensor made
 outside the world (one plain tensor all ranks share) raises instead of updating it once per
-rank; made inside (or given with `world.same`), or written out of place, it is each rank's."""
+rank; made inside (or given with `world.same`), or written out of place, it is each rank's. An
+explicit generator gives every rank one process's draw; seeding inside a wrapped step works."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from shardwise.testing import simulated_world
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
 
 
 def test_in_place_write_into_an_outside_tensor_is_refused() -> None:
@@ -47,3 +51,27 @@ def test_an_explicit_generator_gives_every_rank_the_same_draw() -> None:
         filled = torch.empty(3).normal_(generator=g.manual_seed(1))  # (in place, per rank)
     for got, expect in ((drawn, want), (later, after), (filled, normal)):
         assert [t.tolist() for t in world.local_tensors(got)] == [expect] * 2
+
+
+def test_seeding_inside_a_wrapped_step_with_dropout() -> None:
+    """``torch.manual_seed`` at the top of a train step in a simulated world: LocalTensorMode's
+    own seeding copied the generator states with tensor ops, which the plan executor took for
+    ops of the step (it stopped, naming torch.Tensor.clone). The losses equal one device's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 3))
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(123)
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+
+    want = step(x, y).detach()
+    net.load_state_dict(state)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for _ in range(2):
+            assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want)

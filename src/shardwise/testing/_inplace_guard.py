@@ -10,14 +10,24 @@
   real job draws from its own generator seeded alike. `same_draws` gives every rank the draw
   from the generator's state before the op, which then stands advanced once.
 
-`guarded_mode` makes the LocalTensorMode subclass that does both.
+- Seeding inside the world (``torch.manual_seed`` in a train step) runs LocalTensorMode's own
+  version, which copies the generator states with tensor ops; `quiet_seeding` runs it with
+  torch-function modes off, so a wrapped step's plan executor does not see those copies as ops
+  of the step (it stopped, naming ``torch.Tensor.clone``).
+
+`guarded_mode` makes the LocalTensorMode subclass that does all three.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+_SEEDING = ("torch.manual_seed", "torch.random.manual_seed")
 
 _WRITES_FIRST: dict[Any, bool] = {}
 
@@ -94,11 +104,36 @@ def same_draws(
     return made if first is None else first
 
 
+def quiet_seeding() -> None:
+    """Wrap the seeding functions LocalTensorMode put in place (`_SEEDING`) so that they run
+    with torch-function modes off (called after it patched them)."""
+    for name in _SEEDING:
+        module_name, attr = name.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        seeding = getattr(module, attr)
+        if not getattr(seeding, "quiet", False):
+            setattr(module, attr, _quiet(seeding))
+
+
+def _quiet(seeding: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(seeding)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return seeding(*args, **kwargs)
+
+    quiet.quiet = True  # type: ignore[attr-defined]
+    return quiet
+
+
 def guarded_mode(mode_cls: type, local: type) -> type:
     """A subclass of torch's LocalTensorMode `mode_cls` whose dispatch runs `check_write` and
-    `same_draws`."""
+    `same_draws`, and whose seeding is quiet (`quiet_seeding`)."""
 
     class GuardedLocalTensorMode(mode_cls):  # type: ignore[misc, valid-type]
+        def _patch_random_functions(self) -> None:
+            super()._patch_random_functions()
+            quiet_seeding()
+
         def __torch_dispatch__(
             self,
             func: Any,
