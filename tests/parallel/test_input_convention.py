@@ -196,6 +196,20 @@ def test_full_batch_that_does_not_divide_names_the_convention(form: str) -> None
             call(world.same(x[:6]), world.same(y[:6]))
 
 
+@pytest.mark.parametrize("mode", ["semi_auto", "data_parallel"])
+def test_ranks_passing_different_row_counts_are_named(mode: str) -> None:
+    """Under the data_parallel convention every rank passes as many rows; a last batch split
+    unevenly (3 rows on rank 0, 2 on rank 1) failed in a simulated world with
+    "'LocalIntNode' object has no attribute 'int_'" (semi_auto) or "NYI" (data_parallel)."""
+    net, (x, y) = MLP(), data()[0]
+    with simulated_world(2) as world:
+        world.replicate(net)
+        _, _, call = train_step_form(2, net, mode, "data_parallel")
+        uneven = [world.from_local_tensors([t[:3], t[3:5]]) for t in (x, y)]
+        with pytest.raises(ValueError, match=r"other sizes on some ranks.*drop_remainder=True"):
+            call(*uneven)
+
+
 @pytest.mark.parametrize("form", ["module", "train_step"])
 def test_full_batch_takes_this_ranks_share(form: str) -> None:
     """semi_auto under ``"full_batch"``: the first unannotated op takes this rank's rows of the

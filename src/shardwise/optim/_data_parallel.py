@@ -101,6 +101,21 @@ def _check_arguments(
         )
 
 
+def _same_shapes(inputs: Sequence[Any]) -> None:
+    """Raise ValueError when a tensor input has another size on some of the ranks this
+    process runs (a last batch split unevenly)."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            try:
+                [int(n) for n in x.shape]
+            except (AttributeError, TypeError, RuntimeError):
+                raise ValueError(
+                    f"{WHO}: an input of shape {list(x.shape)} has other sizes on some ranks; "
+                    f"every rank passes the same shapes (as many rows on each rank; "
+                    f"batch(..., drop_remainder=True) for the last batch)"
+                ) from None
+
+
 class DataParallelRunner:
     """Data-parallel training of a train step or a module (MindSpore parallel_mode="data_parallel").
 
@@ -345,6 +360,7 @@ class DataParallelRunner:
             >>> loss = runner(images, labels)   # this rank's rows
         """
         self._check_plan()
+        _same_shapes([*inputs, *kwargs.values()])
         if self.dataset_strategy == "full_batch":
             rank = comm.get_rank()
             inputs = tuple(local_rows(x, self.world, rank) for x in inputs)

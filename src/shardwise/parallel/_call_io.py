@@ -37,8 +37,20 @@ def _global_shape(
     x: T, world: int, dataset: object, layout: TensorLayout | None
 ) -> tuple[int, ...]:
     """`x`'s global shape: rows of all ranks under data_parallel; its block's dims times their
-    split counts under a per-input `layout`."""
-    shape = [int(n) for n in x.shape]
+    split counts under a per-input `layout`.
+
+    Raises:
+        ValueError: (ranks that one process runs) `x` has another size on some rank.
+    """
+    try:
+        shape = [int(n) for n in x.shape]
+    except (AttributeError, TypeError, RuntimeError):  # (a per-rank size: ranks differ)
+        raise ValueError(
+            f"AutoParallel: an input of shape {list(x.shape)} has other sizes on some ranks; "
+            f"every rank passes the same shapes (its rows of the global batch: as many rows "
+            f"on each rank; batch(..., drop_remainder=True) or a DistributedSampler with "
+            f"drop_last=True for the last batch)"
+        ) from None
     if layout is not None:
         shape = [n * layout.split_count(d) for d, n in enumerate(shape)]
     elif dataset == "data_parallel" and shape:
