@@ -172,3 +172,44 @@ def test_dropout_between_layers_while_training_is_refused() -> None:
             sw.AutoParallel(net)(world.rows(x))
         net.eval()
         assert_matches_single_device(sw.AutoParallel(net)(world.rows(x)), want.detach())
+
+
+class AfterColumnParallel(nn.Module):
+    """A column-parallel Linear (dp 2 x mp 2) feeding a recurrent layer (`kind`); `reshard`:
+    the features made whole before it, as the error's fix says."""
+
+    def __init__(self, kind: str, reshard: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.reshard = nn.Linear(5, 8), reshard
+        self.rnn, self.head = getattr(nn, kind)(8, 6, batch_first=True), nn.Linear(6, 3)
+        sw.shard(self.inp, in_strategy=((2, 1), (2, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.reshard:
+            h = sw.reshard(h, (2, 1, 1))
+        out: torch.Tensor = self.head(self.rnn(h)[0][:, -1])
+        return out
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+def test_input_split_on_features_names_the_fix(kind: str) -> None:
+    """After a column-parallel layer the recurrent module checked its input's feature size on
+    this rank's block and failed with torch's own "input.size(-1) must be equal to
+    input_size. Expected 8, got 4"; now a `PlanError` names the fix, and with the features
+    made whole (``sw.reshard``) the loss equals one device's."""
+    from shardwise.planner import PlanError
+
+    x = torch.randn(8, 5, 5, generator=torch.Generator().manual_seed(3))
+    want = AfterColumnParallel(kind, False)(x).detach()
+    for reshard in (False, True):
+        net = AfterColumnParallel(kind, reshard)
+        with simulated_world(4) as world:
+            world.replicate(net)
+            parallel = sw.AutoParallel(net)
+            if not reshard:
+                with pytest.raises(PlanError, match=r"split on its features.*sw.reshard"):
+                    parallel(world.rows(x))
+                continue
+            assert_matches_single_device(parallel(world.rows(x)).detach(), world.rows(want))

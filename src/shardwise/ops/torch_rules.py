@@ -49,7 +49,9 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
     weights whole; the output is split as the input, the final states as the hidden states
     (`outputs`: the op's tensor outputs). An unbatched input or one split on any other dim
     returns None. A dropout between layers while training on a split batch raises ValueError:
-    the op draws its masks inside, each rank its own, unlike one device's.
+    the op draws its masks inside, each rank its own, unlike one device's; so does an input
+    split on its features (after a column-parallel layer): ``nn.RNNBase`` checks the input's
+    feature size on this rank's block before the op runs.
     """
 
     def rule(
@@ -64,6 +66,14 @@ def recurrent_rule(states: int, outputs: int) -> NodeRule:
             return None
         layers, dropout, train, batch_first = args[4], args[5], args[6], args[8]
         batch = 0 if batch_first else 1
+        if any(type(p) is Shard and p.dim == 2 for p in have[0]):
+            raise ValueError(
+                "its input arrives split on its features (the layer before it is column "
+                "parallel), and the recurrent module checks the feature size on this rank's "
+                "block before the op runs; make the features whole before the module "
+                "(x = sw.reshard(x, (dp, 1, 1)) with dp the split of the rows), or make the "
+                "layer before it row parallel (or leave it unannotated)"
+            )
         keep = [type(p) is Shard and p.dim == batch for p in have[0]]
         if not any(keep):
             return None
