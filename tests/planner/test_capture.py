@@ -114,6 +114,15 @@ class NonzeroInForward(nn.Module):
             Lambda(lambda x: torch.cov(x.t())),
             r"torch.cov at test_capture.py:\d+ reads a tensor's value inside torch \(aten.equal",
         ),
+        (  # (a packed sequence: its hint, not boolean indexing's)
+            Lambda(
+                lambda x: nn.utils.rnn.pack_padded_sequence(
+                    x.unsqueeze(0), torch.tensor([2]), batch_first=True
+                ).data.sum()
+            ),
+            r"pack_padded_sequence at test_capture.py:\d+ has an output whose shape .*padded "
+            r"batch without packing",
+        ),
         (  # (torch's Python check of the variances, named with its line)
             Lambda(lambda x: F.gaussian_nll_loss(x, x * 2, torch.ones_like(x))),
             r"gaussian_nll_loss at test_capture.py:\d+ reads a tensor's value inside torch "

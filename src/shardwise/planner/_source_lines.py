@@ -58,6 +58,15 @@ def library_read() -> str:
     return ""
 
 
+SHAPE_HINTS = {
+    "pack_padded_sequence": (
+        "run the recurrent layer on the padded batch without packing, and mask the padded "
+        "steps' outputs, or take each sequence's last step with torch.gather"
+    ),
+    "": "a mask and torch.where instead of indexing by a boolean tensor",
+}
+"""What to write instead of an op whose output is shaped by values, by a part of its name."""
+
 _VALUE_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.item")
 _TORCH_PUBLIC = tuple(
     os.path.join(_TORCH_DIR, part)
@@ -71,10 +80,11 @@ def data_dependent(op: str, e: BaseException) -> str:
     torch's function and line where Python reads it) or an output shaped by values."""
     func = str(getattr(e, "func", ""))
     if not func.startswith(_VALUE_READS):
+        instead = next((h for name, h in SHAPE_HINTS.items() if name in op), SHAPE_HINTS[""])
         return (
             f"{op} at {source_line()} has an output whose shape depends on tensor values "
             f"({type(e).__name__}), which capture cannot follow; use an op with a fixed output "
-            f"shape (a mask and torch.where instead of indexing by a boolean tensor)"
+            f"shape ({instead})"
         )
     where = ""
     for frame, line in traceback.walk_tb(e.__traceback__):
