@@ -75,3 +75,18 @@ def test_seeding_inside_a_wrapped_step_with_dropout() -> None:
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         for _ in range(2):
             assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want)
+
+
+def test_a_draw_from_plain_tensors_advances_every_ranks_stream() -> None:
+    """A draw on tensors made inside the world but not per rank (a ``Beta`` sample's gammas)
+    ran once on the process's generator, so every rank's next draw repeated numbers one
+    process had used; now each rank draws from its own stream, as one process does."""
+    torch.manual_seed(7)
+    beta = torch.distributions.Beta(torch.tensor([0.4]), torch.tensor([0.4]))
+    want = [beta.sample().tolist(), torch.rand(2).tolist()]
+    with simulated_world(2) as world:
+        torch.manual_seed(7)
+        inside = torch.distributions.Beta(torch.tensor([0.4]), torch.tensor([0.4]))
+        got = [inside.sample(), torch.rand(2)]
+        for value, expect in zip(got, want, strict=True):
+            assert [t.tolist() for t in world.local_tensors(value)] == [expect] * 2

@@ -10,12 +10,16 @@
   real job draws from its own generator seeded alike. `same_draws` gives every rank the draw
   from the generator's state before the op, which then stands advanced once.
 
+- A random op on tensors made inside the world but not per rank (``torch._standard_gamma(
+  torch.tensor([0.4]))``, a ``Beta`` sample) drew once from the process's generator, leaving
+  each rank's stream where it was (the next draw repeated numbers one process had used);
+  `each_rank_draws` runs it for every rank from that rank's stream.
 - Seeding inside the world (``torch.manual_seed`` in a train step) runs LocalTensorMode's own
   version, which copies the generator states with tensor ops; `quiet_seeding` runs it with
   torch-function modes off, so a wrapped step's plan executor does not see those copies as ops
   of the step (it stopped, naming ``torch.Tensor.clone``).
 
-`guarded_mode` makes the LocalTensorMode subclass that does all three.
+`guarded_mode` makes the LocalTensorMode subclass that does all of this.
 """
 
 from __future__ import annotations
@@ -104,6 +108,30 @@ def same_draws(
     return made if first is None else first
 
 
+def _plain_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> bool:
+    """Whether `func` draws random numbers into a new tensor from plain tensor arguments only
+    (none per rank)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags or _writes_first(func):
+        return False
+    values = [*args, *kwargs.values()]
+    return any(_plain(v, local) for v in values) and not _has_local(values, local)
+
+
+def each_rank_draws(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`func` run for every rank of `mode` from that rank's random stream, which it advances
+    (as LocalTensorMode runs a draw on per-rank tensors)."""
+    streams = importlib.import_module("torch.distributed._local_tensor")
+    states = mode._per_rank_rng_states
+
+    def draw(r: int) -> torch.Tensor:
+        streams._set_rng_state(*states[r])
+        out: torch.Tensor = func(*args, **kwargs)
+        states[r] = streams._get_rng_state()
+        return out
+
+    return mode.rank_map(draw)
+
+
 def quiet_seeding() -> None:
     """Wrap the seeding functions LocalTensorMode put in place (`_SEEDING`) so that they run
     with torch-function modes off (called after it patched them)."""
@@ -147,6 +175,8 @@ def guarded_mode(mode_cls: type, local: type) -> type:
                     made = same_draws(self, func, args, kwargs, local)
                     if made is not None:
                         return made
+                elif self._per_rank_rng_states and _plain_draw(func, args, kwargs or {}, local):
+                    return each_rank_draws(self, func, args, kwargs or {})
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return GuardedLocalTensorMode
