@@ -454,7 +454,7 @@ def _local_tensor_world() -> None:
 
 
 def _local_tensor_mode_dispatch() -> None:
-    """`testing/_inplace_guard` subclasses LocalTensorMode: its ``__torch_dispatch__(func,
+    """`testing/_sim_mode` subclasses LocalTensorMode: its ``__torch_dispatch__(func,
     types, args, kwargs)``, its ``_disable`` flag, ``rank_map``; an op's ``_schema`` alias
     info tells a write into the first argument."""
     mode_cls = importlib.import_module("torch.distributed._local_tensor").LocalTensorMode
@@ -508,7 +508,7 @@ CASES: dict[str, Callable[[], None]] = {
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
-    "testing/_inplace_guard: LocalTensorMode's dispatch, _disable, rank_map, seeding": (
+    "testing/_sim_mode: LocalTensorMode's dispatch, _disable, rank_map, seeding": (
         _local_tensor_mode_dispatch
     ),
 }
@@ -522,7 +522,7 @@ def test_private_torch_api_is_there(case: str) -> None:
 def test_each_case_names_a_torch_module_and_each_module_has_a_case() -> None:
     modules = {p.stem for p in TORCH_PACKAGE.glob("*.py") if p.stem != "__init__"}
     named = {case.split(":")[0].removeprefix("_torch/") for case in CASES}
-    assert named - {"testing/_world", "testing/_inplace_guard"} <= modules, sorted(named - modules)
+    assert named - {"testing/_world", "testing/_sim_mode"} <= modules, sorted(named - modules)
     assert modules <= named, f"no case checks _torch/{sorted(modules - named)}"
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.communication import _init, _sim
-from shardwise.testing._inplace_guard import guarded_mode
+from shardwise.testing._sim_mode import guarded_mode
 
 
 def _no_dispatch_modes() -> Any:

@@ -34,6 +34,7 @@ import torch
 _SEEDING = ("torch.manual_seed", "torch.random.manual_seed")
 
 _WRITES_FIRST: dict[Any, bool] = {}
+_SEEDED: dict[Any, bool] = {}
 
 
 def _writes_first(func: Any) -> bool:
@@ -111,7 +112,10 @@ def same_draws(
 def _plain_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> bool:
     """Whether `func` draws random numbers into a new tensor from plain tensor arguments only
     (none per rank)."""
-    if torch.Tag.nondeterministic_seeded not in func.tags or _writes_first(func):
+    seeded = _SEEDED.get(func)
+    if seeded is None:
+        seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
+    if not seeded or _writes_first(func):
         return False
     values = [*args, *kwargs.values()]
     return any(_plain(v, local) for v in values) and not _has_local(values, local)
@@ -154,8 +158,8 @@ def _quiet(seeding: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def guarded_mode(mode_cls: type, local: type) -> type:
-    """A subclass of torch's LocalTensorMode `mode_cls` whose dispatch runs `check_write` and
-    `same_draws`, and whose seeding is quiet (`quiet_seeding`)."""
+    """A subclass of torch's LocalTensorMode `mode_cls` whose dispatch runs `check_write`,
+    `same_draws` and `each_rank_draws`, and whose seeding is quiet (`quiet_seeding`)."""
 
     class GuardedLocalTensorMode(mode_cls):  # type: ignore[misc, valid-type]
         def _patch_random_functions(self) -> None:
