@@ -49,6 +49,7 @@ from shardwise.optim._data_parallel_plan import (
     WHO,
     CommBucket,
     ParamEntry,
+    check_arguments,
     plan_buckets,
     plan_entries,
 )
@@ -58,6 +59,7 @@ from shardwise.optim._data_parallel_steps import (
     gather_rows,
     local_rows,
     mean_loss,
+    same_shapes,
 )
 from shardwise.optim._plan import FusionConfig, check_fusion
 
@@ -71,49 +73,6 @@ def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimiz
     from shardwise.parallel._discover import find_referenced  # lazy: parallel may import optim
 
     return find_referenced(train_step)[1]
-
-
-def _check_arguments(
-    network: Any, train_step: Any, parallel_optimizer: Any, threshold_kb: Any, strategy: Any
-) -> None:
-    """`DataParallelRunner`'s argument types and values (the errors its docstring lists)."""
-    if strategy not in ("data_parallel", "full_batch"):
-        raise ValueError(
-            f"{WHO}: dataset_strategy={strategy!r}; parallel_mode='data_parallel' "
-            "takes 'data_parallel' (each rank passes its own rows of the global batch) or "
-            "'full_batch' (each rank passes the whole global batch); per-input strategies "
-            "need parallel_mode='semi_auto'"
-        )
-    if not isinstance(network, nn.Module):
-        raise TypeError(f"{WHO}: network must be a torch.nn.Module, got {type(network)}")
-    if train_step is not None and not callable(train_step):
-        raise TypeError(f"{WHO}: train_step must be callable or None, got {train_step!r}")
-    if not isinstance(parallel_optimizer, bool):
-        raise TypeError(f"{WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
-    if (
-        isinstance(threshold_kb, bool)
-        or not isinstance(threshold_kb, int | float)
-        or not threshold_kb >= 0
-    ):
-        raise ValueError(
-            f"{WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
-            "(0: every parameter that allows it gets an owner)"
-        )
-
-
-def _same_shapes(inputs: Sequence[Any]) -> None:
-    """Raise ValueError when a tensor input has another size on some of the ranks this
-    process runs (a last batch split unevenly)."""
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            try:
-                [int(n) for n in x.shape]
-            except (AttributeError, TypeError, RuntimeError):
-                raise ValueError(
-                    f"{WHO}: an input of shape {list(x.shape)} has other sizes on some ranks; "
-                    f"every rank passes the same shapes (as many rows on each rank; "
-                    f"batch(..., drop_remainder=True) for the last batch)"
-                ) from None
 
 
 class DataParallelRunner:
@@ -191,7 +150,7 @@ class DataParallelRunner:
         fusion: dict[str, Any] | None = None,
         dataset_strategy: Any = "data_parallel",
     ) -> None:
-        _check_arguments(network, train_step, parallel_optimizer, threshold_kb, dataset_strategy)
+        check_arguments(network, train_step, parallel_optimizer, threshold_kb, dataset_strategy)
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         opts = list(optimizers)
@@ -360,7 +319,7 @@ class DataParallelRunner:
             >>> loss = runner(images, labels)   # this rank's rows
         """
         self._check_plan()
-        _same_shapes([*inputs, *kwargs.values()])
+        same_shapes([*inputs, *kwargs.values()])
         if self.dataset_strategy == "full_batch":
             rank = comm.get_rank()
             inputs = tuple(local_rows(x, self.world, rank) for x in inputs)

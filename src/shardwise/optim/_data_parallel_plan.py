@@ -8,6 +8,7 @@ and which parameters share one collective.
   optimizers or not the network's), its ``comm_fusion`` id, and with ``parallel_optimizer=True``
   its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
   hold at least the threshold).
+- `check_arguments`: the runner's argument types and values.
 - `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
   size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
   owner and fusion id), each a `CommBucket`.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -219,3 +221,35 @@ def plan_buckets(
         grads_out.append(grads)
         bcasts_out.append(bcasts)
     return grads_out, bcasts_out
+
+
+def check_arguments(
+    network: Any, train_step: Any, parallel_optimizer: Any, threshold_kb: Any, strategy: Any
+) -> None:
+    """`DataParallelRunner`'s argument types and values (the errors its docstring lists).
+
+    Raises:
+        TypeError / ValueError: as `DataParallelRunner` lists them.
+    """
+    if strategy not in ("data_parallel", "full_batch"):
+        raise ValueError(
+            f"{WHO}: dataset_strategy={strategy!r}; parallel_mode='data_parallel' "
+            "takes 'data_parallel' (each rank passes its own rows of the global batch) or "
+            "'full_batch' (each rank passes the whole global batch); per-input strategies "
+            "need parallel_mode='semi_auto'"
+        )
+    if not isinstance(network, nn.Module):
+        raise TypeError(f"{WHO}: network must be a torch.nn.Module, got {type(network)}")
+    if train_step is not None and not callable(train_step):
+        raise TypeError(f"{WHO}: train_step must be callable or None, got {train_step!r}")
+    if not isinstance(parallel_optimizer, bool):
+        raise TypeError(f"{WHO}: parallel_optimizer={parallel_optimizer!r} must be a bool")
+    if (
+        isinstance(threshold_kb, bool)
+        or not isinstance(threshold_kb, int | float)
+        or not threshold_kb >= 0
+    ):
+        raise ValueError(
+            f"{WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
+            "(0: every parameter that allows it gets an owner)"
+        )

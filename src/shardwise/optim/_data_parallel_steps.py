@@ -2,7 +2,8 @@
 gradients and parameters: the collectives of data-parallel mode (through
 ``communication._collectives``), and the batch cut.
 
-- `local_rows` (``"full_batch"``): this rank's rows of a global-batch input.
+- `local_rows` (``"full_batch"``): this rank's rows of a global-batch input; `same_shapes`:
+  every rank's inputs of one shape (a simulated world sees ranks that differ).
 - `mean_loss` (train-step form): the step's loss averaged over the ranks (one AllReduce).
 - `gather_rows` (module form, ``"full_batch"``): the output's rows of every rank, concatenated
   (``sw.ops.AllGather``, autograd-aware).
@@ -14,6 +15,7 @@ gradients and parameters: the collectives of data-parallel mode (through
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -107,3 +109,18 @@ def gather_rows(out: Any) -> Any:
     if isinstance(out, tuple | list):
         return type(out)(gather_rows(o) for o in out)
     return out
+
+
+def same_shapes(inputs: Sequence[Any]) -> None:
+    """Raise ValueError when a tensor input has another size on some of the ranks this
+    process runs (a last batch split unevenly)."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            try:
+                [int(n) for n in x.shape]
+            except (AttributeError, TypeError, RuntimeError):
+                raise ValueError(
+                    f"{WHO}: an input of shape {list(x.shape)} has other sizes on some ranks; "
+                    f"every rank passes the same shapes (as many rows on each rank; "
+                    f"batch(..., drop_remainder=True) for the last batch)"
+                ) from None
