@@ -65,7 +65,7 @@ class NodeRun:
         ) -> tuple[Any, Any]: ...
 
     def _moved_inputs(
-        self, k: int, tensors: list[Any], kept: dict[int, tuple[T, T]] | None = None
+        self, k: int, tensors: list[Any], kept: dict[int, tuple[T, T] | None] | None = None
     ) -> list[Any]:
         """Node `k`'s tensor inputs, each moved as its edge says (shared edges reused);
         `kept`: for each of its slots, the value and the block given to the op (a copy, which
@@ -99,7 +99,9 @@ class NodeRun:
         if k in table.in_place_moved:
             changed = next((t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)), None)
         backs = table.written_back.get(k)
-        kept = dict.fromkeys((e.slot for e in backs), (T(), T())) if backs else None
+        kept: dict[int, tuple[T, T] | None] | None = (
+            dict.fromkeys(e.slot for e in backs) if backs else None
+        )
         if _flat(args, kw):  # (no pytree: positional tensors first, then keyword ones)
             leaves = self._moved_inputs(k, [*args, *kw.values()], kept)
             args, kw = tuple(leaves[: len(args)]), dict(zip(kw, leaves[len(args) :], strict=True))
@@ -129,12 +131,14 @@ class NodeRun:
             self.swapped[id(changed)] = (weakref.ref(changed), out)
         return out
 
-    def _write_back(self, backs: list[EdgePlan], kept: dict[int, tuple[T, T]]) -> None:
+    def _write_back(self, backs: list[EdgePlan], kept: dict[int, tuple[T, T] | None]) -> None:
         """Gather each block the op changed in place back into its whole buffer
         (`EdgePlan.written_back`: a batch norm's running statistics of split features)."""
         with torch.no_grad():
             for back in backs:
-                whole, block = kept[back.slot]
+                pair = kept[back.slot]
+                assert pair is not None  # (every written-back slot is an input the op got)
+                whole, block = pair
                 whole.copy_(move(block, back, run=self.run))
 
     def current(self, t: Any) -> Any:
