@@ -4,8 +4,8 @@ Only what the step's code really loads counts: a global that merely shares a nam
 attribute the step reads (``optimizer.step()`` and a wrapper named ``step``) is ignored, as is a
 wrapper re-created the way a notebook cell re-runs. The network and optimizer are also found
 through an object's attributes (``trainer.net``, ``self.net``), in a helper function the step
-calls, and in a nested function or lambda. Each is then trained for one step on 2 simulated
-ranks and compared with one device.
+calls, in a nested function or lambda, and in a step written as a class with ``__call__``.
+Each is then trained for one step on 2 simulated ranks and compared with one device.
 """
 
 from __future__ import annotations
@@ -81,6 +81,13 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad()
         return loss
+
+
+class CallableTrainer(Trainer):
+    """A train step written as a class with ``__call__`` (not a module)."""
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.step(x, y)
 
 
 trainer = Trainer()
@@ -163,7 +170,7 @@ def single_device_loss_and_params() -> tuple[float, dict[str, torch.Tensor]]:
 def cases(world: SimulatedWorld | None) -> dict[str, tuple[Any, nn.Module, torch.optim.Optimizer]]:
     """Each way of reaching the network, built anew (inside `world` when given)."""
     global trainer, helper_net, helper_opt
-    trainer, bound = Trainer(world), Trainer(world)
+    trainer, bound, called = Trainer(world), Trainer(world), CallableTrainer(world)
     helper_net, helper_opt = fresh(world)
     nested, inner_net, inner_opt = make_nested(world)
     partial_net, partial_opt = fresh(world)
@@ -171,6 +178,7 @@ def cases(world: SimulatedWorld | None) -> dict[str, tuple[Any, nn.Module, torch
     return {
         "object attribute": (through_attribute, trainer.net, trainer.opt),
         "bound method": (bound.step, bound.net, bound.opt),
+        "object with __call__": (called, called.net, called.opt),
         "helper functions": (with_helpers, helper_net, helper_opt),
         "nested function and lambda": (nested, inner_net, inner_opt),
         "functools.partial": (

@@ -119,7 +119,10 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
             self.optimizers: list[torch.optim.Optimizer] = list(given or [])
         else:
             self.train_step = network_or_step
-            modules, found = find_referenced(network_or_step)
+            modules: list[nn.Module] = []
+            found: list[torch.optim.Optimizer] = []
+            if network is None or given is None:  # (what the step's code loads)
+                modules, found = find_referenced(network_or_step)
             network = network if network is not None else pick_network(modules)
             self.optimizers = list(given) if given is not None else found
         self.network = network

@@ -129,6 +129,7 @@ class _Search:
 
     def function(self, fn: Any, root: bool = False) -> None:
         """Collect what `fn` loads; follow the functions it reaches (not shardwise's own)."""
+        fn = _as_function(fn)
         if isinstance(fn, functools.partial):  # (its bound arguments, then its function)
             self.bound([*fn.args, *fn.keywords.values()])
             self.function(fn.func, root)
@@ -164,10 +165,21 @@ class _Search:
         self.values += [v for v in values if hasattr(v, "__dict__") and not isinstance(v, plain)]
 
 
+def _as_function(fn: Any) -> Any:
+    """An object with a Python ``__call__`` (a train step written as a class, not a module):
+    its bound ``__call__``; anything else as it is."""
+    if isinstance(fn, types.FunctionType | types.MethodType | functools.partial | nn.Module):
+        return fn
+    call = vars(type(fn)).get("__call__") if callable(fn) else None
+    return fn.__call__ if isinstance(call, types.FunctionType) else fn
+
+
 def _readable(fn: Any) -> bool:
-    """Whether `fn` has Python code to read (a function, a bound method, a partial of one)."""
+    """Whether `fn` has Python code to read (a function, a bound method, an object with a
+    Python ``__call__``, a partial of one)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
+    fn = _as_function(fn)
     return isinstance(getattr(fn, "__func__", fn), types.FunctionType)
 
 

@@ -1,6 +1,18 @@
-"""Errors of the parallel runtime, and `Replan`, the executor's signal to plan a call again."""
+"""Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again) and
+`note_blocks` (what torch's size mismatch with a parameter stored as a block means)."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from shardwise.planner._placed import Shape
+
+if TYPE_CHECKING:
+    from shardwise.planner import ParallelPlan
 
 
 class UnsupportedParallelError(ValueError):
@@ -21,3 +33,41 @@ class Replan(BaseException):
     def __init__(self, message: str, cursor: int, op: str | None) -> None:
         super().__init__(message)
         self.cursor, self.op = cursor, op
+
+
+_SIZES = re.compile(r"size[^()]*\((\d+)\) must match[^()]*\((\d+)\)")
+
+
+def note_blocks(error: RuntimeError, plan: ParallelPlan | None, network: nn.Module) -> None:
+    """Add `block_note`'s note to torch's `error` raised in a call of `network` run by `plan`,
+    when it applies."""
+    if plan is None:
+        return
+    params = network.named_parameters()
+    stored = {n: (plan.params[n].shape, p.shape) for n, p in params if n in plan.params}
+    note = block_note(stored, str(error))
+    if note is not None:
+        error.add_note(note)
+
+
+def block_note(shapes: Mapping[str, tuple[Shape, Shape]], message: str) -> str | None:
+    """A note for torch's size-mismatch error `message` when its two sizes are a parameter's
+    global and stored size of one dim (`shapes`: name -> (global, stored on this rank)): a
+    copy of the whole parameter, taken before the plan stored it as a block or shard, met
+    the block (an EMA of the weights). None otherwise."""
+    found = _SIZES.search(message)
+    if found is None:
+        return None
+    sizes = {int(found[1]), int(found[2])}
+    for name, (shape, local) in shapes.items():
+        for dim, (whole, block) in enumerate(zip(shape, local, strict=False)):
+            if whole != block and sizes == {whole, block}:
+                return (
+                    f"shardwise: each rank stores {name} as its block {list(local)} of the "
+                    f"global {list(shape)} (dim {dim} split by the plan or optimizer "
+                    "parallel). A tensor copied from the whole parameter before the first call "
+                    "(an EMA of the weights, a saved reference) does not fit it: take such "
+                    "copies after the first call, so that each rank keeps and updates its own "
+                    "block"
+                )
+    return None

@@ -57,7 +57,7 @@ from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._discover import agree_scalers, find_objects
-from shardwise.parallel._errors import Replan, UnsupportedParallelError
+from shardwise.parallel._errors import Replan, UnsupportedParallelError, note_blocks
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
@@ -70,6 +70,7 @@ from shardwise.parallel._hsdp import (
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
+from shardwise.parallel._ownership import CopiedHooks, copied
 from shardwise.parallel._recompute import REENTRANT_HSDP
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._shard import activate
@@ -84,6 +85,8 @@ T = torch.Tensor
 
 class GraphRun(StepHooks, GradPlanning):
     """One network or train step run from its `ParallelPlan` (see the module docstring)."""
+
+    copied = False  # (`CopiedHooks`)
 
     def __init__(
         self,
@@ -185,6 +188,15 @@ class GraphRun(StepHooks, GradPlanning):
             self._buckets(plan, buckets)
         return plan
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy of the network copies its hooks, methods of this object: they are bound
+        to a `CopiedHooks` instead (the copy is not planned, nor is this run copied), and the
+        copy's blocks are recorded as stored by this plan (its checkpoint describes them)."""
+        copy = memo.get(id(self.network))
+        if isinstance(copy, nn.Module) and self.blocks:
+            copied(copy, self.network)
+        return CopiedHooks(self.blocks)
+
     @contextmanager
     def _capturing(self) -> Iterator[None]:
         self.capturing = True
@@ -200,6 +212,13 @@ class GraphRun(StepHooks, GradPlanning):
         if self.executor is not None:
             self.executor.network_entered()
         elif not self.capturing and self.blocks:
+            if self.copied:
+                raise RuntimeError(
+                    f"AutoParallel: {type(module).__name__} is a copy of a planned network "
+                    "(copy.deepcopy after its first call); its parameters hold this rank's "
+                    "blocks or shards, so it cannot run as a whole network: copy it before the "
+                    "first call, or load its state into the planned network and call its wrapper"
+                )
             raise RuntimeError(
                 f"AutoParallel: {type(module).__name__} was called outside its wrapper; its "
                 "parameters hold this rank's blocks, so call the AutoParallel object (or the "
@@ -237,6 +256,13 @@ class GraphRun(StepHooks, GradPlanning):
         self.undo = []
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return self._call(args, kwargs)
+        except RuntimeError as e:  # (torch's own errors; shardwise's are ValueErrors)
+            note_blocks(e, self.parallel_plan, self.network)
+            raise
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None

@@ -3,7 +3,9 @@
 `take_over` is called when a wrapper is built: an earlier wrapper of the same network that
 never ran gives up its hooks and refuses later calls (a notebook cell that builds the wrapper,
 run again); one that already ran is kept, and the new one is refused with the fix.
-`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by.
+`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by; a
+deep copy of a planned network (an EMA model) is recorded by `copied` as stored by the same plan,
+its hooks bound to a `CopiedHooks`.
 """
 
 from __future__ import annotations
@@ -58,10 +60,37 @@ def take_over(network: nn.Module, wrapper: Wrapper) -> None:
     _WRAPPERS[network] = weakref.ref(wrapper)
 
 
+class CopiedHooks:
+    """What the hooks of a deep copy of a planned network are bound to (``copy.deepcopy(net)``
+    after the first call: an EMA model, a snapshot): `GraphRun`'s hook methods, run by no
+    executor. A copy of whole parameters runs as plain torch; a copy of blocks or shards
+    refuses to run (`GraphRun._network_called`)."""
+
+    executor = None
+    copied = True
+
+    def __init__(self, blocks: bool) -> None:
+        self.blocks, self.capturing = blocks, not blocks
+
+
+_COPIES: weakref.WeakKeyDictionary[nn.Module, ParallelPlan] = weakref.WeakKeyDictionary()
+"""Deep copies of planned networks (an EMA model) -> the plan their blocks are stored by."""
+
+
+def copied(copy: nn.Module, network: nn.Module) -> None:
+    """Record that `copy` (``copy.deepcopy(network)`` after its first call) holds blocks
+    stored by `network`'s plan, so that its checkpoint describes its cut."""
+    plan = stored_plan(network)
+    if plan is not None:
+        _COPIES[copy] = plan
+
+
 def stored_plan(network: nn.Module) -> ParallelPlan | None:
     """The plan by which `network`'s parameters (and its optimizer's state) are stored on this
     rank: its wrapper's first plan, with the optimizer-parallel buckets; None when no wrapper
     has cut them (not planned yet, or data_parallel)."""
     ref = _WRAPPERS.get(network)
     wrapper = None if ref is None else ref()
-    return None if wrapper is None or wrapper._superseded else wrapper.stored_plan
+    if wrapper is None:
+        return _COPIES.get(network)
+    return None if wrapper._superseded else wrapper.stored_plan
