@@ -59,6 +59,7 @@ class OptimizerParallel(WeightGathering):
         self.groups = [bucket_groups(matrix, b.dp_axes, b.shard) for b in plan.buckets]
         self.leaves: dict[str, torch.Tensor] = {}
         self._stale: set[str] = set()  # levels 1-2: leaves kept past the step, refilled in place
+        self._versions: dict[str, int] = {}  # each shard's version when its leaf was gathered
         self.ready: dict[int, set[str]] = {}
         self._end_queued = -1  # the backward (graph task id) `_end_backward` is queued for
         self._regathered: dict[int, dict[str, torch.Tensor]] = {}

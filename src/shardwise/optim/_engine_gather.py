@@ -8,11 +8,12 @@
   optimizer steps; at levels 1-2 a sharded one is kept past the step (`_stale`) and the next
   gather writes into it in place (same tensor, storage and hook: no new buffer per step; its
   version moves, so autograd refuses a graph kept from before, as for a weight updated in place
-  on one device). Prefetch (`_prefetch`): at levels 1-2 the first use of a shard bucket starts
-  every shard bucket's gather (all are kept until backward anyway); level 3 starts the bucket
-  in use and the next one. Gathers started together are coalesced
-  (`communication._pairwise.coalesced`: on gloo one message per peer instead of one per
-  bucket; still one recorded AllGather per bucket).
+  on one device); a shard changed in place otherwise (its version moved: ``load_state_dict``, a
+  hand-written update) is gathered again the same way. Prefetch (`_prefetch`): at levels 1-2
+  the first use of a shard bucket starts every shard bucket's gather (all are kept until
+  backward anyway); level 3 starts the bucket in use and the next one. Gathers started
+  together are coalesced (`communication._pairwise.coalesced`: on gloo one message per peer
+  instead of one per bucket; still one recorded AllGather per bucket).
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks, `_pack`) and `_unpack` gathers the bucket
   again in backward (`_start_regather`), starting the previous saved bucket's gather too
@@ -54,6 +55,7 @@ class WeightGathering(GradReduction):
     _gathered_ids: dict[int, str]
     _gathered_ptrs: dict[tuple[int, ...], list[str]]
     _prefetched: dict[int, Pending[list[torch.Tensor]]]
+    _versions: dict[str, int]
 
     def compute(self, p: torch.Tensor) -> torch.Tensor:
         """The compute leaf of parameter `p` for this step (its whole op-level block)."""
@@ -97,8 +99,15 @@ class WeightGathering(GradReduction):
         return True
 
     def _live(self, name: str) -> bool:
-        """Whether parameter `name` has a compute leaf holding this step's weights."""
-        return name in self.leaves and name not in self._stale and not self._freed(name)
+        """Whether parameter `name` has a compute leaf holding this step's weights. A shard
+        changed in place since its gather, not by an optimizer step (``load_state_dict``, a
+        hand-written update, ``p.mul_``) marks its leaf stale: gathered again into it."""
+        if name not in self.leaves or name in self._stale or self._freed(name):
+            return False
+        if self._versions.get(name, -1) not in (-1, self.params[name]._version):
+            self._stale.add(name)
+            return False
+        return True
 
     def _leaf(self, name: str, value: torch.Tensor) -> None:
         leaf = value.requires_grad_(self.params[name].requires_grad)
@@ -139,6 +148,7 @@ class WeightGathering(GradReduction):
     def _gather(self, i: int) -> None:
         gathered = self._gathered(i, self._prefetched.pop(i, None))
         for name, full in gathered.items():
+            self._versions[name] = self.params[name]._version
             if name in self._stale:  # gathered into the leaf itself (its version bumped)
                 self._stale.discard(name)
             elif name in self.leaves:
