@@ -50,12 +50,14 @@ from shardwise.optim._data_parallel_plan import (
     CommBucket,
     ParamEntry,
     check_arguments,
+    check_optimizers,
     plan_buckets,
     plan_entries,
 )
 from shardwise.optim._data_parallel_steps import (
     all_reduce_bucket,
     broadcast_bucket,
+    check_updates,
     gather_rows,
     local_rows,
     mean_loss,
@@ -94,7 +96,8 @@ class DataParallelRunner:
 
     In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
     step pre-hook on each of `optimizers`, before the update: the gradients seen by the update
-    are those of the global batch. Only parameters of some optimizer are reduced.
+    are those of the global batch. Only parameters of some optimizer are reduced; a train step
+    changing a parameter without such a step raises ValueError (`check_updates`).
 
     With ``parallel_optimizer=True`` each parameter that allows it (`parallel_optimizer_of`)
     and holds at least ``threshold_kb`` KiB gets one owner rank (a greedy byte balance in
@@ -156,20 +159,10 @@ class DataParallelRunner:
         opts = list(optimizers)
         if not opts and train_step is not None:
             opts = _find_optimizers(train_step)
-        for i, o in enumerate(opts):
-            if not isinstance(o, torch.optim.Optimizer):
-                raise TypeError(
-                    f"{WHO}: optimizers[{i}] is a {type(o).__name__}, not a "
-                    "torch.optim.Optimizer; pass the optimizers built over network.parameters()"
-                )
-        if parallel_optimizer and not opts:
-            raise ValueError(
-                f"{WHO}: parallel_optimizer=True needs an optimizer, but none was passed"
-                + (" or found in train_step" if train_step is not None else "")
-                + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
-            )
+        check_optimizers(opts, parallel_optimizer, train_step is not None)
         self.network = network
         self._params = list(network.parameters())  # (listed once: checked every call)
+        self._stepped: list[int] | None = []  # (the optimizers that stepped in a checked call)
         self.optimizers = opts
         self.train_step = train_step
         self.dataset_strategy: str = dataset_strategy
@@ -327,10 +320,20 @@ class DataParallelRunner:
         if self.train_step is None:
             out = self.network(*inputs, **kwargs)
             return gather_rows(out) if self.dataset_strategy == "full_batch" else out
-        return mean_loss(self.train_step(*inputs, **kwargs), self.world)
+        if self._stepped is None:  # (until a step that changed the weights was checked)
+            return mean_loss(self.train_step(*inputs, **kwargs), self.world)
+        self._stepped = []
+        before = [p._version for p in self._params]
+        out = self.train_step(*inputs, **kwargs)
+        stepped = [self.optimizers[i] for i in self._stepped]
+        if check_updates(self.network, before, stepped, self.optimizers):
+            self._stepped = None
+        return mean_loss(out, self.world)
 
     def _before_step(self, index: int) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""
+        if self._stepped is not None:
+            self._stepped.append(index)
         for bucket in self._grad_buckets[index]:
             grads = [e.param.grad for e in bucket.entries if e.param.grad is not None]
             if grads:

@@ -8,7 +8,7 @@ and which parameters share one collective.
   optimizers or not the network's), its ``comm_fusion`` id, and with ``parallel_optimizer=True``
   its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
   hold at least the threshold).
-- `check_arguments`: the runner's argument types and values.
+- `check_arguments`, `check_optimizers`: the runner's argument types and values.
 - `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
   size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
   owner and fusion id), each a `CommBucket`.
@@ -252,4 +252,21 @@ def check_arguments(
         raise ValueError(
             f"{WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
             "(0: every parameter that allows it gets an owner)"
+        )
+
+
+def check_optimizers(opts: Sequence[Any], parallel_optimizer: bool, with_step: bool) -> None:
+    """Raise TypeError for an optimizer that is not a ``torch.optim.Optimizer``, ValueError
+    for ``parallel_optimizer=True`` without one (`with_step`: a train step was searched)."""
+    for i, o in enumerate(opts):
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(
+                f"{WHO}: optimizers[{i}] is a {type(o).__name__}, not a "
+                "torch.optim.Optimizer; pass the optimizers built over network.parameters()"
+            )
+    if parallel_optimizer and not opts:
+        raise ValueError(
+            f"{WHO}: parallel_optimizer=True needs an optimizer, but none was passed"
+            + (" or found in train_step" if with_step else "")
+            + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
         )

@@ -11,6 +11,8 @@ gradients and parameters: the collectives of data-parallel mode (through
   fused AllReduce.
 - `broadcast_bucket` (step post-hook): one owner's updated parameters sent to every rank, one
   flat Broadcast.
+- `check_updates` (after the first train steps): parameters changed without an optimizer step
+  the runner hooks (their gradients were not averaged) are refused.
 """
 
 from __future__ import annotations
@@ -124,3 +126,37 @@ def same_shapes(inputs: Sequence[Any]) -> None:
                     f"every rank passes the same shapes (as many rows on each rank; "
                     f"batch(..., drop_remainder=True) for the last batch)"
                 ) from None
+
+
+def check_updates(
+    network: nn.Module,
+    before: Sequence[int],
+    stepped: Sequence[torch.optim.Optimizer],
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> bool:
+    """After a train step: whether it changed any trainable parameter (`before`: their versions
+    at its start, in ``network.parameters()`` order); raise when one changed without a step of
+    an optimizer the runner knows (`stepped`: those that stepped), whose pre-hook averages the
+    gradients (a hand-written update, an optimizer built inside the step).
+
+    Raises:
+        ValueError: naming the parameter and the fix.
+    """
+    known = {id(p) for o in stepped for g in o.param_groups for p in g["params"]}
+    changed = False
+    params = network.named_parameters()
+    for (name, p), version in zip(params, before, strict=True):
+        if p._version == version or not p.requires_grad:
+            continue
+        changed = True
+        if id(p) not in known:
+            held = ", ".join(type(o).__name__ for o in optimizers) or "none"
+            raise ValueError(
+                f"{WHO}: the train step changed parameter {name!r} without a step of the "
+                f"optimizers the wrapper knows ({held}), so it used this rank's own gradient: "
+                "parallel_mode='data_parallel' averages the gradients in a torch.optim "
+                "optimizer's step. Build the optimizer before the wrapper (pass it with "
+                "optimizer=) and update through it, or use parallel_mode='semi_auto', which "
+                "averages them in backward"
+            )
+    return changed
