@@ -1,9 +1,10 @@
 """Gather's masked lookup and Dropout's global mask under `AutoParallel` (8 simulated ranks).
 
 Gather with its table split by rows looks up only the rows each rank holds, zeroes the rest and
-sums with one AllReduce over the row axes; split by columns it needs no collective. Dropout
-draws one global noise tensor (the same as the single-device draw under the same seed) and each
-rank keeps its block, so outputs and gradients equal the single-device run with any strategy.
+sums with one AllReduce over the row axes (an index out of range raises, as on one device);
+split by columns it needs no collective. Dropout draws one global noise tensor (the same as the
+single-device draw under the same seed) and each rank keeps its block, so outputs and gradients
+equal the single-device run with any strategy.
 """
 
 from __future__ import annotations
@@ -101,6 +102,20 @@ def test_gather(strategy: tuple[tuple[int, ...], ...], forward: dict[str, int]) 
     _, kinds = _run(EmbedNet(strategy), EmbedNet(strategy), ids)
     assert kinds["AllReduce"] == forward.get("AllReduce", 0), kinds
     assert kinds["ReduceScatter"] == 0
+
+
+@pytest.mark.parametrize("bad", [-1, VOCAB, VOCAB + 30])
+def test_gather_of_split_rows_refuses_an_index_out_of_range(bad: int) -> None:
+    """One device's lookup raises; each rank's masked one would give a zero row instead."""
+    ids = torch.randint(0, VOCAB, (16, 4), generator=torch.Generator().manual_seed(7))
+    ids[3, 2] = bad
+    net = EmbedNet(((8, 1), (1, 1)))
+    with pytest.raises(IndexError):
+        net(ids)  # (one device)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        with pytest.raises(IndexError, match=r"gather \(Gather\): an index is out of range for "):
+            AutoParallel(net)(world.rows(ids))
 
 
 @pytest.mark.parametrize("strategy", [((8, 1),), ((2, 4),), ((1, 8),)])

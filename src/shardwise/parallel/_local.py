@@ -78,7 +78,12 @@ class Masked:
 
 
 def masked_lookup(
-    args: Sequence[Any], layouts: Sequence[TensorLayout], shapes: Sequence[Shape], axis: int, b: int
+    args: Sequence[Any],
+    layouts: Sequence[TensorLayout],
+    shapes: Sequence[Shape],
+    axis: int,
+    b: int,
+    who: str = "Gather",
 ) -> tuple[list[Any], Masked]:
     """Gather's local inputs when the params are split on `axis` (see the module docstring).
 
@@ -89,12 +94,23 @@ def masked_lookup(
         shapes: their global shapes.
         axis: the gathered axis of the params (normalized).
         b: batch_dims.
+        who: the primitive, for the error.
 
     Returns:
         The local inputs (indices shifted into the block, out-of-block ones set to 0) and the
         output fix-up.
+
+    Raises:
+        IndexError: an index outside the params' global rows (one device raises too).
     """
     params, indices = args[0], args[1]
+    total = shapes[0][axis]
+    if bool(((indices < 0) | (indices >= total)).any()):  # (one device's lookup raises too)
+        raise IndexError(
+            f"{who}: an index is out of range for the params' dim {axis} of size {total} "
+            f"(below 0 or from {total} on); each rank looks up only its block of the rows, so "
+            "such an index would give a zero row where one device raises"
+        )
     lo = block_offset(layouts[0], axis, shapes[0])
     rows = int(params.shape[axis])
     shifted = indices - lo
@@ -154,7 +170,7 @@ def prepare(
     if tag == "masked_lookup":
         axis = int(call_args["axis"]) % len(shapes[0])
         b = int(module.init_args()["batch_dims"])
-        return masked_lookup(local, layouts, shapes, axis, b)
+        return masked_lookup(local, layouts, shapes, axis, b, module.who)
     if tag == "batch_stats" and isinstance(module, BatchNorm):
         batch_stats_gather(module, layouts[0])
         return local, None
