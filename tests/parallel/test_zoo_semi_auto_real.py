@@ -1,7 +1,8 @@
 """nanoGPT's GPT-2 in semi_auto on 4 real gloo processes started by `shardwise run`
 (zoo_semi_auto_worker.py), with no annotation and then with Megatron annotations at 2 x 2
-(``sw.shard`` on the ``nn.Linear``s): per step the loss, every gradient (block), every
-parameter and the collectives match (the worker checks against its own single-device run)."""
+(``sw.shard`` on the ``nn.Linear``s), also evaluated under ``torch.inference_mode()``: per
+step the loss, every gradient (block), every parameter and the collectives match (the worker
+checks against its own single-device run)."""
 
 from __future__ import annotations
 
@@ -24,5 +25,6 @@ def test_gpt2_semi_auto_on_four_real_processes(tmp_path: Path) -> None:
         for step in range(2):
             assert f"CHECK step {step} OK" in log, f"rank {rank}, step {step}:\n{log}"
             assert f"CHECK megatron step {step} OK" in log, f"rank {rank}, megatron {step}:\n{log}"
+            assert f"CHECK inference step {step} OK" in log, f"rank {rank}, eval {step}:\n{log}"
             for model in ("gpt2", "encoder"):
                 assert f"CHECK dropout {model} step {step} OK" in log, f"rank {rank}:\n{log}"

@@ -5,7 +5,8 @@ parameter against the single-device run it computes itself (1e-5 relative), and 
 of each step: one forward AllReduce (the loss), one backward AllReduce (every gradient in one
 25 MB bucket, started asynchronously). Prints ``CHECK step <k> OK``; a mismatch raises. On 4
 processes it then trains the model with Megatron annotations at 2 x 2 (``megatron``) and prints
-``CHECK megatron step <k> OK``; then, with dropout 0.1 (attention and residual) and the step
+``CHECK megatron step <k> OK``; then evaluates it under ``torch.inference_mode()`` (``CHECK
+inference step <k> OK``); then, with dropout 0.1 (attention and residual) and the step
 clipping its gradients by torch's ``clip_grad_norm_``, the same Megatron model and torch's own
 ``nn.TransformerEncoder`` (attention dropout drawn inside ``F.multi_head_attention_forward``),
 each rank's masks drawn as one device draws them from the same seed: ``CHECK dropout <model>
@@ -85,6 +86,7 @@ def main() -> None:
         print(f"CHECK step {k} OK", flush=True)
     if n == 4:
         megatron(batches, rank)
+        inference(batches, rank)
         dropout_and_clipping(batches, rank)
     sw.communication.release()
 
@@ -130,6 +132,34 @@ def megatron(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> Non
         )
         assert kinds == want_kinds, rec.summary()
         print(f"CHECK megatron step {k} OK", flush=True)
+
+
+def inference(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    """The Megatron model evaluated under ``torch.inference_mode()`` (where ``F.linear``,
+    ``layer_norm`` and the loss reach the planner as single composite ops): each batch's loss
+    equals one device's, with the collectives of the same step under ``no_grad``."""
+    ref, net = GPT2(), GPT2()
+    for block in net.transformer.h:
+        sw.shard(block.attn.c_attn, in_strategy=((2, 1), (2, 1)))
+        sw.shard(block.attn.c_proj, in_strategy=((2, 2), (1, 2)))
+        sw.shard(block.mlp.c_fc, in_strategy=((2, 1), (2, 1)))
+        sw.shard(block.mlp.c_proj, in_strategy=((2, 2), (1, 2)))
+
+    def evaluate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            loss: torch.Tensor = net(a, b)[1]
+        return loss
+
+    parallel = sw.AutoParallel(evaluate, parallel_mode="semi_auto")
+    for k, (x, y) in enumerate(batches):
+        with torch.inference_mode():
+            want = ref(x, y)[1]
+        with CommRecorder() as rec:
+            loss = parallel(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2])
+        close(loss, want, f"inference-mode loss {k}")
+        kinds = Counter(kind for (kind, _, _) in rec.kinds().elements())
+        assert kinds == Counter({"AllReduce": 5, "AllGather": 4, "AlltoAll": 4}), rec.summary()
+        print(f"CHECK inference step {k} OK", flush=True)
 
 
 def dropout_and_clipping(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:

@@ -300,6 +300,13 @@ class _AtenRecorder(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled() and func.namespace == "aten":
+            # (autograd's key is off: composite ops such as aten.linear arrive whole; their
+            # parts, as the planner knows them elsewhere, come back through this mode)
+            with self:
+                parts = func.decompose(*args, **kwargs)
+            if parts is not NotImplemented:
+                return parts
         out = func(*args, **kwargs)
         s = self.s
         if s.aten is None or func.namespace != "aten":
