@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.parallel import AutoParallel
+from shardwise.parallel import AutoParallel, UnsupportedParallelError
 from shardwise.testing import simulated_world
 
 
@@ -76,3 +76,25 @@ def test_weights_changed_in_place_are_used_by_the_next_forward(level: str) -> No
         got = scenario(net, lambda how: run(world.rows(x), world.rows(y), how).detach())
         got_losses = [float(world.local(v, r)) for v in got for r in range(2)]
     torch.testing.assert_close(got_losses, [v for v in want for _ in range(2)], rtol=1e-6, atol=0)
+
+
+def test_a_weight_changed_in_place_inside_the_step_is_refused() -> None:
+    """In the step's plan (before its forward) the change would reach the gathered copy only;
+    the error names the op, the parameter and the fix (change the weights between calls)."""
+    x, y = batch()
+    net = make_net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def evaluate_halved(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.mul_(0.5)
+                return nn.functional.cross_entropy(net(x), y)
+
+        run = AutoParallel(evaluate_halved, parallel_mode="semi_auto")
+        run.hsdp(shard_size=-1, threshold=0, optimizer_level="level2")
+        with pytest.raises(
+            UnsupportedParallelError, match=r"mul_ at .* changes parameter 0.weight"
+        ):
+            run(world.rows(x), world.rows(y))

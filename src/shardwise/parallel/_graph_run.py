@@ -63,6 +63,7 @@ from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
 from shardwise.parallel._hsdp import (
     bucket_plans,
+    check_param_writes,
     gradient_buckets,
     optimizer_plan,
     start_engine,
@@ -133,7 +134,7 @@ class GraphRun(StepHooks, GradPlanning):
     ) -> tuple[Graph, ParallelPlan]:
         """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps)."""
         with self._capturing():
-            return capture_plan(
+            graph, plan = capture_plan(
                 self.fn,
                 self.network,
                 self.session,
@@ -144,6 +145,9 @@ class GraphRun(StepHooks, GradPlanning):
                 stored,
                 self.mode,
             )
+        if self.hsdp is not None:
+            check_param_writes(graph)
+        return graph, plan
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
         """Capture and plan with the global shapes of this call's inputs (the ops, the

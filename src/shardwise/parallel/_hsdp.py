@@ -12,6 +12,8 @@
 - `gradient_buckets` (without hsdp): the fused gradient AllReduce buckets that
   `_runtime.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
   most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
+- `check_unfrozen`, `check_param_writes`: what optimizer parallel refuses (a parameter
+  unfrozen after planning, one changed in place by an op of the step's plan).
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ from shardwise.optim import (
     plan_optimizer,
 )
 from shardwise.parallel._context import get_auto_parallel_context
+from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._runtime import Shape, replicated_layout
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
-from shardwise.planner import BucketPlan
+from shardwise.planner import BucketPlan, Graph
+from shardwise.planner._in_place import written_inputs
 
 
 def settings_from_context() -> tuple[HsdpConfig | None, FusionConfig | None]:
@@ -189,3 +193,20 @@ def check_unfrozen(network: nn.Module, before: tuple[bool, ...]) -> None:
                 f"call (and keep a layer still with lr=0 until it trains), or train without "
                 f"hsdp(), whose gradient buckets are planned again"
             )
+
+
+def check_param_writes(graph: Graph) -> None:
+    """Raise UnsupportedParallelError for an op of the step's plan that changes a parameter in
+    place (``p.mul_(0.5)`` before an evaluation): under optimizer parallel the network
+    computes with gathered copies of the shards, which such a change would miss."""
+    for node in graph.nodes:
+        for i in sorted(written_inputs(node)):
+            ref = node.inputs[i]
+            if ref.kind == "param":
+                raise UnsupportedParallelError(
+                    f"AutoParallel: {node.op} at {node.source} changes parameter {ref.key} in "
+                    "place inside the wrapped step; under optimizer parallel (hsdp) each rank "
+                    "stores a shard and the network computes with a gathered copy, which the "
+                    "change would miss. Change the weights between calls (the next forward "
+                    "gathers them again) or through the optimizer"
+                )
