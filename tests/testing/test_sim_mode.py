@@ -5,6 +5,8 @@ explicit generator gives every rank one process's draw; seeding inside a wrapped
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,3 +92,15 @@ def test_a_draw_from_plain_tensors_advances_every_ranks_stream() -> None:
         got = [inside.sample(), torch.rand(2)]
         for value, expect in zip(got, want, strict=True):
             assert [t.tolist() for t in world.local_tensors(value)] == [expect] * 2
+
+
+def test_worlds_leave_the_excepthook_as_they_found_it() -> None:
+    """torch wraps ``sys.excepthook`` at each process-group init (a ``[rank0]: `` prefix per
+    traceback line); a world or a dry run left it wrapped, once more per world."""
+    before = sys.excepthook
+    for _ in range(3):
+        with simulated_world(2):
+            pass
+        with sw.communication.dry_run(4, rank=1):
+            pass
+    assert sys.excepthook is before

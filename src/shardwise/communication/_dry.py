@@ -13,6 +13,7 @@ checked by tests/test_torch_private_apis.py).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -51,9 +52,11 @@ def dry_run(world_size: int, rank: int = 0) -> Iterator[None]:
             "call shardwise.communication.release() first"
         )
     store = fake_process_group().FakeStore()
+    hook = sys.excepthook  # (torch wraps it to prefix "[rank<r>]: " at each init: put it back)
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=store)
     try:
         yield
     finally:
         _init.forget_groups()
         dist.destroy_process_group()
+        sys.excepthook = hook

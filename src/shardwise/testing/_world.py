@@ -10,6 +10,7 @@ point-to-point exchanges (`exchange`), which LocalTensorMode cannot do on its ow
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -361,6 +362,7 @@ def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
             "call shardwise.communication.release() first"
         )
     fake_pg, (_, local_tensor), local_tensor_mode = _private()
+    hook = sys.excepthook  # (torch wraps it to prefix "[rank0]: " at each init: put it back)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_pg.FakeStore())
     mode = guarded_mode(local_tensor_mode, local_tensor)(world_size)
     world = SimulatedWorld(world_size, mode)
@@ -372,3 +374,4 @@ def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
         _sim.install(previous)
         _init.forget_groups()
         dist.destroy_process_group()
+        sys.excepthook = hook
