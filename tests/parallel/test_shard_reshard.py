@@ -338,3 +338,45 @@ def test_plan_time_errors(kwargs: dict[str, object], match: str) -> None:
         world.replicate(net)
         with pytest.raises(ValueError, match=match):
             AutoParallel(net)(world.same(x))
+
+
+REVERSED = sw.Layout((2, 4), ("dp", "mp"), rank_list=[7, 6, 5, 4, 3, 2, 1, 0])
+
+
+class RankListMatMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(16, 8, seed=1)
+        self.mm = sw.ops.MatMul().shard((REVERSED("dp", "mp"), REVERSED("mp", "None")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mm(x, self.w)
+        return out
+
+
+class RankListReshard(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(16, 8, seed=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sw.reshard(x, REVERSED("dp", "mp")) @ self.w
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (RankListMatMul, r"mm/MatMul \(shardwise.ops.MatMul\): input 0's Layout orders"),
+        (RankListReshard, r"reshard \(shardwise.reshard\): the sw.reshard Layout orders"),
+    ],
+)
+def test_a_layout_with_a_rank_list_is_named_with_the_fix(
+    make: Callable[[], nn.Module], match: str
+) -> None:
+    """The plan places devices in rank order; a strategy's rank_list was refused by an error
+    naming two device matrices only."""
+    net, x = make(), torch.randn(8, 16)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        with pytest.raises(ValueError, match=match + r".*rank_list=\[7, 6, 5, 4, 3, 2, 1, 0\]"):
+            AutoParallel(net)(world.rows(x))

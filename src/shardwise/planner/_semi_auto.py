@@ -270,18 +270,23 @@ def setup(
     }
     if annotated_only:
         prims = {k: op for k, op in prims.items() if op.user_set}
+    for k, op in prims.items():
+        for i, layout in enumerate(op.inputs):
+            _check_rank_order(graph.nodes[k], f"input {i}'s Layout", layout.matrix)
     given = dict(param_layouts or {})
     extra = list(extra_matrices)
     if isinstance(dataset, Mapping):
         extra += [t.matrix.shape for t in dataset.values()]
     try:
         forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
+        for k, (m, _) in forms.items():
+            _check_rank_order(graph.nodes[k], "its sw.shard Layout", m)
         extra += [m.shape for m, _ in forms.values()]
-        extra += [
-            reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix.shape
-            for n in graph.nodes
-            if n.op == RESHARD
-        ]
+        for n in graph.nodes:
+            if n.op == RESHARD:
+                moved = reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix
+                _check_rank_order(n, "the sw.reshard Layout", moved)
+                extra.append(moved.shape)
     except AnnotationError as e:
         raise PlanError(str(e)) from None
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
@@ -357,6 +362,18 @@ def walk(
 
 
 @gc_paused
+def _check_rank_order(node: Node, what: str, matrix: DeviceMatrix) -> None:
+    """Raise PlanError when `matrix` (of `node`'s strategy) has a ``rank_list``: the plan's
+    device matrix orders the devices as the input convention does (rank order)."""
+    if matrix.rank_list != tuple(range(matrix.size)):
+        raise PlanError(
+            f"{node.name} ({node.op}): {what} orders the devices by rank_list="
+            f"{list(matrix.rank_list)}; AutoParallel places devices in rank order (as each "
+            "rank's rows of the batch are). Use a Layout without rank_list "
+            "(shardwise.redistribution and checkpoints take one)"
+        )
+
+
 def plan_semi_auto(
     graph: Graph,
     device_num: int,
