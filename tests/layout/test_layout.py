@@ -109,7 +109,7 @@ def test_tensor_map_counts_axes_from_the_right() -> None:
     [
         (("tp", "None"), r"unknown alias 'tp'; this layout's aliases are \['dp', 'sp', 'mp'\]"),
         (("dp", ("sp", "dp")), r"alias 'dp' is used by dims 0 and 1"),
-        ((("mp", "mp"),), r"alias 'mp' is used by dims 0 and 0"),
+        ((("mp", "mp"),), r"alias 'mp' is used twice in dim 0; each alias may split"),
         (((), "dp"), r"dim 0: empty tuple; use 'None'"),
         ((("sp", "None"),), r"'None' cannot be part of a tuple"),
         ((("sp", "xx"),), r"unknown alias 'xx'"),

@@ -208,9 +208,10 @@ class Layout:
         for d, axes in enumerate(dims):
             for a in axes:
                 if a in seen:
+                    where = f"twice in dim {d}" if seen[a] == d else f"by dims {seen[a]} and {d}"
                     raise ValueError(
                         f"layout{_call_str(tensor_map)}: alias {self.matrix.names[a]!r} is used "
-                        f"by dims {seen[a]} and {d}; each alias may split a tensor only once"
+                        f"{where}; each alias may split a tensor only once"
                     )
                 seen[a] = d
         return TensorLayout(self.matrix, dims, groups)
