@@ -129,3 +129,27 @@ def test_a_copy_of_blocks_loads_a_checkpoint_cut_like_the_network(tmp_path: Path
         for r in range(2):
             block = want if dim is None else want.chunk(2, dim)[r]
             torch.testing.assert_close(got[name][r], block, rtol=0, atol=0, msg=name)
+
+
+def test_master_weights_copied_before_the_first_call_are_named() -> None:
+    """fp32 master copies made next to the optimizer, before the plan cut the weights: torch's
+    "assign a gradient of size '[8, 8]' to a tensor of size '[16, 8]'" carries the note."""
+    net, (x, y) = make_net(True), batch()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        master = [nn.Parameter(p.detach().clone()) for p in net.parameters()]
+        opt = torch.optim.SGD(master, lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            for p, m in zip(net.parameters(), master, strict=True):
+                m.grad = p.grad
+            opt.step()
+            return loss
+
+        run = AutoParallel(step, parallel_mode="semi_auto", network=net, optimizer=opt)
+        with pytest.raises(RuntimeError, match="assign a gradient") as caught:
+            run(world.rows(x), world.rows(y))
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "stores 0.weight as its block [8, 8] of the global [16, 8]" in note

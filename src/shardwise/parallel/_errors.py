@@ -36,6 +36,7 @@ class Replan(BaseException):
 
 
 _SIZES = re.compile(r"size[^()]*\((\d+)\) must match[^()]*\((\d+)\)")
+_SHAPES = re.compile(r"\[(\d+(?:, \d+)*)\]")
 
 
 def note_blocks(error: RuntimeError, plan: ParallelPlan | None, network: nn.Module) -> None:
@@ -52,21 +53,22 @@ def note_blocks(error: RuntimeError, plan: ParallelPlan | None, network: nn.Modu
 
 def block_note(shapes: Mapping[str, tuple[Shape, Shape]], message: str) -> str | None:
     """A note for torch's size-mismatch error `message` when its two sizes are a parameter's
-    global and stored size of one dim (`shapes`: name -> (global, stored on this rank)): a
-    copy of the whole parameter, taken before the plan stored it as a block or shard, met
-    the block (an EMA of the weights). None otherwise."""
+    global and stored size of one dim, or it names both shapes (`shapes`: name -> (global,
+    stored on this rank)): a copy of the whole parameter, taken before the plan stored it as a
+    block or shard, met the block (an EMA of the weights, fp32 master weights). None
+    otherwise."""
     found = _SIZES.search(message)
-    if found is None:
-        return None
-    sizes = {int(found[1]), int(found[2])}
+    sizes = {int(found[1]), int(found[2])} if found else set()
+    named = {tuple(int(v) for v in m.split(", ")) for m in _SHAPES.findall(message)}
     for name, (shape, local) in shapes.items():
+        pair = tuple(shape) in named and tuple(local) in named  # ('[24, 16]' ... '[48, 16]')
         for dim, (whole, block) in enumerate(zip(shape, local, strict=False)):
-            if whole != block and sizes == {whole, block}:
+            if whole != block and (pair or sizes == {whole, block}):
                 return (
                     f"shardwise: each rank stores {name} as its block {list(local)} of the "
                     f"global {list(shape)} (dim {dim} split by the plan or optimizer "
                     "parallel). A tensor copied from the whole parameter before the first call "
-                    "(an EMA of the weights, a saved reference) does not fit it: take such "
+                    "(an EMA of the weights, fp32 master weights) does not fit it: take such "
                     "copies after the first call, so that each rank keeps and updates its own "
                     "block"
                 )
