@@ -135,3 +135,30 @@ def test_dropout_own_seed_and_eval() -> None:
     _run(make(), make(), x)
     single, parallel = make().eval(), make().eval()
     _run(single, parallel, x)
+
+
+def test_gather_under_full_batch_reads_the_whole_indices_as_passed() -> None:
+    """Each rank passes all the ids and the split table wants them whole: they are not cut at
+    entry and gathered again (one AllGather a step before), only the lookup's AllReduce."""
+    ids = torch.randint(0, VOCAB, (16, 4), generator=torch.Generator().manual_seed(7))
+
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(11)
+            self.table = nn.Parameter(torch.randn(VOCAB, HIDDEN, generator=g))
+            self.gather = sw.ops.Gather().shard(((8, 1), (1, 1)))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.gather(self.table, ids, 0)
+            return out
+
+    net = Lookup()
+    want = net(ids).detach()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).dataset_strategy("full_batch")
+        with CommRecorder() as rec:
+            got = parallel(world.same(ids))
+        assert_matches_single_device(got.detach(), want, what="output")
+    assert Counter(r.kind for r in rec.records) == Counter({"AllReduce": 1}), rec.summary()

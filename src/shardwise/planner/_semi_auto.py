@@ -292,6 +292,10 @@ def setup(
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
     p = _Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
+    whole = _read_whole(graph, prims)
+    for key, dp in [e for e in entry if e[0] in whole]:  # (full_batch: kept whole, not cut)
+        p.state[Ref("input", key)] = arrive[key]
+        entry.remove((key, dp))
     p.given_blocks = {Ref("input", k) for k, placed in arrive.items() if placed.layout.used_axes()}
     for name, info in graph.buffers.items():  # (whole on every rank, known before planning)
         p.state[Ref("buffer", name)] = replicated(matrix, len(info.shape))
@@ -362,6 +366,20 @@ def walk(
 
 
 @gc_paused
+def _read_whole(graph: Graph, prims: Mapping[int, OpPlan]) -> set[str]:
+    """The inputs that only primitives read, each wanting it whole (Gather's indices with
+    ``(1, 1)``): under ``"full_batch"`` they stay as they arrive, not cut at entry and
+    gathered again."""
+    uses: dict[str, list[bool]] = {}
+    for node in graph.nodes:
+        for i, ref in enumerate(node.inputs):
+            if ref.kind == "input":
+                op = prims.get(node.index)
+                whole = op is not None and not op.inputs[i].used_axes()
+                uses.setdefault(str(ref.key), []).append(whole)
+    return {key for key, wants in uses.items() if all(wants)}
+
+
 def _check_rank_order(node: Node, what: str, matrix: DeviceMatrix) -> None:
     """Raise PlanError when `matrix` (of `node`'s strategy) has a ``rank_list``: the plan's
     device matrix orders the devices as the input convention does (rank order)."""
