@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +154,49 @@ def test_master_weights_copied_before_the_first_call_are_named() -> None:
             run(world.rows(x), world.rows(y))
     note = "\n".join(getattr(caught.value, "__notes__", []))
     assert "stores 0.weight as its block [8, 8] of the global [16, 8]" in note
+
+
+def test_an_ema_cloned_inside_the_step_is_updated_block_by_block() -> None:
+    """``p.detach().clone()`` in the step's first call (a value of the plan, held as the
+    parameter's block), then ``e.mul_(0.5).add_(p, alpha=0.5)`` after the optimizer step: an
+    elementwise op with the parameter's block, right on this rank's part (it was refused,
+    the parameter counting as a value of unknown placement)."""
+
+    def run(megatron: bool) -> list[list[torch.Tensor]]:
+        net, (x, y) = make_net(megatron), batch()
+        ema: list[torch.Tensor] = []
+
+        def step_of(opt: torch.optim.Optimizer) -> Any:
+            def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                params = list(net.parameters())
+                if not ema:
+                    ema.extend(p.detach().clone() for p in params)
+                loss = nn.functional.cross_entropy(net(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    for e, p in zip(ema, params, strict=True):
+                        e.mul_(0.5).add_(p, alpha=0.5)
+                return loss
+
+            return step
+
+        if not megatron:  # (one device)
+            step = step_of(torch.optim.SGD(net.parameters(), lr=0.1))
+            for _ in range(3):
+                step(x, y)
+            return [[e] for e in ema]
+        with simulated_world(2) as world:
+            world.replicate(net)
+            run = AutoParallel(step_of(torch.optim.SGD(net.parameters(), lr=0.1)), "semi_auto")
+            for _ in range(3):
+                run(world.rows(x), world.rows(y))
+            return [[world.local(e, r).clone() for r in range(2)] for e in ema]
+
+    want, got = run(False), run(True)
+    dims = [0, 0, 1, None]  # (0.weight / 0.bias rows, 2.weight columns, 2.bias whole)
+    for (whole,), blocks, dim in zip(want, got, dims, strict=True):
+        for r in range(2):
+            block = whole if dim is None else whole.chunk(2, dim)[r]
+            torch.testing.assert_close(blocks[r], block, rtol=1e-6, atol=1e-7)

@@ -15,7 +15,9 @@ axis only).
   end of the call (in tuples, lists, dicts, registered and plain dataclasses; a tensor returned
   twice is moved once); `Leaving.check_placed` runs on every op after the plan ended (after
   ``loss.backward()``, on this rank's blocks) that reads such a value: an op right on this
-  rank's part gives a value held the same way (`_keeps`: an elementwise op on blocks of a split;
+  rank's part gives a value held the same way (`_keeps`: an elementwise op on blocks of a split,
+  a parameter the plan stores as such a block counting as held so (`Leaving._stored`: an EMA
+  updated with the weights);
   on a partial sum only a linear one, ``detach``, ``* 2``, ``/ 4``, a sum of partial sums, a
   widening cast); an op on whole values, or one that reads only the shape (``zeros_like``),
   runs as it is; any other, a move to another device and a read of the value (``item``,
@@ -85,6 +87,8 @@ class Leaving:
 
     placed: Placings
     plan: ParallelPlan
+    params_of: Callable[[], dict[int, str]]
+    param_value: Callable[[torch.Tensor], torch.Tensor] | None
 
     if TYPE_CHECKING:
 
@@ -103,6 +107,17 @@ class Leaving:
         if entry is None or entry[0]() is not t:
             return None
         return entry[1], entry[2]
+
+    def _stored(self, t: T) -> tuple[EdgePlan, str] | None:
+        """A parameter stored as a block by the plan, held as that block (an EMA of the
+        weights updated with it after the step: ``ema.add_(p)``); None for anything else,
+        and under optimizer parallel (the parameter then holds a shard)."""
+        name = self.params_of().get(id(t)) if self.param_value is None else None
+        param = None if name is None else self.plan.params.get(name)
+        if param is None or not param.layout.used_axes():
+            return None
+        placed = Placed(param.layout)
+        return EdgePlan(-1, 0, f"param:{name}", param.shape, placed, placed), f"parameter {name}"
 
     def step_outputs(self, out: Any) -> Any:
         """The train step's returned `out`, each tensor the plan made as `convention` says (a
@@ -152,6 +167,7 @@ class Leaving:
         marks = [h for _, h in held if h is not None]
         if not marks or _name(op) in _SHAPE_ONLY:
             return
+        held = [(t, h if h is not None else self._stored(t)) for t, h in held]
         edge, node = marks[0]
         moved = isinstance(out, T) and any(out.device != t.device for t, h in held if h)
         if not moved and _keeps(op, args, held, out):
