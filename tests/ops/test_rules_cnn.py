@@ -170,10 +170,10 @@ def test_conv_spatial_split_refused() -> None:
         "input 0 (x) dim 2 is the height H of Conv2D",
         "halo exchange",
         "splits it into 2",
-        "valid: ((1, 1, 1, 1), (1, 1, 1, 1))",
+        "valid: ((2, 1, 1, 1), (1, 1, 1, 1))",  # (H's split moved onto N)
     )
     msg = fails(Conv2D(8, 3).shard(((2, 1, 1, 4), (1, 1, 1, 1))), X, WT)
-    has(msg, "dim 3 is the width W of Conv2D", "valid: ((2, 1, 1, 1), (1, 1, 1, 1))")
+    has(msg, "dim 3 is the width W of Conv2D", "valid: ((8, 1, 1, 1), (1, 1, 1, 1))")
 
 
 def test_conv_kernel_split_refused() -> None:
@@ -238,7 +238,7 @@ def test_pool_spatial_split_refused(kind: type[Primitive]) -> None:
         msg,
         f"input 0 (x) dim 2 is the height H of {kind.__name__}",
         "halo exchange",
-        "valid: ((2, 1, 1, 1),)",
+        "valid: ((8, 1, 1, 1),)",
     )
     msg = fails(kind(2, 2).shard(((3, 1, 1, 1),)), (8, 8, 8, 8), n=3)
     has(msg, "dim 0 of size 8 cannot be split into 3 parts (axes d0)")

@@ -185,7 +185,7 @@ def _resolve(
     """Steps 2-4: the checks, then the device matrix and the input layouts."""
     kind = check_entries(strategy, spec, shapes, label)
     check_ties(strategy, spec, shapes, label)
-    check_fixed(strategy, spec, label)
+    check_fixed(strategy, spec, label, shapes)
     names = spec.input_names
     if kind == "ints":
         ints = [e for e in strategy if isinstance(e, tuple)]

@@ -152,7 +152,28 @@ def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: s
                 )
 
 
-def check_fixed(strategy: Strategy, spec: Spec, label: str) -> None:
+def _moved(
+    strategy: Strategy, spec: Spec, shapes: Sequence[Shape], bad: Mapping[tuple[int, int], int]
+) -> dict[tuple[int, int], int]:
+    """`bad`'s fix with the split moved onto another logical axis, split alike in every input
+    and dividing (SoftmaxCrossEntropyWithLogits ``((1, 8), (1, 8))`` -> ``((8, 1), (8, 1))``);
+    `bad` alone (the split dropped) when none is."""
+    n = max(_splits(strategy[i], d) for i, d in bad)
+    where: dict[int, list[tuple[int, int]]] = {}
+    for j, dims in enumerate(spec.inputs):
+        for e, lg in enumerate(dims):
+            if lg is not None and lg not in spec.fixed:
+                where.setdefault(lg, []).append((j, e))
+    for lg in spec.inputs[next(iter(bad))[0]]:
+        spots = where.get(lg, []) if lg is not None else []
+        grown = {(j, e): _splits(strategy[j], e) * n for j, e in spots}
+        alike = len(set(grown.values())) == 1
+        if spots and alike and all(shapes[j][e] % k == 0 for (j, e), k in grown.items()):
+            return {**bad, **grown}
+    return dict(bad)
+
+
+def check_fixed(strategy: Strategy, spec: Spec, label: str, shapes: Sequence[Shape]) -> None:
     """Dims on a `fixed` logical axis must be whole."""
     bad = {
         (i, d): 1
@@ -166,7 +187,11 @@ def check_fixed(strategy: Strategy, spec: Spec, label: str) -> None:
     entry = strategy[i]
     lg = spec.inputs[i][d]
     assert lg is not None
-    fix = _with(strategy, bad) if isinstance(entry, tuple) else "'None' for that dim"
+    fix = (
+        _with(strategy, _moved(strategy, spec, shapes, bad))
+        if isinstance(entry, tuple)
+        else ("'None' for that dim")
+    )
     raise ValueError(
         f"{label}: {_input(spec, i)} dim {d} {spec.fixed[lg]} and cannot be split, but the "
         f"strategy splits it into {_show(entry, d)}; valid: {fix}"
