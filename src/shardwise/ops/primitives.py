@@ -120,6 +120,19 @@ class _Binary(Primitive):
     def __init__(self) -> None:
         super().__init__()
 
+    def __call__(self, x: Operand, y: Operand) -> torch.Tensor:  # type: ignore[override]
+        """A Python number operand is passed as a 0-d tensor (its strategy entry ``()``, which
+        a strategy naming the tensor operand's entry only may leave out: `rules.
+        plan_primitive`), so that the planner sees both inputs; torch promotes a 0-d tensor as
+        it does the number."""
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            ref = x if isinstance(x, torch.Tensor) else y
+            assert isinstance(ref, torch.Tensor)
+            x, y = (v if isinstance(v, torch.Tensor) else torch.tensor(v, device=ref.device)
+                    for v in (x, y))  # fmt: skip
+        out: torch.Tensor = super().__call__(x, y)
+        return out
+
     def forward(self, x: Operand, y: Operand) -> torch.Tensor:
         return _BINARY[self.name](x, y)
 

@@ -241,6 +241,22 @@ RULES: dict[str, Rule] = {op: rule for rule, ops in FAMILIES.values() for op in 
 """Primitive name -> its sharding rule."""
 
 
+def _with_scalar(module: Any, shapes: Sequence[Sequence[int]]) -> Any:
+    """An elementwise binary op's strategy, with ``()`` added for its one 0-d input (a Python
+    number it was called with) when the strategy names the other input's entry only."""
+    given = module.in_strategy
+    zero = [i for i, s in enumerate(shapes) if not s]
+    if module.name not in _SCALAR_OK or given is None or len(given) != 1 or len(zero) != 1:
+        return given
+    entry = given[0]
+    out = list(given)
+    out.insert(zero[0], () if isinstance(entry, tuple) else TensorLayout(entry.matrix, ()))
+    return tuple(out)
+
+
+_SCALAR_OK = ("Add", "Sub", "Mul", "Div")
+
+
 def plan_primitive(
     module: Primitive,
     *input_shapes: Sequence[int],
@@ -270,7 +286,7 @@ def plan_primitive(
     rule = RULES[module.name]
     return rule(
         module.op_args(**call_args),
-        module.in_strategy,
+        _with_scalar(module, input_shapes),
         module.out_strategy,
         input_shapes,
         device_num,
