@@ -111,7 +111,8 @@ class PrimitiveHooks:
                 outs = fixup.apply(outs)
             matrix = self.plan.matrix
             for c in self.plan.nodes[k].comms:
-                outs[c.output] = run_collective(outs[c.output], c, matrix)
+                if not c.block:  # (else run inside the op: BatchNorm's statistics)
+                    outs[c.output] = run_collective(outs[c.output], c, matrix)
             out = self._returned(k, outs[0] if single else tuple(outs))
             if k in self.table.averaging:
                 average_outputs(out, self.plan.nodes[k], matrix)

@@ -8,15 +8,19 @@ and out, the parameters and running statistics whole) and to mark the node
 sum of squared deviations over the axes splitting the rows (one AllGather, autograd-aware),
 combines them into the whole batch's, and normalizes its rows with those (as one device would),
 updating the running statistics the same way on every rank (`parallel/_local.batch_norm_split`).
+`stats_gather` is that AllGather as the plan lists it (also for the ``BatchNorm`` primitive).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from shardwise.layout import TensorLayout
 from shardwise.planner._graph import Node
+from shardwise.planner._placed import Collective
 
 SPLIT_BATCH_NORM = "split_batch_norm"
 """`NodePlan.local` of a training batch norm whose rows stay split."""
@@ -45,3 +49,23 @@ def split_batch_norm(node: Node, have: Sequence[Sequence[Placement]]) -> bool:
     return rows and all(
         isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in first
     )
+
+
+def stats_gather(
+    where: str, layout: TensorLayout, shape: Sequence[int], dtype: str
+) -> tuple[Collective, ...]:
+    """The AllGather of a training batch norm's per-channel statistics (this rank's mean and
+    sum of squared deviations, ``[1, 2, C]``, float32 for half types) over the axes splitting
+    its input's N, H or W (`layout`, global `shape`), as the plan lists it; none when no axis
+    does."""
+    axes = sorted(
+        a for d, ds in enumerate(layout.dims) if d != 1 for a in ds if layout.matrix.shape[a] > 1
+    )
+    if not axes or len(shape) < 2:
+        return ()
+    kind = getattr(torch, dtype)
+    itemsize = 4 if kind in (torch.float16, torch.bfloat16) else kind.itemsize
+    channels = layout.local_shape(shape)[1]
+    names = tuple(layout.matrix.names[a] for a in axes)
+    block = 2 * channels * itemsize
+    return (Collective("AllGather", names, where, "batch statistics", block=block),)

@@ -90,6 +90,8 @@ class Collective:
     output: int = 0
     dim: int | None = None
     equal_grad: tuple[str, ...] = ()  # (AllReduce) axes whose adjoint is local (`_backward`)
+    block: int = 0  # >0: run inside the op (a batch norm's statistics), from a block of so
+    # many bytes; the executor does not run it on the op's output
 
     def __str__(self) -> str:
         detail = f"({self.detail})" if self.detail else ""

@@ -104,7 +104,8 @@ class NodePlan:
     def __str__(self) -> str:
         ins = ", ".join(str(p) for p in self.inputs)
         outs = ", ".join(f"{p} {list(s)}" for p, s in zip(self.outputs, self.shapes, strict=True))
-        return f"%{self.index} {self.name} [{self.op}; {self.rule}]: {ins} -> {outs}"
+        local = f"; local {self.local}" if self.local else ""
+        return f"%{self.index} {self.name} [{self.op}; {self.rule}{local}]: {ins} -> {outs}"
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class EdgePlan:
             rank's block of a whole buffer: a BatchNorm's running statistics of split
             features) in place, that block is moved from `src` back to the whole `dst` and
             copied into the value.
+        weighted: (a mean loss's AllReduce) the ranks' means are weighted by the targets
+            each counted: the AllReduce carries the pair (mean x count, count) in float32
+            (float64 for a float64 loss) (`_losses`).
     """
 
     consumer: int
@@ -150,6 +154,7 @@ class EdgePlan:
     seeded: bool = False
     deferred: bool = False
     written_back: bool = False
+    weighted: bool = False
 
     @property
     def reduced(self) -> tuple[int, ...]:
@@ -192,6 +197,8 @@ class EdgePlan:
             parts.append(f"backward local on {_axes_str(m, self.equal_grad)}")
         if self.seeded:
             parts.append("backward local from loss.backward()")
+        if self.weighted:
+            parts.append("weighted by the targets each rank counted (the pair in float32)")
         if self.deferred:
             parts.append("backward does not wait for the count")
         if self.written_back:

@@ -164,6 +164,7 @@ def _comm_d(c: Collective) -> dict[str, Any]:
         | ({"output": c.output} if c.output else {})
         | ({"dim": c.dim} if c.dim is not None else {})
         | ({"equal_grad": list(c.equal_grad)} if c.equal_grad else {})
+        | ({"block": c.block} if c.block else {})
     )
 
 
@@ -177,6 +178,7 @@ def _comm(c: Mapping[str, Any]) -> Collective:
         int(c.get("output", 0)),
         None if dim is None else int(dim),
         tuple(c.get("equal_grad", ())),
+        int(c.get("block", 0)),
     )
 
 
@@ -268,6 +270,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         | ({"seeded": True} if e.seeded else {})
         | ({"deferred": True} if e.deferred else {})
         | ({"written_back": True} if e.written_back else {})
+        | ({"weighted": True} if e.weighted else {})
     )
 
 
@@ -286,6 +289,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         seeded=bool(d.get("seeded", False)),
         deferred=bool(d.get("deferred", False)),
         written_back=bool(d.get("written_back", False)),
+        weighted=bool(d.get("weighted", False)),
     )
 
 

@@ -93,7 +93,8 @@ def plan_deferred(nodes: Sequence[NodePlan], edges: Sequence[EdgePlan]) -> tuple
         ['%93']
     """
     moving = [e for e in edges if not e.shared and (e.reduced or e.steps or e.written_back)]
-    if len(moving) != 1 or any(n.comms or n.backward for n in nodes):
+    ran = [c for n in nodes for c in n.comms if not c.block]  # (not a batch norm's own)
+    if len(moving) != 1 or ran or any(n.backward for n in nodes):
         return tuple(edges)
     (loss,) = moving
     producer = int(loss.value[1:].split(".")[0]) if loss.value.startswith("%") else -1

@@ -49,7 +49,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.tensor import Replicate
 
@@ -58,7 +58,7 @@ from shardwise.ops import OpPlan, plan_primitive
 from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
 from shardwise.planner._backward import plan_backward
-from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm
+from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm, stats_gather
 from shardwise.planner._draws import (
     ATTENTION_DROPOUT,
     DROPOUT,
@@ -146,6 +146,9 @@ class _Planner(_Follow):
             Collective(c.kind, _global_axes(op.matrix, c.axes, m), node.name, c.op, c.output, c.dim)
             for c in op.comms
         )
+        if op.local == "batch_stats" and node.target.init_args()["is_training"]:
+            info = self.graph.info(node.inputs[0])
+            comms += stats_gather(node.name, ins[0].layout, info.shape, info.dtype)
         if rule is None:
             rule = "user" if op.user_set else "default"
         shapes = tuple(tuple(s) for s in op.output_shapes)
@@ -224,7 +227,9 @@ class _Planner(_Follow):
                 ins,
                 placed,
                 shapes,
-                (),
+                stats_gather(node.name, ins[0].layout, in_shapes[0], node.outputs[0].dtype)
+                if split
+                else (),
                 values,
                 local,
                 in_shapes,
@@ -342,6 +347,8 @@ def walk(
             src = p.state[ref]
             if src.partial and (ref in returned or not info.shape):  # a loss: whole at once
                 p.edge(-1, reduced, ref, Placed(src.layout))
+                if p.nodes[-1].local == WEIGHTED_MEAN:  # (the pair: `EdgePlan.weighted`)
+                    p.edges[-1] = replace(p.edges[-1], weighted=True)
                 p.state[ref] = Placed(src.layout)
                 reduced += 1
     nodes, edges = split_fills(graph, p.nodes, p.edges)  # (a zeros read split: made so)

@@ -100,6 +100,8 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
     out: list[Found] = []
     if e.reduced:
         n = math.prod(e.src.layout.local_shape(e.shape)) * size
+        if e.weighted:  # (the pair (mean x count, count), in float32 or float64)
+            n = 2 * (8 if e.dtype == "float64" else 4)
         group = sorted(m.group_along(rank, e.reduced))
         c = Collective("AllReduce", tuple(m.names[a] for a in e.reduced), "", e.src.reduce)
         out.append((c, group, bytes_bound("AllReduce", n, len(group))))
@@ -131,7 +133,7 @@ def node_sends(n: NodePlan, m: DeviceMatrix, rank: int) -> list[Found]:
     for c in n.comms:
         group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
         itemsize = int(getattr(torch, n.dtype(c.output)).itemsize)
-        local = math.prod(n.local_shapes[c.output]) * itemsize
+        local = c.block or math.prod(n.local_shapes[c.output]) * itemsize
         if c.kind == "ReduceScatter":
             local *= len(group)  # (the unscattered input)
         out.append((c, group, bytes_bound(c.kind, local, len(group))))

@@ -133,16 +133,18 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
         >>> step_traffic(plan, 0, None).total  # doctest: +SKIP
         6144
     """
-    out = op_traffic(plan, rank)
+    out = op_traffic(plan, rank, in_step=True)
     level = optimizer.config.optimizer_level if optimizer is not None else "level1"
     _gradient_sync(out, plan, level, saved_params(plan, needs_grad(plan)))
     return out
 
 
-def op_traffic(plan: ParallelPlan, rank: int) -> Traffic:
+def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
     """The collectives the plan's ops and edges run on `rank` in one step, in the order the
     forward runs them: the forward's and their adjoints in backward (with the plan's gradient
     averages), without the buckets'. Backward runs the adjoints in the reverse order.
+    `in_step`: the train step's ``loss.backward()`` starts backward at its roots, so a returned
+    loss's AllReduce has no adjoint (`execute.ir` lists it, marked none).
 
     Example:
         >>> [str(c) for phase, c, _ in op_traffic(plan, 0).rows if phase == "backward"]
@@ -166,14 +168,16 @@ def op_traffic(plan: ParallelPlan, rank: int) -> Traffic:
                 equal = tuple(m.names.index(a) for a in c.equal_grad)
                 block = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
                 _adjoint(out, m, rank, c, axes, equal, block)
-            elif c.kind == "ReduceScatter":
-                out.add("backward", Collective("AllGather", c.axes, c.where), sent)
+            elif c.kind in ("ReduceScatter", "AllGather"):  # (a batch norm's statistics)
+                back = "AllGather" if c.kind == "ReduceScatter" else "ReduceScatter"
+                out.add("backward", Collective(back, c.axes, c.where), sent)
         for c in n.backward:
             size = len(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
             nbytes = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
             out.add("backward", c, bytes_bound(c.kind, nbytes, size))
+    roots = {r.value for r in plan.roots} if in_step else set()
     for e in by_consumer.get(-1, []):
-        _edge_traffic(out, e, f"return {e.slot}", m, rank, needs)
+        _edge_traffic(out, e, f"return {e.slot}", m, rank, needs - roots)
     return out
 
 
