@@ -255,7 +255,8 @@ def test_a_stopped_attempt_leaves_no_trace_and_tail_ops_are_planned() -> None:
 
 def test_each_plan_made_again_gets_its_own_ir_files(tmp_path: Path) -> None:
     """With ``save_graphs``, the first plan goes to ``step_parallel_begin.ir`` / ``execute.ir``
-    and the k-th plan made again to ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``."""
+    and the k-th plan made again to ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir``, each
+    with its gradient buckets."""
     net = Branchy()
     xs = {rows: torch.randn(rows, 8) for rows in (8, 16)}
     try:
@@ -292,6 +293,7 @@ def test_each_plan_made_again_gets_its_own_ir_files(tmp_path: Path) -> None:
         assert begin == format_plan_begin(plan)
         execute = (tmp_path / "rank_3" / f"execute{suffix}.ir").read_text()
         assert execute.startswith(format_plan_execute(plan, 3))
+        assert "# gradient buckets (no optimizer parallel)" in execute  # (each variant's too)
 
 
 def _two_micro_batches(body: Any) -> None:

@@ -341,6 +341,8 @@ class GraphRun(StepHooks, GradPlanning):
             made = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
             plan = dataclasses.replace(plan, buckets=bucket_plans(made, plan.matrix))
         else:  # (the engine's shards stay as the first plan made them)
+            assert self.engine is not None
+            made = self.engine.plan
             plan = dataclasses.replace(plan, buckets=first.buckets)
         for known, templates in self.plans:
             if known == plan:
@@ -351,6 +353,7 @@ class GraphRun(StepHooks, GradPlanning):
         self.plans.append((plan, self.templates))
         recorder.mark(f"planned again: the network called {reason}")
         report.dump_parallel_plan(plan, variant=len(self.plans) - 1)
+        report.dump_optimizer(made, plan.matrix, variant=len(self.plans) - 1)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call under a `PlanExecutor` of the current plan."""

@@ -40,7 +40,10 @@ def report_ranks(matrix: DeviceMatrix) -> list[int]:
 
 
 def dump_optimizer(
-    optimizer_plan: OptimizerPlan, matrix: DeviceMatrix, ranks: Iterable[int] | None = None
+    optimizer_plan: OptimizerPlan,
+    matrix: DeviceMatrix,
+    ranks: Iterable[int] | None = None,
+    variant: int = 0,
 ) -> list[Path]:
     """Append the optimizer-parallel section (`format_optimizer`) to this rank's ``execute.ir``
     if ``get_context("save_graphs") >= 1`` (`AutoParallel` calls it once the engine is built,
@@ -50,6 +53,7 @@ def dump_optimizer(
         optimizer_plan: the buckets (`AutoParallel.optimizer_plan`).
         matrix: the plan's device matrix.
         ranks: the ranks to write (default: this process's ranks of `matrix`).
+        variant: the plan's variant (k > 0: ``execute_<k>.ir``, a plan made again).
 
     Returns:
         The paths rewritten (empty at level 0).
@@ -58,10 +62,11 @@ def dump_optimizer(
     if level < 1:
         return []
     root = Path(get_context("save_graphs_path"))
+    name = EXECUTE_FILE.replace(".ir", f"_{variant}.ir") if variant else EXECUTE_FILE
     paths = []
     for r in report_ranks(matrix) if ranks is None else list(ranks):
-        path = root / f"rank_{r}" / EXECUTE_FILE
+        path = root / f"rank_{r}" / name
         before = path.read_text(encoding="utf-8") if path.exists() else ""
         section = format_optimizer(optimizer_plan, matrix, r, level)
-        paths.append(write_ir(root, r, EXECUTE_FILE, before + "\n" + section))
+        paths.append(write_ir(root, r, name, before + "\n" + section))
     return paths
