@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -170,7 +171,12 @@ def test_hsdp_buckets_are_in_the_plan() -> None:
         plan = parallel.plan(shapes=[(8, 32)])
     assert plan.buckets == (
         BucketPlan(
-            "shard", ("g0",), ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"), 4, 1
+            "shard",
+            ("g0",),
+            ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"),
+            4,
+            1,
+            "level1",
         ),
     )
     assert tuple(net.mlp[0].weight.shape) == (16, 32)  # this rank's shard at rest
@@ -293,3 +299,60 @@ def test_an_op_whose_input_differs_is_named_at_that_op(tmp_path: Path) -> None:
     message = _load_into(MeanOverTime(), tmp_path / "ops.json", shorter)
     assert message.startswith(f"{tmp_path / 'ops.json'}: op %0 ")
     assert "(input:args[0]) of shape [8, 16, 4] in the file, [8, 12, 4] in this network" in message
+
+
+def _saved_plan(path: Path, level: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """`Plain`'s operator strategy file on `WORLD` ranks (hsdp at `level`, or none)."""
+    net = Plain().to(dtype)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net)
+        if level is not None:
+            parallel.hsdp(threshold=0, optimizer_level=level)
+        parallel.plan(shapes=[(8, 32)], dtypes=[dtype])
+        parallel.save_operator_strategy_file(path)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading", "match"),
+    [
+        (("level1", torch.float32), ("level3", torch.float32), r"bucket 0: shard 4-way level1 "),
+        ((None, torch.float32), (None, torch.bfloat16), r"is float32 in the file but bfloat16"),
+    ],
+    ids=["hsdp-level", "dtype"],
+)
+def test_a_file_of_other_settings_names_them(
+    tmp_path: Path, saved: tuple[Any, torch.dtype], loading: tuple[Any, torch.dtype], match: str
+) -> None:
+    """A level-1 file in a level-3 job (which gathers the weights again in backward) was
+    taken as equal; a float32 file in a bfloat16 network was said to store a parameter in a
+    layout it could not have."""
+    _saved_plan(tmp_path / "ops.json", *saved)
+    level, dtype = loading
+    net, x = Plain().to(dtype), torch.randn(8, 32, dtype=dtype)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).load_operator_strategy_file(tmp_path / "ops.json")
+        if level is not None:
+            parallel.hsdp(threshold=0, optimizer_level=level)
+        with pytest.raises(StrategyFileError, match=match):
+            parallel(world.rows(x))
+
+
+def test_diff_names_every_difference() -> None:
+    """Plans that differ only in their mode, or in one bucket, say so."""
+    plans = {}
+    for mode, level in (("semi_auto", None), ("sharding_propagation", None), ("semi_auto", "x")):
+        net = Plain()
+        with simulated_world(WORLD) as world:
+            world.replicate(net)
+            parallel = AutoParallel(net, parallel_mode=mode)
+            if level:
+                parallel.hsdp(threshold=0)
+            plans[mode, level] = parallel.plan(shapes=[(8, 32)])
+    base = plans["semi_auto", None]
+    assert base.diff(plans["sharding_propagation", None]) == [
+        "mode: semi_auto -> sharding_propagation"
+    ]
+    (line,) = base.diff(plans["semi_auto", "x"])
+    assert line.startswith("bucket 0: AllReduce over g0 fusion=-1: ") and "shard 4-way" in line

@@ -103,8 +103,16 @@ def optimizer_plan(
 
 def bucket_plans(plan: OptimizerPlan, matrix: DeviceMatrix) -> tuple[BucketPlan, ...]:
     """`plan`'s buckets as the `ParallelPlan` records them (axes by name)."""
+    level = plan.config.optimizer_level
     return tuple(
-        BucketPlan(b.kind, tuple(matrix.names[a] for a in b.dp_axes), b.names, b.shard, b.fusion)
+        BucketPlan(
+            b.kind,
+            tuple(matrix.names[a] for a in b.dp_axes),
+            b.names,
+            b.shard,
+            b.fusion,
+            level if b.kind == "shard" else "",
+        )
         for b in plan.buckets
     )
 

@@ -6,6 +6,7 @@ parameters' layouts as JSON, and load them back, checked against the network at 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +142,13 @@ class StrategyFiles:
             planner.check_matches(loaded, fresh, path)
             if loaded.params != fresh.params:  # (planned with the file's storage: equal)
                 name = next(n for n in fresh.params if loaded.params[n] != fresh.params[n])
+                was, now = loaded.params[name], fresh.params[name]
+                if (was.layout, was.shape) == (now.layout, now.shape):
+                    raise planner.StrategyFileError(
+                        f"{path}: parameter {name!r} is {was.dtype} in the file but {now.dtype} "
+                        "in this network; the file belongs to the network in another dtype "
+                        f"(cast it to {was.dtype} before planning, or save the file again)"
+                    )
                 raise planner.StrategyFileError(
                     f"{path}: parameter {name!r} is stored as {loaded.params[name]} in the "
                     f"file but can only be stored as {fresh.params[name]} on this job's device "
@@ -158,10 +166,12 @@ class StrategyFiles:
             if not loaded.buckets:  # (a file without buckets: this job's)
                 loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
             elif loaded.buckets != fresh.buckets:
+                pairs = itertools.zip_longest(loaded.buckets, fresh.buckets)
+                k, (a, b) = next((k, ab) for k, ab in enumerate(pairs) if ab[0] != ab[1])
                 raise planner.StrategyFileError(
-                    f"{path}: the gradient / optimizer buckets differ from this job's "
-                    f"({loaded.buckets[0]} against {fresh.buckets[0] if fresh.buckets else None}"
-                    f"); use the same hsdp() / comm_fusion() settings as the saving job"
+                    f"{path}: the gradient / optimizer buckets differ from this job's (bucket "
+                    f"{k}: {a or '(none)'} in the file, {b or '(none)'} here); use the same "
+                    "hsdp() / comm_fusion() settings as the saving job"
                 )
             run.parallel_plan = loaded
             run.plans = [(loaded, run.templates)]

@@ -124,6 +124,8 @@ class BucketPlan:
         params: the parameters, in bucket order.
         shard: the shard group's size (1 for ``"allreduce"``).
         fusion: the ``comm_fusion`` id that formed it (-1: formed by size or index).
+        level: (``"shard"``) the hsdp ``optimizer_level`` its weights are gathered at (level
+            3 gathers them again in backward); empty for ``"allreduce"``.
     """
 
     kind: str
@@ -131,9 +133,11 @@ class BucketPlan:
     params: tuple[str, ...]
     shard: int = 1
     fusion: int = -1
+    level: str = ""
 
     def __str__(self) -> str:
         how = "AllReduce" if self.kind == "allreduce" else f"shard {self.shard}-way"
+        how += f" {self.level}" if self.level else ""
         over = ", ".join(self.axes) or "no axis (scaled only)"
         return f"{how} over {over} fusion={self.fusion}: {', '.join(self.params)}"
 

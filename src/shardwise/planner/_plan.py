@@ -331,35 +331,16 @@ class ParallelPlan:
         return tuple(r.placed.spread() for r in self.roots)
 
     def diff(self, other: ParallelPlan) -> list[str]:
-        """What differs between this plan and `other`, one line per difference (empty: equal).
+        """What differs between this plan and `other`, one line per difference (empty: equal;
+        `_plan_diff.plan_diff`).
 
         Example:
             >>> plan_a.diff(plan_b)
             ['node %6 transformer.h.0.attn.c_attn/linear: outputs (g0, None, None) -> ...']
         """
-        out = []
-        if (self.device_num, self.matrix) != (other.device_num, other.matrix):
-            out.append(f"matrix: {self.matrix} ({self.device_num}) -> {other.matrix}")
-        for a, b in zip(self.nodes, other.nodes, strict=False):
-            if a != b:
-                out.append(f"node %{a.index} {a.name}: {a} -> {b}")
-        if len(self.nodes) != len(other.nodes):
-            out.append(f"ops: {len(self.nodes)} -> {len(other.nodes)}")
-        mine, theirs = set(map(str, self.edges)), set(map(str, other.edges))
-        out += [f"edge only in first: {e}" for e in sorted(mine - theirs)]
-        out += [f"edge only in second: {e}" for e in sorted(theirs - mine)]
-        for k in sorted(set(self.params) | set(other.params)):
-            a_p, b_p = self.params.get(k), other.params.get(k)
-            if a_p != b_p:
-                out.append(f"param {k}: {a_p} -> {b_p}")
-        if self.buckets != other.buckets:
-            out.append("buckets differ")
-        if self.roots != other.roots:
-            roots = [str(r) for r in self.roots], [str(r) for r in other.roots]
-            out.append(f"backward roots: {roots[0]} -> {roots[1]}")
-        if self.equal_grads != other.equal_grads:
-            out.append(f"equal gradients: {dict(self.equal_grads)} -> {dict(other.equal_grads)}")
-        return out
+        from shardwise.planner._plan_diff import plan_diff  # (it reads this module's types)
+
+        return plan_diff(self, other)
 
     # -- JSON (`_plan_json`) -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

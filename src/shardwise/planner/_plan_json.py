@@ -58,6 +58,7 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
                 "shard": b.shard,
                 "fusion": b.fusion,
             }
+            | ({"level": b.level} if b.level else {})
             for b in plan.buckets
         ],
     }
@@ -92,6 +93,7 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
                 tuple(b["params"]),
                 int(b.get("shard", 1)),
                 int(b.get("fusion", -1)),
+                str(b.get("level", "")),
             )
             for b in data["buckets"]
         ),
