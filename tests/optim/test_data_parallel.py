@@ -149,11 +149,12 @@ def test_exact_collectives_per_step(world_size: int) -> None:
     assert runner.owners == dict(zip(names, OWNERS[world_size], strict=True))
     group = tuple(range(world_size))
     # gradients: layer 1 (fusion 0) one per parameter = 2, layer 3 (fusion 1) 1, layer 5
-    # (fusion 2) 1; plus the loss: 5 AllReduce per step
+    # (fusion 2) 1, in the optimizer step; plus the loss: 5 AllReduce per step
     assert rec.kinds() == Counter(
         {
-            ("AllReduce", "forward", group): 5 * STEPS,
-            ("Broadcast", "forward", group): BROADCASTS[world_size] * STEPS,
+            ("AllReduce", "forward", group): 1 * STEPS,
+            ("AllReduce", "step", group): 4 * STEPS,
+            ("Broadcast", "step", group): BROADCASTS[world_size] * STEPS,
         }
     )
     assert runner.collectives_per_step() == {

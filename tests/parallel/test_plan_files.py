@@ -356,3 +356,15 @@ def test_diff_names_every_difference() -> None:
     ]
     (line,) = base.diff(plans["semi_auto", "x"])
     assert line.startswith("bucket 0: AllReduce over g0 fusion=-1: ") and "shard 4-way" in line
+
+
+def test_data_parallel_mode_has_no_strategy_file_to_save(tmp_path: Path) -> None:
+    """After a data_parallel call the error said no plan was made yet (call the wrapper)."""
+    net, x = Plain(), torch.randn(8, 32)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net, parallel_mode="data_parallel")
+        parallel(world.rows(x))
+        for save in (parallel.save_operator_strategy_file, parallel.save_param_strategy_file):
+            with pytest.raises(ValueError, match="'data_parallel' makes no operator plan"):
+                save(tmp_path / "x.json")

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
+from shardwise.communication import recorder
 from shardwise.optim._data_parallel_plan import (
     WHO,
     CommBucket,
@@ -397,6 +398,7 @@ def _step_hook(
     def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
         runner = ref()
         if runner is not None:
-            (runner._after_step if after else runner._before_step)(index)
+            with recorder.phase("step"):  # (the optimizer step's collectives)
+                (runner._after_step if after else runner._before_step)(index)
 
     return hook

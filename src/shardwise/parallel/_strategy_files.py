@@ -22,6 +22,7 @@ class StrategyFiles:
     """Mixed into `AutoParallel`; state set by its ``__init__``."""
 
     network: nn.Module
+    parallel_mode: str
     _loaded: tuple[ParallelPlan, str] | None
     _loaded_params: tuple[int, dict[str, Any], str] | None
 
@@ -102,6 +103,12 @@ class StrategyFiles:
 
     def _saved_plan(self, who: str) -> ParallelPlan:
         plan = self.parallel_plan
+        if plan is None and self.parallel_mode == "data_parallel":
+            raise ValueError(
+                f"AutoParallel.{who}: parallel_mode='data_parallel' makes no operator plan "
+                "(every rank holds the whole network and each parameter whole); strategy files "
+                "describe the plans of semi_auto and auto_parallel"
+            )
         if plan is None:
             raise ValueError(
                 f"AutoParallel.{who}: no ParallelPlan yet: call the wrapper (or its plan()) "
