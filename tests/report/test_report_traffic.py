@@ -7,10 +7,12 @@ their bytes) and whose mean loss's AllReduce carries the pair (mean x count, cou
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 import shardwise as sw
+from shardwise.context import set_context
 from shardwise.report import format_plan_execute
 from shardwise.report._summary import step_traffic
 from shardwise.testing import CommRecorder, simulated_world
@@ -51,3 +53,28 @@ def test_a_resnet_step_sends_what_the_reports_say() -> None:
     text = format_plan_execute(plan, 0)
     assert "AllGather(batch statistics) over g0 at stem.1/batch_norm" in text
     assert "at return 0 group [0, 1, 2, 3] send_bytes 12" in text
+
+
+def test_data_parallel_mode_writes_its_plan(tmp_path: Path) -> None:
+    """``parallel_mode="data_parallel"`` with ``save_graphs``: each rank's ``execute.ir`` holds
+    the runner's plan (owners, fusion ids, buckets, collectives per step); it wrote nothing."""
+    net, x = torch.nn.Linear(4, 2), torch.randn(4, 4)
+    try:
+        set_context(save_graphs=1, save_graphs_path=str(tmp_path))
+        with simulated_world(2) as world:
+            world.replicate(net)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+            def step(a: torch.Tensor) -> torch.Tensor:
+                loss = net(a).square().mean()
+                loss.backward()
+                opt.step()
+                return loss
+
+            sw.AutoParallel(step, parallel_mode="data_parallel")(world.rows(x))
+    finally:
+        set_context(save_graphs=0, save_graphs_path="./saved_graph")
+    for r in range(2):
+        text = (tmp_path / f"rank_{r}" / "execute.ir").read_text()
+        assert text.startswith("# execute: data_parallel on 2 ranks")
+        assert "weight" in text and "per step: 2 AllReduce, 0 Broadcast" in text  # (+ the loss)

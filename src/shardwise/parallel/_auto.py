@@ -367,5 +367,6 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
                 fusion=self._fusion_dict or None,
                 dataset_strategy=self._dataset,
             )
+            report.dump_data_parallel(str(self._runner))
         with clipping(None, DATA_PARALLEL):
             return self._runner(*inputs, **kwargs)

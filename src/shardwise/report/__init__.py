@@ -14,7 +14,8 @@ buckets, `dump_optimizer` appends to ``execute.ir`` every collective of each buc
   `dump_parallel_plan`, which writes both files and the pictures.
 - `_sends`: what one rank sends: each edge's and op's collectives with its group and bytes.
 - `_optimizer`: the pure formatter `format_optimizer` (the optimizer-parallel section).
-- `_write`: `write_ir` (one file, atomically), `report_ranks`, `dump_optimizer`.
+- `_write`: `write_ir` (one file, atomically), `report_ranks`, `dump_optimizer`,
+  `dump_data_parallel`.
 - `_plan_data`: what the pictures show, as data (`plan_memory`: per-rank memory by kind).
 - `_html`: `format_plan_html` / `write_plan_html` (``plan.html``).
 - `_png`: `render_plan_png` / `write_plan_png` (``plan.png``, matplotlib Agg).
@@ -33,10 +34,11 @@ from shardwise.report._parallel_plan import (
 )
 from shardwise.report._plan_data import plan_memory
 from shardwise.report._png import render_plan_png, write_plan_png
-from shardwise.report._write import dump_optimizer, report_ranks, write_ir
+from shardwise.report._write import dump_data_parallel, dump_optimizer, report_ranks, write_ir
 
 __all__ = [
     "MemoryMeter",
+    "dump_data_parallel",
     "dump_optimizer",
     "dump_parallel_plan",
     "format_optimizer",

@@ -1,6 +1,6 @@
 """Writing the reports: `write_ir` (one file, atomically, under ``rank_<r>/``), `report_ranks`
-(the ranks this process writes) and `dump_optimizer` (the optimizer-parallel section appended
-to ``execute.ir``).
+(the ranks this process writes), `dump_optimizer` (the optimizer-parallel section appended
+to ``execute.ir``) and `dump_data_parallel` (data_parallel mode's ``execute.ir``).
 """
 
 from __future__ import annotations
@@ -70,3 +70,18 @@ def dump_optimizer(
         section = format_optimizer(optimizer_plan, matrix, r, level)
         paths.append(write_ir(root, r, name, before + "\n" + section))
     return paths
+
+
+def dump_data_parallel(text: str) -> list[Path]:
+    """Write `text` (a `DataParallelRunner`'s plan: each parameter's owner, fusion id and
+    buckets, the collectives per step) as this process's ranks' ``execute.ir`` if
+    ``get_context("save_graphs") >= 1`` (``parallel_mode="data_parallel"``: no operator plan).
+
+    Returns:
+        The paths written (empty at level 0).
+    """
+    if int(get_context("save_graphs")) < 1:
+        return []
+    root = Path(get_context("save_graphs_path"))
+    head = f"# execute: data_parallel on {comm.get_group_size()} ranks (the whole network each)\n"
+    return [write_ir(root, r, EXECUTE_FILE, head + text + "\n") for r in comm.process_ranks()]
