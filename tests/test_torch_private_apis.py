@@ -99,9 +99,12 @@ def _node_metadata() -> None:
 
 
 def _storage() -> None:
-    from shardwise._torch.storage import storage_key, storage_use_count, view_base
+    from shardwise._torch.storage import storage_key, storage_use_count, version, view_base
 
     base = torch.zeros(4)
+    before = version(base)
+    base[1:].add_(1)  # (a change through a view counts on the base)
+    assert isinstance(before, int) and version(base) == before + 1
     alone = storage_use_count(base)
     view = base[1:]
     assert storage_use_count(base) == alone + 1  # (a view holds a reference to the storage)
@@ -478,7 +481,7 @@ CASES: dict[str, Callable[[], None]] = {
     ),
     "_torch/autograd_engine: an autograd Function's _backward_cls": _backward_node_class,
     "_torch/autograd_engine: a graph node's metadata dict": _node_metadata,
-    "_torch/storage: storage _cdata, _storage_Use_Count, Tensor._base": _storage,
+    "_torch/storage: storage _cdata, _storage_Use_Count, Tensor._base, Tensor._version": _storage,
     "_torch/function_modes: the torch-function mode stack": _function_mode_stack,
     "_torch/subclass: Tensor._make_subclass, replaced for meta parameters": _subclass,
     "_torch/module_state: Module._parameters / _buffers / _non_persistent_buffers_set": (

@@ -7,9 +7,11 @@
   reuse a flat buffer only when no gradient handed out from it is still alive).
 - `view_base`: the tensor a view was made from (optimizer parallel, `optim/_engine_gather.py`,
   finds a gathered weight from a view of it that autograd saves).
+- `version`: a tensor's in-place change counter (optimizer parallel gathers a shard changed in
+  place again; data-parallel mode finds parameters a train step changed).
 
-`view_base` is an ``operator.attrgetter``: called per saved tensor, it costs less than the
-attribute read it replaces.
+`view_base` and `version` are ``operator.attrgetter``s: called per saved tensor or parameter,
+they cost less than the attribute read they replace.
 """
 
 from __future__ import annotations
@@ -32,3 +34,7 @@ def storage_use_count(tensor: torch.Tensor) -> int:
 
 view_base: Callable[[torch.Tensor], torch.Tensor | None] = operator.attrgetter("_base")
 """``t._base``: the tensor `t` is a view of (its root), None when `t` is not a view."""
+
+
+version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""``t._version``: how many in-place changes `t`'s data (shared by its views) has had."""

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
+from shardwise._torch.storage import version
 from shardwise.communication import recorder
 from shardwise.optim._data_parallel_plan import (
     WHO,
@@ -324,7 +325,7 @@ class DataParallelRunner:
         if self._stepped is None:  # (until a step that changed the weights was checked)
             return mean_loss(self.train_step(*inputs, **kwargs), self.world)
         self._stepped = []
-        before = [p._version for p in self._params]
+        before = [version(p) for p in self._params]
         out = self.train_step(*inputs, **kwargs)
         stepped = [self.optimizers[i] for i in self._stepped]
         if check_updates(self.network, before, stepped, self.optimizers):

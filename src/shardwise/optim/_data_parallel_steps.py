@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise._torch import pytree
+from shardwise._torch.storage import version
 from shardwise.communication import _collectives as C
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO
@@ -145,8 +146,8 @@ def check_updates(
     known = {id(p) for o in stepped for g in o.param_groups for p in g["params"]}
     changed = False
     params = network.named_parameters()
-    for (name, p), version in zip(params, before, strict=True):
-        if p._version == version or not p.requires_grad:
+    for (name, p), was in zip(params, before, strict=True):
+        if version(p) == was or not p.requires_grad:
             continue
         changed = True
         if id(p) not in known:

@@ -39,7 +39,7 @@ import torch
 
 from shardwise import communication as comm
 from shardwise._torch.autograd_engine import current_graph_task_id
-from shardwise._torch.storage import view_base
+from shardwise._torch.storage import version, view_base
 from shardwise.communication import recorder
 from shardwise.communication._buckets import all_gather_bucket
 from shardwise.communication._collectives import Pending
@@ -104,7 +104,7 @@ class WeightGathering(GradReduction):
         hand-written update, ``p.mul_``) marks its leaf stale: gathered again into it."""
         if name not in self.leaves or name in self._stale or self._freed(name):
             return False
-        if self._versions.get(name, -1) not in (-1, self.params[name]._version):
+        if self._versions.get(name, -1) not in (-1, version(self.params[name])):
             self._stale.add(name)
             return False
         return True
@@ -148,7 +148,7 @@ class WeightGathering(GradReduction):
     def _gather(self, i: int) -> None:
         gathered = self._gathered(i, self._prefetched.pop(i, None))
         for name, full in gathered.items():
-            self._versions[name] = self.params[name]._version
+            self._versions[name] = version(self.params[name])
             if name in self._stale:  # gathered into the leaf itself (its version bumped)
                 self._stale.discard(name)
             elif name in self.leaves:
