@@ -106,6 +106,25 @@ def test_shuffle_after_batch_keeps_ranks_aligned() -> None:
         assert mine == [g[r * b : (r + 1) * b] for g in global_batches]
 
 
+def test_shuffle_after_batch_keeps_the_wrapping_batch_last() -> None:
+    """10 samples, 2 shards, batch 2: the last global batch wraps around (rank 1's last holds
+    rows 0 and 1 again, `get_padding` 2). A shuffle after batch() moved that batch, so dropping
+    the padding from the last batch counted rows twice and lost others; it stays last, on
+    every rank (the ranks' k-th batches still form one global batch), the others shuffled."""
+    orders = set()
+    for e in range(4):
+        real, firsts = [], []
+        for r in range(2):
+            ds = pipeline(10, num_shards=2, shard_id=r).batch(2).shuffle(4)
+            ds.set_epoch(e)
+            mine = epoch(ds)
+            real += flat(mine)[: len(flat(mine)) - ds.get_padding()]
+            firsts.append(mine[0])
+        assert sorted(real) == list(range(10)), e
+        orders.add(tuple(firsts[0]))
+    assert len(orders) > 1  # (still shuffled from epoch to epoch)
+
+
 def test_num_samples_is_per_shard() -> None:
     ds = pipeline(100, num_shards=4, shard_id=3, num_samples=10)
     assert len(ds) == 10 and len(epoch(ds)) == 10

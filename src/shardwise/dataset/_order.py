@@ -154,7 +154,8 @@ class EpochOrder:
         return count if self.batch_size is None else -(-count // self.batch_size)
 
     def padding(self, n: int, num_shards: int, shard_id: int) -> int:
-        """Rows at the end of this rank's last batch that repeat the start of the order (wrap)."""
+        """Rows at the end of this rank's last batch that repeat the start of the order (wrap;
+        a ``shuffle()`` after ``batch()`` keeps that batch last, on every rank)."""
         length = n if self.num_samples is None else min(n, self.num_samples * num_shards)
         block = self.batch_size or 1
         rem = length % (num_shards * block)
@@ -169,7 +170,12 @@ class EpochOrder:
         drop = self.drop_remainder and self.batch_size is not None
         mine = order[shard_positions(len(order), num_shards, shard_id, block, drop)]
         chunks = list(mine.split(self.batch_size or UNBATCHED_CHUNK))
+        last = len(chunks) - 1
+        order_of = list(range(len(chunks)))
         for k, size in enumerate(self.batch_shuffles):
             perm = buffer_shuffle(range(len(chunks)), size, mix_seed(self.seed, epoch, 2, k))
-            chunks = [chunks[i] for i in perm]
-        return chunks
+            order_of = [order_of[i] for i in perm]
+        if self.batch_shuffles and self.padding(n, num_shards, num_shards - 1):
+            order_of.remove(last)  # (the batch that wraps stays last on every rank: `padding`)
+            order_of.append(last)
+        return [chunks[i] for i in order_of]
