@@ -13,6 +13,8 @@ parameter's first placement, plus what the planner's modules share.
 - `data_parallel`: dim 0 split over every axis (semi_auto's default for activations);
   `PlanError`: what planning raises; `_itemsize`: a dtype's bytes per element.
 - `to_placed` / `placements_of`: a `Placed` from and to DTensor placements.
+- `read_whole`: the inputs only primitives read, each whole (kept whole under ``"full_batch"``);
+  `check_rank_order`: a strategy's Layout with a ``rank_list`` refused.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from shardwise.layout import (
     to_placements,
 )
 from shardwise.ops import OpPlan
-from shardwise.planner._graph import Graph, Ref
+from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._plan import Placed, replicated
 
 if TYPE_CHECKING:
@@ -156,3 +158,29 @@ def _param_layouts(
     for name, info in graph.params.items():
         out.setdefault(name, TensorLayout(matrix, ((),) * len(info.shape)))
     return {n: out[n] for n in graph.params}
+
+
+def read_whole(graph: Graph, prims: Mapping[int, OpPlan]) -> set[str]:
+    """The inputs that only primitives read, each wanting it whole (Gather's indices with
+    ``(1, 1)``): under ``"full_batch"`` they stay as they arrive, not cut at entry and
+    gathered again."""
+    uses: dict[str, list[bool]] = {}
+    for node in graph.nodes:
+        for i, ref in enumerate(node.inputs):
+            if ref.kind == "input":
+                op = prims.get(node.index)
+                whole = op is not None and not op.inputs[i].used_axes()
+                uses.setdefault(str(ref.key), []).append(whole)
+    return {key for key, wants in uses.items() if all(wants)}
+
+
+def check_rank_order(node: Node, what: str, matrix: DeviceMatrix) -> None:
+    """Raise PlanError when `matrix` (of `node`'s strategy) has a ``rank_list``: the plan's
+    device matrix orders the devices as the input convention does (rank order)."""
+    if matrix.rank_list != tuple(range(matrix.size)):
+        raise PlanError(
+            f"{node.name} ({node.op}): {what} orders the devices by rank_list="
+            f"{list(matrix.rank_list)}; AutoParallel places devices in rank order (as each "
+            "rank's rows of the batch are). Use a Layout without rank_list "
+            "(shardwise.redistribution and checkpoints take one)"
+        )

@@ -83,8 +83,10 @@ from shardwise.planner._placement import (
     _itemsize,
     _matrix,
     _param_layouts,
+    check_rank_order,
     data_parallel,
     placements_of,
+    read_whole,
     to_placed,
 )
 from shardwise.planner._plan import (
@@ -277,7 +279,7 @@ def setup(
         prims = {k: op for k, op in prims.items() if op.user_set}
     for k, op in prims.items():
         for i, layout in enumerate(op.inputs):
-            _check_rank_order(graph.nodes[k], f"input {i}'s Layout", layout.matrix)
+            check_rank_order(graph.nodes[k], f"input {i}'s Layout", layout.matrix)
     given = dict(param_layouts or {})
     extra = list(extra_matrices)
     if isinstance(dataset, Mapping):
@@ -285,19 +287,19 @@ def setup(
     try:
         forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
         for k, (m, _) in forms.items():
-            _check_rank_order(graph.nodes[k], "its sw.shard Layout", m)
+            check_rank_order(graph.nodes[k], "its sw.shard Layout", m)
         extra += [m.shape for m, _ in forms.values()]
         for n in graph.nodes:
             if n.op == RESHARD:
                 moved = reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix
-                _check_rank_order(n, "the sw.reshard Layout", moved)
+                check_rank_order(n, "the sw.reshard Layout", moved)
                 extra.append(moved.shape)
     except AnnotationError as e:
         raise PlanError(str(e)) from None
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
     p = _Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
-    whole = _read_whole(graph, prims)
+    whole = read_whole(graph, prims)
     for key, dp in [e for e in entry if e[0] in whole]:  # (full_batch: kept whole, not cut)
         p.state[Ref("input", key)] = arrive[key]
         entry.remove((key, dp))
@@ -373,32 +375,6 @@ def walk(
 
 
 @gc_paused
-def _read_whole(graph: Graph, prims: Mapping[int, OpPlan]) -> set[str]:
-    """The inputs that only primitives read, each wanting it whole (Gather's indices with
-    ``(1, 1)``): under ``"full_batch"`` they stay as they arrive, not cut at entry and
-    gathered again."""
-    uses: dict[str, list[bool]] = {}
-    for node in graph.nodes:
-        for i, ref in enumerate(node.inputs):
-            if ref.kind == "input":
-                op = prims.get(node.index)
-                whole = op is not None and not op.inputs[i].used_axes()
-                uses.setdefault(str(ref.key), []).append(whole)
-    return {key for key, wants in uses.items() if all(wants)}
-
-
-def _check_rank_order(node: Node, what: str, matrix: DeviceMatrix) -> None:
-    """Raise PlanError when `matrix` (of `node`'s strategy) has a ``rank_list``: the plan's
-    device matrix orders the devices as the input convention does (rank order)."""
-    if matrix.rank_list != tuple(range(matrix.size)):
-        raise PlanError(
-            f"{node.name} ({node.op}): {what} orders the devices by rank_list="
-            f"{list(matrix.rank_list)}; AutoParallel places devices in rank order (as each "
-            "rank's rows of the batch are). Use a Layout without rank_list "
-            "(shardwise.redistribution and checkpoints take one)"
-        )
-
-
 def plan_semi_auto(
     graph: Graph,
     device_num: int,
