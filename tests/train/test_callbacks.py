@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -40,10 +41,12 @@ def test_loss_monitor_line_byte_for_byte(capsys: pytest.CaptureFixture[str]) -> 
     losses = Losses()
     _model().train(2, _data(5), callbacks=[sw.train.LossMonitor(2), losses])
     out = capsys.readouterr().out.splitlines()
-    want = [f"epoch: {e} step: {s}, loss is {loss!r}" for e, s, loss in losses.seen if s % 2 == 0]
+    every_second = losses.seen[1::2]  # (every 2 steps of the run, across epochs: MindSpore's)
+    want = [f"epoch: {e} step: {s}, loss is {loss!r}" for e, s, loss in every_second]
     assert out == want
-    assert len(out) == 4 and out[0].startswith("epoch: 1 step: 2, loss is ")
-    assert re.fullmatch(r"epoch: 2 step: 4, loss is \d\.\d+", out[-1])
+    assert len(out) == 5 and out[0].startswith("epoch: 1 step: 2, loss is ")
+    assert out[2].startswith("epoch: 2 step: 1, loss is ")
+    assert re.fullmatch(r"epoch: 2 step: 5, loss is \d\.\d+", out[-1])
 
 
 def test_loss_monitor_value_is_python_float_repr(capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,6 +105,37 @@ def test_eval_accuracy() -> None:
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
     y = torch.tensor([0, 1, 1, 1])
     assert sw.Model(net, metrics={"accuracy"}).eval([(x, y)]) == {"accuracy": 0.75}
+    # (labels of shape (N, 1), one-hot rows: 2.0 and 1.0 before, broadcast against the logits)
+    assert sw.Model(net, metrics={"accuracy"}).eval([(x, y[:, None])]) == {"accuracy": 0.75}
+    one_hot = nn.functional.one_hot(y, 2).float()
+    assert sw.Model(net, metrics={"accuracy"}).eval([(x, one_hot)]) == {"accuracy": 0.75}
+    with pytest.raises(ValueError, match=r"labels of shape \[4, 3\] for logits of shape"):
+        sw.Model(net, metrics={"accuracy"}).eval([(x, torch.zeros(4, 3))])
+
+
+def test_steps_in_an_epoch_count_from_its_start() -> None:
+    """Steps within an epoch were derived from the run's step count and the epoch length: a
+    later train() of another length, one after an early stop, and a dataset without len()
+    (every step of its first epoch was step 1: checkpoint files overwrote each other) were
+    numbered wrong."""
+
+    class StopAt(sw.train.Callback):
+        def on_train_step_end(self, ctx: sw.train.RunContext) -> None:
+            if ctx.cur_step_num == 2:
+                ctx.request_stop()
+
+    model, losses = _model(), Losses()
+    model.train(1, _data(3), callbacks=[losses, StopAt()])  # (stops after step 2)
+    model.train(1, _data(3), callbacks=[losses])
+    model.train(1, _data(2), callbacks=[losses])
+
+    class NoLen:
+        def __iter__(self) -> Any:
+            return iter(_data(3))
+
+    model.train(2, NoLen(), callbacks=[losses])
+    steps = [s for _, s, _ in losses.seen]
+    assert steps == [1, 2, 1, 2, 3, 1, 2, 1, 2, 3, 1, 2, 3]
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ class RunContext:
         batch_num: steps per epoch.
         cur_epoch_num: current epoch, 1-based.
         cur_step_num: steps done since training started (all epochs), 1-based at step end.
+        epoch_step: steps done in the current epoch (`step_in_epoch`).
         net_outputs: the last step's loss.
     """
 
@@ -58,11 +59,15 @@ class RunContext:
     net_outputs: Any = None
     stop_requested: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    epoch_step: int = 0
 
     @property
     def step_in_epoch(self) -> int:
-        """The step number within the current epoch, 1-based."""
-        return (self.cur_step_num - 1) % max(self.batch_num, 1) + 1
+        """The step number within the current epoch, 1-based (counted in the epoch: right
+        after an early stop, in a later ``train()`` call, for a dataset without ``len()``)."""
+        if self.epoch_step:
+            return self.epoch_step
+        return (self.cur_step_num - 1) % max(self.batch_num, 1) + 1  # (a context built by hand)
 
     def original_args(self) -> RunContext:
         """MindSpore compatibility: ``run_context.original_args()`` is the context itself."""
@@ -98,7 +103,9 @@ class Callback:
 class LossMonitor(Callback):
     """Print the loss every `per_print_times` steps: ``epoch: 1 step: 20, loss is 2.24...``.
 
-    The step is counted within the epoch, the epoch from 1, as in MindSpore's log lines.
+    The steps between prints are the run's (counted across epochs, as MindSpore's
+    ``LossMonitor``); the printed step is counted within the epoch, the epoch from 1, as in
+    MindSpore's log lines.
 
     Args:
         per_print_times: print every this many steps (>= 1).
@@ -116,6 +123,7 @@ class LossMonitor(Callback):
         if per_print_times < 1:
             raise ValueError(f"LossMonitor: per_print_times={per_print_times} must be >= 1")
         self.per_print_times = per_print_times
+        self._last = 0  # (the run's step it last printed at: MindSpore counts the run's steps)
 
     def on_train_step_end(self, ctx: RunContext) -> None:
         loss = loss_value(ctx.net_outputs)
@@ -125,7 +133,8 @@ class LossMonitor(Callback):
                 f"epoch: {ctx.cur_epoch_num} step: {step}. Invalid loss {loss}, terminating "
                 "training; lower the learning rate or check the data"
             )
-        if step % self.per_print_times == 0:
+        if ctx.cur_step_num - self._last >= self.per_print_times:  # (every n steps of the run)
+            self._last = ctx.cur_step_num
             emit(f"epoch: {ctx.cur_epoch_num} step: {step}, loss is {loss}")
 
 

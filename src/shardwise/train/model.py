@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 
 class Accuracy:
-    """Top-1 accuracy: argmax of the logits against integer labels."""
+    """Top-1 accuracy: argmax of the logits against the labels: class indices of shape
+    ``(N,)`` (or ``(N, 1)``), or one-hot / probability rows of the logits' shape (their argmax),
+    as MindSpore's ``Accuracy`` takes them."""
 
     def __init__(self) -> None:
         self.correct = 0.0
@@ -42,7 +44,18 @@ class Accuracy:
                 f"Accuracy: {logits.shape[0]} predictions for {labels.shape[0]} labels; the "
                 "network must return one row of logits per sample"
             )
-        self.correct += float((logits.argmax(dim=-1) == labels).sum())
+        if labels.dim() > 1 and labels.shape == logits.shape and logits.shape[-1] > 1:
+            labels = labels.argmax(dim=-1)  # (one-hot rows)
+        elif labels.dim() == 2 and labels.shape[1] == 1:
+            labels = labels[:, 0]
+        predicted = logits.argmax(dim=-1)
+        if labels.shape != predicted.shape:
+            raise ValueError(
+                f"Accuracy: labels of shape {list(labels.shape)} for logits of shape "
+                f"{list(logits.shape)}; give class indices of shape {list(predicted.shape)} or "
+                "one-hot rows of the logits' shape"
+            )
+        self.correct += float((predicted == labels).sum())
         self.total += float(labels.shape[0])
 
     def counts(self) -> torch.Tensor:
@@ -226,6 +239,7 @@ class Model:
         set_epoch = getattr(data, "set_epoch", None)
         if callable(set_epoch):  # a resumed run sees the same data order as an uninterrupted one
             set_epoch(ctx.cur_epoch_num - 1)
+        ctx.epoch_step = 0
         for c in cbs:
             c.on_train_epoch_begin(ctx)
         with _progress(ctx) as bar:
@@ -234,6 +248,7 @@ class Model:
                     c.on_train_step_begin(ctx)
                 ctx.net_outputs = self._train_step(batch)
                 ctx.cur_step_num += 1
+                ctx.epoch_step += 1
                 self.cur_step_num = ctx.cur_step_num
                 if bar is not None:
                     bar.update(1)
@@ -241,8 +256,8 @@ class Model:
                     c.on_train_step_end(ctx)
                 if ctx.stop_requested:
                     break
-        if ctx.batch_num == 0:
-            ctx.batch_num = max(ctx.cur_step_num, 1)
+        if ctx.batch_num == 0:  # (a dataset without len(): its first epoch's steps)
+            ctx.batch_num = max(ctx.epoch_step, 1)
         for c in cbs:
             c.on_train_epoch_end(ctx)
 
