@@ -328,7 +328,7 @@ class DataParallelRunner:
         before = [version(p) for p in self._params]
         out = self.train_step(*inputs, **kwargs)
         stepped = [self.optimizers[i] for i in self._stepped]
-        if check_updates(self.network, before, stepped, self.optimizers):
+        if check_updates(self.network, self._params, before, stepped, self.optimizers):
             self._stepped = None
         return mean_loss(out, self.world)
 

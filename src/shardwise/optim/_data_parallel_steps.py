@@ -131,26 +131,27 @@ def same_shapes(inputs: Sequence[Any]) -> None:
 
 def check_updates(
     network: nn.Module,
+    params: Sequence[torch.Tensor],
     before: Sequence[int],
     stepped: Sequence[torch.optim.Optimizer],
     optimizers: Sequence[torch.optim.Optimizer],
 ) -> bool:
-    """After a train step: whether it changed any trainable parameter (`before`: their versions
-    at its start, in ``network.parameters()`` order); raise when one changed without a step of
-    an optimizer the runner knows (`stepped`: those that stepped), whose pre-hook averages the
-    gradients (a hand-written update, an optimizer built inside the step).
+    """After a train step: whether it changed any trainable parameter of `params` (`before`:
+    their versions at its start); raise when one changed without a step of an optimizer the
+    runner knows (`stepped`: those that stepped), whose pre-hook averages the gradients (a
+    hand-written update, an optimizer built inside the step).
 
     Raises:
         ValueError: naming the parameter and the fix.
     """
     known = {id(p) for o in stepped for g in o.param_groups for p in g["params"]}
     changed = False
-    params = network.named_parameters()
-    for (name, p), was in zip(params, before, strict=True):
+    for p, was in zip(params, before, strict=True):
         if version(p) == was or not p.requires_grad:
             continue
         changed = True
         if id(p) not in known:
+            name = next((n for n, q in network.named_parameters() if q is p), "?")
             held = ", ".join(type(o).__name__ for o in optimizers) or "none"
             raise ValueError(
                 f"{WHO}: the train step changed parameter {name!r} without a step of the "
