@@ -1,8 +1,9 @@
-"""Worker for test_seed003_real.py: seed 003 under `AutoParallel` on real gloo processes.
+"""Seed 003 (Layout version) under `AutoParallel` on real gloo processes, run by
+train_step_worker.py in the same job (test_train_step_real.py).
 
 Every process computes the single-device run itself (same seeds), then trains its blocks for 3
 SGD steps and checks, per step, the loss and its blocks of every parameter and gradient
-(1e-5 relative). Prints ``CHECK step <k> OK``; a mismatch raises.
+(1e-5 relative). Prints ``CHECK seed003 step <k> OK``; a mismatch raises.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"rank {get_rank()}: {what} differs (max abs diff {diff})")
 
 
-def main() -> None:
-    sw.communication.init()
+def seed003() -> None:
+    """The checks above, in a job `sw.communication.init()` started."""
     rank, n = get_rank(), get_group_size()
     losses, states = single_device(layouts=True)
     net = Network(layouts=True)
@@ -45,9 +46,4 @@ def main() -> None:
             close(p.grad, states[step][f"{name}.grad"][block], f"{name}.grad step {step}")
         opt.step()
         opt.zero_grad()
-        print(f"CHECK step {step} OK", flush=True)
-    sw.communication.release()
-
-
-if __name__ == "__main__":
-    main()
+        print(f"CHECK seed003 step {step} OK", flush=True)

@@ -1,6 +1,9 @@
 """API.md's train step (seed 003 with nn.Linear, F.relu and nn.CrossEntropyLoss) under
 `AutoParallel` on 8 real gloo processes started by `shardwise run`: the returned loss and every
-parameter block after each of 3 SGD steps equal the single-device run (train_step_worker.py)."""
+parameter block after each of 3 SGD steps equal the single-device run (train_step_worker.py);
+then, in the same processes, seed 003's Layout version (real process groups, each rank creating
+its own): losses, parameter and gradient blocks equal the single-device run for 3 SGD steps
+(seed003_worker.py)."""
 
 from __future__ import annotations
 
@@ -22,3 +25,4 @@ def test_train_step_on_eight_real_processes(tmp_path: Path) -> None:
     for rank, log in enumerate(logs):
         for step in range(3):
             assert f"CHECK step {step} OK" in log, f"rank {rank}, step {step}:\n{log}"
+            assert f"CHECK seed003 step {step} OK" in log, f"rank {rank}, seed 003 {step}:\n{log}"

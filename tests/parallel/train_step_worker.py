@@ -4,12 +4,13 @@ Seed 003's network with matmul3 -> nn.Linear and relu2 -> F.relu (test_unannotat
 loss ``nn.CrossEntropyLoss`` and SGD built before the wrapper; every process passes the global
 batch. Each process computes the single-device run itself, then checks per step the returned
 loss and its blocks of every parameter after the update (1e-5 relative). Prints
-``CHECK step <k> OK``; a mismatch raises.
+``CHECK step <k> OK``; a mismatch raises. Then seed 003's Layout version (seed003_worker.py).
 """
 
 from __future__ import annotations
 
 import torch
+from seed003_worker import seed003
 from test_unannotated_ops import LR, Network, data
 
 import shardwise as sw
@@ -65,6 +66,7 @@ def main() -> None:
                 want = want[layout.local_slice(rank, shape)]
             close(p.detach(), want, f"{name} step {step}")
         print(f"CHECK step {step} OK", flush=True)
+    seed003()  # (seed 003's Layout version in the same processes: one 8-process job for both)
     sw.communication.release()
 
 
