@@ -90,6 +90,10 @@ class CallableTrainer(Trainer):
         return self.step(x, y)
 
 
+class InheritedCall(CallableTrainer):
+    """Its ``__call__`` is its base class's."""
+
+
 trainer = Trainer()
 
 
@@ -171,6 +175,7 @@ def cases(world: SimulatedWorld | None) -> dict[str, tuple[Any, nn.Module, torch
     """Each way of reaching the network, built anew (inside `world` when given)."""
     global trainer, helper_net, helper_opt
     trainer, bound, called = Trainer(world), Trainer(world), CallableTrainer(world)
+    inherited = InheritedCall(world)
     helper_net, helper_opt = fresh(world)
     nested, inner_net, inner_opt = make_nested(world)
     partial_net, partial_opt = fresh(world)
@@ -179,6 +184,7 @@ def cases(world: SimulatedWorld | None) -> dict[str, tuple[Any, nn.Module, torch
         "object attribute": (through_attribute, trainer.net, trainer.opt),
         "bound method": (bound.step, bound.net, bound.opt),
         "object with __call__": (called, called.net, called.opt),
+        "__call__ of a base class": (inherited, inherited.net, inherited.opt),
         "helper functions": (with_helpers, helper_net, helper_opt),
         "nested function and lambda": (nested, inner_net, inner_opt),
         "functools.partial": (

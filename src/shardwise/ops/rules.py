@@ -241,6 +241,9 @@ RULES: dict[str, Rule] = {op: rule for rule, ops in FAMILIES.values() for op in 
 """Primitive name -> its sharding rule."""
 
 
+_SCALAR_OK = ("Add", "Sub", "Mul", "Div")
+
+
 def _with_scalar(module: Any, shapes: Sequence[Sequence[int]]) -> Any:
     """An elementwise binary op's strategy, with ``()`` added for its one 0-d input (a Python
     number it was called with) when the strategy names the other input's entry only."""
@@ -252,9 +255,6 @@ def _with_scalar(module: Any, shapes: Sequence[Sequence[int]]) -> Any:
     out = list(given)
     out.insert(zero[0], () if isinstance(entry, tuple) else TensorLayout(entry.matrix, ()))
     return tuple(out)
-
-
-_SCALAR_OK = ("Add", "Sub", "Mul", "Div")
 
 
 def plan_primitive(

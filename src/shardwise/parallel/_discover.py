@@ -170,7 +170,8 @@ def _as_function(fn: Any) -> Any:
     its bound ``__call__``; anything else as it is."""
     if isinstance(fn, types.FunctionType | types.MethodType | functools.partial | nn.Module):
         return fn
-    call = vars(type(fn)).get("__call__") if callable(fn) else None
+    found = (vars(c)["__call__"] for c in type(fn).__mro__ if "__call__" in vars(c))
+    call = next(found, None) if callable(fn) else None  # (its own or a base class's)
     return fn.__call__ if isinstance(call, types.FunctionType) else fn
 
 
