@@ -81,7 +81,9 @@ class PrimitiveHooks:
         tensors, call_args = module.split_call(*args)
         local = self._moved_inputs(node.index, list(tensors))
         layouts = [p.layout for p in node.inputs]
-        local, fixup = prepare(module, node.local, local, layouts, node.in_shapes, call_args)
+        local, fixup = prepare(
+            module, node.local, local, layouts, node.in_shapes, call_args, node.comms
+        )
         self.primitives.append((node.index, fixup))
         rest = args[len(tensors) :]
         if "shape" in call_args:  # Reshape: the local target shape

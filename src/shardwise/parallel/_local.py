@@ -12,10 +12,10 @@
 
 - ``"batch_stats"`` (`batch_stats_gather`): BatchNorm in training with its input split on N, H
   or W. Each rank computes its block's per-channel mean and sum of squared deviations; one
-  AllGather over the axes splitting N / H / W collects them (autograd-aware: its adjoint is a
-  ReduceScatter) and the primitive combines them into the statistics of the whole batch
-  (`shardwise.ops._nn_primitives.batch_stats`), so y, the gradients and the running statistics
-  equal one device's.
+  AllGather over the axes splitting N / H / W (as its node's plan lists it: `stats_axes`)
+  collects them (autograd-aware: its adjoint is a ReduceScatter) and the primitive combines
+  them into the statistics of the whole batch (`shardwise.ops._nn_primitives.batch_stats`), so
+  y, the gradients and the running statistics equal one device's.
 
 `prepare` dispatches on the tag and returns the new local inputs and what to do to the outputs.
 
@@ -59,6 +59,7 @@ from shardwise.planner import NodePlan, Placed
 from shardwise.planner._batch_norm import BN_ARGS
 from shardwise.planner._draws import SDPA_ARGS, is_fill, is_like_draw
 from shardwise.planner._losses import KL_ARGS, KL_DIV, LOSS_ARGS
+from shardwise.planner._placed import Collective
 from shardwise.redistribution import block_offset, local_block
 
 Shape = tuple[int, ...]
@@ -136,17 +137,25 @@ def dropout_noise(module: Dropout, layout: TensorLayout, shape: Shape, x: torch.
         module.set_next_noise(local_block(noise, layout, shape))
 
 
-def batch_stats_gather(module: BatchNorm, layout: TensorLayout) -> None:
-    """Give `module` the AllGather of its next forward's block statistics over the axes that
-    split input_x (`layout`) on any dim but C (nothing when no such axis has size > 1)."""
-    matrix = layout.matrix
-    axes = sorted(
-        a for d in range(layout.ndim) if d != 1 for a in layout.dims[d] if matrix.shape[a] > 1
-    )
-    if not axes:
-        return
-    group, _ = group_for(matrix, axes)
-    module.set_next_gather(comm.AllGather(group))
+def stats_axes(comms: Sequence[Collective], layout: TensorLayout) -> list[int] | None:
+    """The axes (of `layout`'s device matrix) of a batch norm's statistics AllGather as its
+    node's plan lists it (`comms`: the node's collectives, the one with a `Collective.block`);
+    None when the plan lists none (the rows are whole on this node)."""
+    for c in comms:
+        if c.block > 0 and c.kind == "AllGather":
+            return [layout.matrix.names.index(a) for a in c.axes]
+    return None
+
+
+def batch_stats_gather(
+    module: BatchNorm, layout: TensorLayout, comms: Sequence[Collective]
+) -> None:
+    """Give `module` the AllGather of its next forward's block statistics as its node's plan
+    lists it (`comms`: `stats_axes`), nothing when it lists none."""
+    axes = stats_axes(comms, layout)
+    if axes is not None:
+        group, _ = group_for(layout.matrix, axes)
+        module.set_next_gather(comm.AllGather(group))
 
 
 def prepare(
@@ -156,8 +165,10 @@ def prepare(
     layouts: Sequence[TensorLayout],
     shapes: Sequence[Shape],
     call_args: dict[str, Any],
+    comms: Sequence[Collective] = (),
 ) -> tuple[list[Any], Masked | None]:
-    """Apply `OpPlan.local` tag `tag` before `module` runs on `local` (its local inputs).
+    """Apply `OpPlan.local` tag `tag` before `module` runs on `local` (its local inputs;
+    `comms`: its node's collectives, which a batch norm's statistics gather is read from).
 
     Returns:
         The local inputs to run with, and the output fix-up (None: none).
@@ -172,7 +183,7 @@ def prepare(
         b = int(module.init_args()["batch_dims"])
         return masked_lookup(local, layouts, shapes, axis, b, module.who)
     if tag == "batch_stats" and isinstance(module, BatchNorm):
-        batch_stats_gather(module, layouts[0])
+        batch_stats_gather(module, layouts[0], comms)
         return local, None
     if tag == "random" and isinstance(module, Dropout):
         dropout_noise(module, layouts[0], shapes[0], local[0])
@@ -262,13 +273,15 @@ def loss_weight(op: str, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tenso
     return weighted
 
 
-def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], layout: TensorLayout) -> torch.Tensor:
-    """A training ``F.batch_norm(*args, **kw)`` on this rank's rows (of `layout`, split on dim
-    0 only: `planner.SPLIT_BATCH_NORM`), normalized with the whole batch's statistics
-    (`ops._nn_primitives.batch_norm_training`, the blocks' statistics gathered over the axes
-    splitting the rows); the running statistics updated as one device does, on every rank."""
-    axes = sorted(a for a in layout.dims[0] if layout.matrix.shape[a] > 1)
-    if not axes:  # (the rows are whole here: torch's own batch norm)
+def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], node: NodePlan) -> torch.Tensor:
+    """A training ``F.batch_norm(*args, **kw)`` on this rank's rows (node `node`, its rows split:
+    `planner.SPLIT_BATCH_NORM`), normalized with the whole batch's statistics
+    (`ops._nn_primitives.batch_norm_training`, the blocks' statistics gathered as the node's
+    plan lists it: `stats_axes`); the running statistics updated as one device does, on
+    every rank."""
+    layout = node.outputs[0].layout
+    axes = stats_axes(node.comms, layout)
+    if axes is None:  # (the rows are whole here: torch's own batch norm)
         return F.batch_norm(*args, **kw)
     b = _by_name(BN_ARGS, args, kw)
     group, _ = group_for(layout.matrix, axes)
@@ -398,7 +411,7 @@ def compute(
     if func is F.dropout or func is F.scaled_dot_product_attention:
         return drop(func, node, args, kw)
     if k in table.split_norms:
-        return batch_norm_split(args, kw, node.outputs[0].layout)
+        return batch_norm_split(args, kw, node)
     if k in table.resized:
         args, kw = resized_call(node.op, tuple(args), kw, table.resized[k])
         return func(*args, **kw)
