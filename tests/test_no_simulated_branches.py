@@ -3,7 +3,8 @@ shardwise asks whether it runs in a simulated world.
 
 `shardwise.testing.simulated_world` runs every rank in one process; only `communication/`
 (and `testing/`, which builds that world) may tell it apart from a job, and it offers
-`process_ranks`, `rank_value`, `own_group`, `rank_parts` and `file_rank` so that the rest of
+`process_ranks`, `rank_value`, `own_group`, `rank_parts`, `file_rank` and `shared_value` so that
+the rest of
 shardwise never needs to. The scan reads each module's syntax tree (docstrings, comments and
 other strings are not code) and reports, as ``file:line: what``:
 
@@ -200,7 +201,8 @@ def test_no_module_outside_communication_asks_whether_the_world_is_simulated() -
     ]
     assert not found, (
         "these modules ask whether they run in a simulated world; use shardwise.communication's "
-        "process_ranks / holds_several_ranks / rank_value / own_group / rank_parts / file_rank "
+        "process_ranks / holds_several_ranks / rank_value / own_group / rank_parts / file_rank / "
+        "shared_value "
         "instead:\n  " + "\n  ".join(found)
     )
 

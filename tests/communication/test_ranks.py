@@ -1,8 +1,8 @@
 """`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
-`file_rank`: the same questions answered outside a job, in a 1-rank job (one rank per process,
-as in a real job) and in a simulated world (one process running every rank). Real multi-rank
-jobs run them through tests/multiprocess (redistribution, optimizer parallel, data parallel,
-delayed init)."""
+`file_rank`, `shared_value`: the same questions answered outside a job, in a 1-rank job (one
+rank per process, as in a real job) and in a simulated world (one process running every rank).
+Real multi-rank jobs run them through tests/multiprocess (redistribution, optimizer parallel,
+data parallel, delayed init)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def test_outside_a_job() -> None:
     assert comm.file_rank() == (0, 1)
     t = torch.ones(2)
     assert comm.rank_parts(t) == [t]
+    assert comm.shared_value(t) is t
     with pytest.raises(RuntimeError, match="init"):
         comm.rank_value(lambda r: r)
     with pytest.raises(RuntimeError, match="init"):
@@ -59,6 +60,14 @@ def test_every_rank_in_one_process() -> None:
         assert [float(p[0]) for p in comm.rank_parts(blocks["w"])] == [0.0, 1.0, 2.0, 3.0]
         with pytest.raises(ValueError, match="only ints and tensors may differ"):
             comm.rank_value(lambda r: f"rank {r}")
+        # one value for a file written for every rank: only where all ranks agree
+        assert comm.shared_value(blocks["w"]) is None
+        nan = comm.rank_value(lambda r: torch.tensor([float("nan"), 1.0]))
+        common = comm.shared_value(nan)
+        assert common is not None and type(common) is torch.Tensor
+        assert torch.equal(common.isnan(), torch.tensor([True, False]))
+        late = comm.rank_value(lambda r: torch.tensor([float("nan"), float(r > 2)]))
+        assert comm.shared_value(late) is None
         # a mesh axis: every rank's group is rank 0's shifted, rank 0's stands for them all
         assert comm.own_group(lambda r: (r % 2, r % 2 + 2)) == (0, 2)
         assert comm.own_group(lambda r: (r // 2 * 2 + 1, r // 2 * 2)) == (1, 0)

@@ -99,13 +99,16 @@ def describe(
     if strategy is None:
         return _job_metadata(network, with_optimizer)
     rank, size = comm.file_rank()
-    if size != strategy.device_num:
-        raise CheckpointError(
-            f"the network is planned for {strategy.device_num} devices but this process writes "
-            f"the files of a {size}-rank job (a simulated world runs every rank in one process: "
-            "save from a real job, one file per rank)"
-        )
     pieces = {key: _piece(strategy, key, t, rank) for key, t in tensors.items()}
+    if size != strategy.device_num:
+        if all(p.is_whole for p in pieces.values()):  # (every rank holds all of it)
+            return _job_metadata(network, with_optimizer)
+        cut = next(k for k, p in pieces.items() if not p.is_whole)
+        raise CheckpointError(
+            f"the network is planned for {strategy.device_num} devices and cuts {cut!r}, but "
+            f"this process writes the files of a {size}-rank job (a simulated world runs every "
+            "rank in one process and writes one file): save from a real job, one file per rank"
+        )
     return strategy_metadata(strategy, rank, pieces)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from shardwise import communication as comm
 from shardwise.checkpoint._errors import CheckpointError
 
 FORMAT_VERSION = "1"
@@ -69,7 +70,16 @@ def saveable(name: str, tensor: object, seen: set[int]) -> torch.Tensor:
             f"checkpoint entry {name!r} is a meta tensor (deferred, never materialized); "
             "call shardwise.parameter.materialize(net) or run a forward first"
         )
-    value = tensor.detach().to("cpu").contiguous()
+    shared = comm.shared_value(tensor.detach())
+    if shared is None:
+        raise CheckpointError(
+            f"checkpoint entry {name!r} holds different values on the ranks this process runs "
+            f"({len(comm.process_ranks())} ranks: a simulated world), and one file holds one "
+            "value: save from a real job (one file per rank), or write each rank's file from "
+            "its values, `{k: sw.communication.rank_parts(v)[r] for k, v in "
+            "net.state_dict().items()}` to directory/rank_<r>"
+        )
+    value = shared.to("cpu").contiguous()
     if value.numel() == 0:
         return value
     storage = value.untyped_storage()

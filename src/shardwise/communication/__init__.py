@@ -8,7 +8,7 @@ process-group functions directly.
   `destroy_group`, `release`.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
   world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
-  `file_rank`).
+  `file_rank`, `shared_value`).
 - `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
@@ -51,6 +51,7 @@ from shardwise.communication._ranks import (
     process_ranks,
     rank_parts,
     rank_value,
+    shared_value,
 )
 from shardwise.communication._sim import (
     draw_state,
@@ -113,4 +114,5 @@ __all__ = [
     "replicated_draw",
     "scoped_group_name",
     "set_draw_state",
+    "shared_value",
 ]

@@ -14,6 +14,8 @@ is in, so tests run the code that real jobs run:
 - `rank_parts`: the plain tensors holding a tensor's value on the ranks the process runs
   (for storage-level work: data pointers, freeing and refilling storage).
 - `file_rank`: the rank and world size that name the files this process writes itself.
+- `shared_value`: a tensor's one value for such a file, None when the ranks the process runs
+  hold different values.
 """
 
 from __future__ import annotations
@@ -187,3 +189,34 @@ def file_rank() -> tuple[int, int]:
     if not dist.is_initialized() or _sim.current() is not None:
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
+
+
+def shared_value(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s value as one plain tensor when every rank this process runs holds the same value
+    (what a file this process writes for all of them may store: `file_rank`); None when they
+    differ.
+
+    Returns:
+        `t` itself in a job (one rank per process) and outside one; in a simulated world the
+        common value of every rank, or None when two ranks differ (a block of a split
+        parameter, optimizer state kept on its owner rank only).
+
+    Example:
+        >>> value = shared_value(p.detach())
+        >>> if value is None:
+        ...     raise ValueError("each rank holds its own block: write one file per rank")
+    """
+    parts = rank_parts(t)
+    first = parts[0]
+    return first if all(_same(other, first) for other in parts[1:]) else None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` hold the same values (NaN equal to NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() and not a.is_complex():
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
