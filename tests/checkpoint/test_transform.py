@@ -252,6 +252,43 @@ def test_a_rank_file_into_a_whole_network_names_the_fix(
         sw.load_param_into_net(MLP(), ckpt)
 
 
+def test_another_ranks_file_is_refused_by_the_plain_functions(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """After planning, a rank file loads with load_param_into_net / load_optimizer_state on
+    the rank whose blocks it holds; another rank's file (a path without the rank) is refused
+    instead of training on the wrong block."""
+    src, full = trained
+    transform(src, tmp_path / "tp", plan_of(8, tensor_parallel))
+    file = {r: tmp_path / "tp" / f"rank_{r}" / "ckpt-1_2.safetensors" for r in (1, 2, 5)}
+    with sw.communication.dry_run(8, rank=1):
+        net = MLP()
+        tensor_parallel(net)
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        parallel = AutoParallel(step, parallel_mode="semi_auto")
+        plan = parallel.plan(shapes=BATCH, dtypes=[torch.float32, torch.int64])
+        for r in (1, 5):  # (rank 5 holds rank 1's blocks: dp 2 x mp 4, no optimizer parallel)
+            ckpt = sw.load_checkpoint(file[r])
+            assert sw.load_param_into_net(net, ckpt) == ([], [])
+            sw.checkpoint.load_optimizer_state(opt, ckpt, net)
+        block = expected_block(plan, "fc1.weight", full["fc1.weight"], 1)
+        assert torch.equal(net.fc1.weight.detach(), block)
+        wrong = sw.load_checkpoint(file[2])
+        fix = r"'fc1\.weight' holds \[32:48, 0:32\].*rank 2 of 8.*holds \[16:32, 0:32\].*own file"
+        with pytest.raises(sw.checkpoint.CheckpointError, match=fix):
+            sw.load_param_into_net(net, wrong)
+        with pytest.raises(sw.checkpoint.CheckpointError, match="rank 1's own file"):
+            sw.checkpoint.load_optimizer_state(opt, wrong, net)
+        assert torch.equal(net.fc1.weight.detach(), block)  # (nothing loaded)
+
+
 def test_undescribed_rank_files_of_a_cut_tensor_are_refused(tmp_path: Path) -> None:
     """Blocks saved as plain dicts (no recorded cut) look whole; their values differ, so the
     checkpoint is refused instead of merged as rank 0's block."""

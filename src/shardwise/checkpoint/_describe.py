@@ -9,12 +9,14 @@
   the plan and checked against the tensor actually saved; for a network whose parameters are
   not cut but whose optimizer state is kept by owner ranks (data_parallel with hsdp) and saved,
   the rank and the device count only (`_job_metadata`): the files are one checkpoint together.
+- `check_rank_pieces`: a rank file loaded with the plain functions into a planned network
+  holds the blocks this rank holds (not another rank's file).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from torch import nn
 from shardwise import communication as comm
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
-from shardwise.checkpoint._pieces import Piece
+from shardwise.checkpoint._pieces import Piece, piece_of
 from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
 from shardwise.optim._data_parallel import state_on_owners
 
@@ -124,3 +126,47 @@ def _job_metadata(network: nn.Module, with_optimizer: bool) -> dict[str, str]:
     if not any(state_on_owners(m) for m in network.modules()):
         return {}
     return {fmt.KEY_RANK: str(rank), fmt.KEY_DEVICE_NUM: str(size)}
+
+
+def check_rank_pieces(
+    network: nn.Module | None,
+    metadata: Mapping[str, str],
+    keys: Iterable[tuple[str, str]],
+    where: str,
+) -> None:
+    """Refuse entries of a rank file (`metadata` records their pieces) that hold other blocks
+    than the ones the ranks of this process hold of the planned `network`.
+
+    Args:
+        network: the network loaded into (None, or not planned: nothing to check).
+        metadata: the file's metadata strings.
+        keys: (the network's name, the file's key) of each entry loaded.
+        where: the file, for the message.
+
+    Raises:
+        CheckpointError: naming the entry, both blocks, and the fix.
+
+    Example:
+        >>> check_rank_pieces(net, ckpt.metadata, [("w1", "w1")], "rank_0/x.safetensors")
+    """
+    recorded = json.loads(metadata.get(fmt.KEY_PIECES, "{}"))
+    strategy = network_strategy(network) if recorded and network is not None else None
+    if strategy is None:
+        return
+    for name, key in keys:
+        data = recorded.get(key)
+        if data is None:
+            continue
+        have = piece_of(data)
+        for rank in comm.process_ranks():
+            if rank >= strategy.device_num:
+                break
+            want = strategy.entry_piece(name, have.shape, rank)
+            if want != have:
+                raise CheckpointError(
+                    f"{where}: {key!r} holds {have} (the file records rank "
+                    f"{metadata.get(fmt.KEY_RANK, '?')} of {metadata.get(fmt.KEY_DEVICE_NUM, '?')})"
+                    f", but rank {rank} of this job holds {want}: load rank {rank}'s own file, "
+                    "or the checkpoint folder with sw.checkpoint.load_distributed(net, folder), "
+                    "which gives every rank its blocks"
+                )

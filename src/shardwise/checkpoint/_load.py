@@ -7,7 +7,9 @@
 - `_store`: shape check (a rank's part of a distributed checkpoint loaded into a whole tensor:
   the message says to use `load_distributed`), dtype check (strict) or cast (non-strict), then
   copy in place; a deferred (meta) entry receives the values directly, so no random init ever runs.
-- `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``.
+- `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``. A
+  rank file loaded into a planned network must hold this rank's blocks
+  (`_describe.check_rank_pieces`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.checkpoint._describe import check_rank_pieces
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES
 from shardwise.parameter import assign_tensor
@@ -130,6 +133,8 @@ def load_param_into_net(
     metadata = getattr(parameter_dict, "metadata", None) or {}
     pieces = json.loads(metadata.get(KEY_PIECES, "{}")) if isinstance(metadata, Mapping) else {}
     where = getattr(parameter_dict, "path", None)
+    if isinstance(metadata, Mapping):
+        check_rank_pieces(net, metadata, matches.items(), str(where or "checkpoint"))
     done: set[int] = set()
     for name, key in matches.items():
         target = targets[name]

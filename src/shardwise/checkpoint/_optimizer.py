@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shardwise import communication as comm
+from shardwise.checkpoint._describe import check_rank_pieces
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import OPTIMIZER_PREFIX, decode_value, encode_value
 
@@ -209,6 +210,9 @@ def load_optimizer_state(
     unknown = sorted(set(description["state"]) - set(index))
     if unknown:
         raise CheckpointError(f"{where}: optimizer state for unknown parameters {unknown}")
+    metadata = getattr(ckpt, "metadata", None)
+    if net is not None and isinstance(metadata, Mapping):
+        check_rank_pieces(net, metadata, [(k, k) for k in saved.tensors], where)
     state = {
         index[name]: decode_value(entries, saved.tensors)
         for name, entries in description["state"].items()
