@@ -405,6 +405,9 @@ def _checkpointing() -> None:
 
     out = checkpoint(cosine, x, use_reentrant=True)
     assert contexts[0] is not None and reentrant_context() is None
+    from shardwise._torch.checkpointing import reentrant_output
+
+    assert reentrant_output(out) and not reentrant_output(x.cos())
     around_rerun(contexts[0], around)
     out.sum().backward()
     assert ran == ["around", "around"] and contexts[1] is None  # (rerun in backward)
@@ -501,7 +504,7 @@ CASES: dict[str, Callable[[], None]] = {
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
     "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward and its ctx's "
-    "run_function, the pack hook's frame and its recompute_fn": _checkpointing,
+    "run_function, the pack hook's frame and its recompute_fn, its _backward_cls": _checkpointing,
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(

@@ -342,3 +342,19 @@ def test_gpt2_small_column_parallel_over_every_device_plans() -> None:
     ids = torch.zeros(16, 1024, dtype=torch.long)
     plan = plan_sharding_propagation(capture(net, ids, ids), 8)
     assert plan.strategies()["transformer.h.0.attn.c_attn/linear"] == ((1, 1, 1), (8, 1), (8,))
+
+
+def test_an_op_between_an_annotation_and_the_loss_names_the_source_it_follows() -> None:
+    """matmul2 is a link nearer the loss (which reads the targets) than the annotated matmul,
+    but takes matmul's strategy handed on through relu without a move: it is matmul's."""
+    net = Seed002()
+    graph = capture(
+        lambda x, y: F.mse_loss(net(x), y), torch.zeros(16, 32), torch.zeros(16, 16),
+        networks=[net],
+    )  # fmt: skip
+    plan = plan_sharding_propagation(graph, 8)
+    explained = plan.explained["matmul2/MatMul"]
+    assert explained.strategy == ((2, 4), (4, 1))
+    assert explained.source == "propagated from matmul/MatMul (annotated)"
+    loss = plan.explained["mse_loss"]
+    assert loss.source == "propagated from the dataset strategy (the inputs' placement)"

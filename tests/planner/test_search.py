@@ -124,3 +124,36 @@ def test_a_searched_plan_trains_like_one_device() -> None:
             assert_matches_single_device(
                 p.grad, lambda k, f=full, a=layout, s=shape: f[a.local_slice(k, s)], what=name
             )
+
+
+class _OddWeight(nn.Module):
+    """An unannotated primitive reading a weight of 6 rows: its default data-parallel strategy
+    cannot split them over 4 ranks, which the automatic modes need not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(6, 16) * 0.1)
+        self.act = sw.ops.Tanh()
+        self.mm = sw.ops.MatMul().shard(((2, 1), (1, 2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mm(x, self.act(self.w))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+def test_an_unannotated_primitive_whose_default_does_not_fit_is_chosen_for(mode: str) -> None:
+    x = torch.rand(8, 6, generator=torch.Generator().manual_seed(1))
+    want = _OddWeight()(x).square().mean()
+    net = _OddWeight()
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x).square().mean()
+            loss.backward()
+            return loss
+
+        loss = sw.AutoParallel(step, parallel_mode=mode)(world.rows(x))
+        assert_matches_single_device(loss, want.detach())

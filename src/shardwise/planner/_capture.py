@@ -11,7 +11,9 @@
    ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
    ops each call ran, and `_module_hooks` giving each node its module path. A shardwise
    primitive becomes one node (its inner calls are not recorded);
-4. the returned tensors (and the train step's loss) become the graph's outputs.
+4. the returned tensors (and the train step's loss) become the graph's outputs; the nodes a
+   custom ``torch.autograd.Function``'s forward ran are marked with its name
+   (`_functions.function_regions`).
 
 Nothing is computed and no process group is used.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
 from shardwise.planner._call_kinds import record_kind
+from shardwise.planner._functions import function_regions
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._recorders import (
@@ -181,8 +185,12 @@ def capture(
     outs = tensors_in(out)
     returned = [state.known[id(t)] for t in outs if id(t) in state.known]
     returned += [r for r in state.backward_roots if r not in returned]
+    regions = function_regions(state.nodes, state.grad_off)
+    nodes = [
+        replace(n, function=regions[n.index]) if n.index in regions else n for n in state.nodes
+    ]
     return Graph(
-        nodes=tuple(state.nodes),
+        nodes=tuple(nodes),
         inputs=inputs,
         params=params,
         buffers=buffers,

@@ -154,24 +154,48 @@ def _rank(a: Alternative) -> float:
 
 
 def _sources(graph: Graph, run: Propagation, fixed: set[int], nbrs: list[list[int]]) -> list[str]:
-    """Per variable: the nearest annotated op along the graph's links, or the dataset (one
-    breadth-first search from all of them at once; an annotated op first at equal distance)."""
+    """Per variable: where its strategy came from. Sources are the annotated ops and the ops
+    reading an input that took the strategy the input's placement favours (`_input_decides`);
+    a variable takes the source reached over the fewest links that move a value as chosen (a
+    strategy handed on without a move is propagated; one search from all sources at once, an
+    annotated op first at equal count)."""
     variables, anchored = run.variables, run.problem.anchored
+    problem, pick = run.problem, run.assignment
     label: list[str | None] = [None] * len(variables)
+    moved: list[float] = [math.inf] * len(variables)
     queue: deque[int] = deque()
     for v in sorted(fixed):
         _, key = variables[v]
-        label[v] = f"propagated from {graph.nodes[int(key)].name} (annotated)"
+        label[v], moved[v] = f"propagated from {graph.nodes[int(key)].name} (annotated)", 0
         queue.append(v)
     for v in sorted(anchored):
-        if label[v] is None:
-            label[v] = "propagated from the dataset strategy (the inputs' placement)"
+        if label[v] is None and _input_decides(run, v):
+            label[v], moved[v] = "propagated from the dataset strategy (the inputs' placement)", 0
             queue.append(v)
-    while queue:
+    while queue:  # (fewest moving links first: a link without a move costs 0)
         v = queue.popleft()
         for u in nbrs[v]:
-            if label[u] is None:
-                label[u] = label[v]
-                queue.append(u)
+            step = 1 if any(_pair(problem, v, pick[v], u, pick[u])) else 0
+            if moved[v] + step < moved[u]:
+                label[u], moved[u] = label[v], moved[v] + step
+                if step:
+                    queue.append(u)
+                else:
+                    queue.appendleft(u)
     alone = "no annotation reaches it: the cheapest on its own"
     return [x if x is not None else alone for x in label]
+
+
+def _input_decides(run: Propagation, v: int) -> bool:
+    """Whether variable `v` (an op reading a graph input) took a strategy that moves its inputs
+    least from where they arrive: its own cost (the inputs' moves; in the search without
+    compute and memory) is the least of its candidates'."""
+    problem, j = run.problem, run.assignment[v]
+
+    def moves(k: int) -> float:
+        ns = problem.unary[v][k][0]
+        if problem.parts is not None:
+            ns -= problem.parts[v][k][1] + problem.parts[v][k][2]
+        return ns
+
+    return moves(j) <= min(moves(k) for k in range(len(problem.unary[v])))

@@ -104,6 +104,9 @@ class Node:
         target: the callable (the torch function, or the primitive module); not compared.
         strategy: the op-form ``sw.shard`` strategy of the module that made this op (one entry
             per tensor input: int tuples or layouts), or None.
+        function: the custom ``torch.autograd.Function`` whose forward ran it (its class name;
+            empty: none), whose own backward the plan must not put collectives around
+            (`_functions`).
     """
 
     index: int
@@ -119,6 +122,7 @@ class Node:
     source: str = ""
     target: Any = field(default=None, compare=False, repr=False)
     strategy: tuple[Any, ...] | None = None
+    function: str = ""
 
     @property
     def is_primitive(self) -> bool:

@@ -98,6 +98,8 @@ class _State:
         # op-form ``sw.shard`` strategies of the modules being run: [module path, strategy,
         # whether a node took it]
         self.annotated: list[list[Any]] = []
+        self.grad_off: dict[int, list[T]] = {}  # node -> outputs: gradients off, inputs need
+        # them (inside a custom autograd.Function's forward, or a no_grad block: `_functions`)
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -155,6 +157,8 @@ class _State:
         self.nodes.append(node)
         for j, t in enumerate(outs):
             self._remember(t, Ref("node", index, j))
+        if not torch.is_grad_enabled() and any(t.requires_grad for t in ins):
+            self.grad_off[index] = list(outs)
 
     def _annotation(self, op: str) -> tuple[Any, ...] | None:
         """The op-form strategy for a node made directly in an annotated module (its one op)."""

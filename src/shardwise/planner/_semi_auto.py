@@ -68,6 +68,7 @@ from shardwise.planner._draws import (
     plan_draws,
 )
 from shardwise.planner._follow import _Follow
+from shardwise.planner._functions import check_functions
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._in_place import check_change, write_back_edges
@@ -273,10 +274,8 @@ def setup(
             **dict(n.kwargs),
         )
         for n in graph.nodes
-        if n.is_primitive
-    }
-    if annotated_only:
-        prims = {k: op for k, op in prims.items() if op.user_set}
+        if n.is_primitive and (not annotated_only or n.target.in_strategy is not None)
+    }  # (an automatic mode chooses the others: their default strategy may not even fit)
     for k, op in prims.items():
         for i, layout in enumerate(op.inputs):
             check_rank_order(graph.nodes[k], f"input {i}'s Layout", layout.matrix)
@@ -356,6 +355,7 @@ def walk(
     nodes, edges = split_fills(graph, p.nodes, p.edges)  # (a zeros read split: made so)
     nodes, edges, equal = plan_backward(graph, nodes, edges, params, matrix)
     edges = plan_deferred(nodes, plan_seeded(graph, nodes, edges))
+    check_functions(graph, nodes, edges)
     return ParallelPlan(
         device_num=p.device_num,
         matrix=matrix,
