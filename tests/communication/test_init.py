@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import threading
 import time
 
@@ -64,6 +66,11 @@ class _Store:
     def set(self, key: str, value: str) -> None:
         self.add(key, 1)
 
+    def check(self, keys: list[str]) -> bool:
+        with self.cond:
+            self.log.append((_rank.value, f"check {keys}"))
+            return all(k in self.values for k in keys)
+
     def wait(self, keys: list[str], timeout: object) -> None:
         with self.cond:
             assert self.cond.wait_for(lambda: all(k in self.values for k in keys), 10)
@@ -96,3 +103,27 @@ def test_release_barrier_keeps_the_store_host_until_every_rank_left() -> None:
     last_use = max(i for i, (r, _) in enumerate(store.log) if r != 0) + 1
     host_return = dict(returned)[0]
     assert len(returned) == world and host_return >= last_use
+
+
+def test_a_rank_that_gave_up_on_the_exit_barrier_is_not_waited_for_again() -> None:
+    """Rank 1 left at once and gave up waiting (its exit wait is short); rank 0 came late: it
+    finds everyone gone and returns at once, instead of waiting its own timeout for rank 1."""
+    from shardwise.communication._init import store_barrier
+
+    store, ended = _Store(), {}
+
+    def rank(r: int, late: float, timeout: float) -> None:
+        _rank.value = r
+        time.sleep(late)
+        start = time.monotonic()
+        with contextlib.suppress(RuntimeError):
+            store_barrier(store, "exit/1", r, 2, datetime.timedelta(seconds=timeout))
+        ended[r] = time.monotonic() - start
+
+    threads = [threading.Thread(target=rank, args=a) for a in ((0, 0.5, 5.0), (1, 0.0, 0.2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert ended[1] < 0.5  # (gave up)
+    assert ended[0] < 1.0  # (not the 5 s of its timeout)

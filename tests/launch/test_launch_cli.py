@@ -105,7 +105,9 @@ def test_usage_errors_exit_2_with_a_reason(
     with pytest.raises(SystemExit) as exc:
         parse_run_args([*argv, script])
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1  # (one line, as the docs say)
+    assert err.endswith("(see shardwise run --help)\n")
 
 
 def test_missing_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ from shardwise.launch.report import (
     WorkerExit,
     describe_returncode,
     extract_traceback,
+    first_cause,
     format_failure_report,
     format_ranks,
     format_success_summary,
@@ -95,6 +96,35 @@ def test_failure_report_puts_the_root_cause_first(tmp_path: Path) -> None:
     assert lines[2:8] == ["  " + line for line in TB.splitlines()]
     assert lines[8] == "stopped by the launcher: ranks 0, 2 (ended by SIGKILL, SIGTERM)"
     assert lines[9] == f"logs: {tmp_path}/worker_1.log, /logs/scheduler.log"
+
+
+PEER_GONE = """\
+Traceback (most recent call last):
+  File "/job/train.py", line 7, in <module>
+    sw.ops.AllReduce()(x)
+RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5321
+"""
+
+
+def test_a_rank_that_lost_its_peer_is_not_the_root_cause(tmp_path: Path) -> None:
+    """Rank 1 ended with sys.exit(3) and closed its connections; rank 0, waiting in a
+    collective, failed a moment before rank 1's exit was seen. Rank 1 is the root cause, and
+    rank 2, which the launcher stopped, is listed with the code it was stopped with."""
+    exits = [
+        _exit(tmp_path, 0, 1, "step 1\n" + PEER_GONE, 10.00),
+        _exit(tmp_path, 1, 3, "step 1\nleaving early\n", 10.02),
+        _exit(tmp_path, 2, 1, "", 12.0, stopped=True),
+    ]
+    root = first_cause(exits[:2])
+    assert root.rank == 1
+    assert first_cause([exits[0]]).rank == 0  # (alone: still the first)
+    lines = format_failure_report(worker_root_cause(root, 0, "h"), exits, 0, "s.log").splitlines()
+    assert lines[0] == "shardwise run: job failed: rank 1 failed first with exit code 3 (pid 1001)"
+    assert lines[1:4] == [
+        "no traceback in worker_1.log; its last lines:", "  step 1", "  leaving early"
+    ]  # fmt: skip
+    assert lines[4] == "rank 0 also failed with exit code 1 (pid 1000):"
+    assert "stopped by the launcher: rank 2 (ended by exit code 1)" in lines
 
 
 def test_failure_report_signal_and_other_failures(tmp_path: Path) -> None:

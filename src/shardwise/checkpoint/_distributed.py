@@ -65,7 +65,7 @@ def _check_same_network(
     for name, shape in shapes.items():
         if name not in model and wrapper and wrapper + name in model:
             raise CheckpointError(
-                f"the checkpoint names {name!r} {wrapper + name!r}: it was saved through the "
+                f"the checkpoint holds {name!r} as {wrapper + name!r}: it was saved through the "
                 f"network's wrapper; load it into the wrapper (load_distributed(parallel_net, "
                 "...), built before the first step) or merge it (sw.checkpoint.merge drops the "
                 "prefix)"

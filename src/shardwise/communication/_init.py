@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -334,8 +335,8 @@ def _store_barrier(timeout: datetime.timedelta | None = None, fallback: bool = T
 def store_barrier(
     store: Any, key: str, rank: int, world: int, timeout: datetime.timedelta | None = None
 ) -> None:
-    """Wait on `store` (add / set / wait) until all `world` ranks have called this with `key`
-    (each wait at most `timeout`, default `comm_timeout()`; torch's store error when it ends).
+    """Wait on `store` (add / set / check) until all `world` ranks have called this with `key`
+    (each wait at most `timeout`, default `comm_timeout()`; a RuntimeError when it ends).
 
     The store lives in rank 0's process (torch's default), so rank 0 returns last: only after
     every rank is past its wait, else a rank still waiting would lose its connection
@@ -344,8 +345,28 @@ def store_barrier(
     timeout = comm_timeout() if timeout is None else timeout
     if store.add(key, 1) == world:
         store.set(f"{key}/done", "1")
-    store.wait([f"{key}/done"], timeout)
-    if store.add(f"{key}/left", 1) == world:
-        store.set(f"{key}/gone", "1")
+    try:
+        _wait_key(store, f"{key}/done", timeout)
+    finally:  # (a rank that gave up has left too: rank 0 does not wait for it a second time)
+        with contextlib.suppress(RuntimeError):
+            if store.add(f"{key}/left", 1) == world:
+                store.set(f"{key}/gone", "1")
     if rank == 0:
-        store.wait([f"{key}/gone"], timeout)
+        _wait_key(store, f"{key}/gone", timeout)
+
+
+def _wait_key(store: Any, key: str, timeout: datetime.timedelta) -> None:
+    """Wait until `key` is set on `store`, at most `timeout`, by asking (``check``) rather than
+    with torch's blocking ``wait``, whose timeout writes a c10d warning into the worker log of
+    a job that may well succeed.
+
+    Raises:
+        RuntimeError: the time is up (or the store is gone), naming the key.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.001
+    while not store.check([key]):
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"store barrier: {key} not set within {timeout.total_seconds():g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)

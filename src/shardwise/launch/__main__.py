@@ -4,4 +4,4 @@ import sys
 
 from shardwise.launch.cli import swrun_main
 
-sys.exit(swrun_main())
+sys.exit(swrun_main(prog="python -m shardwise.launch"))

@@ -19,6 +19,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import EXIT_USAGE
@@ -128,6 +129,13 @@ VALUE_OPTIONS = frozenset(
 )
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (the reason and where help is)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_run_parser(prog: str = "shardwise run") -> argparse.ArgumentParser:
     """The argparse parser of ``shardwise run`` (used for help and for the options).
 
@@ -135,7 +143,7 @@ def build_run_parser(prog: str = "shardwise run") -> argparse.ArgumentParser:
         >>> build_run_parser().parse_args(["x.py"]).worker_num
         8
     """
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog=prog,
         description="Start the workers of a distributed job on this node (msrun-compatible).",
         epilog=EPILOG,
@@ -241,11 +249,12 @@ def _run(argv: Sequence[str], prog: str) -> int:
     return launch(cfg)
 
 
-def swrun_main(argv: Sequence[str] | None = None) -> int:
+def swrun_main(argv: Sequence[str] | None = None, prog: str = "swrun") -> int:
     """The ``swrun`` command: ``swrun [options] script.py [script args]``.
 
     Args:
         argv: the arguments (``sys.argv[1:]`` when None).
+        prog: the command name for messages (``python -m shardwise.launch`` runs it too).
 
     Returns:
         The exit code (see ``swrun --help``).
@@ -254,7 +263,7 @@ def swrun_main(argv: Sequence[str] | None = None) -> int:
         >>> swrun_main(["--worker_num", "2", "--local_worker_num", "2", "--join", "True", "t.py"])
         0
     """
-    return _run(sys.argv[1:] if argv is None else argv, "swrun")
+    return _run(sys.argv[1:] if argv is None else argv, prog)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,8 @@
    nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
    local workers (`supervisor.Supervisor.start`), then tell the foreground process
    (``--join False``, see `detach`) that the job is up;
-4. `_monitor`: every `POLL_S` collect worker exits; the first local failure (explained by
+4. `_monitor`: every `POLL_S` collect worker exits; the first local failure (of those within
+   `SETTLE_S`, one that did not merely lose a peer: `_first_failure`; explained by
    `hang.explain` when it died in a collective that other ranks never arrived at) is
    published to the store, the other launchers' failures are read from it, signals, lost
    launchers and a lost store (`_check_store`) are handled; on any of these, every local
@@ -44,18 +45,20 @@ from shardwise.launch.liveness import lost_cause, store_lost_cause
 from shardwise.launch.report import (
     RootCause,
     WorkerExit,
+    first_cause,
     format_failure_report,
     format_ranks,
     format_success_summary,
     worker_root_cause,
 )
 from shardwise.launch.schedlog import SchedulerLog
-from shardwise.launch.supervisor import Supervisor
+from shardwise.launch.supervisor import Supervisor, Worker
 
 if TYPE_CHECKING:  # rendezvous imports torch; run_job imports it after setting its log level
     from shardwise.launch.rendezvous import Rendezvous
 
 POLL_S = 0.1
+SETTLE_S = 1.0  # after a worker fails: how long later exits still count for the root cause
 STORE_POLL_S = 0.2
 FINISH_WAIT_S = 15.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -205,7 +208,7 @@ def _monitor(
         outcome: _Outcome | None = None
         signum = signals.pending()
         if failed:
-            exit_ = next(e for e in sup.exits() if e.rank == failed[0].rank)
+            exit_ = _first_failure(sup, failed)
             local = _explain(worker_root_cause(exit_, job.node_rank, log.host), exit_, sup, log)
             outcome = _Outcome(_publish(rdv, local, log), EXIT_WORKER_FAILED, time.monotonic())
         elif signum is not None:
@@ -223,6 +226,16 @@ def _monitor(
             return outcome
     sup.sweep()
     return _Outcome()
+
+
+def _first_failure(sup: Supervisor, failed: list[Worker]) -> WorkerExit:
+    """The local root cause: of the workers that failed within `SETTLE_S` of the first,
+    `report.first_cause` (one that failed because another rank left is not it)."""
+    deadline = time.monotonic() + SETTLE_S
+    while sup.running() and (left := deadline - time.monotonic()) > 0:
+        failed += [w for w in sup.poll(left) if w.returncode != 0 and not w.stop_requested]
+    ranks = {w.rank for w in failed}
+    return first_cause([e for e in sup.exits() if e.rank in ranks])
 
 
 def _explain(root: RootCause, failed: WorkerExit, sup: Supervisor, log: SchedulerLog) -> RootCause:

@@ -3,7 +3,10 @@
 - `describe_returncode`: ``exit code 1`` / ``signal SIGKILL`` from a ``Popen.returncode``.
 - `extract_traceback`: the last Python traceback of a worker log, capped (`log_excerpt` reads
   the log and falls back to its last lines when there is no traceback).
-- `group_failures`: failed ranks in the order they failed, identical tracebacks collapsed.
+- `first_cause`: of ranks that failed at about the same time, the one that did not merely lose
+  a peer (a traceback ending in "Connection closed by peer" follows another rank's exit).
+- `group_failures`: failed ranks in the order they failed (the root cause's first), identical
+  tracebacks collapsed.
 - `RootCause`: the first failure of the job; it travels between launchers through the store
   as JSON (`RootCause.to_json` / `RootCause.from_json`).
 - `format_failure_report` / `format_success_summary`: the text printed at the end.
@@ -22,6 +25,12 @@ TRACEBACK_HEADER = "Traceback (most recent call last):"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 MAX_TRACEBACK_LINES = 30
 TAIL_LINES = 10
+PEER_LOST = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote process exited|"
+    r"peer process (closed|exited)",
+    re.IGNORECASE,
+)
+"""A worker log line saying that the worker failed because another rank went away."""
 _TAIL_BYTES = 256 * 1024
 
 
@@ -206,17 +215,38 @@ class FailureGroup:
         return [e.rank for e in self.exits]
 
 
+def first_cause(failures: Sequence[WorkerExit]) -> WorkerExit:
+    """The root cause among workers that failed at about the same time: the first (by exit
+    time) whose log does not end in a lost peer (`PEER_LOST`: it failed because another rank
+    left, e.g. one that called ``sys.exit(3)`` and closed its connections as it went), else the
+    first.
+
+    Example:
+        >>> e = WorkerExit(1, 1, 42, 3, 0.0, False, "/nonexistent/worker_1.log")
+        >>> first_cause([e]).rank
+        1
+    """
+    ordered = sorted(failures, key=lambda e: (e.ended, e.rank))
+    for e in ordered:
+        lines, _ = log_excerpt(e.log_path)
+        if not any(PEER_LOST.search(line) for line in lines):
+            return e
+    return ordered[0]
+
+
 def group_failures(
-    exits: Sequence[WorkerExit], max_lines: int = MAX_TRACEBACK_LINES
+    exits: Sequence[WorkerExit], max_lines: int = MAX_TRACEBACK_LINES, first: int | None = None
 ) -> list[FailureGroup]:
     """Failed workers (not those the launcher stopped) grouped by identical log excerpt.
 
     Args:
         exits: how the local workers ended.
         max_lines: traceback cap.
+        first: the rank named as the root cause (its group comes first), if local.
 
     Returns:
-        Groups ordered by their first failure; each group's exits ordered by time.
+        Groups ordered by their first failure (`first`'s group first); each group's exits
+        ordered by time.
 
     Example:
         >>> group_failures([])
@@ -224,7 +254,8 @@ def group_failures(
     """
     groups: dict[tuple[str, ...], list[WorkerExit]] = {}
     kinds: dict[tuple[str, ...], bool] = {}
-    for e in sorted((e for e in exits if e.failed), key=lambda e: (e.ended, e.rank)):
+    failed = (e for e in exits if e.failed)
+    for e in sorted(failed, key=lambda e: (e.rank != first, e.ended, e.rank)):
         lines, is_tb = log_excerpt(e.log_path, max_lines)
         key = tuple(lines) if is_tb else (describe_returncode(e.returncode), *lines)
         groups.setdefault(key, []).append(e)
@@ -303,8 +334,8 @@ def format_failure_report(
         shardwise run: job failed: launcher got SIGINT
         logs: s.log
     """
-    groups = group_failures(exits)
     local_root = root.node_rank == node_rank and root.rank is not None
+    groups = group_failures(exits, first=root.rank if local_root else None)
     where = "" if root.node_rank == node_rank else f" on node {root.node_rank} ({root.host})"
     out = [f"shardwise run: job failed{where}: {root.reason}", *root.stuck]
     if local_root and groups:
@@ -324,7 +355,7 @@ def format_failure_report(
         out += _group_text(group, first=False)
     stopped = [e for e in exits if e.stopped]
     if stopped:
-        how = sorted({describe_returncode(e.returncode).split()[-1] for e in stopped})
+        how = sorted({describe_returncode(e.returncode).removeprefix("signal ") for e in stopped})
         label = ranks_label([e.rank for e in stopped])
         out.append(f"stopped by the launcher: {label} (ended by {', '.join(how)})")
     logs = [scheduler_log]

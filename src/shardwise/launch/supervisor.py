@@ -255,6 +255,7 @@ class Supervisor:
         """
         if grace is None:
             grace = stop_grace()
+        self.poll(0)  # (a worker that has exited on its own is not stopped)
         alive = self.running()
         if alive:
             label = ranks_label([w.rank for w in alive])
