@@ -4,12 +4,14 @@ Seed 003's network with matmul3 -> nn.Linear and relu2 -> F.relu (test_unannotat
 loss ``nn.CrossEntropyLoss`` and SGD built before the wrapper; every process passes the global
 batch. Each process computes the single-device run itself, then checks per step the returned
 loss and its blocks of every parameter after the update (1e-5 relative). Prints
-``CHECK step <k> OK``; a mismatch raises. Then seed 003's Layout version (seed003_worker.py).
+``CHECK step <k> OK``; a mismatch raises. Then seed 003's Layout version (seed003_worker.py)
+and delayed init (delayed_init_worker.py).
 """
 
 from __future__ import annotations
 
 import torch
+from delayed_init_worker import delayed_init
 from seed003_worker import seed003
 from test_unannotated_ops import LR, Network, data
 
@@ -66,7 +68,8 @@ def main() -> None:
                 want = want[layout.local_slice(rank, shape)]
             close(p.detach(), want, f"{name} step {step}")
         print(f"CHECK step {step} OK", flush=True)
-    seed003()  # (seed 003's Layout version in the same processes: one 8-process job for both)
+    seed003()  # (seed 003's Layout version in the same processes: one 8-process job for all)
+    delayed_init()  # (and delayed init under AutoParallel)
     sw.communication.release()
 
 
