@@ -11,6 +11,7 @@ per check; none under data parallel, where every rank holds the whole reduced gr
 from __future__ import annotations
 
 import functools
+import types
 from collections import Counter
 
 import pytest
@@ -49,18 +50,32 @@ def body(
 
 
 def train(net: nn.Module, scaler: torch.amp.GradScaler, how: str = "closure") -> object:
-    """The train step, reaching the scaler through a closure or as a partial's argument."""
+    """The train step, reaching the scaler through a closure, as a partial's argument, or
+    kept in a dict, a list or a config object's attribute (the capture must leave its lazily
+    made scale real, and the overflow check must be agreed for it too)."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     if how == "partial":
         return functools.partial(body, net, opt, scaler)
+    amp = {"scaler": scaler}
+    scalers = [scaler]
+    cfg = types.SimpleNamespace(amp=types.SimpleNamespace(scaler=scaler))
 
     def step(x: torch.Tensor) -> torch.Tensor:
         return body(net, opt, scaler, x)
 
-    return step
+    def in_dict(x: torch.Tensor) -> torch.Tensor:
+        return body(net, opt, amp["scaler"], x)
+
+    def in_list(x: torch.Tensor) -> torch.Tensor:
+        return body(net, opt, scalers[0], x)
+
+    def nested(x: torch.Tensor) -> torch.Tensor:
+        return body(net, opt, cfg.amp.scaler, x)
+
+    return {"dict": in_dict, "list": in_list, "nested": nested}.get(how, step)
 
 
-@pytest.mark.parametrize("how", ["closure", "partial"])
+@pytest.mark.parametrize("how", ["closure", "partial", "dict", "list", "nested"])
 def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank(how: str) -> None:
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     single, single_scaler = make(), torch.amp.GradScaler("cpu")

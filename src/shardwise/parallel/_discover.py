@@ -25,10 +25,12 @@ for all of them.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import inspect
 import types
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -237,9 +239,34 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
     return list(found.values())
 
 
+_SCAN = 10_000  # values looked through for GradScalers kept in containers and objects
+
+
 def grad_scalers(fn: Callable[..., Any]) -> list[torch.amp.GradScaler]:
-    """The ``torch.amp.GradScaler`` objects a train step's code loads (`find_objects`)."""
-    return [v for v in find_objects(fn) if isinstance(v, torch.amp.GradScaler)]
+    """The ``torch.amp.GradScaler`` objects a train step's code loads (`find_objects`), also
+    those it reaches through a dict, list, tuple or set or an object's attributes
+    (``amp["scaler"]``, ``cfg.amp.scaler``; up to `_SCAN` values looked through)."""
+    found: list[torch.amp.GradScaler] = []
+    todo, seen, looked = deque(find_objects(fn)), set(), 0
+    skip = (nn.Module, torch.optim.Optimizer, torch.Tensor, types.ModuleType, type)
+    while todo and looked < _SCAN:
+        v = todo.popleft()
+        looked += 1
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, torch.amp.GradScaler):
+            found.append(v)
+        elif isinstance(v, dict):
+            todo.extend(() if "__builtins__" in v else v.values())  # (globals: loaded by name)
+        elif isinstance(v, list | tuple | set | frozenset):
+            todo.extend(v)
+        elif isinstance(v, types.CellType):
+            with contextlib.suppress(ValueError):  # (an empty cell)
+                todo.append(v.cell_contents)
+        elif not isinstance(v, skip) and isinstance(getattr(v, "__dict__", None), dict):
+            todo.extend(vars(v).values())
+    return found
 
 
 def agree_scalers(fn: Callable[..., Any]) -> list[Callable[[], None]]:

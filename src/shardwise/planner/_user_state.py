@@ -11,15 +11,15 @@ real call. Whatever that run changes would otherwise stay:
   (``self.t += 1``; a schedule or cycle read from it), a list of losses, Python's and NumPy's
   random generators (``random.choice``).
 
-`python_state` notes each object the step's code loads (its attributes; a module's public
-ones, its buffers; a random generator object's state), each dict, list and set, the plain
-containers inside those (``stats["hist"]``), each closure cell, and the global random
-generators' states; the function it returns puts back every one that changed. `kept_real`
-does so around the capture, so the first real call starts where the capture started; the
-wrapper does so around each call (`parallel/_graph_run.py`), for a call stopped part way to be
-planned again (another branch of the step) and run anew from where it started. A module's
-private attributes (``_parameters``, hooks) are only rid of fake tensors (the capture restores
-its parameters itself).
+`python_state` notes each object the step's code loads (its attributes; a module's public ones,
+its buffers; a random generator object's state), each dict, list and set, the containers and
+objects inside those (``stats["hist"]``, a ``GradScaler`` kept in a dict or in a config
+object's attribute), each closure cell, and the global random generators' states; the function
+it returns puts back every one that changed. `kept_real` does so around the capture, so the
+first real call starts where the capture started; the wrapper does so around each call
+(`parallel/_graph_run.py`), for a call stopped part way to be planned again (another branch of
+the step) and run anew from where it started. A module's private attributes (``_parameters``,
+hooks) are only rid of fake tensors (the capture restores its parameters itself).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardwise._torch import pytree
@@ -149,7 +150,7 @@ class _Snapshot:
             if self.items > self.limit:
                 break
             self.items += 1
-            if isinstance(value, _CONTAINERS):
+            if isinstance(value, _CONTAINERS) or _stateful(value):
                 self.take(value)
 
     def _attributes(self, obj: Any) -> Iterable[Any]:
@@ -166,6 +167,28 @@ class _Snapshot:
                 self.undo.append(lambda: _drop_fakes(buffers, before_buffers))
             return [v for k, v in before.items() if isinstance(v, _CONTAINERS) and k[:1] != "_"]
         return before.values()
+
+
+_ATOMS = frozenset(
+    {int, float, bool, str, bytes, complex, tuple, type(None), torch.Tensor, nn.Parameter}
+)
+_PLAIN = (
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.ModuleType,
+    type,
+    torch.Tensor,
+)
+
+
+def _stateful(value: Any) -> bool:
+    """Whether `value`, held in a container or an object noted, is an object with state of its
+    own to note (a ``GradScaler`` in a dict, a config object's member): one with a
+    ``__dict__`` or a random generator, not a function, class, Python module or tensor."""
+    if type(value) in _ATOMS or isinstance(value, _PLAIN):
+        return False
+    return isinstance(getattr(value, "__dict__", None), dict) or _generator_state(value) is not None
 
 
 def python_state(
