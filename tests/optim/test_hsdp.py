@@ -521,9 +521,14 @@ def test_comm_fusion_modes_bucket_by_size_and_index() -> None:
         ({"allgather": {"mode": "index", "config": [0]}}, "'index' is for 'allreduce' only"),
         ({"allreduce": {"mode": "size", "config": 0}}, "needs config = MB > 0"),
         ({"broadcast": {"mode": "auto"}}, "unknown key 'broadcast'"),
+        ({"allreduce": {"mode": "index", "config": [4, 2]}}, r"increasing .*sort them: \[2, 4\]"),
+        ({"allreduce": {"mode": "index", "config": "0, 2"}}, "a list of parameter indices"),
     ):
         with pytest.raises(ValueError, match=match):
             check_fusion(bad)
+    past = check_fusion({"allreduce": {"mode": "index", "config": [2, 6]}})
+    with pytest.raises(ValueError, match=r"index 6 is past .*6 parameters, indices 0-5"):
+        plan_optimizer(infos, None, past)
 
 
 def test_dropped_wrapper_frees_network_and_global_hooks() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.optim._plan import FusionConfig
+from shardwise.optim._plan import FusionConfig, check_points
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 
 WHO = "DataParallelRunner"
@@ -213,6 +213,7 @@ def plan_buckets(
     grads_out: list[list[CommBucket]] = []
     bcasts_out: list[list[CommBucket]] = []
     n_grad = n_bcast = 0
+    check_points(fusion.split_points("allreduce"), 1 + max((e.index for e in entries), default=-1))
     for i in range(n_optimizers):
         mine = [e for e in entries if e.optimizer == i]
         grads = grad_buckets(mine, fusion, n_grad)

@@ -130,17 +130,47 @@ def check_fusion(config: object) -> FusionConfig:
         if mode == "size" and (not isinstance(value, int | float) or value <= 0):
             raise ValueError(f"comm_fusion[{kind!r}]: mode 'size' needs config = MB > 0")
         if mode == "index":
-            ints = list(value) if isinstance(value, list | tuple) else []
-            ok = bool(ints) and all(isinstance(i, int) for i in ints)
-            if kind != "allreduce" or not ok or ints != sorted(set(ints)):
-                raise ValueError(
-                    f"comm_fusion[{kind!r}]: mode 'index' is for 'allreduce' only, with config "
-                    f"= increasing parameter indices where a new bucket starts"
-                )
+            _check_index(kind, value)
         elif mode not in ("auto", "size"):
             raise ValueError(f"comm_fusion[{kind!r}]: mode {mode!r}; valid: auto | size | index")
         modes[kind] = (str(mode), value)
     return FusionConfig(modes, enabled)
+
+
+def check_points(points: Sequence[int] | None, count: int) -> None:
+    """Refuse ``index`` split points past the network's `count` parameters (they would make
+    no bucket).
+
+    Raises:
+        ValueError: naming the index and the valid range.
+    """
+    if points and max(points) >= count:
+        raise ValueError(
+            f"comm_fusion['allreduce']: index {max(points)} is past the network's last "
+            f"parameter ({count} parameters, indices 0-{count - 1} in named_parameters() "
+            "order)"
+        )
+
+
+def _check_index(kind: str, value: object) -> None:
+    """``index`` mode's config: allreduce only, a list of increasing ints >= 0 (where a new
+    bucket starts; whether they fit the network is checked when the buckets are made)."""
+    if kind != "allreduce":
+        raise ValueError(
+            f"comm_fusion[{kind!r}]: mode 'index' is for 'allreduce' only (use 'size' or "
+            "'auto' here)"
+        )
+    ints = list(value) if isinstance(value, list | tuple) else []
+    if not ints or not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
+        raise ValueError(
+            f"comm_fusion['allreduce']: mode 'index' needs config = a list of parameter "
+            f"indices where a new bucket starts, got {value!r}"
+        )
+    if ints != sorted(set(ints)) or ints[0] < 0:
+        raise ValueError(
+            f"comm_fusion['allreduce']: mode 'index' needs increasing indices >= 0 without "
+            f"repeats, got {ints}; sort them: {sorted(set(i for i in ints if i >= 0))}"
+        )
 
 
 @dataclass(frozen=True)
@@ -359,6 +389,7 @@ def plan_optimizer(
         )
         cap = cap if fusion.enabled else 0  # 0: fusion off
         points = fusion.split_points(key)
+        check_points(points, len(params))
         for group, fid in _chunks(members, cap, points, index):
             names = tuple(p.info.name for p in group)
             bucket = Bucket("shard" if kind == "shard" else "allreduce", names, axes, shard, fid)
