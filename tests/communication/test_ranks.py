@@ -60,6 +60,15 @@ def test_every_rank_in_one_process() -> None:
         assert [float(p[0]) for p in comm.rank_parts(blocks["w"])] == [0.0, 1.0, 2.0, 3.0]
         with pytest.raises(ValueError, match="only ints and tensors may differ"):
             comm.rank_value(lambda r: f"rank {r}")
+        # the rank itself: a Python branch on it cannot take each rank's way (it took one way
+        # for all: `rank == 0` was False on rank 0 too); comparisons all ranks agree on hold
+        rank = comm.get_rank()
+        assert rank >= 0 and rank < 4 and rank != 7
+        for branch in (lambda: rank == 0, lambda: rank > 1, lambda: not rank):
+            with pytest.raises(ValueError, match=r"differs between the ranks .*rank_value"):
+                branch()
+        assert_matches_single_device(torch.arange(8.0).narrow(0, rank * 2, 2),
+                                     lambda r: torch.arange(8.0)[2 * r : 2 * r + 2])  # fmt: skip
         # one value for a file written for every rank: only where all ranks agree
         assert comm.shared_value(blocks["w"]) is None
         nan = comm.rank_value(lambda r: torch.tensor([float("nan"), 1.0]))

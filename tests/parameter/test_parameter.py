@@ -9,6 +9,7 @@ import pickle
 import pytest
 import torch
 
+import shardwise as sw
 from shardwise.parameter import (
     DEFAULT_COMM_FUSION,
     Parameter,
@@ -115,3 +116,37 @@ def test_assign_tensor_keeps_identity_and_attributes() -> None:
     p.grad = torch.ones(2, 3)
     opt.step()
     assert torch.equal(p.detach(), torch.zeros(2, 3))
+
+
+def test_built_inside_a_simulated_world_it_trains_like_one_device() -> None:
+    """In `simulated_world` a tensor holds every rank's value (a tensor subclass, which cannot
+    be wrapped in another class): the Parameter is that tensor marked a parameter, as
+    ``nn.Parameter`` does it, with its attributes; a network of them trains like one device."""
+    from shardwise.testing import assert_matches_single_device, simulated_world
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = sw.Parameter(torch.linspace(-1, 1, 12).reshape(4, 3), "w", comm_fusion=2)
+            self.b = sw.Parameter(torch.zeros(3), parallel_optimizer=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = x @ self.w + self.b
+            return out
+
+    x = torch.arange(16.0).reshape(4, 4) / 16
+    want = Net()(x).square().mean()
+    with simulated_world(2) as world:
+        net = Net()
+        assert [n for n, _ in net.named_parameters()] == ["w", "b"]
+        assert sw.parameter.comm_fusion_of(net.w) == 2
+        assert not sw.parameter.parallel_optimizer_of(net.b)
+        assert isinstance(net.w, torch.nn.Parameter) and net.w.requires_grad
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = net(a).square().mean()
+            loss.backward()
+            return loss
+
+        loss = sw.AutoParallel(step)(world.rows(x))
+        assert_matches_single_device(loss, want.detach())

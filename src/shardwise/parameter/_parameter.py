@@ -59,6 +59,8 @@ class Parameter(torch.nn.Parameter):
             raise TypeError(f"Parameter data must be a torch.Tensor, got {type(data).__name__}")
         if type(data) is not torch.Tensor:
             data = data.detach()
+        if type(data) is not torch.Tensor and not isinstance(data, torch.nn.Parameter):
+            return _marked(data, name, requires_grad, parallel_optimizer, comm_fusion)  # type: ignore[no-any-return]
         param = make_subclass(cls, data, requires_grad)
         param.name = name
         param.parallel_optimizer = parallel_optimizer
@@ -140,6 +142,25 @@ class Parameter(torch.nn.Parameter):
             f"device={self.device}, requires_grad={self.requires_grad}, "
             f"parallel_optimizer={self.parallel_optimizer}, comm_fusion={self.comm_fusion})"
         )
+
+
+def _marked(
+    data: torch.Tensor,
+    name: str | None,
+    requires_grad: bool,
+    parallel_optimizer: bool,
+    comm_fusion: int,
+) -> Any:
+    """A parameter from a tensor subclass's `data` (one holding every rank's value in a
+    simulated world, a DTensor), which cannot be wrapped in another class: `data` itself,
+    marked a parameter as ``torch.nn.Parameter`` marks such tensors, with the attributes
+    (``name`` kept as ``_sw_name``: a tensor's own ``name`` is read-only)."""
+    t = data.requires_grad_(requires_grad)
+    t._is_param = True  # type: ignore[attr-defined]
+    t.__dict__["_sw_name"] = name
+    t.parallel_optimizer = bool(parallel_optimizer)  # type: ignore[attr-defined]
+    t.comm_fusion = _check_fusion(comm_fusion)  # type: ignore[attr-defined]
+    return t
 
 
 def _rebuild_parameter(data: torch.Tensor, requires_grad: bool, state: dict[str, Any]) -> Parameter:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.communication import _init, _sim
+from shardwise.testing._rank_int import rank_node
 from shardwise.testing._sim_mode import guarded_mode
 
 
@@ -227,8 +228,11 @@ class SimulatedWorld:
         return found
 
     def rank_in(self, ranks: Sequence[int]) -> int:
+        """Each rank's index in `ranks` (``get_rank()``): a per-rank int that a Python branch
+        cannot take (`_rank_int`)."""
         index = {r: i for tile in self.tiles(ranks) for i, r in enumerate(tile)}
-        return self.per_rank_int([index[r] for r in range(self.world_size)])
+        node = rank_node({r: index[r] for r in range(self.world_size)}, self._int_node)
+        return torch.SymInt(node)  # type: ignore[return-value,no-any-return]
 
     def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
         if tiles(ranks, self.world_size) is None:

@@ -1,0 +1,91 @@
+"""The rank a simulated world's ``get_rank()`` returns: an int with each rank's value, which a
+Python ``if`` cannot branch on.
+
+One process runs every rank of `simulated_world(n)`, so ``get_rank()`` is a per-rank
+symbolic int (torch's ``LocalIntNode``). torch compares such ints the way shapes are compared:
+``rank == 0`` is True only when it holds on every rank, so ``if rank == 0:`` silently ran on
+no rank and ``if rank != 0:`` on every one. `rank_node` makes the node of the rank itself
+(not of ints computed from it, which torch's ops compare inside): a comparison whose answer
+differs between ranks raises `RankBranchError` naming the fix; one that every rank answers
+alike (``rank >= 0``) is that answer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+class RankBranchError(ValueError):
+    """A comparison of the simulated rank that differs between ranks (a Python branch)."""
+
+
+def _message(op: str, other: object) -> str:
+    return (
+        f"get_rank() {op} {other!r} differs between the ranks of this simulated world: one "
+        "process runs every rank, so a Python `if` on the rank cannot take each rank's way "
+        "(it would take one way for all). Compute rank-dependent values with "
+        "shardwise.communication.rank_value(lambda r: ...) or torch.where, keep rank-0-only "
+        "work (printing, saving) outside the world, or test such code in a real job "
+        "(shardwise.testing.run_job)"
+    )
+
+
+def rank_node(local_ints: Mapping[int, int], base: type) -> Any:
+    """A node of `base` (torch's ``LocalIntNode``) with each rank's value, whose comparisons
+    raise `RankBranchError` when the ranks answer differently.
+
+    Example:
+        >>> r = torch.SymInt(rank_node({0: 0, 1: 1}, LocalIntNode))  # doctest: +SKIP
+        >>> r >= 0                                                  # doctest: +SKIP
+        True
+    """
+    return _node_class(base)(dict(local_ints))
+
+
+def _compare(op: str, test: Callable[[int, int], bool]) -> Callable[[Any, Any], Any]:
+    def method(self: Any, other: Any) -> Any:
+        answers = {test(v, _on_rank(other, r)) for r, v in self._local_ints.items()}
+        if len(answers) != 1:
+            raise RankBranchError(_message(op, _shown(other)))
+        return torch._C._get_constant_bool_symnode(answers.pop())
+
+    return method
+
+
+@functools.cache
+def _node_class(base: type) -> type:
+    """`base` with comparisons that refuse to differ between ranks."""
+    return type(
+        "RankIntNode",
+        (base,),
+        {
+            "eq": _compare("==", lambda a, b: a == b),
+            "ne": _compare("!=", lambda a, b: a != b),
+            "lt": _compare("<", lambda a, b: a < b),
+            "le": _compare("<=", lambda a, b: a <= b),
+            "gt": _compare(">", lambda a, b: a > b),
+            "ge": _compare(">=", lambda a, b: a >= b),
+        },
+    )
+
+
+def _on_rank(other: Any, rank: int) -> int:
+    """`other` (an int or a node) on `rank`."""
+    ints = getattr(other, "_local_ints", None)
+    if ints is not None:
+        return int(ints[rank])
+    constant = getattr(other, "maybe_as_int", None)
+    if callable(constant):
+        value = constant()
+        if value is not None:
+            return int(value)
+    return int(other)
+
+
+def _shown(other: Any) -> object:
+    ints = getattr(other, "_local_ints", None)
+    return "a per-rank int" if ints is not None else _on_rank(other, 0)
