@@ -135,6 +135,16 @@ def test_strategies_the_device_count_does_not_divide(
     assert code == 1
     err = capsys.readouterr().err
     assert "matmul" in err and "6" in err
+    assert "its wrapped network failed to plan: ValueError" in err
+    assert "meta tensors" not in err  # (the hint for a script's own failure before planning)
+
+
+def test_out_naming_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        _plan(tmp_path, "--out", str(tmp_path / "afile"), str(EXAMPLES / "quick_start.py"))
+    assert e.value.code == 2
+    assert "a file of that name exists; name a folder" in capsys.readouterr().err
 
 
 def test_an_out_of_range_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

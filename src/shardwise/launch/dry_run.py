@@ -27,9 +27,11 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import runpy
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -154,11 +156,16 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
         return done.planned
     except PlanError:
         raise
-    except Exception as e:  # (the script's own failure, before it planned)
+    except Exception as e:  # (the script's own failure, or its wrapped network's)
+        if _in_wrapped_call(e):
+            raise DryRunError(
+                f"{script}: its wrapped network failed to plan: {type(e).__name__}: {e}"
+            ) from e
         raise DryRunError(
             f"{script} failed before any wrapped network planned: {type(e).__name__}: {e} "
-            f"(in a dry run parameters are meta tensors: a script cannot compute with its "
-            f"network before the first call of the wrapped one)"
+            f"(in a dry run parameters are meta tensors and collectives return their input: a "
+            f"script cannot compute with its network, or check what a collective returns, "
+            f"before the first call of the wrapped one)"
         ) from e
     except SystemExit as e:
         raise DryRunError(
@@ -172,6 +179,20 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
         f"an sw.AutoParallel (parallel_mode semi_auto, sharding_propagation or "
         f"recursive_programming) or an sw.Model under such a context; wrap the network or the "
         f"train step the script trains"
+    )
+
+
+def _in_wrapped_call(e: BaseException) -> bool:
+    """Whether `e` was raised inside a wrapped network's call (its traceback passes through
+    shardwise's ``parallel`` or ``planner`` packages): the planner's or the network's error,
+    not the script's own before it."""
+    inside = (
+        f"{os.sep}shardwise{os.sep}parallel{os.sep}",
+        f"{os.sep}shardwise{os.sep}planner{os.sep}",
+    )
+    return any(
+        any(part in frame.filename for part in inside)
+        for frame in traceback.extract_tb(e.__traceback__)
     )
 
 
@@ -236,6 +257,8 @@ def plan_main(argv: Sequence[str]) -> int:
         parser.error(f"--rank {a.rank}: must be from 0 to {a.device_num - 1} (--device_num)")
     if not Path(a.script).is_file():
         parser.error(f"{a.script}: no such script")
+    if a.out.exists() and not a.out.is_dir():
+        parser.error(f"--out {a.out}: a file of that name exists; name a folder")
     start = time.perf_counter()
     bar = tqdm(total=2, desc="shardwise plan", delay=1.0, file=sys.stderr, leave=False)
     try:
@@ -246,7 +269,7 @@ def plan_main(argv: Sequence[str]) -> int:
         header.append(f"planned in {secs:.2f} s")
         write_outputs(planned, a.out, a.rank, header)
         bar.update(1)
-    except (DryRunError, PlanError, ValueError) as e:
+    except (DryRunError, PlanError, ValueError, OSError) as e:
         bar.close()
         print(f"shardwise plan: {e}", file=sys.stderr)
         return 1
