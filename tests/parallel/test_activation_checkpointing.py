@@ -139,13 +139,13 @@ def run_megatron(how: str) -> tuple[list[torch.Tensor], Counter[Any]]:
 @pytest.mark.parametrize("how", ["non-reentrant", "reentrant"])
 def test_megatron_with_dropout_in_checkpointed_blocks_matches_one_device(how: str) -> None:
     """The recomputation runs each block's collectives again: the AllGather of its input
-    before the column-parallel layer; the row-parallel AllReduce too when reentrant (torch's
-    non-reentrant recomputation stops before it: backward does not need its result)."""
+    before the column-parallel layer; the row-parallel ReduceScatter too when reentrant
+    (torch's non-reentrant recomputation stops before it: backward does not need its result)."""
     want, _ = one_device()
     losses, recomputed = run_megatron(how)
     for s in range(STEPS):
         assert_matches_single_device(losses[s], want[s], what=f"loss {s}")
-    again = {"AllGather": 2 * STEPS} | ({"AllReduce": 2 * STEPS} if how == "reentrant" else {})
+    again = {"AllGather": 2 * STEPS} | ({"ReduceScatter": 2 * STEPS} if how == "reentrant" else {})
     assert recomputed == Counter(again)
     _, without = run_megatron("")
     assert without == Counter()

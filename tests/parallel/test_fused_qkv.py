@@ -134,9 +134,9 @@ def expected(dp: int, mp: int, qkv: str, proj: bool, mode: str) -> Kinds:
     want[("AllReduce", "backward", world)] += 1  # the gradient bucket of whole parameters
     if dp > 1:
         want[("AllReduce", "backward", dpg)] += 1  # the mp-split parameters, over dp
-    if mode == "semi_auto":  # (proj): rows gathered for c_attn / c_fc, c_proj's AllReduces
-        add("AllGather", mpg, 2 * LAYERS, "ReduceScatter")
-        add("AllReduce", mpg, 2 * LAYERS, "AllReduce")
+    if mode == "semi_auto":  # (proj): rows gathered for c_attn / c_fc, c_proj's partial sums
+        add("AllGather", mpg, 2 * LAYERS, "ReduceScatter")  # reduced and cut to rows at once
+        add("ReduceScatter", mpg, 2 * LAYERS, "AllGather")
         if qkv == "plain":  # qkv -> rows for the split, attention's output -> columns
             add("AlltoAll", mpg, 2 * LAYERS, "AlltoAll")
         return want

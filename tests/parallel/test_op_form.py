@@ -109,9 +109,9 @@ def test_embedding_and_linear_op_form() -> None:
     assert rec.kinds() == Counter(
         {
             ("AllGather", "forward", MP): 1,  # ids: rows over all -> over dp
-            ("AllReduce", "forward", MP): 1,  # head: row parallel, summed (then rows over all)
+            ("ReduceScatter", "forward", MP): 1,  # head: row parallel, summed to rows over all
             ("AllReduce", "forward", ALL): 1,  # the loss, on each rank's rows
-            ("AllReduce", "backward", MP): 1,  # (its adjoint)
+            ("AllGather", "backward", MP): 1,  # (its adjoint)
             ("AllReduce", "backward", ALL): 1,  # head.bias: whole, one bucket
             ("AllReduce", "backward", DP): 1,  # emb.weight, head.weight: split over mp
         }

@@ -91,9 +91,10 @@ def test_returned_activations_leave_as_this_ranks_rows() -> None:
         {
             ("AllGather", "forward", mp): 1,  # the rows over dp for c_fc
             ("AlltoAll", "forward", mp): 1,  # on return: h's columns over mp -> rows
-            ("AllReduce", "forward", mp): 3,  # out's sum for the loss; out and 2 out on return
+            ("ReduceScatter", "forward", mp): 1,  # out's sum, to rows for the loss
+            ("AllReduce", "forward", mp): 2,  # out and 2 out on return
             ("AllReduce", "forward", every): 1,  # the loss
-            ("AllReduce", "backward", mp): 1,  # c_fc's input gradient (its adjoint)
+            ("AllGather", "backward", mp): 1,  # the ReduceScatter's adjoint
             ("AllReduce", "backward", dp): 1,  # the mp-split parameters' bucket
             ("AllReduce", "backward", every): 1,  # c_proj's bias (whole)
         }
@@ -128,8 +129,10 @@ def test_linear_ops_on_a_partial_sum_after_backward_keep_it_leaving_as_rows() ->
     assert_matches_single_device(got.wide, rows_of(want.wide), what="o.double()")
     assert pair[0] is pair[1]  # (moved once)
     assert_matches_single_device(pair[0], rows_of(want.wide.float()), what="o")
-    # the loss's move for the mean, then one AllReduce each for mixed, wide and o
-    assert kinds[("AllReduce", "forward", (0, 1))] == 4, kinds
+    # the loss's move for the mean (summed to rows: a ReduceScatter), then one AllReduce each
+    # for mixed, wide and o
+    assert kinds[("ReduceScatter", "forward", (0, 1))] == 1, kinds
+    assert kinds[("AllReduce", "forward", (0, 1))] == 3, kinds
 
 
 def test_full_batch_returns_the_whole_value() -> None:

@@ -82,13 +82,14 @@ def test_transformer_encoder_matches_one_device(megatron: bool) -> None:
     if not megatron:  # (the loss, one gradient bucket)
         want_kinds = {("AllReduce", "forward", everyone): 1, ("AllReduce", "backward", everyone): 1}
     else:  # per layer, over mp: the attention's input to dp rows, linear1's input, linear2's
-        # partial sums (and their backward twins); over dp: the replicated parameters' bucket
+        # partial sums summed to rows (ReduceScatter); their backward twins; over dp: the
+        # replicated parameters' bucket
         mp = (0, 1)
         want_kinds = {
             ("AllGather", "forward", mp): 4,
-            ("AllReduce", "forward", mp): 2,
+            ("ReduceScatter", "forward", mp): 2,
             ("ReduceScatter", "backward", mp): 4,
-            ("AllReduce", "backward", mp): 2,
+            ("AllGather", "backward", mp): 2,
             ("AllReduce", "backward", (0, 2)): 1,
             ("AllReduce", "forward", everyone): 1,
             ("AllReduce", "backward", everyone): 1,

@@ -15,10 +15,12 @@ hsdp: `hsdp_kinds`), per layer (over the mp axis):
   which take the rows over dp only), 2 AlltoAlls (``split(n_embd, dim=2)`` cannot keep
   ``c_attn``'s columns split, as q, k and v each span every mp rank's columns, so attention
   takes semi_auto's data-parallel strategy: columns -> rows over dp x mp, and back to columns
-  for ``c_proj``; this moves fewer bytes than gathering the columns) and 2 AllReduces (the
+  for ``c_proj``; this moves fewer bytes than gathering the columns) and 2 ReduceScatters (the
   partial outputs of the row-parallel ``c_proj``, summed where the residual add consumes
-  them); the biases of ``c_proj`` are added on the first mp rank only, no collective;
-- backward: their adjoints (2 ReduceScatters, 2 AlltoAlls, 2 AllReduces);
+  them with its rows cut over dp x mp: each rank receives the sum of its rows only, half an
+  AllReduce's bytes: `planner/_scatter.py`); the biases of ``c_proj`` are added on the first
+  mp rank only, no collective;
+- backward: their adjoints (2 ReduceScatters, 2 AlltoAlls, 2 AllGathers);
 - per step: the loss's AllReduce over all ranks, and one gradient bucket per group of
   replicas (the whole parameters over all ranks, the mp-split ones over dp).
 """
@@ -74,7 +76,7 @@ def test_megatron_llama_matches_one_device() -> None:
     split by heads from their projections through rotary, ``repeat_interleave`` and attention
     to ``wo`` (no collective inside attention). Per layer over mp: 2 AllGathers forward (the
     rows gathered once for wq / wk / wv, once for w1 / w3: the later consumers reuse the moved
-    value) and 2 AllReduces (wo, w2), and their adjoints backward."""
+    value) and 2 ReduceScatters (wo, w2: summed to rows), and their adjoints backward."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 64, (BATCH, 16), generator=g)
     y = torch.randint(0, 64, (BATCH, 16), generator=g)
@@ -152,10 +154,10 @@ def per_layer(dp: int, mp: int) -> Counter[tuple[str, str, tuple[int, ...]]]:
         {
             ("AllGather", "forward", mp_group): 2 * LAYERS,
             ("AlltoAll", "forward", mp_group): 2 * LAYERS,
-            ("AllReduce", "forward", mp_group): 2 * LAYERS,
+            ("ReduceScatter", "forward", mp_group): 2 * LAYERS,
             ("ReduceScatter", "backward", mp_group): 2 * LAYERS,
             ("AlltoAll", "backward", mp_group): 2 * LAYERS,
-            ("AllReduce", "backward", mp_group): 2 * LAYERS,
+            ("AllGather", "backward", mp_group): 2 * LAYERS,
         }
     )
     want[("AllReduce", "forward", world)] += 1  # the loss

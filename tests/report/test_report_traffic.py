@@ -78,3 +78,35 @@ def test_data_parallel_mode_writes_its_plan(tmp_path: Path) -> None:
         text = (tmp_path / f"rank_{r}" / "execute.ir").read_text()
         assert text.startswith("# execute: data_parallel on 2 ranks")
         assert "weight" in text and "per step: 2 AllReduce, 0 Broadcast" in text  # (+ the loss)
+
+
+def test_level_3_regathers_only_the_weights_autograd_saves() -> None:
+    """hsdp level 3 gathers a bucket again in backward only for a weight autograd saved. The
+    first linear's two parameters are the only sharded bucket (the second's 10 rows do not
+    split over 4 ranks), and its weight is not saved (its input needs no gradient; its bias
+    needs one, but a bias is added, not multiplied): no AllGather in backward, and the
+    reported bytes equal the recorder's (the report counted a second one)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.Adam(net.parameters(), lr=0.01)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = torch.nn.functional.cross_entropy(net(a), b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step).hsdp(threshold=0, optimizer_level="level3")
+        parallel(world.rows(x), world.rows(y))
+        with CommRecorder() as rec:
+            parallel(world.rows(x), world.rows(y))
+    plan = parallel.parallel_plan
+    assert plan is not None
+    traffic = step_traffic(plan, 0, parallel.optimizer_plan)
+    assert traffic.total == rec.total_bytes(), rec.summary()
+    gathers = [r for r in rec.records if r.kind == "AllGather"]
+    assert Counter(r.phase for r in gathers) == Counter({"forward": 1}), rec.summary()

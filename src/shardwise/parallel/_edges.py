@@ -2,7 +2,8 @@
 
 - `move`: one edge (`planner.EdgePlan`): the AllReduce of partial values, then the Slice /
   AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial; an edge that
-  is only the AllReduce can be started and finished later (the executor's returned loss).
+  is only the AllReduce can be started and finished later (the executor's returned loss); an
+  edge whose AllReduce and first Slice run as one ReduceScatter (`EdgePlan.scatter`): `_scatter`.
 - `run_collective`: an op's own collective (`planner.NodePlan.comms`), through
   `_runtime.combine`.
 - `grad_route`: the adjoint of such an AllReduce when the plan says its result's gradient is
@@ -24,7 +25,7 @@ from shardwise.communication.primitives import GradRoute, average_gradient, sum_
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._runtime import combine, group_for
 from shardwise.planner import Collective, EdgePlan, NodePlan
-from shardwise.redistribution import local_block, redistribute
+from shardwise.redistribution import local_block, plan_redistribution, redistribute
 
 T = torch.Tensor
 
@@ -45,6 +46,8 @@ def move(
     `defer`: the gradients' reducer corrects a backward that did not wait for the count, so a
     ``deferred`` edge's backward need not wait (`communication.sum_over_ranks`)."""
     m = edge.src.layout.matrix
+    if edge.scattered is not None:
+        return _scatter(x, edge)
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
         divisor = len(members) if edge.src.reduce == "avg" else 1
@@ -61,6 +64,22 @@ def move(
         x = redistribute(x, edge.src.layout, edge.dst.layout, edge.shape)
     if edge.kept:
         x = _keep_first(x, m, edge.kept)
+    return x
+
+
+def _scatter(x: T, edge: EdgePlan) -> T:
+    """Edge `edge` with its AllReduce and first Slice as one ReduceScatter (`EdgePlan.scatter`):
+    this rank receives the sum of its part; the AllReduce over the other reduced axes (on the
+    part), then the rest of the steps."""
+    m, cut = edge.src.layout.matrix, edge.scattered
+    assert cut is not None, "an edge with a scatter"
+    x = combine(x, "ReduceScatter", "sum", cut.dim, m, [cut.axis], edge)
+    if edge.summed:
+        group, _ = group_for(m, edge.summed)
+        x = sum_over_ranks(x, group)
+    if len(edge.steps) > 1:
+        moved = plan_redistribution(edge.src.layout, edge.dst.layout, edge.shape, x.element_size())
+        x = redistribute(x, moved.layouts[0], edge.dst.layout, edge.shape)
     return x
 
 

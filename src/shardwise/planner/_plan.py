@@ -139,6 +139,11 @@ class EdgePlan:
         weighted: (a mean loss's AllReduce) the ranks' means are weighted by the targets
             each counted: the AllReduce carries the pair (mean x count, count) in float32
             (float64 for a float64 loss) (`_losses`).
+        scatter: the AllReduce over the axis of the first step, a `Slice` (the rows of a
+            row-parallel layer's output cut for the next data-parallel op), and that Slice run
+            as one ReduceScatter over it along the Slice's dim, at half the bytes (its adjoint
+            an AllGather instead of an AllReduce); the other reduced axes are all-reduced on
+            the cut block (`_scatter`).
     """
 
     consumer: int
@@ -155,11 +160,24 @@ class EdgePlan:
     deferred: bool = False
     written_back: bool = False
     weighted: bool = False
+    scatter: bool = False
 
     @property
     def reduced(self) -> tuple[int, ...]:
         """Axes whose partial values are all-reduced on this edge."""
         return tuple(a for a in self.src.partial if a not in self.dst.partial)
+
+    @property
+    def scattered(self) -> Slice | None:
+        """The Slice that runs inside the edge's ReduceScatter (`scatter`), or None."""
+        first = self.steps[0] if self.scatter and self.steps else None
+        return first if isinstance(first, Slice) else None
+
+    @property
+    def summed(self) -> tuple[int, ...]:
+        """The reduced axes its AllReduce runs over (all, less a `scatter`'s axis)."""
+        cut = self.scattered
+        return tuple(a for a in self.reduced if cut is None or a != cut.axis)
 
     @property
     def kept(self) -> tuple[int, ...]:
@@ -173,10 +191,13 @@ class EdgePlan:
         out: list[Collective] = []
         if self.shared:
             return out
-        if self.reduced:
-            names = tuple(m.names[a] for a in self.reduced)
+        cut = self.scattered
+        if cut is not None:
+            out.append(Collective("ReduceScatter", (m.names[cut.axis],), where, "sum", dim=cut.dim))
+        if self.summed:
+            names = tuple(m.names[a] for a in self.summed)
             out.append(Collective("AllReduce", names, where, self.src.reduce))
-        for step in self.steps:
+        for step in self.steps[1 if cut is not None else 0 :]:
             if isinstance(step, Slice) or m.shape[step.axis] == 1:
                 continue
             out.append(Collective(type(step).__name__, (m.names[step.axis],), where))
@@ -186,10 +207,13 @@ class EdgePlan:
         if self.shared:
             return f"{self.value} {self.src} -> {self.dst}: reused (moved for an earlier op)"
         parts = []
-        if self.reduced:
-            m = self.src.layout.matrix
-            parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.reduced)}")
-        parts += [s.describe(self.src.layout.matrix) for s in self.steps]
+        m = self.src.layout.matrix
+        cut = self.scattered
+        if cut is not None:
+            parts.append(f"ReduceScatter(sum) over {m.names[cut.axis]} on dim {cut.dim}")
+        if self.summed:
+            parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.summed)}")
+        parts += [s.describe(m) for s in self.steps[1 if cut is not None else 0 :]]
         m = self.src.layout.matrix
         if self.kept:
             parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")

@@ -12,8 +12,9 @@ priced separately (it mirrors the forward's communication).
 optimizer) on a rank of a plan that is a train step (`StepCost`):
 
 - forward communication: every edge's move (the values a step returns too: the loss's
-  AllReduce) and every op's own collective, each collective at ``call_s`` plus its rounds and
-  bytes;
+  AllReduce; an AllReduce and Slice run as one ReduceScatter, `EdgePlan.scatter`, as that:
+  `edge_move`) and every op's own collective, each collective at ``call_s`` plus its rounds
+  and bytes;
 - backward communication: their adjoints (an AllReduce's is an AllReduce over the axes whose
   gradient is not already equal, an AllGather's a ReduceScatter, an AlltoAll's the reverse
   AlltoAll, a Slice's nothing; none for the step's tensor inputs, integer values and the
@@ -46,6 +47,7 @@ from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import is_view, node_elements, node_flops
 from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
+from shardwise.redistribution import plan_redistribution
 
 PARAM_COPIES = 4
 """A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
@@ -113,8 +115,7 @@ def plan_cost(plan: ParallelPlan, model: CostModel | None = None) -> PlanCost:
     for e in plan.edges:
         if e.shared or e.consumer == -1:
             continue
-        reduced = e.reduced
-        comm += model.move(e.src.layout, e.dst.layout, e.shape, _itemsize(e.dtype), reduced)
+        comm += edge_move(e, model, e.reduced)
     compute = held = 0.0
     for n in plan.nodes:
         comm += sum(_own(n, c, model) for c in n.comms)
@@ -190,7 +191,24 @@ def _edge_backward(e: EdgePlan, model: CostModel) -> float:
     (none when `seeded`), and per AllGather / AlltoAll step a ReduceScatter / AlltoAll sending
     the same bytes."""
     reduced = tuple(a for a in e.reduced if _unequal(e, a))
-    return model.move(e.src.layout, e.dst.layout, e.shape, _itemsize(e.dtype), reduced)
+    return edge_move(e, model, reduced)
+
+
+def edge_move(e: EdgePlan, model: CostModel, reduced: tuple[int, ...]) -> float:
+    """Seconds of edge `e`'s move with its partial sums over `reduced` summed: the AllReduce
+    and the steps, or, for a `EdgePlan.scatter` edge, the ReduceScatter (its adjoint, an
+    AllGather, costs as much), the AllReduce over the other axes on the part, and the steps
+    after the first."""
+    size = _itemsize(e.dtype)
+    cut = e.scattered
+    if cut is None:
+        return model.move(e.src.layout, e.dst.layout, e.shape, size, reduced)
+    m, k = e.src.layout.matrix, e.src.layout.matrix.shape[cut.axis]
+    block = math.prod(e.src.layout.local_shape(e.shape)) * size
+    total = model.collective("ReduceScatter", block, k, cut.axis)
+    total += model.all_reduce(block // k, m, e.summed)
+    mid = plan_redistribution(e.src.layout, e.dst.layout, e.shape, size).layouts[0]
+    return total + model.move(mid, e.dst.layout, e.shape, size)
 
 
 def _own_backward(n: NodePlan, c: Collective, model: CostModel) -> tuple[float, int]:
@@ -289,7 +307,7 @@ def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
     for e in plan.edges:
         if e.shared:
             continue
-        forward += model.move(e.src.layout, e.dst.layout, e.shape, _itemsize(e.dtype), e.reduced)
+        forward += edge_move(e, model, e.reduced)
         count += _edge_collectives(e, backward=False)
         if _has_gradient(e):
             backward += _edge_backward(e, model)

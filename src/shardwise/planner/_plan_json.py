@@ -273,6 +273,7 @@ def _edge_d(e: EdgePlan) -> dict[str, Any]:
         | ({"deferred": True} if e.deferred else {})
         | ({"written_back": True} if e.written_back else {})
         | ({"weighted": True} if e.weighted else {})
+        | ({"scatter": True} if e.scatter else {})
     )
 
 
@@ -292,6 +293,7 @@ def _edge(m: DeviceMatrix, d: Mapping[str, Any]) -> EdgePlan:
         deferred=bool(d.get("deferred", False)),
         written_back=bool(d.get("written_back", False)),
         weighted=bool(d.get("weighted", False)),
+        scatter=bool(d.get("scatter", False)),
     )
 
 

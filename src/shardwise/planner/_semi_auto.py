@@ -100,6 +100,7 @@ from shardwise.planner._plan import (
     Root,
     replicated,
 )
+from shardwise.planner._scatter import fuse_scatter
 from shardwise.planner._seeded import plan_deferred, plan_seeded
 from shardwise.redistribution import plan_redistribution
 
@@ -356,6 +357,7 @@ def walk(
     nodes, edges, equal = plan_backward(graph, nodes, edges, params, matrix)
     edges = plan_deferred(nodes, plan_seeded(graph, nodes, edges))
     check_functions(graph, nodes, edges)
+    edges = fuse_scatter(edges)
     return ParallelPlan(
         device_num=p.device_num,
         matrix=matrix,

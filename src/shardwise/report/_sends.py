@@ -98,20 +98,26 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
         return []
     size = int(getattr(torch, e.dtype).itemsize)
     out: list[Found] = []
-    if e.reduced:
-        n = math.prod(e.src.layout.local_shape(e.shape)) * size
+    n = math.prod(e.src.layout.local_shape(e.shape)) * size
+    fused = e.scattered
+    if fused is not None:  # (the AllReduce over its axis and the first Slice: one ReduceScatter)
+        group = sorted(m.group_along(rank, (fused.axis,)))
+        c = Collective("ReduceScatter", (m.names[fused.axis],), "", "sum", dim=fused.dim)
+        out.append((c, group, bytes_bound("ReduceScatter", n, len(group))))
+        n //= m.shape[fused.axis]
+    if e.summed:
         if e.weighted:  # (the pair (mean x count, count), in float32 or float64)
             n = 2 * (8 if e.dtype == "float64" else 4)
-        group = sorted(m.group_along(rank, e.reduced))
-        c = Collective("AllReduce", tuple(m.names[a] for a in e.reduced), "", e.src.reduce)
+        group = sorted(m.group_along(rank, e.summed))
+        c = Collective("AllReduce", tuple(m.names[a] for a in e.summed), "", e.src.reduce)
         out.append((c, group, bytes_bound("AllReduce", n, len(group))))
     if e.steps:
         moved = plan_redistribution(e.src.layout, e.dst.layout, e.shape, size)
         befores = (moved.src, *moved.layouts[:-1])
-        for step, before, after, sent in zip(
-            moved.steps, befores, moved.layouts, moved.step_bytes, strict=True
+        for k, (step, before, after, sent) in enumerate(
+            zip(moved.steps, befores, moved.layouts, moved.step_bytes, strict=True)
         ):
-            if m.shape[step.axis] == 1:
+            if m.shape[step.axis] == 1 or (k == 0 and fused is not None):
                 continue
             if isinstance(step, Slice):
                 cut = _local_slice(step, before, after, rank, e.shape)

@@ -55,6 +55,17 @@ from shardwise.report._memory import (
 from shardwise.report._sends import Found, LocalSlice, edge_sends, node_sends
 from shardwise.runtime import format_size
 
+_BIAS_SLOT = {
+    "linear": 2,
+    "conv1d": 2,
+    "conv2d": 2,
+    "conv3d": 2,
+    "conv_transpose1d": 2,
+    "conv_transpose2d": 2,
+    "conv_transpose3d": 2,
+}
+"""The tensor input of these torch functions that is a bias (``F.linear(x, w, b)``)."""
+
 _UNSAVED = frozenset(
     [
         "add",
@@ -196,9 +207,11 @@ def _edge_traffic(
             continue
         if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
             block = math.prod(e.src.layout.local_shape(e.shape)) * _itemsize(e.dtype)
-            _adjoint(out, m, rank, c, e.reduced, e.equal_grad, block)
-        elif c.kind in (AllGather.__name__, AlltoAll.__name__):  # (their exact adjoints)
-            back = "ReduceScatter" if c.kind == "AllGather" else "AlltoAll"
+            cut = e.scattered  # (after a ReduceScatter: on its part of the block)
+            block //= m.shape[cut.axis] if cut is not None else 1
+            _adjoint(out, m, rank, c, e.summed, e.equal_grad, block)
+        elif c.kind in (AllGather.__name__, AlltoAll.__name__, "ReduceScatter"):  # (exact)
+            back = {"AllGather": "ReduceScatter", "ReduceScatter": "AllGather"}.get(c.kind, c.kind)
             out.add("backward", Collective(back, c.axes, c.where), sent)
 
 
@@ -220,13 +233,17 @@ def needs_grad(plan: ParallelPlan) -> set[str]:
 def saved_params(plan: ParallelPlan, needs: set[str]) -> set[str]:
     """The parameters autograd saves for backward: inputs of an op that multiplies them with
     another input needing a gradient (a MatMul's weight; not the first layer's, whose input
-    needs none, nor an Add's or a lookup's table). Level 3 gathers these again in backward."""
+    needs none, though its bias does, nor an Add's or a lookup's table). Level 3 gathers
+    these again in backward."""
     out = set()
     for n in plan.nodes:
-        if n.op.rsplit(".", 1)[-1] in _UNSAVED:
+        short = n.op.rsplit(".", 1)[-1]
+        if short in _UNSAVED:
             continue
-        for v in n.values:
-            others = [w for w in n.values if w != v]
+        added = _BIAS_SLOT.get(short)  # (a bias is added: neither saved nor a multiplicand)
+        factors = [w for i, w in enumerate(n.values) if i != added]
+        for v in factors:
+            others = [w for w in factors if w != v]
             if v.startswith("param:") and any(w in needs for w in others):
                 out.add(v.removeprefix("param:"))
     return out
