@@ -405,12 +405,44 @@ def _checkpointing() -> None:
 
     out = checkpoint(cosine, x, use_reentrant=True)
     assert contexts[0] is not None and reentrant_context() is None
-    from shardwise._torch.checkpointing import reentrant_output
-
-    assert reentrant_output(out) and not reentrant_output(x.cos())
     around_rerun(contexts[0], around)
     out.sum().backward()
     assert ran == ["around", "around"] and contexts[1] is None  # (rerun in backward)
+
+
+def _function_apply() -> None:
+    from shardwise._torch.function_apply import running_function
+
+    seen: list[object] = []
+
+    class Inner(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            seen.append(running_function())
+            seen.append(running_function(lambda cls: cls is Inner))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    class Outer(torch.autograd.Function):
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (new style, no ctx)
+            seen.append(running_function())
+            return Inner.apply(x) + 1
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    Outer.apply(torch.ones(2, requires_grad=True))
+    assert seen == [Outer, Inner, Outer], seen  # (innermost first; the skipped one passed over)
+    assert running_function() is None
 
 
 def _grad_scaler() -> None:
@@ -503,8 +535,9 @@ CASES: dict[str, Callable[[], None]] = {
         _profiler_events
     ),
     "_torch/pytree: torch.utils._pytree": _pytree,
+    "_torch/function_apply: Function.apply's frame and its cls": _function_apply,
     "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward and its ctx's "
-    "run_function, the pack hook's frame and its recompute_fn, its _backward_cls": _checkpointing,
+    "run_function, the pack hook's frame and its recompute_fn": _checkpointing,
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(

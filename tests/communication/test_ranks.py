@@ -69,6 +69,8 @@ def test_every_rank_in_one_process() -> None:
                 branch()
         assert_matches_single_device(torch.arange(8.0).narrow(0, rank * 2, 2),
                                      lambda r: torch.arange(8.0)[2 * r : 2 * r + 2])  # fmt: skip
+        # torch's own comparisons inside an op keep its rule (slicing compares start with 0)
+        assert_matches_single_device(torch.arange(8.0)[rank:], lambda r: torch.arange(8.0)[r:])
         # one value for a file written for every rank: only where all ranks agree
         assert comm.shared_value(blocks["w"]) is None
         nan = comm.rank_value(lambda r: torch.tensor([float("nan"), 1.0]))

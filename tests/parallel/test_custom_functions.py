@@ -10,6 +10,7 @@ the fix (the input resharded whole on that dim) it matches one device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,12 +28,32 @@ class Center(torch.autograd.Function):
     """x minus its row mean, with a hand-written backward (not elementwise)."""
 
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         return x - x.mean(-1, keepdim=True)
 
     @staticmethod
     def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
         return g - g.mean(-1, keepdim=True)
+
+
+class Normalize(torch.autograd.Function):
+    """A hand-written layer norm without affine: ops several deep in its forward (the output op
+    reads no input of the Function), its backward by hand."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        centered = x - x.mean(-1, keepdim=True)
+        scale = torch.rsqrt((centered * centered).mean(-1, keepdim=True) + 1e-5)
+        out = centered * scale
+        ctx.save_for_backward(out, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        out, scale = ctx.saved_tensors
+        mean_g = g.mean(-1, keepdim=True)
+        mean_go = (g * out).mean(-1, keepdim=True)
+        return scale * (g - mean_g - out * mean_go)  # type: ignore[no-any-return]
 
 
 class SquaredError(torch.autograd.Function):
@@ -53,11 +74,17 @@ class SquaredError(torch.autograd.Function):
 
 
 class Net(nn.Module):
-    def __init__(self, column_parallel: bool, whole: bool = False) -> None:
+    def __init__(
+        self,
+        column_parallel: bool,
+        whole: bool = False,
+        function: Any = Center,
+        scale: bool = False,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 4)
-        self.whole = whole
+        self.whole, self.function, self.scale = whole, function, scale
         if column_parallel:
             sw.shard(self.l1, in_strategy=((2, 1), (2, 1)))  # its output split on dim 1
 
@@ -65,7 +92,11 @@ class Net(nn.Module):
         h = self.l1(x)
         if self.whole:
             h = sw.reshard(h, Layout((2, 2), ("dp", "mp"))("dp", "None"))
-        return self.l2(torch.tanh(Center.apply(h)))
+        if self.scale:  # (fp8-style: a statistic without gradient, taken before the Function)
+            with torch.no_grad():
+                peak = h.abs().amax(-1, keepdim=True)
+            h = h / (peak + 1)
+        return self.l2(torch.tanh(self.function.apply(h)))
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -128,11 +159,21 @@ def test_a_function_on_data_parallel_rows_and_a_loss_function_match_one_device()
     assert recs[0].count("AllReduce", phase="forward") == 1
 
 
-@pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation"])
-def test_a_collective_inside_a_function_is_refused_with_the_fix(mode: str) -> None:
-    with pytest.raises(sw.planner.PlanError, match=r"Function Center: the plan runs \w+"
+@pytest.mark.parametrize(
+    ("mode", "function"),
+    [("semi_auto", Center), ("sharding_propagation", Center), ("semi_auto", Normalize)],
+)
+def test_a_collective_inside_a_function_is_refused_with_the_fix(mode: str, function: Any) -> None:
+    name = function.__name__
+    with pytest.raises(sw.planner.PlanError, match=rf"Function {name}: the plan runs \w+"
                        r".*test_custom_functions.py:\d+.*sw\.reshard"):  # fmt: skip
-        run(lambda: Net(column_parallel=True), mse, mode)
+        run(lambda: Net(column_parallel=True, function=function), mse, mode)
+
+
+def test_a_function_after_a_no_grad_statistic_matches_one_device() -> None:
+    """A statistic taken under ``no_grad`` before the Function (fp8-style scaling) is not part
+    of it: the input resharded whole, the step matches one device."""
+    run(lambda: Net(column_parallel=True, whole=True, scale=True), mse)
 
 
 def test_the_fix_resharding_its_input_whole_matches_one_device() -> None:

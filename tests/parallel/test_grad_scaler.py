@@ -72,10 +72,18 @@ def train(net: nn.Module, scaler: torch.amp.GradScaler, how: str = "closure") ->
     def nested(x: torch.Tensor) -> torch.Tensor:
         return body(net, opt, cfg.amp.scaler, x)
 
-    return {"dict": in_dict, "list": in_list, "nested": nested}.get(how, step)
+    trainer = nn.Module()
+    trainer.scaler = scaler  # (a plain attribute of a module: not a submodule or parameter)
+    trainers = [trainer]
+
+    def on_module(x: torch.Tensor) -> torch.Tensor:
+        return body(net, opt, trainers[0].scaler, x)
+
+    ways = {"dict": in_dict, "list": in_list, "nested": nested, "module": on_module}
+    return ways.get(how, step)
 
 
-@pytest.mark.parametrize("how", ["closure", "partial", "dict", "list", "nested"])
+@pytest.mark.parametrize("how", ["closure", "partial", "dict", "list", "nested", "module"])
 def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank(how: str) -> None:
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
     single, single_scaler = make(), torch.amp.GradScaler("cpu")

@@ -16,8 +16,6 @@ A non-reentrant region's state is a ``_CheckpointFrame`` that its pack hook clos
 replays the region's nodes there). `nested_checkpoint`: a region inside another. A reentrant
 region's autograd context is the ``ctx`` of ``CheckpointFunction.forward`` (`reentrant_context`,
 a frame's locals); `around_rerun` wraps its ``run_function``, which its backward calls again.
-`reentrant_output`: a tensor a reentrant region returned (its ``grad_fn`` is of
-``CheckpointFunction``'s private ``_backward_cls``).
 """
 
 from __future__ import annotations
@@ -85,17 +83,6 @@ def checkpoint_frame() -> Any | None:
     if "frame" not in code.co_freevars or pack.__closure__ is None:
         return None
     return pack.__closure__[code.co_freevars.index("frame")].cell_contents
-
-
-def reentrant_output(t: torch.Tensor) -> bool:
-    """Whether `t` is an output of a reentrant checkpoint region (made by torch's private
-    ``CheckpointFunction``, not a user's autograd Function).
-
-    Example:
-        >>> reentrant_output(torch.ones(1))
-        False
-    """
-    return isinstance(t.grad_fn, _checkpoint_module.CheckpointFunction._backward_cls)
 
 
 def reentrant_context() -> Any | None:

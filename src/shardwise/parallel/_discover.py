@@ -261,6 +261,8 @@ def grad_scalers(fn: Callable[..., Any]) -> list[torch.amp.GradScaler]:
             todo.extend(() if "__builtins__" in v else v.values())  # (globals: loaded by name)
         elif isinstance(v, list | tuple | set | frozenset):
             todo.extend(v)
+        elif isinstance(v, nn.Module):  # (a trainer module's self.scaler; not its submodules)
+            todo.extend(x for k, x in vars(v).items() if not k.startswith("_"))
         elif isinstance(v, types.CellType):
             with contextlib.suppress(ValueError):  # (an empty cell)
                 todo.append(v.cell_contents)

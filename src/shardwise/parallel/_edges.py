@@ -25,7 +25,7 @@ from shardwise.communication.primitives import GradRoute, average_gradient, sum_
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._runtime import combine, group_for
 from shardwise.planner import Collective, EdgePlan, NodePlan
-from shardwise.redistribution import local_block, plan_redistribution, redistribute
+from shardwise.redistribution import local_block, redistribute
 
 T = torch.Tensor
 
@@ -78,8 +78,7 @@ def _scatter(x: T, edge: EdgePlan) -> T:
         group, _ = group_for(m, edge.summed)
         x = sum_over_ranks(x, group)
     if len(edge.steps) > 1:
-        moved = plan_redistribution(edge.src.layout, edge.dst.layout, edge.shape, x.element_size())
-        x = redistribute(x, moved.layouts[0], edge.dst.layout, edge.shape)
+        x = redistribute(x, edge.after_scatter, edge.dst.layout, edge.shape)
     return x
 
 

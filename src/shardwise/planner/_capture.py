@@ -13,7 +13,7 @@
    primitive becomes one node (its inner calls are not recorded);
 4. the returned tensors (and the train step's loss) become the graph's outputs; the nodes a
    custom ``torch.autograd.Function``'s forward ran are marked with its name
-   (`_functions.function_regions`).
+   (`_functions.function_of`).
 
 Nothing is computed and no process group is used.
 
@@ -44,7 +44,6 @@ from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
 from shardwise.planner._call_kinds import record_kind
-from shardwise.planner._functions import function_regions
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._recorders import (
@@ -185,10 +184,8 @@ def capture(
     outs = tensors_in(out)
     returned = [state.known[id(t)] for t in outs if id(t) in state.known]
     returned += [r for r in state.backward_roots if r not in returned]
-    regions = function_regions(state.nodes, state.grad_off)
-    nodes = [
-        replace(n, function=regions[n.index]) if n.index in regions else n for n in state.nodes
-    ]
+    marks = state.functions
+    nodes = [replace(n, function=marks[n.index]) if n.index in marks else n for n in state.nodes]
     return Graph(
         nodes=tuple(nodes),
         inputs=inputs,

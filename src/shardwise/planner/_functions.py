@@ -8,66 +8,42 @@ plan may move and reduce values freely (those collectives are autograd-aware), s
 Function on data-parallel rows, or one whose output is a partial sum reduced after it,
 trains like one device.
 
-- `function_regions` (capture): which nodes ran inside a Function's forward. Ops there run
-  with gradients off on inputs that require them, and the Function's outputs come out with a
-  ``BackwardCFunction`` as ``grad_fn``; the region is the run of such nodes just before an
-  output, connected to it.
+- `function_of` (capture): the Function whose forward runs the op being recorded (torch's
+  ``Function.apply`` frame on the call stack: `_torch.function_apply`), every op of it, however
+  deep, and none of a ``no_grad`` block before it.
 - `check_functions` (planning): a `PlanError` naming the Function, the op, its source line, the
   collective and the fix when the plan puts a collective or a redistribution inside one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-import torch
-from torch.autograd.function import BackwardCFunction
-
-from shardwise._torch.checkpointing import reentrant_output
+from shardwise._torch.function_apply import running_function
 from shardwise.planner._graph import Graph, Node
 from shardwise.planner._placed import Collective
 from shardwise.planner._placement import PlanError
 from shardwise.planner._plan import EdgePlan, NodePlan
 
 
-def function_regions(
-    nodes: Sequence[Node], grad_off: Mapping[int, Sequence[torch.Tensor]]
-) -> dict[int, str]:
-    """Node index -> the name of the custom autograd Function whose forward ran it.
-
-    Args:
-        nodes: the captured nodes.
-        grad_off: the nodes recorded with gradients off while an input required them, with
-            their output tensors.
-
-    Returns:
-        The nodes of every region found (the Function's class name, ``"Center"``).
+def function_of() -> str:
+    """The name of the custom autograd Function whose ``forward`` runs the op being recorded
+    (the innermost; torch's reentrant checkpoint and shardwise's own Functions passed over,
+    their backward replays the plan); empty outside any.
 
     Example:
-        >>> function_regions(graph_nodes, {4: [mean_out], 5: [centered]})  # doctest: +SKIP
-        {5: 'Center', 4: 'Center'}
+        >>> function_of()
+        ''
     """
-    marks: dict[int, str] = {}
-    for k, outs in grad_off.items():
-        made = [
-            t.grad_fn
-            for t in outs
-            if isinstance(t.grad_fn, BackwardCFunction) and not reentrant_output(t)
-        ]  # (a reentrant checkpoint region replays the plan in backward: `parallel._recompute`)
-        if not made:
-            continue
-        name = type(made[0]).__name__.removesuffix("Backward")
-        first = k
-        while first - 1 in grad_off:  # (a forward's ops run one after the other)
-            first -= 1
-        todo = [k]
-        while todo:
-            j = todo.pop()
-            if j in marks or j not in grad_off or j < first:
-                continue
-            marks[j] = name
-            todo += [int(r.key) for r in nodes[j].inputs if r.kind == "node"]
-    return marks
+    cls = running_function(_planned_backward)
+    return cls.__name__ if cls is not None else ""
+
+
+def _planned_backward(cls: type) -> bool:
+    """Functions whose backward the plan runs itself: torch's reentrant checkpoint
+    (`parallel/_recompute.py` replays the region) and shardwise's own."""
+    module = getattr(cls, "__module__", "") or ""
+    return module == "torch.utils.checkpoint" or module.startswith("shardwise.")
 
 
 def _inside(node: Node, edge: EdgePlan | None, comms: Sequence[Collective]) -> str:

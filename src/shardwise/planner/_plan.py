@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout
@@ -37,7 +38,7 @@ from shardwise.planner._placed import (
     _axes_str,
     replicated,
 )
-from shardwise.redistribution import Slice, Step
+from shardwise.redistribution import Slice, Step, apply_step, plan_redistribution
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,13 @@ class EdgePlan:
         return first if isinstance(first, Slice) else None
 
     @property
+    def after_scatter(self) -> TensorLayout:
+        """The layout after a `scatter` edge's ReduceScatter (its first step applied)."""
+        cut = self.scattered
+        assert cut is not None, "an edge with a scatter"
+        return apply_step(self.src.layout, cut)
+
+    @property
     def summed(self) -> tuple[int, ...]:
         """The reduced axes its AllReduce runs over (all, less a `scatter`'s axis)."""
         cut = self.scattered
@@ -197,11 +205,19 @@ class EdgePlan:
         if self.summed:
             names = tuple(m.names[a] for a in self.summed)
             out.append(Collective("AllReduce", names, where, self.src.reduce))
-        for step in self.steps[1 if cut is not None else 0 :]:
+        for step in self.steps if cut is None else self.steps_after_scatter:
             if isinstance(step, Slice) or m.shape[step.axis] == 1:
                 continue
             out.append(Collective(type(step).__name__, (m.names[step.axis],), where))
         return out
+
+    @property
+    def steps_after_scatter(self) -> tuple[Step, ...]:
+        """A `scatter` edge's steps after its ReduceScatter, as the executor runs them (planned
+        from `after_scatter`)."""
+        size = int(getattr(torch, self.dtype).itemsize)
+        moved = plan_redistribution(self.after_scatter, self.dst.layout, self.shape, size)
+        return tuple(moved.steps)
 
     def __str__(self) -> str:
         if self.shared:
@@ -213,7 +229,7 @@ class EdgePlan:
             parts.append(f"ReduceScatter(sum) over {m.names[cut.axis]} on dim {cut.dim}")
         if self.summed:
             parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.summed)}")
-        parts += [s.describe(m) for s in self.steps[1 if cut is not None else 0 :]]
+        parts += [s.describe(m) for s in (self.steps if cut is None else self.steps_after_scatter)]
         m = self.src.layout.matrix
         if self.kept:
             parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")

@@ -47,7 +47,6 @@ from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import is_view, node_elements, node_flops
 from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
-from shardwise.redistribution import plan_redistribution
 
 PARAM_COPIES = 4
 """A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
@@ -207,8 +206,7 @@ def edge_move(e: EdgePlan, model: CostModel, reduced: tuple[int, ...]) -> float:
     block = math.prod(e.src.layout.local_shape(e.shape)) * size
     total = model.collective("ReduceScatter", block, k, cut.axis)
     total += model.all_reduce(block // k, m, e.summed)
-    mid = plan_redistribution(e.src.layout, e.dst.layout, e.shape, size).layouts[0]
-    return total + model.move(mid, e.dst.layout, e.shape, size)
+    return total + model.move(e.after_scatter, e.dst.layout, e.shape, size)
 
 
 def _own_backward(n: NodePlan, c: Collective, model: CostModel) -> tuple[float, int]:

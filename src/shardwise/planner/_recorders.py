@@ -37,6 +37,7 @@ from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import Primitive
 from shardwise.ops import _flat as flat
 from shardwise.planner._call_kinds import creates_graph, keeps_graph, record_kind
+from shardwise.planner._functions import function_of
 from shardwise.planner._graph import (
     AtenArg,
     AtenCall,
@@ -98,8 +99,8 @@ class _State:
         # op-form ``sw.shard`` strategies of the modules being run: [module path, strategy,
         # whether a node took it]
         self.annotated: list[list[Any]] = []
-        self.grad_off: dict[int, list[T]] = {}  # node -> outputs: gradients off, inputs need
-        # them (inside a custom autograd.Function's forward, or a no_grad block: `_functions`)
+        self.functions: dict[int, str] = {}  # node -> the custom autograd.Function whose
+        # forward ran it (`_functions.function_of`)
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -157,8 +158,10 @@ class _State:
         self.nodes.append(node)
         for j, t in enumerate(outs):
             self._remember(t, Ref("node", index, j))
-        if not torch.is_grad_enabled() and any(t.requires_grad for t in ins):
-            self.grad_off[index] = list(outs)
+        if not torch.is_grad_enabled():  # (a Function's forward runs without gradients)
+            function = function_of()
+            if function:
+                self.functions[index] = function
 
     def _annotation(self, op: str) -> tuple[Any, ...] | None:
         """The op-form strategy for a node made directly in an annotated module (its one op)."""

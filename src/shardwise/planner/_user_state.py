@@ -165,7 +165,7 @@ class _Snapshot:
             if buffers is not None:
                 before_buffers = dict(buffers)
                 self.undo.append(lambda: _drop_fakes(buffers, before_buffers))
-            return [v for k, v in before.items() if isinstance(v, _CONTAINERS) and k[:1] != "_"]
+            return [v for k, v in before.items() if k[:1] != "_"]  # (a trainer's self.scaler)
         return before.values()
 
 

@@ -112,12 +112,13 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
         c = Collective("AllReduce", tuple(m.names[a] for a in e.summed), "", e.src.reduce)
         out.append((c, group, bytes_bound("AllReduce", n, len(group))))
     if e.steps:
-        moved = plan_redistribution(e.src.layout, e.dst.layout, e.shape, size)
-        befores = (moved.src, *moved.layouts[:-1])
-        for k, (step, before, after, sent) in enumerate(
-            zip(moved.steps, befores, moved.layouts, moved.step_bytes, strict=True)
+        start = e.src.layout if fused is None else e.after_scatter  # (as the executor moves)
+        moved = plan_redistribution(start, e.dst.layout, e.shape, size)
+        befores = (moved.src, *moved.layouts[:-1]) if moved.steps else ()
+        for step, before, after, sent in zip(
+            moved.steps, befores, moved.layouts, moved.step_bytes, strict=True
         ):
-            if m.shape[step.axis] == 1 or (k == 0 and fused is not None):
+            if m.shape[step.axis] == 1:
                 continue
             if isinstance(step, Slice):
                 cut = _local_slice(step, before, after, rank, e.shape)

@@ -5,14 +5,18 @@ One process runs every rank of `simulated_world(n)`, so ``get_rank()`` is a per-
 symbolic int (torch's ``LocalIntNode``). torch compares such ints the way shapes are compared:
 ``rank == 0`` is True only when it holds on every rank, so ``if rank == 0:`` silently ran on
 no rank and ``if rank != 0:`` on every one. `rank_node` makes the node of the rank itself
-(not of ints computed from it, which torch's ops compare inside): a comparison whose answer
-differs between ranks raises `RankBranchError` naming the fix; one that every rank answers
-alike (``rank >= 0``) is that answer.
+(not of ints computed from it, ``rank % 2``, which keep torch's rule): a comparison in user
+code whose answer differs between ranks (``rank == 0``, ``if rank:``, ``rank in (0, 1)``)
+raises `RankBranchError` naming the fix; one that every rank answers alike (``rank >= 0``) is
+that answer; torch's own comparisons inside an op (``x[rank:]``) keep torch's rule.
 """
 
 from __future__ import annotations
 
+import dis
 import functools
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,14 +50,34 @@ def rank_node(local_ints: Mapping[int, int], base: type) -> Any:
     return _node_class(base)(dict(local_ints))
 
 
-def _compare(op: str, test: Callable[[int, int], bool]) -> Callable[[Any, Any], Any]:
+def _compare(name: str, op: str, test: Callable[[int, int], bool]) -> Callable[[Any, Any], Any]:
     def method(self: Any, other: Any) -> Any:
         answers = {test(v, _on_rank(other, r)) for r, v in self._local_ints.items()}
-        if len(answers) != 1:
+        if len(answers) == 1:
+            return torch._C._get_constant_bool_symnode(answers.pop())
+        if _user_branch():
             raise RankBranchError(_message(op, _shown(other)))
-        return torch._C._get_constant_bool_symnode(answers.pop())
+        return getattr(type(self).__mro__[1], name)(self, other)  # (torch's own rule)
 
     return method
+
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_BRANCHING = frozenset({"COMPARE_OP", "CONTAINS_OP", "UNARY_NOT", "TO_BOOL"})
+
+
+def _user_branch() -> bool:
+    """Whether the comparison comes from user code comparing or testing the rank (the
+    instruction running in the nearest frame outside torch compares, negates or jumps on it),
+    not from torch's own code inside an op (slicing with ``x[rank:]`` compares the start
+    with 0 in C++, under a subscript instruction): torch's rule is kept for those."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None or frame.f_lasti < 0:
+        return False
+    name = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+    return name in _BRANCHING or name.startswith("POP_JUMP")
 
 
 @functools.cache
@@ -63,12 +87,12 @@ def _node_class(base: type) -> type:
         "RankIntNode",
         (base,),
         {
-            "eq": _compare("==", lambda a, b: a == b),
-            "ne": _compare("!=", lambda a, b: a != b),
-            "lt": _compare("<", lambda a, b: a < b),
-            "le": _compare("<=", lambda a, b: a <= b),
-            "gt": _compare(">", lambda a, b: a > b),
-            "ge": _compare(">=", lambda a, b: a >= b),
+            "eq": _compare("eq", "==", lambda a, b: a == b),
+            "ne": _compare("ne", "!=", lambda a, b: a != b),
+            "lt": _compare("lt", "<", lambda a, b: a < b),
+            "le": _compare("le", "<=", lambda a, b: a <= b),
+            "gt": _compare("gt", ">", lambda a, b: a > b),
+            "ge": _compare("ge", ">=", lambda a, b: a >= b),
         },
     )
 
