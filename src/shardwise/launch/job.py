@@ -8,8 +8,8 @@
    nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
    local workers (`supervisor.Supervisor.start`), then tell the foreground process
    (``--join False``, see `detach`) that the job is up;
-4. `_monitor`: every `POLL_S` collect worker exits; the first local failure (of those within
-   `SETTLE_S`, one that did not merely lose a peer: `_first_failure`; explained by
+4. `_monitor`: every `POLL_S` collect worker exits; the first local failure (one that did not
+   merely lose a peer, waiting up to `SETTLE_S` for it: `_first_failure`; explained by
    `hang.explain` when it died in a collective that other ranks never arrived at) is
    published to the store, the other launchers' failures are read from it, signals, lost
    launchers and a lost store (`_check_store`) are handled; on any of these, every local
@@ -49,6 +49,7 @@ from shardwise.launch.report import (
     format_failure_report,
     format_ranks,
     format_success_summary,
+    lost_peer,
     worker_root_cause,
 )
 from shardwise.launch.schedlog import SchedulerLog
@@ -58,7 +59,7 @@ if TYPE_CHECKING:  # rendezvous imports torch; run_job imports it after setting 
     from shardwise.launch.rendezvous import Rendezvous
 
 POLL_S = 0.1
-SETTLE_S = 1.0  # after a worker fails: how long later exits still count for the root cause
+SETTLE_S = 1.0  # after a worker failed by losing a peer: how long to wait for the peer's exit
 STORE_POLL_S = 0.2
 FINISH_WAIT_S = 15.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -229,13 +230,17 @@ def _monitor(
 
 
 def _first_failure(sup: Supervisor, failed: list[Worker]) -> WorkerExit:
-    """The local root cause: of the workers that failed within `SETTLE_S` of the first,
-    `report.first_cause` (one that failed because another rank left is not it)."""
+    """The local root cause, `report.first_cause` of the failed workers: when every failure
+    so far only lost a peer (`report.lost_peer`: another rank left, e.g. with ``sys.exit(3)``,
+    and is exiting too), the exits of the next `SETTLE_S` count as well."""
     deadline = time.monotonic() + SETTLE_S
-    while sup.running() and (left := deadline - time.monotonic()) > 0:
+    while True:
+        ranks = {w.rank for w in failed}
+        exits = [e for e in sup.exits() if e.rank in ranks]
+        left = deadline - time.monotonic()
+        if not all(lost_peer(e) for e in exits) or not sup.running() or left <= 0:
+            return first_cause(exits)
         failed += [w for w in sup.poll(left) if w.returncode != 0 and not w.stop_requested]
-    ranks = {w.rank for w in failed}
-    return first_cause([e for e in sup.exits() if e.rank in ranks])
 
 
 def _explain(root: RootCause, failed: WorkerExit, sup: Supervisor, log: SchedulerLog) -> RootCause:

@@ -3,8 +3,9 @@
 - `describe_returncode`: ``exit code 1`` / ``signal SIGKILL`` from a ``Popen.returncode``.
 - `extract_traceback`: the last Python traceback of a worker log, capped (`log_excerpt` reads
   the log and falls back to its last lines when there is no traceback).
-- `first_cause`: of ranks that failed at about the same time, the one that did not merely lose
-  a peer (a traceback ending in "Connection closed by peer" follows another rank's exit).
+- `first_cause` / `lost_peer`: of ranks that failed at about the same time, the one that did
+  not merely lose a peer (a traceback ending in "Connection closed by peer" follows another
+  rank's exit).
 - `group_failures`: failed ranks in the order they failed (the root cause's first), identical
   tracebacks collapsed.
 - `RootCause`: the first failure of the job; it travels between launchers through the store
@@ -227,11 +228,19 @@ def first_cause(failures: Sequence[WorkerExit]) -> WorkerExit:
         1
     """
     ordered = sorted(failures, key=lambda e: (e.ended, e.rank))
-    for e in ordered:
-        lines, _ = log_excerpt(e.log_path)
-        if not any(PEER_LOST.search(line) for line in lines):
-            return e
-    return ordered[0]
+    return next((e for e in ordered if not lost_peer(e)), ordered[0])
+
+
+def lost_peer(e: WorkerExit) -> bool:
+    """Whether worker `e`'s log ends in a lost peer (`PEER_LOST`): it failed because another
+    rank went away.
+
+    Example:
+        >>> lost_peer(WorkerExit(1, 1, 42, 1, 0.0, False, "/nonexistent/worker_1.log"))
+        False
+    """
+    lines, _ = log_excerpt(e.log_path)
+    return any(PEER_LOST.search(line) for line in lines)
 
 
 def group_failures(
