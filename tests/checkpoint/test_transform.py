@@ -52,24 +52,32 @@ def tuple_axes(net: MLP) -> None:
     sw.shard(net.fc1, in_strategy=(layout("None", "None"), layout(("dp", "mp"), "None")))
 
 
+def planned(
+    annotate: object = None, level: str | None = None, lr: float = 1e-3
+) -> tuple[MLP, torch.optim.Optimizer, AutoParallel, ParallelPlan]:
+    """The MLP, its Adam, its `AutoParallel` train step and the plan it makes (in the job or
+    world the caller runs)."""
+    net = MLP()
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    if callable(annotate):
+        annotate(net)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    parallel = AutoParallel(step, parallel_mode="semi_auto")
+    if level is not None:
+        parallel.hsdp(threshold=0, optimizer_level=level)
+    return net, opt, parallel, parallel.plan(shapes=BATCH, dtypes=[torch.float32, torch.int64])
+
+
 def plan_of(n: int, annotate: object = None, level: str | None = None) -> ParallelPlan:
     """The plan an `AutoParallel` train step of the MLP makes on `n` ranks."""
     with simulated_world(n):
-        net = MLP()
-        opt = torch.optim.Adam(net.parameters())
-        if callable(annotate):
-            annotate(net)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        parallel = AutoParallel(step, parallel_mode="semi_auto")
-        if level is not None:
-            parallel.hsdp(threshold=0, optimizer_level=level)
-        return parallel.plan(shapes=BATCH, dtypes=[torch.float32, torch.int64])
+        return planned(annotate, level)[3]
 
 
 @pytest.fixture(scope="module")
@@ -262,18 +270,7 @@ def test_another_ranks_file_is_refused_by_the_plain_functions(
     transform(src, tmp_path / "tp", plan_of(8, tensor_parallel))
     file = {r: tmp_path / "tp" / f"rank_{r}" / "ckpt-1_2.safetensors" for r in (1, 2, 5)}
     with sw.communication.dry_run(8, rank=1):
-        net = MLP()
-        tensor_parallel(net)
-        opt = torch.optim.Adam(net.parameters(), lr=0.01)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
-        parallel = AutoParallel(step, parallel_mode="semi_auto")
-        plan = parallel.plan(shapes=BATCH, dtypes=[torch.float32, torch.int64])
+        net, opt, _parallel, plan = planned(tensor_parallel, lr=0.01)  # (the wrapper kept)
         for r in (1, 5):  # (rank 5 holds rank 1's blocks: dp 2 x mp 4, no optimizer parallel)
             ckpt = sw.load_checkpoint(file[r])
             assert sw.load_param_into_net(net, ckpt) == ([], [])
