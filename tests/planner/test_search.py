@@ -7,6 +7,8 @@ on 4 simulated ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -97,6 +99,17 @@ def test_the_memory_cap_constrains_the_search() -> None:
         sw.runtime.set_memory(None)
 
 
+def _square_step(net: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A train step of `net` on the mean square of its output (backward only)."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = net(x).square().mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
 def test_a_searched_plan_trains_like_one_device() -> None:
     hidden, batch = 512, 8
     x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(3))
@@ -107,12 +120,7 @@ def test_a_searched_plan_trains_like_one_device() -> None:
     with simulated_world(4) as world:
         world.replicate(net)
 
-        def step(x: torch.Tensor) -> torch.Tensor:
-            loss = net(x).square().mean()
-            loss.backward()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode="recursive_programming")
+        parallel = sw.AutoParallel(_square_step(net), parallel_mode="recursive_programming")
         loss = parallel(world.rows(x))
         assert_matches_single_device(loss, want.detach())
         plan = parallel.parallel_plan
@@ -150,10 +158,5 @@ def test_an_unannotated_primitive_whose_default_does_not_fit_is_chosen_for(mode:
     with simulated_world(4) as world:
         world.replicate(net)
 
-        def step(x: torch.Tensor) -> torch.Tensor:
-            loss = net(x).square().mean()
-            loss.backward()
-            return loss
-
-        loss = sw.AutoParallel(step, parallel_mode=mode)(world.rows(x))
+        loss = sw.AutoParallel(_square_step(net), parallel_mode=mode)(world.rows(x))
         assert_matches_single_device(loss, want.detach())
