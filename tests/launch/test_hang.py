@@ -105,6 +105,16 @@ def test_the_report_puts_the_stuck_ranks_first(tmp_path: Path) -> None:
         "    x",
         "  RuntimeError: Timed out",
     ]
+    # the other waiting ranks timed out beside it (not stopped): the first is still named
+    for r in (0, 3):
+        (tmp_path / f"worker_{r}.log").write_text(log.read_text())
+    exits += [WorkerExit(r, r, 10 + r, 1, 1.5, False, str(tmp_path / f"worker_{r}.log"))
+              for r in (0, 3)]  # fmt: skip
+    text = format_failure_report(root, exits, 0, "s.log").splitlines()
+    assert text[3:5] == [
+        "rank 2 failed first with exit code 1 (pid 9):",
+        "ranks 2, 0, 3 failed with the same error:",
+    ]
 
 
 def test_nccl_style_traces_and_the_collective_entered_last(tmp_path: Path) -> None:

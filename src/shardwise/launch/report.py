@@ -349,7 +349,7 @@ def format_failure_report(
     out = [f"shardwise run: job failed{where}: {root.reason}", *root.stuck]
     if local_root and groups:
         head = groups[0].exits[0]
-        if root.stuck and len(groups[0].exits) == 1:
+        if root.stuck:  # (the first of the ranks that waited, whoever failed beside it)
             out.append(
                 f"rank {head.rank} failed first with {describe_returncode(head.returncode)} "
                 f"(pid {head.pid}):"
