@@ -105,10 +105,17 @@ browser:
 	else echo "chromium not found (needs root and apt-get to install): the browser test will be skipped"; \
 	fi; }
 
-# pytest exits 5 when it collected no test; that is a failure here, never a pass.
+# The suite in two parts: the one-process tests spread over every core (pytest-xdist,
+# TEST_WORKERS of them, one thread each: with torch's own threads as well they took twice as
+# long), then the real multi-process jobs (`multiprocess` marker) one at a time: each job fills
+# the cores itself, and the launcher and hang tests time their ranks. Both parts always run;
+# pytest exits 5 when it collected no test: a failure here, never a pass.
+TEST_WORKERS ?= auto
 pytest: $(STAMP) mpi browser
-	@$(PY) -m pytest; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+	@fail=0; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) -m "not multiprocess" || fail=$$?; \
+	$(PY) -m pytest -m multiprocess || { rc=$$?; [ $$fail -ne 0 ] || fail=$$rc; }; \
+	if [ $$fail -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$fail
 
 test: lint typecheck pytest
 

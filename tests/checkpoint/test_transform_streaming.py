@@ -29,6 +29,7 @@ import shardwise as sw
 MiB = 1 << 20
 TRANSFORM = """
 import sys
+import shardwise.checkpoint as _  # (its imports are not the transform's memory)
 import shardwise as sw
 def peak():  # this process's peak RSS (ru_maxrss would include the parent's, from the fork)
     line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
