@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@$(PY) -m compileall -q src >/dev/null  # (an editable install leaves the bytecode to runs)
 	@touch $(STAMP)
 
 # The flagship job: seed 004 (manual data parallel) on real MNIST, 8 workers, 1 epoch.
@@ -110,8 +111,11 @@ browser:
 # long), then the real multi-process jobs (`multiprocess` marker) one at a time: each job fills
 # the cores itself, and the launcher and hang tests time their ranks. Both parts always run;
 # pytest exits 5 when it collected no test: a failure here, never a pass.
+# The bytecode is compiled first: where PYTHONDONTWRITEBYTECODE is set, every worker process
+# of every job would compile each module from source again.
 TEST_WORKERS ?= auto
 pytest: $(STAMP) mpi browser
+	@$(PY) -m compileall -q src tests examples bench >/dev/null
 	@fail=0; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) -m "not multiprocess" || fail=$$?; \
 	$(PY) -m pytest -m multiprocess || { rc=$$?; [ $$fail -ne 0 ] || fail=$$rc; }; \

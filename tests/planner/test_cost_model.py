@@ -114,6 +114,26 @@ def test_call_s_prices_every_collective_and_redistribution_step() -> None:
     assert math.isclose(steps, 2e-4)  # two AllGathers (one per axis)
 
 
+def test_a_reduction_followed_by_a_cut_is_priced_as_the_reduce_scatter_that_runs() -> None:
+    """A partial sum over mp that its consumer takes cut to rows over mp runs as one
+    ReduceScatter (`planner/_scatter.py`): the planners price it so, not as an AllReduce of the
+    whole block; an edge the plan keeps whole (``scatter=False``) pays the AllReduce."""
+    model = CostModel((1e-5,), (1e-10,))
+    m = DeviceMatrix((2, 4), ("dp", "mp"))
+    whole, rows = TensorLayout(m, ((), ())), TensorLayout(m, ((1,), ()))
+    # an 8 KiB block on 4 ranks: 3 rounds and 3/4 of it sent; the AllReduce 6 rounds and 3/2
+    assert math.isclose(model.move(whole, rows, (64, 32), 4, reduced=(1,)), 3e-5 + 6144e-10)
+    kept = model.move(whole, rows, (64, 32), 4, reduced=(1,), scatter=False)
+    assert math.isclose(kept, 6e-5 + 12288e-10)
+    # partial over both axes: the ReduceScatter over mp, then an AllReduce over dp of the 2 KiB
+    # part (2 rounds, 2 KiB sent)
+    both = model.move(whole, rows, (64, 32), 4, reduced=(0, 1))
+    assert math.isclose(both, 3e-5 + 6144e-10 + 2e-5 + 2048e-10)
+    # a cut over an axis that is not reduced: the AllReduce, then a free Slice
+    dp_rows = TensorLayout(m, ((0,), ()))
+    assert math.isclose(model.move(whole, dp_rows, (64, 32), 4, reduced=(1,)), kept)
+
+
 def _mlp(hidden: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix, TensorLayout
-from shardwise.redistribution import Slice, plan_redistribution
+from shardwise.redistribution import Slice, apply_step, plan_redistribution
 
 DEFAULT_ALPHA_S = 10e-6
 """Default latency of one collective round: 10 µs."""
@@ -134,10 +134,33 @@ class CostModel:
         shape: Sequence[int],
         itemsize: int,
         reduced: Sequence[int] = (),
+        scatter: bool = True,
     ) -> float:
         """Seconds to move a tensor of global `shape` from `src` to `dst`: the AllReduce of
-        its partial sums over `reduced` first, then the cheapest steps between the layouts."""
-        return _move(self, src, dst, tuple(shape), itemsize, tuple(reduced))
+        its partial sums over `reduced` first, then the cheapest steps between the layouts.
+
+        With `scatter`, a reduction whose first step cuts a dim over one of `reduced` is
+        priced as the executor runs it (`_scatter.scatters`): one ReduceScatter over that axis,
+        the AllReduce over the others on the part, then the remaining steps. The planners
+        price every edge so; a plan's own estimate (`_plan_cost.edge_move`) passes False for
+        an edge the plan keeps whole (a weighted mean, an equal gradient)."""
+        return _move(self, src, dst, tuple(shape), itemsize, tuple(reduced), scatter)
+
+
+def _scattered(src: TensorLayout, dst: TensorLayout, shape: tuple[int, ...], itemsize: int,
+               reduced: tuple[int, ...]) -> Slice | None:  # fmt: skip
+    """The first step of the move when it is a plain Slice over a reduced axis (a
+    ReduceScatter's cut), on a device matrix in rank order; else None."""
+    m = src.matrix
+    if not reduced or m.rank_list != tuple(range(m.size)):
+        return None
+    if src.dims == dst.dims and src.groups == dst.groups:
+        return None
+    steps = plan_redistribution(src, dst, shape, itemsize).steps
+    first = steps[0] if steps else None
+    if not isinstance(first, Slice) or first.groups != 1 or first.axis not in reduced:
+        return None
+    return first if m.shape[first.axis] > 1 else None
 
 
 @lru_cache(maxsize=65536)
@@ -148,9 +171,16 @@ def _move(
     shape: tuple[int, ...],
     itemsize: int,
     reduced: tuple[int, ...],
+    scatter: bool,
 ) -> float:
     total = 0.0
     m = src.matrix
+    cut = _scattered(src, dst, shape, itemsize, reduced) if scatter else None
+    if cut is not None:  # (the cut runs inside the ReduceScatter; the rest from its layout)
+        block = math.prod(src.local_shape(shape)) * itemsize
+        total = model.collective("ReduceScatter", block, m.shape[cut.axis], cut.axis)
+        rest = tuple(a for a in reduced if a != cut.axis)
+        return total + _move(model, apply_step(src, cut), dst, shape, itemsize, rest, False)
     if reduced:
         block = math.prod(src.local_shape(shape)) * itemsize
         total += model.all_reduce(block, m, reduced)

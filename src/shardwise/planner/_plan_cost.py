@@ -201,12 +201,12 @@ def edge_move(e: EdgePlan, model: CostModel, reduced: tuple[int, ...]) -> float:
     size = _itemsize(e.dtype)
     cut = e.scattered
     if cut is None:
-        return model.move(e.src.layout, e.dst.layout, e.shape, size, reduced)
+        return model.move(e.src.layout, e.dst.layout, e.shape, size, reduced, scatter=False)
     block = math.prod(e.src.layout.local_shape(e.shape)) * size
     k = e.src.layout.matrix.shape[cut.axis]
     scatter = model.collective("ReduceScatter", block, k, cut.axis)
     # (from the cut layout: its AllReduce over the other axes on the part, then the steps)
-    return scatter + model.move(e.after_scatter, e.dst.layout, e.shape, size, e.summed)
+    return scatter + model.move(e.after_scatter, e.dst.layout, e.shape, size, e.summed, False)
 
 
 def _own_backward(n: NodePlan, c: Collective, model: CostModel) -> tuple[float, int]:
