@@ -134,6 +134,49 @@ def test_a_searched_plan_trains_like_one_device() -> None:
             )
 
 
+def _capped_run(opt_class: type[torch.optim.Optimizer], x: torch.Tensor) -> list[torch.Tensor]:
+    """Two steps of `_mlp(256)` trained by `opt_class` under recursive_programming on 4
+    simulated ranks with a 1.6 MB memory cap: the losses."""
+    net = _mlp(256)
+    sw.runtime.set_memory(1_600_000)
+    try:
+        with simulated_world(4) as world:
+            world.replicate(net)
+            opt = opt_class(net.parameters(), lr=0.1)
+
+            def step(x: torch.Tensor) -> torch.Tensor:
+                loss = net(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            parallel = sw.AutoParallel(step, parallel_mode="recursive_programming")
+            return [parallel(world.rows(x)) for _ in range(2)]
+    finally:
+        sw.runtime.set_memory(None)
+
+
+def test_the_search_holds_the_jobs_optimizer_state() -> None:
+    """Plain SGD keeps no state: its parameters and gradients (about 1 MB a rank, fully
+    sharded) fit a 1.6 MB cap and the plan trains like one device; Adam's two moments per
+    element do not fit it (the search counted Adam's for every optimizer: SGD was refused)."""
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(3))
+    ref = _mlp(256)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for _ in range(2):
+        loss = ref(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.detach())
+    for got, w in zip(_capped_run(torch.optim.SGD, x), want, strict=True):
+        assert_matches_single_device(got, w)
+    with pytest.raises(PlanError, match="no plan fits the set_memory cap"):
+        _capped_run(torch.optim.Adam, x)
+
+
 class _OddWeight(nn.Module):
     """An unannotated primitive reading a weight of 6 rows: its default data-parallel strategy
     cannot split them over 4 ranks, which the automatic modes need not use."""

@@ -91,6 +91,7 @@ def capture_plan(
     kwargs: dict[str, Any],
     stored: ParallelPlan | None = None,
     mode: str = "semi_auto",
+    optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> tuple[Graph, ParallelPlan]:
     """Capture the call `fn(*args, **kwargs)` with the global shapes of its inputs and plan it.
 
@@ -106,6 +107,9 @@ def capture_plan(
         mode: ``"semi_auto"`` (`planner.plan_semi_auto`), ``"sharding_propagation"``
             (`planner.plan_sharding_propagation`) or ``"recursive_programming"``
             (`planner.plan_recursive_programming`).
+        optimizers: the job's (or found over the network's parameters): the search holds
+            their state per parameter element with each parameter
+            (`report.optimizer_state_per_element`).
 
     Returns:
         The graph and its plan.
@@ -130,8 +134,14 @@ def capture_plan(
             given.update(loaded)  # (a loaded strategy file's storage wins)
         else:
             given = {n: p.layout for n, p in stored.params.items()}
-        planner = _PLANNERS[mode]
-        plan = planner(graph, world, dataset=layouts or str(dataset), param_layouts=given)
+        dataset_layouts = layouts or str(dataset)
+        if mode == "recursive_programming":  # (its memory holds the optimizer's state)
+            state = optimizer_state_per_element(find_optimizer(network, optimizers))
+            plan = plan_recursive_programming(
+                graph, world, dataset=dataset_layouts, param_layouts=given, state_per_element=state
+            )
+        else:
+            plan = _PLANNERS[mode](graph, world, dataset=dataset_layouts, param_layouts=given)
     return graph, plan
 
 

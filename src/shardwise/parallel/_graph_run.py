@@ -144,6 +144,7 @@ class GraphRun(StepHooks, GradPlanning):
                 kwargs,
                 stored,
                 self.mode,
+                self.optimizers,
             )
         if self.hsdp is not None:
             check_param_writes(graph)

@@ -14,8 +14,9 @@ in sharding propagation); nothing needs to be annotated.
    edges (as propagation), plus its own collectives (a primitive's AllReduce after a split
    contraction, priced like any AllReduce), plus its compute (`_flops.node_flops` over the
    devices that share it, at ``flops_per_s``), plus the memory it holds on a rank (its outputs'
-   blocks, kept for backward; a parameter's block with its gradient and two optimizer moments)
-   at ``memory_s_per_byte``; a parameter's gradient AllReduce over the axes that replicate it
+   blocks, kept for backward; a parameter's block with its gradient and the optimizer's state:
+   Adam's two moments by default, the job's optimizer's under `AutoParallel`) at
+   ``memory_s_per_byte``; a parameter's gradient AllReduce over the axes that replicate it
    (its data-parallel synchronization, once a step). With ``sw.runtime.set_memory`` the chosen
    candidates' memory must also fit under the cap (an ILP row; a plan that cannot is a
    `PlanError` naming a lower bound of the memory any plan needs).
@@ -76,6 +77,7 @@ class _Costs(_Builder):
     """`_propagate._Builder` with the search's full cost (step 3 of the module docstring)."""
 
     price_own = True  # (a torch op's partial sums are reduced on its out-edges: priced)
+    copies = PARAM_COPIES  # (a parameter's block, its gradient and the optimizer's state)
 
     def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
         prob, variables = super().problem()
@@ -124,7 +126,7 @@ class _Costs(_Builder):
         layout = to_placed(m, self.choices.params[name][j], len(info.shape)).layout
         block = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
         secs = grad_sync(self.model, layout, block) if info.dtype.startswith("float") else 0.0
-        held = block * PARAM_COPIES
+        held = block * self.copies
         return (round(secs * 1e9), 0, round(held * self.model.memory_s_per_byte * 1e9)), held
 
 
@@ -146,10 +148,13 @@ def search(
     extra_matrices: Sequence[Shape] = (),
     model: CostModel | None = None,
     tie_layers: bool = True,
+    state_per_element: int = 2,
 ) -> Searched:
     """Steps 1-4 of the module docstring, without building the plan (`tie_layers`: repeated
-    layers decide alike, `_tie`)."""
+    layers decide alike, `_tie`; `state_per_element`: the optimizer's state per parameter
+    element, `report.optimizer_state_per_element`)."""
     model = model or load_cost_model()
+    costs = type("_Costs", (_Costs,), {"copies": 2 + state_per_element})
     cap = runtime.get_memory()
     annotated = _annotated(graph, param_layouts, dataset, extra_matrices)
     shapes = [()] if annotated else matrix_shapes(device_num)
@@ -159,7 +164,7 @@ def search(
     for shape in shapes:
         extra = [*extra_matrices, shape] if shape else list(extra_matrices)
         s, choices, problem, variables = problem_of(
-            graph, device_num, dataset, param_layouts, extra, model, _Costs
+            graph, device_num, dataset, param_layouts, extra, model, costs
         )
         assert problem.memory is not None
         floor = sum(min(row) for row in problem.memory)
@@ -213,6 +218,7 @@ def plan_recursive_programming(
     param_layouts: Mapping[str, TensorLayout] | None = None,
     extra_matrices: Sequence[Shape] = (),
     model: CostModel | None = None,
+    state_per_element: int = 2,
 ) -> ParallelPlan:
     """Plan a captured graph by the search (see the module docstring).
 
@@ -223,6 +229,10 @@ def plan_recursive_programming(
         param_layouts: parameter name -> its declared storage layout.
         extra_matrices: device-matrix shapes the global matrix must refine.
         model: the cost model (default: `load_cost_model`).
+        state_per_element: elements of state the job's optimizer keeps per parameter element
+            (`report.optimizer_state_per_element`: Adam 2, SGD with momentum 1, plain SGD 0),
+            held with each parameter's block and gradient in the memory the search prices and
+            caps; `AutoParallel` passes its optimizer's.
 
     Returns:
         The `ParallelPlan` (mode ``"recursive_programming"``).
@@ -240,5 +250,6 @@ def plan_recursive_programming(
         param_layouts=param_layouts,
         extra_matrices=extra_matrices,
         model=model,
+        state_per_element=state_per_element,
     )
     return build_plan(graph, found.run, mode="recursive_programming")
