@@ -71,6 +71,19 @@ def test_every_rank_in_one_process() -> None:
                                      lambda r: torch.arange(8.0)[2 * r : 2 * r + 2])  # fmt: skip
         # torch's own comparisons inside an op keep its rule (slicing compares start with 0)
         assert_matches_single_device(torch.arange(8.0)[rank:], lambda r: torch.arange(8.0)[r:])
+        # the rank with a tensor every rank shares (torch.tensor makes one even here): each
+        # rank's value (it ran once, with a placeholder of 7777777 for the rank on every rank)
+        assert_matches_single_device(torch.tensor(0.5) + rank, lambda r: torch.tensor(0.5 + r))
+        assert_matches_single_device(
+            torch.tensor([1, 2]) * rank, lambda r: torch.tensor([r, 2 * r])
+        )
+        # one Python number cannot hold every rank's value (AttributeErrors before)
+        for convert in (lambda: int(rank), lambda: float(rank), lambda: torch.tensor(rank)):
+            with pytest.raises(ValueError, match=r"converted to one Python number .*rank_value"):
+                convert()
+        shared = torch.tensor(0.0)
+        with pytest.raises(ValueError, match="every rank shares"):
+            shared += rank
         # one value for a file written for every rank: only where all ranks agree
         assert comm.shared_value(blocks["w"]) is None
         nan = comm.rank_value(lambda r: torch.tensor([float("nan"), 1.0]))

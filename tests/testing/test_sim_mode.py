@@ -20,7 +20,9 @@ def test_in_place_write_into_an_outside_tensor_is_refused() -> None:
     total, ones = torch.zeros(2), torch.ones(4, 2)
     with simulated_world(2) as world:
         part = world.rows(ones).sum(0)  # 2.0 on each rank
-        with pytest.raises(ValueError, match=r"aten\.add_\.Tensor .* shape \[2\] made outside"):
+        with pytest.raises(
+            ValueError, match=r"aten\.add_\.Tensor .* shape \[2\] that every rank shares"
+        ):
             total += part
         assert total.tolist() == [0.0, 0.0]  # (nothing written)
         with pytest.raises(ValueError, match="made outside the world"):

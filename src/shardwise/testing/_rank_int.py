@@ -8,7 +8,8 @@ no rank and ``if rank != 0:`` on every one. `rank_node` makes the node of the ra
 (not of ints computed from it, ``rank % 2``, which keep torch's rule): a comparison in user
 code whose answer differs between ranks (``rank == 0``, ``if rank:``, ``rank in (0, 1)``)
 raises `RankBranchError` naming the fix; one that every rank answers alike (``rank >= 0``) is
-that answer; torch's own comparisons inside an op (``x[rank:]``) keep torch's rule.
+that answer; torch's own comparisons inside an op (``x[rank:]``) keep torch's rule. Turning
+the rank into one Python number (``int(rank)``, ``torch.tensor(rank)``, a seed) raises too.
 """
 
 from __future__ import annotations
@@ -80,9 +81,23 @@ def _user_branch() -> bool:
     return name in _BRANCHING or name.startswith("POP_JUMP")
 
 
+def _convert(self: Any, *args: Any) -> Any:
+    """``int(rank)``, ``float(rank)``, ``torch.tensor(rank)``, a seed: one Python number
+    cannot hold each rank's value."""
+    raise RankBranchError(
+        "get_rank() converted to one Python number (int(), float(), torch.tensor(rank), "
+        "torch.manual_seed(base + rank)) differs between the ranks of this simulated world: one "
+        "process runs every rank, so a number cannot hold each rank's value. Use the rank in "
+        "tensor arithmetic (torch.ones(n) * rank), make rank-dependent values with "
+        "shardwise.communication.rank_value(lambda r: ...), or test such code in a real job "
+        "(shardwise.testing.run_job)"
+    )
+
+
 @functools.cache
 def _node_class(base: type) -> type:
-    """`base` with comparisons that refuse to differ between ranks."""
+    """`base` with comparisons that refuse to differ between ranks, and conversions to one
+    Python number that refuse always."""
     return type(
         "RankIntNode",
         (base,),
@@ -93,6 +108,9 @@ def _node_class(base: type) -> type:
             "le": _compare("le", "<=", lambda a, b: a <= b),
             "gt": _compare("gt", ">", lambda a, b: a > b),
             "ge": _compare("ge", ">=", lambda a, b: a >= b),
+            "int_": _convert,
+            "guard_int": _convert,
+            "guard_float": _convert,
         },
     )
 

@@ -14,6 +14,9 @@
   torch.tensor([0.4]))``, a ``Beta`` sample) drew once from the process's generator, leaving
   each rank's stream where it was (the next draw repeated numbers one process had used);
   `each_rank_draws` runs it for every rank from that rank's stream.
+- An op on plain tensors given the rank (``torch.tensor(0.) + get_rank()``: a per-rank int)
+  ran once with a placeholder in the rank's place (7777777 on every rank); `each_rank_int` runs
+  it for every rank with that rank's value.
 - Seeding inside the world (``torch.manual_seed`` in a train step) runs LocalTensorMode's own
   version, which copies the generator states with tensor ops; `quiet_seeding` runs it with
   torch-function modes off, so a wrapped step's plan executor does not see those copies as ops
@@ -53,13 +56,49 @@ def _plain(x: Any, local: type) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, local)
 
 
+def _per_rank(v: Any, local: type) -> bool:
+    """A LocalTensor, or an int with each rank's value (``get_rank()``: a SymInt whose node
+    holds per-rank ints)."""
+    if isinstance(v, local):
+        return True
+    return isinstance(v, torch.SymInt) and getattr(v.node, "_local_ints", None) is not None
+
+
 def _has_local(values: Any, local: type) -> bool:
     for v in values:
-        if isinstance(v, local):
+        if _per_rank(v, local):
             return True
-        if isinstance(v, (list, tuple)) and any(isinstance(u, local) for u in v):
+        if isinstance(v, (list, tuple)) and any(_per_rank(u, local) for u in v):
             return True
     return False
+
+
+def _rank_int_only(args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> bool:
+    """Whether the per-rank values among the arguments are per-rank ints only, beside plain
+    tensors (``torch.tensor(0.) + rank``): LocalTensorMode would run such an op once, on a
+    placeholder in place of the rank."""
+    values = [*args, *kwargs.values()]
+    if not any(isinstance(v, torch.Tensor) for v in values):
+        return False
+    flat = [u for v in values for u in (v if isinstance(v, (list, tuple)) else (v,))]
+    return not any(isinstance(u, local) for u in flat) and _has_local(flat, local)
+
+
+def each_rank_int(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`func` run for every rank of `mode` with each per-rank int replaced by that rank's value
+    (a per-rank tensor)."""
+
+    def on(r: int) -> Any:
+        def value(x: Any) -> Any:
+            ints = getattr(x.node, "_local_ints", None) if isinstance(x, torch.SymInt) else None
+            return ints[r] if ints is not None else x
+
+        a = tuple(
+            type(v)(value(u) for u in v) if isinstance(v, (list, tuple)) else value(v) for v in args
+        )
+        return func(*a, **{k: value(v) for k, v in kwargs.items()})
+
+    return mode.rank_map(on)
 
 
 def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> None:
@@ -76,10 +115,11 @@ def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local:
     shape = next(list(t.shape) for t in targets if _plain(t, local))
     raise ValueError(
         f"simulated world: {func} writes each rank's value into a tensor of shape {shape} "
-        "made outside the world (one plain tensor that every rank shares): it would be "
-        "updated once per simulated rank, where a real job updates it once per process. "
-        "Make the tensor inside the world (or pass it through world.same(...)), or write "
-        "out of place (total = total + loss)"
+        "that every rank shares (one plain tensor: made outside the world, or by "
+        "torch.tensor(...) inside it): it would be updated once per simulated rank, where a "
+        "real job updates it once per process. Make the tensor inside the world with a "
+        "factory (torch.zeros, or world.same(...)), or write out of place (total = total + "
+        "loss)"
     )
 
 
@@ -181,6 +221,8 @@ def guarded_mode(mode_cls: type, local: type) -> type:
                         return made
                 elif self._per_rank_rng_states and _plain_draw(func, args, kwargs or {}, local):
                     return each_rank_draws(self, func, args, kwargs or {})
+                if _rank_int_only(args, kwargs or {}, local):
+                    return each_rank_int(self, func, args, kwargs or {})
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return GuardedLocalTensorMode
