@@ -138,6 +138,30 @@ class Primitive(nn.Module):
             args[key] = value
         return args
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the op; keyword arguments (``ReduceSum()(x, axis=1)``, ``MatMul()(x=h, w=w)``)
+        are put in their places first, so that plans and hooks see every argument where
+        ``forward`` puts it (they saw positional ones only: a plan took the default axis)."""
+        if kwargs:
+            args = self._positional(args, kwargs)
+        return super().__call__(*args)
+
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        names = [*self.input_names, *(key for key, _ in self.call_args)]
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(f"{self.who}: unknown argument {key!r}; it takes {names}")
+            if names.index(key) < len(args):
+                raise TypeError(f"{self.who}: argument {key!r} given by position and by name")
+        defaults = dict(self.call_args)
+        out = list(args)
+        for key in names[len(args) : max(names.index(k) for k in kwargs) + 1]:
+            value = kwargs.get(key, defaults.get(key, REQUIRED))
+            if value is REQUIRED:
+                raise TypeError(f"{self.who}: missing argument {key!r} (it takes {names})")
+            out.append(value)
+        return tuple(out)
+
     def split_call(self, *args: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Forward's positional arguments -> (tensor inputs, non-tensor call arguments)."""
         n = len(self.input_names)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from shardwise.ops._base import REQUIRED, Primitive
+from shardwise.ops._specs import axes_of, norm_perm
 
 AxisArg = int | Sequence[int]
 
@@ -62,12 +63,16 @@ class Transpose(Primitive):
         super().__init__()
 
     def forward(self, x: torch.Tensor, perm: Sequence[int]) -> torch.Tensor:
-        return x.permute(tuple(perm))
+        return x.permute(norm_perm(perm, x.dim(), self.who))
 
 
-def _dims(axis: AxisArg, rank: int) -> tuple[int, ...]:
-    values = [axis] if isinstance(axis, int) else list(axis)
-    return tuple(a % rank if rank else a for a in values)
+def _dims(axis: AxisArg, rank: int, who: str) -> tuple[int, ...]:
+    """`axis` (an int, a tuple or list of ints, ``()``) as non-negative dims, checked: each in
+    ``[-rank, rank)``, none twice (ValueError naming `who`; an axis out of range reduced
+    another dim before)."""
+    if isinstance(axis, tuple | list) and not axis:
+        return ()
+    return axes_of(axis, rank, who)
 
 
 class _Reduce(Primitive):
@@ -91,7 +96,7 @@ class _Reduce(Primitive):
 
     def _reduce(self, x: torch.Tensor, axis: AxisArg, how: str) -> torch.Tensor:
         args = self.init_args()
-        dims = _dims(axis, x.dim())
+        dims = _dims(axis, x.dim(), self.who)
         if not dims:
             if args["skip_mode"]:
                 return x

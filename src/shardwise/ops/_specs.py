@@ -43,11 +43,26 @@ def norm_axis(axis: object, rank: int, who: str, what: str = "axis") -> int:
     return axis % rank if rank else 0
 
 
-def _axes(axis: object, rank: int, who: str) -> tuple[int, ...]:
+def axes_of(axis: object, rank: int, who: str) -> tuple[int, ...]:
+    """`axis` (an int or a tuple / list of ints) as sorted non-negative dims, else ValueError
+    naming `who` (out of range, not an int, a dim twice)."""
     values = list(axis) if isinstance(axis, tuple | list) else [axis]
     out = tuple(sorted({norm_axis(a, rank, who) for a in values}))
     if len(out) != len(values):
         raise ValueError(f"{who}: axis={axis!r} repeats a dim")
+    return out
+
+
+def norm_perm(perm: object, rank: int, who: str) -> tuple[int, ...]:
+    """A Transpose's `perm` with negative entries counted from the end (MindSpore takes
+    ``[-rank, rank)``), else ValueError naming `who` when it is not a permutation."""
+    values = list(perm) if isinstance(perm, tuple | list) else [perm]
+    try:
+        out = tuple(norm_axis(p, rank, who, "perm entry") for p in values)
+    except ValueError:
+        out = ()
+    if sorted(out) != list(range(rank)):
+        raise ValueError(f"{who}: perm {perm} is not a permutation of the {rank} dims")
     return out
 
 
@@ -137,7 +152,9 @@ def softmax_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str) 
     """Softmax / LogSoftmax: unary, and the softmax axis (or axes) may not be split."""
     spec = unary_spec(op_args, shapes, who)
     axis = op_args.get("axis", -1)
-    fixed = {a: f"is the {spec.op} axis (axis={axis!r})" for a in _axes(axis, len(shapes[0]), who)}
+    fixed = {
+        a: f"is the {spec.op} axis (axis={axis!r})" for a in axes_of(axis, len(shapes[0]), who)
+    }
     return Spec(
         spec.op, spec.input_names, spec.inputs, spec.outputs, spec.output_shapes, fixed=fixed
     )
@@ -203,7 +220,7 @@ def reduce_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str) -
     _arity(op, shapes, ("x",), who)
     x = shapes[0]
     axis = op_args.get("axis", ())
-    axes = _axes(axis, len(x), who) if axis not in ((), []) else ()
+    axes = axes_of(axis, len(x), who) if axis not in ((), []) else ()
     if not axes and not op_args.get("skip_mode", False):
         axes = tuple(range(len(x)))
     keep = bool(op_args.get("keep_dims", False))
@@ -285,11 +302,7 @@ def transpose_spec(op_args: Mapping[str, Any], shapes: Sequence[Shape], who: str
     """Transpose: output dim k is input dim perm[k] (same split)."""
     _arity("Transpose", shapes, ("x",), who)
     x = shapes[0]
-    perm = tuple(op_args.get("perm", ()))
-    if sorted(perm) != list(range(len(x))):
-        raise ValueError(
-            f"{who}: perm {perm} is not a permutation of the {len(x)} dims of {list(x)}"
-        )
+    perm = norm_perm(op_args.get("perm", ()), len(x), f"{who} on {list(x)}")
     return Spec("Transpose", ("x",), (tuple(range(len(x))),), (perm,), (tuple(x[k] for k in perm),))
 
 

@@ -38,6 +38,7 @@ from shardwise.ops._shape_primitives import (
     Reshape,
     Transpose,
 )
+from shardwise.ops._specs import axes_of
 
 Operand = torch.Tensor | float | int
 
@@ -270,9 +271,10 @@ class Softmax(Primitive):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         axis = self.init_args()["axis"]
+        dims = axes_of(axis, x.dim(), self.who)  # (checked here: torch's error names no op)
         if isinstance(axis, int):
             return torch.softmax(x, axis)
-        return torch.exp(x - torch.logsumexp(x, dim=axis, keepdim=True))
+        return torch.exp(x - torch.logsumexp(x, dim=dims, keepdim=True))
 
 
 class LogSoftmax(Primitive):

@@ -36,7 +36,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from shardwise import communication as comm
 from shardwise.layout import LayoutTypeError, TensorLayout
-from shardwise.ops import normalize_strategy
+from shardwise.ops import Primitive, normalize_strategy
 from shardwise.planner._annotated import entry_layout
 from shardwise.planner._graph import OP_STRATEGY
 
@@ -253,6 +253,9 @@ def shard(
             (names relative to the module; for a function, to the network `AutoParallel`
             wraps), e.g. ``{"fc.weight": (1, 4)}``.
 
+    A shardwise primitive (``sw.ops.MatMul()``) takes the strategies as its own
+    ``primitive.shard(in_strategy, out_strategy)`` does.
+
     The op form: for an ``nn.Linear`` or ``nn.Embedding``, an `in_strategy` with one entry per
     tensor of the module's op, ``(input, weight)``, annotates that op instead of resharding the
     module's inputs, the way a primitive's ``shard()`` does: ``nn.Linear`` as
@@ -276,6 +279,14 @@ def shard(
         >>> mlp = sw.shard(mlp, in_strategy=((2, 1),), parameter_plan={"fc1.weight": (4, 1)})
     """
     who = "sw.shard"
+    if isinstance(fn_or_module, Primitive):  # (its own strategy: as primitive.shard(...))
+        if parameter_plan is not None:
+            raise ValueError(
+                f"{who}: {fn_or_module.who} is a primitive, which holds no parameters; its "
+                f"in_strategy sets the layouts of its inputs (a weight among them): drop "
+                f"parameter_plan"
+            )
+        return fn_or_module.shard(in_strategy, out_strategy)
     ins = normalize_strategy(in_strategy, "in_strategy", who) if in_strategy is not None else None
     outs = normalize_strategy(out_strategy, "out_strategy", who)
     params = _check_plan(parameter_plan, who)

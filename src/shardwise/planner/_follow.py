@@ -141,6 +141,7 @@ class _Follow:
             try:
                 shapes = [o.info.shape for o in call.outputs]
                 dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
+                _check_even(dec.outputs, shapes, self.matrix.shape)
             except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
                 error = self._error(node, call.op, e)
                 if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
@@ -315,6 +316,25 @@ class _Follow:
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
             f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
         )
+
+
+def _check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> None:
+    """Raise ValueError when a rule's output splits a dim into parts its size does not divide
+    (DTensor checks each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are
+    equal)."""
+    for placed, shape in zip(outputs, shapes, strict=False):
+        if placed is None:
+            continue
+        parts = [1] * len(shape)
+        for size, p in zip(mesh, placed, strict=True):
+            dim = getattr(p, "dim", None)
+            if dim is not None and dim < len(shape):
+                parts[dim] *= size
+        for d, (size, n) in enumerate(zip(shape, parts, strict=True)):
+            if size % n:
+                raise ValueError(
+                    f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
+                )
 
 
 def _uneven_fix_text(what: str, producers: list[str]) -> str:
