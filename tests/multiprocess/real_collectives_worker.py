@@ -65,6 +65,14 @@ def main() -> None:
     check("AlltoAll", (2 * k, 3 * k), sw.ops.AlltoAll(k, 1, 0), a2a, world)
     ring = sw.ops.NeighborExchange([(rank + 1) % n], [(rank - 1) % n], [[2, 3]], [[2, 3]])
     check("NeighborExchange", (2, 3), ring, lambda xs: [xs[(r - 1) % k] for r in range(k)], world)
+    # a receiver expecting more than its peer sends: a ValueError (gloo delivered the shorter
+    # message silently, the rest of the buffer left as it was)
+    longer = sw.ops.NeighborExchange([(rank + 1) % n], [(rank - 1) % n], [[2, 4]], [[2, 3]])
+    try:
+        longer((torch.ones(2, 3),))
+    except ValueError as e:
+        assert "expects shape [2, 4]" in str(e) and "sent shape [2, 3]" in str(e), e
+        print("CHECK NeighborExchange-shapes OK", flush=True)
     # 1 x n strip, one-column halos, no wrap-around: direction 2 = right, 6 = left
     ids = [-1] * 8
     ids[2] = rank + 1 if rank + 1 < n else -1

@@ -12,8 +12,8 @@ from shardwise.testing import run_job
 WORKER = Path(__file__).with_name("real_collectives_worker.py")
 CHECKS = [
     "AllReduce", "AllReduce-max", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
-    "NeighborExchange", "NeighborExchangeV2", "AllReduce-subgroup", "Buckets",
-    "BufferPool",
+    "NeighborExchange", "NeighborExchange-shapes", "NeighborExchangeV2", "AllReduce-subgroup",
+    "Buckets", "BufferPool",
 ]  # fmt: skip
 
 

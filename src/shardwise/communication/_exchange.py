@@ -5,7 +5,10 @@ answers (`_sim`), in a job `_p2p` posts one batch of ``isend`` / ``irecv`` (afte
 every peer is in the group, `check_member`), with the messages a rank sends to itself
 delivered by a local copy (`_to_self`: gloo has no pair to itself). The call is recorded as a
 `CommRecord` with the bytes sent to other ranks. It is not traced (`_trace`): only some of a
-group's ranks take part in point-to-point.
+group's ranks take part in point-to-point. Each message carries a header of its element size
+and shape (`HEADER`, 128 bytes; not counted in the recorded bytes), checked by the receiver:
+a message of another shape or dtype is a ValueError naming both (gloo would deliver a shorter
+one silently, into a buffer whose tail it leaves as it was).
 """
 
 from __future__ import annotations
@@ -45,6 +48,36 @@ def _to_self(
     return filled
 
 
+HEADER = 16
+"""int64 entries before each message's bytes in a job: its element size, its number of dims and
+its shape (up to 14 dims): gloo delivers a shorter message than the receiver expects without
+a word, leaving the rest of the buffer as it was."""
+
+
+def _framed(x: torch.Tensor) -> torch.Tensor:
+    """`x`'s bytes after a header of its element size and shape (`HEADER`)."""
+    head = torch.zeros(HEADER, dtype=torch.int64)
+    head[0], head[1] = x.element_size(), x.dim()
+    head[2 : 2 + min(x.dim(), HEADER - 2)] = torch.tensor(x.shape[: HEADER - 2])
+    body = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    return torch.cat([head.to(x.device).view(torch.uint8), body])
+
+
+def _unframed(kind: str, buf: torch.Tensor, out: torch.Tensor, src: int, me: int) -> None:
+    """Check the header of a message received into `buf` against `out` (the shape and dtype
+    this rank expects) and copy the message's bytes into `out`."""
+    head = buf[: HEADER * 8].view(torch.int64).tolist()
+    size, ndim = int(head[0]), int(head[1])
+    shape = [int(d) for d in head[2 : 2 + min(ndim, HEADER - 2)]]
+    if size != out.element_size() or shape != list(out.shape)[: HEADER - 2] or ndim != out.dim():
+        raise ValueError(
+            f"{kind}: rank {me} expects shape {list(out.shape)} of {out.element_size()}-byte "
+            f"elements from rank {src}, which sent shape {shape} of {size}-byte elements: make "
+            f"recv_shapes and recv_type match the sender's send_shapes and dtype"
+        )
+    out.copy_(buf[HEADER * 8 :].view(out.dtype).view(out.shape))
+
+
 def _p2p(
     kind: str,
     sends: Sequence[torch.Tensor],
@@ -66,18 +99,22 @@ def _p2p(
     me = dist.get_rank()
     to_self = _to_self(sends, send_to, outs, recv_from, me)
     ops = [
-        dist.P2POp(dist.isend, x.detach().contiguous(), dst, g.pg, tag)
+        dist.P2POp(dist.isend, _framed(x), dst, g.pg, tag)
         for x, (dst, tag) in zip(sends, send_to, strict=True)
-        if dst not in (-1, me) and x.numel() > 0
+        if dst not in (-1, me)
     ]
-    ops += [
-        dist.P2POp(dist.irecv, out, src, g.pg, tag)
-        for j, (out, (src, tag)) in enumerate(zip(outs, recv_from, strict=True))
-        if src != -1 and j not in to_self and out.numel() > 0
-    ]
+    received = {
+        j: torch.empty(HEADER * 8 + _nbytes(out), dtype=torch.uint8, device=device)
+        for j, (out, (src, _)) in enumerate(zip(outs, recv_from, strict=True))
+        if src != -1 and j not in to_self
+    }
+    ops += [dist.P2POp(dist.irecv, buf, recv_from[j][0], g.pg, recv_from[j][1])
+            for j, buf in received.items()]  # fmt: skip
     if ops:  # not traced: only some of the group's ranks take part in point-to-point
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    for j, buf in received.items():
+        _unframed(kind, buf, outs[j], recv_from[j][0], me)
     sent = sum(_nbytes(x) for x, (d, _) in zip(sends, send_to, strict=True) if d not in (-1, me))
     return outs, sent
 
