@@ -134,14 +134,13 @@ def capture_plan(
             given.update(loaded)  # (a loaded strategy file's storage wins)
         else:
             given = {n: p.layout for n, p in stored.params.items()}
-        dataset_layouts = layouts or str(dataset)
+        extra: dict[str, Any] = {}
         if mode == "recursive_programming":  # (its memory holds the optimizer's state)
-            state = optimizer_state_per_element(find_optimizer(network, optimizers))
-            plan = plan_recursive_programming(
-                graph, world, dataset=dataset_layouts, param_layouts=given, state_per_element=state
-            )
-        else:
-            plan = _PLANNERS[mode](graph, world, dataset=dataset_layouts, param_layouts=given)
+            optimizer = find_optimizer(network, optimizers)
+            extra["state_per_element"] = optimizer_state_per_element(optimizer)
+        plan = _PLANNERS[mode](
+            graph, world, dataset=layouts or str(dataset), param_layouts=given, **extra
+        )
     return graph, plan
 
 

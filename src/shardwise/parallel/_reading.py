@@ -1,5 +1,7 @@
 """The methods of `AutoParallel` that read its plan (`PlanReading`): `strategies` (each op's
-in_strategy) and `explain` (why an automatically planned op has its strategy).
+in_strategy) and `explain` (why an op has its strategy: an automatic mode's explanation with its
+alternatives, else `_explain_rule`: the rule semi_auto or a loaded plan took it from and what the
+op moves).
 """
 
 from __future__ import annotations
@@ -46,9 +48,12 @@ class PlanReading:
         Args:
             name: the op's name as `strategies` and the IR print it (``"relu/ReLU"``).
 
+        A plan that weighed no alternatives (semi_auto, a loaded file) gives the strategy, the
+        rule it came from (annotated, a primitive's default, the op's sharding rule on its
+        inputs as they come) and the moves and collectives of the op.
+
         Raises:
-            ValueError: nothing planned yet, a plan not made by an automatic mode (semi_auto,
-                a loaded file), or an unknown name (the message lists near names).
+            ValueError: nothing planned yet, or an unknown name (the message lists near names).
 
         Example:
             >>> print(parallel_net.explain("relu/ReLU"))  # seed 002
@@ -57,13 +62,43 @@ class PlanReading:
                 ...
         """
         plan = self.parallel_plan
-        if plan is None or not plan.explained:
-            why = "nothing planned yet" if plan is None else f"a {plan.mode} plan"
+        if plan is None:
             raise ValueError(
-                f"AutoParallel.explain: no explained plan ({why}); explanations come from "
-                f"parallel_mode='sharding_propagation' or 'recursive_programming'"
+                "AutoParallel.explain: nothing planned yet; call the wrapper (or its plan()) "
+                "once first"
             )
-        if name not in plan.explained:
-            near = difflib.get_close_matches(name, list(plan.explained), n=5, cutoff=0.3)
+        if name in plan.explained:
+            return str(plan.explained[name])
+        names = [n.name for n in plan.nodes]
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=5, cutoff=0.3)
             raise ValueError(f"AutoParallel.explain: no op {name!r} in the plan; close: {near}")
-        return str(plan.explained[name])
+        return _explain_rule(plan, names.index(name))
+
+
+_RULES = {
+    "user": "annotated: its shard() strategy",
+    "default": "a primitive's data-parallel default (not annotated)",
+    "dtensor": "not annotated: it takes its inputs as they come, by DTensor's sharding rule, "
+    "unless the data-parallel strategy moves less",
+    "shardwise": "not annotated: it takes its inputs as they come, by shardwise's rule for "
+    "the op, unless the data-parallel strategy moves less",
+    "factory": "a factory: its output made in its layout where it runs",
+    "replicate": "not annotated, and no rule runs it split: it runs on whole inputs",
+}
+
+
+def _explain_rule(plan: ParallelPlan, index: int) -> str:
+    """Op `index` of a plan that weighed no alternatives (semi_auto, a loaded plan): its
+    strategy, the rule it came from and what it moves."""
+    node = plan.nodes[index]
+    lines = [f"{node.name}: {node.in_strategy} ({_RULES.get(node.rule, node.rule)})"]
+    moved = [str(e) for e in plan.edges_by_consumer().get(index, []) if e.steps or e.reduced]
+    lines += [f"    input moved: {m}" for m in moved]
+    lines += [f"    runs: {c}" for c in node.comms]
+    lines.append(
+        f"    ({plan.mode} weighs no alternatives: annotated ops keep their strategies, the "
+        f"others follow; parallel_mode='sharding_propagation' or 'recursive_programming' "
+        f"price each op's candidates)"
+    )
+    return "\n".join(lines)

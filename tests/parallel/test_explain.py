@@ -1,0 +1,48 @@
+"""`AutoParallel.explain` on a semi_auto plan (it raised "no explained plan"): the strategy,
+the rule it came from and what the op moves; the automatic modes' explanations with their
+alternatives are tested in test_propagation_parity.py and tests/planner/test_search.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import simulated_world
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(32, 16))
+        self.w2 = nn.Parameter(torch.randn(16, 8))
+        self.mm1 = sw.ops.MatMul().shard(((2, 4), (4, 1)))
+        self.mm2 = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mm2(torch.relu(self.mm1(x, self.w1)), self.w2)
+        return out
+
+
+def test_a_semi_auto_plan_explains_each_op() -> None:
+    net, x = _Net(), torch.randn(16, 32)
+    with simulated_world(8) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net, parallel_mode="semi_auto")
+        with pytest.raises(ValueError, match="nothing planned yet"):
+            parallel.explain("mm1/MatMul")
+        parallel(world.rows(x))
+        names = list(parallel.strategies())
+    annotated = parallel.explain("mm1/MatMul")
+    assert annotated.startswith("mm1/MatMul: ((2, 4), (4, 1)) (annotated: its shard() strategy)")
+    assert "runs: AllReduce" in annotated  # (its K dim split over 4: partial sums reduced)
+    assert "input moved:" in annotated  # (the rows arrive over 8 ranks, it takes them over 2)
+    assert "semi_auto weighs no alternatives" in annotated
+    default = parallel.explain("mm2/MatMul")
+    assert default.startswith("mm2/MatMul: ((8, 1), (1, 1)) (a primitive's data-parallel")
+    relu = next(n for n in names if "relu" in n)
+    assert "not annotated: it takes its inputs as they come" in parallel.explain(relu)
+    with pytest.raises(ValueError, match=r"no op 'mm1' in the plan; close: \['mm1/MatMul'"):
+        parallel.explain("mm1")
