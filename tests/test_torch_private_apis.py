@@ -495,9 +495,12 @@ def _local_tensor_mode_dispatch() -> None:
     """`testing/_sim_mode` subclasses LocalTensorMode: its ``__torch_dispatch__(func,
     types, args, kwargs)``, its ``_disable`` flag, ``rank_map``; an op's ``_schema`` alias
     info tells a write into the first argument."""
-    mode_cls = importlib.import_module("torch.distributed._local_tensor").LocalTensorMode
-    names = list(inspect.signature(mode_cls.__torch_dispatch__).parameters)
+    lt = importlib.import_module("torch.distributed._local_tensor")
+    names = list(inspect.signature(lt.LocalTensorMode.__torch_dispatch__).parameters)
     assert names == ["self", "func", "types", "args", "kwargs"], names
+    # (its per-rank runner, for an op given a per-rank int beside plain tensors)
+    run = list(inspect.signature(lt._for_each_rank_run_func).parameters)
+    assert run == ["func", "ranks", "args", "kwargs", "alias"], run
     with simulated_world(2) as world:
         assert world.mode._disable is False and callable(world.mode.rank_map)
         with world.outside():
@@ -547,9 +550,8 @@ CASES: dict[str, Callable[[], None]] = {
         "torch.testing._internal.distributed.fake_pg", "FakeStore"
     ),
     "testing/_world: LocalTensor, its per-rank values and RNG states": _local_tensor_world,
-    "testing/_sim_mode: LocalTensorMode's dispatch, _disable, rank_map, seeding": (
-        _local_tensor_mode_dispatch
-    ),
+    "testing/_sim_mode: LocalTensorMode's dispatch, _disable, rank_map, seeding, its "
+    "per-rank runner": (_local_tensor_mode_dispatch),
 }
 
 

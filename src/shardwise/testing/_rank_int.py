@@ -9,7 +9,8 @@ no rank and ``if rank != 0:`` on every one. `rank_node` makes the node of the ra
 code whose answer differs between ranks (``rank == 0``, ``if rank:``, ``rank in (0, 1)``)
 raises `RankBranchError` naming the fix; one that every rank answers alike (``rank >= 0``) is
 that answer; torch's own comparisons inside an op (``x[rank:]``) keep torch's rule. Turning
-the rank into one Python number (``int(rank)``, ``torch.tensor(rank)``, a seed) raises too.
+the rank into one Python number (``int(rank)``, ``torch.tensor(rank)``) raises too
+(``torch.manual_seed(base + rank)`` seeds each rank's stream: LocalTensorMode's own seeding).
 """
 
 from __future__ import annotations
@@ -82,12 +83,12 @@ def _user_branch() -> bool:
 
 
 def _convert(self: Any, *args: Any) -> Any:
-    """``int(rank)``, ``float(rank)``, ``torch.tensor(rank)``, a seed: one Python number
-    cannot hold each rank's value."""
+    """``int(rank)``, ``float(rank)``, ``torch.tensor(rank)``: one Python number cannot hold
+    each rank's value."""
     raise RankBranchError(
-        "get_rank() converted to one Python number (int(), float(), torch.tensor(rank), "
-        "torch.manual_seed(base + rank)) differs between the ranks of this simulated world: one "
-        "process runs every rank, so a number cannot hold each rank's value. Use the rank in "
+        "get_rank() converted to one Python number (int(), float(), torch.tensor(rank)) "
+        "differs between the ranks of this simulated world: one process runs every rank, so a "
+        "number cannot hold each rank's value. Use the rank in "
         "tensor arithmetic (torch.ones(n) * rank), make rank-dependent values with "
         "shardwise.communication.rank_value(lambda r: ...), or test such code in a real job "
         "(shardwise.testing.run_job)"

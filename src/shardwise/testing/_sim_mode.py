@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from shardwise._torch import pytree
+
 _SEEDING = ("torch.manual_seed", "torch.random.manual_seed")
 
 _WRITES_FIRST: dict[Any, bool] = {}
@@ -75,30 +77,20 @@ def _has_local(values: Any, local: type) -> bool:
 
 def _rank_int_only(args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> bool:
     """Whether the per-rank values among the arguments are per-rank ints only, beside plain
-    tensors (``torch.tensor(0.) + rank``): LocalTensorMode would run such an op once, on a
-    placeholder in place of the rank."""
-    values = [*args, *kwargs.values()]
-    if not any(isinstance(v, torch.Tensor) for v in values):
+    tensors (``torch.tensor(0.) + rank``, ``torch.cat([a, b], rank)``): LocalTensorMode would
+    run such an op once, on a placeholder in place of the rank."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    if any(isinstance(v, local) for v in leaves):
         return False
-    flat = [u for v in values for u in (v if isinstance(v, (list, tuple)) else (v,))]
-    return not any(isinstance(u, local) for u in flat) and _has_local(flat, local)
+    return any(isinstance(v, torch.Tensor) for v in leaves) and _has_local(leaves, local)
 
 
 def each_rank_int(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """`func` run for every rank of `mode` with each per-rank int replaced by that rank's value
-    (a per-rank tensor)."""
-
-    def on(r: int) -> Any:
-        def value(x: Any) -> Any:
-            ints = getattr(x.node, "_local_ints", None) if isinstance(x, torch.SymInt) else None
-            return ints[r] if ints is not None else x
-
-        a = tuple(
-            type(v)(value(u) for u in v) if isinstance(v, (list, tuple)) else value(v) for v in args
-        )
-        return func(*a, **{k: value(v) for k, v in kwargs.items()})
-
-    return mode.rank_map(on)
+    (torch's own per-rank runner: results joined into per-rank tensors, each rank's random
+    stream)."""
+    streams = importlib.import_module("torch.distributed._local_tensor")
+    return streams._for_each_rank_run_func(func, mode.ranks, args, kwargs, alias=True)
 
 
 def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> None:
