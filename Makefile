@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	@$(PY) -m compileall -q src >/dev/null  # (an editable install leaves the bytecode to runs)
+	@$(PY) -m compileall -q src  # (an editable install leaves the bytecode to runs)
 	@touch $(STAMP)
 
 # The flagship job: seed 004 (manual data parallel) on real MNIST, 8 workers, 1 epoch.
@@ -115,7 +115,7 @@ browser:
 # of every job would compile each module from source again.
 TEST_WORKERS ?= auto
 pytest: $(STAMP) mpi browser
-	@$(PY) -m compileall -q src tests examples bench >/dev/null
+	@$(PY) -m compileall -q src tests examples bench
 	@fail=0; \
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) -m "not multiprocess" || fail=$$?; \
 	$(PY) -m pytest -m multiprocess || { rc=$$?; [ $$fail -ne 0 ] || fail=$$rc; }; \

@@ -10,6 +10,7 @@ communicates start without loading DTensor or ``torch.distributed.checkpoint``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ if not TYPE_CHECKING:  # type checkers see the imports above; a typo stays an er
             value: Any = importlib.import_module(f"shardwise.{name}")
         elif name in _HOMES:
             value = getattr(importlib.import_module(f"shardwise.{_HOMES[name]}"), name)
+        elif not name.startswith("_") and importlib.util.find_spec(f"shardwise.{name}"):
+            value = importlib.import_module(f"shardwise.{name}")  # (sw.planner, sw.optim, ...)
         else:
             raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
         globals()[name] = value

@@ -72,7 +72,14 @@ def main() -> None:
         longer((torch.ones(2, 3),))
     except ValueError as e:
         assert "expects shape [2, 4]" in str(e) and "sent shape [2, 3]" in str(e), e
-        print("CHECK NeighborExchange-shapes OK", flush=True)
+        # another dtype of the same size: the bytes would be read as the wrong numbers
+        other = sw.ops.NeighborExchange([(rank + 1) % n], [(rank - 1) % n], [[2, 3]], [[2, 3]],
+                                        recv_type=torch.int32)  # fmt: skip
+        try:
+            other((torch.ones(2, 3),))
+        except ValueError as e:
+            assert "of torch.int32" in str(e) and "of torch.float32" in str(e), e
+            print("CHECK NeighborExchange-shapes OK", flush=True)
     # 1 x n strip, one-column halos, no wrap-around: direction 2 = right, 6 = left
     ids = [-1] * 8
     ids[2] = rank + 1 if rank + 1 < n else -1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -42,6 +43,12 @@ def test_valid_axes_reduce_as_torch() -> None:
     assert torch.equal(sw.ops.ReduceMax()(X, [0]), X.amax(0))
     assert torch.equal(sw.ops.ReduceSum()(X, ()), X.sum())
     assert torch.equal(sw.ops.Transpose()(X, (-1, -2)), X.T)
+    # a 0-dim tensor takes -1 and 0 as torch does; numpy ints and a range as perm
+    scalar = torch.tensor(3.0)
+    assert torch.equal(sw.ops.ReduceSum()(scalar, -1), scalar)
+    assert torch.equal(sw.ops.Softmax(axis=0)(scalar), torch.tensor(1.0))
+    assert torch.equal(sw.ops.ReduceSum()(X, np.int64(1)), X.sum(1))
+    assert torch.equal(sw.ops.Transpose()(X, range(1, -1, -1)), X.T)
 
 
 class _Net(nn.Module):

@@ -5,10 +5,11 @@ answers (`_sim`), in a job `_p2p` posts one batch of ``isend`` / ``irecv`` (afte
 every peer is in the group, `check_member`), with the messages a rank sends to itself
 delivered by a local copy (`_to_self`: gloo has no pair to itself). The call is recorded as a
 `CommRecord` with the bytes sent to other ranks. It is not traced (`_trace`): only some of a
-group's ranks take part in point-to-point. Each message carries a header of its element size
-and shape (`HEADER`, 128 bytes; not counted in the recorded bytes), checked by the receiver:
-a message of another shape or dtype is a ValueError naming both (gloo would deliver a shorter
-one silently, into a buffer whose tail it leaves as it was).
+group's ranks take part in point-to-point. Each message carries a header of its dtype and
+shape (`HEADER`, 128 bytes; not counted in the recorded bytes), checked by the receiver: a
+message of another shape or dtype that fits the receiver's buffer is a ValueError naming both
+(gloo would deliver a shorter one silently, into a buffer whose tail it leaves as it was; a
+longer one fails in gloo).
 """
 
 from __future__ import annotations
@@ -49,17 +50,27 @@ def _to_self(
 
 
 HEADER = 16
-"""int64 entries before each message's bytes in a job: its element size, its number of dims and
-its shape (up to 14 dims): gloo delivers a shorter message than the receiver expects without
-a word, leaving the rest of the buffer as it was."""
+"""int64 entries before each message's bytes in a job: its dtype (`_DTYPES` index), its number
+of dims and its shape (up to 14 dims): gloo delivers a shorter message than the receiver
+expects without a word, leaving the rest of the buffer as it was."""
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+)  # fmt: skip
+
+
+def _code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
 
 
 def _framed(x: torch.Tensor) -> torch.Tensor:
-    """`x`'s bytes after a header of its element size and shape (`HEADER`)."""
+    """`x`'s bytes after a header of its dtype and shape (`HEADER`)."""
     head = torch.zeros(HEADER, dtype=torch.int64)
-    head[0], head[1] = x.element_size(), x.dim()
+    head[0], head[1] = _code(x.dtype), x.dim()
     head[2 : 2 + min(x.dim(), HEADER - 2)] = torch.tensor(x.shape[: HEADER - 2])
-    body = x.detach().contiguous().reshape(-1).view(torch.uint8)
+    body = x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     return torch.cat([head.to(x.device).view(torch.uint8), body])
 
 
@@ -67,13 +78,15 @@ def _unframed(kind: str, buf: torch.Tensor, out: torch.Tensor, src: int, me: int
     """Check the header of a message received into `buf` against `out` (the shape and dtype
     this rank expects) and copy the message's bytes into `out`."""
     head = buf[: HEADER * 8].view(torch.int64).tolist()
-    size, ndim = int(head[0]), int(head[1])
+    code, ndim = int(head[0]), int(head[1])
     shape = [int(d) for d in head[2 : 2 + min(ndim, HEADER - 2)]]
-    if size != out.element_size() or shape != list(out.shape)[: HEADER - 2] or ndim != out.dim():
+    same = code == _code(out.dtype) and ndim == out.dim()
+    if not same or shape != list(out.shape)[: HEADER - 2]:
+        sent = _DTYPES[code] if 0 <= code < len(_DTYPES) else "another dtype"
         raise ValueError(
-            f"{kind}: rank {me} expects shape {list(out.shape)} of {out.element_size()}-byte "
-            f"elements from rank {src}, which sent shape {shape} of {size}-byte elements: make "
-            f"recv_shapes and recv_type match the sender's send_shapes and dtype"
+            f"{kind}: rank {me} expects shape {list(out.shape)} of {out.dtype} from rank {src}, "
+            f"which sent shape {shape} of {sent}: make recv_shapes and recv_type match the "
+            f"sender's send_shapes and dtype"
         )
     out.copy_(buf[HEADER * 8 :].view(out.dtype).view(out.shape))
 
@@ -98,15 +111,15 @@ def _p2p(
     ]
     me = dist.get_rank()
     to_self = _to_self(sends, send_to, outs, recv_from, me)
-    ops = [
+    ops = [  # (an empty message is not sent, nor received: the simulated world's rule)
         dist.P2POp(dist.isend, _framed(x), dst, g.pg, tag)
         for x, (dst, tag) in zip(sends, send_to, strict=True)
-        if dst not in (-1, me)
+        if dst not in (-1, me) and x.numel() > 0
     ]
     received = {
         j: torch.empty(HEADER * 8 + _nbytes(out), dtype=torch.uint8, device=device)
         for j, (out, (src, _)) in enumerate(zip(outs, recv_from, strict=True))
-        if src != -1 and j not in to_self
+        if src != -1 and j not in to_self and out.numel() > 0
     }
     ops += [dist.P2POp(dist.irecv, buf, recv_from[j][0], g.pg, recv_from[j][1])
             for j, buf in received.items()]  # fmt: skip

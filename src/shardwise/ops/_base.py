@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any, ClassVar, Self
 
@@ -147,13 +149,14 @@ class Primitive(nn.Module):
         return super().__call__(*args)
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        names = [*self.input_names, *(key for key, _ in self.call_args)]
+        params = _forward_params(type(self))  # type: ignore[arg-type]
+        names = [key for key, _ in params]
         for key in kwargs:
             if key not in names:
                 raise TypeError(f"{self.who}: unknown argument {key!r}; it takes {names}")
             if names.index(key) < len(args):
                 raise TypeError(f"{self.who}: argument {key!r} given by position and by name")
-        defaults = dict(self.call_args)
+        defaults = dict(params)
         out = list(args)
         for key in names[len(args) : max(names.index(k) for k in kwargs) + 1]:
             value = kwargs.get(key, defaults.get(key, REQUIRED))
@@ -236,3 +239,15 @@ def name_primitives(net: nn.Module, prefix: str = "") -> dict[str, Primitive]:
             module.module_path = full
             found[full] = module
     return found
+
+
+@functools.cache
+def _forward_params(cls: type[nn.Module]) -> tuple[tuple[str, object], ...]:
+    """``forward``'s positional parameters after ``self``: (name, default or `REQUIRED`)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(
+        (p.name, REQUIRED if p.default is inspect.Parameter.empty else p.default)
+        for p in params
+        if p.kind in kinds
+    )

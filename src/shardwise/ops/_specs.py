@@ -18,6 +18,7 @@ Builders validate shapes and arguments and raise ValueError naming `who`.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -37,10 +38,16 @@ def _arity(op: str, shapes: Sequence[Shape], names: tuple[str, ...], who: str) -
 
 
 def norm_axis(axis: object, rank: int, who: str, what: str = "axis") -> int:
-    """`axis` in ``[-rank, rank)`` as a non-negative index, else ValueError naming `who`."""
-    if isinstance(axis, bool) or not isinstance(axis, int) or not -rank <= axis < max(rank, 1):
-        raise ValueError(f"{who}: {what}={axis!r} is not an int in [{-rank}, {rank})")
-    return axis % rank if rank else 0
+    """`axis` in ``[-rank, rank)`` (a 0-dim tensor: -1 or 0, as torch takes them) as a
+    non-negative index, else ValueError naming `who`; any integer type (a numpy int)."""
+    low, high = (-1, 1) if rank == 0 else (-rank, rank)
+    try:
+        value = None if isinstance(axis, bool) else operator.index(axis)  # type: ignore[arg-type]
+    except TypeError:
+        value = None
+    if value is None or not low <= value < high:
+        raise ValueError(f"{who}: {what}={axis!r} is not an int in [{low}, {high})")
+    return value % rank if rank else 0
 
 
 def axes_of(axis: object, rank: int, who: str) -> tuple[int, ...]:
@@ -56,7 +63,10 @@ def axes_of(axis: object, rank: int, who: str) -> tuple[int, ...]:
 def norm_perm(perm: object, rank: int, who: str) -> tuple[int, ...]:
     """A Transpose's `perm` with negative entries counted from the end (MindSpore takes
     ``[-rank, rank)``), else ValueError naming `who` when it is not a permutation."""
-    values = list(perm) if isinstance(perm, tuple | list) else [perm]
+    try:
+        values = list(perm)  # type: ignore[call-overload]
+    except TypeError:
+        values = [perm]
     try:
         out = tuple(norm_axis(p, rank, who, "perm entry") for p in values)
     except ValueError:

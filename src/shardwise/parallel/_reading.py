@@ -85,6 +85,8 @@ _RULES = {
     "the op, unless the data-parallel strategy moves less",
     "factory": "a factory: its output made in its layout where it runs",
     "replicate": "not annotated, and no rule runs it split: it runs on whole inputs",
+    "propagated": "sharding propagation's choice",
+    "searched": "the strategy search's choice",
 }
 
 
@@ -96,9 +98,15 @@ def _explain_rule(plan: ParallelPlan, index: int) -> str:
     moved = [str(e) for e in plan.edges_by_consumer().get(index, []) if e.steps or e.reduced]
     lines += [f"    input moved: {m}" for m in moved]
     lines += [f"    runs: {c}" for c in node.comms]
-    lines.append(
-        f"    ({plan.mode} weighs no alternatives: annotated ops keep their strategies, the "
-        f"others follow; parallel_mode='sharding_propagation' or 'recursive_programming' "
-        f"price each op's candidates)"
-    )
+    if plan.mode == "semi_auto":
+        lines.append(
+            "    (semi_auto weighs no alternatives: annotated ops keep their strategies, the "
+            "others follow; parallel_mode='sharding_propagation' or 'recursive_programming' "
+            "price each op's candidates)"
+        )
+    else:
+        lines.append(
+            f"    (a {plan.mode} plan loaded from a file carries no alternatives: plan without "
+            f"loading it to see them)"
+        )
     return "\n".join(lines)

@@ -13,7 +13,8 @@ the optimizer's update (`optimizer_s_per_tensor`, `optimizer_s_per_element`).
 
 - `CostModel`: per-axis alpha (s) and beta (s per byte), the fixed cost of a call, the compute
   constants; ``collective`` and ``move`` prices (an `EdgePlan`-like move: the AllReduce of
-  partial sums, then the redistribution steps).
+  partial sums, then the redistribution steps; a sum whose first step cuts over a reduced
+  axis as one ReduceScatter, as the executor runs it where the edge allows).
 - `load_cost_model`: the model of ``bench/results/loopback.json`` (measured on this machine by
   `python -m bench --only loopback`) or of the file ``SHARDWISE_COST_MODEL`` names when the file
   is there, else the documented defaults (``DEFAULT_*``). The file's keys: ``alpha_s`` and
@@ -139,11 +140,12 @@ class CostModel:
         """Seconds to move a tensor of global `shape` from `src` to `dst`: the AllReduce of
         its partial sums over `reduced` first, then the cheapest steps between the layouts.
 
-        With `scatter`, a reduction whose first step cuts a dim over one of `reduced` is
-        priced as the executor runs it (`_scatter.scatters`): one ReduceScatter over that axis,
-        the AllReduce over the others on the part, then the remaining steps. The planners
-        price every edge so; a plan's own estimate (`_plan_cost.edge_move`) passes False for
-        an edge the plan keeps whole (a weighted mean, an equal gradient)."""
+        With `scatter` (a sum), a reduction whose first step cuts a dim over one of `reduced`
+        is priced as the executor runs such an edge (`_scatter.scatters`): one ReduceScatter
+        over that axis, the AllReduce over the others on the part, then the remaining steps.
+        The planners price sum reductions so (the few edges the executor keeps whole, a
+        weighted mean or an equal gradient, are not known yet); a plan's own estimate
+        (`_plan_cost.edge_move`) passes False for an edge the plan keeps whole."""
         return _move(self, src, dst, tuple(shape), itemsize, tuple(reduced), scatter)
 
 

@@ -321,12 +321,13 @@ class _Follow:
 def _check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> None:
     """Raise ValueError when a rule's output splits a dim into parts its size does not divide
     (DTensor checks each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are
-    equal)."""
+    equal). It becomes the op's PlanError with the uneven-view fix; `_cheaper` then tries its
+    fallbacks (each dim over its outer axis only), which run the op where one fits."""
     for placed, shape in zip(outputs, shapes, strict=False):
         if placed is None:
             continue
         parts = [1] * len(shape)
-        for size, p in zip(mesh, placed, strict=True):
+        for size, p in zip(mesh, placed, strict=False):
             dim = getattr(p, "dim", None)
             if dim is not None and dim < len(shape):
                 parts[dim] *= size

@@ -1,12 +1,15 @@
 """What a `ParallelPlan` costs under the automatic planners' model (`_cost.CostModel`).
 
 `plan_cost(plan, model)` prices one forward of any plan (semi_auto, propagated, searched, a
-hand-written Megatron one) the way `_search` prices candidates: the edges' redistributions and
-the ops' own collectives and each parameter's gradient AllReduce over the axes that replicate
-it (communication), each op's FLOPs over the devices that share it
-(compute), and the bytes a rank holds (outputs kept for backward; each parameter's block with
-its gradient and two optimizer moments) at ``memory_s_per_byte`` (memory). Backward is not
-priced separately (it mirrors the forward's communication).
+hand-written Megatron one) by the model `_search` prices candidates with: the edges'
+redistributions as the plan runs them (a ReduceScatter where the plan fused one) and the ops'
+own collectives and each parameter's gradient AllReduce over the axes that replicate it
+(communication), each op's FLOPs over the devices that share it (compute), and the bytes a rank
+holds (outputs kept for backward; each parameter's block with its gradient and Adam's two
+moments) at ``memory_s_per_byte`` (memory). The search itself prices every sum reduction meeting
+a cut as a ReduceScatter and the job's own optimizer state, so for a plan whose edges the
+executor keeps whole, or an optimizer other than Adam, the two can differ slightly. Backward is
+not priced separately (it mirrors the forward's communication).
 
 `step_cost(plan, model)` estimates the seconds of one training step (forward, backward,
 optimizer) on a rank of a plan that is a train step (`StepCost`):
@@ -49,7 +52,8 @@ from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
 
 PARAM_COPIES = 4
-"""A parameter's bytes a rank holds per stored element: itself, its gradient, two moments."""
+"""A parameter's bytes a rank holds per stored element: itself, its gradient and Adam's two
+moments (the search's default; under `AutoParallel` it counts the job's optimizer's state)."""
 BACKWARD_FLOPS = 2
 """Backward's FLOPs per forward FLOP (a product's gradient with respect to both operands)."""
 

@@ -141,7 +141,9 @@ class _Builder:
                 reduced = reduced | own
             a, b = to_placed(m, src, len(info.shape)), to_placed(m, dst, len(info.shape))
             partial = tuple(x for x in a.partial if x not in b.partial)
-            secs = self.model.move(a.layout, b.layout, info.shape, _itemsize(info.dtype), partial)
+            secs = self.model.move(  # (a ReduceScatter for a sum only, as the executor)
+                a.layout, b.layout, info.shape, _itemsize(info.dtype), partial, a.reduce == "sum"
+            )
             turned = changes(src, dst, len(info.shape), reduced)
             self._moves[key] = (round(secs * 1e9), 0, turned)
         return self._moves[key]

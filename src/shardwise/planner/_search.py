@@ -27,7 +27,9 @@ in sharding propagation); nothing needs to be annotated.
 
 `plan_cost` prices any `ParallelPlan` of the graph by the same model (the data-parallel one,
 a hand-written Megatron one, a propagated one), so plans compare side by side; the search's
-plan is never costlier than any plan in its candidate space.
+plan is never costlier than any plan in its candidate space by the search's own pricing (the
+job's optimizer state; `plan_cost` counts Adam's, and the few reductions the executor keeps
+whole as AllReduces).
 """
 
 from __future__ import annotations
