@@ -21,3 +21,12 @@ CHECKS = [
 @pytest.mark.timeout(240)
 def test_collectives_on_four_real_processes(tmp_path: Path) -> None:
     run_job(WORKER, 4, tmp_path / "logs", timeout=200).assert_checks(4, CHECKS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_mismatched_inputs_fail_on_every_rank_under_detail_checks(tmp_path: Path) -> None:
+    """docs/launcher.md's advice: torch's checking process groups work with shardwise's."""
+    worker = Path(__file__).with_name("mismatch_worker.py")
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    run_job(worker, 2, tmp_path / "logs", timeout=100, env=env).assert_checks(2, ["Mismatch"])
