@@ -237,6 +237,35 @@ def test_module_form_reduces_at_step() -> None:
         assert runner.collectives_per_step()["AllReduce"] == 1
 
 
+def test_module_form_adopts_an_optimizer_built_after_the_wrapper() -> None:
+    """``AutoParallel(net, parallel_mode="data_parallel")`` with the optimizer built after it,
+    as docs/parallel.md orders: its gradients are averaged from its first step (they never
+    were: each rank drifted on its own rows, silently); an optimizer over other parameters is
+    left alone."""
+    make_opt = OPTIMIZERS["momentum"]
+    _, params = single_device(make_opt)
+    batches, net, other = make_data(), make_net(), nn.Linear(2, 2)
+    with simulated_world(4) as world, CommRecorder() as rec:
+        world.replicate(net)
+        world.replicate(other)
+        parallel = sw.AutoParallel(net, parallel_mode="data_parallel")
+        opt = make_opt(net.parameters())
+        unrelated = torch.optim.SGD(other.parameters(), lr=0.1)
+        loss_fn = nn.CrossEntropyLoss()
+        for step, (x, y) in enumerate(batches):
+            loss = loss_fn(parallel(world.rows(x)), world.rows(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert_matches_single_device(
+                {n: p.detach() for n, p in net.named_parameters()}, params[step]
+            )
+        assert rec.count("AllReduce") == STEPS
+        other(torch.ones(1, 2)).sum().backward()
+        unrelated.step()
+        assert rec.count("AllReduce") == STEPS
+
+
 def test_remove_and_garbage_collection() -> None:
     net, x = nn.Linear(4, 2), torch.ones(2, 4)
     with simulated_world(2) as world, CommRecorder() as rec:

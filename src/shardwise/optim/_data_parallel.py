@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
@@ -51,6 +52,7 @@ from shardwise.optim._data_parallel_plan import (
     WHO,
     CommBucket,
     ParamEntry,
+    adopt_hook,
     check_arguments,
     check_optimizers,
     plan_buckets,
@@ -97,9 +99,11 @@ class DataParallelRunner:
       computes the loss and calls ``backward()`` and ``optimizer.step()`` itself.
 
     In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
-    step pre-hook on each of `optimizers`, before the update: the gradients seen by the update
-    are those of the global batch. Only parameters of some optimizer are reduced; a train step
-    changing a parameter without such a step raises ValueError (`check_updates`).
+    step pre-hook on each of `optimizers` (module form without any: each optimizer over the
+    network's parameters, from its first step, `adopt_hook`), before the update: the gradients
+    seen by the update are those of the global batch. Only parameters of some optimizer are
+    reduced; a train step changing a parameter without such a step raises ValueError
+    (`check_updates`).
 
     With ``parallel_optimizer=True`` each parameter that allows it (`parallel_optimizer_of`)
     and holds at least ``threshold_kb`` KiB gets one owner rank (a greedy byte balance in
@@ -183,12 +187,27 @@ class DataParallelRunner:
         self._broadcast_buckets: list[list[CommBucket]] = []
         self._build_plan()
         ref = weakref.ref(self)
-        handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = []
         for i, o in enumerate(opts):
-            handles.append(o.register_step_pre_hook(_step_hook(ref, i, after=False)))
-            handles.append(o.register_step_post_hook(_step_hook(ref, i, after=True)))
-        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+            self._hook(o, i)
+        if not opts and train_step is None:  # (built after the wrapper: adopted at its step)
+            self._handles.append(register_optimizer_step_pre_hook(adopt_hook(ref)))
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
         _RUNNERS[network] = ref
+
+    def _hook(self, o: torch.optim.Optimizer, index: int) -> None:
+        ref = weakref.ref(self)
+        self._handles.append(o.register_step_pre_hook(_step_hook(ref, index, after=False)))
+        self._handles.append(o.register_step_post_hook(_step_hook(ref, index, after=True)))
+
+    def adopt(self, o: torch.optim.Optimizer) -> None:
+        """Take optimizer `o` (over the network's parameters, built after the runner) as one of
+        the runner's, from the step it is in: its own step hooks, registered now, run in it."""
+        if any(o is known for known in self.optimizers):
+            return
+        self.optimizers.append(o)
+        self._build_plan()
+        self._hook(o, len(self.optimizers) - 1)
 
     # -- plan ------------------------------------------------------------------------------
     def _build_plan(self) -> None:

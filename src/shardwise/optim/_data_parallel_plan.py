@@ -9,6 +9,8 @@ and which parameters share one collective.
   its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
   hold at least the threshold).
 - `check_arguments`, `check_optimizers`: the runner's argument types and values.
+- `adopt_hook`: the module form given no optimizer takes each one over the network's
+  parameters at its first step.
 - `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
   size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
   owner and fusion id), each a `CommBucket`.
@@ -16,7 +18,7 @@ and which parameters share one collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,3 +273,23 @@ def check_optimizers(opts: Sequence[Any], parallel_optimizer: bool, with_step: b
             + (" or found in train_step" if with_step else "")
             + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
         )
+
+
+StepHook = Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]
+
+
+def adopt_hook(ref: Any) -> StepHook:
+    """A global optimizer step pre-hook for a module-form runner given no optimizer (the
+    documented order builds it after the wrapper): an optimizer holding one of the network's
+    parameters is adopted (`DataParallelRunner.adopt`) before its update, so its gradients are
+    averaged from its first step (they were never averaged: each rank drifted on its rows)."""
+
+    def hook(opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
+        runner = ref()
+        if runner is None:
+            return
+        mine = {id(p) for p in runner.network.parameters()}
+        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            runner.adopt(opt)
+
+    return hook
