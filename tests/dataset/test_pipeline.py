@@ -204,6 +204,11 @@ def test_generator_errors() -> None:
         list(bad)
     with pytest.raises(TypeError, match="strings are not supported"):
         list(GeneratorDataset([("text",)], "s"))
+    # a flag given as a string was taken by its truth: "False" kept the last partial batch
+    with pytest.raises(TypeError, match=r"batch: drop_remainder='False' must be True or False"):
+        GeneratorDataset([1, 2, 3], "x").batch(2, drop_remainder="False")
+    with pytest.raises(TypeError, match=r"GeneratorDataset: shuffle='False' must be True"):
+        GeneratorDataset([1, 2, 3], "x", shuffle="False")
 
 
 def test_worker_processes_give_the_same_batches() -> None:

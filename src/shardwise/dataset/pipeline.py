@@ -51,6 +51,14 @@ def _check_workers(value: object, who: str) -> int:
     return value
 
 
+def check_flag(value: object, who: str, name: str) -> bool:
+    """`value` when it is a bool (numpy's too), else TypeError naming `who` and `name` (a
+    string such as ``"False"`` would be true, silently)."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise TypeError(f"{who}: {name}={value!r} must be True or False")
+    return bool(value)
+
+
 def _check_positive(value: object, who: str, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{who}: {name}={value!r} must be an int >= 1")
@@ -177,10 +185,9 @@ class Dataset:
         workers = self._spec.workers
         if num_parallel_workers is not None:
             workers = _check_workers(num_parallel_workers, "batch")
-        order = replace(
-            self._spec.order, batch_size=batch_size, drop_remainder=bool(drop_remainder)
-        )
-        label = f"batch({batch_size}, drop_remainder={bool(drop_remainder)})"
+        drop = check_flag(drop_remainder, "batch", "drop_remainder")
+        order = replace(self._spec.order, batch_size=batch_size, drop_remainder=drop)
+        label = f"batch({batch_size}, drop_remainder={drop})"
         return self._derive(label, order=order, workers=workers)
 
     def shuffle(self, buffer_size: int) -> Self:

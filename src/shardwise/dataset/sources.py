@@ -20,7 +20,7 @@ import torch
 from shardwise.dataset._shard import NumShards, ShardSetting
 from shardwise.dataset._sources import TensorTable, make_source
 from shardwise.dataset.idx import IdxFileNotFoundError, IdxFormatError, find_idx_file, read_idx
-from shardwise.dataset.pipeline import Dataset, _check_workers, source_spec
+from shardwise.dataset.pipeline import Dataset, _check_workers, check_flag, source_spec
 
 __all__ = ["GeneratorDataset", "MnistDataset", "load_mnist"]
 
@@ -147,7 +147,7 @@ class MnistDataset(Dataset):
         spec = source_spec(
             load_mnist(dataset_dir, usage),
             ("image", "label"),
-            shuffle=True if shuffle is None else bool(shuffle),
+            shuffle=True if shuffle is None else check_flag(shuffle, "MnistDataset", "shuffle"),
             num_samples=_check_num_samples(num_samples, "MnistDataset"),
             shard=shard,
             workers=_check_workers(num_parallel_workers, "MnistDataset"),
@@ -216,7 +216,7 @@ class GeneratorDataset(Dataset):
         spec = source_spec(
             make_source(source, names),
             names,
-            shuffle=bool(shuffle),
+            shuffle=check_flag(shuffle, "GeneratorDataset", "shuffle"),
             num_samples=_check_num_samples(num_samples, "GeneratorDataset"),
             shard=shard,
             workers=_check_workers(num_parallel_workers, "GeneratorDataset"),

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardwise.dataset.pipeline import check_flag
 from shardwise.dataset.transforms import Transform
 
 __all__ = ["HWC2CHW", "Normalize", "Rescale"]
@@ -100,7 +101,7 @@ class Normalize(Transform):
                 f"Normalize: mean has {len(self.mean)} values but std has {len(self.std)}; "
                 "give one of each per channel"
             )
-        self.is_hwc = bool(is_hwc)
+        self.is_hwc = check_flag(is_hwc, "Normalize", "is_hwc")
 
     def _apply(self, x: torch.Tensor, batched: bool) -> torch.Tensor:
         ndim = _image_ndim(x, batched, "Normalize")
