@@ -146,6 +146,10 @@ class TimeMonitor(Callback):
     """
 
     def __init__(self, data_size: int | None = None) -> None:
+        if data_size is not None and (
+            isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1
+        ):
+            raise TypeError(f"TimeMonitor: data_size={data_size!r} must be an int >= 1 or None")
         self.data_size = data_size
         self._start = 0.0
         self._steps = 0

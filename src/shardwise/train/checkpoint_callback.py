@@ -70,6 +70,8 @@ class ModelCheckpoint(Callback):
         self.config = config or CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise TypeError("ModelCheckpoint: config must be a CheckpointConfig")
+        if not isinstance(prefix, str) or not prefix:
+            raise TypeError(f"ModelCheckpoint: prefix={prefix!r} must be a non-empty string")
         self.prefix, self.directory = prefix, Path(directory or ".")
         self.manager: CheckpointManager | None = None
         self._last_saved = -1

@@ -24,6 +24,7 @@ import torch
 from shardwise import communication as comm
 from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
+from shardwise.train._model_checks import callback_list, columns, one_value
 
 if TYPE_CHECKING:
     from shardwise.parallel import AutoParallel
@@ -35,7 +36,7 @@ class Accuracy:
     as MindSpore's ``Accuracy`` takes them."""
 
     def __init__(self) -> None:
-        self.correct = 0.0
+        self.correct: torch.Tensor | None = None  # (a tensor: per rank in a simulated world)
         self.total = 0.0
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -55,11 +56,13 @@ class Accuracy:
                 f"{list(logits.shape)}; give class indices of shape {list(predicted.shape)} or "
                 "one-hot rows of the logits' shape"
             )
-        self.correct += float((predicted == labels).sum())
+        hits = (predicted == labels).sum().to(torch.float64)
+        self.correct = hits if self.correct is None else self.correct + hits
         self.total += float(labels.shape[0])
 
     def counts(self) -> torch.Tensor:
-        return torch.tensor([self.correct, self.total], dtype=torch.float64)
+        correct = self.correct if self.correct is not None else torch.zeros((), dtype=torch.float64)
+        return torch.stack([correct, torch.full((), self.total, dtype=torch.float64)])
 
     def result(self, counts: torch.Tensor) -> float:
         return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
@@ -71,7 +74,7 @@ METRICS: dict[str, Callable[[], Accuracy]] = {"accuracy": Accuracy, "acc": Accur
 def _make_metrics(metrics: Iterable[str] | dict[str, Any] | None) -> dict[str, Callable[[], Any]]:
     if metrics is None:
         return {}
-    names = list(metrics)
+    names = [metrics] if isinstance(metrics, str) else list(metrics)  # ("accuracy" alone)
     unknown = [m for m in names if m not in METRICS]
     if unknown:
         raise ValueError(f"Model: unknown metrics {unknown}; known: {sorted(METRICS)}")
@@ -171,13 +174,13 @@ class Model:
         assert self.optimizer is not None
         parallel = self._parallel_step()
         if parallel is not None:
-            out: torch.Tensor = parallel(*batch).detach()
-            return out
+            out: torch.Tensor = parallel(*columns(batch, 1 if self.loss_fn is None else 2))
+            return out.detach()
         self.optimizer.zero_grad(set_to_none=True)
         if self.loss_fn is None:
-            loss = self.network(*batch)
+            loss = self.network(*columns(batch, 1))
         else:
-            *inputs, label = batch
+            *inputs, label = columns(batch, 2)
             loss = self.loss_fn(self.network(*inputs), label)
         loss.backward()
         if self.grad_reducer is not None:
@@ -216,7 +219,7 @@ class Model:
         if dataset_sink_mode:
             warnings.warn("dataset_sink_mode=True has no effect in shardwise", stacklevel=2)
         self._parallel_step()  # (a parallel mode's errors before any callback runs)
-        cbs = [callbacks] if isinstance(callbacks, cb.Callback) else list(callbacks or [])
+        cbs = callback_list(callbacks)
         batch_num = len(train_dataset) if isinstance(train_dataset, Sized) else 0
         ctx = cb.RunContext(
             self.network, self.optimizer, self.loss_fn, epoch, batch_num, initial_epoch,
@@ -292,7 +295,7 @@ class Model:
             counts = m.counts()
             if sharded and comm.is_initialized():
                 counts = C.all_reduce(counts, C.ReduceOp.SUM, None)
-            out[name] = m.result(counts)
+            out[name] = m.result(one_value(counts, name))
         return out
 
 
@@ -306,7 +309,7 @@ def _trimmed_batches(
     batch = next(it, None)
     while batch is not None:
         following = next(it, None)
-        *inputs, label = batch
+        *inputs, label = columns(batch, 2, "eval")
         if following is None and pad:
             inputs = [x[: len(x) - pad] for x in inputs]
             label = label[: len(label) - pad]

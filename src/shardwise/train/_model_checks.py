@@ -1,0 +1,72 @@
+"""Checks of what `Model` is given: each batch's columns (`columns`), the callbacks
+(`callback_list`), and one metric value from a simulated world's ranks (`one_value`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from shardwise import communication as comm
+from shardwise.train import callbacks as cb
+
+
+def columns(batch: object, least: int, who: str = "train") -> Sequence[Any]:
+    """A batch's columns ``(*inputs, label)``, else TypeError naming the form (a tensor or a
+    one-column row was unpacked element by element into the network's arguments)."""
+    if not isinstance(batch, tuple | list) or len(batch) < least:
+        shown = f"a {type(batch).__name__}"
+        if isinstance(batch, tuple | list):
+            shown = f"{len(batch)} column(s)"
+        elif isinstance(batch, torch.Tensor):
+            shown = f"a tensor of shape {list(batch.shape)}"
+        form = "(*inputs, label)" if least > 1 else "(*inputs,)"
+        raise TypeError(
+            f"Model.{who}: each batch must be a tuple {form} of tensors (a dataset's "
+            f"columns), got {shown}; e.g. GeneratorDataset(rows, ['image', 'label'])"
+        )
+    return batch
+
+
+def one_value(counts: torch.Tensor, name: str) -> torch.Tensor:
+    """`counts` as one tensor; in a simulated world the ranks' common counts (a ValueError when
+    each rank counted its own rows: one number cannot hold them all)."""
+    if not (comm.is_initialized() and comm.holds_several_ranks()):
+        return counts
+    same = comm.shared_value(counts)
+    if same is None:
+        raise ValueError(
+            f"Model.eval: each rank of this simulated world counted its own rows for {name!r}, "
+            "and one process cannot return each rank's value: evaluate a dataset sharded over "
+            "the ranks (num_shards=N: the counts are summed over them), every rank's rows "
+            "whole (world.same), or outside the world"
+        )
+    return same
+
+
+def callback_list(callbacks: object) -> list[cb.Callback]:
+    """`callbacks` as a list of `Callback` instances, else TypeError naming the entry and the
+    fix (a class passed for an instance, a name)."""
+    if isinstance(callbacks, cb.Callback):
+        return [callbacks]
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, str) or not isinstance(callbacks, Iterable):
+        raise TypeError(
+            f"Model.train: callbacks={callbacks!r} must be a Callback or a list of them, e.g. "
+            "[sw.train.LossMonitor()]"
+        )
+    out = list(callbacks)
+    for c in out:
+        if isinstance(c, type) and issubclass(c, cb.Callback):
+            raise TypeError(
+                f"Model.train: callbacks holds the class {c.__name__}; pass an instance, "
+                f"{c.__name__}()"
+            )
+        if not isinstance(c, cb.Callback):
+            raise TypeError(
+                f"Model.train: callbacks holds {c!r}, not a Callback; pass instances such as "
+                "sw.train.LossMonitor()"
+            )
+    return out
