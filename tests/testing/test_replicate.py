@@ -3,6 +3,7 @@ Parameter, a buffer keeps its persistence."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -35,3 +36,18 @@ def test_buffers_keep_persistence() -> None:
         world.replicate(net)
         assert set(net.state_dict()) == {"embed.weight", "head.weight", "count"}
         assert world.local_tensors(net.table)[1].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_deferred_network_is_refused_and_left_to_autoparallel() -> None:
+    """replicate() of meta parameters was accepted and the first call failed in torch ("Tensor
+    on device meta is not on the expected device cpu") naming neither (a helper review)."""
+    import shardwise as sw
+
+    with sw.no_init_parameters():
+        net = torch.nn.Linear(8, 8)
+    x = torch.zeros(4, 8)
+    with simulated_world(2) as world:
+        with pytest.raises(ValueError, match=r"replicate: weight .* under sw.no_init_parameters"):
+            world.replicate(net)
+        out = sw.AutoParallel(net)(world.rows(x))
+        assert out.shape == (2, 8)

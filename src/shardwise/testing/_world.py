@@ -169,8 +169,17 @@ class SimulatedWorld:
         Build optimizers after this call. Replicas are plain parameters carrying the
         ``parallel_optimizer`` and ``comm_fusion`` attributes of the originals (as attributes).
         A parameter or buffer shared by several modules (a head tied to the embedding) gets one
-        replica, shared the same way.
+        replica, shared the same way. A network built under ``sw.no_init_parameters()`` (meta
+        parameters) is a ValueError: AutoParallel makes its blocks on each rank itself.
         """
+        deferred = [n for n, p in module.named_parameters() if p.is_meta]
+        if deferred:  # (a replica of a meta tensor fails later, in torch, naming neither)
+            raise ValueError(
+                f"replicate: {deferred[0]} (and {len(deferred) - 1} more) is not made yet (built "
+                "under sw.no_init_parameters()): AutoParallel makes each rank's block of it "
+                "itself, so wrap the network without replicate(); replicate only a network "
+                "with its values"
+            )
         # id of an original -> (the original, kept alive so its id stays unique; its replica)
         replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for mod in module.modules():
