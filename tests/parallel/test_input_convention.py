@@ -226,3 +226,51 @@ def test_full_batch_takes_this_ranks_share(form: str) -> None:
         loss = call(world.same(x), world.same(y))
         assert_matches_single_device(loss, torch.tensor(losses[0]))
     assert seen[-1] == BATCH // 4  # (the first call is planned on a global-shape trace first)
+
+
+class _Reads(nn.Module):
+    """The input read only by `sw.reshard` to `layout`, or only by a primitive."""
+
+    def __init__(self, layout: sw.Layout | None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 16, generator=torch.Generator().manual_seed(1)))
+        self.layout = layout
+        self.mm = sw.ops.MatMul().shard(((1, 4), (4, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout is None:
+            out: torch.Tensor = self.mm(x, self.w)
+            return out
+        return sw.reshard(x, self.layout) @ self.w
+
+
+_L = sw.Layout((2, 2), ("dp", "mp"))
+
+
+@pytest.mark.parametrize(
+    ("layout", "want"),
+    [
+        (_L("None", "None"), {}),  # (was: 2 AllGathers of the entry-cut rows)
+        (_L("None", "mp"), {"AllReduce": 1}),  # (was: AlltoAll + AllGather, then this)
+        (_L("dp", "None"), {"AllGather": 1}),  # (the output gathered whole; was 2)
+        (None, {"AllReduce": 1}),  # MatMul wanting columns (was: an AlltoAll before it)
+    ],
+)
+def test_full_batch_input_read_by_a_layout_taker_is_cut_locally(
+    layout: sw.Layout | None, want: dict[str, int]
+) -> None:
+    """Under ``"full_batch"`` an input read only by ``sw.reshard`` or primitives stays whole and
+    each cuts its block out of it (docs/parallel.md: "a local slice, with no communication"):
+    it was cut to rows at entry, then moved again (a helper review). The forward's collectives
+    are the op's own and the output's only; values equal one device's."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(2))
+    net = _Reads(layout)
+    expected = net(x).detach()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).dataset_strategy("full_batch")
+        with sw.CommRecorder() as rec:
+            got = parallel(world.same(x))
+        assert_matches_single_device(got, expected)
+    counts = {k: rec.count(k) for k in ("AllReduce", "AllGather", "AlltoAll")}
+    assert {k: n for k, n in counts.items() if n} == want

@@ -244,11 +244,14 @@ def test_full_batch_inputs() -> None:
     assert line(text, "input args[0]:") == "input args[0]: (None, None, None, None)"
     first = format_plan_execute(plan, 0).split("%1 matmul1")[0]
     assert "AllGather over g2 at matmul1" in first  # (Flatten's rows, then matmul1's columns)
-    entry = [x.strip() for x in first.splitlines() if " at entry" in x]
-    assert entry == [  # the cut to rows is a local slice: no collective
+    # only a primitive reads the input: it stays whole and Flatten cuts its rows out of it (a
+    # local slice: no collective, no cut at entry)
+    assert " at entry" not in first
+    cut = [x.strip() for x in first.splitlines() if " at flatten/Flatten input 0" in x]
+    assert cut == [
         "Slice(dim=0, axis=g0, 2 parts); Slice(dim=0, axis=g1, 2 parts); Slice(dim=0, axis=g2, "
-        "2 parts) at entry: StridedSlice((0, 0, 0, 0), (4, 1, 28, 28), (1, 1, 1, 1)) of local "
-        "[32, 1, 28, 28] send_bytes 0"
+        "2 parts) at flatten/Flatten input 0: StridedSlice((0, 0, 0, 0), (4, 1, 28, 28), "
+        "(1, 1, 1, 1)) of local [32, 1, 28, 28] send_bytes 0"
     ]
 
 

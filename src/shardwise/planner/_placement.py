@@ -35,6 +35,7 @@ from shardwise.layout import (
     to_placements,
 )
 from shardwise.ops import OpPlan
+from shardwise.planner._annotated import RESHARD
 from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._plan import Placed, replicated
 
@@ -161,16 +162,16 @@ def _param_layouts(
 
 
 def read_whole(graph: Graph, prims: Mapping[int, OpPlan]) -> set[str]:
-    """The inputs that only primitives read, each wanting it whole (Gather's indices with
-    ``(1, 1)``): under ``"full_batch"`` they stay as they arrive, not cut at entry and
-    gathered again."""
+    """The inputs that only primitives and ``sw.reshard`` read (each taking the layout it
+    names: Gather's indices whole, a MatMul's input cut to columns): under ``"full_batch"``
+    they stay as they arrive, whole, and each such reader cuts its block out of it locally;
+    cut to rows at entry they were moved again (an AlltoAll to columns, AllGathers to whole)."""
     uses: dict[str, list[bool]] = {}
     for node in graph.nodes:
-        for i, ref in enumerate(node.inputs):
+        for ref in node.inputs:
             if ref.kind == "input":
-                op = prims.get(node.index)
-                whole = op is not None and not op.inputs[i].used_axes()
-                uses.setdefault(str(ref.key), []).append(whole)
+                sets_layout = node.index in prims or node.op == RESHARD
+                uses.setdefault(str(ref.key), []).append(sets_layout)
     return {key for key, wants in uses.items() if all(wants)}
 
 
