@@ -204,6 +204,12 @@ def test_generator_errors() -> None:
         list(bad)
     with pytest.raises(TypeError, match="strings are not supported"):
         list(GeneratorDataset([("text",)], "s"))
+    # an empty source gives no batch, as its len() says (it failed stacking no rows)
+    assert (
+        list(GeneratorDataset([], "x").batch(2))
+        == []
+        == [None] * len(GeneratorDataset([], "x").batch(2))
+    )
     # a flag given as a string was taken by its truth: "False" kept the last partial batch
     with pytest.raises(TypeError, match=r"batch: drop_remainder='False' must be True or False"):
         GeneratorDataset([1, 2, 3], "x").batch(2, drop_remainder="False")

@@ -169,7 +169,7 @@ class EpochOrder:
         block = self.batch_size or 1
         drop = self.drop_remainder and self.batch_size is not None
         mine = order[shard_positions(len(order), num_shards, shard_id, block, drop)]
-        chunks = list(mine.split(self.batch_size or UNBATCHED_CHUNK))
+        chunks = [c for c in mine.split(self.batch_size or UNBATCHED_CHUNK) if len(c)]
         last = len(chunks) - 1
         order_of = list(range(len(chunks)))
         for k, size in enumerate(self.batch_shuffles):
