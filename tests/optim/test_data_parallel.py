@@ -213,6 +213,25 @@ def test_per_rank_state_is_the_owned_share() -> None:
     assert "all" in str(runner)
 
 
+def _steps_match(
+    forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    opt: torch.optim.Optimizer,
+    net: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    params: list[dict[str, torch.Tensor]],
+) -> None:
+    """Each global batch: `forward` gives this rank's logits and labels; after the backward and
+    the step, `net`'s parameters equal one device's after that step (`params`)."""
+    loss_fn = nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(batches):
+        loss_fn(*forward(x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+        assert_matches_single_device(
+            {n: p.detach() for n, p in net.named_parameters()}, params[step]
+        )
+
+
 def test_module_form_reduces_at_step() -> None:
     make_opt = OPTIMIZERS["momentum"]
     _, params = single_device(make_opt)
@@ -221,17 +240,11 @@ def test_module_form_reduces_at_step() -> None:
         world.replicate(net)
         opt = make_opt(net.parameters())
         runner = DataParallelRunner(net, [opt], parallel_optimizer=True, threshold_kb=0)
-        loss_fn = nn.CrossEntropyLoss()
-        for step, (x, y) in enumerate(batches):
-            rows = world.rank_map(lambda r, x=x: x[r * 8 : (r + 1) * 8].clone())
-            labels = world.rank_map(lambda r, y=y: y[r * 8 : (r + 1) * 8].clone())
-            loss = loss_fn(runner(rows), labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            assert_matches_single_device(
-                {n: p.detach() for n, p in net.named_parameters()}, params[step]
-            )
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return world.rank_map(lambda r: x[r * 8 : (r + 1) * 8].clone())
+
+        _steps_match(lambda x, y: (runner(rows(x)), rows(y)), opt, net, batches, params)
         # default fusion id 1 everywhere: one all-reduce per step, no loss reduction
         assert rec.count("AllReduce") == STEPS
         assert runner.collectives_per_step()["AllReduce"] == 1
@@ -251,15 +264,9 @@ def test_module_form_adopts_an_optimizer_built_after_the_wrapper() -> None:
         parallel = sw.AutoParallel(net, parallel_mode="data_parallel")
         opt = make_opt(net.parameters())
         unrelated = torch.optim.SGD(other.parameters(), lr=0.1)
-        loss_fn = nn.CrossEntropyLoss()
-        for step, (x, y) in enumerate(batches):
-            loss = loss_fn(parallel(world.rows(x)), world.rows(y))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            assert_matches_single_device(
-                {n: p.detach() for n, p in net.named_parameters()}, params[step]
-            )
+        _steps_match(
+            lambda x, y: (parallel(world.rows(x)), world.rows(y)), opt, net, batches, params
+        )
         assert rec.count("AllReduce") == STEPS
         other(torch.ones(1, 2)).sum().backward()
         unrelated.step()

@@ -99,12 +99,18 @@ def test_the_memory_cap_constrains_the_search() -> None:
         sw.runtime.set_memory(None)
 
 
-def _square_step(net: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A train step of `net` on the mean square of its output (backward only)."""
+def _square_step(
+    net: nn.Module, opt: torch.optim.Optimizer | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A train step of `net` on the mean square of its output (backward only, or with `opt`'s
+    step)."""
 
     def step(x: torch.Tensor) -> torch.Tensor:
         loss = net(x).square().mean()
         loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
         return loss
 
     return step
@@ -143,14 +149,7 @@ def _capped_run(opt_class: type[torch.optim.Optimizer], x: torch.Tensor) -> list
         with simulated_world(4) as world:
             world.replicate(net)
             opt = opt_class(net.parameters(), lr=0.1)
-
-            def step(x: torch.Tensor) -> torch.Tensor:
-                loss = net(x).square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss
-
+            step = _square_step(net, opt)
             parallel = sw.AutoParallel(step, parallel_mode="recursive_programming")
             return [parallel(world.rows(x)) for _ in range(2)]
     finally:
