@@ -201,10 +201,9 @@ class DataParallelRunner:
         self._handles.append(o.register_step_post_hook(_step_hook(ref, index, after=True)))
 
     def adopt(self, o: torch.optim.Optimizer) -> None:
-        """Take optimizer `o` (over the network's parameters, built after the runner) as one of
-        the runner's, from the step it is in: its own step hooks, registered now, run in it."""
-        if any(o is known for known in self.optimizers):
-            return
+        """Take optimizer `o` (over the network's parameters, built after the runner, not yet
+        the runner's) as one of its optimizers, from the step it is in: its own step hooks,
+        registered now, run in it."""
         self.optimizers.append(o)
         self._build_plan()
         self._hook(o, len(self.optimizers) - 1)

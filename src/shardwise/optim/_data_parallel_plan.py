@@ -286,8 +286,8 @@ def adopt_hook(ref: Any) -> StepHook:
 
     def hook(opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
         runner = ref()
-        if runner is None:
-            return
+        if runner is None or any(opt is known for known in runner.optimizers):
+            return  # (every later step of an adopted one: nothing to look at)
         mine = {id(p) for p in runner.network.parameters()}
         if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
             runner.adopt(opt)
