@@ -37,6 +37,7 @@ from pathlib import Path
 
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.planner._scatter import scatter_cut
 from shardwise.redistribution import Slice, apply_step, plan_redistribution
 
 DEFAULT_ALPHA_S = 10e-6
@@ -151,18 +152,13 @@ class CostModel:
 
 def _scattered(src: TensorLayout, dst: TensorLayout, shape: tuple[int, ...], itemsize: int,
                reduced: tuple[int, ...]) -> Slice | None:  # fmt: skip
-    """The first step of the move when it is a plain Slice over a reduced axis (a
-    ReduceScatter's cut), on a device matrix in rank order; else None."""
-    m = src.matrix
-    if not reduced or m.rank_list != tuple(range(m.size)):
-        return None
-    if src.dims == dst.dims and src.groups == dst.groups:
+    """The first step of the move when the executor runs it inside a ReduceScatter
+    (`_scatter.scatter_cut`); else None."""
+    if not reduced or (src.dims == dst.dims and src.groups == dst.groups):
         return None
     steps = plan_redistribution(src, dst, shape, itemsize).steps
     first = steps[0] if steps else None
-    if not isinstance(first, Slice) or first.groups != 1 or first.axis not in reduced:
-        return None
-    return first if m.shape[first.axis] > 1 else None
+    return first if isinstance(first, Slice) and scatter_cut(first, reduced, src.matrix) else None
 
 
 @lru_cache(maxsize=65536)

@@ -21,8 +21,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from shardwise.planner._plan import EdgePlan
-from shardwise.redistribution import Slice
+from shardwise.layout import DeviceMatrix
+from shardwise.planner._edge_plan import EdgePlan
+from shardwise.redistribution import Slice, Step
+
+
+def scatter_cut(first: Step | None, reduced: Sequence[int], matrix: DeviceMatrix) -> bool:
+    """Whether a move's `first` step can run inside the ReduceScatter of its partial sums over
+    `reduced`: a plain Slice over one of those axes, longer than 1, on a matrix in rank order
+    (a ReduceScatter hands out parts in rank order). The planners' cost (`_cost`) and the
+    plan's edges (`scatters`) both ask this.
+
+    Example:
+        >>> scatter_cut(Slice(dim=0, axis=1), (1,), DeviceMatrix((2, 2), ("dp", "mp")))
+        True
+    """
+    if not isinstance(first, Slice) or first.groups != 1 or first.axis not in reduced:
+        return False
+    return matrix.shape[first.axis] > 1 and matrix.rank_list == tuple(range(matrix.size))
 
 
 def scatters(e: EdgePlan) -> bool:
@@ -38,10 +54,7 @@ def scatters(e: EdgePlan) -> bool:
         return False
     if e.equal_grad or e.kept:
         return False
-    first, m = e.steps[0], e.src.layout.matrix
-    if not isinstance(first, Slice) or first.groups != 1 or first.axis not in e.reduced:
-        return False
-    return m.shape[first.axis] > 1 and m.rank_list == tuple(range(m.size))
+    return scatter_cut(e.steps[0], e.reduced, e.src.layout.matrix)
 
 
 def fuse_scatter(edges: Sequence[EdgePlan]) -> tuple[EdgePlan, ...]:
