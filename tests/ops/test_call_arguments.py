@@ -29,7 +29,7 @@ X = torch.arange(6.0).reshape(2, 3)
         (lambda: sw.ops.Transpose()(X, (0, 0)), r"Transpose: perm \(0, 0\) is not a permutation"),
         (
             lambda: sw.ops.LayerNorm(begin_norm_axis=2)(X, torch.ones(3), torch.zeros(3)),
-            r"LayerNorm: begin_norm_axis=2 is out of range",
+            r"LayerNorm: begin_norm_axis=2 is not an int in \[-2, 2\)",
         ),
     ],
 )

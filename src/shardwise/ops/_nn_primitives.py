@@ -23,12 +23,7 @@ from collections.abc import Callable
 import torch
 
 from shardwise.ops._base import REQUIRED, Primitive
-
-
-def _norm(axis: int, rank: int, who: str, what: str = "axis") -> int:
-    if not -rank <= axis < max(rank, 1):
-        raise ValueError(f"{who}: {what}={axis} is out of range for a tensor of {rank} dims")
-    return axis % rank if rank else 0
+from shardwise.ops._specs import norm_axis
 
 
 class LayerNorm(Primitive):
@@ -66,8 +61,8 @@ class LayerNorm(Primitive):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         args = self.init_args()
         r = input_x.dim()
-        bna = _norm(args["begin_norm_axis"], r, self.who, "begin_norm_axis")
-        bpa = _norm(args["begin_params_axis"], r, self.who, "begin_params_axis")
+        bna = norm_axis(args["begin_norm_axis"], r, self.who, "begin_norm_axis")
+        bpa = norm_axis(args["begin_params_axis"], r, self.who, "begin_params_axis")
         eps = float(args["epsilon"])
         if bna == bpa:
             y, mean, rstd = torch.native_layer_norm(input_x, input_x.shape[bna:], gamma, beta, eps)
@@ -330,7 +325,7 @@ class Gather(Primitive):
     ) -> torch.Tensor:
         params, indices = input_params, input_indices
         b = int(self.init_args()["batch_dims"])
-        axis = _norm(axis, params.dim(), self.who)
+        axis = norm_axis(axis, params.dim(), self.who)
         shape = (*params.shape[:axis], *indices.shape[b:], *params.shape[axis + 1 :])
         if b == 0:
             return params.index_select(axis, indices.reshape(-1)).reshape(shape)
