@@ -79,6 +79,11 @@ def _rank_int_only(args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -
     """Whether the per-rank values among the arguments are per-rank ints only, beside plain
     tensors (``torch.tensor(0.) + rank``, ``torch.cat([a, b], rank)``): LocalTensorMode would
     run such an op once, on a placeholder in place of the rank."""
+    top = (*args, *kwargs.values())  # (most ops: a LocalTensor argument, or no int at all)
+    if any(isinstance(v, local) for v in top):
+        return False
+    if not any(isinstance(v, torch.SymInt | list | tuple) for v in top):
+        return False
     leaves = pytree.tree_leaves((args, kwargs))
     if any(isinstance(v, local) for v in leaves):
         return False
