@@ -31,7 +31,7 @@ that makes the whole graph's redistributions cheapest.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -247,7 +247,7 @@ def problem_of(
     param_layouts: Mapping[str, TensorLayout] | None,
     extra_matrices: Sequence[Shape],
     model: CostModel,
-    builder: type[_Builder] = _Builder,
+    builder: Callable[[Graph, Setup, Choices, CostModel], _Builder] = _Builder,
 ) -> tuple[Setup, Choices, Problem, list[tuple[str, int | str]]]:
     """Steps 1-3 (shared with the search, whose `builder` adds its costs): the setup with the
     annotated ops, every candidate, the `Problem` and its variables."""

@@ -34,6 +34,7 @@ whole as AllReduces).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 from shardwise import runtime
 from shardwise.layout import TensorLayout
 from shardwise.planner._annotated import RESHARD
-from shardwise.planner._choices import Choice
+from shardwise.planner._choices import Choice, Choices
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import node_flops
 from shardwise.planner._gc import gc_paused
@@ -55,7 +56,7 @@ from shardwise.planner._placement import (
     to_placed,
 )
 from shardwise.planner._plan import ParallelPlan
-from shardwise.planner._plan_cost import PARAM_COPIES, grad_sync
+from shardwise.planner._plan_cost import grad_sync
 from shardwise.planner._propagate import (
     Propagation,
     _Builder,
@@ -63,6 +64,7 @@ from shardwise.planner._propagate import (
     fixed_variables,
     problem_of,
 )
+from shardwise.planner._semi_auto import Setup
 from shardwise.planner._solve import OverCap, Problem, total
 from shardwise.planner._tie import layer_keys, solve_tied
 
@@ -79,7 +81,12 @@ class _Costs(_Builder):
     """`_propagate._Builder` with the search's full cost (step 3 of the module docstring)."""
 
     price_own = True  # (a torch op's partial sums are reduced on its out-edges: priced)
-    copies = PARAM_COPIES  # (a parameter's block, its gradient and the optimizer's state)
+
+    def __init__(
+        self, graph: Graph, s: Setup, choices: Choices, model: CostModel, copies: int
+    ) -> None:
+        super().__init__(graph, s, choices, model)
+        self.copies = copies  # (a parameter's block, its gradient and the optimizer's state)
 
     def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
         prob, variables = super().problem()
@@ -156,7 +163,7 @@ def search(
     layers decide alike, `_tie`; `state_per_element`: the optimizer's state per parameter
     element, `report.optimizer_state_per_element`)."""
     model = model or load_cost_model()
-    costs = type("_Costs", (_Costs,), {"copies": 2 + state_per_element})
+    costs = functools.partial(_Costs, copies=2 + state_per_element)
     cap = runtime.get_memory()
     annotated = _annotated(graph, param_layouts, dataset, extra_matrices)
     shapes = [()] if annotated else matrix_shapes(device_num)
