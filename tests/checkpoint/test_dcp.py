@@ -201,3 +201,52 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not readable DCP metadata"):
         import_dcp(tmp_path / "dcp", tmp_path / "z")
     assert not (tmp_path / "z").exists()
+
+
+def test_per_parameter_groups_load_into_the_optimizer_they_came_from(tmp_path: Path) -> None:
+    """torchtitan's layout keeps one group per parameter; they come back grouped by their
+    hyperparameters in DCP's key order (bias before weight), and each of the optimizer's
+    groups takes the saved group holding its parameters: the next step is the uninterrupted
+    one."""
+    torch.manual_seed(0)
+    net, x = torch.nn.Linear(4, 2), torch.randn(3, 4)
+
+    def adam() -> torch.optim.Optimizer:
+        return torch.optim.Adam([{"params": [net.weight], "lr": 0.1},
+                                 {"params": [net.bias], "lr": 0.01}])  # fmt: skip
+
+    opt = adam()
+    net(x).sum().backward()
+    opt.step()
+    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
+    export_dcp(tmp_path / "ck.safetensors", tmp_path / "dcp", flatten_optimizer=True)
+    import_dcp(tmp_path / "dcp", tmp_path / "back", optimizer_class=torch.optim.Adam)
+    back = adam()
+    ckpt = sw.load_checkpoint(tmp_path / "back" / "checkpoint.safetensors")
+    sw.checkpoint.load_optimizer_state(back, ckpt, net)
+    assert [g["lr"] for g in back.param_groups] == [0.1, 0.01]
+    before = [p.detach().clone() for p in net.parameters()]
+    for o in (opt, back):
+        with torch.no_grad():
+            for p, b in zip(net.parameters(), before, strict=True):
+                p.copy_(b)
+        o.zero_grad()
+        net(x).sum().backward()
+        o.step()
+        if o is opt:
+            want = [p.detach().clone() for p in net.parameters()]
+    assert all(torch.equal(p, w) for p, w in zip(net.parameters(), want, strict=True))
+
+
+def test_a_corrupt_source_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """torch's save wraps what a read raised in its CheckpointException (a BaseException):
+    the export raises the read's own error, naming the file and the entry."""
+    net = torch.nn.Linear(4, 2)
+    path = sw.save_checkpoint(net, tmp_path / "good" / "ck.safetensors")
+    data = bytearray(Path(path).read_bytes())
+    data[-5] ^= 0xFF
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "ck.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"ck.safetensors: tensor '\w+' is corrupt"):
+        export_dcp(tmp_path / "bad", tmp_path / "dcp")
+    assert not (tmp_path / "dcp").exists()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -46,6 +47,7 @@ from shardwise.checkpoint._dcp_optimizer import KeyPath, Ref, torch_leaves
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._publish import publish
 from shardwise.checkpoint._sources import SourceSet
+from shardwise.checkpoint._transform import file_work
 
 PathLike = str | os.PathLike[str]
 
@@ -114,6 +116,7 @@ class _ExportPlanner(DefaultSavePlanner):
         return box.view(self.cached[2]).clone()
 
 
+@file_work
 def export_dcp(
     src_dir: PathLike,
     dcp_dir: PathLike,
@@ -162,5 +165,17 @@ def export_dcp(
     with publish(out, overwrite) as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         writer = FileSystemWriter(tmp, single_file_per_rank=False, thread_count=1)
-        save({}, storage_writer=writer, planner=planner, no_dist=True)
+        try:
+            save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:  # (not an Exception: torch wraps what a read raised)
+            raise _cause(e) from e
     return out
+
+
+def _cause(e: CheckpointException) -> Exception:
+    """The error a source read raised inside torch's save (a corrupt block's CheckpointError,
+    an OSError), else a CheckpointError with torch's report."""
+    for failure, _ in e.failures.values():
+        if isinstance(failure, Exception):
+            return failure
+    return CheckpointError(f"torch's DCP save failed: {e}")

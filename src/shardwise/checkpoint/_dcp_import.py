@@ -48,7 +48,7 @@ from shardwise.checkpoint._manager import checkpoint_dir_for_rank
 from shardwise.checkpoint._pieces import Piece
 from shardwise.checkpoint._strategy import as_strategy
 from shardwise.checkpoint._stream import NAMES
-from shardwise.checkpoint._transform import _cut
+from shardwise.checkpoint._transform import _cut, file_work
 
 PathLike = str | os.PathLike[str]
 
@@ -225,6 +225,7 @@ def _read_items(fqn: str, meta: TensorStorageMetadata, target: Piece) -> list[Re
     return items
 
 
+@file_work
 def import_dcp(
     dcp_dir: PathLike,
     dst_dir: PathLike,

@@ -199,7 +199,8 @@ def _groups_flat(
     tensors: dict[str, str],
 ) -> list[dict[str, Any]]:
     """torchtitan's per-parameter groups: parameters with equal hyperparameters form one
-    group, in model order."""
+    group, in the order of the model's DCP keys (`load_optimizer_state` matches groups by
+    their parameters)."""
     per_param: dict[str, dict[str, Any]] = {}
     for rest, key in group_keys.items():
         fqn, path = _owner(rest, fqns)

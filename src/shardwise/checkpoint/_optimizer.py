@@ -152,22 +152,32 @@ def merged_description(
 
 
 def _rebuilt_groups(
-    optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], names: list[str], where: str
+    optimizer: torch.optim.Optimizer,
+    saved: list[dict[str, Any]],
+    names: list[str],
+    where: str,
+    named: bool,
 ) -> list[dict[str, Any]]:
+    """The saved groups in the optimizer's order, each matched by the parameters it holds
+    (a checkpoint whose groups came back in another order, as DCP's per-parameter groups do,
+    loads as saved)."""
     if len(saved) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: {len(saved)} parameter groups saved, the optimizer has "
             f"{len(optimizer.param_groups)}"
         )
     index = {name: i for i, name in enumerate(names)}
+    by_params = {frozenset(old["params"]): old for old in saved}
     groups, position = [], 0
-    for number, (old, new) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
+    for number, new in enumerate(optimizer.param_groups):
         current = names[position : position + len(new["params"])]
         position += len(new["params"])
-        if list(old["params"]) != current:
+        old = by_params.get(frozenset(current))
+        if old is None:
+            hint = "" if named else " (pass the network as net= to match by name)"
             raise CheckpointError(
-                f"{where}: parameter group {number} saved parameters {old['params']} but the "
-                f"optimizer holds {current} (pass the network as net= to match by name)"
+                f"{where}: the optimizer's parameter group {number} holds {current}, which no "
+                f"saved group holds (saved groups: {[g['params'] for g in saved]}){hint}"
             )
         group = {k: v for k, v in old.items() if k != "params"}
         group["params"] = [index[name] for name in current]
@@ -205,7 +215,9 @@ def load_optimizer_state(
             f"{type(optimizer).__qualname__}"
         )
     names = param_names(optimizer, net)
-    groups = _rebuilt_groups(optimizer, description["param_groups"], names, where)
+    groups = _rebuilt_groups(
+        optimizer, description["param_groups"], names, where, named=net is not None
+    )
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted(set(description["state"]) - set(index))
     if unknown:

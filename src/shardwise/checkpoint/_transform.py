@@ -13,20 +13,23 @@
   ``model.load_state_dict(safetensors.torch.load_file(path))`` loads.
 - `transform_checkpoints` / `unified_safetensors`: MindSpore's names and arguments for the two.
 - `Blocks`: what `_cut` reads (a `SourceSet`; `import_dcp` gives a torch DCP checkpoint).
+- `file_work`: these file-to-file operations run on plain tensors, in a simulated world too.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ParamSpec, Protocol, TypeVar
 
 import torch
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from shardwise import communication as comm
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import strategy_metadata
 from shardwise.checkpoint._errors import CheckpointError
@@ -38,6 +41,8 @@ from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
 from shardwise.checkpoint._stream import StreamWriter
 
 PathLike = str | os.PathLike[str]
+P = ParamSpec("P")
+R = TypeVar("R")
 _OPEN_FILES = 256  # up to this many destination ranks, every file is written at once
 _PROGRESS_BYTES = 64 << 20  # a progress bar for checkpoints from this size on
 _KEEP = (fmt.KEY_VERSION, fmt.KEY_STEP, fmt.KEY_EPOCH, fmt.KEY_EXTRA, fmt.KEY_OPTIMIZER)
@@ -246,6 +251,19 @@ def _cut(
                 _write_file(source, path, pieces, m, shared)
 
 
+def file_work(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn`, a file-to-file operation, run on plain tensors: in a simulated world the same
+    as in a real job (its read buffers are not per-rank tensors)."""
+
+    @functools.wraps(fn)
+    def plain(*args: P.args, **kwargs: P.kwargs) -> R:
+        with comm.plain_tensors():
+            return fn(*args, **kwargs)
+
+    return plain
+
+
+@file_work
 def transform(
     src_dir: PathLike,
     dst_dir: PathLike,
@@ -294,6 +312,7 @@ def transform(
     return Path(dst_dir)
 
 
+@file_work
 def merge(
     src_dir: PathLike,
     out_file: PathLike,
