@@ -8,8 +8,10 @@ import dataclasses
 import json
 import math
 import pickle
+from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,3 +174,17 @@ def test_strategy_files_round_trip_and_mismatches(tmp_path: Path) -> None:
         other.load_operator_strategy_file(tmp_path / "ops.json")
         with pytest.raises(StrategyFileError, match=r"op %\d+ is .* in the file but .* network"):
             other(world.rows(x2), world.rows(y2))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: {k: v for k, v in d.items() if k != "nodes"}, r"no field 'nodes'"),
+        (lambda d: {**d, "nodes": "abc"}, r"a malformed shardwise plan \(string indices"),
+        (lambda d: {**d, "matrix": [2, 2]}, r"a malformed shardwise plan"),
+        (lambda d: [d], r"not a shardwise plan \(format 'list'"),
+    ],
+)
+def test_a_malformed_plan_is_a_value_error(edit: Callable[[Any], Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan.from_dict(edit(seed003_plan(False).to_dict()))

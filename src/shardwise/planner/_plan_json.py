@@ -75,8 +75,20 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
     Raises:
         ValueError: not a shardwise plan, or a malformed one.
     """
-    if data.get("format") != FORMAT:
-        raise ValueError(f"not a shardwise plan (format {data.get('format')!r}, want {FORMAT})")
+    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+        got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+        raise ValueError(f"not a shardwise plan (format {got!r}, want {FORMAT})")
+    try:
+        return _plan_of(data, cls)
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        what = f"no field {e.args[0]!r}" if isinstance(e, KeyError) else f"{e}"
+        raise ValueError(
+            f"a malformed shardwise plan ({what}): save the plan again with "
+            "ParallelPlan.save / to_dict rather than editing it"
+        ) from e
+
+
+def _plan_of(data: Mapping[str, Any], cls: type[ParallelPlan]) -> ParallelPlan:
     m = matrix_of(data["matrix"])
     return cls(
         device_num=int(data["device_num"]),
