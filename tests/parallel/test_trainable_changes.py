@@ -6,7 +6,8 @@ parameters that require gradients at the first call. A layer unfrozen later
 each rank (each rank's copy drifting apart, silently); a parameter group added to the
 optimizer later (``add_param_group``) likewise in ``parallel_mode="data_parallel"``. Both now
 plan the buckets again at the next call; with optimizer parallel (hsdp), whose shards and
-owners are planned once, such a change raises a ValueError naming the fix. Also: keyword
+owners are planned once, such a change raises a ValueError naming the fix (a parameter frozen
+later stays frozen there too: levels 1-2 made its gathered weight anew). Also: keyword
 inputs in ``parallel_mode="data_parallel"`` (they raised a TypeError naming an internal class).
 """
 
@@ -112,6 +113,36 @@ def test_unfrozen_under_optimizer_parallel_is_refused(mode: str) -> None:
         net[0].requires_grad_(True)
         with pytest.raises(ValueError, match=r"before the first call"):
             parallel(world.rows(x), world.rows(y))
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_frozen_under_optimizer_parallel_stays_frozen(level: str) -> None:
+    """Levels 1-2 keep each gathered weight past the step and gather into it again: a weight
+    frozen since (``requires_grad_(False)``) kept its gradient and was still updated."""
+
+    def freeze(net: nn.Module) -> Callable[[int], None]:
+        def change(i: int) -> None:
+            if i == 1:
+                net[2].weight.requires_grad_(False)
+
+        return change
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))  # (both rows shard)
+
+    ref = build()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = train(ref, lambda x, y: stepper(ref, opt)(x, y).detach(), freeze(ref))
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        parallel = sw.AutoParallel(stepper(net, opt), parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)), freeze(net))
+        for s in range(STEPS):
+            assert_matches_single_device(got[s], want[s], what=f"loss {s}")
 
 
 def test_a_parameter_group_added_later_in_the_data_parallel_mode() -> None:

@@ -6,7 +6,8 @@
   (`communication._buckets.all_gather_bucket`, `_start_gather` / `_gathered` / `_gather`) on
   first use, for the others a view of the parameter (`_leaf`). Leaves are reused until the
   optimizer steps; at levels 1-2 a sharded one is kept past the step (`_stale`) and the next
-  gather writes into it in place (same tensor, storage and hook: no new buffer per step; its
+  gather writes into it in place (same tensor, storage and hook: no new buffer per step, unless
+  a member of its bucket was frozen since: new leaves, without a gradient for it; its
   version moves, so autograd refuses a graph kept from before, as for a weight updated in place
   on one device); a shard changed in place otherwise (its version moved: ``load_state_dict``, a
   hand-written update) is gathered again the same way. Prefetch (`_prefetch`): at levels 1-2
@@ -126,9 +127,10 @@ class WeightGathering(GradReduction):
         bucket = self.plan.buckets[i]
         outs = None  # levels 1-2 after a step: into last step's leaves (same storage and hooks)
         stale = [n for n in bucket.names if n in self._stale]
-        if stale and len(stale) == len(bucket.names):
+        frozen = any(self.leaves[n].requires_grad != self.params[n].requires_grad for n in stale)
+        if stale and len(stale) == len(bucket.names) and not frozen:
             outs = [self.leaves[n].detach() for n in bucket.names]  # (shape: the op-level block)
-        else:  # (a member had no leaf: new leaves for all)
+        else:  # (a member had no leaf, or was frozen since: new leaves for all)
             for n in stale:
                 self._stale.discard(n)
                 del self.leaves[n]
