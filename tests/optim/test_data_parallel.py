@@ -309,6 +309,63 @@ def test_finds_optimizer_in_train_step() -> None:
         assert runner.optimizers == [opt]
 
 
+def test_an_optimizer_the_step_keeps_in_a_dict_is_adopted_at_its_first_step() -> None:
+    """A train step's optimizer the wrapper cannot see (kept in a dict) and stepped first in a
+    later call (a head updated every other call) had its update use each rank's own gradient,
+    silently (the step check runs on the first calls only); it is adopted at its first step.
+    With ``hsdp()`` (``parallel_optimizer=True``: owners planned once) it is a ValueError."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 12, generator=g), torch.randint(0, 8, (16,), generator=g))
+            for _ in range(4)]  # fmt: skip
+
+    def run(net: nn.Sequential, wrap: Callable[[Any], Any], feed: Callable[..., Any]) -> None:
+        body = torch.optim.SGD(net[0].parameters(), lr=0.1)
+        kept = {"head": torch.optim.SGD(net[2].parameters(), lr=0.1), "calls": 0}
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            body.step()
+            body.zero_grad()
+            if kept["calls"] % 2:
+                kept["head"].step()
+                kept["head"].zero_grad()
+            kept["calls"] += 1
+            return loss
+
+        call = wrap(step)
+        for x, y in data:
+            call(*feed(x, y))
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    ref = build()
+    run(ref, lambda f: f, lambda x, y: (x, y))
+    for parallel_optimizer in (False, True):
+        net = build()
+        with simulated_world(4) as world:
+            world.replicate(net)
+
+            def wrap(f: Any, po: bool = parallel_optimizer) -> Any:
+                parallel = sw.AutoParallel(f, parallel_mode="data_parallel")
+                return parallel.hsdp(threshold=0) if po else parallel
+
+            def feed(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return world.rows(x), world.rows(y)
+
+            if parallel_optimizer:
+                with pytest.raises(ValueError, match="a SGD the wrapper was not given steps"):
+                    run(net, wrap, feed)
+                continue
+            run(net, wrap, feed)
+            assert_matches_single_device(
+                {n: p.detach() for n, p in net.named_parameters()},
+                {n: p.detach() for n, p in ref.named_parameters()},
+            )
+
+
 def test_helpers() -> None:
     assert assign_owners([400, None, 300, 200, 100], 2) == [0, None, 1, 1, 0]
     assert assign_owners([1, 1], 4) == [0, 1]

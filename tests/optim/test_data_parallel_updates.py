@@ -1,6 +1,6 @@
 """parallel_mode="data_parallel" averages the gradients in the step of the optimizers the wrapper
-knows: a train step that changes the weights otherwise (a hand-written update, an optimizer built
-inside the step) used each rank's own gradient; it is refused with a ValueError naming the
+knows (or takes at their first step): a train step that changes the weights otherwise (a
+hand-written update) used each rank's own gradient; it is refused with a ValueError naming the
 parameter and the fix. A step that only accumulates gradients, or evaluates, before its first
 optimizer step is not. 2 simulated ranks."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel import AutoParallel
-from shardwise.testing import simulated_world
+from shardwise.testing import assert_matches_single_device, simulated_world
 
 
 def make_net() -> nn.Module:
@@ -26,29 +26,50 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-@pytest.mark.parametrize("how", ["hand-written", "optimizer built in the step"])
-def test_weights_changed_without_a_known_optimizer_step_are_refused(how: str) -> None:
+def test_weights_changed_without_an_optimizer_step_are_refused() -> None:
     net, (x, y) = make_net(), batch()
     with simulated_world(2) as world:
         world.replicate(net)
-        made: dict[str, torch.optim.Optimizer] = {}
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = nn.functional.cross_entropy(net(x), y)
             loss.backward()
-            if how == "hand-written":
-                with torch.no_grad():
-                    for p in net.parameters():
-                        p.sub_(0.1 * p.grad)  # type: ignore[operator]
-            else:
-                opt = made.setdefault("opt", torch.optim.SGD(net.parameters(), lr=0.1))
-                opt.step()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.sub_(0.1 * p.grad)  # type: ignore[operator]
             return loss
 
         run = AutoParallel(step, parallel_mode="data_parallel")
         with pytest.raises(ValueError, match=r"changed parameter '0\.weight' without a step") as e:
             run(world.rows(x), world.rows(y))
     assert "Build the optimizer before the wrapper" in str(e.value)
+
+
+def test_an_optimizer_built_in_the_step_is_averaged_once_and_refused_anew() -> None:
+    """An optimizer built inside the step is taken at its first step (its gradients averaged:
+    the update is one device's); one built anew in the next call, over the same parameters,
+    is refused naming the fix."""
+    net, (x, y) = make_net(), batch()
+    ref = make_net()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            torch.optim.SGD(net.parameters(), lr=0.1).step()
+            return loss
+
+        run = AutoParallel(step, parallel_mode="data_parallel")
+        run(world.rows(x), world.rows(y))
+        assert_matches_single_device(
+            {n: p.detach() for n, p in net.named_parameters()},
+            {n: p.detach() for n, p in ref.named_parameters()},
+        )
+        with pytest.raises(ValueError, match=r"an optimizer built anew in each call\?"):
+            run(world.rows(x), world.rows(y))
 
 
 def test_accumulating_and_evaluating_first_then_stepping_match_one_device() -> None:

@@ -99,8 +99,8 @@ class DataParallelRunner:
       computes the loss and calls ``backward()`` and ``optimizer.step()`` itself.
 
     In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
-    step pre-hook on each of `optimizers` (module form without any: each optimizer over the
-    network's parameters, from its first step, `adopt_hook`), before the update: the gradients
+    step pre-hook on each of `optimizers` (and on any other optimizer over the network's
+    parameters, from its first step, `adopt_hook`), before the update: the gradients
     seen by the update are those of the global batch. Only parameters of some optimizer are
     reduced; a train step changing a parameter without such a step raises ValueError
     (`check_updates`).
@@ -190,8 +190,8 @@ class DataParallelRunner:
         self._handles: list[RemovableHandle] = []
         for i, o in enumerate(opts):
             self._hook(o, i)
-        if not opts and train_step is None:  # (built after the wrapper: adopted at its step)
-            self._handles.append(register_optimizer_step_pre_hook(adopt_hook(ref)))
+        # (one built after the wrapper, or not found in the step: adopted at its first step)
+        self._handles.append(register_optimizer_step_pre_hook(adopt_hook(ref)))
         self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
         _RUNNERS[network] = ref
 
@@ -199,6 +199,11 @@ class DataParallelRunner:
         ref = weakref.ref(self)
         self._handles.append(o.register_step_pre_hook(_step_hook(ref, index, after=False)))
         self._handles.append(o.register_step_post_hook(_step_hook(ref, index, after=True)))
+
+    def is_current(self) -> bool:
+        """Whether this runner is its network's latest (not replaced by a newer wrapper)."""
+        ref = _RUNNERS.get(self.network)
+        return ref is not None and ref() is self
 
     def adopt(self, o: torch.optim.Optimizer) -> None:
         """Take optimizer `o` (over the network's parameters, built after the runner, not yet

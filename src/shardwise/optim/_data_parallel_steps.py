@@ -139,7 +139,8 @@ def check_updates(
     """After a train step: whether it changed any trainable parameter of `params` (`before`:
     their versions at its start); raise when one changed without a step of an optimizer the
     runner knows (`stepped`: those that stepped), whose pre-hook averages the gradients (a
-    hand-written update, an optimizer built inside the step).
+    hand-written update; an optimizer it does not know over the network's parameters is
+    taken at its first step, `adopt_hook`).
 
     Raises:
         ValueError: naming the parameter and the fix.
