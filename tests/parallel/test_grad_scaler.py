@@ -5,7 +5,9 @@ are its blocks, so an overflow in one rank's block went unseen by the others: th
 skipped its optimizer step and halved its scale, the others stepped (the ranks' parameters and
 scales drifted apart, against one device, which skips). The check's verdict is now the
 maximum over the ranks (`_torch/grad_scaler.agree_on_overflow`, one AllReduce(MAX) of a scalar
-per check; none under data parallel, where every rank holds the whole reduced gradients).
+per check; none under semi_auto data parallel, where every rank holds the whole reduced
+gradients). ``parallel_mode="data_parallel"``, whose scaler checks each rank's own gradients
+before the step averages them, gets the same verdict.
 """
 
 from __future__ import annotations
@@ -101,5 +103,55 @@ def test_an_overflow_in_one_ranks_block_skips_the_step_on_every_rank(how: str) -
                 loss = parallel(world.rows(x))
                 assert_matches_single_device(loss, want[i], rtol=1e-3, what=f"loss {i}")
         assert scaler.get_scale() == single_scaler.get_scale()
+    checks = [r for r in rec.records if "GradScaler" in r.label]
+    assert Counter((r.kind, r.numel) for r in checks) == Counter({("AllReduce", 1): STEPS})
+
+
+def test_data_parallel_mode_skips_an_overflow_in_one_ranks_rows_on_every_rank() -> None:
+    """``parallel_mode="data_parallel"`` averages gradients in the optimizer's step, after the
+    scaler checked this rank's own: an overflow in one rank's rows made that rank alone skip
+    (a collective mismatch in a real job). Its verdict is the maximum over the ranks too."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g))
+            for _ in range(STEPS)]  # fmt: skip
+    data[1][0][6, 0] = 1e38  # (a row of rank 1's, of 2)
+
+    def run(net: nn.Module, wrap: object, feed: object) -> torch.amp.GradScaler:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        call = wrap(step)  # type: ignore[operator]
+        for x, y in data:
+            call(*feed(x, y))  # type: ignore[operator]
+        return scaler
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 5))
+
+    ref = build()
+    want = run(ref, lambda f: f, lambda x, y: (x, y)).get_scale()
+    assert want == 512.0  # (one skipped step)
+    net = build()
+    with simulated_world(2) as world, CommRecorder() as rec:
+        world.replicate(net)
+        scaler = run(
+            net,
+            lambda f: sw.AutoParallel(f, parallel_mode="data_parallel"),
+            lambda x, y: (world.rows(x), world.rows(y)),
+        )
+        assert scaler.get_scale() == want
+        assert_matches_single_device(
+            {n: p.detach() for n, p in net.named_parameters()},
+            {n: p.detach() for n, p in ref.named_parameters()},
+        )
     checks = [r for r in rec.records if "GradScaler" in r.label]
     assert Counter((r.kind, r.numel) for r in checks) == Counter({("AllReduce", 1): STEPS})

@@ -45,7 +45,7 @@ from shardwise.parallel._context import (
     get_auto_parallel_context,
     resolve_parallel_mode,
 )
-from shardwise.parallel._discover import find_referenced, pick_network
+from shardwise.parallel._discover import agree_scalers, find_referenced, pick_network
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
 from shardwise.parallel._ownership import take_over
@@ -130,6 +130,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         self._dataset: DatasetStrategy = get_auto_parallel_context("dataset_strategy")
         self._hsdp, self._fusion = settings_from_context()
         self._runner: DataParallelRunner | None = None
+        self._undo_scalers: list[Callable[[], None]] = []
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
         self._superseded = False
@@ -283,6 +284,9 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
             self._graph.remove()
         if self._runner is not None:
             self._runner.remove()
+        for undo in self._undo_scalers:
+            undo()
+        self._undo_scalers = []
 
     @property
     def has_run(self) -> bool:
@@ -368,5 +372,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
                 dataset_strategy=self._dataset,
             )
             report.dump_data_parallel(str(self._runner))
+            if self.train_step is not None:  # (its GradScaler checks this rank's gradients)
+                self._undo_scalers = agree_scalers(self.train_step)
         with clipping(None, DATA_PARALLEL):
             return self._runner(*inputs, **kwargs)
