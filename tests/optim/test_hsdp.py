@@ -368,7 +368,8 @@ def test_state_from_another_shard_layout_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"threshold": -1}, ValueError, r"threshold=-1 KB is negative"),
+        ({"threshold": -1}, ValueError, r"threshold=-1 KB is not a size >= 0"),
+        ({"threshold": float("nan")}, ValueError, r"threshold=nan KB is not a size >= 0"),
         ({"optimizer_level": "level4"}, ValueError, r"optimizer_level='level4'; valid"),
         ({"shard_size": 0}, ValueError, r"shard_size=0; use -1"),
         ({"shard_size": 2.0}, TypeError, r"shard_size must be an int"),
@@ -377,6 +378,44 @@ def test_state_from_another_shard_layout_is_refused() -> None:
 def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         AutoParallel(Mlp()).hsdp(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("threshold", [0, 1e6])
+def test_a_fusion_id_holding_two_dtypes_makes_a_bucket_each(threshold: float) -> None:
+    """A float64 layer beside float32 ones, all with the default fusion id 1: one flat buffer
+    per bucket needs one dtype (a ValueError from the AllGather, or autograd refusing a
+    float64 gradient in a float32 buffer)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 12, generator=g), torch.randint(0, 8, (16,), generator=g)
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 8).double())
+
+    def stepper(net: nn.Sequential, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net[2](net[1](net[0](x)).double()), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    ref = build()
+    one = stepper(ref, torch.optim.SGD(ref.parameters(), lr=0.1))
+    want = [one(x, y).detach() for _ in range(3)]
+    net = build()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        step = stepper(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        parallel = AutoParallel(step, parallel_mode="semi_auto").hsdp(threshold=threshold)
+        for i in range(3):
+            assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want[i])
+        assert [b.params for b in parallel.parallel_plan.buckets] == [
+            ("0.weight", "0.bias"),
+            ("2.weight", "2.bias"),
+        ]
 
 
 def test_shard_size_must_divide_the_group() -> None:

@@ -69,8 +69,8 @@ def check_hsdp(shard_size: object, threshold: object, optimizer_level: object) -
         raise ValueError(f"hsdp: shard_size={shard_size}; use -1 (the whole group) or an int > 1")
     if isinstance(threshold, bool) or not isinstance(threshold, int | float):
         raise TypeError(f"hsdp: threshold must be a number of KB, got {threshold!r}")
-    if threshold < 0:
-        raise ValueError(f"hsdp: threshold={threshold} KB is negative; use a size >= 0 (KB)")
+    if not threshold >= 0:  # (NaN too: no size compares with it)
+        raise ValueError(f"hsdp: threshold={threshold} KB is not a size >= 0 (KB)")
     if optimizer_level not in LEVELS:
         valid = " | ".join(repr(v) for v in LEVELS)
         raise ValueError(f"hsdp: optimizer_level={optimizer_level!r}; valid: {valid}")
@@ -373,14 +373,14 @@ def plan_optimizer(
     fusion = fusion or FusionConfig()
     shards = tuple(_decide(p, config) for p in params)
     index = {p.name: i for i, p in enumerate(params)}
-    classes: dict[tuple[str, tuple[int, ...], int], list[ParamShard]] = {}
+    classes: dict[tuple[str, tuple[int, ...], int, torch.dtype], list[ParamShard]] = {}
     for s in shards:
         if not s.info.requires_grad:
             continue  # no gradient (a bucket without axes only scales by 1 / world)
-        kind = "shard" if s.sharded else "allreduce"
-        classes.setdefault((kind, s.dp_axes, s.shard), []).append(s)
+        kind = "shard" if s.sharded else "allreduce"  # (one flat buffer: one dtype a bucket)
+        classes.setdefault((kind, s.dp_axes, s.shard, s.info.dtype), []).append(s)
     buckets: list[tuple[int, Bucket]] = []
-    for (kind, axes, shard), members in classes.items():
+    for (kind, axes, shard, _), members in classes.items():
         key = "reducescatter" if kind == "shard" else "allreduce"
         cap = (
             fusion.bucket_bytes(key)
