@@ -4,6 +4,7 @@ errors for what it cannot follow."""
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -127,6 +128,10 @@ class NonzeroInForward(nn.Module):
             Lambda(lambda x: F.gaussian_nll_loss(x, x * 2, torch.ones_like(x))),
             r"gaussian_nll_loss at test_capture.py:\d+ reads a tensor's value inside torch "
             r"\(functional.py:\d+, gaussian_nll_loss\).* 0.5 \* \(torch.log\(var\)",
+        ),
+        (  # (a tensor's storage cannot be deep-copied on fakes; the line past copy.py)
+            Lambda(lambda x: copy.deepcopy(x * 2)),
+            r"copy.deepcopy of a tensor at test_capture.py:\d+ .* t.detach\(\).clone\(\)",
         ),
     ],
 )

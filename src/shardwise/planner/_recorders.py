@@ -267,6 +267,11 @@ class _Recorder(TorchFunctionMode):
 
     def _record(self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         s = self.s
+        if func is torch.Tensor.__deepcopy__:  # (storage copies do not run on fake tensors)
+            raise CaptureError(
+                f"copy.deepcopy of a tensor at {source_line()} runs while the step is captured "
+                "(on fake tensors, which it cannot copy); copy it with t.detach().clone()"
+            )
         ins, template = _tensors((args, kw))
         if s.differentiated and any(t is d for t in ins for d in s.differentiated):
             raise CaptureError(

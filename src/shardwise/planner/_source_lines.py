@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import sys
 import traceback
@@ -20,6 +22,7 @@ import torch
 
 _SKIP_FILES = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_STDLIB_SKIP = frozenset({contextlib.__file__, copy.__file__})  # (``with``, ``copy.deepcopy``)
 LIBRARY_READS = {
     "_detect_is_causal_mask": (
         "torch checks whether the attention mask is causal by reading it; pass is_causal=True "
@@ -36,7 +39,7 @@ def source_line() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_FILES) and "contextlib" not in name:
+        if not name.startswith(_SKIP_FILES) and name not in _STDLIB_SKIP:
             return f"{os.path.basename(name)}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "?"
