@@ -195,11 +195,13 @@ class GradBuckets:
     referenced), added to an existing ``.grad`` (several backward calls per step: the hook
     returned zeros), or, for ``torch.autograd.grad`` (nothing stored), already in place in the
     slot the hook returned.
-    A parameter without a gradient in a backward keeps its ``.grad``. A gradient arriving in
-    another backward while one is running (a nested one) or twice in one backward is all-reduced
-    on its own in the hook. A backward that raised is dropped at the next forward
-    (`drop_unfinished`): its started AllReduces are finished, its partial buckets forgotten; the
-    gradients it stored in an empty ``.grad`` stay unreduced (zero them before stepping).
+    A parameter without a gradient in a backward keeps its ``.grad``. A backward running inside
+    the collecting one that stores its gradients (a reentrant checkpointed region's) fills the
+    same buckets; one that returns them (``torch.autograd.grad`` there), or a gradient arriving
+    twice in one backward, is all-reduced on its own in the hook. A backward that raised is
+    dropped at the next forward (`drop_unfinished`): its started AllReduces are finished, its
+    partial buckets forgotten; the gradients it stored in an empty ``.grad`` stay unreduced
+    (zero them before stepping).
     Every share is multiplied, before its sum, by the factor a mean loss whose backward did not
     wait for its count noted for this backward (`EdgePlan.deferred`, `communication.correct_`).
     """
@@ -237,16 +239,18 @@ class GradBuckets:
 
         def hook(g: torch.Tensor) -> torch.Tensor:
             task = current_graph_task_id()
-            joined = task == self.task or self._join(task)
+            stores = _stores(bucket.stores[j])
+            # (a backward inside the collecting one that stores its gradients, a reentrant
+            # checkpointed region's, fills the same buckets: `_finish` delivers them)
+            joined = task == self.task or self._join(task) or stores
             if not joined or j in bucket.got or bucket.pending is not None:
-                # (a nested backward, a second gradient)
+                # (a nested backward returning its gradients, a second gradient)
                 reduced = self._now(corrected(g, task), bucket.group)
                 if bucket.times[j] != 1:
                     reduced.mul_(bucket.times[j])
                 if bucket.got.get(j) == "store":  # added to .grad, which `_finish` overwrites
                     bucket.extra.append((j, reduced))
                 return reduced
-            stores = _stores(bucket.stores[j])
             if bucket.flat is None:
                 bucket.flat = bucket.buffer(g, keep=stores)
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
