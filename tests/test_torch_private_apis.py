@@ -386,6 +386,16 @@ def _checkpointing() -> None:
 
     out = checkpoint(sine, x, use_reentrant=False)
     assert frames[0] is not None and checkpoint_frame() is None
+    # how many tensors it saved (sin saves its input) and whether its recomputation stops early
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from shardwise._torch.checkpointing import saved_count, stops_early
+
+    assert saved_count(frames[0]) == 1 and stops_early(frames[0])
+    with set_checkpoint_early_stop(False):
+        checkpoint(sine, x, use_reentrant=False)
+    assert not stops_early(frames[1])
+    del frames[1]
 
     def around(run: Callable[[], None]) -> None:
         ran.append("around")
@@ -540,7 +550,9 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/pytree: torch.utils._pytree": _pytree,
     "_torch/function_apply: Function.apply's frame and its cls": _function_apply,
     "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward and its ctx's "
-    "run_function, the pack hook's frame and its recompute_fn": _checkpointing,
+    "run_function, the pack hook's frame, its recompute_fn, weak_holders and early_stop": (
+        _checkpointing
+    ),
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(

@@ -13,9 +13,11 @@ A non-reentrant region's state is a ``_CheckpointFrame`` that its pack hook clos
 (private): `checkpoint_frame` finds it for the running op, `preserves_rng` reads its
 ``preserve_rng_state``, and `around_recomputation` makes the region's recomputation in backward
 (``frame.recompute_fn``, private) run inside a function of the caller's (the plan executor
-replays the region's nodes there). `nested_checkpoint`: a region inside another. A reentrant
-region's autograd context is the ``ctx`` of ``CheckpointFunction.forward`` (`reentrant_context`,
-a frame's locals); `around_rerun` wraps its ``run_function``, which its backward calls again.
+replays the region's nodes there); `saved_count` / `stops_early` read how many tensors it
+saved and whether its recomputation stops after the last of them (the capture notes where).
+`nested_checkpoint`: a region inside another. A reentrant region's autograd context is the
+``ctx`` of ``CheckpointFunction.forward`` (`reentrant_context`, a frame's locals);
+`around_rerun` wraps its ``run_function``, which its backward calls again.
 """
 
 from __future__ import annotations
@@ -155,6 +157,29 @@ def preserves_rng(frame: Any) -> bool:
     return bool(fn.__closure__[names.index("preserve_rng_state")].cell_contents)
 
 
+def saved_count(frame: Any) -> int:
+    """How many tensors the ops of non-reentrant region `frame` saved for backward so far (its
+    private ``weak_holders``: one per saved tensor; an early-stopping recomputation ends once
+    it has saved as many again).
+
+    Example:
+        >>> saved_count(frame)  # doctest: +SKIP
+        3
+    """
+    return len(frame.weak_holders)
+
+
+def stops_early(frame: Any) -> bool:
+    """Whether `frame`'s recomputation stops once it has recomputed every saved tensor (its
+    private ``early_stop``: torch's default, ``set_checkpoint_early_stop(False)`` turns it off).
+
+    Example:
+        >>> stops_early(frame)  # doctest: +SKIP
+        True
+    """
+    return bool(frame.early_stop)
+
+
 def around_recomputation(frame: Any, around: Callable[[Callable[[], None]], None]) -> None:
     """Make `frame`'s recomputation in backward run as ``around(run)``, where ``run()`` is
     torch's own recomputation (RNG state and autocast restored, the region's function called).
@@ -179,4 +204,6 @@ __all__ = [
     "nested_checkpoint",
     "preserves_rng",
     "reentrant_context",
+    "saved_count",
+    "stops_early",
 ]

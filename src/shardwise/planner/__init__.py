@@ -29,7 +29,8 @@
   ``loss.backward()`` starts with no gradient (only ops alike on every rank read the value);
   `plan_deferred`: the weighted mean loss whose seeded backward does not wait for the count.
 - `_annotated`: ``sw.shard``'s op form and ``sw.reshard`` read from the graph.
-- `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable).
+- `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable); `_regions`: the
+  activation-checkpointed regions capture notes (`Region`: which ops backward runs again).
 - `_plan_json`: a `ParallelPlan` as JSON and back (`ParallelPlan.to_dict` / `from_dict`).
 - `_files`: operator and parameter strategy files, checked against the network on load.
 """
@@ -59,6 +60,7 @@ from shardwise.planner._plan import (
 )
 from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, step_cost
 from shardwise.planner._propagate import plan_sharding_propagation
+from shardwise.planner._regions import Region
 from shardwise.planner._search import plan_recursive_programming
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
 
@@ -79,6 +81,7 @@ __all__ = [
     "PlanCost",
     "PlanError",
     "Ref",
+    "Region",
     "Root",
     "StepCost",
     "StrategyFileError",

@@ -195,6 +195,7 @@ def capture(
         outputs=tuple(returned),
         tied=tied,
         roots=tuple(state.backward_roots) if state.all_roots_known else (),
+        regions=state.regions.regions(),
     )
 
 

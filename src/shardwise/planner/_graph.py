@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from shardwise.planner._regions import Region
 
 Shape = tuple[int, ...]
 RefKind = Literal["input", "param", "buffer", "node", "const"]
@@ -168,6 +171,7 @@ class Graph:
         roots: the tensors the train step's ``backward`` (or last ``torch.autograd.grad``)
             started from, in the call's order (empty when one of them is no value of the
             graph).
+        regions: the activation-checkpointed regions, in order (`_regions.Region`).
     """
 
     nodes: tuple[Node, ...]
@@ -178,6 +182,7 @@ class Graph:
     outputs: tuple[Ref, ...]
     tied: Mapping[str, str] = field(default_factory=dict)
     roots: tuple[Ref, ...] = ()
+    regions: tuple[Region, ...] = ()
 
     def info(self, ref: Ref) -> TensorInfo:
         """The metadata of the value `ref` names."""

@@ -39,6 +39,7 @@ from shardwise.planner._placed import (
     _axes_str,
     replicated,
 )
+from shardwise.planner._regions import Region
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ class ParallelPlan:
             (no reduction over them: `_backward`).
         roots: the values the train step's backward starts from, with their placements
             (empty when capture saw none): `seed_scales`.
+        regions: the activation-checkpointed regions, whose ops backward runs again with
+            their moves and collectives (`_regions.Region`).
         explained: op name -> why an automatic planner chose its strategy
             (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
 
@@ -150,6 +153,7 @@ class ParallelPlan:
     outputs: tuple[Placed, ...] = ()
     equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     roots: tuple[Root, ...] = ()
+    regions: tuple[Region, ...] = ()
     explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -220,6 +224,7 @@ class ParallelPlan:
             lines.append(f"  param {k}: {p}{note}")
         lines += [f"  bucket {b}" for b in self.buckets]
         lines += [f"  backward from {r}" for r in self.roots]
+        lines += [f"  {r}" for r in self.regions]
         return "\n".join(lines)
 
     def seed_scales(self) -> tuple[int, ...]:

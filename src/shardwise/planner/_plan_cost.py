@@ -26,6 +26,9 @@ optimizer) on a rank of a plan that is a train step (`StepCost`):
 - gradient synchronization: one AllReduce per gradient bucket (`ParallelPlan.buckets`; a plan
   without them: the parameters grouped by the axes that replicate their gradient, in buckets of
   at most 25 MB), optimizer parallel's ReduceScatter and AllGather;
+- activation checkpointing: each region's replay in backward (`_regions.Region`): its input
+  moves and ops' collectives again, as far as torch's recomputation goes (backward
+  communication), and its ops' forward FLOPs again (compute);
 - compute: per op, ``op_s`` plus the larger of its forward and backward FLOPs (three times the
   forward's: backward computes the gradients of both operands of a product) at
   ``flops_per_s`` and the bytes it reads and writes at ``traffic_s_per_byte`` (which includes
@@ -50,6 +53,7 @@ from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import is_view, node_elements, node_flops
 from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
+from shardwise.planner._regions import Region
 
 PARAM_COPIES = 4
 """A parameter's bytes a rank holds per stored element: itself, its gradient and Adam's two
@@ -281,7 +285,8 @@ def _grad_sync(plan: ParallelPlan, model: CostModel) -> tuple[float, int, dict[s
     return secs, count, sharded
 
 
-def _compute(n: NodePlan, model: CostModel) -> float:
+def _compute(n: NodePlan, model: CostModel, backward: bool = True) -> float:
+    """Seconds of node `n`'s forward and (`backward`) backward."""
     if is_view(n.op):
         return model.op_s
     ins = [p.local_shape(s) for p, s in zip(n.inputs, n.in_shapes, strict=False)]
@@ -289,10 +294,32 @@ def _compute(n: NodePlan, model: CostModel) -> float:
     flops = node_flops(n.op, n.in_shapes, n.shapes) / _split(n)
     itemsize = _itemsize(n.dtype(0)) if n.outputs else 4
     work = max(
-        (1 + BACKWARD_FLOPS) * flops / model.flops_per_s,
+        (1 + (BACKWARD_FLOPS if backward else 0)) * flops / model.flops_per_s,
         elements * itemsize * model.traffic_s_per_byte,
     )
     return model.op_s + work
+
+
+def _recompute(plan: ParallelPlan, region: Region, model: CostModel) -> tuple[float, int, float]:
+    """A checkpointed region's replay in backward: (seconds of its collectives, how many, its
+    forward compute): its nodes' input moves (a move shared with a replayed consumer once) and
+    own collectives, as far as torch's recomputation goes (`_regions.Region`)."""
+    by_consumer = plan.edges_by_consumer()
+    secs = compute = 0.0
+    calls, moved = 0, set[tuple[str, object]]()
+    for k in region.replayed():
+        n = plan.nodes[k]
+        for e in by_consumer.get(k, []):
+            if e.shared and (e.value, e.dst) in moved:
+                continue
+            moved.add((e.value, e.dst))
+            secs += edge_move(e, model, e.reduced)
+            calls += _edge_collectives(e, backward=False)
+        if region.runs_own(k):
+            secs += sum(_own(n, c, model) for c in n.comms)
+            calls += len(n.comms)
+        compute += _compute(n, model, backward=False) if n.inputs or n.outputs else 0.0
+    return secs, calls, compute
 
 
 def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
@@ -326,6 +353,9 @@ def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
             backward += secs
             count += calls
         compute += _compute(n, model) if n.inputs or n.outputs else 0.0
+    for region in plan.regions:  # (recomputed in backward: the region's forward again)
+        secs, again, work = _recompute(plan, region, model)
+        backward, count, compute = backward + secs, count + again, compute + work
     synced, calls, sharded = _grad_sync(plan, model)
     optimizer = 0.0
     for name, p in plan.params.items():

@@ -18,6 +18,7 @@ into an equal value.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from shardwise.planner._plan import (
     Placed,
     Root,
 )
+from shardwise.planner._regions import Region
 from shardwise.redistribution import AllGather, AlltoAll, Slice, Step
 
 FORMAT = "shardwise.ParallelPlan/1"
@@ -66,6 +68,8 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
         out["equal_grads"] = {k: list(v) for k, v in plan.equal_grads.items()}
     if plan.roots:
         out["roots"] = [{"value": r.value, "placed": _placed_d(r.placed)} for r in plan.roots]
+    if plan.regions:
+        out["regions"] = [dataclasses.asdict(r) for r in plan.regions]
     return out
 
 
@@ -113,6 +117,13 @@ def _plan_of(data: Mapping[str, Any], cls: type[ParallelPlan]) -> ParallelPlan:
         outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
         equal_grads={k: tuple(v) for k, v in data.get("equal_grads", {}).items()},
         roots=tuple(Root(r["value"], _placed(m, r["placed"])) for r in data.get("roots", [])),
+        regions=tuple(_region(r) for r in data.get("regions", [])),
+    )
+
+
+def _region(r: Mapping[str, Any]) -> Region:
+    return Region(
+        int(r["first"]), int(r["last"]), int(r["until"]), bool(r["full"]), bool(r["reentrant"])
     )
 
 

@@ -47,6 +47,7 @@ from shardwise.planner._graph import (
     TensorSlot,
     op_strategy,
 )
+from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import data_dependent, library_read, source_line
 
 T = torch.Tensor
@@ -101,6 +102,7 @@ class _State:
         self.annotated: list[list[Any]] = []
         self.functions: dict[int, str] = {}  # node -> the custom autograd.Function whose
         # forward ran it (`_functions.function_of`)
+        self.regions = RegionNotes()  # activation-checkpointed regions
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -131,7 +133,9 @@ class _State:
         template: tuple[tuple[Any, ...], dict[str, Any]] = ((), {}),
         aten: Sequence[AtenCall] = (),
         out_map: Sequence[AtenArg | None] = (),
+        saved_before: int | None = None,
     ) -> None:
+        """Record node `op` (`saved_before`: `RegionNotes.saved_before` of its run)."""
         index = len(self.nodes)
         if in_activation_checkpoint() and nested_checkpoint():
             raise CaptureError(
@@ -156,6 +160,7 @@ class _State:
             strategy=strategy,
         )
         self.nodes.append(node)
+        self.regions.note(index, saved_before)
         for j, t in enumerate(outs):
             self._remember(t, Ref("node", index, j))
         if not torch.is_grad_enabled():  # (a Function's forward runs without gradients)
@@ -283,6 +288,7 @@ class _Recorder(TorchFunctionMode):
         for i, t in enumerate(ins):
             s.aten_ids.setdefault(id(t), AtenArg("in", i, info_of(t), tuple(t.stride())))
         op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        saved = s.regions.saved_before()
         try:
             out = func(*args, **kw)
         except DATA_DEPENDENT as e:
@@ -293,7 +299,7 @@ class _Recorder(TorchFunctionMode):
         outs = tensors_in(out)
         if ins or outs:  # (not a call on Python state only, such as torch.set_grad_enabled)
             out_map = [ids.get(id(t)) for t in outs]
-            s.add_node(op, func, ins, outs, template, aten or (), out_map)
+            s.add_node(op, func, ins, outs, template, aten or (), out_map, saved)
         return out
 
 

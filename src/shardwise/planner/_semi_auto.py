@@ -373,6 +373,7 @@ def walk(
         outputs=tuple(p.state[ref] for ref in graph.outputs),
         equal_grads=equal,
         roots=tuple(Root(str(ref), p.state[ref]) for ref in graph.roots),
+        regions=graph.regions,
     )
 
 

@@ -138,15 +138,17 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
 
 def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
     """The backward section of ``execute.ir``: the adjoints of the forward's collectives and
-    the plan's gradient averages (`_summary.op_traffic`), in the order backward runs them (the
-    gradient buckets are the optimizer section's)."""
+    the plan's gradient averages (`_summary.op_traffic`), in the order backward runs them, then
+    each checkpointed region's recomputed collectives (the gradient buckets are the optimizer
+    section's)."""
     m = plan.matrix
     lines = [
         "# backward (autograd runs them in this order): the adjoints of the forward's "
         "collectives and the plan's gradient averages"
     ]
     total = 0
-    rows = [(c, sent) for phase, c, sent in op_traffic(plan, rank).rows if phase == "backward"]
+    traffic = op_traffic(plan, rank).rows
+    rows = [(c, sent) for phase, c, sent in traffic if phase == "backward"]
     names = {n.index: n.name for n in plan.nodes}
     alike = {
         f"{names[e.consumer]} input {e.slot}" for e in plan.edges if e.seeded and e.consumer >= 0
@@ -163,6 +165,21 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
             f"send_bytes {sent}{note}"
         )
         total += 0 if seeded else sent
+    again = [(c, sent) for phase, c, sent in traffic if phase == "recompute"]
+    if plan.regions:
+        lines.append(
+            "# recomputed in backward (activation checkpointing): each region's forward "
+            "collectives again, labelled 'recompute from <its first op>'"
+        )
+        lines += [f"    {r}" for r in plan.regions]
+    for c, sent in again:
+        group = m.group_along(rank, tuple(m.names.index(a) for a in c.axes))
+        detail = f"({c.detail})" if c.detail else ""
+        lines.append(
+            f"    {c.kind}{detail} over {', '.join(c.axes)} at {c.where} group {list(group)} "
+            f"send_bytes {sent}"
+        )
+        total += sent
     lines.append(f"# bytes this rank sends in one backward (those marked none left out): {total}")
     return lines
 

@@ -42,7 +42,14 @@ import torch
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix
 from shardwise.optim import OptimizerPlan
-from shardwise.planner import Collective, EdgePlan, ParallelPlan, plan_cost, step_cost
+from shardwise.planner import (
+    Collective,
+    EdgePlan,
+    ParallelPlan,
+    Region,
+    plan_cost,
+    step_cost,
+)
 from shardwise.redistribution import AllGather, AlltoAll
 from shardwise.report._memory import (
     KINDS,
@@ -189,7 +196,34 @@ def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
     roots = {r.value for r in plan.roots} if in_step else set()
     for e in by_consumer.get(-1, []):
         _edge_traffic(out, e, f"return {e.slot}", m, rank, needs - roots)
+    for region in plan.regions:
+        _recompute_traffic(out, plan, region, rank, by_consumer)
     return out
+
+
+def _recompute_traffic(
+    out: Traffic,
+    plan: ParallelPlan,
+    region: Region,
+    rank: int,
+    by_consumer: dict[int, list[EdgePlan]],
+) -> None:
+    """A checkpointed region's replay in backward (phase ``recompute``): the collectives of
+    its nodes' input moves and its ops' own, as far as torch's recomputation goes
+    (`planner.Region`). A move shared with an earlier consumer runs again unless that
+    consumer was replayed too (the replay's executor starts with no moved values)."""
+    m, moved = plan.matrix, set[tuple[str, object]]()
+    for k in region.replayed():
+        n = plan.nodes[k]
+        for e in by_consumer.get(k, []):
+            if e.shared and (e.value, e.dst) in moved:
+                continue
+            moved.add((e.value, e.dst))
+            for c, _, sent in _collectives(edge_sends(dataclasses.replace(e, shared=False), rank)):
+                out.add("recompute", dataclasses.replace(c, where=f"{n.name} input {e.slot}"), sent)
+        if region.runs_own(k):
+            for c, _, sent in _collectives(node_sends(n, m, rank)):
+                out.add("recompute", c, sent)
 
 
 def _edge_traffic(
