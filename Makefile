@@ -82,7 +82,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# Open MPI for the real-mpirun test (tests/multiprocess/test_mpirun_real.py): installed with
+# Open MPI for the real-mpirun test (tests/multiprocess/test_quick_start_real.py): installed with
 # apt-get when mpirun is missing and this is root with apt-get (CI); else that test is skipped.
 mpi:
 	@command -v mpirun >/dev/null 2>&1 || { \

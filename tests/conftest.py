@@ -1,16 +1,19 @@
 """Shared fixtures: every test starts and ends without a process group. The automatic
 planners price with the documented default cost model (``SHARDWISE_COST_MODEL=defaults``), not
-with a ``bench/results/loopback.json`` a benchmark run may have left."""
+with a ``bench/results/loopback.json`` a benchmark run may have left. `eight_rank_job`: the
+one 8-process job the real tests that need 8 ranks read their checks from."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 from shardwise.communication import _init
+from shardwise.testing import JobResult, run_job
 
 os.environ["SHARDWISE_COST_MODEL"] = "defaults"  # (also for the workers tests start)
 
@@ -21,3 +24,13 @@ def _no_leftover_process_group() -> Iterator[None]:
     _init.forget_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def eight_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    """One job of 8 real gloo processes (tests/parallel/train_step_worker.py) for every test
+    that needs 8 ranks: API.md's train step, seed 003's Layout version, delayed init,
+    ``to_placements`` and ``redistribute`` each print their ``CHECK ... OK`` lines in it (a
+    start of 8 processes costs ~14 s on 2 cores)."""
+    worker = Path(__file__).parent / "parallel" / "train_step_worker.py"
+    return run_job(worker, 8, tmp_path_factory.mktemp("eight_ranks") / "logs", timeout=300)

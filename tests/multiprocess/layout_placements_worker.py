@@ -1,10 +1,11 @@
-"""Worker for test_layout_placements_real.py: on real gloo processes, `distribute_tensor` with
+"""Checks for test_layout_placements_real.py: on real gloo processes, `distribute_tensor` with
 `to_placements(layout)` leaves every rank exactly ``global[layout.local_slice(rank, shape)]``, and
 ``full_tensor()`` (DTensor's own shard -> replicate path) restores the global tensor.
 
 Checks every 2-D layout (each axis splits dim 0, dim 1 or nothing, in every tuple order) on the
 meshes (2, 2, 2) = (dp, sp, mp), (2, 4) and (4, 2), plus seed 003's two layouts by name. Prints
-``CHECK <mesh> OK <count>``; any mismatch raises (the launcher reports the rank).
+``CHECK <mesh> OK <count>``; any mismatch raises (the launcher reports the rank). `placements`
+runs in the tests' one 8-process job (tests/parallel/train_step_worker.py).
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def check(layout: TensorLayout, mesh: torch.distributed.device_mesh.DeviceMesh) 
         raise AssertionError(f"rank {rank}: {layout} as {placements}: full_tensor() differs")
 
 
-def main() -> None:
+def placements() -> None:
+    """Every check, in a job that has called ``init()``."""
     # DTensor warns that multi-dim all_gathers are sequential; expected here
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    sw.communication.init()
     layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
     mesh = device_mesh_for(layout.matrix)
     check(layout("mp", ("sp", "dp")), mesh)
@@ -61,8 +62,3 @@ def main() -> None:
             count += 1
         print(f"CHECK {shape} OK {count}", flush=True)
     torch.distributed.barrier()
-    sw.communication.release()
-
-
-if __name__ == "__main__":
-    main()

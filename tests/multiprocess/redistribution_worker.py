@@ -1,10 +1,11 @@
-"""Worker for test_redistribution_real.py: `redistribute` on real gloo processes.
+"""Checks for test_redistribution_real.py: `redistribute` on real gloo processes.
 
 For each case every rank checks that its block equals the single-device tensor's block under
 the destination layout, and that the gradients (exact adjoints: partial on replicas) summed over
 all ranks equal single-device autograd. Cases use tuple-axis layouts and device matrices whose
 `rank_list` orders groups differently from sorted order (blocks permuted around collectives).
-Each rank prints ``CHECK <name> OK``; a mismatch raises.
+Each rank prints ``CHECK <name> OK``; a mismatch raises. `redistributions` runs in the tests'
+one 8-process job (tests/parallel/train_step_worker.py).
 """
 
 from __future__ import annotations
@@ -74,12 +75,7 @@ def check(name: str, src: TensorLayout, dst: TensorLayout) -> None:
     print(f"CHECK {name} OK", flush=True)
 
 
-def main() -> None:
-    sw.communication.init()
+def redistributions() -> None:
+    """Every case, in a job that has called ``init()``."""
     for name, src, dst in cases(get_group_size()):
         check(name, src, dst)
-    sw.communication.release()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,23 +1,21 @@
 """`to_placements` on 8 real gloo processes: `distribute_tensor(global, mesh, to_placements(L))`
 holds ``global[L.local_slice(rank, shape)]`` on every rank, `_StridedShard` layouts included
-(LocalTensorMode cannot be trusted for those, see TESTING.md)."""
+(LocalTensorMode cannot be trusted for those, see TESTING.md); the checks run in the tests' one
+8-process job (layout_placements_worker.py, the ``eight_rank_job`` fixture)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
-WORKER = Path(__file__).with_name("layout_placements_worker.py")
 EXPECTED = ["CHECK seed003 OK", "CHECK (2, 2, 2) OK 49", "CHECK (2, 4) OK 11", "CHECK (4, 2) OK 11"]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_layout_placements_on_eight_real_processes(tmp_path: Path) -> None:
-    res = run_job(WORKER, 8, tmp_path / "logs", timeout=200)
+@pytest.mark.timeout(360)
+def test_layout_placements_on_eight_real_processes(eight_rank_job: JobResult) -> None:
+    res = eight_rank_job
     logs = "".join(
         res.worker_log(r) for r in range(8) if (res.log_dir / f"worker_{r}.log").exists()
     )

@@ -1,6 +1,7 @@
 """`redistribute` on 8 real gloo processes started by `shardwise run`: tuple-axis layouts and
 device matrices with permuted rank lists give every rank the right block, issue the planned
-collectives, and the gradients summed over ranks equal single-device autograd."""
+collectives, and the gradients summed over ranks equal single-device autograd; the checks run
+in the tests' one 8-process job (redistribution_worker.py, the ``eight_rank_job`` fixture)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
-HERE = Path(__file__).parent
-WORKER = HERE / "redistribution_worker.py"
-sys.path.insert(0, str(HERE))
-from redistribution_worker import cases  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from redistribution_worker import cases
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_redistribution_on_eight_real_processes(tmp_path: Path) -> None:
-    names = [name for name, _, _ in cases(8)]
-    run_job(WORKER, 8, tmp_path / "logs", timeout=150).assert_checks(8, names)
+@pytest.mark.timeout(360)
+def test_redistribution_on_eight_real_processes(eight_rank_job: JobResult) -> None:
+    eight_rank_job.assert_checks(8, [name for name, _, _ in cases(8)])

@@ -5,23 +5,20 @@ then, in the same processes, seed 003's Layout version (real process groups, eac
 its own): losses, parameter and gradient blocks equal the single-device run for 3 SGD steps
 (seed003_worker.py); then delayed init: seed 003's initializer network built inside
 ``sw.no_init_parameters()``, materialized by AutoParallel's first call, checked before the first
-step and after each of 3 steps (delayed_init_worker.py). One 8-process job for the three."""
+step and after each of 3 steps (delayed_init_worker.py). One 8-process job for these and the
+other tests that need 8 real ranks (the ``eight_rank_job`` fixture)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from shardwise.testing import run_job
-
-WORKER = Path(__file__).parent / "train_step_worker.py"
+from shardwise.testing import JobResult
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_train_step_on_eight_real_processes(tmp_path: Path) -> None:
-    res = run_job(WORKER, 8, tmp_path / "logs", timeout=150)
+@pytest.mark.timeout(360)
+def test_train_step_on_eight_real_processes(eight_rank_job: JobResult) -> None:
+    res = eight_rank_job
     logs = [res.worker_log(r) for r in range(8)]
     assert res.returncode == 0, res.output + "".join(logs)
     for rank, log in enumerate(logs):

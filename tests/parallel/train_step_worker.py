@@ -4,14 +4,24 @@ Seed 003's network with matmul3 -> nn.Linear and relu2 -> F.relu (test_unannotat
 loss ``nn.CrossEntropyLoss`` and SGD built before the wrapper; every process passes the global
 batch. Each process computes the single-device run itself, then checks per step the returned
 loss and its blocks of every parameter after the update (1e-5 relative). Prints
-``CHECK step <k> OK``; a mismatch raises. Then seed 003's Layout version (seed003_worker.py)
-and delayed init (delayed_init_worker.py).
+``CHECK step <k> OK``; a mismatch raises. Then seed 003's Layout version (seed003_worker.py),
+delayed init (delayed_init_worker.py), and in the same processes the 8-rank checks of
+``to_placements`` (tests/multiprocess/layout_placements_worker.py) and ``redistribute``
+(redistribution_worker.py): one 8-process job for the tests that need 8 real ranks (each start
+of 8 processes costs ~14 s on 2 cores; the ``eight_rank_job`` fixture).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "multiprocess"))
+
 import torch
 from delayed_init_worker import delayed_init
+from layout_placements_worker import placements
+from redistribution_worker import redistributions
 from seed003_worker import seed003
 from test_unannotated_ops import LR, Network, data
 
@@ -70,6 +80,8 @@ def main() -> None:
         print(f"CHECK step {step} OK", flush=True)
     seed003()  # (seed 003's Layout version in the same processes: one 8-process job for all)
     delayed_init()  # (and delayed init under AutoParallel)
+    placements()  # (to_placements on the real meshes)
+    redistributions()  # (redistribute between tuple-axis and permuted layouts)
     sw.communication.release()
 
 
