@@ -1,7 +1,8 @@
 """Shared fixtures: every test starts and ends without a process group. The automatic
 planners price with the documented default cost model (``SHARDWISE_COST_MODEL=defaults``), not
-with a ``bench/results/loopback.json`` a benchmark run may have left. `eight_rank_job`: the
-one 8-process job the real tests that need 8 ranks read their checks from."""
+with a ``bench/results/loopback.json`` a benchmark run may have left. `eight_rank_job` /
+`two_rank_job`: the one 8-process and 2-process jobs real tests read their checks from (each
+start of a job costs ~4 s of imports per process on 2 cores)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ def eight_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     start of 8 processes costs ~14 s on 2 cores)."""
     worker = Path(__file__).parent / "parallel" / "train_step_worker.py"
     return run_job(worker, 8, tmp_path_factory.mktemp("eight_ranks") / "logs", timeout=300)
+
+
+@pytest.fixture(scope="session")
+def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    """One job of 2 real gloo processes (tests/multiprocess/two_ranks_worker.py): the checks
+    of gradients, the input convention, the loss overlap, recomputation and hsdp's pairwise
+    collectives, each printing its ``CHECK ... OK`` lines."""
+    worker = Path(__file__).parent / "multiprocess" / "two_ranks_worker.py"
+    return run_job(worker, 2, tmp_path_factory.mktemp("two_ranks") / "logs", timeout=280)

@@ -32,6 +32,13 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 def main() -> None:
     init()
+    checks()
+    sw.communication.release()
+
+
+def checks() -> None:
+    """Every check of this worker, in a job that has called ``init()`` (two_ranks_worker.py
+    runs them in the tests' one 2-process job)."""
     n, rank = get_group_size(), get_rank()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
@@ -60,7 +67,6 @@ def main() -> None:
     F.mse_loss(sw.AutoParallel(net)(xs), y[mine]).backward()
     torch.testing.assert_close(xs.grad, xr.grad[mine], rtol=1e-5, atol=1e-6)
     print("CHECK module_input_grad OK", flush=True)
-    sw.communication.release()
 
 
 if __name__ == "__main__":

@@ -248,6 +248,13 @@ def _boom(g: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     sw.communication.init()
+    checks()
+    sw.communication.release()
+
+
+def checks() -> None:
+    """Every check of this worker, in a job that has called ``init()`` (two_ranks_worker.py
+    runs them in the tests' one 2-process job)."""
     assert get_group_size() == 2
     assert _buckets.PAIRWISE_MIN_BYTES <= 512 * 256 * 4 // 2  # layer1's bucket goes pairwise
     for mode in MODES:
@@ -257,7 +264,6 @@ def main() -> None:
         check_failed_backward(level)
     for level in ("level1", "level2"):
         check_kept_graph(level)
-    sw.communication.release()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,13 @@ from test_input_convention import CASES, run_case, single_device
 
 def main() -> None:
     init()
+    checks()
+    sw.communication.release()
+
+
+def checks() -> None:
+    """Every check of this worker, in a job that has called ``init()`` (two_ranks_worker.py
+    runs them in the tests' one 2-process job)."""
     n, rank = get_group_size(), get_rank()
 
     def rows(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +37,6 @@ def main() -> None:
         give = (lambda x: x) if strategy == "full_batch" else rows
         run_case(n, cls(), (mode, form, strategy), give, single_device(cls))
         print(f"CHECK {cls.__name__}-{mode}-{form}-{strategy} OK", flush=True)
-    sw.communication.release()
 
 
 if __name__ == "__main__":

@@ -128,6 +128,13 @@ def run(step: Step, parallel: bool, rows: Callable[[torch.Tensor], torch.Tensor]
 
 def main() -> None:
     init()
+    checks()
+    sw.communication.release()
+
+
+def checks() -> None:
+    """Every check of this worker, in a job that has called ``init()`` (two_ranks_worker.py
+    runs them in the tests' one 2-process job)."""
     n, rank = get_group_size(), get_rank()
 
     def rows(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +146,6 @@ def main() -> None:
         got = run(step, True, rows)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
         print(f"CHECK {step.__name__} OK", flush=True)
-    sw.communication.release()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -19,6 +19,5 @@ from gradients_worker import CASES  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def test_gradients_of_other_backwards_on_2_processes(tmp_path: Path) -> None:
-    names = [*CASES, "module_input_grad"]
-    run_job(HERE / "gradients_worker.py", 2, tmp_path / "logs").assert_checks(2, names)
+def test_gradients_of_other_backwards_on_2_processes(two_rank_job: JobResult) -> None:
+    two_rank_job.assert_checks(2, [*CASES, "module_input_grad"])

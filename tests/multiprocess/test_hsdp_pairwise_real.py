@@ -9,20 +9,17 @@ step's in-place refill of the compute leaves (levels 1-2) is refused by autograd
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
-WORKER = Path(__file__).with_name("hsdp_pairwise_worker.py")
 MODES = ("level1", "level2", "level3", "dp", "dp buckets")
 MODES = (*MODES, *(f"{m} accumulate" for m in MODES))  # the worker's MODES
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_hsdp_levels_on_two_real_processes(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_hsdp_levels_on_two_real_processes(two_rank_job: JobResult) -> None:
     extra = ("dp autograd.grad", "level2 failed backward", "level3 failed backward")
     extra = (*extra, "level1 kept graph refused", "level2 kept graph refused")
-    run_job(WORKER, 2, tmp_path / "logs", timeout=150).assert_checks(2, (*MODES, *extra))
+    two_rank_job.assert_checks(2, (*MODES, *extra))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "parallel"))
@@ -18,6 +18,5 @@ from test_input_convention import CASES  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def test_every_case_matches_one_device_on_2_processes(tmp_path: Path) -> None:
-    names = ["-".join([c.__name__, m, f, s]) for c, m, f, s in CASES]
-    run_job(HERE / "input_convention_worker.py", 2, tmp_path / "logs").assert_checks(2, names)
+def test_every_case_matches_one_device_on_2_processes(two_rank_job: JobResult) -> None:
+    two_rank_job.assert_checks(2, ["-".join([c.__name__, m, f, s]) for c, m, f, s in CASES])

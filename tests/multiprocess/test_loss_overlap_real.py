@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -19,6 +19,5 @@ from loss_overlap_worker import CASES  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def test_every_read_of_the_loss_matches_one_device_on_2_processes(tmp_path: Path) -> None:
-    names = [step.__name__ for step in CASES]
-    run_job(HERE / "loss_overlap_worker.py", 2, tmp_path / "logs").assert_checks(2, names)
+def test_every_read_of_the_loss_matches_one_device_on_2_processes(two_rank_job: JobResult) -> None:
+    two_rank_job.assert_checks(2, [step.__name__ for step in CASES])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -19,6 +19,7 @@ from recompute_worker import CASES  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def test_checkpointed_blocks_with_dropout_match_one_device_on_2_processes(tmp_path: Path) -> None:
-    names = [f"{mode}_{region}" for mode, region in CASES]
-    run_job(HERE / "recompute_worker.py", 2, tmp_path / "logs").assert_checks(2, names)
+def test_checkpointed_blocks_with_dropout_match_one_device_on_2_processes(
+    two_rank_job: JobResult,
+) -> None:
+    two_rank_job.assert_checks(2, [f"{mode}_{region}" for mode, region in CASES])
