@@ -1,8 +1,8 @@
 """Shared fixtures: every test starts and ends without a process group. The automatic
 planners price with the documented default cost model (``SHARDWISE_COST_MODEL=defaults``), not
-with a ``bench/results/loopback.json`` a benchmark run may have left. `eight_rank_job` /
-`two_rank_job`: the one 8-process and 2-process jobs real tests read their checks from (each
-start of a job costs ~4 s of imports per process on 2 cores)."""
+with a ``bench/results/loopback.json`` a benchmark run may have left. `eight_rank_job`,
+`four_rank_job`, `two_rank_job`: the one 8-, 4- and 2-process jobs real tests read their checks
+from (each start of a job costs ~4 s of imports per process on 2 cores)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,13 @@ def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     collectives, each printing its ``CHECK ... OK`` lines."""
     worker = Path(__file__).parent / "multiprocess" / "two_ranks_worker.py"
     return run_job(worker, 2, tmp_path_factory.mktemp("two_ranks") / "logs", timeout=280)
+
+
+@pytest.fixture(scope="session")
+def four_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+    """One job of 4 real gloo processes (tests/multiprocess/four_ranks_worker.py): the
+    collectives, manual data parallel (its ``rank_<r>.json`` next to the ``logs`` folder) and
+    the GPT-2-style model in semi_auto, each printing its ``CHECK ... OK`` lines."""
+    worker = Path(__file__).parent / "multiprocess" / "four_ranks_worker.py"
+    root = tmp_path_factory.mktemp("four_ranks")
+    return run_job(worker, 4, root / "logs", str(root), timeout=280)

@@ -22,6 +22,13 @@ from manual_dp_common import GLOBAL_BATCH, ReduceLoss, make_network, make_sample
 def main() -> None:
     out = Path(sys.argv[1])
     init()
+    checks(out)
+    sw.communication.release()
+
+
+def checks(out: Path) -> None:
+    """Every check of this worker, in a job that has called ``init()`` (four_ranks_worker.py
+    runs them in the tests' one 4-process job)."""
     rank, n = get_rank(), get_group_size()
     sw.set_seed(5)
     net = make_network()
@@ -41,7 +48,6 @@ def main() -> None:
     model.train(2, data, callbacks=[Record()])
     params = {k: v.tolist() for k, v in net.state_dict().items()}
     (out / f"rank_{rank}.json").write_text(json.dumps({"losses": losses, "params": params}))
-    sw.communication.release()
 
 
 if __name__ == "__main__":

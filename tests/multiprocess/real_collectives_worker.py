@@ -48,6 +48,13 @@ def check(
 
 def main() -> None:
     sw.communication.init()
+    checks()
+    sw.communication.release()
+
+
+def checks() -> None:
+    """Every check of this worker, in a job that has called ``init()`` (four_ranks_worker.py
+    runs them in the tests' one 4-process job)."""
     rank, n = get_rank(), get_group_size()
     world = list(range(n))
     k = n
@@ -110,7 +117,6 @@ def main() -> None:
     print("CHECK Buckets OK", flush=True)
     check_pool(rank, n)
     print("CHECK BufferPool OK", flush=True)
-    sw.communication.release()
 
 
 def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> None:

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult, run_job
 
-WORKER = Path(__file__).with_name("real_collectives_worker.py")
 CHECKS = [
     "AllReduce", "AllReduce-max", "AllGather", "ReduceScatter", "Broadcast", "AlltoAll",
     "NeighborExchange", "NeighborExchange-shapes", "NeighborExchangeV2", "AllReduce-subgroup",
@@ -18,9 +17,9 @@ CHECKS = [
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_collectives_on_four_real_processes(tmp_path: Path) -> None:
-    run_job(WORKER, 4, tmp_path / "logs", timeout=200).assert_checks(4, CHECKS)
+@pytest.mark.timeout(300)
+def test_collectives_on_four_real_processes(four_rank_job: JobResult) -> None:
+    four_rank_job.assert_checks(4, CHECKS)
 
 
 @pytest.mark.multiprocess

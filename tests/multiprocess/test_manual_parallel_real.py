@@ -1,5 +1,6 @@
 """Manual data parallel on 4 real gloo processes (each reading only its rows of every global
-batch) equals single-device training on the same global batches: losses and parameters."""
+batch) equals single-device training on the same global batches: losses and parameters (the
+worker's checks run in the tests' one 4-process job, the ``four_rank_job`` fixture)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.testing import run_job
+from shardwise.testing import JobResult
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -36,13 +37,13 @@ def single_device() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_manual_parallel_four_processes(tmp_path: Path) -> None:
-    res = run_job(HERE / "manual_dp_worker.py", 4, tmp_path / "logs", str(tmp_path), timeout=200)
+@pytest.mark.timeout(300)
+def test_manual_parallel_four_processes(four_rank_job: JobResult) -> None:
+    res = four_rank_job
     assert res.returncode == 0, res.output
     want_losses, want_params = single_device()
     for rank in range(4):
-        got = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        got = json.loads((res.log_dir.parent / f"rank_{rank}.json").read_text())
         assert len(got["losses"]) == len(want_losses) == 10
         torch.testing.assert_close(
             torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=1e-6

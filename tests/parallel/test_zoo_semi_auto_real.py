@@ -2,23 +2,20 @@
 (zoo_semi_auto_worker.py), with no annotation and then with Megatron annotations at 2 x 2
 (``sw.shard`` on the ``nn.Linear``s), also evaluated under ``torch.inference_mode()``: per
 step the loss, every gradient (block), every parameter and the collectives match (the worker
-checks against its own single-device run)."""
+checks against its own single-device run). The worker's checks run in the tests' one 4-process
+job (the ``four_rank_job`` fixture)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from shardwise.testing import run_job
-
-WORKER = Path(__file__).parent / "zoo_semi_auto_worker.py"
+from shardwise.testing import JobResult
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(180)
-def test_gpt2_semi_auto_on_four_real_processes(tmp_path: Path) -> None:
-    res = run_job(WORKER, 4, tmp_path / "logs", timeout=150)
+@pytest.mark.timeout(300)
+def test_gpt2_semi_auto_on_four_real_processes(four_rank_job: JobResult) -> None:
+    res = four_rank_job
     logs = [res.worker_log(r) for r in range(4)]
     assert res.returncode == 0, res.output + "".join(logs)
     for rank, log in enumerate(logs):

@@ -58,6 +58,13 @@ def reference_step(
 
 def main() -> None:
     sw.communication.init()
+    checks()
+    sw.communication.release()
+
+
+def checks() -> None:
+    """Every check of this worker, in a job that has called ``init()`` (four_ranks_worker.py
+    runs them in the tests' one 4-process job)."""
     rank, n = get_rank(), get_group_size()
     batches = token_batches(STEPS, BATCH)
     ref = GPT2()
@@ -88,7 +95,6 @@ def main() -> None:
         megatron(batches, rank)
         inference(batches, rank)
         dropout_and_clipping(batches, rank)
-    sw.communication.release()
 
 
 def megatron(batches: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
