@@ -26,7 +26,7 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._pieces import Piece, piece_of
 from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
-from shardwise.optim._data_parallel import state_on_owners
+from shardwise.optim._data_parallel_hooks import state_on_owners
 
 
 def aliases(network: nn.Module) -> dict[str, str]:

@@ -19,8 +19,9 @@ batch it passes (``"full_batch"``). Which function does which step:
   gradients of the parameters that no rank of this process owns, and their optimizer state
   (a checkpoint loaded whole gives every rank all of it), so the optimizer updates, and keeps
   state for, only its own parameters.
-- `state_on_owners`: whether a network's runner keeps optimizer state on owner ranks (its
-  checkpoint files then record the job's size).
+- ``_data_parallel_hooks``: the step hooks, the adopting hook (an optimizer the runner was not
+  given is taken at its first step), and `state_on_owners` (whether a network's runner keeps
+  optimizer state on owner ranks: its checkpoint files then record the job's size).
 - `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
   broadcasts each owner's updated parameters to every rank, one flat broadcast per
   (owner, fusion id) bucket (`broadcast_bucket`).
@@ -47,12 +48,16 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise._torch.storage import version
-from shardwise.communication import recorder
+from shardwise.optim._data_parallel_hooks import (
+    RUNNERS,
+    adopt_hook,
+    remove_handles,
+    step_hook,
+)
 from shardwise.optim._data_parallel_plan import (
     WHO,
     CommBucket,
     ParamEntry,
-    adopt_hook,
     check_arguments,
     check_optimizers,
     plan_buckets,
@@ -68,11 +73,6 @@ from shardwise.optim._data_parallel_steps import (
     same_shapes,
 )
 from shardwise.optim._plan import FusionConfig, check_fusion
-
-
-def _remove_handles(handles: list[RemovableHandle]) -> None:
-    for h in handles:
-        h.remove()
 
 
 def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimizer]:
@@ -192,17 +192,17 @@ class DataParallelRunner:
             self._hook(o, i)
         # (one built after the wrapper, or not found in the step: adopted at its first step)
         self._handles.append(register_optimizer_step_pre_hook(adopt_hook(ref)))
-        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
-        _RUNNERS[network] = ref
+        self._finalizer = weakref.finalize(self, remove_handles, self._handles)
+        RUNNERS[network] = ref
 
     def _hook(self, o: torch.optim.Optimizer, index: int) -> None:
         ref = weakref.ref(self)
-        self._handles.append(o.register_step_pre_hook(_step_hook(ref, index, after=False)))
-        self._handles.append(o.register_step_post_hook(_step_hook(ref, index, after=True)))
+        self._handles.append(o.register_step_pre_hook(step_hook(ref, index, after=False)))
+        self._handles.append(o.register_step_post_hook(step_hook(ref, index, after=True)))
 
     def is_current(self) -> bool:
         """Whether this runner is its network's latest (not replaced by a newer wrapper)."""
-        ref = _RUNNERS.get(self.network)
+        ref = RUNNERS.get(self.network)
         return ref is not None and ref() is self
 
     def adopt(self, o: torch.optim.Optimizer) -> None:
@@ -386,43 +386,3 @@ class DataParallelRunner:
             >>> runner.remove()   # the optimizers step as plain single-process ones again
         """
         self._finalizer()
-
-
-_RUNNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallelRunner]] = (
-    weakref.WeakKeyDictionary()
-)  # each network's current runner
-
-
-def state_on_owners(network: nn.Module) -> bool:
-    """Whether `network` is run by a `DataParallelRunner` that updates some parameters on their
-    owner rank only (``parallel_optimizer=True``), so that each rank's optimizer holds the state
-    of the parameters it updates and the ranks' checkpoint files are one checkpoint together.
-
-    Args:
-        network: a network (the runner's, or any other).
-
-    Returns:
-        True when its runner (not removed) has owners.
-
-    Example:
-        >>> state_on_owners(net)   # after DataParallelRunner(net, [opt], parallel_optimizer=True)
-        True
-    """
-    ref = _RUNNERS.get(network)
-    runner = None if ref is None else ref()
-    return runner is not None and runner._finalizer.alive and bool(runner.owners)
-
-
-def _step_hook(
-    ref: weakref.ReferenceType[DataParallelRunner], index: int, after: bool
-) -> Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]:
-    """Optimizer `index`'s step pre-hook (`after`: post-hook) calling the runner while it
-    lives: `_before_step` (`_after_step`)."""
-
-    def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
-        runner = ref()
-        if runner is not None:
-            with recorder.phase("step"):  # (the optimizer step's collectives)
-                (runner._after_step if after else runner._before_step)(index)
-
-    return hook

@@ -9,8 +9,6 @@ and which parameters share one collective.
   its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
   hold at least the threshold).
 - `check_arguments`, `check_optimizers`: the runner's argument types and values.
-- `adopt_hook`: an optimizer over the network's parameters that the runner was not given
-  (the module form's; a train step's it did not find) is taken at its first step.
 - `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
   size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
   owner and fusion id), each a `CommBucket`.
@@ -18,7 +16,7 @@ and which parameters share one collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,42 +271,3 @@ def check_optimizers(opts: Sequence[Any], parallel_optimizer: bool, with_step: b
             + (" or found in train_step" if with_step else "")
             + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
         )
-
-
-StepHook = Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]
-
-
-def adopt_hook(ref: Any) -> StepHook:
-    """A global optimizer step pre-hook: an optimizer the runner does not know (the module
-    form's, built after the wrapper as documented; a train step's kept in a container or
-    stepped first in a later call) that holds one of the network's parameters is adopted
-    (`DataParallelRunner.adopt`) before its update, so its gradients are averaged from its
-    first step (they were never averaged: each rank drifted on its rows). With
-    ``parallel_optimizer=True``, whose owners are planned once, it is a ValueError."""
-
-    def hook(opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
-        runner = ref()
-        if runner is None or any(opt is known for known in runner.optimizers):
-            return  # (every later step of an adopted one: nothing to look at)
-        if not runner.is_current():
-            return  # (the network was wrapped again: the newer runner adopts it)
-        mine = {id(p) for p in runner.network.parameters()}
-        if not any(id(p) in mine for g in opt.param_groups for p in g["params"]):
-            return
-        held = {id(p) for o in runner.optimizers for g in o.param_groups for p in g["params"]}
-        if any(id(p) in held for g in opt.param_groups for p in g["params"]):
-            raise ValueError(
-                f"{WHO}: a {type(opt).__name__} the wrapper was not given steps parameters "
-                "that an optimizer it knows holds (an optimizer built anew in each call?); "
-                "build each optimizer once, before the wrapper, over its own parameters"
-            )
-        if runner.parallel_optimizer:
-            raise ValueError(
-                f"{WHO}: a {type(opt).__name__} the wrapper was not given steps the network's "
-                "parameters; with parallel_optimizer=True each parameter's owner is planned "
-                "once: pass every optimizer with optimizers= (or keep it where the train "
-                "step's code names it, not in a container)"
-            )
-        runner.adopt(opt)
-
-    return hook

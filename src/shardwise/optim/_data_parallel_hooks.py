@@ -1,0 +1,108 @@
+"""The hooks of data-parallel mode's runner (`DataParallelRunner`) and its registry.
+
+- `step_hook`: an optimizer's step pre-hook (post-hook) calling the runner's `_before_step`
+  (`_after_step`) while it lives.
+- `adopt_hook`: a global step pre-hook: an optimizer over the network's parameters that the
+  runner was not given (the module form's; a train step's it did not find) is taken at its
+  first step.
+- `remove_handles`: the runner's finalizer.
+- `RUNNERS` / `state_on_owners`: each network's current runner, and whether it keeps optimizer
+  state on owner ranks (its checkpoint files then record the job's size).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from shardwise.communication import recorder
+from shardwise.optim._data_parallel_plan import WHO
+
+if TYPE_CHECKING:
+    from shardwise.optim._data_parallel import DataParallelRunner
+
+StepHook = Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]
+
+RUNNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallelRunner]] = (
+    weakref.WeakKeyDictionary()
+)  # each network's current runner
+
+
+def remove_handles(handles: list[RemovableHandle]) -> None:
+    """Remove every hook of `handles` (the runner's finalizer)."""
+    for h in handles:
+        h.remove()
+
+
+def state_on_owners(network: nn.Module) -> bool:
+    """Whether `network` is run by a `DataParallelRunner` that updates some parameters on their
+    owner rank only (``parallel_optimizer=True``), so that each rank's optimizer holds the state
+    of the parameters it updates and the ranks' checkpoint files are one checkpoint together.
+
+    Args:
+        network: a network (the runner's, or any other).
+
+    Returns:
+        True when its runner (not removed) has owners.
+
+    Example:
+        >>> state_on_owners(net)   # after DataParallelRunner(net, [opt], parallel_optimizer=True)
+        True
+    """
+    ref = RUNNERS.get(network)
+    runner = None if ref is None else ref()
+    return runner is not None and runner._finalizer.alive and bool(runner.owners)
+
+
+def step_hook(ref: weakref.ReferenceType[DataParallelRunner], index: int, after: bool) -> StepHook:
+    """Optimizer `index`'s step pre-hook (`after`: post-hook) calling the runner while it
+    lives: `_before_step` (`_after_step`)."""
+
+    def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
+        runner = ref()
+        if runner is not None:
+            with recorder.phase("step"):  # (the optimizer step's collectives)
+                (runner._after_step if after else runner._before_step)(index)
+
+    return hook
+
+
+def adopt_hook(ref: Any) -> StepHook:
+    """A global optimizer step pre-hook: an optimizer the runner does not know (the module
+    form's, built after the wrapper as documented; a train step's kept in a container or
+    stepped first in a later call) that holds one of the network's parameters is adopted
+    (`DataParallelRunner.adopt`) before its update, so its gradients are averaged from its
+    first step (they were never averaged: each rank drifted on its rows). With
+    ``parallel_optimizer=True``, whose owners are planned once, it is a ValueError."""
+
+    def hook(opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
+        runner = ref()
+        if runner is None or any(opt is known for known in runner.optimizers):
+            return  # (every later step of an adopted one: nothing to look at)
+        if not runner.is_current():
+            return  # (the network was wrapped again: the newer runner adopts it)
+        mine = {id(p) for p in runner.network.parameters()}
+        if not any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            return
+        held = {id(p) for o in runner.optimizers for g in o.param_groups for p in g["params"]}
+        if any(id(p) in held for g in opt.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{WHO}: a {type(opt).__name__} the wrapper was not given steps parameters "
+                "that an optimizer it knows holds (an optimizer built anew in each call?); "
+                "build each optimizer once, before the wrapper, over its own parameters"
+            )
+        if runner.parallel_optimizer:
+            raise ValueError(
+                f"{WHO}: a {type(opt).__name__} the wrapper was not given steps the network's "
+                "parameters; with parallel_optimizer=True each parameter's owner is planned "
+                "once: pass every optimizer with optimizers= (or keep it where the train "
+                "step's code names it, not in a container)"
+            )
+        runner.adopt(opt)
+
+    return hook
