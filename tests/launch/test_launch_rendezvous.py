@@ -81,9 +81,24 @@ def test_too_many_workers_are_refused(log: SchedulerLog) -> None:
     extra = _connect(port, log, worker_num=2, local_worker_num=1)
     host.register()
     other.register()
-    with pytest.raises(RendezvousError, match="already has its 2 workers"):
+    with pytest.raises(RendezvousError, match="has 2 of its 2 workers"):
         extra.register()
     assert host.wait_for_all(time.monotonic() + 1, log).num_nodes == 2
+
+
+def test_a_refused_launcher_is_not_counted(log: SchedulerLog) -> None:
+    """A launcher bringing too many workers is refused without being counted: the launcher
+    with the right number still joins (every later one was refused, and the job timed out)."""
+    port = _free_port()
+    host = _connect(port, log, worker_num=3, local_worker_num=2)
+    wrong = _connect(port, log, worker_num=3, local_worker_num=2)
+    right = _connect(port, log, worker_num=3, local_worker_num=1)
+    host.register()
+    with pytest.raises(RendezvousError, match=r"has 2 of its 3 workers .* 2 are too many"):
+        wrong.register()
+    right.register()
+    jobs = [r.wait_for_all(time.monotonic() + 1, log) for r in (host, right)]
+    assert [list(j.ranks) for j in jobs] == [[0, 1], [2]]
 
 
 def test_timeout_names_the_missing_launchers(log: SchedulerLog) -> None:

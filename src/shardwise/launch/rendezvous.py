@@ -158,11 +158,20 @@ class Rendezvous:
         """Add this launcher's workers to the job (step 3).
 
         Raises:
-            RendezvousError: the job already has ``worker_num`` workers.
+            RendezvousError: this launcher's workers would pass ``worker_num`` (it is then not
+                counted: a launcher with the right count may still join).
         """
         cfg = self.cfg
         index = self.store.add("registrations", 1)
         after = self.store.add("workers", cfg.local_worker_num)
+        if after > cfg.worker_num:  # (refused: its workers not counted, its record not written)
+            self.store.add("workers", -cfg.local_worker_num)
+            raise RendezvousError(
+                f"the job at {cfg.master_addr}:{cfg.master_port} has {after - cfg.local_worker_num}"
+                f" of its {cfg.worker_num} workers (--worker_num); this launcher's "
+                f"{cfg.local_worker_num} are too many. Another job on this port? Pick a free "
+                "--master_port; else check --worker_num and --local_worker_num of every launcher"
+            )
         member = Member(
             node=self.node_claim,
             workers=cfg.local_worker_num,
@@ -172,13 +181,6 @@ class Rendezvous:
             pid=os.getpid(),
         )
         self.store.set(f"member/{index}", json.dumps(asdict(member)))
-        if after > cfg.worker_num:
-            raise RendezvousError(
-                f"the job at {cfg.master_addr}:{cfg.master_port} already has its "
-                f"{cfg.worker_num} workers (--worker_num); this launcher's "
-                f"{cfg.local_worker_num} are too many. Another job on this port? Pick a free "
-                "--master_port; else check --worker_num and --local_worker_num of every launcher"
-            )
 
     def members(self) -> list[Member]:
         """The registration records written so far, in registration order."""
