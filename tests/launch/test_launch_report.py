@@ -190,3 +190,17 @@ def test_extract_traceback_strips_torch_rank_prefixes() -> None:
         '  File "/tmp/fail.py", line 6, in <module>',
         "RuntimeError: boom on rank 2",
     ]
+
+
+def test_a_rank_that_left_with_code_0_is_named(tmp_path: Path) -> None:
+    """Rank 1 exited with code 0 before joining; rank 0 then timed out waiting for it in
+    init(): the report names rank 1's early exit (it listed rank 0 alone)."""
+    exits = [
+        _exit(tmp_path, 0, 1, TB, 10.0),
+        _exit(tmp_path, 1, 0, "rank 1: not joining\n", 1.0),
+    ]
+    text = format_failure_report(worker_root_cause(exits[0], 0, "h"), exits, 0, "s.log")
+    assert text.splitlines()[-2] == (
+        "exited with code 0 before the job failed: rank 1 (a rank that leaves early leaves the "
+        "others waiting in init() or at their next collective)"
+    )

@@ -367,6 +367,12 @@ def format_failure_report(
         how = sorted({describe_returncode(e.returncode).removeprefix("signal ") for e in stopped})
         label = ranks_label([e.rank for e in stopped])
         out.append(f"stopped by the launcher: {label} (ended by {', '.join(how)})")
+    left = [e.rank for e in exits if e.returncode == 0 and not e.stopped]
+    if left:  # (one that left early leaves the others waiting: in init(), or a collective)
+        out.append(
+            f"exited with code 0 before the job failed: {ranks_label(left)} (a rank that leaves "
+            "early leaves the others waiting in init() or at their next collective)"
+        )
     logs = [scheduler_log]
     if root.log:
         logs.insert(0, root.log + ("" if root.node_rank == node_rank else f" (on {root.host})"))
