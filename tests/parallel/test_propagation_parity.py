@@ -246,3 +246,48 @@ def test_hugging_face_gpt2_with_an_arange_of_the_local_batch(mode: str) -> None:
         for name, p in single.named_parameters():
             assert p.grad is not None
             assert_matches_single_device(grads[name], p.grad, what=f"{name}.grad")
+
+
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+def test_a_resnet_with_nothing_annotated_is_data_parallel(mode: str) -> None:
+    """A training BatchNorm given split rows keeps them split, its statistics shared
+    (`local split_batch_norm`), under the automatic modes too: they had no such candidate, so a
+    ResNet gathered its batch after the stem (or split channels) and ran whole on every rank.
+    Two steps equal one device; a step moves no activation, only the statistics."""
+    from ..zoo import ResNet, image_batches
+
+    batches, ref = image_batches(2, 8, size=8), ResNet(widths=(8, 16))
+    one = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, y in batches:
+        loss = ref(x, y)[1]
+        loss.backward()
+        one.step()
+        one.zero_grad()
+        want.append(loss.detach())
+    net = ResNet(widths=(8, 16))
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(x, y)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(step, parallel_mode=mode)
+        for s, (x, y) in enumerate(batches):
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), ref.get_parameter(name).detach(), what=name)
+    plan = parallel.parallel_plan
+    assert plan is not None
+    norms = [n for n in plan.nodes if n.op.endswith("batch_norm")]
+    assert len(norms) == 6 and all(n.local == "split_batch_norm" for n in norms)
+    assert all(n.in_strategy[0] == (4, 1, 1, 1) for n in norms)
+    forward = Counter(r.kind for r in rec.records if r.phase == "forward")
+    assert forward == Counter({"AllGather": 6, "AllReduce": 1})  # (statistics; the loss)

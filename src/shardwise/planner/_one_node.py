@@ -4,7 +4,8 @@
 - `_OneNode._node`: a node's candidates: a fixed node's one (an annotated primitive, an
   op-form annotation, a ``sw.reshard``), an unannotated primitive's (`_primitive`: every
   strategy its rule accepts on the matrix), a torch op's (`_follow` from each input placement
-  combination of `_combos` and `_from_wanted`); memoized by what they depend on (`_sig_id`:
+  combination of `_combos` and `_from_wanted`; a training batch norm given split rows keeps
+  them split, `_batch_norm.split_batch_norm`); memoized by what they depend on (`_sig_id`:
   the op and its global metadata; `_known_id`: the list of placements each input may have),
   so repeated layers cost a lookup.
 - `_OneNode._canon`: one object per distinct candidate and per distinct placement, so that
@@ -26,6 +27,7 @@ from shardwise.layout import refine
 from shardwise.ops import OpPlan, Strategy
 from shardwise.ops._candidates import candidate_strategies
 from shardwise.planner._annotated import RESHARD, reshard_layout
+from shardwise.planner._batch_norm import split_batch_norm
 from shardwise.planner._graph import AtenArg, Graph, Node, Ref
 from shardwise.planner._placement import (
     Placements,
@@ -303,7 +305,11 @@ class _OneNode:
         found = self._followed.get(key)
         if found is None:
             try:
-                need, outs, rule = self.p._follow(node, list(have))
+                if split_batch_norm(node, have):  # (rows stay split, statistics shared)
+                    rest = [self.p.rep()] * (len(have) - 1)
+                    need, outs, rule = [have[0], *rest], [have[0]], "shardwise"
+                else:
+                    need, outs, rule = self.p._follow(node, list(have))
                 self._check(node, need, outs)
             except (PlanError, ValueError) as e:  # (no rule; placements no layout expresses)
                 found = str(e)

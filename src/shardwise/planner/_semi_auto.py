@@ -178,7 +178,6 @@ class _Planner(_Follow):
     # -- torch ops -----------------------------------------------------------------------
     def torch_node(self, node: Node) -> None:
         have = [placements_of(self.state[r]) for r in node.inputs]
-        split = False
         if node.index in self.pinned:
             need, outs = self.pinned[node.index]
             rule = "user"
@@ -188,11 +187,12 @@ class _Planner(_Follow):
             layout = reshard_layout(node, self.graph.info(node.inputs[0]).shape, self.device_num)
             need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
             rule = "user"
-        elif split := split_batch_norm(node, have):  # (rows stay split, statistics shared)
+        elif split_batch_norm(node, have):  # (rows stay split, statistics shared)
             whole = tuple(Replicate() for _ in range(self.ndim))
             need, outs, rule = [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
         else:
             need, outs, rule = self._cheaper(node, have)
+        split = split_batch_norm(node, need)  # (split rows chosen by a planner too)
         draws = plan_draws(node, need, lambda n, h, seen: self._follow(n, h, seen=seen))
         ins = tuple(
             to_placed(self.matrix, p, len(self.graph.info(r).shape))
