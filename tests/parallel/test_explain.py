@@ -46,3 +46,20 @@ def test_a_semi_auto_plan_explains_each_op() -> None:
     assert "not annotated: it takes its inputs as they come" in parallel.explain(relu)
     with pytest.raises(ValueError, match=r"no op 'mm1' in the plan; close: \['mm1/MatMul'"):
         parallel.explain("mm1")
+
+
+def test_alternatives_show_their_placements() -> None:
+    """The automatic modes list each alternative with its inputs' and outputs' placements:
+    candidates whose split counts coincide (over another axis, or a partial output) printed
+    alike, so the chosen line and another could not be told apart."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(8, 16)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+        parallel = sw.AutoParallel(net, parallel_mode="sharding_propagation")
+        parallel(world.rows(x))
+    lines = parallel.explain("2/linear").splitlines()[1:]
+    assert len(lines) > 1 and len({line.split(":")[0] for line in lines}) == len(lines), lines
+    assert all(" [" in line and " -> " in line for line in lines), lines

@@ -1,6 +1,8 @@
 """Why an automatic planner chose each op's strategy: the alternatives and their costs.
 
-- `Alternative`: one candidate strategy of an op with its cost split into communication (the
+- `Alternative`: one candidate strategy of an op (its split counts and its inputs' and outputs'
+  placements on the matrix's axes, which tell apart candidates whose counts coincide) with its
+  cost split into communication (the
   redistributions on the op's edges, its neighbours as chosen, by the cost model), compute
   (elements one rank computes) and memory (bytes of its inputs' and outputs' blocks on one
   rank).
@@ -40,12 +42,14 @@ class Alternative:
     memory: int
     chosen: bool = False
     compute_s: float | None = None
+    placed: str = ""  # (its inputs' and outputs' placements: split counts may coincide)
 
     def __str__(self) -> str:
         mark = "  <- chosen" if self.chosen else ""
         timed = f" ({self.compute_s * 1e6:.1f} us)" if self.compute_s is not None else ""
+        where = f" {self.placed}" if self.placed else ""
         return (
-            f"{self.strategy}: comm {self.comm_s * 1e6:.1f} us, compute {self.compute} "
+            f"{self.strategy}{where}: comm {self.comm_s * 1e6:.1f} us, compute {self.compute} "
             f"elements{timed}, memory {self.memory} B{mark}"
         )
 
@@ -86,6 +90,17 @@ def _strategy(
     return tuple(out)
 
 
+def _placed(graph: Graph, index: int, c: Choice, matrix: DeviceMatrix) -> str:
+    """``[(g0, None), (None, None) -> (g0, None) partial-sum[g1]]``: the choice's inputs' and
+    outputs' placements on the matrix's axes."""
+    node = graph.nodes[index]
+    ins = [len(graph.info(r).shape) for r in node.inputs]
+    outs = [len(o.shape) for o in node.outputs]
+    text = [str(to_placed(matrix, p, n)) for p, n in zip(c.need, ins, strict=True)]
+    made = [str(to_placed(matrix, p, n)) for p, n in zip(c.outs, outs, strict=True)]
+    return f"[{', '.join(text)} -> {', '.join(made)}]"
+
+
 def _memory(graph: Graph, index: int, c: Choice, matrix: DeviceMatrix) -> int:
     node = graph.nodes[index]
     infos = [graph.info(r) for r in node.inputs] + list(node.outputs)
@@ -110,7 +125,7 @@ def explain_run(
     sources = _sources(graph, run, fixed, nbrs)
     if mode != "sharding_propagation":
         sources = [_searched(x) for x in sources]
-    shaped: dict[tuple[int, int], tuple[tuple[tuple[int, ...], ...], int]] = {}
+    shaped: dict[tuple[int, int], tuple[tuple[tuple[int, ...], ...], int, str]] = {}
     for node in graph.nodes:
         sig = run.choices.signature_id(node)
         v = var[("node", node.index)]
@@ -124,13 +139,16 @@ def explain_run(
                 shaped[key] = (
                     _strategy(graph, node.index, c, p.matrix),
                     _memory(graph, node.index, c, p.matrix),
+                    _placed(graph, node.index, c, p.matrix),
                 )
-            strategy, memory = shaped[key]
+            strategy, memory, placed = shaped[key]
             if problem.parts is not None:  # (the search: compute and memory are in its cost)
                 _, compute_ns, memory_ns = problem.parts[v][j]
                 ns -= compute_ns + memory_ns
                 compute_s = compute_ns / 1e9
-            alts.append(Alternative(strategy, ns / 1e9, c.compute, memory, j == pick[v], compute_s))
+            alts.append(
+                Alternative(strategy, ns / 1e9, c.compute, memory, j == pick[v], compute_s, placed)
+            )
         ranked = sorted(alts, key=lambda a: (_rank(a), a.compute, not a.chosen))[:KEPT]
         chosen = next(a for a in alts if a.chosen)
         if chosen not in ranked:
