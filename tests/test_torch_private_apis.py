@@ -405,12 +405,19 @@ def _checkpointing() -> None:
     out.sum().backward()
     assert ran == ["around"] and len(frames) == 2 and frames[1] is None  # (recomputing)
     # a reentrant region's ctx (CheckpointFunction.forward's local) and its run_function
-    from shardwise._torch.checkpointing import around_rerun, reentrant_context
+    from shardwise._torch.checkpointing import (
+        around_rerun,
+        in_reentrant_backward,
+        reentrant_context,
+    )
 
     contexts: list[object] = []
 
+    backward: list[bool] = []
+
     def cosine(t: torch.Tensor) -> torch.Tensor:
         contexts.append(reentrant_context())
+        backward.append(in_reentrant_backward())
         return t.cos()
 
     out = checkpoint(cosine, x, use_reentrant=True)
@@ -418,6 +425,7 @@ def _checkpointing() -> None:
     around_rerun(contexts[0], around)
     out.sum().backward()
     assert ran == ["around", "around"] and contexts[1] is None  # (rerun in backward)
+    assert backward == [False, True]  # (CheckpointFunction.backward on the stack)
 
 
 def _function_apply() -> None:
@@ -550,9 +558,8 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/pytree: torch.utils._pytree": _pytree,
     "_torch/function_apply: Function.apply's frame and its cls": _function_apply,
     "_torch/checkpointing: top saved-tensor hooks, CheckpointFunction.forward and its ctx's "
-    "run_function, the pack hook's frame, its recompute_fn, weak_holders and early_stop": (
-        _checkpointing
-    ),
+    "run_function, CheckpointFunction.backward, the pack hook's frame, its recompute_fn, "
+    "weak_holders and early_stop": (_checkpointing),
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "testing/_world: _disable_current_modes": _callable(

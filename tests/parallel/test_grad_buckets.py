@@ -283,3 +283,33 @@ def test_kept_gradients_are_not_overwritten() -> None:
         net.zero_grad()
         parallel(world.rows(x), world.rows(y))
         assert_matches_single_device(grads(net), want, what="grads")
+
+
+def test_a_backward_after_one_that_raised_without_a_forward_between() -> None:
+    """Two forwards, then a backward that raises and one that does not: the second backward's
+    gradients are not added to the failed one's buckets (nothing would deliver them: each
+    rank kept its own), they are all-reduced on their own and equal one device's."""
+    _, want = single_device(backward_once)
+    net = Mlp()
+
+    def boom(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    x, y = batch()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).comm_fusion(SMALL)
+
+        # (raising at l2's output: the head's and spare's buckets started, l2's and l1's not)
+        def fail_there(m: nn.Module, i: object, out: torch.Tensor) -> None:
+            out.register_hook(boom)
+
+        hook = net.l2.register_forward_hook(fail_there)
+        bad = parallel(world.rows(x))
+        hook.remove()
+        good = parallel(world.rows(x))
+        with pytest.raises(RuntimeError, match="boom"):
+            F.cross_entropy(bad, world.rows(y)).backward()
+        net.zero_grad(set_to_none=True)
+        F.cross_entropy(good, world.rows(y)).backward()
+        assert_matches_single_device(grads(net), want, what="grads")

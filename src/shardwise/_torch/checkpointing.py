@@ -17,7 +17,8 @@ replays the region's nodes there); `saved_count` / `stops_early` read how many t
 saved and whether its recomputation stops after the last of them (the capture notes where).
 `nested_checkpoint`: a region inside another. A reentrant region's autograd context is the
 ``ctx`` of ``CheckpointFunction.forward`` (`reentrant_context`, a frame's locals);
-`around_rerun` wraps its ``run_function``, which its backward calls again.
+`around_rerun` wraps its ``run_function``, which its backward calls again;
+`in_reentrant_backward`: that backward (``CheckpointFunction.backward``) is running.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.utils.checkpoint as _checkpoint_module
 
 _CHECKPOINT = "torch.utils.checkpoint"
 _REENTRANT_FORWARD = _checkpoint_module.CheckpointFunction.forward.__code__
+_REENTRANT_BACKWARD = _checkpoint_module.CheckpointFunction.backward.__code__
 _CHECKPOINT_CALL = inspect.unwrap(_checkpoint_module.checkpoint).__code__
 
 
@@ -102,6 +104,23 @@ def reentrant_context() -> Any | None:
             return frame.f_locals.get("ctx")
         frame = frame.f_back  # type: ignore[assignment]
     return None
+
+
+def in_reentrant_backward() -> bool:
+    """Whether the running code is inside a reentrant region's backward (the private
+    ``CheckpointFunction.backward`` on the call stack: its recomputation and the backward of
+    its own it runs inside the enclosing one).
+
+    Example:
+        >>> in_reentrant_backward()
+        False
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_BACKWARD:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def around_rerun(ctx: Any, around: Callable[[Callable[[], None]], None]) -> None:
@@ -201,6 +220,7 @@ __all__ = [
     "checkpoint_frame",
     "checkpointing",
     "in_activation_checkpoint",
+    "in_reentrant_backward",
     "nested_checkpoint",
     "preserves_rng",
     "reentrant_context",

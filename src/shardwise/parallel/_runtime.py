@@ -37,6 +37,7 @@ from shardwise._torch.autograd_engine import (
     queue_callback,
     will_engine_execute_node,
 )
+from shardwise._torch.checkpointing import in_reentrant_backward
 from shardwise._torch.storage import storage_use_count
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
@@ -195,9 +196,11 @@ class GradBuckets:
     referenced), added to an existing ``.grad`` (several backward calls per step: the hook
     returned zeros), or, for ``torch.autograd.grad`` (nothing stored), already in place in the
     slot the hook returned.
-    A parameter without a gradient in a backward keeps its ``.grad``. A backward running inside
-    the collecting one that stores its gradients (a reentrant checkpointed region's) fills the
-    same buckets; one that returns them (``torch.autograd.grad`` there), or a gradient arriving
+    A parameter without a gradient in a backward keeps its ``.grad``. The backward a reentrant
+    checkpointed region runs inside the collecting one (``CheckpointFunction.backward``) stores
+    its gradients into the same buckets (when the step's first gradient arrives there, that
+    backward collects, and the enclosing one's gradients fill the buckets again: each is
+    all-reduced twice); any other backward than the collecting one, or a gradient arriving
     twice in one backward, is all-reduced on its own in the hook. A backward that raised is
     dropped at the next forward (`drop_unfinished`): its started AllReduces are finished, its
     partial buckets forgotten; the gradients it stored in an empty ``.grad`` stay unreduced
@@ -240,9 +243,9 @@ class GradBuckets:
         def hook(g: torch.Tensor) -> torch.Tensor:
             task = current_graph_task_id()
             stores = _stores(bucket.stores[j])
-            # (a backward inside the collecting one that stores its gradients, a reentrant
-            # checkpointed region's, fills the same buckets: `_finish` delivers them)
-            joined = task == self.task or self._join(task) or stores
+            # (the backward a reentrant checkpointed region runs inside the collecting one
+            # stores its gradients into the same buckets: `_finish` delivers them)
+            joined = task == self.task or self._join(task) or (stores and in_reentrant_backward())
             if not joined or j in bucket.got or bucket.pending is not None:
                 # (a nested backward returning its gradients, a second gradient)
                 reduced = self._now(corrected(g, task), bucket.group)
