@@ -97,3 +97,45 @@ def test_accumulating_and_evaluating_first_then_stepping_match_one_device() -> N
         run: Any = AutoParallel(step, parallel_mode="data_parallel")
         got = [float(world.local(run(world.rows(x), world.rows(y), how), 0)) for how in calls]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper optimizer (as Lookahead, Accelerate's AcceleratedOptimizer): its step runs
+    an inner optimizer over the same parameter groups, then moves slow weights toward them."""
+
+    def __init__(self, inner: torch.optim.Optimizer, alpha: float = 0.5) -> None:
+        self.inner, self.alpha = inner, alpha
+        self.slow = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+        super().__init__(inner.param_groups, {})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.inner.step()
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        for p, s in zip(params, self.slow, strict=True):
+            s.add_(p - s, alpha=self.alpha)
+            p.copy_(s)
+
+
+def test_a_wrapper_optimizers_inner_step_is_left_alone() -> None:
+    """The module form takes the wrapper at its first step; the inner optimizer it steps, over
+    the same parameters, is not refused as 'built anew' (the outer step averaged)."""
+    net, (x, y) = make_net(), batch()
+    ref = make_net()
+    opt = _Lookahead(torch.optim.SGD(ref.parameters(), lr=0.1))
+    for _ in range(2):
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net, parallel_mode="data_parallel")
+        opt = _Lookahead(torch.optim.SGD(net.parameters(), lr=0.1))
+        for _ in range(2):
+            nn.functional.cross_entropy(parallel(world.rows(x)), world.rows(y)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_matches_single_device(
+            {n: p.detach() for n, p in net.named_parameters()},
+            {n: p.detach() for n, p in ref.named_parameters()},
+        )

@@ -169,6 +169,7 @@ class DataParallelRunner:
         self.network = network
         self._params = list(network.parameters())  # (listed once: checked every call)
         self._stepped: list[int] | None = []  # (the optimizers that stepped in a checked call)
+        self.stepping = 0  # known optimizers' steps running now
         self.optimizers = opts
         self.train_step = train_step
         self.dataset_strategy: str = dataset_strategy
@@ -337,6 +338,7 @@ class DataParallelRunner:
             >>> loss = runner(images, labels)   # this rank's rows
         """
         self._check_plan()
+        self.stepping = 0  # (a step that raised never ran its post-hook)
         same_shapes([*inputs, *kwargs.values()])
         if self.dataset_strategy == "full_batch":
             rank = comm.get_rank()
@@ -357,6 +359,7 @@ class DataParallelRunner:
 
     def _before_step(self, index: int) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""
+        self.stepping += 1  # (an optimizer it steps inside, a Lookahead's, is not adopted)
         if self._stepped is not None:
             self._stepped.append(index)
         for bucket in self._grad_buckets[index]:
@@ -372,6 +375,7 @@ class DataParallelRunner:
 
     def _after_step(self, index: int) -> None:
         """Step post-hook of optimizer `index`: broadcast each owned bucket from its owner."""
+        self.stepping = max(0, self.stepping - 1)
         for bucket in self._broadcast_buckets[index]:
             assert bucket.root is not None
             broadcast_bucket([e.param for e in bucket.entries], bucket.root)

@@ -77,8 +77,11 @@ def adopt_hook(ref: Any) -> StepHook:
     form's, built after the wrapper as documented; a train step's kept in a container or
     stepped first in a later call) that holds one of the network's parameters is adopted
     (`DataParallelRunner.adopt`) before its update, so its gradients are averaged from its
-    first step (they were never averaged: each rank drifted on its rows). With
-    ``parallel_optimizer=True``, whose owners are planned once, it is a ValueError."""
+    first step (they were never averaged: each rank drifted on its rows). One stepped inside a
+    known optimizer's step (a wrapper's inner optimizer: Lookahead, Accelerate's) is left
+    alone: the outer step averaged. With ``parallel_optimizer=True``, whose owners are planned
+    once, or one over parameters a known optimizer holds (built anew in each call, or replacing
+    one), it is a ValueError."""
 
     def hook(opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
         runner = ref()
@@ -86,6 +89,8 @@ def adopt_hook(ref: Any) -> StepHook:
             return  # (every later step of an adopted one: nothing to look at)
         if not runner.is_current():
             return  # (the network was wrapped again: the newer runner adopts it)
+        if runner.stepping:  # (inside a known one's step, which averaged: a Lookahead's inner)
+            return
         mine = {id(p) for p in runner.network.parameters()}
         if not any(id(p) in mine for g in opt.param_groups for p in g["params"]):
             return
