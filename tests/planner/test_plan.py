@@ -183,6 +183,13 @@ def test_strategy_files_round_trip_and_mismatches(tmp_path: Path) -> None:
         (lambda d: {**d, "nodes": "abc"}, r"a malformed shardwise plan \(string indices"),
         (lambda d: {**d, "matrix": [2, 2]}, r"a malformed shardwise plan"),
         (lambda d: [d], r"not a shardwise plan \(format 'list'"),
+        (  # (a checkpointed region past the plan's nodes)
+            lambda d: {
+                **d,
+                "regions": [{"first": 0, "last": 99, "until": 0, "full": True, "reentrant": False}],
+            },
+            r"a malformed shardwise plan \(region .* not a region of the plan's nodes",
+        ),
     ],
 )
 def test_a_malformed_plan_is_a_value_error(edit: Callable[[Any], Any], message: str) -> None:

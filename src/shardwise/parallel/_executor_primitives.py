@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shardwise._torch.checkpointing import checkpointing
 from shardwise.ops import Primitive
 from shardwise.parallel._edges import average_outputs, run_collective
 from shardwise.parallel._errors import Replan
@@ -59,12 +60,19 @@ class PrimitiveHooks:
 
         def note_roots(self, k: int, out: Any) -> None: ...
 
+        def _checkpointed(self, k: int) -> None: ...
+
+        replay: Any
+
     def enter_primitive(
         self, module: Primitive, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """A primitive's forward pre-hook: its node's inputs moved as the edges say (its
         parameters from their stored layout, through `param_value`), its local compute prepared
-        (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes."""
+        (`_local.prepare`), a Reshape's target made local; the ops inside it are not nodes.
+        During a checkpointed region's recomputation, the executor replaying it does this."""
+        if self.replay is not None:
+            return self.replay.enter_primitive(module, args, kwargs)  # type: ignore[no-any-return]
         self.finish_started()
         if self.paused:  # (inside another primitive, or an optimizer step)
             self.primitives.append(_PASSED)
@@ -75,6 +83,8 @@ class PrimitiveHooks:
                 raise Replan(f"{op} after the plan's last op", self.cursor, op)
             self.primitives.append(_PASSED)
             return None
+        if checkpointing():  # (a region's recomputation replays the plan from here on)
+            self._checkpointed(self.cursor)
         self.paused += 1  # until `leave_primitive`: the moves and the primitive's own ops
         node = self.plan.nodes[self.cursor]
         self._advance(op, "called")
@@ -99,7 +109,10 @@ class PrimitiveHooks:
 
     def leave_primitive(self, module: Primitive, args: tuple[Any, ...], output: Any) -> Any:
         """A primitive's forward hook: the output fix-up, the op's own collectives (from the
-        plan's `NodePlan.comms`), the edges of returned values."""
+        plan's `NodePlan.comms`), the edges of returned values (during a recomputation: the
+        replaying executor's)."""
+        if self.replay is not None:
+            return self.replay.leave_primitive(module, args, output)
         if not self.primitives:
             return None
         entry = self.primitives.pop()

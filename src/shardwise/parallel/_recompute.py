@@ -69,6 +69,7 @@ class Recompute:
     def _recompute_init(self) -> None:
         self.regions: weakref.WeakSet[Any] = weakref.WeakSet()  # checkpointed regions seen
         self.replaying = False  # a region's recomputation (`_replay`)
+        self.replay: Any = None  # the executor carrying out a recomputation now (primitives)
         self.no_recompute = ""  # why regions cannot be replayed (set by the caller)
         self.reentrant_refused = ""  # why reentrant ones cannot (set by the caller)
 
@@ -112,10 +113,12 @@ class Recompute:
         if state is not None:
             comm.set_draw_state(state)
         name = self.plan.nodes[k].name
+        self.replay = replay  # (primitives' module hooks reach this executor: they go to it)
         try:
             with recorder.phase("backward"), recorder.label(f"recompute from {name}"), replay:
                 run()
         finally:
+            self.replay = None
             if now is not None:
                 comm.set_draw_state(now)
 

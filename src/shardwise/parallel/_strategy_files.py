@@ -180,6 +180,8 @@ class StrategyFiles:
                     f"{k}: {a or '(none)'} in the file, {b or '(none)'} here); use the same "
                     "hsdp() / comm_fusion() settings as the saving job"
                 )
+            # (checkpointed regions are the step's, not a strategy: this capture's)
+            loaded = dataclasses.replace(loaded, regions=fresh.regions)
             run.parallel_plan = loaded
             run.plans = [(loaded, run.templates)]
         if self._loaded_params is not None:  # (stored as the file says, or as the ops file)

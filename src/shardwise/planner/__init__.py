@@ -58,7 +58,7 @@ from shardwise.planner._plan import (
     Placed,
     Root,
 )
-from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, step_cost
+from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, replayed_moves, step_cost
 from shardwise.planner._propagate import plan_sharding_propagation
 from shardwise.planner._regions import Region
 from shardwise.planner._search import plan_recursive_programming
@@ -97,6 +97,7 @@ __all__ = [
     "plan_recursive_programming",
     "plan_semi_auto",
     "plan_sharding_propagation",
+    "replayed_moves",
     "save_operator_strategy_file",
     "save_param_strategy_file",
     "step_cost",

@@ -42,7 +42,7 @@ Collectives are priced one after another and never overlapped with compute.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.tensor import Replicate
 
@@ -300,21 +300,38 @@ def _compute(n: NodePlan, model: CostModel, backward: bool = True) -> float:
     return model.op_s + work
 
 
-def _recompute(plan: ParallelPlan, region: Region, model: CostModel) -> tuple[float, int, float]:
-    """A checkpointed region's replay in backward: (seconds of its collectives, how many, its
-    forward compute): its nodes' input moves (a move shared with a replayed consumer once) and
-    own collectives, as far as torch's recomputation goes (`_regions.Region`)."""
+def replayed_moves(plan: ParallelPlan, region: Region) -> list[tuple[NodePlan, EdgePlan]]:
+    """The input moves a checkpointed region's replay runs in backward, in order, each with the
+    node it feeds: its nodes' in-edges as far as torch's recomputation goes (`Region`); a move
+    shared with an earlier consumer runs again (``shared`` off) unless that consumer was
+    replayed too (the replay's executor starts with no moved values).
+
+    Example:
+        >>> [(n.name, e.slot) for n, e in replayed_moves(plan, plan.regions[0])]  # doctest: +SKIP
+        [('fc1/linear', 0)]
+    """
     by_consumer = plan.edges_by_consumer()
-    secs = compute = 0.0
-    calls, moved = 0, set[tuple[str, object]]()
+    out, moved = [], set[tuple[str, object]]()
     for k in region.replayed():
-        n = plan.nodes[k]
         for e in by_consumer.get(k, []):
             if e.shared and (e.value, e.dst) in moved:
                 continue
             moved.add((e.value, e.dst))
-            secs += edge_move(e, model, e.reduced)
-            calls += _edge_collectives(e, backward=False)
+            out.append((plan.nodes[k], replace(e, shared=False)))
+    return out
+
+
+def _recompute(plan: ParallelPlan, region: Region, model: CostModel) -> tuple[float, int, float]:
+    """A checkpointed region's replay in backward: (seconds of its collectives, how many, its
+    forward compute): its input moves (`replayed_moves`) and its ops' own collectives, as far
+    as torch's recomputation goes (`_regions.Region`)."""
+    secs = compute = 0.0
+    calls = 0
+    for _, e in replayed_moves(plan, region):
+        secs += edge_move(e, model, e.reduced)
+        calls += _edge_collectives(e, backward=False)
+    for k in region.replayed():
+        n = plan.nodes[k]
         if region.runs_own(k):
             secs += sum(_own(n, c, model) for c in n.comms)
             calls += len(n.comms)

@@ -117,14 +117,18 @@ def _plan_of(data: Mapping[str, Any], cls: type[ParallelPlan]) -> ParallelPlan:
         outputs=tuple(_placed(m, p) for p in data.get("outputs", [])),
         equal_grads={k: tuple(v) for k, v in data.get("equal_grads", {}).items()},
         roots=tuple(Root(r["value"], _placed(m, r["placed"])) for r in data.get("roots", [])),
-        regions=tuple(_region(r) for r in data.get("regions", [])),
+        regions=tuple(_region(r, len(data["nodes"])) for r in data.get("regions", [])),
     )
 
 
-def _region(r: Mapping[str, Any]) -> Region:
-    return Region(
-        int(r["first"]), int(r["last"]), int(r["until"]), bool(r["full"]), bool(r["reentrant"])
-    )
+def _region(r: Mapping[str, Any], nodes: int) -> Region:
+    first, last, until = int(r["first"]), int(r["last"]), int(r["until"])
+    full, reentrant = r["full"], r["reentrant"]
+    if not (0 <= first <= last < nodes and -1 <= until <= last) or not isinstance(full, bool):
+        raise TypeError(f"region {dict(r)}: not a region of the plan's nodes")
+    if not isinstance(reentrant, bool):
+        raise TypeError(f"region {dict(r)}: reentrant is not a bool")
+    return Region(first, last, until, full, reentrant)
 
 
 def matrix_d(m: DeviceMatrix) -> dict[str, list[Any]]:

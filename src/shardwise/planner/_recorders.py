@@ -362,13 +362,13 @@ class _AtenRecorder(TorchDispatchMode):
 @contextmanager
 def _module_hooks(s: _State) -> Iterator[None]:
     """Module paths for the nodes, and shardwise primitives recorded as single nodes."""
-    pending: dict[int, list[T]] = {}
+    pending: dict[int, tuple[list[T], int | None]] = {}  # (its inputs, `saved_before`)
 
     def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
         path = s.modules.get(id(module))
         if isinstance(module, Primitive) and not s.inside_primitive and not s.done:
             ins = tensors_in(module.split_call(*args)[0])
-            pending[id(module)] = ins
+            pending[id(module)] = ins, s.regions.saved_before()
             s.inside_primitive += 1
         s.stack.append(path if path is not None else type(module).__name__)
         strategy = op_strategy(module)
@@ -380,16 +380,18 @@ def _module_hooks(s: _State) -> Iterator[None]:
             s.annotated.pop()
         if s.stack:
             s.stack.pop()
-        ins = pending.pop(id(module), None)
-        if ins is None:
+        found = pending.pop(id(module), None)
+        if found is None:
             return
+        ins, saved = found
         s.inside_primitive -= 1
         assert isinstance(module, Primitive)
         outs = tensors_in(output)
         _, call_args = module.split_call(*args)
         s.stack.append(s.modules.get(id(module), module.name))
         try:
-            s.add_node(f"shardwise.ops.{module.name}", module, ins, outs, ((), dict(call_args)))
+            op = f"shardwise.ops.{module.name}"
+            s.add_node(op, module, ins, outs, ((), dict(call_args)), saved_before=saved)
         finally:
             s.stack.pop()
 

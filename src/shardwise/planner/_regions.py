@@ -5,7 +5,9 @@ backward; the plan's executor replays the region's nodes there (`parallel/_recom
 their moves and collectives. How far the replay goes is torch's rule: a reentrant region, or a
 non-reentrant one with early stop off (``set_checkpoint_early_stop(False)``), runs every op; a
 non-reentrant one stops inside the op that saves the region's last tensor for backward (the
-ops after it, and that op's own collectives after its compute, do not run again).
+ops after it, and that op's own collectives after its compute, do not run again: a
+collective an op runs before the compute that saves, a split-feature norm's statistics, is
+then left out).
 
 - `Region`: one region's nodes and how far its replay goes (`ParallelPlan.regions`).
 - `RegionNotes`: what the capture notes while the step runs (`note`, per recorded node, with
@@ -115,8 +117,9 @@ class RegionNotes:
             if early:
                 until = savers[-1] if savers else -1
                 out.append(Region(first, last, until, False, reentrant))
-            else:
-                out.append(Region(first, last, last, True, reentrant))
+            else:  # (non-reentrant: recomputed only when a saved tensor is unpacked)
+                until = last if reentrant or savers else -1
+                out.append(Region(first, last, until, True, reentrant))
         return tuple(out)
 
 

@@ -48,6 +48,7 @@ from shardwise.planner import (
     ParallelPlan,
     Region,
     plan_cost,
+    replayed_moves,
     step_cost,
 )
 from shardwise.redistribution import AllGather, AlltoAll
@@ -197,32 +198,20 @@ def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
     for e in by_consumer.get(-1, []):
         _edge_traffic(out, e, f"return {e.slot}", m, rank, needs - roots)
     for region in plan.regions:
-        _recompute_traffic(out, plan, region, rank, by_consumer)
+        _recompute_traffic(out, plan, region, rank)
     return out
 
 
-def _recompute_traffic(
-    out: Traffic,
-    plan: ParallelPlan,
-    region: Region,
-    rank: int,
-    by_consumer: dict[int, list[EdgePlan]],
-) -> None:
+def _recompute_traffic(out: Traffic, plan: ParallelPlan, region: Region, rank: int) -> None:
     """A checkpointed region's replay in backward (phase ``recompute``): the collectives of
-    its nodes' input moves and its ops' own, as far as torch's recomputation goes
-    (`planner.Region`). A move shared with an earlier consumer runs again unless that
-    consumer was replayed too (the replay's executor starts with no moved values)."""
-    m, moved = plan.matrix, set[tuple[str, object]]()
+    its input moves (`planner.replayed_moves`) and of its ops' own, as far as torch's
+    recomputation goes (`planner.Region`)."""
+    for n, e in replayed_moves(plan, region):
+        for c, _, sent in _collectives(edge_sends(e, rank)):
+            out.add("recompute", dataclasses.replace(c, where=f"{n.name} input {e.slot}"), sent)
     for k in region.replayed():
-        n = plan.nodes[k]
-        for e in by_consumer.get(k, []):
-            if e.shared and (e.value, e.dst) in moved:
-                continue
-            moved.add((e.value, e.dst))
-            for c, _, sent in _collectives(edge_sends(dataclasses.replace(e, shared=False), rank)):
-                out.add("recompute", dataclasses.replace(c, where=f"{n.name} input {e.slot}"), sent)
         if region.runs_own(k):
-            for c, _, sent in _collectives(node_sends(n, m, rank)):
+            for c, _, sent in _collectives(node_sends(plan.nodes[k], plan.matrix, rank)):
                 out.add("recompute", c, sent)
 
 
