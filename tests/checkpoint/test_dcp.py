@@ -250,3 +250,22 @@ def test_a_corrupt_source_is_a_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"ck.safetensors: tensor '\w+' is corrupt"):
         export_dcp(tmp_path / "bad", tmp_path / "dcp")
     assert not (tmp_path / "dcp").exists()
+
+
+def test_two_groups_with_the_same_parameters_keep_their_own_settings(tmp_path: Path) -> None:
+    """Two empty groups (torch allows them) each take their own saved settings, in order."""
+    net = torch.nn.Linear(4, 2)
+
+    def adam() -> torch.optim.Optimizer:
+        return torch.optim.Adam([{"params": list(net.parameters()), "lr": 0.1},
+                                 {"params": [], "lr": 0.2}, {"params": [], "lr": 0.3}])  # fmt: skip
+
+    opt = adam()
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
+    back = adam()
+    for g in back.param_groups:
+        g["lr"] = 0.0
+    sw.checkpoint.load_optimizer_state(back, sw.load_checkpoint(tmp_path / "ck.safetensors"), net)
+    assert [g["lr"] for g in back.param_groups] == [0.1, 0.2, 0.3]

@@ -201,6 +201,6 @@ def test_a_rank_that_left_with_code_0_is_named(tmp_path: Path) -> None:
     ]
     text = format_failure_report(worker_root_cause(exits[0], 0, "h"), exits, 0, "s.log")
     assert text.splitlines()[-2] == (
-        "exited with code 0 before the job failed: rank 1 (a rank that leaves early leaves the "
-        "others waiting in init() or at their next collective)"
+        "exited with code 0: rank 1 (a rank that leaves early leaves the others waiting in "
+        "init() or at their next collective)"
     )

@@ -125,20 +125,46 @@ def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> N
     `_pairwise.coalesced`, with a one-member bucket of each kind too), two or more buckets in
     flight at once: the gathers equal the concatenation, the pairwise reduction equals the flat
     one bit for bit (both sum in group-rank order), every bucket recorded as one collective."""
-    from shardwise.communication import CommRecorder, _buckets, _pairwise
-    from shardwise.communication._collectives import ReduceOp
+    from shardwise.communication import _buckets, _pairwise
 
     k = len(members)
     shapes = [(2 * k, 3), (k,), (3 * k, 5)]
     pieces = [inputs(n, (s[0] // k, *s[1:]), seed=10 + i) for i, s in enumerate(shapes)]
     fulls = [inputs(n, s, seed=20 + i) for i, s in enumerate(shapes)]
     results: dict[object, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    pairwise, separate = _buckets.PAIRWISE_MIN_BYTES, _pairwise.SEPARATE_BYTES
+    try:
+        _bucket_results(rank, group, pieces, fulls, results)
+    finally:  # (later checks in the same processes run with the defaults)
+        _buckets.PAIRWISE_MIN_BYTES, _pairwise.SEPARATE_BYTES = pairwise, separate
+    pos = members.index(rank)
+    for scattered, gathered in results.values():
+        for p, got in zip(pieces, gathered, strict=True):
+            assert torch.equal(got, torch.cat([p[r] for r in members])), "bucket AllGather"
+        for f, got in zip(fulls, scattered, strict=True):
+            want = sum(f[r] for r in members).chunk(k)[pos]
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), "bucket ReduceScatter"
+    for other in (0, "coalesced 1048576", "coalesced 40"):
+        for a, b in zip(results[other][0], results[1 << 40][0], strict=True):
+            assert torch.equal(a, b), f"{other} pairwise and flat ReduceScatter differ"
+
+
+def _bucket_results(
+    rank: int,
+    group: str | None,
+    pieces: list[list[torch.Tensor]],
+    fulls: list[list[torch.Tensor]],
+    results: dict[object, tuple[list[torch.Tensor], list[torch.Tensor]]],
+) -> None:
+    """`check_buckets`' runs (both transports, coalesced), their results into `results`."""
+    from shardwise.communication import CommRecorder, _buckets, _pairwise
+    from shardwise.communication._collectives import ReduceOp
+
     for threshold in (0, 1 << 40):
         _buckets.PAIRWISE_MIN_BYTES = threshold
         gather = _buckets.all_gather_bucket([p[rank] for p in pieces], group)
         scatter = _buckets.reduce_scatter_bucket([f[rank] for f in fulls], ReduceOp.SUM, group)
         results[threshold] = (scatter.wait(), gather.wait())
-    _buckets.PAIRWISE_MIN_BYTES = 256 * 1024
     for separate in (1 << 20, 40):  # 40 bytes: the 60-byte parts travel alone, not packed
         _pairwise.SEPARATE_BYTES = separate
         with CommRecorder() as rec:
@@ -152,17 +178,6 @@ def check_buckets(rank: int, n: int, members: list[int], group: str | None) -> N
             gathered = [t for g in gathers for t in g.wait()]
             results[f"coalesced {separate}"] = ([*one.wait(), *scatter.wait()], gathered)
         assert rec.count("AllGather") == 2 and rec.count("ReduceScatter") == 2, "one per bucket"
-    _pairwise.SEPARATE_BYTES = 1 << 20
-    pos = members.index(rank)
-    for scattered, gathered in results.values():
-        for p, got in zip(pieces, gathered, strict=True):
-            assert torch.equal(got, torch.cat([p[r] for r in members])), "bucket AllGather"
-        for f, got in zip(fulls, scattered, strict=True):
-            want = sum(f[r] for r in members).chunk(k)[pos]
-            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), "bucket ReduceScatter"
-    for other in (0, "coalesced 1048576", "coalesced 40"):
-        for a, b in zip(results[other][0], results[1 << 40][0], strict=True):
-            assert torch.equal(a, b), f"{other} pairwise and flat ReduceScatter differ"
 
 
 def check_pool(rank: int, n: int) -> None:
@@ -189,13 +204,13 @@ def check_pool(rank: int, n: int) -> None:
     assert _pairwise._pooled[0] == sum(
         b.numel() * b.element_size() for free in _pairwise._pool.values() for b in free
     )
-    _pairwise.POOL_BYTES = 0
+    pool_bytes, _pairwise.POOL_BYTES = _pairwise.POOL_BYTES, 0
     _pairwise._pool.clear()
     _pairwise._pooled[0] = 0
     with _pairwise.coalesced():
         pending = _buckets.all_gather_bucket([torch.ones(n)], None)
     assert torch.equal(pending.wait()[0], torch.ones(n * n)) and not _pairwise._pool
-    _pairwise.POOL_BYTES = 64 << 20
+    _pairwise.POOL_BYTES = pool_bytes
 
 
 if __name__ == "__main__":

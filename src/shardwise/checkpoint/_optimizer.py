@@ -167,18 +167,19 @@ def _rebuilt_groups(
             f"{len(optimizer.param_groups)}"
         )
     index = {name: i for i, name in enumerate(names)}
-    by_params = {frozenset(old["params"]): old for old in saved}
+    unused = list(saved)  # (each saved group taken once: two may hold the same, none)
     groups, position = [], 0
     for number, new in enumerate(optimizer.param_groups):
         current = names[position : position + len(new["params"])]
         position += len(new["params"])
-        old = by_params.get(frozenset(current))
+        old = next((g for g in unused if set(g["params"]) == set(current)), None)
         if old is None:
             hint = "" if named else " (pass the network as net= to match by name)"
             raise CheckpointError(
                 f"{where}: the optimizer's parameter group {number} holds {current}, which no "
                 f"saved group holds (saved groups: {[g['params'] for g in saved]}){hint}"
             )
+        unused = [g for g in unused if g is not old]
         group = {k: v for k, v in old.items() if k != "params"}
         group["params"] = [index[name] for name in current]
         groups.append(group)

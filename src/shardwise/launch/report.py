@@ -370,8 +370,8 @@ def format_failure_report(
     left = [e.rank for e in exits if e.returncode == 0 and not e.stopped]
     if left:  # (one that left early leaves the others waiting: in init(), or a collective)
         out.append(
-            f"exited with code 0 before the job failed: {ranks_label(left)} (a rank that leaves "
-            "early leaves the others waiting in init() or at their next collective)"
+            f"exited with code 0: {ranks_label(left)} (a rank that leaves early leaves the "
+            "others waiting in init() or at their next collective)"
         )
     logs = [scheduler_log]
     if root.log:
