@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.launch import rendezvous
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import LauncherInterrupted, RendezvousError
 from shardwise.launch.liveness import lost_cause
@@ -84,6 +85,22 @@ def test_too_many_workers_are_refused(log: SchedulerLog) -> None:
     with pytest.raises(RendezvousError, match="has 2 of its 2 workers"):
         extra.register()
     assert host.wait_for_all(time.monotonic() + 1, log).num_nodes == 2
+
+
+def test_a_refused_launcher_frees_its_node_rank(
+    log: SchedulerLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refused launcher's --node_rank is free again for the right one."""
+    monkeypatch.setattr(rendezvous, "REGISTER_RETRY_S", 0.01)
+    port = _free_port()
+    host = _connect(port, log, worker_num=3, local_worker_num=2, node_rank=0)
+    wrong = _connect(port, log, worker_num=3, local_worker_num=2, node_rank=1)
+    host.register()
+    with pytest.raises(RendezvousError, match="2 are too many"):
+        wrong.register()
+    right = _connect(port, log, worker_num=3, local_worker_num=1, node_rank=1)
+    right.register()
+    assert list(right.wait_for_all(time.monotonic() + 1, log).ranks) == [2]
 
 
 def test_a_refused_launcher_is_not_counted(log: SchedulerLog) -> None:

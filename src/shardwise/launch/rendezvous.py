@@ -42,6 +42,8 @@ from shardwise.launch.store import StopCheck, open_store
 KEY_PREFIX = "shardwise_launch"
 POLL_S = 0.1
 PROGRESS_EVERY_S = 5.0
+REGISTER_RETRY_S = 1.0
+"""Seconds a launcher whose workers pass ``--worker_num`` waits before its one more try."""
 HEARTBEAT_TIMEOUT_S = 10.0
 LINGER_S = 1.0
 
@@ -154,6 +156,8 @@ class Rendezvous:
         return wanted
 
     # -- step 3 -------------------------------------------------------------------------------
+    # (a launcher whose workers pass the count tries once more after REGISTER_RETRY_S: one
+    # refused at the same moment takes its own back)
     def register(self) -> None:
         """Add this launcher's workers to the job (step 3).
 
@@ -164,8 +168,13 @@ class Rendezvous:
         cfg = self.cfg
         index = self.store.add("registrations", 1)
         after = self.store.add("workers", cfg.local_worker_num)
+        if after > cfg.worker_num:  # (a launcher refused at that moment may still take it back)
+            self.store.add("workers", -cfg.local_worker_num)
+            time.sleep(REGISTER_RETRY_S)
+            after = self.store.add("workers", cfg.local_worker_num)
         if after > cfg.worker_num:  # (refused: its workers not counted, its record not written)
             self.store.add("workers", -cfg.local_worker_num)
+            self.store.delete_key(f"node/{self.node_claim}")  # (its node rank free again)
             raise RendezvousError(
                 f"the job at {cfg.master_addr}:{cfg.master_port} has {after - cfg.local_worker_num}"
                 f" of its {cfg.worker_num} workers (--worker_num); this launcher's "
