@@ -316,7 +316,11 @@ def test_eager_errors(kwargs: dict[str, object], error: type[Exception], match: 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"in_strategy": ((2, 1), (2, 1))}, r"in_strategy has 2 entries but the call has 1"),
+        (  # (the module named; a weight's entry is the op form, of nn.Linear / nn.Embedding)
+            {"in_strategy": ((2, 1), (2, 1))},
+            r"sw.shard on Block: in_strategy has 2 entries but the call has 1 tensor inputs; "
+            r"give one per tensor of its forward \(an entry for its weight too is the op form",
+        ),
         ({"in_strategy": ((3, 1),)}, r"does not divide the device count 8"),
         ({"in_strategy": ((2, 1, 1),)}, r"has 3 dims but the tensor has shape \[16, 32\]"),
         ({"in_strategy": None, "parameter_plan": {"w3": (2, 1)}}, r"'w3'.*valid names: \['w1'"),

@@ -212,15 +212,25 @@ def _check_plan(parameter_plan: object, who: str) -> dict[str, Entry]:
     return out
 
 
-def _reshard_all(values: Sequence[Any], strategy: Sequence[Entry] | None, what: str) -> list[Any]:
-    """Reshard the tensors among `values` to the entries of `strategy`, in order."""
+def _reshard_all(
+    values: Sequence[Any], strategy: Sequence[Entry] | None, what: str, module: str = ""
+) -> list[Any]:
+    """Reshard the tensors among `values` to the entries of `strategy`, in order (`module`:
+    the class of the module whose call it is)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if strategy is None:
         return list(values)
     if len(strategy) != len(tensors):
+        on = f" on {module}" if module else ""
+        hint = ""
+        if module and what == "in_strategy" and len(strategy) > len(tensors):
+            hint = (
+                " of its forward (an entry for its weight too is the op form, for nn.Linear "
+                "and nn.Embedding only: annotate the op inside it with sw.ops primitives)"
+            )
         raise ValueError(
-            f"sw.shard: {what} has {len(strategy)} entries but the call has {len(tensors)} "
-            f"tensor {'inputs' if what == 'in_strategy' else 'outputs'}; give one per tensor"
+            f"sw.shard{on}: {what} has {len(strategy)} entries but the call has {len(tensors)} "
+            f"tensor {'inputs' if what == 'in_strategy' else 'outputs'}; give one per tensor" + hint
         )
     entries = iter(strategy)
     return [reshard(v, next(entries)) if isinstance(v, torch.Tensor) else v for v in values]
@@ -307,7 +317,7 @@ def shard(
             session = active_session()
             if session is not None and params:
                 session.declare_parameters(m, params)
-            return tuple(_reshard_all(args, ins, "in_strategy")), kwargs
+            return tuple(_reshard_all(args, ins, "in_strategy", type(m).__name__)), kwargs
 
         def after(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
             return _outputs(out, outs)
