@@ -242,12 +242,15 @@ def test_mindspore_names(trained: tuple[Path, dict[str, torch.Tensor]], tmp_path
     plan = plan_of(4, None, "level3")
     sw.planner.save_param_strategy_file(plan, tmp_path / "dst.json")
     transform(src, tmp_path / "a", 2)
-    sw.transform_checkpoints(tmp_path / "a", tmp_path / "b", "ckpt_", None, tmp_path / "dst.json")
+    with simulated_world(4):  # (file work: in a world as outside it)
+        sw.transform_checkpoints(
+            tmp_path / "a", tmp_path / "b", "ckpt_", None, tmp_path / "dst.json"
+        )
+        out = sw.parallel.unified_safetensors(tmp_path / "b", tmp_path / "dst.json", tmp_path / "u")
     assert sorted(p.name for p in (tmp_path / "b").rglob("*.safetensors")) == [
         f"ckpt_{r}.safetensors" for r in range(4)
     ]
     check_cut(tmp_path / "b", plan, full)
-    out = sw.parallel.unified_safetensors(tmp_path / "b", tmp_path / "dst.json", tmp_path / "u")
     assert all(torch.equal(v, full[k]) for k, v in safetensors.torch.load_file(out).items())
 
 

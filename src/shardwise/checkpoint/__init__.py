@@ -15,7 +15,7 @@ Checkpoints across plans and device counts (each rank's file records its cut):
 - `_stream`: safetensors read and written one tensor at a time.
 - `_sources`: `SourceSet`, the rank files of one checkpoint, checked and assembled.
 - `_publish`: a destination written in a hidden place and published whole.
-- `_transform`: `transform`, `merge`, MindSpore's `transform_checkpoints` and
+- `_transform`: `transform`, `merge`; `_mindspore`: MindSpore's `transform_checkpoints` and
   `unified_safetensors`.
 - `_distributed`: `load_distributed`, any checkpoint into a network's current plan.
 
@@ -42,14 +42,10 @@ from shardwise.checkpoint._manager import (
     parse_checkpoint_filename,
     unused_prefix,
 )
+from shardwise.checkpoint._mindspore import transform_checkpoints, unified_safetensors
 from shardwise.checkpoint._optimizer import OptimizerState, load_optimizer_state
 from shardwise.checkpoint._strategy import CheckpointStrategy, ShardSpec
-from shardwise.checkpoint._transform import (
-    merge,
-    transform,
-    transform_checkpoints,
-    unified_safetensors,
-)
+from shardwise.checkpoint._transform import merge, transform
 
 __all__ = [
     "Checkpoint",
