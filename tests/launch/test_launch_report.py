@@ -6,17 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardwise.launch._logs import describe_returncode, extract_traceback, log_excerpt
 from shardwise.launch.report import (
     RootCause,
     WorkerExit,
-    describe_returncode,
-    extract_traceback,
     first_cause,
     format_failure_report,
     format_ranks,
     format_success_summary,
     group_failures,
-    log_excerpt,
     worker_root_cause,
 )
 
@@ -178,7 +176,7 @@ def test_small_formatters() -> None:
 
 
 def test_extract_traceback_strips_torch_rank_prefixes() -> None:
-    from shardwise.launch.report import extract_traceback
+    from shardwise.launch._logs import extract_traceback
 
     text = (
         "[rank2]: Traceback (most recent call last):\n"

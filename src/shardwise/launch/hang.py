@@ -45,7 +45,8 @@ from shardwise.communication._trace import (
     SLOTS,
     trace_path,
 )
-from shardwise.launch.report import RootCause, WorkerExit, log_excerpt, ranks_label
+from shardwise.launch._logs import log_excerpt
+from shardwise.launch.report import RootCause, WorkerExit, ranks_label
 from shardwise.launch.supervisor import Worker
 
 STACK_WAIT_S = 2.0

@@ -1,8 +1,7 @@
 """What the launcher tells the user when the job ends: the root cause first.
 
-- `describe_returncode`: ``exit code 1`` / ``signal SIGKILL`` from a ``Popen.returncode``.
-- `extract_traceback`: the last Python traceback of a worker log, capped (`log_excerpt` reads
-  the log and falls back to its last lines when there is no traceback).
+- ``_logs``: `describe_returncode` (``exit code 1`` / ``signal SIGKILL``), `extract_traceback`
+  and `log_excerpt` (a worker log's last traceback, or its last lines).
 - `first_cause` / `lost_peer`: of ranks that failed at about the same time, the one that did
   not merely lose a peer (a traceback ending in "Connection closed by peer" follows another
   rank's exit).
@@ -16,23 +15,16 @@
 from __future__ import annotations
 
 import json
-import re
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-TRACEBACK_HEADER = "Traceback (most recent call last):"
-RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
-MAX_TRACEBACK_LINES = 30
-TAIL_LINES = 10
-PEER_LOST = re.compile(
-    r"Connection (closed|reset) by peer|Broken pipe|remote process exited|"
-    r"peer process (closed|exited)",
-    re.IGNORECASE,
+from shardwise.launch._logs import (
+    MAX_TRACEBACK_LINES,
+    PEER_LOST,
+    describe_returncode,
+    log_excerpt,
 )
-"""A worker log line saying that the worker failed because another rank went away."""
-_TAIL_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -119,87 +111,6 @@ class RootCause:
             return RootCause(
                 reason=f"another launcher reported a failure: {text!r}", node_rank=-1, host="?"
             )
-
-
-def describe_returncode(returncode: int) -> str:
-    """Human form of a ``Popen.returncode``.
-
-    Args:
-        returncode: the process's return code; negative means killed by signal ``-code``.
-
-    Returns:
-        ``"exit code N"`` or ``"signal SIGNAME"``.
-
-    Example:
-        >>> describe_returncode(-9)
-        'signal SIGKILL'
-        >>> describe_returncode(3)
-        'exit code 3'
-    """
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit code {returncode}"
-
-
-def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
-    """The last Python traceback in `text`, from its header to the end of the text.
-
-    Args:
-        text: a worker's output.
-        max_lines: cap; a longer traceback keeps its header and its last lines (where the
-            exception is), with a line saying how many were left out.
-
-    Returns:
-        The traceback's lines (trailing blank lines removed), or ``[]`` when there is none.
-
-    Example:
-        >>> extract_traceback("x\\nTraceback (most recent call last):\\n  f()\\nE: boom\\n")
-        ['Traceback (most recent call last):', '  f()', 'E: boom']
-    """
-    # torch.distributed's excepthook prefixes every line with "[rankN]: "
-    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
-    starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)]
-    if not starts:
-        return []
-    tb = lines[starts[-1] :]
-    while tb and not tb[-1]:
-        tb.pop()
-    if len(tb) > max_lines:
-        kept = max_lines - 2
-        tb = [tb[0], f"  ... ({len(tb) - 1 - kept} lines left out)", *tb[-kept:]]
-    return tb
-
-
-def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple[list[str], bool]:
-    """What to show of a failed worker's log.
-
-    Args:
-        path: the worker log.
-        max_lines: cap for the traceback.
-
-    Returns:
-        ``(lines, is_traceback)``: the last traceback, or else the last `TAIL_LINES` lines.
-
-    Example:
-        >>> log_excerpt("/nonexistent/worker_0.log")
-        (['(no log at /nonexistent/worker_0.log)'], False)
-    """
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - _TAIL_BYTES))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return [f"(no log at {path})"], False
-    tb = extract_traceback(text, max_lines)
-    if tb:
-        return tb, True
-    tail = [line.rstrip() for line in text.splitlines() if line.strip()][-TAIL_LINES:]
-    return (tail or [f"({Path(path).name} is empty)"]), False
 
 
 @dataclass(frozen=True)

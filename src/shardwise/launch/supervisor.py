@@ -26,9 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.launch._logs import describe_returncode
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.env import split_cores, usable_cores, worker_env
-from shardwise.launch.report import WorkerExit, describe_returncode, ranks_label
+from shardwise.launch.report import WorkerExit, ranks_label
 from shardwise.launch.schedlog import SchedulerLog
 
 STOP_GRACE_S = 5.0
