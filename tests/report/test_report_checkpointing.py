@@ -224,3 +224,5 @@ def test_a_region_of_primitives_replays_the_plan() -> None:
     again = [r.kind for r in rec.records if r.label.startswith("recompute from")]
     assert again == ["AlltoAll"]  # (the input's move; not the MatMul's AllReduce)
     assert step_traffic(plan, 0, None).total == sum(r.bytes_sent for r in rec.records)
+    # (the input's move has no adjoint: what it moves is computed from the input only)
+    assert step_cost(plan, CostModel()).collectives == len(rec.records)

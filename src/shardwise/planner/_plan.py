@@ -227,6 +227,24 @@ class ParallelPlan:
         lines += [f"  {r}" for r in self.regions]
         return "\n".join(lines)
 
+    def gradient_values(self) -> set[str]:
+        """The values whose gradient a backward computes: the floating parameters and every
+        floating output of an op with such an input (the network's inputs need none).
+
+        Example:
+            >>> "%0" in plan.gradient_values()  # (the first layer's output)
+            True
+        """
+        need = {f"param:{n}" for n, p in self.params.items() if _floating(p.dtype)}
+        for n in self.nodes:
+            if any(v in need for v in n.values):
+                need.update(
+                    f"%{n.index}" + (f".{i}" if i else "")
+                    for i in range(len(n.outputs))
+                    if _floating(n.dtype(i))
+                )
+        return need
+
     def seed_scales(self) -> tuple[int, ...]:
         """Per backward root, the factor its seed is multiplied by: its `Placed.spread` (a
         split root has fewer copies than a whole loss's N, which the buckets' division by N
@@ -303,3 +321,7 @@ __all__ = [
     "params_of",
     "replicated",
 ]
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))

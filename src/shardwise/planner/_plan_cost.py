@@ -20,9 +20,10 @@ optimizer) on a rank of a plan that is a train step (`StepCost`):
   and bytes;
 - backward communication: their adjoints (an AllReduce's is an AllReduce over the axes whose
   gradient is not already equal, an AllGather's a ReduceScatter, an AlltoAll's the reverse
-  AlltoAll, a Slice's nothing; none for the step's tensor inputs, integer values and the
-  returned values, the step's backward having run before they are moved), and the ops'
-  gradient AllReduces (`NodePlan.backward`);
+  AlltoAll, a Slice's nothing; none for values no gradient flows back to
+  (`ParallelPlan.gradient_values`: the step's inputs and what is computed from them only,
+  integer values) and the returned values, the step's backward having run before they are
+  moved), and the ops' gradient AllReduces (`NodePlan.backward`);
 - gradient synchronization: one AllReduce per gradient bucket (`ParallelPlan.buckets`; a plan
   without them: the parameters grouped by the axes that replicate their gradient, in buckets of
   at most 25 MB), optimizer parallel's ReduceScatter and AllGather;
@@ -186,11 +187,11 @@ def _unequal(e: EdgePlan, axis: int) -> bool:
     return not e.seeded and axis not in e.equal_grad
 
 
-def _has_gradient(e: EdgePlan) -> bool:
-    """Whether backward runs the edge's adjoint: a floating-point value computed or stored in
-    the step (not a tensor input) and consumed by an op (not returned)."""
-    floating = e.dtype.startswith(("float", "bfloat", "complex"))
-    return floating and e.consumer != -1 and not e.value.startswith("input:")
+def _has_gradient(e: EdgePlan, needs: set[str]) -> bool:
+    """Whether backward runs the edge's adjoint: a value whose gradient backward computes
+    (`needs`: `ParallelPlan.gradient_values`; not one computed from the inputs only) consumed
+    by an op (not returned)."""
+    return e.consumer != -1 and e.value in needs
 
 
 def _edge_backward(e: EdgePlan, model: CostModel) -> float:
@@ -350,21 +351,23 @@ def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
     model = model or load_cost_model()
     forward = backward = 0.0
     count = 0
+    needs = plan.gradient_values()
     for e in plan.edges:
         if e.shared:
             continue
         forward += edge_move(e, model, e.reduced)
         count += _edge_collectives(e, backward=False)
-        if _has_gradient(e):
+        if _has_gradient(e, needs):
             backward += _edge_backward(e, model)
             count += _edge_collectives(e, backward=True)
     compute = 0.0
     for n in plan.nodes:
         for c in n.comms:
             forward += _own(n, c, model)
-            secs, calls = _own_backward(n, c, model)
-            backward += secs
-            count += 1 + calls
+            count += 1
+            if f"%{n.index}" + (f".{c.output}" if c.output else "") in needs:  # (an adjoint)
+                secs, calls = _own_backward(n, c, model)
+                backward, count = backward + secs, count + calls
         for c in n.backward:
             secs, calls = _f(n, c, model)
             backward += secs

@@ -244,13 +244,8 @@ def _value(node: int, output: int) -> str:
 
 
 def needs_grad(plan: ParallelPlan) -> set[str]:
-    """The values whose gradient a backward computes: the floating parameters and every
-    floating output of an op with such an input (the network's inputs need none)."""
-    need = {f"param:{n}" for n, p in plan.params.items() if _floating(p.dtype)}
-    for n in plan.nodes:
-        if any(v in need for v in n.values):
-            need.update(_value(n.index, i) for i in range(len(n.outputs)) if _floating(n.dtype(i)))
-    return need
+    """The values whose gradient a backward computes (`ParallelPlan.gradient_values`)."""
+    return plan.gradient_values()
 
 
 def saved_params(plan: ParallelPlan, needs: set[str]) -> set[str]:
