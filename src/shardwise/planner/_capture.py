@@ -9,8 +9,8 @@
 3. `fn` is called under the recorders of `_recorders`: `_Recorder`, a ``TorchFunctionMode``
    that makes one `Node` per torch-level call (``F.linear``, ``x.view(...)``,
    ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
-   ops each call ran, and `_module_hooks` giving each node its module path. A shardwise
-   primitive becomes one node (its inner calls are not recorded);
+   ops each call ran, and `_module_hooks.module_hooks` giving each node its module path. A
+   shardwise primitive becomes one node (its inner calls are not recorded);
 4. the returned tensors (and the train step's loss) become the graph's outputs; the nodes a
    custom ``torch.autograd.Function``'s forward ran are marked with its name
    (`_functions.function_of`).
@@ -46,11 +46,11 @@ from shardwise.parameter._deferred import tracing
 from shardwise.planner._call_kinds import record_kind
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
+from shardwise.planner._module_hooks import module_hooks
 from shardwise.planner._recorders import (
     CaptureError,
     T,
     _AtenRecorder,
-    _module_hooks,
     _Recorder,
     _State,
     _StopCapture,
@@ -174,7 +174,7 @@ def capture(
             stack.enter_context(reparametrize(net, fakes))
         stack.enter_context(tracing())  # (a delayed-init network is not materialized)
         stack.enter_context(mode)
-        stack.enter_context(_module_hooks(state))
+        stack.enter_context(module_hooks(state))
         stack.enter_context(_AtenRecorder(state))
         stack.enter_context(_Recorder(state))
         try:

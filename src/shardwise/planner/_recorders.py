@@ -11,7 +11,7 @@
   ``backward()``.
 - `_AtenRecorder`: the ``TorchDispatchMode`` under it listing the aten ops the running call
   runs (`AtenCall`s on `AtenArg`s: the call's inputs and the program's own temporaries).
-- `_module_hooks`: global module hooks giving each node its module path, recording a
+- ``_module_hooks``: global module hooks giving each node its module path, recording a
   shardwise primitive as one node (its inner calls unrecorded) and the op-form ``sw.shard``
   strategies of the modules being run.
 - `dtype_name` / `info_of`: a tensor's dtype name, shape and dtype as `TensorInfo`;
@@ -22,19 +22,16 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import in_activation_checkpoint, nested_checkpoint
 from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
-from shardwise.ops import Primitive
 from shardwise.ops import _flat as flat
 from shardwise.planner._call_kinds import creates_graph, keeps_graph, record_kind
 from shardwise.planner._functions import function_of
@@ -45,7 +42,6 @@ from shardwise.planner._graph import (
     Ref,
     TensorInfo,
     TensorSlot,
-    op_strategy,
 )
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import data_dependent, library_read, source_line
@@ -357,50 +353,3 @@ class _AtenRecorder(TorchDispatchMode):
                 made.append(s.aten_ids[id(t)])
         s.aten.append(AtenCall(func, tuple(a), dict(k), tuple(made)))
         return out
-
-
-@contextmanager
-def _module_hooks(s: _State) -> Iterator[None]:
-    """Module paths for the nodes, and shardwise primitives recorded as single nodes."""
-    pending: dict[int, tuple[list[T], int | None]] = {}  # (its inputs, `saved_before`)
-
-    def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-        path = s.modules.get(id(module))
-        if isinstance(module, Primitive) and not s.inside_primitive and not s.done:
-            ins = tensors_in(module.split_call(*args)[0])
-            pending[id(module)] = ins, s.regions.saved_before()
-            s.inside_primitive += 1
-        s.stack.append(path if path is not None else type(module).__name__)
-        strategy = op_strategy(module)
-        if strategy is not None and not s.inside_primitive and not s.done:
-            s.annotated.append([s.stack[-1], strategy, False])
-
-    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if s.annotated and s.stack and s.annotated[-1][0] == s.stack[-1]:
-            s.annotated.pop()
-        if s.stack:
-            s.stack.pop()
-        found = pending.pop(id(module), None)
-        if found is None:
-            return
-        ins, saved = found
-        s.inside_primitive -= 1
-        assert isinstance(module, Primitive)
-        outs = tensors_in(output)
-        _, call_args = module.split_call(*args)
-        s.stack.append(s.modules.get(id(module), module.name))
-        try:
-            op = f"shardwise.ops.{module.name}"
-            s.add_node(op, module, ins, outs, ((), dict(call_args)), saved_before=saved)
-        finally:
-            s.stack.pop()
-
-    handles = [
-        nn.modules.module.register_module_forward_pre_hook(pre),
-        nn.modules.module.register_module_forward_hook(post),
-    ]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
