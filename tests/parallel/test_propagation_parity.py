@@ -18,6 +18,7 @@ import shardwise as sw
 from shardwise.parallel import AutoParallel
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..planner.test_plan import step_of
 from ..planner.test_propagate import Seed002
 
 STEPS, LR, MOMENTUM = 3, 0.2, 0.1
@@ -268,15 +269,7 @@ def test_a_resnet_with_nothing_annotated_is_data_parallel(mode: str) -> None:
     net = ResNet(widths=(8, 16))
     with simulated_world(4) as world:
         world.replicate(net)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(x, y)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = step_of(net, torch.optim.SGD(net.parameters(), lr=0.1))
         parallel = AutoParallel(step, parallel_mode=mode)
         for s, (x, y) in enumerate(batches):
             with CommRecorder() as rec:
