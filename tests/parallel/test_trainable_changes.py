@@ -195,3 +195,33 @@ def test_keyword_inputs_in_the_data_parallel_mode(strategy: str) -> None:
         module = sw.AutoParallel(other, parallel_mode="data_parallel")
         out = module(input=world.rows(x))
         assert_matches_single_device(out.detach(), world.rows(want_out), what="output")
+
+
+def test_a_layer_unfrozen_inside_the_train_step_in_the_data_parallel_mode() -> None:
+    """``requires_grad_`` inside the step (unfreeze the backbone at step N): the plan is
+    checked again at the optimizer's step, so the unfrozen weight's gradient is averaged (it
+    was checked at the call's start only: each rank stepped its own rows' gradient)."""
+
+    def body(net: nn.Module, opt: torch.optim.Optimizer, i: int) -> Callable[..., Any]:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            net[0].requires_grad_(i != 1)  # (trainable, frozen, trainable again)
+            return stepper(net, opt)(x, y)
+
+        return step
+
+    ref = make()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = [body(ref, opt, i)(x, y).detach() for i, (x, y) in enumerate(DATA)]
+    net = make()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        calls = iter(range(STEPS))
+        parallel = sw.AutoParallel(
+            lambda x, y: body(net, opt, next(calls))(x, y), parallel_mode="data_parallel"
+        )
+        for s, (x, y) in enumerate(DATA):
+            got = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(got, want[s], what=f"loss {s}")
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), ref.get_parameter(name).detach(), what=name)

@@ -233,8 +233,9 @@ class DataParallelRunner:
 
     def _check_plan(self) -> None:
         """Plan again when parameters were frozen or unfrozen, or an optimizer got a parameter
-        group, since the plan was made (their gradients were not averaged); with
-        ``parallel_optimizer`` (owners hold state) a ValueError instead."""
+        group, since the plan was made (their gradients were not averaged): at each call and
+        at each optimizer step (a change inside the train step); with ``parallel_optimizer``
+        (owners hold state) a ValueError instead."""
         if self._trained() == self._planned_for:
             return
         if self.parallel_optimizer:
@@ -360,6 +361,7 @@ class DataParallelRunner:
     def _before_step(self, index: int) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""
         self.stepping += 1  # (an optimizer it steps inside, a Lookahead's, is not adopted)
+        self._check_plan()  # (a parameter unfrozen inside the step: its gradient averaged too)
         if self._stepped is not None:
             self._stepped.append(index)
         for bucket in self._grad_buckets[index]:
