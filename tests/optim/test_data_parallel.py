@@ -25,6 +25,7 @@ from shardwise.optim._data_parallel_steps import local_rows
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 STEPS, BATCH = 5, 32
+ONES = torch.ones(4, 4)
 MakeOpt = Callable[[Any], torch.optim.Optimizer]
 OPTIMIZERS: dict[str, MakeOpt] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
@@ -384,10 +385,14 @@ def test_bad_inputs() -> None:
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         with pytest.raises(ValueError, match="threshold_kb=-1"):
             DataParallelRunner(net, [opt], threshold_kb=-1)
-        with pytest.raises(ValueError, match="parallel_optimizer=True needs an optimizer"):
+        with pytest.raises(ValueError, match=r"\.hsdp\(\), or parallel_optimizer=True\) needs"):
             DataParallelRunner(net, [], parallel_optimizer=True)
-        with pytest.raises(ValueError, match="none was passed or found in train_step"):
+        with pytest.raises(ValueError, match="none was passed or found in the train step's code"):
             DataParallelRunner(net, [], train_step=lambda x: x, parallel_optimizer=True)
+        with pytest.raises(ValueError, match=r"AutoParallel\(\.\.\., optimizer=opt\)"):
+            sw.AutoParallel(lambda x: x, network=net, parallel_mode="data_parallel").hsdp()(
+                world.rows(ONES)
+            )
         with pytest.raises(ValueError, match=r"optimizers\[0\].*not one of the network's"):
             DataParallelRunner(net, [torch.optim.SGD(other.parameters(), lr=0.1)])
         with pytest.raises(ValueError, match="held by optimizers"):

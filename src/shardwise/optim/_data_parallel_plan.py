@@ -267,7 +267,11 @@ def check_optimizers(opts: Sequence[Any], parallel_optimizer: bool, with_step: b
             )
     if parallel_optimizer and not opts:
         raise ValueError(
-            f"{WHO}: parallel_optimizer=True needs an optimizer, but none was passed"
-            + (" or found in train_step" if with_step else "")
-            + "; pass optimizers=[torch.optim.Adam(network.parameters(), ...)]"
+            f"{WHO}: optimizer parallel (AutoParallel(..., parallel_mode='data_parallel')"
+            ".hsdp(), or parallel_optimizer=True) needs the optimizer before the first call, but "
+            "none was passed"
+            + (" or found in the train step's code" if with_step else "")
+            + ": build it before the wrapper and pass it (AutoParallel(..., optimizer=opt), "
+            "DataParallelRunner(..., optimizers=[opt])), or let the step's code name it "
+            "directly, not through a dict or list"
         )
