@@ -269,3 +269,26 @@ def test_two_groups_with_the_same_parameters_keep_their_own_settings(tmp_path: P
         g["lr"] = 0.0
     sw.checkpoint.load_optimizer_state(back, sw.load_checkpoint(tmp_path / "ck.safetensors"), net)
     assert [g["lr"] for g in back.param_groups] == [0.1, 0.2, 0.3]
+
+
+def test_empty_groups_survive_the_per_parameter_layout(tmp_path: Path) -> None:
+    """torchtitan's per-parameter groups cannot record an empty group: one the optimizer has
+    and no saved group matches keeps its own settings (the load failed: '1 parameter groups
+    saved, the optimizer has 3')."""
+    net = torch.nn.Linear(4, 2)
+
+    def adam() -> torch.optim.Optimizer:
+        return torch.optim.Adam([{"params": [], "lr": 0.3}, {"params": list(net.parameters())},
+                                 {"params": [], "lr": 0.4}])  # fmt: skip
+
+    opt = adam()
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
+    export_dcp(tmp_path / "ck.safetensors", tmp_path / "dcp", flatten_optimizer=True)
+    import_dcp(tmp_path / "dcp", tmp_path / "back", optimizer_class=torch.optim.Adam)
+    back = adam()
+    ckpt = sw.load_checkpoint(tmp_path / "back" / "checkpoint.safetensors")
+    sw.checkpoint.load_optimizer_state(back, ckpt, net)
+    assert [g["lr"] for g in back.param_groups] == [0.3, 0.001, 0.4]
+    assert torch.equal(back.state[net.weight]["exp_avg"], opt.state[net.weight]["exp_avg"])

@@ -160,8 +160,9 @@ def _rebuilt_groups(
 ) -> list[dict[str, Any]]:
     """The saved groups in the optimizer's order, each matched by the parameters it holds
     (a checkpoint whose groups came back in another order, as DCP's per-parameter groups do,
-    loads as saved)."""
-    if len(saved) != len(optimizer.param_groups):
+    loads as saved; an empty group of the optimizer that no saved group matches, one the
+    per-parameter layout cannot record, keeps its own settings)."""
+    if sum(1 for g in saved if g["params"]) > len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: {len(saved)} parameter groups saved, the optimizer has "
             f"{len(optimizer.param_groups)}"
@@ -173,7 +174,9 @@ def _rebuilt_groups(
         current = names[position : position + len(new["params"])]
         position += len(new["params"])
         old = next((g for g in unused if set(g["params"]) == set(current)), None)
-        if old is None:
+        if old is None and not current:  # (not recorded: its own settings)
+            old = {k: v for k, v in new.items() if k != "params"} | {"params": []}
+        elif old is None:
             hint = "" if named else " (pass the network as net= to match by name)"
             raise CheckpointError(
                 f"{where}: the optimizer's parameter group {number} holds {current}, which no "
