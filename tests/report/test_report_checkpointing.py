@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential, set_checkpoint_early_stop
 
 import shardwise as sw
 from shardwise.planner import CostModel, ParallelPlan, Region, step_cost
@@ -225,4 +225,53 @@ def test_a_region_of_primitives_replays_the_plan() -> None:
     assert again == ["AlltoAll"]  # (the input's move; not the MatMul's AllReduce)
     assert step_traffic(plan, 0, None).total == sum(r.bytes_sent for r in rec.records)
     # (the input's move has no adjoint: what it moves is computed from the input only)
+    assert step_cost(plan, CostModel()).collectives == len(rec.records)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        sw.shard(self.fc1, in_strategy=((2, 1), (2, 1)))
+        sw.shard(self.fc2, in_strategy=((2, 2), (1, 2)))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = h + self.fc2(torch.relu(self.fc1(h)))
+        return out
+
+
+class Stack(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.body = nn.Sequential(_Block(), _Block(), _Block(), _Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.checkpointed:
+            h = checkpoint_sequential(self.body, 2, h, use_reentrant=False)
+        else:
+            h = self.body(h)
+        out: torch.Tensor = self.head(h).pow(2).mean()
+        return out
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_level3_gathers_again_what_backward_and_a_replay_need(checkpointed: bool) -> None:
+    """Level 3 gathers a bucket again in backward for a weight autograd saved or a region's
+    recomputation reads (the fc2 biases: not saved, but replayed): the reports and step_cost
+    count those AllGathers (they left out the replay's, and step_cost every level-3 one)."""
+    net, x = Stack(checkpointed), torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(sgd_step(net)).hsdp(optimizer_level="level3", threshold=0)
+        parallel(world.rows(x))
+        with CommRecorder() as rec:
+            parallel(world.rows(x))
+    plan = parallel.parallel_plan
+    assert plan is not None
+    sent = sum(r.bytes_sent for r in rec.records if 0 in r.group)
+    assert step_traffic(plan, 0, parallel.optimizer_plan).total == sent
     assert step_cost(plan, CostModel()).collectives == len(rec.records)

@@ -31,7 +31,8 @@
   `plan_deferred`: the weighted mean loss whose seeded backward does not wait for the count.
 - `_annotated`: ``sw.shard``'s op form and ``sw.reshard`` read from the graph.
 - `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable); `_regions`: the
-  activation-checkpointed regions capture notes (`Region`: which ops backward runs again).
+  activation-checkpointed regions capture notes (`Region`: which ops backward runs again);
+  `_regathered`: the parameters optimizer parallel level 3 gathers again in backward.
 - `_plan_json`: a `ParallelPlan` as JSON and back (`ParallelPlan.to_dict` / `from_dict`).
 - `_files`: operator and parameter strategy files, checked against the network on load.
 """
@@ -61,6 +62,7 @@ from shardwise.planner._plan import (
 )
 from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, replayed_moves, step_cost
 from shardwise.planner._propagate import plan_sharding_propagation
+from shardwise.planner._regathered import regathered_params, saved_params
 from shardwise.planner._regions import Region
 from shardwise.planner._search import plan_recursive_programming
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
@@ -98,8 +100,10 @@ __all__ = [
     "plan_recursive_programming",
     "plan_semi_auto",
     "plan_sharding_propagation",
+    "regathered_params",
     "replayed_moves",
     "save_operator_strategy_file",
     "save_param_strategy_file",
+    "saved_params",
     "step_cost",
 ]

@@ -26,7 +26,10 @@ optimizer) on a rank of a plan that is a train step (`StepCost`):
   moved), and the ops' gradient AllReduces (`NodePlan.backward`);
 - gradient synchronization: one AllReduce per gradient bucket (`ParallelPlan.buckets`; a plan
   without them: the parameters grouped by the axes that replicate their gradient, in buckets of
-  at most 25 MB), optimizer parallel's ReduceScatter and AllGather;
+  at most 25 MB), optimizer parallel's ReduceScatter and AllGather (at level 3 a second
+  AllGather in backward for a bucket with a weight autograd saves or a checkpointed region
+  recomputes with, `_regathered`; an AllReduce over the copies when the shard group is smaller
+  than the data-parallel one);
 - activation checkpointing: each region's replay in backward (`_regions.Region`): its input
   moves and ops' collectives again, as far as torch's recomputation goes (backward
   communication), and its ops' forward FLOPs again (compute);
@@ -54,6 +57,7 @@ from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import is_view, node_elements, node_flops
 from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
+from shardwise.planner._regathered import regathered_params
 from shardwise.planner._regions import Region
 
 PARAM_COPIES = 4
@@ -258,6 +262,7 @@ def _grad_sync(plan: ParallelPlan, model: CostModel) -> tuple[float, int, dict[s
     buckets."""
     m, secs, count, sharded = plan.matrix, 0.0, 0, {}
     if plan.buckets:
+        again = regathered_params(plan)  # (level 3: gathered again in backward)
         for b in plan.buckets:
             axes = [m.names.index(a) for a in b.axes]
             group = math.prod(m.shape[a] for a in axes)
@@ -266,9 +271,13 @@ def _grad_sync(plan: ParallelPlan, model: CostModel) -> tuple[float, int, dict[s
                 continue
             if b.kind == "shard":
                 sharded.update({name: b.shard for name in b.params})
+                gathers = 2 if b.level == "level3" and again.intersection(b.params) else 1
                 secs += model.collective("ReduceScatter", nbytes, b.shard, axes[0])
-                secs += model.collective("AllGather", nbytes // b.shard, b.shard, axes[0])
-                count += 2
+                secs += gathers * model.collective("AllGather", nbytes // b.shard, b.shard, axes[0])
+                count += 1 + gathers
+                if group > b.shard:  # (the AllReduce over the shards' copies)
+                    secs += model.all_reduce(nbytes // b.shard, m, axes)
+                    count += 1
             else:
                 secs += model.all_reduce(nbytes, m, axes)
                 count += 1

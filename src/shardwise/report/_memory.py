@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.optim import OptimizerPlan
-from shardwise.planner import ParallelPlan
+from shardwise.planner import ParallelPlan, regathered_params
 from shardwise.redistribution import Slice
 from shardwise.report._pool import Key, pooled_buffers, split_at_pool
 from shardwise.runtime import TensorEstimate, format_size
@@ -272,14 +272,12 @@ def _message_buffers(kept: int, beyond: int) -> tuple[list[TensorEstimate], list
 
 
 def _pooled(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> Counter[Key]:
-    from shardwise.report._summary import needs_grad, saved_params  # (it imports this module)
-
     if optimizer is None:
         return Counter()
     params = _params(plan, optimizer)
     pieces = {p.name: (math.prod(p.piece), p.dtype) for p in params}
     shard = [b for b in optimizer.buckets if b.kind == "shard"]
-    saved = saved_params(plan, needs_grad(plan))
+    saved = regathered_params(plan)  # (gathered again in backward at level 3)
     keep = [k for k, b in enumerate(shard) if saved.intersection(b.names)]
     return pooled_buffers(optimizer, pieces, keep)
 

@@ -48,9 +48,11 @@ from shardwise.planner import (
     ParallelPlan,
     Region,
     plan_cost,
+    regathered_params,
     replayed_moves,
     step_cost,
 )
+from shardwise.planner import saved_params as planner_saved
 from shardwise.redistribution import AllGather, AlltoAll
 from shardwise.report._memory import (
     KINDS,
@@ -62,33 +64,6 @@ from shardwise.report._memory import (
 )
 from shardwise.report._sends import Found, LocalSlice, edge_sends, node_sends
 from shardwise.runtime import format_size
-
-_BIAS_SLOT = {
-    "linear": 2,
-    "conv1d": 2,
-    "conv2d": 2,
-    "conv3d": 2,
-    "conv_transpose1d": 2,
-    "conv_transpose2d": 2,
-    "conv_transpose3d": 2,
-}
-"""The tensor input of these torch functions that is a bias (``F.linear(x, w, b)``)."""
-
-_UNSAVED = frozenset(
-    [
-        "add",
-        "sub",
-        "Add",
-        "Sub",
-        "BiasAdd",
-        "TensorAdd",
-        "Gather",
-        "embedding",
-        "index_select",
-        "EmbeddingLookup",
-    ]
-)
-"""Ops that save none of their parameter inputs for backward (the last part of the name)."""
 
 __all__ = [
     "KINDS",
@@ -154,7 +129,7 @@ def step_traffic(plan: ParallelPlan, rank: int, optimizer: OptimizerPlan | None)
     """
     out = op_traffic(plan, rank, in_step=True)
     level = optimizer.config.optimizer_level if optimizer is not None else "level1"
-    _gradient_sync(out, plan, level, saved_params(plan, needs_grad(plan)))
+    _gradient_sync(out, plan, level, regathered_params(plan))
     return out
 
 
@@ -249,22 +224,8 @@ def needs_grad(plan: ParallelPlan) -> set[str]:
 
 
 def saved_params(plan: ParallelPlan, needs: set[str]) -> set[str]:
-    """The parameters autograd saves for backward: inputs of an op that multiplies them with
-    another input needing a gradient (a MatMul's weight; not the first layer's, whose input
-    needs none, though its bias does, nor an Add's or a lookup's table). Level 3 gathers
-    these again in backward."""
-    out = set()
-    for n in plan.nodes:
-        short = n.op.rsplit(".", 1)[-1]
-        if short in _UNSAVED:
-            continue
-        added = _BIAS_SLOT.get(short)  # (a bias is added: neither saved nor a multiplicand)
-        factors = [w for i, w in enumerate(n.values) if i != added]
-        for v in factors:
-            others = [w for w in factors if w != v]
-            if v.startswith("param:") and any(w in needs for w in others):
-                out.add(v.removeprefix("param:"))
-    return out
+    """The parameters autograd saves for backward (`planner.saved_params`)."""
+    return planner_saved(plan, needs)
 
 
 def _floating(dtype: str) -> bool:
