@@ -29,9 +29,9 @@
 - ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` (`attention_dropout`, for the plan
   executor): torch's math form on this rank's blocks, the attention weights dropped by this
   rank's block of one global mask (as one device's math form draws it).
-- Any other op with random in-place fills (`GlobalDraws`, for the plan executor: the node's
-  `NodePlan.draws`): each fill draws the whole tensor as one device does and keeps this rank's
-  block.
+- Any other op with random in-place fills (``_global_draws.GlobalDraws``, for the plan
+  executor: the node's `NodePlan.draws`): each fill draws the whole tensor as one device does
+  and keeps this rank's block.
 
 `compute` is the plan executor's one entry: node k's op on this rank's blocks, by the plan
 (`drop` for a dropout or an attention, on the executor's short path too).
@@ -40,7 +40,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +48,16 @@ import torch
 import torch.nn.functional as F
 
 from shardwise import communication as comm
-from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise.layout import TensorLayout
 from shardwise.ops import BatchNorm, Dropout, Primitive
 from shardwise.ops._nn_primitives import batch_norm_training
 from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._global_draws import GlobalDraws, empty_as
 from shardwise.parallel._node_table import NodeTable, resized_call
 from shardwise.parallel._runtime import group_for
-from shardwise.planner import NodePlan, Placed
+from shardwise.planner import NodePlan
 from shardwise.planner._batch_norm import BN_ARGS
-from shardwise.planner._draws import SDPA_ARGS, is_fill, is_like_draw
+from shardwise.planner._draws import SDPA_ARGS
 from shardwise.planner._losses import KL_ARGS, KL_DIV, LOSS_ARGS
 from shardwise.planner._placed import Collective
 from shardwise.redistribution import block_offset, local_block
@@ -207,28 +207,6 @@ def dropout_p(args: Sequence[Any], kw: dict[str, Any]) -> float:
     return float(_dropout_args(args, kw).get("p", 0.5))
 
 
-def empty_as(
-    block: torch.Tensor, shape: Shape, order: Sequence[int] | None = None
-) -> Callable[[], torch.Tensor]:
-    """A maker of an empty tensor of global `shape` laid out in memory as one device lays out
-    its whole tensor: its dims in `order` (the plan's, from the capture: `NodePlan.draws`),
-    else in the order ``empty_like`` lays out `block` (this rank's block of it; exact unless
-    the block has a size-1 dim the whole has not, when strides tie). A random fill runs in
-    memory order, so a mask drawn into it holds one device's numbers where one device's are
-    (a dropout after a transpose included)."""
-    if order is None:
-        strides = torch.empty_like(block).stride()
-        order = sorted(range(len(strides)), key=lambda d: -strides[d])  # (outer first; stable)
-    dims = list(order)
-    back = [dims.index(d) for d in range(len(dims))]
-    dtype, device = block.dtype, block.device
-
-    def make() -> torch.Tensor:
-        return torch.empty([shape[d] for d in dims], dtype=dtype, device=device).permute(back)
-
-    return make
-
-
 def dropout_block(
     layout: TensorLayout,
     shape: Shape,
@@ -342,45 +320,6 @@ def attention_dropout(
     w = dropout_block(weights, weights_shape, (w, p, True), {}, order)
     out: torch.Tensor = w @ v
     return out
-
-
-class UnplannedDraw(UnsupportedParallelError):
-    """An op drew a random tensor its plan has no draw for (planned in ``eval()``, say)."""
-
-
-class GlobalDraws(TorchDispatchMode):
-    """While one op runs on this rank's blocks: its k-th random in-place fill (``bernoulli_``,
-    ``uniform_`` ...) fills the tensor with this rank's block of the whole tensor drawn as one
-    device draws it (`communication.replicated_draw`, then `local_block`; `draws` [k]: the
-    filled tensor's placement, global shape and memory order, from the plan); a random tensor
-    shaped like another (``randn_like``) is this rank's block of the whole drawn so."""
-
-    def __init__(self, draws: Sequence[tuple[Placed, Shape, Sequence[int]]], who: str) -> None:
-        super().__init__()
-        self.draws, self.who, self.k = draws, who, 0
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        like = is_like_draw(func)
-        if not like and not is_fill(func):
-            return func(*args, **kwargs)
-        if self.k >= len(self.draws):
-            raise UnplannedDraw(
-                f"{self.who}: drew more random tensors ({func}) than the plan has "
-                f"({len(self.draws)}); it must run the same ops every call"
-            )
-        placed, shape, order = self.draws[self.k]
-        self.k += 1
-        t: torch.Tensor = args[0]
-        rest = args[1:]
-        empty = empty_as(t, shape, order)
-        whole = comm.replicated_draw(lambda: func(empty(), *rest, **kwargs))
-        if like:
-            return local_block(whole, placed.layout, shape).clone()
-        with torch.no_grad():
-            return t.copy_(local_block(whole, placed.layout, shape))
 
 
 def drop(func: Any, node: NodePlan, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 from shardwise._torch import pytree
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import Replan
-from shardwise.parallel._local import UnplannedDraw, compute, loss_weight
+from shardwise.parallel._global_draws import UnplannedDraw
+from shardwise.parallel._local import compute, loss_weight
 from shardwise.parallel._node_table import NodeTable
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
 

@@ -136,7 +136,7 @@ class NodeTable:
         self.averaging = {n.index for n in nodes if n.backward}  # (`NodePlan.backward`)
         self.weighted = {n.index for n in nodes if n.local == WEIGHTED_MEAN}  # (mean losses)
         self.split_norms = {n.index for n in nodes if n.local == SPLIT_BATCH_NORM}
-        self.global_draws = {  # (`_local.GlobalDraws`; may draw on split inputs: watched)
+        self.global_draws = {  # (`_global_draws.GlobalDraws`; may draw on split inputs: watched)
             n.index
             for n in nodes
             if n.local == GLOBAL_DRAWS

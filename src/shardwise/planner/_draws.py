@@ -18,7 +18,7 @@ one device's three ways:
   each such call in order, the placement, global shape and memory order of the tensor it fills
   (`NodePlan.draws`, local = `GLOBAL_DRAWS`), and the executor lets each fill the whole tensor
   as one device fills it (in one device's memory order: a fill runs in memory order) and keeps
-  this rank's block (`parallel/_local.GlobalDraws`). ``F.dropout`` and SDPA list their fills
+  this rank's block (`parallel/_global_draws.GlobalDraws`). ``F.dropout`` and SDPA list their fills
   too, for the memory order of their masks.
 
 - a random tensor shaped like another (``torch.randn_like(std)``, a VAE's noise;
@@ -30,7 +30,8 @@ A draw that makes a new tensor from the values of others (``bernoulli(p)``,
 ``native_dropout``, a fused attention kernel with dropout) on split inputs is refused with a
 `PlanError` naming the op, its random aten op and the fix. On whole inputs every rank draws
 the whole, as one device does. An op of `MAY_DRAW` planned without draws (an ``eval()`` call)
-is watched on split inputs, and a draw plans the call again (`parallel/_local.UnplannedDraw`).
+is watched on split inputs, and a draw plans the call again
+(`parallel/_global_draws.UnplannedDraw`).
 """
 
 from __future__ import annotations
