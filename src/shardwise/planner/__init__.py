@@ -62,7 +62,7 @@ from shardwise.planner._plan import (
 )
 from shardwise.planner._plan_cost import PlanCost, StepCost, plan_cost, replayed_moves, step_cost
 from shardwise.planner._propagate import plan_sharding_propagation
-from shardwise.planner._regathered import regathered_params, saved_params
+from shardwise.planner._regathered import regathered_params
 from shardwise.planner._regions import Region
 from shardwise.planner._search import plan_recursive_programming
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
@@ -104,6 +104,5 @@ __all__ = [
     "replayed_moves",
     "save_operator_strategy_file",
     "save_param_strategy_file",
-    "saved_params",
     "step_cost",
 ]

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Shard
 
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner._edge_plan import EdgePlan
 from shardwise.planner._frozen import FrozenMap
+from shardwise.planner._graph import Ref
 from shardwise.planner._placed import (
     BucketPlan,
     Collective,
@@ -235,11 +237,11 @@ class ParallelPlan:
             >>> "%0" in plan.gradient_values()  # (the first layer's output)
             True
         """
-        need = {f"param:{n}" for n, p in self.params.items() if _floating(p.dtype)}
+        need = {str(Ref("param", n)) for n, p in self.params.items() if _floating(p.dtype)}
         for n in self.nodes:
             if any(v in need for v in n.values):
                 need.update(
-                    f"%{n.index}" + (f".{i}" if i else "")
+                    str(Ref("node", n.index, i))
                     for i in range(len(n.outputs))
                     if _floating(n.dtype(i))
                 )
@@ -324,4 +326,4 @@ __all__ = [
 
 
 def _floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat", "complex"))
+    return bool(getattr(torch, dtype).is_floating_point)

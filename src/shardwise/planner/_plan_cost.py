@@ -55,6 +55,7 @@ from shardwise.layout import TensorLayout
 from shardwise.nn.grad_reducer import DEFAULT_BUCKET_MB
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import is_view, node_elements, node_flops
+from shardwise.planner._graph import Ref
 from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._regathered import regathered_params
@@ -374,7 +375,7 @@ def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
         for c in n.comms:
             forward += _own(n, c, model)
             count += 1
-            if f"%{n.index}" + (f".{c.output}" if c.output else "") in needs:  # (an adjoint)
+            if str(Ref("node", n.index, c.output)) in needs:  # (an adjoint)
                 secs, calls = _own_backward(n, c, model)
                 backward, count = backward + secs, count + calls
         for c in n.backward:

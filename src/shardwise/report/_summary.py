@@ -52,7 +52,6 @@ from shardwise.planner import (
     replayed_moves,
     step_cost,
 )
-from shardwise.planner import saved_params as planner_saved
 from shardwise.redistribution import AllGather, AlltoAll
 from shardwise.report._memory import (
     KINDS,
@@ -146,7 +145,7 @@ def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
     """
     out = Traffic()
     m = plan.matrix
-    needs = needs_grad(plan)
+    needs = plan.gradient_values()
     by_consumer = plan.edges_by_consumer()
     for e in by_consumer.get(-2, []):
         _edge_traffic(out, e, "entry", m, rank, needs)
@@ -216,20 +215,6 @@ def _edge_traffic(
 def _value(node: int, output: int) -> str:
     """The name the plan gives output `output` of node `node` (``"%3"``, ``"%7.1"``)."""
     return f"%{node}" + (f".{output}" if output else "")
-
-
-def needs_grad(plan: ParallelPlan) -> set[str]:
-    """The values whose gradient a backward computes (`ParallelPlan.gradient_values`)."""
-    return plan.gradient_values()
-
-
-def saved_params(plan: ParallelPlan, needs: set[str]) -> set[str]:
-    """The parameters autograd saves for backward (`planner.saved_params`)."""
-    return planner_saved(plan, needs)
-
-
-def _floating(dtype: str) -> bool:
-    return bool(getattr(torch, dtype).is_floating_point)
 
 
 def _adjoint(
