@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,23 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     assert not (tmp_path / "z").exists()
 
 
+def through_flat_dcp(
+    tmp_path: Path,
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    make: Callable[[], torch.optim.Optimizer],
+) -> torch.optim.Optimizer:
+    """`opt` saved with `net`, exported in torchtitan's per-parameter layout, imported back
+    and loaded into a fresh optimizer of `make`."""
+    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
+    export_dcp(tmp_path / "ck.safetensors", tmp_path / "dcp", flatten_optimizer=True)
+    import_dcp(tmp_path / "dcp", tmp_path / "back", optimizer_class=torch.optim.Adam)
+    back = make()
+    ckpt = sw.load_checkpoint(tmp_path / "back" / "checkpoint.safetensors")
+    sw.checkpoint.load_optimizer_state(back, ckpt, net)
+    return back
+
+
 def test_per_parameter_groups_load_into_the_optimizer_they_came_from(tmp_path: Path) -> None:
     """torchtitan's layout keeps one group per parameter; they come back grouped by their
     hyperparameters in DCP's key order (bias before weight), and each of the optimizer's
@@ -218,12 +236,7 @@ def test_per_parameter_groups_load_into_the_optimizer_they_came_from(tmp_path: P
     opt = adam()
     net(x).sum().backward()
     opt.step()
-    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
-    export_dcp(tmp_path / "ck.safetensors", tmp_path / "dcp", flatten_optimizer=True)
-    import_dcp(tmp_path / "dcp", tmp_path / "back", optimizer_class=torch.optim.Adam)
-    back = adam()
-    ckpt = sw.load_checkpoint(tmp_path / "back" / "checkpoint.safetensors")
-    sw.checkpoint.load_optimizer_state(back, ckpt, net)
+    back = through_flat_dcp(tmp_path, net, opt, adam)
     assert [g["lr"] for g in back.param_groups] == [0.1, 0.01]
     before = [p.detach().clone() for p in net.parameters()]
     for o in (opt, back):
@@ -284,11 +297,6 @@ def test_empty_groups_survive_the_per_parameter_layout(tmp_path: Path) -> None:
     opt = adam()
     net(torch.randn(3, 4)).sum().backward()
     opt.step()
-    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
-    export_dcp(tmp_path / "ck.safetensors", tmp_path / "dcp", flatten_optimizer=True)
-    import_dcp(tmp_path / "dcp", tmp_path / "back", optimizer_class=torch.optim.Adam)
-    back = adam()
-    ckpt = sw.load_checkpoint(tmp_path / "back" / "checkpoint.safetensors")
-    sw.checkpoint.load_optimizer_state(back, ckpt, net)
+    back = through_flat_dcp(tmp_path, net, opt, adam)
     assert [g["lr"] for g in back.param_groups] == [0.3, 0.001, 0.4]
     assert torch.equal(back.state[net.weight]["exp_avg"], opt.state[net.weight]["exp_avg"])
