@@ -48,13 +48,13 @@ from shardwise.planner._placement import (
 from shardwise.planner._plan import Placed
 
 if TYPE_CHECKING:
-    from shardwise.planner._semi_auto import _Planner
+    from shardwise.planner._planner import Planner
 
 BACKWARD_PASSES = 16
 """Most backward passes of `Choices.build` (a wanted placement travels one op per pass)."""
 
 
-def value_placements(planner: _Planner, shape: tuple[int, ...]) -> list[Placements]:
+def value_placements(planner: Planner, shape: tuple[int, ...]) -> list[Placements]:
     """Every placement of a tensor of `shape` with each matrix axis replicating it or splitting
     one dim that divides (replicated first)."""
     m = planner.matrix
@@ -80,7 +80,7 @@ class Choices(_OneNode):
     """Builds the candidate `Choice`s of a graph's nodes and parameters (module docstring).
 
     Args:
-        planner: the `_semi_auto._Planner` of the graph (its matrix, inputs' state, and the
+        planner: the `_planner.Planner` of the graph (its matrix, inputs' state, and the
             op-form annotations already pinned).
         graph: the captured graph.
         fixed: annotated primitive nodes -> their `OpPlan`.
@@ -89,7 +89,7 @@ class Choices(_OneNode):
 
     def __init__(
         self,
-        planner: _Planner,
+        planner: Planner,
         graph: Graph,
         fixed: Mapping[int, OpPlan],
         given: Mapping[str, TensorLayout],

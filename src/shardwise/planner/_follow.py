@@ -1,6 +1,6 @@
 """Following an op's aten program on placements: the strategy of an op with no rule of its own.
 
-`_Follow` is `_semi_auto._Planner`'s half that asks the sharding rules (`ops.aten_rules.decide`:
+`_Follow` is `_planner.Planner`'s half that asks the sharding rules (`ops.aten_rules.decide`:
 DTensor's, or shardwise's own) about every aten op a torch-level node ran:
 
 - `_Follow._follow`: an op with a rule of its own as a whole (`ops.torch_rules.NODE_RULES`: a
@@ -17,7 +17,7 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
   (`RandomFillError`: a dropout of a partial sum), where the data-parallel one is taken.
 - `_Follow.pin`: an op annotated with ``sw.shard``'s op form: `_follow` from the annotated
   input layouts, strictly (a rule that would move them, or an intermediate, is a `PlanError`);
-  the result is kept in `pinned` for `_Planner.torch_node`, and the layouts its parameters are
+  the result is kept in `pinned` for `Planner.torch_node`, and the layouts its parameters are
   read in are returned (their storage layouts).
 - `_Follow._error`: the `PlanError` for an aten op no rule can run on the inputs as placed.
 """
@@ -55,7 +55,7 @@ _ORDER = {"identity": 0, "factory": 1, "dtensor": 2, "shardwise": 3, "replicate"
 
 
 class _Follow:
-    """The aten-program half of `_semi_auto._Planner` (which sets the attributes below)."""
+    """The aten-program half of `_planner.Planner` (which sets the attributes below)."""
 
     graph: Graph
     device_num: int

@@ -39,7 +39,7 @@ from shardwise.planner._placement import (
 from shardwise.planner._plan import Placed
 
 if TYPE_CHECKING:
-    from shardwise.planner._semi_auto import _Planner
+    from shardwise.planner._planner import Planner
 
 MAX_COMBOS = 64
 """Most input-placement combinations a torch op is followed from (beyond: `_OneNode._combos`)."""
@@ -82,7 +82,7 @@ class Choice:
 class _OneNode:
     """The per-node half of `_choices.Choices` (which sets the attributes below)."""
 
-    p: _Planner
+    p: Planner
     graph: Graph
     fixed: Mapping[int, OpPlan]
     params: dict[str, list[Placements]]

@@ -40,7 +40,7 @@ from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._plan import Placed, replicated
 
 if TYPE_CHECKING:
-    from shardwise.planner._semi_auto import _Planner
+    from shardwise.planner._planner import Planner
 
 Shape = tuple[int, ...]
 Placements = tuple[Placement, ...]
@@ -104,7 +104,7 @@ def _matrix(
 
 
 def _input_state(
-    p: _Planner, graph: Graph, dataset: DatasetStrategy
+    p: Planner, graph: Graph, dataset: DatasetStrategy
 ) -> tuple[dict[str, Placed], list[tuple[str, Placed]]]:
     """How each input arrives, and the inputs cut at entry (full_batch)."""
     arrive: dict[str, Placed] = {}

@@ -12,7 +12,7 @@
    the layout their first primitive wants, else the one their op-form annotated op reads them
    in (`_Follow.pin`), else whole (`_placement._param_layouts`), buffers and constants whole.
 3. Every node in order: a primitive takes its rule's layouts and runs its collectives
-   (`_Planner.primitive`); for a torch op (`_Planner.torch_node`), an op annotated with
+   (`Planner.primitive`); for a torch op (`Planner.torch_node`), an op annotated with
    ``sw.shard``'s op form takes its inputs as annotated (`_annotated.op_form`; `_Follow.pin`
    follows its aten program from there, so the bias, output and partial sums come from the
    rules, and stores its parameters that way), a ``sw.reshard`` node pins its value's layout,
@@ -27,7 +27,7 @@
    replicated. An op's random in-place fills on split inputs are recorded with their
    placements (`_draws.plan_draws`: each rank draws the whole, keeps its block).
 4. Every mismatch between a producer's placement and a consumer's becomes an `EdgePlan`
-   (`_Planner.edge`: AllReduce of partial values, then the cheapest Slice / AllGather /
+   (`Planner.edge`: AllReduce of partial values, then the cheapest Slice / AllGather /
    AlltoAll steps). A partial scalar (a loss, a sum over the batch) and a partial returned
    value are all-reduced right where they are made (consumer -1), so the loss is one value on
    every rank; a cross entropy / NLL mean is averaged by the targets each rank counted
@@ -51,196 +51,40 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from torch.distributed.tensor import Replicate
-
-from shardwise.layout import DeviceMatrix, TensorLayout, refine
+from shardwise.layout import TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
-from shardwise.ops._dtensor import mesh_of
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
 from shardwise.planner._backward import plan_backward
-from shardwise.planner._batch_norm import SPLIT_BATCH_NORM, split_batch_norm, stats_gather
-from shardwise.planner._draws import (
-    ATTENTION_DROPOUT,
-    DROPOUT,
-    GLOBAL_DRAWS,
-    SDPA,
-    attention_dropout,
-    plan_draws,
-)
-from shardwise.planner._follow import _Follow
 from shardwise.planner._functions import check_functions
 from shardwise.planner._gc import gc_paused
-from shardwise.planner._graph import Graph, Node, Ref
-from shardwise.planner._in_place import check_change, write_back_edges
+from shardwise.planner._graph import Graph, Ref
 from shardwise.planner._local_factories import split_fills
-from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
+from shardwise.planner._losses import WEIGHTED_MEAN
 from shardwise.planner._placement import (
     DatasetStrategy,
     Placements,
     PlanError,
     Shape,
-    _global_axes,
     _input_state,
     _itemsize,
     _matrix,
     _param_layouts,
     check_rank_order,
     data_parallel,
-    placements_of,
     read_whole,
-    to_placed,
 )
 from shardwise.planner._plan import (
-    Collective,
     EdgePlan,
-    NodePlan,
     ParallelPlan,
     ParamPlan,
     Placed,
     Root,
     replicated,
 )
+from shardwise.planner._planner import Planner
 from shardwise.planner._scatter import fuse_scatter
 from shardwise.planner._seeded import plan_deferred, plan_seeded
 from shardwise.redistribution import plan_redistribution
-
-
-class _Planner(_Follow):
-    """The state of one `plan_semi_auto` call (following aten programs: `_Follow`)."""
-
-    def __init__(self, graph: Graph, device_num: int, matrix: DeviceMatrix) -> None:
-        self.graph = graph
-        self.device_num = device_num
-        self.matrix = matrix
-        self.ndim = len(matrix.shape)
-        self.mesh = mesh_of(matrix.shape, matrix.names, matrix.rank_list)
-        self.state: dict[Ref, Placed] = {}
-        self.edges: list[EdgePlan] = []
-        self.nodes: list[NodePlan] = []
-        # op-form annotated nodes: index -> (input placements, output placements)
-        self.pinned: dict[int, tuple[list[Placements], list[Placements]]] = {}
-        self.moved: set[tuple[Ref, Placed, Placed]] = set()  # moves made so far (`EdgePlan.shared`)
-        # an automatic planner's decisions: index -> (input placements, outputs', rule)
-        self.chosen: dict[int, tuple[list[Placements], list[Placements], str]] = {}
-
-    def edge(self, consumer: int, slot: int, ref: Ref, dst: Placed) -> None:
-        """Move value `ref` to `dst` for `consumer` (an `EdgePlan` when it is elsewhere)."""
-        src = self.state[ref]
-        if src == dst:
-            return
-        info = self.graph.info(ref)
-        steps = plan_redistribution(src.layout, dst.layout, info.shape, _itemsize(info.dtype))
-        shared = consumer >= 0 and (ref, src, dst) in self.moved
-        self.moved.add((ref, src, dst))
-        edge = EdgePlan(
-            consumer, slot, str(ref), info.shape, src, dst, steps.steps, shared, info.dtype
-        )
-        self.edges.append(edge)
-
-    # -- primitives ----------------------------------------------------------------------
-    def primitive(self, node: Node, op: OpPlan, rule: str | None = None) -> None:
-        m = self.matrix
-        ins = tuple(Placed(refine(t, m)) for t in op.inputs)
-        outs = tuple(Placed(refine(t, m)) for t in op.outputs)
-        for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
-            self.edge(node.index, i, ref, dst)
-        for j, p in enumerate(outs):
-            self.state[Ref("node", node.index, j)] = p
-        comms = tuple(
-            Collective(c.kind, _global_axes(op.matrix, c.axes, m), node.name, c.op, c.output, c.dim)
-            for c in op.comms
-        )
-        if op.local == "batch_stats" and node.target.init_args()["is_training"]:
-            info = self.graph.info(node.inputs[0])
-            comms += stats_gather(node.name, ins[0].layout, info.shape, info.dtype)
-        if rule is None:
-            rule = "user" if op.user_set else "default"
-        shapes = tuple(tuple(s) for s in op.output_shapes)
-        values = tuple(str(r) for r in node.inputs)
-        in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
-        self.nodes.append(
-            NodePlan(
-                node.index,
-                node.name,
-                node.op,
-                rule,
-                ins,
-                outs,
-                shapes,
-                comms,
-                values,
-                op.local,
-                in_shapes,
-                dtypes=tuple(o.dtype for o in node.outputs),
-            )
-        )
-
-    # -- torch ops -----------------------------------------------------------------------
-    def torch_node(self, node: Node) -> None:
-        have = [placements_of(self.state[r]) for r in node.inputs]
-        if node.index in self.pinned:
-            need, outs = self.pinned[node.index]
-            rule = "user"
-        elif node.index in self.chosen:
-            need, outs, rule = self.chosen[node.index]
-        elif node.op == RESHARD:
-            layout = reshard_layout(node, self.graph.info(node.inputs[0]).shape, self.device_num)
-            need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
-            rule = "user"
-        elif split_batch_norm(node, have):  # (rows stay split, statistics shared)
-            whole = tuple(Replicate() for _ in range(self.ndim))
-            need, outs, rule = [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
-        else:
-            need, outs, rule = self._cheaper(node, have)
-        split = split_batch_norm(node, need)  # (split rows chosen by a planner too)
-        draws = plan_draws(node, need, lambda n, h, seen: self._follow(n, h, seen=seen))
-        ins = tuple(
-            to_placed(self.matrix, p, len(self.graph.info(r).shape))
-            for p, r in zip(need, node.inputs, strict=True)
-        )
-        if node.inputs:
-            moved = ins[0] if self.state[node.inputs[0]] != ins[0] else None
-            check_change(self.graph, self.state, self.edges, node, moved)
-        for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
-            self.edge(node.index, i, ref, dst)
-        self.edges += write_back_edges(self.graph, self.state, node, ins)
-        placed = tuple(
-            to_placed(self.matrix, p, len(info.shape))
-            for p, info in zip(outs, node.outputs, strict=True)
-        )
-        for j, p in enumerate(placed):
-            self.state[Ref("node", node.index, j)] = p
-        shapes = tuple(o.shape for o in node.outputs)
-        values = tuple(str(r) for r in node.inputs)
-        in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
-        local = ""
-        if split:
-            local = SPLIT_BATCH_NORM
-        elif placed and weighted_mean(node, placed[0], self.graph, ins):
-            local = WEIGHTED_MEAN
-        elif attention_dropout(node):
-            local = ATTENTION_DROPOUT
-        elif draws and node.op not in (DROPOUT, SDPA):
-            local = GLOBAL_DRAWS
-        self.nodes.append(
-            NodePlan(
-                node.index,
-                node.name,
-                node.op,
-                rule,
-                ins,
-                placed,
-                shapes,
-                stats_gather(node.name, ins[0].layout, in_shapes[0], node.outputs[0].dtype)
-                if split
-                else (),
-                values,
-                local,
-                in_shapes,
-                dtypes=tuple(o.dtype for o in node.outputs),
-                draws=tuple((to_placed(self.matrix, p, len(s)), s, o) for p, s, o in draws),
-            )
-        )
 
 
 @dataclass
@@ -248,7 +92,7 @@ class Setup:
     """What every mode's planning starts from (`setup`): the planner on the global matrix, the
     inputs' arrival and entry cuts, the primitives' plans, the parameters' fixed layouts."""
 
-    planner: _Planner
+    planner: Planner
     arrive: dict[str, Placed]
     entry: list[tuple[str, Placed]]
     prims: dict[int, OpPlan]
@@ -297,7 +141,7 @@ def setup(
     except AnnotationError as e:
         raise PlanError(str(e)) from None
     matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
-    p = _Planner(graph, device_num, matrix)
+    p = Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
     whole = read_whole(graph, prims)
     for key, dp in [e for e in entry if e[0] in whole]:  # (full_batch: kept whole, not cut)
