@@ -122,7 +122,8 @@ def find_optimizer(
         return known[0]
     mine = {id(p) for p in network.parameters()}
     for obj in gc.get_objects():
-        groups = obj.param_groups if isinstance(obj, torch.optim.Optimizer) else []
+        # (type(), not isinstance: that reads `__class__`, and some objects warn on any read)
+        groups = obj.param_groups if issubclass(type(obj), torch.optim.Optimizer) else []
         if any(id(p) in mine for g in groups for p in g["params"]):
             return obj  # type: ignore[no-any-return]
     return None
