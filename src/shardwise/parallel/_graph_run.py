@@ -69,6 +69,7 @@ from shardwise.parallel._hsdp import (
     start_engine,
 )
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
+from shardwise.parallel._network_hooks import NetworkHooks
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import CopiedHooks, copied
@@ -84,10 +85,8 @@ from shardwise.planner._user_state import CALL_LIMIT, python_state
 T = torch.Tensor
 
 
-class GraphRun(StepHooks, GradPlanning):
+class GraphRun(StepHooks, GradPlanning, NetworkHooks):
     """One network or train step run from its `ParallelPlan` (see the module docstring)."""
-
-    copied = False  # (`CopiedHooks`)
 
     def __init__(
         self,
@@ -123,7 +122,9 @@ class GraphRun(StepHooks, GradPlanning):
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
         self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
         self.capturing = False
-        self.blocks = False  # (parameters stored as blocks or shards: see _network_called)
+        self.blocks = (
+            False  # (parameters stored as blocks or shards: see `NetworkHooks._network_called`)
+        )
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         watch_all = bool(get_auto_parallel_context("watch_every_op"))
@@ -209,45 +210,6 @@ class GraphRun(StepHooks, GradPlanning):
             yield
         finally:
             self.capturing = False
-
-    def _network_called(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Tell the running executor that the network's forward begins (`_spans`); refuse a
-        call of the network outside the wrapper once its parameters hold blocks or shards (it
-        would compute on them as if they were whole)."""
-        if self.executor is not None:
-            self.executor.network_entered()
-        elif not self.capturing and self.blocks:
-            if self.copied:
-                raise RuntimeError(
-                    f"AutoParallel: {type(module).__name__} is a copy of a planned network "
-                    "(copy.deepcopy after its first call); its parameters hold this rank's "
-                    "blocks or shards, so it cannot run as a whole network: copy it before the "
-                    "first call, or load its state into the planned network and call its wrapper"
-                )
-            raise RuntimeError(
-                f"AutoParallel: {type(module).__name__} was called outside its wrapper; its "
-                "parameters hold this rank's blocks, so call the AutoParallel object (or the "
-                "train step it wraps) instead"
-            )
-
-    def _enter(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if self.capturing:
-            return None
-        if self.executor is None:
-            raise RuntimeError(
-                "AutoParallel: the wrapped network was called outside the wrapper; call the "
-                "AutoParallel object (or the train step it wraps) instead"
-            )
-        assert isinstance(module, Primitive)
-        return self.executor.enter_primitive(module, args, kwargs)
-
-    def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if self.executor is None or self.capturing:
-            return None
-        assert isinstance(module, Primitive)
-        return self.executor.leave_primitive(module, args, output)
 
     def remove(self) -> None:
         for h in self.hooks:

@@ -64,7 +64,7 @@ class CopiedHooks:
     """What the hooks of a deep copy of a planned network are bound to (``copy.deepcopy(net)``
     after the first call: an EMA model, a snapshot): `GraphRun`'s hook methods, run by no
     executor. A copy of whole parameters runs as plain torch; a copy of blocks or shards
-    refuses to run (`GraphRun._network_called`)."""
+    refuses to run (`NetworkHooks._network_called`)."""
 
     executor = None
     copied = True

@@ -1,0 +1,70 @@
+"""The module hooks of a planned network (`NetworkHooks`, a base of `_graph_run.GraphRun`).
+
+- `NetworkHooks._network_called` (the network's forward pre-hook): tells the running executor
+  that the network's forward begins (`_spans`); refuses a call of the network outside its
+  wrapper once its parameters hold this rank's blocks or shards (and names ``copy.deepcopy``
+  when the network is a copy made after the first call).
+- `NetworkHooks._enter` / `_leave` (each shardwise primitive's forward pre- and post-hook):
+  hand the primitive's call to the running executor (`PlanExecutor.enter_primitive` /
+  ``leave_primitive``); nothing during the capture; a primitive called outside the wrapper is
+  refused.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from shardwise.ops import Primitive
+
+if TYPE_CHECKING:
+    from shardwise.parallel._executor import PlanExecutor
+
+
+class NetworkHooks:
+    """The network's and its primitives' hooks (the attributes below are `GraphRun`'s)."""
+
+    copied = False  # (`_ownership.CopiedHooks`: this run's hooks bound to a copy's)
+    executor: PlanExecutor | None
+    capturing: bool
+    blocks: bool
+
+    def _network_called(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Tell the running executor that the network's forward begins (`_spans`); refuse a
+        call of the network outside the wrapper once its parameters hold blocks or shards (it
+        would compute on them as if they were whole)."""
+        if self.executor is not None:
+            self.executor.network_entered()
+        elif not self.capturing and self.blocks:
+            if self.copied:
+                raise RuntimeError(
+                    f"AutoParallel: {type(module).__name__} is a copy of a planned network "
+                    "(copy.deepcopy after its first call); its parameters hold this rank's "
+                    "blocks or shards, so it cannot run as a whole network: copy it before the "
+                    "first call, or load its state into the planned network and call its wrapper"
+                )
+            raise RuntimeError(
+                f"AutoParallel: {type(module).__name__} was called outside its wrapper; its "
+                "parameters hold this rank's blocks, so call the AutoParallel object (or the "
+                "train step it wraps) instead"
+            )
+
+    def _enter(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if self.capturing:
+            return None
+        if self.executor is None:
+            raise RuntimeError(
+                "AutoParallel: the wrapped network was called outside the wrapper; call the "
+                "AutoParallel object (or the train step it wraps) instead"
+            )
+        assert isinstance(module, Primitive)
+        return self.executor.enter_primitive(module, args, kwargs)
+
+    def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.executor is None or self.capturing:
+            return None
+        assert isinstance(module, Primitive)
+        return self.executor.leave_primitive(module, args, output)
