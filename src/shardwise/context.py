@@ -1,7 +1,10 @@
 """Global settings shared by every rank: `set_seed`, `set_context` / `get_context`.
 
 `set_seed(seed)` seeds Python's `random`, NumPy (when installed) and torch (CPU and every CUDA
-device) identically on every rank, and makes CPU runs bit-for-bit repeatable.
+device) identically on every rank, and makes CPU runs bit-for-bit repeatable. `torch_seeded()`
+says whether the script seeded torch (`set_seed`, or ``torch.manual_seed`` after importing
+shardwise): until then torch's seed is a random number of each process, so a dataset takes
+MindSpore's constant default seed instead (`shardwise.dataset`).
 
 `set_context(save_graphs=..., save_graphs_path=...)` holds the report settings (MindSpore's
 ``set_context`` keys of the same names): `shardwise.report.dump_parallel_plan` reads them when
@@ -17,7 +20,13 @@ from typing import Any
 
 import torch
 
+import shardwise
+
 _seed: int | None = None
+
+_AT_IMPORT = shardwise._TORCH_SEED_AT_IMPORT
+if _AT_IMPORT is None:  # (torch was imported after shardwise: now is the earliest look)
+    _AT_IMPORT = torch.initial_seed()
 
 _CONTEXT: dict[str, Any] = {"save_graphs": 0, "save_graphs_path": "./saved_graph"}
 
@@ -57,6 +66,17 @@ def set_seed(seed: int) -> None:
 def get_seed() -> int | None:
     """The seed given to the last `set_seed`, or None."""
     return _seed
+
+
+def torch_seeded() -> bool:
+    """Whether torch's seed was set (`set_seed`, or ``torch.manual_seed`` once shardwise was
+    imported): else it is the random seed torch drew for this process, different on every rank.
+
+    Example:
+        >>> sw.set_seed(1); torch_seeded()
+        True
+    """
+    return _seed is not None or torch.initial_seed() != _AT_IMPORT
 
 
 def set_context(

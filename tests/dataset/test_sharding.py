@@ -190,3 +190,46 @@ def test_order_helpers() -> None:
     items = list(range(20))
     assert buffer_shuffle(items, 5, seed=3) == buffer_shuffle(items, 5, seed=3)
     assert sorted(buffer_shuffle(items, 5, seed=3)) == items
+
+
+SHARD_OF_UNSEEDED_PROCESS = """
+import sys
+import torch
+import shardwise as sw
+r = int(sys.argv[1])
+ds = sw.dataset.GeneratorDataset([(i,) for i in range(40)], "id", shuffle=True, num_shards=2,
+                                 shard_id=r)
+print([int(row[0]) for row in ds])
+"""
+
+
+def test_unseeded_processes_read_disjoint_shards() -> None:
+    """Two processes that never seed torch (each draws its own random seed) read disjoint
+    shards covering the data: the pipeline takes MindSpore's constant seed until the script
+    seeds torch (each rank shuffled by its own seed, and shards overlapped)."""
+    import subprocess
+    import sys
+
+    shards = [
+        eval(
+            subprocess.run(
+                [sys.executable, "-c", SHARD_OF_UNSEEDED_PROCESS, str(r)],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for r in (0, 1)
+    ]
+    assert sorted(shards[0] + shards[1]) == list(range(40))
+    assert shards[0] != sorted(shards[0])  # (shuffled)
+
+
+def test_a_seeded_script_orders_by_its_seed() -> None:
+    torch.manual_seed(11)
+    a = epoch(GeneratorDataset([(i,) for i in range(40)], "id", num_shards=2, shard_id=0))
+    torch.manual_seed(12)
+    b = epoch(GeneratorDataset([(i,) for i in range(40)], "id", num_shards=2, shard_id=0))
+    torch.manual_seed(11)
+    c = epoch(GeneratorDataset([(i,) for i in range(40)], "id", num_shards=2, shard_id=0))
+    assert a == c != b

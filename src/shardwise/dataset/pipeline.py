@@ -12,7 +12,8 @@ one. Iterating runs one epoch:
 4. the batches (or, without ``batch()``, the rows) come out as tuples of tensors.
 
 `Dataset._epoch_rows` does 1-4; `create_tuple_iterator` / `create_dict_iterator` wrap it as
-MindSpore's re-iterable multi-epoch iterators (`_iterate.EpochIterator`).
+MindSpore's re-iterable multi-epoch iterators (`_iterate.EpochIterator`). A source takes its seed
+when created (`pipeline_seed`: torch's once the script seeded it, else MindSpore's constant).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Self, cast
 import torch
 from torch.utils.data import DataLoader
 
+from shardwise.context import torch_seeded
 from shardwise.dataset._fetch import Fetcher, MapStep, identity_collate
 from shardwise.dataset._iterate import EpochIterator, pick
 from shardwise.dataset._order import EpochOrder, mix_seed
@@ -368,6 +370,18 @@ class Dataset:
         return [self._spec.names.index(c) for c in cols]
 
 
+DEFAULT_SEED = 5489
+"""MindSpore's dataset seed until one is set (``std::mt19937``'s default seed)."""
+
+
+def pipeline_seed() -> int:
+    """The seed a source dataset takes when created: torch's, once the script seeded it
+    (`context.torch_seeded`), else `DEFAULT_SEED`, the same in every process (an unseeded
+    job's ranks would otherwise each shuffle by their own random seed, and their shards
+    overlap)."""
+    return torch.initial_seed() if torch_seeded() else DEFAULT_SEED
+
+
 def source_spec(
     source: Source,
     names: Sequence[str],
@@ -378,6 +392,6 @@ def source_spec(
     workers: int,
     label: str,
 ) -> _Spec:
-    """The `_Spec` of a freshly created source dataset (seed: ``torch.initial_seed()``)."""
-    order = EpochOrder(seed=torch.initial_seed(), shuffle_source=shuffle, num_samples=num_samples)
+    """The `_Spec` of a freshly created source dataset (seed: `pipeline_seed`)."""
+    order = EpochOrder(seed=pipeline_seed(), shuffle_source=shuffle, num_samples=num_samples)
     return _Spec(source, tuple(names), order, shard, workers=workers, trail=(label,))

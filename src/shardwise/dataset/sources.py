@@ -5,8 +5,9 @@
 - `GeneratorDataset`: a generator function, an iterable or a random-access object
   (``__getitem__`` + ``__len__``), via `_sources.make_source`.
 
-Both capture ``torch.initial_seed()`` when created: call ``sw.set_seed(s)`` (or
-``torch.manual_seed(s)``) first for a reproducible order that every rank shares.
+Both capture their seed when created (`pipeline.pipeline_seed`): torch's once the script seeded
+it (``sw.set_seed(s)`` or ``torch.manual_seed(s)``), else MindSpore's constant default seed;
+either way one order that every rank shares.
 """
 
 from __future__ import annotations
