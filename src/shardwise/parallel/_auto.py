@@ -162,6 +162,12 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         Example:
             >>> AutoParallel(train_step).dataset_strategy(((4, 1, 1, 1), (4,)))
         """
+        if self.has_run:
+            raise ValueError(
+                "AutoParallel.dataset_strategy: call it before the first step (already planned: "
+                "the plan cuts the inputs by the strategy it was made with); wrap the step in a "
+                "new AutoParallel for another"
+            )
         self._dataset = check_dataset_strategy(strategy)
         return self
 

@@ -1,5 +1,6 @@
-"""Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again) and
-`note_blocks` (what torch's size mismatch with a parameter stored as a block means)."""
+"""Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
+`replanned_call_differs` (why a call differs from the plan captured from it) and `note_blocks`
+(what torch's size mismatch with a parameter stored as a block means)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,25 @@ class Replan(BaseException):
     def __init__(self, message: str, cursor: int, op: str | None) -> None:
         super().__init__(message)
         self.cursor, self.op = cursor, op
+
+
+def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallelError:
+    """The error for a call that ran other ops than the plan captured from that very call
+    (`e`): a shardwise primitive made inside ``forward`` (not a submodule, so the run never
+    sees it as one: its torch op arrives instead), else ops depending on what capture does
+    not see."""
+    why = "its ops depend on something capture does not see"
+    node = plan.nodes[e.cursor] if e.cursor < len(plan.nodes) else None
+    if node is not None and node.op.startswith("shardwise.ops.") and e.op != node.op:
+        kind = node.op.removeprefix("shardwise.ops.")
+        why = (
+            f"%{node.index} {node.name} is a shardwise primitive that is not a submodule of the "
+            f"network (made inside forward?): AutoParallel runs primitives that are submodules "
+            f"only; create it in __init__ (self.op = sw.ops.{kind}(...)) and call self.op"
+        )
+    return UnsupportedParallelError(
+        f"AutoParallel: the network called {e} right after being planned for this call; {why}"
+    )
 
 
 _SIZES = re.compile(r"size[^()]*\((\d+)\) must match[^()]*\((\d+)\)")

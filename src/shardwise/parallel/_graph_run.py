@@ -57,7 +57,11 @@ from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._discover import agree_scalers, find_objects
-from shardwise.parallel._errors import Replan, UnsupportedParallelError, note_blocks
+from shardwise.parallel._errors import (
+    Replan,
+    note_blocks,
+    replanned_call_differs,
+)
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
@@ -69,7 +73,11 @@ from shardwise.parallel._hsdp import (
     start_engine,
 )
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
-from shardwise.parallel._network_hooks import NetworkHooks
+from shardwise.parallel._network_hooks import (
+    NetworkHooks,
+    check_annotations,
+    noted_annotations,
+)
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import CopiedHooks, copied
@@ -180,6 +188,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         if self.blocks:  # (each rank's GradScaler sees its blocks: one verdict for all ranks)
             self.undo += agree_scalers(self.fn)
         self.hooks.append(self.network.register_forward_pre_hook(self._network_called))
+        self.annotated = noted_annotations(self.network)  # (a strategy set later: refused)
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
         else:  # each split parameter (and state an optimizer made already) cut to its block
@@ -230,6 +239,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             raise
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        check_annotations(self.annotated)
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None
@@ -256,10 +266,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         try:
             return self._run(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)
-            raise UnsupportedParallelError(
-                f"AutoParallel: the network called {e} right after being planned for this "
-                f"call; its ops depend on something capture does not see"
-            ) from None
+            assert self.parallel_plan is not None
+            raise replanned_call_differs(self.parallel_plan, e) from None
 
     def _executor(
         self,

@@ -8,6 +8,9 @@
   hand the primitive's call to the running executor (`PlanExecutor.enter_primitive` /
   ``leave_primitive``); nothing during the capture; a primitive called outside the wrapper is
   refused.
+- `noted_annotations` / `check_annotations`: the strategies the network's modules carried when the
+  plan was made (a primitive's ``shard()``, ``sw.shard``'s op form); a call after one changed
+  is refused (the plan, and the parameters' storage, keep the old ones).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from shardwise.ops import Primitive
+from shardwise.ops._spec_checks import fmt_strategy
+from shardwise.planner._graph import op_strategy
 
 if TYPE_CHECKING:
     from shardwise.parallel._executor import PlanExecutor
@@ -68,3 +73,37 @@ class NetworkHooks:
             return None
         assert isinstance(module, Primitive)
         return self.executor.leave_primitive(module, args, output)
+
+
+Annotation = tuple[nn.Module, str, object, object]
+"""A module, its path, and the two strategies it carried (a primitive's in / out strategy, or
+``sw.shard``'s op-form strategy and None)."""
+
+
+def _strategies(module: nn.Module) -> tuple[object, object]:
+    if isinstance(module, Primitive):
+        return module.in_strategy, module.out_strategy
+    return op_strategy(module), None
+
+
+def noted_annotations(network: nn.Module) -> list[Annotation]:
+    """Every module of `network` with the strategies it carries now (when planning)."""
+    return [(m, path, *_strategies(m)) for path, m in network.named_modules()]
+
+
+def check_annotations(noted: list[Annotation]) -> None:
+    """Refuse a call after a module's strategies changed since `noted_annotations` noted them.
+
+    Raises:
+        ValueError: naming the module, the planned strategy and the fix.
+    """
+    for module, path, *was in noted:
+        now = _strategies(module)
+        if (now[0] is not was[0] or now[1] is not was[1]) and list(now) != was:
+            what = module.who if isinstance(module, Primitive) else f"{path or 'the network'}"
+            planned = "none" if was[0] is None else fmt_strategy(was[0])  # type: ignore[arg-type]
+            raise ValueError(
+                f"AutoParallel: {what}'s sharding strategy changed after the first call (planned "
+                f"with in_strategy {planned}); the plan and the parameters' storage keep it: "
+                f"set strategies before the first call, or wrap the network in a new AutoParallel"
+            )
