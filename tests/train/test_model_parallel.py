@@ -105,3 +105,23 @@ def test_stand_alone_runs_the_plain_loop() -> None:
         model = sw.Model(net, torch.nn.MSELoss(), opt)
         model.train(1, [(torch.zeros(2, 32), torch.zeros(2, 16))])
     assert model.parallel is None
+
+
+def test_model_over_a_module_form_wrapper_reports_the_global_loss() -> None:
+    """`Model(sw.AutoParallel(net), loss_fn, opt)`: the loss is computed outside the wrapper,
+    on this rank's rows of its outputs; the step's loss (what LossMonitor prints) is the mean of
+    the ranks' losses, one device's on the global batch, on every rank (it was each rank's own,
+    and a simulated world failed turning it into a float)."""
+    batches = _batches(16)
+    want = _single(batches)
+    net = Seed002()
+    losses = Losses()
+    with simulated_world(8) as world:
+        world.replicate(net)
+        wrapper = sw.AutoParallel(net, parallel_mode="sharding_propagation")
+        opt = torch.optim.SGD(wrapper.parameters(), lr=LR, momentum=MOMENTUM)
+        model = sw.Model(wrapper, torch.nn.MSELoss(), opt)
+        data = [(world.rows(x), world.rows(y)) for x, y in batches]
+        model.train(1, data, callbacks=[losses, sw.train.LossMonitor()])
+        for s, loss in enumerate(losses.seen):
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")

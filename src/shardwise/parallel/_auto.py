@@ -142,6 +142,13 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         if self._ckpt_config.get("load_file") and parallel_mode != "data_parallel":
             self.load_param_strategy_file(self._ckpt_config["load_file"])
 
+    @property
+    def rows_per_rank(self) -> bool:
+        """Whether each rank passes its own part of the global batch (any dataset strategy but
+        ``"full_batch"``): a module-form wrapper's outputs are then this rank's rows, and a loss
+        computed from them outside the wrapper is this rank's."""
+        return self._dataset != "full_batch"
+
     def dataset_strategy(self, strategy: DatasetStrategy) -> AutoParallel:
         """How each input of the wrapped call is split.
 

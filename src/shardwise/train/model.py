@@ -100,7 +100,9 @@ class Model:
     started with ``communication.init()``), `train` runs its step through `sw.AutoParallel`:
     operator parallel as the primitives' ``shard()`` strategies and the context's
     ``search_mode`` / ``dataset_strategy`` say, gradients reduced by it (no `grad_reducer`).
-    The network then runs only through that wrapper (`eval` is refused).
+    The network then runs only through that wrapper (`eval` is refused). A module-form
+    `sw.AutoParallel` as `network` runs as given; each rank's loss is then its rows' only, and
+    the step's loss `train` reports is the mean of the ranks' losses.
 
     Example:
         >>> model = sw.Model(net, torch.nn.CrossEntropyLoss(), opt, metrics={"accuracy"})
@@ -187,7 +189,25 @@ class Model:
             self.grad_reducer()
         self.optimizer.step()
         detached: torch.Tensor = loss.detach()
+        if self._rank_rows_loss():  # (the loss the job reports: the same on every rank)
+            world = comm.get_group_size()
+            detached = C.all_reduce(detached, C.ReduceOp.SUM, None) / world
         return detached
+
+    def _rank_rows_loss(self) -> bool:
+        """Whether the loss `_train_step` computes is this rank's rows' only: the network is a
+        module-form `AutoParallel` each rank passes its rows to (its outputs leave as those
+        rows), in a job of several ranks."""
+        from shardwise.parallel import AutoParallel
+
+        net = self.network
+        return (
+            isinstance(net, AutoParallel)
+            and net.train_step is None
+            and net.rows_per_rank
+            and comm.is_initialized()
+            and comm.get_group_size() > 1
+        )
 
     def train(
         self,
