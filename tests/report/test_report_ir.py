@@ -64,12 +64,18 @@ def test_step_parallel_begin() -> None:
     assert line(text, "input args[0]:") == "input args[0]: ((g0, g1, g2), None, None, None)"
     mm1 = line(text, "%1 matmul1/MatMul [shardwise.ops.MatMul; user]")
     assert mm1.endswith(": (g0, (g1, g2)), ((g1, g2), None) -> (g0, None) [32, 512]")
-    assert after(text, "%1 matmul1") == "in_strategy ((2, 4), (4, 1)) from user"
+    # (the strategy, who set it and the inputs' global shapes; the outputs' split counts)
+    assert after(text, "%1 matmul1") == (
+        "in_strategy ((2, 4), (4, 1)) from user; inputs [32, 784], [784, 512]"
+    )
+    assert after(text, "in_strategy ((2, 4), (4, 1))") == "out_strategy ((2, 1),)"
     assert line(text, "comm AllReduce(sum) over g1, g2 at matmul1/MatMul")
-    assert after(text, "%2 relu1/ReLU") == "in_strategy ((4, 1),) from user"
+    assert after(text, "%2 relu1/ReLU") == "in_strategy ((4, 1),) from user; inputs [32, 512]"
     mm3 = line(text, "%5 matmul3/MatMul [shardwise.ops.MatMul; default]")
     assert mm3.endswith("-> ((g0, g1, g2), None) [32, 10]")
-    assert after(text, "%5 matmul3") == "in_strategy ((8, 1), (1, 1)) from default"
+    assert after(text, "%5 matmul3") == (
+        "in_strategy ((8, 1), (1, 1)) from default; inputs [32, 512], [512, 10]"
+    )
     # Flatten's rows over all 8 ranks -> matmul1's (g0, (g1, g2)): the edge's steps
     edge = line(text, "edge %0 ((g0, g1, g2), None) -> (g0, (g1, g2)):")
     assert "AllGather(dim=0, axis=g2, group size 2); AlltoAll(dim 0 -> 1, axis=g1" in edge
@@ -90,13 +96,13 @@ def test_execute_rank0() -> None:
     assert line(text, "%0 flatten/Flatten: local [4, 784]")
     assert line(text, "%1 matmul1/MatMul: local [16, 512]")
     ag = line(text, "AllGather over g2 at matmul1/MatMul input 0")
-    assert ag.endswith("group [0, 1] send_bytes 12544")
+    assert ag.endswith("group [0, 1] fusion 0 send_bytes 12544")
     assert line(text, "AlltoAll over g1 at matmul1/MatMul input 0").startswith(
         "AlltoAll over g1 at matmul1/MatMul input 0 group [0, 2]"
     )
     # AllReduce of a [16, 512] float32 block over 4 ranks: 2 * 3/4 * 32768 bytes
     ar = line(text, "AllReduce(sum) over g1, g2 at matmul1/MatMul group")
-    assert ar.endswith("group [0, 1, 2, 3] send_bytes 49152")
+    assert ar.endswith("group [0, 1, 2, 3] fusion 0 send_bytes 49152")
     ar2 = line(text, "AllReduce(sum) over g0, g1, g2 at matmul2/MatMul group")
     assert "group [0, 1, 2, 3, 4, 5, 6, 7]" in ar2
     assert line(text, "%5 matmul3/MatMul: local [4, 10]")
@@ -136,7 +142,7 @@ def test_execute_seed002_strided_slice() -> None:
     plan = plan_sharding_propagation(capture(Seed002(), torch.zeros(16, 32)), WORLD)
     zero, five = format_plan_execute(plan, 0), format_plan_execute(plan, 5)
     assert line(zero, "AllReduce(sum) over g1 at matmul/MatMul").endswith(
-        "group [0, 1, 2, 3] send_bytes 768"
+        "group [0, 1, 2, 3] fusion 0 send_bytes 768"
     )
     assert line(zero, "Slice(dim=1, axis=g1, 4 parts) at relu/ReLU input 0:") == (
         "Slice(dim=1, axis=g1, 4 parts) at relu/ReLU input 0: "
@@ -173,7 +179,7 @@ def plan_comm_ops(text: str) -> Counter[tuple[str, tuple[int, ...]]]:
     """(kind, group) of every collective in a plan's execute.ir, in its forward section."""
     out: Counter[tuple[str, tuple[int, ...]]] = Counter()
     for x in text.partition("# backward")[0].splitlines():
-        m = re.match(r"\s+(\w+)(?:\(\w+\))? over .* group \[([\d, ]+)\] send_bytes", x)
+        m = re.match(r"\s+(\w+)(?:\(\w+\))? over .* group \[([\d, ]+)\] fusion 0 send_bytes", x)
         if m:
             out[(m.group(1), tuple(int(r) for r in m.group(2).split(", ")))] += 1
     return out
@@ -270,7 +276,7 @@ def test_unannotated_torch_op_is_an_op_of_the_plan() -> None:
     text = format_plan_begin(planned(net=WithTorchOp()))
     mul = line(text, "%2 mul [torch.Tensor.mul; dtensor]: (g0, None) -> (g0, None)")
     assert mul.endswith("[32, 512]"), mul
-    assert after(text, "%2 mul") == "in_strategy ((2, 1),) from dtensor"
+    assert after(text, "%2 mul") == "in_strategy ((2, 1),) from dtensor; inputs [32, 512]"
     assert after(text, "%1 matmul1").startswith("in_strategy ((2, 4), (4, 1))")
     assert line(text, "comm AllReduce(sum) over g1, g2 at matmul1/MatMul")
 
@@ -304,14 +310,14 @@ def test_backward_section_is_what_a_train_step_runs() -> None:
     listed = [  # (in order)
         (m.group(1), tuple(int(r) for r in m.group(2).split(", ")))
         for x in text.partition("# backward")[2].splitlines()
-        if (m := re.match(r"\s+(\w+) over .* group \[([\d, ]+)\] send_bytes \d+$", x))
+        if (m := re.match(r"\s+(\w+) over .* group \[([\d, ]+)\] fusion 0 send_bytes \d+$", x))
     ]
     assert listed == ran[:-2], rec.summary() + "\n" + text
     assert len(listed) == 12  # (2 layers x 3 kinds x 2)
-    assert "at return 0 group [0, 1, 2, 3] send_bytes 6 (none when backward starts" in text
+    assert "at return 0 group [0, 1, 2, 3] fusion 0 send_bytes 6 (none when backward starts" in text
     sent = sum(r.bytes_sent for r in rec.select(phase="backward") if tuple(r.group) == (0, 1))
     assert f"# bytes this rank sends in one backward (those marked none left out): {sent}" in text
     assert line(text, "ReduceScatter over g1 at transformer.h.0.attn.c_attn") == (
         "ReduceScatter over g1 at transformer.h.0.attn.c_attn/linear input 0 group [0, 1] "
-        "send_bytes 4096"  # (half of the gathered [4, 16, 32] float32 rows)
+        "fusion 0 send_bytes 4096"  # (half of the gathered [4, 16, 32] float32 rows)
     )

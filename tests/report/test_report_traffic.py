@@ -52,7 +52,7 @@ def test_a_resnet_step_sends_what_the_reports_say() -> None:
     assert len(norms) == 9 and {c.kind for c in norms} == {"AllGather"}
     text = format_plan_execute(plan, 0)
     assert "AllGather(batch statistics) over g0 at stem.1/batch_norm" in text
-    assert "at return 0 group [0, 1, 2, 3] send_bytes 12" in text
+    assert "at return 0 group [0, 1, 2, 3] fusion 0 send_bytes 12" in text
 
 
 def test_data_parallel_mode_writes_its_plan(tmp_path: Path) -> None:

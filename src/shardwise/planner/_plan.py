@@ -101,6 +101,15 @@ class NodePlan:
         )
 
     @property
+    def out_strategy(self) -> tuple[tuple[int, ...], ...]:
+        """Each output's split count per dim, as the op leaves it (MindSpore's notation: a
+        MatMul with a ReduceScatter ``out_strategy`` gives ``((4, 1),)``)."""
+        return tuple(
+            tuple(p.layout.split_count(d) for d in range(len(s)))
+            for p, s in zip(self.outputs, self.shapes, strict=True)
+        )
+
+    @property
     def local_shapes(self) -> tuple[Shape, ...]:
         """Each output's block shape on a rank."""
         return tuple(p.local_shape(s) for p, s in zip(self.outputs, self.shapes, strict=True))

@@ -1,9 +1,12 @@
 """The IR dumps of a `planner.ParallelPlan` (networks of plain torch ops).
 
-- `format_plan_begin`: ``step_parallel_begin.ir``: every op with its global output shapes, the
-  placements of its inputs and outputs, and where its strategy came from.
+- `format_plan_begin`: ``step_parallel_begin.ir``: every op with its global input and output
+  shapes, the placements of its inputs and outputs, its ``in_strategy`` (and where it came
+  from) and ``out_strategy``.
 - `format_plan_execute`: ``execute.ir`` for one rank: every op's local output shapes, every
-  forward collective the plan inserts with this rank's group and the bytes it sends, and every
+  forward collective the plan inserts with this rank's group, its fusion id (0: operator
+  collectives are not fused; the gradient buckets' ids are the optimizer section's) and the
+  bytes it sends, and every
   local slice of an edge (`_sends.LocalSlice`: MindSpore's ``StridedSlice``, nothing sent);
   then the backward's collectives (`_backward_lines`: each forward collective's adjoint and the
   plan's gradient averages, in the order autograd runs them).
@@ -59,7 +62,9 @@ def in_strategy(n: NodePlan) -> tuple[tuple[int, ...], ...]:
 
 def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
     """The whole plan, one op per line (`str(plan)`), under a header; under every op with
-    inputs its strategy (`in_strategy`) and where it came from; at level 3 also the slice table
+    inputs its strategy (`in_strategy`), where it came from and the inputs' global shapes, and
+    its outputs' split counts (`out_strategy`, with the axes an output is partial over); at
+    level 3 also the slice table
     (every rank's block of each input and output). A plan an automatic planner made ends with
     why each op has its strategy (`ParallelPlan.explained`: the source and the cheapest
     alternatives with their communication / compute / memory costs).
@@ -77,7 +82,15 @@ def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
             continue
         node = by_index[int(head[1:].split(" ", 1)[0])]
         if node.in_shapes:
-            lines.append(f"    in_strategy {in_strategy(node)} from {node.rule}")
+            shapes = ", ".join(str(list(s)) for s in node.in_shapes)
+            lines.append(f"    in_strategy {in_strategy(node)} from {node.rule}; inputs {shapes}")
+        if node.outputs:
+            partial = sorted({a for p in node.outputs for a in p.partial})
+            names = ", ".join(plan.matrix.names[a] for a in partial)
+            lines.append(
+                f"    out_strategy {node.out_strategy}"
+                + (f" partial over {names}" if names else "")
+            )
         if level >= 3:
             lines += [f"    # rank {r}: {_blocks(node, r)}" for r in plan.matrix.rank_list]
     if plan.explained:
@@ -115,7 +128,8 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
             detail = f"({c.detail})" if c.detail else ""
             axes = ", ".join(c.axes)
             lines.append(
-                f"    {c.kind}{detail} over {axes} at {where} group {group} send_bytes {sent}"
+                f"    {c.kind}{detail} over {axes} at {where} group {group} fusion 0 "
+                f"send_bytes {sent}"
             )
             total += sent
 
@@ -161,7 +175,7 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
         if read_alike:
             note = " (none in loss.backward(): only ops alike on every rank read it)"
         lines.append(
-            f"    {c.kind} over {', '.join(c.axes)} at {c.where} group {list(group)} "
+            f"    {c.kind} over {', '.join(c.axes)} at {c.where} group {list(group)} fusion 0 "
             f"send_bytes {sent}{note}"
         )
         total += 0 if seeded else sent
@@ -177,7 +191,7 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
         detail = f"({c.detail})" if c.detail else ""
         lines.append(
             f"    {c.kind}{detail} over {', '.join(c.axes)} at {c.where} group {list(group)} "
-            f"send_bytes {sent}"
+            f"fusion 0 send_bytes {sent}"
         )
         total += sent
     lines.append(f"# bytes this rank sends in one backward (those marked none left out): {total}")
