@@ -197,6 +197,37 @@ def test_activation_checkpointing_is_captured(how: str) -> None:
     assert [n.op.rsplit(".", 1)[-1] for n in graph.nodes] == ["linear", "relu", "linear"]
 
 
+class Experts(nn.Module):
+    """Two experts' matmuls in one grouped matmul over float32 rows (``F.grouped_mm``: its CPU
+    kernel takes float32, its fake kernel bfloat16 only), as Hugging Face's MoE layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([4, 8], dtype=torch.int32)
+        return F.grouped_mm(x, self.w, offs=offs)
+
+
+def test_a_call_whose_fake_kernel_refuses_it_names_the_kernel_the_line_and_the_fix() -> None:
+    """One device runs it; the capture (fake tensors) cannot: a CaptureError naming the call,
+    the user's line, torch's kernel and its message, and what to use (it was torch's bare
+    RuntimeError from inside the capture)."""
+    net, x = Experts(), torch.randn(8, 8)
+    assert net(x).shape == (8, 8)
+    line = Experts.forward.__code__.co_firstlineno + 2
+    with pytest.raises(CaptureError) as info:
+        capture(net, x)
+    msg = str(info.value)
+    assert msg.startswith(
+        f"_VariableFunctionsClass._grouped_mm at test_capture.py:{line} failed while the step was "
+        f"captured on fake tensors (shapes and dtypes only): torch's fake kernel "
+        f"_meta_grouped_mm_common refused it: Expected inputs of BF16 type"
+    ), msg
+    assert msg.endswith("experts_implementation='batched_mm' in the model's config"), msg
+
+
 class ScaleByMax(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = x.abs().max().item()  # a Python number from a tensor

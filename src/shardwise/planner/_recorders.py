@@ -44,7 +44,13 @@ from shardwise.planner._graph import (
     TensorSlot,
 )
 from shardwise.planner._regions import RegionNotes
-from shardwise.planner._source_lines import data_dependent, library_read, source_line
+from shardwise.planner._source_lines import (
+    data_dependent,
+    fake_kernel,
+    fake_kernel_refused,
+    library_read,
+    source_line,
+)
 
 T = torch.Tensor
 
@@ -289,6 +295,11 @@ class _Recorder(TorchFunctionMode):
             out = func(*args, **kw)
         except DATA_DEPENDENT as e:
             raise CaptureError(data_dependent(op, e)) from None
+        except RuntimeError as e:  # (torch's fake kernel of an aten op refused the call)
+            kernel = fake_kernel(e)
+            if kernel is None:
+                raise
+            raise CaptureError(fake_kernel_refused(op, kernel, e)) from e
         finally:
             aten, ids = s.aten, s.aten_ids
             s.aten = None
