@@ -12,6 +12,7 @@ transformers run, which takes the shortcut).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -19,12 +20,12 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def llama() -> nn.Module:
+def llama(attn: str = "sdpa", kv_heads: int = 2) -> nn.Module:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -34,9 +35,9 @@ def llama() -> nn.Module:
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=32,
-        attn_implementation="sdpa",
+        attn_implementation=attn,
     )
     torch.manual_seed(0)
     model: nn.Module = LlamaForCausalLM(cfg)
@@ -132,3 +133,82 @@ def test_megatron_llama_with_a_padded_mask_and_gradient_checkpointing() -> None:
         parallel = sw.AutoParallel(step_of(net))
         for s in range(2):
             assert_matches_single_device(parallel(world.rows(ids)), want[s], what=f"loss {s}")
+
+
+@pytest.mark.parametrize(
+    ("attn", "kv_heads"),
+    [("sdpa", 2), ("sdpa", 4), ("eager", 2)],
+    ids=["sdpa-gqa", "sdpa", "eager"],
+)
+def test_megatron_llama_with_a_padded_mask_keeps_attention_heads_split(
+    attn: str, kv_heads: int
+) -> None:
+    """HF Llama, Megatron-annotated on dp 2 x mp 2, with a padded attention mask: SDPA runs
+    with q, k, v split by heads over mp and batch over dp, and the [B, 1, L, L] mask split by
+    batch over dp (whole over mp: its head dim is 1). SDPA turns the boolean mask additive
+    first (``where(mask, 0., -inf)``, an intermediate of the node); that value wanted split
+    like q's batch used to make the node run replicated, so semi_auto's data-parallel strategy
+    took it (batch over dp x mp): 4 AlltoAlls per layer forward and 4 backward, where eager
+    attention had none. The exact collectives of a step (as eager's), and parity of the loss
+    and every gradient (each rank's block) with one device."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (8, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    mask[6, 4:] = 0
+    ref = llama(attn, kv_heads)
+    want = loss_of(ref, ids, mask)
+    want.backward()
+    net = llama(attn, kv_heads)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        for layer in net.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for column in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                sw.shard(column, in_strategy=((2, 1), (2, 1)))
+            for row in (a.o_proj, m.down_proj):
+                sw.shard(row, in_strategy=((2, 2), (1, 2)))
+        grads: dict[str, torch.Tensor] = {}
+
+        def step(x: torch.Tensor, msk: torch.Tensor) -> torch.Tensor:
+            loss = loss_of(net, x, msk)
+            loss.backward()
+            grads.update(
+                {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+            )
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        with CommRecorder() as rec:
+            got = parallel(world.rows(ids), world.rows(mask))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, p in ref.named_parameters():
+            assert p.grad is not None
+            layout = plan.params[name].layout
+            full = p.grad
+
+            def block(r: int, full: torch.Tensor = full, layout: Any = layout) -> torch.Tensor:
+                return full[layout.local_index(r, tuple(full.shape))]
+
+            assert_matches_single_device(grads[name], block, what=f"{name}.grad")
+        sdpa = [n for n in plan.nodes if "scaled_dot_product_attention" in n.name]
+        assert len(sdpa) == (2 if attn == "sdpa" else 0)
+        assert not [c for c in plan.collectives() if "AlltoAll" in str(c)], plan
+    layers, mp, dp, world4 = 2, (0, 1), (0, 2), (0, 1, 2, 3)
+    kinds = Counter(
+        {
+            # per layer: the rows gathered over mp for q/k/v and gate/up, and the mask's rows
+            # gathered whole once (over mp, then dp) for the causal-and-padding mask
+            ("AllGather", "forward", mp): 2 * layers + 1,
+            ("AllGather", "forward", dp): 1,
+            ("ReduceScatter", "forward", mp): 2 * layers,  # o_proj, down_proj: summed to rows
+            ("AllReduce", "forward", world4): 1,  # the loss
+            ("AllGather", "backward", mp): 2 * layers,
+            ("ReduceScatter", "backward", mp): 2 * layers,
+            ("AllReduce", "backward", dp): 1,  # the mp-split parameters' gradients
+            ("AllReduce", "backward", world4): 1,  # the whole ones (norms, embedding, lm_head)
+        }
+    )
+    assert rec.kinds() == kinds, rec.summary()

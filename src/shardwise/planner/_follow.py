@@ -107,8 +107,10 @@ class _Follow:
         the rule source). Falls back to replicated when an intermediate must move (`strict`:
         an annotated op, which raises instead), except an intermediate that is a same-shaped
         copy of an input (``_to_copy``: a linear's bias cast under autocast): the program runs
-        again with that input placed as wanted (once per input, `retried`). With `seen`, each
-        aten call is appended there with its first output's placements."""
+        again with that input placed as wanted (once per input, `retried`); likewise one made
+        of an input and 0-d scalars alone (SDPA's boolean mask made additive, which attention
+        wants split like q's batch: `_copied`). With `seen`, each aten call is appended there
+        with its first output's placements."""
         whole_op = NODE_RULES.get(node.op)  # (an op parallel as a whole: `ops.torch_rules`)
         if whole_op is not None and not strict:
             shapes = [self.graph.info(r).shape for r in node.inputs]
@@ -363,12 +365,17 @@ def _one_axis_whole(have: list[Placements]) -> list[list[Placements]]:
 
 
 def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:
-    """The one tensor argument of `call` when its one output is a same-shaped copy of it,
-    placed as it is (a dtype cast), else None."""
-    if len(args) != 1 or len(call.outputs) != 1 or not ins or not outs:
+    """The one tensor argument of `call` (besides 0-d ones: scalars) when its one output is a
+    same-shaped copy of it, placed as it is, else None: a dtype cast (``_to_copy``), or
+    SDPA's boolean mask made additive (``where(mask, 0., -inf)``: its scalars are 0-d)."""
+    if len(call.outputs) != 1 or not ins or not outs:
         return None
-    same = call.outputs[0].info.shape == args[0].info.shape and outs[0] == ins[0]
-    return args[0] if same else None
+    wide = [(j, a) for j, a in enumerate(args) if a.info.shape != ()]
+    if len(wide) != 1 or len(ins) != len(args):
+        return None
+    j, arg = wide[0]
+    same = call.outputs[0].info.shape == arg.info.shape and outs[0] == ins[j]
+    return arg if same else None
 
 
 class RandomFillError(PlanError):
