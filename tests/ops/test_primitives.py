@@ -307,3 +307,8 @@ def test_shard_type_errors() -> None:
         MatMul().shard(None, ((8, 1),))
     with pytest.raises(TypeError, match="one entry per input"):
         ReLU().shard("dp")
+    # (a value below 1 is refused by shard() itself, not only when a plan is made)
+    with pytest.raises(ValueError, match=r"in_strategy entry 0 \(0, 4\) splits dim 0 into 0 parts"):
+        MatMul().shard(((0, 4), (4, 1)))
+    with pytest.raises(ValueError, match=r"out_strategy entry 0 \(4, -1\) splits dim 1 into -1"):
+        MatMul().shard(((2, 4), (4, 1)), ((4, -1),))

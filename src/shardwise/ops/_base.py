@@ -36,6 +36,12 @@ def _entry(entry: object, i: int, what: str, who: str) -> tuple[int, ...] | Tens
     if isinstance(entry, tuple | list) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in entry
     ):
+        for d, v in enumerate(entry):
+            if v < 1:
+                raise ValueError(
+                    f"{who}: {what} entry {i} {tuple(entry)!r} splits dim {d} into {v} parts; "
+                    f"each value is a number of parts >= 1 (1: not split)"
+                )
         return tuple(entry)
     hint = (
         " (a strategy holds one tuple per input: ((2, 4),) not (2, 4))"
