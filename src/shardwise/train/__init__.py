@@ -1,18 +1,19 @@
 """``sw.train``: `Model`, its callbacks and checkpoint resume.
 
-- `model`: `Model` (train / eval loop), `Accuracy`.
+- `model`: `Model` (train / eval loop), its metrics `Accuracy` and `Loss`.
 - `callbacks`: `Callback`, `RunContext`, `LossMonitor`, `TimeMonitor`.
 - `checkpoint_callback`: `ModelCheckpoint`, `CheckpointConfig`, `resume`.
 """
 
 from shardwise.train.callbacks import Callback, LossMonitor, RunContext, TimeMonitor
 from shardwise.train.checkpoint_callback import CheckpointConfig, ModelCheckpoint, resume
-from shardwise.train.model import Accuracy, Model
+from shardwise.train.model import Accuracy, Loss, Model
 
 __all__ = [
     "Accuracy",
     "Callback",
     "CheckpointConfig",
+    "Loss",
     "LossMonitor",
     "Model",
     "ModelCheckpoint",

@@ -2,8 +2,8 @@
 
 `Model.train` runs epochs of steps (`_train_step`: forward, loss, backward, optional gradient
 reducer, optimizer step) and calls the callbacks' hooks around them; `Model.eval` computes the
-metrics (`Accuracy`), summing the counts over the ranks when the dataset is sharded per rank.
-A tqdm progress bar is shown on rank 0 when stdout is a terminal.
+metrics (`Accuracy`, `Loss`), summing the counts over the ranks when the dataset is sharded per
+rank. A tqdm progress bar is shown on rank 0 when stdout is a terminal.
 
 As MindSpore's ``Model`` does, training follows `set_auto_parallel_context`: in a job
 (``communication.init()`` called) whose context mode is not ``STAND_ALONE``, `_parallel_step`
@@ -49,6 +49,8 @@ class Accuracy:
             labels = labels.argmax(dim=-1)  # (one-hot rows)
         elif labels.dim() == 2 and labels.shape[1] == 1:
             labels = labels[:, 0]
+        if labels.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (MNIST's uint32)
+            labels = labels.to(torch.int64)  # (torch compares no int64 with them)
         predicted = logits.argmax(dim=-1)
         if labels.shape != predicted.shape:
             raise ValueError(
@@ -68,17 +70,47 @@ class Accuracy:
         return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
 
 
+class Loss:
+    """The mean of `loss_fn` over the samples (MindSpore's ``Loss`` metric): each batch's loss
+    weighted by its rows."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.sum: torch.Tensor | None = None
+        self.total = 0.0
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        rows = float(labels.shape[0]) if labels.dim() else 1.0
+        part = self.loss_fn(logits, labels).detach().to(torch.float64) * rows
+        self.sum = part if self.sum is None else self.sum + part
+        self.total += rows
+
+    def counts(self) -> torch.Tensor:
+        total = self.sum if self.sum is not None else torch.zeros((), dtype=torch.float64)
+        return torch.stack([total, torch.full((), self.total, dtype=torch.float64)])
+
+    def result(self, counts: torch.Tensor) -> float:
+        return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
+
+
 METRICS: dict[str, Callable[[], Accuracy]] = {"accuracy": Accuracy, "acc": Accuracy}
 
 
-def _make_metrics(metrics: Iterable[str] | dict[str, Any] | None) -> dict[str, Callable[[], Any]]:
+def _make_metrics(
+    metrics: Iterable[str] | dict[str, Any] | None, loss_fn: Callable[..., torch.Tensor] | None
+) -> dict[str, Callable[[], Any]]:
     if metrics is None:
         return {}
     names = [metrics] if isinstance(metrics, str) else list(metrics)  # ("accuracy" alone)
-    unknown = [m for m in names if m not in METRICS]
+    unknown = [m for m in names if m not in METRICS and m != "loss"]
     if unknown:
-        raise ValueError(f"Model: unknown metrics {unknown}; known: {sorted(METRICS)}")
-    return {m: METRICS[m] for m in names}
+        raise ValueError(f"Model: unknown metrics {unknown}; known: {sorted([*METRICS, 'loss'])}")
+    made: dict[str, Callable[[], Any]] = {m: METRICS[m] for m in names if m in METRICS}
+    if "loss" in names:
+        if loss_fn is None:
+            raise ValueError("Model: the 'loss' metric needs loss_fn= (the network's loss)")
+        made["loss"] = lambda: Loss(loss_fn)
+    return made
 
 
 def _is_rank0() -> bool:
@@ -92,7 +124,8 @@ class Model:
         network: a `torch.nn.Module`; with `loss_fn` None it must return the loss itself.
         loss_fn: called as ``loss_fn(network(*inputs), label)``.
         optimizer: any `torch.optim.Optimizer` (needed by `train`).
-        metrics: names for `eval`, e.g. ``{"accuracy"}``.
+        metrics: names for `eval`: ``"accuracy"`` (``"acc"``), ``"loss"`` (`loss_fn`'s mean
+            over the samples), e.g. ``{"accuracy", "loss"}``.
         grad_reducer: called after ``loss.backward()`` and before ``optimizer.step()``, e.g. a
             `sw.nn.DistributedGradReducer` for manual data parallel (``STAND_ALONE`` only).
 
@@ -128,7 +161,7 @@ class Model:
                 f"Model: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
-        self.metrics = _make_metrics(metrics)
+        self.metrics = _make_metrics(metrics, loss_fn)
         self.grad_reducer = grad_reducer
         self.cur_step_num = 0
         self.parallel: AutoParallel | None = None  # the train step's wrapper, made by `train`
