@@ -101,7 +101,9 @@ def from_placements(
         ndim: the tensor's number of dims.
 
     Returns:
-        The layout; size-1 mesh dims never appear in it.
+        The layout; size-1 mesh dims never appear in it. ``_StridedShard(d, split_factor=1)``
+        (DTensor's view rule merging a dim whose outer part is split whole) is read as
+        ``Shard(d)``: one piece cut into chunks is the same split.
 
     Raises:
         ValueError: a Partial or other placement, or a _StridedShard combination that no
@@ -114,6 +116,10 @@ def from_placements(
     """
     if len(placements) != len(matrix.shape):
         raise ValueError(f"{len(placements)} placements for {matrix}")
+    placements = tuple(
+        Shard(p.dim) if isinstance(p, StridedShard) and p.split_factor == 1 else p
+        for p in placements
+    )
     by_dim: list[list[int]] = [[] for _ in range(ndim)]
     for axis, p in enumerate(placements):
         if isinstance(p, Shard | StridedShard):

@@ -10,16 +10,19 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
   intermediate value (or an input already used) that would have to move makes the op run
   replicated (`_replicated`).
   Returns the inputs' placements, the outputs' and the rule that decided (the highest in
-  `_ORDER` of those that took part).
+  `_ORDER` of those that took part); placements that are no layout of their tensor's shape
+  raise `NoLayout`.
 - `_Follow._cheaper`: an unannotated op's strategy: the one `_follow` gives, unless it moves
   the inputs (or runs replicated) and the data-parallel one (`_data_parallel_inputs`) moves
   fewer bytes (`_cost`), or no rule fills its random tensor as the inputs are placed
-  (`RandomFillError`: a dropout of a partial sum), where the data-parallel one is taken.
+  (`RandomFillError`: a dropout of a partial sum), where the data-parallel one is taken, or
+  the rule's placements have no layout (`NoLayout`), where a split is made whole first.
 - `_Follow.pin`: an op annotated with ``sw.shard``'s op form: `_follow` from the annotated
   input layouts, strictly (a rule that would move them, or an intermediate, is a `PlanError`);
   the result is kept in `pinned` for `Planner.torch_node`, and the layouts its parameters are
   read in are returned (their storage layouts).
-- `_Follow._error`: the `PlanError` for an aten op no rule can run on the inputs as placed.
+- errors (`_follow_errors.FollowErrors`, its base): placements no layout holds (`NoLayout`), the
+  `PlanError` for an aten op no rule can run on the inputs as placed (`_error`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import decide
 from shardwise.ops.torch_rules import NODE_RULES
+from shardwise.planner._follow_errors import (
+    FollowErrors,
+    NeedsWholeDim,
+    NoLayout,
+    RandomFillError,
+    check_even,
+)
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
-from shardwise.planner._in_place import in_place
 from shardwise.planner._placement import (
     Placements,
     PlanError,
@@ -54,7 +63,7 @@ if TYPE_CHECKING:
 _ORDER = {"identity": 0, "factory": 1, "dtensor": 2, "shardwise": 3, "replicate": 4}
 
 
-class _Follow:
+class _Follow(FollowErrors):
     """The aten-program half of `_planner.Planner` (which sets the attributes below)."""
 
     graph: Graph
@@ -110,7 +119,8 @@ class _Follow:
         again with that input placed as wanted (once per input, `retried`); likewise one made
         of an input and 0-d scalars alone (SDPA's boolean mask made additive, which attention
         wants split like q's batch: `_copied`). With `seen`, each aten call is appended there
-        with its first output's placements."""
+        with its first output's placements. Raises `NoLayout` when an input's or output's
+        placements are no layout of its global shape (`_check_layouts`)."""
         whole_op = NODE_RULES.get(node.op)  # (an op parallel as a whole: `ops.torch_rules`)
         if whole_op is not None and not strict:
             shapes = [self.graph.info(r).shape for r in node.inputs]
@@ -143,7 +153,7 @@ class _Follow:
             try:
                 shapes = [o.info.shape for o in call.outputs]
                 dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
-                _check_even(dec.outputs, shapes, self.matrix.shape)
+                check_even(dec.outputs, shapes, self.matrix.shape)
             except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
                 error = self._error(node, call.op, e)
                 if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
@@ -192,6 +202,7 @@ class _Follow:
                 outs.append(need[om.index] if om.kind == "in" else tmp.get(om.index, self.rep()))
         while len(outs) < len(node.outputs):
             outs.append(self.rep())
+        self._check_layouts(node, need, outs)
         return need, outs, max(sources, key=_ORDER.__getitem__)
 
     def _cheaper(
@@ -201,9 +212,12 @@ class _Follow:
         them (or cannot run) and the data-parallel strategy (semi_auto's default) moves less.
         When no rule runs it as its inputs are placed: with a dim split over several axes (a
         head-merging view of a batch over (dp, mp)), its inputs with each dim split over its
-        outer axis only (`_outer_axes`); a random fill (a dropout's in-place fill of a partial
-        sum: `RandomFillError`), the data-parallel strategy; else the error (an uneven view of a
-        split dim, an in-place op on a partial sum: not run another way silently)."""
+        outer axis only (`_outer_axes`); a rule that keeps a split no layout holds (`NoLayout`:
+        a reshape merging dims split on different axes) or needs a split dim whole
+        (`NeedsWholeDim`), each split made whole in turn, then the data-parallel strategy; a
+        random fill (a dropout's in-place fill of a partial sum: `RandomFillError`), the
+        data-parallel strategy; else the error (an uneven view of a split dim, an in-place op on
+        a partial sum: not run another way silently)."""
         try:
             need, outs, rule = self._follow(node, have)
         except PlanError as error:  # (no rule runs it as its inputs are placed)
@@ -211,9 +225,9 @@ class _Follow:
                 raise
             outer = self._outer_axes(node, have)
             fallbacks = [outer] if outer != have else []  # (a dim split over several axes)
-            if isinstance(error, NeedsWholeDim):  # (each split made whole in turn, then DP)
+            if isinstance(error, NeedsWholeDim | NoLayout):  # (each split made whole, then DP)
                 fallbacks += _one_axis_whole(have)
-            if isinstance(error, (RandomFillError, NeedsWholeDim)):
+            if isinstance(error, RandomFillError | NeedsWholeDim | NoLayout):
                 fallbacks.append(self._data_parallel_inputs(node))
             for fallback in fallbacks:
                 try:
@@ -265,20 +279,6 @@ class _Follow:
             out.append(placements_of(Placed(layout, placed.partial, placed.reduce)))
         return out
 
-    def _uneven_fix(self, node: Node) -> str:
-        """The fix for a view that cuts a split dim unevenly, naming the split dims and the
-        nodes that made them."""
-        dims, producers = [], []
-        for ref in node.inputs:
-            placed = self.state.get(ref)
-            if placed is None or not placed.layout.used_axes():
-                continue
-            split = [d for d, axes in enumerate(placed.layout.dims) if axes]
-            dims += [f"dim {d} of {ref}, split in {placed.layout.split_count(d)}" for d in split]
-            if ref.kind == "node":
-                producers.append(self.graph.nodes[int(ref.key)].name)
-        return _uneven_fix_text("; ".join(dims) or "a split dim", producers)
-
     def _data_parallel_inputs(self, node: Node) -> list[Placements]:
         """The node's activations split on dim 0 over every axis (when it divides), everything
         else whole: the data-parallel strategy semi_auto gives an op whose inputs' own layouts
@@ -293,62 +293,6 @@ class _Follow:
 
     def _replicated(self, node: Node) -> tuple[list[Placements], list[Placements], str]:
         return [self.rep() for _ in node.inputs], [self.rep() for _ in node.outputs], "replicate"
-
-    def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
-        shapes = [list(self.graph.info(r).shape) for r in node.inputs]
-        placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
-        whole = False
-        if "in-place" in str(e) or in_place(node.op):
-            fix = "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
-        elif "evenly" in str(e):  # (a view cutting a split dim into groups it does not divide)
-            fix = self._uneven_fix(node)
-        elif whole := "without redistribution" in str(e):  # (DTensor's ``unbind`` of it)
-            fix = (
-                "the op needs whole a dim that its input has split, also with the data-parallel "
-                "strategy: take the parts another way (x.chunk(n, dim) or indexing for "
-                "x.unbind(dim)), or make that dim whole before the op (sw.reshard)"
-            )
-        else:
-            fix = (
-                f"make the split dims divisible by the number of devices splitting them (e.g. "
-                f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
-            )
-        kind = NeedsWholeDim if whole else PlanError
-        return kind(
-            f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
-            f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
-        )
-
-
-def _check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> None:
-    """Raise ValueError when a rule's output splits a dim into parts its size does not divide
-    (DTensor checks each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are
-    equal). It becomes the op's PlanError with the uneven-view fix; `_cheaper` then tries its
-    fallbacks (each dim over its outer axis only), which run the op where one fits."""
-    for placed, shape in zip(outputs, shapes, strict=False):
-        if placed is None:
-            continue
-        parts = [1] * len(shape)
-        for size, p in zip(mesh, placed, strict=False):
-            dim = getattr(p, "dim", None)
-            if dim is not None and dim < len(shape):
-                parts[dim] *= size
-        for d, (size, n) in enumerate(zip(shape, parts, strict=True)):
-            if size % n:
-                raise ValueError(
-                    f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
-                )
-
-
-def _uneven_fix_text(what: str, producers: list[str]) -> str:
-    made = f" (made by {', '.join(producers)})" if producers else ""
-    return (
-        f"the op cuts {what}{made} into groups that its number of parts does not divide (2 "
-        f"key/value heads over 4 model-parallel ranks; q, k and v of a fused projection viewed "
-        f"as (3, heads, head_dim) over 2): make the groups (heads) divisible by it, leave the "
-        f"layer making the split unannotated, or split that layer's output strided "
-        f"(sw.strided, docs/layout.md)"
-    )
 
 
 def _one_axis_whole(have: list[Placements]) -> list[list[Placements]]:
@@ -376,17 +320,6 @@ def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg
     j, arg = wide[0]
     same = call.outputs[0].info.shape == arg.info.shape and outs[0] == ins[j]
     return arg if same else None
-
-
-class RandomFillError(PlanError):
-    """No sharding rule runs an op's random fill on its inputs as placed (``bernoulli_`` on a
-    partial sum): `_Follow._cheaper` then tries the data-parallel strategy."""
-
-
-class NeedsWholeDim(PlanError):
-    """No sharding rule runs an op on a dim its input has split, and its rule does not ask to
-    redistribute it (DTensor's ``unbind`` of a split dim): `_Follow._cheaper` then tries the
-    data-parallel strategy."""
 
 
 def _lookup(specs: dict[int, Spec]) -> Any:

@@ -1,0 +1,138 @@
+"""The errors of following an op's aten program (`_follow._Follow`), and their messages.
+
+- `FollowErrors._check_layouts`: every input's and output's placements must be a `TensorLayout`
+  of its global shape, else `NoLayout` (DTensor's view rules give placements no layout holds:
+  a reshape merging dims split on different axes, the outer one not split whole).
+- `FollowErrors._error`: the `PlanError` (or `NeedsWholeDim`) for an aten op no rule can run on
+  the inputs as placed, naming the op, its shapes and placements and the fix (`_uneven_fix`: a
+  view cutting a split dim into groups its parts do not divide).
+- `check_even`: a rule's output split into parts its size does not divide.
+- `RandomFillError`, `NeedsWholeDim`, `NoLayout`: what `_Follow._cheaper` answers with another
+  strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardwise.layout import DeviceMatrix
+from shardwise.planner._graph import Graph, Node, Ref
+from shardwise.planner._in_place import in_place
+from shardwise.planner._placement import Placements, PlanError, to_placed
+from shardwise.planner._plan import Placed
+
+
+class RandomFillError(PlanError):
+    """No sharding rule runs an op's random fill on its inputs as placed (``bernoulli_`` on a
+    partial sum): `_Follow._cheaper` then tries the data-parallel strategy."""
+
+
+class NeedsWholeDim(PlanError):
+    """No sharding rule runs an op on a dim its input has split, and its rule does not ask to
+    redistribute it (DTensor's ``unbind`` of a split dim): `_Follow._cheaper` then tries the
+    data-parallel strategy."""
+
+
+class NoLayout(PlanError):
+    """An op's rule places an input or output so that no `TensorLayout` of its shape holds it
+    (`_Follow._check_layouts`): `_Follow._cheaper` then makes its inputs' splits whole in
+    turn, then tries the data-parallel strategy; the automatic planners skip the candidate."""
+
+
+class FollowErrors:
+    """The error half of `_follow._Follow` (which sets the attributes below)."""
+
+    graph: Graph
+    matrix: DeviceMatrix
+    device_num: int
+    state: dict[Ref, Placed]
+
+    def _check_layouts(self, node: Node, need: list[Placements], outs: list[Placements]) -> None:
+        """Raise `NoLayout` when an input's or output's placements are no `TensorLayout` of its
+        global shape: the plan places and moves values as layouts only. DTensor's view rules
+        give such placements: a reshape merging dims split on different axes, the outer one
+        not split whole (``Shard`` then ``_StridedShard`` on one dim: each rank's elements are
+        not its block of every group), or a view of a strided dim into a dim that holds fewer
+        elements than its groups times its split (DTensor splits it unevenly)."""
+        infos = [self.graph.info(r) for r in node.inputs] + list(node.outputs)
+        for placements, info in zip([*need, *outs], infos, strict=True):
+            try:
+                to_placed(self.matrix, placements, len(info.shape)).layout.check(info.shape)
+            except ValueError as e:
+                raise NoLayout(
+                    f"{node.name} ({node.op} at {node.source}): its sharding rule, with inputs "
+                    f"placed {need}, places a tensor of global shape {list(info.shape)} as "
+                    f"{placements}, which no layout on {self.matrix} holds ({e}). Fix: make "
+                    f"whole (sw.reshard) all but one of the splits of the dims the op merges or "
+                    f"splits, or annotate the op with shard()"
+                ) from None
+
+    def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
+        shapes = [list(self.graph.info(r).shape) for r in node.inputs]
+        placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
+        whole = False
+        if "in-place" in str(e) or in_place(node.op):
+            fix = "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
+        elif "evenly" in str(e):  # (a view cutting a split dim into groups it does not divide)
+            fix = self._uneven_fix(node)
+        elif whole := "without redistribution" in str(e):  # (DTensor's ``unbind`` of it)
+            fix = (
+                "the op needs whole a dim that its input has split, also with the data-parallel "
+                "strategy: take the parts another way (x.chunk(n, dim) or indexing for "
+                "x.unbind(dim)), or make that dim whole before the op (sw.reshard)"
+            )
+        else:
+            fix = (
+                f"make the split dims divisible by the number of devices splitting them (e.g. "
+                f"a global batch divisible by {self.device_num}), or annotate the op with shard()"
+            )
+        kind = NeedsWholeDim if whole else PlanError
+        return kind(
+            f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
+            f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
+        )
+
+    def _uneven_fix(self, node: Node) -> str:
+        """The fix for a view that cuts a split dim unevenly, naming the split dims and the
+        nodes that made them."""
+        dims, producers = [], []
+        for ref in node.inputs:
+            placed = self.state.get(ref)
+            if placed is None or not placed.layout.used_axes():
+                continue
+            split = [d for d, axes in enumerate(placed.layout.dims) if axes]
+            dims += [f"dim {d} of {ref}, split in {placed.layout.split_count(d)}" for d in split]
+            if ref.kind == "node":
+                producers.append(self.graph.nodes[int(ref.key)].name)
+        return uneven_fix_text("; ".join(dims) or "a split dim", producers)
+
+
+def check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> None:
+    """Raise ValueError when a rule's output splits a dim into parts its size does not divide
+    (DTensor checks each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are
+    equal). It becomes the op's PlanError with the uneven-view fix; `_cheaper` then tries its
+    fallbacks (each dim over its outer axis only), which run the op where one fits."""
+    for placed, shape in zip(outputs, shapes, strict=False):
+        if placed is None:
+            continue
+        parts = [1] * len(shape)
+        for size, p in zip(mesh, placed, strict=False):
+            dim = getattr(p, "dim", None)
+            if dim is not None and dim < len(shape):
+                parts[dim] *= size
+        for d, (size, n) in enumerate(zip(shape, parts, strict=True)):
+            if size % n:
+                raise ValueError(
+                    f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
+                )
+
+
+def uneven_fix_text(what: str, producers: list[str]) -> str:
+    made = f" (made by {', '.join(producers)})" if producers else ""
+    return (
+        f"the op cuts {what}{made} into groups that its number of parts does not divide (2 "
+        f"key/value heads over 4 model-parallel ranks; q, k and v of a fused projection viewed "
+        f"as (3, heads, head_dim) over 2): make the groups (heads) divisible by it, leave the "
+        f"layer making the split unannotated, or split that layer's output strided "
+        f"(sw.strided, docs/layout.md)"
+    )
