@@ -274,6 +274,7 @@ def test_a_view_that_cuts_a_split_dim_unevenly_is_a_plan_error() -> None:
     net, x = Uneven(), torch.randn(4, 8)
     with simulated_world(2) as world:
         world.replicate(net)
-        fix = r"view .*unevenly sharded.* Fix: the op cuts dim 1 .* \(made by lin/linear\)"
+        fix = r"view .*unevenly sharded.* Fix: the op cuts input 0 \(global shape \[4, 6\], dim 1 "
+        fix += r"split in 2\) \(made by lin/linear\)"
         with pytest.raises(PlanError, match=fix + r".*make the groups .*sw.strided"):
             sw.AutoParallel(net)(world.rows(x))

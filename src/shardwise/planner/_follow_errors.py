@@ -89,19 +89,22 @@ class FollowErrors:
         kind = NeedsWholeDim if whole else PlanError
         return kind(
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
-            f"shapes {shapes} placed {placed} over {self.device_num} devices: {e}. Fix: {fix}"
+            f"shapes {shapes} placed {placed} over {self.device_num} devices: "
+            f"{str(e).rstrip('.')}. Fix: {fix}"
         )
 
     def _uneven_fix(self, node: Node) -> str:
         """The fix for a view that cuts a split dim unevenly, naming the split dims and the
         nodes that made them."""
         dims, producers = [], []
-        for ref in node.inputs:
+        for i, ref in enumerate(node.inputs):
             placed = self.state.get(ref)
             if placed is None or not placed.layout.used_axes():
                 continue
+            shape = list(self.graph.info(ref).shape)
             split = [d for d, axes in enumerate(placed.layout.dims) if axes]
-            dims += [f"dim {d} of {ref}, split in {placed.layout.split_count(d)}" for d in split]
+            parts = [f"dim {d} split in {placed.layout.split_count(d)}" for d in split]
+            dims.append(f"input {i} (global shape {shape}, {', '.join(parts)})")
             if ref.kind == "node":
                 producers.append(self.graph.nodes[int(ref.key)].name)
         return uneven_fix_text("; ".join(dims) or "a split dim", producers)
