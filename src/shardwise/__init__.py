@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 from typing import TYPE_CHECKING, Any
-
-# torch's seed when shardwise was imported (`context.torch_seeded`: a dataset created unseeded
-# takes MindSpore's constant seed); None when torch was not imported yet
-_torch = sys.modules.get("torch")
-_TORCH_SEED_AT_IMPORT: int | None = None if _torch is None else int(_torch.initial_seed())
-del _torch
 
 if TYPE_CHECKING:
     from shardwise import (

@@ -2,9 +2,8 @@
 
 `set_seed(seed)` seeds Python's `random`, NumPy (when installed) and torch (CPU and every CUDA
 device) identically on every rank, and makes CPU runs bit-for-bit repeatable. `torch_seeded()`
-says whether the script seeded torch (`set_seed`, or ``torch.manual_seed`` after importing
-shardwise): until then torch's seed is a random number of each process, so a dataset takes
-MindSpore's constant default seed instead (`shardwise.dataset`).
+says whether the script seeded torch: until then torch's seed is a random number of each
+process, so a dataset takes MindSpore's constant default seed instead (`shardwise.dataset`).
 
 `set_context(save_graphs=..., save_graphs_path=...)` holds the report settings (MindSpore's
 ``set_context`` keys of the same names): `shardwise.report.dump_parallel_plan` reads them when
@@ -20,13 +19,12 @@ from typing import Any
 
 import torch
 
-import shardwise
-
 _seed: int | None = None
 
-_AT_IMPORT = shardwise._TORCH_SEED_AT_IMPORT
-if _AT_IMPORT is None:  # (torch was imported after shardwise: now is the earliest look)
-    _AT_IMPORT = torch.initial_seed()
+_AT_IMPORT = torch.initial_seed()  # (torch's seed when this module was first imported)
+_RANDOM_SEEDS = 1 << 32
+"""torch draws its own seed from 64 random bits: one below this was set by the script (but for
+a chance of 1 in 2**32)."""
 
 _CONTEXT: dict[str, Any] = {"save_graphs": 0, "save_graphs_path": "./saved_graph"}
 
@@ -69,14 +67,16 @@ def get_seed() -> int | None:
 
 
 def torch_seeded() -> bool:
-    """Whether torch's seed was set (`set_seed`, or ``torch.manual_seed`` once shardwise was
-    imported): else it is the random seed torch drew for this process, different on every rank.
+    """Whether the script seeded torch (`set_seed`, or ``torch.manual_seed`` with a seed below
+    2**32, before or after importing shardwise, or with any seed once this module was imported):
+    else torch's seed is the random one it drew for this process, different on every rank.
 
     Example:
         >>> sw.set_seed(1); torch_seeded()
         True
     """
-    return _seed is not None or torch.initial_seed() != _AT_IMPORT
+    seed = torch.initial_seed()
+    return _seed is not None or seed < _RANDOM_SEEDS or seed != _AT_IMPORT
 
 
 def set_context(

@@ -192,37 +192,55 @@ def test_order_helpers() -> None:
     assert sorted(buffer_shuffle(items, 5, seed=3)) == items
 
 
-SHARD_OF_UNSEEDED_PROCESS = """
+SHARD_OF_A_PROCESS = """
 import sys
-import torch
+r, seed, torch_first = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "torch-first"
+if torch_first:
+    import torch
+    if seed:
+        torch.manual_seed(seed)
 import shardwise as sw
-r = int(sys.argv[1])
+import torch
+if seed and not torch_first:
+    torch.manual_seed(seed)
 ds = sw.dataset.GeneratorDataset([(i,) for i in range(40)], "id", shuffle=True, num_shards=2,
                                  shard_id=r)
 print([int(row[0]) for row in ds])
 """
 
 
+def shard_of_a_process(rank: int, seed: int = 0, order: str = "torch-first") -> list[int]:
+    """Rank `rank`'s shard in a fresh process that seeds torch with `seed` (0: never), torch
+    imported (and seeded) before shardwise or after it (`order`)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", SHARD_OF_A_PROCESS, str(rank), str(seed), order],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    shard: list[int] = eval(out)
+    return shard
+
+
 def test_unseeded_processes_read_disjoint_shards() -> None:
     """Two processes that never seed torch (each draws its own random seed) read disjoint
     shards covering the data: the pipeline takes MindSpore's constant seed until the script
     seeds torch (each rank shuffled by its own seed, and shards overlapped)."""
-    import subprocess
-    import sys
-
-    shards = [
-        eval(
-            subprocess.run(
-                [sys.executable, "-c", SHARD_OF_UNSEEDED_PROCESS, str(r)],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        )
-        for r in (0, 1)
-    ]
+    shards = [shard_of_a_process(r) for r in (0, 1)]
     assert sorted(shards[0] + shards[1]) == list(range(40))
     assert shards[0] != sorted(shards[0])  # (shuffled)
+
+
+def test_a_seed_orders_the_data_whatever_the_import_order() -> None:
+    """torch seeded before shardwise is imported, or after it with shardwise imported first
+    (torch then imported lazily): the order is the seed's (the same in both), not the
+    unseeded default."""
+    seeded = shard_of_a_process(0, 7, "torch-first")
+    assert shard_of_a_process(0, 7, "shardwise-first") == seeded
+    assert seeded != shard_of_a_process(0)
 
 
 def test_a_seeded_script_orders_by_its_seed() -> None:
