@@ -226,6 +226,33 @@ def test_a_call_whose_fake_kernel_refuses_it_names_the_kernel_the_line_and_the_f
         f"_meta_grouped_mm_common refused it: Expected inputs of BF16 type"
     ), msg
     assert msg.endswith("experts_implementation='batched_mm' in the model's config"), msg
+    assert isinstance(info.value, RuntimeError)  # (torch's type too: code catching it still does)
+
+
+class WrongShapes(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ torch.ones(3, 2)  # (x is [4, 5]: fails on one device too)
+        return torch.cat([y, torch.ones(4, 3)], dim=0)
+
+
+def test_a_shape_error_during_capture_keeps_torchs_error_and_names_the_line() -> None:
+    """A shape error a meta kernel raises names the line and both readings; torch's other
+    errors stay torch's, with a note naming the call and the line."""
+    line = WrongShapes.forward.__code__.co_firstlineno + 1
+    with pytest.raises(RuntimeError) as info:
+        capture(WrongShapes(), torch.ones(4, 5))
+    assert f"at test_capture.py:{line} failed while the step was captured" in str(info.value)
+    assert "a and b must have same reduction dim" in str(info.value)
+    assert "If it fails on one device too, fix what torch names" in str(info.value)
+
+    class WrongCat(WrongShapes):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.ones(4, 3)], dim=0)
+
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match") as info:
+        capture(WrongCat(), torch.ones(4, 5))
+    assert not isinstance(info.value, CaptureError)
+    assert any("while shardwise captured the step" in n for n in info.value.__notes__)
 
 
 class ScaleByMax(nn.Module):

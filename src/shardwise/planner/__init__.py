@@ -37,7 +37,7 @@
 - `_files`: operator and parameter strategy files, checked against the network on load.
 """
 
-from shardwise.planner._capture import CaptureError, capture
+from shardwise.planner._capture import CaptureError, FakeKernelError, capture
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._files import (
     StrategyFileError,
@@ -75,6 +75,7 @@ __all__ = [
     "Collective",
     "CostModel",
     "EdgePlan",
+    "FakeKernelError",
     "Graph",
     "Node",
     "NodePlan",

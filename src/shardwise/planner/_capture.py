@@ -24,8 +24,8 @@ optimizer's closure) runs the same plan again (`parallel._executor`). Reading a 
 graph (``.item()``, ``bool(t)``) or an op whose output shape depends on values raises
 `CaptureError` naming the op and the source line.
 
-`CaptureError`, `dtype_name` and `info_of` (`_recorders`) and `record_kind` (`_call_kinds`) are
-importable from here too.
+`CaptureError`, `FakeKernelError`, `dtype_name` and `info_of` (`_recorders`) and `record_kind`
+(`_call_kinds`) are importable from here too.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from shardwise.planner._graph import Graph, Ref, TensorInfo
 from shardwise.planner._module_hooks import module_hooks
 from shardwise.planner._recorders import (
     CaptureError,
+    FakeKernelError,
     T,
     _AtenRecorder,
     _Recorder,
@@ -209,4 +210,12 @@ def input_key(path: str) -> str:
     return "kwargs" + rest
 
 
-__all__ = ["CaptureError", "capture", "dtype_name", "info_of", "input_key", "record_kind"]
+__all__ = [
+    "CaptureError",
+    "FakeKernelError",
+    "capture",
+    "dtype_name",
+    "info_of",
+    "input_key",
+    "record_kind",
+]

@@ -45,6 +45,7 @@ from shardwise.planner._graph import (
 )
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import (
+    captured_note,
     data_dependent,
     fake_kernel,
     fake_kernel_refused,
@@ -63,6 +64,11 @@ class _StopCapture(BaseException):
 class CaptureError(ValueError):
     """The network does something capture cannot follow (a value read, a data-dependent
     shape); the message names the op, its source line and what to do instead."""
+
+
+class FakeKernelError(CaptureError, RuntimeError):
+    """A call whose meta (fake-tensor) kernel raised during the capture: torch's RuntimeError
+    (code catching that still does), named with the call's line and the fix."""
 
 
 @functools.cache
@@ -295,11 +301,12 @@ class _Recorder(TorchFunctionMode):
             out = func(*args, **kw)
         except DATA_DEPENDENT as e:
             raise CaptureError(data_dependent(op, e)) from None
-        except RuntimeError as e:  # (torch's fake kernel of an aten op refused the call)
+        except RuntimeError as e:  # (torch's own: a meta kernel's check is named with the fix)
             kernel = fake_kernel(e)
             if kernel is None:
+                e.add_note(captured_note(op))
                 raise
-            raise CaptureError(fake_kernel_refused(op, kernel, e)) from e
+            raise FakeKernelError(fake_kernel_refused(op, kernel, e)) from e
         finally:
             aten, ids = s.aten, s.aten_ids
             s.aten = None

@@ -7,8 +7,9 @@
 - `data_dependent`: the message for a call that fake tensors cannot run: an output whose
   shape depends on values (``x[mask]``), or a value read inside torch itself
   (``F.gaussian_nll_loss``'s check of its variances, ``torch.cov``).
-- `fake_kernel` / `fake_kernel_refused`: a call whose fake (meta) kernel raised, and the message
-  naming the kernel, the user's line and what to use instead.
+- `fake_kernel` / `fake_kernel_refused`: a call whose Python meta kernel raised, and the message
+  naming the kernel, the user's line and what to use instead; `captured_note`: the note added
+  to any other torch error a call raises during the capture (the call and the user's line).
 """
 
 from __future__ import annotations
@@ -105,39 +106,43 @@ def data_dependent(op: str, e: BaseException) -> str:
     )
 
 
-_FAKE_KERNELS = tuple(
-    os.path.join(_TORCH_DIR, part) for part in ("_meta_registrations.py", "_subclasses")
-)
+_META_KERNELS = os.path.join(_TORCH_DIR, "_meta_registrations.py")
 FAKE_KERNEL_HINTS = {
     "grouped_mm": (
         "Hugging Face mixture-of-experts layers: experts_implementation='batched_mm' in the "
         "model's config"
     ),
-    "": "an op whose fake kernel takes these inputs (or inputs of the dtype it asks for)",
 }
 """What to use instead of an op torch's fake kernel refuses, by a part of the kernel's name."""
 
 
 def fake_kernel(e: BaseException) -> str | None:
-    """The function of torch's shape-only (meta / fake) kernels that raised `e`, or None when
-    `e` did not come from one."""
+    """The function of torch's Python meta kernels (``torch/_meta_registrations.py``) that
+    raised `e` (the innermost one), or None when `e` did not come from one."""
     found = None
     for frame, _ in traceback.walk_tb(e.__traceback__):
-        if frame.f_code.co_filename.startswith(_FAKE_KERNELS):
+        if frame.f_code.co_filename == _META_KERNELS:
             found = frame.f_code.co_name
     return found
 
 
 def fake_kernel_refused(op: str, kernel: str, e: BaseException) -> str:
-    """The capture's message for call `op` whose fake kernel (`kernel`) raised `e`: a shape
-    error the real op raises as well, or a check the fake kernel makes and the real one does
-    not (``F.grouped_mm``'s fake kernel takes bfloat16 only; its CPU kernel float32 too)."""
-    instead = next((h for name, h in FAKE_KERNEL_HINTS.items() if name in kernel), "")
-    instead = instead or FAKE_KERNEL_HINTS[""]
+    """The capture's message for call `op` whose meta kernel (`kernel`) raised `e`: a shape
+    error the real op raises as well, or a check the meta kernel makes and the real one does
+    not (``F.grouped_mm``'s takes bfloat16 only; its CPU kernel float32 too)."""
+    instead = next((h for name, h in FAKE_KERNEL_HINTS.items() if name in kernel), None)
     why = str(e).rstrip(".")
+    fix = (
+        f"; if it runs there, the fake kernel checks more than the real one and capture cannot "
+        f"run it: use {instead or 'an op (or a dtype) the fake kernel takes'}"
+    )
     return (
         f"{op} at {source_line()} failed while the step was captured on fake tensors (shapes "
-        f"and dtypes only): torch's fake kernel {kernel} refused it: {why}. If this call runs on "
-        f"one device with these shapes and dtypes, the fake kernel checks more than the real "
-        f"one and capture cannot run it; use {instead}"
+        f"and dtypes only): torch's fake kernel {kernel} refused it: {why}. If it fails on one "
+        f"device too, fix what torch names{fix}"
     )
+
+
+def captured_note(op: str) -> str:
+    """The note added to torch's own error raised by call `op` during the capture."""
+    return f"(raised by {op} at {source_line()} while shardwise captured the step on fake tensors)"
