@@ -141,6 +141,28 @@ def test_broadcast_returns_tuple_of_all_inputs() -> None:
         assert_matches_single_device(out, [torch.full((2,), 1.0), torch.full((3,), 11.0)])
 
 
+def test_a_tensor_every_rank_holds_alike_takes_part_from_every_rank() -> None:
+    """In a simulated world a tensor made from Python data (``torch.tensor([...])`` in the step,
+    or before the world) is one plain tensor every rank holds; a collective takes it from every
+    rank, as in a real job: the sums were the value itself (one rank's), the scatters and
+    exchanges every rank's own copy unchanged."""
+    from shardwise.communication import _collectives as C
+
+    x = [0.0, 1.0, 2.0, 3.0]
+    with simulated_world(4) as world:
+        t = torch.tensor(x)  # (plain: made from data)
+        assert_matches_single_device(sw.ops.AllReduce()(t), torch.tensor(x) * 4)
+        assert_matches_single_device(sw.ops.AllReduce()(torch.tensor(1.0)), torch.tensor(4.0))
+        assert_matches_single_device(
+            sw.ops.ReduceScatter()(t), lambda r: torch.tensor([4.0 * x[r]])
+        )
+        assert_matches_single_device(sw.ops.AlltoAll(4, 0, 0)(t), lambda r: torch.full((4,), x[r]))
+        assert_matches_single_device(sw.ops.AllGather()(t), torch.tensor(x * 4))
+        total = torch.tensor(2.0)
+        C.all_reduce_(total, C.ReduceOp.SUM, None)  # (in place: the plain tensor gets the sum)
+        assert float(total) == 8.0
+
+
 @pytest.mark.parametrize(("n", "kind", "ranks"), CASES, ids=IDS)
 @pytest.mark.parametrize(("split_dim", "concat_dim"), [(0, 1), (1, 0), (0, 0), (2, 1)])
 def test_all_to_all(n: int, kind: str, ranks: list[int], split_dim: int, concat_dim: int) -> None:

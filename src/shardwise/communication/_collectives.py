@@ -14,6 +14,11 @@ collective this rank is in, for the launcher's hang report), and reports a `Comm
   `_sim_rooted`), `all_to_all`;
 - `check_member`: a root or peer rank must be in the group.
 
+In a simulated world a plain tensor (made from Python data in the step, or outside the world:
+one value every rank holds) enters a collective as every rank's copy (`_sim.every_rank`; an
+in-place all-reduce writes the result back into it: `_copy_back`): torch's simulated
+collectives left it as it was.
+
 The reductions are `ReduceOp` (`shardwise.communication._reduce_op`, re-exported here);
 point-to-point `exchange` is in `shardwise.communication._exchange`.
 
@@ -158,6 +163,17 @@ def deferred_record(
     return done
 
 
+def _copy_back(t: torch.Tensor, per_rank: torch.Tensor) -> torch.Tensor:
+    """`t`, a plain tensor of a simulated world, holding `per_rank`'s value (the same on every
+    rank after the reduction); `t` itself when it is `per_rank`."""
+    if per_rank is not t:
+        sim = _sim.current()
+        assert sim is not None
+        with _sim.plain_tensors():
+            t.copy_(sim.local_tensors(per_rank)[0])
+    return t
+
+
 def _start_all_reduce(
     t: torch.Tensor, op: ReduceOp, group: str | Group | None, async_op: bool
 ) -> Pending[torch.Tensor]:
@@ -165,8 +181,9 @@ def _start_all_reduce(
     _check_same_shape("AllReduce", t)
     start = recorder.start()
     token = _trace.enter("AllReduce", g)
-    work = dist.all_reduce(t, op=op.torch_op(), group=g.pg, async_op=async_op)
-    return _started("AllReduce", g, t, start, work, lambda: t, token)
+    each = _sim.every_rank(t, copies=True)  # (a simulated world's plain tensor: every rank's)
+    work = dist.all_reduce(each, op=op.torch_op(), group=g.pg, async_op=async_op)
+    return _started("AllReduce", g, t, start, work, lambda: _copy_back(t, each), token)
 
 
 def _start_all_gather(
@@ -178,7 +195,7 @@ def _start_all_gather(
         raise ValueError("AllGather: input must have at least one dimension (concat on dim 0)")
     _check_same_shape("AllGather", t)
     start = recorder.start()
-    src = t.detach().contiguous()
+    src = _sim.every_rank(t.detach().contiguous())
     if out is None:
         out = src.new_empty((len(g.ranks) * src.shape[0], *src.shape[1:]))
     token = _trace.enter("AllGather", g)
@@ -194,7 +211,7 @@ def _start_reduce_scatter(
     _check_dim0("ReduceScatter", t, n)
     _check_same_shape("ReduceScatter", t)
     start = recorder.start()
-    src = t.detach().contiguous()
+    src = _sim.every_rank(t.detach().contiguous())
     token = _trace.enter("ReduceScatter", g)
     if _is_gloo(g):
         # all-to-all moves only the chunks other ranks own: (N-1)/N of the input per rank.
@@ -303,7 +320,7 @@ def all_to_all(
     n = len(g.ranks)
     _check_same_shape("AlltoAll", t)
     start = recorder.start()
-    src = t.detach()
+    src = _sim.every_rank(t.detach())
     # chunk i of split_dim goes to rank i: on dim 0 the tensor already is that buffer
     if split_dim % src.dim() == 0:
         send = src.contiguous()

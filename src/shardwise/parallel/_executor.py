@@ -280,7 +280,7 @@ class PlanExecutor(
             self.outside = True
             if self.swapped:  # (a tensor changed in place in a moved copy: that copy)
                 args, kwargs = pytree.tree_map(self.current, (args, kwargs))
-            out = func(*args, **kwargs)
+            out = self.run_outside(func, op, args, kwargs)
             self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out
         k = self.cursor

@@ -18,7 +18,9 @@ marks the tensor it changes, parameters excepted (an optimizer's update). Refuse
 `UnsupportedParallelError`, never run unplanned: a network entered again whose first tensor op
 starts no pass (`Passes._refuse_pass`), and any op of a later pass that reads a tensor made
 outside (`Passes.check_inputs`: on one rank's rows, without the plan's collectives and masks).
-A backward before the pass reached the plan's last op is refused too (`Passes.check_done`).
+A backward before the pass reached the plan's last op is refused too (`Passes.check_done`), and
+an op outside the plan that fails on a parameter optimizer parallel holds as this rank's shard
+is named with the fix (`Passes.run_outside`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Passes:
     tentative: int  # a restarted pass is dropped on a mismatch up to this node (`abandon`)
     in_network: bool  # the network was entered for the running pass
     backward_seen: bool
+    param_value: Any  # (optimizer parallel's compute weight of a parameter, else None)
 
     if TYPE_CHECKING:
 
@@ -148,6 +151,31 @@ class Passes:
             self.made_outside[id(out)] = weakref.ref(out)
         elif any(_held(self.inputs, t) for t in leaves):  # (``x * 0.5``: stands for an input)
             self.inputs[id(out)] = weakref.ref(out)
+
+    def run_outside(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
+        """Run `op` outside the plan; when it fails reading a parameter optimizer parallel
+        stores as this rank's shard (a GAN's ``D(fake)`` after ``d_loss.backward()``: no pass
+        of the plan starts there, so the weight is not gathered), an `UnsupportedParallelError`
+        naming it and the fix."""
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            self._check_shards_outside(op, (args, kwargs), e)
+            raise
+
+    def _check_shards_outside(self, op: str, args: Any, error: BaseException) -> None:
+        if self.param_value is None:
+            return
+        names = [self.params[id(t)] for t in pytree.tree_leaves(args) if id(t) in self.params]
+        if names:
+            raise UnsupportedParallelError(
+                f"AutoParallel: {op} reads {names[0]} after loss.backward(), outside the plan (no "
+                f"pass of the plan starts there: only the network's own ops from where the first "
+                f"pass entered it run again), and with hsdp() the parameter holds this rank's "
+                f"shard there ({error}); run every forward before the first backward (a GAN: "
+                f"D(real), D(fake.detach()) and D(fake), then the backwards), or train without "
+                f"hsdp()"
+            ) from error
 
     def check_inputs(self, op: str, args: Any) -> None:
         """Refuse an op of the plan that reads a tensor made outside the plan (on this rank's

@@ -1,0 +1,78 @@
+"""Optimizer parallel and a forward outside the plan: a GAN step that runs ``D(fake)`` after
+``d_loss.backward()`` (no pass of the plan starts there, so D's weights are this rank's
+shards) is refused naming the op, the parameter and the fix, at every level (it failed inside
+torch with a shape mismatch); without ``hsdp()`` the same step matches one device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.parallel import UnsupportedParallelError
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+
+class Gan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.d = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def gan_step(net: Gan, opt: torch.optim.Optimizer) -> Any:
+    def step(real: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        fake = net.g(z)
+        d_loss = net.d(real).pow(2).mean()
+        d_loss.backward()
+        g_loss = net.d(fake).pow(2).mean()  # (after a backward: outside the plan)
+        g_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return g_loss
+
+    return step
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_a_forward_after_backward_reading_shards_names_the_fix(level: str) -> None:
+    real, z = _data()
+    net = Gan()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        step = gan_step(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        wrapper = sw.AutoParallel(step, parallel_mode="semi_auto").hsdp(
+            optimizer_level=level, threshold=0
+        )
+        with pytest.raises(UnsupportedParallelError) as err:
+            wrapper(world.rows(real), world.rows(z))
+    msg = str(err.value)
+    assert "torch.nn.functional.linear reads d." in msg
+    assert "after loss.backward(), outside the plan" in msg
+    assert "run every forward before the first backward" in msg
+
+
+def test_without_hsdp_the_gan_step_matches_one_device() -> None:
+    real, z = _data()
+    single, net = Gan(), Gan()
+    want_step = gan_step(single, torch.optim.SGD(single.parameters(), lr=0.05))
+    for _ in range(2):
+        want_step(real, z)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        step = gan_step(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        wrapper = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for _ in range(2):
+            wrapper(world.rows(real), world.rows(z))
+        want = dict(single.named_parameters())
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), want[name].detach(), what=name)
