@@ -149,7 +149,7 @@ def test_a_tensor_every_rank_holds_alike_takes_part_from_every_rank() -> None:
     from shardwise.communication import _collectives as C
 
     x = [0.0, 1.0, 2.0, 3.0]
-    with simulated_world(4) as world:
+    with simulated_world(4):
         t = torch.tensor(x)  # (plain: made from data)
         assert_matches_single_device(sw.ops.AllReduce()(t), torch.tensor(x) * 4)
         assert_matches_single_device(sw.ops.AllReduce()(torch.tensor(1.0)), torch.tensor(4.0))

@@ -107,11 +107,17 @@ def test_stand_alone_runs_the_plain_loop() -> None:
     assert model.parallel is None
 
 
-def test_model_over_a_module_form_wrapper_reports_the_global_loss() -> None:
+@pytest.mark.parametrize("context", [False, True], ids=["stand_alone", "auto_parallel"])
+def test_model_over_a_module_form_wrapper_reports_the_global_loss(
+    context: bool, request: pytest.FixtureRequest
+) -> None:
     """`Model(sw.AutoParallel(net), loss_fn, opt)`: the loss is computed outside the wrapper,
     on this rank's rows of its outputs; the step's loss (what LossMonitor prints) is the mean of
     the ranks' losses, one device's on the global batch, on every rank (it was each rank's own,
-    and a simulated world failed turning it into a float)."""
+    and a simulated world failed turning it into a float). Under a parallel context the wrapper
+    runs as given (it was wrapped in a train-step AutoParallel of its own)."""
+    if context:
+        request.getfixturevalue("propagation")
     batches = _batches(16)
     want = _single(batches)
     net = Seed002()
@@ -125,3 +131,4 @@ def test_model_over_a_module_form_wrapper_reports_the_global_loss() -> None:
         model.train(1, data, callbacks=[losses, sw.train.LossMonitor()])
         for s, loss in enumerate(losses.seen):
             assert_matches_single_device(loss, want[s], what=f"loss {s}")
+    assert model.parallel is None

@@ -43,7 +43,8 @@ def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallel
     not see."""
     why = "its ops depend on something capture does not see"
     node = plan.nodes[e.cursor] if e.cursor < len(plan.nodes) else None
-    if node is not None and node.op.startswith("shardwise.ops.") and e.op != node.op:
+    primitive = node is not None and node.op.startswith("shardwise.ops.")
+    if node is not None and primitive and e.op is not None and e.op != node.op:
         kind = node.op.removeprefix("shardwise.ops.")
         why = (
             f"%{node.index} {node.name} is a shardwise primitive that is not a submodule of the "

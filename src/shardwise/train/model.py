@@ -71,8 +71,8 @@ class Accuracy:
 
 
 class Loss:
-    """The mean of `loss_fn` over the samples (MindSpore's ``Loss`` metric): each batch's loss
-    weighted by its rows."""
+    """The mean of `loss_fn`'s value over the batches (MindSpore's ``Loss`` metric: each
+    batch's loss, its mean when it has several values, counted once)."""
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.loss_fn = loss_fn
@@ -80,10 +80,9 @@ class Loss:
         self.total = 0.0
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        rows = float(labels.shape[0]) if labels.dim() else 1.0
-        part = self.loss_fn(logits, labels).detach().to(torch.float64) * rows
+        part = self.loss_fn(logits, labels).detach().to(torch.float64).mean()
         self.sum = part if self.sum is None else self.sum + part
-        self.total += rows
+        self.total += 1.0
 
     def counts(self) -> torch.Tensor:
         total = self.sum if self.sum is not None else torch.zeros((), dtype=torch.float64)
@@ -125,7 +124,7 @@ class Model:
         loss_fn: called as ``loss_fn(network(*inputs), label)``.
         optimizer: any `torch.optim.Optimizer` (needed by `train`).
         metrics: names for `eval`: ``"accuracy"`` (``"acc"``), ``"loss"`` (`loss_fn`'s mean
-            over the samples), e.g. ``{"accuracy", "loss"}``.
+            over the batches), e.g. ``{"accuracy", "loss"}``.
         grad_reducer: called after ``loss.backward()`` and before ``optimizer.step()``, e.g. a
             `sw.nn.DistributedGradReducer` for manual data parallel (``STAND_ALONE`` only).
 
@@ -181,6 +180,8 @@ class Model:
             return self.parallel
         mode = get_auto_parallel_context("parallel_mode")
         if mode == ParallelMode.STAND_ALONE or not comm.is_initialized():
+            return None
+        if isinstance(self.network, AutoParallel):  # (wrapped already: runs as given)
             return None
         if self.grad_reducer is not None:
             raise ValueError(
