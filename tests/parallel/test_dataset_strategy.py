@@ -109,6 +109,7 @@ def test_module_gets_blocks_and_global_context() -> None:
         (((3, 1, 1, 1), (3,)), r"uses 3 devices .* does not divide the device count 8"),
         (((1, 1, 1, 16), (1,)), r"uses 16 devices"),
         (((8, 1, 1, 1), LAYOUT("dp")), r"mixes int tuples and Layouts"),
+        (((8, 1, 0, 1), (8,)), r"^dataset_strategy: strategy entry 0 \(8, 1, 0, 1\) splits dim 2"),
     ],
 )
 def test_errors(strategy: Any, match: str) -> None:

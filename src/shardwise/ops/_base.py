@@ -2,9 +2,9 @@
 
 - `Primitive`: a `torch.nn.Module` carrying MindSpore's constructor arguments (`init_args`),
   its strategies (`shard`, `in_strategy`, `out_strategy`) and its module path (`who`).
-- `normalize_strategy`: the light type checks `shard()` does (int tuples or Layout calls, never
-  mixed; lists become tuples). Everything that needs shapes or the device count waits for plan
-  time (`shardwise.ops.rules`).
+- `normalize_strategy`: the light checks `shard()` does (int tuples of split counts >= 1 or
+  Layout calls, never mixed; lists become tuples). Everything that needs shapes or the device
+  count waits for plan time (`shardwise.ops.rules`).
 - `name_primitives`: gives every primitive inside a network its module path, for messages.
 """
 
@@ -66,7 +66,7 @@ def normalize_strategy(strategy: object, what: str, who: str) -> Strategy | None
 
     Raises:
         LayoutTypeError: a wrong type (a `TypeError` that is also a `ValueError`).
-        ValueError: int tuples and Layouts mixed.
+        ValueError: int tuples and Layouts mixed, or a split count below 1.
 
     Example:
         >>> normalize_strategy([[2, 4], [4, 1]], "in_strategy", "MatMul")

@@ -36,7 +36,7 @@ def check_dataset_strategy(strategy: object) -> DatasetStrategy:
                 f"one tuple / Layout call per input, e.g. ((8, 1), (8,))"
             )
         return strategy
-    out = normalize_strategy(strategy, _WHO, _WHO)
+    out = normalize_strategy(strategy, "strategy", _WHO)
     assert out is not None
     return out
 
