@@ -303,6 +303,12 @@ def test_backward_section_is_what_a_train_step_runs() -> None:
         parallel(world.rows(x), world.rows(y))
     plan = parallel.parallel_plan
     assert plan is not None
+    # (a row-parallel linear's output: rows split over dp, a partial sum over mp)
+    begin = [x.strip() for x in format_plan_begin(plan).splitlines()]
+    row = begin.index(next(x for x in begin if x.startswith("%17 transformer.h.0.attn.c_proj")))
+    assert begin[row + 1].startswith("in_strategy ((2, 1, 2), (1, 2), (1,)) from user; inputs")
+    assert begin[row + 2] == "out_strategy ((2, 1, 1) partial over g1,)"
+    assert "out_strategy (() partial over g0, g1,)" in begin  # (the loss, before its AllReduce)
     text = format_plan_execute(plan, 0)
     ran = [(r.kind, tuple(r.group)) for r in rec.select(phase="backward")]
     buckets = [("AllReduce", (0, 1, 2, 3)), ("AllReduce", (0, 2))]

@@ -60,12 +60,21 @@ def in_strategy(n: NodePlan) -> tuple[tuple[int, ...], ...]:
     return n.in_strategy
 
 
+def out_strategy(n: NodePlan, axes: tuple[str, ...]) -> str:
+    """Node `n`'s outputs' split counts in MindSpore's notation, each partial output with the
+    axes it is a partial sum over (``((4, 1) partial over g1,)``: a row-parallel linear)."""
+    parts = []
+    for counts, placed in zip(n.out_strategy, n.outputs, strict=True):
+        over = ", ".join(axes[a] for a in placed.partial)
+        parts.append(f"{counts}" + (f" partial over {over}" if over else ""))
+    return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+
 def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
     """The whole plan, one op per line (`str(plan)`), under a header; under every op with
     inputs its strategy (`in_strategy`), where it came from and the inputs' global shapes, and
-    its outputs' split counts (`out_strategy`, with the axes an output is partial over); at
-    level 3 also the slice table
-    (every rank's block of each input and output). A plan an automatic planner made ends with
+    its outputs' split counts (`out_strategy`); at level 3 also the slice table (every rank's
+    block of each input and output). A plan an automatic planner made ends with
     why each op has its strategy (`ParallelPlan.explained`: the source and the cheapest
     alternatives with their communication / compute / memory costs).
 
@@ -85,12 +94,7 @@ def format_plan_begin(plan: ParallelPlan, level: int = 1) -> str:
             shapes = ", ".join(str(list(s)) for s in node.in_shapes)
             lines.append(f"    in_strategy {in_strategy(node)} from {node.rule}; inputs {shapes}")
         if node.outputs:
-            partial = sorted({a for p in node.outputs for a in p.partial})
-            names = ", ".join(plan.matrix.names[a] for a in partial)
-            lines.append(
-                f"    out_strategy {node.out_strategy}"
-                + (f" partial over {names}" if names else "")
-            )
+            lines.append(f"    out_strategy {out_strategy(node, plan.matrix.names)}")
         if level >= 3:
             lines += [f"    # rank {r}: {_blocks(node, r)}" for r in plan.matrix.rank_list]
     if plan.explained:
