@@ -68,6 +68,40 @@ def test_settings_and_strategies_changed_after_planning_are_refused() -> None:
             wrapper(world.same(x), world.same(y))
 
 
+class TwoHeads(Net):
+    """`Net` with a second head the first plan does not run (used when asked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor, other: bool = False) -> torch.Tensor:
+        h = torch.relu(self.l1(x))
+        return self.other(h, self.w) if other else self.mm(h, self.w)
+
+
+def test_only_the_modules_a_plan_ran_are_held_to_it() -> None:
+    """A primitive no plan ran yet may take a strategy after the first call (it is planned when
+    first run); a module the plan ran replaced in the network is refused, naming it."""
+    torch.manual_seed(0)
+    net, x, y = TwoHeads(), torch.randn(8, 16), torch.randn(8, 4)
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(net(a), b)
+            loss.backward()
+            return loss
+
+        wrapper = sw.AutoParallel(step, parallel_mode="semi_auto")
+        wrapper(world.rows(x), world.rows(y))
+        net.other.shard(((4, 1), (1, 1)))  # (not run by the plan: fine)
+        wrapper(world.rows(x), world.rows(y))
+        net.mm = sw.ops.MatMul().shard(((2, 2), (2, 1)))
+        with pytest.raises(ValueError, match=r"mm was replaced in the network after the first"):
+            wrapper(world.rows(x), world.rows(y))
+
+
 class Inline(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -188,7 +188,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         if self.blocks:  # (each rank's GradScaler sees its blocks: one verdict for all ranks)
             self.undo += agree_scalers(self.fn)
         self.hooks.append(self.network.register_forward_pre_hook(self._network_called))
-        self.annotated = noted_annotations(self.network)  # (a strategy set later: refused)
+        self.annotated = noted_annotations(self.network, graph)  # (changed later: refused)
         if has_deferred(self.network):  # built in sw.no_init_parameters(): materialize now
             shard_parameters(self.network, stored)
         else:  # each split parameter (and state an optimizer made already) cut to its block
@@ -239,7 +239,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             raise
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        check_annotations(self.annotated)
+        check_annotations(self.network, self.annotated)
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None
@@ -322,6 +322,10 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.parallel_plan = plan
         self.plans.append((plan, self.templates))
+        known_ids = {id(a[0]) for a in self.annotated}
+        self.annotated += [
+            a for a in noted_annotations(self.network, graph) if id(a[0]) not in known_ids
+        ]
         recorder.mark(f"planned again: the network called {reason}")
         report.dump_parallel_plan(plan, variant=len(self.plans) - 1)
         report.dump_optimizer(made, plan.matrix, variant=len(self.plans) - 1)

@@ -8,9 +8,10 @@
   hand the primitive's call to the running executor (`PlanExecutor.enter_primitive` /
   ``leave_primitive``); nothing during the capture; a primitive called outside the wrapper is
   refused.
-- `noted_annotations` / `check_annotations`: the strategies the network's modules carried when the
-  plan was made (a primitive's ``shard()``, ``sw.shard``'s op form); a call after one changed
-  is refused (the plan, and the parameters' storage, keep the old ones).
+- `noted_annotations` / `check_annotations`: the strategies the modules a plan ran carried when
+  it was made (a primitive's ``shard()``, ``sw.shard``'s op form); a call after one changed, or
+  after such a module was replaced in the network, is refused (the plan, and the parameters'
+  storage, keep the old ones).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from shardwise.ops import Primitive
 from shardwise.ops._spec_checks import fmt_strategy
-from shardwise.planner._graph import op_strategy
+from shardwise.planner._graph import Graph, op_strategy
 
 if TYPE_CHECKING:
     from shardwise.parallel._executor import PlanExecutor
@@ -76,8 +77,8 @@ class NetworkHooks:
 
 
 Annotation = tuple[nn.Module, str, object, object]
-"""A module, its path, and the two strategies it carried (a primitive's in / out strategy, or
-``sw.shard``'s op-form strategy and None)."""
+"""A module the plan ran, its path in the network ("": none), and the two strategies it carried
+(a primitive's in / out strategy, or ``sw.shard``'s op-form strategy and None)."""
 
 
 def _strategies(module: nn.Module) -> tuple[object, object]:
@@ -86,21 +87,43 @@ def _strategies(module: nn.Module) -> tuple[object, object]:
     return op_strategy(module), None
 
 
-def noted_annotations(network: nn.Module) -> list[Annotation]:
-    """Every module of `network` with the strategies it carries now (when planning)."""
-    return [(m, path, *_strategies(m)) for path, m in network.named_modules()]
+def noted_annotations(network: nn.Module, graph: Graph) -> list[Annotation]:
+    """The modules of `network` that `graph`'s ops ran in (its primitives included), with their
+    paths and the strategies they carry now (when planning)."""
+    paths = {id(m): path for path, m in network.named_modules()}
+    by_path = {path: m for path, m in network.named_modules()}
+    noted: dict[int, Annotation] = {}
+    for node in graph.nodes:
+        module = node.target if node.is_primitive else by_path.get(node.module)
+        if isinstance(module, nn.Module) and id(module) not in noted:
+            noted[id(module)] = (module, paths.get(id(module), ""), *_strategies(module))
+    return list(noted.values())
 
 
-def check_annotations(noted: list[Annotation]) -> None:
-    """Refuse a call after a module's strategies changed since `noted_annotations` noted them.
+def _held(network: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return network.get_submodule(path)
+    except AttributeError:  # (deleted)
+        return None
+
+
+def check_annotations(network: nn.Module, noted: list[Annotation]) -> None:
+    """Refuse a call after a module the plan ran changed its strategies, or one that carried a
+    strategy was replaced in the network, since `noted_annotations` noted it.
 
     Raises:
         ValueError: naming the module, the planned strategy and the fix.
     """
     for module, path, *was in noted:
         now = _strategies(module)
+        what = module.who if isinstance(module, Primitive) else f"{path or 'the network'}"
+        if path and was != [None, None] and _held(network, path) is not module:
+            raise ValueError(
+                f"AutoParallel: {path} was replaced in the network after the first call (the "
+                f"plan ran the module it held then, {what}); build the network as it trains "
+                f"before the first call, or wrap it in a new AutoParallel"
+            )
         if (now[0] is not was[0] or now[1] is not was[1]) and list(now) != was:
-            what = module.who if isinstance(module, Primitive) else f"{path or 'the network'}"
             planned = "none" if was[0] is None else fmt_strategy(was[0])  # type: ignore[arg-type]
             raise ValueError(
                 f"AutoParallel: {what}'s sharding strategy changed after the first call (planned "
