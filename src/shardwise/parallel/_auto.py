@@ -320,7 +320,9 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         if self._superseded:
             raise ValueError(
                 f"AutoParallel: a newer AutoParallel wraps {type(self.network).__name__}; call "
-                "that one"
+                "that one (one network is run by one wrapper: to train and evaluate it, wrap "
+                "one step that branches on a flag, step(x, y, train=False); docs/parallel.md, "
+                "'Training and evaluation in one step')"
             )
         if self.parallel_mode == "data_parallel":
             return self._data_parallel(*inputs, **kwargs)

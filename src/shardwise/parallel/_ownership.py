@@ -53,7 +53,10 @@ def take_over(network: nn.Module, wrapper: Wrapper) -> None:
                 f"AutoParallel: {type(network).__name__} is already run by an earlier "
                 "AutoParallel (semi_auto: its parameters hold this rank's blocks; data_parallel: "
                 "its optimizer hooks average the gradients); keep calling that wrapper, or build "
-                "the network (and its optimizer) again before wrapping it"
+                "the network (and its optimizer) again before wrapping it. One network is run "
+                "by one wrapper: to train and evaluate it, wrap one step that branches on a "
+                "flag (step(x, y, train=False); docs/parallel.md, 'Training and evaluation in "
+                "one step')"
             )
         old.remove()
         old._superseded = True
