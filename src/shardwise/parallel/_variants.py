@@ -1,8 +1,10 @@
 """A call stopped midway to be run again (`parallel._errors.Replan`): what it
 changed, and which known plan fits it.
 
-- `snapshot(modules)`: the modules' buffers (copies) and the RNG state before a call;
-  `Snapshot.restore` undoes the stopped attempt's changes to them (BatchNorm statistics, draws).
+- `snapshot(modules)`: the modules' buffers (copies) and the RNG state (the CPU's and the
+  accelerators' generators, a simulated world's per-rank ones: `communication.draw_state`)
+  before a call; `Snapshot.restore` undoes the stopped attempt's changes to them (BatchNorm
+  statistics, draws).
 - `known_variant(plans, plan, shapes, stop)`: the one plan kept for these inputs whose first ops
   are the ones that ran and whose next op is the one called (or which ends there).
 """
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise import communication as comm
 from shardwise._torch.module_state import own_buffers
 from shardwise.parallel._errors import Replan
 from shardwise.planner import ParallelPlan
@@ -29,14 +32,14 @@ class Snapshot:
     """Buffers (each with its copy) and the RNG state, taken by `snapshot`."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    rng: torch.Tensor
+    rng: Any  # (`communication.draw_state`: the CPU's and the accelerators' generators)
 
     def restore(self) -> None:
         """Put the buffers and the RNG state back; other Python state a call changed stays."""
         with torch.no_grad():
             for b, saved in self.buffers:
                 b.copy_(saved)
-        torch.set_rng_state(self.rng)
+        comm.set_draw_state(self.rng)
 
 
 def snapshot(modules: Sequence[nn.Module]) -> Snapshot:
@@ -50,7 +53,7 @@ def snapshot(modules: Sequence[nn.Module]) -> Snapshot:
     with torch.no_grad():
         held = (b for m in modules for b in own_buffers(m).values() if b is not None)
         buffers = [(b, b.clone()) for b in held]
-    return Snapshot(buffers, torch.get_rng_state())
+    return Snapshot(buffers, comm.draw_state())
 
 
 def known_variant(
