@@ -20,7 +20,7 @@ starts no pass (`Passes._refuse_pass`), and any op of a later pass that reads a 
 outside (`Passes.check_inputs`: on one rank's rows, without the plan's collectives and masks).
 A backward before the pass reached the plan's last op is refused too (`Passes.check_done`), and
 an op outside the plan that fails on a parameter optimizer parallel holds as this rank's shard
-is named with the fix (`Passes.run_outside`).
+gets a note naming it and the fix (`Passes.run_outside`).
 """
 
 from __future__ import annotations
@@ -153,29 +153,25 @@ class Passes:
             self.inputs[id(out)] = weakref.ref(out)
 
     def run_outside(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
-        """Run `op` outside the plan; when it fails reading a parameter optimizer parallel
-        stores as this rank's shard (a GAN's ``D(fake)`` after ``d_loss.backward()``: no pass
-        of the plan starts there, so the weight is not gathered), an `UnsupportedParallelError`
-        naming it and the fix."""
+        """Run `op` outside the plan; when a computation (not an in-place update: an EMA's
+        ``lerp_``) fails reading a parameter optimizer parallel stores as this rank's shard (a
+        GAN's ``D(fake)`` after ``d_loss.backward()``: no pass of the plan starts there, so the
+        weight is not gathered), torch's error gets a note naming it and the fix."""
         try:
             return func(*args, **kwargs)
         except RuntimeError as e:
-            self._check_shards_outside(op, (args, kwargs), e)
+            leaves = pytree.tree_leaves((args, kwargs))
+            names = [self.params[id(t)] for t in leaves if id(t) in self.params]
+            if self.param_value is not None and not op.endswith("_") and names:
+                e.add_note(
+                    f"AutoParallel: {op} reads {names[0]} after loss.backward(), outside the plan "
+                    f"(no pass of the plan starts there: only the network's own ops from where "
+                    f"the first pass entered it run again), and with hsdp() the parameter holds "
+                    f"this rank's shard there; run every forward before the first backward (a "
+                    f"GAN: D(real), D(fake.detach()) and D(fake), then the backwards), or train "
+                    f"without hsdp()"
+                )
             raise
-
-    def _check_shards_outside(self, op: str, args: Any, error: BaseException) -> None:
-        if self.param_value is None:
-            return
-        names = [self.params[id(t)] for t in pytree.tree_leaves(args) if id(t) in self.params]
-        if names:
-            raise UnsupportedParallelError(
-                f"AutoParallel: {op} reads {names[0]} after loss.backward(), outside the plan (no "
-                f"pass of the plan starts there: only the network's own ops from where the first "
-                f"pass entered it run again), and with hsdp() the parameter holds this rank's "
-                f"shard there ({error}); run every forward before the first backward (a GAN: "
-                f"D(real), D(fake.detach()) and D(fake), then the backwards), or train without "
-                f"hsdp()"
-            ) from error
 
     def check_inputs(self, op: str, args: Any) -> None:
         """Refuse an op of the plan that reads a tensor made outside the plan (on this rank's
