@@ -139,3 +139,28 @@ def test_a_wrapper_optimizers_inner_step_is_left_alone() -> None:
             {n: p.detach() for n, p in net.named_parameters()},
             {n: p.detach() for n, p in ref.named_parameters()},
         )
+
+
+def test_a_scalar_the_step_makes_comes_back_as_made() -> None:
+    """A step returning a scalar it made (the scheduler's learning rate as a tensor): the mode
+    averages returned scalars over the ranks, and a value every rank made alike comes back as
+    made (a simulated world summed it once, not once a rank: it came back divided by the world
+    size)."""
+    net, (x, y) = make_net(), batch()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            return loss, torch.tensor(sched.get_last_lr()[0])
+
+        run = AutoParallel(step, parallel_mode="data_parallel")
+        for want in (0.05, 0.025):
+            _, lr = run(world.rows(x), world.rows(y))
+            assert_matches_single_device(lr, torch.tensor(want))
