@@ -192,14 +192,13 @@ class _OneNode:
         """Raise ValueError when a placement has no `TensorLayout` on the matrix (DTensor's
         strided shards in an order the matrix cannot give), splits a dim unevenly (DTensor
         allows it; shardwise's blocks are equal), or is a partial value other than a plain sum
-        or mean (DTensor's masked partial of a vocabulary-split embedding: its local op masks
-        out-of-range ids, which the plan's executor, running the op itself on each block, does
-        not)."""
+        or mean (an internal check: `ops.aten_rules.decide` asks DTensor again, the inputs whole
+        on such axes, rather than answer with a max, norm or masked partial)."""
         m = self.p.matrix
         infos = [self.graph.info(r) for r in node.inputs] + list(node.outputs)
         for placed in [*need, *outs]:
             if any(isinstance(p, Partial) and type(p) is not Partial for p in placed):
-                raise ValueError(f"{placed}: a masked partial value")
+                raise ValueError(f"{placed}: a partial value other than a sum or a mean")
         for placed, info in zip([*need, *outs], infos, strict=True):
             layout = to_placed(m, placed, len(info.shape)).layout
             for d, size in enumerate(info.shape):
