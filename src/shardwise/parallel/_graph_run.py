@@ -130,9 +130,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
         self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
         self.capturing = False
-        self.blocks = (
-            False  # (parameters stored as blocks or shards: see `NetworkHooks._network_called`)
-        )
+        self.blocks = False  # (parameters stored as blocks or shards: `_network_hooks`)
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         watch_all = bool(get_auto_parallel_context("watch_every_op"))
