@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
-from shardwise.ops.aten_rules import decide
+from shardwise.ops.aten_rules import Decision, decide
 from shardwise.ops.torch_rules import NODE_RULES
 from shardwise.planner._follow_errors import (
     FollowErrors,
@@ -121,16 +121,9 @@ class _Follow(FollowErrors):
         wants split like q's batch: `_copied`). With `seen`, each aten call is appended there
         with its first output's placements. Raises `NoLayout` when an input's or output's
         placements are no layout of its global shape (`_check_layouts`)."""
-        whole_op = NODE_RULES.get(node.op)  # (an op parallel as a whole: `ops.torch_rules`)
-        if whole_op is not None and not strict:
-            shapes = [self.graph.info(r).shape for r in node.inputs]
-            given = [r in self.given_blocks for r in node.inputs]
-            try:
-                decided = whole_op(have, shapes, node.args, dict(node.kwargs), self.ndim, given)
-            except ValueError as e:
-                raise PlanError(f"{node.op} at {node.source} ({node.module}): {e}") from None
-            if decided is not None:
-                return decided[0], decided[1], "shardwise"
+        decided = None if strict else self._whole_op(node, have)
+        if decided is not None:
+            return decided
         need = list(have)
         used: set[int] = set()
         tmp: dict[int, Placements] = {}
@@ -138,27 +131,10 @@ class _Follow(FollowErrors):
         mark = len(seen) if seen is not None else 0
         sources = {"identity" if node.inputs else "factory"}
         for call in node.aten:
-            tree = (call.args, dict(call.kwargs))
-            args = [x for x in flat.leaves(tree) if isinstance(x, AtenArg)]
-            specs = {
-                id(x): Spec(
-                    need[x.index] if x.kind == "in" else tmp.get(x.index, self.rep()),
-                    x.info.shape,
-                    x.stride,
-                    x.info.dtype,
-                )
-                for x in args
-            }
-            a, k = flat.map_only(AtenArg, _lookup(specs), tree)
-            try:
-                shapes = [o.info.shape for o in call.outputs]
-                dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
-                check_even(dec.outputs, shapes, self.matrix.shape)
-            except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
-                error = self._error(node, call.op, e)
-                if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
-                    raise RandomFillError(str(error)) from None
-                raise error from None
+            args = [
+                x for x in flat.leaves((call.args, dict(call.kwargs))) if isinstance(x, AtenArg)
+            ]
+            dec = self._decide(node, call, args, need, tmp)
             sources.add(dec.source)
             for arg, want in zip(args, dec.inputs, strict=False):
                 cur = need[arg.index] if arg.kind == "in" else tmp.get(arg.index, self.rep())
@@ -204,6 +180,55 @@ class _Follow(FollowErrors):
             outs.append(self.rep())
         self._check_layouts(node, need, outs)
         return need, outs, max(sources, key=_ORDER.__getitem__)
+
+    def _whole_op(
+        self, node: Node, have: list[Placements]
+    ) -> tuple[list[Placements], list[Placements], str] | None:
+        """The strategy of an op parallel as a whole (`ops.torch_rules.NODE_RULES`: a recurrent
+        layer) from its inputs' placements, or None (no such rule, or it follows the aten
+        program)."""
+        whole_op = NODE_RULES.get(node.op)
+        if whole_op is None:
+            return None
+        shapes = [self.graph.info(r).shape for r in node.inputs]
+        given = [r in self.given_blocks for r in node.inputs]
+        try:
+            decided = whole_op(have, shapes, node.args, dict(node.kwargs), self.ndim, given)
+        except ValueError as e:
+            raise PlanError(f"{node.op} at {node.source} ({node.module}): {e}") from None
+        return None if decided is None else (decided[0], decided[1], "shardwise")
+
+    def _decide(
+        self,
+        node: Node,
+        call: AtenCall,
+        args: list[AtenArg],
+        need: list[Placements],
+        tmp: dict[int, Placements],
+    ) -> Decision:
+        """The rule's `Decision` for aten `call` of `node`, its inputs placed as `need` (the
+        node's inputs) and `tmp` (intermediates; whole when not yet made); the op's PlanError
+        when no rule runs it so (`RandomFillError` for a random fill)."""
+        specs = {
+            id(x): Spec(
+                need[x.index] if x.kind == "in" else tmp.get(x.index, self.rep()),
+                x.info.shape,
+                x.stride,
+                x.info.dtype,
+            )
+            for x in args
+        }
+        a, k = flat.map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
+        try:
+            shapes = [o.info.shape for o in call.outputs]
+            dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
+            check_even(dec.outputs, shapes, self.matrix.shape)
+        except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
+            error = self._error(node, call.op, e)
+            if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
+                raise RandomFillError(str(error)) from None
+            raise error from None
+        return dec
 
     def _cheaper(
         self, node: Node, have: list[Placements]
