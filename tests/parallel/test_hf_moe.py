@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from torch import nn
 import shardwise as sw
 from shardwise.planner import CaptureError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+from .test_hf_masks import loss_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,10 +47,13 @@ def mixtral(experts: str | None) -> nn.Module:
     return model
 
 
-def loss_of(net: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    labels = ids.masked_fill(mask == 0, -100)
-    out: torch.Tensor = net(input_ids=ids, attention_mask=mask, labels=labels).loss
-    return out
+def step_of(net: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(net, a, m)
+        loss.backward()
+        return loss
+
+    return step
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,13 +72,8 @@ def test_mixtral_with_batched_experts_matches_one_device() -> None:
     with simulated_world(2) as world:
         world.replicate(net)
 
-        def step(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            loss = loss_of(net, a, m)
-            loss.backward()
-            return loss
-
         with CommRecorder() as rec:
-            got = sw.AutoParallel(step, parallel_mode="semi_auto")(
+            got = sw.AutoParallel(step_of(net), parallel_mode="semi_auto")(
                 world.rows(ids), world.rows(mask)
             )
         assert_matches_single_device(got, want.detach(), what="loss")
@@ -98,10 +99,7 @@ def test_mixtral_with_grouped_experts_names_the_fix() -> None:
     with simulated_world(2) as world:
         world.replicate(net)
 
-        def step(a: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            loss = loss_of(net, a, m)
-            loss.backward()
-            return loss
-
         with pytest.raises(CaptureError, match="experts_implementation='batched_mm'"):
-            sw.AutoParallel(step, parallel_mode="semi_auto")(world.rows(ids), world.rows(mask))
+            sw.AutoParallel(step_of(net), parallel_mode="semi_auto")(
+                world.rows(ids), world.rows(mask)
+            )

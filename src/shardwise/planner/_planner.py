@@ -96,8 +96,23 @@ class Planner(_Follow):
         if rule is None:
             rule = "user" if op.user_set else "default"
         shapes = tuple(tuple(s) for s in op.output_shapes)
+        self._add(node, rule, ins, outs, shapes, comms, op.local)
+
+    def _add(
+        self,
+        node: Node,
+        rule: str,
+        ins: tuple[Placed, ...],
+        outs: tuple[Placed, ...],
+        shapes: tuple[tuple[int, ...], ...],
+        comms: tuple[Collective, ...],
+        local: str,
+        draws: tuple[tuple[Placed, tuple[int, ...], tuple[int, ...]], ...] = (),
+    ) -> None:
+        """Append `node`'s `NodePlan` (its inputs' values and global shapes from the graph)."""
         values = tuple(str(r) for r in node.inputs)
         in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
+        dtypes = tuple(o.dtype for o in node.outputs)
         self.nodes.append(
             NodePlan(
                 node.index,
@@ -109,9 +124,10 @@ class Planner(_Follow):
                 shapes,
                 comms,
                 values,
-                op.local,
+                local,
                 in_shapes,
-                dtypes=tuple(o.dtype for o in node.outputs),
+                dtypes=dtypes,
+                draws=draws,
             )
         )
 
@@ -151,8 +167,6 @@ class Planner(_Follow):
         for j, p in enumerate(placed):
             self.state[Ref("node", node.index, j)] = p
         shapes = tuple(o.shape for o in node.outputs)
-        values = tuple(str(r) for r in node.inputs)
-        in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
         local = ""
         if split:
             local = SPLIT_BATCH_NORM
@@ -162,22 +176,9 @@ class Planner(_Follow):
             local = ATTENTION_DROPOUT
         elif draws and node.op not in (DROPOUT, SDPA):
             local = GLOBAL_DRAWS
-        self.nodes.append(
-            NodePlan(
-                node.index,
-                node.name,
-                node.op,
-                rule,
-                ins,
-                placed,
-                shapes,
-                stats_gather(node.name, ins[0].layout, in_shapes[0], node.outputs[0].dtype)
-                if split
-                else (),
-                values,
-                local,
-                in_shapes,
-                dtypes=tuple(o.dtype for o in node.outputs),
-                draws=tuple((to_placed(self.matrix, p, len(s)), s, o) for p, s, o in draws),
-            )
-        )
+        comms: tuple[Collective, ...] = ()
+        if split:
+            info = self.graph.info(node.inputs[0])
+            comms = stats_gather(node.name, ins[0].layout, info.shape, node.outputs[0].dtype)
+        placed_draws = tuple((to_placed(self.matrix, p, len(s)), s, o) for p, s, o in draws)
+        self._add(node, rule, ins, placed, shapes, comms, local, placed_draws)
