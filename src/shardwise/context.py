@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 _seed: int | None = None
+_agreed: int | None = None  # (rank 0's seed every rank took in `communication.init`)
 
 _AT_IMPORT = torch.initial_seed()  # (torch's seed when this module was first imported)
 _RANDOM_SEEDS = 1 << 32
@@ -76,7 +77,17 @@ def torch_seeded() -> bool:
         True
     """
     seed = torch.initial_seed()
-    return _seed is not None or seed < _RANDOM_SEEDS or seed != _AT_IMPORT
+    agreed = _agreed is not None and seed == _agreed
+    return agreed or _seed is not None or seed < _RANDOM_SEEDS or seed != _AT_IMPORT
+
+
+def agree_seed(seed: int) -> None:
+    """Seed torch with `seed`, rank 0's own random seed, on every rank of a job whose script
+    has not seeded torch (`communication.init`); it counts as seeded from then on, on every
+    rank alike (`torch_seeded`)."""
+    global _agreed
+    torch.manual_seed(seed)
+    _agreed = seed
 
 
 def set_context(

@@ -118,10 +118,26 @@ def init(backend: str | None = None) -> None:
     dist.init_process_group(
         backend, store=store, rank=job.rank, world_size=job.world_size, timeout=timeout
     )
+    if job.world_size > 1:
+        _same_seed(store, job.rank)
     _job = job
     _exit.install()
     if job.world_size > 1:
         _trace.open_trace()
+
+
+def _same_seed(store: Any, rank: int) -> None:
+    """A script that has not seeded torch (`context.torch_seeded`) takes rank 0's torch seed on
+    every rank, through the job's store (no collective): each process drew its own, so networks
+    built after ``init()`` would start from other weights on every rank, and with averaged
+    gradients train different replicas for ever."""
+    from shardwise.context import agree_seed, torch_seeded
+
+    key = "shardwise/initial_seed"  # (rank 0 always writes it: no rank waits for nothing)
+    if rank == 0:
+        store.set(key, str(torch.initial_seed()))
+    if not torch_seeded():
+        agree_seed(int(store.get(key)))
 
 
 def is_initialized() -> bool:
