@@ -145,6 +145,8 @@ def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: s
                     if isinstance(other, tuple)
                     else f"the same axes as {_input(spec, j)} dim {e}"
                 )
+                if isinstance(other, tuple) and isinstance(entry, tuple):  # (either way round:
+                    fix += f" or {_with(strategy, {(j, e): entry[d]})}"  # one fits fewer devices)
                 raise ValueError(
                     f"{label}: {_input(spec, j)} dim {e} and {_input(spec, i)} dim {d}{role} must "
                     f"be split alike, but the strategy splits them into {_show(other, e)} and "
