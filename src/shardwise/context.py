@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 _seed: int | None = None
-_agreed: int | None = None  # (rank 0's seed every rank took in `communication.init`)
 
 _AT_IMPORT = torch.initial_seed()  # (torch's seed when this module was first imported)
 _RANDOM_SEEDS = 1 << 32
@@ -77,17 +76,21 @@ def torch_seeded() -> bool:
         True
     """
     seed = torch.initial_seed()
-    agreed = _agreed is not None and seed == _agreed
-    return agreed or _seed is not None or seed < _RANDOM_SEEDS or seed != _AT_IMPORT
+    return _seed is not None or seed < _RANDOM_SEEDS or seed != _AT_IMPORT
 
 
-def agree_seed(seed: int) -> None:
-    """Seed torch with `seed`, rank 0's own random seed, on every rank of a job whose script
-    has not seeded torch (`communication.init`); it counts as seeded from then on, on every
-    rank alike (`torch_seeded`)."""
-    global _agreed
-    torch.manual_seed(seed)
-    _agreed = seed
+def random_start() -> tuple[torch.Tensor, int]:
+    """This process's torch random state and its seed when shardwise was imported (what
+    `take_random_start` gives another rank)."""
+    return torch.get_rng_state(), _AT_IMPORT
+
+
+def take_random_start(state: torch.Tensor, at_import: int) -> None:
+    """Take another rank's `random_start` (rank 0's, at ``communication.init``): the same
+    random stream, and the same answer from `torch_seeded`."""
+    global _AT_IMPORT
+    torch.set_rng_state(state)
+    _AT_IMPORT = at_import
 
 
 def set_context(

@@ -1,6 +1,7 @@
 """A script that never seeds torch, on 2 real gloo processes (unseeded_start_worker.py):
-``init()`` gives every rank rank 0's torch seed, so a network built after it has the same
-weights on every rank, and an unseeded sharded dataset's shards are disjoint and cover it."""
+``init()`` gives every rank rank 0's torch random state, so a network built after it has the
+same weights on every rank, and an unseeded sharded dataset takes the constant default seed on
+every rank: its shards are disjoint and cover it."""
 
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def init(backend: str | None = None) -> None:
     its process groups down before the interpreter does; a script that raises leaves at once,
     waits for nobody, and its traceback is the job's root cause. Under ``shardwise run`` it also
     traces which collective it is in, for the launcher's report of a hang. In a job of several
-    ranks whose script has not seeded torch, every rank takes rank 0's torch seed (networks
-    built after ``init()`` start alike on every rank; `context.torch_seeded`).
+    ranks whose script has not seeded torch, every rank takes rank 0's torch random state
+    (networks built after ``init()`` start alike on every rank; `context.torch_seeded`).
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or None for the default (`default_backend()`).
@@ -129,17 +129,24 @@ def init(backend: str | None = None) -> None:
 
 
 def _same_seed(store: Any, rank: int) -> None:
-    """A script that has not seeded torch (`context.torch_seeded`) takes rank 0's torch seed on
-    every rank, through the job's store (no collective): each process drew its own, so networks
-    built after ``init()`` would start from other weights on every rank, and with averaged
-    gradients train different replicas for ever."""
-    from shardwise.context import agree_seed, torch_seeded
+    """A script that has not seeded torch (`context.torch_seeded`) takes rank 0's torch random
+    state on every rank, through the job's store (no collective; rank 0's own stream goes on
+    as it was): each process drew its own seed, so networks built after ``init()`` would start
+    from other weights on every rank, and with averaged gradients train different replicas for
+    ever. Every rank then reads as seeded or not as rank 0 does (`context.take_random_start`: a
+    dataset of an unseeded script takes MindSpore's constant default seed on every rank
+    alike)."""
+    from shardwise.context import random_start, take_random_start, torch_seeded
 
-    key = "shardwise/initial_seed"  # (rank 0 always writes it: no rank waits for nothing)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # (a restarted job's own key)
+    key = f"shardwise/random_start/{attempt}"  # (rank 0 always writes it: none waits for naught)
     if rank == 0:
-        store.set(key, str(torch.initial_seed()))
-    if not torch_seeded():
-        agree_seed(int(store.get(key)))
+        state, at_import = random_start()
+        store.set(key, str(at_import).encode() + b":" + bytes(state.numpy()))
+    elif not torch_seeded():
+        head, _, tail = bytes(store.get(key)).partition(b":")
+        raw = torch.frombuffer(bytearray(tail), dtype=torch.uint8).clone()
+        take_random_start(raw, int(head))
 
 
 def is_initialized() -> bool:
