@@ -132,3 +132,5 @@ def test_model_over_a_module_form_wrapper_reports_the_global_loss(
         for s, loss in enumerate(losses.seen):
             assert_matches_single_device(loss, want[s], what=f"loss {s}")
     assert model.parallel is None
+    with pytest.raises(ValueError, match="the network is an AutoParallel, which reduces"):
+        sw.Model(wrapper, torch.nn.MSELoss(), opt, grad_reducer=lambda: None)

@@ -9,7 +9,9 @@ As MindSpore's ``Model`` does, training follows `set_auto_parallel_context`: in 
 (``communication.init()`` called) whose context mode is not ``STAND_ALONE``, `_parallel_step`
 runs the same train step through `AutoParallel` (semi_auto, sharding propagation or the
 data-parallel mode, as the context says), so each rank passes its own rows and every step's
-loss is the global batch's, the same on every rank.
+loss is the global batch's, the same on every rank. A network that is a module-form
+`AutoParallel` already runs as given (its loss, computed outside it, averaged over the ranks);
+it reduces its gradients itself, so a `grad_reducer` with it is refused.
 """
 
 from __future__ import annotations
@@ -159,6 +161,13 @@ class Model:
             raise TypeError(
                 f"Model: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        from shardwise.parallel import AutoParallel  # (imported here: it imports much)
+
+        if isinstance(network, AutoParallel) and grad_reducer is not None:
+            raise ValueError(
+                "Model: grad_reducer is for manual parallel, but the network is an AutoParallel, "
+                "which reduces the gradients itself; drop grad_reducer"
+            )
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
         self.metrics = _make_metrics(metrics, loss_fn)
         self.grad_reducer = grad_reducer
@@ -181,14 +190,14 @@ class Model:
         mode = get_auto_parallel_context("parallel_mode")
         if mode == ParallelMode.STAND_ALONE or not comm.is_initialized():
             return None
-        if isinstance(self.network, AutoParallel):  # (wrapped already: runs as given)
-            return None
         if self.grad_reducer is not None:
             raise ValueError(
                 f"Model: grad_reducer is for manual parallel, but set_auto_parallel_context("
                 f"parallel_mode={mode!r}) makes AutoParallel reduce the gradients; drop "
                 "grad_reducer or set parallel_mode=ParallelMode.STAND_ALONE"
             )
+        if isinstance(self.network, AutoParallel):  # (wrapped already: runs as given)
+            return None
         network, loss_fn, optimizer = self.network, self.loss_fn, self.optimizer
         assert optimizer is not None
 
