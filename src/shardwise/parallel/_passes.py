@@ -33,6 +33,7 @@ import torch
 from shardwise._torch import pytree
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.planner import ParallelPlan
+from shardwise.planner._in_place import in_place
 
 T = torch.Tensor
 
@@ -159,10 +160,11 @@ class Passes:
         weight is not gathered), torch's error gets a note naming it and the fix."""
         try:
             return func(*args, **kwargs)
-        except RuntimeError as e:
-            leaves = pytree.tree_leaves((args, kwargs))
-            names = [self.params[id(t)] for t in leaves if id(t) in self.params]
-            if self.param_value is not None and not op.endswith("_") and names:
+        except (RuntimeError, IndexError) as e:  # (F.embedding on a row shard: IndexError)
+            leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
+            bases = [t if t._base is None else t._base for t in leaves]  # (``w.t()``: w's view)
+            names = [self.params[id(t)] for t in bases if id(t) in self.params]
+            if self.param_value is not None and not in_place(op) and names:
                 e.add_note(
                     f"AutoParallel: {op} reads {names[0]} after loss.backward(), outside the plan "
                     f"(no pass of the plan starts there: only the network's own ops from where "
