@@ -101,32 +101,43 @@ def noted_annotations(network: nn.Module, graph: Graph) -> list[Annotation]:
 
 
 def _held(network: nn.Module, path: str) -> nn.Module | None:
+    """The module at `path` of `network` now, seen through the wrappers that run the module
+    they wrap (activation checkpointing's, ``torch.compile``'s); None when it is gone."""
     try:
-        return network.get_submodule(path)
+        module = network.get_submodule(path)
     except AttributeError:  # (deleted)
         return None
+    for inner in ("_checkpoint_wrapped_module", "_orig_mod"):
+        module = getattr(module, inner, module)
+    return module
+
+
+def _who(module: nn.Module, path: str) -> str:
+    return module.who if isinstance(module, Primitive) else path or "the network"
 
 
 def check_annotations(network: nn.Module, noted: list[Annotation]) -> None:
     """Refuse a call after a module the plan ran changed its strategies, or one that carried a
-    strategy was replaced in the network, since `noted_annotations` noted it.
+    strategy (or is a primitive) was replaced in the network, since `noted_annotations` noted
+    it.
 
     Raises:
         ValueError: naming the module, the planned strategy and the fix.
     """
     for module, path, *was in noted:
         now = _strategies(module)
-        what = module.who if isinstance(module, Primitive) else f"{path or 'the network'}"
-        if path and was != [None, None] and _held(network, path) is not module:
+        held = path and (was != [None, None] or isinstance(module, Primitive))
+        if held and _held(network, path) is not module:
             raise ValueError(
                 f"AutoParallel: {path} was replaced in the network after the first call (the "
-                f"plan ran the module it held then, {what}); build the network as it trains "
-                f"before the first call, or wrap it in a new AutoParallel"
+                f"plan ran the module it held then, {_who(module, path)}); build the network as "
+                f"it trains before the first call, or wrap it in a new AutoParallel"
             )
         if (now[0] is not was[0] or now[1] is not was[1]) and list(now) != was:
             planned = "none" if was[0] is None else fmt_strategy(was[0])  # type: ignore[arg-type]
             raise ValueError(
-                f"AutoParallel: {what}'s sharding strategy changed after the first call (planned "
-                f"with in_strategy {planned}); the plan and the parameters' storage keep it: "
-                f"set strategies before the first call, or wrap the network in a new AutoParallel"
+                f"AutoParallel: {_who(module, path)}'s sharding strategy changed after the first "
+                f"call (planned with in_strategy {planned}); the plan and the parameters' storage "
+                f"keep it: set strategies before the first call, or wrap the network in a new "
+                f"AutoParallel"
             )
