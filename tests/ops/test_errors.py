@@ -159,6 +159,18 @@ def test_split_softmax_axis_with_a_layout() -> None:
     )
 
 
+def test_a_split_shared_by_several_inputs_is_suggested_for_all_of_them() -> None:
+    """BatchNorm's channel dim is on one axis in its 5 inputs: each suggestion splits it alike in
+    all of them (the second suggestion left the other inputs as they were)."""
+    strategy = ((1, 4, 1, 1), (4,), (4,), (2,), (4,))
+    msg = fails(sw.ops.BatchNorm().shard(strategy), (8, 16, 4, 4), *[(16,)] * 4)
+    has(
+        msg,
+        "must be split alike",
+        "valid: ((1, 4, 1, 1), (4,), (4,), (4,), (4,)) or ((1, 2, 1, 1), (2,), (2,), (2,), (2,))",
+    )
+
+
 def test_matmul_contracted_dims_split_differently() -> None:
     msg = fails(MatMul().shard(((2, 4), (2, 1))), X, W)
     has(

@@ -140,13 +140,17 @@ def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: s
             if _key(entry, d) != _key(strategy[j], e):
                 role = f" ({spec.roles[lg]})" if lg in spec.roles else ""
                 other = strategy[j]
-                fix = (
-                    _with(strategy, {(i, d): other[e]})
-                    if isinstance(other, tuple)
-                    else f"the same axes as {_input(spec, j)} dim {e}"
-                )
-                if isinstance(other, tuple) and isinstance(entry, tuple):  # (either way round:
-                    fix += f" or {_with(strategy, {(j, e): entry[d]})}"  # one fits fewer devices)
+                fix = f"the same axes as {_input(spec, j)} dim {e}"
+                if all(isinstance(x, tuple) for x in strategy):  # (either way round: one may
+                    on_axis = [  # fit fewer devices; every dim on this axis alike)
+                        (k, dd)
+                        for k, dims in enumerate(spec.inputs)
+                        for dd, axis in enumerate(dims)
+                        if axis == lg
+                    ]
+                    values = (_splits(other, e), _splits(entry, d))
+                    fixes = [_with(strategy, dict.fromkeys(on_axis, v)) for v in values]
+                    fix = " or ".join(dict.fromkeys(fixes))
                 raise ValueError(
                     f"{label}: {_input(spec, j)} dim {e} and {_input(spec, i)} dim {d}{role} must "
                     f"be split alike, but the strategy splits them into {_show(other, e)} and "
