@@ -1,8 +1,8 @@
 """A call stopped midway to be run again (`parallel._errors.Replan`): what it
 changed, and which known plan fits it.
 
-- `snapshot(modules)`: the modules' buffers (copies) and the RNG state (the CPU's and the
-  accelerators' generators, a simulated world's per-rank ones: `communication.draw_state`)
+- `snapshot(modules)`: the modules' buffers (copies) and the RNG state (the CPU's generator,
+  CUDA's when initialized, a simulated world's per-rank ones: `communication.draw_state`)
   before a call; `Snapshot.restore` undoes the stopped attempt's changes to them (BatchNorm
   statistics, draws).
 - `known_variant(plans, plan, shapes, stop)`: the one plan kept for these inputs whose first ops
@@ -32,7 +32,7 @@ class Snapshot:
     """Buffers (each with its copy) and the RNG state, taken by `snapshot`."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    rng: Any  # (`communication.draw_state`: the CPU's and the accelerators' generators)
+    rng: Any  # (`communication.draw_state`: the CPU's generator, CUDA's when initialized)
 
     def restore(self) -> None:
         """Put the buffers and the RNG state back; other Python state a call changed stays."""

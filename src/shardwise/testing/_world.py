@@ -111,8 +111,8 @@ class SimulatedWorld:
         """Put back a state `draw_state` returned."""
         from torch.distributed import _local_tensor as lt
 
+        self.mode._per_rank_rng_states.clear()  # (seeded inside since: back to the plain one)
         if isinstance(state, dict):
-            self.mode._per_rank_rng_states.clear()
             self.mode._per_rank_rng_states.update(state)
             return
         with self.outside():
