@@ -143,8 +143,8 @@ def replicated_draw(draw: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 def draw_state() -> Any:
     """The state of the random generators `replicated_draw` draws from (in a job: the CPU's, and
-    CUDA's when it is initialized), to draw the same values again later (`set_draw_state`: an activation
-    checkpoint's recomputation).
+    CUDA's when it is initialized), to draw the same values again later (`set_draw_state`: an
+    activation checkpoint's recomputation).
 
     Example:
         >>> state = draw_state()
