@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise._torch import pytree
+from shardwise._torch.storage import view_base
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.planner import ParallelPlan
 from shardwise.planner._in_place import in_place
@@ -162,7 +163,8 @@ class Passes:
             return func(*args, **kwargs)
         except (RuntimeError, IndexError) as e:  # (F.embedding on a row shard: IndexError)
             leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
-            bases = [t if t._base is None else t._base for t in leaves]  # (``w.t()``: w's view)
+            roots = [view_base(t) for t in leaves]  # (``w.t()``: a view of w)
+            bases = [t if root is None else root for t, root in zip(leaves, roots, strict=True)]
             names = [self.params[id(t)] for t in bases if id(t) in self.params]
             if self.param_value is not None and not in_place(op) and names:
                 e.add_note(
