@@ -269,7 +269,7 @@ def odd_partial_axes(outs: Sequence[Placements | None]) -> set[int]:
     reduces all its partial axes one way)."""
     odd: set[int] = set()
     for placements in outs:
-        if placements is None:
+        if placements is None or not any(isinstance(p, Partial) for p in placements):
             continue
         kinds = {
             a: p.reduce_op if type(p) is Partial else "other"

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from shardwise.layout import DeviceMatrix
+from shardwise._torch.dtensor import StridedShard
+from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner._graph import Graph, Node, Ref
 from shardwise.planner._in_place import in_place
 from shardwise.planner._placement import Placements, PlanError, to_placed
@@ -39,6 +41,13 @@ class NoLayout(PlanError):
     turn, then tries the data-parallel strategy; the automatic planners skip the candidate."""
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _check(layout: TensorLayout, shape: tuple[int, ...]) -> None:
+    """`layout.check(shape)`, once per layout and shape (planning asks the same few thousands of
+    times)."""
+    layout.check(shape)
+
+
 class FollowErrors:
     """The error half of `_follow._Follow` (which sets the attributes below)."""
 
@@ -54,10 +63,13 @@ class FollowErrors:
         not split whole (``Shard`` then ``_StridedShard`` on one dim: each rank's elements are
         not its block of every group), or a view of a strided dim into a dim that holds fewer
         elements than its groups times its split (DTensor splits it unevenly)."""
+        every = [*need, *outs]
+        if not any(isinstance(p, StridedShard) for placements in every for p in placements):
+            return  # (plain splits: always a layout; their evenness is checked apart)
         infos = [self.graph.info(r) for r in node.inputs] + list(node.outputs)
-        for placements, info in zip([*need, *outs], infos, strict=True):
+        for placements, info in zip(every, infos, strict=True):
             try:
-                to_placed(self.matrix, placements, len(info.shape)).layout.check(info.shape)
+                _check(to_placed(self.matrix, placements, len(info.shape)).layout, info.shape)
             except ValueError as e:
                 raise NoLayout(
                     f"{node.name} ({node.op} at {node.source}): its sharding rule, with inputs "
