@@ -2,8 +2,8 @@
 
 `Model.train` runs epochs of steps (`_train_step`: forward, loss, backward, optional gradient
 reducer, optimizer step) and calls the callbacks' hooks around them; `Model.eval` computes the
-metrics (`Accuracy`, `Loss`), summing the counts over the ranks when the dataset is sharded per
-rank. A tqdm progress bar is shown on rank 0 when stdout is a terminal.
+metrics (`_metrics`: `Accuracy`, `Loss`), summing the counts over the ranks when the dataset is
+sharded per rank. A tqdm progress bar is shown on rank 0 when stdout is a terminal.
 
 As MindSpore's ``Model`` does, training follows `set_auto_parallel_context`: in a job
 (``communication.init()`` called) whose context mode is not ``STAND_ALONE``, `_parallel_step`
@@ -26,92 +26,11 @@ import torch
 from shardwise import communication as comm
 from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
+from shardwise.train._metrics import make_metrics
 from shardwise.train._model_checks import callback_list, columns, one_value
 
 if TYPE_CHECKING:
     from shardwise.parallel import AutoParallel
-
-
-class Accuracy:
-    """Top-1 accuracy: argmax of the logits against the labels: class indices of shape
-    ``(N,)`` (or ``(N, 1)``), or one-hot / probability rows of the logits' shape (their argmax),
-    as MindSpore's ``Accuracy`` takes them."""
-
-    def __init__(self) -> None:
-        self.correct: torch.Tensor | None = None  # (a tensor: per rank in a simulated world)
-        self.total = 0.0
-
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        if logits.shape[0] != labels.shape[0]:
-            raise ValueError(
-                f"Accuracy: {logits.shape[0]} predictions for {labels.shape[0]} labels; the "
-                "network must return one row of logits per sample"
-            )
-        if labels.dim() > 1 and labels.shape == logits.shape and logits.shape[-1] > 1:
-            labels = labels.argmax(dim=-1)  # (one-hot rows)
-        elif labels.dim() == 2 and labels.shape[1] == 1:
-            labels = labels[:, 0]
-        if labels.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (MNIST's uint32)
-            labels = labels.to(torch.int64)  # (torch compares no int64 with them)
-        predicted = logits.argmax(dim=-1)
-        if labels.shape != predicted.shape:
-            raise ValueError(
-                f"Accuracy: labels of shape {list(labels.shape)} for logits of shape "
-                f"{list(logits.shape)}; give class indices of shape {list(predicted.shape)} or "
-                "one-hot rows of the logits' shape"
-            )
-        hits = (predicted == labels).sum().to(torch.float64)
-        self.correct = hits if self.correct is None else self.correct + hits
-        self.total += float(labels.shape[0])
-
-    def counts(self) -> torch.Tensor:
-        correct = self.correct if self.correct is not None else torch.zeros((), dtype=torch.float64)
-        return torch.stack([correct, torch.full((), self.total, dtype=torch.float64)])
-
-    def result(self, counts: torch.Tensor) -> float:
-        return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
-
-
-class Loss:
-    """The mean of `loss_fn`'s value over the batches (MindSpore's ``Loss`` metric: each
-    batch's loss, its mean when it has several values, counted once)."""
-
-    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
-        self.loss_fn = loss_fn
-        self.sum: torch.Tensor | None = None
-        self.total = 0.0
-
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        part = self.loss_fn(logits, labels).detach().to(torch.float64).mean()
-        self.sum = part if self.sum is None else self.sum + part
-        self.total += 1.0
-
-    def counts(self) -> torch.Tensor:
-        total = self.sum if self.sum is not None else torch.zeros((), dtype=torch.float64)
-        return torch.stack([total, torch.full((), self.total, dtype=torch.float64)])
-
-    def result(self, counts: torch.Tensor) -> float:
-        return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
-
-
-METRICS: dict[str, Callable[[], Accuracy]] = {"accuracy": Accuracy, "acc": Accuracy}
-
-
-def _make_metrics(
-    metrics: Iterable[str] | dict[str, Any] | None, loss_fn: Callable[..., torch.Tensor] | None
-) -> dict[str, Callable[[], Any]]:
-    if metrics is None:
-        return {}
-    names = [metrics] if isinstance(metrics, str) else list(metrics)  # ("accuracy" alone)
-    unknown = [m for m in names if m not in METRICS and m != "loss"]
-    if unknown:
-        raise ValueError(f"Model: unknown metrics {unknown}; known: {sorted([*METRICS, 'loss'])}")
-    made: dict[str, Callable[[], Any]] = {m: METRICS[m] for m in names if m in METRICS}
-    if "loss" in names:
-        if loss_fn is None:
-            raise ValueError("Model: the 'loss' metric needs loss_fn= (the network's loss)")
-        made["loss"] = lambda: Loss(loss_fn)
-    return made
 
 
 def _is_rank0() -> bool:
@@ -169,7 +88,7 @@ class Model:
                 "which reduces the gradients itself; drop grad_reducer"
             )
         self.network, self.loss_fn, self.optimizer = network, loss_fn, optimizer
-        self.metrics = _make_metrics(metrics, loss_fn)
+        self.metrics = make_metrics(metrics, loss_fn)
         self.grad_reducer = grad_reducer
         self.cur_step_num = 0
         self.parallel: AutoParallel | None = None  # the train step's wrapper, made by `train`

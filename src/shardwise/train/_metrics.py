@@ -1,0 +1,92 @@
+"""`Model.eval`'s metrics: `Accuracy`, `Loss`, and `make_metrics` (names -> factories).
+
+Each metric sums a value and a count over the batches (`_Mean`); `Model.eval` sums both over
+the ranks when the dataset is sharded, then takes their ratio (`_Mean.result`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+
+class _Mean:
+    """A sum (a float64 tensor: per rank in a simulated world) and a count, added batch by
+    batch; the result is their ratio (0 when nothing was counted)."""
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None
+        self.total = 0.0
+
+    def add(self, value: torch.Tensor, count: float) -> None:
+        self.sum = value if self.sum is None else self.sum + value
+        self.total += count
+
+    def counts(self) -> torch.Tensor:
+        total = self.sum if self.sum is not None else torch.zeros((), dtype=torch.float64)
+        return torch.stack([total, torch.full((), self.total, dtype=torch.float64)])
+
+    def result(self, counts: torch.Tensor) -> float:
+        return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
+
+
+class Accuracy(_Mean):
+    """Top-1 accuracy: argmax of the logits against the labels: class indices of shape
+    ``(N,)`` (or ``(N, 1)``), or one-hot / probability rows of the logits' shape (their argmax),
+    as MindSpore's ``Accuracy`` takes them."""
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        if logits.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"Accuracy: {logits.shape[0]} predictions for {labels.shape[0]} labels; the "
+                "network must return one row of logits per sample"
+            )
+        if labels.dim() > 1 and labels.shape == logits.shape and logits.shape[-1] > 1:
+            labels = labels.argmax(dim=-1)  # (one-hot rows)
+        elif labels.dim() == 2 and labels.shape[1] == 1:
+            labels = labels[:, 0]
+        if labels.dtype in (torch.uint16, torch.uint32, torch.uint64):  # (MNIST's uint32)
+            labels = labels.to(torch.int64)  # (torch compares no int64 with them)
+        predicted = logits.argmax(dim=-1)
+        if labels.shape != predicted.shape:
+            raise ValueError(
+                f"Accuracy: labels of shape {list(labels.shape)} for logits of shape "
+                f"{list(logits.shape)}; give class indices of shape {list(predicted.shape)} or "
+                "one-hot rows of the logits' shape"
+            )
+        hits = (predicted == labels).sum().to(torch.float64)
+        self.add(hits, float(labels.shape[0]))
+
+
+class Loss(_Mean):
+    """The mean of `loss_fn`'s value over the batches (MindSpore's ``Loss`` metric: each
+    batch's loss, its mean when it has several values, counted once)."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.add(self.loss_fn(logits, labels).detach().to(torch.float64).mean(), 1.0)
+
+
+METRICS: dict[str, Callable[[], Accuracy]] = {"accuracy": Accuracy, "acc": Accuracy}
+
+
+def make_metrics(
+    metrics: Iterable[str] | dict[str, Any] | None, loss_fn: Callable[..., torch.Tensor] | None
+) -> dict[str, Callable[[], Any]]:
+    if metrics is None:
+        return {}
+    names = [metrics] if isinstance(metrics, str) else list(metrics)  # ("accuracy" alone)
+    unknown = [m for m in names if m not in METRICS and m != "loss"]
+    if unknown:
+        raise ValueError(f"Model: unknown metrics {unknown}; known: {sorted([*METRICS, 'loss'])}")
+    made: dict[str, Callable[[], Any]] = {m: METRICS[m] for m in names if m in METRICS}
+    if "loss" in names:
+        if loss_fn is None:
+            raise ValueError("Model: the 'loss' metric needs loss_fn= (the network's loss)")
+        made["loss"] = lambda: Loss(loss_fn)
+    return made
