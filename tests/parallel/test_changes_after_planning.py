@@ -8,6 +8,7 @@ named with the fix. Refused calls change nothing: the next call matches one devi
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,6 +30,17 @@ class Net(nn.Module):
         return self.mm(torch.relu(self.l1(x)), self.w)
 
 
+def mse_step(net: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A train step: `net`'s MSE loss, backward (no optimizer), the loss."""
+
+    def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.mse_loss(net(a), b)
+        loss.backward()
+        return loss
+
+    return step
+
+
 def _setup() -> tuple[Net, Net, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     net = Net()
@@ -41,11 +53,7 @@ def test_settings_and_strategies_changed_after_planning_are_refused() -> None:
     with simulated_world(4) as world:
         world.replicate(net)
 
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.mse_loss(net(a), b)
-            loss.backward()
-            return loss
-
+        step = mse_step(net)
         wrapper = sw.AutoParallel(step, parallel_mode="semi_auto").dataset_strategy("full_batch")
         assert_matches_single_device(wrapper(world.same(x), world.same(y)), want)
         with pytest.raises(ValueError, match=r"dataset_strategy: call it before the first step"):
@@ -88,12 +96,7 @@ def test_only_the_modules_a_plan_ran_are_held_to_it() -> None:
     with simulated_world(4) as world:
         world.replicate(net)
 
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.mse_loss(net(a), b)
-            loss.backward()
-            return loss
-
-        wrapper = sw.AutoParallel(step, parallel_mode="semi_auto")
+        wrapper = sw.AutoParallel(mse_step(net), parallel_mode="semi_auto")
         wrapper(world.rows(x), world.rows(y))
         net.other.shard(((4, 1), (1, 1)))  # (not run by the plan: fine)
         wrapper(world.rows(x), world.rows(y))
