@@ -148,3 +148,72 @@ def test_a_constant_cut_along_a_split_dim_in_a_simulated_world() -> None:
         sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
         got = sw.AutoParallel(net)(world.rows(x))
         assert_matches_single_device(got, want.detach(), what="loss")
+
+
+class MaskAssign(nn.Module):
+    """Item assignment through a boolean mask: ``h[h > 0.5] = 0.5`` (a mask over every dim),
+    ``h[:, keep] = 0.0`` (a mask over the feature dim only), on a column-parallel activation and
+    on a row-parallel partial sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x)).clone()
+        h[h > 0.5] = 0.5
+        h[:, torch.arange(16) % 4 == 1] = 0.0
+        y = self.fc2(h).clone()  # (row-parallel: partial before its AllReduce)
+        y[y < -0.2] = -0.2
+        return y.pow(2).mean()
+
+
+@pytest.mark.parametrize("megatron", [False, True], ids=["data parallel", "megatron"])
+def test_item_assignment_through_a_boolean_mask_keeps_the_split(megatron: bool) -> None:
+    """``x[mask] = value`` runs ``aten.index_put_`` with a boolean index, which DTensor cannot
+    run on a split input in place: the planner refused it (PlanError). A boolean mask with a
+    0-d value is elementwise (`aten_rules.mask_put_rule`): the rows and features stay split and
+    only a partial sum is made whole first."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    ref = MaskAssign()
+    want = ref(x)
+    want.backward()
+    net = MaskAssign()
+    n = 4 if megatron else 2
+    with simulated_world(n) as world:
+        world.replicate(net)
+        if megatron:
+            sw.shard(net.fc1, in_strategy=((2, 1), (2, 1)))
+            sw.shard(net.fc2, in_strategy=((2, 2), (1, 2)))
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, p in net.named_parameters():
+            full = dict(ref.named_parameters())[name].grad
+            assert full is not None
+            layout = plan.params[name].layout
+            block = lambda r, f=full, lay=layout: f[lay.local_index(r, tuple(f.shape))]  # noqa: E731
+            assert_matches_single_device(p.grad, block, what=f"{name}.grad")
+    every = tuple(range(n))
+    if megatron:  # (groups holding rank 0: mp is (0, 1), dp is (0, 2))
+        want_kinds = {
+            ("AllGather", "forward", (0, 1)): 1,  # the input's rows for dp only
+            ("ReduceScatter", "forward", (0, 1)): 1,  # fc2's partial sum, rows over every rank
+            ("AllGather", "backward", (0, 1)): 1,  # (its adjoint)
+            ("AllReduce", "forward", every): 1,  # the loss
+            ("AllReduce", "backward", every): 1,  # fc2.bias's gradient
+            ("AllReduce", "backward", (0, 2)): 1,  # the split parameters' gradients over dp
+        }
+    else:  # the loss and the gradient bucket: nothing gathered
+        want_kinds = {("AllReduce", "forward", every): 1, ("AllReduce", "backward", every): 1}
+    assert rec.kinds() == Counter(want_kinds), rec.summary()

@@ -233,6 +233,35 @@ def masked_fill_tensor_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
 
 
+def mask_put_rule(args: Sequence[Any], ndim: int) -> Decision | None:
+    """``aten.index_put(_)`` (input, indices, value, accumulate) whose one index is a boolean
+    mask and whose value is 0-d: ``x[x > 1] = 1``, ``x[:, m] += 1``: elementwise.
+
+    Per mesh dim: a split input keeps its split and the mask, which covers the input's dims from
+    its position in the index list on, is split on the same dim where it covers it, else whole;
+    a partial input is made whole first (every rank writing or adding the value would sum it N
+    times); the value is replicated. None (DTensor's rule) for integer indices, several index
+    tensors or a value with dims: which entries a rank writes then depends on the data.
+    """
+    x, indices, value = args[0], args[1], args[2]
+    if not isinstance(value, Spec) or value.shape != () or not isinstance(indices, list | tuple):
+        return None
+    given = [(k, t) for k, t in enumerate(indices) if t is not None]
+    if len(given) != 1 or not isinstance(given[0][1], Spec) or given[0][1].dtype != "bool":
+        return None
+    start, mask = given[0]
+    ins: list[Placement] = []
+    need_mask: list[Placement] = []
+    for p in x.placements:
+        keep = type(p) is Shard
+        ins.append(p if keep else Replicate())
+        d = p.dim - start if keep else -1  # type: ignore[attr-defined]
+        covered = 0 <= d < len(mask.shape)
+        need_mask.append(Shard(d) if covered else Replicate())
+    out = tuple(ins)
+    return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
+
+
 ATEN_RULES: dict[str, AtenRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
     "aten.cat.default": join_rule(stack=False),
@@ -250,6 +279,8 @@ ATEN_RULES: dict[str, AtenRule] = {
     "aten.fill.Tensor": fill_rule,
     "aten.masked_fill.Tensor": masked_fill_tensor_rule,
     "aten.masked_fill_.Tensor": masked_fill_tensor_rule,
+    "aten.index_put.default": mask_put_rule,
+    "aten.index_put_.default": mask_put_rule,
 }
 """shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
 
