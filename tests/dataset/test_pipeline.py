@@ -132,8 +132,15 @@ def test_buffer_shuffle_and_batch_shuffle() -> None:
 def test_iterators() -> None:
     ds = numbered(6).batch(4)
     it = ds.create_tuple_iterator(num_epochs=2)
-    epochs = [[int(a[0]) for a, _ in it] for _ in range(3)]
-    assert epochs == [[0, 4], [0, 4], []]
+    epochs = [[int(a[0]) for a, _ in it] for _ in range(2)]
+    assert epochs == [[0, 4], [0, 4]]
+    with pytest.raises(RuntimeError, match=r"epoch\(s\) \(num_epochs=2\) are done"):
+        next(it)  # (MindSpore: a fetch past the last epoch is an error, not an empty epoch)
+    rows = ds.create_dict_iterator(num_epochs=1)
+    with pytest.raises(RuntimeError, match="num_epochs=1"):
+        for _ in range(2):  # (one epoch more than the iterator was made for)
+            for _ in rows:
+                pass
     picked = next(numbered(6).create_tuple_iterator(columns=["b"]))
     assert len(picked) == 1 and int(picked[0]) == 0
     row = next(numbered(6).create_dict_iterator())

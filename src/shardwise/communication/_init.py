@@ -172,7 +172,11 @@ def resolve_group(group: str | Group | None) -> Group:
         return Group(WORLD_COMM_GROUP, tuple(range(dist.get_world_size())), None)
     if group not in _groups:
         known = ", ".join(sorted(_groups)) or "none"
-        raise ValueError(f"unknown group {group!r}: create it with create_group(); known: {known}")
+        raise ValueError(
+            f"unknown group {group!r} on this rank: create it with "
+            f"create_group() on each of its members first (a rank outside the group cannot "
+            f"call its collectives: guard the call with `if rank in rank_ids`); known: {known}"
+        )
     return _groups[group]
 
 

@@ -1,7 +1,7 @@
 """Iterators over several epochs (MindSpore's ``create_tuple_iterator`` semantics).
 
 - `EpochIterator`: re-iterable; each ``for`` loop over it runs the dataset's next epoch, up to
-  ``num_epochs``.
+  ``num_epochs``; asking for a row after the last epoch is a RuntimeError, as in MindSpore.
 - `pick`: selects (and optionally converts to NumPy) the columns of one row.
 """
 
@@ -38,7 +38,11 @@ class EpochIterator:
     def __next__(self) -> Any:
         if self._current is None:
             if 0 <= self._num_epochs <= self._started:
-                raise StopIteration
+                raise RuntimeError(
+                    f"the iterator's {self._num_epochs} epoch(s) (num_epochs={self._num_epochs}) "
+                    "are done: no more rows. Fix: create the iterator with num_epochs equal to "
+                    "the epochs the loop runs, or -1 (unlimited)"
+                )
             self._current = self._dataset._next_epoch()
             self._started += 1
         try:

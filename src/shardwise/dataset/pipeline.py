@@ -329,7 +329,9 @@ class Dataset:
 
         Args:
             columns: the columns to yield, in this order (None: all, in column order).
-            num_epochs: how many epochs it may run (-1: unlimited).
+            num_epochs: how many epochs it may run (-1: unlimited); a loop after the last
+                one raises RuntimeError (MindSpore: "fetch data beyond the specified number of
+                epochs").
             output_numpy: yield NumPy arrays instead of tensors.
 
         Returns:
