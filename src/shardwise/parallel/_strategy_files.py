@@ -136,7 +136,8 @@ class StrategyFiles:
         planner.check_device_count(device_num, world, path)
         shapes = {n: tuple(int(s) for s in p.shape) for n, p in network.named_parameters()}
         if self._loaded is None:
-            planner.check_params(params, shapes, path, _frozen(network))
+            dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in network.named_parameters()}
+            planner.check_params(params, shapes, path, _frozen(network), dtypes)
         # (an operator strategy file's mismatches are named op by op after capture)
         return {n: p.layout for n, p in params.items() if tuple(p.shape) == shapes.get(n)}
 
@@ -182,6 +183,7 @@ class StrategyFiles:
                 )
             # (checkpointed regions are the step's, not a strategy: this capture's)
             loaded = dataclasses.replace(loaded, regions=fresh.regions)
+            planner.check_decisions(loaded, fresh, path)
             run.parallel_plan = loaded
             run.plans = [(loaded, run.templates)]
         if self._loaded_params is not None:  # (stored as the file says, or as the ops file)

@@ -41,6 +41,7 @@ from shardwise.planner._capture import CaptureError, FakeKernelError, capture
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._files import (
     StrategyFileError,
+    check_decisions,
     check_device_count,
     check_matches,
     check_params,
@@ -91,6 +92,7 @@ __all__ = [
     "StrategyFileError",
     "TensorInfo",
     "capture",
+    "check_decisions",
     "check_device_count",
     "check_matches",
     "check_params",

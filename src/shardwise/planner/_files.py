@@ -28,11 +28,13 @@ from shardwise.planner._plan import (
     NodePlan,
     ParallelPlan,
     ParamPlan,
+    device_num_of,
     matrix_d,
     matrix_of,
     params_d,
     params_of,
 )
+from shardwise.planner._plan_diff import node_field, plan_diff
 
 PARAM_FORMAT = "shardwise.ParamStrategy/1"
 
@@ -104,7 +106,7 @@ def load_param_strategy_file(path: str | Path) -> tuple[int, dict[str, ParamPlan
         if data.get("format") != PARAM_FORMAT:
             raise ValueError(f"format {data.get('format')!r}")
         m = matrix_of(data["matrix"])
-        return int(data["device_num"]), params_of(m, data["params"])
+        return device_num_of(data), params_of(m, data["params"])
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise StrategyFileError(f"{path}: not a shardwise parameter strategy file ({e})") from None
 
@@ -154,6 +156,48 @@ def _check_node(a: NodePlan, b: NodePlan, path: str | Path) -> None:
         )
 
 
+def check_decisions(loaded: ParallelPlan, fresh: ParallelPlan, path: str | Path) -> None:
+    """Raise `StrategyFileError` when the file's plan is not what its own decisions make on this
+    network (`fresh`: this network planned the same way with the file's parameter layouts): a
+    file edited by hand (a collective deleted, a placement changed without its edges) or
+    written by another shardwise version would otherwise run, or print, something else than it
+    says.
+
+    A semi_auto file must equal `fresh` (same mode: the same decisions). A file of another mode
+    (propagated or searched strategies: `fresh` is semi_auto's) is checked where the two agree:
+    an op placed alike must run the same collectives and local compute, and a value moved
+    between the same placements must take the same redistribution steps.
+    """
+    fix = "the file was edited or written by another shardwise version; save it again"
+    if loaded.mode == fresh.mode:
+        differences = plan_diff(loaded, fresh)
+        if differences:
+            raise StrategyFileError(
+                f"{path}: the plan in the file is not the one its {loaded.mode} strategies "
+                f"make for this network (file -> this network): {differences[0]}; {fix}"
+            )
+        return
+    planned = {m.index: m for m in fresh.nodes}
+    for n in loaded.nodes:
+        m = planned.get(n.index)
+        if m is None or (n.inputs, n.outputs) != (m.inputs, m.outputs):
+            continue
+        for field in ("comms", "local", "draws", "dtypes", "shapes"):
+            if getattr(n, field) != getattr(m, field):
+                raise StrategyFileError(
+                    f"{path}: op %{n.index} {n.name} is placed as this network places it but "
+                    f"its {field} differ (file -> this network): {node_field(n, field)} -> "
+                    f"{node_field(m, field)}; {fix}"
+                )
+    moves = {(e.value, e.src, e.dst): e for e in fresh.edges if not e.scatter}
+    for e in loaded.edges:
+        f = moves.get((e.value, e.src, e.dst))
+        if f is not None and not e.scatter and e.steps != f.steps:
+            raise StrategyFileError(
+                f"{path}: the edge {e} takes other steps than this network's {f}; {fix}"
+            )
+
+
 def check_device_count(saved: int, job: int, path: str | Path) -> None:
     """Raise `StrategyFileError` when a file saved for `saved` devices is loaded by a job of
     `job` devices."""
@@ -169,11 +213,12 @@ def check_params(
     shapes: Mapping[str, Sequence[int]],
     path: str | Path,
     optional: Collection[str] = (),
+    dtypes: Mapping[str, str] | None = None,
 ) -> None:
     """Raise `StrategyFileError` at the first parameter of the network (name -> global shape
     in `shapes`) missing from `loaded` (unless in `optional`: a file saved with
-    ``only_trainable_params`` lacks the frozen ones) or of another shape there, or the first
-    extra one."""
+    ``only_trainable_params`` lacks the frozen ones) or of another shape there (or of another
+    dtype than in `dtypes`, when given), or the first extra one."""
     for name, shape in shapes.items():
         got = loaded.get(name)
         if got is None and name in optional:
@@ -184,6 +229,12 @@ def check_params(
             raise StrategyFileError(
                 f"{path}: parameter {name!r} has shape {list(got.shape)} in the file, "
                 f"{list(shape)} in this network"
+            )
+        if dtypes is not None and got.dtype != dtypes[name]:
+            raise StrategyFileError(
+                f"{path}: parameter {name!r} is {got.dtype} in the file but {dtypes[name]} in "
+                f"this network; the file belongs to the network in another dtype (cast it to "
+                f"{got.dtype} before planning, or save the file again)"
             )
     extra = sorted(set(loaded) - set(shapes))
     if extra:

@@ -306,6 +306,7 @@ class ParallelPlan:
 # `_plan_json` imports the classes above, so its names are bound here, once they exist.
 from shardwise.planner._plan_json import (  # noqa: E402
     FORMAT,
+    device_num_of,
     matrix_d,
     matrix_of,
     params_d,
@@ -326,6 +327,7 @@ __all__ = [
     "Root",
     "Shape",
     "Shard",
+    "device_num_of",
     "matrix_d",
     "matrix_of",
     "params_d",

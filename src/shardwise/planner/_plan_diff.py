@@ -9,7 +9,15 @@ from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardwise.planner._plan import ParallelPlan
+    from shardwise.planner._plan import NodePlan, ParallelPlan
+
+
+def node_field(node: NodePlan, field: str) -> str:
+    """Field `field` of `node`, readable (collectives and placements by their ``str``)."""
+    value = getattr(node, field)
+    if isinstance(value, tuple):
+        return "(" + ", ".join(str(v) if not isinstance(v, tuple) else repr(v) for v in value) + ")"
+    return repr(value)
 
 
 def plan_diff(a: ParallelPlan, b: ParallelPlan) -> list[str]:
@@ -21,8 +29,16 @@ def plan_diff(a: ParallelPlan, b: ParallelPlan) -> list[str]:
     if a.mode != b.mode:
         out.append(f"mode: {a.mode} -> {b.mode}")
     for n, m in zip(a.nodes, b.nodes, strict=False):
-        if n != m:
+        if n != m and str(n) != str(m):
             out.append(f"node %{n.index} {n.name}: {n} -> {m}")
+        elif n != m:  # (what the printed line does not show: its collectives, dtypes ...)
+            fields = [
+                f.name for f in dataclasses.fields(n) if getattr(n, f.name) != getattr(m, f.name)
+            ]
+            out += [
+                f"node %{n.index} {n.name} {f}: {node_field(n, f)} -> {node_field(m, f)}"
+                for f in fields
+            ]
     if len(a.nodes) != len(b.nodes):
         out.append(f"ops: {len(a.nodes)} -> {len(b.nodes)}")
     mine, theirs = set(map(str, a.edges)), set(map(str, b.edges))

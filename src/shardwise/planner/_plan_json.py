@@ -22,6 +22,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner._plan import (
     BucketPlan,
@@ -95,7 +97,7 @@ def plan_of(data: Mapping[str, Any], cls: type[ParallelPlan] = ParallelPlan) -> 
 def _plan_of(data: Mapping[str, Any], cls: type[ParallelPlan]) -> ParallelPlan:
     m = matrix_of(data["matrix"])
     return cls(
-        device_num=int(data["device_num"]),
+        device_num=device_num_of(data),
         matrix=m,
         mode=str(data["mode"]),
         inputs={k: _placed(m, v) for k, v in data["inputs"].items()},
@@ -151,11 +153,33 @@ def params_d(params: Mapping[str, ParamPlan]) -> dict[str, dict[str, Any]]:
 
 
 def params_of(m: DeviceMatrix, d: Mapping[str, Any]) -> dict[str, ParamPlan]:
-    """The parameter layouts `params_d` wrote, on matrix `m`."""
-    return {
-        k: ParamPlan(_layout(m, v["dims"], v.get("groups", ())), tuple(v["shape"]), v["dtype"])
-        for k, v in d.items()
-    }
+    """The parameter layouts `params_d` wrote, on matrix `m`.
+
+    Raises:
+        ValueError: a parameter whose layout has another number of dims than its shape, or a
+            dtype torch does not have (the entry named).
+    """
+    out = {}
+    for k, v in d.items():
+        layout = _layout(m, v["dims"], v.get("groups", ()))
+        shape = tuple(int(s) for s in v["shape"])
+        if len(layout.dims) != len(shape):
+            raise ValueError(
+                f"parameter {k!r}: layout {layout} has {len(layout.dims)} dims, its shape "
+                f"{list(shape)} {len(shape)}"
+            )
+        if not isinstance(getattr(torch, str(v["dtype"]), None), torch.dtype):
+            raise ValueError(f"parameter {k!r}: dtype {v['dtype']!r} is not a torch dtype")
+        out[k] = ParamPlan(layout, shape, v["dtype"])
+    return out
+
+
+def device_num_of(data: Mapping[str, Any]) -> int:
+    """The file's ``device_num``: a positive int (ValueError otherwise)."""
+    n = data["device_num"]
+    if type(n) is not int or n < 1:
+        raise ValueError(f"device_num {n!r} is not a positive int")
+    return n
 
 
 def _dims_d(layout: TensorLayout) -> list[list[int]]:
