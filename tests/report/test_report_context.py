@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+import shardwise as sw
 from shardwise.context import get_context, get_seed, set_context, set_seed
+from shardwise.testing import simulated_world
 
 
 @pytest.fixture(autouse=True)
@@ -57,3 +60,29 @@ def test_seed_untouched() -> None:
     set_seed(7)
     set_context(save_graphs=1)
     assert get_seed() == 7
+
+
+def test_a_second_network_does_not_overwrite_the_first_networks_reports(tmp_path: Path) -> None:
+    """Two wrapped networks writing to one save_graphs_path: the second's first plan rewrote
+    ``step_parallel_begin.ir``, ``execute.ir`` and ``plan.html``; it now writes the next
+    ``_<k>`` files and the first network's stay as they were."""
+    first, second = torch.nn.Linear(8, 4), torch.nn.Sequential(torch.nn.Linear(8, 6))
+    x = torch.randn(8, 8)
+    set_context(save_graphs=2, save_graphs_path=tmp_path)
+    with simulated_world(2) as world:
+        world.replicate(first)
+        world.replicate(second)
+        sw.AutoParallel(first)(world.rows(x))
+        before = {p.name: p.read_text() for p in (tmp_path / "rank_1").glob("*.ir")}
+        sw.AutoParallel(second)(world.rows(x))
+    rank_1 = tmp_path / "rank_1"
+    assert sorted(p.name for p in rank_1.iterdir()) == [
+        "execute.ir",
+        "execute_1.ir",
+        "plan.html",
+        "plan_1.html",
+        "step_parallel_begin.ir",
+        "step_parallel_begin_1.ir",
+    ]
+    assert {p: (rank_1 / p).read_text() for p in before} == before
+    assert "[8, 6]" in (rank_1 / "step_parallel_begin_1.ir").read_text()

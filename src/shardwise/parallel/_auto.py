@@ -361,14 +361,15 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         self._hooks += run.hooks
         plan = run.parallel_plan
         assert plan is not None
-        report.dump_parallel_plan(plan)
+        variant = report.next_variant()
+        report.dump_parallel_plan(plan, variant=variant)
         save = self._ckpt_config.get("save_file")
         if save:  # (set_auto_parallel_context(strategy_ckpt_config=...)); MindSpore's default
             self._save_params(plan, save, self._ckpt_config.get("only_trainable_params", True))
         if run.engine is not None:
-            report.dump_optimizer(run.engine.plan, plan.matrix)
+            report.dump_optimizer(run.engine.plan, plan.matrix, variant=variant)
         elif run.grad_plan is not None:  # (the gradient AllReduce buckets)
-            report.dump_optimizer(run.grad_plan, plan.matrix)
+            report.dump_optimizer(run.grad_plan, plan.matrix, variant=variant)
         return run
 
     def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:

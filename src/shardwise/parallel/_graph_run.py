@@ -325,8 +325,9 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             a for a in noted_annotations(self.network, graph) if id(a[0]) not in known_ids
         ]
         recorder.mark(f"planned again: the network called {reason}")
-        report.dump_parallel_plan(plan, variant=len(self.plans) - 1)
-        report.dump_optimizer(made, plan.matrix, variant=len(self.plans) - 1)
+        variant = report.next_variant()
+        report.dump_parallel_plan(plan, variant=variant)
+        report.dump_optimizer(made, plan.matrix, variant=variant)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call under a `PlanExecutor` of the current plan."""

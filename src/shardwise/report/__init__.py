@@ -11,7 +11,8 @@ docs/report.md shows them for seed 003. With optimizer parallel (hsdp / comm_fus
 buckets, `dump_optimizer` appends to ``execute.ir`` every collective of each bucket per step.
 
 - `_parallel_plan`: the pure formatters `format_plan_begin` / `format_plan_execute` and
-  `dump_parallel_plan`, which writes both files and the pictures.
+  `dump_parallel_plan`, which writes both files and the pictures, and `next_variant`, the
+  number of the next plan written (``_<k>`` after the first: no plan's files overwritten).
 - `_sends`: what one rank sends: each edge's and op's collectives with its group and bytes.
 - `_optimizer`: the pure formatter `format_optimizer` (the optimizer-parallel section).
 - `_write`: `write_ir` (one file, atomically), `report_ranks`, `dump_optimizer`,
@@ -31,6 +32,7 @@ from shardwise.report._parallel_plan import (
     dump_parallel_plan,
     format_plan_begin,
     format_plan_execute,
+    next_variant,
 )
 from shardwise.report._plan_data import plan_memory
 from shardwise.report._png import render_plan_png, write_plan_png
@@ -45,6 +47,7 @@ __all__ = [
     "format_plan_begin",
     "format_plan_execute",
     "format_plan_html",
+    "next_variant",
     "plan_memory",
     "render_plan_png",
     "report_ranks",

@@ -202,6 +202,26 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
     return lines
 
 
+_WRITTEN: dict[str, int] = {}  # save_graphs_path (resolved) -> plans written there so far
+
+
+def next_variant() -> int:
+    """The number of the next plan this process writes under ``save_graphs_path``: 0 for the
+    first (``step_parallel_begin.ir``), then 1, 2, ... for every further one, a plan made again
+    or another wrapped network's (which overwrote the first network's files); 0 when
+    ``save_graphs`` is off (nothing counted).
+
+    Example:
+        >>> dump_parallel_plan(plan, variant=next_variant())  # doctest: +SKIP
+    """
+    if int(get_context("save_graphs")) < 1:
+        return 0
+    key = str(Path(get_context("save_graphs_path")).resolve())
+    k = _WRITTEN.get(key, 0)
+    _WRITTEN[key] = k + 1
+    return k
+
+
 def dump_parallel_plan(
     plan: ParallelPlan,
     ranks: Iterable[int] | None = None,
