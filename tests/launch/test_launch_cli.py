@@ -97,6 +97,8 @@ def test_parse_bool_rejects(text: str) -> None:
         (["--node_rank", "-2"], "at least -1"),
         (["--worker_num", "8", "--local_worker_num", "4", "--node_rank", "5"], "impossible"),
         (["--no_such_option", "1"], "unrecognized arguments"),
+        (["--master_p", "29629"], "unrecognized arguments: --master_p"),  # (no abbreviations:
+        # argparse took it for --master_port, our split for a flag, 29629 as the script)
     ],
 )
 def test_usage_errors_exit_2_with_a_reason(

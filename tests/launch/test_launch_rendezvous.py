@@ -202,3 +202,34 @@ def test_client_without_host_times_out_or_stops(log: SchedulerLog) -> None:
     with pytest.raises(LauncherInterrupted) as exc:
         Rendezvous.connect(cfg, log, time.monotonic() + 5, lambda: 2)
     assert exc.value.exit_code == 130
+
+
+def test_launchers_of_another_worker_num_are_refused(log: SchedulerLog) -> None:
+    """Node 1 started with --worker_num 3 against node 0's 4 counted node 0's 2 workers and its
+    own 1, started rank 2 of a 3-rank job, then blamed node 0 as lost; the client is now refused
+    at once, naming both counts, and the host gives up with the same reason."""
+    port = _free_port()
+    host = _connect(port, log, worker_num=4, local_worker_num=2, node_rank=0)
+    with pytest.raises(RendezvousError, match=r"--worker_num differs .*: 4 where the store is "):
+        _connect(port, log, worker_num=3, local_worker_num=1, node_rank=1)
+    host.register()
+    with pytest.raises(RendezvousError, match=r"another launcher gave up: --worker_num differs"):
+        host.wait_for_all(time.monotonic() + 5, log)
+
+
+def test_a_port_that_is_no_store_times_out_or_stops(log: SchedulerLog) -> None:
+    """A program listening on --master_port that never answers as a store: torch's client
+    waits for ever inside C++ (past --cluster_time_out, deaf to Ctrl-C); it now gives up at
+    the deadline with the reason, or stops on a signal."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        cfg = LaunchConfig("x.py", worker_num=2, local_worker_num=1, node_rank=1, master_port=port)
+        started = time.monotonic()
+        with pytest.raises(RendezvousError, match="accepts connections but did not answer as a"):
+            Rendezvous.connect(cfg, log, time.monotonic() + 1.0, lambda: None)
+        with pytest.raises(LauncherInterrupted) as exc:
+            Rendezvous.connect(cfg, log, time.monotonic() + 30, lambda: 2)
+        assert exc.value.exit_code == 130
+        assert time.monotonic() - started < 10

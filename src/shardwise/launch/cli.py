@@ -148,6 +148,7 @@ def build_run_parser(prog: str = "shardwise run") -> argparse.ArgumentParser:
         description="Start the workers of a distributed job on this node (msrun-compatible).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # (split_argv knows full spellings only: --master_p 1 ran "1")
     )
     for name, kind, default, metavar, text in _OPTIONS:
         spellings = dict.fromkeys([f"--{name}", f"--{name.replace('_', '-')}"])

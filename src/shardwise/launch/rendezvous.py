@@ -2,8 +2,9 @@
 
 Steps (one launcher):
 
-1. `Rendezvous.connect`: host or join the store (`store.open_store`); the host writes a fresh
-   run id, clients read it.
+1. `Rendezvous.connect`: host or join the store (`store.open_store`); the host writes its
+   ``worker_num`` and a fresh run id, clients read them (a client of another ``worker_num`` is
+   refused, and the others told).
 2. `Rendezvous.claim_node_rank`: an explicit ``--node_rank`` is claimed with ``compare_set``
    (a duplicate is an error); ``-1`` takes 0 on the host and the next free number from a
    counter (``store.add``) elsewhere.
@@ -101,12 +102,23 @@ class Rendezvous:
         """
         server, hosting = open_store(cfg, log, deadline, stop)
         rdv = Rendezvous(server, hosting, cfg, stop)
+        where = f"{cfg.master_addr}:{cfg.master_port}"
         if hosting:
             rdv.run_id = uuid.uuid4().hex[:12]
+            rdv.store.set("worker_num", str(cfg.worker_num))  # (before the run id clients wait for)
             rdv.store.set("run_id", rdv.run_id)
         else:
             rdv.run_id = rdv._wait_key("run_id", deadline).decode()
-        where = f"{cfg.master_addr}:{cfg.master_port}"
+            theirs = int(rdv.store.get("worker_num"))
+            if theirs != cfg.worker_num:
+                host = socket.gethostname()
+                message = (
+                    f"--worker_num differs between the launchers of the job at {where}: "
+                    f"{theirs} where the store is hosted, {cfg.worker_num} on {host}; start "
+                    "every launcher with the same --worker_num (the job's total)"
+                )
+                rdv.publish_failure(RootCause(message, cfg.node_rank, host))
+                raise RendezvousError(message)
         role = "hosting" if hosting else "joined"
         log.info(f"{role} the rendezvous store at {where}, run id {rdv.run_id}")
         return rdv

@@ -14,6 +14,7 @@ import datetime
 import errno
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -58,14 +59,46 @@ def open_store(
         server = None if err else _host_store(cfg, log, must_host)
         if server is not None:
             return server, True
+        if err:  # (--node_rank -1: another launcher hosts it, or a program holds the port)
+            where = f"{cfg.master_addr}:{cfg.master_port}"
+            log.info(f"cannot host the store at {where} ({os.strerror(err)}); joining it")
     _wait_reachable(cfg, ip, deadline, stop)
-    client = TCPStore(
-        cfg.master_addr,
-        cfg.master_port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S),
-    )
-    return client, False
+    return _connect_client(cfg, deadline, stop), False
+
+
+def _connect_client(cfg: LaunchConfig, deadline: float, stop: StopCheck) -> TCPStore:
+    """The client of the store at ``master_addr:master_port``, made in a thread so that the
+    wait honours the deadline and signals: torch's client waits for the host's answer with no
+    limit (a program on the port that is not a store, a stuck host), inside C++."""
+    made: list[TCPStore | BaseException] = []
+
+    def connect() -> None:
+        try:
+            limit = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+            addr, port = cfg.master_addr, cfg.master_port
+            made.append(TCPStore(addr, port, is_master=False, timeout=limit))
+        except BaseException as e:  # (handed to the launcher's thread)
+            made.append(e)
+
+    thread = threading.Thread(target=connect, name="store-client", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        if not thread.is_alive():
+            break
+        signum = stop()
+        if signum is not None:
+            raise LauncherInterrupted(signum)
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"{cfg.master_addr}:{cfg.master_port} accepts connections but did not answer "
+                f"as a rendezvous store within {cfg.cluster_time_out:g} s: another program "
+                "listens on that port (pick a free --master_port for every launcher of the "
+                "job), or the launcher of node 0 is stuck"
+            )
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def probe_bind(ip: str, port: int) -> int:
