@@ -118,7 +118,7 @@ def _wait_for_start(pid: int, fd: int, cfg: LaunchConfig) -> int:
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signum)  # (as received: Ctrl-C is reported as SIGINT, 130)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, forward)
