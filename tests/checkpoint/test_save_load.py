@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 from pathlib import Path
@@ -160,8 +161,25 @@ def test_load_param_into_net_suffix_and_dtype_rules() -> None:
         load_param_into_net(net, {"fc.weight": torch.ones(3, 4, dtype=torch.float64)}, True)
     with pytest.raises(CheckpointError, match=r"shape \[4, 3\]"):
         load_param_into_net(net, {"fc.weight": torch.ones(4, 3)})
+    with pytest.raises(CheckpointError, match=r"\[3, 4\]; a checkpoint of another network"):
+        load_param_into_net(net, {"fc.weight": torch.ones(5, 6)})  # (no plan cut it: not a block)
     with pytest.raises(TypeError):
         load_param_into_net("net", {})  # type: ignore[arg-type]
+
+
+def test_a_suffix_several_network_names_end_with_loads_into_none() -> None:
+    """``0.weight`` fits ``a.0.weight`` and ``b.0.weight``: it went into the first (``a``), the
+    docs promising a unique suffix; it now goes nowhere and both are reported."""
+    net = torch.nn.Module()
+    net.a = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    net.b = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    not_loaded, unused = load_param_into_net(net, {"0.weight": torch.ones(2, 2)})
+    assert not_loaded == ["a.0.weight", "a.0.bias", "b.0.weight", "b.0.bias"]
+    assert unused == ["0.weight"]
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    not_loaded, unused = load_param_into_net(net, {"b.0.weight": torch.ones(2, 2)})
+    assert "b.0.weight" not in not_loaded and unused == []  # (an equal name still loads)
 
 
 def test_loading_into_a_deferred_net_skips_random_init(tmp_path: Path) -> None:
@@ -179,7 +197,9 @@ def test_loading_into_a_deferred_net_skips_random_init(tmp_path: Path) -> None:
 
 def test_a_whole_checkpoint_into_a_planned_network_names_the_fix() -> None:
     """A single-device state loaded with the plain function after the network was planned (its
-    column-parallel weight cut to this rank's rows) named only the two shapes."""
+    column-parallel weight cut to this rank's rows) named only the two shapes. The wrapper is
+    a temporary, gone before the load: the network is still known to be stored by its plan
+    (`parallel._ownership.stored`; it was forgotten with the wrapper)."""
     import shardwise as sw
     from shardwise.testing import simulated_world
 
@@ -191,5 +211,6 @@ def test_a_whole_checkpoint_into_a_planned_network_names_the_fix() -> None:
     with simulated_world(2) as world:
         world.replicate(net)
         sw.AutoParallel(net)(world.rows(x))
+        gc.collect()
         with pytest.raises(CheckpointError, match=r"block of it .*load_distributed\(net, folder"):
             load_param_into_net(net, whole)

@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint._describe import check_rank_pieces
+from shardwise.checkpoint._describe import check_rank_pieces, network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES
 from shardwise.parameter import assign_tensor
@@ -36,20 +37,27 @@ def _suffix_match(name: str, candidates: list[str]) -> str | None:
 
 
 def _match(names: list[str], keys: list[str], strict: bool) -> dict[str, str]:
+    """Network name -> checkpoint key: equal names, then (not `strict`) a unique dotted suffix
+    both ways: a key several network names end with (``0.weight`` for ``a.0.weight`` and
+    ``b.0.weight``) goes to none of them."""
     key_set = set(keys)
     matches = {name: name for name in names if name in key_set}
     if strict:
         return matches
     taken = set(matches.values())
     unused = [key for key in keys if key not in taken]
-    for name in names:
-        if name in matches:
-            continue
-        key = _suffix_match(name, unused)
-        if key is not None:
-            matches[name] = key
-            unused.remove(key)
+    proposed = {n: _suffix_match(n, unused) for n in names if n not in matches}
+    wanted = Counter(k for k in proposed.values() if k is not None)
+    matches |= {n: k for n, k in proposed.items() if k is not None and wanted[k] == 1}
     return matches
+
+
+def _is_planned(net: torch.nn.Module) -> bool:
+    """Whether a plan stores (cut) some of `net`'s parameters."""
+    try:
+        return network_strategy(net) is not None
+    except CheckpointError:  # (several planned networks inside)
+        return True
 
 
 def _piece_hint(key: str, pieces: Mapping[str, object], where: object) -> str:
@@ -65,10 +73,13 @@ def _piece_hint(key: str, pieces: Mapping[str, object], where: object) -> str:
     )
 
 
-def _block_hint(target: torch.Tensor, value: torch.Tensor) -> str:
+def _block_hint(target: torch.Tensor, value: torch.Tensor, planned: bool) -> str:
     """Why a whole tensor cannot fill a smaller one of as many dims (the network holds this
-    rank's block of it: planned by `AutoParallel`), and the fix."""
+    rank's block of it: planned by `AutoParallel`), and the fix; for a network no plan cut,
+    the checkpoint is another network's."""
     have, whole = tuple(target.shape), tuple(value.shape)
+    if not planned:
+        return "; a checkpoint of another network (or of this one in another size)?"
     if len(have) != len(whole) or any(h > w for h, w in zip(have, whole, strict=True)):
         return ""
     return (
@@ -80,10 +91,15 @@ def _block_hint(target: torch.Tensor, value: torch.Tensor) -> str:
 
 
 def _store(
-    name: str, target: torch.Tensor, value: torch.Tensor, strict: bool, hint: str = ""
+    name: str,
+    target: torch.Tensor,
+    value: torch.Tensor,
+    strict: bool,
+    hint: str = "",
+    planned: bool = True,
 ) -> None:
     if tuple(target.shape) != tuple(value.shape):
-        hint = hint or _block_hint(target, value)
+        hint = hint or _block_hint(target, value, planned)
         raise CheckpointError(
             f"cannot load {name!r}: checkpoint shape {list(value.shape)} != network shape "
             f"{list(target.shape)}{hint}"
@@ -136,6 +152,7 @@ def load_param_into_net(
     if isinstance(metadata, Mapping):
         check_rank_pieces(net, metadata, matches.items(), str(where or "checkpoint"))
     done: set[int] = set()
+    planned = _is_planned(net)
     for name, key in matches.items():
         target = targets[name]
         if id(target) in done:  # (a tied name: loaded once, its entry not even read)
@@ -143,7 +160,7 @@ def load_param_into_net(
         value = parameter_dict[key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"checkpoint entry {key!r} is not a tensor")
-        _store(name, target, value, strict_load, _piece_hint(key, pieces, where))
+        _store(name, target, value, strict_load, _piece_hint(key, pieces, where), planned)
         done.add(id(target))
     used = set(matches.values())
     param_not_load = [name for name, target in targets.items() if id(target) not in done]

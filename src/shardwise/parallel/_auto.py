@@ -48,7 +48,7 @@ from shardwise.parallel._context import (
 from shardwise.parallel._discover import agree_scalers, find_referenced, pick_network
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
-from shardwise.parallel._ownership import take_over
+from shardwise.parallel._ownership import stored, take_over
 from shardwise.parallel._reading import PlanReading
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 from shardwise.parallel._strategy_files import StrategyFiles
@@ -359,6 +359,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
             self.remove()
             raise
         self._hooks += run.hooks
+        stored(self.network, run)
         plan = run.parallel_plan
         assert plan is not None
         variant = report.next_variant()

@@ -3,7 +3,8 @@
 `take_over` is called when a wrapper is built: an earlier wrapper of the same network that
 never ran gives up its hooks and refuses later calls (a notebook cell that builds the wrapper,
 run again); one that already ran is kept, and the new one is refused with the fix.
-`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by; a
+`stored_plan` answers, for checkpoints, the plan a network's parameters are stored by (also
+after its wrapper is gone: `stored` records the run); a
 deep copy of a planned network (an EMA model) is recorded by `copied` as stored by the same plan,
 its hooks bound to a `CopiedHooks`.
 """
@@ -88,12 +89,28 @@ def copied(copy: nn.Module, network: nn.Module) -> None:
         _COPIES[copy] = plan
 
 
+class _Stored(Protocol):
+    @property
+    def stored_plan(self) -> ParallelPlan: ...
+
+
+_RUNS: weakref.WeakKeyDictionary[nn.Module, _Stored] = weakref.WeakKeyDictionary()
+"""Planned networks -> their run (`GraphRun`), kept for `stored_plan` after the wrapper is
+gone (the network's hooks keep the run alive, and its parameters stay cut)."""
+
+
+def stored(network: nn.Module, run: _Stored) -> None:
+    """Record that `run` planned `network` (its parameters now stored by its first plan)."""
+    _RUNS[network] = run
+
+
 def stored_plan(network: nn.Module) -> ParallelPlan | None:
     """The plan by which `network`'s parameters (and its optimizer's state) are stored on this
-    rank: its wrapper's first plan, with the optimizer-parallel buckets; None when no wrapper
-    has cut them (not planned yet, or data_parallel)."""
+    rank: its wrapper's first plan, with the optimizer-parallel buckets, also once the wrapper
+    itself is gone; None when no wrapper has cut them (not planned yet, or data_parallel)."""
     ref = _WRAPPERS.get(network)
     wrapper = None if ref is None else ref()
     if wrapper is None:
-        return _COPIES.get(network)
+        run = _RUNS.get(network)
+        return run.stored_plan if run is not None else _COPIES.get(network)
     return None if wrapper._superseded else wrapper.stored_plan
