@@ -30,7 +30,9 @@ from tests.checkpoint.ckpt_cases import (
 )
 
 import shardwise as sw
-from shardwise.checkpoint import CheckpointError
+from shardwise.checkpoint import CheckpointError, CheckpointStrategy
+from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.planner import ParamPlan
 
 APIS = ("transform", "merge", "transform_checkpoints", "load_distributed")
 
@@ -225,3 +227,14 @@ def test_overwrite_replaces_only_with_a_complete_checkpoint(api: str, tmp_path: 
     got = got or dict(sw.load_checkpoint(target))
     assert got.keys() == SHAPES.keys()
     assert all(torch.equal(got[k], v) for k, v in tensors().items())
+
+
+def test_a_strategy_whose_device_num_is_not_its_matrix_is_refused() -> None:
+    """device_num 3 on a 2 x 2 matrix was accepted: `transform` wrote ranks 0-2 only, the
+    fourth block of every split parameter lost, found only at merge or load."""
+    m = DeviceMatrix((2, 2), ("dp", "mp"))
+    params = {"weight": ParamPlan(TensorLayout(m, ((0,), (1,))), (8, 6))}
+    assert CheckpointStrategy(4, m, params).device_num == 4
+    for n in (3, 2, 8):
+        with pytest.raises(ValueError, match=rf"device_num {n} is not the size of its device"):
+            CheckpointStrategy(n, m, params)

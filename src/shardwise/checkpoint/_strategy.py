@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,16 @@ class CheckpointStrategy:
     shards: Mapping[str, ShardSpec] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     prefix: str = ""
+
+    def __post_init__(self) -> None:
+        n, size = self.device_num, math.prod(self.matrix.shape)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"CheckpointStrategy: device_num {n!r} must be an int >= 1")
+        if n != size:  # (fewer: the last ranks' blocks were never written; more: no block)
+            raise ValueError(
+                f"CheckpointStrategy: device_num {n} is not the size of its device matrix "
+                f"{self.matrix} ({size} devices); give device_num={size}, or a matrix of {n}"
+            )
 
     @classmethod
     def single(cls) -> CheckpointStrategy:
