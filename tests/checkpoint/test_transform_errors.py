@@ -238,3 +238,15 @@ def test_a_strategy_whose_device_num_is_not_its_matrix_is_refused() -> None:
     for n in (3, 2, 8):
         with pytest.raises(ValueError, match=rf"device_num {n} is not the size of its device"):
             CheckpointStrategy(n, m, params)
+
+
+def test_a_rank_file_into_a_whole_network_names_its_piece_readably(tmp_path: Path) -> None:
+    """The piece was printed as raw JSON lists (``[[[4, 8]], [[0, 4]]] of a [8, 4] tensor``)."""
+    net = torch.nn.Linear(4, 8)
+    sw.save_checkpoint(net, tmp_path / "one" / "net.safetensors")
+    m = DeviceMatrix((2,), ("mp",))
+    rows = CheckpointStrategy(2, m, {"weight": ParamPlan(TensorLayout(m, ((0,), ())), (8, 4))})
+    sw.checkpoint.transform(tmp_path / "one", tmp_path / "two", rows)
+    part = sw.load_checkpoint(tmp_path / "two" / "rank_1" / "net.safetensors")
+    with pytest.raises(CheckpointError, match=r"it holds \[4:8, 0:4\] of \[8, 4\]\): load the"):
+        sw.load_param_into_net(torch.nn.Linear(4, 8), part)

@@ -49,6 +49,18 @@ def test_extract_traceback_keeps_chained_exceptions_final_part() -> None:
     assert extract_traceback(chained) == TB.splitlines()
 
 
+def test_extract_traceback_leaves_out_position_markers() -> None:
+    """Python 3.11's ``^^^^`` / ``~~~~`` lines under each call filled the 30-line excerpt (a
+    gloo timeout lost the user's own frame); a line of text with a caret in it stays."""
+    marked = TB.replace("    main()\n", "    main()\n    ^^^^^^\n").replace(
+        '    raise ValueError("bad shape")\n',
+        '    raise ValueError("bad shape")\n    ~~~~~^^^^^^^^^^^^^^^^^^^^^^^\n',
+    )
+    assert marked.count("^") > 20
+    assert extract_traceback(marked) == TB.splitlines()
+    assert extract_traceback("Traceback (most recent call last):\nE: x ^ y\n")[-1] == "E: x ^ y"
+
+
 def test_extract_traceback_is_capped_keeping_the_end() -> None:
     frames = "".join(f'  File "f.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(40))
     text = "Traceback (most recent call last):\n" + frames + "RecursionError: deep\n"

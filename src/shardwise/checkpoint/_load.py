@@ -24,6 +24,7 @@ import torch
 from shardwise.checkpoint._describe import check_rank_pieces, network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES
+from shardwise.checkpoint._pieces import piece_of
 from shardwise.parameter import assign_tensor
 
 
@@ -62,12 +63,16 @@ def _is_planned(net: torch.nn.Module) -> bool:
 
 def _piece_hint(key: str, pieces: Mapping[str, object], where: object) -> str:
     """Why a rank file's entry cannot fill a whole tensor, and the fix."""
-    piece = pieces.get(key)
-    if not isinstance(piece, dict):
+    data = pieces.get(key)
+    if not isinstance(data, dict):
         return ""
+    try:
+        held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
+    except CheckpointError:
+        held = f"{data.get('dims')} of {data.get('shape')}"
     return (
-        f"; the file is one rank's part of a distributed checkpoint (it holds {piece.get('dims')}"
-        f" of a {piece.get('shape')} tensor): load the checkpoint folder with "
+        f"; the file is one rank's part of a distributed checkpoint (it holds {held}): "
+        "load the checkpoint folder with "
         f"sw.checkpoint.load_distributed(net, {str(Path(str(where)).parent.parent)!r}), "
         "before or after the first step"
     )

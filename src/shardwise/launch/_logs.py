@@ -48,6 +48,9 @@ def describe_returncode(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+_MARKERS = re.compile(r"\s*[\^~]+[\s\^~]*")
+
+
 def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
     """The last Python traceback in `text`, from its header to the end of the text.
 
@@ -57,7 +60,8 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
             exception is), with a line saying how many were left out.
 
     Returns:
-        The traceback's lines (trailing blank lines removed), or ``[]`` when there is none.
+        The traceback's lines (trailing blank lines and Python's ``^^^^`` / ``~~~~`` position
+        markers removed), or ``[]`` when there is none.
 
     Example:
         >>> extract_traceback("x\\nTraceback (most recent call last):\\n  f()\\nE: boom\\n")
@@ -68,7 +72,8 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)]
     if not starts:
         return []
-    tb = lines[starts[-1] :]
+    # (Python 3.11's ^^^^ / ~~~~ marker lines under a call take room from the user's frames)
+    tb = [line for line in lines[starts[-1] :] if not _MARKERS.fullmatch(line)]
     while tb and not tb[-1]:
         tb.pop()
     if len(tb) > max_lines:
