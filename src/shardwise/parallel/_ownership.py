@@ -94,14 +94,15 @@ class _Stored(Protocol):
     def stored_plan(self) -> ParallelPlan: ...
 
 
-_RUNS: weakref.WeakKeyDictionary[nn.Module, _Stored] = weakref.WeakKeyDictionary()
-"""Planned networks -> their run (`GraphRun`), kept for `stored_plan` after the wrapper is
-gone (the network's hooks keep the run alive, and its parameters stay cut)."""
+_RUNS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[_Stored]] = weakref.WeakKeyDictionary()
+"""Planned networks -> their run (`GraphRun`), for `stored_plan` after the wrapper is gone
+(the network's hooks keep the run alive, and its parameters stay cut); weak both ways (the run
+holds the network: a strong value would keep the key alive for ever)."""
 
 
 def stored(network: nn.Module, run: _Stored) -> None:
     """Record that `run` planned `network` (its parameters now stored by its first plan)."""
-    _RUNS[network] = run
+    _RUNS[network] = weakref.ref(run)
 
 
 def stored_plan(network: nn.Module) -> ParallelPlan | None:
@@ -111,6 +112,7 @@ def stored_plan(network: nn.Module) -> ParallelPlan | None:
     ref = _WRAPPERS.get(network)
     wrapper = None if ref is None else ref()
     if wrapper is None:
-        run = _RUNS.get(network)
+        held = _RUNS.get(network)
+        run = None if held is None else held()
         return run.stored_plan if run is not None else _COPIES.get(network)
     return None if wrapper._superseded else wrapper.stored_plan
