@@ -7,6 +7,7 @@ on 4 simulated ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -75,8 +76,11 @@ def test_search_is_never_costlier_than_propagation_on_seed002() -> None:
 
 
 def _held(plan: ParallelPlan) -> float:
-    """The bytes one rank holds under `plan`, as the search counts them."""
-    return plan_cost(plan).memory / CostModel().memory_s_per_byte
+    """The bytes one rank holds under `plan`, as the search counts them: with the two update
+    temporaries of the largest parameter block (an Adam-like optimizer's, as `set_memory`'s
+    check counts them)."""
+    blocks = [math.prod(p.layout.local_shape(p.shape)) * 4 for p in plan.params.values()]
+    return plan_cost(plan).memory / CostModel().memory_s_per_byte + 2 * max(blocks)
 
 
 def test_the_memory_cap_constrains_the_search() -> None:
@@ -202,3 +206,43 @@ def test_an_unannotated_primitive_whose_default_does_not_fit_is_chosen_for(mode:
 
         loss = sw.AutoParallel(_square_step(net), parallel_mode=mode)(world.rows(x))
         assert_matches_single_device(loss, want.detach())
+
+
+class _Relu(nn.Module):
+    def __init__(self, h: int = 128) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.l2(torch.relu(self.l1(x)))
+        return out
+
+
+@pytest.mark.parametrize("cap", ["1.1MB", "1.2MB"])
+def test_a_capped_search_picks_a_plan_the_memory_check_accepts(cap: str) -> None:
+    """With AdamW the memory check adds an update's two temporaries of the largest parameter
+    block, which the search did not count: under these caps it picked a plan the check refused
+    (1.26 MB), though one that fits exists (the search's memory row now holds the largest
+    transient: `Problem.peak`)."""
+    x, y = torch.randn(8, 128), torch.randn(8, 128)
+    want = nn.functional.mse_loss(_Relu()(x), y)
+    net = _Relu()
+    try:
+        sw.runtime.set_memory(cap)
+        with simulated_world(4) as world:
+            world.replicate(net)
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+            def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                loss = nn.functional.mse_loss(net(a), b)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            parallel = sw.AutoParallel(step, parallel_mode="recursive_programming")
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want.detach(), what="loss")
+    finally:
+        sw.runtime.set_memory(None)

@@ -91,12 +91,18 @@ class _Costs(_Builder):
     def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
         prob, variables = super().problem()
         memory: list[list[int]] = []
+        peak: list[list[int]] = []
         parts: list[list[tuple[int, int, int]]] = []
         for v, (kind, key) in enumerate(variables):
             if kind == "node":
                 own = [self._own(int(key), c) for c in self.choices.nodes[int(key)]]
+                peak.append([0] * len(own))
             else:
                 own = [self._param(str(key), j) for j in range(prob.domains[v])]
+                floating = self.graph.params[str(key)].dtype.startswith("float")
+                # (an Adam-like update's two temporaries of the largest block: as the check)
+                temps = 2 if self.copies >= 4 and floating else 0
+                peak.append([m // self.copies * temps for _, m in own])
             memory.append([m for _, m in own])
             parts.append([split for split, _ in own])
             prob.unary[v] = [
@@ -104,6 +110,7 @@ class _Costs(_Builder):
                 for cost, (split, _) in zip(prob.unary[v], own, strict=True)
             ]
         prob.memory, prob.parts = memory, parts
+        prob.peak = peak if any(any(row) for row in peak) else None
         return prob, variables
 
     def _own(self, index: int, c: Choice) -> tuple[tuple[int, int, int], int]:
@@ -177,6 +184,7 @@ def search(
         )
         assert problem.memory is not None
         floor = sum(min(row) for row in problem.memory)
+        floor += max((min(row) for row in problem.peak or []), default=0)
         least = floor if least is None else min(least, floor)
         if cap is not None:
             problem.cap = cap

@@ -57,6 +57,9 @@ class Problem:
             variables).
         width: components of a `Cost`.
         memory: per variable, per candidate, bytes it holds on a rank (with `cap`).
+        peak: per variable, per candidate, bytes of a transient the candidate needs for a
+            moment (an optimizer update's temporaries): only the largest of the chosen ones
+            counts against `cap`, with `memory`'s sum (None: none).
         cap: the most bytes the chosen candidates may hold together (None: no limit).
         parts: per variable, per candidate, what its `unary` cost's first component holds
             besides moves: (its own collectives, compute, memory price), in ns (the search's;
@@ -69,6 +72,7 @@ class Problem:
     anchored: set[int] = field(default_factory=set)
     width: int = 3
     memory: list[list[int]] | None = None
+    peak: list[list[int]] | None = None
     cap: int | None = None
     parts: list[list[tuple[int, int, int]]] | None = None
 
@@ -266,6 +270,9 @@ def _ilp(problem: Problem) -> list[int]:
     for u, v in problem.pairs:
         pair_off[(u, v)] = n
         n += problem.domains[u] * problem.domains[v]
+    capped = problem.cap is not None and problem.memory is not None
+    top = n if capped and problem.peak is not None else -1  # (the largest transient's bytes)
+    n += top >= 0
     eq = _Rows()
     for v, d in enumerate(problem.domains):  # one candidate per variable
         eq.add([(offsets[v] + i, 1.0) for i in range(d)], 1.0)
@@ -278,14 +285,27 @@ def _ilp(problem: Problem) -> list[int]:
     shape = (len(eq.rhs), n)
     a = coo_array((eq.vals, (eq.rows, eq.cols)), shape=shape).tocsr()
     constraints = [LinearConstraint(a, eq.rhs, eq.rhs)]
-    if problem.cap is not None and problem.memory is not None:  # the memory cap
+    if capped:  # the memory cap: the held bytes, plus the largest transient
+        assert problem.memory is not None and problem.cap is not None
         row = np.zeros(n)
         for v, d in enumerate(problem.domains):
             for i in range(d):
                 row[offsets[v] + i] = problem.memory[v][i]
+        if top >= 0:
+            assert problem.peak is not None
+            row[top] = 1.0
+            for v, d in enumerate(problem.domains):  # top >= each chosen transient
+                if any(problem.peak[v]):
+                    tops = np.zeros(n)
+                    tops[offsets[v] : offsets[v] + d] = problem.peak[v]
+                    tops[top] = -1.0
+                    constraints.append(LinearConstraint(tops.reshape(1, -1), -np.inf, 0.0))
         constraints.append(LinearConstraint(row.reshape(1, -1), -np.inf, float(problem.cap)))
     integrality = np.zeros(n)
     integrality[:binaries] = 1
+    upper = np.ones(n)
+    if top >= 0:
+        upper[top] = np.inf
     best: list[int] | None = None
     ties = np.zeros(n)  # (last: the lowest candidate indices among the optima, as the DP)
     for v, d in enumerate(problem.domains):
@@ -298,7 +318,7 @@ def _ilp(problem: Problem) -> list[int]:
             c,
             constraints=constraints,
             integrality=integrality,
-            bounds=Bounds(0, 1),
+            bounds=Bounds(0, upper),
             options={"mip_rel_gap": 0.0},  # (exact: HiGHS stops at a 1e-4 gap by default)
         )
         if not res.success or res.x is None:

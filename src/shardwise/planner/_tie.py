@@ -86,6 +86,11 @@ def tie(problem: Problem, keys: Sequence[object | None]) -> tuple[Problem, list[
         tied.memory = [
             [sum(memory[v][i] for v in m) for i in range(domains[g])] for g, m in enumerate(members)
         ]
+    if problem.peak is not None:  # (the largest transient of the group's members)
+        peak = problem.peak
+        tied.peak = [
+            [max(peak[v][i] for v in m) for i in range(domains[g])] for g, m in enumerate(members)
+        ]
     # (pairs that land on the same two groups are added up; repeated layers repeat the same
     # matrix objects, so each distinct one is converted once and counted)
     landed: dict[tuple[int, int], dict[int, tuple[Matrix, bool, list[int]]]] = {}
