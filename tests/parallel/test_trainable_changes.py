@@ -115,14 +115,31 @@ def test_unfrozen_under_optimizer_parallel_is_refused(mode: str) -> None:
             parallel(world.rows(x), world.rows(y))
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["between calls", "inside the step"])
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])
-def test_frozen_under_optimizer_parallel_stays_frozen(level: str) -> None:
+def test_frozen_under_optimizer_parallel_stays_frozen(level: str, inside: bool) -> None:
     """Levels 1-2 keep each gathered weight past the step and gather into it again: a weight
-    frozen since (``requires_grad_(False)``) kept its gradient and was still updated."""
+    frozen since (``requires_grad_(False)``) kept its gradient and was still updated. Frozen
+    inside the step, the call reached the gathered weight, not the parameter: at the next
+    gather the weight was made trainable again (every level; `_node_run.ON_PARAMETER`)."""
+    calls = [0]
+
+    def stepper(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if inside and calls[0] % STEPS == 1:
+                net[2].weight.requires_grad_(False)
+            calls[0] += 1
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
 
     def freeze(net: nn.Module) -> Callable[[int], None]:
         def change(i: int) -> None:
-            if i == 1:
+            if i == 1 and not inside:
                 net[2].weight.requires_grad_(False)
 
         return change
@@ -143,6 +160,7 @@ def test_frozen_under_optimizer_parallel_stays_frozen(level: str) -> None:
         got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)), freeze(net))
         for s in range(STEPS):
             assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+        assert not net[2].weight.requires_grad
 
 
 def test_a_parameter_group_added_later_in_the_data_parallel_mode() -> None:

@@ -38,6 +38,12 @@ def has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(t, T) for t in pytree.tree_leaves((args, kwargs)))
 
 
+ON_PARAMETER = frozenset({"torch.Tensor.requires_grad_"})
+"""Ops on a parameter that change the `Parameter` itself, not its values: with optimizer
+parallel they reach the parameter, not the weight gathered for compute (freezing the gathered
+weight only was undone at the next gather: the layer trained again)."""
+
+
 class NodeRun:
     """A node's full path (see the module docstring); `PlanExecutor` sets the attributes."""
 
@@ -78,7 +84,11 @@ class NodeRun:
                 continue
             if reads:
                 leaf = self.current(leaf)
-            if self.param_value is not None and id(leaf) in self.params:
+            if (
+                self.param_value is not None
+                and id(leaf) in self.params
+                and self.table.ops[k] not in ON_PARAMETER
+            ):
                 leaf = self.param_value(leaf)
             edge = self.table.edges.get((k, slot))
             if edge is not None and edge.shared and (edge.value, edge.dst) in self.moved:
