@@ -1,6 +1,8 @@
 """An operator strategy file edited by hand (or written by another shardwise version) is
-refused at the first call, naming the first op or edge that is not what the file's own
-strategies make on this network.
+refused at the first call, naming the first op or edge that is inconsistent: an op's inputs
+placed other than its edges leave them, an edge taking other steps than its placements need,
+an op placed as this network places it running other collectives. A consistent file of other
+annotations runs as saved.
 
 The loaded plan was checked for its ops, shapes, parameters and buckets only, then run as
 written: a deleted collective of a row-parallel MatMul ran without it (a wrong loss, no
@@ -72,9 +74,21 @@ def _move_input(d: dict[str, Any]) -> None:
 
 
 EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
-    "collective deleted": (_drop_comm, r"mm2/MatMul comms: \(\) -> \(AllReduce\(sum\) over g1"),
-    "step deleted": (_drop_step, r"edge only in first: input:args\[0\]"),
-    "placement changed": (_move_input, r"node %0 mm1/MatMul: %0 mm1/MatMul \[.*\]: \(\(g0, g1\)"),
+    "collective deleted": (
+        _drop_comm,
+        r"op %2 mm2/MatMul is placed as this network places it but its comms differ \(file -> "
+        r"this network\): \(\) -> \(AllReduce\(sum\) over g1 at mm2/MatMul\)",
+    ),
+    "step deleted": (
+        _drop_step,
+        r"the edge moving input:args\[0\] from \(\(g0, g1\), None\) to \(g0, None\) takes no "
+        r"step, but those placements need AllGather\(dim=0, axis=g1",
+    ),
+    "placement changed": (
+        _move_input,
+        r"op %0 mm1/MatMul takes input 0 \(input:args\[0\]\) as \(\(g0, g1\), None\), but the "
+        r"edge into it makes \(g0, None\)",
+    ),
 }
 
 
@@ -93,7 +107,30 @@ def test_an_edited_semi_auto_file_is_refused_at_its_first_difference(
     (tmp_path / "edited.json").write_text(json.dumps(data))
     with pytest.raises(StrategyFileError, match=match) as info:
         _run("semi_auto", load=tmp_path / "edited.json")
-    assert "the plan in the file is not the one its semi_auto strategies make" in str(info.value)
+    assert str(info.value).endswith("written by another shardwise version: save it again")
+
+
+class Unannotated(RowParallel):
+    """The same network without its strategies (the file sets them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mm1, self.mm2 = sw.ops.MatMul(), sw.ops.MatMul()
+
+
+def test_the_file_of_an_annotated_network_runs_in_an_unannotated_one(tmp_path: Path) -> None:
+    """The file's plan is not what this network would plan (its MatMuls run data parallel),
+    but it is consistent: it runs as saved (a directive, as MindSpore's strategy file)."""
+    want = RowParallel()(X)
+    _, saved = _run("semi_auto", save=tmp_path / "ops.json")
+    net = Unannotated()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net).load_operator_strategy_file(tmp_path / "ops.json")
+        loss = parallel(world.rows(X))
+    assert_matches_single_device(loss, want.detach(), what="loss")
+    assert parallel.parallel_plan is not None and parallel.parallel_plan.diff(saved) == []
+    assert tuple(net.w1.shape) == (16, 16)  # (stored as the file says: columns over mp)
 
 
 def test_an_edited_propagated_file_is_refused_where_it_agrees_with_semi_auto(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise._atomic import write_text_atomically
+from shardwise.planner._file_checks import first_inconsistency
 from shardwise.planner._plan import (
     FORMAT,
     NodePlan,
@@ -34,7 +35,6 @@ from shardwise.planner._plan import (
     params_d,
     params_of,
 )
-from shardwise.planner._plan_diff import node_field, plan_diff
 
 PARAM_FORMAT = "shardwise.ParamStrategy/1"
 
@@ -157,45 +157,18 @@ def _check_node(a: NodePlan, b: NodePlan, path: str | Path) -> None:
 
 
 def check_decisions(loaded: ParallelPlan, fresh: ParallelPlan, path: str | Path) -> None:
-    """Raise `StrategyFileError` when the file's plan is not what its own decisions make on this
-    network (`fresh`: this network planned the same way with the file's parameter layouts): a
-    file edited by hand (a collective deleted, a placement changed without its edges) or
-    written by another shardwise version would otherwise run, or print, something else than it
-    says.
-
-    A semi_auto file must equal `fresh` (same mode: the same decisions). A file of another mode
-    (propagated or searched strategies: `fresh` is semi_auto's) is checked where the two agree:
-    an op placed alike must run the same collectives and local compute, and a value moved
-    between the same placements must take the same redistribution steps.
-    """
-    fix = "the file was edited or written by another shardwise version; save it again"
-    if loaded.mode == fresh.mode:
-        differences = plan_diff(loaded, fresh)
-        if differences:
-            raise StrategyFileError(
-                f"{path}: the plan in the file is not the one its {loaded.mode} strategies "
-                f"make for this network (file -> this network): {differences[0]}; {fix}"
-            )
-        return
-    planned = {m.index: m for m in fresh.nodes}
-    for n in loaded.nodes:
-        m = planned.get(n.index)
-        if m is None or (n.inputs, n.outputs) != (m.inputs, m.outputs):
-            continue
-        for field in ("comms", "local", "draws", "dtypes", "shapes"):
-            if getattr(n, field) != getattr(m, field):
-                raise StrategyFileError(
-                    f"{path}: op %{n.index} {n.name} is placed as this network places it but "
-                    f"its {field} differ (file -> this network): {node_field(n, field)} -> "
-                    f"{node_field(m, field)}; {fix}"
-                )
-    moves = {(e.value, e.src, e.dst): e for e in fresh.edges if not e.scatter}
-    for e in loaded.edges:
-        f = moves.get((e.value, e.src, e.dst))
-        if f is not None and not e.scatter and e.steps != f.steps:
-            raise StrategyFileError(
-                f"{path}: the edge {e} takes other steps than this network's {f}; {fix}"
-            )
+    """Raise `StrategyFileError` when the file's plan is not consistent with itself (an op's
+    inputs placed other than its edges leave them, an edge starting elsewhere than its value
+    is or taking other steps than its placements need) or runs an op it places as this
+    network's plan `fresh` does with other collectives or local compute: a file edited by hand
+    or written by another shardwise version (`_file_checks.first_inconsistency`). A file made
+    for other annotations, or by propagation or the search, places ops its own way: it runs."""
+    found = first_inconsistency(loaded, fresh)
+    if found is not None:
+        raise StrategyFileError(
+            f"{path}: {found}; the file was edited or written by another shardwise version: "
+            "save it again"
+        )
 
 
 def check_device_count(saved: int, job: int, path: str | Path) -> None:
