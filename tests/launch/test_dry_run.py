@@ -139,6 +139,30 @@ def test_strategies_the_device_count_does_not_divide(
     assert "meta tensors" not in err  # (the hint for a script's own failure before planning)
 
 
+def test_a_set_memory_cap_the_plan_exceeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dry run stopped the script before `set_memory`'s check: files written, exit 0,
+    where a real run of the script raises; it fails as the real run does."""
+    script = tmp_path / "capped.py"
+    script.write_text(
+        "import torch\nimport shardwise as sw\n"
+        "net = torch.nn.Linear(64, 64)\n"
+        "sw.runtime.set_memory(max_size='10KB')\n"
+        "step = sw.AutoParallel(net)\n"
+        "step(torch.zeros(8, 64))\n"
+    )
+    try:
+        code, out = _plan(tmp_path, "--device_num", "4", str(script))
+    finally:
+        sw.runtime.set_memory(None)
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "its wrapped network failed to plan: ValueError" in err
+    assert "above the set_memory cap max_size=10.00 KB" in err
+    assert not (out / "plan.json").exists()
+
+
 def test_out_naming_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit) as e:

@@ -274,3 +274,28 @@ def test_context_comm_fusion_is_acted_on() -> None:
     sw.set_auto_parallel_context(comm_fusion=fusion)
     by_context = _buckets(AutoParallel)
     assert by_method is not None and by_context == by_method
+
+
+def test_set_memory_cap_holds_for_a_plan_made_again() -> None:
+    """A call planned again (another batch size) was not checked: a 16 MB plan ran under a
+    1 MB cap. It is refused now, and the plans that fit still run."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    small, big = torch.randn(32, 64), torch.randn(16384, 64)
+    sw.runtime.set_memory(max_size="1MB")
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(step)
+        parallel(world.rows(small))
+        with pytest.raises(ValueError, match=r"AutoParallel: this rank needs an estimated .* MB"):
+            parallel(world.rows(big))
+        parallel(world.rows(small))  # (the first plan still runs)

@@ -127,9 +127,10 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
         The `Planned` event (plan, graph, network, optimizers, buckets).
 
     Raises:
-        DryRunError: the script ended (or exited) without calling a wrapped network.
-        ValueError: a bad device count or rank (`communication.dry_run`), or the planner's own
-            errors (`PlanError`: a strategy the device count does not divide, ...).
+        DryRunError: the script ended (or exited) without calling a wrapped network, or its
+            wrapped network failed to plan (the planner's error, a `PlanError` among them,
+            named and chained: a strategy the device count does not divide, a memory cap).
+        ValueError: a bad device count or rank (`communication.dry_run`).
 
     Example:
         >>> planned = dry_plan("examples/quick_start.py", [], device_num=1024)
@@ -154,8 +155,6 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
             runpy.run_path(script, run_name="__main__")
     except _Stop as done:
         return done.planned
-    except PlanError:
-        raise
     except Exception as e:  # (the script's own failure, or its wrapped network's)
         if _in_wrapped_call(e):
             raise DryRunError(

@@ -167,8 +167,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self.network, plan.matrix, stored, self.hsdp, self.fusion, plan.equal_grads
         )
         plan = dataclasses.replace(plan, buckets=bucket_plans(buckets, plan.matrix))
-        notify(Planned(plan, graph, self.network, tuple(self.optimizers), buckets, self.hsdp))
         check_plan_memory(plan, buckets, self.network, self.optimizers)  # (nothing cut yet)
+        notify(Planned(plan, graph, self.network, tuple(self.optimizers), buckets, self.hsdp))
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]
@@ -317,6 +317,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             if known == plan:
                 self.parallel_plan, self.templates = known, templates
                 return
+        check_plan_memory(plan, made, self.network, self.optimizers)  # (another batch size...)
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.parallel_plan = plan
         self.plans.append((plan, self.templates))

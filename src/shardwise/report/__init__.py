@@ -27,6 +27,7 @@ buckets, `dump_optimizer` appends to ``execute.ir`` every collective of each buc
 
 from shardwise.report._html import format_plan_html, write_plan_html
 from shardwise.report._measure import MemoryMeter
+from shardwise.report._memory import MemoryEstimate, estimate_memory, memory_tensors
 from shardwise.report._optimizer import format_optimizer
 from shardwise.report._parallel_plan import (
     dump_parallel_plan,
@@ -39,14 +40,17 @@ from shardwise.report._png import render_plan_png, write_plan_png
 from shardwise.report._write import dump_data_parallel, dump_optimizer, report_ranks, write_ir
 
 __all__ = [
+    "MemoryEstimate",
     "MemoryMeter",
     "dump_data_parallel",
     "dump_optimizer",
     "dump_parallel_plan",
+    "estimate_memory",
     "format_optimizer",
     "format_plan_begin",
     "format_plan_execute",
     "format_plan_html",
+    "memory_tensors",
     "next_variant",
     "plan_memory",
     "render_plan_png",
