@@ -76,6 +76,15 @@ class WeightGathering(GradReduction):
                 self._leaf(name, p.detach())
         return self.leaves[name]
 
+    def fill_for_replay(self, names: Iterable[str]) -> None:
+        """Level 3, in backward: fill the freed weights `names` that a checkpointed region's
+        recomputation reads, before it runs (it may run under torch's selective-checkpoint
+        mode, which refuses ops its forward did not run: the gather's copies)."""
+        for name in names:
+            i = self.bucket_of.get(name)
+            if i is not None and not self._live(name):
+                self._recomputing(i)
+
     def _recomputing(self, i: int) -> bool:
         """Level 3, in backward (an activation-checkpointed region's recomputation asks for
         weights `end_forward` freed): bucket `i`'s leaves filled again, from the bucket's

@@ -298,6 +298,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             executor.reentrant_refused = REENTRANT_HSDP
         if engine is not None and engine.level == "level1":
             executor.grad_read = engine.reduce_for_read
+        if engine is not None and engine.level == "level3":
+            executor.fill_weights = engine.fill_for_replay
         return executor
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:

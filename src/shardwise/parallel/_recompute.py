@@ -72,6 +72,8 @@ class Recompute:
         self.replay: Any = None  # the executor carrying out a recomputation now (primitives)
         self.no_recompute = ""  # why regions cannot be replayed (set by the caller)
         self.reentrant_refused = ""  # why reentrant ones cannot (set by the caller)
+        # (optimizer parallel level 3: fills the freed weights a replay reads, before it runs)
+        self.fill_weights: Callable[[list[str]], None] | None = None
 
     def _checkpointed(self, k: int) -> None:
         """Node `k` runs inside activation checkpointing: at a region's first node, its
@@ -115,12 +117,25 @@ class Recompute:
         name = self.plan.nodes[k].name
         self.replay = replay  # (primitives' module hooks reach this executor: they go to it)
         try:
-            with recorder.phase("backward"), recorder.label(f"recompute from {name}"), replay:
-                run()
+            with recorder.phase("backward"), recorder.label(f"recompute from {name}"):
+                if self.fill_weights is not None:  # (before torch's recomputation mode)
+                    self.fill_weights(self._weights_read(k))
+                with replay:
+                    run()
         finally:
             self.replay = None
             if now is not None:
                 comm.set_draw_state(now)
+
+    def _weights_read(self, k: int) -> list[str]:
+        """The parameters the nodes of the region that starts at node `k` read."""
+        nodes = next((r.replayed() for r in self.plan.regions if r.first == k), range(k, k + 1))
+        return [
+            v.split(":", 1)[1]
+            for i in nodes
+            for v in self.plan.nodes[i].values
+            if v.startswith("param:")
+        ]
 
     def _refuse_checkpointed(self, k: int) -> NoReturn:
         """Raise: node `k` runs inside activation checkpointing that cannot be replayed
