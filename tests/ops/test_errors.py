@@ -197,6 +197,14 @@ def test_device_axis_reused_across_inputs() -> None:
     )
 
 
+def test_a_device_axis_of_size_one_may_be_used_twice() -> None:
+    """An axis of size 1 splits nothing: the check lets it take two dims, but the output layout
+    took it twice and raised a bare ValueError naming no op; it is kept on one dim."""
+    ones = sw.Layout((1, 4, 2), ("dp", "sp", "mp"))
+    op = plan_primitive(MatMul().shard((ones("dp", "mp"), ones("mp", "dp"))), X, W, device_num=8)
+    assert [o.dims for o in op.outputs] == [((0,), ())]
+
+
 def test_layer_norm_normalized_dims_split() -> None:
     msg = fails(LayerNorm().shard(((2, 4), (4,), (4,))), (32, 16), (16,), (16,))
     has(

@@ -306,6 +306,16 @@ def test_failed_plan_gives_network_back() -> None:
         ({"in_strategy": (2, 1)}, TypeError, r"one tuple per input"),
         ({"in_strategy": ((2, 1), LAYOUT("dp", "mp"))}, ValueError, r"mixes int tuples"),
         ({"in_strategy": None, "parameter_plan": [("w1", (2, 1))]}, TypeError, r"dict name"),
+        (  # (across the arguments: accepted, where a primitive's shard() refuses it)
+            {"in_strategy": ((2, 1),), "out_strategy": (LAYOUT("dp", "mp"),)},
+            ValueError,
+            r"in_strategy, out_strategy and parameter_plan mix int tuples and Layouts",
+        ),
+        (
+            {"in_strategy": (LAYOUT("dp", "None"),), "parameter_plan": {"w1": (4, 1)}},
+            ValueError,
+            r"mix int tuples and Layouts; use one kind for all",
+        ),
     ],
 )
 def test_eager_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:

@@ -116,12 +116,28 @@ def _outputs(
     spec: Spec, matrix: DeviceMatrix, axes: Mapping[int, tuple[int, ...]]
 ) -> tuple[tuple[TensorLayout, ...], tuple[int, ...]]:
     """Output layouts, and the device axes of the summed logical axes (size > 1)."""
-    outs = tuple(
-        TensorLayout(matrix, tuple(axes.get(lg, ()) if lg is not None else () for lg in dims))
-        for dims in spec.outputs
-    )
+    outs = tuple(TensorLayout(matrix, _output_dims(dims, matrix, axes)) for dims in spec.outputs)
     red = tuple(a for lg in spec.reduced for a in axes.get(lg, ()) if matrix.shape[a] > 1)
     return outs, red
+
+
+def _output_dims(
+    dims: Sequence[int | None], matrix: DeviceMatrix, axes: Mapping[int, tuple[int, ...]]
+) -> tuple[tuple[int, ...], ...]:
+    """One output's device axes per dim; an axis of size 1 that two of its dims would take
+    (``layout("dp", "mp")`` times ``layout("mp", "dp")`` with dp of size 1: it splits nothing,
+    so the inputs may use it twice) is kept on the first only."""
+    seen: set[int] = set()
+    out = []
+    for lg in dims:
+        kept = []
+        for a in axes.get(lg, ()) if lg is not None else ():
+            if a in seen and matrix.shape[a] == 1:
+                continue
+            seen.add(a)
+            kept.append(a)
+        out.append(tuple(kept))
+    return tuple(out)
 
 
 def _names(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str, ...]:

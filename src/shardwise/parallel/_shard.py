@@ -300,6 +300,12 @@ def shard(
     ins = normalize_strategy(in_strategy, "in_strategy", who) if in_strategy is not None else None
     outs = normalize_strategy(out_strategy, "out_strategy", who)
     params = _check_plan(parameter_plan, who)
+    given = [*(ins or ()), *(outs or ()), *params.values()]
+    if len({isinstance(e, TensorLayout) for e in given}) > 1:
+        raise ValueError(
+            f"{who}: in_strategy, out_strategy and parameter_plan mix int tuples and Layouts; "
+            "use one kind for all of them (as a primitive's shard())"
+        )
     if isinstance(fn_or_module, nn.Module) and _is_op_form(fn_or_module, ins):
         if outs is not None or params:
             names = ", ".join(op_form_names(fn_or_module) or ())
