@@ -278,3 +278,41 @@ def test_a_view_that_cuts_a_split_dim_unevenly_is_a_plan_error() -> None:
         fix += r"split in 2\) \(made by lin/linear\)"
         with pytest.raises(PlanError, match=fix + r".*make the groups .*sw.strided"):
             sw.AutoParallel(net)(world.rows(x))
+
+
+class StridedIds(nn.Module):
+    """An embedding whose ids are split over ``("mp", "dp")``: the later mesh axis outer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        ids_layout = LAYOUT(("mp", "dp"), "None")
+        self.emb = sw.shard(nn.Embedding(16, 8), in_strategy=(ids_layout, LAYOUT("None", "None")))
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.emb(ids).sum(-1), y.float())
+
+
+def test_embedding_ids_split_with_the_later_axis_outer() -> None:
+    """A valid MindSpore layout that DTensor's embedding rule cannot take (its placement is
+    strided): the op form was refused ('the sharding rule ... cannot take input 0 as
+    annotated'); the lookup now keeps the ids' placement
+    (`aten_rules.strided_ids_embedding_rule`)."""
+    ids, labels, _, _ = data()
+    parallel, rec = train_once(StridedIds, ids, labels)
+    plan = parallel.parallel_plan
+    assert plan is not None
+    node = plan.nodes[0]
+    placed = (str(node.inputs[0]), str(node.outputs[0]))
+    assert placed == ("((g1, g0), None)", "((g1, g0), None, None)")
+    assert rec.kinds() == Counter(
+        {  # (rows over (dp, mp) to (mp, dp) and the lookups back: a strided move gathers the
+            # dim, docs/redistribution.md; their adjoints ReduceScatter)
+            ("AllGather", "forward", MP): 2,
+            ("AllGather", "forward", DP): 2,
+            ("AllReduce", "forward", ALL): 1,  # the loss
+            ("ReduceScatter", "backward", MP): 1,
+            ("ReduceScatter", "backward", DP): 1,
+            ("AllReduce", "backward", ALL): 1,  # emb.weight: whole
+        }
+    ), rec.summary()

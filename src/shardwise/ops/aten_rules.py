@@ -262,6 +262,38 @@ def mask_put_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
 
 
+def strided_ids_embedding_rule(args: Sequence[Any], ndim: int) -> Decision | None:
+    """``aten.embedding`` (weight, indices, ...) whose indices are split strided on some mesh
+    dim (a tuple of axes over their rows, the later mesh axis outer: ``layout(("mp", "dp"),
+    ...)``), which DTensor's rule cannot take.
+
+    Per mesh dim: a whole weight looks up this rank's indices: the output is placed as the
+    indices on their dims; a weight split on its embedding dim (dim 1), with whole indices
+    there, gives the output's last dim split alike. None (DTensor's rule) without strided
+    indices, or for a weight split on its rows (the vocabulary: a masked lookup) or partial.
+    """
+    weight, ids = args[0], args[1]
+    if not any(isinstance(p, StridedShard) for p in ids.placements):
+        return None
+    need_w: list[Placement] = []
+    need_ids: list[Placement] = []
+    outs: list[Placement] = []
+    for w, i in zip(weight.placements, ids.placements, strict=True):
+        if isinstance(i, Partial) or not isinstance(w, Replicate | Shard):
+            return None
+        if isinstance(w, Replicate):
+            need_w.append(w)
+            need_ids.append(i)
+            outs.append(i)
+        elif w.dim == 1 and isinstance(i, Replicate):
+            need_w.append(w)
+            need_ids.append(i)
+            outs.append(Shard(len(ids.shape)))
+        else:  # (the vocabulary split: DTensor's masked lookup)
+            return None
+    return Decision((tuple(need_w), tuple(need_ids)), (tuple(outs),), "shardwise")
+
+
 ATEN_RULES: dict[str, AtenRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
     "aten.cat.default": join_rule(stack=False),
@@ -281,6 +313,7 @@ ATEN_RULES: dict[str, AtenRule] = {
     "aten.masked_fill_.Tensor": masked_fill_tensor_rule,
     "aten.index_put.default": mask_put_rule,
     "aten.index_put_.default": mask_put_rule,
+    "aten.embedding.default": strided_ids_embedding_rule,
 }
 """shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
 
