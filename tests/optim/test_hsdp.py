@@ -442,6 +442,22 @@ def test_context_style() -> None:
 
 
 @pytest.mark.parametrize("context", [False, True])
+def test_data_parallel_mode_refuses_semi_autos_hsdp_settings(context: bool) -> None:
+    """The owner-update optimizer parallel takes a threshold only: a level or a shard size was
+    accepted and silently ignored."""
+    if context:
+        sw.set_auto_parallel_context(parallel_mode=sw.ParallelMode.DATA_PARALLEL)
+    try:
+        parallel = AutoParallel(Mlp(), parallel_mode=None if context else "data_parallel")
+        for kwargs in ({"optimizer_level": "level2"}, {"shard_size": 2}):
+            with pytest.raises(ValueError, match=r"data_parallel'.* takes threshold only"):
+                parallel.hsdp(**kwargs)  # type: ignore[arg-type]
+        parallel.hsdp(threshold=0, optimizer_level="level1")  # (its own settings: accepted)
+    finally:
+        sw.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("context", [False, True])
 def test_data_parallel_mode_owner_update_and_broadcast(context: bool) -> None:
     """``parallel_mode="data_parallel"`` with hsdp (seed 001's data-parallel variant): the
     gradients all-reduced per fusion bucket, each large parameter updated by its owner and
