@@ -85,11 +85,14 @@ def test_optimizer_parallel_level3_at_1024_devices(tmp_path: Path) -> None:
     assert "optimizer parallel: hsdp(shard_size=-1, threshold=64 KB, level3)" in summary
 
 
-def test_gpt2_small_summary_counts_its_parameters(tmp_path: Path) -> None:
+def test_gpt2_small_summary_counts_its_parameters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out = _plan(
         tmp_path, "--device_num", "1024", str(EXAMPLES / "gpt2.py"), "--size", "small"
     )
     assert code == 0
+    assert "\r" not in capsys.readouterr().err  # (no progress bar when stderr is no terminal)
     summary = (out / "summary.txt").read_text()
     params = 124_475_904  # GPT-2 small with the 50,304-token vocabulary, head tied
     assert f"({params * 4} B)" in _line(summary, "parameters")

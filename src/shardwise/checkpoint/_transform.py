@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,7 +208,8 @@ def _write_entry_major(
 
 
 def _bar(total: int, what: str, progress: bool | None) -> tqdm:
-    show = total >= _PROGRESS_BYTES if progress is None else progress
+    # (by default on a terminal only: redirected output gets no carriage-return lines)
+    show = total >= _PROGRESS_BYTES and sys.stderr.isatty() if progress is None else progress
     return tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=not show, leave=False)
 
 

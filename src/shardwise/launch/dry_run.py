@@ -259,7 +259,14 @@ def plan_main(argv: Sequence[str]) -> int:
     if a.out.exists() and not a.out.is_dir():
         parser.error(f"--out {a.out}: a file of that name exists; name a folder")
     start = time.perf_counter()
-    bar = tqdm(total=2, desc="shardwise plan", delay=1.0, file=sys.stderr, leave=False)
+    bar = tqdm(  # (only on a terminal: redirected output gets no carriage-return lines)
+        total=2,
+        desc="shardwise plan",
+        delay=1.0,
+        file=sys.stderr,
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    )
     try:
         planned = dry_plan(a.script, a.args, a.device_num, a.rank)
         bar.update(1)
