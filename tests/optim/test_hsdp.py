@@ -450,7 +450,7 @@ def test_data_parallel_mode_refuses_semi_autos_hsdp_settings(context: bool) -> N
     try:
         parallel = AutoParallel(Mlp(), parallel_mode=None if context else "data_parallel")
         for kwargs in ({"optimizer_level": "level2"}, {"shard_size": 2}):
-            with pytest.raises(ValueError, match=r"data_parallel'.* takes threshold only"):
+            with pytest.raises(ValueError, match=r"data_parallel.* takes threshold only"):
                 parallel.hsdp(**kwargs)  # type: ignore[arg-type]
         parallel.hsdp(threshold=0, optimizer_level="level1")  # (its own settings: accepted)
     finally:

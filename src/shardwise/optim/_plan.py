@@ -52,11 +52,14 @@ class HsdpConfig:
         )
 
 
-def check_hsdp(shard_size: object, threshold: object, optimizer_level: object) -> HsdpConfig:
-    """Validate `AutoParallel.hsdp`'s arguments.
+def check_hsdp(
+    shard_size: object, threshold: object, optimizer_level: object, mode: str = "semi_auto"
+) -> HsdpConfig:
+    """Validate `AutoParallel.hsdp`'s arguments (`mode`: the wrapper's parallel mode).
 
     Raises:
-        ValueError: ``shard_size`` not -1 or > 1, ``threshold`` < 0, an unknown level.
+        ValueError: ``shard_size`` not -1 or > 1, ``threshold`` < 0, an unknown level; a level
+            or shard size in the data_parallel mode (its owner update takes a threshold only).
         TypeError: a value of the wrong type.
 
     Example:
@@ -74,6 +77,13 @@ def check_hsdp(shard_size: object, threshold: object, optimizer_level: object) -
     if optimizer_level not in LEVELS:
         valid = " | ".join(repr(v) for v in LEVELS)
         raise ValueError(f"hsdp: optimizer_level={optimizer_level!r}; valid: {valid}")
+    if mode == "data_parallel" and (optimizer_level, shard_size) != ("level1", -1):
+        raise ValueError(
+            f"hsdp: parallel_mode='data_parallel' runs seed 001's optimizer parallel (each "
+            f"parameter updated by its owner rank, then broadcast), which takes threshold only; "
+            f"optimizer_level={optimizer_level!r} and shard_size={shard_size} are semi_auto's: "
+            "drop them, or use parallel_mode='semi_auto'"
+        )
     return HsdpConfig(shard_size, float(threshold), str(optimizer_level))
 
 

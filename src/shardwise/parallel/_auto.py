@@ -202,18 +202,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         """
         if self.has_run:
             raise ValueError("AutoParallel.hsdp: call it before the first step (already planned)")
-        checked = check_hsdp(shard_size, threshold, optimizer_level)
-        if self.parallel_mode == "data_parallel" and (optimizer_level, shard_size) != (
-            "level1",
-            -1,
-        ):
-            raise ValueError(
-                f"AutoParallel.hsdp: parallel_mode='data_parallel' runs seed 001's optimizer "
-                f"parallel (each parameter updated by its owner rank, then broadcast), which takes "
-                f"threshold only; optimizer_level={optimizer_level!r} and shard_size={shard_size} "
-                f"are semi_auto's: drop them, or use parallel_mode='semi_auto'"
-            )
-        self._hsdp = checked
+        self._hsdp = check_hsdp(shard_size, threshold, optimizer_level, self.parallel_mode)
         return self
 
     def comm_fusion(self, config: Mapping[str, Any]) -> AutoParallel:
