@@ -64,8 +64,80 @@ def test_loss_monitor_stops_on_nan() -> None:
 
 
 def test_loss_monitor_bad_argument() -> None:
-    with pytest.raises(ValueError, match="per_print_times=0 must be >= 1"):
-        sw.train.LossMonitor(0)
+    with pytest.raises(ValueError, match="per_print_times=-1 must be >= 0"):
+        sw.train.LossMonitor(-1)
+
+
+def test_loss_monitor_zero_never_prints_and_a_reused_one_prints_again(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """MindSpore's ``LossMonitor(0)`` prints nothing (it was refused); one monitor reused for a
+    second model, whose steps count from 1 again, printed nothing over its whole run."""
+    _model().train(1, _data(3), callbacks=[sw.train.LossMonitor(0)])
+    assert capsys.readouterr().out == ""
+    monitor = sw.train.LossMonitor(2)
+    for _ in range(2):
+        _model().train(2, _data(3), callbacks=[monitor])
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split(",")[0] for line in lines] == [
+            "epoch: 1 step: 2",
+            "epoch: 2 step: 1",
+            "epoch: 2 step: 3",
+        ]
+
+
+def test_classic_hooks_and_mindspores_context_fields() -> None:
+    """A callback written with MindSpore's classic hooks (``step_end``, ``epoch_end`` ...) ran
+    and did nothing; ``cb_params`` lacked ``train_network``, ``list_callback`` and others."""
+
+    class Classic(sw.train.Callback):
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def begin(self, run_context: Any) -> None:
+            self.calls.append("begin")
+
+        def step_end(self, run_context: Any) -> None:
+            params = run_context.original_args()
+            assert params.train_network is params.network and params.mode == "train"
+            assert params.list_callback == [self] and params.device_number == 1
+            assert params.parallel_mode == "stand_alone" and not params.dataset_sink_mode
+            self.calls.append(f"step_end {params.cur_step_num}")
+
+        def epoch_end(self, run_context: Any) -> None:
+            self.calls.append("epoch_end")
+
+        def end(self, run_context: Any) -> None:
+            self.calls.append("end")
+
+    classic = Classic()
+    _model().train(1, _data(2), callbacks=[classic])
+    assert classic.calls == ["begin", "step_end 1", "step_end 2", "epoch_end", "end"]
+
+
+def test_train_takes_mindspores_sink_size() -> None:
+    """MindSpore's order ``train(epoch, dataset, callbacks, dataset_sink_mode, sink_size,
+    initial_epoch)``: sink_size was missing, so a positional 5th argument became
+    initial_epoch (-1: an error; 50: fifty epochs silently skipped)."""
+    losses = Losses()
+    _model().train(2, _data(2), [losses], False, 50)
+    assert [e for e, _, _ in losses.seen] == [1, 1, 2, 2]
+    _model().train(1, _data(2), sink_size=-1)
+    with pytest.raises(ValueError, match=r"sink_size=0 must be -1 or an int >= 1"):
+        _model().train(1, _data(2), sink_size=0)
+
+
+def test_a_data_loader_over_an_iterable_dataset_trains() -> None:
+    """``len()`` of such a DataLoader raises TypeError (it crashed Model.train); its length is
+    learnt in the first epoch, as for any dataset without one."""
+
+    class Rows(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            yield from ((x[i], y[i]) for x, y in _data(3) for i in range(len(x)))
+
+    losses = Losses()
+    _model().train(2, torch.utils.data.DataLoader(Rows(), batch_size=4), callbacks=[losses])
+    assert [(e, s) for e, s, _ in losses.seen] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
 
 
 def test_time_monitor(capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,6 +55,30 @@ def test_resume_gives_identical_losses(tmp_path: Path) -> None:
     assert part1.values + part2.values == straight.values
 
 
+def test_a_dataset_without_len_resumes_from_its_first_epoch(tmp_path: Path) -> None:
+    """The first epoch's length is learnt at its end, after the last step's checkpoint was
+    written with 'step 3 of 0': resume refused a genuine end-of-epoch file. It is written
+    again at the epoch's end with the length."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(10, 5, generator=g), torch.randint(0, 3, (10,), generator=g)
+
+    class Loader:  # (re-iterable, no len())
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return ((x[i : i + 4], y[i : i + 4]) for i in range(0, 10, 4))
+
+    sw.set_seed(0)
+    full, straight = model(), Losses()
+    full.train(2, Loader(), callbacks=[straight])
+    sw.set_seed(0)
+    first, part1 = model(), Losses()
+    saver = sw.train.ModelCheckpoint("it", tmp_path, sw.train.CheckpointConfig(3))
+    first.train(1, Loader(), callbacks=[part1, saver])
+    second, part2 = model(), Losses()
+    done = sw.train.resume(second, tmp_path / "it-1_3.safetensors")
+    second.train(2, Loader(), callbacks=[part2], initial_epoch=done)
+    assert part1.values + part2.values == straight.values
+
+
 def test_rotation_and_prefix(tmp_path: Path) -> None:
     sw.set_seed(0)
     cfg = sw.train.CheckpointConfig(save_checkpoint_steps=1, keep_checkpoint_max=3)

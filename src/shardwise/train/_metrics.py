@@ -1,7 +1,8 @@
 """`Model.eval`'s metrics: `Accuracy`, `Loss`, and `make_metrics` (names -> factories).
 
-Each metric sums a value and a count over the batches (`_Mean`); `Model.eval` sums both over
-the ranks when the dataset is sharded, then takes their ratio (`_Mean.result`).
+Each metric keeps counts (`counts()`: `Accuracy` a sum of hits and of rows, `_Mean`; `Loss`
+each batch's loss times its rows and its rows); `Model.eval` sums them over the ranks when the
+dataset is sharded, then asks the metric for its value (`result`).
 """
 
 from __future__ import annotations
@@ -60,16 +61,38 @@ class Accuracy(_Mean):
         self.add(hits, float(labels.shape[0]))
 
 
-class Loss(_Mean):
+class Loss:
     """The mean of `loss_fn`'s value over the batches (MindSpore's ``Loss`` metric: each
-    batch's loss, its mean when it has several values, counted once)."""
+    batch's loss, its mean when it has several values, counted once). On a dataset sharded over
+    the ranks a batch is the ranks' parts of one global batch: its loss is their rows' mean,
+    each part weighted by its rows (one device's value for a loss averaged over its rows; the
+    short last batch included), so each batch is kept apart until the ranks' are summed."""
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor]) -> None:
-        super().__init__()
         self.loss_fn = loss_fn
+        self.sums: list[torch.Tensor] = []  # per batch: its mean loss times its rows
+        self.rows: list[float] = []
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        self.add(self.loss_fn(logits, labels).detach().to(torch.float64).mean(), 1.0)
+        rows = float(labels.shape[0])
+        if not rows:  # (a rank's share of a short last batch may be empty: no NaN mean)
+            self.sums.append(torch.zeros((), dtype=torch.float64))
+        else:
+            mean = self.loss_fn(logits, labels).detach().to(torch.float64).mean()
+            self.sums.append(mean * rows)
+        self.rows.append(rows)
+
+    def counts(self) -> torch.Tensor:
+        if not self.sums:
+            return torch.zeros((2, 0), dtype=torch.float64)
+        rows = torch.tensor(self.rows, dtype=torch.float64)
+        return torch.stack([torch.stack(self.sums), rows])
+
+    def result(self, counts: torch.Tensor) -> float:
+        kept = counts[1] > 0
+        if not bool(kept.any()):
+            return 0.0
+        return float((counts[0][kept] / counts[1][kept]).mean())
 
 
 METRICS: dict[str, Callable[[], Accuracy]] = {"accuracy": Accuracy, "acc": Accuracy}

@@ -47,6 +47,9 @@ class RunContext:
         cur_step_num: steps done since training started (all epochs), 1-based at step end.
         epoch_step: steps done in the current epoch (`step_in_epoch`).
         net_outputs: the last step's loss.
+        train_dataset, list_callback, dataset_sink_mode, parallel_mode, device_number:
+            MindSpore's ``cb_params`` fields of the same names (``train_network``: `network`;
+            ``mode``: ``"train"``).
     """
 
     network: torch.nn.Module
@@ -60,6 +63,17 @@ class RunContext:
     stop_requested: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     epoch_step: int = 0
+    train_dataset: Any = None
+    list_callback: list[Any] = field(default_factory=list)
+    dataset_sink_mode: bool = False
+    parallel_mode: str = "stand_alone"
+    device_number: int = 1
+    mode: str = "train"
+
+    @property
+    def train_network(self) -> torch.nn.Module:
+        """MindSpore's name of the network being trained."""
+        return self.network
 
     @property
     def step_in_epoch(self) -> int:
@@ -79,25 +93,52 @@ class RunContext:
 
 
 class Callback:
-    """Base class: override any of the hooks; each receives the `RunContext`."""
+    """Base class: override any of the hooks; each receives the `RunContext`. As in MindSpore,
+    each ``on_train_*`` hook calls the classic hook of the same moment (``begin``,
+    ``epoch_begin``, ``step_begin``, ``step_end``, ``epoch_end``, ``end``), so a callback
+    written with those runs unchanged."""
 
     def on_train_begin(self, ctx: RunContext) -> None:
         """Before the first epoch."""
+        self.begin(ctx)
 
     def on_train_epoch_begin(self, ctx: RunContext) -> None:
         """At the start of every epoch."""
+        self.epoch_begin(ctx)
 
     def on_train_step_begin(self, ctx: RunContext) -> None:
         """Before every step."""
+        self.step_begin(ctx)
 
     def on_train_step_end(self, ctx: RunContext) -> None:
         """After every step (``ctx.net_outputs`` holds the loss)."""
+        self.step_end(ctx)
 
     def on_train_epoch_end(self, ctx: RunContext) -> None:
         """At the end of every epoch."""
+        self.epoch_end(ctx)
 
     def on_train_end(self, ctx: RunContext) -> None:
         """After the last epoch."""
+        self.end(ctx)
+
+    def begin(self, ctx: RunContext) -> None:
+        """MindSpore's classic hook (called by `on_train_begin`)."""
+
+    def epoch_begin(self, ctx: RunContext) -> None:
+        """MindSpore's classic hook (called by `on_train_epoch_begin`)."""
+
+    def step_begin(self, ctx: RunContext) -> None:
+        """MindSpore's classic hook (called by `on_train_step_begin`)."""
+
+    def step_end(self, ctx: RunContext) -> None:
+        """MindSpore's classic hook (called by `on_train_step_end`)."""
+
+    def epoch_end(self, ctx: RunContext) -> None:
+        """MindSpore's classic hook (called by `on_train_epoch_end`)."""
+
+    def end(self, ctx: RunContext) -> None:
+        """MindSpore's classic hook (called by `on_train_end`)."""
 
 
 class LossMonitor(Callback):
@@ -108,7 +149,8 @@ class LossMonitor(Callback):
     MindSpore's log lines.
 
     Args:
-        per_print_times: print every this many steps (>= 1).
+        per_print_times: print every this many steps (0: never print, as MindSpore's; the
+            loss is still checked).
 
     Raises:
         ValueError: the loss is NaN or infinite (training stops, naming epoch and step).
@@ -120,8 +162,8 @@ class LossMonitor(Callback):
     def __init__(self, per_print_times: int = 1) -> None:
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int):
             raise ValueError(f"LossMonitor: per_print_times={per_print_times!r} must be an int")
-        if per_print_times < 1:
-            raise ValueError(f"LossMonitor: per_print_times={per_print_times} must be >= 1")
+        if per_print_times < 0:
+            raise ValueError(f"LossMonitor: per_print_times={per_print_times} must be >= 0")
         self.per_print_times = per_print_times
         self._last = 0  # (the run's step it last printed at: MindSpore counts the run's steps)
 
@@ -133,7 +175,9 @@ class LossMonitor(Callback):
                 f"epoch: {ctx.cur_epoch_num} step: {step}. Invalid loss {loss}, terminating "
                 "training; lower the learning rate or check the data"
             )
-        if ctx.cur_step_num - self._last >= self.per_print_times:  # (every n steps of the run)
+        while self.per_print_times and ctx.cur_step_num <= self._last:  # (reused: MindSpore's
+            self._last -= self.per_print_times  # rewind for a run whose steps count again)
+        if self.per_print_times and ctx.cur_step_num - self._last >= self.per_print_times:
             self._last = ctx.cur_step_num
             emit(f"epoch: {ctx.cur_epoch_num} step: {step}, loss is {loss}")
 

@@ -75,6 +75,7 @@ class ModelCheckpoint(Callback):
         self.prefix, self.directory = prefix, Path(directory or ".")
         self.manager: CheckpointManager | None = None
         self._last_saved = -1
+        self._length_unknown = False  # (the last file was saved before the epoch's length)
 
     def on_train_begin(self, ctx: RunContext) -> None:
         rank, size = file_rank()
@@ -92,6 +93,12 @@ class ModelCheckpoint(Callback):
         if ctx.cur_step_num % self.config.save_checkpoint_steps == 0:
             self._save(ctx)
 
+    def on_train_epoch_end(self, ctx: RunContext) -> None:
+        # (a dataset without len(): a file saved at the first epoch's last step did not know
+        # it was the last; written again, now with the epoch's length, so `resume` takes it)
+        if self._length_unknown and self._last_saved == ctx.cur_step_num:
+            self._save(ctx)
+
     def on_train_end(self, ctx: RunContext) -> None:
         if ctx.cur_step_num != self._last_saved and ctx.cur_step_num > 0:
             self._save(ctx)
@@ -107,6 +114,7 @@ class ModelCheckpoint(Callback):
             extra={"global_step": ctx.cur_step_num, "batch_num": ctx.batch_num},
         )
         self._last_saved = ctx.cur_step_num
+        self._length_unknown = ctx.batch_num == 0
 
     @property
     def latest(self) -> Path | None:

@@ -93,6 +93,10 @@ class Model:
         self.cur_step_num = 0
         self.parallel: AutoParallel | None = None  # the train step's wrapper, made by `train`
 
+    def _mode(self) -> str:
+        """The parallel mode a `train` call runs in (``"stand_alone"`` without a wrapper)."""
+        return str(self.parallel.parallel_mode) if self.parallel is not None else "stand_alone"
+
     def _parallel_step(self) -> AutoParallel | None:
         """The train step wrapped in `AutoParallel` when the auto-parallel context asks for a
         parallel mode in a job (made once); None for a plain (``STAND_ALONE``) step.
@@ -177,9 +181,11 @@ class Model:
         train_dataset: Iterable[Sequence[torch.Tensor]],
         callbacks: Sequence[cb.Callback] | cb.Callback | None = None,
         dataset_sink_mode: bool = False,
+        sink_size: int = -1,
         initial_epoch: int = 0,
     ) -> None:
-        """Train for epochs ``initial_epoch + 1 .. epoch`` over `train_dataset`.
+        """Train for epochs ``initial_epoch + 1 .. epoch`` over `train_dataset` (MindSpore's
+        signature and argument order).
 
         Args:
             epoch: the last epoch number (MindSpore semantics with `initial_epoch`).
@@ -187,6 +193,8 @@ class Model:
             callbacks: `Callback`s (LossMonitor, TimeMonitor, ModelCheckpoint ...).
             dataset_sink_mode: accepted for MindSpore scripts; PyTorch has no device sink, so
                 True runs the same loop (with a warning).
+            sink_size: accepted for MindSpore scripts (-1 or a count >= 1); without a device
+                sink every epoch is the whole dataset.
             initial_epoch: epochs already done (resuming from a checkpoint).
 
         Raises:
@@ -198,14 +206,20 @@ class Model:
             raise ValueError(f"Model.train: epoch={epoch!r} must be an int >= 1")
         if not 0 <= initial_epoch < epoch:
             raise ValueError(f"Model.train: initial_epoch={initial_epoch} must be in [0, {epoch})")
+        if isinstance(sink_size, bool) or not isinstance(sink_size, int) or sink_size in (0,):
+            raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
+        if sink_size < -1:
+            raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
         if dataset_sink_mode:
             warnings.warn("dataset_sink_mode=True has no effect in shardwise", stacklevel=2)
         self._parallel_step()  # (a parallel mode's errors before any callback runs)
         cbs = callback_list(callbacks)
-        batch_num = len(train_dataset) if isinstance(train_dataset, Sized) else 0
+        batch_num = _length(train_dataset)
         ctx = cb.RunContext(
             self.network, self.optimizer, self.loss_fn, epoch, batch_num, initial_epoch,
-            self.cur_step_num,
+            self.cur_step_num, train_dataset=train_dataset, list_callback=cbs,
+            dataset_sink_mode=dataset_sink_mode, parallel_mode=self._mode(),
+            device_number=comm.get_group_size() if comm.is_initialized() else 1,
         )  # fmt: skip
         self.network.train()
         for c in cbs:
@@ -281,11 +295,21 @@ class Model:
         return out
 
 
+def _length(data: object) -> int:
+    """The batches of an epoch of `data`, or 0 when it has no length (a generator; a
+    DataLoader over an IterableDataset, whose ``len()`` raises TypeError)."""
+    try:
+        return len(data) if isinstance(data, Sized) else 0
+    except TypeError:
+        return 0
+
+
 def _trimmed_batches(
     data: Iterable[Sequence[torch.Tensor]],
 ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
     """``(inputs, label)`` per batch; a sharded dataset's last batch loses the rows that wrap
-    around to the start of the epoch (`get_padding`), so no sample is counted twice."""
+    around to the start of the epoch (`get_padding`), so no sample is counted twice (it may be
+    left empty on some ranks: every rank still yields as many batches)."""
     pad = int(data.get_padding()) if hasattr(data, "get_padding") else 0
     it = iter(data)
     batch = next(it, None)
