@@ -1,7 +1,7 @@
 """One job of 2 real gloo processes for the tests that need 2 ranks and nothing else of their
 own (the ``two_rank_job`` fixture): the checks of unseeded_start_worker.py, gradients_worker.py,
 input_convention_worker.py, loss_overlap_worker.py, recompute_worker.py,
-hsdp_pairwise_worker.py and sharded_eval_worker.py, one after the other in the same processes,
+hsdp_pairwise_worker.py and model_ranks_worker.py, one after the other in the same processes,
 each printing its ``CHECK <name> OK`` lines (each start of a job costs ~4 s of imports on 2
 cores). A check that fails raises: the job fails and names the rank.
 """
@@ -12,8 +12,8 @@ import gradients_worker
 import hsdp_pairwise_worker
 import input_convention_worker
 import loss_overlap_worker
+import model_ranks_worker
 import recompute_worker
-import sharded_eval_worker
 import unseeded_start_worker
 
 import shardwise as sw
@@ -27,7 +27,7 @@ if __name__ == "__main__":
         loss_overlap_worker,
         recompute_worker,
         hsdp_pairwise_worker,
-        sharded_eval_worker,
+        model_ranks_worker,
     ):
         worker.checks()
     sw.communication.release()

@@ -13,14 +13,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from shardwise.checkpoint import (
     CheckpointManager,
+    list_checkpoints,
     load_checkpoint,
     load_distributed,
     load_optimizer_state,
     load_param_into_net,
-    unused_prefix,
 )
+from shardwise.communication import _collectives as C
 from shardwise.communication import file_rank
 from shardwise.train.callbacks import Callback, RunContext
 
@@ -80,7 +83,7 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, ctx: RunContext) -> None:
         rank, size = file_rank()
         probe = CheckpointManager(self.directory, self.prefix, rank=rank, world_size=size)
-        prefix = unused_prefix(probe.directory, self.prefix)
+        prefix = _agreed_prefix(probe.directory, self.prefix, size)
         self.manager = CheckpointManager(
             self.directory,
             prefix,
@@ -120,6 +123,22 @@ class ModelCheckpoint(Callback):
     def latest(self) -> Path | None:
         """The newest checkpoint this callback wrote (None before training)."""
         return self.manager.latest() if self.manager is not None else None
+
+
+def _agreed_prefix(directory: Path, prefix: str, size: int) -> str:
+    """`prefix`, or the first free ``prefix_<n>``, free in every rank's folder (each rank sees
+    its own: in a job of `size` ranks they agree through an AllReduce of "used anywhere"; a
+    rank choosing alone split one job's files over two names when only some folders held an
+    earlier job's)."""
+    number = 0
+    while True:
+        candidate = prefix if number == 0 else f"{prefix}_{number}"
+        used = torch.tensor([bool(list_checkpoints(directory, candidate))], dtype=torch.int64)
+        if size > 1:
+            used = C.all_reduce(used, C.ReduceOp.MAX, None)
+        if not int(used):
+            return candidate
+        number += 1
 
 
 def resume(model: object, path: str | Path) -> int:

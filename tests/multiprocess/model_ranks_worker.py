@@ -1,0 +1,67 @@
+"""Checks of `sw.Model` on real ranks (run in the 2-process job of two_ranks_worker.py):
+
+- `Model.eval` on a dataset sharded over the ranks: the short last global batch leaves rank 1
+  only wrap-around padding, which eval trims away; the "loss" metric was NaN there (the mean
+  loss of an empty batch) and, on an uneven last batch, each rank's part counted as a whole
+  batch. Both equal one device's eval of the same global batches now.
+- `ModelCheckpoint`'s prefix: an earlier job's files in rank 0's folder only made rank 0 write
+  ``m_1-...`` and rank 1 ``m-...`` (each chose alone): one job's checkpoint under two names,
+  which `resume` could not load. The ranks agree now.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.dataset import GeneratorDataset
+
+
+def checks() -> None:
+    """Run in a job that has called ``init()``."""
+    sharded_eval()
+    checkpoint_prefix()
+
+
+def sharded_eval() -> None:
+    rank, n = sw.communication.get_rank(), sw.communication.get_group_size()
+    g = torch.Generator().manual_seed(7)
+    rows = [(torch.randn(3, generator=g), torch.randint(0, 2, (), generator=g)) for _ in range(5)]
+    torch.manual_seed(1)
+    net, loss_fn = nn.Linear(3, 2), nn.CrossEntropyLoss()
+    metrics = {"loss", "accuracy"}
+    whole = GeneratorDataset(rows, ["x", "y"], shuffle=False).batch(2 * n)
+    want = sw.Model(net, loss_fn, metrics=metrics).eval(whole)  # (global batches of 4, then 1)
+    mine = GeneratorDataset(rows, ["x", "y"], shuffle=False, num_shards=n, shard_id=rank)
+    mine = mine.batch(2)
+    assert mine.get_padding() == (1, 2)[rank], mine.get_padding()  # (rank 1: padding only)
+    got = sw.Model(net, loss_fn, metrics=metrics).eval(mine)
+    assert got["accuracy"] == want["accuracy"], (got, want)
+    assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6), (got, want)  # (float32 losses)
+    print("CHECK sharded_eval_loss OK", flush=True)
+
+
+def checkpoint_prefix() -> None:
+    rank = sw.communication.get_rank()
+    name = tempfile.mkdtemp(prefix="sw-prefix-").encode() if rank == 0 else b""
+    sent = torch.zeros(256, dtype=torch.uint8)
+    sent[: len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    (got,) = sw.ops.Broadcast(0)(sent)  # (rank 0's folder, for the job; a tuple, as MindSpore)
+    folder = Path(bytes(got[got > 0].tolist()).decode())
+    if rank == 0:  # (an earlier job's file, in rank 0's folder only)
+        torch.manual_seed(0)
+        sw.save_checkpoint(nn.Linear(2, 2), folder / "rank_0" / "m-1_1.safetensors")
+    sw.ops.AllReduce()(torch.zeros(1))  # (the file is there before any rank looks)
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2)
+    model = sw.Model(net, nn.MSELoss(), torch.optim.SGD(net.parameters(), 0.1))
+    batch = (torch.zeros(2, 2), torch.zeros(2, 2))
+    model.train(1, [batch], callbacks=[sw.train.ModelCheckpoint("m", folder)])
+    mine = sorted(p.name for p in (folder / f"rank_{rank}").iterdir() if p.name.startswith("m_1"))
+    assert mine == ["m_1-1_1.safetensors"], sorted(p.name for p in folder.rglob("*"))
+    print("CHECK checkpoint_prefix_agreed OK", flush=True)
