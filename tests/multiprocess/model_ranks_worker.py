@@ -4,6 +4,8 @@
   only wrap-around padding, which eval trims away; the "loss" metric was NaN there (the mean
   loss of an empty batch) and, on an uneven last batch, each rank's part counted as a whole
   batch. Both equal one device's eval of the same global batches now.
+- `save_checkpoint` of a cut network to a path outside a ``rank_<r>`` folder warns (every rank
+  writing one path kept one rank's blocks, silently); a rank folder does not.
 - `ModelCheckpoint`'s prefix: an earlier job's files in rank 0's folder only made rank 0 write
   ``m_1-...`` and rank 1 ``m-...`` (each chose alone): one job's checkpoint under two names,
   which `resume` could not load. The ranks agree now.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +29,7 @@ def checks() -> None:
     """Run in a job that has called ``init()``."""
     sharded_eval()
     checkpoint_prefix()
+    shared_path_warning()
 
 
 def sharded_eval() -> None:
@@ -65,3 +69,19 @@ def checkpoint_prefix() -> None:
     mine = sorted(p.name for p in (folder / f"rank_{rank}").iterdir() if p.name.startswith("m_1"))
     assert mine == ["m_1-1_1.safetensors"], sorted(p.name for p in folder.rglob("*"))
     print("CHECK checkpoint_prefix_agreed OK", flush=True)
+
+
+def shared_path_warning() -> None:
+    rank, n = sw.communication.get_rank(), sw.communication.get_group_size()
+    torch.manual_seed(0)
+    net = sw.shard(nn.Linear(4, 4), in_strategy=((1, 1), (n, 1)))  # (column parallel)
+    step = sw.AutoParallel(net)
+    step(torch.zeros(2, 4))
+    folder = Path(tempfile.mkdtemp(prefix=f"sw-shared-{rank}-"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sw.save_checkpoint(net, folder / "net.safetensors")
+        sw.save_checkpoint(net, folder / f"rank_{rank}" / "net.safetensors")
+    said = [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
+    assert len(said) == 1 and f"holds rank {rank}'s blocks only" in said[0], said
+    print("CHECK shared_path_warning OK", flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,10 +178,29 @@ def save_checkpoint(
         metadata[fmt.KEY_OPTIMIZER] = json.dumps(description)
     if isinstance(obj, torch.nn.Module):  # a planned network's rank file records its cut
         metadata.update(describe(obj, tensors, with_optimizer=optimizer is not None))
+        _warn_shared_path(metadata, target)
     sums = {name: fmt.checksum(value) for name, value in tensors.items()}
     metadata[fmt.KEY_CHECKSUMS] = json.dumps(sums)
     _write_atomically(tensors, metadata, target)
     return target
+
+
+def _warn_shared_path(metadata: Mapping[str, str], target: Path) -> None:
+    """Warn when this rank's blocks of a cut network go to a file outside a ``rank_<r>``
+    folder: other ranks saving the same path overwrite each other (the file keeps one rank's
+    blocks), and one rank saving alone (``if rank == 0: save``) keeps its blocks only."""
+    pieces = json.loads(metadata.get(fmt.KEY_PIECES, "{}"))
+    rank = metadata.get(fmt.KEY_RANK)
+    if not pieces or rank is None or target.parent.name == f"rank_{rank}":
+        return
+    warnings.warn(
+        f"save_checkpoint: {target} holds rank {rank}'s blocks only (the network is cut over "
+        f"the ranks: {len(pieces)} entries); every rank saves its own file, to "
+        f"<folder>/rank_{rank}/{target.name}, and the folder loads with "
+        "sw.checkpoint.load_distributed or merges into one file with sw.checkpoint.merge",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
