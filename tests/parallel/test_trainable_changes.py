@@ -107,7 +107,8 @@ def test_unfrozen_under_optimizer_parallel_is_refused(mode: str) -> None:
         world.replicate(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         parallel = sw.AutoParallel(stepper(net, opt), parallel_mode=mode)
-        parallel.hsdp(threshold=0, optimizer_level="level2")
+        level = "level2" if mode == "semi_auto" else "level1"  # (data_parallel: its own only)
+        parallel.hsdp(threshold=0, optimizer_level=level)
         x, y = DATA[0]
         parallel(world.rows(x), world.rows(y))
         net[0].requires_grad_(True)
