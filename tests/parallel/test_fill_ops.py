@@ -217,3 +217,36 @@ def test_item_assignment_through_a_boolean_mask_keeps_the_split(megatron: bool) 
     else:  # the loss and the gradient bucket: nothing gathered
         want_kinds = {("AllReduce", "forward", every): 1, ("AllReduce", "backward", every): 1}
     assert rec.kinds() == Counter(want_kinds), rec.summary()
+
+
+def test_a_feature_mask_on_rows_split_over_the_later_axis_first() -> None:
+    """Rows over ``("mp", "dp")`` are a strided split, which the boolean-mask rule left out:
+    the plan moved the rows first and refused the in-place write."""
+    layout = sw.Layout((2, 2), ("dp", "mp"))
+    mask = torch.arange(16) % 3 == 0
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+
+    def build() -> nn.Linear:
+        torch.manual_seed(1)
+        return nn.Linear(16, 16)
+
+    def loss_of(lin: nn.Linear, a: torch.Tensor) -> torch.Tensor:
+        y = sw.reshard(lin(a), layout(("mp", "dp"), "None")).clone()
+        y[:, mask] = 0.0
+        return y.pow(2).mean()
+
+    ref = build()
+    want = loss_of(ref, x)
+    want.backward()
+    lin = build()
+    with simulated_world(4) as world:
+        world.replicate(lin)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = loss_of(lin, a)
+            loss.backward()
+            return loss
+
+        got = sw.AutoParallel(step)(world.rows(x))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        assert_matches_single_device(lin.weight.grad, ref.weight.grad, what="weight.grad")

@@ -237,8 +237,9 @@ def mask_put_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     """``aten.index_put(_)`` (input, indices, value, accumulate) whose one index is a boolean
     mask and whose value is 0-d: ``x[x > 1] = 1``, ``x[:, m] += 1``: elementwise.
 
-    Per mesh dim: a split input keeps its split and the mask, which covers the input's dims from
-    its position in the index list on, is split on the same dim where it covers it, else whole;
+    Per mesh dim: a split input (plain or strided) keeps its split and the mask, which covers the
+    input's dims from its position in the index list on, is split alike where it covers it, else
+    whole;
     a partial input is made whole first (every rank writing or adding the value would sum it N
     times); the value is replicated. None (DTensor's rule) for integer indices, several index
     tensors or a value with dims: which entries a rank writes then depends on the data.
@@ -253,11 +254,15 @@ def mask_put_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     ins: list[Placement] = []
     need_mask: list[Placement] = []
     for p in x.placements:
-        keep = type(p) is Shard
+        keep = isinstance(p, Shard | StridedShard)  # (strided too: rows over ("mp", "dp"))
         ins.append(p if keep else Replicate())
         d = p.dim - start if keep else -1  # type: ignore[attr-defined]
-        covered = 0 <= d < len(mask.shape)
-        need_mask.append(Shard(d) if covered else Replicate())
+        if not 0 <= d < len(mask.shape):
+            need_mask.append(Replicate())
+        elif isinstance(p, StridedShard):
+            need_mask.append(StridedShard(d, split_factor=p.split_factor))
+        else:
+            need_mask.append(Shard(d))
     out = tuple(ins)
     return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
 
