@@ -142,3 +142,36 @@ def test_covariance_over_rows_minus_one_with_megatron_layers() -> None:
         loss = parallel(world.rows(x))
         assert_matches_single_device(loss, want.detach(), what="covariance loss")
         assert_grad_blocks_match(parallel, net, single)
+
+
+class HalfFeatures(nn.Module):
+    """A slice whose bound is computed from a split dim's local size: ``h[:, : n // 2]`` with
+    ``n = h.shape[-1]`` (this rank's features under a column-parallel layer)."""
+
+    def __init__(self, scatter: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scatter = scatter
+        self.lin = sw.shard(nn.Linear(16, 16), in_strategy=((1, 1), (2, 1)))
+        g = torch.Generator().manual_seed(2)
+        self.register_buffer("idx", torch.argsort(torch.rand(16, 16, generator=g), 1)[:, :8])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        n = h.shape[-1]
+        if self.scatter:
+            return (h.scatter(1, self.idx, h[:, : n // 2] * 3) ** 2).mean()
+        return (h[:, : n // 2] ** 2).mean()
+
+
+@pytest.mark.parametrize("scatter", [False, True], ids=["slice", "scatter"])
+def test_a_slice_bound_from_a_local_size_is_the_global_one(scatter: bool) -> None:
+    """The slice kept this rank's bound (4 of 8 local features, where one device takes 8 of
+    16): a wrong loss, silently (with a scatter: a shape error from inside torch)."""
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    want = HalfFeatures(scatter)(x)
+    net = HalfFeatures(scatter)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = sw.AutoParallel(net)(world.rows(x))
+        assert_matches_single_device(got, want.detach(), what="loss")

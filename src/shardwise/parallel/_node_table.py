@@ -270,9 +270,11 @@ class NodeTable:
 
 
 def _has_number(template: tuple[Any, Any]) -> bool:
-    """Whether a captured call has a Python int or float argument (not a bool)."""
+    """Whether a captured call has a Python int or float argument (not a bool), or a slice
+    with an int bound (``h[:, : n // 2]``)."""
     return any(
-        isinstance(x, int | float) and not isinstance(x, bool)
+        (isinstance(x, int | float) and not isinstance(x, bool))
+        or (isinstance(x, slice) and any(isinstance(b, int) for b in (x.start, x.stop, x.step)))
         for x in pytree.tree_leaves(template, is_leaf=lambda x: isinstance(x, TensorSlot))
     )
 

@@ -11,9 +11,9 @@ the global numbers, and the executor gives each op those where the call's own di
   this call's first pass had others (a later pass that changes them is refused); each float
   as below.
 - `Sizes.numbers`: an op on split inputs that is not a view (views take the plan's local sizes:
-  `_node_table`): each int or float as below. Such a node takes the full path in the plan's
-  first call (`NodeTable.numbered`); one whose numbers all were the captured ones goes back to
-  its short path (`NodeTable.checked`).
+  `_node_table`): each int or float, and each slice (``h[:, : n // 2]``), as below. Such a
+  node takes the full path in the plan's first call (`NodeTable.numbered`); one whose numbers
+  all were the captured ones goes back to its short path (`NodeTable.checked`).
 - `Sizes.factory_numbers`: a factory's numbers (``torch.tensor(x.size(0))``, a fill value), as
   below; `Sizes.factory_sizes`: a sized factory's ints that are shares of the captured ones
   (``torch.arange(b)``).
@@ -129,7 +129,8 @@ class Sizes:
 
     def _shares(self, k: int, own: list[Any], global_: list[Any], kind: Any) -> list[int]:
         """The positions of node `k`'s arguments `own` to give the captured number: those whose
-        number of `kind` differed from the captured one the first time the plan ran the node
+        number of `kind` (or slice, for ints) differed from the captured one the first time the
+        plan ran the node
         (in the call it was captured from: `NodeTable.shares`), when this call has that same
         number there (one that changes from call to call is data: a loss weight)."""
         known = self.table.shares.get(k)
@@ -137,7 +138,11 @@ class Sizes:
             known = self.table.shares[k] = tuple(
                 (i, x)
                 for i, (x, g) in enumerate(zip(own, global_, strict=True))
-                if isinstance(x, kind) and _number(x) and _number(g) and x != g
+                if (
+                    (isinstance(x, kind) and _number(x) and _number(g))
+                    or (kind is not float and isinstance(x, slice) and isinstance(g, slice))
+                )
+                and x != g
             )
         return [i for i, first in known if own[i] == first]
 
