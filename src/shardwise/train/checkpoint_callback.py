@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shardwise.checkpoint import (
     CheckpointManager,
     list_checkpoints,
@@ -23,7 +21,6 @@ from shardwise.checkpoint import (
     load_optimizer_state,
     load_param_into_net,
 )
-from shardwise.communication import _collectives as C
 from shardwise.communication import file_rank
 from shardwise.train.callbacks import Callback, RunContext
 
@@ -53,8 +50,9 @@ class ModelCheckpoint(Callback):
     """Save checkpoints every ``config.save_checkpoint_steps`` steps and at the end.
 
     Args:
-        prefix: file prefix; if the directory already holds files with it, ``prefix_1``,
-            ``prefix_2`` ... is used (as MindSpore does).
+        prefix: file prefix; if the directory (any rank's folder of it, in a job of several
+            ranks) already holds files with it, ``prefix_1``, ``prefix_2`` ... is used (as
+            MindSpore does).
         directory: where to save (default: the current directory); per rank
             ``directory/rank_<r>/`` in a multi-rank job.
         config: a `CheckpointConfig`.
@@ -126,17 +124,16 @@ class ModelCheckpoint(Callback):
 
 
 def _agreed_prefix(directory: Path, prefix: str, size: int) -> str:
-    """`prefix`, or the first free ``prefix_<n>``, free in every rank's folder (each rank sees
-    its own: in a job of `size` ranks they agree through an AllReduce of "used anywhere"; a
-    rank choosing alone split one job's files over two names when only some folders held an
-    earlier job's)."""
+    """`prefix`, or the first free ``prefix_<n>``, free in every rank's folder
+    (``directory/rank_*``, which a job of `size` ranks writes; one rank looking at its own alone
+    split one job's files over two names when only some folders held an earlier job's). No
+    collective: a callback some ranks register alone may not wait for the others."""
+    folders = sorted(directory.parent.glob("rank_*")) if size > 1 else [directory]
+    folders = folders or [directory]
     number = 0
     while True:
         candidate = prefix if number == 0 else f"{prefix}_{number}"
-        used = torch.tensor([bool(list_checkpoints(directory, candidate))], dtype=torch.int64)
-        if size > 1:
-            used = C.all_reduce(used, C.ReduceOp.MAX, None)
-        if not int(used):
+        if not any(list_checkpoints(folder, candidate) for folder in folders):
             return candidate
         number += 1
 
