@@ -46,6 +46,7 @@ from shardwise.communication._max_over_ranks import max_over_ranks
 from shardwise.communication._pairwise import pooled_bytes, release_buffers
 from shardwise.communication._ranks import (
     file_rank,
+    first_claim,
     holds_several_ranks,
     own_group,
     process_ranks,
@@ -96,6 +97,7 @@ __all__ = [
     "ensure_group",
     "every_rank",
     "file_rank",
+    "first_claim",
     "get_group_size",
     "get_local_rank",
     "get_rank",

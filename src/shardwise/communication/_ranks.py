@@ -220,3 +220,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point() and not a.is_complex():
         return False
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def first_claim(key: str, value: str) -> str:
+    """The value the job's first rank to claim `key` gave (`value` when it is this one): a
+    choice every rank makes alike without waiting for the others (no collective: a rank that
+    never claims `key` holds no one up), through the job's store. `value` itself outside a job
+    and in a simulated world (one process).
+
+    Example:
+        >>> prefix = first_claim("ckpt_prefix/ckpt/m/0", "m_1")
+    """
+    if file_rank()[1] == 1:
+        return value
+    from shardwise._torch.c10d import default_store
+
+    store = default_store()
+    return bytes(store.compare_set(f"shardwise/claim/{key}", "", value)).decode()

@@ -21,7 +21,7 @@ from shardwise.checkpoint import (
     load_optimizer_state,
     load_param_into_net,
 )
-from shardwise.communication import file_rank
+from shardwise.communication import file_rank, first_claim
 from shardwise.train.callbacks import Callback, RunContext
 
 
@@ -82,6 +82,10 @@ class ModelCheckpoint(Callback):
         rank, size = file_rank()
         probe = CheckpointManager(self.directory, self.prefix, rank=rank, world_size=size)
         prefix = _agreed_prefix(probe.directory, self.prefix, size)
+        if size > 1:  # (the first rank's choice: a later rank may see that rank's first files)
+            where = (self.directory.resolve(), self.prefix)
+            _STARTS[where] = count = _STARTS.get(where, 0) + 1
+            prefix = first_claim(f"ckpt_prefix/{where[0]}/{self.prefix}/{count}", prefix)
         self.manager = CheckpointManager(
             self.directory,
             prefix,
@@ -121,6 +125,11 @@ class ModelCheckpoint(Callback):
     def latest(self) -> Path | None:
         """The newest checkpoint this callback wrote (None before training)."""
         return self.manager.latest() if self.manager is not None else None
+
+
+_STARTS: dict[tuple[Path, str], int] = {}
+"""Trainings this process started with a `ModelCheckpoint` of each directory and prefix (each
+rank counts its own alike: one store key per training)."""
 
 
 def _agreed_prefix(directory: Path, prefix: str, size: int) -> str:
