@@ -453,6 +453,13 @@ def test_data_parallel_mode_refuses_semi_autos_hsdp_settings(context: bool) -> N
             with pytest.raises(ValueError, match=r"data_parallel.* takes threshold only"):
                 parallel.hsdp(**kwargs)  # type: ignore[arg-type]
         parallel.hsdp(threshold=0, optimizer_level="level1")  # (its own settings: accepted)
+        sw.set_auto_parallel_context(  # (MindSpore's way: the context, refused alike)
+            parallel_mode=sw.ParallelMode.DATA_PARALLEL,
+            enable_parallel_optimizer=True,
+            parallel_optimizer_config={"optimizer_level": "level2"},
+        )
+        with pytest.raises(ValueError, match=r"data_parallel'.* takes threshold only"):
+            AutoParallel(Mlp())
     finally:
         sw.reset_auto_parallel_context()
 

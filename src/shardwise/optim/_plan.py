@@ -79,8 +79,9 @@ def check_hsdp(
         raise ValueError(f"hsdp: optimizer_level={optimizer_level!r}; valid: {valid}")
     if mode == "data_parallel" and (optimizer_level, shard_size) != ("level1", -1):
         raise ValueError(
-            f"hsdp: parallel_mode='data_parallel' runs seed 001's optimizer parallel (each "
-            f"parameter updated by its owner rank, then broadcast), which takes threshold only; "
+            f"hsdp: parallel_mode='data_parallel' runs its owner-update optimizer parallel "
+            f"(each parameter updated by its owner rank, then broadcast), which takes threshold "
+            f"only; "
             f"optimizer_level={optimizer_level!r} and shard_size={shard_size} are semi_auto's: "
             "drop them, or use parallel_mode='semi_auto'"
         )

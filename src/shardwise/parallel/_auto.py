@@ -128,7 +128,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         self.network = network
         self.parallel_mode = parallel_mode
         self._dataset: DatasetStrategy = get_auto_parallel_context("dataset_strategy")
-        self._hsdp, self._fusion = settings_from_context()
+        self._hsdp, self._fusion = settings_from_context(parallel_mode)
         self._runner: DataParallelRunner | None = None
         self._undo_scalers: list[Callable[[], None]] = []
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))

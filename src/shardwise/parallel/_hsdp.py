@@ -45,8 +45,11 @@ from shardwise.planner import BucketPlan, Graph
 from shardwise.planner._in_place import written_inputs
 
 
-def settings_from_context() -> tuple[HsdpConfig | None, FusionConfig | None]:
-    """The context's optimizer-parallel and fusion settings (None: not enabled / not set)."""
+def settings_from_context(
+    mode: str = "semi_auto",
+) -> tuple[HsdpConfig | None, FusionConfig | None]:
+    """The context's optimizer-parallel and fusion settings (None: not enabled / not set), for
+    a wrapper of parallel `mode` (the data_parallel mode takes a threshold only)."""
     hsdp = None
     if get_auto_parallel_context("enable_parallel_optimizer"):
         cfg = get_auto_parallel_context("parallel_optimizer_config")
@@ -54,6 +57,7 @@ def settings_from_context() -> tuple[HsdpConfig | None, FusionConfig | None]:
             cfg.get("optimizer_weight_shard_size", -1),
             cfg.get("parallel_optimizer_threshold", 64),
             cfg.get("optimizer_level", "level1"),
+            mode,
         )
     fusion = get_auto_parallel_context("comm_fusion")
     return hsdp, (check_fusion(fusion) if fusion else None)
