@@ -14,15 +14,12 @@ from shardwise.optim._data_parallel import DataParallelRunner
 from shardwise.optim._engine import OptimizerParallel, check_state
 from shardwise.optim._plan import (
     Bucket,
-    FusionConfig,
-    HsdpConfig,
     OptimizerPlan,
     ParamInfo,
     ParamShard,
-    check_fusion,
-    check_hsdp,
     plan_optimizer,
 )
+from shardwise.optim._settings import FusionConfig, HsdpConfig, check_fusion, check_hsdp
 
 __all__ = [
     "Bucket",

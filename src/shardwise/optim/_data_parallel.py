@@ -72,7 +72,7 @@ from shardwise.optim._data_parallel_steps import (
     mean_loss,
     same_shapes,
 )
-from shardwise.optim._plan import FusionConfig, check_fusion
+from shardwise.optim._settings import FusionConfig, check_fusion
 
 
 def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimizer]:

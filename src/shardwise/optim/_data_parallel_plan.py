@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.optim._plan import FusionConfig, check_points
+from shardwise.optim._settings import FusionConfig, check_points
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 
 WHO = "DataParallelRunner"

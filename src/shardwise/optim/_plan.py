@@ -6,6 +6,7 @@ Pure data, no process group (like every plan in shardwise):
 - `FusionConfig` (`check_fusion`): MindSpore's ``comm_fusion`` dict (per collective kind a
   mode ``"auto"`` = 64 MB buckets, ``"size"`` = ``config`` MB buckets, ``"index"`` = split
   points by parameter index, AllReduce only); kinds without a mode fuse by ``comm_fusion`` id.
+  Both from `_settings`, re-exported here.
 - `ParamInfo`: what the planner needs of one parameter (its op-level layout, global shape, dtype,
   ``parallel_optimizer``, fusion id).
 - `plan_optimizer` (step 1 of optimizer parallel): a `ParamShard` per parameter (sharded over
@@ -23,165 +24,20 @@ not sharded (not padded) and say so in the plan.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from shardwise.layout import TensorLayout
+from shardwise.optim._settings import (
+    FusionConfig,
+    HsdpConfig,
+    check_points,
+)
 
-LEVELS = ("level1", "level2", "level3")
-FUSION_KINDS = ("allreduce", "allgather", "reducescatter")
-AUTO_BUCKET_MB = 64
 Shape = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class HsdpConfig:
-    """Optimizer-parallel settings (see `check_hsdp`)."""
-
-    shard_size: int = -1
-    threshold: float = 64.0
-    optimizer_level: str = "level1"
-
-    def __str__(self) -> str:
-        return (
-            f"hsdp(shard_size={self.shard_size}, threshold={self.threshold:g} KB, "
-            f"{self.optimizer_level})"
-        )
-
-
-def check_hsdp(
-    shard_size: object, threshold: object, optimizer_level: object, mode: str = "semi_auto"
-) -> HsdpConfig:
-    """Validate `AutoParallel.hsdp`'s arguments (`mode`: the wrapper's parallel mode).
-
-    Raises:
-        ValueError: ``shard_size`` not -1 or > 1, ``threshold`` < 0, an unknown level; a level
-            or shard size in the data_parallel mode (its owner update takes a threshold only).
-        TypeError: a value of the wrong type.
-
-    Example:
-        >>> check_hsdp(-1, 64, "level2").optimizer_level
-        'level2'
-    """
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int):
-        raise TypeError(f"hsdp: shard_size must be an int, got {shard_size!r}")
-    if not (shard_size == -1 or shard_size > 1):
-        raise ValueError(f"hsdp: shard_size={shard_size}; use -1 (the whole group) or an int > 1")
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float):
-        raise TypeError(f"hsdp: threshold must be a number of KB, got {threshold!r}")
-    if not threshold >= 0:  # (NaN too: no size compares with it)
-        raise ValueError(f"hsdp: threshold={threshold} KB is not a size >= 0 (KB)")
-    if optimizer_level not in LEVELS:
-        valid = " | ".join(repr(v) for v in LEVELS)
-        raise ValueError(f"hsdp: optimizer_level={optimizer_level!r}; valid: {valid}")
-    if mode == "data_parallel" and (optimizer_level, shard_size) != ("level1", -1):
-        raise ValueError(
-            f"hsdp: parallel_mode='data_parallel' runs its owner-update optimizer parallel "
-            f"(each parameter updated by its owner rank, then broadcast), which takes threshold "
-            f"only; "
-            f"optimizer_level={optimizer_level!r} and shard_size={shard_size} are semi_auto's: "
-            "drop them, or use parallel_mode='semi_auto'"
-        )
-    return HsdpConfig(shard_size, float(threshold), str(optimizer_level))
-
-
-@dataclass(frozen=True)
-class FusionConfig:
-    """Per collective kind: (mode, config) when bucketing by size / index, absent: by id;
-    ``enabled`` False (``openstate: False``): no fusion, one collective per parameter."""
-
-    modes: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
-    enabled: bool = True
-
-    def bucket_bytes(self, kind: str) -> int | None:
-        """The bucket cap of `kind` in bytes (``auto`` / ``size``), else None."""
-        mode, config = self.modes.get(kind, ("", None))
-        if mode == "auto":
-            return AUTO_BUCKET_MB << 20
-        if mode == "size":
-            return int(float(config) * (1 << 20))
-        return None
-
-    def split_points(self, kind: str) -> tuple[int, ...] | None:
-        """``index`` mode's split points (parameter indices), else None."""
-        mode, config = self.modes.get(kind, ("", None))
-        return tuple(int(i) for i in config) if mode == "index" else None
-
-
-def check_fusion(config: object) -> FusionConfig:
-    """Validate MindSpore's ``comm_fusion`` dict.
-
-    Example:
-        >>> check_fusion({"allreduce": {"mode": "size", "config": 32}}).bucket_bytes("allreduce")
-        33554432
-
-    Raises:
-        ValueError / TypeError: unknown kinds or modes, ``size`` without a positive number,
-            ``index`` on a kind other than allreduce or without a list of increasing ints.
-    """
-    if not isinstance(config, Mapping):
-        raise TypeError(
-            f"comm_fusion: expected a dict such as {{'allreduce': ...}}, got {config!r}"
-        )
-    modes: dict[str, tuple[str, Any]] = {}
-    enabled = config.get("openstate", True)
-    if not isinstance(enabled, bool):
-        raise TypeError(f"comm_fusion['openstate'] must be True or False, got {enabled!r}")
-    for kind, sub in config.items():
-        if kind == "openstate":
-            continue
-        if kind not in FUSION_KINDS:
-            raise ValueError(f"comm_fusion: unknown key {kind!r}; valid: {FUSION_KINDS}")
-        if not isinstance(sub, Mapping):
-            raise TypeError(f"comm_fusion[{kind!r}]: expected {{'mode': ..., 'config': ...}}")
-        mode, value = sub.get("mode", "auto"), sub.get("config")
-        if mode == "size" and (not isinstance(value, int | float) or value <= 0):
-            raise ValueError(f"comm_fusion[{kind!r}]: mode 'size' needs config = MB > 0")
-        if mode == "index":
-            _check_index(kind, value)
-        elif mode not in ("auto", "size"):
-            raise ValueError(f"comm_fusion[{kind!r}]: mode {mode!r}; valid: auto | size | index")
-        modes[kind] = (str(mode), value)
-    return FusionConfig(modes, enabled)
-
-
-def check_points(points: Sequence[int] | None, count: int) -> None:
-    """Refuse ``index`` split points past the network's `count` parameters (they would make
-    no bucket).
-
-    Raises:
-        ValueError: naming the index and the valid range.
-    """
-    if points and max(points) >= count:
-        raise ValueError(
-            f"comm_fusion['allreduce']: index {max(points)} is past the network's last "
-            f"parameter ({count} parameters, indices 0-{count - 1} in named_parameters() "
-            "order)"
-        )
-
-
-def _check_index(kind: str, value: object) -> None:
-    """``index`` mode's config: allreduce only, a list of increasing ints >= 0 (where a new
-    bucket starts; whether they fit the network is checked when the buckets are made)."""
-    if kind != "allreduce":
-        raise ValueError(
-            f"comm_fusion[{kind!r}]: mode 'index' is for 'allreduce' only (use 'size' or "
-            "'auto' here)"
-        )
-    ints = list(value) if isinstance(value, list | tuple) else []
-    if not ints or not all(isinstance(i, int) and not isinstance(i, bool) for i in ints):
-        raise ValueError(
-            f"comm_fusion['allreduce']: mode 'index' needs config = a list of parameter "
-            f"indices where a new bucket starts, got {value!r}"
-        )
-    if ints != sorted(set(ints)) or ints[0] < 0:
-        raise ValueError(
-            f"comm_fusion['allreduce']: mode 'index' needs increasing indices >= 0 without "
-            f"repeats, got {ints}; sort them: {sorted(set(i for i in ints if i >= 0))}"
-        )
 
 
 @dataclass(frozen=True)
