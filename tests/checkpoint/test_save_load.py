@@ -180,6 +180,9 @@ def test_a_suffix_several_network_names_end_with_loads_into_none() -> None:
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
     not_loaded, unused = load_param_into_net(net, {"b.0.weight": torch.ones(2, 2)})
     assert "b.0.weight" not in not_loaded and unused == []  # (an equal name still loads)
+    net.b[0].weight = net.a[0].weight  # (tied: the names of one tensor count as one)
+    not_loaded, unused = load_param_into_net(net, {"0.weight": torch.full((2, 2), 3.0)})
+    assert unused == [] and bool((net.a[0].weight == 3).all())
 
 
 def test_loading_into_a_deferred_net_skips_random_init(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import shardwise as sw
 from shardwise import communication
 from shardwise.launch.cli import main
 from shardwise.launch.dry_run import dry_plan
+from shardwise.planner import PlanError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -164,6 +165,11 @@ def test_a_set_memory_cap_the_plan_exceeds(
     assert "its wrapped network failed to plan: ValueError" in err
     assert "above the set_memory cap max_size=10.00 KB" in err
     assert not (out / "plan.json").exists()
+    try:  # (the API raises the user error as one: a ValueError, a PlanError, named)
+        with pytest.raises(PlanError, match=r"capped.py: its wrapped network failed to plan"):
+            dry_plan(str(script), [], 4)
+    finally:
+        sw.runtime.set_memory(None)
 
 
 def test_out_naming_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

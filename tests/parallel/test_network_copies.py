@@ -7,6 +7,7 @@ parameter. 2 simulated ranks, results equal single-device."""
 from __future__ import annotations
 
 import copy
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,16 @@ def test_an_ema_cloned_inside_the_step_is_updated_block_by_block() -> None:
         for r in range(2):
             block = whole if dim is None else whole.chunk(2, dim)[r]
             torch.testing.assert_close(blocks[r], block, rtol=1e-6, atol=1e-7)
+
+
+def test_a_network_whose_wrapper_was_dropped_refuses_a_new_wrapper() -> None:
+    """The first wrapper a temporary, gone: a second one was accepted and would plan the
+    parameters' blocks as if they were whole (its first call then failed inside the old
+    hooks, naming the wrong fix)."""
+    net, x = make_net(True), torch.randn(4, 8)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        AutoParallel(net)(world.rows(x))
+        gc.collect()
+        with pytest.raises(ValueError, match=r"planned by an earlier AutoParallel, now dropped"):
+            AutoParallel(net)

@@ -78,6 +78,16 @@ def test_a_dataset_without_len_resumes_from_its_first_epoch(tmp_path: Path) -> N
     second.train(2, Loader(), callbacks=[part2], initial_epoch=done)
     assert part1.values + part2.values == straight.values
 
+    class StopAt2(sw.train.Callback):  # (stopped inside the first epoch: not its length)
+        def on_train_step_end(self, ctx: sw.train.RunContext) -> None:
+            if ctx.cur_step_num == 2:
+                ctx.request_stop()
+
+    saver = sw.train.ModelCheckpoint("stop", tmp_path, sw.train.CheckpointConfig(1))
+    model().train(1, Loader(), callbacks=[StopAt2(), saver])
+    with pytest.raises(ValueError, match=r"not saved at the end of an epoch"):
+        sw.train.resume(model(), tmp_path / "stop-1_2.safetensors")
+
 
 def test_rotation_and_prefix(tmp_path: Path) -> None:
     sw.set_seed(0)

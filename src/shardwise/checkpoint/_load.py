@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -37,10 +36,13 @@ def _suffix_match(name: str, candidates: list[str]) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def _match(names: list[str], keys: list[str], strict: bool) -> dict[str, str]:
+def _match(
+    names: list[str], keys: list[str], strict: bool, tensor_of: Mapping[str, int] | None = None
+) -> dict[str, str]:
     """Network name -> checkpoint key: equal names, then (not `strict`) a unique dotted suffix
-    both ways: a key several network names end with (``0.weight`` for ``a.0.weight`` and
-    ``b.0.weight``) goes to none of them."""
+    both ways: a key several network tensors end with (``0.weight`` for ``a.0.weight`` and
+    ``b.0.weight``) goes to none of them; the names of one tied tensor (`tensor_of`: name ->
+    its tensor's id) count as one."""
     key_set = set(keys)
     matches = {name: name for name in names if name in key_set}
     if strict:
@@ -48,8 +50,12 @@ def _match(names: list[str], keys: list[str], strict: bool) -> dict[str, str]:
     taken = set(matches.values())
     unused = [key for key in keys if key not in taken]
     proposed = {n: _suffix_match(n, unused) for n in names if n not in matches}
-    wanted = Counter(k for k in proposed.values() if k is not None)
-    matches |= {n: k for n, k in proposed.items() if k is not None and wanted[k] == 1}
+    ids = tensor_of or {}
+    wanted: dict[str, set[object]] = {}
+    for n, k in proposed.items():
+        if k is not None:
+            wanted.setdefault(k, set()).add(ids.get(n, n))
+    matches |= {n: k for n, k in proposed.items() if k is not None and len(wanted[k]) == 1}
     return matches
 
 
@@ -150,7 +156,8 @@ def load_param_into_net(
     if not isinstance(parameter_dict, Mapping):
         raise TypeError(f"parameter_dict must be a mapping, got {type(parameter_dict).__name__}")
     targets = _net_entries(net)
-    matches = _match(list(targets), list(parameter_dict), strict_load)
+    tensor_of = {name: id(t) for name, t in targets.items()}
+    matches = _match(list(targets), list(parameter_dict), strict_load, tensor_of)
     metadata = getattr(parameter_dict, "metadata", None) or {}
     pieces = json.loads(metadata.get(KEY_PIECES, "{}")) if isinstance(metadata, Mapping) else {}
     where = getattr(parameter_dict, "path", None)

@@ -225,13 +225,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def first_claim(key: str, value: str) -> str:
     """The value the job's first rank to claim `key` gave (`value` when it is this one): a
     choice every rank makes alike without waiting for the others (no collective: a rank that
-    never claims `key` holds no one up), through the job's store. `value` itself outside a job
-    and in a simulated world (one process).
+    never claims `key` holds no one up), through the job's store. `value` itself outside a job,
+    in a simulated world (one process) and in a dry run (`dry_run`: no store behind).
 
     Example:
         >>> prefix = first_claim("ckpt_prefix/ckpt/m/0", "m_1")
     """
-    if file_rank()[1] == 1:
+    if file_rank()[1] == 1 or dist.get_backend() == "fake":  # (one process; a dry run)
         return value
     from shardwise._torch.c10d import default_store
 

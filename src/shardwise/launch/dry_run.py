@@ -61,6 +61,12 @@ class DryRunError(RuntimeError):
     """The script could not be planned: it never called a wrapped network, or failed first."""
 
 
+class DryPlanError(DryRunError, PlanError):
+    """The script's wrapped network failed to plan with a user error (a `PlanError` or another
+    ValueError: a strategy the device count does not divide, a memory cap): still one, named
+    with the script."""
+
+
 class _Stop(BaseException):
     """Raised by the plan hook to end the script once it has planned (not an `Exception`, so
     that a script's ``except Exception`` does not swallow it)."""
@@ -157,7 +163,8 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
         return done.planned
     except Exception as e:  # (the script's own failure, or its wrapped network's)
         if _in_wrapped_call(e):
-            raise DryRunError(
+            kind = DryPlanError if isinstance(e, ValueError) else DryRunError
+            raise kind(
                 f"{script}: its wrapped network failed to plan: {type(e).__name__}: {e}"
             ) from e
         raise DryRunError(

@@ -284,8 +284,8 @@ def strided_ids_embedding_rule(args: Sequence[Any], ndim: int) -> Decision | Non
     need_ids: list[Placement] = []
     outs: list[Placement] = []
     for w, i in zip(weight.placements, ids.placements, strict=True):
-        if isinstance(i, Partial) or not isinstance(w, Replicate | Shard):
-            return None
+        if isinstance(i, Partial) or not (isinstance(w, Replicate) or type(w) is Shard):
+            return None  # (a partial, or a strided weight: DTensor's rule)
         if isinstance(w, Replicate):
             need_w.append(w)
             need_ids.append(i)

@@ -48,6 +48,13 @@ def take_over(network: nn.Module, wrapper: Wrapper) -> None:
     """
     ref = _WRAPPERS.get(network)
     old = None if ref is None else ref()
+    held = _RUNS.get(network)
+    if old is None and held is not None and held() is not None:  # (its wrapper dropped)
+        raise ValueError(
+            f"AutoParallel: {type(network).__name__} was planned by an earlier AutoParallel, "
+            "now dropped, and its parameters still hold this rank's blocks; keep that wrapper "
+            "and call it, or build the network (and its optimizer) again before wrapping it"
+        )
     if old is not None and old is not wrapper:
         if old.has_run:
             raise ValueError(

@@ -27,7 +27,8 @@ class _Mean:
 
     def counts(self) -> torch.Tensor:
         total = self.sum if self.sum is not None else torch.zeros((), dtype=torch.float64)
-        return torch.stack([total, torch.full((), self.total, dtype=torch.float64)])
+        count = torch.full((), self.total, dtype=torch.float64, device=total.device)
+        return torch.stack([total, count])
 
     def result(self, counts: torch.Tensor) -> float:
         return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
@@ -76,7 +77,7 @@ class Loss:
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         rows = float(labels.shape[0])
         if not rows:  # (a rank's share of a short last batch may be empty: no NaN mean)
-            self.sums.append(torch.zeros((), dtype=torch.float64))
+            self.sums.append(torch.zeros((), dtype=torch.float64, device=logits.device))
         else:
             mean = self.loss_fn(logits, labels).detach().to(torch.float64).mean()
             self.sums.append(mean * rows)
@@ -85,8 +86,17 @@ class Loss:
     def counts(self) -> torch.Tensor:
         if not self.sums:
             return torch.zeros((2, 0), dtype=torch.float64)
-        rows = torch.tensor(self.rows, dtype=torch.float64)
-        return torch.stack([torch.stack(self.sums), rows])
+        sums = torch.stack(self.sums)
+        rows = torch.tensor(self.rows, dtype=torch.float64, device=sums.device)
+        return torch.stack([sums, rows])
+
+    def padded(self, counts: torch.Tensor, batches: int) -> torch.Tensor:
+        """`counts` with empty batches after its own, up to `batches` (ranks of a dataset that
+        gave some of them fewer batches: the sums over the ranks need one length)."""
+        short = batches - counts.shape[1]
+        if short <= 0:
+            return counts
+        return torch.cat([counts, counts.new_zeros((2, short))], dim=1)
 
     def result(self, counts: torch.Tensor) -> float:
         kept = counts[1] > 0

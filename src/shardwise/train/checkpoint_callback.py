@@ -101,7 +101,7 @@ class ModelCheckpoint(Callback):
     def on_train_epoch_end(self, ctx: RunContext) -> None:
         # (a dataset without len(): a file saved at the first epoch's last step did not know
         # it was the last; written again, now with the epoch's length, so `resume` takes it)
-        if self._length_unknown and self._last_saved == ctx.cur_step_num:
+        if self._length_unknown and self._last_saved == ctx.cur_step_num and ctx.batch_num:
             self._save(ctx)
 
     def on_train_end(self, ctx: RunContext) -> None:

@@ -255,8 +255,8 @@ class Model:
                     c.on_train_step_end(ctx)
                 if ctx.stop_requested:
                     break
-        if ctx.batch_num == 0:  # (a dataset without len(): its first epoch's steps)
-            ctx.batch_num = max(ctx.epoch_step, 1)
+        if ctx.batch_num == 0 and not ctx.stop_requested:  # (no len(): the first epoch's
+            ctx.batch_num = max(ctx.epoch_step, 1)  # steps, when it ran to its end)
         for c in cbs:
             c.on_train_epoch_end(ctx)
 
@@ -290,6 +290,10 @@ class Model:
         for name, m in state.items():
             counts = m.counts()
             if sharded and comm.is_initialized():
+                if hasattr(m, "padded"):  # (per-batch counts: one length on every rank)
+                    longest = torch.tensor([counts.shape[1]], device=counts.device)
+                    longest = C.all_reduce(longest, C.ReduceOp.MAX, None)
+                    counts = m.padded(counts, int(one_value(longest, name)))
                 counts = C.all_reduce(counts, C.ReduceOp.SUM, None)
             out[name] = m.result(one_value(counts, name))
         return out
