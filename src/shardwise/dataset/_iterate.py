@@ -22,6 +22,11 @@ def pick(row: Row, picks: Sequence[int], output_numpy: bool) -> tuple[Any, ...]:
     return tuple(row[i].numpy() if output_numpy else row[i] for i in picks)
 
 
+class EpochsDone(RuntimeError, ValueError):
+    """A row asked of an iterator after its ``num_epochs`` epochs (MindSpore raises a
+    RuntimeError there; a ValueError too, as shardwise's user errors)."""
+
+
 class EpochIterator:
     """Iterates a `Dataset` epoch after epoch; one ``for`` loop = one epoch."""
 
@@ -38,7 +43,7 @@ class EpochIterator:
     def __next__(self) -> Any:
         if self._current is None:
             if 0 <= self._num_epochs <= self._started:
-                raise RuntimeError(
+                raise EpochsDone(
                     f"the iterator's {self._num_epochs} epoch(s) (num_epochs={self._num_epochs}) "
                     "are done: no more rows. Fix: create the iterator with num_epochs equal to "
                     "the epochs the loop runs, or -1 (unlimited)"
