@@ -25,6 +25,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -257,6 +258,31 @@ class _Rows:
         self.rhs.append(rhs)
 
 
+def _cap_rows(problem: Problem, offsets: list[int], n: int, top: int) -> list[Any]:
+    """The memory cap's ILP rows: the chosen candidates' held bytes plus `top` (a continuous
+    variable at least each chosen candidate's transient, `Problem.peak`; -1: none) under
+    ``problem.cap``."""
+    from scipy.optimize import LinearConstraint
+
+    assert problem.memory is not None and problem.cap is not None
+    rows = []
+    row = np.zeros(n)
+    for v, d in enumerate(problem.domains):
+        for i in range(d):
+            row[offsets[v] + i] = problem.memory[v][i]
+    if top >= 0:
+        assert problem.peak is not None
+        row[top] = 1.0
+        for v, d in enumerate(problem.domains):  # top >= each chosen transient
+            if any(problem.peak[v]):
+                tops = np.zeros(n)
+                tops[offsets[v] : offsets[v] + d] = problem.peak[v]
+                tops[top] = -1.0
+                rows.append(LinearConstraint(tops.reshape(1, -1), -np.inf, 0.0))
+    rows.append(LinearConstraint(row.reshape(1, -1), -np.inf, float(problem.cap)))
+    return rows
+
+
 def _ilp(problem: Problem) -> list[int]:
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
@@ -286,21 +312,7 @@ def _ilp(problem: Problem) -> list[int]:
     a = coo_array((eq.vals, (eq.rows, eq.cols)), shape=shape).tocsr()
     constraints = [LinearConstraint(a, eq.rhs, eq.rhs)]
     if capped:  # the memory cap: the held bytes, plus the largest transient
-        assert problem.memory is not None and problem.cap is not None
-        row = np.zeros(n)
-        for v, d in enumerate(problem.domains):
-            for i in range(d):
-                row[offsets[v] + i] = problem.memory[v][i]
-        if top >= 0:
-            assert problem.peak is not None
-            row[top] = 1.0
-            for v, d in enumerate(problem.domains):  # top >= each chosen transient
-                if any(problem.peak[v]):
-                    tops = np.zeros(n)
-                    tops[offsets[v] : offsets[v] + d] = problem.peak[v]
-                    tops[top] = -1.0
-                    constraints.append(LinearConstraint(tops.reshape(1, -1), -np.inf, 0.0))
-        constraints.append(LinearConstraint(row.reshape(1, -1), -np.inf, float(problem.cap)))
+        constraints += _cap_rows(problem, offsets, n, top)
     integrality = np.zeros(n)
     integrality[:binaries] = 1
     upper = np.ones(n)

@@ -1,5 +1,6 @@
-"""Checks of what `Model` is given: each batch's columns (`columns`), the callbacks
-(`callback_list`), and one metric value from a simulated world's ranks (`one_value`)."""
+"""Checks of what `Model` is given: `Model.train`'s counts (`check_train_args`), each batch's
+columns (`columns`), the callbacks (`callback_list`), and one metric value from a simulated
+world's ranks (`one_value`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ import torch
 
 from shardwise import communication as comm
 from shardwise.train import callbacks as cb
+
+
+def check_train_args(epoch: object, initial_epoch: object, sink_size: object) -> None:
+    """Raise ValueError for `Model.train`'s counts out of range (MindSpore's meanings)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+        raise ValueError(f"Model.train: epoch={epoch!r} must be an int >= 1")
+    if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epoch:
+        raise ValueError(f"Model.train: initial_epoch={initial_epoch} must be in [0, {epoch})")
+    if isinstance(sink_size, bool) or not isinstance(sink_size, int) or sink_size in (0,):
+        raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
+    if sink_size < -1:
+        raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
 
 
 def columns(batch: object, least: int, who: str = "train") -> Sequence[Any]:

@@ -27,7 +27,7 @@ from shardwise import communication as comm
 from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
 from shardwise.train._metrics import make_metrics
-from shardwise.train._model_checks import callback_list, columns, one_value
+from shardwise.train._model_checks import callback_list, check_train_args, columns, one_value
 
 if TYPE_CHECKING:
     from shardwise.parallel import AutoParallel
@@ -202,14 +202,7 @@ class Model:
         """
         if self.optimizer is None:
             raise ValueError("Model.train: pass optimizer= to Model to train")
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
-            raise ValueError(f"Model.train: epoch={epoch!r} must be an int >= 1")
-        if not 0 <= initial_epoch < epoch:
-            raise ValueError(f"Model.train: initial_epoch={initial_epoch} must be in [0, {epoch})")
-        if isinstance(sink_size, bool) or not isinstance(sink_size, int) or sink_size in (0,):
-            raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
-        if sink_size < -1:
-            raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
+        check_train_args(epoch, initial_epoch, sink_size)
         if dataset_sink_mode:
             warnings.warn("dataset_sink_mode=True has no effect in shardwise", stacklevel=2)
         self._parallel_step()  # (a parallel mode's errors before any callback runs)
