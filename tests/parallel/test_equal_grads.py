@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+import shardwise as sw
 from shardwise import ops
 from shardwise.parallel import AutoParallel
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
@@ -189,3 +190,54 @@ def test_equal_gradients_with_optimizer_parallel(level: str) -> None:
                 assert_matches_single_device(
                     p.detach(), shard_of(parallel, name, params[name]), what=f"{s} {name}"
                 )
+
+
+class WrittenClone(nn.Module):
+    """A row-parallel linear's sum, cloned and written into (``z[:, 1:3] = h[:, :2] * 2``),
+    then read by a layer that splits its rows over the same axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = sw.shard(nn.Linear(8, 8), in_strategy=((1, 4), (1, 4)))  # (row parallel)
+        self.cl = sw.shard(nn.Linear(8, 8), in_strategy=((4, 1), (1, 1)))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        z = h.clone()
+        z[:, 1:3] = h[:, :2] * 2
+        return nn.functional.cross_entropy(self.head(self.cl(z)), y)
+
+
+def test_a_value_written_into_later_gets_no_equal_gradient() -> None:
+    """The clone's gradient was averaged where the rows are cut, and the adjoint of the
+    AllReduce that made the written value whole was local; the written slice's gradient goes
+    to that value through the write, not through the average: the linear's gradients were
+    wrong (the loss right), silently (found by a fuzzer)."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (16,), generator=torch.Generator().manual_seed(2))
+    ref = WrittenClone()
+    ref(x, y).backward()
+    net = WrittenClone()
+    with simulated_world(8) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            return loss
+
+        parallel = AutoParallel(step)
+        parallel(world.rows(x), world.rows(y))
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, p in ref.named_parameters():
+            full, layout = p.grad, plan.params[name].layout
+            assert full is not None
+
+            def block(r: int, f: torch.Tensor = full, a: object = layout) -> torch.Tensor:
+                return f[a.local_index(r, tuple(f.shape))]  # type: ignore[attr-defined]
+
+            got = dict(net.named_parameters())[name].grad
+            assert_matches_single_device(got, block, what=f"{name}.grad")

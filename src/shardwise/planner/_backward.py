@@ -100,6 +100,9 @@ class _Values:
             if e.consumer >= 0 and not e.shared and not e.written_back:
                 self.mover.setdefault((e.value, e.dst), i)
         self.returned = set(graph.outputs)
+        # values a later op writes into (item assignment, ``x.add_(...)``): their gradient
+        # splits there, part of it going to what was written
+        self.written = {n.inputs[0] for n in graph.nodes if n.inputs and writes_input(n)}
         self.needs = self._needs()
         self.live = {r for n in graph.nodes for r in n.inputs if self._feeds_grads(n)}
 
@@ -137,11 +140,14 @@ class _Values:
 
     def can_f(self, k: int, j: int) -> bool:
         """Whether output `j` of op `k` is a new tensor the code goes on with (an ``f`` on it
-        reaches every later use)."""
+        reaches every later use): not an alias of an input, not made by writing into one, and
+        not written into later (``z = h.clone(); z[:, 1:3] = v``: the ``f`` would reach the
+        gradient of the clone's own values, not the part that flows to `v`)."""
         node = self.graph.nodes[k]
         alias = j < len(node.out_map) and isinstance(node.out_map[j], AtenArg)
         alias = alias and node.out_map[j].kind == "in"  # type: ignore[union-attr]
-        return not alias and not writes_input(node)
+        written = Ref("node", k, j) in self.written
+        return not alias and not writes_input(node) and not written
 
 
 class _Axis:
