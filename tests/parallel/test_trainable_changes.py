@@ -49,8 +49,13 @@ def train(net: nn.Module, call: Callable[..., Any], change: Callable[[int], None
     return out
 
 
-def stepper(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+def stepper(
+    net: nn.Module, opt: torch.optim.Optimizer, first: Callable[[], None] = lambda: None
+) -> Callable[..., torch.Tensor]:
+    """A train step of `net` (`first`: run at the start of each call)."""
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        first()
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
@@ -125,18 +130,13 @@ def test_frozen_under_optimizer_parallel_stays_frozen(level: str, inside: bool) 
     gather the weight was made trainable again (every level; `_node_run.ON_PARAMETER`)."""
     calls = [0]
 
-    def stepper(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def freeze_inside(net: nn.Module) -> Callable[[], None]:
+        def first() -> None:
             if inside and calls[0] % STEPS == 1:
                 net[2].weight.requires_grad_(False)
             calls[0] += 1
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
 
-        return step
+        return first
 
     def freeze(net: nn.Module) -> Callable[[int], None]:
         def change(i: int) -> None:
@@ -151,12 +151,14 @@ def test_frozen_under_optimizer_parallel_stays_frozen(level: str, inside: bool) 
 
     ref = build()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    want = train(ref, lambda x, y: stepper(ref, opt)(x, y).detach(), freeze(ref))
+    one = stepper(ref, opt, freeze_inside(ref))
+    want = train(ref, lambda x, y: one(x, y).detach(), freeze(ref))
     net = build()
     with simulated_world(2) as world:
         world.replicate(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        parallel = sw.AutoParallel(stepper(net, opt), parallel_mode="semi_auto")
+        step = stepper(net, opt, freeze_inside(net))
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         parallel.hsdp(threshold=0, optimizer_level=level)
         got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)), freeze(net))
         for s in range(STEPS):
