@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,15 +124,17 @@ def latest_checkpoint(
     return None
 
 
-def unused_prefix(directory: PathLike, prefix: str) -> str:
-    """``prefix`` if no checkpoint in ``directory`` uses it, else the first free ``prefix_<n>``.
+def unused_prefix(directory: PathLike | Sequence[PathLike], prefix: str) -> str:
+    """``prefix`` if no checkpoint in ``directory`` (or in any of several: a job's rank
+    folders) uses it, else the first ``prefix_<n>`` free in all of them.
 
     Example:
         >>> unused_prefix("no/such/dir", "checkpoint")
         'checkpoint'
     """
+    folders = [directory] if isinstance(directory, str | os.PathLike) else list(directory)
     candidate, number = prefix, 0
-    while list_checkpoints(directory, candidate):
+    while any(list_checkpoints(folder, candidate) for folder in folders):
         number += 1
         candidate = f"{prefix}_{number}"
     return candidate

@@ -16,6 +16,7 @@ from shardwise import planner
 from shardwise.layout import TensorLayout
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.planner import ParallelPlan
+from shardwise.planner._recorders import dtype_name
 
 
 class StrategyFiles:
@@ -136,7 +137,7 @@ class StrategyFiles:
         planner.check_device_count(device_num, world, path)
         shapes = {n: tuple(int(s) for s in p.shape) for n, p in network.named_parameters()}
         if self._loaded is None:
-            dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in network.named_parameters()}
+            dtypes = {n: dtype_name(p.dtype) for n, p in network.named_parameters()}
             planner.check_params(params, shapes, path, _frozen(network), dtypes)
         # (an operator strategy file's mismatches are named op by op after capture)
         return {n: p.layout for n, p in params.items() if tuple(p.shape) == shapes.get(n)}
@@ -152,11 +153,7 @@ class StrategyFiles:
                 name = next(n for n in fresh.params if loaded.params[n] != fresh.params[n])
                 was, now = loaded.params[name], fresh.params[name]
                 if (was.layout, was.shape) == (now.layout, now.shape):
-                    raise planner.StrategyFileError(
-                        f"{path}: parameter {name!r} is {was.dtype} in the file but {now.dtype} "
-                        "in this network; the file belongs to the network in another dtype "
-                        f"(cast it to {was.dtype} before planning, or save the file again)"
-                    )
+                    raise planner.dtype_mismatch(path, name, was.dtype, now.dtype)
                 raise planner.StrategyFileError(
                     f"{path}: parameter {name!r} is stored as {loaded.params[name]} in the "
                     f"file but can only be stored as {fresh.params[name]} on this job's device "

@@ -171,6 +171,15 @@ def check_decisions(loaded: ParallelPlan, fresh: ParallelPlan, path: str | Path)
         )
 
 
+def dtype_mismatch(path: str | Path, name: str, saved: str, now: str) -> StrategyFileError:
+    """The error for parameter `name`, `saved` in the file's dtype, `now` in the network's."""
+    return StrategyFileError(
+        f"{path}: parameter {name!r} is {saved} in the file but {now} in this network; the "
+        f"file belongs to the network in another dtype (cast it to {saved} before planning, "
+        "or save the file again)"
+    )
+
+
 def check_device_count(saved: int, job: int, path: str | Path) -> None:
     """Raise `StrategyFileError` when a file saved for `saved` devices is loaded by a job of
     `job` devices."""
@@ -204,11 +213,7 @@ def check_params(
                 f"{list(shape)} in this network"
             )
         if dtypes is not None and got.dtype != dtypes[name]:
-            raise StrategyFileError(
-                f"{path}: parameter {name!r} is {got.dtype} in the file but {dtypes[name]} in "
-                f"this network; the file belongs to the network in another dtype (cast it to "
-                f"{got.dtype} before planning, or save the file again)"
-            )
+            raise dtype_mismatch(path, name, got.dtype, dtypes[name])
     extra = sorted(set(loaded) - set(shapes))
     if extra:
         raise StrategyFileError(f"{path}: parameter {extra[0]!r} is not in this network")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from shardwise.checkpoint import (
     CheckpointManager,
-    list_checkpoints,
     load_checkpoint,
     load_distributed,
     load_optimizer_state,
     load_param_into_net,
+    unused_prefix,
 )
 from shardwise.communication import file_rank, first_claim
 from shardwise.train.callbacks import Callback, RunContext
@@ -137,14 +137,8 @@ def _agreed_prefix(directory: Path, prefix: str, size: int) -> str:
     (``directory/rank_*``, which a job of `size` ranks writes; one rank looking at its own alone
     split one job's files over two names when only some folders held an earlier job's). No
     collective: a callback some ranks register alone may not wait for the others."""
-    folders = sorted(directory.parent.glob("rank_*")) if size > 1 else [directory]
-    folders = folders or [directory]
-    number = 0
-    while True:
-        candidate = prefix if number == 0 else f"{prefix}_{number}"
-        if not any(list_checkpoints(folder, candidate) for folder in folders):
-            return candidate
-        number += 1
+    folders = sorted(directory.parent.glob("rank_*")) if size > 1 else []
+    return unused_prefix(folders or [directory], prefix)
 
 
 def resume(model: object, path: str | Path) -> int:
