@@ -82,7 +82,7 @@ def _connect_client(cfg: LaunchConfig, deadline: float, stop: StopCheck) -> TCPS
 
     thread = threading.Thread(target=connect, name="store-client", daemon=True)
     thread.start()
-    while thread.is_alive():
+    while True:
         thread.join(0.2)
         if not thread.is_alive():
             break

@@ -239,10 +239,9 @@ def mask_put_rule(args: Sequence[Any], ndim: int) -> Decision | None:
 
     Per mesh dim: a split input (plain or strided) keeps its split and the mask, which covers the
     input's dims from its position in the index list on, is split alike where it covers it, else
-    whole;
-    a partial input is made whole first (every rank writing or adding the value would sum it N
-    times); the value is replicated. None (DTensor's rule) for integer indices, several index
-    tensors or a value with dims: which entries a rank writes then depends on the data.
+    whole; a partial input is made whole first (every rank writing or adding the value would
+    sum it N times); the value is replicated. None (DTensor's rule) for integer indices, several
+    index tensors or a value with dims: which entries a rank writes then depends on the data.
     """
     x, indices, value = args[0], args[1], args[2]
     if not isinstance(value, Spec) or value.shape != () or not isinstance(indices, list | tuple):

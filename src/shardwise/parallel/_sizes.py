@@ -130,9 +130,9 @@ class Sizes:
     def _shares(self, k: int, own: list[Any], global_: list[Any], kind: Any) -> list[int]:
         """The positions of node `k`'s arguments `own` to give the captured number: those whose
         number of `kind` (or slice, for ints) differed from the captured one the first time the
-        plan ran the node
-        (in the call it was captured from: `NodeTable.shares`), when this call has that same
-        number there (one that changes from call to call is data: a loss weight)."""
+        plan ran the node (in the call it was captured from: `NodeTable.shares`), when this call
+        has that same number there (one that changes from call to call is data: a loss
+        weight)."""
         known = self.table.shares.get(k)
         if known is None:
             known = self.table.shares[k] = tuple(
