@@ -26,6 +26,7 @@ from shardwise.parallel import AutoParallel
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..optim.test_hsdp import shard_of
+from ..zoo import assert_grad_blocks_match
 
 B, K, H, F, V = 8, 16, 16, 32, 8
 
@@ -230,14 +231,4 @@ def test_a_value_written_into_later_gets_no_equal_gradient() -> None:
 
         parallel = AutoParallel(step)
         parallel(world.rows(x), world.rows(y))
-        plan = parallel.parallel_plan
-        assert plan is not None
-        for name, p in ref.named_parameters():
-            full, layout = p.grad, plan.params[name].layout
-            assert full is not None
-
-            def block(r: int, f: torch.Tensor = full, a: object = layout) -> torch.Tensor:
-                return f[a.local_index(r, tuple(f.shape))]  # type: ignore[attr-defined]
-
-            got = dict(net.named_parameters())[name].grad
-            assert_matches_single_device(got, block, what=f"{name}.grad")
+        assert_grad_blocks_match(parallel, net, ref)

@@ -22,6 +22,8 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..zoo import assert_grad_blocks_match
+
 
 class ShiftRight(nn.Module):
     def __init__(self) -> None:
@@ -196,14 +198,7 @@ def test_item_assignment_through_a_boolean_mask_keeps_the_split(megatron: bool) 
         with CommRecorder() as rec:
             got = parallel(world.rows(x))
         assert_matches_single_device(got, want.detach(), what="loss")
-        plan = parallel.parallel_plan
-        assert plan is not None
-        for name, p in net.named_parameters():
-            full = dict(ref.named_parameters())[name].grad
-            assert full is not None
-            layout = plan.params[name].layout
-            block = lambda r, f=full, lay=layout: f[lay.local_index(r, tuple(f.shape))]  # noqa: E731
-            assert_matches_single_device(p.grad, block, what=f"{name}.grad")
+        assert_grad_blocks_match(parallel, net, ref)
     every = tuple(range(n))
     if megatron:  # (groups holding rank 0: mp is (0, 1), dp is (0, 2))
         want_kinds = {
