@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_seed003_parity import BATCH, LR, WORLD, Network, data
 from test_train_step import single_device
 
+from ..planner.test_cost_model import _train_step
+
 
 @pytest.fixture(autouse=True)
 def _clean_context() -> Iterator[None]:
@@ -285,16 +287,7 @@ def test_set_memory_cap_holds_for_a_plan_made_again() -> None:
     sw.runtime.set_memory(max_size="1MB")
     with simulated_world(4) as world:
         world.replicate(net)
-        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-
-        def step(x: torch.Tensor) -> torch.Tensor:
-            loss = net(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = AutoParallel(step)
+        parallel = AutoParallel(_train_step(net))  # (AdamW: two state elements, as Adam)
         parallel(world.rows(small))
         with pytest.raises(ValueError, match=r"AutoParallel: this rank needs an estimated .* MB"):
             parallel(world.rows(big))
