@@ -8,7 +8,8 @@
   the step estimate.
 - The summary's figures: parameters, gradients and optimizer state of GPT-2 small match its
   parameter count (data parallel: whole on every rank; AdamW: two state elements).
-- Errors: a script that never calls a wrapped network, a device count the strategies do not
+- Errors: a script that never calls a wrapped network, one in data_parallel mode (no plan), a
+  device count the strategies do not
   divide (exit 1, the reason on stderr), an out-of-range ``--rank`` (exit 2).
 - `communication.dry_run`: the size and rank the script sees, and nothing left behind.
 """
@@ -130,6 +131,33 @@ def test_a_script_that_never_plans(tmp_path: Path, capsys: pytest.CaptureFixture
     code, _ = _plan(tmp_path, "--device_num", "8", str(script))
     assert code == 1
     assert "failed before any wrapped network planned: RuntimeError" in capsys.readouterr().err
+
+
+def test_a_data_parallel_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """data_parallel mode has no plan: the dry run says so and how to see one, before the
+    wrapped train step touches its meta parameters."""
+    script = tmp_path / "dp.py"
+    script.write_text(
+        "import torch\nimport shardwise as sw\n"
+        "sw.set_auto_parallel_context(parallel_mode='data_parallel')\n"
+        "net = torch.nn.Linear(8, 4)\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "def step(x):\n"
+        "    loss = net(x).square().mean()\n"
+        "    loss.backward(); opt.step(); opt.zero_grad()\n"
+        "    return loss\n"
+        "sw.AutoParallel(step)(torch.zeros(2, 8))\n"
+    )
+    try:
+        code, out = _plan(tmp_path, "--device_num", "4", str(script))
+    finally:
+        sw.reset_auto_parallel_context()
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "runs parallel_mode='data_parallel', which has no plan" in err
+    assert "parallel_mode='semi_auto'" in err
+    assert "meta" not in err
+    assert not (out / "plan.json").exists()
 
 
 def test_strategies_the_device_count_does_not_divide(

@@ -40,7 +40,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from shardwise import communication
 from shardwise.launch._meta_params import meta_parameters
-from shardwise.parallel._observe import Planned, add_plan_hook
+from shardwise.parallel._observe import Planned, add_plan_hook, add_unplanned_hook
 from shardwise.planner import PlanError
 from shardwise.report import (
     format_plan_begin,
@@ -74,6 +74,14 @@ class _Stop(BaseException):
     def __init__(self, planned: Planned) -> None:
         super().__init__("planned")
         self.planned = planned
+
+
+class _Unplanned(BaseException):
+    """Raised by the unplanned-run hook: the script's wrapped network has no plan to show."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(mode)
+        self.mode = mode
 
 
 @contextlib.contextmanager
@@ -150,7 +158,11 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
         optimizers = (found,) if found is not None else ()
         raise _Stop(dataclasses.replace(event, optimizers=optimizers))
 
+    def unplanned(mode: str) -> None:
+        raise _Unplanned(mode)
+
     handle = add_plan_hook(stop)
+    unplanned_handle = add_unplanned_hook(unplanned)
     try:
         with (
             communication.dry_run(device_num, rank),
@@ -161,6 +173,14 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
             runpy.run_path(script, run_name="__main__")
     except _Stop as done:
         return done.planned
+    except _Unplanned as run:
+        raise DryRunError(
+            f"{script}: its wrapped network runs parallel_mode={run.mode!r}, which has no plan "
+            f"(the whole network runs on every rank, its gradients all-reduced). shardwise plan "
+            f"plans semi_auto, sharding_propagation or recursive_programming; to see memory and "
+            f"traffic per rank, dry-run it with parallel_mode='semi_auto' (with no annotation "
+            f"every op runs data parallel there too)"
+        ) from None
     except Exception as e:  # (the script's own failure, or its wrapped network's)
         if _in_wrapped_call(e):
             kind = DryPlanError if isinstance(e, ValueError) else DryRunError
@@ -180,6 +200,7 @@ def dry_plan(script: str, args: Sequence[str], device_num: int, rank: int = 0) -
         ) from None
     finally:
         handle.remove()
+        unplanned_handle.remove()
     raise DryRunError(
         f"{script} never called a wrapped network: shardwise plan stops at the first call of "
         f"an sw.AutoParallel (parallel_mode semi_auto, sharding_propagation or "

@@ -48,6 +48,7 @@ from shardwise.parallel._context import (
 from shardwise.parallel._discover import agree_scalers, find_referenced, pick_network
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
+from shardwise.parallel._observe import notify_unplanned
 from shardwise.parallel._ownership import stored, take_over
 from shardwise.parallel._reading import PlanReading
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
@@ -378,6 +379,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         all-reduced at the optimizer step; with `hsdp`, each parameter updated by its owner and
         broadcast (seed 001's data-parallel variant, `optim.DataParallelRunner`)."""
         if self._runner is None:
+            notify_unplanned(self.parallel_mode)
             hsdp = self._hsdp
             self._runner = DataParallelRunner(
                 self.network,

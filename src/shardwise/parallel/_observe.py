@@ -6,6 +6,8 @@
 - `add_plan_hook`: call a function with every `Planned` (after planning, before any parameter
   is cut or any step runs); returns a handle whose ``remove()`` stops it.
 - `notify`: called by `_graph_run.GraphRun.plan`.
+- `add_unplanned_hook` / `notify_unplanned`: the same for a wrapped network that runs without
+  a plan (``parallel_mode="data_parallel"``), told its mode before its first step runs.
 """
 
 from __future__ import annotations
@@ -34,15 +36,17 @@ class Planned:
 
 
 _hooks: list[Callable[[Planned], None]] = []
+_unplanned_hooks: list[Callable[[str], None]] = []
 
 
 class _Handle:
-    def __init__(self, fn: Callable[[Planned], None]) -> None:
+    def __init__(self, fn: Callable[[Any], None], hooks: list[Any]) -> None:
         self.fn = fn
+        self.hooks = hooks
 
     def remove(self) -> None:
-        if self.fn in _hooks:
-            _hooks.remove(self.fn)
+        if self.fn in self.hooks:
+            self.hooks.remove(self.fn)
 
 
 def add_plan_hook(fn: Callable[[Planned], None]) -> _Handle:
@@ -53,10 +57,27 @@ def add_plan_hook(fn: Callable[[Planned], None]) -> _Handle:
         >>> handle.remove()
     """
     _hooks.append(fn)
-    return _Handle(fn)
+    return _Handle(fn, _hooks)
 
 
 def notify(event: Planned) -> None:
     """Tell every hook (in the order they were added)."""
     for fn in list(_hooks):
         fn(event)
+
+
+def add_unplanned_hook(fn: Callable[[str], None]) -> _Handle:
+    """Call `fn(parallel_mode)` each time a wrapped network is about to run without a plan.
+
+    Example:
+        >>> handle = add_unplanned_hook(lambda mode: print(mode))
+        >>> handle.remove()
+    """
+    _unplanned_hooks.append(fn)
+    return _Handle(fn, _unplanned_hooks)
+
+
+def notify_unplanned(parallel_mode: str) -> None:
+    """Tell every unplanned-run hook (in the order they were added)."""
+    for fn in list(_unplanned_hooks):
+        fn(parallel_mode)
