@@ -449,9 +449,14 @@ def test_data_parallel_mode_refuses_semi_autos_hsdp_settings(context: bool) -> N
         sw.set_auto_parallel_context(parallel_mode=sw.ParallelMode.DATA_PARALLEL)
     try:
         parallel = AutoParallel(Mlp(), parallel_mode=None if context else "data_parallel")
-        for kwargs in ({"optimizer_level": "level2"}, {"shard_size": 2}):
-            with pytest.raises(ValueError, match=r"data_parallel.* takes threshold only"):
+        for kwargs, named in (
+            ({"optimizer_level": "level2"}, "optimizer_level='level2' is semi_auto's: drop it"),
+            ({"shard_size": 2}, "only; shard_size=2 is semi_auto's: drop it"),
+            ({"optimizer_level": "level3", "shard_size": 2}, "level3' and shard_size=2 are"),
+        ):
+            with pytest.raises(ValueError, match=r"data_parallel.* takes threshold only") as e:
                 parallel.hsdp(**kwargs)  # type: ignore[arg-type]
+            assert named in str(e.value)  # (only what was given: not the defaults)
         parallel.hsdp(threshold=0, optimizer_level="level1")  # (its own settings: accepted)
         sw.set_auto_parallel_context(  # (MindSpore's way: the context, refused alike)
             parallel_mode=sw.ParallelMode.DATA_PARALLEL,

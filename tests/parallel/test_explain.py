@@ -46,6 +46,8 @@ def test_a_semi_auto_plan_explains_each_op() -> None:
     assert "not annotated: it takes its inputs as they come" in parallel.explain(relu)
     with pytest.raises(ValueError, match=r"no op 'mm1' in the plan; close: \['mm1/MatMul'"):
         parallel.explain("mm1")
+    with pytest.raises(ValueError, match=r"no op 'zzzz' in the plan; its ops: \['mm1/MatMul'"):
+        parallel.explain("zzzz")  # (nothing close: the plan's op names listed)
 
 
 def test_alternatives_show_their_placements() -> None:

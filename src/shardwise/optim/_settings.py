@@ -55,12 +55,13 @@ def check_hsdp(
         valid = " | ".join(repr(v) for v in LEVELS)
         raise ValueError(f"hsdp: optimizer_level={optimizer_level!r}; valid: {valid}")
     if mode == "data_parallel" and (optimizer_level, shard_size) != ("level1", -1):
+        given = [f"optimizer_level={optimizer_level!r}"] if optimizer_level != "level1" else []
+        given += [f"shard_size={shard_size}"] if shard_size != -1 else []
         raise ValueError(
             f"hsdp: parallel_mode='data_parallel' runs its owner-update optimizer parallel "
             f"(each parameter updated by its owner rank, then broadcast), which takes threshold "
-            f"only; "
-            f"optimizer_level={optimizer_level!r} and shard_size={shard_size} are semi_auto's: "
-            "drop them, or use parallel_mode='semi_auto'"
+            f"only; {' and '.join(given)} {'is' if len(given) == 1 else 'are'} semi_auto's: "
+            f"drop {'it' if len(given) == 1 else 'them'}, or use parallel_mode='semi_auto'"
         )
     return HsdpConfig(shard_size, float(threshold), str(optimizer_level))
 

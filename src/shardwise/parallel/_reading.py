@@ -72,8 +72,16 @@ class PlanReading:
         names = [n.name for n in plan.nodes]
         if name not in names:
             near = difflib.get_close_matches(name, names, n=5, cutoff=0.3)
-            raise ValueError(f"AutoParallel.explain: no op {name!r} in the plan; close: {near}")
+            hint = f"close: {near}" if near else f"its ops: {_listed(names)}"
+            raise ValueError(f"AutoParallel.explain: no op {name!r} in the plan; {hint}")
         return _explain_rule(plan, names.index(name))
+
+
+def _listed(names: list[str], most: int = 12) -> str:
+    """`names` for an error message: the first `most`, then how many more."""
+    if len(names) <= most:
+        return str(names)
+    return f"{names[:most]} and {len(names) - most} more (strategies() lists them all)"
 
 
 _RULES = {
