@@ -7,6 +7,10 @@ the plan reduces partial values by sum or mean only (they were summed: a wrong l
 The rows are now gathered before such an op (`aten_rules.odd_partial_axes`): loss and every
 gradient equal one device's, and the collectives are exactly the rows' AllGather (its adjoint a
 ReduceScatter), the loss's AllReduce and the weight's gradient AllReduce.
+
+Also a mean over the split rows read by an op that adds a bias (``nn.Linear``, ``addmm``,
+``baddbmm``): the mean is a partial average, and the bias stays whole on every rank (it was
+kept on the first rank only, as for a partial sum: divided by the ranks after the average).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.zoo import assert_grad_blocks_match
 from torch import nn
 
 import shardwise as sw
@@ -74,3 +79,53 @@ def test_a_reduction_that_does_not_add_up_gathers_its_rows(name: str, mode: str)
             ("AllReduce", "backward", every): 1,  # w's gradient
         }
     ), rec.summary()
+
+
+class _MeanContext(nn.Module):
+    """A batch-context vector (`ctx` of the rows' mean; `addmm` and `baddbmm` read the mean
+    as the bias's addend) added to every row: the mean over the split rows is a partial
+    average, and the bias the op adds to it must stay whole on every rank."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.l1, self.ctx, self.head = nn.Linear(H, H), nn.Linear(H, H), nn.Linear(H, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        m = h.mean(0, keepdim=True)
+        if self.form == "linear":
+            g = self.ctx(m)
+        elif self.form == "addmm":
+            g = torch.addmm(self.ctx.bias, m, self.ctx.weight.T)
+        else:
+            g = torch.baddbmm(self.ctx.bias, m.unsqueeze(0), self.ctx.weight.T.unsqueeze(0))[0]
+        return F.cross_entropy(self.head(h + g), y)
+
+
+@pytest.mark.parametrize("form", ["linear", "addmm", "baddbmm"])
+def test_a_bias_added_to_a_mean_over_split_rows(form: str) -> None:
+    """The bias of an op reading a partial average was kept on the first rank and zeroed on
+    the others (a partial sum's conversion): after the average it was divided by the ranks."""
+    torch.manual_seed(0)
+    single = _MeanContext(form)
+    net = _MeanContext(form)
+    net.load_state_dict(single.state_dict())
+    x, y = torch.randn(BATCH, H), torch.randint(0, 4, (BATCH,))
+    want = single(x, y)
+    want.backward()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        assert_grad_blocks_match(parallel, net, single)
+    every = tuple(range(WORLD))
+    assert rec.kinds()[("AllGather", "forward", every)] == 0, rec.summary()  # (no rows moved)

@@ -97,8 +97,11 @@ class EdgePlan:
 
     @property
     def kept(self) -> tuple[int, ...]:
-        """Axes over which a whole value becomes a partial one: kept on the ranks at
-        coordinate 0 of these axes, zero on the others (no collective)."""
+        """Axes over which a whole value becomes a partial sum: kept on the ranks at
+        coordinate 0 of these axes, zero on the others (no collective). A whole value is
+        already a partial average (or maximum) as it stands: every rank keeps it."""
+        if self.dst.reduce != "sum":
+            return ()
         return tuple(a for a in self.dst.partial if a not in self.src.partial)
 
     def collectives(self, where: str) -> list[Collective]:
