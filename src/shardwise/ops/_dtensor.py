@@ -8,7 +8,8 @@ asks it and memoizes the answers.
 - `has_rule`: whether DTensor knows an aten op.
 - `propagate`: the placements DTensor wants for an op's tensor arguments, given theirs, and the
   placements of its outputs. Answers are memoized per query (`_memo`: the op, the mesh shape,
-  every argument in hashable form), so repeated layers and repeated plans ask DTensor once.
+  every argument in hashable form), so repeated layers and repeated plans ask DTensor once. A
+  negative dim that DTensor's rule would misread (`NEGATIVE_DIMS`) is normalized first.
 - `_per_axis`: the fast path of `propagate` on a mesh of several dims for an op DTensor
   describes per mesh dim (``op_single_dim_strategy_funcs``, whose full-mesh strategies are the
   cartesian product of single-dim ones): each mesh dim is asked on a 1-D mesh of its size
@@ -99,6 +100,28 @@ def _fields(s: Spec) -> tuple[Any, ...]:
     return (s.placements, s.shape, s.stride, s.dtype)
 
 
+# aten ops whose DTensor rule reads a negative dim as given (torch 2.13's scan rule compares it
+# with the split dims unnormalized: ``x.cumsum(-1)`` of a tensor split on its last dim kept the
+# split and each rank scanned its own block): the dim argument at this position is normalized
+# before DTensor is asked.
+NEGATIVE_DIMS: dict[str, int] = {
+    "aten.cumsum.default": 1,
+    "aten.cumprod.default": 1,
+    "aten.logcumsumexp.default": 1,
+}
+
+
+def _dim_normalized(op: Any, args: Sequence[Any]) -> Sequence[Any]:
+    """`args` with `NEGATIVE_DIMS`'s dim argument of `op` made non-negative."""
+    at = NEGATIVE_DIMS.get(str(op))
+    if at is None or len(args) <= at or not isinstance(args[0], Spec):
+        return args
+    dim = args[at]
+    if not isinstance(dim, int) or dim >= 0:
+        return args
+    return (*args[:at], dim + max(len(args[0].shape), 1), *args[at + 1 :])
+
+
 def propagate(
     op: Any,
     args: Sequence[Any],
@@ -122,6 +145,7 @@ def propagate(
     Raises:
         RuntimeError / NotImplementedError: DTensor's own (no rule; an uneven split it refuses).
     """
+    args = _dim_normalized(op, args)
     key = _hashable(args, kwargs)
     if key is not None:
         key = (op, tuple(mesh.shape), _loose[0] and mesh.ndim > 1, key)

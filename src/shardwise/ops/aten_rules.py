@@ -19,7 +19,8 @@ The rules of shardwise's primitives (``sw.ops.MatMul`` ...) are in `shardwise.op
 Adding an op: one entry in `ATEN_RULES`, ``"aten.<name>.<overload>": rule``, where ``rule(args,
 mesh_ndim)`` receives the op's arguments with each tensor as an `Arg` (placements, shape) and
 returns a `Decision` (see `sdpa_cpu_rule`), or None to leave this call to DTensor's rule (see
-`strided_split_rule`). An entry here wins over DTensor's rule.
+`strided_split_rule`). An entry here wins over DTensor's rule. (An op whose DTensor rule
+misreads a negative dim is one entry in `_dtensor.NEGATIVE_DIMS`.)
 """
 
 from __future__ import annotations
