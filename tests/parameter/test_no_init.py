@@ -270,3 +270,42 @@ def test_init_functions_that_skip_meta_are_restored_after_the_block() -> None:
     with no_init_parameters():
         assert nn.init.trunc_normal_ is not original
     assert nn.init.trunc_normal_ is original
+
+
+def test_hugging_face_models_keep_their_own_initialization() -> None:
+    """Hugging Face's ``PreTrainedModel`` runs its ``_init_weights`` (embeddings with std 0.02,
+    GPT-2's scaled residual projections) only when ``torch.tensor([])`` does not land on meta;
+    the block made that probe meta, so a model built in it kept torch's default init (an
+    embedding std of 1, no error). Materialized, it equals the model built eagerly, bit for bit.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def gpt2() -> nn.Module:
+        return GPT2LMHeadModel(
+            GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4)
+        )
+
+    def llama() -> nn.Module:
+        cfg = LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=2,
+        )  # fmt: skip
+        return LlamaForCausalLM(cfg)
+
+    for build in (gpt2, llama):
+        torch.manual_seed(0)
+        eager = build()
+        torch.manual_seed(0)
+        with no_init_parameters():
+            late = build()
+        materialize(late)
+        for (name, want), (_, got) in zip(
+            eager.state_dict().items(), late.state_dict().items(), strict=True
+        ):
+            assert torch.equal(got, want), f"{build.__name__} {name}"
+    with no_init_parameters():  # (the probe itself: a real empty tensor, on the asked device)
+        probe = torch.tensor([])
+        made = torch.zeros(0, 4)
+    assert not probe.is_meta and probe.device == torch.get_default_device()
+    assert not made.is_meta and made.shape == (0, 4)

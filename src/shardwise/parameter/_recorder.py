@@ -4,7 +4,8 @@ While the mode is active:
 
 1. a tensor factory (``torch.empty``, ``torch.randn``, ``torch.tensor`` ...) without an
    explicit ``device="meta"`` creates a meta tensor instead; the call is recorded with the
-   device and dtype it would have used (`Recorder._factory`);
+   device and dtype it would have used (`Recorder._factory`). An empty result of a factory
+   that draws nothing (``torch.tensor([])``) is made for real on that device instead;
 2. a call that touches deferred tensors is run on meta and recorded when it mutates one
    (in-place methods, ``nn.init.*_``, ``__setitem__``, ``out=``) or creates a new tensor
    from them (``new_empty``, ``.to(...)``, arithmetic) (`Recorder._operation`); pure
@@ -53,6 +54,13 @@ _FACTORIES: frozenset[Callable[..., Any]] = frozenset(
         torch.tensor,
         torch.scalar_tensor,
     }
+)
+# Factories whose empty result is made for real, on the device asked for: there is nothing to
+# allocate or draw, and code that asks where a new tensor lands (``torch.tensor([]).device``:
+# Hugging Face's ``PreTrainedModel.init_weights`` skips its initialization when it is meta)
+# sees the device the network is built for.
+_EMPTY_MADE_REAL: frozenset[Callable[..., Any]] = frozenset(
+    {torch.tensor, torch.empty, torch.zeros, torch.ones, torch.full}
 )
 # In-place by name ("uniform_") but only flags, not values.
 _NOT_MUTATING = frozenset({"requires_grad_", "retain_grad", "share_memory_", "record_stream"})
@@ -199,10 +207,12 @@ class Recorder(TorchFunctionMode):
         device: torch.device,
     ) -> Any:
         session = self.session
-        session.note_device(device)
-        session.sync_rng()
         meta_kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
         out = func(*args, **{**meta_kwargs, "device": "meta"})
+        if out.numel() == 0 and func in _EMPTY_MADE_REAL:  # (nothing to allocate or draw)
+            return func(*args, **kwargs)
+        session.note_device(device)
+        session.sync_rng()
         replay_kwargs = {k: v for k, v in kwargs.items() if k != "requires_grad"}
         replay_kwargs["device"] = device
         if replay_kwargs.get("dtype") is None:
