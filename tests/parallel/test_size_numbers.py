@@ -175,3 +175,49 @@ def test_a_slice_bound_from_a_local_size_is_the_global_one(scatter: bool) -> Non
         world.replicate(net)
         got = sw.AutoParallel(net)(world.rows(x))
         assert_matches_single_device(got, want.detach(), what="loss")
+
+
+class _SplitFeatures(nn.Module):
+    """Column-parallel features cut in parts whose sizes come from the local width: ``[3,
+    n - 3]`` and ``n // 4`` (3 and 1, or 4 parts of 1, on each of 4 ranks; 13 and 4 on one
+    device), the parts joined back in another order."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        torch.manual_seed(0)
+        self.l1, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        n = h.shape[-1]
+        if self.form == "sizes":
+            a, b = h.split([3, n - 3], dim=-1)
+            z = torch.cat([b, a], -1)
+        else:
+            z = torch.cat(h.split(n // 4, -1)[::-1], -1)
+        return F.cross_entropy(self.head(z), y)
+
+
+@pytest.mark.parametrize("form", ["sizes", "size"])
+def test_split_sizes_from_a_local_size_are_the_global_ones(form: str) -> None:
+    """The split took this rank's sizes ([3, 1] of a whole 16-wide row once the rows were
+    split for it): a shape error from inside torch ([3, n - 3]), or the wrong parts."""
+    single, net = _SplitFeatures(form), _SplitFeatures(form)
+    sw.shard(net.l1, in_strategy=((1, 1), (4, 1)))  # (column parallel over 4)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
+    want = single(x, y)
+    want.backward()
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        got = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        assert_grad_blocks_match(parallel, net, single)

@@ -296,8 +296,9 @@ def _local(fast: int, op: str) -> bool | None:
 
 def _sized(n: NodePlan) -> tuple[Any, ...] | None:
     """The size arguments node `n` runs with on a rank's blocks (after its tensor), or None
-    when its own are right: a view's local shape; a split's local part sizes and its dim when
-    that dim is split (a strided one: each part keeps its share of every rank)."""
+    when its own are right: a view's local shape; a split's local part sizes and its dim (a
+    split dim: each rank's share of every part; a whole one: the captured sizes, which sizes
+    the network computes from a split tensor's local shape would not give)."""
     if n.op in _AS:  # (the other tensor's block may be another shape than the output's)
         return (n.local_shapes[0],)
     if n.op in _SIZED:
@@ -309,8 +310,7 @@ def _sized(n: NodePlan) -> tuple[Any, ...] | None:
     if len(dims) != 1:
         return None
     d = dims[0]
-    local = [s[d] for s in n.local_shapes]
-    return (local, d) if local != [s[d] for s in n.shapes] else None
+    return ([s[d] for s in n.local_shapes], d)
 
 
 def resized_call(
