@@ -327,3 +327,31 @@ def test_backward_section_is_what_a_train_step_runs() -> None:
         "ReduceScatter over g1 at transformer.h.0.attn.c_attn/linear input 0 group [0, 1] "
         "fusion 0 send_bytes 4096"  # (half of the gathered [4, 16, 32] float32 rows)
     )
+
+
+def test_groups_of_an_interleaved_axis_pair_print_sorted() -> None:
+    """A partial sum over ``("mp", "dp")`` (the later mesh axis outer): its forward AllReduce
+    and the gradient's backward one name one group, printed in one order (the backward
+    printed the ranks in the axes' order, [0, 2, 4, 1, 3, 5])."""
+    from shardwise.layout import Layout
+    from shardwise.ops import MatMul
+    from shardwise.planner import plan_semi_auto
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layout = Layout((3, 2), ("dp", "mp"))
+            self.w = torch.nn.Parameter(torch.randn(48, 24))
+            self.mm = MatMul().shard((layout("None", ("mp", "dp")), layout(("mp", "dp"), "None")))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.mm(x, self.w)
+            return out
+
+    text = format_plan_execute(plan_semi_auto(capture(Net(), torch.zeros(24, 48)), 6), 0)
+    groups = {
+        line.split(" group ")[1].split(" fusion")[0]
+        for line in text.splitlines()
+        if "AllReduce" in line and " at mm/" in line
+    }
+    assert groups == {"[0, 1, 2, 3, 4, 5]"}, text

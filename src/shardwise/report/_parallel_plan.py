@@ -172,14 +172,14 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
         f"{names[e.consumer]} input {e.slot}" for e in plan.edges if e.seeded and e.consumer >= 0
     }
     for c, sent in reversed(rows):
-        group = m.group_along(rank, tuple(m.names.index(a) for a in c.axes))
+        group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
         read_alike = c.kind == "AllReduce" and c.where in alike  # (`EdgePlan.seeded`)
         seeded = c.where.startswith("return") or read_alike  # (`replicated_seed`)
         note = " (none when backward starts there: loss.backward())" if seeded else ""
         if read_alike:
             note = " (none in loss.backward(): only ops alike on every rank read it)"
         lines.append(
-            f"    {c.kind} over {', '.join(c.axes)} at {c.where} group {list(group)} fusion 0 "
+            f"    {c.kind} over {', '.join(c.axes)} at {c.where} group {group} fusion 0 "
             f"send_bytes {sent}{note}"
         )
         total += 0 if seeded else sent
@@ -191,10 +191,10 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
         )
         lines += [f"    {r}" for r in plan.regions]
     for c, sent in again:
-        group = m.group_along(rank, tuple(m.names.index(a) for a in c.axes))
+        group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
         detail = f"({c.detail})" if c.detail else ""
         lines.append(
-            f"    {c.kind}{detail} over {', '.join(c.axes)} at {c.where} group {list(group)} "
+            f"    {c.kind}{detail} over {', '.join(c.axes)} at {c.where} group {group} "
             f"fusion 0 send_bytes {sent}"
         )
         total += sent
