@@ -96,6 +96,32 @@ def test_optimizer_keys_and_mismatches(tmp_path: Path) -> None:
         load_optimizer_state(opt, plain, net)
 
 
+def test_loaded_optimizer_state_is_its_own_copy(tmp_path: Path) -> None:
+    """Training after `load_optimizer_state` leaves the Checkpoint as saved, and two
+    optimizers loaded from one Checkpoint hold separate state."""
+    net = _net(0)
+    opt = torch.optim.Adam(net.parameters(), lr=torch.tensor(0.01))
+    _train(net, opt, _batches()[:1])
+    ckpt = load_checkpoint(save_checkpoint(net, tmp_path / "c.safetensors", optimizer=opt))
+    assert ckpt.optimizer_state is not None
+    saved = {k: v.clone() for k, v in ckpt.optimizer_state.tensors.items()}
+    runs = []
+    for _ in range(2):
+        fresh = _net(1)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=torch.tensor(0.01))
+        load_param_into_net(fresh, ckpt)
+        load_optimizer_state(fresh_opt, ckpt, fresh)
+        runs.append((fresh, fresh_opt))
+    first, first_opt = runs[0]
+    _train(first, first_opt, _batches()[1:3])
+    assert ckpt.optimizer_state.tensors.keys() == saved.keys()
+    assert all(torch.equal(ckpt.optimizer_state.tensors[k], v) for k, v in saved.items())
+    second, second_opt = runs[1]
+    weight = "optimizer.state.0.weight.exp_avg"
+    assert torch.equal(second_opt.state[second[0].weight]["exp_avg"], saved[weight])
+    assert second_opt.state[second[0].weight]["step"] == 1
+
+
 def test_optimizer_saved_from_a_dict_of_parameters(tmp_path: Path) -> None:
     net = _net(0)
     params = dict(net.named_parameters())

@@ -4,7 +4,8 @@ Any ``torch.optim`` optimizer works: its ``state_dict()`` is split into tensors 
 safetensors entries ``optimizer.state.<param name>.<key>``) and everything else (param
 groups with their hyperparameters and parameter names, non-tensor state such as ints)
 stored as JSON. Loading maps the names back onto the new optimizer's parameters and calls
-``optimizer.load_state_dict``, so a resumed run continues bit-identically.
+``optimizer.load_state_dict`` (with copies of the checkpoint's tensors, so training leaves the
+loaded checkpoint as it was), so a resumed run continues bit-identically.
 
 - `param_names`: the name of each optimizer parameter (module path, dict key, or index).
 - `optimizer_entries`: state_dict -> (tensors, JSON description) for saving.
@@ -235,7 +236,11 @@ def load_optimizer_state(
     }
     groups = [decode_value(group, saved.tensors) for group in groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # torch keeps the given tensor where dtype and device already match: copy those, or
+    # training would change the Checkpoint and two optimizers loaded from it share state.
+    held = {id(t) for t in saved.tensors.values()}
     for entries in optimizer.state.values():  # (in a simulated world: each rank its own copy)
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
+                value = value.clone() if id(value) in held else value
                 entries[key] = comm.every_rank(value, copies=True)
