@@ -4,7 +4,9 @@
 Covered: missing rank files, a corrupt tensor (checksum), a truncated file, rank files of two
 checkpoints mixed, a strategy that does not fit the shapes (or is of another network), an
 existing destination (refused without ``overwrite``; replaced only by a complete new one),
-and a checkpoint of another network. The destination is checked byte for byte (absent, or
+a checkpoint of another network, and rank files of a tied weight that do not record their cut
+(merged by the job's parameter strategy file, which records the tie; refused with the cause
+by a file without it). The destination is checked byte for byte (absent, or
 its old content) and no hidden partial output is left next to it.
 """
 
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from tests.checkpoint.ckpt_cases import (
     SHAPES,
@@ -28,11 +31,14 @@ from tests.checkpoint.ckpt_cases import (
     split,
     tensors,
 )
+from torch import nn
 
 import shardwise as sw
+from shardwise import communication as comm
 from shardwise.checkpoint import CheckpointError, CheckpointStrategy
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner import ParamPlan
+from shardwise.testing import simulated_world
 
 APIS = ("transform", "merge", "transform_checkpoints", "load_distributed")
 
@@ -250,3 +256,50 @@ def test_a_rank_file_into_a_whole_network_names_its_piece_readably(tmp_path: Pat
     part = sw.load_checkpoint(tmp_path / "two" / "rank_1" / "net.safetensors")
     with pytest.raises(CheckpointError, match=r"it holds \[4:8, 0:4\] of \[8, 4\]\): load the"):
         sw.load_param_into_net(torch.nn.Linear(4, 8), part)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.emb(x))
+        return out
+
+
+def test_undescribed_rank_files_of_a_tied_weight_merge_by_the_strategy_file(
+    tmp_path: Path,
+) -> None:
+    """Rank files saved from state_dict blocks (no recorded cut) of an hsdp job with a tied
+    weight merge by the job's parameter strategy file, which records the tie; a file without
+    it is refused naming the parameter the file lacks, not asking for src_strategy again."""
+    torch.manual_seed(0)
+    net = _Tied()
+    full = net.emb.weight.detach().clone()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net, parallel_mode="semi_auto").hsdp(threshold=0)
+        parallel.plan(shapes=[(4, 3)], dtypes=[torch.int64])
+        parallel.save_param_strategy_file(tmp_path / "params.json")
+        state = net.state_dict()
+        for r in range(2):
+            blocks = {k: comm.rank_parts(v)[r].clone() for k, v in state.items()}
+            sw.save_checkpoint(blocks, tmp_path / "c" / f"rank_{r}" / "x.safetensors")
+    data = json.loads((tmp_path / "params.json").read_text())
+    assert data["aliases"] == {"head.weight": "emb.weight"}
+    out = sw.checkpoint.merge(
+        tmp_path / "c", tmp_path / "m.safetensors", src_strategy=tmp_path / "params.json"
+    )
+    got = safetensors.torch.load_file(out)
+    assert torch.equal(got["emb.weight"], full) and torch.equal(got["head.weight"], full)
+    del data["aliases"]  # (a file written before ties were recorded)
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as info:
+        old = tmp_path / "old.json"
+        sw.checkpoint.merge(tmp_path / "c", tmp_path / "n.safetensors", src_strategy=old)
+    message = str(info.value)
+    assert "no parameter 'head.weight'" in message and "aliases" in message
+    assert "need src_strategy" not in message

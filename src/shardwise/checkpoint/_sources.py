@@ -38,7 +38,7 @@ from shardwise.checkpoint._pieces import (
     piece_of,
     whole,
 )
-from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
+from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy, owner_of
 from shardwise.checkpoint._stream import FileIndex, read_entry, read_index
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -177,6 +177,7 @@ class SourceSet:
         strategy: object = None,
     ) -> None:
         given = None if strategy is None else as_strategy(strategy)
+        self._given = given
         paths = find_files(Path(src), name, prefix)
         self.files = [_rank_file(r, p, given) for r, p in paths.items()]
         self._verified: set[tuple[int, str]] = set()  # (rank, key) blocks checksummed once
@@ -289,10 +290,26 @@ class SourceSet:
             if first[0] != crc:
                 raise CheckpointError(
                     f"{key!r} holds different values in {first[1].index.path} and "
-                    f"{f.index.path}, which both record it as {f.pieces[key]}; rank files "
-                    "that do not record their cut (saved from a dict or state_dict, or by "
-                    "another tool) need src_strategy= (the job's parameter strategy file)"
+                    f"{f.index.path}, which both record it as {f.pieces[key]}; "
+                    + self._replicas_fix(key)
                 )
+
+    def _replicas_fix(self, key: str) -> str:
+        """What to do about blocks of `key` read as one piece that hold different values."""
+        if self._given is None:
+            return (
+                "rank files that do not record their cut (saved from a dict or state_dict, or "
+                "by another tool) need src_strategy= (the job's parameter strategy file)"
+            )
+        owner = owner_of(key)
+        if owner not in self._given.params:
+            return (
+                f"the given src_strategy has no parameter {owner!r}, so each file's block was "
+                "read as the whole tensor: save the strategy file again from the job's "
+                "AutoParallel (save_param_strategy_file lists a tied parameter's other names "
+                'under "aliases", and with only_trainable_params=False the frozen ones too)'
+            )
+        return "the given src_strategy is not the one these files were cut by"
 
     @property
     def paths(self) -> list[Path]:

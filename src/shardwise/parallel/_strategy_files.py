@@ -71,7 +71,12 @@ class StrategyFiles:
         names = None
         if only_trainable:
             names = {n for n, p in self.network.named_parameters() if p.requires_grad}
-        planner.save_param_strategy_file(plan, path, names)
+        first: dict[int, str] = {}  # (tied weights: each other name -> the first one)
+        aliases = {}
+        for name, param in self.network.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(param), name) != name:
+                aliases[name] = first[id(param)]
+        planner.save_param_strategy_file(plan, path, names, aliases)
 
     def load_operator_strategy_file(self, path: str | Path) -> Any:
         """Run the plan saved in `path` instead of planning: at the first call the network is

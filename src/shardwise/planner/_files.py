@@ -4,10 +4,10 @@
   strategy, every edge's steps, the parameters' layouts).
 - `save_param_strategy_file` / `load_param_strategy_file`: the parameters' storage layouts only
   (what a checkpoint of the job needs to know: with optimizer parallel, ``shards`` says which
-  parameters are cut further along dim 0, over which axes), or those of some parameters (MindSpore's
-  ``only_trainable_params``). Files are written atomically (`write_text_atomically`: a
-  temporary name in the same folder, then renamed), so ranks writing the same path never
-  leave half a file.
+  parameters are cut further along dim 0, over which axes; ``aliases``: a tied parameter's other
+  names), or those of some parameters (MindSpore's ``only_trainable_params``). Files are
+  written atomically (`write_text_atomically`: a temporary name in the same folder, then
+  renamed), so ranks writing the same path never leave half a file.
 - `check_matches`: a loaded plan against a freshly planned one of the same network: the earliest
   difference (device count, a resized parameter, an op or its inputs' / outputs' shapes, the op
   count, a missing or extra parameter) is a `StrategyFileError` naming it;
@@ -69,9 +69,14 @@ def load_operator_strategy_file(path: str | Path) -> ParallelPlan:
 
 
 def save_param_strategy_file(
-    plan: ParallelPlan, path: str | Path, names: Collection[str] | None = None
+    plan: ParallelPlan,
+    path: str | Path,
+    names: Collection[str] | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
-    """Write the parameters' layouts of `plan` to `path` (JSON): all, or those in `names`."""
+    """Write the parameters' layouts of `plan` to `path` (JSON): all, or those in `names`;
+    under ``aliases`` each other state_dict name of a tied parameter (`aliases`: name -> the
+    planned name of the same tensor) whose parameter the file holds."""
     params = plan.params if names is None else {n: p for n, p in plan.params.items() if n in names}
     data = {
         "format": PARAM_FORMAT,
@@ -86,6 +91,7 @@ def save_param_strategy_file(
             for name in b.params
             if name in params
         },
+        "aliases": {a: n for a, n in sorted((aliases or {}).items()) if n in params},
     }
     write_text_atomically(path, json.dumps(data, indent=1) + "\n")
 
