@@ -181,6 +181,27 @@ def test_export_import_round_trip_is_exact(tmp_path: Path) -> None:
     assert set(ckpt) == {k for k in full if not k.startswith("optimizer.")}
 
 
+def test_a_zero_element_entry_is_exported_as_torch_saves_it(tmp_path: Path) -> None:
+    """An entry with no elements (a buffer of shape (0, 4)) is one empty chunk in the export,
+    as torch's ``dcp.save`` writes it: torch loads the export and `import_dcp` gives it back."""
+    net = torch.nn.Linear(4, 2)
+    net.register_buffer("cache", torch.zeros(0, 4))
+    sw.save_checkpoint(net, tmp_path / "one" / "c.safetensors")
+    transform(tmp_path / "one", tmp_path / "two", 2)
+    export_dcp(tmp_path / "two", tmp_path / "dcp")
+    dcp.save(dict(net.state_dict()), checkpoint_id=tmp_path / "torch", no_dist=True)
+    ours = dcp.FileSystemReader(tmp_path / "dcp").read_metadata().state_dict_metadata
+    theirs = dcp.FileSystemReader(tmp_path / "torch").read_metadata().state_dict_metadata
+    assert ours["cache"] == theirs["cache"]
+    loaded = {k: torch.ones_like(v) for k, v in net.state_dict().items()}
+    dcp.load(loaded, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in loaded.items())
+    import_dcp(tmp_path / "dcp", tmp_path / "back", optimizer=False)
+    back = safetensors.torch.load_file(tmp_path / "back" / "checkpoint.safetensors")
+    assert back.keys() == net.state_dict().keys()
+    assert back["cache"].shape == (0, 4) and back["cache"].dtype == torch.float32
+
+
 def test_errors_name_the_problem(tmp_path: Path) -> None:
     four, _, _ = shardwise_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="not found"):

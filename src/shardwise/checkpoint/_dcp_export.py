@@ -2,8 +2,9 @@
 
 One process acts for every source rank: each distinct stored block of an entry becomes DCP
 chunks at its global offsets (`boxes`: one per range combination of a strided block, padding
-cut off), so torch's own ``dcp.load`` reads it into DTensors of any mesh and placement, or into
-plain tensors. Everything goes through DCP's public extension points:
+cut off; a zero-element entry: one empty chunk, as torch's ``dcp.save`` writes it), so torch's
+own ``dcp.load`` reads it into DTensors of any mesh and placement, or into plain tensors.
+Everything goes through DCP's public extension points:
 
 - `_ExportPlanner`: a ``DefaultSavePlanner`` whose local plan is a write item per chunk and per
   non-tensor optimizer value (`_write_items`), and whose `resolve_data` reads a block only when
@@ -75,6 +76,7 @@ class _ExportPlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=True)
         self.source = source
         self.chunks: dict[MetadataIndex, tuple[str, int, Box]] = {}
+        self.empty: dict[MetadataIndex, torch.Tensor] = {}  # (zero-element entries)
         self.values: dict[str, Any] = {}
         self.items: list[WriteItem] = []
         self.paths = {".".join(map(str, path)): path for path, _ in leaves}
@@ -91,6 +93,15 @@ class _ExportPlanner(DefaultSavePlanner):
             return
         key = value.key
         shape, dtype = torch.Size(self.source.shape(key)), self.source.dtype(key)
+        if shape.numel() == 0:  # (no elements, so no block has any: one empty chunk, as torch)
+            origin = torch.Size([0] * len(shape))
+            index = MetadataIndex(fqn, origin)
+            data = TensorWriteData(
+                ChunkStorageMetadata(origin, shape), TensorProperties(dtype=dtype), shape
+            )
+            self.empty[index] = torch.empty(shape, dtype=dtype)
+            self.items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=data))
+            return
         for piece, rank in self.source.holders(key).items():
             for box in boxes(piece):
                 index = MetadataIndex(fqn, torch.Size(box.offsets))
@@ -109,6 +120,8 @@ class _ExportPlanner(DefaultSavePlanner):
             torch.save(self.values[write_item.index.fqn], buffer)
             buffer.seek(0)
             return buffer
+        if write_item.index in self.empty:
+            return self.empty[write_item.index]
         key, rank, box = self.chunks[write_item.index]
         if self.cached is None or self.cached[:2] != (key, rank):
             self.cached = None  # (drop the last block before reading the next)
