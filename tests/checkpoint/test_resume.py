@@ -177,3 +177,42 @@ def test_whole_file_loaded_before_the_first_parallel_call(plan: str, tmp_path: P
         got = [parallel(world.rows(x), world.rows(y)) for x, y in batches[2:]]
     for i, loss in enumerate(got):
         assert_matches_single_device(loss, torch.tensor(want[i]), what=f"loss {i}")
+
+
+def test_saving_between_plan_and_the_first_hsdp_step_names_the_cause(tmp_path: Path) -> None:
+    """A whole checkpoint loaded, the network planned with hsdp but no step taken: the Adam
+    state is still whole (hsdp cuts it at the first step), so saving the rank's file is refused
+    naming that and the fix; after one step it saves."""
+    net = _net(0)
+    opt = FACTORIES["adam"](list(net.parameters()))
+    _train(net, opt, _batches()[:1])
+    path = save_checkpoint(net, tmp_path / "whole.safetensors", optimizer=opt)
+    x, y = _batches()[1]
+    with sw.communication.dry_run(2, rank=1):
+        net = _net(99)
+        opt = FACTORIES["adam"](list(net.parameters()))
+        ckpt = load_checkpoint(path)
+        load_param_into_net(net, ckpt)
+        load_optimizer_state(opt, ckpt, net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto").hsdp(threshold=0)
+        parallel.plan(shapes=[(4, 8), (4,)], dtypes=[torch.float32, torch.int64])
+        rank_file = tmp_path / "job" / "rank_1" / "c.safetensors"
+        fix = (
+            r"'optimizer\.state\.0\.weight\.exp_avg' has shape \[16, 8\], not this rank's hsdp "
+            r"shard \[8, 8\] of '0\.weight'.*at the first step; take one step before saving"
+        )
+        with pytest.raises(CheckpointError, match=fix):
+            save_checkpoint(net, rank_file, optimizer=opt)
+        parallel(x[:2], y[:2])
+        save_checkpoint(net, rank_file, optimizer=opt)
+    saved = load_checkpoint(rank_file)
+    assert saved.optimizer_state is not None
+    assert saved.optimizer_state.tensors["optimizer.state.0.weight.exp_avg"].shape == (8, 8)

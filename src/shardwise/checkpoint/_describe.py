@@ -24,8 +24,8 @@ from torch import nn
 from shardwise import communication as comm
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
-from shardwise.checkpoint._pieces import Piece, piece_of
-from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy
+from shardwise.checkpoint._pieces import Piece, layout_piece, piece_of
+from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy, owner_of
 from shardwise.optim._data_parallel_hooks import state_on_owners
 
 
@@ -74,6 +74,18 @@ def _piece(strategy: CheckpointStrategy, key: str, t: torch.Tensor, rank: int) -
     piece = strategy.stored_piece(key, tuple(t.shape), rank)
     if piece is not None:
         return piece
+    owner = owner_of(key)
+    if key.startswith(STATE_PREFIX) and owner in strategy.shards:
+        p = strategy.params[owner]
+        block = layout_piece(p.layout, rank, p.shape).local_shape
+        if tuple(t.shape) in (tuple(p.shape), block):  # (not yet cut by hsdp)
+            shard = list(strategy.param_piece(owner, rank).local_shape)
+            raise CheckpointError(
+                f"optimizer state {key!r} has shape {list(t.shape)}, not this rank's hsdp "
+                f"shard {shard} of {owner!r}: hsdp cuts optimizer state made before planning "
+                "(loaded into the optimizer) at the first step; take one step before saving, "
+                "or save before the network is planned"
+            )
     if key.startswith(STATE_PREFIX):
         raise CheckpointError(
             f"optimizer state {key!r} has shape {list(t.shape)}, not its parameter's block's: "
