@@ -4,7 +4,8 @@
 Covered: missing rank files, a corrupt tensor (checksum), a truncated file, rank files of two
 checkpoints mixed, a strategy that does not fit the shapes (or is of another network), an
 existing destination (refused without ``overwrite``; replaced only by a complete new one),
-a checkpoint of another network, and rank files of a tied weight that do not record their cut
+a checkpoint of another network (a wrapper's ``network.`` names are not another network's),
+and rank files of a tied weight that do not record their cut
 (merged by the job's parameter strategy file, which records the tie; refused with the cause
 by a file without it). The destination is checked byte for byte (absent, or
 its old content) and no hidden partial output is left next to it.
@@ -175,6 +176,31 @@ def test_a_checkpoint_of_another_network_names_the_first_difference(tmp_path: Pa
     with pytest.raises(CheckpointError, match=r"checkpoint entry 'q' is not in Net"):
         sw.checkpoint.load_distributed(net, src)
     assert net.unchanged()
+
+
+def test_strict_load_distributed_takes_names_under_the_wrapper_either_way(tmp_path: Path) -> None:
+    """A checkpoint saved through an `AutoParallel` wrapper (``network.`` names) loads into the
+    bare network with ``strict=True``, optimizer included, and a bare one into the wrapper; a
+    dtype difference names load_distributed's own ``strict`` argument."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    opt = torch.optim.Adam(saved.parameters())
+    saved(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    wrapped = sw.AutoParallel(saved, parallel_mode="semi_auto")
+    sw.save_checkpoint(wrapped, tmp_path / "wrap" / "c.safetensors", optimizer=opt)
+    sw.save_checkpoint(saved, tmp_path / "bare" / "c.safetensors", optimizer=opt)
+    for src, wrap in (("wrap", False), ("bare", True)):
+        net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+        fresh = torch.optim.Adam(net.parameters())
+        target = sw.AutoParallel(net, parallel_mode="semi_auto") if wrap else net
+        assert sw.checkpoint.load_distributed(target, tmp_path / src, fresh) == ([], [])
+        for (name, p), q in zip(net.named_parameters(), saved.parameters(), strict=True):
+            assert torch.equal(p, q), (src, name)
+            assert torch.equal(fresh.state[p]["exp_avg"], opt.state[q]["exp_avg"]), (src, name)
+    double = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).double()
+    with pytest.raises(CheckpointError, match=r"\(strict=True does not convert; strict=False"):
+        sw.checkpoint.load_distributed(double, tmp_path / "bare")
 
 
 def _writers(src: Path, dst: Path, overwrite: bool) -> dict[str, Callable[[], object]]:

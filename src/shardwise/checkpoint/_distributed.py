@@ -14,13 +14,16 @@ or the optimizer changes.
   ``optimizer=``).
 - `_Entries`: the checkpoint's entries as a lazy mapping, so `load_param_into_net` matches
   names as usual and only one assembled tensor is alive at a time.
+- `_wrapper_renames` / `_renamed`: a checkpoint saved through an `AutoParallel` wrapper
+  (``network.`` names) loaded into the bare network, or the reverse, is read under the
+  network's names (its optimizer state too), as `transform` and `load_param_into_net` match.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,10 +34,11 @@ from shardwise import communication as comm
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import network_strategy
 from shardwise.checkpoint._errors import CheckpointError
-from shardwise.checkpoint._load import load_param_into_net
+from shardwise.checkpoint._load import load_entries
 from shardwise.checkpoint._optimizer import OptimizerState, load_optimizer_state
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
+from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of
 
 
 class _Entries(Mapping[str, torch.Tensor]):
@@ -55,32 +59,65 @@ class _Entries(Mapping[str, torch.Tensor]):
         return len(self.keys_)
 
 
+def _wrapper_renames(names: Collection[str], model: Sequence[str]) -> dict[str, str]:
+    """Checkpoint key -> network name where the two differ by one wrapper's prefix on every
+    name (``network.``: saved through `AutoParallel` and loaded into the bare network, or the
+    reverse); empty when the names agree, or differ otherwise."""
+    held = set(model)
+    if not names or all(n in held for n in names):
+        return {}
+    first = next(iter(names))
+    for key in model:
+        if key.endswith("." + first):
+            wrapper = key[: -len(first)]
+            if all(wrapper + n in held for n in names):
+                return {wrapper + n: n for n in names}
+        if first.endswith("." + key):
+            wrapper = first[: -len(key)]
+            if all(n.startswith(wrapper) and n[len(wrapper) :] in held for n in names):
+                return {n[len(wrapper) :]: n for n in names}
+    return {}
+
+
+def _renamed(key: str, renames: Mapping[str, str]) -> str:
+    """Entry `key` (a model entry, or an optimizer entry ``optimizer.state.<param>.<key>``)
+    with its parameter's name renamed by `renames`."""
+    if not key.startswith(STATE_PREFIX):
+        return renames.get(key, key)
+    owner = owner_of(key)
+    return STATE_PREFIX + renames.get(owner, owner) + key[len(STATE_PREFIX) + len(owner) :]
+
+
 def _check_same_network(
-    source: SourceSet, network: nn.Module, shapes: Mapping[str, tuple[int, ...]]
+    source: SourceSet,
+    network: nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    keys: Mapping[str, str],
 ) -> None:
-    """The first parameter or buffer whose name or global shape differs: `CheckpointError`."""
-    model = source.model_names
+    """The first parameter or buffer whose name or global shape differs: `CheckpointError`
+    (`keys`: each network name of a model entry -> its checkpoint key)."""
+    model = list(keys)
     recorded = source.recorded_strategy
     wrapper = recorded.prefix if recorded is not None else ""
     for name, shape in shapes.items():
-        if name not in model and wrapper and wrapper + name in model:
+        if name not in keys and wrapper and wrapper + name in keys:
             raise CheckpointError(
                 f"the checkpoint holds {name!r} as {wrapper + name!r}: it was saved through the "
                 f"network's wrapper; load it into the wrapper (load_distributed(parallel_net, "
                 "...), built before the first step) or merge it (sw.checkpoint.merge drops the "
                 "prefix)"
             )
-        if name not in model:
+        if name not in keys:
             raise CheckpointError(
                 f"{type(network).__name__}.{name} {list(shape)} is not in the checkpoint "
                 f"(which holds {model[:3]}...): a checkpoint of another network?"
             )
-        if source.shape(name) != shape:
+        if source.shape(keys[name]) != shape:
             raise CheckpointError(
-                f"{name!r} is {list(source.shape(name))} in the checkpoint but {list(shape)} in "
-                f"{type(network).__name__}: a checkpoint of another network?"
+                f"{keys[name]!r} is {list(source.shape(keys[name]))} in the checkpoint but "
+                f"{list(shape)} in {type(network).__name__}: a checkpoint of another network?"
             )
-    extra = [k for k in model if k not in shapes]
+    extra = [keys[k] for k in model if k not in shapes]
     if extra:
         raise CheckpointError(f"checkpoint entry {extra[0]!r} is not in {type(network).__name__}")
 
@@ -109,7 +146,9 @@ def load_distributed(
         name, prefix: which file of each rank folder (default: the only one).
         src_strategy: how the source was cut, for files that do not record it.
         strict: every parameter and buffer must be in the checkpoint with the same global
-            shape, and nothing else (the first difference is named); False: load what matches.
+            shape and dtype, and nothing else (the first difference is named; names may differ
+            by a wrapper's ``network.`` prefix on all of them); False: load what matches, cast
+            to the network's dtypes.
 
     Returns:
         ``(param_not_load, ckpt_not_load)`` as `load_param_into_net` returns them.
@@ -124,23 +163,26 @@ def load_distributed(
     shapes = {k: tuple(t.shape) for k, t in network.state_dict(keep_vars=True).items()}
     if strategy is not None:
         shapes |= {k: tuple(p.shape) for k, p in strategy.params.items() if k in shapes}
+    renames = _wrapper_renames(shapes, source.model_names)
+    keys = {_renamed(k, renames): k for k in source.names}  # (network name -> checkpoint key)
+    model = [_renamed(k, renames) for k in source.model_names]
     if strict:
-        _check_same_network(source, network, shapes)
+        _check_same_network(source, network, shapes, {n: keys[n] for n in model})
 
-    def make(key: str) -> torch.Tensor:
+    def make(name: str) -> torch.Tensor:  # (`name`: the entry under the network's names)
+        key = keys[name]
         shape = source.shape(key)
         if strategy is None:
             with comm.plain_tensors():  # (the same whole tensor on every rank)
                 value = source.assemble(key, whole(shape))
             return comm.every_rank(value, copies=True)  # (their states are updated apart)
-        return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(key, shape, r)))
+        return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(name, shape, r)))
 
-    model = source.model_names
     with comm.plain_tensors():  # (before loading anything; one read for the whole job)
-        source.verify(source.names if optimizer is not None else model)
-    result = load_param_into_net(network, _Entries(model, make), strict_load=strict)
+        source.verify(source.names if optimizer is not None else source.model_names)
+    result = load_entries(network, _Entries(model, make), strict, option="strict")
     if optimizer is not None:
-        _load_optimizer(source, optimizer, network, make)
+        _load_optimizer(source, optimizer, network, lambda k: make(_renamed(k, renames)), renames)
     return result
 
 
@@ -149,11 +191,18 @@ def _load_optimizer(
     optimizer: torch.optim.Optimizer,
     network: nn.Module,
     make: Callable[[str], torch.Tensor],
+    renames: Mapping[str, str],
 ) -> None:
+    """Restore `optimizer` (`make`: a checkpoint entry's tensor for the network; `renames`:
+    parameter names of the checkpoint -> the network's, where a wrapper's prefix differs)."""
     where = source.files[0].index.path
     description = fmt.parse_json(where, source.metadata, fmt.KEY_OPTIMIZER)
     if description is None:
         raise CheckpointError(f"{where}: holds no optimizer state (save it with optimizer=)")
+    described = json.loads(json.dumps(description))
+    described["state"] = {renames.get(n, n): v for n, v in described["state"].items()}
+    for group in described["param_groups"]:
+        group["params"] = [renames.get(n, n) for n in group["params"]]
     keys = [k for k in source.names if source.is_optimizer(k)]
-    state = OptimizerState(json.loads(json.dumps(description)), {k: make(k) for k in keys})
+    state = OptimizerState(described, {k: make(k) for k in keys})
     load_optimizer_state(optimizer, SimpleNamespace(path=where, optimizer_state=state), network)

@@ -9,7 +9,8 @@
   copy in place; a deferred (meta) entry receives the values directly, so no random init ever runs.
 - `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``. A
   rank file loaded into a planned network must hold this rank's blocks
-  (`_describe.check_rank_pieces`).
+  (`_describe.check_rank_pieces`). `load_entries` is its body, also used by
+  `load_distributed` (whose strict argument the messages then name).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def _store(
     strict: bool,
     hint: str = "",
     planned: bool = True,
+    option: str = "strict_load",
 ) -> None:
     if tuple(target.shape) != tuple(value.shape):
         hint = hint or _block_hint(target, value, planned)
@@ -118,7 +120,8 @@ def _store(
     if strict and target.dtype != value.dtype:
         raise CheckpointError(
             f"cannot load {name!r}: checkpoint dtype {value.dtype} != network dtype "
-            f"{target.dtype} (strict_load=True does not convert)"
+            f"{target.dtype} ({option}=True does not convert; {option}=False casts to the "
+            "network's dtype)"
         )
     with torch.no_grad():
         if target.is_meta:
@@ -155,6 +158,17 @@ def load_param_into_net(
         raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
     if not isinstance(parameter_dict, Mapping):
         raise TypeError(f"parameter_dict must be a mapping, got {type(parameter_dict).__name__}")
+    return load_entries(net, parameter_dict, strict_load)
+
+
+def load_entries(
+    net: torch.nn.Module,
+    parameter_dict: Mapping[str, torch.Tensor],
+    strict_load: bool,
+    option: str = "strict_load",
+) -> tuple[list[str], list[str]]:
+    """`load_param_into_net` without its argument checks; `option` names the caller's strict
+    argument in messages (``strict`` for `load_distributed`)."""
     targets = _net_entries(net)
     tensor_of = {name: id(t) for name, t in targets.items()}
     matches = _match(list(targets), list(parameter_dict), strict_load, tensor_of)
@@ -172,7 +186,8 @@ def load_param_into_net(
         value = parameter_dict[key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"checkpoint entry {key!r} is not a tensor")
-        _store(name, target, value, strict_load, _piece_hint(key, pieces, where), planned)
+        hint = _piece_hint(key, pieces, where)
+        _store(name, target, value, strict_load, hint, planned, option)
         done.add(id(target))
     used = set(matches.values())
     param_not_load = [name for name, target in targets.items() if id(target) not in done]
