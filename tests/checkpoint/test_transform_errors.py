@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -329,3 +330,51 @@ def test_undescribed_rank_files_of_a_tied_weight_merge_by_the_strategy_file(
     message = str(info.value)
     assert "no parameter 'head.weight'" in message and "aliases" in message
     assert "need src_strategy" not in message
+
+
+class _Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.relu(self.frozen(x)))
+        return out
+
+
+def test_a_strategy_file_leaving_out_a_cut_frozen_parameter_warns(tmp_path: Path) -> None:
+    """A strategy file saved through the context (``only_trainable_params`` True by default)
+    leaves out a frozen parameter the plan cuts: transform and transform_checkpoints to it
+    warn, naming it and the cause (each rank's file holds it whole, as MindSpore keeps a
+    parameter its destination strategy lacks); a file of every parameter does not warn."""
+    torch.manual_seed(0)
+    sw.save_checkpoint(_Frozen(), tmp_path / "one" / "c.safetensors")
+    try:
+        sw.set_auto_parallel_context(strategy_ckpt_config={"save_file": str(tmp_path / "t.json")})
+        net = _Frozen()
+        with simulated_world(4) as world:
+            world.replicate(net)
+            sw.shard(net.frozen, in_strategy=((1, 1), (4, 1)))
+            parallel = sw.AutoParallel(net, parallel_mode="semi_auto")
+            parallel.plan(shapes=[(8, 8)], dtypes=[torch.float32])
+            parallel.save_param_strategy_file(tmp_path / "all.json")
+    finally:
+        sw.reset_auto_parallel_context()
+    assert json.loads((tmp_path / "t.json").read_text())["left_out"] == [
+        "frozen.bias",
+        "frozen.weight",
+    ]
+    cause = r"\['frozen.bias', 'frozen.weight'\] are not in .*only_trainable_params=True"
+    with pytest.warns(UserWarning, match=cause):
+        sw.checkpoint.transform(tmp_path / "one", tmp_path / "a", tmp_path / "t.json")
+    with pytest.warns(UserWarning, match=cause):
+        sw.transform_checkpoints(tmp_path / "one", tmp_path / "b", "ck_", None, tmp_path / "t.json")
+    whole_rank_1 = safetensors.torch.load_file(tmp_path / "a" / "rank_1" / "c.safetensors")
+    assert whole_rank_1["frozen.weight"].shape == (16, 8)  # (kept whole, as warned)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sw.checkpoint.transform(tmp_path / "one", tmp_path / "c", tmp_path / "all.json")
+    cut_rank_1 = safetensors.torch.load_file(tmp_path / "c" / "rank_1" / "c.safetensors")
+    assert cut_rank_1["frozen.weight"].shape == (4, 8)

@@ -35,6 +35,8 @@ def transform_checkpoints(
         src_strategy_file: the source's strategy file; None: as the files record it (or
             whole tensors, MindSpore's "not sliced").
         dst_strategy_file: the destination's strategy file; None: one device, whole tensors.
+            A parameter it leaves out is whole in every file (a `UserWarning` names those
+            its plan cuts, left out by ``only_trainable_params=True``).
         overwrite: replace an existing destination.
 
     Example:

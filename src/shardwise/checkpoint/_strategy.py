@@ -62,6 +62,9 @@ class CheckpointStrategy:
         aliases: extra state_dict names of tied parameters -> their first name (cut alike).
         prefix: what the network's names carry in the checkpoint (``network.`` when it was
             saved through its `AutoParallel` wrapper).
+        left_out: parameters the job's plan cuts that its strategy file leaves out
+            (``only_trainable_params=True``: those that need no gradient); a checkpoint cut
+            by this strategy holds them whole.
 
     Example:
         >>> s = CheckpointStrategy.from_plan(parallel_net.parallel_plan)  # doctest: +SKIP
@@ -74,6 +77,7 @@ class CheckpointStrategy:
     shards: Mapping[str, ShardSpec] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     prefix: str = ""
+    left_out: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         n, size = self.device_num, math.prod(self.matrix.shape)
@@ -133,6 +137,7 @@ class CheckpointStrategy:
             shards={prefix + k: v for k, v in self.shards.items()},
             aliases={prefix + k: prefix + v for k, v in self.aliases.items()},
             prefix=prefix + self.prefix,
+            left_out=tuple(prefix + k for k in self.left_out),
         )
 
     def aligned(
@@ -197,7 +202,7 @@ class CheckpointStrategy:
             "shards": shards_d(self.shards),
             "aliases": dict(self.aliases),
             "prefix": self.prefix,
-        }
+        } | ({"left_out": list(self.left_out)} if self.left_out else {})
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = "strategy") -> CheckpointStrategy:
@@ -211,7 +216,8 @@ class CheckpointStrategy:
                 for n, v in data.get("shards", {}).items()
             }
             made = cls(int(data["device_num"]), m, params_of(m, data["params"]), shards)
-            made = dataclasses.replace(made, prefix=str(data.get("prefix", "")))
+            left_out = tuple(str(n) for n in data.get("left_out", ()))
+            made = dataclasses.replace(made, prefix=str(data.get("prefix", "")), left_out=left_out)
             return made.with_aliases(dict(data.get("aliases", {})))
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{where}: not a shardwise strategy ({e})") from None

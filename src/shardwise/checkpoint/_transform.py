@@ -8,7 +8,9 @@
   entry, sized for the largest); with more, one file at a time (`_write_file`). Everything is
   written into a hidden folder next to the destination and published at the end
   (`_publish.publish`): a killed transform leaves the destination absent (or, with
-  ``overwrite``, the old one), never half written.
+  ``overwrite``, the old one), never half written. A destination strategy file that leaves
+  out parameters its plan cuts (``only_trainable_params=True``) warns, naming them
+  (`_warn_left_out`): they are written whole.
 - `merge`: the whole tensors of the model entries in one safetensors file that plain
   ``model.load_state_dict(safetensors.torch.load_file(path))`` loads.
 - `Blocks`: what `_cut` reads (a `SourceSet`; `import_dcp` gives a torch DCP checkpoint).
@@ -21,6 +23,7 @@ import functools
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +216,26 @@ def _bar(total: int, what: str, progress: bool | None) -> tqdm:
     return tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=not show, leave=False)
 
 
+def _warn_left_out(source: Blocks, dst: CheckpointStrategy) -> None:
+    """Warn when `dst` (a strategy file saved with ``only_trainable_params=True``) leaves out
+    parameters the checkpoint holds and its job cuts: every rank's file gets them whole (as
+    MindSpore keeps parameters its destination strategy lacks), which that job cannot load."""
+    names = set(source.names)
+    missing = [n for n in dst.left_out if n in names]
+    if missing and dst.device_num > 1:
+        warnings.warn(
+            f"{missing} are not in the destination strategy: its file was saved with "
+            "only_trainable_params=True, which leaves out the parameters that need no "
+            "gradient, though the job's plan cuts them; every rank's file holds them whole, "
+            "which that job cannot load after planning. Save the strategy file with "
+            "only_trainable_params=False (strategy_ckpt_config={'save_file': ..., "
+            "'only_trainable_params': False}, or save_param_strategy_file(path)), or pass "
+            "the job's parallel_plan",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
 def _cut(
     source: Blocks,
     dst: CheckpointStrategy,
@@ -231,6 +254,7 @@ def _cut(
     recorded = source.recorded_strategy if isinstance(source, SourceSet) else None
     _check_apart(source, out)
     dst = dst.aligned(source.names, recorded)
+    _warn_left_out(source, dst)
     _check_fits(source, dst)
     keys = source.names if keys is None else keys
     keep = {k: v for k, v in source.metadata.items() if k in _KEEP and meta is None}
@@ -286,7 +310,9 @@ def transform(
             for one device. Must not exist unless `overwrite`.
         dst_strategy: the destination's cut: ``parallel_net.parallel_plan``, a parameter or
             operator strategy file, an int N (N ranks each holding everything), a
-            `CheckpointStrategy`, or None (one device, whole tensors).
+            `CheckpointStrategy`, or None (one device, whole tensors). An entry it does not
+            list is whole in every file; a file saved with ``only_trainable_params=True``
+            that leaves out parameters its plan cuts warns (`UserWarning`), naming them.
         src_strategy: how the source was cut, only for files that do not record it (written
             by another tool); the same forms as `dst_strategy`.
         name: the file in each rank folder (default: the only one, or the newest of `prefix`).

@@ -5,7 +5,8 @@
 - `save_param_strategy_file` / `load_param_strategy_file`: the parameters' storage layouts only
   (what a checkpoint of the job needs to know: with optimizer parallel, ``shards`` says which
   parameters are cut further along dim 0, over which axes; ``aliases``: a tied parameter's other
-  names), or those of some parameters (MindSpore's ``only_trainable_params``). Files are
+  names), or those of some parameters (MindSpore's ``only_trainable_params``; ``left_out``
+  names the others the plan cuts). Files are
   written atomically (`write_text_atomically`: a temporary name in the same folder, then
   renamed), so ranks writing the same path never leave half a file.
 - `check_matches`: a loaded plan against a freshly planned one of the same network: the earliest
@@ -74,10 +75,13 @@ def save_param_strategy_file(
     names: Collection[str] | None = None,
     aliases: Mapping[str, str] | None = None,
 ) -> None:
-    """Write the parameters' layouts of `plan` to `path` (JSON): all, or those in `names`;
-    under ``aliases`` each other state_dict name of a tied parameter (`aliases`: name -> the
-    planned name of the same tensor) whose parameter the file holds."""
+    """Write the parameters' layouts of `plan` to `path` (JSON): all, or those in `names`
+    (``left_out`` lists the others the plan cuts); under ``aliases`` each other state_dict name of a
+    tied parameter (`aliases`: name -> the planned name of the same tensor) whose parameter
+    the file holds."""
     params = plan.params if names is None else {n: p for n, p in plan.params.items() if n in names}
+    sharded = {n for b in plan.buckets if b.kind == "shard" and b.shard > 1 for n in b.params}
+    cut = {n for n, p in plan.params.items() if p.layout.used_axes() or n in sharded}
     data = {
         "format": PARAM_FORMAT,
         "plan_format": FORMAT,
@@ -92,6 +96,7 @@ def save_param_strategy_file(
             if name in params
         },
         "aliases": {a: n for a, n in sorted((aliases or {}).items()) if n in params},
+        "left_out": sorted(n for n in cut if n not in params),
     }
     write_text_atomically(path, json.dumps(data, indent=1) + "\n")
 
