@@ -350,8 +350,12 @@ def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
     A tensor made outside the world is one plain tensor all ranks share: an in-place op that
     writes per-rank values into it (``total += loss``) raises a ValueError (it would be updated
     once per rank); make it inside, pass it through `SimulatedWorld.same`, or write out of
-    place. A random op given an explicit ``generator=`` gives every rank the draw one process
-    makes from it (as processes seeded alike do).
+    place. Build a network outside and pass it to `SimulatedWorld.replicate`: one built inside
+    keeps what its constructor made with ``torch.tensor(...)`` (BatchNorm's
+    ``num_batches_tracked``) as such a shared tensor, and ``checkpoint.load_distributed``
+    into it raises that ValueError. A random op given an
+    explicit ``generator=`` gives every rank the draw one process makes from it (as processes
+    seeded alike do).
 
     Args:
         world_size: number of simulated ranks (>= 1).
