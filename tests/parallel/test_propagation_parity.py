@@ -284,3 +284,58 @@ def test_a_resnet_with_nothing_annotated_is_data_parallel(mode: str) -> None:
     assert all(n.in_strategy[0] == (4, 1, 1, 1) for n in norms)
     forward = Counter(r.kind for r in rec.records if r.phase == "forward")
     assert forward == Counter({"AllGather": 6, "AllReduce": 1})  # (statistics; the loss)
+
+
+class Interleaved(torch.nn.Module):
+    """A weight annotated with its dim 0 split over every axis in reverse mesh order (the
+    later axes outer: ``("mp", "dp")``), behind an unannotated ReLU."""
+
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(48, 24))
+        self.relu = sw.ops.ReLU()
+        layout, split = sw.Layout(shape, names), tuple(reversed(names))
+        self.mm = sw.ops.MatMul().shard((layout("None", split), layout(split, "None")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(self.relu(x), self.w).square().mean()
+
+
+@pytest.mark.parametrize(
+    ("names", "shape"), [(("dp", "mp"), (2, 4)), (("c", "b", "a"), (2, 2, 2))], ids=["2x4", "2x2x2"]
+)
+def test_an_interleaved_annotation_stores_its_weight_as_annotated(
+    names: tuple[str, ...], shape: tuple[int, ...]
+) -> None:
+    """sharding_propagation stores the weight as the annotation reads it ([6, 24] per rank), as
+    semi_auto does: only mesh-order splits were storage candidates, so it stored the weight
+    split over fewer axes ([12, 24]), sliced it every step and all-reduced its gradient over
+    the others. Both modes now move the same (but the loss, which propagation reduces as a
+    scalar); loss and gradients equal one device's."""
+    from ..zoo import assert_grad_blocks_match
+
+    x = torch.randn(16, 48, generator=torch.Generator().manual_seed(1))
+    ref = Interleaved(names, shape)
+    want = ref(x)
+    want.backward()
+    moved: dict[str, Counter[tuple[str, str, tuple[int, ...]]]] = {}
+    for mode in ("semi_auto", "sharding_propagation"):
+        net = Interleaved(names, shape)
+        with simulated_world(8) as world:
+            world.replicate(net)
+            parallel = AutoParallel(net, parallel_mode=mode)
+            with CommRecorder() as rec:
+                loss = parallel(world.rows(x))
+                loss.backward()
+            assert_matches_single_device(loss, want.detach(), what=f"{mode} loss")
+            assert_grad_blocks_match(parallel, net, ref)
+            assert world.local(net.w, 0).shape == (6, 24)
+        plan = parallel.parallel_plan
+        assert plan is not None
+        layout, full = plan.param_layouts()["w"]
+        assert layout.local_shape(full) == (6, 24)
+        assert [e for e in plan.edges if e.value == "param:w" and e.steps] == []  # (no Slice)
+        assert [r.label for r in rec.records if r.label] == []  # (no gradient bucket)
+        moved[mode] = Counter((r.kind, r.phase, r.group) for r in rec.records if r.numel > 1)
+    assert moved["sharding_propagation"] == moved["semi_auto"]

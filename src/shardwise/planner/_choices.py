@@ -13,7 +13,8 @@ which `Choices` inherits):
   combination of its inputs' candidate placements (`_combos`; capped at `MAX_COMBOS`: then one
   input varied at a time), and from the data-parallel inputs;
 - a parameter that no declaration or loaded file fixes gets every placement of its dims over
-  the matrix's axes (`value_placements`), its storage chosen with its consumers; inputs,
+  the matrix's axes (`value_placements`) and the one an annotated primitive reads it in
+  (`_annotated_reads`: an interleaved split), its storage chosen with its consumers; inputs,
   buffers and constants keep the one placement they arrive in.
 
 After the forward pass, `Choices.build` asks each torch op for the placements its consumers'
@@ -138,6 +139,9 @@ class Choices(_OneNode):
                 if info.shape not in by_shape:
                     by_shape[info.shape] = value_placements(self.p, info.shape)
                 self.params[name] = by_shape[info.shape]
+        for name, read in self._annotated_reads().items():
+            if read not in self.params[name]:
+                self.params[name] = [*self.params[name], read]
         self._forward()
         tried: set[tuple[int, Placements]] = set()
         for _ in range(BACKWARD_PASSES):  # (a want travels one op back per pass)
@@ -148,6 +152,19 @@ class Choices(_OneNode):
             tried |= {(k, w) for k, ws in wanted.items() for w in ws}
             self._forward(wanted)
         return self
+
+    def _annotated_reads(self) -> dict[str, Placements]:
+        """Each free parameter an annotated primitive reads -> the placements it reads it in
+        (canonical): a storage candidate too, since `value_placements` splits a dim over
+        several axes in mesh order only (an interleaved ``("mp", "dp")`` split is not among
+        them). Two annotated ops reading one parameter alike is `_propagate._check_shared`'s."""
+        out: dict[str, Placements] = {}
+        for index, op in self.fixed.items():
+            for ref, layout in zip(self.graph.nodes[index].inputs, op.inputs, strict=True):
+                if ref.kind == "param" and str(ref.key) not in self.given:
+                    read = placements_of(Placed(refine(layout, self.p.matrix)))
+                    out.setdefault(str(ref.key), self._placements.setdefault(read, read))
+        return out
 
     # -- the forward pass ------------------------------------------------------------------
     def _forward(self, wanted: Mapping[int, list[Placements]] | None = None) -> None:
