@@ -23,6 +23,7 @@ from shardwise.planner import (
     StrategyFileError,
     capture,
     plan_semi_auto,
+    plan_sharding_propagation,
 )
 from shardwise.testing import assert_matches_single_device, simulated_world
 from shardwise.testing.models import GPTBlock, GPTConfig, megatron_strategies
@@ -130,6 +131,40 @@ def test_a_batch_that_does_not_divide_is_a_plan_error() -> None:
     ids = torch.zeros(6, 16, dtype=torch.long)
     with pytest.raises(PlanError, match=r"input args\[0\]: dim 0 of global shape \[6, 16\].* 4"):
         plan_semi_auto(capture(GPT2(), ids, ids), 4)
+
+
+class TwoMatMuls(torch.nn.Module):
+    def __init__(
+        self, first: tuple[tuple[int, int], ...], second: tuple[tuple[int, int], ...]
+    ) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(24, 48))
+        self.w2 = torch.nn.Parameter(torch.randn(48, 24))
+        self.m1 = sw.ops.MatMul().shard(first)
+        self.m2 = sw.ops.MatMul().shard(second)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m2(self.m1(x, self.w1), self.w2)
+
+
+@pytest.mark.parametrize("planner", [plan_semi_auto, plan_sharding_propagation])
+def test_device_matrices_that_do_not_nest_name_both_ops_and_the_fix(
+    planner: Callable[[Any, int], ParallelPlan],
+) -> None:
+    """Two annotations on 6 ranks, one cutting them into blocks of 2 consecutive ranks, the
+    other into blocks of 3: no global matrix holds both. The error named only the matrices
+    (semi_auto's list mixed in the unannotated ops' defaults)."""
+    graph = capture(TwoMatMuls(((3, 2), (2, 1)), ((2, 3), (3, 1))), torch.zeros(24, 24))
+    with pytest.raises(PlanError) as caught:
+        planner(graph, 6)
+    message = str(caught.value)
+    assert message.startswith(
+        "m1/MatMul with strategy ((3, 2), (2, 1)) has device matrix [3, 2, 1] and m2/MatMul "
+        "with strategy ((2, 3), (3, 1)) has [2, 3, 1]: they do not nest"
+    )
+    assert "a block of 2 consecutive ranks does not tile a block of 3" in message
+    assert "give both the same one (both (3, 2) or both (2, 3))" in message
+    assert "a single axis of all devices (6, 1)" in message
 
 
 def step_of(net: torch.nn.Module, opt: torch.optim.Optimizer):  # type: ignore[no-untyped-def]

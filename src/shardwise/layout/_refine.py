@@ -7,7 +7,8 @@ ranks in the same row-major order (rank ``4*a + b`` on ``[2, 4]`` is ``4*a + 2*b
 ``[2, 2, 2]``), so a layout on the coarse matrix is the same layout on the fine one with every
 coarse axis replaced by its run of fine axes, slower (outer) first.
 
-- `common_refinement`: the coarsest shape that refines every given shape (or a ValueError).
+- `common_refinement`: the coarsest shape that refines every given shape (or a ValueError);
+  `untiled_block`: why there is none.
 - `axis_runs`: which fine axes make up each coarse axis.
 - `refine`: a `TensorLayout` moved onto the finer matrix (every rank keeps the same slice).
 """
@@ -49,18 +50,36 @@ def common_refinement(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
     sizes = {math.prod(s) for s in shapes}
     if len(sizes) != 1:
         raise ValueError(f"device matrices {list(shapes)} hold different numbers of devices")
+    untiled = untiled_block(shapes)
+    if untiled is not None:
+        raise ValueError(
+            f"device matrices {[tuple(s) for s in shapes]} have no common refinement: a "
+            f"block of {untiled[0]} consecutive ranks does not tile a block of {untiled[1]}"
+        )
     cuts = sorted({p for s in shapes for p in _prefix_products(s)})
     out, prev = [], 1
     for cut in cuts:
-        if cut % prev:
-            raise ValueError(
-                f"device matrices {[tuple(s) for s in shapes]} have no common refinement: a "
-                f"block of {prev} consecutive ranks does not tile a block of {cut}"
-            )
         if cut > prev:
             out.append(cut // prev)
         prev = cut
     return tuple(out) or (1,)
+
+
+def untiled_block(shapes: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """Why `shapes` have no common refinement, or None: the first pair (smaller, larger) of
+    their prefix products (each axis cuts the ranks into that many blocks of consecutive ranks,
+    with the axes before it) where the smaller does not divide the larger.
+
+    Example:
+        >>> untiled_block([(3, 4), (2, 6)])  # 2 blocks of 6 ranks, 3 blocks of 4
+        (2, 3)
+    """
+    prev = 1
+    for cut in sorted({p for s in shapes for p in _prefix_products(s)}):
+        if cut % prev:
+            return prev, cut
+        prev = cut
+    return None
 
 
 def axis_runs(coarse: Sequence[int], fine: Sequence[int]) -> list[tuple[int, ...]]:

@@ -3,8 +3,9 @@ parameter's first placement, plus what the planner's modules share.
 
 - `_matrix`: the one global device matrix: the common refinement of the primitives' own
   matrices, those of declared layouts and the extra shapes (op-form annotations,
-  ``sw.reshard``), axes named ``g0``, ``g1``, ...; `_global_axes`: the global axes an op
-  matrix's axes cover after that refinement.
+  ``sw.reshard``), axes named ``g0``, ``g1``, ...; two that do not nest: a PlanError naming
+  both and the fix; `_global_axes`: the global axes an op matrix's axes cover after that
+  refinement.
 - `_input_state`: how each input arrives (split on dim 0 over all devices for
   ``"data_parallel"``, whole then sliced at entry for ``"full_batch"``, or the given
   per-input layouts) and which inputs are cut at entry.
@@ -20,6 +21,8 @@ parameter's first placement, plus what the planner's modules share.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,6 +37,7 @@ from shardwise.layout import (
     refine,
     to_placements,
 )
+from shardwise.layout._refine import untiled_block
 from shardwise.ops import OpPlan
 from shardwise.planner._annotated import RESHARD
 from shardwise.planner._graph import Graph, Node, Ref
@@ -95,12 +99,34 @@ def _global_axes(op_matrix: DeviceMatrix, axes: Sequence[str], m: DeviceMatrix) 
     return tuple(m.names[g] for a in axes for g in runs[op_matrix.axis(a)])
 
 
-def _matrix(
-    ops: Sequence[OpPlan], device_num: int, extra: Sequence[Shape], given: Sequence[TensorLayout]
-) -> DeviceMatrix:
-    shapes = [o.matrix.shape for o in ops] + list(extra) + [t.matrix.shape for t in given]
-    shape = common_refinement(shapes or [(device_num,)])
+def _matrix(sources: Sequence[tuple[str, Shape]], device_num: int) -> DeviceMatrix:
+    """The common refinement of the `sources`' device matrices (each named as errors name it:
+    ``"m1/MatMul with strategy ((3, 2), (2, 1))"``, its shape), or a PlanError naming two that
+    do not nest and the fix."""
+    try:
+        shape = common_refinement([s for _, s in sources] or [(device_num,)])
+    except ValueError as e:
+        for (a, sa), (b, sb) in itertools.combinations(sources, 2):
+            untiled = untiled_block([sa, sb])
+            if untiled is not None and math.prod(sa) == math.prod(sb):
+                raise PlanError(_untiled_message(a, sa, b, sb, untiled)) from None
+        raise PlanError(str(e)) from None
     return DeviceMatrix(shape, tuple(f"g{i}" for i in range(len(shape))))
+
+
+def _untiled_message(a: str, sa: Shape, b: str, sb: Shape, untiled: tuple[int, int]) -> str:
+    n = math.prod(sa)
+    few, many = untiled  # (numbers of blocks)
+    bare = [tuple(x for x in s if x > 1) or (1,) for s in (sa, sb)]
+    return (
+        f"{a} has device matrix {list(sa)} and {b} has {list(sb)}: they do not nest. All ops "
+        f"share one device matrix, on which each op's axes cut the {n} ranks (in row-major "
+        f"order) into blocks of consecutive ranks, and every such block must tile each larger "
+        f"one; here a block of {n // many} consecutive ranks does not tile a block of "
+        f"{n // few}. Make the device matrices nest: give both the same one (both {bare[0]} or "
+        f"both {bare[1]}), or give one of them a single axis of all devices ({n}, 1), which "
+        f"nests with any"
+    )
 
 
 def _input_state(

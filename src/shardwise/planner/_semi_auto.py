@@ -125,22 +125,27 @@ def setup(
         for i, layout in enumerate(op.inputs):
             check_rank_order(graph.nodes[k], f"input {i}'s Layout", layout.matrix)
     given = dict(param_layouts or {})
-    extra = list(extra_matrices)
+    # (what asks for a device matrix, as its error names it, and the matrix's shape)
+    sources = [(_who(graph.nodes[k].name, op), op.matrix.shape) for k, op in prims.items()]
+    sources += [(f"the device matrix {list(m)} asked for", m) for m in extra_matrices]
     if isinstance(dataset, Mapping):
-        extra += [t.matrix.shape for t in dataset.values()]
+        sources += [
+            (f"the dataset strategy of input {k}", t.matrix.shape) for k, t in dataset.items()
+        ]
     try:
         forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
         for k, (m, _) in forms.items():
             check_rank_order(graph.nodes[k], "its sw.shard Layout", m)
-        extra += [m.shape for m, _ in forms.values()]
+            sources.append((f"{graph.nodes[k].name} (sw.shard's op form)", m.shape))
         for n in graph.nodes:
             if n.op == RESHARD:
                 moved = reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix
                 check_rank_order(n, "the sw.reshard Layout", moved)
-                extra.append(moved.shape)
+                sources.append((f"{n.name} (sw.reshard)", moved.shape))
     except AnnotationError as e:
         raise PlanError(str(e)) from None
-    matrix = _matrix(list(prims.values()), device_num, extra, list(given.values()))
+    sources += [(f"parameter {n!r}'s declared layout", t.matrix.shape) for n, t in given.items()]
+    matrix = _matrix(sources, device_num)
     p = Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset)
     whole = read_whole(graph, prims)
@@ -158,6 +163,12 @@ def setup(
             pinned.setdefault(name, layout)
     given = {n: refine(t, matrix) for n, t in given.items()}
     return Setup(p, arrive, entry, prims, given, pinned)
+
+
+def _who(name: str, op: OpPlan) -> str:
+    """A primitive as a device-matrix conflict names it: its node name and strategy."""
+    strategy = tuple(tuple(t.split_count(d) for d in range(t.ndim)) for t in op.inputs)
+    return f"{name} with {'strategy' if op.user_set else 'its default strategy'} {strategy}"
 
 
 def walk(
