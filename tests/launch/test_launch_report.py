@@ -4,6 +4,7 @@ and the order of the failure report (root cause first, then other failures, stop
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from shardwise.launch._logs import describe_returncode, extract_traceback, log_excerpt
@@ -214,3 +215,37 @@ def test_a_rank_that_left_with_code_0_is_named(tmp_path: Path) -> None:
         "exited with code 0: rank 1 (a rank that leaves early leaves the others waiting in "
         "init() or at their next collective)"
     )
+
+
+def test_a_rank_tearing_down_after_its_traceback_failed_with_the_same_error(
+    tmp_path: Path,
+) -> None:
+    """Every rank raised the same error; rank 1 was still tearing down after its traceback
+    when rank 0's failure made the launcher send SIGTERM. Rank 1 failed with the same error:
+    it was listed as stopped by the launcher."""
+    from shardwise.launch.config import LaunchConfig, NodeAssignment
+    from shardwise.launch.schedlog import SchedulerLog
+    from shardwise.launch.supervisor import Supervisor
+
+    script = tmp_path / "raise.py"
+    script.write_text(
+        "import atexit, os, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    atexit.register(time.sleep, 30)  # a slow teardown after the traceback\n"
+        "else:\n"
+        "    time.sleep(1.0)\n"
+        "raise ValueError('same error on every rank')\n"
+    )
+    cfg = LaunchConfig(str(script), worker_num=2, local_worker_num=2, log_dir=str(tmp_path))
+    job = NodeAssignment("run", 0, 1, 0, 2, 2, "127.0.0.1", 29500)
+    sup = Supervisor(SchedulerLog.open(str(tmp_path), truncate=True))
+    sup.start(cfg, job, dict(os.environ))
+    try:
+        assert [w.rank for w in sup.poll(10.0)] == [0]
+    finally:
+        sup.stop(grace=5.0)
+    exits = sup.exits()
+    assert [e.stopped for e in exits] == [False, False]
+    text = format_failure_report(worker_root_cause(exits[0], 0, "h"), exits, 0, "s.log")
+    assert "ranks 0, 1 failed with the same error:" in text
+    assert "stopped by the launcher" not in text

@@ -4,6 +4,8 @@
 - `extract_traceback`: the last Python traceback of a worker log, capped (`log_excerpt` reads
   the log and falls back to its last lines when there is no traceback).
 - `PEER_LOST`: a log line saying the worker failed because another rank went away.
+- `ends_in_traceback`: whether a worker log's last output is a finished traceback (the worker
+  failed on its own, even when the launcher's SIGTERM ends it during its teardown).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ PEER_LOST = re.compile(
 )
 """A worker log line saying that the worker failed because another rank went away."""
 _TAIL_BYTES = 256 * 1024
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: .*|Error|Exception|Interrupt|Exit)")
 
 
 def describe_returncode(returncode: int) -> str:
@@ -82,6 +85,28 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
     return tb
 
 
+def _read_tail(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(0, size - _TAIL_BYTES))
+        return f.read().decode("utf-8", errors="replace")
+
+
+def ends_in_traceback(path: str | Path) -> bool:
+    """Whether the log at `path` ends in a finished Python traceback (its exception line last).
+
+    Example:
+        >>> ends_in_traceback("/nonexistent/worker_0.log")
+        False
+    """
+    try:
+        tb = extract_traceback(_read_tail(path))
+    except OSError:
+        return False
+    return len(tb) > 1 and _EXCEPTION_LINE.fullmatch(tb[-1]) is not None
+
+
 def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple[list[str], bool]:
     """What to show of a failed worker's log.
 
@@ -97,11 +122,7 @@ def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple
         (['(no log at /nonexistent/worker_0.log)'], False)
     """
     try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - _TAIL_BYTES))
-            text = f.read().decode("utf-8", errors="replace")
+        text = _read_tail(path)
     except OSError:
         return [f"(no log at {path})"], False
     tb = extract_traceback(text, max_lines)

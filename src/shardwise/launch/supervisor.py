@@ -8,7 +8,9 @@
 - `Supervisor.poll`: one thread per worker waits for it and stamps the exit time, so the
   launcher knows which rank failed *first*; `poll` collects those exits.
 - `Supervisor.stop`: SIGTERM to every live worker's process group, SIGKILL after
-  `STOP_GRACE_S`, then `Supervisor.sweep` kills whatever is left in the workers' groups.
+  `STOP_GRACE_S`, then `Supervisor.sweep` kills whatever is left in the workers' groups. A
+  worker that had already failed on its own (`failed_on_its_own`: it has exited, its exit not
+  collected yet, or its log ends in a traceback while it tears down) is not counted as stopped.
 - `Supervisor.exits`: how each worker ended, as `report.WorkerExit`.
 """
 
@@ -26,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.launch._logs import describe_returncode
+from shardwise.launch._logs import describe_returncode, ends_in_traceback
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.env import split_cores, usable_cores, worker_env
 from shardwise.launch.report import WorkerExit, ranks_label
@@ -48,6 +50,7 @@ class Worker:
     started: float
     cores: list[int] | None = None
     stop_requested: bool = False
+    failed_before_stop: bool = False
     returncode: int | None = None
     ended: float | None = None
     ended_wall: float = 0.0
@@ -99,6 +102,24 @@ def _signal_group(pgid: int, sig: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie, or reaped already), read from ``/proc``."""
+    if not os.path.isdir("/proc"):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def failed_on_its_own(worker: Worker) -> bool:
+    """Whether a worker whose exit the launcher has not collected yet has failed on its own:
+    it has exited already, or its log ends in a traceback (it is tearing down after it). Such
+    a worker is not one the launcher stopped, even when its SIGTERM is what ends it."""
+    return _has_exited(worker.pid) or ends_in_traceback(worker.log_path)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -237,7 +258,9 @@ class Supervisor:
         w = self.workers[index]
         w.returncode, w.ended, w.ended_wall = code, ended, wall
         after = f"after {ended - w.started:.2f} s"
-        if w.stop_requested:
+        if w.failed_before_stop:
+            how = f"had failed on its own before it was stopped ({describe_returncode(code)})"
+        elif w.stop_requested:
             how = f"stopped by the launcher ({describe_returncode(code)})"
         elif code < 0:
             how = f"was killed by {describe_returncode(code)}"
@@ -262,7 +285,8 @@ class Supervisor:
             label = ranks_label([w.rank for w in alive])
             self.log.info(f"stopping {label}: SIGTERM to their process groups")
             for w in alive:
-                w.stop_requested = True
+                w.failed_before_stop = failed_on_its_own(w)
+                w.stop_requested = not w.failed_before_stop
                 _signal_group(w.pid, signal.SIGTERM)
             self._wait_all(grace)
         alive = self.running()
