@@ -139,3 +139,46 @@ def test_nccl_style_traces_and_the_collective_entered_last(tmp_path: Path) -> No
     )
     result = find_stragglers(2, found)
     assert result is not None and result.group == "world_group" and result.missing == (1,)
+
+
+def test_a_rank_that_exits_while_asked_for_its_stack_is_not_still_running(
+    tmp_path: Path,
+) -> None:
+    """Rank 0, in another collective, timed out too and exited while the launcher waited for
+    its stack: the report said "still running ... did not write its stack"; and a rank that the
+    launcher's SIGUSR1 ended after its own traceback was reported as failed with SIGUSR1."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from shardwise.launch.hang import explain
+    from shardwise.launch.schedlog import SchedulerLog
+    from shardwise.launch.supervisor import Supervisor, Worker
+
+    world = Group("world_group", (0, 1), None)
+    write(tmp_path / "worker_0.comm", [("AllGather", world, False)])
+    write(tmp_path / "worker_1.comm", [("AllReduce", world, False)])
+    logs = [tmp_path / f"worker_{r}.log" for r in (0, 1)]
+    for r, log in enumerate(logs):
+        log.write_text(f"Traceback (most recent call last):\n  x\nRuntimeError: Timed out {r}\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited, its exit not collected by the launcher yet
+    workers = [Worker(r, r, gone, logs[r], time.monotonic()) for r in (0, 1)]
+    workers[1].returncode = 1
+    failed = WorkerExit(1, 1, 9, 1, time.time() + 5.0, False, str(logs[1]))
+    root = explain(RootCause("rank 1 failed", 0, "h", 1, (), str(logs[1])), failed, workers)
+    assert root.stuck[0].startswith("rank 0 (pid ") and "already exited" in root.stuck[0]
+    assert not any("did not write its stack" in line for line in root.stuck)
+
+    assert workers[0].stack_requested is False  # (its trace was not written by its pid)
+    workers[0].stack_requested, workers[0].returncode = True, -signal.SIGUSR1
+    sup = Supervisor(SchedulerLog.open(tmp_path, truncate=True))
+    sup.workers = workers
+    exit0 = sup.exits()[0]
+    assert not exit0.stopped and exit0.ended_by_launcher
+    text = format_failure_report(root, [failed, exit0], 0, "s.log")
+    assert "SIGUSR1" in text and "failed with signal SIGUSR1" not in text
+    assert f"rank 0 also failed (pid {gone.pid}; the launcher's SIGUSR1 ended its teardown):" in (
+        text.splitlines()
+    )

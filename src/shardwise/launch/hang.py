@@ -10,8 +10,8 @@ a collective, the launcher, before it stops the others:
    another kind of collective, never arrived (only when the failed rank had waited in it for
    `min_wait` seconds: an immediate error of the collective blames nobody);
 3. `collect_stacks`: sends SIGUSR1 to those still running (their ``faulthandler`` writes every
-   thread's Python stack to their log) and reads the stacks back; for those already gone, the
-   last traceback of their log;
+   thread's Python stack to their log) and reads the stacks back; for those already gone (or
+   gone while the launcher waited for their stacks), the last traceback of their log;
 4. `explain`: puts it together as the job's `RootCause`: its reason names the ranks that never
    arrived and the collective, its `stuck` lines hold where each one is.
 
@@ -47,7 +47,7 @@ from shardwise.communication._trace import (
 )
 from shardwise.launch._logs import log_excerpt
 from shardwise.launch.report import RootCause, WorkerExit, ranks_label
-from shardwise.launch.supervisor import Worker
+from shardwise.launch.supervisor import Worker, has_exited
 
 STACK_WAIT_S = 2.0
 MIN_WAIT_S = 1.0
@@ -268,7 +268,8 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
     Args:
         root: the failed worker's `RootCause`.
         failed: the failed worker's exit.
-        workers: this node's workers (those still running have no return code).
+        workers: this node's workers (those still running have no return code); those asked
+            for their stacks get `Worker.stack_requested` (that SIGUSR1 is not their failure).
 
     Returns:
         `root` unchanged, or a copy whose reason names the ranks that never arrived and whose
@@ -282,9 +283,13 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
     if found is None or mine is None:
         return root
     asked = {r: (running[r], logs[r]) for r in found.missing if r in running}
-    stacks = collect_stacks(  # only the process that registered the handler (not a parent)
-        {r: v for r, v in asked.items() if traces[r].dumps_stacks and traces[r].pid == v[0]}
-    )
+    # only the process that registered the handler (not a parent)
+    asked = {r: v for r, v in asked.items() if traces[r].dumps_stacks and traces[r].pid == v[0]}
+    for w in workers:
+        w.stack_requested = w.stack_requested or w.rank in asked
+    stacks = collect_stacks(asked)
+    # (a rank may have failed on its own meanwhile: it did not owe a stack)
+    running = {r: pid for r, pid in running.items() if not has_exited(pid)}
     lines: list[str] = []
     for rank in found.missing:
         lines += _straggler_lines(rank, found, traces[rank], rank in running, stacks.get(rank))

@@ -39,6 +39,9 @@ class WorkerExit:
         ended: wall-clock time (``time.time()``) the launcher saw it exit.
         stopped: True when the launcher had asked it to stop (it is not a root cause).
         log_path: its ``worker_<rank>.log``.
+        ended_by_launcher: it had failed on its own (its log ends in a traceback), and the
+            signal in `returncode` is the launcher's (SIGTERM, SIGKILL, or the SIGUSR1 asking
+            for its stack) that ended its teardown, not its failure.
     """
 
     rank: int
@@ -48,6 +51,7 @@ class WorkerExit:
     ended: float
     stopped: bool
     log_path: str
+    ended_by_launcher: bool = False
 
     @property
     def failed(self) -> bool:
@@ -221,6 +225,10 @@ def _group_text(group: FailureGroup, first: bool) -> list[str]:
         ranks = ", ".join(map(str, group.ranks))
         same = "with the same error" if group.is_traceback else "the same way"
         out.append(f"ranks {ranks} {also}failed {same}:")
+    elif not first and head.ended_by_launcher:
+        name = describe_returncode(head.returncode).removeprefix("signal ")
+        out.append(f"rank {head.rank} also failed (pid {head.pid}; the launcher's {name} "
+                   "ended its teardown):")  # fmt: skip
     elif not first:
         out.append(
             f"rank {head.rank} also failed with {describe_returncode(head.returncode)} "

@@ -51,6 +51,7 @@ class Worker:
     cores: list[int] | None = None
     stop_requested: bool = False
     failed_before_stop: bool = False
+    stack_requested: bool = False  # the launcher sent it SIGUSR1 (`hang.explain`)
     returncode: int | None = None
     ended: float | None = None
     ended_wall: float = 0.0
@@ -104,7 +105,7 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def _has_exited(pid: int) -> bool:
+def has_exited(pid: int) -> bool:
     """Whether process `pid` has exited (a zombie, or reaped already), read from ``/proc``."""
     if not os.path.isdir("/proc"):
         return False
@@ -119,7 +120,7 @@ def failed_on_its_own(worker: Worker) -> bool:
     """Whether a worker whose exit the launcher has not collected yet has failed on its own:
     it has exited already, or its log ends in a traceback (it is tearing down after it). Such
     a worker is not one the launcher stopped, even when its SIGTERM is what ends it."""
-    return _has_exited(worker.pid) or ends_in_traceback(worker.log_path)
+    return has_exited(worker.pid) or ends_in_traceback(worker.log_path)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -260,6 +261,8 @@ class Supervisor:
         after = f"after {ended - w.started:.2f} s"
         if w.failed_before_stop:
             how = f"had failed on its own before it was stopped ({describe_returncode(code)})"
+        elif _ended_by_stack_request(w):
+            how = "was ended by the launcher's SIGUSR1 (its request for the Python stack)"
         elif w.stop_requested:
             how = f"stopped by the launcher ({describe_returncode(code)})"
         elif code < 0:
@@ -313,17 +316,32 @@ class Supervisor:
                 self.log.info(f"killed pids {left} left in rank {w.rank}'s process group")
 
     def exits(self) -> list[WorkerExit]:
-        """How the exited workers ended, in rank order."""
-        return [
-            WorkerExit(
-                rank=w.rank,
-                local_rank=w.local_rank,
-                pid=w.pid,
-                returncode=w.returncode,
-                ended=w.ended_wall,
-                stopped=w.stop_requested,
-                log_path=str(w.log_path),
-            )
-            for w in sorted(self.workers, key=lambda w: w.rank)
-            if w.returncode is not None
-        ]
+        """How the exited workers ended, in rank order.
+
+        A signal of the launcher's (SIGTERM or SIGKILL of `stop`, SIGUSR1 of `hang.explain`)
+        that ended a worker which had failed on its own (its log ends in a traceback) is not
+        its failure: `WorkerExit.ended_by_launcher`; without such a traceback the worker counts
+        as stopped.
+        """
+        ordered = sorted(self.workers, key=lambda w: w.rank)
+        return [_worker_exit(w, w.returncode) for w in ordered if w.returncode is not None]
+
+
+def _ended_by_stack_request(w: Worker) -> bool:
+    return w.stack_requested and w.returncode == -signal.SIGUSR1
+
+
+def _worker_exit(w: Worker, code: int) -> WorkerExit:
+    usr1 = _ended_by_stack_request(w)
+    failed = w.failed_before_stop or (usr1 and ends_in_traceback(w.log_path))
+    launcher_signal = usr1 or code in (-signal.SIGTERM, -signal.SIGKILL)
+    return WorkerExit(
+        rank=w.rank,
+        local_rank=w.local_rank,
+        pid=w.pid,
+        returncode=code,
+        ended=w.ended_wall,
+        stopped=not failed and (w.stop_requested or usr1),
+        log_path=str(w.log_path),
+        ended_by_launcher=failed and launcher_signal,
+    )
