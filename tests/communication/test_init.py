@@ -46,6 +46,17 @@ def test_calls_before_init_explain() -> None:
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend='tpu'"):
         init("tpu")
+    with pytest.raises(ValueError, match="expected 'gloo', 'nccl', 'mpi' or None"):
+        init("hccl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_nccl_without_cuda_says_so() -> None:
+    """A MindSpore GPU script's init("nccl") on a CPU-only torch failed inside torch with
+    AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'."""
+    with pytest.raises(ValueError, match="'nccl' needs CUDA, which this torch/machine lacks"):
+        init("nccl")
+    assert not sw.communication.is_initialized()
 
 
 class _Store:

@@ -5,7 +5,8 @@ process-group functions directly.
 
 - `_env.detect_job`: which job this process is in (shardwise run, torchrun, mpirun, rank table).
 - `_init`: `init`, `get_rank`, `get_group_size`, `get_local_rank`, `create_group`,
-  `destroy_group`, `release`.
+  `destroy_group`, `release`; `_backend`: `default_backend`, and `check_backend`, which
+  refuses a backend this torch/machine lacks (``"nccl"`` without CUDA) with what to do.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
   world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
   `file_rank`, `shared_value`).
@@ -23,6 +24,7 @@ process-group functions directly.
   (``shardwise plan``).
 """
 
+from shardwise.communication._backend import default_backend
 from shardwise.communication._collectives import ReduceOp
 from shardwise.communication._dry import dry_run
 from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
@@ -31,7 +33,6 @@ from shardwise.communication._init import (
     Group,
     comm_timeout,
     create_group,
-    default_backend,
     destroy_group,
     ensure_group,
     get_group_size,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from shardwise._torch.c10d import default_store
 from shardwise.communication import _exit, _sim, _trace
+from shardwise.communication._backend import check_backend
 from shardwise.communication._env import JobEnv, detect_job
 from shardwise.communication._netif import socket_ifname_env
 
@@ -59,11 +60,6 @@ def comm_timeout() -> datetime.timedelta:
     )
 
 
-def default_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init(backend: str | None = None) -> None:
     """Join the distributed job (idempotent).
 
@@ -76,11 +72,13 @@ def init(backend: str | None = None) -> None:
     (networks built after ``init()`` start alike on every rank; `context.torch_seeded`).
 
     Args:
-        backend: ``"gloo"``, ``"nccl"`` or None for the default (`default_backend()`).
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or None for the default
+            (`default_backend()`).
 
     Raises:
         LaunchEnvError: the launcher's environment is incomplete; the message names the variable.
-        ValueError: unknown backend.
+        ValueError: unknown backend, or one this torch/machine lacks (``"nccl"`` without
+            CUDA): `_backend.check_backend`.
 
     Example:
         >>> import shardwise as sw
@@ -91,9 +89,7 @@ def init(backend: str | None = None) -> None:
     global _job
     if dist.is_initialized():
         return
-    backend = backend or default_backend()
-    if backend not in ("gloo", "nccl", "mpi"):
-        raise ValueError(f"init(backend={backend!r}): expected 'gloo', 'nccl' or None (auto)")
+    backend = check_backend(backend or None)
     job = detect_job()
     timeout = comm_timeout()
     store: Any
