@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from shardwise.launch._logs import describe_returncode, extract_traceback, log_excerpt
 from shardwise.launch.report import (
     RootCause,
@@ -249,3 +251,49 @@ def test_a_rank_tearing_down_after_its_traceback_failed_with_the_same_error(
     text = format_failure_report(worker_root_cause(exits[0], 0, "h"), exits, 0, "s.log")
     assert "ranks 0, 1 failed with the same error:" in text
     assert "stopped by the launcher" not in text
+
+
+def test_a_closed_stdout_does_not_change_the_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shardwise run --join True ok.py | head -0``: the success summary met a closed pipe, the
+    launcher exited 1 with a BrokenPipeError and scheduler.log had no ``job end`` line."""
+    from shardwise.launch import job as job_mod
+    from shardwise.launch.config import LaunchConfig, NodeAssignment
+    from shardwise.launch.schedlog import SchedulerLog
+    from shardwise.launch.supervisor import Supervisor
+
+    class _Rendezvous:
+        hb = None
+        hosting = False
+
+        def mark_finished(self) -> None:
+            pass
+
+        def failure(self) -> None:
+            return None
+
+    read, write = os.pipe()
+    os.close(read)
+    closed = open(write, "w")  # noqa: SIM115 (closed by the test)
+    monkeypatch.setattr("sys.stdout", closed)
+    log = SchedulerLog.open(tmp_path, truncate=True)
+    cfg = LaunchConfig("ok.py", worker_num=1, local_worker_num=1, log_dir=str(tmp_path), join=True)
+    job = NodeAssignment("run", 0, 1, 0, 1, 1, "127.0.0.1", 29500)
+    try:
+        code = job_mod._finish(
+            _Rendezvous(),  # type: ignore[arg-type]
+            Supervisor(log),
+            job,
+            log,
+            cfg,
+            job_mod._Outcome(),
+            0.0,
+            _Rendezvous(),  # type: ignore[arg-type]  # (not the host: never asked for signals)
+        )
+        closed.write("more\n")
+        closed.flush()  # (what the interpreter does at exit: it must not fail now)
+    finally:
+        closed.close()
+    assert code == 0
+    assert "job end: launcher exits with code 0" in (tmp_path / "scheduler.log").read_text()

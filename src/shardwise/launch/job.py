@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -30,7 +31,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.errors import (
@@ -114,7 +115,7 @@ def run_job(cfg: LaunchConfig, on_started: OnStarted | None = None) -> int:
     try:
         log = SchedulerLog.open(cfg.log_dir, truncate=cfg.single_node)
     except OSError as e:
-        print(f"shardwise run: cannot write logs to --log_dir {cfg.log_dir}: {e}", file=sys.stderr)
+        _say(f"shardwise run: cannot write logs to --log_dir {cfg.log_dir}: {e}", sys.stderr)
         return EXIT_USAGE
     log.info(f"shardwise run {cfg.command_line()}")
     log.info(f"python {sys.executable}, cwd {os.getcwd()}, pid {os.getpid()}")
@@ -194,8 +195,8 @@ def _socket_ifname(cfg: LaunchConfig, env: dict[str, str], log: SchedulerLog) ->
 def _fail_early(log: SchedulerLog, message: str, code: int) -> int:
     log.info(message)
     log.info(f"launcher exits with code {code}")
-    print(message, file=sys.stderr, flush=True)
     log.close()
+    _say(message, sys.stderr)
     return code
 
 
@@ -329,18 +330,29 @@ def _finish(
         log.info(f"store unavailable at the end of the job: {str(e).splitlines()[0]}")
     if rdv.hb is not None:
         rdv.hb.stop()
+    text, stream = "", sys.stdout
     if outcome.root is not None:
         text = format_failure_report(outcome.root, sup.exits(), job.node_rank, str(log.path))
-        print(text, file=sys.stderr, flush=True)
+        stream = sys.stderr
         log.info(text)
     elif cfg.join:
-        print(
-            format_success_summary(sup.exits(), time.monotonic() - started, str(cfg.log_path)),
-            flush=True,
-        )
+        text = format_success_summary(sup.exits(), time.monotonic() - started, str(cfg.log_path))
     log.info(f"job end: launcher exits with code {outcome.exit_code}")
     log.close()
+    if text:  # (after the log: a closed stdout must not cost the log, nor the exit code)
+        _say(text, stream)
     return outcome.exit_code
+
+
+def _say(text: str, stream: TextIO) -> None:
+    """Print `text` to `stream`; a closed pipe (``shardwise run ... | head -0``) is ignored,
+    and `stream` then writes to ``/dev/null`` so that the interpreter's last flush does not
+    fail (Python exits 120 then)."""
+    try:
+        print(text, file=stream, flush=True)
+    except OSError:  # BrokenPipeError, or another write error of a stream the user closed
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def _wait_others(
