@@ -138,3 +138,28 @@ def test_a_rank_that_gave_up_on_the_exit_barrier_is_not_waited_for_again() -> No
         t.join(20)
     assert ended[1] < 0.5  # (gave up)
     assert ended[0] < 1.0  # (not the 5 s of its timeout)
+
+
+def test_sys_exit_with_a_failure_leaves_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sys.exit(3)`` after init() waited up to 10 s in the exit barrier for peers that were
+    still busy (the failure reached the launcher late); it leaves at once as a raise does, and
+    ``sys.exit(0)`` / ``sys.exit()`` keep the barrier."""
+    import atexit
+    import sys
+
+    from shardwise.communication import _exit, _init
+
+    left: list[str] = []
+    monkeypatch.setattr(atexit, "register", lambda f: f)  # (not this test process's exit)
+    monkeypatch.setattr(sys, "exit", sys.exit)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    monkeypatch.setattr(_exit, "_installed_pid", None)
+    monkeypatch.setattr(_init, "leave_at_exit", lambda: left.append("barrier"))
+    _exit.install()
+    for status, barrier in [(3, False), ("bad config", False), (0, True), (None, True)]:
+        with pytest.raises(SystemExit):
+            sys.exit(status)
+        left.clear()
+        _exit._at_exit()
+        assert left == (["barrier"] if barrier else []), status

@@ -5,14 +5,18 @@ may still drop Python objects of the last collectives; such a thread cannot take
 more and the process aborts ("terminate called without an active exception", SIGABRT), so the
 launcher reports a job that did all its work as failed.
 
-- `install`: called by `init()`; registers `_at_exit` with `atexit` (once per process) and
-  chains `sys.excepthook` so that an uncaught exception marks the exit as failing.
-- `_at_exit`: a script that ended normally (or through ``sys.exit``) leaves the job as
-  `release()` does: a barrier through the rendezvous store, bounded by `exit_wait` so that a
-  rank never waits long for peers that are still busy or gone, then the process groups are
-  destroyed while the interpreter is still whole. A script that raised is left alone but for
-  a `RAISED_PAUSE_S` pause in which torch's worker threads finish with the last collectives:
-  it waits for nobody, its traceback is its last output, and it ends before its peers notice.
+- `install`: called by `init()`; registers `_at_exit` with `atexit` (once per process),
+  chains `sys.excepthook` so that an uncaught exception marks the exit as failing, and wraps
+  ``sys.exit`` to remember the status it was called with (an uncaught ``SystemExit`` reaches
+  no hook; a ``raise SystemExit(3)`` written out is not seen).
+- `_at_exit`: a script that ended normally (or through ``sys.exit()`` / ``sys.exit(0)``)
+  leaves the job as `release()` does: a barrier through the rendezvous store, bounded by
+  `exit_wait` so that a rank never waits long for peers that are still busy or gone, then the
+  process groups are destroyed while the interpreter is still whole. A script that failed
+  (`script_failed`: it raised, or called ``sys.exit`` with a non-zero code or a message) is
+  left alone but for a `RAISED_PAUSE_S` pause in which torch's worker threads finish with the
+  last collectives: it waits for nobody, its traceback (or message) is its last output, and it
+  ends before its peers notice.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ import datetime
 import os
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import NoReturn
 
 EXIT_WAIT_S = 10.0
 RAISED_PAUSE_S = 0.05
 
 _installed_pid: int | None = None  # the process that registered the hook (a fork re-registers)
 _raised = False  # an uncaught exception reached sys.excepthook in this process
+_exit_status: object = None  # the last status sys.exit was called with in this process
 
 
 def exit_wait(timeout: datetime.timedelta) -> datetime.timedelta:
@@ -43,10 +50,10 @@ def exit_wait(timeout: datetime.timedelta) -> datetime.timedelta:
 
 def install() -> None:
     """Register the exit hook and the excepthook wrapper (idempotent, per process)."""
-    global _installed_pid, _raised
+    global _installed_pid, _raised, _exit_status
     if _installed_pid == os.getpid():
         return
-    _installed_pid, _raised = os.getpid(), False
+    _installed_pid, _raised, _exit_status = os.getpid(), False, None
     previous = sys.excepthook
 
     def excepthook(
@@ -57,7 +64,21 @@ def install() -> None:
         previous(kind, value, tb)
 
     sys.excepthook = excepthook
+    sys.exit = _recording_exit(sys.exit)
     atexit.register(_at_exit)
+
+
+_Status = str | int | None
+
+
+def _recording_exit(previous: Callable[[_Status], NoReturn]) -> Callable[..., NoReturn]:
+    def exit(status: _Status = None, /) -> NoReturn:
+        global _exit_status
+        _exit_status = status
+        previous(status)
+
+    exit.__doc__ = previous.__doc__
+    return exit
 
 
 def script_raised() -> bool:
@@ -67,11 +88,20 @@ def script_raised() -> bool:
     return _raised or getattr(sys, "last_value", None) is not None
 
 
+def script_failed() -> bool:
+    """Whether this process's script is ending in failure: it raised (`script_raised`), or
+    called ``sys.exit`` with a non-zero code or a message (Python exits 1 with that message
+    then); ``sys.exit()``, ``sys.exit(0)`` are a normal end."""
+    status = _exit_status
+    failed_exit = status is not None and (not isinstance(status, int) or status != 0)
+    return failed_exit or script_raised()
+
+
 def _at_exit() -> None:
     if _installed_pid != os.getpid():
         return
-    if script_raised():
-        # A raising script keeps torch's own teardown: destroying its groups here would close
+    if script_failed():
+        # A failing script keeps torch's own teardown: destroying its groups here would close
         # its connections while it is still alive, and the peers waiting on it would fail (and
         # could exit) before it does. A short pause (the GIL released) lets torch's worker
         # threads drop the last collectives' tensors while the interpreter can still take them.

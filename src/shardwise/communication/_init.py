@@ -64,9 +64,10 @@ def init(backend: str | None = None) -> None:
     """Join the distributed job (idempotent).
 
     The process leaves the job cleanly at exit even without `release()`: a script that ends
-    normally (or by ``sys.exit``) waits at most 10 s for the other ranks to end too, then tears
-    its process groups down before the interpreter does; a script that raises leaves at once,
-    waits for nobody, and its traceback is the job's root cause. Under ``shardwise run`` it also
+    normally (or by ``sys.exit(0)``) waits at most 10 s for the other ranks to end too, then
+    tears its process groups down before the interpreter does; a script that raises (or calls
+    ``sys.exit`` with a non-zero code) leaves at once, waits for nobody, and its traceback is
+    the job's root cause. Under ``shardwise run`` it also
     traces which collective it is in, for the launcher's report of a hang. In a job of several
     ranks whose script has not seeded torch, every rank takes rank 0's torch random state
     (networks built after ``init()`` start alike on every rank; `context.torch_seeded`).
