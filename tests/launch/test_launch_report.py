@@ -68,9 +68,33 @@ def test_extract_traceback_is_capped_keeping_the_end() -> None:
     frames = "".join(f'  File "f.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(40))
     text = "Traceback (most recent call last):\n" + frames + "RecursionError: deep\n"
     tb = extract_traceback(text, max_lines=30)
-    assert len(tb) == 30
-    assert tb[0].startswith("Traceback") and "lines left out" in tb[1]
-    assert tb[-1] == "RecursionError: deep"
+    assert len(tb) in (29, 30)  # (whole frames of 2 lines each)
+    assert tb[0].startswith("Traceback") and tb[1:3] == ['  File "f.py", line 0, in f0', "    f1()"]
+    assert tb[3] == "  ... (54 lines left out)"  # (the outermost frame stays, then the last ones)
+    assert tb[-3:] == ['  File "f.py", line 39, in f39', "    f40()", "RecursionError: deep"]
+
+
+def test_the_cap_leaves_library_frames_out_before_the_users(tmp_path: Path) -> None:
+    """quick_start.py failing in the planner: the 30-line cap kept only shardwise's frames
+    (23 lines left out, the script's own lines among them)."""
+    import shardwise
+
+    package = Path(shardwise.__file__).parent
+    torch_file = "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py"
+    user = [('  File "/job/train.py", line 40, in <module>', "    main()"),
+            ('  File "/job/train.py", line 31, in main', "    model.train(2, data)")]  # fmt: skip
+    library = [(f'  File "{package}/planner/_gc.py", line {i}, in paused', "    fn()")
+               for i in range(20)]  # fmt: skip
+    frames = [user[0], (f'  File "{torch_file}", line 1, in _call', "    f()"), *library[:10],
+              user[1], *library[10:]]  # fmt: skip
+    text = "Traceback (most recent call last):\n" + "".join(f"{a}\n{b}\n" for a, b in frames)
+    tb = extract_traceback(text + "ValueError: bad strategy\n", max_lines=30)
+    assert len(tb) <= 30 and tb[-1] == "ValueError: bad strategy"
+    for a, b in user:
+        assert tb[tb.index(a) + 1] == b
+    assert tb.index(user[0][0]) < tb.index(user[1][0])
+    assert tb[-3] == f'  File "{package}/planner/_gc.py", line 19, in paused'  # (the innermost)
+    assert not any(torch_file in line for line in tb)  # (farthest from the exception: first out)
 
 
 def test_log_excerpt_falls_back_to_the_last_lines(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """What a worker's exit and log say: the pieces of the launcher's report (`report`).
 
 - `describe_returncode`: ``exit code 1`` / ``signal SIGKILL`` from a ``Popen.returncode``.
-- `extract_traceback`: the last Python traceback of a worker log, capped (`log_excerpt` reads
-  the log and falls back to its last lines when there is no traceback).
+- `extract_traceback`: the last Python traceback of a worker log, capped (`cap_traceback`:
+  library frames are left out first, the user's outermost and last frames stay); `log_excerpt`
+  reads the log and falls back to its last lines when there is no traceback.
 - `PEER_LOST`: a log line saying the worker failed because another rank went away.
 - `ends_in_traceback`: whether a worker log's last output is a finished traceback (the worker
   failed on its own, even when the launcher's SIGTERM ends it during its teardown).
@@ -10,9 +11,12 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import signal
-from pathlib import Path
+import sysconfig
+from pathlib import Path, PurePath
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
@@ -25,6 +29,8 @@ PEER_LOST = re.compile(
 )
 """A worker log line saying that the worker failed because another rank went away."""
 _TAIL_BYTES = 256 * 1024
+_FRAME_FILE = re.compile(r'  File "([^"]*)"')
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: .*|Error|Exception|Interrupt|Exit)")
 
 
@@ -59,8 +65,8 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
 
     Args:
         text: a worker's output.
-        max_lines: cap; a longer traceback keeps its header and its last lines (where the
-            exception is), with a line saying how many were left out.
+        max_lines: cap; a longer traceback keeps its header, its exception and the user's
+            own frames, leaving library frames out first (`cap_traceback`).
 
     Returns:
         The traceback's lines (trailing blank lines and Python's ``^^^^`` / ``~~~~`` position
@@ -79,10 +85,92 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
     tb = [line for line in lines[starts[-1] :] if not _MARKERS.fullmatch(line)]
     while tb and not tb[-1]:
         tb.pop()
-    if len(tb) > max_lines:
+    return cap_traceback(tb, max_lines) if len(tb) > max_lines else tb
+
+
+def cap_traceback(tb: list[str], max_lines: int) -> list[str]:
+    """`tb` (a traceback's lines, header first) in at most `max_lines` lines, frames left out
+    (each run replaced by a ``... (N lines left out)`` line) in this order: library frames
+    (`is_library_file`) farthest from the exception first, then the user's own frames between
+    its outermost and its last; the header, the exception and those two user frames stay.
+
+    Without room for that (a very long exception message), the header and the last lines.
+
+    Example:
+        >>> tb = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>',
+        ...       "    f()", '  File "a.py", line 2, in f', "    g()", "E: boom"]
+        >>> capped = cap_traceback(tb, 5)
+        >>> capped[1], capped[3]
+        ('  File "a.py", line 1, in <module>', '  ... (2 lines left out)')
+    """
+    frames: list[list[str]] = []
+    at = 1
+    while at < len(tb) and tb[at].startswith("  "):  # (the exception's lines are not indented)
+        if tb[at].startswith("  File ") or not frames:
+            frames.append([tb[at]])
+        else:  # its code, or "[Previous line repeated 996 more times]"
+            frames[-1].append(tb[at])
+        at += 1
+    tail = tb[at:]
+    if not frames or len(tail) + 3 > max_lines:
         kept = max_lines - 2
-        tb = [tb[0], f"  ... ({len(tb) - 1 - kept} lines left out)", *tb[-kept:]]
-    return tb
+        return [tb[0], f"  ... ({len(tb) - 1 - kept} lines left out)", *tb[-kept:]]
+    user = [k for k, f in enumerate(frames) if not is_library_file(_frame_file(f[0]))]
+    library = [k for k in range(len(frames)) if k not in user]
+    order = [*dict.fromkeys([*user[:1], *user[-1:], *reversed(user), *reversed(library)])]
+    kept_frames: set[int] = set()
+    for k in order:
+        if len(_render(tb[0], frames, tail, kept_frames | {k})) <= max_lines:
+            kept_frames.add(k)
+    return _render(tb[0], frames, tail, kept_frames)
+
+
+def _render(head: str, frames: list[list[str]], tail: list[str], kept: set[int]) -> list[str]:
+    out, gap = [head], 0
+    for k, frame in enumerate(frames):
+        if k not in kept:
+            gap += len(frame)
+            continue
+        if gap:
+            out.append(f"  ... ({gap} lines left out)")
+        out += frame
+        gap = 0
+    if gap:
+        out.append(f"  ... ({gap} lines left out)")
+    return out + tail
+
+
+def _frame_file(line: str) -> str:
+    match = _FRAME_FILE.match(line)
+    return match.group(1) if match else ""
+
+
+def is_library_file(path: str) -> bool:
+    """Whether a traceback's frame file is library code, not the user's: Python's own
+    (``<frozen ...>``, the standard library), an installed package (``site-packages``,
+    ``dist-packages``), or a file of the ``shardwise`` or ``torch`` package wherever it lies
+    (a folder of that name holding an ``__init__.py``).
+
+    Example:
+        >>> is_library_file("/venv/lib/python3.11/site-packages/torch/nn/modules/module.py")
+        True
+        >>> is_library_file("/work/train.py")
+        False
+    """
+    if not path or path.startswith("<frozen") or path.startswith(_STDLIB):
+        return True
+    parts = PurePath(path).parts
+    if any(part in ("site-packages", "dist-packages") for part in parts):
+        return True
+    return any(
+        part in ("shardwise", "torch") and _is_package(str(PurePath(*parts[: k + 1])))
+        for k, part in enumerate(parts[:-1])
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _is_package(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "__init__.py"))
 
 
 def _read_tail(path: str | Path) -> str:
