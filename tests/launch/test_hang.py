@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from shardwise.communication import _trace
 from shardwise.communication._init import Group
 from shardwise.launch.hang import Trace, find_stragglers, read_trace
@@ -182,3 +184,20 @@ def test_a_rank_that_exits_while_asked_for_its_stack_is_not_still_running(
     assert f"rank 0 also failed (pid {gone.pid}; the launcher's SIGUSR1 ended its teardown):" in (
         text.splitlines()
     )
+
+
+def test_open_trace_makes_a_native_crash_leave_its_python_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed by SIGSEGV left no Python stack in its log: `init()`'s `open_trace` now
+    enables ``faulthandler`` (one a script enabled itself is kept)."""
+    import faulthandler
+
+    enabled: list[bool] = []
+    monkeypatch.setattr(faulthandler, "is_enabled", lambda: False)
+    monkeypatch.setattr(faulthandler, "enable", lambda **kw: enabled.append(kw["all_threads"]))
+    try:
+        assert _trace.open_trace(str(tmp_path / "0.comm"))
+    finally:
+        _trace.close_trace()
+    assert enabled == [True]

@@ -321,3 +321,28 @@ def test_a_closed_stdout_does_not_change_the_exit_code(
         closed.close()
     assert code == 0
     assert "job end: launcher exits with code 0" in (tmp_path / "scheduler.log").read_text()
+
+
+def test_a_native_crash_shows_its_python_stacks(tmp_path: Path) -> None:
+    """A rank killed by SIGSEGV: faulthandler's dump (several threads, past the last 10 lines)
+    is shown from its "Fatal Python error" line, without the list of extension modules."""
+    threads = "".join(
+        f"\nThread 0x{t:016x} (most recent call first):\n"
+        + "".join(f'  File "/job/loader.py", line {i} in worker\n' for i in range(4))
+        for t in range(3)
+    )
+    dump = (
+        "Fatal Python error: Segmentation fault\n\n"
+        "Current thread 0x00007fdb417e4b80 (most recent call first):\n"
+        '  File "/job/train.py", line 5 in crash\n'
+        '  File "/job/train.py", line 7 in <module>\n' + threads + "\n"
+        "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)"
+    )
+    e = _exit(tmp_path, 1, -11, "step 1\n" + dump, 1.0)
+    lines, is_tb = log_excerpt(e.log_path)
+    assert not is_tb and lines[0] == "Fatal Python error: Segmentation fault"
+    assert lines[2] == '  File "/job/train.py", line 5 in crash'
+    assert len(lines) == 19 and not any("Extension modules" in line for line in lines)
+    text = format_failure_report(worker_root_cause(e, 0, "h"), [e], 0, "s.log")
+    assert "rank 1 failed first with signal SIGSEGV" in text
+    assert '    File "/job/train.py", line 7 in <module>' in text.splitlines()

@@ -5,7 +5,9 @@ When a collective times out, the launcher reads these files to find the ranks th
 arrived at it, and asks them for their Python stacks (see ``shardwise.launch.hang``).
 
 - `open_trace`: called by `init()`; maps the file (`SIZE` bytes) into memory and registers
-  ``faulthandler`` to write every thread's Python stack to stderr (the worker log) on SIGUSR1.
+  ``faulthandler`` to write every thread's Python stack to stderr (the worker log) on SIGUSR1,
+  and on a native crash (SIGSEGV, SIGABRT, ...: ``faulthandler.enable``), which the
+  launcher's report then shows.
 - `enter` / `leave`: around every collective of ``_collectives`` (and the pairwise bucket
   exchange): per group, how many collectives this rank entered and finished, the kind and the
   wall time of the last one entered. Each is one or two ``struct.pack_into`` on the mapping (no
@@ -131,6 +133,8 @@ def open_trace(path: str | None = None) -> bool:
         return False
     if hasattr(signal, "SIGUSR1") and sys.stderr is not None:
         try:
+            if not faulthandler.is_enabled():  # a native crash (SIGSEGV) leaves a Python stack
+                faulthandler.enable(file=sys.stderr, all_threads=True)
             chain = callable(signal.getsignal(signal.SIGUSR1))  # keep a handler already there
             faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=chain)
             _active.flags |= FLAG_STACKS

@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path, PurePath
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
+FATAL_HEADER = "Fatal Python error:"  # faulthandler's, on a native crash (SIGSEGV, SIGABRT)
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 MAX_TRACEBACK_LINES = 30
 TAIL_LINES = 10
@@ -203,7 +204,9 @@ def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple
         max_lines: cap for the traceback.
 
     Returns:
-        ``(lines, is_traceback)``: the last traceback, or else the last `TAIL_LINES` lines.
+        ``(lines, is_traceback)``: the last traceback, or else the last `TAIL_LINES` lines,
+        or more when they hold a crash's Python stacks (``faulthandler``'s "Fatal Python
+        error:", from there, capped at `max_lines`).
 
     Example:
         >>> log_excerpt("/nonexistent/worker_0.log")
@@ -216,5 +219,11 @@ def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple
     tb = extract_traceback(text, max_lines)
     if tb:
         return tb, True
-    tail = [line.rstrip() for line in text.splitlines() if line.strip()][-TAIL_LINES:]
-    return (tail or [f"({Path(path).name} is empty)"]), False
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    crash = [i for i, line in enumerate(lines) if line.startswith(FATAL_HEADER)]
+    if crash:  # (faulthandler's stacks: all of them, past the last TAIL_LINES lines too)
+        dump = [line for line in lines[crash[-1] :] if not line.startswith("Extension modules:")]
+        if len(dump) > max_lines:
+            dump = [*dump[: max_lines - 1], f"  ... ({len(dump) - max_lines + 1} more)"]
+        return dump, False
+    return (lines[-TAIL_LINES:] or [f"({Path(path).name} is empty)"]), False
