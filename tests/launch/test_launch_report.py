@@ -214,6 +214,14 @@ def test_small_formatters() -> None:
     assert "job finished" in summary and "/logs/scheduler.log" in summary
 
 
+def test_success_summary_of_one_rank_says_rank(tmp_path: Path) -> None:
+    """A one-worker job's summary read "ranks 0 exited with code 0"."""
+    one = format_success_summary([_exit(tmp_path, 0, 0, "", 1.0)], 1.0, "/logs")
+    assert one.startswith("shardwise run: job finished: rank 0 exited with code 0 in 1.0 s")
+    two = [_exit(tmp_path, r, 0, "", 1.0) for r in range(2)]
+    assert "job finished: ranks 0, 1 exited with code 0" in format_success_summary(two, 1.0, "/l")
+
+
 def test_extract_traceback_strips_torch_rank_prefixes() -> None:
     from shardwise.launch._logs import extract_traceback
 

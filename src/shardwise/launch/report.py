@@ -308,7 +308,7 @@ def format_success_summary(exits: Sequence[WorkerExit], seconds: float, log_dir:
         logs: /tmp/logs/scheduler.log, /tmp/logs/worker_<rank>.log
     """
     ranks = [e.rank for e in exits]
-    who = f"ranks {format_ranks(ranks)}" if ranks else "0 workers"
+    who = ranks_label(ranks) if ranks else "0 workers"
     return (
         f"shardwise run: job finished: {who} exited with code 0 in {seconds:.1f} s\n"
         f"logs: {log_dir}/scheduler.log, {log_dir}/worker_<rank>.log"
