@@ -4,6 +4,7 @@ of the script's arguments, and clear usage errors (exit code 2)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,9 @@ def test_run_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_command_line_round_trips(script: str) -> None:
-    cfg = parse_run_args(["--worker_num", "2", "--local_worker_num", "2", script, "--a", "1"])
-    again = parse_run_args(cfg.command_line().split())
-    assert again == cfg
+    """scheduler.log's command line is quoted: script arguments "a b" and "" read as a b and
+    nothing."""
+    argv = ["--worker_num", "2", "--local_worker_num", "2", "--log_dir", "l sp", script]
+    cfg = parse_run_args([*argv, "--a", "1", "a b", ""])
+    assert cfg.command_line().endswith(" --a 1 'a b' ''")
+    assert parse_run_args(shlex.split(cfg.command_line())) == cfg

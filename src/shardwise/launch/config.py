@@ -9,6 +9,7 @@ Neither class imports torch, so `cli` and `env` stay cheap to import and test.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,13 +56,22 @@ class LaunchConfig:
         return Path(self.log_dir).resolve()
 
     def command_line(self) -> str:
-        """The options as they would be typed, for the scheduler log and error messages."""
-        return (
-            f"--worker_num {self.worker_num} --local_worker_num {self.local_worker_num} "
-            f"--master_addr {self.master_addr} --master_port {self.master_port} "
-            f"--node_rank {self.node_rank} --log_dir {self.log_dir} --join {self.join} "
-            f"--cluster_time_out {self.cluster_time_out:g} --bind_core {self.bind_core} "
-            + " ".join([self.script, *self.script_args])
+        """The options as they would be typed (quoted for a shell), for the scheduler log and
+        error messages.
+
+        Example:
+            >>> LaunchConfig("my train.py", ("a b", "")).command_line().partition("False ")[2]
+            "--cluster_time_out 600 --bind_core False 'my train.py' 'a b' ''"
+        """
+        return shlex.join(
+            [
+                *("--worker_num", str(self.worker_num), "--local_worker_num"),
+                *(str(self.local_worker_num), "--master_addr", self.master_addr),
+                *("--master_port", str(self.master_port), "--node_rank", str(self.node_rank)),
+                *("--log_dir", self.log_dir, "--join", str(self.join), "--cluster_time_out"),
+                *(f"{self.cluster_time_out:g}", "--bind_core", str(self.bind_core)),
+                *(self.script, *self.script_args),
+            ]
         )
 
 
