@@ -194,6 +194,41 @@ def test_op_form_refuses_out_strategy() -> None:
     assert op_strategy(linear) is None  # (nothing half set)
 
 
+class _TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.fc1, self.fc2 = nn.Linear(8, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def test_op_form_takes_the_strategy_strategies_prints() -> None:
+    """``strategies()`` prints an ``nn.Linear``'s op with its bias (input, weight, bias);
+    given back to ``sw.shard`` it plans as the two-entry form (it was refused as three inputs
+    of a one-input forward). A bias entry that does not split as the weight's rows is refused
+    naming the two-entry form."""
+    _, _, x, y = data()
+    printed, again = _TwoLinears(), _TwoLinears()
+    sw.shard(printed.fc1, in_strategy=((2, 1), (2, 1)))
+    strategies = []
+    for net in (printed, again):
+        with simulated_world(WORLD) as world:
+            world.replicate(net)
+            parallel = sw.AutoParallel(lambda a, b, net=net: net(a, b), network=net)
+            parallel(world.rows(x), world.rows(y))
+            strategies.append(parallel.strategies())
+        if net is printed:
+            assert strategies[0]["fc1/linear"] == ((2, 1), (2, 1), (2,))
+            sw.shard(again.fc1, in_strategy=strategies[0]["fc1/linear"])
+    assert strategies[1] == strategies[0]
+    with pytest.raises(ValueError, match=r"bias \(1,\) must be split as the weight's rows"):
+        sw.shard(nn.Linear(8, 6), in_strategy=((2, 1), (2, 1), (1,)))
+    layouts = (LAYOUT("dp", "None"), LAYOUT("mp", "None"), LAYOUT("mp"))
+    assert op_strategy(sw.shard(nn.Linear(8, 6), in_strategy=layouts)) == layouts[:2]
+
+
 class Residual(nn.Module):
     """A block whose input is resharded by ``sw.shard`` while the residual uses it as is."""
 

@@ -129,6 +129,31 @@ class Declared:
         return out
 
 
+def _bias_dropped(module: nn.Module, ins: Sequence[Entry] | None, who: str) -> Any:
+    """`in_strategy` without the bias entry of an ``nn.Linear``'s op form given with one (as
+    ``strategies()`` prints the op: input, weight, bias), once it is checked to split the bias
+    as the weight's rows (the output features), which is how the op form splits it."""
+    if not isinstance(module, nn.Linear) or module.bias is None or ins is None or len(ins) != 3:
+        return ins
+    if type(module).forward is not nn.Linear.forward:  # (its own forward: 3 inputs, maybe)
+        return ins
+    weight, bias = ins[1], ins[2]
+    if isinstance(weight, TensorLayout) and isinstance(bias, TensorLayout):
+        rows = weight.groups[0] if weight.groups else 1
+        alike = bias.dims == weight.dims[:1] and (bias.groups[0] if bias.groups else 1) == rows
+    elif isinstance(weight, TensorLayout) or isinstance(bias, TensorLayout):
+        alike = False  # (mixed kinds: `shard` refused them before)
+    else:
+        alike = tuple(bias) == tuple(weight)[:1]
+    if not alike:
+        raise ValueError(
+            f"{who}: the op form of {type(module).__name__} with a bias entry: the bias "
+            f"{_fmt(bias)} must be split as the weight's rows (the output features), "
+            f"{_fmt(weight)}; give ({_fmt(ins[0])}, {_fmt(weight)}) and the bias follows"
+        )
+    return tuple(ins[:2])
+
+
 def _is_op_form(module: nn.Module, ins: Sequence[Entry] | None) -> bool:
     """Whether `in_strategy` annotates `module`'s op (``nn.Linear``: the input and the weight,
     as ``MatMul(transpose_b=True)`` takes them) rather than its inputs."""
@@ -306,6 +331,8 @@ def shard(
             f"{who}: in_strategy, out_strategy and parameter_plan mix int tuples and Layouts; "
             "use one kind for all of them (as a primitive's shard())"
         )
+    if isinstance(fn_or_module, nn.Module):
+        ins = _bias_dropped(fn_or_module, ins, who)
     if isinstance(fn_or_module, nn.Module) and _is_op_form(fn_or_module, ins):
         if outs is not None or params:
             names = ", ".join(op_form_names(fn_or_module) or ())
