@@ -136,8 +136,11 @@ def _embedding(
     last (MindSpore's order: the outer axes split the batch)."""
     ids = shapes[0]
     vocab = f"{who}: splitting the vocabulary (the weight's dim 0) is not supported by "
-    vocab += "nn.Embedding's op form; split the embedding dim instead, e.g. ((2, 1), (1, 4)), "
-    vocab += "or use sw.ops.Gather"
+    vocab += "nn.Embedding's op form; split the embedding dim instead"
+    if isinstance(strategy[1], tuple) and len(strategy[1]) == 2:  # (the same devices, moved)
+        moved = (tuple(strategy[0]), (1, strategy[1][0] * strategy[1][1]))
+        vocab += f", e.g. {moved}"
+    vocab += ", or use sw.ops.Gather"
     if isinstance(strategy[1], tuple) and strategy[1][0] != 1:
         raise AnnotationError(vocab)
     axes: list[list[int | None]] = [list(range(len(ids))), [None, len(ids)]]

@@ -145,9 +145,9 @@ def check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...
 def uneven_fix_text(what: str, producers: list[str]) -> str:
     made = f" (made by {', '.join(producers)})" if producers else ""
     return (
-        f"the op cuts {what}{made} into groups that its number of parts does not divide (2 "
-        f"key/value heads over 4 model-parallel ranks; q, k and v of a fused projection viewed "
-        f"as (3, heads, head_dim) over 2): make the groups (heads) divisible by it, leave the "
-        f"layer making the split unannotated, or split that layer's output strided "
-        f"(sw.strided, docs/layout.md)"
+        f"the op cuts {what}{made} into groups that its number of parts does not divide (for "
+        f"example 2 attention heads over 4 model-parallel ranks, or q, k and v of a fused "
+        f"projection viewed as (3, heads, head_dim) over 2): make the groups (heads) "
+        f"divisible by it, leave the layer making the split unannotated, or split that "
+        f"layer's output strided (sw.strided, docs/layout.md)"
     )
