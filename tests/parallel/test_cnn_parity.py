@@ -191,3 +191,48 @@ def test_conv_net(world: int, case: str, pool: str) -> None:
             check_blocks(net, parallel.parallel_plan, states[step])
             opt.step()
             opt.zero_grad()
+
+
+class _InstanceNormed(nn.Module):
+    """Conv1d -> InstanceNorm1d(affine) -> max over length -> Linear; `channels`: the conv's
+    output pinned split on its channels, as a user might for a per-channel op."""
+
+    def __init__(self, channels: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.channels = channels
+        self.conv, self.norm = nn.Conv1d(4, 4, 3, padding=1), nn.InstanceNorm1d(4, affine=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        if self.channels:
+            h = sw.reshard(h, (1, 2, 1))
+        return F.cross_entropy(self.head(self.norm(h).amax(-1)), y)
+
+
+def test_instance_norm_on_split_rows_and_refused_on_split_channels() -> None:
+    """Split rows: each sample's norm is its own (loss and gradients equal one device's).
+    Split channels: ``nn.InstanceNorm`` checks the channel count on this rank's block before
+    the op (torch's own ValueError from inside the step); a PlanError names the fix."""
+    x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    single, net = _InstanceNormed(False), _InstanceNormed(False)
+    want = single(x, y)
+    want.backward()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            return loss
+
+        assert_matches_single_device(AutoParallel(step)(world.rows(x), world.rows(y)), want)
+        for name, p in single.named_parameters():
+            assert_matches_single_device(net.get_parameter(name).grad, p.grad, what=name)
+    split = _InstanceNormed(True)
+    with simulated_world(2) as world:
+        world.replicate(split)
+        with pytest.raises(ValueError, match=r"instance_norm .*split on its channels.*reshard"):
+            AutoParallel(lambda a, b: split(a, b), network=split)(world.rows(x), world.rows(y))

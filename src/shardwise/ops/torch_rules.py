@@ -5,7 +5,9 @@ The planner plans a torch-level op by running its aten program on placements
 while their program is not, op by op: a recurrent layer (``torch.lstm``, ``torch.gru``,
 ``torch.rnn_tanh``, ``torch.rnn_relu``, what ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` call) runs
 each sample of the batch on its own, but its CPU program folds time and batch into one dim for
-the input projections, so followed op by op it could only run whole on every rank.
+the input projections, so followed op by op it could only run whole on every rank. Others need
+a refusal with the fix where the module around the op would fail on this rank's block
+(``nn.InstanceNorm``'s channel check).
 
 `NODE_RULES` maps such an op's qualified name (as the capture records it) to a rule ``rule(have,
 shapes, args, kwargs, ndim, given)``: the placements each tensor input has (one per mesh dim,
@@ -138,7 +140,30 @@ def embedding_bag_rule(
     return need, [rows]
 
 
+def instance_norm_rule(
+    have: Sequence[Placements],
+    shapes: Sequence[tuple[int, ...]],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    ndim: int,
+    given: Sequence[bool],
+) -> tuple[list[Placements], list[Placements]] | None:
+    """``F.instance_norm(input, running_mean, running_var, weight, bias, ...)`` (what
+    ``nn.InstanceNorm1d/2d/3d`` call): an input split on its channels (dim 1) raises ValueError,
+    since the module checks the channel count on this rank's block before the op runs (its
+    own ValueError from inside torch); otherwise None, the aten program as usual."""
+    if len(shapes[0]) < 2 or not any(type(p) is Shard and p.dim == 1 for p in have[0]):
+        return None
+    raise ValueError(
+        "its input arrives split on its channels (dim 1), and nn.InstanceNorm checks the "
+        "channel count on this rank's block before the op runs; make the channels whole "
+        "before the module (x = sw.reshard(x, (dp, 1, 1)) with dp the split of the rows), or "
+        "leave the layer that splits them unannotated"
+    )
+
+
 NODE_RULES: dict[str, NodeRule] = {
+    "torch.nn.functional.instance_norm": instance_norm_rule,
     "torch.nn.functional.embedding_bag": embedding_bag_rule,
     "torch.lstm": recurrent_rule(2, 3),
     "torch.gru": recurrent_rule(1, 2),
