@@ -326,3 +326,25 @@ def test_an_in_place_op_that_needs_no_move_runs() -> None:
     want = step(make_net(), x)
     loss, _ = run(step, x)
     assert_matches_single_device(loss, want.detach(), what="loss")
+
+
+def test_item_assignment_that_needs_a_move_names_its_out_of_place_forms() -> None:
+    """``z[:, idx] = v`` on features a column-parallel layer split: the fix names the item
+    assignment's out-of-place forms (torch.where, index_copy, scatter), not F.relu's."""
+
+    class Written(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = sw.shard(nn.Linear(8, 8), in_strategy=((1, 1), (4, 1)))
+            self.v = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            z = self.lin(x).clone()
+            z[:, torch.tensor([1, 3, 6])] = self.v
+            return z.pow(2).mean()
+
+    net, x = Written(), torch.ones(8, 8)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        with pytest.raises(PlanError, match=r"Fix: write it out of place \(x = torch.where"):
+            AutoParallel(net)(world.rows(x))

@@ -84,7 +84,7 @@ class FollowErrors:
         placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
         whole = False
         if "in-place" in str(e) or in_place(node.op):
-            fix = "write it out of place (x = F.relu(x) for F.relu(x, inplace=True))"
+            fix = _in_place_fix(node.op)
         elif "evenly" in str(e):  # (a view cutting a split dim into groups it does not divide)
             fix = self._uneven_fix(node)
         elif whole := "without redistribution" in str(e):  # (DTensor's ``unbind`` of it)
@@ -140,6 +140,17 @@ def check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...
                 raise ValueError(
                     f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
                 )
+
+
+def _in_place_fix(op: str) -> str:
+    """The fix for an in-place op that would need its input moved: its out-of-place form."""
+    if "setitem" in op or "index_put" in op:  # (``x[:, idx] = v``: item assignment)
+        return (
+            "write it out of place (x = torch.where(mask, v, x) with a boolean mask of the "
+            "written places, or x.index_copy(dim, idx, v) / x.scatter(dim, index, v), for "
+            "x[..., idx] = v), or make the written dim whole before it (sw.reshard)"
+        )
+    return "write it out of place (x = F.relu(x) for F.relu(x, inplace=True), x = x + y for x += y)"
 
 
 def uneven_fix_text(what: str, producers: list[str]) -> str:
