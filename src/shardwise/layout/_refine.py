@@ -52,9 +52,10 @@ def common_refinement(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
         raise ValueError(f"device matrices {list(shapes)} hold different numbers of devices")
     untiled = untiled_block(shapes)
     if untiled is not None:
+        n, (few, many) = sizes.pop(), untiled  # (numbers of blocks: sizes n // them)
         raise ValueError(
             f"device matrices {[tuple(s) for s in shapes]} have no common refinement: a "
-            f"block of {untiled[0]} consecutive ranks does not tile a block of {untiled[1]}"
+            f"block of {n // many} consecutive ranks does not tile a block of {n // few}"
         )
     cuts = sorted({p for s in shapes for p in _prefix_products(s)})
     out, prev = [], 1
