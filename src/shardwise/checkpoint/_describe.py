@@ -27,15 +27,7 @@ from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._pieces import Piece, layout_piece, piece_of
 from shardwise.checkpoint._strategy import STATE_PREFIX, CheckpointStrategy, owner_of
 from shardwise.optim._data_parallel_hooks import state_on_owners
-
-
-def aliases(network: nn.Module) -> dict[str, str]:
-    """Each extra state_dict name of a tied parameter -> its first name."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in network.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(p), name)
-    return {a: n for a, n in out.items() if a != n}
+from shardwise.parameter import tied_names
 
 
 def network_strategy(network: nn.Module) -> CheckpointStrategy | None:
@@ -53,7 +45,7 @@ def network_strategy(network: nn.Module) -> CheckpointStrategy | None:
             f"({', '.join(p or '(itself)' for p, _, _ in found)}); save each one on its own"
         )
     prefix, module, plan = found[0]
-    strategy = CheckpointStrategy.from_plan(plan, aliases(module))
+    strategy = CheckpointStrategy.from_plan(plan, tied_names(module))
     return strategy.renamed(f"{prefix}.") if prefix else strategy
 
 

@@ -38,7 +38,7 @@ from shardwise.checkpoint._load import load_entries
 from shardwise.checkpoint._optimizer import OptimizerState, load_optimizer_state
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
-from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of
+from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of, wrapper_prefix
 
 
 class _Entries(Mapping[str, torch.Tensor]):
@@ -66,12 +66,11 @@ def _wrapper_renames(names: Collection[str], model: Sequence[str]) -> dict[str, 
     held = set(model)
     if not names or all(n in held for n in names):
         return {}
+    wrapper = wrapper_prefix(names, held)
+    if wrapper is not None:
+        return {wrapper + n: n for n in names}
     first = next(iter(names))
     for key in model:
-        if key.endswith("." + first):
-            wrapper = key[: -len(first)]
-            if all(wrapper + n in held for n in names):
-                return {wrapper + n: n for n in names}
         if first.endswith("." + key):
             wrapper = first[: -len(key)]
             if all(n.startswith(wrapper) and n[len(wrapper) :] in held for n in names):

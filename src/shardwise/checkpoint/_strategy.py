@@ -40,6 +40,25 @@ def owner_of(key: str) -> str:
     return key[len(STATE_PREFIX) :].rpartition(".")[0] if key.startswith(STATE_PREFIX) else key
 
 
+def wrapper_prefix(inner: Collection[str], outer: Collection[str]) -> str | None:
+    """The prefix (a wrapper's ``network.``) under which every name of `inner` is in `outer`,
+    or None.
+
+    Example:
+        >>> wrapper_prefix(["0.weight"], ["network.0.weight", "network.0.bias"])
+        'network.'
+    """
+    held = set(outer)
+    first = next(iter(inner), None)
+    if first is None:
+        return None
+    for key in sorted(k for k in held if k.endswith("." + first)):
+        prefix = key[: -len(first)]
+        if all(prefix + n in held for n in inner):
+            return prefix
+    return None
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """A parameter cut by optimizer parallel: its block's dim 0 over a shard group of `shard`
@@ -147,12 +166,9 @@ class CheckpointStrategy:
         prefixed as the checkpoint's (a wrapper's ``network.``) and its tied names added."""
         out, present = self, set(names)
         if out.params and not all(n in present for n in out.params):
-            first = next(iter(out.params))
-            for key in sorted(k for k in present if k.endswith("." + first)):
-                prefix = key[: -len(first)]
-                if all(prefix + n in present for n in out.params):
-                    out = out.renamed(prefix)
-                    break
+            prefix = wrapper_prefix(out.params, present)
+            if prefix is not None:
+                out = out.renamed(prefix)
         if recorded is not None:
             out = out.with_aliases({a: n for a, n in recorded.aliases.items() if a in present})
         return out

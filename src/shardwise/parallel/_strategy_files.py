@@ -15,6 +15,7 @@ from torch import nn
 from shardwise import planner
 from shardwise.layout import TensorLayout
 from shardwise.parallel._graph_run import GraphRun
+from shardwise.parameter import tied_names
 from shardwise.planner import ParallelPlan
 from shardwise.planner._recorders import dtype_name
 
@@ -71,12 +72,7 @@ class StrategyFiles:
         names = None
         if only_trainable:
             names = {n for n, p in self.network.named_parameters() if p.requires_grad}
-        first: dict[int, str] = {}  # (tied weights: each other name -> the first one)
-        aliases = {}
-        for name, param in self.network.named_parameters(remove_duplicate=False):
-            if first.setdefault(id(param), name) != name:
-                aliases[name] = first[id(param)]
-        planner.save_param_strategy_file(plan, path, names, aliases)
+        planner.save_param_strategy_file(plan, path, names, tied_names(self.network))
 
     def load_operator_strategy_file(self, path: str | Path) -> Any:
         """Run the plan saved in `path` instead of planning: at the first call the network is

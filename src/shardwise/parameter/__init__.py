@@ -2,7 +2,7 @@
 ``initializer`` and ``no_init_parameters`` on PyTorch).
 
 - `_parameter`: `Parameter` (``nn.Parameter`` + ``name``, ``parallel_optimizer``,
-  ``comm_fusion``), `set_comm_fusion`, `assign_tensor`.
+  ``comm_fusion``), `set_comm_fusion`, `assign_tensor`, `tied_names`.
 - `_initializer`: `initializer` and the initializer classes (`Normal`, `Uniform`, ...).
 - `_deferred`: `no_init_parameters`, `materialize`, `materialized_values`, `is_deferred`.
 - `_recorder` / `_tape` / `_replay` / `_rng`: how deferred construction is recorded on meta
@@ -42,6 +42,7 @@ from shardwise.parameter._parameter import (
     comm_fusion_of,
     parallel_optimizer_of,
     set_comm_fusion,
+    tied_names,
 )
 
 __all__ = [
@@ -72,4 +73,5 @@ __all__ = [
     "no_init_parameters",
     "parallel_optimizer_of",
     "set_comm_fusion",
+    "tied_names",
 ]

@@ -7,6 +7,7 @@
   attributes on any parameter, including plain ``nn.Parameter``s (which get the defaults).
 - `assign_tensor`: swap new values into an existing tensor object, keeping its identity,
   class, ``requires_grad`` and attributes (used by materialization and checkpoint loading).
+- `tied_names`: each extra name of a tied parameter (a weight two modules share) -> its first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import copy
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardwise._torch.subclass import make_subclass
 
@@ -228,3 +230,25 @@ def assign_tensor(target: torch.Tensor, value: torch.Tensor) -> None:
         replacement = make_subclass(type(target), data, target.requires_grad)
     replacement.__dict__.update(target.__dict__)
     torch.utils.swap_tensors(target, replacement)
+
+
+def tied_names(network: nn.Module) -> dict[str, str]:
+    """Each extra ``named_parameters`` name of a tied parameter -> its first name.
+
+    Args:
+        network: any module.
+
+    Returns:
+        ``{"head.weight": "wte.weight"}`` for a head tied to the embedding; ``{}`` if none.
+
+    Example:
+        >>> net = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)})
+        >>> net["b"].weight = net["a"].weight
+        >>> tied_names(net)
+        {'b.weight': 'a.weight'}
+    """
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in network.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return {a: n for a, n in out.items() if a != n}
