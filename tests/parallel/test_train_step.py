@@ -106,29 +106,6 @@ def test_finds_network_and_optimizers() -> None:
         AutoParallel(step).dataset_strategy("model_parallel")
 
 
-@pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation"])
-def test_optimizers_over_other_parameters_are_refused(mode: str) -> None:
-    """An optimizer holding a parameter the network does not have (built over another copy of
-    the model: its gradient would never be reduced, and the network's would never be applied)
-    or a parameter held by two optimizers: refused before planning, as in data_parallel mode."""
-    net, copy, x = nn.Linear(4, 2), nn.Linear(4, 2), torch.ones(4, 4)
-    with simulated_world(2) as world:
-        world.replicate(net)
-        stale = torch.optim.SGD(copy.parameters(), lr=0.1)
-
-        def step(x: torch.Tensor) -> torch.Tensor:
-            loss = net(x).square().mean()
-            loss.backward()
-            stale.step()
-            return loss
-
-        with pytest.raises(ValueError, match=r"AutoParallel: optimizers\[0\] \(SGD\) holds a "):
-            AutoParallel(step, parallel_mode=mode)(world.rows(x))
-        twice = [torch.optim.SGD(net.parameters(), lr=0.1) for _ in range(2)]
-        with pytest.raises(ValueError, match=r"optimizers\[0\] and optimizers\[1\]"):
-            AutoParallel(step, parallel_mode=mode, optimizer=twice)(world.rows(x))
-
-
 def test_optimizer_state_made_at_construction_is_cut() -> None:
     """Adagrad fills its state at construction, before the wrapper cuts the parameters: the
     state is cut to each rank's block the same way. (A non-zero initial accumulator keeps the

@@ -2,8 +2,7 @@
 
 - `DataParallelRunner` (`_data_parallel`): data-parallel mode, with optional optimizer parallel
   (each parameter updated on its owner rank, then broadcast); its plan (owners, buckets) is
-  `_data_parallel_plan` (`optimizer_of`: which optimizer holds each parameter, checked against
-  the network, for `AutoParallel` too), its collectives and batch cut `_data_parallel_steps`.
+  `_data_parallel_plan`, its collectives and batch cut `_data_parallel_steps`.
 - `plan_optimizer` (`_plan`): semi_auto optimizer parallel (hsdp levels 1-3): which parameters
   shard over which ranks, and the fused buckets of their collectives (`OptimizerPlan`).
 - `OptimizerParallel` (`_engine`): runs that plan: shards at rest, gathered weights for compute
@@ -12,7 +11,6 @@
 """
 
 from shardwise.optim._data_parallel import DataParallelRunner
-from shardwise.optim._data_parallel_plan import optimizer_of
 from shardwise.optim._engine import OptimizerParallel, check_state
 from shardwise.optim._plan import (
     Bucket,
@@ -35,6 +33,5 @@ __all__ = [
     "check_fusion",
     "check_hsdp",
     "check_state",
-    "optimizer_of",
     "plan_optimizer",
 ]

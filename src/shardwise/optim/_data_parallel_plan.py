@@ -139,27 +139,12 @@ def broadcast_buckets(entries: list[ParamEntry], fused: bool, start: int) -> lis
     return buckets
 
 
-def optimizer_of(
-    network: nn.Module, optimizers: Sequence[torch.optim.Optimizer], who: str = WHO
-) -> dict[int, int]:
+def optimizer_of(network: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict[int, int]:
     """``id(parameter)`` -> the index of the optimizer holding it.
-
-    Args:
-        network: the wrapped network.
-        optimizers: the optimizers the train step uses.
-        who: the caller named in the errors (the data-parallel runner, `AutoParallel`).
-
-    Returns:
-        ``id(parameter)`` -> the index in `optimizers` of the one holding it.
 
     Raises:
         ValueError: a parameter held by two optimizers, or an optimizer holding a parameter
-            that is not one of `network`'s (its gradient would never be reduced over the ranks).
-
-    Example:
-        >>> net = nn.Linear(2, 2)
-        >>> len(optimizer_of(net, [torch.optim.SGD(net.parameters(), lr=0.1)]))
-        2
+            that is not one of `network`'s.
     """
     where: dict[int, int] = {}
     for i, o in enumerate(optimizers):
@@ -167,7 +152,7 @@ def optimizer_of(
             for p in group["params"]:
                 if id(p) in where:
                     raise ValueError(
-                        f"{who}: a parameter of shape {list(p.shape)} is held by "
+                        f"{WHO}: a parameter of shape {list(p.shape)} is held by "
                         f"optimizers[{where[id(p)]}] and optimizers[{i}]; give each "
                         "parameter to one optimizer"
                     )
@@ -178,7 +163,7 @@ def optimizer_of(
             for p in group["params"]:
                 if id(p) not in mine:
                     raise ValueError(
-                        f"{who}: optimizers[{i}] ({type(o).__name__}) holds a parameter of "
+                        f"{WHO}: optimizers[{i}] ({type(o).__name__}) holds a parameter of "
                         f"shape {list(p.shape)} that is not one of the network's; build the "
                         "optimizer over network.parameters() (after world.replicate(network)"
                         " in a simulated world)"

@@ -51,13 +51,7 @@ from shardwise._transformers import same_masks
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
-from shardwise.optim import (
-    FusionConfig,
-    HsdpConfig,
-    OptimizerParallel,
-    OptimizerPlan,
-    optimizer_of,
-)
+from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
 from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
@@ -167,7 +161,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         """Capture and plan with the global shapes of this call's inputs (the ops, the
         parameters' storage and the gradient / optimizer-parallel buckets), and apply the plan
         to the parameters."""
-        optimizer_of(self.network, self.optimizers, "AutoParallel")
         graph, plan = self._capture_plan(args, kwargs)
         stored = plan.param_layouts()
         buckets = optimizer_plan(
