@@ -599,21 +599,33 @@ def test_comm_fusion_modes_bucket_by_size_and_index() -> None:
 
 
 def test_dropped_wrapper_frees_network_and_global_hooks() -> None:
+    """A dropped wrapper frees its network; its global optimizer hooks are gone once the next
+    global hook is registered (not at once: removing them mid-step broke that step,
+    tests/optim/test_global_hooks.py)."""
     import gc
     import weakref
 
     import torch.optim.optimizer as torch_optimizer
 
+    hooks = (
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
     gc.collect()  # earlier tests' dropped engines
-    before = len(torch_optimizer._global_optimizer_pre_hooks)
+    before = [set(h) for h in hooks]
     net = Mlp()
     alive = weakref.ref(net)
     with simulated_world(2) as world:
         train(world, net, "sgd", lambda p: p.hsdp(threshold=0), None, DATA[:1])
+    first = [set(h) - b for h, b in zip(hooks, before, strict=True)]
+    assert all(first)  # (it registered global pre and post hooks)
     del net
     gc.collect()
     assert alive() is None
-    assert len(torch_optimizer._global_optimizer_pre_hooks) == before
+    second = Mlp()
+    with simulated_world(2) as world:
+        train(world, second, "sgd", lambda p: p.hsdp(threshold=0), None, DATA[:1])
+    assert not any(f & set(h) for f, h in zip(first, hooks, strict=True))
 
 
 def test_fused_gradient_allreduce_without_hsdp() -> None:

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
@@ -51,7 +50,6 @@ from shardwise._torch.storage import version
 from shardwise.optim._data_parallel_hooks import (
     RUNNERS,
     adopt_hook,
-    remove_handles,
     step_hook,
 )
 from shardwise.optim._data_parallel_plan import (
@@ -72,6 +70,7 @@ from shardwise.optim._data_parallel_steps import (
     mean_loss,
     same_shapes,
 )
+from shardwise.optim._global_hooks import register_pre, remove_later
 from shardwise.optim._settings import FusionConfig, check_fusion
 
 
@@ -79,6 +78,14 @@ def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimiz
     from shardwise.parallel._discover import find_referenced  # lazy: parallel may import optim
 
     return find_referenced(train_step)[1]
+
+
+def _remove(handles: list[RemovableHandle], adopt: RemovableHandle) -> None:
+    """The runner's finalizer: its optimizers' own hooks at once, its global hook later
+    (`_global_hooks`: never while a step iterates the global hooks)."""
+    for handle in handles:
+        handle.remove()
+    remove_later([adopt])
 
 
 class DataParallelRunner:
@@ -192,8 +199,8 @@ class DataParallelRunner:
         for i, o in enumerate(opts):
             self._hook(o, i)
         # (one built after the wrapper, or not found in the step: adopted at its first step)
-        self._handles.append(register_optimizer_step_pre_hook(adopt_hook(ref)))
-        self._finalizer = weakref.finalize(self, remove_handles, self._handles)
+        adopt = register_pre(adopt_hook(ref))  # (global: removed at a safe point)
+        self._finalizer = weakref.finalize(self, _remove, self._handles, adopt)
         RUNNERS[network] = ref
 
     def _hook(self, o: torch.optim.Optimizer, index: int) -> None:

@@ -5,7 +5,6 @@
 - `adopt_hook`: a global step pre-hook: an optimizer over the network's parameters that the
   runner was not given (the module form's; a train step's it did not find) is taken at its
   first step.
-- `remove_handles`: the runner's finalizer.
 - `RUNNERS` / `state_on_owners`: each network's current runner, and whether it keeps optimizer
   state on owner ranks (its checkpoint files then record the job's size).
 """
@@ -18,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from shardwise.communication import recorder
 from shardwise.optim._data_parallel_plan import WHO
@@ -31,12 +29,6 @@ StepHook = Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], No
 RUNNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallelRunner]] = (
     weakref.WeakKeyDictionary()
 )  # each network's current runner
-
-
-def remove_handles(handles: list[RemovableHandle]) -> None:
-    """Remove every hook of `handles` (the runner's finalizer)."""
-    for h in handles:
-        h.remove()
 
 
 def state_on_owners(network: nn.Module) -> bool:

@@ -22,7 +22,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.optim.optimizer as torch_optimizer
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -31,6 +30,7 @@ from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._engine_gather import WeightGathering
+from shardwise.optim._global_hooks import register_post, register_pre, remove_later
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import OptimizerPlan, ParamShard
 from shardwise.redistribution import local_block
@@ -87,12 +87,8 @@ class OptimizerParallel(WeightGathering):
             if engine is not None:
                 engine._after_step(optimizer, args, kwargs)
 
-        self._handles: list[RemovableHandle] = [
-            torch_optimizer.register_optimizer_step_pre_hook(before),
-            torch_optimizer.register_optimizer_step_post_hook(after),
-        ]
-        for handle in self._handles:
-            weakref.finalize(self, handle.remove)
+        self._handles: list[RemovableHandle] = [register_pre(before), register_post(after)]
+        weakref.finalize(self, remove_later, self._handles)  # (not mid-step: `_global_hooks`)
 
     # -- apply -----------------------------------------------------------------------------
     def shard_parameters(self) -> None:

@@ -13,10 +13,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
+from shardwise.optim._global_hooks import register_post, register_pre, remove_later
 
 
 class StepHooks:
@@ -41,12 +38,9 @@ class StepHooks:
             if run is not None:
                 run._step_ends(optimizer, args, kwargs)
 
-        for handle in (
-            register_optimizer_step_pre_hook(pre),
-            register_optimizer_step_post_hook(post),
-        ):
-            weakref.finalize(self, handle.remove)
-            self.hooks.append(handle)
+        handles = [register_pre(pre), register_post(post)]
+        weakref.finalize(self, remove_later, handles)  # (not mid-step: `_global_hooks`)
+        self.hooks += handles
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.executor is not None:

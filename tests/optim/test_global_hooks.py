@@ -1,0 +1,65 @@
+"""A wrapper garbage collected while another optimizer steps (semi_auto, with hsdp, and
+data_parallel).
+
+The wrappers' global optimizer step hooks go away with them; their finalizers removed the hooks
+at once, and a collection inside a step (garbage collection runs at any allocation, here forced
+by another hook) changed torch's dict of global hooks while the step iterated it: that
+unrelated optimizer's step failed with ``RuntimeError: OrderedDict mutated during iteration``
+(seen as a flaky failure of whichever test ran next in the process). The removal now waits for
+the next registration (`optim._global_hooks`).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import shardwise as sw
+from shardwise.testing import simulated_world
+
+
+def _trained_wrapper(mode: str) -> Any:
+    net, x = nn.Linear(4, 2), torch.ones(4, 4)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = net(a).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        wrapper = sw.AutoParallel(step, parallel_mode=mode.removesuffix("+hsdp"))
+        if mode.endswith("+hsdp"):  # (optimizer parallel: its engine's hooks too)
+            wrapper.hsdp(threshold=0)
+        wrapper(world.rows(x))
+    return wrapper
+
+
+@pytest.mark.parametrize("mode", ["semi_auto", "semi_auto+hsdp", "data_parallel"])
+def test_a_wrapper_collected_during_another_optimizers_step(mode: str) -> None:
+    held = [_trained_wrapper(mode)]
+
+    def drop(*_: Any) -> None:  # (the last reference goes, and a collection runs, mid-step)
+        held.clear()
+        gc.collect()
+
+    handles = [register_optimizer_step_pre_hook(drop)]
+    handles.append(register_optimizer_step_pre_hook(lambda *_: None))  # (iterated after it)
+    other = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    before = other.weight.detach().clone()
+    try:
+        other(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not held and not torch.equal(other.weight, before)  # (collected; the step ran)
