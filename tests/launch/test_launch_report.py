@@ -354,3 +354,33 @@ def test_a_native_crash_shows_its_python_stacks(tmp_path: Path) -> None:
     text = format_failure_report(worker_root_cause(e, 0, "h"), [e], 0, "s.log")
     assert "rank 1 failed first with signal SIGSEGV" in text
     assert '    File "/job/train.py", line 7 in <module>' in text.splitlines()
+
+
+def test_a_crash_in_the_teardown_after_a_traceback_keeps_the_exception(tmp_path: Path) -> None:
+    """A rank raised, then aborted in its teardown: the crash dump after the traceback became
+    part of it, so the excerpt showed 30 lines of thread stacks and no ValueError."""
+    from shardwise.launch._logs import ends_in_traceback
+
+    threads = "".join(
+        f"\nThread 0x{t:016x} (most recent call first):\n"
+        + "".join(f'  File "/job/loader.py", line {i} in worker\n' for i in range(6))
+        for t in range(6)
+    )
+    dump = (
+        "terminate called without an active exception\n"
+        "Fatal Python error: Aborted\n" + threads + "\n"
+        "Current thread 0x00007fdb417e4b80 (most recent call first):\n"
+        "  <no Python frame>\n\n"
+        "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)\n"
+    )
+    e = _exit(tmp_path, 1, -6, "step 1\n" + TB + dump, 1.0)
+    lines, is_tb = log_excerpt(e.log_path)
+    assert is_tb and lines[: len(TB.splitlines())] == TB.splitlines()
+    assert lines[len(TB.splitlines()) :][:2] == [
+        "terminate called without an active exception",
+        "Fatal Python error: Aborted",
+    ]
+    assert not any("Extension modules" in line for line in lines)
+    assert ends_in_traceback(e.log_path)
+    text = format_failure_report(worker_root_cause(e, 0, "h"), [e], 0, "s.log")
+    assert "  ValueError: bad shape" in text.splitlines()

@@ -1,9 +1,11 @@
 """What a worker's exit and log say: the pieces of the launcher's report (`report`).
 
 - `describe_returncode`: ``exit code 1`` / ``signal SIGKILL`` from a ``Popen.returncode``.
-- `extract_traceback`: the last Python traceback of a worker log, capped (`cap_traceback`:
-  library frames are left out first, the user's outermost and last frames stay); `log_excerpt`
-  reads the log and falls back to its last lines when there is no traceback.
+- `extract_traceback`: the last Python traceback of a worker log, up to a crash dump that
+  follows it (`DUMP_START`) or the end, capped (`cap_traceback`: library frames are left out
+  first, the user's outermost and last frames stay); `crash_dump`: faulthandler's dump of a
+  native crash; `log_excerpt` reads the log: the traceback, then the crash dump, or its last
+  lines when it has neither.
 - `PEER_LOST`: a log line saying the worker failed because another rank went away.
 - `ends_in_traceback`: whether a worker log's last output is a finished traceback (the worker
   failed on its own, even when the launcher's SIGTERM ends it during its teardown).
@@ -20,6 +22,13 @@ from pathlib import Path, PurePath
 
 TRACEBACK_HEADER = "Traceback (most recent call last):"
 FATAL_HEADER = "Fatal Python error:"  # faulthandler's, on a native crash (SIGSEGV, SIGABRT)
+ABORT_LINE = "terminate called "  # libstdc++'s, before a C++ abort (SIGABRT)
+DUMP_START = re.compile(
+    rf"({re.escape(FATAL_HEADER)}|{ABORT_LINE}|"
+    r"(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent)"
+)
+"""A line that starts a dump of the process's own (a crash, or faulthandler's stacks): it ends
+the traceback before it."""
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 MAX_TRACEBACK_LINES = 30
 TAIL_LINES = 10
@@ -62,7 +71,10 @@ _MARKERS = re.compile(r"\s*[\^~]+[\s\^~]*")
 
 
 def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
-    """The last Python traceback in `text`, from its header to the end of the text.
+    """The last Python traceback in `text`, from its header to the end of the text, or to the
+    first line after it that starts a dump (`DUMP_START`: a native crash in the teardown after
+    an exception, "terminate called ...", "Fatal Python error: Aborted" and every thread's
+    stack, is not part of the exception).
 
     Args:
         text: a worker's output.
@@ -83,7 +95,8 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
     if not starts:
         return []
     # (Python 3.11's ^^^^ / ~~~~ marker lines under a call take room from the user's frames)
-    tb = [line for line in lines[starts[-1] :] if not _MARKERS.fullmatch(line)]
+    end = next((i for i in range(starts[-1] + 1, len(lines)) if DUMP_START.match(lines[i])), None)
+    tb = [line for line in lines[starts[-1] : end] if not _MARKERS.fullmatch(line)]
     while tb and not tb[-1]:
         tb.pop()
     return cap_traceback(tb, max_lines) if len(tb) > max_lines else tb
@@ -196,17 +209,38 @@ def ends_in_traceback(path: str | Path) -> bool:
     return len(tb) > 1 and _EXCEPTION_LINE.fullmatch(tb[-1]) is not None
 
 
+def crash_dump(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
+    """faulthandler's dump of a native crash in `text`: from its last "Fatal Python error:" line
+    (and the "terminate called ..." line just before it), without the list of extension
+    modules, capped at `max_lines`; ``[]`` when there is none.
+
+    Example:
+        >>> crash_dump("Fatal Python error: Aborted\\n\\nExtension modules: torch._C (total: 1)")
+        ['Fatal Python error: Aborted']
+    """
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    crash = [i for i, line in enumerate(lines) if line.startswith(FATAL_HEADER)]
+    if not crash:
+        return []
+    start = crash[-1] - (crash[-1] > 0 and lines[crash[-1] - 1].startswith(ABORT_LINE))
+    dump = [line for line in lines[start:] if not line.startswith("Extension modules:")]
+    if len(dump) > max_lines:
+        dump = [*dump[: max_lines - 1], f"  ... ({len(dump) - max_lines + 1} more)"]
+    return dump
+
+
 def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple[list[str], bool]:
     """What to show of a failed worker's log.
 
     Args:
         path: the worker log.
-        max_lines: cap for the traceback.
+        max_lines: cap for the traceback, and for the crash dump.
 
     Returns:
-        ``(lines, is_traceback)``: the last traceback, or else the last `TAIL_LINES` lines,
-        or more when they hold a crash's Python stacks (``faulthandler``'s "Fatal Python
-        error:", from there, capped at `max_lines`).
+        ``(lines, is_traceback)``: the last traceback, then the crash dump that followed it
+        (`crash_dump`: a native crash in the teardown), if any; without a traceback, the crash
+        dump (faulthandler's stacks, past the last `TAIL_LINES` lines too), or else the last
+        `TAIL_LINES` lines.
 
     Example:
         >>> log_excerpt("/nonexistent/worker_0.log")
@@ -217,13 +251,11 @@ def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple
     except OSError:
         return [f"(no log at {path})"], False
     tb = extract_traceback(text, max_lines)
+    tb_at = text.rfind(TRACEBACK_HEADER)
+    dump = crash_dump(text[tb_at:] if tb else text, max_lines)
     if tb:
-        return tb, True
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    crash = [i for i, line in enumerate(lines) if line.startswith(FATAL_HEADER)]
-    if crash:  # (faulthandler's stacks: all of them, past the last TAIL_LINES lines too)
-        dump = [line for line in lines[crash[-1] :] if not line.startswith("Extension modules:")]
-        if len(dump) > max_lines:
-            dump = [*dump[: max_lines - 1], f"  ... ({len(dump) - max_lines + 1} more)"]
+        return [*tb, *dump], True
+    if dump:
         return dump, False
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     return (lines[-TAIL_LINES:] or [f"({Path(path).name} is empty)"]), False
