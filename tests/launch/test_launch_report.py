@@ -384,3 +384,35 @@ def test_a_crash_in_the_teardown_after_a_traceback_keeps_the_exception(tmp_path:
     assert ends_in_traceback(e.log_path)
     text = format_failure_report(worker_root_cause(e, 0, "h"), [e], 0, "s.log")
     assert "  ValueError: bad shape" in text.splitlines()
+
+
+def test_a_native_crash_shows_the_crashing_threads_stack_first(tmp_path: Path) -> None:
+    """faulthandler prints the other threads first and the crashing ``Current thread`` last:
+    with 6 background threads the 30-line excerpt held only idle threads' frames."""
+    threads = "".join(
+        f"\nThread 0x{t:016x} (most recent call first):\n"
+        '  File "/job/loader.py", line 3 in idle\n'
+        '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
+        '  File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner\n'
+        '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n'
+        for t in range(6)
+    )
+    dump = (
+        "Fatal Python error: Segmentation fault\n" + threads + "\n"
+        "Current thread 0x00007fdb417e4b80 (most recent call first):\n"
+        '  File "/job/train.py", line 5 in crash\n'
+        '  File "/job/train.py", line 7 in <module>\n\n'
+        "Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)\n"
+    )
+    e = _exit(tmp_path, 1, -11, "step 1\n" + dump, 1.0)
+    lines, is_tb = log_excerpt(e.log_path)
+    assert not is_tb and len(lines) <= 30
+    assert lines[:4] == [
+        "Fatal Python error: Segmentation fault",
+        "Current thread 0x00007fdb417e4b80 (most recent call first):",
+        '  File "/job/train.py", line 5 in crash',
+        '  File "/job/train.py", line 7 in <module>',
+    ]
+    assert lines[4].startswith("Thread 0x") and lines[-1] == (
+        "  ... (1 other thread's stack left out)"
+    )

@@ -41,6 +41,7 @@ PEER_LOST = re.compile(
 _TAIL_BYTES = 256 * 1024
 _FRAME_FILE = re.compile(r'  File "([^"]*)"')
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_THREAD_START = re.compile(r"(Current thread|Thread) 0x[0-9a-fA-F]+ ")
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: .*|Error|Exception|Interrupt|Exit)")
 
 
@@ -212,7 +213,8 @@ def ends_in_traceback(path: str | Path) -> bool:
 def crash_dump(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
     """faulthandler's dump of a native crash in `text`: from its last "Fatal Python error:" line
     (and the "terminate called ..." line just before it), without the list of extension
-    modules, capped at `max_lines`; ``[]`` when there is none.
+    modules, in at most `max_lines` lines (`order_stacks`: the crashing thread's stack first,
+    which faulthandler prints last); ``[]`` when there is none.
 
     Example:
         >>> crash_dump("Fatal Python error: Aborted\\n\\nExtension modules: torch._C (total: 1)")
@@ -223,10 +225,43 @@ def crash_dump(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
     if not crash:
         return []
     start = crash[-1] - (crash[-1] > 0 and lines[crash[-1] - 1].startswith(ABORT_LINE))
-    dump = [line for line in lines[start:] if not line.startswith("Extension modules:")]
-    if len(dump) > max_lines:
-        dump = [*dump[: max_lines - 1], f"  ... ({len(dump) - max_lines + 1} more)"]
-    return dump
+    return order_stacks(
+        [line for line in lines[start:] if not line.startswith("Extension modules:")], max_lines
+    )
+
+
+def order_stacks(dump: list[str], max_lines: int) -> list[str]:
+    """faulthandler's `dump` (its lines before the first thread, then one block per thread,
+    the other threads first and the ``Current thread`` last) in at most `max_lines` lines: the
+    lines before the threads and the current thread's whole block first, then the other
+    threads' blocks, in their order, as long as each fits; a ``... (N other threads' stacks
+    left out)`` line says what did not.
+
+    Example:
+        >>> order_stacks(["Fatal Python error: Aborted", "Thread 0x1 (most recent call first):",
+        ...     "  File 'a.py', line 1 in idle", "Current thread 0x2 (most recent call first):",
+        ...     "  File 'a.py', line 9 in crash"], 4)
+        ['Fatal Python error: Aborted', 'Current thread 0x2 (most recent call first):', \
+"  File 'a.py', line 9 in crash", "  ... (1 other thread's stack left out)"]
+    """
+    starts = [i for i, line in enumerate(dump) if _THREAD_START.match(line)]
+    blocks = [dump[a:b] for a, b in zip(starts, [*starts[1:], len(dump)], strict=False)]
+    current = [b for b in blocks if b[0].startswith("Current thread")][-1:]
+    others = [b for b in blocks if b not in current]
+    out = [*dump[: starts[0] if starts else len(dump)], *(current[0] if current else [])]
+    if len(out) + sum(len(b) for b in others) <= max_lines:
+        return [*out, *(line for b in others for line in b)]
+    if len(out) > max_lines - 1:  # (the crashing thread's stack alone is too long)
+        more = len(out) - max_lines + 1 + sum(len(b) for b in others)
+        return [*out[: max_lines - 1], f"  ... ({more} more lines)"]
+    left_out = 0
+    for block in others:
+        if len(out) + len(block) <= max_lines - 1:
+            out += block
+        else:
+            left_out += 1
+    threads = "other thread's stack" if left_out == 1 else "other threads' stacks"
+    return [*out, f"  ... ({left_out} {threads} left out)"]
 
 
 def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple[list[str], bool]:
