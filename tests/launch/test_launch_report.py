@@ -416,3 +416,54 @@ def test_a_native_crash_shows_the_crashing_threads_stack_first(tmp_path: Path) -
     assert lines[4].startswith("Thread 0x") and lines[-1] == (
         "  ... (1 other thread's stack left out)"
     )
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_is_told_from_a_stopped_one_by_what_it_says(tmp_path: Path) -> None:
+    """Whether a rank had failed on its own when the launcher stopped it was guessed from its
+    log: rank 1 (a handled, printed traceback, then ``epoch: 3``, then still working) was
+    reported as failed, rank 2 (raised a two-line message, still tearing down) as stopped."""
+    from shardwise.testing import run_job
+
+    script = tmp_path / "three.py"
+    script.write_text(
+        "import atexit, os, sys, time, traceback\n"
+        "from shardwise import communication as comm\n"
+        "comm.init('gloo')\n"
+        "rank = comm.get_rank()\n"
+        "if rank == 1:\n"
+        "    try:\n"
+        "        raise KeyError('handled')\n"
+        "    except KeyError:\n"
+        "        traceback.print_exc()\n"
+        "    print('epoch: 3', flush=True)\n"
+        "    time.sleep(60)\n"
+        "if rank == 2:\n"
+        "    atexit.register(time.sleep, 60)  # a slow teardown after the traceback\n"
+        "    raise ValueError('bad config:\\nsecond line of the message')\n"
+        "time.sleep(1.0)\n"
+        "raise RuntimeError('rank 0 fails')\n"
+    )
+    res = run_job(script, 3, tmp_path / "logs", timeout=60, env={"SHARDWISE_STOP_GRACE": "3"})
+    assert res.returncode == 1, res.output
+    assert "stopped by the launcher: rank 1 " in res.output, res.output
+    assert "rank 2 also failed" in res.output, res.output
+    assert "  second line of the message" in res.output.splitlines(), res.output
+
+
+def test_only_an_uncaught_traceback_at_the_end_of_a_log_counts(tmp_path: Path) -> None:
+    """The log-text fallback (a worker that never called init()): a handled traceback followed
+    by ``epoch: 3`` / ``loss: 0.3`` / ``WARNING: ...``, or a thread's traceback, counted as
+    the worker's failure."""
+    from shardwise.launch._logs import ends_in_traceback
+
+    log = tmp_path / "worker_0.log"
+    for after in ("epoch: 3\n", "loss: 0.3\n", "WARNING: slow step\n"):
+        log.write_text("step 1\n" + TB + after)
+        assert not ends_in_traceback(log), after
+    log.write_text("step 1\nException in thread Thread-1 (load):\n" + TB)
+    assert not ends_in_traceback(log)
+    log.write_text("step 1\n" + TB + "\n")
+    assert ends_in_traceback(log)
+    log.write_text("step 1\n" + TB + "Fatal Python error: Aborted\n\nThread 0x0 (most recent ")
+    assert ends_in_traceback(log)

@@ -8,7 +8,8 @@ launcher reports a job that did all its work as failed.
 - `install`: called by `init()`; registers `_at_exit` with `atexit` (once per process),
   chains `sys.excepthook` so that an uncaught exception marks the exit as failing, and wraps
   ``sys.exit`` to remember the status it was called with (an uncaught ``SystemExit`` reaches
-  no hook; a ``raise SystemExit(3)`` written out is not seen).
+  no hook; a ``raise SystemExit(3)`` written out is not seen). Both mark the worker's trace
+  file failing (`_trace.mark_failing`), for the launcher.
 - `_at_exit`: a script that ended normally (or through ``sys.exit()`` / ``sys.exit(0)``)
   leaves the job as `release()` does: a barrier through the rendezvous store, bounded by
   `exit_wait` so that a rank never waits long for peers that are still busy or gone, then the
@@ -29,6 +30,8 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import NoReturn
+
+from shardwise.communication import _trace
 
 EXIT_WAIT_S = 10.0
 RAISED_PAUSE_S = 0.05
@@ -61,6 +64,7 @@ def install() -> None:
     ) -> None:
         global _raised
         _raised = True
+        _trace.mark_failing()  # (before the traceback: the launcher may stop it at any time)
         previous(kind, value, tb)
 
     sys.excepthook = excepthook
@@ -75,6 +79,8 @@ def _recording_exit(previous: Callable[[_Status], NoReturn]) -> Callable[..., No
     def exit(status: _Status = None, /) -> NoReturn:
         global _exit_status
         _exit_status = status
+        if script_failed():
+            _trace.mark_failing()
         previous(status)
 
     exit.__doc__ = previous.__doc__

@@ -13,11 +13,16 @@ arrived at it, and asks them for their Python stacks (see ``shardwise.launch.han
   wall time of the last one entered. Each is one or two ``struct.pack_into`` on the mapping (no
   system call); without a trace file they return at once.
 - `close_trace`: unmaps (`release()`).
+- `mark_failing`: sets `FLAG_FAILING` (by `_exit`, when the script raises or calls
+  ``sys.exit`` with a failure; after `close_trace` too): the launcher, which stops the other
+  ranks when one fails, reads it with `read_failing` to tell a rank that had failed on its own
+  and was still tearing down from one it stopped.
 
-File layout (little endian): a 64-byte header (`HEADER`: magic, version, flags, pid, index of
-the slot entered last), then `SLOTS` slots of `SLOT_SIZE` bytes, one per group in the order
-first used (`SLOT`: entered, finished, wall time of the last entry, kind; then the group's
-name and its global ranks as text, e.g. ``0-3`` or ``0,2``). Groups past `SLOTS` are not traced.
+File layout (little endian): a 64-byte header (`HEADER`: magic, version, flags (`FLAG_STACKS`,
+`FLAG_FAILING`), pid, index of the slot entered last), then `SLOTS` slots of `SLOT_SIZE` bytes,
+one per group in the order first used (`SLOT`: entered, finished, wall time of the last entry,
+kind; then the group's name and its global ranks as text, e.g. ``0-3`` or ``0,2``). Groups past
+`SLOTS` are not traced.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ TRACE_ENV = "SHARDWISE_COMM_TRACE"
 MAGIC = b"SWCT"
 VERSION = 1
 FLAG_STACKS = 1  # SIGUSR1 makes the worker write its Python stacks to its log
+FLAG_FAILING = 2  # the script raised, or called sys.exit with a failure (`mark_failing`)
 HEADER = struct.Struct("<4sHHIi")
 HEADER_SIZE = 64
 SLOT = struct.Struct("<QQd16s")
@@ -50,6 +56,8 @@ SLOTS = 64
 SIZE = HEADER_SIZE + SLOTS * SLOT_SIZE
 _LAST = struct.Struct("<i")
 _FINISHED = struct.Struct("<Q")
+_FLAGS = struct.Struct("<H")
+_FLAGS_AT = 6  # the header's flags
 
 
 def trace_path(log_path: str | Path) -> Path:
@@ -93,6 +101,7 @@ class _Trace:
         self.slots: dict[str, _Slot | None] = {}
         self.kinds: dict[str, bytes] = {}
         self.flags = 0
+        self.pid = os.getpid()
         self.write_header(-1)
 
     def write_header(self, last: int) -> None:
@@ -114,6 +123,7 @@ class _Trace:
 
 
 _active: _Trace | None = None
+_opened: tuple[str, int] | None = None  # the path of the trace file last opened, and by which pid
 
 
 def open_trace(path: str | None = None) -> bool:
@@ -122,7 +132,7 @@ def open_trace(path: str | None = None) -> bool:
     Returns:
         Whether a trace file is open.
     """
-    global _active
+    global _active, _opened
     path = path or os.environ.get(TRACE_ENV)
     if not path:
         return False
@@ -131,6 +141,7 @@ def open_trace(path: str | None = None) -> bool:
     except OSError as e:
         print(f"shardwise: no collective trace at {path}: {e}", file=sys.stderr)
         return False
+    _opened = (path, os.getpid())
     if hasattr(signal, "SIGUSR1") and sys.stderr is not None:
         try:
             if not faulthandler.is_enabled():  # a native crash (SIGSEGV) leaves a Python stack
@@ -150,6 +161,44 @@ def close_trace() -> None:
     if _active is not None:
         _active.mm.close()
         _active = None
+
+
+def mark_failing() -> None:
+    """Set `FLAG_FAILING` in this process's trace file (open, or closed by `release()`); nothing
+    without one, or in a forked child of the process that opened it."""
+    trace = _active
+    if trace is not None and trace.pid == os.getpid():
+        trace.flags |= FLAG_FAILING
+        _FLAGS.pack_into(trace.mm, _FLAGS_AT, trace.flags)
+        return
+    if _opened is None or _opened[1] != os.getpid():
+        return
+    try:
+        with open(_opened[0], "r+b") as f:
+            magic, _version, flags, pid, _last = HEADER.unpack(f.read(HEADER.size))
+            if magic == MAGIC and pid == os.getpid():
+                f.seek(_FLAGS_AT)
+                f.write(_FLAGS.pack(flags | FLAG_FAILING))
+    except (OSError, struct.error):
+        pass
+
+
+def read_failing(path: str | Path, pid: int) -> bool | None:
+    """Whether process `pid` has marked its trace file at `path` failing (`mark_failing`); None
+    when there is no trace file of that process (it never called ``init()``).
+
+    Example:
+        >>> read_failing("/nonexistent/worker_0.comm", 42) is None
+        True
+    """
+    try:
+        with open(path, "rb") as f:
+            magic, _version, flags, owner, _last = HEADER.unpack(f.read(HEADER.size))
+    except (OSError, struct.error):
+        return None
+    if magic != MAGIC or owner != pid:
+        return None
+    return bool(flags & FLAG_FAILING)
 
 
 Token = tuple[_Slot, int] | None

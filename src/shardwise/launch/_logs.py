@@ -7,8 +7,8 @@
   native crash; `log_excerpt` reads the log: the traceback, then the crash dump, or its last
   lines when it has neither.
 - `PEER_LOST`: a log line saying the worker failed because another rank went away.
-- `ends_in_traceback`: whether a worker log's last output is a finished traceback (the worker
-  failed on its own, even when the launcher's SIGTERM ends it during its teardown).
+- `ends_in_traceback`: whether a worker log's last output is an uncaught traceback (strict:
+  for a worker that never called ``init()``, whose trace file cannot say that it failed).
 """
 
 from __future__ import annotations
@@ -197,17 +197,35 @@ def _read_tail(path: str | Path) -> str:
 
 
 def ends_in_traceback(path: str | Path) -> bool:
-    """Whether the log at `path` ends in a finished Python traceback (its exception line last).
+    """Whether the log at `path` ends in an uncaught Python traceback: its last traceback has
+    its exception on one line, right after its frames, and nothing follows but a crash dump
+    (`DUMP_START`); a thread's (``Exception in thread ...`` before it) does not count. Strict,
+    for a worker that never called ``init()`` (see `supervisor.is_failing`): a multi-line
+    exception message is not seen, a handled traceback followed by other output is not taken.
 
     Example:
         >>> ends_in_traceback("/nonexistent/worker_0.log")
         False
     """
     try:
-        tb = extract_traceback(_read_tail(path))
+        text = _read_tail(path)
     except OSError:
         return False
-    return len(tb) > 1 and _EXCEPTION_LINE.fullmatch(tb[-1]) is not None
+    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)]
+    if not starts or (starts[-1] > 0 and lines[starts[-1] - 1].startswith("Exception in thread")):
+        return False
+    body = [line for line in lines[starts[-1] + 1 :] if not _MARKERS.fullmatch(line)]
+    end = next((i for i, line in enumerate(body) if DUMP_START.match(line)), len(body))
+    body = body[:end]
+    while body and not body[-1]:
+        body.pop()
+    frames = 0
+    while frames < len(body) and body[frames].startswith("  "):
+        frames += 1
+    return (
+        frames > 0 and len(body) == frames + 1 and _EXCEPTION_LINE.fullmatch(body[-1]) is not None
+    )
 
 
 def crash_dump(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:

@@ -10,7 +10,8 @@
 - `Supervisor.stop`: SIGTERM to every live worker's process group, SIGKILL after
   `STOP_GRACE_S`, then `Supervisor.sweep` kills whatever is left in the workers' groups. A
   worker that had already failed on its own (`failed_on_its_own`: it has exited, its exit not
-  collected yet, or its log ends in a traceback while it tears down) is not counted as stopped.
+  collected yet, or its trace file says that its script failed while it tears down) is not
+  counted as stopped.
 - `Supervisor.exits`: how each worker ended, as `report.WorkerExit`.
 """
 
@@ -118,9 +119,20 @@ def has_exited(pid: int) -> bool:
 
 def failed_on_its_own(worker: Worker) -> bool:
     """Whether a worker whose exit the launcher has not collected yet has failed on its own:
-    it has exited already, or its log ends in a traceback (it is tearing down after it). Such
+    it has exited already, or it is failing (`is_failing`: tearing down after its error). Such
     a worker is not one the launcher stopped, even when its SIGTERM is what ends it."""
-    return has_exited(worker.pid) or ends_in_traceback(worker.log_path)
+    return has_exited(worker.pid) or is_failing(worker)
+
+
+def is_failing(worker: Worker) -> bool:
+    """Whether the worker's script has failed: it raised, or called ``sys.exit`` with a
+    failure, as its trace file says (``init()`` marks it then: `_trace.mark_failing`); for a
+    worker that never called ``init()`` (no trace file of its pid), whether its log ends in an
+    uncaught traceback (`ends_in_traceback`, strict: a multi-line message is not seen)."""
+    from shardwise.communication._trace import read_failing, trace_path  # (torch is loaded)
+
+    failing = read_failing(trace_path(worker.log_path), worker.pid)
+    return ends_in_traceback(worker.log_path) if failing is None else failing
 
 
 def group_members(pgid: int) -> list[int]:
@@ -319,9 +331,8 @@ class Supervisor:
         """How the exited workers ended, in rank order.
 
         A signal of the launcher's (SIGTERM or SIGKILL of `stop`, SIGUSR1 of `hang.explain`)
-        that ended a worker which had failed on its own (its log ends in a traceback) is not
-        its failure: `WorkerExit.ended_by_launcher`; without such a traceback the worker counts
-        as stopped.
+        that ended a worker which had failed on its own (`is_failing`) is not
+        its failure: `WorkerExit.ended_by_launcher`; otherwise the worker counts as stopped.
         """
         ordered = sorted(self.workers, key=lambda w: w.rank)
         return [_worker_exit(w, w.returncode) for w in ordered if w.returncode is not None]
@@ -333,7 +344,7 @@ def _ended_by_stack_request(w: Worker) -> bool:
 
 def _worker_exit(w: Worker, code: int) -> WorkerExit:
     usr1 = _ended_by_stack_request(w)
-    failed = w.failed_before_stop or (usr1 and ends_in_traceback(w.log_path))
+    failed = w.failed_before_stop or (usr1 and is_failing(w))
     launcher_signal = usr1 or code in (-signal.SIGTERM, -signal.SIGKILL)
     return WorkerExit(
         rank=w.rank,
