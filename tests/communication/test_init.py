@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import shardwise as sw
 from shardwise.communication import get_group_size, get_local_rank, get_rank, init, release
+from shardwise.testing import clean_env
 
 
 def test_init_plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,26 +144,30 @@ def test_a_rank_that_gave_up_on_the_exit_barrier_is_not_waited_for_again() -> No
     assert ended[0] < 1.0  # (not the 5 s of its timeout)
 
 
-def test_sys_exit_with_a_failure_leaves_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``sys.exit(3)`` after init() waited up to 10 s in the exit barrier for peers that were
-    still busy (the failure reached the launcher late); it leaves at once as a raise does, and
-    ``sys.exit(0)`` / ``sys.exit()`` keep the barrier."""
-    import atexit
-    import sys
+def _exit_script(tmp_path: Path, name: str, ending: str) -> subprocess.Popen[str]:
+    """A 1-rank script under init() that ends with `ending`; it prints whether it was still
+    initialized after shardwise's exit hook (which leaves the job only after a normal end)."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(
+        "import atexit, sys, threading\n"
+        "from shardwise import communication as comm\n"
+        "atexit.register(lambda: print('joined at exit:', comm.is_initialized(), flush=True))\n"
+        "comm.init('gloo')\n" + ending
+    )
+    return subprocess.Popen(
+        [sys.executable, str(script)], env=clean_env(), text=True, stdout=subprocess.PIPE
+    )
 
-    from shardwise.communication import _exit, _init
 
-    left: list[str] = []
-    monkeypatch.setattr(atexit, "register", lambda f: f)  # (not this test process's exit)
-    monkeypatch.setattr(sys, "exit", sys.exit)
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.delattr(sys, "last_value", raising=False)
-    monkeypatch.setattr(_exit, "_installed_pid", None)
-    monkeypatch.setattr(_init, "leave_at_exit", lambda: left.append("barrier"))
-    _exit.install()
-    for status, barrier in [(3, False), ("bad config", False), (0, True), (None, True)]:
-        with pytest.raises(SystemExit):
-            sys.exit(status)
-        left.clear()
-        _exit._at_exit()
-        assert left == (["barrier"] if barrier else []), status
+def test_sys_exit_with_a_failure_leaves_at_once_and_a_threads_does_not(tmp_path: Path) -> None:
+    """``sys.exit(3)`` leaves at once, without the exit barrier, as a raise does; ``sys.exit(1)``
+    in a worker thread (which ends only that thread) made the normal end that followed skip
+    the exit barrier, as a failure."""
+    endings = {
+        "main": "sys.exit(3)\n",
+        "thread": "t = threading.Thread(target=sys.exit, args=(1,))\nt.start()\nt.join()\n",
+    }
+    procs = {name: _exit_script(tmp_path, name, ending) for name, ending in endings.items()}
+    outs = {name: p.communicate(timeout=60)[0] for name, p in procs.items()}
+    assert (procs["main"].returncode, outs["main"]) == (3, "joined at exit: True\n")
+    assert (procs["thread"].returncode, outs["thread"]) == (0, "joined at exit: False\n")

@@ -7,9 +7,11 @@ launcher reports a job that did all its work as failed.
 
 - `install`: called by `init()`; registers `_at_exit` with `atexit` (once per process),
   chains `sys.excepthook` so that an uncaught exception marks the exit as failing, and wraps
-  ``sys.exit`` to remember the status it was called with (an uncaught ``SystemExit`` reaches
-  no hook; a ``raise SystemExit(3)`` written out is not seen). Both mark the worker's trace
-  file failing (`_trace.mark_failing`), for the launcher.
+  ``sys.exit`` to remember the status the main thread called it with (an uncaught
+  ``SystemExit`` reaches no hook; a ``raise SystemExit(3)`` written out is not seen; another
+  thread's ``sys.exit`` ends only that thread and is not remembered; a ``SystemExit`` that the
+  main thread catches and goes on from still counts, as nothing tells the two apart). Both
+  mark the worker's trace file failing (`_trace.mark_failing`), for the launcher.
 - `_at_exit`: a script that ended normally (or through ``sys.exit()`` / ``sys.exit(0)``)
   leaves the job as `release()` does: a barrier through the rendezvous store, bounded by
   `exit_wait` so that a rank never waits long for peers that are still busy or gone, then the
@@ -26,6 +28,7 @@ import atexit
 import datetime
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -38,7 +41,7 @@ RAISED_PAUSE_S = 0.05
 
 _installed_pid: int | None = None  # the process that registered the hook (a fork re-registers)
 _raised = False  # an uncaught exception reached sys.excepthook in this process
-_exit_status: object = None  # the last status sys.exit was called with in this process
+_exit_status: object = None  # the last status the main thread called sys.exit with
 
 
 def exit_wait(timeout: datetime.timedelta) -> datetime.timedelta:
@@ -78,9 +81,10 @@ _Status = str | int | None
 def _recording_exit(previous: Callable[[_Status], NoReturn]) -> Callable[..., NoReturn]:
     def exit(status: _Status = None, /) -> NoReturn:
         global _exit_status
-        _exit_status = status
-        if script_failed():
-            _trace.mark_failing()
+        if threading.current_thread() is threading.main_thread():  # (another ends its thread)
+            _exit_status = status
+            if script_failed():
+                _trace.mark_failing()
         previous(status)
 
     exit.__doc__ = previous.__doc__
@@ -96,8 +100,9 @@ def script_raised() -> bool:
 
 def script_failed() -> bool:
     """Whether this process's script is ending in failure: it raised (`script_raised`), or
-    called ``sys.exit`` with a non-zero code or a message (Python exits 1 with that message
-    then); ``sys.exit()``, ``sys.exit(0)`` are a normal end."""
+    its main thread called ``sys.exit`` with a non-zero code or a message (Python exits 1 with
+    that message then); ``sys.exit()``, ``sys.exit(0)`` and another thread's ``sys.exit`` are a
+    normal end."""
     status = _exit_status
     failed_exit = status is not None and (not isinstance(status, int) or status != 0)
     return failed_exit or script_raised()
