@@ -467,3 +467,35 @@ def test_only_an_uncaught_traceback_at_the_end_of_a_log_counts(tmp_path: Path) -
     assert ends_in_traceback(log)
     log.write_text("step 1\n" + TB + "Fatal Python error: Aborted\n\nThread 0x0 (most recent ")
     assert ends_in_traceback(log)
+
+
+def test_a_rank_that_had_exited_with_0_before_the_stop_is_not_said_to_have_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that had exited with code 0 (its exit not collected yet) when the launcher
+    stopped the others was logged as 'had failed on its own before it was stopped'."""
+    import subprocess
+    import time
+
+    from shardwise.launch.config import LaunchConfig, NodeAssignment
+    from shardwise.launch.schedlog import SchedulerLog
+    from shardwise.launch.supervisor import Supervisor, has_exited
+
+    class _LateWait(subprocess.Popen):  # type: ignore[type-arg]
+        def wait(self, timeout: float | None = None) -> int:
+            time.sleep(1.5)  # (the launcher collects its exit after stop() looked at it)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(subprocess, "Popen", _LateWait)
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    cfg = LaunchConfig(str(script), worker_num=1, local_worker_num=1, log_dir=str(tmp_path))
+    sup = Supervisor(SchedulerLog.open(str(tmp_path), truncate=True))
+    sup.start(cfg, NodeAssignment("run", 0, 1, 0, 1, 1, "127.0.0.1", 29500), dict(os.environ))
+    deadline = time.monotonic() + 20.0
+    while not has_exited(sup.workers[0].pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sup.stop(grace=3.0)
+    log = (tmp_path / "scheduler.log").read_text()
+    assert "rank 0 (pid" in log and "had exited before it was stopped (exit code 0)" in log, log
+    assert [(e.returncode, e.failed, e.stopped) for e in sup.exits()] == [(0, False, False)]

@@ -271,7 +271,9 @@ class Supervisor:
         w = self.workers[index]
         w.returncode, w.ended, w.ended_wall = code, ended, wall
         after = f"after {ended - w.started:.2f} s"
-        if w.failed_before_stop:
+        if w.failed_before_stop and code == 0:
+            how = "had exited before it was stopped (exit code 0)"
+        elif w.failed_before_stop:
             how = f"had failed on its own before it was stopped ({describe_returncode(code)})"
         elif _ended_by_stack_request(w):
             how = "was ended by the launcher's SIGUSR1 (its request for the Python stack)"
