@@ -63,6 +63,18 @@ def test_nccl_without_cuda_says_so() -> None:
     assert not sw.communication.is_initialized()
 
 
+def test_nccl_on_a_torch_without_nccl_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA present but torch built without NCCL: the error said 'nccl' needs CUDA."""
+    import torch.distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA is available but this torch was built without NCCL"):
+        init("nccl")
+    assert not sw.communication.is_initialized()
+    assert sw.communication.default_backend() == "gloo"
+
+
 class _Store:
     """A rendezvous store shared by threads (add / set / wait), logging who did what."""
 

@@ -13,8 +13,8 @@ BACKENDS = ("gloo", "nccl", "mpi")
 
 
 def default_backend() -> str:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """``"nccl"`` when CUDA is available and torch has NCCL, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
 def check_backend(backend: str | None) -> str:
@@ -22,7 +22,8 @@ def check_backend(backend: str | None) -> str:
 
     Raises:
         ValueError: `backend` is not one of `BACKENDS`, or this torch/machine cannot run it
-            (``"nccl"`` without CUDA, ``"mpi"`` on a torch built without MPI).
+            (``"nccl"`` without CUDA or on a torch built without NCCL, ``"mpi"`` on a torch
+            built without MPI).
 
     Example:
         >>> check_backend("gloo")
@@ -35,9 +36,14 @@ def check_backend(backend: str | None) -> str:
             f"init(backend={backend!r}): expected 'gloo', 'nccl', 'mpi' or None (picks "
             f"{default_backend()!r} here)"
         )
-    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+    if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError(
             "init(backend='nccl'): backend 'nccl' needs CUDA, which this torch/machine lacks; "
+            "use 'gloo', or init() to pick one"
+        )
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ValueError(
+            "init(backend='nccl'): CUDA is available but this torch was built without NCCL; "
             "use 'gloo', or init() to pick one"
         )
     if backend == "mpi" and not dist.is_mpi_available():
