@@ -186,18 +186,24 @@ def test_a_rank_that_exits_while_asked_for_its_stack_is_not_still_running(
     )
 
 
-def test_open_trace_makes_a_native_crash_leave_its_python_stack(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A worker killed by SIGSEGV left no Python stack in its log: `init()`'s `open_trace` now
-    enables ``faulthandler`` (one a script enabled itself is kept)."""
-    import faulthandler
+@pytest.mark.multiprocess
+def test_a_native_crash_under_init_leaves_its_python_stack(tmp_path: Path) -> None:
+    """A worker killed by SIGSEGV left no Python stack in its log: `init()` enables
+    ``faulthandler``, and the report shows the crashing thread's stack."""
+    from shardwise.testing import run_job
 
-    enabled: list[bool] = []
-    monkeypatch.setattr(faulthandler, "is_enabled", lambda: False)
-    monkeypatch.setattr(faulthandler, "enable", lambda **kw: enabled.append(kw["all_threads"]))
-    try:
-        assert _trace.open_trace(str(tmp_path / "0.comm"))
-    finally:
-        _trace.close_trace()
-    assert enabled == [True]
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import faulthandler\n"
+        "from shardwise import communication as comm\n"
+        "comm.init('gloo')\n"
+        "def crash() -> None:\n"
+        "    if comm.get_rank() == 1:\n"
+        "        faulthandler._sigsegv()\n"
+        "crash()\n"
+    )
+    res = run_job(script, 2, tmp_path / "logs", timeout=60)
+    lines = res.output.splitlines()
+    assert res.returncode == 1 and "rank 1 failed first with signal SIGSEGV" in lines[0], lines
+    assert f'    File "{script}", line 6 in crash' in lines, lines
+    assert f'    File "{script}", line 7 in <module>' in lines, lines

@@ -285,50 +285,33 @@ def test_a_rank_tearing_down_after_its_traceback_failed_with_the_same_error(
     assert "stopped by the launcher" not in text
 
 
-def test_a_closed_stdout_does_not_change_the_exit_code(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.multiprocess
+def test_a_closed_stdout_does_not_change_the_exit_code(tmp_path: Path) -> None:
     """``shardwise run --join True ok.py | head -0``: the success summary met a closed pipe, the
     launcher exited 1 with a BrokenPipeError and scheduler.log had no ``job end`` line."""
-    from shardwise.launch import job as job_mod
-    from shardwise.launch.config import LaunchConfig, NodeAssignment
-    from shardwise.launch.schedlog import SchedulerLog
-    from shardwise.launch.supervisor import Supervisor
+    import subprocess
+    import sys
 
-    class _Rendezvous:
-        hb = None
-        hosting = False
+    from shardwise.testing import clean_env, free_port
 
-        def mark_finished(self) -> None:
-            pass
-
-        def failure(self) -> None:
-            return None
-
+    script = tmp_path / "ok.py"
+    script.write_text("print('ok')\n")
+    cmd = [
+        sys.executable, "-m", "shardwise", "run", "--worker_num", "1", "--local_worker_num", "1",
+        "--master_port", str(free_port()), "--log_dir", str(tmp_path / "logs"), "--join", "True",
+        str(script),
+    ]  # fmt: skip
     read, write = os.pipe()
-    os.close(read)
-    closed = open(write, "w")  # noqa: SIM115 (closed by the test)
-    monkeypatch.setattr("sys.stdout", closed)
-    log = SchedulerLog.open(tmp_path, truncate=True)
-    cfg = LaunchConfig("ok.py", worker_num=1, local_worker_num=1, log_dir=str(tmp_path), join=True)
-    job = NodeAssignment("run", 0, 1, 0, 1, 1, "127.0.0.1", 29500)
+    os.close(read)  # (what `| head -0` leaves)
     try:
-        code = job_mod._finish(
-            _Rendezvous(),  # type: ignore[arg-type]
-            Supervisor(log),
-            job,
-            log,
-            cfg,
-            job_mod._Outcome(),
-            0.0,
-            _Rendezvous(),  # type: ignore[arg-type]  # (not the host: never asked for signals)
+        proc = subprocess.run(
+            cmd, stdout=write, stderr=subprocess.PIPE, env=clean_env(), text=True, timeout=60
         )
-        closed.write("more\n")
-        closed.flush()  # (what the interpreter does at exit: it must not fail now)
     finally:
-        closed.close()
-    assert code == 0
-    assert "job end: launcher exits with code 0" in (tmp_path / "scheduler.log").read_text()
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "logs" / "scheduler.log").read_text()
+    assert "job end: launcher exits with code 0" in log, log
 
 
 def test_a_native_crash_shows_its_python_stacks(tmp_path: Path) -> None:
