@@ -369,6 +369,33 @@ def semi_auto_matches(
     return parallel, rec
 
 
+def one_step_matches(
+    world_size: int, net: nn.Module, single: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[Any, Any]:
+    """One step of ``net(x, y).backward()`` in semi_auto on `world_size` simulated ranks (each
+    passing its rows; `net` replicated) against `single`'s on the whole batch: the loss and
+    every gradient block equal. Returns the `AutoParallel` and the step's `CommRecorder`."""
+    import shardwise as sw
+    from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+    want = single(x, y)
+    want.backward()
+    with simulated_world(world_size) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with CommRecorder() as rec:
+            got = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(got, want.detach(), what="loss")
+        assert_grad_blocks_match(parallel, net, single)
+    return parallel, rec
+
+
 def assert_shards_match(parallel: Any, net: nn.Module, want: dict[str, torch.Tensor]) -> None:
     """Under optimizer parallel (`parallel`'s ``hsdp``), each parameter of `net` equals one
     device's (`want`, by name): whole where it is not sharded, else this rank's rows of it."""

@@ -24,6 +24,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.zoo import one_step_matches
 from torch import nn
 
 import shardwise as sw
@@ -217,20 +218,7 @@ def test_instance_norm_on_split_rows_and_refused_on_split_channels() -> None:
     the op (torch's own ValueError from inside the step); a PlanError names the fix."""
     x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
-    single, net = _InstanceNormed(False), _InstanceNormed(False)
-    want = single(x, y)
-    want.backward()
-    with simulated_world(2) as world:
-        world.replicate(net)
-
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(a, b)
-            loss.backward()
-            return loss
-
-        assert_matches_single_device(AutoParallel(step)(world.rows(x), world.rows(y)), want)
-        for name, p in single.named_parameters():
-            assert_matches_single_device(net.get_parameter(name).grad, p.grad, what=name)
+    one_step_matches(2, _InstanceNormed(False), _InstanceNormed(False), x, y)
     split = _InstanceNormed(True)
     with simulated_world(2) as world:
         world.replicate(split)

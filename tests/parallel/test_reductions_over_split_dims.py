@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.zoo import assert_grad_blocks_match
+from tests.zoo import one_step_matches
 from torch import nn
 
 import shardwise as sw
@@ -108,24 +108,9 @@ def test_a_bias_added_to_a_mean_over_split_rows(form: str) -> None:
     """The bias of an op reading a partial average was kept on the first rank and zeroed on
     the others (a partial sum's conversion): after the average it was divided by the ranks."""
     torch.manual_seed(0)
-    single = _MeanContext(form)
-    net = _MeanContext(form)
+    single, net = _MeanContext(form), _MeanContext(form)
     net.load_state_dict(single.state_dict())
     x, y = torch.randn(BATCH, H), torch.randint(0, 4, (BATCH,))
-    want = single(x, y)
-    want.backward()
-    with simulated_world(WORLD) as world:
-        world.replicate(net)
-
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(a, b)
-            loss.backward()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
-        with CommRecorder() as rec:
-            got = parallel(world.rows(x), world.rows(y))
-        assert_matches_single_device(got, want.detach(), what="loss")
-        assert_grad_blocks_match(parallel, net, single)
+    _, rec = one_step_matches(WORLD, net, single, x, y)
     every = tuple(range(WORLD))
     assert rec.kinds()[("AllGather", "forward", every)] == 0, rec.summary()  # (no rows moved)

@@ -16,11 +16,10 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.zoo import assert_grad_blocks_match
+from tests.zoo import one_step_matches
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing import assert_matches_single_device, simulated_world
 
 BATCH, H = 8, 16
 
@@ -51,17 +50,4 @@ def test_a_scan_over_a_split_dim_by_negative_index(scan: str, world_size: int, s
     if split == "features":  # (column parallel: l1's output features over all ranks)
         sw.shard(net.l1, in_strategy=((1, 1), (world_size, 1)))
     x, y = torch.randn(BATCH, H), torch.randint(0, 4, (BATCH,))
-    want = single(x, y)
-    want.backward()
-    with simulated_world(world_size) as world:
-        world.replicate(net)
-
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(a, b)
-            loss.backward()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
-        got = parallel(world.rows(x), world.rows(y))
-        assert_matches_single_device(got, want.detach(), what="loss")
-        assert_grad_blocks_match(parallel, net, single)
+    one_step_matches(world_size, net, single, x, y)

@@ -23,7 +23,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
-from ..zoo import assert_grad_blocks_match
+from ..zoo import assert_grad_blocks_match, one_step_matches
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -207,17 +207,4 @@ def test_split_sizes_from_a_local_size_are_the_global_ones(form: str) -> None:
     sw.shard(net.l1, in_strategy=((1, 1), (4, 1)))  # (column parallel over 4)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
-    want = single(x, y)
-    want.backward()
-    with simulated_world(4) as world:
-        world.replicate(net)
-
-        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            loss: torch.Tensor = net(a, b)
-            loss.backward()
-            return loss
-
-        parallel = sw.AutoParallel(step)
-        got = parallel(world.rows(x), world.rows(y))
-        assert_matches_single_device(got, want.detach(), what="loss")
-        assert_grad_blocks_match(parallel, net, single)
+    one_step_matches(4, net, single, x, y)
