@@ -135,6 +135,17 @@ def test_neighbor_exchange_shape_mismatch_names_both_ranks() -> None:
             op((torch.ones(2, 3),))
 
 
+@pytest.mark.parametrize("sent", [torch.float64, torch.int32])
+def test_neighbor_exchange_dtype_mismatch_names_both(sent: torch.dtype) -> None:
+    """A message of another dtype than recv_type: a ValueError as in a job (the simulated world
+    cast it silently)."""
+    with simulated_world(2):
+        rank = get_rank()
+        op = sw.ops.NeighborExchange([(rank + 1) % 2], [(rank + 1) % 2], [[2]], [[2]])
+        with pytest.raises(ValueError, match=rf"of torch.float32 from rank .* of {sent}: make"):
+            op((torch.ones(2, dtype=sent),))
+
+
 def test_neighbor_exchange_unmatched_receive() -> None:
     with simulated_world(4):
         rank = get_rank()

@@ -86,7 +86,13 @@ def checks() -> None:
             other((torch.ones(2, 3),))
         except ValueError as e:
             assert "of torch.int32" in str(e) and "of torch.float32" in str(e), e
-            print("CHECK NeighborExchange-shapes OK", flush=True)
+            # a wider dtype than the receiver's (float64 to the default float32): named too (it
+            # overflowed the receive buffer, and gloo aborted the process)
+            try:
+                ring((torch.ones(2, 3, dtype=torch.float64),))
+            except ValueError as e:
+                assert "of torch.float32" in str(e) and "of torch.float64" in str(e), e
+                print("CHECK NeighborExchange-shapes OK", flush=True)
     # 1 x n strip, one-column halos, no wrap-around: direction 2 = right, 6 = left
     ids = [-1] * 8
     ids[2] = rank + 1 if rank + 1 < n else -1

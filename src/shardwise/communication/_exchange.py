@@ -8,8 +8,10 @@ delivered by a local copy (`_to_self`: gloo has no pair to itself). The call is 
 group's ranks take part in point-to-point. Each message carries a header of its dtype and
 shape (`HEADER`, 128 bytes; not counted in the recorded bytes), checked by the receiver: a
 message of another shape or dtype that fits the receiver's buffer is a ValueError naming both
-(gloo would deliver a shorter one silently, into a buffer whose tail it leaves as it was; a
-longer one fails in gloo).
+(gloo would deliver a shorter one silently, into a buffer whose tail it leaves as it was). The
+buffer has room for the expected number of elements of any dtype, so a message of the expected
+shape in another dtype is named too; one with more elements fails in gloo (the process
+aborts).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ _DTYPES = (
 )  # fmt: skip
 
 
+_WIDEST = max(torch.empty(0, dtype=d).element_size() for d in _DTYPES)  # (bytes per element)
+
+
 def _code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else -1
 
@@ -88,7 +93,7 @@ def _unframed(kind: str, buf: torch.Tensor, out: torch.Tensor, src: int, me: int
             f"which sent shape {shape} of {sent}: make recv_shapes and recv_type match the "
             f"sender's send_shapes and dtype"
         )
-    out.copy_(buf[HEADER * 8 :].view(out.dtype).view(out.shape))
+    out.copy_(buf[HEADER * 8 : HEADER * 8 + _nbytes(out)].view(out.dtype).view(out.shape))
 
 
 def _p2p(
@@ -116,8 +121,8 @@ def _p2p(
         for x, (dst, tag) in zip(sends, send_to, strict=True)
         if dst not in (-1, me) and x.numel() > 0
     ]
-    received = {
-        j: torch.empty(HEADER * 8 + _nbytes(out), dtype=torch.uint8, device=device)
+    received = {  # (room for its elements of any dtype: another one is named, not a gloo abort)
+        j: torch.empty(HEADER * 8 + out.numel() * _WIDEST, dtype=torch.uint8, device=device)
         for j, (out, (src, _)) in enumerate(zip(outs, recv_from, strict=True))
         if src != -1 and j not in to_self and out.numel() > 0
     }

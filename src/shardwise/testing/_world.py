@@ -327,7 +327,13 @@ class SimulatedWorld:
                     f"{slot}) but rank {src} sends shape {list(x.shape)}; make recv_shapes match "
                     "the sender's send_shapes"
                 )
-            got.append(x.to(dtype))
+            if x.dtype != dtype:  # (a job checks the message's header alike: `_exchange`)
+                raise ValueError(
+                    f"{kind}: rank {r} expects shape {list(want)} of {dtype} from rank {src}, "
+                    f"which sent shape {list(x.shape)} of {x.dtype}: make recv_shapes and "
+                    "recv_type match the sender's send_shapes and dtype"
+                )
+            got.append(x)
         return self.from_local_tensors(got)
 
     def values_shape(self, shape: Sequence[int], rank: int) -> list[int]:
