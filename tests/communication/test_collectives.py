@@ -84,8 +84,28 @@ def test_all_reduce(n: int, kind: str, ranks: list[int], op: str) -> None:
 
     rec = run_parity(n, ranks, (4, 3), lambda g: sw.ops.AllReduce(op, group=g), math)
     assert rec.count("AllReduce", "forward") == 1
-    assert rec.count("AllReduce", "backward") == 1
+    # (prod: the gradient's sum, the zero count and the nonzero product of the others' factors)
+    assert rec.count("AllReduce", "backward") == (3 if op == "prod" else 1)
     assert rec.records[0].group == tuple(ranks)
+
+
+@pytest.mark.parametrize("zeros", [[0], [0, 2]], ids=["one zero", "two zeros"])
+@pytest.mark.parametrize("primitive", ["AllReduce", "ReduceScatter"])
+def test_prod_gradient_where_a_factor_is_zero(zeros: list[int], primitive: str) -> None:
+    """The gradient of a product by one factor is the product of the others: also where a
+    factor is 0 (it was ``out / x``: NaN there, and 0 where another rank's factor was 0)."""
+    xs = [x.abs() + 0.5 for x in inputs(4, (4, 3))]
+    for r in zeros:
+        xs[r][1, 2] = xs[r][3, 0] = 0.0
+    leaves = [x.clone().requires_grad_() for x in xs]
+    prod = torch.stack(leaves).prod(0)
+    want = [prod] * 4 if primitive == "AllReduce" else list(prod.chunk(4, 0))
+    sum(((y * (r + 1)).sum() for r, y in enumerate(want)), torch.tensor(0.0)).backward()
+    with simulated_world(4) as world:
+        x = world.rank_map(lambda r: xs[r].clone()).requires_grad_()
+        op = getattr(sw.ops, primitive)("prod")
+        (op(x) * world.rank_map(lambda r: torch.tensor(r + 1.0))).sum().backward()
+        assert_matches_single_device(x.grad, lambda r: leaves[r].grad, what="gradient")
 
 
 @pytest.mark.parametrize(("n", "kind", "ranks"), CASES, ids=IDS)

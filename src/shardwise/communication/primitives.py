@@ -8,9 +8,11 @@ primitive          forward                                    backward (gradient
 =================  =========================================  =================================
 AllReduce(SUM)     reduce over the group                      AllReduce(SUM) of the gradient
 AllReduce(MAX/MIN) reduce                                     AllReduce(SUM)(g) where x == out
-AllReduce(PROD)    reduce                                     AllReduce(SUM)(g * out) / x
+AllReduce(PROD)    reduce                                     AllReduce(SUM)(g) * the others'
+                                                              product (`_others_product`)
 AllGather          concat on dim 0                            ReduceScatter(SUM)
-ReduceScatter      reduce, rank i keeps chunk i of dim 0      AllGather (masked for MAX/MIN)
+ReduceScatter      reduce, rank i keeps chunk i of dim 0      AllGather (masked for MAX/MIN;
+                                                              PROD: times the others' product)
 Broadcast          root's tensors on every rank               Reduce(SUM) onto the root
 AlltoAll           split / send / concat                      AlltoAll with the dims swapped
 NeighborExchange   point-to-point sends                       the reverse sends
@@ -49,6 +51,17 @@ def _per_rank(value: Any) -> list[Any]:
     return sim.values(value) if sim is not None else [value]
 
 
+def _others_product(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
+    """Per element, the product of the other ranks' `x` (the derivative of the ranks' product
+    by this rank's factor), also where some factors are 0 (``out / x`` is NaN there): from the
+    number of zeros and the product of the nonzero factors over the group."""
+    zero = x == 0
+    zeros = C.all_reduce(zero.to(x.dtype), ReduceOp.SUM, group)
+    nonzero = C.all_reduce(torch.where(zero, torch.ones_like(x), x), ReduceOp.PROD, group)
+    mine = torch.where(zero, nonzero, nonzero / torch.where(zero, torch.ones_like(x), x))
+    return torch.where(zeros - zero.to(x.dtype) > 0, torch.zeros_like(x), mine)
+
+
 class _AllReduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, op: ReduceOp, group: GroupArg) -> torch.Tensor:
@@ -65,7 +78,8 @@ class _AllReduceFn(torch.autograd.Function):
                 return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None
             x, out = ctx.saved_tensors
             if ctx.op is ReduceOp.PROD:
-                return C.all_reduce(g * out, ReduceOp.SUM, ctx.group) / x, None, None
+                summed = C.all_reduce(g, ReduceOp.SUM, ctx.group)
+                return summed * _others_product(x, ctx.group), None, None
             return C.all_reduce(g, ReduceOp.SUM, ctx.group) * (x == out), None, None
 
 
@@ -97,7 +111,7 @@ class _ReduceScatterFn(torch.autograd.Function):
                 return C.all_gather(g, ctx.group), None, None
             x, out = ctx.saved_tensors
             if ctx.op is ReduceOp.PROD:
-                return C.all_gather(g * out, ctx.group) / x, None, None
+                return C.all_gather(g, ctx.group) * _others_product(x, ctx.group), None, None
             return C.all_gather(g, ctx.group) * (x == C.all_gather(out, ctx.group)), None, None
 
 
