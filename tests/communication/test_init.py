@@ -43,8 +43,12 @@ def test_init_plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_calls_before_init_explain() -> None:
-    with pytest.raises(RuntimeError, match=r"call shardwise.communication.init\(\) first"):
-        get_rank()
+    """Named by what the user called (it named an internal function, resolve_group)."""
+    import shardwise as sw
+
+    for call in (get_rank, lambda: sw.ops.AllReduce()(torch.ones(2))):
+        with pytest.raises(RuntimeError, match=r"get_rank\(\).*: no job yet; call shardwise"):
+            call()
 
 
 def test_unknown_backend() -> None:

@@ -153,7 +153,7 @@ def is_initialized() -> bool:
 
 def _require_init(what: str) -> None:
     if not dist.is_initialized():
-        raise RuntimeError(f"{what}: call shardwise.communication.init() first")
+        raise RuntimeError(f"{what}: no job yet; call shardwise.communication.init() first")
 
 
 def resolve_group(group: str | Group | None) -> Group:
@@ -162,7 +162,7 @@ def resolve_group(group: str | Group | None) -> Group:
     Raises:
         ValueError: an unknown group name; the message lists the known ones.
     """
-    _require_init("resolve_group")
+    _require_init("the collectives and get_rank() / get_group_size()")
     if isinstance(group, Group):
         return group
     if group is None or group in _WORLD_ALIASES:
