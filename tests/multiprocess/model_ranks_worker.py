@@ -3,7 +3,9 @@
 - `Model.eval` on a dataset sharded over the ranks: the short last global batch leaves rank 1
   only wrap-around padding, which eval trims away; the "loss" metric was NaN there (the mean
   loss of an empty batch) and, on an uneven last batch, each rank's part counted as a whole
-  batch. Both equal one device's eval of the same global batches now.
+  batch. Both equal one device's eval of the same global batches now. The network runs on the
+  whole last batch on every rank (padding included; the metrics count the real rows), so a loss
+  that all-reduces and a module-form AutoParallel make the same calls on every rank (both hung).
 - `save_checkpoint` of a cut network to a path outside a ``rank_<r>`` folder warns (every rank
   writing one path kept one rank's blocks, silently); a rank folder does not.
 - `ModelCheckpoint`'s prefix: an earlier job's files in rank 0's folder only made rank 0 write
@@ -13,12 +15,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
@@ -48,6 +52,20 @@ def sharded_eval() -> None:
     assert got["accuracy"] == want["accuracy"], (got, want)
     assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6), (got, want)  # (float32 losses)
     print("CHECK sharded_eval_loss OK", flush=True)
+
+    # the same set, with a loss that all-reduces (the README's manual-parallel loss) and through
+    # a module-form AutoParallel: every rank runs the whole last batch (rank 1: padding only),
+    # so the ranks make the same calls (both hung: rank 1's rows were cut before the forward)
+    def mean_over_ranks(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = sw.ops.AllReduce()(F.cross_entropy(logits, y)) / n
+        return loss
+
+    got = sw.Model(net, mean_over_ranks, metrics=metrics).eval(mine)
+    assert got["accuracy"] == want["accuracy"], (got, want)
+    wrapped = sw.Model(sw.AutoParallel(copy.deepcopy(net)), loss_fn, metrics=metrics).eval(mine)
+    assert wrapped["accuracy"] == want["accuracy"], (wrapped, want)
+    assert math.isclose(wrapped["loss"], want["loss"], rel_tol=1e-6), (wrapped, want)
+    print("CHECK sharded_eval_same_calls OK", flush=True)
 
 
 def checkpoint_prefix() -> None:

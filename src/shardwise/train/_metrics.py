@@ -39,7 +39,10 @@ class Accuracy(_Mean):
     ``(N,)`` (or ``(N, 1)``), or one-hot / probability rows of the logits' shape (their argmax),
     as MindSpore's ``Accuracy`` takes them."""
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def update(
+        self, logits: torch.Tensor, labels: torch.Tensor, whole: tuple[Any, Any] | None = None
+    ) -> None:
+        """Add a batch's counted rows (`whole`, the batch with its padding rows, is unused)."""
         if logits.shape[0] != labels.shape[0]:
             raise ValueError(
                 f"Accuracy: {logits.shape[0]} predictions for {labels.shape[0]} labels; the "
@@ -74,9 +77,17 @@ class Loss:
         self.sums: list[torch.Tensor] = []  # per batch: its mean loss times its rows
         self.rows: list[float] = []
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def update(
+        self, logits: torch.Tensor, labels: torch.Tensor, whole: tuple[Any, Any] | None = None
+    ) -> None:
+        """Add a batch: `logits` and `labels` its counted rows, `whole` the whole batch (a
+        sharded last batch's padding rows included), on which `loss_fn` still runs where no
+        row is counted: a loss whose collectives every rank must call (the README's
+        ``AllReduce(loss) / n``) then does not wait for this rank (its value is not counted)."""
         rows = float(labels.shape[0])
         if not rows:  # (a rank's share of a short last batch may be empty: no NaN mean)
+            if whole is not None:
+                self.loss_fn(*whole)
             self.sums.append(torch.zeros((), dtype=torch.float64, device=logits.device))
         else:
             mean = self.loss_fn(logits, labels).detach().to(torch.float64).mean()

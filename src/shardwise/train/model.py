@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise import communication as comm
+from shardwise._torch import pytree
 from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
 from shardwise.train._metrics import make_metrics
@@ -273,10 +274,10 @@ class Model:
         was_training = self.network.training
         self.network.eval()
         state = {name: make() for name, make in self.metrics.items()}
-        for inputs, label in _trimmed_batches(valid_dataset):
-            logits = self.network(*inputs)
+        for inputs, label, kept in _trimmed_batches(valid_dataset):
+            logits = self.network(*inputs)  # (the whole batch: every rank makes the same calls)
             for m in state.values():
-                m.update(logits, label)
+                m.update(_rows(logits, kept), label[:kept], whole=(logits, label))
         self.network.train(was_training)
         sharded = (getattr(valid_dataset, "num_shards", None) or 1) > 1
         out = {}
@@ -303,21 +304,27 @@ def _length(data: object) -> int:
 
 def _trimmed_batches(
     data: Iterable[Sequence[torch.Tensor]],
-) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
-    """``(inputs, label)`` per batch; a sharded dataset's last batch loses the rows that wrap
-    around to the start of the epoch (`get_padding`), so no sample is counted twice (it may be
-    left empty on some ranks: every rank still yields as many batches)."""
+) -> Iterator[tuple[list[torch.Tensor], torch.Tensor, int]]:
+    """``(inputs, label, kept)`` per batch: the rows the metrics count are the first `kept`; a
+    sharded dataset's last batch leaves out the rows that wrap around to the start of the epoch
+    (`get_padding`), so no sample is counted twice (none may be left on some ranks). The network
+    runs on the whole batch, so that every rank makes the same calls (collectives included)."""
     pad = int(data.get_padding()) if hasattr(data, "get_padding") else 0
     it = iter(data)
     batch = next(it, None)
     while batch is not None:
         following = next(it, None)
         *inputs, label = columns(batch, 2, "eval")
-        if following is None and pad:
-            inputs = [x[: len(x) - pad] for x in inputs]
-            label = label[: len(label) - pad]
-        yield inputs, label
+        kept = len(label) - (pad if following is None else 0)
+        yield inputs, label, max(kept, 0)
         batch = following
+
+
+def _rows(out: Any, kept: int) -> Any:
+    """The first `kept` rows of each tensor of a network's output."""
+    if isinstance(out, torch.Tensor):
+        return out[:kept]
+    return pytree.tree_map(lambda t: t[:kept] if isinstance(t, torch.Tensor) else t, out)
 
 
 class _progress:
