@@ -140,6 +140,30 @@ def test_a_data_loader_over_an_iterable_dataset_trains() -> None:
     assert [(e, s) for e, s, _ in losses.seen] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
 
 
+def test_a_distributed_samplers_epoch_is_set_each_epoch() -> None:
+    """A DataLoader over a ``DistributedSampler`` (shuffle on) is told each epoch, as a DDP loop
+    calls ``loader.sampler.set_epoch(e)``: it yielded the same order every epoch."""
+    x, y = torch.arange(8.0).unsqueeze(1).repeat(1, 3), torch.zeros(8, dtype=torch.int64)
+    sampler = torch.utils.data.DistributedSampler(
+        torch.utils.data.TensorDataset(x, y), num_replicas=2, rank=0, shuffle=True, seed=0
+    )
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=4, sampler=sampler
+    )
+    order: list[list[float]] = []
+
+    class Rows(nn.Linear):
+        def forward(self, rows: torch.Tensor) -> torch.Tensor:
+            order.append(rows[:, 0].tolist())
+            return super().forward(rows)
+
+    net = Rows(3, 2)
+    sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1)).train(3, loader)
+    assert len(order) == 3 and order[0] != order[1] != order[2], order
+    sampler.set_epoch(1)  # (epoch 2 was the sampler's epoch 1)
+    assert [float(i) for i in sampler] == order[1]
+
+
 def test_time_monitor(capsys: pytest.CaptureFixture[str]) -> None:
     _model().train(1, _data(3), callbacks=[sw.train.TimeMonitor()])
     line = capsys.readouterr().out.strip()

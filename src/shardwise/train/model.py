@@ -229,9 +229,13 @@ class Model:
     def _run_epoch(
         self, ctx: cb.RunContext, data: Iterable[Sequence[torch.Tensor]], cbs: list[cb.Callback]
     ) -> None:
-        set_epoch = getattr(data, "set_epoch", None)
-        if callable(set_epoch):  # a resumed run sees the same data order as an uninterrupted one
-            set_epoch(ctx.cur_epoch_num - 1)
+        # (a resumed run sees the same data order as an uninterrupted one; a DataLoader's
+        # DistributedSampler is told the epoch too, as a hand-written DDP loop would)
+        for holder in (data, getattr(data, "sampler", None)):
+            set_epoch = getattr(holder, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(ctx.cur_epoch_num - 1)
+                break
         ctx.epoch_step = 0
         for c in cbs:
             c.on_train_epoch_begin(ctx)
