@@ -220,3 +220,12 @@ def test_simulated_world_refuses_nesting_and_bad_size() -> None:
         simulated_world(2),
     ):
         pass
+
+
+def test_reduce_scatter_of_per_rank_shapes_says_so() -> None:
+    """Rows that differ between the ranks: the same-shape message, not a dim-0 one showing a
+    per-rank size."""
+    with simulated_world(2) as world:
+        x = world.rank_map(lambda r: torch.ones(r + 2, 3))
+        with pytest.raises(ValueError, match="every rank must pass the same input shape"):
+            sw.ops.ReduceScatter()(x)

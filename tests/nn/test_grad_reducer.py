@@ -39,3 +39,14 @@ def test_tuple_form_returns_reduced_copies_and_sum() -> None:
         (out,) = sw.nn.DistributedGradReducer([], mean=False)((g,))
         assert_matches_single_device(out, torch.full((3,), 3.0))
         assert_matches_single_device(g, lambda r: torch.full((3,), 1.0 + r))  # input untouched
+
+
+def test_tuple_form_passes_unused_gradients_through() -> None:
+    """``torch.autograd.grad(..., allow_unused=True)`` gives None for an unused input: it is
+    returned as None (it failed with an AttributeError on None)."""
+    with simulated_world(2) as world:
+        g = world.rank_map(lambda r: torch.full((3,), 1.0 + r))
+        first, out = sw.nn.DistributedGradReducer([], mean=True)((None, g))
+        assert first is None
+        assert out is not None
+        assert_matches_single_device(out, torch.full((3,), 1.5))

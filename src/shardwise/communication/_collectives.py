@@ -208,8 +208,8 @@ def _start_reduce_scatter(
 ) -> Pending[torch.Tensor]:
     g = resolve_group(group)
     n = len(g.ranks)
+    _check_same_shape("ReduceScatter", t)  # (first: a per-rank dim 0 named as such)
     _check_dim0("ReduceScatter", t, n)
-    _check_same_shape("ReduceScatter", t)
     start = recorder.start()
     src = _sim.every_rank(t.detach().contiguous())
     token = _trace.enter("ReduceScatter", g)

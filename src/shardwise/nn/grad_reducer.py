@@ -71,17 +71,18 @@ class DistributedGradReducer:
         self._bucket_buffers: dict[tuple[object, ...], torch.Tensor] = {}
 
     def __call__(
-        self, grads: Sequence[torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, ...] | None:
+        self, grads: Sequence[torch.Tensor | None] | None = None
+    ) -> tuple[torch.Tensor | None, ...] | None:
         """Reduce ``p.grad`` of every parameter in place (no argument), or return reduced
         copies of `grads`.
 
         Parameters whose ``.grad`` is None are skipped (every rank of a data-parallel job runs
-        the same network, so they agree on which ones).
+        the same network, so they agree on which ones); so are None entries of `grads`
+        (``torch.autograd.grad(..., allow_unused=True)``), returned as None.
         """
         if grads is not None:
-            copies = [g.detach().clone() for g in grads]
-            self._reduce_into_buffers(copies, {})
+            copies = [None if g is None else g.detach().clone() for g in grads]
+            self._reduce_into_buffers([c for c in copies if c is not None], {})
             return tuple(copies)
         live = [p.grad for p in self.parameters if p.grad is not None]
         self._reduce_into_buffers(live, self._bucket_buffers)
