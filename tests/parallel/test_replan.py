@@ -427,3 +427,36 @@ def test_a_pass_the_network_started_with_a_factory_still_refuses_other_ops() -> 
     not a logging factory to drop and run outside the plan)."""
     net = FactoryFirst()
     second_pass_raises(net, net, "odd", r"called torch.Tensor.abs where")
+
+
+def test_a_flag_picks_the_plan_its_last_call_ran() -> None:
+    """A step that evaluates under ``train=False`` and trains otherwise, its loss scaled after
+    the forward (nanoGPT's ``(loss / accum).backward()``): each call started with the plan the
+    last call ran, so every train call after an eval one stopped at the scaling (the eval
+    plan's end) and ran its whole forward again: twice the forward's collectives, and at hsdp
+    level 3 a leak of the stopped forward. A call starts with the plan of its flags now."""
+    data = batches()
+    net = Branchy()
+    sw.shard(net.fc1, in_strategy=((1, 1), (WORLD, 1)))  # (column parallel: forward collectives)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
+            if not train:
+                with torch.no_grad():
+                    return F.cross_entropy(net(x), y)
+            loss = F.cross_entropy(net(x), y)
+            (loss / 2).backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        counts = []
+        for x, y in [data[0], data[2], data[4]]:
+            with CommRecorder() as rec:
+                parallel(world.rows(x), world.rows(y))
+            counts.append(rec.kinds())
+            parallel(world.rows(x), world.rows(y), train=False)
+    assert counts[0] == counts[1] == counts[2], [sum(c.values()) for c in counts]

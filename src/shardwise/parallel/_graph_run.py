@@ -9,8 +9,8 @@ annotations alike; any dataset strategy):
   ``sw.shard``'s input and output strategies) is one op of the graph (`_shard.reshard_value`,
   through `_graph_capture.GraphSession`); ``sw.shard``'s op form on an ``nn.Linear`` /
   ``nn.Embedding`` annotates its node; parameter plans are collected during the capture. A
-  call with other input shapes or ops is planned again (`GraphRun._replan`; the plans are kept
-  and looked up by `_call_io.input_shapes`).
+  call with other input shapes or ops is planned again (`GraphRun._replan`; the plans are kept,
+  looked up by `_call_io.input_shapes` and by the call's flags: `_variants.ByFlags`).
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
   optimizer state already made); for every parameter in the layout the plan stores it in, the
   gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
@@ -86,7 +86,7 @@ from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
-from shardwise.parallel._variants import known_variant, snapshot
+from shardwise.parallel._variants import ByFlags, known_variant, snapshot
 from shardwise.planner import Graph, ParallelPlan
 from shardwise.planner._user_state import CALL_LIMIT, python_state
 
@@ -128,6 +128,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.session = GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
+        self.by_flags = ByFlags()  # (the plan each call's flags last ran)
         self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: `_network_hooks`)
@@ -241,7 +242,10 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None
-        if shapes != dict(plan.input_shapes):  # another input signature: its plan, or a new one
+        picked = self.by_flags.pick(args, kwargs, shapes)  # (``train=False``: its own plan)
+        if picked is not None:
+            self.parallel_plan, self.templates = picked
+        elif shapes != dict(plan.input_shapes):  # another input signature: its plan, or a new one
             found = [(p, t) for p, t in self.plans if dict(p.input_shapes) == shapes]
             if found:
                 self.parallel_plan, self.templates = found[-1]
@@ -250,7 +254,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self._check_trainable()
         state, python = snapshot(self.modules), python_state(self.objects, CALL_LIMIT, False)
         try:
-            return self._run(args, kwargs)
+            return self._ran(args, kwargs)
         except Replan as e:
             state.restore()  # (what the stopped attempt changed: buffers, the RNG, Python state)
             python()
@@ -262,10 +266,17 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             else:
                 self.parallel_plan, self.templates = variant
         try:
-            return self._run(args, kwargs)
+            return self._ran(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)
             assert self.parallel_plan is not None
             raise replanned_call_differs(self.parallel_plan, e) from None
+
+    def _ran(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """`_run`, its plan then noted for the next call with these flags (`ByFlags`)."""
+        out, ran = self._run(args, kwargs), self.parallel_plan
+        assert ran is not None
+        self.by_flags.note(args, kwargs, (ran, self.templates))
+        return out
 
     def _executor(
         self,

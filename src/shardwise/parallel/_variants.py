@@ -7,12 +7,16 @@ changed, and which known plan fits it.
   statistics, draws).
 - `known_variant(plans, plan, shapes, stop)`: the one plan kept for these inputs whose first ops
   are the ones that ran and whose next op is the one called (or which ends there).
+- `ByFlags`: the plan a call with the same flags last ran (its arguments that are not tensors:
+  bools, strings, None, ``train=False``), to start the next such call with: a step whose
+  branches follow a flag (train / eval) no longer starts each call with the other branch's
+  plan, stops where they part and runs again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,3 +84,43 @@ def known_variant(
         ):
             found.append(variant)
     return found[0] if len(found) == 1 else None
+
+
+_FLAG_TYPES = (bool, str, type(None))
+_MOST_FLAGS = 64  # (flag combinations remembered: the oldest forgotten past it)
+
+
+def _flags(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A call's flags: its top-level arguments that are not tensors, when all are bools,
+    strings or None (positions and names kept); None when another kind is among them (an int
+    that changes every call would make a key per call)."""
+    named = [*enumerate(args), *sorted(kwargs.items())]
+    flags = [(k, v) for k, v in named if not isinstance(v, torch.Tensor)]
+    if not all(isinstance(v, _FLAG_TYPES) for _, v in flags):
+        return None
+    return tuple(flags)
+
+
+@dataclass
+class ByFlags:
+    """Flags -> the plan a call with them last ran (see the module docstring)."""
+
+    seen: dict[tuple[Any, ...], Variant] = field(default_factory=dict)
+
+    def pick(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: dict[str, Any]
+    ) -> Variant | None:
+        """The plan the last call with these flags ran, if it is for inputs of `shapes`."""
+        key = _flags(args, kwargs)
+        found = self.seen.get(key) if key is not None else None
+        return found if found is not None and dict(found[0].input_shapes) == shapes else None
+
+    def note(self, args: tuple[Any, ...], kwargs: dict[str, Any], ran: Variant) -> None:
+        """A call with these arguments ran `ran` to its end."""
+        key = _flags(args, kwargs)
+        if key is None:
+            return
+        self.seen.pop(key, None)
+        self.seen[key] = ran
+        if len(self.seen) > _MOST_FLAGS:
+            self.seen.pop(next(iter(self.seen)))
