@@ -369,6 +369,20 @@ def semi_auto_matches(
     return parallel, rec
 
 
+class TiedHead(nn.Module):
+    """An embedding (16 tokens, 8 wide) and a head sharing its weight (``head.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.emb(x))
+        return out
+
+
 def one_step_matches(
     world_size: int, net: nn.Module, single: nn.Module, x: torch.Tensor, y: torch.Tensor
 ) -> tuple[Any, Any]:

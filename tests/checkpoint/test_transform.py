@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from tests.zoo import TiedHead
 from torch import nn
 
 import shardwise as sw
@@ -347,23 +348,12 @@ def test_tied_weights_follow_their_parameter(tmp_path: Path) -> None:
     """A strategy made from a plan lists the tied weight once; the transform cuts the tied
     name as the job itself stored it (the checkpoint records the alias)."""
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(16, 8)
-            self.head = nn.Linear(8, 16, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.head(self.emb(x))
-            return out
-
     with simulated_world(2):
-        net = Tied()
+        net = TiedHead()
         parallel = AutoParallel(net, parallel_mode="semi_auto").hsdp(threshold=0)
         plan = parallel.plan(shapes=[(4, 3)], dtypes=[torch.int64])
     assert "head.weight" not in plan.params  # (one entry for the tied pair)
-    single = Tied()
+    single = TiedHead()
     sw.save_checkpoint(single, tmp_path / "one" / "x.safetensors")
     strategy = CheckpointStrategy.from_plan(plan, {"head.weight": "emb.weight"})
     transform(tmp_path / "one", tmp_path / "a", strategy)  # records the alias

@@ -33,6 +33,7 @@ from tests.checkpoint.ckpt_cases import (
     split,
     tensors,
 )
+from tests.zoo import TiedHead
 from torch import nn
 
 import shardwise as sw
@@ -285,18 +286,6 @@ def test_a_rank_file_into_a_whole_network_names_its_piece_readably(tmp_path: Pat
         sw.load_param_into_net(torch.nn.Linear(4, 8), part)
 
 
-class _Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.emb(x))
-        return out
-
-
 def test_undescribed_rank_files_of_a_tied_weight_merge_by_the_strategy_file(
     tmp_path: Path,
 ) -> None:
@@ -304,7 +293,7 @@ def test_undescribed_rank_files_of_a_tied_weight_merge_by_the_strategy_file(
     weight merge by the job's parameter strategy file, which records the tie; a file without
     it is refused naming the parameter the file lacks, not asking for src_strategy again."""
     torch.manual_seed(0)
-    net = _Tied()
+    net = TiedHead()
     full = net.emb.weight.detach().clone()
     with simulated_world(2) as world:
         world.replicate(net)
