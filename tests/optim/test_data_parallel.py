@@ -290,8 +290,15 @@ def test_remove_and_garbage_collection() -> None:
         del runner
         gc.collect()
         opt.step()
-        assert rec.count("AllReduce") == 1
+        assert rec.count("AllReduce") == 1  # (the collected runner's hooks do nothing)
+        # (they go at the next registration, not mid-step: tests/optim/test_global_hooks.py)
+        DataParallelRunner(net, [opt]).remove()
         assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+        runner = DataParallelRunner(net, [opt])
+        runner.remove()  # (an optimizer built after it is not adopted: every hook went)
+        later = torch.optim.SGD(net.parameters(), lr=0.1)
+        later.step()
+        assert runner.optimizers == [opt] and not later._optimizer_step_pre_hooks
 
 
 def test_finds_optimizer_in_train_step() -> None:

@@ -23,7 +23,7 @@ import shardwise as sw
 from shardwise.testing import simulated_world
 
 
-def _trained_wrapper(mode: str) -> Any:
+def _trained_wrapper(mode: str) -> tuple[Any, torch.optim.Optimizer]:
     net, x = nn.Linear(4, 2), torch.ones(4, 4)
     with simulated_world(2) as world:
         world.replicate(net)
@@ -40,12 +40,12 @@ def _trained_wrapper(mode: str) -> Any:
         if mode.endswith("+hsdp"):  # (optimizer parallel: its engine's hooks too)
             wrapper.hsdp(threshold=0)
         wrapper(world.rows(x))
-    return wrapper
+    return wrapper, opt
 
 
 @pytest.mark.parametrize("mode", ["semi_auto", "semi_auto+hsdp", "data_parallel"])
 def test_a_wrapper_collected_during_another_optimizers_step(mode: str) -> None:
-    held = [_trained_wrapper(mode)]
+    held = [_trained_wrapper(mode)[0]]
 
     def drop(*_: Any) -> None:  # (the last reference goes, and a collection runs, mid-step)
         held.clear()
@@ -63,3 +63,23 @@ def test_a_wrapper_collected_during_another_optimizers_step(mode: str) -> None:
         for handle in handles:
             handle.remove()
     assert not held and not torch.equal(other.weight, before)  # (collected; the step ran)
+
+
+def test_a_runner_collected_during_its_own_optimizers_step() -> None:
+    """The same with the optimizer whose own step hooks the data-parallel runner holds (the
+    network wrapped again, the first wrapper dropped while its optimizer still steps)."""
+    wrapper, opt = _trained_wrapper("data_parallel")
+    held = [wrapper]
+    del wrapper
+
+    def drop(*_: Any) -> None:
+        held.clear()
+        gc.collect()
+
+    handles = [opt.register_step_pre_hook(drop), opt.register_step_pre_hook(lambda *_: None)]
+    try:
+        opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not held

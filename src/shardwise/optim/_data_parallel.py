@@ -80,14 +80,6 @@ def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimiz
     return find_referenced(train_step)[1]
 
 
-def _remove(handles: list[RemovableHandle], adopt: RemovableHandle) -> None:
-    """The runner's finalizer: its optimizers' own hooks at once, its global hook later
-    (`_global_hooks`: never while a step iterates the global hooks)."""
-    for handle in handles:
-        handle.remove()
-    remove_later([adopt])
-
-
 class DataParallelRunner:
     """Data-parallel training of a train step or a module (MindSpore parallel_mode="data_parallel").
 
@@ -199,8 +191,9 @@ class DataParallelRunner:
         for i, o in enumerate(opts):
             self._hook(o, i)
         # (one built after the wrapper, or not found in the step: adopted at its first step)
-        adopt = register_pre(adopt_hook(ref))  # (global: removed at a safe point)
-        self._finalizer = weakref.finalize(self, _remove, self._handles, adopt)
+        self._handles.append(register_pre(adopt_hook(ref)))
+        # (collected: its hooks, which hold it weakly, go at a safe point: `_global_hooks`)
+        self._finalizer = weakref.finalize(self, remove_later, self._handles)
         RUNNERS[network] = ref
 
     def _hook(self, o: torch.optim.Optimizer, index: int) -> None:
@@ -398,4 +391,6 @@ class DataParallelRunner:
         Example:
             >>> runner.remove()   # the optimizers step as plain single-process ones again
         """
-        self._finalizer()
+        self._finalizer.detach()
+        for handle in self._handles:  # (a call of the user's, not inside a step: at once)
+            handle.remove()
