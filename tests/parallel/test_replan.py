@@ -460,3 +460,33 @@ def test_a_flag_picks_the_plan_its_last_call_ran() -> None:
             counts.append(rec.kinds())
             parallel(world.rows(x), world.rows(y), train=False)
     assert counts[0] == counts[1] == counts[2], [sum(c.values()) for c in counts]
+
+
+def test_a_flag_picks_no_plan_replaced_since() -> None:
+    """A plan noted for a flag, then replaced (a weight frozen: other gradient buckets): the
+    flag's next call runs the plan kept now, whose buckets leave the frozen weight out (it ran
+    the replaced one: the plan the wrapper reported still bucketed the frozen weight)."""
+    data = batches()
+    net = Branchy()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            if train:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        x, y = data[0]
+        parallel(world.rows(x), world.rows(y))
+        parallel(world.rows(x), world.rows(y), train=False)
+        net.fc2.weight.requires_grad_(False)
+        parallel(world.rows(x), world.rows(y))
+        parallel(world.rows(x), world.rows(y), train=False)
+        plan = parallel.parallel_plan
+        assert plan is not None
+        assert not any("fc2.weight" in b.params for b in plan.buckets), plan.buckets

@@ -242,7 +242,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None
-        picked = self.by_flags.pick(args, kwargs, shapes)  # (``train=False``: its own plan)
+        picked = self.by_flags.pick(args, kwargs, shapes, self.plans)  # (``train=False``)
         if picked is not None:
             self.parallel_plan, self.templates = picked
         elif shapes != dict(plan.input_shapes):  # another input signature: its plan, or a new one

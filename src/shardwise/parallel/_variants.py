@@ -108,12 +108,19 @@ class ByFlags:
     seen: dict[tuple[Any, ...], Variant] = field(default_factory=dict)
 
     def pick(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], shapes: dict[str, Any]
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        shapes: dict[str, Any],
+        plans: Sequence[Variant],
     ) -> Variant | None:
-        """The plan the last call with these flags ran, if it is for inputs of `shapes`."""
+        """The plan the last call with these flags ran, if it is for inputs of `shapes` and
+        still one of `plans` (not one replaced since: other gradient buckets)."""
         key = _flags(args, kwargs)
         found = self.seen.get(key) if key is not None else None
-        return found if found is not None and dict(found[0].input_shapes) == shapes else None
+        if found is None or dict(found[0].input_shapes) != shapes:
+            return None
+        return next((v for v in plans if v[0] is found[0]), None)
 
     def note(self, args: tuple[Any, ...], kwargs: dict[str, Any], ran: Variant) -> None:
         """A call with these arguments ran `ran` to its end."""
