@@ -247,6 +247,44 @@ def test_eval_loss_is_the_mean_over_the_batches() -> None:
         sw.Model(net, metrics={"loss"})
 
 
+def test_eval_of_a_shard_with_padding_and_an_auxiliary_output() -> None:
+    """A network returning ``(logits, aux)`` (a 0-d auxiliary loss) to a loss that takes both,
+    on shard 1 of 2 whose last batch is one real row and one wrap-around padding row: the
+    padding row is left out of the logits, the 0-d output kept (slicing it raised IndexError);
+    the metrics equal the real rows'. A sequence-first output cannot be cut: a ValueError."""
+    from shardwise.dataset import GeneratorDataset
+
+    class WithAux(nn.Module):
+        def __init__(self, seq_first: bool = False) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.seq_first = nn.Linear(3, 2), seq_first
+
+        def forward(self, x: torch.Tensor) -> Any:
+            logits = self.lin(x)
+            aux = self.lin.weight.square().mean()  # (a weight penalty: no rows in it)
+            return (logits.unsqueeze(0) if self.seq_first else logits), aux
+
+    def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+        logits = out[0][0] if out[0].dim() == 3 else out[0]
+        loss: torch.Tensor = nn.functional.cross_entropy(logits, y) + out[1]
+        return loss
+
+    g = torch.Generator().manual_seed(3)
+    rows = [(torch.randn(3, generator=g), torch.tensor(i % 2)) for i in range(5)]
+    shard = GeneratorDataset(rows, ["x", "y"], shuffle=False, num_shards=2, shard_id=0)
+    shard = shard.batch(2)  # (rows 0, 1, then row 4 and a wrap-around padding row)
+    assert shard.get_padding() == 1
+    net = WithAux()
+    got = sw.Model(net, loss_fn, metrics={"loss"}).eval(shard)
+    x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    with torch.no_grad():
+        want = (loss_fn(net(x[:2]), y[:2]) + loss_fn(net(x[4:]), y[4:])).item() / 2
+    assert got["loss"] == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="no tensor of the network's output has a row per label"):
+        sw.Model(WithAux(seq_first=True), loss_fn, metrics={"loss"}).eval(shard)
+
+
 def test_steps_in_an_epoch_count_from_its_start() -> None:
     """Steps within an epoch were derived from the run's step count and the epoch length: a
     later train() of another length, one after an early stop, and a dataset without len()

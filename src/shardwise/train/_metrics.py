@@ -83,7 +83,8 @@ class Loss:
         """Add a batch: `logits` and `labels` its counted rows, `whole` the whole batch (a
         sharded last batch's padding rows included), on which `loss_fn` still runs where no
         row is counted: a loss whose collectives every rank must call (the README's
-        ``AllReduce(loss) / n``) then does not wait for this rank (its value is not counted)."""
+        ``AllReduce(loss) / n``) then does not wait for this rank. Its value is not counted
+        here, but such a loss carries it into the other ranks' values of that batch."""
         rows = float(labels.shape[0])
         if not rows:  # (a rank's share of a short last batch may be empty: no NaN mean)
             if whole is not None:

@@ -280,8 +280,9 @@ class Model:
         state = {name: make() for name, make in self.metrics.items()}
         for inputs, label, kept in _trimmed_batches(valid_dataset):
             logits = self.network(*inputs)  # (the whole batch: every rank makes the same calls)
+            counted = (logits, label) if kept == len(label) else _rows(logits, label, kept)
             for m in state.values():
-                m.update(_rows(logits, kept), label[:kept], whole=(logits, label))
+                m.update(*counted, whole=(logits, label))
         self.network.train(was_training)
         sharded = (getattr(valid_dataset, "num_shards", None) or 1) > 1
         out = {}
@@ -324,11 +325,30 @@ def _trimmed_batches(
         batch = following
 
 
-def _rows(out: Any, kept: int) -> Any:
-    """The first `kept` rows of each tensor of a network's output."""
-    if isinstance(out, torch.Tensor):
-        return out[:kept]
-    return pytree.tree_map(lambda t: t[:kept] if isinstance(t, torch.Tensor) else t, out)
+def _rows(out: Any, label: torch.Tensor, kept: int) -> tuple[Any, torch.Tensor]:
+    """The first `kept` rows of a padded batch's output and labels: of each tensor of the
+    output with a row per label (its dim 0); other tensors (a 0-d auxiliary loss) as they are.
+
+    Raises:
+        ValueError: no tensor of the output has a row per label (a sequence-first output).
+    """
+    rows = len(label)
+    cut: list[bool] = []
+
+    def first(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows:
+            cut.append(True)
+            return t[:kept]
+        return t
+
+    trimmed = pytree.tree_map(first, out)
+    if not cut:
+        raise ValueError(
+            f"Model.eval: the last batch holds {rows - kept} padding rows of a sharded dataset, "
+            f"but no tensor of the network's output has a row per label (dim 0 of size {rows}) "
+            "to leave them out; return batch-first outputs"
+        )
+    return trimmed, label[:kept]
 
 
 class _progress:
