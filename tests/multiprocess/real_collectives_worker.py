@@ -92,7 +92,13 @@ def checks() -> None:
                 ring((torch.ones(2, 3, dtype=torch.float64),))
             except ValueError as e:
                 assert "of torch.float32" in str(e) and "of torch.float64" in str(e), e
-                print("CHECK NeighborExchange-shapes OK", flush=True)
+                # a message to itself of another dtype: the same (it was cast silently)
+                itself = sw.ops.NeighborExchange([rank], [rank], [[2]], [[2]])
+                try:
+                    itself((torch.ones(2, dtype=torch.float64),))
+                except ValueError as e:
+                    assert f"rank {rank} expects shape [2] of torch.float32 from rank" in str(e)
+                    print("CHECK NeighborExchange-shapes OK", flush=True)
     # 1 x n strip, one-column halos, no wrap-around: direction 2 = right, 6 = left
     ids = [-1] * 8
     ids[2] = rank + 1 if rank + 1 < n else -1

@@ -8,10 +8,10 @@ delivered by a local copy (`_to_self`: gloo has no pair to itself). The call is 
 group's ranks take part in point-to-point. Each message carries a header of its dtype and
 shape (`HEADER`, 128 bytes; not counted in the recorded bytes), checked by the receiver: a
 message of another shape or dtype that fits the receiver's buffer is a ValueError naming both
-(gloo would deliver a shorter one silently, into a buffer whose tail it leaves as it was). The
-buffer has room for the expected number of elements of any dtype, so a message of the expected
-shape in another dtype is named too; one with more elements fails in gloo (the process
-aborts).
+(gloo would deliver a shorter one silently, into a buffer whose tail it leaves as it was). On
+gloo the buffer has room for the expected number of elements of any dtype, so a message of the
+expected shape in another dtype is named too; one with more elements fails in gloo (the process
+aborts). A message a rank sends itself is checked alike (`_to_self`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.communication import _sim, recorder
-from shardwise.communication._collectives import check_member
+from shardwise.communication._collectives import _is_gloo, check_member
 from shardwise.communication._init import Group, resolve_group
 
 
@@ -31,6 +31,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _to_self(
+    kind: str,
     sends: Sequence[torch.Tensor],
     send_to: Sequence[tuple[int, int]],
     outs: Sequence[torch.Tensor],
@@ -38,14 +39,17 @@ def _to_self(
     me: int,
 ) -> set[int]:
     """Messages a rank sends to itself, delivered by a local copy (gloo has no pair to itself):
-    the receive slots filled, matched with the sends by tag, in order."""
+    the receive slots filled, matched with the sends by tag, in order; another shape or dtype
+    than the slot's is the ValueError of a message from another rank."""
     filled: set[int] = set()
     for x, (dst, tag) in zip(sends, send_to, strict=True):
         if dst != me:
             continue
         for j, (src, rtag) in enumerate(recv_from):
             if src == me and rtag == tag and j not in filled:
-                outs[j].copy_(x.detach().reshape(outs[j].shape))
+                if x.shape != outs[j].shape or x.dtype != outs[j].dtype:
+                    _mismatch(kind, outs[j], me, me, list(x.shape), x.dtype)
+                outs[j].copy_(x.detach())
                 filled.add(j)
                 break
     return filled
@@ -79,6 +83,16 @@ def _framed(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([head.to(x.device).view(torch.uint8), body])
 
 
+def _mismatch(
+    kind: str, out: torch.Tensor, src: int, me: int, shape: list[int], sent: torch.dtype | None
+) -> None:
+    raise ValueError(
+        f"{kind}: rank {me} expects shape {list(out.shape)} of {out.dtype} from rank {src}, "
+        f"which sent shape {shape} of {sent or 'another dtype'}: make recv_shapes and recv_type "
+        f"match the sender's send_shapes and dtype"
+    )
+
+
 def _unframed(kind: str, buf: torch.Tensor, out: torch.Tensor, src: int, me: int) -> None:
     """Check the header of a message received into `buf` against `out` (the shape and dtype
     this rank expects) and copy the message's bytes into `out`."""
@@ -87,12 +101,7 @@ def _unframed(kind: str, buf: torch.Tensor, out: torch.Tensor, src: int, me: int
     shape = [int(d) for d in head[2 : 2 + min(ndim, HEADER - 2)]]
     same = code == _code(out.dtype) and ndim == out.dim()
     if not same or shape != list(out.shape)[: HEADER - 2]:
-        sent = _DTYPES[code] if 0 <= code < len(_DTYPES) else "another dtype"
-        raise ValueError(
-            f"{kind}: rank {me} expects shape {list(out.shape)} of {out.dtype} from rank {src}, "
-            f"which sent shape {shape} of {sent}: make recv_shapes and recv_type match the "
-            f"sender's send_shapes and dtype"
-        )
+        _mismatch(kind, out, src, me, shape, _DTYPES[code] if 0 <= code < len(_DTYPES) else None)
     out.copy_(buf[HEADER * 8 : HEADER * 8 + _nbytes(out)].view(out.dtype).view(out.shape))
 
 
@@ -115,14 +124,19 @@ def _p2p(
         for s, (src, _) in zip(recv_shapes, recv_from, strict=True)
     ]
     me = dist.get_rank()
-    to_self = _to_self(sends, send_to, outs, recv_from, me)
+    to_self = _to_self(kind, sends, send_to, outs, recv_from, me)
     ops = [  # (an empty message is not sent, nor received: the simulated world's rule)
         dist.P2POp(dist.isend, _framed(x), dst, g.pg, tag)
         for x, (dst, tag) in zip(sends, send_to, strict=True)
         if dst not in (-1, me) and x.numel() > 0
     ]
-    received = {  # (room for its elements of any dtype: another one is named, not a gloo abort)
-        j: torch.empty(HEADER * 8 + out.numel() * _WIDEST, dtype=torch.uint8, device=device)
+    # (gloo: room for the expected elements of any dtype, so that another dtype is named, not
+    # a gloo abort; other backends want the sizes of a send and its receive equal)
+    width = _WIDEST if _is_gloo(g) else 0
+    received = {
+        j: torch.empty(
+            HEADER * 8 + max(out.numel() * width, _nbytes(out)), dtype=torch.uint8, device=device
+        )
         for j, (out, (src, _)) in enumerate(zip(outs, recv_from, strict=True))
         if src != -1 and j not in to_self and out.numel() > 0
     }
