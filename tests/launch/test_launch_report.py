@@ -405,15 +405,21 @@ def test_a_native_crash_shows_the_crashing_threads_stack_first(tmp_path: Path) -
 def test_a_failing_rank_is_told_from_a_stopped_one_by_what_it_says(tmp_path: Path) -> None:
     """Whether a rank had failed on its own when the launcher stopped it was guessed from its
     log: rank 1 (a handled, printed traceback, then ``epoch: 3``, then still working) was
-    reported as failed, rank 2 (raised a two-line message, still tearing down) as stopped."""
+    reported as failed, rank 2 (raised a two-line message, still tearing down) as stopped;
+    rank 3 (its own excepthook installed after init()'s) was not marked failing at all."""
     from shardwise.testing import run_job
 
-    script = tmp_path / "three.py"
+    script = tmp_path / "four.py"
     script.write_text(
         "import atexit, os, sys, time, traceback\n"
         "from shardwise import communication as comm\n"
+        "if os.environ['RANK'] == '3':  # (runs after init()'s exit handler: registered first)\n"
+        "    atexit.register(time.sleep, 60)\n"
         "comm.init('gloo')\n"
         "rank = comm.get_rank()\n"
+        "if rank == 3:  # its own excepthook, installed after init()'s\n"
+        "    sys.excepthook = lambda *e: traceback.print_exception(*e)\n"
+        "    raise LookupError('own hook')\n"
         "if rank == 1:\n"
         "    try:\n"
         "        raise KeyError('handled')\n"
@@ -427,10 +433,11 @@ def test_a_failing_rank_is_told_from_a_stopped_one_by_what_it_says(tmp_path: Pat
         "time.sleep(1.0)\n"
         "raise RuntimeError('rank 0 fails')\n"
     )
-    res = run_job(script, 3, tmp_path / "logs", timeout=60, env={"SHARDWISE_STOP_GRACE": "3"})
+    res = run_job(script, 4, tmp_path / "logs", timeout=60, env={"SHARDWISE_STOP_GRACE": "3"})
     assert res.returncode == 1, res.output
     assert "stopped by the launcher: rank 1 " in res.output, res.output
     assert "rank 2 also failed" in res.output, res.output
+    assert "LookupError: own hook" in res.output, res.output  # (rank 3: failed, not stopped)
     assert "  second line of the message" in res.output.splitlines(), res.output
 
 

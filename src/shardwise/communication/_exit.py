@@ -112,6 +112,7 @@ def _at_exit() -> None:
     if _installed_pid != os.getpid():
         return
     if script_failed():
+        _trace.mark_failing()  # (an excepthook installed after init() replaced the marking one)
         # A failing script keeps torch's own teardown: destroying its groups here would close
         # its connections while it is still alive, and the peers waiting on it would fail (and
         # could exit) before it does. A short pause (the GIL released) lets torch's worker
