@@ -140,16 +140,19 @@ def test_a_data_loader_over_an_iterable_dataset_trains() -> None:
     assert [(e, s) for e, s, _ in losses.seen] == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3)]
 
 
-def test_a_distributed_samplers_epoch_is_set_each_epoch() -> None:
-    """A DataLoader over a ``DistributedSampler`` (shuffle on) is told each epoch, as a DDP loop
-    calls ``loader.sampler.set_epoch(e)``: it yielded the same order every epoch."""
+@pytest.mark.parametrize("form", ["sampler", "batch_sampler"])
+def test_a_distributed_samplers_epoch_is_set_each_epoch(form: str) -> None:
+    """A DataLoader over a ``DistributedSampler`` (shuffle on; also inside a ``BatchSampler``)
+    is told each epoch, as a DDP loop calls ``sampler.set_epoch(e)``: it yielded the same order
+    every epoch."""
     x, y = torch.arange(8.0).unsqueeze(1).repeat(1, 3), torch.zeros(8, dtype=torch.int64)
-    sampler = torch.utils.data.DistributedSampler(
-        torch.utils.data.TensorDataset(x, y), num_replicas=2, rank=0, shuffle=True, seed=0
-    )
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=4, sampler=sampler
-    )
+    data = torch.utils.data.TensorDataset(x, y)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+    if form == "sampler":
+        loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    else:
+        batches = torch.utils.data.BatchSampler(sampler, batch_size=4, drop_last=False)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=batches)
     order: list[list[float]] = []
 
     class Rows(nn.Linear):

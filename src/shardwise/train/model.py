@@ -231,7 +231,8 @@ class Model:
     ) -> None:
         # (a resumed run sees the same data order as an uninterrupted one; a DataLoader's
         # DistributedSampler is told the epoch too, as a hand-written DDP loop would)
-        for holder in (data, getattr(data, "sampler", None)):
+        batches = getattr(data, "batch_sampler", None)  # (a DataLoader's BatchSampler)
+        for holder in (data, getattr(data, "sampler", None), getattr(batches, "sampler", None)):
             set_epoch = getattr(holder, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(ctx.cur_epoch_num - 1)
