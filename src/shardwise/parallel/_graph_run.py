@@ -254,7 +254,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self._check_trainable()
         state, python = snapshot(self.modules), python_state(self.objects, CALL_LIMIT, False)
         try:
-            return self._ran(args, kwargs)
+            return self._run(args, kwargs)
         except Replan as e:
             state.restore()  # (what the stopped attempt changed: buffers, the RNG, Python state)
             python()
@@ -266,17 +266,10 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             else:
                 self.parallel_plan, self.templates = variant
         try:
-            return self._ran(args, kwargs)
+            return self._run(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)
             assert self.parallel_plan is not None
             raise replanned_call_differs(self.parallel_plan, e) from None
-
-    def _ran(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """`_run`, its plan then noted for the next call with these flags (`ByFlags`)."""
-        out, ran = self._run(args, kwargs), self.parallel_plan
-        assert ran is not None
-        self.by_flags.note(args, kwargs, (ran, self.templates))
-        return out
 
     def _executor(
         self,
@@ -344,7 +337,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         report.dump_optimizer(made, plan.matrix, variant=variant)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One call under a `PlanExecutor` of the current plan."""
+        """One call under a `PlanExecutor` of the current plan, noted for its flags."""
         plan = self.parallel_plan
         assert plan is not None
         inside = bool(plan.roots)  # (the backward runs in the call, else after it)
@@ -400,4 +393,5 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         else:
             out = executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
         mark_outputs(out, caller)  # (an input computed from them: `_input_grads`)
+        self.by_flags.note(*caller, (plan, self.templates))  # (the next call with its flags)
         return out
