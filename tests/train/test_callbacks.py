@@ -250,6 +250,19 @@ def test_eval_loss_is_the_mean_over_the_batches() -> None:
         sw.Model(net, metrics={"loss"})
 
 
+@pytest.mark.parametrize("metric", ["accuracy", "loss"])
+def test_eval_of_no_rows_is_refused(metric: str) -> None:
+    """A dataset whose every row ``drop_remainder`` dropped: a ValueError naming it (the
+    accuracy and the loss were 0.0, silently, as if measured)."""
+    from shardwise.dataset import GeneratorDataset
+
+    rows = [(torch.randn(3), torch.tensor(0)) for _ in range(5)]
+    empty = GeneratorDataset(rows, ["x", "y"], shuffle=False).batch(8, drop_remainder=True)
+    model = sw.Model(nn.Linear(3, 2), nn.CrossEntropyLoss(), metrics={metric})
+    with pytest.raises(ValueError, match=r"metric counted no rows: .*drop_remainder=True"):
+        model.eval(empty)
+
+
 def test_eval_of_a_shard_with_padding_and_an_auxiliary_output() -> None:
     """A network returning ``(logits, aux)`` (a 0-d auxiliary loss) to a loss that takes both,
     on shard 1 of 2 whose last batch is one real row and one wrap-around padding row: the

@@ -13,9 +13,17 @@ from typing import Any
 import torch
 
 
+def _no_rows(metric: str) -> str:
+    return (
+        f"Model.eval: the {metric} metric counted no rows: the dataset gave none (empty, or "
+        "batch(..., drop_remainder=True) dropped them all); give it at least one row (MindSpore's "
+        "metrics refuse an empty evaluation too)"
+    )
+
+
 class _Mean:
     """A sum (a float64 tensor: per rank in a simulated world) and a count, added batch by
-    batch; the result is their ratio (0 when nothing was counted)."""
+    batch; the result is their ratio (a ValueError when nothing was counted)."""
 
     def __init__(self) -> None:
         self.sum: torch.Tensor | None = None
@@ -31,7 +39,9 @@ class _Mean:
         return torch.stack([total, count])
 
     def result(self, counts: torch.Tensor) -> float:
-        return float(counts[0] / counts[1]) if float(counts[1]) else 0.0
+        if not float(counts[1]):
+            raise ValueError(_no_rows(type(self).__name__))
+        return float(counts[0] / counts[1])
 
 
 class Accuracy(_Mean):
@@ -113,7 +123,7 @@ class Loss:
     def result(self, counts: torch.Tensor) -> float:
         kept = counts[1] > 0
         if not bool(kept.any()):
-            return 0.0
+            raise ValueError(_no_rows("Loss"))
         return float((counts[0][kept] / counts[1][kept]).mean())
 
 
