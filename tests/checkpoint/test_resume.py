@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,19 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
         (torch.randn(5, 8, generator=generator), torch.randint(0, 3, (5,), generator=generator))
         for _ in range(6)
     ]
+
+
+def _step_of(net: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """A train step ``step(x, y)``: cross entropy of `net`, backward, `opt`'s step."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
 
 
 def _train(
@@ -164,13 +178,7 @@ def test_whole_file_loaded_before_the_first_parallel_call(plan: str, tmp_path: P
         assert load_param_into_net(net, ckpt, strict_load=True) == ([], [])
         load_optimizer_state(opt, ckpt, net)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = _step_of(net, opt)
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         if plan != "data_parallel" and plan != "megatron":
             parallel.hsdp(threshold=0, optimizer_level=plan.split("_")[1])
@@ -195,13 +203,7 @@ def test_saving_between_plan_and_the_first_hsdp_step_names_the_cause(tmp_path: P
         load_param_into_net(net, ckpt)
         load_optimizer_state(opt, ckpt, net)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = _step_of(net, opt)
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto").hsdp(threshold=0)
         parallel.plan(shapes=[(4, 8), (4,)], dtypes=[torch.float32, torch.int64])
         rank_file = tmp_path / "job" / "rank_1" / "c.safetensors"
