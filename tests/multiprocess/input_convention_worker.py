@@ -15,7 +15,7 @@ import shardwise as sw
 from shardwise.communication import get_group_size, get_rank, init
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
-from test_input_convention import CASES, run_case, single_device
+from test_input_convention import CASES, MLP, data, run_case, single_device
 
 
 def main() -> None:
@@ -37,6 +37,33 @@ def checks() -> None:
         give = (lambda x: x) if strategy == "full_batch" else rows
         run_case(n, cls(), (mode, form, strategy), give, single_device(cls))
         print(f"CHECK {cls.__name__}-{mode}-{form}-{strategy} OK", flush=True)
+    for mode in ("semi_auto", "data_parallel"):
+        _other_batches_refused(mode, rank)
+        print(f"CHECK full_batch-other-batches-{mode} OK", flush=True)
+
+
+def _other_batches_refused(mode: str, rank: int) -> None:
+    """Under ``"full_batch"`` rank 1 passes another batch than rank 0: both ranks raise the
+    same ValueError (through the job's store), before any collective."""
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), 0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    wrapper = sw.AutoParallel(step, parallel_mode=mode).dataset_strategy("full_batch")
+    x, y = data()[0]
+    try:
+        wrapper(x.roll(rank, 0), y)
+    except ValueError as e:
+        assert "differs on rank 1 from rank 0's" in str(e), e
+    else:
+        raise AssertionError("another batch on rank 1 was not refused")
+    wrapper.remove()
 
 
 if __name__ == "__main__":

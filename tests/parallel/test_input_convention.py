@@ -211,6 +211,45 @@ def test_ranks_passing_different_row_counts_are_named(mode: str) -> None:
 
 
 @pytest.mark.parametrize("form", ["module", "train_step"])
+@pytest.mark.parametrize("mode", ["semi_auto", "data_parallel"])
+def test_full_batch_with_each_ranks_own_rows_is_refused(mode: str, form: str) -> None:
+    """Under ``"full_batch"`` every rank passes the whole batch; each rank passing its own rows
+    (of the same shape: a shuffled batch here) trained each rank on another batch and returned
+    another loss per rank, silently. The first call compares every rank's inputs with rank
+    0's."""
+    net, (x, y) = MLP(), data()[0]
+    with simulated_world(4) as world:
+        world.replicate(net)
+        make = module_form if form == "module" else train_step_form
+        _, _, call = make(4, net, mode, "full_batch")
+        with pytest.raises(ValueError, match=r"'full_batch'.*differs on rank 1 from rank 0's"):
+            call(world.rank_map(lambda r: x.roll(r, 0)), world.same(y))
+
+
+def test_replicas_of_a_per_input_block_must_pass_the_same_block() -> None:
+    """A per-input strategy splitting the rows in 2 on 4 ranks: ranks 0 and 1 hold one block,
+    ranks 2 and 3 the other; each rank passing its own quarter is refused, each pair passing its
+    half trains as one device."""
+    (losses, _), net, (x, y) = single_device(MLP), MLP(), data()[0]
+    with simulated_world(4) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), 0.1)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(a), b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        wrapper = AutoParallel(step, parallel_mode="semi_auto").dataset_strategy(((2, 1), (2,)))
+        with pytest.raises(ValueError, match=r"differs on rank 1 from rank 0's, rank 3 from rank"):
+            wrapper(world.rows(x), world.rows(y))
+        half = [world.rank_map(lambda r, t=t: t.chunk(2)[r // 2]) for t in (x, y)]
+        assert_matches_single_device(wrapper(*half), torch.tensor(losses[0]))
+
+
+@pytest.mark.parametrize("form", ["module", "train_step"])
 def test_full_batch_takes_this_ranks_share(form: str) -> None:
     """semi_auto under ``"full_batch"``: the first unannotated op takes this rank's rows of the
     whole batch (a local slice), so the plain-torch layers run on 8 / 4 rows per rank, as under

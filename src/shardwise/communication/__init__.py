@@ -9,7 +9,7 @@ process-group functions directly.
   refuses a backend this torch/machine lacks (``"nccl"`` without CUDA) with what to do.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
   world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
-  `file_rank`, `shared_value`).
+  `file_rank`, `shared_value`, `ranks_unlike_leader`).
 - `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
@@ -53,6 +53,7 @@ from shardwise.communication._ranks import (
     process_ranks,
     rank_parts,
     rank_value,
+    ranks_unlike_leader,
     shared_value,
 )
 from shardwise.communication._sim import (
@@ -112,6 +113,7 @@ __all__ = [
     "process_ranks",
     "rank_parts",
     "rank_value",
+    "ranks_unlike_leader",
     "release",
     "release_buffers",
     "replicated_draw",

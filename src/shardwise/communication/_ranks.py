@@ -16,10 +16,15 @@ is in, so tests run the code that real jobs run:
 - `file_rank`: the rank and world size that name the files this process writes itself.
 - `shared_value`: a tensor's one value for such a file, None when the ranks the process runs
   hold different values.
+- `ranks_unlike_leader`: the ranks whose value of a tensor differs from their leader rank's
+  (inputs every rank passes alike, checked once per plan), the same answer on every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -237,3 +242,58 @@ def first_claim(key: str, value: str) -> str:
 
     store = default_store()
     return bytes(store.compare_set(f"shardwise/claim/{key}", "", value)).decode()
+
+
+_checks = itertools.count()  # (each rank makes the same checks in the same order: their keys)
+
+
+def ranks_unlike_leader(t: torch.Tensor, leader: Callable[[int], int]) -> tuple[list[int], int]:
+    """Which ranks hold another value of `t` than their leader rank (``leader(rank)``) does:
+    every rank of the job calls it at the same point with its own `t`, and every rank gets the
+    same answer.
+
+    In a simulated world each rank's value is compared with its leader's directly. In a job a
+    leader writes a digest of its value to the job's store, each other rank compares its own
+    digest with its leader's, and the ranks wait for each other's verdicts there (no
+    collective, no device memory: once per plan, not per step).
+
+    Returns:
+        ``(ranks, count)``: `count` ranks differ; `ranks` names them (in a job one of them,
+        the first to report). ``([], 0)`` outside a job, in a dry run and for meta tensors.
+
+    Example:
+        >>> ranks, count = comm.ranks_unlike_leader(batch, lambda r: 0)
+        >>> if count:
+        ...     raise ValueError(f"full_batch: rank {ranks[0]} passed another batch than rank 0")
+    """
+    key = f"shardwise/same/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_checks)}"
+    if not dist.is_initialized() or t.is_meta:
+        return [], 0
+    sim = _sim.current()
+    if sim is not None:
+        parts = sim.local_tensors(t)
+        unlike = [r for r, part in enumerate(parts) if not _same(part, parts[leader(r)])]
+        return unlike, len(unlike)
+    if dist.get_backend() == "fake" or dist.get_world_size() == 1:  # (a dry run: no values)
+        return [], 0
+    from shardwise._torch.c10d import default_store
+
+    store, rank = default_store(), dist.get_rank()
+    lead, mine = leader(rank), _digest(t)
+    if lead == rank:
+        store.set(f"{key}/{rank}", mine)
+    elif bytes(store.get(f"{key}/{lead}")).decode() != mine:
+        store.compare_set(f"{key}/first", "", str(rank))
+        store.add(f"{key}/unlike", 1)
+    if store.add(f"{key}/arrived", 1) == dist.get_world_size():
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"])
+    count = store.add(f"{key}/unlike", 0)
+    return ([int(bytes(store.get(f"{key}/first")))] if count else []), count
+
+
+def _digest(t: torch.Tensor) -> str:
+    """A digest of `t`'s dtype, shape and bytes (hex)."""
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    head = f"{t.dtype}{list(t.shape)}".encode()
+    return hashlib.blake2b(head + bytes(raw.numpy()), digest_size=16).hexdigest()

@@ -68,6 +68,7 @@ from shardwise.optim._data_parallel_steps import (
     gather_rows,
     local_rows,
     mean_loss,
+    same_batch,
     same_shapes,
 )
 from shardwise.optim._global_hooks import register_pre, remove_later
@@ -169,6 +170,7 @@ class DataParallelRunner:
         self._params = list(network.parameters())  # (listed once: checked every call)
         self._stepped: list[int] | None = []  # (the optimizers that stepped in a checked call)
         self.stepping = 0  # known optimizers' steps running now
+        self._checked_batch = False  # (``"full_batch"``: `same_batch` ran)
         self.optimizers = opts
         self.train_step = train_step
         self.dataset_strategy: str = dataset_strategy
@@ -342,6 +344,9 @@ class DataParallelRunner:
         self.stepping = 0  # (a step that raised never ran its post-hook)
         same_shapes([*inputs, *kwargs.values()])
         if self.dataset_strategy == "full_batch":
+            if not self._checked_batch:  # (the first call: every rank passed the same batch)
+                same_batch([*inputs, *kwargs.values()])
+                self._checked_batch = True
             rank = comm.get_rank()
             inputs = tuple(local_rows(x, self.world, rank) for x in inputs)
             kwargs = {k: local_rows(x, self.world, rank) for k, x in kwargs.items()}

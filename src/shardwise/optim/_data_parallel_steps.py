@@ -3,7 +3,8 @@ gradients and parameters: the collectives of data-parallel mode (through
 ``communication._collectives``), and the batch cut.
 
 - `local_rows` (``"full_batch"``): this rank's rows of a global-batch input; `same_shapes`:
-  every rank's inputs of one shape (a simulated world sees ranks that differ).
+  every rank's inputs of one shape (a simulated world sees ranks that differ); `same_batch`
+  (``"full_batch"``, first call): every rank's inputs of one value.
 - `mean_loss` (train-step form): the step's loss averaged over the ranks (one AllReduce).
 - `gather_rows` (module form, ``"full_batch"``): the output's rows of every rank, concatenated
   (``sw.ops.AllGather``, autograd-aware).
@@ -26,6 +27,7 @@ from torch import nn
 from shardwise._torch import pytree
 from shardwise._torch.storage import version
 from shardwise.communication import _collectives as C
+from shardwise.communication import ranks_unlike_leader
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO
 
@@ -127,6 +129,22 @@ def same_shapes(inputs: Sequence[Any]) -> None:
                     f"every rank passes the same shapes (as many rows on each rank; "
                     f"batch(..., drop_remainder=True) for the last batch)"
                 ) from None
+
+
+def same_batch(inputs: Sequence[Any]) -> None:
+    """``"full_batch"``: raise ValueError when a tensor input differs from rank 0's on some
+    rank (each rank passed its own rows; checked through the job's store:
+    `communication.ranks_unlike_leader`)."""
+    for i, x in enumerate(x for x in inputs if isinstance(x, torch.Tensor)):
+        unlike, count = ranks_unlike_leader(x, lambda r: 0)
+        if count:
+            raise ValueError(
+                f"{WHO}: dataset_strategy 'full_batch': tensor input {i} (shape "
+                f"{list(x.shape)}) differs on rank {unlike[0]} from rank 0's"
+                f"{f' (and on {count - 1} more ranks)' if count > 1 else ''}, but every rank "
+                f"passes the whole global batch; pass the same batch on every rank, or use "
+                f"dataset_strategy 'data_parallel' where each rank passes its own rows"
+            )
 
 
 def check_updates(

@@ -83,6 +83,7 @@ from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import CopiedHooks, copied
 from shardwise.parallel._recompute import REENTRANT_HSDP
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
+from shardwise.parallel._same_inputs import check_same_inputs
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
@@ -140,7 +141,9 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
     ) -> tuple[Graph, ParallelPlan]:
-        """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps)."""
+        """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps), once
+        the ranks meant to pass the same inputs are found to (`check_same_inputs`)."""
+        check_same_inputs(self.dataset, args, kwargs)
         with self._capturing():
             graph, plan = capture_plan(
                 self.fn,
