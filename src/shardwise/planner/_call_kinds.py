@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase
+from shardwise._torch.dispatch import TensorBase
 
 T = torch.Tensor
 _METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.numel}
@@ -32,8 +32,8 @@ def record_kind(func: Callable[..., Any]) -> str:
     of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
     if func in _ALIASES:
         return "alias"
-    if func in _METADATA or isinstance(func, OpOverload | OpOverloadPacket):
-        return "skip"  # (aten ops called from Python by a dispatch mode, e.g. a simulated world)
+    if func in _METADATA or getattr(func, "namespace", None) == "prim":
+        return "skip"  # (``torch.ops.prim.device`` and kin: metadata; ``torch.ops.aten.*``: ops)
     if func is T.backward or func is torch.autograd.backward:
         return "backward"
     if func is torch.autograd.grad:
