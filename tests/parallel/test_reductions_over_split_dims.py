@@ -8,6 +8,10 @@ The rows are now gathered before such an op (`aten_rules.odd_partial_axes`): los
 gradient equal one device's, and the collectives are exactly the rows' AllGather (its adjoint a
 ReduceScatter), the loss's AllReduce and the weight's gradient AllReduce.
 
+A boolean ``any`` over a split dim (``(h > 0.5).any(0).float()`` under plain data parallel,
+``.any(1)`` of a column-parallel output) is a logical or, which DTensor calls a partial sum; its
+inputs are gathered the same way (the sum was carried through the cast and counted the ranks).
+
 Also a mean over the split rows read by an op that adds a bias (``nn.Linear``, ``addmm``,
 ``baddbmm``): the mean is a partial average, and the bias stays whole on every rank (it was
 kept on the first rank only, as for a partial sum: divided by the ranks after the average).
@@ -114,3 +118,52 @@ def test_a_bias_added_to_a_mean_over_split_rows(form: str) -> None:
     _, rec = one_step_matches(WORLD, net, single, x, y)
     every = tuple(range(WORLD))
     assert rec.kinds()[("AllGather", "forward", every)] == 0, rec.summary()  # (no rows moved)
+
+
+ANY_FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "float": lambda h: h * (h > 0.5).any(dim=0, keepdim=True).float(),
+    "sum": lambda h: h + (h > 0.5).any(dim=0).sum(),
+    "long": lambda h: h * (h > 0.5).any(dim=0).long(),
+    "to": lambda h: h * (h > 0.5).any(dim=0).to(h.dtype),
+    "columns": lambda h: h * (h > 0).any(dim=1, keepdim=True).float(),
+}
+
+
+class _AnyMasked(nn.Module):
+    """`l1`'s output masked by a boolean ``any`` over a dim the plan splits (the rows under
+    data parallel; the columns when `l1` is column parallel over (dp, mp))."""
+
+    def __init__(self, form: str, split: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.l1, self.head = nn.Linear(H, H), nn.Linear(H, 4)
+        if split is not None:
+            sw.shard(self.l1, in_strategy=((split[0], 1), (split[1], 1)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(ANY_FORMS[self.form](self.l1(x))), y)
+
+
+@pytest.mark.parametrize(
+    ("form", "world", "split"),
+    [
+        ("float", 2, None),
+        ("sum", 2, None),
+        ("long", 2, None),
+        ("to", 2, None),
+        ("float", 4, None),
+        ("columns", 2, (1, 2)),
+        ("columns", 4, (2, 2)),
+    ],
+)
+def test_any_over_a_split_dim_is_a_logical_or(
+    form: str, world: int, split: tuple[int, int] | None
+) -> None:
+    """DTensor calls ``mask.any(dim)`` over a split dim a partial sum; the plan carried it
+    through the cast (or the sum) and summed the cast values: a column True on two ranks
+    became 2.0. The split is gathered before the ``any`` now, as before a max."""
+    single, net = _AnyMasked(form), _AnyMasked(form, split)
+    x = torch.randn(BATCH, H, generator=torch.Generator().manual_seed(5))
+    y = torch.randint(0, 4, (BATCH,), generator=torch.Generator().manual_seed(6))
+    one_step_matches(world, net, single, x, y)

@@ -31,10 +31,12 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from shardwise._torch import pytree
 from shardwise._torch.dtensor import StridedShard
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec, has_rule, propagate
+from shardwise.ops._odd_partials import LOGICAL_OR_OPS as LOGICAL_OR_OPS
+from shardwise.ops._odd_partials import odd_partial_axes as odd_partial_axes
+from shardwise.ops._odd_partials import whole_on
 
 Placements = tuple[Placement, ...]
 Arg = Spec
@@ -331,37 +333,6 @@ def rule_source(op: Any) -> str:
     return "dtensor" if has_rule(op) else "replicate"
 
 
-def odd_partial_axes(outs: Sequence[Placements | None]) -> set[int]:
-    """The mesh axes where an output is a partial value the plan cannot reduce: one combined by
-    max, min or product, or one of DTensor's partial subclasses (a norm's, a masked lookup's),
-    and, when an output is a sum on some axes and a mean on others, the mean's (a `Placed`
-    reduces all its partial axes one way)."""
-    odd: set[int] = set()
-    for placements in outs:
-        if placements is None or not any(isinstance(p, Partial) for p in placements):
-            continue
-        kinds = {
-            a: p.reduce_op if type(p) is Partial else "other"
-            for a, p in enumerate(placements)
-            if isinstance(p, Partial)
-        }
-        odd |= {a for a, k in kinds.items() if k not in ("sum", "avg")}
-        if {"sum", "avg"} <= set(kinds.values()):
-            odd |= {a for a, k in kinds.items() if k == "avg"}
-    return odd
-
-
-def _whole_on(axes: set[int], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
-    """The arguments with every tensor whole (replicated) on mesh `axes`."""
-
-    def whole(s: Spec) -> Spec:
-        placements = tuple(Replicate() if a in axes else p for a, p in enumerate(s.placements))
-        return Spec(placements, s.shape, s.stride, s.dtype)
-
-    moved: tuple[Any, Any] = pytree.tree_map_only(Spec, whole, (tuple(args), dict(kwargs)))
-    return moved
-
-
 def decide(
     op: Any,
     args: Sequence[Any],
@@ -386,11 +357,11 @@ def decide(
     if has_rule(op):
         try:
             ins, outs = propagate(op, args, kwargs, mesh, out_shapes)
-            odd = odd_partial_axes(outs)
-            if odd:  # (a max / min / norm / product over a split dim: those axes whole first)
-                args, kwargs = _whole_on(odd, args, kwargs)
+            odd = odd_partial_axes(outs, op)
+            if odd:  # (a max / min / norm / product / any over a split dim: those whole first)
+                args, kwargs = whole_on(odd, args, kwargs)
                 ins, outs = propagate(op, args, kwargs, mesh, out_shapes)
-            if not odd_partial_axes(outs):
+            if not odd_partial_axes(outs, op):
                 return Decision(tuple(ins), tuple(outs), "dtensor")
         except NotImplementedError:
             pass
