@@ -8,7 +8,9 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
   ones its inputs have: each aten op's rule says which placements its arguments need and
   which its outputs get; an input not yet used takes what its first use needs, while an
   intermediate value (or an input already used) that would have to move makes the op run
-  replicated (`_replicated`).
+  replicated (`_replicated`); an input one aten op reads in two slots wanted placed
+  differently (``h * h`` of a partial sum) is placed as the later slot wants and the program
+  followed again (`_place`: a value has one placement per op).
   Returns the inputs' placements, the outputs' and the rule that decided (the highest in
   `_ORDER` of those that took part); placements that are no layout of their tensor's shape
   raise `NoLayout`.
@@ -28,7 +30,7 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -118,9 +120,11 @@ class _Follow(FollowErrors):
         copy of an input (``_to_copy``: a linear's bias cast under autocast): the program runs
         again with that input placed as wanted (once per input, `retried`); likewise one made
         of an input and 0-d scalars alone (SDPA's boolean mask made additive, which attention
-        wants split like q's batch: `_copied`). With `seen`, each aten call is appended there
-        with its first output's placements. Raises `NoLayout` when an input's or output's
-        placements are no layout of its global shape (`_check_layouts`)."""
+        wants split like q's batch: `_copied`), and an input one aten op reads in two slots
+        that want it placed differently (``h * h`` of a partial sum: `_place`). With `seen`,
+        each aten call is appended there with its first output's placements. Raises
+        `NoLayout` when an input's or output's placements are no layout of its global shape
+        (`_check_layouts`)."""
         decided = None if strict else self._whole_op(node, have)
         if decided is not None:
             return decided
@@ -136,26 +140,17 @@ class _Follow(FollowErrors):
             ]
             dec = self._decide(node, call, args, need, tmp)
             sources.add(dec.source)
-            for arg, want in zip(args, dec.inputs, strict=False):
-                cur = need[arg.index] if arg.kind == "in" else tmp.get(arg.index, self.rep())
-                if want == cur:
-                    continue
-                if arg.kind == "in" and arg.index not in used:
-                    need[arg.index] = want
-                elif arg.kind != "in" and copies.get(arg.index, -1) not in (-1, *retried):
-                    i = copies[arg.index]  # (its copy wants another placement: place it so)
-                    if seen is not None:
-                        del seen[mark:]
-                    again = [want if j == i else h for j, h in enumerate(have)]
-                    return self._follow(node, again, strict, seen, retried | {i})
-                elif strict:
-                    raise PlanError(
-                        f"sw.shard on {node.module} ({node.op} at {node.source}): with the "
-                        f"annotated layouts, {call.op} inside it would have to move an "
-                        f"intermediate value; change the strategy"
-                    )
-                else:  # an intermediate (or an input already used) would have to move
-                    return self._replicated(node)
+            moved = self._place(node, call, args, dec, need, tmp, used, copies, retried, strict)
+            if moved == "whole":  # (an intermediate, or an input already used, would move)
+                return self._replicated(node)
+            if moved is not None:  # (an input placed otherwise: the program followed again)
+                if seen is not None:
+                    del seen[mark:]
+                again = [
+                    moved[1] if node.inputs[j] == node.inputs[moved[0]] else h
+                    for j, h in enumerate(have)
+                ]
+                return self._follow(node, again, strict, seen, retried | {moved[0]})
             used |= {arg.index for arg in args if arg.kind == "in"}
             for j, out in enumerate(call.outputs):
                 got = dec.outputs[j] if j < len(dec.outputs) else None
@@ -180,6 +175,49 @@ class _Follow(FollowErrors):
             outs.append(self.rep())
         self._check_layouts(node, need, outs)
         return need, outs, max(sources, key=_ORDER.__getitem__)
+
+    def _place(
+        self,
+        node: Node,
+        call: AtenCall,
+        args: list[AtenArg],
+        dec: Decision,
+        need: list[Placements],
+        tmp: dict[int, Placements],
+        used: set[int],
+        copies: dict[int, int],
+        retried: frozenset[int],
+        strict: bool,
+    ) -> tuple[int, Placements] | Literal["whole"] | None:
+        """Give aten `call`'s arguments the placements `dec` wants: an input not used yet takes
+        them (in `need`). Returns None when that is all, ``(i, want)`` when input i must be
+        placed `want` and the program followed again (a copy of it wants `want`: `_copied`; or
+        the call reads it in two slots that want it placed differently, ``h * h`` of a partial
+        sum, which DTensor runs as (partial, whole): each slot gets one placement, the one
+        the later slot wants), ``"whole"`` when the op must run replicated (an intermediate
+        or an input already used would move; a `PlanError` when `strict`)."""
+        here: set[int] = set()  # (the inputs this call's earlier slots read)
+        for arg, want in zip(args, dec.inputs, strict=False):
+            cur = need[arg.index] if arg.kind == "in" else tmp.get(arg.index, self.rep())
+            first = arg.kind == "in" and arg.index not in here
+            here |= {arg.index} if arg.kind == "in" else set()
+            if want == cur:
+                continue
+            if arg.kind == "in" and arg.index not in used and first:
+                need[arg.index] = want
+            elif arg.kind == "in" and arg.index not in (*used, *retried):
+                return arg.index, want  # (read twice here, wanted two ways)
+            elif arg.kind != "in" and copies.get(arg.index, -1) not in (-1, *retried):
+                return copies[arg.index], want  # (its copy wants another placement)
+            elif strict:
+                raise PlanError(
+                    f"sw.shard on {node.module} ({node.op} at {node.source}): with the "
+                    f"annotated layouts, {call.op} inside it would have to move an "
+                    f"intermediate value; change the strategy"
+                )
+            else:
+                return "whole"
+        return None
 
     def _whole_op(
         self, node: Node, have: list[Placements]
