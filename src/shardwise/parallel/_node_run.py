@@ -95,6 +95,8 @@ class NodeRun:
                 leaf = self.moved[(edge.value, edge.dst)]
             elif edge is not None:  # (or shared with a move before this pass started: again)
                 leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge, run=self.run)
+            if edge is not None and k in self.table.strided_reads:
+                leaf = leaf.contiguous()  # (one device's layout: `planner._strided_reads`)
             if kept is not None and slot in kept:
                 leaf = leaf.clone()
                 kept[slot] = (tensors[i], leaf)

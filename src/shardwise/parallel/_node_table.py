@@ -38,6 +38,7 @@ from shardwise.planner._graph import TensorSlot
 from shardwise.planner._in_place import in_place
 from shardwise.planner._local_factories import FILLS
 from shardwise.planner._losses import WEIGHTED_MEAN
+from shardwise.planner._strided_reads import strided_read
 
 T = torch.Tensor
 _SIZED = {
@@ -156,6 +157,8 @@ class NodeTable:
             n.index: _AS[n.op] for n in nodes if n.op in _AS
         }
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
+        # (``as_strided`` and kin: moved inputs made contiguous, one device's layout)
+        self.strided_reads = {n.index for n in nodes if strided_read(n.op)}
         # (`_seeds`) the nodes whose outputs a train step's backward starts from: output index
         # -> the seed's scale; they take the full path, which notes those outputs
         self.roots: dict[int, dict[int, int]] = {}

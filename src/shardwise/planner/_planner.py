@@ -42,6 +42,7 @@ from shardwise.planner._placement import (
     to_placed,
 )
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, Placed
+from shardwise.planner._strided_reads import check_strided_read
 from shardwise.redistribution import plan_redistribution
 
 
@@ -157,6 +158,7 @@ class Planner(_Follow):
         if node.inputs:
             moved = ins[0] if self.state[node.inputs[0]] != ins[0] else None
             check_change(self.graph, self.state, self.edges, node, moved)
+            check_strided_read(node, self.state, ins)
         for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
             self.edge(node.index, i, ref, dst)
         self.edges += write_back_edges(self.graph, self.state, node, ins)

@@ -1,0 +1,72 @@
+"""``as_strided`` (and its kin) of a value the plan moves, under semi_auto: a column-parallel
+``nn.Linear``'s output gathered for it, at (dp, mp) = (1, 2) on 2 simulated ranks and (2, 2)
+on 4.
+
+``as_strided`` reads memory by strides; the gathered value arrived in the AllGather's layout
+(blocks stacked along dim 0, permuted into place), not one device's, and the op read other
+elements (a wrong loss, no error). A moved input is handed to it contiguous now
+(`planner._strided_reads`): loss and every gradient equal one device's. A value one device
+holds non-contiguous (a transpose) has no such copy: the plan is refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.zoo import one_step_matches
+from torch import nn
+
+import shardwise as sw
+from shardwise.planner import PlanError
+from shardwise.testing import simulated_world
+
+H = 8
+
+FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "method": lambda h: h.as_strided((8, 2), (8, 1)).repeat(1, 4),
+    "function": lambda h: torch.as_strided(h, (8, 8), (4, 1), 3),
+}
+
+
+class _Strided(nn.Module):
+    def __init__(self, form: str, split: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.l1, self.head = nn.Linear(H, H), nn.Linear(H, 4)
+        if split is not None:
+            sw.shard(self.l1, in_strategy=((split[0], 1), (split[1], 1)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(FORMS[self.form](self.l1(x))), y)
+
+
+@pytest.mark.parametrize("split", [(1, 2), (2, 2)], ids=["dp1-mp2", "dp2-mp2"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_as_strided_of_a_moved_value_reads_one_devices_layout(
+    form: str, split: tuple[int, int]
+) -> None:
+    single, net = _Strided(form), _Strided(form, split)
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
+    one_step_matches(split[0] * split[1], net, single, x, y)
+
+
+def test_as_strided_of_a_moved_transpose_is_refused() -> None:
+    net = nn.Linear(H, H)
+    sw.shard(net, in_strategy=((1, 1), (2, 1)))
+    x = torch.randn(8, H)
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = net(a).t().as_strided((8, 2), (8, 1)).sum()
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with pytest.raises(PlanError, match=r"as_strided.*non-contiguous.*\.contiguous\(\)"):
+            parallel(world.rows(x))
