@@ -1,5 +1,5 @@
 """`SimulatedWorld.replicate` keeps what the module shares: a tied parameter stays one
-Parameter, a buffer keeps its persistence."""
+Parameter, a buffer keeps its persistence; an optimizer built before it is refused at its step."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import shardwise as sw
 from shardwise.testing import simulated_world
 
 
@@ -41,8 +42,6 @@ def test_buffers_keep_persistence() -> None:
 def test_a_deferred_network_is_refused_and_left_to_autoparallel() -> None:
     """replicate() of meta parameters was accepted and the first call failed in torch ("Tensor
     on device meta is not on the expected device cpu") naming neither (a helper review)."""
-    import shardwise as sw
-
     with sw.no_init_parameters():
         net = torch.nn.Linear(8, 8)
     x = torch.zeros(4, 8)
@@ -51,3 +50,37 @@ def test_a_deferred_network_is_refused_and_left_to_autoparallel() -> None:
             world.replicate(net)
         out = sw.AutoParallel(net)(world.rows(x))
         assert out.shape == (2, 8)
+
+
+def test_an_optimizer_built_before_replicate_is_refused_at_its_step() -> None:
+    """An optimizer built before replicate() holds the parameters replicate replaced: its steps
+    updated those, which the network no longer uses, and the loss stayed the same, silently (a
+    helper probe). Its step is a ValueError naming the optimizer, the parameter and the fix;
+    one built after trains, and the check goes with the world."""
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    net = nn.Linear(4, 2)
+    early = torch.optim.SGD(net.parameters(), lr=0.1)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        nn.functional.mse_loss(net(world.rows(x)), world.rows(y)).backward()
+        with pytest.raises(ValueError, match=r"SGD\.step: .*'weight' \(shape \[2, 4\]\) .*build "
+                           r"optimizers after world\.replicate\(net\)"):  # fmt: skip
+            early.step()
+        step = sw.AutoParallel(lambda a, b: _sgd_step(net, early, a, b))
+        with pytest.raises(ValueError, match=r"SGD\.step: .*build optimizers after"):
+            step(world.rows(x), world.rows(y))
+        late = torch.optim.SGD(net.parameters(), lr=0.1)
+        before = world.local(net.weight, 1).clone()
+        late.step()
+        assert not torch.equal(world.local(net.weight, 1), before)
+    early.step()  # (outside the world: no check left behind)
+
+
+def _sgd_step(
+    net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    loss = nn.functional.mse_loss(net(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss

@@ -21,13 +21,8 @@ import torch.distributed as dist
 
 from shardwise.communication import _init, _sim
 from shardwise.testing._rank_int import rank_node
+from shardwise.testing._replaced import ReplacedParams, parameter_replica
 from shardwise.testing._sim_mode import guarded_mode
-
-
-def _no_dispatch_modes() -> Any:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
 
 
 def _private() -> tuple[Any, Any, Any]:
@@ -74,6 +69,7 @@ class SimulatedWorld:
     def __init__(self, world_size: int, mode: Any) -> None:
         self.world_size = world_size
         self.mode = mode
+        self._replaced = ReplacedParams()  # (what `replicate` replaced; closed at the exit)
         _, (self._int_node, self._local_tensor), _ = _private()
 
     # -- per-rank values -------------------------------------------------------------------
@@ -166,7 +162,8 @@ class SimulatedWorld:
 
         A network built outside the world holds plain tensors; training it with per-rank data
         needs per-rank parameters (they stay equal when the training is data parallel).
-        Build optimizers after this call. Replicas are plain parameters carrying the
+        Build optimizers after this call (one built before holds the originals: its step is a
+        ValueError, as it would train nothing). Replicas are plain parameters carrying the
         ``parallel_optimizer`` and ``comm_fusion`` attributes of the originals (as attributes).
         A parameter or buffer shared by several modules (a head tied to the embedding) gets one
         replica, shared the same way. A network built under ``sw.no_init_parameters()`` (meta
@@ -182,16 +179,11 @@ class SimulatedWorld:
             )
         # id of an original -> (the original, kept alive so its id stays unique; its replica)
         replicas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for mod in module.modules():
+        for prefix, mod in module.named_modules():
             for name, p in list(mod.named_parameters(recurse=False)):
                 if id(p) not in replicas:
-                    with _no_dispatch_modes():  # LocalTensorMode rejects Parameter subclasses
-                        plain = torch.Tensor(p.detach()).clone()
-                    value = torch.nn.Parameter(self.same(plain), requires_grad=p.requires_grad)
-                    for attr in ("parallel_optimizer", "comm_fusion"):
-                        if hasattr(p, attr):
-                            setattr(value, attr, getattr(p, attr))
-                    replicas[id(p)] = (p, value)
+                    replicas[id(p)] = (p, parameter_replica(p, self.same))
+                    self._replaced.add(p, f"{prefix}.{name}" if prefix else name)
                 setattr(mod, name, replicas[id(p)][1])
             for name, b in list(mod.named_buffers(recurse=False)):
                 if b is not None:
@@ -395,6 +387,7 @@ def simulated_world(world_size: int) -> Iterator[SimulatedWorld]:
             yield world
     finally:
         _sim.install(previous)
+        world._replaced.close()
         _init.forget_groups()
         dist.destroy_process_group()
         sys.excepthook = hook
