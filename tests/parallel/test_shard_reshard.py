@@ -328,7 +328,7 @@ def test_eager_errors(kwargs: dict[str, object], error: type[Exception], match: 
     [
         (  # (the module named; a weight's entry is the op form, of nn.Linear / nn.Embedding)
             {"in_strategy": ((2, 1), (2, 1))},
-            r"sw.shard on Block: in_strategy has 2 entries but the call has 1 tensor inputs; "
+            r"sw.shard\(Block\): in_strategy has 2 entries but the call has 1 tensor inputs \(x\); "
             r"give one per tensor of its forward \(an entry for its weight too is the op form",
         ),
         ({"in_strategy": ((3, 1),)}, r"does not divide the device count 8"),

@@ -58,8 +58,8 @@ class GraphSession:
         self.network = network
         self.declared: Declared | None = Declared()
 
-    def reshard(self, t: T, entry: Entry) -> T:
-        return reshard_value(t, entry)
+    def reshard(self, t: T, entry: Entry, who: str = "sw.reshard", what: str = "") -> T:
+        return reshard_value(t, entry, who, what)
 
     def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
         if self.declared is not None:

@@ -37,6 +37,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 from shardwise import communication as comm
 from shardwise.layout import LayoutTypeError, TensorLayout
 from shardwise.ops import Primitive, normalize_strategy
+from shardwise.parallel._shard_labels import ShardLabels
 from shardwise.planner._annotated import entry_layout
 from shardwise.planner._graph import OP_STRATEGY
 
@@ -47,9 +48,11 @@ Shape = tuple[int, ...]
 class Session(Protocol):
     """What `reshard` and `shard` need from the running `AutoParallel`."""
 
-    def reshard(self, t: torch.Tensor, entry: Entry) -> torch.Tensor:
+    def reshard(
+        self, t: torch.Tensor, entry: Entry, who: str = "sw.reshard", what: str = ""
+    ) -> torch.Tensor:
         """Move `t` to the layout `entry` names (at run time) or declare it (while
-        planning)."""
+        planning); `who` and `what` name it in messages (`reshard_value`)."""
         ...
 
     def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
@@ -199,13 +202,19 @@ def reshard(tensor: torch.Tensor, layout: object) -> torch.Tensor:
     return session.reshard(tensor, checked[0])
 
 
-def reshard_value(tensor: torch.Tensor, entry: Entry) -> torch.Tensor:
+def reshard_value(
+    tensor: torch.Tensor, entry: Entry, who: str = "sw.reshard", what: str = ""
+) -> torch.Tensor:
     """The graph op of `reshard` (``"shardwise.reshard"``): seen as one call by the capture
     and by the plan executor (torch-function modes), which place its output in `entry`'s
     layout; on its own it returns a view of `tensor` (a new value: later uses of `tensor`
-    itself keep its layout)."""
+    itself keep its layout). `who` and `what` (kept as arguments of its node) name it in the
+    plan's messages: ``sw.reshard``, or the ``sw.shard`` call and its strategy entry
+    (`_shard_labels`)."""
     if has_torch_function_unary(tensor):
-        out: torch.Tensor = handle_torch_function(reshard_value, (tensor,), tensor, entry)
+        out: torch.Tensor = handle_torch_function(
+            reshard_value, (tensor,), tensor, entry, who, what
+        )
         return out
     return tensor.view_as(tensor)  # (a new value: the input keeps its own layout)
 
@@ -238,37 +247,52 @@ def _check_plan(parameter_plan: object, who: str) -> dict[str, Entry]:
 
 
 def _reshard_all(
-    values: Sequence[Any], strategy: Sequence[Entry] | None, what: str, module: str = ""
+    values: Sequence[Any],
+    strategy: Sequence[Entry] | None,
+    what: str,
+    labels: ShardLabels,
+    module: bool = False,
 ) -> list[Any]:
-    """Reshard the tensors among `values` to the entries of `strategy`, in order (`module`:
-    the class of the module whose call it is)."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    """Reshard the tensors among `values` (the call's positional arguments, or its outputs) to
+    the entries of `strategy`, in order (`labels`: how messages name the call and each entry;
+    `module`: the call is a module's)."""
     if strategy is None:
         return list(values)
-    if len(strategy) != len(tensors):
-        on = f" on {module}" if module else ""
+    inputs = what == "in_strategy"
+    positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if len(strategy) != len(positions):
         hint = ""
-        if module and what == "in_strategy" and len(strategy) > len(tensors):
+        if module and inputs and len(strategy) > len(positions):
             hint = (
                 " of its forward (an entry for its weight too is the op form, for nn.Linear "
                 "and nn.Embedding only: annotate the op inside it with sw.ops primitives)"
             )
+        names = ", ".join(labels.argument(i) for i in positions) if inputs else ""
         raise ValueError(
-            f"sw.shard{on}: {what} has {len(strategy)} entries but the call has {len(tensors)} "
-            f"tensor {'inputs' if what == 'in_strategy' else 'outputs'}; give one per tensor" + hint
+            f"{labels.who}: {what} has {len(strategy)} entries but the call has "
+            f"{len(positions)} tensor {'inputs' if inputs else 'outputs'}"
+            + (f" ({names})" if names else "")
+            + "; give one per tensor"
+            + hint
         )
-    entries = iter(strategy)
-    return [reshard(v, next(entries)) if isinstance(v, torch.Tensor) else v for v in values]
+    session = active_session()
+    if session is None:
+        return list(values)
+    out = list(values)
+    for k, (i, entry) in enumerate(zip(positions, strategy, strict=True)):
+        label = labels.entry(what, k, i if inputs else None)
+        out[i] = session.reshard(values[i], entry, labels.who, label)
+    return out
 
 
-def _outputs(out: Any, strategy: Sequence[Entry] | None) -> Any:
+def _outputs(out: Any, strategy: Sequence[Entry] | None, labels: ShardLabels) -> Any:
     if strategy is None:
         return out
     if isinstance(out, torch.Tensor):
-        return _reshard_all([out], strategy, "out_strategy")[0]
+        return _reshard_all([out], strategy, "out_strategy", labels)[0]
     if isinstance(out, tuple | list):
-        return type(out)(_reshard_all(list(out), strategy, "out_strategy"))
-    raise TypeError(f"sw.shard: out_strategy given but the call returned {type(out).__name__}")
+        return type(out)(_reshard_all(list(out), strategy, "out_strategy", labels))
+    raise TypeError(f"{labels.who}: out_strategy given but the call returned {type(out).__name__}")
 
 
 def shard(
@@ -343,6 +367,7 @@ def shard(
             )
         setattr(fn_or_module, OP_STRATEGY, ins)
         return fn_or_module
+    labels = ShardLabels(fn_or_module)
     if isinstance(fn_or_module, nn.Module):
         module = fn_or_module
 
@@ -350,10 +375,10 @@ def shard(
             session = active_session()
             if session is not None and params:
                 session.declare_parameters(m, params)
-            return tuple(_reshard_all(args, ins, "in_strategy", type(m).__name__)), kwargs
+            return tuple(_reshard_all(args, ins, "in_strategy", labels, module=True)), kwargs
 
         def after(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-            return _outputs(out, outs)
+            return _outputs(out, outs, labels)
 
         module.register_forward_pre_hook(before, with_kwargs=True)
         module.register_forward_hook(after)
@@ -367,6 +392,6 @@ def shard(
         session = active_session()
         if session is not None and params:
             session.declare_parameters(None, params)
-        return _outputs(fn(*_reshard_all(args, ins, "in_strategy"), **kwargs), outs)
+        return _outputs(fn(*_reshard_all(args, ins, "in_strategy", labels), **kwargs), outs, labels)
 
     return wrapper

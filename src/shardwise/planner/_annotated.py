@@ -46,14 +46,24 @@ def entry_layout(entry: Any, shape: Shape, device_num: int, who: str) -> TensorL
             f"{who}: the layout {one} has {ndim} dims but the tensor has shape {list(shape)}; "
             f"give one entry per tensor dim"
         )
-    found = resolve_strategy((one,), device_num, shapes=[shape], who=who)  # type: ignore[arg-type]
-    return found.layouts[0]
+    found = resolve_strategy((one,), device_num, who=who)  # type: ignore[arg-type]
+    layout = found.layouts[0]
+    layout.check(shape, who)  # (the one tensor: no "input 0" in its messages)
+    return layout
 
 
 def reshard_layout(node: Node, shape: Shape, device_num: int) -> TensorLayout:
-    """The layout a ``sw.reshard`` node pins (checked against the value's global `shape`)."""
-    entry = node.args[1] if len(node.args) > 1 else node.kwargs["entry"]
-    return entry_layout(entry, shape, device_num, f"sw.reshard at {node.source}")
+    """The layout a ``sw.reshard`` node pins (checked against the value's global `shape`),
+    named in messages as its node says: ``sw.reshard``, or the ``sw.shard`` call and its
+    strategy entry (``sw.shard(f) in attn at file:line: in_strategy entry 1 (key)``)."""
+    args = {**dict(zip(("tensor", "entry", "who", "what"), node.args, strict=False)), **node.kwargs}
+    who = args.get("who", "sw.reshard")
+    if who != "sw.reshard" and node.module:  # (the module it is, or is called in)
+        who += f" in {node.module}"
+    who += f" at {node.source}"
+    if args.get("what"):
+        who += f": {args['what']}"
+    return entry_layout(args["entry"], shape, device_num, who)
 
 
 def op_form(
