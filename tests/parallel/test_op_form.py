@@ -177,6 +177,21 @@ def test_op_form_next_to_a_primitive() -> None:
         (((2, 1), (2, 1)), ((2, 2), (1, 2)), r"emb .*vocabulary.*e\.g\. \(\(2, 1\), \(1, 2\)\)"),
         # 5 output features cannot be split 2 ways
         (((2, 1), (1, 2)), ((2, 1), (2, 1)), r"head.*5"),
+        # one axis on the ids' rows and the embedding dim: named as nn.Linear's are (it was
+        # worded in DTensor placements: "cannot take input 0 as annotated ((Shard(dim=0), ...")
+        (
+            (LAYOUT("dp", "None"), LAYOUT("None", "dp")),
+            (LAYOUT("dp", "mp"), LAYOUT("None", "mp")),
+            r"emb .*: device axis 'dp' splits both input 0 \(ids\) dim 0 and input 1 \(weight\) "
+            r"dim 1 \(the embedding dim\); .*use another axis or 'None' for one of them",
+        ),
+        # a weight layout of the wrong rank: with the fix, as other rank errors
+        (
+            (LAYOUT("dp", "None"), LAYOUT("mp")),
+            (LAYOUT("dp", "mp"), LAYOUT("None", "mp")),
+            r"emb .*: input 1 \(weight\) has 2 dims \(shape \[16, 8\]\) but its Layout call "
+            r"layout\('mp'\) has 1; give one alias or 'None' per dim",
+        ),
     ],
 )
 def test_bad_op_form_strategies(emb: tuple, head: tuple, match: str) -> None:

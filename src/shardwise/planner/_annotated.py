@@ -18,6 +18,7 @@ from typing import Any
 
 from shardwise.layout import DeviceMatrix, TensorLayout, resolve_strategy
 from shardwise.ops import MatMul, normalize_strategy, plan_primitive
+from shardwise.ops._spec_checks import layout_call
 from shardwise.planner._graph import Graph, Node
 
 Shape = tuple[int, ...]
@@ -154,11 +155,37 @@ def _embedding(
     if isinstance(strategy[1], tuple) and strategy[1][0] != 1:
         raise AnnotationError(vocab)
     axes: list[list[int | None]] = [list(range(len(ids))), [None, len(ids)]]
+    names = ("ids", "weight")
+    for i, (entry, shape) in enumerate(zip(strategy, shapes, strict=False)):
+        if isinstance(entry, TensorLayout) and entry.ndim != len(shape):
+            raise AnnotationError(
+                f"{who}: input {i} ({names[i]}) has {len(shape)} dims (shape {list(shape)}) but "
+                f"its Layout call {layout_call(entry)} has {entry.ndim}; give one alias or 'None' "
+                "per dim"
+            )
     try:
-        found = resolve_strategy(tuple(strategy), device_num, axes, shapes=shapes, who=who)
+        found = resolve_strategy(
+            tuple(strategy), device_num, axes, shapes=shapes, who=who, input_names=names
+        )
     except ValueError as e:
         raise AnnotationError(str(e)) from None
     index, weight = found.layouts[0], found.layouts[1]
     if weight.dims[0]:
         raise AnnotationError(vocab)
+    _one_dim_per_axis(index, weight, who)
     return found.matrix, {0: index, 1: weight}
+
+
+def _one_dim_per_axis(ids: TensorLayout, weight: TensorLayout, who: str) -> None:
+    """An axis splitting the ids and the embedding dim would split the output's dims twice
+    (Layout calls only: split counts give each dim its own axis)."""
+    matrix = ids.matrix
+    on_ids = {a: d for d in range(ids.ndim) for a in ids.dims[d] if matrix.shape[a] > 1}
+    both = [a for a in weight.dims[1] if a in on_ids]
+    if both:
+        a = both[0]
+        raise AnnotationError(
+            f"{who}: device axis {matrix.names[a]!r} splits both input 0 (ids) dim {on_ids[a]} "
+            "and input 1 (weight) dim 1 (the embedding dim); one device axis can split only "
+            "one of the op's dims; use another axis or 'None' for one of them"
+        )
