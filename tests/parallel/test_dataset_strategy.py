@@ -127,3 +127,32 @@ def test_errors(strategy: Any, match: str) -> None:
             )
     with pytest.raises(ValueError, match="dataset_strategy"):
         sw.set_auto_parallel_context(dataset_strategy=((8, 1), LAYOUT("dp")))
+
+
+def test_inputs_passed_as_other_blocks_name_the_strategy_and_the_global_shapes() -> None:
+    """Targets passed as 4 ranks' rows under an entry that splits them 2 ways: torch's
+    RuntimeError from inside the capture ("The size of tensor a (8) must match the size of
+    tensor b (4)") named neither the strategy nor the input; a ValueError names both, with
+    the global shapes worked out from each rank's block."""
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    net = torch.nn.Linear(16, 8)
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = ((net(inputs) - targets) ** 2).mean()
+            loss.backward()
+            return loss
+
+        parallel = AutoParallel(train_step).dataset_strategy(((4, 1), (2, 1)))
+        with pytest.raises(ValueError) as caught:
+            parallel(world.rows(x), world.rows(y))
+    message = str(caught.value)
+    assert (
+        "dataset_strategy(((4, 1), (2, 1))) gives its inputs from this rank's blocks (input 0 "
+        "(args[0]): block [2, 16] x splits (4, 1) = global [8, 16]; input 1 (args[1]): block "
+        "[2, 8] x splits (2, 1) = global [4, 8]); an input passed as other blocks"
+        in message
+        and "pass each input as its entry splits it, or change that entry" in message
+        and "torch: Attempting to broadcast a dimension of length 4" in message  # (its own)
+    ), message

@@ -5,6 +5,8 @@
   input's global shape (rows of all ranks under ``data_parallel``, the block times its split
   counts under a per-input layout) — what the plan is looked up by.
 - `global_inputs`: the call's arguments as meta tensors of those global shapes (for capture).
+- `dataset_shapes`: under per-input entries, how each input's global shape was worked out (for
+  an error raised while the step was captured on them).
 - `local_inputs`: the other way, meta tensors shaped as one rank's inputs of given global
   shapes (`AutoParallel.plan` given shapes).
 - `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
@@ -112,6 +114,22 @@ def global_inputs(
         out.append(x)
     g_args, g_kwargs = pytree.tree_unflatten(out, spec)
     return tuple(g_args), dict(g_kwargs)
+
+
+def dataset_shapes(
+    dataset: object, world: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    """``input 1 (args[1]): block [2, 8] x splits (2, 1) = global [4, 8]; ...``: each tensor
+    input's global shape under per-input entries, as worked out from this rank's block."""
+    layouts = input_layouts(dataset, world, args, kwargs)
+    parts = []
+    for i, (key, leaf) in enumerate(tensor_inputs(args, kwargs)):
+        layout = layouts.get(key)
+        block = [int(n) for n in leaf.shape]
+        splits = tuple(1 if layout is None else layout.split_count(d) for d in range(len(block)))
+        glob = list(_global_shape(leaf, world, dataset, layout))
+        parts.append(f"input {i} ({key}): block {block} x splits {splits} = global {glob}")
+    return "; ".join(parts)
 
 
 def cut_inputs(plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:

@@ -24,8 +24,9 @@ from shardwise import runtime
 from shardwise._torch import pytree
 from shardwise._transformers import same_masks
 from shardwise.layout import TensorLayout
+from shardwise.ops._spec_checks import layout_call
 from shardwise.optim import OptimizerPlan
-from shardwise.parallel._call_io import global_inputs, input_layouts
+from shardwise.parallel._call_io import dataset_shapes, global_inputs, input_layouts
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.planner import (
     Graph,
@@ -123,9 +124,14 @@ def capture_plan(
     g_args, g_kwargs = global_inputs(dataset, world, args, kwargs)
     shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
     with activate(session), comm.plain_tensors(), eager(), same_masks():
-        graph = capture(
-            fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs
-        )
+        try:
+            graph = capture(
+                fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs
+            )
+        except RuntimeError as e:  # (torch's: on global shapes a per-input strategy made?)
+            if not layouts:
+                raise
+            raise ValueError(_dataset_failed(dataset, world, args, kwargs, e)) from e
         if stored is None:
             assert session.declared is not None
             declared = session.declared.parameter_layouts(network)
@@ -142,6 +148,27 @@ def capture_plan(
             graph, world, dataset=layouts or str(dataset), param_layouts=given, **extra
         )
     return graph, plan
+
+
+def _dataset_failed(
+    dataset: object, world: int, args: tuple[Any, ...], kwargs: dict[str, Any], e: Exception
+) -> str:
+    """What a call under per-input dataset entries says when its capture raised torch's
+    RuntimeError: the global shapes it ran on, and how they were worked out (an input passed
+    as other blocks than its entry says gets a wrong one: ``The size of tensor a (8) must match
+    the size of tensor b (4)``)."""
+    assert isinstance(dataset, tuple)  # (per-input entries)
+    shown = [layout_call(x) if isinstance(x, TensorLayout) else str(tuple(x)) for x in dataset]
+    entries = ", ".join(shown) + ("," if len(shown) == 1 else "")
+    return (
+        f"AutoParallel: the step failed while captured on the global shapes that "
+        f"dataset_strategy(({entries})) gives its inputs from this rank's blocks "
+        f"({dataset_shapes(dataset, world, args, kwargs)}); an input passed as other blocks "
+        f"than its entry says (the rows of {world} ranks where the entry splits them fewer "
+        f"ways) gets a wrong global shape: pass each input as its entry splits it, or change "
+        f"that entry; if these global shapes are right, the step fails on them as one device "
+        f"would. torch: {e}"
+    )
 
 
 def eager() -> Any:
