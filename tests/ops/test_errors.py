@@ -85,6 +85,19 @@ def test_product_must_divide_the_device_count(strategy: Any, used: int) -> None:
     )
 
 
+@pytest.mark.parametrize("n", [0, -2])
+def test_device_num_below_one(n: int) -> None:
+    """It said 'the product must be one of [] (below 0, the rest become replicas)'."""
+    msg = fails(MatMul().shard(((1, 1), (1, 1))), X, W, n=n)
+    has(msg, f"plan_primitive's device_num={n} must be >= 1")
+    assert "one of []" not in msg, msg
+
+
+def test_device_num_not_an_int() -> None:
+    with pytest.raises(TypeError, match=r"device_num='8' must be an int >= 1"):
+        plan_primitive(MatMul(), X, W, device_num="8")  # type: ignore[arg-type]
+
+
 def test_layout_matrix_must_hold_every_device() -> None:
     small = sw.Layout((4,), ("tp",))
     msg = fails(MatMul().shard((small("None", "tp"), small("tp", "None"))), X, W)

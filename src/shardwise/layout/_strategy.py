@@ -191,7 +191,9 @@ def _axis_sizes(
 
 def _check_product(strategy: object, sizes: Sequence[int], device_num: int, who: str) -> None:
     product = math.prod(sizes)
-    if device_num < 1 or device_num % product:
+    if device_num < 1:
+        raise ValueError(f"{who}: the device count is {device_num}; it must be >= 1")
+    if device_num % product:
         valid = [k for k in range(1, device_num + 1) if device_num % k == 0]
         raise ValueError(
             f"{who}: strategy {_fmt(strategy)} uses {product} devices (device matrix "

@@ -276,13 +276,24 @@ def plan_primitive(
         The `OpPlan`.
 
     Raises:
-        ValueError: an invalid strategy, naming the primitive's module path.
+        ValueError: an invalid strategy, naming the primitive's module path; device_num < 1.
+        TypeError: device_num is not an int.
 
     Example:
         >>> mm = MatMul().shard(((2, 4), (4, 1)))
         >>> print(plan_primitive(mm, (32, 784), (784, 512), device_num=8))
         MatMul [d0=2, d1=4, d2=1]: (d0, d1), (d1, None) -> (d0, None); AllReduce(sum) over d1
     """
+    if isinstance(device_num, bool) or not isinstance(device_num, int):
+        raise TypeError(
+            f"{module.who}: plan_primitive's device_num={device_num!r} must be an int >= 1 "
+            "(the devices of the job or pipeline stage)"
+        )
+    if device_num < 1:
+        raise ValueError(
+            f"{module.who}: plan_primitive's device_num={device_num} must be >= 1 (the devices "
+            "of the job or pipeline stage)"
+        )
     rule = RULES[module.name]
     return rule(
         module.op_args(**call_args),
