@@ -1,6 +1,6 @@
 """`planner.plan_semi_auto` and `ParallelPlan`: seed 003's network (int and Layout strategies),
 the Megatron GPT block and nanoGPT planned without processes; printed, saved, loaded (equal),
-diffed; plan-time errors; strategy files through `AutoParallel`."""
+diffed; a frozen parameter's record; plan-time errors; strategy files through `AutoParallel`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,29 @@ def test_seed003_plan(layouts: bool, tmp_path: Path) -> None:
     loaded = ParallelPlan.load(tmp_path / "plan.json")
     assert loaded == plan and loaded.diff(plan) == []
     assert str(loaded) == text
+
+
+def test_a_frozen_parameter_is_in_the_plan_and_its_file(tmp_path: Path) -> None:
+    """A parameter that requires no gradient is listed in `ParallelPlan.frozen`, printed and
+    diffed, saved and loaded back equal (the file written again byte for byte); the first
+    MatMul's output (of the input and the frozen weight) then needs no gradient. A plan
+    without one writes no ``frozen`` field."""
+    net = Network(False)
+    net.fc1_weight.requires_grad_(False)
+    plan = plan_semi_auto(capture(net, torch.zeros(32, 1, 28, 28)), 8)
+    trainable = seed003_plan(False)
+    assert plan.frozen == ("fc1_weight",) and trainable.frozen == ()
+    assert "param fc1_weight: ((g1, g2), None) float32[784, 512] (frozen: no gradient)" in str(plan)
+    assert "frozen" not in json.dumps(trainable.to_dict())
+    assert plan.nodes[1].name == "matmul1/MatMul"
+    assert "%1" in trainable.gradient_values() and "%1" not in plan.gradient_values()
+    assert "param:fc2_weight" in plan.gradient_values()
+    plan.save(tmp_path / "plan.json")
+    loaded = ParallelPlan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.frozen == ("fc1_weight",)
+    loaded.save(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_bytes() == (tmp_path / "plan.json").read_bytes()
+    assert plan.diff(trainable) == ["frozen parameters: ['fc1_weight'] -> []"]
 
 
 def test_a_plan_is_frozen_all_the_way() -> None:
@@ -224,6 +247,10 @@ def test_strategy_files_round_trip_and_mismatches(tmp_path: Path) -> None:
                 "regions": [{"first": 0, "last": 99, "until": 0, "full": True, "reentrant": False}],
             },
             r"a malformed shardwise plan \(region .* not a region of the plan's nodes",
+        ),
+        (
+            lambda d: {**d, "frozen": ["fc1_weight", "no_such"]},
+            r"a malformed shardwise plan \(frozen .* not a list of the plan's parameters",
         ),
     ],
 )

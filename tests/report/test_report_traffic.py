@@ -2,7 +2,8 @@
 a ResNet in semi_auto on 4 simulated ranks, whose training batch norms gather their statistics
 inside the op (9 AllGathers forward, their ReduceScatters backward: the plan lists them, with
 their bytes) and whose mean loss's AllReduce carries the pair (mean x count, count) in float32
-(12 bytes at 4 ranks, not one element of the loss)."""
+(12 bytes at 4 ranks, not one element of the loss). A first layer of a frozen weight runs no
+backward collectives, and the reports list none."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 import shardwise as sw
 from shardwise.context import set_context
-from shardwise.report import format_plan_execute
+from shardwise.report import format_plan_execute, memory_tensors
 from shardwise.report._summary import step_traffic
 from shardwise.testing import CommRecorder, simulated_world
 
@@ -110,3 +111,72 @@ def test_level_3_regathers_only_the_weights_autograd_saves() -> None:
     assert traffic.total == rec.total_bytes(), rec.summary()
     gathers = [r for r in rec.records if r.kind == "AllGather"]
     assert Counter(r.phase for r in gathers) == Counter({"forward": 1}), rec.summary()
+
+
+class _FrozenFirst(torch.nn.Module):
+    """A MatMul ((2, 4), (4, 1)) of the input and `w1` (its partial sums all-reduced over 4
+    ranks), ReLU, then a MatMul with `w2`; `w1` frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(16, 8), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.randn(8, 16))
+        self.matmul = sw.ops.MatMul().shard(((2, 4), (4, 1)))
+        self.matmul2 = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.matmul2(torch.relu(self.matmul(x, self.w1)), self.w2)
+        return out
+
+
+def _backward_listed(text: str) -> list[tuple[str, int]]:
+    """(kind, send_bytes) of each collective the backward section of `text` says runs."""
+    section = text.partition("# backward")[2].partition("\n# bytes")[0]
+    return [
+        (x.split()[0], int(x.split("send_bytes ")[1].split()[0]))
+        for x in section.splitlines()[1:]
+        if "(none when" not in x
+    ]
+
+
+def test_a_frozen_first_layer_runs_no_backward_collectives() -> None:
+    """The first MatMul's inputs (the network input, a frozen weight) need no gradient, so its
+    forward AllReduce has no adjoint in backward: execute.ir's backward section, the step's
+    traffic and the memory estimate's gradients count only what runs (the recorder's), and the
+    plan says `w1` is frozen. Unfrozen after the first call, the AllReduce runs, and the plan
+    says so too."""
+    net = _FrozenFirst()
+    with simulated_world(8) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD([net.w2], lr=0.1)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = net(a).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        x = world.rank_map(lambda r: torch.randn(4, 16))
+        for frozen in (True, False):
+            net.w1.requires_grad_(not frozen)
+            parallel(x)
+            with CommRecorder() as rec:
+                parallel(x)
+            plan = parallel.parallel_plan
+            assert plan is not None
+            ran = [
+                (r.kind, r.bytes_sent) for r in rec.select(phase="backward") if not r.label
+            ]  # (the gradient buckets' are labelled: their own section)
+            assert _backward_listed(format_plan_execute(plan, 0)) == ran, rec.summary()
+            assert len(ran) == (0 if frozen else 1)
+            assert step_traffic(plan, 0, parallel.optimizer_plan).total == rec.total_bytes()
+            # (the peak, at the start of backward: the largest value that gets a gradient's)
+            grads = {t.name for t in memory_tensors(plan) if t.kind == "gradients"}
+            assert grads == {f"gradient of {'matmul2' if frozen else 'matmul'}/MatMul output 0"}
+            assert plan.frozen == (("w1",) if frozen else ())
+            assert ("param w1: (g1, None) float32[16, 8] (frozen: no gradient)" in str(plan)) is (
+                frozen
+            )

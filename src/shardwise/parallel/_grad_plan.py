@@ -1,10 +1,10 @@
 """The gradient side of a `_graph_run.GraphRun`: its gradient buckets and clipping arguments.
 
-- `GradPlanning._buckets`: the gradient AllReduce buckets (`_runtime.GradBuckets`) for the
-  first plan's parameters, made again for a plan variant whose equal gradients differ, or when
-  parameters were frozen or unfrozen since (`_trainable_changed`, which also puts the new
-  buckets into the plan; with ``hsdp()``, whose shards are planned once, an unfrozen parameter
-  is refused: `_hsdp.check_unfrozen`).
+- `GradPlanning._buckets`: the gradient AllReduce buckets (`_runtime.GradBuckets`) for the first
+  plan's parameters, made again for a plan variant whose equal gradients differ, or when parameters
+  were frozen or unfrozen since (`_trainable_changed`, which also puts the new buckets and frozen
+  parameters into the plan; with ``hsdp()``, whose shards are planned once, an unfrozen parameter is
+  refused: `_hsdp.check_unfrozen`).
 - `GradPlanning.clip_args`: `_clip.clipping`'s arguments for a call.
 """
 
@@ -86,15 +86,18 @@ class GradPlanning:
 
     def _trainable_changed(self) -> None:
         """Parameters were frozen or unfrozen since the gradient buckets were planned: the
-        buckets planned again, in the plan too (with hsdp an unfrozen one is refused)."""
+        buckets planned again, in the plan too, with its `ParallelPlan.frozen` (with hsdp an
+        unfrozen one is refused and the buckets stay)."""
         plan = self.parallel_plan
         assert plan is not None
+        frozen = {n for n, p in self.network.named_parameters() if not p.requires_grad}
+        new = dataclasses.replace(plan, frozen=tuple(n for n in plan.params if n in frozen))
         if self.engine is not None:
             check_unfrozen(self.network, self.trainable)
             self.trainable = self._trainable()
-            return
-        self._buckets(plan)
-        assert self.grad_plan is not None
-        new = dataclasses.replace(plan, buckets=bucket_plans(self.grad_plan, plan.matrix))
+        else:
+            self._buckets(plan)
+            assert self.grad_plan is not None
+            new = dataclasses.replace(new, buckets=bucket_plans(self.grad_plan, plan.matrix))
         self.plans = [(new if p is plan else p, t) for p, t in self.plans]
         self.parallel_plan = new

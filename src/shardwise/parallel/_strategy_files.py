@@ -169,6 +169,7 @@ class StrategyFiles:
                     f"{', '.join(map(str, fresh.roots)) or 'nothing the capture saw'} in this "
                     f"step; the file belongs to another train step"
                 )
+            loaded = dataclasses.replace(loaded, frozen=fresh.frozen)  # (this network's)
             if not loaded.buckets:  # (a file without buckets: this job's)
                 loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
             elif loaded.buckets != fresh.buckets:

@@ -5,7 +5,8 @@
 1. the tensor inputs become fake tensors of their global shapes (`_fake_like`, on `_device`),
    each named by `input_key` (``args[0]``, ``labels``);
 2. every parameter and buffer of the networks is swapped for a fake tensor of the same global
-   shape (`_torch.module_state.reparametrize`; a tied parameter is recorded once, `Graph.tied`);
+   shape (`_torch.module_state.reparametrize`; a tied parameter is recorded once, `Graph.tied`;
+   one that requires no gradient is listed in `Graph.frozen`);
 3. `fn` is called under the recorders of `_recorders`: `_Recorder`, a ``TorchFunctionMode``
    that makes one `Node` per torch-level call (``F.linear``, ``x.view(...)``,
    ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
@@ -147,6 +148,7 @@ def capture(
     params: dict[str, TensorInfo] = {}
     buffers: dict[str, TensorInfo] = {}
     tied: dict[str, str] = {}
+    frozen: list[str] = []
     modules: dict[int, str] = {}
     fakes: dict[int, T] = {}
     for i, net in enumerate(networks):
@@ -163,6 +165,8 @@ def capture(
             fakes[id(p)] = _fake_like(mode, p, device, shape)
             known[id(fakes[id(p)])] = Ref("param", prefix + name)
             params[prefix + name] = info_of(fakes[id(p)])
+            if not p.requires_grad:
+                frozen.append(prefix + name)
         for name, b in net.named_buffers():
             fakes[id(b)] = _fake_like(mode, b, device)
             known[id(fakes[id(b)])] = Ref("buffer", prefix + name)
@@ -197,6 +201,7 @@ def capture(
         tied=tied,
         roots=tuple(state.backward_roots) if state.all_roots_known else (),
         regions=state.regions.regions(),
+        frozen=tuple(frozen),
     )
 
 

@@ -172,6 +172,8 @@ class Graph:
             started from, in the call's order (empty when one of them is no value of the
             graph).
         regions: the activation-checkpointed regions, in order (`_regions.Region`).
+        frozen: the parameters that need no gradient (``requires_grad`` False), in parameter
+            order.
     """
 
     nodes: tuple[Node, ...]
@@ -183,6 +185,7 @@ class Graph:
     tied: Mapping[str, str] = field(default_factory=dict)
     roots: tuple[Ref, ...] = ()
     regions: tuple[Region, ...] = ()
+    frozen: tuple[str, ...] = ()
 
     def info(self, ref: Ref) -> TensorInfo:
         """The metadata of the value `ref` names."""

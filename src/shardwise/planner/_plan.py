@@ -145,6 +145,8 @@ class ParallelPlan:
             (empty when capture saw none): `seed_scales`.
         regions: the activation-checkpointed regions, whose ops backward runs again with
             their moves and collectives (`_regions.Region`).
+        frozen: the parameters that need no gradient (``requires_grad`` False when planned, or
+            since: `gradient_values`), in parameter order.
         explained: op name -> why an automatic planner chose its strategy
             (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
 
@@ -165,6 +167,7 @@ class ParallelPlan:
     equal_grads: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     roots: tuple[Root, ...] = ()
     regions: tuple[Region, ...] = ()
+    frozen: tuple[str, ...] = ()
     explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -232,6 +235,7 @@ class ParallelPlan:
         for k, p in self.params.items():
             equal = self.equal_grads.get(k, ())
             note = f" (gradient equal on {_axes_str(self.matrix, equal)})" if equal else ""
+            note += " (frozen: no gradient)" if k in self.frozen else ""
             lines.append(f"  param {k}: {p}{note}")
         lines += [f"  bucket {b}" for b in self.buckets]
         lines += [f"  backward from {r}" for r in self.roots]
@@ -239,14 +243,19 @@ class ParallelPlan:
         return "\n".join(lines)
 
     def gradient_values(self) -> set[str]:
-        """The values whose gradient a backward computes: the floating parameters and every
-        floating output of an op with such an input (the network's inputs need none).
+        """The values whose gradient a backward computes: the floating parameters that are not
+        `frozen` and every floating output of an op with such an input (the network's inputs
+        need none).
 
         Example:
             >>> "%0" in plan.gradient_values()  # (the first layer's output)
             True
         """
-        need = {str(Ref("param", n)) for n, p in self.params.items() if _floating(p.dtype)}
+        need = {
+            str(Ref("param", n))
+            for n, p in self.params.items()
+            if _floating(p.dtype) and n not in self.frozen
+        }
         for n in self.nodes:
             if any(v in need for v in n.values):
                 need.update(

@@ -55,8 +55,10 @@ def plan_diff(a: ParallelPlan, b: ParallelPlan) -> list[str]:
         out.append(f"backward roots: {roots[0]} -> {roots[1]}")
     if a.equal_grads != b.equal_grads:
         out.append(f"equal gradients: {dict(a.equal_grads)} -> {dict(b.equal_grads)}")
+    if a.frozen != b.frozen:
+        out.append(f"frozen parameters: {list(a.frozen)} -> {list(b.frozen)}")
     named = {"device_num", "matrix", "mode", "nodes", "params", "buckets", "roots"}
-    named |= {"equal_grads"} | ({"edges"} if mine != theirs else set())
+    named |= {"equal_grads", "frozen"} | ({"edges"} if mine != theirs else set())
     for f in dataclasses.fields(a):
         if f.compare and f.name not in named and getattr(a, f.name) != getattr(b, f.name):
             out.append(f"{f.name}: {getattr(a, f.name)} -> {getattr(b, f.name)}")

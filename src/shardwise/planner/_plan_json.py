@@ -8,9 +8,9 @@
   `_edge_d` / `_edge`: one `Placed`, `Collective`, `NodePlan`, redistribution step and
   `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
   its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
-  `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`, `ParallelPlan.roots`) and a
-  node's random draws (`NodePlan.draws`) are written only when present (a plan without them
-  reads back with none).
+  `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`, `ParallelPlan.roots`,
+  `ParallelPlan.frozen`) and a node's random draws (`NodePlan.draws`) are written only when
+  present (a plan without them reads back with none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
 into an equal value.
@@ -72,6 +72,8 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
         out["roots"] = [{"value": r.value, "placed": _placed_d(r.placed)} for r in plan.roots]
     if plan.regions:
         out["regions"] = [dataclasses.asdict(r) for r in plan.regions]
+    if plan.frozen:
+        out["frozen"] = list(plan.frozen)
     return out
 
 
@@ -120,7 +122,14 @@ def _plan_of(data: Mapping[str, Any], cls: type[ParallelPlan]) -> ParallelPlan:
         equal_grads={k: tuple(v) for k, v in data.get("equal_grads", {}).items()},
         roots=tuple(Root(r["value"], _placed(m, r["placed"])) for r in data.get("roots", [])),
         regions=tuple(_region(r, len(data["nodes"])) for r in data.get("regions", [])),
+        frozen=_frozen(data.get("frozen", []), data["params"]),
     )
+
+
+def _frozen(names: Sequence[Any], params: Mapping[str, Any]) -> tuple[str, ...]:
+    if isinstance(names, str) or any(not isinstance(n, str) or n not in params for n in names):
+        raise TypeError(f"frozen {names!r}: not a list of the plan's parameters")
+    return tuple(names)
 
 
 def _region(r: Mapping[str, Any], nodes: int) -> Region:

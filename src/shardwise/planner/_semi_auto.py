@@ -229,6 +229,7 @@ def walk(
         equal_grads=equal,
         roots=tuple(Root(str(ref), p.state[ref]) for ref in graph.roots),
         regions=graph.regions,
+        frozen=tuple(n for n in graph.frozen if n in params),
     )
 
 

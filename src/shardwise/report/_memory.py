@@ -14,21 +14,23 @@ and the optimizer-parallel plan, with no process group and no tensor data).
 The model. At rest (between steps) a rank holds, per parameter of op-level block ``B`` bytes
 sharded ``s`` ways by optimizer parallel (``s = 1`` when not): levels 1-2 the compute leaf
 ``B`` and the shard ``B / s`` (the leaf is kept from step to step and gathered into in place),
-level 3 only the shard; the optimizer's state, ``k · B / s``; and on gloo the packed message
+level 3 only the shard; the optimizer's state, ``k · B / s`` (none for a frozen parameter,
+`ParallelPlan.frozen`: it gets no gradient); and on gloo the packed message
 buffers the pairwise transport's pool keeps (``_pool``: per message length, the most out at
 once during a step; every packed message of a step reuses them, so no moment adds them
 again). A step adds, at one of three moments, whichever is largest:
 
-- ``start of backward``: every op output that owns its storage (a view, reshape, transpose or
-  split shares its input's) is still held for backward, plus the gradient of the largest one
-  (the first the backward makes), the largest value an edge moves, and at level 3 the gathered
-  weights of every shard bucket (the forward frees them only once it is done);
-- ``gradient reduction``: every parameter's whole gradient ``B`` (level 1 keeps them until the
-  optimizer's step; at levels 2-3 each bucket's reduction is started in backward and finished
-  at its end, so its whole gradients live until then) and the reduction's buffers (the shard
-  buckets' ``B``: received pieces and the reduced shard);
-- ``optimizer step``: the reduced gradients (``B / s``) and the optimizer's temporaries (an
-  Adam-like update makes two of the largest parameter's shard).
+- ``start of backward``: every op output that owns its storage (a view, reshape, transpose or split
+  shares its input's) is still held for backward, plus the gradient of the largest one that gets a
+  gradient (`ParallelPlan.gradient_values`; the first the backward makes), the largest value an edge
+  moves, and at level 3 the gathered weights of every shard bucket (the forward frees them only once
+  it is done);
+- ``gradient reduction``: every trainable parameter's whole gradient ``B`` (level 1 keeps them until
+  the optimizer's step; at levels 2-3 each bucket's reduction is started in backward and finished at
+  its end, so its whole gradients live until then) and the reduction's buffers (the shard buckets'
+  ``B``: received pieces and the reduced shard);
+- ``optimizer step``: the trainable parameters' reduced gradients (``B / s``) and the optimizer's
+  temporaries (an Adam-like update makes two of the largest parameter's shard).
 
 The moment that needs most is the peak. Measured against 4 real ranks by
 ``bench/memory.py`` (``report.MemoryMeter``: torch's allocator) and
@@ -46,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.optim import OptimizerPlan
-from shardwise.planner import ParallelPlan, regathered_params
+from shardwise.planner import ParallelPlan, Ref, regathered_params
 from shardwise.redistribution import Slice
 from shardwise.report._pool import Key, pooled_buffers, split_at_pool
 from shardwise.runtime import TensorEstimate, format_size
@@ -254,7 +256,7 @@ def _at_rest(plan: ParallelPlan, optimizer: OptimizerPlan | None, k: int) -> lis
             out.append(TensorEstimate(p.name, p.block, p.dtype, "parameters"))
         if p.sharded:
             out.append(TensorEstimate(f"{p.name} (shard)", p.piece, p.dtype, "parameters"))
-        if k and p.dtype.is_floating_point:
+        if k and p.dtype.is_floating_point and p.name not in plan.frozen:
             state = (k, *p.piece)
             out.append(
                 TensorEstimate(f"{p.name} optimizer state", state, p.dtype, "optimizer state")
@@ -285,16 +287,18 @@ def _pooled(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> Counter[Key]
 
 def _backward_start(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> list[TensorEstimate]:
     """Outputs held for backward, the first gradient, an edge's buffer, level 3's gathers."""
-    out = []
+    out, graded = [], []
+    needs = plan.gradient_values()
     for n in plan.nodes:
         if n.op.rsplit(".", 1)[-1] in _VIEWS:
             continue
         for i, local in enumerate(n.local_shapes):
             dtype = getattr(torch, n.dtype(i))
             out.append(TensorEstimate(f"{n.name} output {i}", local, dtype, "activations"))
-    floats = [t for t in out if t.dtype.is_floating_point]
-    if floats:
-        first = max(floats, key=lambda t: t.nbytes)
+            if str(Ref("node", n.index, i)) in needs:
+                graded.append(out[-1])
+    if graded:
+        first = max(graded, key=lambda t: t.nbytes)
         out.append(
             TensorEstimate(f"gradient of {first.name}", first.shape, first.dtype, "gradients")
         )
@@ -311,10 +315,11 @@ def _backward_start(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> list
 
 
 def _reduction(plan: ParallelPlan, optimizer: OptimizerPlan | None) -> list[TensorEstimate]:
-    """Whole gradients of every parameter and the shard buckets' reduction buffers."""
+    """Whole gradients of every trainable parameter and the shard buckets' reduction
+    buffers."""
     out = []
     for p in _params(plan, optimizer):
-        if p.dtype.is_floating_point:
+        if p.dtype.is_floating_point and p.name not in plan.frozen:
             out.append(TensorEstimate(f"{p.name}.grad", p.block, p.dtype, "gradients"))
             if p.sharded:
                 what = f"{p.name} reduction buffers"
@@ -326,7 +331,11 @@ def _optimizer_step(
     plan: ParallelPlan, optimizer: OptimizerPlan | None, k: int
 ) -> list[TensorEstimate]:
     """Reduced gradients and an Adam-like update's two temporaries of the largest shard."""
-    params = [p for p in _params(plan, optimizer) if p.dtype.is_floating_point]
+    params = [
+        p
+        for p in _params(plan, optimizer)
+        if p.dtype.is_floating_point and p.name not in plan.frozen
+    ]
     out = [TensorEstimate(f"{p.name}.grad", p.piece, p.dtype, "gradients") for p in params]
     if k >= 2 and params:
         big = max(params, key=lambda p: math.prod(p.piece) * p.dtype.itemsize)
