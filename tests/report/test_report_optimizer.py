@@ -91,17 +91,26 @@ def test_level1_section_matches_the_recorded_step(tmp_path: Path) -> None:
     assert groups == {(4, 5), (1, 3, 5, 7)}
 
 
-def test_level3_lists_the_backward_gathers(tmp_path: Path) -> None:
-    _, root = run(tmp_path, "level3", shard_size=-1)
-    got = section(root / "rank_3" / "execute.ir")
+def test_level3_lists_the_backward_gathers_that_run(tmp_path: Path) -> None:
+    """Level 3 gathers a bucket again in backward only when backward reads a member: layer2's
+    and layer3's (their weights multiply activations that need a gradient), not layer1's
+    weight or bias (the first layer's input needs no gradient; a bias is added). The section
+    lists exactly the backward AllGathers the recorded step ran, with their bytes."""
+    rec, root = run(tmp_path, "level3", shard_size=-1)
+    got = section(root / "rank_0" / "execute.ir")
     everyone = tuple(range(8))
     assert Counter((k, w, g) for k, _, w, g, _ in got) == Counter(
         {
             ("AllGather", "forward", everyone): 4,
-            ("AllGather", "backward", everyone): 4,
+            ("AllGather", "backward", everyone): 2,
             ("ReduceScatter", "backward", everyone): 4,
         }
     )
+    again = [(n, s) for k, n, w, _, s in got if (k, w) == ("AllGather", "backward")]
+    ran = rec.select(kind="AllGather", phase="backward")
+    assert [n for n, _ in again] == ["layer2.weight, layer2.bias", "layer3.weight, layer3.bias"]
+    assert len(ran) == len(again), rec.summary()
+    assert sum(s for _, s in again) == sum(r.bytes_sent for r in ran)
 
 
 def test_without_hsdp_lists_the_gradient_buckets(tmp_path: Path) -> None:

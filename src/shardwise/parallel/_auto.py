@@ -53,7 +53,7 @@ from shardwise.parallel._ownership import stored, take_over
 from shardwise.parallel._reading import PlanReading
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 from shardwise.parallel._strategy_files import StrategyFiles
-from shardwise.planner import ParallelPlan
+from shardwise.planner import ParallelPlan, regathered_params
 
 
 class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
@@ -368,8 +368,9 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         save = self._ckpt_config.get("save_file")
         if save:  # (set_auto_parallel_context(strategy_ckpt_config=...)); MindSpore's default
             self._save_params(plan, save, self._ckpt_config.get("only_trainable_params", True))
-        if run.engine is not None:
-            report.dump_optimizer(run.engine.plan, plan.matrix, variant=variant)
+        if run.engine is not None:  # (level 3 gathers some buckets again in backward)
+            again = regathered_params(plan)
+            report.dump_optimizer(run.engine.plan, plan.matrix, variant=variant, regathered=again)
         elif run.grad_plan is not None:  # (the gradient AllReduce buckets)
             report.dump_optimizer(run.grad_plan, plan.matrix, variant=variant)
         return run

@@ -88,7 +88,7 @@ from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
 from shardwise.parallel._variants import ByFlags, known_variant, snapshot
-from shardwise.planner import Graph, ParallelPlan
+from shardwise.planner import Graph, ParallelPlan, regathered_params
 from shardwise.planner._user_state import CALL_LIMIT, python_state
 
 T = torch.Tensor
@@ -337,7 +337,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         recorder.mark(f"planned again: the network called {reason}")
         variant = report.next_variant()
         report.dump_parallel_plan(plan, variant=variant)
-        report.dump_optimizer(made, plan.matrix, variant=variant)
+        again = regathered_params(plan)  # (level 3: the buckets gathered again in backward)
+        report.dump_optimizer(made, plan.matrix, variant=variant, regathered=again)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call under a `PlanExecutor` of the current plan, noted for its flags."""

@@ -6,7 +6,9 @@ its members with this rank's shard shapes and the collectives the engine issues 
 
 - a shard bucket: ``AllGather`` of the weights (forward, at the first use of a member; levels
   1-2 start every bucket's gather then, level 3 this one and the next), ``AllGather`` again in
-  backward (level 3: the weights were freed after the forward), ``ReduceScatter`` of the
+  backward (level 3: the weights were freed after the forward; only a bucket with a member
+  backward reads, `planner.regathered_params`: one autograd saved or a checkpointed region
+  recomputes with, not a first layer's weight), ``ReduceScatter`` of the
   gradients (level 1: at the optimizer step; levels 2-3: in backward, once the bucket's
   gradients are ready) and ``AllReduce`` of the reduced shard over the copy group (when the
   shard size is smaller than the data-parallel group);
@@ -25,6 +27,7 @@ listed.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix
@@ -38,7 +41,13 @@ _SCATTER_WHEN = {
 }
 
 
-def format_optimizer(plan: OptimizerPlan, matrix: DeviceMatrix, rank: int, level: int = 1) -> str:
+def format_optimizer(
+    plan: OptimizerPlan,
+    matrix: DeviceMatrix,
+    rank: int,
+    level: int = 1,
+    regathered: Collection[str] | None = None,
+) -> str:
     """The optimizer-parallel section of rank `rank`'s ``execute.ir`` (pure).
 
     Args:
@@ -46,6 +55,8 @@ def format_optimizer(plan: OptimizerPlan, matrix: DeviceMatrix, rank: int, level
         matrix: the op-level plan's global device matrix.
         rank: the rank whose groups and shard shapes are shown.
         level: the ``save_graphs`` level (2 and 3 add ``send_bytes``).
+        regathered: the parameters a level-3 backward gathers again
+            (`planner.regathered_params` of the op-level plan); None: every shard bucket's.
 
     Returns:
         The section's text (lines starting with ``#`` or ``%opt``).
@@ -65,7 +76,8 @@ def format_optimizer(plan: OptimizerPlan, matrix: DeviceMatrix, rank: int, level
             for n in bucket.names
         )
         lines.append(f"# bucket {i} ({bucket.kind}, fusion {bucket.fusion}): {members}")
-        for kind, when, ranks, numel in _collectives(plan, bucket, matrix, rank):
+        again = regathered is None or not set(bucket.names).isdisjoint(regathered)
+        for kind, when, ranks, numel in _collectives(plan, bucket, matrix, rank, again):
             count += 1
             itemsize = shards[bucket.names[0]].info.dtype.itemsize
             sent = bytes_bound(kind, numel * itemsize, len(ranks))
@@ -82,9 +94,10 @@ def format_optimizer(plan: OptimizerPlan, matrix: DeviceMatrix, rank: int, level
 
 
 def _collectives(
-    plan: OptimizerPlan, bucket: Bucket, matrix: DeviceMatrix, rank: int
+    plan: OptimizerPlan, bucket: Bucket, matrix: DeviceMatrix, rank: int, again: bool
 ) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """(kind, when, group ranks, input elements) of every collective of `bucket` on `rank`."""
+    """(kind, when, group ranks, input elements) of every collective of `bucket` on `rank`
+    (`again`: level 3 gathers the bucket again in backward)."""
     shards = [p for p in plan.params if p.info.name in bucket.names]
     level = plan.config.optimizer_level
     shard_ranks, copy_ranks = group_ranks(matrix, bucket.dp_axes, bucket.shard, rank)
@@ -95,9 +108,9 @@ def _collectives(
     piece = sum(math.prod(p.shard_shape) for p in shards)
     whole = piece * bucket.shard
     out = [("AllGather", "forward (first use of a member)", shard_ranks, piece)]
-    if level == "level3":
-        again = "backward (freed after forward; gathered again if a layer saved a member)"
-        out.append(("AllGather", again, shard_ranks, piece))
+    if level == "level3" and again:
+        when = "backward (freed after forward; a member saved or recomputed with)"
+        out.append(("AllGather", when, shard_ranks, piece))
     out.append(("ReduceScatter", _SCATTER_WHEN[level], shard_ranks, whole))
     if len(copy_ranks) > 1:
         copies = f"after the ReduceScatter, over the {len(copy_ranks)} copies"

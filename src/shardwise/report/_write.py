@@ -6,7 +6,7 @@ to ``execute.ir``) and `dump_data_parallel` (data_parallel mode's ``execute.ir``
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from shardwise import communication as comm
@@ -44,6 +44,7 @@ def dump_optimizer(
     matrix: DeviceMatrix,
     ranks: Iterable[int] | None = None,
     variant: int = 0,
+    regathered: Collection[str] | None = None,
 ) -> list[Path]:
     """Append the optimizer-parallel section (`format_optimizer`) to this rank's ``execute.ir``
     if ``get_context("save_graphs") >= 1`` (`AutoParallel` calls it once the engine is built,
@@ -54,6 +55,8 @@ def dump_optimizer(
         matrix: the plan's device matrix.
         ranks: the ranks to write (default: this process's ranks of `matrix`).
         variant: the plan's variant (k > 0: ``execute_<k>.ir``, a plan made again).
+        regathered: the parameters a level-3 backward gathers again
+            (`planner.regathered_params` of the op-level plan); None: every shard bucket's.
 
     Returns:
         The paths rewritten (empty at level 0).
@@ -67,7 +70,7 @@ def dump_optimizer(
     for r in report_ranks(matrix) if ranks is None else list(ranks):
         path = root / f"rank_{r}" / name
         before = path.read_text(encoding="utf-8") if path.exists() else ""
-        section = format_optimizer(optimizer_plan, matrix, r, level)
+        section = format_optimizer(optimizer_plan, matrix, r, level, regathered)
         paths.append(write_ir(root, r, name, before + "\n" + section))
     return paths
 
