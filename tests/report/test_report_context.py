@@ -1,4 +1,5 @@
-"""`sw.set_context` / `get_context`: the report options and their validation."""
+"""`sw.set_context` / `get_context`: the report options and their validation; the numbered
+report files of several plans, in one process and across runs."""
 
 from __future__ import annotations
 
@@ -86,3 +87,39 @@ def test_a_second_network_does_not_overwrite_the_first_networks_reports(tmp_path
     ]
     assert {p: (rank_1 / p).read_text() for p in before} == before
     assert "[8, 6]" in (rank_1 / "step_parallel_begin_1.ir").read_text()
+
+
+def test_a_rerun_leaves_no_numbered_plan_files_of_an_earlier_run(tmp_path: Path) -> None:
+    """Numbered plan files an earlier run left in a rank directory (it made more plans) are
+    removed at this process's first write there, and only those: other files stay, and the
+    numbered files this process writes later (a plan made again, another network's) too."""
+    stale = ["execute_1.ir", "execute_2.ir", "step_parallel_begin_1.ir", "plan_1.html"]
+    other = ["execute_x.ir", "notes_1.ir", "plan_1.txt", "execute_1.ir.bak"]
+    for r in (0, 1):
+        (tmp_path / f"rank_{r}").mkdir()
+        for name in stale + other:
+            (tmp_path / f"rank_{r}" / name).write_text("an earlier run's\n")
+    (tmp_path / "rank_0" / "plan_3.png").write_bytes(b"an earlier run's")
+    net, second = torch.nn.Linear(8, 4), torch.nn.Linear(8, 2)
+    x, x_half = torch.randn(8, 8), torch.randn(4, 8)
+    set_context(save_graphs=1, save_graphs_path=tmp_path)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        world.replicate(second)
+        parallel = sw.AutoParallel(net)
+        parallel(world.rows(x))
+        names = {r: sorted(p.name for p in (tmp_path / f"rank_{r}").iterdir()) for r in (0, 1)}
+        mine = ["execute.ir", "plan.html", "step_parallel_begin.ir"]
+        assert names[1] == sorted(other + mine)
+        assert names[0] == sorted([*other, *mine, "plan.png"])
+        parallel(world.rows(x_half))  # (planned again: the _1 files)
+        sw.AutoParallel(second)(world.rows(x))  # (the next: the _2 files)
+    rank_1 = tmp_path / "rank_1"
+    assert sorted(p.name for p in rank_1.iterdir()) == sorted(
+        other
+        + mine
+        + ["execute_1.ir", "plan_1.html", "step_parallel_begin_1.ir"]
+        + ["execute_2.ir", "plan_2.html", "step_parallel_begin_2.ir"]
+    )
+    assert "[4, 8]" in (rank_1 / "step_parallel_begin_1.ir").read_text()
+    assert all((rank_1 / n).read_text() == "an earlier run's\n" for n in other)

@@ -15,10 +15,13 @@
   ``step_parallel_begin.ir``), then the plan pictures (`_pictures.dump_plan_pictures`:
   ``plan.html``, ``plan.png``); a plan made again for other ops or shapes goes to
   ``step_parallel_begin_<k>.ir`` / ``execute_<k>.ir`` (``plan_<k>.html`` / ``plan_<k>.png``).
+  A process's first write into a rank directory removes the numbered files of those kinds an
+  earlier run left there (`_clear_numbered`: a run that makes fewer plans leaves none behind).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -203,6 +206,24 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
 
 
 _WRITTEN: dict[str, int] = {}  # save_graphs_path (resolved) -> plans written there so far
+_ENTERED: set[str] = set()  # rank directories (resolved) this process has written into
+_NUMBERED = re.compile(
+    r"(?:step_parallel_begin|execute)_[1-9][0-9]*\.ir|plan_[1-9][0-9]*\.(?:html|png)"
+)
+
+
+def _clear_numbered(directory: Path) -> None:
+    """At this process's first write into `directory`, remove the numbered plan files
+    (``step_parallel_begin_<k>.ir``, ``execute_<k>.ir``, ``plan_<k>.html``, ``plan_<k>.png``)
+    an earlier run left there; nothing else is touched, and nothing this process wrote."""
+    key = str(directory.resolve())
+    if key in _ENTERED:
+        return
+    _ENTERED.add(key)
+    if directory.is_dir():
+        for f in directory.iterdir():
+            if _NUMBERED.fullmatch(f.name) and f.is_file():
+                f.unlink(missing_ok=True)
 
 
 def next_variant() -> int:
@@ -230,7 +251,9 @@ def dump_parallel_plan(
 ) -> list[Path]:
     """Write ``step_parallel_begin.ir`` and ``execute.ir`` of `plan` per rank if
     ``get_context("save_graphs") >= 1``, and the plan pictures: ``plan.html`` per rank and
-    ``plan.png`` under the plan's first rank (`_pictures.dump_plan_pictures`).
+    ``plan.png`` under the plan's first rank (`_pictures.dump_plan_pictures`). The first
+    write of this process into a rank directory removes the numbered plan files an earlier
+    run left there (`_clear_numbered`).
 
     Args:
         plan: the plan.
@@ -255,6 +278,7 @@ def dump_parallel_plan(
         begin_file = begin_file.replace(".ir", f"_{variant}.ir")
         execute_file = execute_file.replace(".ir", f"_{variant}.ir")
     for r in chosen:
+        _clear_numbered(root / f"rank_{r}")
         paths.append(write_ir(root, r, begin_file, begin))
         paths.append(write_ir(root, r, execute_file, format_plan_execute(plan, r, level)))
     return paths + dump_plan_pictures(plan, root, chosen, variant, memory)
