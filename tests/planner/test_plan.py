@@ -114,6 +114,33 @@ def test_int_and_layout_plans_differ_where_the_strategies_do() -> None:
     assert not any("matmul3" in d for d in diff), diff
 
 
+class _TwoMatMuls(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(16, 16))
+        self.w2 = torch.nn.Parameter(torch.randn(16, 16))
+        self.matmul = sw.ops.MatMul().shard(((2, 4), (4, 1)))
+        self.matmul2 = sw.ops.MatMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.matmul2(torch.relu(self.matmul(x, self.w1)), self.w2)
+        return out
+
+
+def test_a_diff_names_outputs_and_inputs_in_the_plans_notation() -> None:
+    """Sharding propagation returns matmul2's rows split over g0, semi_auto's default over
+    (g0, g1); a batch of 32 rows differs from one of 16 in its input's shape: the diff says
+    so as the plan prints placements, not as Python reprs."""
+    net = _TwoMatMuls()
+    graph, bigger = capture(net, torch.zeros(16, 16)), capture(net, torch.zeros(32, 16))
+    propagated, semi = plan_sharding_propagation(graph, 8), plan_semi_auto(graph, 8)
+    assert (str(propagated.outputs[0]), str(semi.outputs[0])) == ("(g0, None)", "((g0, g1), None)")
+    lines = propagated.diff(semi)
+    assert "outputs: (g0, None) -> ((g0, g1), None)" in lines
+    assert "input args[0] shape: [16, 16] -> [32, 16]" in semi.diff(plan_semi_auto(bigger, 8))
+    assert not [x for x in lines + semi.diff(plan_semi_auto(bigger, 8)) if "(layout=" in x]
+
+
 def test_gpt_block_plan_round_trips() -> None:
     cfg = GPTConfig()
     net = GPTBlock(cfg, megatron_strategies(2, 4))

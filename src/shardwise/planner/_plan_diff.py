@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from itertools import zip_longest
 from typing import TYPE_CHECKING
 
@@ -57,9 +58,44 @@ def plan_diff(a: ParallelPlan, b: ParallelPlan) -> list[str]:
         out.append(f"equal gradients: {dict(a.equal_grads)} -> {dict(b.equal_grads)}")
     if a.frozen != b.frozen:
         out.append(f"frozen parameters: {list(a.frozen)} -> {list(b.frozen)}")
-    named = {"device_num", "matrix", "mode", "nodes", "params", "buckets", "roots"}
-    named |= {"equal_grads", "frozen"} | ({"edges"} if mine != theirs else set())
+    out += _io_diff(a, b)
+    if a.regions != b.regions:
+        out.append(f"regions: {_readable(a.regions)} -> {_readable(b.regions)}")
+    named = {"device_num", "matrix", "mode", "nodes", "params", "buckets", "roots", "regions"}
+    named |= {"equal_grads", "frozen", "inputs", "input_shapes", "outputs"}
+    named |= {"edges"} if mine != theirs else set()
     for f in dataclasses.fields(a):
         if f.compare and f.name not in named and getattr(a, f.name) != getattr(b, f.name):
-            out.append(f"{f.name}: {getattr(a, f.name)} -> {getattr(b, f.name)}")
+            out.append(
+                f"{f.name}: {_readable(getattr(a, f.name))} -> {_readable(getattr(b, f.name))}"
+            )
     return out
+
+
+def _io_diff(a: ParallelPlan, b: ParallelPlan) -> list[str]:
+    """The inputs' placements and global shapes and the outputs' placements that differ, in
+    the plan's notation (``(g0, None) -> ((g0, g1), None)``)."""
+    out = []
+    for k in sorted(set(a.inputs) | set(b.inputs)):
+        if a.inputs.get(k) != b.inputs.get(k):
+            out.append(f"input {k}: {a.inputs.get(k, '(none)')} -> {b.inputs.get(k, '(none)')}")
+    for k in sorted(set(a.input_shapes) | set(b.input_shapes)):
+        was, now = a.input_shapes.get(k), b.input_shapes.get(k)
+        if was != now:
+            out.append(f"input {k} shape: {_shape(was)} -> {_shape(now)}")
+    if a.outputs != b.outputs:
+        out.append(f"outputs: {_readable(a.outputs)} -> {_readable(b.outputs)}")
+    return out
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    return "(none)" if shape is None else str(list(shape))
+
+
+def _readable(value: object) -> str:
+    """A plan field by its parts' ``str`` (a tuple's joined by ``, ``; empty: ``(none)``)."""
+    if isinstance(value, tuple):
+        return ", ".join(str(v) for v in value) or "(none)"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_readable(v)}" for k, v in value.items()) + "}"
+    return str(value)
