@@ -14,7 +14,7 @@ batch it passes (``"full_batch"``). Which function does which step:
   returned loss over the ranks (`mean_loss`); module form: runs the network on the rows (under
   ``"full_batch"`` the output is gathered whole again, `gather_rows`).
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
-  (SUM, then divided by the world size), one flat fused all-reduce per bucket
+  (divided by the world size, then SUM), one flat fused all-reduce per bucket
   (`all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
   gradients of the parameters that no rank of this process owns, and their optimizer state
   (a checkpoint loaded whole gives every rank all of it), so the optimizer updates, and keeps

@@ -69,12 +69,14 @@ def local_rows(x: Any, world: int, rank: int) -> Any:
 
 
 def all_reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
-    """Average `grads` over the ranks in place: one flat SUM all-reduce, then / world."""
+    """Average `grads` over the ranks in place: / world, then one flat SUM all-reduce (divided
+    before the sum, as DDP does: a sum of float16 gradients, or of a GradScaler's scaled ones,
+    does not overflow where one device's gradient is finite)."""
     if len(grads) == 1 and grads[0].is_contiguous():
-        C.all_reduce_(grads[0], C.ReduceOp.SUM, None).div_(world)
+        C.all_reduce_(grads[0].div_(world), C.ReduceOp.SUM, None)
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    C.all_reduce_(flat, C.ReduceOp.SUM, None).div_(world)
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+    C.all_reduce_(flat, C.ReduceOp.SUM, None)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

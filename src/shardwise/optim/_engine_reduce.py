@@ -6,8 +6,10 @@
   ReduceScatter over the shard group of the bucket's gradients (`reduce_scatter_bucket`: each
   rank receives its dim-0 chunk of every member), an AllReduce over the copy group when the
   shard group is smaller than the data-parallel group, or one AllReduce for unsharded members;
-  then / world size (the loss is one value replicated on every rank) and added to
-  ``param.grad`` (`_finish`, `_deposit`). The ReduceScatters are started asynchronously and
+  each gradient is divided by the world size first (the loss is one value replicated on every
+  rank; divided before the sums, as DDP does, so a sum of float16 gradients does not overflow
+  where one device's gradient is finite) and the result added to ``param.grad`` (`_finish`,
+  `_deposit`). The ReduceScatters are started asynchronously and
   finished (`_drain`) at the end of backward, so they run while the earlier layers' gradients
   are computed. Level 1 keeps the full-size gradients on the leaves and reduces at the
   optimizer's step (`flush`: every bucket started, coalesced, then all finished); levels 2 and
@@ -177,6 +179,8 @@ class GradReduction:
         if grads is None:
             return
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
+            for g in grads:  # / world before the sum (as DDP): finite wherever one device's is
+                g.div_(self.world)
             if bucket.kind == "shard":
                 pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
                 self._inflight.append((i, phase, pending))
@@ -195,8 +199,8 @@ class GradReduction:
 
     def _finish(self, i: int, parts: list[torch.Tensor]) -> None:
         """A shard bucket's AllReduce over the copy group (an all-reduce bucket's AllReduce
-        already was that), / world size, into ``param.grad`` (`parts`: one reduced tensor per
-        member, or one flat buffer of them)."""
+        already was that) into ``param.grad`` (`parts`: one reduced tensor per member, or one
+        flat buffer of them; each gradient was divided by the world size before the sums)."""
         groups, bucket = self.groups[i], self.plan.buckets[i]
         if bucket.kind == "shard" and groups.copies_size > 1:
             flat = parts[0].view(-1) if len(parts) == 1 else torch.cat([p.view(-1) for p in parts])
@@ -206,7 +210,7 @@ class GradReduction:
             sizes = [math.prod(self._shape(n, bucket)) for n in bucket.names]
             parts = list(parts[0].split(sizes))
         for n, part in zip(bucket.names, parts, strict=True):
-            self._deposit(n, bucket, part.div_(self.world))
+            self._deposit(n, bucket, part)
 
     def _drain(self) -> None:
         """Finish the started reductions, in the order they started."""

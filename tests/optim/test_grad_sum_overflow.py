@@ -1,0 +1,111 @@
+"""Gradients divided by the world size before they are summed over the ranks (as DDP does).
+
+Optimizer parallel (``hsdp()``, levels 1-3: ReduceScatter / AllReduce of each bucket) and
+``parallel_mode="data_parallel"`` (the optimizer step pre-hook's AllReduce) summed the ranks'
+gradients and divided the sum by the world size: a float16 gradient, or (hsdp) a
+``GradScaler``'s scaled float32 one, overflowed to inf where one device's stays finite (the
+scaler then skipped a step that one device takes). The reduced gradients now equal one
+device's. 4 simulated ranks, each on 2 of the 8 rows of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+WORLD = 4
+MODES = ["level1", "level2", "level3", "data_parallel"]
+
+
+def make(dtype: torch.dtype) -> nn.Linear:
+    net = nn.Linear(64, 64, bias=False).to(dtype)
+    with torch.no_grad():
+        net.weight.fill_(0.01)
+    return net
+
+
+def wrap(step: Callable[..., torch.Tensor], mode: str) -> sw.AutoParallel:
+    if mode == "data_parallel":
+        return sw.AutoParallel(step, parallel_mode="data_parallel")
+    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    return parallel.hsdp(threshold=0, optimizer_level=mode)
+
+
+def rows_of(want: torch.Tensor, mode: str) -> Callable[[int], torch.Tensor]:
+    """Rank r's part of a one-device weight's gradient: its dim-0 shard under hsdp."""
+    if mode == "data_parallel":
+        return lambda r: want
+    return lambda r: want.chunk(WORLD)[r]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_gradients_sum_without_overflow(mode: str) -> None:
+    """One device's gradient is 31248 per element (float16's largest finite value is 65504);
+    each rank's is the same, and their sum before the division was inf."""
+    x = torch.ones(8, 64, dtype=torch.float16)
+
+    def step_of(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+        def step(x: torch.Tensor) -> torch.Tensor:
+            (net(x).float().mean() * 2e6).backward()
+            opt.step()  # (data_parallel averages at the step; level 1 reduces there)
+            grad = net.weight.grad
+            assert grad is not None
+            out = grad.detach().clone()
+            opt.zero_grad()
+            return out
+
+        return step
+
+    one = make(torch.float16)
+    want = step_of(one, torch.optim.SGD(one.parameters(), lr=1e-9))(x)
+    assert torch.isfinite(want).all() and want.abs().max() > 30000
+    net = make(torch.float16)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = wrap(step_of(net, torch.optim.SGD(net.parameters(), lr=1e-9)), mode)
+        got = parallel(world.rows(x))
+        assert_matches_single_device(got, rows_of(want, mode), what="weight gradient")
+
+
+@pytest.mark.parametrize("mode", MODES[:3])
+def test_a_grad_scaler_steps_where_one_device_steps(mode: str) -> None:
+    """float32 at scale 1e38: each rank's scaled gradient is 0.94e38 (finite, as one device's),
+    their sum past float32's largest value: the scaler found inf, skipped the step and halved
+    its scale, where one device steps and doubles it. (``data_parallel``'s scaler checks each
+    rank's own gradients, unscaled before the step averages them: it never overflowed.)"""
+    x = torch.full((8, 64), 60.0)
+
+    def step_of(net: nn.Module) -> tuple[Callable[..., torch.Tensor], torch.amp.GradScaler]:
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1e38, growth_interval=1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss.detach()
+
+        return step, scaler
+
+    one = make(torch.float32)
+    step, one_scaler = step_of(one)
+    step(x)
+    assert one_scaler.get_scale() > 1e38  # (stepped, scale doubled: one device has no inf)
+    net = make(torch.float32)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        step, scaler = step_of(net)
+        parallel = wrap(step, mode)
+        parallel(world.rows(x))
+        assert scaler.get_scale() == one_scaler.get_scale()
+        assert_matches_single_device(
+            net.weight.detach(), rows_of(one.weight.detach(), mode), what="weight"
+        )
