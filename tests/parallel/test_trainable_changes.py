@@ -7,7 +7,8 @@ each rank (each rank's copy drifting apart, silently); a parameter group added t
 optimizer later (``add_param_group``) likewise in ``parallel_mode="data_parallel"``. Both now
 plan the buckets again at the next call; with optimizer parallel (hsdp), whose shards and
 owners are planned once, such a change raises a ValueError naming the fix (a parameter frozen
-later stays frozen there too: levels 1-2 made its gathered weight anew). Also: keyword
+later stays frozen there too: levels 1-2 made its gathered weight anew; one trainable at the
+first call, frozen and then unfrozen again, trains on: its buckets exist). Also: keyword
 inputs in ``parallel_mode="data_parallel"`` (they raised a TypeError naming an internal class).
 """
 
@@ -164,6 +165,44 @@ def test_frozen_under_optimizer_parallel_stays_frozen(level: str, inside: bool) 
         for s in range(STEPS):
             assert_matches_single_device(got[s], want[s], what=f"loss {s}")
         assert not net[2].weight.requires_grad
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_frozen_then_unfrozen_under_optimizer_parallel_trains_as_one_device(level: str) -> None:
+    """A weight trainable at the first call, frozen for the second and trainable again for the
+    third: its shards and buckets were planned at the first call, so it trains on as on one
+    device. It was refused, the message saying it did not require a gradient at the first
+    call (the check compared against the previous call's parameters, not the first's)."""
+
+    def flip(net: nn.Module) -> Callable[[int], None]:
+        def change(i: int) -> None:
+            net[2].weight.requires_grad_(i != 1)  # (trainable, frozen, trainable again)
+
+        return change
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))  # (every row shards)
+
+    ref = build()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want = train(ref, lambda x, y: stepper(ref, opt)(x, y).detach(), flip(ref))
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        parallel = sw.AutoParallel(stepper(net, opt), parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)), flip(net))
+        for s in range(STEPS):
+            assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+        shards = parallel.optimizer_plan
+        assert shards is not None
+        for name, p in net.named_parameters():
+            assert shards.param(name).sharded, name
+            full = ref.get_parameter(name).detach()
+            rows = lambda r, f=full: f.chunk(2)[r]  # noqa: E731
+            assert_matches_single_device(p.detach(), rows, what=name)
 
 
 def test_a_parameter_group_added_later_in_the_data_parallel_mode() -> None:

@@ -1,10 +1,11 @@
 """The gradient side of a `_graph_run.GraphRun`: its gradient buckets and clipping arguments.
 
-- `GradPlanning._buckets`: the gradient AllReduce buckets (`_runtime.GradBuckets`) for the first
-  plan's parameters, made again for a plan variant whose equal gradients differ, or when parameters
-  were frozen or unfrozen since (`_trainable_changed`, which also puts the new buckets and frozen
-  parameters into the plan; with ``hsdp()``, whose shards are planned once, an unfrozen parameter is
-  refused: `_hsdp.check_unfrozen`).
+- `GradPlanning._buckets`: the gradient AllReduce buckets (`_runtime.GradBuckets`) for the
+  first plan's parameters, made again for a plan variant whose equal gradients differ, or when
+  parameters were frozen or unfrozen since (`_trainable_changed`, which also puts the new
+  buckets and frozen parameters into the plan; with ``hsdp()``, whose shards are planned once,
+  a parameter unfrozen that did not require a gradient at the first call is refused,
+  `_hsdp.check_unfrozen`; one frozen since and unfrozen again trains on).
 - `GradPlanning.clip_args`: `_clip.clipping`'s arguments for a call.
 """
 
@@ -34,6 +35,7 @@ class GradPlanning:
     grad_plan: OptimizerPlan | None
     grads_equal: dict[str, tuple[int, ...]]
     trainable: tuple[bool, ...]
+    planned_trainable: tuple[bool, ...] | None = None  # (hsdp: those its buckets hold)
     watched: list[nn.Parameter]
     hooks: list[Any]
     parallel_plan: ParallelPlan | None
@@ -92,8 +94,10 @@ class GradPlanning:
         assert plan is not None
         frozen = {n for n, p in self.network.named_parameters() if not p.requires_grad}
         new = dataclasses.replace(plan, frozen=tuple(n for n in plan.params if n in frozen))
-        if self.engine is not None:
-            check_unfrozen(self.network, self.trainable)
+        if self.engine is not None:  # (checked against the first call's: their buckets exist)
+            if self.planned_trainable is None:
+                self.planned_trainable = self.trainable  # (not changed since the first call)
+            check_unfrozen(self.network, self.planned_trainable)
             self.trainable = self._trainable()
         else:
             self._buckets(plan)
