@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import types
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +156,60 @@ def test_data_parallel_mode_skips_an_overflow_in_one_ranks_rows_on_every_rank() 
         )
     checks = [r for r in rec.records if "GradScaler" in r.label]
     assert Counter((r.kind, r.numel) for r in checks) == Counter({("AllReduce", 1): STEPS})
+
+
+def _accumulating(net: nn.Module, scaler: torch.amp.GradScaler) -> Any:
+    """A train step of two micro-batches, each loss scaled by `scaler` before its backward."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = nn.functional.cross_entropy(net(xc), yc) / 2
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("how", ["data parallel", "level1", "level2", "level3", "megatron"])
+def test_gradient_accumulation_with_a_scaler_matches_one_device(how: str) -> None:
+    """The scaler makes its scale lazily (``torch.full``) in the first micro-batch's
+    ``scale``: the plan has that op, the second micro-batch does not run it. The second pass
+    raised ``UnsupportedParallelError`` ("called torch.Tensor.to where the plan has op ...
+    full") on the first call; it now steps over the plan's factories it does not call."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 16, generator=g), torch.randint(0, 8, (8,), generator=g))
+            for _ in range(STEPS)]  # fmt: skip
+
+    def new_scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
+
+    ref, ref_scaler = build(), new_scaler()
+    ref_step = _accumulating(ref, ref_scaler)
+    want = [ref_step(x, y).detach() for x, y in data]
+    net, scaler = build(), new_scaler()
+    with simulated_world(4 if how == "megatron" else 2) as world:
+        world.replicate(net)
+        if how == "megatron":
+            sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+            sw.shard(net[2], in_strategy=((2, 2), (1, 2)))
+        parallel = sw.AutoParallel(_accumulating(net, scaler))
+        if how.startswith("level"):
+            parallel.hsdp(threshold=0, optimizer_level=how)
+        for s, (x, y) in enumerate(data):
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")
+        assert scaler.get_scale() == ref_scaler.get_scale() == 256.0 * 2**STEPS
+        if how == "data parallel":  # (whole parameters on every rank)
+            assert_matches_single_device(
+                {n: p.detach() for n, p in net.named_parameters()},
+                {n: p.detach() for n, p in ref.named_parameters()},
+            )

@@ -283,6 +283,7 @@ class PlanExecutor(
             out = self.run_outside(func, op, args, kwargs)
             self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out
+        self.skip_made(op)  # (a later pass: a lazy init of the first skipped)
         k = self.cursor
         if self.no_recompute and checkpointing():  # (before any op of a region's own)
             self._refuse_checkpointed(k)

@@ -18,6 +18,9 @@ marks the tensor it changes, parameters excepted (an optimizer's update). Refuse
 `UnsupportedParallelError`, never run unplanned: a network entered again whose first tensor op
 starts no pass (`Passes._refuse_pass`), and any op of a later pass that reads a tensor made
 outside (`Passes.check_inputs`: on one rank's rows, without the plan's collectives and masks).
+A later pass steps over the plan's nodes that made a tensor from nothing and that it does not
+call (`Passes.skip_made`: a lazy init the first pass ran, ``torch.amp.GradScaler``'s
+``torch.full`` scale on its first ``scale``); the pass reads the tensors the first pass made.
 A backward before the pass reached the plan's last op is refused too (`Passes.check_done`), and
 an op outside the plan that fails on a parameter optimizer parallel holds as this rank's shard
 gets a note naming it and the fix (`Passes.run_outside`).
@@ -91,9 +94,26 @@ class Passes:
 
         def check_placed(self, op: str, args: Any, out: Any) -> None: ...
 
+    def skip_made(self, op: str) -> None:
+        """In a later pass, when `op` is not the plan's next node but the node after a run of
+        nodes that made a tensor from nothing (no inputs: a lazy init that only the first pass
+        ran), step over that run: this pass reads the tensors the first one made."""
+        nodes, j = self.plan.nodes, self.cursor
+        if not self.backward_seen or j >= len(nodes) or nodes[j].op == op:
+            return
+        while j < len(nodes) and not nodes[j].values and nodes[j].op != op:
+            j += 1
+        if j < len(nodes) and j > self.cursor and nodes[j].op == op:
+            self.cursor = j
+
     def check_done(self, where: str) -> None:
         """Raise when `where` (a backward) comes before the plan's last op ran: another plan
-        is made before any backward of the call (`Replan`), an error after one."""
+        is made before any backward of the call (`Replan`), an error after one. In a later
+        pass the plan's last nodes may be factories it does not call (`skip_made`)."""
+        nodes = self.plan.nodes
+        if self.backward_seen and not self.done and not any(n.values for n in nodes[self.cursor :]):
+            self.cursor = len(nodes)  # (nothing left but factories the first pass ran)
+            self._ended()
         if not self.done and self.cursor:
             node = self.plan.nodes[self.cursor]
             if not self.backward_seen:
