@@ -346,3 +346,39 @@ def test_level3_after_a_backward_that_raised_and_a_step() -> None:
         want.append(loss.detach())
     for s in (0, 2):
         assert_matches_single_device(losses[s], want[s], what=f"loss {s}")
+
+
+class InputRegion(nn.Module):
+    """A residual block checkpointed on the network's input itself (it needs no gradient):
+    the plan's first op runs inside the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.head = Block(), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(checkpoint(self.block, x, use_reentrant=False))
+        return out
+
+
+@pytest.mark.parametrize("threshold", [0, 10**9], ids=["sharded", "nothing sharded"])
+def test_level3_with_a_region_on_the_raw_input(threshold: int) -> None:
+    """Level 3's saved-tensor hooks were pushed at the plan's first op, here inside the
+    region: the region's end popped them in place of its own, whose hooks then saved the rest
+    of the forward too (``CheckpointError``: more tensors saved in the forward than recomputed).
+    They are pushed around the call now."""
+    (x, y), seen = batch(), []
+    step = trainer(InputRegion(), seen)
+    torch.manual_seed(SEED)
+    want = [step(x, y).detach() for _ in range(STEPS)]
+    net = InputRegion()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(trainer(net, [])).hsdp(
+            threshold=threshold, optimizer_level="level3"
+        )
+        torch.manual_seed(SEED)
+        for s in range(STEPS):
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[s], what=f"loss {s}")

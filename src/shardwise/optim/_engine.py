@@ -67,6 +67,7 @@ class OptimizerParallel(WeightGathering):
         self._gathered_ids: dict[int, str] = {}  # gathered leaves (level 3 saved-tensor hooks)
         self._gathered_ptrs: dict[tuple[int, ...], list[str]] = {}  # (a bucket's share one)
         self._packed: set[int] = set()  # buckets autograd saved a token of (level 3)
+        self.packing = False  # the network runs forward: tokens for saved weights (level 3)
         self._refilled: set[str] = set()  # leaves filled again for a recomputation (level 3)
         self._inflight: list[
             tuple[int, str, Pending[list[torch.Tensor]]]

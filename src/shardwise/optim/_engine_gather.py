@@ -57,6 +57,7 @@ class WeightGathering(GradReduction):
     _gathered_ptrs: dict[tuple[int, ...], list[str]]
     _prefetched: dict[int, Pending[list[torch.Tensor]]]
     _versions: dict[str, int]
+    packing: bool
 
     def compute(self, p: torch.Tensor) -> torch.Tensor:
         """The compute leaf of parameter `p` for this step (its whole op-level block)."""
@@ -207,17 +208,26 @@ class WeightGathering(GradReduction):
 
     @contextmanager
     def saved_tensors(self) -> Iterator[None]:
-        """Level 3: while the network runs forward, autograd saves a token for a gathered
-        weight instead of the weight (gathered again in backward by `_unpack`)."""
+        """Level 3, around a whole wrapped call: while the network runs forward (`packing`,
+        set at the plan's first op and cleared at its last), autograd saves a token for a
+        gathered weight instead of the weight (gathered again in backward by `_unpack`). The
+        hooks are pushed before the call, not at the plan's first op: that op may run inside
+        an activation-checkpointed region, whose own hooks would then be popped in place of
+        these at the region's end (and stay on for the rest of the forward)."""
         if self.level != "level3":
             yield
             return
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self.packing = False
 
     def _pack(self, t: torch.Tensor) -> Any:
         """A token for a gathered weight or a view of one (e.g. ``weight.t()`` saved by
         ``linear``): found by identity, view base, or storage."""
+        if not self.packing:
+            return t
         base = view_base(t)
         if base is None:
             base = t

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -355,16 +355,17 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
         engine = self.engine
-        saved = ExitStack()
+        # (level 3's saved-tensor hooks, around the whole call: `saved_tensors`)
+        saved = nullcontext() if engine is None else engine.saved_tensors()
 
         def forward_starts() -> None:  # (optimizer parallel level 3: tokens for saved weights)
             if engine is not None:
-                saved.enter_context(engine.saved_tensors())
+                engine.packing = True
             recorder.mark("forward")
 
         def forward_done() -> None:  # (optimizer parallel level 3: free the gathered weights)
-            saved.close()
             if engine is not None:
+                engine.packing = False
                 engine.end_forward()
             recorder.mark("forward done")
 
@@ -378,7 +379,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
                     plan, *given, self.dataset, lambda: executor.in_backward > 0
                 )
             clip = clipping(*self.clip_args())
-            with executor, activate(self.session), clip, eager(), same_masks():
+            with saved, executor, activate(self.session), clip, eager(), same_masks():
                 out = self.fn(*args, **kwargs)
         except Replan:
             if engine is not None and executor.cursor:
@@ -386,7 +387,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             raise
         finally:
             self.executor = None
-            saved.close()
             for h in hooks:
                 h.remove()
         executor.check_done("the end of the call")
