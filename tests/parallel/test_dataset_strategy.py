@@ -130,10 +130,11 @@ def test_errors(strategy: Any, match: str) -> None:
 
 
 def test_inputs_passed_as_other_blocks_name_the_strategy_and_the_global_shapes() -> None:
-    """Targets passed as 4 ranks' rows under an entry that splits them 2 ways: torch's
-    RuntimeError from inside the capture ("The size of tensor a (8) must match the size of
-    tensor b (4)") named neither the strategy nor the input; a ValueError names both, with
-    the global shapes worked out from each rank's block."""
+    """Targets passed as quarter-size blocks (equal on the ranks the entry makes replicas)
+    under an entry that splits them 2 ways: torch's RuntimeError from inside the capture ("The
+    size of tensor a (8) must match the size of tensor b (4)") named neither the strategy nor
+    the input; a ValueError names both, with the global shapes worked out from each rank's
+    block."""
     x, y = torch.randn(8, 16), torch.randn(8, 8)
     net = torch.nn.Linear(16, 8)
     with simulated_world(4) as world:
@@ -146,7 +147,8 @@ def test_inputs_passed_as_other_blocks_name_the_strategy_and_the_global_shapes()
 
         parallel = AutoParallel(train_step).dataset_strategy(((4, 1), (2, 1)))
         with pytest.raises(ValueError) as caught:
-            parallel(world.rows(x), world.rows(y))
+            quarters = world.rank_map(lambda r: y[2 * (r // 2) : 2 * (r // 2) + 2])
+            parallel(world.rows(x), quarters)
     message = str(caught.value)
     assert (
         "dataset_strategy(((4, 1), (2, 1))) gives its inputs from this rank's blocks (input 0 "
