@@ -339,3 +339,53 @@ def test_an_interleaved_annotation_stores_its_weight_as_annotated(
         assert [r.label for r in rec.records if r.label] == []  # (no gradient bucket)
         moved[mode] = Counter((r.kind, r.phase, r.group) for r in rec.records if r.numel > 1)
     assert moved["sharding_propagation"] == moved["semi_auto"]
+
+
+def test_hugging_face_llama_mlp_takes_megatron_from_two_annotations() -> None:
+    """HF's LlamaMLP with ``gate_proj`` column- and ``down_proj`` row-parallel on dp 2 x mp 2:
+    ``up_proj`` reads the value gate_proj's input was gathered for, and goes column-parallel
+    too (one AllGather and one ReduceScatter over mp per layer). Its activation had more
+    placements than every combination covers (then one input is varied at a time), and the
+    column-parallel weight with the activation gathered for gate_proj was never tried: up_proj
+    went row-parallel, and its partial sum cost a second ReduceScatter."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(cfg)
+    single = LlamaForCausalLM(cfg)
+    single.load_state_dict(net.state_dict())
+    mlp = net.model.layers[0].mlp
+    sw.shard(mlp.gate_proj, in_strategy=((2, 1), (2, 1)))
+    sw.shard(mlp.down_proj, in_strategy=((2, 2), (1, 2)))
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    want = single(input_ids=ids, labels=ids).loss
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(input_ids=x, labels=x).loss
+            loss.backward()
+            return loss
+
+        parallel = AutoParallel(step, parallel_mode="sharding_propagation")
+        with CommRecorder() as rec:
+            assert_matches_single_device(parallel(world.rows(ids)), want.detach(), what="loss")
+    assert parallel.strategies()["model.layers.0.mlp.up_proj/linear"] == ((2, 1, 1), (2, 1))
+    forward = Counter((r.kind, r.group) for r in rec.select(phase="forward"))
+    assert forward == {
+        ("AllGather", (0, 1)): 1,
+        ("ReduceScatter", (0, 1)): 1,
+        ("AllReduce", (0, 1, 2, 3)): 1,
+    }, forward

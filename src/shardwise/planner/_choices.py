@@ -11,7 +11,8 @@ which `Choices` inherits):
   onto the global one (`ops.candidate_strategies`);
 - a torch op gets what following its aten program gives (`_follow._Follow._follow`) from each
   combination of its inputs' candidate placements (`_combos`; capped at `MAX_COMBOS`: then one
-  input varied at a time), and from the data-parallel inputs;
+  input varied at a time, and the placements annotated ops reading an input need it in paired
+  with each of the parameters'), and from the data-parallel inputs;
 - a parameter that no declaration or loaded file fixes gets every placement of its dims over
   the matrix's axes (`value_placements`) and the one an annotated primitive reads it in
   (`_annotated_reads`: an interleaved split), its storage chosen with its consumers; inputs,
@@ -114,6 +115,7 @@ class Choices(_OneNode):
         self._signatures: dict[int, object] = {}
         self._errors: dict[int, str] = {}  # node -> the first reason a candidate failed
         self._readers: dict[int, list[int]] | None = None
+        self._fixed_reads: dict[Ref, list[tuple[int, int]]] | None = None  # (`_sibling_needs`)
         self._canonical: dict[tuple[Choice, int], Choice] = {}
         self._placements: dict[Placements, Placements] = {}
         self._found_ids: dict[int, set[int]] = {}  # node -> ids of its choices

@@ -99,6 +99,8 @@ class _OneNode:
     _errors: dict[int, str]
     _canonical: dict[tuple[Choice, int], Choice]
     _placements: dict[Placements, Placements]
+    nodes: dict[int, list[Choice]]
+    _fixed_reads: dict[Ref, list[tuple[int, int]]] | None
 
     def _known(self, ref: Ref) -> list[Placements]:
         if ref.kind == "param":
@@ -276,9 +278,10 @@ class _OneNode:
     def _combos(self, node: Node) -> list[tuple[Placements, ...]]:
         """Input placements to follow the node from: every combination of its inputs' known
         placements while there are at most `MAX_COMBOS`; beyond, each known placement given
-        to every input of its shape at once (the others at their first), and each parameter's
-        varied alone; and the data-parallel inputs. (A bias or norm weight, at most 1-D, is
-        given replicated: it takes what its first use needs.)"""
+        to every input of its shape at once (the others at their first), each parameter's
+        varied alone, and the placements annotated ops reading an input need it in with each
+        parameter's (`_with_siblings`); and the data-parallel inputs. (A bias or norm weight,
+        at most 1-D, is given replicated: it takes what its first use needs.)"""
         known = [self._known(r) or [self.p.rep()] for r in node.inputs]
         for i, r in enumerate(node.inputs):
             if r.kind == "param" and len(self.graph.info(r).shape) <= 1:
@@ -295,8 +298,42 @@ class _OneNode:
                         if j == i or (shape == shapes[i] and node.inputs[j].kind != "param"):
                             have[j] = option
                     out.append(tuple(have))
+            out += self._with_siblings(node, known, first)
         out.append(tuple(self.p._data_parallel_inputs(node)))
         return list(dict.fromkeys(out))
+
+    def _with_siblings(
+        self, node: Node, known: list[list[Placements]], first: list[Placements]
+    ) -> list[tuple[Placements, ...]]:
+        """Beyond `MAX_COMBOS`: each placement an annotated op reading one of the node's
+        inputs needs it in, with each placement of each parameter the node reads (HF's
+        ``up_proj`` beside an annotated ``gate_proj``: the activation gathered for it with a
+        column-parallel weight), the others at their first."""
+        out: list[tuple[Placements, ...]] = []
+        params = [j for j, r in enumerate(node.inputs) if r.kind == "param"]
+        for i, need in self._sibling_needs(node):
+            for j in params:
+                for option in known[j]:
+                    have = list(first)
+                    have[i], have[j] = need, option
+                    out.append(tuple(have))
+        return out
+
+    def _sibling_needs(self, node: Node) -> list[tuple[int, Placements]]:
+        """(input slot, placements) an annotated op reading the same value needs it in."""
+        if self._fixed_reads is None:
+            self._fixed_reads = {}
+            for index in [*self.fixed, *self.p.pinned]:  # (primitives; op-form annotations)
+                for slot, ref in enumerate(self.graph.nodes[index].inputs):
+                    self._fixed_reads.setdefault(ref, []).append((index, slot))
+        out = []
+        for i, ref in enumerate(node.inputs):
+            if ref.kind == "param":
+                continue
+            for index, slot in self._fixed_reads.get(ref, ()):
+                if index != node.index:
+                    out += [(i, c.need[slot]) for c in self.nodes.get(index, ())]
+        return out
 
     def _follow(self, node: Node, have: tuple[Placements, ...]) -> Choice | str:
         """The choice following the node from inputs placed `have`, or why there is none."""
