@@ -180,4 +180,5 @@ def resume(model: object, path: str | Path) -> int:
         if model.optimizer is not None and ckpt.optimizer_state is not None:
             load_optimizer_state(model.optimizer, ckpt, model.network)
     model.cur_step_num = int(extra.get("global_step", 0))
+    model.epochs_done = int(ckpt.epoch)
     return int(ckpt.epoch)

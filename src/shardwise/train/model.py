@@ -92,6 +92,7 @@ class Model:
         self.metrics = make_metrics(metrics, loss_fn)
         self.grad_reducer = grad_reducer
         self.cur_step_num = 0
+        self.epochs_done = 0  # (epochs trained over all `train` calls: the data's epoch)
         self.parallel: AutoParallel | None = None  # the train step's wrapper, made by `train`
 
     def _mode(self) -> str:
@@ -198,6 +199,11 @@ class Model:
                 sink every epoch is the whole dataset.
             initial_epoch: epochs already done (resuming from a checkpoint).
 
+        Each epoch tells the dataset (or a DataLoader's sampler, a ``DistributedSampler``) its
+        epoch with ``set_epoch``, counted over all of this Model's `train` calls (from
+        `initial_epoch` when given, as `resume` sets it), so ``train(1, data)`` called E times
+        sees the data orders of one ``train(E, data)`` call.
+
         Raises:
             ValueError: no optimizer, a bad epoch count, or an invalid loss (LossMonitor).
         """
@@ -218,24 +224,32 @@ class Model:
         self.network.train()
         for c in cbs:
             c.on_train_begin(ctx)
+        done = initial_epoch or self.epochs_done  # (the data's epochs before this call's)
         for ep in range(initial_epoch + 1, epoch + 1):
             ctx.cur_epoch_num = ep
-            self._run_epoch(ctx, train_dataset, cbs)
+            done += 1
+            self.epochs_done = done
+            self._run_epoch(ctx, train_dataset, cbs, done - 1)
             if ctx.stop_requested:
                 break
         for c in cbs:
             c.on_train_end(ctx)
 
     def _run_epoch(
-        self, ctx: cb.RunContext, data: Iterable[Sequence[torch.Tensor]], cbs: list[cb.Callback]
+        self,
+        ctx: cb.RunContext,
+        data: Iterable[Sequence[torch.Tensor]],
+        cbs: list[cb.Callback],
+        data_epoch: int,
     ) -> None:
-        # (a resumed run sees the same data order as an uninterrupted one; a DataLoader's
+        # (`data_epoch` counts over all `train` calls, so a resumed run, and one train(1, ..)
+        # call per epoch, see the same data order as one uninterrupted call; a DataLoader's
         # DistributedSampler is told the epoch too, as a hand-written DDP loop would)
         batches = getattr(data, "batch_sampler", None)  # (a DataLoader's BatchSampler)
         for holder in (data, getattr(data, "sampler", None), getattr(batches, "sampler", None)):
             set_epoch = getattr(holder, "set_epoch", None)
             if callable(set_epoch):
-                set_epoch(ctx.cur_epoch_num - 1)
+                set_epoch(data_epoch)
                 break
         ctx.epoch_step = 0
         for c in cbs:

@@ -1,0 +1,73 @@
+"""`Model.train` called once per epoch: the data order of each call is the next epoch's, as one
+`train(E, ...)` call and a hand-written loop calling ``set_epoch(e)`` see it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise as sw
+
+EPOCHS = 3
+
+
+class Rows(nn.Linear):
+    """A linear layer recording the rows (their first feature) of every batch it is given."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(3, 2)
+        self.seen: list[list[float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x[:, 0].tolist())
+        return super().forward(x)
+
+
+def _generator_dataset() -> tuple[Any, Callable[[int], None]]:
+    torch.manual_seed(0)  # (the pipeline's shuffle seed)
+    x, y = torch.arange(8.0).unsqueeze(1).repeat(1, 3), torch.zeros(8, dtype=torch.int64)
+    ds = sw.dataset.GeneratorDataset([(x[i], y[i]) for i in range(8)], ["x", "y"]).batch(4)
+    return ds, ds.set_epoch
+
+
+def _distributed_loader() -> tuple[Any, Callable[[int], None]]:
+    x, y = torch.arange(8.0).unsqueeze(1).repeat(1, 3), torch.zeros(8, dtype=torch.int64)
+    data = torch.utils.data.TensorDataset(x, y)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+    return torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler), sampler.set_epoch
+
+
+def _train(calls: Iterable[tuple[int, int]], form: Callable[[], Any], own: bool) -> list[Any]:
+    """The batches a Model trains on over `calls` of ``train(epoch, data, initial_epoch=..)``
+    (`own`: the user calls the sampler's ``set_epoch(e)`` before each, the DDP idiom)."""
+    data, set_epoch = form()
+    net = Rows()
+    model = sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1))
+    for done, (epoch, initial) in enumerate(calls):
+        if own:
+            set_epoch(done)
+        model.train(epoch, data, initial_epoch=initial)
+    return net.seen
+
+
+@pytest.mark.parametrize("form", [_generator_dataset, _distributed_loader])
+def test_one_train_call_per_epoch_sees_each_epochs_order(form: Callable[[], Any]) -> None:
+    """``for e in range(E): model.train(1, data)`` trained on epoch 0's order every time (each
+    call counted its epochs from 0 and told the dataset / sampler so, undoing a user's own
+    ``set_epoch(e)``); it now sees epochs 0 .. E-1, as one ``train(E, data)`` call and a plain
+    loop do. ``initial_epoch`` places a call's epochs as it places the epoch numbers."""
+    data, set_epoch = form()
+    loop: list[Any] = []
+    for e in range(EPOCHS):
+        set_epoch(e)
+        loop += [batch[0][:, 0].tolist() for batch in data]
+    assert loop[: len(loop) // EPOCHS] != loop[len(loop) // EPOCHS :][: len(loop) // EPOCHS]
+    assert _train([(EPOCHS, 0)], form, own=False) == loop
+    assert _train([(1, 0)] * EPOCHS, form, own=False) == loop
+    assert _train([(1, 0)] * EPOCHS, form, own=True) == loop
+    assert _train([(1, 0), (EPOCHS, 1)], form, own=False) == loop
