@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Sequence, Sized
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardwise import communication as comm
-from shardwise._torch import pytree
 from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
+from shardwise.train._eval_data import rows, sharded, trimmed_batches
 from shardwise.train._metrics import make_metrics
 from shardwise.train._model_checks import callback_list, check_train_args, columns, one_value
 
@@ -279,8 +279,10 @@ class Model:
     ) -> dict[str, float]:
         """Compute the metrics over `valid_dataset` (``{"accuracy": 0.93}``).
 
-        When the dataset is sharded over the ranks (``num_shards > 1``), the counts are summed
-        over the world group so every rank returns the global value.
+        When the dataset is sharded over the ranks (``num_shards > 1``, or a torch DataLoader
+        over a ``DistributedSampler`` of several replicas), the padding rows of each rank's last
+        batch (a pipeline's wrap-around rows, the sampler's repeated ones) are not counted and
+        the counts are summed over the world group, so every rank returns one device's value.
         """
         if not self.metrics:
             raise ValueError("Model.eval: pass metrics={'accuracy'} to Model to evaluate")
@@ -293,17 +295,17 @@ class Model:
         was_training = self.network.training
         self.network.eval()
         state = {name: make() for name, make in self.metrics.items()}
-        for inputs, label, kept in _trimmed_batches(valid_dataset):
+        for inputs, label, kept in trimmed_batches(valid_dataset):
             logits = self.network(*inputs)  # (the whole batch: every rank makes the same calls)
-            counted = (logits, label) if kept == len(label) else _rows(logits, label, kept)
+            counted = (logits, label) if kept == len(label) else rows(logits, label, kept)
             for m in state.values():
                 m.update(*counted, whole=(logits, label))
         self.network.train(was_training)
-        sharded = (getattr(valid_dataset, "num_shards", None) or 1) > 1
+        over_ranks = sharded(valid_dataset)
         out = {}
         for name, m in state.items():
             counts = m.counts()
-            if sharded and comm.is_initialized():
+            if over_ranks and comm.is_initialized():
                 if hasattr(m, "padded"):  # (per-batch counts: one length on every rank)
                     longest = torch.tensor([counts.shape[1]], device=counts.device)
                     longest = C.all_reduce(longest, C.ReduceOp.MAX, None)
@@ -320,50 +322,6 @@ def _length(data: object) -> int:
         return len(data) if isinstance(data, Sized) else 0
     except TypeError:
         return 0
-
-
-def _trimmed_batches(
-    data: Iterable[Sequence[torch.Tensor]],
-) -> Iterator[tuple[list[torch.Tensor], torch.Tensor, int]]:
-    """``(inputs, label, kept)`` per batch: the rows the metrics count are the first `kept`; a
-    sharded dataset's last batch leaves out the rows that wrap around to the start of the epoch
-    (`get_padding`), so no sample is counted twice (none may be left on some ranks). The network
-    runs on the whole batch, so that every rank makes the same calls (collectives included)."""
-    pad = int(data.get_padding()) if hasattr(data, "get_padding") else 0
-    it = iter(data)
-    batch = next(it, None)
-    while batch is not None:
-        following = next(it, None)
-        *inputs, label = columns(batch, 2, "eval")
-        kept = len(label) - (pad if following is None else 0)
-        yield inputs, label, max(kept, 0)
-        batch = following
-
-
-def _rows(out: Any, label: torch.Tensor, kept: int) -> tuple[Any, torch.Tensor]:
-    """The first `kept` rows of a padded batch's output and labels: of each tensor of the
-    output with a row per label (its dim 0); other tensors (a 0-d auxiliary loss) as they are.
-
-    Raises:
-        ValueError: no tensor of the output has a row per label (a sequence-first output).
-    """
-    rows = len(label)
-    cut: list[bool] = []
-
-    def first(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows:
-            cut.append(True)
-            return t[:kept]
-        return t
-
-    trimmed = pytree.tree_map(first, out)
-    if not cut:
-        raise ValueError(
-            f"Model.eval: the last batch holds {rows - kept} padding rows of a sharded dataset, "
-            f"but no tensor of the network's output has a row per label (dim 0 of size {rows}) "
-            "to leave them out; return batch-first outputs"
-        )
-    return trimmed, label[:kept]
 
 
 class _progress:

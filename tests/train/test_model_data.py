@@ -1,5 +1,6 @@
-"""`Model.train` called once per epoch: the data order of each call is the next epoch's, as one
-`train(E, ...)` call and a hand-written loop calling ``set_epoch(e)`` see it."""
+"""How `Model` reads its data: `train` called once per epoch takes each call's data order from
+the next epoch, as one `train(E, ...)` call and a hand-written loop calling ``set_epoch(e)`` see
+it; `eval` over a DataLoader's ``DistributedSampler`` counts this rank's real rows."""
 
 from __future__ import annotations
 
@@ -71,3 +72,36 @@ def test_one_train_call_per_epoch_sees_each_epochs_order(form: Callable[[], Any]
     assert _train([(1, 0)] * EPOCHS, form, own=False) == loop
     assert _train([(1, 0)] * EPOCHS, form, own=True) == loop
     assert _train([(1, 0), (EPOCHS, 1)], form, own=False) == loop
+
+
+CASES = [(1, 2, False), (1, 3, False), (0, 3, False), (1, 4, True)]
+
+
+@pytest.mark.parametrize(("rank", "batch", "drop_last"), CASES)
+def test_eval_over_a_distributed_sampler_leaves_its_padding_out(
+    rank: int, batch: int, drop_last: bool
+) -> None:
+    """A DataLoader over a ``DistributedSampler`` (11 rows, 2 replicas) pads rank 1's rows with
+    row 0 again: `Model.eval` counted it (rank 1's accuracy over 6 rows, 5 of them its own). It
+    counts this rank's real rows now, as a hand-written loop over them does (a ``drop_last``
+    batch sampler drops the padding with the short last batch; nothing more is left out)."""
+    torch.manual_seed(0)
+    net, loss_fn = nn.Linear(3, 2), nn.CrossEntropyLoss()
+    x = torch.randn(11, 3)
+    with torch.no_grad():
+        y = net(x).argmax(-1)
+    y[1::4] = 1 - y[1::4]  # (rows 1, 5, 9 wrong; row 0, rank 1's padding, right)
+    data = torch.utils.data.TensorDataset(x, y)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False)
+    batches = torch.utils.data.BatchSampler(sampler, batch_size=batch, drop_last=drop_last)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=batches)
+    real = list(range(rank, 11, 2))
+    if drop_last:
+        real = real[: len(real) // batch * batch]
+    with torch.no_grad():
+        hits = (net(x[real]).argmax(-1) == y[real]).double().mean().item()
+        losses = [loss_fn(net(x[real[i : i + batch]]), y[real[i : i + batch]]).item()
+                  for i in range(0, len(real), batch)]  # fmt: skip
+    got = sw.Model(net, loss_fn, metrics={"accuracy", "loss"}).eval(loader)
+    assert got["accuracy"] == pytest.approx(hits, rel=1e-12)
+    assert got["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
