@@ -99,6 +99,28 @@ def test_rotation_and_prefix(tmp_path: Path) -> None:
     assert any(p.name.startswith("net_1-1_") for p in tmp_path.iterdir())
 
 
+def test_a_callback_reused_by_later_train_calls_keeps_its_prefix(tmp_path: Path) -> None:
+    """One `ModelCheckpoint` given to three train() calls: each call chose a new prefix
+    (``net``, ``net_1``, ``net_2``), so keep_checkpoint_max held per call and the files piled
+    up. The prefix is chosen once (MindSpore: in ``__init__``); the files of all calls count
+    against keep_checkpoint_max, the oldest written deleted first (the names' epochs restart in
+    each call, so they do not say which is oldest)."""
+    sw.set_seed(0)
+    trained = model()
+    saver = sw.train.ModelCheckpoint("net", tmp_path, sw.train.CheckpointConfig(3, 3))
+
+    def files() -> list[str]:
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    trained.train(2, dataset(), callbacks=[saver])  # (4 steps an epoch: steps 3, 6 and 8)
+    assert files() == ["net-1_3.safetensors", "net-2_2.safetensors", "net-2_4.safetensors"]
+    trained.train(1, dataset(), callbacks=[saver])  # (steps 9 and 12: epoch 1 of this call)
+    assert files() == ["net-1_1.safetensors", "net-1_4.safetensors", "net-2_4.safetensors"]
+    trained.train(3, dataset(), callbacks=[saver], initial_epoch=2)  # (steps 15 and 16)
+    assert files() == ["net-1_4.safetensors", "net-3_3.safetensors", "net-3_4.safetensors"]
+    assert saver.latest == tmp_path / "net-3_4.safetensors"
+
+
 def test_resume_rejects_mid_epoch_and_truncated(tmp_path: Path) -> None:
     sw.set_seed(0)
     cfg = sw.train.CheckpointConfig(save_checkpoint_steps=2)

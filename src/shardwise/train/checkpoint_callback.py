@@ -52,7 +52,10 @@ class ModelCheckpoint(Callback):
     Args:
         prefix: file prefix; if the directory (any rank's folder of it, in a job of several
             ranks) already holds files with it, ``prefix_1``, ``prefix_2`` ... is used (as
-            MindSpore does).
+            MindSpore does). The choice is made once, at the first ``train()`` the callback
+            is given to: later ``train()`` calls with it write on under that prefix, and
+            ``keep_checkpoint_max`` counts the files of all of them, the oldest written first
+            deleted (MindSpore's choice, made in ``__init__``, and its rotation).
         directory: where to save (default: the current directory); per rank
             ``directory/rank_<r>/`` in a multi-rank job.
         config: a `CheckpointConfig`.
@@ -77,8 +80,11 @@ class ModelCheckpoint(Callback):
         self.manager: CheckpointManager | None = None
         self._last_saved = -1
         self._length_unknown = False  # (the last file was saved before the epoch's length)
+        self._written: list[Path] = []  # (the files kept, oldest written first)
 
     def on_train_begin(self, ctx: RunContext) -> None:
+        if self.manager is not None:  # (reused by a later train(): MindSpore picks the prefix
+            return  # once per callback, so its files and keep_checkpoint_max span the calls)
         rank, size = file_rank()
         probe = CheckpointManager(self.directory, self.prefix, rank=rank, world_size=size)
         prefix = _agreed_prefix(probe.directory, self.prefix, size)
@@ -86,13 +92,9 @@ class ModelCheckpoint(Callback):
             where = (self.directory.resolve(), self.prefix)
             _STARTS[where] = count = _STARTS.get(where, 0) + 1
             prefix = first_claim(f"ckpt_prefix/{where[0]}/{self.prefix}/{count}", prefix)
-        self.manager = CheckpointManager(
-            self.directory,
-            prefix,
-            self.config.keep_checkpoint_max,
-            rank=rank,
-            world_size=size,
-        )
+        # (files are kept by the callback, oldest written first, as MindSpore's: the names'
+        # epochs restart in each train() call, so (epoch, step) does not order its files)
+        self.manager = CheckpointManager(self.directory, prefix, None, rank=rank, world_size=size)
 
     def on_train_step_end(self, ctx: RunContext) -> None:
         if ctx.cur_step_num % self.config.save_checkpoint_steps == 0:
@@ -111,7 +113,7 @@ class ModelCheckpoint(Callback):
     def _save(self, ctx: RunContext) -> None:
         assert self.manager is not None, "on_train_begin runs first"
         optimizer = ctx.optimizer if self.config.save_optimizer else None
-        self.manager.save(
+        path = self.manager.save(
             ctx.network,
             epoch=ctx.cur_epoch_num,
             step=ctx.step_in_epoch,
@@ -120,11 +122,16 @@ class ModelCheckpoint(Callback):
         )
         self._last_saved = ctx.cur_step_num
         self._length_unknown = ctx.batch_num == 0
+        if path in self._written:  # (written again: now the newest)
+            self._written.remove(path)
+        self._written.append(path)
+        while len(self._written) > self.config.keep_checkpoint_max:
+            self._written.pop(0).unlink(missing_ok=True)
 
     @property
     def latest(self) -> Path | None:
         """The newest checkpoint this callback wrote (None before training)."""
-        return self.manager.latest() if self.manager is not None else None
+        return self._written[-1] if self._written else None
 
 
 _STARTS: dict[tuple[Path, str], int] = {}
