@@ -29,6 +29,19 @@ def _model() -> sw.Model:
     )
 
 
+def _rows() -> sw.dataset.GeneratorDataset:
+    """Unbatched rows (a label of shape [] each)."""
+    return sw.dataset.GeneratorDataset([(x[0], y[0]) for x, y in _data(2, 1)], ["x", "y"])
+
+
+def _aux_model() -> sw.Model:
+    """A network returning ``(logits, aux)``."""
+    net = nn.Linear(3, 2)
+    aux = nn.Module()
+    aux.forward = lambda x: (net(x), net.weight.sum())  # type: ignore[method-assign]
+    return sw.Model(aux, metrics={"accuracy"})
+
+
 class Losses(sw.train.Callback):
     def __init__(self) -> None:
         self.seen: list[tuple[int, int, float]] = []
@@ -352,6 +365,9 @@ def test_steps_in_an_epoch_count_from_its_start() -> None:
             TypeError,
             r"each batch must be a tuple \(\*inputs, label\) .* a tensor of shape \[4, 3\]",
         ),
+        (lambda: _model().train(2, [], initial_epoch=True), ValueError, "initial_epoch=True"),
+        (lambda: _model().eval(_rows()), ValueError, r"single rows .* dataset.batch\(32\)"),
+        (lambda: _aux_model().eval(_data(1)), TypeError, "got a tuple of 2 outputs; .* eval mode"),
         (lambda: sw.train.TimeMonitor("x"), TypeError, "data_size='x' must be an int"),  # type: ignore[arg-type]
         (lambda: sw.train.ModelCheckpoint(prefix=3), TypeError, "prefix=3 must be a"),  # type: ignore[arg-type]
     ],

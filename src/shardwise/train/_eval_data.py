@@ -67,6 +67,12 @@ def trimmed_batches(
     while batch is not None:
         following = next(it, None)
         *inputs, label = columns(batch, 2, "eval")
+        if isinstance(label, torch.Tensor) and label.dim() == 0:
+            raise ValueError(
+                "Model.eval: the dataset yields single rows (a label of shape []), and the "
+                "metrics count the rows of batches; batch it, e.g. dataset.batch(32) (a "
+                "DataLoader batches by itself)"
+            )
         kept = len(label) - (pad if following is None else 0)
         yield inputs, label, max(kept, 0)
         batch = following

@@ -53,6 +53,17 @@ class Accuracy(_Mean):
         self, logits: torch.Tensor, labels: torch.Tensor, whole: tuple[Any, Any] | None = None
     ) -> None:
         """Add a batch's counted rows (`whole`, the batch with its padding rows, is unused)."""
+        if not isinstance(logits, torch.Tensor):
+            shown = type(logits).__name__
+            if isinstance(logits, tuple | list):
+                shown = f"a {shown} of {len(logits)} outputs"
+            raise TypeError(
+                f"Model.eval: the 'accuracy' metric reads the network's output as one tensor "
+                f"of logits, got {shown}; as MindSpore's Model (whose metrics read the network's "
+                "output as it is, without an eval_network and eval_indexes to pick one), "
+                "return the logits alone in eval mode (`if not self.training: return logits`) "
+                "or evaluate a network that does, e.g. one wrapping it and returning its [0]"
+            )
         if logits.shape[0] != labels.shape[0]:
             raise ValueError(
                 f"Accuracy: {logits.shape[0]} predictions for {labels.shape[0]} labels; the "

@@ -17,8 +17,14 @@ def check_train_args(epoch: object, initial_epoch: object, sink_size: object) ->
     """Raise ValueError for `Model.train`'s counts out of range (MindSpore's meanings)."""
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
         raise ValueError(f"Model.train: epoch={epoch!r} must be an int >= 1")
-    if not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epoch:
-        raise ValueError(f"Model.train: initial_epoch={initial_epoch} must be in [0, {epoch})")
+    if (
+        isinstance(initial_epoch, bool)
+        or not isinstance(initial_epoch, int)
+        or not 0 <= initial_epoch < epoch
+    ):
+        raise ValueError(
+            f"Model.train: initial_epoch={initial_epoch!r} must be an int in [0, {epoch})"
+        )
     if isinstance(sink_size, bool) or not isinstance(sink_size, int) or sink_size in (0,):
         raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
     if sink_size < -1:

@@ -44,7 +44,8 @@ class RunContext:
         epoch_num: epochs to train in this call.
         batch_num: steps per epoch.
         cur_epoch_num: current epoch, 1-based.
-        cur_step_num: steps done since training started (all epochs), 1-based at step end.
+        cur_step_num: steps done since training started (all epochs, and all of the Model's
+            ``train()`` calls: MindSpore counts each call's from 0), 1-based at step end.
         epoch_step: steps done in the current epoch (`step_in_epoch`).
         net_outputs: the last step's loss.
         train_dataset, list_callback, dataset_sink_mode, parallel_mode, device_number:
