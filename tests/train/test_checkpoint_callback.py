@@ -55,6 +55,35 @@ def test_resume_gives_identical_losses(tmp_path: Path) -> None:
     assert part1.values + part2.values == straight.values
 
 
+def test_resume_of_a_network_with_dropout_gives_identical_losses(tmp_path: Path) -> None:
+    """Dropout draws from torch's generator, whose state the checkpoint did not hold: the
+    resumed run drew other masks (the README's identical loss sequence held only without
+    randomness). `resume` puts the state of the save back for the next train()."""
+
+    def dropout_model() -> sw.Model:
+        net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3))
+        return sw.Model(net, nn.CrossEntropyLoss(), torch.optim.Adam(net.parameters(), 1e-2))
+
+    sw.set_seed(0)
+    full, straight = dropout_model(), Losses()
+    full.train(3, dataset(), callbacks=[straight])
+
+    sw.set_seed(0)
+    first, part1 = dropout_model(), Losses()
+    saver = sw.train.ModelCheckpoint("drop", tmp_path)
+    first.train(1, dataset(), callbacks=[part1, saver])
+    assert saver.latest is not None
+
+    sw.set_seed(123)  # (another seed and other draws before the resumed train())
+    second, part2 = dropout_model(), Losses()
+    done = sw.train.resume(second, saver.latest)
+    sw.set_seed(0)
+    data = dataset()
+    torch.rand(7)
+    second.train(3, data, callbacks=[part2], initial_epoch=done)
+    assert part1.values + part2.values == straight.values
+
+
 def test_a_dataset_without_len_resumes_from_its_first_epoch(tmp_path: Path) -> None:
     """The first epoch's length is learnt at its end, after the last step's checkpoint was
     written with 'step 3 of 0': resume refused a genuine end-of-epoch file. It is written

@@ -60,8 +60,10 @@ from shardwise.communication._sim import (
     draw_state,
     every_rank,
     plain_tensors,
+    process_rng_state,
     replicated_draw,
     set_draw_state,
+    set_process_rng_state,
 )
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
@@ -111,6 +113,7 @@ __all__ = [
     "plain_tensors",
     "pooled_bytes",
     "process_ranks",
+    "process_rng_state",
     "rank_parts",
     "rank_value",
     "ranks_unlike_leader",
@@ -119,5 +122,6 @@ __all__ = [
     "replicated_draw",
     "scoped_group_name",
     "set_draw_state",
+    "set_process_rng_state",
     "shared_value",
 ]

@@ -169,6 +169,35 @@ def set_draw_state(state: Any) -> None:
         torch.cuda.set_rng_state_all(devices)
 
 
+def process_rng_state() -> dict[str, torch.Tensor] | None:
+    """This process's random generators' states, for a checkpoint to continue a run's random
+    draws (dropout) where it stopped: ``{"cpu": ..., "cuda.<i>": ...}`` (CUDA's when it is
+    initialized); None in a simulated world, whose ranks draw from generators of their own.
+
+    Example:
+        >>> states = process_rng_state()
+        >>> set_process_rng_state(states)
+    """
+    if _current is not None:
+        return None
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        states.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return states
+
+
+def set_process_rng_state(states: dict[str, torch.Tensor]) -> None:
+    """Put back the states `process_rng_state` returned (CUDA's where this process has those
+    devices); nothing in a simulated world."""
+    if _current is not None:
+        return
+    torch.set_rng_state(states["cpu"])
+    cuda = sorted((int(k.split(".")[1]), v) for k, v in states.items() if k.startswith("cuda."))
+    devices = [v for _, v in cuda]
+    if devices and torch.cuda.is_available() and len(devices) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(devices)
+
+
 def every_rank(t: torch.Tensor, copies: bool = False) -> torch.Tensor:
     """`t` as a value every rank holds: itself in a job; in a simulated world a plain tensor
     (a constant the step made, ``torch.tensor([...])``) becomes a per-rank one, so that a

@@ -3,15 +3,20 @@
 Files are ``{prefix}-{epoch}_{step_in_epoch}.safetensors`` (MindSpore's ``.ckpt`` naming) in
 ``directory`` (``directory/rank_<r>/`` when the job has several ranks), written atomically by
 `shardwise.checkpoint.CheckpointManager`, which also keeps at most ``keep_checkpoint_max``.
-Each file holds the optimizer state and the epoch / global step, so `resume` can continue
-training with the identical loss sequence.
+Each file holds the optimizer state, the epoch / global step and this process's random
+generators' states (CPU, and CUDA's when initialized; not in a simulated world), so `resume`
+can continue training with the identical loss sequence, dropout's draws included.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from shardwise.checkpoint import (
     CheckpointManager,
@@ -21,7 +26,7 @@ from shardwise.checkpoint import (
     load_param_into_net,
     unused_prefix,
 )
-from shardwise.communication import file_rank, first_claim
+from shardwise.communication import file_rank, first_claim, process_rng_state
 from shardwise.train.callbacks import Callback, RunContext
 
 
@@ -118,7 +123,7 @@ class ModelCheckpoint(Callback):
             epoch=ctx.cur_epoch_num,
             step=ctx.step_in_epoch,
             optimizer=optimizer,
-            extra={"global_step": ctx.cur_step_num, "batch_num": ctx.batch_num},
+            extra=_extra(ctx),
         )
         self._last_saved = ctx.cur_step_num
         self._length_unknown = ctx.batch_num == 0
@@ -139,6 +144,29 @@ _STARTS: dict[tuple[Path, str], int] = {}
 rank counts its own alike: one store key per training)."""
 
 
+def _extra(ctx: RunContext) -> dict[str, Any]:
+    """A file's ``extra``: the global step, the epoch's length and the random generators'
+    states (`process_rng_state`, base64 in the JSON metadata), which `resume` puts back."""
+    extra: dict[str, Any] = {"global_step": ctx.cur_step_num, "batch_num": ctx.batch_num}
+    states = process_rng_state()
+    if states is not None:
+        extra["rng"] = {
+            k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()
+        }
+    return extra
+
+
+def _rng_states(extra: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The generators' states `_extra` stored (None in a file without them)."""
+    stored = extra.get("rng")
+    if not isinstance(stored, dict) or "cpu" not in stored:
+        return None
+    return {
+        k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8)
+        for k, v in stored.items()
+    }
+
+
 def _agreed_prefix(directory: Path, prefix: str, size: int) -> str:
     """`prefix`, or the first free ``prefix_<n>``, free in every rank's folder
     (``directory/rank_*``, which a job of `size` ranks writes; one rank looking at its own alone
@@ -156,6 +184,9 @@ def resume(model: object, path: str | Path) -> int:
         path: a checkpoint saved at the end of an epoch; in a multi-rank job, this rank's
             file (``directory/rank_<r>/...``): the checkpoint of all ranks is then loaded with
             `sw.checkpoint.load_distributed`, so any plan or device count may continue it.
+
+    The next ``model.train`` starts from the random generators' states the file holds (this
+    process's at the save, in a job this rank's), so dropout draws as in an uninterrupted run.
 
     Returns:
         The epoch to pass as ``initial_epoch`` to ``model.train``.
@@ -188,4 +219,5 @@ def resume(model: object, path: str | Path) -> int:
             load_optimizer_state(model.optimizer, ckpt, model.network)
     model.cur_step_num = int(extra.get("global_step", 0))
     model.epochs_done = int(ckpt.epoch)
+    model._resume_rng = _rng_states(extra)  # (put back by the next train(): the draws go on)
     return int(ckpt.epoch)

@@ -93,6 +93,7 @@ class Model:
         self.grad_reducer = grad_reducer
         self.cur_step_num = 0
         self.epochs_done = 0  # (epochs trained over all `train` calls: the data's epoch)
+        self._resume_rng: dict[str, torch.Tensor] | None = None  # (`resume`'s, for `train`)
         self.parallel: AutoParallel | None = None  # the train step's wrapper, made by `train`
 
     def _mode(self) -> str:
@@ -222,6 +223,9 @@ class Model:
             device_number=comm.get_group_size() if comm.is_initialized() else 1,
         )  # fmt: skip
         self.network.train()
+        if self._resume_rng is not None:  # (the random draws go on from the checkpoint's)
+            comm.set_process_rng_state(self._resume_rng)
+            self._resume_rng = None
         for c in cbs:
             c.on_train_begin(ctx)
         done = initial_epoch or self.epochs_done  # (the data's epochs before this call's)
