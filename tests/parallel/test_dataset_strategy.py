@@ -158,3 +158,29 @@ def test_inputs_passed_as_other_blocks_name_the_strategy_and_the_global_shapes()
         and "pass each input as its entry splits it, or change that entry" in message
         and "torch: Attempting to broadcast a dimension of length 4" in message  # (its own)
     ), message
+
+
+def test_a_fake_kernel_refusal_under_per_input_entries_keeps_its_type_and_names_the_shapes() -> (
+    None
+):
+    """Inputs split on their feature dim where the rows were passed: the linear's fake kernel
+    refuses the global shapes (a `FakeKernelError`, a ValueError naming the op and the fix); it
+    stays one (it was turned into a plain ValueError) with the entries' global shapes added."""
+    from shardwise.planner import FakeKernelError
+
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    net = torch.nn.Linear(16, 8)
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = ((net(inputs) - targets) ** 2).mean()
+            loss.backward()
+            return loss
+
+        parallel = AutoParallel(train_step).dataset_strategy(((1, 4), (1, 1)))
+        with pytest.raises(FakeKernelError) as caught:
+            parallel(world.rows(x), world.same(y))
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "linear" in str(caught.value), caught.value
+    assert "block [2, 16] x splits (1, 4) = global [2, 64]" in notes, notes

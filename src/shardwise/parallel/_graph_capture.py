@@ -29,6 +29,7 @@ from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import dataset_shapes, global_inputs, input_layouts
 from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
 from shardwise.planner import (
+    CaptureError,
     Graph,
     ParallelPlan,
     capture,
@@ -131,6 +132,9 @@ def capture_plan(
         except RuntimeError as e:  # (torch's: on global shapes a per-input strategy made?)
             if not layouts:
                 raise
+            if isinstance(e, CaptureError):  # (its own message and fix: kept, the shapes added)
+                e.add_note(_dataset_failed(dataset, world, args, kwargs, None))
+                raise
             raise ValueError(_dataset_failed(dataset, world, args, kwargs, e)) from e
         if stored is None:
             assert session.declared is not None
@@ -151,7 +155,11 @@ def capture_plan(
 
 
 def _dataset_failed(
-    dataset: object, world: int, args: tuple[Any, ...], kwargs: dict[str, Any], e: Exception
+    dataset: object,
+    world: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    e: Exception | None,
 ) -> str:
     """What a call under per-input dataset entries says when its capture raised torch's
     RuntimeError: the global shapes it ran on, and how they were worked out (an input passed
@@ -167,7 +175,8 @@ def _dataset_failed(
         f"than its entry says (the rows of {world} ranks where the entry splits them fewer "
         f"ways) gets a wrong global shape: pass each input as its entry splits it, or change "
         f"that entry; if these global shapes are right, the step fails on them as one device "
-        f"would. torch: {e}"
+        f"would."
+        + ("" if e is None else " torch: " + "\n".join([str(e), *getattr(e, "__notes__", [])]))
     )
 
 
