@@ -38,18 +38,21 @@ def checks() -> None:
         run_case(n, cls(), (mode, form, strategy), give, single_device(cls))
         print(f"CHECK {cls.__name__}-{mode}-{form}-{strategy} OK", flush=True)
     for mode in ("semi_auto", "data_parallel"):
-        _other_batches_refused(mode, rank)
+        _other_batches_refused(mode, rank, extra=False)
         print(f"CHECK full_batch-other-batches-{mode} OK", flush=True)
+        _other_batches_refused(mode, rank, extra=True)
+        print(f"CHECK full_batch-other-input-counts-{mode} OK", flush=True)
 
 
-def _other_batches_refused(mode: str, rank: int) -> None:
-    """Under ``"full_batch"`` rank 1 passes another batch than rank 0: both ranks raise the
-    same ValueError (through the job's store), before any collective."""
+def _other_batches_refused(mode: str, rank: int, extra: bool) -> None:
+    """Under ``"full_batch"`` rank 1 passes another batch than rank 0 (`extra`: one more
+    tensor input): both ranks raise the same ValueError (through the job's store), before any
+    collective."""
     net = MLP()
     opt = torch.optim.SGD(net.parameters(), 0.1)
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = torch.nn.functional.cross_entropy(net(x), y)
+    def step(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(net(x), y, weight=w)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -57,10 +60,12 @@ def _other_batches_refused(mode: str, rank: int) -> None:
 
     wrapper = sw.AutoParallel(step, parallel_mode=mode).dataset_strategy("full_batch")
     x, y = data()[0]
+    kwargs = {"w": torch.ones(3)} if extra and rank == 1 else {}
     try:
-        wrapper(x.roll(rank, 0), y)
+        wrapper(x if extra else x.roll(rank, 0), y, **kwargs)
     except ValueError as e:
-        assert "differs on rank 1 from rank 0's" in str(e), e
+        what = "the number of inputs" if extra else "differs on rank 1 from rank 0's"
+        assert what in str(e), e
     else:
         raise AssertionError("another batch on rank 1 was not refused")
     wrapper.remove()

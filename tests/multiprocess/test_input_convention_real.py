@@ -23,8 +23,9 @@ def test_every_case_matches_one_device_on_2_processes(two_rank_job: JobResult) -
 
 
 def test_another_batch_under_full_batch_is_refused_on_both_ranks(two_rank_job: JobResult) -> None:
-    """Rank 1 passing another batch than rank 0 under ``"full_batch"``: the same ValueError on
-    both ranks (through the job's store), in both parallel modes; the job goes on."""
+    """Rank 1 passing another batch than rank 0 under ``"full_batch"``, or one more tensor
+    input: the same ValueError on both ranks (through the job's store), in both parallel
+    modes; the job goes on."""
     two_rank_job.assert_checks(
         2, [f"full_batch-other-batches-{m}" for m in ("semi_auto", "data_parallel")]
     )

@@ -9,7 +9,7 @@ process-group functions directly.
   refuses a backend this torch/machine lacks (``"nccl"`` without CUDA) with what to do.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
   world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
-  `file_rank`, `shared_value`, `ranks_unlike_leader`).
+  `file_rank`, `shared_value`, `ranks_unlike_leader` and its answer `Unlike`).
 - `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
@@ -46,6 +46,7 @@ from shardwise.communication._init import (
 from shardwise.communication._max_over_ranks import max_over_ranks
 from shardwise.communication._pairwise import pooled_bytes, release_buffers
 from shardwise.communication._ranks import (
+    Unlike,
     file_rank,
     first_claim,
     holds_several_ranks,
@@ -90,6 +91,7 @@ __all__ = [
     "NeighborExchangeV2",
     "ReduceOp",
     "ReduceScatter",
+    "Unlike",
     "bytes_bound",
     "comm_timeout",
     "create_group",

@@ -137,16 +137,18 @@ def same_batch(inputs: Sequence[Any]) -> None:
     """``"full_batch"``: raise ValueError when a tensor input differs from rank 0's on some
     rank (each rank passed its own rows; checked through the job's store:
     `communication.ranks_unlike_leader`)."""
-    for i, x in enumerate(x for x in inputs if isinstance(x, torch.Tensor)):
-        unlike, count = ranks_unlike_leader(x, lambda r: 0)
-        if count:
-            raise ValueError(
-                f"{WHO}: dataset_strategy 'full_batch': tensor input {i} (shape "
-                f"{list(x.shape)}) differs on rank {unlike[0]} from rank 0's"
-                f"{f' (and on {count - 1} more ranks)' if count > 1 else ''}, but every rank "
-                f"passes the whole global batch; pass the same batch on every rank, or use "
-                f"dataset_strategy 'data_parallel' where each rank passes its own rows"
-            )
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    unlike = ranks_unlike_leader(
+        [(f"tensor input {i}", x, lambda r: 0) for i, x in enumerate(tensors)]
+    )
+    if unlike.count:
+        more = f" (and on {unlike.count - 1} more ranks)" if unlike.count > 1 else ""
+        raise ValueError(
+            f"{WHO}: dataset_strategy 'full_batch': {unlike.name} differs on rank "
+            f"{unlike.ranks[0]} from rank 0's{more} (bitwise), but every rank passes the whole "
+            f"global batch; pass the same batch on every rank, or use dataset_strategy "
+            f"'data_parallel' where each rank passes its own rows"
+        )
 
 
 def check_updates(

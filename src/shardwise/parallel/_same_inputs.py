@@ -36,25 +36,26 @@ def check_same_inputs(dataset: object, args: tuple[Any, ...], kwargs: dict[str, 
     if dataset == "data_parallel":
         return
     layouts = input_layouts(dataset, comm.get_group_size(), args, kwargs)
-    for key, x in tensor_inputs(args, kwargs):
-        layout = layouts.get(key)
-        if dataset != "full_batch" and layout is None:
-            continue
-        leader = _leader(layout)
-        unlike, count = comm.ranks_unlike_leader(x, leader)
-        if not count:
-            continue
-        pairs = ", ".join(f"rank {r} from rank {leader(r)}'s" for r in unlike[:4])
-        more = f" (and {count - len(unlike[:4])} more ranks)" if count > len(unlike[:4]) else ""
-        what = "every rank passes the whole global batch"
-        if layout is not None:
-            what = f"ranks holding the same block of it (layout {layout}) pass the same values"
-        raise ValueError(
-            f"AutoParallel: dataset_strategy {_named(dataset)}: input {key} (shape "
-            f"{list(x.shape)}) differs on {pairs}{more}, but {what}; pass the same values on "
-            f"those ranks, or set dataset_strategy('data_parallel') where each rank passes its "
-            f"own rows"
-        )
+    named = [
+        (key, x, _leader(layouts.get(key)))
+        for key, x in tensor_inputs(args, kwargs)
+        if dataset == "full_batch" or key in layouts
+    ]
+    unlike = comm.ranks_unlike_leader(named)
+    if not unlike.count:
+        return
+    shown = list(zip(unlike.ranks, unlike.leaders, strict=True))[:4]
+    pairs = ", ".join(f"rank {r} from rank {lead}'s" for r, lead in shown)
+    more = f" (and {unlike.count - len(shown)} more ranks)" if unlike.count > len(shown) else ""
+    layout = layouts.get(unlike.name)
+    what = "every rank passes the whole global batch"
+    if layout is not None:
+        what = f"ranks holding the same block of it (layout {layout}) pass the same values"
+    raise ValueError(
+        f"AutoParallel: dataset_strategy {_named(dataset)}: input {unlike.name} differs on "
+        f"{pairs}{more} (bitwise), but {what}; pass the same values on those ranks, or set "
+        f"dataset_strategy('data_parallel') where each rank passes its own rows"
+    )
 
 
 def _named(dataset: object) -> str:
