@@ -43,3 +43,21 @@ def test_aten_calls_on_a_split_activation_match_one_device(world: int, dp: int) 
     parallel, _ = one_step_matches(world, net, single, x, y)
     names = [n for n in parallel.strategies() if "slice" in n]
     assert names, list(parallel.strategies())
+
+
+class AsksDevice(SlicedColumns):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        torch.ops.prim.device(x)  # (metadata, in both call forms: no node)
+        torch.ops.prim.device.default(x)
+        return super().forward(x, y)
+
+
+def test_prim_calls_are_metadata_in_both_call_forms() -> None:
+    """``torch.ops.prim.device(x)`` (a packet) became a node of the plan while its overload
+    form did not; neither does now."""
+    net = AsksDevice()
+    single = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+    parallel, _ = one_step_matches(2, net, single, x, y)
+    assert "prim.device" not in str(parallel.parallel_plan)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardwise._torch.dispatch import TensorBase
+from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase
 
 T = torch.Tensor
 _METADATA = {T.size, T.dim, T.ndimension, T.is_contiguous, T.is_floating_point, T.numel}
@@ -32,7 +32,7 @@ def record_kind(func: Callable[..., Any]) -> str:
     of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
     if func in _ALIASES:
         return "alias"
-    if func in _METADATA or getattr(func, "namespace", None) == "prim":
+    if func in _METADATA or _namespace(func) == "prim":
         return "skip"  # (``torch.ops.prim.device`` and kin: metadata; ``torch.ops.aten.*``: ops)
     if func is T.backward or func is torch.autograd.backward:
         return "backward"
@@ -45,6 +45,16 @@ def record_kind(func: Callable[..., Any]) -> str:
         is_op = func.__name__ == "__get__" and getattr(owner, "__name__", "") in _ATTR_OPS
         return "op" if is_op else "skip"
     return "op"
+
+
+def _namespace(func: Any) -> str | None:
+    """A ``torch.ops`` op's namespace (``"aten"``, ``"prim"``), an overload's or a packet's
+    (``torch.ops.prim.device`` and ``torch.ops.prim.device.default`` alike); None for others."""
+    if isinstance(func, OpOverload):
+        return str(func.namespace)
+    if isinstance(func, OpOverloadPacket):
+        return str(func).split(".", 1)[0]
+    return None
 
 
 def creates_graph(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
