@@ -180,6 +180,27 @@ def test_errors_before_any_collective() -> None:
         assert rec.records == []
 
 
+def test_plan_for_another_itemsize_is_refused() -> None:
+    """A plan's bytes are what a CommRecorder sums to: a plan made for float32 (the default
+    itemsize 4) run on a float64 block is refused before any collective, naming both itemsizes
+    and the plan to make; the plan for itemsize 8 runs and its bytes are the recorded ones."""
+    src, dst = CHOSEN[0]
+    full = torch.arange(512, dtype=torch.float64).reshape(SHAPE)
+    with simulated_world(8) as world:
+        x = world.rank_map(lambda r: full[src.local_slice(r, SHAPE)].clone())
+        with (
+            CommRecorder() as rec,
+            pytest.raises(ValueError, match=r"itemsize=4.*itemsize 8.*itemsize=8"),
+        ):
+            redistribute(x, src, dst, SHAPE, plan=plan_redistribution(src, dst, SHAPE))
+        assert rec.records == []
+        plan = plan_redistribution(src, dst, SHAPE, itemsize=8)
+        with CommRecorder() as rec:
+            y = redistribute(x, src, dst, SHAPE, plan=plan)
+        assert rec.total_bytes() == plan.total_bytes
+        assert_matches_single_device(y, lambda r: full[dst.local_slice(r, SHAPE)])
+
+
 def test_reversed_rank_list() -> None:
     """A rank_list whose groups are translates of one another (here reversed: blocks permuted
     around each collective) runs as in a real job (tests/multiprocess covers it too)."""

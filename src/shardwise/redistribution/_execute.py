@@ -163,14 +163,16 @@ def redistribute(
         src: the layout `local` is in.
         dst: the layout to produce; same device matrix.
         shape: the tensor's global shape.
-        plan: a plan from `plan_redistribution(src, dst, shape)` to reuse; planned if None.
+        plan: a plan from `plan_redistribution(src, dst, shape, itemsize)` to reuse, with
+            ``itemsize == local.element_size()``; planned if None.
 
     Returns:
         This rank's block under `dst`: ``global[dst.local_slice(rank, shape)]``.
 
     Raises:
         ValueError: before any collective, when `local` has the wrong shape, `plan` is for other
-            layouts, the layouts do not fit `shape`, or this rank is not in the device matrix.
+            layouts or another itemsize than `local`'s, the layouts do not fit `shape`, or this
+            rank is not in the device matrix.
 
     Example:
         >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
@@ -184,6 +186,13 @@ def redistribute(
         raise ValueError(
             f"redistribute: the plan is for {plan.src} -> {plan.dst} with shape "
             f"{list(plan.shape)}, not {src} -> {dst} with shape {list(shape)}"
+        )
+    elif plan.itemsize != local.element_size():
+        raise ValueError(
+            f"redistribute: the plan was made for itemsize={plan.itemsize} but the local block "
+            f"({local.dtype}) has itemsize {local.element_size()}, so the plan's bytes would not "
+            f"be what runs; plan with plan_redistribution(src, dst, shape, "
+            f"itemsize={local.element_size()}) (x.element_size())"
         )
     want = src.local_shape(shape)
     if tuple(local.shape) != want:
