@@ -120,6 +120,22 @@ def test_from_placements_inverts_to_placements(shape: tuple[int, ...]) -> None:
         assert back.dims == tuple(tuple(a for a in d if shape[a] > 1) for d in layout.dims)
 
 
+def test_from_placements_reads_negative_dims_from_the_end() -> None:
+    """DTensor accepts ``Shard(-1)``: it is the same layout as ``Shard(ndim - 1)`` (also for a
+    _StridedShard); a dim outside the tensor is named in a ValueError, not wrapped around."""
+    m = DeviceMatrix((2, 2), ("dp", "mp"))
+    assert from_placements(m, (Shard(-1), Replicate()), 2) == from_placements(
+        m, (Shard(1), Replicate()), 2
+    )
+    assert from_placements(m, (Shard(-1), Replicate()), 2).dims == ((), (0,))
+    strided = (_StridedShard(-2, split_factor=2), Shard(0))
+    assert from_placements(m, strided, 2).dims == ((1, 0), ())
+    with pytest.raises(ValueError, match=r"mesh dim 0: .*tensor dim 2.* has 2 dims"):
+        from_placements(m, (Shard(2), Replicate()), 2)
+    with pytest.raises(ValueError, match=r"mesh dim 1: .*tensor dim -3"):
+        from_placements(m, (Replicate(), Shard(-3)), 2)
+
+
 def test_from_placements_errors() -> None:
     m = DeviceMatrix((2, 2), ("a", "b"))
     with pytest.raises(ValueError, match="has no layout"):

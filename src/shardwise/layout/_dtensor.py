@@ -103,11 +103,12 @@ def from_placements(
     Returns:
         The layout; size-1 mesh dims never appear in it. ``_StridedShard(d, split_factor=1)``
         (DTensor's view rule merging a dim whose outer part is split whole) is read as
-        ``Shard(d)``: one piece cut into chunks is the same split.
+        ``Shard(d)``: one piece cut into chunks is the same split. A negative dim counts from
+        the end, as in DTensor (``Shard(-1)`` is ``Shard(ndim - 1)``).
 
     Raises:
-        ValueError: a Partial or other placement, or a _StridedShard combination that no
-            tuple order and group count produces.
+        ValueError: a Partial or other placement, a dim outside ``-ndim..ndim - 1``, or a
+            _StridedShard combination that no tuple order and group count produces.
 
     Example:
         >>> m = DeviceMatrix((2, 2), ("dp", "mp"))
@@ -116,15 +117,12 @@ def from_placements(
     """
     if len(placements) != len(matrix.shape):
         raise ValueError(f"{len(placements)} placements for {matrix}")
-    placements = tuple(
-        Shard(p.dim) if isinstance(p, StridedShard) and p.split_factor == 1 else p
-        for p in placements
-    )
+    placements = tuple(_normalized(p, axis, ndim) for axis, p in enumerate(placements))
     by_dim: list[list[int]] = [[] for _ in range(ndim)]
     for axis, p in enumerate(placements):
         if isinstance(p, Shard | StridedShard):
             if matrix.shape[axis] > 1:
-                by_dim[p.dim % ndim].append(axis)
+                by_dim[p.dim].append(axis)
         elif not isinstance(p, Replicate):
             raise ValueError(f"mesh dim {axis}: {p} has no layout (only Replicate / Shard)")
     want = tuple(Replicate() if matrix.shape[a] == 1 else p for a, p in enumerate(placements))
@@ -139,6 +137,22 @@ def from_placements(
             if to_placements(candidate) == want:
                 return candidate
     raise ValueError(f"placements {placements} match no axis order on {matrix}")
+
+
+def _normalized(p: Placement, axis: int, ndim: int) -> Placement:
+    """`p` with a negative tensor dim counted from the end (``Shard(-1)`` is ``Shard(ndim - 1)``)
+    and ``_StridedShard(d, split_factor=1)`` as ``Shard(d)``; a dim outside the tensor raises."""
+    if not isinstance(p, Shard | StridedShard):
+        return p
+    if not -ndim <= p.dim < ndim:
+        raise ValueError(
+            f"mesh dim {axis}: {p} names tensor dim {p.dim}, but the tensor has {ndim} dims; "
+            f"give a dim in {-ndim}..{ndim - 1}"
+        )
+    dim = p.dim % ndim
+    if isinstance(p, StridedShard) and p.split_factor != 1:
+        return StridedShard(dim, split_factor=p.split_factor)
+    return Shard(dim)
 
 
 def device_mesh_for(
