@@ -55,6 +55,23 @@ def test_the_layout_call() -> None:
         TensorLayout(LAYOUT.matrix, ((1,), ()), (3,))
 
 
+def test_a_group_count_that_does_not_divide_suggests_a_strided_call_that_works() -> None:
+    """The error for a strided dim over several axes suggests the `strided` call to write (a
+    tuple of aliases), and that call, with a k that divides, is accepted and fits the shape."""
+    layout = sw.Layout((2, 4), ("dp", "sp"))
+    with pytest.raises(ValueError) as info:
+        layout(sw.strided(("dp", "sp"), 2), "None").local_shape((24, 4))
+    message = str(info.value)
+    assert (
+        "(axes dp*sp)" in message and "strided(('dp', 'sp'), k) with k x 8 dividing 24" in message
+    )
+    call = message.split("(strided(")[1].split(", k)")[0]
+    fixed = eval(f"sw.strided({call}, 3)")  # the suggestion with k = 3 (3 x 8 divides 24)
+    assert layout(fixed, "None").local_shape((24, 4)) == (3, 4)
+    with pytest.raises(ValueError, match=r"\(axis sp\).*strided\('sp', k\) with k x 4"):
+        layout(sw.strided("sp", 5), "None").local_shape((24, 4))
+
+
 @pytest.mark.parametrize("shape", [(2, 2, 2), (4, 2), (3, 2, 2), (2, 1, 4), (8,)], ids=str)
 def test_placements_match_torch_splitting_for_strided_2d_layouts(shape: tuple[int, ...]) -> None:
     matrix = DeviceMatrix(shape, tuple(f"a{i}" for i in range(len(shape))))

@@ -213,14 +213,18 @@ class TensorLayout:
             )
         for d, size in enumerate(shape):
             parts = self.split_count(d)
-            axes = "*".join(self.matrix.names[a] for a in self.dims[d])
+            names = tuple(self.matrix.names[a] for a in self.dims[d])
+            axes = "*".join(names)
             g = self.groups_of(d)
             if g > 1 and size % (g * parts):
+                # the `strided` call to write: an alias, or a tuple of aliases (outer first)
+                arg = repr(names[0]) if len(names) == 1 else repr(names)
+                which = "axis" if len(names) == 1 else "axes"
                 raise ValueError(
                     f"{who}: dim {d} of size {size} cannot be cut into {g} strided groups each "
-                    f"split into {parts} parts (axis {axes}): {g} x {parts} = {g * parts} does "
-                    f"not divide {size}; use a group count and a split whose product divides "
-                    f"{size} (strided({axes!r}, k) with k x {parts} dividing {size}), or a "
+                    f"split into {parts} parts ({which} {axes}): {g} x {parts} = {g * parts} "
+                    f"does not divide {size}; use a group count and a split whose product divides "
+                    f"{size} (strided({arg}, k) with k x {parts} dividing {size}), or a "
                     f"plain split"
                 )
             if size % parts:
