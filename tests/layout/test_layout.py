@@ -15,6 +15,7 @@ from shardwise.layout import (
     tensor_layout_to_dict,
     tensor_map,
 )
+from shardwise.layout import strided as sw_strided
 
 LAYOUT = Layout((2, 2, 2), ("dp", "sp", "mp"))
 
@@ -163,6 +164,65 @@ def test_tensor_layout_from_dict_rejects_bad_tensor_map() -> None:
     data = {**LAYOUT.to_dict(), "tensor_map": [3, -1]}
     with pytest.raises(ValueError, match=r"tensor_map entry 3 is not in 0..2 or -1"):
         tensor_layout_from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"groups": [2.5, 1]}, r"groups \[2\.5, 1\]: give one int >= 1 per tensor_map entry"),
+        ({"groups": ["a", 1]}, r"groups \['a', 1\]: give one int >= 1 per tensor_map entry"),
+        ({"groups": [2]}, r"groups \[2\]: give one int >= 1 per tensor_map entry \(2\)"),
+        ({"groups": [0, 1]}, r"groups \[0, 1\]: give one int >= 1"),
+        ({"tensor_map": [[], -1]}, r"tensor_map entry \[\] .*non-empty list"),
+        ({"tensor_map": [2.0, -1]}, r"tensor_map entry 2\.0 is not in 0\.\.2 or -1"),
+        ({"tensor_map": "ab"}, r"tensor_map must be a list"),
+        ({"tensor_map": None}, r"tensor_map must be a list"),
+    ],
+    ids=str,
+)
+def test_tensor_layout_from_dict_refuses_malformed_values(
+    change: dict[str, object], match: str
+) -> None:
+    """A hand-edited strategy dict is refused with the key named, never silently cut (a group
+    count 2.5 read as 2) or read as something else (an empty list as "not split")."""
+    data = {**tensor_layout_to_dict(LAYOUT("mp", "None")), **change}
+    with pytest.raises(ValueError, match=match):
+        tensor_layout_from_dict(data)
+
+
+@pytest.mark.parametrize("key", ["device_matrix", "alias_name", "tensor_map"])
+def test_tensor_layout_from_dict_names_a_missing_key(key: str) -> None:
+    data = tensor_layout_to_dict(LAYOUT("mp", "None"))
+    del data[key]
+    with pytest.raises(ValueError, match=rf"has no '{key}' key; give device_matrix"):
+        tensor_layout_from_dict(data)
+
+
+def test_tensor_layout_from_dict_reads_valid_dicts_as_before() -> None:
+    base = {"device_matrix": [2, 2, 2], "alias_name": ["dp", "sp", "mp"]}
+    read = tensor_layout_from_dict
+    assert read({**base, "tensor_map": [[-1], [0, 1]]}) == LAYOUT("None", ("mp", "sp"))
+    assert read({**base, "tensor_map": [2, -1], "groups": None}) == LAYOUT("dp", "None")
+    assert read({**base, "tensor_map": [2, -1], "groups": []}) == LAYOUT("dp", "None")
+    strided = read({**base, "tensor_map": [2, -1], "groups": [3, 1]})
+    assert strided == LAYOUT(sw_strided("dp", 3), "None")
+
+
+def test_core_errors_name_what_is_wrong() -> None:
+    m = LAYOUT.matrix
+    with pytest.raises(TypeError, match=r"dims \(0,\): give one tuple of axis indices per"):
+        TensorLayout(m, (0,))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"tuple of axis indices"):
+        TensorLayout(m, ((0.0,), ()))  # type: ignore[arg-type]
+    assert TensorLayout(m, [[0], []]) == TensorLayout(m, ((0,), ()))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"coordinate \(0,\) has 1 entries but .* 3 axes"):
+        m.rank((0,))
+    x = LAYOUT("dp", "None")
+    with pytest.raises(ValueError, match=r"dim 0 has size -4; a global shape holds ints >= 0"):
+        x.local_shape((-4, 2))
+    with pytest.raises(ValueError, match=r"dim 1 has size 2\.0; a global shape holds ints"):
+        x.local_shape((4, 2.0))  # type: ignore[arg-type]
+    assert x.local_shape((0, 2)) == (0, 2)
 
 
 def test_call_result_is_a_core_tensor_layout() -> None:

@@ -261,6 +261,28 @@ def test_strategy_files_round_trip_and_mismatches(tmp_path: Path) -> None:
             other(world.rows(x2), world.rows(y2))
 
 
+def _edit_fc1_weight(d: Any, **change: Any) -> Any:
+    params = {k: dict(v) for k, v in d["params"].items()}
+    params["fc1_weight"].update(change)
+    return {**d, "params": params}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"groups": [2.5, 1]}, r"parameter 'fc1_weight': groups \[2\.5, 1\]: give one int >= 1"),
+        ({"groups": ["a", 1]}, r"parameter 'fc1_weight': groups \['a', 1\]: give one int >= 1"),
+        ({"dims": [[1.0], []]}, r"parameter 'fc1_weight': dims \[\[1\.0\], \[\]\]: give one"),
+    ],
+    ids=str,
+)
+def test_a_plan_files_non_int_layout_is_refused_not_cut(change: Any, message: str) -> None:
+    """A group count 2.5 (or an axis 1.0) in an edited plan is refused, naming the parameter and
+    the key; it was read as int(2.5) = 2, a strided layout the file does not say."""
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan.from_dict(_edit_fc1_weight(seed003_plan(False).to_dict(), **change))
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

@@ -91,7 +91,12 @@ class DeviceMatrix:
         return tuple(reversed(out))
 
     def rank(self, coord: Sequence[int]) -> int:
-        """The global rank at `coord`."""
+        """The global rank at `coord` (one index per axis)."""
+        if len(coord) != len(self.shape):
+            raise ValueError(
+                f"coordinate {tuple(coord)} has {len(coord)} entries but {self} has "
+                f"{len(self.shape)} axes; give one index per axis"
+            )
         pos = 0
         for c, size in zip(coord, self.shape, strict=True):
             if not 0 <= c < size:
@@ -147,6 +152,17 @@ class TensorLayout:
     groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.dims, tuple | list) or any(
+            not isinstance(axes, tuple | list)
+            or any(isinstance(a, bool) or not isinstance(a, int) for a in axes)
+            for axes in self.dims
+        ):
+            raise TypeError(
+                f"TensorLayout dims {self.dims!r}: give one tuple of axis indices per tensor dim, "
+                f"outer first (() for a dim that is not split), e.g. ((0,), ()) for "
+                f"(dp, None)"
+            )
+        object.__setattr__(self, "dims", tuple(tuple(axes) for axes in self.dims))
         used = [a for axes in self.dims for a in axes]
         bad = [a for a in used if not 0 <= a < len(self.matrix.shape)]
         if bad:
@@ -212,6 +228,16 @@ class TensorLayout:
                 f"{who}: layout {self} has {self.ndim} dims but the tensor has shape {list(shape)}"
             )
         for d, size in enumerate(shape):
+            # an int or a symbolic one (torch.SymInt has __index__; a float has not)
+            if (
+                isinstance(size, bool)
+                or not hasattr(size, "__index__")
+                or (isinstance(size, int) and size < 0)
+            ):
+                raise ValueError(
+                    f"{who}: shape {list(shape)}: dim {d} has size {size!r}; a global shape "
+                    f"holds ints >= 0"
+                )
             parts = self.split_count(d)
             names = tuple(self.matrix.names[a] for a in self.dims[d])
             axes = "*".join(names)

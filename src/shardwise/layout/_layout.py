@@ -253,7 +253,14 @@ class Layout:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Layout:
-        """The inverse of `to_dict` (``rank_list`` may be missing)."""
+        """The inverse of `to_dict` (``rank_list`` may be missing).
+
+        Raises:
+            ValueError: `data` is not a dict or lacks ``device_matrix`` / ``alias_name`` (the
+                key named), or `Layout` refuses the values.
+        """
+        for key in ("device_matrix", "alias_name"):
+            _require(data, key)
         return cls(data["device_matrix"], data["alias_name"], data.get("rank_list"))
 
     @classmethod
@@ -311,18 +318,59 @@ def tensor_layout_from_dict(data: Mapping[str, Any]) -> TensorLayout:
     """The inverse of `tensor_layout_to_dict`.
 
     Raises:
-        ValueError: a tensor_map entry that is not an axis index of the device matrix.
+        ValueError: a missing key (``device_matrix``, ``alias_name``, ``tensor_map``), a
+            tensor_map entry that is not ``-1``, an axis index of the device matrix or a
+            non-empty list of them, or ``groups`` that are not one int >= 1 per tensor_map
+            entry (LayoutTypeError, also a ValueError, for a value of the wrong type).
     """
     layout = Layout.from_dict(data)
+    _require(data, "tensor_map")
     last = len(layout.device_matrix) - 1
+    entries = data["tensor_map"]
+    if not isinstance(entries, list | tuple):
+        raise LayoutTypeError(
+            f"tensor_map must be a list (one entry per tensor dim), got {entries!r}"
+        )
     dims: list[tuple[int, ...]] = []
-    for entry in data["tensor_map"]:
-        idx = [entry] if isinstance(entry, int) else list(entry)
+    for entry in entries:
+        idx = [entry] if isinstance(entry, int) else entry
         if idx == [-1]:
             dims.append(())
             continue
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= last for i in idx):
-            raise ValueError(f"tensor_map entry {entry!r} is not in 0..{last} or -1")
+        if (
+            not isinstance(idx, list | tuple)
+            or not idx
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= last for i in idx)
+        ):
+            raise ValueError(
+                f"tensor_map entry {entry!r} is not in 0..{last} or -1: give -1 (not split), "
+                f"an axis index in 0..{last} (counted from the right) or a non-empty list of them"
+            )
         dims.append(tuple(last - i for i in idx))
     groups = data.get("groups") or ()
-    return TensorLayout(layout.matrix, tuple(dims), tuple(int(g) for g in groups))
+    if not isinstance(groups, list | tuple) or any(
+        isinstance(g, bool) or not isinstance(g, int) for g in groups
+    ):
+        raise LayoutTypeError(
+            f"groups {groups!r}: give one int >= 1 per tensor_map entry ({len(dims)}), "
+            f"e.g. {[3] + [1] * (len(dims) - 1)}"
+        )
+    if groups and (len(groups) != len(dims) or any(g < 1 for g in groups)):
+        raise ValueError(
+            f"groups {list(groups)}: give one int >= 1 per tensor_map entry ({len(dims)}), "
+            f"e.g. {[3] + [1] * (len(dims) - 1)}"
+        )
+    return TensorLayout(layout.matrix, tuple(dims), tuple(groups))
+
+
+def _require(data: object, key: str) -> None:
+    """Raise a ValueError naming `key` if `data` is not a dict holding it."""
+    if not isinstance(data, Mapping):
+        raise LayoutTypeError(
+            f"a layout dict (device_matrix, alias_name, tensor_map) is expected, got {data!r}"
+        )
+    if key not in data:
+        raise ValueError(
+            f"layout dict {dict(data)!r} has no {key!r} key; give device_matrix (axis sizes), "
+            f"alias_name (one name per axis) and, for a tensor, tensor_map (one entry per dim)"
+        )

@@ -170,7 +170,7 @@ def params_of(m: DeviceMatrix, d: Mapping[str, Any]) -> dict[str, ParamPlan]:
     """
     out = {}
     for k, v in d.items():
-        layout = _layout(m, v["dims"], v.get("groups", ()))
+        layout = _layout(m, v["dims"], v.get("groups", ()), f"parameter {k!r}: ")
         shape = tuple(int(s) for s in v["shape"])
         if len(layout.dims) != len(shape):
             raise ValueError(
@@ -200,11 +200,27 @@ def _groups_d(layout: TensorLayout) -> dict[str, list[int]]:
 
 
 def _layout(
-    m: DeviceMatrix, dims: Sequence[Sequence[int]], groups: Sequence[int] = ()
+    m: DeviceMatrix, dims: Sequence[Sequence[int]], groups: Sequence[int] = (), where: str = ""
 ) -> TensorLayout:
-    return TensorLayout(
-        m, tuple(tuple(int(a) for a in d) for d in dims), tuple(int(g) for g in groups)
-    )
+    """The layout a file's ``dims`` / ``groups`` give (ints only: ``2.5`` is refused, not cut);
+    `where` prefixes the error."""
+    if not _ints(dims, nested=True):
+        raise ValueError(
+            f"{where}dims {dims!r}: give one list of axis indices per tensor dim ([] when not "
+            f"split)"
+        )
+    if not _ints(groups or [], nested=False):
+        raise ValueError(f"{where}groups {groups!r}: give one int >= 1 per tensor dim")
+    return TensorLayout(m, tuple(tuple(d) for d in dims), tuple(groups or ()))
+
+
+def _ints(value: object, nested: bool) -> bool:
+    """Whether `value` is a list of ints (`nested`: a list of lists of ints); bools are not."""
+    if not isinstance(value, list | tuple):
+        return False
+    if nested:
+        return all(_ints(v, nested=False) for v in value)
+    return all(type(v) is int for v in value)
 
 
 def _placed_d(p: Placed) -> dict[str, Any]:
