@@ -78,12 +78,14 @@ class AtenCall:
 class AtenArg:
     """A tensor inside a node's aten program: ``("in", i)`` the node's i-th tensor input,
     ``("tmp", k)`` the k-th tensor the program produced. `info`: its global metadata;
-    `stride`: its global stride."""
+    `stride`: its global stride; `offset`: its storage offset on one device (a view such as
+    ``x[2:]`` starts inside its base's storage, at a nonzero offset)."""
 
     kind: Literal["in", "tmp"]
     index: int
     info: TensorInfo
     stride: tuple[int, ...]
+    offset: int = 0
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,9 @@ class _Recorder(TorchFunctionMode):
             )
         s.aten, s.aten_ids, s.tmp = [], {}, 0
         for i, t in enumerate(ins):
-            s.aten_ids.setdefault(id(t), AtenArg("in", i, info_of(t), tuple(t.stride())))
+            s.aten_ids.setdefault(
+                id(t), AtenArg("in", i, info_of(t), tuple(t.stride()), int(t.storage_offset()))
+            )
         op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
         saved = s.regions.saved_before()
         try:
@@ -349,7 +351,9 @@ class _AtenRecorder(TorchDispatchMode):
                 return x
             found = s.aten_ids.get(id(x))
             if found is None:  # a tensor the program made without an op (a lifted constant)
-                found = AtenArg("tmp", s.tmp, info_of(x), tuple(x.stride()))
+                found = AtenArg(
+                    "tmp", s.tmp, info_of(x), tuple(x.stride()), int(x.storage_offset())
+                )
                 s.tmp += 1
                 s.aten_ids[id(x)] = found
                 s.keep.append(x)
@@ -364,7 +368,9 @@ class _AtenRecorder(TorchDispatchMode):
         made = []
         for t in results:
             if isinstance(t, T) and id(t) not in s.aten_ids:
-                s.aten_ids[id(t)] = AtenArg("tmp", s.tmp, info_of(t), tuple(t.stride()))
+                s.aten_ids[id(t)] = AtenArg(
+                    "tmp", s.tmp, info_of(t), tuple(t.stride()), int(t.storage_offset())
+                )
                 s.tmp += 1
                 s.keep.append(t)
             if isinstance(t, T):
