@@ -5,7 +5,8 @@ Covered: missing rank files, a corrupt tensor (checksum), a truncated file, rank
 checkpoints mixed, a strategy that does not fit the shapes (or is of another network), an
 existing destination (refused without ``overwrite``; replaced only by a complete new one),
 a checkpoint of another network (a wrapper's ``network.`` names are not another network's),
-and rank files of a tied weight that do not record their cut
+optimizer state whose parameter groups differ and a strict dtype difference (refused with the
+network and the optimizer untouched), and rank files of a tied weight that do not record their cut
 (merged by the job's parameter strategy file, which records the tie; refused with the cause
 by a file without it). The destination is checked byte for byte (absent, or
 its old content) and no hidden partial output is left next to it.
@@ -203,6 +204,82 @@ def test_strict_load_distributed_takes_names_under_the_wrapper_either_way(tmp_pa
     double = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)).double()
     with pytest.raises(CheckpointError, match=r"\(strict=True does not convert; strict=False"):
         sw.checkpoint.load_distributed(double, tmp_path / "bare")
+
+
+def _saved_with_adamw(path: Path) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    sw.save_checkpoint(net, path / "ck.safetensors", optimizer=opt)
+
+
+def test_a_refused_optimizer_state_leaves_network_and_optimizer_untouched(
+    tmp_path: Path,
+) -> None:
+    """Optimizer state whose parameter groups differ (a parameter frozen now, trainable when
+    saved) is refused before anything is copied, naming the parameter and the fix (the
+    network's weights were overwritten, then the optimizer refused with both group lists)."""
+    _saved_with_adamw(tmp_path)
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    net[0].weight.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        sw.checkpoint.load_distributed(net, tmp_path, opt)
+    message = str(refused.value)
+    assert "group 0 matches no saved group: '0.weight' is in a saved parameter group" in message
+    assert "but in no group of this optimizer (frozen here?)" in message
+    assert "set the same requires_grad / parameter groups as the saving job" in message
+    assert "'1.weight'" not in message  # (the parameters that match are not listed)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert not opt.state
+
+
+def test_a_strict_dtype_refusal_leaves_the_network_untouched(tmp_path: Path) -> None:
+    """With ``strict=True`` a dtype difference on any entry is refused before the first copy
+    (the entries before it in the network were already overwritten)."""
+    _saved_with_adamw(tmp_path)
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4))
+    net[1].double()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"cannot load '1.weight'.*strict=True does not"):
+        sw.checkpoint.load_distributed(net, tmp_path)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_optimizer_groups_that_differ_name_the_parameters_in_a_short_message(
+    tmp_path: Path,
+) -> None:
+    """`load_optimizer_state` into an optimizer whose groups differ names the parameters
+    that differ, each kind of difference, with long lists cut (it printed both group lists in
+    full: thousands of characters on GPT-2)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(2, 2) for _ in range(40)])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    sw.save_checkpoint(net, tmp_path / "ck.safetensors", optimizer=opt)
+    ckpt = sw.load_checkpoint(tmp_path / "ck.safetensors")
+    params = list(net.named_parameters())
+    frozen = torch.optim.SGD([p for n, p in params if not n.startswith("0.")], lr=0.1)
+    with pytest.raises(CheckpointError) as refused:
+        sw.checkpoint.load_optimizer_state(frozen, ckpt, net)
+    assert "'0.weight', '0.bias' are in a saved parameter group but in no group" in str(
+        refused.value
+    )
+    assert len(str(refused.value)) < 400
+    split_groups = torch.optim.SGD(
+        [{"params": [p for _, p in params[:40]]}, {"params": [p for _, p in params[40:]]}],
+        lr=0.1,
+    )
+    with pytest.raises(CheckpointError) as refused:
+        sw.checkpoint.load_optimizer_state(split_groups, ckpt, net)
+    message = str(refused.value)
+    assert "'0.weight' is in saved group 0 with 80 parameters" in message
+    assert "this optimizer's group 0 with 40" in message
+    assert "and 76 more" in message and len(message) < 500
 
 
 def _writers(src: Path, dst: Path, overwrite: bool) -> dict[str, Callable[[], object]]:

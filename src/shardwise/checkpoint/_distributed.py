@@ -7,8 +7,9 @@ network holds on this rank (`SourceSet.assemble`), one entry at a time:
   first step then cuts them (and optimizer state loaded here) as it cuts a fresh network;
 - a planned network: this rank's blocks under its plan (every rank's, in a simulated world).
 
-Every block it will read is checksummed first, so a corrupt file is refused before the network
-or the optimizer changes.
+Every block it will read is checksummed first, and the optimizer state checked against the
+optimizer (class, parameter groups), so a corrupt file or a refused optimizer state is refused
+before the network or the optimizer changes.
 
 - `load_distributed`: the public function (weights, and the optimizer state with
   ``optimizer=``).
@@ -26,6 +27,7 @@ import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +37,7 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._load import load_entries
-from shardwise.checkpoint._optimizer import OptimizerState, load_optimizer_state
+from shardwise.checkpoint._optimizer import OptimizerState, checked_groups, load_optimizer_state
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
 from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of, wrapper_prefix
@@ -92,9 +94,10 @@ def _check_same_network(
     network: nn.Module,
     shapes: Mapping[str, tuple[int, ...]],
     keys: Mapping[str, str],
+    dtypes: Mapping[str, torch.dtype],
 ) -> None:
-    """The first parameter or buffer whose name or global shape differs: `CheckpointError`
-    (`keys`: each network name of a model entry -> its checkpoint key)."""
+    """The first parameter or buffer whose name, global shape or dtype differs:
+    `CheckpointError` (`keys`: each network name of a model entry -> its checkpoint key)."""
     model = list(keys)
     recorded = source.recorded_strategy
     wrapper = recorded.prefix if recorded is not None else ""
@@ -115,6 +118,12 @@ def _check_same_network(
             raise CheckpointError(
                 f"{keys[name]!r} is {list(source.shape(keys[name]))} in the checkpoint but "
                 f"{list(shape)} in {type(network).__name__}: a checkpoint of another network?"
+            )
+        if source.dtype(keys[name]) != dtypes[name]:
+            raise CheckpointError(
+                f"cannot load {name!r}: checkpoint dtype {source.dtype(keys[name])} != network "
+                f"dtype {dtypes[name]} (strict=True does not convert; strict=False casts to the "
+                "network's dtype)"
             )
     extra = [keys[k] for k in model if k not in shapes]
     if extra:
@@ -159,14 +168,16 @@ def load_distributed(
     """
     source = SourceSet(Path(src_dir), name, prefix, src_strategy)
     strategy = network_strategy(network)
-    shapes = {k: tuple(t.shape) for k, t in network.state_dict(keep_vars=True).items()}
+    entries = network.state_dict(keep_vars=True)
+    shapes = {k: tuple(t.shape) for k, t in entries.items()}
     if strategy is not None:
         shapes |= {k: tuple(p.shape) for k, p in strategy.params.items() if k in shapes}
     renames = _wrapper_renames(shapes, source.model_names)
     keys = {_renamed(k, renames): k for k in source.names}  # (network name -> checkpoint key)
     model = [_renamed(k, renames) for k in source.model_names]
     if strict:
-        _check_same_network(source, network, shapes, {n: keys[n] for n in model})
+        dtypes = {k: t.dtype for k, t in entries.items()}
+        _check_same_network(source, network, shapes, {n: keys[n] for n in model}, dtypes)
 
     def make(name: str) -> torch.Tensor:  # (`name`: the entry under the network's names)
         key = keys[name]
@@ -177,12 +188,30 @@ def load_distributed(
             return comm.every_rank(value, copies=True)  # (their states are updated apart)
         return comm.rank_value(lambda r: source.assemble(key, strategy.entry_piece(name, shape, r)))
 
+    described = None
+    if optimizer is not None:  # (refused before the network changes, as a corrupt file is)
+        described = _described(source, renames)
+        checked_groups(optimizer, described, str(source.files[0].index.path), network)
     with comm.plain_tensors():  # (before loading anything; one read for the whole job)
         source.verify(source.names if optimizer is not None else source.model_names)
     result = load_entries(network, _Entries(model, make), strict, option="strict")
-    if optimizer is not None:
-        _load_optimizer(source, optimizer, network, lambda k: make(_renamed(k, renames)), renames)
+    if optimizer is not None and described is not None:
+        _load_optimizer(source, optimizer, network, lambda k: make(_renamed(k, renames)), described)
     return result
+
+
+def _described(source: SourceSet, renames: Mapping[str, str]) -> dict[str, Any]:
+    """The checkpoint's optimizer description under the network's parameter names (`renames`:
+    the checkpoint's -> the network's, where a wrapper's prefix differs)."""
+    where = source.files[0].index.path
+    description = fmt.parse_json(where, source.metadata, fmt.KEY_OPTIMIZER)
+    if description is None:
+        raise CheckpointError(f"{where}: holds no optimizer state (save it with optimizer=)")
+    described: dict[str, Any] = json.loads(json.dumps(description))
+    described["state"] = {renames.get(n, n): v for n, v in described["state"].items()}
+    for group in described["param_groups"]:
+        group["params"] = [renames.get(n, n) for n in group["params"]]
+    return described
 
 
 def _load_optimizer(
@@ -190,18 +219,11 @@ def _load_optimizer(
     optimizer: torch.optim.Optimizer,
     network: nn.Module,
     make: Callable[[str], torch.Tensor],
-    renames: Mapping[str, str],
+    described: dict[str, Any],
 ) -> None:
-    """Restore `optimizer` (`make`: a checkpoint entry's tensor for the network; `renames`:
-    parameter names of the checkpoint -> the network's, where a wrapper's prefix differs)."""
+    """Restore `optimizer` (`make`: a checkpoint entry's tensor for the network; `described`:
+    `_described`'s description, already checked against the optimizer)."""
     where = source.files[0].index.path
-    description = fmt.parse_json(where, source.metadata, fmt.KEY_OPTIMIZER)
-    if description is None:
-        raise CheckpointError(f"{where}: holds no optimizer state (save it with optimizer=)")
-    described = json.loads(json.dumps(description))
-    described["state"] = {renames.get(n, n): v for n, v in described["state"].items()}
-    for group in described["param_groups"]:
-        group["params"] = [renames.get(n, n) for n in group["params"]]
     keys = [k for k in source.names if source.is_optimizer(k)]
     state = OptimizerState(described, {k: make(k) for k in keys})
     load_optimizer_state(optimizer, SimpleNamespace(path=where, optimizer_state=state), network)

@@ -152,6 +152,54 @@ def merged_description(
     return first | {"state": {n: state[n][1] for n in order}, "tensors": tensors}
 
 
+def _few(names: Sequence[str], limit: int = 4) -> str:
+    """`names` quoted, at most `limit` of them (a GPT-2's groups hold ~150 names)."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _is(names: Sequence[str]) -> str:
+    return "is" if len(names) == 1 else "are"
+
+
+def _group_difference(
+    optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], names: list[str]
+) -> str:
+    """Which parameters make the saved groups and the optimizer's differ, and the fix."""
+    held: dict[str, int] = {}
+    position = 0
+    for number, group in enumerate(optimizer.param_groups):
+        for name in names[position : position + len(group["params"])]:
+            held.setdefault(name, number)
+        position += len(group["params"])
+    kept = {name: i for i, g in enumerate(saved) for name in g["params"]}
+    missing = [n for n in kept if n not in held]
+    extra = [n for n in held if n not in kept]
+    parts = []
+    if missing:
+        parts.append(
+            f"{_few(missing)} {_is(missing)} in a saved parameter group but in no group of this "
+            "optimizer (frozen here?)"
+        )
+    if extra:
+        parts.append(
+            f"{_few(extra)} {_is(extra)} in this optimizer's group {held[extra[0]]} but in no "
+            "saved group (frozen when saved?)"
+        )
+    if not parts:  # (the same parameters, grouped otherwise)
+        for name, number in held.items():
+            ours = [n for n, k in held.items() if k == number]
+            theirs = saved[kept[name]]["params"]
+            if set(ours) != set(theirs):
+                parts.append(
+                    f"{name!r} is in saved group {kept[name]} with {len(theirs)} parameters "
+                    f"({_few(theirs)}) but in this optimizer's group {number} with {len(ours)} "
+                    f"({_few(ours)})"
+                )
+                break
+    return "; ".join(parts) + ": set the same requires_grad / parameter groups as the saving job"
+
+
 def _rebuilt_groups(
     optimizer: torch.optim.Optimizer,
     saved: list[dict[str, Any]],
@@ -163,10 +211,11 @@ def _rebuilt_groups(
     (a checkpoint whose groups came back in another order, as DCP's per-parameter groups do,
     loads as saved; an empty group of the optimizer that no saved group matches, one the
     per-parameter layout cannot record, keeps its own settings)."""
+    hint = "" if named else " (pass the network as net= to match by name)"
     if sum(1 for g in saved if g["params"]) > len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: {len(saved)} parameter groups saved, the optimizer has "
-            f"{len(optimizer.param_groups)}"
+            f"{len(optimizer.param_groups)}: {_group_difference(optimizer, saved, names)}{hint}"
         )
     index = {name: i for i, name in enumerate(names)}
     unused = list(saved)  # (each saved group taken once: two may hold the same, none)
@@ -178,16 +227,43 @@ def _rebuilt_groups(
         if old is None and not current:  # (not recorded: its own settings)
             old = {k: v for k, v in new.items() if k != "params"} | {"params": []}
         elif old is None:
-            hint = "" if named else " (pass the network as net= to match by name)"
             raise CheckpointError(
-                f"{where}: the optimizer's parameter group {number} holds {current}, which no "
-                f"saved group holds (saved groups: {[g['params'] for g in saved]}){hint}"
+                f"{where}: the optimizer's parameter group {number} matches no saved group: "
+                f"{_group_difference(optimizer, saved, names)}{hint}"
             )
         unused = [g for g in unused if g is not old]
         group = {k: v for k, v in old.items() if k != "params"}
         group["params"] = [index[name] for name in current]
         groups.append(group)
     return groups
+
+
+def checked_groups(
+    optimizer: torch.optim.Optimizer,
+    description: Mapping[str, Any],
+    where: str,
+    net: torch.nn.Module | None,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The optimizer's groups rebuilt from a saved `description`, and each parameter name's
+    index; `CheckpointError` when the state cannot be loaded into `optimizer` (another class,
+    other parameter groups, state of parameters it does not hold). Reads no tensor: a load
+    calls it before it changes anything."""
+    if description.get("class") != type(optimizer).__qualname__:
+        raise CheckpointError(
+            f"{where}: optimizer state of {description.get('class')} cannot be loaded into "
+            f"{type(optimizer).__qualname__}: build the optimizer the saving job used"
+        )
+    names = param_names(optimizer, net)
+    groups = _rebuilt_groups(
+        optimizer, description["param_groups"], names, where, named=net is not None
+    )
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(set(description["state"]) - set(index))
+    if unknown:
+        raise CheckpointError(
+            f"{where}: optimizer state for {_few(unknown)}, which this optimizer does not hold"
+        )
+    return groups, index
 
 
 def load_optimizer_state(
@@ -214,19 +290,7 @@ def load_optimizer_state(
     if saved is None:
         raise CheckpointError(f"{where}: holds no optimizer state")
     description = saved.description
-    if description.get("class") != type(optimizer).__qualname__:
-        raise CheckpointError(
-            f"{where}: optimizer state of {description.get('class')} cannot be loaded into "
-            f"{type(optimizer).__qualname__}"
-        )
-    names = param_names(optimizer, net)
-    groups = _rebuilt_groups(
-        optimizer, description["param_groups"], names, where, named=net is not None
-    )
-    index = {name: i for i, name in enumerate(names)}
-    unknown = sorted(set(description["state"]) - set(index))
-    if unknown:
-        raise CheckpointError(f"{where}: optimizer state for unknown parameters {unknown}")
+    groups, index = checked_groups(optimizer, description, where, net)
     metadata = getattr(ckpt, "metadata", None)
     if net is not None and isinstance(metadata, Mapping):
         check_rank_pieces(net, metadata, [(k, k) for k in saved.tensors], where)
