@@ -368,3 +368,43 @@ def test_data_parallel_mode_has_no_strategy_file_to_save(tmp_path: Path) -> None
         for save in (parallel.save_operator_strategy_file, parallel.save_param_strategy_file):
             with pytest.raises(ValueError, match="'data_parallel' makes no operator plan"):
                 save(tmp_path / "x.json")
+
+
+def _frozen_job(freeze_first: bool, load: Path | None = None, save: Path | None = None) -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    net[0].weight.requires_grad_(not freeze_first)
+    with simulated_world(2) as w:
+        w.replicate(net)
+        opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(net(a), b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        ap = AutoParallel(step, parallel_mode="semi_auto")
+        if load is not None:
+            ap.load_operator_strategy_file(load)
+        ap(w.rows(x), w.rows(y))
+        if save is not None:
+            ap.save_operator_strategy_file(save)
+
+
+def test_a_strategy_file_of_other_frozen_parameters_names_the_parameter(tmp_path: Path) -> None:
+    """A plan file saved with ``0.weight`` frozen, loaded where it requires grad (or the
+    reverse), names the parameter and the requires_grad fix (it blamed the gradient buckets
+    and hsdp() / comm_fusion() settings)."""
+    _frozen_job(True, save=tmp_path / "frozen.json")
+    _frozen_job(False, save=tmp_path / "trainable.json")
+    with pytest.raises(StrategyFileError) as refused:
+        _frozen_job(False, load=tmp_path / "frozen.json")
+    message = str(refused.value)
+    assert "'0.weight' requires grad in this network but was frozen" in message
+    assert "set the same requires_grad as the saving job" in message
+    assert "comm_fusion" not in message
+    with pytest.raises(StrategyFileError, match=r"'0.weight' is frozen .* same requires_grad"):
+        _frozen_job(True, load=tmp_path / "trainable.json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,6 +170,8 @@ class StrategyFiles:
                     f"{', '.join(map(str, fresh.roots)) or 'nothing the capture saw'} in this "
                     f"step; the file belongs to another train step"
                 )
+            if loaded.buckets and loaded.buckets != fresh.buckets:
+                _check_frozen(loaded.frozen, fresh.frozen, path)  # (the likelier cause)
             loaded = dataclasses.replace(loaded, frozen=fresh.frozen)  # (this network's)
             if not loaded.buckets:  # (a file without buckets: this job's)
                 loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
@@ -177,7 +180,7 @@ class StrategyFiles:
                 k, (a, b) = next((k, ab) for k, ab in enumerate(pairs) if ab[0] != ab[1])
                 raise planner.StrategyFileError(
                     f"{path}: the gradient / optimizer buckets differ from this job's (bucket "
-                    f"{k}: {a or '(none)'} in the file, {b or '(none)'} here); use the same "
+                    f"{k}: {_bucket(a)} in the file, {_bucket(b)} here); use the same "
                     "hsdp() / comm_fusion() settings as the saving job"
                 )
             # (checkpointed regions are the step's, not a strategy: this capture's)
@@ -202,3 +205,38 @@ def _frozen(network: nn.Module) -> set[str]:
     """The parameters of `network` that need no gradient (a file saved with
     ``only_trainable_params`` has no layout for them: they are planned as usual)."""
     return {n for n, p in network.named_parameters() if not p.requires_grad}
+
+
+def _few(names: Sequence[str], limit: int = 4) -> str:
+    """`names` quoted, at most `limit` of them (a GPT-2 has ~150 parameters)."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _bucket(bucket: planner.BucketPlan | None) -> str:
+    """`bucket` as its str, its parameter list cut to a few names."""
+    if bucket is None:
+        return "(none)"
+    if len(bucket.params) <= 4:
+        return str(bucket)
+    head = str(dataclasses.replace(bucket, params=bucket.params[:4]))
+    return f"{head} and {len(bucket.params) - 4} more"
+
+
+def _check_frozen(saved: Sequence[str], here: Sequence[str], path: str) -> None:
+    """`StrategyFileError` naming the parameters whose ``requires_grad`` differs from the
+    file's ``frozen`` list (the job's gradient buckets then differ from the file's)."""
+    trainable = [n for n in saved if n not in here]
+    if trainable:
+        raise planner.StrategyFileError(
+            f"{path}: parameter {_few(trainable)} requires grad in this network but was frozen "
+            "(requires_grad=False) in the saving job (the file's 'frozen' list): set the same "
+            f"requires_grad as the saving job (requires_grad_(False) on {trainable[0]!r})"
+        )
+    frozen = [n for n in here if n not in saved]
+    if frozen:
+        raise planner.StrategyFileError(
+            f"{path}: parameter {_few(frozen)} is frozen (requires_grad=False) in this network "
+            "but required grad in the saving job (not in the file's 'frozen' list): set the "
+            f"same requires_grad as the saving job (requires_grad_(True) on {frozen[0]!r})"
+        )
