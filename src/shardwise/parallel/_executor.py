@@ -79,7 +79,7 @@ from shardwise.parallel._seeds import Seeds
 from shardwise.parallel._sizes import Sizes
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
-from shardwise.planner import ParallelPlan, Placed
+from shardwise.planner import EdgePlan, ParallelPlan, Placed
 from shardwise.planner._call_kinds import keeps_graph
 
 T = torch.Tensor
@@ -150,6 +150,9 @@ class PlanExecutor(
         self.grad_read: Callable[[T], None] | None = None
         self.leaving = self.table.leaving  # (`_leaving`) per node: its outputs moved on return
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
+        self.buffer_moves = self.table.buffer_moves  # (`_leaving`) outputs buffers are set to
+        self.buffer_made: dict[str, tuple[weakref.ref[T], EdgePlan]] = {}  # (made this call)
+        self.network: torch.nn.Module | None = None  # (whose buffers those are: the caller's)
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
         self._recompute_init()
         self._seeds_init()
@@ -399,6 +402,8 @@ class PlanExecutor(
             )
         if self.cursor == self.start:
             self.run = object()  # (this run of the plan: what its seeded AllReduces carry)
+            if self.buffer_made:  # (a later pass reads them whole: `Leaving.store_buffers`)
+                self._paused_call(self.store_buffers)
             self.first_op()
             self.moved.clear()
             if self.on_start is not None:

@@ -299,6 +299,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         )
         leaves = [t for t in pytree.tree_leaves(call) if isinstance(t, T)]
         executor.inputs = {id(t): weakref.ref(t) for t in leaves}
+        executor.network = network  # (the buffers the call re-assigns: `_leaving`)
         # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
         executor.defer_count = self.grads is not None and not any(t.requires_grad for t in leaves)
         if self.hsdp is not None:
@@ -390,6 +391,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             for h in hooks:
                 h.remove()
         executor.check_done("the end of the call")
+        executor.store_buffers()  # (re-assigned buffers made whole: `_leaving`)
         if executor.done and executor.table.candidates is None:
             self.spans.update(executor.table)
         if self.module_form:

@@ -10,6 +10,11 @@ axis only).
 - `convention`: the placement a returned value of a global shape leaves in.
 - `leave_edges`: per node, the edges that move those of its outputs held otherwise to the
   convention (worked out once per plan, with `_node_table.NodeTable`).
+- `buffer_edges`: per node, its outputs a buffer is re-assigned to (``self.rm = 0.9 * self.rm
+  + 0.1 * h.mean(0)``: `ParallelPlan.set_buffers`), each with the edge that makes it whole, as
+  buffers are stored; `Leaving.store_buffers` puts the moved value in the buffer at the end of
+  the call and before a later pass of the plan (gradient accumulation), so every rank holds
+  one device's buffer.
 - `Leaving` (mixed into `_executor.PlanExecutor`): `Leaving.note_placed` keeps a weak reference
   to each such output as its op makes it; `Leaving.step_outputs` moves the returned ones at the
   end of the call (in tuples, lists, dicts, registered and plain dataclasses; a tensor returned
@@ -34,6 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from shardwise._torch import pytree
 from shardwise.layout import DeviceMatrix
@@ -77,6 +83,28 @@ def leave_edges(plan: ParallelPlan, dataset: object) -> list[dict[int, EdgePlan]
     return out
 
 
+BufferMoves = dict[int, list[tuple[int, str, EdgePlan]]]  # node -> (output, buffer, edge)
+
+
+def buffer_edges(plan: ParallelPlan) -> BufferMoves:
+    """Per node: each of its outputs that `ParallelPlan.set_buffers` puts in a buffer and the
+    plan holds other than whole, with the buffer's name and the edge that makes it whole."""
+    after = {e.value: e.dst for e in plan.edges if e.consumer == -1}  # (a loss, made whole)
+    out: BufferMoves = {}
+    for name, value in plan.set_buffers.items():
+        k, _, i = value.removeprefix("%").partition(".")
+        node, index = plan.nodes[int(k)], int(i or 0)
+        shape = node.shapes[index]
+        src = after.get(value, node.outputs[index])
+        want = replicated(plan.matrix, len(shape))
+        if src == want:
+            continue
+        steps = plan_redistribution(src.layout, want.layout, shape).steps
+        edge = EdgePlan(-1, index, value, shape, src, want, steps)
+        out.setdefault(int(k), []).append((index, name, edge))
+    return out
+
+
 def _tensors(out: Any) -> list[T]:
     return [out] if isinstance(out, T) else [t for t in pytree.tree_leaves(out) if isinstance(t, T)]
 
@@ -87,6 +115,9 @@ class Leaving:
 
     placed: Placings
     plan: ParallelPlan
+    buffer_moves: BufferMoves  # (`buffer_edges`, per plan)
+    buffer_made: dict[str, tuple[weakref.ref[T], EdgePlan]]  # buffer -> its value of this call
+    network: nn.Module | None  # (whose buffers `set_buffers` names)
     params_of: Callable[[], dict[int, str]]
     param_value: Callable[[torch.Tensor], torch.Tensor] | None
 
@@ -97,10 +128,26 @@ class Leaving:
     def note_placed(self, k: int, edges: dict[int, EdgePlan], out: Any) -> None:
         """Node `k` made `out`: keep its outputs that `edges` move when returned."""
         name = self.plan.nodes[k].name
-        for i, t in enumerate(_tensors(out)):
+        tensors = _tensors(out)
+        for i, t in enumerate(tensors):
             edge = edges.get(i)
             if edge is not None:
                 self.placed[id(t)] = (weakref.ref(t), edge, f"%{k} {name}")
+        for i, buffer, edge in self.buffer_moves.get(k, ()):
+            self.buffer_made[buffer] = (weakref.ref(tensors[i]), edge)
+
+    def store_buffers(self) -> None:
+        """Each buffer re-assigned to a value the plan holds other than whole (`buffer_edges`)
+        gets that value made whole, as one device's buffer (when it still holds the value)."""
+        made, self.buffer_made = self.buffer_made, {}
+        if self.network is None:
+            return
+        for buffer, (ref, edge) in made.items():
+            path, _, attr = buffer.rpartition(".")
+            module = self.network.get_submodule(path)
+            held, value = module._buffers.get(attr), ref()
+            if held is not None and value is not None and held in (value, self.current(value)):
+                module._buffers[attr] = move(self.current(held), edge)
 
     def _held(self, t: Any) -> tuple[EdgePlan, str] | None:
         entry = self.placed.get(id(t)) if isinstance(t, T) else None

@@ -28,7 +28,7 @@ import torch
 from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
-from shardwise.parallel._leaving import leave_edges
+from shardwise.parallel._leaving import buffer_edges, leave_edges
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
@@ -119,6 +119,9 @@ class NodeTable:
         self.templates = templates
         self.dataset = dataset
         self.leaving = leave_edges(plan, dataset)  # (per node: outputs moved when returned)
+        self.buffer_moves = buffer_edges(plan)  # (per node: outputs a buffer is set to)
+        for node in self.buffer_moves:  # (their outputs noted too: `Leaving.note_placed`)
+            self.leaving[node] = self.leaving[node] or {}
         nodes = plan.nodes
         self.ops = [n.op for n in nodes]
         self.names = [n.name for n in nodes]  # (``module.path/op``)

@@ -172,7 +172,8 @@ class StrategyFiles:
                 )
             if loaded.buckets and loaded.buckets != fresh.buckets:
                 _check_frozen(loaded.frozen, fresh.frozen, path)  # (the likelier cause)
-            loaded = dataclasses.replace(loaded, frozen=fresh.frozen)  # (this network's)
+            # (this network's frozen parameters, the buffers this step re-assigns)
+            loaded = dataclasses.replace(loaded, frozen=fresh.frozen, set_buffers=fresh.set_buffers)
             if not loaded.buckets:  # (a file without buckets: this job's)
                 loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
             elif loaded.buckets != fresh.buckets:

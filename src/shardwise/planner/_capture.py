@@ -14,7 +14,8 @@
    shardwise primitive becomes one node (its inner calls are not recorded);
 4. the returned tensors (and the train step's loss) become the graph's outputs; the nodes a
    custom ``torch.autograd.Function``'s forward ran are marked with its name
-   (`_functions.function_of`).
+   (`_functions.function_of`); a buffer the call re-assigned to an op's output
+   (``self.rm = 0.9 * self.rm + ...``) is noted with that output (`Graph.set_buffers`).
 
 Nothing is computed and no process group is used.
 
@@ -186,6 +187,7 @@ def capture(
             out = fn(*call_args, **call_kwargs)
         except _StopCapture:
             out = None
+        set_buffers = _set_buffers(networks, state.known)  # (before the buffers are put back)
     outs = tensors_in(out)
     returned = [state.known[id(t)] for t in outs if id(t) in state.known]
     returned += [r for r in state.backward_roots if r not in returned]
@@ -202,7 +204,21 @@ def capture(
         roots=tuple(state.backward_roots) if state.all_roots_known else (),
         regions=state.regions.regions(),
         frozen=tuple(frozen),
+        set_buffers=set_buffers,
     )
+
+
+def _set_buffers(networks: Sequence[nn.Module], known: Mapping[int, Ref]) -> dict[str, Ref]:
+    """Each buffer of `networks` that holds an op's output after the call (re-assigned in
+    ``forward``: ``self.rm = 0.9 * self.rm + 0.1 * x.mean(0)``) -> that output."""
+    out: dict[str, Ref] = {}
+    for i, net in enumerate(networks):
+        prefix = "" if len(networks) == 1 else f"{i}."
+        for name, b in net.named_buffers():
+            ref = known.get(id(b))
+            if ref is not None and ref.kind == "node":
+                out[prefix + name] = ref
+    return out
 
 
 def input_key(path: str) -> str:

@@ -176,6 +176,8 @@ class Graph:
         regions: the activation-checkpointed regions, in order (`_regions.Region`).
         frozen: the parameters that need no gradient (``requires_grad`` False), in parameter
             order.
+        set_buffers: each buffer the call re-assigned (``self.rm = 0.9 * self.rm + ...``) ->
+            the node output it holds after the call.
     """
 
     nodes: tuple[Node, ...]
@@ -188,6 +190,7 @@ class Graph:
     roots: tuple[Ref, ...] = ()
     regions: tuple[Region, ...] = ()
     frozen: tuple[str, ...] = ()
+    set_buffers: Mapping[str, Ref] = field(default_factory=dict)
 
     def info(self, ref: Ref) -> TensorInfo:
         """The metadata of the value `ref` names."""

@@ -121,7 +121,7 @@ class NodePlan:
         return f"%{self.index} {self.name} [{self.op}; {self.rule}{local}]: {ins} -> {outs}"
 
 
-_MAPPINGS = ("inputs", "params", "input_shapes", "equal_grads", "explained")
+_MAPPINGS = ("inputs", "params", "input_shapes", "equal_grads", "set_buffers", "explained")
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,9 @@ class ParallelPlan:
             their moves and collectives (`_regions.Region`).
         frozen: the parameters that need no gradient (``requires_grad`` False when planned, or
             since: `gradient_values`), in parameter order.
+        set_buffers: each buffer the call re-assigned to an op's output (``self.rm = 0.9 *
+            self.rm + 0.1 * h.mean(0)``) -> that value (``"%7"``); it is stored whole on every
+            rank, as buffers are (`parallel._leaving.buffer_edges`).
         explained: op name -> why an automatic planner chose its strategy
             (`_explain.Explanation`); not compared, not saved (a loaded plan has none).
 
@@ -168,6 +171,7 @@ class ParallelPlan:
     roots: tuple[Root, ...] = ()
     regions: tuple[Region, ...] = ()
     frozen: tuple[str, ...] = ()
+    set_buffers: Mapping[str, str] = field(default_factory=dict)
     explained: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -9,8 +9,9 @@
   `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
   its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
   `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`, `ParallelPlan.roots`,
-  `ParallelPlan.frozen`) and a node's random draws (`NodePlan.draws`) are written only when
-  present (a plan without them reads back with none).
+  `ParallelPlan.frozen`), the re-assigned buffers (`ParallelPlan.set_buffers`) and a node's
+  random draws (`NodePlan.draws`) are written only when present (a plan without them reads
+  back with none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
 into an equal value.
@@ -74,6 +75,8 @@ def plan_d(plan: ParallelPlan) -> dict[str, Any]:
         out["regions"] = [dataclasses.asdict(r) for r in plan.regions]
     if plan.frozen:
         out["frozen"] = list(plan.frozen)
+    if plan.set_buffers:
+        out["set_buffers"] = dict(plan.set_buffers)
     return out
 
 
@@ -123,6 +126,7 @@ def _plan_of(data: Mapping[str, Any], cls: type[ParallelPlan]) -> ParallelPlan:
         roots=tuple(Root(r["value"], _placed(m, r["placed"])) for r in data.get("roots", [])),
         regions=tuple(_region(r, len(data["nodes"])) for r in data.get("regions", [])),
         frozen=_frozen(data.get("frozen", []), data["params"]),
+        set_buffers={str(k): str(v) for k, v in data.get("set_buffers", {}).items()},
     )
 
 

@@ -230,6 +230,7 @@ def walk(
         roots=tuple(Root(str(ref), p.state[ref]) for ref in graph.roots),
         regions=graph.regions,
         frozen=tuple(n for n in graph.frozen if n in params),
+        set_buffers={n: str(ref) for n, ref in graph.set_buffers.items()},
     )
 
 
