@@ -367,3 +367,45 @@ def test_embedding_ids_split_with_the_later_axis_outer() -> None:
             ("AllReduce", "backward", ALL): 1,  # emb.weight: whole
         }
     ), rec.summary()
+
+
+class _Attention(nn.Module):
+    """nn.MultiheadAttention, whose out_proj is never called as a module (its weights go to
+    F.multi_head_attention_forward), and a branch that uses an annotated head only on a flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.0)
+        self.head = nn.Linear(16, 3)
+        self.spare = sw.shard(nn.Linear(16, 3), in_strategy=((2, 2), (1, 2)))  # (never used)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = self.mha(x, x, x, need_weights=False)
+        return F.cross_entropy(self.head(out.mean(1)), y)
+
+
+def test_op_form_on_a_module_never_called_is_refused() -> None:
+    """``sw.shard`` on ``nn.MultiheadAttention.out_proj`` was silently ignored (the plan was
+    plain data parallel): the op form applies to the module's own call, which never happens.
+    It is a PlanError naming the module, the op that used its weights, and the fix; an
+    annotated module whose weights the step does not use at all (`spare`) is no error."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 5, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+    net = _Attention()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(lambda a, b: net(a, b), network=net)
+        parallel(world.rows(x), world.rows(y))  # (spare: unused, no error)
+    net = _Attention()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        sw.shard(net.mha.out_proj, in_strategy=((2, 2), (1, 2)))
+        parallel = sw.AutoParallel(lambda a, b: net(a, b), network=net)
+        match = (
+            r"sw.shard on mha.out_proj .*never called as a module during the step; its weights "
+            r"are used directly by another op, multi_head_attention_forward in mha .*Annotate a "
+            r"module that is called, write the projection as a called nn.Linear, or remove"
+        )
+        with pytest.raises(PlanError, match=match):
+            parallel(world.rows(x), world.rows(y))

@@ -27,16 +27,18 @@ from shardwise.layout import TensorLayout
 from shardwise.ops._spec_checks import layout_call
 from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import dataset_shapes, global_inputs, input_layouts
-from shardwise.parallel._shard import Declared, Entry, activate, reshard_value
+from shardwise.parallel._shard import OP_FORM, Declared, Entry, activate, reshard_value
 from shardwise.planner import (
     CaptureError,
     Graph,
     ParallelPlan,
+    PlanError,
     capture,
     plan_recursive_programming,
     plan_semi_auto,
     plan_sharding_propagation,
 )
+from shardwise.planner._graph import op_strategy
 from shardwise.report._summary import (
     find_optimizer,
     memory_tensors,
@@ -66,6 +68,52 @@ class GraphSession:
     def declare_parameters(self, owner: nn.Module | None, plan: Mapping[str, Entry]) -> None:
         if self.declared is not None:
             self.declared.add(self.network, owner, plan)
+
+
+def check_uncalled_annotations(network: nn.Module, graph: Graph) -> None:
+    """Refuse an op-form ``sw.shard`` (on an ``nn.Linear`` / ``nn.Embedding``) whose module the
+    first plan's capture never saw called while another op used its weights directly (the
+    annotation applies to the module's own call only: it would be silently ignored).
+
+    ``nn.MultiheadAttention`` does this with ``out_proj``: it passes the weights to
+    ``F.multi_head_attention_forward``. An annotated module whose weights the step does not
+    use at all (a branch on a flag, eval vs train) is left alone."""
+    owners = {
+        id(p): (path, m)
+        for path, m in network.named_modules()
+        if op_strategy(m) is not None
+        for p in m.parameters(recurse=False)
+    }
+    if not owners:
+        return
+    ran = {node.module for node in graph.nodes}
+    for node in graph.nodes:
+        if node.is_primitive:  # (a primitive's inner calls are its own: not recorded)
+            continue
+        for ref in node.inputs:
+            if ref.kind != "param":
+                continue
+            try:
+                found = owners.get(id(network.get_parameter(str(ref.key))))
+            except AttributeError:
+                continue
+            if found is None:
+                continue
+            path, module = found
+            inside = node.module == path or node.module.startswith(path + ".")
+            if inside or any(r == path or r.startswith(path + ".") for r in ran):
+                continue
+            kind = next((c.__name__ for c in type(module).__mro__ if c in OP_FORM), "Linear")
+            op = node.op.rsplit(".", 1)[-1]
+            where = f"in {node.module}" if node.module else "at the top level"
+            raise PlanError(
+                f"sw.shard on {path} ({type(module).__name__}): its op-form in_strategy never "
+                f"applies: {path} is never called as a module during the step; its weights are "
+                f"used directly by another op, {op} {where} ({node.source or 'the step'}; e.g. "
+                f"nn.MultiheadAttention passes out_proj's weights to "
+                f"F.multi_head_attention_forward). Annotate a module that is called, write the "
+                f"projection as a called nn.{kind}, or remove the sw.shard annotation"
+            )
 
 
 def check_plan_memory(
@@ -137,6 +185,7 @@ def capture_plan(
                 raise
             raise ValueError(_dataset_failed(dataset, world, args, kwargs, e)) from e
         if stored is None:
+            check_uncalled_annotations(network, graph)
             assert session.declared is not None
             declared = session.declared.parameter_layouts(network)
             session.declared = None
