@@ -213,3 +213,57 @@ def test_input_split_on_features_names_the_fix(kind: str) -> None:
                     parallel(world.rows(x))
                 continue
             assert_matches_single_device(parallel(world.rows(x)).detach(), world.rows(want))
+
+
+class ComputedState(nn.Module):
+    """A recurrent layer whose initial state the step computes: a shifted zeros (GRU) or a
+    learnable state expanded to the batch (LSTM)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        if kind == "gru":
+            self.rnn: nn.RNNBase = nn.GRU(4, 6, batch_first=True)
+        else:
+            self.rnn = nn.LSTM(4, 6, batch_first=True)
+        self.h0 = nn.Parameter(torch.randn(1, 1, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gru":
+            state: object = torch.zeros(1, x.shape[0], 6) + 0.5
+        else:
+            h0 = self.h0.expand(-1, x.shape[0], -1)
+            state = (h0, torch.tanh(h0))
+        out, _ = self.rnn(x, state)
+        return F.cross_entropy(self.head(out[:, -1]), y) + 0.0 * self.h0.sum()
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+def test_a_computed_initial_state_matches_one_device(kind: str) -> None:
+    """An initial state computed in the step is whole while the module runs on this rank's
+    rows: nn.GRU's own check refused it with torch's "Expected hidden size (1, 4, 6), got
+    [1, 8, 6]". The op's node cuts its block; the loss and every gradient (the learnable
+    state's included) equal one device's."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 5, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    ref = ComputedState(kind)
+    want = ref(x, y)
+    want.backward()
+    net = ComputedState(kind)
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = net(a, b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want.detach())
+        assert_matches_single_device(
+            {n: p.grad for n, p in net.named_parameters()},
+            {n: p.grad for n, p in ref.named_parameters()},
+            what="grads",
+        )

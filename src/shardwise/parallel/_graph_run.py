@@ -82,6 +82,7 @@ from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import CopiedHooks, copied
 from shardwise.parallel._recompute import REENTRANT_HSDP
+from shardwise.parallel._rnn_checks import rows_hidden_checks
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._same_inputs import check_same_inputs
 from shardwise.parallel._shard import activate
@@ -134,6 +135,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: `_network_hooks`)
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
+        self.rnns: list[nn.RNNBase] = []  # (its recurrent modules: `_rnn_checks`)
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         watch_all = bool(get_auto_parallel_context("watch_every_op"))
         self.spans = SpanHooks(network, lambda: self.executor, enabled=not watch_all)
@@ -178,6 +180,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.plans = [(plan, self.templates)]
         self.tables = {}
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
+        self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]
         self.objects = [  # (not modules and optimizers: a note of theirs costs ~4 us each)
             o for o in find_objects(self.fn) if not isinstance(o, nn.Module | torch.optim.Optimizer)
         ]
@@ -380,7 +383,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
                     plan, *given, self.dataset, lambda: executor.in_backward > 0
                 )
             clip = clipping(*self.clip_args())
-            with saved, executor, activate(self.session), clip, eager(), same_masks():
+            rnn = rows_hidden_checks(self.rnns)  # (an initial state made whole)
+            with saved, executor, activate(self.session), clip, eager(), same_masks(), rnn:
                 out = self.fn(*args, **kwargs)
         except Replan:
             if engine is not None and executor.cursor:
