@@ -73,6 +73,21 @@ SHAPE_HINTS = {
 }
 """What to write instead of an op whose output is shaped by values, by a part of its name."""
 
+NOT_CAPTURABLE = {
+    "ctc_loss": (
+        "the shape of its output (the alignment table) depends on the values of the target "
+        "lengths, which fake tensors do not have, and torch has no form of it with fixed "
+        "shapes; compute the loss outside "
+        "the wrapped step: wrap the network (parallel = sw.AutoParallel(net): each rank gets "
+        "its rows of the outputs) and call the loss on them, made the same on every rank by "
+        "hand (reduction='mean': sw.ops.AllReduce()(F.ctc_loss(log_probs, targets, "
+        "input_lengths, target_lengths)) / n, each rank passing its rows of the targets and "
+        "lengths; 'sum': without / n), or run the step with parallel_mode='data_parallel'"
+    ),
+}
+"""Ops whose output is shaped by values that have no replacement of a fixed shape: how to run
+them outside the capture, by a part of the op's name."""
+
 _VALUE_READS = ("aten._local_scalar_dense", "aten.equal", "aten.is_nonzero", "aten.item")
 _TORCH_PUBLIC = tuple(
     os.path.join(_TORCH_DIR, part)
@@ -86,6 +101,9 @@ def data_dependent(op: str, e: BaseException) -> str:
     torch's function and line where Python reads it) or an output shaped by values."""
     func = str(getattr(e, "func", ""))
     if not func.startswith(_VALUE_READS):
+        outside = next((h for name, h in NOT_CAPTURABLE.items() if name in op), None)
+        if outside is not None:
+            return f"{op} at {source_line()} cannot be captured ({type(e).__name__}): {outside}"
         instead = next((h for name, h in SHAPE_HINTS.items() if name in op), SHAPE_HINTS[""])
         return (
             f"{op} at {source_line()} has an output whose shape depends on tensor values "
