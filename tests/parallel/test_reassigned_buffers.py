@@ -12,6 +12,7 @@ the in-place form (``self.rm.mul_(0.9).add_(...)``) already was.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -68,6 +69,22 @@ def _check_ranks(world: sw.testing.SimulatedWorld, net: Net, want: torch.Tensor)
         torch.testing.assert_close(got, want, msg=lambda m, r=rank: f"rank {r}: {m}")
 
 
+def _train_and_check(
+    world: sw.testing.SimulatedWorld,
+    wrapped: Any,
+    net: Net,
+    want: list[torch.Tensor],
+    losses: list[float],
+) -> None:
+    """A wrapped train step over `DATA`: each step's loss and every rank's buffer as one
+    device's."""
+    for (x, y), rm, loss_1 in zip(DATA, want, losses, strict=True):
+        loss = wrapped(world.rows(x), world.rows(y))
+        for got in world.local_tensors(loss):
+            assert got.item() == pytest.approx(loss_1, abs=1e-5)
+        _check_ranks(world, net, rm)
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_module_buffer_reassigned_in_forward_matches_one_device(ranks: int) -> None:
     want, losses, eval_loss = _reference(head=False, passes=1)
@@ -118,11 +135,7 @@ def test_train_step_buffer_reassigned_in_forward_matches_one_device(
             return loss
 
         p = sw.AutoParallel(step, parallel_mode="semi_auto")
-        for (x, y), rm, loss_1 in zip(DATA, want, losses, strict=True):
-            loss = p(world.rows(x), world.rows(y))
-            for got in world.local_tensors(loss):
-                assert got.item() == pytest.approx(loss_1, abs=1e-5)
-            _check_ranks(world, net, rm)
+        _train_and_check(world, p, net, want, losses)
         out = p(world.rows(EVAL[0]), world.rows(EVAL[1]), train=False)
         for got in world.local_tensors(out):
             assert got.item() == pytest.approx(eval_loss, abs=1e-5)
@@ -145,11 +158,7 @@ def test_buffer_reassigned_in_each_accumulated_pass_matches_one_device() -> None
             return loss
 
         p = sw.AutoParallel(step, parallel_mode="semi_auto")
-        for (x, y), rm, loss_1 in zip(DATA, want, losses, strict=True):
-            loss = p(world.rows(x), world.rows(y))
-            for got in world.local_tensors(loss):
-                assert got.item() == pytest.approx(loss_1, abs=1e-5)
-            _check_ranks(world, net, rm)
+        _train_and_check(world, p, net, want, losses)
 
 
 def test_plan_notes_the_reassigned_buffer_and_keeps_it_in_json() -> None:
