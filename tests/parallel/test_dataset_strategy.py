@@ -129,23 +129,27 @@ def test_errors(strategy: Any, match: str) -> None:
         sw.set_auto_parallel_context(dataset_strategy=((8, 1), LAYOUT("dp")))
 
 
+def _squared_error_step(world: SimulatedWorld, net: torch.nn.Module, strategy: Any) -> Any:
+    """A wrapped squared-error train step of `net` under per-input `strategy`."""
+    world.replicate(net)
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = ((net(inputs) - targets) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return AutoParallel(train_step).dataset_strategy(strategy)
+
+
 def test_inputs_passed_as_other_blocks_name_the_strategy_and_the_global_shapes() -> None:
     """Targets passed as quarter-size blocks (equal on the ranks the entry makes replicas)
     under an entry that splits them 2 ways: torch's RuntimeError from inside the capture ("The
     size of tensor a (8) must match the size of tensor b (4)") named neither the strategy nor
     the input; a ValueError names both, with the global shapes worked out from each rank's
     block."""
-    x, y = torch.randn(8, 16), torch.randn(8, 8)
-    net = torch.nn.Linear(16, 8)
+    x, y, net = torch.randn(8, 16), torch.randn(8, 8), torch.nn.Linear(16, 8)
     with simulated_world(4) as world:
-        world.replicate(net)
-
-        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = ((net(inputs) - targets) ** 2).mean()
-            loss.backward()
-            return loss
-
-        parallel = AutoParallel(train_step).dataset_strategy(((4, 1), (2, 1)))
+        parallel = _squared_error_step(world, net, ((4, 1), (2, 1)))
         with pytest.raises(ValueError) as caught:
             quarters = world.rank_map(lambda r: y[2 * (r // 2) : 2 * (r // 2) + 2])
             parallel(world.rows(x), quarters)
@@ -168,17 +172,9 @@ def test_a_fake_kernel_refusal_under_per_input_entries_keeps_its_type_and_names_
     stays one (it was turned into a plain ValueError) with the entries' global shapes added."""
     from shardwise.planner import FakeKernelError
 
-    x, y = torch.randn(8, 16), torch.randn(8, 8)
-    net = torch.nn.Linear(16, 8)
+    x, y, net = torch.randn(8, 16), torch.randn(8, 8), torch.nn.Linear(16, 8)
     with simulated_world(4) as world:
-        world.replicate(net)
-
-        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = ((net(inputs) - targets) ** 2).mean()
-            loss.backward()
-            return loss
-
-        parallel = AutoParallel(train_step).dataset_strategy(((1, 4), (1, 1)))
+        parallel = _squared_error_step(world, net, ((1, 4), (1, 1)))
         with pytest.raises(FakeKernelError) as caught:
             parallel(world.rows(x), world.same(y))
     notes = "\n".join(getattr(caught.value, "__notes__", []))
