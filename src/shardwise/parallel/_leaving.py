@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from shardwise._torch import pytree
+from shardwise._torch.module_state import own_buffers
 from shardwise.layout import DeviceMatrix
 from shardwise.parallel._edges import move
 from shardwise.parallel._errors import UnsupportedParallelError
@@ -145,9 +146,12 @@ class Leaving:
         for buffer, (ref, edge) in made.items():
             path, _, attr = buffer.rpartition(".")
             module = self.network.get_submodule(path)
-            held, value = module._buffers.get(attr), ref()
-            if held is not None and value is not None and held in (value, self.current(value)):
-                module._buffers[attr] = move(self.current(held), edge)
+            table, value = own_buffers(module), ref()
+            held = table.get(attr)
+            if held is None or value is None:
+                continue
+            if held is value or held is self.current(value):  # (identity: not values)
+                table[attr] = move(self.current(held), edge)
 
     def _held(self, t: Any) -> tuple[EdgePlan, str] | None:
         entry = self.placed.get(id(t)) if isinstance(t, T) else None
