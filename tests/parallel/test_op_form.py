@@ -389,14 +389,19 @@ def test_op_form_on_a_module_never_called_is_refused() -> None:
     """``sw.shard`` on ``nn.MultiheadAttention.out_proj`` was silently ignored (the plan was
     plain data parallel): the op form applies to the module's own call, which never happens.
     It is a PlanError naming the module, the op that used its weights, and the fix; an
-    annotated module whose weights the step does not use at all (`spare`) is no error."""
+    annotated module whose weights the step uses in no op of its own kind (`spare`, only in an
+    L2 penalty over every parameter) is no error."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 5, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
     net = _Attention()
     with simulated_world(WORLD) as world:
         world.replicate(net)
-        parallel = sw.AutoParallel(lambda a, b: net(a, b), network=net)
-        parallel(world.rows(x), world.rows(y))  # (spare: unused, no error)
+
+        def penalized(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # (L2 over all)
+            return net(a, b) + 1e-4 * sum(p.square().sum() for p in net.parameters())
+
+        parallel = sw.AutoParallel(penalized, network=net)
+        parallel(world.rows(x), world.rows(y))  # (spare: only in the penalty, no error)
     net = _Attention()
     with simulated_world(WORLD) as world:
         world.replicate(net)

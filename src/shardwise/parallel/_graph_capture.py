@@ -70,6 +70,15 @@ class GraphSession:
             self.declared.add(self.network, owner, plan)
 
 
+_MODULE_OPS = frozenset(
+    {
+        *("linear", "bilinear", "embedding", "embedding_bag", "multi_head_attention_forward"),
+        *("matmul", "mm", "addmm", "bmm", "baddbmm", "einsum", "tensordot", "__matmul__"),
+    }
+)
+"""Ops that do what an annotated ``nn.Linear`` / ``nn.Embedding`` does with its weights."""
+
+
 def check_uncalled_annotations(network: nn.Module, graph: Graph) -> None:
     """Refuse an op-form ``sw.shard`` (on an ``nn.Linear`` / ``nn.Embedding``) whose module the
     first plan's capture never saw called while another op used its weights directly (the
@@ -77,7 +86,8 @@ def check_uncalled_annotations(network: nn.Module, graph: Graph) -> None:
 
     ``nn.MultiheadAttention`` does this with ``out_proj``: it passes the weights to
     ``F.multi_head_attention_forward``. An annotated module whose weights the step does not
-    use at all (a branch on a flag, eval vs train) is left alone."""
+    use at all (a branch on a flag, eval vs train), or only in other ops than a module's own
+    (`_MODULE_OPS`: an L2 penalty over the parameters, an EMA), is left alone."""
     owners = {
         id(p): (path, m)
         for path, m in network.named_modules()
@@ -100,6 +110,8 @@ def check_uncalled_annotations(network: nn.Module, graph: Graph) -> None:
             if found is None:
                 continue
             path, module = found
+            if node.op.rsplit(".", 1)[-1] not in _MODULE_OPS:  # (an L2 penalty, an EMA: fine)
+                continue
             inside = node.module == path or node.module.startswith(path + ".")
             if inside or any(r == path or r.startswith(path + ".") for r in ran):
                 continue
