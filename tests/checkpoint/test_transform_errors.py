@@ -251,6 +251,18 @@ def test_a_strict_dtype_refusal_leaves_the_network_untouched(tmp_path: Path) -> 
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
 
 
+def test_a_shape_refusal_with_strict_false_leaves_the_network_untouched(tmp_path: Path) -> None:
+    """``strict=False`` leaves out missing and extra entries, but one of another shape is
+    refused: before any copy (the entries before it were overwritten)."""
+    _saved_with_adamw(tmp_path)
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 5))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"cannot load '1.(weight|bias)'.*nothing was loaded"):
+        sw.checkpoint.load_distributed(net, tmp_path, strict=False)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
 def test_optimizer_groups_that_differ_name_the_parameters_in_a_short_message(
     tmp_path: Path,
 ) -> None:

@@ -130,6 +130,20 @@ def _check_same_network(
         raise CheckpointError(f"checkpoint entry {extra[0]!r} is not in {type(network).__name__}")
 
 
+def _check_shared_shapes(
+    source: SourceSet, shapes: Mapping[str, tuple[int, ...]], keys: Mapping[str, str]
+) -> None:
+    """``strict=False``: the first entry the network and the checkpoint both hold with other
+    global shapes: `CheckpointError` (as loading it would raise, but before any copy)."""
+    for name, key in keys.items():
+        if source.shape(key) != shapes[name]:
+            raise CheckpointError(
+                f"cannot load {name!r}: checkpoint shape {list(source.shape(key))} != network "
+                f"shape {list(shapes[name])} (strict=False leaves out missing and extra "
+                "entries, not ones of another shape); nothing was loaded"
+            )
+
+
 def load_distributed(
     network: nn.Module,
     src_dir: str | os.PathLike[str],
@@ -178,6 +192,8 @@ def load_distributed(
     if strict:
         dtypes = {k: t.dtype for k, t in entries.items()}
         _check_same_network(source, network, shapes, {n: keys[n] for n in model}, dtypes)
+    else:  # (the entries both hold must agree: refused before anything is copied)
+        _check_shared_shapes(source, shapes, {n: keys[n] for n in model if n in shapes})
 
     def make(name: str) -> torch.Tensor:  # (`name`: the entry under the network's names)
         key = keys[name]
