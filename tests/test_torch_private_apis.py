@@ -531,6 +531,18 @@ def _local_tensor_mode_dispatch() -> None:
     assert alias is not None and alias.is_write
 
 
+def _rnn_check() -> None:
+    from shardwise._torch.rnn import hidden_check
+
+    for cls in (torch.nn.GRU, torch.nn.LSTM, torch.nn.RNN):
+        check = hidden_check(cls(2, 3))
+        assert check is not None, cls
+        assert list(inspect.signature(check).parameters)[:2] == ["hx", "expected_hidden_size"]
+        check(torch.zeros(1, 4, 3), (1, 4, 3))  # (the right size passes)
+        with pytest.raises(RuntimeError, match="Expected hidden size"):
+            check(torch.zeros(1, 5, 3), (1, 4, 3))
+
+
 CASES: dict[str, Callable[[], None]] = {
     "_torch/autograd_engine: graph task id, will_engine_execute_node, queue_callback": (
         _autograd_engine
@@ -562,6 +574,7 @@ CASES: dict[str, Callable[[], None]] = {
     "weak_holders and early_stop": (_checkpointing),
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
+    "_torch/rnn: nn.RNNBase.check_hidden_size(hx, expected_hidden_size, msg)": _rnn_check,
     "testing/_replaced: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),

@@ -11,17 +11,17 @@ state) is left to the op's node; the other dims are still checked.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardwise._torch.rnn import HIDDEN_CHECK, hidden_check
 
-def _rows_check(module: nn.RNNBase) -> Any:
-    own = type(module).check_hidden_size.__get__(module)
 
+def _rows_check(own: Callable[..., Any]) -> Callable[..., None]:
     def check(hx: torch.Tensor, expected: tuple[int, ...], *rest: Any, **kw: Any) -> None:
         if hx.dim() == 3 and len(expected) == 3 and hx.size(1) != expected[1]:
             expected = (expected[0], hx.size(1), expected[2])
@@ -34,11 +34,14 @@ def _rows_check(module: nn.RNNBase) -> Any:
 def rows_hidden_checks(modules: list[nn.RNNBase]) -> Iterator[None]:
     """While the plan runs: the recurrent `modules` take a whole initial state with the
     input's rows (the op's node cuts its block)."""
-    patched = [m for m in modules if "check_hidden_size" not in vars(m)]
-    for m in patched:
-        m.check_hidden_size = _rows_check(m)  # type: ignore[method-assign]
+    patched = []
+    for m in modules:
+        own = hidden_check(m)
+        if own is not None and HIDDEN_CHECK not in vars(m):
+            setattr(m, HIDDEN_CHECK, _rows_check(own))
+            patched.append(m)
     try:
         yield
     finally:
         for m in patched:
-            del m.check_hidden_size
+            delattr(m, HIDDEN_CHECK)
