@@ -239,5 +239,7 @@ def _check_frozen(saved: Sequence[str], here: Sequence[str], path: str) -> None:
         raise planner.StrategyFileError(
             f"{path}: parameter {_few(frozen)} is frozen (requires_grad=False) in this network "
             "but required grad in the saving job (not in the file's 'frozen' list): set the "
-            f"same requires_grad as the saving job (requires_grad_(True) on {frozen[0]!r})"
+            f"same requires_grad as the saving job (requires_grad_(True) on {frozen[0]!r}); a "
+            "file written before plans listed frozen parameters has no such list: then its "
+            "buckets differ for another reason (use the saving job's hsdp() / comm_fusion())"
         )
