@@ -20,14 +20,15 @@ annotations alike; any dataset strategy):
   ``hsdp()`` instead the optimizer-parallel engine (`_hsdp.start_engine`: shards at rest, each
   op gets a parameter's compute weight through `OptimizerParallel.compute`, gradients reduced
   into the shards).
-- `GraphRun.__call__`: the call under a `PlanExecutor`; ``full_batch`` inputs are first cut to
-  this rank's rows by the plan's entry edges (`_call_io.cut_inputs`); a wrapped network's
-  outputs leave as this rank's rows (``full_batch``: whole; `_call_io.rank_outputs`), and so
-  do the tensors a train step returns (`_leaving.Leaving.step_outputs`); the tensor inputs that
-  require grad get one device's gradient (`_input_grads`: a train step's through hooks for the
-  call, a network's through a dividing autograd node); optimizer steps reach the executor
-  through `_step_hooks.StepHooks`. A call that stops part way to be planned again (the step
-  took another branch: `Replan`) runs anew from the state it started in: buffers, torch's and
+- `GraphRun.__call__`: the call under a `PlanExecutor` (`_call_executor.call_executor`);
+  ``full_batch`` inputs are first cut to this rank's rows by the plan's entry edges
+  (`_call_io.cut_inputs`); a wrapped network's outputs leave as this rank's rows
+  (``full_batch``: whole; `_call_io.rank_outputs`), and so do the tensors a train step
+  returns (`_leaving.Leaving.step_outputs`); the tensor inputs that require grad get one
+  device's gradient (`_input_grads`: a train step's through hooks for the call, a network's
+  through a dividing autograd node); optimizer steps reach the executor through
+  `_step_hooks.StepHooks`. A call that stops part way to be planned again (the step took
+  another branch: `Replan`) runs anew from the state it started in: buffers, torch's and
   Python's RNG and the step's Python state other than its modules' and optimizers'
   (`planner._user_state.python_state`: a trainer's counter, a list, a generator object).
 """
@@ -35,7 +36,6 @@ annotations alike; any dataset strategy):
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -45,13 +45,13 @@ from torch import nn
 
 from shardwise import communication as comm
 from shardwise import report
-from shardwise._torch import pytree
 from shardwise._torch.module_state import own_buffers
 from shardwise._transformers import same_masks
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
+from shardwise.parallel._call_executor import call_executor
 from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
 from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
@@ -81,7 +81,6 @@ from shardwise.parallel._network_hooks import (
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import CopiedHooks, copied
-from shardwise.parallel._recompute import REENTRANT_HSDP
 from shardwise.parallel._rnn_checks import rows_hidden_checks
 from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
 from shardwise.parallel._same_inputs import check_same_inputs
@@ -291,27 +290,17 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         if table is None or table.dataset != self.dataset:
             table = NodeTable(plan, self.templates, self.dataset)
             self.tables[id(plan)] = (plan, table)
-        engine, network = self.engine, self.network
-        executor = PlanExecutor(
+        hooks = (on_start, on_end)
+        return call_executor(
             plan,
-            lambda: {id(p): n for n, p in network.named_parameters()},
-            param_value=None if engine is None else engine.compute,
-            on_end=on_end,
-            on_start=on_start,
-            table=table,
+            table,
+            call,
+            self.network,
+            self.engine,
+            hooks,
+            self.grads is not None,
+            bool(self.hsdp),
         )
-        leaves = [t for t in pytree.tree_leaves(call) if isinstance(t, T)]
-        executor.inputs = {id(t): weakref.ref(t) for t in leaves}
-        executor.network = network  # (the buffers the call re-assigns: `_leaving`)
-        # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
-        executor.defer_count = self.grads is not None and not any(t.requires_grad for t in leaves)
-        if self.hsdp is not None:
-            executor.reentrant_refused = REENTRANT_HSDP
-        if engine is not None and engine.level == "level1":
-            executor.grad_read = engine.reduce_for_read
-        if engine is not None and engine.level == "level3":
-            executor.fill_weights = engine.fill_for_replay
-        return executor
 
     def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept

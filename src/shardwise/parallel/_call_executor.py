@@ -1,0 +1,70 @@
+"""The `PlanExecutor` of one `GraphRun` call (`call_executor`): the plan's executor with what
+the call holds (its inputs, the network whose buffers it re-assigns) and what the run adds
+(optimizer parallel's weights, the gradient buckets' count of the loss)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardwise._torch import pytree
+from shardwise.optim import OptimizerParallel
+from shardwise.parallel._executor import PlanExecutor
+from shardwise.parallel._node_table import NodeTable
+from shardwise.parallel._recompute import REENTRANT_HSDP
+from shardwise.planner import ParallelPlan
+
+
+def call_executor(
+    plan: ParallelPlan,
+    table: NodeTable,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    network: nn.Module,
+    engine: OptimizerParallel | None,
+    hooks: tuple[Callable[[], None], Callable[[], None]],
+    buckets: bool,
+    hsdp: bool,
+) -> PlanExecutor:
+    """An executor of `plan` (`table`: its `NodeTable`) for one call with arguments `call`.
+
+    Args:
+        plan: the plan the call runs.
+        table: the plan's node table.
+        call: the call's arguments.
+        network: the wrapped network (its parameters' names; the buffers the call re-assigns).
+        engine: the optimizer-parallel engine (None without ``hsdp()``).
+        hooks: what runs when the plan's forward starts and when it ends.
+        buckets: the gradients are reduced in buckets (which correct a mean loss's shares).
+        hsdp: optimizer parallel is on (reentrant checkpointing is refused).
+
+    Returns:
+        The executor, entered by the caller around the call.
+
+    Example:
+        >>> executor = call_executor(plan, table, (args, kwargs), net, None, hooks, True, False)
+    """
+    on_start, on_end = hooks
+    executor = PlanExecutor(
+        plan,
+        lambda: {id(p): n for n, p in network.named_parameters()},
+        param_value=None if engine is None else engine.compute,
+        on_end=on_end,
+        on_start=on_start,
+        table=table,
+    )
+    leaves = [t for t in pytree.tree_leaves(call) if isinstance(t, torch.Tensor)]
+    executor.inputs = {id(t): weakref.ref(t) for t in leaves}
+    executor.network = network  # (the buffers the call re-assigns: `_leaving`)
+    # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
+    executor.defer_count = buckets and not any(t.requires_grad for t in leaves)
+    if hsdp:
+        executor.reentrant_refused = REENTRANT_HSDP
+    if engine is not None and engine.level == "level1":
+        executor.grad_read = engine.reduce_for_read
+    if engine is not None and engine.level == "level3":
+        executor.fill_weights = engine.fill_for_replay
+    return executor
