@@ -17,7 +17,8 @@ so tests run fast on 2 CPU cores. Each model's ``forward(x, targets=None)`` retu
 - `token_batches`, `image_batches`: deterministic global batches for them.
 - `recording_step` (a train step that keeps every gradient) and `semi_auto_matches` (that step
   in semi_auto, each step's loss and gradients checked against one device's);
-  `assert_shards_match` (parameters under optimizer parallel against one device's).
+  `assert_shards_match` (parameters under optimizer parallel against one device's);
+  `one_step_matches` and `OneOp` (one op on a split activation) for single-op checks.
 
 Every constructor seeds torch's global RNG with its ``seed`` argument before drawing initial
 values, so two calls with the same arguments build identical networks (the single-device
@@ -28,6 +29,7 @@ world: inside, every rank would draw its own values.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,6 +369,27 @@ def semi_auto_matches(
             assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
             assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
     return parallel, rec
+
+
+class OneOp(nn.Module):
+    """`l1` (column parallel over ``(dp, mp) = split`` when given), its output through `op`,
+    then a head and a cross entropy over 4 classes: one op on a split activation, for
+    `one_step_matches`."""
+
+    def __init__(
+        self, op: Callable[[torch.Tensor], torch.Tensor], width: int, split: Any = None
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.op = op
+        self.l1, self.head = nn.Linear(width, width), nn.Linear(width, 4)
+        if split is not None:
+            import shardwise as sw
+
+            sw.shard(self.l1, in_strategy=((split[0], 1), (split[1], 1)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.op(self.l1(x))), y)
 
 
 class TiedHead(nn.Module):

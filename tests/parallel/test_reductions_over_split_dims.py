@@ -25,7 +25,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.zoo import one_step_matches
+from tests.zoo import OneOp, one_step_matches
 from torch import nn
 
 import shardwise as sw
@@ -120,6 +120,8 @@ def test_a_bias_added_to_a_mean_over_split_rows(form: str) -> None:
     assert rec.kinds()[("AllGather", "forward", every)] == 0, rec.summary()  # (no rows moved)
 
 
+# (`l1`'s output masked by a boolean ``any`` over a dim the plan splits: the rows under data
+# parallel; the columns ("columns") when `l1` is column parallel over (dp, mp))
 ANY_FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "float": lambda h: h * (h > 0.5).any(dim=0, keepdim=True).float(),
     "sum": lambda h: h + (h > 0.5).any(dim=0).sum(),
@@ -127,22 +129,6 @@ ANY_FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "to": lambda h: h * (h > 0.5).any(dim=0).to(h.dtype),
     "columns": lambda h: h * (h > 0).any(dim=1, keepdim=True).float(),
 }
-
-
-class _AnyMasked(nn.Module):
-    """`l1`'s output masked by a boolean ``any`` over a dim the plan splits (the rows under
-    data parallel; the columns when `l1` is column parallel over (dp, mp))."""
-
-    def __init__(self, form: str, split: tuple[int, int] | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.form = form
-        self.l1, self.head = nn.Linear(H, H), nn.Linear(H, 4)
-        if split is not None:
-            sw.shard(self.l1, in_strategy=((split[0], 1), (split[1], 1)))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(ANY_FORMS[self.form](self.l1(x))), y)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +149,7 @@ def test_any_over_a_split_dim_is_a_logical_or(
     """DTensor calls ``mask.any(dim)`` over a split dim a partial sum; the plan carried it
     through the cast (or the sum) and summed the cast values: a column True on two ranks
     became 2.0. The split is gathered before the ``any`` now, as before a max."""
-    single, net = _AnyMasked(form), _AnyMasked(form, split)
+    single, net = OneOp(ANY_FORMS[form], H), OneOp(ANY_FORMS[form], H, split)
     x = torch.randn(BATCH, H, generator=torch.Generator().manual_seed(5))
     y = torch.randint(0, 4, (BATCH,), generator=torch.Generator().manual_seed(6))
     one_step_matches(world, net, single, x, y)

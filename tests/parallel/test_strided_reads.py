@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.zoo import one_step_matches
+from tests.zoo import OneOp, one_step_matches
 from torch import nn
 
 import shardwise as sw
@@ -34,25 +34,12 @@ FORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class _Strided(nn.Module):
-    def __init__(self, form: str, split: tuple[int, int] | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.form = form
-        self.l1, self.head = nn.Linear(H, H), nn.Linear(H, 4)
-        if split is not None:
-            sw.shard(self.l1, in_strategy=((split[0], 1), (split[1], 1)))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(FORMS[self.form](self.l1(x))), y)
-
-
 @pytest.mark.parametrize("split", [(1, 2), (2, 2)], ids=["dp1-mp2", "dp2-mp2"])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_as_strided_of_a_moved_value_reads_one_devices_layout(
     form: str, split: tuple[int, int]
 ) -> None:
-    single, net = _Strided(form), _Strided(form, split)
+    single, net = OneOp(FORMS[form], H), OneOp(FORMS[form], H, split)
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
     one_step_matches(split[0] * split[1], net, single, x, y)
