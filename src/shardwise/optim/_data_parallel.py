@@ -65,10 +65,9 @@ from shardwise.optim._data_parallel_steps import (
     all_reduce_bucket,
     broadcast_bucket,
     check_updates,
+    full_batch_rows,
     gather_rows,
-    local_rows,
     mean_loss,
-    same_batch,
     same_shapes,
 )
 from shardwise.optim._global_hooks import register_pre, remove_later
@@ -343,13 +342,9 @@ class DataParallelRunner:
         self._check_plan()
         self.stepping = 0  # (a step that raised never ran its post-hook)
         same_shapes([*inputs, *kwargs.values()])
-        if self.dataset_strategy == "full_batch":
-            if not self._checked_batch:  # (the first call: every rank passed the same batch)
-                same_batch([*inputs, *kwargs.values()])
-                self._checked_batch = True
-            rank = comm.get_rank()
-            inputs = tuple(local_rows(x, self.world, rank) for x in inputs)
-            kwargs = {k: local_rows(x, self.world, rank) for k, x in kwargs.items()}
+        if self.dataset_strategy == "full_batch":  # (the first call: `same_batch` too)
+            inputs, kwargs = full_batch_rows(inputs, kwargs, self.world, not self._checked_batch)
+            self._checked_batch = True
         if self.train_step is None:
             out = self.network(*inputs, **kwargs)
             return gather_rows(out) if self.dataset_strategy == "full_batch" else out

@@ -2,7 +2,8 @@
 gradients and parameters: the collectives of data-parallel mode (through
 ``communication._collectives``), and the batch cut.
 
-- `local_rows` (``"full_batch"``): this rank's rows of a global-batch input; `same_shapes`:
+- `local_rows` (``"full_batch"``): this rank's rows of a global-batch input
+  (`full_batch_rows`: of every input); `same_shapes`:
   every rank's inputs of one shape (a simulated world sees ranks that differ); `same_batch`
   (``"full_batch"``, first call): every rank's inputs of one value.
 - `mean_loss` (train-step form): the step's loss averaged over the ranks (one AllReduce).
@@ -27,7 +28,7 @@ from torch import nn
 from shardwise._torch import pytree
 from shardwise._torch.storage import version
 from shardwise.communication import _collectives as C
-from shardwise.communication import ranks_unlike_leader
+from shardwise.communication import get_rank, ranks_unlike_leader
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO
 
@@ -116,6 +117,18 @@ def gather_rows(out: Any) -> Any:
     if isinstance(out, tuple | list):
         return type(out)(gather_rows(o) for o in out)
     return out
+
+
+def full_batch_rows(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any], world: int, first: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``"full_batch"``: this rank's rows of every input (`local_rows`), after checking on
+    the `first` call that every rank passed rank 0's batch (`same_batch`)."""
+    if first:
+        same_batch([*inputs, *kwargs.values()])
+    rank = get_rank()
+    rows = tuple(local_rows(x, world, rank) for x in inputs)
+    return rows, {k: local_rows(x, world, rank) for k, x in kwargs.items()}
 
 
 def same_shapes(inputs: Sequence[Any]) -> None:
