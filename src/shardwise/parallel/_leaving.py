@@ -68,20 +68,34 @@ def convention(matrix: DeviceMatrix, shape: tuple[int, ...], dataset: object) ->
 def leave_edges(plan: ParallelPlan, dataset: object) -> list[dict[int, EdgePlan] | None]:
     """Per node: its outputs (by tensor index) that the plan holds other than `convention`
     says, each with the edge that moves it there (None: every output leaves as it is)."""
-    after = {e.value: e.dst for e in plan.edges if e.consumer == -1}  # (a loss, made whole)
+    after = _losses(plan)
     out: list[dict[int, EdgePlan] | None] = []
     for n in plan.nodes:
         edges: dict[int, EdgePlan] = {}
         for i, (placed, shape) in enumerate(zip(n.outputs, n.shapes, strict=True)):
             value = f"%{n.index}" + (f".{i}" if i else "")
-            src = after.get(value, placed)
             want = convention(plan.matrix, tuple(shape), dataset)
-            if src == want:
-                continue
-            steps = plan_redistribution(src.layout, want.layout, shape).steps
-            edges[i] = EdgePlan(-1, i, value, shape, src, want, steps)
+            edge = _edge_to(after.get(value, placed), want, value, i, shape)
+            if edge is not None:
+                edges[i] = edge
         out.append(edges or None)
     return out
+
+
+def _losses(plan: ParallelPlan) -> dict[str, Placed]:
+    """A loss's value -> the placement its loss edge leaves it in (whole)."""
+    return {e.value: e.dst for e in plan.edges if e.consumer == -1}
+
+
+def _edge_to(
+    src: Placed, want: Placed, value: str, index: int, shape: tuple[int, ...]
+) -> EdgePlan | None:
+    """The edge moving `value` (its node's output `index`, of global `shape`) from `src` to
+    `want`; None when it is there already."""
+    if src == want:
+        return None
+    steps = plan_redistribution(src.layout, want.layout, shape).steps
+    return EdgePlan(-1, index, value, shape, src, want, steps)
 
 
 BufferMoves = dict[int, list[tuple[int, str, EdgePlan]]]  # node -> (output, buffer, edge)
@@ -90,19 +104,16 @@ BufferMoves = dict[int, list[tuple[int, str, EdgePlan]]]  # node -> (output, buf
 def buffer_edges(plan: ParallelPlan) -> BufferMoves:
     """Per node: each of its outputs that `ParallelPlan.set_buffers` puts in a buffer and the
     plan holds other than whole, with the buffer's name and the edge that makes it whole."""
-    after = {e.value: e.dst for e in plan.edges if e.consumer == -1}  # (a loss, made whole)
+    after = _losses(plan)
     out: BufferMoves = {}
     for name, value in plan.set_buffers.items():
         k, _, i = value.removeprefix("%").partition(".")
         node, index = plan.nodes[int(k)], int(i or 0)
         shape = node.shapes[index]
-        src = after.get(value, node.outputs[index])
         want = replicated(plan.matrix, len(shape))
-        if src == want:
-            continue
-        steps = plan_redistribution(src.layout, want.layout, shape).steps
-        edge = EdgePlan(-1, index, value, shape, src, want, steps)
-        out.setdefault(int(k), []).append((index, name, edge))
+        edge = _edge_to(after.get(value, node.outputs[index]), want, value, index, shape)
+        if edge is not None:
+            out.setdefault(int(k), []).append((index, name, edge))
     return out
 
 
