@@ -5,7 +5,8 @@ Optimizer parallel (``hsdp()``, levels 1-3: ReduceScatter / AllReduce of each bu
 gradients and divided the sum by the world size: a float16 gradient, or (hsdp) a
 ``GradScaler``'s scaled float32 one, overflowed to inf where one device's stays finite (the
 scaler then skipped a step that one device takes). The reduced gradients now equal one
-device's. 4 simulated ranks, each on 2 of the 8 rows of the batch.
+device's. So are semi_auto's gradients all-reduced one by one outside the fused buckets (after a
+backward that raised). 4 simulated ranks, each on 2 of the 8 rows of the batch.
 """
 
 from __future__ import annotations
@@ -109,3 +110,40 @@ def test_a_grad_scaler_steps_where_one_device_steps(mode: str) -> None:
         assert_matches_single_device(
             net.weight.detach(), rows_of(one.weight.detach(), mode), what="weight"
         )
+
+
+def test_a_gradient_reduced_outside_the_buckets_sums_without_overflow() -> None:
+    """semi_auto without hsdp: after a backward that raised (with one of the bucket's gradients
+    in), the next backward's gradients are all-reduced one by one outside the buckets; they are
+    divided first too (40000 per element on one device: their sum over 4 ranks was inf)."""
+    x = torch.ones(8, 64, dtype=torch.float16)
+
+    def pair() -> nn.Sequential:
+        return nn.Sequential(make(torch.float16), make(torch.float16))
+
+    def boom(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    one = pair()
+    (one(x).float().mean() * 4e6).backward()
+    want = [p.grad for p in one.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() and g.max() > 30000 for g in want)
+    net = pair()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+
+        # (raising at the first layer's output: the second layer's gradient was in its bucket)
+        def fail_there(m: nn.Module, i: object, out: torch.Tensor) -> None:
+            out.register_hook(boom)
+
+        hook = net[0].register_forward_hook(fail_there)
+        bad = parallel(world.rows(x))
+        hook.remove()
+        good = parallel(world.rows(x))
+        with pytest.raises(RuntimeError, match="boom"):
+            (bad.float().mean() * 4e6).backward()
+        net.zero_grad(set_to_none=True)
+        (good.float().mean() * 4e6).backward()
+        for p, g in zip(net.parameters(), want, strict=True):
+            assert_matches_single_device(p.grad, g, what="weight gradient")

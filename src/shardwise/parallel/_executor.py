@@ -31,9 +31,9 @@ an optimizer step it may stay off until the network is called again (`_spans.Spa
 Nothing about layouts is decided here: every placement, step and collective comes from the plan.
 A later pass of the plan in the same call (gradient accumulation) starts where `_passes.Passes`
 says. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
-unchanged; ``loss.backward()`` without a gradient runs under `replicated_seed` (with the plan's
-``seeded`` adjoints local unless an op outside the plan ran since it last started); a root
-split over the ranks has its seed scaled (`_seeds.Seeds`). An optimizer
+unchanged; ``loss.backward()`` and ``torch.autograd.grad`` go through
+`_differentiate.Differentiate` (the pass must be complete; a root split over the ranks has its
+seed scaled: `_seeds.Seeds`). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
 (`_stepping.SteppingMode`, its base), so its ops do not reach Python here. A shardwise primitive
 is one node, run through module hooks (`_executor_primitives.PrimitiveHooks`). An
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import checkpoint_calls, checkpointing
-from shardwise.communication.primitives import replicated_seed
+from shardwise.parallel._differentiate import Differentiate
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
@@ -80,7 +80,6 @@ from shardwise.parallel._sizes import Sizes
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
-from shardwise.planner._call_kinds import keeps_graph
 
 T = torch.Tensor
 
@@ -89,7 +88,16 @@ GRAD_GET = "torch.Tensor.grad.__get__"  # (the op name of a ``t.grad`` read: `ca
 
 
 class PlanExecutor(
-    Passes, Sizes, Leaving, NodeRun, PrimitiveHooks, Recompute, Seeds, SpanRunner, SteppingMode
+    Passes,
+    Sizes,
+    Leaving,
+    NodeRun,
+    PrimitiveHooks,
+    Recompute,
+    Seeds,
+    Differentiate,
+    SpanRunner,
+    SteppingMode,
 ):
     """Carries out `plan` (see the module docstring).
 
@@ -239,36 +247,8 @@ class PlanExecutor(
         self, func: Callable[..., Any], kind: str, op: str, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
         """Any call but a plain node's: backward, calls that are no node, other nodes."""
-        if kind == "grad":  # (``torch.autograd.grad``: no node, not seeded)
-            last = not keeps_graph(args, kwargs)
-            if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
-                self.check_done("torch.autograd.grad")
-                args, kwargs = self.scaled_seeds(func, args, kwargs)
-                self.finished = self.backward_seen = True
-            self.in_backward += 1
-            try:
-                return func(*args, **kwargs)
-            finally:
-                self.in_backward -= 1
-                if last:
-                    self.finish_started()
-        if kind == "backward":
-            self.check_done("loss.backward()")
-            args, kwargs = self.scaled_seeds(func, args, kwargs)  # (a split root's: `_seeds`)
-            self.finished = self.backward_seen = True  # (may run the plan again: `_restarts`)
-            gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
-            self.in_backward += 1  # (`_input_grads.input_gradients` acts only then)
-            try:
-                if gradient is None and args and isinstance(args[0], T):
-                    # (`EdgePlan.seeded` holds for a root the plan made, not one made after it)
-                    with replicated_seed(args[0], None if self.outside else self.run):
-                        out = func(*args, **kwargs)
-                else:
-                    out = func(*args, **kwargs)
-            finally:
-                self.in_backward -= 1
-            self.finish_started()  # (a started AllReduce of the loss ran alongside)
-            return out
+        if kind in ("grad", "backward"):  # (the step's differentiation: `_differentiate`)
+            return self.differentiate(func, kind, args, kwargs)
         if self.paused or kind != "op":
             return func(*args, **kwargs)
         if self.done and not self._restarts(op, (args, kwargs)):

@@ -40,7 +40,7 @@ from shardwise._torch.autograd_engine import (
 from shardwise._torch.checkpointing import in_reentrant_backward
 from shardwise._torch.storage import storage_use_count
 from shardwise.communication import recorder
-from shardwise.communication._collectives import Pending, ReduceOp, all_reduce, all_reduce_async
+from shardwise.communication._collectives import Pending, ReduceOp, all_reduce_, all_reduce_async
 from shardwise.communication._count_factor import correct_, corrected, forget_factor
 from shardwise.communication.primitives import GradRoute, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
@@ -201,10 +201,10 @@ class GradBuckets:
     its gradients into the same buckets (when the step's first gradient arrives there, that
     backward collects, and the enclosing one's gradients fill the buckets again: each is
     all-reduced twice); any other backward than the collecting one, or a gradient arriving
-    twice in one backward, is all-reduced on its own in the hook. A backward that raised is
-    dropped at the next forward (`drop_unfinished`): its started AllReduces are finished, its
-    partial buckets forgotten; the gradients it stored in an empty ``.grad`` stay unreduced
-    (zero them before stepping).
+    twice in one backward, is all-reduced on its own in the hook (`_now`: divided first too). A
+    backward that raised is dropped at the next forward (`drop_unfinished`): its started
+    AllReduces are finished, its partial buckets forgotten; the gradients it stored in an empty
+    ``.grad`` stay unreduced (zero them before stepping).
     Every share is multiplied, before its sum, by the factor a mean loss whose backward did not
     wait for its count noted for this backward (`EdgePlan.deferred`, `communication.correct_`).
     """
@@ -248,16 +248,14 @@ class GradBuckets:
             joined = task == self.task or self._join(task) or (stores and in_reentrant_backward())
             if not joined or j in bucket.got or bucket.pending is not None:
                 # (a nested backward returning its gradients, a second gradient)
-                reduced = self._now(corrected(g, task), bucket.group)
-                if bucket.times[j] != 1:
-                    reduced.mul_(bucket.times[j])
+                reduced = self._now(corrected(g, task), bucket.group, bucket.times[j])
                 if bucket.got.get(j) == "store":  # added to .grad, which `_finish` overwrites
                     bucket.extra.append((j, reduced))
                 return reduced
             if bucket.flat is None:
                 bucket.flat = bucket.buffer(g, keep=stores)
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
-                return self._now(corrected(g, task), bucket.group)
+                return self._now(corrected(g, task), bucket.group, bucket.times[j])
             slot = bucket.slot(j)  # (divided on the way in: no pass over the bucket later)
             if bucket.times[j] == 1 and not g.requires_grad:
                 torch.div(g, self.world, out=slot)
@@ -286,9 +284,12 @@ class GradBuckets:
             queue_callback(self._finish)
         return task == self.task
 
-    def _now(self, g: torch.Tensor, group: str | None) -> torch.Tensor:
+    def _now(self, g: torch.Tensor, group: str | None, times: int) -> torch.Tensor:
+        """`g` summed over `group` on its own, each share first multiplied by `times` and
+        divided by the world size (as a bucket's: a float16 sum does not overflow first)."""
+        share = g.detach() * (times / self.world) if times != 1 else g.detach() / self.world
         with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
-            return all_reduce(g, ReduceOp.SUM, group).div_(self.world)
+            return all_reduce_(share.contiguous(), ReduceOp.SUM, group)
 
     def _start(self, bucket: _Bucket, task: int) -> None:
         """Start the bucket's AllReduce: its shares of backward `task`'s gradients, first

@@ -1,0 +1,79 @@
+"""The step's differentiation calls under a `_executor.PlanExecutor` (`Differentiate`, one of its
+bases).
+
+`Differentiate.differentiate` runs a ``loss.backward()`` / ``torch.autograd.backward`` call or a
+``torch.autograd.grad`` call the executor's mode saw. Before it: the plan's pass must have
+reached its last op (`_passes.Passes.check_done`; a ``torch.autograd.grad`` that keeps the graph,
+``create_graph`` / ``retain_graph``, is no step's differentiation and is not checked), and the
+seeds of split roots are scaled (`_seeds.Seeds.scaled_seeds`). A ``backward`` without a gradient
+runs under `communication.primitives.replicated_seed` with this run's token (the plan's
+``seeded`` adjoints stay local), or without one when an op outside the plan ran since the pass
+started. After it, the loss's started AllReduce (which ran alongside) is finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardwise.communication.primitives import replicated_seed
+from shardwise.planner._call_kinds import keeps_graph
+
+T = torch.Tensor
+
+
+class Differentiate:
+    """Runs the step's backward and grad calls (see the module docstring); the executor sets
+    the state below."""
+
+    finished: bool
+    backward_seen: bool
+    in_backward: int  # > 0 while a backward of the step runs (`_input_grads`)
+    outside: bool
+    run: object
+
+    if TYPE_CHECKING:
+
+        def check_done(self, where: str) -> None: ...
+
+        def scaled_seeds(
+            self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
+
+        def finish_started(self) -> None: ...
+
+    def differentiate(
+        self, func: Callable[..., Any], kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run `func`, a call of `kind` ``"grad"`` or ``"backward"`` (`planner.call_info`)."""
+        if kind == "grad":  # (``torch.autograd.grad``: no node, not seeded)
+            last = not keeps_graph(args, kwargs)
+            if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
+                self.check_done("torch.autograd.grad")
+                args, kwargs = self.scaled_seeds(func, args, kwargs)
+                self.finished = self.backward_seen = True
+            self.in_backward += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.in_backward -= 1
+                if last:
+                    self.finish_started()
+        self.check_done("loss.backward()")
+        args, kwargs = self.scaled_seeds(func, args, kwargs)  # (a split root's: `_seeds`)
+        self.finished = self.backward_seen = True  # (may run the plan again: `_restarts`)
+        gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
+        self.in_backward += 1  # (`_input_grads.input_gradients` acts only then)
+        try:
+            if gradient is None and args and isinstance(args[0], T):
+                # (`EdgePlan.seeded` holds for a root the plan made, not one made after it)
+                with replicated_seed(args[0], None if self.outside else self.run):
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+        finally:
+            self.in_backward -= 1
+        self.finish_started()  # (a started AllReduce of the loss ran alongside)
+        return out
