@@ -4,7 +4,8 @@ Each network's output (every rank's rows, data parallel) and every parameter blo
 are compared with the single-device run. The loss is ``sum(out * W)`` over the global output for
 a fixed random W: each rank sums its rows, then an AllReduce makes it one replicated value.
 
-Paths: a MatMul whose `out_strategy` asks for a ReduceScatter; Reshape (the local target shape);
+Paths: a MatMul whose `out_strategy` asks for a ReduceScatter (also over Layout axes given
+inner first, a group not in rank order); Reshape (the local target shape);
 a broadcast bias parameter replicated over some axes (gradient AllReduce over them); ReduceMean
 over a split dim (AllReduce(mean)) and a 1-D output. Plus the runtime's errors.
 """
@@ -156,3 +157,59 @@ def test_unannotated_torch_op_before_a_primitive_is_planned() -> None:
 def test_only_semi_auto() -> None:
     with pytest.raises(ValueError, match="valid: 'semi_auto'"):
         AutoParallel(ReduceScatterNet(), parallel_mode="auto_parallel")
+
+
+LAYOUT = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+
+class InnerFirstNet(nn.Module):
+    """A MatMul whose summed dim is split over ``("mp", "dp")`` (inner axis first) and whose
+    out_strategy scatters the sum onto output dim 0 over ``("sp", "mp", "dp")``: the
+    ReduceScatter's group, ordered by those coordinates, is not in rank order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _param(16, 12, seed=8)
+        self.mm = sw.ops.MatMul().shard(
+            (LAYOUT("sp", ("mp", "dp")), LAYOUT(("mp", "dp"), "None")),
+            out_strategy=(LAYOUT(("sp", "mp", "dp"), "None"),),
+        )
+        self.relu = sw.ops.ReLU().shard((LAYOUT(("sp", "mp", "dp"), "None"),))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.relu(self.mm(x, self.w))
+        return out
+
+
+def test_reduce_scatter_over_axes_inner_first() -> None:
+    """Each rank gets its own block of the scattered sum (the chunk its coordinates along the
+    axes name, not its place in rank order): the output and the weight's gradient equal one
+    device's, with the one ReduceScatter forward (it raised "group order differs from rank
+    order" before)."""
+    g = torch.Generator().manual_seed(9)
+    x, up = torch.randn(16, 16, generator=g), torch.randn(16, 12, generator=g)
+    one = InnerFirstNet()
+    want = one(x)
+    (want * up).sum().backward()
+    net = InnerFirstNet()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            out = net(x)
+            (out * up).sum().backward()
+            return out
+
+        parallel = AutoParallel(step).dataset_strategy("full_batch")
+        with CommRecorder() as rec:
+            out = parallel(world.same(x), world.same(up))
+        assert_matches_single_device(out, want.detach(), what="output")
+        assert parallel.parallel_plan is not None
+        layout, shape = parallel.parallel_plan.param_layouts()["w"]
+        grad = one.w.grad
+        assert grad is not None and net.w.grad is not None
+        assert_matches_single_device(
+            net.w.grad, lambda r: grad[layout.local_slice(r, shape)], what="w"
+        )
+        scatters = [r for r in rec.select(phase="forward") if r.kind == "ReduceScatter"]
+        assert [r.group for r in scatters] == [(0, 1, 4, 5)], rec.summary()  # (over mp, dp)

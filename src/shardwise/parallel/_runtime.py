@@ -91,9 +91,12 @@ def combine(
     if kind == "AllReduce":
         return sum_over_ranks(x, group, len(members) if op == "mean" else 1, route)
     if kind == "ReduceScatter" and op == "sum" and dim is not None:
-        if tuple(sorted(members)) != members:
-            raise UnsupportedParallelError(f"{what}: group order differs from rank order")
-        out: torch.Tensor = comm.ReduceScatter("sum", group)(x.movedim(dim, 0))
+        rows = x.movedim(dim, 0)
+        ranks = sorted(members)
+        if ranks != list(members):  # (axes inner first: the group's k-th rank gets its chunk)
+            chunks = rows.chunk(len(members))
+            rows = torch.cat([chunks[members.index(r)] for r in ranks])
+        out: torch.Tensor = comm.ReduceScatter("sum", group)(rows)
         return out.movedim(0, dim)
     raise UnsupportedParallelError(f"collective {what} is not supported yet")
 
