@@ -212,6 +212,17 @@ def test_png(seed003: ParallelPlan, tmp_path: Path) -> None:
     assert render_plan_png(seed003, other) != data  # the memory panel follows the breakdown
 
 
+def test_png_frames_the_chosen_rank(seed003: ParallelPlan) -> None:
+    """`rank` is framed on the device matrix and its bytes drawn (`shardwise plan --rank R`
+    passes R: the picture showed the first rank whatever R was)."""
+    first = render_plan_png(seed003)
+    assert render_plan_png(seed003, rank=0) == first
+    fifth = render_plan_png(seed003, rank=5)
+    assert fifth != first and png_size(fifth) == (1600, 550)
+    with pytest.raises(ValueError, match=r"plan picture for rank 8: .* has ranks 0 to 7"):
+        render_plan_png(seed003, rank=8)
+
+
 def test_save_graphs_writes_the_pictures(seed003: ParallelPlan, tmp_path: Path) -> None:
     try:
         set_context(save_graphs=1, save_graphs_path=tmp_path)

@@ -248,7 +248,7 @@ def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] 
     per_rank = {r: dict(memory.parts) for r in range(plan.device_num)}  # (equal blocks)
     write_plan_html(plan, out / "plan.html", memory=per_rank, rank=rank)
     try:
-        write_plan_png(plan, out / "plan.png", memory=per_rank)
+        write_plan_png(plan, out / "plan.png", memory=per_rank, rank=rank)
     except ImportError as e:  # (matplotlib missing: the HTML says the same)
         print(f"shardwise plan: plan.png skipped ({e})", file=sys.stderr)
 

@@ -33,6 +33,7 @@ from shardwise.report._plan_data import (
     RETURN,
     Memory,
     Sent,
+    chosen_rank,
     comm_totals,
     edges_by_consumer,
     fmt_bytes,
@@ -338,12 +339,7 @@ def format_plan_html(
         ValueError: `rank` is not a rank of the plan's matrix.
     """
     m = plan.matrix
-    rank = m.rank_list[0] if rank is None else rank
-    if rank not in m.rank_list:
-        raise ValueError(
-            f"plan picture for rank {rank}: the plan's device matrix {m} has ranks "
-            f"{min(m.rank_list)} to {max(m.rank_list)}"
-        )
+    rank = chosen_rank(m, rank)
     memory = plan_memory(plan) if memory is None else memory
     sends = plan_sends(plan, rank)
     title = f"ParallelPlan ({plan.mode}, {plan.device_num} devices, {len(plan.nodes)} ops)"

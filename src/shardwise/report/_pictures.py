@@ -2,8 +2,8 @@
 
 `dump_plan_pictures` writes ``rank_<r>/plan.html`` for every rank this process reports
 (`_html.write_plan_html`, that rank marked) and ``plan.png`` once, in the directory of the
-plan's first rank (`_png.write_plan_png`: the picture is the same for every rank, and drawing
-it costs a matplotlib import). A plan made again writes ``plan_<k>.html`` / ``plan_<k>.png``.
+plan's first rank, for that rank (`_png.write_plan_png`: drawing it costs a matplotlib
+import). A plan made again writes ``plan_<k>.html`` / ``plan_<k>.png``.
 """
 
 from __future__ import annotations

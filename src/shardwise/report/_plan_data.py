@@ -5,6 +5,7 @@
   the plan gives it (`_memory.estimate_memory`).
 - `memory_kinds` / `memory_groups`: the kinds in the order given, and consecutive ranks with
   equal breakdowns merged into one bar (at most `MAX_BARS` bars).
+- `chosen_rank`: the rank a picture is drawn for (default: the plan's first), checked.
 - `shown_ranks`: the ranks whose blocks a slice table lists (every rank up to `ALL_RANKS_UP_TO`
   devices, else the first `FIRST_RANKS` and the chosen one).
 - `Sent` / `plan_sends`: per op, the collectives into it and its own, with one rank's group and
@@ -96,6 +97,22 @@ def memory_groups(memory: Memory, kinds: Sequence[str]) -> tuple[list[MemoryBar]
         return bars, 0
     kept = sorted(sorted(bars, key=lambda b: -b.total)[:MAX_BARS], key=lambda b: b.first)
     return kept, len(bars) - len(kept)
+
+
+def chosen_rank(matrix: DeviceMatrix, rank: int | None) -> int:
+    """`rank`, or the matrix's first rank when None.
+
+    Raises:
+        ValueError: `rank` is not a rank of `matrix`.
+    """
+    if rank is None:
+        return matrix.rank_list[0]
+    if rank not in matrix.rank_list:
+        raise ValueError(
+            f"plan picture for rank {rank}: the plan's device matrix {matrix} has ranks "
+            f"{min(matrix.rank_list)} to {max(matrix.rank_list)}"
+        )
+    return rank
 
 
 def shown_ranks(matrix: DeviceMatrix, rank: int) -> list[int]:

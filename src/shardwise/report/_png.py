@@ -4,11 +4,12 @@
 large the plan is) and writes it:
 
 - `_draw_matrix`: the device matrix: every rank at its coordinate (the last axis across, a
-  colour per coordinate of the first axis; rank numbers written up to `NUMBERED_RANKS`).
+  colour per coordinate of the first axis; rank numbers written up to `NUMBERED_RANKS`), the
+  chosen rank framed.
 - `_draw_memory`: per-rank memory as stacked bars, one colour per kind, ranks with equal
   breakdowns merged (`_plan_data.memory_groups`).
-- `_draw_comms`: one forward's collectives by kind and axes with the bytes a rank sends (the
-  `MAX_COMM_BARS` largest; the rest as one bar).
+- `_draw_comms`: one forward's collectives by kind and axes with the bytes the chosen rank sends
+  (the `MAX_COMM_BARS` largest; the rest as one bar).
 
 matplotlib is imported when a picture is drawn, not with ``shardwise.report``.
 """
@@ -28,6 +29,7 @@ from shardwise.planner import ParallelPlan
 from shardwise.report._plan_data import (
     CommTotal,
     Memory,
+    chosen_rank,
     comm_totals,
     fmt_bytes,
     matrix_rows,
@@ -49,13 +51,18 @@ def _unit(top: float) -> tuple[int, str]:
     return next((size, name) for size, name in _UNITS if top >= size or size == 1)
 
 
-def _draw_matrix(ax: Any, matrix: DeviceMatrix) -> None:
+def _draw_matrix(ax: Any, matrix: DeviceMatrix, rank: int) -> None:
+    from matplotlib.patches import Rectangle
+
     rows = matrix_rows(matrix)
     cols = max(len(ranks) for _, ranks in rows)
     grid = [[math.nan] * cols for _ in rows]
     for i, (_, ranks) in enumerate(rows):
         for j, r in enumerate(ranks):
             grid[i][j] = matrix.coord(r)[0]
+            if r == rank:  # (the chosen rank, framed)
+                frame = Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=2.5)
+                ax.add_patch(frame)
     ax.imshow(grid, cmap="tab20", vmin=0, vmax=max(matrix.shape[0] - 1, 1), aspect="auto")
     if matrix.size <= NUMBERED_RANKS:
         size = 9 if matrix.size <= 32 else 6
@@ -69,7 +76,7 @@ def _draw_matrix(ax: Any, matrix: DeviceMatrix) -> None:
     ax.tick_params(axis="x", labelsize=7)
     ax.set_xlabel(f"{matrix.names[-1]} (across); colour: {matrix.names[0]}", fontsize=8)
     axes = " x ".join(f"{n}={s}" for n, s in zip(matrix.names, matrix.shape, strict=True))
-    ax.set_title(f"device matrix {axes} ({matrix.size} ranks)", fontsize=9)
+    ax.set_title(f"device matrix {axes} ({matrix.size} ranks; rank {rank} framed)", fontsize=9)
 
 
 def _draw_memory(ax: Any, memory: Memory) -> None:
@@ -119,17 +126,23 @@ def _draw_comms(ax: Any, totals: Sequence[CommTotal], rank: int) -> None:
     ax.set_xlabel(f"{unit} sent", fontsize=8)
 
 
-def render_plan_png(plan: ParallelPlan, memory: Memory | None = None) -> bytes:
-    """The bytes of ``plan.png`` (see `write_plan_png`)."""
+def render_plan_png(
+    plan: ParallelPlan, memory: Memory | None = None, rank: int | None = None
+) -> bytes:
+    """The bytes of ``plan.png`` (see `write_plan_png`).
+
+    Raises:
+        ValueError: `rank` is not a rank of the plan's matrix.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    rank = chosen_rank(plan.matrix, rank)
     memory = plan_memory(plan) if memory is None else memory
-    rank = plan.matrix.rank_list[0]
     fig = Figure(figsize=(16, 5.5), dpi=100)
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(1, 3, width_ratios=(1.1, 1.0, 1.3), wspace=0.45)
-    _draw_matrix(fig.add_subplot(grid[0]), plan.matrix)
+    _draw_matrix(fig.add_subplot(grid[0]), plan.matrix, rank)
     _draw_memory(fig.add_subplot(grid[1]), memory)
     _draw_comms(fig.add_subplot(grid[2]), comm_totals(plan_sends(plan, rank)), rank)
     fig.suptitle(
@@ -144,23 +157,31 @@ def render_plan_png(plan: ParallelPlan, memory: Memory | None = None) -> bytes:
 
 
 def write_plan_png(
-    plan: ParallelPlan, path: str | os.PathLike[str], memory: Memory | None = None
+    plan: ParallelPlan,
+    path: str | os.PathLike[str],
+    memory: Memory | None = None,
+    rank: int | None = None,
 ) -> Path:
-    """Draw `plan` in one PNG (matplotlib, Agg): the device matrix with its named axes, per-rank
-    memory as stacked bars, and one forward's collectives by kind and axes with the bytes the
-    plan's first rank sends. The figure has a fixed size (1600 x 550 pixels) for any plan.
+    """Draw `plan` in one PNG (matplotlib, Agg): the device matrix with its named axes and
+    `rank` framed, per-rank memory as stacked bars, and one forward's collectives by kind and
+    axes with the bytes `rank` sends. The figure has a fixed size (1600 x 550 pixels) for any
+    plan.
 
     Args:
         plan: the plan (`AutoParallel.parallel_plan`, `planner.plan_semi_auto`, ...).
         path: the file to write (folders created; written atomically).
         memory: rank -> {kind: bytes}, stacked in the order given (any kinds); None:
             `plan_memory(plan)` (parameters, gradients, activations of the blocks).
+        rank: the rank framed and whose bytes are drawn (default: the plan's first rank).
 
     Returns:
         The path written.
 
+    Raises:
+        ValueError: `rank` is not a rank of the plan's matrix.
+
     Example:
-        >>> write_plan_png(parallel_net.parallel_plan, "saved_graph/plan.png")
+        >>> write_plan_png(parallel_net.parallel_plan, "saved_graph/plan.png", rank=5)
         PosixPath('saved_graph/plan.png')
     """
-    return write_bytes_atomically(path, render_plan_png(plan, memory))
+    return write_bytes_atomically(path, render_plan_png(plan, memory, rank))
