@@ -3,6 +3,7 @@ MindSpore tuple form, and buffers reused across steps."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +51,46 @@ def test_tuple_form_passes_unused_gradients_through() -> None:
         assert first is None
         assert out is not None
         assert_matches_single_device(out, torch.full((3,), 1.5))
+
+
+def test_sparse_embedding_gradients_with_sparse_adam() -> None:
+    """``nn.Embedding(sparse=True)`` beside a dense layer: the sparse gradient is summed over
+    the ranks at the union of their rows (sparse again), so ``SparseAdam`` steps as on one device
+    (it raised torch's "reshape is not implemented for sparse tensors")."""
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 5, 5], [1, 5, 7], [2, 3, 0], [9, 9, 1]])
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+
+    def optimizers(net: nn.Sequential) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SparseAdam(net[0].parameters(), lr=0.1),
+            torch.optim.SGD(net[1].parameters(), lr=0.1),
+        ]
+
+    one = make()
+    one_opts = optimizers(one)
+    for _ in range(2):
+        one(ids).mean().backward()
+        for o in one_opts:
+            o.step()
+            o.zero_grad()
+    net = make()
+    with simulated_world(4) as world, CommRecorder() as rec:
+        world.replicate(net)
+        opts = optimizers(net)
+        reducer = sw.nn.DistributedGradReducer(net.parameters())
+        for _ in range(2):
+            net(world.rows(ids)).mean().backward()
+            reducer()
+            assert net[0].weight.grad is not None and net[0].weight.grad.is_sparse
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    for p, q in zip(net.parameters(), one.parameters(), strict=True):
+        assert_matches_single_device(p.detach(), q.detach())
+    assert rec.count("AllReduce") == 2 * 3  # per step: the dense bucket, the rows, the values
+    with pytest.raises(TypeError, match=r"gradient 0 has layout torch\.sparse_csr"):
+        sw.nn.DistributedGradReducer([], degree=1)((torch.eye(3).to_sparse_csr(),))

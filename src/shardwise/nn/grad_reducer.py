@@ -3,7 +3,9 @@
 `DistributedGradReducer` groups parameters into buckets of at most `bucket_mb` MiB (same dtype and
 device, in parameter order), and per bucket: copies the gradients into one flat buffer (kept
 across steps, so no allocation per step), all-reduces it in place, scales it by 1/degree when
-`mean`, and copies the result back (`_reduce_into_buffers`).
+`mean`, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
+(``nn.Embedding(sparse=True)``) is reduced on its own, densely, and made sparse again
+(`DistributedGradReducer._sparse`).
 """
 
 from __future__ import annotations
@@ -82,11 +84,40 @@ class DistributedGradReducer:
         """
         if grads is not None:
             copies = [None if g is None else g.detach().clone() for g in grads]
-            self._reduce_into_buffers([c for c in copies if c is not None], {})
-            return tuple(copies)
-        live = [p.grad for p in self.parameters if p.grad is not None]
+            dense = [c for c in copies if c is not None and c.layout == torch.strided]
+            self._reduce_into_buffers(dense, {})
+            return tuple(
+                self._sparse(c, i) if c is not None and c.layout != torch.strided else c
+                for i, c in enumerate(copies)
+            )
+        grads = [p.grad for p in self.parameters]
+        live = [g for g in grads if g is not None and g.layout == torch.strided]
         self._reduce_into_buffers(live, self._bucket_buffers)
+        for i, (p, g) in enumerate(zip(self.parameters, grads, strict=True)):
+            if g is not None and g.layout != torch.strided:
+                p.grad = self._sparse(g, i)
         return None
+
+    def _sparse(self, g: torch.Tensor, i: int) -> torch.Tensor:
+        """A sparse COO gradient (``nn.Embedding(sparse=True)``) reduced: its dense sum over the
+        ranks (divided for `mean`) at the union of the ranks' indices, sparse again (coalesced)
+        for a sparse optimizer (``torch.optim.SparseAdam``)."""
+        if g.layout != torch.sparse_coo:
+            raise TypeError(
+                f"DistributedGradReducer: gradient {i} has layout {g.layout}; only dense and "
+                f"sparse COO gradients (nn.Embedding(sparse=True)) are reduced"
+            )
+        g = g.coalesce()
+        dims = g.sparse_dim()
+        rows = torch.zeros(g.shape[:dims], dtype=torch.uint8, device=g.device)
+        rows[tuple(g.indices())] = 1
+        dense = g.to_dense()
+        C.all_reduce_(rows, C.ReduceOp.MAX, self.group)
+        C.all_reduce_(dense, C.ReduceOp.SUM, self.group)
+        if self.mean:
+            dense.div_(self.degree or get_group_size(self.group))
+        indices = rows.nonzero().t()
+        return torch.sparse_coo_tensor(indices, dense[tuple(indices)], g.shape).coalesce()
 
     def _reduce_into_buffers(
         self, tensors: list[torch.Tensor], cache: dict[tuple[object, ...], torch.Tensor]
