@@ -19,6 +19,7 @@ process-group functions directly.
 - `primitives` / `neighbor`: the autograd-aware modules exported as ``sw.ops.AllReduce`` ...
 - `_max_over_ranks`: `max_over_ranks`, the AllReduce(MAX) of partial maxima (ReduceMax with
   its reduced dim split), with its adjoint.
+- `_sparse`: `all_reduce_sparse`, a sparse COO gradient summed over a group (sparse again).
 - `recorder`: `CommRecorder`, bytes bounds.
 - `_dry`: `dry_run`, this process as one rank of an N-rank world with no other process
   (``shardwise plan``).

@@ -4,8 +4,8 @@
 device, in parameter order), and per bucket: copies the gradients into one flat buffer (kept
 across steps, so no allocation per step), all-reduces it in place, scales it by 1/degree when
 `mean`, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
-(``nn.Embedding(sparse=True)``) is reduced on its own, densely, and made sparse again
-(`DistributedGradReducer._sparse`).
+(``nn.Embedding(sparse=True)``) is reduced on its own and made sparse again
+(`communication._sparse.all_reduce_sparse`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from shardwise.communication import _collectives as C
 from shardwise.communication._init import Group, get_group_size
+from shardwise.communication._sparse import all_reduce_sparse
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -99,25 +100,15 @@ class DistributedGradReducer:
         return None
 
     def _sparse(self, g: torch.Tensor, i: int) -> torch.Tensor:
-        """A sparse COO gradient (``nn.Embedding(sparse=True)``) reduced: its dense sum over the
-        ranks (divided for `mean`) at the union of the ranks' indices, sparse again (coalesced)
-        for a sparse optimizer (``torch.optim.SparseAdam``)."""
+        """A sparse gradient (``nn.Embedding(sparse=True)``) reduced, sparse again
+        (`communication._sparse.all_reduce_sparse`: for ``torch.optim.SparseAdam``)."""
         if g.layout != torch.sparse_coo:
             raise TypeError(
                 f"DistributedGradReducer: gradient {i} has layout {g.layout}; only dense and "
                 f"sparse COO gradients (nn.Embedding(sparse=True)) are reduced"
             )
-        g = g.coalesce()
-        dims = g.sparse_dim()
-        rows = torch.zeros(g.shape[:dims], dtype=torch.uint8, device=g.device)
-        rows[tuple(g.indices())] = 1
-        dense = g.to_dense()
-        C.all_reduce_(rows, C.ReduceOp.MAX, self.group)
-        C.all_reduce_(dense, C.ReduceOp.SUM, self.group)
-        if self.mean:
-            dense.div_(self.degree or get_group_size(self.group))
-        indices = rows.nonzero().t()
-        return torch.sparse_coo_tensor(indices, dense[tuple(indices)], g.shape).coalesce()
+        divisor = (self.degree or get_group_size(self.group)) if self.mean else 1
+        return all_reduce_sparse(g, self.group, divisor)
 
     def _reduce_into_buffers(
         self, tensors: list[torch.Tensor], cache: dict[tuple[object, ...], torch.Tensor]

@@ -257,6 +257,13 @@ def grad_hook(engine: weakref.ref[GradReduction], name: str) -> GradHook:
     """Leaf `name`'s post-accumulate-grad hook: the engine's `_on_grad` (while it lives)."""
 
     def hook(leaf: torch.Tensor) -> None:
+        if leaf.grad is not None and leaf.grad.layout != torch.strided:
+            raise TypeError(
+                f"optimizer parallel (hsdp): parameter {name!r} got a {leaf.grad.layout} "
+                f"gradient (nn.Embedding(sparse=True)); its shards are reduced from dense "
+                f"gradients: build the module with sparse=False, or train without hsdp() "
+                f"(semi_auto and data_parallel reduce sparse gradients)"
+            )
         alive = engine()
         if alive is not None:
             alive._on_grad(name)

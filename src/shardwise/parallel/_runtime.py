@@ -42,6 +42,7 @@ from shardwise._torch.storage import storage_use_count
 from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending, ReduceOp, all_reduce_, all_reduce_async
 from shardwise.communication._count_factor import correct_, corrected, forget_factor
+from shardwise.communication._sparse import all_reduce_sparse
 from shardwise.communication.primitives import GradRoute, sum_over_ranks
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.optim import OptimizerPlan, ParamInfo
@@ -204,7 +205,8 @@ class GradBuckets:
     its gradients into the same buckets (when the step's first gradient arrives there, that
     backward collects, and the enclosing one's gradients fill the buckets again: each is
     all-reduced twice); any other backward than the collecting one, or a gradient arriving
-    twice in one backward, is all-reduced on its own in the hook (`_now`: divided first too). A
+    twice in one backward, is all-reduced on its own in the hook (`_now`: divided first too), and
+    so is a sparse COO gradient (``nn.Embedding(sparse=True)``: `_sparse`, sparse again). A
     backward that raised is dropped at the next forward (`drop_unfinished`): its started
     AllReduces are finished, its partial buckets forgotten; the gradients it stored in an empty
     ``.grad`` stay unreduced (zero them before stepping).
@@ -245,6 +247,8 @@ class GradBuckets:
 
         def hook(g: torch.Tensor) -> torch.Tensor:
             task = current_graph_task_id()
+            if g.layout != torch.strided:  # (``nn.Embedding(sparse=True)``: sparse again)
+                return self._sparse(corrected(g, task), bucket, j)
             stores = _stores(bucket.stores[j])
             # (the backward a reentrant checkpointed region runs inside the collecting one
             # stores its gradients into the same buckets: `_finish` delivers them)
@@ -293,6 +297,14 @@ class GradBuckets:
         share = g.detach() * (times / self.world) if times != 1 else g.detach() / self.world
         with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
             return all_reduce_(share.contiguous(), ReduceOp.SUM, group)
+
+    def _sparse(self, g: torch.Tensor, bucket: _Bucket, j: int) -> torch.Tensor:
+        """A sparse COO gradient summed on its own, sparse again (`all_reduce_sparse`: the
+        union of the ranks' rows), each share multiplied by `times` and divided first."""
+        if bucket.times[j] != 1:
+            g = g * bucket.times[j]
+        with recorder.phase("backward"), recorder.label(bucket.label):
+            return all_reduce_sparse(g, bucket.group, self.world)
 
     def _start(self, bucket: _Bucket, task: int) -> None:
         """Start the bucket's AllReduce: its shares of backward `task`'s gradients, first
