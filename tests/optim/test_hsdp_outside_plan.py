@@ -2,7 +2,8 @@
 ``d_loss.backward()`` (no pass of the plan starts there, so D's weights are this rank's
 shards) fails with torch's shape error and a note naming the op, the parameter and the fix, at
 every level (torch's error alone said nothing of shards); without ``hsdp()`` the same step
-matches one device."""
+matches one device. A parameter the plan stores as an operator-level block gets the
+same note, naming its layout."""
 
 from __future__ import annotations
 
@@ -93,3 +94,23 @@ def test_without_hsdp_the_gan_step_matches_one_device() -> None:
         want = dict(single.named_parameters())
         for name, p in net.named_parameters():
             assert_matches_single_device(p.detach(), want[name].detach(), what=name)
+
+
+def test_an_operator_level_block_read_outside_the_plan_names_it() -> None:
+    """Without ``hsdp()``, D's last layer row-parallel (``sw.shard``; as sharding propagation
+    may choose on its own): ``D(fake)`` after the backward reads its block and fails; the note
+    names the parameter, its stored layout and the fix (torch's error came alone)."""
+    real, z = _data()
+    net = Gan()
+    d = net.d
+    assert isinstance(d, nn.Sequential)
+    sw.shard(d[2], in_strategy=((1, 4), (1, 4)))
+    with simulated_world(4) as world:
+        world.replicate(net)
+        step = gan_step(net, torch.optim.SGD(net.parameters(), lr=0.05))
+        with pytest.raises(RuntimeError) as err:
+            sw.AutoParallel(step, parallel_mode="semi_auto")(world.rows(real), world.rows(z))
+    msg = "\n".join(err.value.__notes__)
+    assert "torch.nn.functional.linear reads d.2.weight after loss.backward()" in msg
+    assert "the plan stores it split over the ranks ((None, g0) on DeviceMatrix" in msg
+    assert "run every forward before the first backward" in msg

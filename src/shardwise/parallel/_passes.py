@@ -176,9 +176,10 @@ class Passes:
 
     def run_outside(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
         """Run `op` outside the plan; when a computation (not an in-place update: an EMA's
-        ``lerp_``) fails reading a parameter optimizer parallel stores as this rank's shard (a
-        GAN's ``D(fake)`` after ``d_loss.backward()``: no pass of the plan starts there, so the
-        weight is not gathered), torch's error gets a note naming it and the fix."""
+        ``lerp_``) fails reading a parameter the plan stores split (an operator-level block) or
+        optimizer parallel stores as this rank's shard (a GAN's ``D(fake)`` after
+        ``d_loss.backward()``: no pass of the plan starts there, so the weight is not gathered),
+        torch's error gets a note naming it and the fix."""
         try:
             return func(*args, **kwargs)
         except (RuntimeError, IndexError) as e:  # (F.embedding on a row shard: IndexError)
@@ -186,14 +187,23 @@ class Passes:
             roots = [view_base(t) for t in leaves]  # (``w.t()``: a view of w)
             bases = [t if root is None else root for t, root in zip(leaves, roots, strict=True)]
             names = [self.params[id(t)] for t in bases if id(t) in self.params]
-            if self.param_value is not None and not in_place(op) and names:
+            stored = self.plan.params
+            split = [n for n in names if n in stored and stored[n].layout.used_axes()]
+            if not in_place(op) and (split or (self.param_value is not None and names)):
+                name = split[0] if split else names[0]
+                holds = (
+                    f"the plan stores it split over the ranks ({stored[name].layout}), so it "
+                    f"holds this rank's block there"
+                    if split
+                    else "with hsdp() the parameter holds this rank's shard there"
+                )
+                fix = "keep it whole (annotate its op)" if split else "train without hsdp()"
                 e.add_note(
-                    f"AutoParallel: {op} reads {names[0]} after loss.backward(), outside the plan "
+                    f"AutoParallel: {op} reads {name} after loss.backward(), outside the plan "
                     f"(no pass of the plan starts there: only the network's own ops from where "
-                    f"the first pass entered it run again), and with hsdp() the parameter holds "
-                    f"this rank's shard there; run every forward before the first backward (a "
-                    f"GAN: D(real), D(fake.detach()) and D(fake), then the backwards), or train "
-                    f"without hsdp()"
+                    f"the first pass entered it run again), and {holds}; run every forward "
+                    f"before the first backward (a GAN: D(real), D(fake.detach()) and D(fake), "
+                    f"then the backwards), or {fix}"
                 )
             raise
 
