@@ -87,7 +87,7 @@ from shardwise.parallel._same_inputs import check_same_inputs
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
-from shardwise.parallel._variants import ByFlags, known_variant, snapshot
+from shardwise.parallel._variants import ByFlags, keep_few, known_variant, snapshot
 from shardwise.planner import Graph, ParallelPlan, regathered_params
 from shardwise.planner._user_state import CALL_LIMIT, python_state
 
@@ -323,6 +323,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.parallel_plan = plan
         self.plans.append((plan, self.templates))
+        keep_few(self.plans, self.tables, reason)
         known_ids = {id(a[0]) for a in self.annotated}
         self.annotated += [
             a for a in noted_annotations(self.network, graph) if id(a[0]) not in known_ids

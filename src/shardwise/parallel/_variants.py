@@ -11,10 +11,14 @@ changed, and which known plan fits it.
   bools, strings, None, ``train=False``), to start the next such call with: a step whose
   branches follow a flag (train / eval) no longer starts each call with the other branch's
   plan, stops where they part and runs again.
+- `keep_few(plans, tables, reason)`: after a new plan, a warning when a network has more than
+  `WARN_PLANS` (each new input signature costs a capture and a plan), and at most `MOST_PLANS`
+  kept (the oldest after the first, which stores the parameters, dropped).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +32,8 @@ from shardwise.parallel._errors import Replan
 from shardwise.planner import ParallelPlan
 
 Variant = tuple[ParallelPlan, list[tuple[Any, Any]]]
+WARN_PLANS = 8  # (plans of one network past which a new one warns, once)
+MOST_PLANS = 64  # (plans of one network kept: the oldest after the first dropped past it)
 """A plan and the argument templates of its nodes."""
 
 
@@ -131,3 +137,20 @@ class ByFlags:
         self.seen[key] = ran
         if len(self.seen) > _MOST_FLAGS:
             self.seen.pop(next(iter(self.seen)))
+
+
+def keep_few(plans: list[Variant], tables: dict[int, Any], reason: str) -> None:
+    """After a new plan was appended to `plans` (for `reason`): warn once when there are more
+    than `WARN_PLANS`; drop the oldest but the first past `MOST_PLANS` (and its `tables` entry,
+    keyed by the plan's id)."""
+    if len(plans) == WARN_PLANS + 1:
+        warnings.warn(
+            f"AutoParallel: {len(plans)} plans made for this network (the latest because the "
+            f"network called {reason}); each new input signature costs a capture and a plan, "
+            f"and at most {MOST_PLANS} are kept: pad inputs to a few fixed shapes (bucketed "
+            f"sequence lengths, drop_last=True)",
+            stacklevel=4,
+        )
+    while len(plans) > MOST_PLANS:
+        dropped, _ = plans.pop(1)
+        tables.pop(id(dropped), None)
