@@ -3,15 +3,16 @@
 A Megatron MLP on 4 simulated ranks (dp 2 x mp 2): ``c_fc`` column parallel (its output split
 over mp), ``c_proj`` row parallel (its output a partial sum over mp). A train step that returns
 those activations gets each as this rank's rows of the single-device value, as a wrapped
-network's outputs (the whole under ``"full_batch"``): the partial sum all-reduced over mp, the
-columns moved to rows, rows over dp cut to rows over every rank; in a plain dataclass too, and
-a value returned twice is moved once. The step's value fed back into the next call (a recurrent
-state carried between steps) trains as one device, with the opt-in fast paths too. An op after
-the backward on such a value runs outside the plan: one right on this rank's part keeps it
-leaving the same way (``detach``, ``* 2``; on the partial sum only linear ones); any other
-(``argmax``, ``+ 1`` or ``relu`` of the partial sum, ``tolist``) is refused, naming the node; the
-same op before the backward is planned and right. Under data parallel nothing is sent, and an
-op after the backward on a whole value the plan made is not refused.
+network's outputs (the whole under ``"full_batch"``, the step's inputs too): the partial sum
+all-reduced over mp, the columns moved to rows, rows over dp cut to rows over every rank; in a
+plain dataclass too, and a value returned twice is moved once. The step's value fed back into
+the next call (a recurrent state carried between steps) trains as one device, with the opt-in
+fast paths too. An op after the backward on such a value runs outside the plan: one right on
+this rank's part keeps it leaving the same way (``detach``, ``* 2``; on the partial sum only
+linear ones); any other (``argmax``, ``+ 1`` or ``relu`` of the partial sum, ``tolist``) is
+refused, naming the node; the same op before the backward is planned and right. Under data
+parallel nothing is sent, and an op after the backward on a whole value the plan made is not
+refused.
 """
 
 from __future__ import annotations
@@ -142,6 +143,43 @@ def test_full_batch_returns_the_whole_value() -> None:
     assert_matches_single_device(loss, want[0], what="loss")
     assert_matches_single_device(h, want[1], what="h")
     assert_matches_single_device(out, want[2], what="out")
+
+
+def inputs_after(net: nn.Sequential, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The step's own input returned as it is, and an op on it after the backward."""
+    loss = net(x).pow(2).mean()
+    loss.backward()
+    return loss, x, x * 2
+
+
+def test_full_batch_returns_the_inputs_whole() -> None:
+    """Under ``"full_batch"`` the plan cuts each input to this rank's rows at entry: the input
+    returned as it is is the caller's tensor, ``x * 2`` after the backward leaves whole (each
+    came back as this rank's rows, silently); ``x[:, :3]`` there is refused, naming the input,
+    as on any value held as rows that leaves whole."""
+    x = batch()
+    want = inputs_after(make_net(), x)
+    net, other = make_net(), make_net()
+    with simulated_world(DP * MP) as world:
+        world.replicate(net)
+        megatron(net)
+        parallel = AutoParallel(lambda x: inputs_after(net, x), network=net)
+        parallel.dataset_strategy("full_batch")
+        given = world.same(x)
+        loss, back, twice = parallel(given)
+        assert back is given
+        assert_matches_single_device(loss, want[0], what="loss")
+        assert_matches_single_device(twice, want[2], what="x * 2")
+
+        def sliced(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+            net(x).pow(2).mean().backward()
+            return x[:, :3]
+
+        megatron(world.replicate(other))
+        parallel = AutoParallel(lambda x: sliced(other, x), network=other)
+        parallel.dataset_strategy("full_batch")
+        with pytest.raises(UnsupportedParallelError, match="reads the output of the step's input"):
+            parallel(world.same(x))
 
 
 @pytest.mark.parametrize("watch_every_op", [True, False])

@@ -9,7 +9,8 @@
   an error raised while the step was captured on them).
 - `local_inputs`: the other way, meta tensors shaped as one rank's inputs of given global
   shapes (`AutoParallel.plan` given shapes).
-- `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges.
+- `cut_inputs`: ``full_batch`` inputs cut to this rank's rows by the plan's entry edges;
+  `caller_inputs`: such an input returned as it is, put back to the caller's whole tensor.
 - `rank_outputs`: a wrapped network's outputs as this rank's rows (``full_batch``: whole).
 
 The gradients of a call's inputs that require grad are `_input_grads`'.
@@ -27,7 +28,7 @@ from shardwise.layout import TensorLayout
 from shardwise.parallel._edges import move
 from shardwise.parallel._leaving import convention
 from shardwise.parallel._step import DatasetStrategy, input_layout
-from shardwise.planner import ParallelPlan, Placed
+from shardwise.planner import EdgePlan, ParallelPlan, Placed
 from shardwise.planner._capture import input_key
 from shardwise.redistribution import redistribute
 
@@ -132,16 +133,35 @@ def dataset_shapes(
     return "; ".join(parts)
 
 
-def cut_inputs(plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
-    """``full_batch``: each input the plan cuts at entry, as this rank's rows."""
+Cut = tuple[T, T, EdgePlan]  # (this rank's rows, the caller's whole input, the entry edge)
+
+
+def cut_inputs(
+    plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Call, list[Cut]]:
+    """``full_batch``: each input the plan cuts at entry, as this rank's rows; and each cut
+    (for `Leaving.note_inputs` and `caller_inputs`)."""
     entry = {e.value.removeprefix("input:"): e for e in plan.edges if e.consumer == -2}
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
-    leaves = []
+    leaves, cuts = [], []
     for path, leaf in flat:
         edge = entry.get(input_key(pytree.keystr(path)))
-        leaves.append(leaf if edge is None or not isinstance(leaf, T) else move(leaf, edge))
+        if edge is not None and isinstance(leaf, T):
+            rows = move(leaf, edge)
+            cuts.append((rows, leaf, edge))
+            leaf = rows
+        leaves.append(leaf)
     out: Call = pytree.tree_unflatten(leaves, spec)
-    return out
+    return out, cuts
+
+
+def caller_inputs(out: Any, cuts: Sequence[Cut]) -> Any:
+    """A train step's `out` with each cut input returned as it is put back to the caller's
+    whole tensor (the same object, as one device returns it)."""
+    if not cuts:
+        return out
+    whole = {id(rows): given for rows, given, _ in cuts}
+    return pytree.tree_map(lambda x: whole.get(id(x), x) if isinstance(x, T) else x, out)
 
 
 def rank_outputs(plan: ParallelPlan, out: Any, dataset: object) -> Any:

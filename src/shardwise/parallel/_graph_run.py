@@ -52,7 +52,13 @@ from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_executor import call_executor
-from shardwise.parallel._call_io import cut_inputs, input_shapes, rank_outputs
+from shardwise.parallel._call_io import (
+    Cut,
+    caller_inputs,
+    cut_inputs,
+    input_shapes,
+    rank_outputs,
+)
 from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
@@ -343,8 +349,9 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         if not inside:  # (a network, a function without backward: `_input_grads`)
             args, kwargs = entry_gradients(plan, args, kwargs, self.dataset)
         given = (args, kwargs)  # (as the caller holds them: `input_gradients`)
+        cuts: list[Cut] = []  # (``full_batch``: inputs cut to this rank's rows, leaving whole)
         if self.dataset == "full_batch":
-            args, kwargs = cut_inputs(plan, args, kwargs)
+            (args, kwargs), cuts = cut_inputs(plan, args, kwargs)
         if self.grads is not None:
             self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
@@ -366,6 +373,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         executor = self.executor = self._executor(
             plan, (args, kwargs), forward_starts, forward_done
         )
+        executor.note_inputs(cuts)
         hooks: list[Any] = []
         try:
             if inside:  # (only while the step's own backward runs)
@@ -391,7 +399,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         if self.module_form:
             out = rank_outputs(plan, out, self.dataset)
         else:
-            out = executor.step_outputs(out)  # (as this rank's rows, as a network's: `_leaving`)
+            out = executor.step_outputs(caller_inputs(out, cuts))  # (rows: `_leaving`)
         mark_outputs(out, caller)  # (an input computed from them: `_input_grads`)
         self.by_flags.note(*caller, (plan, self.templates))  # (the next call with its flags)
         return out

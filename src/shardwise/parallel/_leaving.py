@@ -16,7 +16,8 @@ axis only).
   the call and before a later pass of the plan (gradient accumulation), so every rank holds
   one device's buffer.
 - `Leaving` (mixed into `_executor.PlanExecutor`): `Leaving.note_placed` keeps a weak reference
-  to each such output as its op makes it; `Leaving.step_outputs` moves the returned ones at the
+  to each such output as its op makes it (`Leaving.note_inputs`: under ``"full_batch"`` each
+  input cut to this rank's rows at entry too); `Leaving.step_outputs` moves the returned ones at the
   end of the call (in tuples, lists, dicts, registered and plain dataclasses; a tensor returned
   twice is moved once); `Leaving.check_placed` runs on every op after the plan ended (after
   ``loss.backward()``, on this rank's blocks) that reads such a value: an op right on this
@@ -147,6 +148,16 @@ class Leaving:
                 self.placed[id(t)] = (weakref.ref(t), edge, f"%{k} {name}")
         for i, buffer, edge in self.buffer_moves.get(k, ()):
             self.buffer_made[buffer] = (weakref.ref(tensors[i]), edge)
+
+    def note_inputs(self, cuts: list[tuple[T, T, EdgePlan]]) -> None:
+        """``full_batch``: keep each input the plan cut to this rank's rows at entry (rows,
+        the caller's tensor, the entry edge), which leaves whole: returned, or read by an op
+        after the plan ended, it is watched as an output of the plan's is."""
+        for rows, _, edge in cuts:
+            back = _edge_to(edge.dst, edge.src, edge.value, 0, edge.shape)
+            if back is not None:
+                name = edge.value.removeprefix("input:")
+                self.placed[id(rows)] = (weakref.ref(rows), back, f"the step's input {name}")
 
     def store_buffers(self) -> None:
         """Each buffer re-assigned to a value the plan holds other than whole (`buffer_edges`)
