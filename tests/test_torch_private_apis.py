@@ -166,6 +166,25 @@ def _module_state() -> None:
     assert isinstance(m.weight, torch.nn.Parameter) and m.running_mean is not fake
 
 
+def _tensor_hooks() -> None:
+    from shardwise._torch.tensor_hooks import reattach_hooks
+
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m = torch.nn.Linear(2, 1)
+        seen: list[torch.dtype] = []
+        m.weight.register_hook(lambda g: seen.append(g.dtype))
+        m.to(torch.float64)  # (swapped: autograd no longer runs the hook)
+        m(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        assert seen == []
+        reattach_hooks(m.weight)
+        reattach_hooks(m.bias)  # (no hooks: nothing)
+        m(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
+        assert seen == [torch.float64]  # (once)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
 def _c10d() -> None:
     from shardwise._torch import c10d
 
@@ -555,6 +574,7 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/module_state: Module._parameters / _buffers / _non_persistent_buffers_set": (
         _module_state
     ),
+    "_torch/tensor_hooks: Tensor._backward_hooks, handed to autograd again": _tensor_hooks,
     "_torch/c10d: Backend.Options, _timeout, _get_default_store, stores, fake pg": _c10d,
     "_torch/dtensor: _StridedShard": _strided_shard,
     "_torch/dtensor: DTensor's sharding propagator and a mesh without process group": (

@@ -11,6 +11,7 @@ for private torch names (`test_private_torch_apis_only_in_torch_package`).
 - `function_modes`: the torch-function mode stack.
 - `subclass`: ``Tensor._make_subclass`` (how every Parameter is built).
 - `module_state`: a module's own parameter and buffer dicts.
+- `tensor_hooks`: a tensor's backward hook dict, handed to autograd again.
 - `c10d`: backend options with a timeout, the default store, the fake process group, the
   store classes (typed).
 - `dtensor`: ``_StridedShard`` and DTensor's sharding propagator.

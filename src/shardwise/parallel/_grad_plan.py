@@ -6,22 +6,33 @@
   buckets and frozen parameters into the plan; with ``hsdp()``, whose shards are planned once,
   a parameter unfrozen that did not require a gradient at the first call is refused,
   `_hsdp.check_unfrozen`; one frozen since and unfrozen again trains on).
+- `GradPlanning._moved`: a parameter's dtype or device changed since the plan (``net.to(
+  torch.float64)``, ``.half()``, ``p.data = ...`` of another dtype): the run plans the call
+  again and keeps only that plan (the plans before describe the old dtypes: their bytes, their
+  buckets), and `_buckets` makes the gradient buckets again (their flat buffers, and the
+  gradient-storing autograd node torch makes anew for the parameter); with ``hsdp()``, whose
+  shards are planned once, refused (`_hsdp.check_kinds`).
 - `GradPlanning.clip_args`: `_clip.clipping`'s arguments for a call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from shardwise._torch.tensor_hooks import reattach_hooks
 from shardwise.optim import FusionConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._clip import PlanSplits, plan_splits
-from shardwise.parallel._hsdp import bucket_plans, check_unfrozen, gradient_buckets
+from shardwise.parallel._hsdp import bucket_plans, check_kinds, check_unfrozen, gradient_buckets
 from shardwise.parallel._runtime import GradBuckets
 from shardwise.planner import ParallelPlan
+
+_KIND = operator.attrgetter("dtype", "device")
 
 
 class GradPlanning:
@@ -35,9 +46,11 @@ class GradPlanning:
     grad_plan: OptimizerPlan | None
     grads_equal: dict[str, tuple[int, ...]]
     trainable: tuple[bool, ...]
+    kinds: tuple[tuple[torch.dtype, torch.device], ...] = ()  # (the parameters' when planned)
     planned_trainable: tuple[bool, ...] | None = None  # (hsdp: those its buckets hold)
     watched: list[nn.Parameter]
     hooks: list[Any]
+    templates: list[tuple[Any, Any]]
     parallel_plan: ParallelPlan | None
     plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]]
 
@@ -53,13 +66,17 @@ class GradPlanning:
         splits = plan_splits(self.network, self.stored_plan, engine.plan if engine else None)
         return splits, "", None if engine is None else engine.reduce_held
 
-    def _buckets(self, plan: ParallelPlan, buckets: OptimizerPlan | None = None) -> None:
+    def _buckets(
+        self, plan: ParallelPlan, buckets: OptimizerPlan | None = None, again: bool = False
+    ) -> None:
         """The gradient buckets (`buckets`, else made from the first plan's parameters with
         `plan`'s equal gradients, `ParallelPlan.equal_grads`); made again when a plan variant's
-        equal gradients differ, or parameters were frozen or unfrozen since."""
+        equal gradients differ, parameters were frozen or unfrozen since, or `again` (their
+        dtypes or devices changed: `_moved`)."""
         now = self._trainable()
         if self.grads is not None:
-            if dict(plan.equal_grads) == self.grads_equal and now == self.trainable:
+            same = dict(plan.equal_grads) == self.grads_equal and now == self.trainable
+            if same and not again:
                 return
             self.grads.drop_unfinished()
             for h in self.grads.handles:
@@ -80,6 +97,33 @@ class GradPlanning:
         if not self.watched:
             self.watched = list(self.network.parameters())
         return tuple(p.requires_grad for p in self.watched)
+
+    def _kinds(self) -> tuple[tuple[torch.dtype, torch.device], ...]:
+        """Each parameter's dtype and device, in parameter order."""
+        if not self.watched:
+            self.watched = list(self.network.parameters())
+        return tuple(map(_KIND, self.watched))
+
+    def _moved(self) -> str | None:
+        """Why the call is planned again when a parameter's dtype or device changed since the
+        plan (None: none did); with hsdp a ValueError (`check_kinds`)."""
+        now = self._kinds()
+        if now == self.kinds:
+            return None
+        if self.engine is not None:
+            check_kinds(self.network, self.kinds)
+        return "parameters of other dtypes or devices"
+
+    def _moved_planned(self) -> None:
+        """After the call was planned again for parameters of other dtypes or devices: that
+        plan the only one kept (the stored layouts are the same), the buckets made anew."""
+        assert self.parallel_plan is not None
+        self.plans = [(self.parallel_plan, self.templates)]
+        self.kinds = self._kinds()  # (not before: a capture that raised is tried again)
+        if self.grads is not None:
+            self._buckets(self.parallel_plan, again=True)
+        for p in self.watched:  # (swapped contents leave the hooks behind: `reattach_hooks`)
+            reattach_hooks(p)
 
     def _check_trainable(self) -> None:
         """Plan the buckets again when parameters were frozen or unfrozen (`_trainable_changed`)."""

@@ -10,7 +10,8 @@ annotations alike; any dataset strategy):
   through `_graph_capture.GraphSession`); ``sw.shard``'s op form on an ``nn.Linear`` /
   ``nn.Embedding`` annotates its node; parameter plans are collected during the capture. A
   call with other input shapes or ops is planned again (`GraphRun._replan`; the plans are kept,
-  looked up by `_call_io.input_shapes` and by the call's flags: `_variants.ByFlags`).
+  looked up by `_call_io.input_shapes` and by the call's flags: `_variants.ByFlags`), and one
+  after a parameter's dtype or device changed (only that plan kept: `GradPlanning._moved`).
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
   optimizer state already made); for every parameter in the layout the plan stores it in, the
   gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
@@ -63,11 +64,7 @@ from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._discover import agree_scalers, find_objects
-from shardwise.parallel._errors import (
-    Replan,
-    note_blocks,
-    replanned_call_differs,
-)
+from shardwise.parallel._errors import Replan, note_blocks, replanned_call_differs
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
@@ -211,6 +208,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self.trainable = self._trainable()
         else:
             self._buckets(plan, buckets)
+        self.kinds = self._kinds()  # (changed later: planned again, `_moved`)
         return plan
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -250,6 +248,9 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         check_annotations(self.network, self.annotated)
+        if (moved := self._moved()) is not None:  # (parameters of another dtype: `_grad_plan`)
+            self._replan(args, kwargs, moved)
+            self._moved_planned()
         shapes = input_shapes(self.dataset, comm.get_group_size(), args, kwargs)
         plan = self.parallel_plan
         assert plan is not None

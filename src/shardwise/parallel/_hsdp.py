@@ -12,8 +12,9 @@
 - `gradient_buckets` (without hsdp): the fused gradient AllReduce buckets that
   `_runtime.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
   most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
-- `check_unfrozen`, `check_param_writes`: what optimizer parallel refuses (a parameter
-  unfrozen after planning, one changed in place by an op of the step's plan).
+- `check_unfrozen`, `check_kinds`, `check_param_writes`: what optimizer parallel refuses (a
+  parameter unfrozen after planning, or given another dtype or device, one changed in place by
+  an op of the step's plan).
 """
 
 from __future__ import annotations
@@ -204,6 +205,19 @@ def check_unfrozen(network: nn.Module, before: tuple[bool, ...]) -> None:
                 f"so its gradient would not be reduced; set requires_grad before the first "
                 f"call (and keep a layer still with lr=0 until it trains), or train without "
                 f"hsdp(), whose gradient buckets are planned again"
+            )
+
+
+def check_kinds(network: nn.Module, before: tuple[tuple[torch.dtype, torch.device], ...]) -> None:
+    """Raise ValueError for a parameter of `network` whose dtype or device is not what it was
+    when optimizer parallel planned its shards (`before`: each parameter's then)."""
+    for (name, p), (dtype, device) in zip(network.named_parameters(), before, strict=False):
+        if p.dtype != dtype or p.device != device:
+            raise ValueError(
+                f"AutoParallel: parameter {name!r} is {p.dtype} on {p.device} now but was "
+                f"{dtype} on {device} when optimizer parallel (hsdp) planned its shards and "
+                f"buckets at the first call; change the network's dtype or device (net.to(...), "
+                f".half()) before the first call, or train without hsdp(), which plans again"
             )
 
 
