@@ -1,6 +1,7 @@
 """The `PlanExecutor` of one `GraphRun` call (`call_executor`): the plan's executor with what
 the call holds (its inputs, the network whose buffers it re-assigns) and what the run adds
-(optimizer parallel's weights, the gradient buckets' count of the loss)."""
+(optimizer parallel's weights, the gradient buckets' count of the loss); `forward_marks`: what
+runs when the plan's forward starts and ends (marks, level 3's packing and freeing)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,33 @@ import torch
 from torch import nn
 
 from shardwise._torch import pytree
+from shardwise.communication import recorder
 from shardwise.optim import OptimizerParallel
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._recompute import REENTRANT_HSDP
 from shardwise.planner import ParallelPlan
+
+
+def forward_marks(
+    engine: OptimizerParallel | None,
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The calls at the start and the end of the plan's forward: a recorder mark each, and
+    with optimizer parallel level 3's tokens for saved weights (``packing``) and the freeing
+    of the gathered weights (`OptimizerParallel.end_forward`)."""
+
+    def starts() -> None:
+        if engine is not None:
+            engine.packing = True
+        recorder.mark("forward")
+
+    def done() -> None:
+        if engine is not None:
+            engine.packing = False
+            engine.end_forward()
+        recorder.mark("forward done")
+
+    return starts, done
 
 
 def call_executor(

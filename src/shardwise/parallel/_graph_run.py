@@ -52,7 +52,7 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
-from shardwise.parallel._call_executor import call_executor
+from shardwise.parallel._call_executor import call_executor, forward_marks
 from shardwise.parallel._call_io import (
     Cut,
     caller_inputs,
@@ -359,21 +359,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         engine = self.engine
         # (level 3's saved-tensor hooks, around the whole call: `saved_tensors`)
         saved = nullcontext() if engine is None else engine.saved_tensors()
-
-        def forward_starts() -> None:  # (optimizer parallel level 3: tokens for saved weights)
-            if engine is not None:
-                engine.packing = True
-            recorder.mark("forward")
-
-        def forward_done() -> None:  # (optimizer parallel level 3: free the gathered weights)
-            if engine is not None:
-                engine.packing = False
-                engine.end_forward()
-            recorder.mark("forward done")
-
-        executor = self.executor = self._executor(
-            plan, (args, kwargs), forward_starts, forward_done
-        )
+        executor = self.executor = self._executor(plan, (args, kwargs), *forward_marks(engine))
         executor.note_inputs(cuts)
         hooks: list[Any] = []
         try:
