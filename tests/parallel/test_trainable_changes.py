@@ -205,6 +205,115 @@ def test_frozen_then_unfrozen_under_optimizer_parallel_trains_as_one_device(leve
             assert_matches_single_device(p.detach(), rows, what=name)
 
 
+def _flip_in_step(
+    level: str | None, flips: dict[tuple[int, str], bool], module: int = 0
+) -> tuple[list[Any], list[Any], nn.Module, nn.Module, Any]:
+    """Train one device and 2 simulated ranks (hsdp at `level`, None: without) with
+    ``net[module].requires_grad_(flag)`` for each ``(call, where): flag`` of `flips` (where:
+    ``"between"`` calls, at the step's ``"start"``, ``"mid"`` forward); both losses, both
+    networks and the parallel step."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)  # (every row shards)
+        layers = [nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)]
+        return nn.Sequential(*layers)
+
+    def run(net: nn.Sequential, call: Callable[..., Any]) -> list[Any]:
+        now = [0]  # (the call: the step may run more than once per call, first on fakes)
+
+        def flip(where: str, i: int) -> None:
+            if (i, where) in flips:
+                net[module].requires_grad_(flips[(i, where)])
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            i = now[0]
+            flip("start", i)
+            h = net[1](net[0](x))
+            flip("mid", i)
+            loss = F.cross_entropy(net[2:](h), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        out = []
+        for i, (x, y) in enumerate(DATA):
+            now[0] = i
+            flip("between", i)
+            out.append(call(step, x, y))
+        return out
+
+    ref, net = build(), build()
+    want = run(ref, lambda step, x, y: step(x, y).detach())
+    with simulated_world(2) as world:
+        world.replicate(net)
+        made: list[Any] = []
+
+        def call(step: Callable[..., Any], x: torch.Tensor, y: torch.Tensor) -> Any:
+            if not made:
+                made.append(sw.AutoParallel(step, parallel_mode="semi_auto"))
+                if level is not None:
+                    made[0].hsdp(threshold=0, optimizer_level=level)
+            return made[0](world.rows(x), world.rows(y))
+
+        got = run(net, call)
+        return want, got, ref, net, made[0]
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3", None])
+@pytest.mark.parametrize(
+    "flips",
+    [{(1, "start"): False}, {(1, "between"): False, (2, "start"): True}],
+    ids=["frozen", "unfrozen again"],
+)
+def test_a_layer_frozen_or_unfrozen_inside_the_step_before_its_forward(
+    level: str | None, flips: dict[tuple[int, str], bool]
+) -> None:
+    """``net[0].requires_grad_(False)`` inside the step before its forward (freezing a
+    backbone after N steps) is what it is between calls. With hsdp it raised torch's 'mat1
+    and mat2 shapes cannot be multiplied': the capture recorded the call as a node, whose
+    output the first layer then read instead of the parameter, so the layer computed with
+    this rank's shard of its weight. A layer frozen since an earlier call and unfrozen inside
+    the step trains again."""
+    want, got, ref, net, parallel = _flip_in_step(level, flips)
+    for s in range(STEPS):
+        assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+    plan = parallel.optimizer_plan
+    for name, p in net.named_parameters():
+        full = ref.get_parameter(name).detach()
+        sharded = plan is not None and plan.param(name).sharded
+        rows = (lambda r, f=full: f.chunk(2)[r]) if sharded else full
+        assert_matches_single_device(p.detach(), rows, what=name)
+    frozen = () if (2, "start") in flips else ("0.weight", "0.bias")
+    assert parallel.parallel_plan.frozen == frozen
+
+
+@pytest.mark.parametrize("level", ["level1", None])
+def test_a_layer_frozen_after_the_forward_started_is_refused(level: str | None) -> None:
+    """Between the forward's first op and the backward the gradients are planned and the
+    weights gathered already: a ValueError names the parameter and the fix (the change was
+    planned as a node of the step; the layer trained on, silently)."""
+    with pytest.raises(ValueError, match=r"'2.weight' is frozen .* at the start of the step"):
+        _flip_in_step(level, {(1, "mid"): False}, module=2)
+
+
+@pytest.mark.parametrize("level", ["level2", None])
+def test_a_layer_unfrozen_inside_the_step_that_was_frozen_at_the_first_call(
+    level: str | None,
+) -> None:
+    """Unfrozen inside the step, a layer frozen at the first call is refused with hsdp (its
+    shards and buckets were planned then), as between calls, and trains without it."""
+    flips = {(0, "between"): False, (1, "start"): True}
+    if level is not None:
+        with pytest.raises(ValueError, match=r"'0.weight'.*before the first call"):
+            _flip_in_step(level, flips)
+        return
+    want, got, *_ = _flip_in_step(level, flips)
+    for s in range(STEPS):
+        assert_matches_single_device(got[s], want[s], what=f"loss {s}")
+
+
 def test_a_parameter_group_added_later_in_the_data_parallel_mode() -> None:
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)

@@ -22,13 +22,15 @@ from shardwise.planner import ParallelPlan
 
 
 def forward_marks(
-    engine: OptimizerParallel | None,
+    engine: OptimizerParallel | None, first: Callable[[], None]
 ) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The calls at the start and the end of the plan's forward: a recorder mark each, and
-    with optimizer parallel level 3's tokens for saved weights (``packing``) and the freeing
-    of the gathered weights (`OptimizerParallel.end_forward`)."""
+    """The calls at the start and the end of the plan's forward: `first` at the start (a
+    check of what the step changed before its forward: parameters frozen or unfrozen), a
+    recorder mark each, and with optimizer parallel level 3's tokens for saved weights
+    (``packing``) and the freeing of the gathered weights (`OptimizerParallel.end_forward`)."""
 
     def starts() -> None:
+        first()
         if engine is not None:
             engine.packing = True
         recorder.mark("forward")

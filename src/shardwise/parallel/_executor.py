@@ -62,7 +62,7 @@ from shardwise.parallel._local import (
     drop,
     dropout_p,
 )
-from shardwise.parallel._node_run import NodeRun, has_tensor
+from shardwise.parallel._node_run import ON_PARAMETER, NodeRun, check_flag_change, has_tensor
 from shardwise.parallel._node_table import (
     CALLS,
     PLAIN,
@@ -178,6 +178,11 @@ class PlanExecutor(
             self.known_params = self.params_of()
         return self.known_params
 
+    def on_parameter(self, op: str, args: tuple[Any, ...]) -> bool:
+        """Whether call `op` changes a stored `Parameter` itself (``requires_grad_``: no node
+        of the plan, as the capture records none: `planner._recorders._is_param`)."""
+        return op in ON_PARAMETER and bool(args) and id(args[0]) in self.params
+
     @property
     def done(self) -> bool:
         """Whether every op of the plan ran."""
@@ -250,6 +255,10 @@ class PlanExecutor(
         if kind in ("grad", "backward"):  # (the step's differentiation: `_differentiate`)
             return self.differentiate(func, kind, args, kwargs)
         if self.paused or kind != "op":
+            return func(*args, **kwargs)
+        if self.on_parameter(op, args):  # (before the forward or after the backward only)
+            mid = self.cursor > 0 and not self.backward_seen
+            check_flag_change(self.params[id(args[0])], args, kwargs, mid)
             return func(*args, **kwargs)
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward

@@ -359,7 +359,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         engine = self.engine
         # (level 3's saved-tensor hooks, around the whole call: `saved_tensors`)
         saved = nullcontext() if engine is None else engine.saved_tensors()
-        executor = self.executor = self._executor(plan, (args, kwargs), *forward_marks(engine))
+        marks = forward_marks(engine, self._check_trainable)  # (frozen in the step: checked)
+        executor = self.executor = self._executor(plan, (args, kwargs), *marks)
         executor.note_inputs(cuts)
         hooks: list[Any] = []
         try:
@@ -388,5 +389,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         else:
             out = executor.step_outputs(caller_inputs(out, cuts))  # (rows: `_leaving`)
         mark_outputs(out, caller)  # (an input computed from them: `_input_grads`)
-        self.by_flags.note(*caller, (plan, self.templates))  # (the next call with its flags)
+        # (the next call with its flags; the plan as run, which `_check_trainable` at the
+        # forward's start may have replaced)
+        self.by_flags.note(*caller, (self.parallel_plan or plan, self.templates))
         return out

@@ -39,9 +39,28 @@ def has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 ON_PARAMETER = frozenset({"torch.Tensor.requires_grad_"})
-"""Ops on a parameter that change the `Parameter` itself, not its values: with optimizer
-parallel they reach the parameter, not the weight gathered for compute (freezing the gathered
-weight only was undone at the next gather: the layer trained again)."""
+"""Ops on a parameter that change the `Parameter` itself, not its values: no node of a plan
+(the capture records none; `PlanExecutor.on_parameter` runs them on the parameter, not on the
+weight gathered for compute under optimizer parallel, whose change was undone at the next
+gather: the layer trained again). A node of a plan made before (a strategy file) likewise."""
+
+
+def check_flag_change(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], mid: bool) -> None:
+    """Raise ValueError when ``requires_grad_`` changes parameter `name` (``args[0]``) inside
+    the wrapped step between the forward's first op and the backward (`mid`): the weights,
+    gathered and planned for the whole forward, and the gradient buckets were made with the
+    flag it had then (before the forward, the change is checked as between calls)."""
+    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    if not mid or bool(flag) == args[0].requires_grad:
+        return
+    change = "frozen (requires_grad_(False))" if not flag else "unfrozen (requires_grad_(True))"
+    raise ValueError(
+        f"AutoParallel: parameter {name!r} is {change} inside the wrapped step after its "
+        f"forward started and before its backward; a parallel step computes and reduces "
+        f"gradients for the parameters that required one when the forward started; change "
+        f"requires_grad at the start of the step (before the forward), after loss.backward(), "
+        f"or between calls"
+    )
 
 
 class NodeRun:

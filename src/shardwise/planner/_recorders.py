@@ -191,6 +191,14 @@ class _State:
         return tuple(entry[1])
 
 
+def _is_param(s: _State, args: tuple[Any, ...]) -> bool:
+    """Whether a call's first argument is one of the network's parameters (``requires_grad_``
+    on it changes the `Parameter`, not a value: freezing a layer inside the step is no node,
+    the parameter is read as before, and the run checks it at the forward's start)."""
+    ref = s.known.get(id(args[0])) if args and isinstance(args[0], T) else None
+    return ref is not None and ref.kind == "param"
+
+
 def tensors_in(tree: Any) -> list[T]:
     """The tensors of a pytree, in order."""
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, T)]
@@ -259,6 +267,8 @@ class _Recorder(TorchFunctionMode):
             s.all_roots_known = None not in known
             s.done = True
             raise _StopCapture
+        if func is torch.Tensor.requires_grad_ and _is_param(s, args):
+            return func(*args, **kwargs)  # (no node: the Parameter's flag, as between calls)
         if kind == "alias":
             out = func(*args, **kwargs)
             if isinstance(args[0], T) and id(args[0]) in s.known and out is not args[0]:
