@@ -11,7 +11,7 @@
 """
 
 from shardwise.optim._data_parallel import DataParallelRunner
-from shardwise.optim._engine import OptimizerParallel, check_state
+from shardwise.optim._engine import OptimizerParallel, check_optimizers, check_state
 from shardwise.optim._plan import (
     Bucket,
     OptimizerPlan,
@@ -32,6 +32,7 @@ __all__ = [
     "ParamShard",
     "check_fusion",
     "check_hsdp",
+    "check_optimizers",
     "check_state",
     "plan_optimizer",
 ]

@@ -19,6 +19,7 @@ Here:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -128,6 +129,7 @@ class OptimizerParallel(WeightGathering):
         mine = self._mine(optimizer)
         if not mine:
             return
+        check_optimizers([optimizer])  # (one the step made, not found at the first call)
         recorder.mark("optimizer step")
         self._drain()  # (already done at the end of backward)
         # a bucket gathered ahead but never used: finish it before the update changes the
@@ -173,6 +175,19 @@ class OptimizerParallel(WeightGathering):
             self._gathered_ptrs.clear()
 
 
+def check_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Raise TypeError for an optimizer whose step branches on values over all parameters
+    (``torch.optim.LBFGS``'s line search: dot products and norms of the flattened
+    parameters): on shards each rank would take its own branch."""
+    if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
+        raise TypeError(
+            "AutoParallel: torch.optim.LBFGS cannot step under optimizer parallel (hsdp): its "
+            "line search branches on dot products and norms over all the parameters, which "
+            "each rank would compute from its own shards (the ranks would diverge); train "
+            "without hsdp() (LBFGS works there), or use another optimizer"
+        )
+
+
 def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
     """Raise ValueError when optimizer state does not have this rank's shape of `p` (e.g.
     loaded from a checkpoint saved with another shard layout)."""
@@ -186,4 +201,4 @@ def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
             )
 
 
-__all__ = ["BucketGroups", "OptimizerParallel", "ParamShard", "check_state"]
+__all__ = ["BucketGroups", "OptimizerParallel", "ParamShard", "check_optimizers", "check_state"]

@@ -70,7 +70,7 @@ from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
 from shardwise.parallel._hsdp import (
     bucket_plans,
-    check_param_writes,
+    check_step,
     gradient_buckets,
     optimizer_plan,
     start_engine,
@@ -162,7 +162,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
                 self.optimizers,
             )
         if self.hsdp is not None:
-            check_param_writes(graph)
+            check_step(graph, self.optimizers)  # (in-place writes, LBFGS)
         return graph, plan
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:

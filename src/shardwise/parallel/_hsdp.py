@@ -12,15 +12,15 @@
 - `gradient_buckets` (without hsdp): the fused gradient AllReduce buckets that
   `_runtime.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
   most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
-- `check_unfrozen`, `check_kinds`, `check_param_writes`: what optimizer parallel refuses (a
-  parameter unfrozen after planning, or given another dtype or device, one changed in place by
-  an op of the step's plan).
+- `check_unfrozen`, `check_kinds`, `check_step`: what optimizer parallel refuses (a parameter
+  unfrozen after planning, or given another dtype or device; one changed in place by an op of
+  the step's plan, `check_param_writes`; ``torch.optim.LBFGS``, `optim.check_optimizers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from shardwise.optim import (
     ParamInfo,
     check_fusion,
     check_hsdp,
+    check_optimizers,
     plan_optimizer,
 )
 from shardwise.parallel._context import get_auto_parallel_context
@@ -219,6 +220,14 @@ def check_kinds(network: nn.Module, before: tuple[tuple[torch.dtype, torch.devic
                 f"buckets at the first call; change the network's dtype or device (net.to(...), "
                 f".half()) before the first call, or train without hsdp(), which plans again"
             )
+
+
+def check_step(graph: Graph, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise for what optimizer parallel refuses in a captured step: an op changing a
+    parameter in place (`check_param_writes`), an optimizer whose step couples all the
+    parameters' values (``LBFGS``: `optim.check_optimizers`, a TypeError)."""
+    check_param_writes(graph)
+    check_optimizers(optimizers)
 
 
 def check_param_writes(graph: Graph) -> None:

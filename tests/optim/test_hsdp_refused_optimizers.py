@@ -1,0 +1,89 @@
+"""Optimizers optimizer parallel (hsdp) refuses: ``torch.optim.LBFGS``.
+
+LBFGS's step (with a closure) runs a line search that branches on dot products and norms of
+all the parameters flattened; on shards each rank computed its own and took its own branch
+(torch's simulated world raised 'Non Tensor or int rank results must be equal for all ranks';
+a real job's ranks would have diverged silently). It is refused at the first call with a
+TypeError naming the optimizer and the fix; without hsdp it trains as on one device.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import assert_matches_single_device, simulated_world
+
+g = torch.Generator().manual_seed(1)
+DATA = [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(2)]
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def make_step(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            return loss
+
+        return opt.step(closure)
+
+    return step
+
+
+def lbfgs(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=3)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_lbfgs_under_optimizer_parallel_is_refused(level: str) -> None:
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = lbfgs(net)
+        parallel = sw.AutoParallel(make_step(net, opt), parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        x, y = DATA[0]
+        with pytest.raises(TypeError, match=r"LBFGS .* without hsdp\(\)"):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_lbfgs_made_inside_the_step_is_refused_at_its_step() -> None:
+    """One the step makes (not found at the first call) is refused at its first step."""
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return make_step(net, lbfgs(net))(x, y)
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto").hsdp(threshold=0)
+        x, y = DATA[0]
+        with pytest.raises(TypeError, match=r"LBFGS .* without hsdp\(\)"):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_lbfgs_without_optimizer_parallel_trains_as_one_device() -> None:
+    ref = build()
+    net = copy.deepcopy(ref)
+    step = make_step(ref, lbfgs(ref))
+    want = [step(x, y).detach() for x, y in DATA]
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(make_step(net, lbfgs(net)), parallel_mode="semi_auto")
+        for s, (x, y) in enumerate(DATA):
+            got = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(got, want[s], what=f"loss {s}")
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), ref.get_parameter(name), what=name)
