@@ -4,7 +4,8 @@ LBFGS's step (with a closure) runs a line search that branches on dot products a
 all the parameters flattened; on shards each rank computed its own and took its own branch
 (torch's simulated world raised 'Non Tensor or int rank results must be equal for all ranks';
 a real job's ranks would have diverged silently). It is refused at the first call with a
-TypeError naming the optimizer and the fix; without hsdp it trains as on one device.
+TypeError naming the optimizer and the fix (data_parallel mode's optimizer parallel too);
+without hsdp it trains as on one device.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ def test_lbfgs_under_optimizer_parallel_is_refused(level: str) -> None:
         opt = lbfgs(net)
         parallel = sw.AutoParallel(make_step(net, opt), parallel_mode="semi_auto")
         parallel.hsdp(threshold=0, optimizer_level=level)
+        x, y = DATA[0]
+        with pytest.raises(TypeError, match=r"LBFGS .* without hsdp\(\)"):
+            parallel(world.rows(x), world.rows(y))
+
+
+def test_lbfgs_under_data_parallel_modes_optimizer_parallel_is_refused() -> None:
+    """``parallel_mode="data_parallel"`` with ``hsdp()`` (each rank updates the parameters it
+    owns): refused too (torch's rank-results assertion before)."""
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = lbfgs(net)
+        parallel = sw.AutoParallel(make_step(net, opt), parallel_mode="data_parallel").hsdp()
         x, y = DATA[0]
         with pytest.raises(TypeError, match=r"LBFGS .* without hsdp\(\)"):
             parallel(world.rows(x), world.rows(y))

@@ -257,14 +257,22 @@ def check_arguments(
 
 
 def check_optimizers(opts: Sequence[Any], parallel_optimizer: bool, with_step: bool) -> None:
-    """Raise TypeError for an optimizer that is not a ``torch.optim.Optimizer``, ValueError
-    for ``parallel_optimizer=True`` without one (`with_step`: a train step was searched)."""
+    """Raise TypeError for an optimizer that is not a ``torch.optim.Optimizer`` (or is
+    ``torch.optim.LBFGS`` with ``parallel_optimizer=True``), ValueError for
+    ``parallel_optimizer=True`` without one (`with_step`: a train step was searched)."""
     for i, o in enumerate(opts):
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(
                 f"{WHO}: optimizers[{i}] is a {type(o).__name__}, not a "
                 "torch.optim.Optimizer; pass the optimizers built over network.parameters()"
             )
+    if parallel_optimizer and any(isinstance(o, torch.optim.LBFGS) for o in opts):
+        raise TypeError(
+            f"{WHO}: torch.optim.LBFGS cannot step under optimizer parallel (hsdp() / "
+            "parallel_optimizer=True): each rank would update only the parameters it owns, and "
+            "LBFGS's line search branches on dot products and norms over all of them; train "
+            "without hsdp() (LBFGS works there), or use another optimizer"
+        )
     if parallel_optimizer and not opts:
         raise ValueError(
             f"{WHO}: optimizer parallel (AutoParallel(..., parallel_mode='data_parallel')"
