@@ -6,7 +6,9 @@ gradient over the ranks on its own (`communication._sparse.all_reduce_sparse`: a
 AllReduce(MAX) of the rows each rank holds, an AllReduce(SUM) of the values, sparse again), so
 losses and parameters equal one device's after two steps (semi_auto raised a torch internal
 assert, hsdp and data_parallel torch's "reshape is not implemented for sparse tensors").
-Optimizer parallel refuses a sparse gradient with a TypeError naming the parameter.
+An ``nn.Embedding(sparse=True)`` weight gets a gradient bucket of its own (none of its bytes in
+the dense bucket); a table read by ``F.embedding(sparse=True)`` shares one and counts as
+arrived. Optimizer parallel refuses a sparse gradient with a TypeError naming the parameter.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
@@ -72,6 +75,42 @@ def test_sparse_embedding_trains_as_one_device(mode: str) -> None:
         assert_matches_single_device(p.detach(), q.detach())
     assert {r.kind for r in rec.records} == {"AllReduce"}, rec.summary()
     assert Counter(r.phase for r in rec.records) == EXPECTED[mode], rec.summary()
+    if mode == "semi_auto":  # (the embedding in a bucket of its own: no slot of it sent)
+        sizes = sorted(r.numel for r in rec.records if r.phase == "backward")
+        assert sizes == [4, 10, 30], rec.summary()  # Linear; rows held; values
+
+
+class Functional(nn.Module):
+    """A table read with ``F.embedding(..., sparse=True)`` (no ``nn.Embedding`` to find: its
+    gradient shares a bucket with the Linear's and arrives sparse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.table = nn.Parameter(torch.randn(10, 3))
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(F.embedding(ids, self.table, sparse=True))
+        return out
+
+
+def test_a_sparse_gradient_in_a_shared_bucket_trains_as_one_device() -> None:
+    one, net = Functional(), Functional()
+    one(IDS).mean().backward()
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = net(x).mean()
+            loss.backward()
+            return loss
+
+        sw.AutoParallel(step, parallel_mode="semi_auto")(world.rows(IDS))
+    for p, q in zip(net.parameters(), one.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert p.grad.layout == q.grad.layout
+        assert_matches_single_device(p.grad.to_dense(), q.grad.to_dense())
 
 
 def test_optimizer_parallel_refuses_a_sparse_gradient() -> None:

@@ -47,4 +47,5 @@ def all_reduce_sparse(
     all_reduce_(rows, ReduceOp.MAX, group)
     all_reduce_(dense, ReduceOp.SUM, group)
     indices = rows.nonzero().t()
-    return torch.sparse_coo_tensor(indices, dense[tuple(indices)], g.shape).coalesce()
+    values = dense[tuple(indices)]  # (indices from ``nonzero``: valid, no check needed)
+    return torch.sparse_coo_tensor(indices, values, g.shape, check_invariants=False).coalesce()

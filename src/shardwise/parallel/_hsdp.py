@@ -149,7 +149,9 @@ def gradient_buckets(
     an ``allreduce`` mode they go by ``comm_fusion`` id (id 0: one per parameter), ``index``
     splits them at parameter indices, ``openstate: False`` gives one per parameter. Size-capped
     buckets are filled in reverse parameter order, the order in which backward produces the
-    gradients (as DDP), and listed in that order; the others in parameter order.
+    gradients (as DDP), and listed in that order; the others in parameter order. The weight of
+    an ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True`` gets a bucket of its
+    own (its sparse gradient is reduced on its own).
 
     Args:
         network: the network (its parameters cut to their blocks or not).
@@ -181,10 +183,33 @@ def gradient_buckets(
     backward = fusion.enabled and fusion.bucket_bytes("allreduce") is not None
     planned = plan_optimizer(infos[::-1] if backward else infos, None, fusion)
     dtypes = {info.name: info.dtype for info in infos}
-    buckets = tuple(b for bucket in planned.buckets for b in _by_dtype(bucket, dtypes))
+    sparse = _sparse_weights(network)
+    typed = [b for bucket in planned.buckets for b in _by_dtype(bucket, dtypes)]
+    buckets = tuple(b for bucket in typed for b in _alone(bucket, sparse))
     order = {info.name: i for i, info in enumerate(infos)}
     params = tuple(sorted(planned.params, key=lambda s: order[s.info.name]))
     return dataclasses.replace(planned, params=params, buckets=buckets)
+
+
+def _sparse_weights(network: nn.Module) -> set[str]:
+    """The weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with
+    ``sparse=True``: their gradients are sparse, reduced on their own (`GradBuckets._sparse`)."""
+    kinds = (nn.Embedding, nn.EmbeddingBag)
+    return {
+        f"{path}.weight" if path else "weight"
+        for path, m in network.named_modules()
+        if isinstance(m, kinds) and m.sparse
+    }
+
+
+def _alone(bucket: Bucket, sparse: set[str]) -> list[Bucket]:
+    """`bucket` with its members in `sparse` moved to buckets of their own (no flat buffer
+    slot to send for them)."""
+    if not sparse.intersection(bucket.names):
+        return [bucket]
+    dense = tuple(n for n in bucket.names if n not in sparse)
+    alone = [dataclasses.replace(bucket, names=(n,)) for n in bucket.names if n in sparse]
+    return ([dataclasses.replace(bucket, names=dense)] if dense else []) + alone
 
 
 def _by_dtype(bucket: Bucket, dtypes: dict[str, torch.dtype]) -> list[Bucket]:

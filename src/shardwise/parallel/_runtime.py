@@ -248,7 +248,12 @@ class GradBuckets:
         def hook(g: torch.Tensor) -> torch.Tensor:
             task = current_graph_task_id()
             if g.layout != torch.strided:  # (``nn.Embedding(sparse=True)``: sparse again)
-                return self._sparse(corrected(g, task), bucket, j)
+                reduced = self._sparse(corrected(g, task), bucket, j)
+                if (task == self.task or self._join(task)) and bucket.pending is None:
+                    bucket.got[j] = "sparse"  # (arrived: its slot is not delivered)
+                    if len(bucket.got) == len(bucket.params) and bucket.flat is not None:
+                        self._start(bucket, task)
+                return reduced
             stores = _stores(bucket.stores[j])
             # (the backward a reentrant checkpointed region runs inside the collecting one
             # stores its gradients into the same buckets: `_finish` delivers them)
@@ -311,6 +316,9 @@ class GradBuckets:
         multiplied by the factor of a loss whose backward did not wait for its count
         (`communication.correct_`; nothing when there is none, or when it is 1)."""
         assert bucket.flat is not None
+        for j, how in bucket.got.items():
+            if how == "sparse":  # (reduced on its own: nothing of it to send here)
+                bucket.slot(j).zero_()
         correct_(bucket.flat, task)
         with recorder.phase("backward"), recorder.label(bucket.label):
             bucket.pending = all_reduce_async(bucket.flat, ReduceOp.SUM, bucket.group)
@@ -333,7 +341,7 @@ class GradBuckets:
                 bucket.pending.wait()
                 for j, how in bucket.got.items():
                     p, reduced = bucket.params[j], bucket.slot(j).view(bucket.shapes[j])
-                    if how == "return":
+                    if how in ("return", "sparse"):
                         continue
                     if p.grad is None or how == "store":  # (its slot of the kept buffer)
                         p.grad = reduced
