@@ -167,7 +167,7 @@ def _module_state() -> None:
 
 
 def _tensor_hooks() -> None:
-    from shardwise._torch.tensor_hooks import reattach_hooks
+    from shardwise._torch.tensor_hooks import reattach_hooks, swapped_on_conversion
 
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -177,12 +177,15 @@ def _tensor_hooks() -> None:
         m.to(torch.float64)  # (swapped: autograd no longer runs the hook)
         m(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
         assert seen == []
+        assert swapped_on_conversion(m.parameters()) == [m.weight, m.bias]
         reattach_hooks(m.weight)
+        reattach_hooks(m.weight)  # (again, nothing swapped since: still once)
         reattach_hooks(m.bias)  # (no hooks: nothing)
         m(torch.ones(1, 2, dtype=torch.float64)).sum().backward()
         assert seen == [torch.float64]  # (once)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
+    assert swapped_on_conversion([torch.nn.Parameter(torch.ones(1))]) == []
 
 
 def _c10d() -> None:

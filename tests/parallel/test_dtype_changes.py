@@ -129,3 +129,25 @@ def test_data_parallel_after_a_dtype_change_trains_as_one_device(level: str | No
             assert_matches_single_device(
                 {n: p.detach() for n, p in net.named_parameters()}, full, what="parameters"
             )
+
+
+def test_a_conversion_that_changes_nothing_keeps_the_gradients_reduced() -> None:
+    """``net.float()`` on a float32 network swaps the parameters' contents all the same (a
+    simulated world's LocalTensors; ``set_swap_module_params_on_conversion(True)`` in a real
+    job), which left their backward hooks behind: each rank kept its own gradient, silently."""
+    ref, net = build(), build()
+    want: list[dict[str, torch.Tensor]] = []
+    seen: list[dict[str, torch.Tensor]] = []
+    one = stepper(ref, want)
+    data = [(x.float(), y) for x, y in DATA[:3]]
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(stepper(net, seen), parallel_mode="semi_auto")
+        for i, (x, y) in enumerate(data):
+            if i == 1:
+                ref.float()
+                net.float()
+            one(x, y)
+            parallel(world.rows(x), world.rows(y))
+    for i, (got, full) in enumerate(zip(seen, want, strict=True)):
+        assert_matches_single_device(got, full, what=f"gradients of call {i}")

@@ -5,13 +5,17 @@
 (``torch.utils.swap_tensors``) when the parameter is a traceable wrapper subclass (a simulated
 world's ``LocalTensor``) or under ``torch.__future__.set_swap_module_params_on_conversion(True)``:
 the Python object keeps its dict, but autograd's copy went with the swapped-out contents, so no
-hook registered before or after runs again. The gradient buckets (`parallel/_grad_plan.py`)
-hand the dict to autograd again after such a change.
+hook registered before or after runs again, even when nothing changed (``net.float()`` on a
+float32 network). The gradient buckets (`parallel/_grad_plan.py`) hand the dict to autograd
+again at each call for the parameters such a conversion swaps (`swapped_on_conversion`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def reattach_hooks(tensor: torch.Tensor) -> None:
@@ -20,3 +24,13 @@ def reattach_hooks(tensor: torch.Tensor) -> None:
     hooks = tensor._backward_hooks
     if hooks is not None:
         tensor._backward_hooks = hooks
+
+
+def swapped_on_conversion(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of `params` whose contents ``Module.to`` / ``.float()`` would swap (every one under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``, else the traceable wrapper
+    subclasses): their hooks may need `reattach_hooks` after any conversion."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return list(params)
+    plain = torch.nn.Parameter
+    return [p for p in params if type(p) is not plain and is_traceable_wrapper_subclass(p)]

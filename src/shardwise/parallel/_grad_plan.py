@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise._torch.tensor_hooks import reattach_hooks
+from shardwise._torch.tensor_hooks import reattach_hooks, swapped_on_conversion
 from shardwise.optim import FusionConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._clip import PlanSplits, plan_splits
 from shardwise.parallel._hsdp import bucket_plans, check_kinds, check_unfrozen, gradient_buckets
@@ -106,8 +106,12 @@ class GradPlanning:
 
     def _moved(self) -> str | None:
         """Why the call is planned again when a parameter's dtype or device changed since the
-        plan (None: none did); with hsdp a ValueError (`check_kinds`)."""
+        plan (None: none did); with hsdp a ValueError (`check_kinds`). The parameters a
+        conversion swaps get their hooks handed to autograd again first (a ``net.float()`` that
+        changed nothing swapped them too: `reattach_hooks`)."""
         now = self._kinds()
+        for p in swapped_on_conversion(self.watched):
+            reattach_hooks(p)
         if now == self.kinds:
             return None
         if self.engine is not None:
