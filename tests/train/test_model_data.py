@@ -1,6 +1,7 @@
 """How `Model` reads its data: `train` called once per epoch takes each call's data order from
 the next epoch, as one `train(E, ...)` call and a hand-written loop calling ``set_epoch(e)`` see
-it; `eval` over a DataLoader's ``DistributedSampler`` counts this rank's real rows."""
+it; `eval` over a DataLoader's ``DistributedSampler`` counts this rank's real rows; the
+contract's argument names (API.md) beside MindSpore's."""
 
 from __future__ import annotations
 
@@ -105,3 +106,28 @@ def test_eval_over_a_distributed_sampler_leaves_its_padding_out(
     got = sw.Model(net, loss_fn, metrics={"accuracy", "loss"}).eval(loader)
     assert got["accuracy"] == pytest.approx(hits, rel=1e-12)
     assert got["loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+
+
+def test_the_contracts_argument_names() -> None:
+    """API.md's names: ``train(epoch, dataset=...)``, ``eval(dataset=...)`` and
+    ``load_param_into_net(net, params=...)`` beside MindSpore's (``train_dataset``,
+    ``valid_dataset``, ``parameter_dict``); one of the two, else a TypeError."""
+    data, _ = _generator_dataset()
+    one, other = Rows(), Rows()
+    for net, kw in ((one, "train_dataset"), (other, "dataset")):
+        model = sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1))
+        model.train(1, **{kw: data})
+    assert one.seen == other.seen and len(one.seen) == 2
+    assert torch.equal(one.weight, other.weight)
+    model = sw.Model(one, nn.CrossEntropyLoss(), metrics={"accuracy"})
+    assert model.eval(dataset=data) == model.eval(valid_dataset=data) == model.eval(data)
+    with pytest.raises(TypeError, match="pass the dataset once"):
+        model.eval(data, dataset=data)
+    with pytest.raises(TypeError, match=r"Model\.train: missing the dataset"):
+        sw.Model(one, nn.CrossEntropyLoss(), torch.optim.SGD(one.parameters(), 0.1)).train(1)
+    fresh = Rows()
+    entries = {"weight": one.weight.detach(), "bias": one.bias.detach()}
+    assert sw.load_param_into_net(fresh, params=entries) == ([], [])
+    assert torch.equal(fresh.weight, one.weight)
+    with pytest.raises(TypeError, match="pass the entries once"):
+        sw.load_param_into_net(fresh, entries, params=entries)

@@ -132,8 +132,10 @@ def _store(
 
 def load_param_into_net(
     net: torch.nn.Module,
-    parameter_dict: Mapping[str, torch.Tensor],
+    parameter_dict: Mapping[str, torch.Tensor] | None = None,
     strict_load: bool = False,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Load checkpoint entries into ``net`` in place (MindSpore's ``load_param_into_net``).
 
@@ -144,6 +146,8 @@ def load_param_into_net(
         strict_load: ``True``: names must match exactly and dtypes must agree.
             ``False``: names may also match by a unique dotted suffix, and values are cast
             to the network's dtype.
+        params: `parameter_dict` by the name ``load_param_into_net(net, params=...)`` uses
+            (give one of the two: a TypeError otherwise).
 
     Returns:
         ``(param_not_load, ckpt_not_load)``: network entries that received nothing, and
@@ -156,6 +160,9 @@ def load_param_into_net(
     """
     if not isinstance(net, torch.nn.Module):
         raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
+    if (parameter_dict is None) == (params is None):
+        raise TypeError("load_param_into_net: pass the entries once, as parameter_dict= or params=")
+    parameter_dict = parameter_dict if parameter_dict is not None else params
     if not isinstance(parameter_dict, Mapping):
         raise TypeError(f"parameter_dict must be a mapping, got {type(parameter_dict).__name__}")
     return load_entries(net, parameter_dict, strict_load)

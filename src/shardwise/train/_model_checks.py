@@ -89,3 +89,17 @@ def callback_list(callbacks: object) -> list[cb.Callback]:
                 "sw.train.LossMonitor()"
             )
     return out
+
+
+def one_dataset(where: str, given: Any, alias: Any, names: tuple[str, str]) -> Any:
+    """The dataset passed to `where` under MindSpore's name (`given`, ``names[0]``) or the
+    contract's (`alias`, ``names[1]``: ``dataset``), exactly one of them.
+
+    Raises:
+        TypeError: both, or neither.
+    """
+    if given is not None and alias is not None:
+        raise TypeError(f"{where}: pass the dataset once, as {names[0]}= or {names[1]}=")
+    if given is None and alias is None:
+        raise TypeError(f"{where}: missing the dataset ({names[0]}= or {names[1]}=)")
+    return given if given is not None else alias

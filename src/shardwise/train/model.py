@@ -28,10 +28,18 @@ from shardwise.communication import _collectives as C
 from shardwise.train import callbacks as cb
 from shardwise.train._eval_data import rows, sharded, trimmed_batches
 from shardwise.train._metrics import make_metrics
-from shardwise.train._model_checks import callback_list, check_train_args, columns, one_value
+from shardwise.train._model_checks import (
+    callback_list,
+    check_train_args,
+    columns,
+    one_dataset,
+    one_value,
+)
 
 if TYPE_CHECKING:
     from shardwise.parallel import AutoParallel
+
+DATASET_NAMES = (("train_dataset", "dataset"), ("valid_dataset", "dataset"))
 
 
 def _is_rank0() -> bool:
@@ -181,11 +189,13 @@ class Model:
     def train(
         self,
         epoch: int,
-        train_dataset: Iterable[Sequence[torch.Tensor]],
+        train_dataset: Iterable[Sequence[torch.Tensor]] | None = None,
         callbacks: Sequence[cb.Callback] | cb.Callback | None = None,
         dataset_sink_mode: bool = False,
         sink_size: int = -1,
         initial_epoch: int = 0,
+        *,
+        dataset: Iterable[Sequence[torch.Tensor]] | None = None,
     ) -> None:
         """Train for epochs ``initial_epoch + 1 .. epoch`` over `train_dataset` (MindSpore's
         signature and argument order).
@@ -199,6 +209,7 @@ class Model:
             sink_size: accepted for MindSpore scripts (-1 or a count >= 1); without a device
                 sink every epoch is the whole dataset.
             initial_epoch: epochs already done (resuming from a checkpoint).
+            dataset: `train_dataset` by the name ``train(epoch, dataset=...)`` uses.
 
         Each epoch tells the dataset (or a DataLoader's sampler, a ``DistributedSampler``) its
         epoch with ``set_epoch``, counted over all of this Model's `train` calls (from
@@ -207,7 +218,9 @@ class Model:
 
         Raises:
             ValueError: no optimizer, a bad epoch count, or an invalid loss (LossMonitor).
+            TypeError: the dataset given twice (`train_dataset` and `dataset`) or not at all.
         """
+        train_dataset = one_dataset("Model.train", train_dataset, dataset, DATASET_NAMES[0])
         if self.optimizer is None:
             raise ValueError("Model.train: pass optimizer= to Model to train")
         check_train_args(epoch, initial_epoch, sink_size)
@@ -279,15 +292,21 @@ class Model:
 
     @torch.no_grad()
     def eval(
-        self, valid_dataset: Iterable[Sequence[torch.Tensor]], dataset_sink_mode: bool = False
+        self,
+        valid_dataset: Iterable[Sequence[torch.Tensor]] | None = None,
+        dataset_sink_mode: bool = False,
+        *,
+        dataset: Iterable[Sequence[torch.Tensor]] | None = None,
     ) -> dict[str, float]:
-        """Compute the metrics over `valid_dataset` (``{"accuracy": 0.93}``).
+        """Compute the metrics over `valid_dataset` (``{"accuracy": 0.93}``; ``dataset=`` is
+        the same argument by another name; TypeError when given twice or not at all).
 
         When the dataset is sharded over the ranks (``num_shards > 1``, or a torch DataLoader
         over a ``DistributedSampler`` of several replicas), the padding rows of each rank's last
         batch (a pipeline's wrap-around rows, the sampler's repeated ones) are not counted and
         the counts are summed over the world group, so every rank returns one device's value.
         """
+        valid_dataset = one_dataset("Model.eval", valid_dataset, dataset, DATASET_NAMES[1])
         if not self.metrics:
             raise ValueError("Model.eval: pass metrics={'accuracy'} to Model to evaluate")
         if self.parallel is not None:
