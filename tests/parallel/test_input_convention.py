@@ -181,6 +181,16 @@ def test_matches_one_device(
         run_case(world_size, net, (mode, form, strategy), split, want)
 
 
+@pytest.mark.parametrize("mode", ["semi_auto", "data_parallel"])
+def test_full_batch_takes_a_plain_tensor_made_outside_the_world(mode: str) -> None:
+    """In a simulated world a global batch made outside it (not `world.same`) is every rank's
+    (data_parallel mode's cut failed on it with torch's LocalTensor assertion)."""
+    net, want = MLP(), single_device(MLP)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        run_case(2, net, (mode, "train_step", "full_batch"), lambda t: t, want)
+
+
 @pytest.mark.parametrize("form", ["module", "train_step"])
 def test_full_batch_that_does_not_divide_names_the_convention(form: str) -> None:
     net, (x, y) = MLP(), data()[0]

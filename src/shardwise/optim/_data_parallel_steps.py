@@ -28,7 +28,7 @@ from torch import nn
 from shardwise._torch import pytree
 from shardwise._torch.storage import version
 from shardwise.communication import _collectives as C
-from shardwise.communication import get_rank, ranks_unlike_leader
+from shardwise.communication import every_rank, get_rank, ranks_unlike_leader
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO
 
@@ -127,8 +127,11 @@ def full_batch_rows(
     if first:
         same_batch([*inputs, *kwargs.values()])
     rank = get_rank()
-    rows = tuple(local_rows(x, world, rank) for x in inputs)
-    return rows, {k: local_rows(x, world, rank) for k, x in kwargs.items()}
+
+    def cut(x: Any) -> Any:  # (a plain tensor made outside a simulated world: every rank's)
+        return local_rows(every_rank(x) if isinstance(x, torch.Tensor) else x, world, rank)
+
+    return tuple(cut(x) for x in inputs), {k: cut(x) for k, x in kwargs.items()}
 
 
 def same_shapes(inputs: Sequence[Any]) -> None:
