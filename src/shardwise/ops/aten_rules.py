@@ -301,6 +301,23 @@ def strided_ids_embedding_rule(args: Sequence[Any], ndim: int) -> Decision | Non
     return Decision((tuple(need_w), tuple(need_ids)), (tuple(outs),), "shardwise")
 
 
+def restride_rule(args: Sequence[Any], ndim: int) -> Decision | None:
+    """``aten.as_strided_`` / ``as_strided`` that changes nothing a value is read by: the same
+    sizes, no storage offset, the same stride on every dim of size above 1 (a kernel putting
+    back its input's memory format: ``adaptive_avg_pool2d`` of a channels-last tensor restrides
+    its ``[N, C, 1, 1]`` mean): the output is placed as the input. Any other (a read of other
+    elements): None (no rule: replicated). The planner does not ask this of a user's own
+    ``as_strided`` call, whose sizes may be the global ones (`planner._strided_reads`)."""
+    x, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else None
+    if list(size) != list(x.shape) or offset not in (None, 0):
+        return None
+    if any(n > 1 and s != t for n, s, t in zip(x.shape, stride, x.stride, strict=True)):
+        return None
+    p = tuple(x.placements)
+    return Decision((p,), (p,), "shardwise")
+
+
 ATEN_RULES: dict[str, AtenRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_cpu_rule,
     "aten.cat.default": join_rule(stack=False),
@@ -321,6 +338,8 @@ ATEN_RULES: dict[str, AtenRule] = {
     "aten.index_put.default": mask_put_rule,
     "aten.index_put_.default": mask_put_rule,
     "aten.embedding.default": strided_ids_embedding_rule,
+    "aten.as_strided_.default": restride_rule,
+    "aten.as_strided.default": restride_rule,
 }
 """shardwise's own aten rules (aten overload name -> rule); they win over DTensor's."""
 

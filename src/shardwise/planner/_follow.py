@@ -57,6 +57,7 @@ from shardwise.planner._placement import (
     to_placed,
 )
 from shardwise.planner._plan import Placed, replicated
+from shardwise.planner._strided_reads import own_strided_call
 from shardwise.redistribution import plan_redistribution
 
 if TYPE_CHECKING:
@@ -247,6 +248,9 @@ class _Follow(FollowErrors):
         """The rule's `Decision` for aten `call` of `node`, its inputs placed as `need` (the
         node's inputs) and `tmp` (intermediates; whole when not yet made); the op's PlanError
         when no rule runs it so (`RandomFillError` for a random fill)."""
+        if own_strided_call(node, call):  # (a user's own as_strided: its sizes may be global)
+            whole = tuple(self.rep() for _ in args)
+            return Decision(whole, tuple(self.rep() for _ in call.outputs), "replicate")
         specs = {
             id(x): Spec(
                 need[x.index] if x.kind == "in" else tmp.get(x.index, self.rep()),

@@ -14,7 +14,9 @@ device's read is the copy's only when it stays inside the input (`_outside`): a 
 passed to the op while the input itself starts at a nonzero offset (a view such as ``x[2:]``:
 one device counts it from its base's storage, the copy from its own first element), or sizes
 and strides reaching past the input's elements (one device reads its base's storage there)
-are refused too, naming the op and the fix.
+are refused too, naming the op and the fix. Such a call of the user's own is planned replicated
+(`own_strided_call`), whatever the rule of an ``as_strided`` a kernel makes from its local
+tensor says.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def strided_read(op: str) -> bool:
     """Whether torch-level `op` (``"torch.Tensor.as_strided"``) reads its input by strides:
     ``as_strided``, ``as_strided_``, ``as_strided_copy``, ``as_strided_scatter``."""
     return op.rsplit(".", 1)[-1].startswith("as_strided")
+
+
+def own_strided_call(node: Node, call: AtenCall) -> bool:
+    """Whether aten `call` is `node`'s own strided read (a user's ``h.as_strided(size,
+    stride)``, whose sizes may be the global ones: run replicated), not one a kernel makes from
+    its local tensor (``adaptive_avg_pool2d``'s restride of a channels-last mean: its rule,
+    `ops.aten_rules.restride_rule`, may keep the input's split)."""
+    return strided_read(node.op) and strided_read(str(call.op).rsplit(".", 1)[0])
 
 
 def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
