@@ -2,9 +2,10 @@
 
 On 8 simulated ranks, with ``AUTO_PARALLEL`` + ``search_mode="sharding_propagation"``, `Model`
 runs its train step through `AutoParallel`: the strategies are the seed's, every step's loss
-(what LossMonitor prints) equals one device's on the global batch, and the collectives are
-the planned ones. A `grad_reducer` with a parallel mode and `eval` after parallel training are
-refused with the fix; ``STAND_ALONE`` (the default) keeps the plain loop.
+(what LossMonitor prints) equals one device's on the global batch, and the collectives are the
+planned ones. A `grad_reducer` with a parallel mode and `eval` after parallel training that left
+blocks in the parameters are refused with the fix (with whole parameters `eval` runs);
+``STAND_ALONE`` (the default) keeps the plain loop.
 """
 
 from __future__ import annotations
@@ -82,8 +83,42 @@ def test_model_trains_seed002_under_sharding_propagation() -> None:
     # per step, forward: matmul's and matmul2's AllReduce over 0-1-2-3, the loss's over all 8
     assert rec.count("AllReduce", "forward") == 3 * STEPS, rec.summary()
     model.metrics = {"accuracy": sw.train.Accuracy}
-    with pytest.raises(ValueError, match="evaluate through a Model built with"):
-        model.eval(data)
+    with pytest.raises(ValueError, match="blocks or optimizer-parallel shards; evaluate through"):
+        model.eval(data)  # (its matmuls' weights are this rank's blocks)
+
+
+def _plain() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+
+
+@pytest.mark.parametrize(
+    "mode", [sw.ParallelMode.SEMI_AUTO_PARALLEL, sw.ParallelMode.DATA_PARALLEL]
+)
+def test_eval_after_parallel_training_with_whole_parameters(mode: str) -> None:
+    """Nothing annotated (semi_auto) or data_parallel mode: every parameter stays whole, so
+    `eval` after `train` runs and equals one device's (it was refused for every parallel mode)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 32, generator=g), torch.randint(0, 16, (8,), generator=g)
+    one, net = _plain(), _plain()
+    sw.Model(one, torch.nn.CrossEntropyLoss(), torch.optim.SGD(one.parameters(), lr=LR)).train(
+        1, [(x, y)]
+    )
+    want = sw.Model(one, torch.nn.CrossEntropyLoss(), metrics={"accuracy", "loss"}).eval([(x, y)])
+    sw.set_auto_parallel_context(parallel_mode=mode, dataset_strategy="full_batch")
+    try:
+        with simulated_world(2) as world:
+            world.replicate(net)
+            opt = torch.optim.SGD(net.parameters(), lr=LR)
+            model = sw.Model(net, torch.nn.CrossEntropyLoss(), opt, metrics={"accuracy", "loss"})
+            model.train(1, [(world.same(x), world.same(y))])
+            assert model.parallel is not None and not model.parallel.holds_blocks
+            got = model.eval([(world.same(x), world.same(y))])
+    finally:
+        sw.reset_auto_parallel_context()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
 
 
 @pytest.mark.usefixtures("propagation")

@@ -309,11 +309,13 @@ class Model:
         valid_dataset = one_dataset("Model.eval", valid_dataset, dataset, DATASET_NAMES[1])
         if not self.metrics:
             raise ValueError("Model.eval: pass metrics={'accuracy'} to Model to evaluate")
-        if self.parallel is not None:
+        if self.parallel is not None and self.parallel.holds_blocks:
             raise ValueError(
                 "Model.eval: the network was trained under AutoParallel (set_auto_parallel_"
-                "context) and holds this rank's blocks; evaluate through a Model built with "
-                "parallel_mode=ParallelMode.STAND_ALONE on a network with whole parameters"
+                "context) and its parameters hold this rank's blocks or optimizer-parallel "
+                "shards; evaluate through the module form, sw.Model(sw.AutoParallel(net), "
+                "metrics=...), or a Model built with parallel_mode=ParallelMode.STAND_ALONE on a "
+                "network with whole parameters (sw.checkpoint.merge of its checkpoints)"
             )
         was_training = self.network.training
         self.network.eval()
