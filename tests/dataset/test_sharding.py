@@ -180,6 +180,16 @@ def test_auto_rejects_a_process_running_several_ranks() -> None:
         assert pipeline(8, num_shards="auto").get_shard() == (1, 0)
 
 
+def test_a_per_rank_shard_id_names_the_fixes() -> None:
+    """``shard_id=get_rank()`` in a simulated world (one value per rank): the error names it
+    and the fixes (it printed the symbolic value as not an int)."""
+    with (
+        simulated_world(2),
+        pytest.raises(ValueError, match=r"holds one value per rank.*world\.rows"),
+    ):
+        pipeline(8, num_shards=2, shard_id=comm.get_rank())
+
+
 def test_order_helpers() -> None:
     assert shard_positions(10, 2, 1, 2, drop_remainder=False).tolist() == [2, 3, 6, 7, 0, 1]
     assert shard_positions(10, 2, 0, 2, drop_remainder=True).tolist() == [0, 1, 4, 5]

@@ -53,6 +53,8 @@ class ShardSetting:
             raise ValueError(
                 f"{who}: num_shards={num_shards!r} must be an int >= 1, 'auto' or None"
             )
+        if not isinstance(shard_id, int | None):
+            _per_rank(shard_id, who)
         if not _is_int(shard_id) or not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
             raise ValueError(
                 f"{who}: shard_id={shard_id!r} must be an int in [0, {num_shards}) "
@@ -104,3 +106,18 @@ def agree_seed(seed: int) -> int:
     t = torch.tensor([seed & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     (out,) = comm.Broadcast(0)(t)
     return int(out.item())
+
+
+def _per_rank(shard_id: object, who: str) -> None:
+    """Raise ValueError naming the fixes when `shard_id` is a simulated world's per-rank value
+    (``get_rank()`` inside ``simulated_world()``); nothing otherwise."""
+    from shardwise import communication as comm
+
+    if comm.is_initialized() and comm.holds_several_ranks():
+        n = len(comm.process_ranks())
+        raise ValueError(
+            f"{who}: shard_id={shard_id!r} holds one value per rank: this process runs {n} "
+            f"ranks (simulated_world), and a dataset reads one shard; read the whole dataset "
+            f"(num_shards=None) and pass world.rows(x) of each global batch, or build one "
+            f"dataset per rank (shard_id=0 .. {n - 1})"
+        )
