@@ -20,24 +20,38 @@ class PlanReading:
         @property
         def parallel_plan(self) -> ParallelPlan | None: ...
 
+        parallel_mode: str
+
+    def _planned(self, what: str) -> ParallelPlan:
+        """The plan `what` (``"strategies"``) reads, or a ValueError saying why there is none
+        (nothing planned yet; data_parallel mode, which runs no operator plan)."""
+        plan = self.parallel_plan
+        if plan is not None:
+            return plan
+        if self.parallel_mode == "data_parallel":
+            raise ValueError(
+                f"AutoParallel.{what}: parallel_mode='data_parallel' runs no operator plan (every "
+                f"op data parallel, as DDP: the gradients averaged at the optimizer's step); "
+                f"plans are made by 'semi_auto', 'sharding_propagation' and "
+                f"'recursive_programming'"
+            )
+        raise ValueError(
+            f"AutoParallel.{what}: nothing planned yet; call the wrapper (or its plan()) once first"
+        )
+
     def strategies(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """Each op's name (module path and op, as the IR prints it) -> its in_strategy, for
         annotated, propagated and data-parallel ops alike (`ParallelPlan.strategies`).
 
         Raises:
-            ValueError: nothing planned yet (call the wrapper or its ``plan`` first).
+            ValueError: nothing planned yet (call the wrapper or its ``plan`` first), or
+                data_parallel mode (no operator plan).
 
         Example:
             >>> parallel_net.strategies()["relu/ReLU"]  # seed 002, sharding_propagation
             ((2, 4),)
         """
-        plan = self.parallel_plan
-        if plan is None:
-            raise ValueError(
-                "AutoParallel.strategies: nothing planned yet; call the wrapper (or its plan()) "
-                "once first"
-            )
-        return plan.strategies()
+        return self._planned("strategies").strategies()
 
     def explain(self, name: str) -> str:
         """Why op `name` has its strategy: the strategy, where it came from (annotated, or the
@@ -53,7 +67,8 @@ class PlanReading:
         inputs as they come) and the moves and collectives of the op.
 
         Raises:
-            ValueError: nothing planned yet, or an unknown name (the message lists near names).
+            ValueError: nothing planned yet, data_parallel mode, or an unknown name (the message
+                lists near names).
 
         Example:
             >>> print(parallel_net.explain("relu/ReLU"))  # seed 002
@@ -61,12 +76,7 @@ class PlanReading:
                 ((2, 4),): comm 0.0 us, compute 32 elements, memory 256 B  <- chosen
                 ...
         """
-        plan = self.parallel_plan
-        if plan is None:
-            raise ValueError(
-                "AutoParallel.explain: nothing planned yet; call the wrapper (or its plan()) "
-                "once first"
-            )
+        plan = self._planned("explain")
         if name in plan.explained:
             return str(plan.explained[name])
         names = [n.name for n in plan.nodes]
