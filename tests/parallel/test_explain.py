@@ -70,11 +70,11 @@ def test_alternatives_show_their_placements() -> None:
 def test_data_parallel_mode_says_it_has_no_operator_plan() -> None:
     """After training in data_parallel mode: no plan because the mode makes none (the message
     said "nothing planned yet; call the wrapper" though it had run)."""
-    net = torch.nn.Linear(4, 2)
+    net, x = torch.nn.Linear(4, 2), torch.randn(4, 4)
     with simulated_world(2) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(net, parallel_mode="data_parallel")
-        parallel(world.rows(torch.randn(4, 4)))
+        parallel(world.rows(x))
         assert parallel.has_run
         for read in (parallel.strategies, lambda: parallel.explain("linear")):
             with pytest.raises(ValueError, match="'data_parallel' runs no operator plan"):
