@@ -13,8 +13,10 @@ arrived. Optimizer parallel refuses a sparse gradient with a TypeError naming th
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,31 @@ def test_optimizer_parallel_refuses_a_sparse_gradient() -> None:
         parallel = parallel.hsdp(threshold=0, optimizer_level="level2")
         with pytest.raises(TypeError, match=r"parameter '0\.weight' got a torch\.sparse_coo"):
             parallel(world.rows(IDS))
+
+
+def test_an_older_strategy_file_with_the_embedding_in_the_dense_bucket_loads(
+    tmp_path: Path,
+) -> None:
+    """A file saved before sparse weights got buckets of their own lists ``0.weight`` in the
+    Linear's bucket: it loads with this job's buckets (its buckets were refused as "differ from
+    this job's; use the same hsdp() / comm_fusion() settings")."""
+    path = tmp_path / "ops.json"
+    net = make()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(step_of(net), parallel_mode="semi_auto")
+        parallel(world.rows(IDS))
+        parallel.save_operator_strategy_file(path)
+    saved = json.loads(path.read_text())
+    names = [p for b in saved["buckets"] for p in b["params"]]
+    saved["buckets"] = [{**saved["buckets"][0], "params": names}]  # (one bucket, as before)
+    path.write_text(json.dumps(saved))
+    one, net = make(), make()
+    want = step_of(one)(IDS)
+    with simulated_world(4) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(step_of(net), parallel_mode="semi_auto")
+        parallel.load_operator_strategy_file(path)
+        assert_matches_single_device(parallel(world.rows(IDS)), want.detach(), what="loss")
+    for p, q in zip(net.parameters(), one.parameters(), strict=True):
+        assert_matches_single_device(p.detach(), q.detach())

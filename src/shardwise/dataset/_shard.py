@@ -53,7 +53,7 @@ class ShardSetting:
             raise ValueError(
                 f"{who}: num_shards={num_shards!r} must be an int >= 1, 'auto' or None"
             )
-        if not isinstance(shard_id, int | None):
+        if isinstance(shard_id, torch.SymInt):  # (``get_rank()`` in a simulated world)
             _per_rank(shard_id, who)
         if not _is_int(shard_id) or not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
             raise ValueError(

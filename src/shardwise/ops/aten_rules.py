@@ -309,8 +309,8 @@ def restride_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     elements): None (no rule: replicated). The planner does not ask this of a user's own
     ``as_strided`` call, whose sizes may be the global ones (`planner._strided_reads`)."""
     x, size, stride = args[0], args[1], args[2]
-    offset = args[3] if len(args) > 3 else None
-    if list(size) != list(x.shape) or offset not in (None, 0):
+    offset = args[3] if len(args) > 3 else None  # (given: maybe not the input's own offset)
+    if list(size) != list(x.shape) or offset is not None:
         return None
     if any(n > 1 and s != t for n, s, t in zip(x.shape, stride, x.stride, strict=True)):
         return None

@@ -183,7 +183,7 @@ def gradient_buckets(
     backward = fusion.enabled and fusion.bucket_bytes("allreduce") is not None
     planned = plan_optimizer(infos[::-1] if backward else infos, None, fusion)
     dtypes = {info.name: info.dtype for info in infos}
-    sparse = _sparse_weights(network)
+    sparse = sparse_weights(network)
     typed = [b for bucket in planned.buckets for b in _by_dtype(bucket, dtypes)]
     buckets = tuple(b for bucket in typed for b in _alone(bucket, sparse))
     order = {info.name: i for i, info in enumerate(infos)}
@@ -191,7 +191,7 @@ def gradient_buckets(
     return dataclasses.replace(planned, params=params, buckets=buckets)
 
 
-def _sparse_weights(network: nn.Module) -> set[str]:
+def sparse_weights(network: nn.Module) -> set[str]:
     """The weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with
     ``sparse=True``: their gradients are sparse, reduced on their own (`GradBuckets._sparse`)."""
     kinds = (nn.Embedding, nn.EmbeddingBag)

@@ -249,7 +249,8 @@ class GradBuckets:
             task = current_graph_task_id()
             if g.layout != torch.strided:  # (``nn.Embedding(sparse=True)``: sparse again)
                 reduced = self._sparse(corrected(g, task), bucket, j)
-                if (task == self.task or self._join(task)) and bucket.pending is None:
+                joined = task == self.task or self._join(task)
+                if joined and bucket.pending is None and j not in bucket.got:
                     bucket.got[j] = "sparse"  # (arrived: its slot is not delivered)
                     if len(bucket.got) == len(bucket.params) and bucket.flat is not None:
                         self._start(bucket, task)

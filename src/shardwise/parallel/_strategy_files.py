@@ -16,6 +16,7 @@ from torch import nn
 from shardwise import planner
 from shardwise.layout import TensorLayout
 from shardwise.parallel._graph_run import GraphRun
+from shardwise.parallel._hsdp import sparse_weights
 from shardwise.parameter import tied_names
 from shardwise.planner import ParallelPlan
 from shardwise.planner._recorders import dtype_name
@@ -176,6 +177,8 @@ class StrategyFiles:
             loaded = dataclasses.replace(loaded, frozen=fresh.frozen, set_buffers=fresh.set_buffers)
             if not loaded.buckets:  # (a file without buckets: this job's)
                 loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
+            elif _sparse_apart(loaded.buckets, fresh.buckets, sparse_weights(run.network)):
+                loaded = dataclasses.replace(loaded, buckets=fresh.buckets)  # (an older file)
             elif loaded.buckets != fresh.buckets:
                 pairs = itertools.zip_longest(loaded.buckets, fresh.buckets)
                 k, (a, b) = next((k, ab) for k, ab in enumerate(pairs) if ab[0] != ab[1])
@@ -212,6 +215,25 @@ def _few(names: Sequence[str], limit: int = 4) -> str:
     """`names` quoted, at most `limit` of them (a GPT-2 has ~150 parameters)."""
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _sparse_apart(
+    loaded: Sequence[planner.BucketPlan], fresh: Sequence[planner.BucketPlan], sparse: set[str]
+) -> bool:
+    """Whether the buckets differ only by `sparse` weights (``nn.Embedding(sparse=True)``)
+    this job puts in buckets of their own: a file saved before they were (they shared the
+    dense buckets), which loads with this job's buckets."""
+    if not sparse:
+        return False
+
+    def dense(buckets: Sequence[planner.BucketPlan]) -> list[planner.BucketPlan]:
+        kept = [
+            dataclasses.replace(b, params=tuple(p for p in b.params if p not in sparse))
+            for b in buckets
+        ]
+        return [b for b in kept if b.params]
+
+    return dense(loaded) == dense(fresh)
 
 
 def _bucket(bucket: planner.BucketPlan | None) -> str:
