@@ -37,7 +37,13 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._load import load_entries
-from shardwise.checkpoint._optimizer import OptimizerState, checked_groups, load_optimizer_state
+from shardwise.checkpoint._optimizer import (
+    OptimizerState,
+    checked_groups,
+    load_optimizer_state,
+    state_fits,
+    state_shape_error,
+)
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
 from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of, wrapper_prefix
@@ -127,7 +133,11 @@ def _check_same_network(
             )
     extra = [keys[k] for k in model if k not in shapes]
     if extra:
-        raise CheckpointError(f"checkpoint entry {extra[0]!r} is not in {type(network).__name__}")
+        raise CheckpointError(
+            f"checkpoint entry {extra[0]!r} is not in {type(network).__name__} (which holds "
+            f"{list(shapes)[:3]}...): a checkpoint of another network? strict=False loads the "
+            "rest"
+        )
 
 
 def _check_shared_shapes(
@@ -208,12 +218,28 @@ def load_distributed(
     if optimizer is not None:  # (refused before the network changes, as a corrupt file is)
         described = _described(source, renames)
         checked_groups(optimizer, described, str(source.files[0].index.path), network)
+        _check_state_shapes(source, renames, shapes)
     with comm.plain_tensors():  # (before loading anything; one read for the whole job)
         source.verify(source.names if optimizer is not None else source.model_names)
     result = load_entries(network, _Entries(model, make), strict, option="strict")
     if optimizer is not None and described is not None:
         _load_optimizer(source, optimizer, network, lambda k: make(_renamed(k, renames)), described)
     return result
+
+
+def _check_state_shapes(
+    source: SourceSet, renames: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """`CheckpointError` for the first optimizer state entry whose global shape does not fit
+    its parameter's in the network (`shapes`: global shapes by network name)."""
+    for key in source.names:
+        if not source.is_optimizer(key):
+            continue
+        owner = owner_of(key)
+        name = renames.get(owner, owner)
+        if name in shapes and not state_fits(source.shape(key), shapes[name]):
+            where = str(source.files[0].index.path)
+            raise state_shape_error(where, name, key, source.shape(key), shapes[name])
 
 
 def _described(source: SourceSet, renames: Mapping[str, str]) -> dict[str, Any]:
@@ -227,6 +253,9 @@ def _described(source: SourceSet, renames: Mapping[str, str]) -> dict[str, Any]:
     described["state"] = {renames.get(n, n): v for n, v in described["state"].items()}
     for group in described["param_groups"]:
         group["params"] = [renames.get(n, n) for n in group["params"]]
+    aliases = described.get("aliases") or {}
+    if aliases:
+        described["aliases"] = {renames.get(a, a): renames.get(n, n) for a, n in aliases.items()}
     return described
 
 

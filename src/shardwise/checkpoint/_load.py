@@ -130,6 +130,41 @@ def _store(
             target.copy_(value)
 
 
+def _check_tied(
+    targets: Mapping[str, torch.Tensor],
+    matches: Mapping[str, str],
+    parameter_dict: Mapping[str, torch.Tensor],
+    option: str,
+) -> None:
+    """Strict: the entries matched to the names of one tied tensor must hold one value
+    (`CheckpointError` naming both, before anything is copied)."""
+    first: dict[int, tuple[str, str, torch.Tensor]] = {}
+    for name, key in matches.items():
+        tid = id(targets[name])
+        if tid not in first:
+            value = parameter_dict[key]
+            if isinstance(value, torch.Tensor):
+                first[tid] = (name, key, value)
+            continue
+        name0, key0, value0 = first[tid]
+        if key == key0:
+            continue
+        value = parameter_dict[key]
+        if not isinstance(value, torch.Tensor):
+            continue
+        same = tuple(value.shape) == tuple(value0.shape) and bool(
+            torch.equal(value.to(value0.dtype), value0)
+        )
+        if not same:
+            raise CheckpointError(
+                f"checkpoint entries {key0!r} and {key!r} hold different values, but the network "
+                f"ties {name0!r} and {name!r} (one tensor): the checkpoint was saved untied; "
+                "untie them as the saving job did, or load with "
+                f"{option}=False, which keeps {key0!r} (the tensor's first name); nothing was "
+                "loaded"
+            )
+
+
 def load_param_into_net(
     net: torch.nn.Module,
     parameter_dict: Mapping[str, torch.Tensor] | None = None,
@@ -143,9 +178,11 @@ def load_param_into_net(
         net: the network; parameters and persistent buffers can be loaded. Deferred
             (``no_init_parameters``) entries are filled directly from the checkpoint.
         parameter_dict: name -> tensor, usually from ``load_checkpoint``.
-        strict_load: ``True``: names must match exactly and dtypes must agree.
-            ``False``: names may also match by a unique dotted suffix, and values are cast
-            to the network's dtype.
+        strict_load: ``True``: names must match exactly and dtypes must agree, and the
+            entries of the names of one tied tensor must hold the same value. ``False``: names
+            may also match by a unique dotted suffix, and values are cast to the network's
+            dtype; a tied tensor receives the entry of its first name (in ``state_dict``
+            order), the entries of its other names are not read.
         params: `parameter_dict` by the name ``load_param_into_net(net, params=...)`` uses
             (give one of the two: a TypeError otherwise).
 
@@ -184,6 +221,8 @@ def load_entries(
     where = getattr(parameter_dict, "path", None)
     if isinstance(metadata, Mapping):
         check_rank_pieces(net, metadata, matches.items(), str(where or "checkpoint"))
+    if strict_load:
+        _check_tied(targets, matches, parameter_dict, option)
     done: set[int] = set()
     planned = _is_planned(net)
     for name, key in matches.items():

@@ -17,6 +17,7 @@ loaded checkpoint as it was), so a resumed run continues bit-identically.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ import torch
 from shardwise import communication as comm
 from shardwise.checkpoint._describe import check_rank_pieces
 from shardwise.checkpoint._errors import CheckpointError
-from shardwise.checkpoint._format import OPTIMIZER_PREFIX, decode_value, encode_value
+from shardwise.checkpoint._format import KEY_PIECES, OPTIMIZER_PREFIX, decode_value, encode_value
+from shardwise.checkpoint._pieces import piece_of
 
 
 @dataclass
@@ -99,7 +101,23 @@ def optimizer_entries(
         "state": state,
         "tensors": sorted(tensors),
     }
+    aliases = _aliases(optimizer, owner, names)
+    if aliases:  # (a loading job without the tie is told so)
+        description["aliases"] = aliases
     return tensors, description
+
+
+def _aliases(optimizer: torch.optim.Optimizer, owner: object, names: list[str]) -> dict[str, str]:
+    """The other names of the optimizer's tied parameters in `owner` (a module) -> the name
+    their state is saved under."""
+    if not isinstance(owner, torch.nn.Module):
+        return {}
+    saved = {id(p): name for p, name in zip(_flat_params(optimizer), names, strict=True)}
+    return {
+        name: saved[id(param)]
+        for name, param in owner.named_parameters(remove_duplicate=False)
+        if id(param) in saved and saved[id(param)] != name
+    }
 
 
 def merged_description(
@@ -163,7 +181,10 @@ def _is(names: Sequence[str]) -> str:
 
 
 def _group_difference(
-    optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], names: list[str]
+    optimizer: torch.optim.Optimizer,
+    saved: list[dict[str, Any]],
+    names: list[str],
+    aliases: Mapping[str, str],
 ) -> str:
     """Which parameters make the saved groups and the optimizer's differ, and the fix."""
     held: dict[str, int] = {}
@@ -174,8 +195,15 @@ def _group_difference(
         position += len(group["params"])
     kept = {name: i for i, g in enumerate(saved) for name in g["params"]}
     missing = [n for n in kept if n not in held]
-    extra = [n for n in held if n not in kept]
+    tied = [n for n in held if n not in kept and aliases.get(n) in kept]
+    extra = [n for n in held if n not in kept and n not in tied]
     parts = []
+    if tied:
+        parts.append(
+            f"{tied[0]!r} is in this optimizer's group {held[tied[0]]} but was tied to "
+            f"{aliases[tied[0]]!r} when saved (one parameter, its state saved under that name): "
+            "tie them as the saving job did"
+        )
     if missing:
         parts.append(
             f"{_few(missing)} {_is(missing)} in a saved parameter group but in no group of this "
@@ -186,7 +214,7 @@ def _group_difference(
             f"{_few(extra)} {_is(extra)} in this optimizer's group {held[extra[0]]} but in no "
             "saved group (frozen when saved?)"
         )
-    if not parts:  # (the same parameters, grouped otherwise)
+    if not parts and not tied:  # (the same parameters, grouped otherwise)
         for name, number in held.items():
             ours = [n for n, k in held.items() if k == number]
             theirs = saved[kept[name]]["params"]
@@ -197,6 +225,8 @@ def _group_difference(
                     f"({_few(ours)})"
                 )
                 break
+    if tied and not (missing or extra):
+        return parts[0]
     return "; ".join(parts) + ": set the same requires_grad / parameter groups as the saving job"
 
 
@@ -206,6 +236,7 @@ def _rebuilt_groups(
     names: list[str],
     where: str,
     named: bool,
+    aliases: Mapping[str, str],
 ) -> list[dict[str, Any]]:
     """The saved groups in the optimizer's order, each matched by the parameters it holds
     (a checkpoint whose groups came back in another order, as DCP's per-parameter groups do,
@@ -215,7 +246,8 @@ def _rebuilt_groups(
     if sum(1 for g in saved if g["params"]) > len(optimizer.param_groups):
         raise CheckpointError(
             f"{where}: {len(saved)} parameter groups saved, the optimizer has "
-            f"{len(optimizer.param_groups)}: {_group_difference(optimizer, saved, names)}{hint}"
+            f"{len(optimizer.param_groups)}: "
+            f"{_group_difference(optimizer, saved, names, aliases)}{hint}"
         )
     index = {name: i for i, name in enumerate(names)}
     unused = list(saved)  # (each saved group taken once: two may hold the same, none)
@@ -229,7 +261,7 @@ def _rebuilt_groups(
         elif old is None:
             raise CheckpointError(
                 f"{where}: the optimizer's parameter group {number} matches no saved group: "
-                f"{_group_difference(optimizer, saved, names)}{hint}"
+                f"{_group_difference(optimizer, saved, names, aliases)}{hint}"
             )
         unused = [g for g in unused if g is not old]
         group = {k: v for k, v in old.items() if k != "params"}
@@ -254,8 +286,9 @@ def checked_groups(
             f"{type(optimizer).__qualname__}: build the optimizer the saving job used"
         )
     names = param_names(optimizer, net)
+    aliases = description.get("aliases") or {}
     groups = _rebuilt_groups(
-        optimizer, description["param_groups"], names, where, named=net is not None
+        optimizer, description["param_groups"], names, where, net is not None, aliases
     )
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted(set(description["state"]) - set(index))
@@ -264,6 +297,73 @@ def checked_groups(
             f"{where}: optimizer state for {_few(unknown)}, which this optimizer does not hold"
         )
     return groups, index
+
+
+def state_fits(state: Sequence[int], param: Sequence[int]) -> bool:
+    """Whether optimizer state of shape `state` can belong to a parameter of shape `param`:
+    state of as many dims must have the parameter's sizes (or 1 where a factored optimizer
+    keeps one size, as Adafactor's row / column statistics); other state (a scalar step, a
+    flattened factor) is not compared."""
+    if len(state) != len(param) or not state:
+        return True
+    return all(s == p or s == 1 for s, p in zip(state, param, strict=True))
+
+
+def state_shape_error(
+    where: str, name: str, key: str, state: Sequence[int], param: Sequence[int], hint: str = ""
+) -> CheckpointError:
+    """The refusal of optimizer state `key` of parameter `name` whose shape `state` does not
+    fit the parameter's `param` (`hint`: the fix; by default another network's checkpoint)."""
+    hint = hint or (
+        "; a checkpoint of another network (or of this one in another size)? build the network "
+        "and the optimizer as the saving job did"
+    )
+    return CheckpointError(
+        f"{where}: cannot load optimizer state {key!r} of {name!r}: checkpoint shape "
+        f"{list(state)} != parameter shape {list(param)}{hint}; nothing was loaded"
+    )
+
+
+def _rank_file_hint(data: object, where: str) -> str:
+    """Why a rank file's state (`data`: its recorded piece) cannot fill a whole parameter."""
+    if not isinstance(data, dict):
+        return ""
+    try:
+        held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
+    except CheckpointError:
+        held = f"{data.get('dims')} of {data.get('shape')}"
+    folder = str(Path(where).parent.parent)
+    return (
+        f"; the file is one rank's part of a distributed checkpoint (it holds {held}): load the "
+        f"checkpoint folder with sw.checkpoint.load_distributed(net, {folder!r}, optimizer)"
+    )
+
+
+def _check_state_shapes(
+    optimizer: torch.optim.Optimizer,
+    state: Mapping[int, Any],
+    names: Mapping[int, str],
+    key_of: Mapping[int, str],
+    pieces: Mapping[str, Any],
+    where: str,
+) -> None:
+    """`CheckpointError` for the first state tensor that does not fit its parameter (`key_of`:
+    each checkpoint tensor's id -> its entry; `pieces`: the rank file's recorded blocks)."""
+    params = _flat_params(optimizer)
+    for index, entries in state.items():
+        param = tuple(params[index].shape)
+        if not isinstance(entries, Mapping):
+            continue
+        for item, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape = tuple(value.shape)
+            key = key_of.get(id(value), f"{OPTIMIZER_PREFIX}state.{names[index]}.{item}")
+            recorded = pieces.get(key)
+            if state_fits(shape, param) and (recorded is None or shape == param or not shape):
+                continue
+            hint = _rank_file_hint(recorded, where) if recorded is not None else ""
+            raise state_shape_error(where, names[index], key, shape, param, hint)
 
 
 def load_optimizer_state(
@@ -298,6 +398,10 @@ def load_optimizer_state(
         index[name]: decode_value(entries, saved.tensors)
         for name, entries in description["state"].items()
     }
+    pieces = json.loads(metadata.get(KEY_PIECES, "{}")) if isinstance(metadata, Mapping) else {}
+    key_of = {id(t): k for k, t in saved.tensors.items()}
+    names = {i: name for name, i in index.items()}
+    _check_state_shapes(optimizer, state, names, key_of, pieces, where)  # (before any change)
     groups = [decode_value(group, saved.tensors) for group in groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     # torch keeps the given tensor where dtype and device already match: copy those, or

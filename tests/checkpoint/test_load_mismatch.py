@@ -1,0 +1,201 @@
+"""Checkpoints that do not fit the network they are loaded into: refused before anything is
+copied (network and optimizer untouched), naming the entries, both shapes or values, and the
+fix.
+
+Covered: optimizer state of other shapes than its parameters (one rank's file of a
+distributed checkpoint loaded into a whole network; a checkpoint of the network in another
+size; a file whose state and weights disagree, through load_distributed), with factored state
+(Adafactor) still loading; a checkpoint saved untied whose tied names hold two values (strict:
+refused; not strict: the tensor's first name wins); a tied checkpoint's optimizer state loaded
+into the untied network (the tie is named); a strict load_distributed into a network without a
+buffer the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+import shardwise as sw
+from shardwise.checkpoint import CheckpointStrategy
+from shardwise.layout import DeviceMatrix, TensorLayout
+from shardwise.planner import ParamPlan
+
+
+def _stepped(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    net(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _state_of(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def _same(net: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_a_rank_files_optimizer_state_into_a_whole_network_names_the_fix(tmp_path: Path) -> None:
+    """The rank's (4, 4) momentum block was put on the whole (8, 4) weight; step() then failed
+    with a bare torch size error."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 8)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _stepped(net, opt, torch.randn(2, 4))
+    sw.save_checkpoint(net, tmp_path / "one" / "c.safetensors", optimizer=opt)
+    m = DeviceMatrix((2,), ("mp",))
+    rows = CheckpointStrategy(2, m, {"weight": ParamPlan(TensorLayout(m, ((0,), ())), (8, 4))})
+    sw.checkpoint.transform(tmp_path / "one", tmp_path / "two", rows)
+    part = sw.load_checkpoint(tmp_path / "two" / "rank_1" / "c.safetensors")
+    fresh = nn.Linear(4, 8)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError) as refused:
+        sw.checkpoint.load_optimizer_state(fresh_opt, part, fresh)
+    message = str(refused.value)
+    for word in (
+        "'optimizer.state.weight.momentum_buffer' of 'weight'",
+        "checkpoint shape [4, 4] != parameter shape [8, 4]",
+        "it holds [4:8, 0:4] of [8, 4]",
+        f"sw.checkpoint.load_distributed(net, {str(tmp_path / 'two')!r}, optimizer)",
+    ):
+        assert word in message, (word, message)
+    assert not fresh_opt.state
+    whole = sw.checkpoint.load_distributed(fresh, tmp_path / "two", fresh_opt)  # (the fix)
+    assert whole == ([], []) and torch.equal(
+        fresh_opt.state[fresh.weight]["momentum_buffer"],
+        opt.state[net.weight]["momentum_buffer"],
+    )
+
+
+def test_optimizer_state_of_a_network_in_another_size_is_refused(tmp_path: Path) -> None:
+    """Adam's (6, 4) exp_avg was loaded onto a (3, 4) weight without a word."""
+    big = nn.Linear(4, 6)
+    big_opt = torch.optim.Adam(big.parameters())
+    _stepped(big, big_opt, torch.randn(2, 4))
+    sw.save_checkpoint(big, tmp_path / "a.safetensors", optimizer=big_opt)
+    ckpt = sw.load_checkpoint(tmp_path / "a.safetensors")
+    small = nn.Linear(4, 3)
+    small_opt = torch.optim.Adam(small.parameters())
+    with pytest.raises(
+        ValueError,
+        match=r"exp_avg' of 'weight': checkpoint shape \[6, 4\] != .*"
+        r"\[3, 4\]; a checkpoint of another network",
+    ):
+        sw.checkpoint.load_optimizer_state(small_opt, ckpt, small)
+    assert not small_opt.state
+
+
+def test_load_distributed_refuses_state_that_does_not_fit_before_loading(tmp_path: Path) -> None:
+    """A file whose weights fit the network but whose optimizer state does not: the weights
+    were loaded, then the state put on the parameters as it was."""
+    big = nn.Linear(4, 6)
+    big_opt = torch.optim.SGD(big.parameters(), lr=0.1, momentum=0.9)
+    _stepped(big, big_opt, torch.randn(2, 4))
+    path = sw.save_checkpoint(big, tmp_path / "c.safetensors", optimizer=big_opt)
+    with safetensors.safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    entries = safetensors.torch.load_file(path)
+    entries |= {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}  # (weights of another size)
+    safetensors.torch.save_file(entries, path, metadata)
+    small = nn.Linear(4, 3)
+    small_opt = torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9)
+    before = _state_of(small)
+    shapes = r"momentum_buffer' of 'bias': checkpoint shape \[6\] != parameter shape \[3\]"
+    with pytest.raises(ValueError, match=shapes):
+        sw.checkpoint.load_distributed(small, path, small_opt)
+    assert _same(small, before) and not small_opt.state
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch without Adafactor")
+def test_factored_optimizer_state_still_loads(tmp_path: Path) -> None:
+    net = nn.Linear(4, 6)
+    opt = torch.optim.Adafactor(net.parameters())  # type: ignore[attr-defined]
+    _stepped(net, opt, torch.randn(2, 4))
+    sw.save_checkpoint(net, tmp_path / "c.safetensors", optimizer=opt)
+    fresh = nn.Linear(4, 6)
+    fresh_opt = torch.optim.Adafactor(fresh.parameters())  # type: ignore[attr-defined]
+    sw.checkpoint.load_distributed(fresh, tmp_path / "c.safetensors", fresh_opt)
+    assert torch.equal(fresh_opt.state[fresh.weight]["row_var"], opt.state[net.weight]["row_var"])
+
+
+class LM(nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def test_an_untied_checkpoint_into_the_tied_network(tmp_path: Path) -> None:
+    """Strict loads returned ([], []) and silently kept one of the two values."""
+    torch.manual_seed(0)
+    path = sw.save_checkpoint(LM(tie=False), tmp_path / "untied.safetensors")
+    ckpt = sw.load_checkpoint(path)
+    tied = LM(tie=True)
+    before = _state_of(tied)
+    words = r"entries 'emb.weight' and 'head.weight' hold different values, but the network ties"
+    with pytest.raises(ValueError, match=words + r".*strict_load=False, which keeps 'emb.weight'"):
+        sw.load_param_into_net(tied, ckpt, strict_load=True)
+    assert _same(tied, before)
+    with pytest.raises(ValueError, match=words + r".*strict=False, which keeps 'emb.weight'"):
+        sw.checkpoint.load_distributed(tied, path)
+    assert _same(tied, before)
+    assert sw.load_param_into_net(tied, ckpt) == ([], [])  # (not strict: the first name wins)
+    assert torch.equal(tied.emb.weight, ckpt["emb.weight"])
+    same = LM(tie=True)  # (a tied checkpoint: one value under both names)
+    sw.save_checkpoint(same, tmp_path / "tied.safetensors")
+    assert sw.checkpoint.load_distributed(LM(tie=True), tmp_path / "tied.safetensors") == ([], [])
+
+
+def test_a_tied_checkpoints_optimizer_into_the_untied_network_names_the_tie(
+    tmp_path: Path,
+) -> None:
+    """The message blamed requires_grad ("frozen when saved?")."""
+    tied = LM(tie=True)
+    opt = torch.optim.SGD(tied.parameters(), lr=0.1, momentum=0.9)
+    _stepped(tied, opt, torch.tensor([1, 2]))
+    path = sw.save_checkpoint(tied, tmp_path / "tied.safetensors", optimizer=opt)
+    untied = LM(tie=False)
+    untied_opt = torch.optim.SGD(untied.parameters(), lr=0.1, momentum=0.9)
+    before = _state_of(untied)
+    for load in (
+        lambda: sw.checkpoint.load_distributed(untied, path, untied_opt),
+        lambda: sw.checkpoint.load_optimizer_state(untied_opt, sw.load_checkpoint(path), untied),
+    ):
+        with pytest.raises(ValueError) as refused:
+            load()
+        message = str(refused.value)
+        assert "'head.weight' is in this optimizer's group 0 but was tied to 'emb.weight'" in (
+            message
+        )
+        assert "tie them as the saving job did" in message
+        assert "frozen" not in message and "requires_grad" not in message
+        assert _same(untied, before) and not untied_opt.state
+
+
+def test_strict_load_distributed_without_a_buffer_of_the_checkpoint_names_the_fix(
+    tmp_path: Path,
+) -> None:
+    net = nn.BatchNorm1d(3)
+    path = sw.save_checkpoint(net, tmp_path / "bn.safetensors")
+    fresh = nn.BatchNorm1d(3)
+    del fresh._buffers["num_batches_tracked"]
+    with pytest.raises(ValueError) as refused:
+        sw.checkpoint.load_distributed(fresh, path)
+    message = str(refused.value)
+    assert "checkpoint entry 'num_batches_tracked' is not in BatchNorm1d" in message
+    assert "a checkpoint of another network? strict=False loads the rest" in message
+    assert sw.checkpoint.load_distributed(fresh, path, strict=False) == (
+        [],
+        ["num_batches_tracked"],
+    )
