@@ -1,4 +1,4 @@
-"""Bucketed gradient AllReduces of semi_auto without hsdp (`_runtime.GradBuckets`), 4 simulated
+"""Bucketed gradient AllReduces of semi_auto without hsdp (`_grad_buckets.GradBuckets`), 4 simulated
 ranks, in both runtimes: the plan executor (`_graph_run`: a plain-torch network, default
 buckets) and the primitive runtime (`_call`: taken with ``comm_fusion``).
 

@@ -1,7 +1,7 @@
 """Sparse gradients (``nn.Embedding(sparse=True)`` with ``torch.optim.SparseAdam``), 4 simulated
 ranks, each passing its rows of the global batch.
 
-semi_auto (`_runtime.GradBuckets`) and data_parallel mode (its step pre-hook) sum a sparse COO
+semi_auto (`_grad_buckets.GradBuckets`) and data_parallel mode (its step pre-hook) sum a sparse COO
 gradient over the ranks on its own (`communication._sparse.all_reduce_sparse`: an
 AllReduce(MAX) of the rows each rank holds, an AllReduce(SUM) of the values, sparse again), so
 losses and parameters equal one device's after two steps (semi_auto raised a torch internal

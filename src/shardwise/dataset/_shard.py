@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,8 +54,8 @@ class ShardSetting:
             raise ValueError(
                 f"{who}: num_shards={num_shards!r} must be an int >= 1, 'auto' or None"
             )
-        if isinstance(shard_id, torch.SymInt):  # (``get_rank()`` in a simulated world)
-            _per_rank(shard_id, who)
+        if shard_id is not None and not isinstance(shard_id, numbers.Integral | str | float):
+            _per_rank(shard_id, who)  # (``get_rank()`` in a simulated world: one value a rank)
         if not _is_int(shard_id) or not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
             raise ValueError(
                 f"{who}: shard_id={shard_id!r} must be an int in [0, {num_shards}) "

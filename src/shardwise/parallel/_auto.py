@@ -7,7 +7,7 @@ captures every op of the network or train step (shardwise primitives, torch ops,
 `planner.plan_sharding_propagation`, in recursive_programming
 `planner.plan_recursive_programming`), cuts the parameters to their
 stored blocks and starts either optimizer parallel (`_hsdp.start_engine`) or the gradient
-buckets (`_runtime.GradBuckets`); every call then runs under the plan executor
+buckets (`_grad_buckets.GradBuckets`); every call then runs under the plan executor
 (`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
 `_plan_graph` also writes the reports. ``parallel_mode="data_parallel"`` instead runs
 `optim.DataParallelRunner` (`_data_parallel`).

@@ -1,6 +1,6 @@
 """The gradient side of a `_graph_run.GraphRun`: its gradient buckets and clipping arguments.
 
-- `GradPlanning._buckets`: the gradient AllReduce buckets (`_runtime.GradBuckets`) for the
+- `GradPlanning._buckets`: the gradient AllReduce buckets (`_grad_buckets.GradBuckets`) for the
   first plan's parameters, made again for a plan variant whose equal gradients differ, or when
   parameters were frozen or unfrozen since (`_trainable_changed`, which also puts the new
   buckets and frozen parameters into the plan; with ``hsdp()``, whose shards are planned once,
@@ -28,8 +28,8 @@ from torch import nn
 from shardwise._torch.tensor_hooks import reattach_hooks, swapped_on_conversion
 from shardwise.optim import FusionConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._clip import PlanSplits, plan_splits
+from shardwise.parallel._grad_buckets import GradBuckets
 from shardwise.parallel._hsdp import bucket_plans, check_kinds, check_unfrozen, gradient_buckets
-from shardwise.parallel._runtime import GradBuckets
 from shardwise.planner import ParallelPlan
 
 _KIND = operator.attrgetter("dtype", "device")

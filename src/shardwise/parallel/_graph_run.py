@@ -14,7 +14,7 @@ annotations alike; any dataset strategy):
   after a parameter's dtype or device changed (only that plan kept: `GradPlanning._moved`).
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
   optimizer state already made); for every parameter in the layout the plan stores it in, the
-  gradient hooks of `_runtime.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
+  gradient hooks of `_grad_buckets.GradBuckets` (DDP-style 25 MB buckets, or as ``comm_fusion(...)``
   says: `_hsdp.gradient_buckets`; gradients the plan makes equal over some axes are not summed
   over them: `ParallelPlan.equal_grads`, the buckets made again for a plan variant whose
   differ, or when parameters were frozen or unfrozen: `_grad_plan.GradPlanning`); with
@@ -66,6 +66,7 @@ from shardwise.parallel._delayed import has_deferred
 from shardwise.parallel._discover import agree_scalers, find_objects
 from shardwise.parallel._errors import Replan, note_blocks, replanned_call_differs
 from shardwise.parallel._executor import PlanExecutor
+from shardwise.parallel._grad_buckets import GradBuckets
 from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
 from shardwise.parallel._hsdp import (
@@ -85,7 +86,7 @@ from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import CopiedHooks, copied
 from shardwise.parallel._rnn_checks import rows_hidden_checks
-from shardwise.parallel._runtime import GradBuckets, cut_optimizer_state, shard_parameters
+from shardwise.parallel._runtime import cut_optimizer_state, shard_parameters
 from shardwise.parallel._same_inputs import check_same_inputs
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks

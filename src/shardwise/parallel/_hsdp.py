@@ -10,7 +10,7 @@
 - `start_engine` (after the op-level blocks are cut, with hsdp): an `OptimizerParallel` that
   cuts the shards and from then on reduces every gradient.
 - `gradient_buckets` (without hsdp): the fused gradient AllReduce buckets that
-  `_runtime.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
+  `_grad_buckets.GradBuckets` runs: `plan_optimizer` without sharding, by default in buckets of at
   most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
 - `check_unfrozen`, `check_kinds`, `check_step`: what optimizer parallel refuses (a parameter
   unfrozen after planning, or given another dtype or device; one changed in place by an op of

@@ -18,7 +18,7 @@ adjoint stays an AllReduce.
 AllReduce of the pair (loss x counted, counted)) whose backward need not wait for the summed
 count. Its backward divides by an estimate of it instead (this rank's count times the group
 size, which is the sum when every rank counted alike), and the gradient buckets multiply each
-rank's gradients by estimate / sum before summing them (`parallel/_runtime.GradBuckets`). That
+rank's gradients by estimate / sum before summing them (`parallel/_grad_buckets.GradBuckets`). That
 is exact when no other collective meets the gradients before their buckets: the loss's AllReduce
 is the plan's only collective. A gradient that reaches a parameter other than through the loss
 (``loss + 0.01 * l2``) then comes from values whole on every rank, the same share on each, and
