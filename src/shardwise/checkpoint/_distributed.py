@@ -37,15 +37,10 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._load import load_entries
-from shardwise.checkpoint._optimizer import (
-    OptimizerState,
-    checked_groups,
-    load_optimizer_state,
-    state_fits,
-    state_shape_error,
-)
+from shardwise.checkpoint._optimizer import OptimizerState, checked_groups, load_optimizer_state
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
+from shardwise.checkpoint._state_shapes import state_fits, state_shape_error
 from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of, wrapper_prefix
 
 

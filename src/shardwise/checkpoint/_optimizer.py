@@ -12,7 +12,8 @@ loaded checkpoint as it was), so a resumed run continues bit-identically.
 - `OptimizerState`: what `load_checkpoint` found (the JSON and its tensors).
 - `merged_description`: one description for the rank files of a job whose ranks each hold the
   state of some parameters (data_parallel with hsdp: each parameter's on its owner rank).
-- `load_optimizer_state`: restore an optimizer from a loaded checkpoint.
+- `load_optimizer_state`: restore an optimizer from a loaded checkpoint (state that does not
+  fit its parameters refused first: `_state_shapes`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from shardwise import communication as comm
 from shardwise.checkpoint._describe import check_rank_pieces
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES, OPTIMIZER_PREFIX, decode_value, encode_value
-from shardwise.checkpoint._pieces import piece_of
+from shardwise.checkpoint._state_shapes import check_state_shapes
 
 
 @dataclass
@@ -299,73 +300,6 @@ def checked_groups(
     return groups, index
 
 
-def state_fits(state: Sequence[int], param: Sequence[int]) -> bool:
-    """Whether optimizer state of shape `state` can belong to a parameter of shape `param`:
-    state of as many dims must have the parameter's sizes (or 1 where a factored optimizer
-    keeps one size, as Adafactor's row / column statistics); other state (a scalar step, a
-    flattened factor) is not compared."""
-    if len(state) != len(param) or not state:
-        return True
-    return all(s == p or s == 1 for s, p in zip(state, param, strict=True))
-
-
-def state_shape_error(
-    where: str, name: str, key: str, state: Sequence[int], param: Sequence[int], hint: str = ""
-) -> CheckpointError:
-    """The refusal of optimizer state `key` of parameter `name` whose shape `state` does not
-    fit the parameter's `param` (`hint`: the fix; by default another network's checkpoint)."""
-    hint = hint or (
-        "; a checkpoint of another network (or of this one in another size)? build the network "
-        "and the optimizer as the saving job did"
-    )
-    return CheckpointError(
-        f"{where}: cannot load optimizer state {key!r} of {name!r}: checkpoint shape "
-        f"{list(state)} != parameter shape {list(param)}{hint}; nothing was loaded"
-    )
-
-
-def _rank_file_hint(data: object, where: str) -> str:
-    """Why a rank file's state (`data`: its recorded piece) cannot fill a whole parameter."""
-    if not isinstance(data, dict):
-        return ""
-    try:
-        held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
-    except CheckpointError:
-        held = f"{data.get('dims')} of {data.get('shape')}"
-    folder = str(Path(where).parent.parent)
-    return (
-        f"; the file is one rank's part of a distributed checkpoint (it holds {held}): load the "
-        f"checkpoint folder with sw.checkpoint.load_distributed(net, {folder!r}, optimizer)"
-    )
-
-
-def _check_state_shapes(
-    optimizer: torch.optim.Optimizer,
-    state: Mapping[int, Any],
-    names: Mapping[int, str],
-    key_of: Mapping[int, str],
-    pieces: Mapping[str, Any],
-    where: str,
-) -> None:
-    """`CheckpointError` for the first state tensor that does not fit its parameter (`key_of`:
-    each checkpoint tensor's id -> its entry; `pieces`: the rank file's recorded blocks)."""
-    params = _flat_params(optimizer)
-    for index, entries in state.items():
-        param = tuple(params[index].shape)
-        if not isinstance(entries, Mapping):
-            continue
-        for item, value in entries.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            shape = tuple(value.shape)
-            key = key_of.get(id(value), f"{OPTIMIZER_PREFIX}state.{names[index]}.{item}")
-            recorded = pieces.get(key)
-            if state_fits(shape, param) and (recorded is None or shape == param or not shape):
-                continue
-            hint = _rank_file_hint(recorded, where) if recorded is not None else ""
-            raise state_shape_error(where, names[index], key, shape, param, hint)
-
-
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer, ckpt: Any, net: torch.nn.Module | None = None
 ) -> None:
@@ -401,7 +335,7 @@ def load_optimizer_state(
     pieces = json.loads(metadata.get(KEY_PIECES, "{}")) if isinstance(metadata, Mapping) else {}
     key_of = {id(t): k for k, t in saved.tensors.items()}
     names = {i: name for name, i in index.items()}
-    _check_state_shapes(optimizer, state, names, key_of, pieces, where)  # (before any change)
+    check_state_shapes(optimizer, state, names, key_of, pieces, where)  # (before any change)
     groups = [decode_value(group, saved.tensors) for group in groups]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     # torch keeps the given tensor where dtype and device already match: copy those, or
