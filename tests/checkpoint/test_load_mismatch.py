@@ -183,6 +183,28 @@ def test_a_tied_checkpoints_optimizer_into_the_untied_network_names_the_tie(
         assert _same(untied, before) and not untied_opt.state
 
 
+def test_an_untied_checkpoints_optimizer_into_the_tied_network_names_the_tie(
+    tmp_path: Path,
+) -> None:
+    """The other way round: the message said "frozen here?"."""
+    untied = LM(tie=False)
+    opt = torch.optim.SGD(untied.parameters(), lr=0.1, momentum=0.9)
+    _stepped(untied, opt, torch.tensor([1, 2]))
+    path = sw.save_checkpoint(untied, tmp_path / "untied.safetensors", optimizer=opt)
+    tied = LM(tie=True)
+    tied_opt = torch.optim.SGD(tied.parameters(), lr=0.1, momentum=0.9)
+    for load in (
+        lambda: sw.checkpoint.load_distributed(tied, path, tied_opt),
+        lambda: sw.checkpoint.load_optimizer_state(tied_opt, sw.load_checkpoint(path), tied),
+    ):
+        with pytest.raises(ValueError) as refused:
+            load()
+        message = str(refused.value)
+        assert "'head.weight' was saved as a parameter of its own" in message
+        assert "this network ties it to 'emb.weight': untie them as the saving job did" in message
+        assert "frozen" not in message and not tied_opt.state
+
+
 def test_strict_load_distributed_without_a_buffer_of_the_checkpoint_names_the_fix(
     tmp_path: Path,
 ) -> None:

@@ -31,6 +31,7 @@ from shardwise.checkpoint._describe import check_rank_pieces
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES, OPTIMIZER_PREFIX, decode_value, encode_value
 from shardwise.checkpoint._state_shapes import check_state_shapes
+from shardwise.parameter import tied_names
 
 
 @dataclass
@@ -186,8 +187,10 @@ def _group_difference(
     saved: list[dict[str, Any]],
     names: list[str],
     aliases: Mapping[str, str],
+    ties: Mapping[str, str],
 ) -> str:
-    """Which parameters make the saved groups and the optimizer's differ, and the fix."""
+    """Which parameters make the saved groups and the optimizer's differ, and the fix
+    (`aliases`: the saving job's tied names; `ties`: this network's, `tied_names`)."""
     held: dict[str, int] = {}
     position = 0
     for number, group in enumerate(optimizer.param_groups):
@@ -195,7 +198,8 @@ def _group_difference(
             held.setdefault(name, number)
         position += len(group["params"])
     kept = {name: i for i, g in enumerate(saved) for name in g["params"]}
-    missing = [n for n in kept if n not in held]
+    untied = [n for n in kept if n not in held and ties.get(n) in held]
+    missing = [n for n in kept if n not in held and n not in untied]
     tied = [n for n in held if n not in kept and aliases.get(n) in kept]
     extra = [n for n in held if n not in kept and n not in tied]
     parts = []
@@ -204,6 +208,11 @@ def _group_difference(
             f"{tied[0]!r} is in this optimizer's group {held[tied[0]]} but was tied to "
             f"{aliases[tied[0]]!r} when saved (one parameter, its state saved under that name): "
             "tie them as the saving job did"
+        )
+    if untied:
+        parts.append(
+            f"{untied[0]!r} was saved as a parameter of its own (its state and group apart) but "
+            f"this network ties it to {ties[untied[0]]!r}: untie them as the saving job did"
         )
     if missing:
         parts.append(
@@ -215,7 +224,7 @@ def _group_difference(
             f"{_few(extra)} {_is(extra)} in this optimizer's group {held[extra[0]]} but in no "
             "saved group (frozen when saved?)"
         )
-    if not parts and not tied:  # (the same parameters, grouped otherwise)
+    if not parts:  # (the same parameters, grouped otherwise)
         for name, number in held.items():
             ours = [n for n, k in held.items() if k == number]
             theirs = saved[kept[name]]["params"]
@@ -226,8 +235,8 @@ def _group_difference(
                     f"({_few(ours)})"
                 )
                 break
-    if tied and not (missing or extra):
-        return parts[0]
+    if (tied or untied) and not (missing or extra):
+        return "; ".join(parts)
     return "; ".join(parts) + ": set the same requires_grad / parameter groups as the saving job"
 
 
@@ -238,6 +247,7 @@ def _rebuilt_groups(
     where: str,
     named: bool,
     aliases: Mapping[str, str],
+    ties: Mapping[str, str],
 ) -> list[dict[str, Any]]:
     """The saved groups in the optimizer's order, each matched by the parameters it holds
     (a checkpoint whose groups came back in another order, as DCP's per-parameter groups do,
@@ -248,7 +258,7 @@ def _rebuilt_groups(
         raise CheckpointError(
             f"{where}: {len(saved)} parameter groups saved, the optimizer has "
             f"{len(optimizer.param_groups)}: "
-            f"{_group_difference(optimizer, saved, names, aliases)}{hint}"
+            f"{_group_difference(optimizer, saved, names, aliases, ties)}{hint}"
         )
     index = {name: i for i, name in enumerate(names)}
     unused = list(saved)  # (each saved group taken once: two may hold the same, none)
@@ -262,7 +272,7 @@ def _rebuilt_groups(
         elif old is None:
             raise CheckpointError(
                 f"{where}: the optimizer's parameter group {number} matches no saved group: "
-                f"{_group_difference(optimizer, saved, names, aliases)}{hint}"
+                f"{_group_difference(optimizer, saved, names, aliases, ties)}{hint}"
             )
         unused = [g for g in unused if g is not old]
         group = {k: v for k, v in old.items() if k != "params"}
@@ -288,8 +298,9 @@ def checked_groups(
         )
     names = param_names(optimizer, net)
     aliases = description.get("aliases") or {}
+    ties = tied_names(net) if net is not None else {}
     groups = _rebuilt_groups(
-        optimizer, description["param_groups"], names, where, net is not None, aliases
+        optimizer, description["param_groups"], names, where, net is not None, aliases, ties
     )
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted(set(description["state"]) - set(index))
