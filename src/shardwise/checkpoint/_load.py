@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from shardwise.checkpoint._describe import check_rank_pieces, network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES
-from shardwise.checkpoint._pieces import piece_of
+from shardwise.checkpoint._pieces import rank_file_hint
 from shardwise.parameter import assign_tensor
 
 
@@ -66,23 +65,6 @@ def _is_planned(net: torch.nn.Module) -> bool:
         return network_strategy(net) is not None
     except CheckpointError:  # (several planned networks inside)
         return True
-
-
-def _piece_hint(key: str, pieces: Mapping[str, object], where: object) -> str:
-    """Why a rank file's entry cannot fill a whole tensor, and the fix."""
-    data = pieces.get(key)
-    if not isinstance(data, dict):
-        return ""
-    try:
-        held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
-    except CheckpointError:
-        held = f"{data.get('dims')} of {data.get('shape')}"
-    return (
-        f"; the file is one rank's part of a distributed checkpoint (it holds {held}): "
-        "load the checkpoint folder with "
-        f"sw.checkpoint.load_distributed(net, {str(Path(str(where)).parent.parent)!r}), "
-        "before or after the first step"
-    )
 
 
 def _block_hint(target: torch.Tensor, value: torch.Tensor, planned: bool) -> str:
@@ -232,7 +214,7 @@ def load_entries(
         value = parameter_dict[key]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"checkpoint entry {key!r} is not a tensor")
-        hint = _piece_hint(key, pieces, where)
+        hint = rank_file_hint(pieces.get(key), where, then=", before or after the first step")
         _store(name, target, value, strict_load, hint, planned, option)
         done.add(id(target))
     used = set(matches.values())

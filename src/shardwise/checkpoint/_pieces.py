@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,24 @@ def piece_of(data: Any) -> Piece:
     if len(dims) != len(shape) or any(a < 0 or b < a for rs in dims for a, b in rs):
         raise CheckpointError(f"malformed piece {data!r}")
     return Piece(shape, dims)
+
+
+def rank_file_hint(data: object, where: object, args: str = "", then: str = "") -> str:
+    """Why one rank's file of a distributed checkpoint (`data`: an entry's recorded piece,
+    `where`: the file) cannot fill a whole tensor, and the fix: ``load_distributed`` on its
+    checkpoint folder (`args`: further arguments, ``", optimizer"``; `then`: words after it);
+    "" when `data` records no piece."""
+    if not isinstance(data, dict):
+        return ""
+    try:
+        held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
+    except CheckpointError:
+        held = f"{data.get('dims')} of {data.get('shape')}"
+    folder = str(Path(str(where)).parent.parent)
+    return (
+        f"; the file is one rank's part of a distributed checkpoint (it holds {held}): load the "
+        f"checkpoint folder with sw.checkpoint.load_distributed(net, {folder!r}{args}){then}"
+    )
 
 
 def layout_piece(layout: TensorLayout, rank: int, shape: Sequence[int]) -> Piece:

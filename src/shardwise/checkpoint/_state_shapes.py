@@ -4,20 +4,20 @@
   optimizer's row / column statistics, a scalar step).
 - `state_shape_error`: the refusal naming the entry, both shapes and the fix.
 - `check_state_shapes`: the first state tensor of a loaded optimizer state dict that does not
-  fit, with the fix for one rank's file of a distributed checkpoint (`_rank_file_hint`).
+  fit, with the fix for one rank's file of a distributed checkpoint
+  (`_pieces.rank_file_hint`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import OPTIMIZER_PREFIX
-from shardwise.checkpoint._pieces import piece_of
+from shardwise.checkpoint._pieces import rank_file_hint
 
 
 def state_fits(state: Sequence[int], param: Sequence[int]) -> bool:
@@ -45,21 +45,6 @@ def state_shape_error(
     )
 
 
-def _rank_file_hint(data: object, where: str) -> str:
-    """Why a rank file's state (`data`: its recorded piece) cannot fill a whole parameter."""
-    if not isinstance(data, dict):
-        return ""
-    try:
-        held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
-    except CheckpointError:
-        held = f"{data.get('dims')} of {data.get('shape')}"
-    folder = str(Path(where).parent.parent)
-    return (
-        f"; the file is one rank's part of a distributed checkpoint (it holds {held}): load the "
-        f"checkpoint folder with sw.checkpoint.load_distributed(net, {folder!r}, optimizer)"
-    )
-
-
 def check_state_shapes(
     optimizer: torch.optim.Optimizer,
     state: Mapping[int, Any],
@@ -83,5 +68,5 @@ def check_state_shapes(
             recorded = pieces.get(key)
             if state_fits(shape, param) and (recorded is None or shape == param or not shape):
                 continue
-            hint = _rank_file_hint(recorded, where) if recorded is not None else ""
+            hint = rank_file_hint(recorded, where, ", optimizer")
             raise state_shape_error(where, names[index], key, shape, param, hint)
