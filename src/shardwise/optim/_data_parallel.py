@@ -47,7 +47,6 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise import communication as comm
 from shardwise._torch.storage import version
-from shardwise.communication._sparse import all_reduce_sparse
 from shardwise.optim._data_parallel_hooks import (
     RUNNERS,
     adopt_hook,
@@ -366,13 +365,7 @@ class DataParallelRunner:
         if self._stepped is not None:
             self._stepped.append(index)
         for bucket in self._grad_buckets[index]:
-            grads = [e.param.grad for e in bucket.entries if e.param.grad is not None]
-            dense = [g for g in grads if g.layout == torch.strided]
-            if dense:
-                all_reduce_bucket(dense, self.world)
-            for e in bucket.entries:  # (``nn.Embedding(sparse=True)``: on its own, sparse)
-                if e.param.grad is not None and e.param.grad.layout != torch.strided:
-                    e.param.grad = all_reduce_sparse(e.param.grad, None, self.world)
+            all_reduce_bucket([e.param for e in bucket.entries], self.world)
         state = self.optimizers[index].state
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process

@@ -10,7 +10,7 @@ gradients and parameters: the collectives of data-parallel mode (through
 - `gather_rows` (module form, ``"full_batch"``): the output's rows of every rank, concatenated
   (``sw.ops.AllGather``, autograd-aware).
 - `all_reduce_bucket` (step pre-hook): one gradient bucket averaged over the ranks, one flat
-  fused AllReduce.
+  fused AllReduce (a sparse gradient on its own).
 - `broadcast_bucket` (step post-hook): one owner's updated parameters sent to every rank, one
   flat Broadcast.
 - `check_updates` (after the first train steps): parameters changed without an optimizer step
@@ -29,6 +29,7 @@ from shardwise._torch import pytree
 from shardwise._torch.storage import version
 from shardwise.communication import _collectives as C
 from shardwise.communication import every_rank, get_rank, ranks_unlike_leader
+from shardwise.communication._sparse import all_reduce_sparse
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO
 
@@ -69,10 +70,19 @@ def local_rows(x: Any, world: int, rank: int) -> Any:
     return x[rank * rows : (rank + 1) * rows]
 
 
-def all_reduce_bucket(grads: list[torch.Tensor], world: int) -> None:
-    """Average `grads` over the ranks in place: / world, then one flat SUM all-reduce (divided
-    before the sum, as DDP does: a sum of float16 gradients, or of a GradScaler's scaled ones,
-    does not overflow where one device's gradient is finite)."""
+def all_reduce_bucket(params: Sequence[nn.Parameter], world: int) -> None:
+    """Average the gradients of `params` over the ranks: / world, then one flat SUM
+    all-reduce of the dense ones in place (divided before the sum, as DDP does: a sum of
+    float16 gradients, or of a GradScaler's scaled ones, does not overflow where one device's
+    gradient is finite); a sparse one (``nn.Embedding(sparse=True)``) on its own, replaced by
+    the sparse result (`communication._sparse.all_reduce_sparse`). Parameters without a
+    gradient are skipped."""
+    for p in params:
+        if p.grad is not None and p.grad.layout != torch.strided:
+            p.grad = all_reduce_sparse(p.grad, None, world)
+    grads = [p.grad for p in params if p.grad is not None and p.grad.layout == torch.strided]
+    if not grads:
+        return
     if len(grads) == 1 and grads[0].is_contiguous():
         C.all_reduce_(grads[0].div_(world), C.ReduceOp.SUM, None)
         return
