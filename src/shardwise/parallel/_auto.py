@@ -307,23 +307,6 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         """Whether the wrapper has planned (semi_auto) or run (data_parallel)."""
         return self._runner is not None or self._graph is not None
 
-    @property
-    def holds_blocks(self) -> bool:
-        """Whether the network's parameters hold this rank's blocks or optimizer-parallel
-        shards (False before planning, in data_parallel mode, or when every parameter is
-        whole): a plain forward of the network outside the wrapper is then refused."""
-        return self._graph is not None and self._graph.blocks
-
-    @property
-    def stored_plan(self) -> ParallelPlan | None:
-        """The plan the parameters are stored by (the first one made; None before planning)."""
-        return self._graph.stored_plan if self._graph is not None and self._graph.plans else None
-
-    @property
-    def parallel_plan(self) -> ParallelPlan | None:
-        """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
-        return None if self._graph is None else self._graph.parallel_plan
-
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._superseded:
             raise ValueError(

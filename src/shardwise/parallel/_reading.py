@@ -1,4 +1,5 @@
-"""The methods of `AutoParallel` that read its plan (`PlanReading`): `strategies` (each op's
+"""The methods of `AutoParallel` that read its plan (`PlanReading`): `parallel_plan`,
+`stored_plan`, `holds_blocks` (what the run stores), `strategies` (each op's
 in_strategy) and `explain` (why an op has its strategy: an automatic mode's explanation with its
 alternatives, else `_explain_rule`: the rule semi_auto or a loaded plan took it from and what the
 op moves).
@@ -11,16 +12,34 @@ from typing import TYPE_CHECKING
 
 from shardwise.planner import ParallelPlan
 
+if TYPE_CHECKING:
+    from shardwise.parallel._graph_run import GraphRun
+
 
 class PlanReading:
-    """Mixed into `AutoParallel` (which provides `parallel_plan`)."""
+    """Mixed into `AutoParallel` (which sets `_graph`, its semi_auto run, and
+    `parallel_mode`)."""
 
     if TYPE_CHECKING:
-
-        @property
-        def parallel_plan(self) -> ParallelPlan | None: ...
-
+        _graph: GraphRun | None
         parallel_mode: str
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether the network's parameters hold this rank's blocks or optimizer-parallel
+        shards (False before planning, in data_parallel mode, or when every parameter is
+        whole): a plain forward of the network outside the wrapper is then refused."""
+        return self._graph is not None and self._graph.blocks
+
+    @property
+    def stored_plan(self) -> ParallelPlan | None:
+        """The plan the parameters are stored by (the first one made; None before planning)."""
+        return self._graph.stored_plan if self._graph is not None and self._graph.plans else None
+
+    @property
+    def parallel_plan(self) -> ParallelPlan | None:
+        """The `ParallelPlan` the wrapper runs (None before the first call or `plan`)."""
+        return None if self._graph is None else self._graph.parallel_plan
 
     def _planned(self, what: str) -> ParallelPlan:
         """The plan `what` (``"strategies"``) reads, or a ValueError saying why there is none
