@@ -12,6 +12,11 @@
   buckets), and `_buckets` makes the gradient buckets again (their flat buffers, and the
   gradient-storing autograd node torch makes anew for the parameter); with ``hsdp()``, whose
   shards are planned once, refused (`_hsdp.check_kinds`).
+- `GradPlanning._replaced`: parameters replaced since the plan (``net.head = nn.Linear(...)``,
+  ``load_state_dict(..., assign=True)``; found by `_replaced.registrations`): the call is
+  planned again with their shapes and layouts taken anew (`_replaced.fresh_storage`), a new
+  value of a split parameter's global shape cut to this rank's block, and the buckets made again
+  for the new objects; with ``hsdp()`` refused (`_replaced.check_replaced`).
 - `GradPlanning.clip_args`: `_clip.clipping`'s arguments for a call.
 """
 
@@ -25,11 +30,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise._torch.module_state import own_buffers
 from shardwise._torch.tensor_hooks import reattach_hooks, swapped_on_conversion
 from shardwise.optim import FusionConfig, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._clip import PlanSplits, plan_splits
 from shardwise.parallel._grad_buckets import GradBuckets
 from shardwise.parallel._hsdp import bucket_plans, check_kinds, check_unfrozen, gradient_buckets
+from shardwise.parallel._replaced import (
+    check_replaced,
+    fresh_storage,
+    registrations,
+    replaced_names,
+)
+from shardwise.parallel._runtime import cut_optimizer_state, shard_parameters
 from shardwise.planner import ParallelPlan
 
 _KIND = operator.attrgetter("dtype", "device")
@@ -53,6 +66,12 @@ class GradPlanning:
     templates: list[tuple[Any, Any]]
     parallel_plan: ParallelPlan | None
     plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]]
+    optimizers: list[torch.optim.Optimizer]
+    modules: list[nn.Module]
+    rnns: list[nn.RNNBase]
+    blocks: bool
+    registered = -1  # (`registrations()` when the parameters were last listed)
+    _replan: Callable[..., None]
 
     @property
     def stored_plan(self) -> ParallelPlan:
@@ -117,6 +136,37 @@ class GradPlanning:
         if self.engine is not None:
             check_kinds(self.network, self.kinds)
         return "parameters of other dtypes or devices"
+
+    def _replaced(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Plan the call again when parameters were replaced since the plan (see the module
+        docstring); nothing to do, in one integer comparison, when no module or parameter was
+        registered anywhere since the last call."""
+        if registrations() == self.registered or self.parallel_plan is None:
+            return
+        self.registered = registrations()
+        self._trainable()  # (`watched` listed)
+        names, now = replaced_names(self.network, self.watched)
+        gone = set(self.stored_plan.params) - {n for n, _ in self.network.named_parameters()}
+        if not names and not gone:
+            return
+        if self.engine is not None:
+            check_replaced(names or sorted(gone))
+        self.watched = now
+        stored = fresh_storage(self.stored_plan, self.network, [*names, *gone])
+        self._replan(args, kwargs, f"replaced parameters {names or sorted(gone)}", stored)
+        assert self.parallel_plan is not None
+        values = dict(self.network.named_parameters())
+        split = {  # (a new value of the global shape cut to this rank's block)
+            n: (layout, shape)
+            for n, (layout, shape) in self.parallel_plan.param_layouts().items()
+            if n in names and layout.used_axes() and tuple(values[n].shape) == tuple(shape)
+        }
+        shard_parameters(self.network, split)
+        cut_optimizer_state(self.network, self.optimizers, split)
+        self.blocks = self.blocks or bool(split)
+        self.modules = [m for m in self.network.modules() if own_buffers(m)]
+        self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]
+        self._moved_planned()
 
     def _moved_planned(self) -> None:
         """After the call was planned again for parameters of other dtypes or devices: that

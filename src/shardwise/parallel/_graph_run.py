@@ -249,6 +249,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         check_annotations(self.network, self.annotated)
+        self._replaced(args, kwargs)  # (parameters replaced since: planned again, `_grad_plan`)
         if (moved := self._moved()) is not None:  # (parameters of another dtype: `_grad_plan`)
             self._replan(args, kwargs, moved)
             self._moved_planned()
@@ -310,13 +311,20 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             bool(self.hsdp),
         )
 
-    def _replan(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> None:
+    def _replan(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reason: str,
+        storage: ParallelPlan | None = None,
+    ) -> None:
         """The network ran other ops than the plan's (`reason`): a plan for this call, kept
-        with the others (the parameters stay stored as the first plan stores them)."""
+        with the others (the parameters stay stored as the first plan, or `storage`, stores
+        them)."""
         first = self.stored_plan
-        graph, plan = self._capture_plan(args, kwargs, stored=first)
+        graph, plan = self._capture_plan(args, kwargs, stored=storage or first)
         if self.hsdp is None:  # (the first plan's parameters, this plan's equal gradients)
-            stored = first.param_layouts()
+            stored = (first if storage is None else plan).param_layouts()
             made = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
             plan = dataclasses.replace(plan, buckets=bucket_plans(made, plan.matrix))
         else:  # (the engine's shards stay as the first plan made them)

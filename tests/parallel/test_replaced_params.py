@@ -1,0 +1,144 @@
+"""Parameters replaced between calls of a wrapped step: a new head module (transfer learning),
+a new ``nn.Parameter`` under an old name, ``load_state_dict(..., assign=True)``.
+
+The run kept the gradient buckets of the first call's parameter objects: a replaced
+parameter's gradient was never all-reduced, each rank stepped it with its own rows' gradient
+and the ranks drifted apart (the loss matched one device's until the step after). Now the call
+is planned again for the new objects (a new value of a split parameter's global shape cut to
+this rank's block) and the buckets are made anew; with optimizer parallel (hsdp), whose shards
+are planned once, the replacement is refused with a ValueError naming the parameter and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise as sw
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
+
+g = torch.Generator().manual_seed(1)
+DATA = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
+
+
+def build(megatron: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    if megatron:  # (column parallel: the first weight's rows split over mp)
+        sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+    return net
+
+
+def replacement(how: str) -> Any:
+    """What replaces part of the network before the second call (made outside the world)."""
+    torch.manual_seed(5)
+    if how == "module":
+        return nn.Linear(16, 4)
+    if how == "assign":
+        return {k: torch.randn_like(v) for k, v in build().state_dict().items()}
+    return torch.randn(16, 8) if how == "split" else torch.randn(4, 16)
+
+
+def replace(net: nn.Sequential, how: str, new: Any) -> None:
+    if how == "module":
+        net[2] = new
+    elif how == "parameter":
+        net[2].weight = nn.Parameter(new)
+    elif how == "split":
+        net[0].weight = nn.Parameter(new)
+    else:
+        net.load_state_dict(new, assign=True)
+
+
+def train(net: nn.Sequential, how: str, new: Any, call: Any, grads: list[Any]) -> list[Any]:
+    """Each call's loss; part of `net` replaced before the second call, and a new optimizer
+    made over the parameters then (as a user does)."""
+    box = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        box[0].step()
+        box[0].zero_grad()
+        return loss
+
+    wrapped = call(step)
+    out = []
+    for i, (x, y) in enumerate(DATA):
+        if i == 1:
+            replace(net, how, new)
+            box[0] = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        out.append(wrapped(x, y))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("how", "ranks", "megatron"),
+    [("module", 2, False), ("parameter", 4, True), ("split", 4, True), ("assign", 2, False)],
+)
+def test_a_replaced_parameter_trains_as_on_one_device(how: str, ranks: int, megatron: bool) -> None:
+    want: list[dict[str, torch.Tensor]] = []
+    losses = train(build(), how, replacement(how), lambda step: step, want)
+    net, new = build(megatron), replacement(how)
+    seen: list[dict[str, torch.Tensor]] = []
+    calls: list[Any] = []
+    wrappers: list[Any] = []
+    with simulated_world(ranks) as world:
+        world.replicate(net)
+        if isinstance(new, nn.Module):
+            world.replicate(new)
+        elif isinstance(new, dict):
+            new = {k: world.same(v) for k, v in new.items()}
+        else:
+            new = world.same(new)
+
+        def call(step: Any) -> Any:
+            wrappers.append(sw.AutoParallel(step, parallel_mode="semi_auto"))
+
+            def run(x: torch.Tensor, y: torch.Tensor) -> Any:
+                with CommRecorder() as rec:
+                    loss = wrappers[0](world.rows(x), world.rows(y))
+                calls.append(sorted(rec.kinds().items()))
+                return loss
+
+            return run
+
+        got = train(net, how, new, call, seen)
+        plan = wrappers[0].parallel_plan
+        for i, (loss, want_loss) in enumerate(zip(got, losses, strict=True)):
+            assert_matches_single_device(loss, want_loss, what=f"loss {i}")
+            for name, full in want[i].items():
+                layout = plan.params[name].layout
+                block = lambda r, f=full, lay=layout: f[lay.local_index(r, tuple(f.shape))]  # noqa: E731
+                assert_matches_single_device(seen[i][name], block, what=f"grad {i} {name}")
+    # (the replaced parameters' gradients are reduced as before: the same collectives each call)
+    assert calls[0] == calls[1] == calls[2], calls
+
+
+@pytest.mark.parametrize("level", ["level1", "level3"])
+def test_a_replaced_parameter_under_optimizer_parallel_is_refused(level: str) -> None:
+    net, new = build(), replacement("parameter")
+    with simulated_world(2) as world:
+        world.replicate(net)
+        new = world.same(new)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        x, y = DATA[0]
+        parallel(world.rows(x), world.rows(y))
+        net[2].weight = nn.Parameter(new)
+        with pytest.raises(ValueError, match=r"'2\.weight' were replaced.*hsdp\(\).*in place"):
+            parallel(world.rows(x), world.rows(y))
