@@ -130,10 +130,12 @@ class _Builder:
         info: TensorInfo,
         reduced: frozenset[int] = frozenset(),
         own: frozenset[int] = frozenset(),
+        weight: int = 1,
     ) -> Cost:
         """The cost of an edge: (ns, 0, axes changed); `reduced`: the producer's (`changes`);
-        `own`: the axes its own strategy left partial (`Choice.own`)."""
-        key = (src, dst, info, reduced, own)
+        `own`: the axes its own strategy left partial (`Choice.own`); `weight`: its seconds
+        counted that many times (`weight`)."""
+        key = (src, dst, info, reduced, own, weight)
         if key not in self._moves:
             m = self.s.planner.matrix
             if own and not self.price_own:  # (reduced by the producer itself: its collective)
@@ -145,8 +147,13 @@ class _Builder:
                 a.layout, b.layout, info.shape, _itemsize(info.dtype), partial, a.reduce == "sum"
             )
             turned = changes(src, dst, len(info.shape), reduced)
-            self._moves[key] = (round(secs * 1e9), 0, turned)
+            self._moves[key] = (round(secs * weight * 1e9), 0, turned)
         return self._moves[key]
+
+    def weight(self, ref: Ref) -> int:
+        """How many times the moves of value `ref` are priced: once (the forward's; the search
+        also prices their adjoints in backward: `_search._Costs`)."""
+        return 1
 
     def _fixed(self, ref: Ref) -> Placements:
         if ref.kind == "param":
@@ -178,17 +185,24 @@ class _Builder:
         return self._lists.setdefault(tuple(map(id, choices)), len(self._lists))
 
     def _matrix(
-        self, theirs: Sequence[object], out: int, mine: list[Choice], slot: int, info: TensorInfo
+        self,
+        theirs: Sequence[object],
+        out: int,
+        mine: list[Choice],
+        slot: int,
+        info: TensorInfo,
+        w: int = 1,
     ) -> Matrix:
         """The move costs from each of `theirs` (`Choice`s: their output `out`; or parameter
-        placements) to each of `mine`'s input `slot`; memoized per list of candidates."""
-        key = (self._same(theirs), out, self._same(mine), slot, info)
+        placements) to each of `mine`'s input `slot`, priced `w` times (`weight`); memoized per
+        list of candidates."""
+        key = (self._same(theirs), out, self._same(mine), slot, info, w)
         found = self._matrices.get(key)
         if found is None:
             found = self._matrices[key] = [
-                [self.move(t.outs[out], c.need[slot], info, t.reduced, t.own) for c in mine]
+                [self.move(t.outs[out], c.need[slot], info, t.reduced, t.own, w) for c in mine]
                 if isinstance(t, Choice)
-                else [self.move(t, c.need[slot], info) for c in mine]  # type: ignore[arg-type]
+                else [self.move(t, c.need[slot], info, weight=w) for c in mine]  # type: ignore[arg-type]
                 for t in theirs
             ]
         return found
@@ -198,19 +212,19 @@ class _Builder:
         v = self.var[("node", index)]
         mine: list[Choice] = self.choices.nodes[index]
         for slot, ref in enumerate(node.inputs):
-            info = self.graph.info(ref)
+            info, w = self.graph.info(ref), self.weight(ref)
             if ref.kind == "node":
                 q = int(ref.key)
-                matrix = self._matrix(self.choices.nodes[q], ref.index, mine, slot, info)
+                matrix = self._matrix(self.choices.nodes[q], ref.index, mine, slot, info, w)
                 prob.link(self.var[("node", q)], v, matrix)
             elif ref.kind == "param" and ("param", str(ref.key)) in self.var:
                 options = self.choices.params[str(ref.key)]
-                matrix = self._matrix(options, 0, mine, slot, info)
+                matrix = self._matrix(options, 0, mine, slot, info, w)
                 prob.link(self.var[("param", str(ref.key))], v, matrix)
             else:
                 src = self._fixed(ref)
                 for j, c in enumerate(mine):
-                    cost = self.move(src, c.need[slot], info)
+                    cost = self.move(src, c.need[slot], info, weight=w)
                     prob.unary[v][j] = add(prob.unary[v][j], cost)
                 if ref.kind == "input":
                     prob.anchored.add(v)

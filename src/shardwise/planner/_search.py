@@ -11,25 +11,30 @@ in sharding propagation); nothing needs to be annotated.
 2. **Candidates** as for propagation (`_choices.Choices`), and one variable per node and free
    parameter.
 3. **Cost** of a candidate, all in seconds (`_cost.CostModel`): the redistributions on its
-   edges (as propagation), plus its own collectives (a primitive's AllReduce after a split
-   contraction, priced like any AllReduce), plus its compute (`_flops.node_flops` over the
-   devices that share it, at ``flops_per_s``), plus the memory it holds on a rank (its outputs'
-   blocks, kept for backward; a parameter's block with its gradient and the optimizer's state:
-   Adam's two moments by default, the job's optimizer's under `AutoParallel`) at
-   ``memory_s_per_byte``; a parameter's gradient AllReduce over the axes that replicate it
-   (its data-parallel synchronization, once a step). With ``sw.runtime.set_memory`` the chosen
-   candidates' memory must also fit under the cap (an ILP row; a plan that cannot is a
-   `PlanError` naming a lower bound of the memory any plan needs).
+   edges (as propagation; twice for a value a train step's backward computes the gradient of,
+   `gradient_refs`: the adjoint moves as many bytes), plus its own collectives (a primitive's
+   AllReduce after a split contraction, priced like any AllReduce; twice too), plus its
+   compute (`_flops.node_flops` over the devices that share it, at ``flops_per_s``), plus the
+   memory it holds on a rank (its outputs' blocks, kept for backward; a parameter's block with
+   its gradient and the optimizer's state: Adam's two moments by default, the job's
+   optimizer's under `AutoParallel`) at ``memory_s_per_byte``; a parameter's gradient
+   AllReduce over the axes that replicate it (its data-parallel synchronization, once a step).
+   With ``sw.runtime.set_memory`` the chosen candidates' memory must also fit under the cap
+   (an ILP row; a plan that cannot is a `PlanError` naming a lower bound of the memory any
+   plan needs).
 4. `_solve.solve` per matrix (exact; repeated layers tied, `_tie.solve_tied`, so they decide
-   alike and the problem does not grow with depth), the cheapest matrix wins;
-   `_semi_auto.walk` builds the plan (mode ``"recursive_programming"``), with `_explain`
-   explanations.
+   alike and the problem does not grow with depth); `_semi_auto.walk` builds each matrix's
+   plan (mode ``"recursive_programming"``), with `_explain` explanations.
+5. Without annotations the matrices' plans are compared by their whole training step
+   (`step_cost`: the backward's collectives as the executor runs them, which the per-matrix
+   cost only approximates, the gradient buckets and the optimizer's update) plus their
+   memory's price, and the cheapest is returned.
 
 `plan_cost` prices any `ParallelPlan` of the graph by the same model (the data-parallel one,
-a hand-written Megatron one, a propagated one), so plans compare side by side; the search's
-plan is never costlier than any plan in its candidate space by the search's own pricing (the
-job's optimizer state; `plan_cost` counts Adam's, and the few reductions the executor keeps
-whole as AllReduces).
+a hand-written Megatron one, a propagated one), so plans compare side by side; for a graph without a
+backward the search's plan is never costlier than any plan in its candidate space by the
+search's own pricing (the job's optimizer state; `plan_cost` counts Adam's, and the few
+reductions the executor keeps whole as AllReduces); for a train step compare `step_cost`s.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from shardwise.planner._choices import Choice, Choices
 from shardwise.planner._cost import CostModel, load_cost_model
 from shardwise.planner._flops import node_flops
 from shardwise.planner._gc import gc_paused
-from shardwise.planner._graph import Graph
+from shardwise.planner._graph import Graph, Ref
 from shardwise.planner._placement import (
     DatasetStrategy,
     PlanError,
@@ -56,7 +61,7 @@ from shardwise.planner._placement import (
     to_placed,
 )
 from shardwise.planner._plan import ParallelPlan
-from shardwise.planner._plan_cost import grad_sync
+from shardwise.planner._plan_cost import grad_sync, plan_cost, step_cost
 from shardwise.planner._propagate import (
     Propagation,
     _Builder,
@@ -67,6 +72,27 @@ from shardwise.planner._propagate import (
 from shardwise.planner._semi_auto import Setup
 from shardwise.planner._solve import OverCap, Problem, total
 from shardwise.planner._tie import layer_keys, solve_tied
+
+
+def gradient_refs(graph: Graph) -> set[Ref]:
+    """The values a train step's backward computes a gradient of: the floating parameters that
+    are not frozen and every floating output of an op with such an input (none without a
+    backward: a forward-only graph)."""
+    if not graph.roots:
+        return set()
+    needs = {
+        Ref("param", n)
+        for n, info in graph.params.items()
+        if info.dtype.startswith("float") and n not in graph.frozen
+    }
+    for node in graph.nodes:
+        if any(r in needs for r in node.inputs):
+            needs.update(
+                Ref("node", node.index, i)
+                for i, info in enumerate(node.outputs)
+                if info.dtype.startswith("float")
+            )
+    return needs
 
 
 def matrix_shapes(device_num: int) -> list[Shape]:
@@ -87,6 +113,12 @@ class _Costs(_Builder):
     ) -> None:
         super().__init__(graph, s, choices, model)
         self.copies = copies  # (a parameter's block, its gradient and the optimizer's state)
+        self.needs = gradient_refs(graph)
+
+    def weight(self, ref: Ref) -> int:
+        """Twice for a value backward computes a gradient of (the move's adjoint: an AllGather's
+        ReduceScatter, a Slice's AllGather later, an AlltoAll's reverse, as many bytes)."""
+        return 2 if ref in self.needs else 1
 
     def problem(self) -> tuple[Problem, list[tuple[str, int | str]]]:
         prob, variables = super().problem()
@@ -123,7 +155,9 @@ class _Costs(_Builder):
                 layout = to_placed(m, c.outs[comm.output], len(info.shape)).layout
                 block = math.prod(layout.local_shape(info.shape)) * _itemsize(info.dtype)
                 axes = [m.names.index(g) for g in _global_axes(c.plan.matrix, comm.axes, m)]
-                secs += model.combine(comm.kind, block, m, axes)
+                secs += model.combine(comm.kind, block, m, axes) * self.weight(
+                    Ref("node", index, comm.output)
+                )
         shapes = [self.graph.info(r).shape for r in node.inputs]
         flops = node_flops(node.op, shapes, [o.shape for o in node.outputs])
         compute = flops / c.split / model.flops_per_s
@@ -152,6 +186,7 @@ class Searched:
 
     run: Propagation
     totals: dict[Shape, float]  # matrix shape -> its best plan's cost in seconds
+    runs: dict[Shape, Propagation]  # matrix shape -> its best plan's run (every matrix tried)
 
 
 @gc_paused
@@ -176,6 +211,7 @@ def search(
     shapes = [()] if annotated else matrix_shapes(device_num)
     best: tuple[float, Propagation] | None = None
     totals: dict[Shape, float] = {}
+    runs: dict[Shape, Propagation] = {}
     least: int | None = None
     for shape in shapes:
         extra = [*extra_matrices, shape] if shape else list(extra_matrices)
@@ -197,9 +233,11 @@ def search(
             continue
         cost = total(problem, assignment)[0] / 1e9
         totals[s.planner.matrix.shape] = cost
+        fixed = fixed_variables(graph, s, variables)
+        run = Propagation(s, choices, problem, variables, assignment, how, fixed)
+        runs[s.planner.matrix.shape] = run
         if best is None or cost < best[0]:
-            fixed = fixed_variables(graph, s, variables)
-            best = (cost, Propagation(s, choices, problem, variables, assignment, how, fixed))
+            best = (cost, run)
     if best is None:
         raise PlanError(
             f"recursive_programming: no plan fits the set_memory cap of "
@@ -207,7 +245,7 @@ def search(
             f"{runtime.format_size(least or 0)} on a rank (the least memory of each op's and "
             f"parameter's strategies summed); raise the cap or use more devices"
         )
-    return Searched(best[1], totals)
+    return Searched(best[1], totals, runs)
 
 
 def _annotated(
@@ -260,6 +298,7 @@ def plan_recursive_programming(
     Example:
         >>> plan = plan_recursive_programming(capture(step, ids, ids), device_num=8)
     """
+    model = model or load_cost_model()
     found = search(
         graph,
         device_num,
@@ -269,4 +308,14 @@ def plan_recursive_programming(
         model=model,
         state_per_element=state_per_element,
     )
-    return build_plan(graph, found.run, mode="recursive_programming")
+    if len(found.runs) == 1:
+        return build_plan(graph, found.run, mode="recursive_programming")
+    plans = [build_plan(graph, run, mode="recursive_programming") for run in found.runs.values()]
+    return min(plans, key=lambda plan: _step_price(plan, model))
+
+
+def _step_price(plan: ParallelPlan, model: CostModel) -> float:
+    """A plan's training step by `step_cost` (its backward's collectives, gradient buckets and
+    optimizer too), plus the price of the memory it holds: how the matrices' plans compare
+    (step 5 of the module docstring)."""
+    return step_cost(plan, model).total + plan_cost(plan, model).memory
