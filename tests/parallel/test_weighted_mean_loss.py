@@ -4,9 +4,10 @@
 (not ``ignore_index``; each weighted by its class's ``weight``). With the rows split over ranks
 and padding in some rows only, the ranks count differently, and the mean of their means is not
 the single-device loss. In semi_auto the plan marks such a loss (``NodePlan.local ==
-"weighted_mean"``) and its one AllReduce carries the pair (mean x counted, counted): the loss
-and every gradient equal one device's, with the same collectives as before (the loss's
-AllReduce two elements instead of one).
+"weighted_mean"``), each rank runs it as a sum, and its one AllReduce carries the pair (sum,
+counted): the loss and every gradient equal one device's, with the same collectives as before
+(the loss's AllReduce two elements instead of one); a rank that counted nothing (its targets
+ignored, or of classes of weight 0) adds 0 and gets zero gradients, not NaN.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def test_padded_targets_match_one_device(name: str, world_size: int) -> None:
     want = {("AllReduce", "forward", ranks): STEPS, ("AllReduce", "backward", ranks): STEPS}
     assert rec.kinds() == Counter(want), rec.summary()
     forward = [r.numel for r in rec.records if r.phase == "forward"]
-    assert forward == [2] * STEPS, forward  # (the pair: the loss x counted, counted)
+    assert forward == [2] * STEPS, forward  # (the pair: the loss summed, counted)
 
 
 class Classifier(nn.Module):
@@ -307,3 +308,76 @@ def test_losses_that_divide_by_their_own_rows(loss: str, world_size: int, megatr
         assert_grad_blocks_match(parallel, net, ref)
     forward = [r.numel for r in rec.records if r.phase == "forward" and r.kind == "AllReduce"]
     assert forward[-1:] == [2], rec.summary()  # (the loss's: the pair)
+
+
+PAD = torch.tensor([0.0, 1.0, 2.0])  # (class 0: a pad class, weight 0)
+
+
+class Classifier3(nn.Module):
+    """Three classes, through a hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc2(torch.tanh(self.fc1(x)))
+        return out
+
+
+class Tokens(nn.Module):
+    """Per-position logits ``[N, C, T]`` (a K-dim cross entropy's input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv1d(6, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.conv(x)
+        return out
+
+
+ZERO_WEIGHT_LOSSES = {
+    "cross_entropy": lambda o, t: F.cross_entropy(o, t, weight=PAD),
+    "smoothed": lambda o, t: F.cross_entropy(  # (DTensor's rules: it runs whole, `smoothed_ce`)
+        o, t, weight=PAD, label_smoothing=0.2
+    ),
+    "nll_loss": lambda o, t: F.nll_loss(F.log_softmax(o, 1), t, PAD, None, -100, None, "mean"),
+    "k_dim": lambda o, t: F.cross_entropy(o, t, weight=PAD),
+}
+
+
+@pytest.mark.parametrize("mode", ["semi_auto", "sharding_propagation"])
+@pytest.mark.parametrize("loss", list(ZERO_WEIGHT_LOSSES))
+def test_a_rank_whose_targets_all_weigh_zero(loss: str, mode: str) -> None:
+    """Rank 0 of 2 holds only targets of the weight-0 class: its mean is 0 / 0. The plan added
+    0 for it in forward (the loss was right) but its backward divided by its weight sum of 0:
+    every gradient NaN on every rank, the next step's loss NaN. Each rank now runs the loss as
+    a sum, the AllReduce divides by the summed weight: loss and gradients are one device's."""
+    g = torch.Generator().manual_seed(7)
+    f = ZERO_WEIGHT_LOSSES[loss]
+    if loss == "k_dim":
+        make: Any = Tokens
+        x, y = torch.randn(8, 6, 5, generator=g), torch.randint(1, 3, (8, 5), generator=g)
+        y[:4] = 0
+    else:
+        make = Classifier3
+        x, y = torch.randn(8, 6, generator=g), torch.tensor([0, 0, 0, 0, 1, 2, 1, 2])
+    ref = make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    want_grads: list[dict[str, torch.Tensor]] = []
+    one = recording_step(ref, ref_opt, lambda n, a, b: f(n(a), b), want_grads)
+    want = [one(x, y).detach() for _ in range(STEPS)]
+    net = make()
+    seen: list[dict[str, torch.Tensor]] = []
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        step = recording_step(net, opt, lambda n, a, b: f(n(a), b), seen)
+        parallel = sw.AutoParallel(step, parallel_mode=mode)
+        for s in range(STEPS):
+            got = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(got, want[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")

@@ -41,7 +41,8 @@ def move(
     """`x` (this rank's part of the edge's value) moved as `edge` says; with `started`, an edge
     that is only an AllReduce is only started (`sum_over_ranks`: finished by the function it
     appends there). With `weight` (a mean loss's counted targets on this rank: `loss_weight`),
-    a partial mean becomes the weighted mean over the ranks, the single-device mean. `run`:
+    `x` is this rank's loss summed (`_local.summed_loss`), and the result the ranks' sum over
+    their summed weight, the single-device mean. `run`:
     the executor's current run of the plan (what a ``seeded`` AllReduce is marked with);
     `defer`: the gradients' reducer corrects a backward that did not wait for the count, so a
     ``deferred`` edge's backward need not wait (`communication.sum_over_ranks`)."""
@@ -53,8 +54,6 @@ def move(
         divisor = len(members) if edge.src.reduce == "avg" else 1
         route = grad_route(m, edge.reduced, edge.equal_grad)
         only = not edge.steps and not edge.kept
-        if weight is not None:  # (a rank that counted nothing adds 0, not its NaN mean)
-            x = torch.where(weight > 0, x, 0.0) * weight.to(x.dtype)
         seeded = run if edge.seeded else None  # (`EdgePlan.seeded`, marked with this run)
         later = defer and edge.deferred
         x = sum_over_ranks(

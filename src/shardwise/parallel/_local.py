@@ -22,7 +22,9 @@
 - ``F.dropout`` in a captured network (`dropout_block`, for the plan executor): the same, a
   mask of the global shape drawn as one device draws it, this rank's block of it applied.
 - A cross entropy / NLL mean over split rows (`loss_weight`, for the plan executor): the
-  targets this rank counted, by which the loss's AllReduce weighs its mean.
+  targets this rank counted, by which the loss's AllReduce divides the ranks' summed losses;
+  each rank runs the loss as a sum (`summed_loss`), so a rank that counted nothing adds 0 and
+  backward never divides by its count of 0.
 - A training ``F.batch_norm`` on split rows (`batch_norm_split`, for the plan executor): the
   same computation as the ``"batch_stats"`` primitive (`ops._nn_primitives.batch_norm_training`),
   so each rank normalizes its rows as one device.
@@ -249,6 +251,18 @@ def loss_weight(op: str, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tenso
     per_target = weight.detach().float()[target.masked_fill(~kept, 0)]
     weighted: torch.Tensor = (per_target * kept).sum()
     return weighted
+
+
+def summed_loss(op: str, args: Sequence[Any], kw: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The arguments of a mean loss `op` (``F.cross_entropy`` / ``F.nll_loss`` /
+    ``F.kl_div``'s batchmean: `planner.WEIGHTED_MEAN`) with ``reduction="sum"``: this rank's
+    loss times what its mean divides by (`loss_weight`), without that division. A rank whose
+    targets all count 0 (ignored, or of classes of weight 0) gets 0 and zero gradients, where
+    its mean (0 / 0) and that mean's backward (weight x gradient / 0) are NaN."""
+    at = (KL_ARGS if op == KL_DIV else LOSS_ARGS).index("reduction")
+    if len(args) > at:
+        return (*args[:at], "sum", *args[at + 1 :]), kw
+    return tuple(args), {**kw, "reduction": "sum"}
 
 
 def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], node: NodePlan) -> torch.Tensor:

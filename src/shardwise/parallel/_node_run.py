@@ -16,7 +16,7 @@ from shardwise._torch import pytree
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import Replan
 from shardwise.parallel._global_draws import UnplannedDraw
-from shardwise.parallel._local import compute, loss_weight
+from shardwise.parallel._local import compute, loss_weight, summed_loss
 from shardwise.parallel._node_table import NodeTable
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
 
@@ -147,6 +147,10 @@ class NodeRun:
                 args, kw = self.sizes(k, args, kw, captured)
             else:
                 args, kw = self.numbers(k, args, kw, captured)
+        weight = None
+        if k in table.weighted and k in table.returning:  # (this rank's sum, its weight)
+            weight = loss_weight(self.plan.nodes[k].op, args, kw)
+            args, kw = summed_loss(self.plan.nodes[k].op, args, kw)
         try:
             out = compute(func, k, self.plan.nodes[k], table, args, kw)
         except UnplannedDraw as e:  # (planned without its draws: an eval() call)
@@ -155,7 +159,6 @@ class NodeRun:
             raise Replan(str(e), k, self.ops[k]) from None
         if backs and kept is not None:
             self._write_back(backs, kept)
-        weight = loss_weight(self.plan.nodes[k].op, args, kw) if k in table.weighted else None
         out = self._returned(k, out, weight)
         if k in table.averaging:
             average_outputs(out, self.plan.nodes[k], self.plan.matrix)
@@ -181,7 +184,8 @@ class NodeRun:
 
     def _returned(self, k: int, out: Any, weight: T | None = None) -> Any:
         """Apply the edges of the node's returned outputs (the loss's AllReduce; a mean loss
-        weighed by the targets this rank counted, `weight`: `planner.WEIGHTED_MEAN`)."""
+        run as this rank's sum, divided by the summed targets the ranks counted, this rank's
+        `weight`: `planner.WEIGHTED_MEAN`)."""
         if k not in self.table.returning:
             return out
         if isinstance(out, T):  # (one tensor: no pytree)

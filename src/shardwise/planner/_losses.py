@@ -5,8 +5,8 @@ their sum by the targets they count: those not equal to ``ignore_index``, each w
 class's ``weight``. Split over ranks, the ranks may count differently (padding in some rows
 only), and the mean of the ranks' means is then not the single-device mean. `weighted_mean`
 tells the planner which loss nodes the executor must average by their counted weight instead
-(`NodePlan.local` = `WEIGHTED_MEAN`; the loss's AllReduce then carries the pair (value x
-weight, weight): `communication.primitives.sum_over_ranks`).
+(`NodePlan.local` = `WEIGHTED_MEAN`; each rank runs the loss as a sum, and its AllReduce then
+carries the pair (sum, weight): `communication.primitives.sum_over_ranks`).
 
 Two more losses divide inside torch by a count of their rows, which each rank takes from its
 own rows: ``F.kl_div(reduction="batchmean")`` (by ``input.size(0)``) and ``F.cross_entropy``
