@@ -11,12 +11,15 @@
 - Errors: a script that never calls a wrapped network, one in data_parallel mode (no plan), a
   device count the strategies do not
   divide (exit 1, the reason on stderr), an out-of-range ``--rank`` (exit 2).
+- rank R's IR files equal those ``save_graphs=1`` writes in the real job (a simulated world),
+  ``execute.ir`` with its optimizer-parallel section.
 - `communication.dry_run`: the size and rank the script sees, and nothing left behind.
 """
 
 from __future__ import annotations
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,11 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise import communication
+from shardwise.context import set_context
 from shardwise.launch.cli import main
 from shardwise.launch.dry_run import dry_plan
 from shardwise.planner import PlanError
+from shardwise.testing import simulated_world
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -208,11 +213,72 @@ def test_out_naming_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "a file of that name exists; name a folder" in capsys.readouterr().err
 
 
+_JOB_SCRIPT = """\
+import sys
+import torch
+from torch import nn
+import shardwise as sw
+
+def build():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+def wrap(net, hsdp):
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    def step(x, y):
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    step = sw.AutoParallel(step)
+    return step.hsdp(threshold=0, optimizer_level="level3") if hsdp else step
+
+if __name__ == "__main__":
+    rows = 8 // sw.communication.get_group_size()
+    wrap(build(), sys.argv[1] == "hsdp")(torch.zeros(rows, 16), torch.zeros(rows, 8))
+"""
+
+
+@pytest.mark.parametrize("hsdp", [True, False], ids=["hsdp", "plain"])
+def test_the_ir_files_are_the_real_jobs(tmp_path: Path, hsdp: bool) -> None:
+    """``shardwise plan``'s rank_3 files equal those the same job writes with
+    ``save_graphs=1`` on 4 simulated ranks: execute.ir with its optimizer-parallel (or
+    gradient-bucket) section (the dry run left it out)."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB_SCRIPT)
+    argv = ("--device_num", "4", "--rank", "3", str(script), "hsdp" if hsdp else "plain")
+    code, out = _plan(tmp_path, *argv)
+    assert code == 0
+    job = runpy.run_path(str(script), run_name="job")
+    net, x, y = job["build"](), torch.randn(8, 16), torch.randn(8, 8)
+    real = tmp_path / "real"
+    try:
+        set_context(save_graphs=1, save_graphs_path=str(real))
+        with simulated_world(4) as world:
+            world.replicate(net)
+            job["wrap"](net, hsdp)(world.rows(x), world.rows(y))
+    finally:
+        set_context(save_graphs=0, save_graphs_path="./saved_graph")
+    for name in ("step_parallel_begin.ir", "execute.ir"):
+        said = (out / "rank_3" / name).read_text()
+        assert said == (real / "rank_3" / name).read_text(), name
+    section = "# optimizer parallel: hsdp(" if hsdp else "# gradient buckets (no optimizer"
+    assert section in said and ("ReduceScatter(" if hsdp else "AllReduce(") in said
+
+
 def test_an_out_of_range_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         _plan(tmp_path, "--device_num", "8", "--rank", "8", str(EXAMPLES / "quick_start.py"))
     assert e.value.code == 2
     assert "--rank 8: must be from 0 to 7" in capsys.readouterr().err
+
+
+def test_no_script(capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the script is required (its arguments are optional)."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--device_num", "4"])
+    assert e.value.code == 2
+    assert "the following arguments are required: script\n" in capsys.readouterr().err
 
 
 def test_dry_run_world() -> None:

@@ -173,6 +173,9 @@ def test_bad_level_and_rank() -> None:
         format_plan_begin(plan, level=0)
     with pytest.raises(ValueError, match="rank 8"):
         format_plan_execute(plan, 8)
+    for rank in (True, 1.0):  # (not printed as "rank True of 8")
+        with pytest.raises(TypeError, match=rf"rank {rank!r}: the rank must be an int"):
+            format_plan_execute(plan, rank)  # type: ignore[arg-type]
 
 
 def plan_comm_ops(text: str) -> Counter[tuple[str, tuple[int, ...]]]:

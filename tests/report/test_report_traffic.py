@@ -2,8 +2,9 @@
 a ResNet in semi_auto on 4 simulated ranks, whose training batch norms gather their statistics
 inside the op (9 AllGathers forward, their ReduceScatters backward: the plan lists them, with
 their bytes) and whose mean loss's AllReduce carries the pair (mean x count, count) in float32
-(12 bytes at 4 ranks, not one element of the loss). A first layer of a frozen weight runs no
-backward collectives, and the reports list none."""
+(12 bytes at 4 ranks, not one element of the loss). A loss an op's own AllReduce makes whole
+(``sw.ops.ReduceMean``) has no adjoint in ``loss.backward()``, and the reports count none. A
+first layer of a frozen weight runs no backward collectives, and the reports list none."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 import shardwise as sw
 from shardwise.context import set_context
+from shardwise.planner import CostModel, step_cost
 from shardwise.report import format_plan_execute, memory_tensors
 from shardwise.report._summary import step_traffic
 from shardwise.testing import CommRecorder, simulated_world
@@ -111,6 +113,58 @@ def test_level_3_regathers_only_the_weights_autograd_saves() -> None:
     assert traffic.total == rec.total_bytes(), rec.summary()
     gathers = [r for r in rec.records if r.kind == "AllGather"]
     assert Counter(r.phase for r in gathers) == Counter({"forward": 1}), rec.summary()
+
+
+class _MeanLoss(torch.nn.Module):
+    """A MatMul of row-split inputs, ReLU, then ``sw.ops.ReduceMean`` over the split rows: the
+    loss made whole by the ReduceMean's own AllReduce over 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.mm = sw.ops.MatMul().shard(((2, 1), (1, 1)))
+        self.relu = sw.ops.ReLU().shard(((2, 1),))
+        self.mean = sw.ops.ReduceMean().shard(((2, 1),))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mean(self.relu(self.mm(x, self.w)))
+        return out
+
+
+def test_a_loss_an_ops_own_allreduce_makes_has_no_backward_collective() -> None:
+    """A loss made whole by ``sw.ops.ReduceMean``'s own AllReduce, ``loss.backward()`` on it:
+    backward starts there and sends nothing for it (the seed is the same on every rank). The
+    backward section of execute.ir lists its adjoint marked none and counts only what runs,
+    and the step's traffic and the step estimate's collectives are the recorder's (they
+    counted that adjoint: 4 bytes, one collective more)."""
+    net, x = _MeanLoss(), torch.randn(4, 8)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step)
+        parallel(world.rows(x))
+        with CommRecorder() as rec:
+            parallel(world.rows(x))
+    plan = parallel.parallel_plan
+    assert plan is not None
+    text = format_plan_execute(plan, 0)
+    ran = [(r.kind, r.bytes_sent) for r in rec.select(phase="backward") if not r.label]
+    assert ran == [] and _backward_listed(text) == ran, rec.summary()
+    assert "at mean/ReduceMean group [0, 1] fusion 0 send_bytes 4 (none when" in text
+    assert "# bytes this rank sends in one backward (those marked none left out): 0" in text
+    traffic = step_traffic(plan, 0, parallel.optimizer_plan)
+    assert traffic.total == rec.total_bytes(), rec.summary()
+    assert sum(traffic.count.values()) == len(rec.records), rec.summary()
+    assert step_cost(plan, CostModel()).collectives == len(rec.records), rec.summary()
 
 
 class _FrozenFirst(torch.nn.Module):

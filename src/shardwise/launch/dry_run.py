@@ -8,7 +8,9 @@ no init compute; data and other tensors stay real). The first wrapped network
 (`parallel._observe.add_plan_hook`); nothing is cut, allocated or run. Then:
 
 - ``DIR/plan.json``: the `ParallelPlan` (`ParallelPlan.to_dict`);
-- ``DIR/rank_<R>/step_parallel_begin.ir`` and ``execute.ir``: the IR files of rank R;
+- ``DIR/rank_<R>/step_parallel_begin.ir`` and ``execute.ir``: the IR files of rank R, as
+  ``save_graphs=1`` writes them in the real job (``execute.ir`` with its gradient-bucket or
+  optimizer-parallel section);
 - ``DIR/summary.txt``: rank R's memory by kind and its peak, the bytes it sends per step by
   collective kind and mesh axis with counts, and the cost model's step estimate
   (`report._summary`);
@@ -41,7 +43,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 from shardwise import communication
 from shardwise.launch._meta_params import meta_parameters
 from shardwise.parallel._observe import Planned, add_plan_hook, add_unplanned_hook
-from shardwise.planner import PlanError
+from shardwise.planner import PlanError, regathered_params
 from shardwise.report import (
     format_plan_begin,
     format_plan_execute,
@@ -55,6 +57,7 @@ from shardwise.report._summary import (
     optimizer_state_per_element,
     step_traffic,
 )
+from shardwise.report._write import BEGIN_FILE, EXECUTE_FILE, with_optimizer, write_ir
 
 
 class DryRunError(RuntimeError):
@@ -232,10 +235,12 @@ def write_outputs(planned: Planned, out: Path, rank: int, header: Sequence[str] 
     plan = planned.plan
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1) + "\n")
-    ir = out / f"rank_{rank}"
-    ir.mkdir(exist_ok=True)
-    (ir / "step_parallel_begin.ir").write_text(format_plan_begin(plan, 1))
-    (ir / "execute.ir").write_text(format_plan_execute(plan, rank, 1))
+    write_ir(out, rank, BEGIN_FILE, format_plan_begin(plan, 1))
+    execute = format_plan_execute(plan, rank, 1)
+    if planned.buckets is not None:  # (as ``save_graphs=1`` appends it: `dump_optimizer`)
+        again = regathered_params(plan) if planned.hsdp is not None else None
+        execute = with_optimizer(execute, planned.buckets, plan.matrix, rank, 1, again)
+    write_ir(out, rank, EXECUTE_FILE, execute)
     optimizer = find_optimizer(planned.network, planned.optimizers)
     state = optimizer_state_per_element(optimizer)
     memory = estimate_memory(plan, planned.buckets, state, rank)
@@ -264,7 +269,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="the rank whose files are written (0)")
     p.add_argument("--out", type=Path, default=Path("shardwise_plan"), help="output folder")
     p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    rest.required = False  # (argparse names a REMAINDER required: only the script is)
     return p
 
 

@@ -28,7 +28,8 @@
   parameters' gradient reductions over that axis become local.
 - `_seeded`: `plan_seeded`, after it: the AllReduces whose adjoint is local when
   ``loss.backward()`` starts with no gradient (only ops alike on every rank read the value);
-  `plan_deferred`: the weighted mean loss whose seeded backward does not wait for the count.
+  `plan_deferred`: the weighted mean loss whose seeded backward does not wait for the count;
+  `root_collectives`: the ops' own AllReduces that make the loss, whose adjoint is local too.
 - `_annotated`: ``sw.shard``'s op form and ``sw.reshard`` read from the graph.
 - `_plan`: `ParallelPlan` and its parts (frozen, printable, diffable); `_regions`: the
   activation-checkpointed regions capture notes (`Region`: which ops backward runs again);
@@ -67,6 +68,7 @@ from shardwise.planner._propagate import plan_sharding_propagation
 from shardwise.planner._regathered import regathered_params
 from shardwise.planner._regions import Region
 from shardwise.planner._search import plan_recursive_programming
+from shardwise.planner._seeded import root_collectives
 from shardwise.planner._semi_auto import PlanError, plan_semi_auto
 
 __all__ = [
@@ -107,6 +109,7 @@ __all__ = [
     "plan_sharding_propagation",
     "regathered_params",
     "replayed_moves",
+    "root_collectives",
     "save_operator_strategy_file",
     "save_param_strategy_file",
     "step_cost",

@@ -23,7 +23,8 @@ optimizer) on a rank of a plan that is a train step (`StepCost`):
   AlltoAll, a Slice's nothing; none for values no gradient flows back to
   (`ParallelPlan.gradient_values`: the step's inputs and what is computed from them only,
   integer values) and the returned values, the step's backward having run before they are
-  moved), and the ops' gradient AllReduces (`NodePlan.backward`);
+  moved; none for an op's own AllReduce that makes the loss backward starts from,
+  `root_collectives`), and the ops' gradient AllReduces (`NodePlan.backward`);
 - gradient synchronization: one AllReduce per gradient bucket (`ParallelPlan.buckets`; a plan
   without them: the parameters grouped by the axes that replicate their gradient, in buckets of
   at most 25 MB), optimizer parallel's ReduceScatter and AllGather (at level 3 a second
@@ -60,6 +61,7 @@ from shardwise.planner._placement import _itemsize, placements_of
 from shardwise.planner._plan import Collective, EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._regathered import regathered_params
 from shardwise.planner._regions import Region
+from shardwise.planner._seeded import root_collectives
 
 PARAM_COPIES = 4
 """A parameter's bytes a rank holds per stored element: itself, its gradient and Adam's two
@@ -371,11 +373,12 @@ def step_cost(plan: ParallelPlan, model: CostModel | None = None) -> StepCost:
             backward += _edge_backward(e, model)
             count += _edge_collectives(e, backward=True)
     compute = 0.0
+    at_root = root_collectives(plan)  # (local in loss.backward(): no adjoint)
     for n in plan.nodes:
-        for c in n.comms:
+        for i, c in enumerate(n.comms):
             forward += _own(n, c, model)
             count += 1
-            if str(Ref("node", n.index, c.output)) in needs:  # (an adjoint)
+            if str(Ref("node", n.index, c.output)) in needs and (n.index, i) not in at_root:
                 secs, calls = _own_backward(n, c, model)
                 backward, count = backward + secs, count + calls
         for c in n.backward:

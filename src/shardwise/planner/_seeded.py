@@ -23,6 +23,11 @@ is exact when no other collective meets the gradients before their buckets: the 
 is the plan's only collective. A gradient that reaches a parameter other than through the loss
 (``loss + 0.01 * l2``) then comes from values whole on every rank, the same share on each, and
 the factors add up to the group size over its ranks: the buckets' sum leaves it unchanged.
+
+`root_collectives` (read by the reports and `step_cost`): an op's own AllReduce (sum or mean)
+that makes a value the train step's backward starts from (``sw.ops.ReduceMean`` returning the
+loss), returned as it comes out of the op, is the root's ``grad_fn`` itself: its adjoint is the
+seed times the group size, computed locally (`replicated_seed`), so backward sends nothing there.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from shardwise.planner._draws import ATTENTION_DROPOUT, GLOBAL_DRAWS
 from shardwise.planner._graph import Graph, Ref
 from shardwise.planner._in_place import writes_input
 from shardwise.planner._losses import WEIGHTED_MEAN
-from shardwise.planner._plan import EdgePlan, NodePlan, Placed
+from shardwise.planner._plan import EdgePlan, NodePlan, ParallelPlan, Placed
 
 _QUIET = {"", "random", ATTENTION_DROPOUT, GLOBAL_DRAWS}
 """`NodePlan.local` computations that run on this rank's blocks alone (`plan_deferred`)."""
@@ -105,3 +110,29 @@ def plan_deferred(nodes: Sequence[NodePlan], edges: Sequence[EdgePlan]) -> tuple
     if any(n.local not in _QUIET for n in nodes if n.index != producer):
         return tuple(edges)
     return tuple(dataclasses.replace(e, deferred=True) if e is loss else e for e in edges)
+
+
+def root_collectives(plan: ParallelPlan) -> set[tuple[int, int]]:
+    """(node index, position in its `NodePlan.comms`) of each op's own AllReduce whose adjoint
+    ``loss.backward()`` runs locally: the last collective the executor runs on an output that
+    is a backward root (`ParallelPlan.roots`), an AllReduce by sum or mean (a maximum's adjoint
+    all-reduces), returned unmoved (see the module docstring).
+
+    Example:
+        >>> root_collectives(plan)  # a loss made whole by sw.ops.ReduceMean, node 2
+        {(2, 0)}
+    """
+    roots = {r.value for r in plan.roots}
+    moved = {e.value for e in plan.edges if e.consumer == -1 and (e.reduced or e.steps or e.kept)}
+    out: set[tuple[int, int]] = set()
+    for n in plan.nodes:
+        last: dict[int, int] = {}  # output -> its last collective run on it
+        for i, c in enumerate(n.comms):
+            if not c.block:
+                last[c.output] = i
+        for output, i in last.items():
+            value = str(Ref("node", n.index, output))
+            summed = n.comms[i].kind == "AllReduce" and n.comms[i].detail != "max"
+            if summed and value in roots and value not in moved:  # (`runtime.combine`)
+                out.add((n.index, i))
+    return out

@@ -15,7 +15,8 @@ buckets, `dump_optimizer` appends to ``execute.ir`` every collective of each buc
   number of the next plan written (``_<k>`` after the first: no plan's files overwritten).
 - `_sends`: what one rank sends: each edge's and op's collectives with its group and bytes.
 - `_optimizer`: the pure formatter `format_optimizer` (the optimizer-parallel section).
-- `_write`: `write_ir` (one file, atomically), `report_ranks`, `dump_optimizer`,
+- `_write`: `write_ir` (one file, atomically), `report_ranks`, `dump_optimizer` (and
+  `with_optimizer`, the text it writes, which ``shardwise plan`` writes too),
   `dump_data_parallel`.
 - `_plan_data`: what the pictures show, as data (`plan_memory`: per-rank memory by kind).
 - `_html`: `format_plan_html` / `write_plan_html` (``plan.html``).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from numbers import Integral
 from pathlib import Path
 
 from shardwise.context import get_context
@@ -47,10 +48,17 @@ def check_level(level: int, plan: ParallelPlan, rank: int | None = None) -> None
     """A report level of 1 to 3 and a rank of the plan's matrix.
 
     Raises:
+        TypeError: a rank that is not an integer (a bool, a float).
         ValueError: either is out of range.
     """
     if level not in (1, 2, 3):
         raise ValueError(f"report level {level}; valid: 1, 2, 3 (save_graphs)")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, Integral)):
+        raise TypeError(
+            f"report for rank {rank!r}: the rank must be an int, one of the plan's device "
+            f"matrix {plan.matrix} ranks {min(plan.matrix.rank_list)} to "
+            f"{max(plan.matrix.rank_list)}"
+        )
     if rank is not None and rank not in plan.matrix.rank_list:
         raise ValueError(
             f"report for rank {rank}: the plan's device matrix {plan.matrix} has ranks "
@@ -117,9 +125,11 @@ def format_plan_execute(plan: ParallelPlan, rank: int, level: int = 1) -> str:
     every op this rank's block of each input and output.
 
     Raises:
+        TypeError: a rank that is not an int (a bool, a float).
         ValueError: a level outside 1 to 3, or a rank outside the plan's matrix.
     """
     check_level(level, plan, rank)
+    rank = int(rank)  # (a NumPy integer prints as an int)
     m = plan.matrix
     lines = [f"# execute: rank {rank} of {plan.device_num} on {m}"]
     by_consumer = plan.edges_by_consumer()
@@ -168,16 +178,17 @@ def _backward_lines(plan: ParallelPlan, rank: int) -> list[str]:
         "collectives and the plan's gradient averages"
     ]
     total = 0
-    traffic = op_traffic(plan, rank).rows
-    rows = [(c, sent) for phase, c, sent in traffic if phase == "backward"]
+    found = op_traffic(plan, rank)
+    traffic = found.rows
+    rows = [(i, c, sent) for i, (phase, c, sent) in enumerate(traffic) if phase == "backward"]
     names = {n.index: n.name for n in plan.nodes}
     alike = {
         f"{names[e.consumer]} input {e.slot}" for e in plan.edges if e.seeded and e.consumer >= 0
     }
-    for c, sent in reversed(rows):
+    for i, c, sent in reversed(rows):
         group = sorted(m.group_along(rank, tuple(m.names.index(a) for a in c.axes)))
         read_alike = c.kind == "AllReduce" and c.where in alike  # (`EdgePlan.seeded`)
-        seeded = c.where.startswith("return") or read_alike  # (`replicated_seed`)
+        seeded = i in found.none_in_step or read_alike  # (`replicated_seed`)
         note = " (none when backward starts there: loss.backward())" if seeded else ""
         if read_alike:
             note = " (none in loss.backward(): only ops alike on every rank read it)"

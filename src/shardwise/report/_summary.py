@@ -17,8 +17,9 @@ process group and no tensor data:
   AllGather -> ReduceScatter, AlltoAll -> AlltoAll, an AllReduce -> an AllReduce over the
   axes on which the plan does not make its gradient equal, a local slice -> nothing; the
   plan's gradient averages), and the gradient synchronisation of the plan's gradient or
-  optimizer-parallel buckets; `Traffic` sums them by collective kind and mesh axis. (The value
-  a network returns counts its adjoint: a train step's returned loss has none, a few bytes.)
+  optimizer-parallel buckets; `Traffic` sums them by collective kind and mesh axis. A train
+  step's ``loss.backward()`` starts at the loss: the AllReduce that made it whole (a returned
+  value's, or the op's own that makes it, `planner.root_collectives`) has no adjoint there.
 - `format_summary`: the text of ``summary.txt`` (with the cost model's estimate of the step
   time, `planner.step_cost`, and of one forward, `planner.plan_cost`).
 
@@ -50,6 +51,7 @@ from shardwise.planner import (
     plan_cost,
     regathered_params,
     replayed_moves,
+    root_collectives,
     step_cost,
 )
 from shardwise.redistribution import AllGather, AlltoAll
@@ -97,6 +99,9 @@ class Traffic:
     sent: dict[tuple[str, str, str], int] = field(default_factory=dict)
     count: dict[tuple[str, str, str], int] = field(default_factory=dict)
     rows: list[tuple[str, Collective, int]] = field(default_factory=list)  # (in plan order)
+    # (indices of backward rows a train step's loss.backward() does not run: the adjoints of
+    # returned values' moves and of `planner.root_collectives`; `op_traffic` without in_step)
+    none_in_step: set[int] = field(default_factory=set)
 
     def add(self, phase: str, c: Collective, nbytes: int) -> None:
         key = (phase, c.kind, ",".join(c.axes))
@@ -136,8 +141,11 @@ def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
     """The collectives the plan's ops and edges run on `rank` in one step, in the order the
     forward runs them: the forward's and their adjoints in backward (with the plan's gradient
     averages), without the buckets'. Backward runs the adjoints in the reverse order.
-    `in_step`: the train step's ``loss.backward()`` starts backward at its roots, so a returned
-    loss's AllReduce has no adjoint (`execute.ir` lists it, marked none).
+    `in_step`: the train step's ``loss.backward()`` starts backward at its roots, so the
+    AllReduce that makes a returned loss whole (on its return edge, or the own collective of
+    the op that makes it: `planner.root_collectives`) has no adjoint; without it, those
+    adjoints are counted and their rows are in `Traffic.none_in_step` (`execute.ir` lists them,
+    marked none).
 
     Example:
         >>> [str(c) for phase, c, _ in op_traffic(plan, 0).rows if phase == "backward"]
@@ -149,18 +157,22 @@ def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
     by_consumer = plan.edges_by_consumer()
     for e in by_consumer.get(-2, []):
         _edge_traffic(out, e, "entry", m, rank, needs)
+    at_root = root_collectives(plan)
     for n in plan.nodes:
         for e in by_consumer.get(n.index, []):
             _edge_traffic(out, e, f"{n.name} input {e.slot}", m, rank, needs)
-        for c, _, sent in _collectives(node_sends(n, m, rank)):
+        for i, (c, _, sent) in enumerate(_collectives(node_sends(n, m, rank))):
             out.add("forward", c, sent)
-            if _value(n.index, c.output) not in needs:
+            if _value(n.index, c.output) not in needs or (in_step and (n.index, i) in at_root):
                 continue
             axes = tuple(m.names.index(a) for a in c.axes)
             if c.kind == "AllReduce":
                 equal = tuple(m.names.index(a) for a in c.equal_grad)
                 block = math.prod(n.local_shapes[c.output]) * _itemsize(n.dtype(c.output))
+                first = len(out.rows)
                 _adjoint(out, m, rank, c, axes, equal, block)
+                if (n.index, i) in at_root:
+                    out.none_in_step.update(range(first, len(out.rows)))
             elif c.kind in ("ReduceScatter", "AllGather"):  # (a batch norm's statistics)
                 back = "AllGather" if c.kind == "ReduceScatter" else "ReduceScatter"
                 out.add("backward", Collective(back, c.axes, c.where), sent)
@@ -170,7 +182,9 @@ def op_traffic(plan: ParallelPlan, rank: int, in_step: bool = False) -> Traffic:
             out.add("backward", c, bytes_bound(c.kind, nbytes, size))
     roots = {r.value for r in plan.roots} if in_step else set()
     for e in by_consumer.get(-1, []):
+        first = len(out.rows)
         _edge_traffic(out, e, f"return {e.slot}", m, rank, needs - roots)
+        out.none_in_step.update(range(first, len(out.rows)))  # (its forward rows: never read)
     for region in plan.regions:
         _recompute_traffic(out, plan, region, rank)
     return out

@@ -1,6 +1,7 @@
 """Writing the reports: `write_ir` (one file, atomically, under ``rank_<r>/``), `report_ranks`
 (the ranks this process writes), `dump_optimizer` (the optimizer-parallel section appended
-to ``execute.ir``) and `dump_data_parallel` (data_parallel mode's ``execute.ir``).
+to ``execute.ir``: `with_optimizer`) and `dump_data_parallel` (data_parallel mode's
+``execute.ir``).
 """
 
 from __future__ import annotations
@@ -70,9 +71,26 @@ def dump_optimizer(
     for r in report_ranks(matrix) if ranks is None else list(ranks):
         path = root / f"rank_{r}" / name
         before = path.read_text(encoding="utf-8") if path.exists() else ""
-        section = format_optimizer(optimizer_plan, matrix, r, level, regathered)
-        paths.append(write_ir(root, r, name, before + "\n" + section))
+        text = with_optimizer(before, optimizer_plan, matrix, r, level, regathered)
+        paths.append(write_ir(root, r, name, text))
     return paths
+
+
+def with_optimizer(
+    execute: str,
+    optimizer_plan: OptimizerPlan,
+    matrix: DeviceMatrix,
+    rank: int,
+    level: int = 1,
+    regathered: Collection[str] | None = None,
+) -> str:
+    """`execute` (rank `rank`'s ``execute.ir`` text) followed by its optimizer-parallel
+    section (`format_optimizer`), as `dump_optimizer` writes it (``shardwise plan`` too).
+
+    Example:
+        >>> text = with_optimizer(format_plan_execute(plan, 0), net.optimizer_plan, plan.matrix, 0)
+    """
+    return execute + "\n" + format_optimizer(optimizer_plan, matrix, rank, level, regathered)
 
 
 def dump_data_parallel(text: str) -> list[Path]:
