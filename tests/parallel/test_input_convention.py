@@ -11,6 +11,7 @@ network with an annotated MatMul (contraction split over 2 ranks) runs the semi_
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -204,6 +205,32 @@ def test_full_batch_that_does_not_divide_names_the_convention(form: str) -> None
             r"batch.*batch dim 6, not divisible by the 4 ranks.*'data_parallel'",
         ):
             call(world.same(x[:6]), world.same(y[:6]))
+
+
+def test_semi_auto_full_batch_that_does_not_divide_warns_and_runs_whole() -> None:
+    """semi_auto keeps a full_batch input whose rows do not divide by the devices whole (every
+    op on all rows on every rank: one device's results, no speed-up); that ran silently, while
+    the docs said it raised. A UserWarning names each such input, its rows and the fix, once
+    per plan (not again in a call that reuses it)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(7, 6, generator=g), torch.randint(0, 3, (7,), generator=g)
+    ref = MLP()
+    want = F.cross_entropy(ref(x), y)
+    net = MLP()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        _, _, call = train_step_form(2, net, "semi_auto", "full_batch")
+        with pytest.warns(UserWarning) as caught:
+            loss = call(world.same(x), world.same(y))
+        assert_matches_single_device(loss, want, what="loss")
+        said = [str(w.message) for w in caught if "cannot be split" in str(w.message)]
+        assert len(said) == 2, said
+        assert said[0].startswith("input args[0]: dim 0 of global shape [7, 6] (7 rows)"), said
+        assert "over 2 devices" in said[0] and "divisible by 2" in said[0], said
+        assert said[1].startswith("input args[1]: dim 0 of global shape [7] (7 rows)"), said
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            call(world.same(x), world.same(y))
 
 
 @pytest.mark.parametrize("mode", ["semi_auto", "data_parallel"])

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.parallel import UnsupportedParallelError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..zoo import assert_grad_blocks_match, one_step_matches
@@ -208,3 +209,40 @@ def test_split_sizes_from_a_local_size_are_the_global_ones(form: str) -> None:
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
     one_step_matches(4, net, single, x, y)
+
+
+def test_a_python_loop_over_a_local_shape_names_the_cause_and_the_fix() -> None:
+    """A loop over the rows (``range(o.shape[0])``) runs 4 times on a rank (its rows) where the
+    plan, captured on the global 8, has 8: the call was refused with "its ops depend on
+    something capture does not see". The error now names the value read as a block, its global
+    and local shapes, the likely cause and the fixes (``sw.reshard`` to whole, tensor ops);
+    with the reshard the loop trains as on one device."""
+
+    def loss_of(o: torch.Tensor, whole: bool) -> torch.Tensor:
+        o = sw.reshard(o, (1, 1)) if whole else o
+        return sum((o[i].pow(2).sum() * (i + 1) for i in range(o.shape[0])), torch.zeros(()))
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g)
+    want = loss_of(_net()(x), False)
+    for whole in (False, True):
+        net = _net()
+        with simulated_world(2) as world:
+            world.replicate(net)
+
+            def step(a: torch.Tensor) -> torch.Tensor:
+                loss = loss_of(net(a), whole)  # noqa: B023
+                loss.backward()
+                return loss
+
+            parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+            if whole:
+                assert_matches_single_device(parallel(world.rows(x)), want.detach(), what="loss")
+                continue
+            with pytest.raises(UnsupportedParallelError) as caught:
+                parallel(world.rows(x))
+        said = str(caught.value)
+        assert "reads %2 (2/linear, global shape [8, 2]), which the plan holds as this " in said
+        assert "rank's block [4, 2]" in said, said
+        assert "a Python loop or branch on it (for i in range(t.shape[0])" in said, said
+        assert "t = sw.reshard(t, (1, 1))" in said and "tensor ops" in said, said

@@ -5,6 +5,11 @@ In semi_auto the plan keeps a training batch norm's rows split (``NodePlan.local
 AllGather forward, its adjoint a ReduceScatter backward) and normalizes its own rows with the
 whole batch's. The loss, every gradient and the running statistics equal one device's; the
 evaluation-mode forward afterwards too.
+
+A batch norm with ``momentum=None`` (a cumulative moving average, whose factor torch reads from
+``num_batches_tracked`` with ``float()``) was refused at capture with a ``CaptureError`` (fake
+buffers have no value); it now trains as on one device in both automatic modes, with each rank
+passing its rows or the whole batch, and when the step runs the network twice.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shardwise as sw
 from shardwise.testing import assert_matches_single_device, simulated_world
 
 from ..zoo import recording_step, semi_auto_matches
@@ -78,3 +84,55 @@ def test_split_batch_norm_trains_like_one_device(world_size: int) -> None:
         }
     )
     assert rec.kinds() == want, rec.summary()
+
+
+def cumulative_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 3))
+
+
+def cumulative_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor, twice: bool) -> torch.Tensor:
+    loss = F.cross_entropy(net(x * 3 + 1), y)
+    return loss + F.cross_entropy(net(x), y) if twice else loss
+
+
+@pytest.mark.parametrize(
+    ("mode", "strategy", "twice"),
+    [
+        ("semi_auto", "data_parallel", False),
+        ("semi_auto", "full_batch", False),
+        ("sharding_propagation", "data_parallel", False),
+        ("sharding_propagation", "full_batch", False),
+        ("semi_auto", "data_parallel", True),
+    ],
+)
+def test_cumulative_moving_average_trains_like_one_device(
+    mode: str, strategy: str, twice: bool
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))] * 3
+    ref = cumulative_net()
+    grads: list[dict[str, torch.Tensor]] = []
+    step = recording_step(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.1),
+        lambda n, x, y: cumulative_loss(n, x, y, twice), grads,
+    )  # fmt: skip
+    losses = [step(x, y).detach() for x, y in data]
+    net = cumulative_net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        seen: list[dict[str, torch.Tensor]] = []
+        train = recording_step(
+            net, torch.optim.SGD(net.parameters(), lr=0.1),
+            lambda n, x, y: cumulative_loss(n, x, y, twice), seen,
+        )  # fmt: skip
+        parallel = sw.AutoParallel(train, parallel_mode=mode).dataset_strategy(strategy)
+        give = world.rows if strategy == "data_parallel" else world.same
+        for s, (x, y) in enumerate(data):
+            assert_matches_single_device(parallel(give(x), give(y)), losses[s], what=f"loss {s}")
+            assert_matches_single_device(seen[s], grads[s], what=f"grads {s}")
+        for stat in ("running_mean", "running_var", "num_batches_tracked"):
+            assert_matches_single_device(
+                getattr(net[1], stat), getattr(ref[1], stat), what=f"bn.{stat}"
+            )
+        assert net[1].momentum is None

@@ -1,5 +1,6 @@
 """Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
-`replanned_call_differs` (why a call differs from the plan captured from it) and `note_blocks`
+`replanned_call_differs` (why a call differs from the plan captured from it: a primitive made
+inside ``forward``, a Python loop or branch on a split tensor's local shape) and `note_blocks`
 (what torch's size mismatch with a parameter stored as a block means)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 from shardwise.planner._placed import Shape
 
 if TYPE_CHECKING:
-    from shardwise.planner import ParallelPlan
+    from shardwise.planner import NodePlan, ParallelPlan
 
 
 class UnsupportedParallelError(ValueError):
@@ -39,8 +40,9 @@ class Replan(BaseException):
 def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallelError:
     """The error for a call that ran other ops than the plan captured from that very call
     (`e`): a shardwise primitive made inside ``forward`` (not a submodule, so the run never
-    sees it as one: its torch op arrives instead), else ops depending on what capture does
-    not see."""
+    sees it as one: its torch op arrives instead), a Python loop or branch on the shape of a
+    value the plan holds as blocks (`_split_read`: the next op reads it), else ops depending on
+    what capture does not see."""
     why = "its ops depend on something capture does not see"
     node = plan.nodes[e.cursor] if e.cursor < len(plan.nodes) else None
     primitive = node is not None and node.op.startswith("shardwise.ops.")
@@ -51,9 +53,37 @@ def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallel
             f"network (made inside forward?): AutoParallel runs primitives that are submodules "
             f"only; create it in __init__ (self.op = sw.ops.{kind}(...)) and call self.op"
         )
+    elif node is not None:
+        why = _split_read(plan, node) or why
     return UnsupportedParallelError(
         f"AutoParallel: the network called {e} right after being planned for this call; {why}"
     )
+
+
+def _split_read(plan: ParallelPlan, node: NodePlan) -> str | None:
+    """Why the call did not reach `node` when one of its inputs is held as this rank's block:
+    a Python loop or branch on that block's shape (the capture saw the global one); None when
+    every input is held whole."""
+    edges = {e.slot: e for e in plan.edges_by_consumer().get(node.index, [])}
+    for slot, (value, shape) in enumerate(zip(node.values, node.in_shapes, strict=False)):
+        held = edges[slot].src if slot in edges else node.inputs[slot]
+        local = held.layout.local_shape(shape)
+        if tuple(local) == tuple(shape):
+            continue
+        whole = ", ".join("1" for _ in shape) + ("," if len(shape) == 1 else "")
+        made = ""
+        if value.startswith("%"):  # (``%2`` or ``%2.1``: the op making it, named)
+            made = f"{plan.nodes[int(value[1:].split('.')[0])].name}, "
+        return (
+            f"%{node.index} {node.name} reads {value} ({made}global shape {list(shape)}), which "
+            f"the plan holds as this rank's block {list(local)}: inside the network its shape is "
+            f"the block's (shapes are local), but the plan was captured with the global one, "
+            f"so a Python loop or branch on it (for i in range(t.shape[0]), if t.size(0) > n) "
+            f"runs other ops than planned. Gather it whole before reading its shape "
+            f"(t = sw.reshard(t, ({whole}))), or compute over the dim with tensor ops instead "
+            f"of a Python loop (t.pow(2).sum(1) weighted by torch.arange(...))"
+        )
+    return None
 
 
 _SIZES = re.compile(r"size[^()]*\((\d+)\) must match[^()]*\((\d+)\)")

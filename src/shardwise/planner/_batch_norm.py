@@ -9,13 +9,24 @@ sum of squared deviations over the axes splitting the rows (one AllGather, autog
 combines them into the whole batch's, and normalizes its rows with those (as one device would),
 updating the running statistics the same way on every rank (`parallel/_local.batch_norm_split`).
 `stats_gather` is that AllGather as the plan lists it (also for the ``BatchNorm`` primitive).
+
+`cumulative_momenta`: while a capture runs, a training ``nn.BatchNorm*`` with ``momentum=None``
+(a cumulative moving average: torch computes its factor ``1 / num_batches_tracked`` with
+``float()``, a value a fake buffer lacks) gets that factor as its ``momentum``, computed from
+its real ``num_batches_tracked`` (a replicated buffer, equal on every rank) and the calls the
+capture has made of it so far; the call the plan is captured from then passes the captured
+factor, and later calls pass their own (`parallel/_sizes`: a number that changes from call to
+call is the call's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from shardwise.layout import TensorLayout
@@ -69,3 +80,54 @@ def stats_gather(
     names = tuple(layout.matrix.names[a] for a in axes)
     block = 2 * channels * itemsize
     return (Collective("AllGather", names, where, "batch statistics", block=block),)
+
+
+_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _tracked(module: nn.Module) -> int:
+    """How many batches `module` (a batch norm) has counted; 0 for an unmaterialized one."""
+    count = module.num_batches_tracked
+    assert isinstance(count, torch.Tensor)
+    return 0 if count.device.type == "meta" else int(count)
+
+
+@contextmanager
+def cumulative_momenta(networks: Sequence[nn.Module]) -> Iterator[None]:
+    """While a capture of `networks` runs (entered before their buffers become fake): each
+    training batch norm with ``momentum=None`` runs with ``momentum`` set to the factor torch
+    would compute, ``1 / (num_batches_tracked + calls)``, its ``num_batches_tracked`` read
+    from the real buffer here (see the module docstring); put back to None after each call.
+
+    Example:
+        >>> with cumulative_momenta([net]):  # doctest: +SKIP
+        ...     net(fake_x)  # a BatchNorm1d(8, momentum=None) runs with momentum 1 / (n + 1)
+    """
+    norms = [
+        m
+        for net in networks
+        for m in net.modules()
+        if isinstance(m, _NORMS) and m.momentum is None and m.num_batches_tracked is not None
+    ]
+    counts = {id(m): _tracked(m) for m in norms}
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if module.training and getattr(module, "track_running_stats", False):
+            counts[id(module)] += 1
+            setattr(module, "momentum", 1.0 / counts[id(module)])  # noqa: B010
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        setattr(module, "momentum", None)  # noqa: B010
+
+    handles = [
+        h
+        for m in norms
+        for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post, always_call=True))
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m in norms:
+            m.momentum = None

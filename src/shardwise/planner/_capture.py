@@ -6,7 +6,9 @@
    each named by `input_key` (``args[0]``, ``labels``);
 2. every parameter and buffer of the networks is swapped for a fake tensor of the same global
    shape (`_torch.module_state.reparametrize`; a tied parameter is recorded once, `Graph.tied`;
-   one that requires no gradient is listed in `Graph.frozen`);
+   one that requires no gradient is listed in `Graph.frozen`); a training BatchNorm with
+   ``momentum=None`` is given the factor its call computes from ``num_batches_tracked``
+   (`_batch_norm.cumulative_momenta`, read from the real buffer first);
 3. `fn` is called under the recorders of `_recorders`: `_Recorder`, a ``TorchFunctionMode``
    that makes one `Node` per torch-level call (``F.linear``, ``x.view(...)``,
    ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
@@ -45,6 +47,7 @@ from shardwise._torch.fake import FakeTensorMode
 from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
+from shardwise.planner._batch_norm import cumulative_momenta
 from shardwise.planner._call_kinds import record_kind
 from shardwise.planner._gc import gc_paused
 from shardwise.planner._graph import Graph, Ref, TensorInfo
@@ -176,6 +179,7 @@ def capture(
     state.keep += list(fakes.values())
     with ExitStack() as stack:
         stack.enter_context(kept_real(watched))  # (first in, last out: after the fakes go)
+        stack.enter_context(cumulative_momenta(networks))  # (reads the real buffers)
         for net in networks:
             stack.enter_context(reparametrize(net, fakes))
         stack.enter_context(tracing())  # (a delayed-init network is not materialized)

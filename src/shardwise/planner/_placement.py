@@ -8,7 +8,8 @@ parameter's first placement, plus what the planner's modules share.
   refinement.
 - `_input_state`: how each input arrives (split on dim 0 over all devices for
   ``"data_parallel"``, whole then sliced at entry for ``"full_batch"``, or the given
-  per-input layouts) and which inputs are cut at entry.
+  per-input layouts) and which inputs are cut at entry; a ``"full_batch"`` input whose dim 0
+  does not divide by the devices stays whole, with a warning under semi_auto (`_whole_batch`).
 - `_param_layouts`: each parameter's storage layout: declared, else its first primitive
   consumer's, else the one its op-form annotated op reads it in, else whole.
 - `data_parallel`: dim 0 split over every axis (semi_auto's default for activations);
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -130,9 +132,11 @@ def _untiled_message(a: str, sa: Shape, b: str, sb: Shape, untiled: tuple[int, i
 
 
 def _input_state(
-    p: Planner, graph: Graph, dataset: DatasetStrategy
+    p: Planner, graph: Graph, dataset: DatasetStrategy, warn: bool = False
 ) -> tuple[dict[str, Placed], list[tuple[str, Placed]]]:
-    """How each input arrives, and the inputs cut at entry (full_batch)."""
+    """How each input arrives, and the inputs cut at entry (full_batch); with `warn`
+    (semi_auto), a full_batch input whose dim 0 does not divide by the devices is kept whole
+    with a warning (`_whole_batch`)."""
     arrive: dict[str, Placed] = {}
     entry = []
     for key, info in graph.inputs.items():
@@ -152,6 +156,8 @@ def _input_state(
                     f"{p.device_num} devices (dataset strategy 'data_parallel': each rank passes "
                     f"its own rows); use a global batch divisible by {p.device_num}"
                 )
+            if warn and ndim:
+                _whole_batch(key, info.shape, p.device_num)
             arrive[key] = p.state[ref] = replicated(p.matrix, ndim)
             continue
         dp = data_parallel(p.matrix, ndim)
@@ -162,6 +168,21 @@ def _input_state(
             arrive[key] = dp
         p.state[ref] = dp
     return arrive, entry
+
+
+def _whole_batch(key: str, shape: Sequence[int], device_num: int) -> None:
+    """Warn that full_batch input `key` (global `shape`) stays whole: its dim 0 does not divide
+    by `device_num`."""
+    warnings.warn(
+        f"input {key}: dim 0 of global shape {list(shape)} ({shape[0]} rows) cannot be split "
+        f"over {device_num} devices (dataset strategy 'full_batch'), so semi_auto keeps it "
+        f"whole: the ops that read it run on all {shape[0]} rows on every rank (right results, "
+        f"no speed-up); use a global batch divisible by {device_num} (drop_last=True). An "
+        f"input whose dim 0 is not a batch is meant whole: give it the layout (1, ...) in a "
+        f"per-input dataset_strategy",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _param_layouts(

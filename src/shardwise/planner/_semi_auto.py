@@ -147,7 +147,7 @@ def setup(
     sources += [(f"parameter {n!r}'s declared layout", t.matrix.shape) for n, t in given.items()]
     matrix = _matrix(sources, device_num)
     p = Planner(graph, device_num, matrix)
-    arrive, entry = _input_state(p, graph, dataset)
+    arrive, entry = _input_state(p, graph, dataset, warn=not annotated_only)
     whole = read_whole(graph, prims)
     for key, dp in [e for e in entry if e[0] in whole]:  # (full_batch: kept whole, not cut)
         p.state[Ref("input", key)] = arrive[key]
