@@ -330,9 +330,12 @@ def _clip_grad() -> None:
     from shardwise._torch.clip_grad import (
         TORCH_CLIP_WITH_NORM,
         TORCH_TOTAL_NORM,
+        guard_clipping,
         total_norm_replaced,
     )
 
+    # (a level-1 hsdp engine put guards in front of the steps for good: `guard_clipping`)
+    in_place = torch.nn.utils.clip_grad._clip_grads_with_norm_, torch.nn.utils.get_total_norm
     t = torch.zeros(2, requires_grad=True)
     t.grad = torch.tensor([3.0, 4.0])
     assert float(TORCH_TOTAL_NORM([t.grad], 2.0, False, None)) == 5.0
@@ -357,12 +360,12 @@ def _clip_grad() -> None:
     with total_norm_replaced(lambda *a, **k: norm, scale):
         assert torch.nn.utils.clip_grad_norm_((p for p in [t]), 0.5) is norm
     assert len(scaled) == 1 and scaled[0][0][0] is t and scaled[0][1:] == (0.5, norm)
-    assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is TORCH_CLIP_WITH_NORM
+    assert torch.nn.utils.clip_grad._clip_grads_with_norm_ is in_place[0]
     # the two-step form's name on torch.nn.utils: torch's total norm, replaceable
-    assert torch.nn.utils.get_total_norm is TORCH_TOTAL_NORM
+    assert float(torch.nn.utils.get_total_norm([t.grad])) == float(TORCH_TOTAL_NORM([t.grad]))
     with total_norm_replaced(total, None, lambda *a, **k: norm):
         assert torch.nn.utils.get_total_norm([t.grad]) is norm
-    assert torch.nn.utils.get_total_norm is TORCH_TOTAL_NORM
+    assert torch.nn.utils.get_total_norm is in_place[1]
     # clip_grad_value_ groups the gradients with the module's function, looked up at call time
     grouped: list[object] = []
     t.grad = torch.tensor([3.0, 4.0])
@@ -376,6 +379,25 @@ def _clip_grad() -> None:
     assert len(grouped) == 1 and grouped[0][0][0] is t.grad and t.grad.tolist() == [3.0, 4.0]
     torch.nn.utils.clip_grad_value_([t], 0.5)  # (torch's own again)
     assert t.grad.tolist() == [0.5, 0.5]
+    # guards in front of every step, asked with the call's arguments (None: the step runs)
+    asked: list[tuple[str, int]] = []
+    active: list[bool] = []
+
+    def guard(step, args):  # type: ignore[no-untyped-def]
+        asked.append((step, len(args)))
+        return (lambda *a, **k: norm) if active and step == "total_norm" else None
+
+    guard_clipping(guard)
+    t.grad = torch.tensor([3.0, 4.0])
+    assert float(torch.nn.utils.clip_grad_norm_([t], 10.0)) == 5.0
+    assert ("total_norm", 4) in asked and ("scale", 4) in asked, asked
+    active.append(True)
+    assert torch.nn.utils.clip_grad_norm_([t], 10.0) is norm
+    torch.nn.utils.clip_grad_value_([t], 1.0)
+    assert ("group", 1) in asked and t.grad.tolist() == [1.0, 1.0]
+    assert abs(float(torch.nn.utils.get_total_norm([t.grad])) - 2**0.5) < 1e-6
+    assert ("public", 1) in asked
+    active.clear()
 
 
 def _checkpointing() -> None:

@@ -90,3 +90,53 @@ def test_clip_grad_value_is_refused_in_the_data_parallel_mode() -> None:
     t.grad = torch.tensor([3.0, -4.0])
     torch.nn.utils.clip_grad_value_([t], 1.0)  # (torch's own outside the call)
     assert t.grad.tolist() == [1.0, -1.0]
+
+
+def _module_form_level1(
+    net: nn.Module, world: Any
+) -> tuple[sw.AutoParallel, torch.optim.Optimizer]:
+    """The module form with hsdp level 1, after one ``loss.backward()`` in the user's loop
+    (the gradients held on the compute weights until the step; every ``.grad`` None)."""
+    x, y = DATA[0]
+    world.replicate(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    parallel = sw.AutoParallel(net, parallel_mode="semi_auto")
+    parallel.hsdp(threshold=0, optimizer_level="level1")
+    F.cross_entropy(parallel(world.rows(x)), world.rows(y)).backward()
+    assert net.get_parameter("0.weight").grad is None
+    return parallel, opt
+
+
+def test_torch_clipping_outside_the_call_at_level_1() -> None:
+    """The module form at level 1, the clipping in the user's loop: torch's clip_grad_norm_
+    returned tensor(0.) and clipped nothing, clip_grad_value_ raised torch's internal
+    ``Expected !nested_tensorlist[0].empty()``. Now clip_grad_norm_ reduces the held gradients
+    first and clips by one device's norm (the step after it equals one device's, one
+    ReduceScatter, none at the step), and clip_grad_value_ is a ValueError naming level 1, a
+    parameter and the fixes."""
+    x, y = DATA[0]
+    ref = make()
+    F.cross_entropy(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    net = make()
+    with simulated_world(2) as world:
+        parallel, opt = _module_form_level1(net, world)
+        with CommRecorder() as rec:
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            opt.step()
+        assert_matches_single_device(norm, want, what="the norm")
+        for name, p in net.named_parameters():
+            full = ref.get_parameter(name).detach()
+            assert_matches_single_device(p.detach(), shard_of(parallel, name, full), what=name)
+    assert rec.kinds().get(("ReduceScatter", "step", (0, 1)), 0) == 1, rec.summary()
+    other = make()
+    with simulated_world(2) as world:
+        _module_form_level1(other, world)
+        fixes = (
+            r"clip_grad_value_ outside the wrapped call with hsdp optimizer_level 'level1': "
+            r"parameter '0.weight''s gradient is held .*optimizer_level='level2' or 'level3'.*"
+            r"train-step form.*parallel.clip_grad_norm_"
+        )
+        with pytest.raises(ValueError, match=fixes):
+            torch.nn.utils.clip_grad_value_(other.parameters(), 0.02)

@@ -67,6 +67,20 @@ def test_alternatives_show_their_placements() -> None:
     assert all(" [" in line and " -> " in line for line in lines), lines
 
 
+def test_each_alternative_is_listed_once() -> None:
+    """A torch op whose all-whole strategy came both from its sharding rule and from the
+    run-it-whole fallback had two candidates placing everything alike (only the rule they came
+    from differed): explain listed ``((1, 1), (1, 1), (1,)) [(None, None), ...]`` twice. They
+    are one candidate now."""
+    from .test_propagation_parity import moe_propagated
+
+    parallel = moe_propagated()
+    for e in range(4):
+        lines = parallel.explain(f"experts.{e}/linear").splitlines()[1:]
+        placed = [line.split(":")[0] for line in lines]
+        assert len(lines) > 1 and len(set(placed)) == len(placed), lines
+
+
 def test_data_parallel_mode_says_it_has_no_operator_plan() -> None:
     """After training in data_parallel mode: no plan because the mode makes none (the message
     said "nothing planned yet; call the wrapper" though it had run)."""

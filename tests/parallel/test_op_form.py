@@ -414,3 +414,53 @@ def test_op_form_on_a_module_never_called_is_refused() -> None:
         )
         with pytest.raises(PlanError, match=match):
             parallel(world.rows(x), world.rows(y))
+
+
+@pytest.mark.parametrize(
+    ("make", "strategy", "x", "match"),
+    [
+        # a 3-D input with an entry per dim: it said "input 0 (x) has 2 dims" (it has 3) and
+        # named no module ("PlanError  (torch.nn.functional.linear ...")
+        (
+            lambda: nn.Linear(8, 8),
+            ((1, 1, 1), (2, 1)),
+            torch.randn(4, 3, 8),
+            r"^sw.shard on the top-level nn.Linear \(torch.nn.functional.linear at .*\): "
+            r"nn.Linear's op form takes 2 entries for input 0 \(x\): \(rows, in_features\) "
+            r"whatever the input's rank \(rows: its dim 0; this input has shape \[4, 3, 8\]\); "
+            r"its strategy \(1, 1, 1\) has 3; give 2, e.g. \(1, 1\)",
+        ),
+        (
+            lambda: nn.Linear(8, 8),
+            ((2, 1), (1, 1, 1)),
+            torch.randn(4, 3, 8),
+            r"nn.Linear's op form takes 2 entries for input 1 \(weight\): "
+            r"\(out_features, in_features\); its strategy \(1, 1, 1\) has 3",
+        ),
+        (
+            lambda: nn.Embedding(16, 8),
+            ((2, 1, 1), (1, 1)),
+            torch.randint(0, 16, (4, 3)),
+            r"^sw.shard on the top-level nn.Embedding \(torch.nn.functional.embedding at .*\): "
+            r"input 0 \(ids\) has 2 dims but its strategy \(2, 1, 1\) has 3 values",
+        ),
+    ],
+)
+def test_op_form_entry_counts_name_the_reading_and_the_module(
+    make: object, strategy: tuple, x: torch.Tensor, match: str
+) -> None:
+    torch.manual_seed(0)
+    module = make()  # type: ignore[operator]
+    y = torch.randn(4, 3, 8)
+    with simulated_world(2) as world:
+        sw.shard(module, in_strategy=strategy)
+        world.replicate(module)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(module(a), b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with pytest.raises(PlanError, match=match):
+            parallel(world.rows(x), world.rows(y))

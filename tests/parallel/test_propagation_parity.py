@@ -389,3 +389,75 @@ def test_hugging_face_llama_mlp_takes_megatron_from_two_annotations() -> None:
         ("ReduceScatter", (0, 1)): 1,
         ("AllReduce", (0, 1, 2, 3)): 1,
     }, forward
+
+
+class SortedMoE(torch.nn.Module):
+    """A sorted-dispatch MoE: every expert reads ``x.index_select(0, token_index)`` (whole on
+    every rank), its outputs gathered by the router's top-k and added back with
+    ``index_add_``."""
+
+    def __init__(self, d: int = 8, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.k = k
+        self.router = torch.nn.Linear(d, experts, bias=False)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(experts)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        d = x.shape[1]
+        top_v, top_i = torch.topk(F.softmax(self.router(x), -1), self.k, -1)
+        token = torch.arange(x.shape[0]).repeat_interleave(self.k)
+        ys = torch.stack([ex(x.index_select(0, token)) for ex in self.experts], 1)
+        picked = torch.gather(ys, 1, top_i.reshape(-1, 1, 1).expand(-1, 1, d)).squeeze(1)
+        out = torch.zeros_like(x).index_add_(0, token, picked * top_v.reshape(-1, 1))
+        return F.mse_loss(out, y)
+
+
+def moe_propagated() -> AutoParallel:
+    """One step of `SortedMoE` under sharding_propagation, nothing annotated, on 2 ranks;
+    its loss and every gradient block checked against one device."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 8, generator=g)
+    ref = SortedMoE()
+    want = ref(x, y)
+    want.backward()
+    net = SortedMoE()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        grads: dict[str, torch.Tensor] = {}
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = net(a, b)
+            loss.backward()
+            grads.update({n: p.grad.detach().clone() for n, p in net.named_parameters()})
+            return loss
+
+        parallel = AutoParallel(step, parallel_mode="sharding_propagation")
+        loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+    plan = parallel.parallel_plan
+    assert plan is not None
+    for name, p in ref.named_parameters():
+        layout, shape = plan.param_layouts()[name]
+        assert p.grad is not None
+        full = p.grad
+        assert_matches_single_device(
+            grads[name], lambda r, f=full, a=layout, s=shape: f[a.local_slice(r, s)], what=name
+        )
+    return parallel
+
+
+def test_nothing_annotated_may_store_a_weight_split() -> None:
+    """docs/parallel.md: with nothing annotated the matrix is one axis and each op takes what
+    costs least on it (the docs said the plan is data parallel). The experts read an input
+    every rank holds whole, so each takes its contraction split (its AllReduce is the op's
+    own, not priced): the weights stored (None, g0), their gradients reduced over no axis;
+    the router, reading the split batch, stays data parallel. Equal to one device."""
+    parallel = moe_propagated()
+    plan = parallel.parallel_plan
+    assert plan is not None
+    layouts = {n: str(t.layout) for n, t in plan.params.items()}
+    assert all("(None, g0)" in layouts[f"experts.{e}.weight"] for e in range(4)), layouts
+    assert "(None, None)" in layouts["router.weight"], layouts
+    text = str(plan)
+    assert "bucket AllReduce over no axis (scaled only) fusion=-1: experts.3.weight" in text

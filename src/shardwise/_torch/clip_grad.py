@@ -10,6 +10,8 @@ The two-step form ``torch.nn.utils.get_total_norm`` (an alias of the first, look
 ``torch.nn.utils`` when called by that path; a name imported from there is torch's own) can be
 replaced too, and so can ``clip_grad._group_tensors_by_device_and_dtype``, which every function
 of the module (``clip_grad_value_`` too) calls on the gradients before it clips them.
+`guard_clipping` puts guards in front of these steps for good: each call first asks them for a
+function to run instead (none: the step runs as before).
 """
 
 from __future__ import annotations
@@ -26,6 +28,37 @@ TORCH_TOTAL_NORM: Callable[..., Any] = _clip_grad._get_total_norm
 
 TORCH_CLIP_WITH_NORM: Callable[..., Any] = _clip_grad._clip_grads_with_norm_
 """torch's own scaling: ``(parameters, max_norm, total_norm, foreach) -> None``."""
+
+
+Guard = Callable[[str, tuple[Any, ...]], Callable[..., Any] | None]
+"""``guard(step, args) -> instead | None``; `step`: ``"total_norm"``, ``"scale"``, ``"group"``
+(``_group_tensors_by_device_and_dtype``) or ``"public"`` (``torch.nn.utils.get_total_norm``)."""
+
+_GUARDS: list[Guard] = []
+
+
+def guard_clipping(guard: Guard) -> None:
+    """From now on every call of torch's clipping steps asks `guard` first (with the call's
+    positional arguments): the function it returns runs instead, or with None the step that is
+    in place (torch's, or a `total_norm_replaced` block's)."""
+    if not _GUARDS:
+        _clip_grad._get_total_norm = _guarded("total_norm", _clip_grad._get_total_norm)
+        _clip_grad._clip_grads_with_norm_ = _guarded("scale", _clip_grad._clip_grads_with_norm_)
+        _utils.get_total_norm = _guarded("public", _utils.get_total_norm)
+        group = _clip_grad._group_tensors_by_device_and_dtype  # type: ignore[attr-defined]
+        _clip_grad._group_tensors_by_device_and_dtype = _guarded("group", group)  # type: ignore[attr-defined]
+    _GUARDS.append(guard)
+
+
+def _guarded(step: str, step_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        for guard in _GUARDS:
+            instead = guard(step, args)
+            if instead is not None:
+                return instead(*args, **kwargs)
+        return step_fn(*args, **kwargs)
+
+    return guarded
 
 
 @contextmanager
@@ -58,4 +91,10 @@ def total_norm_replaced(
         _clip_grad._group_tensors_by_device_and_dtype = group  # type: ignore[attr-defined]
 
 
-__all__ = ["TORCH_CLIP_WITH_NORM", "TORCH_TOTAL_NORM", "total_norm_replaced"]
+__all__ = [
+    "TORCH_CLIP_WITH_NORM",
+    "TORCH_TOTAL_NORM",
+    "Guard",
+    "guard_clipping",
+    "total_norm_replaced",
+]

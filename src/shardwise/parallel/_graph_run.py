@@ -205,7 +205,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             cut_optimizer_state(self.network, self.optimizers, split)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
-            self.engine = start_engine(self.network, plan.matrix, buckets)
+            self.engine = start_engine(self.network, plan.matrix, buckets, self.clip_args)
             self.trainable = self._trainable()
         else:
             self._buckets(plan, buckets)

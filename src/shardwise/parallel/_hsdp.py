@@ -41,6 +41,7 @@ from shardwise.optim import (
 )
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._held_clip import ClipArgs, watch
 from shardwise.parallel._runtime import Shape, replicated_layout
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 from shardwise.planner import BucketPlan, Graph
@@ -124,12 +125,15 @@ def bucket_plans(plan: OptimizerPlan, matrix: DeviceMatrix) -> tuple[BucketPlan,
 
 
 def start_engine(
-    network: nn.Module, matrix: DeviceMatrix, plan: OptimizerPlan
+    network: nn.Module, matrix: DeviceMatrix, plan: OptimizerPlan, clip_args: ClipArgs
 ) -> OptimizerParallel:
     """Start optimizer parallel for `network` as `plan` (`optimizer_plan` with hsdp) says and
-    cut the shards (call once, after the op-level blocks are in place)."""
+    cut the shards (call once, after the op-level blocks are in place); at level 1 torch's
+    clipping outside a wrapped call sees the gradients it holds (`_held_clip.watch`; its
+    wrapper's `clip_args`)."""
     engine = OptimizerParallel(network, plan, matrix)
     engine.shard_parameters()
+    watch(engine, clip_args)
     return engine
 
 

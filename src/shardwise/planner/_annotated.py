@@ -77,7 +77,7 @@ def op_form(
     """
     assert node.strategy is not None
     shapes = [graph.info(r).shape for r in node.inputs]
-    who = f"sw.shard on {node.module} ({node.op} at {node.source})"
+    who = f"sw.shard on {_module_name(node)} ({node.op} at {node.source})"
     if node.op == LINEAR:
         return _linear(node.strategy, shapes, device_num, who)
     if node.op == EMBEDDING:
@@ -88,19 +88,29 @@ def op_form(
     )
 
 
+def _module_name(node: Node) -> str:
+    """The annotated module as messages name it: its path, or its kind when it is the top
+    level (the network itself, or a module the step calls that belongs to no network)."""
+    if node.module:
+        return node.module
+    kind = {LINEAR: "nn.Linear", EMBEDDING: "nn.Embedding"}.get(node.op, "module")
+    return f"the top-level {kind}"
+
+
 def _linear(
     strategy: Sequence[Any], shapes: Sequence[Shape], device_num: int, who: str
 ) -> tuple[DeviceMatrix, dict[int, TensorLayout]]:
     x, w = shapes[0], shapes[1]
     if len(x) < 2:
         raise AnnotationError(f"{who}: the op form needs an input of 2 or more dims, got {list(x)}")
+    _two_values_each(strategy, x, who)
     rows = 1
     for s in x[:-1]:
         rows *= s
     groups = _strided_weight_rows(strategy, who)
     plain = tuple(e.plain() if isinstance(e, TensorLayout) else e for e in strategy)
     mm = MatMul(transpose_b=True).shard(plain)
-    mm.module_path = who.removeprefix("sw.shard on ")
+    mm.module_path = who
     try:
         op = plan_primitive(mm, (rows, x[-1]), w, device_num=device_num)
     except ValueError as e:
@@ -116,6 +126,36 @@ def _linear(
         weight = TensorLayout(op.matrix, weight.dims, (groups, 1))
         weight.check(w, f"{who}: input 1 (weight)")
     return op.matrix, {0: TensorLayout(op.matrix, dims), 1: weight}
+
+
+def _two_values_each(strategy: Sequence[Any], x: Shape, who: str) -> None:
+    """nn.Linear's op form reads its input as ``(rows, in_features)`` whatever the input's
+    rank, and its weight as ``(out_features, in_features)``: two values per entry.
+
+    Raises:
+        AnnotationError: an entry of another length, naming the reading and the fix.
+    """
+    reads = (
+        f"input 0 (x): (rows, in_features) whatever the input's rank (rows: its dim 0; this "
+        f"input has shape {list(x)})",
+        "input 1 (weight): (out_features, in_features)",
+    )
+    for i, entry in enumerate(strategy[:2]):
+        plain = isinstance(entry, tuple | list)
+        n = len(entry) if plain else entry.ndim
+        if n == 2:
+            continue
+        fix = "give 2"
+        if plain and n > 2:
+            fix += f", e.g. {(entry[0], entry[-1])}"
+        raise AnnotationError(
+            f"{who}: nn.Linear's op form takes 2 entries for {reads[i]}; its strategy "
+            f"{_show(entry)} has {n}; {fix}"
+        )
+
+
+def _show(entry: Any) -> str:
+    return layout_call(entry) if isinstance(entry, TensorLayout) else str(tuple(entry))
 
 
 def _strided_weight_rows(strategy: Sequence[Any], who: str) -> int:

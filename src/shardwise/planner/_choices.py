@@ -56,6 +56,14 @@ BACKWARD_PASSES = 16
 """Most backward passes of `Choices.build` (a wanted placement travels one op per pass)."""
 
 
+def placed_key(c: Choice) -> tuple[int, tuple[Placements, ...], tuple[Placements, ...]]:
+    """What tells a node's candidates apart: a primitive's plan and the placements. Two of a
+    torch op that differ only in the rule they came from (DTensor's, or the run-it-whole
+    fallback, on the same placements) run alike and cost the same: one candidate (explain
+    listed both)."""
+    return id(c.plan), c.need, c.outs
+
+
 def value_placements(planner: Planner, shape: tuple[int, ...]) -> list[Placements]:
     """Every placement of a tensor of `shape` with each matrix axis replicating it or splitting
     one dim that divides (replicated first)."""
@@ -118,7 +126,7 @@ class Choices(_OneNode):
         self._fixed_reads: dict[Ref, list[tuple[int, int]]] | None = None  # (`_sibling_needs`)
         self._canonical: dict[tuple[Choice, int], Choice] = {}
         self._placements: dict[Placements, Placements] = {}
-        self._found_ids: dict[int, set[int]] = {}  # node -> ids of its choices
+        self._found_ids: dict[int, set[object]] = {}  # node -> its choices' `placed_key`s
         self._seen_ids: dict[Ref, set[int]] = {}  # value -> ids of its known placements
         self._grown: set[int] = set()  # nodes whose choices grew since the last `_wanted`
 
@@ -184,8 +192,8 @@ class Choices(_OneNode):
             before = len(found)
             ids = self._found_ids.setdefault(node.index, set())
             for c in self._node(node, wanted.get(node.index, [])):  # (canonical: `_canon`)
-                if id(c) not in ids:
-                    ids.add(id(c))
+                if placed_key(c) not in ids:  # (one of those placing it alike: the first)
+                    ids.add(placed_key(c))
                     found.append(c)
             if len(found) > before:
                 self._grown.add(node.index)

@@ -9,7 +9,8 @@
   the op and its global metadata; `_known_id`: the list of placements each input may have),
   so repeated layers cost a lookup.
 - `_OneNode._canon`: one object per distinct candidate and per distinct placement, so that
-  `Choices` compares them by identity.
+  `Choices` compares them by identity; a torch op's candidates placing everything alike are
+  one (`_choices.placed_key`: the rule they came from is only shown).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class _OneNode:
                 got = self._follow(node, have)
                 if isinstance(got, str):
                     why = why or got
-                elif all(got is not x for x in out):  # (canonical: `_canon`)
+                elif all((got.need, got.outs) != (x.need, x.outs) for x in out):
                     out.append(got)
             hit = self._torch[key] = (out, why)
         if hit[1] is not None:
