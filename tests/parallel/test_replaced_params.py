@@ -40,7 +40,7 @@ def replacement(how: str) -> Any:
         return nn.Linear(16, 4)
     if how == "assign":
         return {k: torch.randn_like(v) for k, v in build().state_dict().items()}
-    return torch.randn(16, 8) if how == "split" else torch.randn(4, 16)
+    return torch.randn(16, 8) if how.startswith("split") else torch.randn(4, 16)
 
 
 def replace(net: nn.Sequential, how: str, new: Any) -> None:
@@ -48,16 +48,22 @@ def replace(net: nn.Sequential, how: str, new: Any) -> None:
         net[2] = new
     elif how == "parameter":
         net[2].weight = nn.Parameter(new)
-    elif how == "split":
+    elif how.startswith("split"):
         net[0].weight = nn.Parameter(new)
     else:
         net.load_state_dict(new, assign=True)
 
 
+def optimizer(net: nn.Module, how: str) -> torch.optim.Optimizer:
+    if how == "split-adagrad":  # (state made at construction, global-shaped: cut before a step)
+        return torch.optim.Adagrad(net.parameters(), lr=0.1, initial_accumulator_value=0.1)
+    return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
 def train(net: nn.Sequential, how: str, new: Any, call: Any, grads: list[Any]) -> list[Any]:
     """Each call's loss; part of `net` replaced before the second call, and a new optimizer
-    made over the parameters then (as a user does)."""
-    box = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)]
+    made over the parameters then (as a user does), held in a list the step reads."""
+    box = [optimizer(net, how)]
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(net(x), y)
@@ -72,14 +78,20 @@ def train(net: nn.Sequential, how: str, new: Any, call: Any, grads: list[Any]) -
     for i, (x, y) in enumerate(DATA):
         if i == 1:
             replace(net, how, new)
-            box[0] = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            box[0] = optimizer(net, how)
         out.append(wrapped(x, y))
     return out
 
 
 @pytest.mark.parametrize(
     ("how", "ranks", "megatron"),
-    [("module", 2, False), ("parameter", 4, True), ("split", 4, True), ("assign", 2, False)],
+    [
+        ("module", 2, False),
+        ("parameter", 4, True),
+        ("split", 4, True),
+        ("split-adagrad", 4, True),
+        ("assign", 2, False),
+    ],
 )
 def test_a_replaced_parameter_trains_as_on_one_device(how: str, ranks: int, megatron: bool) -> None:
     want: list[dict[str, torch.Tensor]] = []
@@ -140,5 +152,53 @@ def test_a_replaced_parameter_under_optimizer_parallel_is_refused(level: str) ->
         x, y = DATA[0]
         parallel(world.rows(x), world.rows(y))
         net[2].weight = nn.Parameter(new)
-        with pytest.raises(ValueError, match=r"'2\.weight' were replaced.*hsdp\(\).*in place"):
-            parallel(world.rows(x), world.rows(y))
+        for _ in range(2):  # (refused again at the next call: nothing changed)
+            with pytest.raises(ValueError, match=r"'2\.weight' were replaced.*hsdp\(\).*in place"):
+                parallel(world.rows(x), world.rows(y))
+
+
+@pytest.mark.parametrize("tie", ["to-split", "from-split"])
+def test_weights_tied_after_the_first_call_train_as_on_one_device(tie: str) -> None:
+    """A tie made between calls: a split weight dropped for another (its name gone from the
+    parameters), or a known parameter object under a new name (no new object at all)."""
+
+    def build(split: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        if split:
+            sw.shard(net[2 if tie == "to-split" else 0], in_strategy=((2, 1), (2, 1)))
+        return net
+
+    def run(net: nn.Sequential, call: Any) -> list[Any]:
+        box = [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            box[0].step()
+            box[0].zero_grad()
+            return loss
+
+        wrapped, out = call(step), []
+        for i, (x, _) in enumerate(DATA):
+            if i == 1:
+                if tie == "to-split":
+                    net[2].weight = net[0].weight
+                else:
+                    net[0].weight = net[2].weight
+                box[0] = torch.optim.SGD(net.parameters(), lr=0.1)
+            out.append(wrapped(x, (x.abs().argmax(1))))
+        return out
+
+    want = run(build(False), lambda step: step)
+    net = build(True)
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def call(step: Any) -> Any:
+            parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+            return lambda x, y: parallel(world.rows(x), world.rows(y))
+
+        got = run(net, call)
+        for i, (loss, want_loss) in enumerate(zip(got, want, strict=True)):
+            assert_matches_single_device(loss, want_loss, what=f"loss {i}")

@@ -71,6 +71,8 @@ class GradPlanning:
     rnns: list[nn.RNNBase]
     blocks: bool
     registered = -1  # (`registrations()` when the parameters were last listed)
+    watched_names: list[str]
+    pending_cut: dict[str, Any]
     _replan: Callable[..., None]
 
     @property
@@ -110,17 +112,21 @@ class GradPlanning:
         self.trainable = now
         self.grads_equal = dict(plan.equal_grads)
 
-    def _trainable(self) -> tuple[bool, ...]:
-        """Whether each of the network's parameters requires a gradient, in parameter order
-        (the parameters listed once: a walk of the modules on every call costs far more)."""
+    def _listed(self) -> None:
+        """The network's parameters and their names, listed once (a walk of the modules on
+        every call costs far more; listed again when parameters are replaced: `_replaced`)."""
         if not self.watched:
-            self.watched = list(self.network.parameters())
+            named = list(self.network.named_parameters())
+            self.watched, self.watched_names = [p for _, p in named], [n for n, _ in named]
+
+    def _trainable(self) -> tuple[bool, ...]:
+        """Whether each of the network's parameters requires a gradient, in parameter order."""
+        self._listed()
         return tuple(p.requires_grad for p in self.watched)
 
     def _kinds(self) -> tuple[tuple[torch.dtype, torch.device], ...]:
         """Each parameter's dtype and device, in parameter order."""
-        if not self.watched:
-            self.watched = list(self.network.parameters())
+        self._listed()
         return tuple(map(_KIND, self.watched))
 
     def _moved(self) -> str | None:
@@ -141,21 +147,38 @@ class GradPlanning:
         """Plan the call again when parameters were replaced since the plan (see the module
         docstring); nothing to do, in one integer comparison, when no module or parameter was
         registered anywhere since the last call."""
-        if registrations() == self.registered or self.parallel_plan is None:
+        count = registrations()
+        if count == self.registered or self.parallel_plan is None:
             return
-        self.registered = registrations()
-        self._trainable()  # (`watched` listed)
-        names, now = replaced_names(self.network, self.watched)
-        gone = set(self.stored_plan.params) - {n for n, _ in self.network.named_parameters()}
-        if not names and not gone:
-            return
-        if self.engine is not None:
-            check_replaced(names or sorted(gone))
-        self.watched = now
-        stored = fresh_storage(self.stored_plan, self.network, [*names, *gone])
-        self._replan(args, kwargs, f"replaced parameters {names or sorted(gone)}", stored)
+        self._listed()
+        names, now = replaced_names(self.network, self.watched, self.watched_names)
+        gone = set(self.stored_plan.params) - {n for n, _ in now}
+        if names or gone:
+            if self.engine is not None:  # (refused again at the next call: nothing changed)
+                check_replaced(names or sorted(gone))
+            self._adopt(args, kwargs, names, sorted(gone), now)
+        self.registered = count
+
+    def _adopt(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        names: list[str],
+        gone: list[str],
+        now: list[tuple[str, nn.Parameter]],
+    ) -> None:
+        """The call planned again for the replaced parameters `names` (and the `gone` ones),
+        a new value of a split parameter's global shape cut to this rank's block."""
+        before = self.watched, self.watched_names
+        self.watched, self.watched_names = [p for _, p in now], [n for n, _ in now]
+        try:
+            stored = fresh_storage(self.stored_plan, self.network, [*names, *gone])
+            self._replan(args, kwargs, f"replaced parameters {names or gone}", stored)
+        except BaseException:
+            self.watched, self.watched_names = before  # (tried again at the next call)
+            raise
         assert self.parallel_plan is not None
-        values = dict(self.network.named_parameters())
+        values = dict(now)
         split = {  # (a new value of the global shape cut to this rank's block)
             n: (layout, shape)
             for n, (layout, shape) in self.parallel_plan.param_layouts().items()
@@ -163,6 +186,7 @@ class GradPlanning:
         }
         shard_parameters(self.network, split)
         cut_optimizer_state(self.network, self.optimizers, split)
+        self.pending_cut = {**self.pending_cut, **split}  # (a new optimizer's: `StepHooks`)
         self.blocks = self.blocks or bool(split)
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
         self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]

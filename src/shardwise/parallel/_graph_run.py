@@ -84,7 +84,6 @@ from shardwise.parallel._network_hooks import (
 )
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
-from shardwise.parallel._ownership import CopiedHooks, copied
 from shardwise.parallel._rnn_checks import rows_hidden_checks
 from shardwise.parallel._runtime import cut_optimizer_state, shard_parameters
 from shardwise.parallel._same_inputs import check_same_inputs
@@ -203,6 +202,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             split = {n: v for n, v in stored.items() if v[0].used_axes()}
             shard_parameters(self.network, split)
             cut_optimizer_state(self.network, self.optimizers, split)
+            self.pending_cut = split  # (an optimizer not found by then: `StepHooks`)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
             self.engine = start_engine(self.network, plan.matrix, buckets, self.clip_args)
@@ -211,15 +211,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self._buckets(plan, buckets)
         self.kinds = self._kinds()  # (changed later: planned again, `_moved`)
         return plan
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """A deep copy of the network copies its hooks, methods of this object: they are bound
-        to a `CopiedHooks` instead (the copy is not planned, nor is this run copied), and the
-        copy's blocks are recorded as stored by this plan (its checkpoint describes them)."""
-        copy = memo.get(id(self.network))
-        if isinstance(copy, nn.Module) and self.blocks:
-            copied(copy, self.network)
-        return CopiedHooks(self.blocks)
 
     @contextmanager
     def _capturing(self) -> Iterator[None]:

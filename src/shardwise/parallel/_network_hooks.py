@@ -25,7 +25,8 @@ from shardwise.ops._spec_checks import fmt_strategy
 from shardwise.planner._graph import Graph, op_strategy
 
 if TYPE_CHECKING:
-    from shardwise.parallel._executor import PlanExecutor
+    from shardwise.parallel._ownership import CopiedHooks, copied
+from shardwise.parallel._executor import PlanExecutor
 
 
 class NetworkHooks:
@@ -35,6 +36,16 @@ class NetworkHooks:
     executor: PlanExecutor | None
     capturing: bool
     blocks: bool
+    network: nn.Module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy of the network copies its hooks, methods of this object: they are bound
+        to a `CopiedHooks` instead (the copy is not planned, nor is this run copied), and the
+        copy's blocks are recorded as stored by this plan (its checkpoint describes them)."""
+        copy = memo.get(id(self.network))
+        if isinstance(copy, nn.Module) and self.blocks:
+            copied(copy, self.network)
+        return CopiedHooks(self.blocks)
 
     def _network_called(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """Tell the running executor that the network's forward begins (`_spans`); refuse a

@@ -4,8 +4,9 @@
 - `registrations`: how many parameters and modules have been registered on any module in this
   process (torch's global registration hooks count them), so a call finds out in one integer
   comparison that nothing was replaced since the last;
-- `replaced_names`: the names of the network's parameters that are not the objects a run
-  planned with (new, or another object under an old name), when something was registered;
+- `replaced_names`: the names under which the network holds other parameter objects than a
+  run planned with (new objects, or a known one under another name), when something was
+  registered;
 - `fresh_storage`: the plan's parameter storage without them, so that the next plan takes
   their shapes from the tensors (a value of another shape, a new module) and their layouts
   anew, a value in the old block's shape kept as this rank's block;
@@ -44,12 +45,14 @@ def registrations() -> int:
 
 
 def replaced_names(
-    network: nn.Module, watched: Sequence[nn.Parameter]
-) -> tuple[list[str], list[nn.Parameter]]:
-    """(The names of `network`'s parameters that are not among `watched`, the parameters now)."""
+    network: nn.Module, watched: Sequence[nn.Parameter], names: Sequence[str]
+) -> tuple[list[str], list[tuple[str, nn.Parameter]]]:
+    """(The names under which `network` now holds another parameter object than `watched`
+    held under `names`: a new object, or a known one under another name (a tie made since),
+    the named parameters now)."""
     named = list(network.named_parameters())
-    known = {id(p) for p in watched}
-    return [n for n, p in named if id(p) not in known], [p for _, p in named]
+    before = {(n, id(p)) for n, p in zip(names, watched, strict=True)}
+    return [n for n, p in named if (n, id(p)) not in before], named
 
 
 def fresh_storage(plan: ParallelPlan, network: nn.Module, names: Sequence[str]) -> ParallelPlan:
@@ -60,7 +63,11 @@ def fresh_storage(plan: ParallelPlan, network: nn.Module, names: Sequence[str]) 
     for name, stored in plan.params.items():
         if name in names:
             block = stored.layout.local_shape(stored.shape)
-            if not stored.layout.used_axes() or tuple(values[name].shape) != tuple(block):
+            if (
+                name not in values
+                or not stored.layout.used_axes()
+                or tuple(values[name].shape) != tuple(block)
+            ):
                 continue
         keep[name] = stored
     return dataclasses.replace(plan, params=keep)

@@ -5,7 +5,9 @@ steps without a closure).
 - `StepHooks._step_hooks`: registers torch's global optimizer step pre / post hooks, holding the
   run only weakly (a dropped wrapper frees its network; the hooks go with it);
 - `StepHooks._step_starts` / `_step_ends`: forward the step to the running executor, with
-  whether the step has a closure (which re-runs the network, and is watched).
+  whether the step has a closure (which re-runs the network, and is watched); before the first
+  step of an optimizer over parameters replaced since the plan and cut to their blocks, its
+  state made at construction cut like them (`_cut_new_state`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import weakref
 from typing import Any
 
 from shardwise.optim._global_hooks import register_post, register_pre, remove_later
+from shardwise.parallel._runtime import cut_optimizer_state
 
 
 class StepHooks:
@@ -22,6 +25,8 @@ class StepHooks:
 
     executor: Any
     hooks: list[Any]
+    network: Any
+    pending_cut: dict[str, Any] = {}  # (replaced parameters cut since: `_cut_new_state`)  # noqa: RUF012
 
     def _step_hooks(self) -> None:
         """Global optimizer step hooks (`_step_starts` / `_step_ends`) that hold this run only
@@ -43,6 +48,8 @@ class StepHooks:
         self.hooks += handles
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.pending_cut:
+            self._cut_new_state(optimizer)
         if self.executor is not None:
             # (torch passes the optimizer itself as args[0])
             closure = (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
@@ -51,3 +58,15 @@ class StepHooks:
     def _step_ends(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.executor is not None:
             self.executor.step_ends(optimizer)
+
+    def _cut_new_state(self, optimizer: Any) -> None:
+        """Before an optimizer's step, the state it made at construction (``Adagrad``'s ``sum``)
+        for parameters replaced by a global value and cut to their blocks since
+        (`pending_cut`, from `_grad_plan.GradPlanning._replaced`) cut like them."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        names = {
+            n for n, p in self.network.named_parameters() if id(p) in held and n in self.pending_cut
+        }
+        if names:
+            cut_optimizer_state(self.network, [optimizer], {n: self.pending_cut[n] for n in names})
+            self.pending_cut = {n: v for n, v in self.pending_cut.items() if n not in names}

@@ -23,12 +23,13 @@ in sharding propagation); nothing needs to be annotated.
    (an ILP row; a plan that cannot is a `PlanError` naming a lower bound of the memory any
    plan needs).
 4. `_solve.solve` per matrix (exact; repeated layers tied, `_tie.solve_tied`, so they decide
-   alike and the problem does not grow with depth); `_semi_auto.walk` builds each matrix's
-   plan (mode ``"recursive_programming"``), with `_explain` explanations.
-5. Without annotations the matrices' plans are compared by their whole training step
-   (`step_cost`: the backward's collectives as the executor runs them, which the per-matrix
-   cost only approximates, the gradient buckets and the optimizer's update) plus their
-   memory's price, and the cheapest is returned.
+   alike and the problem does not grow with depth), the cheapest matrix wins;
+   `_semi_auto.walk` builds the plan (mode ``"recursive_programming"``), with `_explain`
+   explanations.
+5. For a train step (a graph with a backward) without annotations, every matrix's plan is
+   built instead and the plans compared by their whole training step (`step_cost`: the
+   backward's collectives as the executor runs them, which the per-matrix cost only
+   approximates, the gradient buckets and the optimizer's update) plus their memory's price.
 
 `plan_cost` prices any `ParallelPlan` of the graph by the same model (the data-parallel one,
 a hand-written Megatron one, a propagated one), so plans compare side by side; for a graph without a
@@ -308,7 +309,7 @@ def plan_recursive_programming(
         model=model,
         state_per_element=state_per_element,
     )
-    if len(found.runs) == 1:
+    if len(found.runs) == 1 or not graph.roots:  # (no backward: the search's own cost)
         return build_plan(graph, found.run, mode="recursive_programming")
     plans = [build_plan(graph, run, mode="recursive_programming") for run in found.runs.values()]
     return min(plans, key=lambda plan: _step_price(plan, model))
