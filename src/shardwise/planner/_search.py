@@ -210,7 +210,6 @@ def search(
     cap = runtime.get_memory()
     annotated = _annotated(graph, param_layouts, dataset, extra_matrices)
     shapes = [()] if annotated else matrix_shapes(device_num)
-    best: tuple[float, Propagation] | None = None
     totals: dict[Shape, float] = {}
     runs: dict[Shape, Propagation] = {}
     least: int | None = None
@@ -237,16 +236,17 @@ def search(
         fixed = fixed_variables(graph, s, variables)
         run = Propagation(s, choices, problem, variables, assignment, how, fixed)
         runs[s.planner.matrix.shape] = run
-        if best is None or cost < best[0]:
-            best = (cost, run)
-    if best is None:
-        raise PlanError(
-            f"recursive_programming: no plan fits the set_memory cap of "
-            f"{runtime.format_size(cap or 0)}: any plan needs at least "
-            f"{runtime.format_size(least or 0)} on a rank (the least memory of each op's and "
-            f"parameter's strategies summed); raise the cap or use more devices"
-        )
-    return Searched(best[1], totals, runs)
+    if not runs:
+        raise _over_cap(cap or 0, least or 0)
+    return Searched(runs[min(totals, key=totals.__getitem__)], totals, runs)
+
+
+def _over_cap(cap: int, least: int) -> PlanError:
+    return PlanError(
+        f"recursive_programming: no plan fits the set_memory cap of {runtime.format_size(cap)}: "
+        f"any plan needs at least {runtime.format_size(least)} on a rank (the least memory of "
+        f"each op's and parameter's strategies summed); raise the cap or use more devices"
+    )
 
 
 def _annotated(
