@@ -41,13 +41,20 @@ def guard_clipping(guard: Guard) -> None:
     """From now on every call of torch's clipping steps asks `guard` first (with the call's
     positional arguments): the function it returns runs instead, or with None the step that is
     in place (torch's, or a `total_norm_replaced` block's)."""
-    if not _GUARDS:
-        _clip_grad._get_total_norm = _guarded("total_norm", _clip_grad._get_total_norm)
-        _clip_grad._clip_grads_with_norm_ = _guarded("scale", _clip_grad._clip_grads_with_norm_)
-        _utils.get_total_norm = _guarded("public", _utils.get_total_norm)
-        group = _clip_grad._group_tensors_by_device_and_dtype  # type: ignore[attr-defined]
-        _clip_grad._group_tensors_by_device_and_dtype = _guarded("group", group)  # type: ignore[attr-defined]
     _GUARDS.append(guard)
+    _install()
+
+
+def _install() -> None:
+    """The guards in front of the clipping steps in place (again after a `total_norm_replaced`
+    block that began before the first guard restored unguarded ones)."""
+    if not _GUARDS or getattr(_clip_grad._get_total_norm, "guarded", False):
+        return
+    _clip_grad._get_total_norm = _guarded("total_norm", _clip_grad._get_total_norm)
+    _clip_grad._clip_grads_with_norm_ = _guarded("scale", _clip_grad._clip_grads_with_norm_)
+    _utils.get_total_norm = _guarded("public", _utils.get_total_norm)
+    group = _clip_grad._group_tensors_by_device_and_dtype  # type: ignore[attr-defined]
+    _clip_grad._group_tensors_by_device_and_dtype = _guarded("group", group)  # type: ignore[attr-defined]
 
 
 def _guarded(step: str, step_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,6 +65,7 @@ def _guarded(step: str, step_fn: Callable[..., Any]) -> Callable[..., Any]:
                 return instead(*args, **kwargs)
         return step_fn(*args, **kwargs)
 
+    guarded.guarded = True  # type: ignore[attr-defined]
     return guarded
 
 
@@ -89,6 +97,7 @@ def total_norm_replaced(
         _clip_grad._get_total_norm, _clip_grad._clip_grads_with_norm_ = before
         _utils.get_total_norm = public
         _clip_grad._group_tensors_by_device_and_dtype = group  # type: ignore[attr-defined]
+        _install()
 
 
 __all__ = [
