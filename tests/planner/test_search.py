@@ -253,7 +253,7 @@ def _nanogpt_step(width: int, batch: int):  # type: ignore[no-untyped-def]
     from shardwise.testing.nanogpt import GPT2, GPT2Config
 
     torch.manual_seed(0)
-    net = GPT2(GPT2Config(n_layer=2, n_embd=width, n_head=4, vocab_size=512, block_size=64))
+    net = GPT2(GPT2Config(n_layer=1, n_embd=width, n_head=4, vocab_size=512, block_size=64))
     opt = torch.optim.AdamW(net.parameters())
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -269,11 +269,12 @@ def _nanogpt_step(width: int, batch: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(("width", "batch"), [(256, 16), (2048, 8)])
 def test_a_train_steps_search_prices_its_backward(width: int, batch: int) -> None:
-    """The search priced one forward only: on a 2-layer nanoGPT (width 256, batch 16) at 8
-    devices it took a (4, 2) plan with 42 collectives a step whose estimated step was slower
-    than data parallel's; a train step's moves are priced with their backward adjoints and the
-    matrices' plans compared by `step_cost`: data parallel there, and still model parallel
-    where data parallel's gradient AllReduce dominates (width 2048, batch 8)."""
+    """The search priced one forward only: on a 1-layer nanoGPT (width 256, batch 16) at 8
+    devices it took a (4, 2) plan with 24 collectives a step whose estimated step was slower
+    than data parallel's (2.84 against 2.72 ms); a train step's moves are priced with their
+    backward adjoints and the matrices' plans compared by `step_cost`: data parallel there, and
+    still model parallel where data parallel's gradient AllReduce dominates (width 2048,
+    batch 8)."""
     g = _nanogpt_step(width, batch)
     model = CostModel()
     searched, dp = plan_recursive_programming(g, 8, model=model), plan_semi_auto(g, 8)
