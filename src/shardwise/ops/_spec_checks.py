@@ -140,7 +140,7 @@ def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: s
             if _key(entry, d) != _key(strategy[j], e):
                 role = f" ({spec.roles[lg]})" if lg in spec.roles else ""
                 other = strategy[j]
-                fix = f"the same axes as {_input(spec, j)} dim {e}"
+                fix = f"the same axes, in the same order, as {_input(spec, j)} dim {e}"
                 if all(isinstance(x, tuple) for x in strategy):  # (either way round: one may
                     on_axis = [  # fit fewer devices; every dim on this axis alike)
                         (k, dd)
