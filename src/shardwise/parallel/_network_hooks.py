@@ -22,11 +22,11 @@ from torch import nn
 
 from shardwise.ops import Primitive
 from shardwise.ops._spec_checks import fmt_strategy
+from shardwise.parallel._ownership import CopiedHooks, copied
 from shardwise.planner._graph import Graph, op_strategy
 
 if TYPE_CHECKING:
-    from shardwise.parallel._ownership import CopiedHooks, copied
-from shardwise.parallel._executor import PlanExecutor
+    from shardwise.parallel._executor import PlanExecutor
 
 
 class NetworkHooks:
