@@ -48,6 +48,7 @@ from shardwise.parallel._context import (
 from shardwise.parallel._discover import agree_scalers, find_referenced, pick_network
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
+from shardwise.parallel._nested import running
 from shardwise.parallel._observe import notify_unplanned
 from shardwise.parallel._ownership import stored, take_over
 from shardwise.parallel._reading import PlanReading
@@ -315,11 +316,12 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
                 "one step that branches on a flag, step(x, y, train=False); docs/parallel.md, "
                 "'Training and evaluation in one step')"
             )
-        if self.parallel_mode == "data_parallel":
-            return self._data_parallel(*inputs, **kwargs)
-        if self._graph is None:
-            self._graph = self._plan_graph(inputs, kwargs)
-        return self._graph(inputs, kwargs)
+        with running(self):
+            if self.parallel_mode == "data_parallel":
+                return self._data_parallel(*inputs, **kwargs)
+            if self._graph is None:
+                self._graph = self._plan_graph(inputs, kwargs)
+            return self._graph(inputs, kwargs)
 
     def _plan_graph(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> GraphRun:
         """Capture and plan the network (or train step) on its first call."""

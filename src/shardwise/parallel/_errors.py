@@ -1,12 +1,13 @@
 """Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
 `replanned_call_differs` (why a call differs from the plan captured from it: a primitive made
 inside ``forward``, a Python loop or branch on a split tensor's local shape) and `note_blocks`
-(what torch's size mismatch with a parameter stored as a block means)."""
+(what torch's size mismatch with a parameter stored as a block means: `frozen_note` when a
+frozen parameter met a trainable one of its shape stored otherwise, an EMA teacher)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -95,9 +96,11 @@ def note_blocks(error: RuntimeError, plan: ParallelPlan | None, network: nn.Modu
     when it applies."""
     if plan is None:
         return
-    params = network.named_parameters()
-    stored = {n: (plan.params[n].shape, p.shape) for n, p in params if n in plan.params}
-    note = block_note(stored, str(error))
+    params = [(n, p) for n, p in network.named_parameters() if n in plan.params]
+    stored = {n: (plan.params[n].shape, p.shape) for n, p in params}
+    blocks = {n: plan.params[n].layout.local_shape(plan.params[n].shape) for n, _ in params}
+    frozen = [n for n, p in params if not p.requires_grad]  # (in the network's order)
+    note = frozen_note(stored, blocks, frozen, str(error)) or block_note(stored, str(error))
     if note is not None:
         error.add_note(note)
 
@@ -123,4 +126,49 @@ def block_note(shapes: Mapping[str, tuple[Shape, Shape]], message: str) -> str |
                     "copies after the first call, so that each rank keeps and updates its own "
                     "block"
                 )
+    return None
+
+
+def frozen_note(
+    shapes: Mapping[str, tuple[Shape, Shape]],
+    blocks: Mapping[str, Shape],
+    frozen: Sequence[str],
+    message: str,
+) -> str | None:
+    """A note for torch's size-mismatch error `message` when its two sizes are one dim of a
+    frozen parameter and of a trainable one of the same global shape that this rank stores
+    otherwise (`shapes`: name -> (global, stored); `blocks`: name -> its op-level block): a
+    frozen copy updated from the trainable one (an EMA teacher inside the network) met its
+    hsdp shard (optimizer parallel shards only parameters that require grad) or a block its
+    own strategy cut. None otherwise."""
+    found = _SIZES.search(message)
+    if found is None:
+        return None
+    sizes = {int(found[1]), int(found[2])}
+    for f in frozen:
+        shape, kept = shapes[f]
+        for name, (other, local) in shapes.items():
+            if name in frozen or tuple(other) != tuple(shape):
+                continue
+            if not any(a != b and sizes == {a, b} for a, b in zip(kept, local, strict=False)):
+                continue
+            fixes = []
+            if tuple(blocks[f]) != tuple(blocks[name]):
+                fixes.append(f"give {f}'s module the sharding strategy {name}'s carries")
+            if tuple(local) != tuple(blocks[name]) and tuple(kept) == tuple(blocks[f]):
+                fixes.append(
+                    f"let the frozen copy's parameters ({f} ...) require grad, in no optimizer "
+                    f"and run under torch.no_grad() (they get no gradient; hsdp shards them as "
+                    f"it shards {name}, and the update runs shard by shard as one device's), "
+                    f"or train without hsdp"
+                )
+            return (
+                f"shardwise: {f} needs no gradient and each rank stores it as {list(kept)} of "
+                f"the global {list(shape)}, but {name}, of the same global shape, as "
+                f"{list(local)} (optimizer parallel, hsdp, shards only parameters that require "
+                f"grad; a sharding strategy splits only its own module's). Updating the frozen "
+                f"one from the trainable one (an EMA teacher: tp.mul_(m).add_(sp, alpha=1 - m) "
+                f"after opt.step()) meets this rank's part of it. Store them alike: "
+                + "; and ".join(fixes)
+            )
     return None

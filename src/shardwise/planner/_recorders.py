@@ -6,7 +6,8 @@
 - `_State`: what the recorders share during one capture: the value each tensor is (`ref`:
   an unknown tensor becomes a constant), the module path stack, the nodes so far (`add_node`:
   one `Node` with its name, inputs, outputs, aten program, source line and op-form strategy).
-- `_Recorder`: the ``TorchFunctionMode`` making one node per torch-level call; it raises
+- `_Recorder`: the ``TorchFunctionMode`` making one node per torch-level call (a constant
+  runs as its value on this process's first rank: `_consts.one_values`); it raises
   `CaptureError` at a value read or a data-dependent output shape and `_StopCapture` at
   ``backward()``.
 - `_AtenRecorder`: the ``TorchDispatchMode`` under it listing the aten ops the running call
@@ -34,6 +35,7 @@ from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import _flat as flat
 from shardwise.planner._call_kinds import creates_graph, keeps_graph, record_kind
+from shardwise.planner._consts import one_values
 from shardwise.planner._functions import function_of
 from shardwise.planner._graph import (
     AtenArg,
@@ -296,6 +298,9 @@ class _Recorder(TorchFunctionMode):
                 "(on fake tensors, which it cannot copy); copy it with t.detach().clone()"
             )
         ins, template = _tensors((args, kw))
+        if any(id(t) not in s.known for t in ins):  # (constants: each as one value)
+            args, kw = one_values(args, kw, [t for t in ins if id(t) not in s.known])
+            ins, template = _tensors((args, kw))
         if s.differentiated and any(t is d for t in ins for d in s.differentiated):
             raise CaptureError(
                 f"{resolve_name(func) or func} at {source_line()} computes with gradients that "
