@@ -6,9 +6,10 @@
   per-rank weights were captured as per-rank tensors, so its ops were planned unsplit yet ran on
   each rank's rows: a batch mean of its output was each rank's own (a silently wrong loss,
   different per rank), ``F.mse_loss(out, t)`` torch's size mismatch.
-- A teacher wrapped in its own AutoParallel and called inside the student's wrapped step is
-  refused with a ValueError naming both wrappers and the fix (one container as ``network=``);
-  it failed inside the capture, at torch's DeviceMesh reading a fake tensor.
+- A teacher wrapped in its own AutoParallel and called inside the student's planned wrapped step
+  is refused with a ValueError naming both wrappers and the fix (one container as
+  ``network=``); it failed inside the capture, at torch's DeviceMesh reading a fake tensor.
+  Inside a data_parallel-mode step (run as written) it runs as alone.
 - An EMA teacher inside the network (frozen, updated from the student after ``opt.step()``)
   under hsdp meets the student's shards (only parameters that require grad are sharded):
   torch's size mismatch now carries a note naming both parameters and the fix; with that fix
@@ -101,6 +102,24 @@ def test_a_frozen_teacher_outside_the_network_trains_as_one_device(
         for name, p in student.named_parameters():
             got_p = student2.get_parameter(name).detach()
             assert_matches_single_device(got_p, block(name, p.detach()), what=name)
+
+
+@pytest.mark.parametrize("inner_mode", ["data_parallel", "semi_auto"])
+def test_a_wrapped_teacher_inside_a_data_parallel_step_runs_as_alone(inner_mode: str) -> None:
+    """parallel_mode="data_parallel" runs its step as written: a teacher wrapped on its own
+    runs inside it as it would alone (the guard against nested wrappers refused it)."""
+    student, teacher = nets()
+    one = kd_step(student, teacher, "mse", [])
+    want = [one(x, y).detach() for x, y in DATA]
+    student2, teacher2 = nets()
+    with simulated_world(2) as world:
+        world.replicate(student2)
+        world.replicate(teacher2)
+        inner = sw.AutoParallel(teacher2, parallel_mode=inner_mode)
+        step = kd_step(student2, inner, "mse", [])
+        run = sw.AutoParallel(step, parallel_mode="data_parallel", network=student2)
+        for i, (x, y) in enumerate(DATA):
+            assert_matches_single_device(run(world.rows(x), world.rows(y)), want[i], what=f"{i}")
 
 
 def test_a_wrapper_called_inside_another_wrappers_step_is_refused() -> None:

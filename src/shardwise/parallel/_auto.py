@@ -316,7 +316,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
                 "one step that branches on a flag, step(x, y, train=False); docs/parallel.md, "
                 "'Training and evaluation in one step')"
             )
-        with running(self):
+        with running(self, planned=self.parallel_mode != "data_parallel"):
             if self.parallel_mode == "data_parallel":
                 return self._data_parallel(*inputs, **kwargs)
             if self._graph is None:
