@@ -11,6 +11,8 @@ and its shard (or block) of every parameter against that; prints ``CHECK <mode> 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -242,6 +244,57 @@ def check_kept_graph(level: str) -> None:
     print(f"CHECK {level} kept graph refused OK", flush=True)
 
 
+def check_inference_mode(level: str, form: str) -> None:
+    """hsdp `level`, the network wrapped (`form` ``"module"``) or a train step with an eval
+    branch (``"step"``): an evaluation under ``torch.inference_mode()`` as the first call,
+    then train, evaluate, train (so also a step, an inference-mode evaluation, a step): the
+    compute weights gathered in an evaluation are no inference tensors, the losses equal one
+    device's."""
+    ref = Net()
+    opt = optimizer(ref)
+    phases = ("eval", "train", "eval", "train", "eval")
+    data = batches()
+    want = [float(_phase(ref, opt, ph, *data[i % len(data)])) for i, ph in enumerate(phases)]
+    net = Net()
+    opt = optimizer(net)
+
+    def step(x: torch.Tensor, y: torch.Tensor, phase: str) -> torch.Tensor:
+        return _phase(net, opt, phase, x, y)
+
+    model = AutoParallel(net if form == "module" else step, parallel_mode="semi_auto")
+    model.hsdp(threshold=0, optimizer_level=level)
+    rank = get_rank()
+    rows = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    got = []
+    for i, phase in enumerate(phases):
+        x, y = data[i % len(data)]
+        if form == "module":  # (the losses of the rows each rank ran, averaged)
+            loss = _phase(model, opt, phase, x[rows], y[rows])
+            got.append(float(sw.ops.AllReduce()(loss.detach()) / 2))
+        else:
+            got.append(float(model(x[rows], y[rows], phase)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    print(f"CHECK {level} {form} inference mode OK", flush=True)
+
+
+def _phase(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    phase: str,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """A training step, or an evaluation under ``torch.inference_mode()``: the loss."""
+    if phase == "eval":
+        with torch.inference_mode():
+            return F.cross_entropy(model(x), y).clone()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def _boom(g: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("boom")
 
@@ -264,6 +317,9 @@ def checks() -> None:
         check_failed_backward(level)
     for level in ("level1", "level2"):
         check_kept_graph(level)
+    for level in ("level1", "level3"):
+        for form in ("module", "step"):
+            check_inference_mode(level, form)
 
 
 if __name__ == "__main__":

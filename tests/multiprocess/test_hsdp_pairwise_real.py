@@ -22,4 +22,6 @@ MODES = (*MODES, *(f"{m} accumulate" for m in MODES))  # the worker's MODES
 def test_hsdp_levels_on_two_real_processes(two_rank_job: JobResult) -> None:
     extra = ("dp autograd.grad", "level2 failed backward", "level3 failed backward")
     extra = (*extra, "level1 kept graph refused", "level2 kept graph refused")
+    forms = [f"{lv} {f}" for lv in ("level1", "level3") for f in ("module", "step")]
+    extra = (*extra, *(f"{form} inference mode" for form in forms))
     two_rank_job.assert_checks(2, (*MODES, *extra))

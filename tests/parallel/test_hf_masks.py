@@ -6,7 +6,8 @@ call read ``mask.all()`` instead, and the plan could not run ("the network calle
 torch.Tensor.sum where the plan has ... arange"): HF Llama with ``attention_mask=``, and BART,
 whose decoder makes a mask of ones, failed. `shardwise._transformers.same_masks` makes both
 build the mask (`tests` below: padded and unpadded masks, parity with one device's plain
-transformers run, which takes the shortcut).
+transformers run, which takes the shortcut). A cache object passed back
+(``past_key_values``: its tensors are no inputs the plan sees) fails with a note naming it.
 """
 
 from __future__ import annotations
@@ -212,3 +213,24 @@ def test_megatron_llama_with_a_padded_mask_keeps_attention_heads_split(
         }
     )
     assert rec.kinds() == kinds, rec.summary()
+
+
+def test_a_cache_object_passed_back_names_the_argument() -> None:
+    """A ``DynamicCache`` (``past_key_values``, ``use_cache=True``) is no tuple, list, dict or
+    dataclass: the plan does not take its tensors as inputs, and under ``"full_batch"`` the
+    one a call returned holds this rank's rows, so passing it back fails in the capture with
+    torch's size error; a note names the argument, the cache's type and the ways out."""
+    prompt = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(3))
+    net = llama()
+    net.eval()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        model = sw.AutoParallel(net).dataset_strategy("full_batch")
+        with torch.no_grad():
+            out = model(input_ids=world.same(prompt), use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            with pytest.raises(RuntimeError) as raised:
+                model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "argument 'past_key_values' (a DynamicCache) holds tensors" in notes, notes
+    assert "use_cache=False" in notes and "tuples of tensors" in notes, notes

@@ -14,7 +14,9 @@
   the first use of a shard bucket starts every shard bucket's gather (all are kept until
   backward anyway); level 3 starts the bucket in use and the next one. Gathers started
   together are coalesced (`communication._pairwise.coalesced`: on gloo one message per peer
-  instead of one per bucket; still one recorded AllGather per bucket).
+  instead of one per bucket; still one recorded AllGather per bucket). A call under
+  ``torch.inference_mode()`` makes them outside it (`_normal_tensors`): they are reused by
+  the training calls after it, which cannot save or refill inference tensors.
 - Level 3 (`saved_tensors`, `end_forward`): the gathered weights are not kept for backward:
   autograd saves a token instead (saved-tensor hooks, `_pack`) and `_unpack` gathers the bucket
   again in backward (`_start_regather`), starting the previous saved bucket's gather too
@@ -65,17 +67,21 @@ class WeightGathering(GradReduction):
         if self._end_queued != -1 and current_graph_task_id() == -1:
             self._drop_unfinished_backward()  # a forward after a backward that raised
         if not self._live(name):
-            i = self.bucket_of.get(name)
-            if i is not None and self._recomputing(i):
-                pass  # (a checkpointed region replayed in backward: its weights again, once)
-            elif i is not None and self.plan.buckets[i].kind == "shard":
-                # levels 1-2 keep every gathered bucket until backward: start them all now (their
-                # transfers overlap); level 3 frees them: only this bucket and the next one
-                self._prefetch(i, 2 if self.level == "level3" else len(self.plan.buckets))
-                self._gather(i)
-            else:
-                self._leaf(name, p.detach())
+            with _normal_tensors():
+                self._make_live(name, p)
         return self.leaves[name]
+
+    def _make_live(self, name: str, p: torch.Tensor) -> None:
+        i = self.bucket_of.get(name)
+        if i is not None and self._recomputing(i):
+            pass  # (a checkpointed region replayed in backward: its weights again, once)
+        elif i is not None and self.plan.buckets[i].kind == "shard":
+            # levels 1-2 keep every gathered bucket until backward: start them all now (their
+            # transfers overlap); level 3 frees them: only this bucket and the next one
+            self._prefetch(i, 2 if self.level == "level3" else len(self.plan.buckets))
+            self._gather(i)
+        else:
+            self._leaf(name, p.detach())
 
     def fill_for_replay(self, names: Iterable[str]) -> None:
         """Level 3, in backward: fill the freed weights `names` that a checkpointed region's
@@ -289,6 +295,19 @@ class WeightGathering(GradReduction):
                     part.untyped_storage().resize_(0)
         # the allocator may hand those addresses to the next forward's activations
         self._gathered_ptrs.clear()
+
+
+@contextmanager
+def _normal_tensors() -> Iterator[None]:
+    """Outside ``torch.inference_mode()`` for the engine's own tensors: a call run under it
+    (an evaluation) would make the leaves, the gather buffers and the views of the parameters
+    inference tensors, which a later training call can neither save for backward nor refill
+    in place. Grad mode stays off, as inference mode had it."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, ...]:

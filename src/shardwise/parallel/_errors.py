@@ -1,17 +1,21 @@
 """Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
 `replanned_call_differs` (why a call differs from the plan captured from it: a primitive made
-inside ``forward``, a Python loop or branch on a split tensor's local shape) and `note_blocks`
+inside ``forward``, a Python loop or branch on a split tensor's local shape), `note_blocks`
 (what torch's size mismatch with a parameter stored as a block means: `frozen_note` when a
-frozen parameter met a trainable one of its shape stored otherwise, an EMA teacher)."""
+frozen parameter met a trainable one of its shape stored otherwise, an EMA teacher) and
+`hidden_inputs_note` (an argument whose tensors the plan does not see: a Hugging Face cache
+object)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
+from shardwise._torch import pytree
 from shardwise.planner._placed import Shape
 
 if TYPE_CHECKING:
@@ -172,3 +176,45 @@ def frozen_note(
                 + "; and ".join(fixes)
             )
     return None
+
+
+def hidden_inputs_note(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+    """A note for torch's error raised while a call was captured, naming the call's arguments
+    that hold tensors in an object that is no tuple, list, dict or dataclass (Hugging Face's
+    ``DynamicCache`` as ``past_key_values``): the capture does not take those tensors as
+    inputs (no global shape, not cut to this rank's rows). None when there is none."""
+    named = [(f"positional argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"argument {k!r}", a) for k, a in kwargs.items()]
+    hidden = [
+        f"{name} (a {type(leaf).__name__})"
+        for name, value in named
+        for leaf in pytree.tree_leaves(value)
+        if not isinstance(leaf, torch.Tensor) and _holds_tensor(leaf, 3)
+    ]
+    if not hidden:
+        return None
+    return (
+        f"AutoParallel: {', '.join(hidden)} holds tensors inside an object: the plan finds "
+        f"inputs in tuples, lists, dicts and dataclasses only, so those tensors are not inputs "
+        f"of the call (they keep the shape this rank passed, and a cache returned by an "
+        f"earlier call holds only this rank's rows). Pass use_cache=False in training; for "
+        f"generation keep the cache in tuples of tensors, or run it on one device or in the "
+        f"data-parallel mode with each rank's own rows (docs/parallel.md, caches)"
+    )
+
+
+def _holds_tensor(value: object, depth: int) -> bool:
+    """Whether `value`'s attributes, or the lists, tuples and dicts among them, hold a tensor
+    within `depth` levels (a cache's ``layers[i].keys``)."""
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, nn.Parameter)  # (an optimizer's, a module's: no input)
+    skipped = (str, bytes, int, float, bool, type, nn.Module, torch.optim.Optimizer)
+    if depth == 0 or isinstance(value, skipped):
+        return False
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        items = list(getattr(value, "__dict__", {}).values())
+    return any(_holds_tensor(v, depth - 1) for v in items[:64])

@@ -27,6 +27,7 @@ from shardwise.layout import TensorLayout
 from shardwise.ops._spec_checks import layout_call
 from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import dataset_shapes, global_inputs, input_layouts
+from shardwise.parallel._errors import hidden_inputs_note
 from shardwise.parallel._shard import OP_FORM, Declared, Entry, activate, reshard_value
 from shardwise.planner import (
     CaptureError,
@@ -190,6 +191,9 @@ def capture_plan(
                 fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs
             )
         except RuntimeError as e:  # (torch's: on global shapes a per-input strategy made?)
+            hidden = hidden_inputs_note(args, kwargs)
+            if hidden is not None:
+                e.add_note(hidden)
             if not layouts:
                 raise
             if isinstance(e, CaptureError):  # (its own message and fix: kept, the shapes added)
