@@ -18,6 +18,9 @@ from __future__ import annotations
 import datetime
 import importlib
 import inspect
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -702,3 +705,24 @@ def test_the_scan_leaves_public_and_own_names_alone() -> None:
         "self._plan._errors\nsys._getframe(2)\ntorch.nn.Module.register_buffer\n"
     )
     assert private_torch_uses(code, "m.py") == []
+
+
+def test_a_guard_first_installed_inside_a_replaced_block_outlives_it() -> None:
+    """A level-1 engine's clipping guards installed while a `total_norm_replaced` block runs
+    (before any guard existed): the block's exit restored the unguarded steps and the guards,
+    installed once, were never asked again. Run in a fresh interpreter (no guard yet)."""
+    code = (
+        "import torch\n"
+        "from shardwise._torch.clip_grad import guard_clipping, total_norm_replaced\n"
+        "asked = []\n"
+        "t = torch.zeros(2, requires_grad=True); t.grad = torch.tensor([3.0, 4.0])\n"
+        "with total_norm_replaced(lambda *a, **k: torch.tensor(1.0)):\n"
+        "    guard_clipping(lambda step, args: asked.append(step))\n"
+        "torch.nn.utils.clip_grad_norm_([t], 10.0)\n"
+        "print(sorted(set(asked)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert out.stdout.strip().splitlines()[-1] == "['group', 'scale', 'total_norm']", out.stdout
