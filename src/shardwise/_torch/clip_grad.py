@@ -38,9 +38,9 @@ _GUARDS: list[Guard] = []
 
 
 def guard_clipping(guard: Guard) -> None:
-    """From now on every call of torch's clipping steps asks `guard` first (with the call's
-    positional arguments): the function it returns runs instead, or with None the step that is
-    in place (torch's, or a `total_norm_replaced` block's)."""
+    """From now on every call of torch's clipping steps outside a `total_norm_replaced` block
+    (whose steps are the block's own) asks `guard` first (with the call's positional
+    arguments): the function it returns runs instead, or with None torch's step."""
     _GUARDS.append(guard)
     _install()
 
