@@ -166,6 +166,8 @@ def frozen_note(
                     f"it shards {name}, and the update runs shard by shard as one device's), "
                     f"or train without hsdp"
                 )
+            if not fixes:  # (stored alike after all: the mismatch is another one)
+                continue
             return (
                 f"shardwise: {f} needs no gradient and each rank stores it as {list(kept)} of "
                 f"the global {list(shape)}, but {name}, of the same global shape, as "
