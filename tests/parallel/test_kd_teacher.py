@@ -196,3 +196,34 @@ def test_an_ema_teacher_that_requires_grad_trains_under_hsdp_as_one_device(level
             rows = full.shape[0] // 2
             got = net.teacher.get_parameter(name).detach()
             assert_matches_single_device(got, lambda r, f=full, k=rows: f[r * k : (r + 1) * k])
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_teachers_batch_norm_in_training_mode_counts_as_one_device(
+    momentum: float | None,
+) -> None:
+    """A teacher outside the network with a BatchNorm left in training mode: the capture ran
+    its forward on its real buffers (one batch too many in ``num_batches_tracked``), and with
+    ``momentum=None`` the capture refused its ``float(num_batches_tracked)``."""
+
+    def teacher() -> nn.Sequential:
+        torch.manual_seed(0)
+        bn = nn.BatchNorm1d(32, momentum=momentum)
+        return nn.Sequential(nn.Linear(8, 32), bn, nn.Tanh(), nn.Linear(32, 4)).requires_grad_(
+            False
+        )
+
+    student, _ = nets()
+    ref = teacher()
+    one = kd_step(student, ref, "mse", [])
+    want = [one(x, y).detach() for x, y in DATA]
+    student2, _ = nets()
+    t2 = teacher()
+    with simulated_world(2) as world:
+        world.replicate(student2)
+        world.replicate(t2)
+        run = sw.AutoParallel(kd_step(student2, t2, "mse", []), network=student2)
+        for i, (x, y) in enumerate(DATA):
+            assert_matches_single_device(run(world.rows(x), world.rows(y)), want[i], what=f"{i}")
+        for name, b in ref.named_buffers():
+            assert_matches_single_device(t2.get_buffer(name), b, what=name)

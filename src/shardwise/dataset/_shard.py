@@ -119,6 +119,7 @@ def _per_rank(shard_id: object, who: str) -> None:
         raise ValueError(
             f"{who}: shard_id={shard_id!r} holds one value per rank: this process runs {n} "
             f"ranks (simulated_world), and a dataset reads one shard; read the whole dataset "
-            f"(num_shards=None) and pass world.rows(x) of each global batch, or build one "
+            f"(num_shards=None) and pass world.rows(x) of each global batch (taken from the "
+            f"iterator under `with world.outside():`), or build one "
             f"dataset per rank (shard_id=0 .. {n - 1})"
         )

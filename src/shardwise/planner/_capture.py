@@ -34,8 +34,8 @@ graph (``.item()``, ``bool(t)``) or an op whose output shape depends on values r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -132,6 +132,7 @@ def capture(
             networks = [m for m in find_referenced(fn)[0] if any(True for _ in m.parameters())]
     watched = [m for net in networks for m in net.modules()]  # (`kept_real`)
     watched += [] if isinstance(fn, nn.Module) else find_objects(fn)
+    outside = _outside_modules(fn, networks)  # (a teacher: its buffers put back, `_kept`)
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
     if device is None:
         device = _device([leaf for _, leaf in flat if isinstance(leaf, T)])
@@ -179,7 +180,8 @@ def capture(
     state.keep += list(fakes.values())
     with ExitStack() as stack:
         stack.enter_context(kept_real(watched))  # (first in, last out: after the fakes go)
-        stack.enter_context(cumulative_momenta(networks))  # (reads the real buffers)
+        stack.enter_context(_kept(outside))
+        stack.enter_context(cumulative_momenta([*networks, *outside]))  # (the real buffers)
         for net in networks:
             stack.enter_context(reparametrize(net, fakes))
         stack.enter_context(tracing())  # (a delayed-init network is not materialized)
@@ -210,6 +212,31 @@ def capture(
         frozen=tuple(frozen),
         set_buffers=set_buffers,
     )
+
+
+def _outside_modules(fn: Callable[..., Any], networks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules a train step uses besides `networks` (a knowledge-distillation teacher):
+    their weights and buffers are constants of the graph."""
+    if isinstance(fn, nn.Module):
+        return []
+    from shardwise.parallel._discover import find_referenced
+
+    inside = {id(m) for net in networks for m in net.modules()}
+    return [m for m in find_referenced(fn)[0] if id(m) not in inside]
+
+
+@contextmanager
+def _kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """The buffers of `modules` (real tensors, not made fake: constants) as they were before the
+    capture ran their forward (a training BatchNorm's ``num_batches_tracked.add_(1)`` and
+    running statistics), put back after it."""
+    saved = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
 
 
 def _set_buffers(networks: Sequence[nn.Module], known: Mapping[int, Ref]) -> dict[str, Ref]:
