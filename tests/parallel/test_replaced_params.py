@@ -202,3 +202,28 @@ def test_weights_tied_after_the_first_call_train_as_on_one_device(tie: str) -> N
         got = run(net, call)
         for i, (loss, want_loss) in enumerate(zip(got, want, strict=True)):
             assert_matches_single_device(loss, want_loss, what=f"loss {i}")
+
+
+def test_data_parallel_mode_names_a_replaced_layer_in_its_refusal() -> None:
+    """data_parallel mode trains the network of its first call: an optimizer built over a
+    replaced head is refused naming that case (it said only 'built anew in each call?')."""
+    net, new = build(), replacement("module")
+    with simulated_world(2) as world:
+        world.replicate(net)
+        world.replicate(new)
+        box = [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            box[0].step()
+            box[0].zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="data_parallel")
+        x, y = DATA[0]
+        parallel(world.rows(x), world.rows(y))
+        net[2] = new
+        box[0] = torch.optim.SGD(net.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"a layer of the network was replaced.*semi_auto"):
+            parallel(world.rows(x), world.rows(y))

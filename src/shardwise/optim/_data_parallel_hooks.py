@@ -90,8 +90,11 @@ def adopt_hook(ref: Any) -> StepHook:
         if any(id(p) in held for g in opt.param_groups for p in g["params"]):
             raise ValueError(
                 f"{WHO}: a {type(opt).__name__} the wrapper was not given steps parameters "
-                "that an optimizer it knows holds (an optimizer built anew in each call?); "
-                "build each optimizer once, before the wrapper, over its own parameters"
+                "that an optimizer it knows holds (an optimizer built anew in each call? one "
+                "built after a layer of the network was replaced?); build each optimizer once, "
+                "before the wrapper, over its own parameters (data_parallel mode trains the "
+                "network as it was at its first call: replace layers before wrapping it, or use "
+                "semi_auto, which plans again for replaced parameters)"
             )
         if runner.parallel_optimizer:
             raise ValueError(
