@@ -72,7 +72,7 @@ class GradPlanning:
     blocks: bool
     registered = -1  # (`registrations()` when the parameters were last listed)
     watched_names: list[str]
-    pending_cut: dict[str, Any]
+    _cut_later: Callable[[dict[str, Any]], None]
     _replan: Callable[..., None]
 
     @property
@@ -186,7 +186,7 @@ class GradPlanning:
         }
         shard_parameters(self.network, split)
         cut_optimizer_state(self.network, self.optimizers, split)
-        self.pending_cut = {**self.pending_cut, **split}  # (a new optimizer's: `StepHooks`)
+        self._cut_later(split)  # (a new optimizer's state: `StepHooks`)
         self.blocks = self.blocks or bool(split)
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
         self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]

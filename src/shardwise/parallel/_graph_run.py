@@ -202,7 +202,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             split = {n: v for n, v in stored.items() if v[0].used_axes()}
             shard_parameters(self.network, split)
             cut_optimizer_state(self.network, self.optimizers, split)
-            self.pending_cut = split  # (an optimizer not found by then: `StepHooks`)
+            self._cut_later(split)  # (an optimizer not found by then: `StepHooks`)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
             self.engine = start_engine(self.network, plan.matrix, buckets, self.clip_args)

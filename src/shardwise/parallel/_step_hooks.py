@@ -26,7 +26,8 @@ class StepHooks:
     executor: Any
     hooks: list[Any]
     network: Any
-    pending_cut: dict[str, Any] = {}  # (replaced parameters cut since: `_cut_new_state`)  # noqa: RUF012
+    pending_cut: dict[str, Any] = {}  # (parameters cut since: `_cut_later`)  # noqa: RUF012
+    cut_checked: weakref.WeakSet[Any]  # (optimizers `_cut_new_state` looked at since)
 
     def _step_hooks(self) -> None:
         """Global optimizer step hooks (`_step_starts` / `_step_ends`) that hold this run only
@@ -48,7 +49,7 @@ class StepHooks:
         self.hooks += handles
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.pending_cut:
+        if self.pending_cut and optimizer not in self.cut_checked:
             self._cut_new_state(optimizer)
         if self.executor is not None:
             # (torch passes the optimizer itself as args[0])
@@ -59,10 +60,20 @@ class StepHooks:
         if self.executor is not None:
             self.executor.step_ends(optimizer)
 
+    def _cut_later(self, split: dict[str, Any]) -> None:
+        """Parameters just cut to their blocks (`split`: name -> (layout, global shape)): the
+        state an optimizer made for them at construction is cut before its next step
+        (`_cut_new_state`), each optimizer looked at once."""
+        self.pending_cut = {**self.pending_cut, **split}
+        self.cut_checked = weakref.WeakSet()
+
     def _cut_new_state(self, optimizer: Any) -> None:
-        """Before an optimizer's step, the state it made at construction (``Adagrad``'s ``sum``)
-        for parameters replaced by a global value and cut to their blocks since
-        (`pending_cut`, from `_grad_plan.GradPlanning._replaced`) cut like them."""
+        """Before an optimizer's first step since `_cut_later`, the state it made at
+        construction (``Adagrad``'s ``sum``) for parameters cut to their blocks since (at the
+        plan, or replaced by a global value: `_grad_plan.GradPlanning._replaced`) cut like
+        them; an optimizer holding none of them (a frozen split weight in no optimizer) is not
+        walked again at every step."""
+        self.cut_checked.add(optimizer)
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         names = {
             n for n, p in self.network.named_parameters() if id(p) in held and n in self.pending_cut
