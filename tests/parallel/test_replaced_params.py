@@ -60,20 +60,27 @@ def optimizer(net: nn.Module, how: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 
 
-def train(net: nn.Sequential, how: str, new: Any, call: Any, grads: list[Any]) -> list[Any]:
-    """Each call's loss; part of `net` replaced before the second call, and a new optimizer
-    made over the parameters then (as a user does), held in a list the step reads."""
-    box = [optimizer(net, how)]
+def boxed_step(net: nn.Module, box: list[Any], grads: list[Any] | None = None) -> Any:
+    """A train step stepping the optimizer held in `box` (replaced between calls, as a user
+    does; the wrapper does not find it there), recording each call's gradients in `grads`."""
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(net(x), y)
         loss.backward()
-        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        if grads is not None:
+            grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
         box[0].step()
         box[0].zero_grad()
         return loss
 
-    wrapped = call(step)
+    return step
+
+
+def train(net: nn.Sequential, how: str, new: Any, call: Any, grads: list[Any]) -> list[Any]:
+    """Each call's loss; part of `net` replaced before the second call, and a new optimizer
+    made over the parameters then (as a user does), held in a list the step reads."""
+    box = [optimizer(net, how)]
+    wrapped = call(boxed_step(net, box, grads))
     out = []
     for i, (x, y) in enumerate(DATA):
         if i == 1:
@@ -140,7 +147,7 @@ def test_a_replaced_parameter_under_optimizer_parallel_is_refused(level: str) ->
         new = world.same(new)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # (the optimizer found)
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             opt.step()
@@ -171,15 +178,7 @@ def test_weights_tied_after_the_first_call_train_as_on_one_device(tie: str) -> N
 
     def run(net: nn.Sequential, call: Any) -> list[Any]:
         box = [torch.optim.SGD(net.parameters(), lr=0.1)]
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            box[0].step()
-            box[0].zero_grad()
-            return loss
-
-        wrapped, out = call(step), []
+        wrapped, out = call(boxed_step(net, box)), []
         for i, (x, _) in enumerate(DATA):
             if i == 1:
                 if tie == "to-split":
@@ -212,15 +211,7 @@ def test_data_parallel_mode_names_a_replaced_layer_in_its_refusal() -> None:
         world.replicate(net)
         world.replicate(new)
         box = [torch.optim.SGD(net.parameters(), lr=0.1)]
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            box[0].step()
-            box[0].zero_grad()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode="data_parallel")
+        parallel = sw.AutoParallel(boxed_step(net, box), parallel_mode="data_parallel")
         x, y = DATA[0]
         parallel(world.rows(x), world.rows(y))
         net[2] = new
