@@ -14,6 +14,7 @@ buffer the checkpoint holds.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors
@@ -157,24 +158,35 @@ def test_an_untied_checkpoint_into_the_tied_network(tmp_path: Path) -> None:
     assert sw.checkpoint.load_distributed(LM(tie=True), tmp_path / "tied.safetensors") == ([], [])
 
 
+def _optimizer_loads_refused(tmp_path: Path, saved_tie: bool) -> tuple[Any, Any, Any, list[str]]:
+    """Save a stepped ``LM(tie=saved_tie)`` with its optimizer's state, load that state into a
+    fresh ``LM(tie=not saved_tie)``'s optimizer both ways (`load_distributed` and
+    `load_optimizer_state`), each refused: (that network, its optimizer, its state before the
+    loads, the two refusals' messages)."""
+    saved = LM(tie=saved_tie)
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1, momentum=0.9)
+    _stepped(saved, opt, torch.tensor([1, 2]))
+    path = sw.save_checkpoint(saved, tmp_path / "saved.safetensors", optimizer=opt)
+    net = LM(tie=not saved_tie)
+    net_opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    before = _state_of(net)
+    messages = []
+    for load in (
+        lambda: sw.checkpoint.load_distributed(net, path, net_opt),
+        lambda: sw.checkpoint.load_optimizer_state(net_opt, sw.load_checkpoint(path), net),
+    ):
+        with pytest.raises(ValueError) as refused:
+            load()
+        messages.append(str(refused.value))
+    return net, net_opt, before, messages
+
+
 def test_a_tied_checkpoints_optimizer_into_the_untied_network_names_the_tie(
     tmp_path: Path,
 ) -> None:
     """The message blamed requires_grad ("frozen when saved?")."""
-    tied = LM(tie=True)
-    opt = torch.optim.SGD(tied.parameters(), lr=0.1, momentum=0.9)
-    _stepped(tied, opt, torch.tensor([1, 2]))
-    path = sw.save_checkpoint(tied, tmp_path / "tied.safetensors", optimizer=opt)
-    untied = LM(tie=False)
-    untied_opt = torch.optim.SGD(untied.parameters(), lr=0.1, momentum=0.9)
-    before = _state_of(untied)
-    for load in (
-        lambda: sw.checkpoint.load_distributed(untied, path, untied_opt),
-        lambda: sw.checkpoint.load_optimizer_state(untied_opt, sw.load_checkpoint(path), untied),
-    ):
-        with pytest.raises(ValueError) as refused:
-            load()
-        message = str(refused.value)
+    untied, untied_opt, before, messages = _optimizer_loads_refused(tmp_path, saved_tie=True)
+    for message in messages:
         assert "'head.weight' is in this optimizer's group 0 but was tied to 'emb.weight'" in (
             message
         )
@@ -187,19 +199,8 @@ def test_an_untied_checkpoints_optimizer_into_the_tied_network_names_the_tie(
     tmp_path: Path,
 ) -> None:
     """The other way round: the message said "frozen here?"."""
-    untied = LM(tie=False)
-    opt = torch.optim.SGD(untied.parameters(), lr=0.1, momentum=0.9)
-    _stepped(untied, opt, torch.tensor([1, 2]))
-    path = sw.save_checkpoint(untied, tmp_path / "untied.safetensors", optimizer=opt)
-    tied = LM(tie=True)
-    tied_opt = torch.optim.SGD(tied.parameters(), lr=0.1, momentum=0.9)
-    for load in (
-        lambda: sw.checkpoint.load_distributed(tied, path, tied_opt),
-        lambda: sw.checkpoint.load_optimizer_state(tied_opt, sw.load_checkpoint(path), tied),
-    ):
-        with pytest.raises(ValueError) as refused:
-            load()
-        message = str(refused.value)
+    _, tied_opt, _, messages = _optimizer_loads_refused(tmp_path, saved_tie=False)
+    for message in messages:
         assert "'head.weight' was saved as a parameter of its own" in message
         assert "this network ties it to 'emb.weight': untie them as the saving job did" in message
         assert "frozen" not in message and not tied_opt.state
