@@ -1,10 +1,12 @@
 """In a simulated world, an in-place op that writes each rank's value into a tensor made
 outside the world (one plain tensor all ranks share) raises instead of updating it once per
 rank; made inside (or given with `world.same`), or written out of place, it is each rank's. An
-explicit generator gives every rank one process's draw; seeding inside a wrapped step works."""
+explicit generator gives every rank one process's draw; seeding inside a wrapped step works. A
+tensor whose ranks hold different values, turned into one Python value, raises naming them."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -106,3 +108,22 @@ def test_worlds_leave_the_excepthook_as_they_found_it() -> None:
         with sw.communication.dry_run(4, rank=1):
             pass
     assert sys.excepthook is before
+
+
+def test_one_python_value_from_a_tensor_the_ranks_differ_on() -> None:
+    """``.item()``, ``float()`` and an ``if`` on a per-rank tensor: one value where the ranks
+    agree (NaN too: torch's comparison of the ranks' numbers refused NaN), a ValueError naming
+    the ranks' values and the fixes where they differ (torch raised an AssertionError, or for a
+    comparison's ``bool()`` an AttributeError on ``guard_int``)."""
+    with simulated_world(2) as world:
+        same = world.rank_map(lambda r: torch.tensor([float("nan"), 1.5]))
+        assert math.isnan(same.sum().item()) and float(same[1]) == 1.5 and bool(same[1] > 1)
+        x = world.rank_map(lambda r: torch.tensor([1.0 + r]))
+        for convert in (
+            lambda: x.sum().item(),
+            lambda: float(x),
+            lambda: bool(x.sum() > 1.5),
+            lambda: 1 if x.sum() > 1.5 else 0,
+        ):
+            with pytest.raises(ValueError, match=r"differs between the ranks \(rank 0: .*run_job"):
+                convert()

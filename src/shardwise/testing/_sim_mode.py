@@ -21,6 +21,10 @@
   version, which copies the generator states with tensor ops; `quiet_seeding` runs it with
   torch-function modes off, so a wrapped step's plan executor does not see those copies as ops
   of the step (it stopped, naming ``torch.Tensor.clone``).
+- A tensor whose value differs between the ranks turned into one Python value (``.item()``,
+  ``bool()`` for an ``if``, ``float()``) failed inside torch with an AssertionError ("Non Tensor
+  or int rank results must be equal") or an AttributeError (``guard_int``); `one_scalar`
+  raises a ValueError naming the ranks' values and the fixes.
 
 `guarded_mode` makes the LocalTensorMode subclass that does all of this.
 """
@@ -120,6 +124,43 @@ def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local:
     )
 
 
+_SCALAR_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::item"})
+_SCALAR: dict[Any, bool] = {}
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point() or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def one_scalar(func: Any, args: tuple[Any, ...], local: type) -> tuple[bool, Any]:
+    """(True, the value) when `func` turns a per-rank tensor into one Python value (``.item()``,
+    ``bool()``, ``float()``) and every rank holds the same value (NaN included, which torch's
+    comparison of the ranks' numbers refused); (False, None) for other ops. Raise ValueError
+    when the ranks' values differ."""
+    scalar = _SCALAR.get(func)
+    if scalar is None:
+        scalar = _SCALAR[func] = func.name() in _SCALAR_OPS
+    if not scalar or not args or not isinstance(args[0], local):
+        return False, None
+    parts = args[0]._local_tensors  # type: ignore[attr-defined]
+    ranks = sorted(parts)
+    if all(_same_values(parts[r], parts[ranks[0]]) for r in ranks[1:]):
+        return True, func(parts[ranks[0]], *args[1:])
+    shown = ", ".join(f"rank {r}: {parts[r].item()!r}" for r in ranks[:4])
+    raise ValueError(
+        f"simulated world: a tensor whose value differs between the ranks ({shown}) was "
+        "turned into one Python value (.item(), float(), bool() or an `if` on a tensor): one "
+        "process runs every rank, so one Python value cannot hold each rank's, and an `if` "
+        "cannot take each rank's way. Reduce it first so that every rank holds the same value "
+        "(sw.ops.AllReduce, or the loss a wrapped step returns), compute with tensors "
+        "(torch.where), or test such code in a real job (shardwise.testing.run_job)"
+    )
+
+
 def same_draws(
     mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type
 ) -> Any:
@@ -196,7 +237,8 @@ def _quiet(seeding: Callable[..., Any]) -> Callable[..., Any]:
 
 def guarded_mode(mode_cls: type, local: type) -> type:
     """A subclass of torch's LocalTensorMode `mode_cls` whose dispatch runs `check_write`,
-    `same_draws` and `each_rank_draws`, and whose seeding is quiet (`quiet_seeding`)."""
+    `one_scalar`, `same_draws` and `each_rank_draws`, and whose seeding is quiet
+    (`quiet_seeding`)."""
 
     class GuardedLocalTensorMode(mode_cls):  # type: ignore[misc, valid-type]
         def _patch_random_functions(self) -> None:
@@ -212,6 +254,9 @@ def guarded_mode(mode_cls: type, local: type) -> type:
         ) -> Any:
             if not self._disable:
                 check_write(func, args, kwargs or {}, local)
+                scalar, value = one_scalar(func, args, local)
+                if scalar:
+                    return value
                 if kwargs and kwargs.get("generator") is not None:
                     made = same_draws(self, func, args, kwargs, local)
                     if made is not None:
