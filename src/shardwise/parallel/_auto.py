@@ -46,6 +46,7 @@ from shardwise.parallel._context import (
     resolve_parallel_mode,
 )
 from shardwise.parallel._discover import agree_scalers, find_referenced, pick_network
+from shardwise.parallel._errors import refuse_lazy
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
 from shardwise.parallel._nested import running
@@ -316,6 +317,9 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
                 "one step that branches on a flag, step(x, y, train=False); docs/parallel.md, "
                 "'Training and evaluation in one step')"
             )
+        if not self.has_run:
+            step = self.train_step
+            refuse_lazy([self.network, *(find_referenced(step)[0] if step is not None else [])])
         with running(self, planned=self.parallel_mode != "data_parallel"):
             if self.parallel_mode == "data_parallel":
                 return self._data_parallel(*inputs, **kwargs)

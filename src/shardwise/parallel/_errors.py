@@ -4,7 +4,7 @@ inside ``forward``, a Python loop or branch on a split tensor's local shape), `n
 (what torch's size mismatch with a parameter stored as a block means: `frozen_note` when a
 frozen parameter met a trainable one of its shape stored otherwise, an EMA teacher) and
 `hidden_inputs_note` (an argument whose tensors the plan does not see: a Hugging Face cache
-object)."""
+object) and `refuse_lazy` (a lazy module whose parameters are not made yet)."""
 
 from __future__ import annotations
 
@@ -178,6 +178,27 @@ def frozen_note(
                 + "; and ".join(fixes)
             )
     return None
+
+
+def refuse_lazy(modules: Sequence[nn.Module]) -> None:
+    """Raise ValueError naming the first parameter or buffer of `modules` that a lazy module
+    (``nn.LazyLinear``, ``nn.LazyBatchNorm1d``) has not made yet: its shape, which the plan
+    needs, is known only after a forward on one device.
+
+    Example:
+        >>> refuse_lazy([net])  # doctest: +SKIP
+    """
+    for module in modules:
+        for name, value in [*module.named_parameters(), *module.named_buffers()]:
+            if nn.parameter.is_lazy(value):
+                owner = module.get_submodule(name.rpartition(".")[0])
+                raise ValueError(
+                    f"{name!r} of {type(owner).__name__} is not made yet (a lazy module makes "
+                    "its parameters at its first forward, so their shapes, which the parallel "
+                    "plan needs, are unknown): run the network once before wrapping it "
+                    "(net.eval()(x); net.train(): BatchNorm statistics stay as they were), or "
+                    "give the module its sizes (nn.Linear, nn.BatchNorm1d)"
+                )
 
 
 def hidden_inputs_note(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
