@@ -196,12 +196,13 @@ def test_conv_net(world: int, case: str, pool: str) -> None:
 
 class _InstanceNormed(nn.Module):
     """Conv1d -> InstanceNorm1d(affine) -> max over length -> Linear; `channels`: the conv's
-    output pinned split on its channels, as a user might for a per-channel op."""
+    output pinned split on its channels, as a user might for a per-channel op; `shuffled`:
+    then a ShuffleNet channel shuffle (the channels split strided)."""
 
-    def __init__(self, channels: bool) -> None:
+    def __init__(self, channels: bool, shuffled: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.channels = channels
+        self.channels, self.shuffled = channels, shuffled
         self.conv, self.norm = nn.Conv1d(4, 4, 3, padding=1), nn.InstanceNorm1d(4, affine=True)
         self.head = nn.Linear(4, 3)
 
@@ -209,18 +210,24 @@ class _InstanceNormed(nn.Module):
         h = self.conv(x)
         if self.channels:
             h = sw.reshard(h, (1, 2, 1))
+        if self.shuffled:
+            b, c, n = h.shape
+            h = h.reshape(b, 2, c // 2, n).transpose(1, 2).reshape(b, c, n)
         return F.cross_entropy(self.head(self.norm(h).amax(-1)), y)
 
 
 def test_instance_norm_on_split_rows_and_refused_on_split_channels() -> None:
     """Split rows: each sample's norm is its own (loss and gradients equal one device's).
     Split channels: ``nn.InstanceNorm`` checks the channel count on this rank's block before
-    the op (torch's own ValueError from inside the step); a PlanError names the fix."""
+    the op (torch's own ValueError from inside the step); a PlanError names the fix, also for
+    channels split strided by a channel shuffle (that was DTensor's view rule failing, with
+    a fix about divisible dims that could not help)."""
     x = torch.randn(8, 4, 6, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
     one_step_matches(2, _InstanceNormed(False), _InstanceNormed(False), x, y)
-    split = _InstanceNormed(True)
-    with simulated_world(2) as world:
-        world.replicate(split)
-        with pytest.raises(ValueError, match=r"instance_norm .*split on its channels.*reshard"):
-            AutoParallel(lambda a, b: split(a, b), network=split)(world.rows(x), world.rows(y))
+    for split in (_InstanceNormed(True), _InstanceNormed(True, shuffled=True)):
+        with simulated_world(2) as world:
+            world.replicate(split)
+            step = AutoParallel(lambda a, b, net=split: net(a, b), network=split)
+            with pytest.raises(ValueError, match=r"instance_norm .*split on its channels.*resha"):
+                step(world.rows(x), world.rows(y))

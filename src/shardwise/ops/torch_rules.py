@@ -28,6 +28,8 @@ from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from shardwise._torch.dtensor import StridedShard
+
 Placements = tuple[Placement, ...]
 NodeRule = Callable[
     [
@@ -140,6 +142,11 @@ def embedding_bag_rule(
     return need, [rows]
 
 
+def _splits(p: Placement, dim: int) -> bool:
+    """Whether placement `p` splits `dim` (plainly, or strided: a channel shuffle's groups)."""
+    return isinstance(p, Shard | StridedShard) and p.dim == dim
+
+
 def instance_norm_rule(
     have: Sequence[Placements],
     shapes: Sequence[tuple[int, ...]],
@@ -149,10 +156,11 @@ def instance_norm_rule(
     given: Sequence[bool],
 ) -> tuple[list[Placements], list[Placements]] | None:
     """``F.instance_norm(input, running_mean, running_var, weight, bias, ...)`` (what
-    ``nn.InstanceNorm1d/2d/3d`` call): an input split on its channels (dim 1) raises ValueError,
+    ``nn.InstanceNorm1d/2d/3d`` call): an input split on its channels (dim 1, also strided)
+    raises ValueError,
     since the module checks the channel count on this rank's block before the op runs (its
     own ValueError from inside torch); otherwise None, the aten program as usual."""
-    if len(shapes[0]) < 2 or not any(type(p) is Shard and p.dim == 1 for p in have[0]):
+    if len(shapes[0]) < 2 or not any(_splits(p, 1) for p in have[0]):
         return None
     raise ValueError(
         "its input arrives split on its channels (dim 1), and nn.InstanceNorm checks the "
