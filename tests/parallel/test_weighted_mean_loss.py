@@ -381,3 +381,51 @@ def test_a_rank_whose_targets_all_weigh_zero(loss: str, mode: str) -> None:
             got = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(got, want[s], what=f"loss {s}")
             assert_matches_single_device(seen[s], want_grads[s], what=f"grads {s}")
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "kl_div_batchmean"])
+def test_a_float16_loss_whose_sum_passes_float16s_range(loss: str) -> None:
+    """A float16 network's mean loss over 8,192 rows of loss about 24: each rank's sum (about
+    100,000 at 2 ranks) is past float16's largest value (65,504), where the mean is not. Each
+    rank's elements are summed in float32 (the sum was float16: inf on a rank), the loss cast
+    back to float16 once divided: the mean computed in float32 (what CUDA's float16 kernel gives
+    one device; the CPU's float16 mean is inf too), the gradients one device's of that float32
+    mean, and the same collectives as a float32 loss (the loss's AllReduce forward only: its
+    seeded backward sends nothing)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(8192, 6, generator=g) * 40).half()
+    if loss == "cross_entropy":
+        y = torch.randint(0, 5, (8192,), generator=g)
+    else:  # (class probabilities)
+        y = torch.softmax(torch.randn(8192, 5, generator=g), -1).half()
+
+    def loss_of(net: nn.Module, a: torch.Tensor, b: torch.Tensor, wide: bool = False) -> Any:
+        out = net(a).float() if wide else net(a)
+        if loss == "cross_entropy":
+            return F.cross_entropy(out, b)
+        b = b.float() if wide else b
+        return F.kl_div(F.log_softmax(out, -1), b, reduction="batchmean")
+
+    ref = Classifier().half()
+    want = loss_of(ref, x, y, wide=True)
+    assert float(want) > 65504 / 4096  # (each rank's sum past float16's range)
+    want.backward()
+    net = Classifier().half()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = loss_of(net, a, b)
+            out.backward()
+            return out
+
+        with CommRecorder() as rec:
+            got = sw.AutoParallel(step)(world.rows(x), world.rows(y))
+        assert got.dtype == torch.float16
+        assert_matches_single_device(got, want.detach().half(), what="loss", rtol=1e-3)
+        for name, p in net.named_parameters():
+            want_grad = dict(ref.named_parameters())[name].grad
+            assert_matches_single_device(p.grad, want_grad, what=name, rtol=2e-2, atol=1e-3)
+    assert rec.kinds() == Counter(
+        {("AllReduce", "forward", (0, 1)): 1, ("AllReduce", "backward", (0, 1)): 1}
+    ), rec.summary()

@@ -218,17 +218,19 @@ backward; not per thread: autograd may run a backward on its device threads)."""
 @contextmanager
 def replicated_seed(root: torch.Tensor, seeded: object | None = None) -> Iterator[bool]:
     """While the block runs ``root.backward()`` without a gradient (a seed of ones, the same on
-    every rank): if `root` is a `sum_over_ranks` result, its backward multiplies by the group
-    size instead of all-reducing, and so does that of every result marked with the object
-    `seeded` (the run of a plan that made `root`: results of other runs or plans all-reduce).
-    Yields whether `root` is one; the marks end with the block, so a later backward through a
-    retained graph (another seed) all-reduces again.
+    every rank): if `root` is a `sum_over_ranks` result (or its cast to another dtype), its
+    backward multiplies by the group size instead of all-reducing, and so does that of every
+    result marked with the object `seeded` (the run of a plan that made `root`: results of
+    other runs or plans all-reduce). Yields whether `root` is one; the marks end with the
+    block, so a later backward through a retained graph (another seed) all-reduces again.
 
     Example:
         >>> with replicated_seed(loss):  # doctest: +SKIP
         ...     loss.backward()
     """
     node: Any = root.grad_fn
+    if type(node).__name__ == "ToCopyBackward0":  # (a float16 loss summed in float32, cast)
+        node = node.next_functions[0][0]
     is_sum = isinstance(node, backward_node_class(_SumOverRanksFn))
     before = _SEEDED[0]
     _SEEDED[0] = seeded

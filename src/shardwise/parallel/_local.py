@@ -24,7 +24,7 @@
 - A cross entropy / NLL mean over split rows (`loss_weight`, for the plan executor): the
   targets this rank counted, by which the loss's AllReduce divides the ranks' summed losses;
   each rank runs the loss as a sum (`summed_loss`), so a rank that counted nothing adds 0 and
-  backward never divides by its count of 0.
+  backward never divides by its count of 0 (a float16 loss summed in float32: `float_sum`).
 - A training ``F.batch_norm`` on split rows (`batch_norm_split`, for the plan executor): the
   same computation as the ``"batch_stats"`` primitive (`ops._nn_primitives.batch_norm_training`),
   so each rank normalizes its rows as one device.
@@ -253,16 +253,31 @@ def loss_weight(op: str, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tenso
     return weighted
 
 
-def summed_loss(op: str, args: Sequence[Any], kw: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def summed_loss(
+    op: str, args: Sequence[Any], kw: dict[str, Any]
+) -> tuple[Any, dict[str, Any], torch.dtype | None]:
     """The arguments of a mean loss `op` (``F.cross_entropy`` / ``F.nll_loss`` /
     ``F.kl_div``'s batchmean: `planner.WEIGHTED_MEAN`) with ``reduction="sum"``: this rank's
     loss times what its mean divides by (`loss_weight`), without that division. A rank whose
     targets all count 0 (ignored, or of classes of weight 0) gets 0 and zero gradients, where
-    its mean (0 / 0) and that mean's backward (weight x gradient / 0) are NaN."""
-    at = (KL_ARGS if op == KL_DIV else LOSS_ARGS).index("reduction")
+    its mean (0 / 0) and that mean's backward (weight x gradient / 0) are NaN.
+
+    A float16 input's sum would overflow float16 (65504: 8,192 tokens of loss 8) where its
+    mean does not: it runs with ``reduction="none"`` instead, each element's loss in float16's
+    range, and `float_sum` sums them in float32; the third value is then float16, the dtype the
+    loss is cast back to once divided (None otherwise)."""
+    names = KL_ARGS if op == KL_DIV else LOSS_ARGS
+    at = names.index("reduction")
+    narrow = torch.float16 if _by_name(names, args, kw)["input"].dtype == torch.float16 else None
+    reduction = "none" if narrow is not None else "sum"
     if len(args) > at:
-        return (*args[:at], "sum", *args[at + 1 :]), kw
-    return tuple(args), {**kw, "reduction": "sum"}
+        return (*args[:at], reduction, *args[at + 1 :]), kw, narrow
+    return tuple(args), {**kw, "reduction": reduction}, narrow
+
+
+def float_sum(out: torch.Tensor) -> torch.Tensor:
+    """The elements' losses of a float16 loss run by `summed_loss` summed in float32."""
+    return out.float().sum()
 
 
 def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], node: NodePlan) -> torch.Tensor:

@@ -16,7 +16,7 @@ from shardwise._torch import pytree
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import Replan
 from shardwise.parallel._global_draws import UnplannedDraw
-from shardwise.parallel._local import compute, loss_weight, summed_loss
+from shardwise.parallel._local import compute, float_sum, loss_weight, summed_loss
 from shardwise.parallel._node_table import NodeTable
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
 
@@ -147,10 +147,10 @@ class NodeRun:
                 args, kw = self.sizes(k, args, kw, captured)
             else:
                 args, kw = self.numbers(k, args, kw, captured)
-        weight = None
+        weight, narrow = None, None
         if k in table.weighted and k in table.returning:  # (this rank's sum, its weight)
             weight = loss_weight(self.plan.nodes[k].op, args, kw)
-            args, kw = summed_loss(self.plan.nodes[k].op, args, kw)
+            args, kw, narrow = summed_loss(self.plan.nodes[k].op, args, kw)
         try:
             out = compute(func, k, self.plan.nodes[k], table, args, kw)
         except UnplannedDraw as e:  # (planned without its draws: an eval() call)
@@ -159,7 +159,10 @@ class NodeRun:
             raise Replan(str(e), k, self.ops[k]) from None
         if backs and kept is not None:
             self._write_back(backs, kept)
-        out = self._returned(k, out, weight)
+        if narrow is not None:  # (a float16 loss: its elements summed in float32)
+            out = self._returned(k, float_sum(out), weight, wait=True).to(narrow)
+        else:
+            out = self._returned(k, out, weight)
         if k in table.averaging:
             average_outputs(out, self.plan.nodes[k], self.plan.matrix)
         if changed is not None and isinstance(out, T):  # (later reads of it get `out`)
@@ -182,15 +185,17 @@ class NodeRun:
         entry = self.swapped.get(id(t)) if self.swapped else None
         return entry[1] if entry is not None and entry[0]() is t else t
 
-    def _returned(self, k: int, out: Any, weight: T | None = None) -> Any:
+    def _returned(self, k: int, out: Any, weight: T | None = None, wait: bool = False) -> Any:
         """Apply the edges of the node's returned outputs (the loss's AllReduce; a mean loss
         run as this rank's sum, divided by the summed targets the ranks counted, this rank's
-        `weight`: `planner.WEIGHTED_MEAN`)."""
+        `weight`: `planner.WEIGHTED_MEAN`); `wait`: finish the AllReduce before returning (a
+        result read at once), not only start it."""
         if k not in self.table.returning:
             return out
         if isinstance(out, T):  # (one tensor: no pytree)
+            started = None if wait else self.started
             for e in self.table.returned.get(f"%{k}", []):
-                out = move(out, e, self.started, weight, self.run, self.defer_count)
+                out = move(out, e, started, weight, self.run, self.defer_count)
             return out
         leaves, spec = pytree.tree_flatten(out)
         j = 0
