@@ -5,6 +5,10 @@
 - `writes_input`: a captured node that may write into one of its inputs (also item
   assignment, ``inplace=True``, ``out=``, any ``__i...__`` method): the backward analyses
   (`_backward`, `_seeded`) treat such a node as aliasing its input.
+- `call_writes`: the same for a call being captured (its name, keywords and aten program): a
+  call returning its input object without writing it (``h.to(torch.float32)`` on a float32
+  ``h``, ``h.float()``, ``h.type_as(h)``) returns the input's value as a value of its own
+  (`apart`: a view of it, so that the input object keeps its value for its later reads).
 - `check_change`: raise for an in-place change the plan executor cannot hand to later reads
   (the planner asks for each torch node whose input 0 it places).
 - `written_inputs`: the inputs a node's aten program changes in place (its schema's ``(a!)``
@@ -17,8 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from shardwise.planner._graph import AtenArg, Graph, Node, Ref
+import torch
+
+from shardwise._torch import pytree
+from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
 from shardwise.planner._placement import PlanError, _itemsize
 from shardwise.planner._plan import EdgePlan, Placed
 from shardwise.redistribution import plan_redistribution
@@ -53,6 +61,32 @@ def writes_input(node: Node) -> bool:
     if name.startswith("__"):
         return name.startswith("__i") or name == "__setitem__"
     return name.endswith("_") or bool(node.kwargs.get("inplace")) or "out" in node.kwargs
+
+
+def call_writes(op: str, kwargs: Mapping[str, object], aten: Sequence[AtenCall]) -> bool:
+    """Whether torch-level call `op` (its keyword arguments `kwargs`, its aten program `aten`)
+    writes into one of its inputs: by its name (`in_place`), ``inplace=True``, ``out=``, or an
+    aten op of its program changing an input (an ``(a!)`` argument: ``F.relu(x, True)``)."""
+    if in_place(op) or kwargs.get("inplace") is True or "out" in kwargs:
+        return True
+    return bool(_written(aten))
+
+
+def apart(out: Any, ins: Sequence[torch.Tensor]) -> Any:
+    """`out` with each tensor that is one of the call's inputs `ins` replaced by a view of it.
+
+    A call returning its input object unchanged (``h.to(torch.float32)`` on a float32 ``h``,
+    ``h.float()``, ``h.type_as(h)``, ``torch.atleast_2d``, dropout in eval) is a node whose
+    output is a value of its own, which the plan may place apart from its input (the input
+    moved for that node); the input object keeps its value for its later reads (T5's
+    ``h * torch.rsqrt(h.to(torch.float32).pow(2).mean(-1, keepdim=True))``). Capture calls
+    it inside its torch-function mode's handler, where the view is no node."""
+
+    def part(t: Any) -> Any:
+        is_input = isinstance(t, torch.Tensor) and any(t is x for x in ins)
+        return t.view_as(t) if is_input else t
+
+    return part(out) if isinstance(out, torch.Tensor) else pytree.tree_map(part, out)
 
 
 def check_change(
@@ -99,8 +133,13 @@ def written_inputs(node: Node) -> set[int]:
         >>> written_inputs(node)  # doctest: +SKIP  (F.batch_norm(x, m, v, w, b, training=True))
         {1, 2}
     """
+    return _written(node.aten)
+
+
+def _written(aten: Sequence[AtenCall]) -> set[int]:
+    """The indices of the inputs that aten program `aten` changes in place."""
     out: set[int] = set()
-    for call in node.aten:
+    for call in aten:
         schema = call.op._schema.arguments
         silent = _RUNNING_STATS.get(str(call.op), ())
         training = len(call.args) > 5 and call.args[5] is True

@@ -9,7 +9,7 @@
 - `_Recorder`: the ``TorchFunctionMode`` making one node per torch-level call (a constant
   runs as its value on this process's first rank: `_consts.one_values`); it raises
   `CaptureError` at a value read or a data-dependent output shape and `_StopCapture` at
-  ``backward()``.
+  ``backward()``; a call returning its input object unchanged returns a view (`_in_place.apart`).
 - `_AtenRecorder`: the ``TorchDispatchMode`` under it listing the aten ops the running call
   runs (`AtenCall`s on `AtenArg`s: the call's inputs and the program's own temporaries).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
@@ -45,6 +45,7 @@ from shardwise.planner._graph import (
     TensorInfo,
     TensorSlot,
 )
+from shardwise.planner._in_place import apart, call_writes
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import (
     captured_note,
@@ -330,6 +331,9 @@ class _Recorder(TorchFunctionMode):
         outs = tensors_in(out)
         if ins or outs:  # (not a call on Python state only, such as torch.set_grad_enabled)
             out_map = [ids.get(id(t)) for t in outs]
+            if any(a is not None and a.kind == "in" for a in out_map):  # (``h.float()``)
+                out = apart(out, ins) if not call_writes(op, kw, aten or ()) else out
+                outs = tensors_in(out)
             s.add_node(op, func, ins, outs, template, aten or (), out_map, saved)
         return out
 
