@@ -40,6 +40,7 @@ from shardwise.optim import (
 )
 from shardwise.parallel._call_io import local_inputs
 from shardwise.parallel._clip import DATA_PARALLEL, Clipping, clipping
+from shardwise.parallel._compiled import uncompiled, warn_compiled
 from shardwise.parallel._context import (
     check_device_num,
     get_auto_parallel_context,
@@ -310,6 +311,12 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         return self._runner is not None or self._graph is not None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # (torch.compile of the wrapper: `_compiled`)
+            warn_compiled(self)
+        return self._call(*inputs, **kwargs)
+
+    @uncompiled
+    def _call(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._superseded:
             raise ValueError(
                 f"AutoParallel: a newer AutoParallel wraps {type(self.network).__name__}; call "
