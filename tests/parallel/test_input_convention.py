@@ -5,7 +5,11 @@ global batch; under ``"full_batch"`` every rank passes all of it. For each paral
 (``semi_auto``, ``data_parallel``) x form (wrapped module, wrapped train step) x strategy, on 2
 and 4 simulated ranks, two SGD steps give the loss and the gradients (as the optimizer sees
 them) of one device on the same global batch. A plain-torch MLP runs every combination; a
-network with an annotated MatMul (contraction split over 2 ranks) runs the semi_auto ones.
+network with an annotated MatMul (contraction split over 2 ranks) runs the semi_auto ones. A
+wrapped module either returns its output (the loss built outside, ``"module"``) or computes its
+loss itself (``"module_loss"``: ``out["loss"]`` as a Hugging Face model's ``out.loss``), whose
+value is the global batch's on every rank in both modes (data_parallel mode returned each
+rank's own loss).
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from shardwise.testing import assert_matches_single_device, simulated_world
 BATCH, STEPS = 8, 2
 
 
+def _output(logits: torch.Tensor, labels: torch.Tensor | None) -> Any:
+    """The logits, or with `labels` a dict holding the loss too (a Hugging Face model's)."""
+    if labels is None:
+        return logits
+    return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -35,8 +46,8 @@ class MLP(nn.Module):
         for p in self.parameters():
             p.data = torch.randn(p.shape, generator=g) * 0.5
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        return _output(self.fc2(torch.relu(self.fc1(x))), labels)
 
 
 class Annotated(MLP):
@@ -49,8 +60,8 @@ class Annotated(MLP):
         del self.fc1
         self.matmul = sw.ops.MatMul().shard(((1, 2), (2, 1)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.matmul(x, self.w) + self.b))
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        return _output(self.fc2(torch.relu(self.matmul(x, self.w) + self.b)), labels)
 
 
 class Recording(torch.optim.SGD):
@@ -128,6 +139,26 @@ def module_form(n: int, net: nn.Module, mode: str, strategy: str) -> Any:
     return wrapper, opt, call
 
 
+def module_loss_form(n: int, net: nn.Module, mode: str, strategy: str) -> Any:
+    """(wrapper, optimizer, call(x, y) -> loss) for a wrapped module that computes its loss
+    (``net(x, labels=y)["loss"]``): the loss it returns is the global batch's, and its
+    ``backward()`` gives one device's gradients, in every mode and strategy."""
+    opt = Recording(net.parameters())
+    wrapper = AutoParallel(net, parallel_mode=mode, optimizer=opt).dataset_strategy(strategy)
+
+    def call(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = wrapper(x, labels=y)["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return wrapper, opt, call
+
+
+FORMS = {"module": module_form, "module_loss": module_loss_form, "train_step": train_step_form}
+
+
 def check_grads(
     wrapper: AutoParallel, net: nn.Module, got: list[torch.Tensor], want: list[torch.Tensor]
 ) -> None:
@@ -148,8 +179,7 @@ def run_case(n: int, net: nn.Module, case: tuple[str, str, str], give: Any, want
     feeding each global batch of `data()` through `give` (whole or this rank's rows), and
     compare with `want` (`single_device`'s losses and gradients)."""
     (mode, form, strategy), (losses, grads) = case, want
-    make = module_form if form == "module" else train_step_form
-    wrapper, opt, call = make(n, net, mode, strategy)
+    wrapper, opt, call = FORMS[form](n, net, mode, strategy)
     for step, (x, y) in enumerate(data()[:STEPS]):
         loss = call(give(x), give(y))
         assert_matches_single_device(loss, torch.tensor(losses[step]), what=f"loss {step}")
@@ -160,7 +190,7 @@ CASES = [
     (cls, mode, form, strategy)
     for cls in (MLP, Annotated)
     for mode in ("semi_auto", "data_parallel")
-    for form in ("module", "train_step")
+    for form in FORMS
     for strategy in ("data_parallel", "full_batch")
     if cls is MLP or mode == "semi_auto"
 ]

@@ -3,10 +3,16 @@
 shardwise flattens a call's arguments and results the way torch does (capture, the plan
 executor, DTensor's argument specs), so that a user's containers (namedtuples, dataclasses
 registered with torch, ``torch.Size``) flatten alike everywhere; torch has no public pytree
-module. The functions are torch's own objects (``pytree.tree_leaves`` costs what it did).
+module. The functions are torch's own objects (``pytree.tree_leaves`` costs what it did);
+`tree_map_dataclasses` maps a wrapper's result as it is returned: also inside plain
+dataclasses torch does not flatten.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils._pytree import (
     SUPPORTED_NODES,
@@ -27,7 +33,30 @@ __all__ = [
     "tree_flatten_with_path",
     "tree_leaves",
     "tree_map",
+    "tree_map_dataclasses",
     "tree_map_only",
     "tree_structure",
     "tree_unflatten",
 ]
+
+
+def tree_map_dataclasses(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`tree_map` that also enters dataclasses, registered or not (Hugging Face's
+    ``ModelOutput``, a plain ``@dataclass`` torch does not flatten): `fn` maps each init field's
+    leaves, and the instance is rebuilt by ``dataclasses.replace`` where a field changed (the
+    same object where none did).
+
+    Example:
+        >>> tree_map_dataclasses(lambda t: t * 2, {"out": Out(loss=torch.tensor(1.0))})
+        {'out': Out(loss=tensor(2.))}
+    """
+
+    def leaf(x: Any) -> Any:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
+            mapped = {k: tree_map_dataclasses(fn, v) for k, v in fields.items()}
+            changed = {k: v for k, v in mapped.items() if v is not fields[k]}
+            return dataclasses.replace(x, **changed) if changed else x
+        return fn(x)
+
+    return tree_map(leaf, tree, is_leaf=dataclasses.is_dataclass)

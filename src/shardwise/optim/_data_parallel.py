@@ -11,8 +11,9 @@ batch it passes (``"full_batch"``). Which function does which step:
   two hooks on every optimizer (``register_step_pre_hook`` / ``register_step_post_hook``).
 - `DataParallelRunner.__call__`: under ``"full_batch"`` cuts each tensor input to this rank's
   rows (`local_rows`); train-step form: runs the user's step unchanged on the rows, averages the
-  returned loss over the ranks (`mean_loss`); module form: runs the network on the rows (under
-  ``"full_batch"`` the output is gathered whole again, `gather_rows`).
+  returned loss over the ranks (`mean_loss`); module form: runs the network on the rows, its
+  loss (a floating 0-d output) averaged over the ranks in value, its gradient this rank's (under
+  ``"full_batch"`` the other outputs gathered whole again, `module_outputs`).
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
   (divided by the world size, then SUM), one flat fused all-reduce per bucket
   (`all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
@@ -66,8 +67,8 @@ from shardwise.optim._data_parallel_steps import (
     broadcast_bucket,
     check_updates,
     full_batch_rows,
-    gather_rows,
     mean_loss,
+    module_outputs,
     same_shapes,
 )
 from shardwise.optim._global_hooks import register_pre, remove_later
@@ -94,8 +95,10 @@ class DataParallelRunner:
       scalar tensor it returns) is averaged over the ranks, so it equals the single-device loss
       of the global batch.
     - module (`train_step` None): ``runner(x, ...)`` runs the network on this rank's rows (as
-      above); under ``"full_batch"`` the output is gathered whole on every rank. The caller
-      computes the loss and calls ``backward()`` and ``optimizer.step()`` itself.
+      above); under ``"full_batch"`` the output is gathered whole on every rank. A loss it
+      returns (each floating 0-d output: ``out.loss``, a bare one) is the ranks' mean with this
+      rank's gradient (`module_outputs`). The caller calls ``backward()`` and
+      ``optimizer.step()`` itself.
 
     In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
     step pre-hook on each of `optimizers` (and on any other optimizer over the network's
@@ -274,7 +277,8 @@ class DataParallelRunner:
 
     def collectives_per_step(self) -> dict[str, int]:
         """How many AllReduce and Broadcast calls one step issues (when every parameter has a
-        gradient); the train-step form adds one AllReduce for the loss.
+        gradient); the train-step form adds one AllReduce for the loss, and so does the module
+        form per floating 0-d output of the network's (its loss).
 
         Returns:
             ``{"AllReduce": ..., "Broadcast": ...}``.
@@ -330,7 +334,8 @@ class DataParallelRunner:
         Returns:
             Train-step form: the step's result with its loss averaged over the ranks; module
             form: the network's output on this rank's rows (``"full_batch"``: every tensor
-            output gathered whole on every rank, autograd-aware).
+            output gathered whole on every rank, autograd-aware), its floating 0-d tensors (the
+            loss) the ranks' mean in value (`module_outputs`).
 
         Raises:
             ValueError: (``"full_batch"``) a tensor input whose dim 0 does not divide by the
@@ -347,7 +352,7 @@ class DataParallelRunner:
             self._checked_batch = True
         if self.train_step is None:
             out = self.network(*inputs, **kwargs)
-            return gather_rows(out) if self.dataset_strategy == "full_batch" else out
+            return module_outputs(out, self.world, self.dataset_strategy == "full_batch")
         if self._stepped is None:  # (until a step that changed the weights was checked)
             return mean_loss(self.train_step(*inputs, **kwargs), self.world)
         self._stepped = []

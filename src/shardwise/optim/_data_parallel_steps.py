@@ -7,8 +7,9 @@ gradients and parameters: the collectives of data-parallel mode (through
   every rank's inputs of one shape (a simulated world sees ranks that differ); `same_batch`
   (``"full_batch"``, first call): every rank's inputs of one value.
 - `mean_loss` (train-step form): the step's loss averaged over the ranks (one AllReduce).
-- `gather_rows` (module form, ``"full_batch"``): the output's rows of every rank, concatenated
-  (``sw.ops.AllGather``, autograd-aware).
+- `module_outputs` (module form): the network's loss (a floating 0-d output) averaged over the
+  ranks in value only, its gradient this rank's (`RanksMean`); under ``"full_batch"`` every
+  other output's rows of every rank, concatenated (``sw.ops.AllGather``, autograd-aware).
 - `all_reduce_bucket` (step pre-hook): one gradient bucket averaged over the ranks, one flat
   fused AllReduce (a sparse gradient on its own).
 - `broadcast_bucket` (step post-hook): one owner's updated parameters sent to every rank, one
@@ -106,27 +107,54 @@ def broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
 
 
 def mean_loss(out: Any, world: int) -> Any:
-    """The step's result with every floating scalar tensor (also inside a tuple, list, dict or
-    other pytree: ``{"loss": loss}``, a model's output) replaced by its mean over the ranks
-    (detached); anything else unchanged."""
+    """The step's result with every floating scalar tensor (also inside a tuple, list, dict,
+    dataclass or other pytree: ``{"loss": loss}``, a model's output) replaced by its mean over
+    the ranks (detached); anything else unchanged."""
 
     def mean(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel() == 1:
             return C.all_reduce(leaf.detach(), C.ReduceOp.SUM, None).div_(world)
         return leaf
 
-    return pytree.tree_map(mean, out)
+    return pytree.tree_map_dataclasses(mean, out)
 
 
-def gather_rows(out: Any) -> Any:
-    """Every tensor of a module's output (also inside a tuple or list) with each rank's rows
-    concatenated in rank order: the whole batch's output on every rank (``sw.ops.AllGather``;
-    its backward reduce-scatters, which the gradient average turns into the global gradient)."""
-    if isinstance(out, torch.Tensor):
-        return AllGather()(out) if out.dim() > 0 else out
-    if isinstance(out, tuple | list):
-        return type(out)(gather_rows(o) for o in out)
-    return out
+class RanksMean(torch.autograd.Function):
+    """Forward: the ranks' mean of a 0-d value (one AllReduce); backward: the gradient passed
+    to this rank's value unchanged (the optimizer step's average over the ranks then makes it
+    the global batch's gradient, as for the rank's own loss: nothing is divided twice)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, world: int) -> torch.Tensor:
+        return C.all_reduce(x.detach(), C.ReduceOp.SUM, None).div_(world)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+def module_outputs(out: Any, world: int, full_batch: bool) -> Any:
+    """A wrapped module's output (a tensor, or tensors in a tuple, list, dict or dataclass:
+    Hugging Face's ``ModelOutput``) as the module form returns it: each floating 0-d tensor
+    (the loss: ``out.loss``, ``(loss, logits)``, a bare loss) has the ranks' mean as its value
+    and this rank's loss's gradient (`RanksMean`), as semi_auto's 0-d outputs and the train-step
+    form's loss are the global batch's; under `full_batch` every other tensor is gathered whole,
+    each rank's rows concatenated in rank order (``sw.ops.AllGather``; its backward
+    reduce-scatters, which the gradient average turns into the global gradient). A tensor
+    returned twice is moved once; anything else is unchanged."""
+    done: dict[int, torch.Tensor] = {}
+
+    def leave(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in done:
+            if x.dim() == 0:
+                done[id(x)] = RanksMean.apply(x, world) if x.is_floating_point() else x
+            else:
+                done[id(x)] = AllGather()(x) if full_batch else x
+        return done[id(x)]
+
+    return pytree.tree_map_dataclasses(leave, out)
 
 
 def full_batch_rows(

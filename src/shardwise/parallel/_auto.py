@@ -89,8 +89,11 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
     (``"data_parallel"``) each rank passes its own rows of the global batch, e.g. from a dataset
     read with ``num_shards=n, shard_id=rank``; the global batch is the ranks' rows in rank order.
     Under ``"full_batch"`` each rank passes the whole global batch. A wrapped module returns
-    this rank's rows of the output (``"full_batch"``: the whole output); the loss built on them
-    must be the same value on every rank (e.g. ``AllReduce()(loss) / n`` on rows). A wrapped
+    this rank's rows of the output (``"full_batch"``: the whole output); a loss it computes
+    itself (a floating 0-d output: ``out.loss``, a bare loss) is the global batch's, the same on
+    every rank (data_parallel mode: the ranks' mean, its gradient this rank's, averaged at the
+    optimizer step); a loss built on its rows outside it must be the same value on every rank
+    (e.g. ``AllReduce()(loss) / n`` on rows; data_parallel mode: each rank's own). A wrapped
     train step runs unchanged on what the rank passed and returns the loss of the global
     batch, the same on every rank; any other tensor it returns that the plan's ops made
     (``(loss, logits.detach())``) leaves as a wrapped module's outputs do, whatever the plan

@@ -34,7 +34,6 @@ axis only).
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -201,11 +200,6 @@ class Leaving:
 
         def leave(x: Any) -> Any:
             x = self.current(x)  # (changed in place in a moved copy: that copy)
-            if dataclasses.is_dataclass(x) and not isinstance(x, type):
-                fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
-                moved = {k: tree(v) for k, v in fields.items()}
-                changed = {k: v for k, v in moved.items() if v is not fields[k]}
-                return dataclasses.replace(x, **changed) if changed else x
             held = self._held(x)
             if held is None:
                 return x
@@ -213,10 +207,7 @@ class Leaving:
                 done[id(x)] = move(x, held[0])
             return done[id(x)]
 
-        def tree(x: Any) -> Any:
-            return pytree.tree_map(leave, x, is_leaf=dataclasses.is_dataclass)
-
-        return tree(out)
+        return pytree.tree_map_dataclasses(leave, out)
 
     def placed_call(
         self, func: Callable[..., Any], kind: str, op: str, args: Any, kwargs: Any
