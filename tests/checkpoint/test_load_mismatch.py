@@ -5,10 +5,10 @@ fix.
 Covered: optimizer state of other shapes than its parameters (one rank's file of a
 distributed checkpoint loaded into a whole network; a checkpoint of the network in another
 size; a file whose state and weights disagree, through load_distributed), with factored state
-(Adafactor) still loading; a checkpoint saved untied whose tied names hold two values (strict:
-refused; not strict: the tensor's first name wins); a tied checkpoint's optimizer state loaded
-into the untied network (the tie is named); a strict load_distributed into a network without a
-buffer the checkpoint holds.
+(Adafactor) and LBFGS's state flattened over all the parameters still loading; a checkpoint
+saved untied whose tied names hold two values (strict: refused; not strict: the tensor's first
+name wins); a tied checkpoint's optimizer state loaded into the untied network (the tie is
+named); a strict load_distributed into a network without a buffer the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -123,6 +123,48 @@ def test_factored_optimizer_state_still_loads(tmp_path: Path) -> None:
     fresh_opt = torch.optim.Adafactor(fresh.parameters())  # type: ignore[attr-defined]
     sw.checkpoint.load_distributed(fresh, tmp_path / "c.safetensors", fresh_opt)
     assert torch.equal(fresh_opt.state[fresh.weight]["row_var"], opt.state[net.weight]["row_var"])
+
+
+def _lbfgs(out: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, out))
+    return net, torch.optim.LBFGS(net.parameters(), lr=0.5, history_size=3, max_iter=2)
+
+
+def _lbfgs_losses(net: nn.Module, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        return loss
+
+    return [opt.step(closure).detach().item() for _ in range(steps)]  # type: ignore[union-attr]
+
+
+def test_lbfgs_state_flattened_over_the_parameters_resumes_as_torch(tmp_path: Path) -> None:
+    """LBFGS keeps its direction and last gradient flattened over all the parameters in the
+    first parameter's state: that [18] state of a LayerNorm's [4] weight was refused as a
+    checkpoint of another network (torch's load_state_dict resumes it)."""
+    net, opt = _lbfgs()
+    want = _lbfgs_losses(net, opt, 4)
+    net, opt = _lbfgs()
+    _lbfgs_losses(net, opt, 2)
+    path = sw.save_checkpoint(net, tmp_path / "c.safetensors", optimizer=opt)
+    fresh, fresh_opt = _lbfgs()
+    sw.load_param_into_net(fresh, sw.load_checkpoint(path), strict_load=True)
+    sw.checkpoint.load_optimizer_state(fresh_opt, sw.load_checkpoint(path), fresh)
+    assert _lbfgs_losses(fresh, fresh_opt, 2) == want[2:]
+    fresh, fresh_opt = _lbfgs()
+    assert sw.checkpoint.load_distributed(fresh, path, fresh_opt) == ([], [])
+    assert _lbfgs_losses(fresh, fresh_opt, 2) == want[2:]
+    other, other_opt = _lbfgs(out=3)  # (another network: its flattened size is 23)
+    refused = r"\.d' of '0.weight': checkpoint shape \[18\] != flattened .* \[23\]"
+    with pytest.raises(ValueError, match=refused):
+        sw.checkpoint.load_optimizer_state(other_opt, sw.load_checkpoint(path), other)
+    assert not other_opt.state
 
 
 class LM(nn.Module):

@@ -37,10 +37,20 @@ from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._describe import network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._load import load_entries
-from shardwise.checkpoint._optimizer import OptimizerState, checked_groups, load_optimizer_state
+from shardwise.checkpoint._optimizer import (
+    OptimizerState,
+    checked_groups,
+    load_optimizer_state,
+    param_names,
+)
 from shardwise.checkpoint._pieces import whole
 from shardwise.checkpoint._sources import SourceSet
-from shardwise.checkpoint._state_shapes import state_fits, state_shape_error
+from shardwise.checkpoint._state_shapes import (
+    expected_shape,
+    flat_state_sizes,
+    state_fits,
+    state_shape_error,
+)
 from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of, wrapper_prefix
 
 
@@ -213,7 +223,8 @@ def load_distributed(
     if optimizer is not None:  # (refused before the network changes, as a corrupt file is)
         described = _described(source, renames)
         checked_groups(optimizer, described, str(source.files[0].index.path), network)
-        _check_state_shapes(source, renames, shapes)
+        flat = flat_state_sizes(optimizer, param_names(optimizer, network), shapes)
+        _check_state_shapes(source, renames, shapes, flat)
     with comm.plain_tensors():  # (before loading anything; one read for the whole job)
         source.verify(source.names if optimizer is not None else source.model_names)
     result = load_entries(network, _Entries(model, make), strict, option="strict")
@@ -223,18 +234,25 @@ def load_distributed(
 
 
 def _check_state_shapes(
-    source: SourceSet, renames: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]]
+    source: SourceSet,
+    renames: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    flat: Mapping[str, int],
 ) -> None:
     """`CheckpointError` for the first optimizer state entry whose global shape does not fit
-    its parameter's in the network (`shapes`: global shapes by network name)."""
+    its parameter's in the network (`shapes`: global shapes by network name; `flat`: the
+    parameters holding state flattened over their group, `flat_state_sizes`)."""
     for key in source.names:
         if not source.is_optimizer(key):
             continue
         owner = owner_of(key)
         name = renames.get(owner, owner)
-        if name in shapes and not state_fits(source.shape(key), shapes[name]):
+        if name not in shapes:
+            continue
+        param, what = expected_shape(source.shape(key), shapes[name], flat.get(name))
+        if not state_fits(source.shape(key), param):
             where = str(source.files[0].index.path)
-            raise state_shape_error(where, name, key, source.shape(key), shapes[name])
+            raise state_shape_error(where, name, key, source.shape(key), param, what=what)
 
 
 def _described(source: SourceSet, renames: Mapping[str, str]) -> dict[str, Any]:
