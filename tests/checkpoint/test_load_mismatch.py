@@ -5,10 +5,11 @@ fix.
 Covered: optimizer state of other shapes than its parameters (one rank's file of a
 distributed checkpoint loaded into a whole network; a checkpoint of the network in another
 size; a file whose state and weights disagree, through load_distributed), with factored state
-(Adafactor) and LBFGS's state flattened over all the parameters still loading; a checkpoint
-saved untied whose tied names hold two values (strict: refused; not strict: the tensor's first
-name wins); a tied checkpoint's optimizer state loaded into the untied network (the tie is
-named); a strict load_distributed into a network without a buffer the checkpoint holds.
+(Adafactor) and LBFGS's state flattened over all the parameters still loading; a tied tensor
+saved under one of its names loading strictly; a checkpoint saved untied whose tied names hold
+two values (strict: refused; not strict: the tensor's first name wins); a tied checkpoint's
+optimizer state loaded into the untied network (the tie is named); a strict load_distributed
+into a network without a buffer the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -198,6 +199,23 @@ def test_an_untied_checkpoint_into_the_tied_network(tmp_path: Path) -> None:
     same = LM(tie=True)  # (a tied checkpoint: one value under both names)
     sw.save_checkpoint(same, tmp_path / "tied.safetensors")
     assert sw.checkpoint.load_distributed(LM(tie=True), tmp_path / "tied.safetensors") == ([], [])
+
+
+@pytest.mark.parametrize("held", ["emb.weight", "head.weight"])
+def test_a_tied_tensor_saved_under_one_of_its_names_loads_strictly(
+    tmp_path: Path, held: str
+) -> None:
+    """A file without the tied head (Hugging Face GPT-2 files omit lm_head.weight):
+    load_param_into_net(strict_load=True) loaded it, load_distributed (strict) refused it as
+    a checkpoint of another network."""
+    torch.manual_seed(0)
+    saved = LM(tie=True)
+    path = sw.save_checkpoint({held: saved.emb.weight}, tmp_path / "c.safetensors")
+    net = LM(tie=True)
+    assert sw.checkpoint.load_distributed(net, path) == ([], [])
+    assert torch.equal(net.head.weight, saved.emb.weight) and net.head.weight is net.emb.weight
+    with pytest.raises(ValueError, match=r"LM\.\w+\.weight \[10, 4\] is not in the checkpoint"):
+        sw.checkpoint.load_distributed(LM(tie=False), path)  # (untied: a tensor is missing)
 
 
 def _optimizer_loads_refused(tmp_path: Path, saved_tie: bool) -> tuple[Any, Any, Any, list[str]]:

@@ -108,11 +108,17 @@ def _check_same_network(
     dtypes: Mapping[str, torch.dtype],
 ) -> None:
     """The first parameter or buffer whose name, global shape or dtype differs:
-    `CheckpointError` (`keys`: each network name of a model entry -> its checkpoint key)."""
+    `CheckpointError` (`keys`: each network name of a model entry -> its checkpoint key). A
+    tied tensor the checkpoint holds under one of its names is there (a Hugging Face GPT-2 file
+    holds the embedding, not the head tied to it), as for `load_param_into_net`."""
     model = list(keys)
     recorded = source.recorded_strategy
     wrapper = recorded.prefix if recorded is not None else ""
+    tensor_of = {n: id(t) for n, t in network.state_dict(keep_vars=True).items()}
+    held = {tensor_of.get(n) for n in keys}
     for name, shape in shapes.items():
+        if name not in keys and name in tensor_of and tensor_of[name] in held:
+            continue  # (another name of this tied tensor is in the checkpoint, checked there)
         if name not in keys and wrapper and wrapper + name in keys:
             raise CheckpointError(
                 f"the checkpoint holds {name!r} as {wrapper + name!r}: it was saved through the "
