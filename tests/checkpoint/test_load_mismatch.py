@@ -7,7 +7,8 @@ distributed checkpoint loaded into a whole network; a checkpoint of the network 
 size; a file whose state and weights disagree, through load_distributed), with factored state
 (Adafactor) and LBFGS's state flattened over all the parameters still loading; a tied tensor
 saved under one of its names loading strictly; a checkpoint saved untied whose tied names hold
-two values (strict: refused; not strict: the tensor's first name wins); a tied checkpoint's
+two values (strict: refused; not strict: the tensor's first name wins); load_param_into_net
+refusing an entry of another shape before copying the others; a tied checkpoint's
 optimizer state loaded into the untied network (the tie is named); a strict load_distributed
 into a network without a buffer the checkpoint holds.
 """
@@ -166,6 +167,19 @@ def test_lbfgs_state_flattened_over_the_parameters_resumes_as_torch(tmp_path: Pa
     with pytest.raises(ValueError, match=refused):
         sw.checkpoint.load_optimizer_state(other_opt, sw.load_checkpoint(path), other)
     assert not other_opt.state
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_load_param_into_net_checks_every_shape_before_copying(strict: bool) -> None:
+    """'0.weight' was copied before '1.weight' of another shape was refused: half loaded."""
+    saved = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ckpt = {k: v.detach().clone() for k, v in saved.state_dict().items()}
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    before = _state_of(net)
+    refused = r"'1.weight': checkpoint shape \[4, 4\] != network shape \[3, 4\].*nothing was loaded"
+    with pytest.raises(ValueError, match=refused):
+        sw.load_param_into_net(net, ckpt, strict_load=strict)
+    assert _same(net, before)
 
 
 class LM(nn.Module):

@@ -233,7 +233,8 @@ def load_distributed(
         _check_state_shapes(source, renames, shapes, flat)
     with comm.plain_tensors():  # (before loading anything; one read for the whole job)
         source.verify(source.names if optimizer is not None else source.model_names)
-    result = load_entries(network, _Entries(model, make), strict, option="strict")
+    lazy = _Entries(model, make)  # (checked above: each assembled once, when copied)
+    result = load_entries(network, lazy, strict, option="strict", prechecked=True)
     if optimizer is not None and described is not None:
         _load_optimizer(source, optimizer, network, lambda k: make(_renamed(k, renames)), described)
     return result

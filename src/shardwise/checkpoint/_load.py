@@ -4,9 +4,11 @@
   ``state_dict`` name (tied parameters appear under each name).
 - `_match`: exact names first; with ``strict_load=False`` also a unique suffix match at a
   ``.`` boundary (``network.fc.weight`` <-> ``fc.weight``), as MindSpore does for wrappers.
-- `_store`: shape check (a rank's part of a distributed checkpoint loaded into a whole tensor:
-  the message says to use `load_distributed`), dtype check (strict) or cast (non-strict), then
-  copy in place; a deferred (meta) entry receives the values directly, so no random init ever runs.
+- `_check_entry`: shape check (a rank's part of a distributed checkpoint loaded into a whole
+  tensor: the message says to use `load_distributed`), dtype check (strict) or cast
+  (non-strict), for every entry before any copy, so a refused checkpoint loads nothing;
+  `_copy` then copies in place (a deferred (meta) entry receives the values directly, so no
+  random init ever runs).
 - `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``. A
   rank file loaded into a planned network must hold this rank's blocks
   (`_describe.check_rank_pieces`). `load_entries` is its body, also used by
@@ -84,27 +86,38 @@ def _block_hint(target: torch.Tensor, value: torch.Tensor, planned: bool) -> str
     )
 
 
-def _store(
+def _check_entry(
     name: str,
     target: torch.Tensor,
-    value: torch.Tensor,
+    value: object,
+    key: str,
     strict: bool,
     hint: str = "",
     planned: bool = True,
     option: str = "strict_load",
-) -> None:
+) -> torch.Tensor:
+    """`value` (checkpoint entry `key`) as the tensor to copy into `target`; `CheckpointError`
+    for another shape or (`strict`) another dtype, TypeError for an entry that is no tensor:
+    raised before anything is copied (`load_entries` checks every entry first)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"checkpoint entry {key!r} is not a tensor; nothing was loaded")
     if tuple(target.shape) != tuple(value.shape):
         hint = hint or _block_hint(target, value, planned)
+        said = f"{list(target.shape)}{hint}"
         raise CheckpointError(
             f"cannot load {name!r}: checkpoint shape {list(value.shape)} != network shape "
-            f"{list(target.shape)}{hint}"
+            f"{said}{' ' if said.endswith('?') else '; '}nothing was loaded"
         )
     if strict and target.dtype != value.dtype:
         raise CheckpointError(
             f"cannot load {name!r}: checkpoint dtype {value.dtype} != network dtype "
             f"{target.dtype} ({option}=True does not convert; {option}=False casts to the "
-            "network's dtype)"
+            "network's dtype); nothing was loaded"
         )
+    return value
+
+
+def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
     with torch.no_grad():
         if target.is_meta:
             assign_tensor(target, value.to(dtype=target.dtype, copy=True))
@@ -192,9 +205,12 @@ def load_entries(
     parameter_dict: Mapping[str, torch.Tensor],
     strict_load: bool,
     option: str = "strict_load",
+    prechecked: bool = False,
 ) -> tuple[list[str], list[str]]:
     """`load_param_into_net` without its argument checks; `option` names the caller's strict
-    argument in messages (``strict`` for `load_distributed`)."""
+    argument in messages (``strict`` for `load_distributed`). Every entry's shape and dtype is
+    checked before the first copy, unless the caller checked them (`prechecked`:
+    `load_distributed`, whose entries are assembled one at a time when read)."""
     targets = _net_entries(net)
     tensor_of = {name: id(t) for name, t in targets.items()}
     matches = _match(list(targets), list(parameter_dict), strict_load, tensor_of)
@@ -205,19 +221,22 @@ def load_entries(
         check_rank_pieces(net, metadata, matches.items(), str(where or "checkpoint"))
     if strict_load:
         _check_tied(targets, matches, parameter_dict, option)
-    done: set[int] = set()
     planned = _is_planned(net)
+    pending: dict[int, tuple[str, str]] = {}  # (a tied tensor: loaded once, under its first name)
     for name, key in matches.items():
-        target = targets[name]
-        if id(target) in done:  # (a tied name: loaded once, its entry not even read)
-            continue
-        value = parameter_dict[key]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"checkpoint entry {key!r} is not a tensor")
+        pending.setdefault(id(targets[name]), (name, key))
+
+    def checked(name: str, key: str) -> torch.Tensor:
         hint = rank_file_hint(pieces.get(key), where, then=", before or after the first step")
-        _store(name, target, value, strict_load, hint, planned, option)
-        done.add(id(target))
+        value = parameter_dict[key]
+        return _check_entry(name, targets[name], value, key, strict_load, hint, planned, option)
+
+    if not prechecked:  # (every entry checked before the first copy)
+        for name, key in pending.values():
+            checked(name, key)
+    for name, key in pending.values():
+        _copy(targets[name], checked(name, key) if prechecked else parameter_dict[key])
     used = set(matches.values())
-    param_not_load = [name for name, target in targets.items() if id(target) not in done]
+    param_not_load = [name for name, target in targets.items() if id(target) not in pending]
     ckpt_not_load = [key for key in parameter_dict if key not in used]
     return param_not_load, ckpt_not_load
