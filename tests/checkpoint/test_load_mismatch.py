@@ -8,7 +8,8 @@ size; a file whose state and weights disagree, through load_distributed), with f
 (Adafactor) and LBFGS's state flattened over all the parameters still loading; a tied tensor
 saved under one of its names loading strictly; a checkpoint saved untied whose tied names hold
 two values (strict: refused; not strict: the tensor's first name wins); load_param_into_net
-refusing an entry of another shape before copying the others; a tied checkpoint's
+refusing an entry of another shape before copying the others; optimizer state saved by
+position (from a state_dict) loaded with net= (the positions are named); a tied checkpoint's
 optimizer state loaded into the untied network (the tie is named); a strict load_distributed
 into a network without a buffer the checkpoint holds.
 """
@@ -167,6 +168,27 @@ def test_lbfgs_state_flattened_over_the_parameters_resumes_as_torch(tmp_path: Pa
     with pytest.raises(ValueError, match=refused):
         sw.checkpoint.load_optimizer_state(other_opt, sw.load_checkpoint(path), other)
     assert not other_opt.state
+
+
+def test_optimizer_saved_from_a_state_dict_loaded_with_net_names_the_positions(
+    tmp_path: Path,
+) -> None:
+    """A state_dict's tensors are copies: the optimizer's parameters are saved by position,
+    and loading with net= blamed requires_grad ("frozen here?")."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.Adam(net.parameters())
+    _stepped(net, opt, torch.randn(3, 4))
+    path = sw.save_checkpoint(net.state_dict(), tmp_path / "c.safetensors", optimizer=opt)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    with pytest.raises(ValueError) as refused:
+        sw.checkpoint.load_optimizer_state(fresh_opt, sw.load_checkpoint(path), fresh)
+    message = str(refused.value)
+    assert "names the optimizer's parameters by position ('0', '1', '2', '3')" in message
+    assert "load_optimizer_state(optimizer, ckpt) without net=" in message
+    assert "frozen" not in message and not fresh_opt.state
+    sw.checkpoint.load_optimizer_state(fresh_opt, sw.load_checkpoint(path))  # (the fix)
+    assert torch.equal(fresh_opt.state[fresh[1].bias]["exp_avg"], opt.state[net[1].bias]["exp_avg"])
 
 
 @pytest.mark.parametrize("strict", [False, True])

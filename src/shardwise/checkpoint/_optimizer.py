@@ -19,7 +19,7 @@ loaded checkpoint as it was), so a resumed run continues bit-identically.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,17 @@ def _is(names: Sequence[str]) -> str:
     return "is" if len(names) == 1 else "are"
 
 
+def _by_position(kept: Collection[str], held: Collection[str]) -> bool:
+    """Whether the saved groups name parameters by position where this optimizer's are named
+    by the network (`save_checkpoint(net.state_dict(), optimizer=...)` loaded with net=)."""
+    return (
+        bool(kept)
+        and all(n.isdigit() for n in kept)
+        and not any(n in held for n in kept)
+        and any(not n.isdigit() for n in held)
+    )
+
+
 def _group_difference(
     optimizer: torch.optim.Optimizer,
     saved: list[dict[str, Any]],
@@ -198,6 +209,13 @@ def _group_difference(
             held.setdefault(name, number)
         position += len(group["params"])
     kept = {name: i for i, g in enumerate(saved) for name in g["params"]}
+    if _by_position(kept, held):
+        return (
+            f"the checkpoint names the optimizer's parameters by position ({_few(list(kept))}): "
+            "it was saved from a state_dict (copies, not the optimizer's parameters) instead of "
+            "the network; load it with sw.checkpoint.load_optimizer_state(optimizer, ckpt) "
+            "without net= (parameters matched by position), or save the network itself"
+        )
     untied = [n for n in kept if n not in held and ties.get(n) in held]
     missing = [n for n in kept if n not in held and n not in untied]
     tied = [n for n in held if n not in kept and aliases.get(n) in kept]
