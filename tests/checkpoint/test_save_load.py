@@ -129,6 +129,21 @@ def test_loading_never_unpickles(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "missing.safetensors")
 
 
+def test_a_folder_is_named_as_a_folder(tmp_path: Path) -> None:
+    """Loading a distributed checkpoint's folder said "checkpoint file not found"; saving to a
+    folder surfaced the IsADirectoryError of the hidden temporary file."""
+    save_checkpoint(Net(), tmp_path / "ckpt" / "rank_0" / "c.safetensors")
+    with pytest.raises(IsADirectoryError) as refused:
+        load_checkpoint(tmp_path / "ckpt")
+    message = str(refused.value)
+    assert f"{tmp_path / 'ckpt'} is a folder, not a checkpoint file" in message
+    for fix in ("load_distributed(net, folder)", "merge(folder, file)", "latest_checkpoint"):
+        assert fix in message, (fix, message)
+    with pytest.raises(IsADirectoryError, match=r"ckpt is a folder: give the file to write"):
+        save_checkpoint(Net(), tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["rank_0"]
+
+
 def test_foreign_safetensors_files_load(tmp_path: Path) -> None:
     safetensors.torch.save_file({"x": torch.ones(2)}, tmp_path / "hf.safetensors")
     ckpt = load_checkpoint(tmp_path / "hf.safetensors")

@@ -166,6 +166,11 @@ def save_checkpoint(
         PosixPath('/tmp/sw-doc/net.safetensors')
     """
     target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(
+            f"save_checkpoint: {target} is a folder: give the file to write in it, e.g. "
+            f"{target / 'checkpoint.safetensors'}"
+        )
     metadata = _metadata(step, epoch, extra)
     seen: set[int] = set()
     tensors = {name: fmt.saveable(name, value, seen) for name, value in _entries(obj).items()}
@@ -204,6 +209,14 @@ def _warn_shared_path(metadata: Mapping[str, str], target: Path) -> None:
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"load_checkpoint: {path} is a folder, not a checkpoint file: a distributed "
+            "checkpoint's folder (rank_<r>/ files) loads with sw.checkpoint.load_distributed(net, "
+            "folder) or merges into one file with sw.checkpoint.merge(folder, file); in a folder "
+            "of saves (CheckpointManager), sw.checkpoint.latest_checkpoint(folder) is the newest "
+            "file"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     try:
