@@ -1,7 +1,9 @@
 """Levels 1-2 keep each sharded parameter's compute leaf past the optimizer step and gather the
 next step's weights into it in place (the same tensor, its hooks, its storage; no new buffer
 per step); level 3 still makes new ones. A bucket whose member had no leaf in the last step
-(unused then) gets new leaves for all its members. 2 and 4 simulated ranks, results equal
+(unused then) gets new leaves for all its members. A leaf reused after a ``requires_grad_``
+of its parameter (made by an evaluation since the step, or by the step's earlier forward) is
+frozen or unfrozen with it. 2 and 4 simulated ranks, results equal
 single-device training. (A graph kept across a refill is refused by autograd: checked on real
 processes, `tests/multiprocess/hsdp_pairwise_worker.py`.)"""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,3 +198,133 @@ def test_members_of_one_row_a_rank(make: Callable[[], nn.Module], world: int, le
     train_and_compare(
         world, net, "sgd", level, lambda *_: None, SMALL, want_losses, want_params[-1]
     )
+
+
+EVALS: dict[str, Callable[[], Any]] = {
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+}
+
+
+def _freeze_around_evals(
+    net: Mlp, train: Callable[[int], float], evaluate: Callable[[], None]
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """Train on ``SMALL[i]`` for i in 0-3 with an evaluation (`evaluate`) before layer2 is
+    frozen after step 0 and before it is unfrozen after step 2: each step's loss and weights."""
+    losses, params = [], []
+    for i in range(4):
+        if i in (1, 3):
+            evaluate()
+            net.layer2.requires_grad_(i == 3)
+        losses.append(train(i))
+        params.append({n: p.detach().clone() for n, p in net.named_parameters()})
+    return losses, params
+
+
+@pytest.mark.parametrize("ctx", list(EVALS))
+@pytest.mark.parametrize("form", ["module", "step"])
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_frozen_and_unfrozen_after_an_evaluation(level: str, form: str, ctx: str) -> None:
+    """An evaluation under ``torch.no_grad()`` (or inference mode) between steps gathers the
+    weights into the leaves the step left (or makes them, level 3): a ``requires_grad_`` after
+    it was ignored, those leaves kept their old ``requires_grad`` (the frozen layer was still
+    updated; unfrozen, it stayed frozen). Every loss and weight equals one device's."""
+    x_eval = SMALL[4][0]
+    ref = Mlp(small=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def ref_train(i: int) -> float:
+        loss = F.cross_entropy(ref(SMALL[i][0]), SMALL[i][1])
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        return loss.item()
+
+    def ref_eval() -> None:
+        with EVALS[ctx]():
+            ref(x_eval)
+
+    want_losses, want_params = _freeze_around_evals(ref, ref_train, ref_eval)
+    net = Mlp(small=True)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x: torch.Tensor, y: torch.Tensor, train: bool) -> torch.Tensor:
+            if not train:
+                with EVALS[ctx]():
+                    return net(x)
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = AutoParallel(net if form == "module" else step, parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+
+        def train(i: int) -> float:
+            x, y = world.rows(SMALL[i][0]), world.rows(SMALL[i][1])
+            if form == "step":
+                return float(world.local(parallel(x, y, True), 0))
+            loss = F.cross_entropy(parallel(x), y)  # (each rank's rows: their mean, averaged)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return sum(float(v) for v in world.local_tensors(loss.detach())) / 2
+
+        def evaluate() -> None:
+            x = world.rows(x_eval)
+            if form == "step":
+                parallel(x, x, False)
+                return
+            with EVALS[ctx]():
+                parallel(x)
+
+        losses, params = _freeze_around_evals(net, train, evaluate)
+        for i in range(4):
+            assert_matches_single_device(
+                torch.tensor(losses[i]), torch.tensor(want_losses[i]), what=f"loss {i}"
+            )
+            for name, got in params[i].items():
+                rows = shard_of(parallel, name, want_params[i][name])
+                assert_matches_single_device(got, rows, what=f"{name} after step {i}")
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_frozen_and_unfrozen_between_backward_calls_of_one_step(level: str) -> None:
+    """Gradient accumulation, two backward calls a step, layer2 frozen before the first step's
+    second forward and unfrozen before the second step's: the frozen layer keeps the first
+    call's gradient, the unfrozen one gets the second call's, as on one device (the leaves made
+    by the step's first forward kept their ``requires_grad``: the frozen layer got both
+    gradients, the unfrozen one none)."""
+
+    def run(net: Mlp, call: Callable[[torch.Tensor], torch.Tensor], rows: Any) -> list[float]:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for s in range(2):
+            for k in range(2):
+                if k == 1:
+                    net.layer2.requires_grad_(s == 1)
+                x, y = SMALL[2 * s + k]
+                loss = F.cross_entropy(call(rows(x)), rows(y))
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    ref = Mlp(small=True)
+    want = run(ref, ref, lambda t: t)
+    net = Mlp(small=True)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net, parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        got = run(net, parallel, world.rows)
+        for i, loss in enumerate(got):  # (each rank's rows: their mean, averaged)
+            mean = sum(float(v) for v in world.local_tensors(loss)) / 2
+            assert_matches_single_device(torch.tensor(mean), want[i], what=f"loss {i}")
+        for name, p in net.named_parameters():
+            rows = shard_of(parallel, name, ref.get_parameter(name).detach())
+            assert_matches_single_device(p.detach(), rows, what=name)

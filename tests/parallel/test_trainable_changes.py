@@ -7,8 +7,9 @@ each rank (each rank's copy drifting apart, silently); a parameter group added t
 optimizer later (``add_param_group``) likewise in ``parallel_mode="data_parallel"``. Both now
 plan the buckets again at the next call; with optimizer parallel (hsdp), whose shards and
 owners are planned once, such a change raises a ValueError naming the fix (a parameter frozen
-later stays frozen there too: levels 1-2 made its gathered weight anew; one trainable at the
-first call, frozen and then unfrozen again, trains on: its buckets exist). Also: keyword
+later stays frozen there too: its gathered weight takes its requires_grad at each use; one
+trainable at the first call, frozen and then unfrozen again, trains on: its buckets exist).
+Also: keyword
 inputs in ``parallel_mode="data_parallel"`` (they raised a TypeError naming an internal class).
 """
 

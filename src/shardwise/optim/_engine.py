@@ -59,6 +59,7 @@ class OptimizerParallel(WeightGathering):
         # groups in bucket order on every rank (member-only groups must be made in one order)
         self.groups = [bucket_groups(matrix, b.dp_axes, b.shard) for b in plan.buckets]
         self.leaves: dict[str, torch.Tensor] = {}
+        self._hooked: set[str] = set()  # leaves (by name) given the gradient hook
         self._stale: set[str] = set()  # levels 1-2: leaves kept past the step, refilled in place
         self._versions: dict[str, int] = {}  # each shard's version when its leaf was gathered
         self.ready: dict[int, set[str]] = {}

@@ -6,12 +6,14 @@
   (`communication._buckets.all_gather_bucket`, `_start_gather` / `_gathered` / `_gather`) on
   first use, for the others a view of the parameter (`_leaf`). Leaves are reused until the
   optimizer steps; at levels 1-2 a sharded one is kept past the step (`_stale`) and the next
-  gather writes into it in place (same tensor, storage and hook: no new buffer per step, unless
-  a member of its bucket was frozen since: new leaves, without a gradient for it; its
+  gather writes into it in place (same tensor, storage and hook: no new buffer per step; its
   version moves, so autograd refuses a graph kept from before, as for a weight updated in place
   on one device); a shard changed in place otherwise (its version moved: ``load_state_dict``, a
-  hand-written update) is gathered again the same way. Prefetch (`_prefetch`): at levels 1-2
-  the first use of a shard bucket starts every shard bucket's gather (all are kept until
+  hand-written update) is gathered again the same way. A leaf takes its parameter's
+  ``requires_grad`` at each use (`_trainable`): one made before a ``requires_grad_`` (kept past
+  the step, by a ``torch.no_grad()`` evaluation since, or by the step's earlier forward) is
+  frozen or unfrozen in place, as the parameter is on one device. Prefetch (`_prefetch`): at
+  levels 1-2 the first use of a shard bucket starts every shard bucket's gather (all are kept until
   backward anyway); level 3 starts the bucket in use and the next one. Gathers started
   together are coalesced (`communication._pairwise.coalesced`: on gloo one message per peer
   instead of one per bucket; still one recorded AllGather per bucket). A call under
@@ -59,6 +61,7 @@ class WeightGathering(GradReduction):
     _gathered_ptrs: dict[tuple[int, ...], list[str]]
     _prefetched: dict[int, Pending[list[torch.Tensor]]]
     _versions: dict[str, int]
+    _hooked: set[str]
     packing: bool
 
     def compute(self, p: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,10 @@ class WeightGathering(GradReduction):
         if not self._live(name):
             with _normal_tensors():
                 self._make_live(name, p)
-        return self.leaves[name]
+        leaf = self.leaves[name]
+        if leaf.requires_grad != p.requires_grad:  # frozen or unfrozen since the leaf was made
+            self._trainable(name, leaf)
+        return leaf
 
     def _make_live(self, name: str, p: torch.Tensor) -> None:
         i = self.bucket_of.get(name)
@@ -126,27 +132,37 @@ class WeightGathering(GradReduction):
             return False
         return True
 
-    def _leaf(self, name: str, value: torch.Tensor) -> None:
-        leaf = value.requires_grad_(self.params[name].requires_grad)
+    def _leaf(self, name: str, leaf: torch.Tensor) -> None:
         if self.shards[name].sharded:
             self._gathered_ids[id(leaf)] = name
             root = view_base(leaf)
             if root is not None:  # views of the leaf have the root as their base
                 self._gathered_ids[id(root)] = name
             self._gathered_ptrs.setdefault(_storage_key(leaf), []).append(name)
-        if leaf.requires_grad:  # (a weak reference: leaves outlive steps, hooks are not traced)
-            leaf.register_post_accumulate_grad_hook(grad_hook(weakref.ref(self), name))
+        self._hooked.discard(name)
+        self._trainable(name, leaf)
         self.leaves[name] = leaf
+
+    def _trainable(self, name: str, leaf: torch.Tensor) -> None:
+        """Give leaf `name` its parameter's ``requires_grad``, and the gradient hook when it
+        first requires one. Set on the leaf itself, at every use (`compute`): a leaf made
+        before a ``requires_grad_`` is reused, its data, storage and held gradient with it
+        (level 1 keeps the full gradients of the step's earlier backward calls on the leaves:
+        a parameter frozen since keeps them, as on one device)."""
+        leaf.requires_grad_(self.params[name].requires_grad)
+        if leaf.requires_grad and name not in self._hooked:
+            # (a weak reference: leaves outlive steps, hooks are not traced)
+            leaf.register_post_accumulate_grad_hook(grad_hook(weakref.ref(self), name))
+            self._hooked.add(name)
 
     def _start_gather(self, i: int) -> Pending[list[torch.Tensor]]:
         """Start one AllGather of bucket `i`'s shards (finished by `_gathered`)."""
         bucket = self.plan.buckets[i]
         outs = None  # levels 1-2 after a step: into last step's leaves (same storage and hooks)
         stale = [n for n in bucket.names if n in self._stale]
-        frozen = any(self.leaves[n].requires_grad != self.params[n].requires_grad for n in stale)
-        if stale and len(stale) == len(bucket.names) and not frozen:
+        if stale and len(stale) == len(bucket.names):
             outs = [self.leaves[n].detach() for n in bucket.names]  # (shape: the op-level block)
-        else:  # (a member had no leaf, or was frozen since: new leaves for all)
+        else:  # (a member had no leaf: new leaves for all)
             for n in stale:
                 self._stale.discard(n)
                 del self.leaves[n]
