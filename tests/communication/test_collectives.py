@@ -152,6 +152,52 @@ def test_broadcast(n: int, kind: str, ranks: list[int]) -> None:
     ]
 
 
+LATER_COPIES = [(4, [2, 3]), (4, [1, 3]), (8, [4, 5, 6, 7]), (8, [1, 3, 5, 7])]
+
+
+@pytest.mark.parametrize(("n", "ranks"), LATER_COPIES, ids=[f"{r}of{n}" for n, r in LATER_COPIES])
+def test_a_group_named_by_a_later_copy(n: int, ranks: list[int]) -> None:
+    """A group named by a translate other than the first ([2, 3] of 4 runs with [0, 1]):
+    each copy computes what a real job's group of those ranks does (collectives left every
+    rank's value as it was, or returned garbage, where the group did not hold rank 0)."""
+    root = ranks[0]
+
+    def add(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.stack(xs).sum(0)] * len(xs)
+
+    def scatter(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(torch.stack(xs).sum(0).chunk(len(xs), 0))
+
+    run_parity(n, ranks, (4, 3), lambda g: sw.ops.AllReduce(group=g), add)
+    run_parity(
+        n, ranks, (2, 3), lambda g: sw.ops.AllGather(g), lambda xs: [torch.cat(xs)] * len(xs)
+    )
+    run_parity(
+        n, ranks, (3, 2), lambda g: sw.ops.Broadcast(root, g), lambda xs: [xs[0]] * len(xs), True
+    )
+    run_parity(n, ranks, (len(ranks), 3), lambda g: sw.ops.ReduceScatter("sum", g), scatter)
+    with simulated_world(n) as world:
+        create_group("g", ranks)
+        index = {r: i for tile in tiles(ranks, n) or [] for i, r in enumerate(tile)}
+        assert world.values(sw.communication.get_rank("g")) == [index[r] for r in range(n)]
+        assert index[ranks[1]] == 1
+
+
+def test_neighbor_exchange_in_a_strided_group() -> None:
+    """Each rank sends to its partner in its own copy of the group [0, 2] (rank 1 to 3, as the
+    copy [1, 3] does in a job): it was refused as 'not a rank of group pair[0, 2]'."""
+    xs = inputs(4, (2,))
+    with simulated_world(4) as world:
+        create_group("pair", sw.communication.own_group(lambda r: [r % 2, r % 2 + 2]))
+        partner = (sw.communication.get_rank() + 2) % 4
+        op = sw.ops.NeighborExchange([partner], [partner], [[2]], [[2]], group="pair")
+        x = world.rank_map(lambda r: xs[r].clone()).requires_grad_()
+        (y,) = op((x,))
+        assert_matches_single_device(y, lambda r: xs[(r + 2) % 4])
+        (y * world.rank_map(lambda r: torch.full((2,), r + 1.0))).sum().backward()
+        assert_matches_single_device(x.grad, lambda r: torch.full((2,), (r + 2) % 4 + 1.0))
+
+
 def test_broadcast_returns_tuple_of_all_inputs() -> None:
     with simulated_world(2) as world:
         a = world.rank_map(lambda r: torch.full((2,), float(r)))

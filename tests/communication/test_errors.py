@@ -3,6 +3,8 @@ argument, before any communication happens."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -102,6 +104,41 @@ def test_broadcast_root_not_in_group() -> None:
 def test_create_group_bad_rank_ids(ids: list[int], message: str) -> None:
     with simulated_world(4), pytest.raises(ValueError, match=message):
         create_group("g", ids)
+
+
+@pytest.mark.parametrize(
+    ("n", "ids", "copies"),
+    [(4, [1, 2], r"\[0, 1\], \[2, 3\]"), (8, [2, 3, 4, 5], r"\[0, 1, 2, 3\], \[4, 5, 6, 7\]")],
+)
+def test_create_group_that_is_not_a_copy_tiling_the_world(
+    n: int, ids: list[int], copies: str
+) -> None:
+    """[1, 2] of 4: its translates that tile the world are [0, 1] and [2, 3], not [1, 2]
+    itself; it was accepted and its collectives ran on [0, 1] and [2, 3] (an AllReduce of
+    ranks 1 and 2 left each rank's own value, an AllGather returned garbage)."""
+    with simulated_world(n), pytest.raises(ValueError) as info:
+        create_group("mid", ids)
+    message = str(info.value)
+    assert re.search(rf"create_group\('mid'\): ranks {re.escape(str(ids))} cannot", message)
+    assert re.search(rf"tile the {n} ranks are {copies}, and", message)
+    assert "own_group" in message and "run_job" in message
+
+
+def test_create_group_with_per_rank_ids_points_to_own_group() -> None:
+    with simulated_world(4), pytest.raises(ValueError, match=r"per-rank ints.*own_group"):
+        create_group("tp", sw.communication.rank_value(lambda r: [r // 2 * 2, r // 2 * 2 + 1]))
+
+
+def test_neighbor_exchange_peer_outside_the_ranks_copy() -> None:
+    """In the group [0, 2] (its copy [1, 3] running at once) rank 1 may not name rank 2."""
+    with simulated_world(4):
+        create_group("pair", [0, 2])
+        peer = sw.communication.rank_value(lambda r: 0 if r == 2 else 2)
+        op = sw.ops.NeighborExchange([peer], [peer], [[2]], [[2]], group="pair")
+        with pytest.raises(
+            ValueError, match=r"=2 on rank 1 is not a rank of its group pair\[1, 3\]"
+        ):
+            op((torch.ones(2),))
 
 
 def test_create_group_name_taken_and_destroy() -> None:

@@ -257,6 +257,12 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
     if name in _groups:
         raise ValueError(f"create_group: a group named {name!r} exists: {_groups[name]}")
     ids = list(rank_ids)
+    if any(isinstance(r, torch.SymInt) for r in ids):
+        raise ValueError(
+            f"create_group({name!r}): rank_ids hold per-rank ints (each rank's own group, "
+            "as rank_value gives it): pass this rank's group as one list of ints "
+            "with communication.own_group(lambda r: <rank r's group>)"
+        )
     if not ids or not all(isinstance(r, int) and not isinstance(r, bool) for r in ids):
         raise ValueError(
             f"create_group({name!r}): rank_ids must be a non-empty list of ints, got {rank_ids!r}"
@@ -268,7 +274,7 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
         raise ValueError(f"create_group({name!r}): rank_ids {ids} contain duplicates")
     sim = _sim.current()
     if sim is not None:
-        pg = sim.new_group(sorted(ids))
+        pg = sim.new_group(name, sorted(ids))
     else:
         if dist.get_rank() not in ids:
             raise ValueError(

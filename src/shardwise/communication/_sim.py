@@ -30,8 +30,13 @@ class Simulator(Protocol):
         """The translates of `ranks` that partition the world (each runs the collective)."""
         ...
 
-    def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
-        """A process group for `ranks` (and its translates that tile the world)."""
+    def new_group(self, name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """A process group on which collectives run for `ranks` and its translates that tile
+        the world; a ValueError naming group `name` when `ranks` is not one of them."""
+        ...
+
+    def copy_of(self, rank: int, ranks: Sequence[int]) -> list[int]:
+        """The translate of the group `ranks` (one of `tiles`) that `rank` runs."""
         ...
 
     def values(self, value: Any) -> list[Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.communication import _sim
 from shardwise.communication._collectives import check_member
 from shardwise.communication._init import resolve_group
 from shardwise.communication.primitives import GroupArg, _check_group_arg, _ExchangeFn, _per_rank
@@ -61,11 +62,22 @@ def _check_shapes(op: str, name: str, shapes: Any, length: int) -> list[tuple[in
 
 
 def _check_peers(op: str, name: str, ids: Sequence[Any], group: GroupArg) -> None:
+    """Each peer must be in the group; in a simulated world, in the copy of the group (one of
+    its translates, which run at once) that the naming rank runs."""
     g = resolve_group(group)
+    sim = _sim.current()
     for i, v in enumerate(ids):
-        for rv in _per_rank(v):
-            if rv != -1:
+        for rank, rv in enumerate(_per_rank(v)):
+            if rv == -1:
+                continue
+            own = g.ranks if sim is None else tuple(sim.copy_of(rank, g.ranks))
+            if own == g.ranks:
                 check_member(op, rv, g, f"{name}[{i}]")
+            elif rv not in own:
+                raise ValueError(
+                    f"{op}: {name}[{i}]={rv!r} on rank {rank} is not a rank of its group "
+                    f"{g.name}{list(own)} (the translate of {g} that rank {rank} runs)"
+                )
 
 
 class NeighborExchange(nn.Module):

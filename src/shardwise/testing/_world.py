@@ -3,9 +3,10 @@
 Built on torch's LocalTensorMode (each tensor holds one value per rank, collectives are computed
 exactly across them) and the fake process group. This module holds all of shardwise's private
 torch imports. `SimulatedWorld` is also the `communication._sim.Simulator`: it gives each rank
-its rank (a per-rank symbolic int), checks that sub-groups tile the world (LocalTensorMode runs a
-sub-group collective on every translate of the group at once, like a mesh axis), and carries out
-point-to-point exchanges (`exchange`), which LocalTensorMode cannot do on its own.
+its rank (a per-rank symbolic int); checks that sub-groups tile the world (LocalTensorMode runs a
+sub-group collective on every translate of the group at once, like a mesh axis: `_tiles`) and
+gives each the process group of its copy holding rank 0; and carries out point-to-point
+exchanges (`exchange`), which LocalTensorMode cannot do on its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from shardwise.communication import _init, _sim
 from shardwise.testing._rank_int import rank_node
 from shardwise.testing._replaced import ReplacedParams, parameter_replica
 from shardwise.testing._sim_mode import guarded_mode
+from shardwise.testing._tiles import check_tiles, tiles
 
 
 def _private() -> tuple[Any, Any, Any]:
@@ -39,28 +41,6 @@ def parts_of(t: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
         return None
     parts = t._local_tensors
     return [(r, parts[r]) for r in sorted(parts)]
-
-
-def tiles(ranks: Sequence[int], world_size: int) -> list[list[int]] | None:
-    """The translates of `ranks` that partition ``range(world_size)``, or None if none do.
-
-    Example:
-        >>> tiles([0, 2], 4)
-        [[0, 2], [1, 3]]
-    """
-    base = sorted(ranks)
-    shifted = [r - base[0] for r in base]
-    covered: set[int] = set()
-    out: list[list[int]] = []
-    for start in range(world_size):
-        if start in covered:
-            continue
-        tile = [start + s for s in shifted]
-        if tile[-1] >= world_size or covered.intersection(tile):
-            return None
-        covered.update(tile)
-        out.append(tile)
-    return out
 
 
 class SimulatedWorld:
@@ -235,15 +215,18 @@ class SimulatedWorld:
         node = rank_node({r: index[r] for r in range(self.world_size)}, self._int_node)
         return torch.SymInt(node)  # type: ignore[return-value,no-any-return]
 
-    def new_group(self, ranks: Sequence[int]) -> dist.ProcessGroup:
-        if tiles(ranks, self.world_size) is None:
-            raise ValueError(
-                f"create_group: ranks {list(ranks)} cannot be simulated: in simulated_world("
-                f"{self.world_size}) a group runs on all its translates at once, so they must "
-                "tile the world like a mesh axis (e.g. [0, 2] of 4 ranks; not [0, 1, 3])"
-            )
-        pg: dist.ProcessGroup = dist.new_group(list(ranks))
+    def new_group(self, name: str, ranks: Sequence[int]) -> dist.ProcessGroup:
+        """The process group of the copy of `ranks` holding rank 0: this process is rank 0 of
+        the fake job, and torch skips a collective on a group without it (a group named by a
+        later copy, as [2, 3] of 4, then left every value as it was); LocalTensorMode runs the
+        collective on every copy of the group it is given."""
+        check_tiles(name, ranks, self.world_size)
+        pg: dist.ProcessGroup = dist.new_group(self.tiles(ranks)[0])
         return pg
+
+    def copy_of(self, rank: int, ranks: Sequence[int]) -> list[int]:
+        """The copy of the group `ranks` (one of its `tiles`) that `rank` belongs to."""
+        return next(tile for tile in self.tiles(ranks) if rank in tile)
 
     # -- point-to-point --------------------------------------------------------------------
     def exchange(
@@ -282,9 +265,11 @@ class SimulatedWorld:
         return outs, max(sent)
 
     def _check_peer(self, kind: str, peer: int, rank: int, group: Sequence[int]) -> None:
-        if peer not in group or rank not in group:
+        own = self.copy_of(rank, group)
+        if peer not in own:
             raise ValueError(
-                f"{kind}: rank {rank} names peer {peer}, not a rank of group {list(group)}"
+                f"{kind}: rank {rank} names peer {peer}, not a rank of its group {own} (the "
+                f"copy of group {list(group)} that rank {rank} runs)"
             )
 
     def _receive(
