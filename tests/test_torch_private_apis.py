@@ -209,6 +209,11 @@ def _c10d() -> None:
     try:
         assert isinstance(c10d.default_store(), c10d.Store)
         assert dist.get_world_size() == 8 and dist.get_rank() == 3
+        assert c10d.live_group_count() == 1
+        name = c10d.member_group_name([5, 3])  # (the name the group below gets)
+        pg = dist.new_group([3, 5], use_local_synchronization=True)
+        assert pg.group_name == name and c10d.live_group_count() == 2
+        assert c10d.member_group_name([3, 5]) != name  # (one group more held)
     finally:
         dist.destroy_process_group()
 

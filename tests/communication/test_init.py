@@ -1,4 +1,5 @@
-"""init() in a plain single process: a 1-rank job whose collectives are identities."""
+"""init() in a plain single process: a 1-rank job whose collectives are identities; the exit
+barrier; and (from the 2-process job's groups_worker.py) create_group and a second init()."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 import shardwise as sw
 from shardwise.communication import get_group_size, get_local_rank, get_rank, init, release
-from shardwise.testing import clean_env
+from shardwise.testing import JobResult, clean_env
 
 
 def test_init_plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,7 +114,7 @@ _rank = threading.local()
 def test_release_barrier_keeps_the_store_host_until_every_rank_left() -> None:
     """Rank 0 hosts the rendezvous store: its `_store_barrier` returns only after every rank
     has stopped using the store, else a rank still waiting loses its connection."""
-    from shardwise.communication._init import store_barrier
+    from shardwise.communication._store_sync import store_barrier
 
     store, world = _Store(), 3
     returned: list[tuple[int, int]] = []
@@ -139,7 +140,7 @@ def test_release_barrier_keeps_the_store_host_until_every_rank_left() -> None:
 def test_a_rank_that_gave_up_on_the_exit_barrier_is_not_waited_for_again() -> None:
     """Rank 1 left at once and gave up waiting (its exit wait is short); rank 0 came late: it
     finds everyone gone and returns at once, instead of waiting its own timeout for rank 1."""
-    from shardwise.communication._init import store_barrier
+    from shardwise.communication._store_sync import store_barrier
 
     store, ended = _Store(), {}
 
@@ -187,3 +188,13 @@ def test_sys_exit_with_a_failure_leaves_at_once_and_a_threads_does_not(tmp_path:
     outs = {name: p.communicate(timeout=60)[0] for name, p in procs.items()}
     assert (procs["main"].returncode, outs["main"]) == (3, "joined at exit: True\n")
     assert (procs["thread"].returncode, outs["thread"]) == (0, "joined at exit: False\n")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_groups_and_a_second_init_on_two_real_processes(two_rank_job: JobResult) -> None:
+    """tests/multiprocess/groups_worker.py: a group whose members made different numbers of
+    groups before it is refused at once on both, naming it and the fix (both waited for the
+    whole timeout, failing on a store key); `init()` after `release()` joins cleanly (its world
+    group read the first one's addresses: refused connections, resets, hangs)."""
+    two_rank_job.assert_checks(2, ["uneven_groups_refused", "init_again_after_release"])

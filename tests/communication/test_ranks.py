@@ -6,6 +6,8 @@ data parallel, delayed init)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -97,3 +99,33 @@ def test_every_rank_in_one_process() -> None:
         assert comm.own_group(lambda r: (r // 2 * 2 + 1, r // 2 * 2)) == (1, 0)
         with pytest.raises(ValueError, match=r"rank 2's group \[3, 2\] is not rank 0's"):
             comm.own_group(lambda r: (0, 1) if r < 2 else (3, 2))
+
+
+def test_rank_value_refuses_structures_that_differ_between_ranks() -> None:
+    """One joined value holds per-rank ints and tensors, not per-rank list lengths or dict keys:
+    rank 1's longer list or extra key was dropped silently (rank 1 got rank 0's ``[0]``), and a
+    longer one on rank 0 raised a bare IndexError / KeyError. Each names the ranks now."""
+    with simulated_world(2):
+        cases = {
+            "a list of length 1 and rank 1 a list of length 2": lambda r: list(range(r + 1)),
+            "a list of length 2 and rank 1 a list of length 1": lambda r: [0, 1][: 2 - r],
+            "a dict of keys ['a'] and rank 1 a dict of keys ['a', 'b']": (
+                lambda r: {"a": 1} if r == 0 else {"a": 1, "b": 2}
+            ),
+            "a dict of keys ['a', 'b'] and rank 1 a dict of keys ['a']": (
+                lambda r: {"a": 1, "b": 2} if r == 0 else {"a": 1}
+            ),
+            "a tensor and rank 1 an int": lambda r: torch.ones(1) if r == 0 else 1,
+            "a tuple of length 1 and rank 1 a list of length 1": (
+                lambda r: (1,) if r == 0 else [1]
+            ),
+        }
+        for said, make in cases.items():
+            with pytest.raises(ValueError, match=r"rank_value: rank 0 gives " + re.escape(said)):
+                comm.rank_value(make)
+        with pytest.raises(ValueError, match=r"rank_value\['send'\]: .* list of length 0.*pad"):
+            comm.rank_value(lambda r: {"send": [1] if r == 0 else []})  # (a one-way send)
+        # keys in another order are the same keys: rank 0's order
+        joined = comm.rank_value(lambda r: {"a": r, "b": 1} if r == 0 else {"b": 1, "a": r})
+        assert list(joined) == ["a", "b"] and joined["b"] == 1
+        assert comm.rank_value(lambda r: [r, [r, 2]])[1][1] == 2

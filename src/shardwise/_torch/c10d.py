@@ -6,7 +6,12 @@ the store classes.
   `communication/mesh.py` gives them shardwise's timeout. Gloo's options class is only in
   ``torch._C._distributed_c10d``, and NCCL's options take the timeout as ``_timeout``.
 - `default_store`: the store the default process group was made with; `communication/_init.py`
-  runs its exit barrier through it (see `_init._store_barrier` for why not ``dist.barrier``).
+  runs its exit barrier through it (see `_init._store_barrier` for why not ``dist.barrier``), and
+  `_store_sync.agree_on_group` its check before a group is created.
+- `member_group_name`, `live_group_count`: the name torch gives a member-only group
+  (``new_group(..., use_local_synchronization=True)``: a hash of its ranks and of how many
+  process groups this process holds), under which its members meet in the store;
+  `communication/_store_sync.py` has the members compare it before they create the group.
 - `fake_process_group`: torch's test module that registers the ``"fake"`` backend (every
   collective returns at once) and its ``FakeStore``; a dry run (`communication/_dry.py`) plays
   one rank of a large job with it.
@@ -32,6 +37,8 @@ __all__ = [
     "default_store",
     "fake_process_group",
     "gloo_options",
+    "live_group_count",
+    "member_group_name",
     "nccl_options",
 ]
 
@@ -58,6 +65,16 @@ def default_store() -> Store:
         RuntimeError / ValueError: no default process group, or one without a store.
     """
     return dist.distributed_c10d._get_default_store()
+
+
+def live_group_count() -> int:
+    """How many process groups this process holds (the default one included)."""
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def member_group_name(ranks: list[int]) -> str:
+    """The name torch would give a member-only group of the sorted global `ranks` now."""
+    return str(dist.distributed_c10d._hash_ranks_to_str(sorted(ranks)))
 
 
 def fake_process_group() -> ModuleType:

@@ -32,7 +32,6 @@ from shardwise.communication._env import JobEnv, LaunchEnvError, detect_job
 from shardwise.communication._init import (
     WORLD_COMM_GROUP,
     Group,
-    comm_timeout,
     create_group,
     destroy_group,
     ensure_group,
@@ -67,6 +66,7 @@ from shardwise.communication._sim import (
     set_draw_state,
     set_process_rng_state,
 )
+from shardwise.communication._store_sync import comm_timeout
 from shardwise.communication.neighbor import NeighborExchange, NeighborExchangeV2
 from shardwise.communication.primitives import (
     AllGather,

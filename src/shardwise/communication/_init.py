@@ -19,7 +19,6 @@ import contextlib
 import datetime
 import hashlib
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +31,14 @@ from shardwise.communication import _exit, _sim, _trace
 from shardwise.communication._backend import check_backend
 from shardwise.communication._env import JobEnv, detect_job
 from shardwise.communication._netif import socket_ifname_env
+from shardwise.communication._store_sync import (
+    agree_on_group,
+    comm_timeout,
+    store_barrier,
+)
 
 WORLD_COMM_GROUP = "world_group"
 _WORLD_ALIASES = frozenset({WORLD_COMM_GROUP, "hccl_world_group", "nccl_world_group"})
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,8 @@ class Group:
 
 _groups: dict[str, Group] = {}
 _job: JobEnv | None = None
-
-
-def comm_timeout() -> datetime.timedelta:
-    return datetime.timedelta(
-        seconds=float(os.environ.get("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
-    )
+_joins = 0  # multi-rank init() calls so far (the same count on every rank)
+_made: dict[tuple[str, tuple[int, ...]], int] = {}  # (create_group calls per name and ranks)
 
 
 def init(backend: str | None = None) -> None:
@@ -107,9 +106,7 @@ def init(backend: str | None = None) -> None:
             timeout=timeout,
             wait_for_workers=False,
         )
-        run_id = os.environ.get("SHARDWISE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-        if run_id:
-            store = dist.PrefixStore(f"job/{run_id}", store)  # type: ignore[attr-defined]
+        store = _join_store(store)
         # the interface that reaches the master, unless GLOO_SOCKET_IFNAME is set
         os.environ.update(socket_ifname_env(job.master_addr, os.environ))
     if backend == "nccl":
@@ -123,6 +120,23 @@ def init(backend: str | None = None) -> None:
     _exit.install()
     if job.world_size > 1:
         _trace.open_trace()
+
+
+def _join_store(store: Any) -> Any:
+    """The store a multi-rank `init()` makes its process group with: the launcher's under
+    ``job/<run id>`` (under torchrun or `shardwise run`), and a fresh prefix for each `init()`
+    after a `release()` (``.../init<n>``). The launcher's store outlives a `release()`, and
+    the new world group takes the same name as the last one (torch counts groups from 0 again):
+    its ranks would read the addresses the last one left there, and connect to ports gone
+    ("Connection refused" in ``init()``, "Connection reset by peer" in the first collective, or
+    a hang)."""
+    global _joins
+    _joins += 1
+    prefix = os.environ.get("SHARDWISE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    prefix = f"job/{prefix}" if prefix else ""
+    if _joins > 1:
+        prefix = f"{prefix}/init{_joins}" if prefix else f"init{_joins}"
+    return dist.PrefixStore(prefix, store) if prefix else store  # type: ignore[attr-defined]
 
 
 def _same_seed(store: Any, rank: int) -> None:
@@ -239,12 +253,13 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
 
     Raises:
         ValueError: empty/duplicate/out-of-range rank ids, a taken name, or (with real processes)
-            the calling rank not in `rank_ids`.
-
-    Note:
-        torch 2.13 names such member-only groups by their ranks and by how many groups the
-        process made before, so every member must have created the same number of groups
-        before this call (create groups in the same order on all ranks).
+            the calling rank not in `rank_ids`, or the members holding different numbers of
+            groups (one made a one-rank group the others did not make, say): torch names a
+            member-only group by its ranks and that count, and its members meet under that
+            name, so create groups in the same order and number on every member (one-rank
+            groups on every rank, or after the groups they share).
+        RuntimeError: (a job) a member did not call create_group for it within
+            `comm_timeout()`.
 
     Example:
         >>> g = create_group("pairs", [0, 1])   # on ranks 0 and 1
@@ -281,10 +296,31 @@ def create_group(name: str, rank_ids: list[int] | tuple[int, ...]) -> Group:
                 f"create_group({name!r}): rank {dist.get_rank()} is not in rank_ids {ids}; "
                 "only the members call create_group"
             )
-        pg = dist.new_group(sorted(ids), timeout=comm_timeout(), use_local_synchronization=True)
+        pg = _member_group(name, sorted(ids))
     group = Group(name, tuple(sorted(ids)), pg)
     _groups[name] = group
     return group
+
+
+def _member_group(name: str, ids: list[int]) -> dist.ProcessGroup:
+    """The torch process group of `create_group` in a job: its members first check that torch
+    names it alike on each of them (`agree_on_group`), then create it."""
+    if len(ids) > 1 and dist.get_backend() != "fake":  # (a dry run: one rank, no store)
+        made = _made[name, tuple(ids)] = _made.get((name, tuple(ids)), 0) + 1
+        key = f"shardwise/group/{name}/{'-'.join(map(str, ids))}/{made}"
+        agree_on_group(default_store(), key, name, ids, dist.get_rank())
+    try:
+        pg: dist.ProcessGroup = dist.new_group(
+            ids, timeout=comm_timeout(), use_local_synchronization=True
+        )
+    except dist.DistStoreError as e:
+        raise RuntimeError(
+            f"create_group({name!r}, {ids}): the members did not all connect within "
+            f"{comm_timeout().total_seconds():g} s (SHARDWISE_COMM_TIMEOUT); every member "
+            "calls create_group with the same name and rank_ids, having created the same "
+            "groups before it; see the other members' logs"
+        ) from e
+    return pg
 
 
 def destroy_group(name: str) -> None:
@@ -362,43 +398,3 @@ def _store_barrier(timeout: datetime.timedelta | None = None, fallback: bool = T
         return
     key = f"shardwise/release/{_releases}"
     store_barrier(store, key, dist.get_rank(), dist.get_world_size(), timeout)
-
-
-def store_barrier(
-    store: Any, key: str, rank: int, world: int, timeout: datetime.timedelta | None = None
-) -> None:
-    """Wait on `store` (add / set / check) until all `world` ranks have called this with `key`
-    (each wait at most `timeout`, default `comm_timeout()`; a RuntimeError when it ends).
-
-    The store lives in rank 0's process (torch's default), so rank 0 returns last: only after
-    every rank is past its wait, else a rank still waiting would lose its connection
-    ("Connection reset by peer") when rank 0 exits.
-    """
-    timeout = comm_timeout() if timeout is None else timeout
-    if store.add(key, 1) == world:
-        store.set(f"{key}/done", "1")
-    try:
-        _wait_key(store, f"{key}/done", timeout)
-    finally:  # (a rank that gave up has left too: rank 0 does not wait for it a second time)
-        with contextlib.suppress(RuntimeError):
-            if store.add(f"{key}/left", 1) == world:
-                store.set(f"{key}/gone", "1")
-    if rank == 0:
-        _wait_key(store, f"{key}/gone", timeout)
-
-
-def _wait_key(store: Any, key: str, timeout: datetime.timedelta) -> None:
-    """Wait until `key` is set on `store`, at most `timeout`, by asking (``check``) rather than
-    with torch's blocking ``wait``, whose timeout writes a c10d warning into the worker log of
-    a job that may well succeed.
-
-    Raises:
-        RuntimeError: the time is up (or the store is gone), naming the key.
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-    pause = 0.001
-    while not store.check([key]):
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"store barrier: {key} not set within {timeout.total_seconds():g} s")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)

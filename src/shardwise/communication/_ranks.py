@@ -83,8 +83,8 @@ def rank_value(make: Callable[[int], T]) -> T:
     In a job this is ``make(get_rank())``. Where one process runs every rank (simulated world)
     `make` runs once per rank, with plain tensors (outside the per-rank mode: a random draw
     happens once per call, as on one process), and the results are joined: tensors into one
-    per-rank tensor, ints that differ into a per-rank int, dicts / lists / tuples item by item;
-    anything else must be equal on every rank.
+    per-rank tensor, ints that differ into a per-rank int, dicts / lists / tuples item by item
+    (of the same keys / length on every rank); anything else must be equal on every rank.
 
     Args:
         make: computes rank r's value from its global rank r.
@@ -95,7 +95,7 @@ def rank_value(make: Callable[[int], T]) -> T:
     Raises:
         RuntimeError: no job (call `init()` first).
         ValueError: (several ranks per process) values other than ints and tensors that differ
-            between ranks.
+            between ranks, or a structure that does (a list's length, a dict's keys, a type).
 
     Example:
         >>> coord = rank_value(lambda r: matrix.coord(r)[axis])   # this rank's coordinate
@@ -112,6 +112,7 @@ def rank_value(make: Callable[[int], T]) -> T:
 
 def _join(sim: _sim.Simulator, values: list[Any], where: str) -> Any:
     first = values[0]
+    _check_same_kind(values, where)
     if isinstance(first, torch.Tensor):
         return sim.from_local_tensors(values)
     if isinstance(first, int) and not isinstance(first, bool):
@@ -127,6 +128,46 @@ def _join(sim: _sim.Simulator, values: list[Any], where: str) -> Any:
             "ints and tensors may differ between ranks"
         )
     return first
+
+
+def _check_same_kind(values: list[Any], where: str) -> None:
+    """Refuse values whose structure differs between ranks, which one joined value cannot hold
+    (a list of each rank's length, a dict of each rank's keys): the kind (tensor, int, dict,
+    list, tuple), a list's or tuple's length and a dict's keys must be rank 0's on every rank."""
+    first = values[0]
+    if not isinstance(first, dict | list | tuple | torch.Tensor | int) or isinstance(first, bool):
+        return  # (other values must be equal on every rank: `_join` compares them)
+    for r, v in enumerate(values[1:], start=1):
+        if _structure(v) != _structure(first):
+            raise ValueError(
+                f"{where}: rank 0 gives {_described(first)} and rank {r} {_described(v)}; only "
+                "ints and tensors may differ between ranks, not the structure around them "
+                "(list lengths, dict keys, types): give every rank a value of the same shape "
+                "(pad the lists, give every dict every key), or run the code in a real job"
+            )
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return "tensor"
+    return "int" if isinstance(v, int) and not isinstance(v, bool) else type(v).__name__
+
+
+def _structure(v: Any) -> tuple[Any, ...]:
+    """What must be alike on every rank: the kind, a dict's keys (in any order), a list's or
+    tuple's length."""
+    if isinstance(v, dict):
+        return ("dict", frozenset(v))
+    return (_kind(v), len(v)) if isinstance(v, list | tuple) else (_kind(v),)
+
+
+def _described(v: Any) -> str:
+    """`v`'s `_structure` in words."""
+    if isinstance(v, dict):
+        return f"a dict of keys {list(v)}" if set(v) else "an empty dict"
+    if isinstance(v, list | tuple):
+        return f"a {type(v).__name__} of length {len(v)}"
+    return f"an {_kind(v)}" if _kind(v) == "int" else f"a {_kind(v)}"
 
 
 def own_group(members_of: Callable[[int], Sequence[int]]) -> tuple[int, ...]:

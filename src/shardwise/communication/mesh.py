@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise._torch.c10d import BackendOptions, gloo_options, nccl_options
-from shardwise.communication._init import comm_timeout
+from shardwise.communication._store_sync import comm_timeout
 
 
 def _backend_override(
