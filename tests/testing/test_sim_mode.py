@@ -112,12 +112,17 @@ def test_worlds_leave_the_excepthook_as_they_found_it() -> None:
 
 def test_one_python_value_from_a_tensor_the_ranks_differ_on() -> None:
     """``.item()``, ``float()`` and an ``if`` on a per-rank tensor: one value where the ranks
-    agree (NaN too: torch's comparison of the ranks' numbers refused NaN), a ValueError naming
-    the ranks' values and the fixes where they differ (torch raised an AssertionError, or for a
-    comparison's ``bool()`` an AttributeError on ``guard_int``)."""
+    agree (an integer's ``.item()``: torch's per-rank int, each rank's count) (NaN too: torch's
+    comparison of the ranks' numbers refused NaN), a ValueError naming the ranks' values and the
+    fixes where they differ (torch raised an AssertionError, or for a comparison's ``bool()`` an
+    AttributeError on ``guard_int``)."""
     with simulated_world(2) as world:
         same = world.rank_map(lambda r: torch.tensor([float("nan"), 1.5]))
         assert math.isnan(same.sum().item()) and float(same[1]) == 1.5 and bool(same[1] > 1)
+        counts = world.rank_map(lambda r: torch.tensor(r + 1))  # (an integer: torch's per-rank int)
+        assert_matches_single_device(
+            torch.full((2,), counts.item()), lambda r: torch.full((2,), r + 1)
+        )
         x = world.rank_map(lambda r: torch.tensor([1.0 + r]))
         for convert in (
             lambda: x.sum().item(),

@@ -24,7 +24,8 @@
 - A tensor whose value differs between the ranks turned into one Python value (``.item()``,
   ``bool()`` for an ``if``, ``float()``) failed inside torch with an AssertionError ("Non Tensor
   or int rank results must be equal") or an AttributeError (``guard_int``); `one_scalar`
-  raises a ValueError naming the ranks' values and the fixes.
+  raises a ValueError naming the ranks' values and the fixes (an integer's ``.item()`` stays
+  torch's per-rank int).
 
 `guarded_mode` makes the LocalTensorMode subclass that does all of this.
 """
@@ -136,11 +137,18 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
+def _counts(dtype: torch.dtype) -> bool:
+    """Integer dtypes, whose ``.item()`` torch makes a per-rank int (a size, a count)."""
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
 def one_scalar(func: Any, args: tuple[Any, ...], local: type) -> tuple[bool, Any]:
     """(True, the value) when `func` turns a per-rank tensor into one Python value (``.item()``,
     ``bool()``, ``float()``) and every rank holds the same value (NaN included, which torch's
-    comparison of the ranks' numbers refused); (False, None) for other ops. Raise ValueError
-    when the ranks' values differ."""
+    comparison of the ranks' numbers refused); (False, None) for other ops, and for ``.item()``
+    of an integer tensor (torch's per-rank int, each rank's value: ``torch.full((n,),
+    counts.item())``). Raise ValueError when the ranks' values differ otherwise (a float, or a
+    bool for a branch)."""
     scalar = _SCALAR.get(func)
     if scalar is None:
         scalar = _SCALAR[func] = func.name() in _SCALAR_OPS
@@ -150,6 +158,9 @@ def one_scalar(func: Any, args: tuple[Any, ...], local: type) -> tuple[bool, Any
     ranks = sorted(parts)
     if all(_same_values(parts[r], parts[ranks[0]]) for r in ranks[1:]):
         return True, func(parts[ranks[0]], *args[1:])
+    first = parts[ranks[0]]
+    if func.name() == "aten::_local_scalar_dense" and _counts(first.dtype):
+        return False, None  # (torch's per-rank int: each rank's count, as in a real job)
     shown = ", ".join(f"rank {r}: {parts[r].item()!r}" for r in ranks[:4])
     raise ValueError(
         f"simulated world: a tensor whose value differs between the ranks ({shown}) was "
