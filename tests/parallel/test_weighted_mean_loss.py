@@ -429,3 +429,26 @@ def test_a_float16_loss_whose_sum_passes_float16s_range(loss: str) -> None:
     assert rec.kinds() == Counter(
         {("AllReduce", "forward", (0, 1)): 1, ("AllReduce", "backward", (0, 1)): 1}
     ), rec.summary()
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_float16_input_under_autocast_keeps_its_float32_loss(smoothing: float) -> None:
+    """Under ``torch.autocast(dtype=float16)`` a cross entropy takes float16 logits and computes
+    in float32: the loss stays float32 and equals one device's (a first version of the float16
+    sum above cast it to float16, 2.2734375 against 2.2726417)."""
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(64, 6, generator=g) * 3, torch.randint(0, 5, (64,), generator=g)
+
+    def run(net: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(net(a), b, label_smoothing=smoothing)
+        loss.backward()
+        return loss
+
+    want = run(Classifier(), x, y)
+    net = Classifier()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = sw.AutoParallel(lambda a, b: run(net, a, b))(world.rows(x), world.rows(y))
+        assert got.dtype == torch.float32
+        assert_matches_single_device(got, want.detach(), what="loss")

@@ -255,29 +255,32 @@ def loss_weight(op: str, args: Sequence[Any], kw: dict[str, Any]) -> torch.Tenso
 
 def summed_loss(
     op: str, args: Sequence[Any], kw: dict[str, Any]
-) -> tuple[Any, dict[str, Any], torch.dtype | None]:
+) -> tuple[Any, dict[str, Any], bool]:
     """The arguments of a mean loss `op` (``F.cross_entropy`` / ``F.nll_loss`` /
     ``F.kl_div``'s batchmean: `planner.WEIGHTED_MEAN`) with ``reduction="sum"``: this rank's
     loss times what its mean divides by (`loss_weight`), without that division. A rank whose
     targets all count 0 (ignored, or of classes of weight 0) gets 0 and zero gradients, where
     its mean (0 / 0) and that mean's backward (weight x gradient / 0) are NaN.
 
-    A float16 input's sum would overflow float16 (65504: 8,192 tokens of loss 8) where its
-    mean does not: it runs with ``reduction="none"`` instead, each element's loss in float16's
-    range, and `float_sum` sums them in float32; the third value is then float16, the dtype the
-    loss is cast back to once divided (None otherwise)."""
+    A float16 input's sum could overflow float16 (65504: 8,192 tokens of loss 8) where its
+    mean does not: it runs with ``reduction="none"`` instead (the third value True), each
+    element's loss in float16's range, and `float_sum` sums them in float32 (under autocast
+    the elements are float32 already)."""
     names = KL_ARGS if op == KL_DIV else LOSS_ARGS
     at = names.index("reduction")
-    narrow = torch.float16 if _by_name(names, args, kw)["input"].dtype == torch.float16 else None
-    reduction = "none" if narrow is not None else "sum"
+    wide = _by_name(names, args, kw)["input"].dtype == torch.float16
+    reduction = "none" if wide else "sum"
     if len(args) > at:
-        return (*args[:at], reduction, *args[at + 1 :]), kw, narrow
-    return tuple(args), {**kw, "reduction": reduction}, narrow
+        return (*args[:at], reduction, *args[at + 1 :]), kw, wide
+    return tuple(args), {**kw, "reduction": reduction}, wide
 
 
-def float_sum(out: torch.Tensor) -> torch.Tensor:
-    """The elements' losses of a float16 loss run by `summed_loss` summed in float32."""
-    return out.float().sum()
+def float_sum(out: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
+    """The elements' losses of a loss run by `summed_loss` with ``reduction="none"`` summed in
+    float32 at least, and the dtype to cast the divided mean back to: float16 where torch's
+    loss was float16 (None where it was float32: under autocast)."""
+    kind = torch.promote_types(out.dtype, torch.float32)
+    return out.to(kind).sum(), (out.dtype if out.dtype != kind else None)
 
 
 def batch_norm_split(args: Sequence[Any], kw: dict[str, Any], node: NodePlan) -> torch.Tensor:

@@ -147,10 +147,10 @@ class NodeRun:
                 args, kw = self.sizes(k, args, kw, captured)
             else:
                 args, kw = self.numbers(k, args, kw, captured)
-        weight, narrow = None, None
+        weight, wide = None, False
         if k in table.weighted and k in table.returning:  # (this rank's sum, its weight)
             weight = loss_weight(self.plan.nodes[k].op, args, kw)
-            args, kw, narrow = summed_loss(self.plan.nodes[k].op, args, kw)
+            args, kw, wide = summed_loss(self.plan.nodes[k].op, args, kw)
         try:
             out = compute(func, k, self.plan.nodes[k], table, args, kw)
         except UnplannedDraw as e:  # (planned without its draws: an eval() call)
@@ -159,8 +159,10 @@ class NodeRun:
             raise Replan(str(e), k, self.ops[k]) from None
         if backs and kept is not None:
             self._write_back(backs, kept)
-        if narrow is not None:  # (a float16 loss: its elements summed in float32)
-            out = self._returned(k, float_sum(out), weight, wait=True).to(narrow)
+        if wide:  # (a float16 loss: its elements summed in float32)
+            total, narrow = float_sum(out)
+            out = self._returned(k, total, weight, wait=narrow is not None)
+            out = out.to(narrow) if narrow is not None else out
         else:
             out = self._returned(k, out, weight)
         if k in table.averaging:
