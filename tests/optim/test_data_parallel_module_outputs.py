@@ -6,7 +6,9 @@ module form return the global batch's: now the loss's value is the ranks' mean (
 the same on every rank, and its gradient stays this rank's, so ``out.loss.backward()`` and the
 optimizer step's average give one device's gradients (nothing divided twice). Under
 ``"full_batch"`` a dict's or a dataclass's other tensors were left as this rank's rows (only a
-bare tensor, tuple or list was gathered): now every output is whole on every rank.
+bare tensor, tuple or list was gathered): now every output is whole on every rank, also a
+dataclass field set after construction (``field(init=False)``, which rebuilding the output
+once dropped).
 Two simulated ranks against one device, two SGD + momentum steps, float32 at 1e-5.
 """
 
@@ -33,6 +35,7 @@ class Output:  # (Hugging Face's ModelOutput is a dataclass with these fields)
     loss: torch.Tensor
     logits: torch.Tensor
     rows: torch.Tensor  # (an integer 0-d value: no loss, this rank's own)
+    probs: torch.Tensor = dataclasses.field(init=False)  # (set after construction)
 
 
 class Classifier(nn.Module):
@@ -50,7 +53,9 @@ class Classifier(nn.Module):
         if self.kind == "dict":
             return {"loss": loss, "logits": logits}
         if self.kind == "dataclass":
-            return Output(loss, logits, torch.tensor(x.shape[0]))
+            out = Output(loss, logits, torch.tensor(x.shape[0]))
+            out.probs = logits.softmax(-1)
+            return out
         if self.kind == "tuple":
             return loss, logits
         return loss
@@ -108,5 +113,7 @@ def test_module_form_returns_the_global_loss_and_trains_as_one_device(
                 assert_matches_single_device(logits, expected, what=f"logits {i}")
             if isinstance(out, Output):  # (an integer 0-d value stays this rank's: its rows)
                 assert out.rows.item() == 4
+                probs = give(one.probs.detach())  # (a field set after construction: kept)
+                assert_matches_single_device(out.probs, probs, what=f"probs {i}")
         params = {n: p.detach() for n, p in net.named_parameters()}
         assert_matches_single_device(params, dict(ref.named_parameters()), what="parameters")

@@ -42,9 +42,10 @@ __all__ = [
 
 def tree_map_dataclasses(fn: Callable[[Any], Any], tree: Any) -> Any:
     """`tree_map` that also enters dataclasses, registered or not (Hugging Face's
-    ``ModelOutput``, a plain ``@dataclass`` torch does not flatten): `fn` maps each init field's
-    leaves, and the instance is rebuilt by ``dataclasses.replace`` where a field changed (the
-    same object where none did).
+    ``ModelOutput``, a plain ``@dataclass`` torch does not flatten): `fn` maps each field's
+    leaves, and the instance is rebuilt by ``dataclasses.replace`` where an init field changed,
+    its other fields (``field(init=False)``) set to their mapped values after (the same object
+    where no field changed).
 
     Example:
         >>> tree_map_dataclasses(lambda t: t * 2, {"out": Out(loss=torch.tensor(1.0))})
@@ -52,11 +53,17 @@ def tree_map_dataclasses(fn: Callable[[Any], Any], tree: Any) -> Any:
     """
 
     def leaf(x: Any) -> Any:
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.init}
-            mapped = {k: tree_map_dataclasses(fn, v) for k, v in fields.items()}
-            changed = {k: v for k, v in mapped.items() if v is not fields[k]}
-            return dataclasses.replace(x, **changed) if changed else x
-        return fn(x)
+        if not dataclasses.is_dataclass(x) or isinstance(x, type):
+            return fn(x)
+        fields = [f for f in dataclasses.fields(x) if hasattr(x, f.name)]
+        before = {f.name: getattr(x, f.name) for f in fields}
+        after = {k: tree_map_dataclasses(fn, v) for k, v in before.items()}
+        if all(after[k] is before[k] for k in before):
+            return x
+        made = dataclasses.replace(x, **{f.name: after[f.name] for f in fields if f.init})
+        for f in fields:
+            if not f.init:  # (set after construction: ``__post_init__`` or the user's code)
+                object.__setattr__(made, f.name, after[f.name])
+        return made
 
     return tree_map(leaf, tree, is_leaf=dataclasses.is_dataclass)
