@@ -176,11 +176,14 @@ def hsdp_clip_kinds(
     return want
 
 
-@pytest.mark.parametrize("level", ["level1", "level2"])
-def test_clip_outside_the_call_with_optimizer_parallel(level: str) -> None:
-    """Module form with hsdp: `AutoParallel.clip_grad_norm_` after ``loss.backward()``
-    (level 1: it reduces the held gradients first) gives one device's norm and clipped
-    gradients, as shards; the optimizer's step then reduces nothing more."""
+@pytest.mark.parametrize("clip", ["wrapper", "torch"])
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_clip_outside_the_call_with_optimizer_parallel(level: str, clip: str) -> None:
+    """hsdp with the clipping after ``loss.backward()`` outside the wrapped call:
+    `AutoParallel.clip_grad_norm_` or torch's ``clip_grad_norm_`` (level 1: they reduce the
+    held gradients first) give one device's norm and clipped gradients, as shards; the
+    optimizer's step then reduces nothing more. (torch's at levels 2-3 took each rank's own
+    shards' norm.)"""
     x, y = batches()[0]
     ref = GPT2()
     ref(x, y)[1].backward()
@@ -192,7 +195,10 @@ def test_clip_outside_the_call_with_optimizer_parallel(level: str) -> None:
         parallel.hsdp(threshold=0, optimizer_level=level)
         parallel(world.rows(x), world.rows(y)).backward()
         with CommRecorder() as rec:
-            norm = parallel.clip_grad_norm_(MAX_NORM)
+            if clip == "wrapper":
+                norm = parallel.clip_grad_norm_(MAX_NORM)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
             torch.optim.SGD(net.parameters(), lr=0.0).step()
         assert_matches_single_device(norm, want, what="norm")
         for name, p in net.named_parameters():

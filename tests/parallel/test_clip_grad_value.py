@@ -6,6 +6,8 @@ full gradients until the step: there the parameters' ``.grad`` was None, nothing
 (silently). Now reading a parameter's ``.grad`` reduces them first (as clipping by the norm
 does), so every level clips as one device does. In ``parallel_mode="data_parallel"`` (each
 rank's own gradients until the step) it is refused with a ValueError, as ``clip_grad_norm_``.
+Outside the wrapped call (the clipping in the user's loop) torch's ``clip_grad_norm_`` clips by
+one device's norm at every level (level 1: reducing the held gradients first).
 """
 
 from __future__ import annotations
@@ -140,3 +142,50 @@ def test_torch_clipping_outside_the_call_at_level_1() -> None:
         )
         with pytest.raises(ValueError, match=fixes):
             torch.nn.utils.clip_grad_value_(other.parameters(), 0.02)
+
+
+def _user_loop(
+    net: nn.Module, world: Any, level: str, form: str
+) -> tuple[sw.AutoParallel, torch.optim.Optimizer]:
+    """hsdp at `level` after one ``loss.backward()`` in the user's loop: the module form
+    (``AutoParallel(net)``) or the train-step form (``AutoParallel(step)``, the step the loss
+    alone, the clipping and the optimizer step outside it)."""
+    x, y = DATA[0]
+    world.replicate(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    if form == "module":
+        parallel = sw.AutoParallel(net, parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        F.cross_entropy(parallel(world.rows(x)), world.rows(y)).backward()
+    else:
+        parallel = sw.AutoParallel(lambda a, b: F.cross_entropy(net(a), b))
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        parallel(world.rows(x), world.rows(y)).backward()
+    return parallel, opt
+
+
+@pytest.mark.parametrize("form", ["module", "step"])
+@pytest.mark.parametrize("level", ["level2", "level3"])
+def test_torch_clipping_outside_the_call_at_levels_2_and_3(level: str, form: str) -> None:
+    """Levels 2-3 with the clipping in the user's loop: the gradients are the reduced shards,
+    and torch's clip_grad_norm_ took each rank's own shards' norm (another norm on each rank,
+    the unsharded weights' copies drifting apart). Now it returns one device's norm on every
+    rank and the step after it equals one device's; torch.nn.utils.get_total_norm (by that
+    path) gives the same norm."""
+    x, y = DATA[0]
+    ref = make()
+    F.cross_entropy(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert want > 0.1  # (it clips)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    net = make()
+    with simulated_world(2) as world:
+        parallel, opt = _user_loop(net, world, level, form)
+        grads = [p.grad for p in net.parameters() if p.grad is not None]
+        assert_matches_single_device(torch.nn.utils.get_total_norm(grads), want, what="total")
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+        assert_matches_single_device(norm, want, what="the norm")
+        for name, p in net.named_parameters():
+            full = ref.get_parameter(name).detach()
+            assert_matches_single_device(p.detach(), shard_of(parallel, name, full), what=name)

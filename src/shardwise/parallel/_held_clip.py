@@ -1,23 +1,28 @@
-"""torch's gradient clipping outside a wrapped call while hsdp level 1 holds the gradients.
+"""torch's gradient clipping outside a wrapped call under hsdp (the module form, or the
+clipping in the user's loop around a wrapped step).
 
-Level 1 keeps each rank's full gradients on the compute leaves until the optimizer step, and the
-parameters' ``.grad`` are None until then. Inside a wrapped call torch's clipping reduces them
-first (`_clip`); outside one (the module form, ``loss.backward()`` and the clipping in the
-user's loop) torch's functions saw no gradient: ``clip_grad_norm_`` returned 0 and clipped
-nothing, ``clip_grad_value_`` raised torch's internal ``Expected !nested_tensorlist[0].empty()``.
-`watch` registers an engine with its wrapper's `_clip.clipping` arguments; while it holds
-gradients, and the gradients a clipping lists are none or some of its parameters' (`_given`):
+Inside a wrapped call torch's clipping takes the norm of the whole gradients (`_clip`); outside
+one torch's own functions would see only this rank's pieces. `watch` registers an engine with
+its wrapper's `_clip.clipping` arguments (`clip_args`), and from then on:
 
-- ``torch.nn.utils.clip_grad_norm_`` (any name it was imported by) clips as inside a wrapped
-  call: the held gradients reduced first (the ReduceScatter the step would run, moved earlier;
-  the step then reduces none), the norm that of the whole gradients, taken when torch scales
-  them (`_clip._TotalNorm`);
-- ``clip_grad_value_`` and ``torch.nn.utils.get_total_norm``, which list the ``.grad`` tensors
-  before shardwise sees the call (the held ones are missing), raise a ValueError naming level
-  1, a held parameter and the fixes.
+- levels 2 and 3 (and level 1 once its gradients are reduced) hold each parameter's reduced
+  shard in ``.grad``: ``torch.nn.utils.clip_grad_norm_`` (any name it was imported by) and
+  ``torch.nn.utils.get_total_norm`` (by that path) given some of the engine's parameters'
+  gradients take the norm of the whole gradients, each shard counted once
+  (`_clip._TotalNorm`), so every rank clips by one device's norm; ``clip_grad_value_``
+  clamps each element and needs nothing (torch's own);
+- level 1 keeps each rank's full gradients on the compute leaves until the optimizer step
+  (every held parameter's ``.grad`` is None): while it holds them and the gradients a clipping
+  lists are none or some of its parameters' (`_given`), ``clip_grad_norm_`` clips as inside a
+  wrapped call: the held gradients reduced first (the ReduceScatter the step would run, moved
+  earlier; the step then reduces none), the norm that of the whole gradients, taken when torch
+  scales them (`_clip._TotalNorm.scale`); ``clip_grad_value_`` and ``get_total_norm``, which
+  list the ``.grad`` tensors before shardwise sees the call (the held ones are missing), raise
+  a ValueError naming level 1, a held parameter and the fixes.
 
-The guards sit in front of torch's clipping steps from the first level-1 engine on
-(`_torch.clip_grad.guard_clipping`); with no gradient held they change nothing.
+The guards sit in front of torch's clipping steps from the first engine on
+(`_torch.clip_grad.guard_clipping`); given no gradient of an engine's parameters they change
+nothing.
 """
 
 from __future__ import annotations
@@ -57,10 +62,8 @@ REFUSED = (
 
 
 def watch(engine: _Engine, clip_args: ClipArgs) -> None:
-    """Guard torch's clipping for `engine` at level 1 (`clip_args`: its wrapper's bound
-    `clip_args`, held weakly); other levels hold no gradients."""
-    if engine.level != "level1":
-        return
+    """Guard torch's clipping for `engine` (`clip_args`: its wrapper's bound `clip_args`, held
+    weakly)."""
     _WATCHED[engine] = weakref.WeakMethod(clip_args)
     if not _GUARDING:
         guard_clipping(_guard)
@@ -74,7 +77,14 @@ def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
     grads = _listed(step, args)
     for engine, method in list(_WATCHED.items()):
         clip_args = method()
-        if clip_args is None or not engine.reduce_held(False) or not _given(engine, grads):
+        if clip_args is None:
+            continue
+        if not engine.reduce_held(False):  # (the gradients are the reduced shards)
+            if step == "group" or not _mine(engine, grads):
+                continue  # (value clipping is per element: the shards' own is one device's)
+            total = _TotalNorm(*clip_args())
+            return total if step == "total_norm" else total.public
+        if not _given(engine, grads):
             continue
         if step == "total_norm":
             total = _TotalNorm(*clip_args())
@@ -109,10 +119,14 @@ def _listed(step: str, args: tuple[Any, ...]) -> list[Any]:
 
 
 def _given(engine: _Engine, grads: list[Any]) -> bool:
-    """Whether the clipping is of `engine`'s parameters: no gradient listed (the held ones are
-    None), or one of them a parameter's (a member reduced in backward)."""
-    if not grads:
-        return True
+    """Whether the clipping is of `engine`'s parameters while level 1 holds gradients: no
+    gradient listed (the held ones are None), or one of them a parameter's (a member reduced
+    in backward)."""
+    return not grads or _mine(engine, grads)
+
+
+def _mine(engine: _Engine, grads: list[Any]) -> bool:
+    """Whether some gradient in `grads` is one of `engine`'s parameters' ``.grad``."""
     mine = {id(p.grad) for p in engine.params.values() if p.grad is not None}
     return any(id(g) in mine for g in grads)
 

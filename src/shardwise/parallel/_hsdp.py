@@ -128,9 +128,9 @@ def start_engine(
     network: nn.Module, matrix: DeviceMatrix, plan: OptimizerPlan, clip_args: ClipArgs
 ) -> OptimizerParallel:
     """Start optimizer parallel for `network` as `plan` (`optimizer_plan` with hsdp) says and
-    cut the shards (call once, after the op-level blocks are in place); at level 1 torch's
-    clipping outside a wrapped call sees the gradients it holds (`_held_clip.watch`; its
-    wrapper's `clip_args`)."""
+    cut the shards (call once, after the op-level blocks are in place); torch's clipping
+    outside a wrapped call takes the norm of the whole gradients, at level 1 of the ones it
+    holds (`_held_clip.watch`; its wrapper's `clip_args`)."""
     engine = OptimizerParallel(network, plan, matrix)
     engine.shard_parameters()
     watch(engine, clip_args)
