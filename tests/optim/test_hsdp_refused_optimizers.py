@@ -1,4 +1,4 @@
-"""Optimizers optimizer parallel (hsdp) refuses: ``torch.optim.LBFGS``.
+"""Optimizers optimizer parallel (hsdp) refuses: ``torch.optim.LBFGS``, ``torch.optim.Adafactor``.
 
 LBFGS's step (with a closure) runs a line search that branches on dot products and norms of
 all the parameters flattened; on shards each rank computed its own and took its own branch
@@ -6,12 +6,21 @@ all the parameters flattened; on shards each rank computed its own and took its 
 a real job's ranks would have diverged silently). It is refused at the first call with a
 TypeError naming the optimizer and the fix (data_parallel mode's optimizer parallel too);
 without hsdp it trains as on one device.
+
+Adafactor keeps row and column statistics of each whole parameter and scales its relative step
+by the whole parameter's RMS: on shards its first step took them from the shard (wrong, each
+rank its own), its second failed with a message blaming a checkpoint that was never loaded
+(its ``row_var`` is not shaped like the shard). It is refused at the first call too, naming
+its statistics and the fix; without hsdp it trains as on one device. An optimizer keeping
+state in another shape than its parameter's is told so (not only that a checkpoint of
+another layout was loaded).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -101,3 +110,90 @@ def test_lbfgs_without_optimizer_parallel_trains_as_one_device() -> None:
             assert_matches_single_device(got, want[s], what=f"loss {s}")
         for name, p in net.named_parameters():
             assert_matches_single_device(p.detach(), ref.get_parameter(name), what=name)
+
+
+def plain_step(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def adafactor(net: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(net.parameters(), lr=1e-2)
+
+
+ADAFACTOR_REFUSED = r"torch.optim.Adafactor .*row and column statistics.*RMS.* without hsdp\(\)"
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_adafactor_under_optimizer_parallel_is_refused(level: str) -> None:
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = adafactor(net)
+        parallel = sw.AutoParallel(plain_step(net, opt), parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+        x, y = DATA[0]
+        with pytest.raises(TypeError, match=ADAFACTOR_REFUSED):
+            parallel(world.rows(x), world.rows(y))
+        assert not opt.state  # (no step ran)
+
+
+def test_adafactor_in_the_module_form_is_refused_at_its_step() -> None:
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = adafactor(net)
+        parallel = sw.AutoParallel(net, parallel_mode="semi_auto").hsdp(threshold=0)
+        x, y = DATA[0]
+        F.cross_entropy(parallel(world.rows(x)), world.rows(y)).backward()
+        with pytest.raises(TypeError, match=ADAFACTOR_REFUSED):
+            opt.step()
+
+
+def test_adafactor_without_optimizer_parallel_trains_as_one_device() -> None:
+    ref = build()
+    net = copy.deepcopy(ref)
+    step = plain_step(ref, adafactor(ref))
+    want = [step(x, y).detach() for x, y in DATA]
+    with simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(plain_step(net, adafactor(net)), parallel_mode="semi_auto")
+        for s, (x, y) in enumerate(DATA):
+            got = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(got, want[s], what=f"loss {s}")
+        for name, p in net.named_parameters():
+            assert_matches_single_device(p.detach(), ref.get_parameter(name), what=name)
+
+
+class RowScaled(torch.optim.SGD):
+    """SGD keeping a per-row statistic of each parameter (state shaped [rows, 1])."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dim() == 2:
+                    self.state[p]["rows"] = p.grad.pow(2).mean(1, keepdim=True)
+        return out
+
+
+def test_state_not_shaped_like_its_parameter_is_named_so() -> None:
+    """Its second step finds state of another shape than the shard: the message says the
+    optimizer keeps such state (it said only that a checkpoint of another layout was loaded)."""
+    net = build()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = RowScaled(net.parameters(), lr=0.1)
+        parallel = sw.AutoParallel(plain_step(net, opt), parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0)
+        x, y = DATA[0]
+        parallel(world.rows(x), world.rows(y))
+        with pytest.raises(ValueError, match=r"'rows' .*not shaped like its parameter.*hsdp\(\)"):
+            parallel(world.rows(x), world.rows(y))

@@ -12,7 +12,8 @@ Here:
   before or after updates shards and keeps 1/k of the state.
 - `_before_step` / `_after_step` (global optimizer step hooks, for optimizers holding these
   parameters): cut state made before the parameters were cut (`_adopt_state`), check the
-  state has this rank's shard shapes (`check_state`), flush level 1; after the step mark the
+  state has this rank's shard shapes (`check_state`; optimizers refused under optimizer
+  parallel: `check_optimizers`), flush level 1; after the step mark the
   leaves stale (levels 1-2) or drop them (level 3, and unsharded parameters' views).
 """
 
@@ -176,10 +177,15 @@ class OptimizerParallel(WeightGathering):
             self._gathered_ptrs.clear()
 
 
+ADAFACTOR: type | None = getattr(torch.optim, "Adafactor", None)  # (torch >= 2.5)
+
+
 def check_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
-    """Raise TypeError for an optimizer whose step branches on values over all parameters
-    (``torch.optim.LBFGS``'s line search: dot products and norms of the flattened
-    parameters): on shards each rank would take its own branch."""
+    """Raise TypeError for an optimizer whose step needs values over whole parameters or all
+    of them: ``torch.optim.LBFGS``'s line search (dot products and norms of the flattened
+    parameters), ``torch.optim.Adafactor``'s factored row / column statistics and RMS step
+    scaling; on shards each rank would take its own."""
+    optimizers = list(optimizers)
     if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
         raise TypeError(
             "AutoParallel: torch.optim.LBFGS cannot step under optimizer parallel (hsdp): its "
@@ -187,18 +193,31 @@ def check_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
             "each rank would compute from its own shards (the ranks would diverge); train "
             "without hsdp() (LBFGS works there), or use another optimizer"
         )
+    if ADAFACTOR is not None and any(isinstance(o, ADAFACTOR) for o in optimizers):
+        raise TypeError(
+            "AutoParallel: torch.optim.Adafactor cannot step under optimizer parallel (hsdp): "
+            "its factored second moment keeps row and column statistics of each whole "
+            "parameter (the column means span all its rows, which dim 0 shards split) and its "
+            "relative step scales by the whole parameter's RMS, which each rank would compute "
+            "from its own shard (wrong steps, the ranks diverging); train without hsdp() "
+            "(Adafactor works there), or use an element-wise optimizer (Adam, AdamW, SGD)"
+        )
 
 
 def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
-    """Raise ValueError when optimizer state does not have this rank's shape of `p` (e.g.
-    loaded from a checkpoint saved with another shard layout)."""
+    """Raise ValueError when optimizer state does not have this rank's shape of `p` (loaded
+    from a checkpoint saved with another shard layout, or state an optimizer keeps in another
+    shape than its parameter's)."""
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
             raise ValueError(
                 f"optimizer state {key!r} of parameter {name!r} has shape {list(value.shape)} "
-                f"but this rank holds a shard of shape {list(p.shape)}: the state was saved "
-                f"with another optimizer-parallel layout (hsdp shard size / level or device "
-                f"count); load a checkpoint saved under the same layout"
+                f"but this rank holds a shard of shape {list(p.shape)}: either it was loaded "
+                f"from a checkpoint saved with another optimizer-parallel layout (hsdp shard "
+                f"size / level or device count: load one saved under the same layout), or the "
+                f"optimizer keeps state that is not shaped like its parameter (statistics of "
+                f"the whole parameter, which a shard cannot hold: train that optimizer without "
+                f"hsdp(), or use an element-wise one)"
             )
 
 

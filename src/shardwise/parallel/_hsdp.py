@@ -14,7 +14,8 @@
   most `DEFAULT_BUCKET_MB` (DDP's 25 MB) filled in reverse parameter order.
 - `check_unfrozen`, `check_kinds`, `check_step`: what optimizer parallel refuses (a parameter
   unfrozen after planning, or given another dtype or device; one changed in place by an op of
-  the step's plan, `check_param_writes`; ``torch.optim.LBFGS``, `optim.check_optimizers`).
+  the step's plan, `check_param_writes`; ``torch.optim.LBFGS`` and ``torch.optim.Adafactor``,
+  `optim.check_optimizers`).
 """
 
 from __future__ import annotations
@@ -254,7 +255,8 @@ def check_kinds(network: nn.Module, before: tuple[tuple[torch.dtype, torch.devic
 def check_step(graph: Graph, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Raise for what optimizer parallel refuses in a captured step: an op changing a
     parameter in place (`check_param_writes`), an optimizer whose step couples all the
-    parameters' values (``LBFGS``: `optim.check_optimizers`, a TypeError)."""
+    parameters' values or whole parameters' statistics (``LBFGS``, ``Adafactor``:
+    `optim.check_optimizers`, a TypeError)."""
     check_param_writes(graph)
     check_optimizers(optimizers)
 
