@@ -179,9 +179,10 @@ def _decide(info: ParamInfo, config: HsdpConfig | None) -> ParamShard:
         reason = "no replicas (fully split by its strategy)"
     elif info.block_bytes < config.threshold * 1024:
         reason = f"{info.block_bytes} B < threshold {config.threshold:g} KB"
-    elif not info.block or info.block[0] % s:
-        dim0 = info.block[0] if info.block else 0
-        reason = f"dim 0 ({dim0}) not divisible by {s}"
+    elif not info.block:
+        reason = "0-d (no dim 0 to shard)"
+    elif info.block[0] % s:
+        reason = f"dim 0 ({info.block[0]}) not divisible by {s}"
     return ParamShard(info, axes, k, 1 if reason else s, reason)
 
 
