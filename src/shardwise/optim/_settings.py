@@ -112,7 +112,11 @@ def check_fusion(config: object) -> FusionConfig:
         if kind == "openstate":
             continue
         if kind not in FUSION_KINDS:
-            raise ValueError(f"comm_fusion: unknown key {kind!r}; valid: {FUSION_KINDS}")
+            valid = ", ".join(repr(k) for k in (*FUSION_KINDS, "openstate"))
+            raise ValueError(
+                f"comm_fusion: unknown key {kind!r}; valid keys: {valid} (e.g. "
+                "{'allreduce': {'mode': 'size', 'config': 32}} or {'openstate': False})"
+            )
         if not isinstance(sub, Mapping):
             raise TypeError(f"comm_fusion[{kind!r}]: expected {{'mode': ..., 'config': ...}}")
         mode, value = sub.get("mode", "auto"), sub.get("config")
