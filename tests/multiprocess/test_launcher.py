@@ -261,7 +261,12 @@ def test_a_failure_on_one_node_stops_the_other_node(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_sigterm_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT], ids=lambda s: s.name)
+def test_a_stop_signal_to_the_launcher_stops_every_worker(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """SIGQUIT (Ctrl-backslash) too: the launcher used to die at once, leaving no report and
+    the workers' children behind."""
     marker, logs = f"swtest-{tmp_path.name}-term", tmp_path / "logs"
     proc = start_launcher(
         tmp_path,
@@ -271,12 +276,12 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
     try:
         wait_for(logs / "worker_1.log", "ready", 30)
         wait_for(logs / "worker_0.log", "ready", 5)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    assert proc.returncode == 143, err
-    assert "the launcher of node 0 received SIGTERM" in err.splitlines()[0]
+    assert proc.returncode == 128 + sig, err
+    assert f"the launcher of node 0 received {sig.name}" in err.splitlines()[0]
     assert "stopped by the launcher: ranks 0, 1" in err
     assert_no_orphans(marker, tmp_path)
 

@@ -2,7 +2,7 @@
 
 - `RendezvousError`: the job could not be formed (timeout, unreachable store, duplicate node
   rank, too many workers); its message says what to do.
-- `LauncherInterrupted`: the launcher got SIGINT/SIGTERM/SIGHUP while waiting.
+- `LauncherInterrupted`: the launcher got SIGINT/SIGTERM/SIGHUP/SIGQUIT while waiting.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `run_job` runs the steps in order:
 
-1. open ``LOG_DIR/scheduler.log`` and catch SIGINT/SIGTERM/SIGHUP (`SignalWatcher`);
+1. open ``LOG_DIR/scheduler.log`` and catch SIGINT/SIGTERM/SIGHUP/SIGQUIT (`SignalWatcher`);
 2. rendezvous (`rendezvous.Rendezvous`: connect, claim a node rank, register, wait for all);
 3. `_socket_ifname`: the workers' ``GLOO_SOCKET_IFNAME``; with several
    nodes, start the heartbeat (`Rendezvous.start_heartbeat`, `liveness.Heartbeat`); start the
@@ -63,7 +63,8 @@ POLL_S = 0.1
 SETTLE_S = 1.0  # after a worker failed by losing a peer: how long to wait for the peer's exit
 STORE_POLL_S = 0.2
 FINISH_WAIT_S = 15.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""The signals that stop the job cleanly (SIGQUIT: Ctrl-backslash in a terminal)."""
 
 OnStarted = Callable[[NodeAssignment, list[int]], None]
 """Called once the local workers run, with this node's assignment and the workers' pids."""
