@@ -52,6 +52,17 @@ def test_calls_before_init_explain() -> None:
             call()
 
 
+def test_a_bad_comm_timeout_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was a bare "could not convert string to float: 'abc'" in every worker."""
+    from shardwise.communication import comm_timeout
+
+    monkeypatch.setenv("SHARDWISE_COMM_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match=r"SHARDWISE_COMM_TIMEOUT='abc': expected a number of sec"):
+        comm_timeout()
+    monkeypatch.setenv("SHARDWISE_COMM_TIMEOUT", "7.5")
+    assert comm_timeout() == datetime.timedelta(seconds=7.5)
+
+
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="backend='tpu'"):
         init("tpu")

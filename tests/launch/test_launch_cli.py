@@ -113,6 +113,51 @@ def test_usage_errors_exit_2_with_a_reason(
     assert err.endswith("(see shardwise run --help)\n")
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "bound"),
+    [
+        ("SHARDWISE_NODE_TIMEOUT", "abc", "1 or more"),
+        ("SHARDWISE_NODE_TIMEOUT", "0", "1 or more"),  # (every node "lost" at once)
+        ("SHARDWISE_NODE_TIMEOUT", "0.4", "1 or more"),  # (less than two heartbeats)
+        ("SHARDWISE_COMM_TIMEOUT", "abc", "more than 0"),
+        ("SHARDWISE_COMM_TIMEOUT", "-1", "more than 0"),
+        ("SHARDWISE_STOP_GRACE", "soon", "0 or more"),
+        ("SHARDWISE_STOP_GRACE", "nan", "0 or more"),
+    ],
+)
+def test_a_bad_duration_in_the_environment_is_a_usage_error(
+    name: str,
+    value: str,
+    bound: str,
+    script: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bad value used to crash every launch with a bare ValueError and exit code 1
+    (``SHARDWISE_NODE_TIMEOUT``), fail a healthy job ("node 0 lost", for 0), fail every
+    worker (``SHARDWISE_COMM_TIMEOUT``), or be ignored (``SHARDWISE_STOP_GRACE``)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        parse_run_args(["--worker_num", "2", script])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"environment variable {name}={value!r}: expected a number of seconds, {bound}" in err
+    assert "unset it for the default" in err and err.count("\n") == 1
+
+
+def test_good_durations_in_the_environment_are_taken(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardwise.launch.liveness import node_timeout
+    from shardwise.launch.supervisor import stop_grace
+
+    monkeypatch.setenv("SHARDWISE_NODE_TIMEOUT", "1.5")
+    monkeypatch.setenv("SHARDWISE_STOP_GRACE", "0")
+    monkeypatch.setenv("SHARDWISE_COMM_TIMEOUT", "")  # (empty: the default)
+    assert parse_run_args(["--worker_num", "2", script]).worker_num == 2
+    assert (node_timeout(), stop_grace()) == (1.5, 0.0)
+
+
 def test_missing_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_run_args(["--worker_num", "2", str(tmp_path / "nope.py")])

@@ -2,7 +2,8 @@
 collective: these run where a collective cannot, at the exit or before a group exists).
 
 - `comm_timeout`: how long any wait of shardwise's communication lasts
-  (``SHARDWISE_COMM_TIMEOUT``, default 300 s).
+  (``SHARDWISE_COMM_TIMEOUT``, default 300 s; a ValueError naming the variable when it is
+  not a number of seconds more than 0).
 - `store_barrier`: every rank reaches a key (`_init.release` and the exit's barrier).
 - `agree_on_group`: the members of a group about to be created check that torch gives it the
   same name on each of them (a group of `create_group`, see there).
@@ -12,20 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from shardwise._envvars import env_seconds
 from shardwise._torch.c10d import live_group_count, member_group_name
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
 def comm_timeout() -> datetime.timedelta:
-    return datetime.timedelta(
-        seconds=float(os.environ.get("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
-    )
+    """``$SHARDWISE_COMM_TIMEOUT`` seconds, default `DEFAULT_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the variable is set to something else than a number of seconds more than
+            0 (names it, `env_seconds`).
+    """
+    return datetime.timedelta(seconds=env_seconds("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
 def agree_on_group(store: Any, key: str, name: str, ranks: Sequence[int], rank: int) -> None:

@@ -5,7 +5,8 @@
 - `swrun_main`: the ``swrun`` command, the same as ``shardwise run``.
 - `parse_run_args`: msrun-compatible options (each spelled ``--worker_num`` or
   ``--worker-num``) to a validated `LaunchConfig`; user errors exit with code 2 and a
-  one-line reason (argparse's ``error``).
+  one-line reason (argparse's ``error``), a bad ``SHARDWISE_*`` duration in the environment
+  (`ENV_SECONDS`) too.
 - `split_argv`: the launcher's options end at the script; everything after it, ``--x``
   options included, goes to the script untouched.
 - `parse_bool`: msrun's booleans, ``True``/``False``/``true``/``false``/``1``/``0``.
@@ -21,8 +22,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from shardwise._envvars import env_seconds
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import EXIT_USAGE
+from shardwise.launch.liveness import LOST_S, MIN_LOST_S
+from shardwise.launch.supervisor import STOP_GRACE_S
 
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
@@ -124,6 +128,13 @@ _OPTIONS: list[tuple[str, Callable[[str], object], object, str, str]] = [
     ("cluster_time_out", _seconds, 600.0, "S", "seconds to wait for all workers (default 600)"),
     ("bind_core", parse_bool, False, "BOOL", "pin each worker to its own CPU cores"),
 ]
+# variable, default, whether 0 is allowed, least value; the launcher reads them (the workers
+# inherit them)
+ENV_SECONDS: list[tuple[str, float, bool, float]] = [
+    ("SHARDWISE_COMM_TIMEOUT", 300.0, False, 0.0),  # communication._store_sync.DEFAULT_TIMEOUT_S
+    ("SHARDWISE_NODE_TIMEOUT", LOST_S, False, MIN_LOST_S),
+    ("SHARDWISE_STOP_GRACE", STOP_GRACE_S, True, 0.0),
+]
 VALUE_OPTIONS = frozenset(
     spelling for name, *_ in _OPTIONS for spelling in (f"--{name}", f"--{name.replace('_', '-')}")
 )
@@ -223,7 +234,13 @@ def parse_run_args(argv: Sequence[str], prog: str = "shardwise run") -> LaunchCo
 
 
 def _problem(cfg: LaunchConfig) -> str | None:
-    """The first inconsistency of `cfg` that argparse cannot see, or None."""
+    """The first inconsistency of `cfg` that argparse cannot see, or of the ``SHARDWISE_*``
+    durations in the environment (`ENV_SECONDS`), or None."""
+    for name, default, allow_zero, minimum in ENV_SECONDS:
+        try:
+            env_seconds(name, default, allow_zero=allow_zero, minimum=minimum)
+        except ValueError as e:
+            return str(e)
     if cfg.local_worker_num > cfg.worker_num:
         return (
             f"--local_worker_num {cfg.local_worker_num} is more than --worker_num "

@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shardwise._envvars import env_seconds
+from shardwise.communication._store_sync import DEFAULT_TIMEOUT_S
 from shardwise.communication._trace import (
     FLAG_STACKS,
     HEADER,
@@ -203,10 +205,7 @@ def min_wait(env: Mapping[str, str] = os.environ) -> float:
         >>> min_wait({"SHARDWISE_COMM_TIMEOUT": "0.5"})
         0.25
     """
-    try:
-        timeout = float(env.get("SHARDWISE_COMM_TIMEOUT", "300"))
-    except ValueError:
-        timeout = 300.0
+    timeout = env_seconds("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, env=env)
     return min(MIN_WAIT_S, timeout / 2)
 
 

@@ -4,7 +4,8 @@
   adds 1 to this launcher's ``beat/<node>`` counter and reads the other launchers' counters
   and ``done/<node>`` flags, noting when each counter last moved. Being a thread of its own, it
   keeps beating while the launcher's main loop is busy (stopping workers takes seconds).
-- `Heartbeat.lost`: the unfinished launchers whose counter has not moved for `LOST_S`: their
+- `Heartbeat.lost`: the unfinished launchers whose counter has not moved for `node_timeout`
+  seconds (``SHARDWISE_NODE_TIMEOUT``, default `LOST_S`): their
   process was killed, or their machine went down or off the network.
 - `Heartbeat.settle`: after a local worker failed, wait until every other launcher has shown
   that it is alive (its counter moved since) or lost, so that the report can name a lost node,
@@ -15,20 +16,37 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise._envvars import env_seconds
 from shardwise.launch.report import RootCause
 
 BEAT_S = 0.5
-LOST_S = float(os.environ.get("SHARDWISE_NODE_TIMEOUT", "5"))
-"""Seconds without a heartbeat after which a launcher counts as lost
-(``SHARDWISE_NODE_TIMEOUT``)."""
+LOST_S = 5.0
+"""Seconds without a heartbeat after which a launcher counts as lost, unless
+``SHARDWISE_NODE_TIMEOUT`` says otherwise (`node_timeout`)."""
+MIN_LOST_S = 2 * BEAT_S
+"""The least ``SHARDWISE_NODE_TIMEOUT``: less than two beats would find healthy launchers lost."""
 _KEEP = 32  # counter values remembered per launcher
+
+
+def node_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds without a heartbeat after which a launcher counts as lost:
+    ``$SHARDWISE_NODE_TIMEOUT``, else `LOST_S`.
+
+    Raises:
+        ValueError: the variable is not a number of seconds, `MIN_LOST_S` or more (names it; the
+            launcher refuses it before it starts, `cli.parse_run_args`).
+
+    Example:
+        >>> node_timeout({"SHARDWISE_NODE_TIMEOUT": "12"})
+        12.0
+    """
+    return env_seconds("SHARDWISE_NODE_TIMEOUT", LOST_S, minimum=MIN_LOST_S, env=env)
 
 
 @dataclass(frozen=True)
@@ -49,9 +67,19 @@ class Heartbeat:
         claim: this launcher's claimed node number (its ``beat/<claim>`` key).
         peers: the other launchers.
         interval: seconds between beats.
+        lost_s: seconds without a beat after which a launcher is lost (`node_timeout` when
+            None).
     """
 
-    def __init__(self, store: Any, claim: int, peers: Sequence[Peer], interval: float = BEAT_S):
+    def __init__(
+        self,
+        store: Any,
+        claim: int,
+        peers: Sequence[Peer],
+        interval: float = BEAT_S,
+        lost_s: float | None = None,
+    ):
+        self.lost_s = node_timeout() if lost_s is None else lost_s
         self._store = store
         self._claim = claim
         self._peers = list(peers)
@@ -102,14 +130,16 @@ class Heartbeat:
             except RuntimeError as e:  # a slow store, or gone: node 0's launcher exited
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
-                if now - failing_since < LOST_S:
-                    continue  # a transient failure: beat again, as the others wait LOST_S
+                if now - failing_since < self.lost_s:
+                    continue  # a transient failure: beat again, as the others wait lost_s
                 with self._lock:
                     self.error = (str(e).splitlines() or [type(e).__name__])[0]
                 return
 
-    def lost(self, after_s: float = LOST_S) -> list[Peer]:
-        """The unfinished launchers whose heartbeat has not moved for `after_s` seconds."""
+    def lost(self, after_s: float | None = None) -> list[Peer]:
+        """The unfinished launchers whose heartbeat has not moved for `after_s` seconds
+        (`lost_s` when None)."""
+        after_s = self.lost_s if after_s is None else after_s
         now = time.monotonic()
         with self._lock:
             return [
@@ -127,13 +157,14 @@ class Heartbeat:
         before = [count for t, count in seen if t <= since] or [seen[0][1]]
         return seen[-1][1] >= before[-1] + 2
 
-    def settle(self, since: float, after_s: float = LOST_S) -> list[Peer]:
+    def settle(self, since: float, after_s: float | None = None) -> list[Peer]:
         """Wait until each other launcher is done, surely beat after `since` (a
         `time.monotonic()` value), or is lost; at most about `after_s` seconds.
 
         Returns:
             The lost launchers.
         """
+        after_s = self.lost_s if after_s is None else after_s
         deadline = time.monotonic() + after_s + 2 * self._interval
         while time.monotonic() < deadline:
             with self._lock:
@@ -151,14 +182,16 @@ class Heartbeat:
 
 
 def lost_cause(
-    lost: Sequence[Peer], node_rank: int, host: str, after_s: float = LOST_S
+    lost: Sequence[Peer], node_rank: int, host: str, after_s: float | None = None
 ) -> RootCause:
-    """The root cause "node N (host H) lost", seen from this launcher (`node_rank`, `host`).
+    """The root cause "node N (host H) lost", seen from this launcher (`node_rank`, `host`),
+    after `after_s` seconds without a heartbeat (`node_timeout` when None).
 
     Example:
         >>> lost_cause([Peer(1, 1, "hostB", 4321)], 0, "hostA").reason.split(":")[0]
         'node 1 (host hostB) lost'
     """
+    after_s = node_timeout() if after_s is None else after_s
     who = "; ".join(
         f"node {p.node_rank} (host {p.host}) lost: its launcher (pid {p.pid}) stopped sending "
         f"heartbeats for {after_s:g} s"

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise._envvars import env_seconds
 from shardwise.launch._logs import describe_returncode, ends_in_traceback
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.env import split_cores, usable_cores, worker_env
@@ -85,14 +86,15 @@ def _die_with_parent() -> Callable[[], None] | None:
 def stop_grace(env: Mapping[str, str] = os.environ) -> float:
     """Seconds between SIGTERM and SIGKILL: ``$SHARDWISE_STOP_GRACE``, else `STOP_GRACE_S`.
 
+    Raises:
+        ValueError: the variable is not a number of seconds, 0 or more (names it; the
+            launcher refuses it before it starts, `cli.parse_run_args`).
+
     Example:
         >>> stop_grace({"SHARDWISE_STOP_GRACE": "1.5"})
         1.5
     """
-    try:
-        return max(0.0, float(env.get("SHARDWISE_STOP_GRACE", STOP_GRACE_S)))
-    except ValueError:
-        return STOP_GRACE_S
+    return env_seconds("SHARDWISE_STOP_GRACE", STOP_GRACE_S, allow_zero=True, env=env)
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
