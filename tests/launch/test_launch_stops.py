@@ -256,3 +256,31 @@ def test_a_rank_that_had_exited_with_0_before_the_stop_is_not_said_to_have_faile
     log = (tmp_path / "scheduler.log").read_text()
     assert "rank 0 (pid" in log and "had exited before it was stopped (exit code 0)" in log, log
     assert [(e.returncode, e.failed, e.stopped) for e in sup.exits()] == [(0, False, False)]
+
+
+def test_a_worker_that_cannot_start_stops_the_started_ones_at_once(tmp_path: Path) -> None:
+    """worker_1.log cannot be opened after rank 0 started: rank 0 used to be waited for
+    without a watcher (5 s, then a false "still running after 5 s: SIGKILL"), and was missing
+    from the report."""
+    import time
+
+    from shardwise.launch.config import LaunchConfig, NodeAssignment
+    from shardwise.launch.schedlog import SchedulerLog
+    from shardwise.launch.supervisor import Supervisor
+
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\ntime.sleep(30)\n")
+    (tmp_path / "worker_1.log").mkdir()
+    cfg = LaunchConfig(str(script), worker_num=2, local_worker_num=2, log_dir=str(tmp_path))
+    job = NodeAssignment("run", 0, 1, 0, 2, 2, "127.0.0.1", 29500)
+    log = SchedulerLog.open(str(tmp_path), truncate=True)
+    sup = Supervisor(log)
+    began = time.monotonic()
+    with pytest.raises(IsADirectoryError):
+        sup.start(cfg, job, dict(os.environ))
+    assert time.monotonic() - began < 4.0
+    assert [(e.rank, e.stopped) for e in sup.exits()] == [(0, True)]
+    log.close()
+    scheduler = (tmp_path / "scheduler.log").read_text()
+    assert "stopped by the launcher (signal SIGTERM)" in scheduler
+    assert "still running" not in scheduler

@@ -192,16 +192,17 @@ class Supervisor:
         try:
             for local_rank in range(n):
                 self._start_one(cfg, job, base_env, local_rank, bindings[local_rank], preexec)
+                # (watched at once: a later start's failure stops it, and sees it end)
+                index = len(self.workers) - 1
+                threading.Thread(
+                    target=self._wait,
+                    args=(index, self.workers[index].proc),
+                    daemon=True,
+                    name=f"wait-{self.workers[index].rank}",
+                ).start()
         except OSError:
             self.stop()
             raise
-        for index, worker in enumerate(self.workers):
-            threading.Thread(
-                target=self._wait,
-                args=(index, worker.proc),
-                daemon=True,
-                name=f"wait-{worker.rank}",
-            ).start()
 
     def _start_one(
         self,
