@@ -103,6 +103,34 @@ def test_log_excerpt_falls_back_to_the_last_lines(tmp_path: Path) -> None:
     assert log_excerpt(log) == (["(worker_0.log is empty)"], False)
 
 
+def test_a_traceback_after_a_prompt_without_newline_is_found(tmp_path: Path) -> None:
+    """``input("prompt> ")`` with no input: the traceback follows the prompt on its line. The
+    report said "no traceback in worker_0.log" and then printed it as the last lines."""
+    from shardwise.launch._logs import ends_in_traceback
+
+    text = (
+        'prompt> Traceback (most recent call last):\n  File "/job/f.py", line 2, in <module>\n'
+        '    x = input("prompt> ")\n        ^^^^^^^^^^^^^^^^^\nEOFError: EOF when reading a line\n'
+    )
+    e = _exit(tmp_path, 0, 1, text, 1.0)
+    lines, is_tb = log_excerpt(e.log_path)
+    assert is_tb and lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == "EOFError: EOF when reading a line"
+    assert ends_in_traceback(e.log_path)
+    report = format_failure_report(worker_root_cause(e, 0, "h"), [e], 0, "s.log")
+    assert "no traceback" not in report and "  EOFError: EOF when reading a line" in report
+
+
+def test_a_very_long_last_line_is_shortened(tmp_path: Path) -> None:
+    """A 5 MB line without a newline was copied whole (256 KiB read back) into the report."""
+    e = _exit(tmp_path, 1, 4, "starting\n" + "x" * 5_000_000 + "END", 1.0)
+    lines, _ = log_excerpt(e.log_path)
+    assert lines[-1].startswith("x" * 200) and lines[-1].endswith("xxEND")
+    assert "characters left out" in lines[-1] and len(lines[-1]) < 500
+    report = format_failure_report(worker_root_cause(e, 1, "h"), [e], 0, "s.log")
+    assert max(len(line) for line in report.splitlines()) < 520
+
+
 def test_identical_tracebacks_collapse_in_failure_order(tmp_path: Path) -> None:
     exits = [
         _exit(tmp_path, 0, -15, "", 5.0, stopped=True),

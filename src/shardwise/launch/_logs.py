@@ -1,11 +1,15 @@
 """What a worker's exit and log say: the pieces of the launcher's report (`report`).
 
 - `describe_returncode`: ``exit code 1`` / ``signal SIGKILL`` from a ``Popen.returncode``.
+- `log_lines`: a worker log's lines, a traceback that followed output without a newline (a
+  prompt, ``input("prompt> ")``) starting a line of its own.
+- `shorten_line`: one very long line (a progress bar, a dump without newlines) cut to
+  `MAX_LINE_CHARS`, its start and its end kept.
 - `extract_traceback`: the last Python traceback of a worker log, up to a crash dump that
   follows it (`DUMP_START`) or the end, capped (`cap_traceback`: library frames are left out
   first, the user's outermost and last frames stay); `crash_dump`: faulthandler's dump of a
   native crash; `log_excerpt` reads the log: the traceback, then the crash dump, or its last
-  lines when it has neither.
+  lines when it has neither, each line shortened (`shorten_line`).
 - `PEER_LOST`: a log line saying the worker failed because another rank went away.
 - `ends_in_traceback`: whether a worker log's last output is an uncaught traceback (strict:
   for a worker that never called ``init()``, whose trace file cannot say that it failed).
@@ -32,6 +36,9 @@ the traceback before it."""
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 MAX_TRACEBACK_LINES = 30
 TAIL_LINES = 10
+MAX_LINE_CHARS = 400
+"""The longest line of a log excerpt (`shorten_line`): a longer one keeps its first
+`MAX_LINE_CHARS` - 100 and last 100 characters."""
 PEER_LOST = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|remote process exited|"
     r"peer process (closed|exited)",
@@ -71,6 +78,41 @@ def describe_returncode(returncode: int) -> str:
 _MARKERS = re.compile(r"\s*[\^~]+[\s\^~]*")
 
 
+def log_lines(text: str) -> list[str]:
+    """The lines of a worker's output, right-stripped, without torch's ``[rankN]: `` prefix;
+    a traceback header after other text on its line (``prompt> Traceback (most recent call
+    last):``, output that did not end in a newline) starts a line of its own.
+
+    Example:
+        >>> log_lines("prompt> Traceback (most recent call last):\\n  f()")
+        ['prompt> ', 'Traceback (most recent call last):', '  f()']
+    """
+    lines: list[str] = []
+    for raw in text.splitlines():
+        line = RANK_PREFIX.sub("", raw.rstrip())
+        at = line.find(TRACEBACK_HEADER)
+        if at > 0:
+            lines.append(line[:at])
+            line = line[at:]
+        lines.append(line)
+    return lines
+
+
+def shorten_line(line: str, max_chars: int = MAX_LINE_CHARS) -> str:
+    """`line`, or when longer than `max_chars`, its start and its last 100 characters (a
+    quarter of `max_chars` when less) around ``... (N characters left out) ...``.
+
+    Example:
+        >>> shorten_line("x" * 1000, 40)
+        'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxx ... (960 characters left out) ... xxxxxxxxxx'
+    """
+    if len(line) <= max_chars:
+        return line
+    tail = min(100, max_chars // 4)
+    head = max_chars - tail
+    return f"{line[:head]} ... ({len(line) - max_chars} characters left out) ... {line[-tail:]}"
+
+
 def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[str]:
     """The last Python traceback in `text`, from its header to the end of the text, or to the
     first line after it that starts a dump (`DUMP_START`: a native crash in the teardown after
@@ -90,8 +132,7 @@ def extract_traceback(text: str, max_lines: int = MAX_TRACEBACK_LINES) -> list[s
         >>> extract_traceback("x\\nTraceback (most recent call last):\\n  f()\\nE: boom\\n")
         ['Traceback (most recent call last):', '  f()', 'E: boom']
     """
-    # torch.distributed's excepthook prefixes every line with "[rankN]: "
-    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
+    lines = log_lines(text)  # (torch's excepthook prefixes every line with "[rankN]: ")
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)]
     if not starts:
         return []
@@ -211,7 +252,7 @@ def ends_in_traceback(path: str | Path) -> bool:
         text = _read_tail(path)
     except OSError:
         return False
-    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
+    lines = log_lines(text)
     starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK_HEADER)]
     if not starts or (starts[-1] > 0 and lines[starts[-1] - 1].startswith("Exception in thread")):
         return False
@@ -293,12 +334,17 @@ def log_excerpt(path: str | Path, max_lines: int = MAX_TRACEBACK_LINES) -> tuple
         ``(lines, is_traceback)``: the last traceback, then the crash dump that followed it
         (`crash_dump`: a native crash in the teardown), if any; without a traceback, the crash
         dump (faulthandler's stacks, past the last `TAIL_LINES` lines too), or else the last
-        `TAIL_LINES` lines.
+        `TAIL_LINES` lines; each line at most about `MAX_LINE_CHARS` long (`shorten_line`).
 
     Example:
         >>> log_excerpt("/nonexistent/worker_0.log")
         (['(no log at /nonexistent/worker_0.log)'], False)
     """
+    lines, is_tb = _excerpt(path, max_lines)
+    return [shorten_line(line) for line in lines], is_tb
+
+
+def _excerpt(path: str | Path, max_lines: int) -> tuple[list[str], bool]:
     try:
         text = _read_tail(path)
     except OSError:
