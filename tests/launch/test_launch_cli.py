@@ -158,6 +158,38 @@ def test_good_durations_in_the_environment_are_taken(
     assert (node_timeout(), stop_grace()) == (1.5, 0.0)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sim_level", "1"],
+        ["--rank_table_file", "rt.json"],
+        ["--tail-worker-log", "0"],
+        ["--worker_log_name=w.log"],
+    ],
+)
+def test_an_msrun_option_shardwise_lacks_says_so(
+    argv: list[str], script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was argparse's generic "unrecognized arguments" (and ``--sim_level 1 train.py`` ran
+    the script "1")."""
+    with pytest.raises(SystemExit) as exc:
+        parse_run_args([*argv, script, "--x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    option = argv[0].split("=")[0]
+    assert f"msrun option {option} is not supported by shardwise run" in err
+    assert "--worker_num" in err and "--bind_core" in err and err.count("\n") == 1
+
+
+def test_join_false_says_worker_for_one_worker() -> None:
+    from shardwise.launch.detach import started_text
+
+    one = started_text({"pid": 7, "node_rank": 0, "num_nodes": 2, "ranks": [0]}, Path("log"))
+    assert one.startswith("shardwise run: 1 worker started (rank 0, node 0 of 2), supervised")
+    two = started_text({"pid": 7, "node_rank": 0, "num_nodes": 1, "ranks": [0, 1]}, Path("log"))
+    assert two.startswith("shardwise run: 2 workers started (ranks 0, 1, node 0 of 1)")
+
+
 def test_missing_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_run_args(["--worker_num", "2", str(tmp_path / "nope.py")])

@@ -135,9 +135,23 @@ ENV_SECONDS: list[tuple[str, float, bool, float]] = [
     ("SHARDWISE_NODE_TIMEOUT", LOST_S, False, MIN_LOST_S),
     ("SHARDWISE_STOP_GRACE", STOP_GRACE_S, True, 0.0),
 ]
-VALUE_OPTIONS = frozenset(
-    spelling for name, *_ in _OPTIONS for spelling in (f"--{name}", f"--{name.replace('_', '-')}")
+UNSUPPORTED_MSRUN = (
+    "sim_level",
+    "sim_rank_id",
+    "rank_table_file",
+    "worker_log_name",
+    "tail_worker_log",
 )
+"""msrun options that ``shardwise run`` does not have (each takes a value): a usage error that
+says so, not argparse's "unrecognized arguments"."""
+
+
+def _spellings(names: Sequence[str]) -> frozenset[str]:
+    return frozenset(s for name in names for s in (f"--{name}", f"--{name.replace('_', '-')}"))
+
+
+_UNSUPPORTED = _spellings(UNSUPPORTED_MSRUN)
+VALUE_OPTIONS = _spellings([name for name, *_ in _OPTIONS]) | _UNSUPPORTED
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -216,6 +230,13 @@ def parse_run_args(argv: Sequence[str], prog: str = "shardwise run") -> LaunchCo
     """
     parser = build_run_parser(prog)
     options, command = split_argv(argv)
+    unsupported = next((o for o in options if o.split("=", 1)[0] in _UNSUPPORTED), None)
+    if unsupported is not None:
+        supported = " ".join(f"--{name}" for name, *_ in _OPTIONS)
+        parser.error(
+            f"msrun option {unsupported.split('=', 1)[0]} is not supported by {prog} (it has "
+            f"msrun's {supported}); remove it"
+        )
     if not command:
         parser.parse_args([*options, "--", "script.py"])  # --help, or bad options, first
         parser.error(f"no script given: {prog} [options] script.py [script args]")

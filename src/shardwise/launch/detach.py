@@ -21,13 +21,15 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
 from shardwise.launch.config import LaunchConfig, NodeAssignment
 from shardwise.launch.errors import EXIT_WORKER_FAILED
 from shardwise.launch.job import STOP_SIGNALS, run_job
-from shardwise.launch.report import format_ranks
+from shardwise.launch.report import ranks_label
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -112,6 +114,31 @@ def _supervise(cfg: LaunchConfig, fd: int) -> NoReturn:
     os._exit(code)
 
 
+def started_text(message: Mapping[str, Any], log_path: Path) -> str:
+    """What ``--join False`` prints once the background supervisor's workers run.
+
+    Args:
+        message: the supervisor's "started" message (``pid``, ``node_rank``, ``num_nodes``,
+            ``ranks``).
+        log_path: the job's log folder.
+
+    Example:
+        >>> m = {"pid": 7, "node_rank": 0, "num_nodes": 2, "ranks": [0]}
+        >>> started_text(m, Path("log")).splitlines()[0]
+        'shardwise run: 1 worker started (rank 0, node 0 of 2), supervised in the background by \
+pid 7 (--join False)'
+    """
+    ranks = message["ranks"]
+    return (
+        f"shardwise run: {len(ranks)} worker{'s' if len(ranks) != 1 else ''} started "
+        f"({ranks_label(ranks)}, node {message['node_rank']} of {message['num_nodes']}), "
+        f"supervised in the background by pid {message['pid']} (--join False)\n"
+        f"  progress and failures: {log_path}/scheduler.log; output: "
+        f"{log_path}/worker_<rank>.log\n"
+        f"  stop the job: kill {message['pid']}"
+    )
+
+
 def _wait_for_start(pid: int, fd: int, cfg: LaunchConfig) -> int:
     received: list[int] = []
 
@@ -126,16 +153,7 @@ def _wait_for_start(pid: int, fd: int, cfg: LaunchConfig) -> int:
         lines = pipe.read().decode(errors="replace").splitlines()
     message: dict[str, Any] = json.loads(lines[-1]) if lines else {}
     if message.get("event") == "started":
-        ranks = message["ranks"]
-        print(
-            f"shardwise run: {len(ranks)} workers started (ranks {format_ranks(ranks)}, node "
-            f"{message['node_rank']} of {message['num_nodes']}), supervised in the background "
-            f"by pid {message['pid']} (--join False)\n"
-            f"  progress and failures: {cfg.log_path}/scheduler.log; output: "
-            f"{cfg.log_path}/worker_<rank>.log\n"
-            f"  stop the job: kill {message['pid']}",
-            flush=True,
-        )
+        print(started_text(message, cfg.log_path), flush=True)
         return 0
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
