@@ -186,6 +186,44 @@ def test_a_rank_that_exits_while_asked_for_its_stack_is_not_still_running(
     )
 
 
+def test_a_rank_that_never_reached_init_is_named(tmp_path: Path) -> None:
+    """Rank 1 is stuck in the script before init(); rank 0 times out in init() waiting for it
+    (no trace file yet on either). The report blamed rank 0's DistStoreError on a store key and
+    listed rank 1 only as stopped by the launcher."""
+    import subprocess
+    import sys
+    import time
+
+    from shardwise.launch.hang import explain
+    from shardwise.launch.supervisor import Worker
+
+    logs = [tmp_path / f"worker_{r}.log" for r in (0, 1)]
+    logs[0].write_text(
+        'Traceback (most recent call last):\n  File "/job/t.py", line 8, in <module>\n'
+        "    comm.init()\ntorch.distributed.DistStoreError: wait timeout after 8000ms, keys: "
+        "/job/x/0//cpu//0/1\n"
+    )
+    logs[1].write_text("")
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        done.wait()
+        workers = [Worker(r, r, p, logs[r], time.monotonic()) for r, p in enumerate([done, stuck])]
+        workers[0].returncode = 1
+        failed = WorkerExit(0, 0, done.pid, 1, time.time(), False, str(logs[0]))
+        root = explain(
+            RootCause("rank 0 failed first", 0, "h", 0, (), str(logs[0])), failed, workers
+        )
+    finally:
+        stuck.kill()
+        stuck.wait()
+    assert root.reason == (
+        "rank 1 never reached init() (still running in the script before it); rank 0 failed "
+        "first waiting for it in init()"
+    )
+    assert root.stuck[0].startswith(f"rank 1 (pid {stuck.pid}, still running): never called init()")
+
+
 @pytest.mark.multiprocess
 def test_a_native_crash_under_init_leaves_its_python_stack(tmp_path: Path) -> None:
     """A worker killed by SIGSEGV left no Python stack in its log: `init()` enables

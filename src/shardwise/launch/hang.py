@@ -15,6 +15,10 @@ a collective, the launcher, before it stops the others:
 4. `explain`: puts it together as the job's `RootCause`: its reason names the ranks that never
    arrived and the collective, its `stuck` lines hold where each one is.
 
+A worker that failed in ``init()`` waiting for the other ranks (torch's store timeout) has no
+trace yet (``init()`` opens it last): the local workers still running without a trace never
+reached ``init()`` (`_before_init`), and the root cause names them.
+
 Only this node's workers are read: a rank on another node is neither blamed nor cleared. With
 NCCL a collective returns once queued, so the collective a rank entered last stands for the one
 it waits in.
@@ -23,6 +27,7 @@ it waits in.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -278,8 +283,10 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
     running = {w.rank: w.pid for w in workers if w.returncode is None}
     traces = {r: t for r, log in logs.items() if (t := read_trace(trace_path(log))) is not None}
     mine = traces.get(failed.rank)
+    if mine is None:
+        return _before_init(root, failed, workers, traces)
     found = find_stragglers(failed.rank, traces, failed.ended, min_wait())
-    if found is None or mine is None:
+    if found is None:
         return root
     asked = {r: (running[r], logs[r]) for r in found.missing if r in running}
     # only the process that registered the handler (not a parent)
@@ -302,6 +309,42 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
         f"after {waited:.1f} s"
     )
     return replace(root, reason=reason, stuck=tuple(lines))
+
+
+_INIT_WAIT = re.compile(r"DistStoreError|[Tt]imeout|timed out")
+"""A failure of ``init()`` (no trace yet) that waited for other ranks."""
+
+
+def _before_init(
+    root: RootCause, failed: WorkerExit, workers: Sequence[Worker], traces: Mapping[int, Trace]
+) -> RootCause:
+    """`root`, or when the failed worker (no trace of its own: it had not finished ``init()``)
+    timed out waiting for other ranks, a copy naming the local workers still running that have
+    no trace of their own either: they never reached ``init()``."""
+    if not any(_INIT_WAIT.search(line) for line in log_excerpt(failed.log_path)[0]):
+        return root
+    late = [
+        w
+        for w in workers
+        if w.rank != failed.rank
+        and w.returncode is None
+        and not has_exited(w.pid)
+        and (w.rank not in traces or traces[w.rank].pid != w.pid)
+    ]
+    if not late:
+        return root
+    label = ranks_label([w.rank for w in late])
+    reason = (
+        f"{label} never reached init() (still running in the script before it); rank "
+        f"{failed.rank} failed first waiting for {'it' if len(late) == 1 else 'them'} in init()"
+    )
+    stuck = [
+        f"rank {w.rank} (pid {w.pid}, still running): never called init() (no collective "
+        f"trace, {trace_path(w.log_path).name}); no Python stack: init() registers it; see "
+        f"{w.log_path.name}"
+        for w in late
+    ]
+    return replace(root, reason=reason, stuck=tuple(stuck))
 
 
 def _straggler_lines(
