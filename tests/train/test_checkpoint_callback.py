@@ -14,10 +14,11 @@ import shardwise.train
 from shardwise.checkpoint import CheckpointError
 
 
-def dataset() -> sw.dataset.GeneratorDataset:
+def dataset(shuffle: bool = False) -> sw.dataset.GeneratorDataset:
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g)
-    return sw.dataset.GeneratorDataset([(x[i], y[i]) for i in range(24)], ["x", "y"]).batch(6)
+    rows = [(x[i], y[i]) for i in range(24)]
+    return sw.dataset.GeneratorDataset(rows, ["x", "y"], shuffle=shuffle).batch(6)
 
 
 def model() -> sw.Model:
@@ -53,6 +54,48 @@ def test_resume_gives_identical_losses(tmp_path: Path) -> None:
     data = dataset()
     second.train(3, data, callbacks=[part2], initial_epoch=done)
     assert part1.values + part2.values == straight.values
+
+
+@pytest.mark.parametrize("epochs_per_call", [1, 2])
+def test_resume_after_several_train_calls_gives_identical_losses(
+    tmp_path: Path, epochs_per_call: int
+) -> None:
+    """train(1, data) once per epoch (or train(2) twice): every call wrote ``m-1_4`` again (the
+    epoch in the name restarted per call) and `resume` set the epochs done to the call's, so
+    the next train() shuffled with an earlier epoch's order. The files are named with the
+    Model's epoch over all calls, which `resume` restores: the order goes on as never stopped."""
+    k = epochs_per_call
+    sw.set_seed(0)
+    full, straight = model(), Losses()
+    data = dataset(shuffle=True)
+    for _ in range(3):
+        full.train(k, data, callbacks=[straight])
+
+    sw.set_seed(0)
+    first, part1 = model(), Losses()
+    cfg = sw.train.CheckpointConfig(save_checkpoint_steps=4, keep_checkpoint_max=10)
+    saver = sw.train.ModelCheckpoint("m", tmp_path, cfg)
+    data = dataset(shuffle=True)
+    for _ in range(2):
+        first.train(k, data, callbacks=[part1, saver])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"m-{e}_4.safetensors" for e in range(1, 2 * k + 1)]
+    assert saver.latest == tmp_path / f"m-{2 * k}_4.safetensors"
+
+    sw.set_seed(0)
+    second, part2 = model(), Losses()
+    data = dataset(shuffle=True)
+    done = sw.train.resume(second, saver.latest)
+    assert done == 2 * k and second.cur_step_num == 8 * k
+    second.train(k, data, callbacks=[part2])
+    assert part1.values + part2.values == straight.values
+
+    sw.set_seed(0)  # (initial_epoch=done continues the same way)
+    third, part3 = model(), Losses()
+    data = dataset(shuffle=True)
+    done = sw.train.resume(third, saver.latest)
+    third.train(3 * k, data, callbacks=[part3], initial_epoch=done)
+    assert part1.values + part3.values == straight.values
 
 
 def test_resume_of_a_network_with_dropout_gives_identical_losses(tmp_path: Path) -> None:
@@ -133,7 +176,7 @@ def test_a_callback_reused_by_later_train_calls_keeps_its_prefix(tmp_path: Path)
     (``net``, ``net_1``, ``net_2``), so keep_checkpoint_max held per call and the files piled
     up. The prefix is chosen once (MindSpore: in ``__init__``); the files of all calls count
     against keep_checkpoint_max, the oldest written deleted first (the names' epochs restart in
-    each call, so they do not say which is oldest)."""
+    each call when the files were named so). The names' epoch counts over the calls."""
     sw.set_seed(0)
     trained = model()
     saver = sw.train.ModelCheckpoint("net", tmp_path, sw.train.CheckpointConfig(3, 3))
@@ -143,11 +186,11 @@ def test_a_callback_reused_by_later_train_calls_keeps_its_prefix(tmp_path: Path)
 
     trained.train(2, dataset(), callbacks=[saver])  # (4 steps an epoch: steps 3, 6 and 8)
     assert files() == ["net-1_3.safetensors", "net-2_2.safetensors", "net-2_4.safetensors"]
-    trained.train(1, dataset(), callbacks=[saver])  # (steps 9 and 12: epoch 1 of this call)
-    assert files() == ["net-1_1.safetensors", "net-1_4.safetensors", "net-2_4.safetensors"]
-    trained.train(3, dataset(), callbacks=[saver], initial_epoch=2)  # (steps 15 and 16)
-    assert files() == ["net-1_4.safetensors", "net-3_3.safetensors", "net-3_4.safetensors"]
-    assert saver.latest == tmp_path / "net-3_4.safetensors"
+    trained.train(1, dataset(), callbacks=[saver])  # (steps 9 and 12: the Model's epoch 3)
+    assert files() == ["net-2_4.safetensors", "net-3_1.safetensors", "net-3_4.safetensors"]
+    trained.train(2, dataset(), callbacks=[saver], initial_epoch=1)  # (epoch 2 again: 15, 16)
+    assert files() == ["net-2_3.safetensors", "net-2_4.safetensors", "net-3_4.safetensors"]
+    assert saver.latest == tmp_path / "net-2_4.safetensors"  # (rewritten: the newest)
 
 
 def test_resume_rejects_mid_epoch_and_truncated(tmp_path: Path) -> None:

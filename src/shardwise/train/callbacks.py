@@ -43,7 +43,12 @@ class RunContext:
         network, optimizer, loss_fn: what `Model` trains.
         epoch_num: epochs to train in this call.
         batch_num: steps per epoch.
-        cur_epoch_num: current epoch, 1-based.
+        cur_epoch_num: current epoch, 1-based (MindSpore's: counted within this ``train()``
+            call, from ``initial_epoch + 1``).
+        global_epoch_num: the current epoch counted over all of the Model's ``train()``
+            calls (from ``initial_epoch + 1`` when given, as `resume` sets it), 1-based: the
+            data's epoch, which `ModelCheckpoint` names its files with. It equals
+            `cur_epoch_num` in a single call.
         cur_step_num: steps done since training started (all epochs, and all of the Model's
             ``train()`` calls: MindSpore counts each call's from 0), 1-based at step end.
         epoch_step: steps done in the current epoch (`step_in_epoch`).
@@ -60,6 +65,7 @@ class RunContext:
     batch_num: int
     cur_epoch_num: int = 0
     cur_step_num: int = 0
+    global_epoch_num: int = 0
     net_outputs: Any = None
     stop_requested: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

@@ -3,9 +3,11 @@
 Files are ``{prefix}-{epoch}_{step_in_epoch}.safetensors`` (MindSpore's ``.ckpt`` naming) in
 ``directory`` (``directory/rank_<r>/`` when the job has several ranks), written atomically by
 `shardwise.checkpoint.CheckpointManager`, which also keeps at most ``keep_checkpoint_max``.
-Each file holds the optimizer state, the epoch / global step and this process's random
-generators' states (CPU, and CUDA's when initialized; not in a simulated world), so `resume`
-can continue training with the identical loss sequence, dropout's draws included.
+The epoch is the Model's, counted over all of its ``train()`` calls (`RunContext.
+global_epoch_num`), so successive calls write distinct files. Each file holds the optimizer
+state, that epoch, the global step and this process's random generators' states (CPU, and
+CUDA's when initialized; not in a simulated world), so `resume` can continue training with the
+identical loss sequence and data order, dropout's draws included.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ class ModelCheckpoint(Callback):
             where = (self.directory.resolve(), self.prefix)
             _STARTS[where] = count = _STARTS.get(where, 0) + 1
             prefix = first_claim(f"ckpt_prefix/{where[0]}/{self.prefix}/{count}", prefix)
-        # (files are kept by the callback, oldest written first, as MindSpore's: the names'
-        # epochs restart in each train() call, so (epoch, step) does not order its files)
+        # (files are kept by the callback, oldest written first, as MindSpore's: a train()
+        # call with an earlier initial_epoch writes names that sort before older files)
         self.manager = CheckpointManager(self.directory, prefix, None, rank=rank, world_size=size)
 
     def on_train_step_end(self, ctx: RunContext) -> None:
@@ -120,7 +122,7 @@ class ModelCheckpoint(Callback):
         optimizer = ctx.optimizer if self.config.save_optimizer else None
         path = self.manager.save(
             ctx.network,
-            epoch=ctx.cur_epoch_num,
+            epoch=ctx.global_epoch_num or ctx.cur_epoch_num,  # (the Model's epoch: see _extra)
             step=ctx.step_in_epoch,
             optimizer=optimizer,
             extra=_extra(ctx),
@@ -146,7 +148,9 @@ rank counts its own alike: one store key per training)."""
 
 def _extra(ctx: RunContext) -> dict[str, Any]:
     """A file's ``extra``: the global step, the epoch's length and the random generators'
-    states (`process_rng_state`, base64 in the JSON metadata), which `resume` puts back."""
+    states (`process_rng_state`, base64 in the JSON metadata), which `resume` puts back. (The
+    file's epoch is the Model's epoch over all its train() calls, the data's epoch, which
+    `resume` restores as ``Model.epochs_done``: the next train() sets the data's next epoch.)"""
     extra: dict[str, Any] = {"global_step": ctx.cur_step_num, "batch_num": ctx.batch_num}
     states = process_rng_state()
     if states is not None:
@@ -189,7 +193,10 @@ def resume(model: object, path: str | Path) -> int:
     process's at the save, in a job this rank's), so dropout draws as in an uninterrupted run.
 
     Returns:
-        The epoch to pass as ``initial_epoch`` to ``model.train``.
+        The epochs done, counted over all of the saving Model's ``train()`` calls (the epoch in
+        the file's name), to pass as ``initial_epoch``: ``model.train(done + n, data,
+        initial_epoch=done)`` and ``model.train(n, data)`` both train ``n`` more epochs with
+        an uninterrupted run's data orders (the dataset's ``set_epoch`` counts on from it).
 
     Raises:
         CheckpointError: the file is damaged or not a checkpoint.

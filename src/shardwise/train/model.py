@@ -245,6 +245,7 @@ class Model:
         for ep in range(initial_epoch + 1, epoch + 1):
             ctx.cur_epoch_num = ep
             done += 1
+            ctx.global_epoch_num = done
             self.epochs_done = done
             self._run_epoch(ctx, train_dataset, cbs, done - 1)
             if ctx.stop_requested:
