@@ -213,3 +213,20 @@ def test_resume_rejects_mid_epoch_and_truncated(tmp_path: Path) -> None:
 def test_config_errors() -> None:
     with pytest.raises(ValueError, match="save_checkpoint_steps=0"):
         sw.train.CheckpointConfig(save_checkpoint_steps=0)
+
+
+def test_mindspores_checkpoint_config_arguments_are_named() -> None:
+    """MindSpore's ``CheckpointConfig(save_checkpoint_seconds=...)`` was Python's 'unexpected
+    keyword argument'; the error names it as MindSpore's, lists the arguments not supported,
+    and says how to save instead."""
+    with pytest.raises(
+        TypeError,
+        match=r"save_checkpoint_seconds, integrated_save: MindSpore's, not supported here\. "
+        r"It takes save_checkpoint_steps, keep_checkpoint_max and save_optimizer only: save "
+        r"every N steps .*enc_key",
+    ):
+        sw.train.CheckpointConfig(save_checkpoint_seconds=60, integrated_save=False)
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) steps\. It takes"):
+        sw.train.CheckpointConfig(steps=2)
+    cfg = sw.train.CheckpointConfig(3, keep_checkpoint_max=2)
+    assert (cfg.save_checkpoint_steps, cfg.keep_checkpoint_max, cfg.save_optimizer) == (3, 2, True)

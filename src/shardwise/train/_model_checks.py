@@ -1,9 +1,11 @@
-"""Checks of what `Model` is given: `Model.train`'s counts (`check_train_args`), each batch's
-columns (`columns`), the callbacks (`callback_list`), and one metric value from a simulated
-world's ranks (`one_value`)."""
+"""Checks of what `Model` is given: its `loss_fn` (`check_loss_fn`), `Model.train`'s counts
+(`check_train_args`), each batch's columns (`columns`) and their count against the network's
+``forward`` (`call_network`), the loss a step computes (`step_loss`), the callbacks
+(`callback_list`), and one metric value from a simulated world's ranks (`one_value`)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -46,6 +48,72 @@ def columns(batch: object, least: int, who: str = "train") -> Sequence[Any]:
             f"columns), got {shown}; e.g. GeneratorDataset(rows, ['image', 'label'])"
         )
     return batch
+
+
+def check_loss_fn(loss_fn: object) -> None:
+    """TypeError for a `Model` ``loss_fn`` that cannot be called (a loss's name, a class)."""
+    if loss_fn is None or (callable(loss_fn) and not isinstance(loss_fn, type)):
+        return
+    fix = "torch.nn.CrossEntropyLoss()"
+    if isinstance(loss_fn, type):
+        fix = f"an instance, {loss_fn.__name__}()"
+    raise TypeError(
+        f"Model: loss_fn={loss_fn!r} must be callable as loss_fn(network output, label) (a loss "
+        f"module or a function), or None when the network returns the loss itself; pass {fix}"
+    )
+
+
+def call_network(network: torch.nn.Module, inputs: Sequence[Any], label: bool, who: str) -> Any:
+    """``network(*inputs)``; when its ``forward`` does not take that many inputs, a TypeError
+    naming the batch's column count and ``forward``'s parameters (torch's own error names
+    neither the columns nor the fix)."""
+    try:
+        return network(*inputs)
+    except TypeError:
+        if _takes(network, inputs):  # (an error inside forward: torch's stands)
+            raise
+        signature = inspect.signature(network.forward)
+        shown = signature.replace(return_annotation=inspect.Signature.empty)
+        name = f"{type(network).__name__}.forward{shown}"
+        read = f"{len(inputs)} input(s) and the label (the last column, for loss_fn)"
+        if not label:
+            read = f"{len(inputs)} input(s) (loss_fn=None: all columns go to the network)"
+        raise TypeError(
+            f"Model.{who}: each batch has {len(inputs) + label} column(s), passed as {read}, "
+            f"but {name} does not take {len(inputs)} positional input(s); give the dataset the "
+            "network's inputs (and the label last) as its columns, e.g. GeneratorDataset(rows, "
+            "['image', 'label'])"
+        ) from None
+
+
+def _takes(network: torch.nn.Module, inputs: Sequence[Any]) -> bool:
+    """Whether ``network.forward`` takes `inputs` (True when it has no signature to read)."""
+    try:
+        inspect.signature(network.forward).bind(*inputs)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
+def step_loss(out: Any, loss_fn: object) -> torch.Tensor:
+    """The loss of a step's `out` (the network's, with `loss_fn` None, else `loss_fn`'s): the
+    tensor itself, or a tuple's or list's first item (``(loss, logits)``, as `LossMonitor`
+    reads it); TypeError or ValueError naming the fix for anything else."""
+    who = "the network (loss_fn=None)" if loss_fn is None else "loss_fn"
+    loss = out[0] if isinstance(out, tuple | list) and out else out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"Model.train: {who} returned {type(out).__name__}; it must return the loss "
+            "tensor, or a tuple whose first item is the loss, e.g. (loss, logits)"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"Model.train: {who} returned a loss of shape {list(loss.shape)}, not one value; "
+            "reduce it over the batch (e.g. reduction='mean', or loss.mean())"
+        )
+    return loss
 
 
 def one_value(counts: torch.Tensor, name: str) -> torch.Tensor:

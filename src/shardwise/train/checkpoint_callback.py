@@ -31,8 +31,24 @@ from shardwise.checkpoint import (
 from shardwise.communication import file_rank, first_claim, process_rng_state
 from shardwise.train.callbacks import Callback, RunContext
 
+MINDSPORE_ONLY = (
+    "save_checkpoint_seconds",
+    "keep_checkpoint_per_n_minutes",
+    "integrated_save",
+    "async_save",
+    "saved_network",
+    "append_info",
+    "enc_key",
+    "enc_mode",
+    "exception_save",
+    "crc_check",
+    "remove_redundancy",
+    "format",
+)
+"""MindSpore's ``CheckpointConfig`` arguments that `CheckpointConfig` does not take."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class CheckpointConfig:
     """When to save and how many files to keep.
 
@@ -40,13 +56,37 @@ class CheckpointConfig:
         save_checkpoint_steps: save every this many steps (>= 1).
         keep_checkpoint_max: keep at most this many files (>= 1).
         save_optimizer: store the optimizer state too (needed to resume exactly).
+
+    Raises:
+        TypeError: any other argument, MindSpore's `MINDSPORE_ONLY` ones named as such.
     """
 
     save_checkpoint_steps: int = 1
     keep_checkpoint_max: int = 5
     save_optimizer: bool = True
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        save_checkpoint_steps: int = 1,
+        keep_checkpoint_max: int = 5,
+        save_optimizer: bool = True,
+        **others: object,
+    ) -> None:
+        if others:
+            theirs = [k for k in others if k in MINDSPORE_ONLY]
+            unknown = [k for k in others if k not in MINDSPORE_ONLY]
+            said = f"{', '.join(theirs)}: MindSpore's, not supported here" if theirs else ""
+            if unknown:
+                said += ("; " if said else "") + f"unknown argument(s) {', '.join(unknown)}"
+            raise TypeError(
+                f"CheckpointConfig: {said}. It takes save_checkpoint_steps, "
+                "keep_checkpoint_max and save_optimizer only: save every N steps with "
+                "save_checkpoint_steps=N (MindSpore's arguments not supported: "
+                f"{', '.join(MINDSPORE_ONLY)})"
+            )
+        object.__setattr__(self, "save_checkpoint_steps", save_checkpoint_steps)
+        object.__setattr__(self, "keep_checkpoint_max", keep_checkpoint_max)
+        object.__setattr__(self, "save_optimizer", save_optimizer)
         for name in ("save_checkpoint_steps", "keep_checkpoint_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

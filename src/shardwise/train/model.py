@@ -29,11 +29,14 @@ from shardwise.train import callbacks as cb
 from shardwise.train._eval_data import rows, sharded, trimmed_batches
 from shardwise.train._metrics import make_metrics
 from shardwise.train._model_checks import (
+    call_network,
     callback_list,
+    check_loss_fn,
     check_train_args,
     columns,
     one_dataset,
     one_value,
+    step_loss,
 )
 
 if TYPE_CHECKING:
@@ -50,8 +53,10 @@ class Model:
     """Train and evaluate `network` with `loss_fn` and a torch `optimizer`.
 
     Args:
-        network: a `torch.nn.Module`; with `loss_fn` None it must return the loss itself.
-        loss_fn: called as ``loss_fn(network(*inputs), label)``.
+        network: a `torch.nn.Module`; with `loss_fn` None it must return the loss itself (or
+            a tuple whose first item is the loss, e.g. ``(loss, logits)``).
+        loss_fn: called as ``loss_fn(network(*inputs), label)`` (the same: a tensor, or a
+            tuple whose first item is the loss); None when the network computes the loss.
         optimizer: any `torch.optim.Optimizer` (needed by `train`).
         metrics: names for `eval`: ``"accuracy"`` (``"acc"``), ``"loss"`` (`loss_fn`'s mean
             over the batches), e.g. ``{"accuracy", "loss"}``.
@@ -89,6 +94,7 @@ class Model:
             raise TypeError(
                 f"Model: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        check_loss_fn(loss_fn)
         from shardwise.parallel import AutoParallel  # (imported here: it imports much)
 
         if isinstance(network, AutoParallel) and grad_reducer is not None:
@@ -137,10 +143,11 @@ class Model:
 
         def train_step(*batch: torch.Tensor) -> torch.Tensor:
             if loss_fn is None:
-                loss: torch.Tensor = network(*batch)
+                loss = step_loss(call_network(network, batch, False, "train"), loss_fn)
             else:
                 *inputs, label = batch
-                loss = loss_fn(network(*inputs), label)
+                out = call_network(network, inputs, True, "train")
+                loss = step_loss(loss_fn(out, label), loss_fn)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -157,10 +164,11 @@ class Model:
             return out.detach()
         self.optimizer.zero_grad(set_to_none=True)
         if self.loss_fn is None:
-            loss = self.network(*columns(batch, 1))
+            out = call_network(self.network, columns(batch, 1), False, "train")
         else:
             *inputs, label = columns(batch, 2)
-            loss = self.loss_fn(self.network(*inputs), label)
+            out = self.loss_fn(call_network(self.network, inputs, True, "train"), label)
+        loss = step_loss(out, self.loss_fn)
         loss.backward()
         if self.grad_reducer is not None:
             self.grad_reducer()
@@ -322,7 +330,8 @@ class Model:
         self.network.eval()
         state = {name: make() for name, make in self.metrics.items()}
         for inputs, label, kept in trimmed_batches(valid_dataset):
-            logits = self.network(*inputs)  # (the whole batch: every rank makes the same calls)
+            # (the whole batch: every rank makes the same calls)
+            logits = call_network(self.network, inputs, True, "eval")
             counted = (logits, label) if kept == len(label) else rows(logits, label, kept)
             for m in state.values():
                 m.update(*counted, whole=(logits, label))
