@@ -115,6 +115,17 @@ def _storage() -> None:
     assert isinstance(storage_key(base), int) and storage_key(view) == storage_key(base)
     meta = torch.empty(4, device="meta")
     assert storage_key(meta[2:]) == storage_key(meta) != storage_key(torch.empty(4, device="meta"))
+    # (delayed init, parameter/_tape.py: a deferred meta tensor changed in place after its block
+    # is found by its version, which in-place ops bump on meta tensors too, under no_grad, and
+    # which a Parameter made from it, a view and a detached alias share)
+    param, kept = torch.nn.Parameter(meta), meta.detach()
+    with torch.no_grad():
+        for change in (lambda: param.fill_(1), lambda: param[1:].mul_(2)):
+            before = version(kept)
+            change()
+            assert version(kept) == version(param) == before + 1
+    torch.nn.init.zeros_(param)
+    assert version(kept) == before + 2
 
 
 def _function_mode_stack() -> None:

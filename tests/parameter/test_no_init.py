@@ -265,6 +265,76 @@ def test_errors() -> None:
     assert swp.materialize(net) is net  # nothing left to do
 
 
+def _fill(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.fill_(7.0)
+
+
+def _copy(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t.copy_(torch.ones(t.shape))
+
+
+def _row(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        t[0].mul_(2.0)
+
+
+CHANGES = {
+    "nn.init.zeros_": nn.init.zeros_,
+    "nn.init.constant_": lambda t: nn.init.constant_(t, 0.5),
+    "fill_": _fill,
+    "copy_": _copy,
+    "a view's mul_": _row,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_after_the_block_is_refused_not_lost(change: str) -> None:
+    """A deferred parameter changed in place after the block (where nothing records it) was
+    materialized with the block's values, the change silently lost; it is now refused, naming
+    the parameter and the fix, by every way to materialize."""
+    with no_init_parameters():
+        net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    CHANGES[change](net[2].weight)
+    for make in (materialize, materialized_values):
+        with pytest.raises(DeferredInitError, match=r"2\.weight changed.*inside the block"):
+            make(net)
+    with pytest.raises(DeferredInitError, match=r"Linear\.weight changed in place"):
+        net(torch.ones(1, 4))  # (the first forward materializes)
+    assert is_deferred(net[0].weight)
+
+
+def test_load_state_dict_after_the_block_is_refused_load_param_into_net_fills() -> None:
+    from shardwise.checkpoint import load_param_into_net
+
+    values = {k: torch.full(v.shape, 0.25) for k, v in nn.Linear(4, 3).state_dict().items()}
+    with no_init_parameters():
+        net = nn.Linear(4, 3)
+    with pytest.warns(UserWarning, match="no-op"):
+        net.load_state_dict(values)  # (torch copies into meta tensors: nothing)
+    with pytest.raises(DeferredInitError, match="bias, weight changed in place"):
+        materialize(net)
+    with no_init_parameters():
+        net = nn.Linear(4, 3)
+    assert load_param_into_net(net, {"weight": values["weight"]}) == (["bias"], [])
+    materialize(net)  # (the bias: replayed)
+    assert torch.equal(net.weight, values["weight"]) and not net.bias.is_meta
+
+
+def test_what_changes_nothing_after_the_block_still_materializes() -> None:
+    """Flags, optimizers and a forward on meta inputs (a training BatchNorm counts its
+    batches in place) after the block are not changes of values."""
+    eager = _eager(Mixed)
+    net = _deferred(Mixed)
+    net.w1.requires_grad_(False)
+    torch.optim.AdamW(net.parameters())
+    net.bn(torch.empty(2, 4, device="meta"))
+    net.bn(torch.empty(2, 4, device="meta"))
+    materialize(net)
+    _assert_identical(eager, net)
+
+
 def test_init_functions_that_skip_meta_are_restored_after_the_block() -> None:
     original = nn.init.trunc_normal_
     with no_init_parameters():

@@ -4,7 +4,9 @@
 - `_parameter`: `Parameter` (``nn.Parameter`` + ``name``, ``parallel_optimizer``,
   ``comm_fusion``), `set_comm_fusion`, `assign_tensor`, `tied_names`.
 - `_initializer`: `initializer` and the initializer classes (`Normal`, `Uniform`, ...).
-- `_deferred`: `no_init_parameters`, `materialize`, `materialized_values`, `is_deferred`.
+- `_deferred`: `no_init_parameters`, `materialize`, `materialized_values`, `is_deferred`;
+  `_replace`: a deferred parameter replaced by a new object (per-rank values), optimizers
+  re-pointed to it.
 - `_recorder` / `_tape` / `_replay` / `_rng`: how deferred construction is recorded on meta
   tensors and replayed bit-identically (see docs/checkpoint.md, "Delayed initialization").
 - `_blocks` / `_lower` / `_chunked` / `_box`: replaying a sliced tensor as its block only, its

@@ -5,12 +5,15 @@
   the `Recorder` torch-function mode and global module-registration hooks that note which
   modules own deferred tensors; leaving records the exit RNG state and puts a forward
   pre-hook on every owner (`_AutoMaterialize`) so the first forward materializes everything
-  (a forward on meta inputs only, such as a planner's shape trace, is let through untouched).
+  (a forward on meta inputs only, such as a planner's shape trace, is let through untouched,
+  and what it changes in place is not taken for a change after the block: `_MetaForwardEnd`).
+  A deferred tensor changed in place after the block (``nn.init.zeros_(net.weight)``) is
+  refused when materialized, naming it: the tape does not hold that change.
 - `materialize`: replace the deferred tensors of a module (or one tensor) by real ones, in
   place (same objects, so optimizers created inside the block keep working), optionally
   only a slice per tensor (``slicer``) and on another device, or values computed elsewhere
   (``values``; a tensor of another class, such as a per-rank tensor, cannot take over the
-  object: the module gets a new parameter and optimizers are re-pointed to it, `_retarget`).
+  object: the module gets a new parameter and optimizers are re-pointed to it, `_replace`).
 - `materialized_values`: the same values, returned by name without touching the module.
 - `is_deferred`: whether a tensor is a recorded, not yet materialized, deferred tensor.
 """
@@ -18,7 +21,6 @@
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
@@ -26,19 +28,15 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as module_hooks
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from shardwise._torch.module_state import (
-    non_persistent_buffer_names,
-    own_buffers,
-    own_parameters,
-)
+from shardwise._torch.module_state import own_buffers, own_parameters
 from shardwise.parameter import _rng
 from shardwise.parameter._blocks import DEFAULT_CHUNK_BYTES, Slicer
 from shardwise.parameter._errors import DeferredInitError
 from shardwise.parameter._parameter import assign_tensor
 from shardwise.parameter._recorder import Recorder, patched_init_functions
+from shardwise.parameter._replace import give
 from shardwise.parameter._replay import Target, compute
 from shardwise.parameter._tape import Session, session_of
 
@@ -92,6 +90,8 @@ class _NoInitBlock:
             return
         for owner in list(session.owners):
             session.hooks.append(owner.register_forward_pre_hook(_AutoMaterialize(session)))
+            end = _MetaForwardEnd(session)
+            session.hooks.append(owner.register_forward_hook(end, always_call=True))
 
 
 def _ownership_hooks(session: Session) -> list[RemovableHandle]:
@@ -167,7 +167,12 @@ class _AutoMaterialize:
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         session = self._session
-        if session is None or session.closed or _TRACING[0] or _meta_call(args):
+        if session is None or session.closed or _TRACING[0]:
+            return
+        if _meta_call(args):
+            if not session.meta_forwards:  # (changes made before it are the user's)
+                session.note_changes()
+            session.meta_forwards += 1
             return
         targets = _owner_targets(session)
         if targets:
@@ -179,6 +184,19 @@ class _AutoMaterialize:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._session = None
+
+
+class _MetaForwardEnd(_AutoMaterialize):
+    """Forward hook: after a forward on meta inputs, whatever it changed in place (a training
+    BatchNorm's ``num_batches_tracked``) is not a user's change made after the block."""
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any = None) -> None:
+        session = self._session
+        if session is None or session.closed or _TRACING[0] or not _meta_call(args):
+            return
+        session.meta_forwards -= 1
+        if not session.meta_forwards:
+            session.keep_versions()
 
 
 def _meta_call(args: Any) -> bool:
@@ -277,6 +295,8 @@ def materialize(
     Raises:
         ValueError: `values` with a `slicer` or `device`, or without the value of a deferred
             tensor of ``obj``.
+        DeferredInitError: (a ``ValueError``) a deferred tensor changed in place after the
+            block (``nn.init.zeros_(net.weight)``): the record does not hold that change.
 
     Example:
         >>> _ = torch.manual_seed(0)
@@ -296,66 +316,9 @@ def materialize(
             missing = [t.name for t in targets if t.name not in values]
             if missing:
                 raise ValueError(f"materialize: no value for {', '.join(missing)}")
-            _give(obj, targets, [values[t.name] for t in targets])
+            give(obj, targets, [values[t.name] for t in targets])
         _finish(session)
     return obj
-
-
-def _give(obj: torch.nn.Module | torch.Tensor, targets: list[Target], values: list[Any]) -> None:
-    """`_assign`, except that a value of another tensor class than ``torch.Tensor`` replaces
-    its target on the module (`assign_tensor` keeps the object's class, which such a value
-    cannot take)."""
-    replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for target, value in zip(targets, values, strict=True):
-        if type(value) is torch.Tensor or not isinstance(obj, torch.nn.Module):
-            assign_tensor(target.tensor, value)
-            continue
-        path, _, attr = target.name.rpartition(".")
-        owner = obj.get_submodule(path) if path else obj
-        old = target.tensor
-        if attr in own_parameters(owner):
-            new = torch.nn.Parameter(value.detach(), requires_grad=old.requires_grad)
-            for module in obj.modules():  # (every module holding it: tied weights stay tied)
-                for key, held in list(own_parameters(module).items()):
-                    if held is old:
-                        setattr(module, key, new)
-            replaced.append((old, new))
-        else:
-            persistent = attr not in non_persistent_buffer_names(owner)
-            owner.register_buffer(attr, value, persistent=persistent)
-    _retarget(replaced)
-
-
-_REPLACED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
-_RETARGET_HOOK: list[RemovableHandle] = []
-
-
-def _retarget(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Make optimizers holding an old parameter object step the new one instead (a global
-    optimizer step pre-hook re-points their ``param_groups`` before their next step)."""
-    for old, new in pairs:
-        _REPLACED[id(old)] = (weakref.ref(old), weakref.ref(new))
-    if pairs and not _RETARGET_HOOK:
-        _RETARGET_HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
-
-
-def _step_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    if not _REPLACED:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [_current(p) for p in group["params"]]
-    for key in list(_REPLACED):
-        old, new = _REPLACED[key]
-        if old() is None or new() is None:
-            del _REPLACED[key]
-
-
-def _current(p: torch.Tensor) -> torch.Tensor:
-    found = _REPLACED.get(id(p))
-    if found is None or found[0]() is not p:
-        return p
-    new = found[1]()
-    return p if new is None else new
 
 
 def materialized_values(

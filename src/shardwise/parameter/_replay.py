@@ -11,7 +11,8 @@ the same ``torch.manual_seed``.
   the targets viewing it are extracted (whole, or ``slicer(name, shape)``-sliced and
   copied); returns the values in target order. A sliced root that ``_blocks.plan_blocks``
   accepts lives as its block only: its entries run as lowered steps on the block (random
-  fills drawn in chunks), so it never exists whole.
+  fills drawn in chunks), so it never exists whole. A target changed in place after the
+  block (``Session.changed``: the tape does not hold that change) is refused first.
 - `_rng_scope`: generator bookkeeping. Afterwards the generators are left where eager
   construction would have left them if nobody drew random numbers since the block was
   exited; otherwise they are restored to what they were (the caller's stream is untouched).
@@ -147,6 +148,20 @@ def _extract(
     return value
 
 
+def _check_unchanged(session: Session, targets: list[Target]) -> None:
+    changed = sorted({t.name or "<tensor>" for t in targets if session.changed(t.ref.key)})
+    if changed:
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise DeferredInitError(
+            f"materialize: {', '.join(changed[:4])}{more} changed in place after the "
+            "sw.no_init_parameters() block (nn.init.*_, fill_, copy_, load_state_dict...): "
+            "only changes made inside the block are recorded, so materializing would lose "
+            "the change; "
+            "make the change inside the block, or after materialize(net) or the network's "
+            "first call (a checkpoint: sw.load_param_into_net, which fills deferred entries)"
+        )
+
+
 def compute(
     session: Session,
     targets: list[Target],
@@ -161,6 +176,7 @@ def compute(
     """
     if session.recording:
         raise DeferredInitError("materialize after leaving the no_init_parameters block")
+    _check_unchanged(session, targets)
     plan = plan_blocks(session, targets, slicer if chunk_bytes > 0 else None)
     wanted: dict[int, list[int]] = {}
     for position, target in enumerate(targets):

@@ -8,7 +8,9 @@ so views and ``Parameter`` wrappers need no bookkeeping of their own.
 - `TensorRef`, `RecordedOp`, `RngReset`: the tape entries.
 - `Session`: the tape, the roots (with the device each would have been created on), the
   RNG states at entry/exit, the modules that own deferred tensors, and `Session.encode`
-  (tensor arguments -> `TensorRef`), `Session.sync_rng` (record reseeds).
+  (tensor arguments -> `TensorRef`), `Session.sync_rng` (record reseeds); each root's
+  in-place change count at exit (`Session.changed`: a root changed after the block, where
+  nothing records it, would lose that change when replayed).
 - `session_of`: which open session a meta tensor belongs to (global registry by storage).
 - `flatten`, `iter_tensors`: the tiny pytree helpers the recorder and replay share.
 """
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from shardwise._torch.storage import storage_key
+from shardwise._torch.storage import storage_key, version
 from shardwise.parameter import _rng
 from shardwise.parameter._errors import DeferredInitError
 
@@ -110,9 +112,12 @@ class Session:
     hooks: list[RemovableHandle] = field(default_factory=list)
     recording: bool = True
     closed: bool = False
+    meta_forwards: int = 0  # forwards on meta inputs running now (nested)
     _keys: dict[int, int] = field(default_factory=dict)
     _alive: list[torch.Tensor] = field(default_factory=list)
     _last_states: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _versions: list[int] = field(default_factory=list)  # each root's, by key, when recorded
+    _changed: set[int] = field(default_factory=set)
 
     def knows(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a view of one of this session's roots."""
@@ -160,6 +165,25 @@ class Session:
         self.sync_rng()
         self.exit_states = dict(self._last_states)
         self.recording = False
+        self.keep_versions()
+
+    def keep_versions(self) -> None:
+        """Take each root's in-place change count (``_version``, shared by its views and
+        ``Parameter`` wrappers, bumped on meta tensors too) as its recorded one."""
+        self._versions = [version(root) for root in self._alive]  # (index = root key)
+
+    def note_changes(self) -> None:
+        """Remember the roots changed since `keep_versions`, before it runs again (a forward on
+        meta inputs changes buffers, ``num_batches_tracked``, that no user changed)."""
+        self._changed.update(k for k in range(len(self._versions)) if self._changed_now(k))
+
+    def changed(self, key: int) -> bool:
+        """Whether root `key` was changed in place after the block (``nn.init.zeros_(w)``,
+        ``w.copy_(t)``), which no tape holds."""
+        return key in self._changed or self._changed_now(key)
+
+    def _changed_now(self, key: int) -> bool:
+        return key < len(self._versions) and version(self._alive[key]) != self._versions[key]
 
     def encode(self, value: Any) -> Any:
         """``value`` with every known meta tensor replaced by its `TensorRef`."""
