@@ -5,8 +5,9 @@ Every rank holds the whole network and runs it on its rows of each global batch:
 passes (dataset strategy ``"data_parallel"``, MindSpore's default) or its rows cut from the whole
 batch it passes (``"full_batch"``). Which function does which step:
 
-- `DataParallelRunner.__init__` checks the arguments (`_check_arguments`), builds the plan
-  (`_build_plan`, from ``_data_parallel_plan``: each parameter's optimizer and owner rank,
+- `DataParallelRunner.__init__` checks the arguments (`check_arguments`), gives a network
+  built in ``sw.no_init_parameters()`` its whole values on every rank (`materialized`), builds
+  the plan (`_build_plan`, from ``_data_parallel_plan``: each parameter's optimizer and owner rank,
   `plan_entries`; the gradient all-reduce and broadcast buckets, `plan_buckets`) and registers
   two hooks on every optimizer (``register_step_pre_hook`` / ``register_step_post_hook``).
 - `DataParallelRunner.__call__`: under ``"full_batch"`` cuts each tensor input to this rank's
@@ -59,6 +60,8 @@ from shardwise.optim._data_parallel_plan import (
     ParamEntry,
     check_arguments,
     check_optimizers,
+    find_optimizers,
+    materialized,
     plan_buckets,
     plan_entries,
 )
@@ -73,12 +76,6 @@ from shardwise.optim._data_parallel_steps import (
 )
 from shardwise.optim._global_hooks import register_pre, remove_later
 from shardwise.optim._settings import FusionConfig, check_fusion
-
-
-def _find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimizer]:
-    from shardwise.parallel._discover import find_referenced  # lazy: parallel may import optim
-
-    return find_referenced(train_step)[1]
 
 
 class DataParallelRunner:
@@ -166,8 +163,14 @@ class DataParallelRunner:
             optimizers = [optimizers]
         opts = list(optimizers)
         if not opts and train_step is not None:
-            opts = _find_optimizers(train_step)
+            opts = find_optimizers(train_step)
         check_optimizers(opts, parallel_optimizer, train_step is not None)
+        if not comm.is_initialized():
+            raise RuntimeError(
+                f"{WHO}: no job yet; call shardwise.communication.init() first (or build the "
+                "runner inside shardwise.testing.simulated_world)"
+            )
+        materialized(network, opts)  # (built in sw.no_init_parameters(): its values now)
         self.network = network
         self._params = list(network.parameters())  # (listed once: checked every call)
         self._stepped: list[int] | None = []  # (the optimizers that stepped in a checked call)
@@ -179,11 +182,6 @@ class DataParallelRunner:
         self.parallel_optimizer = parallel_optimizer
         self.threshold_kb = float(threshold_kb)
         self._fusion = FusionConfig() if fusion is None else check_fusion(fusion)
-        if not comm.is_initialized():
-            raise RuntimeError(
-                f"{WHO}: no job yet; call shardwise.communication.init() first (or build the "
-                "runner inside shardwise.testing.simulated_world)"
-            )
         self.world = comm.get_group_size()
         self._ranks = comm.process_ranks()  # the ranks whose parameters this process updates
         self.entries: list[ParamEntry] = []

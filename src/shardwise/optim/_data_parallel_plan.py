@@ -8,7 +8,9 @@ and which parameters share one collective.
   optimizers or not the network's), its ``comm_fusion`` id, and with ``parallel_optimizer=True``
   its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
   hold at least the threshold).
-- `check_arguments`, `check_optimizers`: the runner's argument types and values.
+- `check_arguments`, `check_optimizers`: the runner's argument types and values;
+  `find_optimizers`: the optimizers a train step's code names; `materialized`: a network
+  built in ``sw.no_init_parameters()`` given its values on every rank before the plan.
 - `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
   size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
   owner and fusion id), each a `CommBucket`.
@@ -16,7 +18,7 @@ and which parameters share one collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,6 +256,22 @@ def check_arguments(
             f"{WHO}: threshold_kb={threshold_kb!r} must be a number of KiB >= 0 "
             "(0: every parameter that allows it gets an owner)"
         )
+
+
+def find_optimizers(train_step: Callable[..., Any]) -> list[torch.optim.Optimizer]:
+    """The optimizers `train_step`'s code refers to."""
+    from shardwise.parallel._discover import find_referenced  # lazy: parallel may import optim
+
+    return find_referenced(train_step)[1]
+
+
+def materialized(network: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Give a network built in ``sw.no_init_parameters()`` its whole values on every rank now
+    (a rank may get new parameter objects: `optimizers` are pointed at them), so the plan is
+    made over the parameters the steps train."""
+    from shardwise.parallel._delayed import materialize_whole  # lazy: parallel imports optim
+
+    materialize_whole(network, optimizers)
 
 
 def check_optimizers(opts: Sequence[Any], parallel_optimizer: bool, with_step: bool) -> None:

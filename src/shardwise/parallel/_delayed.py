@@ -4,6 +4,9 @@
 - `block_slicer`: the ``slicer(name, full_shape) -> index`` of one rank: a planned parameter
   keeps its layout's block (`TensorLayout.local_index`: a slice per dim, or the indices of a
   strided dim's rows in every group), anything else stays whole.
+- `materialize_whole`: every deferred tensor whole on each rank (data-parallel mode, where
+  every rank holds the whole network), the optimizers given pointed at once at the new
+  parameter objects that per-rank values make (the runner plans over them before any step).
 - `materialize_blocks`: replays the recorded construction with that slicer: a tensor is
   generated in chunks that advance the RNG stream exactly as the whole draw would (so values
   equal the single-device run) and only this rank's block is kept, so a rank holds its blocks
@@ -20,14 +23,16 @@ the old one are re-pointed to it before their next step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardwise import communication as comm
 from shardwise.layout import TensorLayout
 from shardwise.parameter import Slicer, is_deferred, materialize, materialized_values
+from shardwise.parameter._replace import repoint
 
 Shape = tuple[int, ...]
 Params = Mapping[str, tuple[TensorLayout, Shape]]
@@ -61,3 +66,13 @@ def materialize_blocks(network: nn.Module, params: Params) -> None:
         lambda rank: materialized_values(network, slicer=block_slicer(params, rank))
     )
     materialize(network, values=values)
+
+
+def materialize_whole(network: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Give every deferred tensor of `network` its whole value on each rank (`materialize_blocks`
+    with no planned parameter) and point `optimizers` at the new objects now, if any."""
+    if not has_deferred(network):
+        return
+    materialize_blocks(network, {})
+    for optimizer in optimizers:
+        repoint(optimizer)

@@ -7,7 +7,8 @@ which cannot take over a plain ``nn.Parameter`` object:
 - `give`: gives the values; such a value becomes a new ``nn.Parameter`` on every module holding
   the old one (tied weights stay tied), or the module's buffer;
 - `retarget`: notes each (old, new) pair; a global optimizer step pre-hook re-points an
-  optimizer holding an old parameter to the new one before its next step.
+  optimizer holding an old parameter to the new one before its next step (`repoint` does it
+  at once).
 """
 
 from __future__ import annotations
@@ -62,11 +63,17 @@ def retarget(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         _RETARGET_HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
 
 
+def repoint(optimizer: torch.optim.Optimizer) -> None:
+    """Make `optimizer` hold the new object of each replaced parameter it holds, now (rather
+    than before its next step): for code that reads its ``param_groups`` before it steps."""
+    for group in optimizer.param_groups:
+        group["params"] = [_current(p) for p in group["params"]]
+
+
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     if not _REPLACED:
         return
-    for group in optimizer.param_groups:
-        group["params"] = [_current(p) for p in group["params"]]
+    repoint(optimizer)
     for key in list(_REPLACED):
         old, new = _REPLACED[key]
         if old() is None or new() is None:
