@@ -186,10 +186,17 @@ def test_a_rank_that_exits_while_asked_for_its_stack_is_not_still_running(
     )
 
 
-def test_a_rank_that_never_reached_init_is_named(tmp_path: Path) -> None:
-    """Rank 1 is stuck in the script before init(); rank 0 times out in init() waiting for it
-    (no trace file yet on either). The report blamed rank 0's DistStoreError on a store key and
-    listed rank 1 only as stopped by the launcher."""
+IN_INIT = (
+    'Traceback (most recent call last):\n  File "/job/t.py", line 8, in <module>\n'
+    '    comm.init()\n  File "/env/shardwise/communication/_init.py", line 117, in init\n'
+    "    dist.init_process_group(\n"
+    "torch.distributed.DistStoreError: wait timeout after 8000ms, keys: /job/x/0//cpu//0/1\n"
+)
+"""Rank 0's log when it timed out in shardwise's init() waiting for rank 1."""
+
+
+def _explained(tmp_path: Path, log0: str) -> tuple[RootCause, int]:
+    """`explain` of rank 0 failing with `log0` while rank 1 still runs (no trace files)."""
     import subprocess
     import sys
     import time
@@ -198,11 +205,7 @@ def test_a_rank_that_never_reached_init_is_named(tmp_path: Path) -> None:
     from shardwise.launch.supervisor import Worker
 
     logs = [tmp_path / f"worker_{r}.log" for r in (0, 1)]
-    logs[0].write_text(
-        'Traceback (most recent call last):\n  File "/job/t.py", line 8, in <module>\n'
-        "    comm.init()\ntorch.distributed.DistStoreError: wait timeout after 8000ms, keys: "
-        "/job/x/0//cpu//0/1\n"
-    )
+    logs[0].write_text(log0)
     logs[1].write_text("")
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -217,11 +220,38 @@ def test_a_rank_that_never_reached_init_is_named(tmp_path: Path) -> None:
     finally:
         stuck.kill()
         stuck.wait()
+    return root, stuck.pid
+
+
+def test_a_rank_that_never_reached_init_is_named(tmp_path: Path) -> None:
+    """Rank 1 is stuck in the script before init(); rank 0 times out in init() waiting for it
+    (no trace file yet on either). The report blamed rank 0's DistStoreError on a store key and
+    listed rank 1 only as stopped by the launcher."""
+    root, pid = _explained(tmp_path, IN_INIT)
     assert root.reason == (
-        "rank 1 never reached init() (still running in the script before it); rank 0 failed "
-        "first waiting for it in init()"
+        "rank 1 never finished init() (still running: in the script before it, or stuck in "
+        "it); rank 0 failed first waiting for it in init()"
     )
-    assert root.stuck[0].startswith(f"rank 1 (pid {stuck.pid}, still running): never called init()")
+    assert root.stuck[0].startswith(f"rank 1 (pid {pid}, still running): had not finished init()")
+
+
+@pytest.mark.parametrize(
+    "log0",
+    [
+        IN_INIT.replace("/env/shardwise/communication/_init.py", "/job/t.py"),  # (torch's own)
+        'Traceback (most recent call last):\n  File "/job/t.py", line 3, in <module>\n'
+        "    wait(timeout=3)\nKeyError: 'x'\n",  # (a source line naming a timeout)
+        'Traceback (most recent call last):\n  File "/job/t.py", line 3, in <module>\n'
+        "    raise TimeoutError('own')\nTimeoutError: own\n",  # (before init())
+    ],
+    ids=["plain torch init", "keyerror", "own timeout"],
+)
+def test_other_timeouts_are_not_blamed_on_a_rank_before_init(tmp_path: Path, log0: str) -> None:
+    """Only a timeout inside shardwise's init() names the ranks without a trace: a review
+    found a plain torch job's timeout, a user's own TimeoutError and a source line holding
+    ``timeout=3`` all reported as "rank 1 never reached init()"."""
+    root, _ = _explained(tmp_path, log0)
+    assert root.reason == "rank 0 failed first" and root.stuck == ()
 
 
 @pytest.mark.multiprocess

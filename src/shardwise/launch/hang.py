@@ -312,16 +312,29 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
 
 
 _INIT_WAIT = re.compile(r"DistStoreError|[Tt]imeout|timed out")
+_IN_INIT = re.compile(r'shardwise[/\\]communication[/\\]_init\.py", line \d+, in init$')
+
+
+def _timed_out_in_init(lines: Sequence[str]) -> bool:
+    """Whether a log's last lines hold a traceback through shardwise's ``init()`` whose
+    exception (a line at column 0, not a frame or source line) is a store or connection
+    timeout."""
+    if not any(_IN_INIT.search(line.rstrip()) for line in lines):
+        return False
+    return any(_INIT_WAIT.search(line) for line in lines if line[:1] not in (" ", "\t", ""))
+
+
 """A failure of ``init()`` (no trace yet) that waited for other ranks."""
 
 
 def _before_init(
     root: RootCause, failed: WorkerExit, workers: Sequence[Worker], traces: Mapping[int, Trace]
 ) -> RootCause:
-    """`root`, or when the failed worker (no trace of its own: it had not finished ``init()``)
-    timed out waiting for other ranks, a copy naming the local workers still running that have
-    no trace of their own either: they never reached ``init()``."""
-    if not any(_INIT_WAIT.search(line) for line in log_excerpt(failed.log_path)[0]):
+    """`root`, or when the failed worker timed out inside shardwise's ``init()`` waiting for
+    other ranks (its traceback passes through ``init``), a copy naming the local workers still
+    running that have no trace of their own either: they had not finished ``init()`` (the
+    trace is made at its end), most often never reached it."""
+    if not _timed_out_in_init(log_excerpt(failed.log_path)[0]):
         return root
     late = [
         w
@@ -335,11 +348,12 @@ def _before_init(
         return root
     label = ranks_label([w.rank for w in late])
     reason = (
-        f"{label} never reached init() (still running in the script before it); rank "
-        f"{failed.rank} failed first waiting for {'it' if len(late) == 1 else 'them'} in init()"
+        f"{label} never finished init() (still running: in the script before it, or stuck in "
+        f"it); rank {failed.rank} failed first waiting for {'it' if len(late) == 1 else 'them'} "
+        "in init()"
     )
     stuck = [
-        f"rank {w.rank} (pid {w.pid}, still running): never called init() (no collective "
+        f"rank {w.rank} (pid {w.pid}, still running): had not finished init() (no collective "
         f"trace, {trace_path(w.log_path).name}); no Python stack: init() registers it; see "
         f"{w.log_path.name}"
         for w in late
