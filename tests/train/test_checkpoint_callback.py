@@ -230,3 +230,22 @@ def test_mindspores_checkpoint_config_arguments_are_named() -> None:
         sw.train.CheckpointConfig(steps=2)
     cfg = sw.train.CheckpointConfig(3, keep_checkpoint_max=2)
     assert (cfg.save_checkpoint_steps, cfg.keep_checkpoint_max, cfg.save_optimizer) == (3, 2, True)
+
+
+def test_a_call_failing_in_its_first_epoch_does_not_count_it(tmp_path: Path) -> None:
+    """A train() call raising in its first step (bad batches) counted the epoch as done: a
+    retry named its files from epoch 2 and shuffled with epoch 1's order (a review found it)."""
+    sw.set_seed(0)
+    fresh, want = model(), Losses()
+    fresh.train(2, dataset(shuffle=True), callbacks=[want])
+
+    sw.set_seed(0)
+    retried, got = model(), Losses()
+    with pytest.raises(TypeError, match=r"Model\.train"):
+        retried.train(2, [torch.ones(3)])  # (a batch without its label)
+    assert retried.epochs_done == 0
+    cfg = sw.train.CheckpointConfig(save_checkpoint_steps=4, keep_checkpoint_max=10)
+    saver = sw.train.ModelCheckpoint("m", tmp_path, cfg)
+    retried.train(2, dataset(shuffle=True), callbacks=[got, saver])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m-1_4.safetensors", "m-2_4.safetensors"]
+    assert got.values == want.values

@@ -141,3 +141,19 @@ def test_a_type_error_inside_forward_is_torchs_own() -> None:
     with pytest.raises(TypeError, match="positional argument") as caught:
         sw.Model(net, nn.CrossEntropyLoss(), _sgd(net)).train(1, _data(1))
     assert "column" not in str(caught.value)
+
+
+def test_a_type_error_inside_forward_given_inputs_by_a_hook_is_torchs_own() -> None:
+    """A forward pre-hook passing ``forward`` another input than the batch's: the batch alone
+    does not fit ``forward``'s signature, but the TypeError came from inside it (a review found
+    it named as a column mismatch, torch's traceback dropped)."""
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(x) * scale + None  # type: ignore[operator]
+
+    net = Scaled(6, 3)
+    net.register_forward_pre_hook(lambda module, args: (args[0], 2.0))
+    with pytest.raises(TypeError, match="unsupported operand") as caught:
+        sw.Model(net, nn.CrossEntropyLoss(), _sgd(net)).train(1, _data(1))
+    assert "column" not in str(caught.value)

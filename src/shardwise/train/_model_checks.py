@@ -69,8 +69,8 @@ def call_network(network: torch.nn.Module, inputs: Sequence[Any], label: bool, w
     neither the columns nor the fix)."""
     try:
         return network(*inputs)
-    except TypeError:
-        if _takes(network, inputs):  # (an error inside forward: torch's stands)
+    except TypeError as e:
+        if _takes(network, inputs) or _inside_forward(e, network):  # (torch's error stands)
             raise
         signature = inspect.signature(network.forward)
         shown = signature.replace(return_annotation=inspect.Signature.empty)
@@ -84,6 +84,19 @@ def call_network(network: torch.nn.Module, inputs: Sequence[Any], label: bool, w
             "network's inputs (and the label last) as its columns, e.g. GeneratorDataset(rows, "
             "['image', 'label'])"
         ) from None
+
+
+def _inside_forward(error: BaseException, network: torch.nn.Module) -> bool:
+    """Whether `error` was raised with ``network.forward`` running (its frame in the
+    traceback: a forward pre-hook may have passed other inputs than the batch's), not by the
+    call of it."""
+    code = getattr(getattr(type(network), "forward", None), "__code__", None)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _takes(network: torch.nn.Module, inputs: Sequence[Any]) -> bool:

@@ -254,8 +254,8 @@ class Model:
             ctx.cur_epoch_num = ep
             done += 1
             ctx.global_epoch_num = done
-            self.epochs_done = done
             self._run_epoch(ctx, train_dataset, cbs, done - 1)
+            self.epochs_done = done  # (after it: a call failing in an epoch does not count it)
             if ctx.stop_requested:
                 break
         for c in cbs:
