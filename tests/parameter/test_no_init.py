@@ -305,6 +305,20 @@ def test_a_change_after_the_block_is_refused_not_lost(change: str) -> None:
     assert is_deferred(net[0].weight)
 
 
+def test_a_refused_change_in_a_later_block_leaves_every_block_deferred() -> None:
+    """A network made in two blocks, the second's parameter changed after it: materialize gave
+    the first block's parameters their values before refusing the second's (half made)."""
+    with no_init_parameters():
+        backbone = nn.Linear(4, 4)
+    with no_init_parameters():
+        head = nn.Linear(4, 2)
+    net = nn.Sequential(backbone, head)
+    nn.init.zeros_(head.weight)
+    with pytest.raises(DeferredInitError, match=r"1\.weight changed in place"):
+        materialize(net)
+    assert is_deferred(net[0].weight) and is_deferred(net[1].weight)
+
+
 def test_load_state_dict_after_the_block_is_refused_load_param_into_net_fills() -> None:
     from shardwise.checkpoint import load_param_into_net
 

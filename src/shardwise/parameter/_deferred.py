@@ -37,7 +37,7 @@ from shardwise.parameter._errors import DeferredInitError
 from shardwise.parameter._parameter import assign_tensor
 from shardwise.parameter._recorder import Recorder, patched_init_functions
 from shardwise.parameter._replace import give
-from shardwise.parameter._replay import Target, compute
+from shardwise.parameter._replay import Target, check_unchanged, compute
 from shardwise.parameter._tape import Session, session_of
 
 _LOCAL = threading.local()
@@ -309,7 +309,10 @@ def materialize(
     if values is not None and (slicer is not None or device is not None):
         raise ValueError("materialize: pass values, or a slicer / device to replay with")
     target_device = None if device is None else _rng.normalize_device(device)
-    for session, targets in _group(obj).items():
+    groups = _group(obj)
+    for session, targets in groups.items():  # (all refused before any is given values)
+        check_unchanged(session, targets)
+    for session, targets in groups.items():
         if values is None:
             _assign(targets, compute(session, targets, slicer, target_device, chunk_bytes))
         else:

@@ -148,7 +148,9 @@ def _extract(
     return value
 
 
-def _check_unchanged(session: Session, targets: list[Target]) -> None:
+def check_unchanged(session: Session, targets: list[Target]) -> None:
+    """Raise DeferredInitError naming the `targets` of `session` changed in place after its
+    block."""
     changed = sorted({t.name or "<tensor>" for t in targets if session.changed(t.ref.key)})
     if changed:
         more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
@@ -176,7 +178,7 @@ def compute(
     """
     if session.recording:
         raise DeferredInitError("materialize after leaving the no_init_parameters block")
-    _check_unchanged(session, targets)
+    check_unchanged(session, targets)
     plan = plan_blocks(session, targets, slicer if chunk_bytes > 0 else None)
     wanted: dict[int, list[int]] = {}
     for position, target in enumerate(targets):
