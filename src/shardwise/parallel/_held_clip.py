@@ -11,6 +11,10 @@ its wrapper's `_clip.clipping` arguments (`clip_args`), and from then on:
   gradients take the norm of the whole gradients, each shard counted once
   (`_clip._TotalNorm`), so every rank clips by one device's norm; ``clip_grad_value_``
   clamps each element and needs nothing (torch's own);
+- one clipping may list the gradients of several engines' parameters (two hsdp wrappers) and
+  other tensors (a module without hsdp): each gradient is normed by the splits of the engine
+  whose parameter holds it, any other tensor whole as torch counts it (`JointSplits`), and
+  every engine holding level-1 gradients the clipping is given is reduced first;
 - level 1 keeps each rank's full gradients on the compute leaves until the optimizer step
   (every held parameter's ``.grad`` is None): while it holds them and the gradients a clipping
   lists are none or some of its parameters' (`_given`), ``clip_grad_norm_`` clips as inside a
@@ -28,13 +32,13 @@ nothing.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from shardwise._torch.clip_grad import guard_clipping
-from shardwise.parallel._clip import GradSplits, _TotalNorm
+from shardwise.parallel._clip import GradSplit, PlanSplits, _TotalNorm
 
 
 class _Engine(Protocol):
@@ -45,7 +49,7 @@ class _Engine(Protocol):
     def reduce_held(self, reduce: bool = True) -> bool: ...
 
 
-ClipArgs = Callable[[], tuple[GradSplits, str, Callable[[bool], bool] | None]]
+ClipArgs = Callable[[], tuple[PlanSplits, str, Callable[[bool], bool] | None]]
 
 _WATCHED: weakref.WeakKeyDictionary[Any, weakref.WeakMethod[ClipArgs]] = weakref.WeakKeyDictionary()
 _SCALING: dict[int, _TotalNorm] = {}  # id(the norm torch got) -> what scales by it
@@ -75,26 +79,61 @@ def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
         total = _SCALING.pop(id(args[2]), None) if len(args) > 2 else None
         return None if total is None else total.scale
     grads = _listed(step, args)
-    for engine, method in list(_WATCHED.items()):
-        clip_args = method()
-        if clip_args is None:
-            continue
-        if not engine.reduce_held(False):  # (the gradients are the reduced shards)
-            if step == "group" or not _mine(engine, grads):
-                continue  # (value clipping is per element: the shards' own is one device's)
-            total = _TotalNorm(*clip_args())
-            return total if step == "total_norm" else total.public
-        if not _given(engine, grads):
-            continue
-        if step == "total_norm":
-            total = _TotalNorm(*clip_args())
-            return lambda *a, **k: _deferred(total, total(*a, **k))
+    live = [(engine, method()) for engine, method in list(_WATCHED.items())]
+    engines = [(engine, clip_args) for engine, clip_args in live if clip_args is not None]
+    holding = {id(engine) for engine, _ in engines if engine.reduce_held(False)}
+    given = [engine for engine, _ in engines if id(engine) in holding and _given(engine, grads)]
+    if given and step != "total_norm":
         what, missed = {
             "group": ("torch.nn.utils.clip_grad_value_", "nothing would be clipped"),
             "public": ("torch.nn.utils.get_total_norm", "its norm would leave it out"),
         }[step]
-        raise ValueError(REFUSED.format(what=what, name=_held(engine), missed=missed))
-    return None
+        raise ValueError(REFUSED.format(what=what, name=_held(given[0]), missed=missed))
+    if step == "group":
+        return None  # (value clipping is per element: the shards' own is one device's)
+    owners = [
+        (engine, clip_args)
+        for engine, clip_args in engines
+        if any(engine is e for e in given) or (id(engine) not in holding and _mine(engine, grads))
+    ]
+    if not owners:
+        return None
+    reduce_first = _reduce_all(given) if given else None
+    total = _TotalNorm(JointSplits(owners), "", reduce_first)
+    if step == "public":
+        return total.public
+    if given:
+        return lambda *a, **k: _deferred(total, total(*a, **k))
+    return total
+
+
+class JointSplits:
+    """The `GradSplits` of gradients listed to one clipping outside a wrapped call: each
+    gradient of a watched engine's parameters (`owners`, with their wrappers' `clip_args`)
+    split as that engine's wrapper says, any other tensor (a plain module's gradient) whole, as
+    torch counts it."""
+
+    def __init__(self, owners: list[tuple[_Engine, ClipArgs]]) -> None:
+        self.owners = owners
+
+    def __call__(self, grads: Sequence[torch.Tensor]) -> list[GradSplit]:
+        splits: list[GradSplit] = [None] * len(grads)
+        found = [False] * len(grads)
+        for _, clip_args in self.owners:
+            plan = clip_args()[0]
+            for i, name in enumerate(plan.names(grads)):
+                if name is not None and not found[i]:
+                    splits[i], found[i] = plan.split(name), True
+        return splits
+
+
+def _reduce_all(engines: list[_Engine]) -> Callable[[bool], bool]:
+    """`_TotalNorm`'s `reduce_first` for several engines holding gradients (level 1)."""
+
+    def reduce_first(reduce: bool) -> bool:
+        return any([engine.reduce_held(reduce) for engine in engines])
+
+    return reduce_first
 
 
 def _deferred(total: _TotalNorm, norm: torch.Tensor) -> torch.Tensor:
