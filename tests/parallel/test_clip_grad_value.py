@@ -240,3 +240,24 @@ def test_torch_clipping_outside_the_call_over_two_hsdp_wrappers(level: str) -> N
             for name, p in net.named_parameters():
                 full = ref.get_parameter(name).detach()
                 assert_matches_single_device(p.detach(), shard_of(parallel, name, full), what=name)
+
+
+@pytest.mark.parametrize("head_hsdp", [True, False])
+@pytest.mark.parametrize("level", ["level2", "level3"])
+def test_get_total_norm_outside_the_call_over_mixed_gradients(level: str, head_hsdp: bool) -> None:
+    """torch.nn.utils.get_total_norm outside the call over an hsdp wrapper's gradients and
+    another's (hsdp, or a replicated module without hsdp, its gradients whole): it raised a
+    ValueError saying "inside AutoParallel" and calling them no parameter's .grad. Now it gives
+    one device's norm; norm_type 0 is refused with a message saying "outside"."""
+    x, y = DATA[0]
+    body, head = make(), _head()
+    F.cross_entropy(head(body(x)), y).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in [*body.parameters(), *head.parameters()]])
+    nets = make(), _head()
+    with simulated_world(2) as world:
+        _two_wrappers(*nets, world, level, head_hsdp)
+        grads = [p.grad for p in [*nets[0].parameters(), *nets[1].parameters()]]
+        total = torch.nn.utils.get_total_norm(grads)
+        assert_matches_single_device(total, want, what="get_total_norm")
+        with pytest.raises(ValueError, match=r"norm_type 0 .* not supported outside the wrapped"):
+            torch.nn.utils.get_total_norm(grads, 0)

@@ -158,8 +158,10 @@ class _TotalNorm:
         splits: GradSplits | None,
         refused: str,
         reduce_first: Callable[[bool], bool] | None = None,
+        where: str = "inside AutoParallel",
     ) -> None:
         self.splits, self.refused, self.reduce_first = splits, refused, reduce_first
+        self.where = where  # (the messages' words for where the clipping runs)
         self.deferred: dict[int, tuple[float, bool, bool | None]] = {}  # id(norm) -> its args
 
     def __call__(
@@ -174,8 +176,9 @@ class _TotalNorm:
         grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if float(norm_type) == 0:
             raise ValueError(
-                "clip_grad_norm_ with norm_type 0 (torch counts the gradients that are not all "
-                "zero) is not supported inside AutoParallel; use norm_type 2, 1 or inf"
+                "clip_grad_norm_ / get_total_norm with norm_type 0 (torch counts the gradients "
+                f"that are not all zero) is not supported {self.where} with split or sharded "
+                "gradients; use norm_type 2, 1 or inf"
             )
         if self.reduce_first is not None and self.reduce_first(True):
             # (torch listed the gradients before they were reduced: the norm is taken in `scale`)
@@ -215,20 +218,21 @@ class _TotalNorm:
         foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.get_total_norm`` (the two-step form: the gradients listed by the
-        caller) inside a wrapped call: the norm of the whole gradients; refused while hsdp
-        level 1 holds gradients unreduced (the listed ones are not all of them)."""
+        caller; inside a wrapped call, or outside one over an hsdp wrapper's gradients): the
+        norm of the whole gradients; refused while hsdp level 1 holds gradients unreduced (the
+        listed ones are not all of them)."""
         splits = self.splits
         grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if isinstance(splits, PlanSplits) and splits.blocks and None in splits.names(grads):
             raise ValueError(
-                "torch.nn.utils.get_total_norm inside AutoParallel got a tensor that is no "
+                f"torch.nn.utils.get_total_norm {self.where} got a tensor that is no "
                 "parameter's .grad (a copy?): each rank holds pieces of split or sharded "
                 "gradients, and only the parameters' own .grad tensors tell which; pass "
                 "[p.grad for p in params] or use torch.nn.utils.clip_grad_norm_"
             )
         if self.reduce_first is not None and self.reduce_first(False):
             raise ValueError(
-                "torch.nn.utils.get_total_norm inside AutoParallel with hsdp optimizer_level "
+                f"torch.nn.utils.get_total_norm {self.where} with hsdp optimizer_level "
                 "'level1': the gradients are held unreduced until the optimizer step, so the "
                 "ones listed are not all of them; use torch.nn.utils.clip_grad_norm_ (it "
                 "reduces them first) or optimizer_level='level2'"

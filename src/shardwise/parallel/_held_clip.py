@@ -99,12 +99,15 @@ def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
     if not owners:
         return None
     reduce_first = _reduce_all(given) if given else None
-    total = _TotalNorm(JointSplits(owners), "", reduce_first)
+    total = _TotalNorm(JointSplits(owners), "", reduce_first, where=OUTSIDE)
     if step == "public":
         return total.public
     if given:
         return lambda *a, **k: _deferred(total, total(*a, **k))
     return total
+
+
+OUTSIDE = "outside the wrapped call"
 
 
 class JointSplits:
