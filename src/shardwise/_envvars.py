@@ -1,13 +1,19 @@
 """Durations read from ``SHARDWISE_*`` environment variables: `env_seconds` parses one and
-refuses a value that is not a number of seconds in range, with a message naming the variable,
-its value, what it must be and its default (the launcher checks its variables up front,
-`launch.cli`, so a bad value is a usage error before anything starts)."""
+refuses a value that is not a number of seconds in range (at most `MAX_SECONDS`, which every
+wait they bound accepts), with a message naming the variable, its value, what it must be and
+its default (the launcher checks its variables up front, `launch.cli`, so a bad value is a
+usage error before anything starts)."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Mapping
+
+MAX_SECONDS = (2**31 - 1) / 1000
+"""The most seconds a duration may be: 2**31 - 1 milliseconds (about 24.8 days), well inside
+what the waits they bound take (``datetime.timedelta``, torch's timeouts in milliseconds,
+``threading`` waits); 1e15 s overflowed the timedelta in every worker."""
 
 
 def env_seconds(
@@ -16,6 +22,7 @@ def env_seconds(
     *,
     allow_zero: bool = False,
     minimum: float = 0.0,
+    maximum: float = MAX_SECONDS,
     env: Mapping[str, str] | None = None,
 ) -> float:
     """The seconds in environment variable `name`, or `default` when it is unset or empty.
@@ -25,12 +32,13 @@ def env_seconds(
         default: the value when it is unset (or set to an empty string).
         allow_zero: whether 0 is allowed (otherwise the value must be more than 0).
         minimum: when more than 0, the least value allowed.
+        maximum: the most allowed (default `MAX_SECONDS`).
         env: the environment (``os.environ`` when None).
 
     Raises:
-        ValueError: not a finite number, negative, 0 without `allow_zero`, or below
-            `minimum`; the message
-            names the variable, its value and its default.
+        ValueError: not a finite number, negative, 0 without `allow_zero`, below `minimum`
+            or above `maximum`; the message names the variable, its value, the range and its
+            default.
 
     Example:
         >>> env_seconds("SHARDWISE_NODE_TIMEOUT", 5.0, env={"SHARDWISE_NODE_TIMEOUT": "2.5"})
@@ -42,11 +50,13 @@ def env_seconds(
     if not text:
         return default
     bound = f"{minimum:g} or more" if minimum > 0 else "0 or more" if allow_zero else "more than 0"
+    bound += f" and at most {maximum:.10g}"
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < max(0.0, minimum) or (value == 0 and not allow_zero):
+    low = value < max(0.0, minimum) or (value == 0 and not allow_zero)
+    if not math.isfinite(value) or low or value > maximum:
         raise ValueError(
             f"environment variable {name}={text!r}: expected a number of seconds, {bound} "
             f"(fractions allowed); set it to such a number, or unset it for the default "

@@ -123,6 +123,10 @@ def test_usage_errors_exit_2_with_a_reason(
         ("SHARDWISE_COMM_TIMEOUT", "-1", "more than 0"),
         ("SHARDWISE_STOP_GRACE", "soon", "0 or more"),
         ("SHARDWISE_STOP_GRACE", "nan", "0 or more"),
+        ("SHARDWISE_STOP_GRACE", "-1", "0 or more"),
+        ("SHARDWISE_COMM_TIMEOUT", "1e15", "more than 0 and at most 2147483.647"),
+        ("SHARDWISE_NODE_TIMEOUT", "3e6", "1 or more and at most 2147483.647"),
+        ("SHARDWISE_STOP_GRACE", "inf", "0 or more and at most 2147483.647"),
     ],
 )
 def test_a_bad_duration_in_the_environment_is_a_usage_error(
@@ -135,10 +139,12 @@ def test_a_bad_duration_in_the_environment_is_a_usage_error(
 ) -> None:
     """A bad value used to crash every launch with a bare ValueError and exit code 1
     (``SHARDWISE_NODE_TIMEOUT``), fail a healthy job ("node 0 lost", for 0), fail every
-    worker (``SHARDWISE_COMM_TIMEOUT``), or be ignored (``SHARDWISE_STOP_GRACE``)."""
+    worker (``SHARDWISE_COMM_TIMEOUT``; 1e15 s too: an OverflowError in each worker's
+    timedelta), or be ignored (``SHARDWISE_STOP_GRACE``; -1 was taken as 0). A job of two
+    nodes, where every one of them is read."""
     monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exc:
-        parse_run_args(["--worker_num", "2", script])
+        parse_run_args(["--worker_num", "2", "--local_worker_num", "1", script])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"environment variable {name}={value!r}: expected a number of seconds, {bound}" in err
@@ -156,6 +162,20 @@ def test_good_durations_in_the_environment_are_taken(
     monkeypatch.setenv("SHARDWISE_COMM_TIMEOUT", "")  # (empty: the default)
     assert parse_run_args(["--worker_num", "2", script]).worker_num == 2
     assert (node_timeout(), stop_grace()) == (1.5, 0.0)
+
+
+def test_the_node_timeout_is_not_checked_for_a_job_on_one_node(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``SHARDWISE_NODE_TIMEOUT`` bounds the heartbeats between the launchers of several
+    nodes: a job on one node never reads it, and a value below its least (0.5) no longer
+    refuses such a job; a job of two nodes still is refused."""
+    monkeypatch.setenv("SHARDWISE_NODE_TIMEOUT", "0.5")
+    assert parse_run_args(["--worker_num", "2", script]).single_node
+    with pytest.raises(SystemExit) as exc:
+        parse_run_args(["--worker_num", "2", "--local_worker_num", "1", script])
+    assert exc.value.code == 2
+    assert "SHARDWISE_NODE_TIMEOUT='0.5'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
