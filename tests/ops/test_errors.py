@@ -196,6 +196,15 @@ def test_matmul_contracted_dims_split_differently() -> None:
     has(msg, "(the contracted dim K)", "2 (axes mp) and 2 (axes sp)")
 
 
+def test_a_suggested_split_divides_the_dims() -> None:
+    """K of size 4 split 1 and 8 ways: the suggestion listed ((1, 8), (8, 1)), which cannot
+    split K (a probe found the fix refused in turn); only splits dividing every dim on the
+    axis are suggested."""
+    msg = fails(MatMul().shard(((1, 1), (8, 1))), (8, 4), (4, 16))
+    has(msg, "(the contracted dim K) must be split alike", "valid: ((1, 1), (1, 1))")
+    assert "(1, 8)" not in msg.split("valid:")[1]
+
+
 def test_batch_matmul_batch_dims_split_differently() -> None:
     msg = fails(BatchMatMul().shard(((2, 1, 1), (4, 1, 1))), (8, 4, 4), (8, 4, 4))
     has(msg, "input 0 (x) dim 0 and input 1 (y) dim 0 (batch dim 0) must be split alike")

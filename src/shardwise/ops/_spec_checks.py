@@ -148,7 +148,11 @@ def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: s
                         for dd, axis in enumerate(dims)
                         if axis == lg
                     ]
-                    values = (_splits(other, e), _splits(entry, d))
+                    values = [  # (only splits dividing every dim on the axis)
+                        v
+                        for v in (_splits(other, e), _splits(entry, d))
+                        if all(shapes[k][dd] % v == 0 for k, dd in on_axis)
+                    ] or [1]
                     fixes = [_with(strategy, dict.fromkeys(on_axis, v)) for v in values]
                     fix = " or ".join(dict.fromkeys(fixes))
                 raise ValueError(
