@@ -172,6 +172,17 @@ def test_a_rank_that_gave_up_on_the_exit_barrier_is_not_waited_for_again() -> No
     assert ended[0] < 1.0  # (not the 5 s of its timeout)
 
 
+def test_a_release_barrier_timing_out_names_the_ranks_that_did_not_arrive() -> None:
+    """Rank 0 still working (an evaluation on rank 0 alone) past the timeout: rank 1's
+    release() named only a store key ("store barrier: shardwise/release/1/done not set"), and
+    the launcher's report blamed rank 1."""
+    from shardwise.communication._store_sync import store_barrier
+
+    _rank.value = 1
+    with pytest.raises(RuntimeError, match=r"rank 0 did not reach release\(\) within 0\.2 s"):
+        store_barrier(_Store(), "release/1", 1, 2, datetime.timedelta(seconds=0.2))
+
+
 def _exit_script(tmp_path: Path, name: str, ending: str) -> subprocess.Popen[str]:
     """A 1-rank script under init() that ends with `ending`; it prints whether it was still
     initialized after shardwise's exit hook (which leaves the job only after a normal end)."""

@@ -91,7 +91,7 @@ def test_parse_bool_rejects(text: str) -> None:
         (["--worker_num", "0"], "must be at least 1"),
         (["--local_worker_num", "0"], "must be at least 1"),
         (["--worker_num", "four"], "expected an integer"),
-        (["--join", "maybe"], "expected True/False"),
+        (["--join", "maybe"], "expected True/False (or true/false, yes/no, 1/0)"),
         (["--bind_core", "yes please"], "expected True/False"),
         (["--master_port", "70000"], "at most 65535"),
         (["--cluster_time_out", "0"], "more than 0 seconds"),

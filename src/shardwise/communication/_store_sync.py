@@ -78,23 +78,45 @@ def store_barrier(
     store: Any, key: str, rank: int, world: int, timeout: datetime.timedelta | None = None
 ) -> None:
     """Wait on `store` (add / set / check) until all `world` ranks have called this with `key`
-    (each wait at most `timeout`, default `comm_timeout()`; a RuntimeError when it ends).
+    (each wait at most `timeout`, default `comm_timeout()`; a RuntimeError when it ends, naming
+    the ranks that had not arrived).
 
     The store lives in rank 0's process (torch's default), so rank 0 returns last: only after
     every rank is past its wait, else a rank still waiting would lose its connection
     ("Connection reset by peer") when rank 0 exits.
     """
     timeout = comm_timeout() if timeout is None else timeout
+    store.set(f"{key}/rank{rank}", "1")  # (who arrived: named when the wait times out)
     if store.add(key, 1) == world:
         store.set(f"{key}/done", "1")
     try:
         wait_key(store, f"{key}/done", timeout)
+    except RuntimeError as e:
+        late = [r for r in range(world) if not _arrived(store, f"{key}/rank{r}")]
+        if not late:
+            raise
+        who = ", ".join(map(str, late))
+        raise RuntimeError(
+            f"release(): rank {who} did not reach release() within "
+            f"{timeout.total_seconds():g} s (SHARDWISE_COMM_TIMEOUT); every rank waits there "
+            "for all the others. A rank still working (an evaluation or a save on one rank) "
+            "needs a longer SHARDWISE_COMM_TIMEOUT, or leave release() out: it is optional, "
+            "the job's process group is released at exit"
+        ) from e
     finally:  # (a rank that gave up has left too: rank 0 does not wait for it a second time)
         with contextlib.suppress(RuntimeError):
             if store.add(f"{key}/left", 1) == world:
                 store.set(f"{key}/gone", "1")
     if rank == 0:
         wait_key(store, f"{key}/gone", timeout)
+
+
+def _arrived(store: Any, key: str) -> bool:
+    """Whether `key` is set on `store` (False when the store is gone)."""
+    try:
+        return bool(store.check([key]))
+    except RuntimeError:
+        return True  # (no store to ask: nobody is named)
 
 
 def wait_key(store: Any, key: str, timeout: datetime.timedelta) -> None:

@@ -64,7 +64,9 @@ def parse_bool(text: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise argparse.ArgumentTypeError(f"expected True/False (or true/false/1/0), got {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"expected True/False (or true/false, yes/no, 1/0), got {text!r}"
+    )
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:

@@ -262,8 +262,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardwise plan",
         description="Plan a training script for N devices in this process (a dry run): no "
-        "processes, no collectives, no compute. Writes plan.json, the IR files of one rank "
-        "and summary.txt (memory per rank, bytes per step, step-time estimate).",
+        "processes, no collectives, no compute. Writes plan.json, the IR files of one rank, "
+        "summary.txt (memory per rank, bytes per step, step-time estimate), plan.html and "
+        "plan.png.",
     )
     p.add_argument("--device_num", "--device-num", type=int, default=8, help="devices (8)")
     p.add_argument("--rank", type=int, default=0, help="the rank whose files are written (0)")
