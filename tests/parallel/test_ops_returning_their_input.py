@@ -13,6 +13,7 @@ as one device under sharding_propagation and semi_auto, on 2 simulated ranks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +78,24 @@ def _single(identity: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[torc
     return losses, net
 
 
+def _trained(world: Any, net: nn.Module, mode: str, want: list[torch.Tensor]) -> Any:
+    """`net` trained in `mode` on `DATA` (each rank its rows) with SGD, each loss equal to
+    one device's (`want`); returns the wrapper."""
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = net(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    parallel = sw.AutoParallel(step, parallel_mode=mode)
+    for i, x in enumerate(DATA):
+        assert_matches_single_device(parallel(world.rows(x)), want[i], what=f"loss {i}")
+    return parallel
+
+
 def _check(identity: Callable[[torch.Tensor], torch.Tensor], mode: str) -> None:
     """`STEPS` SGD steps on 2 ranks equal one device: each loss, each parameter after."""
     want, ref = _single(identity)
@@ -85,18 +104,7 @@ def _check(identity: Callable[[torch.Tensor], torch.Tensor], mode: str) -> None:
         world.replicate(net)
         sw.shard(net.fc1, in_strategy=((1, 1), (1, 1)))  # whole
         sw.shard(net.fc2, in_strategy=((2, 1), (1, 1)))  # rows split
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-
-        def step(x: torch.Tensor) -> torch.Tensor:
-            loss = net(x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode=mode)
-        for i, x in enumerate(DATA):
-            assert_matches_single_device(parallel(world.rows(x)), want[i], what=f"loss {i}")
+        parallel = _trained(world, net, mode, want)
         plan = parallel.parallel_plan
         assert plan is not None
         for name, p in ref.named_parameters():
@@ -167,15 +175,4 @@ def test_a_t5_style_block_with_megatron_annotations_trains_as_one_device(mode: s
         sw.shard(net.wi, in_strategy=((1, 1), (2, 1)))
         sw.shard(net.wo, in_strategy=((1, 2), (1, 2)))
         sw.shard(net.head, in_strategy=((2, 1), (1, 1)))  # rows split
-        opt = torch.optim.SGD(net.parameters(), lr=LR)
-
-        def step(x: torch.Tensor) -> torch.Tensor:
-            loss = net(x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        parallel = sw.AutoParallel(step, parallel_mode=mode)
-        for i, x in enumerate(DATA):
-            assert_matches_single_device(parallel(world.rows(x)), want[i], what=f"loss {i}")
+        _trained(world, net, mode, want)
