@@ -97,19 +97,27 @@ def test_lbfgs_made_inside_the_step_is_refused_at_its_step() -> None:
             parallel(world.rows(x), world.rows(y))
 
 
-def test_lbfgs_without_optimizer_parallel_trains_as_one_device() -> None:
+def trains_as_one_device(
+    stepper: Callable[..., Callable[..., torch.Tensor]], optimizer: Callable[..., Any]
+) -> None:
+    """`stepper(net, optimizer(net))` without hsdp on 2 ranks: each loss and every parameter
+    after equal one device's."""
     ref = build()
     net = copy.deepcopy(ref)
-    step = make_step(ref, lbfgs(ref))
+    step = stepper(ref, optimizer(ref))
     want = [step(x, y).detach() for x, y in DATA]
     with simulated_world(2) as world:
         world.replicate(net)
-        parallel = sw.AutoParallel(make_step(net, lbfgs(net)), parallel_mode="semi_auto")
+        parallel = sw.AutoParallel(stepper(net, optimizer(net)), parallel_mode="semi_auto")
         for s, (x, y) in enumerate(DATA):
             got = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(got, want[s], what=f"loss {s}")
         for name, p in net.named_parameters():
             assert_matches_single_device(p.detach(), ref.get_parameter(name), what=name)
+
+
+def test_lbfgs_without_optimizer_parallel_trains_as_one_device() -> None:
+    trains_as_one_device(make_step, lbfgs)
 
 
 def plain_step(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
@@ -157,18 +165,7 @@ def test_adafactor_in_the_module_form_is_refused_at_its_step() -> None:
 
 
 def test_adafactor_without_optimizer_parallel_trains_as_one_device() -> None:
-    ref = build()
-    net = copy.deepcopy(ref)
-    step = plain_step(ref, adafactor(ref))
-    want = [step(x, y).detach() for x, y in DATA]
-    with simulated_world(2) as world:
-        world.replicate(net)
-        parallel = sw.AutoParallel(plain_step(net, adafactor(net)), parallel_mode="semi_auto")
-        for s, (x, y) in enumerate(DATA):
-            got = parallel(world.rows(x), world.rows(y))
-            assert_matches_single_device(got, want[s], what=f"loss {s}")
-        for name, p in net.named_parameters():
-            assert_matches_single_device(p.detach(), ref.get_parameter(name), what=name)
+    trains_as_one_device(plain_step, adafactor)
 
 
 class RowScaled(torch.optim.SGD):
