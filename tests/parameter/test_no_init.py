@@ -317,6 +317,15 @@ def test_a_refused_change_in_a_later_block_leaves_every_block_deferred() -> None
     with pytest.raises(DeferredInitError, match=r"1\.weight changed in place"):
         materialize(net)
     assert is_deferred(net[0].weight) and is_deferred(net[1].weight)
+    with no_init_parameters():
+        backbone = nn.Linear(4, 4)
+    with no_init_parameters():
+        head = nn.Linear(4, 2)
+    net = nn.Sequential(backbone, head)
+    values = {"0.weight": torch.ones(4, 4), "0.bias": torch.ones(4)}  # (none for the head)
+    with pytest.raises(ValueError, match=r"no value for 1\.weight"):
+        materialize(net, values=values)
+    assert is_deferred(net[0].weight) and is_deferred(net[1].weight)
 
 
 def test_load_state_dict_after_the_block_is_refused_load_param_into_net_fills() -> None:

@@ -157,3 +157,30 @@ def test_a_type_error_inside_forward_given_inputs_by_a_hook_is_torchs_own() -> N
     with pytest.raises(TypeError, match="unsupported operand") as caught:
         sw.Model(net, nn.CrossEntropyLoss(), _sgd(net)).train(1, _data(1))
     assert "column" not in str(caught.value)
+
+
+def test_a_decorated_forward_missing_a_column_is_named() -> None:
+    """``forward`` under a ``functools.wraps`` decorator (``torch.autocast`` as one): the
+    decorator's frame runs when the binding fails, so the column message was lost (a review
+    found it); the decorated function's own code tells the two apart."""
+    import functools
+
+    def traced(fn):  # type: ignore[no-untyped-def]
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        @traced
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + y
+
+    net = Two()
+    with pytest.raises(TypeError, match=r"Model\.train: each batch has 2 column"):
+        sw.Model(net, nn.CrossEntropyLoss(), _sgd(net)).train(1, _data(1))

@@ -312,6 +312,7 @@ def explain(root: RootCause, failed: WorkerExit, workers: Sequence[Worker]) -> R
 
 
 _INIT_WAIT = re.compile(r"DistStoreError|[Tt]imeout|timed out")
+"""A failure of ``init()`` (no trace yet) that waited for other ranks."""
 _IN_INIT = re.compile(r'shardwise[/\\]communication[/\\]_init\.py", line \d+, in init$')
 
 
@@ -324,9 +325,6 @@ def _timed_out_in_init(lines: Sequence[str]) -> bool:
     return any(_INIT_WAIT.search(line) for line in lines if line[:1] not in (" ", "\t", ""))
 
 
-"""A failure of ``init()`` (no trace yet) that waited for other ranks."""
-
-
 def _before_init(
     root: RootCause, failed: WorkerExit, workers: Sequence[Worker], traces: Mapping[int, Trace]
 ) -> RootCause:
@@ -334,7 +332,8 @@ def _before_init(
     other ranks (its traceback passes through ``init``), a copy naming the local workers still
     running that have no trace of their own either: they had not finished ``init()`` (the
     trace is made at its end), most often never reached it."""
-    if not _timed_out_in_init(log_excerpt(failed.log_path)[0]):
+    whole = log_excerpt(failed.log_path, max_lines=100_000)[0]  # (untrimmed: init's frame)
+    if not _timed_out_in_init(whole):
         return root
     late = [
         w

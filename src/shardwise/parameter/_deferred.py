@@ -312,13 +312,13 @@ def materialize(
     groups = _group(obj)
     for session, targets in groups.items():  # (all refused before any is given values)
         check_unchanged(session, targets)
+        missing = [t.name for t in targets if values is not None and t.name not in values]
+        if missing:
+            raise ValueError(f"materialize: no value for {', '.join(missing)}")
     for session, targets in groups.items():
         if values is None:
             _assign(targets, compute(session, targets, slicer, target_device, chunk_bytes))
         else:
-            missing = [t.name for t in targets if t.name not in values]
-            if missing:
-                raise ValueError(f"materialize: no value for {', '.join(missing)}")
             give(obj, targets, [values[t.name] for t in targets])
         _finish(session)
     return obj

@@ -89,8 +89,9 @@ def call_network(network: torch.nn.Module, inputs: Sequence[Any], label: bool, w
 def _inside_forward(error: BaseException, network: torch.nn.Module) -> bool:
     """Whether `error` was raised with ``network.forward`` running (its frame in the
     traceback: a forward pre-hook may have passed other inputs than the batch's), not by the
-    call of it."""
-    code = getattr(getattr(type(network), "forward", None), "__code__", None)
+    call of it (a decorated ``forward``: its own code, under the decorator's wrapper)."""
+    forward = getattr(type(network), "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     tb = error.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code is code:
