@@ -14,7 +14,8 @@ its wrapper's `_clip.clipping` arguments (`clip_args`), and from then on:
 - one clipping may list the gradients of several engines' parameters (two hsdp wrappers) and
   other tensors (a module without hsdp): each gradient is normed by the splits of the engine
   whose parameter holds it, any other tensor whole as torch counts it (`JointSplits`), and
-  every engine holding level-1 gradients the clipping is given is reduced first;
+  every engine holding level-1 gradients the clipping is given is reduced first; a gradient
+  of a parameter that a wrapper without hsdp stores split is refused (`SPLIT_ELSEWHERE`);
 - level 1 keeps each rank's full gradients on the compute leaves until the optimizer step
   (every held parameter's ``.grad`` is None): while it holds them and the gradients a clipping
   lists are none or some of its parameters' (`_given`), ``clip_grad_norm_`` clips as inside a
@@ -39,6 +40,7 @@ import torch
 
 from shardwise._torch.clip_grad import guard_clipping
 from shardwise.parallel._clip import GradSplit, PlanSplits, _TotalNorm
+from shardwise.parallel._ownership import split_parameter_of
 
 
 class _Engine(Protocol):
@@ -108,6 +110,14 @@ def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
 
 
 OUTSIDE = "outside the wrapped call"
+SPLIT_ELSEWHERE = (
+    "clipping outside the wrapped call over an hsdp wrapper's gradients and the gradient of "
+    "{name}, which a wrapper without hsdp() stores split (this rank holds a block of it): its "
+    "norm would be "
+    "this rank's block's, unlike one device's; clip inside one wrapped train step holding both "
+    "networks, give that wrapper hsdp() too, or clip each wrapper's parameters with its own "
+    "parallel_net.clip_grad_norm_"
+)
 
 
 class JointSplits:
@@ -127,6 +137,10 @@ class JointSplits:
             for i, name in enumerate(plan.names(grads)):
                 if name is not None and not found[i]:
                     splits[i], found[i] = plan.split(name), True
+        for i, grad in enumerate(grads):
+            split = None if found[i] else split_parameter_of(grad)
+            if split is not None:
+                raise ValueError(SPLIT_ELSEWHERE.format(name=split))
         return splits
 
 
