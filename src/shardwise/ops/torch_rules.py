@@ -142,6 +142,26 @@ def embedding_bag_rule(
     return need, [rows]
 
 
+def embedding_rule(
+    have: Sequence[Placements],
+    shapes: Sequence[tuple[int, ...]],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    ndim: int,
+    given: Sequence[bool],
+) -> tuple[list[Placements], list[Placements]] | None:
+    """``F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+    sparse)`` (what ``nn.Embedding`` calls): with ``scale_grad_by_freq`` and the ids split,
+    the ids and the weight whole and the output whole (each row's gradient is divided by how
+    often its id occurs in the whole batch: each rank counting its own ids made it n times
+    one device's); otherwise None, DTensor's rule as usual."""
+    scaled = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
+    if not scaled or not any(isinstance(p, Shard | StridedShard) for p in have[0]):
+        return None
+    whole: Placements = tuple(Replicate() for _ in range(ndim))
+    return [whole] * len(have), [whole]
+
+
 def _splits(p: Placement, dim: int) -> bool:
     """Whether placement `p` splits `dim` (plainly, or strided: a channel shuffle's groups)."""
     return isinstance(p, Shard | StridedShard) and p.dim == dim
@@ -173,6 +193,7 @@ def instance_norm_rule(
 NODE_RULES: dict[str, NodeRule] = {
     "torch.nn.functional.instance_norm": instance_norm_rule,
     "torch.nn.functional.embedding_bag": embedding_bag_rule,
+    "torch.nn.functional.embedding": embedding_rule,
     "torch.lstm": recurrent_rule(2, 3),
     "torch.gru": recurrent_rule(1, 2),
     "torch.rnn_tanh": recurrent_rule(1, 2),
