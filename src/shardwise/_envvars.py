@@ -2,7 +2,8 @@
 refuses a value that is not a number of seconds in range (at most `MAX_SECONDS`, which every
 wait they bound accepts), with a message naming the variable, its value, what it must be and
 its default (the launcher checks its variables up front, `launch.cli`, so a bad value is a
-usage error before anything starts)."""
+usage error before anything starts). `comm_timeout_s` reads ``SHARDWISE_COMM_TIMEOUT``, which
+the workers' waits (`communication._store_sync.comm_timeout`) and the launcher read alike."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import math
 import os
 from collections.abc import Mapping
 
+COMM_TIMEOUT_S = 300.0
+"""``SHARDWISE_COMM_TIMEOUT``'s default: how long any wait of shardwise's communication lasts."""
 MAX_SECONDS = (2**31 - 1) / 1000
 """The most seconds a duration may be: 2**31 - 1 milliseconds (about 24.8 days), well inside
 what the waits they bound take (``datetime.timedelta``, torch's timeouts in milliseconds,
@@ -63,3 +66,16 @@ def env_seconds(
             f"{default:g} s"
         )
     return value
+
+
+def comm_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """``$SHARDWISE_COMM_TIMEOUT`` seconds, default `COMM_TIMEOUT_S` (more than 0).
+
+    Raises:
+        ValueError: the variable is not such a number of seconds (`env_seconds`).
+
+    Example:
+        >>> comm_timeout_s({"SHARDWISE_COMM_TIMEOUT": "30"})
+        30.0
+    """
+    return env_seconds("SHARDWISE_COMM_TIMEOUT", COMM_TIMEOUT_S, env=env)

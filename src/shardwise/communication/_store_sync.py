@@ -17,20 +17,18 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shardwise._envvars import env_seconds
+from shardwise._envvars import comm_timeout_s
 from shardwise._torch.c10d import live_group_count, member_group_name
-
-DEFAULT_TIMEOUT_S = 300.0
 
 
 def comm_timeout() -> datetime.timedelta:
-    """``$SHARDWISE_COMM_TIMEOUT`` seconds, default `DEFAULT_TIMEOUT_S`.
+    """``$SHARDWISE_COMM_TIMEOUT`` seconds (`_envvars.comm_timeout_s`).
 
     Raises:
         ValueError: the variable is set to something else than a number of seconds more than
             0 (names it, `env_seconds`).
     """
-    return datetime.timedelta(seconds=env_seconds("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+    return datetime.timedelta(seconds=comm_timeout_s())
 
 
 def agree_on_group(store: Any, key: str, name: str, ranks: Sequence[int], rank: int) -> None:

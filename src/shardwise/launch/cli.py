@@ -6,7 +6,8 @@
 - `parse_run_args`: msrun-compatible options (each spelled ``--worker_num`` or
   ``--worker-num``) to a validated `LaunchConfig`; user errors exit with code 2 and a
   one-line reason (argparse's ``error``), a bad ``SHARDWISE_*`` duration in the environment
-  (`ENV_SECONDS`; ``SHARDWISE_NODE_TIMEOUT`` for a job of several nodes only) too.
+  (read by the functions that use them; ``SHARDWISE_NODE_TIMEOUT`` for a job of several
+  nodes only) too.
 - `split_argv`: the launcher's options end at the script; everything after it, ``--x``
   options included, goes to the script untouched.
 - `parse_bool`: msrun's booleans, ``True``/``False``/``true``/``false``/``1``/``0``.
@@ -22,11 +23,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from shardwise._envvars import env_seconds
+from shardwise._envvars import comm_timeout_s
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import EXIT_USAGE
-from shardwise.launch.liveness import LOST_S, MIN_LOST_S
-from shardwise.launch.supervisor import STOP_GRACE_S
+from shardwise.launch.liveness import node_timeout
+from shardwise.launch.supervisor import stop_grace
 
 _TRUE = frozenset({"true", "1", "yes"})
 _FALSE = frozenset({"false", "0", "no"})
@@ -129,13 +130,6 @@ _OPTIONS: list[tuple[str, Callable[[str], object], object, str, str]] = [
     ),
     ("cluster_time_out", _seconds, 600.0, "S", "seconds to wait for all workers (default 600)"),
     ("bind_core", parse_bool, False, "BOOL", "pin each worker to its own CPU cores"),
-]
-# variable, default, whether 0 is allowed, least value, whether only a job of several nodes
-# reads it; the launcher reads them (the workers inherit them)
-ENV_SECONDS: list[tuple[str, float, bool, float, bool]] = [
-    ("SHARDWISE_COMM_TIMEOUT", 300.0, False, 0.0, False),  # _store_sync.DEFAULT_TIMEOUT_S
-    ("SHARDWISE_NODE_TIMEOUT", LOST_S, False, MIN_LOST_S, True),  # (the nodes' heartbeats)
-    ("SHARDWISE_STOP_GRACE", STOP_GRACE_S, True, 0.0, False),
 ]
 UNSUPPORTED_MSRUN = (
     "sim_level",
@@ -258,13 +252,12 @@ def parse_run_args(argv: Sequence[str], prog: str = "shardwise run") -> LaunchCo
 
 def _problem(cfg: LaunchConfig) -> str | None:
     """The first inconsistency of `cfg` that argparse cannot see, or of the ``SHARDWISE_*``
-    durations in the environment (`ENV_SECONDS`; one that only several nodes read is not
-    checked for a job on one node), or None."""
-    for name, default, allow_zero, minimum, several_nodes in ENV_SECONDS:
-        if several_nodes and cfg.single_node:
-            continue
+    durations in the environment (each read by the function the job reads it with; the nodes'
+    heartbeat timeout only for a job of several nodes), or None."""
+    readers = [comm_timeout_s, *([] if cfg.single_node else [node_timeout]), stop_grace]
+    for read in readers:
         try:
-            env_seconds(name, default, allow_zero=allow_zero, minimum=minimum)
+            read()
         except ValueError as e:
             return str(e)
     if cfg.local_worker_num > cfg.worker_num:

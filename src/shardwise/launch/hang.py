@@ -35,8 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shardwise._envvars import env_seconds
-from shardwise.communication._store_sync import DEFAULT_TIMEOUT_S
+from shardwise._envvars import comm_timeout_s
 from shardwise.communication._trace import (
     FLAG_STACKS,
     HEADER,
@@ -210,7 +209,7 @@ def min_wait(env: Mapping[str, str] = os.environ) -> float:
         >>> min_wait({"SHARDWISE_COMM_TIMEOUT": "0.5"})
         0.25
     """
-    timeout = env_seconds("SHARDWISE_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, env=env)
+    timeout = comm_timeout_s(env)
     return min(MIN_WAIT_S, timeout / 2)
 
 
