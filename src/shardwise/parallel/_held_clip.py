@@ -113,10 +113,9 @@ OUTSIDE = "outside the wrapped call"
 SPLIT_ELSEWHERE = (
     "clipping outside the wrapped call over an hsdp wrapper's gradients and the gradient of "
     "{name}, which a wrapper without hsdp() stores split (this rank holds a block of it): its "
-    "norm would be "
-    "this rank's block's, unlike one device's; clip inside one wrapped train step holding both "
-    "networks, give that wrapper hsdp() too, or clip each wrapper's parameters with its own "
-    "parallel_net.clip_grad_norm_"
+    "norm would be this rank's block's, unlike one device's; clip inside one wrapped train "
+    "step holding both networks, give that wrapper hsdp() too, or clip each wrapper's "
+    "parameters with its own parallel_net.clip_grad_norm_"
 )
 
 

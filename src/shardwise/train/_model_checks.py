@@ -1,6 +1,7 @@
 """Checks of what `Model` is given: its `loss_fn` (`check_loss_fn`), `Model.train`'s counts
 (`check_train_args`), each batch's columns (`columns`) and their count against the network's
-``forward`` (`call_network`), the loss a step computes (`step_loss`), the callbacks
+``forward`` (`call_network`), the loss a step computes (`step_loss`; both for one batch:
+`batch_loss`), the callbacks
 (`callback_list`), and one metric value from a simulated world's ranks (`one_value`)."""
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ def _takes(network: torch.nn.Module, inputs: Sequence[Any]) -> bool:
     except ValueError:
         return True
     return True
+
+
+def batch_loss(network: torch.nn.Module, loss_fn: Any, batch: Sequence[Any]) -> torch.Tensor:
+    """The loss of one training `batch`: ``network(*batch)`` with `loss_fn` None, else
+    ``loss_fn(network(*inputs), label)`` with the label the last column (`call_network`,
+    `step_loss`)."""
+    if loss_fn is None:
+        return step_loss(call_network(network, batch, False, "train"), loss_fn)
+    *inputs, label = batch
+    return step_loss(loss_fn(call_network(network, inputs, True, "train"), label), loss_fn)
 
 
 def step_loss(out: Any, loss_fn: object) -> torch.Tensor:

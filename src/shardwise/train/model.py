@@ -29,6 +29,7 @@ from shardwise.train import callbacks as cb
 from shardwise.train._eval_data import rows, sharded, trimmed_batches
 from shardwise.train._metrics import make_metrics
 from shardwise.train._model_checks import (
+    batch_loss,
     call_network,
     callback_list,
     check_loss_fn,
@@ -36,7 +37,6 @@ from shardwise.train._model_checks import (
     columns,
     one_dataset,
     one_value,
-    step_loss,
 )
 
 if TYPE_CHECKING:
@@ -142,12 +142,7 @@ class Model:
         assert optimizer is not None
 
         def train_step(*batch: torch.Tensor) -> torch.Tensor:
-            if loss_fn is None:
-                loss = step_loss(call_network(network, batch, False, "train"), loss_fn)
-            else:
-                *inputs, label = batch
-                out = call_network(network, inputs, True, "train")
-                loss = step_loss(loss_fn(out, label), loss_fn)
+            loss = batch_loss(network, loss_fn, batch)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -159,16 +154,12 @@ class Model:
     def _train_step(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         assert self.optimizer is not None
         parallel = self._parallel_step()
+        given = columns(batch, 1 if self.loss_fn is None else 2)
         if parallel is not None:
-            out: torch.Tensor = parallel(*columns(batch, 1 if self.loss_fn is None else 2))
+            out: torch.Tensor = parallel(*given)
             return out.detach()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.loss_fn is None:
-            out = call_network(self.network, columns(batch, 1), False, "train")
-        else:
-            *inputs, label = columns(batch, 2)
-            out = self.loss_fn(call_network(self.network, inputs, True, "train"), label)
-        loss = step_loss(out, self.loss_fn)
+        loss = batch_loss(self.network, self.loss_fn, given)
         loss.backward()
         if self.grad_reducer is not None:
             self.grad_reducer()
