@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing import assert_matches_single_device, current_world, simulated_world
 
 WORLD = 4
 MODES = ["level1", "level2", "level3", "data_parallel"]
@@ -147,3 +147,117 @@ def test_a_gradient_reduced_outside_the_buckets_sums_without_overflow() -> None:
         (good.float().mean() * 4e6).backward()
         for p, g in zip(net.parameters(), want, strict=True):
             assert_matches_single_device(p.grad, g, what="weight gradient")
+
+
+def two_layers(wide: bool = False) -> nn.Sequential:
+    """Two linear layers; `wide`: no biases, a small first layer and a large second one, so
+    that the hidden activation's gradient is larger than any parameter's (a bias's is the sum
+    of the rows' gradients)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64, not wide), nn.Tanh(), nn.Linear(64, 64, not wide))
+    if wide:
+        with torch.no_grad():
+            net[0].weight.mul_(0.1)
+            net[2].weight.mul_(10.0)
+    return net
+
+
+HIDDEN_MODES = ["buckets", "level1", "level2", "level3", "module"]
+
+
+def hidden_run(
+    net: nn.Sequential, mode: str, scaler: torch.amp.GradScaler | None
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+    """A train step (in a simulated world in ``"module"`` mode: a wrapped network and a step
+    around it) that records the hidden activation's gradient; the caller wraps the step unless
+    `mode` is ``"module"``. With a `scaler`, the network runs under float16 autocast (float16
+    activations and their gradients, float32 parameters)."""
+    seen: list[torch.Tensor] = []
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def record(m: nn.Module, i: object, out: torch.Tensor) -> None:
+        out.register_hook(seen.append)
+
+    net[1].register_forward_hook(record)
+    body = sw.AutoParallel(net) if mode == "module" and current_world() is not None else net
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+            loss = body(x).float().mean()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, seen
+
+
+def wrap_hidden(step: Callable[..., torch.Tensor], mode: str) -> Callable[..., torch.Tensor]:
+    if mode == "module":
+        return step
+    parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+    return parallel if mode == "buckets" else parallel.hsdp(threshold=0, optimizer_level=mode)
+
+
+@pytest.mark.parametrize("mode", HIDDEN_MODES)
+def test_activation_gradients_inside_backward_are_one_devices(mode: str) -> None:
+    """The gradient a hook sees on a hidden activation is one device's (this rank's rows of
+    it), not the world size times it: shardwise seeds the train step's backward with 1/N (and a
+    wrapped network divides what reaches its outputs by N) rather than dividing the parameters'
+    sums afterwards. Parameters after the step equal one device's."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    one = two_layers()
+    step, seen = hidden_run(one, mode, None)
+    step(x)
+    want = seen.pop()
+    net = two_layers()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        step, seen = hidden_run(net, mode, None)
+        wrap_hidden(step, mode)(world.rows(x))
+        got = seen.pop()
+        assert_matches_single_device(
+            got, lambda r: want.chunk(WORLD)[r], what="hidden gradient", rtol=1e-6
+        )
+        if mode in ("buckets", "module"):
+            for p, q in zip(net.parameters(), one.parameters(), strict=True):
+                assert_matches_single_device(p.detach(), q.detach(), what="parameter")
+
+
+@pytest.mark.parametrize("mode", HIDDEN_MODES)
+def test_a_grad_scaler_near_overflow_inside_backward_steps_as_one_device(mode: str) -> None:
+    """float16 autocast with a scale that puts one device's largest float16 activation gradient
+    at 0.4 of float16's largest value: finite on one device (the scaler steps and doubles its
+    scale). With the world size (4) times one device's activation gradients it was inf: the
+    scaler skipped the step and halved its scale."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.01
+    probe = two_layers(wide=True)
+    hidden: list[torch.Tensor] = []
+
+    def record(m: nn.Module, i: object, out: torch.Tensor) -> None:
+        out.register_hook(hidden.append)
+
+    probe[1].register_forward_hook(record)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = probe(x)
+    y.float().mean().backward()
+    largest = max(float(t.abs().max()) for t in [*hidden, *(p.grad for p in probe.parameters())])
+    assert largest == float(hidden[0].abs().max())  # (x4 the hidden gradient overflows)
+    scale = 0.4 * torch.finfo(torch.float16).max / largest
+    one = two_layers(wide=True)
+    one_scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1)
+    hidden_run(one, mode, one_scaler)[0](x)
+    assert one_scaler.get_scale() > scale  # (one device stepped and doubled it: no inf)
+    net = two_layers(wide=True)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1)
+        wrap_hidden(hidden_run(net, mode, scaler)[0], mode)(world.rows(x))
+        assert scaler.get_scale() == one_scaler.get_scale()
+        if mode in ("buckets", "module"):
+            for p, q in zip(net.parameters(), one.parameters(), strict=True):
+                assert_matches_single_device(p.detach(), q.detach(), what="parameter")

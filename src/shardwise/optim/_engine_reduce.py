@@ -6,9 +6,9 @@
   ReduceScatter over the shard group of the bucket's gradients (`reduce_scatter_bucket`: each
   rank receives its dim-0 chunk of every member), an AllReduce over the copy group when the
   shard group is smaller than the data-parallel group, or one AllReduce for unsharded members;
-  each gradient is divided by the world size first (the loss is one value replicated on every
-  rank; divided before the sums, as DDP does, so a sum of float16 gradients does not overflow
-  where one device's gradient is finite) and the result added to ``param.grad`` (`_finish`,
+  each gradient is a rank's share of one device's (the backward is seeded with 1/N:
+  `parallel._seeds`), so the sums are one device's gradient and a float16 sum overflows only
+  where one device's gradient would, and the result is added to ``param.grad`` (`_finish`,
   `_deposit`). The ReduceScatters are started asynchronously and
   finished (`_drain`) at the end of backward, so they run while the earlier layers' gradients
   are computed. Level 1 keeps the full-size gradients on the leaves and reduces at the
@@ -179,8 +179,6 @@ class GradReduction:
         if grads is None:
             return
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
-            for g in grads:  # / world before the sum (as DDP): finite wherever one device's is
-                g.div_(self.world)
             if bucket.kind == "shard":
                 pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
                 self._inflight.append((i, phase, pending))
@@ -200,7 +198,7 @@ class GradReduction:
     def _finish(self, i: int, parts: list[torch.Tensor]) -> None:
         """A shard bucket's AllReduce over the copy group (an all-reduce bucket's AllReduce
         already was that) into ``param.grad`` (`parts`: one reduced tensor per member, or one
-        flat buffer of them; each gradient was divided by the world size before the sums)."""
+        flat buffer of them)."""
         groups, bucket = self.groups[i], self.plan.buckets[i]
         if bucket.kind == "shard" and groups.copies_size > 1:
             flat = parts[0].view(-1) if len(parts) == 1 else torch.cat([p.view(-1) for p in parts])

@@ -5,10 +5,11 @@ bases).
 ``torch.autograd.grad`` call the executor's mode saw. Before it: the plan's pass must have
 reached its last op (`_passes.Passes.check_done`; a ``torch.autograd.grad`` that keeps the graph,
 ``create_graph`` / ``retain_graph``, is no step's differentiation and is not checked), and the
-seeds of split roots are scaled (`_seeds.Seeds.scaled_seeds`). A ``backward`` without a gradient
-runs under `communication.primitives.replicated_seed` with this run's token (the plan's
-``seeded`` adjoints stay local), or without one when an op outside the plan ran since the pass
-started. After it, the loss's started AllReduce (which ran alongside) is finished.
+seeds are scaled by 1/N (a split root's by its spread / N: `_seeds.Seeds.scaled_seeds`), so the
+gradients inside, and those a ``torch.autograd.grad`` returns, are one device's. A ``backward``
+without a gradient runs under `communication.primitives.replicated_seed` with this run's token
+(the plan's ``seeded`` adjoints stay local), or without one when an op outside the plan ran
+since the pass started. After it, the loss's started AllReduce (which ran alongside) is finished.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ class Differentiate:
         self, func: Callable[..., Any], kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Run `func`, a call of `kind` ``"grad"`` or ``"backward"`` (`planner.call_info`)."""
-        if kind == "grad":  # (``torch.autograd.grad``: no node, not seeded)
+        if kind == "grad":  # (``torch.autograd.grad``: no node)
             last = not keeps_graph(args, kwargs)
             if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
                 self.check_done("torch.autograd.grad")
-                args, kwargs = self.scaled_seeds(func, args, kwargs)
                 self.finished = self.backward_seen = True
+            args, kwargs = self.scaled_seeds(func, args, kwargs)  # (1 / N: one device's)
             self.in_backward += 1
             try:
                 return func(*args, **kwargs)
@@ -62,9 +63,9 @@ class Differentiate:
                 if last:
                     self.finish_started()
         self.check_done("loss.backward()")
-        args, kwargs = self.scaled_seeds(func, args, kwargs)  # (a split root's: `_seeds`)
+        gradient = args[1] if len(args) > 1 else kwargs.get("gradient")  # (before `_seeds`)
+        args, kwargs = self.scaled_seeds(func, args, kwargs)  # (1 / N, a split root's: `_seeds`)
         self.finished = self.backward_seen = True  # (may run the plan again: `_restarts`)
-        gradient = args[1] if len(args) > 1 else kwargs.get("gradient")
         self.in_backward += 1  # (`_input_grads.input_gradients` acts only then)
         try:
             if gradient is None and args and isinstance(args[0], T):

@@ -4,10 +4,12 @@
 `GradBuckets` puts hooks on every parameter that sum its partial gradient over the axes on
 which the parameter is replicated, one AllReduce per fused bucket of gradients
 (`_hsdp.gradient_buckets`: DDP's 25 MB by default), started as soon as the bucket is full
-(asynchronous in a real job: it overlaps the rest of backward), each share divided by the world
-size first; a gradient the plan made equal over some replica axes (`ParallelPlan.equal_grads`)
-is not summed over them but multiplied by their size (`_times`); a sparse gradient
-(``nn.Embedding(sparse=True)``) is summed on its own (`GradBuckets._sparse`).
+(asynchronous in a real job: it overlaps the rest of backward); each share is already its part
+of one device's gradient (the backward is seeded with 1/N: `_seeds`), so the sum is one
+device's gradient and a float16 sum overflows only where one device's gradient would; a
+gradient the plan made equal over some replica axes (`ParallelPlan.equal_grads`) is not summed
+over them but multiplied by their size (`_times`); a sparse gradient (``nn.Embedding(sparse=True)``)
+is summed on its own (`GradBuckets._sparse`).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ class _Bucket:
 
 class GradBuckets:
     """Step 4 without optimizer parallel: every gradient summed over the axes its parameter is
-    replicated on, in fused buckets (`_hsdp.gradient_buckets`), each divided by the world size.
+    replicated on, in fused buckets (`_hsdp.gradient_buckets`).
 
-    Each parameter's tensor hook writes its gradient divided by the world size (like DDP) into
+    Each parameter's tensor hook writes its gradient (its share: `_seeds`) into
     its slot of the bucket's flat buffer as autograd produces it; the bucket's one AllReduce
     (`all_reduce_async`, in place on the buffer) starts as soon as every member is in, so in a
     real job it runs while the earlier layers' gradients are computed (a simulated world runs it
@@ -130,7 +132,7 @@ class GradBuckets:
         for i, b in enumerate(plan.buckets):
             params = [network.get_parameter(n) for n in b.names]
             times = [_times(plan.param(n).info) for n in b.names]
-            if not b.dp_axes:  # no replicas to sum over: only * times / world size
+            if not b.dp_axes:  # no replicas to sum over: only * times
                 if self.world > 1:
                     self.handles += [
                         p.register_hook(self._scale(t)) for p, t in zip(params, times, strict=True)
@@ -145,7 +147,7 @@ class GradBuckets:
     def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def scale(g: torch.Tensor) -> torch.Tensor:
             g = corrected(g, current_graph_task_id())  # (a loss's count factor: `_start`)
-            return g * times / self.world if times != 1 else g / self.world
+            return g * times if times != 1 else g
 
         return scale
 
@@ -176,13 +178,11 @@ class GradBuckets:
                 bucket.flat = bucket.buffer(g, keep=stores)
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(corrected(g, task), bucket.group, bucket.times[j])
-            slot = bucket.slot(j)  # (divided on the way in: no pass over the bucket later)
-            if bucket.times[j] == 1 and not g.requires_grad:
-                torch.div(g, self.world, out=slot)
-            else:  # (a gradient with a graph, ``create_graph=True``: no out= op takes it)
-                slot.copy_(g)
+            slot = bucket.slot(j)  # (scaled on the way in: no pass over the bucket later)
+            slot.copy_(g)
+            if bucket.times[j] != 1:
                 with torch.no_grad():
-                    slot.mul_(bucket.times[j] / self.world)
+                    slot.mul_(bucket.times[j])
             if not stores:
                 bucket.got[j], out = "return", slot.view_as(g)
             elif p.grad is None:
@@ -205,9 +205,8 @@ class GradBuckets:
         return task == self.task
 
     def _now(self, g: torch.Tensor, group: str | None, times: int) -> torch.Tensor:
-        """`g` summed over `group` on its own, each share first multiplied by `times` and
-        divided by the world size (as a bucket's: a float16 sum does not overflow first)."""
-        share = g.detach() * (times / self.world) if times != 1 else g.detach() / self.world
+        """`g` summed over `group` on its own, each share first multiplied by `times`."""
+        share = g.detach() * times if times != 1 else g.detach().clone()
         with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
             return all_reduce_(share.contiguous(), ReduceOp.SUM, group)
 
@@ -217,7 +216,7 @@ class GradBuckets:
         if bucket.times[j] != 1:
             g = g * bucket.times[j]
         with recorder.phase("backward"), recorder.label(bucket.label):
-            return all_reduce_sparse(g, bucket.group, self.world)
+            return all_reduce_sparse(g, bucket.group)
 
     def _start(self, bucket: _Bucket, task: int) -> None:
         """Start the bucket's AllReduce: its shares of backward `task`'s gradients, first

@@ -76,7 +76,12 @@ from shardwise.parallel._hsdp import (
     optimizer_plan,
     start_engine,
 )
-from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
+from shardwise.parallel._input_grads import (
+    entry_gradients,
+    exit_gradients,
+    input_gradients,
+    mark_outputs,
+)
 from shardwise.parallel._network_hooks import (
     NetworkHooks,
     check_annotations,
@@ -388,6 +393,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             out = rank_outputs(plan, out, self.dataset)
         else:
             out = executor.step_outputs(caller_inputs(out, cuts))  # (rows: `_leaving`)
+        if not inside:  # (a backward after the call: one device's gradients in it)
+            out = exit_gradients(out)
         mark_outputs(out, caller)  # (an input computed from them: `_input_grads`)
         # (the next call with its flags; the plan as run, which `_check_trainable` at the
         # forward's start may have replaced)

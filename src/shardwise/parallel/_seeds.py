@@ -1,11 +1,13 @@
 """The seeds of a train step's backward from a root split over the ranks (`Seeds`).
 
-shardwise differentiates the sum of every rank's copy of the step, and the data-parallel
-gradient sums are divided by the group size (`planner._backward`). A root whole on every rank
-(the loss, made whole by its AllReduce) has one copy per rank, which that division undoes; a
-root split over the ranks (``out.backward(torch.ones_like(out))`` on this rank's rows: each
-rank seeds only its own block) has `Placed.spread` times fewer, so its seed is multiplied by
-that. Which tensor is split how comes from the plan:
+shardwise differentiates the mean of every rank's copy of the step: a root whole on every rank
+(the loss, made whole by its AllReduce) has one copy per rank, so its seed is divided by the
+world size N, and every gradient inside backward (an activation's, a parameter's share before
+its bucket sums the replicas) is one device's, as large as on one device: a float16 one, or a
+``GradScaler``'s scaled one, overflows only where one device's would. A root split over the
+ranks (``out.backward(torch.ones_like(out))`` on this rank's rows: each rank seeds only its own
+block) has `Placed.spread` times fewer copies, so its seed is multiplied by spread / N. Which
+tensor is split how comes from the plan:
 
 1. the values the capture's backward started from (`ParallelPlan.roots`): their nodes take the
    executor's full path, which notes each output as its op makes it (`Seeds.note_roots`, in
@@ -21,8 +23,9 @@ with `UnsupportedParallelError`: how it is split is not known, and guessing wron
 1/N of one device's gradients without a word.
 
 `Seeds.scaled_seeds` takes a ``backward`` / ``torch.autograd.backward`` / last
-``torch.autograd.grad`` call's arguments and returns them with the seeds scaled (and a seed
-that is a constant, ``torch.tensor(1.0)``, held as every rank's: `communication.every_rank`).
+``torch.autograd.grad`` call's arguments and returns them with the seeds scaled (a seed not
+given: ones times the factor, which `_differentiate` still treats as the same on every rank; a
+seed that is a constant, ``torch.tensor(1.0)``, held as every rank's: `communication.every_rank`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardwise.communication import every_rank
+from shardwise.communication import every_rank, get_group_size
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._leaving import _tensors
 from shardwise.planner._call_kinds import seeds_of, with_seeds
@@ -45,7 +48,7 @@ T = torch.Tensor
 
 
 class Seeds:
-    """Scales the seeds of backward calls from split roots (see the module docstring); the
+    """Scales the seeds of backward calls by their roots' spread / N (see the module docstring); the
     executor sets `table` and calls `_seeds_init`."""
 
     table: NodeTable
@@ -68,7 +71,7 @@ class Seeds:
     def scaled_seeds(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """`func`'s arguments with the seeds of split roots multiplied by their spread.
+        """`func`'s arguments with each root's seed multiplied by its spread / N.
 
         Raises:
             UnsupportedParallelError: a root with dims whose placement the plan does not know,
@@ -76,8 +79,9 @@ class Seeds:
         """
         roots, grads = seeds_of(func, args, kwargs)
         out, changed = [], False
+        world = get_group_size()
         for root, grad in zip(roots, grads, strict=False):
-            scale = self._scale(root) if isinstance(root, T) else 1
+            scale = self._scale(root) / world if isinstance(root, T) else 1
             given = every_rank(grad) if isinstance(grad, T) else grad  # (a constant: per rank)
             if scale != 1:
                 given = (torch.ones_like(root) if given is None else given) * scale

@@ -3,7 +3,7 @@ replica (Megatron's ``f``), so that adjoints of forward AllReduces and replicate
 gradients need no collective over that axis (`plan_backward`, the last step of
 `plan_semi_auto`).
 
-shardwise differentiates the sum of every rank's copy of the step, so the gradient a rank holds
+shardwise differentiates the mean of every rank's copy of the step, so the gradient a rank holds
 for a value replicated over a device axis is its *share* of that value's gradient: the shares
 add up over the replicas. The adjoint of a forward AllReduce is therefore an AllReduce (the
 shares summed), and a replicated parameter's gradient is all-reduced over every axis it is
