@@ -9,7 +9,9 @@ process-group functions directly.
   refuses a backend this torch/machine lacks (``"nccl"`` without CUDA) with what to do.
 - `_ranks`: rank-dependent values and groups asked the same way in a job and in a simulated
   world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
-  `file_rank`, `shared_value`, `ranks_unlike_leader` and its answer `Unlike`).
+  `file_rank`, `shared_value`).
+- `_agreement`: checks that the ranks agree, once per plan through the job's store
+  (`ranks_unlike_leader` and its answer `Unlike`; `agree_with_ranks` and its `Agreement`).
 - `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
@@ -25,6 +27,12 @@ process-group functions directly.
   (``shardwise plan``).
 """
 
+from shardwise.communication._agreement import (
+    Agreement,
+    Unlike,
+    agree_with_ranks,
+    ranks_unlike_leader,
+)
 from shardwise.communication._backend import default_backend
 from shardwise.communication._collectives import ReduceOp
 from shardwise.communication._dry import dry_run
@@ -46,7 +54,6 @@ from shardwise.communication._init import (
 from shardwise.communication._max_over_ranks import max_over_ranks
 from shardwise.communication._pairwise import pooled_bytes, release_buffers
 from shardwise.communication._ranks import (
-    Unlike,
     file_rank,
     first_claim,
     holds_several_ranks,
@@ -54,7 +61,6 @@ from shardwise.communication._ranks import (
     process_ranks,
     rank_parts,
     rank_value,
-    ranks_unlike_leader,
     shared_value,
 )
 from shardwise.communication._sim import (
@@ -79,6 +85,7 @@ from shardwise.communication.recorder import CommRecord, CommRecorder, bytes_bou
 
 __all__ = [
     "WORLD_COMM_GROUP",
+    "Agreement",
     "AllGather",
     "AllReduce",
     "AlltoAll",
@@ -93,6 +100,7 @@ __all__ = [
     "ReduceOp",
     "ReduceScatter",
     "Unlike",
+    "agree_with_ranks",
     "bytes_bound",
     "comm_timeout",
     "create_group",

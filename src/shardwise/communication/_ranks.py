@@ -16,18 +16,11 @@ is in, so tests run the code that real jobs run:
 - `file_rank`: the rank and world size that name the files this process writes itself.
 - `shared_value`: a tensor's one value for such a file, None when the ranks the process runs
   hold different values.
-- `ranks_unlike_leader`: the ranks whose value of a tensor differs from their leader rank's
-  (inputs every rank passes alike, checked once per plan), the same answer on every rank.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-import json
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -285,119 +278,3 @@ def first_claim(key: str, value: str) -> str:
 
     store = default_store()
     return bytes(store.compare_set(f"shardwise/claim/{key}", "", value)).decode()
-
-
-_checks = itertools.count()  # (each rank makes the same checks in the same order: their keys)
-
-Leader = Callable[[int], int]
-
-
-@dataclass(frozen=True)
-class Unlike:
-    """The answer of `ranks_unlike_leader`: `count` ranks passed some value unlike their
-    leader's; `ranks` names them (in a job the first to report), `name` the first value that
-    differs (in a job as the first reporting rank saw it); `leaders` maps each named rank to
-    the leader it was compared with."""
-
-    count: int = 0
-    ranks: tuple[int, ...] = ()
-    name: str = ""
-    leaders: tuple[int, ...] = ()
-
-
-def ranks_unlike_leader(named: Sequence[tuple[str, torch.Tensor, Leader]]) -> Unlike:
-    """Which ranks hold other values than their leader ranks do: for each ``(name, t,
-    leader)``, this rank's `t` against the `t` of rank ``leader(rank)`` (a leader is its own
-    leader), compared bitwise (dtype, shape and bytes). Every rank of the job calls it at the
-    same point, and every rank gets the same answer.
-
-    In a simulated world each rank's values are compared with its leaders' directly. In a job
-    each rank writes digests of its values to the job's store under its rank, reads its
-    leaders', and the ranks wait for each other's verdicts there (no collective, no device
-    memory: for a check once per plan, not per step); ranks passing different numbers of values
-    differ too.
-
-    Returns:
-        An `Unlike` (count 0 outside a job, in a dry run and when a value is a meta tensor).
-
-    Raises:
-        RuntimeError: (a job) some rank did not reach the check within the store's timeout.
-
-    Example:
-        >>> unlike = comm.ranks_unlike_leader([("batch", batch, lambda r: 0)])
-        >>> if unlike.count:
-        ...     raise ValueError(f"rank {unlike.ranks[0]} passed another batch than rank 0")
-    """
-    key = f"shardwise/same/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_checks)}"
-    if not dist.is_initialized() or any(t.is_meta for _, t, _ in named):
-        return Unlike()
-    sim = _sim.current()
-    if sim is not None:
-        return _unlike_in_world(sim, named)
-    if dist.get_backend() == "fake" or dist.get_world_size() == 1:  # (a dry run: no values)
-        return Unlike()
-    try:
-        return _unlike_in_job(key, named)
-    except dist.DistStoreError as e:
-        raise RuntimeError(
-            f"comparing the ranks' {', '.join(n for n, _, _ in named)}: some rank did not "
-            f"reach the check within the store's timeout (it stopped, or called with other "
-            f"inputs); see the other ranks' logs"
-        ) from e
-
-
-def _unlike_in_world(
-    sim: _sim.Simulator, named: Sequence[tuple[str, torch.Tensor, Leader]]
-) -> Unlike:
-    ranks: dict[int, tuple[str, int]] = {}
-    for name, t, leader in named:
-        digests = [_digest(part) for part in sim.local_tensors(t)]
-        for r, d in enumerate(digests):
-            if d != digests[leader(r)] and r not in ranks:
-                ranks[r] = (name, leader(r))
-    order = sorted(ranks)
-    first = ranks[order[0]][0] if order else ""
-    return Unlike(len(order), tuple(order), first, tuple(ranks[r][1] for r in order))
-
-
-def _unlike_in_job(key: str, named: Sequence[tuple[str, torch.Tensor, Leader]]) -> Unlike:
-    from shardwise._torch.c10d import default_store
-
-    store, rank, world = default_store(), dist.get_rank(), dist.get_world_size()
-    mine = [f"{name}={_digest(t)}" for name, t, _ in named]
-    store.set(f"{key}/{rank}", json.dumps(mine))
-    theirs: dict[int, list[str]] = {}
-    differs = None
-    for i, (name, _, leader) in enumerate(named):
-        lead = leader(rank)
-        if lead == rank:
-            continue
-        if lead not in theirs:
-            theirs[lead] = json.loads(bytes(store.get(f"{key}/{lead}")).decode())
-        other = theirs[lead]
-        if len(other) != len(mine) or other[i] != mine[i]:
-            differs = (name if len(other) == len(mine) else "the number of inputs", lead)
-            break
-    if differs is not None:
-        won = bytes(store.compare_set(f"{key}/first", "", str(rank))).decode() == str(rank)
-        if won:  # (the first differing rank says what it saw)
-            store.set(f"{key}/what", json.dumps(differs))
-        store.add(f"{key}/unlike", 1)
-    if store.add(f"{key}/arrived", 1) == world:
-        store.set(f"{key}/all", "1")
-    store.wait([f"{key}/all"])
-    count = store.add(f"{key}/unlike", 0)
-    if not count:
-        return Unlike()
-    name, lead = json.loads(bytes(store.get(f"{key}/what")).decode())
-    return Unlike(count, (int(bytes(store.get(f"{key}/first"))),), name, (int(lead),))
-
-
-def _digest(t: torch.Tensor) -> str:
-    """A digest of `t`'s dtype, shape and bytes (hex)."""
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    plain = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    raw = plain.reshape(-1).view(torch.uint8)
-    head = f"{t.dtype}{list(t.shape)}".encode()
-    return hashlib.blake2b(head + bytes(raw.numpy()), digest_size=16).hexdigest()

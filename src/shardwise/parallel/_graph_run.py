@@ -91,7 +91,7 @@ from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._rnn_checks import rows_hidden_checks
 from shardwise.parallel._runtime import cut_optimizer_state, shard_parameters
-from shardwise.parallel._same_inputs import check_same_inputs
+from shardwise.parallel._same_inputs import check_ranks_agree, same_inputs
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
@@ -150,24 +150,30 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
     def _capture_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
     ) -> tuple[Graph, ParallelPlan]:
-        """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps), once
-        the ranks meant to pass the same inputs are found to (`check_same_inputs`)."""
-        check_same_inputs(self.dataset, args, kwargs)
-        with self._capturing():
-            graph, plan = capture_plan(
-                self.fn,
-                self.network,
-                self.session,
-                self.dataset,
-                self.param_layouts,
-                args,
-                kwargs,
-                stored,
-                self.mode,
-                self.optimizers,
-            )
-        if self.hsdp is not None:
-            check_step(graph, self.optimizers)  # (in-place writes, LBFGS)
+        """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps),
+        once the ranks are found to agree on it (`check_ranks_agree`: the ranks meant to pass
+        the same inputs did, and every rank made rank 0's plan or none raised)."""
+        named = same_inputs(self.dataset, args, kwargs)  # (before the capture reads them)
+        try:
+            with self._capturing():
+                graph, plan = capture_plan(
+                    self.fn,
+                    self.network,
+                    self.session,
+                    self.dataset,
+                    self.param_layouts,
+                    args,
+                    kwargs,
+                    stored,
+                    self.mode,
+                    self.optimizers,
+                )
+            if self.hsdp is not None:
+                check_step(graph, self.optimizers)  # (in-place writes, LBFGS)
+        except Exception as e:  # (told to the other ranks, which would wait for this one)
+            check_ranks_agree(self.dataset, args, kwargs, named, e)
+            raise
+        check_ranks_agree(self.dataset, args, kwargs, named, plan)
         return graph, plan
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:

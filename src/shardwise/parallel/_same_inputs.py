@@ -1,21 +1,27 @@
-"""The check that ranks meant to pass the same input did (`check_same_inputs`), once per plan.
+"""The check that the ranks agree on a call (`check_ranks_agree`), once per plan: the ranks
+meant to pass the same input did, and every rank planned the call as rank 0 did.
 
 Under ``full_batch`` every rank passes the whole global batch; under per-input dataset entries
 the ranks a layout leaves an input replicated on pass the same block. A rank that passes other
 values (its own rows under ``full_batch``, say) would train on a batch no other rank sees, and
 nothing later notices: the first call of each plan compares each tensor input with the one its
 leader rank passed (`communication.ranks_unlike_leader`: through the job's store, every rank
-raises alike).
+raises alike). In the same store round each rank's plan is compared with rank 0's (a rank
+whose annotations depend on its rank plans other collectives, and the ranks would wait for each
+other until the timeout), and a rank whose planning raised tells the others, which raise a
+ValueError naming it instead of failing in their first collective.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from shardwise import communication as comm
 from shardwise.layout import TensorLayout
 from shardwise.parallel._call_io import input_layouts, tensor_inputs
+from shardwise.planner import ParallelPlan
 
 
 def _leader(layout: TensorLayout | None) -> Callable[[int], int]:
@@ -26,24 +32,76 @@ def _leader(layout: TensorLayout | None) -> Callable[[int], int]:
     return lambda r: min(layout.matrix.group_along(r, axes)) if axes else r
 
 
-def check_same_inputs(dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise when a rank passed another value of an input than the rank it must match.
-
-    Raises:
-        ValueError: naming the input, the ranks that differ, the rank they should match and the
-            fix (the same batch on every rank, or ``"data_parallel"``).
-    """
+def same_inputs(
+    dataset: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[str, Any, Callable[[int], int]]]:
+    """The tensor inputs the ranks must pass alike, each with its leader rank (none under
+    ``"data_parallel"``): what `check_ranks_agree` compares, taken before the capture."""
     if dataset == "data_parallel":
-        return
+        return []
     layouts = input_layouts(dataset, comm.get_group_size(), args, kwargs)
-    named = [
+    return [
         (key, x, _leader(layouts.get(key)))
         for key, x in tensor_inputs(args, kwargs)
         if dataset == "full_batch" or key in layouts
     ]
-    unlike = comm.ranks_unlike_leader(named)
-    if not unlike.count:
-        return
+
+
+def check_ranks_agree(
+    dataset: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    named: list[tuple[str, Any, Callable[[int], int]]],
+    planned: ParallelPlan | BaseException,
+) -> None:
+    """Raise when the ranks did not all pass the inputs they must pass alike (`same_inputs`),
+    or did not all plan the call alike: the plan (or the error planning raised) of every rank
+    against rank 0's, in one round through the job's store (`communication.agree_with_ranks`).
+
+    Raises:
+        ValueError: an input differs (naming the input, the ranks that differ, the rank they
+            should match and the fix: the same batch on every rank, or ``"data_parallel"``);
+            another rank could not plan the call (naming it and its error); a rank planned
+            another plan than rank 0 (naming the first difference and the fix).
+        The error `planned` holds, on the rank that raised it, when the inputs agree.
+    """
+    failed = planned if isinstance(planned, BaseException) else None
+    plan = None if isinstance(planned, BaseException) else planned
+    text = "" if plan is None else json.dumps(plan.to_dict(), sort_keys=True)
+    failure = None if failed is None else f"{type(failed).__name__}: {failed}"
+    agreed = comm.agree_with_ranks(named, text, failure, lambda lead: _plan_change(lead, plan))
+    if agreed.unlike.count:
+        layouts = input_layouts(dataset, comm.get_group_size(), args, kwargs)
+        raise ValueError(_inputs_differ(dataset, layouts, agreed.unlike))
+    if failed is not None:
+        raise failed
+    if agreed.failed is not None:
+        rank, message = agreed.failed
+        raise ValueError(
+            f"AutoParallel: rank {rank} could not plan this call ({message}); every rank stops "
+            f"here rather than wait for rank {rank} in a collective: fix rank {rank}'s error "
+            f"(see its log); when it comes from annotations that differ between ranks, give "
+            f"every rank the same annotations"
+        )
+    if agreed.differs is not None:
+        rank, what = agreed.differs
+        raise ValueError(
+            f"AutoParallel: rank {rank} planned this call unlike rank 0 ({what}; rank 0's -> "
+            f"rank {rank}'s), so the ranks would run different collectives and wait for each "
+            f"other until SHARDWISE_COMM_TIMEOUT: give every rank the same annotations "
+            f"(shard() strategies, layouts, dataset_strategy and the auto-parallel context), "
+            f"not ones that depend on the rank"
+        )
+
+
+def _plan_change(leading: str, plan: ParallelPlan | None) -> str:
+    """The first difference between rank 0's plan (`leading`, its JSON) and `plan`."""
+    assert plan is not None  # (asked only of a rank that planned)
+    diff = ParallelPlan.from_dict(json.loads(leading)).diff(plan)
+    return diff[0] if diff else "differs"
+
+
+def _inputs_differ(dataset: object, layouts: dict[str, TensorLayout], unlike: comm.Unlike) -> str:
     shown = list(zip(unlike.ranks, unlike.leaders, strict=True))[:4]
     pairs = ", ".join(f"rank {r} from rank {lead}'s" for r, lead in shown)
     more = f" (and {unlike.count - len(shown)} more ranks)" if unlike.count > len(shown) else ""
@@ -51,7 +109,7 @@ def check_same_inputs(dataset: object, args: tuple[Any, ...], kwargs: dict[str, 
     what = "every rank passes the whole global batch"
     if layout is not None:
         what = f"ranks holding the same block of it (layout {layout}) pass the same values"
-    raise ValueError(
+    return (
         f"AutoParallel: dataset_strategy {_named(dataset)}: input {unlike.name} differs on "
         f"{pairs}{more} (bitwise), but {what}; pass the same values on those ranks, or set "
         f"dataset_strategy('data_parallel') where each rank passes its own rows"
