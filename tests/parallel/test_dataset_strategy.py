@@ -129,6 +129,17 @@ def test_errors(strategy: Any, match: str) -> None:
         sw.set_auto_parallel_context(dataset_strategy=((8, 1), LAYOUT("dp")))
 
 
+def test_none_is_a_type_error_naming_the_valid_strategies() -> None:
+    """None is no dataset strategy: a TypeError naming the argument and the valid values (not
+    a bare AssertionError), from the wrapper and from the global context alike."""
+    match = r"^dataset_strategy: None is no dataset strategy; pass 'data_parallel' \(the de"
+    with pytest.raises(TypeError, match=match):
+        AutoParallel(torch.nn.Linear(4, 4)).dataset_strategy(None)
+    with pytest.raises(TypeError, match=match):
+        sw.set_auto_parallel_context(dataset_strategy=None)
+    sw.reset_auto_parallel_context()
+
+
 def _squared_error_step(world: SimulatedWorld, net: torch.nn.Module, strategy: Any) -> Any:
     """A wrapped squared-error train step of `net` under per-input `strategy`."""
     world.replicate(net)

@@ -13,7 +13,7 @@ passes its block of the entry's layout.
 
 from __future__ import annotations
 
-from shardwise.layout import TensorLayout, resolve_strategy
+from shardwise.layout import LayoutTypeError, TensorLayout, resolve_strategy
 from shardwise.ops import normalize_strategy
 
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
@@ -28,7 +28,14 @@ def check_dataset_strategy(strategy: object) -> DatasetStrategy:
 
     Raises:
         ValueError: an unknown name; mixed int tuples and Layouts; a malformed entry.
+        LayoutTypeError: None (a TypeError that is also a ValueError), naming the valid ones.
     """
+    if strategy is None:
+        raise LayoutTypeError(
+            f"{_WHO}: None is no dataset strategy; pass {DATASET_STRATEGIES[0]!r} (the default: "
+            f"each rank passes its own rows), {DATASET_STRATEGIES[1]!r} or one tuple / Layout "
+            f"call per input, e.g. ((8, 1), (8,))"
+        )
     if isinstance(strategy, str):
         if strategy not in DATASET_STRATEGIES:
             raise ValueError(
