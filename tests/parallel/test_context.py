@@ -131,6 +131,22 @@ def test_wrapper_dataset_strategy_overrides_context() -> None:
         ),
         ({"comm_fusion": {"allreduce": {"mode": "fast"}}}, "'mode'\\]='fast' .*'size'"),
         ({"comm_fusion": {"openstate": 1}}, "openstate'\\]=1 is invalid"),
+        (
+            {"comm_fusion": {"allreduce": {"mode": "size", "config": 0}}},
+            r"^set_auto_parallel_context: comm_fusion\['allreduce'\]: mode 'size' needs config",
+        ),
+        (
+            {"comm_fusion": {"allreduce": {"mode": "size", "config": "big"}}},
+            r"^set_auto_parallel_context: .*needs config = MB > 0 .*got 'big'",
+        ),
+        (
+            {"comm_fusion": {"allreduce": {"mode": "index", "config": 32}}},
+            r"^set_auto_parallel_context: .*mode 'index' needs config = a list .*got 32",
+        ),
+        (
+            {"comm_fusion": {"allreduce": {"mode": "index", "config": [-1]}}},
+            r"^set_auto_parallel_context: .*indices >= 0 .*got \[-1\]: give the index",
+        ),
         ({"strategy_ckpt_config": {"file": "a"}}, "strategy_ckpt_config=.*save_file"),
     ],
 )

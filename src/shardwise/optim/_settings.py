@@ -120,8 +120,12 @@ def check_fusion(config: object) -> FusionConfig:
         if not isinstance(sub, Mapping):
             raise TypeError(f"comm_fusion[{kind!r}]: expected {{'mode': ..., 'config': ...}}")
         mode, value = sub.get("mode", "auto"), sub.get("config")
-        if mode == "size" and (not isinstance(value, int | float) or value <= 0):
-            raise ValueError(f"comm_fusion[{kind!r}]: mode 'size' needs config = MB > 0")
+        positive = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        if mode == "size" and not positive:
+            raise ValueError(
+                f"comm_fusion[{kind!r}]: mode 'size' needs config = MB > 0 (a bucket's size, "
+                f"e.g. 32), got {value!r}"
+            )
         if mode == "index":
             _check_index(kind, value)
         elif mode not in ("auto", "size"):
@@ -159,8 +163,14 @@ def _check_index(kind: str, value: object) -> None:
             f"comm_fusion['allreduce']: mode 'index' needs config = a list of parameter "
             f"indices where a new bucket starts, got {value!r}"
         )
-    if ints != sorted(set(ints)) or ints[0] < 0:
+    if min(ints) < 0:
         raise ValueError(
-            f"comm_fusion['allreduce']: mode 'index' needs increasing indices >= 0 without "
-            f"repeats, got {ints}; sort them: {sorted(set(i for i in ints if i >= 0))}"
+            f"comm_fusion['allreduce']: mode 'index' needs parameter indices >= 0 (counted from "
+            f"0 in named_parameters() order; no negative ones), got {ints}: give the index of "
+            f"each parameter where a new bucket starts"
+        )
+    if ints != sorted(set(ints)):
+        raise ValueError(
+            f"comm_fusion['allreduce']: mode 'index' needs increasing indices without repeats, "
+            f"got {ints}; sort them: {sorted(set(ints))}"
         )

@@ -33,6 +33,7 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shardwise.optim import check_fusion
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 
@@ -132,6 +133,12 @@ def _comm_fusion(key: str, value: Any) -> dict[str, Any]:
                 fusion.get("mode"),
                 " | ".join(repr(m) for m in FUSION_MODES),
             )
+    try:  # (each mode's config: the check of AutoParallel.comm_fusion)
+        check_fusion(out)
+    except ValueError as e:
+        raise ValueError(f"set_auto_parallel_context: {e}") from None
+    except TypeError as e:
+        raise TypeError(f"set_auto_parallel_context: {e}") from None
     return copy.deepcopy(out)
 
 
