@@ -205,6 +205,22 @@ def test_a_suggested_split_divides_the_dims() -> None:
     assert "(1, 8)" not in msg.split("valid:")[1]
 
 
+def test_a_suggested_split_fits_the_device_count() -> None:
+    """K split 4 and 1 ways on 8 devices: the suggestion ((2, 4), (4, 4)) uses 32 devices and
+    was refused in turn (a probe); only suggestions whose device matrix divides the device
+    count are listed, and where none does the message says what a fix needs instead."""
+    msg = fails(MatMul(transpose_b=True).shard(((2, 4), (4, 1))), (16, 16), (8, 16))
+    has(msg, "(the contracted dim K) must be split alike", "valid: ((2, 1), (4, 1))")
+    assert "(4, 4)" not in msg.split("valid:")[1], msg
+    msg = fails(MatMul().shard(((2, 4), (2, 4))), (16, 16), (16, 8))
+    has(
+        msg,
+        "into 4 and 2",
+        "valid: the same split on both, with the strategy's device matrix dividing the device "
+        "count 8",
+    )
+
+
 def test_batch_matmul_batch_dims_split_differently() -> None:
     msg = fails(BatchMatMul().shard(((2, 1, 1), (4, 1, 1))), (8, 4, 4), (8, 4, 4))
     has(msg, "input 0 (x) dim 0 and input 1 (y) dim 0 (batch dim 0) must be split alike")

@@ -200,7 +200,7 @@ def _resolve(
 ) -> tuple[str, StrategyLayouts]:
     """Steps 2-4: the checks, then the device matrix and the input layouts."""
     kind = check_entries(strategy, spec, shapes, label)
-    check_ties(strategy, spec, shapes, label)
+    check_ties(strategy, spec, shapes, label, device_num)
     check_fixed(strategy, spec, label, shapes)
     names = spec.input_names
     if kind == "ints":

@@ -18,7 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from shardwise.layout import DeviceMatrix, TensorLayout, check_int_strategy, strategy_kind
+from shardwise.layout import (
+    DeviceMatrix,
+    TensorLayout,
+    check_int_strategy,
+    strategy_kind,
+    strategy_layouts,
+)
 from shardwise.ops._plan import Shape, Strategy
 
 if TYPE_CHECKING:
@@ -74,13 +80,29 @@ def _show(entry: tuple[int, ...] | TensorLayout, d: int) -> str:
     return str(entry[d])
 
 
-def _with(strategy: Strategy, fixes: Mapping[tuple[int, int], int]) -> str:
-    """The int strategy with some (input, dim) values replaced, as a suggestion."""
-    out = [
+def _replaced(strategy: Strategy, fixes: Mapping[tuple[int, int], int]) -> Strategy:
+    """The int strategy with some (input, dim) values replaced."""
+    return tuple(
         tuple(fixes.get((i, d), v) for d, v in enumerate(e)) if isinstance(e, tuple) else e
         for i, e in enumerate(strategy)
-    ]
-    return fmt_strategy(out)
+    )
+
+
+def _with(strategy: Strategy, fixes: Mapping[tuple[int, int], int]) -> str:
+    """The int strategy with some (input, dim) values replaced, as a suggestion."""
+    return fmt_strategy(list(_replaced(strategy, fixes)))
+
+
+def _fits(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], world: int | None) -> bool:
+    """Whether the int `strategy`'s device matrix fits `world` devices (None: any count)."""
+    if world is None:
+        return True
+    ints = [e for e in strategy if isinstance(e, tuple)]
+    try:
+        strategy_layouts(ints, world, spec.inputs, shapes=shapes)
+    except ValueError:
+        return False
+    return True
 
 
 def _count(n: int, noun: str) -> str:
@@ -118,8 +140,11 @@ def check_entries(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label
     return kind
 
 
-def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: str) -> None:
-    """Dims on one logical axis split alike; broadcast dims (None) not split."""
+def check_ties(
+    strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: str, world: int | None = None
+) -> None:
+    """Dims on one logical axis split alike; broadcast dims (None) not split. A suggested fix
+    fits `world` devices (None: any count)."""
     first: dict[int, tuple[int, int]] = {}
     for i, dims in enumerate(spec.inputs):
         entry = strategy[i]
@@ -153,8 +178,17 @@ def check_ties(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: s
                         for v in (_splits(other, e), _splits(entry, d))
                         if all(shapes[k][dd] % v == 0 for k, dd in on_axis)
                     ] or [1]
-                    fixes = [_with(strategy, dict.fromkeys(on_axis, v)) for v in values]
-                    fix = " or ".join(dict.fromkeys(fixes))
+                    fixes = [
+                        _with(strategy, dict.fromkeys(on_axis, v))
+                        for v in values
+                        if _fits(
+                            _replaced(strategy, dict.fromkeys(on_axis, v)), spec, shapes, world
+                        )
+                    ]
+                    fix = " or ".join(dict.fromkeys(fixes)) or (
+                        f"the same split on both, with the strategy's device matrix dividing the "
+                        f"device count {world}"
+                    )
                 raise ValueError(
                     f"{label}: {_input(spec, j)} dim {e} and {_input(spec, i)} dim {d}{role} must "
                     f"be split alike, but the strategy splits them into {_show(other, e)} and "
