@@ -94,3 +94,24 @@ def test_sparse_embedding_gradients_with_sparse_adam() -> None:
     assert rec.count("AllReduce") == 2 * 3  # per step: the dense bucket, the rows, the values
     with pytest.raises(TypeError, match=r"gradient 0 has layout torch\.sparse_csr"):
         sw.nn.DistributedGradReducer([], degree=1)((torch.eye(3).to_sparse_csr(),))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"parameters": nn.Linear(2, 2)}, TypeError, r"module \(Linear\).*net\.parameters\(\)"),
+        ({"parameters": nn.Sequential(nn.Linear(2, 2))}, TypeError, r"module \(Sequential\)"),
+        ({"parameters": 3}, TypeError, r"iterable of parameters .*got int"),
+        ({"parameters": torch.ones(2, requires_grad=True)}, TypeError, r"\[p\] for one"),
+        ({"parameters": ["w"]}, TypeError, r"parameters\[0\] is a str"),
+        ({"bucket_mb": "4"}, TypeError, r"bucket_mb='4' must be a number of MiB > 0"),
+        ({"bucket_mb": 0}, ValueError, r"bucket_mb=0 must be > 0"),
+        ({"mean": "no"}, TypeError, r"mean='no' must be True .* or False"),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict[str, object], error: type, match: str) -> None:
+    """Each wrong argument is named with its fix (a module: its ``parameters()``), not a raw
+    Python error from inside or silently accepted (``mean="no"`` averaged)."""
+    args = {"parameters": nn.Linear(2, 2).parameters(), **kwargs}
+    with pytest.raises(error, match=match):
+        sw.nn.DistributedGradReducer(**args)  # type: ignore[arg-type]

@@ -38,6 +38,34 @@ def _buckets(tensors: Sequence[torch.Tensor], limit_bytes: int) -> list[list[int
     return out
 
 
+def _checked_parameters(parameters: object) -> list[torch.Tensor]:
+    """`parameters` as a list of tensors.
+
+    Raises:
+        TypeError: a module (naming ``net.parameters()``), a single tensor, something not
+            iterable, or an item that is no tensor (naming its index and type).
+    """
+    if isinstance(parameters, torch.nn.Module):
+        kind = type(parameters).__name__
+        raise TypeError(
+            f"DistributedGradReducer: parameters is a module ({kind}), not its parameters; pass "
+            f"DistributedGradReducer(net.parameters())"
+        )
+    if isinstance(parameters, torch.Tensor) or not isinstance(parameters, Iterable):
+        raise TypeError(
+            f"DistributedGradReducer: parameters must be an iterable of parameters (e.g. "
+            f"net.parameters(), or [p] for one), got {type(parameters).__name__}"
+        )
+    out = list(parameters)
+    for i, p in enumerate(out):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"DistributedGradReducer: parameters[{i}] is a {type(p).__name__}, not a "
+                f"parameter; pass tensors, e.g. net.parameters()"
+            )
+    return out
+
+
 class DistributedGradReducer:
     """All-reduce gradients across the data-parallel ranks (MindSpore's DistributedGradReducer).
 
@@ -47,6 +75,11 @@ class DistributedGradReducer:
         degree: the divisor for `mean` (default: the group size).
         group: group name, or None for the world group.
         bucket_mb: largest fused bucket, in MiB.
+
+    Raises:
+        TypeError: `parameters` a module (pass ``net.parameters()``), not iterable, or holding
+            something else than tensors; `mean` not a bool; `bucket_mb` not a number.
+        ValueError: `bucket_mb` not above 0; `degree` not an int >= 1.
 
     Example:
         >>> reducer = sw.nn.DistributedGradReducer(net.parameters())
@@ -62,13 +95,26 @@ class DistributedGradReducer:
         group: str | Group | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
-        self.parameters = [p for p in parameters if p.requires_grad]
+        self.parameters = [p for p in _checked_parameters(parameters) if p.requires_grad]
         if degree is not None and (
             isinstance(degree, bool) or not isinstance(degree, int) or degree < 1
         ):
             raise ValueError(f"DistributedGradReducer: degree={degree!r} must be an int >= 1")
-        if bucket_mb <= 0:
-            raise ValueError(f"DistributedGradReducer: bucket_mb={bucket_mb} must be > 0")
+        if not isinstance(mean, bool):
+            raise TypeError(
+                f"DistributedGradReducer: mean={mean!r} must be True (average the gradients) or "
+                f"False (keep their sum)"
+            )
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, int | float):
+            raise TypeError(
+                f"DistributedGradReducer: bucket_mb={bucket_mb!r} must be a number of MiB > 0 "
+                f"(e.g. {DEFAULT_BUCKET_MB})"
+            )
+        if not bucket_mb > 0:
+            raise ValueError(
+                f"DistributedGradReducer: bucket_mb={bucket_mb} must be > 0 (MiB per fused "
+                f"bucket, e.g. {DEFAULT_BUCKET_MB})"
+            )
         self.mean, self.degree, self.group = mean, degree, group
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._bucket_buffers: dict[tuple[object, ...], torch.Tensor] = {}
