@@ -16,9 +16,9 @@ from torch import nn
 from shardwise import planner
 from shardwise.layout import TensorLayout
 from shardwise.parallel._graph_run import GraphRun
-from shardwise.parallel._hsdp import sparse_weights
+from shardwise.parallel._hsdp import bucket_plans, optimizer_plan, sparse_weights
 from shardwise.parameter import tied_names
-from shardwise.planner import ParallelPlan
+from shardwise.planner import BucketPlan, ParallelPlan
 from shardwise.planner._recorders import dtype_name
 
 
@@ -171,21 +171,23 @@ class StrategyFiles:
                     f"{', '.join(map(str, fresh.roots)) or 'nothing the capture saw'} in this "
                     f"step; the file belongs to another train step"
                 )
-            if loaded.buckets and loaded.buckets != fresh.buckets:
+            expected = _buckets_for(run, loaded, fresh)
+            if loaded.buckets and loaded.buckets != expected:
                 _check_frozen(loaded.frozen, fresh.frozen, path)  # (the likelier cause)
             # (this network's frozen parameters, the buffers this step re-assigns)
             loaded = dataclasses.replace(loaded, frozen=fresh.frozen, set_buffers=fresh.set_buffers)
             if not loaded.buckets:  # (a file without buckets: this job's)
-                loaded = dataclasses.replace(loaded, buckets=fresh.buckets)
-            elif _sparse_apart(loaded.buckets, fresh.buckets, sparse_weights(run.network)):
-                loaded = dataclasses.replace(loaded, buckets=fresh.buckets)  # (an older file)
-            elif loaded.buckets != fresh.buckets:
-                pairs = itertools.zip_longest(loaded.buckets, fresh.buckets)
+                loaded = dataclasses.replace(loaded, buckets=expected)
+            elif _sparse_apart(loaded.buckets, expected, sparse_weights(run.network)):
+                loaded = dataclasses.replace(loaded, buckets=expected)  # (an older file)
+            elif loaded.buckets != expected:
+                pairs = itertools.zip_longest(loaded.buckets, expected)
                 k, (a, b) = next((k, ab) for k, ab in enumerate(pairs) if ab[0] != ab[1])
                 raise planner.StrategyFileError(
-                    f"{path}: the gradient / optimizer buckets differ from this job's (bucket "
-                    f"{k}: {_bucket(a)} in the file, {_bucket(b)} here); use the same "
-                    "hsdp() / comm_fusion() settings as the saving job"
+                    f"{path}: the gradient / optimizer buckets differ from the ones this job "
+                    f"makes for the file's plan (bucket {k}: {_bucket(a)} in the file, "
+                    f"{_bucket(b)} here); use the same hsdp() / comm_fusion() settings as the "
+                    "saving job"
                 )
             # (checkpointed regions are the step's, not a strategy: this capture's)
             loaded = dataclasses.replace(loaded, regions=fresh.regions)
@@ -203,6 +205,23 @@ class StrategyFiles:
                         f"{path}: parameter {name!r} is stored as {p} in the file, as "
                         f"{fresh.params[name]} by this plan (the operator strategy file's)"
                     )
+
+
+def _buckets_for(
+    run: GraphRun, loaded: ParallelPlan, fresh: ParallelPlan
+) -> tuple[BucketPlan, ...]:
+    """The gradient / optimizer buckets this job's hsdp() / comm_fusion() settings make for the
+    file's plan `loaded` (its parameters stored as in `fresh`, this job's plan of the network):
+    they depend on the ops' strategies only through the gradients the plan makes equal
+    (`ParallelPlan.equal_grads`), which a plan by propagation or the search may make on other
+    axes than the semi_auto plan `fresh` (a head it splits over every axis: none)."""
+    if dict(loaded.equal_grads) == dict(fresh.equal_grads):
+        return fresh.buckets
+    stored = fresh.param_layouts()
+    made = optimizer_plan(
+        run.network, fresh.matrix, stored, run.hsdp, run.fusion, loaded.equal_grads
+    )
+    return bucket_plans(made, fresh.matrix)
 
 
 def _frozen(network: nn.Module) -> set[str]:

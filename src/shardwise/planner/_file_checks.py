@@ -16,9 +16,11 @@ print, something else than it says:
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardwise.planner._placed import Placed, replicated
 from shardwise.planner._placement import _itemsize
-from shardwise.planner._plan import EdgePlan, ParallelPlan
+from shardwise.planner._plan import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._plan_diff import node_field
 from shardwise.redistribution import plan_redistribution
 
@@ -96,10 +98,15 @@ def _check_steps(plan: ParallelPlan) -> None:
 
 def _check_like_fresh(loaded: ParallelPlan, fresh: ParallelPlan) -> None:
     planned = {m.index: m for m in fresh.nodes}
+    # (which adjoints are local is decided for the whole plan, `_backward`: a plan placing
+    # other ops otherwise may make them on other ops; its own comms are compared without them)
+    same_equal = _equalised(loaded) == _equalised(fresh)
     for n in loaded.nodes:
         m = planned.get(n.index)
         if m is None or (n.op, n.inputs, n.outputs) != (m.op, m.inputs, m.outputs):
             continue
+        if not same_equal:
+            n, m = _unequalised(n), _unequalised(m)
         for field in ("comms", "local", "draws", "dtypes", "shapes"):
             if field in ("draws", "dtypes") and not getattr(n, field):
                 continue  # (a file saved before plans recorded them: read as the op's)
@@ -109,3 +116,15 @@ def _check_like_fresh(loaded: ParallelPlan, fresh: ParallelPlan) -> None:
                     f"{field} differ (file -> this network): {node_field(n, field)} -> "
                     f"{node_field(m, field)}"
                 )
+
+
+def _equalised(plan: ParallelPlan) -> tuple[object, ...]:
+    """`plan`'s equal-gradient decisions (`_backward`): its equal parameter gradients and each
+    op's ``f``s."""
+    return (dict(plan.equal_grads), tuple(n.backward for n in plan.nodes))
+
+
+def _unequalised(node: NodePlan) -> NodePlan:
+    """`node` with no collective's adjoint made local (`Collective.equal_grad`)."""
+    comms = tuple(dataclasses.replace(c, equal_grad=()) for c in node.comms)
+    return dataclasses.replace(node, comms=comms)
