@@ -3,7 +3,9 @@
 `SourceSet` opens a checkpoint directory (``rank_<r>/<file>`` per rank, MindSpore's layout and
 `CheckpointManager`'s) or a single file, reads every file's header only, and checks that the
 files make one checkpoint: every rank of the recorded job present, the same model entries with
-the same global shapes and dtypes on every rank, and each tensor's pieces tiling it. An
+the same global shapes and dtypes on every rank, each tensor's pieces tiling it, and files
+holding the same piece holding the same values (but the per-rank buffers of a data_parallel
+job's files, read from rank 0's: `_replicas`). An
 optimizer entry may be in some files only (data_parallel with hsdp keeps each parameter's
 state, whole, in its owner rank's file): the files holding it must tile it, and `metadata`
 gives one optimizer description of every file's state. Tensors are read only when asked:
@@ -38,7 +40,8 @@ from shardwise.checkpoint._pieces import (
     piece_of,
     whole,
 )
-from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy, owner_of
+from shardwise.checkpoint._replicas import per_rank_buffer, replicas_fix
+from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
 from shardwise.checkpoint._stream import FileIndex, read_entry, read_index
 
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
@@ -280,36 +283,29 @@ class SourceSet:
     def _check_replicas(self, key: str) -> None:
         """Files holding the same piece of `key` must hold the same values (their recorded
         checksums agree): rank files that do not record their cut are taken as whole, and
-        blocks of a cut tensor saved that way would otherwise pass for one whole tensor."""
+        blocks of a cut tensor saved that way would otherwise pass for one whole tensor. A
+        buffer of whole-network files (`per_rank_buffer`) may differ: rank 0's is read."""
         seen: dict[Piece, tuple[int, RankFile]] = {}
         for f in self._holding(key):
             crc = f.index.checksums.get(key)
             if crc is None:
                 continue
             first = seen.setdefault(f.pieces[key], (crc, f))
-            if first[0] != crc:
+            if first[0] != crc and not self.per_rank_buffer(key):
                 raise CheckpointError(
                     f"{key!r} holds different values in {first[1].index.path} and "
                     f"{f.index.path}, which both record it as {f.pieces[key]}; "
-                    + self._replicas_fix(key)
+                    + replicas_fix(
+                        key, self._given, fmt.KEY_STRATEGY in self.files[0].index.metadata
+                    )
                 )
 
-    def _replicas_fix(self, key: str) -> str:
-        """What to do about blocks of `key` read as one piece that hold different values."""
-        if self._given is None:
-            return (
-                "rank files that do not record their cut (saved from a dict or state_dict, or "
-                "by another tool) need src_strategy= (the job's parameter strategy file)"
-            )
-        owner = owner_of(key)
-        if owner not in self._given.params:
-            return (
-                f"the given src_strategy has no parameter {owner!r}, so each file's block was "
-                "read as the whole tensor: save the strategy file again from the job's "
-                "AutoParallel (save_param_strategy_file lists a tied parameter's other names "
-                'under "aliases", and with only_trainable_params=False the frozen ones too)'
-            )
-        return "the given src_strategy is not the one these files were cut by"
+    def per_rank_buffer(self, key: str) -> bool:
+        """Whether `key` is a buffer each rank may hold its own values of (`holders` then reads
+        rank 0's): `_replicas.per_rank_buffer`."""
+        recorded = fmt.KEY_STRATEGY in self.files[0].index.metadata
+        cut = self._given is not None or recorded
+        return not cut and per_rank_buffer(key, self.description, self.optimizer_keys)
 
     @property
     def paths(self) -> list[Path]:
