@@ -132,3 +132,28 @@ def test_one_python_value_from_a_tensor_the_ranks_differ_on() -> None:
         ):
             with pytest.raises(ValueError, match=r"differs between the ranks \(rank 0: .*run_job"):
                 convert()
+
+
+def test_a_network_not_replicated_names_world_replicate() -> None:
+    """A network built outside the world and trained without ``world.replicate(net)``: the
+    message named factories and out-of-place writes, not the fix; a parameter written (its
+    blocks stored by the plan) names world.replicate, and so does a buffer's message."""
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    sw.shard(net[0], in_strategy=((2, 1), (2, 1)))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    bn, rows = nn.BatchNorm1d(3), torch.randn(8, 3)
+    with simulated_world(4) as world:
+        opt = torch.optim.SGD(net.parameters(), 0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with pytest.raises(ValueError, match=r"into a parameter .* Call world\.replicate\(net\)"):
+            parallel(world.rows(x), world.rows(y))
+        with pytest.raises(ValueError, match=r"A network's buffer .* world\.replicate\(net\)"):
+            bn.running_mean += world.rows(rows).mean(0)

@@ -114,14 +114,24 @@ def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local:
         return
     if not _has_local(args[1:], local) and not _has_local(kwargs.values(), local):
         return
-    shape = next(list(t.shape) for t in targets if _plain(t, local))
+    target = next(t for t in targets if _plain(t, local))
+    shape = list(target.shape)
+    if isinstance(target, torch.nn.Parameter):
+        raise ValueError(
+            f"simulated world: {func} writes each rank's value into a parameter of shape "
+            f"{shape} that every rank shares (a network built outside the world holds plain "
+            "tensors): it would be updated once per simulated rank. Call world.replicate(net) "
+            "inside the world before the network runs (and build its optimizers after it), "
+            "which gives every rank its own parameters and buffers"
+        )
     raise ValueError(
         f"simulated world: {func} writes each rank's value into a tensor of shape {shape} "
         "that every rank shares (one plain tensor: made outside the world, or by "
         "torch.tensor(...) inside it): it would be updated once per simulated rank, where a "
-        "real job updates it once per process. Make the tensor inside the world with a "
-        "factory (torch.zeros, or world.same(...)), or write out of place (total = total + "
-        "loss)"
+        "real job updates it once per process. A network's buffer (built outside the world): "
+        "call world.replicate(net) inside the world before it runs; another tensor: make it "
+        "inside the world with a factory (torch.zeros, or world.same(...)), or write out of "
+        "place (total = total + loss)"
     )
 
 
