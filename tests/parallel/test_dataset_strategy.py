@@ -9,6 +9,7 @@ single-device run. Also the global
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,36 @@ def test_a_fake_kernel_refusal_under_per_input_entries_keeps_its_type_and_names_
     notes = "\n".join(getattr(caught.value, "__notes__", []))
     assert "linear" in str(caught.value), caught.value
     assert "block [2, 16] x splits (1, 4) = global [2, 64]" in notes, notes
+
+
+def test_plan_shapes_of_integer_targets_name_dtypes(caplog: pytest.LogCaptureFixture) -> None:
+    """`plan(shapes=...)` of a cross entropy with class targets: the shapes' inputs are float32
+    without ``dtypes=``, which the gather in the loss refuses. The FakeKernelError said nothing
+    of dtypes and the fake mode logged its traceback first (16 lines); now it names dtypes=
+    and nothing is logged. With the dtypes, it plans."""
+    from shardwise.planner import FakeKernelError
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # (torch's: not propagated)
+    fake_log.addHandler(caplog.handler)
+    with simulated_world(2):
+        try:
+            with pytest.raises(FakeKernelError) as caught:
+                sw.AutoParallel(Net(), parallel_mode="semi_auto").plan(shapes=[(8, 16), (8,)])
+        finally:
+            fake_log.removeHandler(caplog.handler)
+        plan = sw.AutoParallel(Net(), parallel_mode="semi_auto").plan(
+            shapes=[(8, 16), (8,)], dtypes=[torch.float32, torch.int64]
+        )
+    message = str(caught.value)
+    assert "cross_entropy" in message and "were float32 (the default without dtypes=)" in message
+    assert "dtypes=[torch.float32, torch.int64]" in message
+    assert not [r for r in caplog.records if "attempting to run meta" in r.getMessage()]
+    assert plan.nodes

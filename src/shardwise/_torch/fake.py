@@ -4,12 +4,17 @@ Capture (`planner/_capture.py`, `planner/_recorders.py`) runs a train step on fa
 (``FakeTensorMode``) to record every op with its global shapes, on any model size, without
 memory or compute; ops whose result depends on tensor values raise one of `DATA_DEPENDENT`,
 which capture reports with the op's source line; `holds_fake` tells such tensors left in user
-objects (`planner/_user_state.py`), also inside a tensor subclass that wraps others. Only in
-``torch._subclasses.fake_tensor`` and ``torch.utils._python_dispatch``.
+objects (`planner/_user_state.py`), also inside a tensor subclass that wraps others;
+`quiet_meta_failures` keeps the fake mode from logging the traceback of a meta kernel's error
+that capture raises again with the op and the fix. Only in ``torch._subclasses.fake_tensor``
+and ``torch.utils._python_dispatch``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch._subclasses.fake_tensor import (
@@ -38,4 +43,23 @@ def holds_fake(value: Any) -> bool:
     return any(holds_fake(getattr(value, name)) for name in names)
 
 
-__all__ = ["DATA_DEPENDENT", "FakeTensor", "FakeTensorMode", "holds_fake"]
+_LOG = logging.getLogger("torch._subclasses.fake_tensor")  # (the fake mode's own logger)
+_META_FAILED = "failed while attempting to run meta for"
+
+
+def _not_meta_failure(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_META_FAILED)
+
+
+@contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """Within: the fake mode does not log a meta kernel's exception with its traceback (the
+    exception itself still propagates, to be reported by the caller)."""
+    _LOG.addFilter(_not_meta_failure)
+    try:
+        yield
+    finally:
+        _LOG.removeFilter(_not_meta_failure)
+
+
+__all__ = ["DATA_DEPENDENT", "FakeTensor", "FakeTensorMode", "holds_fake", "quiet_meta_failures"]

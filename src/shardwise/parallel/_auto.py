@@ -38,7 +38,7 @@ from shardwise.optim import (
     check_fusion,
     check_hsdp,
 )
-from shardwise.parallel._call_io import local_inputs
+from shardwise.parallel._call_io import float_shapes_hint, local_inputs
 from shardwise.parallel._clip import DATA_PARALLEL, Clipping, clipping
 from shardwise.parallel._compiled import uncompiled, warn_compiled
 from shardwise.parallel._context import (
@@ -56,7 +56,7 @@ from shardwise.parallel._ownership import stored, take_over
 from shardwise.parallel._reading import PlanReading
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 from shardwise.parallel._strategy_files import StrategyFiles
-from shardwise.planner import ParallelPlan, regathered_params
+from shardwise.planner import FakeKernelError, ParallelPlan, regathered_params
 
 
 class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
@@ -289,7 +289,12 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
             if shapes is not None:
                 world = comm.get_group_size()
                 inputs = local_inputs(shapes, dtypes, self._dataset, world)
-            self._graph = self._plan_graph(tuple(inputs), {})
+            try:
+                self._graph = self._plan_graph(tuple(inputs), {})
+            except FakeKernelError as e:  # (its type, notes and traceback kept)
+                if shapes is not None and dtypes is None:
+                    e.args = (f"{e}\n{float_shapes_hint(shapes)}",)
+                raise
         plan = self._graph.parallel_plan
         assert plan is not None
         return plan

@@ -217,3 +217,17 @@ def local_inputs(
         local = tuple(n // k for n, k in zip(glob, split, strict=True))
         out.append(torch.empty(local, dtype=dtype, device="meta"))
     return tuple(out)
+
+
+def float_shapes_hint(shapes: Sequence[Sequence[int]]) -> str:
+    """What `AutoParallel.plan` adds to a capture error of its `shapes` inputs, given without
+    dtypes: they were float32, which an op taking integers (cross entropy's class targets, an
+    embedding's token ids, gather's index) refuses; the fix names ``dtypes=``."""
+    shown = ", ".join(str(tuple(int(n) for n in s)) for s in shapes)
+    example = ", ".join(["torch.float32"] * (len(shapes) - 1) + ["torch.int64"])
+    return (
+        f"AutoParallel.plan: the inputs of shapes=[{shown}] were float32 (the default without "
+        "dtypes=); an input holding integers (class targets, token ids, indices) needs its "
+        "dtype: give one dtype per shape, e.g. plan(shapes=[...], "
+        f"dtypes=[{example}]) for integer targets last"
+    )

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from shardwise._torch import pytree
-from shardwise._torch.fake import FakeTensorMode
+from shardwise._torch.fake import FakeTensorMode, quiet_meta_failures
 from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
@@ -185,6 +185,7 @@ def capture(
         for net in networks:
             stack.enter_context(reparametrize(net, fakes))
         stack.enter_context(tracing())  # (a delayed-init network is not materialized)
+        stack.enter_context(quiet_meta_failures())  # (a FakeKernelError names the op instead)
         stack.enter_context(mode)
         stack.enter_context(module_hooks(state))
         stack.enter_context(_AtenRecorder(state))
