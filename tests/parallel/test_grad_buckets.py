@@ -313,3 +313,36 @@ def test_a_backward_after_one_that_raised_without_a_forward_between() -> None:
         net.zero_grad(set_to_none=True)
         F.cross_entropy(good, world.rows(y)).backward()
         assert_matches_single_device(grads(net), want, what="grads")
+
+
+@pytest.mark.parametrize(
+    ("fusion", "by_id"),
+    [(None, False), ({"allreduce": {"mode": "auto"}}, False), ({"openstate": True}, True)],
+    ids=["default", "allreduce-mode", "no-allreduce-mode"],
+)
+def test_fusion_ids_count_only_with_a_comm_fusion_without_an_allreduce_mode(
+    fusion: dict[str, Any] | None, by_id: bool
+) -> None:
+    """As docs/parallel.md says: without hsdp(), `set_comm_fusion` ids make the gradient buckets
+    only under a comm_fusion setting that has no allreduce mode; by default (25 MB) and with an
+    allreduce mode every parameter of a group shares one bucket whatever its id."""
+    import shardwise as sw
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    for layer, fusion_id in ((net[0], 0), (net[2], 2), (net[4], 2)):
+        sw.set_comm_fusion(layer, fusion_id)
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = AutoParallel(net, parallel_mode="semi_auto")
+        if fusion is not None:
+            parallel.comm_fusion(fusion)
+        buckets = parallel.plan(shapes=[(BATCH, 8)]).buckets
+    got = sorted((b.fusion, sorted(b.params)) for b in buckets)
+    if by_id:
+        assert got == [
+            (0, ["0.bias"]),
+            (0, ["0.weight"]),
+            (2, ["2.bias", "2.weight", "4.bias", "4.weight"]),
+        ]
+    else:
+        assert [(f, len(p)) for f, p in got] == [(-1, 6)]
