@@ -154,7 +154,18 @@ def embedding_rule(
     sparse)`` (what ``nn.Embedding`` calls): with ``scale_grad_by_freq`` and the ids split,
     the ids and the weight whole and the output whole (each row's gradient is divided by how
     often its id occurs in the whole batch: each rank counting its own ids made it n times
-    one device's); otherwise None, DTensor's rule as usual."""
+    one device's). With ``max_norm`` and the weight's embedding dim (dim 1) split: ValueError
+    (the op rescales in place each row it reads by the row's norm over the whole embedding dim;
+    each rank would take its block's norm). Otherwise None, DTensor's rule as usual."""
+    max_norm = kwargs.get("max_norm", args[3] if len(args) > 3 else None)
+    if max_norm is not None and len(have) > 1 and any(_splits(p, 1) for p in have[1]):
+        raise ValueError(
+            f"nn.Embedding(max_norm={max_norm}) rescales in place every row it looks up by the "
+            "row's norm over the whole embedding dim, which this annotation splits over the "
+            "ranks (each would take its own block's norm); leave the embedding dim whole (no "
+            "annotation on this embedding), or drop max_norm and renormalize the weight's rows "
+            "yourself (torch.renorm under torch.no_grad() before the step)"
+        )
     scaled = kwargs.get("scale_grad_by_freq", args[5] if len(args) > 5 else False)
     if not scaled or not any(isinstance(p, Shard | StridedShard) for p in have[0]):
         return None

@@ -94,6 +94,7 @@ class _Follow(FollowErrors):
         need, outs, _ = self._follow(node, have, strict=True)
         for i in layouts:
             if need[i] != have[i]:
+                self._whole_op(node, have)  # (the op's own rule may say why: it raises then)
                 raise PlanError(
                     f"sw.shard on {node.module} ({node.op} at {node.source}): the sharding rule "
                     f"of {node.op} cannot take input {i} as annotated ({have[i]}; it wants "
