@@ -10,7 +10,8 @@
   the usual semi_auto rules (primitives as their strategies say, unannotated torch ops data
   parallel). `parameter_plan` sets the layout in which parameters are *stored* on the ranks:
   each primitive gets its parameters redistributed from there to the layout its strategy wants
-  (with the adjoint in backward), and unannotated torch ops get them whole (AllGather).
+  (with the adjoint in backward), and unannotated torch ops get them whole (AllGather). Which tensor
+  each entry is for, and the resharding itself: `_shard_io`.
 - `Session`: what an `AutoParallel` offers during one wrapped call (`active_session`); the
   wrapper registers itself with `activate`. A network run from its captured graph reshards
   through `reshard_value`, one op of the graph.
@@ -37,6 +38,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 from shardwise import communication as comm
 from shardwise.layout import LayoutTypeError, TensorLayout
 from shardwise.ops import Primitive, normalize_strategy
+from shardwise.parallel._shard_io import reshard_inputs, reshard_outputs
 from shardwise.parallel._shard_labels import ShardLabels
 from shardwise.planner._annotated import entry_layout
 from shardwise.planner._graph import OP_STRATEGY
@@ -246,55 +248,6 @@ def _check_plan(parameter_plan: object, who: str) -> dict[str, Entry]:
     return out
 
 
-def _reshard_all(
-    values: Sequence[Any],
-    strategy: Sequence[Entry] | None,
-    what: str,
-    labels: ShardLabels,
-    module: bool = False,
-) -> list[Any]:
-    """Reshard the tensors among `values` (the call's positional arguments, or its outputs) to
-    the entries of `strategy`, in order (`labels`: how messages name the call and each entry;
-    `module`: the call is a module's)."""
-    if strategy is None:
-        return list(values)
-    inputs = what == "in_strategy"
-    positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if len(strategy) != len(positions):
-        hint = ""
-        if module and inputs and len(strategy) > len(positions):
-            hint = (
-                " of its forward (an entry for its weight too is the op form, for nn.Linear "
-                "and nn.Embedding only: annotate the op inside it with sw.ops primitives)"
-            )
-        names = ", ".join(labels.argument(i) for i in positions) if inputs else ""
-        raise ValueError(
-            f"{labels.who}: {what} has {len(strategy)} entries but the call has "
-            f"{len(positions)} tensor {'inputs' if inputs else 'outputs'}"
-            + (f" ({names})" if names else "")
-            + "; give one per tensor"
-            + hint
-        )
-    session = active_session()
-    if session is None:
-        return list(values)
-    out = list(values)
-    for k, (i, entry) in enumerate(zip(positions, strategy, strict=True)):
-        label = labels.entry(what, k, i if inputs else None)
-        out[i] = session.reshard(values[i], entry, labels.who, label)
-    return out
-
-
-def _outputs(out: Any, strategy: Sequence[Entry] | None, labels: ShardLabels) -> Any:
-    if strategy is None:
-        return out
-    if isinstance(out, torch.Tensor):
-        return _reshard_all([out], strategy, "out_strategy", labels)[0]
-    if isinstance(out, tuple | list):
-        return type(out)(_reshard_all(list(out), strategy, "out_strategy", labels))
-    raise TypeError(f"{labels.who}: out_strategy given but the call returned {type(out).__name__}")
-
-
 def shard(
     fn_or_module: Callable[..., Any] | nn.Module,
     in_strategy: object,
@@ -306,7 +259,10 @@ def shard(
     Args:
         fn_or_module: a function of tensors, or an `nn.Module` (changed in place: hooks).
         in_strategy: one entry per tensor input: split counts such as ``(2, 1)`` or a Layout
-            call; None leaves the inputs as they come.
+            call; None leaves the inputs as they come. The positional tensors first, then
+            those passed by keyword in the order the signature lists them (``**kwargs``: in
+            the order passed); or one per positional tensor only, the keyword ones then left
+            as they come.
         out_strategy: one entry per tensor output, or None (outputs as the body leaves them).
         parameter_plan: parameter name -> entry: the layout each listed parameter is stored in
             (names relative to the module; for a function, to the network `AutoParallel`
@@ -375,10 +331,11 @@ def shard(
             session = active_session()
             if session is not None and params:
                 session.declare_parameters(m, params)
-            return tuple(_reshard_all(args, ins, "in_strategy", labels, module=True)), kwargs
+            new_args, new_kwargs = reshard_inputs(args, kwargs, ins, labels, session, module=True)
+            return tuple(new_args), new_kwargs
 
         def after(m: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-            return _outputs(out, outs, labels)
+            return reshard_outputs(out, outs, labels, active_session())
 
         module.register_forward_pre_hook(before, with_kwargs=True)
         module.register_forward_hook(after)
@@ -392,6 +349,7 @@ def shard(
         session = active_session()
         if session is not None and params:
             session.declare_parameters(None, params)
-        return _outputs(fn(*_reshard_all(args, ins, "in_strategy", labels), **kwargs), outs, labels)
+        new_args, new_kwargs = reshard_inputs(args, kwargs, ins, labels, session)
+        return reshard_outputs(fn(*new_args, **new_kwargs), outs, labels, session)
 
     return wrapper

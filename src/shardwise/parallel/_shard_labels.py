@@ -6,16 +6,16 @@ plan time. They name the call as the user wrote it, ``sw.shard(scaled_dot_produc
 and the entry, ``in_strategy entry 1 (key)``, rather than a ``sw.reshard`` the user never called
 and ``input 0`` for every entry.
 
-- `ShardLabels`: the wrapped callable's name and (found once, lazily) its positional argument
-  names: from its signature, or for a builtin from the first line of its docstring
-  (``scaled_dot_product_attention(query, key, value, ...)``).
+- `ShardLabels`: the wrapped callable's name and (found once, lazily) its argument names, in
+  the order its signature lists them: from its signature, or for a builtin from the first
+  line of its docstring (``scaled_dot_product_attention(query, key, value, ...)``).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -27,16 +27,22 @@ def _name(target: Callable[..., Any] | nn.Module) -> str:
     return str(getattr(target, "__name__", None) or type(target).__name__)
 
 
-def _argument_names(target: Callable[..., Any] | nn.Module) -> tuple[str, ...]:
-    """The names of the positional arguments of `target` (of its ``forward`` for a module);
-    empty when neither its signature nor its docstring tells them."""
+def _argument_names(target: Callable[..., Any] | nn.Module) -> tuple[tuple[str, ...], ...]:
+    """The names of the positional arguments of `target` (of its ``forward`` for a module) and
+    of all its named arguments (keyword-only ones too), each in the signature's order; empty
+    when neither its signature nor its docstring tells them."""
     fn = target.forward if isinstance(target, nn.Module) else target
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # (a builtin: `F.scaled_dot_product_attention`)
-        return _doc_names(fn)
+        names = _doc_names(fn)
+        return names, names
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in params if p.kind in kinds)
+    named = (*kinds, inspect.Parameter.KEYWORD_ONLY)
+    return (
+        tuple(p.name for p in params if p.kind in kinds),
+        tuple(p.name for p in params if p.kind in named),
+    )
 
 
 def _doc_names(fn: Any) -> tuple[str, ...]:
@@ -59,18 +65,31 @@ class ShardLabels:
     def __init__(self, target: Callable[..., Any] | nn.Module) -> None:
         self.who = f"sw.shard({_name(target)})"
         self._target = target
-        self._names: tuple[str, ...] | None = None
+        self._names: tuple[tuple[str, ...], ...] | None = None
 
-    def argument(self, position: int) -> str:
-        """The name of the call's positional argument `position` (``argument 3``: unknown)."""
+    def _found(self) -> tuple[tuple[str, ...], ...]:
         if self._names is None:
             self._names = _argument_names(self._target)
-        names = self._names
-        return names[position] if position < len(names) else f"argument {position}"
+        return self._names
 
-    def entry(self, what: str, index: int, position: int | None = None) -> str:
-        """``in_strategy entry 1 (key)``: entry `index` of `what`, for the argument at
-        `position` of the call (None: an output)."""
-        if position is None:
+    def argument(self, key: int | str) -> str:
+        """The name of the call's argument `key`: a position (``argument 3``: unknown) or the
+        keyword it was passed by."""
+        if isinstance(key, str):
+            return key
+        names = self._found()[0]
+        return names[key] if key < len(names) else f"argument {key}"
+
+    def keyword_order(self, keywords: Sequence[str]) -> list[str]:
+        """`keywords` (arguments passed by keyword) in the order the signature lists them;
+        those it does not list (taken by a ``**kwargs``) after them, in the order given."""
+        named = self._found()[1]
+        listed = [n for n in named if n in keywords]
+        return listed + [k for k in keywords if k not in listed]
+
+    def entry(self, what: str, index: int, key: int | str | None = None) -> str:
+        """``in_strategy entry 1 (key)``: entry `index` of `what`, for the argument `key` of
+        the call (a position or a keyword; None: an output)."""
+        if key is None:
             return f"{what} entry {index}"
-        return f"{what} entry {index} ({self.argument(position)})"
+        return f"{what} entry {index} ({self.argument(key)})"
