@@ -26,6 +26,8 @@ _RANDOM_SEEDS = 1 << 32
 """torch draws its own seed from 64 random bits: one below this was set by the script (but for
 a chance of 1 in 2**32)."""
 
+_SEED_BOUND = 1 << 64  # (torch.manual_seed takes seeds below it)
+
 _CONTEXT: dict[str, Any] = {"save_graphs": 0, "save_graphs_path": "./saved_graph"}
 
 
@@ -37,10 +39,10 @@ def set_seed(seed: int) -> None:
     tensors) is derived from it by the parallel layers, never by re-seeding.
 
     Args:
-        seed: a non-negative integer.
+        seed: a non-negative integer below 2**64 (torch's range).
 
     Raises:
-        ValueError: `seed` is not a non-negative int.
+        ValueError: `seed` is not a non-negative int below 2**64.
 
     Example:
         >>> sw.set_seed(1)
@@ -50,6 +52,11 @@ def set_seed(seed: int) -> None:
     global _seed
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"set_seed: seed={seed!r} must be a non-negative int")
+    if seed >= _SEED_BOUND:  # (checked before any generator is seeded)
+        raise ValueError(
+            f"set_seed: seed={seed} is too large: torch takes seeds below 2**64 (at most "
+            f"{_SEED_BOUND - 1}); give a smaller seed, e.g. seed % 2**64"
+        )
     random.seed(seed)
     try:
         import numpy as np

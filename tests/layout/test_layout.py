@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from shardwise.layout import (
@@ -85,6 +86,16 @@ def test_accessors_and_rank_list() -> None:
     x = layout("b", "None")
     assert _ranges(x.local_slice(5, (4, 2))) == ((2, 4), (0, 2))
     assert layout.matrix.coord(6) == (1, 0)
+
+
+def test_numpy_integers_are_taken_as_ints() -> None:
+    """NumPy integers in a device matrix or rank list were refused ("must be a tuple of
+    ints"), where call arguments (ReduceSum's axis) take them."""
+    layout = Layout((np.int64(2), np.int32(2)), ("a", "b"), list(np.arange(4, 8)))
+    assert layout == Layout((2, 2), ("a", "b"), [4, 5, 6, 7])
+    assert all(type(v) is int for v in (*layout.device_matrix, *layout.rank_list))
+    with pytest.raises(LayoutTypeError, match="device_matrix must be a tuple of ints"):
+        Layout((np.float64(2.0), 2), ("a", "b"))
 
 
 def test_dicts_round_trip_through_json() -> None:

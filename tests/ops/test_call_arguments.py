@@ -77,6 +77,20 @@ class _Net(nn.Module):
 def test_a_primitive_after_a_view_matches_one_device(
     op: nn.Module, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
 ) -> None:
+    _matches_one_device(op, call)
+
+
+def test_numpy_integers_in_a_strategy_match_one_device() -> None:
+    """NumPy integers in a strategy, as call arguments take them (refused: "expected a tuple
+    of ints or a Layout call")."""
+    op = sw.ops.Softmax().shard(((np.int64(1), np.int32(4), 1),))
+    assert op.in_strategy == ((1, 4, 1),)
+    _matches_one_device(op, lambda op, h: op(h))
+
+
+def _matches_one_device(
+    op: nn.Module, call: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+) -> None:
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     net = _Net(op, call)
     want = net(x).square().mean()

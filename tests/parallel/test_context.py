@@ -197,8 +197,43 @@ def test_unsupported_modes_fail_at_creation(context: dict[str, str], match: str)
 
 
 def test_an_unknown_explicit_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"valid: 'semi_auto' \| 'sharding_propagation' \|"):
-        AutoParallel(Network(), parallel_mode="auto_parallel")
+    with pytest.raises(
+        ValueError,
+        match=r"valid: 'semi_auto' \| 'sharding_propagation' \|.*, or MindSpore's names "
+        r"\(sw.ParallelMode: 'stand_alone' \| 'data_parallel' \| 'semi_auto_parallel' \| "
+        r"'auto_parallel'\)",
+    ):
+        AutoParallel(Network(), parallel_mode="semi_auto_paralel")
+
+
+@pytest.mark.parametrize(
+    ("mode", "search_mode", "resolved"),
+    [
+        (sw.ParallelMode.SEMI_AUTO_PARALLEL, None, "semi_auto"),
+        (sw.ParallelMode.STAND_ALONE, None, "semi_auto"),
+        (sw.ParallelMode.DATA_PARALLEL, None, "data_parallel"),
+        (sw.ParallelMode.AUTO_PARALLEL, None, "recursive_programming"),
+        (sw.ParallelMode.AUTO_PARALLEL, "sharding_propagation", "sharding_propagation"),
+    ],
+)
+def test_an_explicit_mindspore_mode_is_read_as_the_context_reads_it(
+    mode: str, search_mode: str | None, resolved: str
+) -> None:
+    """``parallel_mode=sw.ParallelMode.SEMI_AUTO_PARALLEL`` was refused ("parallel_mode
+    'semi_auto_parallel'") although the context takes it."""
+    if search_mode is not None:
+        sw.set_auto_parallel_context(search_mode=search_mode)
+    assert AutoParallel(Network(), parallel_mode=mode).parallel_mode == resolved
+
+
+def test_an_explicit_auto_parallel_with_an_unsupported_search_mode_is_refused() -> None:
+    sw.set_auto_parallel_context(search_mode="dynamic_programming")
+    with pytest.raises(
+        UnsupportedParallelError,
+        match=r"AutoParallel\(parallel_mode='auto_parallel'\) with the context's "
+        r"search_mode='dynamic_programming' is not supported",
+    ):
+        AutoParallel(Network(), parallel_mode=sw.ParallelMode.AUTO_PARALLEL)
 
 
 def plan_seed003(world: SimulatedWorld, net: Network) -> None:

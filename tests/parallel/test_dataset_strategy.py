@@ -28,6 +28,7 @@ from test_seed003_parity import BATCH, WORLD, Network, data, single_device
 from test_train_step import single_device as single_device_updates
 
 LAYOUT = sw.Layout((2, 4), ("dp", "mp"))
+RANK_LIST = sw.Layout((2, 4), ("dp", "mp"), rank_list=[1, 0, 2, 3, 4, 5, 6, 7])
 STRATEGIES: dict[str, Any] = {
     "all8": ((8, 1, 1, 1), (8,)),
     "repeat4": ((2, 1, 1, 1), (2,)),  # 2 blocks of rows, each on 4 consecutive ranks
@@ -111,6 +112,12 @@ def test_module_gets_blocks_and_global_context() -> None:
         (((1, 1, 1, 16), (1,)), r"uses 16 devices"),
         (((8, 1, 1, 1), LAYOUT("dp")), r"mixes int tuples and Layouts"),
         (((8, 1, 0, 1), (8,)), r"^dataset_strategy: strategy entry 0 \(8, 1, 0, 1\) splits dim 2"),
+        (  # (a rank_list: named with the Layout's own aliases, not the plan's g0 / g1 matrix)
+            (RANK_LIST("dp", "None", "None", "None"), RANK_LIST("dp")),
+            r"^dataset_strategy: entry 0 is a call of Layout\(\(2, 4\), \('dp', 'mp'\), "
+            r"rank_list=\[1, 0, 2, 3, 4, 5, 6, 7\]\), which orders the devices by its rank_list; "
+            r".* Use the Layout without rank_list: sw.Layout\(\(2, 4\), \('dp', 'mp'\)\)$",
+        ),
     ],
 )
 def test_errors(strategy: Any, match: str) -> None:

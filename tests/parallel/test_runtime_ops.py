@@ -156,7 +156,7 @@ def test_unannotated_torch_op_before_a_primitive_is_planned() -> None:
 
 def test_only_semi_auto() -> None:
     with pytest.raises(ValueError, match="valid: 'semi_auto'"):
-        AutoParallel(ReduceScatterNet(), parallel_mode="auto_parallel")
+        AutoParallel(ReduceScatterNet(), parallel_mode="auto")
 
 
 LAYOUT = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))

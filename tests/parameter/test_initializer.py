@@ -120,6 +120,20 @@ def test_bad_types() -> None:
         initializer("ones", [2], "float32")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", ["normal", "uniform", "truncated_normal", "he_uniform"])
+def test_a_random_init_of_an_integer_dtype_names_both(name: str) -> None:
+    """``initializer("normal", [2, 2], torch.int32)`` raised torch's NotImplementedError
+    ("normal_kernel_cpu" not implemented for 'Int')."""
+    with pytest.raises(
+        TypeError,
+        match=r"draws random floating-point values and cannot fill a "
+        r"tensor of dtype torch.int32; give a floating-point dtype",
+    ):
+        initializer(name, [2, 2], torch.int32)
+    assert torch.equal(initializer("zeros", [2], torch.int32), torch.zeros(2, dtype=torch.int32))
+    assert torch.equal(initializer(3, [2], torch.int64), torch.full((2,), 3))
+
+
 def test_fans_need_two_dims() -> None:
     assert fan_in_and_fan_out([10, 20]) == (20, 10)
     with pytest.raises(InitializerError, match="at least 2 dimensions"):

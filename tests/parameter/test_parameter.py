@@ -107,6 +107,17 @@ def test_set_comm_fusion_on_plain_and_sw_parameters() -> None:
         set_comm_fusion(net, True)  # type: ignore[arg-type]
 
 
+def test_set_comm_fusion_without_a_module_names_the_call() -> None:
+    """``set_comm_fusion(3, 1)`` (MindSpore's ``net.set_comm_fusion(3)`` written with the id
+    first) raised AttributeError: 'int' object has no attribute 'parameters'."""
+    with pytest.raises(
+        TypeError,
+        match=r"set_comm_fusion: module must be an nn.Module \(the first argument\), got int 3; "
+        r"call set_comm_fusion\(net, fusion_id\)",
+    ):
+        set_comm_fusion(3, 1)  # type: ignore[arg-type]
+
+
 def test_assign_tensor_keeps_identity_and_attributes() -> None:
     p = Parameter(torch.empty(2, 3, device="meta"), name="w")
     opt = torch.optim.SGD([p], lr=1.0)

@@ -3,6 +3,7 @@ report files of several plans, in one process and across runs."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +62,22 @@ def test_seed_untouched() -> None:
     set_seed(7)
     set_context(save_graphs=1)
     assert get_seed() == 7
+
+
+def test_a_seed_torch_cannot_take_is_refused_before_seeding_anything() -> None:
+    """``set_seed(2**64)`` seeded Python's random, then torch raised "Overflow when unpacking
+    long long"."""
+    set_seed(7)
+    state = random.getstate()
+    with pytest.raises(
+        ValueError,
+        match=r"set_seed: seed=18446744073709551616 is too large: "
+        r"torch takes seeds below 2\*\*64 .*e\.g\. seed % 2\*\*64",
+    ):
+        set_seed(2**64)
+    assert random.getstate() == state and get_seed() == 7
+    set_seed(2**64 - 1)  # (the largest seed torch takes)
+    assert get_seed() == 2**64 - 1
 
 
 def test_a_second_network_does_not_overwrite_the_first_networks_reports(tmp_path: Path) -> None:

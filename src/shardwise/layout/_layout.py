@@ -16,6 +16,7 @@ Wrong types raise `LayoutTypeError`, which is both a `TypeError` (as in MindSpor
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -93,13 +94,28 @@ class LayoutTypeError(TypeError, ValueError):
     """A layout or strategy argument of the wrong type (catchable as TypeError or ValueError)."""
 
 
+def index_tuple(value: object) -> tuple[int, ...] | None:
+    """`value` (a list or tuple of integers: ints, NumPy integers, anything with
+    ``__index__``; not bools) as a tuple of Python ints, else None."""
+    if not isinstance(value, tuple | list):
+        return None
+    out = []
+    for v in value:
+        if isinstance(v, bool):
+            return None
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            return None
+    return tuple(out)
+
+
 def _int_tuple(value: object, what: str) -> tuple[int, ...]:
-    """`value` as a tuple of ints (a list or tuple of non-bool ints), else LayoutTypeError."""
-    if not isinstance(value, tuple | list) or any(
-        isinstance(v, bool) or not isinstance(v, int) for v in value
-    ):
+    """`value` as a tuple of ints (`index_tuple`), else LayoutTypeError."""
+    ints = index_tuple(value)
+    if ints is None:
         raise LayoutTypeError(f"{what} must be a tuple of ints, got {value!r}")
-    return tuple(value)
+    return ints
 
 
 def _check_aliases(shape: tuple[int, ...], alias_name: object) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Self
 from torch import nn
 
 from shardwise.layout import Layout, LayoutTypeError, TensorLayout, strategy_kind
+from shardwise.layout._layout import index_tuple
 from shardwise.ops._plan import Strategy
 from shardwise.ops._spec_checks import fmt_strategy
 
@@ -33,16 +34,15 @@ def _entry(entry: object, i: int, what: str, who: str) -> tuple[int, ...] | Tens
             f"{who}: {what} entry {i} is a Layout; call it with one alias per tensor dim, "
             f"e.g. layout('dp', 'None')"
         )
-    if isinstance(entry, tuple | list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in entry
-    ):
-        for d, v in enumerate(entry):
+    ints = index_tuple(entry)  # (NumPy integers too)
+    if ints is not None:
+        for d, v in enumerate(ints):
             if v < 1:
                 raise ValueError(
-                    f"{who}: {what} entry {i} {tuple(entry)!r} splits dim {d} into {v} parts; "
+                    f"{who}: {what} entry {i} {ints!r} splits dim {d} into {v} parts; "
                     f"each value is a number of parts >= 1 (1: not split)"
                 )
-        return tuple(entry)
+        return ints
     hint = (
         " (a strategy holds one tuple per input: ((2, 4),) not (2, 4))"
         if isinstance(entry, int)

@@ -75,7 +75,8 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
             and the device matrix chosen by the plan's total cost, annotations as
             constraints: `planner.plan_recursive_programming`) or ``"data_parallel"`` (the
             whole network on every rank, `optim.DataParallelRunner`; with `hsdp`, owner update
-            + broadcast); default (None): from `set_auto_parallel_context`
+            + broadcast); a `ParallelMode` (MindSpore's names) is read as the context's;
+            default (None): from `set_auto_parallel_context`
             (``SEMI_AUTO_PARALLEL`` or the default ``STAND_ALONE``: semi_auto;
             ``AUTO_PARALLEL``: its ``search_mode``; ``DATA_PARALLEL``; the search mode
             ``dynamic_programming`` raises `UnsupportedParallelError`). The context's

@@ -237,7 +237,8 @@ def reset_auto_parallel_context() -> None:
 
 def resolve_parallel_mode(explicit: str | None) -> str:
     """The wrapper's mode: ``"semi_auto"``, ``"sharding_propagation"``,
-    ``"recursive_programming"`` or ``"data_parallel"``: `explicit` when given, else from the
+    ``"recursive_programming"`` or ``"data_parallel"``: `explicit` when given (one of those,
+    or a `ParallelMode` / MindSpore name, read as the context reads it), else from the
     context (``AUTO_PARALLEL`` takes its ``search_mode``).
 
     Raises:
@@ -245,14 +246,24 @@ def resolve_parallel_mode(explicit: str | None) -> str:
         ValueError: an unknown explicit mode.
     """
     modes = ("semi_auto", "sharding_propagation", "recursive_programming", "data_parallel")
-    if explicit is not None:
-        if explicit not in modes:
-            raise ValueError(
-                f"AutoParallel: parallel_mode {explicit!r}; valid: "
-                + " | ".join(repr(m) for m in modes)
-            )
+    if explicit is None:
+        return _from_mindspore_mode(_CONTEXT["parallel_mode"], explicit=False)
+    if explicit in modes:
         return explicit
-    mode = _CONTEXT["parallel_mode"]
+    if explicit in ParallelMode.MODES:
+        return _from_mindspore_mode(explicit, explicit=True)
+    raise ValueError(
+        f"AutoParallel: parallel_mode {explicit!r}; valid: "
+        + " | ".join(repr(m) for m in modes)
+        + ", or MindSpore's names (sw.ParallelMode: "
+        + " | ".join(repr(m) for m in ParallelMode.MODES)
+        + ")"
+    )
+
+
+def _from_mindspore_mode(mode: str, explicit: bool) -> str:
+    """A `ParallelMode` value as the wrapper's mode (`explicit`: given to `AutoParallel`, not
+    read from the context)."""
     if mode in (ParallelMode.STAND_ALONE, ParallelMode.SEMI_AUTO_PARALLEL):
         return "semi_auto"
     if mode == ParallelMode.DATA_PARALLEL:
@@ -260,9 +271,13 @@ def resolve_parallel_mode(explicit: str | None) -> str:
     search = _CONTEXT["search_mode"]
     if search in ("sharding_propagation", "recursive_programming"):
         return str(search)
+    setting = (
+        f"set_auto_parallel_context(parallel_mode={mode!r}, search_mode={search!r})"
+        if not explicit
+        else f"AutoParallel(parallel_mode={mode!r}) with the context's search_mode={search!r}"
+    )
     raise UnsupportedParallelError(
-        f"AutoParallel: set_auto_parallel_context(parallel_mode={mode!r}, "
-        f"search_mode={search!r}) is not supported; use search_mode='recursive_programming' "
+        f"AutoParallel: {setting} is not supported; use search_mode='recursive_programming' "
         f"or 'sharding_propagation', or ParallelMode.SEMI_AUTO_PARALLEL"
     )
 

@@ -6,7 +6,7 @@ order); ``"full_batch"``: each rank passes the whole global batch; per-input ent
 passes its block of the entry's layout.
 
 - `check_dataset_strategy`: a dataset strategy's types (a name, or one int tuple / Layout call
-  per input, never mixed).
+  per input, never mixed; a Layout without a ``rank_list``).
 - `input_layout`: the layout of input i under per-input strategies (each entry on its own
   device matrix, the repeat factor appended on the right as for a primitive).
 """
@@ -27,7 +27,8 @@ def check_dataset_strategy(strategy: object) -> DatasetStrategy:
     """`strategy` checked: ``"data_parallel"``, ``"full_batch"`` or per-input entries.
 
     Raises:
-        ValueError: an unknown name; mixed int tuples and Layouts; a malformed entry.
+        ValueError: an unknown name; mixed int tuples and Layouts; a malformed entry; a
+            Layout with a ``rank_list``.
         LayoutTypeError: None (a TypeError that is also a ValueError), naming the valid ones.
     """
     if strategy is None:
@@ -45,7 +46,25 @@ def check_dataset_strategy(strategy: object) -> DatasetStrategy:
         return strategy
     out = normalize_strategy(strategy, "strategy", _WHO)
     assert out is not None
+    for i, entry in enumerate(out):
+        if isinstance(entry, TensorLayout):
+            _check_rank_order(i, entry)
     return out
+
+
+def _check_rank_order(index: int, entry: TensorLayout) -> None:
+    """Raise ValueError when entry `index`'s Layout orders the devices by a ``rank_list``:
+    each rank's block of an input is its block in rank order."""
+    matrix = entry.matrix
+    if matrix.rank_list == tuple(range(matrix.size)):
+        return
+    shape, names = tuple(matrix.shape), tuple(matrix.names)
+    raise ValueError(
+        f"{_WHO}: entry {index} is a call of Layout({shape}, {names}, rank_list="
+        f"{list(matrix.rank_list)}), which orders the devices by its rank_list; AutoParallel "
+        f"places the devices in rank order (each rank passes its own block of the input). Use "
+        f"the Layout without rank_list: sw.Layout({shape}, {names})"
+    )
 
 
 def input_layout(

@@ -71,9 +71,21 @@ def _fan(shape: Sequence[int], mode: str) -> int:
 
 
 class Initializer:
-    """Base class: ``init(tensor)`` fills ``tensor`` in place (without autograd) and returns it."""
+    """Base class: ``init(tensor)`` fills ``tensor`` in place (without autograd) and returns it.
+
+    `draws`: the fill draws random real numbers, so it needs a floating-point tensor.
+    """
+
+    draws = False
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.draws and not tensor.dtype.is_floating_point:
+            raise TypeError(
+                f"initializer {type(self).__name__} draws random floating-point values and "
+                f"cannot fill a tensor of dtype {tensor.dtype}; give a floating-point dtype "
+                f"(torch.float32, torch.float16, torch.bfloat16, torch.float64), or for an "
+                f"integer tensor a constant init ('zeros', 'ones', a number)"
+            )
         with torch.no_grad():
             self._fill(tensor)
         return tensor
@@ -89,6 +101,8 @@ class Initializer:
 class Normal(Initializer):
     """N(mean, sigma**2); MindSpore's defaults ``sigma=0.01, mean=0.0``."""
 
+    draws = True
+
     def __init__(self, sigma: float = 0.01, mean: float = 0.0) -> None:
         self.sigma = sigma
         self.mean = mean
@@ -100,6 +114,8 @@ class Normal(Initializer):
 class Uniform(Initializer):
     """U(-scale, scale); MindSpore's default ``scale=0.07``."""
 
+    draws = True
+
     def __init__(self, scale: float = 0.07) -> None:
         self.scale = scale
 
@@ -109,6 +125,8 @@ class Uniform(Initializer):
 
 class TruncatedNormal(Initializer):
     """N(0, sigma**2) truncated to [-2 sigma, 2 sigma]; default ``sigma=0.01``."""
+
+    draws = True
 
     def __init__(self, sigma: float = 0.01) -> None:
         self.sigma = sigma
@@ -120,6 +138,8 @@ class TruncatedNormal(Initializer):
 
 class XavierUniform(Initializer):
     """U(-b, b) with ``b = gain * sqrt(6 / (fan_in + fan_out))``; default ``gain=1``."""
+
+    draws = True
 
     def __init__(self, gain: float = 1.0) -> None:
         self.gain = gain
@@ -133,6 +153,8 @@ class XavierUniform(Initializer):
 class XavierNormal(Initializer):
     """N(0, s**2) with ``s = gain * sqrt(2 / (fan_in + fan_out))``; default ``gain=1``."""
 
+    draws = True
+
     def __init__(self, gain: float = 1.0) -> None:
         self.gain = gain
 
@@ -143,6 +165,8 @@ class XavierNormal(Initializer):
 
 class HeNormal(Initializer):
     """N(0, s**2) with ``s = gain / sqrt(fan)``; defaults as MindSpore (fan_in, leaky_relu, 0)."""
+
+    draws = True
 
     def __init__(
         self, negative_slope: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu"
@@ -267,6 +291,11 @@ def initializer(
     Returns:
         A new tensor drawn from torch's global RNG. Inside ``sw.no_init_parameters()`` it
         is a meta tensor whose fill is recorded and replayed at materialization.
+
+    Raises:
+        TypeError: `dtype` is not a torch dtype, or a random `init` (all but zeros, ones and
+            constants) is given a dtype that is not floating point.
+        InitializerError: an unknown name, a bad shape, a tensor of another shape.
 
     Example:
         >>> torch.manual_seed(0)

@@ -183,12 +183,22 @@ def set_comm_fusion(module: torch.nn.Module, fusion_id: int, recurse: bool = Tru
     Returns:
         None.
 
+    Raises:
+        TypeError: `module` is not an ``nn.Module``.
+        ValueError: `fusion_id` is not an int >= 0.
+
     Example:
         >>> net = torch.nn.Linear(4, 2)
         >>> set_comm_fusion(net, 3)
         >>> comm_fusion_of(net.weight)
         3
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"set_comm_fusion: module must be an nn.Module (the first argument), got "
+            f"{type(module).__name__} {module!r}; call set_comm_fusion(net, fusion_id) "
+            f"(MindSpore's net.set_comm_fusion(fusion_id))"
+        )
     value = _check_fusion(fusion_id)
     for param in module.parameters(recurse=recurse):
         param.comm_fusion = value  # type: ignore[attr-defined]
