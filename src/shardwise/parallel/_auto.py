@@ -50,6 +50,7 @@ from shardwise.parallel._discover import agree_scalers, find_referenced, pick_ne
 from shardwise.parallel._errors import refuse_lazy
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
+from shardwise.parallel._ignored_strategies import warn_ignored_strategies
 from shardwise.parallel._nested import running
 from shardwise.parallel._observe import notify_unplanned
 from shardwise.parallel._ownership import stored, take_over
@@ -393,6 +394,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         broadcast (seed 001's data-parallel variant, `optim.DataParallelRunner`)."""
         if self._runner is None:
             notify_unplanned(self.parallel_mode)
+            warn_ignored_strategies(self.network)
             hsdp = self._hsdp
             self._runner = DataParallelRunner(
                 self.network,
