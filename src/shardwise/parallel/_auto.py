@@ -9,8 +9,9 @@ captures every op of the network or train step (shardwise primitives, torch ops,
 stored blocks and starts either optimizer parallel (`_hsdp.start_engine`) or the gradient
 buckets (`_grad_buckets.GradBuckets`); every call then runs under the plan executor
 (`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
-`_plan_graph` also writes the reports. ``parallel_mode="data_parallel"`` instead runs
-`optim.DataParallelRunner` (`_data_parallel`).
+`_plan_graph` also writes the reports (`_reading.dump_first_plan`).
+``parallel_mode="data_parallel"`` instead runs `optim.DataParallelRunner`
+(`_data_parallel_mode.start_runner`).
 
 Inputs follow MindSpore's convention: under the default ``"data_parallel"`` dataset strategy
 each rank passes its own rows of the global batch, under ``"full_batch"`` the whole global
@@ -30,7 +31,6 @@ import torch
 from torch import nn
 
 from shardwise import communication as comm
-from shardwise import report
 from shardwise.optim import (
     DataParallelRunner,
     OptimizerParallel,
@@ -46,18 +46,17 @@ from shardwise.parallel._context import (
     get_auto_parallel_context,
     resolve_parallel_mode,
 )
-from shardwise.parallel._discover import agree_scalers, find_referenced, pick_network
+from shardwise.parallel._data_parallel_mode import start_runner
+from shardwise.parallel._discover import find_referenced, pick_network
 from shardwise.parallel._errors import refuse_lazy
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context
-from shardwise.parallel._ignored_strategies import warn_ignored_strategies
 from shardwise.parallel._nested import running
-from shardwise.parallel._observe import notify_unplanned
 from shardwise.parallel._ownership import stored, take_over
-from shardwise.parallel._reading import PlanReading
+from shardwise.parallel._reading import PlanReading, dump_first_plan
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 from shardwise.parallel._strategy_files import StrategyFiles
-from shardwise.planner import FakeKernelError, ParallelPlan, regathered_params
+from shardwise.planner import FakeKernelError, ParallelPlan
 
 
 class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
@@ -376,37 +375,23 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         stored(self.network, run)
         plan = run.parallel_plan
         assert plan is not None
-        variant = report.next_variant()
-        report.dump_parallel_plan(plan, variant=variant)
+        dump_first_plan(run, plan)
         save = self._ckpt_config.get("save_file")
         if save:  # (set_auto_parallel_context(strategy_ckpt_config=...)); MindSpore's default
             self._save_params(plan, save, self._ckpt_config.get("only_trainable_params", True))
-        if run.engine is not None:  # (level 3 gathers some buckets again in backward)
-            again = regathered_params(plan)
-            report.dump_optimizer(run.engine.plan, plan.matrix, variant=variant, regathered=again)
-        elif run.grad_plan is not None:  # (the gradient AllReduce buckets)
-            report.dump_optimizer(run.grad_plan, plan.matrix, variant=variant)
         return run
 
     def _data_parallel(self, *inputs: Any, **kwargs: Any) -> Any:
-        """``parallel_mode="data_parallel"``: the whole network on every rank, gradients
-        all-reduced at the optimizer step; with `hsdp`, each parameter updated by its owner and
-        broadcast (seed 001's data-parallel variant, `optim.DataParallelRunner`)."""
+        """``parallel_mode="data_parallel"``: the whole network on every rank
+        (`_data_parallel_mode.start_runner`)."""
         if self._runner is None:
-            notify_unplanned(self.parallel_mode)
-            warn_ignored_strategies(self.network)
-            hsdp = self._hsdp
-            self._runner = DataParallelRunner(
+            self._runner, self._undo_scalers = start_runner(
                 self.network,
                 self.optimizers,
-                train_step=self.train_step,
-                parallel_optimizer=hsdp is not None,
-                threshold_kb=hsdp.threshold if hsdp is not None else 64,
-                fusion=self._fusion_dict or None,
-                dataset_strategy=self._dataset,
+                self.train_step,
+                self._hsdp,
+                self._fusion_dict,
+                self._dataset,
             )
-            report.dump_data_parallel(str(self._runner))
-            if self.train_step is not None:  # (its GradScaler checks this rank's gradients)
-                self._undo_scalers = agree_scalers(self.train_step)
         with clipping(None, DATA_PARALLEL):
             return self._runner(*inputs, **kwargs)

@@ -2,7 +2,8 @@
 `stored_plan`, `holds_blocks` (what the run stores), `strategies` (each op's
 in_strategy) and `explain` (why an op has its strategy: an automatic mode's explanation with its
 alternatives, else `_explain_rule`: the rule semi_auto or a loaded plan took it from and what the
-op moves).
+op moves); `dump_first_plan` writes a first plan's report files (the plan, the optimizer's or
+the gradient buckets' plan).
 """
 
 from __future__ import annotations
@@ -10,10 +11,24 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from shardwise.planner import ParallelPlan
+from shardwise import report
+from shardwise.planner import ParallelPlan, regathered_params
 
 if TYPE_CHECKING:
     from shardwise.parallel._graph_run import GraphRun
+
+
+def dump_first_plan(run: GraphRun, plan: ParallelPlan) -> None:
+    """Write the report files of `run`'s first `plan` (`report.dump_parallel_plan`, then the
+    optimizer-parallel engine's plan, with level 3's buckets gathered again in backward, or the
+    gradient buckets' plan)."""
+    variant = report.next_variant()
+    report.dump_parallel_plan(plan, variant=variant)
+    if run.engine is not None:
+        again = regathered_params(plan)
+        report.dump_optimizer(run.engine.plan, plan.matrix, variant=variant, regathered=again)
+    elif run.grad_plan is not None:
+        report.dump_optimizer(run.grad_plan, plan.matrix, variant=variant)
 
 
 class PlanReading:
