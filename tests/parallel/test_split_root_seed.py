@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
@@ -363,3 +364,40 @@ def test_a_primitive_networks_output_as_root() -> None:
         for name, p in net.named_parameters():
             layout = plan.params[name].layout
             assert_matches_single_device(p.grad, blocks(want[name], layout), what=name)
+
+
+class _Monitored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.h = torch.tanh(self.fc1(x))
+        out: torch.Tensor = self.fc2(self.h)
+        return out
+
+
+def test_a_monitoring_grad_from_a_split_root_before_the_loss() -> None:
+    """A ``torch.autograd.grad(out, h, ones, retain_graph=True)`` from this rank's rows of the
+    output, before the loss's backward: its root is not one the plan knows (the capture's
+    backward starts at the loss), so it is run as given (each rank its rows of one device's
+    gradient), not refused; the loss's backward then gives one device's gradients."""
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(12, 6, generator=g), torch.randn(12, 5, generator=g)
+
+    def body(net: _Monitored, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = net(x)
+        (gh,) = torch.autograd.grad(out, net.h, torch.ones_like(out), retain_graph=True)
+        F.mse_loss(out, t).backward()
+        return gh
+
+    one = _Monitored()
+    want = body(one, x, t)
+    net = _Monitored()
+    with simulated_world(3) as world:
+        world.replicate(net)
+        got = sw.AutoParallel(lambda a, b: body(net, a, b))(world.rows(x), world.rows(t))
+        assert_matches_single_device(got, world.rows(want), what="monitored gradient")
+        for p, q in zip(net.parameters(), one.parameters(), strict=True):
+            assert_matches_single_device(p.grad, q.grad, what="gradient")

@@ -53,6 +53,7 @@ class OptimizerParallel(WeightGathering):
         self.plan = plan
         self.level = plan.config.optimizer_level
         self.world = comm.get_group_size()
+        self.divisor = self.world  # (1 after a backward seeded with 1 / N: `_engine_reduce`)
         self.params = {s.info.name: network.get_parameter(s.info.name) for s in plan.params}
         self.shards = {s.info.name: s for s in plan.params}
         self.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}

@@ -6,9 +6,11 @@
   ReduceScatter over the shard group of the bucket's gradients (`reduce_scatter_bucket`: each
   rank receives its dim-0 chunk of every member), an AllReduce over the copy group when the
   shard group is smaller than the data-parallel group, or one AllReduce for unsharded members;
-  each gradient is a rank's share of one device's (the backward is seeded with 1/N:
-  `parallel._seeds`), so the sums are one device's gradient and a float16 sum overflows only
-  where one device's gradient would, and the result is added to ``param.grad`` (`_finish`,
+  each gradient is divided first by the running backward's divisor (`GraphRun.set_divisor`:
+  1 after a train step's backward seeded with 1/N, `parallel._seeds`, whose shares are already
+  one device's; N after a wrapped network's, whose caller seeds every rank's copy: divided
+  before the sums, as DDP does), so a sum of float16 gradients overflows only where one
+  device's gradient would, and the result is added to ``param.grad`` (`_finish`,
   `_deposit`). The ReduceScatters are started asynchronously and
   finished (`_drain`) at the end of backward, so they run while the earlier layers' gradients
   are computed. Level 1 keeps the full-size gradients on the leaves and reduces at the
@@ -53,6 +55,7 @@ class GradReduction:
     plan: OptimizerPlan
     level: str
     world: int
+    divisor: int  # what each gradient is divided by before the sums (`GraphRun.set_divisor`)
     params: dict[str, nn.Parameter]
     shards: dict[str, ParamShard]
     bucket_of: dict[str, int]
@@ -179,6 +182,9 @@ class GradReduction:
         if grads is None:
             return
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
+            if self.divisor != 1:  # (before the sum, as DDP: finite wherever one device's is)
+                for g in grads:
+                    g.div_(self.divisor)
             if bucket.kind == "shard":
                 pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
                 self._inflight.append((i, phase, pending))

@@ -1,4 +1,5 @@
-"""The `PlanExecutor` of one `GraphRun` call (`call_executor`): the plan's executor with what
+"""The `PlanExecutor` of one `GraphRun` call (`call_executor`, its plan's `NodeTable` from
+`plan_table`): the plan's executor with what
 the call holds (its inputs, the network whose buffers it re-assigns) and what the run adds
 (optimizer parallel's weights, the gradient buckets' count of the loss); `forward_marks`: what
 runs when the plan's forward starts and ends (marks, level 3's packing and freeing)."""
@@ -42,6 +43,22 @@ def forward_marks(
         recorder.mark("forward done")
 
     return starts, done
+
+
+def plan_table(
+    tables: dict[int, tuple[ParallelPlan, NodeTable]],
+    plan: ParallelPlan,
+    templates: list[tuple[Any, Any]],
+    dataset: object,
+) -> NodeTable:
+    """`plan`'s `NodeTable` for `dataset`, made once per plan and kept in `tables` (by the
+    plan's id, with the plan)."""
+    known = tables.get(id(plan))
+    table = known[1] if known is not None and known[0] is plan else None
+    if table is None or table.dataset != dataset:
+        table = NodeTable(plan, templates, dataset)
+        tables[id(plan)] = (plan, table)
+    return table
 
 
 def call_executor(

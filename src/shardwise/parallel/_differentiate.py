@@ -6,7 +6,9 @@ bases).
 reached its last op (`_passes.Passes.check_done`; a ``torch.autograd.grad`` that keeps the graph,
 ``create_graph`` / ``retain_graph``, is no step's differentiation and is not checked), and the
 seeds are scaled by 1/N (a split root's by its spread / N: `_seeds.Seeds.scaled_seeds`), so the
-gradients inside, and those a ``torch.autograd.grad`` returns, are one device's. A ``backward``
+gradients inside, and those a ``torch.autograd.grad`` returns, are one device's; the caller is
+told what they are still to be divided by (`divide_by`: 1, or N for the seeds `_seeds` leaves
+unscaled). A ``backward``
 without a gradient runs under `communication.primitives.replicated_seed` with this run's token
 (the plan's ``seeded`` adjoints stay local), or without one when an op outside the plan ran
 since the pass started. After it, the loss's started AllReduce (which ran alongside) is finished.
@@ -34,16 +36,22 @@ class Differentiate:
     in_backward: int  # > 0 while a backward of the step runs (`_input_grads`)
     outside: bool
     run: object
+    set_divisor: Callable[[int], None] | None
 
     if TYPE_CHECKING:
 
         def check_done(self, where: str) -> None: ...
 
         def scaled_seeds(
-            self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
+            self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], strict: bool = True
+        ) -> tuple[tuple[Any, ...], dict[str, Any], int]: ...
 
         def finish_started(self) -> None: ...
+
+    def divide_by(self, divisor: int) -> None:
+        """Tell the caller what this backward's gradients are still to be divided by."""
+        if self.set_divisor is not None:
+            self.set_divisor(divisor)
 
     def differentiate(
         self, func: Callable[..., Any], kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -54,7 +62,8 @@ class Differentiate:
             if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
                 self.check_done("torch.autograd.grad")
                 self.finished = self.backward_seen = True
-            args, kwargs = self.scaled_seeds(func, args, kwargs)  # (1 / N: one device's)
+            args, kwargs, divisor = self.scaled_seeds(func, args, kwargs, strict=last)
+            self.divide_by(divisor)
             self.in_backward += 1
             try:
                 return func(*args, **kwargs)
@@ -64,7 +73,8 @@ class Differentiate:
                     self.finish_started()
         self.check_done("loss.backward()")
         gradient = args[1] if len(args) > 1 else kwargs.get("gradient")  # (before `_seeds`)
-        args, kwargs = self.scaled_seeds(func, args, kwargs)  # (1 / N, a split root's: `_seeds`)
+        args, kwargs, divisor = self.scaled_seeds(func, args, kwargs)  # (1 / N: `_seeds`)
+        self.divide_by(divisor)
         self.finished = self.backward_seen = True  # (may run the plan again: `_restarts`)
         self.in_backward += 1  # (`_input_grads.input_gradients` acts only then)
         try:

@@ -4,9 +4,11 @@
 `GradBuckets` puts hooks on every parameter that sum its partial gradient over the axes on
 which the parameter is replicated, one AllReduce per fused bucket of gradients
 (`_hsdp.gradient_buckets`: DDP's 25 MB by default), started as soon as the bucket is full
-(asynchronous in a real job: it overlaps the rest of backward); each share is already its part
-of one device's gradient (the backward is seeded with 1/N: `_seeds`), so the sum is one
-device's gradient and a float16 sum overflows only where one device's gradient would; a
+(asynchronous in a real job: it overlaps the rest of backward); each share is divided first by
+the running backward's `divisor` (`GraphRun.set_divisor`: 1 after a train step's backward
+seeded with 1/N, `_seeds`, whose shares are one device's; N after a wrapped network's, whose
+caller seeds every rank's copy, as DDP), so a float16 sum overflows only where one device's
+gradient would; a
 gradient the plan made equal over some replica axes (`ParallelPlan.equal_grads`) is not summed
 over them but multiplied by their size (`_times`); a sparse gradient (``nn.Embedding(sparse=True)``)
 is summed on its own (`GradBuckets._sparse`).
@@ -95,7 +97,7 @@ class GradBuckets:
     """Step 4 without optimizer parallel: every gradient summed over the axes its parameter is
     replicated on, in fused buckets (`_hsdp.gradient_buckets`).
 
-    Each parameter's tensor hook writes its gradient (its share: `_seeds`) into
+    Each parameter's tensor hook writes its gradient divided by `divisor` into
     its slot of the bucket's flat buffer as autograd produces it; the bucket's one AllReduce
     (`all_reduce_async`, in place on the buffer) starts as soon as every member is in, so in a
     real job it runs while the earlier layers' gradients are computed (a simulated world runs it
@@ -125,6 +127,7 @@ class GradBuckets:
 
     def __init__(self, network: nn.Module, plan: OptimizerPlan) -> None:
         self.world = comm.get_group_size()
+        self.divisor = self.world  # (what each share is divided by: `set_divisor`)
         self.buckets: list[_Bucket] = []
         self.started: list[_Bucket] = []  # this backward's started AllReduces, in order
         self.task = -1  # the backward (graph task id) whose gradients the buckets hold
@@ -147,7 +150,8 @@ class GradBuckets:
     def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def scale(g: torch.Tensor) -> torch.Tensor:
             g = corrected(g, current_graph_task_id())  # (a loss's count factor: `_start`)
-            return g * times if times != 1 else g
+            d = self.divisor
+            return g * times / d if times != 1 else (g / d if d != 1 else g)
 
         return scale
 
@@ -179,10 +183,14 @@ class GradBuckets:
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(corrected(g, task), bucket.group, bucket.times[j])
             slot = bucket.slot(j)  # (scaled on the way in: no pass over the bucket later)
-            slot.copy_(g)
-            if bucket.times[j] != 1:
-                with torch.no_grad():
-                    slot.mul_(bucket.times[j])
+            times, d = bucket.times[j], self.divisor
+            if times == 1 and d != 1 and not g.requires_grad:
+                torch.div(g, d, out=slot)
+            else:  # (a gradient with a graph, ``create_graph=True``: no out= op takes it)
+                slot.copy_(g)
+                if times != d:
+                    with torch.no_grad():
+                        slot.mul_(times / d)
             if not stores:
                 bucket.got[j], out = "return", slot.view_as(g)
             elif p.grad is None:
@@ -205,8 +213,10 @@ class GradBuckets:
         return task == self.task
 
     def _now(self, g: torch.Tensor, group: str | None, times: int) -> torch.Tensor:
-        """`g` summed over `group` on its own, each share first multiplied by `times`."""
-        share = g.detach() * times if times != 1 else g.detach().clone()
+        """`g` summed over `group` on its own, each share first multiplied by `times` and
+        divided by `divisor` (as a bucket's)."""
+        d = self.divisor
+        share = g.detach() * (times / d) if times != 1 else g.detach() / d
         with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
             return all_reduce_(share.contiguous(), ReduceOp.SUM, group)
 
@@ -216,7 +226,7 @@ class GradBuckets:
         if bucket.times[j] != 1:
             g = g * bucket.times[j]
         with recorder.phase("backward"), recorder.label(bucket.label):
-            return all_reduce_sparse(g, bucket.group)
+            return all_reduce_sparse(g, bucket.group, self.divisor)
 
     def _start(self, bucket: _Bucket, task: int) -> None:
         """Start the bucket's AllReduce: its shares of backward `task`'s gradients, first

@@ -18,6 +18,7 @@
   value of a split parameter's global shape cut to this rank's block, and the buckets made again
   for the new objects; with ``hsdp()`` refused (`_replaced.check_replaced`).
 - `GradPlanning.clip_args`: `_clip.clipping`'s arguments for a call.
+- `GradPlanning.set_divisor`: what the next backward's gradients are still divided by.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class GradPlanning:
     grads: GradBuckets | None
     grad_plan: OptimizerPlan | None
     grads_equal: dict[str, tuple[int, ...]]
+    divisor: int  # what the next backward's gradients are still divided by (`set_divisor`)
     trainable: tuple[bool, ...]
     kinds: tuple[tuple[torch.dtype, torch.device], ...] = ()  # (the parameters' when planned)
     planned_trainable: tuple[bool, ...] | None = None  # (hsdp: those its buckets hold)
@@ -87,6 +89,17 @@ class GradPlanning:
         splits = plan_splits(self.network, self.stored_plan, engine.plan if engine else None)
         return splits, "", None if engine is None else engine.reduce_held
 
+    def set_divisor(self, divisor: int) -> None:
+        """What the gradients of the backward about to run are still to be divided by (the
+        buckets', the optimizer-parallel engine's and the input hooks' divisor): N for a
+        backward after the call (the caller's code seeds every rank's copy), the train step's
+        from `_seeds` (1, or N where it left a seed unscaled)."""
+        self.divisor = divisor
+        if self.grads is not None:
+            self.grads.divisor = divisor
+        if self.engine is not None:
+            self.engine.divisor = divisor
+
     def _buckets(
         self, plan: ParallelPlan, buckets: OptimizerPlan | None = None, again: bool = False
     ) -> None:
@@ -108,6 +121,7 @@ class GradPlanning:
             buckets = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
         self.grad_plan = buckets
         self.grads = GradBuckets(self.network, self.grad_plan)
+        self.grads.divisor = self.divisor
         self.hooks += self.grads.handles
         self.trainable = now
         self.grads_equal = dict(plan.equal_grads)

@@ -52,7 +52,7 @@ from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
-from shardwise.parallel._call_executor import call_executor, forward_marks
+from shardwise.parallel._call_executor import call_executor, forward_marks, plan_table
 from shardwise.parallel._call_io import (
     Cut,
     caller_inputs,
@@ -76,12 +76,7 @@ from shardwise.parallel._hsdp import (
     optimizer_plan,
     start_engine,
 )
-from shardwise.parallel._input_grads import (
-    entry_gradients,
-    exit_gradients,
-    input_gradients,
-    mark_outputs,
-)
+from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
 from shardwise.parallel._network_hooks import (
     NetworkHooks,
     check_annotations,
@@ -136,6 +131,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.optimizers = list(optimizers)
         self.session = GraphSession(network)
         self.executor: PlanExecutor | None = None  # during a call
+        # what the next backward's gradients are still divided by (`set_divisor`)
+        self.divisor = comm.get_group_size()
         self.plans: list[tuple[ParallelPlan, list[tuple[Any, Any]]]] = []  # every plan made
         self.by_flags = ByFlags()  # (the plan each call's flags last ran)
         self.tables: dict[int, tuple[ParallelPlan, NodeTable]] = {}  # by id of the plan
@@ -295,23 +292,14 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         on_end: Callable[[], None],
     ) -> PlanExecutor:
         """An executor of `plan` for one call with arguments `call` (the plan's `NodeTable`
-        worked out once per plan)."""
-        known = self.tables.get(id(plan))
-        table = known[1] if known is not None and known[0] is plan else None
-        if table is None or table.dataset != self.dataset:
-            table = NodeTable(plan, self.templates, self.dataset)
-            self.tables[id(plan)] = (plan, table)
-        hooks = (on_start, on_end)
-        return call_executor(
-            plan,
-            table,
-            call,
-            self.network,
-            self.engine,
-            hooks,
-            self.grads is not None,
-            bool(self.hsdp),
+        worked out once per plan: `plan_table`), telling this run each backward's divisor."""
+        table = plan_table(self.tables, plan, self.templates, self.dataset)
+        hooks, buckets = (on_start, on_end), self.grads is not None
+        executor = call_executor(
+            plan, table, call, self.network, self.engine, hooks, buckets, bool(self.hsdp)
         )
+        executor.set_divisor = self.set_divisor  # (the step's backward: `_seeds`)
+        return executor
 
     def _replan(
         self,
@@ -367,6 +355,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         if self.grads is not None:
             self._buckets(plan)  # (a plan variant with other equal gradients)
             self.grads.drop_unfinished()  # (a backward that raised)
+        if not inside:  # (the caller's backward, from every rank's copy: N)
+            self.set_divisor(comm.get_group_size())
         engine = self.engine
         # (level 3's saved-tensor hooks, around the whole call: `saved_tensors`)
         saved = nullcontext() if engine is None else engine.saved_tensors()
@@ -377,7 +367,11 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         try:
             if inside:  # (only while the step's own backward runs)
                 hooks = input_gradients(
-                    plan, *given, self.dataset, lambda: executor.in_backward > 0
+                    plan,
+                    *given,
+                    self.dataset,
+                    lambda: executor.in_backward > 0,
+                    lambda: self.divisor,
                 )
             clip = clipping(*self.clip_args())
             rnn = rows_hidden_checks(self.rnns)  # (an initial state made whole)
@@ -399,8 +393,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             out = rank_outputs(plan, out, self.dataset)
         else:
             out = executor.step_outputs(caller_inputs(out, cuts))  # (rows: `_leaving`)
-        if not inside:  # (a backward after the call: one device's gradients in it)
-            out = exit_gradients(out)
         mark_outputs(out, caller)  # (an input computed from them: `_input_grads`)
         # (the next call with its flags; the plan as run, which `_check_trainable` at the
         # forward's start may have replaced)

@@ -1,25 +1,24 @@
 """The gradients of a wrapped call's tensor inputs that require grad: one device's.
 
-shardwise differentiates the mean of every rank's copy of the step (N copies, N the job's size:
-a train step's backward is seeded with 1/N, `_seeds`; a wrapped network's outputs divide the
-gradient your code sends them by N, `exit_gradients`), so the gradient a rank computes for a
-value it holds is its share of that value's gradient; parameters' shares are summed over their
-replicas in the buckets. A tensor the caller passes gets the same: its shares summed over the
-axes the caller holds it replicated on (``full_batch``: all of them; the rows the plan cut from
-the whole batch are zero elsewhere; `_summed`): under ``data_parallel`` each rank holds its rows
-of one device's gradient (no collective when the rows are split over every axis), under
-``full_batch`` all of it. A tensor computed from another call's result carries N times its
-gradient back into that call (whose outputs divide by N).
+A train step's backward is seeded with 1/N (N copies of the loss, N the job's size: `_seeds`),
+so the gradient a rank computes for a value it holds is its share of that value's gradient
+(of N times it where `_seeds` leaves a seed unscaled: the divisor it reports); a wrapped network
+is differentiated by the caller's code from every rank's copy, so its shares are of N times the
+gradient. Parameters' shares are summed over their replicas in the buckets and divided by that
+divisor (1 or N). A tensor the caller passes gets the same: its shares summed over the axes the
+caller holds it replicated on (``full_batch``: all of them; the rows the plan cut from the whole
+batch are zero elsewhere), divided likewise (`_Division`): under ``data_parallel`` each rank
+holds its rows of one device's gradient (no collective when the rows are split over every axis),
+under ``full_batch`` all of it.
 
 - `input_gradients` (a train step): a hook on each such input for the call, acting only while
   the step's own backward runs; an input computed from what another wrapped call returned
-  (`from_calls`) is multiplied by N (its gradient goes on into that call's backward): the
-  gradient on its way to the caller's tensors mixed into it after that call is divided again,
-  on those edges of the graph (`_on_edge`).
+  (`from_calls`) is multiplied by N / divisor (its gradient goes on into that call's backward,
+  whose buckets divide by N): the gradient on its way to the caller's tensors mixed into it
+  after that call is divided by N again, on those edges of the graph (`_on_edge`).
 - `entry_gradients` (a wrapped network, whose backward runs after the call): each such input
-  enters the network through an autograd node (`_Entry`) that sums (or, from another call,
-  multiplies by N) whatever gradient reaches it through the call, whenever that backward runs;
-  `exit_gradients` divides what reaches the outputs by N.
+  enters the network through an autograd node that divides whatever gradient reaches it
+  through the call, whenever that backward runs.
 - `mark_outputs`: each call marks the autograd nodes of what it returns, not those of its own
   arguments returned as they are (`from_calls` walks an input's graph back to them).
 """
@@ -111,17 +110,14 @@ def _shares(plan: ParallelPlan, path: Any, dataset: object) -> tuple[str | None,
     return (group_for(matrix, axes)[0] if axes else None), bool(axes)
 
 
-def _summed(g: T, group: str | None, summed: bool) -> T:
-    """One device's gradient from a rank's share: summed over `group` (when `summed`)."""
+def _divided(g: T, group: str | None, summed: bool, divisor: int | None = None) -> T:
+    """One device's gradient from a rank's share: summed over `group`, divided by `divisor`
+    (N when None)."""
     if summed:
         with recorder.phase("backward"), recorder.label("input gradient"):
             g = all_reduce(g.clone(), ReduceOp.SUM, group)
-    return g
-
-
-def _divided(g: T, group: str | None, summed: bool) -> T:
-    """One device's gradient from N times a rank's share: summed, divided by N."""
-    return _summed(g, group, summed) / comm.get_group_size()
+    d = comm.get_group_size() if divisor is None else divisor
+    return g / d if d != 1 else g
 
 
 def input_gradients(
@@ -130,13 +126,15 @@ def input_gradients(
     kwargs: dict[str, Any],
     dataset: object,
     active: Callable[[], bool],
+    divisor: Callable[[], int],
 ) -> list[RemovableHandle]:
     """Hooks that make a train step's tensor inputs' gradients one device's (see the module
-    docstring), acting only while `active()` (the step's own backward runs); a tensor passed
-    twice gets one hook. Remove them when the call ends.
+    docstring), acting only while `active()` (the step's own backward runs), with the running
+    backward's `divisor()`; a tensor passed twice gets one hook. Remove them when the call
+    ends.
 
     Example:
-        >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True)
+        >>> handles = input_gradients(plan, (x,), {}, "data_parallel", lambda: True, lambda: 1)
     """
     handles: list[RemovableHandle] = []
     found: list[tuple[T, tuple[str | None, bool], bool, list[tuple[Any, int]]]] = []
@@ -146,21 +144,23 @@ def input_gradients(
             continue
         seen.add(id(leaf))
         found.append((leaf, _shares(plan, path, dataset), *from_calls(leaf)))
-    # an input not from a call gets a hook on itself, which sums all of its gradient: an edge
-    # of another input's graph into it is not summed again
+    # an input not from a call gets a hook on itself, which divides all of its gradient: an
+    # edge of another input's graph into it only undoes that graph's factor N / divisor
     hooked = {_node_of(t) for t, _, marked, _ in found if not marked}
     edges_done: set[tuple[int, int]] = set()
     world = comm.get_group_size()
+
+    def n() -> int:  # (the other call's divisor: its caller's backward, N)
+        return world
+
     for leaf, shares, marked, edges in found:
         if not marked:
-            handles.append(leaf.register_hook(_hook(_summed, shares, active)))
+            handles.append(leaf.register_hook(_hook(_summing(shares, divisor), active)))
             continue
-        # (N times the share from here on, as the call's backward expects: `exit_gradients`;
-        # on the edges to the caller's own values divided again, and summed unless the value
-        # has a hook of its own)
-        handles.append(leaf.register_hook(_hook(_times(world), shares, active)))
-        divide, back = _hook(_divided, shares, active), _hook(_times(1 / world), shares, active)
-        for node, i in edges:
+        # (N times the share from here on, as the other call's buckets expect)
+        handles.append(leaf.register_hook(_hook(_times(n, divisor), active)))
+        divide, back = _hook(_summing(shares, n), active), _hook(_times(divisor, n), active)
+        for node, i in edges:  # (only the gradient on its way to the caller's own values)
             target = node.next_functions[i][0]
             if (id(node), i) not in edges_done:
                 edges_done.add((id(node), i))
@@ -169,26 +169,23 @@ def input_gradients(
     return handles
 
 
-def _hook(
-    how: Callable[[T, str | None, bool], T],
-    shares: tuple[str | None, bool],
-    active: Callable[[], bool],
-) -> Callable[[T], T]:
-    """A gradient hook applying `how` (`_summed`, `_divided`) to a share while `active()`."""
+def _summing(shares: tuple[str | None, bool], by: Callable[[], int]) -> Callable[[T], T]:
+    """`_divided` over `shares` (group, summed), by `by()` when the gradient comes."""
+    return lambda g: _divided(g, *shares, by())
+
+
+def _times(a: Callable[[], int], b: Callable[[], int]) -> Callable[[T], T]:
+    """The gradient times a() / b() (itself when they are equal)."""
+    return lambda g: g if a() == b() else g * (a() / b())
+
+
+def _hook(how: Callable[[T], T], active: Callable[[], bool]) -> Callable[[T], T]:
+    """A gradient hook applying `how` while `active()` (other code's backward: its own)."""
 
     def share_summed(g: T) -> T:
-        return how(g, *shares) if active() else g  # (other code's: its own)
+        return how(g) if active() else g
 
     return share_summed
-
-
-def _times(n: float) -> Callable[[T, str | None, bool], T]:
-    """`_hook`'s `how` that multiplies the gradient by `n`."""
-
-    def times(g: T, group: str | None, summed: bool) -> T:
-        return g * n
-
-    return times
 
 
 def _node_of(t: T) -> int:
@@ -216,30 +213,25 @@ def _on_edge(i: int, divide: Callable[[T], T]) -> Callable[..., Any]:
     return hook
 
 
-class _Entry(torch.autograd.Function):
-    """Identity forward; backward: a rank's share summed over `group` (`_summed`), or, for a
-    tensor another call returned (`times` N), N times the gradient (that call's backward
-    divides what reaches its outputs by N: `exit_gradients`)."""
+class _Division(torch.autograd.Function):
+    """Identity forward; backward: one device's gradient from a rank's share (`_divided`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: T, group: str | None, summed: bool, times: int) -> T:
-        ctx.group, ctx.summed, ctx.times = group, summed, times
+    def forward(ctx: Any, x: T, group: str | None, summed: bool) -> T:
+        ctx.group, ctx.summed = group, summed
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: T) -> tuple[T, None, None, None]:
-        if ctx.times != 1:
-            return g * ctx.times, None, None, None
-        return _summed(g, ctx.group, ctx.summed), None, None, None
+    def backward(ctx: Any, g: T) -> tuple[T, None, None]:
+        return _divided(g, ctx.group, ctx.summed), None, None
 
 
 def entry_gradients(
     plan: ParallelPlan, args: tuple[Any, ...], kwargs: dict[str, Any], dataset: object
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A wrapped network's arguments with each tensor that requires grad passed through
-    `_Entry`: a tensor of the caller's gets its shares summed, one computed from another call's
-    result (`from_calls`) N times its gradient (see the module docstring); a tensor passed
-    twice is treated on each path it takes.
+    """A wrapped network's arguments with each tensor that requires grad (and was not computed
+    from another call's result: `from_calls`) passed through `_Division` (see the module
+    docstring); a tensor passed twice is divided on each path it takes.
 
     Example:
         >>> args, kwargs = entry_gradients(plan, (x,), {}, "data_parallel")
@@ -247,49 +239,11 @@ def entry_gradients(
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in flat]
     changed = False
-    world = comm.get_group_size()
     for i, (path, leaf) in enumerate(flat):
-        if isinstance(leaf, T) and leaf.requires_grad:
-            times = world if from_calls(leaf)[0] else 1
-            leaves[i] = _Entry.apply(leaf, *_shares(plan, path, dataset), times)
+        if isinstance(leaf, T) and leaf.requires_grad and not from_calls(leaf)[0]:
+            leaves[i] = _Division.apply(leaf, *_shares(plan, path, dataset))
             changed = True
     if not changed:
         return args, kwargs
     out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, spec)
     return out
-
-
-def exit_gradients(out: Any) -> Any:
-    """A wrapped call's outputs, for a backward that runs after the call: every gradient that
-    reaches one from the caller's code divided by N (that code differentiates every rank's copy:
-    one device's gradient inside the call), through `_Exit` (the network's own uses of the
-    value inside the call, an internal loss, are not divided).
-
-    Example:
-        >>> out = exit_gradients(network(*args))
-    """
-    world = comm.get_group_size()
-    if world == 1:
-        return out
-
-    def leave(t: Any) -> Any:
-        if not isinstance(t, T) or not t.requires_grad or not t.is_floating_point():
-            return t
-        return _Exit.apply(t, world)
-
-    return pytree.tree_map_dataclasses(leave, out)
-
-
-class _Exit(torch.autograd.Function):
-    """Forward: the same values (the same storage and version counter, not a view: the caller
-    may change it in place as it could the value itself); backward: the gradient divided by
-    `world` (`exit_gradients`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: T, world: int) -> T:
-        ctx.world = world
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx: Any, g: T) -> tuple[T, None]:
-        return g / ctx.world, None

@@ -31,6 +31,7 @@ seed that is a constant, ``torch.tensor(1.0)``, held as every rank's: `communica
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,8 +49,8 @@ T = torch.Tensor
 
 
 class Seeds:
-    """Scales the seeds of backward calls by their roots' spread / N (see the module docstring); the
-    executor sets `table` and calls `_seeds_init`."""
+    """Scales the seeds of backward calls by their roots' spread / N (see the module
+    docstring); the executor sets `table` and calls `_seeds_init`."""
 
     table: NodeTable
 
@@ -59,6 +60,9 @@ class Seeds:
 
     def _seeds_init(self) -> None:
         self.noted: dict[int, tuple[weakref.ref[T], int]] = {}  # id -> (root, its scale)
+        # (what the gradients are still divided by in the buckets and the input hooks: set
+        # by the caller, `_graph_run.GraphRun.set_divisor`, before each backward)
+        self.set_divisor: Callable[[int], None] | None = None
 
     def note_roots(self, k: int, out: Any) -> None:
         """Node `k`, a root node (`NodeTable.roots`), made `out`: note its root outputs."""
@@ -69,25 +73,45 @@ class Seeds:
                 self.noted[id(t)] = (weakref.ref(t), scale)
 
     def scaled_seeds(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """`func`'s arguments with each root's seed multiplied by its spread / N.
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], strict: bool = True
+    ) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+        """`func`'s arguments with each root's seed multiplied by its spread / N, and what the
+        gradients are still to be divided by (1; N where a low-precision root cannot hold its
+        factor exactly: then its seeds are multiplied by the spread alone, as `divisor` says).
+
+        Args:
+            strict: a root whose placement is not known raises; otherwise (a ``torch.autograd
+                .grad`` that keeps the graph) the seeds are left as given, divisor N.
 
         Raises:
-            UnsupportedParallelError: a root with dims whose placement the plan does not know,
-                under ``data_parallel``.
+            UnsupportedParallelError: with `strict`, a root with dims whose placement the plan
+                does not know, under ``data_parallel``.
         """
         roots, grads = seeds_of(func, args, kwargs)
-        out, changed = [], False
         world = get_group_size()
-        for root, grad in zip(roots, grads, strict=False):
-            scale = self._scale(root) / world if isinstance(root, T) else 1
+        try:
+            spreads = [self._scale(r) if isinstance(r, T) else world for r in roots]
+        except UnsupportedParallelError:
+            if strict:
+                raise
+            return args, kwargs, world
+        exact = all(
+            _exact(r.dtype, world // spread)
+            for r, spread in zip(roots, spreads, strict=False)
+            if isinstance(r, T)
+        )
+        divisor = 1 if exact else world
+        out, changed = [], False
+        for root, grad, spread in zip(roots, grads, spreads, strict=False):
+            scale = spread * divisor / world
             given = every_rank(grad) if isinstance(grad, T) else grad  # (a constant: per rank)
             if scale != 1:
                 given = (torch.ones_like(root) if given is None else given) * scale
             changed |= given is not grad
             out.append(given)
-        return with_seeds(func, args, kwargs, out) if changed else (args, kwargs)
+        if changed:
+            return (*with_seeds(func, args, kwargs, out), divisor)
+        return args, kwargs, divisor
 
     def _scale(self, root: T) -> int:
         """How many ranks one copy of `root` is spread over (see the module docstring)."""
@@ -105,3 +129,11 @@ class Seeds:
             f"split over the ranks is not known; start every backward of the step from what the "
             f"first one starts from, or from a 0-d loss (out.sum(), a mean)"
         )
+
+
+def _exact(dtype: torch.dtype, copies: int) -> bool:
+    """Whether a seed divided by `copies` stays exact enough in `dtype`: a power of two does
+    in any floating dtype, any divisor in float32 / float64 (rounded by one part in 2**24 at
+    most, as a division of the gradient would be); float16 / bfloat16 take 1/3 with a bias of
+    up to 2e-3 on every gradient."""
+    return copies & (copies - 1) == 0 or not dtype.is_floating_point or dtype.itemsize >= 4
