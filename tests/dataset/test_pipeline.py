@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import IterableDataset as TorchIterableDataset
 
 from shardwise.dataset import Dataset, GeneratorDataset, MnistDataset, transforms, vision
 
@@ -237,3 +239,33 @@ def test_repr_and_sizes() -> None:
     ds = numbered(9).map(transforms.TypeCast("int32"), "a").batch(4, drop_remainder=True)
     assert repr(ds).startswith("GeneratorDataset(list, ['a', 'b']) -> map(TypeCast on ['a'])")
     assert ds.get_batch_size() == 4 and ds.get_dataset_size() == 2 and ds.get_shard() == (1, 0)
+
+
+def test_torch_iterable_dataset_with_len_is_a_stream() -> None:
+    # torch's Dataset base defines a __getitem__ that raises NotImplementedError: a sized
+    # IterableDataset was read as random-access and failed at the first batch
+    class Stream(TorchIterableDataset[tuple[torch.Tensor, int]]):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+            return iter([(torch.tensor([float(i)]), i % 2) for i in range(6)])
+
+        def __len__(self) -> int:
+            return 6
+
+    class IterOnly(TorchDataset[int]):  # a map-style Dataset that only iterates
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(4))
+
+        def __len__(self) -> int:
+            return 4
+
+    ds = GeneratorDataset(Stream(), ["x", "y"], shuffle=False).batch(3)
+    assert [b[0].flatten().tolist() for b in ds] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert len(ds) == 2
+    assert firsts(GeneratorDataset(IterOnly(), "v", shuffle=False)) == [0, 1, 2, 3]
+
+    class Neither(TorchDataset[int]):
+        def __len__(self) -> int:
+            return 4
+
+    with pytest.raises(TypeError, match="neither __getitem__ nor __iter__"):
+        GeneratorDataset(Neither(), "v")

@@ -8,7 +8,9 @@
 - `StreamSource`: a generator function or iterable, read completely at the start of each epoch
   (`table`), so that shuffling and sharding can address its rows by index; `row_count`
   reuses the last read (or reads once) to answer ``len()``.
-- `make_source`: picks one of the above for ``GeneratorDataset(source)``.
+- `make_source`: picks one of the above for ``GeneratorDataset(source)``; a torch
+  ``IterableDataset`` (or an object whose ``__getitem__`` is torch's unimplemented base one)
+  is a stream even when it defines ``__len__``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import IterableDataset
 
 Row = tuple[torch.Tensor, ...]
 
@@ -182,15 +186,29 @@ class StreamSource:
 Source = Table | StreamSource
 
 
+def _is_torch_stream(source: Any) -> bool:
+    """Whether `source` is a torch ``IterableDataset``, or an iterable whose ``__getitem__`` is
+    torch ``Dataset``'s base one (which raises NotImplementedError): read as a stream."""
+    if isinstance(source, IterableDataset):
+        return True
+    getitem = getattr(type(source), "__getitem__", None)
+    return getitem is TorchDataset.__getitem__ and isinstance(source, Iterable)
+
+
 def make_source(source: Any, names: Sequence[str]) -> Source:
     """The `Source` for ``GeneratorDataset(source, column_names)``.
 
     Raises:
         TypeError: `source` is neither indexable (``__getitem__`` + ``__len__``), callable nor
-            iterable.
+            iterable (a torch Dataset counts as indexable only with its own ``__getitem__``).
     """
-    if isinstance(source, list | tuple):
+    if isinstance(source, list | tuple) or _is_torch_stream(source):
         return StreamSource(source, names)
+    if getattr(type(source), "__getitem__", None) is TorchDataset.__getitem__:
+        raise TypeError(
+            f"GeneratorDataset: source {type(source).__name__} is a torch Dataset that implements "
+            "neither __getitem__ nor __iter__; define __getitem__ (with __len__) or __iter__"
+        )
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):
         return IndexableTable(source, names)
     if callable(source) or isinstance(source, Iterable):

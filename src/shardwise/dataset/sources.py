@@ -176,7 +176,8 @@ class GeneratorDataset(Dataset):
     Args:
         source: a random-access object (``source[i]`` and ``len(source)``), a list, a
             generator function (called again each epoch) or any iterable (read once per
-            epoch; a one-shot iterator is read once in all). Each row is a tuple with one
+            epoch; a one-shot iterator is read once in all; a torch ``IterableDataset`` is
+            an iterable, with or without ``__len__``). Each row is a tuple with one
             value per column (tensor, NumPy array or number); a single column may yield bare
             values, and a random-access source may also return ``{name: value}`` dicts.
         column_names: a name or a list of names, one per value of a row.
