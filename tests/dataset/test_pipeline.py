@@ -235,6 +235,29 @@ def test_worker_processes_give_the_same_batches() -> None:
     assert firsts(make(1)) == firsts(make(0))
 
 
+def test_random_map_ops_replay_and_leave_the_global_rng() -> None:
+    # in this process a random map op drew from torch's global RNG: the model's next numbers
+    # changed, set_epoch(0) did not replay the batch, and worker processes gave other batches
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(())
+
+    def epoch0(workers: int) -> tuple[list[float], list[float], torch.Tensor]:
+        torch.manual_seed(1)
+        ds = GeneratorDataset([float(i) for i in range(8)], "x", num_parallel_workers=workers)
+        ds = ds.map(noisy).batch(4)
+        first = [v for b in ds for v in b[0].tolist()]
+        after = torch.rand(2)  # what the model draws next
+        ds.set_epoch(0)
+        return first, [v for b in ds for v in b[0].tolist()], after
+
+    torch.manual_seed(1)
+    untouched = torch.rand(2)
+    first, replay, after = epoch0(0)
+    assert torch.equal(after, untouched)
+    assert replay == first and sorted(int(v) for v in first) == list(range(8))
+    assert epoch0(2)[:2] == (first, first)
+
+
 def test_repr_and_sizes() -> None:
     ds = numbered(9).map(transforms.TypeCast("int32"), "a").batch(4, drop_remainder=True)
     assert repr(ds).startswith("GeneratorDataset(list, ['a', 'b']) -> map(TypeCast on ['a'])")

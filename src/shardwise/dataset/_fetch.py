@@ -3,10 +3,13 @@
 - `MapStep`: one ``map(operations, input_columns)`` call; `MapStep.apply` runs its ops on
   stacked columns (``batched=True``, vectorized) or on one row.
 - `stack_rows`: rows -> one tensor per column, with a clear error for unequal shapes.
+- `IndexBatch`: one step's indices and the torch seed its fetch runs under.
 - `Fetcher`: the ``torch.utils.data.Dataset`` handed to ``DataLoader``; its ``__getitems__``
   reads a whole index batch from the table, runs the maps before ``batch()`` (vectorized when
   every op is a built-in `Transform` and the table stacks), stacks, then runs the maps after
-  ``batch()``.
+  ``batch()``. An `IndexBatch` is fetched under a forked torch RNG seeded with its seed, so a
+  random op (or a random ``__getitem__``) draws the same numbers in this process as in a
+  worker process, and the caller's global RNG is left as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.random import fork_rng
 from torch.utils.data import Dataset as TorchDataset
 
 from shardwise.dataset._sources import Row, Table, to_tensor
@@ -61,6 +65,14 @@ class MapStep:
         for c, v in zip(self.columns, values, strict=True):
             out[c] = v
         return out
+
+
+@dataclass(frozen=True)
+class IndexBatch:
+    """The source indices of one loader step and the torch seed its fetch draws from."""
+
+    indices: torch.Tensor
+    seed: int
 
 
 def stack_rows(rows: Sequence[Row], names: Sequence[str]) -> Row:
@@ -118,8 +130,15 @@ class Fetcher(TorchDataset[Any]):
             cols, done = step.apply(cols, batched=True), done + 1
         return tuple(cols), done
 
-    def __getitems__(self, indices: torch.Tensor | Sequence[int]) -> Row | list[Row]:
-        idx = torch.as_tensor(indices, dtype=torch.int64)
+    def __getitems__(self, indices: IndexBatch | torch.Tensor | Sequence[int]) -> Row | list[Row]:
+        if not isinstance(indices, IndexBatch):
+            return self._fetch(torch.as_tensor(indices, dtype=torch.int64))
+        # (CPU only: ``torch.manual_seed`` would also reseed, and not restore, CUDA's RNG)
+        with fork_rng(devices=[]):
+            torch.default_generator.manual_seed(indices.seed)
+            return self._fetch(indices.indices)
+
+    def _fetch(self, idx: torch.Tensor) -> Row | list[Row]:
         stacked, done = self._stacked_prefix(idx)
         rest = self.sample_maps[done:]
         if stacked is not None and not rest:

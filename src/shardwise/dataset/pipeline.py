@@ -8,7 +8,9 @@ one. Iterating runs one epoch:
 2. `EpochOrder.batches` computes, from the seed and the epoch number only, the global order
    and this rank's index batches (`_order`);
 3. ``torch.utils.data.DataLoader`` runs `Fetcher` on those index batches (in
-   ``num_parallel_workers`` worker processes when > 0, pinned when CUDA is available);
+   ``num_parallel_workers`` worker processes when > 0, pinned when CUDA is available), each
+   under a torch seed of its own (pipeline seed, epoch, shard, step), so random map ops give
+   the same batches whatever the number of workers and never draw the global RNG;
 4. the batches (or, without ``batch()``, the rows) come out as tuples of tensors.
 
 `Dataset._epoch_rows` does 1-4; `create_tuple_iterator` / `create_dict_iterator` wrap it as
@@ -26,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardwise.context import torch_seeded
-from shardwise.dataset._fetch import Fetcher, MapStep, identity_collate
+from shardwise.dataset._fetch import Fetcher, IndexBatch, MapStep, identity_collate
 from shardwise.dataset._iterate import EpochIterator, pick
 from shardwise.dataset._order import EpochOrder, mix_seed
 from shardwise.dataset._shard import ShardSetting, agree_seed
@@ -294,12 +296,16 @@ class Dataset:
         order = replace(spec.order, seed=seed)
         table = table_for(spec.source, epoch)
         batched = order.batch_size is not None
-        index_batches = order.batches(len(table), num_shards, shard_id, epoch)
+        batches = order.batches(len(table), num_shards, shard_id, epoch)
+        steps = [
+            IndexBatch(b, mix_seed(seed, epoch, 4, num_shards, shard_id, k))
+            for k, b in enumerate(batches)
+        ]
         fetcher = Fetcher(table, spec.names, spec.sample_maps, spec.batch_maps, batched)
         loader = DataLoader(
             fetcher,
-            # index tensors, not lists: Fetcher.__getitems__ indexes with them directly
-            batch_sampler=cast(Iterable[list[Any]], index_batches),
+            # `IndexBatch`es, not lists: Fetcher.__getitems__ takes them as they are
+            batch_sampler=cast(Iterable[list[Any]], steps),
             collate_fn=identity_collate,
             num_workers=spec.workers,
             pin_memory=batched and torch.cuda.is_available(),
