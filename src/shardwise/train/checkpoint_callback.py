@@ -225,7 +225,9 @@ def resume(model: object, path: str | Path) -> int:
 
     Args:
         model: the `sw.Model` to continue training.
-        path: a checkpoint saved at the end of an epoch; in a multi-rank job, this rank's
+        path: a checkpoint saved at the end of an epoch (a ``save_checkpoint_steps`` that
+            divides the epoch's steps saves at every epoch end; the file written when
+            ``train()`` ends is one too); in a multi-rank job, this rank's
             file (``directory/rank_<r>/...``): the checkpoint of all ranks is then loaded with
             `sw.checkpoint.load_distributed`, so any plan or device count may continue it.
 
