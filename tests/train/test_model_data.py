@@ -131,3 +131,23 @@ def test_the_contracts_argument_names() -> None:
     assert torch.equal(fresh.weight, one.weight)
     with pytest.raises(TypeError, match="pass the entries once"):
         sw.load_param_into_net(fresh, entries, params=entries)
+
+
+def test_train_on_a_dataset_without_batches_is_refused() -> None:
+    # 6 rows, batch(8, drop_remainder=True): no batch, and train() returned without training
+    rows = [(torch.full((3,), float(i)), torch.tensor(i % 2)) for i in range(6)]
+    ds = sw.dataset.GeneratorDataset(rows, ["x", "y"]).batch(8, drop_remainder=True)
+    net = Rows()
+    model = sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1))
+    with pytest.raises(
+        ValueError,
+        match=r"no batch in an epoch \(6 rows, batch\(8, drop_remainder=True\): 0 batches",
+    ):
+        model.train(2, ds)
+    assert net.seen == [] and model.cur_step_num == 0
+
+    def nothing() -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(())
+
+    with pytest.raises(ValueError, match="yields no batch in an epoch, so nothing would train"):
+        model.train(1, nothing())  # (no len(): known after the first epoch)

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardwise.context import torch_seeded
+from shardwise.dataset._args import check_flag, check_positive, check_workers
 from shardwise.dataset._fetch import Fetcher, IndexBatch, MapStep, identity_collate
 from shardwise.dataset._iterate import EpochIterator, pick
 from shardwise.dataset._order import EpochOrder, mix_seed
@@ -47,26 +48,6 @@ class _Spec:
     batch_maps: tuple[MapStep, ...] = ()
     workers: int = 0
     trail: tuple[str, ...] = ()
-
-
-def _check_workers(value: object, who: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{who}: num_parallel_workers={value!r} must be an int >= 0")
-    return value
-
-
-def check_flag(value: object, who: str, name: str) -> bool:
-    """`value` when it is a bool (numpy's too), else TypeError naming `who` and `name` (a
-    string such as ``"False"`` would be true, silently)."""
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
-        raise TypeError(f"{who}: {name}={value!r} must be True or False")
-    return bool(value)
-
-
-def _check_positive(value: object, who: str, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{who}: {name}={value!r} must be an int >= 1")
-    return value
 
 
 def _as_ops(operations: object) -> tuple[Callable[..., Any], ...]:
@@ -150,7 +131,7 @@ class Dataset:
         step = MapStep(ops, tuple(self._spec.names.index(n) for n in names), names)
         workers = self._spec.workers
         if num_parallel_workers is not None:
-            workers = _check_workers(num_parallel_workers, "map")
+            workers = check_workers(num_parallel_workers, "map")
         label = f"map({', '.join(type(o).__name__ for o in ops)} on {list(names)})"
         if self._spec.order.batch_size is None:
             return self._derive(label, sample_maps=(*self._spec.sample_maps, step), workers=workers)
@@ -181,14 +162,14 @@ class Dataset:
         Example:
             >>> ds = ds.batch(32, drop_remainder=True)
         """
-        _check_positive(batch_size, "batch", "batch_size")
+        check_positive(batch_size, "batch", "batch_size")
         if self._spec.order.batch_size is not None:
             raise ValueError(
                 f"batch: the pipeline is already batched ({self!r}); call batch() once"
             )
         workers = self._spec.workers
         if num_parallel_workers is not None:
-            workers = _check_workers(num_parallel_workers, "batch")
+            workers = check_workers(num_parallel_workers, "batch")
         drop = check_flag(drop_remainder, "batch", "drop_remainder")
         order = replace(self._spec.order, batch_size=batch_size, drop_remainder=drop)
         label = f"batch({batch_size}, drop_remainder={drop})"
@@ -273,6 +254,25 @@ class Dataset:
 
     def __len__(self) -> int:
         return self.get_dataset_size()
+
+    def size_note(self) -> str:
+        """How an epoch's rows become this rank's batches, for messages.
+
+        Example:
+            >>> GeneratorDataset(list(range(6)), "x").batch(8, drop_remainder=True).size_note()
+            '6 rows, batch(8, drop_remainder=True): 0 batches per epoch'
+        """
+        order, (num_shards, _) = self._spec.order, self._spec.shard.resolve()
+        rows = row_count(self._spec.source)
+        note = f"{rows} rows"
+        if order.num_samples is not None and order.num_samples * num_shards < rows:
+            note += f" (num_samples={order.num_samples} read per shard)"
+        if num_shards > 1:
+            note += f" over {num_shards} shards"
+        if order.batch_size is not None:
+            note += f", batch({order.batch_size}, drop_remainder={order.drop_remainder})"
+        unit = "batches" if order.batch_size is not None else "rows"
+        return f"{note}: {order.num_rows(rows, num_shards)} {unit} per epoch"
 
     # -- iterating -----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from shardwise.dataset._args import check_flag, check_workers
 from shardwise.dataset._shard import NumShards, ShardSetting
 from shardwise.dataset._sources import TensorTable, make_source
 from shardwise.dataset.idx import IdxFileNotFoundError, IdxFormatError, find_idx_file, read_idx
-from shardwise.dataset.pipeline import Dataset, _check_workers, check_flag, source_spec
+from shardwise.dataset.pipeline import Dataset, source_spec
 
 __all__ = ["GeneratorDataset", "MnistDataset", "load_mnist"]
 
@@ -151,7 +152,7 @@ class MnistDataset(Dataset):
             shuffle=True if shuffle is None else check_flag(shuffle, "MnistDataset", "shuffle"),
             num_samples=_check_num_samples(num_samples, "MnistDataset"),
             shard=shard,
-            workers=_check_workers(num_parallel_workers, "MnistDataset"),
+            workers=check_workers(num_parallel_workers, "MnistDataset"),
             label=f"MnistDataset({str(dataset_dir)!r}, usage={usage!r})",
         )
         super().__init__(spec)
@@ -221,7 +222,7 @@ class GeneratorDataset(Dataset):
             shuffle=check_flag(shuffle, "GeneratorDataset", "shuffle"),
             num_samples=_check_num_samples(num_samples, "GeneratorDataset"),
             shard=shard,
-            workers=_check_workers(num_parallel_workers, "GeneratorDataset"),
+            workers=check_workers(num_parallel_workers, "GeneratorDataset"),
             label=f"GeneratorDataset({type(source).__name__}, {list(names)})",
         )
         super().__init__(spec)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from shardwise.dataset.pipeline import check_flag
+from shardwise.dataset._args import check_flag
 from shardwise.dataset.transforms import Transform
 
 __all__ = ["HWC2CHW", "Normalize", "Rescale"]

@@ -1,7 +1,7 @@
 """Checks of what `Model` is given: its `loss_fn` (`check_loss_fn`), `Model.train`'s counts
-(`check_train_args`), each batch's columns (`columns`) and their count against the network's
-``forward`` (`call_network`), the loss a step computes (`step_loss`; both for one batch:
-`batch_loss`), the callbacks
+(`check_train_args`), an epoch without batches (`check_batches`), each batch's columns
+(`columns`) and their count against the network's ``forward`` (`call_network`), the loss a
+step computes (`step_loss`; both for one batch: `batch_loss`), the callbacks
 (`callback_list`), and one metric value from a simulated world's ranks (`one_value`)."""
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ def check_train_args(epoch: object, initial_epoch: object, sink_size: object) ->
         raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
     if sink_size < -1:
         raise ValueError(f"Model.train: sink_size={sink_size!r} must be -1 or an int >= 1")
+
+
+def check_batches(data: object, batches: int | None) -> None:
+    """Raise ValueError when `data` yields no batch in an epoch (`batches`: its ``len()``, or
+    the steps an epoch of a dataset without one ran; None: not known yet)."""
+    if batches != 0:
+        return
+    note = getattr(data, "size_note", None)
+    said = f" ({note()})" if callable(note) else ""
+    raise ValueError(
+        f"Model.train: the dataset yields no batch in an epoch{said}, so nothing would train; "
+        "give it more rows, a smaller batch_size or drop_remainder=False"
+    )
 
 
 def columns(batch: object, least: int, who: str = "train") -> Sequence[Any]:

@@ -32,6 +32,7 @@ from shardwise.train._model_checks import (
     batch_loss,
     call_network,
     callback_list,
+    check_batches,
     check_loss_fn,
     check_train_args,
     columns,
@@ -227,7 +228,9 @@ class Model:
             warnings.warn("dataset_sink_mode=True has no effect in shardwise", stacklevel=2)
         self._parallel_step()  # (a parallel mode's errors before any callback runs)
         cbs = callback_list(callbacks)
-        batch_num = _length(train_dataset)
+        known = _length(train_dataset)
+        check_batches(train_dataset, known)
+        batch_num = known or 0
         ctx = cb.RunContext(
             self.network, self.optimizer, self.loss_fn, epoch, batch_num, initial_epoch,
             self.cur_step_num, train_dataset=train_dataset, list_callback=cbs,
@@ -286,7 +289,8 @@ class Model:
                 if ctx.stop_requested:
                     break
         if ctx.batch_num == 0 and not ctx.stop_requested:  # (no len(): the first epoch's
-            ctx.batch_num = max(ctx.epoch_step, 1)  # steps, when it ran to its end)
+            check_batches(data, ctx.epoch_step)  # steps, when it ran to its end)
+            ctx.batch_num = ctx.epoch_step
         for c in cbs:
             c.on_train_epoch_end(ctx)
 
@@ -341,13 +345,13 @@ class Model:
         return out
 
 
-def _length(data: object) -> int:
-    """The batches of an epoch of `data`, or 0 when it has no length (a generator; a
+def _length(data: object) -> int | None:
+    """The batches of an epoch of `data`, or None when it has no length (a generator; a
     DataLoader over an IterableDataset, whose ``len()`` raises TypeError)."""
     try:
-        return len(data) if isinstance(data, Sized) else 0
+        return len(data) if isinstance(data, Sized) else None
     except TypeError:
-        return 0
+        return None
 
 
 class _progress:
