@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import Dataset as TorchDataset
@@ -292,3 +293,30 @@ def test_torch_iterable_dataset_with_len_is_a_stream() -> None:
 
     with pytest.raises(TypeError, match="neither __getitem__ nor __iter__"):
         GeneratorDataset(Neither(), "v")
+
+
+def test_numpy_integers_and_mindspores_none_defaults(
+    make_mnist: Callable[..., Any], mnist_dir: Path
+) -> None:
+    # np.int32(0) was refused as "must be an int in [0, 2)"; None, MindSpore's default for
+    # num_parallel_workers (and GeneratorDataset's shuffle), was refused too
+    make_mnist(n_train=20)
+    mnist = MnistDataset(
+        mnist_dir, num_samples=np.int64(5), num_shards=np.int64(2), shard_id=np.int32(1)
+    )
+    assert mnist.get_shard() == (2, 1) and len(mnist) == 5
+    assert type(mnist.num_shards) is int and type(mnist.shard_id) is int
+    assert len(MnistDataset(mnist_dir, num_parallel_workers=None)) == 20
+    ds = numbered(10).shuffle(np.int64(4)).batch(np.int64(2), drop_remainder=True)
+    assert ds.get_batch_size() == 2 and len(ds) == 5
+    ds.set_epoch(np.int64(2))
+    assert sorted(firsts(ds)) == list(range(10))
+    assert len(list(numbered(4).batch(2).create_tuple_iterator(num_epochs=np.int64(1)))) == 2
+    gen = GeneratorDataset(list(range(6)), "x", shuffle=None, num_parallel_workers=None)
+    assert sorted(firsts(gen)) == list(range(6)) and firsts(gen) != list(range(6))
+    with pytest.raises(ValueError, match=r"batch: batch_size=True must be an int >= 1"):
+        numbered(4).batch(True)
+    with pytest.raises(ValueError, match=r"shard_id=np.int64\(2\) must be an int in \[0, 2\)"):
+        GeneratorDataset([1], "x", num_shards=2, shard_id=np.int64(2))
+    with pytest.raises(ValueError, match=r"set_epoch: epoch=np.int64\(-1\) must be an int >= 0"):
+        numbered(2).set_epoch(np.int64(-1))

@@ -1,14 +1,34 @@
 """Checks of the dataset API's arguments, each raising the error that names the call, the
-argument and what to pass: `check_workers`, `check_flag`, `check_positive`."""
+argument and what to pass: `as_int`, `check_int`, `check_workers`, `check_flag`,
+`check_positive`. Integers may be NumPy's (``np.int64(2)``, as argparse-free scripts and
+``np.arange`` give them); a bool is not an integer here."""
 
 from __future__ import annotations
 
+import numbers
+import operator
+
+
+def as_int(value: object) -> int | None:
+    """`value` as a Python int when it is an integer (NumPy's too) other than a bool, else
+    None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
+
+
+def check_int(value: object, who: str, name: str, least: int) -> int:
+    """`value` as a Python int >= `least`, else ValueError naming `who` and `name`."""
+    number = as_int(value)
+    if number is None or number < least:
+        raise ValueError(f"{who}: {name}={value!r} must be an int >= {least}")
+    return number
+
 
 def check_workers(value: object, who: str) -> int:
-    """`value` as a worker-process count (an int >= 0), else ValueError naming `who`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{who}: num_parallel_workers={value!r} must be an int >= 0")
-    return value
+    """`value` as a worker-process count (an int >= 0; None, MindSpore's default: 0, reading
+    in this process), else ValueError naming `who`."""
+    return 0 if value is None else check_int(value, who, "num_parallel_workers", 0)
 
 
 def check_flag(value: object, who: str, name: str) -> bool:
@@ -21,6 +41,4 @@ def check_flag(value: object, who: str, name: str) -> bool:
 
 def check_positive(value: object, who: str, name: str) -> int:
     """`value` as an int >= 1, else ValueError naming `who` and `name`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{who}: {name}={value!r} must be an int >= 1")
-    return value
+    return check_int(value, who, name, 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+from shardwise.dataset._args import as_int
 from shardwise.dataset._sources import Row
 
 
@@ -31,9 +32,10 @@ class EpochIterator:
     """Iterates a `Dataset` epoch after epoch; one ``for`` loop = one epoch."""
 
     def __init__(self, dataset: _Epochs, num_epochs: int, convert: Callable[[Row], Any]) -> None:
-        if not isinstance(num_epochs, int) or num_epochs < -1 or num_epochs == 0:
+        epochs = as_int(num_epochs)
+        if epochs is None or epochs < -1 or epochs == 0:
             raise ValueError(f"num_epochs={num_epochs!r} must be -1 (unlimited) or an int >= 1")
-        self._dataset, self._num_epochs, self._convert = dataset, num_epochs, convert
+        self._dataset, self._num_epochs, self._convert = dataset, epochs, convert
         self._current: Iterator[Row] | None = None
         self._started = 0
 

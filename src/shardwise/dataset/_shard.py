@@ -17,12 +17,10 @@ from typing import Literal
 
 import torch
 
+from shardwise.dataset._args import as_int
+
 AUTO: Literal["auto"] = "auto"
 NumShards = int | Literal["auto"] | None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -43,25 +41,27 @@ class ShardSetting:
             if shard_id is not None:
                 raise ValueError(f"{who}: shard_id={shard_id!r} needs num_shards as well")
             return ShardSetting()
-        if num_shards == AUTO:
+        if isinstance(num_shards, str) and num_shards == AUTO:
             if shard_id is not None:
                 raise ValueError(
                     f"{who}: num_shards='auto' takes the shard from the job's rank; "
                     "leave shard_id=None"
                 )
             return ShardSetting(AUTO, None)
-        if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+        count = as_int(num_shards)
+        if count is None or count < 1:
             raise ValueError(
                 f"{who}: num_shards={num_shards!r} must be an int >= 1, 'auto' or None"
             )
         if shard_id is not None and not isinstance(shard_id, numbers.Integral | str | float):
             _per_rank(shard_id, who)  # (``get_rank()`` in a simulated world: one value a rank)
-        if not _is_int(shard_id) or not isinstance(shard_id, int) or not 0 <= shard_id < num_shards:
+        shard = as_int(shard_id)
+        if shard is None or not 0 <= shard < count:
             raise ValueError(
-                f"{who}: shard_id={shard_id!r} must be an int in [0, {num_shards}) "
-                f"when num_shards={num_shards}"
+                f"{who}: shard_id={shard_id!r} must be an int in [0, {count}) "
+                f"when num_shards={count}"
             )
-        return ShardSetting(num_shards, shard_id)
+        return ShardSetting(count, shard)
 
     def resolve(self) -> tuple[int, int]:
         """``(num_shards, shard_id)``; ``"auto"`` gives ``(group size, rank)`` or ``(1, 0)``.

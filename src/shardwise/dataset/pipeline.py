@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardwise.context import torch_seeded
-from shardwise.dataset._args import check_flag, check_positive, check_workers
+from shardwise.dataset._args import check_flag, check_int, check_positive, check_workers
 from shardwise.dataset._fetch import Fetcher, IndexBatch, MapStep, identity_collate
 from shardwise.dataset._iterate import EpochIterator, pick
 from shardwise.dataset._order import EpochOrder, mix_seed
@@ -162,7 +162,7 @@ class Dataset:
         Example:
             >>> ds = ds.batch(32, drop_remainder=True)
         """
-        check_positive(batch_size, "batch", "batch_size")
+        batch_size = check_positive(batch_size, "batch", "batch_size")
         if self._spec.order.batch_size is not None:
             raise ValueError(
                 f"batch: the pipeline is already batched ({self!r}); call batch() once"
@@ -193,8 +193,7 @@ class Dataset:
         Example:
             >>> ds = ds.shuffle(buffer_size=10000)
         """
-        if not isinstance(buffer_size, int) or isinstance(buffer_size, bool) or buffer_size < 2:
-            raise ValueError(f"shuffle: buffer_size={buffer_size!r} must be an int >= 2")
+        buffer_size = check_int(buffer_size, "shuffle", "buffer_size", 2)
         order = self._spec.order
         if order.batch_size is None:
             order = replace(order, sample_shuffles=(*order.sample_shuffles, buffer_size))
@@ -277,9 +276,7 @@ class Dataset:
     # -- iterating -----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch `epoch` (each iteration otherwise counts up from 0)."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError(f"set_epoch: epoch={epoch!r} must be an int >= 0")
-        self._epoch = epoch
+        self._epoch = check_int(epoch, "set_epoch", "epoch", 0)
 
     def _seed(self, num_shards: int) -> int:
         seed = self._spec.order.seed

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardwise.dataset._args import check_flag, check_workers
+from shardwise.dataset._args import as_int, check_flag, check_workers
 from shardwise.dataset._shard import NumShards, ShardSetting
 from shardwise.dataset._sources import TensorTable, make_source
 from shardwise.dataset.idx import IdxFileNotFoundError, IdxFormatError, find_idx_file, read_idx
@@ -33,9 +33,10 @@ _PREFIX = {"train": ("train",), "test": ("t10k",), "all": ("train", "t10k")}
 def _check_num_samples(num_samples: object, who: str) -> int | None:
     if num_samples is None:
         return None
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+    number = as_int(num_samples)
+    if number is None or number < 1:
         raise ValueError(f"{who}: num_samples={num_samples!r} must be an int >= 1 or None (all)")
-    return num_samples
+    return number
 
 
 def _require(directory: Path, prefix: str, kind: str, ndim: int) -> Path:
@@ -120,7 +121,8 @@ class MnistDataset(Dataset):
             ``shardwise.communication`` (world group size and rank; unsharded without a
             distributed job), or None.
         shard_id: this pipeline's shard in ``[0, N)`` when `num_shards` is an int.
-        num_parallel_workers: DataLoader worker processes (0: read in this process).
+        num_parallel_workers: DataLoader worker processes (0, or None as MindSpore's default:
+            read in this process).
 
     Raises:
         FileNotFoundError: (`IdxFileNotFoundError`) a missing folder or file; the message says
@@ -143,7 +145,7 @@ class MnistDataset(Dataset):
         num_shards: NumShards = None,
         shard_id: int | None = None,
         *,
-        num_parallel_workers: int = 0,
+        num_parallel_workers: int | None = 0,
     ) -> None:
         shard = ShardSetting.create(num_shards, shard_id, "MnistDataset")
         spec = source_spec(
@@ -182,12 +184,13 @@ class GeneratorDataset(Dataset):
             value per column (tensor, NumPy array or number); a single column may yield bare
             values, and a random-access source may also return ``{name: value}`` dicts.
         column_names: a name or a list of names, one per value of a row.
-        shuffle: shuffle every epoch (default True). Streams are read completely at the start
-            of each epoch, so they shuffle and shard like random-access sources.
+        shuffle: shuffle every epoch (default True; None, MindSpore's default, too). Streams
+            are read completely at the start of each epoch, so they shuffle and shard like
+            random-access sources.
         num_samples: at most this many rows (per shard when sharded); None: all.
         num_shards: an int, ``"auto"`` or None, as in `MnistDataset`.
         shard_id: the shard when `num_shards` is an int.
-        num_parallel_workers: DataLoader worker processes (0: this process).
+        num_parallel_workers: DataLoader worker processes (0 or None: this process).
 
     Raises:
         TypeError: `source` is not indexable, callable or iterable; or bad column names.
@@ -207,19 +210,19 @@ class GeneratorDataset(Dataset):
         self,
         source: Callable[[], Iterable[Any]] | Iterable[Any] | Any,
         column_names: str | Sequence[str],
-        shuffle: bool = True,
+        shuffle: bool | None = True,
         *,
         num_samples: int | None = None,
         num_shards: NumShards = None,
         shard_id: int | None = None,
-        num_parallel_workers: int = 0,
+        num_parallel_workers: int | None = 0,
     ) -> None:
         names = _column_names(column_names)
         shard = ShardSetting.create(num_shards, shard_id, "GeneratorDataset")
         spec = source_spec(
             make_source(source, names),
             names,
-            shuffle=check_flag(shuffle, "GeneratorDataset", "shuffle"),
+            shuffle=True if shuffle is None else check_flag(shuffle, "GeneratorDataset", "shuffle"),
             num_samples=_check_num_samples(num_samples, "GeneratorDataset"),
             shard=shard,
             workers=check_workers(num_parallel_workers, "GeneratorDataset"),
