@@ -132,7 +132,12 @@ def _check_aliases(shape: tuple[int, ...], alias_name: object) -> tuple[str, ...
         if not name or name == NONE:
             raise ValueError(f"alias {name!r} in {names} is reserved or empty; pick another name")
         if name == "interleaved_parallel":
-            raise ValueError("alias 'interleaved_parallel' is not supported by shardwise")
+            raise ValueError(
+                f"alias 'interleaved_parallel' in {names} is not supported by shardwise (MindSpore "
+                "runs an op as several copies within one device along it, to overlap their "
+                "communication; the values are those of the layout without it): drop it and "
+                "its size from device_matrix and alias_name, and from the layouts that use it"
+            )
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"alias_name {names} repeats {dup}; every axis needs its own alias")
