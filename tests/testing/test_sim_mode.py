@@ -157,3 +157,24 @@ def test_a_network_not_replicated_names_world_replicate() -> None:
             parallel(world.rows(x), world.rows(y))
         with pytest.raises(ValueError, match=r"A network's buffer .* world\.replicate\(net\)"):
             bn.running_mean += world.rows(rows).mean(0)
+
+
+def test_batch_norm_running_statistics_not_replicated_are_refused() -> None:
+    """A BatchNorm built outside the world and run in training mode without
+    ``world.replicate(net)``: torch's batch norm op writes its running statistics without its
+    schema saying so, and every simulated rank's update went silently into the one shared
+    buffer (ending with neither rank's value); now refused naming world.replicate. In eval
+    mode the statistics are only read: it runs."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+
+    x, net = torch.randn(8, 4), make()
+    refused = pytest.raises(ValueError, match=r"native_batch_norm.*world\.replicate\(net\)")
+    with simulated_world(2) as world, refused:
+        sw.AutoParallel(net, parallel_mode="data_parallel")(world.rows(x))
+    net = make().eval()
+    with simulated_world(2) as world:
+        out = sw.AutoParallel(net, parallel_mode="data_parallel")(world.rows(x))
+        assert_matches_single_device(out, lambda r: net(x).chunk(2)[r], what="output")

@@ -43,19 +43,29 @@ from shardwise._torch import pytree
 
 _SEEDING = ("torch.manual_seed", "torch.random.manual_seed")
 
-_WRITES_FIRST: dict[Any, bool] = {}
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+# ops whose schema does not mark the arguments they write: (those arguments, the flag argument
+# that says they are written) (batch norm's running statistics, updated when training)
+_UNMARKED = {"aten::native_batch_norm": ((3, 4), 5)}
 _SEEDED: dict[Any, bool] = {}
 
 
-def _writes_first(func: Any) -> bool:
-    """Whether aten overload `func` writes into its first argument (``add_``, ``copy_``,
-    ``_foreach_add_``), cached per overload."""
-    known = _WRITES_FIRST.get(func)
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    """The (position, name) of every argument aten overload `func` writes into (``add_``'s
+    first, ``copy_``'s, ``_foreach_add_``'s list, batch norm's running statistics), cached per
+    overload."""
+    known = _WRITTEN.get(func)
     if known is None:
-        arguments = func._schema.arguments
-        alias = arguments[0].alias_info if arguments else None
-        known = alias is not None and alias.is_write and func.namespace == "aten"
-        _WRITES_FIRST[func] = known
+        known = ()
+        if func.namespace == "aten":
+            arguments = func._schema.arguments
+            known = tuple(
+                (i, a.name)
+                for i, a in enumerate(arguments)
+                if (a.alias_info is not None and a.alias_info.is_write)
+                or (func._schema.name in _UNMARKED and i in _UNMARKED[func._schema.name][0])
+            )
+        _WRITTEN[func] = known
     return known
 
 
@@ -105,16 +115,23 @@ def each_rank_int(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str,
 
 def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local: type) -> None:
     """Raise ValueError when `func` writes per-rank values (a LocalTensor among its other
-    arguments) into a plain tensor that all ranks share (its first argument)."""
-    if not args or not _writes_first(func):
-        return
-    first = args[0]
-    targets = first if isinstance(first, (list, tuple)) else (first,)
-    if not any(_plain(t, local) for t in targets):
-        return
-    if not _has_local(args[1:], local) and not _has_local(kwargs.values(), local):
-        return
-    target = next(t for t in targets if _plain(t, local))
+    arguments) into a plain tensor that all ranks share (an argument it writes: ``add_``'s
+    first, batch norm's running statistics)."""
+    unmarked = _UNMARKED.get(func._schema.name) if func.namespace == "aten" else None
+    if unmarked is not None and not (len(args) > unmarked[1] and args[unmarked[1]]):
+        return  # (not written this time: batch norm in eval)
+    for i, name in _written(func):
+        given = args[i] if i < len(args) else kwargs.get(name)
+        targets = given if isinstance(given, (list, tuple)) else (given,)
+        if any(_plain(t, local) for t in targets):
+            others = [a for j, a in enumerate(args) if j != i]
+            others += [v for k, v in kwargs.items() if k != name]
+            if _has_local(others, local):
+                _refuse(func, next(t for t in targets if _plain(t, local)))
+
+
+def _refuse(func: Any, target: torch.Tensor) -> None:
+    """The ValueError of `check_write`: `func` writes each rank's value into `target`."""
     shape = list(target.shape)
     if isinstance(target, torch.nn.Parameter):
         raise ValueError(
@@ -214,7 +231,7 @@ def _plain_draw(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local:
     seeded = _SEEDED.get(func)
     if seeded is None:
         seeded = _SEEDED[func] = torch.Tag.nondeterministic_seeded in func.tags
-    if not seeded or _writes_first(func):
+    if not seeded or any(i == 0 for i, _ in _written(func)):  # (an in-place draw)
         return False
     values = [*args, *kwargs.values()]
     return any(_plain(v, local) for v in values) and not _has_local(values, local)
