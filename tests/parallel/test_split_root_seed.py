@@ -370,7 +370,7 @@ class _Monitored(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+        self.fc1, self.fc2 = nn.Linear(6, 12), nn.Linear(12, 6)  # (rows split by 3: hsdp shards)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.h = torch.tanh(self.fc1(x))
@@ -384,20 +384,62 @@ def test_a_monitoring_grad_from_a_split_root_before_the_loss() -> None:
     backward starts at the loss), so it is run as given (each rank its rows of one device's
     gradient), not refused; the loss's backward then gives one device's gradients."""
     g = torch.Generator().manual_seed(3)
-    x, t = torch.randn(12, 6, generator=g), torch.randn(12, 5, generator=g)
+    x, t = torch.randn(12, 6, generator=g), torch.randn(12, 6, generator=g)
 
-    def body(net: _Monitored, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def body(net: _Monitored, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = net(x)
-        (gh,) = torch.autograd.grad(out, net.h, torch.ones_like(out), retain_graph=True)
+        ones = torch.ones_like(out)
+        gh, gx = torch.autograd.grad(out, [net.h, x], ones, retain_graph=True)
         F.mse_loss(out, t).backward()
-        return gh
+        return gh, gx
 
     one = _Monitored()
-    want = body(one, x, t)
+    want = body(one, x.clone().requires_grad_(), t)
     net = _Monitored()
     with simulated_world(3) as world:
         world.replicate(net)
-        got = sw.AutoParallel(lambda a, b: body(net, a, b))(world.rows(x), world.rows(t))
-        assert_matches_single_device(got, world.rows(want), what="monitored gradient")
+        step = sw.AutoParallel(lambda a, b: body(net, a, b))
+        got = step(world.rows(x).requires_grad_(), world.rows(t))
+        for g, w, what in zip(got, want, ["hidden", "input"], strict=True):
+            assert_matches_single_device(g, world.rows(w), what=f"monitored {what} gradient")
         for p, q in zip(net.parameters(), one.parameters(), strict=True):
             assert_matches_single_device(p.grad, q.grad, what="gradient")
+
+
+@pytest.mark.parametrize("level", ["buckets", "level1", "level2"])
+@pytest.mark.parametrize("order", ["monitor_after", "half_then_float"])
+def test_backward_calls_with_other_divisors_in_one_step(order: str, level: str) -> None:
+    """Two differentiations in one step whose gradients are divided differently (a float16
+    loss on 3 ranks keeps its seed and is divided by 3; a float32 loss is seeded with 1/3; a
+    monitoring grad after the loss's backward): hsdp level 1 holds the gradients on its leaves
+    until the optimizer's step and divided them all by the last backward's divisor (0.03 and
+    0.09 off one device); each backward's gradients are now divided as that backward says."""
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(12, 6, generator=g), torch.randn(12, 6, generator=g)
+
+    def body(
+        net: _Monitored, opt: torch.optim.Optimizer, x: torch.Tensor, t: torch.Tensor
+    ) -> torch.Tensor:
+        out = net(x)
+        loss = F.mse_loss(out, t)
+        if order == "monitor_after":
+            loss.backward(retain_graph=True)
+            torch.autograd.grad(out, net.h, torch.ones_like(out), retain_graph=True)
+        else:
+            F.mse_loss(out, t).half().backward(retain_graph=True)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    one = _Monitored()
+    body(one, torch.optim.SGD(one.parameters(), lr=1.0), x, t)
+    net = _Monitored()
+    with simulated_world(3) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=1.0)
+        step = sw.AutoParallel(lambda a, b: body(net, opt, a, b))
+        if level != "buckets":
+            step = step.hsdp(threshold=0, optimizer_level=level)
+        step(world.rows(x), world.rows(t))
+        assert_shards_match(step, net, {n: q.detach() for n, q in one.named_parameters()})

@@ -49,7 +49,7 @@ from shardwise.communication import recorder
 from shardwise.communication._buckets import all_gather_bucket
 from shardwise.communication._collectives import Pending
 from shardwise.communication._pairwise import coalesced
-from shardwise.optim._engine_reduce import GradReduction, grad_hook
+from shardwise.optim._engine_reduce import GradReduction, divide_hook, grad_hook
 
 
 class WeightGathering(GradReduction):
@@ -153,6 +153,8 @@ class WeightGathering(GradReduction):
         if leaf.requires_grad and name not in self._hooked:
             # (a weak reference: leaves outlive steps, hooks are not traced)
             leaf.register_post_accumulate_grad_hook(grad_hook(weakref.ref(self), name))
+            if self.level == "level1":  # (held until the step: divided by its backward's now)
+                leaf.register_hook(divide_hook(weakref.ref(self)))
             self._hooked.add(name)
 
     def _start_gather(self, i: int) -> Pending[list[torch.Tensor]]:

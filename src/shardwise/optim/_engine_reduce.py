@@ -182,7 +182,9 @@ class GradReduction:
         if grads is None:
             return
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
-            if self.divisor != 1:  # (before the sum, as DDP: finite wherever one device's is)
+            # (/ divisor before the sum, as DDP: finite wherever one device's is; level 1's
+            # leaves divided their gradients in each backward already: `divide_hook`)
+            if self.divisor != 1 and self.level != "level1":
                 for g in grads:
                     g.div_(self.divisor)
             if bucket.kind == "shard":
@@ -255,6 +257,18 @@ class GradReduction:
 
 
 GradHook = Callable[[torch.Tensor], None]
+
+
+def divide_hook(engine: weakref.ref[GradReduction]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A level-1 leaf's gradient hook: each backward's gradient divided by that backward's
+    divisor before it accumulates on the leaf (the leaves hold them until the optimizer's
+    step, when another backward may have set another divisor)."""
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        alive = engine()
+        return g / alive.divisor if alive is not None and alive.divisor != 1 else g
+
+    return hook
 
 
 def grad_hook(engine: weakref.ref[GradReduction], name: str) -> GradHook:

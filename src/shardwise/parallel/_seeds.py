@@ -81,7 +81,8 @@ class Seeds:
 
         Args:
             strict: a root whose placement is not known raises; otherwise (a ``torch.autograd
-                .grad`` that keeps the graph) the seeds are left as given, divisor N.
+                .grad`` that keeps the graph: a gradient for monitoring) the seeds are left as
+                given, taken as this rank's rows of a root split over every rank (divisor 1).
 
         Raises:
             UnsupportedParallelError: with `strict`, a root with dims whose placement the plan
@@ -94,7 +95,7 @@ class Seeds:
         except UnsupportedParallelError:
             if strict:
                 raise
-            return args, kwargs, world
+            return args, kwargs, 1
         exact = all(
             _exact(r.dtype, world // spread)
             for r, spread in zip(roots, spreads, strict=False)
