@@ -174,6 +174,10 @@ def test_batch_norm_running_statistics_not_replicated_are_refused() -> None:
     refused = pytest.raises(ValueError, match=r"native_batch_norm.*world\.replicate\(net\)")
     with simulated_world(2) as world, refused:
         sw.AutoParallel(net, parallel_mode="data_parallel")(world.rows(x))
+    mean, var = torch.zeros(4), torch.ones(4)  # (torch.batch_norm_update_stats: also unmarked)
+    refused = pytest.raises(ValueError, match=r"batch_norm_update_stats.*world\.replicate")
+    with simulated_world(2) as world, refused:
+        torch.batch_norm_update_stats(world.rows(x), mean, var, 0.5)
     net = make().eval()
     with simulated_world(2) as world:
         out = sw.AutoParallel(net, parallel_mode="data_parallel")(world.rows(x))

@@ -45,8 +45,11 @@ _SEEDING = ("torch.manual_seed", "torch.random.manual_seed")
 
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 # ops whose schema does not mark the arguments they write: (those arguments, the flag argument
-# that says they are written) (batch norm's running statistics, updated when training)
-_UNMARKED = {"aten::native_batch_norm": ((3, 4), 5)}
+# that says they are written, or None: always) (batch norm's running statistics)
+_UNMARKED: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "aten::native_batch_norm": ((3, 4), 5),  # (when training)
+    "aten::batch_norm_update_stats": ((1, 2), None),
+}
 _SEEDED: dict[Any, bool] = {}
 
 
@@ -118,7 +121,8 @@ def check_write(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], local:
     arguments) into a plain tensor that all ranks share (an argument it writes: ``add_``'s
     first, batch norm's running statistics)."""
     unmarked = _UNMARKED.get(func._schema.name) if func.namespace == "aten" else None
-    if unmarked is not None and not (len(args) > unmarked[1] and args[unmarked[1]]):
+    flag = None if unmarked is None else unmarked[1]
+    if flag is not None and not (len(args) > flag and args[flag]):
         return  # (not written this time: batch norm in eval)
     for i, name in _written(func):
         given = args[i] if i < len(args) else kwargs.get(name)
