@@ -7,6 +7,11 @@ mark through its JSON; the step sends a ReduceScatter forward (half an AllReduce
 AllGather backward, and its loss and every gradient equal one device's. The reports count what
 was sent. An edge the plan needs all-reduced whole (the loss's weighted mean) keeps its
 AllReduce, and a plan file written before the mark existed loads without it.
+
+On 8 ranks (dp x sp x mp) a contraction split over the tuple ("sp", "mp") leaves a partial sum
+over both axes; cut over both it is one ReduceScatter over their combined group (its adjoint one
+AllGather), its ranks ordered as the cut orders the blocks (first axis outer, also when that is
+not rank order).
 """
 
 from __future__ import annotations
@@ -83,3 +88,94 @@ def test_a_partial_sum_cut_to_rows_is_one_reduce_scatter() -> None:
     for e in old["edges"]:
         e.pop("scatter", None)  # (a file written before the mark: loads without it)
     assert not any(e.scatter for e in ParallelPlan.from_dict(old).edges)
+
+
+TUPLE_LAYOUT = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+
+class TupleMLP(nn.Module):
+    """Column- then row-parallel Linear whose model dim is split over a tuple of axes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c_fc = nn.Linear(16, 32, bias=False)
+        self.c_proj = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor, rows: object) -> torch.Tensor:
+        h = self.c_proj(torch.relu(self.c_fc(x)))
+        out: torch.Tensor = (h if rows is None else sw.reshard(h, rows)) + x
+        return out
+
+
+def _tuple_run(model: tuple[str, str], rows: object) -> tuple[ParallelPlan, CommRecorder]:
+    """TupleMLP on 8 simulated ranks with its model dim over `model`; the residual's rows as
+    `rows` (None: as the residual's) at c_proj's output; loss and gradients checked against one
+    device."""
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    ref = TupleMLP()
+    want = nn.functional.mse_loss(ref(x, None), y)
+    want.backward()
+    net = TupleMLP()
+    lay = TUPLE_LAYOUT
+    sw.shard(net.c_fc, in_strategy=(lay("dp", "None"), lay(model, "None")))
+    sw.shard(net.c_proj, in_strategy=(lay("dp", model), lay("None", model)))
+    with simulated_world(8) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(net(a, rows), b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        with CommRecorder() as rec:
+            loss = parallel(world.rows(x), world.rows(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        plan = parallel.parallel_plan
+        assert plan is not None
+        for name, p in net.named_parameters():
+            full = ref.get_parameter(name).grad
+            assert full is not None and p.grad is not None
+            layout = plan.params[name].layout
+            assert_matches_single_device(
+                p.grad, lambda r, f=full, t=layout: f[t.local_index(r, tuple(f.shape))], what=name
+            )
+    return plan, rec
+
+
+def test_a_partial_sum_over_a_tuple_of_axes_cut_over_them_is_one_reduce_scatter() -> None:
+    # (c_proj's contraction over ("sp", "mp"): its partial sum over both, cut to the residual's
+    # rows over dp x sp x mp: one ReduceScatter over sp x mp, MindSpore's one collective for a
+    # tuple dim, not a ReduceScatter over sp, an AllReduce over mp and a Slice)
+    plan, rec = _tuple_run(("sp", "mp"), None)
+    fused = [e for e in plan.edges if e.scatter]
+    assert [str(e).split(": ", 1)[1] for e in fused] == [
+        "ReduceScatter(sum) over (g1, g2) on dim 0"
+    ]
+    assert [(c.kind, c.axes) for c in fused[0].collectives("add")] == [
+        ("ReduceScatter", ("g1", "g2"))
+    ]
+    forward = [(r.kind, r.group) for r in rec.select(phase="forward") if r.kind != "AllGather"]
+    assert forward.count(("ReduceScatter", (0, 1, 2, 3))) == 1
+    assert [k for k, g in forward if g != tuple(range(8))] == ["ReduceScatter"]  # (no AllReduce)
+    block = 16 // 2 * 16 * 4  # (c_proj's output rows over dp: [8, 16] float32)
+    sent = [r.bytes_sent for r in rec.select("ReduceScatter", "forward")]
+    assert sent == [bytes_bound("ReduceScatter", block, 4)]
+    backward = [(r.kind, r.group) for r in rec.select(phase="backward")]
+    assert backward.count(("AllGather", (0, 1, 2, 3))) == 1
+    assert [g for k, g in backward if k == "AllReduce"] == [(0, 4)]  # (the gradients over dp)
+    assert step_traffic(plan, 0, None).total == rec.total_bytes(), rec.summary()
+
+
+def test_a_tuple_reduce_scatter_hands_out_blocks_in_the_tuples_order() -> None:
+    # (c_proj's output resharded to rows over ("dp", "mp", "sp"): the ReduceScatter's group over
+    # mp x sp is ordered mp outer, ranks 0, 2, 1, 3, not in rank order)
+    plan, rec = _tuple_run(("sp", "mp"), TUPLE_LAYOUT(("dp", "mp", "sp"), "None"))
+    fused = [e for e in plan.edges if e.scatter]
+    assert [str(e).split(": ", 1)[1] for e in fused] == [
+        "ReduceScatter(sum) over (g2, g1) on dim 0"
+    ]
+    assert [r.group for r in rec.select("ReduceScatter", "forward")] == [(0, 1, 2, 3)]
+    assert step_traffic(plan, 0, None).total == rec.total_bytes(), rec.summary()

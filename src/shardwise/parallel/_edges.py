@@ -3,7 +3,8 @@
 - `move`: one edge (`planner.EdgePlan`): the AllReduce of partial values, then the Slice /
   AllGather / AlltoAll steps, then `_keep_first` for a whole value wanted partial; an edge that
   is only the AllReduce can be started and finished later (the executor's returned loss); an
-  edge whose AllReduce and first Slice run as one ReduceScatter (`EdgePlan.scatter`): `_scatter`.
+  edge whose AllReduce and first Slices run as one ReduceScatter (`EdgePlan.scatter`):
+  `_scatter`.
 - `run_collective`: an op's own collective (`planner.NodePlan.comms`), through
   `_runtime.combine`.
 - `grad_route`: the adjoint of such an AllReduce when the plan says its result's gradient is
@@ -47,7 +48,7 @@ def move(
     `defer`: the gradients' reducer corrects a backward that did not wait for the count, so a
     ``deferred`` edge's backward need not wait (`communication.sum_over_ranks`)."""
     m = edge.src.layout.matrix
-    if edge.scattered is not None:
+    if edge.cuts:
         return _scatter(x, edge)
     if edge.reduced:
         group, members = group_for(m, edge.reduced)
@@ -67,16 +68,17 @@ def move(
 
 
 def _scatter(x: T, edge: EdgePlan) -> T:
-    """Edge `edge` with its AllReduce and first Slice as one ReduceScatter (`EdgePlan.scatter`):
-    this rank receives the sum of its part; the AllReduce over the other reduced axes (on the
-    part), then the rest of the steps."""
-    m, cut = edge.src.layout.matrix, edge.scattered
-    assert cut is not None, "an edge with a scatter"
-    x = combine(x, "ReduceScatter", "sum", cut.dim, m, [cut.axis], edge)
+    """Edge `edge` with its AllReduce and first Slices as one ReduceScatter (`EdgePlan.scatter`)
+    over the Slices' axes (its group's ranks in the order they cut the dim, first outer): this
+    rank receives the sum of its part; the AllReduce over the other reduced axes (on the part),
+    then the rest of the steps."""
+    m, cuts = edge.src.layout.matrix, edge.cuts
+    assert cuts, "an edge with a scatter"
+    x = combine(x, "ReduceScatter", "sum", cuts[0].dim, m, list(edge.scatter_axes), edge)
     if edge.summed:
         group, _ = group_for(m, edge.summed)
         x = sum_over_ranks(x, group)
-    if len(edge.steps) > 1:
+    if len(edge.steps) > len(cuts):
         x = redistribute(x, edge.after_scatter, edge.dst.layout, edge.shape)
     return x
 

@@ -13,8 +13,8 @@ the optimizer's update (`optimizer_s_per_tensor`, `optimizer_s_per_element`).
 
 - `CostModel`: per-axis alpha (s) and beta (s per byte), the fixed cost of a call, the compute
   constants; ``collective`` and ``move`` prices (an `EdgePlan`-like move: the AllReduce of
-  partial sums, then the redistribution steps; a sum whose first step cuts over a reduced
-  axis as one ReduceScatter, as the executor runs it where the edge allows).
+  partial sums, then the redistribution steps; a sum whose first steps cut a dim over reduced
+  axes as one ReduceScatter over them, as the executor runs it where the edge allows).
 - `load_cost_model`: the model of ``bench/results/loopback.json`` (measured on this machine by
   `python -m bench --only loopback`) or of the file ``SHARDWISE_COST_MODEL`` names when the file
   is there, else the documented defaults (``DEFAULT_*``). The file's keys: ``alpha_s`` and
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix, TensorLayout
-from shardwise.planner._scatter import scatter_cut
+from shardwise.planner._scatter import scatter_cuts
 from shardwise.redistribution import Slice, apply_step, plan_redistribution
 
 DEFAULT_ALPHA_S = 10e-6
@@ -141,9 +141,9 @@ class CostModel:
         """Seconds to move a tensor of global `shape` from `src` to `dst`: the AllReduce of
         its partial sums over `reduced` first, then the cheapest steps between the layouts.
 
-        With `scatter` (a sum), a reduction whose first step cuts a dim over one of `reduced`
+        With `scatter` (a sum), a reduction whose first steps cut a dim over some of `reduced`
         is priced as the executor runs such an edge (`_scatter.scatters`): one ReduceScatter
-        over that axis, the AllReduce over the others on the part, then the remaining steps.
+        over those axes, the AllReduce over the others on the part, then the remaining steps.
         The planners price sum reductions so (the few edges the executor keeps whole, a
         weighted mean or an equal gradient, are not known yet); a plan's own estimate
         (`_plan_cost.edge_move`) passes False for an edge the plan keeps whole."""
@@ -151,14 +151,13 @@ class CostModel:
 
 
 def _scattered(src: TensorLayout, dst: TensorLayout, shape: tuple[int, ...], itemsize: int,
-               reduced: tuple[int, ...]) -> Slice | None:  # fmt: skip
-    """The first step of the move when the executor runs it inside a ReduceScatter
-    (`_scatter.scatter_cut`); else None."""
+               reduced: tuple[int, ...]) -> tuple[Slice, ...]:  # fmt: skip
+    """The first steps of the move that the executor runs inside a ReduceScatter
+    (`_scatter.scatter_cuts`; none: ``()``)."""
     if not reduced or (src.dims == dst.dims and src.groups == dst.groups):
-        return None
+        return ()
     steps = plan_redistribution(src, dst, shape, itemsize).steps
-    first = steps[0] if steps else None
-    return first if isinstance(first, Slice) and scatter_cut(first, reduced, src.matrix) else None
+    return scatter_cuts(steps, reduced, src.matrix)
 
 
 @lru_cache(maxsize=65536)
@@ -173,12 +172,17 @@ def _move(
 ) -> float:
     total = 0.0
     m = src.matrix
-    cut = _scattered(src, dst, shape, itemsize, reduced) if scatter else None
-    if cut is not None:  # (the cut runs inside the ReduceScatter; the rest from its layout)
+    cuts = _scattered(src, dst, shape, itemsize, reduced) if scatter else ()
+    if cuts:  # (the cuts run inside the ReduceScatter; the rest from its layout)
         block = math.prod(src.local_shape(shape)) * itemsize
-        total = model.collective("ReduceScatter", block, m.shape[cut.axis], cut.axis)
-        rest = tuple(a for a in reduced if a != cut.axis)
-        return total + _move(model, apply_step(src, cut), dst, shape, itemsize, rest, False)
+        axes = tuple(c.axis for c in cuts)
+        group = math.prod(m.shape[a] for a in axes)
+        total = model.collective("ReduceScatter", block, group, axes[0])
+        rest = tuple(a for a in reduced if a not in axes)
+        after = src
+        for cut in cuts:
+            after = apply_step(after, cut)
+        return total + _move(model, after, dst, shape, itemsize, rest, False)
     if reduced:
         block = math.prod(src.local_shape(shape)) * itemsize
         total += model.all_reduce(block, m, reduced)

@@ -2,7 +2,8 @@
 
 The AllReduce of the producer's partial sums, then the redistribution steps (Slice, AllGather,
 AlltoAll), then the parts a partial destination keeps; with `EdgePlan.scatter` the AllReduce
-over the first Slice's axis and that Slice run as one ReduceScatter (`_scatter`).
+over the axes of the first Slices of one dim and those Slices run as one ReduceScatter
+(`_scatter`).
 `EdgePlan.collectives` lists what it sends; ``str()`` prints it.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from shardwise.layout import TensorLayout
 from shardwise.planner._placed import Collective, Placed, Shape, _axes_str
+from shardwise.planner._scatter import scatter_cuts
 from shardwise.redistribution import Slice, Step, apply_step, plan_redistribution
 
 
@@ -48,11 +50,11 @@ class EdgePlan:
         weighted: (a mean loss's AllReduce) the ranks' means are weighted by the targets
             each counted: the AllReduce carries the pair (mean x count, count) in float32
             (float64 for a float64 loss) (`_losses`).
-        scatter: the AllReduce over the axis of the first step, a `Slice` (the rows of a
-            row-parallel layer's output cut for the next data-parallel op), and that Slice run
-            as one ReduceScatter over it along the Slice's dim, at half the bytes (its adjoint
-            an AllGather instead of an AllReduce); the other reduced axes are all-reduced on
-            the cut block (`_scatter`).
+        scatter: the AllReduce over the axes of the first steps, `Slice`s of one dim (the
+            rows of a row-parallel layer's output cut for the next data-parallel op: `cuts`),
+            and those Slices run as one ReduceScatter over those axes along the Slices' dim,
+            at half the bytes (its adjoint an AllGather instead of an AllReduce); the other
+            reduced axes are all-reduced on the cut block (`_scatter`).
     """
 
     consumer: int
@@ -77,23 +79,34 @@ class EdgePlan:
         return tuple(a for a in self.src.partial if a not in self.dst.partial)
 
     @property
-    def scattered(self) -> Slice | None:
-        """The Slice that runs inside the edge's ReduceScatter (`scatter`), or None."""
-        first = self.steps[0] if self.scatter and self.steps else None
-        return first if isinstance(first, Slice) else None
+    def cuts(self) -> tuple[Slice, ...]:
+        """The Slices that run inside the edge's ReduceScatter (`scatter`; none: ``()``): its
+        first steps, of one dim, over reduced axes (`_scatter.scatter_cuts`)."""
+        if not self.scatter:
+            return ()
+        return scatter_cuts(self.steps, self.reduced, self.src.layout.matrix)
+
+    @property
+    def scatter_axes(self) -> tuple[int, ...]:
+        """The axes of a `scatter` edge's ReduceScatter, in the order its `cuts` split the dim
+        (first outer: its group's rank order); ``()`` without one."""
+        return tuple(c.axis for c in self.cuts)
 
     @property
     def after_scatter(self) -> TensorLayout:
-        """The layout after a `scatter` edge's ReduceScatter (its first step applied)."""
-        cut = self.scattered
-        assert cut is not None, "an edge with a scatter"
-        return apply_step(self.src.layout, cut)
+        """The layout after a `scatter` edge's ReduceScatter (its `cuts` applied)."""
+        cuts = self.cuts
+        assert cuts, "an edge with a scatter"
+        layout = self.src.layout
+        for cut in cuts:
+            layout = apply_step(layout, cut)
+        return layout
 
     @property
     def summed(self) -> tuple[int, ...]:
-        """The reduced axes its AllReduce runs over (all, less a `scatter`'s axis)."""
-        cut = self.scattered
-        return tuple(a for a in self.reduced if cut is None or a != cut.axis)
+        """The reduced axes its AllReduce runs over (all, less a `scatter`'s axes)."""
+        scattered = self.scatter_axes
+        return tuple(a for a in self.reduced if a not in scattered)
 
     @property
     def kept(self) -> tuple[int, ...]:
@@ -110,13 +123,14 @@ class EdgePlan:
         out: list[Collective] = []
         if self.shared:
             return out
-        cut = self.scattered
-        if cut is not None:
-            out.append(Collective("ReduceScatter", (m.names[cut.axis],), where, "sum", dim=cut.dim))
+        cuts = self.cuts
+        if cuts:
+            names = tuple(m.names[c.axis] for c in cuts)
+            out.append(Collective("ReduceScatter", names, where, "sum", dim=cuts[0].dim))
         if self.summed:
             names = tuple(m.names[a] for a in self.summed)
             out.append(Collective("AllReduce", names, where, self.src.reduce))
-        for step in self.steps if cut is None else self.steps_after_scatter:
+        for step in self.steps_after_scatter if cuts else self.steps:
             if isinstance(step, Slice) or m.shape[step.axis] == 1:
                 continue
             out.append(Collective(type(step).__name__, (m.names[step.axis],), where))
@@ -135,12 +149,13 @@ class EdgePlan:
             return f"{self.value} {self.src} -> {self.dst}: reused (moved for an earlier op)"
         parts = []
         m = self.src.layout.matrix
-        cut = self.scattered
-        if cut is not None:
-            parts.append(f"ReduceScatter(sum) over {m.names[cut.axis]} on dim {cut.dim}")
+        cuts = self.cuts
+        if cuts:
+            over = _axes_str(m, self.scatter_axes)
+            parts.append(f"ReduceScatter(sum) over {over} on dim {cuts[0].dim}")
         if self.summed:
             parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.summed)}")
-        parts += [s.describe(m) for s in (self.steps if cut is None else self.steps_after_scatter)]
+        parts += [s.describe(m) for s in (self.steps_after_scatter if cuts else self.steps)]
         m = self.src.layout.matrix
         if self.kept:
             parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")

@@ -211,16 +211,16 @@ def _edge_backward(e: EdgePlan, model: CostModel) -> float:
 
 def edge_move(e: EdgePlan, model: CostModel, reduced: tuple[int, ...]) -> float:
     """Seconds of edge `e`'s move with its partial sums over `reduced` summed: the AllReduce
-    and the steps, or, for a `EdgePlan.scatter` edge, the ReduceScatter (its adjoint, an
-    AllGather, costs as much), the AllReduce over the other axes on the part, and the steps
-    after the first."""
+    and the steps, or, for a `EdgePlan.scatter` edge, the ReduceScatter over its `cuts`' axes
+    (its adjoint, an AllGather, costs as much), the AllReduce over the other axes on the part,
+    and the steps after the cuts."""
     size = _itemsize(e.dtype)
-    cut = e.scattered
-    if cut is None:
+    axes = e.scatter_axes
+    if not axes:
         return model.move(e.src.layout, e.dst.layout, e.shape, size, reduced, scatter=False)
     block = math.prod(e.src.layout.local_shape(e.shape)) * size
-    k = e.src.layout.matrix.shape[cut.axis]
-    scatter = model.collective("ReduceScatter", block, k, cut.axis)
+    k = math.prod(e.src.layout.matrix.shape[a] for a in axes)
+    scatter = model.collective("ReduceScatter", block, k, axes[0])
     # (from the cut layout: its AllReduce over the other axes on the part, then the steps)
     return scatter + model.move(e.after_scatter, e.dst.layout, e.shape, size, e.summed, False)
 

@@ -13,36 +13,53 @@ An edge qualifies when its first redistribution step is a plain `Slice` over one
 it reduces by sum, and nothing else asks for the AllReduce's form: no weighted mean, seeded or
 deferred loss reduction, no gradient the plan knows equal (`EdgePlan.equal_grad`), no value
 written back or kept partial, on a device matrix in rank order (a ReduceScatter hands out
-parts in rank order).
+parts in rank order). The Slices that follow it on the same dim over other reduced axes (a dim
+cut over a tuple of axes, ``("sp", "mp")``) run inside the same ReduceScatter, over the group of
+all their axes, its ranks ordered as the tuple orders the blocks, first axis outer
+(`scatter_cuts`): one collective, as MindSpore runs a tuple dim's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from shardwise.layout import DeviceMatrix
-from shardwise.planner._edge_plan import EdgePlan
 from shardwise.redistribution import Slice, Step
 
+if TYPE_CHECKING:
+    from shardwise.planner._edge_plan import EdgePlan
 
-def scatter_cut(first: Step | None, reduced: Sequence[int], matrix: DeviceMatrix) -> bool:
-    """Whether a move's `first` step can run inside the ReduceScatter of its partial sums over
-    `reduced`: a plain Slice over one of those axes, longer than 1, on a matrix in rank order
-    (a ReduceScatter hands out parts in rank order). The planners' cost (`_cost`) and the
-    plan's edges (`scatters`) both ask this.
+
+def scatter_cuts(
+    steps: Sequence[Step], reduced: Sequence[int], matrix: DeviceMatrix
+) -> tuple[Slice, ...]:
+    """The first `steps` of a move that can run inside the ReduceScatter of its partial sums
+    over `reduced` (none: ``()``): plain Slices of one dim, each over another of those axes,
+    longer than 1, on a matrix in rank order (a ReduceScatter hands out parts in rank order).
+    The ReduceScatter runs over all their axes, the first outer (the order the Slices cut the
+    dim). The planners' cost (`_cost`) and the plan's edges (`EdgePlan.cuts`) both ask this.
 
     Example:
-        >>> scatter_cut(Slice(dim=0, axis=1), (1,), DeviceMatrix((2, 2), ("dp", "mp")))
-        True
+        >>> m = DeviceMatrix((2, 2, 2), ("dp", "sp", "mp"))
+        >>> scatter_cuts((Slice(dim=0, axis=1), Slice(dim=0, axis=2)), (1, 2), m)
+        (Slice(dim=0, axis=1, groups=1), Slice(dim=0, axis=2, groups=1))
     """
-    if not isinstance(first, Slice) or first.groups != 1 or first.axis not in reduced:
-        return False
-    return matrix.shape[first.axis] > 1 and matrix.rank_list == tuple(range(matrix.size))
+    if matrix.rank_list != tuple(range(matrix.size)):
+        return ()
+    cuts: list[Slice] = []
+    for step in steps:
+        if not isinstance(step, Slice) or step.groups != 1 or step.axis not in reduced:
+            break
+        if matrix.shape[step.axis] <= 1 or (cuts and step.dim != cuts[0].dim):
+            break
+        cuts.append(step)
+    return tuple(cuts)
 
 
 def scatters(e: EdgePlan) -> bool:
-    """Whether edge `e`'s AllReduce and first step may run as one ReduceScatter.
+    """Whether edge `e`'s AllReduce and first steps may run as one ReduceScatter.
 
     Example:
         >>> scatters(edge)  # doctest: +SKIP
@@ -54,7 +71,7 @@ def scatters(e: EdgePlan) -> bool:
         return False
     if e.equal_grad or e.kept:
         return False
-    return scatter_cut(e.steps[0], e.reduced, e.src.layout.matrix)
+    return bool(scatter_cuts(e.steps, e.reduced, e.src.layout.matrix))
 
 
 def fuse_scatter(edges: Sequence[EdgePlan]) -> tuple[EdgePlan, ...]:

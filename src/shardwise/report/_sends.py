@@ -99,12 +99,13 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
     size = int(getattr(torch, e.dtype).itemsize)
     out: list[Found] = []
     n = math.prod(e.src.layout.local_shape(e.shape)) * size
-    fused = e.scattered
-    if fused is not None:  # (the AllReduce over its axis and the first Slice: one ReduceScatter)
-        group = sorted(m.group_along(rank, (fused.axis,)))
-        c = Collective("ReduceScatter", (m.names[fused.axis],), "", "sum", dim=fused.dim)
+    fused = e.scatter_axes
+    if fused:  # (the AllReduce over their axes and the first Slices: one ReduceScatter)
+        group = sorted(m.group_along(rank, fused))
+        names = tuple(m.names[a] for a in fused)
+        c = Collective("ReduceScatter", names, "", "sum", dim=e.cuts[0].dim)
         out.append((c, group, bytes_bound("ReduceScatter", n, len(group))))
-        n //= m.shape[fused.axis]
+        n //= len(group)
     if e.summed:
         if e.weighted:  # (the pair (mean x count, count), in float32 or float64)
             n = 2 * (8 if e.dtype == "float64" else 4)
@@ -112,7 +113,7 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
         c = Collective("AllReduce", tuple(m.names[a] for a in e.summed), "", e.src.reduce)
         out.append((c, group, bytes_bound("AllReduce", n, len(group))))
     if e.steps:
-        start = e.src.layout if fused is None else e.after_scatter  # (as the executor moves)
+        start = e.after_scatter if fused else e.src.layout  # (as the executor moves)
         moved = plan_redistribution(start, e.dst.layout, e.shape, size)
         befores = (moved.src, *moved.layouts[:-1]) if moved.steps else ()
         for step, before, after, sent in zip(

@@ -218,8 +218,8 @@ def _edge_traffic(
             continue
         if c.kind == "AllReduce":  # (its adjoint, over the axes the plan leaves unequal)
             block = math.prod(e.src.layout.local_shape(e.shape)) * _itemsize(e.dtype)
-            cut = e.scattered  # (after a ReduceScatter: on its part of the block)
-            block //= m.shape[cut.axis] if cut is not None else 1
+            # (after a ReduceScatter: on its part of the block)
+            block //= math.prod(m.shape[a] for a in e.scatter_axes)
             _adjoint(out, m, rank, c, e.summed, e.equal_grad, block)
         elif c.kind in (AllGather.__name__, AlltoAll.__name__, "ReduceScatter"):  # (exact)
             back = {"AllGather": "ReduceScatter", "ReduceScatter": "AllGather"}.get(c.kind, c.kind)
