@@ -201,9 +201,9 @@ def test_megatron_llama_with_a_padded_mask_keeps_attention_heads_split(
     kinds = Counter(
         {
             # per layer: the rows gathered over mp for q/k/v and gate/up, and the mask's rows
-            # gathered whole once (over mp, then dp) for the causal-and-padding mask
-            ("AllGather", "forward", mp): 2 * layers + 1,
-            ("AllGather", "forward", dp): 1,
+            # gathered whole once (over dp x mp in one AllGather) for the causal-and-padding mask
+            ("AllGather", "forward", mp): 2 * layers,
+            ("AllGather", "forward", world4): 1,
             ("ReduceScatter", "forward", mp): 2 * layers,  # o_proj, down_proj: summed to rows
             ("AllReduce", "forward", world4): 1,  # the loss
             ("AllGather", "backward", mp): 2 * layers,

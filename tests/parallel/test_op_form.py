@@ -358,12 +358,11 @@ def test_embedding_ids_split_with_the_later_axis_outer() -> None:
     assert placed == ("((g1, g0), None)", "((g1, g0), None, None)")
     assert rec.kinds() == Counter(
         {  # (rows over (dp, mp) to (mp, dp) and the lookups back: a strided move gathers the
-            # dim, docs/redistribution.md; their adjoints ReduceScatter)
-            ("AllGather", "forward", MP): 2,
-            ("AllGather", "forward", DP): 2,
+            # dim, over both axes in one AllGather, docs/redistribution.md; its adjoint a
+            # ReduceScatter)
+            ("AllGather", "forward", ALL): 2,
             ("AllReduce", "forward", ALL): 1,  # the loss
-            ("ReduceScatter", "backward", MP): 1,
-            ("ReduceScatter", "backward", DP): 1,
+            ("ReduceScatter", "backward", ALL): 1,
             ("AllReduce", "backward", ALL): 1,  # emb.weight: whole
         }
     ), rec.summary()

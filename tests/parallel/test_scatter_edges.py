@@ -11,7 +11,7 @@ AllReduce, and a plan file written before the mark existed loads without it.
 On 8 ranks (dp x sp x mp) a contraction split over the tuple ("sp", "mp") leaves a partial sum
 over both axes; cut over both it is one ReduceScatter over their combined group (its adjoint one
 AllGather), its ranks ordered as the cut orders the blocks (first axis outer, also when that is
-not rank order).
+not rank order); the column-parallel input, its rows gathered over both axes, one AllGather.
 """
 
 from __future__ import annotations
@@ -163,6 +163,11 @@ def test_a_partial_sum_over_a_tuple_of_axes_cut_over_them_is_one_reduce_scatter(
     block = 16 // 2 * 16 * 4  # (c_proj's output rows over dp: [8, 16] float32)
     sent = [r.bytes_sent for r in rec.select("ReduceScatter", "forward")]
     assert sent == [bytes_bound("ReduceScatter", block, 4)]
+    # (c_fc's input, rows over dp x sp x mp, gathered to rows over dp: one AllGather over
+    # sp x mp, not one over mp and one over sp)
+    assert [r.group for r in rec.select("AllGather", "forward")] == [(0, 1, 2, 3)]
+    gathered = [str(e).split(": ", 1)[1] for e in plan.edges if e.value == "input:args[0]"]
+    assert gathered == ["AllGather(dim=0, axis=(g1, g2), group size 4)"]
     backward = [(r.kind, r.group) for r in rec.select(phase="backward")]
     assert backward.count(("AllGather", (0, 1, 2, 3))) == 1
     assert [g for k, g in backward if k == "AllReduce"] == [(0, 4)]  # (the gradients over dp)

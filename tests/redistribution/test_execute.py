@@ -114,6 +114,27 @@ def test_blocks_collectives_and_gradients(src: TensorLayout, dst: TensorLayout) 
         run_case(world, src, dst, SHAPE, seed=0)
 
 
+def test_a_dim_gathered_over_several_axes_is_one_all_gather() -> None:
+    """A dim split over a tuple of axes, gathered over all of them, runs one AllGather over
+    their combined group (its blocks in the tuple's order, first axis outer, also when that is
+    not rank order), its adjoint one ReduceScatter, as MindSpore gathers a tuple dim."""
+    world8 = tuple(range(8))
+    cases = [
+        (lay(("dp", "sp", "mp"), None, None), lay(None, None, None), world8),
+        (lay(("mp", "sp", "dp"), None, None), lay(None, None, None), world8),
+        (lay(("dp", "mp", "sp"), None, None), lay("dp", None, None), (0, 1, 2, 3)),
+        (lay("sp", ("mp", "dp"), None), lay("sp", None, None), (0, 1, 4, 5)),
+    ]
+    with simulated_world(8) as world:
+        for i, (src, dst, group) in enumerate(cases):
+            with CommRecorder() as rec:
+                run_case(world, src, dst, SHAPE, seed=20 + i)
+            assert [(r.kind, r.group) for r in rec.records] == [
+                ("AllGather", group),
+                ("ReduceScatter", group),
+            ], (src, dst)
+
+
 def test_exact_adjoint_with_different_replicas() -> None:
     """<x, grad> == <y, w> for random, unequal blocks on replicas: backward is the adjoint."""
     for src, dst in CHOSEN[:7]:

@@ -13,8 +13,9 @@ the optimizer's update (`optimizer_s_per_tensor`, `optimizer_s_per_element`).
 
 - `CostModel`: per-axis alpha (s) and beta (s per byte), the fixed cost of a call, the compute
   constants; ``collective`` and ``move`` prices (an `EdgePlan`-like move: the AllReduce of
-  partial sums, then the redistribution steps; a sum whose first steps cut a dim over reduced
-  axes as one ReduceScatter over them, as the executor runs it where the edge allows).
+  partial sums, then the redistribution steps, AllGathers of one dim over several axes as one
+  over their group (`redistribution.gather_runs`); a sum whose first steps cut a dim over
+  reduced axes as one ReduceScatter over them, as the executor runs it where the edge allows).
 - `load_cost_model`: the model of ``bench/results/loopback.json`` (measured on this machine by
   `python -m bench --only loopback`) or of the file ``SHARDWISE_COST_MODEL`` names when the file
   is there, else the documented defaults (``DEFAULT_*``). The file's keys: ``alpha_s`` and
@@ -38,7 +39,13 @@ from pathlib import Path
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner._scatter import scatter_cuts
-from shardwise.redistribution import Slice, apply_step, plan_redistribution
+from shardwise.redistribution import (
+    Slice,
+    apply_step,
+    gather_runs,
+    plan_redistribution,
+    run_axes,
+)
 
 DEFAULT_ALPHA_S = 10e-6
 """Default latency of one collective round: 10 µs."""
@@ -188,12 +195,17 @@ def _move(
         total += model.all_reduce(block, m, reduced)
     if src.dims != dst.dims or src.groups != dst.groups:
         plan = plan_redistribution(src, dst, shape, itemsize)
-        for step, sent in zip(plan.steps, plan.step_bytes, strict=True):
+        at = 0
+        for run in gather_runs(plan.steps, m.shape):  # (a dim gathered over axes: one call)
+            step, sent = run[0], sum(plan.step_bytes[at : at + len(run)])
+            at += len(run)
             if isinstance(step, Slice) or m.shape[step.axis] == 1:
                 continue
-            rounds = m.shape[step.axis] - 1
-            total += model.call_s + rounds * model._of(model.alpha, step.axis)
-            total += sent * model._of(model.beta, step.axis)
+            axes = run_axes(run)
+            worst = max(axes, key=lambda a: model._of(model.beta, a))
+            rounds = math.prod(m.shape[a] for a in axes) - 1
+            total += model.call_s + rounds * model._of(model.alpha, worst)
+            total += sent * model._of(model.beta, worst)
     return total
 
 

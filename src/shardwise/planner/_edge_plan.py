@@ -16,7 +16,15 @@ import torch
 from shardwise.layout import TensorLayout
 from shardwise.planner._placed import Collective, Placed, Shape, _axes_str
 from shardwise.planner._scatter import scatter_cuts
-from shardwise.redistribution import Slice, Step, apply_step, plan_redistribution
+from shardwise.redistribution import (
+    Slice,
+    Step,
+    apply_step,
+    describe_run,
+    gather_runs,
+    plan_redistribution,
+    run_axes,
+)
 
 
 @dataclass(frozen=True)
@@ -130,10 +138,12 @@ class EdgePlan:
         if self.summed:
             names = tuple(m.names[a] for a in self.summed)
             out.append(Collective("AllReduce", names, where, self.src.reduce))
-        for step in self.steps_after_scatter if cuts else self.steps:
+        for run in gather_runs(self.steps_after_scatter if cuts else self.steps, m.shape):
+            step = run[0]  # (AllGathers of one dim gathered together: one over all their axes)
             if isinstance(step, Slice) or m.shape[step.axis] == 1:
                 continue
-            out.append(Collective(type(step).__name__, (m.names[step.axis],), where))
+            names = tuple(m.names[a] for a in run_axes(run))
+            out.append(Collective(type(step).__name__, names, where))
         return out
 
     @property
@@ -155,7 +165,8 @@ class EdgePlan:
             parts.append(f"ReduceScatter(sum) over {over} on dim {cuts[0].dim}")
         if self.summed:
             parts.append(f"AllReduce({self.src.reduce}) over {_axes_str(m, self.summed)}")
-        parts += [s.describe(m) for s in (self.steps_after_scatter if cuts else self.steps)]
+        runs = gather_runs(self.steps_after_scatter if cuts else self.steps, m.shape)
+        parts += [describe_run(r, m) for r in runs]
         m = self.src.layout.matrix
         if self.kept:
             parts.append(f"kept on the first rank of {_axes_str(m, self.kept)}")

@@ -5,7 +5,9 @@ then runs each step on the process group of the step's device axis:
 
 - `Slice` (`_slice`): keep this rank's part of the local block along the dim, chosen by the
   rank's coordinate on the axis (`communication.rank_value`: a rank-dependent int).
-- `AllGather` (`_gather`): ``sw.ops.AllGather`` on the dim (moved to dim 0 and back).
+- `AllGather` (`_gather`): ``sw.ops.AllGather`` on the dim (moved to dim 0 and back);
+  consecutive AllGathers of one plain dim (`gather_runs`) as one over the group of all their
+  axes (its blocks ordered first axis outer).
 - `AlltoAll` (`_alltoall`): ``sw.ops.AlltoAll`` splitting the destination dim and concatenating
   on the source dim.
 
@@ -39,7 +41,14 @@ import torch
 from shardwise import communication as comm
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.redistribution._plan import RedistributionPlan, plan_redistribution
-from shardwise.redistribution._steps import AllGather, AlltoAll, Slice, Step
+from shardwise.redistribution._steps import (
+    AllGather,
+    AlltoAll,
+    Slice,
+    Step,
+    gather_runs,
+    run_axes,
+)
 
 
 class _Axes:
@@ -56,18 +65,18 @@ class _Axes:
         """This rank's coordinate on `axis` (a rank-dependent int)."""
         return comm.rank_value(lambda r: self.matrix.coord(r)[axis])
 
-    def group(self, axis: int) -> tuple[str | None, tuple[int, ...]]:
-        """The group name of `axis` for this rank, and ``order``: the sorted position of
-        each block (block j comes from rank ``sorted_group[order[j]]``)."""
-        by_block = comm.own_group(lambda r: self.matrix.group_along(r, (axis,)))
+    def group(self, *axes: int) -> tuple[str | None, tuple[int, ...]]:
+        """The group name of `axes` (first outer) for this rank, and ``order``: the sorted
+        position of each block (block j comes from rank ``sorted_group[order[j]]``)."""
+        by_block = comm.own_group(lambda r: self.matrix.group_along(r, axes))
         ranks = tuple(sorted(by_block))
         order = tuple(ranks.index(r) for r in by_block)
         if ranks == tuple(range(self.world)):
             return None, order
-        return comm.ensure_group(group_name(self.matrix, axis, ranks), ranks), order
+        return comm.ensure_group(group_name(self.matrix, axes, ranks), ranks), order
 
 
-def group_name(matrix: DeviceMatrix, axis: int, ranks: Sequence[int]) -> str:
+def group_name(matrix: DeviceMatrix, axis: int | Sequence[int], ranks: Sequence[int]) -> str:
     """The name of the group of `ranks` along `axis` of `matrix`, the same on every rank.
 
     Keyed by the matrix and the axis, not by the ranks alone: then every rank of the matrix
@@ -76,7 +85,9 @@ def group_name(matrix: DeviceMatrix, axis: int, ranks: Sequence[int]) -> str:
     synchronization count the groups a process has made; reusing a group on some ranks only
     would make the members disagree and hang).
     """
-    return comm.scoped_group_name(f"redistribution:{matrix.names[axis]}", str(matrix), ranks)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    names = ",".join(matrix.names[a] for a in axes)
+    return comm.scoped_group_name(f"redistribution:{names}", str(matrix), ranks)
 
 
 def _permute(x: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tensor:
@@ -121,8 +132,11 @@ def _slice(x: torch.Tensor, step: Slice, axes: _Axes) -> torch.Tensor:
     return parts.narrow(step.dim, axes.coord(step.axis) * n, n)
 
 
-def _gather(x: torch.Tensor, step: AllGather, axes: _Axes) -> torch.Tensor:
-    group, order = axes.group(step.axis)
+def _gather(
+    x: torch.Tensor, step: AllGather, axes: _Axes, over: Sequence[int] = ()
+) -> torch.Tensor:
+    """`step`, or with `over` one AllGather of `step.dim` over those axes (first outer)."""
+    group, order = axes.group(*(over or (step.axis,)))
     y = comm.AllGather(group)(x.movedim(step.dim, 0))
     y = _permute(y, 0, order).movedim(0, step.dim)
     return _by_group(y, step.dim, step.groups, len(order))
@@ -204,8 +218,13 @@ def redistribute(
         return local  # nothing to do (also without a process group)
     axes = _Axes(src)
     x = local
-    for step in plan.steps:
-        x = _run(x, step, axes)
+    for run in gather_runs(plan.steps, src.matrix.shape):
+        if len(run) > 1:  # (one AllGather over the axes of a dim gathered together)
+            first = run[0]
+            assert isinstance(first, AllGather), "a run of several steps gathers"
+            x = _gather(x, first, axes, run_axes(run))
+        else:
+            x = _run(x, run[0], axes)
     return x
 
 

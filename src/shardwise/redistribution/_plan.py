@@ -30,7 +30,9 @@ from shardwise.redistribution._steps import (
     Slice,
     Step,
     apply_dims,
+    gather_runs,
     legal_steps,
+    run_axes,
     step_bytes,
     step_key,
 )
@@ -75,14 +77,16 @@ class RedistributionPlan:
     def collectives(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """The collectives `rank` issues, in order: (kind, sorted global ranks of the group).
 
-        Slices and steps over an axis of size 1 issue none.
+        Slices and steps over an axis of size 1 issue none; AllGathers of one dim gathered
+        together (`gather_runs`) one over the group of all their axes.
         """
         out = []
         matrix = self.src.matrix
-        for step in self.steps:
+        for run in gather_runs(self.steps, matrix.shape):
+            step = run[0]
             if isinstance(step, Slice) or matrix.shape[step.axis] == 1:
                 continue
-            group = tuple(sorted(matrix.group_along(rank, (step.axis,))))
+            group = tuple(sorted(matrix.group_along(rank, run_axes(run))))
             out.append((type(step).__name__, group))
         return out
 

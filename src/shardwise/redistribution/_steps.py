@@ -25,6 +25,12 @@ only by gathering it whole first).
 layout for a global shape, `step_bytes` is a step's cost: the bytes each rank sends by the
 collective's bound (`communication.bytes_bound`): AllGather over k ranks of an s-byte block
 (k-1)·s, AlltoAll (k-1)/k·s, Slice 0.
+
+`gather_runs` groups a plan's steps as they run: consecutive AllGathers of one plain dim (its
+innermost axes, innermost first: a dim split over a tuple of axes gathered over several of them)
+run as one AllGather over the group of all their axes, its ranks ordered as the dim's blocks
+(first axis outer), as MindSpore gathers a tuple dim; it sends the bytes of the steps together,
+(k1·k2-1)·s.
 """
 
 from __future__ import annotations
@@ -239,3 +245,51 @@ def step_bytes(
     s = block_bytes(dims, sizes, shape, itemsize)
     k = sizes[step.axis]
     return (k - 1) * s if isinstance(step, AllGather) else (k - 1) * s // k
+
+
+def gather_runs(steps: Sequence[Step], sizes: Sequence[int]) -> tuple[tuple[Step, ...], ...]:
+    """`steps` grouped as the executor runs them: consecutive AllGathers of one plain dim
+    (groups 1), each over an axis longer than 1, as one run (one AllGather over all their axes:
+    `run_axes`); every other step a run of its own.
+
+    Example:
+        >>> [len(r) for r in gather_runs((AllGather(0, 2), AllGather(0, 1), Slice(1, 2)), (2,) * 3)]
+        [2, 1]
+    """
+    out: list[tuple[Step, ...]] = []
+    for step in steps:
+        last = out[-1] if out else ()
+        if _joins(last, step, sizes):
+            out[-1] = (*last, step)
+        else:
+            out.append((step,))
+    return tuple(out)
+
+
+def _joins(run: tuple[Step, ...], step: Step, sizes: Sequence[int]) -> bool:
+    """Whether `step` gathers the same plain dim as every AllGather of `run`."""
+    if not run or not isinstance(step, AllGather) or step.groups != 1 or sizes[step.axis] == 1:
+        return False
+    first = run[0]
+    if not isinstance(first, AllGather) or first.groups != 1 or sizes[first.axis] == 1:
+        return False
+    return first.dim == step.dim
+
+
+def run_axes(run: Sequence[Step]) -> tuple[int, ...]:
+    """The axes of a run of `gather_runs`, outer first (the order its one AllGather's group
+    orders the blocks): the steps' axes reversed (they gather innermost first)."""
+    return tuple(step.axis for step in reversed(run))
+
+
+def describe_run(run: Sequence[Step], matrix: DeviceMatrix) -> str:
+    """A run of `gather_runs` with the axis names: its step's `describe`, or for several
+    AllGathers ``AllGather(dim=0, axis=(sp, mp), group size 4)``."""
+    if len(run) == 1:
+        return run[0].describe(matrix)
+    axes = run_axes(run)
+    names = ", ".join(matrix.names[a] for a in axes)
+    k = math.prod(matrix.shape[a] for a in axes)
+    first = run[0]
+    assert isinstance(first, AllGather), "a run of several steps gathers"
+    return f"AllGather(dim={first.dim}, axis=({names}), group size {k})"

@@ -21,7 +21,7 @@ import torch
 from shardwise.communication.recorder import bytes_bound
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner import Collective, EdgePlan, NodePlan
-from shardwise.redistribution import Slice, plan_redistribution
+from shardwise.redistribution import Slice, gather_runs, plan_redistribution, run_axes
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,11 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
         start = e.after_scatter if fused else e.src.layout  # (as the executor moves)
         moved = plan_redistribution(start, e.dst.layout, e.shape, size)
         befores = (moved.src, *moved.layouts[:-1]) if moved.steps else ()
-        for step, before, after, sent in zip(
-            moved.steps, befores, moved.layouts, moved.step_bytes, strict=True
-        ):
+        at = 0
+        for run in gather_runs(moved.steps, m.shape):
+            step, before, after = run[0], befores[at], moved.layouts[at]
+            sent = sum(moved.step_bytes[at : at + len(run)])  # (a run: the steps' bytes)
+            at += len(run)
             if m.shape[step.axis] == 1:
                 continue
             if isinstance(step, Slice):
@@ -129,8 +131,8 @@ def edge_sends(e: EdgePlan, rank: int) -> list[Found]:
                 else:
                     out.append(cut)
                 continue
-            group = sorted(m.group_along(rank, (step.axis,)))
-            c = Collective(type(step).__name__, (m.names[step.axis],), "")
+            group = sorted(m.group_along(rank, run_axes(run)))
+            c = Collective(type(step).__name__, tuple(m.names[a] for a in run_axes(run)), "")
             out.append((c, group, sent))
     return out
 
