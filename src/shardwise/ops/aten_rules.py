@@ -65,11 +65,25 @@ def _rep(n: int) -> Placements:
     return tuple(Replicate() for _ in range(n))
 
 
+def _is_split(p: Placement) -> bool:
+    """Whether `p` splits a dim: ``Shard`` or ``_StridedShard`` (a tuple of axes in an order
+    other than the mesh's, e.g. rows over ``("mp", "dp")``; not a subclass of ``Shard``)."""
+    return type(p) is Shard or isinstance(p, StridedShard)
+
+
+def _split_on(p: Placement, dim: int) -> Placement:
+    """Split `p` (plain or strided: its split factor kept) on dim `dim`."""
+    if isinstance(p, StridedShard):
+        return StridedShard(dim, split_factor=p.split_factor)
+    return Shard(dim)
+
+
 def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
     """``aten._scaled_dot_product_flash_attention_for_cpu``: q, k, v of shape [B, H, S, D].
 
-    Per mesh dim: when q is split on the batch or head dim, k and v (and a mask with that dim)
-    are split the same way and the output and logsumexp follow; anything else runs replicated.
+    Per mesh dim: when q is split (plain or strided) on the batch or head dim, k and v (and a
+    mask with that dim) are split the same way and the output and logsumexp follow; anything
+    else runs replicated.
     """
     q, k, v = args[0], args[1], args[2]
     tensors = [a for a in flat.leaves(list(args)) if isinstance(a, Spec)]
@@ -77,7 +91,7 @@ def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
     outs: list[Placement] = []
     for m in range(ndim):
         p = q.placements[m]
-        keep = isinstance(p, Shard) and p.dim in (0, 1) and type(p) is Shard
+        keep = _is_split(p) and p.dim in (0, 1)  # type: ignore[attr-defined]
         keep = keep and k.shape[p.dim] == q.shape[p.dim] == v.shape[p.dim]  # type: ignore[union-attr]
         for i, t in enumerate(tensors):
             wide = keep and t.shape[p.dim] == q.shape[p.dim] > 1  # type: ignore[union-attr]
@@ -90,9 +104,11 @@ def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
 def join_rule(stack: bool) -> AtenRule:
     """``aten.cat`` / ``aten.stack`` of a list of tensors along ``dim``.
 
-    Per mesh dim: when every input is split the same way on a dim other than the joined one,
-    the output is split there too (``stack`` shifts it past the new dim); anything else is
-    joined whole. (DTensor's strategy for a list argument does not report the inputs it needs.)
+    Per mesh dim: when every input is split the same way (plain or strided) on a dim other than
+    ``cat``'s joined one (any dim for ``stack``, whose joined dim is new), the output is split
+    there too (``stack`` shifts a dim at or after the new one by one; a strided split keeps its
+    split factor); anything else is joined whole. (DTensor's strategy for a list argument does
+    not report the inputs it needs.)
     """
 
     def rule(args: Sequence[Any], ndim: int) -> Decision:
@@ -106,10 +122,10 @@ def join_rule(stack: bool) -> AtenRule:
         outs: list[Placement] = []
         for m in range(ndim):
             p = tensors[0].placements[m]
-            same = all(t.placements[m] == p for t in tensors) and type(p) is Shard
-            keep = same and p.dim != dim  # type: ignore[attr-defined]
+            same = all(t.placements[m] == p for t in tensors) and _is_split(p)
+            keep = same and (stack or p.dim != dim)  # type: ignore[attr-defined]
             ins.append(p if keep else Replicate())
-            shifted = Shard(p.dim + 1) if keep and stack and p.dim >= dim else p  # type: ignore[attr-defined]
+            shifted = _split_on(p, p.dim + 1) if keep and stack and p.dim >= dim else p  # type: ignore[attr-defined]
             outs.append(shifted if keep else Replicate())
         empty = tuple(Replicate() for _ in range(ndim))
         need = tuple(tuple(ins) if t in tensors else empty for t in every)
@@ -122,9 +138,9 @@ def join_rule(stack: bool) -> AtenRule:
 def pointwise_loss_rule(args: Sequence[Any], ndim: int) -> Decision:
     """``aten.mse_loss`` / ``smooth_l1_loss`` / ``huber_loss`` (input, target, reduction, ...).
 
-    Per mesh dim: input and target split the same way keep their split; the loss is then that
-    split (``reduction="none"``) or a partial value (``"mean"``: the mean of equal blocks'
-    means, ``"sum"``); anything else runs whole. (DTensor gathers these losses whole.)
+    Per mesh dim: input and target split the same way (plain or strided) keep their split; the
+    loss is then that split (``reduction="none"``) or a partial value (``"mean"``: the mean of
+    equal blocks' means, ``"sum"``); anything else runs whole. (DTensor gathers these losses whole.)
     """
     x, target = args[0], args[1]
     reduction = int(args[2]) if len(args) > 2 and isinstance(args[2], int) else 1
@@ -132,7 +148,7 @@ def pointwise_loss_rule(args: Sequence[Any], ndim: int) -> Decision:
     outs: list[Placement] = []
     for m in range(ndim):
         p = x.placements[m]
-        keep = type(p) is Shard and target.placements[m] == p and x.shape == target.shape
+        keep = _is_split(p) and target.placements[m] == p and x.shape == target.shape
         ins.append(p if keep else Replicate())
         if not keep:
             outs.append(Replicate())
@@ -212,11 +228,11 @@ def fill_rule(args: Sequence[Any], ndim: int) -> Decision:
 def masked_fill_tensor_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     """``aten.masked_fill(_).Tensor`` (input, mask, a 0-d tensor value).
 
-    Per mesh dim: a split input keeps its split and the mask (broadcast from the right) is
-    split on the same dim where it has it, else whole; a partial input is made whole first (the
-    filled entries would sum N times the value); the value is replicated. None (DTensor, which
-    has no rule: replicated) for a value with dims, or an input the mask broadcasts to more
-    dims or larger sizes. (DTensor has a rule for the ``Scalar`` overloads only.)
+    Per mesh dim: a split input (plain or strided) keeps its split and the mask (broadcast from
+    the right) is split alike on the same dim where it has it, else whole; a partial input is
+    made whole first (the filled entries would sum N times the value); the value is replicated.
+    None (DTensor, which has no rule: replicated) for a value with dims, or an input the mask
+    broadcasts to more dims or larger sizes. (DTensor has a rule for the ``Scalar`` overloads only.)
     """
     x, mask, value = args[0], args[1], args[2]
     if not isinstance(value, Spec) or value.shape != ():
@@ -227,11 +243,11 @@ def masked_fill_tensor_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     ins: list[Placement] = []
     need_mask: list[Placement] = []
     for p in x.placements:
-        keep = type(p) is Shard
+        keep = _is_split(p)
         ins.append(p if keep else Replicate())
         d = p.dim - lead if keep else -1  # type: ignore[attr-defined]
         wide = keep and d >= 0 and mask.shape[d] == x.shape[p.dim] > 1  # type: ignore[attr-defined]
-        need_mask.append(Shard(d) if wide else Replicate())
+        need_mask.append(_split_on(p, d) if wide else Replicate())
     out = tuple(ins)
     return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
 
@@ -256,15 +272,10 @@ def mask_put_rule(args: Sequence[Any], ndim: int) -> Decision | None:
     ins: list[Placement] = []
     need_mask: list[Placement] = []
     for p in x.placements:
-        keep = isinstance(p, Shard | StridedShard)  # (strided too: rows over ("mp", "dp"))
+        keep = _is_split(p)  # (strided too: rows over ("mp", "dp"))
         ins.append(p if keep else Replicate())
         d = p.dim - start if keep else -1  # type: ignore[attr-defined]
-        if not 0 <= d < len(mask.shape):
-            need_mask.append(Replicate())
-        elif isinstance(p, StridedShard):
-            need_mask.append(StridedShard(d, split_factor=p.split_factor))
-        else:
-            need_mask.append(Shard(d))
+        need_mask.append(_split_on(p, d) if 0 <= d < len(mask.shape) else Replicate())
     out = tuple(ins)
     return Decision((out, tuple(need_mask), _rep(ndim)), (out,), "shardwise")
 
