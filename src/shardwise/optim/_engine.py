@@ -20,7 +20,7 @@ Here:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,13 +47,21 @@ class OptimizerParallel(WeightGathering):
         network: the network (its parameters already cut to their op-level blocks).
         plan: the optimizer plan.
         matrix: the op-level plan's global device matrix.
+        divisor: what the running backward's gradients are divided by before their sums (1
+            after a backward seeded with 1 / N, else the world size), read when they come.
     """
 
-    def __init__(self, network: nn.Module, plan: OptimizerPlan, matrix: DeviceMatrix) -> None:
+    def __init__(
+        self,
+        network: nn.Module,
+        plan: OptimizerPlan,
+        matrix: DeviceMatrix,
+        divisor: Callable[[], int],
+    ) -> None:
         self.plan = plan
         self.level = plan.config.optimizer_level
         self.world = comm.get_group_size()
-        self.divisor = self.world  # (1 after a backward seeded with 1 / N: `_engine_reduce`)
+        self.divisor = divisor
         self.params = {s.info.name: network.get_parameter(s.info.name) for s in plan.params}
         self.shards = {s.info.name: s for s in plan.params}
         self.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}

@@ -55,7 +55,7 @@ class GradReduction:
     plan: OptimizerPlan
     level: str
     world: int
-    divisor: int  # what each gradient is divided by before the sums (`GraphRun.set_divisor`)
+    divisor: Callable[[], int]  # what the running backward's gradients are divided by first
     params: dict[str, nn.Parameter]
     shards: dict[str, ParamShard]
     bucket_of: dict[str, int]
@@ -184,9 +184,10 @@ class GradReduction:
         with recorder.phase(phase), recorder.label(self._label(i)), torch.no_grad():
             # (/ divisor before the sum, as DDP: finite wherever one device's is; level 1's
             # leaves divided their gradients in each backward already: `divide_hook`)
-            if self.divisor != 1 and self.level != "level1":
+            divisor = self.divisor()
+            if divisor != 1 and self.level != "level1":
                 for g in grads:
-                    g.div_(self.divisor)
+                    g.div_(divisor)
             if bucket.kind == "shard":
                 pending = reduce_scatter_bucket(grads, ReduceOp.SUM, groups.shard)
                 self._inflight.append((i, phase, pending))
@@ -266,7 +267,8 @@ def divide_hook(engine: weakref.ref[GradReduction]) -> Callable[[torch.Tensor], 
 
     def hook(g: torch.Tensor) -> torch.Tensor:
         alive = engine()
-        return g / alive.divisor if alive is not None and alive.divisor != 1 else g
+        divisor = 1 if alive is None else alive.divisor()
+        return g / divisor if divisor != 1 else g
 
     return hook
 

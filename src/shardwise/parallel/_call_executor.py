@@ -70,6 +70,7 @@ def call_executor(
     hooks: tuple[Callable[[], None], Callable[[], None]],
     buckets: bool,
     hsdp: bool,
+    set_divisor: Callable[[int], None],
 ) -> PlanExecutor:
     """An executor of `plan` (`table`: its `NodeTable`) for one call with arguments `call`.
 
@@ -82,12 +83,14 @@ def call_executor(
         hooks: what runs when the plan's forward starts and when it ends.
         buckets: the gradients are reduced in buckets (which correct a mean loss's shares).
         hsdp: optimizer parallel is on (reentrant checkpointing is refused).
+        set_divisor: told, before each backward of the step, what its gradients are still to
+            be divided by (`_seeds`).
 
     Returns:
         The executor, entered by the caller around the call.
 
     Example:
-        >>> executor = call_executor(plan, table, (args, kwargs), net, None, hooks, True, False)
+        >>> executor = call_executor(plan, table, (a, kw), net, None, hooks, True, False, print)
     """
     on_start, on_end = hooks
     executor = PlanExecutor(
@@ -101,6 +104,7 @@ def call_executor(
     leaves = [t for t in pytree.tree_leaves(call) if isinstance(t, torch.Tensor)]
     executor.inputs = {id(t): weakref.ref(t) for t in leaves}
     executor.network = network  # (the buffers the call re-assigns: `_leaving`)
+    executor.set_divisor = set_divisor
     # (the gradient buckets correct a mean loss's shares; an input's gradient they don't)
     executor.defer_count = buckets and not any(t.requires_grad for t in leaves)
     if hsdp:

@@ -8,10 +8,10 @@ reached its last op (`_passes.Passes.check_done`; a ``torch.autograd.grad`` that
 seeds are scaled by 1/N (a split root's by its spread / N: `_seeds.Seeds.scaled_seeds`), so the
 gradients inside, and those a ``torch.autograd.grad`` returns, are one device's; the caller is
 told what they are still to be divided by (`divide_by`: 1, or N for the seeds `_seeds` leaves
-unscaled). A ``backward``
-without a gradient runs under `communication.primitives.replicated_seed` with this run's token
-(the plan's ``seeded`` adjoints stay local), or without one when an op outside the plan ran
-since the pass started. After it, the loss's started AllReduce (which ran alongside) is finished.
+unscaled). A ``backward`` without a gradient runs under
+`communication.primitives.replicated_seed` with this run's token (the plan's ``seeded``
+adjoints stay local), or without one when an op outside the plan ran since the pass started.
+After it, the loss's started AllReduce (which ran alongside) is finished.
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ which the parameter is replicated, one AllReduce per fused bucket of gradients
 the running backward's `divisor` (`GraphRun.set_divisor`: 1 after a train step's backward
 seeded with 1/N, `_seeds`, whose shares are one device's; N after a wrapped network's, whose
 caller seeds every rank's copy, as DDP), so a float16 sum overflows only where one device's
-gradient would; a
-gradient the plan made equal over some replica axes (`ParallelPlan.equal_grads`) is not summed
-over them but multiplied by their size (`_times`); a sparse gradient (``nn.Embedding(sparse=True)``)
-is summed on its own (`GradBuckets._sparse`).
+gradient would; a gradient the plan made equal over some replica axes
+(`ParallelPlan.equal_grads`) is not summed over them but multiplied by their size (`_times`); a
+sparse gradient (``nn.Embedding(sparse=True)``) is summed on its own (`GradBuckets._sparse`).
 """
 
 from __future__ import annotations
@@ -125,9 +124,9 @@ class GradBuckets:
     wait for its count noted for this backward (`EdgePlan.deferred`, `communication.correct_`).
     """
 
-    def __init__(self, network: nn.Module, plan: OptimizerPlan) -> None:
+    def __init__(self, network: nn.Module, plan: OptimizerPlan, divisor: Callable[[], int]) -> None:
         self.world = comm.get_group_size()
-        self.divisor = self.world  # (what each share is divided by: `set_divisor`)
+        self.divisor = divisor  # (what the running backward's shares are divided by)
         self.buckets: list[_Bucket] = []
         self.started: list[_Bucket] = []  # this backward's started AllReduces, in order
         self.task = -1  # the backward (graph task id) whose gradients the buckets hold
@@ -150,7 +149,7 @@ class GradBuckets:
     def _scale(self, times: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def scale(g: torch.Tensor) -> torch.Tensor:
             g = corrected(g, current_graph_task_id())  # (a loss's count factor: `_start`)
-            d = self.divisor
+            d = self.divisor()
             return g * times / d if times != 1 else (g / d if d != 1 else g)
 
         return scale
@@ -183,7 +182,7 @@ class GradBuckets:
             elif not stores and bucket.flat is bucket.kept:  # (not in one graph task)
                 return self._now(corrected(g, task), bucket.group, bucket.times[j])
             slot = bucket.slot(j)  # (scaled on the way in: no pass over the bucket later)
-            times, d = bucket.times[j], self.divisor
+            times, d = bucket.times[j], self.divisor()
             if times == 1 and d != 1 and not g.requires_grad:
                 torch.div(g, d, out=slot)
             else:  # (a gradient with a graph, ``create_graph=True``: no out= op takes it)
@@ -215,7 +214,7 @@ class GradBuckets:
     def _now(self, g: torch.Tensor, group: str | None, times: int) -> torch.Tensor:
         """`g` summed over `group` on its own, each share first multiplied by `times` and
         divided by `divisor` (as a bucket's)."""
-        d = self.divisor
+        d = self.divisor()
         share = g.detach() * (times / d) if times != 1 else g.detach() / d
         with recorder.phase("backward"):  # a gradient hook: no autograd through this sum
             return all_reduce_(share.contiguous(), ReduceOp.SUM, group)
@@ -226,7 +225,7 @@ class GradBuckets:
         if bucket.times[j] != 1:
             g = g * bucket.times[j]
         with recorder.phase("backward"), recorder.label(bucket.label):
-            return all_reduce_sparse(g, bucket.group, self.divisor)
+            return all_reduce_sparse(g, bucket.group, self.divisor())
 
     def _start(self, bucket: _Bucket, task: int) -> None:
         """Start the bucket's AllReduce: its shares of backward `task`'s gradients, first

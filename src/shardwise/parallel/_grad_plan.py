@@ -93,12 +93,9 @@ class GradPlanning:
         """What the gradients of the backward about to run are still to be divided by (the
         buckets', the optimizer-parallel engine's and the input hooks' divisor): N for a
         backward after the call (the caller's code seeds every rank's copy), the train step's
-        from `_seeds` (1, or N where it left a seed unscaled)."""
+        from `_seeds` (1, or N where it left a seed unscaled); they read it when the
+        gradients come."""
         self.divisor = divisor
-        if self.grads is not None:
-            self.grads.divisor = divisor
-        if self.engine is not None:
-            self.engine.divisor = divisor
 
     def _buckets(
         self, plan: ParallelPlan, buckets: OptimizerPlan | None = None, again: bool = False
@@ -120,8 +117,7 @@ class GradPlanning:
             stored = self.stored_plan.param_layouts()
             buckets = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
         self.grad_plan = buckets
-        self.grads = GradBuckets(self.network, self.grad_plan)
-        self.grads.divisor = self.divisor
+        self.grads = GradBuckets(self.network, self.grad_plan, lambda: self.divisor)
         self.hooks += self.grads.handles
         self.trainable = now
         self.grads_equal = dict(plan.equal_grads)

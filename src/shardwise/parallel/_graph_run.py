@@ -213,7 +213,9 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self._cut_later(split)  # (an optimizer not found by then: `StepHooks`)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
-            self.engine = start_engine(self.network, plan.matrix, buckets, self.clip_args)
+            self.engine = start_engine(
+                self.network, plan.matrix, buckets, self.clip_args, lambda: self.divisor
+            )
             self.trainable = self._trainable()
         else:
             self._buckets(plan, buckets)
@@ -295,11 +297,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         worked out once per plan: `plan_table`), telling this run each backward's divisor."""
         table = plan_table(self.tables, plan, self.templates, self.dataset)
         hooks, buckets = (on_start, on_end), self.grads is not None
-        executor = call_executor(
-            plan, table, call, self.network, self.engine, hooks, buckets, bool(self.hsdp)
-        )
-        executor.set_divisor = self.set_divisor  # (the step's backward: `_seeds`)
-        return executor
+        run = (self.network, self.engine, hooks, buckets, bool(self.hsdp), self.set_divisor)
+        return call_executor(plan, table, call, *run)
 
     def _replan(
         self,

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -126,13 +126,18 @@ def bucket_plans(plan: OptimizerPlan, matrix: DeviceMatrix) -> tuple[BucketPlan,
 
 
 def start_engine(
-    network: nn.Module, matrix: DeviceMatrix, plan: OptimizerPlan, clip_args: ClipArgs
+    network: nn.Module,
+    matrix: DeviceMatrix,
+    plan: OptimizerPlan,
+    clip_args: ClipArgs,
+    divisor: Callable[[], int],
 ) -> OptimizerParallel:
     """Start optimizer parallel for `network` as `plan` (`optimizer_plan` with hsdp) says and
     cut the shards (call once, after the op-level blocks are in place); torch's clipping
     outside a wrapped call takes the norm of the whole gradients, at level 1 of the ones it
-    holds (`_held_clip.watch`; its wrapper's `clip_args`)."""
-    engine = OptimizerParallel(network, plan, matrix)
+    holds (`_held_clip.watch`; its wrapper's `clip_args`); `divisor`: the running backward's
+    (`GraphRun.set_divisor`)."""
+    engine = OptimizerParallel(network, plan, matrix, divisor)
     engine.shard_parameters()
     watch(engine, clip_args)
     return engine

@@ -22,7 +22,7 @@ network than the captured one, a tensor made by your code after an earlier backw
 with `UnsupportedParallelError`: how it is split is not known, and guessing wrong would give
 1/N of one device's gradients without a word.
 
-`Seeds.scaled_seeds` takes a ``backward`` / ``torch.autograd.backward`` / last
+`Seeds.scaled_seeds` takes a ``backward`` / ``torch.autograd.backward`` /
 ``torch.autograd.grad`` call's arguments and returns them with the seeds scaled (a seed not
 given: ones times the factor, which `_differentiate` still treats as the same on every rank; a
 seed that is a constant, ``torch.tensor(1.0)``, held as every rank's: `communication.every_rank`).
