@@ -1,12 +1,14 @@
 """Checks of the dataset API's arguments, each raising the error that names the call, the
 argument and what to pass: `as_int`, `check_int`, `check_workers`, `check_flag`,
-`check_positive`. Integers may be NumPy's (``np.int64(2)``, as argparse-free scripts and
-``np.arange`` give them); a bool is not an integer here."""
+`check_positive`, `check_ops` (a map's operations). Integers may be NumPy's (``np.int64(2)``,
+as argparse-free scripts and ``np.arange`` give them); a bool is not an integer here."""
 
 from __future__ import annotations
 
 import numbers
 import operator
+from collections.abc import Callable
+from typing import Any
 
 
 def as_int(value: object) -> int | None:
@@ -42,3 +44,14 @@ def check_flag(value: object, who: str, name: str) -> bool:
 def check_positive(value: object, who: str, name: str) -> int:
     """`value` as an int >= 1, else ValueError naming `who` and `name`."""
     return check_int(value, who, name, 1)
+
+
+def check_ops(operations: object) -> tuple[Callable[..., Any], ...]:
+    """`map`'s operations as a tuple of callables (one given alone, or a list)."""
+    ops = tuple(operations) if isinstance(operations, list | tuple) else (operations,)
+    if not ops:
+        raise ValueError("map: operations is empty; pass a transform or a list of transforms")
+    for op in ops:
+        if not callable(op):
+            raise TypeError(f"map: {op!r} is not callable; pass transforms or functions")
+    return ops

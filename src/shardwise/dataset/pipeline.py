@@ -28,7 +28,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardwise.context import torch_seeded
-from shardwise.dataset._args import check_flag, check_int, check_positive, check_workers
+from shardwise.dataset._args import (
+    check_flag,
+    check_int,
+    check_ops,
+    check_positive,
+    check_workers,
+)
 from shardwise.dataset._fetch import Fetcher, IndexBatch, MapStep, identity_collate
 from shardwise.dataset._iterate import EpochIterator, pick
 from shardwise.dataset._order import EpochOrder, mix_seed
@@ -48,16 +54,6 @@ class _Spec:
     batch_maps: tuple[MapStep, ...] = ()
     workers: int = 0
     trail: tuple[str, ...] = ()
-
-
-def _as_ops(operations: object) -> tuple[Callable[..., Any], ...]:
-    ops = tuple(operations) if isinstance(operations, list | tuple) else (operations,)
-    if not ops:
-        raise ValueError("map: operations is empty; pass a transform or a list of transforms")
-    for op in ops:
-        if not callable(op):
-            raise TypeError(f"map: {op!r} is not callable; pass transforms or functions")
-    return ops
 
 
 class Dataset:
@@ -115,7 +111,7 @@ class Dataset:
         Example:
             >>> ds = ds.map([vision.Rescale(1.0 / 255.0, 0), vision.HWC2CHW()], "image")
         """
-        ops = _as_ops(operations)
+        ops = check_ops(operations)
         if input_columns is None:
             names: tuple[str, ...] = self._spec.names[:1]
         elif isinstance(input_columns, str):
