@@ -244,3 +244,50 @@ def test_a_network_whose_ops_change_between_steps_is_planned_again() -> None:
         second = parallel(world.rows(x))
     assert_matches_single_device(first, lambda r: want[0][2 * r : 2 * r + 2])
     assert_matches_single_device(second, lambda r: want[1][2 * r : 2 * r + 2])
+
+
+class MaskedAttention(nn.Module):
+    """Attention with an additive float mask of shape `mask_shape` (broadcast from the right to
+    the scores' ``[B, H, S, S]``): ``[S, S]`` with S equal to the batch size is still one mask
+    for every batch row, not a mask to split with the batch."""
+
+    def __init__(self, mask_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.register_buffer("mask", torch.randn(mask_shape))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return F.mse_loss(h.transpose(1, 2).flatten(2), y)
+
+
+@pytest.mark.parametrize("mask_shape", [(4, 4), (4, 1, 4, 4), (2, 4, 4)])
+def test_attention_mask_dims_are_matched_from_the_right(mask_shape: tuple[int, ...]) -> None:
+    """A mask's dims are matched to the scores' from the right: with batch 4 and sequence 4, a
+    ``[S, S]`` mask (and a per-head ``[H, S, S]`` one) is one mask for every rank's rows, a
+    ``[B, 1, S, S]`` one is split with the batch; the loss and gradients equal one device's,
+    with the loss's AllReduce and one gradient bucket only."""
+    torch.manual_seed(0)
+    net, x, y = MaskedAttention(mask_shape), torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    want = net(x, y)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    net.zero_grad()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, b)
+            loss.backward()
+            return loss
+
+        with CommRecorder() as rec:
+            loss = AutoParallel(step, "semi_auto")(world.rows(x), world.rows(y))
+    assert_matches_single_device(loss, want.detach(), what="loss")
+    for n, p in net.named_parameters():
+        assert_matches_single_device(p.grad, grads[n], what=f"{n}.grad")
+    assert rec.kinds() == Counter(
+        {("AllReduce", "forward", (0, 1)): 1, ("AllReduce", "backward", (0, 1)): 1}
+    ), rec.summary()

@@ -82,8 +82,8 @@ def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
     """``aten._scaled_dot_product_flash_attention_for_cpu``: q, k, v of shape [B, H, S, D].
 
     Per mesh dim: when q is split (plain or strided) on the batch or head dim, k and v (and a
-    mask with that dim) are split the same way and the output and logsumexp follow; anything
-    else runs replicated.
+    mask with that dim, matched to q's dims from the right) are split the same way and the
+    output and logsumexp follow; anything else runs replicated.
     """
     q, k, v = args[0], args[1], args[2]
     tensors = [a for a in flat.leaves(list(args)) if isinstance(a, Spec)]
@@ -93,9 +93,10 @@ def sdpa_cpu_rule(args: Sequence[Any], ndim: int) -> Decision:
         p = q.placements[m]
         keep = _is_split(p) and p.dim in (0, 1)  # type: ignore[attr-defined]
         keep = keep and k.shape[p.dim] == q.shape[p.dim] == v.shape[p.dim]  # type: ignore[union-attr]
-        for i, t in enumerate(tensors):
-            wide = keep and t.shape[p.dim] == q.shape[p.dim] > 1  # type: ignore[union-attr]
-            ins[i].append(p if wide else Replicate())
+        for i, t in enumerate(tensors):  # (a mask broadcasts from the right: [S, S])
+            d = p.dim - len(q.shape) + len(t.shape) if keep else -1  # type: ignore[union-attr]
+            wide = d >= 0 and t.shape[d] == q.shape[p.dim] > 1  # type: ignore[union-attr]
+            ins[i].append(_split_on(p, d) if wide else Replicate())
         outs.append(p if keep else Replicate())
     out = tuple(outs)
     return Decision(tuple(tuple(i) for i in ins), (out, out), "shardwise")
