@@ -121,8 +121,9 @@ def agree_with_ranks(
     except dist.DistStoreError as e:
         raise RuntimeError(
             f"comparing the ranks' {', '.join(n for n, _, _ in named) or 'plans'}: some rank did "
-            f"not reach the check within the store's timeout (it stopped, or called with other "
-            f"inputs); see the other ranks' logs"
+            f"not reach the check within the store's timeout (it stopped, called with other "
+            f"inputs, or never made this call: every rank makes a wrapper's first call, or its "
+            f"plan(), at the same point); see the other ranks' logs"
         ) from e
 
 
