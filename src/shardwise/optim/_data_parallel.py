@@ -326,7 +326,8 @@ class DataParallelRunner:
             *inputs: under ``dataset_strategy="data_parallel"`` this rank's rows of the global
                 batch (the global batch is the ranks' rows in rank order; every rank passes the
                 same number of rows); under ``"full_batch"`` the whole global batch, of which
-                each tensor input is cut to this rank's rows (`local_rows`).
+                each tensor input, also one in a tuple, list, dict or dataclass (a cache passed
+                back), is cut to this rank's rows (`local_rows`).
             **kwargs: keyword inputs, taken as `inputs` are (``input_ids=...``).
 
         Returns:

@@ -3,9 +3,9 @@ gradients and parameters: the collectives of data-parallel mode (through
 ``communication._collectives``), and the batch cut.
 
 - `local_rows` (``"full_batch"``): this rank's rows of a global-batch input
-  (`full_batch_rows`: of every input); `same_shapes`:
-  every rank's inputs of one shape (a simulated world sees ranks that differ); `same_batch`
-  (``"full_batch"``, first call): every rank's inputs of one value.
+  (`full_batch_rows`: of every tensor input, also inside tuples, lists, dicts and dataclasses:
+  `tensors_in`); `same_shapes`: every rank's inputs of one shape (a simulated world sees ranks
+  that differ); `same_batch` (``"full_batch"``, first call): every rank's inputs of one value.
 - `mean_loss` (train-step form): the step's loss averaged over the ranks (one AllReduce).
 - `module_outputs` (module form): the network's loss (a floating 0-d output) averaged over the
   ranks in value only, its gradient this rank's (`RanksMean`); under ``"full_batch"`` every
@@ -157,41 +157,62 @@ def module_outputs(out: Any, world: int, full_batch: bool) -> Any:
     return pytree.tree_map_dataclasses(leave, out)
 
 
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a call's inputs, also inside tuples, lists, dicts and dataclasses (the
+    containers `module_outputs` walks: a cache passed back as it was returned), in order."""
+    found: list[torch.Tensor] = []
+
+    def take(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        return x
+
+    pytree.tree_map_dataclasses(take, tree)
+    return found
+
+
 def full_batch_rows(
     inputs: tuple[Any, ...], kwargs: dict[str, Any], world: int, first: bool
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``"full_batch"``: this rank's rows of every input (`local_rows`), after checking on
-    the `first` call that every rank passed rank 0's batch (`same_batch`)."""
+    """``"full_batch"``: this rank's rows of every tensor input (`local_rows`), also inside
+    tuples, lists, dicts and dataclasses (a ``past_key_values`` cache the module form returned
+    whole and the caller passes back), after checking on the `first` call that every rank
+    passed rank 0's batch (`same_batch`). A tensor passed twice is cut once."""
     if first:
         same_batch([*inputs, *kwargs.values()])
     rank = get_rank()
+    done: dict[int, Any] = {}
 
     def cut(x: Any) -> Any:  # (a plain tensor made outside a simulated world: every rank's)
-        return local_rows(every_rank(x) if isinstance(x, torch.Tensor) else x, world, rank)
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in done:
+            done[id(x)] = local_rows(every_rank(x), world, rank)
+        return done[id(x)]
 
-    return tuple(cut(x) for x in inputs), {k: cut(x) for k, x in kwargs.items()}
+    rows = pytree.tree_map_dataclasses(cut, (inputs, kwargs))
+    return tuple(rows[0]), dict(rows[1])
 
 
 def same_shapes(inputs: Sequence[Any]) -> None:
-    """Raise ValueError when a tensor input has another size on some of the ranks this
-    process runs (a last batch split unevenly)."""
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            try:
-                [int(n) for n in x.shape]
-            except (AttributeError, TypeError, RuntimeError):
-                raise ValueError(
-                    f"{WHO}: an input of shape {list(x.shape)} has other sizes on some ranks; "
-                    f"every rank passes the same shapes (as many rows on each rank; "
-                    f"batch(..., drop_remainder=True) for the last batch)"
-                ) from None
+    """Raise ValueError when a tensor input (also one inside a tuple, list, dict or dataclass)
+    has another size on some of the ranks this process runs (a last batch split unevenly)."""
+    for x in tensors_in(list(inputs)):
+        try:
+            [int(n) for n in x.shape]
+        except (AttributeError, TypeError, RuntimeError):
+            raise ValueError(
+                f"{WHO}: an input of shape {list(x.shape)} has other sizes on some ranks; "
+                f"every rank passes the same shapes (as many rows on each rank; "
+                f"batch(..., drop_remainder=True) for the last batch)"
+            ) from None
 
 
 def same_batch(inputs: Sequence[Any]) -> None:
-    """``"full_batch"``: raise ValueError when a tensor input differs from rank 0's on some
-    rank (each rank passed its own rows; checked through the job's store:
-    `communication.ranks_unlike_leader`)."""
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    """``"full_batch"``: raise ValueError when a tensor input (also one inside a tuple, list,
+    dict or dataclass) differs from rank 0's on some rank (each rank passed its own rows;
+    checked through the job's store: `communication.ranks_unlike_leader`)."""
+    tensors = tensors_in(list(inputs))
     unlike = ranks_unlike_leader(
         [(f"tensor input {i}", x, lambda r: 0) for i, x in enumerate(tensors)]
     )
