@@ -1,6 +1,7 @@
 """Capture's module hooks (`_module_hooks`): each node's module path, a shardwise primitive
 recorded as one node (its inner calls unrecorded, `_recorders._State.add_node` at its end),
-and the op-form ``sw.shard`` strategies of the modules being run.
+and the op-form ``sw.shard`` strategies of the modules being run (`_op_form_calls`: the one
+call of such a module's forward takes it; its hooks' calls are unannotated).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from shardwise.ops import Primitive
 from shardwise.planner._graph import op_strategy
+from shardwise.planner._op_form_calls import Annotated
 from shardwise.planner._recorders import _State, tensors_in
 
 T = torch.Tensor
@@ -33,10 +35,10 @@ def module_hooks(s: _State) -> Iterator[None]:
         s.stack.append(path if path is not None else type(module).__name__)
         strategy = op_strategy(module)
         if strategy is not None and not s.inside_primitive and not s.done:
-            s.annotated.append([s.stack[-1], strategy, False])
+            s.annotated.append(Annotated(s.stack[-1], strategy, module))
 
     def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if s.annotated and s.stack and s.annotated[-1][0] == s.stack[-1]:
+        if s.annotated and s.stack and s.annotated[-1].path == s.stack[-1]:
             s.annotated.pop()
         if s.stack:
             s.stack.pop()

@@ -14,7 +14,8 @@
   runs (`AtenCall`s on `AtenArg`s: the call's inputs and the program's own temporaries).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
   shardwise primitive as one node (its inner calls unrecorded) and the op-form ``sw.shard``
-  strategies of the modules being run.
+  strategies of the modules being run (`_op_form_calls.annotation`: the call of such a
+  module's forward that takes it, not its hooks' calls).
 - `dtype_name` / `info_of`: a tensor's dtype name, shape and dtype as `TensorInfo`;
   `tensors_in`: a pytree's tensors; `_tensors`: those and the tree with `TensorSlot`s in their
   place; the error messages name the user's ``file:line`` (`_source_lines`).
@@ -46,6 +47,7 @@ from shardwise.planner._graph import (
     TensorSlot,
 )
 from shardwise.planner._in_place import apart, call_writes
+from shardwise.planner._op_form_calls import Annotated, annotation
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import (
     captured_note,
@@ -108,9 +110,7 @@ class _State:
         self.tmp = 0
         self.backward_roots: list[Ref] = []
         self.all_roots_known = False
-        # op-form ``sw.shard`` strategies of the modules being run: [module path, strategy,
-        # whether a node took it]
-        self.annotated: list[list[Any]] = []
+        self.annotated: list[Annotated] = []  # the op-form ``sw.shard`` modules being run
         self.functions: dict[int, str] = {}  # node -> the custom autograd.Function whose
         # forward ran it (`_functions.function_of`)
         self.regions = RegionNotes()  # activation-checkpointed regions
@@ -154,7 +154,7 @@ class _State:
                 f"(nested torch.utils.checkpoint), which AutoParallel does not support; "
                 f"checkpoint the regions one after the other"
             )
-        strategy = self._annotation(op)
+        strategy = annotation(self.annotated, self.stack, op)
         node = Node(
             index=index,
             name=self.name(op),
@@ -178,20 +178,6 @@ class _State:
             function = function_of()
             if function:
                 self.functions[index] = function
-
-    def _annotation(self, op: str) -> tuple[Any, ...] | None:
-        """The op-form strategy for a node made directly in an annotated module (its one op)."""
-        if not self.annotated or not self.stack or self.annotated[-1][0] != self.stack[-1]:
-            return None
-        entry = self.annotated[-1]
-        if entry[2]:
-            raise CaptureError(
-                f"sw.shard on {entry[0]}: its op-form in_strategy annotates the module's single "
-                f"torch call, but it also called {op} at {source_line()}; annotate a module that "
-                f"makes one call (nn.Linear, nn.Embedding), or reshard its inputs instead"
-            )
-        entry[2] = True
-        return tuple(entry[1])
 
 
 def _is_param(s: _State, args: tuple[Any, ...]) -> bool:
