@@ -57,11 +57,7 @@ from shardwise.parallel._differentiate import Differentiate
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
-from shardwise.parallel._local import (
-    attention_p,
-    drop,
-    dropout_p,
-)
+from shardwise.parallel._local import attention_p, drop, dropout_p
 from shardwise.parallel._node_run import ON_PARAMETER, NodeRun, check_flag_change, has_tensor
 from shardwise.parallel._node_table import (
     CALLS,
@@ -80,6 +76,7 @@ from shardwise.parallel._sizes import Sizes
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
+from shardwise.planner._local_factories import fill_shape
 
 T = torch.Tensor
 
@@ -160,6 +157,7 @@ class PlanExecutor(
         self.placed: Placings = {}  # (`_leaving`) such outputs made in this call
         self.buffer_moves = self.table.buffer_moves  # (`_leaving`) outputs buffers are set to
         self.buffer_made: dict[str, tuple[weakref.ref[T], EdgePlan]] = {}  # (made this call)
+        self.fills: dict[int, tuple[weakref.ref[T], EdgePlan, T | None]] = {}  # (`_leaving`)
         self.network: torch.nn.Module | None = None  # (whose buffers those are: the caller's)
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
         self._recompute_init()
@@ -272,6 +270,7 @@ class PlanExecutor(
             self.outside = True
             if self.swapped:  # (a tensor changed in place in a moved copy: that copy)
                 args, kwargs = pytree.tree_map(self.current, (args, kwargs))
+            args, kwargs = self.fill_rows((args, kwargs))  # (a fill made whole: its rows)
             out = self.run_outside(func, op, args, kwargs)
             self.note_outside(op, (args, kwargs), out)  # (no pass may read it: `_passes`)
             return out
@@ -350,7 +349,7 @@ class PlanExecutor(
         A factory of the plan's next node gets the node's global sizes (`factory_call`; any
         other factory its captured sizes where user code read this rank's share of them:
         `Sizes.factory_sizes`)."""
-        k = self.cursor
+        k, asked = self.cursor, fill_shape(op, args, kw)  # (the shape the code asked for)
         if self.ops[k] == op:
             if checkpointing():  # (a region's first node may be a factory: `_recompute`)
                 self._checkpointed(k)
@@ -372,6 +371,7 @@ class PlanExecutor(
         leaving = self.leaving[node.index]
         if leaving is not None:
             self.note_placed(node.index, leaving, out)
+            self.note_fill(leaving, asked, out)
         self._ended()
         return out
 

@@ -30,6 +30,9 @@ axis only).
   ``tolist``; printing shows this rank's part) are refused with `UnsupportedParallelError`
   (``logits.argmax(-1)`` on a vocabulary split would compare this rank's columns only,
   ``out + 1`` on a partial sum would add 1 on every rank) (`Leaving.placed_call`).
+- `Leaving.note_fill`: a fill the plan makes whole where the step's code sized it as this
+  rank's rows (``torch.ones(x.shape[0], 1)``, a GAN's target) is read by an op after the plan
+  ended as those rows (`Leaving.fill_rows`), as the code made them.
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ class Leaving:
     network: nn.Module | None  # (whose buffers `set_buffers` names)
     params_of: Callable[[], dict[int, str]]
     param_value: Callable[[torch.Tensor], torch.Tensor] | None
+    fills: dict[int, tuple[weakref.ref[T], EdgePlan, T | None]]  # (`note_fill`) -> its rows
+    made_outside: dict[int, weakref.ref[T]]  # (`_passes`)
+    paused: int
 
     if TYPE_CHECKING:
 
@@ -174,6 +180,45 @@ class Leaving:
             if held is value or held is self.current(value):  # (identity: not values)
                 table[attr] = move(self.current(held), edge)
 
+    def note_fill(
+        self, edges: dict[int, EdgePlan], asked: tuple[int, ...] | None, out: Any
+    ) -> None:
+        """A fill the plan made whole (`out`) where the step's code asked for `asked`, this
+        rank's rows of it (``torch.ones(x.shape[0], 1)`` with this rank's ``x``: the plan gave
+        it the global sizes); `edges` move it to those rows. Read by an op outside the plan
+        (after ``loss.backward()``), it is those rows (`fill_rows`), as the code made them."""
+        edge = edges.get(0)
+        if edge is None or asked is None or not isinstance(out, T) or out.shape == asked:
+            return
+        whole = not edge.src.partial and not edge.src.layout.used_axes()
+        if whole and not edge.dst.partial and edge.dst.local_shape(edge.shape) == asked:
+            self.fills[id(out)] = (weakref.ref(out), edge, None)
+
+    def fill_rows(self, args: Any) -> Any:
+        """`args` of an op outside the plan with each fill `note_fill` kept as this rank's rows
+        of it (cut once per call; the rows count as made outside the plan: no later pass reads
+        them)."""
+        if not self.fills:
+            return args
+
+        def rows(t: Any) -> Any:
+            entry = self.fills.get(id(t)) if isinstance(t, T) else None
+            whole = None if entry is None else entry[0]()
+            if entry is None or whole is None or whole is not t:
+                return t
+            ref, edge, cut = entry
+            if cut is None:
+                self.paused += 1  # (the cut's own tensor calls are no ops of the step)
+                try:
+                    cut = move(whole, edge)
+                finally:
+                    self.paused -= 1
+                self.fills[id(t)] = (ref, edge, cut)
+                self.made_outside[id(cut)] = weakref.ref(cut)
+            return cut
+
+        return pytree.tree_map(rows, args)
+
     def _held(self, t: Any) -> tuple[EdgePlan, str] | None:
         entry = self.placed.get(id(t)) if isinstance(t, T) else None
         if entry is None or entry[0]() is not t:
@@ -200,6 +245,9 @@ class Leaving:
 
         def leave(x: Any) -> Any:
             x = self.current(x)  # (changed in place in a moved copy: that copy)
+            fill = self.fills.get(id(x)) if self.fills else None
+            if fill is not None and fill[0]() is x and fill[2] is not None:
+                return fill[2]  # (read outside the plan: those rows, as changed there)
             held = self._held(x)
             if held is None:
                 return x

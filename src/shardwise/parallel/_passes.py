@@ -22,8 +22,9 @@ A later pass steps over the plan's nodes that made a tensor from nothing and tha
 call (`Passes.skip_made`: a lazy init the first pass ran, ``torch.amp.GradScaler``'s
 ``torch.full`` scale on its first ``scale``); the pass reads the tensors the first pass made.
 A backward before the pass reached the plan's last op is refused too (`Passes.check_done`), and
-an op outside the plan that fails on a parameter optimizer parallel holds as this rank's shard
-gets a note naming it and the fix (`Passes.run_outside`).
+an op outside the plan that fails on a parameter optimizer parallel holds as this rank's shard,
+or on a value the plan holds whole that leaves the call as this rank's rows, gets a note naming
+it and the fix (`Passes.run_outside`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from shardwise._torch import pytree
 from shardwise._torch.storage import view_base
 from shardwise.parallel._errors import Replan, UnsupportedParallelError
-from shardwise.planner import ParallelPlan
+from shardwise.planner import EdgePlan, ParallelPlan
 from shardwise.planner._in_place import in_place
 
 T = torch.Tensor
@@ -93,6 +94,8 @@ class Passes:
         def _ended(self) -> None: ...
 
         def check_placed(self, op: str, args: Any, out: Any) -> None: ...
+
+        def _held(self, t: Any) -> tuple[EdgePlan, str] | None: ...
 
     def skip_made(self, op: str) -> None:
         """In a later pass, when `op` is not the plan's next node but the node after a run of
@@ -175,37 +178,65 @@ class Passes:
             self.inputs[id(out)] = weakref.ref(out)
 
     def run_outside(self, func: Any, op: str, args: Any, kwargs: Any) -> Any:
-        """Run `op` outside the plan; when a computation (not an in-place update: an EMA's
-        ``lerp_``) fails reading a parameter the plan stores split (an operator-level block) or
-        optimizer parallel stores as this rank's shard (a GAN's ``D(fake)`` after
-        ``d_loss.backward()``: no pass of the plan starts there, so the weight is not gathered),
-        torch's error gets a note naming it and the fix."""
+        """Run `op` outside the plan; when it fails reading a parameter the plan stores as a
+        block (`_param_note`) or a value the plan holds whole that leaves the call as this
+        rank's rows (`_whole_note`), torch's error gets a note naming it and the fix."""
         try:
             return func(*args, **kwargs)
-        except (RuntimeError, IndexError) as e:  # (F.embedding on a row shard: IndexError)
+        except (RuntimeError, IndexError, ValueError) as e:  # (embedding on a shard: IndexError)
             leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, T)]
-            roots = [view_base(t) for t in leaves]  # (``w.t()``: a view of w)
-            bases = [t if root is None else root for t, root in zip(leaves, roots, strict=True)]
-            names = [self.params[id(t)] for t in bases if id(t) in self.params]
-            stored = self.plan.params
-            split = [n for n in names if n in stored and stored[n].layout.used_axes()]
-            if not in_place(op) and (split or (self.param_value is not None and names)):
-                name = split[0] if split else names[0]
-                holds = (
-                    f"the plan stores it split over the ranks ({stored[name].layout}), so it "
-                    f"holds this rank's block there"
-                    if split
-                    else "with hsdp() the parameter holds this rank's shard there"
-                )
-                fix = "keep it whole (annotate its op)" if split else "train without hsdp()"
-                e.add_note(
-                    f"AutoParallel: {op} reads {name} after loss.backward(), outside the plan "
-                    f"(no pass of the plan starts there: only the network's own ops from where "
-                    f"the first pass entered it run again), and {holds}; run every forward "
-                    f"before the first backward (a GAN: D(real), D(fake.detach()) and D(fake), "
-                    f"then the backwards), or {fix}"
-                )
+            note = self._param_note(op, leaves) or self._whole_note(op, leaves)
+            if note is not None:
+                e.add_note(note)
             raise
+
+    def _param_note(self, op: str, leaves: list[T]) -> str | None:
+        """The note for a computation (not an in-place update: an EMA's ``lerp_``) outside the
+        plan that read a parameter the plan stores split (an operator-level block) or optimizer
+        parallel stores as this rank's shard (a GAN's ``D(fake)`` after ``d_loss.backward()``:
+        no pass of the plan starts there, so the weight is not gathered); None for others."""
+        roots = [view_base(t) for t in leaves]  # (``w.t()``: a view of w)
+        bases = [t if root is None else root for t, root in zip(leaves, roots, strict=True)]
+        names = [self.params[id(t)] for t in bases if id(t) in self.params]
+        stored = self.plan.params
+        split = [n for n in names if n in stored and stored[n].layout.used_axes()]
+        if in_place(op) or not (split or (self.param_value is not None and names)):
+            return None
+        name = split[0] if split else names[0]
+        holds = (
+            f"the plan stores it split over the ranks ({stored[name].layout}), so it "
+            f"holds this rank's block there"
+            if split
+            else "with hsdp() the parameter holds this rank's shard there"
+        )
+        fix = "keep it whole (annotate its op)" if split else "train without hsdp()"
+        return (
+            f"AutoParallel: {op} reads {name} after loss.backward(), outside the plan "
+            f"(no pass of the plan starts there: only the network's own ops from where "
+            f"the first pass entered it run again), and {holds}; run every forward "
+            f"before the first backward (a GAN: D(real), D(fake.detach()) and D(fake), "
+            f"then the backwards), or {fix}"
+        )
+
+    def _whole_note(self, op: str, leaves: list[T]) -> str | None:
+        """The note for an op outside the plan that read a value the plan holds whole but that
+        leaves the call as this rank's rows (a target made before the backward from the
+        whole batch's size, ``torch.ones(x.shape[0], 1) * 0.9``), where the values made outside
+        the plan are this rank's rows; None when it read none."""
+        for t in leaves:
+            held = self._held(t)
+            if held is None or held[0].src.partial or held[0].src.layout.used_axes():
+                continue
+            edge, node = held
+            return (
+                f"AutoParallel: {op} after loss.backward() reads the output of {node}, which "
+                f"the plan holds whole ({list(edge.shape)}: every row of the batch), while an "
+                f"op outside the plan computes on this rank's rows "
+                f"({list(edge.dst.local_shape(edge.shape))}); make it from this rank's "
+                f"tensors after the backward (torch.ones_like(d_out)), or run the op before "
+                f"the first backward (the plan then includes it)"
+            )
+        return None
 
     def check_inputs(self, op: str, args: Any) -> None:
         """Refuse an op of the plan that reads a tensor made outside the plan (on this rank's

@@ -9,13 +9,15 @@ the network's own code expects: a recurrent layer's initial state ``torch.zeros(
 x.size(0), hidden)``, checked against this rank's batch before the op runs (``nn.GRU``'s
 ``check_hidden_size``), is this rank's rows, as ``x`` is.
 
-`split_fills(graph, nodes, edges)` returns the nodes and edges with such fills placed split.
+`split_fills(graph, nodes, edges)` returns the nodes and edges with such fills placed split;
+`fill_shape` reads the shape a fill's call asks for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from shardwise.planner._graph import Graph, Ref
 from shardwise.planner._plan import EdgePlan, NodePlan
@@ -56,3 +58,25 @@ def split_fills(
         out_nodes[n.index] = dataclasses.replace(n, outputs=(first.dst,))
         dropped |= {id(e) for e in moves.values()}
     return tuple(out_nodes), tuple(e for e in edges if id(e) not in dropped)
+
+
+def fill_shape(op: str, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, ...] | None:
+    """The shape a call of fill `op` asks for (``torch.ones(b, 1)``, ``torch.zeros((b, 1))``,
+    ``torch.full((b, 1), 0.9)``, ``size=``), or None for another op or one not read.
+
+    Example:
+        >>> fill_shape("torch.full", ((4, 1), 0.9), {})
+        (4, 1)
+    """
+    if op not in FILLS:
+        return None
+    if "size" in kw:
+        size = kw["size"]
+    elif op == "torch.full" or (len(args) == 1 and not isinstance(args[0], int)):
+        size = args[0] if args else ()
+    else:
+        size = args
+    try:
+        return tuple(int(s) for s in size)
+    except (TypeError, ValueError):
+        return None
