@@ -307,3 +307,40 @@ def test_megatron_gpt2_with_sdpa_function_form(qkv: str) -> None:
         kinds[("AlltoAll", phase, (0, 1))] = 4 * LAYERS if qkv == "plain" else 0
     with simulated_world(4) as world:
         train_and_check(world, net, want, +kinds)
+
+
+@pytest.mark.parametrize(("mp", "summed"), [(2, "AllReduce"), (4, "ReduceScatter")])
+def test_megatron_gpt2_full_batch_of_rows_dp_alone_divides(mp: int, summed: str) -> None:
+    """Under ``"full_batch"`` at 2 x mp, a global batch of 6 rows divides by dp but not by the
+    devices: the inputs are kept whole (a warning) and c_attn / c_fc still take their 3 rows
+    over dp. At mp = 2 each row-parallel c_proj's partial output, which the next layer norm
+    would have cut to 3 rows over 2 mp ranks (a ReduceScatter onto uneven rows: a PlanError),
+    is summed whole over mp instead (an AllReduce); at mp = 4 it is cut on the sequence (a
+    ReduceScatter), and the head's view merging rows and sequence, split on different axes,
+    takes the sequence whole first (a PlanError before). The loss and every gradient equal
+    one device's."""
+    x, y = token_batches(1, 6)[0]
+    ref = GPT2()
+    want = ref(x, y)[1]
+    assert want is not None
+    want.backward()
+    net = megatron(GPT2(), 2, mp)
+    with simulated_world(2 * mp) as world:
+        world.replicate(net)
+        seen: list[dict[str, torch.Tensor]] = []
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        step = recording_step(net, opt, lambda m, a, b: m(a, b)[1], seen)
+        parallel = sw.AutoParallel(step).dataset_strategy("full_batch")
+        warned = rf"6 rows\) cannot be split over {2 * mp} devices"
+        with CommRecorder() as rec, pytest.warns(UserWarning, match=warned):
+            loss = parallel(world.same(x), world.same(y))
+        assert_matches_single_device(loss, want.detach(), what="loss")
+        for name, p in ref.named_parameters():
+            assert p.grad is not None
+            assert_matches_single_device(
+                seen[0][name], block_of(parallel, name, p.grad), what=f"{name}.grad"
+            )
+        mp_group = tuple(range(mp))
+        other = "ReduceScatter" if summed == "AllReduce" else "AllReduce"
+        assert rec.kinds()[(summed, "forward", mp_group)] == 2 * LAYERS, rec.summary()
+        assert rec.kinds()[(other, "forward", mp_group)] == 0, rec.summary()

@@ -22,7 +22,9 @@
   any plan by the same model, `step_cost` estimates its training step; `_explain`: why each op
   has its strategy.
 - `_follow`: an op's aten program followed on placements (the strategy of an unannotated or
-  op-form annotated op, the cheaper of following and data parallel).
+  op-form annotated op, the cheaper of following and data parallel); `_even`: a rule's
+  decision checked against shardwise's equal blocks (a partial sum all-reduced where a
+  ReduceScatter would cut a dim unevenly).
 - `_placement`: the global device matrix and where inputs and parameters start.
 - `_backward`: `plan_backward`, the last planning step: where a replicated value's gradient is
   averaged over an axis (Megatron's ``f``) so that forward AllReduces' adjoints and replicated

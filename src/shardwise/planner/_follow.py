@@ -38,14 +38,14 @@ from torch.distributed.tensor import Replicate, Shard
 from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
-from shardwise.ops.aten_rules import Decision, decide
+from shardwise.ops.aten_rules import Decision
 from shardwise.ops.torch_rules import NODE_RULES
+from shardwise.planner._even import even_decision
 from shardwise.planner._follow_errors import (
     FollowErrors,
     NeedsWholeDim,
     NoLayout,
     RandomFillError,
-    check_even,
 )
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
 from shardwise.planner._placement import (
@@ -264,8 +264,7 @@ class _Follow(FollowErrors):
         a, k = flat.map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
         try:
             shapes = [o.info.shape for o in call.outputs]
-            dec = decide(call.op, a, k, self.mesh, self.ndim, shapes)
-            check_even(dec.outputs, shapes, self.matrix.shape)
+            dec = even_decision(call.op, a, k, self.mesh, self.ndim, shapes)
         except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
             error = self._error(node, call.op, e)
             if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)

@@ -6,7 +6,6 @@
 - `FollowErrors._error`: the `PlanError` (or `NeedsWholeDim`) for an aten op no rule can run on
   the inputs as placed, naming the op, its shapes and placements and the fix (`_uneven_fix`: a
   view cutting a split dim into groups its parts do not divide).
-- `check_even`: a rule's output split into parts its size does not divide.
 - `RandomFillError`, `NeedsWholeDim`, `NoLayout`: what `_Follow._cheaper` answers with another
   strategy.
 """
@@ -31,8 +30,9 @@ class RandomFillError(PlanError):
 
 class NeedsWholeDim(PlanError):
     """No sharding rule runs an op on a dim its input has split, and its rule does not ask to
-    redistribute it (DTensor's ``unbind`` of a split dim): `_Follow._cheaper` then tries the
-    data-parallel strategy."""
+    redistribute it (DTensor's ``unbind`` of a split dim; a view merging a dim split on one axis
+    with a dim split on another, which it "requires redistribution" for): `_Follow._cheaper`
+    then makes its inputs' splits whole in turn, then tries the data-parallel strategy."""
 
 
 class NoLayout(PlanError):
@@ -93,6 +93,12 @@ class FollowErrors:
                 "strategy: take the parts another way (x.chunk(n, dim) or indexing for "
                 "x.unbind(dim)), or make that dim whole before the op (sw.reshard)"
             )
+        elif whole := "requires redistribution" in str(e):  # (a view merging split dims)
+            fix = (
+                f"the op reshapes a dim its input has split together with another split dim, "
+                f"also with the data-parallel strategy: make one of them whole before the op "
+                f"(sw.reshard), or use a global batch divisible by {self.device_num}"
+            )
         else:
             fix = (
                 f"make the split dims divisible by the number of devices splitting them (e.g. "
@@ -120,26 +126,6 @@ class FollowErrors:
             if ref.kind == "node":
                 producers.append(self.graph.nodes[int(ref.key)].name)
         return uneven_fix_text("; ".join(dims) or "a split dim", producers)
-
-
-def check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> None:
-    """Raise ValueError when a rule's output splits a dim into parts its size does not divide
-    (DTensor checks each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are
-    equal). It becomes the op's PlanError with the uneven-view fix; `_cheaper` then tries its
-    fallbacks (each dim over its outer axis only), which run the op where one fits."""
-    for placed, shape in zip(outputs, shapes, strict=False):
-        if placed is None:
-            continue
-        parts = [1] * len(shape)
-        for size, p in zip(mesh, placed, strict=False):
-            dim = getattr(p, "dim", None)
-            if dim is not None and dim < len(shape):
-                parts[dim] *= size
-        for d, (size, n) in enumerate(zip(shape, parts, strict=True)):
-            if size % n:
-                raise ValueError(
-                    f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
-                )
 
 
 def _in_place_fix(op: str) -> str:
