@@ -177,7 +177,8 @@ def _whole_batch(key: str, shape: Sequence[int], device_num: int) -> None:
         f"input {key}: dim 0 of global shape {list(shape)} ({shape[0]} rows) cannot be split "
         f"over {device_num} devices (dataset strategy 'full_batch'), so semi_auto keeps it "
         f"whole: the ops that read it run on all {shape[0]} rows on every rank (right results, "
-        f"no speed-up); use a global batch divisible by {device_num} (drop_last=True). An "
+        f"no speed-up; an annotated layer may still split rows where they divide); use a "
+        f"global batch divisible by {device_num} (drop_last=True). An "
         f"input whose dim 0 is not a batch is meant whole: give it the layout (1, ...) in a "
         f"per-input dataset_strategy",
         UserWarning,
