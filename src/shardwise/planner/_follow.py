@@ -48,6 +48,7 @@ from shardwise.planner._follow_errors import (
     RandomFillError,
 )
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
+from shardwise.planner._in_place import activation
 from shardwise.planner._placement import (
     Placements,
     PlanError,
@@ -347,13 +348,13 @@ class _Follow(FollowErrors):
         return out
 
     def _data_parallel_inputs(self, node: Node) -> list[Placements]:
-        """The node's activations split on dim 0 over every axis (when it divides), everything
-        else whole: the data-parallel strategy semi_auto gives an op whose inputs' own layouts
-        it cannot follow."""
+        """The node's activations split on dim 0 over every axis (when it divides), the rest
+        whole (a buffer, a parameter, an in-place op's output or view of one: `activation`):
+        the data-parallel strategy semi_auto gives an op whose inputs' layouts it can't follow."""
         out = []
         for ref in node.inputs:
             shape = self.graph.info(ref).shape
-            active = ref.kind in ("input", "node") and shape and shape[0] % self.device_num == 0
+            active = activation(self.graph, ref) and shape and shape[0] % self.device_num == 0
             placed = data_parallel(self.matrix, len(shape)) if active else None
             out.append(placements_of(placed or replicated(self.matrix, len(shape))))
         return out

@@ -14,7 +14,10 @@
 - `written_inputs`: the inputs a node's aten program changes in place (its schema's ``(a!)``
   arguments; a training batch norm's running statistics, which ``native_batch_norm``
   changes without saying so); `write_back_edges`: for a whole buffer such a node gets as a
-  block, the edge that gathers the changed block back into it after the op.
+  block (the buffer itself, or the output of an in-place op or a view of it:
+  ``self.ema.mul_(0.9).add_(x)``), the edge that gathers the changed block back into it after
+  the op; `aliased`: the value an in-place op's output or a view is (a buffer:
+  ``self.ema.mul_(0.9)``), `activation`: whether a value is none of a buffer or parameter.
 """
 
 from __future__ import annotations
@@ -157,13 +160,14 @@ def write_back_edges(
 ) -> list[EdgePlan]:
     """For each whole buffer `node` gets as a block (its inputs placed `ins`; `state`: each
     value's placement) and changes in place (a training batch norm's running statistics of
-    split features), an `EdgePlan` (``written_back``) that gathers the changed block back
-    into the whole buffer after the op."""
+    split features; the buffer, or an in-place op's output or a view of it, `aliased`), an
+    `EdgePlan` (``written_back``) that gathers the changed block back into the whole value
+    after the op."""
     out = []
     for i in sorted(written_inputs(node)):
         ref, block = node.inputs[i], ins[i]
         whole = state[ref]
-        if ref.kind != "buffer" or whole == block:
+        if aliased(graph, ref).kind != "buffer" or whole == block:
             continue
         info = graph.info(ref)
         size = _itemsize(info.dtype)
@@ -171,3 +175,27 @@ def write_back_edges(
         back = EdgePlan(node.index, i, str(ref), info.shape, block, whole, steps)
         out.append(dataclasses.replace(back, dtype=info.dtype, written_back=True))
     return out
+
+
+def aliased(graph: Graph, ref: Ref) -> Ref:
+    """The value whose storage `ref` is: through the outputs of in-place ops and views to the
+    value they change or show (``self.ema.mul_(0.9).add_(x)``: ``add_`` changes the buffer
+    ``ema``; ``self.ema[:4].add_(x)`` too).
+
+    Example:
+        >>> aliased(graph, Ref("node", 1))  # doctest: +SKIP  (%1: self.ema.mul_(0.9))
+        Ref(kind='buffer', key='ema', index=0)
+    """
+    while ref.kind == "node" and ref.index == 0:
+        node = graph.nodes[int(ref.key)]
+        name = node.op.removesuffix(".__get__").rsplit(".", 1)[-1]
+        if not node.inputs or not (in_place(node.op) or name in _VIEWS):
+            break
+        ref = node.inputs[0]
+    return ref
+
+
+def activation(graph: Graph, ref: Ref) -> bool:
+    """Whether `ref` is an activation: a call input or a node's output, not a buffer or a
+    parameter nor an in-place op's output or a view of one (`aliased`)."""
+    return aliased(graph, ref).kind in ("input", "node")
