@@ -32,7 +32,12 @@ from shardwise.communication import recorder
 from shardwise.communication._collectives import Pending
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._engine_gather import WeightGathering
-from shardwise.optim._global_hooks import register_post, register_pre, remove_later
+from shardwise.optim._global_hooks import (
+    register_post,
+    register_pre,
+    register_zero_grad,
+    remove_later,
+)
 from shardwise.optim._groups import BucketGroups, bucket_groups
 from shardwise.optim._plan import OptimizerPlan, ParamShard
 from shardwise.redistribution import local_block
@@ -100,7 +105,14 @@ class OptimizerParallel(WeightGathering):
             if engine is not None:
                 engine._after_step(optimizer, args, kwargs)
 
+        def zeroing(owner: torch.optim.Optimizer | nn.Module, set_to_none: bool) -> None:
+            engine = ref()
+            if engine is not None:
+                engine.zero_held(owner, set_to_none)
+
         self._handles: list[RemovableHandle] = [register_pre(before), register_post(after)]
+        if self.level == "level1":
+            self._handles.append(register_zero_grad(zeroing))
         weakref.finalize(self, remove_later, self._handles)  # (not mid-step: `_global_hooks`)
 
     # -- apply -----------------------------------------------------------------------------

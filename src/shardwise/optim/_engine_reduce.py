@@ -18,6 +18,9 @@
   3 reduce in backward, as soon as a bucket is complete. A bucket left incomplete (unused
   parameters) is reduced at the end of backward (`_end_backward`, queued once per backward,
   graph task, by `_queue_end`).
+- `zero_held` (level 1, before an optimizer's or a module's ``zero_grad``): the held full
+  gradients of its parameters dropped (their ``.grad`` is None until the step, so torch's
+  ``zero_grad`` alone clears nothing), without a collective.
 - A backward that raised midway (`_drop_unfinished_backward`, run by the next forward): its
   started collectives are finished and dropped, its partial buckets, re-gathers and (levels
   2-3) leaf gradients forgotten; the end-of-backward callback is queued once per backward
@@ -61,6 +64,7 @@ class GradReduction:
     bucket_of: dict[str, int]
     groups: list[BucketGroups]
     leaves: dict[str, torch.Tensor]
+    by_id: dict[int, str]
     _stale: set[str]
     ready: dict[int, set[str]]
     _end_queued: int
@@ -172,6 +176,32 @@ class GradReduction:
         if reduce:
             self.flush()
         return True
+
+    def zero_held(self, owner: torch.optim.Optimizer | nn.Module, set_to_none: bool) -> None:
+        """Level 1, before ``owner.zero_grad(set_to_none)``: the full gradients the leaves hold
+        for `owner`'s parameters (the optimizer's, or the module's) are dropped, as one
+        device's ``zero_grad`` drops its ``.grad`` (their ``.grad`` is None until the step, so
+        torch's ``zero_grad`` has nothing to clear: the step reduced them with the later
+        backward's); with `set_to_none` False a parameter that held one gets a zero ``.grad``
+        (one device's is zeroed). No collective: every rank drops its own."""
+        if self.level != "level1" or all(leaf.grad is None for leaf in self.leaves.values()):
+            return
+        if isinstance(owner, torch.optim.Optimizer):
+            params = [p for group in owner.param_groups for p in group["params"]]
+        else:
+            params = list(owner.parameters())
+        self.reading = True  # (its ``.grad`` reads in a wrapped step: nothing reduced)
+        try:
+            for p in params:
+                name = self.by_id.get(id(p))
+                leaf = None if name is None else self.leaves.get(name)
+                if leaf is None or leaf is p or leaf.grad is None:
+                    continue
+                leaf.grad = None
+                if not set_to_none and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        finally:
+            self.reading = False
 
     def _reduce(self, i: int, phase: str = "backward") -> None:
         """Start reducing bucket `i`'s gradients (finished by `_drain`: at the end of backward,

@@ -1,4 +1,5 @@
-"""Global optimizer step hooks that go away with their owner, removed at a safe point.
+"""Global optimizer step hooks (and ``zero_grad`` hooks) that go away with their owner, removed
+at a safe point.
 
 torch keeps global optimizer step hooks in module-level dicts that every ``Optimizer.step``
 iterates. The wrappers' hooks hold their owner weakly and are removed by its finalizer; but
@@ -10,13 +11,19 @@ during iteration``, in whichever optimizer happened to step).
   nothing once the owner is gone).
 - `register_pre` / `register_post`: register a global pre / post hook, first removing the
   queued ones (registration never runs inside a step's iteration of the hooks).
+- `register_zero_grad`: a hook run before every ``zero_grad`` of an optimizer or a module
+  (torch has no such hook: ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``
+  are wrapped, once, at the first registration); removed like the others.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -24,6 +31,9 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 _queued: list[RemovableHandle] = []
+# (an OrderedDict: a `RemovableHandle` holds its dict by weak reference)
+_zero_grad_hooks: OrderedDict[int, Callable[[Any, bool], None]] = OrderedDict()
+_wrapped: set[type] = set()  # (the classes whose ``zero_grad`` calls the hooks first)
 
 
 def remove_later(handles: Iterable[RemovableHandle]) -> None:
@@ -56,3 +66,34 @@ def register_post(hook: Callable[..., Any]) -> RemovableHandle:
     """
     _drop_queued()
     return register_optimizer_step_post_hook(hook)
+
+
+def register_zero_grad(hook: Callable[[Any, bool], None]) -> RemovableHandle:
+    """Call ``hook(owner, set_to_none)`` before every ``zero_grad(set_to_none)`` of an optimizer
+    or a module (`owner`), after removing the queued handles. A subclass's own ``zero_grad``
+    that does not call torch's is not seen.
+
+    Example:
+        >>> handle = register_zero_grad(lambda owner, set_to_none: None)
+        >>> remove_later([handle])
+    """
+    _drop_queued()
+    for cls in (torch.optim.Optimizer, torch.nn.Module):
+        if cls not in _wrapped:
+            cls.zero_grad = _calling_hooks(cls.zero_grad)  # type: ignore[method-assign]
+            _wrapped.add(cls)
+    handle = RemovableHandle(_zero_grad_hooks)
+    _zero_grad_hooks[handle.id] = hook
+    return handle
+
+
+def _calling_hooks(zero_grad: Callable[..., None]) -> Callable[..., None]:
+    """torch's `zero_grad`, the registered hooks called first."""
+
+    @functools.wraps(zero_grad)
+    def wrapped(self: Any, set_to_none: bool = True) -> None:
+        for hook in list(_zero_grad_hooks.values()):  # (a copy: a hook may drop one)
+            hook(self, set_to_none)
+        zero_grad(self, set_to_none)
+
+    return wrapped
