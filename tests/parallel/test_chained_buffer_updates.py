@@ -6,9 +6,11 @@ same as two statements): ``add_`` reads ``mul_``'s output, the buffer itself, wh
 held as a value of its own. semi_auto gave it this rank's block of that value and, seeing no
 buffer, no gather back: each rank's buffer kept its own block updated and zeros elsewhere
 (rank 0 ``[a, b, c, d, 0, 0, 0, 0]``). An in-place op's output and a view are now the value
-they change: semi_auto keeps them whole as it keeps the buffer (the update is gathered
-instead), and a block of one that a planner still hands the op (sharding propagation) is
-gathered back into the whole buffer after the op (``written_back``).
+they change, and every mode keeps an in-place op's written buffer (or alias of one) whole, as
+the buffer is: the chain runs on the buffer itself and the update is gathered instead. (The
+automatic planners handed such an op a block and gathered it back into the buffer after the
+op, so a third op, ``clamp_``, changed only the copy of the block: the buffer kept ``add_``'s
+value; a view of the buffer given as a block was refused with a PlanError.)
 """
 
 from __future__ import annotations
@@ -48,8 +50,18 @@ class Net(nn.Module):
         elif self.form == "statements":
             self.ema.mul_(0.9)
             self.ema.add_(0.1 * new)
-        else:  # (three ops: "clamped")
+        elif self.form == "single":  # (one op, on the buffer itself)
+            self.ema.add_(0.1 * new)
+        elif self.form == "setitem":
+            self.ema[2:6] = 0.1 * new.view(4, 2).mean(1)
+        elif self.form == "relu":  # (inplace=True on an in-place op's output)
+            F.relu(self.ema.sub_(0.1 * new), inplace=True)
+        elif self.form == "clamped":  # (three ops)
             self.ema.mul_(0.9).add_(0.1 * new).clamp_(min=-0.03)
+        else:  # (a view, then three ops, the result read: "view")
+            u = 0.1 * new.view(4, 2).mean(1)
+            v = self.ema[:4].mul_(0.5).add_(u).clamp_(0, 0.02)
+            return self.fc2(torch.tanh(h - self.ema)) * (1 + v)
         out: torch.Tensor = self.fc2(torch.tanh(h - self.ema))
         return out
 
@@ -95,12 +107,11 @@ def _run(form: str, mode: str) -> None:
         assert_matches_single_device(net.state_dict()["ema"], emas[-1], what="state_dict ema")
         plan = parallel.parallel_plan
         assert plan is not None
-    backs = [(str(e.src), str(e.dst)) for e in plan.edges if e.written_back]
-    assert backs == ([("(g0)", "(None)")] if mode == "sharding_propagation" else []), backs
-    # (per step: x gathered for the column-parallel layer; the update's columns gathered
-    # (semi_auto), or the buffer's block gathered back after the op; fc2's input made rows
-    # again (an AlltoAll, or a ReduceScatter of the row-parallel product); the loss)
-    rows = "ReduceScatter" if mode == "sharding_propagation" else "AlltoAll"
+    assert [e for e in plan.edges if e.written_back] == []  # (the chain ran on the buffer)
+    # (per step: x gathered for the column-parallel layer; the update's columns gathered for
+    # the in-place op on the whole buffer; fc2's input made rows again (an AlltoAll, or a
+    # ReduceScatter of the row-parallel product); the loss)
+    rows = "AlltoAll" if mode == "semi_auto" else "ReduceScatter"
     forward = {("AllGather", "forward"): 2, (rows, "forward"): 1, ("AllReduce", "forward"): 1}
     kinds = Counter({(kind, phase): n for (kind, phase, _), n in rec.kinds().items()})
     assert {k: n for k, n in kinds.items() if k[1] == "forward"} == {
@@ -108,11 +119,15 @@ def _run(form: str, mode: str) -> None:
     }, rec.summary()
 
 
-@pytest.mark.parametrize("form", ["chained", "alpha", "statements", "clamped"])
+FORMS = ["chained", "alpha", "statements", "single", "setitem", "relu", "clamped", "view"]
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_buffer_changed_by_chained_in_place_ops_matches_one_device(form: str) -> None:
     _run(form, "semi_auto")
 
 
-@pytest.mark.parametrize("form", ["chained", "statements"])
-def test_sharding_propagation_gathers_a_chained_buffer_update_back(form: str) -> None:
-    _run(form, "sharding_propagation")
+@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
+@pytest.mark.parametrize("form", FORMS)
+def test_automatic_planners_keep_a_chained_buffer_update_whole(form: str, mode: str) -> None:
+    _run(form, mode)

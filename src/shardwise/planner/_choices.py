@@ -12,7 +12,8 @@ which `Choices` inherits):
 - a torch op gets what following its aten program gives (`_follow._Follow._follow`) from each
   combination of its inputs' candidate placements (`_combos`; capped at `MAX_COMBOS`: then one
   input varied at a time, and the placements annotated ops reading an input need it in paired
-  with each of the parameters'), and from the data-parallel inputs;
+  with each of the parameters'), and from the data-parallel inputs; an input it changes in
+  place that is a buffer or an alias of one (`_in_place.buffer_writes`) is given whole;
 - a parameter that no declaration or loaded file fixes gets every placement of its dims over
   the matrix's axes (`value_placements`) and the one an annotated primitive reads it in
   (`_annotated_reads`: an interleaved split), its storage chosen with its consumers; inputs,

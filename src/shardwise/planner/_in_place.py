@@ -17,7 +17,11 @@
   block (the buffer itself, or the output of an in-place op or a view of it:
   ``self.ema.mul_(0.9).add_(x)``), the edge that gathers the changed block back into it after
   the op; `aliased`: the value an in-place op's output or a view is (a buffer:
-  ``self.ema.mul_(0.9)``), `activation`: whether a value is none of a buffer or parameter.
+  ``self.ema.mul_(0.9)``), `activation`: whether a value is none of a buffer or parameter;
+  `buffer_writes`: the inputs a torch op changes in place that are a buffer or an alias of one
+  (the automatic planners keep them whole, as the buffer, so a chain of in-place ops runs on
+  the buffer itself: ``self.ema.mul_(0.9).add_(u).clamp_(min=-1)``; `whole_inputs` gives
+  them so, `buffer_write_error` says why an op has no strategy that does).
 """
 
 from __future__ import annotations
@@ -199,3 +203,45 @@ def activation(graph: Graph, ref: Ref) -> bool:
     """Whether `ref` is an activation: a call input or a node's output, not a buffer or a
     parameter nor an in-place op's output or a view of one (`aliased`)."""
     return aliased(graph, ref).kind in ("input", "node")
+
+
+def buffer_writes(graph: Graph, node: Node) -> tuple[int, ...]:
+    """The input slots a torch-level `node` changes in place (an in-place method, item
+    assignment, ``inplace=True``: its input 0) that are a buffer or an alias of one
+    (`aliased`: the output of an in-place op on it or a view of it). A planner keeps them
+    whole, as the buffer is on every rank: the op then changes the buffer itself, and so does
+    any later in-place op on its output (a block would be a copy, which a third op in a chain
+    ``self.ema.mul_(0.9).add_(u).clamp_(min=-1)`` changes alone).
+
+    Example:
+        >>> buffer_writes(graph, node)  # doctest: +SKIP  (%2: self.ema.mul_(0.9).add_(u))
+        (0,)
+    """
+    if node.is_primitive or not node.inputs:
+        return ()
+    writes = in_place(node.op) or node.op.endswith("__setitem__")
+    if not (writes or node.kwargs.get("inplace") is True):
+        return ()
+    return (0,) if aliased(graph, node.inputs[0]).kind == "buffer" else ()
+
+
+def whole_inputs(
+    combos: Sequence[tuple[Any, ...]], slots: tuple[int, ...], whole: Any
+) -> list[tuple[Any, ...]]:
+    """Input placement combinations `combos` with the inputs of `slots` (`buffer_writes`)
+    placed `whole`, as the buffer is on every rank (duplicates dropped, order kept)."""
+    if not slots:
+        return list(combos)
+    given = (tuple(whole if i in slots else p for i, p in enumerate(c)) for c in combos)
+    return list(dict.fromkeys(given))
+
+
+def buffer_write_error(node: Node, slots: tuple[int, ...], matrix: object) -> str:
+    """Why `node`, which changes a buffer in place (its inputs `slots`, `buffer_writes`), has
+    no strategy: none keeps the buffer whole on `matrix` (a `PlanError`'s message)."""
+    return (
+        f"{node.name} ({node.op} at {node.source}) changes a buffer in place, which stays "
+        f"whole on every rank, but no strategy of it on the device matrix {matrix} keeps "
+        f"input {slots[0]} whole; write the update out of place (self.buf = ...) or annotate "
+        f"the op with shard()"
+    )

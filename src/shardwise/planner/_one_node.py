@@ -30,6 +30,7 @@ from shardwise.ops._candidates import candidate_strategies
 from shardwise.planner._annotated import RESHARD, reshard_layout
 from shardwise.planner._batch_norm import split_batch_norm
 from shardwise.planner._graph import AtenArg, Graph, Node, Ref
+from shardwise.planner._in_place import buffer_write_error, buffer_writes, whole_inputs
 from shardwise.planner._placement import (
     Placements,
     PlanError,
@@ -127,23 +128,26 @@ class _OneNode:
             return [self._canon(self._choice(node, [placed], [placed], "user"))]
         if node.is_primitive:
             return self._primitive(node)
+        whole = buffer_writes(self.graph, node)  # (a buffer it changes: kept whole)
         # (what a torch op's choices depend on; repeated layers ask the same)
         key = (
             self._sig_id(node),
             tuple(r.kind for r in node.inputs),
             tuple(self._known_id(r) for r in node.inputs),
             tuple(wanted),
+            whole,
         )
         hit = self._torch.get(key)
         if hit is None:
             out: list[Choice] = []
             why: str | None = None
-            combos = self._combos(node)
-            combos += self._from_wanted(node, wanted)
-            for have in combos:
+            combos = self._combos(node) + self._from_wanted(node, wanted)
+            for have in whole_inputs(combos, whole, self.p.rep()):
                 got = self._follow(node, have)
                 if isinstance(got, str):
                     why = why or got
+                elif any(got.need[i] != self.p.rep() for i in whole):
+                    why = why or buffer_write_error(node, whole, self.p.matrix)
                 elif all((got.need, got.outs) != (x.need, x.outs) for x in out):
                     out.append(got)
             hit = self._torch[key] = (out, why)
