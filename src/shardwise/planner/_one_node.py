@@ -4,10 +4,10 @@
 - `_OneNode._node`: a node's candidates: a fixed node's one (an annotated primitive, an
   op-form annotation, a ``sw.reshard``), an unannotated primitive's (`_primitive`: every
   strategy its rule accepts on the matrix), a torch op's (`_follow` from each input placement
-  combination of `_combos` and `_from_wanted`; a training batch norm given split rows keeps
-  them split, `_batch_norm.split_batch_norm`); memoized by what they depend on (`_sig_id`:
-  the op and its global metadata; `_known_id`: the list of placements each input may have),
-  so repeated layers cost a lookup.
+  combination of `_combos` and `_from_wanted`, a buffer it changes in place given whole; a
+  training batch norm given split rows keeps them split, `_batch_norm.split_batch_norm`);
+  memoized by what they depend on (`_sig_id`: the op and its global metadata; `_known_id`:
+  the list of placements each input may have), so repeated layers cost a lookup.
 - `_OneNode._canon`: one object per distinct candidate and per distinct placement, so that
   `Choices` compares them by identity; a torch op's candidates placing everything alike are
   one (`_choices.placed_key`: the rule they came from is only shown).
@@ -381,11 +381,8 @@ def _aten_args(tree: object) -> Iterator[AtenArg]:
     """The `AtenArg`s in nested tuples / lists / dicts, in order."""
     if isinstance(tree, AtenArg):
         yield tree
-    elif isinstance(tree, tuple | list):
-        for x in tree:
-            yield from _aten_args(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
+    elif isinstance(tree, tuple | list | dict):
+        for x in tree.values() if isinstance(tree, dict) else tree:
             yield from _aten_args(x)
 
 
