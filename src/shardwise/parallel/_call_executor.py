@@ -71,6 +71,7 @@ def call_executor(
     buckets: bool,
     hsdp: bool,
     set_divisor: Callable[[int], None],
+    params: Callable[[], dict[int, str]] | None = None,
 ) -> PlanExecutor:
     """An executor of `plan` (`table`: its `NodeTable`) for one call with arguments `call`.
 
@@ -85,6 +86,8 @@ def call_executor(
         hsdp: optimizer parallel is on (reentrant checkpointing is refused).
         set_divisor: told, before each backward of the step, what its gradients are still to
             be divided by (`_seeds`).
+        params: parameter id -> its name, called when the executor first needs it (None: from
+            ``network.named_parameters()``, a walk of its modules).
 
     Returns:
         The executor, entered by the caller around the call.
@@ -95,7 +98,7 @@ def call_executor(
     on_start, on_end = hooks
     executor = PlanExecutor(
         plan,
-        lambda: {id(p): n for n, p in network.named_parameters()},
+        params or (lambda: {id(p): n for n, p in network.named_parameters()}),
         param_value=None if engine is None else engine.compute,
         on_end=on_end,
         on_start=on_start,

@@ -1,4 +1,6 @@
 """Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
+`plan_mismatch` (a call other than the plan's next node: another op, or its op on other
+parameters),
 `replanned_call_differs` (why a call differs from the plan captured from it: a primitive made
 inside ``forward``, a Python loop or branch on a split tensor's local shape), `note_blocks`
 (what torch's size mismatch with a parameter stored as a block means: `frozen_note` when a
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from shardwise._torch import pytree
+from shardwise.parallel._param_reads import Reads, node_reads, shown
 from shardwise.planner._placed import Shape
 
 if TYPE_CHECKING:
@@ -35,11 +38,35 @@ class Replan(BaseException):
     Attributes:
         cursor: how many of the plan's ops ran.
         op: the op the network called instead of the plan's next one (None: it stopped there).
+        params: per tensor of that call, the parameter it is (its name) or None; None when not
+            known (`_param_reads.call_reads`: a call of the next node's op on other parameters
+            is another node).
     """
 
-    def __init__(self, message: str, cursor: int, op: str | None) -> None:
+    def __init__(
+        self, message: str, cursor: int, op: str | None, params: Reads | None = None
+    ) -> None:
         super().__init__(message)
-        self.cursor, self.op = cursor, op
+        self.cursor, self.op, self.params = cursor, op, params
+
+
+def plan_mismatch(
+    node: NodePlan, op: str, got: Reads, did: str, backward_seen: bool
+) -> BaseException:
+    """The error for a call of `op` on parameters `got` where the plan's next node is `node`
+    (another op, or its op on other parameters stored or reduced otherwise: `_param_reads`):
+    `Replan` before the call's first backward, else `UnsupportedParallelError` (`did`: what the
+    network did, for its message: "called")."""
+    want = node_reads(node)
+    on = "" if op != node.op else f" on {shown(got)}"
+    where = f"%{node.index} {node.name} ({node.op}){'' if not on else f' on {shown(want)}'}"
+    if not backward_seen:
+        return Replan(f"{op}{on} where the plan has {where}", node.index, op, got)
+    same = "same torch ops" + (" on the same parameters" if on else "")
+    return UnsupportedParallelError(
+        f"AutoParallel: the network {did} {op}{on} where the plan has op {where}; it must run "
+        f"the {same} in the same order every step (plan again for a different network)"
+    )
 
 
 def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallelError:

@@ -2,7 +2,8 @@
 
 `PlanExecutor` is a ``TorchFunctionMode`` active during one wrapped call. The k-th torch-level
 call the network (or train step) makes is the plan's node k (the capture recorded the calls the
-same way, `planner.is_recorded`). For it the executor:
+same way, `planner.is_recorded`), its op on node k's parameters (`_param_reads`). For it the
+executor:
 
 1. moves each tensor input as the plan's edge into that node says (`planner.EdgePlan`: an
    AllReduce of partial values, then Slice / AllGather / AlltoAll steps, all autograd-aware; a
@@ -23,10 +24,11 @@ same way, `planner.is_recorded`). For it the executor:
 
 What each node needs is worked out once per plan (`_node_table.NodeTable`): a node with no
 edge in or out and no gradient average (nearly every node under data parallel) takes a short
-path in `PlanExecutor.__torch_function__` (its op checked against the plan's, the cursor
-moved, the op run); the others take the full path (`PlanExecutor._call`). From a plan's
-third run, modules made only of such nodes run with the executor off the mode stack, and after
-an optimizer step it may stay off until the network is called again (`_spans.SpanRunner`).
+path in `PlanExecutor.__torch_function__` (its op, and the parameters a node reading some
+gets, checked against the plan's, the cursor moved, the op run); the others take the full
+path (`PlanExecutor._call`). From a plan's third run, modules made only of such nodes run
+with the executor off the mode stack, and after an optimizer step it may stay off until the
+network is called again (`_spans.SpanRunner`).
 
 Nothing about layouts is decided here: every placement, step and collective comes from the plan.
 A later pass of the plan in the same call (gradient accumulation) starts where `_passes.Passes`
@@ -54,7 +56,7 @@ import torch.nn.functional as F
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import checkpoint_calls, checkpointing
 from shardwise.parallel._differentiate import Differentiate
-from shardwise.parallel._errors import Replan, UnsupportedParallelError
+from shardwise.parallel._errors import Replan, plan_mismatch
 from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
 from shardwise.parallel._local import attention_p, drop, dropout_p
@@ -69,6 +71,7 @@ from shardwise.parallel._node_table import (
     call_info,
     factory_call,
 )
+from shardwise.parallel._param_reads import alike, call_fits, call_reads
 from shardwise.parallel._passes import Passes
 from shardwise.parallel._recompute import Recompute
 from shardwise.parallel._seeds import Seeds
@@ -132,6 +135,7 @@ class PlanExecutor(
         self.cursor = 0
         self.count = len(plan.nodes)
         self.ops = self.table.ops
+        self.reads = self.table.reads  # (per node reading parameters: which: `_param_reads`)
         self.fast = self.table.fast if param_value is None else self.table.fast_no_param
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
@@ -211,9 +215,9 @@ class PlanExecutor(
             self.check_inputs(op, (args, kwargs))  # (none of its ops reads those)
         k = self.cursor
         fast = self.fast[k] if k < self.count else SLOW
-        if (  # a node on its short path (`NodeTable.fast`): the op checked, the cursor moved
+        if (  # a node on its short path (`NodeTable.fast`): the op (its parameters) checked
             fast and not self.paused and op == self.ops[k] and args and isinstance(args[0], T)
-        ):
+        ) and (k not in self.reads or self.same_params(k, args, kwargs)):
             if checkpointing():  # (about 100 ns: saved-tensor hooks, grad mode)
                 self._checkpointed(k)
             self.cursor = k + 1
@@ -286,7 +290,7 @@ class PlanExecutor(
             return out
         if checkpointing():
             self._checkpointed(k)
-        self._advance(op, "called")
+        self._advance(op, "called", args, kwargs)
         self.paused += 1
         try:
             out = self._run(func, k, args, kwargs)
@@ -366,7 +370,7 @@ class PlanExecutor(
             self.note_outside(op, (args, kw), out)
             return out
         node = self.plan.nodes[self.cursor]
-        self._advance(op, "made a tensor with")
+        self._advance(op, "made a tensor with", (), None)
         out = self._returned(node.index, out)
         leaving = self.leaving[node.index]
         if leaving is not None:
@@ -375,20 +379,16 @@ class PlanExecutor(
         self._ended()
         return out
 
-    def _advance(self, op: str, did: str) -> None:
-        """Step to the next node, which must be `op` (else an error naming both ops)."""
-        node = self.plan.nodes[self.cursor]
-        if op != node.op:
-            if self.no_recompute and checkpoint_calls():  # (torch's checkpoint preamble)
-                self._refuse_checkpointed(self.cursor)
-            if not self.backward_seen:
-                message = f"{op} where the plan has %{node.index} {node.name} ({node.op})"
-                raise Replan(message, self.cursor, op)
-            raise UnsupportedParallelError(
-                f"AutoParallel: the network {did} {op} where the plan has op %{node.index} "
-                f"{node.name} ({node.op}); it must run the same torch ops in the same order "
-                f"every step (plan again for a different network)"
-            )
+    def _advance(self, op: str, did: str, args: tuple[Any, ...], kwargs: Any) -> None:
+        """Step to the next node, which must be `op` on the parameters it read (the call's
+        `args`, `_param_reads`; after a backward others stored alike; else an error)."""
+        node, want = self.plan.nodes[self.cursor], self.reads.get(self.cursor, ())
+        if op != node.op or not call_fits(want, self.params, args, kwargs):
+            got = call_reads(self.params, args, kwargs or {})
+            if op != node.op or not (self.backward_seen and alike(self.plan, want, got)):
+                if self.no_recompute and checkpoint_calls():  # (torch's checkpoint preamble)
+                    self._refuse_checkpointed(self.cursor)
+                raise plan_mismatch(node, op, got, did, self.backward_seen)
         if self.cursor == self.start:
             self.run = object()  # (this run of the plan: what its seeded AllReduces carry)
             if self.buffer_made:  # (a later pass reads them whole: `Leaving.store_buffers`)

@@ -48,7 +48,7 @@ class PrimitiveHooks:
 
         def _restarts(self, op: str, args: Any) -> bool: ...
 
-        def _advance(self, op: str, did: str) -> None: ...
+        def _advance(self, op: str, did: str, args: tuple[Any, ...], kwargs: Any) -> None: ...
 
         def _moved_inputs(self, k: int, tensors: list[Any]) -> list[Any]: ...
 
@@ -87,8 +87,8 @@ class PrimitiveHooks:
             self._checkpointed(self.cursor)
         self.paused += 1  # until `leave_primitive`: the moves and the primitive's own ops
         node = self.plan.nodes[self.cursor]
-        self._advance(op, "called")
         tensors, call_args = module.split_call(*args)
+        self._advance(op, "called", tuple(tensors), None)
         local = self._moved_inputs(node.index, list(tensors))
         layouts = [p.layout for p in node.inputs]
         local, fixup = prepare(

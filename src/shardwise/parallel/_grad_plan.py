@@ -129,6 +129,12 @@ class GradPlanning:
             named = list(self.network.named_parameters())
             self.watched, self.watched_names = [p for _, p in named], [n for n, _ in named]
 
+    def param_names(self) -> dict[int, str]:
+        """Parameter id -> its name, from the listed parameters (`_listed`: no walk of the
+        modules; the executor's `PlanExecutor.params`)."""
+        self._listed()
+        return {id(p): n for n, p in zip(self.watched_names, self.watched, strict=True)}
+
     def _trainable(self) -> tuple[bool, ...]:
         """Whether each of the network's parameters requires a gradient, in parameter order."""
         self._listed()

@@ -298,7 +298,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         table = plan_table(self.tables, plan, self.templates, self.dataset)
         hooks, buckets = (on_start, on_end), self.grads is not None
         run = (self.network, self.engine, hooks, buckets, bool(self.hsdp), self.set_divisor)
-        return call_executor(plan, table, call, *run)
+        return call_executor(plan, table, call, *run, params=self.param_names)
 
     def _replan(
         self,

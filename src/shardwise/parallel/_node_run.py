@@ -18,6 +18,7 @@ from shardwise.parallel._errors import Replan
 from shardwise.parallel._global_draws import UnplannedDraw
 from shardwise.parallel._local import compute, float_sum, loss_weight, summed_loss
 from shardwise.parallel._node_table import NodeTable
+from shardwise.parallel._param_reads import call_fits
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
 
 T = torch.Tensor
@@ -89,6 +90,11 @@ class NodeRun:
         def numbers(
             self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
         ) -> tuple[Any, Any]: ...
+
+    def same_params(self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+        """Whether a call of node `k`'s op reads the parameters node `k` read (`_param_reads`:
+        a head picked by a flag runs the same op on another head's weights)."""
+        return call_fits(self.table.reads[k], self.params, args, kwargs)
 
     def _moved_inputs(
         self, k: int, tensors: list[Any], kept: dict[int, tuple[T, T] | None] | None = None

@@ -5,17 +5,17 @@
 - `NodeTable`: per plan, read by `_executor.PlanExecutor` on every call: the edges into each
   node and those of returned values, per node whether all its inputs are whole (it then runs
   with the captured sizes: `NodeTable.global_args`), a view's local size argument (a split's
-  local part sizes and dim, when the split dim is split: ``sw.strided``), whether it reads a
-  parameter, and its short path (`NodeTable.fast`): a node with no edge in or out, no
+  local part sizes and dim, when the split dim is split: ``sw.strided``), which parameters it
+  reads (`_param_reads`), and its short path (`NodeTable.fast`): a node with no edge in or out, no
   gradient average (`NodePlan.backward`), not a backward root (`NodeTable.roots`, noted for
   `_seeds`), neither the first nor the last, is `PLAIN` (nothing
   to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape, a
   split its local sizes) or `DROPOUT` (``F.dropout``, and ``F.scaled_dot_product_attention``,
   whose dropout, whenever a call asks for it, runs as its math form with this rank's block of
   one global mask); under data parallel nearly every
-  node is one of these, and the executor runs them after checking only the op against the
-  plan's and counting the cursor. `NodeTable.local` and the spans of `_spans` let whole modules
-  of such nodes run without even that.
+  node is one of these, and the executor runs them after checking only the op (and the
+  parameters it reads) against the plan's and counting the cursor. `NodeTable.local` and the
+  spans of `_spans` let whole modules of such nodes run without even that.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
 from shardwise.parallel._leaving import buffer_edges, leave_edges
+from shardwise.parallel._param_reads import node_reads
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._capture import record_kind
@@ -160,6 +161,9 @@ class NodeTable:
             n.index: _AS[n.op] for n in nodes if n.op in _AS
         }
         self.has_param = [any(v.startswith("param:") for v in n.values) for n in nodes]
+        # (per node reading a parameter: which, in which input; a call on others is no call
+        # of it: `_param_reads`)
+        self.reads = {n.index: node_reads(n) for n in nodes if self.has_param[n.index]}
         # (``as_strided`` and kin: moved inputs made contiguous, one device's layout)
         self.strided_reads = {n.index for n in nodes if strided_read(n.op)}
         # (`_seeds`) the nodes whose outputs a train step's backward starts from: output index

@@ -6,7 +6,8 @@ changed, and which known plan fits it.
   before a call; `Snapshot.restore` undoes the stopped attempt's changes to them (BatchNorm
   statistics, draws).
 - `known_variant(plans, plan, shapes, stop)`: the one plan kept for these inputs whose first ops
-  are the ones that ran and whose next op is the one called (or which ends there).
+  are the ones that ran and whose next op is the one called (or which ends there), each on the
+  same parameters (`_param_reads`: a head picked by a flag runs the same ops on others).
 - `ByFlags`: the plan a call with the same flags last ran (its arguments that are not tensors:
   bools, strings, None, ``train=False``), to start the next such call with: a step whose
   branches follow a flag (train / eval) no longer starts each call with the other branch's
@@ -29,7 +30,8 @@ from torch import nn
 from shardwise import communication as comm
 from shardwise._torch.module_state import own_buffers
 from shardwise.parallel._errors import Replan
-from shardwise.planner import ParallelPlan
+from shardwise.parallel._param_reads import fits, node_reads
+from shardwise.planner import NodePlan, ParallelPlan
 
 Variant = tuple[ParallelPlan, list[tuple[Any, Any]]]
 WARN_PLANS = 8  # (plans of one network past which a new one warns, once)
@@ -71,25 +73,31 @@ def known_variant(
 ) -> Variant | None:
     """The one plan of `plans` other than `plan` for inputs of `shapes` whose first ops are
     `plan`'s up to where the call stopped (`stop.cursor`) and whose next op is the one called
-    there (`stop.op`; None: the call ended); None when no plan or several fit.
+    there (`stop.op`; None: the call ended), each reading the same parameters (`stop.params`);
+    None when no plan or several fit.
 
     Example:
         >>> known_variant(run.plans, run.parallel_plan, shapes, stop)  # doctest: +SKIP
     """
-    ran = [n.op for n in plan.nodes[: stop.cursor]]
+    ran = [(n.op, node_reads(n)) for n in plan.nodes[: stop.cursor]]
     found = []
     for variant in plans:
         nodes = variant[0].nodes
         if variant[0] is plan or dict(variant[0].input_shapes) != shapes:
             continue
-        if [n.op for n in nodes[: stop.cursor]] != ran:
+        if [(n.op, node_reads(n)) for n in nodes[: stop.cursor]] != ran:
             continue
         ends = stop.op is None and len(nodes) == stop.cursor
-        if ends or (
-            stop.op is not None and len(nodes) > stop.cursor and nodes[stop.cursor].op == stop.op
-        ):
+        if ends or (len(nodes) > stop.cursor and _next_is(nodes[stop.cursor], stop)):
             found.append(variant)
     return found[0] if len(found) == 1 else None
+
+
+def _next_is(node: NodePlan, stop: Replan) -> bool:
+    """Whether `node` is the call `stop` met: its op, on the same parameters when known."""
+    if stop.op is None or node.op != stop.op:
+        return False
+    return stop.params is None or fits(node_reads(node), stop.params)
 
 
 _FLAG_TYPES = (bool, str, type(None))
