@@ -11,7 +11,12 @@ told what they are still to be divided by (`divide_by`: 1, or N for the seeds `_
 unscaled). A ``backward`` without a gradient runs under
 `communication.primitives.replicated_seed` with this run's token (the plan's ``seeded``
 adjoints stay local), or without one when an op outside the plan ran since the pass started.
-After it, the loss's started AllReduce (which ran alongside) is finished.
+After it, the loss's started AllReduce (which ran alongside) is finished. A ``torch.autograd.grad``
+that keeps the graph returns the gradient of a parameter the plan stores as a block (a Megatron
+split) gathered whole on every rank (`whole_grads`): the plan's ops reading it take it as a value
+whole on every rank (the capture saw its global shape). Under optimizer parallel, whose ops
+compute with each parameter's compute weight, a ``torch.autograd.grad`` of a parameter is
+refused (`refuse_parameters`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise.communication.primitives import replicated_seed
+from shardwise.layout import TensorLayout
+from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.planner._call_kinds import keeps_graph
+from shardwise.redistribution import redistribute
+
+if TYPE_CHECKING:
+    from shardwise.planner import EdgePlan
 
 T = torch.Tensor
 
@@ -33,6 +44,7 @@ class Differentiate:
 
     finished: bool
     backward_seen: bool
+    param_value: Callable[[T], T] | None  # (optimizer parallel's compute weight, else None)
     in_backward: int  # > 0 while a backward of the step runs (`_input_grads`)
     outside: bool
     run: object
@@ -48,6 +60,45 @@ class Differentiate:
 
         def finish_started(self) -> None: ...
 
+        def _stored(self, t: T) -> tuple[EdgePlan, str] | None: ...
+
+        @property
+        def params(self) -> dict[int, str]: ...
+
+    def refuse_parameters(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Under optimizer parallel, a ``torch.autograd.grad`` of a parameter is refused: the
+        ops compute with its compute weight (`param_value`), so torch finds no gradient of the
+        `Parameter` itself (it raised that the tensor was not used in the graph)."""
+        if self.param_value is None:
+            return
+        for t in _inputs(args, kwargs):
+            name = self.params.get(id(t)) if isinstance(t, T) else None
+            if name is not None:
+                raise UnsupportedParallelError(
+                    f"torch.autograd.grad of parameter {name!r} in a train step under hsdp(): "
+                    f"optimizer parallel computes with a gathered copy of each parameter (its "
+                    f"shards over the data-parallel axes put together), not with the Parameter, "
+                    f"so the Parameter has no gradient there; take such gradients in a step "
+                    f"without hsdp() (there a split weight's gradient is returned whole), or "
+                    f"read {name}.grad after loss.backward()"
+                )
+
+    def whole_grads(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        """The gradients a ``torch.autograd.grad`` that keeps the graph returned (`out`), each
+        of a parameter the plan stores as a block gathered whole (the plan reads them as values
+        whole on every rank, one device's: capture saw their global shapes)."""
+        grads = list(out)
+        changed = False
+        for i, (t, g) in enumerate(zip(_inputs(args, kwargs), grads, strict=False)):
+            stored = self._stored(t) if isinstance(t, T) and isinstance(g, T) else None
+            if stored is None:
+                continue
+            src = stored[0].src.layout
+            whole = TensorLayout(src.matrix, ((),) * len(stored[0].shape))
+            grads[i] = redistribute(g, src, whole, stored[0].shape)
+            changed = True
+        return tuple(grads) if changed else out
+
     def divide_by(self, divisor: int) -> None:
         """Tell the caller what this backward's gradients are still to be divided by."""
         if self.set_divisor is not None:
@@ -58,6 +109,7 @@ class Differentiate:
     ) -> Any:
         """Run `func`, a call of `kind` ``"grad"`` or ``"backward"`` (`planner.call_info`)."""
         if kind == "grad":  # (``torch.autograd.grad``: no node)
+            self.refuse_parameters(args, kwargs)
             last = not keeps_graph(args, kwargs)
             if last:  # (the graph freed: the step's differentiation, as ``loss.backward()``)
                 self.check_done("torch.autograd.grad")
@@ -66,11 +118,12 @@ class Differentiate:
             self.divide_by(divisor)
             self.in_backward += 1
             try:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             finally:
                 self.in_backward -= 1
                 if last:
                     self.finish_started()
+            return out if last else self.whole_grads(args, kwargs, out)
         self.check_done("loss.backward()")
         gradient = args[1] if len(args) > 1 else kwargs.get("gradient")  # (before `_seeds`)
         args, kwargs, divisor = self.scaled_seeds(func, args, kwargs)  # (1 / N: `_seeds`)
@@ -88,3 +141,10 @@ class Differentiate:
             self.in_backward -= 1
         self.finish_started()  # (a started AllReduce of the loss ran alongside)
         return out
+
+
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors a ``torch.autograd.grad(*args, **kwargs)`` call differentiates with respect
+    to (its ``inputs``), in order."""
+    given = args[1] if len(args) > 1 else kwargs.get("inputs")
+    return list(given) if isinstance(given, list | tuple) else [given]
