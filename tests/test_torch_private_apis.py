@@ -606,6 +606,31 @@ def _rnn_check() -> None:
             check(torch.zeros(1, 5, 3), (1, 4, 3))
 
 
+def _functorch() -> None:
+    from torch.func import grad, jvp, vmap
+
+    from shardwise._torch.functorch import current_transform
+
+    seen: list[str | None] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(current_transform())
+        return x.sin().sum()
+
+    assert current_transform() is None
+    vmap(f)(torch.ones(2, 3))
+    grad(f)(torch.ones(3))
+    jvp(f, (torch.ones(3),), (torch.ones(3),))
+    vmap(grad(f))(torch.ones(2, 3))  # (the innermost: grad)
+    assert seen == [
+        "torch.func.vmap",
+        "torch.func.grad / vjp / jacrev",
+        "torch.func.jvp / jacfwd",
+        "torch.func.grad / vjp / jacrev",
+    ], seen
+    assert current_transform() is None
+
+
 CASES: dict[str, Callable[[], None]] = {
     "_torch/autograd_engine: graph task id, will_engine_execute_node, queue_callback": (
         _autograd_engine
@@ -639,6 +664,9 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "_torch/rnn: nn.RNNBase.check_hidden_size(hx, expected_hidden_size, msg)": _rnn_check,
+    "_torch/functorch: _C._functorch.maybe_current_level, the current interpreter's key": (
+        _functorch
+    ),
     "testing/_replaced: _disable_current_modes": _callable(
         "torch.utils._python_dispatch", "_disable_current_modes"
     ),

@@ -18,6 +18,7 @@ for private torch names (`test_private_torch_apis_only_in_torch_package`).
 - `dispatch` / `fake`: dispatch-level modes and op types; fake tensors.
 - `profiler_events`: the profiler's event tree (allocation records).
 - `pytree`: torch's pytree functions.
+- `functorch`: whether a ``torch.func`` transform runs, and which.
 
 The submodules are imported where used (none here: fake tensors and DTensor import slowly).
 """

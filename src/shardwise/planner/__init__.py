@@ -6,7 +6,9 @@
   with its aten ops); `_module_hooks`: its module hooks (module paths, primitives as one
   node); `_op_form_calls`: the call an op-form ``sw.shard`` annotation applies to (the
   module's forward's, not its hooks'); `_call_kinds`: `record_kind` (how capture and the
-  executor treat a call) and what a differentiation call asks for.
+  executor treat a call) and what a differentiation call asks for; `_mid_step`: the
+  differentiation inside a step the capture refuses (torch.func transforms,
+  ``torch.autograd.functional``, ops on mid-step gradients it cannot plan).
 - `_graph`: `Graph` and its parts (global shapes and dtypes only, no tensor data).
 - `_semi_auto`: `plan_semi_auto` (annotated ops keep their strategies, every other op data
   parallel, through the sharding rules of `shardwise.ops`) -> `ParallelPlan`.

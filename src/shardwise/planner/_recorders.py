@@ -8,8 +8,10 @@
   one `Node` with its name, inputs, outputs, aten program, source line and op-form strategy).
 - `_Recorder`: the ``TorchFunctionMode`` making one node per torch-level call (a constant
   runs as its value on this process's first rank: `_consts.one_values`); it raises
-  `CaptureError` at a value read or a data-dependent output shape and `_StopCapture` at
-  ``backward()``; a call returning its input object unchanged returns a view (`_in_place.apart`).
+  `CaptureError` at a value read, a data-dependent output shape or a differentiation
+  `_mid_step` refuses (a torch.func transform, an op on a gradient it cannot plan), and
+  `_StopCapture` at ``backward()``; a call returning its input object unchanged returns a
+  view (`_in_place.apart`).
 - `_AtenRecorder`: the ``TorchDispatchMode`` under it listing the aten ops the running call
   runs (`AtenCall`s on `AtenArg`s: the call's inputs and the program's own temporaries).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
@@ -47,6 +49,7 @@ from shardwise.planner._graph import (
     TensorSlot,
 )
 from shardwise.planner._in_place import apart, call_writes
+from shardwise.planner._mid_step import MidStepGradients, functional_refused, transform_refused
 from shardwise.planner._op_form_calls import Annotated, annotation
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import (
@@ -97,7 +100,7 @@ class _State:
     def __init__(self, names: dict[int, Ref], modules: dict[int, str]) -> None:
         self.known: dict[int, Ref] = dict(names)  # tensor id -> the value it is
         self.keep: list[T] = []  # every recorded tensor, so that no id is reused
-        self.differentiated: list[T] = []  # gradients with a graph (``create_graph=True``)
+        self.gradients = MidStepGradients()  # those no op may read (`_mid_step`)
         self.modules = modules  # module id -> path
         self.stack: list[str] = []
         self.nodes: list[Node] = []
@@ -231,13 +234,19 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         s = self.s
         kind = record_kind(func)
-        if s.done or s.inside_primitive or kind == "skip":
+        if s.done or s.inside_primitive:
             return func(*args, **kwargs)
+        if refused := transform_refused():  # (inside a torch.func transform)
+            raise CaptureError(refused)
+        if kind == "skip":
+            return func(*args, **kwargs)
+        if kind == "grad" and (refused := functional_refused()):
+            raise CaptureError(refused)  # (torch.autograd.functional.jvp's grads)
         if kind == "grad":
             if keeps_graph(args, kwargs):  # (mid-step, e.g. monitoring: no node; goes on)
                 out = func(*args, **kwargs)
-                if creates_graph(func, args, kwargs):  # (an op reading them is refused)
-                    s.differentiated += tensors_in(out)
+                graph = creates_graph(func, args, kwargs)  # (an op reading them is refused)
+                s.gradients.note(args, kwargs, out, s.known, s.nodes, graph)
                 return out
             kind = "backward"  # (the graph is freed: the step's last differentiation)
         graph_grads = kind == "backward" and creates_graph(func, args, kwargs)
@@ -263,6 +272,8 @@ class _Recorder(TorchFunctionMode):
             if isinstance(args[0], T) and id(args[0]) in s.known and out is not args[0]:
                 s.known[id(out)] = s.known[id(args[0])]
                 s.keep.append(out)
+            if args and out is not args[0]:
+                s.gradients.alias(args[0], out)
             return out
         if kind == "read":
             inside = library_read()
@@ -285,15 +296,11 @@ class _Recorder(TorchFunctionMode):
                 "(on fake tensors, which it cannot copy); copy it with t.detach().clone()"
             )
         ins, template = _tensors((args, kw))
+        if s.gradients.refused and (refused := s.gradients.check(func, ins)):
+            raise CaptureError(refused)
         if any(id(t) not in s.known for t in ins):  # (constants: each as one value)
             args, kw = one_values(args, kw, [t for t in ins if id(t) not in s.known])
             ins, template = _tensors((args, kw))
-        if s.differentiated and any(t is d for t in ins for d in s.differentiated):
-            raise CaptureError(
-                f"{resolve_name(func) or func} at {source_line()} computes with gradients that "
-                f"torch.autograd.grad(..., create_graph=True) returned (a gradient penalty, a "
-                f"second derivative), which AutoParallel does not support"
-            )
         s.aten, s.aten_ids, s.tmp = [], {}, 0
         for i, t in enumerate(ins):
             s.aten_ids.setdefault(
