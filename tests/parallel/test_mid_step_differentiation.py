@@ -117,6 +117,21 @@ def test_a_parameter_gradient_used_in_the_loss_trains_as_one_device(mode: str) -
     assert_matches_single_device(parallel(weight_loss, mode), want)
 
 
+def test_a_split_parameter_gradient_used_in_the_loss_trains_as_one_device() -> None:
+    """Under the Megatron annotations the parameter's mid-step gradient is gathered whole (as
+    the plan reads it): the loss and each rank's parameter blocks are one device's."""
+    want_loss, want = one_device(weight_loss)
+    loss, got = parallel(weight_loss, "semi_auto", megatron=True)
+    assert_matches_single_device(loss, want_loss, what="loss")
+    split = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # (the dim each split parameter splits)
+    for n, p in got.items():
+        if n not in split:
+            assert_matches_single_device(p, want[n], what=n)
+            continue
+        whole, d = want[n], split[n]
+        assert_matches_single_device(p, lambda r, w=whole, d=d: w.chunk(2, d)[r], what=n)
+
+
 @pytest.mark.parametrize("kind", ["vmap(grad)", "vmap(jacrev)"])
 @pytest.mark.parametrize(("mode", "megatron"), MODES)
 def test_a_torch_func_transform_in_the_step_is_refused(
