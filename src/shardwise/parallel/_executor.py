@@ -7,7 +7,9 @@ executor:
 
 1. moves each tensor input as the plan's edge into that node says (`planner.EdgePlan`: an
    AllReduce of partial values, then Slice / AllGather / AlltoAll steps, all autograd-aware; a
-   ``shared`` edge reuses the value an earlier edge of this forward moved the same way;
+   ``shared`` edge reuses the value an earlier edge of this forward moved the same way in
+   the same grad mode (`_node_run.grad_mode`: a move made under ``torch.no_grad()`` has no
+   autograd link, so a training forward after it moves again);
    a whole value wanted partial is kept on the first rank of those axes; `_edges.move`);
    a parameter is first taken as stored (optimizer parallel: its compute leaf);
 2. runs the op on the local blocks: size arguments of ``view`` / ``reshape`` / ``expand`` become
@@ -149,7 +151,7 @@ class PlanExecutor(
         self.inputs: dict[int, weakref.ref[T]] = {}  # (`_passes`) the call's input tensors
         self.tentative = -1  # (`_passes.Passes.abandon`: none in the first pass)
         self.in_network = False
-        self.moved: dict[tuple[str, Placed], T] = {}  # this forward's moved values, for reuse
+        self.moved: dict[tuple[str, Placed, int], T] = {}  # this forward's moves (`grad_mode`)
         self.primitives: list[Any] = []  # the running primitives: (node, fix-up) or _PASSED
         self.started: list[Callable[[], None]] = []  # AllReduces of returned values, running
         # the gradients' reducer corrects shares of a backward that did not wait for a mean

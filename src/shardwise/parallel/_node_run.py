@@ -64,6 +64,18 @@ def check_flag_change(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], 
     )
 
 
+def grad_mode() -> int:
+    """The autograd mode a value is moved in (1: grad enabled; 0: ``torch.no_grad()``; 2:
+    ``torch.inference_mode()``): a shared edge reuses a move made in the same mode only. A move
+    made without grad has no autograd link to its source (a row-parallel bias kept on the first
+    rank, a gathered weight), so a training forward after a ``torch.no_grad()`` one moves
+    again, and its gradient reaches the source; an inference tensor is never reused outside
+    inference mode, nor a move with autograd history inside it."""
+    if torch.is_grad_enabled():
+        return 1
+    return 2 if torch.is_inference_mode_enabled() else 0
+
+
 class NodeRun:
     """A node's full path (see the module docstring); `PlanExecutor` sets the attributes."""
 
@@ -71,7 +83,7 @@ class NodeRun:
     table: NodeTable
     ops: list[str]
     param_value: Callable[[T], T] | None
-    moved: dict[tuple[str, Placed], T]
+    moved: dict[tuple[str, Placed, int], T]  # (value, placement, `grad_mode`) -> moved
     started: list[Callable[[], None]]
     run: object
     defer_count: bool
@@ -116,10 +128,12 @@ class NodeRun:
             ):
                 leaf = self.param_value(leaf)
             edge = self.table.edges.get((k, slot))
-            if edge is not None and edge.shared and (edge.value, edge.dst) in self.moved:
-                leaf = self.moved[(edge.value, edge.dst)]
-            elif edge is not None:  # (or shared with a move before this pass started: again)
-                leaf = self.moved[(edge.value, edge.dst)] = move(leaf, edge, run=self.run)
+            if edge is not None:  # (reused only in the grad mode it was moved in: `grad_mode`)
+                key = (edge.value, edge.dst, grad_mode())
+                if edge.shared and key in self.moved:
+                    leaf = self.moved[key]
+                else:  # (or shared with a move before this pass started, or in another mode)
+                    leaf = self.moved[key] = move(leaf, edge, run=self.run)
             if edge is not None and k in self.table.strided_reads:
                 leaf = leaf.contiguous()  # (one device's layout: `planner._strided_reads`)
             if kept is not None and slot in kept:
