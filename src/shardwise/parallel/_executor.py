@@ -313,24 +313,20 @@ class PlanExecutor(
             if self.on_end is not None:
                 self._paused_call(self.on_end)
 
-    def _paused_call(self, callback: Callable[[], None]) -> None:
-        """`callback` (the optimizer-parallel engine's forward start / end: level 3 frees the
-        gathered weights) with the executor paused: its own tensor calls are not network ops."""
+    def _paused_call(self, *callbacks: Callable[[], None]) -> None:
+        """The `callbacks` (the optimizer-parallel engine's forward start / end: level 3 frees
+        the gathered weights) with the executor paused: their tensor calls are not network ops."""
         self.paused += 1
         try:
-            callback()
+            for callback in callbacks:
+                callback()
         finally:
             self.paused -= 1
 
     def finish_started(self) -> None:
         """Finish the started AllReduces of returned values (their results are whole now)."""
         started, self.started = self.started, []
-        self.paused += 1  # (their own tensor calls, an AllReduce of its own, are no network ops)
-        try:
-            for finish in started:
-                finish()
-        finally:
-            self.paused -= 1
+        self._paused_call(*started)  # (their own tensor calls, AllReduces, are no network ops)
 
     def step_starts(self, optimizer: Any, closure: bool) -> None:
         self.finish_started()  # (the step's ops do not come here)
