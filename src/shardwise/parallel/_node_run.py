@@ -1,6 +1,7 @@
 """Run one node of the plan on its full path (`NodeRun`, mixed into `_executor.PlanExecutor`):
 its inputs moved as the plan's edges say (`NodeRun._moved_inputs`), the op on the local blocks
-(`_local.compute`; whole inputs with the captured sizes, `_sizes.Sizes`), the edges of
+(`_local.compute`; whole inputs with the captured sizes, `_sizes.Sizes`; an ``out=`` call's
+result stored in its out tensors, `planner._out_calls.written`), the edges of
 its returned values (`NodeRun._returned`: the loss's AllReduce, only started) and the gradient
 averages of its outputs."""
 
@@ -20,6 +21,7 @@ from shardwise.parallel._local import compute, float_sum, loss_weight, summed_lo
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._param_reads import call_fits
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
+from shardwise.planner._out_calls import written
 
 T = torch.Tensor
 _NESTED = (list, tuple, dict)
@@ -147,6 +149,10 @@ class NodeRun:
         self, func: Callable[..., Any], k: int, args: tuple[Any, ...], kw: dict[str, Any]
     ) -> Any:
         table = self.table
+        given = None  # (``out=`` tensors: the op's result stored in them, `_out_calls`)
+        if "out" in kw:
+            kw = dict(kw)
+            given = kw.pop("out")
         changed = None  # (an in-place op on a moved input: the tensor the network holds)
         if k in table.in_place_moved:
             changed = next((t for t in pytree.tree_leaves((args, kw)) if isinstance(t, T)), None)
@@ -177,6 +183,8 @@ class NodeRun:
             if self.backward_seen:
                 raise
             raise Replan(str(e), k, self.ops[k]) from None
+        if given is not None:
+            out = written(given, out)
         if backs and kept is not None:
             self._write_back(backs, kept)
         if wide:  # (a float16 loss: its elements summed in float32)

@@ -187,6 +187,8 @@ class NodeTable:
         self.reads_in_place = {
             n.index for n in nodes if any(v.split(".")[0] in outs for v in n.values)
         }
+        # (``out=`` calls: the result stored in the out tensors on the full path, `_node_run`)
+        self.outs = {k for k, t in enumerate(templates or ()) if "out" in t[1]}
         self.fast = [
             self._kind(k, n.op)
             if n.values
@@ -200,6 +202,7 @@ class NodeTable:
             and k not in self.resized
             and k not in self.reads_in_place
             and k not in self.roots
+            and k not in self.outs
             else SLOW
             for k, n in enumerate(nodes)
         ]

@@ -8,7 +8,8 @@
   module's forward's, not its hooks'); `_call_kinds`: `record_kind` (how capture and the
   executor treat a call) and what a differentiation call asks for; `_mid_step`: the
   differentiation inside a step the capture refuses (torch.func transforms,
-  ``torch.autograd.functional``, ops on mid-step gradients it cannot plan).
+  ``torch.autograd.functional``, ops on mid-step gradients it cannot plan); `_out_calls`: a
+  call with ``out=`` tensors as the node of its result, which the out tensors hold.
 - `_graph`: `Graph` and its parts (global shapes and dtypes only, no tensor data).
 - `_semi_auto`: `plan_semi_auto` (annotated ops keep their strategies, every other op data
   parallel, through the sharding rules of `shardwise.ops`) -> `ParallelPlan`.

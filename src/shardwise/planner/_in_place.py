@@ -3,7 +3,8 @@
 - `in_place`: a torch-level op that changes its first input (``torch.Tensor.clamp_``,
   ``torch.Tensor.__iadd__``), by its name.
 - `writes_input`: a captured node that may write into one of its inputs (also item
-  assignment, ``inplace=True``, ``out=``, any ``__i...__`` method): the backward analyses
+  assignment, ``inplace=True``, any ``__i...__`` method; a call with ``out=`` is captured as
+  the node of its result, which reads no out tensor: `_out_calls`): the backward analyses
   (`_backward`, `_seeded`) treat such a node as aliasing its input.
 - `call_writes`: the same for a call being captured (its name, keywords and aten program): a
   call returning its input object without writing it (``h.to(torch.float32)`` on a float32
@@ -67,14 +68,14 @@ def writes_input(node: Node) -> bool:
     name = node.op.rsplit(".", 1)[-1]
     if name.startswith("__"):
         return name.startswith("__i") or name == "__setitem__"
-    return name.endswith("_") or bool(node.kwargs.get("inplace")) or "out" in node.kwargs
+    return name.endswith("_") or bool(node.kwargs.get("inplace"))
 
 
 def call_writes(op: str, kwargs: Mapping[str, object], aten: Sequence[AtenCall]) -> bool:
     """Whether torch-level call `op` (its keyword arguments `kwargs`, its aten program `aten`)
-    writes into one of its inputs: by its name (`in_place`), ``inplace=True``, ``out=``, or an
-    aten op of its program changing an input (an ``(a!)`` argument: ``F.relu(x, True)``)."""
-    if in_place(op) or kwargs.get("inplace") is True or "out" in kwargs:
+    writes into one of its inputs: by its name (`in_place`), ``inplace=True``, or an aten op
+    of its program changing an input (an ``(a!)`` argument: ``F.relu(x, True)``)."""
+    if in_place(op) or kwargs.get("inplace") is True:
         return True
     return bool(_written(aten))
 

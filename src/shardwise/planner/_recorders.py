@@ -11,7 +11,8 @@
   `CaptureError` at a value read, a data-dependent output shape or a differentiation
   `_mid_step` refuses (a torch.func transform, an op on a gradient it cannot plan), and
   `_StopCapture` at ``backward()``; a call returning its input object unchanged returns a
-  view (`_in_place.apart`).
+  view (`_in_place.apart`); a call with ``out=`` tensors is the node of its result, which they
+  hold (`_out_calls`).
 - `_AtenRecorder`: the ``TorchDispatchMode`` under it listing the aten ops the running call
   runs (`AtenCall`s on `AtenArg`s: the call's inputs and the program's own temporaries).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
@@ -51,6 +52,7 @@ from shardwise.planner._graph import (
 from shardwise.planner._in_place import apart, call_writes
 from shardwise.planner._mid_step import MidStepGradients, functional_refused, transform_refused
 from shardwise.planner._op_form_calls import Annotated, annotation
+from shardwise.planner._out_calls import out_tensors, record_out
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import (
     captured_note,
@@ -290,6 +292,9 @@ class _Recorder(TorchFunctionMode):
 
     def _record(self, func: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         s = self.s
+        given = out_tensors(kw)
+        if given:  # (``torch.cumsum(x, 1, out=c)``: the op's result, stored in c)
+            return record_out(self._record, s, func, (args, kw), given)
         if func is torch.Tensor.__deepcopy__:  # (storage copies do not run on fake tensors)
             raise CaptureError(
                 f"copy.deepcopy of a tensor at {source_line()} runs while the step is captured "
