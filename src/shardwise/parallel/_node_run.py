@@ -118,6 +118,7 @@ class NodeRun:
         the op changes in place and autograd may have saved: `EdgePlan.written_back`)."""
         slot = 0
         reads = k in self.table.reads_in_place
+        copied = k in self.table.copied  # (its moved input 0, a view: changed in a copy)
         for i, leaf in enumerate(tensors):
             if not isinstance(leaf, T):
                 continue
@@ -138,6 +139,8 @@ class NodeRun:
                     leaf = self.moved[key] = move(leaf, edge, run=self.run)
             if edge is not None and k in self.table.strided_reads:
                 leaf = leaf.contiguous()  # (one device's layout: `planner._strided_reads`)
+            if copied and slot == 0 and edge is not None:
+                leaf = leaf.clone()
             if kept is not None and slot in kept:
                 leaf = leaf.clone()
                 kept[slot] = (tensors[i], leaf)

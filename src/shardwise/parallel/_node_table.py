@@ -28,6 +28,7 @@ import torch
 from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
+from shardwise.parallel._edges import copied_moves
 from shardwise.parallel._leaving import buffer_edges, leave_edges
 from shardwise.parallel._param_reads import node_reads
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
@@ -183,6 +184,7 @@ class NodeTable:
             if in_place(n.op) or (templates is not None and _inplace_kw(templates[k]))
         }
         self.in_place_moved = {k for k in changes if (k, 0) in self.edges}
+        self.copied = copied_moves(nodes, self.edges, changes)  # (given a fresh copy)
         outs = {f"%{k}" for k in changes} if self.in_place_moved else set()
         self.reads_in_place = {
             n.index for n in nodes if any(v.split(".")[0] in outs for v in n.values)

@@ -1,7 +1,7 @@
 """Which ops change a tensor in place, and the in-place changes a plan cannot carry out.
 
 - `in_place`: a torch-level op that changes its first input (``torch.Tensor.clamp_``,
-  ``torch.Tensor.__iadd__``), by its name.
+  ``torch.Tensor.__iadd__``), by its name; `shares_storage`: one that returns a view of it.
 - `writes_input`: a captured node that may write into one of its inputs (also item
   assignment, ``inplace=True``, any ``__i...__`` method; a call with ``out=`` is captured as
   the node of its result, which reads no out tensor: `_out_calls`): the backward analyses
@@ -49,6 +49,12 @@ _VIEWS = {  # (ops whose output shares its input's storage: a change of it chang
     *("permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten"),
     *("split", "chunk", "unbind", "diagonal", "as_strided", "movedim", "swapaxes", "reshape"),
 }
+
+
+def shares_storage(op: str) -> bool:
+    """Whether torch-level `op` returns a view of its input 0 (``torch.Tensor.view``,
+    ``torch.Tensor.T.__get__``): a change of its output changes the input."""
+    return op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEWS
 
 
 def in_place(op: str) -> bool:
@@ -116,7 +122,7 @@ def check_change(
     if not changes or ref.kind != "node":
         return
     k = int(ref.key)
-    view = graph.nodes[k].op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEWS
+    view = shares_storage(graph.nodes[k].op)
     base_moved = view and any(e.consumer == k and e.slot == 0 for e in edges)
     if not ((setitem or view) and (dst is not None or base_moved)):
         return
