@@ -40,8 +40,9 @@ def eight_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
 @pytest.fixture(scope="session")
 def two_rank_job(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
     """One job of 2 real gloo processes (tests/multiprocess/two_ranks_worker.py): the checks
-    of gradients, the input convention, the loss overlap, recomputation and hsdp's pairwise
-    collectives, each printing its ``CHECK ... OK`` lines."""
+    of gradients, the input convention, the loss overlap, recomputation, hsdp's pairwise
+    collectives and data-parallel mode's per-rank branches, each printing its ``CHECK ... OK``
+    lines."""
     worker = Path(__file__).parent / "multiprocess" / "two_ranks_worker.py"
     return run_job(worker, 2, tmp_path_factory.mktemp("two_ranks") / "logs", timeout=280)
 

@@ -3,7 +3,11 @@ update of seed 001's data-parallel optimizer parallel. Every rank's losses and f
 equal single-device training; each rank's optimizer state holds exactly the parameters it
 updates (its owned ones plus those under the threshold), the non-owned gradients are dropped
 before the update, and each step issues 5 AllReduce (4 gradient buckets + the loss) and 2
-Broadcast (one per owned (owner, fusion id) bucket)."""
+Broadcast (one per owned (owner, fusion id) bucket). On 2 real processes (the shared
+``two_rank_job``, data_parallel_branch_worker.py): a data-dependent branch that uses a head on
+one rank's rows only gets DDP's gradients (the ranks' average, zeros from the rank that did
+not use it; None for a head no rank used), with the default buckets, fusion off and optimizer
+parallel."""
 
 from __future__ import annotations
 
@@ -14,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise.testing import run_job
+from shardwise.testing import JobResult, run_job
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+from data_parallel_branch_worker import CASES as BRANCH_CASES  # noqa: E402
 from data_parallel_worker import make_data, make_net, make_optimizer  # noqa: E402
 
 NAMES = ["1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
@@ -60,3 +65,11 @@ def test_data_parallel_optimizer_parallel_four_processes(tmp_path: Path) -> None
         assert got["state_bytes"] == 2 * sum(sizes[n] for n in updated)  # exp_avg, exp_avg_sq
         assert got["dropped_grads"] == [n for n in OWNERS if OWNERS[n] != rank]
         assert got["collectives"] == {"AllReduce": 5, "Broadcast": 2}
+
+
+@pytest.mark.multiprocess
+def test_a_branch_taken_on_one_rank_averages_as_ddp(two_rank_job: JobResult) -> None:
+    """Rank 1's rows take an extra head, rank 0's do not (the ranks' flat gradient buffers had
+    other sizes and gloo aborted, 'collective mismatch'): both ranks step with one device's
+    mean of the ranks' losses (1e-5), the head no rank used keeps ``.grad`` None."""
+    two_rank_job.assert_checks(2, list(BRANCH_CASES))

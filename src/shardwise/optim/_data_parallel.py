@@ -274,9 +274,10 @@ class DataParallelRunner:
         ]
 
     def collectives_per_step(self) -> dict[str, int]:
-        """How many AllReduce and Broadcast calls one step issues (when every parameter has a
-        gradient); the train-step form adds one AllReduce for the loss, and so does the module
-        form per floating 0-d output of the network's (its loss).
+        """How many AllReduce and Broadcast calls one step issues (the same whichever
+        parameters got a gradient: a bucket is sent whole by every rank); the train-step form
+        adds one AllReduce for the loss, and so does the module form per floating 0-d output of
+        the network's (its loss).
 
         Returns:
             ``{"AllReduce": ..., "Broadcast": ...}``.
@@ -369,7 +370,7 @@ class DataParallelRunner:
         if self._stepped is not None:
             self._stepped.append(index)
         for bucket in self._grad_buckets[index]:
-            all_reduce_bucket([e.param for e in bucket.entries], self.world)
+            all_reduce_bucket(bucket.entries, self.world)
         state = self.optimizers[index].state
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process

@@ -5,9 +5,11 @@ and which parameters share one collective.
 
 - `plan_entries`: one `ParamEntry` per network parameter that requires a gradient, in order:
   the optimizer holding it (`optimizer_of`, which also refuses a parameter held by two
-  optimizers or not the network's), its ``comm_fusion`` id, and with ``parallel_optimizer=True``
-  its owner rank (`assign_owners`: a greedy byte balance over the parameters that allow it and
-  hold at least the threshold).
+  optimizers or not the network's), its ``comm_fusion`` id, whether it is the weight of an
+  ``nn.Embedding`` / ``nn.EmbeddingBag`` built with ``sparse=True`` (its gradient is sparse:
+  no slot in the flat buffer), and with ``parallel_optimizer=True`` its owner rank
+  (`assign_owners`: a greedy byte balance over the parameters that allow it and hold at least
+  the threshold).
 - `check_arguments`, `check_optimizers`: the runner's argument types and values;
   `find_optimizers`: the optimizers a train step's code names; `materialized`: a network
   built in ``sw.no_init_parameters()`` given its values on every rank before the plan.
@@ -43,6 +45,7 @@ class ParamEntry:
     index: int = 0  # position among the network's parameters (``index`` fusion split points)
     grad_bucket: int | None = None
     broadcast_bucket: int | None = None
+    sparse: bool = False  # an ``nn.Embedding`` / ``nn.EmbeddingBag(sparse=True)`` weight
 
     @property
     def nbytes(self) -> int:
@@ -187,8 +190,12 @@ def plan_entries(
         ValueError: as `optimizer_of`.
     """
     where = optimizer_of(network, optimizers)
+    kinds = (nn.Embedding, nn.EmbeddingBag)
+    sparse = {id(m.weight) for m in network.modules() if isinstance(m, kinds) and m.sparse}
     entries = [
-        ParamEntry(n, p, where.get(id(p)), fusion=comm_fusion_of(p), index=k)
+        ParamEntry(
+            n, p, where.get(id(p)), fusion=comm_fusion_of(p), index=k, sparse=id(p) in sparse
+        )
         for k, (n, p) in enumerate(network.named_parameters())
         if p.requires_grad
     ]

@@ -11,7 +11,9 @@ gradients and parameters: the collectives of data-parallel mode (through
   ranks in value only, its gradient this rank's (`RanksMean`); under ``"full_batch"`` every
   other output's rows of every rank, concatenated (``sw.ops.AllGather``, autograd-aware).
 - `all_reduce_bucket` (step pre-hook): one gradient bucket averaged over the ranks, one flat
-  fused AllReduce (a sparse gradient on its own).
+  fused AllReduce of the same size on every rank whichever parameters its rows used (zeros for
+  a missing gradient, and per parameter the count of ranks that had one: a parameter no rank
+  used keeps ``.grad`` None), a sparse gradient on its own.
 - `broadcast_bucket` (step post-hook): one owner's updated parameters sent to every rank, one
   flat Broadcast.
 - `check_updates` (after the first train steps): parameters changed without an optimizer step
@@ -32,7 +34,7 @@ from shardwise.communication import _collectives as C
 from shardwise.communication import every_rank, get_rank, ranks_unlike_leader
 from shardwise.communication._sparse import all_reduce_sparse
 from shardwise.communication.primitives import AllGather
-from shardwise.optim._data_parallel_plan import WHO
+from shardwise.optim._data_parallel_plan import WHO, ParamEntry
 
 
 def local_rows(x: Any, world: int, rank: int) -> Any:
@@ -71,28 +73,74 @@ def local_rows(x: Any, world: int, rank: int) -> Any:
     return x[rank * rows : (rank + 1) * rows]
 
 
-def all_reduce_bucket(params: Sequence[nn.Parameter], world: int) -> None:
-    """Average the gradients of `params` over the ranks: / world, then one flat SUM
-    all-reduce of the dense ones in place (divided before the sum, as DDP does: a sum of
+def all_reduce_bucket(entries: Sequence[ParamEntry], world: int) -> None:
+    """Average the gradients of one bucket's parameters over the ranks, as DDP does: every rank
+    sends the same buffer whichever parameters its own rows used (a data-dependent branch takes
+    another head on another rank), so the collectives agree.
+
+    The dense members (`_all_reduce_dense`): one flat SUM all-reduce of each member's gradient
+    / world (zeros where this rank has none; divided before the sum, as DDP does: a sum of
     float16 gradients, or of a GradScaler's scaled ones, does not overflow where one device's
-    gradient is finite); a sparse one (``nn.Embedding(sparse=True)``) on its own, replaced by
-    the sparse result (`communication._sparse.all_reduce_sparse`). Parameters without a
-    gradient are skipped."""
-    for p in params:
-        if p.grad is not None and p.grad.layout != torch.strided:
-            p.grad = all_reduce_sparse(p.grad, None, world)
-    grads = [p.grad for p in params if p.grad is not None and p.grad.layout == torch.strided]
-    if not grads:
-        return
-    if len(grads) == 1 and grads[0].is_contiguous():
-        C.all_reduce_(grads[0].div_(world), C.ReduceOp.SUM, None)
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+    gradient is finite) and, in the same buffer, per member the number of ranks that had a
+    gradient: a parameter some rank used gets the average on every rank (a rank that did not
+    use it contributes zeros), one that no rank used keeps ``.grad`` None on every rank. A
+    sparse gradient (``nn.Embedding(sparse=True)``'s weight, `ParamEntry.sparse`, or one
+    arriving for a dense member: ``F.embedding(..., sparse=True)``) is summed on its own
+    (`_sparse_sum`), on every rank."""
+    dense = [e.param for e in entries if not e.sparse]
+    if dense:
+        _all_reduce_dense(dense, world)
+    for e in entries:
+        if e.sparse:
+            _sparse_sum(e.param, world, 1)
+
+
+def _all_reduce_dense(params: Sequence[nn.Parameter], world: int) -> None:
+    """`all_reduce_bucket`'s flat buffer: each member's slot (its gradient / world, or zeros),
+    then three counts per member: the ranks that had a gradient, those whose gradient was
+    sparse, the sum of those sparse gradients' sparse dims (the slot of a sparse one is
+    zeros; it is summed on its own after, on every rank when some rank had one)."""
+    like = params[0]
+    parts, counts = [], torch.zeros(3, len(params), dtype=like.dtype, device=like.device)
+    for j, p in enumerate(params):
+        g = p.grad
+        if g is None or g.layout != torch.strided:
+            parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+        else:
+            parts.append(g.detach().reshape(-1) / world)
+        if g is not None:
+            counts[0, j] = 1
+        if g is not None and g.layout != torch.strided:
+            counts[1, j], counts[2, j] = 1, g.sparse_dim()
+    flat = torch.cat([*parts, counts.view(-1)])
     C.all_reduce_(flat, C.ReduceOp.SUM, None)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    sizes = [p.numel() for p in params]
+    *slots, summed = flat.split([*sizes, counts.numel()])
+    used, sparse, dims = summed.view(3, -1).tolist()
+    for j, (p, slot) in enumerate(zip(params, slots, strict=True)):
+        if used[j] < 0.5:  # (no rank used it: None on every rank, as DDP's unused ones)
+            p.grad = None
+        elif sparse[j] >= 0.5:
+            _sparse_sum(p, world, round(dims[j] / sparse[j]))
+        elif p.grad is None or p.grad.layout != torch.strided:
+            p.grad = slot.view_as(p).clone()
+        else:
+            p.grad.copy_(slot.view_as(p.grad))
+
+
+def _sparse_sum(p: nn.Parameter, world: int, sparse_dim: int) -> None:
+    """``p.grad`` (sparse COO; an empty one where this rank has none, a dense one made sparse)
+    averaged over the ranks on its own (`communication._sparse.all_reduce_sparse`: the union of
+    the ranks' rows); None on every rank when no rank holds a row."""
+    g = p.grad
+    if g is None:
+        index = torch.zeros(sparse_dim, 0, dtype=torch.long, device=p.device)
+        values = torch.zeros(0, *p.shape[sparse_dim:], dtype=p.dtype, device=p.device)
+        g = torch.sparse_coo_tensor(index, values, p.shape)
+    elif g.layout == torch.strided:
+        g = g.to_sparse(sparse_dim)
+    out = all_reduce_sparse(g, None, world)
+    p.grad = out if out.indices().shape[1] else None
 
 
 def broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
