@@ -140,6 +140,7 @@ def test_quick_start_under_mpirun(tmp_path: Path) -> None:
         **base,
         "PYTHONPATH": os.pathsep.join(p for p in (src, base.get("PYTHONPATH", "")) if p),
         "MASTER_PORT": str(free_port()),  # the store rank 0 hosts (127.0.0.1: one node)
+        "OMP_NUM_THREADS": "1",  # (as `shardwise run` gives its 8 workers on 2 cores)
         "OMPI_ALLOW_RUN_AS_ROOT": "1",  # Open MPI refuses root otherwise (CI runs as root)
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     }
