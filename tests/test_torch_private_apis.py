@@ -278,6 +278,12 @@ def _dispatch() -> None:
     assert issubclass(torch.Tensor, dispatch.TensorBase)
     assert callable(dispatch.TensorBase.contiguous)
     assert dispatch.argument_names(torch.ops.aten.native_dropout.default) == ("input", "p", "train")
+    aten = torch.ops.aten  # (the schemas' alias annotations: views, in-place, list views)
+    assert dispatch.returned_aliases(aten.detach.default) == ((0,),)
+    assert dispatch.returned_aliases(aten.mul_.Tensor) == ((0,),)
+    assert dispatch.returned_aliases(aten.unbind.int) == ((0,),)
+    assert dispatch.returned_aliases(aten._unsafe_view.default) == ((),)
+    assert dispatch.returned_aliases(aten.max.dim) == ((), ())
     seen: list[object] = []
 
     class Seen(dispatch.TorchDispatchMode):
@@ -649,9 +655,8 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/dtensor: DTensor's sharding propagator and a mesh without process group": (
         _dtensor_rules
     ),
-    "_torch/dispatch: TorchDispatchMode, OpOverload(Packet), TensorBase, OpOverload._schema": (
-        _dispatch
-    ),
+    "_torch/dispatch: TorchDispatchMode, OpOverload(Packet), TensorBase, OpOverload._schema "
+    "(argument names, alias annotations)": (_dispatch),
     "_torch/fake: fake tensors and their data-dependent exceptions": _fake_tensors,
     "_torch/profiler_events: the profiler's event tree and its allocation records": (
         _profiler_events

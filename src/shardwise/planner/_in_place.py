@@ -11,7 +11,10 @@
   ``h``, ``h.float()``, ``h.type_as(h)``) returns the input's value as a value of its own
   (`apart`: a view of it, so that the input object keeps its value for its later reads).
 - `check_change`: raise for an in-place change the plan executor cannot hand to later reads
-  (the planner asks for each torch node whose input 0 it places).
+  (the planner asks for each torch node whose input 0 it places); `written_through`: the
+  views an in-place op changes and those ops, which a planner runs on their input as placed;
+  `shared_input`: the input whose storage a node's output shares (a view, from the alias
+  annotations of its aten ops' schemas).
 - `written_inputs`: the inputs a node's aten program changes in place (its schema's ``(a!)``
   arguments; a training batch norm's running statistics, which ``native_batch_norm``
   changes without saying so); `write_back_edges`: for a whole buffer such a node gets as a
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from shardwise._torch import pytree
+from shardwise._torch.dispatch import returned_aliases
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
 from shardwise.planner._placement import PlanError, _itemsize
 from shardwise.planner._plan import EdgePlan, Placed
@@ -44,17 +48,20 @@ _IN_PLACE_DUNDERS = {
     for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
 } | {"__ixor__", "__ilshift__", "__irshift__"}
 
-_VIEWS = {  # (ops whose output shares its input's storage: a change of it changes the input)
+
+_VIEW_NAMES = {  # (torch-level ops returning a view of input 0, for `shares_storage`)
     *("view", "view_as", "__getitem__", "narrow", "select", "transpose", "t", "T", "mT"),
     *("permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten"),
     *("split", "chunk", "unbind", "diagonal", "as_strided", "movedim", "swapaxes", "reshape"),
+    *("detach", "unfold", "real", "imag", "H", "mH", "adjoint", "view_as_real"),
 }
 
 
 def shares_storage(op: str) -> bool:
     """Whether torch-level `op` returns a view of its input 0 (``torch.Tensor.view``,
-    ``torch.Tensor.T.__get__``): a change of its output changes the input."""
-    return op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEWS
+    ``torch.Tensor.T.__get__``), by its name: for a plan's nodes, which keep no aten program
+    (the capture's graph tells views by their schemas: `shared_input`)."""
+    return op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEW_NAMES
 
 
 def in_place(op: str) -> bool:
@@ -113,17 +120,18 @@ def check_change(
     """Raise when `node` changes its input 0 in place where the executor cannot hand the
     change to later reads (`_node_run.current` covers an in-place op on a moved input
     itself): item assignment on a moved value (it returns nothing), or a change through a
-    view when the view or its base was moved (later reads go to the base, and a moved slice
-    holds only this rank's part of it). `dst`: input 0's move (None: none); `state`: each
-    value's placement; `edges`: the moves planned so far."""
+    view (`shared_input`: ``o.detach()``, ``o.t()``, a slice) when the view or a value it
+    shows was moved for it (later reads go to the base, and a moved view holds a copy, or
+    only this rank's part of it). `dst`: input 0's move (None: none); `state`: each value's
+    placement; `edges`: the moves planned so far."""
     ref = node.inputs[0]
     setitem = node.op.endswith("__setitem__")
     changes = setitem or in_place(node.op) or node.kwargs.get("inplace") is True
     if not changes or ref.kind != "node":
         return
-    k = int(ref.key)
-    view = shares_storage(graph.nodes[k].op)
-    base_moved = view and any(e.consumer == k and e.slot == 0 for e in edges)
+    chain = _chain(graph, ref)
+    view = any(not writes_input(graph.nodes[k]) for k, _ in chain)
+    base_moved = view and any((e.consumer, e.slot) in chain for e in edges)
     if not ((setitem or view) and (dst is not None or base_moved)):
         return
     what = "sets items of" if setitem else "changes a view of"
@@ -134,6 +142,75 @@ def check_change(
         f"tensor the network reads next; write it out of place (torch.where, "
         f"x.masked_fill(...), torch.cat)"
     )
+
+
+def written_through(graph: Graph) -> frozenset[int]:
+    """The nodes that must run on their input as it is placed: each view that an in-place
+    op changes (directly or through further views and in-place ops: ``o.detach().mul_(0.5)``,
+    ``o.t()[0].zero_()``) and those in-place ops. A moved view would be a copy, and the
+    change would miss the value it shows (`check_change`); the automatic planners' choices
+    are overridden for them where a rule runs them so (`_planner.Planner.torch_node`)."""
+    out: set[int] = set()
+    for node in graph.nodes:
+        writes = node.op.endswith("__setitem__") or in_place(node.op)
+        if not node.inputs or not (writes or node.kwargs.get("inplace") is True):
+            continue
+        chain = _chain(graph, node.inputs[0])
+        if any(not writes_input(graph.nodes[k]) for k, _ in chain):
+            out |= {node.index, *(k for k, _ in chain)}
+    return frozenset(out)
+
+
+def shared_input(node: Node, out: int = 0) -> int | None:
+    """The input of `node` whose storage its output `out` shares (a view: ``detach``, ``t``,
+    a slice, ``split``'s outputs, ``expand``, ``as_strided``, ``unfold``, a ``reshape`` that
+    needs no copy; an in-place op's output; an input returned as it is: ``h.float()`` on a
+    float32 ``h``), or None: read from its aten program, the alias annotations of each aten
+    op's schema (`returned_aliases`); an in-place op by its name (`in_place`) shares input 0.
+
+    Example:
+        >>> shared_input(node)  # doctest: +SKIP  (%1: o.detach())
+        0
+    """
+    arg = node.out_map[out] if out < len(node.out_map) else None
+    while isinstance(arg, AtenArg) and arg.kind == "tmp":
+        arg = _shown(node.aten, arg.index)
+    if isinstance(arg, AtenArg):
+        return arg.index
+    return 0 if out == 0 and node.inputs and in_place(node.op) else None
+
+
+def _shown(aten: Sequence[AtenCall], tmp: int) -> AtenArg | None:
+    """The argument whose storage the aten program's `tmp`-th tensor shares, or None."""
+    for call in aten:
+        at = [i for i, o in enumerate(call.outputs) if o.kind == "tmp" and o.index == tmp]
+        if not at:
+            continue
+        returns = returned_aliases(call.op)
+        if len(returns) == len(call.outputs):
+            shared = returns[at[0]]
+        else:  # (a list return, or several returns and lists: any of them)
+            shared = tuple(i for r in returns for i in r)
+        for i in shared:
+            if i < len(call.args) and isinstance(call.args[i], AtenArg):
+                found: AtenArg = call.args[i]
+                return found
+        return None
+    return None
+
+
+def _chain(graph: Graph, ref: Ref) -> set[tuple[int, int]]:
+    """The (node, input slot) pairs through which `ref` shows another value's storage: its
+    producer's, when that shares an input's storage (`shared_input`), then that input's."""
+    out: set[tuple[int, int]] = set()
+    while ref.kind == "node":
+        node = graph.nodes[int(ref.key)]
+        slot = shared_input(node, ref.index)
+        if slot is None or slot >= len(node.inputs):
+            break
+        out.add((node.index, slot))
+        ref = node.inputs[slot]
+    return out
 
 
 _RUNNING_STATS = {"aten.native_batch_norm.default": (3, 4)}
@@ -189,20 +266,21 @@ def write_back_edges(
 
 
 def aliased(graph: Graph, ref: Ref) -> Ref:
-    """The value whose storage `ref` is: through the outputs of in-place ops and views to the
-    value they change or show (``self.ema.mul_(0.9).add_(x)``: ``add_`` changes the buffer
-    ``ema``; ``self.ema[:4].add_(x)`` too).
+    """The value whose storage `ref` is: through the outputs of in-place ops and views
+    (`shared_input`) to the value they change or show (``self.ema.mul_(0.9).add_(x)``:
+    ``add_`` changes the buffer ``ema``; ``self.ema[:4].add_(x)``, ``self.ema.detach()``
+    too).
 
     Example:
         >>> aliased(graph, Ref("node", 1))  # doctest: +SKIP  (%1: self.ema.mul_(0.9))
         Ref(kind='buffer', key='ema', index=0)
     """
-    while ref.kind == "node" and ref.index == 0:
+    while ref.kind == "node":
         node = graph.nodes[int(ref.key)]
-        name = node.op.removesuffix(".__get__").rsplit(".", 1)[-1]
-        if not node.inputs or not (in_place(node.op) or name in _VIEWS):
+        slot = shared_input(node, ref.index)
+        if slot is None or slot >= len(node.inputs):
             break
-        ref = node.inputs[0]
+        ref = node.inputs[slot]
     return ref
 
 

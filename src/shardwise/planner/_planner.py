@@ -9,8 +9,10 @@ keep every value's placement in `Planner.state` and collect the plan's nodes and
   training ``BatchNorm`` primitive on split rows also gathers its statistics);
 - `Planner.torch_node`: a torch op takes an op-form annotation's layouts, an automatic
   planner's decision, a ``sw.reshard``'s layout, a split batch norm's, or follows its inputs
-  (`_Follow._cheaper`); random fills, in-place write-backs and the op's local kind
-  (weighted mean loss, attention dropout, global draws) are recorded with it.
+  (`_Follow._cheaper`); a view an in-place op changes, and that op, run on their input as it
+  is placed where a rule runs them so (`_in_place.written_through`); random fills, in-place
+  write-backs and the op's local kind (weighted mean loss, attention dropout, global draws)
+  are recorded with it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,16 @@ from shardwise.planner._draws import (
 )
 from shardwise.planner._follow import _Follow
 from shardwise.planner._graph import Graph, Node, Ref
-from shardwise.planner._in_place import check_change, write_back_edges
+from shardwise.planner._in_place import (
+    check_change,
+    shared_input,
+    write_back_edges,
+    written_through,
+)
 from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
 from shardwise.planner._placement import (
     Placements,
+    PlanError,
     _global_axes,
     _itemsize,
     placements_of,
@@ -63,6 +71,7 @@ class Planner(_Follow):
         self.moved: set[tuple[Ref, Placed, Placed]] = set()  # moves made so far (`EdgePlan.shared`)
         # an automatic planner's decisions: index -> (input placements, outputs', rule)
         self.chosen: dict[int, tuple[list[Placements], list[Placements], str]] = {}
+        self.through: frozenset[int] | None = None  # (`written_through`, on first use)
 
     def edge(self, consumer: int, slot: int, ref: Ref, dst: Placed) -> None:
         """Move value `ref` to `dst` for `consumer` (an `EdgePlan` when it is elsewhere)."""
@@ -133,22 +142,39 @@ class Planner(_Follow):
         )
 
     # -- torch ops -----------------------------------------------------------------------
-    def torch_node(self, node: Node) -> None:
-        have = [placements_of(self.state[r]) for r in node.inputs]
+    def _torch_choice(
+        self, node: Node, have: list[Placements]
+    ) -> tuple[list[Placements], list[Placements], str]:
+        """A torch op's input and output placements and their rule (`torch_node`)."""
         if node.index in self.pinned:
             need, outs = self.pinned[node.index]
-            rule = "user"
-        elif node.index in self.chosen:
+            return need, outs, "user"
+        if node.index in self.chosen:
             need, outs, rule = self.chosen[node.index]
         elif node.op == RESHARD:
             layout = reshard_layout(node, self.graph.info(node.inputs[0]).shape, self.device_num)
             need = outs = [placements_of(Placed(refine(layout, self.matrix)))]
-            rule = "user"
+            return need, outs, "user"
         elif split_batch_norm(node, have):  # (rows stay split, statistics shared)
             whole = tuple(Replicate() for _ in range(self.ndim))
-            need, outs, rule = [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
+            return [have[0], *[whole] * (len(have) - 1)], [have[0]], "shardwise"
         else:
             need, outs, rule = self._cheaper(node, have)
+        if self.through is None:
+            self.through = written_through(self.graph)
+        slot = shared_input(node) or 0
+        if node.index in self.through and need[slot] != have[slot]:
+            try:  # (a view changed in place, or the change: on its input as it is placed)
+                kept = self._follow(node, have)
+            except PlanError:
+                return need, outs, rule
+            if kept[0][slot] == have[slot]:
+                return kept
+        return need, outs, rule
+
+    def torch_node(self, node: Node) -> None:
+        have = [placements_of(self.state[r]) for r in node.inputs]
+        need, outs, rule = self._torch_choice(node, have)
         split = split_batch_norm(node, need)  # (split rows chosen by a planner too)
         draws = plan_draws(node, need, lambda n, h, seen: self._follow(n, h, seen=seen))
         ins = tuple(
