@@ -5,9 +5,10 @@ strategy on the ReLU (rows to columns, an AlltoAll: the moved block is a view ma
 collective's autograd Function) or, under sharding propagation, by its own edge (a Slice's
 narrow of rows kept whole over 2 of 4 devices). torch refused the change with a RuntimeError
 (``Output 0 of View is a view and is being modified inplace``), in a real job too. Now the op
-changes a fresh copy of the moved block, and loss, gradients and parameters after two SGD
-steps equal one device's; so they do for ``F.relu_`` of a view of the ReLU module's moved
-input, which changes that input.
+on its own edge's move changes a fresh copy of the moved block (later reads of the network's
+tensor get that copy), and loss, gradients and parameters after two SGD steps equal one
+device's; a move by the module's ``sw.shard`` input strategy, whose change the network's own
+tensor would not see, is refused at plan time with a `PlanError`.
 """
 
 from __future__ import annotations
@@ -107,8 +108,13 @@ def rows_over_two_of_four(net: Net) -> None:
 
 
 @pytest.mark.parametrize("act", ["ReLU(inplace=True)", "F.relu_", "view"])
-def test_an_in_place_relu_on_columns_the_plan_moves_matches_one_device(act: str) -> None:
-    check(act, 2, "semi_auto", columns_for_the_relu)
+def test_an_in_place_relu_on_an_input_its_annotation_moves_is_refused(act: str) -> None:
+    """``sw.shard``'s input strategy moves the ReLU's input to columns; on one device the
+    in-place ReLU changes the network's own tensor, which a later read (a residual) would see,
+    but here it would change the moved copy: refused at plan time, naming the op (a clone of
+    the moved block trained silently wrong as soon as the network read its tensor again)."""
+    with pytest.raises(sw.planner.PlanError, match=r"changes a view of a value in place"):
+        check(act, 2, "semi_auto", columns_for_the_relu)
 
 
 @pytest.mark.parametrize("act", ["ReLU(inplace=True)", "F.relu_"])
