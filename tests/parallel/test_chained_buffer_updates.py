@@ -56,6 +56,10 @@ class Net(nn.Module):
             self.ema[2:6] = 0.1 * new.view(4, 2).mean(1)
         elif self.form == "relu":  # (inplace=True on an in-place op's output)
             F.relu(self.ema.sub_(0.1 * new), inplace=True)
+        elif self.form == "relu_then":  # (inplace=True, positional, inside a chain)
+            F.relu(self.ema.add_(0.1 * new), True).mul_(0.5)
+        elif self.form == "module_relu_then":  # (nn.ReLU(inplace=True) inside a chain)
+            nn.ReLU(inplace=True)(self.ema.add_(0.1 * new)).mul_(0.5)
         elif self.form == "clamped":  # (three ops)
             self.ema.mul_(0.9).add_(0.1 * new).clamp_(min=-0.03)
         else:  # (a view, then three ops, the result read: "view")
@@ -120,6 +124,7 @@ def _run(form: str, mode: str) -> None:
 
 
 FORMS = ["chained", "alpha", "statements", "single", "setitem", "relu", "clamped", "view"]
+FORMS += ["relu_then", "module_relu_then"]
 
 
 @pytest.mark.parametrize("form", FORMS)
