@@ -1,5 +1,7 @@
-"""A GAN step whose targets are made from the batch's size (``torch.ones(real.shape[0], 1)``)
-before ``d_loss.backward()`` and read again after it, by the generator's loss on ``D(fake)``.
+"""A GAN step whose targets are made from the batch's size (``torch.ones(real.shape[0], 1)``,
+or as its method: ``real.new_ones(real.shape[0], 1)``, ``new_zeros``, ``new_full``,
+``new_empty(...).fill_``) before ``d_loss.backward()`` and read again after it, by the
+generator's loss on ``D(fake)``.
 
 The plan makes such a fill whole, at the global batch's size (the loss that reads it in the
 plan gathers its rows); the forward after the backward runs outside the plan on this rank's
@@ -27,11 +29,13 @@ RANKS = 2
 g = torch.Generator().manual_seed(1)
 DATA = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
 
-Targets = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+Targets = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (from the batch)
 TARGETS: dict[str, Targets] = {
-    "ones": lambda b: (torch.ones(b, 1), torch.zeros(b, 1)),
-    "size tuple": lambda b: (torch.ones((b, 1)), torch.zeros(size=(b, 1))),
-    "full": lambda b: (torch.full((b, 1), 0.9), torch.full((b, 1), 0.1)),
+    "ones": lambda x: (torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)),
+    "size tuple": lambda x: (torch.ones((x.shape[0], 1)), torch.zeros(size=(x.shape[0], 1))),
+    "full": lambda x: (torch.full((x.shape[0], 1), 0.9), torch.full((x.shape[0], 1), 0.1)),
+    "new_ones": lambda x: (x.new_ones(x.shape[0], 1), x.new_zeros((x.shape[0], 1))),
+    "new_full": lambda x: (x.new_full((x.shape[0], 1), 0.9), x.new_empty(x.shape[0], 1).fill_(0.1)),
 }
 
 
@@ -51,7 +55,7 @@ def gan_step(net: nn.Module, targets: Targets, rows: list[torch.Tensor] | None =
 
     def step(real: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fake = net.G(z)
-        real_t, fake_t = targets(real.shape[0])
+        real_t, fake_t = targets(real)
         d_loss = F.binary_cross_entropy_with_logits(net.D(real), real_t)
         d_loss = d_loss + F.binary_cross_entropy_with_logits(net.D(fake.detach()), fake_t)
         d_opt.zero_grad()
@@ -70,8 +74,13 @@ def gan_step(net: nn.Module, targets: Targets, rows: list[torch.Tensor] | None =
     return step
 
 
-@pytest.mark.parametrize("made", list(TARGETS))
-def test_targets_sized_from_the_batch_are_this_ranks_rows_after_the_backward(made: str) -> None:
+@pytest.mark.parametrize(
+    ("made", "mode"),
+    [(made, "semi_auto") for made in TARGETS] + [("new_ones", "sharding_propagation")],
+)
+def test_targets_sized_from_the_batch_are_this_ranks_rows_after_the_backward(
+    made: str, mode: str
+) -> None:
     ref = build()
     rows: list[torch.Tensor] = []
     one = gan_step(ref, TARGETS[made], rows)
@@ -79,7 +88,7 @@ def test_targets_sized_from_the_batch_are_this_ranks_rows_after_the_backward(mad
     net = build()
     with simulated_world(RANKS) as world:
         world.replicate(net)
-        parallel = sw.AutoParallel(gan_step(net, TARGETS[made]), parallel_mode="semi_auto")
+        parallel = sw.AutoParallel(gan_step(net, TARGETS[made]), parallel_mode=mode)
         got = [parallel(world.rows(real), world.rows(z)) for real, z in DATA]
         for i, ((d_loss, g_loss), (d_want, _)) in enumerate(zip(got, want, strict=True)):
             assert_matches_single_device(d_loss, d_want, what=f"d_loss {i}")
@@ -96,7 +105,7 @@ def test_a_target_derived_in_the_plan_names_the_fix() -> None:
     that reads it with this rank's rows fails, and torch's error says why."""
     real, z = DATA[0]
     net = build()
-    smoothed: Targets = lambda b: (torch.ones(b, 1) * 0.9, torch.zeros(b, 1))  # noqa: E731
+    smoothed: Targets = lambda x: (torch.ones(x.shape[0], 1) * 0.9, torch.zeros(x.shape[0], 1))  # noqa: E731
     with simulated_world(RANKS) as world:
         world.replicate(net)
         parallel = sw.AutoParallel(gan_step(net, smoothed), parallel_mode="semi_auto")

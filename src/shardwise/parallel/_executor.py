@@ -81,7 +81,7 @@ from shardwise.parallel._sizes import Sizes
 from shardwise.parallel._spans import SpanRunner
 from shardwise.parallel._stepping import SteppingMode
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
-from shardwise.planner._local_factories import fill_shape
+from shardwise.planner._local_factories import NEW_FILLS, fill_shape
 
 T = torch.Tensor
 
@@ -301,6 +301,8 @@ class PlanExecutor(
         leaving = self.leaving[k]
         if leaving is not None:
             self.note_placed(k, leaving, out)
+            if op in NEW_FILLS:  # (``x.new_ones(b, 1)``: a fill, as `_factory`'s)
+                self.note_fill(leaving, fill_shape(op, args, kwargs), out)
         if k in self.table.roots:  # (a backward starts from it: `_seeds`)
             self.note_roots(k, out)
         self._ended()

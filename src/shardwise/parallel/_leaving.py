@@ -31,8 +31,9 @@ axis only).
   (``logits.argmax(-1)`` on a vocabulary split would compare this rank's columns only,
   ``out + 1`` on a partial sum would add 1 on every rank) (`Leaving.placed_call`).
 - `Leaving.note_fill`: a fill the plan makes whole where the step's code sized it as this
-  rank's rows (``torch.ones(x.shape[0], 1)``, a GAN's target) is read by an op after the plan
-  ended as those rows (`Leaving.fill_rows`), as the code made them.
+  rank's rows (``torch.ones(x.shape[0], 1)``, ``x.new_ones(x.shape[0], 1)``, a GAN's
+  target) is read by an op after the plan ended as those rows (`Leaving.fill_rows`), as the
+  code made them.
 """
 
 from __future__ import annotations

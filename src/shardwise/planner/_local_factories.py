@@ -10,7 +10,8 @@ x.size(0), hidden)``, checked against this rank's batch before the op runs (``nn
 ``check_hidden_size``), is this rank's rows, as ``x`` is.
 
 `split_fills(graph, nodes, edges)` returns the nodes and edges with such fills placed split;
-`fill_shape` reads the shape a fill's call asks for.
+`fill_shape` reads the shape a fill's call asks for, a factory's (`FILLS`) or a tensor
+method's (``x.new_ones(b, 1)``, `NEW_FILLS`: planned as an op on ``x``, not placed here).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from shardwise.redistribution import Slice
 
 FILLS = frozenset({"torch.zeros", "torch.ones", "torch.empty", "torch.full"})
 """Factories of one value everywhere: any block of them is the same op at the block's sizes."""
+
+NEW_FILLS = frozenset(
+    {"torch.Tensor.new_ones", "torch.Tensor.new_zeros", "torch.Tensor.new_full"}
+    | {"torch.Tensor.new_empty"}
+)
+"""The same fills made as a tensor's method (its dtype and device; sizes from the call)."""
 
 
 def split_fills(
@@ -62,13 +69,18 @@ def split_fills(
 
 def fill_shape(op: str, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, ...] | None:
     """The shape a call of fill `op` asks for (``torch.ones(b, 1)``, ``torch.zeros((b, 1))``,
-    ``torch.full((b, 1), 0.9)``, ``size=``), or None for another op or one not read.
+    ``torch.full((b, 1), 0.9)``, ``size=``, ``x.new_ones(b, 1)``, ``x.new_full((b, 1), 0.9)``),
+    or None for another op or one not read.
 
     Example:
         >>> fill_shape("torch.full", ((4, 1), 0.9), {})
         (4, 1)
+        >>> fill_shape("torch.Tensor.new_zeros", (x, 4, 1), {})
+        (4, 1)
     """
-    if op not in FILLS:
+    if op in NEW_FILLS:
+        op, args = op.replace("torch.Tensor.new_", "torch."), args[1:]  # (``x``: not a size)
+    elif op not in FILLS:
         return None
     if "size" in kw:
         size = kw["size"]
