@@ -213,5 +213,6 @@ def test_matches_single_device(name: str, world_size: int) -> None:
     group = tuple(range(world_size))
     kinds = Counter({("AllReduce", "forward", group): STEPS, ("AllReduce", "step", group): STEPS})
     assert rec.kinds() == kinds  # (the loss; the gradients, in the optimizer step)
-    numel = sum(p.numel() for p in net.parameters())
+    # (one bucket: every gradient, then 3 counts per parameter: the ranks that had one, ...)
+    numel = sum(p.numel() + 3 for p in net.parameters())
     assert sorted(r.numel for r in rec.records) == sorted([1, numel] * STEPS)

@@ -369,8 +369,9 @@ class DataParallelRunner:
         self._check_plan()  # (a parameter unfrozen inside the step: its gradient averaged too)
         if self._stepped is not None:
             self._stepped.append(index)
-        for bucket in self._grad_buckets[index]:
-            all_reduce_bucket(bucket.entries, self.world)
+        if any(p.grad is not None for p in self._params):  # (no backward ran: none, as DDP)
+            for bucket in self._grad_buckets[index]:
+                all_reduce_bucket(bucket.entries, self.world)
         state = self.optimizers[index].state
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process
