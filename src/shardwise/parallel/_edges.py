@@ -28,8 +28,6 @@ from shardwise.communication.primitives import GradRoute, average_gradient, sum_
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.parallel._runtime import combine, group_for
 from shardwise.planner import Collective, EdgePlan, NodePlan
-from shardwise.planner._annotated import RESHARD
-from shardwise.planner._in_place import shares_storage
 from shardwise.redistribution import local_block, redistribute
 
 T = torch.Tensor
@@ -71,36 +69,15 @@ def move(
     return x
 
 
-def copied_moves(
-    nodes: Sequence[NodePlan], edges: Mapping[tuple[int, int], EdgePlan], changes: set[int]
-) -> set[int]:
-    """The nodes whose moved input 0 is given as a fresh copy (`_node_run._moved_inputs`)
-    because an op changes it in place (`changes`: in-place nodes) where the move hands over a
-    view (`Slice`'s narrow of the network's tensor, the reorders of an AllGather's or
-    AlltoAll's result, a whole value made partial: `_keep_first`), which autograd refuses to
-    change in place when a collective's autograd Function made it: the in-place op's own
-    move, or that of the ``shardwise.reshard`` node (``sw.shard``'s input strategy) its
-    input is, also through views of it and other in-place ops (``nn.ReLU(inplace=True)`` on
-    an annotated module's input). An AllReduce alone gives a tensor of its own: no copy."""
-    out = set()
-    for k in changes:
-        j = k
-        while (j, 0) not in edges:  # (back through views, reshards and in-place ops)
-            value = nodes[j].values[0] if nodes[j].values else ""
-            if not value.startswith("%") or not _passes_on(nodes[j].op, j, changes):
-                break
-            j = int(value[1:].split(".")[0])
-        else:
-            edge = edges[(j, 0)]
-            if (j in changes or nodes[j].op == RESHARD) and (edge.steps or edge.kept):
-                out.add(j)
-    return out
-
-
-def _passes_on(op: str, j: int, changes: set[int]) -> bool:
-    """Whether node `j` (`op`) returns its input 0's storage: a view, a reshard, an in-place
-    op."""
-    return j in changes or op == RESHARD or shares_storage(op)
+def copied_moves(edges: Mapping[tuple[int, int], EdgePlan], changes: set[int]) -> set[int]:
+    """The in-place nodes (`changes`) whose moved input 0 is given as a fresh copy
+    (`_node_run._moved_inputs`): their own move hands over a view (`Slice`'s narrow of the
+    network's tensor, the reorders of an AllGather's or AlltoAll's result, a whole value made
+    partial: `_keep_first`), which autograd refuses to change in place when a collective's
+    autograd Function made it. An AllReduce alone gives a tensor of its own: no copy. (A change
+    through a view of a moved value, ``sw.shard``'s input strategy included, is refused at plan
+    time: `planner._in_place.check_change`.)"""
+    return {k for k in changes if (e := edges.get((k, 0))) is not None and (e.steps or e.kept)}
 
 
 def _scatter(x: T, edge: EdgePlan) -> T:

@@ -184,7 +184,7 @@ class NodeTable:
             if in_place(n.op) or (templates is not None and _inplace_kw(templates[k]))
         }
         self.in_place_moved = {k for k in changes if (k, 0) in self.edges}
-        self.copied = copied_moves(nodes, self.edges, changes)  # (given a fresh copy)
+        self.copied = copied_moves(self.edges, changes)  # (given a fresh copy)
         outs = {f"%{k}" for k in changes} if self.in_place_moved else set()
         self.reads_in_place = {
             n.index for n in nodes if any(v.split(".")[0] in outs for v in n.values)

@@ -1,7 +1,7 @@
 """Which ops change a tensor in place, and the in-place changes a plan cannot carry out.
 
 - `in_place`: a torch-level op that changes its first input (``torch.Tensor.clamp_``,
-  ``torch.Tensor.__iadd__``), by its name; `shares_storage`: one that returns a view of it.
+  ``torch.Tensor.__iadd__``), by its name.
 - `writes_input`: a captured node that may write into one of its inputs (also item
   assignment, ``inplace=True``, any ``__i...__`` method; a call with ``out=`` is captured as
   the node of its result, which reads no out tensor: `_out_calls`): the backward analyses
@@ -47,21 +47,6 @@ _IN_PLACE_DUNDERS = {
     f"__i{name}__"
     for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or")
 } | {"__ixor__", "__ilshift__", "__irshift__"}
-
-
-_VIEW_NAMES = {  # (torch-level ops returning a view of input 0, for `shares_storage`)
-    *("view", "view_as", "__getitem__", "narrow", "select", "transpose", "t", "T", "mT"),
-    *("permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten", "unflatten"),
-    *("split", "chunk", "unbind", "diagonal", "as_strided", "movedim", "swapaxes", "reshape"),
-    *("detach", "unfold", "real", "imag", "H", "mH", "adjoint", "view_as_real"),
-}
-
-
-def shares_storage(op: str) -> bool:
-    """Whether torch-level `op` returns a view of its input 0 (``torch.Tensor.view``,
-    ``torch.Tensor.T.__get__``), by its name: for a plan's nodes, which keep no aten program
-    (the capture's graph tells views by their schemas: `shared_input`)."""
-    return op.removesuffix(".__get__").rsplit(".", 1)[-1] in _VIEW_NAMES
 
 
 def in_place(op: str) -> bool:
