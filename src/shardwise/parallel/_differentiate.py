@@ -29,7 +29,7 @@ import torch
 from shardwise.communication.primitives import replicated_seed
 from shardwise.layout import TensorLayout
 from shardwise.parallel._errors import UnsupportedParallelError
-from shardwise.planner._call_kinds import keeps_graph
+from shardwise.planner._call_kinds import grad_inputs, keeps_graph
 from shardwise.redistribution import redistribute
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class Differentiate:
         `Parameter` itself (it raised that the tensor was not used in the graph)."""
         if self.param_value is None:
             return
-        for t in _inputs(args, kwargs):
+        for t in grad_inputs(args, kwargs):
             name = self.params.get(id(t)) if isinstance(t, T) else None
             if name is not None:
                 raise UnsupportedParallelError(
@@ -89,7 +89,7 @@ class Differentiate:
         whole on every rank, one device's: capture saw their global shapes)."""
         grads = list(out)
         changed = False
-        for i, (t, g) in enumerate(zip(_inputs(args, kwargs), grads, strict=False)):
+        for i, (t, g) in enumerate(zip(grad_inputs(args, kwargs), grads, strict=False)):
             stored = self._stored(t) if isinstance(t, T) and isinstance(g, T) else None
             if stored is None:
                 continue
@@ -141,10 +141,3 @@ class Differentiate:
             self.in_backward -= 1
         self.finish_started()  # (a started AllReduce of the loss ran alongside)
         return out
-
-
-def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The tensors a ``torch.autograd.grad(*args, **kwargs)`` call differentiates with respect
-    to (its ``inputs``), in order."""
-    given = args[1] if len(args) > 1 else kwargs.get("inputs")
-    return list(given) if isinstance(given, list | tuple) else [given]

@@ -1,12 +1,13 @@
 """How capture and the plan executor treat a torch-level call (`record_kind`), and what a
 differentiation call asks for (`creates_graph`, `keeps_graph`: ``torch.autograd.grad`` ends a
-train step's graph only when it frees it; `seeds_of` / `with_seeds`: the tensors it starts
-from and their gradients, read and replaced).
+train step's graph only when it frees it; `grad_inputs`: the tensors it differentiates with
+respect to; `seeds_of` / `with_seeds`: the tensors it starts from and their gradients, read
+and replaced).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +70,13 @@ def keeps_graph(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     step's last differentiation."""
     retain = kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
     return bool(retain if retain is not None else creates_graph(torch.autograd.grad, args, kwargs))
+
+
+def grad_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """The tensors a ``torch.autograd.grad(*args, **kwargs)`` call differentiates with respect
+    to (its ``inputs``), in order."""
+    given = args[1] if len(args) > 1 else kwargs.get("inputs")
+    return list(given) if isinstance(given, list | tuple) else [given]
 
 
 # where a differentiation call takes its roots and their gradients: (position, keyword) of each

@@ -23,6 +23,7 @@ import torch
 from torch.overrides import resolve_name
 
 from shardwise._torch.functorch import current_transform
+from shardwise.planner._call_kinds import grad_inputs
 from shardwise.planner._graph import Node, Ref
 from shardwise.planner._source_lines import source_line
 
@@ -31,12 +32,6 @@ T = torch.Tensor
 _DATA_PARALLEL = (
     'run the step with parallel_mode="data_parallel", which runs it as written on each rank\'s rows'
 )
-
-
-def _inputs_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
-    """The ``inputs`` of a ``torch.autograd.grad(outputs, inputs, ...)`` call, as a list."""
-    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-    return list(inputs) if isinstance(inputs, list | tuple) else [inputs]
 
 
 def _outputs_of(out: Any) -> list[Any]:
@@ -71,7 +66,7 @@ class MidStepGradients:
     ) -> None:
         """Note what ``torch.autograd.grad(*args, **kwargs)`` returned (`graph`: with
         ``create_graph=True``)."""
-        for x, g in zip(_inputs_of(args, kwargs), _outputs_of(out), strict=False):
+        for x, g in zip(grad_inputs(args, kwargs), _outputs_of(out), strict=False):
             if not isinstance(g, T):
                 continue
             ref = known.get(id(x)) if isinstance(x, T) else None
