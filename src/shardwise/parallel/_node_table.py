@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import resolve_name
 
 from shardwise._torch import pytree
 from shardwise.parallel._edges import copied_moves
@@ -33,6 +32,7 @@ from shardwise.parallel._leaving import buffer_edges, leave_edges
 from shardwise.parallel._param_reads import node_reads
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
+from shardwise.planner._call_kinds import call_name
 from shardwise.planner._capture import record_kind
 from shardwise.planner._draws import DROPOUT as DROPOUT_OP
 from shardwise.planner._draws import GLOBAL_DRAWS, MAY_DRAW, SDPA
@@ -91,8 +91,7 @@ def call_info(func: Callable[..., Any]) -> tuple[str, str]:
         return CALLS[func]
     except (KeyError, TypeError):
         pass
-    name = str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
-    info = (record_kind(func), name)
+    info = (record_kind(func), call_name(func))
     with contextlib.suppress(TypeError):  # (an unhashable callable)
         CALLS[func] = info
     return info

@@ -1,6 +1,7 @@
 """How capture and the plan executor treat a torch-level call (`record_kind`), and what a
 differentiation call asks for (`creates_graph`, `keeps_graph`: ``torch.autograd.grad`` ends a
-train step's graph only when it frees it; `grad_inputs`: the tensors it differentiates with
+train step's graph only when it frees it; `call_name`: a call's name as nodes carry it;
+`grad_inputs`: the tensors it differentiates with
 respect to; `seeds_of` / `with_seeds`: the tensors it starts from and their gradients, read
 and replaced).
 """
@@ -11,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import resolve_name
 
 from shardwise._torch.dispatch import OpOverload, OpOverloadPacket, TensorBase
 
@@ -70,6 +72,12 @@ def keeps_graph(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     step's last differentiation."""
     retain = kwargs.get("retain_graph", args[3] if len(args) > 3 else None)
     return bool(retain if retain is not None else creates_graph(torch.autograd.grad, args, kwargs))
+
+
+def call_name(func: Callable[..., Any]) -> str:
+    """A torch-level call's qualified name, as the capture records it (``torch.Tensor.view``,
+    ``torch.nn.functional.linear``; a callable torch does not name: its ``__qualname__``)."""
+    return str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
 
 
 def grad_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:

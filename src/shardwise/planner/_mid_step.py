@@ -20,10 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.overrides import resolve_name
 
 from shardwise._torch.functorch import current_transform
-from shardwise.planner._call_kinds import grad_inputs
+from shardwise.planner._call_kinds import call_name, grad_inputs
 from shardwise.planner._graph import Node, Ref
 from shardwise.planner._source_lines import source_line
 
@@ -84,7 +83,7 @@ class MidStepGradients:
     def check(self, func: Any, ins: Sequence[T]) -> str | None:
         """The message refusing a call of `func` on `ins`, or None when it reads no refused
         gradient."""
-        op = _name(func)
+        op = call_name(func)
         for t in ins:
             found = self.refused.get(id(t))
             if found is None or found[0] is not t:
@@ -107,10 +106,6 @@ class MidStepGradients:
                 f"gradients of parameters (each rank's is one device's), or {_DATA_PARALLEL}"
             )
         return None
-
-
-def _name(func: Any) -> str:
-    return str(resolve_name(func) or getattr(func, "__qualname__", repr(func)))
 
 
 def transform_refused() -> str | None:

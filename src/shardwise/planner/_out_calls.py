@@ -19,9 +19,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.overrides import resolve_name
 
 from shardwise._torch.storage import view_base
+from shardwise.planner._call_kinds import call_name
 from shardwise.planner._source_lines import captured_note, source_line
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def record_out(
     from shardwise.planner._recorders import CaptureError, info_of, tensors_in
 
     args, kw = call
-    op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+    op = call_name(func)
     inputs = len(tensors_in((args, {k: v for k, v in kw.items() if k != "out"})))
     made = tensors_in(record(func, args, {**kw, "out": None}))
     refused = refusal(op, source_line(), given, inputs, len(made))

@@ -38,7 +38,7 @@ from shardwise._torch.checkpointing import in_activation_checkpoint, nested_chec
 from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import _flat as flat
-from shardwise.planner._call_kinds import creates_graph, keeps_graph, record_kind
+from shardwise.planner._call_kinds import call_name, creates_graph, keeps_graph, record_kind
 from shardwise.planner._consts import one_values
 from shardwise.planner._functions import function_of
 from shardwise.planner._graph import (
@@ -311,7 +311,7 @@ class _Recorder(TorchFunctionMode):
             s.aten_ids.setdefault(
                 id(t), AtenArg("in", i, info_of(t), tuple(t.stride()), int(t.storage_offset()))
             )
-        op = resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        op = call_name(func)
         saved = s.regions.saved_before()
         try:
             out = func(*args, **kw)
