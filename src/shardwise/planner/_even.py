@@ -1,12 +1,12 @@
 """A sharding rule's decision whose splits shardwise's equal blocks hold.
 
 - `even_decision`: `ops.aten_rules.decide` for one aten call, its outputs checked even
-  (`check_even`). When a rule cuts a partial sum onto a dim its parts do not divide (DTensor's
+  (`uneven`). When a rule cuts a partial sum onto a dim its parts do not divide (DTensor's
   ReduceScatter of a row-parallel layer's output onto rows a data-parallel split already
   halved: 6 rows over dp 2 x mp 2 leave 3 rows for 2 model-parallel parts), the partial sum is
   reduced whole instead (an AllReduce: the rule is asked again with it whole on those axes),
   which keeps the rows as they were split before.
-- `check_even`: a rule's output split into parts its size does not divide.
+- `uneven`: why a rule's output is split into parts its size does not divide.
 """
 
 from __future__ import annotations
@@ -34,27 +34,20 @@ def even_decision(
     partial sum reduced whole first (when that one is even).
 
     Raises:
-        ValueError: an output split unevenly either way (`check_even`'s, of the first
+        ValueError: an output split unevenly either way (`uneven`'s reason, of the first
             decision); the planner turns it into the op's `PlanError`.
     """
     dec = decide(op, args, kwargs, mesh, ndim, shapes)
-    try:
-        check_even(dec.outputs, shapes, tuple(mesh.shape))
-    except ValueError:
-        given = [s for s in flat.leaves((list(args), dict(kwargs))) if isinstance(s, Spec)]
-        cut = _cut_partials(given, dec)
-        if not cut:
-            raise
-        a, k = _reduced(cut, args, kwargs)
-        again = decide(op, a, k, mesh, ndim, shapes)
-        try:
-            check_even(again.outputs, shapes, tuple(mesh.shape))
-        except ValueError:
-            pass
-        else:
+    why = uneven(dec.outputs, shapes, tuple(mesh.shape))
+    if why is None:
+        return dec
+    given = [s for s in flat.leaves((list(args), dict(kwargs))) if isinstance(s, Spec)]
+    cut = _cut_partials(given, dec)
+    if cut:
+        again = decide(op, *_reduced(cut, args, kwargs), mesh, ndim, shapes)
+        if uneven(again.outputs, shapes, tuple(mesh.shape)) is None:
             return again
-        raise
-    return dec
+    raise ValueError(why)
 
 
 def _cut_partials(given: list[Spec], dec: Decision) -> dict[int, set[int]]:
@@ -82,11 +75,12 @@ def _reduced(
     return moved
 
 
-def check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> None:
-    """Raise ValueError when a rule's output splits a dim into parts its size does not divide
-    (DTensor checks each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are
-    equal). It becomes the op's PlanError with the uneven-view fix; `_cheaper` then tries its
-    fallbacks (each dim over its outer axis only), which run the op where one fits."""
+def uneven(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -> str | None:
+    """Why a rule's output splits a dim into parts its size does not divide (DTensor checks
+    each mesh dim alone: 4 rows over (2, 4) pass it; shardwise's blocks are equal), or None.
+    Raised as ValueError, it becomes the op's PlanError with the uneven-view fix; `_cheaper`
+    then tries its fallbacks (each dim over its outer axis only), which run the op where one
+    fits."""
     for placed, shape in zip(outputs, shapes, strict=False):
         if placed is None:
             continue
@@ -97,6 +91,7 @@ def check_even(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...
                 parts[dim] *= size
         for d, (size, n) in enumerate(zip(shape, parts, strict=True)):
             if size % n:
-                raise ValueError(
+                return (
                     f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
                 )
+    return None
