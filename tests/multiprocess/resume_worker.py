@@ -10,12 +10,14 @@ parameter above it updated by its owner rank, whose file alone holds its optimiz
 `load_distributed` before the first step (``--load``), or, already transformed for this plan,
 rank by rank with the plain ``load_checkpoint`` after planning (``--load-plain``). Rank 0 writes
 the global losses (one per line) to ``--losses-out`` and the plan's parameter strategy file to
-``--strategy-out``.
+``--strategy-out``. Several legs run one after another in one job when their argument lists are
+separated by ``+`` (each builds its network and optimizer afresh: one process start per job).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -52,7 +54,7 @@ def build(bias: bool = True) -> tuple[Net, torch.optim.Optimizer]:
     return net, torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.8, 0.9))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan", choices=["tp", "dp", "dp-mode"], required=True)
     parser.add_argument("--first", type=int, default=0)
@@ -64,8 +66,22 @@ def main() -> None:
     parser.add_argument("--strategy-out")
     parser.add_argument("--threshold", type=float, default=0.5, help="KB, dp-mode's hsdp")
     parser.add_argument("--no-bias", action="store_true", help="Linears without bias")
-    args = parser.parse_args()
-    init()
+    return parser
+
+
+def legs(argv: list[str]) -> list[argparse.Namespace]:
+    """The legs of `argv`: argument lists separated by ``+``."""
+    groups: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "+":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    return [parser().parse_args(group) for group in groups]
+
+
+def run_leg(args: argparse.Namespace) -> None:
+    """Build, optionally load, train and save one leg."""
     n, rank = get_group_size(), get_rank()
     net, opt = build(not args.no_bias)
     if args.plan == "tp":
@@ -106,6 +122,13 @@ def main() -> None:
         Path(args.losses_out).write_text("".join(f"{v!r}\n" for v in losses))
         if args.strategy_out:
             step.save_param_strategy_file(args.strategy_out)
+
+
+def main() -> None:
+    todo = legs(sys.argv[1:])
+    init()
+    for args in todo:
+        run_leg(args)
     sw.communication.release()
 
 

@@ -10,6 +10,9 @@ before its first step. A third starts from 3 steps of ``parallel_mode="data_para
 hsdp on 4 ranks, whose rank files hold each weight's Adam state on its owner rank only (and
 record the job's 4 ranks: without the last rank's folder the checkpoint is refused); those
 files go straight to one device as well as to the 2-rank plan.
+
+The legs run in two jobs shared by the tests (`legs`): the three 4-rank legs in one, then the
+four 2-rank legs in another (a process start costs seconds on 2 cores).
 """
 
 from __future__ import annotations
@@ -69,11 +72,43 @@ def uninterrupted(bias: bool = True) -> tuple[list[float], dict]:
     return train(net, opt, batches(9)), opt.state_dict()["state"]
 
 
-def leg(tmp: Path, n: int, tag: str, *args: str) -> list[float]:
-    losses = tmp / f"losses_{tag}.txt"
-    res = run_job(WORKER, n, tmp / f"logs_{tag}", *args, "--losses-out", str(losses), timeout=150)
+DP_MODE = ("--plan", "dp-mode", "--threshold", "0", "--no-bias")
+FIRST_LEGS = {  # 4 ranks, 3 steps each, saved under tmp/<tag>
+    "a": ("--plan", "tp"),
+    "p": ("--plan", "dp-mode"),
+    "r": DP_MODE,
+}
+SECOND_LEGS = {  # 2 ranks, steps 4-6, saved under tmp/<tag>
+    "b": ("--plan", "dp", "--first", "3", "--load-plain", "b_in"),  # a, transformed for plan B
+    "d": ("--plan", "dp", "--first", "3", "--load", "a"),  # a, with load_distributed
+    "q": ("--plan", "dp", "--first", "3", "--load-plain", "q_in"),  # p, transformed
+    "s": (*DP_MODE, "--first", "3", "--load", "r"),
+}
+
+
+def job(tmp: Path, n: int, legs: dict[str, tuple[str, ...]]) -> dict[str, list[float]]:
+    """One job of `n` ranks running `legs` one after another; the losses of each."""
+    args: list[str] = []
+    for tag, leg in legs.items():  # (the folder after --load / --load-plain is under tmp)
+        leg = tuple(str(tmp / v) if k in ("--load", "--load-plain") else v
+                    for k, v in zip(("", *leg[:-1]), leg, strict=True))  # fmt: skip
+        args += [*(["+"] if args else []), *leg, "--save", str(tmp / tag)]
+        args += ["--losses-out", str(tmp / f"losses_{tag}.txt")]
+    res = run_job(WORKER, n, tmp / f"logs_{n}", *args, timeout=250)
     assert res.returncode == 0, res.output
-    return [float(v) for v in losses.read_text().split()]
+    return {tag: [float(v) for v in (tmp / f"losses_{tag}.txt").read_text().split()]
+            for tag in legs}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[float]]]:
+    """Both jobs' folders and the losses of every leg: the 4-rank legs, the two
+    transformations to plan B (of tp leg a and data_parallel-mode leg p), the 2-rank legs."""
+    tmp = tmp_path_factory.mktemp("resume")
+    losses = job(tmp, 4, FIRST_LEGS)
+    sw.checkpoint.transform(tmp / "a", tmp / "b_in", plan_b())
+    sw.checkpoint.transform(tmp / "p", tmp / "q_in", plan_b())
+    return tmp, {**losses, **job(tmp, 2, SECOND_LEGS)}
 
 
 def one_device(
@@ -97,17 +132,14 @@ def one_device(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(400)
-def test_resume_across_plans_equals_never_stopping(tmp_path: Path) -> None:
+@pytest.mark.timeout(500)
+def test_resume_across_plans_equals_never_stopping(legs: tuple[Path, dict]) -> None:
+    tmp, losses = legs
     want, single = uninterrupted()
-    first = leg(tmp_path, 4, "a", "--plan", "tp", "--save", str(tmp_path / "a"))
-    sw.checkpoint.transform(tmp_path / "a", tmp_path / "b_in", plan_b())
-    # plan B loads its own transformed files (after planning), or the 4-rank checkpoint
-    # directly with load_distributed before its first step
-    for tag, how, where in (("b", "--load-plain", "b_in"), ("d", "--load", "a")):
-        got = first + leg(tmp_path, 2, tag, "--plan", "dp", "--first", "3", how,
-                          str(tmp_path / where), "--save", str(tmp_path / tag))  # fmt: skip
-        check_continued(tmp_path, tag, got, want, single)
+    # plan B loads its own transformed files (after planning, leg b), or the 4-rank checkpoint
+    # directly with load_distributed before its first step (leg d)
+    for tag in ("b", "d"):
+        check_continued(tmp, tag, losses["a"] + losses[tag], want, single)
 
 
 def check_continued(
@@ -125,26 +157,27 @@ def check_continued(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(tmp_path: Path) -> None:
+@pytest.mark.timeout(500)
+def test_data_parallel_hsdp_checkpoint_recut_equals_never_stopping(
+    legs: tuple[Path, dict], tmp_path: Path
+) -> None:
+    tmp, losses = legs
     want, single = uninterrupted()
-    first = leg(tmp_path, 4, "p", "--plan", "dp-mode", "--save", str(tmp_path / "p"))
-    files = [safetensors.torch.load_file(tmp_path / "p" / f"rank_{r}" / "ckpt-1_3.safetensors")
+    first = losses["p"]
+    files = [safetensors.torch.load_file(tmp / "p" / f"rank_{r}" / "ckpt-1_3.safetensors")
              for r in range(4)]  # fmt: skip
     holders = [r for r, f in enumerate(files) if "optimizer.state.fc1.weight.exp_avg" in f]
     assert len(holders) == 1  # the weight's state on its owner rank only
     assert all("optimizer.state.fc1.bias.exp_avg" in f for f in files)  # (no owner: all ranks)
     # straight from the owner-only files to one device: the last 6 steps end the run as one
     # that never stopped, with its Adam state
-    rest, state = one_device(tmp_path, tmp_path / "p", "p_one", 3)
+    rest, state = one_device(tmp_path, tmp / "p", "p_one", 3)
     torch.testing.assert_close(torch.tensor(first + rest), torch.tensor(want), rtol=1e-5, atol=0)
     for index, moments in single.items():
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(state[index][key], moments[key], rtol=1e-5, atol=1e-7)
-    sw.checkpoint.transform(tmp_path / "p", tmp_path / "q_in", plan_b())
-    got = first + leg(tmp_path, 2, "q", "--plan", "dp", "--first", "3", "--load-plain",
-                      str(tmp_path / "q_in"), "--save", str(tmp_path / "q"))  # fmt: skip
-    check_continued(tmp_path, "q", got, want, single)
+    # the 2-rank plan B loaded p's files transformed for it (leg q)
+    check_continued(tmp, "q", first + losses["q"], want, single)
 
 
 def state_files(src: Path, n: int, step: int) -> list[set[str]]:
@@ -155,27 +188,25 @@ def state_files(src: Path, n: int, step: int) -> list[set[str]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_data_parallel_hsdp_resumes_on_fewer_ranks(tmp_path: Path) -> None:
+@pytest.mark.timeout(500)
+def test_data_parallel_hsdp_resumes_on_fewer_ranks(legs: tuple[Path, dict], tmp_path: Path) -> None:
     """Bias-free, every parameter owned: 2 weights on 4 ranks, so 2 ranks own nothing and save
     no optimizer tensor; their files still record the job's 4 ranks (without ``rank_3/`` the
     checkpoint is refused). A 2-rank data_parallel + hsdp job loads it, trains 3 steps and saves:
     each weight's state again in its owner's file only (the state loaded whole is dropped on
     the other rank), and one device ends the run like one that never stopped."""
+    tmp, losses = legs
     want, single = uninterrupted(bias=False)
-    dp_mode = ("--plan", "dp-mode", "--threshold", "0", "--no-bias")
-    first = leg(tmp_path, 4, "r", *dp_mode, "--save", str(tmp_path / "r"))
-    held = state_files(tmp_path / "r", 4, 3)
+    held = state_files(tmp / "r", 4, 3)
     assert sorted(map(len, held)) == [0, 0, 3, 3]  # (one weight's step, exp_avg, exp_avg_sq)
-    shutil.copytree(tmp_path / "r", tmp_path / "short")
+    shutil.copytree(tmp / "r", tmp_path / "short")
     shutil.rmtree(tmp_path / "short" / "rank_3")
     with pytest.raises(sw.checkpoint.CheckpointError, match="of 4 ranks but the files of rank_3"):
         sw.checkpoint.transform(tmp_path / "short", tmp_path / "short_out")
-    got = first + leg(tmp_path, 2, "s", *dp_mode, "--first", "3", "--load", str(tmp_path / "r"),
-                      "--save", str(tmp_path / "s"))  # fmt: skip
+    # the 2-rank data_parallel + hsdp leg s loaded r with load_distributed
     for name in ("fc1.weight", "fc2.weight"):
         holders = [
-            k for k in state_files(tmp_path / "s", 2, 6) if f"optimizer.state.{name}.exp_avg" in k
+            k for k in state_files(tmp / "s", 2, 6) if f"optimizer.state.{name}.exp_avg" in k
         ]
         assert len(holders) == 1, name
-    check_continued(tmp_path, "s", got, want, single, bias=False)
+    check_continued(tmp, "s", losses["r"] + losses["s"], want, single, bias=False)
