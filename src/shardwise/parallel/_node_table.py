@@ -30,6 +30,7 @@ from shardwise._torch import pytree
 from shardwise.parallel._edges import copied_moves
 from shardwise.parallel._leaving import buffer_edges, leave_edges
 from shardwise.parallel._param_reads import node_reads
+from shardwise.parallel._sizes import flat_call, flatten_call, unflatten_call
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._call_kinds import call_name
@@ -275,11 +276,16 @@ class NodeTable:
             return args, kw
         flat = self.flat_templates.get(k)
         if flat is None:
-            flat = self.flat_templates[k] = pytree.tree_flatten(
-                self.templates[k], is_leaf=lambda x: isinstance(x, TensorSlot)
+            targs, tkw = self.templates[k]
+            flat = self.flat_templates[k] = (
+                flatten_call(tuple(targs), dict(tkw))
+                if flat_call(tuple(targs), dict(tkw))  # (a TensorSlot is no container)
+                else pytree.tree_flatten(
+                    self.templates[k], is_leaf=lambda x: isinstance(x, TensorSlot)
+                )
             )
         leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
-        out: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_unflatten(leaves, flat[1])
+        out = unflatten_call(leaves, flat[1])
         return tuple(out[0]), dict(out[1])
 
 

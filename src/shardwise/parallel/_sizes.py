@@ -46,12 +46,42 @@ def _size(x: Any) -> bool:
     return isinstance(x, slice) or (isinstance(x, int) and not isinstance(x, bool))
 
 
+_CONTAINERS = (list, tuple, dict)
+
+
+def flat_call(args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
+    """Whether no argument of a call is a pytree container (``h.view(b, t, c)``, nearly every
+    call): its leaves are then its arguments, flattened and rebuilt without pytree."""
+    nodes = pytree.SUPPORTED_NODES
+    for a in args:
+        if isinstance(a, _CONTAINERS) or type(a) in nodes:
+            return False
+    return not kw or not any(isinstance(a, _CONTAINERS) or type(a) in nodes for a in kw.values())
+
+
+def flatten_call(args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten((args, kw))``: the leaves and a spec that two calls share when
+    their structures are the same (a flat call's: its argument count and keywords)."""
+    if flat_call(args, kw):
+        return [*args, *kw.values()], (len(args), tuple(kw))
+    return pytree.tree_flatten((args, kw))
+
+
+def unflatten_call(leaves: list[Any], spec: Any) -> tuple[Any, Any]:
+    """The call `flatten_call` flattened to `leaves` and `spec`."""
+    if isinstance(spec, tuple):
+        n, keys = spec
+        return tuple(leaves[:n]), dict(zip(keys, leaves[n:], strict=True))
+    out: tuple[Any, Any] = pytree.tree_unflatten(leaves, spec)
+    return out
+
+
 def _flatten(args: Any, kw: Any) -> tuple[list[Any], Any]:
     """A call's arguments flattened as the capture recorded them: a ``torch.Size`` argument
     (``torch.randn(h.shape)``) as the tuple of its ints."""
     args = tuple(tuple(a) if isinstance(a, torch.Size) else a for a in args)
     kw = {k: tuple(v) if isinstance(v, torch.Size) else v for k, v in kw.items()}
-    return pytree.tree_flatten((args, kw))
+    return flatten_call(args, kw)
 
 
 def _number(x: Any) -> bool:
@@ -63,8 +93,7 @@ def _with(own: list[Any], spec: Any, global_: list[Any], at: list[int]) -> tuple
     """The call's flat arguments `own` (of pytree `spec`) with the captured ones at `at`."""
     for i in at:
         own[i] = global_[i]
-    out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-    return out
+    return unflatten_call(own, spec)
 
 
 class Sizes:
@@ -83,7 +112,7 @@ class Sizes:
         floats are this call's (a loss weight passed to the step). Raises when a later pass
         changes sizes that came from a local shape."""
         own, spec = _flatten(args, kw)
-        global_, global_spec = pytree.tree_flatten(captured)
+        global_, global_spec = flatten_call(*captured)
         if spec != global_spec:
             return args, kw
         floats = self._shares(k, own, global_, float)
@@ -108,7 +137,7 @@ class Sizes:
         (``((out - y) ** 2 / x.size(0)).sum()``); tells the table whether the node has any
         (`NodeTable.checked`)."""
         own, spec = _flatten(args, kw)
-        global_, global_spec = pytree.tree_flatten(captured)
+        global_, global_spec = flatten_call(*captured)
         # (a call of another structure than the captured one, a keyword given positionally:
         # nothing to compare it with, and the node takes its short path)
         at = self._shares(k, own, global_, int | float) if spec == global_spec else []
@@ -123,7 +152,7 @@ class Sizes:
         if self.table.shares.get(k) == ():  # (none noted in the plan's first call: as called)
             return args, kw
         own, spec = _flatten(args, kw)
-        global_, global_spec = pytree.tree_flatten(captured)
+        global_, global_spec = flatten_call(*captured)
         at = self._shares(k, own, global_, int | float) if spec == global_spec else []
         return _with(own, spec, global_, at) if at else (args, kw)
 
@@ -152,7 +181,7 @@ class Sizes:
         size read from this rank's block is) replaced by the global one; other ints (a step
         counter, an offset) stay this call's."""
         own, spec = _flatten(args, kw)
-        global_, global_spec = pytree.tree_flatten(captured)
+        global_, global_spec = flatten_call(*captured)
         if spec != global_spec:
             return args, kw
         counts = self.split_counts
@@ -163,8 +192,7 @@ class Sizes:
                 own[i], changed = g, True
         if not changed:
             return args, kw
-        out: tuple[Any, Any] = pytree.tree_unflatten(own, spec)
-        return out
+        return unflatten_call(own, spec)
 
     @property
     def split_counts(self) -> set[int]:
