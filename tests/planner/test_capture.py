@@ -129,6 +129,17 @@ class NonzeroInForward(nn.Module):
             r"gaussian_nll_loss at test_capture.py:\d+ reads a tensor's value inside torch "
             r"\(functional.py:\d+, gaussian_nll_loss\).* 0.5 \* \(torch.log\(var\)",
         ),
+        (  # (one_hot without num_classes reads the largest id: pass the count)
+            Lambda(lambda x: F.one_hot(x.argmax(-1)).float().sum()),
+            r"one_hot at test_capture.py:\d+ reads a tensor's value inside torch .*"
+            r"F.one_hot\(ids, num_classes=E\)\); or run the step with "
+            r"parallel_mode='data_parallel'",
+        ),
+        (  # (MoE load counts: bincount's output has as many bins as the largest id)
+            Lambda(lambda x: torch.bincount(x.argmax(-1), minlength=4).float().sum()),
+            r"bincount at test_capture.py:\d+ has an output whose shape .*F.one_hot\(ids, "
+            r"E\).sum\(0\).*parallel_mode='data_parallel', which captures nothing",
+        ),
         (  # (a tensor's storage cannot be deep-copied on fakes; the line past copy.py)
             Lambda(lambda x: copy.deepcopy(x * 2)),
             r"copy.deepcopy of a tensor at test_capture.py:\d+ .* t.detach\(\).clone\(\)",
@@ -270,5 +281,8 @@ def test_item_in_the_forward_names_the_op_the_line_and_the_fix() -> None:
     assert str(info.value) == (
         f"torch.Tensor.item at test_capture.py:{line} reads a tensor's value while the network "
         f"is captured (fake tensors have no values); keep values out of the forward (log the "
-        f"loss after loss.backward(), use torch.where instead of Python if on a tensor)"
+        f"loss after loss.backward(), use torch.where instead of Python if on a tensor, a fixed "
+        f"capacity per part instead of sizes read from a tensor (torch.split(x, "
+        f"counts.tolist()))); or run the step with parallel_mode='data_parallel', which "
+        f"captures nothing and runs it as written"
     )

@@ -55,6 +55,7 @@ from shardwise.planner._op_form_calls import Annotated, annotation
 from shardwise.planner._out_calls import out_tensors, record_out
 from shardwise.planner._regions import RegionNotes
 from shardwise.planner._source_lines import (
+    NO_CAPTURE,
     captured_note,
     data_dependent,
     fake_kernel,
@@ -285,7 +286,9 @@ class _Recorder(TorchFunctionMode):
                 + (
                     inside
                     or "; keep values out of the forward (log the loss after loss.backward(), "
-                    "use torch.where instead of Python if on a tensor)"
+                    "use torch.where instead of Python if on a tensor, a fixed capacity per "
+                    "part instead of sizes read from a tensor (torch.split(x, counts.tolist())))"
+                    + NO_CAPTURE
                 )
             )
         return self._record(func, args, kwargs)

@@ -69,9 +69,38 @@ SHAPE_HINTS = {
         "run the recurrent layer on the padded batch without packing, and mask the padded "
         "steps' outputs, or take each sequence's last step with torch.gather"
     ),
+    "bincount": (
+        "counts of a known number of bins E: F.one_hot(ids, E).sum(0), or torch.zeros(E)"
+        ".index_add_(0, ids, torch.ones(len(ids)))"
+    ),
+    "unique": (
+        "a fixed number of candidates: a one-hot or comparison mask over all E values "
+        "(F.one_hot(ids, E)) instead of the distinct values found"
+    ),
+    "repeat_interleave": "repeats given as a Python int, or a fixed-capacity layout with a mask",
     "": "a mask and torch.where instead of indexing by a boolean tensor",
 }
 """What to write instead of an op whose output is shaped by values, by a part of its name."""
+
+VALUE_READ_HINTS = {
+    "one_hot": "pass the number of classes: F.one_hot(ids, num_classes=E)",
+    "cov": "torch.cov / torch.corrcoef from means, products and sums",
+    "corrcoef": "torch.cov / torch.corrcoef from means, products and sums",
+    "gaussian_nll_loss": (
+        "F.gaussian_nll_loss: 0.5 * (torch.log(var) + (input - target) ** 2 / var), its mean"
+    ),
+    "": (
+        "torch.cov / torch.corrcoef: from means, products and sums; F.gaussian_nll_loss: "
+        "0.5 * (torch.log(var) + (input - target) ** 2 / var), its mean"
+    ),
+}
+"""What to write instead of a call that reads a value inside torch, by a part of its name."""
+
+NO_CAPTURE = (
+    "; or run the step with parallel_mode='data_parallel', which captures nothing and runs it "
+    "as written"
+)
+"""The way to run a refused call as written (said after each capture refusal's own fix)."""
 
 NOT_CAPTURABLE = {
     "ctc_loss": (
@@ -108,19 +137,20 @@ def data_dependent(op: str, e: BaseException) -> str:
         return (
             f"{op} at {source_line()} has an output whose shape depends on tensor values "
             f"({type(e).__name__}), which capture cannot follow; use an op with a fixed output "
-            f"shape ({instead})"
+            f"shape ({instead}){NO_CAPTURE}"
         )
     where = ""
     for frame, line in traceback.walk_tb(e.__traceback__):
         name = frame.f_code.co_filename
         if name.startswith(_TORCH_PUBLIC):
             where = f" ({os.path.basename(name)}:{line}, {frame.f_code.co_name})"
+    instead = next(
+        (h for name, h in VALUE_READ_HINTS.items() if name and name in op), VALUE_READ_HINTS[""]
+    )
     return (
         f"{op} at {source_line()} reads a tensor's value inside torch{where} ({func}: a check "
         f"or a Python number of a tensor) while the network is captured (fake tensors have no "
-        f"values); write it with ops that do not read values (torch.cov / torch.corrcoef: from "
-        f"means, products and sums; F.gaussian_nll_loss: 0.5 * (torch.log(var) + (input - "
-        f"target) ** 2 / var), its mean)"
+        f"values); write it with ops that do not read values ({instead}){NO_CAPTURE}"
     )
 
 
