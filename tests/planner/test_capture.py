@@ -272,6 +272,20 @@ class ScaleByMax(nn.Module):
         return x / scale
 
 
+class SplitByCounts(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = F.one_hot(x.argmax(-1), 4).sum(0)
+        return sum(p.sum() for p in torch.split(x, counts.tolist()))  # type: ignore[return-value]
+
+
+def test_tolist_in_the_forward_is_named_tolist() -> None:
+    """Fake tensors read a ``tolist`` element by element with ``item``: the error names the
+    call the user wrote, with the fixed-capacity advice."""
+    with pytest.raises(CaptureError, match=r"^torch.Tensor.tolist at test_capture.py:\d+ .*"
+                       r"counts.tolist\(\)"):  # fmt: skip
+        capture(SplitByCounts(), torch.ones(8, 4))
+
+
 def test_item_in_the_forward_names_the_op_the_line_and_the_fix() -> None:
     """``.item()`` in the forward: the error names ``item``, the user's file:line and what to do
     instead (fake tensors have no values to turn into a number)."""

@@ -61,6 +61,7 @@ from shardwise.planner._source_lines import (
     fake_kernel,
     fake_kernel_refused,
     library_read,
+    read_name,
     source_line,
 )
 
@@ -281,7 +282,8 @@ class _Recorder(TorchFunctionMode):
         if kind == "read":
             inside = library_read()
             raise CaptureError(
-                f"{resolve_name(func) or func} at {source_line()} reads a tensor's value while the "
+                f"{read_name(str(resolve_name(func) or func))} at {source_line()} reads a "
+                f"tensor's value while the "
                 f"network is captured (fake tensors have no values)"
                 + (
                     inside

@@ -4,6 +4,7 @@
   and shardwise).
 - `library_read`: where inside torch a value read happens, with what to pass instead
   (`LIBRARY_READS`: torch's ``_detect_is_causal_mask`` reads an attention mask), or "".
+- `read_name`: the name of a value read as the user called it (``tolist``, not its ``item``s).
 - `data_dependent`: the message for a call that fake tensors cannot run: an output whose
   shape depends on values (``x[mask]``), or a value read inside torch itself
   (``F.gaussian_nll_loss``'s check of its variances, ``torch.cov``).
@@ -62,6 +63,17 @@ def library_read() -> str:
             return f"; it is torch's {where} that reads it: {hint}"
         frame = frame.f_back  # type: ignore[assignment]
     return ""
+
+
+def read_name(name: str) -> str:
+    """The name of a value read as the user called it: fake tensors' ``tolist`` reads each
+    element with ``item``, named ``torch.Tensor.tolist`` (called from a recorder's hook)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
+        if frame.f_code.co_name == "tolist":
+            return "torch.Tensor.tolist"
+        frame = frame.f_back  # type: ignore[assignment]
+    return name
 
 
 SHAPE_HINTS = {
