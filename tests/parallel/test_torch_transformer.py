@@ -8,6 +8,9 @@ rule runs its head-merging view on: planning failed with a ``PlanError`` (a ``_S
 that cannot unflatten) whose fix asked for divisible dims. An unannotated op no rule runs as its
 inputs are placed now falls back to each dim's outer axis (the batch over dp: one AllGather over
 mp), then to data parallel (`planner/_follow._Follow._cheaper`).
+
+``nn.Transformer`` under sharding propagation: a plan holding the embedding's output split on
+its features fails torch's Python check of ``src.size(-1)``; the error names those blocks.
 """
 
 from __future__ import annotations
@@ -95,3 +98,56 @@ def test_transformer_encoder_matches_one_device(megatron: bool) -> None:
             ("AllReduce", "backward", everyone): 1,
         }
     assert rec.kinds() == Counter(want_kinds), rec.summary()
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D)
+        self.tr = nn.Transformer(D, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        o = self.tr(self.emb(x), self.emb(t))
+        return F.cross_entropy(self.head(o).reshape(-1, V), t.reshape(-1))
+
+
+def _propagated(x: torch.Tensor, t: torch.Tensor, annotate_embedding: bool) -> torch.Tensor:
+    """The loss of `Seq2Seq`'s first step under sharding propagation on 4 ranks (dp 2 x mp 2),
+    each layer's feed-forward Megatron-annotated (and the embedding kept whole on features)."""
+    net = Seq2Seq()
+    with simulated_world(4) as world:
+        world.replicate(net)
+        for layer in [*net.tr.encoder.layers, *net.tr.decoder.layers]:
+            sw.shard(layer.linear1, in_strategy=((2, 1), (2, 1)))
+            sw.shard(layer.linear2, in_strategy=((2, 2), (1, 2)))
+        if annotate_embedding:
+            sw.shard(net.emb, in_strategy=((2, 1), (1, 1)))
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            loss = net(a, b)
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="sharding_propagation")
+        loss: torch.Tensor = parallel(world.rows(x), world.rows(t))
+        return loss
+
+
+def test_transformer_feature_split_by_propagation_is_named() -> None:
+    """Sharding propagation splits the embedding's output over mp on its features (the
+    cheapest plan of the captured ops), but nn.Transformer.forward compares src.size(-1) with
+    d_model in Python: torch's error was raised bare. Its note now names the values held as
+    blocks and the fix, and the fix it gives (the embedding annotated) trains as one device."""
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randint(0, V, (8, 6), generator=g), torch.randint(0, V, (8, 5), generator=g)
+    want = Seq2Seq()(x, t).detach()
+    with pytest.raises(RuntimeError, match="d_model") as raised:
+        _propagated(x, t, annotate_embedding=False)
+    note = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "emb/embedding's output (%0): block [4, 6, 8] of the global [8, 6, 16]" in note
+    assert "emb/embedding_1's output (%1): block [4, 5, 8] of the global [8, 5, 16]" in note
+    assert "dim 2 over g1" in note and "dim 0" not in note  # (the batch rows: not named)
+    assert "sw.shard(net.emb" in note and "parallel_mode='semi_auto'" in note
+    assert_matches_single_device(_propagated(x, t, annotate_embedding=True), want, what="loss")

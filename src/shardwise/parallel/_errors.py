@@ -1,15 +1,17 @@
 """Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
 `plan_mismatch` (a call other than the plan's next node: another op, or its op on other
-parameters),
-`replanned_call_differs` (why a call differs from the plan captured from it: a primitive made
-inside ``forward``, a Python loop or branch on a split tensor's local shape), `note_blocks`
-(what torch's size mismatch with a parameter stored as a block means: `frozen_note` when a
-frozen parameter met a trainable one of its shape stored otherwise, an EMA teacher) and
-`hidden_inputs_note` (an argument whose tensors the plan does not see: a Hugging Face cache
-object) and `refuse_lazy` (a lazy module whose parameters are not made yet)."""
+parameters), `replanned_call_differs` (why a call differs from the plan captured from it: a
+primitive made inside ``forward``, a Python loop or branch on a split tensor's local shape),
+`note_blocks` (what torch's size mismatch with a parameter stored as a block means:
+`frozen_note` when a frozen parameter met a trainable one of its shape stored otherwise, an EMA
+teacher), `split_values_note` (the values held as blocks where a plan's first call raised in the
+network's code: a size compared in Python sees the block's), `hidden_inputs_note` (an
+argument whose tensors the plan does not see: a Hugging Face cache object) and `refuse_lazy` (a
+lazy module whose parameters are not made yet)."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -116,6 +118,71 @@ def _split_read(plan: ParallelPlan, node: NodePlan) -> str | None:
             f"of a Python loop (t.pow(2).sum(1) weighted by torch.arange(...))"
         )
     return None
+
+
+def split_values_note(error: BaseException, plan: ParallelPlan, cursor: int) -> None:
+    """Add a note to `error`, raised by Python code (the user's, torch's: not shardwise's) while
+    `plan` ran its first call, `cursor` of its ops done, naming the values the plan holds as
+    blocks there that later ops read, whose local shape differs from the global one in a dim
+    other than the inputs' rows: code reading such a value's size (``x.size(-1)``,
+    ``x.shape``) and comparing it in Python (torch's ``nn.Transformer`` checks ``d_model``)
+    sees the block's size, where capture saw the global one. No note when there is none."""
+    if not isinstance(error, Exception) or _raised_by_shardwise(error):
+        return
+    later = {v for n in plan.nodes[cursor:] for v in n.values}
+    held = []
+    for node in plan.nodes[:cursor]:
+        for i, (placed, shape) in enumerate(zip(node.outputs, node.shapes, strict=False)):
+            value = f"%{node.index}" + (f".{i}" if i else "")
+            local, dims = placed.local_shape(shape), placed.layout.dims
+            split = [
+                d
+                for d, axes in enumerate(dims)
+                if local[d] != shape[d] and not _rows(plan, axes, shape[d])
+            ]
+            if value in later and split:
+                names = " and ".join(f"dim {d} over {_axes(plan, dims[d])}" for d in split)
+                held.append(
+                    f"{node.name}'s output ({value}): block {list(local)} of the global "
+                    f"{list(shape)} ({names})"
+                )
+    if not held:
+        return
+    semi = "" if plan.mode == "semi_auto" else ", or parallel_mode='semi_auto'"
+    error.add_note(
+        f"shardwise: this is the plan's first call, stopped after {cursor} of its ops; the plan "
+        f"holds these values as each rank's block, whose shape differs from the global one: "
+        f"{'; '.join(held)}. Code that reads such a tensor's size (x.size(-1), x.shape) and "
+        f"compares it in Python (torch's nn.Transformer checks src.size(-1) == d_model) sees "
+        f"the block's size. Keep that dim whole: annotate the op that makes the value with a "
+        f"strategy that leaves it unsplit (sw.shard(net.emb, in_strategy=((2, 1), (1, 1))) "
+        f"for an embedding), or gather it whole before passing it on (sw.reshard){semi}"
+    )
+
+
+def _raised_by_shardwise(error: BaseException) -> bool:
+    """Whether `error`'s innermost Python frame is shardwise's (its own checks, an op its
+    executor ran), not the network's code or torch's Python code."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def _rows(plan: ParallelPlan, axes: Sequence[int], size: int) -> bool:
+    """Whether a dim of global `size` split over `axes` is the batch the inputs' rows are
+    split into (axes among theirs, the size of their first dim)."""
+    inputs = [(p.layout.dims[0], plan.input_shapes.get(k)) for k, p in plan.inputs.items()]
+    rows = [(set(a), s[0]) for a, s in inputs if s]
+    return any(set(axes) <= a and size == n for a, n in rows)
+
+
+def _axes(plan: ParallelPlan, axes: Sequence[int]) -> str:
+    names = [plan.matrix.names[a] for a in axes]
+    return names[0] if len(names) == 1 else "(" + ", ".join(names) + ")"
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 _SIZES = re.compile(r"size[^()]*\((\d+)\) must match[^()]*\((\d+)\)")

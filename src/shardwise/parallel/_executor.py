@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import checkpoint_calls, checkpointing
 from shardwise.parallel._differentiate import Differentiate
-from shardwise.parallel._errors import Replan, plan_mismatch
+from shardwise.parallel._errors import Replan, plan_mismatch, split_values_note
 from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
 from shardwise.parallel._local import attention_p, drop, dropout_p
@@ -340,6 +340,8 @@ class PlanExecutor(
         return self.park()
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        if exc_val is not None and self.table.candidates is None:  # (the plan's first call)
+            split_values_note(exc_val, self.plan, self.cursor)
         try:
             self.finish_started()
         finally:  # (off the mode stack even when finishing raised)
