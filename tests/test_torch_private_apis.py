@@ -21,6 +21,7 @@ import inspect
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -612,6 +613,43 @@ def _rnn_check() -> None:
             check(torch.zeros(1, 5, 3), (1, 4, 3))
 
 
+def _transformer() -> None:
+    from shardwise._torch.transformer import (
+        canonical_masks,
+        fast_path_devices,
+        mask_checked,
+        nested_enabled,
+    )
+    from shardwise.parallel._nested_encoders import _padded_forward
+
+    x = torch.randn(4, 5, 8)
+    pad = torch.zeros(4, 5, dtype=torch.bool)
+    pad[1, -2:] = True
+    mask, padding = canonical_masks(x, None, pad)
+    assert mask is None and padding is not None and padding.dtype == x.dtype
+    assert torch.equal(padding, torch.zeros(4, 5).masked_fill(pad, float("-inf")))
+    assert "cpu" in fast_path_devices()
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (norm_first: "use_nested_tensor is False")
+        unfit = torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, norm_first=True), 1
+        )
+    assert not nested_enabled(unfit)
+    unaligned = pad.clone()
+    unaligned[2, 1] = True
+    for check in (True, False):
+        enc = torch.nn.TransformerEncoder(layer, 2, mask_check=check).eval()
+        assert nested_enabled(enc) and mask_checked(enc) is check
+        for p in (pad, unaligned):  # (torch's own path: zeros where it packed, replayed alike)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (nested tensors are a prototype)
+                want = enc(x, src_key_padding_mask=p)
+                got = _padded_forward(enc, x, src_key_padding_mask=p)
+            assert torch.allclose(got, want, atol=1e-6), (check, p)
+            assert bool((want[1, -2:] == 0).all()) is (p is pad or not check), (check, p)
+
+
 def _functorch() -> None:
     from torch.func import grad, jvp, vmap
 
@@ -669,6 +707,8 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/clip_grad: clip_grad._get_total_norm, _clip_grads_with_norm_": _clip_grad,
     "_torch/grad_scaler: GradScaler._unscale_grads_ and its found_inf dict": _grad_scaler,
     "_torch/rnn: nn.RNNBase.check_hidden_size(hx, expected_hidden_size, msg)": _rnn_check,
+    "_torch/transformer: F._canonical_mask, _privateuse1_backend_name, TransformerEncoder's "
+    "use_nested_tensor / mask_check and its nested path's zeros": _transformer,
     "_torch/functorch: _C._functorch.maybe_current_level, the current interpreter's key": (
         _functorch
     ),

@@ -28,6 +28,7 @@ from shardwise.ops._spec_checks import layout_call
 from shardwise.optim import OptimizerPlan
 from shardwise.parallel._call_io import dataset_shapes, global_inputs, input_layouts
 from shardwise.parallel._errors import hidden_inputs_note
+from shardwise.parallel._nested_encoders import nested_encoders
 from shardwise.parallel._shard import OP_FORM, Declared, Entry, activate, reshard_value
 from shardwise.planner import (
     CaptureError,
@@ -185,7 +186,7 @@ def capture_plan(
     layouts = input_layouts(dataset, world, args, kwargs)
     g_args, g_kwargs = global_inputs(dataset, world, args, kwargs)
     shapes = None if stored is None else {n: p.shape for n, p in stored.params.items()}
-    with activate(session), comm.plain_tensors(), eager(), same_masks():
+    with activate(session), comm.plain_tensors(), eager(), same_masks(), nested_encoders():
         try:
             graph = capture(
                 fn, *g_args, networks=[network], device=device, param_shapes=shapes, **g_kwargs

@@ -77,6 +77,7 @@ from shardwise.parallel._hsdp import (
     start_engine,
 )
 from shardwise.parallel._input_grads import entry_gradients, input_gradients, mark_outputs
+from shardwise.parallel._nested_encoders import nested_encoders
 from shardwise.parallel._network_hooks import (
     NetworkHooks,
     check_annotations,
@@ -374,7 +375,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
                 )
             clip = clipping(*self.clip_args())
             rnn = rows_hidden_checks(self.rnns)  # (an initial state made whole)
-            with saved, executor, activate(self.session), clip, eager(), same_masks(), rnn:
+            nested = nested_encoders()  # (torch's nested-tensor path: its result)
+            with saved, executor, activate(self.session), clip, eager(), same_masks(), rnn, nested:
                 out = self.fn(*args, **kwargs)
         except Replan:
             if engine is not None and executor.cursor:
