@@ -97,6 +97,50 @@ def test_lbfgs_made_inside_the_step_is_refused_at_its_step() -> None:
             parallel(world.rows(x), world.rows(y))
 
 
+@pytest.mark.parametrize(
+    ("level", "optimizer"),
+    [("level1", "lbfgs"), ("level2", "lbfgs"), ("level3", "lbfgs"), ("level2", "adafactor")],
+)
+def test_a_closure_making_the_module_forms_first_call_is_refused(
+    level: str, optimizer: str
+) -> None:
+    """The module form: the wrapper's first call inside ``opt.step(closure)`` (after the step's
+    pre hooks ran, with no engine yet). Its first step ran unrefused before (a real job's
+    weights off one device's by 1e-2; simulated ranks failed on a value differing between
+    them); now the call raises the TypeError and no weight changed. The network then trains
+    under a new wrapper and SGD as on one device."""
+    ref = build()
+    net = copy.deepcopy(ref)
+    refused = r"LBFGS .* without hsdp\(\)" if optimizer == "lbfgs" else ADAFACTOR_REFUSED
+    x, y = DATA[0]
+    plain_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1))(x, y)
+    with simulated_world(2) as world:
+        world.replicate(net)
+        before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        opt = lbfgs(net) if optimizer == "lbfgs" else adafactor(net)
+        parallel = sw.AutoParallel(net, parallel_mode="semi_auto")
+        parallel.hsdp(threshold=0, optimizer_level=level)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(parallel(world.rows(x)), world.rows(y))
+            loss.backward()
+            return loss
+
+        with pytest.raises(TypeError, match=refused):
+            opt.step(closure)
+        for name, p in net.named_parameters():
+            assert torch.equal(p.detach(), before[name]), name
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+        again = sw.AutoParallel(net, parallel_mode="semi_auto")
+        again.hsdp(threshold=0, optimizer_level=level)
+        F.cross_entropy(again(world.rows(x)), world.rows(y)).backward()
+        sgd.step()
+        for name, p in net.named_parameters():  # (each rank: its half of dim 0)
+            want = ref.get_parameter(name).detach().chunk(2)
+            assert_matches_single_device(p.detach(), lambda r, w=want: w[r], what=name)
+
+
 def trains_as_one_device(
     stepper: Callable[..., Callable[..., torch.Tensor]], optimizer: Callable[..., Any]
 ) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 import shardwise as sw
 from shardwise.parallel import AutoParallel
@@ -107,6 +108,51 @@ def test_a_copy_taken_before_the_first_call_is_named_when_it_meets_a_block(hsdp:
     note = "\n".join(getattr(caught.value, "__notes__", []))
     assert "each rank stores 0.weight as its block [8, 8] of the global [16, 8] (dim 0" in note
     assert "take such copies after the first call" in note
+
+
+@pytest.mark.parametrize("where", ["step-swa", "loop-swa", "loop-lerp"])
+def test_where_a_copy_taken_before_the_first_call_gets_the_note(where: str) -> None:
+    """``swa.update_parameters(net)`` inside a wrapped train step: torch's size-mismatch error
+    carries the note. In the module form's own loop after ``opt.step()`` (``swa`` or an EMA's
+    ``lerp_``) shardwise does not see the op: torch's error comes as is, its sizes the
+    parameter's global and block size."""
+    net, (x, y) = make_net(False), batch()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        swa = AveragedModel(net)  # (whole copies, before the first call)
+        ema = [p.detach().clone() for p in net.parameters()]
+
+        def update() -> None:
+            with torch.no_grad():
+                if where.endswith("swa"):
+                    swa.update_parameters(net)
+                else:
+                    for e, p in zip(ema, net.parameters(), strict=True):
+                        e.lerp_(p, 0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            update()
+            return loss
+
+        sizes = r"size of tensor a \(16\) must match the size of tensor b \(8\)"
+        with pytest.raises(RuntimeError, match=sizes) as caught:
+            if where == "step-swa":
+                run = AutoParallel(step, parallel_mode="semi_auto", network=net)
+                run.hsdp(threshold=0)(world.rows(x), world.rows(y))
+            else:
+                run = AutoParallel(net, parallel_mode="semi_auto").hsdp(threshold=0)
+                nn.functional.cross_entropy(run(world.rows(x)), world.rows(y)).backward()
+                opt.step()
+                update()
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    if where == "step-swa":
+        assert "each rank stores 0.weight as its block [8, 8] of the global [16, 8]" in note
+    else:
+        assert note == ""
 
 
 def test_a_copy_of_blocks_loads_a_checkpoint_cut_like_the_network(tmp_path: Path) -> None:

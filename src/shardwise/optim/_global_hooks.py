@@ -14,6 +14,12 @@ during iteration``, in whichever optimizer happened to step).
 - `register_zero_grad`: a hook run before every ``zero_grad`` of an optimizer or a module
   (torch has no such hook: ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``
   are wrapped, once, at the first registration); removed like the others.
+- `track_closures` / `stepping`: while a `track_closures` handle is registered, a global pre
+  hook hands each step that has a closure one that notes its optimizer while it runs;
+  `stepping` lists the optimizers whose closure runs now (outermost first). A
+  network first called inside a closure (the module form: the wrapper's first call inside
+  ``opt.step(closure)``) finds the optimizer that is stepping, whose pre hooks ran before the
+  network's were there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ _queued: list[RemovableHandle] = []
 # (an OrderedDict: a `RemovableHandle` holds its dict by weak reference)
 _zero_grad_hooks: OrderedDict[int, Callable[[Any, bool], None]] = OrderedDict()
 _wrapped: set[type] = set()  # (the classes whose ``zero_grad`` calls the hooks first)
+_stepping: list[torch.optim.Optimizer] = []  # (whose closure runs now: `stepping`)
 
 
 def remove_later(handles: Iterable[RemovableHandle]) -> None:
@@ -97,3 +104,49 @@ def _calling_hooks(zero_grad: Callable[..., None]) -> Callable[..., None]:
         zero_grad(self, set_to_none)
 
     return wrapped
+
+
+def track_closures() -> RemovableHandle:
+    """Register a global pre hook noting each optimizer while its step's closure runs
+    (`stepping`), after removing the queued handles; several registered note it once.
+
+    Example:
+        >>> handle = track_closures()
+        >>> stepping()
+        []
+        >>> remove_later([handle])
+    """
+    return register_pre(_noting_closure)
+
+
+def stepping() -> list[torch.optim.Optimizer]:
+    """The optimizers whose step's closure runs now (outermost first), seen while a
+    `track_closures` handle is registered."""
+    return list(dict.fromkeys(_stepping))
+
+
+def _noting_closure(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The step's arguments with its closure (positional after the optimizer, or ``closure=``)
+    replaced by one noting `optimizer` while it runs; None (unchanged) without a closure."""
+    if len(args) > 1 and callable(args[1]):
+        return (args[0], _noted(optimizer, args[1]), *args[2:]), kwargs
+    closure = kwargs.get("closure")
+    if callable(closure):
+        return args, {**kwargs, "closure": _noted(optimizer, closure)}
+    return None
+
+
+def _noted(optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> Callable[..., Any]:
+    """`closure`, `optimizer` listed in `stepping` while it runs."""
+
+    @functools.wraps(closure)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        _stepping.append(optimizer)
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            _stepping.pop()
+
+    return noted

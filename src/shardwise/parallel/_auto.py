@@ -50,7 +50,7 @@ from shardwise.parallel._data_parallel_mode import start_runner
 from shardwise.parallel._discover import find_referenced, pick_network
 from shardwise.parallel._errors import refuse_lazy
 from shardwise.parallel._graph_run import GraphRun
-from shardwise.parallel._hsdp import settings_from_context
+from shardwise.parallel._hsdp import settings_from_context, watch_closures
 from shardwise.parallel._nested import running
 from shardwise.parallel._ownership import stored, take_over
 from shardwise.parallel._reading import PlanReading, dump_first_plan
@@ -137,6 +137,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         self.parallel_mode = parallel_mode
         self._dataset: DatasetStrategy = get_auto_parallel_context("dataset_strategy")
         self._hsdp, self._fusion = settings_from_context(parallel_mode)
+        watch_closures(self)  # (with hsdp, a first call inside a closure: `stepping_over`)
         self._runner: DataParallelRunner | None = None
         self._undo_scalers: list[Callable[[], None]] = []
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))

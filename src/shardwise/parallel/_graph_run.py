@@ -167,7 +167,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
                     self.optimizers,
                 )
             if self.hsdp is not None:
-                check_step(graph, self.optimizers)  # (in-place writes, LBFGS)
+                check_step(graph, self.optimizers, self.network)  # (in-place writes, LBFGS)
         except Exception as e:  # (told to the other ranks, which would wait for this one)
             check_ranks_agree(self.dataset, args, kwargs, named, e)
             raise

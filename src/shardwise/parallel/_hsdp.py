@@ -15,12 +15,14 @@
 - `check_unfrozen`, `check_kinds`, `check_step`: what optimizer parallel refuses (a parameter
   unfrozen after planning, or given another dtype or device; one changed in place by an op of
   the step's plan, `check_param_writes`; ``torch.optim.LBFGS`` and ``torch.optim.Adafactor``,
-  `optim.check_optimizers`).
+  `optim.check_optimizers`: the step's, and one whose closure makes the first call,
+  `stepping_over`, seen while the wrapper lives: `watch_closures`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -40,6 +42,7 @@ from shardwise.optim import (
     check_optimizers,
     plan_optimizer,
 )
+from shardwise.optim._global_hooks import remove_later, stepping, track_closures
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._held_clip import ClipArgs, watch
@@ -257,13 +260,34 @@ def check_kinds(network: nn.Module, before: tuple[tuple[torch.dtype, torch.devic
             )
 
 
-def check_step(graph: Graph, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Raise for what optimizer parallel refuses in a captured step: an op changing a
-    parameter in place (`check_param_writes`), an optimizer whose step couples all the
-    parameters' values or whole parameters' statistics (``LBFGS``, ``Adafactor``:
-    `optim.check_optimizers`, a TypeError)."""
+def check_step(
+    graph: Graph, optimizers: Sequence[torch.optim.Optimizer], network: nn.Module
+) -> None:
+    """Raise for what optimizer parallel refuses in a captured step of `network`: an op
+    changing a parameter in place (`check_param_writes`), an optimizer whose step couples all
+    the parameters' values or whole parameters' statistics (``LBFGS``, ``Adafactor``:
+    `optim.check_optimizers`, a TypeError), among `optimizers` or stepping `network` now
+    (`stepping_over`: its update comes after this call, before any hook of the engine)."""
     check_param_writes(graph)
-    check_optimizers(optimizers)
+    check_optimizers([*optimizers, *stepping_over(network)])
+
+
+def watch_closures(owner: object) -> None:
+    """Note each optimizer while its step's closure runs (`_global_hooks.track_closures`) for
+    as long as `owner` (a wrapper) lives: its first call may come inside ``opt.step(closure)``,
+    after that step's pre hooks ran (`stepping_over`)."""
+    weakref.finalize(owner, remove_later, [track_closures()])
+
+
+def stepping_over(network: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers holding a parameter of `network` whose step's closure runs now (the
+    module form's call inside ``opt.step(closure)``; `_global_hooks.stepping`)."""
+    ids = {id(p) for p in network.parameters()}
+    return [
+        o
+        for o in stepping()
+        if any(id(p) in ids for group in o.param_groups for p in group["params"])
+    ]
 
 
 def check_param_writes(graph: Graph) -> None:
