@@ -463,3 +463,42 @@ def test_op_form_entry_counts_name_the_reading_and_the_module(
         parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
         with pytest.raises(PlanError, match=match):
             parallel(world.rows(x), world.rows(y))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_megatron_on_a_sequence_first_encoder_layer_names_dim_0(batch_first: bool) -> None:
+    """The op form splits nn.Linear's input over dim 0, which is the sequence (5) in torch's
+    default sequence-first ``nn.TransformerEncoderLayer``: the PlanError said "use a batch
+    divisible by 2" although the batch (8) divides. It now names dim 0, its size and shape, and
+    the fixes; with ``batch_first=True`` the layer trains as one device."""
+
+    def make() -> nn.TransformerEncoderLayer:
+        torch.manual_seed(0)
+        return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=batch_first)
+
+    x = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(1))  # (batch 8, seq 5)
+    order = (lambda t: t) if batch_first else (lambda t: t.transpose(0, 1))
+    want = make()(order(x)).pow(2).mean()
+    net = make()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        sw.shard(net.linear1, in_strategy=((2, 1), (2, 1)))
+        sw.shard(net.linear2, in_strategy=((2, 2), (1, 2)))
+
+        def step(a: torch.Tensor) -> torch.Tensor:
+            loss = net(order(a)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        if batch_first:
+            assert_matches_single_device(parallel(world.rows(x)), want.detach(), what="loss")
+            return
+        with pytest.raises(PlanError) as caught:
+            parallel(world.rows(x))
+    said = str(caught.value)
+    assert "sw.shard on linear1" in said, said
+    assert "splits dim 0 of the input (nn.Linear's rows) 2 ways" in said, said
+    assert "shape [5, 8, 16], has 5 entries in dim 0" in said, said
+    assert "batch_first=True" in said and "a dim 0 divisible by 2" in said, said
+    assert "use a batch divisible" not in said, said

@@ -246,3 +246,50 @@ def test_a_python_loop_over_a_local_shape_names_the_cause_and_the_fix() -> None:
         assert "rank's block [4, 2]" in said, said
         assert "a Python loop or branch on it (for i in range(t.shape[0])" in said, said
         assert "t = sw.reshard(t, (1, 1))" in said and "tensor ops" in said, said
+
+
+@pytest.mark.parametrize("form", ["local slices", "chunk", "split"])
+def test_micro_batches_sliced_by_a_local_size_name_chunk_and_split(form: str) -> None:
+    """Gradient accumulation by slicing with a local size (``h = a.shape[0] // 2``; ``a[:h]``,
+    then ``a[h:]``) was refused saying "compute them from global sizes", which, followed
+    literally (``a[:8]``), takes the first ranks' rows rather than a part of each rank's. The
+    error now says to split the whole batch with ``x.chunk(k)`` or ``x.split(n)`` and cites the
+    docs; both forms train as one device."""
+
+    def part(a: torch.Tensor, i: int) -> torch.Tensor:
+        if form == "local slices":  # (sliced in the loop: the second pass's bounds differ)
+            h = a.shape[0] // 2
+            return a[i * h : (i + 1) * h]
+        return a.chunk(2)[i] if form == "chunk" else a.split(8)[i]
+
+    def body(net: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros(())
+        for i in range(2):
+            loss = F.cross_entropy(net(part(a, i)), part(b, i)) / 2
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+    ref = _net()
+    want = body(ref, x, y) if form != "local slices" else None
+    net = _net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return body(net, a, b)
+
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        if want is not None:
+            assert_matches_single_device(parallel(world.rows(x), world.rows(y)), want)
+            for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+                assert_matches_single_device(p.grad, q.grad, what=f"{name}.grad")
+            return
+        with pytest.raises(UnsupportedParallelError) as caught:
+            parallel(world.rows(x), world.rows(y))
+    said = str(caught.value)
+    assert "got [slice(4, 8, None)] in this pass and [slice(0, 4, None)]" in said, said
+    assert "split the whole batch with x.chunk(k) or x.split(n)" in said, said
+    assert "docs/parallel.md, 'Gradient accumulation inside a step'" in said, said

@@ -126,8 +126,13 @@ class Sizes:
             raise UnsupportedParallelError(
                 f"AutoParallel: {node.op} (%{k} {node.name}) got {[own[i] for i in at]} in this "
                 f"pass and {list(first)} in the first, computed from a split tensor's local "
-                f"shape (the plan has {list(wanted)}); compute them from global sizes (the "
-                f"step's own constants) instead"
+                f"shape (the plan has {list(wanted)}). Micro-batches (gradient accumulation): "
+                f"split the whole batch with x.chunk(k) or x.split(n), which run as each "
+                f"rank's share of every part, rather than slicing it with bounds from its size "
+                f"(a global bound takes those rows of the global batch: x[:8] of 16 rows is "
+                f"the first ranks' rows, not a part of each rank's; docs/parallel.md, "
+                f"'Gradient accumulation inside a step'). Other sizes: compute them from "
+                f"global sizes (the step's own constants) instead"
             )
         return _with(own, spec, global_, [*at, *floats] if first != wanted else floats)
 

@@ -117,15 +117,26 @@ def _linear(
         raise AnnotationError(f"{e} (nn.Linear read as MatMul(transpose_b=True))") from None
     x2d, weight = op.inputs[0], op.inputs[1]
     if x[0] % x2d.split_count(0):
-        raise AnnotationError(
-            f"{who}: the input's rows are split {x2d.split_count(0)} ways but its dim 0 has "
-            f"{x[0]} entries; use a batch divisible by {x2d.split_count(0)}"
-        )
+        raise AnnotationError(_rows_uneven(who, x, x2d.split_count(0)))
     dims = (x2d.dims[0],) + ((),) * (len(x) - 2) + (x2d.dims[1],)
     if groups > 1:
         weight = TensorLayout(op.matrix, weight.dims, (groups, 1))
         weight.check(w, f"{who}: input 1 (weight)")
     return op.matrix, {0: TensorLayout(op.matrix, dims), 1: weight}
+
+
+def _rows_uneven(who: str, x: Shape, count: int) -> str:
+    """The message for an input whose dim 0 the op form's row split (`count` ways) does not
+    divide: the op form splits dim 0 whatever the input's layout, which is the sequence in a
+    sequence-first input (``nn.TransformerEncoderLayer``'s default, ``batch_first=False``)."""
+    return (
+        f"{who}: the op form splits dim 0 of the input (nn.Linear's rows) {count} ways, but "
+        f"input 0 (x), shape {list(x)}, has {x[0]} entries in dim 0, which {count} does not "
+        f"divide. A sequence-first input (torch's "
+        f"nn.TransformerEncoderLayer / nn.MultiheadAttention default, batch_first=False) has "
+        f"the sequence there, not the batch: build those modules with batch_first=True, or "
+        f"give the input a dim 0 divisible by {count}"
+    )
 
 
 def _two_values_each(strategy: Sequence[Any], x: Shape, who: str) -> None:

@@ -19,7 +19,9 @@
    (`_functions.function_of`); a buffer the call re-assigned to an op's output
    (``self.rm = 0.9 * self.rm + ...``) is noted with that output (`Graph.set_buffers`).
 
-Nothing is computed and no process group is used.
+Nothing is computed and no process group is used. A TorchScript module among the networks or
+the modules a train step uses, or a TorchScript function the step calls, is refused before
+anything runs (`_scripted.refuse_scripted`: its ops would run unseen by the recorders).
 
 For a train step, capture ends at the first ``loss.backward()``: the step is not run further
 (no backward, no optimizer step, no code of the user's after it on fake tensors), and the loss
@@ -64,6 +66,7 @@ from shardwise.planner._recorders import (
     info_of,
     tensors_in,
 )
+from shardwise.planner._scripted import refuse_scripted
 from shardwise.planner._user_state import kept_real
 
 
@@ -116,7 +119,8 @@ def capture(
         The `Graph`.
 
     Raises:
-        CaptureError: a value read or a data-dependent shape (naming the op and line).
+        CaptureError: a value read or a data-dependent shape (naming the op and line); a
+            TorchScript module or function (`refuse_scripted`).
 
     Example:
         >>> g = capture(model, torch.zeros(8, 16, dtype=torch.long), targets=targets)
@@ -133,6 +137,7 @@ def capture(
     watched = [m for net in networks for m in net.modules()]  # (`kept_real`)
     watched += [] if isinstance(fn, nn.Module) else find_objects(fn)
     outside = _outside_modules(fn, networks)  # (a teacher: its buffers put back, `_kept`)
+    refuse_scripted(fn, networks, outside)
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
     if device is None:
         device = _device([leaf for _, leaf in flat if isinstance(leaf, T)])
