@@ -16,7 +16,9 @@ executor:
    the plan's local output shape, those of a ``split`` along a split dim (a strided q/k/v
    projection) the parts' local sizes; ``F.dropout`` multiplies by this rank's block of one global
    mask (drawn like a single-device run draws it, so masks match one device), and so does an
-   attention with ``dropout_p > 0``, computed in its math form (`_local.attention_dropout`);
+   attention with ``dropout_p > 0``, computed in its math form (`_local.attention_dropout`); a
+   parameter the op returned itself (``w.float()``) is handed on as a view, as captured
+   (`_param_reads.passing`);
 3. applies the edges of returned values right after the op; the loss's AllReduce is only
    started there (`sum_over_ranks`) and finished before anything can read the loss: at the
    next call the mode sees, after ``loss.backward()`` (which needs no value of it, so the two
@@ -62,7 +64,7 @@ from shardwise.parallel._errors import Replan, plan_mismatch, split_values_note
 from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
 from shardwise.parallel._local import attention_p, drop, dropout_p
-from shardwise.parallel._node_run import ON_PARAMETER, NodeRun, check_flag_change, has_tensor
+from shardwise.parallel._node_run import NodeRun, check_flag_change, has_tensor
 from shardwise.parallel._node_table import (
     CALLS,
     PLAIN,
@@ -73,7 +75,7 @@ from shardwise.parallel._node_table import (
     call_info,
     factory_call,
 )
-from shardwise.parallel._param_reads import alike, call_fits, call_reads
+from shardwise.parallel._param_reads import alike, call_fits, call_reads, kept_apart
 from shardwise.parallel._passes import Passes
 from shardwise.parallel._recompute import Recompute
 from shardwise.parallel._seeds import Seeds
@@ -138,6 +140,7 @@ class PlanExecutor(
         self.count = len(plan.nodes)
         self.ops = self.table.ops
         self.reads = self.table.reads  # (per node reading parameters: which: `_param_reads`)
+        self.passing = self.table.passing  # (nodes that may return a parameter: `_param_reads`)
         self.fast = self.table.fast if param_value is None else self.table.fast_no_param
         self.finished = False
         self.backward_seen = False  # (before it, a mismatch plans again: `Replan`)
@@ -181,11 +184,6 @@ class PlanExecutor(
         if self.known_params is None:
             self.known_params = self.params_of()
         return self.known_params
-
-    def on_parameter(self, op: str, args: tuple[Any, ...]) -> bool:
-        """Whether call `op` changes a stored `Parameter` itself (``requires_grad_``: no node
-        of the plan, as the capture records none: `planner._recorders._is_param`)."""
-        return op in ON_PARAMETER and bool(args) and id(args[0]) in self.params
 
     @property
     def done(self) -> bool:
@@ -231,6 +229,8 @@ class PlanExecutor(
                     out = self._short(func, fast, k, args, kwargs)
             finally:
                 self.paused -= 1
+            if k in self.passing:  # (a parameter it returned itself: a view, as captured)
+                out = kept_apart(out, self.params)
             leaving = self.leaving[k]
             if leaving is not None:  # (held other than it leaves the call: `_leaving`)
                 self.note_placed(k, leaving, out)

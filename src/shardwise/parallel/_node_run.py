@@ -19,7 +19,7 @@ from shardwise.parallel._errors import Replan
 from shardwise.parallel._global_draws import UnplannedDraw
 from shardwise.parallel._local import compute, float_sum, loss_weight, summed_loss
 from shardwise.parallel._node_table import NodeTable
-from shardwise.parallel._param_reads import call_fits
+from shardwise.parallel._param_reads import call_fits, kept_apart
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
 from shardwise.planner._out_calls import written
 
@@ -43,7 +43,7 @@ def has_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 ON_PARAMETER = frozenset({"torch.Tensor.requires_grad_"})
 """Ops on a parameter that change the `Parameter` itself, not its values: no node of a plan
-(the capture records none; `PlanExecutor.on_parameter` runs them on the parameter, not on the
+(the capture records none; `NodeRun.on_parameter` runs them on the parameter, not on the
 weight gathered for compute under optimizer parallel, whose change was undone at the next
 gather: the layer trained again). A node of a plan made before (a strategy file) likewise."""
 
@@ -104,6 +104,11 @@ class NodeRun:
         def numbers(
             self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
         ) -> tuple[Any, Any]: ...
+
+    def on_parameter(self, op: str, args: tuple[Any, ...]) -> bool:
+        """Whether call `op` changes a stored `Parameter` itself (``requires_grad_``: no node
+        of the plan, as the capture records none: `planner._recorders._is_param`)."""
+        return op in ON_PARAMETER and bool(args) and id(args[0]) in self.params
 
     def same_params(self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
         """Whether a call of node `k`'s op reads the parameters node `k` read (`_param_reads`:
@@ -188,6 +193,8 @@ class NodeRun:
             raise Replan(str(e), k, self.ops[k]) from None
         if given is not None:
             out = written(given, out)
+        if k in table.passing:  # (a parameter it returned itself: a view, as the capture's)
+            out = kept_apart(out, self.params)
         if backs and kept is not None:
             self._write_back(backs, kept)
         if wide:  # (a float16 loss: its elements summed in float32)

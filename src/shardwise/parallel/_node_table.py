@@ -6,14 +6,14 @@
   node and those of returned values, per node whether all its inputs are whole (it then runs
   with the captured sizes: `NodeTable.global_args`), a view's local size argument (a split's
   local part sizes and dim, when the split dim is split: ``sw.strided``), which parameters it
-  reads (`_param_reads`), and its short path (`NodeTable.fast`): a node with no edge in or out, no
-  gradient average (`NodePlan.backward`), not a backward root (`NodeTable.roots`, noted for
-  `_seeds`), neither the first nor the last, is `PLAIN` (nothing
-  to do but the op on this rank's blocks), `SIZED` (a view given the plan's local shape, a
-  split its local sizes) or `DROPOUT` (``F.dropout``, and ``F.scaled_dot_product_attention``,
-  whose dropout, whenever a call asks for it, runs as its math form with this rank's block of
-  one global mask); under data parallel nearly every
-  node is one of these, and the executor runs them after checking only the op (and the
+  reads and whether it may return one of them itself (`_param_reads`), and its short path
+  (`NodeTable.fast`): a node with no edge in or out, no gradient average (`NodePlan.backward`),
+  not a backward root (`NodeTable.roots`, noted for `_seeds`), neither the first nor the last,
+  is `PLAIN` (nothing to do but the op on this rank's blocks), `SIZED` (a view given the
+  plan's local shape, a split its local sizes) or `DROPOUT` (``F.dropout``, and
+  ``F.scaled_dot_product_attention``, whose dropout, whenever a call asks for it, runs as its
+  math form with this rank's block of one global mask); under data parallel nearly every node
+  is one of these, and the executor runs them after checking only the op (and the
   parameters it reads) against the plan's and counting the cursor. `NodeTable.local` and the
   spans of `_spans` let whole modules of such nodes run without even that.
 """
@@ -29,7 +29,7 @@ import torch
 from shardwise._torch import pytree
 from shardwise.parallel._edges import copied_moves
 from shardwise.parallel._leaving import buffer_edges, leave_edges
-from shardwise.parallel._param_reads import node_reads
+from shardwise.parallel._param_reads import node_reads, passing
 from shardwise.parallel._sizes import flat_call, flatten_call, unflatten_call
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
@@ -165,6 +165,7 @@ class NodeTable:
         # (per node reading a parameter: which, in which input; a call on others is no call
         # of it: `_param_reads`)
         self.reads = {n.index: node_reads(n) for n in nodes if self.has_param[n.index]}
+        self.passing = passing(plan)  # (may return a parameter input itself: its view)
         # (``as_strided`` and kin: moved inputs made contiguous, one device's layout)
         self.strided_reads = {n.index for n in nodes if strided_read(n.op)}
         # (`_seeds`) the nodes whose outputs a train step's backward starts from: output index
@@ -235,9 +236,10 @@ class NodeTable:
         self.inputs = [len(n.inputs) for n in nodes]
         # (`_spans`) whether each node runs as the network calls it: plain ops yes, views and
         # dropouts once seen (None until then); the candidate modules, their observed spans
-        self.local = [  # (a skipped module would not note outputs held for leaving)
-            False if leave is not None else _local(f, op)
-            for f, op, leave in zip(self.fast, self.ops, self.leaving, strict=True)
+        self.local = [  # (a skipped module would not note outputs held for leaving, nor keep a
+            # returned parameter apart: `_param_reads.passing`)
+            False if leave is not None or k in self.passing else _local(f, op)
+            for k, (f, op, leave) in enumerate(zip(self.fast, self.ops, self.leaving, strict=True))
         ]
         self.candidates: set[str] | None = None
         self.guards: dict[str, list[Any]] = {}  # per candidate: its nn.Dropouts (p must stay 0)
@@ -255,7 +257,7 @@ class NodeTable:
             return
         self.numbered.discard(k)
         self.fast[k], self.fast_no_param[k] = kinds
-        if self.local[k] is False and self.leaving[k] is None:
+        if self.local[k] is False and self.leaving[k] is None and k not in self.passing:
             self.local[k] = _local(kinds[0], self.ops[k])
 
     def _kind(self, k: int, op: str) -> int:

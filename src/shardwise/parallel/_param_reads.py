@@ -17,6 +17,13 @@ plans).
 - `alike(plan, want, got)`: whether the other parameters a call reads are stored and reduced
   as the node's are (after a backward, where no plan can be made: a later pass of a step that
   trains one head after another runs the node on the other head's weights).
+- `passing(plan)` / `kept_apart(out, params)`: an op that returns its parameter input itself
+  (``w.float()`` on a float32 ``w``, ``w.flatten(1)`` on a 2-D one, ``F.dropout`` in eval) is
+  a node whose output is a value of its own (the capture gives it a view of the parameter:
+  `planner._in_place.apart`), so the nodes reading it read no parameter; the executor gives
+  those nodes' calls the same view (`kept_apart`, on the nodes `passing` names), so that a call
+  reading the op's result is not taken for one reading the parameter (spectral norm's
+  ``torch.mv(weight.flatten(1), v)``, Gemma's ``1.0 + self.weight.float()``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 
 from shardwise._torch import pytree
 from shardwise.planner import NodePlan, ParallelPlan
+from shardwise.planner._in_place import in_place
 
 T = torch.Tensor
 Reads = tuple[str | None, ...]
@@ -95,6 +103,34 @@ def alike(plan: ParallelPlan, want: Reads, got: Reads) -> bool:
         if equal.get(name) != equal.get(mine) or (name in plan.frozen) != (mine in plan.frozen):
             return False
     return True
+
+
+def passing(plan: ParallelPlan) -> frozenset[int]:
+    """The nodes of `plan` that may return one of their parameter inputs itself: they read a
+    parameter of their output's shape and do not change their input in place (whose result,
+    its input, the capture took as the op's result: `planner._recorders`)."""
+    return frozenset(
+        n.index
+        for n in plan.nodes
+        if n.shapes
+        and not in_place(n.op)
+        and any(
+            v.startswith(_PARAM) and tuple(s) == tuple(n.shapes[0])
+            for v, s in zip(n.values, n.in_shapes, strict=False)
+        )
+    )
+
+
+def _apart(t: Any, params: Mapping[int, str]) -> Any:
+    return t.view_as(t) if isinstance(t, T) and id(t) in params else t
+
+
+def kept_apart(out: Any, params: Mapping[int, str]) -> Any:
+    """`out` with each tensor that is a parameter of `params` (id -> name) replaced by a view of
+    it, as the capture made it (`passing`): a later call on it reads the op's result."""
+    if isinstance(out, T):
+        return _apart(out, params)
+    return pytree.tree_map(lambda t: _apart(t, params), out)
 
 
 def shown(reads: Reads) -> str:
