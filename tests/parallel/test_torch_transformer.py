@@ -151,3 +151,44 @@ def test_transformer_feature_split_by_propagation_is_named() -> None:
     assert "dim 2 over g1" in note and "dim 0" not in note  # (the batch rows: not named)
     assert "sw.shard(net.emb" in note and "parallel_mode='semi_auto'" in note
     assert_matches_single_device(_propagated(x, t, annotate_embedding=True), want, what="loss")
+
+
+class CheckedMlp(nn.Module):
+    """Megatron fc1 (column) / fc2 (row) whose forward checks fc1's output width in Python:
+    on a rank it sees the block's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 4)
+        sw.shard(self.a, in_strategy=((2, 1), (2, 1)))
+        sw.shard(self.b, in_strategy=((2, 2), (1, 2)))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.size(-1) != 8:
+            raise ValueError(f"features {h.size(-1)}")
+        return (self.b(h) * w).sum()
+
+
+@pytest.mark.parametrize("rows", [8, 16])
+def test_the_note_keeps_the_error_with_a_0d_input_and_a_width_equal_to_the_batch(
+    rows: int,
+) -> None:
+    """The user's error leaves with the note also when the step takes a 0-d tensor (the note
+    read every input's dim 0) and when the split width equals the batch (it was taken for the
+    batch rows); the executor is off the mode stack afterwards."""
+    net, x = CheckedMlp(), torch.randn(rows, 4)
+    with simulated_world(4) as world:
+        world.replicate(net)
+
+        def step(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            loss: torch.Tensor = net(a, w)
+            loss.backward()
+            return loss
+
+        with pytest.raises(ValueError, match="features 4") as raised:
+            sw.AutoParallel(step, parallel_mode="semi_auto")(world.rows(x), torch.tensor(0.5))
+    note = "\n".join(getattr(raised.value, "__notes__", []))
+    assert f"a/linear's output (%0): block [{rows // 2}, 4] of the global [{rows}, 8]" in note
+    assert "dim 1 over" in note
+    assert torch.equal(torch.ones(2) * 2, torch.full((2,), 2.0))  # (no executor left running)

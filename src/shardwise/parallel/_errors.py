@@ -138,7 +138,7 @@ def split_values_note(error: BaseException, plan: ParallelPlan, cursor: int) -> 
             split = [
                 d
                 for d, axes in enumerate(dims)
-                if local[d] != shape[d] and not _rows(plan, axes, shape[d])
+                if local[d] != shape[d] and not (d == 0 and _rows(plan, axes))
             ]
             if value in later and split:
                 names = " and ".join(f"dim {d} over {_axes(plan, dims[d])}" for d in split)
@@ -169,12 +169,10 @@ def _raised_by_shardwise(error: BaseException) -> bool:
     return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
 
 
-def _rows(plan: ParallelPlan, axes: Sequence[int], size: int) -> bool:
-    """Whether a dim of global `size` split over `axes` is the batch the inputs' rows are
-    split into (axes among theirs, the size of their first dim)."""
-    inputs = [(p.layout.dims[0], plan.input_shapes.get(k)) for k, p in plan.inputs.items()]
-    rows = [(set(a), s[0]) for a, s in inputs if s]
-    return any(set(axes) <= a and size == n for a, n in rows)
+def _rows(plan: ParallelPlan, axes: Sequence[int]) -> bool:
+    """Whether a value's dim 0 split over `axes` is the batch the inputs' rows are split into
+    (its axes among those of an input's dim 0; a 0-d input has none)."""
+    return any(set(axes) <= set(p.layout.dims[0]) for p in plan.inputs.values() if p.layout.dims)
 
 
 def _axes(plan: ParallelPlan, axes: Sequence[int]) -> str:

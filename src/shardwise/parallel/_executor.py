@@ -50,6 +50,7 @@ is noted as its op makes it (`_leaving.Leaving`: moved if the train step returns
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -340,9 +341,10 @@ class PlanExecutor(
         return self.park()
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        if exc_val is not None and self.table.candidates is None:  # (the plan's first call)
-            split_values_note(exc_val, self.plan, self.cursor)
         try:
+            if exc_val is not None and self.table.candidates is None:  # (the first call)
+                with contextlib.suppress(Exception):  # (a note never replaces the error)
+                    split_values_note(exc_val, self.plan, self.cursor)
             self.finish_started()
         finally:  # (off the mode stack even when finishing raised)
             super().__exit__(exc_type, exc_val, exc_tb)
