@@ -4,11 +4,17 @@ passing its rows. As in DDP, every rank gets the average of the ranks' gradients
 share of the head's is zeros), a parameter no rank used keeps ``.grad`` None on every rank,
 and the collectives agree (they aborted gloo: the ranks' flat buffers had other sizes). Cases:
 the default buckets, one bucket per parameter (``comm_fusion`` off) and optimizer parallel
-(``hsdp``, owners broadcast). Prints ``CHECK <case> OK`` per case."""
+(``hsdp``, owners broadcast). Then complex64 parameters beside float32 and float64 ones
+(tests/optim/test_data_parallel_complex.py's network), with and without ``hsdp``: three steps
+whose losses, gradients and parameters equal one device's (their counts of ranks with a
+gradient were complex, and reading them raised TypeError). Prints ``CHECK <case> OK`` per
+case."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +22,10 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.communication import get_group_size, get_rank, init
+from shardwise.testing import assert_matches_single_device
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "optim"))
+import test_data_parallel_complex as complex_case
 
 
 class Branchy(nn.Module):
@@ -92,6 +102,27 @@ def checks() -> None:
         for k, p in net.named_parameters():
             torch.testing.assert_close(p.detach(), want_params[k], rtol=1e-5, atol=1e-5)
         assert not any(p in opt.state for p in net.never.parameters()), name  # (grad None)
+        wrapper.remove()
+        print(f"CHECK {name} OK", flush=True)
+    _complex_checks(n, rank)
+
+
+def _complex_checks(n: int, rank: int) -> None:
+    """Complex parameters in data_parallel mode, each rank passing its rows."""
+    want, want_params = complex_case.one_device()
+    k = complex_case.BATCHES[0].shape[0] // n
+    for name, hsdp in (("dp-complex", False), ("dp-complex-hsdp", True)):
+        net = complex_case.Net()
+        wrapper = sw.AutoParallel(complex_case.stepper(net), parallel_mode="data_parallel")
+        if hsdp:
+            wrapper = wrapper.hsdp(threshold=0)
+        for i, x in enumerate(complex_case.BATCHES):
+            got = wrapper(x[rank * k : (rank + 1) * k])
+            assert_matches_single_device(got["loss"], want[i]["loss"], what=f"{name} loss {i}")
+            if not hsdp:  # (under hsdp only the owner's gradient is averaged)
+                assert_matches_single_device(got["grads"], want[i]["grads"], what=f"{name} {i}")
+        params = {pn: p.detach() for pn, p in net.named_parameters()}
+        assert_matches_single_device(params, want_params, what=f"{name} params")
         wrapper.remove()
         print(f"CHECK {name} OK", flush=True)
 

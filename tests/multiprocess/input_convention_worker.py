@@ -42,6 +42,9 @@ def checks() -> None:
         print(f"CHECK full_batch-other-batches-{mode} OK", flush=True)
         _other_batches_refused(mode, rank, extra=True)
         print(f"CHECK full_batch-other-input-counts-{mode} OK", flush=True)
+    for counts in ((2, 1), (1, 0)):
+        _unequal_rows_refused(counts, rank)
+        print(f"CHECK unequal-rows-{counts[0]}-{counts[1]} OK", flush=True)
 
 
 def _other_batches_refused(mode: str, rank: int, extra: bool) -> None:
@@ -68,6 +71,42 @@ def _other_batches_refused(mode: str, rank: int, extra: bool) -> None:
         assert what in str(e), e
     else:
         raise AssertionError("another batch on rank 1 was not refused")
+    wrapper.remove()
+
+
+def _unequal_rows_refused(counts: tuple[int, int], rank: int) -> None:
+    """semi_auto under ``"data_parallel"``: rank 0 passes ``counts[0]`` rows, rank 1
+    ``counts[1]`` (a last, partial batch): both ranks raise the same ValueError naming each
+    input, its shape on each rank and the fix (before: "rank 1 planned this call unlike rank 0
+    ... give every rank the same annotations", though the annotations were the same)."""
+    net = MLP()
+    opt = torch.optim.SGD(net.parameters(), 0.1)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    wrapper = sw.AutoParallel(step, parallel_mode="semi_auto")
+    x, y = data()[0]
+    k = counts[rank]
+    a, b = counts
+    width = list(x.shape[1:])
+    try:
+        wrapper(x[:k], y[:k])
+    except ValueError as e:
+        for what in (
+            f"args[0]: {[a, *width]} on rank 0, {[b, *width]} on rank 1",
+            f"args[1]: [{a}] on rank 0, [{b}] on rank 1",
+            "as many rows on each rank",
+            "drop_remainder=True",
+        ):
+            assert what in str(e), e
+        assert "annotations" not in str(e), e
+    else:
+        raise AssertionError(f"{a} and {b} rows on the two ranks were not refused")
     wrapper.remove()
 
 

@@ -73,3 +73,10 @@ def test_a_branch_taken_on_one_rank_averages_as_ddp(two_rank_job: JobResult) -> 
     other sizes and gloo aborted, 'collective mismatch'): both ranks step with one device's
     mean of the ranks' losses (1e-5), the head no rank used keeps ``.grad`` None."""
     two_rank_job.assert_checks(2, list(BRANCH_CASES))
+
+
+@pytest.mark.multiprocess
+def test_complex_parameters_average_as_one_device(two_rank_job: JobResult) -> None:
+    """complex64 parameters beside float32 and float64 ones, with and without hsdp: three steps
+    on 2 processes match one device (reading the complex bucket's counts raised TypeError)."""
+    two_rank_job.assert_checks(2, ["dp-complex", "dp-complex-hsdp"])

@@ -29,3 +29,10 @@ def test_another_batch_under_full_batch_is_refused_on_both_ranks(two_rank_job: J
     two_rank_job.assert_checks(
         2, [f"full_batch-other-batches-{m}" for m in ("semi_auto", "data_parallel")]
     )
+
+
+def test_unequal_rows_are_refused_naming_the_shapes(two_rank_job: JobResult) -> None:
+    """semi_auto, rank 0 passing 2 rows and rank 1 one (or 1 and none): the same ValueError on
+    both ranks naming each input's shape on each rank and the fix (as many rows per rank), not
+    a plan difference asking for the same annotations; the job goes on."""
+    two_rank_job.assert_checks(2, ["unequal-rows-2-1", "unequal-rows-1-0"])

@@ -61,3 +61,21 @@ def test_the_message_names_the_element_past_the_tolerance() -> None:
         assert_matches_single_device(
             torch.tensor([1000.0, 0.001]), torch.tensor([1000.005, 0.0011])
         )
+
+
+def test_complex_tensors_compare_both_parts() -> None:
+    """Complex values whose imaginary parts differ are caught, naming the part (before: both
+    sides were cast to float64, dropping the imaginary parts, and the comparison passed)."""
+    a = torch.tensor([1 + 1j, 2 + 2j])
+    assert_matches_single_device(a, a * (1 + 1e-7))
+    with pytest.raises(AssertionError, match=r"z: differs .* 7 in the imaginary part at flat "):
+        assert_matches_single_device(a, torch.tensor([1 - 5j, 2 + 9j]), what="z")
+    with pytest.raises(AssertionError, match=r"real part at flat index 0: \(1\+1j\) vs \(3\+1j\)"):
+        assert_matches_single_device(a, torch.tensor([3 + 1j, 2 + 2j]))
+    with pytest.raises(AssertionError, match=r"imaginary part at flat index 1"):
+        assert_matches_single_device(a, torch.tensor([1.0, 2.0]).to(torch.complex64))
+    with simulated_world(2) as world:
+        x = world.rank_map(lambda r: torch.tensor([1 + 1j * r]))
+        assert_matches_single_device(x, lambda r: torch.tensor([1 + 1j * r]))
+        with pytest.raises(AssertionError, match=r"on rank 1: differs .* imaginary part"):
+            assert_matches_single_device(x, torch.tensor([1 + 0j]))

@@ -99,23 +99,24 @@ def _all_reduce_dense(params: Sequence[nn.Parameter], world: int) -> None:
     """`all_reduce_bucket`'s flat buffer: each member's slot (its gradient / world, or zeros),
     then three counts per member: the ranks that had a gradient, those whose gradient was
     sparse, the sum of those sparse gradients' sparse dims (the slot of a sparse one is
-    zeros; it is summed on its own after, on every rank when some rank had one)."""
+    zeros; it is summed on its own after, on every rank when some rank had one). A complex
+    bucket travels as its real view (`_real_flat`), so the counts stay real numbers."""
     like = params[0]
-    parts, counts = [], torch.zeros(3, len(params), dtype=like.dtype, device=like.device)
+    real = like.dtype.to_real()
+    parts, counts = [], torch.zeros(3, len(params), dtype=real, device=like.device)
     for j, p in enumerate(params):
         g = p.grad
         if g is None or g.layout != torch.strided:
-            parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+            parts.append(_real_flat(torch.zeros(p.shape, dtype=p.dtype, device=p.device)))
         else:
-            parts.append(g.detach().reshape(-1) / world)
+            parts.append(_real_flat(g.detach() / world))
         if g is not None:
             counts[0, j] = 1
         if g is not None and g.layout != torch.strided:
             counts[1, j], counts[2, j] = 1, g.sparse_dim()
     flat = torch.cat([*parts, counts.view(-1)])
     C.all_reduce_(flat, C.ReduceOp.SUM, None)
-    sizes = [p.numel() for p in params]
-    *slots, summed = flat.split([*sizes, counts.numel()])
+    *slots, summed = flat.split([*(t.numel() for t in parts), counts.numel()])
     used, sparse, dims = summed.view(3, -1).tolist()
     for j, (p, slot) in enumerate(zip(params, slots, strict=True)):
         if used[j] < 0.5:  # (no rank used it: None on every rank, as DDP's unused ones)
@@ -123,9 +124,23 @@ def _all_reduce_dense(params: Sequence[nn.Parameter], world: int) -> None:
         elif sparse[j] >= 0.5:
             _sparse_sum(p, world, round(dims[j] / sparse[j]))
         elif p.grad is None or p.grad.layout != torch.strided:
-            p.grad = slot.view_as(p).clone()
+            p.grad = _from_real_flat(slot, p).clone()
         else:
-            p.grad.copy_(slot.view_as(p.grad))
+            p.grad.copy_(_from_real_flat(slot, p))
+
+
+def _real_flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` flattened; a complex one as its real and imaginary parts interleaved (real dtype)."""
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj()).reshape(-1)
+    return t.reshape(-1)
+
+
+def _from_real_flat(slot: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`_real_flat`'s inverse: `slot` viewed as a tensor of `p`'s shape and dtype."""
+    if p.is_complex():
+        return torch.view_as_complex(slot.view(*p.shape, 2))
+    return slot.view(p.shape)
 
 
 def _sparse_sum(p: nn.Parameter, world: int, sparse_dim: int) -> None:

@@ -8,8 +8,10 @@ nothing later notices: the first call of each plan compares each tensor input wi
 leader rank passed (`communication.ranks_unlike_leader`: through the job's store, every rank
 raises alike). In the same store round each rank's plan is compared with rank 0's (a rank
 whose annotations depend on its rank plans other collectives, and the ranks would wait for each
-other until the timeout), and a rank whose planning raised tells the others, which raise a
-ValueError naming it instead of failing in their first collective.
+other until the timeout), together with the shapes of its tensor inputs: ranks that passed
+other shapes (unequal rows of the last batch) raise a ValueError naming the inputs and each
+rank's shapes. A rank whose planning raised tells the others, which raise a ValueError naming
+it instead of failing in their first collective.
 """
 
 from __future__ import annotations
@@ -61,15 +63,22 @@ def check_ranks_agree(
     Raises:
         ValueError: an input differs (naming the input, the ranks that differ, the rank they
             should match and the fix: the same batch on every rank, or ``"data_parallel"``);
-            another rank could not plan the call (naming it and its error); a rank planned
-            another plan than rank 0 (naming the first difference and the fix).
+            another rank could not plan the call (naming it and its error); a rank passed
+            inputs of other shapes than rank 0 (naming the inputs, both ranks' shapes and the
+            fix: as many rows on every rank); a rank planned another plan than rank 0 (naming
+            the first difference and the fix).
         The error `planned` holds, on the rank that raised it, when the inputs agree.
     """
     failed = planned if isinstance(planned, BaseException) else None
     plan = None if isinstance(planned, BaseException) else planned
-    text = "" if plan is None else json.dumps(plan.to_dict(), sort_keys=True)
+    shapes = _shapes(args, kwargs)
+    text = ""
+    if plan is not None:
+        text = json.dumps({"inputs": shapes, "plan": plan.to_dict()}, sort_keys=True)
     failure = None if failed is None else f"{type(failed).__name__}: {failed}"
-    agreed = comm.agree_with_ranks(named, text, failure, lambda lead: _plan_change(lead, plan))
+    agreed = comm.agree_with_ranks(
+        named, text, failure, lambda lead: _difference(lead, shapes, plan)
+    )
     if agreed.unlike.count:
         layouts = input_layouts(dataset, comm.get_group_size(), args, kwargs)
         raise ValueError(_inputs_differ(dataset, layouts, agreed.unlike))
@@ -85,6 +94,9 @@ def check_ranks_agree(
         )
     if agreed.differs is not None:
         rank, what = agreed.differs
+        inputs, what = _told(what)
+        if inputs:
+            raise ValueError(_shapes_differ(rank, inputs))
         raise ValueError(
             f"AutoParallel: rank {rank} planned this call unlike rank 0 ({what}; rank 0's -> "
             f"rank {rank}'s), so the ranks would run different collectives and wait for each "
@@ -94,11 +106,57 @@ def check_ranks_agree(
         )
 
 
-def _plan_change(leading: str, plan: ParallelPlan | None) -> str:
-    """The first difference between rank 0's plan (`leading`, its JSON) and `plan`."""
+Shapes = list[list[Any]]  # ([input name, its shape] per tensor input, in call order)
+
+
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shapes:
+    """Each tensor input's name and shape (a size that is not a plain int as its text)."""
+    return [
+        [key, [n if isinstance(n, int) else str(n) for n in x.shape]]
+        for key, x in tensor_inputs(args, kwargs)
+    ]
+
+
+def _difference(leading: str, shapes: Shapes, plan: ParallelPlan | None) -> str:
+    """How this rank's call differs from rank 0's (`leading`: its inputs' shapes and plan, as
+    JSON), as JSON: ``{"inputs": [[name, rank 0's shape, this rank's], ...]}`` where the input
+    shapes differ (a missing input's shape: None), else ``{"plan": first plan difference}``."""
     assert plan is not None  # (asked only of a rank that planned)
-    diff = ParallelPlan.from_dict(json.loads(leading)).diff(plan)
-    return diff[0] if diff else "differs"
+    lead = json.loads(leading)
+    theirs, mine = dict(lead["inputs"]), dict(shapes)
+    names = [*theirs, *(k for k in mine if k not in theirs)]
+    inputs = [[k, theirs.get(k), mine.get(k)] for k in names if theirs.get(k) != mine.get(k)]
+    if inputs:
+        return json.dumps({"inputs": inputs})
+    diff = ParallelPlan.from_dict(lead["plan"]).diff(plan)
+    return json.dumps({"plan": diff[0] if diff else "differs"})
+
+
+def _told(what: str) -> tuple[list[list[Any]], str]:
+    """`_difference`'s answer read back: (the inputs whose shapes differ, the plan difference);
+    a plain text (describing raised) is a plan difference."""
+    try:
+        told = json.loads(what)
+    except ValueError:
+        return [], what
+    return list(told.get("inputs", [])), str(told.get("plan", "differs"))
+
+
+def _shapes_differ(rank: int, inputs: list[list[Any]]) -> str:
+    shown = "; ".join(
+        f"{name}: {'none' if a is None else a} on rank 0, {'none' if b is None else b} on "
+        f"rank {rank}"
+        for name, a, b in inputs[:4]
+    )
+    more = f" (and {len(inputs) - 4} more inputs)" if len(inputs) > 4 else ""
+    world = comm.get_group_size()
+    return (
+        f"AutoParallel: rank {rank} passed tensor inputs of other shapes than rank 0 ({shown}"
+        f"{more}), so the ranks would plan different calls: every rank passes inputs of the "
+        f"same shapes, as many rows on each rank (a global batch divisible by the {world} "
+        f"ranks: drop the last, partial batch with batch(..., drop_remainder=True), or "
+        f"DataLoader(drop_last=True))"
+    )
 
 
 def _inputs_differ(dataset: object, layouts: dict[str, TensorLayout], unlike: comm.Unlike) -> str:

@@ -99,17 +99,43 @@ def _compare(value: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, 
     assert tuple(value.shape) == tuple(want.shape), (
         f"{where}: shape {list(value.shape)} != single-device {list(want.shape)}"
     )
+    if value.is_complex() or want.is_complex():
+        _compare_complex(value, want, rtol, atol, where)
+        return
     v, w = value.detach().double().cpu(), want.detach().double().cpu()
     if torch.allclose(v, w, rtol=rtol, atol=atol, equal_nan=True):
         return
-    diff = (v - w).abs()
-    over = (diff - (atol + rtol * w.abs())).nan_to_num(nan=float("inf"))  # (past the tolerance)
-    i = int(over.argmax())
+    i = _worst(v, w, rtol, atol)
     raise AssertionError(
         f"{where}: differs from single-device (rtol={rtol}, atol={atol}); worst difference "
-        f"{float(diff.flatten()[i]):.3g} at flat index {i}: {float(v.flatten()[i])!r} vs "
-        f"{float(w.flatten()[i])!r}"
+        f"{float((v - w).abs().flatten()[i]):.3g} at flat index {i}: "
+        f"{float(v.flatten()[i])!r} vs {float(w.flatten()[i])!r}"
     )
+
+
+def _compare_complex(
+    value: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, where: str
+) -> None:
+    """`_compare` where a side is complex: the real and the imaginary parts each within the
+    tolerances (complex128's real view; a real side has imaginary parts 0)."""
+    v = torch.view_as_real(value.detach().cpu().to(torch.complex128).resolve_conj())
+    w = torch.view_as_real(want.detach().cpu().to(torch.complex128).resolve_conj())
+    if torch.allclose(v, w, rtol=rtol, atol=atol, equal_nan=True):
+        return
+    i = _worst(v, w, rtol, atol)
+    part = "imaginary" if i % 2 else "real"
+    a, b = value.detach().flatten()[i // 2].item(), want.detach().flatten()[i // 2].item()
+    raise AssertionError(
+        f"{where}: differs from single-device (rtol={rtol}, atol={atol}); worst difference "
+        f"{float((v - w).abs().flatten()[i]):.3g} in the {part} part at flat index {i // 2}: "
+        f"{a!r} vs {b!r}"
+    )
+
+
+def _worst(v: torch.Tensor, w: torch.Tensor, rtol: float, atol: float) -> int:
+    """The flat index of the element of `v` furthest past the tolerance from `w` (NaN: past)."""
+    over = ((v - w).abs() - (atol + rtol * w.abs())).nan_to_num(nan=float("inf"))
+    return int(over.argmax())
 
 
 ExpectedFn = Callable[[int], torch.Tensor]
