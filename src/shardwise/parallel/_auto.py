@@ -52,7 +52,7 @@ from shardwise.parallel._errors import refuse_lazy
 from shardwise.parallel._graph_run import GraphRun
 from shardwise.parallel._hsdp import settings_from_context, watch_closures
 from shardwise.parallel._nested import running
-from shardwise.parallel._ownership import stored, take_over
+from shardwise.parallel._ownership import refuse_shared, stored, take_over
 from shardwise.parallel._reading import PlanReading, dump_first_plan
 from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
 from shardwise.parallel._strategy_files import StrategyFiles
@@ -350,6 +350,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         world = comm.get_group_size()
         try:
             check_device_num(world)
+            refuse_shared(self.network, self.train_step)  # (stored cut by another wrapper)
             layouts = self._loaded_layouts(self.network, world)
         except BaseException:
             self.remove()

@@ -1,7 +1,8 @@
 """``parallel_mode="data_parallel"``'s start (`start_runner`): the whole network on every rank,
 run by `optim.DataParallelRunner` (gradients all-reduced at the optimizer step; with `hsdp`,
 each parameter updated by its owner and broadcast: seed 001's data-parallel variant), after the
-warnings of what that mode ignores, with its report and the train step's GradScalers agreed.
+warnings of what that mode ignores (a network sharing a parameter with another wrapper's
+refused: `_ownership.refuse_shared`), with its report and the train step's GradScalers agreed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from shardwise.optim import DataParallelRunner, HsdpConfig
 from shardwise.parallel._discover import agree_scalers
 from shardwise.parallel._ignored_strategies import warn_ignored_strategies
 from shardwise.parallel._observe import notify_unplanned
+from shardwise.parallel._ownership import refuse_shared
 from shardwise.parallel._step import DatasetStrategy
 
 
@@ -34,6 +36,7 @@ def start_runner(
     Example:
         >>> runner, undo = start_runner(net, [opt], None, None, {}, "data_parallel")
     """
+    refuse_shared(network, train_step, data_parallel=True)  # (another wrapper's parameter)
     notify_unplanned("data_parallel")
     warn_ignored_strategies(network)
     runner = DataParallelRunner(

@@ -85,6 +85,7 @@ from shardwise.parallel._network_hooks import (
 )
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._observe import Planned, notify
+from shardwise.parallel._ownership import cut_names, refuse_shared
 from shardwise.parallel._rnn_checks import rows_hidden_checks
 from shardwise.parallel._runtime import cut_optimizer_state, shard_parameters
 from shardwise.parallel._same_inputs import check_ranks_agree, same_inputs
@@ -184,7 +185,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self.network, plan.matrix, stored, self.hsdp, self.fusion, plan.equal_grads
         )
         plan = dataclasses.replace(plan, buckets=bucket_plans(buckets, plan.matrix))
-        check_plan_memory(plan, buckets, self.network, self.optimizers)  # (nothing cut yet)
+        refuse_shared(self.network, None if self.module_form else self.fn, cut_names(plan))
+        check_plan_memory(plan, buckets, self.network, self.optimizers)
         notify(Planned(plan, graph, self.network, tuple(self.optimizers), buckets, self.hsdp))
         self.parallel_plan = plan
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]

@@ -3,6 +3,10 @@
 `take_over` is called when a wrapper is built: an earlier wrapper of the same network that
 never ran gives up its hooks and refuses later calls (a notebook cell that builds the wrapper,
 run again); one that already ran is kept, and the new one is refused with the fix.
+`refuse_shared` keeps a parameter that two wrapped networks share (an encoder of two heads)
+whole: each wrapper captures and runs the parameters as it finds them, so one that another
+wrapper's plan stores as blocks or optimizer-parallel shards (or one that a data_parallel
+runner averages at its optimizer step) is refused, naming both networks and the fix.
 `stored_plan` answers, for checkpoints, the plan a network's parameters are stored by (also
 after its wrapper is gone: `stored` records the run); a
 deep copy of a planned network (an EMA model) is recorded by `copied` as stored by the same plan,
@@ -12,7 +16,8 @@ its hooks bound to a `CopiedHooks`.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -24,6 +29,8 @@ class Wrapper(Protocol):
     """What `take_over` needs of a wrapper (`AutoParallel`)."""
 
     _superseded: bool
+    parallel_mode: str
+    train_step: Callable[..., Any] | None
 
     @property
     def has_run(self) -> bool: ...
@@ -69,6 +76,87 @@ def take_over(network: nn.Module, wrapper: Wrapper) -> None:
         old.remove()
         old._superseded = True
     _WRAPPERS[network] = weakref.ref(wrapper)
+
+
+def cut_names(plan: ParallelPlan) -> set[str]:
+    """The parameters `plan` stores cut on this rank: split blocks, or optimizer-parallel
+    shards (its ``"shard"`` buckets)."""
+    names = {n for n, p in plan.params.items() if p.layout.used_axes()}
+    return names | {n for b in plan.buckets if b.kind == "shard" and b.shard > 1 for n in b.params}
+
+
+def _others(network: nn.Module) -> Iterator[tuple[nn.Module, str, set[str] | None]]:
+    """Every other network a wrapper ran (its wrapper kept, or dropped with its parameters
+    still cut): the network, how it names that wrapper, and the names its plan stores cut
+    (None: data_parallel mode, whose runner averages every parameter at its optimizer step)."""
+    for other in list(_WRAPPERS.keys()) + [n for n in list(_RUNS.keys()) if n not in _WRAPPERS]:
+        if other is network:
+            continue
+        ref = _WRAPPERS.get(other)
+        wrapper = None if ref is None else ref()
+        if wrapper is not None and not wrapper._superseded and wrapper.has_run:
+            plan = wrapper.stored_plan
+            if plan is None and wrapper.parallel_mode != "data_parallel":
+                continue
+            step = wrapper.train_step
+            what = _called(other, step)
+            yield other, what, None if plan is None else cut_names(plan)
+        elif wrapper is None and (held := _RUNS.get(other)) is not None:
+            run = held()
+            if run is not None:
+                yield (
+                    other,
+                    f"{_called(other, None)} (its wrapper dropped)",
+                    cut_names(run.stored_plan),
+                )
+
+
+def _called(network: nn.Module, step: Callable[..., Any] | None) -> str:
+    name = getattr(step, "__name__", type(step).__name__) if step is not None else None
+    net = type(network).__name__
+    return f"AutoParallel({name}) (network {net})" if name else f"AutoParallel({net})"
+
+
+def refuse_shared(
+    network: nn.Module,
+    step: Callable[..., Any] | None,
+    cut: Collection[str] = (),
+    data_parallel: bool = False,
+) -> None:
+    """Refuse to plan (or, `data_parallel`, to run) `network`, wrapped with train step `step`,
+    when it shares a parameter (the same object) with another wrapper's network and either
+    stores it cut (this plan's `cut` names, or the other's stored plan) or runs it in
+    data_parallel mode: the other wrapper's capture would read this rank's block as the whole
+    parameter, or its gradient be averaged twice.
+
+    Raises:
+        ValueError: naming the parameter, both wrappers and the fix.
+    """
+    mine = {id(p): n for n, p in network.named_parameters(remove_duplicate=False)}
+    for other, what, theirs in _others(network):
+        for name, p in other.named_parameters(remove_duplicate=False):
+            here = mine.get(id(p))
+            if here is None:
+                continue
+            if theirs is None or data_parallel:
+                why = "data_parallel mode averages each parameter's gradient at its wrapper's "
+                why += "optimizer step, and one wrapper's optimizers cannot step another's"
+            elif name in theirs:
+                why = "its plan stores it as this rank's block (or optimizer-parallel shard), "
+                why += "which this wrapper would take for the whole parameter"
+            elif here in cut:
+                why = "this wrapper's plan would store it as this rank's block (or "
+                why += "optimizer-parallel shard), which that wrapper runs as the whole parameter"
+            else:
+                continue  # (whole in both: each runs it as it is)
+            raise ValueError(
+                f"{_called(network, step)}: parameter {here!r} of its network is also "
+                f"{name!r} of the network of another {what}, which already ran; {why}. A "
+                "parameter shared by two wrapped networks must stay whole in both (no split, "
+                "no hsdp, semi_auto); else wrap one module holding both heads "
+                "(nn.ModuleDict(a=net_a, b=net_b)), or one train step computing both losses "
+                "(docs/parallel.md, 'A parameter shared between wrappers')"
+            )
 
 
 class CopiedHooks:

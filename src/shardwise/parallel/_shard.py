@@ -114,7 +114,7 @@ class Declared:
                     f"part of the network AutoParallel wraps"
                 )
             prefix = found[0] + "."
-        names = dict(network.named_parameters())
+        names = _stored_names(network)
         for name, entry in plan.items():
             full = prefix + name
             if full not in names:
@@ -123,7 +123,14 @@ class Declared:
                     f"sw.shard: parameter_plan names {name!r}, which is not a parameter of "
                     f"{type(owner or network).__name__}; valid names: {valid}"
                 )
-            self.entries[full] = entry
+            stored = names[full]  # (a tied name: the one parameter, by its first name)
+            if self.entries.get(stored, entry) != entry:
+                raise ValueError(
+                    f"sw.shard: parameter_plan gives {full!r} {entry!r}, but it is tied to "
+                    f"{stored!r} (one parameter), which has {self.entries[stored]!r}; give the "
+                    "one parameter one layout"
+                )
+            self.entries[stored] = entry
 
     def parameter_layouts(self, network: nn.Module) -> dict[str, tuple[TensorLayout, Shape]]:
         """Every declared parameter's layout and global shape (checked against it)."""
@@ -132,6 +139,16 @@ class Declared:
             shape = tuple(int(s) for s in network.get_parameter(name).shape)
             out[name] = (to_layout(entry, shape, f"sw.shard: parameter_plan[{name!r}]"), shape)
         return out
+
+
+def _stored_names(network: nn.Module) -> dict[str, str]:
+    """Every name of `network`'s parameters -> the name the plan stores it by: a tied weight's
+    second name (``head.weight = emb.weight``) -> its first (``emb.weight``)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in network.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
 
 
 def _bias_dropped(module: nn.Module, ins: Sequence[Entry] | None, who: str) -> Any:
