@@ -4,8 +4,9 @@ gloo processes. Seed 000's MLP, fusion ids 0/1/2 per layer, Adam, the default 64
 every rank passes its rows of the same 5 global batches of 32.
 
 Writes ``<out>/rank_<r>.json`` (losses, owners, the names of the parameters that have optimizer
-state on this rank, their state bytes, the collectives per step, which gradients were dropped in
-the last step) and ``<out>/rank_<r>.pt`` (the final parameters).
+state on this rank, their state bytes, the collectives per step, which gradients the update of
+the last step did not see and which were None after it) and ``<out>/rank_<r>.pt`` (the final
+parameters).
 """
 
 from __future__ import annotations
@@ -58,18 +59,24 @@ def main() -> None:
     rank = get_rank()
     net, loss_fn = make_net(), nn.CrossEntropyLoss()
     optimizer = make_optimizer(net)
-    dropped: list[str] = []
+    hidden: list[str] = []  # (seen by a pre-hook registered after the runner's: in the update)
+    after: list[str] = []
     names = {id(p): n for n, p in net.named_parameters()}
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss: torch.Tensor = loss_fn(net(x), y)
         loss.backward()
         optimizer.step()
-        dropped[:] = [n for n, p in net.named_parameters() if p.grad is None]
+        after[:] = [n for n, p in net.named_parameters() if p.grad is None]
         optimizer.zero_grad()
         return loss
 
     runner = DataParallelRunner(net, [optimizer], train_step=train_step, parallel_optimizer=True)
+
+    def in_update(*_: object) -> None:
+        hidden[:] = [n for n, p in net.named_parameters() if p.grad is None]
+
+    optimizer.register_step_pre_hook(in_update)
     losses = []
     with CommRecorder() as rec:
         n = sw.communication.get_group_size()
@@ -88,7 +95,8 @@ def main() -> None:
         "owners": runner.owners,
         "state_params": sorted(state),
         "state_bytes": state_bytes,
-        "dropped_grads": dropped,
+        "hidden_grads": hidden,
+        "no_grad_after_step": after,
         "collectives": {k: rec.count(k) // STEPS for k in ("AllReduce", "Broadcast")},
         "plan": str(runner),
     }

@@ -1,13 +1,15 @@
 """`DataParallelRunner` with ``parallel_optimizer=True`` on 4 real gloo processes: the owner-only
 update of seed 001's data-parallel optimizer parallel. Every rank's losses and final parameters
 equal single-device training; each rank's optimizer state holds exactly the parameters it
-updates (its owned ones plus those under the threshold), the non-owned gradients are dropped
-before the update, and each step issues 5 AllReduce (4 gradient buckets + the loss) and 2
-Broadcast (one per owned (owner, fusion id) bucket). On 2 real processes (the shared
+updates (its owned ones plus those under the threshold), the non-owned gradients are hidden
+from the update and every rank holds every averaged gradient after it, and each step issues 5
+AllReduce (4 gradient buckets + the loss) and 2 Broadcast (one per owned (owner, fusion id)
+bucket). On 2 real processes (the shared
 ``two_rank_job``, data_parallel_branch_worker.py): a data-dependent branch that uses a head on
 one rank's rows only gets DDP's gradients (the ranks' average, zeros from the rank that did
 not use it; None for a head no rank used), with the default buckets, fusion off and optimizer
-parallel."""
+parallel; and with optimizer parallel, gradients kept past a step (no ``zero_grad``) add up as
+on one device, every rank holding every parameter's ``.grad`` after each step."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from shardwise.testing import JobResult, run_job
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from data_parallel_branch_worker import CASES as BRANCH_CASES  # noqa: E402
+from data_parallel_keep_grads_worker import CASES as KEEP_GRADS_CASES  # noqa: E402
 from data_parallel_worker import make_data, make_net, make_optimizer  # noqa: E402
 
 NAMES = ["1.weight", "1.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
@@ -63,7 +66,8 @@ def test_data_parallel_optimizer_parallel_four_processes(tmp_path: Path) -> None
         updated = [n for n in NAMES if OWNERS.get(n, rank) == rank]
         assert got["state_params"] == sorted(updated), f"rank {rank}"
         assert got["state_bytes"] == 2 * sum(sizes[n] for n in updated)  # exp_avg, exp_avg_sq
-        assert got["dropped_grads"] == [n for n in OWNERS if OWNERS[n] != rank]
+        assert got["hidden_grads"] == [n for n in OWNERS if OWNERS[n] != rank]
+        assert got["no_grad_after_step"] == []  # (given back after the update)
         assert got["collectives"] == {"AllReduce": 5, "Broadcast": 2}
 
 
@@ -80,3 +84,15 @@ def test_complex_parameters_average_as_one_device(two_rank_job: JobResult) -> No
     """complex64 parameters beside float32 and float64 ones, with and without hsdp: three steps
     on 2 processes match one device (reading the complex bucket's counts raised TypeError)."""
     two_rank_job.assert_checks(2, ["dp-complex", "dp-complex-hsdp"])
+
+
+@pytest.mark.multiprocess
+def test_gradients_kept_past_an_owner_update_add_up_as_on_one_device(
+    two_rank_job: JobResult,
+) -> None:
+    """Two steps without ``zero_grad`` under ``hsdp(threshold=0)`` (each parameter updated by its
+    owner only): the second step's gradients add to the first's on every rank (a rank that did
+    not own a parameter had ``.grad`` None after the step, so its owner stepped on half the
+    first gradient plus the second), and ``.grad`` after each step is one device's on every
+    rank; module and train-step forms (1e-5)."""
+    two_rank_job.assert_checks(2, KEEP_GRADS_CASES)

@@ -17,16 +17,18 @@ batch it passes (``"full_batch"``). Which function does which step:
   ``"full_batch"`` the other outputs gathered whole again, `module_outputs`).
 - `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
   (divided by the world size, then SUM), one flat fused all-reduce per bucket
-  (`all_reduce_bucket`); with ``parallel_optimizer=True``, then drops (``grad = None``) the
-  gradients of the parameters that no rank of this process owns, and their optimizer state
-  (a checkpoint loaded whole gives every rank all of it), so the optimizer updates, and keeps
-  state for, only its own parameters.
+  (`all_reduce_bucket`); with ``parallel_optimizer=True``, then hides (``grad = None`` for
+  the step) the gradients of the parameters that no rank of this process owns, and drops their
+  optimizer state (a checkpoint loaded whole gives every rank all of it), so the optimizer
+  updates, and keeps state for, only its own parameters.
 - ``_data_parallel_hooks``: the step hooks, the adopting hook (an optimizer the runner was not
   given is taken at its first step), and `state_on_owners` (whether a network's runner keeps
   optimizer state on owner ranks: its checkpoint files then record the job's size).
 - `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
-  broadcasts each owner's updated parameters to every rank, one flat broadcast per
-  (owner, fusion id) bucket (`broadcast_bucket`).
+  gives the hidden parameters their averaged gradients back (every rank then holds one
+  device's ``.grad`` after the step: a gradient-norm log reads it, a step without
+  ``zero_grad`` adds to it) and broadcasts each owner's updated parameters to every rank, one
+  flat broadcast per (owner, fusion id) bucket (`broadcast_bucket`).
 
 The tensor work of those steps (the collectives and the batch cut) is in
 ``_data_parallel_steps``.
@@ -64,6 +66,7 @@ from shardwise.optim._data_parallel_plan import (
     materialized,
     plan_buckets,
     plan_entries,
+    plan_table,
 )
 from shardwise.optim._data_parallel_steps import (
     all_reduce_bucket,
@@ -106,10 +109,11 @@ class DataParallelRunner:
 
     With ``parallel_optimizer=True`` each parameter that allows it (`parallel_optimizer_of`)
     and holds at least ``threshold_kb`` KiB gets one owner rank (a greedy byte balance in
-    parameter order, `owners`); only the owner updates it (the others see ``grad = None`` in the
-    step, so any ``torch.optim`` optimizer keeps state for the owned parameters only) and a step
-    post-hook broadcasts it from its owner to every rank, one fused broadcast per
-    (owner, fusion id). Smaller or opted-out parameters are updated by every rank.
+    parameter order, `owners`); only the owner updates it (the others see ``grad = None`` during
+    the step, so any ``torch.optim`` optimizer keeps state for the owned parameters only) and a
+    step post-hook gives the others their averaged gradient back and broadcasts it from its
+    owner to every rank, one fused broadcast per (owner, fusion id). Smaller or opted-out
+    parameters are updated by every rank.
 
     Args:
         network: the model (every rank holds all of it).
@@ -187,6 +191,8 @@ class DataParallelRunner:
         self.entries: list[ParamEntry] = []
         self._grad_buckets: list[list[CommBucket]] = []
         self._broadcast_buckets: list[list[CommBucket]] = []
+        # (each optimizer's step: the averaged gradients hidden from it, given back after it)
+        self._hidden: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self._build_plan()
         ref = weakref.ref(self)
         self._handles: list[RemovableHandle] = []
@@ -299,24 +305,9 @@ class DataParallelRunner:
             f"{'train step' if self.train_step is not None else 'module'} form, "
             f"parallel_optimizer={self.parallel_optimizer}, threshold_kb={self.threshold_kb:g}"
         )
-        rows = [("parameter", "shape", "bytes", "owner", "fusion", "allreduce", "broadcast")]
-        for e in self.entries:
-            rows.append(
-                (
-                    e.name,
-                    str(list(e.param.shape)),
-                    str(e.nbytes),
-                    "-" if e.optimizer is None else ("all" if e.owner is None else str(e.owner)),
-                    str(e.fusion),
-                    "-" if e.grad_bucket is None else f"#{e.grad_bucket}",
-                    "-" if e.broadcast_bucket is None else f"#{e.broadcast_bucket}",
-                )
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         counts = self.collectives_per_step()
         tail = f"per step: {counts['AllReduce']} AllReduce, {counts['Broadcast']} Broadcast"
-        return "\n".join([head, *(line.rstrip() for line in lines), tail])
+        return "\n".join([head, *plan_table(self.entries), tail])
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -364,7 +355,8 @@ class DataParallelRunner:
         return mean_loss(out, self.world)
 
     def _before_step(self, index: int) -> None:
-        """Step pre-hook of optimizer `index`: average its gradients, drop the non-owned ones."""
+        """Step pre-hook of optimizer `index`: average its gradients, hide the non-owned ones
+        from the step (`_after_step` gives them back)."""
         self.stepping += 1  # (an optimizer it steps inside, a Lookahead's, is not adopted)
         self._check_plan()  # (a parameter unfrozen inside the step: its gradient averaged too)
         if self._stepped is not None:
@@ -373,15 +365,22 @@ class DataParallelRunner:
             for bucket in self._grad_buckets[index]:
                 all_reduce_bucket(bucket.entries, self.world)
         state = self.optimizers[index].state
+        hidden = self._hidden[index] = []  # (a step that raised: its gradients stay None)
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process
                 for e in bucket.entries:
-                    e.param.grad = None
+                    if e.param.grad is not None:
+                        hidden.append((e.param, e.param.grad))
+                        e.param.grad = None
                     state.pop(e.param, None)  # (loaded whole: would be saved, never updated)
 
     def _after_step(self, index: int) -> None:
-        """Step post-hook of optimizer `index`: broadcast each owned bucket from its owner."""
+        """Step post-hook of optimizer `index`: give the hidden gradients back (one device's
+        ``.grad`` after the step, on every rank), broadcast each owned bucket from its owner."""
         self.stepping = max(0, self.stepping - 1)
+        for param, grad in self._hidden.pop(index, []):
+            if param.grad is None:  # (the step did not set one)
+                param.grad = grad
         for bucket in self._broadcast_buckets[index]:
             assert bucket.root is not None
             broadcast_bucket([e.param for e in bucket.entries], bucket.root)

@@ -15,7 +15,7 @@ and which parameters share one collective.
   built in ``sw.no_init_parameters()`` given its values on every rank before the plan.
 - `plan_buckets`: per optimizer, the gradient all-reduce buckets (`grad_buckets`: by fusion id,
   size or index split points) and the parameter broadcast buckets (`broadcast_buckets`: one per
-  owner and fusion id), each a `CommBucket`.
+  owner and fusion id), each a `CommBucket`; `plan_table`: the plan as the runner prints it.
 """
 
 from __future__ import annotations
@@ -231,6 +231,27 @@ def plan_buckets(
         grads_out.append(grads)
         bcasts_out.append(bcasts)
     return grads_out, bcasts_out
+
+
+def plan_table(entries: list[ParamEntry]) -> list[str]:
+    """The plan's table, one line per parameter under a header: shape, bytes, owner (``all``:
+    every rank updates it; ``-``: no optimizer), fusion id, gradient and broadcast buckets."""
+    rows = [("parameter", "shape", "bytes", "owner", "fusion", "allreduce", "broadcast")]
+    for e in entries:
+        rows.append(
+            (
+                e.name,
+                str(list(e.param.shape)),
+                str(e.nbytes),
+                "-" if e.optimizer is None else ("all" if e.owner is None else str(e.owner)),
+                str(e.fusion),
+                "-" if e.grad_bucket is None else f"#{e.grad_bucket}",
+                "-" if e.broadcast_bucket is None else f"#{e.broadcast_bucket}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return [line.rstrip() for line in lines]
 
 
 def check_arguments(
