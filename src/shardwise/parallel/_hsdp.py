@@ -49,7 +49,7 @@ from shardwise.parallel._held_clip import ClipArgs, watch
 from shardwise.parallel._runtime import Shape, replicated_layout
 from shardwise.parameter import comm_fusion_of, parallel_optimizer_of
 from shardwise.planner import BucketPlan, Graph
-from shardwise.planner._in_place import written_inputs
+from shardwise.planner._in_place import aliased, written_inputs
 
 
 def settings_from_context(
@@ -292,11 +292,12 @@ def stepping_over(network: nn.Module) -> list[torch.optim.Optimizer]:
 
 def check_param_writes(graph: Graph) -> None:
     """Raise UnsupportedParallelError for an op of the step's plan that changes a parameter in
-    place (``p.mul_(0.5)`` before an evaluation): under optimizer parallel the network
+    place (``p.mul_(0.5)`` before an evaluation; through a view: ``p.data.clamp_(-c, c)``,
+    ``p.detach().zero_()``): under optimizer parallel the network
     computes with gathered copies of the shards, which such a change would miss."""
     for node in graph.nodes:
         for i in sorted(written_inputs(node)):
-            ref = node.inputs[i]
+            ref = aliased(graph, node.inputs[i])  # (also through a view: ``p.data.clamp_``)
             if ref.kind == "param":
                 raise UnsupportedParallelError(
                     f"AutoParallel: {node.op} at {node.source} changes parameter {ref.key} in "

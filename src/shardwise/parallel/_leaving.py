@@ -300,8 +300,8 @@ class Leaving:
 
 
 def _name(op: str) -> str:
-    """``torch.Tensor.mul_`` -> ``mul``."""
-    return op.rsplit(".", 1)[-1].strip("_")
+    """``torch.Tensor.mul_`` -> ``mul``; ``torch.Tensor.data.__get__`` -> ``data``."""
+    return op.removesuffix(".__get__").rsplit(".", 1)[-1].strip("_")
 
 
 def _keeps(op: str, args: Any, held: list[tuple[T, Any]], out: Any) -> bool:
@@ -322,6 +322,8 @@ def _keeps(op: str, args: Any, held: list[tuple[T, Any]], out: Any) -> bool:
     if name in _LINEAR_COPIES:  # (a cast only to a floating type at least as wide)
         wide = all(out.dtype.itemsize >= t.dtype.itemsize for t, h in held if h is not None)
         return wide and (out.dtype.is_floating_point or out.dtype.is_complex)
+    if name in ("real", "imag"):  # (a complex sum's parts: the sums of the parts)
+        return True
     if name in ("mul", "rmul"):  # (by a number or a 0-d tensor)
         return len(marks) == 1
     if name in ("div", "true_divide", "truediv"):  # (the partial sum divided, by those)
@@ -339,4 +341,5 @@ def _keeps(op: str, args: Any, held: list[tuple[T, Any]], out: Any) -> bool:
 
 
 _SHAPE_ONLY = {"ones_like", "zeros_like", "empty_like", "full_like", "rand_like", "randn_like"}
-_LINEAR_COPIES = {"detach", "clone", "contiguous", "neg", "to", "float", "double", "type_as"}
+_LINEAR_COPIES = {"detach", "data", "clone", "contiguous", "neg", "to", "float", "double"}
+_LINEAR_COPIES |= {"type_as"}

@@ -5,7 +5,9 @@ A train step may run its network more than once: gradient accumulation, an optim
 The plan is captured up to the first ``loss.backward()``; after a backward, a call that starts
 the plan again (`Passes._restarts`) moves the cursor back to a node up to where the first pass
 entered the network (`Passes.network_entered`): the first whose op and parameters the call has
-and whose inputs no op outside the plan made. The ops before it run once (``total =
+and whose inputs no op outside the plan made (the node where it entered the network only once
+the network is called again: a WGAN's ``p.data.clamp_`` after the optimizer's step is no pass
+of a network whose first op is ``p.data``). The ops before it run once (``total =
 torch.zeros(())``, ``x.chunk(k)`` of the whole batch); those from it again in every pass (a
 per-micro-batch ``x - x.mean(0)`` before the network included). A pass only factories started
 (``torch.zeros(())`` for logging after the last backward) is dropped at the first op that is
@@ -45,7 +47,7 @@ T = torch.Tensor
 
 _ELEMENTWISE = {  # (on this rank's blocks each gives its block of the whole result)
     *("detach", "clone", "contiguous", "to", "float", "double", "half", "bfloat16", "long"),
-    *("int", "bool", "cpu", "cuda", "requires_grad", "type_as"),
+    *("int", "bool", "cpu", "cuda", "requires_grad", "type_as", "data", "real", "imag"),
     *("add", "sub", "mul", "div", "true_divide", "neg", "abs", "exp", "log", "sqrt", "rsqrt"),
     *("sigmoid", "tanh", "relu", "clamp", "clip", "pow", "square", "reciprocal", "sign"),
     *("radd", "rsub", "rmul", "truediv", "rtruediv", "pow", "rpow"),
@@ -53,9 +55,9 @@ _ELEMENTWISE = {  # (on this rank's blocks each gives its block of the whole res
 
 
 def _elementwise(op: str) -> bool:
-    """Whether `op` (``torch.Tensor.mul_``, ``torch.add``, ``torch.Tensor.__rtruediv__``) is an
-    elementwise op of `_ELEMENTWISE`."""
-    return op.rsplit(".", 1)[-1].strip("_") in _ELEMENTWISE
+    """Whether `op` (``torch.Tensor.mul_``, ``torch.add``, ``torch.Tensor.__rtruediv__``, an
+    attribute's getter: ``torch.Tensor.data.__get__``) is an elementwise op of `_ELEMENTWISE`."""
+    return op.removesuffix(".__get__").rsplit(".", 1)[-1].strip("_") in _ELEMENTWISE
 
 
 def _held(made: dict[int, weakref.ref[T]], t: Any) -> bool:
@@ -145,6 +147,8 @@ class Passes:
             )
             bound = next(reads, 0)
         for start in range(bound + 1):
+            if start == self.network_start and not self.reentered:
+                continue  # (the network's first op after the step, not in it: ``p.data``)
             if self._starts_with(start, op, leaves):
                 self.cursor, self.finished, self.outside = start, False, False
                 self.start, self.in_network, self.reentered = start, self.reentered, False

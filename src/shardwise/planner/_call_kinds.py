@@ -24,15 +24,19 @@ _VALUE_READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index_
 _VALUE_READS |= {T.__format__, T.__repr__, T.__str__}
 
 
-_ATTR_OPS = {"T", "mT", "H", "mH"}  # attributes that are ops (``x.T``)
+# attributes that are ops, each a node (``x.T``; ``x.data``: ``detach``'s program; ``z.real``:
+# ``view_as_real`` and ``select``); other getters (``x.grad``, ``x.shape``) and every setter
+# (``p.data = v``) are no node
+_ATTR_OPS = {"T", "mT", "H", "mH", "data", "real", "imag"}
 _ALIASES = {TensorBase.contiguous, T.contiguous}  # the same value, no node
 
 
 def record_kind(func: Callable[..., Any]) -> str:
     """How capture (and the plan executor) treat a torch-level call: ``"skip"`` (metadata,
-    attribute reads and writes), ``"read"`` (a tensor's value), ``"backward"`` (the end of a
-    train step's graph), ``"grad"`` (``torch.autograd.grad``: run, no node) or ``"op"`` (a node
-    of the graph), ``"alias"`` (returns its input's value: ``contiguous``)."""
+    attribute reads and writes but the reads of `_ATTR_OPS`), ``"read"`` (a tensor's value),
+    ``"backward"`` (the end of a train step's graph), ``"grad"`` (``torch.autograd.grad``: run,
+    no node) or ``"op"`` (a node of the graph), ``"alias"`` (returns its input's value:
+    ``contiguous``)."""
     if func in _ALIASES:
         return "alias"
     if func in _METADATA or _namespace(func) == "prim":
