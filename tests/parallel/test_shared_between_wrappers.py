@@ -178,3 +178,76 @@ def test_module_forms_sharing_a_whole_encoder_train_as_one_device() -> None:
             got.append(loss)
         assert_matches_single_device(got, want, what="losses")
         assert_matches_single_device(enc[0].weight, want_w, what="encoder weight")
+
+
+def test_a_tied_shared_parameter_a_plan_would_cut_is_refused() -> None:
+    """The shared embedding is also the head's weight (tied): a plan storing it cut (hsdp) is
+    refused like an untied one (the check read the tied parameter by its last name)."""
+
+    class Tied(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.emb, self.head = emb, nn.Linear(8, 16, bias=False)
+            self.head.weight = emb.weight
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.emb(t))).logsumexp(-1).mean()
+
+    class Reg(nn.Module):
+        def __init__(self, emb: nn.Embedding) -> None:
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.emb(t).pow(2).mean()
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(16, 8)
+    a, b, t = Tied(emb), Reg(emb), torch.randint(0, 16, (8, 3))
+    with simulated_world(2) as world:
+        world.replicate(a)
+        pa, pb = sw.AutoParallel(a).hsdp(threshold=0), sw.AutoParallel(b)
+        pb(world.rows(t))
+        with pytest.raises(ValueError, match=r"parameter 'emb\.weight' of its network"):
+            pa(world.rows(t))
+    assert emb.weight.shape == (16, 8)  # (refused before anything was cut)
+
+
+@pytest.mark.parametrize("mode", ["data_parallel", "semi_auto"])
+def test_a_removed_wrapper_does_not_block_the_next_stage(mode: str) -> None:
+    """Two stages in one script: pretrain backbone + head 1 (its wrapper then `remove()`d),
+    fine-tune backbone + head 2 in a new wrapper (hsdp under semi_auto): stage 2 runs and the
+    four losses are one device's (the removed wrapper was still counted as running)."""
+
+    def models() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        backbone = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        return nn.Sequential(backbone, nn.Linear(16, 4)), nn.Sequential(backbone, nn.Linear(16, 4))
+
+    def trainer(net: nn.Module) -> Any:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    a, b = models()
+    sa, sb = trainer(a), trainer(b)
+    want = [sa(X, Y).detach() for _ in range(2)] + [sb(X, Y).detach() for _ in range(2)]
+    a, b = models()
+    with simulated_world(2) as world:
+        world.replicate(a)
+        world.replicate(b[1])
+        pa = sw.AutoParallel(trainer(a), parallel_mode=mode)
+        got = [pa(world.rows(X), world.rows(Y)) for _ in range(2)]
+        pa.remove()
+        pb = sw.AutoParallel(trainer(b), parallel_mode=mode)
+        if mode == "semi_auto":
+            pb.hsdp(threshold=0)
+        got += [pb(world.rows(X), world.rows(Y)) for _ in range(2)]
+        assert_matches_single_device(got, want, what="losses")

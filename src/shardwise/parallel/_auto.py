@@ -143,6 +143,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
         self._hooks: list[Any] = []
         self._superseded = False
+        self.removed = False  # (`remove` called: the wrapper runs nothing more)
         self._graph: GraphRun | None = None
         self._loaded: tuple[ParallelPlan, str] | None = None
         self._loaded_params: tuple[int, dict[str, Any], str] | None = None
@@ -314,6 +315,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         for undo in self._undo_scalers:
             undo()
         self._undo_scalers = []
+        self.removed = self.has_run  # (after a failed first plan: nothing ran)
 
     @property
     def has_run(self) -> bool:

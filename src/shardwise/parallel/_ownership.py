@@ -29,6 +29,7 @@ class Wrapper(Protocol):
     """What `take_over` needs of a wrapper (`AutoParallel`)."""
 
     _superseded: bool
+    removed: bool
     parallel_mode: str
     train_step: Callable[..., Any] | None
 
@@ -85,10 +86,12 @@ def cut_names(plan: ParallelPlan) -> set[str]:
     return names | {n for b in plan.buckets if b.kind == "shard" and b.shard > 1 for n in b.params}
 
 
-def _others(network: nn.Module) -> Iterator[tuple[nn.Module, str, set[str] | None]]:
-    """Every other network a wrapper ran (its wrapper kept, or dropped with its parameters
-    still cut): the network, how it names that wrapper, and the names its plan stores cut
-    (None: data_parallel mode, whose runner averages every parameter at its optimizer step)."""
+def _others(network: nn.Module) -> Iterator[tuple[nn.Module, str, set[str] | None, bool]]:
+    """Every other network a wrapper ran (its wrapper kept, or removed or dropped with its
+    parameters still cut): the network, how it names that wrapper, the names its plan stores
+    cut (None: data_parallel mode, whose runner averages every parameter at its optimizer
+    step), and whether that wrapper still runs (a removed or dropped one runs nothing more:
+    only the parameters it left cut matter)."""
     for other in list(_WRAPPERS.keys()) + [n for n in list(_RUNS.keys()) if n not in _WRAPPERS]:
         if other is network:
             continue
@@ -96,19 +99,18 @@ def _others(network: nn.Module) -> Iterator[tuple[nn.Module, str, set[str] | Non
         wrapper = None if ref is None else ref()
         if wrapper is not None and not wrapper._superseded and wrapper.has_run:
             plan = wrapper.stored_plan
-            if plan is None and wrapper.parallel_mode != "data_parallel":
-                continue
-            step = wrapper.train_step
-            what = _called(other, step)
-            yield other, what, None if plan is None else cut_names(plan)
+            if plan is None and (wrapper.parallel_mode != "data_parallel" or wrapper.removed):
+                continue  # (a removed data_parallel runner averages nothing more)
+            what = _called(other, wrapper.train_step)
+            if wrapper.removed:
+                yield other, f"{what} (removed)", cut_names(plan) if plan else set(), False
+            else:
+                yield other, what, None if plan is None else cut_names(plan), True
         elif wrapper is None and (held := _RUNS.get(other)) is not None:
             run = held()
             if run is not None:
-                yield (
-                    other,
-                    f"{_called(other, None)} (its wrapper dropped)",
-                    cut_names(run.stored_plan),
-                )
+                what = f"{_called(other, None)} (its wrapper dropped)"
+                yield other, what, cut_names(run.stored_plan), False
 
 
 def _called(network: nn.Module, step: Callable[..., Any] | None) -> str:
@@ -132,19 +134,22 @@ def refuse_shared(
     Raises:
         ValueError: naming the parameter, both wrappers and the fix.
     """
-    mine = {id(p): n for n, p in network.named_parameters(remove_duplicate=False)}
-    for other, what, theirs in _others(network):
+    mine: dict[int, list[str]] = {}  # (a tied parameter: every name, the first first)
+    for n, p in network.named_parameters(remove_duplicate=False):
+        mine.setdefault(id(p), []).append(n)
+    for other, what, theirs, active in _others(network):
         for name, p in other.named_parameters(remove_duplicate=False):
-            here = mine.get(id(p))
-            if here is None:
+            names = mine.get(id(p))
+            if names is None:
                 continue
-            if theirs is None or data_parallel:
+            here = names[0]
+            if active and (theirs is None or data_parallel):
                 why = "data_parallel mode averages each parameter's gradient at its wrapper's "
                 why += "optimizer step, and one wrapper's optimizers cannot step another's"
-            elif name in theirs:
+            elif theirs is not None and name in theirs:
                 why = "its plan stores it as this rank's block (or optimizer-parallel shard), "
                 why += "which this wrapper would take for the whole parameter"
-            elif here in cut:
+            elif active and any(n in cut for n in names):
                 why = "this wrapper's plan would store it as this rank's block (or "
                 why += "optimizer-parallel shard), which that wrapper runs as the whole parameter"
             else:
