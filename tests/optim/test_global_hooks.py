@@ -83,3 +83,60 @@ def test_a_runner_collected_during_its_own_optimizers_step() -> None:
         for handle in handles:
             handle.remove()
     assert not held
+
+
+class Seeing(torch.optim.SGD):
+    """SGD noting the closure each step is handed."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1)
+        self.seen: list[Any] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(closure)
+        return super().step(closure)
+
+
+def _handed(make_wrappers: Any) -> tuple[Any, Any]:
+    """The closure a plain optimizer's step is handed while `make_wrappers()`'s result lives,
+    and after it is dropped (collected), with the user's closure."""
+    net = nn.Linear(2, 2)
+    opt = Seeing(net.parameters())
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = net(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    wrappers = make_wrappers()
+    opt.step(closure)
+    del wrappers
+    gc.collect()
+    opt.step(closure)
+    assert all(getattr(c, "__wrapped__", c) is closure for c in opt.seen)
+    return closure, opt.seen
+
+
+def test_a_wrapper_without_hsdp_leaves_closures_alone() -> None:
+    """A wrapper without optimizer parallel does not hand other optimizers' steps a wrapped
+    closure (every wrapper did, for as long as it lived and until the next registration)."""
+    closure, seen = _handed(lambda: [sw.AutoParallel(nn.Linear(2, 2), parallel_mode="semi_auto")])
+    assert seen == [closure, closure]
+
+
+def test_wrappers_with_hsdp_share_one_closure_hook_gone_with_the_last() -> None:
+    """Three wrappers with hsdp wrap a closure once (not once each), and once they are dropped
+    the closure is handed on unchanged (the dropped wrappers' hooks went on wrapping every
+    closure until another hook was registered)."""
+
+    def three() -> list[Any]:
+        return [
+            sw.AutoParallel(nn.Linear(2, 2), parallel_mode="semi_auto").hsdp(threshold=0)
+            for _ in range(3)
+        ]
+
+    closure, seen = _handed(three)
+    assert seen[0] is not closure and seen[0].__wrapped__ is closure  # (once)
+    assert seen[1] is closure

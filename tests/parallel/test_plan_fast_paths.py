@@ -201,3 +201,57 @@ def test_span_candidates_are_the_outermost_local_modules() -> None:
     names[5] = "0/late"  # (module 0's ops no longer contiguous)
     local[1] = True
     assert span_candidates(names, local, modules) == set()
+
+
+def test_square_linears_as_wide_as_the_batch_run_unwatched() -> None:
+    """Linears whose weight has the output's shape (``F.linear`` on a batch as wide as the
+    features, 16 x 16): no such op returns its weight itself, so their blocks run unwatched
+    from the third step as any other (they were taken for ops that may return a parameter,
+    `_param_reads.passing`, which kept every op watched: 10 calls a step), and train as one
+    device."""
+    width = 16
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        block = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.Tanh())])
+        return nn.Sequential(nn.Linear(width, width), block, nn.Linear(width, 1))
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(width, width, generator=g), torch.randn(width, 1, generator=g))]
+    data *= STEPS
+
+    def stepper(net: nn.Module) -> Callable[..., torch.Tensor]:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return step
+
+    ref = make()
+    one = stepper(ref)
+    want = [one(x, y).detach() for x, y in data]
+    net = make()
+    with simulated_world(WORLD) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(stepper(net), parallel_mode="semi_auto")
+        calls: list[int] = []
+        original = PlanExecutor.__torch_function__
+
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[-1] += 1
+            return original(self, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(PlanExecutor, "__torch_function__", counted)
+            for s, (x, y) in enumerate(data):
+                calls.append(0)
+                loss = parallel(world.rows(x), world.rows(y))
+                assert_matches_single_device(loss, want[s], what=f"loss {s}")
+        for name, p in ref.named_parameters():
+            assert_matches_single_device(net.get_parameter(name).detach(), p, what=name)
+    assert calls[2] < 0.6 * calls[1], calls

@@ -15,6 +15,11 @@ Here:
   state has this rank's shard shapes (`check_state`; optimizers refused under optimizer
   parallel: `check_optimizers`), flush level 1; after the step mark the
   leaves stale (levels 1-2) or drop them (level 3, and unsharded parameters' views).
+- `_closure_returned` (the module form, `_global_hooks.after_closure`): ``opt.step(closure)``
+  runs its closure's forward and backward after the step's pre hooks (or makes the engine
+  there, at the wrapper's first call); when the closure returns the same is done again for
+  what it made (level 1: its held gradients reduced before the update; nothing pending: no
+  collective).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from shardwise.communication._collectives import Pending
 from shardwise.layout import DeviceMatrix
 from shardwise.optim._engine_gather import WeightGathering
 from shardwise.optim._global_hooks import (
+    after_closure,
     register_post,
     register_pre,
     register_zero_grad,
@@ -54,6 +60,9 @@ class OptimizerParallel(WeightGathering):
         matrix: the op-level plan's global device matrix.
         divisor: what the running backward's gradients are divided by before their sums (1
             after a backward seeded with 1 / N, else the world size), read when they come.
+        closures: the module form: a step's closure runs the network and its backward outside
+            any wrapped call (`_closure_returned` when it returns; a train step's own
+            ``opt.step(closure)`` runs inside its call, which reduces at the reads).
     """
 
     def __init__(
@@ -62,6 +71,7 @@ class OptimizerParallel(WeightGathering):
         plan: OptimizerPlan,
         matrix: DeviceMatrix,
         divisor: Callable[[], int],
+        closures: bool = False,
     ) -> None:
         self.plan = plan
         self.level = plan.config.optimizer_level
@@ -110,9 +120,16 @@ class OptimizerParallel(WeightGathering):
             if engine is not None:
                 engine.zero_held(owner, set_to_none)
 
+        def returned(optimizer: torch.optim.Optimizer) -> None:
+            engine = ref()
+            if engine is not None:
+                engine._closure_returned(optimizer)
+
         self._handles: list[RemovableHandle] = [register_pre(before), register_post(after)]
         if self.level == "level1":
             self._handles.append(register_zero_grad(zeroing))
+        if closures:
+            self._handles.append(after_closure(returned))
         weakref.finalize(self, remove_later, self._handles)  # (not mid-step: `_global_hooks`)
 
     # -- apply -----------------------------------------------------------------------------
@@ -154,6 +171,21 @@ class OptimizerParallel(WeightGathering):
             return
         check_optimizers([optimizer])  # (one the step made, not found at the first call)
         recorder.mark("optimizer step")
+        self._ready_for_update(optimizer, mine)
+
+    def _closure_returned(self, optimizer: torch.optim.Optimizer) -> None:
+        """The module form: `optimizer`'s closure returned, its gradients made after the
+        step's pre hooks (or by the first call, which made this engine): ready them for the
+        update as `_before_step` does (level 1: reduced now, the same collectives a step
+        without a closure runs at its start, which then found none pending)."""
+        mine = self._mine(optimizer)
+        if mine:
+            self._ready_for_update(optimizer, mine)
+
+    def _ready_for_update(
+        self, optimizer: torch.optim.Optimizer, mine: list[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Finish the collectives, check and adopt `optimizer`'s state, flush level 1."""
         self._drain()  # (already done at the end of backward)
         # a bucket gathered ahead but never used: finish it before the update changes the
         # shards its sends read from

@@ -14,12 +14,15 @@ during iteration``, in whichever optimizer happened to step).
 - `register_zero_grad`: a hook run before every ``zero_grad`` of an optimizer or a module
   (torch has no such hook: ``torch.optim.Optimizer.zero_grad`` and ``torch.nn.Module.zero_grad``
   are wrapped, once, at the first registration); removed like the others.
-- `track_closures` / `stepping`: while a `track_closures` handle is registered, a global pre
-  hook hands each step that has a closure one that notes its optimizer while it runs;
-  `stepping` lists the optimizers whose closure runs now (outermost first). A
-  network first called inside a closure (the module form: the wrapper's first call inside
-  ``opt.step(closure)``) finds the optimizer that is stepping, whose pre hooks ran before the
-  network's were there.
+- `track_closures` / `stepping` / `after_closure`: while a `track_closures` handle is held,
+  one global pre hook (shared by every holder, registered at the first) hands each step that
+  has a closure one that notes its optimizer while it runs and, when it returns, calls the
+  `after_closure` hooks with that optimizer; `stepping` lists the optimizers whose closure
+  runs now (outermost first). A network first called inside a closure (the module form: the
+  wrapper's first call inside ``opt.step(closure)``) finds the optimizer that is stepping,
+  whose pre hooks ran before the network's were there; gradients a closure's backward made
+  after the step's pre hooks are seen before the update (`after_closure`). Once no handle is
+  held the pre hook hands closures on unchanged, and it is removed at the next registration.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ _queued: list[RemovableHandle] = []
 _zero_grad_hooks: OrderedDict[int, Callable[[Any, bool], None]] = OrderedDict()
 _wrapped: set[type] = set()  # (the classes whose ``zero_grad`` calls the hooks first)
 _stepping: list[torch.optim.Optimizer] = []  # (whose closure runs now: `stepping`)
+# (the `track_closures` holders; the one pre hook they share while any is held)
+_trackers: OrderedDict[int, None] = OrderedDict()
+_tracking: list[RemovableHandle] = []
+_closure_ends: OrderedDict[int, Callable[[torch.optim.Optimizer], None]] = OrderedDict()
 
 
 def remove_later(handles: Iterable[RemovableHandle]) -> None:
@@ -51,6 +58,9 @@ def remove_later(handles: Iterable[RemovableHandle]) -> None:
 def _drop_queued() -> None:
     while _queued:
         _queued.pop().remove()
+    if not _trackers:  # (no holder left: the shared closure hook goes too)
+        while _tracking:
+            _tracking.pop().remove()
 
 
 def register_pre(hook: Callable[..., Any]) -> RemovableHandle:
@@ -107,21 +117,45 @@ def _calling_hooks(zero_grad: Callable[..., None]) -> Callable[..., None]:
 
 
 def track_closures() -> RemovableHandle:
-    """Register a global pre hook noting each optimizer while its step's closure runs
-    (`stepping`), after removing the queued handles; several registered note it once.
+    """Hold the global pre hook noting each optimizer while its step's closure runs
+    (`stepping`) and calling the `after_closure` hooks when it returns, after removing the
+    queued handles: registered at the first holder, shared by the others. Removing the
+    returned handle (at any time, also from a finalizer inside a step) releases it: with no
+    holder left closures are handed on unchanged, and the hook is removed at the next
+    registration.
 
     Example:
         >>> handle = track_closures()
         >>> stepping()
         []
+        >>> handle.remove()
+    """
+    _drop_queued()
+    if not _tracking:
+        _tracking.append(register_optimizer_step_pre_hook(_noting_closure))
+    handle = RemovableHandle(_trackers)
+    _trackers[handle.id] = None
+    return handle
+
+
+def after_closure(hook: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:
+    """Call ``hook(optimizer)`` each time a step's closure returns (while a `track_closures`
+    handle is held), before the optimizer goes on with the gradients it made; removed like
+    the other hooks (`remove_later`).
+
+    Example:
+        >>> handle = after_closure(lambda optimizer: None)
         >>> remove_later([handle])
     """
-    return register_pre(_noting_closure)
+    _drop_queued()
+    handle = RemovableHandle(_closure_ends)
+    _closure_ends[handle.id] = hook
+    return handle
 
 
 def stepping() -> list[torch.optim.Optimizer]:
     """The optimizers whose step's closure runs now (outermost first), seen while a
-    `track_closures` handle is registered."""
+    `track_closures` handle is held."""
     return list(dict.fromkeys(_stepping))
 
 
@@ -129,7 +163,10 @@ def _noting_closure(
     optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The step's arguments with its closure (positional after the optimizer, or ``closure=``)
-    replaced by one noting `optimizer` while it runs; None (unchanged) without a closure."""
+    replaced by one noting `optimizer` while it runs; None (unchanged) without a closure or
+    without a `track_closures` holder."""
+    if not _trackers:
+        return None
     if len(args) > 1 and callable(args[1]):
         return (args[0], _noted(optimizer, args[1]), *args[2:]), kwargs
     closure = kwargs.get("closure")
@@ -139,14 +176,18 @@ def _noting_closure(
 
 
 def _noted(optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> Callable[..., Any]:
-    """`closure`, `optimizer` listed in `stepping` while it runs."""
+    """`closure`, `optimizer` listed in `stepping` while it runs, the `after_closure` hooks
+    called with it when it returns."""
 
     @functools.wraps(closure)
     def noted(*args: Any, **kwargs: Any) -> Any:
         _stepping.append(optimizer)
         try:
-            return closure(*args, **kwargs)
+            out = closure(*args, **kwargs)
         finally:
             _stepping.pop()
+        for hook in list(_closure_ends.values()):  # (a copy: a finalizer may drop one)
+            hook(optimizer)
+        return out
 
     return noted

@@ -137,7 +137,8 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         self.parallel_mode = parallel_mode
         self._dataset: DatasetStrategy = get_auto_parallel_context("dataset_strategy")
         self._hsdp, self._fusion = settings_from_context(parallel_mode)
-        watch_closures(self)  # (with hsdp, a first call inside a closure: `stepping_over`)
+        if self._hsdp is not None:  # (a first call inside a closure: `stepping_over`)
+            watch_closures(self)
         self._runner: DataParallelRunner | None = None
         self._undo_scalers: list[Callable[[], None]] = []
         self._fusion_dict: dict[str, Any] = dict(get_auto_parallel_context("comm_fusion"))
@@ -213,6 +214,7 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         if self.has_run:
             raise ValueError("AutoParallel.hsdp: call it before the first step (already planned)")
         self._hsdp = check_hsdp(shard_size, threshold, optimizer_level, self.parallel_mode)
+        watch_closures(self)  # (a first call inside a closure: `stepping_over`)
         return self
 
     def comm_fusion(self, config: Mapping[str, Any]) -> AutoParallel:

@@ -216,9 +216,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self._cut_later(split)  # (an optimizer not found by then: `StepHooks`)
         if self.hsdp is not None:
             # optimizer parallel: shards at rest, gathered compute weights, reduced gradients
-            self.engine = start_engine(
-                self.network, plan.matrix, buckets, self.clip_args, lambda: self.divisor
-            )
+            started = (plan.matrix, buckets, self.clip_args, lambda: self.divisor)
+            self.engine = start_engine(self.network, *started, self.module_form)
             self.trainable = self._trainable()
         else:
             self._buckets(plan, buckets)

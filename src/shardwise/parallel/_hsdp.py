@@ -16,7 +16,7 @@
   unfrozen after planning, or given another dtype or device; one changed in place by an op of
   the step's plan, `check_param_writes`; ``torch.optim.LBFGS`` and ``torch.optim.Adafactor``,
   `optim.check_optimizers`: the step's, and one whose closure makes the first call,
-  `stepping_over`, seen while the wrapper lives: `watch_closures`).
+  `stepping_over`, seen while a wrapper with hsdp lives: `watch_closures`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from shardwise.optim import (
     check_optimizers,
     plan_optimizer,
 )
-from shardwise.optim._global_hooks import remove_later, stepping, track_closures
+from shardwise.optim._global_hooks import stepping, track_closures
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._errors import UnsupportedParallelError
 from shardwise.parallel._held_clip import ClipArgs, watch
@@ -134,13 +134,15 @@ def start_engine(
     plan: OptimizerPlan,
     clip_args: ClipArgs,
     divisor: Callable[[], int],
+    module_form: bool = False,
 ) -> OptimizerParallel:
     """Start optimizer parallel for `network` as `plan` (`optimizer_plan` with hsdp) says and
     cut the shards (call once, after the op-level blocks are in place); torch's clipping
     outside a wrapped call takes the norm of the whole gradients, at level 1 of the ones it
     holds (`_held_clip.watch`; its wrapper's `clip_args`); `divisor`: the running backward's
-    (`GraphRun.set_divisor`)."""
-    engine = OptimizerParallel(network, plan, matrix, divisor)
+    (`GraphRun.set_divisor`); `module_form`: a step's closure runs the network outside a
+    wrapped call (its gradients readied when it returns)."""
+    engine = OptimizerParallel(network, plan, matrix, divisor, module_form)
     engine.shard_parameters()
     watch(engine, clip_args)
     return engine
@@ -274,9 +276,18 @@ def check_step(
 
 def watch_closures(owner: object) -> None:
     """Note each optimizer while its step's closure runs (`_global_hooks.track_closures`) for
-    as long as `owner` (a wrapper) lives: its first call may come inside ``opt.step(closure)``,
-    after that step's pre hooks ran (`stepping_over`)."""
-    weakref.finalize(owner, remove_later, [track_closures()])
+    as long as `owner` (a wrapper with hsdp) lives: its first call may come inside
+    ``opt.step(closure)``, after that step's pre hooks ran (`stepping_over`), and level 1
+    reduces the gradients the closure's backward made when it returns (`OptimizerParallel`).
+    One hook serves every wrapper; released when `owner` goes (closures then pass unchanged,
+    and the hook is removed at the next registration); a second call for `owner` does
+    nothing."""
+    if owner not in _watched:
+        _watched.add(owner)
+        weakref.finalize(owner, track_closures().remove)
+
+
+_watched: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 def stepping_over(network: nn.Module) -> list[torch.optim.Optimizer]:

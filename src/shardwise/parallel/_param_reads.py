@@ -18,12 +18,13 @@ plans).
   as the node's are (after a backward, where no plan can be made: a later pass of a step that
   trains one head after another runs the node on the other head's weights).
 - `passing(plan)` / `kept_apart(out, params)`: an op that returns its parameter input itself
-  (``w.float()`` on a float32 ``w``, ``w.flatten(1)`` on a 2-D one, ``F.dropout`` in eval) is
-  a node whose output is a value of its own (the capture gives it a view of the parameter:
-  `planner._in_place.apart`), so the nodes reading it read no parameter; the executor gives
-  those nodes' calls the same view (`kept_apart`, on the nodes `passing` names), so that a call
-  reading the op's result is not taken for one reading the parameter (spectral norm's
-  ``torch.mv(weight.flatten(1), v)``, Gemma's ``1.0 + self.weight.float()``).
+  (``w.float()`` on a float32 ``w``, ``w.flatten(1)`` on a 2-D one, ``F.dropout`` in eval: as
+  the capture saw it, `NodePlan.returned`) is a node whose output is a value of its own (the
+  capture gives it a view of the parameter: `planner._in_place.apart`), so the nodes reading
+  it read no parameter; the executor gives those nodes' calls the same view (`kept_apart`, on
+  the nodes `passing` names), so that a call reading the op's result is not taken for one
+  reading the parameter (spectral norm's ``torch.mv(weight.flatten(1), v)``, Gemma's
+  ``1.0 + self.weight.float()``).
 """
 
 from __future__ import annotations
@@ -106,18 +107,15 @@ def alike(plan: ParallelPlan, want: Reads, got: Reads) -> bool:
 
 
 def passing(plan: ParallelPlan) -> frozenset[int]:
-    """The nodes of `plan` that may return one of their parameter inputs itself: they read a
-    parameter of their output's shape and do not change their input in place (whose result,
-    its input, the capture took as the op's result: `planner._recorders`)."""
+    """The nodes of `plan` that return one of their parameter inputs itself: the capture saw
+    the op return that input object (`NodePlan.returned`: ``w.float()`` on a float32 ``w``,
+    ``w.flatten(1)`` on a 2-D one) and it does not change its input in place."""
     return frozenset(
         n.index
         for n in plan.nodes
-        if n.shapes
+        if n.returned
         and not in_place(n.op)
-        and any(
-            v.startswith(_PARAM) and tuple(s) == tuple(n.shapes[0])
-            for v, s in zip(n.values, n.in_shapes, strict=False)
-        )
+        and any(i < len(n.values) and n.values[i].startswith(_PARAM) for i in n.returned)
     )
 
 

@@ -70,6 +70,10 @@ class NodePlan:
             shape and memory order (dims from the largest stride) of the tensor it fills (each
             rank draws the whole as one device lays it out and keeps its block:
             `_draws.plan_draws`).
+        returned: the tensor inputs (by position) the op returned as its output objects when
+            captured (``w.float()`` on a float32 ``w``, ``w.flatten(1)`` on a 2-D one,
+            dropout in eval): the capture made each output a value of its own
+            (`_in_place.apart`), as the executor does for a parameter (`_param_reads.passing`).
     """
 
     index: int
@@ -86,6 +90,7 @@ class NodePlan:
     backward: tuple[Collective, ...] = ()
     dtypes: tuple[str, ...] = ()
     draws: tuple[tuple[Placed, Shape, tuple[int, ...]], ...] = ()
+    returned: tuple[int, ...] = ()
 
     def dtype(self, output: int) -> str:
         """Output `output`'s dtype."""

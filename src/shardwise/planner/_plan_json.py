@@ -9,8 +9,9 @@
   `EdgePlan`; a layout is stored as its dims (the axes splitting each; a strided one also
   its ``groups``), read back on the plan's matrix. The backward's parts (`equal_grad`,
   `seeded`, `NodePlan.backward`, `ParallelPlan.equal_grads`, `ParallelPlan.roots`,
-  `ParallelPlan.frozen`), the re-assigned buffers (`ParallelPlan.set_buffers`) and a node's
-  random draws (`NodePlan.draws`) are written only when present (a plan without them reads
+  `ParallelPlan.frozen`), the re-assigned buffers (`ParallelPlan.set_buffers`) a node's
+  random draws (`NodePlan.draws`) and the inputs it returned (`NodePlan.returned`) are written
+  only when present (a plan without them reads
   back with none).
 
 Each ``*_d`` writes JSON-ready data, and its ``*_of`` (or unsuffixed) partner reads it back
@@ -285,6 +286,8 @@ def _node_d(n: NodePlan) -> dict[str, Any]:
         out["draws"] = [
             {"placed": _placed_d(p), "shape": list(s), "order": list(o)} for p, s, o in n.draws
         ]
+    if n.returned:
+        out["returned"] = list(n.returned)
     return out
 
 
@@ -307,6 +310,7 @@ def _node(m: DeviceMatrix, d: Mapping[str, Any]) -> NodePlan:
             (_placed(m, x["placed"]), tuple(x["shape"]), tuple(x["order"]))
             for x in d.get("draws", ())
         ),
+        returned=tuple(int(i) for i in d.get("returned", ())),
     )
 
 

@@ -123,6 +123,7 @@ class Planner(_Follow):
         values = tuple(str(r) for r in node.inputs)
         in_shapes = tuple(self.graph.info(r).shape for r in node.inputs)
         dtypes = tuple(o.dtype for o in node.outputs)
+        returned = tuple(a.index for a in node.out_map if a is not None and a.kind == "in")
         self.nodes.append(
             NodePlan(
                 node.index,
@@ -138,6 +139,7 @@ class Planner(_Follow):
                 in_shapes,
                 dtypes=dtypes,
                 draws=draws,
+                returned=returned,
             )
         )
 
