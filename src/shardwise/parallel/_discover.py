@@ -18,8 +18,6 @@ Attribute names alone (``optimizer.step()`` names ``step``) load nothing, so a g
 shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `AutoParallel`
 and the like, which contain the network) are skipped.
 
-`find_script_functions`: the TorchScript functions it loads (refused by capture).
-
 `pick_network`: of the modules found, the one with parameters that contains the others;
 `grad_scalers`: the ``GradScaler`` objects the step loads; `agree_scalers`: one inf/NaN verdict
 for all of them.
@@ -216,18 +214,6 @@ def find_referenced(fn: Callable[..., Any]) -> tuple[list[nn.Module], list[torch
     modules = [v for v in unique if isinstance(v, nn.Module)]
     optimizers = [v for v in unique if isinstance(v, torch.optim.Optimizer)]
     return modules, optimizers
-
-
-def find_script_functions(fn: Callable[..., Any]) -> list[Any]:
-    """The TorchScript functions (``torch.jit.script`` of a Python function) a train step's
-    code loads, as `find_referenced` reads it, each once; none for a callable without Python
-    code."""
-    if not _readable(fn):
-        return []
-    search = _Search()
-    search.function(fn, root=True)
-    found = [v for v in search.values if isinstance(v, torch.jit.ScriptFunction)]
-    return list({id(v): v for v in found}.values())
 
 
 def find_objects(fn: Callable[..., Any]) -> list[Any]:

@@ -11,17 +11,18 @@
    (`_batch_norm.cumulative_momenta`, read from the real buffer first);
 3. `fn` is called under the recorders of `_recorders`: `_Recorder`, a ``TorchFunctionMode``
    that makes one `Node` per torch-level call (``F.linear``, ``x.view(...)``,
-   ``torch.arange``, ...), with `_AtenRecorder` (a dispatch mode under it) listing the aten
-   ops each call ran, and `_module_hooks.module_hooks` giving each node its module path. A
-   shardwise primitive becomes one node (its inner calls are not recorded);
+   ``torch.arange``, ...), with `_aten_recorder.AtenRecorder` (a dispatch mode under it)
+   listing the aten ops each call ran, and `_module_hooks.module_hooks` giving each node its
+   module path. A shardwise primitive becomes one node (its inner calls are not recorded);
 4. the returned tensors (and the train step's loss) become the graph's outputs; the nodes a
    custom ``torch.autograd.Function``'s forward ran are marked with its name
    (`_functions.function_of`); a buffer the call re-assigned to an op's output
    (``self.rm = 0.9 * self.rm + ...``) is noted with that output (`Graph.set_buffers`).
 
-Nothing is computed and no process group is used. A TorchScript module among the networks or
-the modules a train step uses, or a TorchScript function the step calls, is refused before
-anything runs (`_scripted.refuse_scripted`: its ops would run unseen by the recorders).
+Nothing is computed and no process group is used. TorchScript that runs during the capture (a
+``torch.jit.script`` / ``trace`` module or a scripted function) is refused at its first aten op,
+which no torch-level call runs (`_aten_recorder`: the plan would lack its ops); the message
+names the module or function (`_scripted.scripted_refusal`).
 
 For a train step, capture ends at the first ``loss.backward()``: the step is not run further
 (no backward, no optimizer step, no code of the user's after it on fake tensors), and the loss
@@ -49,6 +50,7 @@ from shardwise._torch.fake import FakeTensorMode, quiet_meta_failures
 from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
+from shardwise.planner._aten_recorder import AtenRecorder
 from shardwise.planner._batch_norm import cumulative_momenta
 from shardwise.planner._call_kinds import record_kind
 from shardwise.planner._gc import gc_paused
@@ -58,7 +60,6 @@ from shardwise.planner._recorders import (
     CaptureError,
     FakeKernelError,
     T,
-    _AtenRecorder,
     _Recorder,
     _State,
     _StopCapture,
@@ -66,7 +67,6 @@ from shardwise.planner._recorders import (
     info_of,
     tensors_in,
 )
-from shardwise.planner._scripted import refuse_scripted
 from shardwise.planner._user_state import kept_real
 
 
@@ -119,8 +119,8 @@ def capture(
         The `Graph`.
 
     Raises:
-        CaptureError: a value read or a data-dependent shape (naming the op and line); a
-            TorchScript module or function (`refuse_scripted`).
+        CaptureError: a value read or a data-dependent shape (naming the op and line);
+            TorchScript run by the call (naming the module or function).
 
     Example:
         >>> g = capture(model, torch.zeros(8, 16, dtype=torch.long), targets=targets)
@@ -137,7 +137,6 @@ def capture(
     watched = [m for net in networks for m in net.modules()]  # (`kept_real`)
     watched += [] if isinstance(fn, nn.Module) else find_objects(fn)
     outside = _outside_modules(fn, networks)  # (a teacher: its buffers put back, `_kept`)
-    refuse_scripted(fn, networks, outside)
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
     if device is None:
         device = _device([leaf for _, leaf in flat if isinstance(leaf, T)])
@@ -193,12 +192,18 @@ def capture(
         stack.enter_context(quiet_meta_failures())  # (a FakeKernelError names the op instead)
         stack.enter_context(mode)
         stack.enter_context(module_hooks(state))
-        stack.enter_context(_AtenRecorder(state))
+        stack.enter_context(AtenRecorder(state))
         stack.enter_context(_Recorder(state))
         try:
             out = fn(*call_args, **call_kwargs)
         except _StopCapture:
             out = None
+        except Exception:
+            if state.refused is not None:  # (the TorchScript interpreter's RuntimeError)
+                raise state.refused from None
+            raise
+        if state.refused is not None:  # (the user's code caught it)
+            raise state.refused
         set_buffers = _set_buffers(networks, state.known)  # (before the buffers are put back)
     outs = tensors_in(out)
     returned = [state.known[id(t)] for t in outs if id(t) in state.known]

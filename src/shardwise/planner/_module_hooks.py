@@ -1,4 +1,5 @@
-"""Capture's module hooks (`_module_hooks`): each node's module path, a shardwise primitive
+"""Capture's module hooks (`_module_hooks`): each node's module path (and the modules being
+run, `_State.running`, which name a TorchScript module that runs), a shardwise primitive
 recorded as one node (its inner calls unrecorded, `_recorders._State.add_node` at its end),
 and the op-form ``sw.shard`` strategies of the modules being run (`_op_form_calls`: the one
 call of such a module's forward takes it; its hooks' calls are unannotated).
@@ -33,6 +34,7 @@ def module_hooks(s: _State) -> Iterator[None]:
             pending[id(module)] = ins, s.regions.saved_before()
             s.inside_primitive += 1
         s.stack.append(path if path is not None else type(module).__name__)
+        s.running.append(module)
         strategy = op_strategy(module)
         if strategy is not None and not s.inside_primitive and not s.done:
             s.annotated.append(Annotated(s.stack[-1], strategy, module))
@@ -42,6 +44,8 @@ def module_hooks(s: _State) -> Iterator[None]:
             s.annotated.pop()
         if s.stack:
             s.stack.pop()
+        if s.running:
+            s.running.pop()
         found = pending.pop(id(module), None)
         if found is None:
             return

@@ -13,8 +13,8 @@
   `_StopCapture` at ``backward()``; a call returning its input object unchanged returns a
   view (`_in_place.apart`); a call with ``out=`` tensors is the node of its result, which they
   hold (`_out_calls`).
-- `_AtenRecorder`: the ``TorchDispatchMode`` under it listing the aten ops the running call
-  runs (`AtenCall`s on `AtenArg`s: the call's inputs and the program's own temporaries).
+  The aten ops each call runs are listed by `_aten_recorder.AtenRecorder` (a dispatch mode
+  under it), which refuses TorchScript's aten ops (no torch-level call runs them).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
   shardwise primitive as one node (its inner calls unrecorded) and the op-form ``sw.shard``
   strategies of the modules being run (`_op_form_calls.annotation`: the call of such a
@@ -35,7 +35,6 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import in_activation_checkpoint, nested_checkpoint
-from shardwise._torch.dispatch import TorchDispatchMode
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import _flat as flat
 from shardwise.planner._call_kinds import call_name, creates_graph, keeps_graph, record_kind
@@ -121,6 +120,9 @@ class _State:
         self.functions: dict[int, str] = {}  # node -> the custom autograd.Function whose
         # forward ran it (`_functions.function_of`)
         self.regions = RegionNotes()  # activation-checkpointed regions
+        self.calls = 0  # torch-level calls running (an aten op outside all: `_aten_recorder`)
+        self.running: list[torch.nn.Module] = []  # the modules whose forward runs
+        self.refused: CaptureError | None = None  # (raised inside TorchScript: re-raised)
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -235,7 +237,13 @@ class _Recorder(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        self.s.calls += 1  # (the aten ops it runs are inside a torch-level call)
+        try:
+            return self._call(func, args, kwargs or {})
+        finally:
+            self.s.calls -= 1
+
+    def _call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         s = self.s
         kind = record_kind(func)
         if s.done or s.inside_primitive:
@@ -338,64 +346,4 @@ class _Recorder(TorchFunctionMode):
                 out = apart(out, ins) if not call_writes(op, kw, aten or ()) else out
                 outs = tensors_in(out)
             s.add_node(op, func, ins, outs, template, aten or (), out_map, saved)
-        return out
-
-
-class _AtenRecorder(TorchDispatchMode):
-    """Lists the aten ops of the running node (`_State.aten`)."""
-
-    def __init__(self, state: _State) -> None:
-        super().__init__()
-        self.s = state
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if torch.is_inference_mode_enabled() and func.namespace == "aten":
-            # (autograd's key is off: composite ops such as aten.linear arrive whole; their
-            # parts, as the planner knows them elsewhere, come back through this mode)
-            with self:
-                parts = func.decompose(*args, **kwargs)
-            if parts is not NotImplemented:
-                return parts
-        out = func(*args, **kwargs)
-        s = self.s
-        if s.aten is None or func.namespace != "aten":
-            return out
-
-        def arg(x: Any) -> Any:
-            if not isinstance(x, T):
-                return x
-            found = s.aten_ids.get(id(x))
-            if found is None:  # a tensor the program made without an op (a lifted constant)
-                found = AtenArg(
-                    "tmp", s.tmp, info_of(x), tuple(x.stride()), int(x.storage_offset())
-                )
-                s.tmp += 1
-                s.aten_ids[id(x)] = found
-                s.keep.append(x)
-            return found
-
-        if flat.plain((args, kwargs, out)):  # (as torch gives aten calls their arguments)
-            a, k = flat.map_only(T, arg, (args, kwargs))
-            results = flat.leaves(out)
-        else:
-            a, k = pytree.tree_map(arg, (args, kwargs))
-            results = pytree.tree_leaves(out)
-        made = []
-        for t in results:
-            if isinstance(t, T) and id(t) not in s.aten_ids:
-                s.aten_ids[id(t)] = AtenArg(
-                    "tmp", s.tmp, info_of(t), tuple(t.stride()), int(t.storage_offset())
-                )
-                s.tmp += 1
-                s.keep.append(t)
-            if isinstance(t, T):
-                made.append(s.aten_ids[id(t)])
-        s.aten.append(AtenCall(func, tuple(a), dict(k), tuple(made)))
         return out

@@ -1,7 +1,7 @@
 """Where a captured call comes from, for capture's error messages.
 
 - `source_line`: the user's ``file:line`` of the running call (the innermost frame outside torch
-  and shardwise).
+  and shardwise, `user_frame`).
 - `library_read`: where inside torch a value read happens, with what to pass instead
   (`LIBRARY_READS`: torch's ``_detect_is_causal_mask`` reads an attention mask), or "".
 - `read_name`: the name of a value read as the user called it (``tolist``, not its ``item``s).
@@ -21,6 +21,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -37,16 +38,24 @@ LIBRARY_READS = {
 """torch functions that read a tensor's value, with what the user passes instead."""
 
 
-def source_line() -> str:
-    """``file:line`` of the innermost caller outside torch and shardwise (called from a
-    recorder's hook: its caller's callers are searched)."""
-    frame = sys._getframe(2)
+def user_frame() -> FrameType | None:
+    """The innermost frame outside torch and shardwise (the user's code running), or None."""
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_SKIP_FILES) and name not in _STDLIB_SKIP:
-            return f"{os.path.basename(name)}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def source_line() -> str:
+    """``file:line`` of the innermost caller outside torch and shardwise (called from a
+    recorder's hook)."""
+    frame = user_frame()
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def library_read() -> str:
