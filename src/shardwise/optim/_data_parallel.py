@@ -15,12 +15,12 @@ batch it passes (``"full_batch"``). Which function does which step:
   returned loss over the ranks (`mean_loss`); module form: runs the network on the rows, its
   loss (a floating 0-d output) averaged over the ranks in value, its gradient this rank's (under
   ``"full_batch"`` the other outputs gathered whole again, `module_outputs`).
-- `DataParallelRunner._before_step` (the optimizer's step pre-hook): all-reduces the gradients
-  (divided by the world size, then SUM), one flat fused all-reduce per bucket
-  (`all_reduce_bucket`); with ``parallel_optimizer=True``, then hides (``grad = None`` for
-  the step) the gradients of the parameters that no rank of this process owns, and drops their
-  optimizer state (a checkpoint loaded whole gives every rank all of it), so the optimizer
-  updates, and keeps state for, only its own parameters.
+- `DataParallelRunner._before_step` (the optimizer's step pre-hook; with a closure, whose
+  backward runs inside the step, `_average` as it returns: the closure is handed on wrapped):
+  all-reduces the gradients (/ world size, then SUM), one per bucket (`all_reduce_bucket`);
+  with ``parallel_optimizer=True`` hides (``grad = None`` for the step) the gradients of the
+  parameters no rank of this process owns and drops their optimizer state (a checkpoint
+  loaded whole gives every rank all of it): the optimizer updates only its own parameters.
 - ``_data_parallel_hooks``: the step hooks, the adopting hook (an optimizer the runner was not
   given is taken at its first step), and `state_on_owners` (whether a network's runner keeps
   optimizer state on owner ranks: its checkpoint files then record the job's size).
@@ -30,9 +30,7 @@ batch it passes (``"full_batch"``). Which function does which step:
   ``zero_grad`` adds to it) and broadcasts each owner's updated parameters to every rank, one
   flat broadcast per (owner, fusion id) bucket (`broadcast_bucket`).
 
-The tensor work of those steps (the collectives and the batch cut) is in
-``_data_parallel_steps``.
-
+The tensor work of those steps (collectives, batch cut) is in ``_data_parallel_steps``.
 A process updates the parameters owned by the ranks it runs (`communication.process_ranks`):
 in a job, its own rank's and the shared ones. A process running every rank (a simulated world)
 updates every parameter with one optimizer object: all ranks hold the same reduced gradients,
@@ -354,13 +352,19 @@ class DataParallelRunner:
             self._stepped = None
         return mean_loss(out, self.world)
 
-    def _before_step(self, index: int) -> None:
+    def _before_step(self, index: int, closure: bool = False) -> None:
         """Step pre-hook of optimizer `index`: average its gradients, hide the non-owned ones
-        from the step (`_after_step` gives them back)."""
+        from the step (`_after_step` gives them back); with a `closure`, whose backward runs
+        inside the step, that is done when it returns (`closure_hook`)."""
         self.stepping += 1  # (an optimizer it steps inside, a Lookahead's, is not adopted)
         self._check_plan()  # (a parameter unfrozen inside the step: its gradient averaged too)
         if self._stepped is not None:
             self._stepped.append(index)
+        if not closure:
+            self._average(index)
+
+    def _average(self, index: int) -> None:
+        """Average optimizer `index`'s gradients, hide the non-owned ones from its update."""
         if any(p.grad is not None for p in self._params):  # (no backward ran: none, as DDP)
             for bucket in self._grad_buckets[index]:
                 all_reduce_bucket(bucket.entries, self.world)

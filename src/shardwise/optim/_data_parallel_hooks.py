@@ -1,7 +1,7 @@
 """The hooks of data-parallel mode's runner (`DataParallelRunner`) and its registry.
 
 - `step_hook`: an optimizer's step pre-hook (post-hook) calling the runner's `_before_step`
-  (`_after_step`) while it lives.
+  (`_after_step`) while it lives, a step's closure handed on averaging its gradients.
 - `adopt_hook`: a global step pre-hook: an optimizer over the network's parameters that the
   runner was not given (the module form's; a train step's it did not find) is taken at its
   first step.
@@ -24,7 +24,7 @@ from shardwise.optim._data_parallel_plan import WHO
 if TYPE_CHECKING:
     from shardwise.optim._data_parallel import DataParallelRunner
 
-StepHook = Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], None]
+StepHook = Callable[[torch.optim.Optimizer, tuple[Any, ...], dict[str, Any]], Any]
 
 RUNNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[DataParallelRunner]] = (
     weakref.WeakKeyDictionary()
@@ -53,15 +53,44 @@ def state_on_owners(network: nn.Module) -> bool:
 
 def step_hook(ref: weakref.ReferenceType[DataParallelRunner], index: int, after: bool) -> StepHook:
     """Optimizer `index`'s step pre-hook (`after`: post-hook) calling the runner while it
-    lives: `_before_step` (`_after_step`)."""
+    lives: `_before_step` (`_after_step`). A step's closure, whose backward runs inside the
+    step, is handed on wrapped: the gradients it made are averaged when it returns, before the
+    update (`_average`)."""
 
-    def hook(_opt: torch.optim.Optimizer, _args: tuple[Any, ...], _kw: dict[str, Any]) -> None:
+    def hook(_opt: torch.optim.Optimizer, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         runner = ref()
-        if runner is not None:
-            with recorder.phase("step"):  # (the optimizer step's collectives)
-                (runner._after_step if after else runner._before_step)(index)
+        if runner is None:
+            return None
+        closure = args[1] if len(args) > 1 else kw.get("closure")
+        with recorder.phase("step"):  # (the optimizer step's collectives)
+            if after:
+                runner._after_step(index)
+                return None
+            runner._before_step(index, closure=callable(closure))
+        if not callable(closure):
+            return None
+        averaged = _averaging(ref, index, closure)
+        if len(args) > 1:
+            return (args[0], averaged, *args[2:]), kw
+        return args, {**kw, "closure": averaged}
 
     return hook
+
+
+def _averaging(
+    ref: weakref.ReferenceType[DataParallelRunner], index: int, closure: Callable[..., Any]
+) -> Callable[..., Any]:
+    """`closure`, then the runner's average of optimizer `index`'s gradients."""
+
+    def averaged(*args: Any, **kwargs: Any) -> Any:
+        loss = closure(*args, **kwargs)
+        runner = ref()
+        if runner is not None:
+            with recorder.phase("step"):
+                runner._average(index)
+        return loss
+
+    return averaged
 
 
 def adopt_hook(ref: Any) -> StepHook:
