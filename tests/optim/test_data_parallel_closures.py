@@ -16,32 +16,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import shardwise as sw
 from shardwise.testing import assert_matches_single_device, simulated_world
 
-g = torch.Generator().manual_seed(0)
-DATA = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
-}
-
-
-def build() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-
-def one_device(optimizer: str) -> nn.Module:
-    net = build()
-    opt = OPTIMIZERS[optimizer](net.parameters())
-    for x, y in DATA:
-        opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-    return net
+from .test_hsdp_closures import DATA, OPTIMIZERS, build, one_device
 
 
 @pytest.mark.parametrize("hsdp", [False, True], ids=["plain", "hsdp"])
