@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise.communication import recorder
 from shardwise.optim._data_parallel_plan import WHO
+from shardwise.optim._global_hooks import replace_closure
 
 if TYPE_CHECKING:
     from shardwise.optim._data_parallel import DataParallelRunner
@@ -61,18 +62,13 @@ def step_hook(ref: weakref.ReferenceType[DataParallelRunner], index: int, after:
         runner = ref()
         if runner is None:
             return None
-        closure = args[1] if len(args) > 1 else kw.get("closure")
         with recorder.phase("step"):  # (the optimizer step's collectives)
             if after:
                 runner._after_step(index)
                 return None
-            runner._before_step(index, closure=callable(closure))
-        if not callable(closure):
-            return None
-        averaged = _averaging(ref, index, closure)
-        if len(args) > 1:
-            return (args[0], averaged, *args[2:]), kw
-        return args, {**kw, "closure": averaged}
+            wrapped = replace_closure(args, kw, lambda closure: _averaging(ref, index, closure))
+            runner._before_step(index, closure=wrapped is not None)
+        return wrapped
 
     return hook
 

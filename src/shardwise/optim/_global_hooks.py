@@ -167,11 +167,26 @@ def _noting_closure(
     without a `track_closures` holder."""
     if not _trackers:
         return None
+    return replace_closure(args, kwargs, lambda closure: _noted(optimizer, closure))
+
+
+def replace_closure(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A step pre-hook's result handing the step ``wrap(closure)`` for its closure (positional
+    after the optimizer, or ``closure=``); None (the arguments unchanged) without one.
+
+    Example:
+        >>> replace_closure((opt, closure), {}, lambda c: c)   # doctest: +SKIP
+        ((opt, closure), {})
+    """
     if len(args) > 1 and callable(args[1]):
-        return (args[0], _noted(optimizer, args[1]), *args[2:]), kwargs
+        return (args[0], wrap(args[1]), *args[2:]), kwargs
     closure = kwargs.get("closure")
     if callable(closure):
-        return args, {**kwargs, "closure": _noted(optimizer, closure)}
+        return args, {**kwargs, "closure": wrap(closure)}
     return None
 
 
