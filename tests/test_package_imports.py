@@ -77,3 +77,15 @@ def test_the_launcher_and_communication_start_light() -> None:
     assert loaded_after("import shardwise as sw\nsw.communication.init") == set()
     # planning loads what it needs when it is used
     assert "shardwise.planner" in loaded_after("import shardwise as sw\nsw.AutoParallel")
+
+
+def test_capture_does_not_load_the_wrapper_or_checkpoints() -> None:
+    # (capture reads shardwise.parallel._discover; the package loads its names on first use)
+    code = (
+        "import torch\nfrom shardwise.planner import capture\n"
+        "capture(torch.nn.Linear(4, 2), torch.ones(3, 4))\n"
+        "import shardwise.parallel as p\nassert 'shardwise.parallel._auto' not in sys.modules\n"
+        "assert p.AutoParallel.__module__ == 'shardwise.parallel._auto'\n"
+        "from shardwise.parallel import shard, UnsupportedParallelError"
+    )
+    assert "torch.distributed.checkpoint" not in loaded_after("import sys\n" + code)

@@ -298,7 +298,13 @@ def _dispatch() -> None:
 
 
 def _fake_tensors() -> None:
-    from shardwise._torch.fake import DATA_DEPENDENT, FakeTensor, FakeTensorMode, holds_fake
+    from shardwise._torch.fake import (
+        DATA_DEPENDENT,
+        FakeTensor,
+        FakeTensorMode,
+        empty_fake,
+        holds_fake,
+    )
 
     class Wrapper(torch.Tensor):  # (a traceable wrapper subclass: LocalTensor, DTensor)
         @staticmethod
@@ -328,6 +334,12 @@ def _fake_tensors() -> None:
             with pytest.raises(DATA_DEPENDENT):
                 read()
     assert not isinstance(torch.ones(1), FakeTensor)
+    mode = FakeTensorMode()
+    e = empty_fake(mode, (4, 3), (1, 4), torch.bfloat16, torch.device("cpu"))
+    assert isinstance(e, FakeTensor) and e.fake_mode is mode and e.device.type == "cpu"
+    assert (e.shape, e.stride(), e.dtype) == ((4, 3), (1, 4), torch.bfloat16)
+    with mode:
+        assert (e.T @ e).shape == (3, 3)
     assert holds_fake(Wrapper(x)) and not holds_fake(Wrapper(torch.ones(4, 3)))
     assert not holds_fake(torch.ones(1))
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from shardwise._torch import pytree
-from shardwise._torch.fake import FakeTensorMode, quiet_meta_failures
+from shardwise._torch.fake import FakeTensorMode, empty_fake, quiet_meta_failures
 from shardwise._torch.module_state import reparametrize
 from shardwise.ops import name_primitives
 from shardwise.parameter._deferred import tracing
@@ -75,14 +75,20 @@ def _fake_like(
 ) -> T:
     """A fake tensor with `t`'s shape (or `shape`, contiguous), dtype and requires_grad, on
     `device`."""
-    with mode:
-        if shape is not None:
-            out = torch.empty(tuple(shape), dtype=t.dtype, device=device)
-        else:
-            out = torch.empty_strided(
-                tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device
-            )
+    if shape is not None:
+        size = tuple(shape)
+        out = empty_fake(mode, size, _contiguous_strides(size), t.dtype, device)
+    else:
+        out = empty_fake(mode, tuple(t.shape), tuple(t.stride()), t.dtype, device)
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _device(tensors: Sequence[T]) -> torch.device:
