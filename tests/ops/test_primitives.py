@@ -186,6 +186,7 @@ def test_shape_ops() -> None:
     x = torch.randn(2, 3, 4, 5)
     close(Flatten()(x), x.reshape(2, 60))
     assert Flatten()(torch.randn(4)).shape == (4, 1)
+    assert Flatten()(torch.randn(0, 1, 28, 28)).shape == (0, 784)  # (as torch.nn.Flatten)
     close(Reshape()(x, (6, -1)), x.reshape(6, 20))
     close(Transpose()(x, (0, 2, 1, 3)), x.permute(0, 2, 1, 3))
 

@@ -7,6 +7,7 @@ Non-tensor arguments are call arguments, as in MindSpore: ``Reshape()(x, shape)`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +31,8 @@ class Flatten(Primitive):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0:
             raise ValueError(f"{self.who}: Flatten needs an input of >= 1 dim")
+        if x.numel() == 0:  # (reshape cannot infer -1 from zero elements: an empty batch)
+            return x.reshape(x.shape[0], math.prod(x.shape[1:]))
         return x.reshape(x.shape[0], -1)
 
 
