@@ -48,6 +48,10 @@ def test_a_semi_auto_plan_explains_each_op() -> None:
         parallel.explain("mm1")
     with pytest.raises(ValueError, match=r"no op 'zzzz' in the plan; its ops: \['mm1/MatMul'"):
         parallel.explain("zzzz")  # (nothing close: the plan's op names listed)
+    with pytest.raises(ValueError, match=r"close: \['mm1/MatMul', 'mm2/MatMul'\]"):
+        parallel.explain("mm")  # (names holding it, in the plan's order)
+    with pytest.raises(ValueError, match=r"no op 'nope' in the plan; its ops: "):
+        parallel.explain("nope")  # (no far-fetched suggestion)
 
 
 def test_alternatives_show_their_placements() -> None:

@@ -115,7 +115,8 @@ class PlanReading:
             return str(plan.explained[name])
         names = [n.name for n in plan.nodes]
         if name not in names:
-            near = difflib.get_close_matches(name, names, n=5, cutoff=0.3)
+            near = [n for n in names if name in n][:5]  # ('mm1' -> 'mm1/MatMul')
+            near = near or difflib.get_close_matches(name, names, n=5, cutoff=0.6)
             hint = f"close: {near}" if near else f"its ops: {_listed(names)}"
             raise ValueError(f"AutoParallel.explain: no op {name!r} in the plan; {hint}")
         return _explain_rule(plan, names.index(name))
