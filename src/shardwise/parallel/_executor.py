@@ -29,10 +29,13 @@ executor:
 What each node needs is worked out once per plan (`_node_table.NodeTable`): a node with no
 edge in or out and no gradient average (nearly every node under data parallel) takes a short
 path in `PlanExecutor.__torch_function__` (its op, and the parameters a node reading some
-gets, checked against the plan's, the cursor moved, the op run); the others take the full
-path (`PlanExecutor._call`). From a plan's third run, modules made only of such nodes run
-with the executor off the mode stack, and after an optimizer step it may stay off until the
-network is called again (`_spans.SpanRunner`).
+gets, checked against the plan's, the cursor moved, the op run; a sized or dropout node's op
+through `_node_run.NodeRun._short`); the others take the full path (`PlanExecutor._call`:
+the node matched and the cursor moved by `PlanExecutor._advance`, then run by
+`_node_run.NodeRun._run`, or by `NodeRun._factory` for a call without tensor inputs). From a
+plan's third run, modules made only of such nodes run with the executor off the mode stack,
+and after an optimizer step it may stay off until the network is called again
+(`_spans.SpanRunner`).
 
 Nothing about layouts is decided here: every placement, step and collective comes from the plan.
 A later pass of the plan in the same call (gradient accumulation) starts where `_passes.Passes`
@@ -56,7 +59,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shardwise._torch import pytree
 from shardwise._torch.checkpointing import checkpoint_calls, checkpointing
@@ -64,17 +66,13 @@ from shardwise.parallel._differentiate import Differentiate
 from shardwise.parallel._errors import Replan, plan_mismatch, split_values_note
 from shardwise.parallel._executor_primitives import PrimitiveHooks
 from shardwise.parallel._leaving import Leaving, Placings
-from shardwise.parallel._local import attention_p, drop, dropout_p
 from shardwise.parallel._node_run import NodeRun, check_flag_change, has_tensor
 from shardwise.parallel._node_table import (
     CALLS,
     PLAIN,
-    SIZED,
-    SIZED_FACTORIES,
     SLOW,
     NodeTable,
     call_info,
-    factory_call,
 )
 from shardwise.parallel._param_reads import alike, call_fits, call_reads, kept_apart
 from shardwise.parallel._passes import Passes
@@ -238,21 +236,6 @@ class PlanExecutor(
             return out
         return self._call(func, kind, op, args, kwargs or {})
 
-    def _short(
-        self, func: Callable[..., Any], fast: int, k: int, args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        """A `SIZED` node (its local sizes) or a `DROPOUT` one (its block of the mask)."""
-        table = self.table
-        if fast == SIZED:
-            if table.local[k] is None:
-                return self.check_sized(func, k, args, kwargs)
-            return table.as_sized.get(k, func)(args[0], *(table.sized[k] or ()))
-        kwargs = kwargs or {}
-        if table.local[k] is None:
-            drops = dropout_p if func is F.dropout else attention_p
-            table.local[k] = drops(args, kwargs) == 0
-        return drop(func, self.plan.nodes[k], args, kwargs)
-
     def _call(
         self, func: Callable[..., Any], kind: str, op: str, args: tuple[Any, ...], kwargs: Any
     ) -> Any:
@@ -348,40 +331,6 @@ class PlanExecutor(
             self.finish_started()
         finally:  # (off the mode stack even when finishing raised)
             super().__exit__(exc_type, exc_val, exc_tb)
-
-    def _factory(
-        self, func: Callable[..., Any], op: str, args: tuple[Any, ...], kw: dict[str, Any]
-    ) -> Any:
-        """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
-        on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one.
-        A factory of the plan's next node gets the node's global sizes (`factory_call`; any
-        other factory its captured sizes where user code read this rank's share of them:
-        `Sizes.factory_sizes`)."""
-        k, asked = self.cursor, fill_shape(op, args, kw)  # (the shape the code asked for)
-        if self.ops[k] == op:
-            if checkpointing():  # (a region's first node may be a factory: `_recompute`)
-                self._checkpointed(k)
-            templates = self.table.templates
-            if templates is not None:  # (``torch.tensor(float(b))``: the global b)
-                args, kw = self.factory_numbers(k, args, kw, templates[k])
-            args, kw = factory_call(op, args, kw, self.plan.nodes[k].local_shapes[0])
-            if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
-                args, kw = self.factory_sizes(args, kw, templates[k])
-        out = func(*args, **kw)
-        if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
-            return out
-        if self.ops[k] != op and self.abandon(op):  # (a pass only factories started)
-            self.note_outside(op, (args, kw), out)
-            return out
-        node = self.plan.nodes[self.cursor]
-        self._advance(op, "made a tensor with", (), None)
-        out = self._returned(node.index, out)
-        leaving = self.leaving[node.index]
-        if leaving is not None:
-            self.note_placed(node.index, leaving, out)
-            self.note_fill(leaving, asked, out)
-        self._ended()
-        return out
 
     def _advance(self, op: str, did: str, args: tuple[Any, ...], kwargs: Any) -> None:
         """Step to the next node, which must be `op` on the parameters it read (the call's

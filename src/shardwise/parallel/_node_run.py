@@ -1,9 +1,18 @@
-"""Run one node of the plan on its full path (`NodeRun`, mixed into `_executor.PlanExecutor`):
-its inputs moved as the plan's edges say (`NodeRun._moved_inputs`), the op on the local blocks
-(`_local.compute`; whole inputs with the captured sizes, `_sizes.Sizes`; an ``out=`` call's
-result stored in its out tensors, `planner._out_calls.written`), the edges of
-its returned values (`NodeRun._returned`: the loss's AllReduce, only started) and the gradient
-averages of its outputs."""
+"""Run one node of the plan once the executor has matched the call to it (`NodeRun`, mixed
+into `_executor.PlanExecutor`, which dispatches the calls and moves the cursor):
+
+- `NodeRun._short`: the op of a node on its short path that needs more than the op itself
+  (`NodeTable.fast`): a `SIZED` node (a view given the plan's local sizes; the first time,
+  `_spans.SpanRunner.check_sized` also notes whether the network's own sizes give the same
+  shapes), a `DROPOUT` one (this rank's block of one global mask: `_local.drop`).
+- `NodeRun._factory`: a call without tensor inputs: a factory node (``torch.arange``: the
+  node's global sizes, `_node_table.factory_call`, and the captured numbers,
+  `_sizes.Sizes.factory_numbers` / ``factory_sizes``), or Python state that is no node.
+- `NodeRun._run`, the full path: the node's inputs moved as the plan's edges say
+  (`NodeRun._moved_inputs`), the op on the local blocks (`_local.compute`; whole inputs with
+  the captured sizes, `_sizes.Sizes`; an ``out=`` call's result stored in its out tensors,
+  `planner._out_calls.written`), the edges of its returned values (`NodeRun._returned`: the
+  loss's AllReduce, only started) and the gradient averages of its outputs."""
 
 from __future__ import annotations
 
@@ -12,15 +21,26 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from shardwise._torch import pytree
+from shardwise._torch.checkpointing import checkpointing
 from shardwise.parallel._edges import average_outputs, move
 from shardwise.parallel._errors import Replan
 from shardwise.parallel._global_draws import UnplannedDraw
-from shardwise.parallel._local import compute, float_sum, loss_weight, summed_loss
-from shardwise.parallel._node_table import NodeTable
+from shardwise.parallel._local import (
+    attention_p,
+    compute,
+    drop,
+    dropout_p,
+    float_sum,
+    loss_weight,
+    summed_loss,
+)
+from shardwise.parallel._node_table import SIZED, SIZED_FACTORIES, NodeTable, factory_call
 from shardwise.parallel._param_reads import call_fits, kept_apart
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
+from shardwise.planner._local_factories import fill_shape
 from shardwise.planner._out_calls import written
 
 T = torch.Tensor
@@ -79,7 +99,7 @@ def grad_mode() -> int:
 
 
 class NodeRun:
-    """A node's full path (see the module docstring); `PlanExecutor` sets the attributes."""
+    """A matched node's run (see the module docstring); `PlanExecutor` sets the attributes."""
 
     plan: ParallelPlan
     table: NodeTable
@@ -91,6 +111,8 @@ class NodeRun:
     defer_count: bool
     backward_seen: bool
     swapped: dict[int, tuple[weakref.ref[T], T]]  # in place on a moved copy: id -> its result
+    cursor: int
+    leaving: list[dict[int, EdgePlan] | None]  # (`_leaving`) per node: its outputs moved on return
 
     if TYPE_CHECKING:
 
@@ -105,6 +127,32 @@ class NodeRun:
             self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
         ) -> tuple[Any, Any]: ...
 
+        def factory_numbers(
+            self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]
+        ) -> tuple[Any, Any]: ...
+
+        def factory_sizes(
+            self, args: Any, kw: Any, captured: tuple[Any, Any]
+        ) -> tuple[Any, Any]: ...
+
+        def check_sized(self, func: Callable[..., Any], k: int, args: Any, kwargs: Any) -> Any: ...
+
+        def _checkpointed(self, k: int) -> None: ...
+
+        def abandon(self, op: str) -> bool: ...
+
+        def note_outside(self, op: str, args: Any, out: Any) -> None: ...
+
+        def note_placed(self, k: int, edges: dict[int, EdgePlan], out: Any) -> None: ...
+
+        def note_fill(
+            self, edges: dict[int, EdgePlan], asked: tuple[int, ...] | None, out: Any
+        ) -> None: ...
+
+        def _advance(self, op: str, did: str, args: tuple[Any, ...], kwargs: Any) -> None: ...
+
+        def _ended(self) -> None: ...
+
     def on_parameter(self, op: str, args: tuple[Any, ...]) -> bool:
         """Whether call `op` changes a stored `Parameter` itself (``requires_grad_``: no node
         of the plan, as the capture records none: `planner._recorders._is_param`)."""
@@ -114,6 +162,55 @@ class NodeRun:
         """Whether a call of node `k`'s op reads the parameters node `k` read (`_param_reads`:
         a head picked by a flag runs the same op on another head's weights)."""
         return call_fits(self.table.reads[k], self.params, args, kwargs)
+
+    def _short(
+        self, func: Callable[..., Any], fast: int, k: int, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """A `SIZED` node (its local sizes) or a `DROPOUT` one (its block of the mask)."""
+        table = self.table
+        if fast == SIZED:
+            if table.local[k] is None:
+                return self.check_sized(func, k, args, kwargs)
+            return table.as_sized.get(k, func)(args[0], *(table.sized[k] or ()))
+        kwargs = kwargs or {}
+        if table.local[k] is None:
+            drops = dropout_p if func is F.dropout else attention_p
+            table.local[k] = drops(args, kwargs) == 0
+        return drop(func, self.plan.nodes[k], args, kwargs)
+
+    def _factory(
+        self, func: Callable[..., Any], op: str, args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
+        on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one.
+        A factory of the plan's next node gets the node's global sizes (`factory_call`; any
+        other factory its captured sizes where user code read this rank's share of them:
+        `Sizes.factory_sizes`)."""
+        k, asked = self.cursor, fill_shape(op, args, kw)  # (the shape the code asked for)
+        if self.ops[k] == op:
+            if checkpointing():  # (a region's first node may be a factory: `_recompute`)
+                self._checkpointed(k)
+            templates = self.table.templates
+            if templates is not None:  # (``torch.tensor(float(b))``: the global b)
+                args, kw = self.factory_numbers(k, args, kw, templates[k])
+            args, kw = factory_call(op, args, kw, self.plan.nodes[k].local_shapes[0])
+            if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
+                args, kw = self.factory_sizes(args, kw, templates[k])
+        out = func(*args, **kw)
+        if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
+            return out
+        if self.ops[k] != op and self.abandon(op):  # (a pass only factories started)
+            self.note_outside(op, (args, kw), out)
+            return out
+        node = self.plan.nodes[self.cursor]
+        self._advance(op, "made a tensor with", (), None)
+        out = self._returned(node.index, out)
+        leaving = self.leaving[node.index]
+        if leaving is not None:
+            self.note_placed(node.index, leaving, out)
+            self.note_fill(leaving, asked, out)
+        self._ended()
+        return out
 
     def _moved_inputs(
         self, k: int, tensors: list[Any], kept: dict[int, tuple[T, T] | None] | None = None
