@@ -11,7 +11,10 @@ buckets (`_grad_buckets.GradBuckets`); every call then runs under the plan execu
 (`_executor.PlanExecutor`), and a call that runs other ops or shapes is planned again.
 `_plan_graph` also writes the reports (`_reading.dump_first_plan`).
 ``parallel_mode="data_parallel"`` instead runs `optim.DataParallelRunner`
-(`_data_parallel_mode.start_runner`).
+(`_data_parallel_mode.start_runner`). The settings a wrapper takes before its first call
+(``dataset_strategy``, ``hsdp``, ``comm_fusion``) are `_wrapper_settings.WrapperSettings`'s;
+reading the plan, strategy files and gradient clipping are those of its other bases
+(`_reading.PlanReading`, `_strategy_files.StrategyFiles`, `_clip.Clipping`).
 
 Inputs follow MindSpore's convention: under the default ``"data_parallel"`` dataset strategy
 each rank passes its own rows of the global batch, under ``"full_batch"`` the whole global
@@ -24,20 +27,14 @@ such inputs). A wrapped network's outputs leave as this rank's rows (the whole o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise import communication as comm
-from shardwise.optim import (
-    DataParallelRunner,
-    OptimizerParallel,
-    OptimizerPlan,
-    check_fusion,
-    check_hsdp,
-)
+from shardwise.optim import DataParallelRunner, OptimizerParallel, OptimizerPlan
 from shardwise.parallel._call_io import float_shapes_hint, local_inputs
 from shardwise.parallel._clip import DATA_PARALLEL, Clipping, clipping
 from shardwise.parallel._compiled import uncompiled, warn_compiled
@@ -54,12 +51,13 @@ from shardwise.parallel._hsdp import settings_from_context, watch_closures
 from shardwise.parallel._nested import running
 from shardwise.parallel._ownership import refuse_shared, stored, take_over
 from shardwise.parallel._reading import PlanReading, dump_first_plan
-from shardwise.parallel._step import DatasetStrategy, check_dataset_strategy
+from shardwise.parallel._step import DatasetStrategy
 from shardwise.parallel._strategy_files import StrategyFiles
+from shardwise.parallel._wrapper_settings import WrapperSettings
 from shardwise.planner import FakeKernelError, ParallelPlan
 
 
-class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
+class AutoParallel(nn.Module, WrapperSettings, StrategyFiles, PlanReading, Clipping):
     """Run a network operator-parallel as its strategies say, or as the automatic planners
     choose (semi_auto, sharding_propagation, recursive_programming).
 
@@ -159,88 +157,6 @@ class AutoParallel(nn.Module, StrategyFiles, PlanReading, Clipping):
         ``"full_batch"``): a module-form wrapper's outputs are then this rank's rows, and a loss
         computed from them outside the wrapper is this rank's."""
         return self._dataset != "full_batch"
-
-    def dataset_strategy(self, strategy: DatasetStrategy) -> AutoParallel:
-        """How each input of the wrapped call is split.
-
-        Args:
-            strategy: how each rank's inputs relate to the global batch, the same for a
-                wrapped module and a wrapped train step: ``"data_parallel"`` (the default:
-                each rank passes its own rows; the global batch is the ranks' rows in rank
-                order), ``"full_batch"`` (each rank passes the whole global batch; each
-                consumer takes its share), or one entry per tensor input, each rank passing its
-                block of that layout: split counts such as ``((2, 1), (2,))`` (the repeat
-                factor appended on the right when they use fewer devices than the job: ranks
-                0-3 pass the first half of the rows on 8 ranks) or Layout calls
-                ``(layout("dp", "None"), layout("dp"))``.
-
-        Returns:
-            self.
-
-        Example:
-            >>> AutoParallel(train_step).dataset_strategy(((4, 1, 1, 1), (4,)))
-        """
-        if self.has_run:
-            raise ValueError(
-                "AutoParallel.dataset_strategy: call it before the first step (already planned: "
-                "the plan cuts the inputs by the strategy it was made with); wrap the step in a "
-                "new AutoParallel for another"
-            )
-        self._dataset = check_dataset_strategy(strategy)
-        return self
-
-    def hsdp(
-        self, shard_size: int = -1, threshold: float = 64, optimizer_level: str = "level1"
-    ) -> AutoParallel:
-        """Turn on optimizer parallel (MindSpore's hsdp; see docs/optim.md).
-
-        Args:
-            shard_size: ranks one parameter is sharded over; -1: its whole data-parallel group
-                (the ranks holding the same op-level block); else a divisor of it (the shards
-                are then kept equal across the groups by an AllReduce).
-            threshold: KB; smaller parameter blocks are not sharded.
-            optimizer_level: ``"level1"`` (optimizer state and update sharded; weights gathered
-                once per step and kept for forward and backward; full gradients kept until the
-                optimizer step, then reduce-scattered), ``"level2"`` (gradients reduce-scattered
-                in backward as soon as a bucket is ready), ``"level3"`` (also weights gathered
-                again in backward instead of being kept).
-
-        Returns:
-            self.
-
-        Example:
-            >>> AutoParallel(train_step, parallel_mode="semi_auto").hsdp(optimizer_level="level2")
-        """
-        if self.has_run:
-            raise ValueError("AutoParallel.hsdp: call it before the first step (already planned)")
-        self._hsdp = check_hsdp(shard_size, threshold, optimizer_level, self.parallel_mode)
-        watch_closures(self)  # (a first call inside a closure: `stepping_over`)
-        return self
-
-    def comm_fusion(self, config: Mapping[str, Any]) -> AutoParallel:
-        """Bucket gradient / weight collectives by size or index instead of by fusion id.
-
-        Without this call (and without the context's ``comm_fusion``) the gradient AllReduces
-        go in buckets of at most 25 MB (DDP's default); with it, a kind without a mode fuses by
-        ``comm_fusion`` id (``set_comm_fusion``; id 0: one collective per parameter), and
-        ``{"openstate": False}`` gives one collective per parameter.
-
-        Args:
-            config: ``{"allreduce" | "allgather" | "reducescatter": {"mode": "auto" | "size" |
-                "index", "config": ...}}``: ``auto`` = 64 MB buckets, ``size`` = ``config`` MB,
-                ``index`` (allreduce only) = parameter indices where a new bucket starts.
-
-        Returns:
-            self.
-
-        Example:
-            >>> parallel_net.comm_fusion({"allreduce": {"mode": "size", "config": 32}})
-        """
-        if self.has_run:
-            raise ValueError("AutoParallel.comm_fusion: call it before the first step")
-        self._fusion = check_fusion(config)
-        self._fusion_dict = dict(config)
-        return self
 
     @property
     def optimizer_plan(self) -> OptimizerPlan | None:
