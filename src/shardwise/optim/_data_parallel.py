@@ -7,9 +7,11 @@ batch it passes (``"full_batch"``). Which function does which step:
 
 - `DataParallelRunner.__init__` checks the arguments (`check_arguments`), gives a network
   built in ``sw.no_init_parameters()`` its whole values on every rank (`materialized`), builds
-  the plan (`_build_plan`, from ``_data_parallel_plan``: each parameter's optimizer and owner rank,
-  `plan_entries`; the gradient all-reduce and broadcast buckets, `plan_buckets`) and registers
-  two hooks on every optimizer (``register_step_pre_hook`` / ``register_step_post_hook``).
+  the plan (``_data_parallel_runner_plan.RunnerPlan._build_plan``: each parameter's optimizer
+  and owner rank, the gradient all-reduce and broadcast buckets; planned again when parameters
+  are frozen or unfrozen, `RunnerPlan._check_plan`; read by `RunnerPlan.owners`, ``owned``,
+  ``collectives_per_step`` and ``str(runner)``) and registers two hooks on every optimizer
+  (``register_step_pre_hook`` / ``register_step_post_hook``).
 - `DataParallelRunner.__call__`: under ``"full_batch"`` cuts each tensor input to this rank's
   rows (`local_rows`); train-step form: runs the user's step unchanged on the rows, averages the
   returned loss over the ranks (`mean_loss`); module form: runs the network on the rows, its
@@ -62,10 +64,8 @@ from shardwise.optim._data_parallel_plan import (
     check_optimizers,
     find_optimizers,
     materialized,
-    plan_buckets,
-    plan_entries,
-    plan_table,
 )
+from shardwise.optim._data_parallel_runner_plan import RunnerPlan
 from shardwise.optim._data_parallel_steps import (
     all_reduce_bucket,
     broadcast_bucket,
@@ -79,7 +79,7 @@ from shardwise.optim._global_hooks import register_pre, remove_later
 from shardwise.optim._settings import FusionConfig, check_fusion
 
 
-class DataParallelRunner:
+class DataParallelRunner(RunnerPlan):
     """Data-parallel training of a train step or a module (MindSpore parallel_mode="data_parallel").
 
     Two forms:
@@ -219,93 +219,6 @@ class DataParallelRunner:
         self.optimizers.append(o)
         self._build_plan()
         self._hook(o, len(self.optimizers) - 1)
-
-    # -- plan ------------------------------------------------------------------------------
-    def _build_plan(self) -> None:
-        """Entries (owner, fusion id, buckets) of every network parameter, in order."""
-        self.entries = plan_entries(
-            self.network, self.optimizers, self.parallel_optimizer, self.threshold_kb, self.world
-        )
-        self._grad_buckets, self._broadcast_buckets = plan_buckets(
-            self.entries, len(self.optimizers), self._fusion
-        )
-        self._planned_for = self._trained()
-
-    def _trained(self) -> tuple[Any, ...]:
-        """What the plan depends on: which parameters require gradients, and the parameters
-        of each optimizer's groups."""
-        groups = tuple(id(p) for o in self.optimizers for g in o.param_groups for p in g["params"])
-        return tuple(p.requires_grad for p in self._params), groups
-
-    def _check_plan(self) -> None:
-        """Plan again when parameters were frozen or unfrozen, or an optimizer got a parameter
-        group, since the plan was made (their gradients were not averaged): at each call and
-        at each optimizer step (a change inside the train step); with ``parallel_optimizer``
-        (owners hold state) a ValueError instead."""
-        if self._trained() == self._planned_for:
-            return
-        if self.parallel_optimizer:
-            raise ValueError(
-                f"{WHO}: parameters were frozen or unfrozen, or an optimizer got a parameter "
-                f"group, after the first call; with optimizer parallel each parameter's owner "
-                f"holds its state, so the owners cannot be planned again: set requires_grad "
-                f"and the parameter groups before the first call (lr=0 until a layer trains)"
-            )
-        self._build_plan()
-
-    @property
-    def owners(self) -> dict[str, int]:
-        """Parameter name -> owner rank, for the parameters optimizer parallel assigned."""
-        return {e.name: e.owner for e in self.entries if e.owner is not None}
-
-    def owned(self, rank: int) -> list[str]:
-        """Names of the parameters rank `rank` updates: its owned ones and the shared ones.
-
-        Args:
-            rank: a rank of the job.
-
-        Returns:
-            Parameter names in parameter order (only parameters of some optimizer).
-
-        Example:
-            >>> runner.owned(0)
-            ['0.weight', '0.bias', '1.bias']
-        """
-        return [
-            e.name
-            for e in self.entries
-            if e.optimizer is not None and (e.owner is None or e.owner == rank)
-        ]
-
-    def collectives_per_step(self) -> dict[str, int]:
-        """How many AllReduce and Broadcast calls one step issues (the same whichever
-        parameters got a gradient: a bucket is sent whole by every rank); the train-step form
-        adds one AllReduce for the loss, and so does the module form per floating 0-d output of
-        the network's (its loss).
-
-        Returns:
-            ``{"AllReduce": ..., "Broadcast": ...}``.
-
-        Example:
-            >>> runner.collectives_per_step()
-            {'AllReduce': 4, 'Broadcast': 2}
-        """
-        reduces = sum(len(b) for b in self._grad_buckets)
-        loss = 1 if self.train_step is not None else 0
-        return {
-            "AllReduce": reduces + loss,
-            "Broadcast": sum(len(b) for b in self._broadcast_buckets),
-        }
-
-    def __str__(self) -> str:
-        head = (
-            f"{WHO}: {self.world} ranks, "
-            f"{'train step' if self.train_step is not None else 'module'} form, "
-            f"parallel_optimizer={self.parallel_optimizer}, threshold_kb={self.threshold_kb:g}"
-        )
-        counts = self.collectives_per_step()
-        tail = f"per step: {counts['AllReduce']} AllReduce, {counts['Broadcast']} Broadcast"
-        return "\n".join([head, *plan_table(self.entries), tail])
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
