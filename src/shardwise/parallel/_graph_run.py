@@ -3,13 +3,14 @@
 `GraphRun` serves every `AutoParallel` call in semi_auto (shardwise primitives, torch ops and
 annotations alike; any dataset strategy):
 
-- `GraphRun.plan` (first call): `_graph_capture.capture_plan`: `planner.capture` of the train
-  step (or the network's forward) on fake inputs of the global batch's shapes
+- `GraphRun.plan` (first call): `_graph_capture.capture_plan` (through
+  `_graph_plans.GraphPlans._capture_plan`, once the ranks agree on it): `planner.capture` of
+  the train step (or the network's forward) on fake inputs of the global batch's shapes
   (`_call_io.global_inputs`), then `planner.plan_semi_auto`. ``sw.reshard`` (and so
   ``sw.shard``'s input and output strategies) is one op of the graph (`_shard.reshard_value`,
   through `_graph_capture.GraphSession`); ``sw.shard``'s op form on an ``nn.Linear`` /
   ``nn.Embedding`` annotates its node; parameter plans are collected during the capture. A
-  call with other input shapes or ops is planned again (`GraphRun._replan`; the plans are kept,
+  call with other input shapes or ops is planned again (`GraphPlans._replan`; the plans are kept,
   looked up by `_call_io.input_shapes` and by the call's flags: `_variants.ByFlags`), and one
   after a parameter's dtype or device changed (only that plan kept: `GradPlanning._moved`).
 - apply: split parameters cut to this rank's block (`_runtime.shard_parameters`, with the
@@ -37,18 +38,16 @@ annotations alike; any dataset strategy):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise import communication as comm
-from shardwise import report
 from shardwise._torch.module_state import own_buffers
 from shardwise._transformers import same_masks
-from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.ops import Primitive
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel, OptimizerPlan
@@ -68,11 +67,10 @@ from shardwise.parallel._errors import Replan, note_blocks, replanned_call_diffe
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._grad_buckets import GradBuckets
 from shardwise.parallel._grad_plan import GradPlanning
-from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory, eager
+from shardwise.parallel._graph_capture import GraphSession, check_plan_memory, eager
+from shardwise.parallel._graph_plans import GraphPlans
 from shardwise.parallel._hsdp import (
     bucket_plans,
-    check_step,
-    gradient_buckets,
     optimizer_plan,
     start_engine,
 )
@@ -88,18 +86,17 @@ from shardwise.parallel._observe import Planned, notify
 from shardwise.parallel._ownership import cut_names, refuse_shared
 from shardwise.parallel._rnn_checks import rows_hidden_checks
 from shardwise.parallel._runtime import cut_optimizer_state, shard_parameters
-from shardwise.parallel._same_inputs import check_ranks_agree, same_inputs
 from shardwise.parallel._shard import activate
 from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
-from shardwise.parallel._variants import ByFlags, keep_few, known_variant, snapshot
-from shardwise.planner import Graph, ParallelPlan, regathered_params
+from shardwise.parallel._variants import ByFlags, known_variant, snapshot
+from shardwise.planner import ParallelPlan
 from shardwise.planner._user_state import CALL_LIMIT, python_state
 
 T = torch.Tensor
 
 
-class GraphRun(StepHooks, GradPlanning, NetworkHooks):
+class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
     """One network or train step run from its `ParallelPlan` (see the module docstring)."""
 
     def __init__(
@@ -145,35 +142,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         watch_all = bool(get_auto_parallel_context("watch_every_op"))
         self.spans = SpanHooks(network, lambda: self.executor, enabled=not watch_all)
-
-    def _capture_plan(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], stored: ParallelPlan | None = None
-    ) -> tuple[Graph, ParallelPlan]:
-        """`capture_plan` of this call (`stored`: a plan whose parameter storage it keeps),
-        once the ranks are found to agree on it (`check_ranks_agree`: the ranks meant to pass
-        the same inputs did, and every rank made rank 0's plan or none raised)."""
-        named = same_inputs(self.dataset, args, kwargs)  # (before the capture reads them)
-        try:
-            with self._capturing():
-                graph, plan = capture_plan(
-                    self.fn,
-                    self.network,
-                    self.session,
-                    self.dataset,
-                    self.param_layouts,
-                    args,
-                    kwargs,
-                    stored,
-                    self.mode,
-                    self.optimizers,
-                )
-            if self.hsdp is not None:
-                check_step(graph, self.optimizers, self.network)  # (in-place writes, LBFGS)
-        except Exception as e:  # (told to the other ranks, which would wait for this one)
-            check_ranks_agree(self.dataset, args, kwargs, named, e)
-            raise
-        check_ranks_agree(self.dataset, args, kwargs, named, plan)
-        return graph, plan
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParallelPlan:
         """Capture and plan with the global shapes of this call's inputs (the ops, the
@@ -223,14 +191,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
             self._buckets(plan, buckets)
         self.kinds = self._kinds()  # (changed later: planned again, `_moved`)
         return plan
-
-    @contextmanager
-    def _capturing(self) -> Iterator[None]:
-        self.capturing = True
-        try:
-            yield
-        finally:
-            self.capturing = False
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -301,45 +261,6 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks):
         hooks, buckets = (on_start, on_end), self.grads is not None
         run = (self.network, self.engine, hooks, buckets, bool(self.hsdp), self.set_divisor)
         return call_executor(plan, table, call, *run, params=self.param_names)
-
-    def _replan(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        reason: str,
-        storage: ParallelPlan | None = None,
-    ) -> None:
-        """The network ran other ops than the plan's (`reason`): a plan for this call, kept
-        with the others (the parameters stay stored as the first plan, or `storage`, stores
-        them)."""
-        first = self.stored_plan
-        graph, plan = self._capture_plan(args, kwargs, stored=storage or first)
-        if self.hsdp is None:  # (the first plan's parameters, this plan's equal gradients)
-            stored = (first if storage is None else plan).param_layouts()
-            made = gradient_buckets(self.network, stored, self.fusion, plan.equal_grads)
-            plan = dataclasses.replace(plan, buckets=bucket_plans(made, plan.matrix))
-        else:  # (the engine's shards stay as the first plan made them)
-            assert self.engine is not None
-            made = self.engine.plan
-            plan = dataclasses.replace(plan, buckets=first.buckets)
-        for known, templates in self.plans:
-            if known == plan:
-                self.parallel_plan, self.templates = known, templates
-                return
-        check_plan_memory(plan, made, self.network, self.optimizers)  # (another batch size...)
-        self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
-        self.parallel_plan = plan
-        self.plans.append((plan, self.templates))
-        keep_few(self.plans, self.tables, reason)
-        known_ids = {id(a[0]) for a in self.annotated}
-        self.annotated += [
-            a for a in noted_annotations(self.network, graph) if id(a[0]) not in known_ids
-        ]
-        recorder.mark(f"planned again: the network called {reason}")
-        variant = report.next_variant()
-        report.dump_parallel_plan(plan, variant=variant)
-        again = regathered_params(plan)  # (level 3: the buckets gathered again in backward)
-        report.dump_optimizer(made, plan.matrix, variant=variant, regathered=again)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """One call under a `PlanExecutor` of the current plan, noted for its flags."""
