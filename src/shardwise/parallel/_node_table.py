@@ -30,7 +30,7 @@ from shardwise._torch import pytree
 from shardwise.parallel._edges import copied_moves
 from shardwise.parallel._leaving import buffer_edges, leave_edges
 from shardwise.parallel._param_reads import node_reads, passing
-from shardwise.parallel._sizes import flat_call, flatten_call, unflatten_call
+from shardwise.parallel._sizes import flatten_call, unflatten_call
 from shardwise.planner import EdgePlan, NodePlan, ParallelPlan
 from shardwise.planner._batch_norm import SPLIT_BATCH_NORM
 from shardwise.planner._call_kinds import call_name
@@ -277,15 +277,9 @@ class NodeTable:
         if len(tensors) != self.inputs[k]:
             return args, kw
         flat = self.flat_templates.get(k)
-        if flat is None:
+        if flat is None:  # (a TensorSlot is a leaf: no container, no registered pytree node)
             targs, tkw = self.templates[k]
-            flat = self.flat_templates[k] = (
-                flatten_call(tuple(targs), dict(tkw))
-                if flat_call(tuple(targs), dict(tkw))  # (a TensorSlot is no container)
-                else pytree.tree_flatten(
-                    self.templates[k], is_leaf=lambda x: isinstance(x, TensorSlot)
-                )
-            )
+            flat = self.flat_templates[k] = flatten_call(tuple(targs), dict(tkw))
         leaves = [tensors[x.slot] if isinstance(x, TensorSlot) else x for x in flat[0]]
         out = unflatten_call(leaves, flat[1])
         return tuple(out[0]), dict(out[1])
