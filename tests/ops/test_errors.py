@@ -3,6 +3,7 @@ input, the dim, the axis and what would be valid."""
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Any
 
@@ -338,6 +339,52 @@ def test_out_strategy_not_following_from_the_input() -> None:
     layout = sw.Layout((2, 4), ("dp", "mp"))
     op = MatMul().shard((layout("dp", "mp"), layout("mp", "None")), (layout("mp", "None"),))
     has(fails(op, X, W), "valid: (layout('dp', 'None'),) or (layout(('dp', 'mp'), 'None'),)")
+
+
+def suggested(message: str) -> list[Any]:
+    """The strategies a message lists after ``valid:`` (up to a parenthesized note)."""
+    listed = message.split("valid: ")[1].split(" (not ")[0]
+    return [ast.literal_eval(s) for s in listed.split(" or ")]
+
+
+TOO_FINE_SCATTER = [  # M (batch, indices rows) of 4 cannot take a ReduceScatter's 8-way split
+    (MatMul().shard(((2, 4), (4, 1)), ((2, 4),)), [(4, 16), (16, 8)], {}, ((2, 1),)),
+    (BatchMatMul().shard(((2, 1, 4), (2, 4, 1)), ((2, 4, 1),)), [(4, 8, 8)] * 2, {}, ((2, 1, 1),)),
+    (Gather().shard(((8, 1), (1, 1)), ((2, 1, 1),)), [(16, 8), (4, 2)], {"axis": 0}, ((1, 1, 1),)),
+]
+
+
+@pytest.mark.parametrize(("op", "shapes", "call", "want"), TOO_FINE_SCATTER)
+def test_out_strategy_suggestions_divide_the_output(
+    op: Any, shapes: Any, call: Any, want: Any
+) -> None:
+    """The refused value listed ``((8, 1),)`` as valid, which was refused in turn (dim 0 of
+    size 4 split 8 ways); now only values whose splits divide the output are listed, and
+    asking for the too fine one says why and what is valid."""
+    msg = fails(op, *shapes, **call)
+    has(msg, "does not follow from the input strategy", "would split output 0 dim 0 of size 4")
+    valid = suggested(msg)
+    assert valid == [want], msg
+    for value in valid:
+        plan_primitive(op.shard(op.in_strategy, value), *shapes, device_num=8, **call)
+    too_fine = ((8,) + (1,) * (len(valid[0][0]) - 1),)
+    msg = fails(op.shard(op.in_strategy, too_fine), *shapes, **call)
+    has(msg, "cannot hold output 0", "it would split dim 0 of size 4 into 8 parts", "valid: ")
+    assert suggested(msg) == valid, msg
+
+
+def test_every_dim_split_differently_is_repaired_in_the_suggestions() -> None:
+    """Add ((2, 4), (4, 2)): both dims differ; the fix search repaired dim 0 only, found no fix
+    and listed none. Now every such dim is named and each listed fix plans."""
+    msg = fails(Add().shard(((2, 4), (4, 2))), (8, 8), (8, 8))
+    has(msg, "dim 0 must be split alike", "input 0 (x) dim 1 and input 1 (y) dim 1 into 4 and 2")
+    valid = suggested(msg)
+    assert valid == [((2, 4), (2, 4)), ((2, 2), (2, 2)), ((4, 2), (4, 2))], msg
+    for strategy in valid:
+        plan_primitive(Add().shard(strategy), (8, 8), (8, 8), device_num=8)
+    msg = fails(Add().shard(((2, 4), (4, 2))), (8, 8), (8, 1))  # (y dim 1 broadcast, yet split)
+    has(msg, "input 1 (y) dim 1 (size 1) is broadcast but split", "valid: ((2, 4), (2, 1))")
+    plan_primitive(Add().shard(((2, 4), (2, 1))), (8, 8), (8, 1), device_num=8)
 
 
 def test_out_strategy_on_an_op_without_one() -> None:

@@ -18,7 +18,8 @@ strategies are written in their messages, are in `shardwise.ops._spec_checks`):
 5. `_logical_axes` / `check_disjoint`: each logical axis -> its device axes; no device axis may
    split two logical axes.
 6. `_outputs`: output layouts and the AllReduce over the device axes of the `reduced` axes.
-7. `_apply_out_strategy`: `out_strategy` may ask for a ReduceScatter onto output dim 0 instead.
+7. `_apply_out_strategy`: `out_strategy` may ask for a ReduceScatter onto output dim 0 instead,
+   where that split divides the dim (messages list only the values whose splits divide).
 """
 
 from __future__ import annotations
@@ -185,14 +186,57 @@ def _apply_out_strategy(
     if red and outs[0].ndim:
         scattered = TensorLayout(matrix, (outs[0].dims[0] + red, *outs[0].dims[1:]))
         candidates.append((scattered, (Comm("ReduceScatter", names, dim=0, op=spec.reduce_op),)))
+    shape = spec.output_shapes[0]
     for layout, comms in candidates:
-        if _matches(out_strategy[0], layout):
+        if _matches(out_strategy[0], layout) and _divides(layout, shape):
             return (layout, *outs[1:]), comms
-    valid = " or ".join(_show_out(layout, kind) for layout, _ in candidates)
-    raise ValueError(
-        f"{label}: out_strategy {fmt_strategy(out_strategy)} does not follow from the input "
-        f"strategy; valid: {valid}"
+    layouts = [layout for layout, _ in candidates]
+    raise ValueError(f"{label}: {_out_strategy_error(out_strategy, layouts, shape, kind)}")
+
+
+def _divides(layout: TensorLayout, shape: Shape) -> bool:
+    """Whether `layout` can hold a tensor of global `shape` (every split divides its dim)."""
+    try:
+        layout.check(shape)
+    except ValueError:
+        return False
+    return True
+
+
+def _out_strategy_error(
+    out_strategy: Strategy, candidates: Sequence[TensorLayout], shape: Shape, kind: str
+) -> str:
+    """Why `out_strategy` is refused (the message after the label): the valid values are the
+    candidates whose splits divide output 0's `shape`; one that does not is named with why."""
+    asked = fmt_strategy(out_strategy)
+    fit = [c for c in candidates if _divides(c, shape)]
+    unfit = [c for c in candidates if not _divides(c, shape)]
+    why = [
+        (c, f"dim {d} of size {shape[d]} into {c.split_count(d)} parts")
+        for c in unfit
+        for d in [d for d in range(c.ndim) if shape[d] % c.split_count(d)][:1]
+    ]
+    asked_unfit = [reason for c, reason in why if _matches(out_strategy[0], c)]
+    if asked_unfit:
+        head = (
+            f"out_strategy {asked} cannot hold output 0 (shape {list(shape)}): it would split "
+            f"{asked_unfit[0]}"
+        )
+        others = [(c, reason) for c, reason in why if not _matches(out_strategy[0], c)]
+    else:
+        head = f"out_strategy {asked} does not follow from the input strategy"
+        others = why
+    notes = "; ".join(
+        f"{_show_out(c, kind)}: it would split output 0 {reason}" for c, reason in others
     )
+    if not fit:
+        return (
+            f"{head}; no output layout that follows from the input strategy divides output 0 "
+            f"(shape {list(shape)}){': ' + notes if notes else ''}; drop out_strategy and choose "
+            f"an input strategy whose splits divide the output"
+        )
+    valid = " or ".join(_show_out(c, kind) for c in fit)
+    return f"{head}; valid: {valid}" + (f" (not {notes})" if notes else "")
 
 
 def _resolve(

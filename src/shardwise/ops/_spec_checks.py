@@ -4,7 +4,8 @@ in their messages.
 - `fmt_strategy` / `layout_call`: a strategy, or one Layout, as the user writes it.
 - `check_entries` (step 2): ints or Layouts (never mixed), one entry per input, one value per
   dim.
-- `check_ties` (step 3): dims on one logical axis split alike; broadcast dims (None) whole.
+- `check_ties` (step 3): dims on one logical axis split alike; broadcast dims (None) whole (a
+  suggested fix repairs every axis split differently at once: `_tie_fixes`).
 - `check_fixed` (step 3): dims on a `fixed` logical axis (Softmax's axis, LayerNorm's normalized
   dims, ...) whole.
 - `check_disjoint` (step 5): no device axis splits two logical axes.
@@ -15,6 +16,7 @@ suggested (`_with`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -140,17 +142,26 @@ def check_entries(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label
     return kind
 
 
+Clash = tuple[int, tuple[int, int], tuple[int, int]]
+"""Two dims on one logical axis split differently: (axis, its first (input, dim), (input, dim))."""
+
+
 def check_ties(
     strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: str, world: int | None = None
 ) -> None:
-    """Dims on one logical axis split alike; broadcast dims (None) not split. A suggested fix
-    fits `world` devices (None: any count)."""
+    """Dims on one logical axis split alike; broadcast dims (None) not split. The message names
+    every axis split differently, and a suggested fix repairs them all and fits `world` devices
+    (None: any count)."""
     first: dict[int, tuple[int, int]] = {}
+    clashes: list[Clash] = []
+    broadcast: dict[tuple[int, int], int] = {}  # split broadcast dims after a clash: fixed to 1
     for i, dims in enumerate(spec.inputs):
         entry = strategy[i]
         for d, lg in enumerate(dims):
             if lg is None:
-                if _splits(entry, d) > 1:
+                if _splits(entry, d) > 1 and clashes:
+                    broadcast[(i, d)] = 1
+                elif _splits(entry, d) > 1:
                     fix = _with(strategy, {(i, d): 1}) if isinstance(entry, tuple) else "'None'"
                     raise ValueError(
                         f"{label}: {_input(spec, i)} dim {d} (size {shapes[i][d]}) is broadcast "
@@ -158,42 +169,74 @@ def check_ties(
                         f"{_show(entry, d)}; valid: {fix}"
                     )
                 continue
-            if lg not in first:
-                first[lg] = (i, d)
-                continue
-            j, e = first[lg]
-            if _key(entry, d) != _key(strategy[j], e):
-                role = f" ({spec.roles[lg]})" if lg in spec.roles else ""
-                other = strategy[j]
-                fix = f"the same axes, in the same order, as {_input(spec, j)} dim {e}"
-                if all(isinstance(x, tuple) for x in strategy):  # (either way round: one may
-                    on_axis = [  # fit fewer devices; every dim on this axis alike)
-                        (k, dd)
-                        for k, dims in enumerate(spec.inputs)
-                        for dd, axis in enumerate(dims)
-                        if axis == lg
-                    ]
-                    values = [  # (only splits dividing every dim on the axis)
-                        v
-                        for v in (_splits(other, e), _splits(entry, d))
-                        if all(shapes[k][dd] % v == 0 for k, dd in on_axis)
-                    ] or [1]
-                    fixes = [
-                        _with(strategy, dict.fromkeys(on_axis, v))
-                        for v in values
-                        if _fits(
-                            _replaced(strategy, dict.fromkeys(on_axis, v)), spec, shapes, world
-                        )
-                    ]
-                    fix = " or ".join(dict.fromkeys(fixes)) or (
-                        f"the same split on both, with the strategy's device matrix dividing the "
-                        f"device count {world}"
-                    )
-                raise ValueError(
-                    f"{label}: {_input(spec, j)} dim {e} and {_input(spec, i)} dim {d}{role} must "
-                    f"be split alike, but the strategy splits them into {_show(other, e)} and "
-                    f"{_show(entry, d)}; valid: {fix}"
-                )
+            j, e = first.setdefault(lg, (i, d))
+            clashed = any(c[0] == lg for c in clashes)
+            if not clashed and _key(entry, d) != _key(strategy[j], e):
+                clashes.append((lg, (j, e), (i, d)))
+    if not clashes:
+        return
+    (lg, (j, e), (i, d)), *more = clashes
+    fix = f"the same axes, in the same order, as {_input(spec, j)} dim {e}"
+    if all(isinstance(x, tuple) for x in strategy):
+        fix = _tie_fixes(strategy, spec, shapes, world, clashes, broadcast)
+    also = "".join(f", and {_pair(spec, strategy, c, into=True)}" for c in more) + "".join(
+        f", and {_input(spec, k)} dim {dd} (size {shapes[k][dd]}) is broadcast but split"
+        for k, dd in broadcast
+    )
+    raise ValueError(
+        f"{label}: {_pair(spec, strategy, clashes[0])} must be split alike, but the strategy "
+        f"splits them into {_show(strategy[j], e)} and {_show(strategy[i], d)}{also}; valid: {fix}"
+    )
+
+
+def _pair(spec: Spec, strategy: Strategy, clash: Clash, into: bool = False) -> str:
+    """``input 0 (x) dim 1 and input 1 (w) dim 0 (the contracted dim K)`` (`into`: with the two
+    splits, ``... into 4 and 2``)."""
+    lg, (j, e), (i, d) = clash
+    role = f" ({spec.roles[lg]})" if lg in spec.roles else ""
+    text = f"{_input(spec, j)} dim {e} and {_input(spec, i)} dim {d}{role}"
+    if into:
+        text += f" into {_show(strategy[j], e)} and {_show(strategy[i], d)}"
+    return text
+
+
+_SHOWN = 4  # fixes listed at most (every combination of the clashing axes' splits may fit)
+
+
+def _tie_fixes(
+    strategy: Strategy,
+    spec: Spec,
+    shapes: Sequence[Shape],
+    world: int | None,
+    clashes: Sequence[Clash],
+    broadcast: Mapping[tuple[int, int], int],
+) -> str:
+    """Int strategies with every clashing axis split alike (each taking one of the splits the
+    strategy gives it that divides every dim on it, first-seen first; else 1) and split
+    broadcast dims whole, whose device matrix fits `world` (the first `_SHOWN`); else what a
+    fix needs."""
+    choices = []
+    for lg, _, _ in clashes:
+        on_axis = [
+            (k, dd)
+            for k, dims in enumerate(spec.inputs)
+            for dd, axis in enumerate(dims)
+            if axis == lg
+        ]
+        seen = dict.fromkeys(_splits(strategy[k], dd) for k, dd in on_axis)
+        values = [v for v in seen if all(shapes[k][dd] % v == 0 for k, dd in on_axis)] or [1]
+        choices.append([dict.fromkeys(on_axis, v) for v in values])
+    fixes = []
+    for combo in itertools.product(*choices):
+        fixed = dict(broadcast)
+        for part in combo:
+            fixed.update(part)
+        if _fits(_replaced(strategy, fixed), spec, shapes, world):
+            fixes.append(_with(strategy, fixed))
+    return " or ".join(list(dict.fromkeys(fixes))[:_SHOWN]) or (
+        f"the same split on both, with the strategy's device matrix dividing the device count "
+        f"{world}"
+    )
 
 
 def _moved(
