@@ -2,7 +2,10 @@
 knows (or takes at their first step): a train step that changes the weights otherwise (a
 hand-written update) used each rank's own gradient; it is refused with a ValueError naming the
 parameter and the fix. A step that only accumulates gradients, or evaluates, before its first
-optimizer step is not. 2 simulated ranks."""
+optimizer step is not. An optimizer swapped in mid-training (or built anew in each call) over
+all the parameters of known optimizers replaces them (it was refused as 'built anew'); one over
+only some of a known optimizer's parameters, or any swap with hsdp(), is a ValueError naming
+the fix. 2 simulated ranks."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from shardwise.optim import DataParallelRunner
 from shardwise.parallel import AutoParallel
-from shardwise.testing import assert_matches_single_device, simulated_world
+from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 
 def make_net() -> nn.Module:
@@ -24,6 +28,10 @@ def make_net() -> nn.Module:
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+g = torch.Generator().manual_seed(2)
+DATA = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(6)]
 
 
 def test_weights_changed_without_an_optimizer_step_are_refused() -> None:
@@ -45,31 +53,189 @@ def test_weights_changed_without_an_optimizer_step_are_refused() -> None:
     assert "Build the optimizer before the wrapper" in str(e.value)
 
 
-def test_an_optimizer_built_in_the_step_is_averaged_once_and_refused_anew() -> None:
-    """An optimizer built inside the step is taken at its first step (its gradients averaged:
-    the update is one device's); one built anew in the next call, over the same parameters,
-    is refused naming the fix."""
-    net, (x, y) = make_net(), batch()
+def swapped(net: nn.Module, call: Any, opts: list[torch.optim.Optimizer]) -> list[Any]:
+    """Train on `DATA` through `call(step, x, y)` with the optimizers in `opts` (the step reads
+    the list each call): optimizers[0] swapped for a new SGD at call 2 (optimizers[1] keeps
+    training), both for one Adam over all the parameters at call 4."""
+    assert isinstance(net, nn.Sequential)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        return loss
+
+    out = []
+    for i, (x, y) in enumerate(DATA):
+        if i == 2:
+            opts[0] = torch.optim.SGD(net[0].parameters(), lr=0.03, momentum=0.9)
+        if i == 4:
+            opts[:] = [torch.optim.Adam(net.parameters(), lr=0.01)]
+        out.append(call(step, x, y))
+    return out
+
+
+def first_optimizers(net: nn.Sequential) -> list[torch.optim.Optimizer]:
+    return [
+        torch.optim.SGD(net[0].parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(net[2].parameters(), lr=0.05, momentum=0.9),
+    ]
+
+
+def params(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+class WithLoss(nn.Module):
+    """The network and its loss (the module form returns it averaged over the ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_optimizers_swapped_mid_training_replace_the_known_ones() -> None:
+    """Train-step form: the optimizers passed are replaced mid-training, one (its neighbour
+    keeps its hooks) then both by one (a new one's first step raised 'built anew')."""
     ref = make_net()
-    nn.functional.cross_entropy(ref(x), y).backward()
-    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    want = swapped(ref, lambda step, x, y: step(x, y).detach(), first_optimizers(ref))
+    net = make_net()
     with simulated_world(2) as world:
         world.replicate(net)
+        opts = first_optimizers(net)  # type: ignore[arg-type]
+        parallel: list[Any] = []
 
+        def call(step: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+            if not parallel:
+                parallel.append(AutoParallel(step, parallel_mode="data_parallel", optimizer=opts))
+            return parallel[0](world.rows(x), world.rows(y))
+
+        got = swapped(net, call, opts)
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
+def test_module_form_optimizer_swapped_mid_training_matches_one_device() -> None:
+    """Module form: the optimizer built after the wrapper (taken at its first step), then an
+    Adam swapped in at call 3, trains as one device."""
+
+    def train(net: nn.Module, forward: Any, rows: Any) -> list[torch.Tensor]:
+        opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        out = []
+        for i, (x, y) in enumerate(DATA):
+            if i == 3:
+                opt = torch.optim.Adam(net.parameters(), lr=0.01)
+            loss = forward(rows(x), rows(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    ref = WithLoss()
+    want = train(ref, ref, lambda t: t)
+    net = WithLoss()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = train(net, AutoParallel(net, parallel_mode="data_parallel"), world.rows)
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
+def test_an_optimizer_built_anew_in_each_call_replaces_the_last_one() -> None:
+    """An optimizer built inside the step (a new one each call) was refused from the second
+    call; each now replaces the last: one device's update every call, one known optimizer
+    and the same collectives per call throughout."""
+
+    def step_of(net: nn.Module) -> Any:
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = nn.functional.cross_entropy(net(x), y)
             loss.backward()
             torch.optim.SGD(net.parameters(), lr=0.1).step()
+            net.zero_grad()
             return loss
 
-        run = AutoParallel(step, parallel_mode="data_parallel")
-        run(world.rows(x), world.rows(y))
-        assert_matches_single_device(
-            {n: p.detach() for n, p in net.named_parameters()},
-            {n: p.detach() for n, p in ref.named_parameters()},
+        return step
+
+    ref = make_net()
+    want = [step_of(ref)(x, y).detach() for x, y in DATA]
+    net = make_net()
+    with simulated_world(2) as world, CommRecorder() as rec:
+        world.replicate(net)
+        runner = DataParallelRunner(net, [], train_step=step_of(net))
+        got, counts = [], []
+        for x, y in DATA:
+            before = rec.count("AllReduce")
+            got.append(runner(world.rows(x), world.rows(y)))
+            counts.append(rec.count("AllReduce") - before)
+            assert len(runner.optimizers) == 1
+        assert counts == [runner.collectives_per_step()["AllReduce"]] * len(DATA)
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
+def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() -> None:
+    """Two optimizers over the same parameters stepped in turn: each replaces the other."""
+
+    def train(net: nn.Module, forward: Any, rows: Any) -> list[torch.Tensor]:
+        pair = [
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+            torch.optim.SGD(net.parameters(), lr=0.02),
+        ]
+        out = []
+        for i, (x, y) in enumerate(DATA):
+            loss = forward(rows(x), rows(y))
+            loss.backward()
+            pair[i % 2].step()
+            net.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    ref = WithLoss()
+    want = train(ref, ref, lambda t: t)
+    net = WithLoss()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = train(net, AutoParallel(net, parallel_mode="data_parallel"), world.rows)
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_a_new_optimizer_over_part_of_a_known_ones_parameters_is_refused(hsdp: bool) -> None:
+    """A new optimizer over the first layer only, the known one holding all the parameters:
+    which one trains the rest is ambiguous, a ValueError naming the case and the fix; with
+    hsdp() (owners planned once) any swap is, naming semi_auto's hsdp."""
+    x, y = DATA[0]
+    net = make_net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        box = [torch.optim.SGD(net.parameters(), lr=0.1)]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            box[0].step()
+            box[0].zero_grad()
+            return loss
+
+        parallel = AutoParallel(step, parallel_mode="data_parallel", optimizer=box[0])
+        if hsdp:
+            parallel.hsdp(threshold=0)
+        parallel(world.rows(x), world.rows(y))
+        box[0] = torch.optim.SGD(net[0].parameters(), lr=0.1)  # type: ignore[index]
+        want = r"planned once.*semi_auto' with hsdp\(\)" if hsdp else r"steps 2 of the 4 param"
+        with pytest.raises(ValueError, match=want) as e:
+            parallel(world.rows(x), world.rows(y))
+    if not hsdp:
+        assert "build a new optimizer over all the parameters of the one it replaces" in str(
+            e.value
         )
-        with pytest.raises(ValueError, match=r"an optimizer built anew in each call\?"):
-            run(world.rows(x), world.rows(y))
 
 
 def test_accumulating_and_evaluating_first_then_stepping_match_one_device() -> None:

@@ -11,7 +11,8 @@ batch it passes (``"full_batch"``). Which function does which step:
   and owner rank, the gradient all-reduce and broadcast buckets; planned again when parameters
   are frozen or unfrozen, `RunnerPlan._check_plan`; read by `RunnerPlan.owners`, ``owned``,
   ``collectives_per_step`` and ``str(runner)``) and registers two hooks on every optimizer
-  (``register_step_pre_hook`` / ``register_step_post_hook``).
+  (``register_step_pre_hook`` / ``register_step_post_hook``), which find the optimizer's
+  index at each step.
 - `DataParallelRunner.__call__`: under ``"full_batch"`` cuts each tensor input to this rank's
   rows (`local_rows`); train-step form: runs the user's step unchanged on the rows, averages the
   returned loss over the ranks (`mean_loss`); module form: runs the network on the rows, its
@@ -24,8 +25,10 @@ batch it passes (``"full_batch"``). Which function does which step:
   parameters no rank of this process owns and drops their optimizer state (a checkpoint
   loaded whole gives every rank all of it): the optimizer updates only its own parameters.
 - ``_data_parallel_hooks``: the step hooks, the adopting hook (an optimizer the runner was not
-  given is taken at its first step), and `state_on_owners` (whether a network's runner keeps
-  optimizer state on owner ranks: its checkpoint files then record the job's size).
+  given is taken at its first step, `DataParallelRunner.adopt`; one holding all the parameters
+  of known optimizers replaces them: their hooks go, the plan is made again), and
+  `state_on_owners` (whether a network's runner keeps optimizer state on owner ranks: its
+  checkpoint files then record the job's size).
 - `DataParallelRunner._after_step` (the step post-hook): with ``parallel_optimizer=True``,
   gives the hidden parameters their averaged gradients back (every rank then holds one
   device's ``.grad`` after the step: a gradient-norm log reads it, a step without
@@ -100,7 +103,9 @@ class DataParallelRunner(RunnerPlan):
 
     In both forms the gradients are averaged over the ranks inside ``optimizer.step()``, by a
     step pre-hook on each of `optimizers` (and on any other optimizer over the network's
-    parameters, from its first step, `adopt_hook`), before the update: the gradients
+    parameters, from its first step, `adopt_hook`; one holding all the parameters of known
+    optimizers, swapped in or built anew in each call, replaces them in `optimizers`), before
+    the update: the gradients
     seen by the update are those of the global batch. Only parameters of some optimizer are
     reduced; a train step changing a parameter without such a step raises ValueError
     (`check_updates`).
@@ -175,7 +180,7 @@ class DataParallelRunner(RunnerPlan):
         materialized(network, opts)  # (built in sw.no_init_parameters(): its values now)
         self.network = network
         self._params = list(network.parameters())  # (listed once: checked every call)
-        self._stepped: list[int] | None = []  # (the optimizers that stepped in a checked call)
+        self._stepped: list[torch.optim.Optimizer] | None = []  # (stepped in a checked call)
         self.stepping = 0  # known optimizers' steps running now
         self._checked_batch = False  # (``"full_batch"``: `same_batch` ran)
         self.optimizers = opts
@@ -189,36 +194,55 @@ class DataParallelRunner(RunnerPlan):
         self.entries: list[ParamEntry] = []
         self._grad_buckets: list[list[CommBucket]] = []
         self._broadcast_buckets: list[list[CommBucket]] = []
-        # (each optimizer's step: the averaged gradients hidden from it, given back after it)
+        # (each optimizer's step, by id: the averaged gradients hidden from it, given back after)
         self._hidden: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         self._build_plan()
         ref = weakref.ref(self)
         self._handles: list[RemovableHandle] = []
-        for i, o in enumerate(opts):
-            self._hook(o, i)
+        self._step_handles: list[list[RemovableHandle]] = []  # (per optimizer, in its order)
+        for o in opts:
+            self._step_handles.append(self._hook(o))
         # (one built after the wrapper, or not found in the step: adopted at its first step)
         self._handles.append(register_pre(adopt_hook(ref)))
         # (collected: its hooks, which hold it weakly, go at a safe point: `_global_hooks`)
         self._finalizer = weakref.finalize(self, remove_later, self._handles)
         RUNNERS[network] = ref
 
-    def _hook(self, o: torch.optim.Optimizer, index: int) -> None:
+    def _hook(self, o: torch.optim.Optimizer) -> list[RemovableHandle]:
+        """Register optimizer `o`'s step pre- and post-hook (also kept for `remove`)."""
         ref = weakref.ref(self)
-        self._handles.append(o.register_step_pre_hook(step_hook(ref, index, after=False)))
-        self._handles.append(o.register_step_post_hook(step_hook(ref, index, after=True)))
+        handles = [
+            o.register_step_pre_hook(step_hook(ref, after=False)),
+            o.register_step_post_hook(step_hook(ref, after=True)),
+        ]
+        self._handles.extend(handles)
+        return handles
+
+    def _index(self, o: torch.optim.Optimizer) -> int | None:
+        """The position of optimizer `o` in `optimizers` (None: not, or no longer, known)."""
+        return next((i for i, known in enumerate(self.optimizers) if known is o), None)
 
     def is_current(self) -> bool:
         """Whether this runner is its network's latest (not replaced by a newer wrapper)."""
         ref = RUNNERS.get(self.network)
         return ref is not None and ref() is self
 
-    def adopt(self, o: torch.optim.Optimizer) -> None:
+    def adopt(self, o: torch.optim.Optimizer, replacing: Sequence[int] = ()) -> None:
         """Take optimizer `o` (over the network's parameters, built after the runner, not yet
         the runner's) as one of its optimizers, from the step it is in: its own step hooks,
-        registered now, run in it."""
-        self.optimizers.append(o)
+        registered now, run in it. The known optimizers at the indices `replacing` (all their
+        parameters are `o`'s: a swap, one built anew in each call) leave `optimizers` and
+        their hooks are removed; `o` takes the first one's place (else it goes last) and the
+        plan is made again for the optimizers as they are now."""
+        place = min(replacing, default=len(self.optimizers))
+        for i in sorted(replacing, reverse=True):  # (not inside their step: `adopt_hook`)
+            del self.optimizers[i]
+            for handle in self._step_handles.pop(i):
+                handle.remove()
+                self._handles.remove(handle)
+        self.optimizers.insert(place, o)
         self._build_plan()
-        self._hook(o, len(self.optimizers) - 1)
+        self._step_handles.insert(place, self._hook(o))
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -260,29 +284,31 @@ class DataParallelRunner(RunnerPlan):
         self._stepped = []
         before = [version(p) for p in self._params]
         out = self.train_step(*inputs, **kwargs)
-        stepped = [self.optimizers[i] for i in self._stepped]
-        if check_updates(self.network, self._params, before, stepped, self.optimizers):
+        if check_updates(self.network, self._params, before, self._stepped, self.optimizers):
             self._stepped = None
         return mean_loss(out, self.world)
 
-    def _before_step(self, index: int, closure: bool = False) -> None:
-        """Step pre-hook of optimizer `index`: average its gradients, hide the non-owned ones
+    def _before_step(self, o: torch.optim.Optimizer, closure: bool = False) -> None:
+        """Step pre-hook of known optimizer `o`: average its gradients, hide the non-owned ones
         from the step (`_after_step` gives them back); with a `closure`, whose backward runs
         inside the step, that is done when it returns (`closure_hook`)."""
         self.stepping += 1  # (an optimizer it steps inside, a Lookahead's, is not adopted)
         self._check_plan()  # (a parameter unfrozen inside the step: its gradient averaged too)
         if self._stepped is not None:
-            self._stepped.append(index)
+            self._stepped.append(o)
         if not closure:
-            self._average(index)
+            self._average(o)
 
-    def _average(self, index: int) -> None:
-        """Average optimizer `index`'s gradients, hide the non-owned ones from its update."""
+    def _average(self, o: torch.optim.Optimizer) -> None:
+        """Average optimizer `o`'s gradients, hide the non-owned ones from its update."""
+        index = self._index(o)
+        if index is None:  # (no longer known: replaced, its hooks removed)
+            return
         if any(p.grad is not None for p in self._params):  # (no backward ran: none, as DDP)
             for bucket in self._grad_buckets[index]:
                 all_reduce_bucket(bucket.entries, self.world)
-        state = self.optimizers[index].state
-        hidden = self._hidden[index] = []  # (a step that raised: its gradients stay None)
+        state = o.state
+        hidden = self._hidden[id(o)] = []  # (a step that raised: its gradients stay None)
         for bucket in self._broadcast_buckets[index]:
             if bucket.root not in self._ranks:  # updated by its owner's process
                 for e in bucket.entries:
@@ -291,14 +317,15 @@ class DataParallelRunner(RunnerPlan):
                         e.param.grad = None
                     state.pop(e.param, None)  # (loaded whole: would be saved, never updated)
 
-    def _after_step(self, index: int) -> None:
-        """Step post-hook of optimizer `index`: give the hidden gradients back (one device's
+    def _after_step(self, o: torch.optim.Optimizer) -> None:
+        """Step post-hook of known optimizer `o`: give the hidden gradients back (one device's
         ``.grad`` after the step, on every rank), broadcast each owned bucket from its owner."""
         self.stepping = max(0, self.stepping - 1)
-        for param, grad in self._hidden.pop(index, []):
+        for param, grad in self._hidden.pop(id(o), []):
             if param.grad is None:  # (the step did not set one)
                 param.grad = grad
-        for bucket in self._broadcast_buckets[index]:
+        index = self._index(o)
+        for bucket in [] if index is None else self._broadcast_buckets[index]:
             assert bucket.root is not None
             broadcast_bucket([e.param for e in bucket.entries], bucket.root)
 
