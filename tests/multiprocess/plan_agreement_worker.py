@@ -1,9 +1,12 @@
 """Ranks that plan a call differently, on 2 real gloo processes (test_plan_agreement_real.py):
 annotations that depend on the rank stop every rank with a ValueError at the first call,
 through the job's store, instead of a wait until SHARDWISE_COMM_TIMEOUT or a gloo error; the
-job goes on afterwards. Prints ``CHECK <name> OK`` lines."""
+job goes on afterwards. Prints ``CHECK <name> OK`` lines. Last, `uneven_last_batch`: rank 1
+alone plans again (a partial last batch) and fails the job with a ValueError."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -67,6 +70,26 @@ def checks() -> None:
     # the same annotations on every rank still run (the ranks' store keys stay in step)
     assert torch.isfinite(torch.tensor(call(((2, 1), (1, 1)), rank)))
     print("CHECK same-strategies-after OK", flush=True)
+    uneven_last_batch(rank)
+
+
+def uneven_last_batch(rank: int) -> None:
+    """After a step of 4 rows on each rank, rank 0 passes 4 rows again (it runs its plan and
+    waits in its first collective) and rank 1 passes 3 (it plans again): rank 1 raises a
+    ValueError naming its shapes, rank 0 and the fix once rank 0's announcement does not come
+    (SHARDWISE_COMM_TIMEOUT / 2), before rank 0's collective times out; the job fails with it.
+    Rank 1 prints how long the call took (``UNEVEN <seconds>``)."""
+    sw.set_seed(1)
+    wrapper = sw.AutoParallel(Net(((1, 2), (2, 1))), parallel_mode="semi_auto")
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    wrapper(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+    rows = 4 if rank == 0 else 3
+    began = time.monotonic()
+    try:
+        wrapper(x[rank * 4 : rank * 4 + rows])
+    finally:
+        print(f"UNEVEN {time.monotonic() - began:.1f}", flush=True)
+    raise AssertionError(f"rank {rank}: {rows} rows against 4 on rank 0 were not refused")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ process-group functions directly.
   world (`process_ranks`, `holds_several_ranks`, `rank_value`, `own_group`, `rank_parts`,
   `file_rank`, `shared_value`).
 - `_agreement`: checks that the ranks agree, once per plan through the job's store
-  (`ranks_unlike_leader` and its answer `Unlike`; `agree_with_ranks` and its `Agreement`).
+  (`ranks_unlike_leader` and its answer `Unlike`; `agree_with_ranks` and its `Agreement`;
+  `announce_planning` before a check that only some ranks may reach).
 - `_collectives`: the plain collectives (recorded, no autograd); `_reduce_op`: their
   reductions (`ReduceOp`); `_exchange`: point-to-point `exchange`.
 - `_buckets`: one AllGather / ReduceScatter over a fusion bucket's tensors (optimizer
@@ -31,6 +32,8 @@ from shardwise.communication._agreement import (
     Agreement,
     Unlike,
     agree_with_ranks,
+    announce_planning,
+    arrival_timeout,
     ranks_unlike_leader,
 )
 from shardwise.communication._backend import default_backend
@@ -101,6 +104,8 @@ __all__ = [
     "ReduceScatter",
     "Unlike",
     "agree_with_ranks",
+    "announce_planning",
+    "arrival_timeout",
     "bytes_bound",
     "comm_timeout",
     "create_group",

@@ -7,6 +7,11 @@ collective, no device memory), with the same answer on every rank:
   rank's description of a decision (a plan, as text) is rank 0's, and whether some rank failed
   to make it (its message), so that ranks which diverged stop together with a message instead
   of waiting for each other in a collective.
+- `announce_planning`: this rank is about to make a decision its ranks make only now and then
+  (planning a call again for new input shapes), so the next `agree_with_ranks` first waits a
+  short while (`arrival_timeout`) for every rank's own announcement: ranks that kept their plan
+  (they were passed other shapes) never plan, and would leave this rank waiting in the store
+  while they wait in a collective until the timeout; instead `Agreement.absent` names them.
 
 In a simulated world one process runs every rank: the values are compared directly, and the
 decision is the same on every rank (one program makes it once).
@@ -14,10 +19,12 @@ decision is the same on every rank (one program makes it once).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
-import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +33,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.communication import _sim
+from shardwise.communication._store_sync import comm_timeout, wait_key
 
-_checks = itertools.count()  # (each rank makes the same checks in the same order: their keys)
+ARRIVAL_S = 60.0  # (at most, for the ranks' announcements: `arrival_timeout`)
+
+_next_check = 0  # (each rank makes the same checks in the same order: their keys)
+_announced: int | None = None  # (the check this rank announced: `announce_planning`)
 
 Leader = Callable[[int], int]
 Named = Sequence[tuple[str, torch.Tensor, Leader]]
@@ -51,11 +62,42 @@ class Agreement:
     """The answer of `agree_with_ranks`: `unlike` as `ranks_unlike_leader` answers; `failed`:
     ``(rank, message)`` of the first rank to report that it failed (None: none did);
     `differs`: ``(rank, what)`` of the first rank to report a decision unlike rank 0's, `what`
-    being its `describe` of the difference (None: every rank's is rank 0's, or some failed)."""
+    being its `describe` of the difference (None: every rank's is rank 0's, or some failed);
+    `absent`: (a job, after `announce_planning`) the ranks that did not announce this check
+    within `arrival_timeout`, the round then not made (the other fields empty)."""
 
     unlike: Unlike = Unlike()
     failed: tuple[int, str] | None = None
     differs: tuple[int, str] | None = None
+    absent: tuple[int, ...] = ()
+
+
+def arrival_timeout() -> datetime.timedelta:
+    """How long a check announced with `announce_planning` waits for the other ranks'
+    announcements: `ARRIVAL_S`, or half of `comm_timeout()` when that is shorter (the ranks
+    that never announce wait in a collective until `comm_timeout()`: this rank must fail with
+    its message first)."""
+    return min(datetime.timedelta(seconds=ARRIVAL_S), comm_timeout() / 2)
+
+
+def announce_planning(inputs: str) -> None:
+    """Tell the job's other ranks, through its store, that this rank is about to make its
+    next check (`agree_with_ranks`) after a decision that not every rank may make (planning a
+    call again for inputs of new shapes); `inputs` (this rank's inputs, as text) goes with it.
+    That check first waits `arrival_timeout` for every rank's announcement, and answers with
+    `Agreement.absent` naming the ranks that did not announce it. Does nothing outside a job, in
+    a simulated world and in a dry run.
+
+    Call it before the decision's own work (the ranks arrive together, but their work may last
+    longer on some), every rank that makes the decision.
+    """
+    global _announced
+    if not _in_job():
+        return
+    from shardwise._torch.c10d import default_store
+
+    _announced = _next_check
+    default_store().set(f"{_key(_next_check)}/planning/{dist.get_rank()}", inputs)
 
 
 def ranks_unlike_leader(named: Named) -> Unlike:
@@ -103,21 +145,26 @@ def agree_with_ranks(
 
     Returns:
         An `Agreement` (nothing found outside a job, in a simulated world, in a dry run and
-        when a value is a meta tensor).
+        when a value is a meta tensor; after `announce_planning`, only `absent` when some rank
+        did not announce this check).
 
     Raises:
         RuntimeError: (a job) some rank did not reach the check within the store's timeout.
     """
-    key = f"shardwise/same/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_checks)}"
+    global _next_check, _announced
+    index, announced = _next_check, _announced == _next_check
+    _next_check, _announced = index + 1, None
     if not dist.is_initialized() or any(t.is_meta for _, t, _ in named):
         return Agreement()
     sim = _sim.current()
     if sim is not None:
         return Agreement(_unlike_in_world(sim, named))
-    if dist.get_backend() == "fake" or dist.get_world_size() == 1:  # (a dry run: no values)
+    if not _in_job():  # (a dry run: no values)
         return Agreement()
     try:
-        return _agree_in_job(key, named, text, failure, describe)
+        if announced and (absent := _absent(_key(index))):
+            return Agreement(absent=absent)
+        return _agree_in_job(_key(index), named, text, failure, describe)
     except dist.DistStoreError as e:
         raise RuntimeError(
             f"comparing the ranks' {', '.join(n for n, _, _ in named) or 'plans'}: some rank did "
@@ -125,6 +172,33 @@ def agree_with_ranks(
             f"inputs, or never made this call: every rank makes a wrapper's first call, or its "
             f"plan(), at the same point); see the other ranks' logs"
         ) from e
+
+
+def _key(index: int) -> str:
+    """The store key of check number `index` (per restart of the job)."""
+    return f"shardwise/same/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{index}"
+
+
+def _in_job() -> bool:
+    """Whether this process is one rank of a job of several processes (not a simulated world,
+    not a dry run)."""
+    if not dist.is_initialized() or _sim.current() is not None:
+        return False
+    return dist.get_backend() != "fake" and dist.get_world_size() > 1
+
+
+def _absent(key: str) -> tuple[int, ...]:
+    """The ranks whose `announce_planning` of the check `key` did not come within
+    `arrival_timeout` (counted from this call)."""
+    from shardwise._torch.c10d import default_store
+
+    store, world = default_store(), dist.get_world_size()
+    deadline = time.monotonic() + arrival_timeout().total_seconds()
+    for r in range(world):
+        left = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(RuntimeError):  # (named below, with any other one missing)
+            wait_key(store, f"{key}/planning/{r}", left)
+    return tuple(r for r in range(world) if not store.check([f"{key}/planning/{r}"]))
 
 
 def _unlike_in_world(sim: _sim.Simulator, named: Named) -> Unlike:

@@ -8,7 +8,9 @@
   (`_same_inputs.check_ranks_agree`: the ranks meant to pass the same inputs did, and every
   rank made rank 0's plan or none raised); `GraphPlans._capturing` marks the capture running.
 - `GraphPlans._replan`: a call that ran other ops or passed other shapes than the plan's
-  planned again, the parameters kept as the first plan (or the one given) stores them; its
+  planned again (announced to the other ranks first, `_same_inputs.announce_planning`: a rank
+  that kept its plan is named in a ValueError instead of a wait until the timeout), the
+  parameters kept as the first plan (or the one given) stores them; its
   gradient buckets made for the new plan's equal gradients (``hsdp()``: the engine's, as the
   first plan made them); a plan equal to a known one reused, a new one checked for memory
   (`_graph_capture.check_plan_memory`), kept with the others (`_variants.keep_few`), its
@@ -35,7 +37,7 @@ from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_
 from shardwise.parallel._hsdp import bucket_plans, check_step, gradient_buckets
 from shardwise.parallel._network_hooks import Annotation, noted_annotations
 from shardwise.parallel._node_table import NodeTable
-from shardwise.parallel._same_inputs import check_ranks_agree, same_inputs
+from shardwise.parallel._same_inputs import announce_planning, check_ranks_agree, same_inputs
 from shardwise.parallel._variants import keep_few
 from shardwise.planner import Graph, ParallelPlan, regathered_params
 
@@ -113,6 +115,7 @@ class GraphPlans:
         with the others (the parameters stay stored as the first plan, or `storage`, stores
         them)."""
         first = self.stored_plan
+        announce_planning(args, kwargs)  # (ranks that keep their plan never do: named then)
         graph, plan = self._capture_plan(args, kwargs, stored=storage or first)
         if self.hsdp is None:  # (the first plan's parameters, this plan's equal gradients)
             stored = (first if storage is None else plan).param_layouts()

@@ -12,6 +12,14 @@ other until the timeout), together with the shapes of its tensor inputs: ranks t
 other shapes (unequal rows of the last batch) raise a ValueError naming the inputs and each
 rank's shapes. A rank whose planning raised tells the others, which raise a ValueError naming
 it instead of failing in their first collective.
+
+A call is planned again only on the ranks whose inputs' shapes have no plan yet: a rank passed
+a partial last batch plans, one passed as many rows as before runs its plan and waits in its
+collectives. So before planning again each rank announces it (`announce_planning`, with its
+inputs' shapes), and the check waits a short while for every rank's announcement: a rank that
+never announces is named in a ValueError with this rank's shapes, the likely cause (unequal
+rows in a last batch) and the fix, raised on the ranks that planned (the launcher then stops
+the others, still in their collective), instead of every rank waiting until the timeout.
 """
 
 from __future__ import annotations
@@ -49,6 +57,12 @@ def same_inputs(
     ]
 
 
+def announce_planning(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Tell the other ranks that this rank plans this call again (its tensor inputs' shapes
+    with it): the next `check_ranks_agree` waits for theirs (`comm.announce_planning`)."""
+    comm.announce_planning(json.dumps(_shapes(args, kwargs)))
+
+
 def check_ranks_agree(
     dataset: object,
     args: tuple[Any, ...],
@@ -61,8 +75,11 @@ def check_ranks_agree(
     against rank 0's, in one round through the job's store (`communication.agree_with_ranks`).
 
     Raises:
-        ValueError: an input differs (naming the input, the ranks that differ, the rank they
-            should match and the fix: the same batch on every rank, or ``"data_parallel"``);
+        ValueError: (after `announce_planning`) some rank did not plan this call (naming this
+            rank's input shapes, the ranks that did not, the likely cause and the fix: as many
+            rows on every rank); an input differs (naming the input, the ranks that differ, the
+            rank they should match and the fix: the same batch on every rank, or
+            ``"data_parallel"``);
             another rank could not plan the call (naming it and its error); a rank passed
             inputs of other shapes than rank 0 (naming the inputs, both ranks' shapes and the
             fix: as many rows on every rank); a rank planned another plan than rank 0 (naming
@@ -79,6 +96,8 @@ def check_ranks_agree(
     agreed = comm.agree_with_ranks(
         named, text, failure, lambda lead: _difference(lead, shapes, plan)
     )
+    if agreed.absent:
+        raise ValueError(_not_planned(agreed.absent, shapes)) from failed
     if agreed.unlike.count:
         layouts = input_layouts(dataset, comm.get_group_size(), args, kwargs)
         raise ValueError(_inputs_differ(dataset, layouts, agreed.unlike))
@@ -155,6 +174,23 @@ def _shapes_differ(rank: int, inputs: list[list[Any]]) -> str:
         f"{more}), so the ranks would plan different calls: every rank passes inputs of the "
         f"same shapes, as many rows on each rank (a global batch divisible by the {world} "
         f"ranks: drop the last, partial batch with batch(..., drop_remainder=True), or "
+        f"DataLoader(drop_last=True))"
+    )
+
+
+def _not_planned(absent: tuple[int, ...], shapes: Shapes) -> str:
+    shown = "; ".join(f"{name}: {shape}" for name, shape in shapes[:4])
+    more = f" (and {len(shapes) - 4} more)" if len(shapes) > 4 else ""
+    one = len(absent) == 1
+    who = f"rank {absent[0]}" if one else f"ranks {', '.join(map(str, absent))}"
+    rank, world = comm.get_rank(), comm.get_group_size()
+    wait = comm.arrival_timeout().total_seconds()
+    return (
+        f"AutoParallel: rank {rank} planned this call again for inputs of new shapes ({shown}"
+        f"{more}), but {who} did not within {wait:g} s: {'it' if one else 'they'} kept the "
+        f"plan for the shapes passed there and {'waits' if one else 'wait'} in a collective. "
+        f"Likely unequal rows in a last, partial batch: pass as many rows on every rank, a "
+        f"global batch divisible by the {world} ranks (batch(..., drop_remainder=True), "
         f"DataLoader(drop_last=True))"
     )
 
