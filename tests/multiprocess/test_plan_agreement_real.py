@@ -48,7 +48,8 @@ def test_a_rank_alone_planning_a_partial_last_batch_fails_the_job_naming_it(
     said = said.splitlines()[0]
     for what in (
         "for inputs of new shapes (args[0]: [3, 32])",
-        f"but rank 0 did not within {TIMEOUT_S / 2:g} s",
+        f"; rank 0 did not within {TIMEOUT_S / 2:g} s",
+        "raise SHARDWISE_COMM_TIMEOUT",
         "unequal rows in a last, partial batch",
         "as many rows on every rank",
         "drop_remainder=True",

@@ -35,8 +35,6 @@ import torch.distributed as dist
 from shardwise.communication import _sim
 from shardwise.communication._store_sync import comm_timeout, wait_key
 
-ARRIVAL_S = 60.0  # (at most, for the ranks' announcements: `arrival_timeout`)
-
 _next_check = 0  # (each rank makes the same checks in the same order: their keys)
 _announced: int | None = None  # (the check this rank announced: `announce_planning`)
 
@@ -74,10 +72,10 @@ class Agreement:
 
 def arrival_timeout() -> datetime.timedelta:
     """How long a check announced with `announce_planning` waits for the other ranks'
-    announcements: `ARRIVAL_S`, or half of `comm_timeout()` when that is shorter (the ranks
-    that never announce wait in a collective until `comm_timeout()`: this rank must fail with
-    its message first)."""
-    return min(datetime.timedelta(seconds=ARRIVAL_S), comm_timeout() / 2)
+    announcements: half of `comm_timeout()` (the ranks that never announce wait in a
+    collective until `comm_timeout()`: this rank must fail with its message first; a rank
+    merely behind, busy between two calls, has the other half as before)."""
+    return comm_timeout() / 2
 
 
 def announce_planning(inputs: str) -> None:

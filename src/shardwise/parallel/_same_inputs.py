@@ -187,11 +187,11 @@ def _not_planned(absent: tuple[int, ...], shapes: Shapes) -> str:
     wait = comm.arrival_timeout().total_seconds()
     return (
         f"AutoParallel: rank {rank} planned this call again for inputs of new shapes ({shown}"
-        f"{more}), but {who} did not within {wait:g} s: {'it' if one else 'they'} kept the "
-        f"plan for the shapes passed there and {'waits' if one else 'wait'} in a collective. "
-        f"Likely unequal rows in a last, partial batch: pass as many rows on every rank, a "
-        f"global batch divisible by the {world} ranks (batch(..., drop_remainder=True), "
-        f"DataLoader(drop_last=True))"
+        f"{more}); {who} did not within {wait:g} s ({'it' if one else 'they'} kept "
+        f"{'its' if one else 'their'} plan: unequal rows in a last, partial batch?). Pass as "
+        f"many rows on every rank: a global batch divisible by the {world} ranks, batch(..., "
+        f"drop_remainder=True), DataLoader(drop_last=True). (A rank busy that long "
+        f"elsewhere: raise SHARDWISE_COMM_TIMEOUT)"
     )
 
 
