@@ -216,6 +216,7 @@ def test_write_ir_and_dump_parallel_plan(tmp_path: Path) -> None:
     assert path == tmp_path / "a" / "rank_3" / "x.ir"
     assert path.read_text() == "hello\n"
     assert write_ir(tmp_path / "a", 3, "x.ir", "again\n").read_text() == "again\n"
+    assert write_ir(tmp_path / "a", 3, "x.ir", "last").read_text() == "last\n"
     assert sorted(p.name for p in path.parent.iterdir()) == ["x.ir"]  # no temporary left
     plan = planned()
     try:

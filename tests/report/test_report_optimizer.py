@@ -53,7 +53,7 @@ BUCKETS = "# gradient buckets (no optimizer parallel); collectives per training 
 def section(path: Path, header: str = HSDP) -> list[tuple[str, str, str, tuple[int, ...], int]]:
     """The section's collectives (its header checked: `HSDP` or `BUCKETS`)."""
     text = path.read_text()
-    assert header in text
+    assert header in text and text.endswith("\n")  # (the section ends the file: a last newline)
     if header == BUCKETS:  # (hsdp never asked for: the section does not claim it)
         assert "hsdp(" not in text and "optimizer-parallel bytes" not in text
         assert "# gradient-bucket bytes this rank sends per step: " in text

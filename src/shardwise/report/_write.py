@@ -22,13 +22,15 @@ EXECUTE_FILE = "execute.ir"
 
 
 def write_ir(root: str | os.PathLike[str], rank: int, filename: str, text: str) -> Path:
-    """Write `text` to ``root/rank_<rank>/filename`` (directories created; the file is written
-    to a temporary name in the same directory and renamed, so a reader never sees half a file).
+    """Write `text` to ``root/rank_<rank>/filename``, ending in a newline (directories
+    created; the file is written to a temporary name in the same directory and renamed, so a
+    reader never sees half a file).
 
     Returns:
         The path written.
     """
-    return write_text_atomically(Path(root) / f"rank_{rank}" / filename, text)
+    ended = text if text.endswith("\n") else text + "\n"
+    return write_text_atomically(Path(root) / f"rank_{rank}" / filename, ended)
 
 
 def report_ranks(matrix: DeviceMatrix) -> list[int]:
