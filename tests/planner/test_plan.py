@@ -141,6 +141,24 @@ def test_a_diff_names_outputs_and_inputs_in_the_plans_notation() -> None:
     assert not [x for x in lines + semi.diff(plan_semi_auto(bigger, 8)) if "(layout=" in x]
 
 
+def test_a_diff_of_plans_on_other_matrices_says_placements_name_their_own_axes() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self, strategy: tuple[tuple[int, ...], ...]) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 8))
+            self.matmul = sw.ops.MatMul().shard(strategy)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.matmul(x, self.w)
+            return out
+
+    x = torch.zeros(8, 16)
+    two = plan_semi_auto(capture(Net(((2, 2), (2, 1))), x), 4)  # (rows over g0 x g1: 4 ways)
+    one = plan_semi_auto(capture(Net(((4, 1), (1, 1))), x), 4)  # (rows over g0: 4 ways)
+    lines = two.diff(one)
+    assert lines[0].startswith("matrix: ") and "each plan's own axes" in lines[0], lines
+
+
 def test_gpt_block_plan_round_trips() -> None:
     cfg = GPTConfig()
     net = GPTBlock(cfg, megatron_strategies(2, 4))

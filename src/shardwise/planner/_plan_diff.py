@@ -26,7 +26,10 @@ def plan_diff(a: ParallelPlan, b: ParallelPlan) -> list[str]:
     are equal (a field not named below is named by its name)."""
     out = []
     if (a.device_num, a.matrix) != (b.device_num, b.matrix):
-        out.append(f"matrix: {a.matrix} ({a.device_num}) -> {b.matrix}")
+        out.append(
+            f"matrix: {a.matrix} ({a.device_num}) -> {b.matrix} (placements below name each "
+            f"plan's own axes: (g0, g1) of one and g0 of the other may split a dim alike)"
+        )
     if a.mode != b.mode:
         out.append(f"mode: {a.mode} -> {b.mode}")
     for n, m in zip(a.nodes, b.nodes, strict=False):
