@@ -223,6 +223,18 @@ def test_failure_report_from_another_node(tmp_path: Path) -> None:
     assert lines[-1] == "logs: /b/worker_5.log (on nodeB), /a/scheduler.log"
 
 
+def test_log_lines_from_another_node_say_there_was_no_traceback(tmp_path: Path) -> None:
+    # (rank 2 on node 1 exited with code 3 and an empty log: node 0 says it as node 1 does)
+    local = worker_root_cause(_exit(tmp_path, 2, 3, "", 1.0), 1, "nodeB")
+    remote = RootCause.from_json(local.to_json())
+    assert remote == local and not remote.traceback
+    lines = format_failure_report(remote, [], 0, "/a/scheduler.log").splitlines()
+    assert lines[1:3] == [
+        "no traceback in worker_2.log; its last lines:",
+        "  (worker_2.log is empty)",
+    ], lines
+
+
 def test_root_cause_json_survives_garbage() -> None:
     root = RootCause.from_json(b"not json")
     assert "another launcher reported a failure" in root.reason

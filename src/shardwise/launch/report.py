@@ -73,6 +73,8 @@ class RootCause:
         log: path of that worker's log, on its node.
         stuck: when the worker failed in a collective some ranks never arrived at (see
             `hang.explain`): where each of those ranks is, shown before the worker's lines.
+        traceback: whether `lines` are a traceback (False: the log's last lines, shown under
+            a line that says so, on every node).
     """
 
     reason: str
@@ -82,6 +84,7 @@ class RootCause:
     lines: tuple[str, ...] = ()
     log: str = ""
     stuck: tuple[str, ...] = ()
+    traceback: bool = True
 
     def to_json(self) -> str:
         """Serialize for the store."""
@@ -94,6 +97,7 @@ class RootCause:
                 "lines": list(self.lines),
                 "log": self.log,
                 "stuck": list(self.stuck),
+                "traceback": self.traceback,
             }
         )
 
@@ -110,6 +114,7 @@ class RootCause:
                 lines=tuple(str(x) for x in d.get("lines", [])),
                 log=str(d.get("log", "")),
                 stuck=tuple(str(x) for x in d.get("stuck", [])),
+                traceback=bool(d.get("traceback", True)),
             )
         except (ValueError, KeyError, TypeError):
             return RootCause(
@@ -278,6 +283,8 @@ def format_failure_report(
     elif root.lines:
         if root.stuck and root.rank is not None:
             out.append(f"rank {root.rank} failed first:")
+        if not root.traceback:  # (as `_group_text` says it of a local rank's lines)
+            out.append(f"no traceback in {Path(root.log).name}; its last lines:")
         out += _indent(root.lines)
     for group in groups:
         out += _group_text(group, first=False)
@@ -331,7 +338,7 @@ def worker_root_cause(failed: WorkerExit, node_rank: int, host: str) -> RootCaus
         >>> worker_root_cause(e, 0, "h").reason
         'rank 1 failed first with signal SIGKILL (pid 42)'
     """
-    lines, _ = log_excerpt(failed.log_path)
+    lines, is_traceback = log_excerpt(failed.log_path)
     return RootCause(
         reason=(
             f"rank {failed.rank} failed first with {describe_returncode(failed.returncode)} "
@@ -342,4 +349,5 @@ def worker_root_cause(failed: WorkerExit, node_rank: int, host: str) -> RootCaus
         rank=failed.rank,
         lines=tuple(lines),
         log=failed.log_path,
+        traceback=is_traceback,
     )
