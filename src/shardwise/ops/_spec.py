@@ -12,7 +12,9 @@ strategies are written in their messages, are in `shardwise.ops._spec_checks`):
 1. `default_strategy`: no strategy -> data parallel (the batch axis over every device).
 2. `check_entries`: ints or Layouts (never mixed), one entry per input, one value per dim.
 3. `check_ties` / `check_fixed`: dims on one logical axis split alike; broadcast and `fixed`
-   dims (Softmax's axis, LayerNorm's normalized dims, ...) whole.
+   dims (Softmax's axis, LayerNorm's normalized dims, ...) whole. Their messages list only
+   fixes that plan: each candidate is planned in turn (`plans`, the op's rule), on the error
+   path only (`shardwise.ops._spec_fixes`).
 4. `strategy_layouts` / `check_layout_strategy` (`shardwise.layout`): device matrix, input
    layouts, product and divisibility checks (`_resolve` runs steps 2-4).
 5. `_logical_axes` / `check_disjoint`: each logical axis -> its device axes; no device axis may
@@ -44,6 +46,7 @@ from shardwise.ops._spec_checks import (
     fmt_strategy,
     layout_call,
 )
+from shardwise.ops._spec_fixes import Plans
 
 Dims = tuple[int | None, ...]
 
@@ -240,12 +243,18 @@ def _out_strategy_error(
 
 
 def _resolve(
-    strategy: Strategy, spec: Spec, shapes: Sequence[Shape], device_num: int, label: str
+    strategy: Strategy,
+    spec: Spec,
+    shapes: Sequence[Shape],
+    device_num: int,
+    label: str,
+    plans: Plans,
 ) -> tuple[str, StrategyLayouts]:
-    """Steps 2-4: the checks, then the device matrix and the input layouts."""
+    """Steps 2-4: the checks (their messages list the fixes that `plans` accepts), then the
+    device matrix and the input layouts."""
     kind = check_entries(strategy, spec, shapes, label)
-    check_ties(strategy, spec, shapes, label, device_num)
-    check_fixed(strategy, spec, label, shapes)
+    check_ties(strategy, spec, shapes, label, device_num, plans)
+    check_fixed(strategy, spec, label, shapes, device_num, plans)
     names = spec.input_names
     if kind == "ints":
         ints = [e for e in strategy if isinstance(e, tuple)]
@@ -275,6 +284,7 @@ def plan_spec(
     shapes: Sequence[Shape],
     device_num: int,
     who: str,
+    plans: Plans | None = None,
 ) -> OpPlan:
     """Plan one primitive call described by `spec` (see the module docstring for the steps).
 
@@ -285,6 +295,9 @@ def plan_spec(
         shapes: the inputs' global shapes.
         device_num: devices in the job.
         who: the primitive, for messages.
+        plans: the op's rule on one strategy (`shardwise.ops._spec_fixes.Plans`), which a
+            message's suggested fixes must pass; None: this plan without out_strategy (a rule
+            adding checks of its own passes itself).
 
     Returns:
         The `OpPlan`.
@@ -302,7 +315,12 @@ def plan_spec(
     label = who
     if in_strategy is None:
         label = f"{who} (default data-parallel strategy {fmt_strategy(strategy)})"
-    kind, res = _resolve(strategy, spec, shapes, device_num, label)
+    if plans is None:
+
+        def plans(candidate: Strategy) -> OpPlan:
+            return plan_spec(spec, candidate, None, shapes, device_num, who)
+
+    kind, res = _resolve(strategy, spec, shapes, device_num, label, plans)
     axes = _logical_axes(res.layouts, spec)
     check_disjoint(axes, res.matrix, spec, label)
     outs, red = _outputs(spec, res.matrix, axes)

@@ -4,19 +4,19 @@ in their messages.
 - `fmt_strategy` / `layout_call`: a strategy, or one Layout, as the user writes it.
 - `check_entries` (step 2): ints or Layouts (never mixed), one entry per input, one value per
   dim.
-- `check_ties` (step 3): dims on one logical axis split alike; broadcast dims (None) whole (a
-  suggested fix repairs every axis split differently at once: `_tie_fixes`).
+- `check_ties` (step 3): dims on one logical axis split alike; broadcast dims (None) whole (the
+  message names every axis split differently and every split broadcast dim).
 - `check_fixed` (step 3): dims on a `fixed` logical axis (Softmax's axis, LayerNorm's normalized
   dims, ...) whole.
 - `check_disjoint` (step 5): no device axis splits two logical axes.
 
-Each raises a ValueError naming the input and dim, with a valid strategy where one can be
-suggested (`_with`).
+Each raises a ValueError naming the input and dim. `check_ties` and `check_fixed` list the fixes
+of `shardwise.ops._spec_fixes` that plan (at most four; those that repair every refused dim at
+once), or say in words what to change where none does.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -25,9 +25,9 @@ from shardwise.layout import (
     TensorLayout,
     check_int_strategy,
     strategy_kind,
-    strategy_layouts,
 )
 from shardwise.ops._plan import Shape, Strategy
+from shardwise.ops._spec_fixes import Ints, Plans, fixed_tiers, planning, replaced, tie_tiers
 
 if TYPE_CHECKING:
     from shardwise.ops._spec import Spec
@@ -82,31 +82,6 @@ def _show(entry: tuple[int, ...] | TensorLayout, d: int) -> str:
     return str(entry[d])
 
 
-def _replaced(strategy: Strategy, fixes: Mapping[tuple[int, int], int]) -> Strategy:
-    """The int strategy with some (input, dim) values replaced."""
-    return tuple(
-        tuple(fixes.get((i, d), v) for d, v in enumerate(e)) if isinstance(e, tuple) else e
-        for i, e in enumerate(strategy)
-    )
-
-
-def _with(strategy: Strategy, fixes: Mapping[tuple[int, int], int]) -> str:
-    """The int strategy with some (input, dim) values replaced, as a suggestion."""
-    return fmt_strategy(list(_replaced(strategy, fixes)))
-
-
-def _fits(strategy: Strategy, spec: Spec, shapes: Sequence[Shape], world: int | None) -> bool:
-    """Whether the int `strategy`'s device matrix fits `world` devices (None: any count)."""
-    if world is None:
-        return True
-    ints = [e for e in strategy if isinstance(e, tuple)]
-    try:
-        strategy_layouts(ints, world, spec.inputs, shapes=shapes)
-    except ValueError:
-        return False
-    return True
-
-
 def _count(n: int, noun: str) -> str:
     plural = "entries" if noun == "entry" else noun + "s"
     return f"{n} {noun if n == 1 else plural}"
@@ -146,45 +121,102 @@ Clash = tuple[int, tuple[int, int], tuple[int, int]]
 """Two dims on one logical axis split differently: (axis, its first (input, dim), (input, dim))."""
 
 
+def _ints(strategy: Strategy) -> Ints | None:
+    """`strategy` if every entry is an int tuple (a fix can be suggested), else None."""
+    ints = tuple(e for e in strategy if isinstance(e, tuple))
+    return ints if len(ints) == len(strategy) else None
+
+
+def _listed(tiers: Sequence[Sequence[Ints]], plans: Plans | None, words: str) -> str:
+    """The fixes of `tiers` that plan (`planning`), as a message lists them; else `words`."""
+    return " or ".join(fmt_strategy(list(c)) for c in planning(tiers, plans)) or words
+
+
 def check_ties(
-    strategy: Strategy, spec: Spec, shapes: Sequence[Shape], label: str, world: int | None = None
+    strategy: Strategy,
+    spec: Spec,
+    shapes: Sequence[Shape],
+    label: str,
+    world: int,
+    plans: Plans | None = None,
 ) -> None:
     """Dims on one logical axis split alike; broadcast dims (None) not split. The message names
-    every axis split differently, and a suggested fix repairs them all and fits `world` devices
-    (None: any count)."""
+    every axis split differently and every split broadcast dim; a suggested fix repairs them
+    all and plans (`plans`: the op's rule on `world` devices)."""
     first: dict[int, tuple[int, int]] = {}
     clashes: list[Clash] = []
-    broadcast: dict[tuple[int, int], int] = {}  # split broadcast dims after a clash: fixed to 1
+    broadcast: dict[tuple[int, int], int] = {}  # split broadcast dims: fixed to 1
     for i, dims in enumerate(spec.inputs):
         entry = strategy[i]
         for d, lg in enumerate(dims):
             if lg is None:
-                if _splits(entry, d) > 1 and clashes:
+                if _splits(entry, d) > 1:
                     broadcast[(i, d)] = 1
-                elif _splits(entry, d) > 1:
-                    fix = _with(strategy, {(i, d): 1}) if isinstance(entry, tuple) else "'None'"
-                    raise ValueError(
-                        f"{label}: {_input(spec, i)} dim {d} (size {shapes[i][d]}) is broadcast "
-                        f"and cannot be split, but the strategy splits it into "
-                        f"{_show(entry, d)}; valid: {fix}"
-                    )
                 continue
             j, e = first.setdefault(lg, (i, d))
             clashed = any(c[0] == lg for c in clashes)
             if not clashed and _key(entry, d) != _key(strategy[j], e):
                 clashes.append((lg, (j, e), (i, d)))
-    if not clashes:
-        return
-    (lg, (j, e), (i, d)), *more = clashes
+    if clashes:
+        why = _clash_message(strategy, spec, shapes, world, plans, clashes, broadcast)
+        raise ValueError(f"{label}: {why}")
+    if broadcast:
+        why = _broadcast_message(strategy, spec, shapes, world, plans, broadcast)
+        raise ValueError(f"{label}: {why}")
+
+
+def _broadcast_message(
+    strategy: Strategy,
+    spec: Spec,
+    shapes: Sequence[Shape],
+    world: int,
+    plans: Plans | None,
+    broadcast: Mapping[tuple[int, int], int],
+) -> str:
+    (i, d), *more = broadcast
+    ints = _ints(strategy)
+    fix = "'None'"
+    if ints is not None:
+        words = (
+            f"1 for each broadcast dim, with the other splits dividing their dims and their "
+            f"product dividing the device count {world}"
+        )
+        fix = _listed(fixed_tiers(replaced(ints, broadcast), spec, shapes), plans, words)
+    also = "".join(
+        f", and {_input(spec, k)} dim {dd} (size {shapes[k][dd]}) is broadcast but split"
+        for k, dd in more
+    )
+    return (
+        f"{_input(spec, i)} dim {d} (size {shapes[i][d]}) is broadcast and cannot be "
+        f"split, but the strategy splits it into {_show(strategy[i], d)}{also}; valid: {fix}"
+    )
+
+
+def _clash_message(
+    strategy: Strategy,
+    spec: Spec,
+    shapes: Sequence[Shape],
+    world: int,
+    plans: Plans | None,
+    clashes: Sequence[Clash],
+    broadcast: Mapping[tuple[int, int], int],
+) -> str:
+    (_, (j, e), (i, d)), *more = clashes
     fix = f"the same axes, in the same order, as {_input(spec, j)} dim {e}"
-    if all(isinstance(x, tuple) for x in strategy):
-        fix = _tie_fixes(strategy, spec, shapes, world, clashes, broadcast)
+    ints = _ints(strategy)
+    if ints is not None:
+        tiers = tie_tiers(ints, spec, shapes, [c[0] for c in clashes], broadcast)
+        words = (
+            f"the same split on both, with the strategy's device matrix dividing the device "
+            f"count {world}"
+        )
+        fix = _listed(tiers, plans, words)
     also = "".join(f", and {_pair(spec, strategy, c, into=True)}" for c in more) + "".join(
         f", and {_input(spec, k)} dim {dd} (size {shapes[k][dd]}) is broadcast but split"
         for k, dd in broadcast
     )
-    raise ValueError(
-        f"{label}: {_pair(spec, strategy, clashes[0])} must be split alike, but the strategy "
+    return (
+        f"{_pair(spec, strategy, clashes[0])} must be split alike, but the strategy "
         f"splits them into {_show(strategy[j], e)} and {_show(strategy[i], d)}{also}; valid: {fix}"
     )
 
@@ -200,88 +232,38 @@ def _pair(spec: Spec, strategy: Strategy, clash: Clash, into: bool = False) -> s
     return text
 
 
-_SHOWN = 4  # fixes listed at most (every combination of the clashing axes' splits may fit)
-
-
-def _tie_fixes(
+def check_fixed(
     strategy: Strategy,
     spec: Spec,
+    label: str,
     shapes: Sequence[Shape],
-    world: int | None,
-    clashes: Sequence[Clash],
-    broadcast: Mapping[tuple[int, int], int],
-) -> str:
-    """Int strategies with every clashing axis split alike (each taking one of the splits the
-    strategy gives it that divides every dim on it, first-seen first; else 1) and split
-    broadcast dims whole, whose device matrix fits `world` (the first `_SHOWN`); else what a
-    fix needs."""
-    choices = []
-    for lg, _, _ in clashes:
-        on_axis = [
-            (k, dd)
-            for k, dims in enumerate(spec.inputs)
-            for dd, axis in enumerate(dims)
-            if axis == lg
-        ]
-        seen = dict.fromkeys(_splits(strategy[k], dd) for k, dd in on_axis)
-        values = [v for v in seen if all(shapes[k][dd] % v == 0 for k, dd in on_axis)] or [1]
-        choices.append([dict.fromkeys(on_axis, v) for v in values])
-    fixes = []
-    for combo in itertools.product(*choices):
-        fixed = dict(broadcast)
-        for part in combo:
-            fixed.update(part)
-        if _fits(_replaced(strategy, fixed), spec, shapes, world):
-            fixes.append(_with(strategy, fixed))
-    return " or ".join(list(dict.fromkeys(fixes))[:_SHOWN]) or (
-        f"the same split on both, with the strategy's device matrix dividing the device count "
-        f"{world}"
-    )
-
-
-def _moved(
-    strategy: Strategy, spec: Spec, shapes: Sequence[Shape], bad: Mapping[tuple[int, int], int]
-) -> dict[tuple[int, int], int]:
-    """`bad`'s fix with the split moved onto another logical axis, split alike in every input
-    and dividing (SoftmaxCrossEntropyWithLogits ``((1, 8), (1, 8))`` -> ``((8, 1), (8, 1))``);
-    `bad` alone (the split dropped) when none is."""
-    n = max(_splits(strategy[i], d) for i, d in bad)
-    where: dict[int, list[tuple[int, int]]] = {}
-    for j, dims in enumerate(spec.inputs):
-        for e, lg in enumerate(dims):
-            if lg is not None and lg not in spec.fixed:
-                where.setdefault(lg, []).append((j, e))
-    for lg in spec.inputs[next(iter(bad))[0]]:
-        spots = where.get(lg, []) if lg is not None else []
-        grown = {(j, e): _splits(strategy[j], e) * n for j, e in spots}
-        alike = len(set(grown.values())) == 1
-        if spots and alike and all(shapes[j][e] % k == 0 for (j, e), k in grown.items()):
-            return {**bad, **grown}
-    return dict(bad)
-
-
-def check_fixed(strategy: Strategy, spec: Spec, label: str, shapes: Sequence[Shape]) -> None:
-    """Dims on a `fixed` logical axis must be whole."""
-    bad = {
-        (i, d): 1
+    world: int,
+    plans: Plans | None = None,
+) -> None:
+    """Dims on a `fixed` logical axis must be whole; a suggested fix plans (`plans`: the op's
+    rule on `world` devices)."""
+    bad = [
+        (i, d)
         for i, dims in enumerate(spec.inputs)
         for d, lg in enumerate(dims)
         if lg in spec.fixed and _splits(strategy[i], d) > 1
-    }
+    ]
     if not bad:
         return
-    i, d = next(iter(bad))
-    entry = strategy[i]
+    i, d = bad[0]
     lg = spec.inputs[i][d]
     assert lg is not None
-    fix = (
-        _with(strategy, _moved(strategy, spec, shapes, bad))
-        if isinstance(entry, tuple)
-        else ("'None' for that dim")
-    )
+    fix = "'None' for that dim"
+    ints = _ints(strategy)
+    if ints is not None:
+        words = (
+            f"1 for that dim, with the other splits dividing their dims and their product "
+            f"dividing the device count {world}"
+        )
+        fix = _listed(fixed_tiers(ints, spec, shapes), plans, words)
     raise ValueError(
         f"{label}: {_input(spec, i)} dim {d} {spec.fixed[lg]} and cannot be split, but the "
-        f"strategy splits it into {_show(entry, d)}; valid: {fix}"
+        f"strategy splits it into {_show(strategy[i], d)}; valid: {fix}"
     )
 
 

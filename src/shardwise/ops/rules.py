@@ -44,6 +44,7 @@ from shardwise.ops._cnn_specs import batch_norm_spec, conv2d_spec, pool_spec
 from shardwise.ops._plan import OpPlan, Rule, Shape, Strategy
 from shardwise.ops._spec import Spec, plan_spec
 from shardwise.ops._spec_checks import fmt_strategy
+from shardwise.ops._spec_fixes import Plans, planning
 from shardwise.ops._specs import (
     SpecBuilder,
     bias_add_spec,
@@ -152,7 +153,8 @@ def gather_rule(
     spec = gather_spec(op_args, shapes, who)
     if batch_and_rows(op_args, in_strategy):
         spec = _indices_first(spec, len(shapes[0]), len(shapes[1]))
-    plan = plan_spec(spec, in_strategy, out_strategy, shapes, device_num, who)
+    plans = _rule_plans(gather_rule, op_args, input_shapes, device_num, who)
+    plan = plan_spec(spec, in_strategy, out_strategy, shapes, device_num, who, plans)
     if not plan.comms:
         return dataclasses.replace(plan, local="")
     params, indices = plan.inputs
@@ -197,6 +199,7 @@ def conv2d_rule(
     """
     shapes = _shapes(input_shapes)
     spec = conv2d_spec(op_args, shapes, who)
+    plans = _rule_plans(conv2d_rule, op_args, input_shapes, device_num, who)
     if in_strategy is not None and len(in_strategy) == 2:
         weight = in_strategy[1]
         for d, what in ((2, "kernel height kh"), (3, "kernel width kw")):
@@ -205,13 +208,37 @@ def conv2d_rule(
                 fix = "'None' for that dim"
             else:
                 n = weight[d] if d < len(weight) else 1
-                fix = fmt_strategy([in_strategy[0], (*weight[:2], 1, 1)])
+                fix = _kernel_fix(in_strategy, plans)
             if n > 1:
                 raise ValueError(
                     f"{who}: input 1 (weight) dim {d} is the {what} of Conv2D and cannot be split, "
                     f"but the strategy splits it into {n}; valid: {fix}"
                 )
-    return plan_spec(spec, in_strategy, out_strategy, shapes, device_num, who)
+    return plan_spec(spec, in_strategy, out_strategy, shapes, device_num, who, plans)
+
+
+def _kernel_fix(in_strategy: Strategy, plans: Plans) -> str:
+    """Conv2D's int strategy with the kernel dims whole, where that plans; else what to change."""
+    x, weight = in_strategy
+    if isinstance(x, tuple) and isinstance(weight, tuple):
+        for fix in planning([[(x, (*weight[:2], 1, 1))]], plans):
+            return fmt_strategy(list(fix))
+    return "1 for weight dims 2 and 3 (kh and kw), and the other splits changed as well"
+
+
+def _rule_plans(
+    rule: Rule,
+    op_args: Mapping[str, Any],
+    input_shapes: Sequence[Sequence[int]],
+    device_num: int,
+    who: str,
+) -> Plans:
+    """`rule` on one strategy (no out_strategy): what a suggested fix must pass."""
+
+    def plans(strategy: Strategy) -> OpPlan:
+        return rule(op_args, strategy, None, input_shapes, device_num, who)
+
+    return plans
 
 
 conv2d_rule.spec_builder = conv2d_spec  # type: ignore[attr-defined]  # (`_candidates`)
