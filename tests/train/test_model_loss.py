@@ -1,12 +1,14 @@
-"""What `Model.train` takes as a step's loss (a tensor, or a tuple whose first item is the
-loss) and its errors for a loss or a batch it cannot use: a `loss_fn` that is not callable, a
-loss of several values, more columns than the network's ``forward`` takes."""
+"""What `Model.train` takes as a step's loss (a tensor, a tuple whose first item is the
+loss, a mapping's or Hugging Face ModelOutput's "loss") and its errors for a loss or a batch it
+cannot use: a `loss_fn` that is not callable, a loss of several values, more columns than the
+network's ``forward`` takes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 import shardwise as sw
 
@@ -22,7 +24,7 @@ def _data(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class WithLoss(nn.Module):
     """Returns the loss (`aux`: ``(loss, logits)``), computed from the label it is given."""
 
-    def __init__(self, aux: bool) -> None:
+    def __init__(self, aux: bool | str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin, self.aux = nn.Linear(6, 3), aux
@@ -30,6 +32,8 @@ class WithLoss(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> object:
         logits = self.lin(x)
         loss = nn.functional.cross_entropy(logits, y)
+        if self.aux == "ModelOutput":  # (as a Hugging Face model given its labels returns)
+            return SequenceClassifierOutput(loss=loss, logits=logits)
         return (loss, logits) if self.aux else loss
 
 
@@ -55,6 +59,13 @@ def test_a_network_returning_loss_and_logits_trains_on_the_loss() -> None:
     aux, aux_net = _trained(WithLoss(aux=True))
     assert aux == plain and len(aux) == 6
     torch.testing.assert_close(aux_net.state_dict(), plain_net.state_dict(), rtol=0, atol=0)
+
+
+def test_a_network_returning_a_model_output_trains_on_its_loss() -> None:
+    plain, plain_net = _trained(WithLoss(aux=False))
+    hf, hf_net = _trained(WithLoss(aux="ModelOutput"))
+    assert hf == plain and len(hf) == 6
+    torch.testing.assert_close(hf_net.state_dict(), plain_net.state_dict(), rtol=0, atol=0)
 
 
 def test_a_loss_fn_returning_a_tuple_trains_on_its_first_item() -> None:
@@ -98,11 +109,12 @@ def _three_columns() -> list[tuple[torch.Tensor, ...]]:
             r"loss_fn returned a loss of shape \[4\], not one value; .* reduction='mean'",
         ),
         (
-            lambda: sw.Model(net := nn.Linear(6, 3), lambda o, y: {"loss": o}, _sgd(net)).train(
+            lambda: sw.Model(net := nn.Linear(6, 3), lambda o, y: {"logits": o}, _sgd(net)).train(
                 1, _data(1)
             ),
             TypeError,
-            r"loss_fn returned dict; .* a tuple whose first item is the loss",
+            r"loss_fn returned dict; .* a tuple whose first item is the loss, .* or a mapping "
+            r"\(a Hugging Face ModelOutput: pass labels\) whose 'loss' is it",
         ),
         (
             lambda: sw.Model(net := nn.Linear(6, 3), nn.CrossEntropyLoss(), _sgd(net)).train(

@@ -7,7 +7,7 @@ step computes (`step_loss`; both for one batch: `batch_loss`), the callbacks
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -137,14 +137,18 @@ def batch_loss(network: torch.nn.Module, loss_fn: Any, batch: Sequence[Any]) -> 
 
 def step_loss(out: Any, loss_fn: object) -> torch.Tensor:
     """The loss of a step's `out` (the network's, with `loss_fn` None, else `loss_fn`'s): the
-    tensor itself, or a tuple's or list's first item (``(loss, logits)``, as `LossMonitor`
-    reads it); TypeError or ValueError naming the fix for anything else."""
+    tensor itself, a tuple's or list's first item (``(loss, logits)``, as `LossMonitor` reads
+    it), or a mapping's ``"loss"`` tensor (a Hugging Face ``ModelOutput`` of a model given its
+    labels); TypeError or ValueError naming the fix for anything else."""
     who = "the network (loss_fn=None)" if loss_fn is None else "loss_fn"
     loss = out[0] if isinstance(out, tuple | list) and out else out
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        loss = out["loss"]
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"Model.train: {who} returned {type(out).__name__}; it must return the loss "
-            "tensor, or a tuple whose first item is the loss, e.g. (loss, logits)"
+            "tensor, a tuple whose first item is the loss, e.g. (loss, logits), or a mapping "
+            "(a Hugging Face ModelOutput: pass labels) whose 'loss' is it"
         )
     if loss.numel() != 1:
         raise ValueError(
