@@ -1,8 +1,8 @@
 """Peak memory of delayed init: a rank holds its block plus a bounded buffer, not the whole.
 
-An ``nn.Linear(8192, 8192)`` (a [8192, 8192] float32 weight, 256 MiB, drawn by
+An ``nn.Linear(4096, 4096)`` (a [4096, 4096] float32 weight, 64 MiB, drawn by
 ``kaiming_uniform_``) is built inside ``sw.no_init_parameters()`` in a fresh process, and
-rank 1's block of MatMul strategy ``((1, 1), (1, 4))`` (the weight split 4 ways, 64 MiB) is
+rank 1's block of MatMul strategy ``((1, 1), (1, 4))`` (the weight split 4 ways, 16 MiB) is
 materialized with `block_slicer` (the slicer `AutoParallel` uses), either chunked (the default
 4 MiB buffer) or whole then cut (``chunk_bytes=0``, the path before chunking).
 
@@ -24,7 +24,7 @@ import sys
 import pytest
 
 MIB = 1 << 20
-SIDE, WAYS, RANK = 8192, 4, 1
+SIDE, WAYS, RANK = 4096, 4, 1
 FULL = SIDE * SIDE * 4
 BLOCK = FULL // WAYS
 BUFFER = 4 * MIB  # DEFAULT_CHUNK_BYTES
