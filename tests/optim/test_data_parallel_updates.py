@@ -206,6 +206,43 @@ def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() 
         assert_matches_single_device(params(net), params(ref), what="parameters")
 
 
+def test_a_new_optimizer_over_the_parameters_left_trainable_replaces_the_known_one() -> None:
+    """Fine-tuning: the first layer frozen at call 2 and a new SGD built over the parameters
+    still requiring gradients (was refused as holding only some of the known one's)."""
+
+    def train(net: nn.Module, call: Any, rows: Any) -> list[torch.Tensor]:
+        box = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            box[0].step()
+            box[0].zero_grad()
+            return loss
+
+        run = call(step, box[0])
+        out = []
+        for i, (x, y) in enumerate(DATA):
+            if i == 2:
+                net[0].requires_grad_(False)  # type: ignore[index]
+                box[0] = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], 0.05)
+            out.append(run(rows(x), rows(y)).detach())
+        return out
+
+    ref = make_net()
+    want = train(ref, lambda step, opt: step, lambda t: t)
+    net = make_net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = train(
+            net,
+            lambda step, opt: AutoParallel(step, parallel_mode="data_parallel", optimizer=opt),
+            world.rows,
+        )
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
 @pytest.mark.parametrize("hsdp", [False, True])
 def test_a_new_optimizer_over_part_of_a_known_ones_parameters_is_refused(hsdp: bool) -> None:
     """A new optimizer over the first layer only, the known one holding all the parameters:

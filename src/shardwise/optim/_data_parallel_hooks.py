@@ -96,8 +96,9 @@ def _averaging(
 
 def replaced(runner: DataParallelRunner, opt: torch.optim.Optimizer) -> list[int]:
     """The indices of the known optimizers that `opt` (not known, stepping over the network's
-    parameters) replaces: those whose parameters it all holds (a swap mid-training, one built
-    anew in each call, an optimizer stepped again after another replaced it).
+    parameters) replaces: those whose trainable parameters it all holds (a swap mid-training,
+    one built anew in each call, an optimizer stepped again after another replaced it, one over
+    the parameters left trainable after freezing a layer).
 
     Raises:
         ValueError: `opt` holds some parameters of a known optimizer but not all (which one
@@ -107,6 +108,10 @@ def replaced(runner: DataParallelRunner, opt: torch.optim.Optimizer) -> list[int
     new = {id(p) for g in opt.param_groups for p in g["params"]}
     held = [{id(p) for g in o.param_groups for p in g["params"]} for o in runner.optimizers]
     shared = [i for i, ps in enumerate(held) if ps & new]
+    trained = [  # (a frozen parameter the new one leaves out trains under neither)
+        {id(p) for g in o.param_groups for p in g["params"] if p.requires_grad}
+        for o in runner.optimizers
+    ]
     name = type(opt).__name__
     if runner.parallel_optimizer and shared:
         raise ValueError(
@@ -125,7 +130,7 @@ def replaced(runner: DataParallelRunner, opt: torch.optim.Optimizer) -> list[int
             "optimizer with optimizers= (or keep it where the train step's code names it, not "
             "in a container)"
         )
-    partial = [i for i in shared if not held[i] <= new]
+    partial = [i for i in shared if not trained[i] <= new]
     if partial:
         i = partial[0]
         raise ValueError(
