@@ -206,6 +206,44 @@ def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() 
         assert_matches_single_device(params(net), params(ref), what="parameters")
 
 
+@pytest.mark.parametrize("passed", [False, True])
+def test_warm_up_then_another_optimizer_both_known_from_the_start(passed: bool) -> None:
+    """SGD for two calls, then Adam over the same parameters, both built before the wrapper and
+    named in the train step (or both passed): was a ValueError at the first call (a parameter
+    held by two optimizers); the second is taken when it first steps."""
+
+    def train(net: nn.Module, call: Any, rows: Any) -> list[torch.Tensor]:
+        sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        adam = torch.optim.Adam(net.parameters(), lr=0.01)
+        seen = [0]
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            (sgd if seen[0] < 2 else adam).step()
+            net.zero_grad()
+            seen[0] += 1
+            return loss
+
+        run = call(step, [sgd, adam])
+        return [run(rows(x), rows(y)).detach() for x, y in DATA]
+
+    ref = make_net()
+    want = train(ref, lambda step, opts: step, lambda t: t)
+    net = make_net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = train(
+            net,
+            lambda step, opts: AutoParallel(
+                step, parallel_mode="data_parallel", optimizer=opts if passed else None
+            ),
+            world.rows,
+        )
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
 def test_a_new_optimizer_over_the_parameters_left_trainable_replaces_the_known_one() -> None:
     """Fine-tuning: the first layer frozen at call 2 and a new SGD built over the parameters
     still requiring gradients (was refused as holding only some of the known one's)."""

@@ -63,6 +63,7 @@ from shardwise.optim._data_parallel_plan import (
     WHO,
     CommBucket,
     ParamEntry,
+    apart,
     check_arguments,
     check_optimizers,
     find_optimizers,
@@ -172,6 +173,8 @@ class DataParallelRunner(RunnerPlan):
         if not opts and train_step is not None:
             opts = find_optimizers(train_step)
         check_optimizers(opts, parallel_optimizer, train_step is not None)
+        if not parallel_optimizer:  # (one over parameters another holds: taken when it steps)
+            opts = apart(opts)
         if not comm.is_initialized():
             raise RuntimeError(
                 f"{WHO}: no job yet; call shardwise.communication.init() first (or build the "
