@@ -412,10 +412,11 @@ def test_bad_inputs() -> None:
             )
         with pytest.raises(ValueError, match=r"optimizers\[0\].*not one of the network's"):
             DataParallelRunner(net, [torch.optim.SGD(other.parameters(), lr=0.1)])
-        with pytest.raises(ValueError, match="held by optimizers"):  # (owners planned once)
-            DataParallelRunner(
-                net, [opt, torch.optim.SGD([net.weight], lr=0.1)], parallel_optimizer=True
-            )
+        for hsdp in (False, True):  # (sharing some parameters; with hsdp, any)
+            with pytest.raises(ValueError, match="held by optimizers"):
+                DataParallelRunner(
+                    net, [opt, torch.optim.SGD([net.weight], lr=0.1)], parallel_optimizer=hsdp
+                )
         with pytest.raises(TypeError, match=r"optimizers\[0\] is a Linear"):
             DataParallelRunner(net, [other])  # type: ignore[list-item]
         with pytest.raises(TypeError, match="network must be"):

@@ -206,8 +206,8 @@ def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() 
         assert_matches_single_device(params(net), params(ref), what="parameters")
 
 
-@pytest.mark.parametrize("passed", [False, True])
-def test_warm_up_then_another_optimizer_both_known_from_the_start(passed: bool) -> None:
+@pytest.mark.parametrize("passed", [False, True, "reversed"])
+def test_warm_up_then_another_optimizer_both_known_from_the_start(passed: bool | str) -> None:
     """SGD for two calls, then Adam over the same parameters, both built before the wrapper and
     named in the train step (or both passed): was a ValueError at the first call (a parameter
     held by two optimizers); the second is taken when it first steps."""
@@ -225,7 +225,7 @@ def test_warm_up_then_another_optimizer_both_known_from_the_start(passed: bool) 
             seen[0] += 1
             return loss
 
-        run = call(step, [sgd, adam])
+        run = call(step, [adam, sgd] if passed == "reversed" else [sgd, adam])
         return [run(rows(x), rows(y)).detach() for x, y in DATA]
 
     ref = make_net()

@@ -141,7 +141,9 @@ class DataParallelRunner(RunnerPlan):
         TypeError: a non-module network, a non-optimizer, a non-bool `parallel_optimizer`.
         ValueError: an unknown `dataset_strategy`; ``threshold_kb < 0``; no optimizer with
             ``parallel_optimizer=True``; an optimizer holding a parameter that is not
-            `network`'s (or one held twice); a bad `fusion`.
+            `network`'s, or one held by two optimizers (without `parallel_optimizer`, two
+            over exactly the same parameters are not: the later is taken when it steps); a
+            bad `fusion`.
 
     Example:
         >>> optimizer = torch.optim.Adam(net.parameters(), 1e-3)
@@ -173,7 +175,7 @@ class DataParallelRunner(RunnerPlan):
         if not opts and train_step is not None:
             opts = find_optimizers(train_step)
         check_optimizers(opts, parallel_optimizer, train_step is not None)
-        if not parallel_optimizer:  # (one over parameters another holds: taken when it steps)
+        if not parallel_optimizer:  # (one over another's very parameters: taken when it steps)
             opts = apart(opts)
         if not comm.is_initialized():
             raise RuntimeError(

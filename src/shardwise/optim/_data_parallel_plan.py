@@ -10,8 +10,8 @@ and which parameters share one collective.
   no slot in the flat buffer), and with ``parallel_optimizer=True`` its owner rank
   (`assign_owners`: a greedy byte balance over the parameters that allow it and hold at least
   the threshold).
-- `apart`: without optimizer parallel, the known optimizers less those over parameters an
-  earlier one holds (taken when they first step);
+- `apart`: without optimizer parallel, the known optimizers less those over exactly the
+  parameters of an earlier one (taken when they first step);
 - `check_arguments`, `check_optimizers`: the runner's argument types and values;
   `find_optimizers`: the optimizers a train step's code names; `materialized`: a network
   built in ``sw.no_init_parameters()`` given its values on every rank before the plan.
@@ -305,17 +305,18 @@ def materialized(network: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
 
 
 def apart(opts: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    """`opts` without those holding a parameter an earlier one holds (without optimizer
+    """`opts` without those over exactly the parameters of an earlier one (without optimizer
     parallel): such an optimizer, known from the start (SGD for a warm-up, then Adam over the
-    same parameters, both named in the train step), is taken when it first steps, replacing the
-    known ones whose trainable parameters it holds (`_data_parallel_hooks.replaced`)."""
+    same parameters, both named in the train step), is taken when it first steps, replacing
+    the other (`_data_parallel_hooks.replaced`), whichever order the code names them in. Two
+    that share only some parameters stay, for `plan_entries` to refuse."""
     kept: list[torch.optim.Optimizer] = []
-    held: set[int] = set()
+    sets: list[set[int]] = []
     for o in opts:
         mine = {id(p) for g in o.param_groups for p in g["params"]}
-        if not mine & held:
+        if mine not in sets:
             kept.append(o)
-            held |= mine
+            sets.append(mine)
     return kept
 
 
