@@ -99,6 +99,19 @@ class WithLoss(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
+def module_form_matches_one_device(train: Any) -> None:
+    """`train(net, forward, rows)` of a `WithLoss` on one device, and of another wrapped in
+    data_parallel mode on 2 simulated ranks: the same losses and parameters."""
+    ref = WithLoss()
+    want = train(ref, ref, lambda t: t)
+    net = WithLoss()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = train(net, AutoParallel(net, parallel_mode="data_parallel"), world.rows)
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
 def test_optimizers_swapped_mid_training_replace_the_known_ones() -> None:
     """Train-step form: the optimizers passed are replaced mid-training, one (its neighbour
     keeps its hooks) then both by one (a new one's first step raised 'built anew')."""
@@ -137,14 +150,7 @@ def test_module_form_optimizer_swapped_mid_training_matches_one_device() -> None
             out.append(loss.detach())
         return out
 
-    ref = WithLoss()
-    want = train(ref, ref, lambda t: t)
-    net = WithLoss()
-    with simulated_world(2) as world:
-        world.replicate(net)
-        got = train(net, AutoParallel(net, parallel_mode="data_parallel"), world.rows)
-        assert_matches_single_device(got, want, what="losses")
-        assert_matches_single_device(params(net), params(ref), what="parameters")
+    module_form_matches_one_device(train)
 
 
 def test_an_optimizer_built_anew_in_each_call_replaces_the_last_one() -> None:
@@ -196,14 +202,7 @@ def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() 
             out.append(loss.detach())
         return out
 
-    ref = WithLoss()
-    want = train(ref, ref, lambda t: t)
-    net = WithLoss()
-    with simulated_world(2) as world:
-        world.replicate(net)
-        got = train(net, AutoParallel(net, parallel_mode="data_parallel"), world.rows)
-        assert_matches_single_device(got, want, what="losses")
-        assert_matches_single_device(params(net), params(ref), what="parameters")
+    module_form_matches_one_device(train)
 
 
 @pytest.mark.parametrize("passed", [False, True, "reversed"])
