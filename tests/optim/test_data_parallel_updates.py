@@ -205,6 +205,26 @@ def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() 
     module_form_matches_one_device(train)
 
 
+def step_form_matches_one_device(train: Any, given: Any) -> None:
+    """`train(net, call, rows)` of `make_net()` on one device (`call(step, opts)` the step
+    itself), and of another whose step is wrapped in data_parallel mode on 2 simulated ranks
+    with ``optimizer=given(opts)``: the same losses and parameters."""
+    ref = make_net()
+    want = train(ref, lambda step, opts: step, lambda t: t)
+    net = make_net()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        got = train(
+            net,
+            lambda step, opts: AutoParallel(
+                step, parallel_mode="data_parallel", optimizer=given(opts)
+            ),
+            world.rows,
+        )
+        assert_matches_single_device(got, want, what="losses")
+        assert_matches_single_device(params(net), params(ref), what="parameters")
+
+
 @pytest.mark.parametrize("passed", [False, True, "reversed"])
 def test_warm_up_then_another_optimizer_both_known_from_the_start(passed: bool | str) -> None:
     """SGD for two calls, then Adam over the same parameters, both built before the wrapper and
@@ -227,20 +247,7 @@ def test_warm_up_then_another_optimizer_both_known_from_the_start(passed: bool |
         run = call(step, [adam, sgd] if passed == "reversed" else [sgd, adam])
         return [run(rows(x), rows(y)).detach() for x, y in DATA]
 
-    ref = make_net()
-    want = train(ref, lambda step, opts: step, lambda t: t)
-    net = make_net()
-    with simulated_world(2) as world:
-        world.replicate(net)
-        got = train(
-            net,
-            lambda step, opts: AutoParallel(
-                step, parallel_mode="data_parallel", optimizer=opts if passed else None
-            ),
-            world.rows,
-        )
-        assert_matches_single_device(got, want, what="losses")
-        assert_matches_single_device(params(net), params(ref), what="parameters")
+    step_form_matches_one_device(train, lambda opts: opts if passed else None)
 
 
 def test_a_new_optimizer_over_the_parameters_left_trainable_replaces_the_known_one() -> None:
@@ -266,18 +273,7 @@ def test_a_new_optimizer_over_the_parameters_left_trainable_replaces_the_known_o
             out.append(run(rows(x), rows(y)).detach())
         return out
 
-    ref = make_net()
-    want = train(ref, lambda step, opt: step, lambda t: t)
-    net = make_net()
-    with simulated_world(2) as world:
-        world.replicate(net)
-        got = train(
-            net,
-            lambda step, opt: AutoParallel(step, parallel_mode="data_parallel", optimizer=opt),
-            world.rows,
-        )
-        assert_matches_single_device(got, want, what="losses")
-        assert_matches_single_device(params(net), params(ref), what="parameters")
+    step_form_matches_one_device(train, lambda opt: opt)
 
 
 @pytest.mark.parametrize("hsdp", [False, True])
