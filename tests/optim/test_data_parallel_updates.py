@@ -205,6 +205,19 @@ def test_two_optimizers_alternating_over_the_same_parameters_match_one_device() 
     module_form_matches_one_device(train)
 
 
+def boxed_step(net: nn.Module, box: list[torch.optim.Optimizer]) -> Any:
+    """A train step of `net` stepping the optimizer in ``box[0]`` (replaced between calls)."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        box[0].step()
+        box[0].zero_grad()
+        return loss
+
+    return step
+
+
 def step_form_matches_one_device(train: Any, given: Any) -> None:
     """`train(net, call, rows)` of `make_net()` on one device (`call(step, opts)` the step
     itself), and of another whose step is wrapped in data_parallel mode on 2 simulated ranks
@@ -257,12 +270,7 @@ def test_a_new_optimizer_over_the_parameters_left_trainable_replaces_the_known_o
     def train(net: nn.Module, call: Any, rows: Any) -> list[torch.Tensor]:
         box = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)]
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            box[0].step()
-            box[0].zero_grad()
-            return loss
+        step = boxed_step(net, box)
 
         run = call(step, box[0])
         out = []
@@ -287,12 +295,7 @@ def test_a_new_optimizer_over_part_of_a_known_ones_parameters_is_refused(hsdp: b
         world.replicate(net)
         box = [torch.optim.SGD(net.parameters(), lr=0.1)]
 
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = nn.functional.cross_entropy(net(x), y)
-            loss.backward()
-            box[0].step()
-            box[0].zero_grad()
-            return loss
+        step = boxed_step(net, box)
 
         parallel = AutoParallel(step, parallel_mode="data_parallel", optimizer=box[0])
         if hsdp:
