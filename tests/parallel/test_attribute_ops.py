@@ -14,12 +14,12 @@ in-place change of a parameter through such a view in the forward (``p.data.clam
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.parallel.test_dtype_changes import matches_by_blocks
 from torch import nn
 
 import shardwise as sw
@@ -88,10 +88,6 @@ def single_device(how: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Te
     return [one(x, y).detach() for x, y in BATCHES], grads, ref
 
 
-def block_of(full: torch.Tensor, layout: Any) -> Callable[[int], torch.Tensor]:
-    return lambda r: full[layout.local_index(r, tuple(full.shape))]
-
-
 CASES = [
     ("weight.data", 2, 2),
     ("weight.data", 4, 4),
@@ -115,15 +111,7 @@ def test_attribute_ops_train_as_one_device(how: str, ranks: int, column_parallel
         got = [parallel(world.rows(x), world.rows(y)) for x, y in BATCHES]
         plan = parallel.parallel_plan
         assert plan is not None
-        for i, (loss, want) in enumerate(zip(got, losses, strict=True)):
-            assert_matches_single_device(loss, want, what=f"loss {i}")
-            for name, full in grads[i].items():
-                layout = plan.params[name].layout
-                block = block_of(full, layout)
-                assert_matches_single_device(seen[i][name], block, what=f"grad {i} {name}")
-        for name, p in ref.named_parameters():
-            block = block_of(p.detach(), plan.params[name].layout)
-            assert_matches_single_device(net.get_parameter(name).detach(), block, what=name)
+        matches_by_blocks(plan, (got, seen, net), (losses, grads, ref))
         assert_matches_single_device(net.run, ref.run, what="run")
 
 

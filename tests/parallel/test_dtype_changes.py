@@ -12,6 +12,7 @@ already and stays so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
+from shardwise.planner import ParallelPlan
 from shardwise.testing import assert_matches_single_device, simulated_world
 
 g = torch.Generator().manual_seed(1)
@@ -64,6 +66,26 @@ def stepper(net: nn.Module, grads: list[dict[str, torch.Tensor]] | None = None) 
     return step
 
 
+def block_of(full: torch.Tensor, layout: Any) -> Callable[[int], torch.Tensor]:
+    """Rank -> its block of `full` under `layout`."""
+    return lambda r: full[layout.local_index(r, tuple(full.shape))]
+
+
+def matches_by_blocks(plan: ParallelPlan, run: Any, one: Any) -> None:
+    """`run` = (losses, each step's gradients by name, network) of a wrapped run against `one`,
+    the same of the single-device run: each loss equal, and each rank's gradient and final
+    parameter its block of the single device's under the plan's layout."""
+    (got, seen, net), (losses, grads, ref) = run, one
+    for i, (loss, want) in enumerate(zip(got, losses, strict=True)):
+        assert_matches_single_device(loss, want, what=f"loss {i}")
+        for name, full in grads[i].items():
+            block = block_of(full, plan.params[name].layout)
+            assert_matches_single_device(seen[i][name], block, what=f"grad {i} {name}")
+    for name, p in ref.named_parameters():
+        block = block_of(p.detach(), plan.params[name].layout)
+        assert_matches_single_device(net.get_parameter(name).detach(), block, what=name)
+
+
 def single_device() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], nn.Module]:
     ref = build()
     grads: list[dict[str, torch.Tensor]] = []
@@ -83,17 +105,7 @@ def test_semi_auto_after_a_dtype_change_trains_as_one_device(ranks: int, megatro
         got = train(net, lambda x, y: parallel(world.rows(x), world.rows(y)))
         plan = parallel.parallel_plan
         assert plan is not None
-        for i, (loss, want) in enumerate(zip(got, losses, strict=True)):
-            assert_matches_single_device(loss, want, what=f"loss {i}")
-            for name, full in grads[i].items():
-                layout = plan.params[name].layout
-                block = lambda r, f=full, lay=layout: f[lay.local_index(r, tuple(f.shape))]  # noqa: E731
-                assert_matches_single_device(seen[i][name], block, what=f"grad {i} {name}")
-        for name, p in ref.named_parameters():
-            layout = plan.params[name].layout
-            full = p.detach()
-            block = lambda r, f=full, lay=layout: f[lay.local_index(r, tuple(f.shape))]  # noqa: E731
-            assert_matches_single_device(net.get_parameter(name).detach(), block, what=name)
+        matches_by_blocks(plan, (got, seen, net), (losses, grads, ref))
         # (the plan that runs, and the reports read, is the new dtype's)
         assert {p.dtype for p in plan.params.values()} == {"float64"}, plan.params
 
