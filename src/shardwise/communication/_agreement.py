@@ -8,10 +8,11 @@ collective, no device memory), with the same answer on every rank:
   to make it (its message), so that ranks which diverged stop together with a message instead
   of waiting for each other in a collective.
 - `announce_planning`: this rank is about to make a decision its ranks make only now and then
-  (planning a call again for new input shapes), so the next `agree_with_ranks` first waits a
-  short while (`arrival_timeout`) for every rank's own announcement: ranks that kept their plan
-  (they were passed other shapes) never plan, and would leave this rank waiting in the store
-  while they wait in a collective until the timeout; instead `Agreement.absent` names them.
+  (planning a call again for new input shapes), so the next `agree_with_ranks` first waits
+  (`arrival_timeout`: half the collectives' timeout) for every rank's own announcement: ranks
+  that kept their plan (they were passed other shapes) never plan, and would leave this rank
+  waiting in the store while they wait in a collective until the timeout; instead
+  `Agreement.absent` names them.
 
 In a simulated world one process runs every rank: the values are compared directly, and the
 decision is the same on every rank (one program makes it once).
