@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardwise.communication import recorder
-from shardwise.optim._data_parallel_plan import WHO
+from shardwise.optim._data_parallel_plan import WHO, param_ids
 from shardwise.optim._global_hooks import replace_closure
 
 if TYPE_CHECKING:
@@ -105,13 +105,11 @@ def replaced(runner: DataParallelRunner, opt: torch.optim.Optimizer) -> list[int
             trains them is ambiguous; a layer replaced after the first call), or, with
             ``parallel_optimizer=True`` (owners planned once), any known one's or none.
     """
-    new = {id(p) for g in opt.param_groups for p in g["params"]}
-    held = [{id(p) for g in o.param_groups for p in g["params"]} for o in runner.optimizers]
+    new = param_ids(opt)
+    held = [param_ids(o) for o in runner.optimizers]
     shared = [i for i, ps in enumerate(held) if ps & new]
-    trained = [  # (a frozen parameter the new one leaves out trains under neither)
-        {id(p) for g in o.param_groups for p in g["params"] if p.requires_grad}
-        for o in runner.optimizers
-    ]
+    # (a frozen parameter the new one leaves out trains under neither)
+    trained = [param_ids(o, trainable=True) for o in runner.optimizers]
     name = type(opt).__name__
     if runner.parallel_optimizer and shared:
         raise ValueError(

@@ -10,8 +10,9 @@ and which parameters share one collective.
   no slot in the flat buffer), and with ``parallel_optimizer=True`` its owner rank
   (`assign_owners`: a greedy byte balance over the parameters that allow it and hold at least
   the threshold).
-- `apart`: without optimizer parallel, the known optimizers less those over exactly the
-  parameters of an earlier one (taken when they first step);
+- `param_ids`: the parameters an optimizer holds; `apart`: without optimizer parallel, the
+  known optimizers less those over exactly the parameters of an earlier one (taken when they
+  first step);
 - `check_arguments`, `check_optimizers`: the runner's argument types and values;
   `find_optimizers`: the optimizers a train step's code names; `materialized`: a network
   built in ``sw.no_init_parameters()`` given its values on every rank before the plan.
@@ -304,6 +305,13 @@ def materialized(network: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     materialize_whole(network, optimizers)
 
 
+def param_ids(opt: torch.optim.Optimizer, trainable: bool = False) -> set[int]:
+    """The ids of the parameters `opt`'s groups hold (`trainable`: those requiring gradients)."""
+    return {
+        id(p) for g in opt.param_groups for p in g["params"] if p.requires_grad or not trainable
+    }
+
+
 def apart(opts: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     """`opts` without those over exactly the parameters of an earlier one (without optimizer
     parallel): such an optimizer, known from the start (SGD for a warm-up, then Adam over the
@@ -313,7 +321,7 @@ def apart(opts: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
     kept: list[torch.optim.Optimizer] = []
     sets: list[set[int]] = []
     for o in opts:
-        mine = {id(p) for g in o.param_groups for p in g["params"]}
+        mine = param_ids(o)
         if mine not in sets:
             kept.append(o)
             sets.append(mine)

@@ -34,7 +34,7 @@ from shardwise.communication import _collectives as C
 from shardwise.communication import every_rank, get_rank, ranks_unlike_leader
 from shardwise.communication._sparse import all_reduce_sparse
 from shardwise.communication.primitives import AllGather
-from shardwise.optim._data_parallel_plan import WHO, ParamEntry
+from shardwise.optim._data_parallel_plan import WHO, ParamEntry, param_ids
 
 
 def local_rows(x: Any, world: int, rank: int) -> Any:
@@ -305,7 +305,7 @@ def check_updates(
     Raises:
         ValueError: naming the parameter and the fix.
     """
-    known = {id(p) for o in stepped for g in o.param_groups for p in g["params"]}
+    known = {i for o in stepped for i in param_ids(o)}
     changed = False
     for p, was in zip(params, before, strict=True):
         if version(p) == was or not p.requires_grad:
