@@ -271,6 +271,60 @@ def _dtensor_rules() -> None:
     assert ins == [(Shard(0),), (Shard(0),)] and outs == [(Shard(0),)]
 
 
+def _dtensor_given_meta() -> None:
+    """The propagator learns an op's output metadata from ``_propagate_tensor_meta_non_cached``
+    (a fake run); `ask_propagator` hands it the captured metadata instead: the same metadata in
+    the same structure as the fake run's, the same answers, and no fake run."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    from shardwise._torch import dtensor as dt
+
+    aten = torch.ops.aten
+    mesh = dt.mesh_without_process_group((2, 2), ("a", "b"), (0, 1, 2, 3))
+    x, w = torch.randn(8, 12, 6), torch.randn(6)
+    cases = [  # (one tensor; a tuple of three; values and indices; a Tensor[]; a bool tensor)
+        (aten.mm.default, (x[0], torch.randn(6, 4)), {}),
+        (aten.native_layer_norm.default, (x, [6], w, w, 1e-5), {}),
+        (aten.max.dim, (x, 1, True), {}),
+        (aten.split.Tensor, (x, 4, 1), {}),
+        (aten.gt.Scalar, (x.transpose(0, 1), 0.0), {}),
+    ]
+    real = ShardingPropagator._propagate_tensor_meta_non_cached
+    fake_runs: list[object] = []
+
+    def counted(self: ShardingPropagator, schema: object) -> object:
+        fake_runs.append(schema)
+        return real(self, schema)
+
+    p = dt.sharding_propagator()
+    for op, args, kwargs in cases:
+        place = (Shard(0), Replicate())
+        spec_of = {
+            id(t): dt.tensor_spec(mesh, place, tuple(t.shape), t.stride(), str(t.dtype)[6:])
+            for t in args
+            if isinstance(t, torch.Tensor)
+        }
+        a = tuple(spec_of.get(id(t), t) for t in args)
+        got = op(*args, **kwargs)
+        outs = [t for t in (got if isinstance(got, tuple | list) else [got])]
+        meta = [(tuple(t.shape), t.stride(), str(t.dtype)[6:]) for t in outs]
+        schema = dt.OpSchema(op, a, kwargs)
+        assert dt._meta_tree(op, meta) == real(p, schema), op  # (the fake run's, as given)
+        ShardingPropagator._propagate_tensor_meta_non_cached = counted  # type: ignore[method-assign]
+        try:
+            p.propagate_op_sharding.cache_clear()
+            given = dt.ask_propagator(op, a, kwargs, meta)
+            assert not fake_runs, (op, fake_runs)
+            p.propagate_op_sharding.cache_clear()
+            ran = dt.ask_propagator(op, a, kwargs)
+            assert len(fake_runs) == 1, (op, fake_runs)  # (DTensor's own fake run, as before)
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = real  # type: ignore[method-assign]
+            fake_runs.clear()
+        assert given == ran, (op, given, ran)
+
+
 def _dispatch() -> None:
     from shardwise._torch import dispatch
 
@@ -705,6 +759,8 @@ CASES: dict[str, Callable[[], None]] = {
     "_torch/dtensor: DTensor's sharding propagator and a mesh without process group": (
         _dtensor_rules
     ),
+    "_torch/dtensor: ShardingPropagator._propagate_tensor_meta_non_cached, handed the "
+    "captured output metadata": _dtensor_given_meta,
     "_torch/dispatch: TorchDispatchMode, OpOverload(Packet), TensorBase, OpOverload._schema "
     "(argument names, alias annotations)": (_dispatch),
     "_torch/fake: fake tensors and their data-dependent exceptions": _fake_tensors,

@@ -99,13 +99,13 @@ def _queries(matrix: tuple[int, int]) -> list[tuple]:  # type: ignore[type-arg]
     keys: set[object] = set()
     real = rules.propagate
 
-    def spy(op, args, kwargs, mesh, out_shapes=None):  # type: ignore[no-untyped-def]
+    def spy(op, args, kwargs, mesh, out_shapes=None, out_meta=None):  # type: ignore[no-untyped-def]
         if mesh.ndim == 2 and out_shapes is not None:
             key = (op, dt._hashable(args, kwargs), tuple(map(tuple, out_shapes)))
             if key not in keys:
                 keys.add(key)
                 seen.append((op, args, kwargs, out_shapes))
-        return real(op, args, kwargs, mesh, out_shapes)
+        return real(op, args, kwargs, mesh, out_shapes, out_meta)
 
     rules.propagate = spy  # type: ignore[assignment]
     try:

@@ -9,10 +9,15 @@ group.
   sharding rules in a private propagator (``DTensor._op_dispatcher.sharding_propagator``);
   `ops/_dtensor.py` asks it for the placements of an aten call (memoized there).
 - `tensor_spec`: the propagator's description of one tensor argument.
+- `_given_meta`: the output metadata the planner captured, handed to the propagator instead of
+  its own fake run of the op (``_propagate_tensor_meta_non_cached``: a ``FakeTensorMode`` made
+  and the op run once per distinct query); only while `ask_propagator` asks, only in its thread.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,6 +30,8 @@ from torch.utils import _pytree as pytree
 
 StridedShard = _StridedShard
 Placements = tuple[Placement, ...]
+OutMeta = tuple[tuple[int, ...], tuple[int, ...], str]
+"""One tensor output's global shape, stride and dtype (named as in ``torch.float32``)."""
 
 
 def sharding_propagator() -> Any:
@@ -72,10 +79,16 @@ def tensor_spec(
 
 
 def ask_propagator(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: Sequence[OutMeta] | None = None,
 ) -> tuple[list[Placements], list[Placements | None]]:
     """DTensor's choice for one aten call whose tensor arguments are `tensor_spec`s: the
     placements each must have (pytree order), and those of each output (None: not a tensor).
+
+    `outs`: the metadata of each tensor output (in order), when known: DTensor then takes it
+    instead of running the op on fake tensors to learn it (`_given_meta`).
 
     Raises:
         RuntimeError / NotImplementedError: DTensor's own (no rule; an uneven split it refuses).
@@ -85,6 +98,20 @@ def ask_propagator(
     # view's sizes, part of the key of the propagator's cache)
     info = p.op_to_schema_info.get(op) or p.op_to_schema_info_for_single_dim_strategy.get(op)
     schema = OpSchema(op, args, kwargs, schema_info=info)
+    meta = None if outs is None else _meta_tree(op, outs)
+    if meta is None:
+        return _ask(p, op, schema, args, kwargs)
+    _install_given_meta()
+    _given.pending = (schema, meta)
+    try:
+        return _ask(p, op, schema, args, kwargs)
+    finally:
+        _given.pending = None
+
+
+def _ask(
+    p: Any, op: Any, schema: OpSchema, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Placements], list[Placements | None]]:
     shaped = p.op_to_shape_and_stride_idx
     if op in shaped:
         # (DTensor then rewrites a view's size arguments to the local shape: placements do not
@@ -111,3 +138,46 @@ def ask_propagator(
 
 def _specs(tree: Any) -> list[DTensorSpec]:
     return [s for s in pytree.tree_leaves(tree) if isinstance(s, DTensorSpec)]
+
+
+_given = threading.local()  # (`pending`: (the schema asked, its metadata) in this thread)
+_NO_META = object()
+
+
+def _meta_tree(op: Any, outs: Sequence[OutMeta]) -> Any:
+    """`outs` shaped as the propagator's fake run returns them (a `TensorMeta`; a tuple with
+    None for each non-tensor return; a list for a ``Tensor[]`` return), or None when the
+    schema leaves it open (an optional tensor, a list among other returns, too few outputs)."""
+    metas = [TensorMeta(torch.Size(sh), tuple(st), getattr(torch, dt)) for sh, st, dt in outs]
+    returns = [str(r.type) for r in op._schema.returns]
+    if returns == ["List[Tensor]"]:
+        return metas
+    if any(t not in ("Tensor", "int", "float", "bool", "SymInt", "Scalar") for t in returns):
+        return None
+    tree: list[Any] = []
+    it = iter(metas)
+    for t in returns:
+        tree.append(next(it, _NO_META) if t == "Tensor" else None)
+    if _NO_META in tree or next(it, None) is not None or not returns:
+        return None
+    return tree[0] if len(returns) == 1 else tuple(tree)
+
+
+def _install_given_meta() -> None:
+    """Put `_given_meta` on DTensor's propagator in place of its fake run (once; it hands on
+    to that fake run whenever this thread's `ask_propagator` gave no metadata)."""
+    p = sharding_propagator()
+    if getattr(p, "_propagate_tensor_meta_non_cached", None) is _given_meta:
+        return
+    if "_propagate_tensor_meta_non_cached" in vars(p):  # (someone else's: leave it alone)
+        return
+    p._propagate_tensor_meta_non_cached = _given_meta
+
+
+def _given_meta(op_schema: OpSchema) -> Any:
+    pending = getattr(_given, "pending", None)
+    if pending is not None and pending[0] is op_schema:  # (not an op DTensor asks on the way)
+        return pending[1]
+    return type(sharding_propagator())._propagate_tensor_meta_non_cached(
+        sharding_propagator(), op_schema
+    )

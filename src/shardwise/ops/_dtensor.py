@@ -36,6 +36,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from shardwise._torch import pytree
 from shardwise._torch.dtensor import (
+    OutMeta,
     StridedShard,
     ask_propagator,
     has_single_dim_rule,
@@ -128,6 +129,7 @@ def propagate(
     kwargs: Mapping[str, Any],
     mesh: DeviceMesh,
     out_shapes: Sequence[Sequence[int]] | None = None,
+    out_meta: Sequence[OutMeta] | None = None,
 ) -> Answer:
     """DTensor's choice for one aten call (memoized; see the module docstring).
 
@@ -137,6 +139,8 @@ def propagate(
         mesh: from `mesh_of`.
         out_shapes: the global shape of each tensor output, when known: it lets an op DTensor
             describes per mesh dim be asked per dim (`_per_axis`).
+        out_meta: each tensor output's global shape, stride and dtype, when known: DTensor
+            takes it instead of running the op on fake tensors (`ask_propagator`).
 
     Returns:
         (the placements each `Spec` argument must have, in pytree order; the placements of each
@@ -154,9 +158,9 @@ def propagate(
             return hit
     answer = None
     if mesh.ndim > 1 and out_shapes is not None and has_single_dim_rule(op):
-        answer = _per_axis(op, args, kwargs, mesh, out_shapes)
+        answer = _per_axis(op, args, kwargs, mesh, out_shapes, out_meta)
     if answer is None:
-        answer = _full(op, args, kwargs, mesh)
+        answer = _full(op, args, kwargs, mesh, out_meta)
     if key is not None:
         if len(_memo) >= _MEMO_MAX:
             _memo.clear()
@@ -164,14 +168,20 @@ def propagate(
     return answer
 
 
-def _full(op: Any, args: Sequence[Any], kwargs: Mapping[str, Any], mesh: DeviceMesh) -> Answer:
+def _full(
+    op: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    mesh: DeviceMesh,
+    out_meta: Sequence[OutMeta] | None = None,
+) -> Answer:
     """Ask DTensor's propagator on the whole mesh."""
     a, k = pytree.tree_map_only(
         Spec,
         lambda s: tensor_spec(mesh, s.placements, s.shape, s.stride, s.dtype),
         (tuple(args), dict(kwargs)),
     )
-    return ask_propagator(op, a, k)
+    return ask_propagator(op, a, k, out_meta)
 
 
 def _per_axis(
@@ -180,6 +190,7 @@ def _per_axis(
     kwargs: Mapping[str, Any],
     mesh: DeviceMesh,
     out_shapes: Sequence[Sequence[int]],
+    out_meta: Sequence[OutMeta] | None = None,
 ) -> Answer | None:
     """The full-mesh answer combined from one 1-D answer per mesh dim, or None when some dim
     would move an input (outside `candidates`), a placement is not a plain one, or a combined
@@ -199,7 +210,7 @@ def _per_axis(
         one = functools.partial(_axis, m=m)
         a, k = pytree.tree_map_only(Spec, one, (tuple(args), dict(kwargs)))
         try:
-            ins, got = propagate(op, a, k, sub)
+            ins, got = propagate(op, a, k, sub, out_meta=out_meta)
         except (RuntimeError, NotImplementedError, ValueError, AssertionError):
             return None
         if len(ins) != len(given) or not all(type(p) in kinds for x in ins for p in x):

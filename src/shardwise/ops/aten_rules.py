@@ -31,7 +31,7 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from shardwise._torch.dtensor import StridedShard
+from shardwise._torch.dtensor import OutMeta, StridedShard
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec, has_rule, propagate
 from shardwise.ops._odd_partials import LOGICAL_OR_OPS as LOGICAL_OR_OPS
@@ -371,9 +371,11 @@ def decide(
     mesh: Any,
     ndim: int,
     out_shapes: Sequence[Sequence[int]] | None = None,
+    out_meta: Sequence[OutMeta] | None = None,
 ) -> Decision:
     """The `Decision` for one aten call whose tensor arguments are `Arg`s (`out_shapes`: its
-    tensor outputs' global shapes, when known: DTensor is then asked per mesh dim where it can).
+    tensor outputs' global shapes, when known: DTensor is then asked per mesh dim where it can;
+    `out_meta`: their shapes, strides and dtypes, when known: DTensor need not work them out).
 
     Raises:
         RuntimeError: DTensor refuses the placements (an uneven split); the planner turns it
@@ -387,11 +389,11 @@ def decide(
             return mine
     if has_rule(op):
         try:
-            ins, outs = propagate(op, args, kwargs, mesh, out_shapes)
+            ins, outs = propagate(op, args, kwargs, mesh, out_shapes, out_meta)
             odd = odd_partial_axes(outs, op)
             if odd:  # (a max / min / norm / product / any over a split dim: those whole first)
                 args, kwargs = whole_on(odd, args, kwargs)
-                ins, outs = propagate(op, args, kwargs, mesh, out_shapes)
+                ins, outs = propagate(op, args, kwargs, mesh, out_shapes, out_meta)
             if not odd_partial_axes(outs, op):
                 return Decision(tuple(ins), tuple(outs), "dtensor")
         except NotImplementedError:

@@ -7,6 +7,7 @@
   reduced whole instead (an AllReduce: the rule is asked again with it whole on those axes),
   which keeps the rows as they were split before.
 - `uneven`: why a rule's output is split into parts its size does not divide.
+- `out_meta`: an aten call's outputs' metadata as captured, for DTensor (when it holds).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate
 
+from shardwise._torch.dtensor import OutMeta
 from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import Decision, decide
+from shardwise.planner._graph import AtenArg, AtenCall
 
 
 def even_decision(
@@ -28,23 +31,25 @@ def even_decision(
     mesh: Any,
     ndim: int,
     shapes: list[tuple[int, ...]],
+    out_meta: Sequence[OutMeta] | None = None,
 ) -> Decision:
     """`decide`'s `Decision` for aten `op` on `args` / `kwargs` (tensors as `Spec`s), or, when
     its outputs are uneven and it cuts a partial sum into a split, the decision with that
-    partial sum reduced whole first (when that one is even).
+    partial sum reduced whole first (when that one is even). `shapes`: the outputs' global
+    shapes; `out_meta`: their shapes, strides and dtypes, when they are known to hold.
 
     Raises:
         ValueError: an output split unevenly either way (`uneven`'s reason, of the first
             decision); the planner turns it into the op's `PlanError`.
     """
-    dec = decide(op, args, kwargs, mesh, ndim, shapes)
+    dec = decide(op, args, kwargs, mesh, ndim, shapes, out_meta)
     why = uneven(dec.outputs, shapes, tuple(mesh.shape))
     if why is None:
         return dec
     given = [s for s in flat.leaves((list(args), dict(kwargs))) if isinstance(s, Spec)]
     cut = _cut_partials(given, dec)
     if cut:
-        again = decide(op, *_reduced(cut, args, kwargs), mesh, ndim, shapes)
+        again = decide(op, *_reduced(cut, args, kwargs), mesh, ndim, shapes, out_meta)
         if uneven(again.outputs, shapes, tuple(mesh.shape)) is None:
             return again
     raise ValueError(why)
@@ -95,3 +100,12 @@ def uneven(outputs: Any, shapes: list[tuple[int, ...]], mesh: tuple[int, ...]) -
                     f"output dimension {d} (size {size}) is not evenly divisible by its {n} parts"
                 )
     return None
+
+
+def out_meta(call: AtenCall, args: list[AtenArg]) -> list[OutMeta] | None:
+    """`call`'s outputs' metadata as captured, or None when an output is one of its inputs (an
+    in-place op such as ``t_`` may have changed that tensor's shape since it was recorded)."""
+    given = {id(a) for a in args}
+    if any(o.kind == "in" or id(o) in given for o in call.outputs):
+        return None
+    return [(o.info.shape, o.stride, o.info.dtype) for o in call.outputs]

@@ -40,7 +40,7 @@ from shardwise.ops import _flat as flat
 from shardwise.ops._dtensor import Spec
 from shardwise.ops.aten_rules import Decision
 from shardwise.ops.torch_rules import NODE_RULES
-from shardwise.planner._even import even_decision
+from shardwise.planner._even import even_decision, out_meta
 from shardwise.planner._follow_errors import (
     FollowErrors,
     NeedsWholeDim,
@@ -265,7 +265,7 @@ class _Follow(FollowErrors):
         a, k = flat.map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
         try:
             shapes = [o.info.shape for o in call.outputs]
-            dec = even_decision(call.op, a, k, self.mesh, self.ndim, shapes)
+            dec = even_decision(call.op, a, k, self.mesh, self.ndim, shapes, out_meta(call, args))
         except (RuntimeError, ValueError, AssertionError, KeyError, IndexError) as e:
             error = self._error(node, call.op, e)
             if torch.Tag.nondeterministic_seeded in call.op.tags:  # (`_cheaper`)
