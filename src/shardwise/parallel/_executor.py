@@ -40,7 +40,9 @@ and after an optimizer step it may stay off until the network is called again
 Nothing about layouts is decided here: every placement, step and collective comes from the plan.
 A later pass of the plan in the same call (gradient accumulation) starts where `_passes.Passes`
 says. Calls after the graph ends (``loss.backward()``, the optimizer's step, logging) run
-unchanged; ``loss.backward()`` and ``torch.autograd.grad`` go through
+unchanged, as do calls on a parameter's ``.grad`` before the forward
+(``zero_grad(set_to_none=False)``: `_node_run.NodeRun.on_gradient`); ``loss.backward()`` and
+``torch.autograd.grad`` go through
 `_differentiate.Differentiate` (the pass must be complete; a root split over the ranks has its
 seed scaled: `_seeds.Seeds`). An optimizer
 step without a closure takes the executor off the torch-function mode stack until it ends
@@ -167,6 +169,7 @@ class PlanExecutor(
         self.buffer_made: dict[str, tuple[weakref.ref[T], EdgePlan]] = {}  # (made this call)
         self.fills: dict[int, tuple[weakref.ref[T], EdgePlan, T | None]] = {}  # (`_leaving`)
         self.network: torch.nn.Module | None = None  # (whose buffers those are: the caller's)
+        self.grads: dict[int, weakref.ref[T]] = {}  # (`on_gradient`) its parameters' ``.grad``
         self.swapped: dict[int, tuple[weakref.ref[T], T]] = {}  # (`_node_run.current`)
         self._recompute_init()
         self._seeds_init()
@@ -247,6 +250,8 @@ class PlanExecutor(
         if self.on_parameter(op, args):  # (before the forward or after the backward only)
             mid = self.cursor > 0 and not self.backward_seen
             check_flag_change(self.params[id(args[0])], args, kwargs, mid)
+            return func(*args, **kwargs)
+        if self.on_gradient(op, args):  # (``p.grad.zero_()`` before the forward)
             return func(*args, **kwargs)
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward

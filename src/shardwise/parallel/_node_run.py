@@ -113,6 +113,8 @@ class NodeRun:
     swapped: dict[int, tuple[weakref.ref[T], T]]  # in place on a moved copy: id -> its result
     cursor: int
     leaving: list[dict[int, EdgePlan] | None]  # (`_leaving`) per node: its outputs moved on return
+    network: torch.nn.Module | None
+    grads: dict[int, weakref.ref[T]]  # (`on_gradient`) id -> a parameter's ``.grad``
 
     if TYPE_CHECKING:
 
@@ -157,6 +159,23 @@ class NodeRun:
         """Whether call `op` changes a stored `Parameter` itself (``requires_grad_``: no node
         of the plan, as the capture records none: `planner._recorders._is_param`)."""
         return op in ON_PARAMETER and bool(args) and id(args[0]) in self.params
+
+    def on_gradient(self, op: str, args: tuple[Any, ...]) -> bool:
+        """Whether call `op`, before the forward's first op, is on a parameter's ``.grad``
+        (``module.zero_grad(set_to_none=False)``, ``p.grad.zero_()``): no node of the plan, as
+        the capture records none (`planner._recorders._is_grad`; at the first call every
+        ``.grad`` is None): it runs unexamined, as between calls."""
+        if self.cursor or self.backward_seen or self.network is None or (self.ops[:1] == [op]):
+            return False
+        t = args[0] if args and isinstance(args[0], T) else None
+        if t is None:
+            return False
+        ref = self.grads.get(id(t))
+        if ref is None or ref() is not t:  # (grads made since the last look: look again)
+            params = self.network.parameters()
+            self.grads = {id(g): weakref.ref(g) for p in params if (g := p.grad) is not None}
+            ref = self.grads.get(id(t))
+        return ref is not None and ref() is t
 
     def same_params(self, k: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
         """Whether a call of node `k`'s op reads the parameters node `k` read (`_param_reads`:

@@ -186,7 +186,8 @@ def capture(
             fakes[id(b)] = _fake_like(mode, b, device)
             known[id(fakes[id(b)])] = Ref("buffer", prefix + name)
             buffers[prefix + name] = info_of(b)
-    state = _State(known, modules)
+    grads = {id(g): g for net in networks for p in net.parameters() if (g := p.grad) is not None}
+    state = _State(known, modules, grads)  # (the real gradients: an optimizer's zero_grad)
     state.keep += list(fakes.values())
     with ExitStack() as stack:
         stack.enter_context(kept_real(watched))  # (first in, last out: after the fakes go)

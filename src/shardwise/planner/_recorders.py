@@ -12,7 +12,8 @@
   `_mid_step` refuses (a torch.func transform, an op on a gradient it cannot plan), and
   `_StopCapture` at ``backward()``; a call returning its input object unchanged returns a
   view (`_in_place.apart`); a call with ``out=`` tensors is the node of its result, which they
-  hold (`_out_calls`).
+  hold (`_out_calls`); a call on a real parameter's ``.grad`` before the first node (an
+  optimizer's ``zero_grad(set_to_none=False)`` at the step's start) is no node (`_is_grad`).
   The aten ops each call runs are listed by `_aten_recorder.AtenRecorder` (a dispatch mode
   under it), which refuses TorchScript's aten ops (no torch-level call runs them).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
@@ -100,8 +101,11 @@ def _short(op: str) -> str:
 class _State:
     """What the recorders share while one capture runs."""
 
-    def __init__(self, names: dict[int, Ref], modules: dict[int, str]) -> None:
+    def __init__(
+        self, names: dict[int, Ref], modules: dict[int, str], grads: dict[int, T] | None = None
+    ) -> None:
         self.known: dict[int, Ref] = dict(names)  # tensor id -> the value it is
+        self.grads = grads or {}  # the real parameters' ``.grad`` tensors: `_is_grad`
         self.keep: list[T] = []  # every recorded tensor, so that no id is reused
         self.gradients = MidStepGradients()  # those no op may read (`_mid_step`)
         self.modules = modules  # module id -> path
@@ -197,6 +201,14 @@ def _is_param(s: _State, args: tuple[Any, ...]) -> bool:
     return ref is not None and ref.kind == "param"
 
 
+def _is_grad(s: _State, args: tuple[Any, ...]) -> bool:
+    """Whether a call's first argument is the ``.grad`` of one of the networks' parameters (an
+    optimizer holding them zeroes it before the forward: ``zero_grad(set_to_none=False)``). Such
+    a call before the first node is no node: whether ``.grad`` exists differs from call to
+    call (None at the first); the run passes it unexamined before the forward."""
+    return bool(args) and isinstance(args[0], T) and s.grads.get(id(args[0])) is args[0]
+
+
 def tensors_in(tree: Any) -> list[T]:
     """The tensors of a pytree, in order."""
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, T)]
@@ -279,6 +291,9 @@ class _Recorder(TorchFunctionMode):
             raise _StopCapture
         if func is torch.Tensor.requires_grad_ and _is_param(s, args):
             return func(*args, **kwargs)  # (no node: the Parameter's flag, as between calls)
+        if s.grads and not s.nodes and _is_grad(s, args):  # (no node; as a constant runs)
+            args, kwargs = one_values(args, kwargs, [args[0]])
+            return func(*args, **kwargs)
         if kind == "alias":
             out = func(*args, **kwargs)
             if isinstance(args[0], T) and id(args[0]) in s.known and out is not args[0]:
