@@ -2,8 +2,9 @@
 
 `DistributedGradReducer` groups parameters into buckets of at most `bucket_mb` MiB (same dtype and
 device, in parameter order), and per bucket: copies the gradients into one flat buffer (kept
-across steps, so no allocation per step), all-reduces it in place, scales it by 1/degree when
-`mean`, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
+across steps, so no allocation per step), scales it by 1/degree when `mean` (before the sum, as
+DDP: a sum of float16 gradients does not overflow where one rank's is finite), all-reduces it
+in place, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
 (``nn.Embedding(sparse=True)``) is reduced on its own and made sparse again
 (`communication._sparse.all_reduce_sparse`).
 """
@@ -71,7 +72,8 @@ class DistributedGradReducer:
 
     Args:
         parameters: the parameters whose gradients to reduce (e.g. ``net.parameters()``).
-        mean: divide the sum by `degree` (the average gradient); False keeps the sum.
+        mean: divide each rank's gradient by `degree` before the sum (the average gradient);
+            False keeps the sum.
         degree: the divisor for `mean` (default: the group size).
         group: group name, or None for the world group.
         bucket_mb: largest fused bucket, in MiB.
@@ -169,9 +171,9 @@ class DistributedGradReducer:
                 flat = parts[0].new_empty(sum(t.numel() for t in parts))
                 cache[key] = flat
             torch.cat([t.reshape(-1) for t in parts], out=flat)
-            C.all_reduce_(flat, C.ReduceOp.SUM, self.group)
-            if self.mean:
+            if self.mean:  # (before the sum: a float16 sum overflows where the mean does not)
                 flat.div_(degree)
+            C.all_reduce_(flat, C.ReduceOp.SUM, self.group)
             offset = 0
             for t in parts:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
