@@ -144,3 +144,38 @@ def test_float16_mean_divides_before_the_sum() -> None:
         assert_matches_single_device(net.weight.grad, want, what="in place")
         assert_matches_single_device(copy, want, what="tuple form")
     assert rec.count("AllReduce") == 2
+
+
+class Tied(nn.Module):
+    """An embedding shared by an encoder and a decoder (its weight in both's parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shared = nn.Embedding(10, 4)
+        self.enc = nn.ModuleDict({"emb": shared, "proj": nn.Linear(4, 4)})
+        self.dec = nn.ModuleDict({"emb": shared})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.enc["proj"](self.enc["emb"](ids))
+        return (h @ self.dec["emb"].weight.T).pow(2).sum()
+
+
+def test_a_parameter_listed_twice_is_reduced_once() -> None:
+    """``list(enc.parameters()) + list(dec.parameters())`` lists a tied embedding twice: it is
+    summed once (with the two entries in other buckets its gradient was summed twice, 4 times
+    the sum on 4 ranks)."""
+    ids = torch.tensor([[0, 5], [1, 7], [2, 3], [9, 1]])
+    one = Tied()
+    one(ids).backward()  # (a sum over the rows: the ranks' sum)
+    want = {n: p.grad for n, p in one.named_parameters()}
+    net = Tied()
+    with simulated_world(4) as world, CommRecorder() as rec:
+        world.replicate(net)
+        net(world.rows(ids)).backward()
+        params = list(net.enc.parameters()) + list(net.dec.parameters())
+        assert len(params) == 4
+        sw.nn.DistributedGradReducer(params, mean=False, bucket_mb=1e-4)()  # (one per bucket)
+        got = {n: p.grad for n, p in net.named_parameters()}
+        assert_matches_single_device(got, want, what="gradients")
+    assert rec.count("AllReduce") == 2  # (the embedding's bucket, the projection's)

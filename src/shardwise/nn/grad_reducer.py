@@ -1,12 +1,12 @@
 """Manual data parallel: average (or sum) gradients over the ranks, in fused buckets.
 
-`DistributedGradReducer` groups parameters into buckets of at most `bucket_mb` MiB (same dtype and
-device, in parameter order), and per bucket: copies the gradients into one flat buffer (kept
-across steps, so no allocation per step), scales it by 1/degree when `mean` (before the sum, as
-DDP: a sum of float16 gradients does not overflow where one rank's is finite), all-reduces it
-in place, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
-(``nn.Embedding(sparse=True)``) is reduced on its own and made sparse again
-(`communication._sparse.all_reduce_sparse`).
+`DistributedGradReducer` groups parameters (each once, however often listed) into buckets of
+at most `bucket_mb` MiB (same dtype and device, in parameter order), and per bucket: copies
+the gradients into one flat buffer (kept across steps, so no allocation per step), scales it
+by 1/degree when `mean` (before the sum, as DDP: a sum of float16 gradients does not overflow
+where one rank's is finite), all-reduces it in place, and copies the result back
+(`_reduce_into_buffers`). A sparse COO gradient (``nn.Embedding(sparse=True)``) is reduced on
+its own and made sparse again (`communication._sparse.all_reduce_sparse`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class DistributedGradReducer:
     """All-reduce gradients across the data-parallel ranks (MindSpore's DistributedGradReducer).
 
     Args:
-        parameters: the parameters whose gradients to reduce (e.g. ``net.parameters()``).
+        parameters: the parameters whose gradients to reduce (e.g. ``net.parameters()``); one
+            listed twice (tied) is reduced once.
         mean: divide each rank's gradient by `degree` before the sum (the average gradient);
             False keeps the sum.
         degree: the divisor for `mean` (default: the group size).
@@ -97,7 +98,8 @@ class DistributedGradReducer:
         group: str | Group | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
-        self.parameters = [p for p in _checked_parameters(parameters) if p.requires_grad]
+        unique = {id(p): p for p in _checked_parameters(parameters)}  # (tied ones listed twice)
+        self.parameters = [p for p in unique.values() if p.requires_grad]
         if degree is not None and (
             isinstance(degree, bool) or not isinstance(degree, int) or degree < 1
         ):
