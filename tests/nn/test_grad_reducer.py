@@ -179,3 +179,32 @@ def test_a_parameter_listed_twice_is_reduced_once() -> None:
         got = {n: p.grad for n, p in net.named_parameters()}
         assert_matches_single_device(got, want, what="gradients")
     assert rec.count("AllReduce") == 2  # (the embedding's bucket, the projection's)
+
+
+def test_a_parameter_unfrozen_after_the_reducer_is_built_is_reduced() -> None:
+    """A layer frozen when the reducer is built and unfrozen later (fine-tuning) is averaged
+    (it kept each rank's own gradient: the ranks' weights drifted apart); one frozen later is
+    left alone."""
+    x = torch.arange(8.0).view(4, 2)
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+
+    one = make()
+    one(x).mean().backward()
+    want = {n: p.grad for n, p in one.named_parameters()}
+    net = make()
+    net[0].requires_grad_(False)
+    with simulated_world(2) as world, CommRecorder() as rec:
+        world.replicate(net)
+        reducer = sw.nn.DistributedGradReducer(net.parameters())
+        net[0].requires_grad_(True)
+        net(world.rows(x)).mean().backward()
+        reducer()
+        got = {n: p.grad for n, p in net.named_parameters()}
+        assert_matches_single_device(got, want, what="gradients")
+        net[1].requires_grad_(False)  # (frozen again: its gradient is no longer touched)
+        reducer()
+        assert_matches_single_device(net[1].weight.grad, want["1.weight"], what="frozen")
+    assert rec.count("AllReduce") == 2

@@ -1,12 +1,13 @@
 """Manual data parallel: average (or sum) gradients over the ranks, in fused buckets.
 
-`DistributedGradReducer` groups parameters (each once, however often listed) into buckets of
-at most `bucket_mb` MiB (same dtype and device, in parameter order), and per bucket: copies
-the gradients into one flat buffer (kept across steps, so no allocation per step), scales it
-by 1/degree when `mean` (before the sum, as DDP: a sum of float16 gradients does not overflow
-where one rank's is finite), all-reduces it in place, and copies the result back
-(`_reduce_into_buffers`). A sparse COO gradient (``nn.Embedding(sparse=True)``) is reduced on
-its own and made sparse again (`communication._sparse.all_reduce_sparse`).
+`DistributedGradReducer` groups the parameters that require grad at the call (each once,
+however often listed) into buckets of at most `bucket_mb` MiB (same dtype and device, in
+parameter order), and per bucket: copies the gradients into one flat buffer (kept across
+steps, so no allocation per step), scales it by 1/degree when `mean` (before the sum, as DDP:
+a sum of float16 gradients does not overflow where one rank's is finite), all-reduces it in
+place, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
+(``nn.Embedding(sparse=True)``) is reduced on its own and made sparse again
+(`communication._sparse.all_reduce_sparse`).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class DistributedGradReducer:
 
     Args:
         parameters: the parameters whose gradients to reduce (e.g. ``net.parameters()``); one
-            listed twice (tied) is reduced once.
+            listed twice (tied) is reduced once; those that require grad at a call take part
+            (a layer unfrozen after the reducer is built is reduced from then on).
         mean: divide each rank's gradient by `degree` before the sum (the average gradient);
             False keeps the sum.
         degree: the divisor for `mean` (default: the group size).
@@ -99,7 +101,7 @@ class DistributedGradReducer:
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
         unique = {id(p): p for p in _checked_parameters(parameters)}  # (tied ones listed twice)
-        self.parameters = [p for p in unique.values() if p.requires_grad]
+        self.parameters = list(unique.values())
         if degree is not None and (
             isinstance(degree, bool) or not isinstance(degree, int) or degree < 1
         ):
@@ -141,10 +143,11 @@ class DistributedGradReducer:
                 self._sparse(c, i) if c is not None and c.layout != torch.strided else c
                 for i, c in enumerate(copies)
             )
-        grads = [p.grad for p in self.parameters]
+        params = [p for p in self.parameters if p.requires_grad]  # (at this call: unfrozen ones)
+        grads = [p.grad for p in params]
         live = [g for g in grads if g is not None and g.layout == torch.strided]
         self._reduce_into_buffers(live, self._bucket_buffers)
-        for i, (p, g) in enumerate(zip(self.parameters, grads, strict=True)):
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
             if g is not None and g.layout != torch.strided:
                 p.grad = self._sparse(g, i)
         return None
