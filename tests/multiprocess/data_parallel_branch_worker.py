@@ -4,7 +4,8 @@ passing its rows. As in DDP, every rank gets the average of the ranks' gradients
 share of the head's is zeros), a parameter no rank used keeps ``.grad`` None on every rank,
 and the collectives agree (they aborted gloo: the ranks' flat buffers had other sizes). Cases:
 the default buckets, one bucket per parameter (``comm_fusion`` off) and optimizer parallel
-(``hsdp``, owners broadcast). Then complex64 parameters beside float32 and float64 ones
+(``hsdp``, owners broadcast); then the same branch in manual data parallel
+(``DistributedGradReducer``). Then complex64 parameters beside float32 and float64 ones
 (tests/optim/test_data_parallel_complex.py's network), with and without ``hsdp``: three steps
 whose losses, gradients and parameters equal one device's (their counts of ranks with a
 gradient were complex, and reading them raised TypeError). Prints ``CHECK <case> OK`` per
@@ -22,7 +23,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.communication import get_group_size, get_rank, init
-from shardwise.testing import assert_matches_single_device
+from shardwise.testing import CommRecorder, assert_matches_single_device
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "optim"))
 import test_data_parallel_complex as complex_case
@@ -102,7 +103,31 @@ def checks() -> None:
         assert not any(p in opt.state for p in net.never.parameters()), name  # (grad None)
         wrapper.remove()
         print(f"CHECK {name} OK", flush=True)
+    _reducer_check(want_grads, x, y)
     _complex_checks(n, rank)
+
+
+def _reducer_check(
+    want_grads: dict[str, torch.Tensor | None], x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """Manual data parallel with the same branch: ``DistributedGradReducer`` gives DDP's
+    gradients (rank 0 has no gradient of the extra head, rank 1 has one; their buffers had
+    other sizes: rank 1 got a wrong head gradient and rank 0's gloo aborted), in ONE AllReduce,
+    and the head no rank used keeps ``.grad`` None."""
+    net = Branchy()
+    reducer = sw.nn.DistributedGradReducer(net.parameters())
+    net(x, y).backward()
+    with CommRecorder() as rec:
+        reducer()
+    assert rec.count("AllReduce") == 1, rec.count("AllReduce")
+    for k, p in net.named_parameters():
+        want = want_grads[k]
+        if want is None:
+            assert p.grad is None, (k, "a gradient")
+        else:
+            assert p.grad is not None, (k, "no gradient")
+            torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5, msg=k)
+    print("CHECK reducer-branch OK", flush=True)
 
 
 def _complex_checks(n: int, rank: int) -> None:

@@ -8,8 +8,9 @@ bucket). On 2 real processes (the shared
 ``two_rank_job``, data_parallel_branch_worker.py): a data-dependent branch that uses a head on
 one rank's rows only gets DDP's gradients (the ranks' average, zeros from the rank that did
 not use it; None for a head no rank used), with the default buckets, fusion off and optimizer
-parallel; and with optimizer parallel, gradients kept past a step (no ``zero_grad``) add up as
-on one device, every rank holding every parameter's ``.grad`` after each step."""
+parallel, as does manual data parallel's ``DistributedGradReducer``; and with optimizer
+parallel, gradients kept past a step (no ``zero_grad``) add up as on one device, every rank
+holding every parameter's ``.grad`` after each step."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_a_branch_taken_on_one_rank_averages_as_ddp(two_rank_job: JobResult) -> 
     """Rank 1's rows take an extra head, rank 0's do not (the ranks' flat gradient buffers had
     other sizes and gloo aborted, 'collective mismatch'): both ranks step with one device's
     mean of the ranks' losses (1e-5), the head no rank used keeps ``.grad`` None."""
-    two_rank_job.assert_checks(2, list(BRANCH_CASES))
+    two_rank_job.assert_checks(2, [*BRANCH_CASES, "reducer-branch"])
 
 
 @pytest.mark.multiprocess

@@ -1,11 +1,12 @@
 """Manual data parallel: average (or sum) gradients over the ranks, in fused buckets.
 
-`DistributedGradReducer` groups the parameters that require grad at the call (each once,
-however often listed) into buckets of at most `bucket_mb` MiB (same dtype and device, in
-parameter order), and per bucket: copies the gradients into one flat buffer (kept across
-steps, so no allocation per step), scales it by 1/degree when `mean` (before the sum, as DDP:
-a sum of float16 gradients does not overflow where one rank's is finite), all-reduces it in
-place, and copies the result back (`_reduce_into_buffers`). A sparse COO gradient
+`DistributedGradReducer` groups the parameters that require grad at the call into buckets of
+at most `bucket_mb` MiB (same dtype and device, in parameter order; a parameter listed twice
+counts once), and per bucket sums the ranks' gradients, each divided by the degree first when
+`mean` (as DDP: a float16 sum does not overflow where one rank's gradient is finite), in one
+flat buffer kept across steps (`communication._grad_sum.sum_gradients`). The buffer is laid out
+from the parameters, so the ranks agree whichever gradients each holds: a missing one counts as
+zeros, and stays None only where it is None on every rank. A sparse COO gradient
 (``nn.Embedding(sparse=True)``) is reduced on its own and made sparse again
 (`communication._sparse.all_reduce_sparse`).
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from shardwise.communication import _collectives as C
+from shardwise.communication._grad_sum import buffer_numel, sum_gradients, sum_sparse
 from shardwise.communication._init import Group, get_group_size
 from shardwise.communication._sparse import all_reduce_sparse
 
@@ -74,7 +75,7 @@ class DistributedGradReducer:
     Args:
         parameters: the parameters whose gradients to reduce (e.g. ``net.parameters()``); one
             listed twice (tied) is reduced once; those that require grad at a call take part
-            (a layer unfrozen after the reducer is built is reduced from then on).
+            (a layer unfrozen later is reduced from then on).
         mean: divide each rank's gradient by `degree` before the sum (the average gradient);
             False keeps the sum.
         degree: the divisor for `mean` (default: the group size).
@@ -124,6 +125,7 @@ class DistributedGradReducer:
         self.mean, self.degree, self.group = mean, degree, group
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._bucket_buffers: dict[tuple[object, ...], torch.Tensor] = {}
+        self._sparse_dims: dict[int, int] = {}  # id of a parameter with sparse gradients
 
     def __call__(
         self, grads: Sequence[torch.Tensor | None] | None = None
@@ -131,55 +133,84 @@ class DistributedGradReducer:
         """Reduce ``p.grad`` of every parameter in place (no argument), or return reduced
         copies of `grads`.
 
-        Parameters whose ``.grad`` is None are skipped (every rank of a data-parallel job runs
-        the same network, so they agree on which ones); so are None entries of `grads`
-        (``torch.autograd.grad(..., allow_unused=True)``), returned as None.
+        In place, the parameters that require grad at this call take part, whichever of them
+        have a ``.grad`` on this rank (a data-dependent branch uses a layer on some ranks only):
+        a missing gradient counts as zeros, and ``.grad`` stays None only where it is None on
+        every rank (`communication._grad_sum`). None entries of `grads`
+        (``torch.autograd.grad(..., allow_unused=True)``) are returned as None; they give no
+        shape, so every rank must have the same ones.
         """
+        divisor = (self.degree or get_group_size(self.group)) if self.mean else 1
         if grads is not None:
-            copies = [None if g is None else g.detach().clone() for g in grads]
-            dense = [c for c in copies if c is not None and c.layout == torch.strided]
-            self._reduce_into_buffers(dense, {})
-            return tuple(
-                self._sparse(c, i) if c is not None and c.layout != torch.strided else c
-                for i, c in enumerate(copies)
-            )
-        params = [p for p in self.parameters if p.requires_grad]  # (at this call: unfrozen ones)
-        grads = [p.grad for p in params]
-        live = [g for g in grads if g is not None and g.layout == torch.strided]
-        self._reduce_into_buffers(live, self._bucket_buffers)
-        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
-            if g is not None and g.layout != torch.strided:
-                p.grad = self._sparse(g, i)
+            return self._reduce_copies(grads, divisor)
+        params = [p for p in self.parameters if p.requires_grad]
+        for i, p in enumerate(params):
+            _coo(p.grad, i)
+        dense = [p for p in params if id(p) not in self._sparse_dims]
+        for bucket in _buckets(dense, self.bucket_bytes):
+            self._reduce_bucket([dense[i] for i in bucket], divisor)
+        for i, p in enumerate(params):
+            if id(p) in self._sparse_dims:
+                p.grad = sum_sparse(
+                    p, _coo(p.grad, i), divisor, self.group, self._sparse_dims[id(p)]
+                )
         return None
 
-    def _sparse(self, g: torch.Tensor, i: int) -> torch.Tensor:
-        """A sparse gradient (``nn.Embedding(sparse=True)``) reduced, sparse again
-        (`communication._sparse.all_reduce_sparse`: for ``torch.optim.SparseAdam``)."""
-        if g.layout != torch.sparse_coo:
-            raise TypeError(
-                f"DistributedGradReducer: gradient {i} has layout {g.layout}; only dense and "
-                f"sparse COO gradients (nn.Embedding(sparse=True)) are reduced"
-            )
-        divisor = (self.degree or get_group_size(self.group)) if self.mean else 1
+    def _reduce_bucket(self, params: list[torch.Tensor], divisor: float) -> None:
+        """One bucket's gradients summed (/ `divisor`) in its flat buffer (reused across calls)
+        and copied back; a parameter found sparse on some rank is summed on its own from now on
+        (`__call__`), on every rank alike (the counts say so to all)."""
+        key = tuple((p.shape, p.dtype, p.device) for p in params)
+        flat = self._bucket_buffers.get(key)
+        if flat is None:
+            real, device = params[0].dtype.to_real(), params[0].device
+            flat = torch.empty(buffer_numel(params), dtype=real, device=device)
+            self._bucket_buffers[key] = flat
+        summed = sum_gradients(params, [p.grad for p in params], divisor, self.group, flat)
+        for p, out in zip(params, summed, strict=True):
+            if not out.used:
+                p.grad = None
+            elif out.sparse_dim:
+                self._sparse_dims[id(p)] = out.sparse_dim
+                self._bucket_buffers.clear()  # (the next calls lay the buckets out without it)
+            elif p.grad is None or p.grad.layout != torch.strided:
+                p.grad = out.dense.clone()
+            else:
+                p.grad.copy_(out.dense)
+
+    def _reduce_copies(
+        self, grads: Sequence[torch.Tensor | None], divisor: float
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The tuple form: reduced copies of `grads` (dense ones in buckets, a sparse one on its
+        own), None entries returned as None."""
+        copies = [None if g is None else g.detach().clone() for g in grads]
+        dense = [c for c in copies if c is not None and c.layout == torch.strided]
+        for bucket in _buckets(dense, self.bucket_bytes):
+            parts = [dense[i] for i in bucket]
+            for part, out in zip(
+                parts, sum_gradients(parts, parts, divisor, self.group), strict=True
+            ):
+                part.copy_(out.dense)
+        return tuple(
+            c if c is None or c.layout == torch.strided else self._sparse(c, i, divisor)
+            for i, c in enumerate(copies)
+        )
+
+    def _sparse(self, g: torch.Tensor, i: int, divisor: float) -> torch.Tensor:
+        """A sparse gradient of the tuple form reduced, sparse again."""
+        _coo(g, i)
         return all_reduce_sparse(g, self.group, divisor)
 
-    def _reduce_into_buffers(
-        self, tensors: list[torch.Tensor], cache: dict[tuple[object, ...], torch.Tensor]
-    ) -> None:
-        """All-reduce `tensors` in place, one flat buffer per bucket (reused via `cache`)."""
-        degree = self.degree or get_group_size(self.group)
-        for bucket in _buckets(tensors, self.bucket_bytes):
-            parts = [tensors[i] for i in bucket]
-            key = tuple((t.shape, t.dtype, t.device) for t in parts)
-            flat = cache.get(key)
-            if flat is None:
-                flat = parts[0].new_empty(sum(t.numel() for t in parts))
-                cache[key] = flat
-            torch.cat([t.reshape(-1) for t in parts], out=flat)
-            if self.mean:  # (before the sum: a float16 sum overflows where the mean does not)
-                flat.div_(degree)
-            C.all_reduce_(flat, C.ReduceOp.SUM, self.group)
-            offset = 0
-            for t in parts:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+
+def _coo(g: torch.Tensor | None, i: int) -> torch.Tensor | None:
+    """`g` checked: None, dense or sparse COO (``nn.Embedding(sparse=True)``).
+
+    Raises:
+        TypeError: another layout (CSR, CSC, BSR), naming gradient `i`.
+    """
+    if g is not None and g.layout not in (torch.strided, torch.sparse_coo):
+        raise TypeError(
+            f"DistributedGradReducer: gradient {i} has layout {g.layout}; only dense and "
+            f"sparse COO gradients (nn.Embedding(sparse=True)) are reduced"
+        )
+    return g

@@ -32,7 +32,7 @@ from shardwise._torch import pytree
 from shardwise._torch.storage import version
 from shardwise.communication import _collectives as C
 from shardwise.communication import every_rank, get_rank, ranks_unlike_leader
-from shardwise.communication._sparse import all_reduce_sparse
+from shardwise.communication._grad_sum import sum_gradients, sum_sparse
 from shardwise.communication.primitives import AllGather
 from shardwise.optim._data_parallel_plan import WHO, ParamEntry, param_ids
 
@@ -96,66 +96,27 @@ def all_reduce_bucket(entries: Sequence[ParamEntry], world: int) -> None:
 
 
 def _all_reduce_dense(params: Sequence[nn.Parameter], world: int) -> None:
-    """`all_reduce_bucket`'s flat buffer: each member's slot (its gradient / world, or zeros),
-    then three counts per member: the ranks that had a gradient, those whose gradient was
-    sparse, the sum of those sparse gradients' sparse dims (the slot of a sparse one is
-    zeros; it is summed on its own after, on every rank when some rank had one). A complex
-    bucket travels as its real view (`_real_flat`), so the counts stay real numbers."""
-    like = params[0]
-    real = like.dtype.to_real()
-    parts, counts = [], torch.zeros(3, len(params), dtype=real, device=like.device)
-    for j, p in enumerate(params):
-        g = p.grad
-        if g is None or g.layout != torch.strided:
-            parts.append(_real_flat(torch.zeros(p.shape, dtype=p.dtype, device=p.device)))
-        else:
-            parts.append(_real_flat(g.detach() / world))
-        if g is not None:
-            counts[0, j] = 1
-        if g is not None and g.layout != torch.strided:
-            counts[1, j], counts[2, j] = 1, g.sparse_dim()
-    flat = torch.cat([*parts, counts.view(-1)])
-    C.all_reduce_(flat, C.ReduceOp.SUM, None)
-    *slots, summed = flat.split([*(t.numel() for t in parts), counts.numel()])
-    used, sparse, dims = summed.view(3, -1).tolist()
-    for j, (p, slot) in enumerate(zip(params, slots, strict=True)):
-        if used[j] < 0.5:  # (no rank used it: None on every rank, as DDP's unused ones)
+    """`all_reduce_bucket`'s flat buffer (`communication._grad_sum.sum_gradients`: each
+    member's slot, its gradient / world or zeros, and per member the ranks that had a gradient,
+    a sparse one, and its sparse dims), then each member's ``.grad`` set from it: None where no
+    rank had one; a sparse one summed on its own after, on every rank when some rank had one."""
+    summed = sum_gradients(params, [p.grad for p in params], world, None)
+    for p, out in zip(params, summed, strict=True):
+        if not out.used:  # (no rank used it: None on every rank, as DDP's unused ones)
             p.grad = None
-        elif sparse[j] >= 0.5:
-            _sparse_sum(p, world, round(dims[j] / sparse[j]))
+        elif out.sparse_dim:
+            _sparse_sum(p, world, out.sparse_dim)
         elif p.grad is None or p.grad.layout != torch.strided:
-            p.grad = _from_real_flat(slot, p).clone()
+            p.grad = out.dense.clone()
         else:
-            p.grad.copy_(_from_real_flat(slot, p))
-
-
-def _real_flat(t: torch.Tensor) -> torch.Tensor:
-    """`t` flattened; a complex one as its real and imaginary parts interleaved (real dtype)."""
-    if t.is_complex():
-        return torch.view_as_real(t.resolve_conj()).reshape(-1)
-    return t.reshape(-1)
-
-
-def _from_real_flat(slot: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """`_real_flat`'s inverse: `slot` viewed as a tensor of `p`'s shape and dtype."""
-    if p.is_complex():
-        return torch.view_as_complex(slot.view(*p.shape, 2))
-    return slot.view(p.shape)
+            p.grad.copy_(out.dense)
 
 
 def _sparse_sum(p: nn.Parameter, world: int, sparse_dim: int) -> None:
     """``p.grad`` (sparse COO; an empty one where this rank has none, a dense one made sparse)
-    averaged over the ranks on its own (`communication._sparse.all_reduce_sparse`: the union of
-    the ranks' rows); None on every rank when no rank holds a row."""
-    g = p.grad
-    if g is None:
-        index = torch.zeros(sparse_dim, 0, dtype=torch.long, device=p.device)
-        values = torch.zeros(0, *p.shape[sparse_dim:], dtype=p.dtype, device=p.device)
-        g = torch.sparse_coo_tensor(index, values, p.shape)
-    elif g.layout == torch.strided:
-        g = g.to_sparse(sparse_dim)
-    out = all_reduce_sparse(g, None, world)
-    p.grad = out if out.indices().shape[1] else None
+    averaged over the ranks on its own (`communication._grad_sum.sum_sparse`); None on every
+    rank when no rank holds a row."""
+    p.grad = sum_sparse(p, p.grad, world, None, sparse_dim)
 
 
 def broadcast_bucket(params: list[nn.Parameter], root: int) -> None:
