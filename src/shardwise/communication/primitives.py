@@ -19,6 +19,11 @@ NeighborExchange   point-to-point sends                       the reverse sends
 NeighborExchangeV2 2-D halo exchange (8 directions, NCHW)     slices + exchange: autograd
 =================  =========================================  =================================
 
+Each backward runs its collective through these Functions (Broadcast's Reduce through
+`_ReduceFn`, whose gradient is the Broadcast), so a gradient taken with ``create_graph=True``
+is differentiable again; PROD's gradient (`_AllReduceProdFn`, `_ReduceScatterProdFn`) is
+``once_differentiable``: differentiating it again raises.
+
 Rank ids (``root_rank``, ``send_rank_ids`` ...) are global ranks and must belong to `group`.
 
 `sum_over_ranks`, `average_gradient`, `replicated_seed` and `GradRoute` (the parallel
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from shardwise.communication import _collectives as C
 from shardwise.communication import _sim, recorder
@@ -74,13 +80,23 @@ class _AllReduceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         with recorder.phase("backward"):
+            summed: torch.Tensor = _AllReduceFn.apply(g, ReduceOp.SUM, ctx.group)
             if ctx.op is ReduceOp.SUM:
-                return C.all_reduce(g, ReduceOp.SUM, ctx.group), None, None
+                return summed, None, None
             x, out = ctx.saved_tensors
-            if ctx.op is ReduceOp.PROD:
-                summed = C.all_reduce(g, ReduceOp.SUM, ctx.group)
-                return summed * _others_product(x, ctx.group), None, None
-            return C.all_reduce(g, ReduceOp.SUM, ctx.group) * (x == out), None, None
+            return summed * (x == out), None, None
+
+
+class _AllReduceProdFn(_AllReduceFn):
+    """AllReduce(PROD): its gradient, the others' product, is differentiated once only."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        x, _ = ctx.saved_tensors
+        with recorder.phase("backward"):
+            summed = C.all_reduce(g, ReduceOp.SUM, ctx.group)
+            return summed * _others_product(x, ctx.group), None, None
 
 
 class _AllGatherFn(torch.autograd.Function):
@@ -92,7 +108,7 @@ class _AllGatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         with recorder.phase("backward"):
-            return C.reduce_scatter(g, ReduceOp.SUM, ctx.group), None
+            return _ReduceScatterFn.apply(g, ReduceOp.SUM, ctx.group), None
 
 
 class _ReduceScatterFn(torch.autograd.Function):
@@ -107,12 +123,22 @@ class _ReduceScatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         with recorder.phase("backward"):
+            gathered: torch.Tensor = _AllGatherFn.apply(g, ctx.group)
             if ctx.op is ReduceOp.SUM:
-                return C.all_gather(g, ctx.group), None, None
+                return gathered, None, None
             x, out = ctx.saved_tensors
-            if ctx.op is ReduceOp.PROD:
-                return C.all_gather(g, ctx.group) * _others_product(x, ctx.group), None, None
-            return C.all_gather(g, ctx.group) * (x == C.all_gather(out, ctx.group)), None, None
+            return gathered * (x == C.all_gather(out, ctx.group)), None, None
+
+
+class _ReduceScatterProdFn(_ReduceScatterFn):
+    """ReduceScatter(PROD): its gradient, the others' product, is differentiated once only."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        x, _ = ctx.saved_tensors
+        with recorder.phase("backward"):
+            return C.all_gather(g, ctx.group) * _others_product(x, ctx.group), None, None
 
 
 class _BroadcastFn(torch.autograd.Function):
@@ -124,7 +150,21 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         with recorder.phase("backward"):
-            return C.reduce(g, ctx.root, ctx.group), None, None
+            return _ReduceFn.apply(g, ctx.root, ctx.group), None, None
+
+
+class _ReduceFn(torch.autograd.Function):
+    """Sum onto the root (Broadcast's gradient); its own gradient is the Broadcast."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, root: int, group: GroupArg) -> torch.Tensor:
+        ctx.root, ctx.group = root, group
+        return C.reduce(x, root, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        with recorder.phase("backward"):
+            return _BroadcastFn.apply(g, ctx.root, ctx.group), None, None
 
 
 class _AlltoAllFn(torch.autograd.Function):
@@ -139,7 +179,7 @@ class _AlltoAllFn(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         split_dim, concat_dim = ctx.dims
         with recorder.phase("backward"):
-            return C.all_to_all(g, concat_dim, split_dim, ctx.group), None, None, None
+            return _AlltoAllFn.apply(g, concat_dim, split_dim, ctx.group), None, None, None
 
 
 class _ExchangeFn(torch.autograd.Function):
@@ -150,17 +190,16 @@ class _ExchangeFn(torch.autograd.Function):
         kind, send_to, recv_from, recv_shapes, dtype, group = plan
         device = sends[0].device if sends else torch.device("cpu")
         ctx.plan = plan
-        ctx.send_meta = [(tuple(s.shape), s.dtype) for s in sends]
-        ctx.device = device
+        ctx.send_shapes = [tuple(s.shape) for s in sends]
         outs = exchange(kind, sends, send_to, recv_from, recv_shapes, dtype, device, group)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         kind, send_to, recv_from, _, dtype, group = ctx.plan
-        shapes = [shape for shape, _ in ctx.send_meta]
+        reverse = (kind, recv_from, send_to, ctx.send_shapes, dtype, group)
         with recorder.phase("backward"):
-            back = exchange(kind, grads, recv_from, send_to, shapes, dtype, ctx.device, group)
+            back: tuple[torch.Tensor, ...] = _ExchangeFn.apply(reverse, *grads)
         return (None, *back)
 
 
@@ -186,7 +225,8 @@ class AllReduce(nn.Module):
         self.op, self.group = as_reduce_op(op), group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _AllReduceFn.apply(x, self.op, self.group)
+        fn = _AllReduceProdFn if self.op is ReduceOp.PROD else _AllReduceFn
+        out: torch.Tensor = fn.apply(x, self.op, self.group)
         return out
 
     def extra_repr(self) -> str:
@@ -223,7 +263,8 @@ class ReduceScatter(nn.Module):
         self.op, self.group = as_reduce_op(op), group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _ReduceScatterFn.apply(x, self.op, self.group)
+        fn = _ReduceScatterProdFn if self.op is ReduceOp.PROD else _ReduceScatterFn
+        out: torch.Tensor = fn.apply(x, self.op, self.group)
         return out
 
 
