@@ -4,7 +4,9 @@ argument, before any communication happens."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,3 +268,50 @@ def test_reduce_scatter_of_per_rank_shapes_says_so() -> None:
         x = world.rank_map(lambda r: torch.ones(r + 2, 3))
         with pytest.raises(ValueError, match="every rank must pass the same input shape"):
             sw.ops.ReduceScatter()(x)
+
+
+NOT_TENSORS = [
+    ("AllReduce", lambda: sw.ops.AllReduce(), 3.0, "input: float"),
+    ("AllReduce", lambda: sw.ops.AllReduce(), np.ones(2), "input: ndarray"),
+    ("AllGather", lambda: sw.ops.AllGather(), [torch.ones(2)], "input: list"),
+    ("ReduceScatter", lambda: sw.ops.ReduceScatter(), 2, "input: int"),
+    ("AlltoAll", lambda: sw.ops.AlltoAll(2, 0, 0), (1, 2), "input: tuple"),
+    ("Broadcast", lambda: sw.ops.Broadcast(0), (torch.ones(2), 3), "input 1: int"),
+    ("Broadcast", lambda: sw.ops.Broadcast(0), 3, "input: int"),
+    (
+        "NeighborExchange",
+        lambda: sw.ops.NeighborExchange([1], [1], [[2]], [[2]]),
+        ("a",),
+        "input 0: str",
+    ),
+    (
+        "NeighborExchangeV2",
+        lambda: sw.ops.NeighborExchangeV2([-1] * 8, [0] * 4, [-1] * 8, [0] * 4),
+        None,
+        "input: NoneType",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "value", "message"),
+    NOT_TENSORS,
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(NOT_TENSORS)],
+)
+def test_a_primitive_called_with_a_non_tensor_names_itself(
+    name: str, make: Callable[[], torch.nn.Module], value: object, message: str
+) -> None:
+    """A TypeError naming the primitive, what it got and what it takes (not an AttributeError
+    from deep inside)."""
+    takes = (
+        "a tensor or a tuple of tensors"
+        if name in ("Broadcast", "NeighborExchange")
+        else "a tensor"
+    )
+    what, got = message.split(": ")
+    op = make()
+    with simulated_world(2), CommRecorder() as rec, pytest.raises(TypeError) as err:
+        op(value)
+    want = f"{name}: {what} must be a torch.Tensor, got {got}; {name} takes {takes}"
+    assert str(err.value).startswith(want)
+    assert not rec.records

@@ -22,7 +22,14 @@ from torch import nn
 from shardwise.communication import _sim
 from shardwise.communication._collectives import check_member
 from shardwise.communication._init import resolve_group
-from shardwise.communication.primitives import GroupArg, _check_group_arg, _ExchangeFn, _per_rank
+from shardwise.communication.primitives import (
+    GroupArg,
+    _check_group_arg,
+    _check_tensor,
+    _ExchangeFn,
+    _per_rank,
+    _tensors,
+)
 
 DIRECTIONS = (
     "top",
@@ -120,7 +127,7 @@ class NeighborExchange(nn.Module):
 
     def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         op = "NeighborExchange"
-        xs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        xs = _tensors(op, inputs)
         if len(xs) != len(self.send_shapes):
             raise ValueError(
                 f"{op}: got {len(xs)} input tensors but send_rank_ids/send_shapes name "
@@ -239,6 +246,7 @@ class NeighborExchangeV2(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "NeighborExchangeV2"
+        _check_tensor(op, x)
         if x.dim() != 4:
             raise ValueError(f"{op}: input must be 4-D NCHW, got shape {list(x.shape)}")
         h, w = x.shape[2], x.shape[3]

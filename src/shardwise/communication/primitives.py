@@ -203,6 +203,27 @@ class _ExchangeFn(torch.autograd.Function):
         return (None, *back)
 
 
+def _check_tensor(op: str, x: Any, takes: str = "a tensor", what: str = "input") -> None:
+    """A TypeError naming `op` when `x` (its `what`) is not a tensor; `takes`: what it takes."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"{op}: {what} must be a torch.Tensor, got {type(x).__name__}; {op} takes {takes} "
+            "(convert with torch.as_tensor)"
+        )
+
+
+def _tensors(op: str, x: Any) -> tuple[torch.Tensor, ...]:
+    """`x`, a tensor or a tuple / list of tensors, as a tuple (a TypeError naming `op` else)."""
+    takes = "a tensor or a tuple of tensors"
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if not isinstance(x, tuple | list):
+        _check_tensor(op, x, takes)
+    for i, t in enumerate(x):
+        _check_tensor(op, t, takes, f"input {i}")
+    return tuple(x)
+
+
 def _check_group_arg(name: str, group: GroupArg) -> None:
     if group is not None and not isinstance(group, str | Group):
         raise TypeError(f"{name}: group must be a group name or None, got {type(group).__name__}")
@@ -225,6 +246,7 @@ class AllReduce(nn.Module):
         self.op, self.group = as_reduce_op(op), group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_tensor("AllReduce", x)
         fn = _AllReduceProdFn if self.op is ReduceOp.PROD else _AllReduceFn
         out: torch.Tensor = fn.apply(x, self.op, self.group)
         return out
@@ -246,6 +268,7 @@ class AllGather(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_tensor("AllGather", x)
         out: torch.Tensor = _AllGatherFn.apply(x, self.group)
         return out
 
@@ -263,6 +286,7 @@ class ReduceScatter(nn.Module):
         self.op, self.group = as_reduce_op(op), group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_tensor("ReduceScatter", x)
         fn = _ReduceScatterProdFn if self.op is ReduceOp.PROD else _ReduceScatterFn
         out: torch.Tensor = fn.apply(x, self.op, self.group)
         return out
@@ -285,7 +309,7 @@ class Broadcast(nn.Module):
         self.root_rank, self.group = root_rank, group
 
     def forward(self, x: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        xs = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+        xs = _tensors("Broadcast", x)
         C.check_member("Broadcast", self.root_rank, resolve_group(self.group), "root_rank")
         return tuple(_BroadcastFn.apply(t, self.root_rank, self.group) for t in xs)
 
@@ -320,6 +344,7 @@ class AlltoAll(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_tensor("AlltoAll", x)
         n = get_group_size(self.group)
         if self.split_count != n:
             raise ValueError(
