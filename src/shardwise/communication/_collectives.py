@@ -14,6 +14,10 @@ collective this rank is in, for the launcher's hang report), and reports a `Comm
   `_sim_rooted`), `all_to_all`;
 - `check_member`: a root or peer rank must be in the group.
 
+Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, `reduce_scatter` and `all_to_all` first compare the
+ranks' shapes and dtypes (`_fingerprint.check_alike`): torch's checking process groups compare
+those of the other collectives, not of the all-to-all both run on.
+
 In a simulated world a plain tensor (made from Python data in the step, or outside the world:
 one value every rank holds) enters a collective as every rank's copy (`_sim.every_rank`; an
 in-place all-reduce writes the result back into it: `_copy_back`): torch's simulated
@@ -35,7 +39,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardwise.communication import _sim, _trace, recorder
+from shardwise.communication import _fingerprint, _sim, _trace, recorder
 from shardwise.communication._init import Group, resolve_group
 from shardwise.communication._reduce_op import ReduceOp as ReduceOp
 from shardwise.communication._reduce_op import as_reduce_op as as_reduce_op
@@ -209,6 +213,7 @@ def _start_reduce_scatter(
     g = resolve_group(group)
     n = len(g.ranks)
     _check_same_shape("ReduceScatter", t)  # (first: a per-rank dim 0 named as such)
+    _fingerprint.check_alike("ReduceScatter", t, g)  # (DETAIL only; also first)
     _check_dim0("ReduceScatter", t, n)
     start = recorder.start()
     src = _sim.every_rank(t.detach().contiguous())
@@ -312,6 +317,19 @@ def reduce(t: torch.Tensor, root: int, group: str | Group | None) -> torch.Tenso
     return out
 
 
+def _check_split(t: torch.Tensor, split_dim: int, concat_dim: int, n: int) -> None:
+    nd = t.dim()
+    for name, d in (("split_dim", split_dim), ("concat_dim", concat_dim)):
+        if not -nd <= d < nd:
+            raise ValueError(f"AlltoAll: {name}={d} is out of range for a {nd}-d input")
+    size = t.shape[split_dim]
+    if size % n != 0:
+        raise ValueError(
+            f"AlltoAll: input dim {split_dim} (split_dim) has size {size}, "
+            f"which does not divide by split_count={n}"
+        )
+
+
 def all_to_all(
     t: torch.Tensor, split_dim: int, concat_dim: int, group: str | Group | None
 ) -> torch.Tensor:
@@ -319,6 +337,8 @@ def all_to_all(
     g = resolve_group(group)
     n = len(g.ranks)
     _check_same_shape("AlltoAll", t)
+    _fingerprint.check_alike("AlltoAll", t, g)  # (DETAIL only; before the per-rank checks)
+    _check_split(t, split_dim, concat_dim, n)
     start = recorder.start()
     src = _sim.every_rank(t.detach())
     # chunk i of split_dim goes to rank i: on dim 0 the tensor already is that buffer

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from shardwise.communication import _sim, recorder
+from shardwise.communication import _fingerprint, _sim, recorder
 from shardwise.communication._collectives import _is_gloo, check_member
 from shardwise.communication._init import Group, resolve_group
 
@@ -55,32 +55,17 @@ def _to_self(
     return filled
 
 
-HEADER = 16
-"""int64 entries before each message's bytes in a job: its dtype (`_DTYPES` index), its number
-of dims and its shape (up to 14 dims): gloo delivers a shorter message than the receiver
-expects without a word, leaving the rest of the buffer as it was."""
-
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
-)  # fmt: skip
-
-
-_WIDEST = max(torch.empty(0, dtype=d).element_size() for d in _DTYPES)  # (bytes per element)
-
-
-def _code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+HEADER = _fingerprint.LENGTH
+"""int64 entries before each message's bytes in a job: its `_fingerprint` (dtype and shape):
+gloo delivers a shorter message than the receiver expects without a word, leaving the rest of
+the buffer as it was."""
 
 
 def _framed(x: torch.Tensor) -> torch.Tensor:
     """`x`'s bytes after a header of its dtype and shape (`HEADER`)."""
-    head = torch.zeros(HEADER, dtype=torch.int64)
-    head[0], head[1] = _code(x.dtype), x.dim()
-    head[2 : 2 + min(x.dim(), HEADER - 2)] = torch.tensor(x.shape[: HEADER - 2])
+    head = _fingerprint.fingerprint(x).to(x.device).view(torch.uint8)
     body = x.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-    return torch.cat([head.to(x.device).view(torch.uint8), body])
+    return torch.cat([head, body])
 
 
 def _mismatch(
@@ -97,11 +82,8 @@ def _unframed(kind: str, buf: torch.Tensor, out: torch.Tensor, src: int, me: int
     """Check the header of a message received into `buf` against `out` (the shape and dtype
     this rank expects) and copy the message's bytes into `out`."""
     head = buf[: HEADER * 8].view(torch.int64).tolist()
-    code, ndim = int(head[0]), int(head[1])
-    shape = [int(d) for d in head[2 : 2 + min(ndim, HEADER - 2)]]
-    same = code == _code(out.dtype) and ndim == out.dim()
-    if not same or shape != list(out.shape)[: HEADER - 2]:
-        _mismatch(kind, out, src, me, shape, _DTYPES[code] if 0 <= code < len(_DTYPES) else None)
+    if head != _fingerprint.fingerprint(out).tolist():
+        _mismatch(kind, out, src, me, *_fingerprint.read(head))
     out.copy_(buf[HEADER * 8 : HEADER * 8 + _nbytes(out)].view(out.dtype).view(out.shape))
 
 
@@ -132,7 +114,7 @@ def _p2p(
     ]
     # (gloo: room for the expected elements of any dtype, so that another dtype is named, not
     # a gloo abort; other backends want the sizes of a send and its receive equal)
-    width = _WIDEST if _is_gloo(g) else 0
+    width = _fingerprint.WIDEST if _is_gloo(g) else 0
     received = {
         j: torch.empty(
             HEADER * 8 + max(out.numel() * width, _nbytes(out)), dtype=torch.uint8, device=device

@@ -350,15 +350,5 @@ class AlltoAll(nn.Module):
             raise ValueError(
                 f"AlltoAll: split_count={self.split_count} must equal the group size {n}"
             )
-        nd = x.dim()
-        for name, d in (("split_dim", self.split_dim), ("concat_dim", self.concat_dim)):
-            if not -nd <= d < nd:
-                raise ValueError(f"AlltoAll: {name}={d} is out of range for a {nd}-d input")
-        size = x.shape[self.split_dim]
-        if size % n != 0:
-            raise ValueError(
-                f"AlltoAll: input dim {self.split_dim} (split_dim) has size {size}, "
-                f"which does not divide by split_count={n}"
-            )
         out: torch.Tensor = _AlltoAllFn.apply(x, self.split_dim, self.concat_dim, self.group)
         return out
