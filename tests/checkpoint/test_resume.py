@@ -89,6 +89,37 @@ def test_resume_gives_bit_identical_losses(kind: str, tmp_path: Path) -> None:
     assert resumed == straight
 
 
+def _wrapped(net: nn.Module, how: str) -> nn.Module:
+    if how == "compile":
+        return torch.compile(net)  # (state_dict names "_orig_mod.…"; never run here)
+    return sw.AutoParallel(net, parallel_mode="semi_auto")  # (names "network.…")
+
+
+@pytest.mark.parametrize(
+    ("how", "saved_wrapped"), [("auto_parallel", True), ("auto_parallel", False), ("compile", True)]
+)
+def test_resume_under_a_wrapper_prefix(how: str, saved_wrapped: bool, tmp_path: Path) -> None:
+    """A checkpoint saved through a wrapper (every name under its prefix) resumes the bare
+    network with `load_param_into_net` + `load_optimizer_state`, and a bare one the wrapper:
+    a prefix on every name is not another network. The losses are the uninterrupted run's."""
+    batches = _batches()
+    net = _net(0)
+    straight = _train(net, FACTORIES["adam"](list(net.parameters())), batches)
+    net = _net(0)
+    opt = FACTORIES["adam"](list(net.parameters()))
+    first = _train(net, opt, batches[:3])
+    saved = _wrapped(net, how) if saved_wrapped else net
+    path = save_checkpoint(saved, tmp_path / "ckpt.safetensors", optimizer=opt)
+
+    fresh = _net(99)
+    fresh_opt = FACTORIES["adam"](list(fresh.parameters()))
+    target = fresh if saved_wrapped else _wrapped(fresh, how)
+    ckpt = load_checkpoint(path)
+    assert load_param_into_net(target, ckpt) == ([], [])
+    load_optimizer_state(fresh_opt, ckpt, target)
+    assert first + _train(fresh, fresh_opt, batches[3:]) == straight
+
+
 def test_optimizer_keys_and_mismatches(tmp_path: Path) -> None:
     net = _net(0)
     opt = torch.optim.Adam(net.parameters())

@@ -15,16 +15,16 @@ before the network or the optimizer changes.
   ``optimizer=``).
 - `_Entries`: the checkpoint's entries as a lazy mapping, so `load_param_into_net` matches
   names as usual and only one assembled tensor is alive at a time.
-- `_wrapper_renames` / `_renamed`: a checkpoint saved through an `AutoParallel` wrapper
-  (``network.`` names) loaded into the bare network, or the reverse, is read under the
-  network's names (its optimizer state too), as `transform` and `load_param_into_net` match.
+
+A checkpoint saved through an `AutoParallel` wrapper (``network.`` names) loaded into the bare
+network, or the reverse, is read under the network's names (its optimizer state too:
+`_renames`), as `transform` and `load_param_into_net` match.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -44,6 +44,7 @@ from shardwise.checkpoint._optimizer import (
     param_names,
 )
 from shardwise.checkpoint._pieces import whole
+from shardwise.checkpoint._renames import renamed, renamed_description, wrapper_renames
 from shardwise.checkpoint._sources import SourceSet
 from shardwise.checkpoint._state_shapes import (
     expected_shape,
@@ -51,7 +52,7 @@ from shardwise.checkpoint._state_shapes import (
     state_fits,
     state_shape_error,
 )
-from shardwise.checkpoint._strategy import STATE_PREFIX, owner_of, wrapper_prefix
+from shardwise.checkpoint._strategy import owner_of
 
 
 class _Entries(Mapping[str, torch.Tensor]):
@@ -70,34 +71,6 @@ class _Entries(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.keys_)
-
-
-def _wrapper_renames(names: Collection[str], model: Sequence[str]) -> dict[str, str]:
-    """Checkpoint key -> network name where the two differ by one wrapper's prefix on every
-    name (``network.``: saved through `AutoParallel` and loaded into the bare network, or the
-    reverse); empty when the names agree, or differ otherwise."""
-    held = set(model)
-    if not names or all(n in held for n in names):
-        return {}
-    wrapper = wrapper_prefix(names, held)
-    if wrapper is not None:
-        return {wrapper + n: n for n in names}
-    first = next(iter(names))
-    for key in model:
-        if first.endswith("." + key):
-            wrapper = first[: -len(key)]
-            if all(n.startswith(wrapper) and n[len(wrapper) :] in held for n in names):
-                return {n[len(wrapper) :]: n for n in names}
-    return {}
-
-
-def _renamed(key: str, renames: Mapping[str, str]) -> str:
-    """Entry `key` (a model entry, or an optimizer entry ``optimizer.state.<param>.<key>``)
-    with its parameter's name renamed by `renames`."""
-    if not key.startswith(STATE_PREFIX):
-        return renames.get(key, key)
-    owner = owner_of(key)
-    return STATE_PREFIX + renames.get(owner, owner) + key[len(STATE_PREFIX) + len(owner) :]
 
 
 def _check_same_network(
@@ -207,9 +180,9 @@ def load_distributed(
     shapes = {k: tuple(t.shape) for k, t in entries.items()}
     if strategy is not None:
         shapes |= {k: tuple(p.shape) for k, p in strategy.params.items() if k in shapes}
-    renames = _wrapper_renames(shapes, source.model_names)
-    keys = {_renamed(k, renames): k for k in source.names}  # (network name -> checkpoint key)
-    model = [_renamed(k, renames) for k in source.model_names]
+    renames = wrapper_renames(shapes, source.model_names)
+    keys = {renamed(k, renames): k for k in source.names}  # (network name -> checkpoint key)
+    model = [renamed(k, renames) for k in source.model_names]
     if strict:
         dtypes = {k: t.dtype for k, t in entries.items()}
         _check_same_network(source, network, shapes, {n: keys[n] for n in model}, dtypes)
@@ -236,7 +209,7 @@ def load_distributed(
     lazy = _Entries(model, make)  # (checked above: each assembled once, when copied)
     result = load_entries(network, lazy, strict, option="strict", prechecked=True)
     if optimizer is not None and described is not None:
-        _load_optimizer(source, optimizer, network, lambda k: make(_renamed(k, renames)), described)
+        _load_optimizer(source, optimizer, network, lambda k: make(renamed(k, renames)), described)
     return result
 
 
@@ -269,14 +242,7 @@ def _described(source: SourceSet, renames: Mapping[str, str]) -> dict[str, Any]:
     description = fmt.parse_json(where, source.metadata, fmt.KEY_OPTIMIZER)
     if description is None:
         raise CheckpointError(f"{where}: holds no optimizer state (save it with optimizer=)")
-    described: dict[str, Any] = json.loads(json.dumps(description))
-    described["state"] = {renames.get(n, n): v for n, v in described["state"].items()}
-    for group in described["param_groups"]:
-        group["params"] = [renames.get(n, n) for n in group["params"]]
-    aliases = described.get("aliases") or {}
-    if aliases:
-        described["aliases"] = {renames.get(a, a): renames.get(n, n) for a, n in aliases.items()}
-    return described
+    return renamed_description(description, renames)
 
 
 def _load_optimizer(

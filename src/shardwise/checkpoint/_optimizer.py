@@ -13,7 +13,8 @@ loaded checkpoint as it was), so a resumed run continues bit-identically.
 - `merged_description`: one description for the rank files of a job whose ranks each hold the
   state of some parameters (data_parallel with hsdp: each parameter's on its owner rank).
 - `load_optimizer_state`: restore an optimizer from a loaded checkpoint (state that does not
-  fit its parameters refused first: `_state_shapes`).
+  fit its parameters refused first: `_state_shapes`; names under a wrapper's prefix matched:
+  `_renames`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from shardwise import communication as comm
 from shardwise.checkpoint._describe import check_rank_pieces
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES, OPTIMIZER_PREFIX, decode_value, encode_value
+from shardwise.checkpoint._renames import renamed, renamed_description, wrapper_renames
 from shardwise.checkpoint._state_shapes import check_state_shapes
 from shardwise.parameter import tied_names
 
@@ -329,6 +331,15 @@ def checked_groups(
     return groups, index
 
 
+def _prefix_renames(net: torch.nn.Module | None, ckpt: Any) -> dict[str, str]:
+    """The checkpoint's parameter names -> `net`'s, where a wrapper's prefix (`AutoParallel`'s
+    ``network.``, `torch.compile`'s ``_orig_mod.``) is on every name of one and not the other
+    (matched on the model entries, as `load_distributed` matches them)."""
+    if net is None or not isinstance(ckpt, Mapping) or not ckpt:
+        return {}
+    return wrapper_renames(list(net.state_dict(keep_vars=True)), list(ckpt))
+
+
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer, ckpt: Any, net: torch.nn.Module | None = None
 ) -> None:
@@ -338,7 +349,9 @@ def load_optimizer_state(
         optimizer: a freshly built optimizer of the same class over the same parameters.
         ckpt: the `Checkpoint` returned by ``load_checkpoint``.
         net: the module whose parameter names the checkpoint used (needed when it was
-            saved from a module); without it parameters are matched by position.
+            saved from a module; a wrapper's prefix on every name, saved through
+            `AutoParallel` or `torch.compile` and loaded into the bare network or the reverse,
+            is matched); without it parameters are matched by position.
 
     Returns:
         None.
@@ -352,11 +365,13 @@ def load_optimizer_state(
     saved: OptimizerState | None = getattr(ckpt, "optimizer_state", None)
     if saved is None:
         raise CheckpointError(f"{where}: holds no optimizer state")
-    description = saved.description
+    renames = _prefix_renames(net, ckpt)
+    description = renamed_description(saved.description, renames)
     groups, index = checked_groups(optimizer, description, where, net)
     metadata = getattr(ckpt, "metadata", None)
     if net is not None and isinstance(metadata, Mapping):
-        check_rank_pieces(net, metadata, [(k, k) for k in saved.tensors], where)
+        keys = [(renamed(k, renames), k) for k in saved.tensors]
+        check_rank_pieces(net, metadata, keys, where)
     state = {
         index[name]: decode_value(entries, saved.tensors)
         for name, entries in description["state"].items()
