@@ -333,15 +333,26 @@ def test_a_module_named_optimizer_is_a_model_entry(tmp_path: Path) -> None:
 def test_a_destination_may_not_hold_its_source(
     trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
-    src, _ = trained
+    """Nor may merge's file go into a rank folder (it would be read as another file of that
+    rank); beside the rank folders it may."""
+    src, full = trained
     transform(src, tmp_path / "p", 2)
     (tmp_path / "p" / "precious.txt").write_text("keep")
     with pytest.raises(sw.checkpoint.CheckpointError, match="holds the checkpoint it is made from"):
         transform(tmp_path / "p", tmp_path / "p", 1, overwrite=True)
     with pytest.raises(sw.checkpoint.CheckpointError, match="holds the checkpoint it is made from"):
         merge(tmp_path / "p", tmp_path, overwrite=True)
+    inside = tmp_path / "p" / "rank_0" / "merged.safetensors"
+    beside = tmp_path / "p" / "merged.safetensors"
+    with pytest.raises(sw.checkpoint.CheckpointError, match=r"merge: .* write it outside, e\.g\."):
+        merge(tmp_path / "p", inside)
+    assert not inside.exists()
     assert (tmp_path / "p" / "precious.txt").read_text() == "keep"
     assert len(list((tmp_path / "p").rglob("*.safetensors"))) == 2
+    merge(tmp_path / "p", beside)
+    net = MLP()
+    assert sw.checkpoint.load_distributed(net, tmp_path / "p") == ([], [])
+    assert torch.equal(net.fc1.weight, full["fc1.weight"])
 
 
 def test_tied_weights_follow_their_parameter(tmp_path: Path) -> None:

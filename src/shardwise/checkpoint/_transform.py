@@ -102,6 +102,22 @@ def _check_apart(source: Blocks, out: Path) -> None:
             )
 
 
+def _check_outside_folders(src: Path, source: SourceSet, out: Path) -> None:
+    """`merge`'s file must not go into a folder the checkpoint's files were found in (a rank
+    folder, or a one-rank job's folder): it would be read as another file of that rank."""
+    if src.is_file():
+        return
+    target = out.resolve()
+    for path in source.paths:
+        folder = path.resolve().parent
+        if folder in target.parents:
+            raise CheckpointError(
+                f"merge: the output {out} is inside {folder}, a folder of the checkpoint it is "
+                "made from, where it would be read as another checkpoint file; write it "
+                f"outside, e.g. {folder.parent / out.name}"
+            )
+
+
 def _pieces(
     source: Blocks, dst: CheckpointStrategy, rank: int, keys: Sequence[str]
 ) -> dict[str, Piece]:
@@ -361,7 +377,9 @@ def merge(
 
     Args:
         src_dir: the checkpoint (as for `transform`).
-        out_file: the file to write (atomically). Must not exist unless `overwrite`.
+        out_file: the file to write (atomically). Must not exist unless `overwrite`, nor be
+            inside a folder of the checkpoint (a ``rank_<r>`` folder: ``ckpt/merged.safetensors``
+            is fine, ``ckpt/rank_0/merged.safetensors`` is refused).
         optimizer: include the optimizer state.
         src_strategy, name, prefix, progress: as for `transform`.
         overwrite: replace an existing file.
@@ -373,6 +391,7 @@ def merge(
         >>> sw.checkpoint.merge("ckpt", "model.safetensors")  # doctest: +SKIP
     """
     source = SourceSet(Path(src_dir), name, prefix, src_strategy)
+    _check_outside_folders(Path(src_dir), source, Path(out_file))
     keys = source.names if optimizer else source.model_names
     kept = _KEEP if optimizer else tuple(k for k in _KEEP if k != fmt.KEY_OPTIMIZER)
     meta = {"format": "pt"} | {k: v for k, v in source.metadata.items() if k in kept}
