@@ -39,7 +39,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise import communication as comm
-from shardwise.checkpoint import CheckpointError, CheckpointStrategy
+from shardwise.checkpoint import CheckpointError, CheckpointStrategy, ShardSpec
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner import ParamPlan
 from shardwise.testing import simulated_world
@@ -153,6 +153,24 @@ def test_a_strategy_that_does_not_divide_names_parameter_dim_and_axis(tmp_path: 
     with pytest.raises(CheckpointError, match=r"parameter 'q' \[12, 4\]: dim 1 .* 8 parts"):
         sw.transform_checkpoints(src, dst, "ck_", None, strategy_file)
     assert not dst.exists() and hidden(dst.parent) == []
+
+    m = DeviceMatrix((4,), ("dp",))  # optimizer-parallel shards that do not divide: the fix
+    whole_b = {"b": ParamPlan(TensorLayout(m, ((),)), (6,))}
+    with pytest.raises(CheckpointError) as info:
+        sw.checkpoint.transform(
+            src, dst, CheckpointStrategy(4, m, whole_b, {"b": ShardSpec(("dp",), 4)})
+        )
+    for word in (
+        "parameter 'b' [6]",
+        "dim 0",
+        "4 optimizer-parallel shards",
+        "axes dp",
+        "pad=True",
+    ):
+        assert word in str(info.value), (word, str(info.value))
+    assert not dst.exists() and hidden(dst.parent) == []
+    padded = CheckpointStrategy(4, m, whole_b, {"b": ShardSpec(("dp",), 4, pad=True)})
+    sw.checkpoint.transform(src, dst, padded)  # (the fix)
 
 
 def test_a_strategy_of_other_shapes_or_another_network_is_named(tmp_path: Path) -> None:

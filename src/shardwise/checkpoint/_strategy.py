@@ -183,6 +183,15 @@ class CheckpointStrategy:
         axes = tuple(self.matrix.names.index(a) for a in spec.axes)
         members = self.matrix.group_along(rank, axes)
         pos = members.index(rank)
+        rows = piece.local_shape[0]
+        if not spec.pad and rows % spec.shard:
+            raise CheckpointError(
+                f"parameter {name!r} {list(p.shape)}: dim 0 of its block on rank {rank} "
+                f"({rows} rows) cannot be cut into {spec.shard} optimizer-parallel shards "
+                f"(ShardSpec axes {', '.join(spec.axes)}); use a shard count that divides "
+                f"{rows}, or ShardSpec({spec.axes!r}, {spec.shard}, pad=True) for equal parts, "
+                "the last padded"
+            )
         return cut_rows(piece, pos % spec.shard, spec.shard, spec.pad)
 
     def entry_piece(self, name: str, shape: tuple[int, ...], rank: int) -> Piece:
