@@ -237,6 +237,23 @@ def test_an_untied_checkpoint_into_the_tied_network(tmp_path: Path) -> None:
     assert sw.checkpoint.load_distributed(LM(tie=True), tmp_path / "tied.safetensors") == ([], [])
 
 
+def test_a_tied_weight_holding_a_nan_reloads_strictly(tmp_path: Path) -> None:
+    """Its two names' entries hold one value, NaN included: not refused as saved untied."""
+    torch.manual_seed(0)
+    saved = LM(tie=True)
+    with torch.no_grad():
+        saved.emb.weight[0, 0] = float("nan")
+    path = sw.save_checkpoint(saved, tmp_path / "nan.safetensors")
+    for load in (
+        lambda net: sw.load_param_into_net(net, sw.load_checkpoint(path), strict_load=True),
+        lambda net: sw.checkpoint.load_distributed(net, path),
+    ):
+        net = LM(tie=True)
+        assert load(net) == ([], [])
+        assert torch.equal(net.head.weight.isnan(), saved.emb.weight.isnan())
+        assert torch.equal(net.head.weight.nan_to_num(), saved.emb.weight.nan_to_num())
+
+
 @pytest.mark.parametrize("held", ["emb.weight", "head.weight"])
 def test_a_tied_tensor_saved_under_one_of_its_names_loads_strictly(
     tmp_path: Path, held: str

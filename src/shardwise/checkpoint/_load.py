@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 import torch
 
+from shardwise._equal import same_values
 from shardwise.checkpoint._describe import check_rank_pieces, network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES
@@ -147,10 +148,7 @@ def _check_tied(
         value = parameter_dict[key]
         if not isinstance(value, torch.Tensor):
             continue
-        same = tuple(value.shape) == tuple(value0.shape) and bool(
-            torch.equal(value.to(value0.dtype), value0)
-        )
-        if not same:
+        if not same_values(value.to(value0.dtype), value0):  # (a NaN equals a NaN)
             raise CheckpointError(
                 f"checkpoint entries {key0!r} and {key!r} hold different values, but the network "
                 f"ties {name0!r} and {name!r} (one tensor): the checkpoint was saved untied; "

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardwise._equal import same_values
 from shardwise.communication import _init, _sim
 
 T = TypeVar("T")
@@ -249,18 +250,7 @@ def shared_value(t: torch.Tensor) -> torch.Tensor | None:
     """
     parts = rank_parts(t)
     first = parts[0]
-    return first if all(_same(other, first) for other in parts[1:]) else None
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `a` and `b` hold the same values (NaN equal to NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point() and not a.is_complex():
-        return False
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return first if all(same_values(other, first) for other in parts[1:]) else None
 
 
 def first_claim(key: str, value: str) -> str:
