@@ -89,6 +89,9 @@ def test_save_rejects_bad_input(tmp_path: Path) -> None:
         deferred = nn.Linear(2, 2)
     with pytest.raises(CheckpointError, match="meta"):
         save_checkpoint(deferred, tmp_path / "x.safetensors")
+    sparse = {"emb.mask": torch.eye(3).to_sparse()}
+    with pytest.raises(TypeError, match=r"entry 'emb.mask' is a torch.sparse_coo .*\.to_dense\(\)"):
+        save_checkpoint(sparse, tmp_path / "x.safetensors")
     assert not list(tmp_path.iterdir())
 
 

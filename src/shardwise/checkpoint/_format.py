@@ -65,6 +65,12 @@ def saveable(name: str, tensor: object, seen: set[int]) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"checkpoint entry {name!r} must be a tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"checkpoint entry {name!r} is a {tensor.layout} tensor, and safetensors stores "
+            "dense tensors only: save its .to_dense() (a module's sparse buffer: save a dict of "
+            "its state_dict with that entry made dense)"
+        )
     if tensor.is_meta:
         raise CheckpointError(
             f"checkpoint entry {name!r} is a meta tensor (deferred, never materialized); "
