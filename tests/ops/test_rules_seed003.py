@@ -168,6 +168,32 @@ def test_out_strategy_asks_for_a_reduce_scatter(simulate: Sim, out: object) -> N
     simulate(mm, plan, [rand(*X), rand(*W1)])
 
 
+SIZE1 = sw.Layout((2, 1, 4), ("dp", "sp", "mp"))  # sp splits nothing
+
+
+@pytest.mark.parametrize(
+    "out", [(("dp", "sp", "mp"), "None"), (("dp", "mp"), "None"), (("dp", "mp"), "sp")]
+)
+def test_out_strategy_may_name_a_summed_axis_of_size_1(simulate: Sim, out: tuple) -> None:
+    # K is split over (sp, mp), sp of size 1: naming sp in the output, as the docs say (the
+    # summed axes in the order they split K), or leaving it out is the same ReduceScatter.
+    x, w = SIZE1("dp", ("sp", "mp")), SIZE1(("sp", "mp"), "None")
+    asked = SIZE1(*out)
+    mm = MatMul().shard((x, w), (asked,))
+    plan = plan_primitive(mm, (16, 16), (16, 8), device_num=8)
+    assert plan.comms == (Comm("ReduceScatter", ("mp",), dim=0),)
+    for rank in range(8):  # every rank holds the block the asked layout gives it
+        assert plan.outputs[0].local_slice(rank, (16, 8)) == asked.local_slice(rank, (16, 8))
+    simulate(mm, plan, [rand(16, 16), rand(16, 8)])
+
+
+def test_out_strategy_with_a_size_1_axis_still_refuses_another_order() -> None:
+    x, w = SIZE1("dp", ("sp", "mp")), SIZE1(("sp", "mp"), "None")
+    mm = MatMul().shard((x, w), (SIZE1(("mp", "sp", "dp"), "None"),))
+    with pytest.raises(ValueError, match=r"does not follow from the input strategy; valid: "):
+        plan_primitive(mm, (16, 16), (16, 8), device_num=8)
+
+
 def test_out_strategy_equal_to_the_default_keeps_the_allreduce() -> None:
     mm = MatMul().shard(((2, 4), (4, 1)), ((2, 1),))
     assert plan_primitive(mm, X, W1, device_num=8).comms == (Comm("AllReduce", ("d1",)),)

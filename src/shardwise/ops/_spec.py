@@ -149,9 +149,17 @@ def _names(matrix: DeviceMatrix, axes: Sequence[int]) -> tuple[str, ...]:
 
 
 def _matches(entry: tuple[int, ...] | TensorLayout, layout: TensorLayout) -> bool:
+    """Whether the user's `entry` asks for `layout`: the same split counts, or the same device
+    axes per dim in the same order, axes of size 1 (which split nothing) aside."""
     if isinstance(entry, TensorLayout):
-        return entry.matrix == layout.matrix and entry.dims == layout.dims
+        return entry.matrix == layout.matrix and _split_axes(entry) == _split_axes(layout)
     return entry == tuple(layout.split_count(d) for d in range(layout.ndim))
+
+
+def _split_axes(layout: TensorLayout) -> tuple[tuple[int, ...], ...]:
+    """Per dim, the device axes of size > 1 that split it, outer first."""
+    shape = layout.matrix.shape
+    return tuple(tuple(a for a in axes if shape[a] > 1) for axes in layout.dims)
 
 
 def _show_out(layout: TensorLayout, kind: str) -> str:
