@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import shardwise as sw
 from shardwise.ops import (
     Add,
     BatchMatMul,
@@ -133,3 +134,56 @@ def test_a_fix_that_does_not_fit_the_device_count_is_said_in_words(
     assert message is not None
     assert words in message and "dividing the device count 4" in message, message
     assert suggested(message) == [], message
+
+
+LAYOUT = sw.Layout((2, 2, 2), ("dp", "sp", "mp"))
+
+
+def layout_fixes(message: str) -> list[Any]:
+    """The Layout strategies the message lists after ``valid:`` (none where it says what to
+    change in words), as the user would write them with `LAYOUT`."""
+    listed = message.split("valid: ")[1]
+    if not listed.startswith("(layout("):
+        return []
+    return [eval(s, {"layout": LAYOUT}) for s in listed.split(" or ")]
+
+
+def random_layout(rng: random.Random, ndim: int) -> Any:
+    free = ["dp", "sp", "mp"]
+    args: list[Any] = []
+    for _ in range(ndim):
+        axes = [a for a in free if rng.random() < 0.4]
+        rng.shuffle(axes)
+        free = [a for a in free if a not in axes]
+        args.append(tuple(axes) if axes else "None")
+    return LAYOUT(*args)
+
+
+def test_every_suggested_layout_strategy_plans_and_repairs_every_dim() -> None:
+    """A Layout strategy with two dims split differently: the fix named only the first
+    (``the same axes ... as input 0 (x) dim 0``), following it left dim 1 wrong; the message
+    now lists Layout strategies that repair both."""
+    message = refusal(Add, [(8, 8), (8, 8)], (LAYOUT("dp", "mp"), LAYOUT("mp", "dp")), 8)
+    assert message is not None
+    assert "input 0 (x) dim 1 and input 1 (y) dim 1 into 2 (axes mp) and 2 (axes dp)" in message
+    assert layout_fixes(message) == [
+        (LAYOUT("dp", "mp"), LAYOUT("dp", "mp")),
+        (LAYOUT("mp", "dp"), LAYOUT("mp", "dp")),
+    ]
+    # a sweep: every listed fix plans, over ops with ties, broadcast dims and a contracted dim
+    rng = random.Random(7)
+    cases = [(Add, [(8, 8), (8, 8)]), (Add, [(8, 1), (8, 8)]), (MatMul, [(8, 8), (8, 8)])]
+    cases += [(BatchMatMul, [(4, 8, 8), (4, 8, 8)])]
+    listed, bad = 0, []
+    for cls, shapes in cases:
+        for _ in range(40):
+            strategy = tuple(random_layout(rng, len(s)) for s in shapes)
+            message = refusal(cls, shapes, strategy, 8)
+            if message is None or "must be split alike" not in message:
+                continue
+            for fix in layout_fixes(message):
+                listed += 1
+                if refusal(cls, shapes, fix, 8) is not None:
+                    bad.append(f"{cls.__name__} {strategy}: {fix} refused")
+    assert not bad, "\n".join(bad[:5])
+    assert listed > 30

@@ -27,7 +27,15 @@ from shardwise.layout import (
     strategy_kind,
 )
 from shardwise.ops._plan import Shape, Strategy
-from shardwise.ops._spec_fixes import Ints, Plans, fixed_tiers, planning, replaced, tie_tiers
+from shardwise.ops._spec_fixes import (
+    Ints,
+    Plans,
+    fixed_tiers,
+    layout_tie_tiers,
+    planning,
+    replaced,
+    tie_tiers,
+)
 
 if TYPE_CHECKING:
     from shardwise.ops._spec import Spec
@@ -127,7 +135,7 @@ def _ints(strategy: Strategy) -> Ints | None:
     return ints if len(ints) == len(strategy) else None
 
 
-def _listed(tiers: Sequence[Sequence[Ints]], plans: Plans | None, words: str) -> str:
+def _listed(tiers: Sequence[Sequence[Strategy]], plans: Plans | None, words: str) -> str:
     """The fixes of `tiers` that plan (`planning`), as a message lists them; else `words`."""
     return " or ".join(fmt_strategy(list(c)) for c in planning(tiers, plans)) or words
 
@@ -202,9 +210,16 @@ def _clash_message(
     broadcast: Mapping[tuple[int, int], int],
 ) -> str:
     (_, (j, e), (i, d)), *more = clashes
-    fix = f"the same axes, in the same order, as {_input(spec, j)} dim {e}"
     ints = _ints(strategy)
-    if ints is not None:
+    if ints is None:
+        layouts = [s for s in strategy if isinstance(s, TensorLayout)]
+        words = f"the same axes, in the same order, as {_input(spec, j)} dim {e}"
+        if more or broadcast:
+            words = "each pair named split by the same axes, in the same order"
+            words += ", and 'None' for each broadcast dim" if broadcast else ""
+        fixes = layout_tie_tiers(layouts, spec, [c[0] for c in clashes], broadcast)
+        fix = _listed(fixes, plans, words)
+    else:
         tiers = tie_tiers(ints, spec, shapes, [c[0] for c in clashes], broadcast)
         words = (
             f"the same split on both, with the strategy's device matrix dividing the device "

@@ -4,6 +4,8 @@ only where the op plans them.
 
 - `tie_tiers`: every logical axis split differently given one split (each of the splits the
   strategy gives it that divides every dim on it), split broadcast dims whole.
+- `layout_tie_tiers`: the same for a strategy of Layout calls: every logical axis split
+  differently given the device axes of one of its dims.
 - `fixed_tiers`: dims on a `fixed` logical axis whole, the split moved onto another logical axis
   where one takes it (`_moved`), else dropped.
 - `planning`: the candidates of the first tier of which any plans: the op's own checks (`Plans`,
@@ -18,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
+from shardwise.layout import TensorLayout
 from shardwise.ops._plan import Shape, Strategy
 
 if TYPE_CHECKING:
@@ -43,7 +46,7 @@ def replaced(strategy: Ints, fixes: Fixes) -> Ints:
     )
 
 
-def planning(tiers: Sequence[Sequence[Ints]], plans: Plans | None) -> list[Ints]:
+def planning(tiers: Sequence[Sequence[Strategy]], plans: Plans | None) -> list[Strategy]:
     """The candidates of the first tier with any that `plans` accepts (at most `SHOWN`, first
     first); none while a candidate is being checked (its message is not read) or without
     `plans`."""
@@ -60,7 +63,7 @@ def planning(tiers: Sequence[Sequence[Ints]], plans: Plans | None) -> list[Ints]
     return []
 
 
-def _plans(candidate: Ints, plans: Plans) -> bool:
+def _plans(candidate: Strategy, plans: Plans) -> bool:
     try:
         plans(candidate)
     except (ValueError, TypeError):
@@ -136,3 +139,48 @@ def tie_tiers(
         for k, tier in enumerate(fixed_tiers(replaced(strategy, fixed), spec, shapes)):
             tiers[k].extend(tier)
     return tiers
+
+
+def _on_axis(spec: Spec, lg: int) -> list[tuple[int, int]]:
+    """The (input, dim) pairs on logical axis `lg`."""
+    return [
+        (k, dd) for k, dims in enumerate(spec.inputs) for dd, axis in enumerate(dims) if axis == lg
+    ]
+
+
+def layout_tie_tiers(
+    strategy: Sequence[TensorLayout],
+    spec: Spec,
+    clashing: Sequence[int],
+    broadcast: Fixes,
+) -> list[list[Strategy]]:
+    """Layout strategies with every `clashing` logical axis split alike (each taking the device
+    axes of one of its dims, first-seen first; axes of size 1 aside, as the check compares them)
+    and the split `broadcast` dims whole. A choice that puts one device axis on two dims of an
+    input is left out."""
+    choices = []
+    for lg in clashing:
+        on_axis = _on_axis(spec, lg)
+        seen: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for k, dd in on_axis:
+            layout = strategy[k]
+            real = tuple(a for a in layout.dims[dd] if layout.matrix.shape[a] > 1)
+            seen.setdefault(real, layout.dims[dd])
+        choices.append([dict.fromkeys(on_axis, axes) for axes in seen.values()])
+    tier: list[Strategy] = []
+    for combo in itertools.product(*choices):
+        fixes: dict[tuple[int, int], tuple[int, ...]] = dict.fromkeys(broadcast, ())
+        for part in combo:
+            fixes.update(part)
+        try:
+            tier.append(
+                tuple(
+                    TensorLayout(
+                        e.matrix, tuple(fixes.get((i, d), a) for d, a in enumerate(e.dims))
+                    )
+                    for i, e in enumerate(strategy)
+                )
+            )
+        except ValueError:  # one device axis on two dims of an input
+            continue
+    return [tier]
