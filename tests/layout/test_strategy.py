@@ -176,6 +176,14 @@ def test_mixed_int_and_layout_strategy() -> None:
         resolve_strategy(mixed, 8, MATMUL)  # type: ignore[arg-type]
 
 
+def test_a_0d_entry_fits_either_kind() -> None:
+    layout = Layout((2, 4), ("dp", "mp"))
+    assert strategy_kind((layout("dp", "mp"), ())) == "layouts"
+    assert strategy_kind(((2, 4), ())) == "ints"
+    found = resolve_strategy((layout("dp", "mp"), ()), 8)  # type: ignore[arg-type]
+    assert found.layouts == (layout("dp", "mp"), layout())
+
+
 def test_layout_strategy_errors() -> None:
     a = Layout((2, 4), ("dp", "mp"))
     b = Layout((4, 2), ("dp", "mp"))

@@ -84,6 +84,25 @@ def test_broadcast_size_one_dim_and_layouts(simulate: Sim) -> None:
     assert dims(plan.outputs[0]) == (("dp",), ("mp",))
 
 
+SCALAR_LAYOUT = sw.Layout((2, 4), ("dp", "mp"))
+
+
+@pytest.mark.parametrize("scalar", ["()", "layout()", "left out"])
+def test_a_scalar_entry_next_to_layouts(simulate: Sim, scalar: str) -> None:
+    # a scalar's entry is (), which may be left out; () next to a Layout call was refused as
+    # mixing int tuples and Layouts
+    x = SCALAR_LAYOUT("dp", "mp")
+    entry = {"()": (), "layout()": SCALAR_LAYOUT(), "left out": None}[scalar]
+    add = Add().shard((x,) if entry is None else (x, entry))
+    plan = check(simulate, add, [rand(8, 8), rand()])
+    assert plan.inputs == (x, SCALAR_LAYOUT()) and plan.outputs == (x,) and plan.comms == ()
+
+
+def test_an_int_tuple_next_to_layouts_is_still_refused() -> None:
+    with pytest.raises(ValueError, match=r"mixes int tuples and Layouts; use one kind for all"):
+        Add().shard((SCALAR_LAYOUT("dp", "mp"), (2, 4)))
+
+
 def test_bias_add_channel_split(simulate: Sim) -> None:
     plan = check(simulate, BiasAdd().shard(((2, 4), (4,))), [rand(8, 16), rand(16)])
     assert plan.grad_reduce_axes(1) == ("d0",)

@@ -36,6 +36,7 @@ from shardwise.layout._strategy import (
     check_int_strategy,
     check_layout_strategy,
     resolve_strategy,
+    scalar_layouts,
     strategy_kind,
     strategy_layouts,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "iter_rank_slices",
     "refine",
     "resolve_strategy",
+    "scalar_layouts",
     "split_factor",
     "strategy_kind",
     "strategy_layouts",

@@ -4,7 +4,9 @@ A tuple strategy such as MatMul's ``((2, 4), (4, 1))`` only gives split counts; 
 rule says which device-matrix axis each input dim belongs to (MatMul: x -> axes (0, 1), w -> axes
 (1, 2), so the device matrix is ``[a, b, c]``). The steps:
 
-- `strategy_kind`: is a strategy all int tuples or all `TensorLayout`s (never mixed)?
+- `strategy_kind`: is a strategy all int tuples or all `TensorLayout`s (never mixed; ``()``, a
+  0-d input's entry, fits either)? `scalar_layouts` makes such a ``()`` next to Layout calls
+  their ``layout()``.
 - `check_int_strategy`: types, values >= 1, one tuple per input, one value per tensor dim.
 - `strategy_layouts`: the device matrix (axis sizes from the strategy, the repeat factor appended
   on the right when the product is below the device count) and one `TensorLayout` per input.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, TypeAlias
+from typing import Literal, NamedTuple, TypeAlias, TypeVar
 
 from shardwise.layout._core import DeviceMatrix, TensorLayout
 from shardwise.layout._layout import LayoutTypeError
@@ -32,6 +34,7 @@ IntStrategy: TypeAlias = Sequence[Sequence[int]]
 AxisMap: TypeAlias = Sequence[Sequence[int | None]]
 """Per input, per tensor dim: the device-matrix axis that splits it, or None (never split)."""
 REPEAT = "repeat"
+_Entry = TypeVar("_Entry")
 
 
 class StrategyLayouts(NamedTuple):
@@ -94,7 +97,8 @@ def strategy_kind(strategy: object, who: str = "primitive") -> Literal["ints", "
         if isinstance(entry, TensorLayout):
             kinds.add("layouts")
         elif isinstance(entry, tuple | list):
-            kinds.add("ints")
+            if entry:  # (``()``, a 0-d input's entry, fits either kind)
+                kinds.add("ints")
         else:
             raise LayoutTypeError(
                 f"{who}: strategy entry {i} is {entry!r}; expected a tuple of ints or a "
@@ -103,9 +107,27 @@ def strategy_kind(strategy: object, who: str = "primitive") -> Literal["ints", "
     if len(kinds) > 1:
         raise ValueError(
             f"{who}: strategy {_fmt(strategy)} mixes int tuples and Layouts; use one kind "
-            f"for all inputs"
+            f"for all inputs (a 0-d input's entry, () or layout(), fits either)"
         )
     return "layouts" if "layouts" in kinds else "ints"
+
+
+def scalar_layouts(strategy: Sequence[_Entry]) -> tuple[_Entry | TensorLayout, ...]:
+    """`strategy` with each ``()`` entry (a 0-d input's) next to Layout calls made the 0-d
+    layout of their device matrix (as ``layout()``); unchanged without Layout calls.
+
+    Example:
+        >>> layout = Layout((2, 4), ("dp", "mp"))
+        >>> scalar_layouts((layout("dp", "mp"), ()))[1] == layout()
+        True
+    """
+    first = next((e for e in strategy if isinstance(e, TensorLayout)), None)
+    if first is None:
+        return tuple(strategy)
+    return tuple(
+        TensorLayout(first.matrix, ()) if isinstance(e, tuple | list) and not e else e
+        for e in strategy
+    )
 
 
 def check_int_strategy(
@@ -304,6 +326,7 @@ def check_layout_strategy(
     """
     if strategy_kind(strategy, who) != "layouts":
         raise LayoutTypeError(f"{who}: expected Layout calls, got {_fmt(strategy)}")
+    strategy = [e for e in scalar_layouts(strategy) if isinstance(e, TensorLayout)]
     matrix = strategy[0].matrix
     for i, layout in enumerate(strategy):
         if layout.matrix != matrix:
@@ -337,7 +360,7 @@ def resolve_strategy(
         ((0,), ())
     """
     if strategy_kind(strategy, who) == "layouts":
-        layouts = [s for s in strategy if isinstance(s, TensorLayout)]
+        layouts = [s for s in scalar_layouts(strategy) if isinstance(s, TensorLayout)]
         return check_layout_strategy(
             layouts, device_num, shapes=shapes, who=who, input_names=input_names
         )

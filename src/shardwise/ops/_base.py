@@ -3,8 +3,9 @@
 - `Primitive`: a `torch.nn.Module` carrying MindSpore's constructor arguments (`init_args`),
   its strategies (`shard`, `in_strategy`, `out_strategy`) and its module path (`who`).
 - `normalize_strategy`: the light checks `shard()` does (int tuples of split counts >= 1 or
-  Layout calls, never mixed; lists become tuples). Everything that needs shapes or the device
-  count waits for plan time (`shardwise.ops.rules`).
+  Layout calls, never mixed; lists become tuples, a 0-d input's ``()`` next to Layout calls
+  their ``layout()``). Everything that needs shapes or the device count waits for plan time
+  (`shardwise.ops.rules`).
 - `name_primitives`: gives every primitive inside a network its module path, for messages.
 """
 
@@ -17,7 +18,13 @@ from typing import Any, ClassVar, Self
 
 from torch import nn
 
-from shardwise.layout import Layout, LayoutTypeError, TensorLayout, strategy_kind
+from shardwise.layout import (
+    Layout,
+    LayoutTypeError,
+    TensorLayout,
+    scalar_layouts,
+    strategy_kind,
+)
 from shardwise.layout._layout import index_tuple
 from shardwise.ops._plan import Strategy
 from shardwise.ops._spec_checks import fmt_strategy
@@ -83,7 +90,7 @@ def normalize_strategy(strategy: object, what: str, who: str) -> Strategy | None
         raise LayoutTypeError(f"{who}: {what} is empty; give one entry per input")
     out = tuple(_entry(e, i, what, who) for i, e in enumerate(strategy))
     strategy_kind(out, f"{who}: {what}")
-    return out
+    return scalar_layouts(out)
 
 
 class Primitive(nn.Module):
