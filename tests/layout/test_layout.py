@@ -187,6 +187,15 @@ def test_tensor_layout_from_dict_rejects_bad_tensor_map() -> None:
         ({"tensor_map": [[], -1]}, r"tensor_map entry \[\] .*non-empty list"),
         ({"tensor_map": [2.0, -1]}, r"tensor_map entry 2\.0 is not in 0\.\.2 or -1"),
         ({"tensor_map": "ab"}, r"tensor_map must be a list"),
+        (
+            {"tensor_map": [0, 0]},
+            r"tensor_map \[0, 0\]: axis index 0 \('mp'\) is given by entries 0 \(0\) and 1 \(0\); "
+            r"an axis splits at most one dim, once: give -1 \(not split\) or another axis index",
+        ),
+        (
+            {"tensor_map": [[1, 1], -1]},
+            r"axis index 1 \('sp'\) is given by entry 0 \(\[1, 1\]\) twice",
+        ),
         ({"tensor_map": None}, r"tensor_map must be a list"),
     ],
     ids=str,
@@ -226,6 +235,11 @@ def test_core_errors_name_what_is_wrong() -> None:
     with pytest.raises(TypeError, match=r"tuple of axis indices"):
         TensorLayout(m, ((0.0,), ()))  # type: ignore[arg-type]
     assert TensorLayout(m, [[0], []]) == TensorLayout(m, ((0,), ()))  # type: ignore[arg-type]
+    one_dim = r"; a device axis splits at most one dim, once: use another axis or 'None' for one"
+    with pytest.raises(ValueError, match=r"device axis 'mp' splits dims 0 and 1 .*" + one_dim):
+        TensorLayout(m, ((2,), (2,)))
+    with pytest.raises(ValueError, match=r"device axis 'dp' splits dim 1 twice"):
+        TensorLayout(m, ((), (0, 0)))
     with pytest.raises(ValueError, match=r"coordinate \(0,\) has 1 entries but .* 3 axes"):
         m.rank((0,))
     x = LAYOUT("dp", "None")

@@ -168,8 +168,7 @@ class TensorLayout:
         if bad:
             raise ValueError(f"axes {bad} are not axes of {self.matrix}")
         if len(set(used)) != len(used):
-            names = [self.matrix.names[a] for a in used]
-            raise ValueError(f"a device axis splits more than one dim (or twice): {names}")
+            raise ValueError(self._repeated_axis())
         if not self.groups:
             return
         if len(self.groups) != len(self.dims) or any(
@@ -181,6 +180,20 @@ class TensorLayout:
             )
         kept = tuple(g if self.split_count(d) > 1 else 1 for d, g in enumerate(self.groups))
         object.__setattr__(self, "groups", kept if any(g > 1 for g in kept) else ())
+
+    def _repeated_axis(self) -> str:
+        """Why `dims` is refused: the first device axis that splits two dims, or one twice."""
+        where: dict[int, list[int]] = {}
+        for d, axes in enumerate(self.dims):
+            for a in axes:
+                where.setdefault(a, []).append(d)
+        a, ds = next((a, ds) for a, ds in where.items() if len(ds) > 1)
+        splits = f"dim {ds[0]} twice" if ds[0] == ds[1] else f"dims {ds[0]} and {ds[1]}"
+        return (
+            f"device axis {self.matrix.names[a]!r} splits {splits} (dims "
+            f"{[tuple(self.matrix.names[x] for x in axes) for axes in self.dims]}); a device "
+            f"axis splits at most one dim, once: use another axis or 'None' for one of them"
+        )
 
     @property
     def ndim(self) -> int:

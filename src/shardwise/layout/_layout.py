@@ -368,6 +368,7 @@ def tensor_layout_from_dict(data: Mapping[str, Any]) -> TensorLayout:
                 f"an axis index in 0..{last} (counted from the right) or a non-empty list of them"
             )
         dims.append(tuple(last - i for i in idx))
+    _check_repeats(entries, dims, layout.alias_name)
     groups = data.get("groups") or ()
     if not isinstance(groups, list | tuple) or any(
         isinstance(g, bool) or not isinstance(g, int) for g in groups
@@ -382,6 +383,28 @@ def tensor_layout_from_dict(data: Mapping[str, Any]) -> TensorLayout:
             f"e.g. {[3] + [1] * (len(dims) - 1)}"
         )
     return TensorLayout(layout.matrix, tuple(dims), tuple(groups))
+
+
+def _check_repeats(
+    entries: Sequence[object], dims: Sequence[tuple[int, ...]], names: Sequence[str]
+) -> None:
+    """A ValueError naming the tensor_map entries (dims) that give one axis index twice."""
+    seen: dict[int, int] = {}
+    for d, axes in enumerate(dims):
+        for a in axes:
+            if a in seen:
+                first = seen[a]
+                which = (
+                    f"entry {d} ({entries[d]!r}) twice"
+                    if first == d
+                    else f"entries {first} ({entries[first]!r}) and {d} ({entries[d]!r})"
+                )
+                raise ValueError(
+                    f"tensor_map {list(entries)!r}: axis index {len(names) - 1 - a} "
+                    f"({names[a]!r}) is given by {which}; an axis splits at most one dim, once: "
+                    f"give -1 (not split) or another axis index for one of them"
+                )
+            seen[a] = d
 
 
 def _require(data: object, key: str) -> None:
