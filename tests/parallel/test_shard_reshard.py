@@ -316,6 +316,13 @@ def test_failed_plan_gives_network_back() -> None:
             ValueError,
             r"mix int tuples and Layouts; use one kind for all",
         ),
+        (  # (was "parameter_plan['w1'] entry 0 is 'mp'", an entry of what?)
+            {"in_strategy": None, "parameter_plan": {"w1": "mp"}},
+            TypeError,
+            r"^sw.shard: parameter_plan\['w1'\] is 'mp'; expected a tuple of ints or a Layout "
+            r"call \(an alias alone is not a layout: name one per dim, e.g. layout\('mp', "
+            r"'None'\)\)$",
+        ),
     ],
 )
 def test_eager_errors(kwargs: dict[str, object], error: type[Exception], match: str) -> None:

@@ -17,7 +17,7 @@ from shardwise.communication import (
     ReduceOp,
     ReduceScatter,
 )
-from shardwise.ops._base import Primitive, name_primitives, normalize_strategy
+from shardwise.ops._base import Primitive, name_primitives, normalize_entry, normalize_strategy
 from shardwise.ops._plan import Comm, OpPlan, Rule, Strategy
 from shardwise.ops.primitives import (
     Add,
@@ -100,6 +100,7 @@ __all__ = [
     "Tanh",
     "Transpose",
     "name_primitives",
+    "normalize_entry",
     "normalize_strategy",
     "plan_primitive",
 ]

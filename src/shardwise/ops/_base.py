@@ -6,6 +6,7 @@
   Layout calls, never mixed; lists become tuples, a 0-d input's ``()`` next to Layout calls
   their ``layout()``). Everything that needs shapes or the device count waits for plan time
   (`shardwise.ops.rules`).
+- `normalize_entry`: the same checks for one tensor's layout (`sw.reshard`, `parameter_plan`).
 - `name_primitives`: gives every primitive inside a network its module path, for messages.
 """
 
@@ -33,12 +34,16 @@ REQUIRED = object()
 """Marks a call argument without default (Gather's axis, Reshape's shape, Transpose's perm)."""
 
 
-def _entry(entry: object, i: int, what: str, who: str) -> tuple[int, ...] | TensorLayout:
+def _entry(
+    entry: object, where: str, who: str, of_strategy: bool = True
+) -> tuple[int, ...] | TensorLayout:
+    """One entry checked; `where` names it (``in_strategy entry 1``, ``parameter_plan['w']``),
+    `of_strategy` whether it is one of a strategy's entries."""
     if isinstance(entry, TensorLayout):
         return entry
     if isinstance(entry, Layout):
         raise LayoutTypeError(
-            f"{who}: {what} entry {i} is a Layout; call it with one alias per tensor dim, "
+            f"{who}: {where} is a Layout; call it with one alias per tensor dim, "
             f"e.g. layout('dp', 'None')"
         )
     ints = index_tuple(entry)  # (NumPy integers too)
@@ -46,18 +51,35 @@ def _entry(entry: object, i: int, what: str, who: str) -> tuple[int, ...] | Tens
         for d, v in enumerate(ints):
             if v < 1:
                 raise ValueError(
-                    f"{who}: {what} entry {i} {ints!r} splits dim {d} into {v} parts; "
+                    f"{who}: {where} {ints!r} splits dim {d} into {v} parts; "
                     f"each value is a number of parts >= 1 (1: not split)"
                 )
         return ints
-    hint = (
-        " (a strategy holds one tuple per input: ((2, 4),) not (2, 4))"
-        if isinstance(entry, int)
-        else ""
-    )
+    hint = ""
+    if isinstance(entry, int) and of_strategy:
+        hint = " (a strategy holds one tuple per input: ((2, 4),) not (2, 4))"
+    elif isinstance(entry, str):
+        hint = (
+            f" (an alias alone is not a layout: name one per dim, e.g. layout({entry!r}, 'None'))"
+        )
     raise LayoutTypeError(
-        f"{who}: {what} entry {i} is {entry!r}; expected a tuple of ints or a Layout call{hint}"
+        f"{who}: {where} is {entry!r}; expected a tuple of ints or a Layout call{hint}"
     )
+
+
+def normalize_entry(entry: object, what: str, who: str) -> tuple[int, ...] | TensorLayout:
+    """One tensor's layout (`sw.reshard`'s, a `parameter_plan` value): a tuple of split counts
+    or a Layout call, checked as a strategy's entries are; `what` names it in messages.
+
+    Raises:
+        LayoutTypeError: a wrong type (a `TypeError` that is also a `ValueError`).
+        ValueError: a split count below 1.
+
+    Example:
+        >>> normalize_entry([4, 1], "parameter_plan['weight']", "sw.shard")
+        (4, 1)
+    """
+    return _entry(entry, what, who, of_strategy=False)
 
 
 def normalize_strategy(strategy: object, what: str, who: str) -> Strategy | None:
@@ -88,7 +110,7 @@ def normalize_strategy(strategy: object, what: str, who: str) -> Strategy | None
         )
     if not strategy:
         raise LayoutTypeError(f"{who}: {what} is empty; give one entry per input")
-    out = tuple(_entry(e, i, what, who) for i, e in enumerate(strategy))
+    out = tuple(_entry(e, f"{what} entry {i}", who) for i, e in enumerate(strategy))
     strategy_kind(out, f"{who}: {what}")
     return scalar_layouts(out)
 

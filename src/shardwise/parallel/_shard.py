@@ -37,7 +37,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from shardwise import communication as comm
 from shardwise.layout import LayoutTypeError, TensorLayout
-from shardwise.ops import Primitive, normalize_strategy
+from shardwise.ops import Primitive, normalize_entry, normalize_strategy
 from shardwise.parallel._shard_io import reshard_inputs, reshard_outputs
 from shardwise.parallel._shard_labels import ShardLabels
 from shardwise.planner._annotated import entry_layout
@@ -213,12 +213,11 @@ def reshard(tensor: torch.Tensor, layout: object) -> torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"sw.reshard: expected a tensor, got {type(tensor).__name__}")
-    checked = normalize_strategy((layout,), "layout", "sw.reshard")
-    assert checked is not None
+    checked = normalize_entry(layout, "layout", "sw.reshard")
     session = active_session()
     if session is None:
         return tensor
-    return session.reshard(tensor, checked[0])
+    return session.reshard(tensor, checked)
 
 
 def reshard_value(
@@ -259,9 +258,7 @@ def _check_plan(parameter_plan: object, who: str) -> dict[str, Entry]:
     for name, entry in parameter_plan.items():
         if not isinstance(name, str):
             raise TypeError(f"{who}: parameter_plan key {name!r} is not a parameter name")
-        checked = normalize_strategy((entry,), f"parameter_plan[{name!r}]", who)
-        assert checked is not None
-        out[name] = checked[0]
+        out[name] = normalize_entry(entry, f"parameter_plan[{name!r}]", who)
     return out
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardwise.layout import DeviceMatrix, TensorLayout, resolve_strategy
-from shardwise.ops import MatMul, normalize_strategy, plan_primitive
+from shardwise.ops import MatMul, normalize_entry, plan_primitive
 from shardwise.ops._spec_checks import layout_call
 from shardwise.planner._graph import Graph, Node
 
@@ -38,9 +38,7 @@ def entry_layout(entry: Any, shape: Shape, device_num: int, who: str) -> TensorL
     Raises:
         AnnotationError / LayoutTypeError: a malformed entry, or one that does not fit.
     """
-    checked = normalize_strategy((entry,), "layout", who)
-    assert checked is not None
-    (one,) = checked
+    one = normalize_entry(entry, "layout", who)
     ndim = one.ndim if isinstance(one, TensorLayout) else len(one)
     if ndim != len(shape):
         raise AnnotationError(
