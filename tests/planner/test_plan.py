@@ -202,9 +202,7 @@ def test_a_batch_that_does_not_divide_is_a_plan_error() -> None:
 
 
 class TwoMatMuls(torch.nn.Module):
-    def __init__(
-        self, first: tuple[tuple[int, int], ...], second: tuple[tuple[int, int], ...]
-    ) -> None:
+    def __init__(self, first: tuple[Any, ...], second: tuple[Any, ...]) -> None:
         super().__init__()
         self.w1 = torch.nn.Parameter(torch.randn(24, 48))
         self.w2 = torch.nn.Parameter(torch.randn(48, 24))
@@ -233,6 +231,23 @@ def test_device_matrices_that_do_not_nest_name_both_ops_and_the_fix(
     assert "a block of 2 consecutive ranks does not tile a block of 3" in message
     assert "give both the same one (both (3, 2) or both (2, 3))" in message
     assert "a single axis of all devices (6, 1)" in message
+
+
+def test_device_matrices_given_as_layouts_that_do_not_nest_are_named_as_given() -> None:
+    """The message printed a Layout strategy as split counts (its aliases lost) and suggested
+    the split counts (6, 1) where a Layout user writes a device matrix (6,)."""
+    a, b = sw.Layout((3, 2), ("a", "b")), sw.Layout((2, 3), ("c", "d"))
+    net = TwoMatMuls((a("a", "b"), a("b", "None")), (b("c", "d"), b("d", "None")))
+    graph = capture(net, torch.zeros(24, 24))
+    with pytest.raises(PlanError) as caught:
+        plan_semi_auto(graph, 6)
+    message = str(caught.value)
+    assert message.startswith(
+        "m1/MatMul with strategy (layout('a', 'b'), layout('b', 'None')) has device matrix "
+        "[3, 2] and m2/MatMul with strategy (layout('c', 'd'), layout('d', 'None')) has [2, 3]: "
+        "they do not nest"
+    )
+    assert "a single axis of all devices (a Layout of device matrix (6,)), which" in message
 
 
 def step_of(net: torch.nn.Module, opt: torch.optim.Optimizer):  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ import functools
 import itertools
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,23 +101,33 @@ def _global_axes(op_matrix: DeviceMatrix, axes: Sequence[str], m: DeviceMatrix) 
     return tuple(m.names[g] for a in axes for g in runs[op_matrix.axis(a)])
 
 
-def _matrix(sources: Sequence[tuple[str, Shape]], device_num: int) -> DeviceMatrix:
+def _matrix(
+    sources: Sequence[tuple[str, Shape]], device_num: int, layouts: Set[str] = frozenset()
+) -> DeviceMatrix:
     """The common refinement of the `sources`' device matrices (each named as errors name it:
     ``"m1/MatMul with strategy ((3, 2), (2, 1))"``, its shape), or a PlanError naming two that
-    do not nest and the fix."""
+    do not nest and the fix (written for Layout calls for the sources named in `layouts`)."""
     try:
         shape = common_refinement([s for _, s in sources] or [(device_num,)])
     except ValueError as e:
         for (a, sa), (b, sb) in itertools.combinations(sources, 2):
             untiled = untiled_block([sa, sb])
             if untiled is not None and math.prod(sa) == math.prod(sb):
-                raise PlanError(_untiled_message(a, sa, b, sb, untiled)) from None
+                kinds = {a in layouts, b in layouts}
+                raise PlanError(_untiled_message(a, sa, b, sb, untiled, kinds)) from None
         raise PlanError(str(e)) from None
     return DeviceMatrix(shape, tuple(f"g{i}" for i in range(len(shape))))
 
 
-def _untiled_message(a: str, sa: Shape, b: str, sb: Shape, untiled: tuple[int, int]) -> str:
+def _untiled_message(
+    a: str, sa: Shape, b: str, sb: Shape, untiled: tuple[int, int], layouts: Set[bool]
+) -> str:
+    """`layouts`: whether each of the two was given as Layout calls (True) or split counts."""
     n = math.prod(sa)
+    forms = [f"({n}, 1)"] * (False in layouts) + [f"a Layout of device matrix ({n},)"] * (
+        True in layouts
+    )
+    one_axis = forms[0] if forms == [f"({n}, 1)"] else f"({' or '.join(forms)})"
     few, many = untiled  # (numbers of blocks)
     bare = [tuple(x for x in s if x > 1) or (1,) for s in (sa, sb)]
     return (
@@ -126,7 +136,7 @@ def _untiled_message(a: str, sa: Shape, b: str, sb: Shape, untiled: tuple[int, i
         f"order) into blocks of consecutive ranks, and every such block must tile each larger "
         f"one; here a block of {n // many} consecutive ranks does not tile a block of "
         f"{n // few}. Make the device matrices nest: give both the same one (both {bare[0]} or "
-        f"both {bare[1]}), or give one of them a single axis of all devices ({n}, 1), which "
+        f"both {bare[1]}), or give one of them a single axis of all devices {one_axis}, which "
         f"nests with any"
     )
 

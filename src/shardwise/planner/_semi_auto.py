@@ -51,8 +51,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from shardwise.layout import TensorLayout, refine
+from shardwise.layout import DeviceMatrix, TensorLayout, refine
 from shardwise.ops import OpPlan, plan_primitive
+from shardwise.ops._spec_checks import fmt_strategy
 from shardwise.planner._annotated import RESHARD, AnnotationError, op_form, reshard_layout
 from shardwise.planner._backward import plan_backward
 from shardwise.planner._functions import check_functions
@@ -126,26 +127,17 @@ def setup(
             check_rank_order(graph.nodes[k], f"input {i}'s Layout", layout.matrix)
     given = dict(param_layouts or {})
     # (what asks for a device matrix, as its error names it, and the matrix's shape)
-    sources = [(_who(graph.nodes[k].name, op), op.matrix.shape) for k, op in prims.items()]
+    named = {k: _who(graph.nodes[k].name, op, graph.nodes[k].target) for k in prims}
+    sources = [(named[k], op.matrix.shape) for k, op in prims.items()]
+    as_layouts = {named[k] for k, op in prims.items() if _layout_given(graph.nodes[k].target)}
     sources += [(f"the device matrix {list(m)} asked for", m) for m in extra_matrices]
     if isinstance(dataset, Mapping):
         sources += [
             (f"the dataset strategy of input {k}", t.matrix.shape) for k, t in dataset.items()
         ]
-    try:
-        forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
-        for k, (m, _) in forms.items():
-            check_rank_order(graph.nodes[k], "its sw.shard Layout", m)
-            sources.append((f"{graph.nodes[k].name} (sw.shard's op form)", m.shape))
-        for n in graph.nodes:
-            if n.op == RESHARD:
-                moved = reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix
-                check_rank_order(n, "the sw.reshard Layout", moved)
-                sources.append((f"{n.name} (sw.reshard)", moved.shape))
-    except AnnotationError as e:
-        raise PlanError(str(e)) from None
+    forms = _annotation_sources(graph, device_num, sources, as_layouts)
     sources += [(f"parameter {n!r}'s declared layout", t.matrix.shape) for n, t in given.items()]
-    matrix = _matrix(sources, device_num)
+    matrix = _matrix(sources, device_num, as_layouts)
     p = Planner(graph, device_num, matrix)
     arrive, entry = _input_state(p, graph, dataset, warn=not annotated_only)
     whole = read_whole(graph, prims)
@@ -165,10 +157,45 @@ def setup(
     return Setup(p, arrive, entry, prims, given, pinned)
 
 
-def _who(name: str, op: OpPlan) -> str:
-    """A primitive as a device-matrix conflict names it: its node name and strategy."""
+def _annotation_sources(
+    graph: Graph, device_num: int, sources: list[tuple[str, Shape]], as_layouts: set[str]
+) -> dict[int, tuple[DeviceMatrix, dict[int, TensorLayout]]]:
+    """The op forms of `graph` (``sw.shard`` on nn.Linear / nn.Embedding); adds their and the
+    ``sw.reshard`` nodes' device matrices to `sources` (those given as Layout calls also to
+    `as_layouts`)."""
+    try:
+        forms = {n.index: op_form(n, graph, device_num) for n in graph.nodes if n.strategy}
+        for k, (m, _) in forms.items():
+            check_rank_order(graph.nodes[k], "its sw.shard Layout", m)
+            sources.append((f"{graph.nodes[k].name} (sw.shard's op form)", m.shape))
+            if any(isinstance(e, TensorLayout) for e in graph.nodes[k].strategy or ()):
+                as_layouts.add(sources[-1][0])
+        for n in graph.nodes:
+            if n.op == RESHARD:
+                moved = reshard_layout(n, graph.info(n.inputs[0]).shape, device_num).matrix
+                check_rank_order(n, "the sw.reshard Layout", moved)
+                sources.append((f"{n.name} (sw.reshard)", moved.shape))
+                if any(isinstance(a, TensorLayout) for a in (*n.args, *n.kwargs.values())):
+                    as_layouts.add(sources[-1][0])
+    except AnnotationError as e:
+        raise PlanError(str(e)) from None
+    return forms
+
+
+def _who(name: str, op: OpPlan, prim: object) -> str:
+    """A primitive as a device-matrix conflict names it: its node name and strategy (as the
+    user gave it: split counts or Layout calls)."""
+    given = getattr(prim, "in_strategy", None)
+    if op.user_set and given is not None:
+        return f"{name} with strategy {fmt_strategy(given)}"
     strategy = tuple(tuple(t.split_count(d) for d in range(t.ndim)) for t in op.inputs)
-    return f"{name} with {'strategy' if op.user_set else 'its default strategy'} {strategy}"
+    return f"{name} with its default strategy {strategy}"
+
+
+def _layout_given(prim: object) -> bool:
+    """Whether a primitive's strategy is made of Layout calls."""
+    given = getattr(prim, "in_strategy", None) or ()
+    return any(isinstance(e, TensorLayout) for e in given)
 
 
 def walk(
