@@ -11,7 +11,13 @@
 """
 
 from shardwise.optim._data_parallel import DataParallelRunner
-from shardwise.optim._engine import OptimizerParallel, check_optimizers, check_state
+from shardwise.optim._engine import (
+    OptimizerParallel,
+    check_blocks,
+    check_optimizers,
+    check_state,
+    coupled,
+)
 from shardwise.optim._plan import (
     Bucket,
     OptimizerPlan,
@@ -30,9 +36,11 @@ __all__ = [
     "OptimizerPlan",
     "ParamInfo",
     "ParamShard",
+    "check_blocks",
     "check_fusion",
     "check_hsdp",
     "check_optimizers",
     "check_state",
+    "coupled",
     "plan_optimizer",
 ]

@@ -20,12 +20,16 @@ Here:
   there, at the wrapper's first call); when the closure returns the same is done again for
   what it made (level 1: its held gradients reduced before the update; nothing pending: no
   collective).
+
+`check_blocks` refuses the same optimizers without optimizer parallel when they step over a
+parameter stored as an operator-level block (the wrappers call it at the plan and at each such
+optimizer's step: `parallel._step_hooks.refuse_coupled`).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -244,7 +248,8 @@ def check_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
             "AutoParallel: torch.optim.LBFGS cannot step under optimizer parallel (hsdp): its "
             "line search branches on dot products and norms over all the parameters, which "
             "each rank would compute from its own shards (the ranks would diverge); train "
-            "without hsdp() (LBFGS works there), or use another optimizer"
+            "without hsdp() with the parameters it steps whole (no operator-level split: "
+            "LBFGS works there), or use another optimizer"
         )
     if ADAFACTOR is not None and any(isinstance(o, ADAFACTOR) for o in optimizers):
         raise TypeError(
@@ -252,8 +257,50 @@ def check_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> None:
             "its factored second moment keeps row and column statistics of each whole "
             "parameter (the column means span all its rows, which dim 0 shards split) and its "
             "relative step scales by the whole parameter's RMS, which each rank would compute "
-            "from its own shard (wrong steps, the ranks diverging); train without hsdp() "
-            "(Adafactor works there), or use an element-wise optimizer (Adam, AdamW, SGD)"
+            "from its own shard (wrong steps, the ranks diverging); train without hsdp() with "
+            "the parameters it steps whole (no operator-level split: Adafactor works there), "
+            "or use an element-wise optimizer (Adam, AdamW, SGD)"
+        )
+
+
+_WHOLE = {
+    "LBFGS": "its line search branches on dot products and norms over all the parameters",
+    "Adafactor": "its factored second moment keeps row and column statistics of each whole "
+    "parameter and its relative step scales by the whole parameter's RMS",
+}
+
+
+def coupled(optimizer: torch.optim.Optimizer) -> str | None:
+    """``"LBFGS"`` / ``"Adafactor"`` for an optimizer whose step needs values over whole
+    parameters (`check_optimizers`); None for any other."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        return "LBFGS"
+    if ADAFACTOR is not None and isinstance(optimizer, ADAFACTOR):
+        return "Adafactor"
+    return None
+
+
+def check_blocks(optimizers: Iterable[torch.optim.Optimizer], split: Mapping[int, str]) -> None:
+    """Raise ValueError for an ``LBFGS`` or ``Adafactor`` among `optimizers` that steps over a
+    parameter stored as this rank's operator-level block (`split`: id of each such parameter
+    -> its name): it would take its norms and statistics from the block (`check_optimizers`).
+
+    Example:
+        >>> check_blocks([torch.optim.SGD(net.parameters())], {})  # doctest: +SKIP
+    """
+    for o in optimizers:
+        kind = coupled(o)
+        held = [split[id(p)] for g in o.param_groups for p in g["params"] if id(p) in split]
+        if kind is None or not held:
+            continue
+        listed = ", ".join(repr(n) for n in held[:3]) + (", ..." if len(held) > 3 else "")
+        other = "another optimizer" if kind == "LBFGS" else "an element-wise one (Adam, AdamW, SGD)"
+        raise ValueError(
+            f"AutoParallel: torch.optim.{kind} steps over parameter(s) {listed}, which the "
+            f"plan stores split at operator level (each rank holds a block): {_WHOLE[kind]}, "
+            "which each rank would compute from its own block (wrong steps, the ranks "
+            f"diverging); keep the parameters {kind} steps whole (no sw.shard / in_strategy "
+            f"or plan splitting them: plain data parallel), or use {other}"
         )
 
 
@@ -274,4 +321,12 @@ def check_state(name: str, p: torch.Tensor, state: dict[str, Any]) -> None:
             )
 
 
-__all__ = ["BucketGroups", "OptimizerParallel", "ParamShard", "check_optimizers", "check_state"]
+__all__ = [
+    "BucketGroups",
+    "OptimizerParallel",
+    "ParamShard",
+    "check_blocks",
+    "check_optimizers",
+    "check_state",
+    "coupled",
+]

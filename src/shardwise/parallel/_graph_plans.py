@@ -4,7 +4,8 @@
 - `GraphPlans._capture_plan`: `_graph_capture.capture_plan` of the call (the train step or
   the network's forward on fake inputs of the global shapes, then the planner of the
   wrapper's mode; with ``hsdp()`` the step checked for what optimizer parallel refuses:
-  `_hsdp.check_step`), once the ranks are found to agree on it
+  `_hsdp.check_step`; without, an ``LBFGS`` / ``Adafactor`` over split parameters refused:
+  `_step_hooks.refuse_coupled`), once the ranks are found to agree on it
   (`_same_inputs.check_ranks_agree`: the ranks meant to pass the same inputs did, and every
   rank made rank 0's plan or none raised); `GraphPlans._capturing` marks the capture running.
 - `GraphPlans._replan`: a call that ran other ops or passed other shapes than the plan's
@@ -38,6 +39,7 @@ from shardwise.parallel._hsdp import bucket_plans, check_step, gradient_buckets
 from shardwise.parallel._network_hooks import Annotation, noted_annotations
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._same_inputs import announce_planning, check_ranks_agree, same_inputs
+from shardwise.parallel._step_hooks import refuse_coupled, stepping_in_stack
 from shardwise.parallel._variants import keep_few
 from shardwise.planner import Graph, ParallelPlan, regathered_params
 
@@ -90,6 +92,9 @@ class GraphPlans:
                 )
             if self.hsdp is not None:
                 check_step(graph, self.optimizers, self.network)  # (in-place writes, LBFGS)
+            else:  # (LBFGS / Adafactor over split parameters; the stored plan's splits)
+                found = [*self.optimizers, *stepping_in_stack()]
+                refuse_coupled(found, self.network, stored or plan)
         except Exception as e:  # (told to the other ranks, which would wait for this one)
             check_ranks_agree(self.dataset, args, kwargs, named, e)
             raise

@@ -7,16 +7,60 @@ steps without a closure).
 - `StepHooks._step_starts` / `_step_ends`: forward the step to the running executor, with
   whether the step has a closure (which re-runs the network, and is watched); before the first
   step of an optimizer over parameters replaced since the plan and cut to their blocks, its
-  state made at construction cut like them (`_cut_new_state`).
+  state made at construction cut like them (`_cut_new_state`); without hsdp, an ``LBFGS`` or
+  ``Adafactor`` step over a parameter stored as an operator-level block is refused
+  (`refuse_coupled`, also at the plan: `_graph_plans`, with the optimizer whose step runs the
+  first call, `stepping_in_stack`).
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
+from shardwise.optim import check_blocks, coupled
 from shardwise.optim._global_hooks import register_post, register_pre, remove_later
 from shardwise.parallel._runtime import cut_optimizer_state
+
+if TYPE_CHECKING:
+    from shardwise.planner import ParallelPlan
+
+
+def refuse_coupled(
+    optimizers: Iterable[torch.optim.Optimizer], network: nn.Module, plan: ParallelPlan
+) -> None:
+    """Raise ValueError for an ``LBFGS`` / ``Adafactor`` among `optimizers` stepping over a
+    parameter of `network` that `plan` stores split (a block on each rank: its norms and
+    statistics would be the block's; `optim.check_blocks`)."""
+    optimizers = [o for o in optimizers if coupled(o) is not None]
+    if not optimizers:
+        return
+    split = {}
+    for name, p in network.named_parameters():
+        entry = plan.params.get(name)
+        layout = None if entry is None else entry.layout
+        if layout is not None and any(layout.matrix.shape[a] > 1 for a in layout.used_axes()):
+            split[id(p)] = name
+    check_blocks(optimizers, split)
+
+
+def stepping_in_stack() -> list[torch.optim.Optimizer]:
+    """The optimizers whose ``step`` runs further up this call stack: the module form's first
+    call made inside ``opt.step(closure)`` (LBFGS), whose step's pre hooks ran before any plan;
+    a wrapper without hsdp does not wrap closures to note them (`_hsdp.watch_closures`)."""
+    found: list[torch.optim.Optimizer] = []
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "step" else None
+        if isinstance(owner, torch.optim.Optimizer) and all(owner is not o for o in found):
+            found.append(owner)
+        frame = frame.f_back
+    return found
 
 
 class StepHooks:
@@ -27,6 +71,8 @@ class StepHooks:
     hooks: list[Any]
     network: Any
     pending_cut: dict[str, Any] = {}  # (parameters cut since: `_cut_later`)  # noqa: RUF012
+    plans: list[Any]
+    hsdp: Any
     cut_checked: weakref.WeakSet[Any]  # (optimizers `_cut_new_state` looked at since)
 
     def _step_hooks(self) -> None:
@@ -49,6 +95,8 @@ class StepHooks:
         self.hooks += handles
 
     def _step_starts(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.hsdp is None and self.plans and coupled(optimizer) is not None:
+            refuse_coupled([optimizer], self.network, self.plans[0][0])  # (the stored plan)
         if self.pending_cut and optimizer not in self.cut_checked:
             self._cut_new_state(optimizer)
         if self.executor is not None:
