@@ -263,12 +263,16 @@ def test_get_total_norm_outside_the_call_over_mixed_gradients(level: str, head_h
             torch.nn.utils.get_total_norm(grads, 0)
 
 
-def test_torch_clipping_over_an_hsdp_wrapper_and_a_split_one_without_is_refused() -> None:
+def test_torch_clipping_over_an_hsdp_wrapper_and_a_split_one_without() -> None:
     """An hsdp wrapper's gradients listed with those of a wrapper without hsdp that splits its
     Linear (each rank a block of the gradient): the norm counted the blocks whole, a different
-    norm on each rank (0.39936 / 0.40606 against one device's 0.40618; a review found it).
-    Refused, naming the split parameter and the fixes."""
+    norm on each rank (0.39936 / 0.40606 against one device's 0.40618; a review found it), then
+    was refused. Now each wrapper's gradients are normed by its own splits: one device's norm
+    from get_total_norm and clip_grad_norm_."""
     x, y = DATA[0]
+    body, head = make(), _head()
+    F.cross_entropy(head(body(x)), y).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in [*body.parameters(), *head.parameters()]])
     nets = make(), _head()
     with simulated_world(2) as world:
         world.replicate(nets[0])
@@ -279,13 +283,8 @@ def test_torch_clipping_over_an_hsdp_wrapper_and_a_split_one_without_is_refused(
         second = sw.AutoParallel(nets[1], parallel_mode="semi_auto")
         F.cross_entropy(second(first(world.rows(x))), world.rows(y)).backward()
         grads = [p.grad for p in [*nets[0].parameters(), *nets[1].parameters()]]
-        for clip in (
-            lambda: torch.nn.utils.get_total_norm(grads),
-            lambda: torch.nn.utils.clip_grad_norm_(
-                [*nets[0].parameters(), *nets[1].parameters()], 1.0
-            ),
-        ):
-            with pytest.raises(
-                ValueError, match=r"gradient of Sequential\.0\.weight, which a wrap"
-            ):
-                clip()
+        total = torch.nn.utils.get_total_norm(grads)
+        assert_matches_single_device(total, want, what="get_total_norm")
+        params = [*nets[0].parameters(), *nets[1].parameters()]
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        assert_matches_single_device(norm, want, what="clip_grad_norm_")

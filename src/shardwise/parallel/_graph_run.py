@@ -69,6 +69,7 @@ from shardwise.parallel._grad_buckets import GradBuckets
 from shardwise.parallel._grad_plan import GradPlanning
 from shardwise.parallel._graph_capture import GraphSession, check_plan_memory, eager
 from shardwise.parallel._graph_plans import GraphPlans
+from shardwise.parallel._held_clip import Blocks, watch_blocks
 from shardwise.parallel._hsdp import (
     bucket_plans,
     optimizer_plan,
@@ -117,6 +118,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.dataset = dataset
         self.hsdp, self.fusion = hsdp, fusion
         self.engine: OptimizerParallel | None = None
+        self.clip_watch: Blocks | None = None  # (without hsdp: torch's clipping outside a call)
         self.module_form = fn is network
         self.parallel_plan: ParallelPlan | None = None
         self.templates: list[tuple[Any, Any]] = []
@@ -189,6 +191,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
             self.trainable = self._trainable()
         else:
             self._buckets(plan, buckets)
+            self.clip_watch = watch_blocks(self.network, self.clip_args)  # (clipping outside)
         self.kinds = self._kinds()  # (changed later: planned again, `_moved`)
         return plan
 

@@ -1,21 +1,23 @@
-"""torch's gradient clipping outside a wrapped call under hsdp (the module form, or the
-clipping in the user's loop around a wrapped step).
+"""torch's gradient clipping outside a wrapped call (the module form, or the clipping in the
+user's loop around a wrapped step).
 
 Inside a wrapped call torch's clipping takes the norm of the whole gradients (`_clip`); outside
-one torch's own functions would see only this rank's pieces. `watch` registers an engine with
-its wrapper's `_clip.clipping` arguments (`clip_args`), and from then on:
+one torch's own functions would see only this rank's pieces. `watch` registers an hsdp engine
+with its wrapper's `_clip.clipping` arguments (`clip_args`), `watch_blocks` a semi_auto run
+without hsdp (its parameters stored split, `Blocks`), and from then on:
 
 - levels 2 and 3 (and level 1 once its gradients are reduced) hold each parameter's reduced
-  shard in ``.grad``: ``torch.nn.utils.clip_grad_norm_`` (any name it was imported by) and
-  ``torch.nn.utils.get_total_norm`` (by that path) given some of the engine's parameters'
-  gradients take the norm of the whole gradients, each shard counted once
-  (`_clip._TotalNorm`), so every rank clips by one device's norm; ``clip_grad_value_``
-  clamps each element and needs nothing (torch's own);
-- one clipping may list the gradients of several engines' parameters (two hsdp wrappers) and
-  other tensors (a module without hsdp): each gradient is normed by the splits of the engine
-  whose parameter holds it, any other tensor whole as torch counts it (`JointSplits`), and
-  every engine holding level-1 gradients the clipping is given is reduced first; a gradient
-  of a parameter that a wrapper without hsdp stores split is refused (`SPLIT_ELSEWHERE`);
+  shard in ``.grad``, a wrapper without hsdp this rank's block of each split parameter's:
+  ``torch.nn.utils.clip_grad_norm_`` (any name it was imported by) and
+  ``torch.nn.utils.get_total_norm`` (by that path) given some of those gradients take the
+  norm of the whole gradients, each shard or block counted once (`_clip._TotalNorm`), so
+  every rank clips by one device's norm; ``clip_grad_value_`` clamps each element and needs
+  nothing (torch's own); gradients of no split parameter (plain data parallel) are left to
+  torch;
+- one clipping may list the gradients of several wrappers' parameters and other tensors (a
+  plain module's): each gradient is normed by the splits of the wrapper whose parameter holds
+  it, any other tensor whole as torch counts it (`JointSplits`), and every engine holding
+  level-1 gradients the clipping is given is reduced first;
 - level 1 keeps each rank's full gradients on the compute leaves until the optimizer step
   (every held parameter's ``.grad`` is None): while it holds them and the gradients a clipping
   lists are none or some of its parameters' (`_given`), ``clip_grad_norm_`` clips as inside a
@@ -25,9 +27,9 @@ its wrapper's `_clip.clipping` arguments (`clip_args`), and from then on:
   list the ``.grad`` tensors before shardwise sees the call (the held ones are missing), raise
   a ValueError naming level 1, a held parameter and the fixes.
 
-The guards sit in front of torch's clipping steps from the first engine on
-(`_torch.clip_grad.guard_clipping`); given no gradient of an engine's parameters they change
-nothing.
+The guards sit in front of torch's clipping steps from the first watched wrapper on
+(`_torch.clip_grad.guard_clipping`); given no gradient of a watched wrapper's parameters they
+change nothing.
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ import torch
 
 from shardwise._torch.clip_grad import guard_clipping
 from shardwise.parallel._clip import GradSplit, PlanSplits, _TotalNorm
-from shardwise.parallel._ownership import split_parameter_of
 
 
 class _Engine(Protocol):
-    level: str
-    params: dict[str, torch.nn.Parameter]
-    leaves: dict[str, torch.Tensor]
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]: ...
+
+    @property
+    def leaves(self) -> dict[str, torch.Tensor]: ...
 
     def reduce_held(self, reduce: bool = True) -> bool: ...
 
@@ -71,9 +74,46 @@ def watch(engine: _Engine, clip_args: ClipArgs) -> None:
     """Guard torch's clipping for `engine` (`clip_args`: its wrapper's bound `clip_args`, held
     weakly)."""
     _WATCHED[engine] = weakref.WeakMethod(clip_args)
+    _start()
+
+
+def watch_blocks(network: torch.nn.Module, clip_args: ClipArgs) -> Blocks:
+    """Guard torch's clipping for a semi_auto run of `network` without hsdp (`clip_args`: its
+    bound `clip_args`, held weakly); the returned `Blocks` is watched while the run holds it.
+
+    Example:
+        >>> self.clip_watch = watch_blocks(self.network, self.clip_args)  # doctest: +SKIP
+    """
+    blocks = Blocks(network, clip_args)
+    watch(blocks, clip_args)
+    return blocks
+
+
+def _start() -> None:
     if not _GUARDING:
         guard_clipping(_guard)
         _GUARDING.append(True)
+
+
+class Blocks:
+    """A semi_auto run without hsdp as the guard sees it: `params` its parameters stored split
+    (this rank's block in ``.grad``); it holds no gradient back."""
+
+    def __init__(self, network: torch.nn.Module, clip_args: ClipArgs) -> None:
+        self.network, self.clip_args = network, weakref.WeakMethod(clip_args)
+        self.leaves: dict[str, torch.Tensor] = {}
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        clip_args = self.clip_args()
+        if clip_args is None:
+            return {}
+        splits = clip_args()[0]
+        named = self.network.named_parameters()
+        return {n: p for n, p in named if splits.split(n) is not None}
+
+    def reduce_held(self, reduce: bool = True) -> bool:
+        return False
 
 
 def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
@@ -110,19 +150,12 @@ def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
 
 
 OUTSIDE = "outside the wrapped call"
-SPLIT_ELSEWHERE = (
-    "clipping outside the wrapped call over an hsdp wrapper's gradients and the gradient of "
-    "{name}, which a wrapper without hsdp() stores split (this rank holds a block of it): its "
-    "norm would be this rank's block's, unlike one device's; clip inside one wrapped train "
-    "step holding both networks, give that wrapper hsdp() too, or clip each wrapper's "
-    "parameters with its own parallel_net.clip_grad_norm_"
-)
 
 
 class JointSplits:
     """The `GradSplits` of gradients listed to one clipping outside a wrapped call: each
-    gradient of a watched engine's parameters (`owners`, with their wrappers' `clip_args`)
-    split as that engine's wrapper says, any other tensor (a plain module's gradient) whole, as
+    gradient of a watched wrapper's parameters (`owners`, with their `clip_args`) split as
+    that wrapper says, any other tensor (a plain module's gradient) whole, as
     torch counts it."""
 
     def __init__(self, owners: list[tuple[_Engine, ClipArgs]]) -> None:
@@ -136,10 +169,6 @@ class JointSplits:
             for i, name in enumerate(plan.names(grads)):
                 if name is not None and not found[i]:
                     splits[i], found[i] = plan.split(name), True
-        for i, grad in enumerate(grads):
-            split = None if found[i] else split_parameter_of(grad)
-            if split is not None:
-                raise ValueError(SPLIT_ELSEWHERE.format(name=split))
         return splits
 
 

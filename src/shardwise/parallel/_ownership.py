@@ -216,22 +216,3 @@ def stored_plan(network: nn.Module) -> ParallelPlan | None:
         run = None if held is None else held()
         return run.stored_plan if run is not None else _COPIES.get(network)
     return None if wrapper._superseded else wrapper.stored_plan
-
-
-def split_parameter_of(tensor: object) -> str | None:
-    """The name (``Network.param``) of a planned network's parameter whose ``.grad`` is
-    `tensor` and which its plan stores split (a block on this rank); None otherwise.
-
-    Example:
-        >>> split_parameter_of(torch.zeros(2))  # doctest: +SKIP
-    """
-    for network in list(_RUNS.keys()):
-        plan = stored_plan(network)
-        if plan is None:
-            continue
-        for name, p in network.named_parameters():
-            if p.grad is tensor:
-                entry = plan.params.get(name)
-                split = entry is not None and bool(entry.layout.used_axes())
-                return f"{type(network).__name__}.{name}" if split else None
-    return None
