@@ -33,7 +33,9 @@ batch it passes (``"full_batch"``). Which function does which step:
   gives the hidden parameters their averaged gradients back (every rank then holds one
   device's ``.grad`` after the step: a gradient-norm log reads it, a step without
   ``zero_grad`` adds to it) and broadcasts each owner's updated parameters to every rank, one
-  flat broadcast per (owner, fusion id) bucket (`broadcast_bucket`).
+  flat broadcast per (owner, fusion id) bucket (`broadcast_bucket`); each averaged gradient is
+  noted, so that `DataParallelRunner.unreduced` tells a gradient backward made or changed since
+  (torch's clipping outside a wrapped call refuses those: ``parallel._held_clip``).
 
 The tensor work of those steps (collectives, batch cut) is in ``_data_parallel_steps``.
 A process updates the parameters owned by the ranks it runs (`communication.process_ranks`):
@@ -201,6 +203,9 @@ class DataParallelRunner(RunnerPlan):
         self._broadcast_buckets: list[list[CommBucket]] = []
         # (each optimizer's step, by id: the averaged gradients hidden from it, given back after)
         self._hidden: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        # (each parameter's averaged gradient after its optimizer's step, and its version then)
+        self._reduced: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._removed = False
         self._build_plan()
         ref = weakref.ref(self)
         self._handles: list[RemovableHandle] = []
@@ -333,6 +338,25 @@ class DataParallelRunner(RunnerPlan):
         for bucket in [] if index is None else self._broadcast_buckets[index]:
             assert bucket.root is not None
             broadcast_bucket([e.param for e in bucket.entries], bucket.root)
+        if index is not None:
+            held = {id(p) for group in o.param_groups for p in group["params"]}
+            for p in self._params:
+                if id(p) in held and p.grad is not None:
+                    self._reduced[id(p)] = (weakref.ref(p.grad), version(p.grad))
+
+    def unreduced(self, grads: Sequence[torch.Tensor]) -> str | None:
+        """The name of a parameter whose ``.grad`` is among `grads` and is still this rank's
+        own: made or changed by a backward since its optimizer's step averaged it (None: no
+        such gradient, or the runner removed)."""
+        listed = {id(g) for g in grads}
+        for name, p in [] if self._removed else self.network.named_parameters():
+            g = p.grad
+            if g is None or id(g) not in listed:
+                continue
+            ref, seen = self._reduced.get(id(p), (None, -1))
+            if ref is None or ref() is not g or version(g) != seen:
+                return name
+        return None
 
     def remove(self) -> None:
         """Remove the optimizer hooks (also done when the runner is garbage collected).
@@ -344,5 +368,6 @@ class DataParallelRunner(RunnerPlan):
             >>> runner.remove()   # the optimizers step as plain single-process ones again
         """
         self._finalizer.detach()
+        self._removed = True
         for handle in self._handles:  # (a call of the user's, not inside a step: at once)
             handle.remove()

@@ -2,7 +2,9 @@
 run by `optim.DataParallelRunner` (gradients all-reduced at the optimizer step; with `hsdp`,
 each parameter updated by its owner and broadcast: seed 001's data-parallel variant), after the
 warnings of what that mode ignores (a network sharing a parameter with another wrapper's
-refused: `_ownership.refuse_shared`), with its report and the train step's GradScalers agreed.
+refused: `_ownership.refuse_shared`), with its report and the train step's GradScalers agreed;
+torch's clipping outside a call over gradients not yet averaged is refused
+(`_held_clip.watch_data_parallel`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from shardwise import report
 from shardwise.optim import DataParallelRunner, HsdpConfig
 from shardwise.parallel._discover import agree_scalers
+from shardwise.parallel._held_clip import watch_data_parallel
 from shardwise.parallel._ignored_strategies import warn_ignored_strategies
 from shardwise.parallel._observe import notify_unplanned
 from shardwise.parallel._ownership import refuse_shared
@@ -49,5 +52,6 @@ def start_runner(
         dataset_strategy=dataset,
     )
     report.dump_data_parallel(str(runner))
+    watch_data_parallel(runner)  # (torch's clipping outside a call: refused before the step)
     undo = agree_scalers(train_step) if train_step is not None else []
     return runner, undo

@@ -25,7 +25,11 @@ without hsdp (its parameters stored split, `Blocks`), and from then on:
   earlier; the step then reduces none), the norm that of the whole gradients, taken when torch
   scales them (`_clip._TotalNorm.scale`); ``clip_grad_value_`` and ``get_total_norm``, which
   list the ``.grad`` tensors before shardwise sees the call (the held ones are missing), raise
-  a ValueError naming level 1, a held parameter and the fixes.
+  a ValueError naming level 1, a held parameter and the fixes;
+- ``parallel_mode="data_parallel"`` (`watch_data_parallel`) keeps each rank's own gradients
+  until the optimizer step all-reduces them: a clipping (by norm or value) or
+  ``get_total_norm`` given one of them before that step raises the ValueError
+  `DATA_PARALLEL_OUTSIDE`, as inside a wrapped step.
 
 The guards sit in front of torch's clipping steps from the first watched wrapper on
 (`_torch.clip_grad.guard_clipping`); given no gradient of a watched wrapper's parameters they
@@ -54,11 +58,16 @@ class _Engine(Protocol):
     def reduce_held(self, reduce: bool = True) -> bool: ...
 
 
+class _Runner(Protocol):
+    def unreduced(self, grads: Sequence[torch.Tensor]) -> str | None: ...
+
+
 ClipArgs = Callable[[], tuple[PlanSplits, str, Callable[[bool], bool] | None]]
 
 _WATCHED: weakref.WeakKeyDictionary[Any, weakref.WeakMethod[ClipArgs]] = weakref.WeakKeyDictionary()
 _SCALING: dict[int, _TotalNorm] = {}  # id(the norm torch got) -> what scales by it
 _GUARDING: list[bool] = []
+_RUNNERS: weakref.WeakSet[Any] = weakref.WeakSet()  # (data_parallel mode's: `watch_data_parallel`)
 
 REFUSED = (
     "{what} outside the wrapped call with hsdp optimizer_level 'level1': parameter {name!r}'s "
@@ -68,6 +77,19 @@ REFUSED = (
     "the step), or clip by norm: torch.nn.utils.clip_grad_norm_ or parallel.clip_grad_norm_ "
     "(they reduce the held gradients first)"
 )
+
+
+DATA_PARALLEL_OUTSIDE = (
+    "{what} outside the wrapped call under parallel_mode='data_parallel': parameter {name!r}'s "
+    "gradient is this rank's own until the optimizer step all-reduces it, so each rank would "
+    "{missed}; use parallel_mode='semi_auto' (the same data-parallel plan, gradients reduced "
+    "in backward), where torch's clipping takes the whole gradients"
+)
+_DP_WHAT = {
+    "total_norm": ("torch.nn.utils.clip_grad_norm_", "clip by another norm"),
+    "group": ("torch.nn.utils.clip_grad_value_", "clip its own gradient"),
+    "public": ("torch.nn.utils.get_total_norm", "take another norm"),
+}
 
 
 def watch(engine: _Engine, clip_args: ClipArgs) -> None:
@@ -87,6 +109,13 @@ def watch_blocks(network: torch.nn.Module, clip_args: ClipArgs) -> Blocks:
     blocks = Blocks(network, clip_args)
     watch(blocks, clip_args)
     return blocks
+
+
+def watch_data_parallel(runner: _Runner) -> None:
+    """Refuse torch's clipping outside a wrapped call over gradients `runner` (a data_parallel
+    mode runner, held weakly) has not all-reduced yet (`DATA_PARALLEL_OUTSIDE`)."""
+    _RUNNERS.add(runner)
+    _start()
 
 
 def _start() -> None:
@@ -121,6 +150,11 @@ def _guard(step: str, args: tuple[Any, ...]) -> Callable[..., Any] | None:
         total = _SCALING.pop(id(args[2]), None) if len(args) > 2 else None
         return None if total is None else total.scale
     grads = _listed(step, args)
+    for runner in list(_RUNNERS):
+        name = runner.unreduced(grads)
+        if name is not None:
+            what, missed = _DP_WHAT[step]
+            raise ValueError(DATA_PARALLEL_OUTSIDE.format(what=what, name=name, missed=missed))
     live = [(engine, method()) for engine, method in list(_WATCHED.items())]
     engines = [(engine, clip_args) for engine, clip_args in live if clip_args is not None]
     holding = {id(engine) for engine, _ in engines if engine.reduce_held(False)}
