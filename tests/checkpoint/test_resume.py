@@ -218,35 +218,6 @@ def test_whole_file_loaded_before_the_first_parallel_call(plan: str, tmp_path: P
         assert_matches_single_device(loss, torch.tensor(want[i]), what=f"loss {i}")
 
 
-@pytest.mark.parametrize("planned", [False, True])
-def test_load_distributed_into_a_deferred_network_in_a_simulated_world(
-    planned: bool, tmp_path: Path
-) -> None:
-    """A network and Adam built under `no_init_parameters` (outside the world), loaded with
-    `load_distributed` inside `simulated_world(2)` before its first step, or after `plan`,
-    continue with the one-device losses. It raised torch's 'Creating a new Tensor subclass
-    Parameter ... LocalTensor' (before planning) and, after planning, named the optimizer's
-    parameters by position (the plan had replaced them)."""
-    batches = [(x[:4], y[:4]) for x, y in _batches()]
-    net = _net(0)
-    opt = FACTORIES["adam"](list(net.parameters()))
-    _train(net, opt, batches[:2])
-    save_checkpoint(net, tmp_path / "whole.safetensors", step=2, optimizer=opt)
-    want = _train(net, opt, batches[2:])
-
-    with sw.no_init_parameters():
-        net = _net(99)
-        opt = FACTORIES["adam"](list(net.parameters()))
-    with simulated_world(2) as world:
-        parallel = sw.AutoParallel(_step_of(net, opt), parallel_mode="semi_auto")
-        if planned:
-            parallel.plan(shapes=[(4, 8), (4,)], dtypes=[torch.float32, torch.int64])
-        assert sw.checkpoint.load_distributed(net, tmp_path, opt) == ([], [])
-        got = [parallel(world.rows(x), world.rows(y)) for x, y in batches[2:]]
-    for i, loss in enumerate(got):
-        assert_matches_single_device(loss, torch.tensor(want[i]), what=f"loss {i}")
-
-
 def test_saving_between_plan_and_the_first_hsdp_step_names_the_cause(tmp_path: Path) -> None:
     """A whole checkpoint loaded, the network planned with hsdp but no step taken: the Adam
     state is still whole (hsdp cuts it at the first step), so saving the rank's file is refused

@@ -53,7 +53,6 @@ from shardwise.checkpoint._state_shapes import (
     state_shape_error,
 )
 from shardwise.checkpoint._strategy import owner_of
-from shardwise.parameter._replace import repoint
 
 
 class _Entries(Mapping[str, torch.Tensor]):
@@ -201,7 +200,6 @@ def load_distributed(
 
     described = None
     if optimizer is not None:  # (refused before the network changes, as a corrupt file is)
-        repoint(optimizer)  # (its deferred parameters a plan replaced: the new objects)
         described = _described(source, renames)
         checked_groups(optimizer, described, str(source.files[0].index.path), network)
         flat = flat_state_sizes(optimizer, param_names(optimizer, network), shapes)

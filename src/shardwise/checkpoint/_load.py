@@ -8,8 +8,7 @@
   tensor: the message says to use `load_distributed`), dtype check (strict) or cast
   (non-strict), for every entry before any copy, so a refused checkpoint loads nothing;
   `_copy` then copies in place (a deferred (meta) entry receives the values directly, so no
-  random init ever runs; a value of another tensor class, a per-rank one, replaces it on the
-  module with a new parameter, as `materialize(net, values=...)` does).
+  random init ever runs).
 - `load_param_into_net`: the public function; returns ``(param_not_load, ckpt_not_load)``. A
   rank file loaded into a planned network must hold this rank's blocks
   (`_describe.check_rank_pieces`). `load_entries` is its body, also used by
@@ -28,7 +27,7 @@ from shardwise.checkpoint._describe import check_rank_pieces, network_strategy
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._format import KEY_PIECES
 from shardwise.checkpoint._pieces import rank_file_hint
-from shardwise.parameter._replace import give
+from shardwise.parameter import assign_tensor
 
 
 def _net_entries(net: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -119,12 +118,10 @@ def _check_entry(
     return value
 
 
-def _copy(net: torch.nn.Module, name: str, target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy `value` into `target` (`net`'s entry `name`); a deferred (meta) target is given it,
-    replaced on the module by a new parameter where it cannot take a per-rank value's class."""
+def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
     with torch.no_grad():
         if target.is_meta:
-            give(net, [(name, target)], [value.to(dtype=target.dtype, copy=True)])
+            assign_tensor(target, value.to(dtype=target.dtype, copy=True))
         else:
             target.copy_(value)
 
@@ -236,7 +233,7 @@ def load_entries(
         for name, key in pending.values():
             checked(name, key)
     for name, key in pending.values():
-        _copy(net, name, targets[name], checked(name, key) if prechecked else parameter_dict[key])
+        _copy(targets[name], checked(name, key) if prechecked else parameter_dict[key])
     used = set(matches.values())
     param_not_load = [name for name, target in targets.items() if id(target) not in pending]
     ckpt_not_load = [key for key in parameter_dict if key not in used]

@@ -34,7 +34,6 @@ from shardwise.checkpoint._format import KEY_PIECES, OPTIMIZER_PREFIX, decode_va
 from shardwise.checkpoint._renames import renamed, renamed_description, wrapper_renames
 from shardwise.checkpoint._state_shapes import check_state_shapes
 from shardwise.parameter import tied_names
-from shardwise.parameter._replace import repoint
 
 
 @dataclass
@@ -363,7 +362,6 @@ def load_optimizer_state(
         >>> load_optimizer_state(opt, ckpt, net)  # doctest: +SKIP
     """
     where = str(getattr(ckpt, "path", None) or "checkpoint")
-    repoint(optimizer)  # (its deferred parameters a per-rank value replaced: the new objects)
     saved: OptimizerState | None = getattr(ckpt, "optimizer_state", None)
     if saved is None:
         raise CheckpointError(f"{where}: holds no optimizer state")

@@ -11,9 +11,7 @@ message of another shape or dtype that fits the receiver's buffer is a ValueErro
 (gloo would deliver a shorter one silently, into a buffer whose tail it leaves as it was). On
 gloo the buffer has room for the expected number of elements of any dtype, so a message of the
 expected shape in another dtype is named too; one with more elements fails in gloo (the process
-aborts). A message a rank sends itself is checked alike (`_to_self`). An empty message is sent
-too, as its header alone: a receiver expecting a non-empty one names it (the simulated world's
-rule too: every message to or from a named peer, -1 aside, is exchanged).
+aborts). A message a rank sends itself is checked alike (`_to_self`).
 """
 
 from __future__ import annotations
@@ -109,10 +107,10 @@ def _p2p(
     ]
     me = dist.get_rank()
     to_self = _to_self(kind, sends, send_to, outs, recv_from, me)
-    ops = [  # (an empty message too: its header alone, for the receiver to check)
+    ops = [  # (an empty message is not sent, nor received: the simulated world's rule)
         dist.P2POp(dist.isend, _framed(x), dst, g.pg, tag)
         for x, (dst, tag) in zip(sends, send_to, strict=True)
-        if dst not in (-1, me)
+        if dst not in (-1, me) and x.numel() > 0
     ]
     # (gloo: room for the expected elements of any dtype, so that another dtype is named, not
     # a gloo abort; other backends want the sizes of a send and its receive equal)
@@ -122,7 +120,7 @@ def _p2p(
             HEADER * 8 + max(out.numel() * width, _nbytes(out)), dtype=torch.uint8, device=device
         )
         for j, (out, (src, _)) in enumerate(zip(outs, recv_from, strict=True))
-        if src != -1 and j not in to_self
+        if src != -1 and j not in to_self and out.numel() > 0
     }
     ops += [dist.P2POp(dist.irecv, buf, recv_from[j][0], g.pg, recv_from[j][1])
             for j, buf in received.items()]  # fmt: skip

@@ -319,7 +319,7 @@ def materialize(
         if values is None:
             _assign(targets, compute(session, targets, slicer, target_device, chunk_bytes))
         else:
-            give(obj, [(t.name, t.tensor) for t in targets], [values[t.name] for t in targets])
+            give(obj, targets, [values[t.name] for t in targets])
         _finish(session)
     return obj
 

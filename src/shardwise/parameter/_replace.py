@@ -1,8 +1,7 @@
 """A deferred parameter replaced by a new object, and optimizers re-pointed to it.
 
-`materialize(net, values=...)` and a checkpoint loaded into a deferred network
-(`sw.load_param_into_net`, `load_distributed`) put each value into the deferred tensor object
-itself (`assign_tensor`), except a value of another class than ``torch.Tensor`` (a per-rank tensor),
+`materialize(net, values=...)` puts each value into the deferred tensor object itself
+(`assign_tensor`), except a value of another class than ``torch.Tensor`` (a per-rank tensor),
 which cannot take over a plain ``nn.Parameter`` object:
 
 - `give`: gives the values; such a value becomes a new ``nn.Parameter`` on every module holding
@@ -15,7 +14,6 @@ which cannot take over a plain ``nn.Parameter`` object:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,23 +22,21 @@ from torch.utils.hooks import RemovableHandle
 
 from shardwise._torch.module_state import non_persistent_buffer_names, own_parameters
 from shardwise.parameter._parameter import assign_tensor
+from shardwise.parameter._replay import Target
 
 
-def give(
-    obj: torch.nn.Module | torch.Tensor,
-    targets: Sequence[tuple[str, torch.Tensor]],
-    values: Sequence[Any],
-) -> None:
-    """`assign_tensor` of each value into its target (name in `obj`, deferred tensor), except
-    that a value of another tensor class than ``torch.Tensor`` replaces its target on the module
-    (`assign_tensor` keeps the object's class, which such a value cannot take)."""
+def give(obj: torch.nn.Module | torch.Tensor, targets: list[Target], values: list[Any]) -> None:
+    """`assign_tensor` of each value into its target, except that a value of another tensor class
+    than ``torch.Tensor`` replaces its target on the module (`assign_tensor` keeps the object's
+    class, which such a value cannot take)."""
     replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for (name, old), value in zip(targets, values, strict=True):
+    for target, value in zip(targets, values, strict=True):
         if type(value) is torch.Tensor or not isinstance(obj, torch.nn.Module):
-            assign_tensor(old, value)
+            assign_tensor(target.tensor, value)
             continue
-        path, _, attr = name.rpartition(".")
+        path, _, attr = target.name.rpartition(".")
         owner = obj.get_submodule(path) if path else obj
+        old = target.tensor
         if attr in own_parameters(owner):
             new = torch.nn.Parameter(value.detach(), requires_grad=old.requires_grad)
             for module in obj.modules():  # (every module holding it: tied weights stay tied)

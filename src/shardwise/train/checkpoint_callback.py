@@ -58,8 +58,7 @@ class CheckpointConfig:
         save_optimizer: store the optimizer state too (needed to resume exactly).
 
     Raises:
-        TypeError: any other argument, MindSpore's `MINDSPORE_ONLY` ones named as such; a
-            `save_optimizer` that is not a bool.
+        TypeError: any other argument, MindSpore's `MINDSPORE_ONLY` ones named as such.
     """
 
     save_checkpoint_steps: int = 1
@@ -92,11 +91,6 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"CheckpointConfig: {name}={value!r} must be an int >= 1")
-        if not isinstance(save_optimizer, bool):
-            raise TypeError(
-                f"CheckpointConfig: save_optimizer={save_optimizer!r} must be True or False "
-                f"(a bool, not {type(save_optimizer).__name__})"
-            )
 
 
 class ModelCheckpoint(Callback):
