@@ -315,3 +315,16 @@ def test_a_primitive_called_with_a_non_tensor_names_itself(
     want = f"{name}: {what} must be a torch.Tensor, got {got}; {name} takes {takes}"
     assert str(err.value).startswith(want)
     assert not rec.records
+
+
+def test_broadcast_takes_any_iterable_of_tensors() -> None:
+    """``Broadcast(0)(net.parameters())``, an ``nn.ParameterList`` or a generator is a tuple of
+    tensors, as before the type check: every rank gets rank 0's values."""
+    net = torch.nn.Linear(2, 2)
+    kept = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(3))])
+    with simulated_world(2) as world:
+        x = world.rank_map(lambda r: torch.full((2,), float(r + 1)))
+        assert len(sw.ops.Broadcast(0)(net.parameters())) == 2
+        assert len(sw.ops.Broadcast(0)(kept)) == 1
+        (out,) = sw.ops.Broadcast(0)(t for t in [x])
+        assert [v.tolist() for v in world.values(out)] == [[1.0, 1.0], [1.0, 1.0]]

@@ -32,7 +32,7 @@ runtime's reductions, `_reductions`) are importable from here too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -213,15 +213,17 @@ def _check_tensor(op: str, x: Any, takes: str = "a tensor", what: str = "input")
 
 
 def _tensors(op: str, x: Any) -> tuple[torch.Tensor, ...]:
-    """`x`, a tensor or a tuple / list of tensors, as a tuple (a TypeError naming `op` else)."""
+    """`x`, a tensor or an iterable of tensors (a tuple, a list, ``net.parameters()``, an
+    ``nn.ParameterList``), as a tuple (a TypeError naming `op` else)."""
     takes = "a tensor or a tuple of tensors"
     if isinstance(x, torch.Tensor):
         return (x,)
-    if not isinstance(x, tuple | list):
+    if isinstance(x, str | bytes) or not isinstance(x, Iterable):
         _check_tensor(op, x, takes)
-    for i, t in enumerate(x):
+    xs = tuple(x)
+    for i, t in enumerate(xs):
         _check_tensor(op, t, takes, f"input {i}")
-    return tuple(x)
+    return xs
 
 
 def _check_group_arg(name: str, group: GroupArg) -> None:
