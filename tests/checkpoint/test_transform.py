@@ -349,7 +349,10 @@ def test_a_destination_may_not_hold_its_source(
     assert not inside.exists()
     assert (tmp_path / "p" / "precious.txt").read_text() == "keep"
     assert len(list((tmp_path / "p").rglob("*.safetensors"))) == 2
+    with pytest.raises(sw.checkpoint.CheckpointError, match=r"merge: .* write it outside, e\.g\."):
+        merge(tmp_path / "p", tmp_path / "p" / "rank_7" / "merged.safetensors")  # (a new rank)
     merge(tmp_path / "p", beside)
+    merge(tmp_path / "p", tmp_path / "p" / "merged" / "m.safetensors")  # (no rank folder: unread)
     net = MLP()
     assert sw.checkpoint.load_distributed(net, tmp_path / "p") == ([], [])
     assert torch.equal(net.fc1.weight, full["fc1.weight"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -104,13 +105,16 @@ def _check_apart(source: Blocks, out: Path) -> None:
 
 def _check_outside_folders(src: Path, source: SourceSet, out: Path) -> None:
     """`merge`'s file must not go into a folder the checkpoint's files were found in (a rank
-    folder, or a one-rank job's folder): it would be read as another file of that rank."""
+    folder, or a one-rank job's folder), nor into a ``rank_<r>`` folder beside them: it would
+    be read as another file of that rank (other subfolders are not read)."""
     if src.is_file():
         return
     target = out.resolve()
     for path in source.paths:
         folder = path.resolve().parent
-        if folder in target.parents:
+        root = folder.parent if re.fullmatch(r"rank_\d+", folder.name) else folder
+        ranked = re.fullmatch(r"rank_\d+", target.parent.name) is not None
+        if target.parent == folder or (ranked and target.parent.parent == root):
             raise CheckpointError(
                 f"merge: the output {out} is inside {folder}, a folder of the checkpoint it is "
                 "made from, where it would be read as another checkpoint file; write it "
