@@ -56,6 +56,12 @@ def manual_loop(net: nn.Module, opt: Opt) -> None:
             p.grad.zero_()
 
 
+def halve(net: nn.Module, opt: Opt) -> None:
+    for p in net.parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.5)  # (accumulating with a decay across calls)
+
+
 def optimizer_zero_grad(net: nn.Module, opt: Opt) -> None:
     opt.zero_grad(set_to_none=False)
 
@@ -98,6 +104,7 @@ def held(parallel: sw.AutoParallel, name: str, full: torch.Tensor) -> Any:
         (module_zero_grad, "level1", False),
         (module_zero_grad, None, True),
         (optimizer_zero_grad, None, True),
+        (halve, None, True),
     ],
     ids=[
         "module-zero_grad",
@@ -105,6 +112,7 @@ def held(parallel: sw.AutoParallel, name: str, full: torch.Tensor) -> Any:
         "module-zero_grad-hsdp-level1",
         "module-zero_grad-grads-at-first-call",
         "optimizer-zero_grad-grads-at-first-call",
+        "halved-grads-at-first-call",
     ],
 )
 def test_zeroing_before_the_forward(
@@ -120,9 +128,11 @@ def test_zeroing_before_the_forward(
         want.append(
             (ref_step(x, y).detach(), {n: p.detach().clone() for n, p in ref.named_parameters()})
         )
-    net = built(grads_before)
+    net = built(False)
     with simulated_world(2) as world:
-        world.replicate(net)
+        world.replicate(net)  # (which drops a ``.grad``: given again on the ranks)
+        for p in net.parameters():
+            p.grad = torch.ones_like(p) if grads_before else None
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         parallel = sw.AutoParallel(train_step(net, opt, zero), parallel_mode="semi_auto")
         if level is not None:
@@ -139,10 +149,60 @@ def test_zeroing_before_the_forward(
                 want_p = held(parallel, name, full)
                 assert_matches_single_device(got, want_p, what=f"{name} after call {i}")
         ops = {node.op for node in parallel.plan().nodes}
-    assert not ops & {"torch.Tensor.zero_", "torch.Tensor.requires_grad_"}, ops
+    assert not ops & {"torch.Tensor.zero_", "torch.Tensor.requires_grad_", "torch.Tensor.mul_"}
     if level is None:  # the loss's AllReduce and one gradient bucket, every call
         one = Counter({("AllReduce", "forward", RANKS): 1, ("AllReduce", "backward", RANKS): 1})
         assert kinds == [one] * 3, kinds
     else:  # zeroing adds no collective: each call's are the first call's (which zeroes none)
         assert kinds[0].get(("ReduceScatter", "step", RANKS)), kinds[0]
         assert kinds[1] == kinds[2] == kinds[0], kinds
+
+
+class Reset(Net):
+    """A forward that starts with an in-place op of the same name as the zeroing's: a buffer's
+    ``zero_()``, the plan's first node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.ones(32))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.acc.zero_()
+        return F.cross_entropy(self.head(F.relu(self.l1(x)) + self.acc), y)
+
+
+def test_zeroing_before_a_forward_that_starts_with_zero_() -> None:
+    ref = Reset()
+    ref_step = train_step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), module_zero_grad)
+    want = [ref_step(x, y).detach() for x, y in BATCHES]
+    net = Reset()
+    with simulated_world(2) as world:
+        world.replicate(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        step = train_step(net, opt, module_zero_grad)
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        for i, (x, y) in enumerate(BATCHES):
+            loss = parallel(world.rows(x), world.rows(y))
+            assert_matches_single_device(loss, want[i], what=f"loss of call {i}")
+
+
+def test_a_norm_of_a_split_gradient_before_the_forward_is_refused_not_taken_per_rank() -> None:
+    """Only element-by-element resets and scalings pass unexamined: a norm of a gradient split
+    over the ranks (a column-parallel layer's) would be each rank's block's."""
+    net = Net()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        w = net.l1.weight
+        before = w.grad.norm() if w.grad is not None else None
+        loss = net(x, y)
+        loss.backward()
+        return loss, before
+
+    with simulated_world(2) as world:
+        world.replicate(net)
+        sw.shard(net.l1, in_strategy=((1, 1), (2, 1)))
+        parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
+        x, y = BATCHES[0]
+        parallel(world.rows(x), world.rows(y))
+        with pytest.raises(sw.parallel.UnsupportedParallelError, match=r"torch\.Tensor\.norm"):
+            parallel(world.rows(x), world.rows(y))

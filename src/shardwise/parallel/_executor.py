@@ -251,7 +251,7 @@ class PlanExecutor(
             mid = self.cursor > 0 and not self.backward_seen
             check_flag_change(self.params[id(args[0])], args, kwargs, mid)
             return func(*args, **kwargs)
-        if self.on_gradient(op, args):  # (``p.grad.zero_()`` before the forward)
+        if self.on_gradient(op, args, kwargs):  # (``p.grad.zero_()`` before the forward)
             return func(*args, **kwargs)
         if self.done and not self._restarts(op, (args, kwargs)):
             if not self.backward_seen:  # an op the plan does not have, before any backward

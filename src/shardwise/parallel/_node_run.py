@@ -40,6 +40,7 @@ from shardwise.parallel._local import (
 from shardwise.parallel._node_table import SIZED, SIZED_FACTORIES, NodeTable, factory_call
 from shardwise.parallel._param_reads import call_fits, kept_apart
 from shardwise.planner import EdgePlan, ParallelPlan, Placed
+from shardwise.planner._call_kinds import resets_each_element
 from shardwise.planner._local_factories import fill_shape
 from shardwise.planner._out_calls import written
 
@@ -160,12 +161,15 @@ class NodeRun:
         of the plan, as the capture records none: `planner._recorders._is_param`)."""
         return op in ON_PARAMETER and bool(args) and id(args[0]) in self.params
 
-    def on_gradient(self, op: str, args: tuple[Any, ...]) -> bool:
-        """Whether call `op`, before the forward's first op, is on a parameter's ``.grad``
-        (``module.zero_grad(set_to_none=False)``, ``p.grad.zero_()``): no node of the plan, as
-        the capture records none (`planner._recorders._is_grad`; at the first call every
-        ``.grad`` is None): it runs unexamined, as between calls."""
-        if self.cursor or self.backward_seen or self.network is None or (self.ops[:1] == [op]):
+    def on_gradient(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether call `op`, before the forward's first op, resets or scales a parameter's
+        ``.grad`` element by element (``module.zero_grad(set_to_none=False)``,
+        ``p.grad.zero_()``, ``p.grad.mul_(0.5)``: `resets_each_element`): no node of the plan,
+        as the capture records none (`planner._recorders._is_grad`; at the first call every
+        ``.grad`` is None): it runs unexamined, as between calls, on each rank's block."""
+        if self.cursor or self.backward_seen or self.network is None:
+            return False
+        if not resets_each_element(op, args, kwargs):
             return False
         t = args[0] if args and isinstance(args[0], T) else None
         if t is None:

@@ -3,7 +3,8 @@ differentiation call asks for (`creates_graph`, `keeps_graph`: ``torch.autograd.
 train step's graph only when it frees it; `call_name`: a call's name as nodes carry it;
 `grad_inputs`: the tensors it differentiates with
 respect to; `seeds_of` / `with_seeds`: the tensors it starts from and their gradients, read
-and replaced).
+and replaced; `resets_each_element`: a call that changes each element of its first argument
+on its own, as ``zero_grad(set_to_none=False)`` does to a ``.grad``).
 """
 
 from __future__ import annotations
@@ -120,3 +121,23 @@ def with_seeds(
     if len(args) > g_at:
         return (*args[:g_at], value, *args[g_at + 1 :]), kwargs
     return args, {**kwargs, g_key: value}
+
+
+GRAD_RESETS = frozenset(
+    f"torch.Tensor.{m}" for m in ("zero_", "fill_", "mul_", "div_", "requires_grad_", "detach_")
+)
+"""Calls on a parameter's ``.grad`` before the forward that are no node (`resets_each_element`):
+``module.zero_grad(set_to_none=False)`` (``requires_grad_`` / ``detach_``, ``zero_``), a fill
+or a scaling by a number."""
+
+
+def resets_each_element(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether call `op` (`call_name`) changes each element of its first argument on its own
+    (`GRAD_RESETS`, given no other tensor): on a split gradient each rank's block or shard
+    takes it as the whole gradient would. A reduction (``p.grad.norm()``) or an op mixing
+    another tensor in is not one."""
+    if op not in GRAD_RESETS:
+        return False
+    return not any(isinstance(a, T) for a in args[1:]) and not any(
+        isinstance(v, T) for v in kwargs.values()
+    )

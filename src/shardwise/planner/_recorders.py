@@ -12,8 +12,9 @@
   `_mid_step` refuses (a torch.func transform, an op on a gradient it cannot plan), and
   `_StopCapture` at ``backward()``; a call returning its input object unchanged returns a
   view (`_in_place.apart`); a call with ``out=`` tensors is the node of its result, which they
-  hold (`_out_calls`); a call on a real parameter's ``.grad`` before the first node (an
-  optimizer's ``zero_grad(set_to_none=False)`` at the step's start) is no node (`_is_grad`).
+  hold (`_out_calls`); a reset or scaling of a real parameter's ``.grad`` before the first
+  node (an optimizer's ``zero_grad(set_to_none=False)`` at the step's start) is no node
+  (`_is_grad`).
   The aten ops each call runs are listed by `_aten_recorder.AtenRecorder` (a dispatch mode
   under it), which refuses TorchScript's aten ops (no torch-level call runs them).
 - ``_module_hooks``: global module hooks giving each node its module path, recording a
@@ -38,7 +39,13 @@ from shardwise._torch import pytree
 from shardwise._torch.checkpointing import in_activation_checkpoint, nested_checkpoint
 from shardwise._torch.fake import DATA_DEPENDENT
 from shardwise.ops import _flat as flat
-from shardwise.planner._call_kinds import call_name, creates_graph, keeps_graph, record_kind
+from shardwise.planner._call_kinds import (
+    call_name,
+    creates_graph,
+    keeps_graph,
+    record_kind,
+    resets_each_element,
+)
 from shardwise.planner._consts import one_values
 from shardwise.planner._functions import function_of
 from shardwise.planner._graph import (
@@ -201,12 +208,15 @@ def _is_param(s: _State, args: tuple[Any, ...]) -> bool:
     return ref is not None and ref.kind == "param"
 
 
-def _is_grad(s: _State, args: tuple[Any, ...]) -> bool:
-    """Whether a call's first argument is the ``.grad`` of one of the networks' parameters (an
-    optimizer holding them zeroes it before the forward: ``zero_grad(set_to_none=False)``). Such
-    a call before the first node is no node: whether ``.grad`` exists differs from call to
-    call (None at the first); the run passes it unexamined before the forward."""
-    return bool(args) and isinstance(args[0], T) and s.grads.get(id(args[0])) is args[0]
+def _is_grad(s: _State, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> bool:
+    """Whether a call resets or scales the ``.grad`` of one of the networks' parameters element
+    by element (`_call_kinds.resets_each_element`: an optimizer holding them zeroes it before
+    the forward, ``zero_grad(set_to_none=False)``). Such a call before the first node is no
+    node: whether ``.grad`` exists differs from call to call (None at the first); the run
+    passes it unexamined before the forward. Any other op on a ``.grad`` (a norm) is one."""
+    if not (args and isinstance(args[0], T) and s.grads.get(id(args[0])) is args[0]):
+        return False
+    return resets_each_element(call_name(func), args, kwargs or {})
 
 
 def tensors_in(tree: Any) -> list[T]:
@@ -291,7 +301,9 @@ class _Recorder(TorchFunctionMode):
             raise _StopCapture
         if func is torch.Tensor.requires_grad_ and _is_param(s, args):
             return func(*args, **kwargs)  # (no node: the Parameter's flag, as between calls)
-        if s.grads and not s.nodes and _is_grad(s, args):  # (no node; as a constant runs)
+        if (
+            s.grads and not s.nodes and _is_grad(s, func, args, kwargs)
+        ):  # (no node; as a constant runs)
             args, kwargs = one_values(args, kwargs, [args[0]])
             return func(*args, **kwargs)
         if kind == "alias":
