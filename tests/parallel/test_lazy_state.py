@@ -287,3 +287,51 @@ def test_a_large_global_leaves_the_steps_own_lists_noted() -> None:
             parallel(world.rows(x))
         assert len(history) == 2
         assert_matches_single_device(torch.stack(history).mean(), history[0], what="history")
+
+
+class Keeper:
+    """An object whose bound method is a forward hook keeping the layer's outputs."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def hook(self, module: nn.Module, args: tuple[torch.Tensor], out: torch.Tensor) -> None:
+        self.kept.append(out.detach())
+
+
+@pytest.mark.parametrize("how", ["closure", "pre-hook", "method", "global"])
+def test_a_hook_that_keeps_outputs_keeps_real_ones(how: str) -> None:
+    """A forward hook (pre-hook, bound-method hook, hook registered for all modules) appending
+    to a list it closes over left the capture's fake tensor first in that list: reading it
+    raised ``DataDependentOutputException``, and each new input shape added another. Each rank
+    keeps its own rows of the batch (the plan splits it)."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(6))
+    want = make()[0](x).detach()
+    net, keeper = make(), Keeper()
+    kept = keeper.kept
+    first = net[0]
+
+    def keep(module: nn.Module, args: tuple[torch.Tensor], *out: torch.Tensor) -> None:
+        if module is first:
+            kept.append((out[0] if out else args[0]).detach())
+
+    if how == "closure":
+        handle = first.register_forward_hook(keep)
+    elif how == "pre-hook":
+        handle = first.register_forward_pre_hook(keep)
+        want = x
+    elif how == "method":
+        handle = first.register_forward_hook(keeper.hook)
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(keep)
+    try:
+        with torch.no_grad(), simulated_world(2) as world:
+            world.replicate(net)
+            parallel = sw.AutoParallel(net)
+            for _ in range(2):
+                parallel(world.rows(x))
+            assert len(kept) == 2, f"the hook's list holds {[type(t).__name__ for t in kept]}"
+            for got in kept:
+                assert_matches_single_device(got, world.rows(want), what=f"what a {how} hook kept")
+    finally:
+        handle.remove()

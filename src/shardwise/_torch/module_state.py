@@ -8,17 +8,24 @@ re-registers a buffer keeping its persistence; a wrapped call (`parallel/_graph_
 the buffers a stopped attempt changed; capture (`planner/_capture.py`) swaps fakes in for a
 while (`reparametrize`) and removes fake buffers a forward registered (`planner/_user_state.py`).
 
+`hook_functions` lists the forward and backward (pre-)hooks a module runs: its own
+(``Module._forward_hooks`` and the like) and those registered for every module
+(``torch.nn.modules.module._global_forward_hooks`` and the like), for the capture to put back
+the Python state they change (`parallel/_discover.hook_objects`).
+
 The accessors are ``operator.attrgetter``s: no slower than the attribute reads they replace.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 own_parameters: Callable[[nn.Module], dict[str, nn.Parameter | None]] = operator.attrgetter(
     "_parameters"
@@ -51,3 +58,18 @@ def reparametrize(network: nn.Module, by_id: Mapping[int, torch.Tensor]) -> Iter
     finally:
         for table, name, t in saved:
             table[name] = t  # type: ignore[assignment]
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hook_functions(modules: Iterable[nn.Module]) -> list[Callable[..., Any]]:
+    """The forward and backward hooks and pre-hooks registered on each of `modules` and those
+    registered for all modules (``register_module_forward_hook`` and the like), each once."""
+    tables: list[Mapping[int, Callable[..., Any]]] = [
+        getattr(_module, "_global" + name) for name in _HOOK_TABLES
+    ]
+    for m in modules:
+        tables += [getattr(m, name, {}) for name in _HOOK_TABLES]
+    found = {id(hook): hook for table in tables for hook in list(table.values())}
+    return list(found.values())

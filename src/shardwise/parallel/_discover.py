@@ -18,6 +18,9 @@ Attribute names alone (``optimizer.step()`` names ``step``) load nothing, so a g
 shares such a name is not picked up. shardwise's own wrappers (`is_wrapper`: `AutoParallel`
 and the like, which contain the network) are skipped.
 
+`hook_objects`: the same objects for the hooks the network's modules run (a forward hook's
+closure list, a bound-method hook's object), not for torch's and shardwise's own hooks.
+
 `pick_network`: of the modules found, the one with parameters that contains the others;
 `grad_scalers`: the ``GradScaler`` objects the step loads; `agree_scalers`: one inf/NaN verdict
 for all of them.
@@ -31,13 +34,14 @@ import functools
 import inspect
 import types
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise._torch.grad_scaler import agree_on_overflow
+from shardwise._torch.module_state import hook_functions
 from shardwise.communication import recorder
 from shardwise.communication._collectives import ReduceOp, all_reduce
 
@@ -236,6 +240,27 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
         or hasattr(v, "bit_generator")  # (NumPy's Generator: state, no __dict__)
         or type(v).__name__ == "RandomState"
     }
+    return list(found.values())
+
+
+def _library(fn: Any) -> bool:
+    """Whether `fn` (a function, bound method, partial or callable object) is defined in one of
+    `_LIBRARIES` (torch's and shardwise's own hooks)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    where = fn.__module__ if isinstance(fn, types.FunctionType) else type(fn).__module__
+    return (where or "").split(".")[0] in _LIBRARIES
+
+
+def hook_objects(modules: Iterable[nn.Module]) -> list[Any]:
+    """What `find_objects` finds for each hook that `modules` run (forward and backward hooks
+    and pre-hooks, their own and those registered for all modules) and that is not torch's or
+    shardwise's: a hook's closure cells and globals, the object of a bound-method hook."""
+    found: dict[int, Any] = {}
+    for hook in hook_functions(modules):
+        if not _library(hook):
+            found |= {id(v): v for v in find_objects(hook)}
     return list(found.values())
 
 

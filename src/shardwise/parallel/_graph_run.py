@@ -62,7 +62,7 @@ from shardwise.parallel._call_io import (
 from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
-from shardwise.parallel._discover import agree_scalers, find_objects
+from shardwise.parallel._discover import agree_scalers, find_objects, hook_objects
 from shardwise.parallel._errors import Replan, note_blocks, replanned_call_differs
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._grad_buckets import GradBuckets
@@ -165,7 +165,9 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
         self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]
         self.objects = [  # (not modules and optimizers: a note of theirs costs ~4 us each)
-            o for o in find_objects(self.fn) if not isinstance(o, nn.Module | torch.optim.Optimizer)
+            o
+            for o in [*find_objects(self.fn), *hook_objects(self.network.modules())]
+            if not isinstance(o, nn.Module | torch.optim.Optimizer)
         ]
         for m in self.network.modules():
             if isinstance(m, Primitive):

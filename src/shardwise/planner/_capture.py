@@ -133,7 +133,7 @@ def capture(
         >>> print(g.nodes[0])
         %0 transformer.wte/embedding = torch.nn.functional.embedding(...) -> float32[8, 16, 32]
     """
-    from shardwise.parallel._discover import find_objects, find_referenced
+    from shardwise.parallel._discover import find_objects, find_referenced, hook_objects
 
     if networks is None:
         if isinstance(fn, nn.Module):
@@ -141,8 +141,9 @@ def capture(
         else:
             networks = [m for m in find_referenced(fn)[0] if any(True for _ in m.parameters())]
     watched = [m for net in networks for m in net.modules()]  # (`kept_real`)
-    watched += [] if isinstance(fn, nn.Module) else find_objects(fn)
     outside = _outside_modules(fn, networks)  # (a teacher: its buffers put back, `_kept`)
+    watched += hook_objects([*watched, *(m for o in outside for m in o.modules())])
+    watched += [] if isinstance(fn, nn.Module) else find_objects(fn)
     flat, spec = pytree.tree_flatten_with_path((args, kwargs))
     if device is None:
         device = _device([leaf for _, leaf in flat if isinstance(leaf, T)])

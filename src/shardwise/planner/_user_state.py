@@ -14,7 +14,9 @@ real call. Whatever that run changes would otherwise stay:
 `python_state` notes each object the step's code loads (its attributes; a module's public ones,
 its buffers; a random generator object's state), each dict, list and set, the containers and
 objects inside those (``stats["hist"]``, a ``GradScaler`` kept in a dict or in a config
-object's attribute), each closure cell, and the global random generators' states; the function
+object's attribute), each closure cell, and the global random generators' states (the objects
+are those the step's code and its modules' hooks load: `parallel/_discover.find_objects`,
+`hook_objects`); the function
 it returns puts back every one that changed. `kept_real` does so around the capture, so the
 first real call starts where the capture started; the wrapper does so around each call
 (`parallel/_graph_run.py`), for a call stopped part way to be planned again (another branch of
