@@ -248,6 +248,49 @@ def test_a_python_loop_over_a_local_shape_names_the_cause_and_the_fix() -> None:
         assert "t = sw.reshard(t, (1, 1))" in said and "tensor ops" in said, said
 
 
+class _Positions(nn.Module):
+    """Adds a position embedding, expanded to the batch only when the batch is not one row
+    (the branch of Hugging Face's ``masking_utils`` on ``position_ids.shape[0]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pe, self.lin = nn.Embedding(8, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        if x.shape[0] != pos.shape[0]:
+            pos = pos.expand(x.shape[0], -1)
+        return self.lin(x + self.pe(pos))
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_a_branch_on_the_batch_size_read_earlier_names_the_size_and_the_fixes(rows: int) -> None:
+    """With one row per rank the branch compares 1 with 1 on each rank, where the capture
+    compared the global 2 with 1: the call ran other ops than planned and was refused with
+    "its ops depend on something capture does not see", the next op reading a whole tensor.
+    The error now names the input whose shape the code read, the line, the global and local
+    sizes of the split dim and the fixes; with 2 rows per rank it runs as one device."""
+    x = torch.randn(rows, 3, 6, generator=torch.Generator().manual_seed(1))
+    want = _Positions()(x).detach()
+    net = _Positions()
+    with torch.no_grad(), simulated_world(2) as world:
+        world.replicate(net)
+        parallel = sw.AutoParallel(net)
+        if rows == 4:
+            assert_matches_single_device(parallel(world.rows(x)), world.rows(want), what="out")
+            return
+        with pytest.raises(UnsupportedParallelError) as caught:
+            parallel(world.rows(x))
+    said = str(caught.value)
+    line = _Positions.forward.__code__.co_firstlineno + 2  # (the ``if``)
+    assert "before %2 expand the network's Python code read the shape of input args[0] " in said
+    assert f"at test_size_numbers.py:{line} " in said, said
+    assert "(global shape [2, 3, 6], this rank's block [1, 3, 6]: dim 0: 2 in the capture, " in said
+    assert "1 here)" in said and "a Python branch on such a size" in said, said
+    assert "at least 2 rows" in said and "pass position_ids with the batch's rows" in said, said
+
+
 @pytest.mark.parametrize("form", ["local slices", "chunk", "split"])
 def test_micro_batches_sliced_by_a_local_size_name_chunk_and_split(form: str) -> None:
     """Gradient accumulation by slicing with a local size (``h = a.shape[0] // 2``; ``a[:h]``,

@@ -1,7 +1,8 @@
 """Errors of the parallel runtime, `Replan` (the executor's signal to plan a call again),
 `plan_mismatch` (a call other than the plan's next node: another op, or its op on other
 parameters), `replanned_call_differs` (why a call differs from the plan captured from it: a
-primitive made inside ``forward``, a Python loop or branch on a split tensor's local shape),
+primitive made inside ``forward``, a Python loop or branch on a split tensor's local shape, or
+on a split dim's size read before the op the plan has next),
 `note_blocks` (what torch's size mismatch with a parameter stored as a block means:
 `frozen_note` when a frozen parameter met a trainable one of its shape stored otherwise, an EMA
 teacher), `split_values_note` (the values held as blocks where a plan's first call raised in the
@@ -21,7 +22,8 @@ from torch import nn
 
 from shardwise._torch import pytree
 from shardwise.parallel._param_reads import Reads, node_reads, shown
-from shardwise.planner._placed import Shape
+from shardwise.planner._graph import Ref, SizeRead
+from shardwise.planner._placed import Placed, Shape
 
 if TYPE_CHECKING:
     from shardwise.planner import NodePlan, ParallelPlan
@@ -71,12 +73,15 @@ def plan_mismatch(
     )
 
 
-def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallelError:
+def replanned_call_differs(
+    plan: ParallelPlan, e: Replan, size_reads: Sequence[SizeRead] = ()
+) -> UnsupportedParallelError:
     """The error for a call that ran other ops than the plan captured from that very call
     (`e`): a shardwise primitive made inside ``forward`` (not a submodule, so the run never
     sees it as one: its torch op arrives instead), a Python loop or branch on the shape of a
-    value the plan holds as blocks (`_split_read`: the next op reads it), else ops depending on
-    what capture does not see."""
+    value the plan holds as blocks (`_split_read`: the next op reads it; `_size_branch`: the
+    capture's `size_reads` read it before the next op), else ops depending on what capture
+    does not see."""
     why = "its ops depend on something capture does not see"
     node = plan.nodes[e.cursor] if e.cursor < len(plan.nodes) else None
     primitive = node is not None and node.op.startswith("shardwise.ops.")
@@ -88,7 +93,7 @@ def replanned_call_differs(plan: ParallelPlan, e: Replan) -> UnsupportedParallel
             f"only; create it in __init__ (self.op = sw.ops.{kind}(...)) and call self.op"
         )
     elif node is not None:
-        why = _split_read(plan, node) or why
+        why = _split_read(plan, node) or _size_branch(plan, node, size_reads) or why
     return UnsupportedParallelError(
         f"AutoParallel: the network called {e} right after being planned for this call; {why}"
     )
@@ -118,6 +123,59 @@ def _split_read(plan: ParallelPlan, node: NodePlan) -> str | None:
             f"of a Python loop (t.pow(2).sum(1) weighted by torch.arange(...))"
         )
     return None
+
+
+def _size_branch(plan: ParallelPlan, node: NodePlan, reads: Sequence[SizeRead]) -> str | None:
+    """Why the call did not reach `node` when the network's Python code read, before it, the
+    shape of values the plan holds as this rank's block (`reads`: the capture's): a branch on
+    a split dim's size (Hugging Face's ``if batch_size != position_ids.shape[0]``), which the
+    capture took on the global size. None when it read no such value."""
+    found: dict[str, str] = {}
+    for read in reversed([r for r in reads if r.before <= node.index]):
+        held = _held(plan, read.value)
+        if held is None or str(read.value) in found or len(found) == 3:
+            continue
+        placed, shape = held
+        local = placed.local_shape(shape)
+        dims = [d for d, (a, b) in enumerate(zip(shape, local, strict=False)) if a != b]
+        if dims:
+            sizes = ", ".join(f"dim {d}: {shape[d]} in the capture, {local[d]} here" for d in dims)
+            found[str(read.value)] = (
+                f"{_value_name(plan, read.value)} at {read.source} (global shape "
+                f"{list(shape)}, this rank's block {list(local)}: {sizes})"
+            )
+    if not found:
+        return None
+    return (
+        f"before %{node.index} {node.name} the network's Python code read the shape of "
+        f"{'; '.join(found.values())}. The capture saw the global sizes, this rank sees its "
+        f"block's, so a Python branch on such a size (if x.shape[0] != pos.shape[0]: pos = "
+        f"pos.expand(x.shape[0], -1)) went another way here. Do not branch on a split dim's "
+        f"size (let broadcasting expand a size-1 dim), or give each rank at least 2 rows when "
+        f"the branch compares the batch with a size of 1; a Hugging Face model compares the "
+        f"batch with position_ids' rows: pass position_ids with the batch's rows "
+        f"(torch.arange(t).expand(b, t), split into rows as input_ids is)"
+    )
+
+
+def _held(plan: ParallelPlan, value: Ref) -> tuple[Placed, Shape] | None:
+    """How the plan holds `value` where the network's code reads it (an input as it arrives,
+    a node's output as the node makes it) and its global shape; None for other values."""
+    if value.kind == "input" and value.key in plan.inputs:
+        key = str(value.key)
+        return plan.inputs[key], tuple(plan.input_shapes.get(key, ()))
+    if value.kind == "node" and int(value.key) < len(plan.nodes):
+        made = plan.nodes[int(value.key)]
+        if value.index < min(len(made.outputs), len(made.shapes)):
+            return made.outputs[value.index], made.shapes[value.index]
+    return None
+
+
+def _value_name(plan: ParallelPlan, value: Ref) -> str:
+    """A value as the error names it: ``input args[0]``, ``%3 (transformer/view)``."""
+    if value.kind == "input":
+        return f"input {value.key}"
+    return f"{value} ({plan.nodes[int(value.key)].name})"
 
 
 def split_values_note(error: BaseException, plan: ParallelPlan, cursor: int) -> None:

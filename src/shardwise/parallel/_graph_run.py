@@ -92,6 +92,7 @@ from shardwise.parallel._spans import SpanHooks
 from shardwise.parallel._step_hooks import StepHooks
 from shardwise.parallel._variants import ByFlags, known_variant, snapshot
 from shardwise.planner import ParallelPlan
+from shardwise.planner._graph import SizeRead
 from shardwise.planner._user_state import CALL_LIMIT, python_state
 
 T = torch.Tensor
@@ -142,6 +143,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
         self.rnns: list[nn.RNNBase] = []  # (its recurrent modules: `_rnn_checks`)
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
+        self.size_reads: dict[int, tuple[SizeRead, ...]] = {}  # (the last plan's: `_errors`)
         watch_all = bool(get_auto_parallel_context("watch_every_op"))
         self.spans = SpanHooks(network, lambda: self.executor, enabled=not watch_all)
 
@@ -159,6 +161,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         check_plan_memory(plan, buckets, self.network, self.optimizers)
         notify(Planned(plan, graph, self.network, tuple(self.optimizers), buckets, self.hsdp))
         self.parallel_plan = plan
+        self.size_reads = {id(plan): graph.size_reads}
         self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         self.plans = [(plan, self.templates)]
         self.tables = {}
@@ -251,7 +254,8 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
             return self._run(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)
             assert self.parallel_plan is not None
-            raise replanned_call_differs(self.parallel_plan, e) from None
+            reads = self.size_reads.get(id(self.parallel_plan), ())
+            raise replanned_call_differs(self.parallel_plan, e, reads) from None
 
     def _executor(
         self,

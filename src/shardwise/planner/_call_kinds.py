@@ -55,6 +55,18 @@ def record_kind(func: Callable[..., Any]) -> str:
     return "op"
 
 
+_SIZE_READS = {T.size, T.__len__, T.numel, T.nelement}
+
+
+def reads_size(func: Callable[..., Any]) -> bool:
+    """Whether a torch-level call reads a tensor's shape (``x.shape``, ``x.size(0)``,
+    ``len(x)``, ``x.numel()``)."""
+    if func in _SIZE_READS:
+        return True
+    owner = getattr(func, "__self__", None)
+    return getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") == "shape"
+
+
 def _namespace(func: Any) -> str | None:
     """A ``torch.ops`` op's namespace (``"aten"``, ``"prim"``), an overload's or a packet's
     (``torch.ops.prim.device`` and ``torch.ops.prim.device.default`` alike); None for others."""

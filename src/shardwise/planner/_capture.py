@@ -230,6 +230,7 @@ def capture(
         regions=state.regions.regions(),
         frozen=tuple(frozen),
         set_buffers=set_buffers,
+        size_reads=tuple(state.size_reads),
     )
 
 

@@ -7,6 +7,7 @@
   rules are queried per aten op.
 - `Node`: one op as the user's code called it (a ``torch.nn.functional`` function, a ``Tensor``
   method, a factory, or a shardwise primitive as a whole), named by its module path.
+- `SizeRead`: Python code reading a value's shape between two nodes (``x.shape[0]``).
 - `Graph`: the nodes in execution order, the inputs, parameters and outputs.
 
 Everything is global (unsharded) metadata; no tensor data is kept.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
     from shardwise.planner._regions import Region
@@ -56,6 +57,21 @@ class Ref:
         if self.kind == "node":
             return f"%{self.key}" + (f".{self.index}" if self.index else "")
         return f"{self.kind}:{self.key}"
+
+
+class SizeRead(NamedTuple):
+    """Python code reading a value's shape (``x.shape``, ``x.size(0)``, ``len(x)``,
+    ``x.numel()``) while the call was captured.
+
+    Attributes:
+        before: how many nodes were recorded before it (it ran before node `before`).
+        value: the value whose shape it read.
+        source: ``file:line`` of the code reading it.
+    """
+
+    before: int
+    value: Ref
+    source: str
 
 
 @dataclass(frozen=True)
@@ -178,6 +194,9 @@ class Graph:
             order.
         set_buffers: each buffer the call re-assigned (``self.rm = 0.9 * self.rm + ...``) ->
             the node output it holds after the call.
+        size_reads: the shapes of values the call's Python code read, in order (each value
+            once between two nodes): what its branches may depend on, for the error when a
+            rank's call runs other ops than the plan (`parallel/_errors.py`).
     """
 
     nodes: tuple[Node, ...]
@@ -191,6 +210,7 @@ class Graph:
     regions: tuple[Region, ...] = ()
     frozen: tuple[str, ...] = ()
     set_buffers: Mapping[str, Ref] = field(default_factory=dict)
+    size_reads: tuple[SizeRead, ...] = field(default=(), compare=False)
 
     def info(self, ref: Ref) -> TensorInfo:
         """The metadata of the value `ref` names."""

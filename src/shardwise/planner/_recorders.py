@@ -43,6 +43,7 @@ from shardwise.planner._call_kinds import (
     call_name,
     creates_graph,
     keeps_graph,
+    reads_size,
     record_kind,
     resets_each_element,
 )
@@ -53,6 +54,7 @@ from shardwise.planner._graph import (
     AtenCall,
     Node,
     Ref,
+    SizeRead,
     TensorInfo,
     TensorSlot,
 )
@@ -105,6 +107,9 @@ def _short(op: str) -> str:
     return op.rsplit(".", 1)[-1].strip("_") or op
 
 
+_SIZE_READS = 20_000  # (shape reads noted at most: `Graph.size_reads`)
+
+
 class _State:
     """What the recorders share while one capture runs."""
 
@@ -134,6 +139,8 @@ class _State:
         self.calls = 0  # torch-level calls running (an aten op outside all: `_aten_recorder`)
         self.running: list[torch.nn.Module] = []  # the modules whose forward runs
         self.refused: CaptureError | None = None  # (raised inside TorchScript: re-raised)
+        self.size_reads: list[SizeRead] = []  # (`Graph.size_reads`)
+        self.sizes_seen: set[tuple[int, Ref]] = set()
 
     def ref(self, t: T) -> Ref:
         found = self.known.get(id(t))
@@ -143,6 +150,17 @@ class _State:
         self.consts.append(info_of(t))
         self._remember(t, ref)
         return ref
+
+    def note_size(self, t: Any) -> None:
+        """Note that Python code read the shape of `t` (once per value between two nodes; not
+        of a tensor that is no value of the graph)."""
+        ref = self.known.get(id(t)) if isinstance(t, T) else None
+        if ref is None or (len(self.nodes), ref) in self.sizes_seen:
+            return
+        if len(self.size_reads) >= _SIZE_READS:
+            return
+        self.sizes_seen.add((len(self.nodes), ref))
+        self.size_reads.append(SizeRead(len(self.nodes), ref, source_line()))
 
     def _remember(self, t: T, ref: Ref) -> None:
         self.known[id(t)] = ref
@@ -273,6 +291,8 @@ class _Recorder(TorchFunctionMode):
         if refused := transform_refused():  # (inside a torch.func transform)
             raise CaptureError(refused)
         if kind == "skip":
+            if args and reads_size(func):
+                s.note_size(args[0])
             return func(*args, **kwargs)
         if kind == "grad" and (refused := functional_refused()):
             raise CaptureError(refused)  # (torch.autograd.functional.jvp's grads)
