@@ -45,13 +45,21 @@ class Replan(BaseException):
         params: per tensor of that call, the parameter it is (its name) or None; None when not
             known (`_param_reads.call_reads`: a call of the next node's op on other parameters
             is another node).
+        sizes: the call of the plan's op at `cursor` with other sizes than captured
+            (`_sizes.Sizes.sizes`: ``table[n]`` with `n` passed per call): its sizes that came
+            from no local shape, as (position in its flattened arguments, value).
     """
 
     def __init__(
-        self, message: str, cursor: int, op: str | None, params: Reads | None = None
+        self,
+        message: str,
+        cursor: int,
+        op: str | None,
+        params: Reads | None = None,
+        sizes: tuple[tuple[int, Any], ...] | None = None,
     ) -> None:
         super().__init__(message)
-        self.cursor, self.op, self.params = cursor, op, params
+        self.cursor, self.op, self.params, self.sizes = cursor, op, params, sizes
 
 
 def plan_mismatch(

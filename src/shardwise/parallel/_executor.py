@@ -151,7 +151,6 @@ class PlanExecutor(
         self.network_start: int | None = None  # the node at which the network was first entered
         self.reentered = False  # the network was entered again after the plan finished
         self.made_outside: dict[int, weakref.ref[T]] = {}  # (`_passes`: id -> the tensor)
-        self.first_sizes: dict[int, tuple[Any, ...]] = {}
         self.inputs: dict[int, weakref.ref[T]] = {}  # (`_passes`) the call's input tensors
         self.tentative = -1  # (`_passes.Passes.abandon`: none in the first pass)
         self.in_network = False

@@ -13,7 +13,8 @@
   that kept its plan is named in a ValueError instead of a wait until the timeout), the
   parameters kept as the first plan (or the one given) stores them; its
   gradient buckets made for the new plan's equal gradients (``hsdp()``: the engine's, as the
-  first plan made them); a plan equal to a known one reused, a new one checked for memory
+  first plan made them); a plan equal to a known one captured with the same sizes
+  (`_variants.same_sizes`) reused, a new one checked for memory
   (`_graph_capture.check_plan_memory`), kept with the others (`_variants.keep_few`), its
   annotated modules noted (`_network_hooks.noted_annotations`) and its reports written.
 
@@ -40,7 +41,7 @@ from shardwise.parallel._network_hooks import Annotation, noted_annotations
 from shardwise.parallel._node_table import NodeTable
 from shardwise.parallel._same_inputs import announce_planning, check_ranks_agree, same_inputs
 from shardwise.parallel._step_hooks import refuse_coupled, stepping_in_stack
-from shardwise.parallel._variants import keep_few
+from shardwise.parallel._variants import keep_few, same_sizes
 from shardwise.planner import Graph, ParallelPlan, regathered_params
 
 
@@ -130,12 +131,13 @@ class GraphPlans:
             assert self.engine is not None
             made = self.engine.plan
             plan = dataclasses.replace(plan, buckets=first.buckets)
-        for known, templates in self.plans:
-            if known == plan:
+        captured = [(n.args, dict(n.kwargs)) for n in graph.nodes]
+        for known, templates in self.plans:  # (the same plan captured with other sizes: a new one)
+            if known == plan and same_sizes(templates, captured):
                 self.parallel_plan, self.templates = known, templates
                 return
         check_plan_memory(plan, made, self.network, self.optimizers)  # (another batch size...)
-        self.templates = [(n.args, dict(n.kwargs)) for n in graph.nodes]
+        self.templates = captured
         self.parallel_plan = plan
         self.plans.append((plan, self.templates))
         keep_few(self.plans, self.tables, reason)

@@ -243,13 +243,19 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         except Replan as e:
             state.restore()  # (what the stopped attempt changed: buffers, the RNG, Python state)
             python()
-            ran = self.parallel_plan  # (the plan the stopped attempt ran)
-            assert ran is not None
-            variant = known_variant(self.plans, ran, shapes, e)
-            if variant is None:
-                self._replan(args, kwargs, str(e))
-            else:
-                self.parallel_plan, self.templates = variant
+            stop = e
+        ran = self.parallel_plan  # (the plan the stopped attempt ran)
+        assert ran is not None
+        variant = known_variant(self.plans, ran, shapes, stop)
+        if variant is not None:
+            self.parallel_plan, self.templates = variant
+            try:
+                return self._run(args, kwargs)
+            except Replan as e:  # (a known plan that parts from the call later on)
+                state.restore()
+                python()
+                stop = e
+        self._replan(args, kwargs, str(stop))
         try:
             return self._run(args, kwargs)
         except Replan as e:  # (the new plan was captured from this very call)

@@ -230,6 +230,8 @@ class NodeTable:
         # (`_sizes`) per node run: the positions of its arguments whose number differed from
         # the captured one the first time it ran, with that number
         self.shares: dict[int, tuple[tuple[int, Any], ...]] = {}
+        # (`_sizes`) per node on whole inputs: its sizes that came from a local shape, likewise
+        self.local_sizes: dict[int, tuple[tuple[int, Any], ...]] = {}
         for j in self.unchecked:
             self.fast[j] = self.fast_no_param[j] = SLOW
         self.flat_templates: dict[int, tuple[list[Any], Any]] = {}

@@ -7,9 +7,13 @@ size. A number the network computes from it and passes to an op (``h.view(b, t, 
 one a device running the whole batch computes. The captured call (`planner.Node.args`) holds
 the global numbers, and the executor gives each op those where the call's own differ:
 
-- `Sizes.sizes`: an op whose inputs are all whole: each int (and slice) the captured one when
-  this call's first pass had others (a later pass that changes them is refused); each float
-  as below.
+- `Sizes.sizes`: an op whose inputs are all whole: an int (or slice) that differed from the
+  captured one the first time the plan ran the op came from a local shape (as below), and
+  every call that passes that same one there gets the captured one (a later pass that changes
+  it is refused); any other int that differs from the captured one (``table[n]``,
+  ``h[:, :n]`` with `n` passed per call) plans the call again before its first backward
+  (`_errors.Replan`: a plan per such int, found again by `_variants.known_variant`), and is
+  this pass's after it (a micro-batch's index); each float as below.
 - `Sizes.numbers`: an op on split inputs that is not a view (views take the plan's local sizes:
   `_node_table`): each int or float, and each slice (``h[:, : n // 2]``), as below. Such a
   node takes the full path in the plan's first call (`NodeTable.numbered`); one whose numbers
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardwise._torch import pytree
-from shardwise.parallel._errors import UnsupportedParallelError
+from shardwise.parallel._errors import Replan, UnsupportedParallelError
 from shardwise.planner import ParallelPlan
 
 if TYPE_CHECKING:
@@ -102,39 +106,82 @@ class Sizes:
 
     plan: ParallelPlan
     table: NodeTable
-    first_sizes: dict[int, tuple[Any, ...]]  # (`sizes`) node -> its first pass's own arguments
+    backward_seen: bool
 
     def sizes(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
         """The arguments node `k` (on whole inputs) runs with: this call's, except its sizes
-        (ints and slices) where this call's first pass had others than the captured ones
-        (computed from a split tensor's local shape: ``b, t, c = h.shape``): the captured
-        global ones; and its floats that differed in the plan's first call (`_shares`). Other
-        floats are this call's (a loss weight passed to the step). Raises when a later pass
-        changes sizes that came from a local shape."""
+        (ints and slices) that came from a split tensor's local shape (``b, t, c = h.shape``:
+        `_local_sizes`), which get the captured global ones, and its floats that differed in
+        the plan's first call (`_shares`; other floats, a loss weight, are this call's). Any
+        other size that differs from the captured one (``table[n]``, ``h[:, :n]`` with `n`
+        passed per call) plans the call again before its first backward (`Replan`: the plan's
+        shapes were worked out with the captured size); after it (a micro-batch's index) it is
+        this pass's. Raises when a later pass changes a size that came from a local shape."""
         own, spec = _flatten(args, kw)
         global_, global_spec = flatten_call(*captured)
         if spec != global_spec:
             return args, kw
         floats = self._shares(k, own, global_, float)
         at = [i for i, x in enumerate(own) if _size(x)]
-        first = self.first_sizes.setdefault(k, tuple(own[i] for i in at))
-        wanted = tuple(global_[i] for i in at)
-        if first == wanted and not floats:
+        local = self._local_sizes(k, own, global_, at)
+        shares = [i for i, first in local if own[i] == first]
+        other = [i for i in at if own[i] != global_[i] and i not in shares]
+        if other:
+            self._other_sizes(k, own, global_, at, other, local)
+        if not shares and not floats:
             return args, kw
-        if first != wanted and tuple(own[i] for i in at) != first:
-            node = self.plan.nodes[k]
-            raise UnsupportedParallelError(
-                f"AutoParallel: {node.op} (%{k} {node.name}) got {[own[i] for i in at]} in this "
-                f"pass and {list(first)} in the first, computed from a split tensor's local "
-                f"shape (the plan has {list(wanted)}). Micro-batches (gradient accumulation): "
-                f"split the whole batch with x.chunk(k) or x.split(n), which run as each "
-                f"rank's share of every part, rather than slicing it with bounds from its size "
-                f"(a global bound takes those rows of the global batch: x[:8] of 16 rows is "
-                f"the first ranks' rows, not a part of each rank's; docs/parallel.md, "
-                f"'Gradient accumulation inside a step'). Other sizes: compute them from "
-                f"global sizes (the step's own constants) instead"
+        return _with(own, spec, global_, [*shares, *floats])
+
+    def _local_sizes(
+        self, k: int, own: list[Any], global_: list[Any], at: list[int]
+    ) -> tuple[tuple[int, Any], ...]:
+        """The positions of node `k`'s sizes (at `at`) that came from a local shape, with the
+        local size: those that differed from the captured one the first time the plan ran the
+        node (in the call it was captured from, so from a local shape: the module docstring)."""
+        known = self.table.local_sizes.get(k)
+        if known is None:
+            differ = tuple((i, own[i]) for i in at if own[i] != global_[i])
+            known = self.table.local_sizes[k] = differ
+        return known
+
+    def _other_sizes(
+        self,
+        k: int,
+        own: list[Any],
+        global_: list[Any],
+        at: list[int],
+        other: list[int],
+        local: tuple[tuple[int, Any], ...],
+    ) -> None:
+        """Node `k`'s sizes at `other` differ from the captured ones and from the local sizes
+        noted there (`_local_sizes`): `Replan` before the call's first backward (with this
+        call's sizes, to find the plan captured with them: `_variants.known_variant`); after
+        it, an error where a size from a local shape changed, else nothing (this pass's)."""
+        node = self.plan.nodes[k]
+        noted = {i for i, _ in local}
+        if not self.backward_seen:
+            mine = tuple((i, own[i]) for i in at if i not in noted)
+            got = [own[i] for i in other]
+            raise Replan(
+                f"{node.op} (%{k} {node.name}) with sizes {got} where the plan has "
+                f"{[global_[i] for i in other]}",
+                k,
+                node.op,
+                sizes=mine,
             )
-        return _with(own, spec, global_, [*at, *floats] if first != wanted else floats)
+        if not noted.intersection(other):
+            return
+        raise UnsupportedParallelError(
+            f"AutoParallel: {node.op} (%{k} {node.name}) got {[own[i] for i in at]} in this "
+            f"pass and {[dict(local).get(i, global_[i]) for i in at]} in the first, computed "
+            f"from a split tensor's local shape (the plan has {[global_[i] for i in at]}). "
+            f"Micro-batches (gradient accumulation): split the whole batch with x.chunk(k) or "
+            f"x.split(n), which run as each rank's share of every part, rather than slicing it "
+            f"with bounds from its size (a global bound takes those rows of the global batch: "
+            f"x[:8] of 16 rows is the first ranks' rows, not a part of each rank's; "
+            f"docs/parallel.md, 'Gradient accumulation inside a step'). Other sizes: compute "
+            f"them from global sizes (the step's own constants) instead"
+        )
 
     def numbers(self, k: int, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
         """The arguments node `k` (an op on split inputs with a number, `NodeTable.numbered`)

@@ -7,7 +7,10 @@ changed, and which known plan fits it.
   statistics, draws).
 - `known_variant(plans, plan, shapes, stop)`: the one plan kept for these inputs whose first ops
   are the ones that ran and whose next op is the one called (or which ends there), each on the
-  same parameters (`_param_reads`: a head picked by a flag runs the same ops on others).
+  same parameters (`_param_reads`: a head picked by a flag runs the same ops on others), and,
+  where an op's sizes differed from the captured ones (``table[n]``), which has this call's.
+- `same_sizes(a, b)`: whether two plans were captured with the same sizes (an equal plan
+  captured with other ones is another variant).
 - `ByFlags`: the plan a call with the same flags last ran (its arguments that are not tensors:
   bools, strings, None, ``train=False``), to start the next such call with: a step whose
   branches follow a flag (train / eval) no longer starts each call with the other branch's
@@ -31,6 +34,7 @@ from shardwise import communication as comm
 from shardwise._torch.module_state import own_buffers
 from shardwise.parallel._errors import Replan
 from shardwise.parallel._param_reads import fits, node_reads
+from shardwise.parallel._sizes import flatten_call
 from shardwise.planner import NodePlan, ParallelPlan
 
 Variant = tuple[ParallelPlan, list[tuple[Any, Any]]]
@@ -73,7 +77,8 @@ def known_variant(
 ) -> Variant | None:
     """The one plan of `plans` other than `plan` for inputs of `shapes` whose first ops are
     `plan`'s up to where the call stopped (`stop.cursor`) and whose next op is the one called
-    there (`stop.op`; None: the call ended), each reading the same parameters (`stop.params`);
+    there (`stop.op`; None: the call ended), each reading the same parameters (`stop.params`)
+    and, for a call stopped by its sizes, captured with them (`stop.sizes`);
     None when no plan or several fit.
 
     Example:
@@ -88,16 +93,58 @@ def known_variant(
         if [(n.op, node_reads(n)) for n in nodes[: stop.cursor]] != ran:
             continue
         ends = stop.op is None and len(nodes) == stop.cursor
-        if ends or (len(nodes) > stop.cursor and _next_is(nodes[stop.cursor], stop)):
+        if ends or (len(nodes) > stop.cursor and _next_is(nodes[stop.cursor], stop, variant)):
             found.append(variant)
     return found[0] if len(found) == 1 else None
 
 
-def _next_is(node: NodePlan, stop: Replan) -> bool:
-    """Whether `node` is the call `stop` met: its op, on the same parameters when known."""
+def _same_sizes(template: tuple[Any, Any], stop: Replan) -> bool:
+    """Whether a plan's captured call `template` of the node `stop` met has the sizes the call
+    had there (`Replan.sizes`: ``table[n]``, a plan per `n`); True when it stopped otherwise."""
+    if stop.sizes is None:
+        return True
+    leaves, _ = flatten_call(tuple(template[0]), dict(template[1]))
+    return all(i < len(leaves) and _equal(leaves[i], x) for i, x in stop.sizes)
+
+
+def same_sizes(a: Sequence[tuple[Any, Any]], b: Sequence[tuple[Any, Any]]) -> bool:
+    """Whether two plans' captured calls (`Variant`'s templates) have the same sizes (ints and
+    slices) in the same places: an equal plan captured with other sizes (``table[n]``) is
+    another variant."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        xs, xspec = flatten_call(tuple(x[0]), dict(x[1]))
+        ys, yspec = flatten_call(tuple(y[0]), dict(y[1]))
+        if xspec != yspec or len(xs) != len(ys):
+            return False
+        sized = (i for i, v in enumerate(xs) if _size(v) or _size(ys[i]))
+        if not all(_equal(xs[i], ys[i]) for i in sized):
+            return False
+    return True
+
+
+def _size(x: Any) -> bool:
+    """Whether `x` is a size: an int (not a bool) or a slice."""
+    return isinstance(x, slice) or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints, slices) are equal (a slice of tensors: not known, False)."""
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _next_is(node: NodePlan, stop: Replan, variant: Variant) -> bool:
+    """Whether `node` (of `variant`) is the call `stop` met: its op, on the same parameters
+    when known, captured with the call's sizes when it stopped for them."""
     if stop.op is None or node.op != stop.op:
         return False
-    return stop.params is None or fits(node_reads(node), stop.params)
+    if stop.params is not None and not fits(node_reads(node), stop.params):
+        return False
+    return _same_sizes(variant[1][stop.cursor], stop)
 
 
 _FLAG_TYPES = (bool, str, type(None))
