@@ -55,8 +55,9 @@ class DpResult:
     diff_ddp: float  # max |shardwise - DDP| over every parameter element and rank
     diff_single: float  # max |shardwise - one process| (rank 0's parameters)
     recorded_bytes: float  # per rank per step, CommRecorder (rank 0; every rank sends alike)
-    theory_bytes: float  # 2(N-1)/N * param bytes + two 4-byte loss all-reduces (fwd + bwd)
+    theory_bytes: float  # 2(N-1)/N * (param bytes + counts + two 4-byte loss all-reduces)
     param_bytes: int
+    count_bytes: int  # the reducer's 3 counts per parameter (which ranks hold a gradient)
     collectives: int  # shardwise collectives per step (CommRecorder)
     phases: str  # the step's collectives in order, e.g. "AllReduce(forward)[1] ..."
     ddp_buckets: int | None  # DDP all-reduces per step (its logging data), None if unknown
@@ -226,7 +227,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
     m = compare(candidates, iters=1, reps=reps, warmup=1, barrier=harness.barrier_bytes())
     if rank != 0:
         return None
-    param_bytes = sum(p.numel() * p.element_size() for p in make_net().parameters())
+    params = list(make_net().parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    count_bytes = sum(3 * p.element_size() for p in params)  # (in the bucket's dtype)
     lo = {k: v.median_lo_bytes for k, v in m.items()}
     return asdict(
         DpResult(
@@ -238,8 +241,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any] | None:
             diff_ddp=diff_ddp,
             diff_single=diff_single,
             recorded_bytes=recorded,
-            theory_bytes=2 * (n - 1) / n * (param_bytes + 2 * 4),
+            theory_bytes=2 * (n - 1) / n * (param_bytes + count_bytes + 2 * 4),
             param_bytes=param_bytes,
+            count_bytes=count_bytes,
             collectives=collectives,
             phases=phases,
             ddp_buckets=_ddp_buckets(ddp_net),
@@ -298,10 +302,12 @@ def _notes(rows: list[DpResult], cores: int) -> list[str]:
         "faster of 1 thread and all cores; each DP rank runs 1 torch thread per core share",
         f"params: fresh copies trained {CHECK_STEPS} steps on the same batches; yes = every "
         f"element within {CHECK_ATOL:g}",
-        f"theory: 2(N-1)/N x {r0.param_bytes} parameter bytes + the forward and backward "
-        "all-reduce of the 4-byte loss; recorded = CommRecorder (the same bound, so equal by "
-        "construction); lo = measured loopback bytes per rank per step (TCP/IP headers and "
-        "gloo control messages included, the framing barriers subtracted)",
+        f"theory: 2(N-1)/N x ({r0.param_bytes} parameter bytes + {r0.count_bytes} bytes of "
+        "DistributedGradReducer's counts, 3 a parameter: which ranks hold a gradient, so "
+        "that a gradient None on some ranks only is summed as zeros) + the forward and "
+        "backward all-reduce of the 4-byte loss; recorded = CommRecorder (the same bound, so "
+        "equal by construction); lo = measured loopback bytes per rank per step (TCP/IP "
+        "headers and gloo control messages included, the framing barriers subtracted)",
         "colls sw: CommRecorder's count: the loss all-reduce, its backward, then "
         "DistributedGradReducer's one fused bucket after backward (outside autograd, so filed "
         "under 'forward'); colls DDP: num_buckets_reduced from DDP's logging data (1 MiB first "

@@ -52,7 +52,10 @@ def test_manual_dp_quick(
     assert row["world_size"] == 2 and row["equal"] is True
     assert row["diff_ddp"] <= 1e-5 and row["diff_single"] <= 1e-5
     assert row["collectives"] == 3  # loss forward + loss backward + one fused gradient bucket
-    assert row["recorded_bytes"] == row["theory_bytes"] == row["param_bytes"] + 8  # N = 2
+    # (N = 2: every parameter byte, the reducer's 3 float32 counts a parameter, the loss twice)
+    want = row["param_bytes"] + row["count_bytes"] + 8
+    assert row["recorded_bytes"] == row["theory_bytes"] == want
+    assert row["count_bytes"] == 3 * 4 * 6  # (three Linear layers: weights and biases)
     assert row["ddp_buckets"] in (None, 1, 2, 3)
     assert min(row["shardwise_s"], row["ddp_s"], row["single_s"]) > 0
 
