@@ -167,30 +167,3 @@ def test_a_static_kv_cache_written_at_start_pos_decodes_as_one_device() -> None:
             gathers = 2 if step < 2 else 3
             assert rec.kinds() == Counter({("AllGather", "forward", BOTH[0]): gathers})
             assert _planned(rec) == (step > 0)  # (step 1: the input's new shape)
-
-
-class _Made(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(6, 4)
-
-    def forward(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return self.lin(x * torch.ones(n).sum() + torch.arange(n, n + 6))
-
-
-def test_factory_sizes_passed_per_call_are_each_calls() -> None:
-    """``torch.ones(n)`` took the plan's shape and ``torch.arange(4, 10)`` the captured 8 as
-    its start (4 looked like this rank's share of 8 on 2 ranks)."""
-    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
-    single, net = _Made(), _Made()
-    with simulated_world(2) as world:
-        world.replicate(net)
-        parallel = sw.AutoParallel(net)
-        for call, n in enumerate((8, 4, 3, 8)):
-            with torch.no_grad(), CommRecorder() as rec:
-                want = single(x, n)
-                got = torch.cat(world.local_tensors(parallel(world.rows(x), n)), 0)
-            assert_matches_single_device(got, want, what=f"ones({n}), arange({n}, {n + 6})")
-            assert rec.kinds() == Counter()  # (rows in, rows out)
-            assert _planned(rec) == (call in (1, 2))

@@ -135,7 +135,7 @@ class NodeRun:
         ) -> tuple[Any, Any]: ...
 
         def factory_sizes(
-            self, k: int, op: str, args: Any, kw: Any, captured: tuple[Any, Any]
+            self, args: Any, kw: Any, captured: tuple[Any, Any]
         ) -> tuple[Any, Any]: ...
 
         def check_sized(self, func: Callable[..., Any], k: int, args: Any, kwargs: Any) -> Any: ...
@@ -206,9 +206,9 @@ class NodeRun:
     ) -> Any:
         """A call without tensor inputs: a node when it makes a tensor (``torch.arange``: whole
         on every rank, as planned), else Python state (``torch.set_grad_enabled``), not one.
-        A factory of the plan's next node gets its captured sizes where user code read them
-        from a local shape (another size passed per call plans the call again:
-        `Sizes.factory_sizes`), and a fill factory the node's global sizes (`factory_call`)."""
+        A factory of the plan's next node gets the node's global sizes (`factory_call`; any
+        other factory its captured sizes where user code read this rank's share of them:
+        `Sizes.factory_sizes`)."""
         k, asked = self.cursor, fill_shape(op, args, kw)  # (the shape the code asked for)
         if self.ops[k] == op:
             if checkpointing():  # (a region's first node may be a factory: `_recompute`)
@@ -216,9 +216,9 @@ class NodeRun:
             templates = self.table.templates
             if templates is not None:  # (``torch.tensor(float(b))``: the global b)
                 args, kw = self.factory_numbers(k, args, kw, templates[k])
-            if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
-                args, kw = self.factory_sizes(k, op, args, kw, templates[k])
             args, kw = factory_call(op, args, kw, self.plan.nodes[k].local_shapes[0])
+            if templates is not None and op in SIZED_FACTORIES:  # (``arange(b)``: the global b)
+                args, kw = self.factory_sizes(args, kw, templates[k])
         out = func(*args, **kw)
         if not isinstance(out, T) and not any(isinstance(t, T) for t in pytree.tree_leaves(out)):
             return out

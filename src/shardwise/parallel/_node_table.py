@@ -69,13 +69,11 @@ _RESIZED = {
 }
 # factories whose size arguments name their (whole) output's shape (`factory_call`)
 _FACTORIES = FILLS
-# factories whose int arguments are sizes or bounds (not data, as ``torch.tensor(k)``'s): one
-# read from a local shape takes the captured global one, another that differs from the captured
-# one plans the call again (`_sizes.Sizes.factory_sizes`)
+# factories whose int arguments are sizes or bounds (not data, as ``torch.tensor(k)``'s):
+# one that is this rank's share of the captured int takes the global one (`factory_sizes`)
 SIZED_FACTORIES = {
     *("torch.arange", "torch.linspace", "torch.logspace", "torch.eye", "torch.randperm"),
     *("torch.rand", "torch.randn", "torch.randint", "torch.tril_indices", "torch.triu_indices"),
-    *_FACTORIES,
 }
 
 # how the executor runs each node (`NodeTable.fast`)

@@ -19,8 +19,8 @@ the global numbers, and the executor gives each op those where the call's own di
   node takes the full path in the plan's first call (`NodeTable.numbered`); one whose numbers
   all were the captured ones goes back to its short path (`NodeTable.checked`).
 - `Sizes.factory_numbers`: a factory's numbers (``torch.tensor(x.size(0))``, a fill value), as
-  below; `Sizes.factory_sizes`: a factory's sizes (``torch.arange(b)``, ``torch.zeros(n)``) as
-  `Sizes.sizes` gives them.
+  below; `Sizes.factory_sizes`: a sized factory's ints that are shares of the captured ones
+  (``torch.arange(b)``).
 
 "As below": a number that differs from the captured one the first time the plan runs the node
 is noted with its position (`NodeTable.shares`); that call and every later one that passes the
@@ -88,13 +88,6 @@ def _flatten(args: Any, kw: Any) -> tuple[list[Any], Any]:
     return flatten_call(args, kw)
 
 
-def _full_size(args: Any, kw: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A ``torch.full`` call's size argument alone, as a call (its fill left out)."""
-    if args:
-        return (args[0],), {}
-    return (), {"size": kw["size"]} if "size" in kw else {}
-
-
 def _number(x: Any) -> bool:
     """Whether `x` is a Python int or float (not a bool)."""
     return isinstance(x, int | float) and not isinstance(x, bool)
@@ -129,22 +122,15 @@ class Sizes:
         if spec != global_spec:
             return args, kw
         floats = self._shares(k, own, global_, float)
-        shares = self._size_shares(k, own, global_)
-        if not shares and not floats:
-            return args, kw
-        return _with(own, spec, global_, [*shares, *floats])
-
-    def _size_shares(self, k: int, own: list[Any], global_: list[Any]) -> list[int]:
-        """The positions of node `k`'s flat arguments `own` whose sizes came from a local
-        shape (`_local_sizes`) and get the captured ones in `global_`; other sizes that differ
-        from the captured ones: `_other_sizes`."""
         at = [i for i, x in enumerate(own) if _size(x)]
         local = self._local_sizes(k, own, global_, at)
         shares = [i for i, first in local if own[i] == first]
         other = [i for i in at if own[i] != global_[i] and i not in shares]
         if other:
             self._other_sizes(k, own, global_, at, other, local)
-        return shares
+        if not shares and not floats:
+            return args, kw
+        return _with(own, spec, global_, [*shares, *floats])
 
     def _local_sizes(
         self, k: int, own: list[Any], global_: list[Any], at: list[int]
@@ -241,24 +227,30 @@ class Sizes:
             )
         return [i for i, first in known if own[i] == first]
 
-    def factory_sizes(
-        self, k: int, op: str, args: Any, kw: Any, captured: tuple[Any, Any]
-    ) -> tuple[Any, Any]:
-        """Factory node `k`'s arguments (``torch.arange(b)``, ``torch.zeros(n)``) with each
-        size that came from a local shape the captured global one; any other size that
-        differs from the captured one is handled as `sizes` handles it (``torch.arange(start,
-        start + t)`` with `start` passed per call: planned again). A ``torch.full``'s fill is
-        no size (`factory_numbers`)."""
-        if op == "torch.full":
-            args_, kw_ = _full_size(args, kw), _full_size(*captured)
-            own, spec = _flatten(*args_)
-            global_, global_spec = flatten_call(*kw_)
-            if spec == global_spec:
-                self._size_shares(k, own, global_)
-            return args, kw  # (`factory_call` gives it the plan's shape)
+    def factory_sizes(self, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
+        """A factory's arguments (``torch.arange(b)``) with each int that is this call's share
+        of the captured global one (times a split count of the plan's device matrix, as a
+        size read from this rank's block is) replaced by the global one; other ints (a step
+        counter, an offset) stay this call's."""
         own, spec = _flatten(args, kw)
         global_, global_spec = flatten_call(*captured)
         if spec != global_spec:
             return args, kw
-        shares = self._size_shares(k, own, global_)
-        return _with(own, spec, global_, shares) if shares else (args, kw)
+        counts = self.split_counts
+        changed = False
+        for i, (x, g) in enumerate(zip(own, global_, strict=True)):
+            share = isinstance(x, int) and isinstance(g, int) and _size(x) and _size(g)
+            if share and 0 < x != g and g % x == 0 and g // x in counts:
+                own[i], changed = g, True
+        if not changed:
+            return args, kw
+        return unflatten_call(own, spec)
+
+    @property
+    def split_counts(self) -> set[int]:
+        """The numbers of blocks a dim split over some axes of the plan's matrix has."""
+        sizes = [s for s in self.plan.matrix.shape if s > 1]
+        counts = {1}
+        for s in sizes:
+            counts |= {c * s for c in counts}
+        return counts - {1}
