@@ -33,6 +33,7 @@ call has it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,6 +89,22 @@ def _flatten(args: Any, kw: Any) -> tuple[list[Any], Any]:
     return flatten_call(args, kw)
 
 
+def _first_differences(
+    noted: dict[int, tuple[tuple[int, Any], ...]],
+    k: int,
+    own: list[Any],
+    global_: list[Any],
+    at: Callable[[], list[int]],
+) -> tuple[tuple[int, Any], ...]:
+    """Node `k`'s arguments among positions `at()` whose value differed from the captured one
+    the first time the plan ran the node, with that value (noted in `noted`, a `NodeTable`
+    dict, on that first run)."""
+    known = noted.get(k)
+    if known is None:
+        known = noted[k] = tuple((i, own[i]) for i in at() if own[i] != global_[i])
+    return known
+
+
 def _number(x: Any) -> bool:
     """Whether `x` is a Python int or float (not a bool)."""
     return isinstance(x, int | float) and not isinstance(x, bool)
@@ -138,11 +155,7 @@ class Sizes:
         """The positions of node `k`'s sizes (at `at`) that came from a local shape, with the
         local size: those that differed from the captured one the first time the plan ran the
         node (in the call it was captured from, so from a local shape: the module docstring)."""
-        known = self.table.local_sizes.get(k)
-        if known is None:
-            differ = tuple((i, own[i]) for i in at if own[i] != global_[i])
-            known = self.table.local_sizes[k] = differ
-        return known
+        return _first_differences(self.table.local_sizes, k, own, global_, lambda: at)
 
     def _other_sizes(
         self,
@@ -214,17 +227,16 @@ class Sizes:
         plan ran the node (in the call it was captured from: `NodeTable.shares`), when this call
         has that same number there (one that changes from call to call is data: a loss
         weight)."""
-        known = self.table.shares.get(k)
-        if known is None:
-            known = self.table.shares[k] = tuple(
-                (i, x)
+
+        def at() -> list[int]:
+            return [
+                i
                 for i, (x, g) in enumerate(zip(own, global_, strict=True))
-                if (
-                    (isinstance(x, kind) and _number(x) and _number(g))
-                    or (kind is not float and isinstance(x, slice) and isinstance(g, slice))
-                )
-                and x != g
-            )
+                if (isinstance(x, kind) and _number(x) and _number(g))
+                or (kind is not float and isinstance(x, slice) and isinstance(g, slice))
+            ]
+
+        known = _first_differences(self.table.shares, k, own, global_, at)
         return [i for i, first in known if own[i] == first]
 
     def factory_sizes(self, args: Any, kw: Any, captured: tuple[Any, Any]) -> tuple[Any, Any]:
