@@ -203,6 +203,10 @@ class TensorLayout:
         """Axes that split some dim."""
         return tuple(sorted(a for axes in self.dims for a in axes))
 
+    def is_split(self) -> bool:
+        """Whether some dim is cut into blocks (an axis of size > 1 splits it)."""
+        return any(self.matrix.shape[a] > 1 for a in self.used_axes())
+
     def replicated_axes(self) -> tuple[int, ...]:
         """Axes along which the tensor is replicated (they split no dim)."""
         used = set(self.used_axes())

@@ -109,10 +109,8 @@ class PlanSplits:
         self.network, self.plan = network, plan
         self.shards = {s.info.name: s for s in optimizer.params} if optimizer else {}
         self.counted: dict[str, Copies] = {}
-        self.blocks = bool(self.shards) or any(
-            any(p.layout.matrix.shape[a] > 1 for a in p.layout.used_axes())
-            for p in plan.params.values()
-        )  # (some gradient is this rank's piece of a whole one)
+        self.blocks = bool(self.shards) or any(p.layout.is_split() for p in plan.params.values())
+        # (some gradient is this rank's piece of a whole one)
 
     def split(self, name: str | None) -> GradSplit:
         """Parameter `name`'s gradient's `GradSplit` (None: whole, or no parameter)."""

@@ -44,7 +44,7 @@ def refuse_coupled(
     for name, p in network.named_parameters():
         entry = plan.params.get(name)
         layout = None if entry is None else entry.layout
-        if layout is not None and any(layout.matrix.shape[a] > 1 for a in layout.used_axes()):
+        if layout is not None and layout.is_split():
             split[id(p)] = name
     check_blocks(optimizers, split)
 
