@@ -24,7 +24,6 @@ from a split one's values (``torch.bernoulli(p)``) is refused at plan time.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import Any
 
@@ -37,6 +36,7 @@ import shardwise as sw
 from shardwise.planner import ParallelPlan
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..cached import outside_worlds
 from ..zoo import GPT2, CausalSelfAttention, GPT2Config, gpt2_hf, recording_step, token_batches
 from .test_zoo_megatron import SDPA_2X2, block_of, megatron, per_layer
 
@@ -61,12 +61,12 @@ MODELS: dict[str, Any] = {
 }
 
 
-@functools.cache
+@outside_worlds
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return token_batches(STEPS, BATCH)
 
 
-@functools.cache
+@outside_worlds
 def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Per step on one device (dropout drawn from seed `SEED`): the loss, every gradient."""
     make, loss_of = MODELS[name]

@@ -129,7 +129,7 @@ def train_clipped(
     step's collectives."""
     want = one_device(norm_type)
     net = megatron(GPT2(), dp, mp) if mp > 1 else GPT2()
-    out = []
+    out, steps = [], batches()
     with simulated_world(dp * mp) as world:
         world.replicate(net)
         seen: list[Any] = []
@@ -137,7 +137,7 @@ def train_clipped(
         parallel = sw.AutoParallel(clipped_step(net, opt, norm_type, seen), "semi_auto")
         if hsdp is not None:
             parallel.hsdp(**hsdp)
-        for s, (x, y) in enumerate(batches()):
+        for s, (x, y) in enumerate(steps):
             with CommRecorder() as rec:
                 loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s][0], what=f"loss {s}")
@@ -258,7 +258,7 @@ def test_the_two_step_form_matches_one_device(hsdp: str | None) -> None:
 def test_the_two_step_form_refuses_copies_of_the_gradients() -> None:
     """``get_total_norm`` of copies (``p.grad.detach()``): nothing tells which piece of which
     gradient each is, so a ValueError (it gave each rank another norm, silently)."""
-    net = megatron(GPT2(), 1, 2)
+    net, (x, y) = megatron(GPT2(), 1, 2), batches()[0]
     with simulated_world(2) as world:
         world.replicate(net)
 
@@ -268,20 +268,18 @@ def test_the_two_step_form_refuses_copies_of_the_gradients() -> None:
             torch.nn.utils.get_total_norm([p.grad.detach() for p in net.parameters()])
             return loss
 
-        x, y = batches()[0]
         with pytest.raises(ValueError, match=r"get_total_norm .* no parameter's \.grad"):
             sw.AutoParallel(step)(x, y)
 
 
 def test_clip_is_refused_in_the_data_parallel_mode() -> None:
-    net = GPT2()
+    net, (x, y) = GPT2(), batches()[0]
     with simulated_world(2) as world:
         world.replicate(net)
         opt = net.configure_optimizers(weight_decay=0.1, **ADAM)
         step = clipped_step(net, opt, 2.0, [])
         parallel = sw.AutoParallel(step, "data_parallel", optimizer=opt)
         match = r"data_parallel.*reduces them.*use parallel_mode='semi_auto'"
-        x, y = batches()[0]
         with pytest.raises(ValueError, match=match):
             parallel(world.rows(x), world.rows(y))
         with pytest.raises(ValueError, match=match):  # (and outside the call)

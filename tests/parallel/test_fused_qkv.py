@@ -22,7 +22,6 @@ op, dim, axis and fix."""
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ from shardwise.report._summary import step_traffic
 from shardwise.testing import CommRecorder, SimulatedWorld, simulated_world
 from shardwise.testing import assert_matches_single_device as same
 
+from ..cached import outside_worlds
 from ..zoo import GPT2, CausalSelfAttention, GPT2Config, token_batches
 from .test_zoo_megatron import ADAM, batches
 from .test_zoo_megatron import reference as megatron_reference
@@ -65,7 +65,7 @@ def annotate(net: GPT2, dp: int, mp: int, qkv: str, proj: bool) -> GPT2:
     return net
 
 
-@functools.cache
+@outside_worlds
 def reference() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The global batch, and one device's loss and gradients on it."""
     x, y = token_batches(1, 8)[0]
@@ -317,7 +317,7 @@ def test_strided_only_on_the_weights_output_features() -> None:
 def test_strided_qkv_with_optimizer_parallel() -> None:
     """hsdp level 3 on top of the strided Megatron plan at 2 x 2 (each strided block sharded
     over its dp replicas): two AdamW steps' losses and updated parameters equal one device's."""
-    want = megatron_reference()
+    want, steps = megatron_reference(), batches()
     net = annotate(GPT2(), 2, 2, "strided", True)
     with simulated_world(4) as world:
         world.replicate(net)
@@ -332,7 +332,7 @@ def test_strided_qkv_with_optimizer_parallel() -> None:
             return loss
 
         parallel = sw.AutoParallel(step).hsdp(threshold=0, optimizer_level="level3")
-        for s, (a, b) in enumerate(batches()):
+        for s, (a, b) in enumerate(steps):
             same(parallel(world.rows(a), world.rows(b)), want[s][0], what=f"loss {s}")
             plan = parallel.optimizer_plan
             assert plan is not None

@@ -14,7 +14,6 @@ rank's own loss).
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
@@ -26,6 +25,8 @@ from torch import nn
 import shardwise as sw
 from shardwise.parallel import AutoParallel
 from shardwise.testing import assert_matches_single_device, simulated_world
+
+from ..cached import outside_worlds
 
 BATCH, STEPS = 8, 2
 
@@ -76,7 +77,7 @@ class Recording(torch.optim.SGD):
         return super().step(closure)
 
 
-@functools.cache
+@outside_worlds
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches (made once: a first call outside a simulated world makes them plain)."""
     g = torch.Generator().manual_seed(1)
@@ -321,14 +322,13 @@ def test_full_batch_takes_this_ranks_share(form: str) -> None:
     """semi_auto under ``"full_batch"``: the first unannotated op takes this rank's rows of the
     whole batch (a local slice), so the plain-torch layers run on 8 / 4 rows per rank, as under
     ``"data_parallel"``; the loss still equals one device's."""
-    (losses, _), net = single_device(MLP), MLP()
+    (losses, _), net, (x, y) = single_device(MLP), MLP(), data()[0]
     seen: list[int] = []
     with simulated_world(4) as world:
         world.replicate(net)
         net.fc2.register_forward_pre_hook(lambda _m, args: seen.append(int(args[0].shape[0])))
         make = module_form if form == "module" else train_step_form
         _, _, call = make(4, net, "semi_auto", "full_batch")
-        x, y = data()[0]
         loss = call(world.same(x), world.same(y))
         assert_matches_single_device(loss, torch.tensor(losses[0]))
     assert seen[-1] == BATCH // 4  # (the first call is planned on a global-shape trace first)

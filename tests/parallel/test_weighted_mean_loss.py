@@ -12,7 +12,6 @@ ignored, or of classes of weight 0) adds 0 and gets zero gradients, not NaN.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..cached import outside_worlds
 from ..zoo import (
     GPT2,
     assert_grad_blocks_match,
@@ -37,7 +37,7 @@ STEPS, BATCH = 2, 8
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@functools.cache
+@outside_worlds
 def padded(ignore: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Token batches whose first half of rows is padded (`ignore` targets): the first quarter
     wholly, the second partly; so 2 or 4 ranks count different targets (the first of 4: none)."""
@@ -62,7 +62,7 @@ def hf_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 MODELS = {"gpt2": (GPT2, gpt2_loss, -1), "gpt2_hf": (gpt2_hf, hf_loss, -100)}  # (nanoGPT: -1)
 
 
-@functools.cache
+@outside_worlds
 def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     make, loss_of, ignore = MODELS[name]
     net = make()
@@ -78,13 +78,11 @@ def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.T
 def test_padded_targets_match_one_device(name: str, world_size: int) -> None:
     make, loss_of, ignore = MODELS[name]
     want_losses, want_grads = single_device(name)
-    net = make()
+    net, steps = make(), padded(ignore)
     with simulated_world(world_size) as world:
         world.replicate(net)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, eps=1e-6)
-        _, rec = semi_auto_matches(
-            world, net, opt, loss_of, padded(ignore), want_losses, want_grads
-        )
+        _, rec = semi_auto_matches(world, net, opt, loss_of, steps, want_losses, want_grads)
     ranks = tuple(range(world_size))
     want = {("AllReduce", "forward", ranks): STEPS, ("AllReduce", "backward", ranks): STEPS}
     assert rec.kinds() == Counter(want), rec.summary()

@@ -27,7 +27,6 @@ entirely; GroupNorm would not be the user's model.)
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..cached import outside_worlds
 from ..zoo import GPT2, Llama, ResNet, gpt2_hf, image_batches, token_batches
 
 STEPS, BATCH = 2, 8
@@ -131,7 +131,7 @@ def record_grads(net: nn.Module, opt: torch.optim.Optimizer, into: list[Any]) ->
     opt.register_step_post_hook(hook)
 
 
-@functools.cache
+@outside_worlds
 def data(name: str) -> list[Batch]:
     """The global batches of a case (made once: a first call outside a simulated world makes
     them plain tensors)."""
@@ -146,7 +146,7 @@ def use_buffers(net: nn.Module, state: dict[str, torch.Tensor]) -> None:
         net.get_submodule(mod)._buffers[attr] = b
 
 
-@functools.cache
+@outside_worlds
 def single_device(name: str, chunks: int) -> Run:
     """The reference: one device on each global batch (as `chunks` chunks, each with its own
     BatchNorm buffers, when the case has per-rank statistics; else whole)."""
@@ -179,7 +179,7 @@ def single_device(name: str, chunks: int) -> Run:
 def test_matches_single_device(name: str, world_size: int) -> None:
     case = CASES[name]
     want = single_device(name, world_size if case.per_rank_stats else 1)
-    net = case.make()
+    net, steps = case.make(), data(name)
     seen: list[dict[str, torch.Tensor]] = []
     with simulated_world(world_size) as world, CommRecorder() as rec:
         world.replicate(net)
@@ -198,7 +198,7 @@ def test_matches_single_device(name: str, world_size: int) -> None:
 
         step = sw.AutoParallel(train_step, parallel_mode="data_parallel")
         assert step.network is net and step.optimizers == [opt]
-        for i, (x, y) in enumerate(data(name)):
+        for i, (x, y) in enumerate(steps):
             loss = step(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want.losses[i], what=f"loss {i}")
             assert_matches_single_device(seen[i], want.grads[i], what=f"grads {i}")

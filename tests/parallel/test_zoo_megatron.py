@@ -27,7 +27,6 @@ hsdp: `hsdp_kinds`), per layer (over the mp axis):
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..cached import outside_worlds
 from ..optim.test_hsdp import shard_of
 from ..zoo import GPT2, CausalSelfAttention, GPT2Config, Llama, recording_step, token_batches
 
@@ -113,12 +113,12 @@ def test_megatron_llama_matches_one_device() -> None:
         assert rec.kinds() == want_kinds, rec.summary()
 
 
-@functools.cache
+@outside_worlds
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return token_batches(STEPS, BATCH)
 
 
-@functools.cache
+@outside_worlds
 def reference() -> list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     """Per step on one device: the loss, every gradient, every parameter after the step."""
     net = GPT2()
@@ -230,7 +230,7 @@ def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
     replicas (threshold 0); the loss, every gradient (the shard each rank updates, read after
     ``opt.step()``: level 1 reduces at the step) and every updated parameter equal one
     device's, and the collectives are exactly `hsdp_kinds`."""
-    want = reference()
+    want, steps = reference(), batches()
     net = megatron(GPT2(), 2, 2)
     with simulated_world(4) as world:
         world.replicate(net)
@@ -247,7 +247,7 @@ def test_megatron_gpt2_with_optimizer_parallel(level: str) -> None:
             return loss
 
         parallel = sw.AutoParallel(step).hsdp(threshold=0, optimizer_level=level)
-        for s, (x, y) in enumerate(batches()):
+        for s, (x, y) in enumerate(steps):
             with CommRecorder() as rec:
                 loss = parallel(world.rows(x), world.rows(y))
             assert_matches_single_device(loss, want[s][0], what=f"loss {s}")

@@ -31,6 +31,7 @@ from torch import nn
 import shardwise as sw
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
+from ..cached import outside_worlds
 from ..zoo import (
     GPT2,
     Llama,
@@ -69,12 +70,12 @@ def loss_of(name: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@functools.cache
+@outside_worlds
 def data(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return token_batches(STEPS, BATCH) if kind == "tokens" else image_batches(STEPS, BATCH)
 
 
-@functools.cache
+@outside_worlds
 def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Per step: the loss and every gradient (by name), on one device."""
     make, optimizer, kind = MODELS[name]
@@ -95,14 +96,12 @@ CASES += [("resnet", 2), ("resnet", 4), ("gpt2_hf", 2), ("gpt2_hf", 4), ("t5_hf"
 def test_semi_auto_without_annotation_matches_one_device(name: str, world_size: int) -> None:
     make, optimizer, kind = MODELS[name]
     want_losses, want_grads = single_device(name)
-    net = make()
+    net, steps = make(), data(kind)
     with simulated_world(world_size) as world:
         world.replicate(net)
         opt = optimizer(net)
         loss_fn = functools.partial(loss_of, name)
-        parallel, rec = semi_auto_matches(
-            world, net, opt, loss_fn, data(kind), want_losses, want_grads
-        )
+        parallel, rec = semi_auto_matches(world, net, opt, loss_fn, steps, want_losses, want_grads)
         plan = parallel.parallel_plan
         assert plan is not None
         ranks = tuple(range(world_size))
@@ -125,7 +124,7 @@ def test_semi_auto_without_annotation_matches_one_device(name: str, world_size: 
         assert rec.kinds() == want, rec.summary()
 
 
-@functools.cache
+@outside_worlds
 def gpt2_reference() -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """GPT-2 on one device: the loss and every parameter after each step."""
     make, optimizer, kind = MODELS["gpt2"]
