@@ -78,19 +78,20 @@ def single_device(name: str) -> tuple[list[torch.Tensor], list[dict[str, torch.T
     return losses, grads
 
 
-def train(world: Any, name: str, net: nn.Module) -> tuple[sw.AutoParallel, list[Counter[Any]]]:
-    """`net` trained in semi_auto from seed `SEED`: each step's loss and every gradient (this
-    rank's block) equal one device's; returns the wrapper and each step's collectives. (Call
-    `single_device` and `batches` before entering `world`: they draw.)"""
+def train(world: Any, name: str, net: nn.Module, want: Any) -> tuple[sw.AutoParallel, list[Any]]:
+    """`net` trained in semi_auto from seed `SEED` on `batches()`: each step's loss and every
+    gradient (this rank's block) equal one device's, `want` (``(single_device(name),
+    batches())``, made before entering `world`: they draw); returns the wrapper and each step's
+    collectives."""
     _, loss_of = MODELS[name]
-    want_losses, want_grads = single_device(name)
+    (want_losses, want_grads), steps = want
     world.replicate(net)
     seen: list[dict[str, torch.Tensor]] = []
     step = recording_step(net, torch.optim.AdamW(net.parameters(), **ADAM), loss_of, seen)
     parallel = sw.AutoParallel(step, parallel_mode="semi_auto")
     kinds = []
     torch.manual_seed(SEED)
-    for s, (x, y) in enumerate(batches()):
+    for s, (x, y) in enumerate(steps):
         with CommRecorder() as rec:
             loss = parallel(world.rows(x), world.rows(y))
         assert_matches_single_device(loss, want_losses[s], what=f"loss {s}")
@@ -111,9 +112,9 @@ def dropout_nodes(parallel: sw.AutoParallel) -> list[Any]:
 def test_data_parallel_attention_dropout_matches_one_device(name: str, ranks: int) -> None:
     """Each layer's attention keeps its rows split and drops its block of the global mask: per
     step only the loss's AllReduce and one gradient bucket."""
-    net, _, _ = MODELS[name][0](), single_device(name), batches()
+    net, want = MODELS[name][0](), (single_device(name), batches())
     with simulated_world(ranks) as world:
-        parallel, kinds = train(world, name, net)
+        parallel, kinds = train(world, name, net, want)
     world_group = tuple(range(ranks))
     want = Counter({("AllReduce", "forward", world_group): 1})
     want[("AllReduce", "backward", world_group)] = 1
@@ -148,9 +149,9 @@ def test_heads_split_attention_dropout_matches_one_device() -> None:
         strided = (layout("dp", "None"), layout(sw.strided("mp", 3), "None"))
         sw.shard(block.attn.c_attn, in_strategy=strided)
         block.attn.__class__ = HeadsSplit
-    single_device("nanogpt"), batches()
+    want = single_device("nanogpt"), batches()
     with simulated_world(4) as world:
-        parallel, kinds = train(world, "nanogpt", net)
+        parallel, kinds = train(world, "nanogpt", net, want)
     assert kinds[0] == kinds[1]
     assert not any(kind == "AllReduce" and group == (0, 1) for kind, _, group in kinds[0])
     nodes = dropout_nodes(parallel)
@@ -168,9 +169,9 @@ def test_megatron_with_dropout_matches_one_device() -> None:
     as without dropout (`test_zoo_megatron.per_layer`), loss and every gradient as one
     device's."""
     net = megatron(nanogpt(), 2, 2)
-    single_device("nanogpt"), batches()
+    want = single_device("nanogpt"), batches()
     with simulated_world(4) as world:
-        parallel, kinds = train(world, "nanogpt", net)
+        parallel, kinds = train(world, "nanogpt", net, want)
     assert kinds == [per_layer(2, 2)] * STEPS
     assert len(dropout_nodes(parallel)) == 2
 
