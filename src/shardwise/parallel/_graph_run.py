@@ -93,7 +93,7 @@ from shardwise.parallel._step_hooks import StepHooks
 from shardwise.parallel._variants import ByFlags, known_variant, snapshot
 from shardwise.planner import ParallelPlan
 from shardwise.planner._graph import SizeRead
-from shardwise.planner._user_state import CALL_LIMIT, python_state
+from shardwise.planner._user_state import CALL_LIMIT, module_attributes, python_state
 
 T = torch.Tensor
 
@@ -141,6 +141,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: `_network_hooks`)
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
+        self.all_modules: list[nn.Module] = []  # (all of the network's, when planning)
         self.rnns: list[nn.RNNBase] = []  # (its recurrent modules: `_rnn_checks`)
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         self.size_reads: dict[int, tuple[SizeRead, ...]] = {}  # (the last plan's: `_errors`)
@@ -166,6 +167,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.plans = [(plan, self.templates)]
         self.tables = {}
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
+        self.all_modules = list(self.network.modules())
         self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]
         self.objects = [  # (not modules and optimizers: a note of theirs costs ~4 us each)
             o
@@ -238,11 +240,13 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
                 self._replan(args, kwargs, f"inputs of global shapes {shapes}")
         self._check_trainable()
         state, python = snapshot(self.modules), python_state(self.objects, CALL_LIMIT, False)
+        attributes = module_attributes(self.all_modules)
         try:
             return self._run(args, kwargs)
         except Replan as e:
             state.restore()  # (what the stopped attempt changed: buffers, the RNG, Python state)
             python()
+            attributes()
             stop = e
         ran = self.parallel_plan  # (the plan the stopped attempt ran)
         assert ran is not None
@@ -254,6 +258,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
             except Replan as e:  # (a known plan that parts from the call later on)
                 state.restore()
                 python()
+                attributes()
                 stop = e
         self._replan(args, kwargs, str(stop))
         try:

@@ -20,7 +20,9 @@ are those the step's code and its modules' hooks load: `parallel/_discover.find_
 it returns puts back every one that changed. `kept_real` does so around the capture, so the
 first real call starts where the capture started; the wrapper does so around each call
 (`parallel/_graph_run.py`), for a call stopped part way to be planned again (another branch of
-the step) and run anew from where it started. A module's private attributes (``_parameters``,
+the step) and run anew from where it started; `module_attributes` notes, at each call, every
+module's own attributes (``self.pos += t`` before an op that stops the call would otherwise
+count twice). A module's private attributes (``_parameters``,
 hooks) are only rid of fake tensors (the capture restores its parameters itself).
 """
 
@@ -217,6 +219,25 @@ def python_state(
         for step in snapshot.undo:
             step()
         generators()
+
+    return put_back
+
+
+def module_attributes(modules: Iterable[nn.Module]) -> Callable[[], None]:
+    """A function that puts each of `modules`' public attributes back as they are now (a
+    shallow note of its ``__dict__``: a value rebound, added or deleted; a container changed in
+    place is `python_state`'s). Cheap enough for every call: one dict copy per module.
+
+    Example:
+        >>> put_back = module_attributes(net.modules())
+        >>> net.pos += 1
+        >>> put_back()   # net.pos as it was
+    """
+    notes = [(m.__dict__, m.__dict__.copy()) for m in modules]
+
+    def put_back() -> None:
+        for attrs, before in notes:
+            _put_dict(attrs, before, public=True)
 
     return put_back
 
