@@ -10,11 +10,11 @@
   call returning its input object without writing it (``h.to(torch.float32)`` on a float32
   ``h``, ``h.float()``, ``h.type_as(h)``) returns the input's value as a value of its own
   (`apart`: a view of it, so that the input object keeps its value for its later reads).
-- `check_change`: raise for an in-place change the plan executor cannot hand to later reads
-  (the planner asks for each torch node whose input 0 it places); `written_through`: the
-  views an in-place op changes and those ops, which a planner runs on their input as placed;
-  `shared_input`: the input whose storage a node's output shares (a view, from the alias
-  annotations of its aten ops' schemas).
+- `check_change`: why the plan executor cannot hand an in-place change to later reads (the
+  planner asks for each torch node whose input 0 it places, and raises it);
+  `written_through`: the views an in-place op changes and those ops, which a planner runs on
+  their input as placed; `shared_input`: the input whose storage a node's output shares (a
+  view, from the alias annotations of its aten ops' schemas).
 - `written_inputs`: the inputs a node's aten program changes in place (its schema's ``(a!)``
   arguments; a training batch norm's running statistics, which ``native_batch_norm``
   changes without saying so); `write_back_edges`: for a whole buffer such a node gets as a
@@ -39,7 +39,7 @@ import torch
 from shardwise._torch import pytree
 from shardwise._torch.dispatch import returned_aliases
 from shardwise.planner._graph import AtenArg, AtenCall, Graph, Node, Ref
-from shardwise.planner._placement import PlanError, _itemsize
+from shardwise.planner._placement import _itemsize
 from shardwise.planner._plan import EdgePlan, Placed
 from shardwise.redistribution import plan_redistribution
 
@@ -101,27 +101,27 @@ def check_change(
     edges: Sequence[EdgePlan],
     node: Node,
     dst: Placed | None,
-) -> None:
-    """Raise when `node` changes its input 0 in place where the executor cannot hand the
-    change to later reads (`_node_run.current` covers an in-place op on a moved input
-    itself): item assignment on a moved value (it returns nothing), or a change through a
-    view (`shared_input`: ``o.detach()``, ``o.t()``, a slice) when the view or a value it
-    shows was moved for it (later reads go to the base, and a moved view holds a copy, or
-    only this rank's part of it). `dst`: input 0's move (None: none); `state`: each value's
-    placement; `edges`: the moves planned so far."""
+) -> str | None:
+    """Why `node` changes its input 0 in place where the executor cannot hand the change to
+    later reads (a `PlanError`'s message), or None (`_node_run.current` covers an in-place op
+    on a moved input itself): item assignment on a moved value (it returns nothing), or a
+    change through a view (`shared_input`: ``o.detach()``, ``o.t()``, a slice) when the view
+    or a value it shows was moved for it (later reads go to the base, and a moved view holds
+    a copy, or only this rank's part of it). `dst`: input 0's move (None: none); `state`:
+    each value's placement; `edges`: the moves planned so far."""
     ref = node.inputs[0]
     setitem = node.op.endswith("__setitem__")
     changes = setitem or in_place(node.op) or node.kwargs.get("inplace") is True
     if not changes or ref.kind != "node":
-        return
+        return None
     chain = _chain(graph, ref)
     view = any(not writes_input(graph.nodes[k]) for k, _ in chain)
     base_moved = view and any((e.consumer, e.slot) in chain for e in edges)
     if not ((setitem or view) and (dst is not None or base_moved)):
-        return
+        return None
     what = "sets items of" if setitem else "changes a view of"
     move = f"{state[ref]} -> {dst}" if dst is not None else "the view's base"
-    raise PlanError(
+    return (
         f"{node.op} ({node.name} at {node.source}) {what} a value in place, but the plan "
         f"moves it first ({move}), so the change would land in a moved copy, not in the "
         f"tensor the network reads next; write it out of place (torch.where, "

@@ -7,9 +7,13 @@ block, the plan makes it as that block instead: the edges go, and the factory ru
 local sizes (`NodePlan.local_shapes`). Besides the copy it saves, the tensor then has the shape
 the network's own code expects: a recurrent layer's initial state ``torch.zeros(layers,
 x.size(0), hidden)``, checked against this rank's batch before the op runs (``nn.GRU``'s
-``check_hidden_size``), is this rank's rows, as ``x`` is.
+``check_hidden_size``), is this rank's rows, as ``x`` is. A fill that item assignment changes
+while the plan would move it for that (FNO's ``out = torch.zeros(b, C, M); out[:, :, :k] =
+...`` with ``b`` this rank's rows) is made as the block there (`split_fill`): a moved copy
+would take the change instead of the tensor later ops read.
 
 `split_fills(graph, nodes, edges)` returns the nodes and edges with such fills placed split;
+`split_fill` decides it for one fill that an op changes in place, while planning;
 `fill_shape` reads the shape a fill's call asks for, a factory's (`FILLS`) or a tensor
 method's (``x.new_ones(b, 1)``, `NEW_FILLS`: planned as an op on ``x``, not placed here).
 """
@@ -21,8 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardwise.planner._graph import Graph, Ref
-from shardwise.planner._plan import EdgePlan, NodePlan
-from shardwise.redistribution import Slice
+from shardwise.planner._placement import _itemsize
+from shardwise.planner._plan import EdgePlan, NodePlan, Placed
+from shardwise.redistribution import Slice, plan_redistribution
 
 FILLS = frozenset({"torch.zeros", "torch.ones", "torch.empty", "torch.full"})
 """Factories of one value everywhere: any block of them is the same op at the block's sizes."""
@@ -65,6 +70,30 @@ def split_fills(
         out_nodes[n.index] = dataclasses.replace(n, outputs=(first.dst,))
         dropped |= {id(e) for e in moves.values()}
     return tuple(out_nodes), tuple(e for e in edges if id(e) not in dropped)
+
+
+def split_fill(
+    graph: Graph, ref: Ref, src: Placed, dst: Placed, edges: Sequence[EdgePlan], at: int
+) -> list[EdgePlan] | None:
+    """`edges` less the moves of fill `ref` (placed `src`) when node `at`, which changes it in
+    place (item assignment: FNO's ``out[:, :, :k] = ...`` on ``torch.zeros(b, C, M)``), may
+    have it made as block `dst` instead of moving it: `dst` is a block of it (`Slice` steps
+    only, nothing partial), it is not returned, and every earlier read cut that block; else
+    None. The change then lands in the fill itself, and later reads get it from there."""
+    if ref.kind != "node" or ref.index != 0 or ref in graph.outputs or ref in graph.roots:
+        return None
+    fill = graph.nodes[int(ref.key)]
+    if fill.op not in FILLS or fill.inputs or len(fill.outputs) != 1:
+        return None
+    info = graph.info(ref)
+    steps = plan_redistribution(src.layout, dst.layout, info.shape, _itemsize(info.dtype)).steps
+    if src.partial or dst.partial or not all(isinstance(s, Slice) for s in steps):
+        return None
+    reads = {r for r in graph.consumers().get(ref, []) if r[0] < at}
+    cuts = [e for e in edges if e.value == str(ref) and (e.consumer, e.slot) in reads]
+    if {(e.consumer, e.slot) for e in cuts} != reads or any(e.dst != dst for e in cuts):
+        return None
+    return [e for e in edges if not any(e is c for c in cuts)]
 
 
 def fill_shape(op: str, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[int, ...] | None:

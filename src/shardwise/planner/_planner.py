@@ -10,12 +10,15 @@ keep every value's placement in `Planner.state` and collect the plan's nodes and
 - `Planner.torch_node`: a torch op takes an op-form annotation's layouts, an automatic
   planner's decision, a ``sw.reshard``'s layout, a split batch norm's, or follows its inputs
   (`_Follow._cheaper`); a view an in-place op changes, and that op, run on their input as it
-  is placed where a rule runs them so (`_in_place.written_through`); random fills, in-place
-  write-backs and the op's local kind (weighted mean loss, attention dropout, global draws)
-  are recorded with it.
+  is placed where a rule runs them so (`_in_place.written_through`); item assignment that
+  would cut a block of a fill has the fill made as that block instead where every earlier
+  read cut it so (`_local_factories.split_fill`); random fills, in-place write-backs and the
+  op's local kind (weighted mean loss, attention dropout, global draws) are recorded with it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch.distributed.tensor import Replicate
 
@@ -40,6 +43,7 @@ from shardwise.planner._in_place import (
     write_back_edges,
     written_through,
 )
+from shardwise.planner._local_factories import split_fill
 from shardwise.planner._losses import WEIGHTED_MEAN, weighted_mean
 from shardwise.planner._placement import (
     Placements,
@@ -174,6 +178,24 @@ class Planner(_Follow):
                 return kept
         return need, outs, rule
 
+    def _check_change(self, node: Node, moved: Placed | None) -> None:
+        """Raise when `node` changes its input 0 in place where the executor cannot hand the
+        change on (`check_change`), unless the value is a fill that can be made as the block
+        `moved` cuts of it (``out = torch.zeros(x.size(0), 8); out[:, :4] = h[:, :4]``): it is
+        then placed so from here on, its earlier cuts of that block dropped (`split_fill`)."""
+        error = check_change(self.graph, self.state, self.edges, node, moved)
+        if error is None:
+            return
+        ref = node.inputs[0]
+        if moved is not None:
+            kept = split_fill(self.graph, ref, self.state[ref], moved, self.edges, node.index)
+            if kept is not None:
+                self.edges, self.state[ref] = kept, moved
+                at = next(i for i, n in enumerate(self.nodes) if n.index == int(ref.key))
+                self.nodes[at] = dataclasses.replace(self.nodes[at], outputs=(moved,))
+                return
+        raise PlanError(error)
+
     def torch_node(self, node: Node) -> None:
         have = [placements_of(self.state[r]) for r in node.inputs]
         need, outs, rule = self._torch_choice(node, have)
@@ -185,7 +207,7 @@ class Planner(_Follow):
         )
         if node.inputs:
             moved = ins[0] if self.state[node.inputs[0]] != ins[0] else None
-            check_change(self.graph, self.state, self.edges, node, moved)
+            self._check_change(node, moved)
             check_strided_read(node, self.state, ins)
         for i, (ref, dst) in enumerate(zip(node.inputs, ins, strict=True)):
             self.edge(node.index, i, ref, dst)
