@@ -76,7 +76,9 @@ def rank_value(make: Callable[[int], T]) -> T:
 
     In a job this is ``make(get_rank())``. Where one process runs every rank (simulated world)
     `make` runs once per rank, with plain tensors (outside the per-rank mode: a random draw
-    happens once per call, as on one process), and the results are joined: tensors into one
+    happens once per call, from that rank's random stream, which it advances as on rank r's
+    process: weights a call initializes leave every rank's generator where the job's processes
+    leave theirs), and the results are joined: tensors into one
     per-rank tensor, ints that differ into a per-rank int, dicts / lists / tuples item by item
     (of the same keys / length on every rank); anything else must be equal on every rank.
 
@@ -98,8 +100,7 @@ def rank_value(make: Callable[[int], T]) -> T:
     sim = _sim.current()
     if sim is None:
         return make(_init.get_rank())
-    with sim.outside():
-        values = [make(r) for r in range(sim.world_size)]
+    values = sim.each_rank(make)
     joined: T = _join(sim, values, "rank_value")
     return joined
 

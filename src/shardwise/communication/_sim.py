@@ -64,6 +64,11 @@ class Simulator(Protocol):
         """A context in which tensors are plain (no per-rank values, one RNG draw)."""
         ...
 
+    def each_rank(self, make: Callable[[int], Any]) -> list[Any]:
+        """``make(r)`` for every rank r with plain tensors (`outside`), each call drawing from
+        rank r's random stream and advancing it, as rank r's process would."""
+        ...
+
     def every_rank(self, t: torch.Tensor, copies: bool = False) -> torch.Tensor:
         """`t` as a value of every rank (a plain tensor made one per-rank tensor; `copies`:
         each rank its own copy)."""

@@ -5,8 +5,9 @@ exactly across them) and the fake process group. This module holds all of shardw
 torch imports. `SimulatedWorld` is also the `communication._sim.Simulator`: it gives each rank
 its rank (a per-rank symbolic int); checks that sub-groups tile the world (LocalTensorMode runs a
 sub-group collective on every translate of the group at once, like a mesh axis: `_tiles`) and
-gives each the process group of its copy holding rank 0; and carries out point-to-point
-exchanges (`exchange`), which LocalTensorMode cannot do on its own.
+gives each the process group of its copy holding rank 0; runs a per-rank computation on each
+rank's own random stream (`each_rank`); and carries out point-to-point exchanges (`exchange`),
+which LocalTensorMode cannot do on its own.
 """
 
 from __future__ import annotations
@@ -61,6 +62,24 @@ class SimulatedWorld:
     def outside(self) -> Any:
         """A context in which tensors are plain again (LocalTensorMode paused)."""
         return self.mode.disable()
+
+    def each_rank(self, make: Callable[[int], Any]) -> list[Any]:
+        """``make(r)`` for every rank r outside the world, each call drawing from rank r's
+        random stream and advancing it (LocalTensorMode keeps one generator state per rank and
+        puts it back around each op, which would undo a plain draw; with none kept, every call
+        starts from the plain generator's state, which the last call advances)."""
+        from torch.distributed import _local_tensor as lt
+
+        states = self.mode._per_rank_rng_states
+        values = []
+        with self.outside():
+            start = lt._get_rng_state()
+            for r in range(self.world_size):
+                lt._set_rng_state(*states.get(r, start))
+                values.append(make(r))
+                if r in states:
+                    states[r] = lt._get_rng_state()
+        return values
 
     def every_rank(self, t: torch.Tensor, copies: bool = False) -> torch.Tensor:
         """`t` as a per-rank tensor (itself when it is one already); `copies`: each rank its
