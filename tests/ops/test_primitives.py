@@ -223,6 +223,40 @@ def test_dropout_seeds_reproduce() -> None:
     assert not torch.equal(a(x)[1], a(x)[1])  # the stream advances
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"Seed0": 2**32}, ValueError, r"Seed0 must be in \[0, 2\*\*32 - 1\].*got 4294967296"),
+        ({"Seed1": -1}, ValueError, r"Seed1 must be in \[0, 2\*\*32 - 1\].*got -1"),
+        ({"Seed0": 1.5}, TypeError, r"Seed0 must be an int .*got 1\.5 \(float\)"),
+        ({"Seed1": True}, TypeError, r"Seed1 must be an int .*got True \(bool\)"),
+        ({"keep_prob": True}, TypeError, r"keep_prob must be a float in \(0, 1\], got True"),
+        ({"keep_prob": "0.5"}, TypeError, r"keep_prob must be a float"),
+        ({"keep_prob": 1.5}, ValueError, r"keep_prob must be in \(0, 1\], got 1\.5"),
+    ],
+)
+def test_dropout_arguments_are_checked_at_construction(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """A seed past 32 bits failed only at the first forward ("Overflow when unpacking long
+    long", naming neither op nor argument); a float seed and keep_prob=True were taken."""
+    with pytest.raises(error, match="^Dropout: " + message):
+        Dropout(**kwargs)  # type: ignore[arg-type]
+
+
+def test_dropout_distinct_seed_pairs_draw_distinct_masks() -> None:
+    """(Seed0=1, Seed1=0) and (Seed0=0, Seed1=2**32) drew the same mask (the second pair is now
+    refused), and so did any two pairs with the same Seed1: torch's CPU generator keeps a seed's
+    low 32 bits, which were Seed1 alone."""
+    x = torch.ones(256)
+    top = 2**32 - 1
+    pairs = [(1, 0), (2, 0), (0, 1), (1, 1), (3, 5), (7, 5), (0, top), (top, 0), (top, top)]
+    masks = [Dropout(0.5, Seed0=a, Seed1=b)(x)[1] for a, b in pairs]
+    for i in range(len(masks)):
+        for j in range(i):
+            assert not torch.equal(masks[i], masks[j]), (pairs[i], pairs[j])
+
+
 def test_primitives_run_on_meta_tensors() -> None:
     # capture runs networks on meta tensors: every forward must work there
     meta = torch.device("meta")

@@ -1,5 +1,5 @@
-"""Network primitives: `LayerNorm`, `BatchNorm`, `Dropout`, `SoftmaxCrossEntropyWithLogits`,
-`Gather`.
+"""Network primitives: `LayerNorm`, `BatchNorm`, `SoftmaxCrossEntropyWithLogits`, `Gather`
+(`Dropout` is in `shardwise.ops._dropout`).
 
 Each forward is the single-device result, with MindSpore's outputs:
 
@@ -10,7 +10,6 @@ Each forward is the single-device result, with MindSpore's outputs:
   training the statistics are those of the whole batch: `batch_stats` combines each block's
   mean and sum of squared deviations (one entry per rank; one device: its own), and the
   running `mean` / `variance` inputs are updated in place.
-- `Dropout` -> ``(output, mask)`` (the CPU/GPU form: a mask of x's shape and dtype, 1 = kept).
 - `SoftmaxCrossEntropyWithLogits` -> ``(loss [N], backprop [N, C])``.
 - `Gather` -> ``params[..., indices, ...]`` along `axis` (with `batch_dims`).
 """
@@ -217,63 +216,6 @@ class BatchNorm(Primitive):
             x, scale, bias, mean, variance, eps, m, gather
         )
         return y, batch_mean, batch_var, batch_mean.clone(), batch_var.clone()
-
-
-class Dropout(Primitive):
-    """Zero each element with probability ``1 - keep_prob`` and scale the rest by
-    ``1 / keep_prob`` (MindSpore ``ops.Dropout``); returns ``(output, mask)``.
-
-    Args:
-        keep_prob: probability of keeping an element, in (0, 1].
-        Seed0: op seed; with `Seed1`, a non-zero pair gives the op its own reproducible stream.
-        Seed1: global seed part.
-
-    As a PyTorch module, it is the identity (mask of ones) in ``eval()`` mode. Any strategy
-    with one value per dim; the mask has the output's layout.
-    """
-
-    def __init__(self, keep_prob: float = 0.5, Seed0: int = 0, Seed1: int = 0) -> None:
-        if not isinstance(keep_prob, float | int) or not 0 < keep_prob <= 1:
-            raise ValueError(f"Dropout: keep_prob must be in (0, 1], got {keep_prob!r}")
-        super().__init__(keep_prob=float(keep_prob), Seed0=Seed0, Seed1=Seed1)
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._next_noise: torch.Tensor | None = None
-
-    def set_next_noise(self, noise: torch.Tensor) -> None:
-        """Use `noise` (uniform in [0, 1), x's shape) instead of a fresh draw in the next
-        forward. The parallel runtime passes this rank's block of one global draw, so that the
-        mask is the same slice of the single-device mask."""
-        self._next_noise = noise
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The op's own generator (non-zero Seed0 / Seed1), or None for the global one."""
-        return self._generator(device)
-
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        seed0, seed1 = int(self.init_args()["Seed0"]), int(self.init_args()["Seed1"])
-        if (not seed0 and not seed1) or device.type == "meta":  # meta: planning draws nothing
-            return None
-        if device not in self._generators:
-            gen = torch.Generator(device=device)
-            gen.manual_seed((seed0 << 32) ^ seed1)
-            self._generators[device] = gen
-        return self._generators[device]
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keep = float(self.init_args()["keep_prob"])
-        noise, self._next_noise = self._next_noise, None
-        if not self.training or keep == 1.0:
-            return x, torch.ones_like(x)
-        if noise is None:
-            noise = torch.rand(
-                x.shape, dtype=x.dtype, device=x.device, generator=self._generator(x.device)
-            )
-        elif noise.shape != x.shape:
-            raise ValueError(
-                f"{self.who}: noise of shape {list(noise.shape)} for x {list(x.shape)}"
-            )
-        mask = (noise < keep).to(x.dtype)
-        return x * mask / keep, mask
 
 
 class SoftmaxCrossEntropyWithLogits(Primitive):

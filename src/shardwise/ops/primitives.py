@@ -7,9 +7,9 @@ lays a primitive out on the devices is its rule in `shardwise.ops.rules.RULES`.
 
 This module holds the matrix products, the elementwise and activation families (one table each:
 `_BINARY`, `_UNARY`), Cast and Softmax / LogSoftmax; `_nn_primitives` holds LayerNorm,
-BatchNorm, Dropout, SoftmaxCrossEntropyWithLogits and Gather; `_cnn_primitives` Conv2D, MaxPool
-and AvgPool; `_shape_primitives` Flatten, Reshape, Transpose and the reductions. All are
-re-exported here.
+BatchNorm, SoftmaxCrossEntropyWithLogits and Gather; `_dropout` Dropout; `_cnn_primitives`
+Conv2D, MaxPool and AvgPool; `_shape_primitives` Flatten, Reshape, Transpose and the
+reductions. All are re-exported here.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from shardwise.ops._base import REQUIRED, Primitive
 from shardwise.ops._cnn_primitives import AvgPool, Conv2D, MaxPool
+from shardwise.ops._dropout import Dropout
 from shardwise.ops._nn_primitives import (
     BatchNorm,
-    Dropout,
     Gather,
     LayerNorm,
     SoftmaxCrossEntropyWithLogits,
