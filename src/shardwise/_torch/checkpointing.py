@@ -19,12 +19,17 @@ saved and whether its recomputation stops after the last of them (the capture no
 ``ctx`` of ``CheckpointFunction.forward`` (`reentrant_context`, a frame's locals);
 `around_rerun` wraps its ``run_function``, which its backward calls again;
 `in_reentrant_backward`: that backward (``CheckpointFunction.backward``) is running.
+`checkpoint_region` finds either kind of region (in its forward) and
+`around_region_recomputation` wraps its recomputation, whichever kind it is;
+`recompute_draws_alike` has a region's recomputation draw from a private ``torch.Generator``
+(not one of the global generators torch's checkpoint puts back) what its forward drew.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -214,15 +219,88 @@ def around_recomputation(frame: Any, around: Callable[[Callable[[], None]], None
     frame.recompute_fn = recompute
 
 
+def checkpoint_region() -> tuple[Any, bool] | None:
+    """The checkpointed region the running op is in, while the region's forward runs (not its
+    recomputation): a non-reentrant region's ``_CheckpointFrame`` or a reentrant one's
+    autograd context, and whether its recomputation restores the random generators' state
+    (``preserve_rng_state``); None outside any. The call stack is walked only without grad
+    (a reentrant region's forward runs without it).
+
+    Example:
+        >>> checkpoint_region() is None
+        True
+    """
+    frame = checkpoint_frame()
+    if frame is not None:
+        return frame, preserves_rng(frame)
+    if torch.is_grad_enabled():
+        return None
+    ctx = reentrant_context()
+    if ctx is None:
+        return None
+    return ctx, bool(getattr(ctx, "preserve_rng_state", True))
+
+
+def around_region_recomputation(region: Any, around: Callable[[Callable[[], None]], None]) -> None:
+    """Make the recomputation of `region` (`checkpoint_region`'s: a frame or a reentrant
+    context) run as ``around(run)`` (`around_recomputation` / `around_rerun`)."""
+    if hasattr(region, "recompute_fn"):
+        around_recomputation(region, around)
+    else:
+        around_rerun(region, around)
+
+
+_NOTED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+"""Per checkpointed region (alive until its backward ends): the ids of the private generators
+`recompute_draws_alike` noted in it."""
+
+
+def recompute_draws_alike(gen: torch.Generator) -> None:
+    """Make the recomputation of the checkpointed region the running op is in draw from `gen`
+    what the region's forward draws from it (call right before each draw from `gen`).
+
+    At the region's first draw from `gen` its state is noted; the recomputation runs with that
+    state put back and leaves `gen` as it found it (as torch does for the global generators).
+    Nothing outside a region, and for a region with ``preserve_rng_state=False`` (whose
+    recomputation draws anew).
+
+    Example:
+        >>> gen = torch.Generator()
+        >>> recompute_draws_alike(gen)  # (outside any region: nothing)
+    """
+    found = checkpoint_region()
+    if found is None or not found[1]:
+        return
+    region = found[0]
+    noted = _NOTED.setdefault(region, set())
+    if id(gen) in noted:
+        return
+    noted.add(id(gen))
+    state = gen.get_state()
+
+    def around(run: Callable[[], None]) -> None:
+        now = gen.get_state()
+        gen.set_state(state)
+        try:
+            run()
+        finally:
+            gen.set_state(now)
+
+    around_region_recomputation(region, around)
+
+
 __all__ = [
     "around_recomputation",
+    "around_region_recomputation",
     "around_rerun",
     "checkpoint_frame",
+    "checkpoint_region",
     "checkpointing",
     "in_activation_checkpoint",
     "in_reentrant_backward",
     "nested_checkpoint",
     "preserves_rng",
+    "recompute_draws_alike",
     "reentrant_context",
     "saved_count",
     "stops_early",

@@ -3,13 +3,16 @@ a mask of x's shape and dtype, 1 = kept.
 
 With a non-zero ``(Seed0, Seed1)`` the op draws from a ``torch.Generator`` of its own per device,
 seeded with `pair_seed` (the pair's 64 bits mixed, so that both seeds reach the low 32 bits
-torch's CPU generator keeps of a seed); with zero seeds, from torch's global generators.
+torch's CPU generator keeps of a seed); with zero seeds, from torch's global generators. Its own
+generators follow the op through activation checkpointing (a region's recomputation draws the
+forward's mask again: `shardwise._torch.checkpointing.recompute_draws_alike`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardwise._torch.checkpointing import recompute_draws_alike
 from shardwise.ops._base import Primitive
 
 SEED_LIMIT = 2**32
@@ -88,8 +91,13 @@ class Dropout(Primitive):
         return bool(self.init_args()["Seed0"] or self.init_args()["Seed1"])
 
     def generator(self, device: torch.device) -> torch.Generator | None:
-        """The op's own generator (non-zero Seed0 / Seed1), or None for the global one."""
-        return self._generator(device)
+        """The op's own generator (non-zero Seed0 / Seed1), or None for the global one; call it
+        right before drawing from it (an activation checkpoint's recomputation then draws the
+        same values again)."""
+        gen = self._generator(device)
+        if gen is not None:
+            recompute_draws_alike(gen)
+        return gen
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if not self.seeded or device.type == "meta":  # meta: planning draws nothing
