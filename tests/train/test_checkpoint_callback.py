@@ -127,6 +127,66 @@ def test_resume_of_a_network_with_dropout_gives_identical_losses(tmp_path: Path)
     assert part1.values + part2.values == straight.values
 
 
+class SeededDrop(nn.Module):
+    """A seeded `sw.ops.Dropout` (its own generator) inside a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op = sw.ops.Dropout(0.5, Seed0=3, Seed1=5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.op(x)[0]
+        return out
+
+
+def seeded_dropout_model() -> sw.Model:
+    net = nn.Sequential(nn.Linear(5, 8), SeededDrop(), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 3))
+    return sw.Model(net, nn.CrossEntropyLoss(), torch.optim.Adam(net.parameters(), 1e-2))
+
+
+def test_resume_continues_a_seeded_op_dropouts_own_stream(tmp_path: Path) -> None:
+    """A seeded `sw.ops.Dropout` draws from a generator of its own, which the checkpoint did
+    not hold: the resumed op started its stream over and the losses differed from the first
+    resumed step. Its state is stored by module path and put back by `resume`."""
+    sw.set_seed(0)
+    full, straight = seeded_dropout_model(), Losses()
+    full.train(3, dataset(), callbacks=[straight])
+
+    sw.set_seed(0)
+    first, part1 = seeded_dropout_model(), Losses()
+    saver = sw.train.ModelCheckpoint("op", tmp_path)
+    first.train(1, dataset(), callbacks=[part1, saver])
+    assert saver.latest is not None
+
+    sw.set_seed(123)
+    second, part2 = seeded_dropout_model(), Losses()
+    done = sw.train.resume(second, saver.latest)
+    sw.set_seed(0)
+    second.train(3, dataset(), callbacks=[part2], initial_epoch=done)
+    assert part1.values + part2.values == straight.values
+
+
+def test_a_file_without_op_generator_states_still_resumes(tmp_path: Path) -> None:
+    """A file written before the seeded ops' states were stored (no ``op_rng`` in its extra)
+    loads; those ops then draw from their seeds' start."""
+    sw.set_seed(0)
+    first = seeded_dropout_model()
+    saver = sw.train.ModelCheckpoint("op", tmp_path)
+    first.train(1, dataset(), callbacks=[saver])
+    assert saver.latest is not None
+    ckpt = sw.load_checkpoint(saver.latest)
+    extra = {k: v for k, v in ckpt.extra.items() if k != "op_rng"}
+    old = sw.save_checkpoint(
+        first.network, tmp_path / "old-1_4.safetensors", step=ckpt.step, epoch=ckpt.epoch,
+        optimizer=first.optimizer, extra=extra,
+    )  # fmt: skip
+
+    second, losses = seeded_dropout_model(), Losses()
+    assert sw.train.resume(second, old) == 1
+    second.train(2, dataset(), callbacks=[losses], initial_epoch=1)
+    assert len(losses.values) == 4
+
+
 def test_a_dataset_without_len_resumes_from_its_first_epoch(tmp_path: Path) -> None:
     """The first epoch's length is learnt at its end, after the last step's checkpoint was
     written with 'step 3 of 0': resume refused a genuine end-of-epoch file. It is written

@@ -5,10 +5,14 @@ With a non-zero ``(Seed0, Seed1)`` the op draws from a ``torch.Generator`` of it
 seeded with `pair_seed` (the pair's 64 bits mixed, so that both seeds reach the low 32 bits
 torch's CPU generator keeps of a seed); with zero seeds, from torch's global generators. Its own
 generators follow the op through activation checkpointing (a region's recomputation draws the
-forward's mask again: `shardwise._torch.checkpointing.recompute_draws_alike`).
+forward's mask again: `shardwise._torch.checkpointing.recompute_draws_alike`) and through
+training checkpoints (`Dropout.rng_state` / `Dropout.set_rng_state`, which
+`shardwise.train.resume` puts back).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -108,6 +112,26 @@ class Dropout(Primitive):
             gen.manual_seed(pair_seed(int(args["Seed0"]), int(args["Seed1"])))
             self._generators[device] = gen
         return self._generators[device]
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """The states of the op's own generators by device (``{"cpu": ...}``): empty with zero
+        seeds or before its first draw. `set_rng_state` puts them back."""
+        return {str(d): g.get_state() for d, g in self._generators.items()}
+
+    def set_rng_state(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Continue the op's draws from `states` (`rng_state`'s); a device not in it starts
+        over from the seeds, one this process lacks (a CUDA device) is skipped. Nothing with
+        zero seeds."""
+        self._generators.clear()
+        if not self.seeded:
+            return
+        for name, state in states.items():
+            device = torch.device(name)
+            if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+                continue
+            gen = self._generator(device)
+            if gen is not None:
+                gen.set_state(state.clone())
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = float(self.init_args()["keep_prob"])

@@ -5,9 +5,10 @@ Files are ``{prefix}-{epoch}_{step_in_epoch}.safetensors`` (MindSpore's ``.ckpt`
 `shardwise.checkpoint.CheckpointManager`, which also keeps at most ``keep_checkpoint_max``.
 The epoch is the Model's, counted over all of its ``train()`` calls (`RunContext.
 global_epoch_num`), so successive calls write distinct files. Each file holds the optimizer
-state, that epoch, the global step and this process's random generators' states (CPU, and
-CUDA's when initialized; not in a simulated world), so `resume` can continue training with the
-identical loss sequence and data order, dropout's draws included.
+state, that epoch, the global step, this process's random generators' states (CPU, and
+CUDA's when initialized; not in a simulated world) and the own generators' states of the
+network's seeded `sw.ops.Dropout` ops, so `resume` can continue training with the identical
+loss sequence and data order, dropout's draws included.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shardwise.checkpoint import (
     unused_prefix,
 )
 from shardwise.communication import file_rank, first_claim, process_rng_state
+from shardwise.ops import Dropout
 from shardwise.train.callbacks import Callback, RunContext
 
 MINDSPORE_ONLY = (
@@ -187,17 +189,34 @@ rank counts its own alike: one store key per training)."""
 
 
 def _extra(ctx: RunContext) -> dict[str, Any]:
-    """A file's ``extra``: the global step, the epoch's length and the random generators'
-    states (`process_rng_state`, base64 in the JSON metadata), which `resume` puts back. (The
-    file's epoch is the Model's epoch over all its train() calls, the data's epoch, which
-    `resume` restores as ``Model.epochs_done``: the next train() sets the data's next epoch.)"""
+    """A file's ``extra``: the global step, the epoch's length, the random generators' states
+    (`process_rng_state`, base64 in the JSON metadata) and the own generators' states of the
+    network's seeded `sw.ops.Dropout` ops by module path (``op_rng``), which `resume` puts
+    back. (The file's epoch is the Model's epoch over all its train() calls, the data's epoch,
+    which `resume` restores as ``Model.epochs_done``: the next train() sets the data's next
+    epoch.)"""
     extra: dict[str, Any] = {"global_step": ctx.cur_step_num, "batch_num": ctx.batch_num}
     states = process_rng_state()
     if states is not None:
-        extra["rng"] = {
-            k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in states.items()
-        }
+        extra["rng"] = {k: _encode(v) for k, v in states.items()}
+    extra["op_rng"] = {
+        path: {k: _encode(v) for k, v in op.rng_state().items()}
+        for path, op in _seeded_dropouts(ctx.network).items()
+    }
     return extra
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _seeded_dropouts(network: torch.nn.Module) -> dict[str, Dropout]:
+    """The network's `Dropout` ops with generators of their own, by module path."""
+    return {path: m for path, m in network.named_modules() if isinstance(m, Dropout) and m.seeded}
 
 
 def _rng_states(extra: dict[str, Any]) -> dict[str, torch.Tensor] | None:
@@ -205,10 +224,18 @@ def _rng_states(extra: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     stored = extra.get("rng")
     if not isinstance(stored, dict) or "cpu" not in stored:
         return None
-    return {
-        k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8)
-        for k, v in stored.items()
-    }
+    return {k: _decode(v) for k, v in stored.items()}
+
+
+def _set_op_rng(network: torch.nn.Module, extra: dict[str, Any]) -> None:
+    """Continue each seeded `Dropout`'s draws from the states `_extra` stored for its path
+    (one with none stored starts over from its seeds, as it had drawn nothing at the save);
+    nothing for a file without ``op_rng`` (written before it was stored)."""
+    stored = extra.get("op_rng")
+    if not isinstance(stored, dict):
+        return
+    for path, op in _seeded_dropouts(network).items():
+        op.set_rng_state({k: _decode(v) for k, v in stored.get(path, {}).items()})
 
 
 def _agreed_prefix(directory: Path, prefix: str, size: int) -> str:
@@ -232,7 +259,9 @@ def resume(model: object, path: str | Path) -> int:
             `sw.checkpoint.load_distributed`, so any plan or device count may continue it.
 
     The next ``model.train`` starts from the random generators' states the file holds (this
-    process's at the save, in a job this rank's), so dropout draws as in an uninterrupted run.
+    process's at the save, in a job this rank's), and each seeded `sw.ops.Dropout` of the
+    network continues from its own generator's state at the save (matched by module path), so
+    dropout draws as in an uninterrupted run.
 
     Returns:
         The epochs done, counted over all of the saving Model's ``train()`` calls (the epoch in
@@ -269,4 +298,5 @@ def resume(model: object, path: str | Path) -> int:
     model.cur_step_num = int(extra.get("global_step", 0))
     model.epochs_done = int(ckpt.epoch)
     model._resume_rng = _rng_states(extra)  # (put back by the next train(): the draws go on)
+    _set_op_rng(model.network, extra)
     return int(ckpt.epoch)
