@@ -1,6 +1,8 @@
 """Worker of test_model_resume_real.py: in one job, a tensor-parallel `sw.Model` trains 3 epochs
-straight; a second one trains 1 epoch saving `ModelCheckpoint` files; a third resumes from this
-rank's file (`sw.train.resume`) and trains 2 more. Rank 0 writes the losses as JSON."""
+straight; a second one trains 1 epoch saving `ModelCheckpoint` files, into one directory for
+all ranks (``ckpt/rank_<r>/``) and into each rank's own (``seed/<r>/rank_<r>/``, seed 002's
+``ModelCheckpoint(directory=str(rank_id))``); a third and a fourth resume from this rank's file
+of each (`sw.train.resume`) and train 2 more. Rank 0 writes the losses as JSON."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def main() -> None:
         parallel_mode=sw.ParallelMode.SEMI_AUTO_PARALLEL, dataset_strategy="full_batch"
     )
     losses = {}
-    for run in ("straight", "first", "resumed"):
+    seed = folder.parent / "seed" / str(rank)  # (each rank's own directory)
+    for run in ("straight", "first", "resumed", "seed"):
         net, opt = build()
         model, seen = sw.Model(net, nn.CrossEntropyLoss(), opt), Losses()
         saver = sw.train.ModelCheckpoint(
@@ -61,9 +64,11 @@ def main() -> None:
         if run == "straight":
             model.train(3, data(rank, n), callbacks=[seen])
         elif run == "first":
-            model.train(1, data(rank, n), callbacks=[seen, saver])
+            own = sw.train.ModelCheckpoint("net", seed, sw.train.CheckpointConfig(4))
+            model.train(1, data(rank, n), callbacks=[seen, saver, own])
         else:
-            done = sw.train.resume(model, folder / f"rank_{rank}" / "net-1_4.safetensors")
+            where = folder if run == "resumed" else seed
+            done = sw.train.resume(model, where / f"rank_{rank}" / "net-1_4.safetensors")
             model.train(3, data(rank, n), callbacks=[seen], initial_epoch=done)
         losses[run] = seen.seen
         torch.distributed.barrier()  # (the resume reads every rank's file: all written)

@@ -2,7 +2,9 @@
 files, on 2 real gloo processes (model_resume_worker.py): 1 epoch saved, then 2 more after the
 resume, equal to 3 epochs straight. It loaded this rank's file before planning, into the whole
 network ("checkpoint shape [4, 6] != network shape [8, 6]"); a rank's file now loads the
-checkpoint of all ranks with `sw.checkpoint.load_distributed`."""
+checkpoint of all ranks with `sw.checkpoint.load_distributed`. Saved in each rank's own directory
+(``ModelCheckpoint(directory=str(rank_id))``, files in ``<r>/rank_<r>/``), the resume looked for
+the other rank's file in ``<r>/`` alone and failed on every rank."""
 
 from __future__ import annotations
 
@@ -28,3 +30,4 @@ def test_resume_continues_a_tensor_parallel_model(tmp_path: Path) -> None:
     assert len(straight) == 12 and len(first) == 4 and len(resumed) == 8, losses
     assert first == pytest.approx(straight[:4], rel=1e-6, abs=0)
     assert resumed == pytest.approx(straight[4:], rel=1e-5, abs=0)
+    assert losses["seed"] == pytest.approx(straight[4:], rel=1e-5, abs=0)

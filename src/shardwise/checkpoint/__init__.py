@@ -13,6 +13,8 @@ Checkpoints across plans and device counts (each rank's file records its cut):
 - `_strategy`: `CheckpointStrategy`, a job's cut (from a plan, a strategy file, a count).
 - `_describe`: what a rank's file records when saved from a planned network.
 - `_stream`: safetensors read and written one tensor at a time.
+- `_layouts`: where the rank files lie (``rank_<r>/`` or ``<r>/rank_<r>/``),
+  `checkpoint_folder` (the folder of all ranks' files, from one rank's file).
 - `_sources`: `SourceSet`, the rank files of one checkpoint, checked and assembled.
 - `_publish`: a destination written in a hidden place and published whole.
 - `_transform`: `transform`, `merge`; `_mindspore`: MindSpore's `transform_checkpoints` and
@@ -32,6 +34,7 @@ from shardwise.checkpoint._dcp_import import import_dcp
 from shardwise.checkpoint._distributed import load_distributed
 from shardwise.checkpoint._errors import CheckpointError
 from shardwise.checkpoint._io import Checkpoint, load_checkpoint, save_checkpoint
+from shardwise.checkpoint._layouts import checkpoint_folder
 from shardwise.checkpoint._load import load_param_into_net
 from shardwise.checkpoint._manager import (
     CheckpointManager,
@@ -56,6 +59,7 @@ __all__ = [
     "ShardSpec",
     "checkpoint_dir_for_rank",
     "checkpoint_filename",
+    "checkpoint_folder",
     "export_dcp",
     "import_dcp",
     "latest_checkpoint",

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._layouts import checkpoint_folder
 from shardwise.layout import TensorLayout
 
 Ranges = tuple[tuple[int, int], ...]
@@ -114,7 +115,7 @@ def rank_file_hint(data: object, where: object, args: str = "", then: str = "") 
         held = str(piece_of(data))  # ([4:6, 0:6] of [8, 6])
     except CheckpointError:
         held = f"{data.get('dims')} of {data.get('shape')}"
-    folder = str(Path(str(where)).parent.parent)
+    folder = str(checkpoint_folder(Path(str(where))) or Path(str(where)).parent.parent)
     return (
         f"; the file is one rank's part of a distributed checkpoint (it holds {held}): load the "
         f"checkpoint folder with sw.checkpoint.load_distributed(net, {folder!r}{args}){then}"

@@ -1,13 +1,13 @@
 """A distributed checkpoint on disk: one file per rank, found, checked and read piece by piece.
 
 `SourceSet` opens a checkpoint directory (``rank_<r>/<file>`` per rank, MindSpore's layout and
-`CheckpointManager`'s) or a single file, reads every file's header only, and checks that the
-files make one checkpoint: every rank of the recorded job present, the same model entries with
-the same global shapes and dtypes on every rank, each tensor's pieces tiling it, and files
-holding the same piece holding the same values (but the per-rank buffers of a data_parallel
-job's files, read from rank 0's: `_replicas`). An
-optimizer entry may be in some files only (data_parallel with hsdp keeps each parameter's
-state, whole, in its owner rank's file): the files holding it must tile it, and `metadata`
+`CheckpointManager`'s, or ``<r>/rank_<r>/<file>``: `rank_folders`) or a single file, reads every
+file's header only, and checks that the files make one checkpoint: every rank of the recorded
+job present, the same model entries with the same global shapes and dtypes on every rank, each
+tensor's pieces tiling it, and files holding the same piece holding the same values (but the
+per-rank buffers of a data_parallel job's files, read from rank 0's: `_replicas`). An optimizer
+entry may be in some files only (data_parallel with hsdp keeps each parameter's state, whole,
+in its owner rank's file): the files holding it must tile it, and `metadata`
 gives one optimizer description of every file's state. Tensors are read only when asked:
 
 - `SourceSet.read`: one rank's stored block of an entry (checksum verified); `SourceSet.verify`
@@ -20,7 +20,6 @@ gives one optimizer description of every file's state. Tensors are read only whe
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 from shardwise.checkpoint import _format as fmt
 from shardwise.checkpoint._errors import CheckpointError
+from shardwise.checkpoint._layouts import LAYOUTS, rank_folders
 from shardwise.checkpoint._manager import parse_checkpoint_filename
 from shardwise.checkpoint._optimizer import merged_description
 from shardwise.checkpoint._pieces import (
@@ -44,7 +44,6 @@ from shardwise.checkpoint._replicas import per_rank_buffer, replicas_fix
 from shardwise.checkpoint._strategy import CheckpointStrategy, as_strategy
 from shardwise.checkpoint._stream import FileIndex, read_entry, read_index
 
-_RANK_DIR = re.compile(r"^rank_(\d+)$")
 _SAME_ON_EVERY_RANK = (fmt.KEY_DEVICE_NUM, fmt.KEY_STEP, fmt.KEY_EPOCH, fmt.KEY_STRATEGY)
 
 
@@ -72,16 +71,14 @@ def _newest(directory: Path, prefix: str | None) -> Path:
 
 
 def find_files(src: Path, name: str | None = None, prefix: str | None = None) -> dict[int, Path]:
-    """Each rank's file in `src` (a file: rank 0 only; a directory of ``rank_<r>`` folders; a
-    directory holding the files of a one-rank job)."""
+    """Each rank's file in `src` (a file: rank 0 only; a directory of ``rank_<r>`` folders, or
+    of ``<r>/rank_<r>`` folders: `rank_folders`; a directory holding the files of a one-rank
+    job)."""
     if src.is_file():
         return {0: src}
     if not src.is_dir():
         raise FileNotFoundError(f"checkpoint not found: {src}")
-    ranks = {
-        int(m.group(1)): p for p in src.iterdir() if p.is_dir() and (m := _RANK_DIR.match(p.name))
-    }
-    folders = ranks or {0: src}
+    folders = rank_folders(src) or {0: src}
     out = {}
     for r, folder in sorted(folders.items()):
         if name is not None:
@@ -199,7 +196,8 @@ class SourceSet:
                 problems.append(f"folders {', '.join(f'rank_{r}' for r in extra)} are extra")
             raise CheckpointError(
                 f"{src}: the checkpoint is of {self.device_num} ranks but {'; '.join(problems)}; "
-                f"it needs the folders rank_0 ... rank_{self.device_num - 1}, one file each"
+                f"it needs the folders rank_0 ... rank_{self.device_num - 1}, one file each, "
+                f"laid out as {LAYOUTS}: put every rank's file of this save there"
             )
         self._check_same_save()
         self._check_entries()

@@ -14,7 +14,6 @@ loss sequence and data order, dropout's draws included.
 from __future__ import annotations
 
 import base64
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from shardwise.checkpoint import (
     CheckpointManager,
+    checkpoint_folder,
     load_checkpoint,
     load_distributed,
     load_optimizer_state,
@@ -256,7 +256,9 @@ def resume(model: object, path: str | Path) -> int:
             divides the epoch's steps saves at every epoch end; the file written when
             ``train()`` ends is one too); in a multi-rank job, this rank's
             file (``directory/rank_<r>/...``): the checkpoint of all ranks is then loaded with
-            `sw.checkpoint.load_distributed`, so any plan or device count may continue it.
+            `sw.checkpoint.load_distributed` from `sw.checkpoint.checkpoint_folder` (the
+            ranks' files beside it, also those of ``ModelCheckpoint(directory=str(rank))``,
+            ``<r>/rank_<r>/...``), so any plan or device count may continue it.
 
     The next ``model.train`` starts from the random generators' states the file holds (this
     process's at the save, in a job this rank's), and each seeded `sw.ops.Dropout` of the
@@ -289,8 +291,9 @@ def resume(model: object, path: str | Path) -> int:
             f"{ckpt.step} of {extra.get('batch_num')}); save at epoch ends to resume"
         )
     where = Path(path)
-    if re.fullmatch(r"rank_\d+", where.parent.name):  # (a multi-rank job's file: its folder)
-        load_distributed(model.network, where.parent.parent, model.optimizer, name=where.name)
+    folder = checkpoint_folder(where)  # (a multi-rank job's file: the folder of all ranks)
+    if folder is not None:
+        load_distributed(model.network, folder, model.optimizer, name=where.name)
     else:
         load_param_into_net(model.network, ckpt, strict_load=True)
         if model.optimizer is not None and ckpt.optimizer_state is not None:
