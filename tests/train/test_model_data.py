@@ -151,3 +151,24 @@ def test_train_on_a_dataset_without_batches_is_refused() -> None:
 
     with pytest.raises(ValueError, match="yields no batch in an epoch, so nothing would train"):
         model.train(1, nothing())  # (no len(): known after the first epoch)
+
+
+def test_a_used_up_iterator_is_refused_in_a_later_epoch() -> None:
+    """A one-shot generator trained epoch 1 of train(3, ...) only: epochs 2 and 3 yielded
+    nothing, ran 0 steps and were counted as done, without a word."""
+    batches = [(torch.full((2, 3), float(i)), torch.tensor([0, 1])) for i in range(2)]
+    net = Rows()
+    model = sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1))
+    with pytest.raises(ValueError) as refused:
+        model.train(EPOCHS, (b for b in batches))
+    message = str(refused.value)
+    for words in ("a generator", "no batch in epoch 2", "has 2", "list of batches", "DataLoader"):
+        assert words in message, message
+    assert net.seen == [[0.0, 0.0], [1.0, 1.0]]  # (epoch 1 trained, nothing after it)
+    assert model.epochs_done == 1 and model.cur_step_num == 2
+    used_up = iter(batches)
+    model.train(1, used_up)
+    with pytest.raises(ValueError, match=r"an iterator yields its batches once.*list of batches"):
+        model.train(1, used_up)  # (a later call given the same iterator)
+    model.train(EPOCHS, batches)  # (a list: every epoch from the start)
+    assert model.cur_step_num == 4 + 2 * EPOCHS

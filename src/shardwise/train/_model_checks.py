@@ -1,5 +1,6 @@
 """Checks of what `Model` is given: its `loss_fn` (`check_loss_fn`), `Model.train`'s counts
-(`check_train_args`), an epoch without batches (`check_batches`), each batch's columns
+(`check_train_args`), an epoch without batches (`check_batches`; a later epoch of a used-up
+iterator: `check_epoch_yielded`), each batch's columns
 (`columns`) and their count against the network's ``forward`` (`call_network`), the loss a
 step computes (`step_loss`; both for one batch: `batch_loss`), the callbacks
 (`callback_list`), and one metric value from a simulated world's ranks (`one_value`)."""
@@ -7,7 +8,7 @@ step computes (`step_loss`; both for one batch: `batch_loss`), the callbacks
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,9 +42,30 @@ def check_batches(data: object, batches: int | None) -> None:
         return
     note = getattr(data, "size_note", None)
     said = f" ({note()})" if callable(note) else ""
+    fix = "give it more rows, a smaller batch_size or drop_remainder=False"
+    if isinstance(data, Iterator):
+        fix = (
+            f"an iterator yields its batches once (a {type(data).__name__}, empty or used up by "
+            "an earlier train() call): pass data that each epoch iterates from the start, a "
+            "list of batches, a torch DataLoader or a sw.dataset pipeline"
+        )
     raise ValueError(
-        f"Model.train: the dataset yields no batch in an epoch{said}, so nothing would train; "
-        "give it more rows, a smaller batch_size or drop_remainder=False"
+        f"Model.train: the dataset yields no batch in an epoch{said}, so nothing would train; {fix}"
+    )
+
+
+def check_epoch_yielded(data: object, epoch: int, steps: int, batch_num: int) -> None:
+    """Raise ValueError when `data`, of `batch_num` batches an epoch (its ``len()``, or what an
+    earlier epoch yielded), yields none in `epoch` (`steps`: the batches it yielded): an
+    iterator used up by an earlier epoch would train no further, silently."""
+    if steps or not batch_num:
+        return
+    raise ValueError(
+        f"Model.train: the dataset (a {type(data).__name__}) yielded no batch in epoch {epoch}, "
+        f"where an epoch has {batch_num}: it cannot be iterated again (a generator or iterator "
+        "is used up by its first epoch); pass data that each epoch iterates from the start: a "
+        "list of batches, a torch DataLoader, or a sw.dataset pipeline (GeneratorDataset of a "
+        "generator function, which is called again every epoch)"
     )
 
 

@@ -33,6 +33,7 @@ from shardwise.train._model_checks import (
     call_network,
     callback_list,
     check_batches,
+    check_epoch_yielded,
     check_loss_fn,
     check_train_args,
     columns,
@@ -291,6 +292,8 @@ class Model:
         if ctx.batch_num == 0 and not ctx.stop_requested:  # (no len(): the first epoch's
             check_batches(data, ctx.epoch_step)  # steps, when it ran to its end)
             ctx.batch_num = ctx.epoch_step
+        elif not ctx.stop_requested:  # (an iterator used up by an earlier epoch)
+            check_epoch_yielded(data, ctx.cur_epoch_num, ctx.epoch_step, ctx.batch_num)
         for c in cbs:
             c.on_train_epoch_end(ctx)
 
