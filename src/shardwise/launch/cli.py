@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from shardwise._envvars import comm_timeout_s
+from shardwise._envvars import MAX_SECONDS, comm_timeout_s
 from shardwise.launch.config import LaunchConfig
 from shardwise.launch.errors import EXIT_USAGE
 from shardwise.launch.liveness import node_timeout
@@ -95,9 +95,20 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
+    if not 0 < value <= MAX_SECONDS:  # (inf and nan too: the workers' timeouts refuse them)
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 seconds and at most {MAX_SECONDS:.10g} (fractions allowed), "
+            f"got {text}"
+        )
     return value
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected the host name or IP address of node 0, got {text!r}"
+        )
+    return text
 
 
 # name, type, default, metavar, help
@@ -110,7 +121,7 @@ _OPTIONS: list[tuple[str, Callable[[str], object], object, str, str]] = [
         "N",
         "workers started on this node (default: --worker_num, i.e. one node)",
     ),
-    ("master_addr", str, "127.0.0.1", "ADDR", "host of node 0, where the store runs"),
+    ("master_addr", _host, "127.0.0.1", "ADDR", "host of node 0, where the store runs"),
     ("master_port", _port, 8118, "PORT", "port of the rendezvous store (default 8118)"),
     (
         "node_rank",
