@@ -10,7 +10,8 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
   intermediate value (or an input already used) that would have to move makes the op run
   replicated (`_replicated`); an input one aten op reads in two slots wanted placed
   differently (``h * h`` of a partial sum) is placed as the later slot wants and the program
-  followed again (`_place`: a value has one placement per op).
+  followed again (`_place`: a value has one placement per op). An input an aten op changes
+  in place keeps its placements, unless the op changes its metadata (``squeeze_``: `_values`).
   Returns the inputs' placements, the outputs' and the rule that decided (the highest in
   `_ORDER` of those that took part); placements that are no layout of their tensor's shape
   raise `NoLayout`.
@@ -30,7 +31,7 @@ DTensor's, or shardwise's own) about every aten op a torch-level node ran:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -59,6 +60,7 @@ from shardwise.planner._placement import (
 )
 from shardwise.planner._plan import Placed, replicated
 from shardwise.planner._strided_reads import own_strided_call
+from shardwise.planner._values import Values, copied, lookup, now
 from shardwise.redistribution import plan_redistribution
 
 if TYPE_CHECKING:
@@ -123,7 +125,7 @@ class _Follow(FollowErrors):
         copy of an input (``_to_copy``: a linear's bias cast under autocast): the program runs
         again with that input placed as wanted (once per input, `retried`); likewise one made
         of an input and 0-d scalars alone (SDPA's boolean mask made additive, which attention
-        wants split like q's batch: `_copied`), and an input one aten op reads in two slots
+        wants split like q's batch: `copied`), and an input one aten op reads in two slots
         that want it placed differently (``h * h`` of a partial sum: `_place`). With `seen`,
         each aten call is appended there with its first output's placements. Raises
         `NoLayout` when an input's or output's placements are no layout of its global shape
@@ -133,7 +135,7 @@ class _Follow(FollowErrors):
             return decided
         need = list(have)
         used: set[int] = set()
-        tmp: dict[int, Placements] = {}
+        tmp: Values = {}  # (intermediates; inputs changed in place)
         copies: dict[int, int] = {}  # intermediate -> the input it copies, placed alike
         mark = len(seen) if seen is not None else 0
         sources = {"identity" if node.inputs else "factory"}
@@ -157,9 +159,11 @@ class _Follow(FollowErrors):
             used |= {arg.index for arg in args if arg.kind == "in"}
             for j, out in enumerate(call.outputs):
                 got = dec.outputs[j] if j < len(dec.outputs) else None
-                tmp[out.index] = got if got is not None else self.rep()
-            source = _copied(args, call, dec.inputs, dec.outputs)
-            if source is not None:
+                changed = got is not None and got != now(out, need, tmp, self.rep())
+                if out.kind == "tmp" or changed:  # (an input: its metadata changed in place)
+                    tmp[out.kind, out.index] = got if got is not None else self.rep()
+            source = copied(args, call, dec.inputs, dec.outputs)
+            if source is not None and call.outputs[0].kind == "tmp":
                 copies[call.outputs[0].index] = (
                     source.index if source.kind == "in" else copies.get(source.index, -1)
                 )
@@ -173,7 +177,7 @@ class _Follow(FollowErrors):
             if om is None:
                 outs.append(self.rep())
             else:
-                outs.append(need[om.index] if om.kind == "in" else tmp.get(om.index, self.rep()))
+                outs.append(now(om, need, tmp, self.rep()))
         while len(outs) < len(node.outputs):
             outs.append(self.rep())
         self._check_layouts(node, need, outs)
@@ -186,7 +190,7 @@ class _Follow(FollowErrors):
         args: list[AtenArg],
         dec: Decision,
         need: list[Placements],
-        tmp: dict[int, Placements],
+        tmp: Values,
         used: set[int],
         copies: dict[int, int],
         retried: frozenset[int],
@@ -194,14 +198,14 @@ class _Follow(FollowErrors):
     ) -> tuple[int, Placements] | Literal["whole"] | None:
         """Give aten `call`'s arguments the placements `dec` wants: an input not used yet takes
         them (in `need`). Returns None when that is all, ``(i, want)`` when input i must be
-        placed `want` and the program followed again (a copy of it wants `want`: `_copied`; or
+        placed `want` and the program followed again (a copy of it wants `want`: `copied`; or
         the call reads it in two slots that want it placed differently, ``h * h`` of a partial
         sum, which DTensor runs as (partial, whole): each slot gets one placement, the one
         the later slot wants), ``"whole"`` when the op must run replicated (an intermediate
         or an input already used would move; a `PlanError` when `strict`)."""
         here: set[int] = set()  # (the inputs this call's earlier slots read)
         for arg, want in zip(args, dec.inputs, strict=False):
-            cur = need[arg.index] if arg.kind == "in" else tmp.get(arg.index, self.rep())
+            cur = now(arg, need, tmp, self.rep())
             first = arg.kind == "in" and arg.index not in here
             here |= {arg.index} if arg.kind == "in" else set()
             if want == cur:
@@ -245,7 +249,7 @@ class _Follow(FollowErrors):
         call: AtenCall,
         args: list[AtenArg],
         need: list[Placements],
-        tmp: dict[int, Placements],
+        tmp: Values,
     ) -> Decision:
         """The rule's `Decision` for aten `call` of `node`, its inputs placed as `need` (the
         node's inputs) and `tmp` (intermediates; whole when not yet made); the op's PlanError
@@ -255,14 +259,14 @@ class _Follow(FollowErrors):
             return Decision(whole, tuple(self.rep() for _ in call.outputs), "replicate")
         specs = {
             id(x): Spec(
-                need[x.index] if x.kind == "in" else tmp.get(x.index, self.rep()),
+                now(x, need, tmp, self.rep()),
                 x.info.shape,
                 x.stride,
                 x.info.dtype,
             )
             for x in args
         }
-        a, k = flat.map_only(AtenArg, _lookup(specs), (call.args, dict(call.kwargs)))
+        a, k = flat.map_only(AtenArg, lookup(specs), (call.args, dict(call.kwargs)))
         try:
             shapes = [o.info.shape for o in call.outputs]
             dec = even_decision(call.op, a, k, self.mesh, self.ndim, shapes, out_meta(call, args))
@@ -374,26 +378,3 @@ def _one_axis_whole(have: list[Placements]) -> list[list[Placements]]:
                 whole = (*placements[:axis], Replicate(), *placements[axis + 1 :])
                 out.append([whole if j == i else p for j, p in enumerate(have)])
     return out
-
-
-def _copied(args: list[AtenArg], call: AtenCall, ins: Any, outs: Any) -> AtenArg | None:
-    """The one tensor argument of `call` (besides 0-d ones: scalars) when its one output is a
-    same-shaped copy of it, placed as it is, else None: a dtype cast (``_to_copy``), or
-    SDPA's boolean mask made additive (``where(mask, 0., -inf)``: its scalars are 0-d)."""
-    if len(call.outputs) != 1 or not ins or not outs:
-        return None
-    wide = [(j, a) for j, a in enumerate(args) if a.info.shape != ()]
-    if len(wide) != 1 or len(ins) != len(args):
-        return None
-    j, arg = wide[0]
-    same = call.outputs[0].info.shape == arg.info.shape and outs[0] == ins[j]
-    return arg if same else None
-
-
-def _lookup(specs: dict[int, Spec]) -> Any:
-    """``arg -> its Spec`` for `flat.map_only`."""
-
-    def find(x: AtenArg) -> Spec:
-        return specs[id(x)]
-
-    return find

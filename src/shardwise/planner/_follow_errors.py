@@ -5,7 +5,8 @@
   a reshape merging dims split on different axes, the outer one not split whole).
 - `FollowErrors._error`: the `PlanError` (or `NeedsWholeDim`) for an aten op no rule can run on
   the inputs as placed, naming the op, its shapes and placements and the fix (`_uneven_fix`: a
-  view cutting a split dim into groups its parts do not divide).
+  view cutting a split dim into groups its parts do not divide; a rule failing by a fault of
+  its own, ``KeyError: 2``: `_internal`, named as such with a fix that holds).
 - `RandomFillError`, `NeedsWholeDim`, `NoLayout`: what `_Follow._cheaper` answers with another
   strategy.
 """
@@ -82,8 +83,14 @@ class FollowErrors:
     def _error(self, node: Node, op: Any, e: BaseException) -> PlanError:
         shapes = [list(self.graph.info(r).shape) for r in node.inputs]
         placed = [str(self.state.get(r, "(a candidate placement)")) for r in node.inputs]
-        whole = False
-        if "in-place" in str(e) or in_place(node.op):
+        whole, why = False, str(e).rstrip(".")
+        if _internal(e):  # (a rule's own fault: ``KeyError: 2``, whose message is "2")
+            why = f"its sharding rule failed on them ({type(e).__name__}: {e})"
+            fix = (
+                "make the op's split inputs whole before it (x = sw.reshard(x, (1,) * x.dim())), "
+                "or annotate the op with shard(); the rule's failure is a bug, please report it"
+            )
+        elif "in-place" in str(e) or in_place(node.op):
             fix = _in_place_fix(node.op)
         elif "evenly" in str(e):  # (a view cutting a split dim into groups it does not divide)
             fix = self._uneven_fix(node)
@@ -107,8 +114,7 @@ class FollowErrors:
         kind = NeedsWholeDim if whole else PlanError
         return kind(
             f"{node.name} ({node.op} at {node.source}): {op} cannot run on inputs of global "
-            f"shapes {shapes} placed {placed} over {self.device_num} devices: "
-            f"{str(e).rstrip('.')}. Fix: {fix}"
+            f"shapes {shapes} placed {placed} over {self.device_num} devices: {why}. Fix: {fix}"
         )
 
     def _uneven_fix(self, node: Node) -> str:
@@ -126,6 +132,12 @@ class FollowErrors:
             if ref.kind == "node":
                 producers.append(self.graph.nodes[int(ref.key)].name)
         return uneven_fix_text("; ".join(dims) or "a split dim", producers)
+
+
+def _internal(e: BaseException) -> bool:
+    """Whether a rule's exception is its own fault rather than a refusal with a reason (a
+    ``KeyError`` or ``IndexError`` from its indexing, a bare ``assert``)."""
+    return isinstance(e, KeyError | IndexError) or (isinstance(e, AssertionError) and not str(e))
 
 
 def _in_place_fix(op: str) -> str:
