@@ -11,6 +11,9 @@
 - An exception a sharding rule raises by a fault of its own (a ``KeyError``, ``IndexError``
   or bare ``assert``) is named as such, with the op and a fix that holds (its inputs made
   whole), not its bare key.
+- ``g.squeeze_(1)`` on a column-parallel ``[8, 1, 8]`` activation: the op's output was checked
+  against the input's shape before the squeeze (``output dimension 1 (size 1) is not evenly
+  divisible by its 2 parts``); its split now follows the removed dim, as ``squeeze``'s does.
 """
 
 from __future__ import annotations
@@ -171,9 +174,54 @@ def test_in_place_op_after_a_column_parallel_linear_of_3d_input_matches_one_devi
     assert comms == [want, want]
 
 
+class Squeezed(nn.Module):
+    """A column-parallel ``fc`` (over ``dp`` x ``mp`` = `split`), its ``[8, 1, 8]`` first
+    position squeezed in place (`in_place`) or not, added back to every position, then ``fc2``
+    and an MSE loss."""
+
+    def __init__(self, in_place: bool, split: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.in_place = in_place
+        self.fc, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        if split is not None:
+            sw.shard(self.fc, in_strategy=((split[0], 1), (split[1], 1)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        g = h[:, :1] * 1.0
+        g = g.squeeze_(1) if self.in_place else g.squeeze(1)
+        return F.mse_loss(self.fc2(h + g.unsqueeze(1)), y)
+
+
 def make(op: str, split: tuple[int, int] | None = None) -> nn.Module:
-    """`MLP` with in-place `op`."""
+    """`Squeezed` for ``"squeeze_"`` / ``"squeeze"``, else `MLP` with in-place `op`."""
+    if op.startswith("squeeze"):
+        return Squeezed(op == "squeeze_", split)
     return MLP(op, split)
+
+
+# Per step, as rank 0 records them: x's rows gathered over mp for fc, h's columns turned into
+# rows (AlltoAll over mp) for the unannotated fc2, the loss's mean over all ranks; backward,
+# that AlltoAll's, fc2's gradients (its rows over all ranks) reduced over all, fc's blocks over
+# dp: as with g.squeeze(1).
+SQUEEZE_COMMS = Counter(
+    {
+        ("AllGather", "forward", (0, 1)): 1,
+        ("AlltoAll", "forward", (0, 1)): 1,
+        ("AllReduce", "forward", (0, 1, 2, 3)): 1,
+        ("AlltoAll", "backward", (0, 1)): 1,
+        ("AllReduce", "backward", (0, 1, 2, 3)): 1,
+        ("AllReduce", "backward", (0, 2)): 1,
+    }
+)
+
+
+@pytest.mark.parametrize("op", ["squeeze_", "squeeze"])
+def test_squeeze_in_place_of_a_column_parallel_activation_matches_one_device(op: str) -> None:
+    seen, parallel, comms = train(make(op, (2, 2)), 4)
+    check(seen, parallel, one_device(op))
+    assert comms == [SQUEEZE_COMMS, SQUEEZE_COMMS]
 
 
 def test_a_rule_failing_by_its_own_fault_names_the_op_and_a_fix(

@@ -94,7 +94,18 @@ class AtenRecorder(TorchDispatchMode):
                 )
                 s.tmp += 1
                 s.keep.append(t)
+            elif isinstance(t, T):  # (an in-place op's own output: its metadata as it is now)
+                s.aten_ids[id(t)] = _now(s.aten_ids[id(t)], t)
             if isinstance(t, T):
                 made.append(s.aten_ids[id(t)])
         s.aten.append(AtenCall(func, tuple(a), dict(k), tuple(made)))
         return out
+
+
+def _now(known: AtenArg, t: T) -> AtenArg:
+    """`known` with `t`'s shape, stride and offset: an op that changes its input's metadata in
+    place (``squeeze_``, ``transpose_``) returns it as a tensor of another shape."""
+    info, stride, offset = info_of(t), tuple(t.stride()), int(t.storage_offset())
+    if (info, stride, offset) == (known.info, known.stride, known.offset):
+        return known
+    return AtenArg(known.kind, known.index, info, stride, offset)
