@@ -14,6 +14,7 @@ rank's own loss).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -25,8 +26,6 @@ from torch import nn
 import shardwise as sw
 from shardwise.parallel import AutoParallel
 from shardwise.testing import assert_matches_single_device, simulated_world
-
-from ..cached import outside_worlds
 
 BATCH, STEPS = 8, 2
 
@@ -77,7 +76,7 @@ class Recording(torch.optim.SGD):
         return super().step(closure)
 
 
-@outside_worlds
+@functools.cache  # (not tests/cached.outside_worlds: real-process workers import this file alone)
 def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches (made once: a first call outside a simulated world makes them plain)."""
     g = torch.Generator().manual_seed(1)
