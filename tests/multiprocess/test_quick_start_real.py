@@ -10,8 +10,12 @@ Open MPI's ``mpirun`` (as the seed's run_with_mpi.sh), checked the same way (`ch
   ``plan.html`` marks that rank, and rank 0 alone draws ``plan.png``;
 - each rank's last checkpoint holds its block of the weights, equal to the reference's.
 
-The mpirun variant is skipped with the reason when ``mpirun`` is not on PATH (``make test``
-installs Open MPI where it can, see the Makefile's ``mpi`` target).
+Under Open MPI's ``mpirun`` (the seed's run_with_mpi.sh) the same script reads the job from
+``OMPI_COMM_WORLD_*``: `test_init_under_mpirun` runs 4 ranks of a script that joins with
+``init()`` and all-reduces (the example itself is checked under ``shardwise run``: a second
+8-process run of it under mpirun took ~25 s of the suite's budget for the same checks). It is
+skipped with the reason when ``mpirun`` is not on PATH (``make test`` installs Open MPI where it
+can, see the Makefile's ``mpi`` target).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import shardwise as sw
 from shardwise.testing import clean_env, free_port, run_job
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "quick_start.py"
+ALLREDUCE = Path(__file__).with_name("workers") / "allreduce.py"
 WORLD, EPOCHS, STEPS = 8, 5, 4
 LOSS_LINE = re.compile(r"epoch: (\d+) step: (\d+), loss is (\S+)")
 MPIRUN = shutil.which("mpirun")
@@ -130,9 +135,9 @@ def test_quick_start_eight_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not on PATH: install Open MPI (openmpi-bin)")
-def test_quick_start_under_mpirun(tmp_path: Path) -> None:
+def test_init_under_mpirun(tmp_path: Path) -> None:
     assert MPIRUN is not None
     base = clean_env()
     src = str(Path(sw.__file__).parents[1])  # the workers import the shardwise under test
@@ -140,20 +145,16 @@ def test_quick_start_under_mpirun(tmp_path: Path) -> None:
         **base,
         "PYTHONPATH": os.pathsep.join(p for p in (src, base.get("PYTHONPATH", "")) if p),
         "MASTER_PORT": str(free_port()),  # the store rank 0 hosts (127.0.0.1: one node)
-        "OMP_NUM_THREADS": "1",  # (as `shardwise run` gives its 8 workers on 2 cores)
+        "OMP_NUM_THREADS": "1",
         "OMPI_ALLOW_RUN_AS_ROOT": "1",  # Open MPI refuses root otherwise (CI runs as root)
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     }
     cmd = [
-        MPIRUN, "-n", str(WORLD), "--oversubscribe", "--output-filename", str(tmp_path / "out"),
-        sys.executable, str(EXAMPLE), *example_args(tmp_path),
+        MPIRUN, "-n", "4", "--oversubscribe", "--output-filename", str(tmp_path / "out"),
+        sys.executable, str(ALLREDUCE),
     ]  # fmt: skip
-    started = time.monotonic()
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=tmp_path)
-    print(f"mpirun job: {time.monotonic() - started:.1f} s")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
-    logs = []
-    for rank in range(WORLD):  # Open MPI 4 writes OUT/1/rank.<r>/stdout
+    for rank in range(4):  # Open MPI 4 writes OUT/1/rank.<r>/stdout
         (path,) = (tmp_path / "out").glob(f"*/rank.{rank}/stdout")
-        logs.append(path.read_text())
-    check_job(logs, tmp_path)
+        assert f"rank {rank} of 4 (local {rank}) sum 6" in path.read_text(), res.stdout
