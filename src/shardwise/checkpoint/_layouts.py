@@ -41,7 +41,20 @@ def checkpoint_folder(rank_file: Path) -> Path | None:
     """The checkpoint folder holding `rank_file` and the other ranks' files of its save:
     ``X`` for ``X/rank_<r>/<file>``, or ``X``'s parent when ``X`` is named ``<r>`` and holds no
     other rank's folder (``<folder>/<r>/rank_<r>/<file>``); None for a file outside a
-    ``rank_<r>`` folder."""
+    ``rank_<r>`` folder.
+
+    Args:
+        rank_file: one rank's checkpoint file, as `ModelCheckpoint` saved it.
+
+    Returns:
+        The folder to give `load_distributed` (or `transform` / `merge`), or None.
+
+    Example:
+        >>> checkpoint_folder(Path("ckpt/rank_1/m-1_4.safetensors"))
+        PosixPath('ckpt')
+        >>> checkpoint_folder(Path("1/rank_1/m-1_4.safetensors"))  # (seed 002's layout)
+        PosixPath('.')
+    """
     m = RANK_DIR.match(rank_file.parent.name)
     if m is None:
         return None
