@@ -23,14 +23,20 @@ saved and whether its recomputation stops after the last of them (the capture no
 `around_region_recomputation` wraps its recomputation, whichever kind it is;
 `recompute_draws_alike` has a region's recomputation draw from a private ``torch.Generator``
 (not one of the global generators torch's checkpoint puts back) what its forward drew.
+
+`packing_around`: the pack hook on top of that stack (a recomputation's: torch's own, which
+detaches each tensor an op saves) runs inside a function of the caller's for a while (the plan
+executor runs its ops unmatched: they are no ops of the network's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -289,6 +295,31 @@ def recompute_draws_alike(gen: torch.Generator) -> None:
     around_region_recomputation(region, around)
 
 
+@contextlib.contextmanager
+def packing_around(around: Callable[[Callable[[], Any]], Any]) -> Iterator[None]:
+    """While the block runs, the pack hook on top of the autograd engine's saved-tensor hook
+    stack (if any) runs as ``around(pack)``: ``around`` calls ``pack()`` and returns what it
+    returns. The wrapper keeps the hook's name and module (`checkpointing` still tells); the
+    unpack hook, which backward runs later, is kept as it is.
+
+    Example:
+        >>> with packing_around(lambda pack: pack()):
+        ...     pass
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if top is None:
+        yield
+        return
+    pack, unpack = top
+
+    @functools.wraps(pack)
+    def packed(tensor: torch.Tensor) -> Any:
+        return around(lambda: pack(tensor))
+
+    with torch.autograd.graph.saved_tensors_hooks(packed, unpack):
+        yield
+
+
 __all__ = [
     "around_recomputation",
     "around_region_recomputation",
@@ -299,6 +330,7 @@ __all__ = [
     "in_activation_checkpoint",
     "in_reentrant_backward",
     "nested_checkpoint",
+    "packing_around",
     "preserves_rng",
     "recompute_draws_alike",
     "reentrant_context",

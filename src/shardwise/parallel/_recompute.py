@@ -19,7 +19,10 @@ the plan's moves, collectives, sizes and dropout masks. `Recompute` (a base of
 - `Recompute._replay`: a fresh executor of the same plan positioned at that node carries out the
   recomputation's ops (the same moves and collectives, recorded in the backward phase with a
   ``recompute from ...`` label), its dropouts drawing from the noted state (the same global
-  masks; torch's early stop of a recomputation simply ends it).
+  masks; torch's early stop of a recomputation simply ends it). The ops of the saved-tensor
+  pack hook on top (torch's recomputation hook detaches each tensor saved; it reaches this
+  mode where a custom ``autograd.Function`` saves tensors with ``ctx.save_for_backward``) are
+  no network ops: they run unmatched (`_torch.checkpointing.packing_around`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from shardwise._torch.checkpointing import (
     around_rerun,
     checkpoint_frame,
     nested_checkpoint,
+    packing_around,
     preserves_rng,
     reentrant_context,
 )
@@ -61,6 +65,7 @@ class Recompute:
     plan: ParallelPlan
     run: object
     defer_count: bool
+    paused: int
 
     if TYPE_CHECKING:
 
@@ -120,12 +125,21 @@ class Recompute:
             with recorder.phase("backward"), recorder.label(f"recompute from {name}"):
                 if self.fill_weights is not None:  # (before torch's recomputation mode)
                     self.fill_weights(self._weights_read(k))
-                with replay:
+                with replay, packing_around(replay._unmatched):
                     run()
         finally:
             self.replay = None
             if now is not None:
                 comm.set_draw_state(now)
+
+    def _unmatched(self, call: Callable[[], Any]) -> Any:
+        """``call()`` (a saved-tensor pack hook) with this executor paused: its ops pass
+        unexamined, no plan node."""
+        self.paused += 1
+        try:
+            return call()
+        finally:
+            self.paused -= 1
 
     def _weights_read(self, k: int) -> list[str]:
         """The parameters the nodes of the region that starts at node `k` read."""
