@@ -182,3 +182,26 @@ def test_batch_norm_running_statistics_not_replicated_are_refused() -> None:
     with simulated_world(2) as world:
         out = sw.AutoParallel(net, parallel_mode="data_parallel")(world.rows(x))
         assert_matches_single_device(out, lambda r: net(x).chunk(2)[r], what="output")
+
+
+@pytest.mark.parametrize("mode", ["semi_auto", "data_parallel"])
+def test_hsdp_on_a_network_not_replicated_names_world_replicate(mode: str) -> None:
+    """Optimizer parallel (hsdp) on a network built outside the world, without
+    ``world.replicate(net)``: cutting each rank's shard out of the one shared parameter failed
+    inside torch (an AssertionError on ``aten.slice``); now the same ValueError as without
+    hsdp, naming world.replicate."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with simulated_world(2) as world:
+        opt = torch.optim.SGD(net.parameters(), 0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        parallel = sw.AutoParallel(step, parallel_mode=mode).hsdp(threshold=0)
+        with pytest.raises(ValueError, match=r"into a parameter .* Call world\.replicate\(net\)"):
+            parallel(world.rows(x), world.rows(y))

@@ -147,7 +147,10 @@ class OptimizerParallel(WeightGathering):
                 p, shard = self.params[name], self.shards[name]
                 rows = shard.shard_shape[0]
                 with torch.no_grad():
-                    piece: Any = p.detach().narrow(0, pos * rows, rows).clone()
+                    # (`every_rank`: a parameter shared by all simulated ranks is cut per rank,
+                    # and `set_` then refuses it, naming the fix, as at the op-level cut)
+                    whole = comm.every_rank(p.detach())
+                    piece: Any = whole.narrow(0, pos * rows, rows).clone()
                     p.set_(piece)  # keeps the Parameter object (optimizers hold it)
 
     def owns(self, t: torch.Tensor) -> bool:
