@@ -11,6 +11,7 @@ from typing import Any
 
 LEVELS = ("level1", "level2", "level3")
 FUSION_KINDS = ("allreduce", "allgather", "reducescatter")
+ENTRY_KEYS = ("mode", "config")
 AUTO_BUCKET_MB = 64
 
 
@@ -97,8 +98,10 @@ def check_fusion(config: object) -> FusionConfig:
         33554432
 
     Raises:
-        ValueError / TypeError: unknown kinds or modes, ``size`` without a positive number,
-            ``index`` on a kind other than allreduce or without a list of increasing ints.
+        ValueError / TypeError: unknown kinds, keys inside an entry (each takes ``mode`` and
+            ``config``) or modes, an entry without a ``mode``, ``size`` without a positive
+            number, ``index`` on a kind other than allreduce or without a list of increasing
+            ints. ``auto``'s ``config`` is ignored (64 MB buckets), as MindSpore ignores it.
     """
     if not isinstance(config, Mapping):
         raise TypeError(
@@ -117,21 +120,38 @@ def check_fusion(config: object) -> FusionConfig:
                 f"comm_fusion: unknown key {kind!r}; valid keys: {valid} (e.g. "
                 "{'allreduce': {'mode': 'size', 'config': 32}} or {'openstate': False})"
             )
-        if not isinstance(sub, Mapping):
-            raise TypeError(f"comm_fusion[{kind!r}]: expected {{'mode': ..., 'config': ...}}")
-        mode, value = sub.get("mode", "auto"), sub.get("config")
-        positive = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-        if mode == "size" and not positive:
-            raise ValueError(
-                f"comm_fusion[{kind!r}]: mode 'size' needs config = MB > 0 (a bucket's size, "
-                f"e.g. 32), got {value!r}"
-            )
-        if mode == "index":
-            _check_index(kind, value)
-        elif mode not in ("auto", "size"):
-            raise ValueError(f"comm_fusion[{kind!r}]: mode {mode!r}; valid: auto | size | index")
-        modes[kind] = (str(mode), value)
+        modes[kind] = _check_entry(kind, sub)
     return FusionConfig(modes, enabled)
+
+
+def _check_entry(kind: str, sub: object) -> tuple[str, Any]:
+    """One kind's ``{'mode': ..., 'config': ...}`` checked, as (mode, config)."""
+    if not isinstance(sub, Mapping):
+        raise TypeError(f"comm_fusion[{kind!r}]: expected {{'mode': ..., 'config': ...}}")
+    modes = "auto | size | index" if kind == "allreduce" else "auto | size"
+    for key in sub:
+        if key not in ENTRY_KEYS:
+            raise ValueError(
+                f"comm_fusion[{kind!r}]: unknown key {key!r}; valid keys: 'mode' ({modes}) "
+                "and 'config' (e.g. {'mode': 'size', 'config': 32})"
+            )
+    if "mode" not in sub:
+        raise ValueError(
+            f"comm_fusion[{kind!r}]: no 'mode'; give one of {modes} (e.g. "
+            "{'mode': 'size', 'config': 32}, or {'mode': 'auto'} for 64 MB buckets)"
+        )
+    mode, value = sub["mode"], sub.get("config")
+    positive = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    if mode == "size" and not positive:
+        raise ValueError(
+            f"comm_fusion[{kind!r}]: mode 'size' needs config = MB > 0 (a bucket's size, "
+            f"e.g. 32), got {value!r}"
+        )
+    if mode == "index":
+        _check_index(kind, value)
+    elif mode not in ("auto", "size"):
+        raise ValueError(f"comm_fusion[{kind!r}]: mode {mode!r}; valid: auto | size | index")
+    return str(mode), value
 
 
 def check_points(points: Sequence[int] | None, count: int) -> None:

@@ -101,6 +101,8 @@ class WrapperSettings:
             config: ``{"allreduce" | "allgather" | "reducescatter": {"mode": "auto" | "size" |
                 "index", "config": ...}}``: ``auto`` = 64 MB buckets, ``size`` = ``config`` MB,
                 ``index`` (allreduce only) = parameter indices where a new bucket starts.
+                ``mode`` is required; ``auto`` ignores ``config`` (as MindSpore); another key
+                in an entry is a ValueError.
 
         Returns:
             self.
