@@ -96,9 +96,13 @@ def test_branches_and_batch_sizes_get_their_own_plans() -> None:
 
 def test_ops_that_change_after_backward_are_an_error() -> None:
     """Two forwards in one step (gradient accumulation) must run the same ops: the second one
-    changing after a backward cannot be planned again mid-step."""
+    changing after a backward cannot be planned again mid-step. The error says it is a later
+    pass of the call that differs from its first (each step ran the same ops: "every step" was
+    wrong) and names the fixes."""
     net = Branchy()
-    second_pass_raises(net, net, "deep", "same torch ops")
+    match = r"after a backward inside this call; every later pass of a call .* same torch ops "
+    match += r".*in the same order as its first pass .* once per micro-batch"
+    second_pass_raises(net, net, "deep", match)
 
 
 def second_pass_raises(net: nn.Module, called: nn.Module, flag: str, match: str) -> None:

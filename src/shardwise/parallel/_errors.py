@@ -76,8 +76,11 @@ def plan_mismatch(
         return Replan(f"{op}{on} where the plan has {where}", node.index, op, got)
     same = "same torch ops" + (" on the same parameters" if on else "")
     return UnsupportedParallelError(
-        f"AutoParallel: the network {did} {op}{on} where the plan has op {where}; it must run "
-        f"the {same} in the same order every step (plan again for a different network)"
+        f"AutoParallel: the network {did} {op}{on} where the plan has op {where}, after a "
+        f"backward inside this call; every later pass of a call (a gradient-accumulation "
+        f"micro-batch, an optimizer's closure) must run the {same} in the same order as its "
+        "first pass (docs/parallel.md, 'Gradient accumulation inside a step'): run the "
+        "differing ops in every pass, or call the wrapped step once per micro-batch"
     )
 
 
