@@ -245,3 +245,12 @@ def test_a_rule_failing_by_its_own_fault_names_the_op_and_a_fix(
     assert "its sharding rule failed on them (KeyError: 2)" in message, message
     assert "Fix: make the op's split inputs whole before it (x = sw.reshard(x," in message
     assert ": 2." not in message
+    whole = lambda a, x: sw.reshard(a, (1,) * a.dim()).tanh_()  # noqa: E731
+    monkeypatch.setitem(IN_PLACE, "whole_tanh_", whole)
+    net = make("whole_tanh_", (2, 2))  # (inputs already whole: no reshard to suggest)
+    with simulated_world(4) as world, pytest.raises(PlanError) as caught:
+        world.replicate(net)
+        sw.AutoParallel(net, parallel_mode="semi_auto")(*(world.rows(t) for t in data[0]))
+    message = str(caught.value)
+    assert "placed ['(None, None, None)']" in message, message
+    assert "Fix: annotate the op with shard(); the rule's failure is a bug" in message, message

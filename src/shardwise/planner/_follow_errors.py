@@ -86,9 +86,12 @@ class FollowErrors:
         whole, why = False, str(e).rstrip(".")
         if _internal(e):  # (a rule's own fault: ``KeyError: 2``, whose message is "2")
             why = f"its sharding rule failed on them ({type(e).__name__}: {e})"
-            fix = (
-                "make the op's split inputs whole before it (x = sw.reshard(x, (1,) * x.dim())), "
-                "or annotate the op with shard(); the rule's failure is a bug, please report it"
+            split = any(
+                (p := self.state.get(r)) is not None and p.spread() > 1 for r in node.inputs
+            )
+            whole_fix = "make the op's split inputs whole before it (x = sw.reshard(x, (1,) * "
+            fix = (whole_fix + "x.dim())), or " if split else "") + (
+                "annotate the op with shard(); the rule's failure is a bug, please report it"
             )
         elif "in-place" in str(e) or in_place(node.op):
             fix = _in_place_fix(node.op)
