@@ -562,6 +562,25 @@ def _checkpointing() -> None:
     out.sum().backward()
     assert ran == ["around", "around"] and contexts[1] is None  # (rerun in backward)
     assert backward == [False, True]  # (CheckpointFunction.backward on the stack)
+    # preserve_rng_state: a reentrant ctx's attribute, a non-reentrant recompute_fn's closure
+    from shardwise._torch.checkpointing import checkpoint_region
+
+    regions: list[object] = []
+    for reentrant in (True, False):
+        for keep in (True, False):
+            checkpoint(
+                lambda t: regions.append(checkpoint_region()) or t.sin(),
+                x,
+                use_reentrant=reentrant,
+                preserve_rng_state=keep,
+            )
+            found = regions[-1]
+            assert isinstance(found, tuple) and found[1] is keep, (reentrant, keep)
+            if reentrant:
+                assert vars(found[0])["preserve_rng_state"] is keep
+            else:
+                names = found[0].recompute_fn.__code__.co_freevars
+                assert "preserve_rng_state" in names
 
 
 def _function_apply() -> None:
