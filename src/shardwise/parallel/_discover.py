@@ -243,6 +243,17 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
     return list(found.values())
 
 
+def noted_modules(network: nn.Module, fn: Callable[..., Any]) -> list[nn.Module]:
+    """The modules whose own attributes a call notes (`planner._user_state.module_attributes`):
+    the network's and those of the other modules the step loads (a criterion with a counter),
+    each once."""
+    found = {id(m): m for m in network.modules()}
+    for obj in find_objects(fn):
+        if isinstance(obj, nn.Module):
+            found.update((id(m), m) for m in obj.modules())
+    return list(found.values())
+
+
 def _library(fn: Any) -> bool:
     """Whether `fn` (a function, bound method, partial or callable object) is defined in one of
     `_LIBRARIES` (torch's and shardwise's own hooks)."""

@@ -62,7 +62,7 @@ from shardwise.parallel._call_io import (
 from shardwise.parallel._clip import clipping
 from shardwise.parallel._context import get_auto_parallel_context
 from shardwise.parallel._delayed import has_deferred
-from shardwise.parallel._discover import agree_scalers, find_objects, hook_objects
+from shardwise.parallel._discover import agree_scalers, find_objects, hook_objects, noted_modules
 from shardwise.parallel._errors import Replan, note_blocks, replanned_call_differs
 from shardwise.parallel._executor import PlanExecutor
 from shardwise.parallel._grad_buckets import GradBuckets
@@ -141,7 +141,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.capturing = False
         self.blocks = False  # (parameters stored as blocks or shards: `_network_hooks`)
         self.modules: list[nn.Module] = []  # (the network's holding buffers when planning)
-        self.all_modules: list[nn.Module] = []  # (all of the network's, when planning)
+        self.all_modules: list[nn.Module] = []  # (`noted_modules`, at each plan)
         self.rnns: list[nn.RNNBase] = []  # (its recurrent modules: `_rnn_checks`)
         self.objects: list[Any] = []  # (the Python state a call changes: `python_state`)
         self.size_reads: dict[int, tuple[SizeRead, ...]] = {}  # (the last plan's: `_errors`)
@@ -167,7 +167,7 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.plans = [(plan, self.templates)]
         self.tables = {}
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
-        self.all_modules = list(self.network.modules())
+        self.all_modules = noted_modules(self.network, self.fn)
         self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]
         self.objects = [  # (not modules and optimizers: a note of theirs costs ~4 us each)
             o
