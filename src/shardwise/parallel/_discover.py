@@ -243,12 +243,12 @@ def find_objects(fn: Callable[..., Any]) -> list[Any]:
     return list(found.values())
 
 
-def noted_modules(network: nn.Module, fn: Callable[..., Any]) -> list[nn.Module]:
+def noted_modules(network: nn.Module, loaded: Iterable[Any]) -> list[nn.Module]:
     """The modules whose own attributes a call notes (`planner._user_state.module_attributes`):
-    the network's and those of the other modules the step loads (a criterion with a counter),
-    each once."""
+    the network's and those of the other modules among the objects the step loads (`loaded`,
+    `find_objects`'s: a criterion with a counter), each once."""
     found = {id(m): m for m in network.modules()}
-    for obj in find_objects(fn):
+    for obj in loaded:
         if isinstance(obj, nn.Module):
             found.update((id(m), m) for m in obj.modules())
     return list(found.values())

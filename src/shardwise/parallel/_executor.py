@@ -306,12 +306,8 @@ class PlanExecutor(
     def _paused_call(self, *callbacks: Callable[[], None]) -> None:
         """The `callbacks` (the optimizer-parallel engine's forward start / end: level 3 frees
         the gathered weights) with the executor paused: their tensor calls are not network ops."""
-        self.paused += 1
-        try:
-            for callback in callbacks:
-                callback()
-        finally:
-            self.paused -= 1
+        for callback in callbacks:
+            self._unmatched(callback)
 
     def finish_started(self) -> None:
         """Finish the started AllReduces of returned values (their results are whole now)."""

@@ -35,7 +35,7 @@ from shardwise import report
 from shardwise.communication import recorder
 from shardwise.layout import TensorLayout
 from shardwise.optim import FusionConfig, HsdpConfig, OptimizerParallel
-from shardwise.parallel._discover import noted_modules
+from shardwise.parallel._discover import find_objects, noted_modules
 from shardwise.parallel._graph_capture import GraphSession, capture_plan, check_plan_memory
 from shardwise.parallel._hsdp import bucket_plans, check_step, gradient_buckets
 from shardwise.parallel._network_hooks import Annotation, noted_annotations
@@ -132,7 +132,7 @@ class GraphPlans:
             assert self.engine is not None
             made = self.engine.plan
             plan = dataclasses.replace(plan, buckets=first.buckets)
-        self.all_modules = noted_modules(self.network, self.fn)  # (a module added since)
+        self.all_modules = noted_modules(self.network, find_objects(self.fn))  # (one added since)
         captured = [(n.args, dict(n.kwargs)) for n in graph.nodes]
         for known, templates in self.plans:  # (the same plan captured with other sizes: a new one)
             if known == plan and same_sizes(templates, captured):

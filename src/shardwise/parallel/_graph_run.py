@@ -167,11 +167,12 @@ class GraphRun(StepHooks, GradPlanning, NetworkHooks, GraphPlans):
         self.plans = [(plan, self.templates)]
         self.tables = {}
         self.modules = [m for m in self.network.modules() if own_buffers(m)]
-        self.all_modules = noted_modules(self.network, self.fn)
+        loaded = find_objects(self.fn)
+        self.all_modules = noted_modules(self.network, loaded)
         self.rnns = [m for m in self.network.modules() if isinstance(m, nn.RNNBase)]
         self.objects = [  # (not modules and optimizers: a note of theirs costs ~4 us each)
             o
-            for o in [*find_objects(self.fn), *hook_objects(self.network.modules())]
+            for o in [*loaded, *hook_objects(self.network.modules())]
             if not isinstance(o, nn.Module | torch.optim.Optimizer)
         ]
         for m in self.network.modules():

@@ -133,8 +133,8 @@ class Recompute:
                 comm.set_draw_state(now)
 
     def _unmatched(self, call: Callable[[], Any]) -> Any:
-        """``call()`` (a saved-tensor pack hook) with this executor paused: its ops pass
-        unexamined, no plan node."""
+        """``call()`` with this executor paused: its ops pass unexamined, no plan node (a
+        saved-tensor pack hook; the executor's own callbacks, `_paused_call`)."""
         self.paused += 1
         try:
             return call()
