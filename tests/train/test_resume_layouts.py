@@ -14,34 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 import shardwise as sw
 from shardwise.checkpoint import CheckpointError, CheckpointStrategy
 from shardwise.layout import DeviceMatrix, TensorLayout
 from shardwise.planner import ParamPlan
 
+from .test_checkpoint_callback import Losses, dataset, model
+
 NAME = "mlp-1_4.safetensors"
-
-
-def dataset() -> sw.dataset.GeneratorDataset:
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(24, 5, generator=g), torch.randint(0, 3, (24,), generator=g)
-    return sw.dataset.GeneratorDataset([(x[i], y[i]) for i in range(24)], ["x", "y"]).batch(6)
-
-
-def model() -> sw.Model:
-    net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-    return sw.Model(net, nn.CrossEntropyLoss(), torch.optim.Adam(net.parameters(), 1e-2))
-
-
-class Losses(sw.train.Callback):
-    def __init__(self) -> None:
-        self.values: list[float] = []
-
-    def on_train_step_end(self, ctx: sw.train.RunContext) -> None:
-        self.values.append(float(ctx.net_outputs))
 
 
 def two_rank_checkpoint(tmp_path: Path) -> tuple[Path, list[float]]:
