@@ -26,6 +26,7 @@ from shardwise.planner import PlanError
 from shardwise.testing import CommRecorder, assert_matches_single_device, simulated_world
 
 from ..cached import outside_worlds
+from ..zoo import recording_step
 
 C, L, M, BATCH, STEPS = 4, 16, 5, 8, 2
 
@@ -115,15 +116,7 @@ def test_an_item_assigned_zeros_of_this_ranks_rows_matches_one_device(
         world.replicate(net)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         seen: list[dict[str, torch.Tensor]] = []
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = net(x, y)
-            loss.backward()
-            seen.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-            opt.step()
-            opt.zero_grad()
-            return loss
-
+        step = recording_step(net, opt, lambda net, x, y: net(x, y), seen)
         parallel = sw.AutoParallel(step, parallel_mode=mode)
         with CommRecorder() as rec:
             for s, (x, y) in enumerate(data):
